@@ -1,0 +1,3 @@
+from specctl.cli import main
+
+main()

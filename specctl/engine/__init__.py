@@ -1,0 +1,1 @@
+"""specctl's own decoder, KV cache and token tree."""

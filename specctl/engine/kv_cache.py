@@ -1,0 +1,114 @@
+"""Per-session KV cache with a shared memory budget.
+
+A session reserves its whole capacity (prompt + max new tokens + speculation slack) when
+it opens, so a full budget refuses a new session up front with a clear error instead of
+failing one that is already streaming (StarSD's admission rule N_max, in bytes)."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from specctl.errors import KVBudgetExceeded
+
+
+class KVPool:
+    """Byte budget shared by the KV caches of one role (None = unlimited)."""
+
+    def __init__(self, budget_bytes: int | None = None) -> None:
+        self.budget_bytes = budget_bytes
+        self.used_bytes = 0
+        self.sessions = 0
+        self._lock = threading.Lock()
+
+    def reserve(self, nbytes: int) -> None:
+        with self._lock:
+            if self.budget_bytes is not None and self.used_bytes + nbytes > self.budget_bytes:
+                raise KVBudgetExceeded(
+                    f"KV cache budget exhausted: {self.used_bytes / 2**20:.1f} MiB of "
+                    f"{self.budget_bytes / 2**20:.1f} MiB in use and this session needs {nbytes / 2**20:.1f} MiB; "
+                    "retry later, lower max_tokens, or raise kv_budget_mb"
+                )
+            self.used_bytes += nbytes
+            self.sessions += 1
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self.used_bytes -= nbytes
+            self.sessions -= 1
+
+
+class KVCache:
+    """Keys and values of one session for a range of layers: [layers, kv_heads, capacity, head_dim].
+
+    ``length`` positions are valid. A forward writes its n new positions at [length, length+n)
+    in every layer and then ``commit(n)``s them; ``truncate`` and ``gather`` drop positions."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        pool: KVPool | None = None,
+    ) -> None:
+        shape = (num_layers, 1, num_kv_heads, capacity, head_dim)
+        self.nbytes = 2 * num_layers * num_kv_heads * capacity * head_dim * torch.tensor([], dtype=dtype).element_size()
+        self.pool = pool
+        if pool is not None:
+            pool.reserve(self.nbytes)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+        self.length = 0
+        self.released = False
+
+    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store [1, Hkv, n, D] new keys/values after the committed ones; return all keys/values."""
+        n = k_new.shape[2]
+        end = self.length + n
+        if end > self.capacity:
+            raise KVBudgetExceeded(
+                f"session KV cache full ({self.capacity} positions): the prompt plus generated tokens "
+                "exceed what the session reserved"
+            )
+        self.k[layer, :, :, self.length : end] = k_new
+        self.v[layer, :, :, self.length : end] = v_new
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def commit(self, n: int) -> None:
+        self.length += n
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+        self.length = length
+
+    def gather(self, keep: torch.Tensor | list[int]) -> None:
+        """Keep only the given positions (ascending), compacted to the front (tree pruning)."""
+        keep = torch.as_tensor(keep, dtype=torch.long)
+        if keep.numel() and int(keep.max()) >= self.length:
+            raise ValueError(f"gather index {int(keep.max())} beyond cache length {self.length}")
+        # Positions kept in place at the front need no copy: move only the tail.
+        moved = (keep != torch.arange(keep.numel())).nonzero()
+        prefix = int(moved[0]) if moved.numel() else keep.numel()
+        if prefix < keep.numel():
+            src = keep[prefix:].to(self.k.device)
+            end = keep.numel()
+            self.k[:, :, :, prefix:end] = self.k.index_select(3, src)
+            self.v[:, :, :, prefix:end] = self.v.index_select(3, src)
+        self.length = keep.numel()
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            if self.pool is not None:
+                self.pool.release(self.nbytes)
+            self.k = self.v = torch.empty(0)
+            self.length = self.capacity = 0
+
+    def __del__(self) -> None:  # a dropped session must give its budget back
+        self.release()

@@ -1,0 +1,86 @@
+"""Decoder building blocks of the Llama family, numerically mirroring transformers."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specctl.engine.kv_cache import KVCache
+from specctl.engine.spec import ModelSpec
+from specctl_kernels import get_attention
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, scaling: float, positions: torch.Tensor, dtype: torch.dtype):
+    """cos/sin for positions [n], shaped [1, 1, n, D] to broadcast over [B, H, n, D]."""
+    freqs = positions.float().unsqueeze(-1) * inv_freq.unsqueeze(0)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype)[None, None], (emb.sin() * scaling).to(dtype)[None, None]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: str) -> None:
+        super().__init__()
+        h, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
+        self.q_proj = nn.Linear(spec.hidden_size, h * d, bias=spec.attention_bias)
+        self.k_proj = nn.Linear(spec.hidden_size, kv * d, bias=spec.attention_bias)
+        self.v_proj = nn.Linear(spec.hidden_size, kv * d, bias=spec.attention_bias)
+        self.o_proj = nn.Linear(h * d, spec.hidden_size, bias=False)
+        self.attend = get_attention(backend)
+
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, mask: torch.Tensor | None) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values = cache.write(layer, k, v)
+        out = self.attend(q, keys, values, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: str) -> None:
+        super().__init__()
+        self.self_attn = Attention(spec, backend)
+        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_eps)
+
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, mask: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))

@@ -1,0 +1,134 @@
+"""Load a Hugging Face checkpoint directory into specctl's Decoder, reading only the
+tensors of the requested layer range (pipeline stages load only their own weights)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from specctl.engine.model import Decoder
+from specctl.engine.spec import ModelSpec
+from specctl.errors import ModelNotFound, VocabMismatch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    name: str
+    path: Path
+    spec: ModelSpec
+    decoder: Decoder
+    tokenizer: Any = field(repr=False)
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def vocab_fingerprint(self) -> str:
+        return vocab_fingerprint(self.tokenizer)
+
+
+def vocab_fingerprint(tokenizer: Any) -> str:
+    items = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
+
+
+def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
+    if target.vocab_fingerprint != draft.vocab_fingerprint:
+        raise VocabMismatch(
+            f"draft {draft.name!r} and target {target.name!r} have different vocabularies "
+            f"({len(draft.tokenizer)} vs {len(target.tokenizer)} tokens, fingerprints "
+            f"{draft.vocab_fingerprint} vs {target.vocab_fingerprint}); pick a draft from the target's model family"
+        )
+
+
+def _weight_files(path: Path) -> list[Path]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFound(f"no .safetensors weights in {path}")
+    return files
+
+
+def load_decoder(
+    path: Path,
+    dtype: torch.dtype = torch.float32,
+    layer_range: tuple[int, int] | None = None,
+    embed: bool = True,
+    head: bool = True,
+    device: str = "cpu",
+    backend: str = "torch",
+    config: Any = None,
+) -> Decoder:
+    from transformers import AutoConfig
+
+    config = config or AutoConfig.from_pretrained(path)
+    spec = ModelSpec.from_hf(config)
+    with torch.device("meta"):
+        decoder = Decoder(spec, layer_range, embed, head, backend)
+    first, last = decoder.layer_range
+    wanted = {}
+    for name in decoder.state_dict():
+        if name.startswith("layers."):
+            index, rest = name[len("layers.") :].split(".", 1)
+            wanted[f"model.layers.{int(index) + first}.{rest}"] = name
+        elif name == "lm_head.weight":
+            wanted["lm_head.weight"] = name
+        else:
+            wanted[f"model.{name}"] = name
+    if spec.tie_embeddings and "lm_head.weight" in wanted:
+        wanted.pop("lm_head.weight")
+        wanted.setdefault("model.embed_tokens.weight", None)  # read once, used twice
+    state: dict[str, torch.Tensor] = {}
+    for file in _weight_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if key in wanted:
+                    tensor = f.get_tensor(key).to(dtype)
+                    if wanted[key] is not None:
+                        state[wanted[key]] = tensor
+                    if key == "model.embed_tokens.weight" and spec.tie_embeddings and head:
+                        state["lm_head.weight"] = tensor
+    missing = set(decoder.state_dict()) - set(state)
+    if missing:
+        raise ModelNotFound(f"checkpoint {path} lacks tensors: {sorted(missing)[:5]}")
+    decoder.load_state_dict(state, strict=True, assign=True)
+    inv_freq, _ = spec.inv_freq()
+    decoder.inv_freq = inv_freq
+    return decoder.to(device).eval()
+
+
+def load_model(
+    name: str,
+    path: Path,
+    dtype: str = "fp32",
+    num_layers: int | None = None,
+    device: str = "cpu",
+    backend: str = "torch",
+) -> LoadedModel:
+    """Full model (or its first ``num_layers`` layers + norm + head: an early-exit self-draft)."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    config = AutoConfig.from_pretrained(path)
+    layer_range = None
+    if num_layers is not None:
+        if not 0 < num_layers <= config.num_hidden_layers:
+            raise ModelNotFound(f"{name}: cannot take the first {num_layers} of {config.num_hidden_layers} layers")
+        layer_range = (0, num_layers)
+    decoder = load_decoder(path, DTYPES[dtype], layer_range, device=device, backend=backend, config=config)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    eos: set[int] = set()
+    try:
+        gen_eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        gen_eos = None
+    for source in (gen_eos, config.eos_token_id, tokenizer.eos_token_id):
+        if isinstance(source, int):
+            eos.add(source)
+        elif source:
+            eos.update(source)
+    return LoadedModel(name, path, decoder.spec, decoder, tokenizer, tuple(sorted(eos)))

@@ -1,0 +1,83 @@
+"""specctl's decoder: a range of layers [a, b) of a Llama-family model, optionally with the
+embedding (first stage) and the final norm + LM head (last stage), run over a per-session
+KV cache with an explicit (tree) attention mask."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specctl.engine.kv_cache import KVCache, KVPool
+from specctl.engine.layers import DecoderLayer, RMSNorm, rope_cos_sin
+from specctl.engine.spec import ModelSpec
+
+
+class Decoder(nn.Module):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        layer_range: tuple[int, int] | None = None,
+        embed: bool = True,
+        head: bool = True,
+        backend: str = "torch",
+    ) -> None:
+        super().__init__()
+        first, last = layer_range or (0, spec.num_layers)
+        if not 0 <= first < last <= spec.num_layers:
+            raise ValueError(f"layer range [{first}, {last}) outside the model's {spec.num_layers} layers")
+        self.spec, self.layer_range, self.has_embed, self.has_head = spec, (first, last), embed, head
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size) if embed else None
+        self.layers = nn.ModuleList(DecoderLayer(spec, backend) for _ in range(last - first))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_eps) if head else None
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if head else None
+        inv_freq, self.rope_scaling = spec.inv_freq()
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layers[0].mlp.up_proj.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].mlp.up_proj.weight.device
+
+    def new_cache(self, capacity: int, pool: KVPool | None = None) -> KVCache:
+        s = self.spec
+        return KVCache(self.num_layers, s.num_kv_heads, s.head_dim, capacity, self.dtype, self.device, pool)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        mask: torch.Tensor | None = None,
+        logits_at: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run n new tokens (ids [n], or hidden states [n, hidden] without embedding).
+
+        positions [n]: RoPE positions (a tree node's is prefix length + depth).
+        mask [n, cache.length + n]: True where a new token may attend; None = causal.
+        logits_at: which of the n rows get logits (None = all). Returns float32 logits
+        [len(logits_at), vocab] with a head, else hidden states [n, hidden]."""
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(inputs.to(self.device)).unsqueeze(0)
+        else:
+            x = inputs.to(self.device, self.dtype).unsqueeze(0)
+        positions = positions.to(self.device)
+        if mask is not None:
+            mask = mask.to(self.device)
+        cos, sin = rope_cos_sin(self.inv_freq, self.rope_scaling, positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, i, mask)
+        cache.commit(x.shape[1])
+        x = x[0]
+        if self.lm_head is None:
+            return x
+        if logits_at is not None:
+            x = x[logits_at.to(self.device)]
+        return self.lm_head(self.norm(x)).float()

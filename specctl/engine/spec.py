@@ -1,0 +1,73 @@
+"""ModelSpec: the architecture facts the decoder needs, read from a transformers config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specctl.errors import UnsupportedArchitecture
+
+SUPPORTED = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_eps: float
+    max_position: int
+    tie_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    hf_config: Any  # kept for RoPE parameters
+
+    @classmethod
+    def from_hf(cls, config: Any) -> "ModelSpec":
+        arch = config.model_type
+        if arch not in SUPPORTED:
+            raise UnsupportedArchitecture(
+                f"architecture {arch!r} is not supported by specctl's engine (supported: {', '.join(SUPPORTED)})"
+            )
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(
+            arch=arch,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            rms_eps=config.rms_norm_eps,
+            max_position=getattr(config, "max_position_embeddings", 32768),
+            tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases; Llama has them when attention_bias is set.
+            attention_bias=arch == "qwen2" or bool(getattr(config, "attention_bias", False)),
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            hf_config=config,
+        )
+
+    def kv_bytes_per_token(self, dtype: torch.dtype, num_layers: int | None = None) -> int:
+        layers = self.num_layers if num_layers is None else num_layers
+        return 2 * layers * self.num_kv_heads * self.head_dim * torch.tensor([], dtype=dtype).element_size()
+
+    def inv_freq(self) -> tuple[torch.Tensor, float]:
+        """RoPE inverse frequencies and attention scaling, as transformers computes them."""
+        params = getattr(self.hf_config, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type == "default":
+            base = params.get("rope_theta", getattr(self.hf_config, "rope_theta", 10000.0))
+            dim = self.head_dim
+            return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        return ROPE_INIT_FUNCTIONS[rope_type](self.hf_config, torch.device("cpu"))

