@@ -1,0 +1,116 @@
+"""Token tree in BFS order (SpecPipe §3.2): token ids I, draft probabilities P and the
+ancestor mask M, where M[i, j] is True iff j is i or an ancestor of i. Node 0 is the root:
+the last verified token, not yet in the target's KV cache.
+
+Two structural operations, both pure (they return a new tree):
+- layer appending: a new level under its parents. The new M keeps the old M top-left,
+  copies each parent's row bottom-left (a child's ancestors are its parent's plus itself)
+  and puts the identity bottom-right.
+- to-subtree pruning: re-root at node i, keeping the nodes whose row has M[:, i] set
+  (i and its descendants). The kept indices also prune the KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class TokenTree:
+    tokens: torch.Tensor  # [n] long
+    parents: torch.Tensor  # [n] long, -1 for the root
+    probs: torch.Tensor  # [n] float: draft probability of each node given its parent
+    depth: torch.Tensor  # [n] long, 0 for the root
+    mask: torch.Tensor  # [n, n] bool ancestor mask
+    score: torch.Tensor  # [n] float: cumulative log draft probability from the root
+
+    @classmethod
+    def root(cls, token: int) -> "TokenTree":
+        return cls(
+            tokens=torch.tensor([token]),
+            parents=torch.tensor([-1]),
+            probs=torch.ones(1),
+            depth=torch.zeros(1, dtype=torch.long),
+            mask=torch.ones(1, 1, dtype=torch.bool),
+            score=torch.zeros(1),
+        )
+
+    @classmethod
+    def chain(cls, root: int, tokens: list[int], probs: list[float] | None = None) -> "TokenTree":
+        tree = cls.root(root)
+        for i, token in enumerate(tokens):
+            p = 1.0 if probs is None else probs[i]
+            tree = tree.append_layer(torch.tensor([len(tree) - 1]), torch.tensor([token]), torch.tensor([p]))
+        return tree
+
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depth.max())
+
+    def level(self, depth: int) -> torch.Tensor:
+        return (self.depth == depth).nonzero().flatten()
+
+    def children(self, node: int) -> list[int]:
+        return (self.parents == node).nonzero().flatten().tolist()
+
+    def path_to(self, node: int) -> list[int]:
+        """Root-to-node indices, root included."""
+        return self.mask[node].nonzero().flatten().tolist()
+
+    def append_layer(self, parents: torch.Tensor, tokens: torch.Tensor, probs: torch.Tensor) -> "TokenTree":
+        n, m = len(self), parents.numel()
+        mask = torch.zeros(n + m, n + m, dtype=torch.bool)
+        mask[:n, :n] = self.mask
+        mask[n:, :n] = self.mask[parents]
+        mask[n:, n:] = torch.eye(m, dtype=torch.bool)
+        probs = probs.float()
+        return TokenTree(
+            tokens=torch.cat([self.tokens, tokens.long()]),
+            parents=torch.cat([self.parents, parents.long()]),
+            probs=torch.cat([self.probs, probs]),
+            depth=torch.cat([self.depth, self.depth[parents] + 1]),
+            mask=mask,
+            score=torch.cat([self.score, self.score[parents] + probs.clamp_min(1e-30).log()]),
+        )
+
+    def prune_to_subtree(self, node: int) -> tuple["TokenTree", torch.Tensor]:
+        """Re-root at ``node``; returns the subtree and the kept (old) indices in BFS order."""
+        keep = self.mask[:, node].nonzero().flatten()
+        remap = torch.full((len(self),), -1, dtype=torch.long)
+        remap[keep] = torch.arange(keep.numel())
+        parents = remap[self.parents[keep].clamp_min(0)]
+        parents[0] = -1
+        tree = TokenTree(
+            tokens=self.tokens[keep],
+            parents=parents,
+            probs=torch.cat([torch.ones(1), self.probs[keep][1:]]),
+            depth=self.depth[keep] - self.depth[node],
+            mask=self.mask[keep][:, keep],
+            score=self.score[keep] - self.score[node],
+        )
+        return tree, keep
+
+    def grow(self, frontier: torch.Tensor, frontier_probs: torch.Tensor, topk: int, width: int) -> "TokenTree":
+        """Fixed-width growth (SpecPipe §3.3.3): each frontier node proposes its top-k draft
+        tokens; the best ``width`` by cumulative probability form the new level.
+
+        frontier: [f] node indices; frontier_probs: [f, V] draft distributions at those nodes.
+        Children are ordered by parent, then by draft probability (tree sampling tries them
+        in this order)."""
+        k = min(topk, frontier_probs.shape[-1])
+        top_p, top_tok = frontier_probs.topk(k, dim=-1)  # [f, k]
+        cand_parent = frontier.unsqueeze(1).expand(-1, k).reshape(-1)
+        cand_p, cand_tok = top_p.reshape(-1), top_tok.reshape(-1)
+        cand_score = self.score[cand_parent] + cand_p.clamp_min(1e-30).log()
+        valid = cand_p > 0
+        best = cand_score.masked_fill(~valid, float("-inf")).topk(min(width, int(valid.sum()))).indices
+        # BFS order within the level: by parent, then by descending probability.
+        order = sorted(best.tolist(), key=lambda c: (int(cand_parent[c]), -float(cand_p[c])))
+        order = torch.tensor(order, dtype=torch.long)
+        if order.numel() == 0:
+            return self
+        return self.append_layer(cand_parent[order], cand_tok[order], cand_p[order])

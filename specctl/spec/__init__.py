@@ -1,0 +1,1 @@
+"""Speculative decoding in one process: drafters, lossless verification, the decode loop."""

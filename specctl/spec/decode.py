@@ -1,0 +1,139 @@
+"""The decode loop of one session: propose -> verify -> accept.
+
+The target's KV cache always holds the committed sequence minus its last token (the
+root of the next proposal). Each round the whole proposal tree is verified in one target
+forward with the tree mask; the accepted path's KV is kept (gather), the rest dropped."""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import torch
+
+from specctl.engine.kv_cache import KVPool
+from specctl.engine.model import Decoder
+from specctl.errors import PromptTooLong
+from specctl.spec.drafters import Drafter, NoDrafter
+from specctl.spec.sampling import SamplingParams, probs_from_logits, sample
+from specctl.spec.stats import GenerationStats
+from specctl.spec.verify import accept_chain_sampling, accept_greedy, accept_tree_sampling
+
+
+def verify(logits: torch.Tensor, proposal, params: SamplingParams, generator) -> tuple[list[int], int]:
+    """Pick the acceptance rule that keeps this proposal lossless."""
+    if params.greedy:
+        return accept_greedy(proposal.tree, logits)
+    p = probs_from_logits(logits, params)
+    if proposal.draft_probs is not None:
+        return accept_chain_sampling(proposal.tree, proposal.draft_probs, p, generator)
+    return accept_tree_sampling(proposal.tree, p, generator)
+
+
+class DecodeSession:
+    def __init__(
+        self,
+        target: Decoder,
+        prompt: list[int],
+        params: SamplingParams,
+        drafter: Drafter | None = None,
+        eos_token_ids: tuple[int, ...] = (),
+        max_context: int | None = None,
+        pool: KVPool | None = None,
+        draft_pool: KVPool | None = None,
+    ) -> None:
+        if not prompt:
+            raise PromptTooLong("the prompt is empty: give at least one token")
+        limit = max_context or target.spec.max_position
+        if len(prompt) + params.max_tokens > limit:
+            raise PromptTooLong(
+                f"prompt of {len(prompt)} tokens plus max_tokens {params.max_tokens} exceeds the context "
+                f"of {limit} tokens; shorten the prompt or lower max_tokens"
+            )
+        self.target, self.params = target, params
+        self.drafter = drafter or NoDrafter()
+        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        capacity = len(prompt) + params.max_tokens + self.drafter.max_nodes + 1
+        self.cache = target.new_cache(capacity, pool)
+        try:
+            self.draft = self.drafter.open(prompt, capacity, draft_pool)
+        except BaseException:
+            self.cache.release()
+            raise
+        self.generator = torch.Generator().manual_seed(params.seed if params.seed is not None else int(time.time_ns()))
+        self.seq = list(prompt)
+        self.output: list[int] = []
+        self.finish_reason: str | None = None
+        self.stats = GenerationStats(prompt_tokens=len(prompt))
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def _emit(self, tokens: list[int]) -> list[int]:
+        emitted = []
+        for token in tokens:
+            if token in self.stop_ids:
+                self.finish_reason = "stop"
+                break
+            self.seq.append(token)
+            self.output.append(token)
+            emitted.append(token)
+            if len(self.output) >= self.params.max_tokens:
+                self.finish_reason = "length"
+                break
+        self.stats.new_tokens = len(self.output)
+        return emitted
+
+    def prefill(self) -> list[int]:
+        t0 = time.perf_counter()
+        prompt = torch.tensor(self.seq, dtype=torch.long)
+        logits = self.target(prompt, torch.arange(len(self.seq)), self.cache, logits_at=torch.tensor([len(self.seq) - 1]))
+        first = int(logits[0].argmax()) if self.params.greedy else sample(probs_from_logits(logits[0], self.params), self.generator)
+        self.stats.prefill_s += time.perf_counter() - t0
+        return self._emit([first])
+
+    def step(self) -> list[int]:
+        """One round; returns the tokens it committed (at least one unless finished)."""
+        t0 = time.perf_counter()
+        proposal = self.draft.propose(self.seq, self.params, self.generator)
+        t1 = time.perf_counter()
+        tree, prefix = proposal.tree, len(self.seq) - 1
+        mask = None if len(tree) == 1 else torch.cat([torch.ones(len(tree), prefix, dtype=torch.bool), tree.mask], 1)
+        logits = self.target(tree.tokens, prefix + tree.depth, self.cache, mask=mask)
+        path, bonus = verify(logits, proposal, self.params, self.generator)
+        keep = [prefix + node for node in [0, *path]]
+        self.cache.gather(list(range(prefix)) + keep)
+        self.draft.on_verified(path)
+        t2 = time.perf_counter()
+        self.stats.draft_s += t1 - t0
+        self.stats.verify_s += t2 - t1
+        if len(tree) > 1:
+            self.stats.record_round(tree.max_depth, len(tree) - 1, len(path))
+        else:
+            self.stats.rounds += 1
+        return self._emit([int(t) for t in tree.tokens[path].tolist()] + [bonus])
+
+    def stream(self) -> Iterator[list[int]]:
+        start = time.perf_counter()
+        try:
+            yield self.prefill()
+            while not self.finished:
+                tokens = self.step()
+                self.stats.wall_s = time.perf_counter() - start
+                yield tokens
+        finally:
+            self.stats.wall_s = time.perf_counter() - start
+            self.close()
+
+    def close(self) -> None:
+        self.cache.release()
+        self.draft.close()
+
+
+def generate(target: Decoder, prompt: list[int], params: SamplingParams, drafter: Drafter | None = None, **kw):
+    """Run a session to the end; returns (tokens, stats, finish_reason)."""
+    session = DecodeSession(target, prompt, params, drafter, **kw)
+    for _ in session.stream():
+        pass
+    return session.output, session.stats, session.finish_reason

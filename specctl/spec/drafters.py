@@ -1,0 +1,202 @@
+"""Drafters propose; they never decide. Each opens a per-session state that sees the
+committed sequence (prompt + accepted tokens; its last token is the tree root) and
+returns a Proposal. After verification it is told which tree nodes were accepted, so
+model drafters keep exactly the KV of the accepted path.
+
+- ModelChainDrafter: a chain of depth d, one draft forward per token; samples its tokens
+  from q when the request samples (chain acceptance needs q), argmax when greedy.
+- ModelTreeDrafter: depth d, top-k children per frontier node, width w; the whole frontier
+  is drafted in one batched forward per level with a tree mask.
+- NgramDrafter: prompt lookup in the session's own tokens; costs nothing.
+- NoDrafter: proposes nothing, which makes the loop plain autoregressive decoding."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specctl.engine.kv_cache import KVPool
+from specctl.engine.model import Decoder
+from specctl.engine.tree import TokenTree
+from specctl.spec.sampling import SamplingParams, probs_from_logits
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    tree: TokenTree
+    # q for each chain position when the chain's tokens were sampled from it: [len(tree)-1, V]
+    draft_probs: torch.Tensor | None = None
+
+
+class DraftSession:
+    def propose(self, seq: list[int], params: SamplingParams, generator: torch.Generator | None) -> Proposal:
+        raise NotImplementedError
+
+    def on_verified(self, path: list[int]) -> None:
+        """``path``: accepted node indices of the last proposal (root excluded)."""
+
+    def close(self) -> None:
+        """Free per-session state (KV cache)."""
+
+
+class Drafter:
+    name = "none"
+    max_nodes = 1  # most tree nodes (root included) a proposal can have
+
+    def open(self, prompt: list[int], capacity: int, pool: KVPool | None = None) -> DraftSession:
+        return DraftSession()
+
+    def propose_root_only(self, seq: list[int]) -> Proposal:
+        return Proposal(TokenTree.root(seq[-1]))
+
+
+class NoDrafter(Drafter):
+    """Autoregressive decoding: every round verifies the root alone."""
+
+    def open(self, prompt: list[int], capacity: int, pool: KVPool | None = None) -> DraftSession:
+        drafter = self
+
+        class _Session(DraftSession):
+            def propose(self, seq, params, generator):
+                return drafter.propose_root_only(seq)
+
+        return _Session()
+
+
+def _draft_params(params: SamplingParams) -> SamplingParams:
+    return params if not params.greedy else SamplingParams(temperature=0.0)
+
+
+class _ModelDraftSession(DraftSession):
+    def __init__(self, decoder: Decoder, capacity: int, pool: KVPool | None) -> None:
+        self.decoder = decoder
+        self.cache = decoder.new_cache(capacity, pool)
+        self.keep_after: list[int] = []  # cache positions of the fed tree nodes, by node index
+
+    def catch_up(self, seq: list[int]) -> torch.Tensor:
+        """Feed the committed tokens the cache lacks; logits after the last one."""
+        start = self.cache.length
+        new = torch.tensor(seq[start:], dtype=torch.long)
+        logits = self.decoder(new, torch.arange(start, len(seq)), self.cache, logits_at=torch.tensor([new.numel() - 1]))
+        return logits[0]
+
+    def close(self) -> None:
+        self.cache.release()
+
+
+class ModelChainDrafter(Drafter):
+    name = "chain"
+
+    def __init__(self, decoder: Decoder, depth: int) -> None:
+        self.decoder, self.depth = decoder, depth
+        self.max_nodes = depth + 1
+
+    def open(self, prompt: list[int], capacity: int, pool: KVPool | None = None) -> DraftSession:
+        return _ChainSession(self.decoder, capacity, pool, self.depth)
+
+
+class _ChainSession(_ModelDraftSession):
+    def __init__(self, decoder: Decoder, capacity: int, pool: KVPool | None, depth: int) -> None:
+        super().__init__(decoder, capacity, pool)
+        self.depth = depth
+        self.committed = 0
+
+    def propose(self, seq, params, generator):
+        self.committed = len(seq)
+        logits = self.catch_up(seq)
+        tokens, probs, dists = [], [], []
+        for i in range(self.depth):
+            q = probs_from_logits(logits, _draft_params(params))
+            x = int(q.argmax()) if params.greedy else int(torch.multinomial(q, 1, generator=generator))
+            tokens.append(x)
+            probs.append(float(q[x]))
+            dists.append(q)
+            if i + 1 < self.depth:
+                pos = len(seq) + i
+                logits = self.decoder(torch.tensor([x]), torch.tensor([pos]), self.cache)[0]
+        tree = TokenTree.chain(seq[-1], tokens, probs)
+        return Proposal(tree, None if params.greedy else torch.stack(dists))
+
+    def on_verified(self, path):
+        # The cache holds seq + x_1..x_{d-1}; keep seq + the accepted x's it holds.
+        self.cache.truncate(min(self.committed + len(path), self.cache.length))
+
+
+class ModelTreeDrafter(Drafter):
+    name = "tree"
+
+    def __init__(self, decoder: Decoder, depth: int, topk: int, width: int) -> None:
+        self.decoder, self.depth, self.topk, self.width = decoder, depth, topk, width
+        self.max_nodes = 1 + depth * width
+
+    def open(self, prompt: list[int], capacity: int, pool: KVPool | None = None) -> DraftSession:
+        return _TreeSession(self.decoder, capacity, pool, self)
+
+
+class _TreeSession(_ModelDraftSession):
+    def __init__(self, decoder: Decoder, capacity: int, pool: KVPool | None, shape: ModelTreeDrafter) -> None:
+        super().__init__(decoder, capacity, pool)
+        self.shape = shape
+        self.committed = 0
+        self.fed = 0  # tree nodes 1..fed are in the cache at positions committed + (node - 1)
+
+    def propose(self, seq, params, generator):
+        shape, dparams = self.shape, _draft_params(params)
+        # Greedy drafting scores candidates by the draft's softmax (T = 1); sampling by the
+        # request's own processed distribution.
+        score_params = SamplingParams(temperature=1.0) if params.greedy else dparams
+        self.committed = prefix = len(seq)
+        tree = TokenTree.root(seq[-1])
+        q = probs_from_logits(self.catch_up(seq), score_params).unsqueeze(0)
+        tree = tree.grow(torch.tensor([0]), q, shape.topk, shape.width)
+        self.fed = 0
+        for level in range(2, shape.depth + 1):
+            frontier = tree.level(level - 1)
+            if frontier.numel() == 0:
+                break
+            last = int(frontier[-1])
+            # Queries: the frontier. Keys: the committed prefix + tree nodes 1..last.
+            mask = torch.cat(
+                [torch.ones(frontier.numel(), prefix, dtype=torch.bool), tree.mask[frontier][:, 1 : last + 1]], dim=1
+            )
+            positions = prefix - 1 + tree.depth[frontier]
+            logits = self.decoder(tree.tokens[frontier], positions, self.cache, mask=mask)
+            self.fed = last
+            tree = tree.grow(frontier, probs_from_logits(logits, score_params), shape.topk, shape.width)
+        return Proposal(tree)
+
+    def on_verified(self, path):
+        fed = [self.committed + node - 1 for node in path if node <= self.fed]
+        self.cache.gather(list(range(self.committed)) + fed)
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens
+    (n from max_ngram down to min_ngram) and propose the tokens that followed it."""
+
+    name = "ngram"
+
+    def __init__(self, depth: int, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        self.depth, self.max_ngram, self.min_ngram = depth, max_ngram, min_ngram
+        self.max_nodes = depth + 1
+
+    def lookup(self, seq: list[int]) -> list[int]:
+        n_seq = len(seq)
+        for n in range(min(self.max_ngram, n_seq - 1), self.min_ngram - 1, -1):
+            pattern = seq[n_seq - n :]
+            for start in range(n_seq - n - 1, -1, -1):
+                if seq[start : start + n] == pattern:
+                    follow = seq[start + n : start + n + self.depth]
+                    if follow:
+                        return follow
+        return []
+
+    def open(self, prompt: list[int], capacity: int, pool: KVPool | None = None) -> DraftSession:
+        drafter = self
+
+        class _Session(DraftSession):
+            def propose(self, seq, params, generator):
+                return Proposal(TokenTree.chain(seq[-1], drafter.lookup(seq)))
+
+        return _Session()

@@ -1,0 +1,59 @@
+"""Sampling parameters and the logits -> probabilities transform shared by target and draft."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specctl.errors import InvalidSamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_tokens: int = 128
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0):
+            raise InvalidSamplingParams(f"temperature must be between 0 and 100, got {self.temperature!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise InvalidSamplingParams(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise InvalidSamplingParams(f"top_k must be a non-negative integer (0 = off), got {self.top_k!r}")
+        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
+            raise InvalidSamplingParams(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
+            raise InvalidSamplingParams(f"seed must be a non-negative integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, then top-p (transformers' order and semantics); float32
+    probabilities over the last dimension. Greedy gives a one-hot argmax distribution."""
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, sorted_idx = logits.sort(dim=-1)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        remove = cum <= (1 - params.top_p)
+        remove[..., -1] = False  # always keep the most likely token
+        logits = logits.masked_fill(remove.scatter(-1, sorted_idx, remove), float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))

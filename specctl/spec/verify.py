@@ -1,0 +1,93 @@
+"""Lossless acceptance as pure tensor functions.
+
+Every function takes the proposal tree, the target's logits or probabilities for each tree
+node (row j = the target's next-token distribution after node j) and returns
+``(path, bonus)``: the accepted node indices (root excluded, root-to-leaf order) and the
+bonus token the target contributes after the last accepted node.
+
+Greedy (temperature 0): follow the children whose token equals the target's argmax;
+bonus = argmax after the last match. The output equals greedy decoding of the target.
+
+Chain of sampled drafts x_i ~ q_i (Leviathan et al.): accept x_i with probability
+min(1, p_i(x_i) / q_i(x_i)); at the first rejection the bonus ~ norm(max(0, p_i - q_i));
+if all d are accepted the bonus ~ p_{d+1}.
+
+Tree of deterministic candidates (top-k children, n-gram tokens): at a node, try its
+children in order; accept child x with probability p(x) of the current, renormalised p;
+on rejection set p(x) = 0 and renormalise; if every child is rejected, the bonus ~ what
+is left of p. Each try is rejection sampling with a one-hot proposal, so the emitted
+token is distributed exactly as p."""
+
+from __future__ import annotations
+
+import torch
+
+from specctl.engine.tree import TokenTree
+
+
+def _children_table(tree: TokenTree) -> list[list[int]]:
+    table: list[list[int]] = [[] for _ in range(len(tree))]
+    for child, parent in enumerate(tree.parents.tolist()):
+        if parent >= 0:
+            table[parent].append(child)
+    return table
+
+
+def accept_greedy(tree: TokenTree, target_logits: torch.Tensor) -> tuple[list[int], int]:
+    argmax = target_logits.argmax(-1).tolist()
+    tokens = tree.tokens.tolist()
+    children = _children_table(tree)
+    node, path = 0, []
+    while True:
+        match = next((c for c in children[node] if tokens[c] == argmax[node]), None)
+        if match is None:
+            return path, argmax[node]
+        path.append(match)
+        node = match
+
+
+def accept_tree_sampling(
+    tree: TokenTree, target_probs: torch.Tensor, generator: torch.Generator | None
+) -> tuple[list[int], int]:
+    tokens = tree.tokens.tolist()
+    children = _children_table(tree)
+    node, path = 0, []
+    while True:
+        p = target_probs[node].clone()
+        accepted = None
+        for child in children[node]:
+            x = tokens[child]
+            total = float(p.sum())
+            if total <= 0:
+                break
+            if float(torch.rand((), generator=generator)) * total < float(p[x]):
+                accepted = child
+                break
+            p[x] = 0.0
+        if accepted is None:
+            if float(p.sum()) <= 0:  # numerically exhausted: fall back to the untouched p
+                p = target_probs[node]
+            return path, int(torch.multinomial(p, 1, generator=generator))
+        path.append(accepted)
+        node = accepted
+
+
+def accept_chain_sampling(
+    tree: TokenTree, draft_probs: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator | None
+) -> tuple[list[int], int]:
+    """tree: a chain (node i+1 is the child of node i); draft_probs[i] = q at node i (the
+    distribution node i+1 was sampled from); target_probs[i] = p at node i."""
+    tokens = tree.tokens.tolist()
+    path: list[int] = []
+    for i in range(len(tree) - 1):
+        x = tokens[i + 1]
+        p_x, q_x = float(target_probs[i, x]), float(draft_probs[i, x])
+        if q_x > 0 and float(torch.rand((), generator=generator)) * q_x < p_x:
+            path.append(i + 1)
+            continue
+        residual = (target_probs[i] - draft_probs[i]).clamp_min(0)
+        if float(residual.sum()) <= 0:
+            residual = target_probs[i]
+        return path, int(torch.multinomial(residual, 1, generator=generator))
+    last = len(tree) - 1
+    return path, int(torch.multinomial(target_probs[last], 1, generator=generator))
