@@ -58,6 +58,7 @@ class KVCache:
         shape = (num_layers, 1, num_kv_heads, capacity, head_dim)
         self.nbytes = 2 * num_layers * num_kv_heads * capacity * head_dim * torch.tensor([], dtype=dtype).element_size()
         self.pool = pool
+        self.released = True  # until the reservation succeeds, there is nothing to give back
         if pool is not None:
             pool.reserve(self.nbytes)
         self.k = torch.empty(shape, dtype=dtype, device=device)

@@ -1,0 +1,98 @@
+"""``specctl generate``: one prompt, streamed, in one process."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from specctl.config import build_config
+from specctl.engine.loader import LoadedModel
+from specctl.spec.decode import DecodeSession
+from specctl.spec.factory import apply_threads, load_pair, make_drafter
+from specctl.spec.sampling import SamplingParams
+
+
+def encode_prompt(model: LoadedModel, prompt: str, chat: bool) -> list[int]:
+    tok = model.tokenizer
+    if chat:
+        if not getattr(tok, "chat_template", None):
+            from specctl.errors import ConfigError
+
+            raise ConfigError(f"model {model.name!r} has no chat template: drop --chat")
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        return tok.encode(text, add_special_tokens=False)
+    return tok.encode(prompt)
+
+
+class TextStreamer:
+    """Decodes the growing output and prints only the new, complete characters."""
+
+    def __init__(self, tokenizer, out=sys.stdout) -> None:
+        self.tokenizer, self.out, self.printed = tokenizer, out, ""
+
+    def update(self, tokens: list[int]) -> None:
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
+            return
+        self.out.write(text[len(self.printed) :])
+        self.out.flush()
+        self.printed = text
+
+
+def generate(
+    prompt: str = typer.Option(..., "--prompt", "-p", help="the prompt text"),
+    target: Optional[str] = typer.Option(None, help="target model: packaged name, HF directory or .gguf"),
+    draft: Optional[str] = typer.Option(None, help="draft model; NAME@N = the first N layers of NAME"),
+    chat: bool = typer.Option(False, "--chat", help="wrap the prompt in the target's chat template"),
+    max_tokens: int = typer.Option(128, "--max-tokens", "-n", help="most new tokens"),
+    temperature: float = typer.Option(0.0, help="0 = greedy (exactly the target's greedy output)"),
+    top_p: float = typer.Option(1.0, "--top-p", help="nucleus sampling mass"),
+    top_k: int = typer.Option(0, "--top-k", help="keep the k most likely tokens (0 = off)"),
+    mode: Optional[str] = typer.Option(None, help="ar | chain | tree | ngram"),
+    depth: Optional[int] = typer.Option(None, help="proposal depth d"),
+    width: Optional[int] = typer.Option(None, help="tree width w (nodes kept per level)"),
+    topk: Optional[int] = typer.Option(None, help="tree top-k children per node"),
+    dtype: Optional[str] = typer.Option(None, help="fp32 | bf16 (exactness is asserted in fp32)"),
+    seed: Optional[int] = typer.Option(None, help="sampling seed"),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads (0 = default)"),
+    profile: Optional[str] = typer.Option(None, help="hardware profile: desktop | server | jetson | FILE.toml"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object (ids, text, stats) instead of streaming"),
+) -> None:
+    """Generate text with speculative decoding in one process (draft and target together)."""
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed)
+    config = build_config(
+        profile, target=target, draft=draft, mode=mode, depth=depth, width=width, topk=topk, dtype=dtype, threads=threads
+    )
+    apply_threads(config)
+    console = Console(stderr=True)
+    target_model, draft_model = load_pair(config, console)
+    ids = encode_prompt(target_model, prompt, chat)
+    session = DecodeSession(
+        target_model.decoder,
+        ids,
+        params,
+        make_drafter(config, draft_model),
+        eos_token_ids=target_model.eos_token_ids,
+    )
+    streamer = None if as_json else TextStreamer(target_model.tokenizer)
+    for _ in session.stream():
+        if streamer:
+            streamer.update(session.output)
+    text = target_model.tokenizer.decode(session.output, skip_special_tokens=True)
+    stats = session.stats
+    if as_json:
+        print(json.dumps({
+            "mode": config.mode, "target": config.target, "draft": config.draft if draft_model else None,
+            "dtype": config.dtype, "token_ids": session.output, "text": text,
+            "finish_reason": session.finish_reason, "stats": stats.to_dict(),
+        }))
+    else:
+        print()
+        console.print(
+            f"[dim]{stats.new_tokens} tokens, {stats.tokens_per_s:.2f} tok/s, mode {config.mode}, "
+            f"mean accepted length {stats.mean_accepted_length:.2f}, acceptance {stats.acceptance_rate:.0%}[/]"
+        )

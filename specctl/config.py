@@ -1,0 +1,117 @@
+"""One slotted, self-validating Config, loaded from a hardware profile with flags on top.
+
+Profiles live in ``profiles/NAME.toml`` (flat keys named like the fields below). Order of
+precedence: flags > ``--profile NAME`` > the detected profile (server with CUDA, jetson on
+an aarch64 CUDA box, desktop otherwise)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from specctl.errors import ConfigError
+
+PROFILE_DIRS = (Path(__file__).resolve().parent.parent / "profiles", Path(__file__).resolve().parent / "profiles")
+MODES = ("ar", "chain", "tree", "ngram")
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass(slots=True)
+class Config:
+    device: str = "cpu"
+    dtype: str = "bf16"
+    attention_backend: str = "auto"
+    threads: int = 0  # 0 = torch's default
+    kv_budget_mb: int = 4096
+    max_sessions: int = 64
+    mode: str = "tree"
+    depth: int = 4
+    topk: int = 3
+    width: int = 4
+    max_batch: int = 8
+    prespec_budget: int = 0
+    target: str = "qwen2.5-coder-1.5b"
+    draft: str = "qwen2.5-coder-0.5b"
+    profile: str = "desktop"
+
+    def __post_init__(self) -> None:
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend not in ("auto", "torch", "flashinfer"):
+            raise ConfigError(f"attention_backend must be auto, torch or flashinfer, got {self.attention_backend!r}")
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        for name, low, high in (
+            ("threads", 0, 1024), ("kv_budget_mb", 1, 1 << 24), ("max_sessions", 1, 1 << 20),
+            ("depth", 1, 64), ("topk", 1, 64), ("width", 1, 256), ("max_batch", 1, 4096), ("prespec_budget", 0, 4096),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise ConfigError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        return self.kv_budget_mb << 20
+
+    def replace(self, **changes: Any) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+
+def detect_profile() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return "jetson" if platform.machine() == "aarch64" else "server"
+    except ImportError:  # pragma: no cover
+        pass
+    return "desktop"
+
+
+def profile_path(name: str) -> Path:
+    candidate = Path(name)
+    if candidate.suffix == ".toml" and candidate.is_file():
+        return candidate
+    for directory in PROFILE_DIRS:
+        path = directory / f"{name}.toml"
+        if path.is_file():
+            return path
+    known = sorted({p.stem for d in PROFILE_DIRS if d.is_dir() for p in d.glob("*.toml")})
+    raise ConfigError(f"unknown profile {name!r}: one of {', '.join(known)} or a path to a .toml file")
+
+
+def load_profile(name: str) -> dict[str, Any]:
+    path = profile_path(name)
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"profile {path} is not valid TOML: {exc}") from None
+    fields = {f.name for f in dataclasses.fields(Config)}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise ConfigError(f"profile {path}: unknown keys {', '.join(unknown)} (known: {', '.join(sorted(fields))})")
+    return data
+
+
+def build_config(profile: str | None = None, **flags: Any) -> Config:
+    """Profile values, then every flag that was given (None = not given)."""
+    name = profile or os.environ.get("SPECCTL_PROFILE") or detect_profile()
+    values = load_profile(name)
+    values["profile"] = name
+    values.update({k: v for k, v in flags.items() if v is not None})
+    try:
+        return Config(**values)
+    except TypeError as exc:
+        raise ConfigError(f"bad configuration: {exc}") from None

@@ -1,0 +1,62 @@
+"""Build models and drafters from a Config: the one place that knows how names map to
+loaded weights ("NAME@N" = the first N layers of NAME, an early-exit self-draft)."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from rich.console import Console
+
+from specctl.config import Config
+from specctl.engine.loader import LoadedModel, check_same_vocab, load_model
+from specctl.spec.drafters import Drafter, ModelChainDrafter, ModelTreeDrafter, NgramDrafter, NoDrafter
+from specctl.store import resolve_model
+from specctl_kernels import select_backend
+
+_LAYERS_SUFFIX = re.compile(r"^(?P<name>.+)@(?P<layers>\d+)$")
+
+
+def split_model_name(name: str) -> tuple[str, int | None]:
+    match = _LAYERS_SUFFIX.match(name)
+    if match:
+        return match["name"], int(match["layers"])
+    return name, None
+
+
+def apply_threads(config: Config) -> None:
+    if config.threads:
+        torch.set_num_threads(config.threads)
+
+
+def load_named(name: str, config: Config, console: Console | None = None) -> LoadedModel:
+    base, layers = split_model_name(name)
+    path = resolve_model(base, console)
+    backend = select_backend(config.attention_backend, config.device)
+    console = console or Console(stderr=True)
+    with console.status(f"loading {name} ({config.dtype})"):
+        return load_model(name, path, config.dtype, num_layers=layers, device=config.device, backend=backend)
+
+
+def needs_draft_model(mode: str) -> bool:
+    return mode in ("chain", "tree")
+
+
+def load_pair(config: Config, console: Console | None = None) -> tuple[LoadedModel, LoadedModel | None]:
+    target = load_named(config.target, config, console)
+    draft = None
+    if needs_draft_model(config.mode):
+        draft = target if config.draft == config.target else load_named(config.draft, config, console)
+        check_same_vocab(target, draft)
+    return target, draft
+
+
+def make_drafter(config: Config, draft: LoadedModel | None) -> Drafter:
+    if config.mode == "ar":
+        return NoDrafter()
+    if config.mode == "ngram":
+        return NgramDrafter(config.depth)
+    assert draft is not None, "chain and tree modes need a draft model"
+    if config.mode == "chain":
+        return ModelChainDrafter(draft.decoder, config.depth)
+    return ModelTreeDrafter(draft.decoder, config.depth, config.topk, config.width)

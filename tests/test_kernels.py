@@ -1,0 +1,51 @@
+import pytest
+import torch
+
+from specctl_kernels import causal_mask, flashinfer_available, select_backend, tree_attention
+
+
+def _naive(q, k, v, mask):
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+def test_chain_tree_mask_equals_causal_attention():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 5, 16), torch.randn(1, 2, 12, 16), torch.randn(1, 2, 12, 16)
+    # A chain is a tree whose ancestor mask is lower-triangular: prefix of 7, then 5 chained nodes.
+    chain = torch.cat([torch.ones(5, 7, dtype=torch.bool), torch.tril(torch.ones(5, 5, dtype=torch.bool))], 1)
+    assert torch.equal(chain, causal_mask(5, 12))
+    torch.testing.assert_close(tree_attention(q, k, v, chain), tree_attention(q, k, v, None), rtol=0, atol=1e-6)
+
+
+def test_tree_mask_matches_naive_softmax_attention():
+    torch.manual_seed(1)
+    q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 1]], dtype=torch.bool)
+    torch.testing.assert_close(tree_attention(q, k, v, mask), _naive(q, k, v, mask), rtol=1e-5, atol=1e-6)
+
+
+def test_backend_selection_on_cpu():
+    assert select_backend("auto", "cpu") == "torch"
+    assert select_backend("torch", "cpu") == "torch"
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        select_backend("flashinfer", "cpu")
+    with pytest.raises(ValueError, match="unknown attention backend 'triton'"):
+        select_backend("triton", "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not flashinfer_available(), reason="flashinfer not installed")
+def test_flashinfer_matches_torch_reference():
+    torch.manual_seed(2)
+    dev = "cuda"
+    q = torch.randn(1, 4, 5, 64, device=dev, dtype=torch.float16)
+    k = torch.randn(1, 2, 12, 64, device=dev, dtype=torch.float16)
+    v = torch.randn(1, 2, 12, 64, device=dev, dtype=torch.float16)
+    mask = causal_mask(5, 12, dev)
+    mask[3, 9] = False  # a branch that does not see a sibling
+    ref = tree_attention(q, k, v, mask, backend="torch")
+    torch.testing.assert_close(tree_attention(q, k, v, mask, backend="flashinfer"), ref, rtol=2e-3, atol=2e-3)

@@ -1,0 +1,57 @@
+import pytest
+import torch
+
+from specctl.engine.kv_cache import KVCache, KVPool
+from specctl.errors import KVBudgetExceeded
+
+
+def _filled(length=6, capacity=10, pool=None):
+    cache = KVCache(num_layers=2, num_kv_heads=1, head_dim=2, capacity=capacity, dtype=torch.float32, pool=pool)
+    values = torch.arange(length, dtype=torch.float32).view(1, 1, length, 1).expand(1, 1, length, 2)
+    for layer in range(2):
+        cache.write(layer, values, -values)
+    cache.commit(length)
+    return cache
+
+
+def _positions(cache, layer=0):
+    return cache.k[layer, 0, 0, : cache.length, 0].tolist()
+
+
+def test_append_then_truncate():
+    cache = _filled()
+    assert _positions(cache) == [0, 1, 2, 3, 4, 5]
+    cache.truncate(4)
+    assert cache.length == 4 and _positions(cache) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="cannot truncate a cache of length 4 to 5"):
+        cache.truncate(5)
+
+
+def test_gather_keeps_an_arbitrary_subset_in_order():
+    cache = _filled()
+    cache.gather([0, 1, 3, 5])
+    assert cache.length == 4
+    assert _positions(cache, 0) == [0, 1, 3, 5] and _positions(cache, 1) == [0, 1, 3, 5]
+    assert cache.v[1, 0, 0, :4, 0].tolist() == [0, -1, -3, -5]
+    with pytest.raises(ValueError, match="gather index 7 beyond cache length 4"):
+        cache.gather([0, 7])
+
+
+def test_write_beyond_capacity_is_refused():
+    cache = _filled(length=9)
+    with pytest.raises(KVBudgetExceeded, match="session KV cache full"):
+        cache.write(0, torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))
+
+
+def test_pool_budget_refuses_and_release_frees():
+    per_session = 2 * 2 * 1 * 10 * 2 * 4  # k and v, layers, heads, capacity, dim, fp32 bytes
+    pool = KVPool(budget_bytes=2 * per_session)
+    a, b = _filled(pool=pool), _filled(pool=pool)
+    assert pool.used_bytes == 2 * per_session and pool.sessions == 2
+    with pytest.raises(KVBudgetExceeded, match=r"KV cache budget exhausted: .* retry later"):
+        _filled(pool=pool)
+    a.release()
+    a.release()  # idempotent
+    assert pool.used_bytes == per_session and pool.sessions == 1
+    del b
+    assert pool.used_bytes == 0 and pool.sessions == 0
