@@ -1,0 +1,97 @@
+"""Greedy exactness of every mode against the target alone, on tiny random models (fp32)."""
+
+import pytest
+import torch
+
+from specctl.engine.kv_cache import KVPool
+from specctl.errors import KVBudgetExceeded, PromptTooLong
+from specctl.spec.decode import DecodeSession, generate
+from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
+from specctl.spec.sampling import SamplingParams
+
+
+def _prompts(seed: int, count: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    prompts = []
+    for _ in range(count):
+        length = int(torch.randint(1, 40, (1,), generator=gen))
+        prompts.append(torch.randint(0, 256, (length,), generator=gen).tolist())
+    # Repetitive text, where n-gram lookup hits.
+    prompts.append([7, 8, 9, 10] * 6)
+    return prompts
+
+
+def _drafters(tiny, arch):
+    return {
+        "chain/disagreeing": ModelChainDrafter(tiny[f"{arch}-draft"], 4),
+        "chain/self-prefix": ModelChainDrafter(tiny[f"{arch}-self2"], 3),
+        "chain/identical": ModelChainDrafter(tiny[arch], 5),
+        "tree/disagreeing": ModelTreeDrafter(tiny[f"{arch}-draft"], 3, 2, 3),
+        "tree/self-prefix": ModelTreeDrafter(tiny[f"{arch}-self2"], 4, 3, 4),
+        "tree/identical": ModelTreeDrafter(tiny[arch], 4, 2, 2),
+        "ngram": NgramDrafter(4),
+    }
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_greedy_output_equals_target_alone(tiny, arch, seed):
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    for prompt in _prompts(seed, 3):
+        reference, _, _ = generate(tiny[arch], prompt, params)
+        assert len(reference) == 32
+        for name, drafter in _drafters(tiny, arch).items():
+            output, stats, reason = generate(tiny[arch], prompt, params, drafter)
+            assert output == reference, f"{name} diverged on prompt {prompt}"
+            assert reason == "length"
+
+
+def test_identical_draft_accepts_everything(tiny):
+    params = SamplingParams(max_tokens=21, ignore_eos=True)
+    _, stats, _ = generate(tiny["llama"], [1, 2, 3], params, ModelChainDrafter(tiny["llama"], 4))
+    # 1 token from the prefill, then 4 rounds of 4 accepted + 1 bonus.
+    assert stats.rounds == 4 and stats.accepted == 16 and stats.mean_accepted_length == 5.0
+    assert stats.acceptance_rate == 1.0 and stats.accepted_per_pos == [4, 4, 4, 4]
+
+
+def test_stop_tokens_end_the_stream_without_emitting_them(tiny):
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    reference, _, _ = generate(tiny["llama"], [5, 6, 7], params)
+    stop = reference[5]
+    first = reference.index(stop)
+    stopped = SamplingParams(max_tokens=32, stop_token_ids=(stop,))
+    for drafter in (None, ModelTreeDrafter(tiny["llama-self2"], 3, 2, 2)):
+        output, _, reason = generate(tiny["llama"], [5, 6, 7], stopped, drafter)
+        assert output == reference[:first] and reason == "stop"
+
+
+def test_session_state_is_freed(tiny):
+    pool, draft_pool = KVPool(), KVPool()
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    for drafter in (ModelChainDrafter(tiny["llama-draft"], 3), ModelTreeDrafter(tiny["llama-draft"], 3, 2, 2)):
+        generate(tiny["llama"], [1, 2, 3], params, drafter, pool=pool, draft_pool=draft_pool)
+        assert pool.used_bytes == 0 and draft_pool.used_bytes == 0 and pool.sessions == 0
+    # A stream abandoned half-way frees its state too.
+    session = DecodeSession(tiny["llama"], [1, 2, 3], params, ModelChainDrafter(tiny["llama-draft"], 3), pool=pool, draft_pool=draft_pool)
+    stream = session.stream()
+    next(stream)
+    assert pool.sessions == 1 and draft_pool.sessions == 1
+    stream.close()
+    assert pool.used_bytes == 0 and draft_pool.used_bytes == 0
+
+
+def test_budget_refuses_a_session_and_frees_the_target_reservation(tiny):
+    pool, draft_pool = KVPool(), KVPool(budget_bytes=1)
+    with pytest.raises(KVBudgetExceeded):
+        DecodeSession(tiny["llama"], [1, 2], SamplingParams(), ModelChainDrafter(tiny["llama-draft"], 3), pool=pool, draft_pool=draft_pool)
+    assert pool.used_bytes == 0 and pool.sessions == 0
+
+
+def test_prompt_longer_than_context_is_refused(tiny):
+    with pytest.raises(PromptTooLong) as err:
+        DecodeSession(tiny["llama"], [1] * 500, SamplingParams(max_tokens=20))
+    assert str(err.value) == (
+        "prompt of 500 tokens plus max_tokens 20 exceeds the context of 512 tokens; shorten the prompt or lower max_tokens"
+    )
+    with pytest.raises(PromptTooLong, match="the prompt is empty"):
+        DecodeSession(tiny["llama"], [], SamplingParams())
