@@ -2,14 +2,79 @@
 
 from __future__ import annotations
 
+import json
+from typing import Optional
+
 import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from specctl.config import build_config
+from specctl.errors import ConfigError
 
 app = typer.Typer(help="Benchmarks: ratios against baselines measured in the same run.", no_args_is_help=True)
 
 
+def render_local_table(report: dict) -> Table:
+    s = report["settings"]
+    table = Table(title=f"bench local: {s['target']} / {s['draft']}, {s['dtype']}, {s['prompts']} prompts x {s['max_tokens']} tokens")
+    for column in ("mode", "tokens/s", "speedup vs ar", "mean accepted length", "acceptance", "same as ar"):
+        table.add_column(column, justify="right" if column != "mode" else "left")
+    fmt = lambda v, spec="{:.2f}": "-" if v is None else spec.format(v)  # noqa: E731
+    for mode, r in report["modes"].items():
+        table.add_row(mode, fmt(r["tokens_per_s"]), fmt(r["speedup_vs_ar"], "{:.2f}x"), fmt(r["mean_accepted_length"]),
+                      fmt(r["acceptance_rate"], "{:.0%}"), fmt(r["outputs_equal_to_ar"], "{:.0%}"))
+    return table
+
+
 @app.command("local")
 def local(
-    target: str = typer.Option(None, help="target model"),
+    target: Optional[str] = typer.Option(None, help="target model (default: the profile's, qwen2.5-coder-1.5b)"),
+    draft: Optional[str] = typer.Option(None, help="draft model (default: qwen2.5-coder-0.5b); NAME@N = first N layers"),
+    prompts: str = typer.Option("builtin", help="'builtin' or a JSON-lines file of {\"prompt\", \"chat\"}"),
+    max_tokens: int = typer.Option(128, "--max-tokens", "-n", help="new tokens per prompt"),
+    modes: str = typer.Option("ar,chain,tree,ngram,hf-assisted", help="comma-separated modes to compare"),
+    dtype: Optional[str] = typer.Option(None, help="fp32 | bf16"),
+    depth: Optional[int] = typer.Option(None, help="proposal depth d"),
+    width: Optional[int] = typer.Option(None, help="tree width w"),
+    topk: Optional[int] = typer.Option(None, help="tree top-k"),
+    limit: int = typer.Option(0, help="use only the first N prompts (0 = all)"),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
+    profile: Optional[str] = typer.Option(None, help="hardware profile"),
+    json_out: Optional[str] = typer.Option(None, "--json", help="write the report as JSON to this file"),
 ) -> None:
-    """Every mode on the same prompts in one process."""
-    raise NotImplementedError
+    """Compare ar, chain, tree, ngram and transformers' assisted generation on the same prompts."""
+    from specctl.bench.local import MODES, run_local_bench
+    from specctl.bench.prompts import load_prompts
+    from specctl.spec.factory import apply_threads, load_named
+
+    wanted = [m.strip() for m in modes.split(",") if m.strip()]
+    unknown = [m for m in wanted if m not in MODES]
+    if unknown or not wanted:
+        raise ConfigError(f"unknown modes {', '.join(unknown) or '(none)'}: choose from {', '.join(MODES)}")
+    if "ar" in wanted:  # the baseline runs first
+        wanted = ["ar"] + [m for m in wanted if m != "ar"]
+    if max_tokens < 1:
+        raise ConfigError("--max-tokens must be at least 1")
+    config = build_config(profile, target=target, draft=draft, dtype=dtype, depth=depth, width=width, topk=topk, threads=threads)
+    bench_prompts = load_prompts(prompts)
+    if limit:
+        bench_prompts = bench_prompts[:limit]
+    apply_threads(config)
+    console = Console(stderr=True)
+    target_model = load_named(config.target, config, console)
+    draft_model = None
+    if any(m in ("chain", "tree", "hf-assisted") for m in wanted):
+        from specctl.engine.loader import check_same_vocab
+
+        draft_model = load_named(config.draft, config, console)
+        check_same_vocab(target_model, draft_model)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        report = run_local_bench(config, target_model, draft_model, bench_prompts, wanted, max_tokens, progress)
+    Console().print(render_local_table(report))
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(report, f, indent=2)
+        console.print(f"wrote {json_out}")

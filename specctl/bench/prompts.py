@@ -1,0 +1,45 @@
+"""Benchmark prompt sets: the builtin mix (code, prose, JSON, chat) or a JSON-lines file of
+``{"prompt": "...", "chat": true|false}`` objects."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from specctl.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class BenchPrompt:
+    prompt: str
+    chat: bool
+    kind: str = "custom"
+
+
+def _parse(lines: list[str], source: str) -> list[BenchPrompt]:
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{source}:{number}: not JSON ({exc.msg})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not isinstance(obj.get("chat", False), bool):
+            raise ConfigError(f'{source}:{number}: expected {{"prompt": "...", "chat": true|false}}')
+        prompts.append(BenchPrompt(obj["prompt"], obj.get("chat", False), obj.get("kind", "custom")))
+    if not prompts:
+        raise ConfigError(f"{source}: no prompts")
+    return prompts
+
+
+def load_prompts(source: str) -> list[BenchPrompt]:
+    if source == "builtin":
+        text = resources.files("specctl").joinpath("data/builtin_prompts.jsonl").read_text()
+        return _parse(text.splitlines(), "builtin")
+    path = Path(source)
+    if not path.is_file():
+        raise ConfigError(f"prompt file {source!r} not found (use 'builtin' or a JSON-lines file)")
+    return _parse(path.read_text().splitlines(), source)
