@@ -95,3 +95,15 @@ def test_prompt_longer_than_context_is_refused(tiny):
     )
     with pytest.raises(PromptTooLong, match="the prompt is empty"):
         DecodeSession(tiny["llama"], [], SamplingParams())
+
+
+def test_int8_quantized_draft_stays_exact(tiny_dir, tiny):
+    from specctl.engine.loader import load_decoder
+    from specctl.engine.quant import quantize_decoder
+
+    draft = quantize_decoder(load_decoder(tiny_dir["llama"], layer_range=(0, 3)), "int8")
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    for prompt in _prompts(5, 3):
+        reference, _, _ = generate(tiny["llama"], prompt, params)
+        for drafter in (ModelChainDrafter(draft, 4), ModelTreeDrafter(draft, 3, 2, 3)):
+            assert generate(tiny["llama"], prompt, params, drafter)[0] == reference

@@ -119,6 +119,7 @@ def run_local_bench(config: Config, target: LoadedModel, draft: LoadedModel | No
         "settings": {
             "target": config.target, "draft": config.draft, "dtype": config.dtype, "max_tokens": max_tokens,
             "prompts": len(prompts), "depth": config.depth, "topk": config.topk, "width": config.width,
+            "draft_quant": config.draft_quant,
             "threads": torch.get_num_threads(), "temperature": 0.0,
         },
         "modes": {mode: r.summary(ar) for mode, r in results.items()},

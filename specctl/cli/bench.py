@@ -36,6 +36,7 @@ def local(
     max_tokens: int = typer.Option(128, "--max-tokens", "-n", help="new tokens per prompt"),
     modes: str = typer.Option("ar,chain,tree,ngram,hf-assisted", help="comma-separated modes to compare"),
     dtype: Optional[str] = typer.Option(None, help="fp32 | bf16"),
+    draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="none | int8: quantize the draft for chain/tree"),
     depth: Optional[int] = typer.Option(None, help="proposal depth d"),
     width: Optional[int] = typer.Option(None, help="tree width w"),
     topk: Optional[int] = typer.Option(None, help="tree top-k"),
@@ -57,7 +58,8 @@ def local(
         wanted = ["ar"] + [m for m in wanted if m != "ar"]
     if max_tokens < 1:
         raise ConfigError("--max-tokens must be at least 1")
-    config = build_config(profile, target=target, draft=draft, dtype=dtype, depth=depth, width=width, topk=topk, threads=threads)
+    config = build_config(profile, target=target, draft=draft, dtype=dtype, depth=depth, width=width, topk=topk, threads=threads,
+                          draft_quant=draft_quant)
     bench_prompts = load_prompts(prompts)
     if limit:
         bench_prompts = bench_prompts[:limit]
@@ -68,7 +70,7 @@ def local(
     if any(m in ("chain", "tree", "hf-assisted") for m in wanted):
         from specctl.engine.loader import check_same_vocab
 
-        draft_model = load_named(config.draft, config, console)
+        draft_model = load_named(config.draft, config, console, config.draft_quant)
         check_same_vocab(target_model, draft_model)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:

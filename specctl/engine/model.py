@@ -39,11 +39,11 @@ class Decoder(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.layers[0].mlp.up_proj.weight.dtype
+        return self.layers[0].input_layernorm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.layers[0].mlp.up_proj.weight.device
+        return self.layers[0].input_layernorm.weight.device
 
     def new_cache(self, capacity: int, pool: KVPool | None = None) -> KVCache:
         s = self.spec

@@ -10,6 +10,7 @@ from rich.console import Console
 
 from specctl.config import Config
 from specctl.engine.loader import LoadedModel, check_same_vocab, load_model
+from specctl.engine.quant import quantize_decoder
 from specctl.spec.drafters import Drafter, ModelChainDrafter, ModelTreeDrafter, NgramDrafter, NoDrafter
 from specctl.store import resolve_model
 from specctl_kernels import select_backend
@@ -29,13 +30,16 @@ def apply_threads(config: Config) -> None:
         torch.set_num_threads(config.threads)
 
 
-def load_named(name: str, config: Config, console: Console | None = None) -> LoadedModel:
+def load_named(name: str, config: Config, console: Console | None = None, quant: str = "none") -> LoadedModel:
     base, layers = split_model_name(name)
     path = resolve_model(base, console)
     backend = select_backend(config.attention_backend, config.device)
     console = console or Console(stderr=True)
-    with console.status(f"loading {name} ({config.dtype})"):
-        return load_model(name, path, config.dtype, num_layers=layers, device=config.device, backend=backend)
+    dtype = "fp32" if quant == "int8" else config.dtype
+    with console.status(f"loading {name} ({quant if quant != 'none' else config.dtype})"):
+        model = load_model(name, path, dtype, num_layers=layers, device=config.device, backend=backend)
+        model.decoder = quantize_decoder(model.decoder, quant)
+    return model
 
 
 def needs_draft_model(mode: str) -> bool:
@@ -46,7 +50,8 @@ def load_pair(config: Config, console: Console | None = None) -> tuple[LoadedMod
     target = load_named(config.target, config, console)
     draft = None
     if needs_draft_model(config.mode):
-        draft = target if config.draft == config.target else load_named(config.draft, config, console)
+        same = config.draft == config.target and config.draft_quant == "none"
+        draft = target if same else load_named(config.draft, config, console, config.draft_quant)
         check_same_vocab(target, draft)
     return target, draft
 

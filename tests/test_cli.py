@@ -1,0 +1,94 @@
+"""The command line as a user meets it: JSON output, and one-line errors without tracebacks."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "specctl", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _generate(tiny_dir, *extra):
+    return run("generate", "--target", str(tiny_dir["llama"]), "--draft", str(tiny_dir["llama-draft"]),
+               "--prompt", "hello world", "--max-tokens", "12", "--dtype", "fp32", "--json", *extra)
+
+
+def test_generate_json_is_identical_across_modes(tiny_dir):
+    results = {}
+    for mode in ("ar", "chain", "tree", "ngram"):
+        proc = _generate(tiny_dir, "--mode", mode)
+        assert proc.returncode == 0, proc.stderr
+        results[mode] = json.loads(proc.stdout)
+    reference = results["ar"]["token_ids"]
+    assert len(reference) > 0
+    for mode, result in results.items():
+        assert result["token_ids"] == reference, mode
+        assert result["text"] == results["ar"]["text"]
+        assert set(result["stats"]) >= {"rounds", "drafted", "accepted", "mean_accepted_length", "acceptance_rate",
+                                        "tokens_per_s", "draft_ms", "verify_ms"}
+
+
+def _assert_one_line_error(proc, expected: str):
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and expected in lines[0], proc.stderr
+
+
+def test_unknown_model_error():
+    _assert_one_line_error(run("generate", "--target", "no-such-model", "--prompt", "x"), "unknown model 'no-such-model'")
+
+
+def test_vocabulary_mismatch_error(tiny_dir):
+    proc = run("generate", "--target", str(tiny_dir["llama"]), "--draft", str(tiny_dir["llama-other-vocab"]),
+               "--mode", "chain", "--prompt", "x", "--dtype", "fp32")
+    _assert_one_line_error(proc, "have different vocabularies (384 vs 320 tokens")
+
+
+def test_prompt_longer_than_context_error(tiny_dir):
+    proc = run("generate", "--target", str(tiny_dir["llama"]), "--mode", "ar", "--prompt", "y" * 600, "--dtype", "fp32")
+    _assert_one_line_error(proc, "prompt of 600 tokens plus max_tokens 128 exceeds the context of 512 tokens")
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--temperature", "-1"], "temperature must be between 0 and 100, got -1.0"),
+        (["--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
+        (["--top-k", "-2"], "top_k must be a non-negative integer (0 = off), got -2"),
+        (["--max-tokens", "0"], "max_tokens must be a positive integer, got 0"),
+        (["--mode", "warp"], "mode must be one of ar, chain, tree, ngram, got 'warp'"),
+    ],
+)
+def test_bad_parameters_error(tiny_dir, flags, expected):
+    _assert_one_line_error(run("generate", "--target", str(tiny_dir["llama"]), "--prompt", "x", *flags), expected)
+
+
+def test_help_explains_every_role_command():
+    proc = run("--help")
+    assert proc.returncode == 0
+    for command in ("generate", "models", "bench"):
+        assert command in proc.stdout
+
+
+def test_bench_local_writes_json(tiny_dir, tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run("bench", "local", "--target", str(tiny_dir["llama"]), "--draft", str(tiny_dir["llama-draft"]),
+               "--max-tokens", "8", "--limit", "2", "--modes", "ar,chain,tree,ngram,hf-assisted", "--dtype", "fp32",
+               "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert list(report["modes"]) == ["ar", "chain", "tree", "ngram", "hf-assisted"]
+    for mode, result in report["modes"].items():
+        assert {"tokens_per_s", "speedup_vs_ar", "mean_accepted_length", "acceptance_rate"} <= set(result)
+        assert result["outputs_equal_to_ar"] == 1.0, mode  # fp32: every mode is exact
+    assert report["modes"]["ar"]["speedup_vs_ar"] == 1.0
+    assert report["settings"]["max_tokens"] == 8 and report["settings"]["prompts"] == 2
+    assert "bench local" in proc.stdout
+
+
+def test_bench_rejects_unknown_modes():
+    _assert_one_line_error(run("bench", "local", "--modes", "ar,teleport"), "unknown modes teleport")

@@ -1,0 +1,53 @@
+import pytest
+
+from specctl.config import Config, build_config
+from specctl.errors import ConfigError
+
+
+def test_profile_then_flags():
+    config = build_config("server", depth=3, target=None)
+    assert config.profile == "server" and config.device == "cuda" and config.depth == 3 and config.width == 8
+
+
+def test_detected_profile_on_cpu(monkeypatch):
+    monkeypatch.delenv("SPECCTL_PROFILE", raising=False)
+    config = build_config()
+    assert config.profile == "desktop" and config.device == "cpu"
+
+
+def test_every_shipped_profile_is_valid():
+    for name in ("desktop", "server", "jetson"):
+        assert isinstance(build_config(name), Config)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ({"depth": 0}, "depth must be an integer in [1, 64], got 0"),
+        ({"dtype": "int3"}, "dtype must be one of fp32, bf16, fp16, got 'int3'"),
+        ({"mode": "magic"}, "mode must be one of ar, chain, tree, ngram, got 'magic'"),
+        ({"device": "tpu"}, "device must be 'cpu' or 'cuda[:N]', got 'tpu'"),
+        ({"attention_backend": "triton"}, "attention_backend must be auto, torch or flashinfer, got 'triton'"),
+    ],
+)
+def test_bad_values_are_clear_errors(flags, message):
+    with pytest.raises(ConfigError) as err:
+        build_config("desktop", **flags)
+    assert str(err.value) == message
+
+
+def test_unknown_profile_and_bad_profile_files(tmp_path):
+    with pytest.raises(ConfigError, match="unknown profile 'laptop': one of desktop, jetson, server"):
+        build_config("laptop")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("depth = \n")
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        build_config(str(bad))
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("depth = 3\ncolour = 'blue'\n")
+    with pytest.raises(ConfigError, match="unknown keys colour"):
+        build_config(str(unknown))
+    typed = tmp_path / "typed.toml"
+    typed.write_text("depth = 'deep'\n")
+    with pytest.raises(ConfigError, match="depth must be an integer in \\[1, 64\\], got 'deep'"):
+        build_config(str(typed))
