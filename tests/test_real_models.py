@@ -15,11 +15,11 @@ PROMPTS = [
     "Give me a JSON object describing a book with title, author and year.",
 ]
 
-# Measured on 2026-11-22 (fp32, chat template, 24 new tokens, the 3 prompts above):
-# smollm2-135m drafted by its first 20 layers as a tree (d=4, k=3, w=4) reached a mean
-# accepted length of GUARD_MEASURED. A silent collapse of acceptance gives 1.0.
-GUARD_MEASURED = None
-GUARD_FLOOR = None
+# Measured on 2026-11-22 (fp32 greedy, chat template, 24 new tokens, the 3 prompts above):
+# smollm2-135m drafted by its own first N layers as a tree (d=4, k=3, w=4) reaches a mean
+# accepted length of 1.23 (N=20) and 2.03 (N=25); a silent collapse of acceptance gives
+# 1.0. The floors leave room for other CPUs' rounding, not for a collapse.
+GUARD_FLOORS = {20: 1.10, 25: 1.70}
 
 
 def _chat_ids(model, text):
@@ -52,8 +52,10 @@ def test_smollm2_self_draft_is_exact(smollm, layers):
 
 
 @needs_smollm
-def test_smollm2_acceptance_does_not_collapse(smollm):
-    target, draft = smollm["target"], smollm["@20"].decoder
+@pytest.mark.parametrize("layers", sorted(GUARD_FLOORS))
+def test_smollm2_acceptance_does_not_collapse(smollm, layers):
+    target = smollm["target"]
+    draft = load_model(f"smollm2-135m@{layers}", target.path, "fp32", num_layers=layers).decoder
     rounds = accepted = 0
     for text in PROMPTS:
         _, stats, _ = generate(target.decoder, _chat_ids(target, text), SamplingParams(max_tokens=24),
@@ -61,7 +63,7 @@ def test_smollm2_acceptance_does_not_collapse(smollm):
         rounds += stats.rounds
         accepted += stats.accepted
     mean_accepted_length = 1 + accepted / rounds
-    assert mean_accepted_length > GUARD_FLOOR, mean_accepted_length
+    assert mean_accepted_length > GUARD_FLOORS[layers], mean_accepted_length
 
 
 @pytest.mark.slow
