@@ -40,3 +40,7 @@ class InvalidSamplingParams(SpecctlError):
 
 class KVBudgetExceeded(SpecctlError):
     """The KV-cache memory budget is spent: a new session is refused."""
+
+
+class BadRequest(SpecctlError):
+    """A well-formed request with invalid content (token ids outside the vocabulary, ...)."""

@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from specctl.cli import bench, generate, models
+from specctl.cli import bench, generate, models, plan, roles
 from specctl.errors import SpecctlError
 
 app = typer.Typer(
@@ -20,6 +20,9 @@ app = typer.Typer(
 app.add_typer(models.app, name="models")
 app.add_typer(bench.app, name="bench")
 app.command("generate")(generate.generate)
+app.command("draft")(roles.draft)
+app.command("verify")(roles.verify)
+app.command("plan")(plan.plan)
 
 
 def main() -> None:

@@ -62,6 +62,9 @@ def generate(
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (0 = default)"),
     profile: Optional[str] = typer.Option(None, help="hardware profile: desktop | server | jetson | FILE.toml"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object (ids, text, stats) instead of streaming"),
+    remote: Optional[str] = typer.Option(None, help="HOST:PORT of a target instance (`specctl verify`) to generate on"),
+    auth_token: Optional[str] = typer.Option(None, "--auth-token", envvar="SPECCTL_AUTH_TOKEN", help="auth token for --remote"),
+    tls_ca: Optional[str] = typer.Option(None, "--tls-ca", help="CA file: talk TLS to --remote"),
 ) -> None:
     """Generate text with speculative decoding in one process (draft and target together)."""
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed)
@@ -71,6 +74,8 @@ def generate(
     )
     apply_threads(config)
     console = Console(stderr=True)
+    if remote:
+        return _generate_remote(remote, config, prompt, chat, params, as_json, auth_token, tls_ca, console)
     target_model, draft_model = load_pair(config, console)
     ids = encode_prompt(target_model, prompt, chat)
     session = DecodeSession(
@@ -98,3 +103,40 @@ def generate(
             f"[dim]{stats.new_tokens} tokens, {stats.tokens_per_s:.2f} tok/s, mode {config.mode}, "
             f"mean accepted length {stats.mean_accepted_length:.2f}, acceptance {stats.acceptance_rate:.0%}[/]"
         )
+
+
+def _generate_remote(remote, config, prompt, chat, params, as_json, auth_token, tls_ca, console) -> None:
+    """Same output as local mode; the tokenizer comes from the local copy of the target model."""
+    import time
+
+    from transformers import AutoTokenizer
+
+    from specctl.runtime.loop import parse_hostport, run
+    from specctl.runtime.tls import client_context
+    from specctl.spec.factory import split_model_name
+    from specctl.store import resolve_model
+    from specctl.verify.client import remote_generate
+
+    host, port = parse_hostport(remote)
+    path = resolve_model(split_model_name(config.target)[0], console)
+    holder = LoadedModel(config.target, path, None, None, AutoTokenizer.from_pretrained(path))
+    ids = encode_prompt(holder, prompt, chat)
+    streamer = None if as_json else TextStreamer(holder.tokenizer)
+    result = {}
+
+    async def main() -> None:
+        start = time.perf_counter()
+        result["out"] = await remote_generate(host, port, ids, params, streamer.update if streamer else None,
+                                              auth_token=auth_token, ssl=client_context(tls_ca))
+        result["wall"] = time.perf_counter() - start
+
+    run(main())
+    tokens, finish_reason, stats = result["out"]
+    text = holder.tokenizer.decode(tokens, skip_special_tokens=True)
+    if as_json:
+        print(json.dumps({"mode": "remote", "remote": remote, "target": config.target, "token_ids": tokens, "text": text,
+                          "finish_reason": finish_reason, "stats": stats}))
+    else:
+        print()
+        console.print(f"[dim]{len(tokens)} tokens in {result['wall']:.2f}s via {remote}, "
+                      f"mean accepted length {stats.get('mean_accepted_length', 0):.2f}[/]")

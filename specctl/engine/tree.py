@@ -44,6 +44,39 @@ class TokenTree:
             tree = tree.append_layer(torch.tensor([len(tree) - 1]), torch.tensor([token]), torch.tensor([p]))
         return tree
 
+    @classmethod
+    def from_parents(cls, tokens: list[int], parents: list[int], probs: list[float]) -> "TokenTree":
+        """Rebuild a tree sent over the wire, checking it is a BFS-ordered tree."""
+        n = len(tokens)
+        if n == 0 or len(parents) != n or len(probs) != n:
+            raise ValueError(f"tokens, parents and probs must have the same non-zero length ({n}, {len(parents)}, {len(probs)})")
+        if parents[0] != -1:
+            raise ValueError("node 0 must be the root (parent -1)")
+        depth = [0] * n
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        mask[0, 0] = True
+        for i in range(1, n):
+            parent = parents[i]
+            if not 0 <= parent < i:
+                raise ValueError(f"node {i} has parent {parent}: parents must precede their children")
+            depth[i] = depth[parent] + 1
+            if depth[i] < depth[i - 1]:
+                raise ValueError("nodes are not in BFS order")
+            mask[i] = mask[parent]
+            mask[i, i] = True
+        p = torch.tensor(probs, dtype=torch.float32)
+        par = torch.tensor(parents, dtype=torch.long)
+        log_p = p.clamp_min(1e-30).log()
+        log_p[0] = 0.0
+        return cls(
+            tokens=torch.tensor(tokens, dtype=torch.long),
+            parents=par,
+            probs=p,
+            depth=torch.tensor(depth, dtype=torch.long),
+            mask=mask,
+            score=(mask.float() * log_p.unsqueeze(0)).sum(-1),
+        )
+
     def __len__(self) -> int:
         return self.tokens.numel()
 

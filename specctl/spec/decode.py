@@ -14,7 +14,7 @@ import torch
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.model import Decoder
 from specctl.errors import PromptTooLong
-from specctl.spec.drafters import Drafter, NoDrafter
+from specctl.spec.drafters import Drafter, NoDrafter, Proposal
 from specctl.spec.sampling import SamplingParams, probs_from_logits, sample
 from specctl.spec.stats import GenerationStats
 from specctl.spec.verify import accept_chain_sampling, accept_greedy, accept_tree_sampling
@@ -41,6 +41,7 @@ class DecodeSession:
         max_context: int | None = None,
         pool: KVPool | None = None,
         draft_pool: KVPool | None = None,
+        max_proposal_nodes: int | None = None,
     ) -> None:
         if not prompt:
             raise PromptTooLong("the prompt is empty: give at least one token")
@@ -53,7 +54,10 @@ class DecodeSession:
         self.target, self.params = target, params
         self.drafter = drafter or NoDrafter()
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-        capacity = len(prompt) + params.max_tokens + self.drafter.max_nodes + 1
+        # Room for the largest tree a round may verify: the local drafter's, or what a
+        # remote draft server may send (max_proposal_nodes).
+        self.max_nodes = max(self.drafter.max_nodes, max_proposal_nodes or 1)
+        capacity = len(prompt) + params.max_tokens + self.max_nodes + 1
         self.cache = target.new_cache(capacity, pool)
         try:
             self.draft = self.drafter.open(prompt, capacity, draft_pool)
@@ -65,6 +69,8 @@ class DecodeSession:
         self.output: list[int] = []
         self.finish_reason: str | None = None
         self.stats = GenerationStats(prompt_tokens=len(prompt))
+        self.last_path: list[int] = []
+        self.last_committed: list[int] = []
 
     @property
     def finished(self) -> bool:
@@ -91,12 +97,25 @@ class DecodeSession:
         logits = self.target(prompt, torch.arange(len(self.seq)), self.cache, logits_at=torch.tensor([len(self.seq) - 1]))
         first = int(logits[0].argmax()) if self.params.greedy else sample(probs_from_logits(logits[0], self.params), self.generator)
         self.stats.prefill_s += time.perf_counter() - t0
+        self.last_committed = [first]
         return self._emit([first])
 
     def step(self) -> list[int]:
         """One round; returns the tokens it committed (at least one unless finished)."""
         t0 = time.perf_counter()
         proposal = self.draft.propose(self.seq, self.params, self.generator)
+        self.stats.draft_s += time.perf_counter() - t0
+        emitted = self.apply(proposal)
+        self.draft.on_verified(self.last_path)
+        return emitted
+
+    def apply(self, proposal: Proposal) -> list[int]:
+        """Verify a proposal (local or from a draft server) and commit what is accepted.
+        ``last_path`` and ``last_committed`` then describe the outcome for the drafter."""
+        if proposal.tree.tokens[0] != self.seq[-1]:
+            raise ValueError("proposal root is not the last committed token")
+        if len(proposal.tree) > self.max_nodes:
+            raise ValueError(f"proposal of {len(proposal.tree)} nodes exceeds the session's {self.max_nodes}")
         t1 = time.perf_counter()
         tree, prefix = proposal.tree, len(self.seq) - 1
         mask = None if len(tree) == 1 else torch.cat([torch.ones(len(tree), prefix, dtype=torch.bool), tree.mask], 1)
@@ -104,15 +123,14 @@ class DecodeSession:
         path, bonus = verify(logits, proposal, self.params, self.generator)
         keep = [prefix + node for node in [0, *path]]
         self.cache.gather(list(range(prefix)) + keep)
-        self.draft.on_verified(path)
-        t2 = time.perf_counter()
-        self.stats.draft_s += t1 - t0
-        self.stats.verify_s += t2 - t1
+        self.stats.verify_s += time.perf_counter() - t1
+        self.last_path = path
         if len(tree) > 1:
             self.stats.record_round(tree.max_depth, len(tree) - 1, len(path))
         else:
             self.stats.rounds += 1
-        return self._emit([int(t) for t in tree.tokens[path].tolist()] + [bonus])
+        self.last_committed = [int(t) for t in tree.tokens[path].tolist()] + [bonus]
+        return self._emit(self.last_committed)
 
     def stream(self) -> Iterator[list[int]]:
         start = time.perf_counter()

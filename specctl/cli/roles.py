@@ -1,0 +1,130 @@
+"""``specctl draft`` and ``specctl verify``: the two server roles of the star."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from specctl.config import build_config
+from specctl.errors import ConfigError, SpecctlError
+
+AUTH_HELP = "shared auth token (or SPECCTL_AUTH_TOKEN); peers sign a nonce with it, it never crosses the wire"
+
+
+def draft(
+    port: int = typer.Option(9000, help="TCP port to listen on (0 = any free port)"),
+    host: str = typer.Option("127.0.0.1", help="address to bind (0.0.0.0 for every interface)"),
+    model: Optional[str] = typer.Option(None, help="draft model (default: qwen2.5-coder-0.5b)"),
+    mode: Optional[str] = typer.Option(None, help="chain | tree | ngram: the proposals this server makes"),
+    depth: Optional[int] = typer.Option(None, help="proposal depth d"),
+    topk: Optional[int] = typer.Option(None, help="tree top-k"),
+    width: Optional[int] = typer.Option(None, help="tree width w"),
+    max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="most open sessions (admission)"),
+    max_batch: Optional[int] = typer.Option(None, "--max-batch", help="most requests served per compute pass"),
+    dtype: Optional[str] = typer.Option(None, help="fp32 | bf16"),
+    draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="none | int8 (CPU)"),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
+    profile: Optional[str] = typer.Option(None, help="hardware profile"),
+    auth_token: Optional[str] = typer.Option(None, "--auth-token", envvar="SPECCTL_AUTH_TOKEN", help=AUTH_HELP),
+    tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="PEM certificate: serve TLS"),
+    tls_key: Optional[str] = typer.Option(None, "--tls-key", help="PEM private key for --tls-cert"),
+    log_level: str = typer.Option("info", "--log-level", help="debug | info | warning"),
+) -> None:
+    """Run the shared draft server: one draft model serving many target instances (StarSD)."""
+    from specctl.draft.server import DraftServer, DraftServerConfig
+    from specctl.runtime.loop import run, setup_logging, wait_for_shutdown
+    from specctl.runtime.tls import server_context
+    from specctl.spec.factory import apply_threads, load_named, make_drafter
+
+    config = build_config(profile, draft=model, mode=mode, depth=depth, topk=topk, width=width,
+                          max_sessions=max_sessions, max_batch=max_batch, dtype=dtype, threads=threads, draft_quant=draft_quant)
+    if config.mode == "ar":
+        raise ConfigError("a draft server proposes: --mode must be chain, tree or ngram")
+    ssl = server_context(tls_cert, tls_key)
+    server_config = DraftServerConfig(host=host, port=port, max_sessions=config.max_sessions,
+                                      kv_budget_bytes=config.kv_budget_bytes, auth_token=auth_token)
+    setup_logging(log_level)
+    apply_threads(config)
+    console = Console(stderr=True)
+    loaded = load_named(config.draft, config, console, config.draft_quant)
+    drafter = make_drafter(config, loaded)
+
+    async def main() -> None:
+        server = DraftServer(loaded, drafter, server_config, ssl)
+        bound = await server.start()
+        console.print(f"draft server [bold]{config.draft}[/] ({config.mode}, d={config.depth}) listening on "
+                      f"{host}:{bound}{' (TLS)' if ssl else ''}{' (auth)' if auth_token else ''}", soft_wrap=True)
+        try:
+            await wait_for_shutdown()
+        finally:
+            await server.close()
+
+    run(main())
+
+
+def verify(
+    model: Optional[str] = typer.Option(None, help="target model (default: qwen2.5-coder-1.5b)"),
+    draft: Optional[str] = typer.Option(None, help="draft server HOST:PORT (none: autoregressive only)"),
+    port: int = typer.Option(9100, help="TCP port for clients (0 = any free port)"),
+    host: str = typer.Option("127.0.0.1", help="address to bind"),
+    stage: str = typer.Option("1/1", help="pipeline stage i/n of this process"),
+    max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="most concurrent sessions"),
+    dtype: Optional[str] = typer.Option(None, help="fp32 | bf16"),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
+    profile: Optional[str] = typer.Option(None, help="hardware profile"),
+    verify_delay_ms: float = typer.Option(0.0, "--verify-delay-ms", help="add a delay to every verification (emulation)"),
+    auth_token: Optional[str] = typer.Option(None, "--auth-token", envvar="SPECCTL_AUTH_TOKEN", help=AUTH_HELP),
+    tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="PEM certificate: serve clients over TLS"),
+    tls_key: Optional[str] = typer.Option(None, "--tls-key", help="PEM private key for --tls-cert"),
+    tls_ca: Optional[str] = typer.Option(None, "--tls-ca", help="CA file: talk TLS to the draft server"),
+    log_level: str = typer.Option("info", "--log-level", help="debug | info | warning"),
+) -> None:
+    """Run a target instance: verifies proposals from the draft server and serves generation requests."""
+    from specctl.runtime.loop import parse_hostport, run, setup_logging, wait_for_shutdown
+    from specctl.runtime.tls import client_context, server_context
+    from specctl.spec.factory import apply_threads, load_named
+    from specctl.verify.draft_client import DraftClient
+    from specctl.verify.server import TargetServer, TargetServerConfig
+
+    if stage != "1/1":
+        raise ConfigError("pipeline stages are not available yet: run --stage 1/1")
+    if verify_delay_ms < 0:
+        raise ConfigError("--verify-delay-ms must be >= 0")
+    config = build_config(profile, target=model, max_sessions=max_sessions, dtype=dtype, threads=threads)
+    draft_addr = parse_hostport(draft) if draft else None
+    ssl_server, ssl_client = server_context(tls_cert, tls_key), client_context(tls_ca)
+    server_config = TargetServerConfig(host=host, port=port, max_sessions=config.max_sessions,
+                                       kv_budget_bytes=config.kv_budget_bytes, auth_token=auth_token,
+                                       verify_delay_s=verify_delay_ms / 1e3)
+    setup_logging(log_level)
+    apply_threads(config)
+    console = Console(stderr=True)
+    loaded = load_named(config.target, config, console)
+
+    async def main() -> None:
+        client = None
+        link = None
+        if draft_addr:
+            client = DraftClient(*draft_addr, model=loaded.name, fingerprint=loaded.vocab_fingerprint,
+                                 auth_token=auth_token, ssl=ssl_client)
+            first = asyncio.get_running_loop().create_future()
+            link = asyncio.create_task(client.run(first))
+            if not await first:  # a refusal (vocabulary, auth) raises here and stops start-up
+                console.print(f"[yellow]draft server {draft} unreachable ({client.last_error}); decoding "
+                              "autoregressively and reconnecting in the background[/]")
+        server = TargetServer(loaded, server_config, client, ssl_server)
+        bound = await server.start()
+        console.print(f"target instance [bold]{config.target}[/] stage {stage} listening on {host}:{bound}"
+                      f"{' (TLS)' if ssl_server else ''}, draft {draft or 'none'}", soft_wrap=True)
+        try:
+            await wait_for_shutdown()
+        finally:
+            if link:
+                link.cancel()
+            await server.close()
+
+    run(main())

@@ -1,0 +1,86 @@
+"""StarSD's analytical model (paper §3-4, DESIGN §4) as pure functions, used by
+``specctl plan``, by admission on the draft server and by the monitor.
+
+E[l(d)] = β(1-β^d)/(1-β)          expected accepted draft tokens per round
+S(d)    = d·t_s                    draft service time of one depth-d request
+Z(d)    = t_c + t_v                return time: communication + verification
+T_idle  = max(0, Z - (N-1)·S)      the draft's idle gap per round
+T       = N·S + T_idle             round time with N targets
+O       = N·E[l]/T,  O_i = E[l]/T  system and per-target throughput (tokens/s)
+N_full  = ceil(Z/S) + 1            the first N at which the draft never idles
+N_max   = the largest N with O_i >= the target's standalone speed"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class StarModel:
+    t_s: float  # draft time per drafted token, seconds
+    t_v: float  # verification time per round, seconds
+    t_c: float  # communication time per round, seconds
+    beta: float  # per-token acceptance probability
+    depth: int
+
+    def __post_init__(self) -> None:
+        if self.t_s <= 0 or self.t_v < 0 or self.t_c < 0:
+            raise ValueError("t_s must be > 0 and t_v, t_c >= 0")
+        if not 0 <= self.beta < 1:
+            raise ValueError(f"beta must be in [0, 1), got {self.beta}")
+        if self.depth < 1:
+            raise ValueError(f"depth must be >= 1, got {self.depth}")
+
+    @property
+    def expected_accepted(self) -> float:
+        b, d = self.beta, self.depth
+        return b * (1 - b**d) / (1 - b)
+
+    @property
+    def service(self) -> float:
+        return self.depth * self.t_s
+
+    @property
+    def return_time(self) -> float:
+        return self.t_c + self.t_v
+
+    def idle(self, n: int) -> float:
+        return max(0.0, self.return_time - (n - 1) * self.service)
+
+    def round_time(self, n: int) -> float:
+        return n * self.service + self.idle(n)
+
+    def system_throughput(self, n: int) -> float:
+        return n * self.expected_accepted / self.round_time(n)
+
+    def per_target_throughput(self, n: int) -> float:
+        return self.expected_accepted / self.round_time(n)
+
+    def load(self, n: int) -> float:
+        """Fraction of the round the draft computes."""
+        return n * self.service / self.round_time(n)
+
+    @property
+    def n_full(self) -> int:
+        return math.ceil(self.return_time / self.service) + 1
+
+    def regime(self, n: int) -> str:
+        return "fully loaded" if n >= self.n_full else "under-loaded"
+
+    def n_max(self, standalone_tokens_per_s: float | None, limit: int = 4096) -> int:
+        """Largest N whose per-target throughput stays at or above the standalone speed
+        (N_full when no standalone speed is known; 0 when even N=1 is slower)."""
+        if standalone_tokens_per_s is None:
+            return self.n_full
+        n = 0
+        while n < limit and self.per_target_throughput(n + 1) >= standalone_tokens_per_s:
+            n += 1
+        return n
+
+
+def admit(active_targets: int, model: StarModel | None, standalone_tokens_per_s: float | None) -> bool:
+    """StarSD's admission rule: refuse a new target instance when N would exceed N_max."""
+    if model is None or standalone_tokens_per_s is None:
+        return True
+    return active_targets + 1 <= model.n_max(standalone_tokens_per_s)

@@ -1,0 +1,210 @@
+"""The draft server: accepts target instances (one TCP connection each, many sessions
+multiplexed by tag), puts every request into the compute thread's global buffer, and
+sends replies through a per-connection outgoing queue so a slow target never blocks
+another. Per-tag state is freed on CloseSession or when its connection drops."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+from specctl.draft.plan import StarModel, admit
+from specctl.draft.sessions import SessionTable, UnknownTag
+from specctl.engine.kv_cache import KVPool
+from specctl.engine.loader import LoadedModel
+from specctl.errors import KVBudgetExceeded, SpecctlError
+from specctl.net.framing import read_message
+from specctl.net.handshake import server_handshake
+from specctl.net.protocol import (
+    MAX_FRAME_BYTES, CloseSession, Error, OpenSession, Propose, ProtocolError, SessionOpened, Stats, StatsRequest, encode,
+)
+from specctl.runtime.compute import ComputeThread
+from specctl.runtime.tasks import TaskGroup
+from specctl.spec.drafters import Drafter
+
+log = logging.getLogger("specctl.draft")
+
+
+@dataclass(slots=True)
+class DraftServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 9000
+    max_sessions: int = 64
+    max_sessions_per_connection: int = 64
+    max_frame_bytes: int = MAX_FRAME_BYTES
+    kv_budget_bytes: int | None = None
+    auth_token: str | None = None
+    admission_model: StarModel | None = None  # StarSD N_max admission, when given
+    standalone_tokens_per_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_sessions < 1 or self.max_sessions_per_connection < 1:
+            raise ValueError("session limits must be >= 1")
+
+
+@dataclass(slots=True)
+class Connection:
+    id: int
+    peer: str
+    role: str
+    writer: asyncio.StreamWriter
+    outgoing: asyncio.Queue = field(default_factory=asyncio.Queue)
+    tags: set[int] = field(default_factory=set)
+
+    def send(self, message) -> None:
+        self.outgoing.put_nowait(encode(message))
+
+
+class DraftServer:
+    def __init__(self, model: LoadedModel, drafter: Drafter, config: DraftServerConfig, ssl=None) -> None:
+        self.model, self.config, self.ssl = model, config, ssl
+        self.compute = ComputeThread("draft-compute")
+        spec = model.spec
+        self.table = SessionTable(drafter, KVPool(config.kv_budget_bytes), spec.vocab_size, spec.max_position)
+        self.connections: dict[int, Connection] = {}
+        self._ids = itertools.count(1)
+        self._tags = itertools.count(1)
+        self._server: asyncio.base_events.Server | None = None
+        self.started = time.time()
+
+    @property
+    def active_sessions(self) -> int:
+        return sum(len(c.tags) for c in self.connections.values())
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._handle, self.config.host, self.config.port, ssl=self.ssl)
+        return self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        """Stop listening and drop every connection (their sessions are freed)."""
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections.values()):
+            conn.writer.transport.abort()
+        if self._server is not None:
+            await self._server.wait_closed()
+        await asyncio.sleep(0)
+        self.compute.stop()
+
+    def snapshot(self) -> dict:
+        stats = {"model": self.model.name, "connections": len(self.connections), "uptime_s": round(time.time() - self.started, 1)}
+        stats.update(self.compute.stats.snapshot(self.compute.queue_depth))
+        stats.update(self.table.snapshot())
+        stats["R_q"] = stats.pop("jobs_per_s")
+        return stats
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = str(writer.get_extra_info("peername"))
+        conn: Connection | None = None
+        try:
+            hello = await server_handshake(
+                reader, writer, role="draft", model=self.model.name, fingerprint=self.model.vocab_fingerprint,
+                max_sessions=self.config.max_sessions, auth_token=self.config.auth_token,
+                accept_roles={"target": True, "monitor": False, "gateway": False},
+            )
+            conn = Connection(next(self._ids), peer, hello.role, writer)
+            self.connections[conn.id] = conn
+            async with TaskGroup() as group:
+                group.create_task(self._write_loop(conn, writer))
+                try:
+                    await self._read_loop(conn, reader, group)
+                finally:
+                    conn.outgoing.put_nowait(None)
+        except (SpecctlError, asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError) as exc:
+            log.info("connection %s closed: %s", peer, exc)
+        except Exception:  # noqa: BLE001 - one broken connection must not take the server down
+            log.exception("connection %s failed", peer)
+        finally:
+            if conn is not None:
+                self.connections.pop(conn.id, None)
+                for tag in conn.tags:
+                    self.compute.submit_nowait(self.table.close, tag)
+                conn.tags.clear()
+            writer.close()
+
+    async def _write_loop(self, conn: Connection, writer: asyncio.StreamWriter) -> None:
+        while (frame := await conn.outgoing.get()) is not None:
+            writer.write(frame)
+            await writer.drain()
+
+    async def _read_loop(self, conn: Connection, reader: asyncio.StreamReader, group: TaskGroup) -> None:
+        while True:
+            try:
+                message = await read_message(reader, self.config.max_frame_bytes)
+            except ProtocolError as exc:
+                conn.send(Error("protocol", str(exc)))  # then close: the stream can't be trusted
+                return
+            except asyncio.IncompleteReadError:
+                return
+            if isinstance(message, StatsRequest):
+                conn.send(Stats("draft", self.snapshot()))
+            elif conn.role != "target":
+                conn.send(Error("forbidden", f"a {conn.role} connection may only request stats"))
+            elif isinstance(message, OpenSession):
+                self._open(conn, message, group)
+            elif isinstance(message, Propose):
+                if message.tag not in conn.tags:
+                    conn.send(Error("unknown_tag", f"unknown session tag {message.tag}", tag=message.tag))
+                else:
+                    group.create_task(self._propose(conn, message))
+            elif isinstance(message, CloseSession):
+                if message.tag in conn.tags:
+                    conn.tags.discard(message.tag)
+                    self.compute.submit_nowait(self.table.close, message.tag)
+                else:
+                    conn.send(Error("unknown_tag", f"unknown session tag {message.tag}", tag=message.tag))
+            else:
+                conn.send(Error("unexpected", f"a draft server does not handle {type(message).__name__}"))
+
+    def _open(self, conn: Connection, message: OpenSession, group: TaskGroup) -> None:
+        if self.active_sessions >= self.config.max_sessions:
+            conn.send(Error("capacity", f"draft server full: {self.config.max_sessions} sessions open; retry later", req=message.req))
+            return
+        if len(conn.tags) >= self.config.max_sessions_per_connection:
+            limit = self.config.max_sessions_per_connection
+            conn.send(Error("capacity", f"at most {limit} sessions per connection", req=message.req))
+            return
+        targets = sum(1 for c in self.connections.values() if c.tags and c is not conn)
+        if not conn.tags and not admit(targets, self.config.admission_model, self.config.standalone_tokens_per_s):
+            conn.send(Error("admission", "draft server at N_max: another target would run slower than standalone", req=message.req))
+            return
+        tag = next(self._tags)
+        conn.tags.add(tag)
+        group.create_task(self._open_on_compute(conn, tag, message))
+
+    async def _open_on_compute(self, conn: Connection, tag: int, message: OpenSession) -> None:
+        try:
+            await self.compute.run(self.table.open, tag, message)
+        except KVBudgetExceeded as exc:
+            conn.tags.discard(tag)
+            conn.send(Error("capacity", str(exc), req=message.req))
+            return
+        except SpecctlError as exc:
+            conn.tags.discard(tag)
+            conn.send(Error("bad_request", str(exc), req=message.req))
+            return
+        except Exception as exc:  # noqa: BLE001
+            conn.tags.discard(tag)
+            conn.send(Error("internal", f"could not open a draft session: {exc}", req=message.req))
+            return
+        conn.send(SessionOpened(message.req, tag))
+
+    async def _propose(self, conn: Connection, message: Propose) -> None:
+        try:
+            proposal = await self.compute.run(self.table.propose, message.tag, message.path, message.tokens)
+        except UnknownTag:
+            conn.send(Error("unknown_tag", f"unknown session tag {message.tag}", tag=message.tag))
+            return
+        except SpecctlError as exc:
+            conn.send(Error("bad_request", str(exc), tag=message.tag))
+            return
+        except Exception as exc:  # noqa: BLE001 - report, keep serving the other sessions
+            log.exception("proposal for tag %s failed", message.tag)
+            conn.send(Error("internal", f"drafting failed: {exc}", tag=message.tag))
+            return
+        conn.send(proposal)

@@ -1,0 +1,1 @@
+"""Wire protocol and framing shared by every role."""

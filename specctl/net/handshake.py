@@ -1,0 +1,82 @@
+"""The versioned handshake: the server sends a Challenge with a nonce; the client answers
+Hello (role, vocabulary fingerprint, HMAC of the nonce when a token is set); the server
+answers Welcome or an Error and closes. The token itself never crosses the wire."""
+
+from __future__ import annotations
+
+import asyncio
+
+from specctl.errors import SpecctlError, VocabMismatch
+from specctl.net.framing import new_nonce, read_message, sign, verify_signature, write_message
+from specctl.net.protocol import PROTOCOL_VERSION, Challenge, Error, Hello, ProtocolError, Welcome
+
+HANDSHAKE_TIMEOUT_S = 10.0
+
+
+class AuthError(SpecctlError):
+    """Wrong or missing auth token."""
+
+
+class HandshakeRefused(SpecctlError):
+    """The server refused the handshake (version, role or capacity)."""
+
+
+async def server_handshake(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    *,
+    role: str,
+    model: str,
+    fingerprint: str,
+    max_sessions: int,
+    auth_token: str | None,
+    accept_roles: dict[str, bool],  # client role -> must its vocabulary fingerprint match?
+) -> Hello:
+    """Returns the client's Hello, or sends an Error and raises (the caller closes)."""
+    nonce = new_nonce()
+    await write_message(writer, Challenge(PROTOCOL_VERSION, role, nonce))
+    hello = await asyncio.wait_for(read_message(reader, max_bytes=64 << 10), HANDSHAKE_TIMEOUT_S)
+
+    async def refuse(code: str, message: str, exc: type[Exception]) -> None:
+        await write_message(writer, Error(code, message))
+        raise exc(message)
+
+    if not isinstance(hello, Hello):
+        await refuse("protocol", f"expected Hello, got {type(hello).__name__}", ProtocolError)
+    if hello.version != PROTOCOL_VERSION:
+        await refuse("version", f"protocol version {hello.version} is not supported (this {role} speaks {PROTOCOL_VERSION})", HandshakeRefused)
+    if auth_token and not verify_signature(auth_token, nonce, hello.auth):
+        await refuse("auth", "authentication failed: wrong or missing auth token (--auth-token / SPECCTL_AUTH_TOKEN)", AuthError)
+    if hello.role not in accept_roles:
+        await refuse("role", f"a {role} does not serve {hello.role!r} clients (accepts: {', '.join(accept_roles)})", HandshakeRefused)
+    if accept_roles[hello.role] and hello.fingerprint != fingerprint:
+        await refuse(
+            "vocab_mismatch",
+            f"vocabulary mismatch: {role} model {model!r} has fingerprint {fingerprint}, the {hello.role} "
+            f"{hello.model!r} has {hello.fingerprint}; draft and target must share a tokenizer",
+            VocabMismatch,
+        )
+    await write_message(writer, Welcome(PROTOCOL_VERSION, role, model, fingerprint, max_sessions))
+    return hello
+
+
+async def client_handshake(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    *,
+    role: str,
+    model: str = "",
+    fingerprint: str = "",
+    auth_token: str | None = None,
+) -> Welcome:
+    challenge = await asyncio.wait_for(read_message(reader, max_bytes=64 << 10), HANDSHAKE_TIMEOUT_S)
+    if not isinstance(challenge, Challenge):
+        raise ProtocolError(f"expected Challenge, got {type(challenge).__name__}")
+    auth = sign(auth_token, challenge.nonce) if auth_token else b""
+    await write_message(writer, Hello(PROTOCOL_VERSION, role, fingerprint, model, auth))
+    reply = await asyncio.wait_for(read_message(reader, max_bytes=64 << 10), HANDSHAKE_TIMEOUT_S)
+    if isinstance(reply, Error):
+        raise {"auth": AuthError, "vocab_mismatch": VocabMismatch}.get(reply.code, HandshakeRefused)(reply.message)
+    if not isinstance(reply, Welcome):
+        raise ProtocolError(f"expected Welcome, got {type(reply).__name__}")
+    return reply

@@ -1,0 +1,180 @@
+"""One tagged union of typed messages, one encoder, one decoder (msgspec msgpack).
+
+Frames are a 4-byte big-endian length followed by one msgpack message. Every message
+carries its type in a ``type`` field; anything that does not decode into a known message
+with valid fields becomes a ProtocolError. Tensors travel as {dtype, shape, data}."""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+import torch
+
+from specctl.errors import SpecctlError
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 16 << 20
+
+
+class ProtocolError(SpecctlError):
+    """A malformed, oversized or unexpected frame: the connection that sent it is closed."""
+
+
+class Tensor(msgspec.Struct, frozen=True):
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+    @classmethod
+    def from_torch(cls, t: torch.Tensor) -> "Tensor":
+        t = t.detach().contiguous().cpu()
+        return cls(str(t.dtype).removeprefix("torch."), list(t.shape), t.numpy().tobytes())
+
+    def to_torch(self) -> torch.Tensor:
+        dtype = getattr(torch, self.dtype, None)
+        if not isinstance(dtype, torch.dtype) or self.dtype not in ("float32", "float16", "int64", "int32", "bool"):
+            raise ProtocolError(f"unsupported tensor dtype {self.dtype!r}")
+        count = 1
+        for dim in self.shape:
+            if dim < 0:
+                raise ProtocolError(f"negative tensor dimension in {self.shape}")
+            count *= dim
+        item = torch.tensor([], dtype=dtype).element_size()
+        if count * item != len(self.data):
+            raise ProtocolError(f"tensor of shape {self.shape} and dtype {self.dtype} needs {count * item} bytes, got {len(self.data)}")
+        return torch.frombuffer(bytearray(self.data), dtype=dtype).reshape(self.shape) if count else torch.empty(self.shape, dtype=dtype)
+
+
+# --- handshake -------------------------------------------------------------------------
+
+class Challenge(msgspec.Struct, tag=True, frozen=True):
+    """Server -> client, first frame: the nonce an auth token must sign."""
+    version: int
+    role: str
+    nonce: bytes
+
+
+class Hello(msgspec.Struct, tag=True, frozen=True):
+    """Client -> server: who I am; ``auth`` = HMAC-SHA256(token, nonce) when a token is set."""
+    version: int
+    role: str
+    fingerprint: str = ""
+    model: str = ""
+    auth: bytes = b""
+
+
+class Welcome(msgspec.Struct, tag=True, frozen=True):
+    version: int
+    role: str
+    model: str
+    fingerprint: str
+    max_sessions: int
+
+
+# --- target <-> draft ------------------------------------------------------------------
+
+class OpenSession(msgspec.Struct, tag=True, frozen=True):
+    req: int
+    prompt: list[int]
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    max_tokens: int = 128
+
+
+class SessionOpened(msgspec.Struct, tag=True, frozen=True):
+    req: int
+    tag: int
+
+
+class Propose(msgspec.Struct, tag=True, frozen=True):
+    """The outcome of the last round (accepted node indices) and the tokens it committed
+    (accepted + bonus); the draft answers with the next proposal."""
+    tag: int
+    path: list[int]
+    tokens: list[int]
+
+
+class Proposal(msgspec.Struct, tag=True, frozen=True):
+    tag: int
+    tokens: list[int]  # BFS order, root first
+    parents: list[int]  # -1 for the root
+    probs: list[float]
+    draft_probs: Tensor | None = None  # [depth, vocab] q of a sampled chain
+
+
+class CloseSession(msgspec.Struct, tag=True, frozen=True):
+    tag: int
+
+
+# --- client <-> target -----------------------------------------------------------------
+
+class Generate(msgspec.Struct, tag=True, frozen=True):
+    req: int
+    prompt: list[int]
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+
+class Tokens(msgspec.Struct, tag=True, frozen=True):
+    req: int
+    tokens: list[int]
+
+
+class Done(msgspec.Struct, tag=True, frozen=True):
+    req: int
+    finish_reason: str
+    stats: dict
+
+
+class Cancel(msgspec.Struct, tag=True, frozen=True):
+    req: int
+
+
+# --- any role ----------------------------------------------------------------------------
+
+class StatsRequest(msgspec.Struct, tag=True, frozen=True):
+    pass
+
+
+class Stats(msgspec.Struct, tag=True, frozen=True):
+    role: str
+    stats: dict
+
+
+class Error(msgspec.Struct, tag=True, frozen=True):
+    code: str
+    message: str
+    req: int | None = None
+    tag: int | None = None
+
+
+Message = Union[
+    Challenge, Hello, Welcome, OpenSession, SessionOpened, Propose, Proposal, CloseSession,
+    Generate, Tokens, Done, Cancel, StatsRequest, Stats, Error,
+]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(message: Message) -> bytes:
+    """One frame: 4-byte big-endian length + msgpack body."""
+    body = _encoder.encode(message)
+    return len(body).to_bytes(4, "big") + body
+
+
+def decode(body: bytes) -> Message:
+    try:
+        return _decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"invalid message: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"malformed frame: {exc}") from None

@@ -1,0 +1,1 @@
+"""Process plumbing shared by the server roles: the compute thread, TLS, the event loop."""

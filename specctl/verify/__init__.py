@@ -1,0 +1,1 @@
+"""A target instance: verifies proposals and owns its sessions' decode loops."""

@@ -1,0 +1,138 @@
+"""The target instance's link to the draft server: one TCP connection, many sessions
+multiplexed by tag, at most one request in flight per session. When the link is down
+every call returns None at once, so sessions keep decoding autoregressively; a
+background task reconnects with exponential backoff. Tags belong to one connection
+epoch: after a reconnect, sessions open new draft sessions from their current text."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import ssl as ssl_module
+
+from specctl.errors import VocabMismatch
+from specctl.net.framing import read_message
+from specctl.net.handshake import AuthError, client_handshake
+from specctl.net.protocol import CloseSession, Error, OpenSession, Proposal, Propose, SessionOpened, encode
+
+log = logging.getLogger("specctl.verify.draft")
+
+
+class DraftClient:
+    def __init__(self, host: str, port: int, *, model: str, fingerprint: str, auth_token: str | None = None,
+                 ssl: ssl_module.SSLContext | None = None, timeout_s: float = 30.0) -> None:
+        self.host, self.port, self.model, self.fingerprint = host, port, model, fingerprint
+        self.auth_token, self.ssl, self.timeout_s = auth_token, ssl, timeout_s
+        self.epoch = 0  # increments on every successful connect
+        self.connected = asyncio.Event()
+        self.last_error: str | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._pending: dict[tuple[str, int], asyncio.Future] = {}
+        self._reqs = itertools.count(1)
+        self.reconnects = 0
+
+    async def connect_once(self) -> None:
+        reader, writer = await asyncio.open_connection(self.host, self.port, ssl=self.ssl,
+                                                       server_hostname=self.host if self.ssl else None)
+        try:
+            await client_handshake(reader, writer, role="target", model=self.model, fingerprint=self.fingerprint,
+                                   auth_token=self.auth_token)
+        except BaseException:
+            writer.close()
+            raise
+        self._writer = writer
+        self.epoch += 1
+        self.connected.set()
+        self._reader = reader
+
+    async def run(self, first_connected: asyncio.Future | None = None) -> None:
+        """Keep the link up until cancelled. ``first_connected`` gets the first attempt's
+        outcome (a vocabulary mismatch or auth failure is worth failing start-up for)."""
+        backoff = 0.2
+        while True:
+            try:
+                await self.connect_once()
+                if first_connected is not None and not first_connected.done():
+                    first_connected.set_result(True)
+                backoff = 0.2
+                self.last_error = None
+                await self._read_loop()
+            except (VocabMismatch, AuthError) as exc:
+                self.last_error = str(exc)
+                if first_connected is not None and not first_connected.done():
+                    first_connected.set_exception(exc)
+                    return
+                log.error("draft server refused us: %s", exc)
+            except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                if first_connected is not None and not first_connected.done():
+                    first_connected.set_result(False)  # not fatal: decode autoregressively meanwhile
+            finally:
+                self._drop_link()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+            self.reconnects += 1
+
+    def _drop_link(self) -> None:
+        self.connected.clear()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        for future in self._pending.values():
+            if not future.done():
+                future.set_result(None)
+        self._pending.clear()
+
+    async def _read_loop(self) -> None:
+        while True:
+            message = await read_message(self._reader)
+            if isinstance(message, SessionOpened):
+                key = ("req", message.req)
+            elif isinstance(message, Proposal):
+                key = ("tag", message.tag)
+            elif isinstance(message, Error):
+                key = ("req", message.req) if message.req is not None else ("tag", message.tag)
+                log.warning("draft server error %s: %s", message.code, message.message)
+            else:
+                continue
+            future = self._pending.pop(key, None)
+            if future is not None and not future.done():
+                future.set_result(message)
+
+    async def _request(self, key: tuple[str, int], message) -> object | None:
+        if self._writer is None:
+            return None
+        future = asyncio.get_running_loop().create_future()
+        self._pending[key] = future
+        try:
+            self._writer.write(encode(message))
+            return await asyncio.wait_for(future, self.timeout_s)
+        except (ConnectionError, asyncio.TimeoutError):
+            return None
+        finally:
+            self._pending.pop(key, None)
+
+    async def open(self, prompt: list[int], *, temperature: float, top_p: float, top_k: int, seed: int,
+                   max_tokens: int) -> tuple[int, int] | None:
+        """(epoch, tag) of a new draft session, or None when the draft is unavailable."""
+        epoch, req = self.epoch, next(self._reqs)
+        reply = await self._request(("req", req), OpenSession(req, prompt, temperature, top_p, top_k, seed, max_tokens))
+        if isinstance(reply, SessionOpened) and epoch == self.epoch:
+            return epoch, reply.tag
+        return None
+
+    async def propose(self, handle: tuple[int, int], path: list[int], tokens: list[int]) -> Proposal | None:
+        epoch, tag = handle
+        if epoch != self.epoch:
+            return None
+        reply = await self._request(("tag", tag), Propose(tag, path, tokens))
+        return reply if isinstance(reply, Proposal) and epoch == self.epoch else None
+
+    def close(self, handle: tuple[int, int] | None) -> None:
+        if handle is None or handle[0] != self.epoch or self._writer is None:
+            return
+        try:
+            self._writer.write(encode(CloseSession(handle[1])))
+        except (ConnectionError, RuntimeError):
+            pass

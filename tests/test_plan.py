@@ -1,0 +1,55 @@
+"""StarSD's analytical model against hand calculations."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specctl.draft.plan import StarModel, admit
+
+# t_s = 10 ms/token, d = 4 -> S = 40 ms; Z = t_c + t_v = 20 + 100 = 120 ms; β = 0.5
+MODEL = StarModel(t_s=0.010, t_v=0.100, t_c=0.020, beta=0.5, depth=4)
+
+
+def test_expected_accepted_tokens():
+    # 0.5 (1 - 0.5^4) / (1 - 0.5) = 0.9375
+    assert MODEL.expected_accepted == pytest.approx(0.9375)
+
+
+def test_idle_round_time_and_regimes():
+    assert MODEL.service == pytest.approx(0.040) and MODEL.return_time == pytest.approx(0.120)
+    # N=1: idle 120 ms, T = 160 ms; N=3: idle 120 - 80 = 40, T = 160; N=4: idle 0, T = 160; N=5: T = 200
+    assert [round(MODEL.idle(n), 6) for n in (1, 2, 3, 4, 5)] == [0.12, 0.08, 0.04, 0.0, 0.0]
+    assert [round(MODEL.round_time(n), 6) for n in (1, 4, 5)] == [0.16, 0.16, 0.2]
+    assert MODEL.n_full == 4  # ceil(120 / 40) + 1
+    assert MODEL.regime(3) == "under-loaded" and MODEL.regime(4) == "fully loaded"
+    assert MODEL.load(1) == pytest.approx(0.25) and MODEL.load(4) == pytest.approx(1.0)
+
+
+def test_throughputs():
+    assert MODEL.system_throughput(4) == pytest.approx(4 * 0.9375 / 0.16)
+    assert MODEL.per_target_throughput(5) == pytest.approx(0.9375 / 0.2)
+
+
+def test_n_max_and_admission():
+    # Per-target throughput: N<=4: 5.859 tok/s; N=5: 4.6875; N=6: 3.906
+    assert MODEL.n_max(4.5) == 5 and MODEL.n_max(6.0) == 0 and MODEL.n_max(None) == 4
+    assert admit(4, MODEL, 4.5) and not admit(5, MODEL, 4.5)
+    assert admit(100, None, None)
+
+
+def test_invalid_model_is_refused():
+    with pytest.raises(ValueError, match="beta must be in \\[0, 1\\)"):
+        StarModel(0.01, 0.1, 0.0, 1.0, 4)
+
+
+def test_plan_command_json():
+    proc = subprocess.run([sys.executable, "-m", "specctl", "plan", "--ts", "10", "--tv", "100", "--tc", "20",
+                           "--beta", "0.5", "--depth", "4", "--standalone", "4.5", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["N_full"] == 4 and report["N_max"] == 5
+    assert [r["regime"] for r in report["rows"]][:5] == ["under-loaded"] * 3 + ["fully loaded"] * 2
+    assert report["rows"][0]["T_idle_ms"] == 120.0

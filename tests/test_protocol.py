@@ -1,0 +1,104 @@
+"""The wire protocol: every message round-trips; garbage only ever yields ProtocolError."""
+
+import asyncio
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specctl.net import protocol as p
+from specctl.net.framing import read_message, sign, verify_signature
+
+INT64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+
+EXAMPLES = [
+    p.Challenge(1, "draft", b"\x00" * 32),
+    p.Hello(1, "target", "abc", "model", b"sig"),
+    p.Welcome(1, "draft", "m", "fp", 64),
+    p.OpenSession(3, [1, 2, 3], 0.7, 0.9, 5, 42, 64),
+    p.SessionOpened(3, 17),
+    p.Propose(17, [1, 2], [5, 6, 7]),
+    p.Proposal(17, [5, 6, 7], [-1, 0, 1], [1.0, 0.5, 0.25], p.Tensor.from_torch(torch.ones(2, 3))),
+    p.Proposal(17, [5], [-1], [1.0]),
+    p.CloseSession(17),
+    p.Generate(1, [1, 2], 32, 0.0, 1.0, 0, None, [2]),
+    p.Tokens(1, [4, 5]),
+    p.Done(1, "length", {"rounds": 3}),
+    p.Cancel(1),
+    p.StatsRequest(),
+    p.Stats("draft", {"load": 0.5}),
+    p.Error("unknown_tag", "unknown session tag 9", tag=9),
+]
+
+
+@pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips(message):
+    frame = p.encode(message)
+    assert int.from_bytes(frame[:4], "big") == len(frame) - 4
+    assert p.decode(frame[4:]) == message
+
+
+def test_tensor_round_trip_and_validation():
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    assert torch.equal(p.Tensor.from_torch(t).to_torch(), t)
+    with pytest.raises(p.ProtocolError, match="needs 24 bytes, got 4"):
+        p.Tensor("float32", [2, 3], b"\x00" * 4).to_torch()
+    with pytest.raises(p.ProtocolError, match="unsupported tensor dtype 'complex64'"):
+        p.Tensor("complex64", [1], b"\x00" * 8).to_torch()
+
+
+def test_unknown_message_and_wrong_fields_are_protocol_errors():
+    import msgspec
+
+    with pytest.raises(p.ProtocolError, match="invalid message"):
+        p.decode(msgspec.msgpack.encode({"type": "Teleport", "x": 1}))
+    with pytest.raises(p.ProtocolError, match="invalid message"):
+        p.decode(msgspec.msgpack.encode({"type": "Propose", "tag": "seventeen", "path": [], "tokens": []}))
+    with pytest.raises(p.ProtocolError, match="malformed frame"):
+        p.decode(b"\xc1")
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=256))
+def test_decoder_fuzz_never_raises_anything_but_protocol_error(data):
+    try:
+        p.decode(data)
+    except p.ProtocolError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.sampled_from(["type", "tag", "req", "tokens", "path", "prompt", "x"]),
+                       st.one_of(INT64, st.text(max_size=8), st.lists(INT64, max_size=4), st.none())))
+def test_well_formed_msgpack_with_wrong_fields(obj):
+    import msgspec
+
+    try:
+        p.decode(msgspec.msgpack.encode(obj))
+    except p.ProtocolError:
+        pass
+
+
+def _reader(data: bytes) -> asyncio.StreamReader:
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    reader.feed_eof()
+    return reader
+
+
+async def test_huge_length_prefix_is_refused_before_reading():
+    with pytest.raises(p.ProtocolError, match="exceeds the limit"):
+        await read_message(_reader((2**31).to_bytes(4, "big")))
+
+
+async def test_cut_frame_is_an_incomplete_read():
+    frame = p.encode(p.Tokens(1, [1, 2, 3]))
+    with pytest.raises(asyncio.IncompleteReadError):
+        await read_message(_reader(frame[:-2]))
+
+
+def test_hmac_signature():
+    nonce = b"n" * 32
+    assert verify_signature("secret", nonce, sign("secret", nonce))
+    assert not verify_signature("secret", nonce, sign("other", nonce))

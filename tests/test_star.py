@@ -1,0 +1,245 @@
+"""Draft server and target instances over real TCP on loopback (in one process, so the
+test can inspect their state): exactness, faults, isolation, auth and TLS."""
+
+import asyncio
+import datetime
+import ipaddress
+
+import pytest
+
+from specctl.draft.server import DraftServer, DraftServerConfig
+from specctl.engine.loader import load_model
+from specctl.errors import VocabMismatch
+from specctl.net.framing import read_message, write_message
+from specctl.net.handshake import AuthError, client_handshake
+from specctl.net.protocol import Error, Generate, OpenSession, Propose, SessionOpened, Tokens, encode
+from specctl.spec.decode import generate
+from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter
+from specctl.spec.sampling import SamplingParams
+from specctl.verify.client import remote_generate
+from specctl.verify.draft_client import DraftClient
+from specctl.verify.server import TargetServer, TargetServerConfig
+
+PROMPTS = [[5, 9, 13, 2], [7, 8, 9, 10, 7, 8, 9], [100], [42, 43, 44, 45, 46], [1, 2, 3, 1, 2, 3], [250, 3, 77]]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_dir):
+    target = load_model("tiny-llama", tiny_dir["llama"], "fp32")
+    draft = load_model("tiny-llama@2", tiny_dir["llama"], "fp32", num_layers=2)
+    return target, draft
+
+
+async def start_star(models, drafter_kind="chain", auth_token=None, draft_ssl=None, client_ssl=None, port=0):
+    target, draft = models
+    drafter = ModelChainDrafter(draft.decoder, 3) if drafter_kind == "chain" else ModelTreeDrafter(draft.decoder, 3, 2, 3)
+    draft_server = DraftServer(draft, drafter, DraftServerConfig(port=port, auth_token=auth_token), draft_ssl)
+    draft_port = await draft_server.start()
+    client = DraftClient("127.0.0.1" if not client_ssl else "localhost", draft_port, model=target.name,
+                         fingerprint=target.vocab_fingerprint, auth_token=auth_token, ssl=client_ssl)
+    first = asyncio.get_running_loop().create_future()
+    link = asyncio.create_task(client.run(first))
+    assert await first
+    target_server = TargetServer(target, TargetServerConfig(port=0), client)
+    target_port = await target_server.start()
+    return draft_server, draft_port, client, link, target_server, target_port
+
+
+async def stop_star(draft_server, link, target_server):
+    link.cancel()
+    await target_server.close()
+    await draft_server.close()
+
+
+def local_reference(models, prompt, max_tokens):
+    return generate(models[0].decoder, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0]
+
+
+async def wait_until(predicate, timeout=20.0):
+    for _ in range(int(timeout / 0.02)):
+        if predicate():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+@pytest.mark.parametrize("kind", ["chain", "tree"])
+async def test_concurrent_sessions_over_tcp_equal_target_greedy(models, kind):
+    draft_server, _, _, link, target_server, port = await start_star(models, kind)
+    try:
+        params = SamplingParams(max_tokens=24, ignore_eos=True)
+        results = await asyncio.gather(*(remote_generate("127.0.0.1", port, p, params) for p in PROMPTS))
+        for prompt, (tokens, reason, stats) in zip(PROMPTS, results):
+            assert tokens == local_reference(models, prompt, 24)
+            assert reason == "length"
+            assert stats["rounds"] > 0
+        assert target_server.snapshot()["rounds"] > 0 and target_server.totals.ar_rounds == 0
+        assert draft_server.snapshot()["rounds"] > 0
+        await wait_until(lambda: draft_server.table.states == {} and target_server.active == 0)
+        assert draft_server.table.pool.used_bytes == 0 and target_server.pool.used_bytes == 0
+    finally:
+        await stop_star(draft_server, link, target_server)
+
+
+async def test_draft_server_death_falls_back_then_reconnects(models):
+    draft_server, draft_port, client, link, target_server, port = await start_star(models)
+    try:
+        params = SamplingParams(max_tokens=60, ignore_eos=True)
+        seen = asyncio.Event()
+        runs = [asyncio.create_task(remote_generate("127.0.0.1", port, p, params, lambda t: seen.set())) for p in PROMPTS[:4]]
+        await seen.wait()
+        await draft_server.close()  # the draft dies mid-stream
+        results = await asyncio.gather(*runs)
+        for prompt, (tokens, _, _) in zip(PROMPTS, results):
+            assert tokens == local_reference(models, prompt, 60)
+        assert target_server.totals.ar_rounds > 0
+        # Restart on the same port: the target reconnects and speculation resumes.
+        draft_server = DraftServer(models[1], ModelChainDrafter(models[1].decoder, 3), DraftServerConfig(port=draft_port))
+        await draft_server.start()
+        await asyncio.wait_for(client.connected.wait(), 20)
+        before = draft_server.snapshot()["rounds"]
+        tokens, _, _ = await remote_generate("127.0.0.1", port, PROMPTS[0], params)
+        assert tokens == local_reference(models, PROMPTS[0], 60)
+        assert draft_server.snapshot()["rounds"] > before
+    finally:
+        await stop_star(draft_server, link, target_server)
+
+
+async def test_client_disconnect_frees_state_everywhere(models):
+    draft_server, _, _, link, target_server, port = await start_star(models)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        await client_handshake(reader, writer, role="client")
+        await write_message(writer, Generate(1, [1, 2, 3], 400, ignore_eos=True))
+        assert isinstance(await read_message(reader), Tokens)
+        await wait_until(lambda: target_server.active == 1 and len(draft_server.table.states) == 1)
+        writer.close()
+        await wait_until(lambda: target_server.active == 0 and draft_server.table.states == {})
+        await wait_until(lambda: draft_server.table.pool.used_bytes == 0 and target_server.pool.used_bytes == 0)
+    finally:
+        await stop_star(draft_server, link, target_server)
+
+
+async def _raw_target_connection(port, fingerprint, auth=None):
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    await client_handshake(reader, writer, role="target", fingerprint=fingerprint, auth_token=auth)
+    return reader, writer
+
+
+async def test_bad_frames_unknown_and_foreign_tags(models):
+    target, draft = models
+    server = DraftServer(draft, ModelChainDrafter(draft.decoder, 3), DraftServerConfig(port=0))
+    port = await server.start()
+    try:
+        a = await _raw_target_connection(port, target.vocab_fingerprint)
+        b = await _raw_target_connection(port, target.vocab_fingerprint)
+        await write_message(a[1], OpenSession(1, [1, 2, 3]))
+        opened = await read_message(a[0])
+        assert isinstance(opened, SessionOpened)
+        # B cannot touch A's tag; unknown tags get an error; both connections stay usable.
+        await write_message(b[1], Propose(opened.tag, [], [4]))
+        reply = await read_message(b[0])
+        assert isinstance(reply, Error) and reply.code == "unknown_tag" and reply.tag == opened.tag
+        await write_message(a[1], Propose(9999, [], [4]))
+        assert (await read_message(a[0])).code == "unknown_tag"
+        await write_message(a[1], OpenSession(2, [1, 99999]))
+        bad = await read_message(a[0])
+        assert bad.code == "bad_request" and "token ids must be in [0, 320)" in bad.message
+        # A malformed frame closes only B.
+        b[1].write((5).to_bytes(4, "big") + b"\xc1\xc1\xc1\xc1\xc1")
+        error = await read_message(b[0])
+        assert error.code == "protocol" and "malformed frame" in error.message
+        assert await b[0].read() == b""
+        # An oversized length prefix closes a fresh connection the same way.
+        c = await _raw_target_connection(port, target.vocab_fingerprint)
+        c[1].write((1 << 30).to_bytes(4, "big"))
+        assert "exceeds the limit" in (await read_message(c[0])).message
+        # A still works.
+        await write_message(a[1], Propose(opened.tag, [], [4]))
+        assert (await read_message(a[0])).tag == opened.tag
+        a[1].close()
+        await wait_until(lambda: server.table.states == {} and not server.connections)
+    finally:
+        await server.close()
+
+
+async def test_wrong_auth_and_vocab_mismatch_are_refused(models, tiny_dir):
+    target, draft = models
+    server = DraftServer(draft, ModelChainDrafter(draft.decoder, 3), DraftServerConfig(port=0, auth_token="s3cret"))
+    port = await server.start()
+    try:
+        with pytest.raises(AuthError, match="authentication failed"):
+            await _raw_target_connection(port, target.vocab_fingerprint, auth="wrong")
+        with pytest.raises(AuthError):
+            await _raw_target_connection(port, target.vocab_fingerprint)
+        other = load_model("other", tiny_dir["llama-other-vocab"], "fp32")
+        client = DraftClient("127.0.0.1", port, model="other", fingerprint=other.vocab_fingerprint, auth_token="s3cret")
+        first = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(client.run(first))
+        with pytest.raises(VocabMismatch, match="vocabulary mismatch"):
+            await first
+        await task
+        reader, writer = await _raw_target_connection(port, target.vocab_fingerprint, auth="s3cret")
+        writer.close()
+    finally:
+        await server.close()
+
+
+def _self_signed(tmp_path):
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(cert_path), str(key_path)
+
+
+async def test_tls_between_target_and_draft(models, tmp_path):
+    from specctl.runtime.tls import client_context, server_context
+
+    cert, key = _self_signed(tmp_path)
+    draft_server, _, client, link, target_server, port = await start_star(
+        models, draft_ssl=server_context(cert, key), client_ssl=client_context(cert))
+    try:
+        tokens, _, stats = await remote_generate("127.0.0.1", port, PROMPTS[1], SamplingParams(max_tokens=16, ignore_eos=True))
+        assert tokens == local_reference(models, PROMPTS[1], 16)
+        assert target_server.totals.ar_rounds == 0 and stats["rounds"] > 0
+        # A plain-TCP client cannot talk to the TLS server.
+        with pytest.raises((ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError, OSError)):
+            await _raw_target_connection(client.port, models[0].vocab_fingerprint)
+    finally:
+        await stop_star(draft_server, link, target_server)
+
+
+async def test_bad_generate_requests_get_errors_and_the_server_carries_on(models):
+    draft_server, _, _, link, target_server, port = await start_star(models)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        await client_handshake(reader, writer, role="client")
+        await write_message(writer, Generate(1, [1, 2], 8, temperature=-1.0))
+        error = await read_message(reader)
+        assert error.code == "bad_request" and error.message == "temperature must be between 0 and 100, got -1.0"
+        await write_message(writer, Generate(2, [1] * 600, 8))
+        assert "exceeds the context of 512 tokens" in (await read_message(reader)).message
+        writer.write(encode(Propose(1, [], [])))
+        assert (await read_message(reader)).code == "unexpected"
+        writer.close()
+        tokens, _, _ = await remote_generate("127.0.0.1", port, PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True))
+        assert tokens == local_reference(models, PROMPTS[0], 8)
+    finally:
+        await stop_star(draft_server, link, target_server)

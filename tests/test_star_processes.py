@@ -1,0 +1,108 @@
+"""The star as separate processes on loopback: 1 draft server, 3 target instances,
+6 concurrent sessions; then kill -9 the draft server mid-stream and restart it."""
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from specctl.engine.loader import load_model
+from specctl.spec.decode import generate
+from specctl.spec.sampling import SamplingParams
+from specctl.verify.client import remote_generate, remote_stats
+
+PROMPTS = [[5, 9, 13, 2], [7, 8, 9, 10, 7, 8, 9], [100], [42, 43, 44, 45, 46], [1, 2, 3, 1, 2, 3], [250, 3, 77]]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(*args) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "specctl", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)
+
+
+def wait_listening(proc: subprocess.Popen, timeout=120.0) -> None:
+    deadline = time.time() + timeout
+    lines = []
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"process exited: {''.join(lines)}")
+        lines.append(line)
+        if "listening on" in line:
+            return
+    raise AssertionError("never started listening")
+
+
+@pytest.fixture
+def star(tiny_dir):
+    procs = []
+    draft_port = free_port()
+    draft_args = ("draft", "--port", str(draft_port), "--model", f"{tiny_dir['llama']}@2", "--mode", "chain",
+                  "--depth", "3", "--dtype", "fp32", "--threads", "1", "--log-level", "warning")
+    procs.append(spawn(*draft_args))
+    wait_listening(procs[0])
+    target_ports = [free_port() for _ in range(3)]
+    for port in target_ports:
+        procs.append(spawn("verify", "--model", str(tiny_dir["llama"]), "--draft", f"127.0.0.1:{draft_port}",
+                           "--port", str(port), "--dtype", "fp32", "--threads", "1", "--log-level", "warning"))
+    for proc in procs[1:]:
+        wait_listening(proc)
+    yield {"draft_args": draft_args, "draft_port": draft_port, "target_ports": target_ports, "procs": procs}
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+async def test_six_sessions_three_targets_then_draft_killed(star, tiny_dir):
+    target = load_model("t", tiny_dir["llama"], "fp32")
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    reference = [generate(target.decoder, p, params)[0] for p in PROMPTS]
+    ports = star["target_ports"]
+    results = await asyncio.gather(*(remote_generate("127.0.0.1", ports[i % 3], p, params) for i, p in enumerate(PROMPTS)))
+    assert [tokens for tokens, _, _ in results] == reference
+    assert all(stats["rounds"] > 0 and stats["accepted"] >= 0 for _, _, stats in results)
+    draft_stats = await remote_stats("127.0.0.1", star["draft_port"])
+    assert draft_stats["rounds"] > 0 and draft_stats["sessions"] == 0
+
+    # kill -9 the draft server while 4 sessions run: all finish, identical to plain greedy.
+    long_params = SamplingParams(max_tokens=120, ignore_eos=True)
+    long_reference = [generate(target.decoder, p, long_params)[0] for p in PROMPTS[:4]]
+    started = asyncio.Event()
+    runs = [asyncio.create_task(remote_generate("127.0.0.1", ports[i % 3], p, long_params, lambda t: started.set()))
+            for i, p in enumerate(PROMPTS[:4])]
+    await started.wait()
+    star["procs"][0].send_signal(signal.SIGKILL)
+    star["procs"][0].wait()
+    assert [tokens for tokens, _, _ in await asyncio.gather(*runs)] == long_reference
+    fallback = [await remote_stats("127.0.0.1", port) for port in ports]
+    assert not any(s["draft_connected"] for s in fallback)
+
+    # Restart it: the targets reconnect and acceptance resumes (visible in stats).
+    star["procs"][0] = spawn(*star["draft_args"])
+    wait_listening(star["procs"][0])
+    for _ in range(200):
+        if all([(await remote_stats("127.0.0.1", port))["draft_connected"] for port in ports]):
+            break
+        await asyncio.sleep(0.1)
+    before = [(await remote_stats("127.0.0.1", port))["rounds"] for port in ports]
+    again = await asyncio.gather(*(remote_generate("127.0.0.1", port, PROMPTS[0], params) for port in ports))
+    assert all(tokens == reference[0] for tokens, _, _ in again)
+    after = [(await remote_stats("127.0.0.1", port))["rounds"] for port in ports]
+    assert all(a > b for a, b in zip(after, before))
+    assert (await remote_stats("127.0.0.1", star["draft_port"]))["rounds"] > 0
