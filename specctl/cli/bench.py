@@ -80,3 +80,61 @@ def local(
         with open(json_out, "w") as f:
             json.dump(report, f, indent=2)
         console.print(f"wrote {json_out}")
+
+
+def render_star_table(report: dict) -> Table:
+    s = report["settings"]
+    label = f" (emulated: +{s['verify_delay_ms']:.0f} ms per verification)" if s["emulated"] else ""
+    table = Table(title=f"bench star: {s['draft']} -> {s['target']}, d={s['depth']}{label}")
+    for column in ("N", "O tok/s", "model O", "O_i", "t_s ms", "T_wait ms", "T_idle ms", "model T_idle", "R_q", "R_p",
+                   "load", "model load", "regime"):
+        table.add_column(column, justify="right")
+    for r in report["rows"]:
+        table.add_row(str(r["N"]), f"{r['O']:.2f}", f"{r['model_O']:.2f}", f"{r['O_i']:.2f}", f"{r['t_s_ms']:.1f}",
+                      f"{r['T_wait_ms']:.1f}", f"{r['T_idle_ms']:.1f}", f"{r['model_T_idle_ms']:.1f}", f"{r['R_q']:.2f}",
+                      f"{r['R_p']:.2f}", f"{r['load']:.0%}", f"{r['model_load']:.0%}", r["regime"])
+    return table
+
+
+@app.command("star")
+def star(
+    draft: str = typer.Option("smollm2-135m@10", help="draft model for the draft server"),
+    target: str = typer.Option("smollm2-135m", help="target model for every target instance"),
+    targets: str = typer.Option("1,2,3,4,6,8", help="numbers of target instances to measure"),
+    depth: int = typer.Option(4, help="chain depth d"),
+    max_tokens: int = typer.Option(64, "--max-tokens", "-n", help="new tokens per session"),
+    verify_delay_ms: float = typer.Option(0.0, "--verify-delay-ms", help="add to every verification (emulation)"),
+    dtype: str = typer.Option("fp32", help="fp32 | bf16"),
+    json_out: Optional[str] = typer.Option(None, "--json", help="write the report as JSON to this file"),
+) -> None:
+    """One draft server, N target processes on loopback: StarSD's Table 1 next to the model's prediction."""
+    from transformers import AutoTokenizer
+
+    from specctl.bench.prompts import load_prompts
+    from specctl.bench.star import StarBenchSettings, run_star_bench
+    from specctl.spec.factory import split_model_name
+    from specctl.store import resolve_model
+
+    try:
+        counts = tuple(sorted({int(x) for x in targets.split(",") if x.strip()}))
+    except ValueError:
+        raise ConfigError(f"--targets must be comma-separated integers, got {targets!r}") from None
+    if not counts or counts[0] < 1 or counts[-1] > 32:
+        raise ConfigError("--targets must be between 1 and 32")
+    if verify_delay_ms < 0 or depth < 1 or max_tokens < 1:
+        raise ConfigError("--verify-delay-ms must be >= 0, --depth and --max-tokens >= 1")
+    console = Console(stderr=True)
+    path = resolve_model(split_model_name(target)[0], console)
+    resolve_model(split_model_name(draft)[0], console)
+    tok = AutoTokenizer.from_pretrained(path)
+    prompts = [tok.encode(p.prompt) for p in load_prompts("builtin")]
+    settings = StarBenchSettings(draft, target, counts, depth, max_tokens, verify_delay_ms, dtype)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task(f"starting 1 draft + {counts[-1]} target processes, then measuring", total=len(counts))
+        report = run_star_bench(settings, prompts, lambda: progress.advance(task))
+    Console().print(render_star_table(report))
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(report, f, indent=2)
+        console.print(f"wrote {json_out}")

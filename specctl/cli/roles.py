@@ -45,7 +45,7 @@ def draft(
     if config.mode == "ar":
         raise ConfigError("a draft server proposes: --mode must be chain, tree or ngram")
     ssl = server_context(tls_cert, tls_key)
-    server_config = DraftServerConfig(host=host, port=port, max_sessions=config.max_sessions,
+    server_config = DraftServerConfig(host=host, port=port, max_sessions=config.max_sessions, max_batch=config.max_batch,
                                       kv_budget_bytes=config.kv_budget_bytes, auth_token=auth_token)
     setup_logging(log_level)
     apply_threads(config)

@@ -34,6 +34,7 @@ class DraftServerConfig:
     port: int = 9000
     max_sessions: int = 64
     max_sessions_per_connection: int = 64
+    max_batch: int = 8  # most Propose requests drafted together in one pass
     max_frame_bytes: int = MAX_FRAME_BYTES
     kv_budget_bytes: int | None = None
     auth_token: str | None = None
@@ -55,6 +56,7 @@ class Connection:
     writer: asyncio.StreamWriter
     outgoing: asyncio.Queue = field(default_factory=asyncio.Queue)
     tags: set[int] = field(default_factory=set)
+    inflight: set[int] = field(default_factory=set)
 
     def send(self, message) -> None:
         self.outgoing.put_nowait(encode(message))
@@ -63,7 +65,7 @@ class Connection:
 class DraftServer:
     def __init__(self, model: LoadedModel, drafter: Drafter, config: DraftServerConfig, ssl=None) -> None:
         self.model, self.config, self.ssl = model, config, ssl
-        self.compute = ComputeThread("draft-compute")
+        self.compute = ComputeThread("draft-compute", max_batch=config.max_batch)
         spec = model.spec
         self.table = SessionTable(drafter, KVPool(config.kv_budget_bytes), spec.vocab_size, spec.max_position)
         self.connections: dict[int, Connection] = {}
@@ -150,7 +152,10 @@ class DraftServer:
             elif isinstance(message, Propose):
                 if message.tag not in conn.tags:
                     conn.send(Error("unknown_tag", f"unknown session tag {message.tag}", tag=message.tag))
+                elif message.tag in conn.inflight:
+                    conn.send(Error("busy", f"session {message.tag} already has a request in flight", tag=message.tag))
                 else:
+                    conn.inflight.add(message.tag)
                     group.create_task(self._propose(conn, message))
             elif isinstance(message, CloseSession):
                 if message.tag in conn.tags:
@@ -196,7 +201,8 @@ class DraftServer:
 
     async def _propose(self, conn: Connection, message: Propose) -> None:
         try:
-            proposal = await self.compute.run(self.table.propose, message.tag, message.path, message.tokens)
+            request = (message.tag, message.path, message.tokens)
+            proposal = await self.compute.run_batched("propose", self.table.propose_many, request)
         except UnknownTag:
             conn.send(Error("unknown_tag", f"unknown session tag {message.tag}", tag=message.tag))
             return
@@ -207,4 +213,6 @@ class DraftServer:
             log.exception("proposal for tag %s failed", message.tag)
             conn.send(Error("internal", f"drafting failed: {exc}", tag=message.tag))
             return
+        finally:
+            conn.inflight.discard(message.tag)
         conn.send(proposal)

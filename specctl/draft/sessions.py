@@ -10,7 +10,7 @@ import torch
 from specctl.engine.kv_cache import KVPool
 from specctl.errors import BadRequest, PromptTooLong
 from specctl.net.protocol import OpenSession, Proposal, Tensor
-from specctl.spec.drafters import DraftSession, Drafter
+from specctl.spec.drafters import DraftSession, Drafter, can_batch, propose_chains
 from specctl.spec.sampling import SamplingParams
 
 
@@ -57,7 +57,39 @@ class SessionTable:
         generator = torch.Generator().manual_seed(msg.seed)
         self.states[tag] = TagState(session, params, generator, list(msg.prompt))
 
+    def propose_many(self, requests: list[tuple[int, list[int], list[int]]]) -> list:
+        """Serve many Propose requests in one pass: chain sessions are drafted together (one
+        forward per step for all); anything else one at a time. One result or exception each."""
+        results: list = [None] * len(requests)
+        batch: list[tuple[int, TagState]] = []
+        for i, (tag, path, tokens) in enumerate(requests):
+            try:
+                state = self._advance(tag, path, tokens)
+            except Exception as exc:  # noqa: BLE001 - reported to that request only
+                results[i] = exc
+                continue
+            if can_batch(state.session):  # the server allows one request in flight per tag
+                batch.append((i, state))
+            else:
+                results[i] = self._draft(tag, state)
+        if len(batch) == 1:
+            i, state = batch[0]
+            results[i] = self._draft(requests[i][0], state)
+        elif batch:
+            try:
+                proposals = propose_chains([s.session for _, s in batch], [s.seq for _, s in batch],
+                                           [s.params for _, s in batch], [s.generator for _, s in batch])
+            except Exception as exc:  # noqa: BLE001
+                proposals = [exc] * len(batch)
+            for (i, state), proposal in zip(batch, proposals):
+                results[i] = proposal if isinstance(proposal, Exception) else self._message(requests[i][0], state, proposal)
+        return results
+
     def propose(self, tag: int, path: list[int], tokens: list[int]) -> Proposal:
+        return self._draft(tag, self._advance(tag, path, tokens))
+
+    def _advance(self, tag: int, path: list[int], tokens: list[int]) -> TagState:
+        """Apply the last round's outcome to the session's draft state."""
         state = self.states.get(tag)
         if state is None:
             raise UnknownTag(tag)
@@ -73,7 +105,12 @@ class SessionTable:
             self.total_drafted += state.last_depth
             self.total_accepted += len(path)
         state.seq.extend(tokens)
-        proposal = state.session.propose(state.seq, state.params, state.generator)
+        return state
+
+    def _draft(self, tag: int, state: TagState) -> Proposal:
+        return self._message(tag, state, state.session.propose(state.seq, state.params, state.generator))
+
+    def _message(self, tag: int, state: TagState, proposal) -> Proposal:
         state.proposed = True
         tree = proposal.tree
         state.last_depth = tree.max_depth

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -9,6 +11,15 @@ from torch import nn
 from specctl.engine.kv_cache import KVCache
 from specctl.engine.spec import ModelSpec
 from specctl_kernels import get_attention
+
+
+@dataclass(frozen=True, slots=True)
+class Segments:
+    """The sessions whose new tokens share one forward: token ranges, caches, masks."""
+
+    bounds: list[tuple[int, int]]
+    caches: list[KVCache]
+    masks: list[torch.Tensor | None]
 
 
 class RMSNorm(nn.Module):
@@ -51,14 +62,23 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(h * d, spec.hidden_size, bias=False)
         self.attend = get_attention(backend)
 
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x, cos, sin, segments: "Segments", layer: int) -> torch.Tensor:
         b, n, _ = x.shape
         q = self.q_proj(x).view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values = cache.write(layer, k, v)
-        out = self.attend(q, keys, values, mask)
+        if len(segments.caches) == 1:
+            keys, values = segments.caches[0].write(layer, k, v)
+            out = self.attend(q, keys, values, segments.masks[0])
+        else:
+            # Several sessions in one forward: the projections above ran once over all their
+            # tokens (the weights are read once); attention runs per session on its own cache.
+            parts = []
+            for (start, end), cache, mask in zip(segments.bounds, segments.caches, segments.masks):
+                keys, values = cache.write(layer, k[:, :, start:end], v[:, :, start:end])
+                parts.append(self.attend(q[:, :, start:end], keys, values, mask))
+            out = torch.cat(parts, dim=2)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
 
 
@@ -81,6 +101,6 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_eps)
 
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, mask: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask)
+    def forward(self, x, cos, sin, segments: "Segments", layer: int) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments, layer)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from specctl.engine.kv_cache import KVCache, KVPool
-from specctl.engine.layers import DecoderLayer, RMSNorm, rope_cos_sin
+from specctl.engine.layers import DecoderLayer, RMSNorm, Segments, rope_cos_sin
 from specctl.engine.spec import ModelSpec
 
 
@@ -64,17 +64,42 @@ class Decoder(nn.Module):
         mask [n, cache.length + n]: True where a new token may attend; None = causal.
         logits_at: which of the n rows get logits (None = all). Returns float32 logits
         [len(logits_at), vocab] with a head, else hidden states [n, hidden]."""
+        if mask is not None:
+            mask = mask.to(self.device)
+        n = inputs.shape[0]
+        return self._run(inputs, positions, Segments([(0, n)], [cache], [mask]), logits_at)
+
+    @torch.inference_mode()
+    def forward_many(
+        self,
+        inputs: list[torch.Tensor],
+        positions: list[torch.Tensor],
+        caches: list[KVCache],
+        masks: list[torch.Tensor | None],
+        logits_at: list[torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """Several sessions in one forward (ragged: each its own tokens, cache and mask).
+        Returns, per session, the logits at its ``logits_at`` rows."""
+        bounds, start = [], 0
+        for tokens in inputs:
+            bounds.append((start, start + tokens.shape[0]))
+            start += tokens.shape[0]
+        masks = [None if m is None else m.to(self.device) for m in masks]
+        rows = torch.cat([at + lo for at, (lo, _) in zip(logits_at, bounds)])
+        out = self._run(torch.cat(inputs), torch.cat(positions), Segments(bounds, caches, masks), rows)
+        sizes = [at.numel() for at in logits_at]
+        return list(out.split(sizes))
+
+    def _run(self, inputs: torch.Tensor, positions: torch.Tensor, segments: Segments, logits_at) -> torch.Tensor:
         if self.embed_tokens is not None:
             x = self.embed_tokens(inputs.to(self.device)).unsqueeze(0)
         else:
             x = inputs.to(self.device, self.dtype).unsqueeze(0)
-        positions = positions.to(self.device)
-        if mask is not None:
-            mask = mask.to(self.device)
-        cos, sin = rope_cos_sin(self.inv_freq, self.rope_scaling, positions, x.dtype)
+        cos, sin = rope_cos_sin(self.inv_freq, self.rope_scaling, positions.to(self.device), x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, mask)
-        cache.commit(x.shape[1])
+            x = layer(x, cos, sin, segments, i)
+        for (lo, hi), cache in zip(segments.bounds, segments.caches):
+            cache.commit(hi - lo)
         x = x[0]
         if self.lm_head is None:
             return x

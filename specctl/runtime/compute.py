@@ -2,16 +2,18 @@
 hands it work through a queue and awaits futures, so network I/O never waits on compute
 and compute never waits on the network (StarSD appendix E.3).
 
-The queue is the global request buffer: the thread serves it in arrival order and
-records StarSD's timings: t_s (service time), T_wait (time queued) and T_idle (the
-thread's idle gaps), from which load % follows."""
+The queue is the global request buffer. The thread serves it work-conservingly in
+arrival order; a job submitted with a batch key is served together with every other
+queued job of the same key (up to ``max_batch``) in one call — one draft forward for the
+pending requests of many sessions and targets. It records StarSD's timings: t_s
+(service time per request), T_wait (time queued) and T_idle (idle gaps)."""
 
 from __future__ import annotations
 
 import asyncio
-import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -19,6 +21,7 @@ from typing import Any, Callable
 @dataclass(slots=True)
 class ComputeStats:
     jobs: int = 0
+    passes: int = 0
     busy_s: float = 0.0
     idle_s: float = 0.0
     wait_s: float = 0.0
@@ -26,61 +29,112 @@ class ComputeStats:
 
     def snapshot(self, queued: int) -> dict:
         wall = max(time.perf_counter() - self.started, 1e-9)
+        per_job = lambda total: round(1e3 * total / self.jobs, 3) if self.jobs else 0.0  # noqa: E731
         return {
             "jobs": self.jobs,
             "queue_depth": queued,
-            "t_s_ms": round(1e3 * self.busy_s / self.jobs, 3) if self.jobs else 0.0,
-            "T_wait_ms": round(1e3 * self.wait_s / self.jobs, 3) if self.jobs else 0.0,
-            "T_idle_ms": round(1e3 * self.idle_s / self.jobs, 3) if self.jobs else 0.0,
+            "t_s_ms": per_job(self.busy_s),
+            "T_wait_ms": per_job(self.wait_s),
+            "T_idle_ms": round(1e3 * self.idle_s / self.passes, 3) if self.passes else 0.0,
+            "mean_batch": round(self.jobs / self.passes, 3) if self.passes else 0.0,
             "load": round(self.busy_s / wall, 4),
             "jobs_per_s": round(self.jobs / wall, 3),
+            "busy_s": round(self.busy_s, 6),
+            "idle_s": round(self.idle_s, 6),
+            "wait_s": round(self.wait_s, 6),
+            "passes": self.passes,
         }
 
 
+@dataclass(slots=True)
+class _Job:
+    fn: Callable[..., Any]
+    args: tuple
+    future: asyncio.Future | None
+    loop: asyncio.AbstractEventLoop | None
+    queued_at: float
+    batch_key: str | None = None
+
+
 class ComputeThread:
-    def __init__(self, name: str = "compute") -> None:
-        self._queue: queue.Queue = queue.Queue()
+    def __init__(self, name: str = "compute", max_batch: int = 1) -> None:
+        self.max_batch = max_batch
+        self._jobs: deque[_Job | None] = deque()
+        self._ready = threading.Condition()
         self.stats = ComputeStats(started=time.perf_counter())
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
+    def _put(self, job: _Job | None) -> None:
+        with self._ready:
+            self._jobs.append(job)
+            self._ready.notify()
+
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._queue.put((fn, args, future, loop, time.perf_counter()))
+        self._put(_Job(fn, args, future, loop, time.perf_counter()))
+        return await future
+
+    async def run_batched(self, key: str, fn: Callable[[list], list], item: Any) -> Any:
+        """``fn(items)`` gets every queued item of this key and returns one result (or an
+        exception instance) per item, in order."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._put(_Job(fn, (item,), future, loop, time.perf_counter(), key))
         return await future
 
     def submit_nowait(self, fn: Callable[..., Any], *args: Any) -> None:
         """Fire work whose result nobody awaits (freeing a session's state on disconnect)."""
-        self._queue.put((fn, args, None, None, time.perf_counter()))
+        self._put(_Job(fn, args, None, None, time.perf_counter()))
 
     @property
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        return len(self._jobs)
 
     def stop(self) -> None:
-        self._queue.put(None)
+        self._put(None)
         self._thread.join(timeout=30)
+
+    def _take(self) -> list[_Job] | None:
+        with self._ready:
+            while not self._jobs:
+                self._ready.wait()
+            first = self._jobs.popleft()
+            if first is None:
+                return None
+            batch = [first]
+            if first.batch_key is not None and self.max_batch > 1:
+                for job in list(self._jobs):
+                    if len(batch) >= self.max_batch:
+                        break
+                    if job is not None and job.batch_key == first.batch_key:
+                        self._jobs.remove(job)
+                        batch.append(job)
+            return batch
 
     def _serve(self) -> None:
         idle_since = time.perf_counter()
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            fn, args, future, loop, queued_at = item
+        while (batch := self._take()) is not None:
             start = time.perf_counter()
             self.stats.idle_s += start - idle_since
-            self.stats.wait_s += start - queued_at
+            self.stats.wait_s += sum(start - job.queued_at for job in batch)
+            head = batch[0]
             try:
-                result, error = fn(*args), None
-            except BaseException as exc:  # delivered to the awaiting coroutine
-                result, error = None, exc
+                if head.batch_key is None:
+                    outcomes = [(head.fn(*head.args), None)]
+                else:
+                    outcomes = [(r, None) if not isinstance(r, BaseException) else (None, r)
+                                for r in head.fn([job.args[0] for job in batch])]
+            except BaseException as exc:  # delivered to every awaiting coroutine
+                outcomes = [(None, exc)] * len(batch)
             idle_since = time.perf_counter()
             self.stats.busy_s += idle_since - start
-            self.stats.jobs += 1
-            if future is not None:
-                loop.call_soon_threadsafe(_resolve, future, result, error)
+            self.stats.jobs += len(batch)
+            self.stats.passes += 1
+            for job, (result, error) in zip(batch, outcomes):
+                if job.future is not None:
+                    job.loop.call_soon_threadsafe(_resolve, job.future, result, error)
 
 
 def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

@@ -200,3 +200,42 @@ class NgramDrafter(Drafter):
                 return Proposal(TokenTree.chain(seq[-1], drafter.lookup(seq)))
 
         return _Session()
+
+
+def propose_chains(sessions: list["_ChainSession"], seqs: list[list[int]], params: list[SamplingParams],
+                   generators: list[torch.Generator | None]) -> list[Proposal]:
+    """Draft a chain for several sessions at once: every step is one forward over all of
+    them (the weights are read once per step instead of once per session)."""
+    decoder, depth = sessions[0].decoder, sessions[0].depth
+    inputs, positions, at = [], [], []
+    for session, seq in zip(sessions, seqs):
+        session.committed = len(seq)
+        start = session.cache.length
+        inputs.append(torch.tensor(seq[start:], dtype=torch.long))
+        positions.append(torch.arange(start, len(seq)))
+        at.append(torch.tensor([len(seq) - start - 1]))
+    caches = [s.cache for s in sessions]
+    logits = decoder.forward_many(inputs, positions, caches, [None] * len(sessions), at)
+    drafts: list[tuple[list[int], list[float], list[torch.Tensor]]] = [([], [], []) for _ in sessions]
+    for i in range(depth):
+        step = []
+        for b, (tokens, probs, dists) in enumerate(drafts):
+            q = probs_from_logits(logits[b][0], _draft_params(params[b]))
+            x = int(q.argmax()) if params[b].greedy else int(torch.multinomial(q, 1, generator=generators[b]))
+            tokens.append(x)
+            probs.append(float(q[x]))
+            dists.append(q)
+            step.append(x)
+        if i + 1 < depth:
+            one = torch.tensor([0])
+            logits = decoder.forward_many([torch.tensor([x]) for x in step],
+                                          [torch.tensor([len(seq) + i]) for seq in seqs], caches,
+                                          [None] * len(sessions), [one] * len(sessions))
+    return [
+        Proposal(TokenTree.chain(seq[-1], tokens, probs), None if p.greedy else torch.stack(dists))
+        for seq, p, (tokens, probs, dists) in zip(seqs, params, drafts)
+    ]
+
+
+def can_batch(session: DraftSession) -> bool:
+    return isinstance(session, _ChainSession)

@@ -1,0 +1,70 @@
+"""Many sessions in one forward: the ragged batched forward, batched chain drafting, and
+the compute thread's batching of queued requests."""
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from specctl.runtime.compute import ComputeThread
+from specctl.spec.drafters import ModelChainDrafter, propose_chains
+from specctl.spec.sampling import SamplingParams
+
+
+def test_forward_many_equals_one_session_at_a_time(tiny):
+    decoder = tiny["llama"]
+    prompts = [[1, 2, 3, 4, 5], [9, 8], [40, 41, 42]]
+    new = [[6, 7], [7], [43, 44, 45]]
+    singles, batched_caches = [], []
+    for prompt, extra in zip(prompts, new):
+        cache = decoder.new_cache(16)
+        decoder(torch.tensor(prompt), torch.arange(len(prompt)), cache)
+        singles.append(decoder(torch.tensor(extra), torch.arange(len(prompt), len(prompt) + len(extra)), cache))
+        other = decoder.new_cache(16)
+        decoder(torch.tensor(prompt), torch.arange(len(prompt)), other)
+        batched_caches.append(other)
+    out = decoder.forward_many(
+        [torch.tensor(e) for e in new],
+        [torch.arange(len(p), len(p) + len(e)) for p, e in zip(prompts, new)],
+        batched_caches, [None] * 3, [torch.arange(len(e)) for e in new],
+    )
+    for single, batched in zip(singles, out):
+        torch.testing.assert_close(batched, single, rtol=1e-5, atol=1e-5)
+    assert [c.length for c in batched_caches] == [7, 3, 6]
+
+
+def test_batched_chain_drafting_matches_one_at_a_time(tiny):
+    drafter = ModelChainDrafter(tiny["llama-self2"], 4)
+    seqs = [[1, 2, 3, 4], [50, 60], [7, 7, 7, 7, 7, 7]]
+    greedy = SamplingParams()
+    alone = [drafter.open(s, 32).propose(s, greedy, None).tree.tokens.tolist() for s in seqs]
+    sessions = [drafter.open(s, 32) for s in seqs]
+    together = propose_chains(sessions, seqs, [greedy] * 3, [None] * 3)
+    assert [p.tree.tokens.tolist() for p in together] == alone
+    assert [s.cache.length for s in sessions] == [len(s) + 3 for s in seqs]
+
+
+async def test_compute_thread_serves_queued_requests_in_one_pass():
+    compute = ComputeThread("test", max_batch=8)
+    gate = threading.Event()
+    try:
+        blocker = asyncio.ensure_future(compute.run(gate.wait))
+        await asyncio.sleep(0.05)
+        calls = []
+
+        def batch_fn(items):
+            calls.append(list(items))
+            return [ValueError("bad item") if item == 3 else item * 10 for item in items]
+
+        pending = [asyncio.ensure_future(compute.run_batched("k", batch_fn, i)) for i in range(5)]
+        await asyncio.sleep(0.05)
+        gate.set()
+        await blocker
+        results = await asyncio.gather(*pending, return_exceptions=True)
+        assert calls == [[0, 1, 2, 3, 4]]
+        assert results[:3] == [0, 10, 20] and results[4] == 40
+        assert isinstance(results[3], ValueError) and str(results[3]) == "bad item"
+        assert compute.stats.jobs == 6 and compute.stats.passes == 2
+    finally:
+        compute.stop()
