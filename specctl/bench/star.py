@@ -32,6 +32,7 @@ class StarBenchSettings:
     verify_delay_ms: float
     dtype: str
     mode: str = "chain"
+    threads: int = 1  # per process: many targets share this machine's cores
 
 
 def _free_port() -> int:
@@ -42,6 +43,8 @@ def _free_port() -> int:
 
 def _spawn(*args: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # Idle OpenMP workers must sleep, not spin: several processes share these cores.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return subprocess.Popen([sys.executable, "-m", "specctl", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
 
@@ -68,7 +71,7 @@ class StarCluster:
 
     def __enter__(self) -> "StarCluster":
         s = self.settings
-        common = ("--dtype", s.dtype, "--threads", "1", "--log-level", "warning")
+        common = ("--dtype", s.dtype, "--threads", str(s.threads), "--log-level", "warning")
         try:
             self.procs.append(_spawn("draft", "--port", str(self.draft_port), "--model", s.draft, "--mode", s.mode,
                                      "--depth", str(s.depth), *common))

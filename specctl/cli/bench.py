@@ -86,19 +86,19 @@ def render_star_table(report: dict) -> Table:
     s = report["settings"]
     label = f" (emulated: +{s['verify_delay_ms']:.0f} ms per verification)" if s["emulated"] else ""
     table = Table(title=f"bench star: {s['draft']} -> {s['target']}, d={s['depth']}{label}")
-    for column in ("N", "O tok/s", "model O", "O_i", "t_s ms", "T_wait ms", "T_idle ms", "model T_idle", "R_q", "R_p",
-                   "load", "model load", "regime"):
+    for column in ("N", "O", "O model", "O_i", "t_s", "T_wait", "T_idle", "R_q", "R_p", "load", "load model", "regime"):
         table.add_column(column, justify="right")
     for r in report["rows"]:
-        table.add_row(str(r["N"]), f"{r['O']:.2f}", f"{r['model_O']:.2f}", f"{r['O_i']:.2f}", f"{r['t_s_ms']:.1f}",
-                      f"{r['T_wait_ms']:.1f}", f"{r['T_idle_ms']:.1f}", f"{r['model_T_idle_ms']:.1f}", f"{r['R_q']:.2f}",
-                      f"{r['R_p']:.2f}", f"{r['load']:.0%}", f"{r['model_load']:.0%}", r["regime"])
+        table.add_row(str(r["N"]), f"{r['O']:.2f}", f"{r['model_O']:.2f}", f"{r['O_i']:.2f}", f"{r['t_s_ms']:.0f}",
+                      f"{r['T_wait_ms']:.0f}", f"{r['T_idle_ms']:.0f}", f"{r['R_q']:.2f}", f"{r['R_p']:.2f}",
+                      f"{r['load']:.0%}", f"{r['model_load']:.0%}", "full" if r["regime"] == "fully loaded" else "under")
+    table.caption = "O, O_i: tokens/s; t_s, T_wait, T_idle: ms per draft request; R_q: draft requests/s; R_p: rounds/s per target"
     return table
 
 
 @app.command("star")
 def star(
-    draft: str = typer.Option("smollm2-135m@10", help="draft model for the draft server"),
+    draft: str = typer.Option("smollm2-135m@25", help="draft model for the draft server (NAME@N: first N layers)"),
     target: str = typer.Option("smollm2-135m", help="target model for every target instance"),
     targets: str = typer.Option("1,2,3,4,6,8", help="numbers of target instances to measure"),
     depth: int = typer.Option(4, help="chain depth d"),
@@ -133,8 +133,50 @@ def star(
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task(f"starting 1 draft + {counts[-1]} target processes, then measuring", total=len(counts))
         report = run_star_bench(settings, prompts, lambda: progress.advance(task))
-    Console().print(render_star_table(report))
+    Console(width=max(Console().width, 110)).print(render_star_table(report))
     if json_out:
         with open(json_out, "w") as f:
             json.dump(report, f, indent=2)
+        console.print(f"wrote {json_out}")
+
+
+@app.command("net")
+def net(
+    target: str = typer.Option("smollm2-135m", help="target model for the overhead comparison"),
+    draft: str = typer.Option("smollm2-135m@25", help="draft model for the overhead comparison"),
+    max_tokens: int = typer.Option(64, "--max-tokens", "-n", help="new tokens per prompt"),
+    depth: int = typer.Option(4, help="chain depth d"),
+    dtype: str = typer.Option("fp32", help="fp32 | bf16"),
+    limit: int = typer.Option(4, help="builtin prompts to use"),
+    json_out: Optional[str] = typer.Option(None, "--json", help="write the report as JSON to this file"),
+) -> None:
+    """Protocol round trip of a 64-node proposal, and one process vs separate processes."""
+    import asyncio
+
+    from specctl.bench.net import overhead, round_trip_ms
+    from specctl.bench.prompts import load_prompts
+    from specctl.config import build_config
+    from specctl.spec.factory import load_named
+
+    console = Console(stderr=True)
+    rt = asyncio.run(round_trip_ms())
+    config = build_config(None, target=target, draft=draft, dtype=dtype)
+    target_model = load_named(target, config, console)
+    draft_model = load_named(draft, config, console)
+    prompts = [target_model.tokenizer.encode(p.prompt) for p in load_prompts("builtin")[:limit]]
+    with console.status("one process, then draft and target as separate processes"):
+        ov = overhead(target_model, draft_model, target, draft, prompts, max_tokens, depth, dtype)
+    table = Table(title="bench net")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    table.add_row(f"round trip, {rt['nodes']}-node proposal, p50", f"{rt['p50_ms']:.3f} ms")
+    table.add_row(f"round trip, {rt['nodes']}-node proposal, p99", f"{rt['p99_ms']:.3f} ms")
+    table.add_row("one process", f"{ov['one_process_tokens_per_s']:.2f} tok/s")
+    table.add_row("separate processes (loopback)", f"{ov['separate_processes_tokens_per_s']:.2f} tok/s")
+    table.add_row("ratio", f"{ov['ratio']:.3f}x")
+    table.add_row("outputs identical", str(ov["outputs_identical"]))
+    Console().print(table)
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump({"round_trip": rt, "overhead": ov}, f, indent=2)
         console.print(f"wrote {json_out}")

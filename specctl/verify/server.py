@@ -191,8 +191,10 @@ class TargetServer:
             return
         self.active += 1
         handle = None
+        started = time.perf_counter()
         try:
             handle = await self._decode(session, params, msg, send)
+            session.stats.wall_s = time.perf_counter() - started
             send(Done(msg.req, session.finish_reason or "stop", session.stats.to_dict()))
             self.totals.sessions_done += 1
         except asyncio.CancelledError:
