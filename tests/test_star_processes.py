@@ -2,15 +2,13 @@
 6 concurrent sessions; then kill -9 the draft server mid-stream and restart it."""
 
 import asyncio
-import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
+from specctl.bench.star import free_port, spawn_role, wait_listening
 from specctl.engine.loader import load_model
 from specctl.spec.decode import generate
 from specctl.spec.sampling import SamplingParams
@@ -19,29 +17,8 @@ from specctl.verify.client import remote_generate, remote_stats
 PROMPTS = [[5, 9, 13, 2], [7, 8, 9, 10, 7, 8, 9], [100], [42, 43, 44, 45, 46], [1, 2, 3, 1, 2, 3], [250, 3, 77]]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(*args) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", "specctl", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env)
-
-
-def wait_listening(proc: subprocess.Popen, timeout=120.0) -> None:
-    deadline = time.time() + timeout
-    lines = []
-    while time.time() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"process exited: {''.join(lines)}")
-        lines.append(line)
-        if "listening on" in line:
-            return
-    raise AssertionError("never started listening")
+    return spawn_role(*args)
 
 
 @pytest.fixture
@@ -51,13 +28,13 @@ def star(tiny_dir):
     draft_args = ("draft", "--port", str(draft_port), "--model", f"{tiny_dir['llama']}@2", "--mode", "chain",
                   "--depth", "3", "--dtype", "fp32", "--threads", "1", "--log-level", "warning")
     procs.append(spawn(*draft_args))
-    wait_listening(procs[0])
+    wait_listening(procs[0], "draft server")
     target_ports = [free_port() for _ in range(3)]
     for port in target_ports:
         procs.append(spawn("verify", "--model", str(tiny_dir["llama"]), "--draft", f"127.0.0.1:{draft_port}",
                            "--port", str(port), "--dtype", "fp32", "--threads", "1", "--log-level", "warning"))
     for proc in procs[1:]:
-        wait_listening(proc)
+        wait_listening(proc, "target instance")
     yield {"draft_args": draft_args, "draft_port": draft_port, "target_ports": target_ports, "procs": procs}
     for proc in procs:
         if proc.poll() is None:
@@ -95,7 +72,7 @@ async def test_six_sessions_three_targets_then_draft_killed(star, tiny_dir):
 
     # Restart it: the targets reconnect and acceptance resumes (visible in stats).
     star["procs"][0] = spawn(*star["draft_args"])
-    wait_listening(star["procs"][0])
+    wait_listening(star["procs"][0], "draft server")
     for _ in range(200):
         if all([(await remote_stats("127.0.0.1", port))["draft_connected"] for port in ports]):
             break

@@ -35,13 +35,13 @@ class StarBenchSettings:
     threads: int = 1  # per process: many targets share this machine's cores
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _spawn(*args: str) -> subprocess.Popen:
+def spawn_role(*args: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     # Idle OpenMP workers must sleep, not spin: several processes share these cores.
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -49,7 +49,7 @@ def _spawn(*args: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, env=env)
 
 
-def _wait_listening(proc: subprocess.Popen, what: str, timeout: float = 600) -> None:
+def wait_listening(proc: subprocess.Popen, what: str, timeout: float = 600) -> None:
     deadline, seen = time.time() + timeout, []
     while time.time() < deadline:
         line = proc.stdout.readline()
@@ -66,21 +66,21 @@ class StarCluster:
 
     def __init__(self, s: StarBenchSettings) -> None:
         self.settings, self.procs = s, []
-        self.draft_port = _free_port()
-        self.target_ports = [_free_port() for _ in range(max(s.targets))]
+        self.draft_port = free_port()
+        self.target_ports = [free_port() for _ in range(max(s.targets))]
 
     def __enter__(self) -> "StarCluster":
         s = self.settings
         common = ("--dtype", s.dtype, "--threads", str(s.threads), "--log-level", "warning")
         try:
-            self.procs.append(_spawn("draft", "--port", str(self.draft_port), "--model", s.draft, "--mode", s.mode,
+            self.procs.append(spawn_role("draft", "--port", str(self.draft_port), "--model", s.draft, "--mode", s.mode,
                                      "--depth", str(s.depth), *common))
-            _wait_listening(self.procs[0], "draft server")
+            wait_listening(self.procs[0], "draft server")
             for port in self.target_ports:
-                self.procs.append(_spawn("verify", "--model", s.target, "--draft", f"127.0.0.1:{self.draft_port}",
+                self.procs.append(spawn_role("verify", "--model", s.target, "--draft", f"127.0.0.1:{self.draft_port}",
                                          "--port", str(port), "--verify-delay-ms", str(s.verify_delay_ms), *common))
             for i, proc in enumerate(self.procs[1:]):
-                _wait_listening(proc, f"target instance {i + 1}")
+                wait_listening(proc, f"target instance {i + 1}")
         except BaseException:
             self.__exit__()
             raise
