@@ -19,9 +19,10 @@ from specctl.errors import KVBudgetExceeded, SpecctlError
 from specctl.net.framing import read_message
 from specctl.net.handshake import server_handshake
 from specctl.net.protocol import (
-    MAX_FRAME_BYTES, CloseSession, Error, OpenSession, Propose, ProtocolError, SessionOpened, Stats, StatsRequest, encode,
+    CloseSession, Error, OpenSession, Propose, ProtocolError, SessionOpened, Stats, StatsRequest, encode,
 )
 from specctl.runtime.compute import ComputeThread
+from specctl.runtime.listen import ListenConfig
 from specctl.runtime.tasks import TaskGroup
 from specctl.spec.drafters import Drafter
 
@@ -29,23 +30,16 @@ log = logging.getLogger("specctl.draft")
 
 
 @dataclass(slots=True)
-class DraftServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 9000
-    max_sessions: int = 64
+class DraftServerConfig(ListenConfig):
     max_sessions_per_connection: int = 64
     max_batch: int = 8  # most Propose requests drafted together in one pass
-    max_frame_bytes: int = MAX_FRAME_BYTES
-    kv_budget_bytes: int | None = None
-    auth_token: str | None = None
     admission_model: StarModel | None = None  # StarSD N_max admission, when given
     standalone_tokens_per_s: float | None = None
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.max_sessions < 1 or self.max_sessions_per_connection < 1:
-            raise ValueError("session limits must be >= 1")
+        ListenConfig.__post_init__(self)
+        if self.max_sessions_per_connection < 1 or self.max_batch < 1:
+            raise ValueError("max_sessions_per_connection and max_batch must be >= 1")
 
 
 @dataclass(slots=True)

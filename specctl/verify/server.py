@@ -23,10 +23,11 @@ from specctl.errors import KVBudgetExceeded, SpecctlError
 from specctl.net.framing import read_message
 from specctl.net.handshake import server_handshake
 from specctl.net.protocol import (
-    MAX_FRAME_BYTES, Cancel, Done, Error, Generate, Proposal as ProposalMsg, ProtocolError, Stats, StatsRequest, Tokens,
+    Cancel, Done, Error, Generate, Proposal as ProposalMsg, ProtocolError, Stats, StatsRequest, Tokens,
     encode,
 )
 from specctl.runtime.compute import ComputeThread
+from specctl.runtime.listen import ListenConfig
 from specctl.runtime.tasks import TaskGroup
 from specctl.spec.decode import DecodeSession
 from specctl.spec.drafters import Proposal
@@ -37,21 +38,14 @@ log = logging.getLogger("specctl.verify")
 
 
 @dataclass(slots=True)
-class TargetServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 9100
-    max_sessions: int = 64
-    max_frame_bytes: int = MAX_FRAME_BYTES
-    kv_budget_bytes: int | None = None
-    auth_token: str | None = None
+class TargetServerConfig(ListenConfig):
     verify_delay_s: float = 0.0  # emulate a slower target (bench star), never in production
     max_proposal_nodes: int = 128  # larger proposals from a draft server are ignored (AR round)
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.max_sessions < 1:
-            raise ValueError("max_sessions must be >= 1")
+        ListenConfig.__post_init__(self)
+        if self.verify_delay_s < 0 or self.max_proposal_nodes < 1:
+            raise ValueError("verify_delay_s must be >= 0 and max_proposal_nodes >= 1")
 
 
 def proposal_from_message(msg: ProposalMsg) -> Proposal:
