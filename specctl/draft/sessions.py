@@ -24,6 +24,7 @@ class TagState:
     params: SamplingParams
     generator: torch.Generator
     seq: list[int]
+    capacity: int
     proposed: bool = False
     last_depth: int = 0
     rounds: int = 0
@@ -55,7 +56,7 @@ class SessionTable:
         capacity = len(msg.prompt) + msg.max_tokens + 2 * self.drafter.max_nodes + 2
         session = self.drafter.open(msg.prompt, capacity, self.pool)
         generator = torch.Generator().manual_seed(msg.seed)
-        self.states[tag] = TagState(session, params, generator, list(msg.prompt))
+        self.states[tag] = TagState(session, params, generator, list(msg.prompt), capacity)
 
     def propose_many(self, requests: list[tuple[int, list[int], list[int]]]) -> list:
         """Serve many Propose requests in one pass: chain sessions are drafted together (one
@@ -94,8 +95,8 @@ class SessionTable:
         if state is None:
             raise UnknownTag(tag)
         check_token_ids(tokens, self.vocab_size)
-        if len(state.seq) + len(tokens) + self.drafter.max_nodes + 1 > self.max_context + state.params.max_tokens:
-            raise BadRequest(f"session {tag} grew past its reserved length")
+        if len(state.seq) + len(tokens) + self.drafter.max_nodes > state.capacity:
+            raise BadRequest(f"session {tag} grew past the {state.capacity} positions it reserved")
         if state.proposed:
             state.session.on_verified(path)
             state.rounds += 1

@@ -121,8 +121,7 @@ class DecodeSession:
         mask = None if len(tree) == 1 else torch.cat([torch.ones(len(tree), prefix, dtype=torch.bool), tree.mask], 1)
         logits = self.target(tree.tokens, prefix + tree.depth, self.cache, mask=mask)
         path, bonus = verify(logits, proposal, self.params, self.generator)
-        keep = [prefix + node for node in [0, *path]]
-        self.cache.gather(list(range(prefix)) + keep)
+        self.cache.gather(torch.cat([torch.arange(prefix), prefix + torch.tensor([0, *path], dtype=torch.long)]))
         self.stats.verify_s += time.perf_counter() - t1
         self.last_path = path
         if len(tree) > 1:

@@ -167,8 +167,8 @@ class _TreeSession(_ModelDraftSession):
         return Proposal(tree)
 
     def on_verified(self, path):
-        fed = [self.committed + node - 1 for node in path if node <= self.fed]
-        self.cache.gather(list(range(self.committed)) + fed)
+        fed = torch.tensor([self.committed + node - 1 for node in path if node <= self.fed], dtype=torch.long)
+        self.cache.gather(torch.cat([torch.arange(self.committed), fed]))
 
 
 class NgramDrafter(Drafter):

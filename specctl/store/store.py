@@ -13,7 +13,6 @@ import importlib
 import importlib.util
 import json
 import os
-import shutil
 from pathlib import Path
 
 from filelock import FileLock
@@ -154,6 +153,3 @@ def _convert_gguf(gguf: Path, target: Path, source: dict, console: Console | Non
     (target / COMPLETE_MARKER).write_text(json.dumps({**source, "dtype": STORE_DTYPE}, indent=2))
     console.print(f"[green]model ready[/] {target}")
 
-
-def remove(name: str) -> None:
-    shutil.rmtree(model_home() / name, ignore_errors=True)

@@ -27,6 +27,7 @@ class DraftClient:
         self.epoch = 0  # increments on every successful connect
         self.connected = asyncio.Event()
         self.last_error: str | None = None
+        self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._pending: dict[tuple[str, int], asyncio.Future] = {}
         self._reqs = itertools.count(1)
