@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 
 from specctl.config import build_config
+from specctl.engine import text
 from specctl.engine.loader import LoadedModel
 from specctl.spec.decode import DecodeSession
 from specctl.spec.factory import apply_threads, load_pair, make_drafter
@@ -17,30 +18,23 @@ from specctl.spec.sampling import SamplingParams
 
 
 def encode_prompt(model: LoadedModel, prompt: str, chat: bool) -> list[int]:
-    tok = model.tokenizer
-    if chat:
-        if not getattr(tok, "chat_template", None):
-            from specctl.errors import ConfigError
-
-            raise ConfigError(f"model {model.name!r} has no chat template: drop --chat")
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
-        return tok.encode(text, add_special_tokens=False)
-    return tok.encode(prompt)
+    return text.encode_chat(model.tokenizer, [{"role": "user", "content": prompt}]) if chat else \
+        text.encode_prompt(model.tokenizer, prompt)
 
 
 class TextStreamer:
-    """Decodes the growing output and prints only the new, complete characters."""
+    """Prints only the new, complete characters of the growing output."""
 
     def __init__(self, tokenizer, out=sys.stdout) -> None:
-        self.tokenizer, self.out, self.printed = tokenizer, out, ""
+        self.text, self.out, self.seen = text.IncrementalText(tokenizer), out, 0
 
     def update(self, tokens: list[int]) -> None:
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
-            return
-        self.out.write(text[len(self.printed) :])
+        self.out.write(self.text.push(tokens[self.seen :]))
         self.out.flush()
-        self.printed = text
+        self.seen = len(tokens)
+
+    def finish(self) -> None:
+        self.out.write(self.text.finish() + "\n")
 
 
 def generate(
@@ -98,7 +92,7 @@ def generate(
             "finish_reason": session.finish_reason, "stats": stats.to_dict(),
         }))
     else:
-        print()
+        streamer.finish()
         console.print(
             f"[dim]{stats.new_tokens} tokens, {stats.tokens_per_s:.2f} tok/s, mode {config.mode}, "
             f"mean accepted length {stats.mean_accepted_length:.2f}, acceptance {stats.acceptance_rate:.0%}[/]"
@@ -137,6 +131,6 @@ def _generate_remote(remote, config, prompt, chat, params, as_json, auth_token, 
         print(json.dumps({"mode": "remote", "remote": remote, "target": config.target, "token_ids": tokens, "text": text,
                           "finish_reason": finish_reason, "stats": stats}))
     else:
-        print()
+        streamer.finish()
         console.print(f"[dim]{len(tokens)} tokens in {result['wall']:.2f}s via {remote}, "
                       f"mean accepted length {stats.get('mean_accepted_length', 0):.2f}[/]")

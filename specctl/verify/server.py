@@ -102,6 +102,8 @@ class TargetServer:
             "kv_used_mb": round(self.pool.used_bytes / 2**20, 2),
             "draft_connected": bool(self.draft and self.draft.connected.is_set()),
             "draft_reconnects": self.draft.reconnects if self.draft else 0,
+            "draft_address": f"{self.draft.host}:{self.draft.port}" if self.draft else None,
+            "max_sessions": self.config.max_sessions,
         }
         stats.update(self.compute.stats.snapshot(self.compute.queue_depth))
         return stats

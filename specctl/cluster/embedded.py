@@ -1,0 +1,129 @@
+"""Every role in one process: a draft server, N target instances and a gateway, talking
+over loopback TCP exactly as they do on separate machines (same code paths). Used by
+``specctl up`` and by ``specctl chat`` when no gateway is given."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+
+from rich.console import Console
+
+from specctl.config import Config
+from specctl.draft.server import DraftServer, DraftServerConfig
+from specctl.gateway.metrics import GatewayMetrics
+from specctl.gateway.server import Gateway, GatewayConfig
+from specctl.gateway.upstream import Upstream
+from specctl.spec.factory import load_pair, make_drafter
+from specctl.verify.draft_client import DraftClient
+from specctl.verify.server import TargetServer, TargetServerConfig
+
+
+@dataclass(slots=True)
+class ClusterConfig:
+    targets: int = 1
+    host: str = "127.0.0.1"
+    gateway_port: int = 8000
+    draft_port: int = 0  # 0 = any free port
+    default_max_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.targets <= 64:
+            raise ValueError(f"targets must be in 1..64, got {self.targets}")
+
+
+class EmbeddedCluster:
+    def __init__(self, config: Config, cluster: ClusterConfig, console: Console | None = None) -> None:
+        self.config, self.cluster, self.console = config, cluster, console or Console(stderr=True)
+        self.draft_server: DraftServer | None = None
+        self.targets: list[TargetServer] = []
+        self.links: list[asyncio.Task] = []
+        self.gateway: Gateway | None = None
+        self.urls: dict[str, str | list[str]] = {}
+
+    async def start(self) -> dict:
+        if self.config.mode not in ("chain", "tree"):
+            raise ValueError("the embedded cluster runs a draft server: mode must be chain or tree")
+        target, draft = await asyncio.to_thread(load_pair, self.config, self.console)
+        host, c = self.cluster.host, self.cluster
+        self.draft_server = DraftServer(draft, make_drafter(self.config, draft), DraftServerConfig(
+            host=host, port=c.draft_port, max_sessions=self.config.max_sessions * c.targets,
+            max_batch=self.config.max_batch, kv_budget_bytes=self.config.kv_budget_bytes))
+        draft_port = await self.draft_server.start()
+        target_ports = []
+        for _ in range(c.targets):
+            client = DraftClient(host, draft_port, model=target.name, fingerprint=target.vocab_fingerprint)
+            first = asyncio.get_running_loop().create_future()
+            self.links.append(asyncio.create_task(client.run(first)))
+            await first
+            server = TargetServer(target, TargetServerConfig(host=host, port=0, max_sessions=self.config.max_sessions,
+                                                             kv_budget_bytes=self.config.kv_budget_bytes), client)
+            target_ports.append(await server.start())
+            self.targets.append(server)
+        metrics = GatewayMetrics()
+        upstream = Upstream([f"{host}:{p}" for p in target_ports], [f"{host}:{draft_port}"],
+                            fingerprint=target.vocab_fingerprint, metrics=metrics)
+        self.gateway = Gateway(GatewayConfig(model_name=target.name, context=target.spec.max_position, host=host,
+                                             port=c.gateway_port, default_max_tokens=c.default_max_tokens),
+                               target.tokenizer, upstream, metrics)
+        gateway_port = await self.gateway.start()
+        self.urls = {"gateway": f"http://{host}:{gateway_port}", "draft": f"{host}:{draft_port}",
+                     "targets": [f"{host}:{p}" for p in target_ports]}
+        return self.urls
+
+    async def close(self) -> None:
+        if self.gateway:
+            await self.gateway.close()
+        for link in self.links:
+            link.cancel()
+        await asyncio.gather(*self.links, return_exceptions=True)
+        for server in self.targets:
+            await server.close()
+        if self.draft_server:
+            await self.draft_server.close()
+
+
+class ClusterThread:
+    """An EmbeddedCluster on its own event loop in a background thread, for a synchronous
+    caller (the chat REPL, tests using the synchronous openai client)."""
+
+    def __init__(self, config: Config, cluster: ClusterConfig, console: Console | None = None) -> None:
+        self.cluster = EmbeddedCluster(config, cluster, console)
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._main, name="specctl-cluster", daemon=True)
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(self._serve())
+        self.loop.close()
+
+    async def _serve(self) -> None:
+        self._stop = asyncio.Event()
+        try:
+            await self.cluster.start()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller of start()
+            self._error = exc
+            self._ready.set()
+            await self.cluster.close()
+            return
+        self._ready.set()
+        try:
+            await self._stop.wait()
+        finally:
+            await self.cluster.close()
+
+    def start(self) -> dict:
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+        return self.cluster.urls
+
+    def stop(self) -> None:
+        if self._thread.is_alive() and self._stop is not None:
+            self.loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(timeout=30)

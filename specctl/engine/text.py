@@ -1,0 +1,61 @@
+"""Text in and out of token ids: prompts (plain or through the chat template) and
+incremental decoding of a growing output with OpenAI-style stop strings."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from specctl.errors import BadRequest
+
+
+def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
+    """A plain completion prompt, with the tokenizer's usual special tokens (BOS)."""
+    return tokenizer.encode(prompt)
+
+
+def encode_chat(tokenizer: Any, messages: Sequence[dict]) -> list[int]:
+    """Messages through the model's own chat template, ready for the assistant's turn.
+    The template adds any special tokens itself, so the encoder must not add them again."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise BadRequest("this model has no chat template: use /v1/completions (or drop --chat)")
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+class IncrementalText:
+    """Turns a growing list of token ids into text deltas. Holds back an incomplete UTF-8
+    character and any tail that could be the start of a stop string, so that no text past
+    a stop string is ever handed out; ``stopped`` turns true when one is found."""
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self.tokens: list[int] = []
+        self.text = ""  # everything handed out so far
+        self.stopped = False
+
+    def _decoded(self) -> str:
+        return self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+
+    def push(self, tokens: Sequence[int]) -> str:
+        if self.stopped:
+            return ""
+        self.tokens.extend(tokens)
+        full = self._decoded()
+        hits = [i for s in self.stop if (i := full.find(s, max(0, len(self.text) - len(s) + 1))) >= 0]
+        if hits:
+            self.stopped = True
+            return self._advance(full[: min(hits)])
+        if full.endswith("\ufffd"):  # a multi-byte character is not complete yet
+            return ""
+        hold = max((k for s in self.stop for k in range(1, len(s)) if full.endswith(s[:k])), default=0)
+        return self._advance(full[: len(full) - hold])
+
+    def finish(self) -> str:
+        """The held-back tail once the output is complete (no stop string came)."""
+        return "" if self.stopped else self._advance(self._decoded())
+
+    def _advance(self, upto: str) -> str:
+        delta = upto[len(self.text) :] if len(upto) > len(self.text) else ""
+        self.text += delta
+        return delta

@@ -1,0 +1,152 @@
+"""The OpenAI request bodies the gateway accepts, and their validation. Anything wrong
+becomes an ApiError with the HTTP status and the OpenAI error body clients expect.
+
+Choices where OpenAI and the servers differ (written down, as users will ask):
+- temperature defaults to 1.0 and top_p to 1.0 (OpenAI); top_k is accepted as vLLM
+  does (0 or -1 = off); ``seed`` makes sampling reproducible.
+- max_tokens defaults to 16 for completions (OpenAI) and to the gateway's
+  ``default_max_tokens`` for chat, capped by what the context has left.
+- n > 1, logprobs, echo, best_of, suffix and non-zero penalties are refused with 400
+  rather than silently ignored: they would change what the caller gets."""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+from specctl.errors import SpecctlError
+from specctl.spec.sampling import SamplingParams
+
+MAX_STOP_STRINGS = 4
+
+
+class ApiError(SpecctlError):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.type, self.param, self.code, self.retry_after = status, type, param, code, retry_after
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str = ""
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class _Common(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: bool | int | None = None
+    ignore_eos: bool = False  # vLLM's extension, handy for benchmarks
+    user: str | None = None
+
+
+class CompletionRequest(_Common, kw_only=True):
+    prompt: str | list[int | str]  # text, token ids, or a one-element list of text
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatCompletionRequest(_Common, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+
+def parse_body(body: bytes, kind: type[_Common]) -> _Common:
+    if not body.strip():
+        raise ApiError(400, "the request body is empty: send a JSON object")
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        where = re.search(r"at `\$\.(\w+)", str(exc))
+        raise ApiError(400, f"invalid request: {exc}", param=where[1] if where else None) from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+def refuse_unsupported(req: _Common) -> None:
+    if req.n != 1:
+        raise ApiError(400, "only n=1 is supported", param="n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise ApiError(400, f"{name} is not supported (it would change the target's distribution)", param=name)
+    if req.logprobs:
+        raise ApiError(400, "logprobs are not supported", param="logprobs")
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            raise ApiError(400, "echo is not supported", param="echo")
+        if req.best_of not in (None, 1):
+            raise ApiError(400, "best_of is not supported", param="best_of")
+        if req.suffix:
+            raise ApiError(400, "suffix is not supported", param="suffix")
+
+
+def stop_strings(req: _Common) -> list[str]:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
+    return [s for s in stop if s]
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    if not req.messages:
+        raise ApiError(400, "messages must not be empty", param="messages")
+    out = []
+    for message in req.messages:
+        if message.role not in ("system", "user", "assistant", "developer", "tool"):
+            raise ApiError(400, f"unknown message role {message.role!r}", param="messages")
+        content = message.content
+        if isinstance(content, list):
+            if any(part.type != "text" for part in content):
+                raise ApiError(400, "only text content parts are supported", param="messages")
+            content = "".join(part.text for part in content)
+        out.append({"role": "system" if message.role == "developer" else message.role, "content": content or ""})
+    return out
+
+
+def sampling_params(req: _Common, prompt_tokens: int, context: int, default_max_tokens: int) -> SamplingParams:
+    """Validated sampling parameters; a prompt that leaves no room is a 400 as in OpenAI."""
+    room = context - prompt_tokens
+    requested = req.max_completion_tokens if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens else req.max_tokens
+    if requested is not None and requested < 1:
+        raise ApiError(400, f"max_tokens must be at least 1, got {requested}", param="max_tokens")
+    if room < 1 or (requested is not None and requested > room):
+        raise ApiError(400, f"This model's maximum context length is {context} tokens. However, you requested "
+                       f"{prompt_tokens + (requested or 1)} tokens ({prompt_tokens} in the messages/prompt, "
+                       f"{requested or 1} in the completion). Please reduce the length of the prompt or max_tokens.",
+                       param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+                       code="context_length_exceeded")
+    if requested is None:
+        requested = min(16 if isinstance(req, CompletionRequest) else default_max_tokens, room)
+    top_k = req.top_k if req.top_k not in (None, -1) else 0
+    try:
+        return SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=top_k, max_tokens=requested, seed=req.seed, ignore_eos=req.ignore_eos,
+        )
+    except SpecctlError as exc:
+        raise ApiError(400, str(exc)) from None

@@ -1,0 +1,57 @@
+"""Prometheus metrics of the gateway, in its own registry. The spec-decode counters use
+the names vLLM and llama.cpp use, under a ``specctl:`` prefix; the gauges mirror the
+latest stats snapshot of every role."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+PREFIX = "specctl:"
+
+# stats key of a role's snapshot -> (gauge name, help)
+ROLE_GAUGES = {
+    "load": ("draft_load", "fraction of wall time the role's compute thread is busy"),
+    "T_idle_ms": ("T_idle_ms", "mean idle gap of the compute loop per pass (ms)"),
+    "T_wait_ms": ("T_wait_ms", "mean time a request waits in the compute queue (ms)"),
+    "t_s_ms": ("t_s_ms", "mean compute time per request (ms)"),
+    "queue_depth": ("queue_depth", "requests waiting for the compute thread"),
+    "sessions": ("sessions", "open sessions"),
+    "tokens_per_s": ("tokens_per_s", "tokens per second since start"),
+    "R_q": ("R_q", "draft rounds per second"),
+    "R_p": ("R_p", "verification rounds per second"),
+}
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r, p = self.registry, PREFIX
+        self.drafts = Counter(f"{p}spec_decode_num_drafts", "speculative rounds verified", registry=r)
+        self.draft_tokens = Counter(f"{p}spec_decode_num_draft_tokens", "draft tokens proposed (depth per round)", registry=r)
+        self.accepted = Counter(f"{p}spec_decode_num_accepted_tokens", "draft tokens accepted", registry=r)
+        self.accepted_per_pos = Counter(f"{p}spec_decode_num_accepted_tokens_per_pos",
+                                        "draft tokens accepted at each position", ["position"], registry=r)
+        self.requests = Counter(f"{p}requests", "HTTP generation requests by outcome", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter(f"{p}prompt_tokens", "prompt tokens processed", registry=r)
+        self.generation_tokens = Counter(f"{p}generation_tokens", "tokens generated", registry=r)
+        self.running = Gauge(f"{p}requests_running", "requests in flight through this gateway", registry=r)
+        self.role_up = Gauge(f"{p}role_up", "1 when the role answered the last poll", ["role", "address"], registry=r)
+        self.role_gauges = {key: Gauge(f"{p}{name}", help_, ["role", "address"], registry=r)
+                            for key, (name, help_) in ROLE_GAUGES.items()}
+
+    def record_generation(self, stats: dict) -> None:
+        """Counters from a finished request's per-session statistics."""
+        self.drafts.inc(stats.get("rounds", 0))
+        self.draft_tokens.inc(stats.get("drafted", 0))
+        self.accepted.inc(stats.get("accepted", 0))
+        for position, count in enumerate(stats.get("accepted_per_pos", [])):
+            self.accepted_per_pos.labels(position=str(position)).inc(count)
+
+    def record_role(self, role: str, address: str, up: bool, stats: dict) -> None:
+        self.role_up.labels(role=role, address=address).set(1 if up else 0)
+        for key, gauge in self.role_gauges.items():
+            if isinstance(stats.get(key), (int, float)):
+                gauge.labels(role=role, address=address).set(stats[key])
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

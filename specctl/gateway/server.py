@@ -1,0 +1,243 @@
+"""``specctl gateway``: the OpenAI-compatible HTTP door (aiohttp). Tokenises with the
+target's tokenizer and chat template, routes each request to the least-loaded target
+instance, streams text as tokens are accepted, and cancels the generation everywhere
+when the HTTP client goes away (handler cancellation closes the upstream connection)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from specctl.engine.text import IncrementalText, encode_chat, encode_prompt
+from specctl.errors import BadRequest
+from specctl.gateway import responses as R
+from specctl.gateway.api import (
+    ApiError, ChatCompletionRequest, CompletionRequest, chat_messages, parse_body, refuse_unsupported,
+    sampling_params, stop_strings,
+)
+from specctl.gateway.metrics import GatewayMetrics
+from specctl.gateway.upstream import Upstream
+from specctl.net.protocol import Tokens
+from specctl.verify.client import RemoteError, TargetStream
+
+log = logging.getLogger("specctl.gateway")
+
+REMOTE_STATUS = {"bad_request": 400, "capacity": 503}
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    model_name: str
+    context: int
+    host: str = "127.0.0.1"
+    port: int = 8000
+    default_max_tokens: int = 256
+    max_body_bytes: int = 1 << 20
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.context < 2 or self.default_max_tokens < 1 or self.max_body_bytes < 1024:
+            raise ValueError("context must be >= 2, default_max_tokens >= 1 and max_body_bytes >= 1024")
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, tokenizer: Any, upstream: Upstream, metrics: GatewayMetrics) -> None:
+        self.config, self.tokenizer, self.upstream, self.metrics = config, tokenizer, upstream, metrics
+        self.created = int(time.time())
+        self.running = 0
+        self._runner: web.AppRunner | None = None
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._errors])
+        app.add_routes([
+            web.post("/v1/completions", self._completions), web.post("/v1/chat/completions", self._chat),
+            web.get("/v1/models", self._models), web.get("/health", self._health),
+            web.get("/metrics", self._metrics), web.get("/v1/stats", self._stats),
+        ])
+        app.cleanup_ctx.append(self._poller)
+        return app
+
+    async def _poller(self, _app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(self.upstream.poll_forever())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    async def start(self) -> int:
+        await self.upstream.poll_once()  # know the instances' capacities before the first request
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.config.host, self.config.port).start()
+        return self._runner.addresses[0][1]
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    # --- plumbing ------------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        """Every error leaves as an OpenAI-style JSON body; the gateway carries on."""
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None
+            return web.json_response(exc.body(), status=exc.status, headers=headers)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            message = {413: f"request body too large (limit {self.config.max_body_bytes} bytes)",
+                       404: f"no route {request.method} {request.path}"}.get(exc.status, exc.reason)
+            return web.json_response(ApiError(exc.status, message).body(), status=exc.status)
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as exc:  # noqa: BLE001
+            log.exception("request %s failed", request.path)
+            return web.json_response(ApiError(500, f"internal error: {exc}", type="server_error").body(), status=500)
+
+    def _check_key(self, request: web.Request) -> None:
+        if self.config.api_key and request.headers.get("Authorization", "") != f"Bearer {self.config.api_key}":
+            raise ApiError(401, "Incorrect API key provided: send `Authorization: Bearer <key>`", code="invalid_api_key")
+
+    # --- endpoints -----------------------------------------------------------------------
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self._check_key(request)
+        return web.json_response(R.models_list(self.config.model_name, self.created))
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        up = sum(t.up for t in self.upstream.targets)
+        return web.json_response({"status": "ok" if up else "unavailable", "targets_up": up,
+                                  "targets": len(self.upstream.targets)}, status=200 if up else 503)
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        """The stats feed for the monitor: the latest snapshot of every role."""
+        self._check_key(request)
+        feed = {"time": time.time(), "model": self.config.model_name,
+                "gateway": {"requests_running": self.running}}
+        feed.update(self.upstream.snapshot())
+        return web.json_response(feed)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    def _encode(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        try:
+            if isinstance(req, ChatCompletionRequest):
+                return encode_chat(self.tokenizer, chat_messages(req))
+            prompt = req.prompt
+            if isinstance(prompt, list) and any(isinstance(p, str) for p in prompt):
+                if len(prompt) != 1 or not isinstance(prompt[0], str):
+                    raise ApiError(400, "batched prompts are not supported: send one prompt per request", param="prompt")
+                prompt = prompt[0]
+            ids = encode_prompt(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+        except BadRequest as exc:
+            raise ApiError(400, str(exc)) from None
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        return ids
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        endpoint = "chat" if chat else "completions"
+        status = "error"
+        self.running += 1
+        self.metrics.running.set(self.running)
+        try:
+            self._check_key(request)
+            req = parse_body(await request.read(), ChatCompletionRequest if chat else CompletionRequest)
+            refuse_unsupported(req)
+            if req.model and req.model != self.config.model_name:
+                raise ApiError(404, f"The model `{req.model}` does not exist. This gateway serves "
+                               f"`{self.config.model_name}`.", param="model", code="model_not_found")
+            stop = stop_strings(req)
+            prompt = self._encode(req)
+            params = sampling_params(req, len(prompt), self.config.context, self.config.default_max_tokens)
+            self.metrics.prompt_tokens.inc(len(prompt))
+            try:
+                async with self.upstream.stream(prompt, params) as (stream, first):
+                    text = IncrementalText(self.tokenizer, stop)
+                    events = self._events(stream, first, text)
+                    if req.stream:
+                        response = await self._stream(request, req, chat, len(prompt), events)
+                    else:
+                        response = await self._collect(req, chat, len(prompt), events, text)
+            except RemoteError as exc:
+                raise ApiError(REMOTE_STATUS.get(exc.code, 502), f"target instance: {exc}",
+                               type="invalid_request_error" if exc.code == "bad_request" else "server_error") from None
+            status = "ok"
+            return response
+        except asyncio.CancelledError:
+            status = "cancelled"
+            raise
+        except ApiError as exc:
+            status = str(exc.status)
+            raise
+        finally:
+            self.running -= 1
+            self.metrics.running.set(self.running)
+            self.metrics.requests.labels(endpoint=endpoint, status=status).inc()
+
+    async def _events(self, stream: TargetStream, first, text: IncrementalText) -> AsyncIterator[tuple[str, str | None, dict, int]]:
+        """(text delta, finish_reason or None, stats, completion tokens so far) as tokens arrive."""
+        event, count = first, 0
+        while True:
+            if isinstance(event, Tokens):
+                count += len(event.tokens)
+                self.metrics.generation_tokens.inc(len(event.tokens))
+                delta = text.push(event.tokens)
+                if text.stopped:  # leaving closes the upstream connection: the target cancels the rest
+                    yield delta, "stop", {}, count
+                    return
+                yield delta, None, {}, count
+            else:
+                self.metrics.record_generation(event.stats)
+                yield text.finish(), event.finish_reason, event.stats, count
+                return
+            event = await stream.next()
+
+    async def _collect(self, req, chat: bool, prompt_tokens: int, events, text: IncrementalText) -> web.Response:
+        async for _delta, finish, stats, count in events:
+            if finish:
+                return web.json_response(R.full_response(R.new_id(chat), self.config.model_name, chat, text.text, finish,
+                                                          prompt_tokens, count, stats))
+        raise ApiError(502, "the target instance ended the stream without finishing", type="server_error")
+
+    async def _stream(self, request: web.Request, req, chat: bool, prompt_tokens: int, events) -> web.StreamResponse:
+        rid, created, model = R.new_id(chat), int(time.time()), self.config.model_name
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        if chat:
+            await response.write(R.sse(R.chunk(rid, model, chat, created, role=True)))
+        try:
+            async for delta, finish, stats, count in events:
+                if delta:
+                    await response.write(R.sse(R.chunk(rid, model, chat, created, text=delta)))
+                if finish:
+                    await response.write(R.sse(R.chunk(rid, model, chat, created, finish_reason=finish,
+                                                       extra={"specctl": R.spec_summary(stats)})))
+                    if req.stream_options and req.stream_options.include_usage:
+                        await response.write(R.sse(R.usage_chunk(rid, model, chat, created, prompt_tokens, count)))
+        except RemoteError as exc:  # headers are gone: the error travels in the stream, as vLLM does
+            await response.write(R.sse(ApiError(502, f"target instance: {exc}", type="server_error").body()))
+        await response.write(R.sse("[DONE]"))
+        await response.write_eof()
+        return response

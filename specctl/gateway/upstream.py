@@ -1,0 +1,140 @@
+"""The roles behind the gateway: target instances it sends requests to (least loaded
+first, failing over before the first token) and draft servers it watches. A poller keeps
+a stats snapshot of every role; a role that stops answering is shown as down and comes
+back on its own when it answers again."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl as ssl_module
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from specctl.gateway.api import ApiError
+from specctl.gateway.metrics import GatewayMetrics
+from specctl.gateway.routing import TargetView, pick_target
+from specctl.net.protocol import Welcome
+from specctl.runtime.loop import parse_hostport
+from specctl.spec.sampling import SamplingParams
+from specctl.verify.client import RemoteError, TargetStream, probe
+
+log = logging.getLogger("specctl.gateway")
+
+RETRYABLE = {"unreachable", "disconnected", "capacity"}  # nothing was generated yet: another instance may take it
+
+
+@dataclass(slots=True)
+class RoleLink:
+    role: str  # "target" or "draft"
+    host: str
+    port: int
+    up: bool = False
+    stats: dict = field(default_factory=dict)
+    welcome: Welcome | None = None
+    inflight: int = 0
+    error: str = ""
+    seen_at: float = 0.0
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def view(self) -> TargetView:
+        capacity = self.welcome.max_sessions if self.welcome else 0
+        return TargetView(self.up, self.inflight, capacity, int(self.stats.get("sessions", 0)))
+
+    def snapshot(self) -> dict:
+        return {"role": self.role, "address": self.address, "up": self.up, "error": self.error,
+                "age_s": round(time.time() - self.seen_at, 2) if self.seen_at else None, "stats": self.stats}
+
+
+class Upstream:
+    def __init__(self, targets: list[str], drafters: list[str] = (), fingerprint: str | None = None,
+                 auth_token: str | None = None, ssl: ssl_module.SSLContext | None = None,
+                 metrics: GatewayMetrics | None = None, poll_interval_s: float = 0.5) -> None:
+        self.targets = [RoleLink("target", *parse_hostport(t)) for t in targets]
+        self.drafters = [RoleLink("draft", *parse_hostport(d)) for d in drafters]
+        self.fingerprint, self.auth_token, self.ssl = fingerprint, auth_token, ssl
+        self.metrics, self.poll_interval_s = metrics, poll_interval_s
+
+    async def _poll(self, link: RoleLink) -> None:
+        try:
+            welcome, stats = await asyncio.wait_for(probe(link.host, link.port, self.auth_token, self.ssl), 5.0)
+        except (RemoteError, OSError, asyncio.TimeoutError) as exc:
+            if link.up:
+                log.warning("%s %s is down: %s", link.role, link.address, exc)
+            link.up, link.error = False, str(exc) or type(exc).__name__
+            return
+        except Exception as exc:  # noqa: BLE001 - a misbehaving peer is shown as down, never fatal
+            link.up, link.error = False, f"{type(exc).__name__}: {exc}"
+            return
+        link.welcome, link.stats, link.seen_at = welcome, stats, time.time()
+        if link.role == "target" and self.fingerprint and welcome.fingerprint != self.fingerprint:
+            link.up, link.error = False, f"vocabulary differs from the gateway's tokenizer ({welcome.model})"
+            return
+        if not link.up:
+            log.info("%s %s is up (%s)", link.role, link.address, welcome.model)
+        link.up, link.error = True, ""
+
+    def _discover_drafters(self) -> None:
+        known = {d.address for d in self.drafters}
+        for target in self.targets:
+            address = target.stats.get("draft_address")
+            if address and address not in known:
+                self.drafters.append(RoleLink("draft", *parse_hostport(address)))
+                known.add(address)
+
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self._poll(link) for link in self.targets + self.drafters))
+        self._discover_drafters()
+        if self.metrics:
+            for link in self.targets + self.drafters:
+                self.metrics.record_role(link.role, link.address, link.up, link.stats)
+
+    async def poll_forever(self) -> None:
+        while True:
+            await self.poll_once()
+            await asyncio.sleep(self.poll_interval_s)
+
+    def views(self) -> list[TargetView]:
+        return [t.view() for t in self.targets]
+
+    @asynccontextmanager
+    async def stream(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[tuple[TargetStream, object]]:
+        """(stream, first event) of a generation on the least-loaded instance. Failures before
+        the first token move on to the next instance; with none left the caller gets a 503."""
+        tried: set[int] = set()
+        while True:
+            index = pick_target(self.views(), frozenset(tried))
+            if index is None:
+                down = all(not t.up for t in self.targets)
+                raise ApiError(503, "no target instance is reachable; retry later" if down else
+                               "every target instance is at capacity; retry later",
+                               type="server_error", code="no_capacity", retry_after=1)
+            tried.add(index)
+            link = self.targets[index]
+            link.inflight += 1
+            stream = TargetStream(link.host, link.port, prompt, params, role="gateway",
+                                  auth_token=self.auth_token, ssl=self.ssl)
+            try:
+                try:
+                    await stream.__aenter__()
+                    first = await stream.next()
+                except RemoteError as exc:
+                    if exc.code not in RETRYABLE:
+                        raise
+                    if exc.code != "capacity":
+                        link.up, link.error = False, str(exc)
+                    log.warning("target %s: %s; trying another", link.address, exc)
+                    continue
+                yield stream, first
+                return
+            finally:
+                await stream.__aexit__(None, None, None)
+                link.inflight -= 1
+
+    def snapshot(self) -> dict:
+        return {"targets": [t.snapshot() for t in self.targets], "drafters": [d.snapshot() for d in self.drafters]}

@@ -1,0 +1,64 @@
+"""Incremental decoding with stop strings (byte-level tiny tokenizer: one token per byte)."""
+
+import pytest
+
+from specctl.engine.text import IncrementalText, encode_chat
+from specctl.engine.tiny import make_byte_tokenizer
+from specctl.errors import BadRequest
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_byte_tokenizer()
+
+
+def feed(text: IncrementalText, ids, step=1):
+    out = []
+    for i in range(0, len(ids), step):
+        out.append(text.push(ids[i : i + step]))
+        if text.stopped:
+            break
+    return out
+
+
+def test_deltas_add_up_to_the_decoded_text(tok):
+    ids = tok.encode("héllo wörld", add_special_tokens=False)
+    text = IncrementalText(tok)
+    assert "".join(feed(text, ids)) + text.finish() == "héllo wörld"
+
+
+def test_an_incomplete_character_is_held_back(tok):
+    ids = tok.encode("é", add_special_tokens=False)
+    assert len(ids) == 2
+    text = IncrementalText(tok)
+    assert text.push(ids[:1]) == ""
+    assert text.push(ids[1:]) == "é"
+
+
+def test_stop_string_across_tokens_is_never_emitted(tok):
+    ids = tok.encode("abc STOP def", add_special_tokens=False)
+    text = IncrementalText(tok, ["STOP"])
+    deltas = feed(text, ids)
+    assert "".join(deltas) == "abc "
+    assert text.stopped and text.finish() == ""
+    assert all("S" not in d for d in deltas)  # "S", "ST", "STO" were held back, never sent
+
+
+def test_the_earliest_of_several_stop_strings_wins(tok):
+    ids = tok.encode("one two three", add_special_tokens=False)
+    text = IncrementalText(tok, ["three", "two"])
+    assert "".join(feed(text, ids, step=5)) == "one "
+
+
+def test_a_held_back_prefix_is_released_when_it_does_not_become_a_stop(tok):
+    ids = tok.encode("ab", add_special_tokens=False)
+    text = IncrementalText(tok, ["bc"])
+    assert text.push(ids) == "a"
+    assert text.finish() == "b"
+
+
+def test_chat_without_template_is_a_clear_error(tok):
+    tok = make_byte_tokenizer()
+    tok.chat_template = None
+    with pytest.raises(BadRequest, match="has no chat template"):
+        encode_chat(tok, [{"role": "user", "content": "hi"}])
