@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from specctl.cli import bench, generate, models, plan, roles
+from specctl.cli import bench, chat, gateway, generate, models, monitor, plan, roles
 from specctl.errors import SpecctlError
 
 app = typer.Typer(
@@ -23,6 +23,10 @@ app.command("generate")(generate.generate)
 app.command("draft")(roles.draft)
 app.command("verify")(roles.verify)
 app.command("plan")(plan.plan)
+app.command("gateway")(gateway.gateway)
+app.command("up")(gateway.up)
+app.command("chat")(chat.chat)
+app.command("monitor")(monitor.monitor)
 
 
 def main() -> None:

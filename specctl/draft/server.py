@@ -88,7 +88,9 @@ class DraftServer:
         self.compute.stop()
 
     def snapshot(self) -> dict:
-        stats = {"model": self.model.name, "connections": len(self.connections), "uptime_s": round(time.time() - self.started, 1)}
+        stats = {"model": self.model.name, "connections": len(self.connections),
+                 "targets": sum(c.role == "target" for c in self.connections.values()),
+                 "uptime_s": round(time.time() - self.started, 1)}
         stats.update(self.compute.stats.snapshot(self.compute.queue_depth))
         stats.update(self.table.snapshot())
         stats["R_q"] = stats.pop("jobs_per_s")

@@ -48,7 +48,7 @@ class RoleLink:
 
     def snapshot(self) -> dict:
         return {"role": self.role, "address": self.address, "up": self.up, "error": self.error,
-                "age_s": round(time.time() - self.seen_at, 2) if self.seen_at else None, "stats": self.stats}
+                "seen_at": self.seen_at or None, "stats": self.stats}
 
 
 class Upstream:

@@ -1,0 +1,154 @@
+"""``specctl chat``: an interactive client of a gateway. Streams the reply as tokens are
+accepted, prints a one-line statistic after it, and keeps the conversation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import aiohttp
+from rich.console import Console
+
+HELP = "commands: /reset (forget the conversation), /temp T (sampling temperature), /stats, /quit; Ctrl-C stops a reply"
+
+
+class Quit(Exception):
+    pass
+
+
+@dataclass(slots=True)
+class ChatState:
+    temperature: float = 0.0
+    max_tokens: int = 256
+    messages: list[dict] = field(default_factory=list)
+
+
+def command(line: str, state: ChatState) -> str:
+    """Apply a /command to the state; returns what to tell the user."""
+    name, _, arg = line.strip().partition(" ")
+    if name in ("/quit", "/exit", "/q"):
+        raise Quit
+    if name == "/reset":
+        state.messages.clear()
+        return "conversation cleared"
+    if name == "/temp":
+        try:
+            value = float(arg)
+        except ValueError:
+            return f"usage: /temp T (now {state.temperature}); 0 = greedy, exactly the target's own output"
+        if not 0 <= value <= 100:
+            return "temperature must be between 0 and 100"
+        state.temperature = value
+        return f"temperature {value}"
+    if name == "/help":
+        return HELP
+    return f"unknown command {name}; {HELP}"
+
+
+def stat_line(usage: dict, spec: dict, seconds: float) -> str:
+    tokens = usage.get("completion_tokens", 0)
+    rate = tokens / seconds if seconds > 0 else 0.0
+    return (f"{tokens} tokens, {rate:.1f} tok/s, mean accepted length {spec.get('mean_accepted_length', 0):.2f}, "
+            f"acceptance {spec.get('acceptance_rate', 0):.0%}")
+
+
+async def stream_reply(url: str, state: ChatState, on_text: Callable[[str], None],
+                       api_key: str | None = None) -> tuple[str, dict, dict]:
+    """One streamed chat completion: (text, usage, specctl stats). Errors raise RuntimeError."""
+    body = {"messages": state.messages, "temperature": state.temperature, "max_tokens": state.max_tokens,
+            "stream": True, "stream_options": {"include_usage": True}}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    text, usage, spec = [], {}, {}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url.rstrip("/") + "/v1/chat/completions", json=body, headers=headers) as response:
+            if response.status != 200:
+                try:
+                    message = (await response.json())["error"]["message"]
+                except Exception:  # noqa: BLE001
+                    message = await response.text()
+                raise RuntimeError(f"gateway answered {response.status}: {message}")
+            async for raw in response.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(chunk["error"]["message"])
+                usage = chunk.get("usage") or usage
+                spec = chunk.get("specctl") or spec
+                for choice in chunk.get("choices", []):
+                    delta = choice.get("delta", {}).get("content")
+                    if delta:
+                        text.append(delta)
+                        on_text(delta)
+    return "".join(text), usage, spec
+
+
+async def fetch_feed(url: str, api_key: str | None = None) -> dict:
+    from specctl.monitor.source import gateway_feed
+
+    async with aiohttp.ClientSession() as session:
+        return await gateway_feed(session, url, api_key)
+
+
+def repl(url: str, console: Console, state: ChatState | None = None, api_key: str | None = None,
+         read: Callable[[], str] | None = None) -> None:
+    state = state or ChatState()
+    read = read or (lambda: console.input("[bold green]you>[/] "))
+    console.print(f"[dim]{HELP}[/]")
+    while True:
+        try:
+            line = read()
+        except EOFError:
+            break
+        except KeyboardInterrupt:
+            console.print("\n[dim](Ctrl-D or /quit to leave)[/]")
+            continue
+        if not line.strip():
+            continue
+        if line.startswith("/"):
+            if line.strip() == "/stats":
+                show_stats(url, console, api_key)
+                continue
+            try:
+                console.print(f"[dim]{command(line, state)}[/]")
+            except Quit:
+                break
+            continue
+        state.messages.append({"role": "user", "content": line})
+        console.print("[bold cyan]assistant>[/] ", end="")
+        started = time.perf_counter()
+        pieces: list[str] = []
+
+        def show(delta: str) -> None:
+            pieces.append(delta)
+            console.print(delta, end="", markup=False, highlight=False, soft_wrap=True)
+
+        try:
+            text, usage, spec = asyncio.run(stream_reply(url, state, show, api_key))
+        except KeyboardInterrupt:  # asyncio.run cancelled the stream: the gateway cancels the generation
+            state.messages.append({"role": "assistant", "content": "".join(pieces)})
+            console.print("\n[yellow](stopped)[/]")
+            continue
+        except (RuntimeError, aiohttp.ClientError, OSError) as exc:
+            state.messages.pop()
+            console.print(f"\n[red]error: {exc}[/]")
+            continue
+        state.messages.append({"role": "assistant", "content": text})
+        console.print()
+        console.print(f"[dim]{stat_line(usage, spec, time.perf_counter() - started)}[/]")
+
+
+def show_stats(url: str, console: Console, api_key: str | None = None) -> None:
+    from specctl.monitor.render import dashboard
+    from specctl.monitor.view import MonitorState, advance
+
+    try:
+        feed = asyncio.run(fetch_feed(url, api_key))
+    except Exception as exc:  # noqa: BLE001
+        console.print(f"[red]cannot read stats from {url}: {exc}[/]")
+        return
+    console.print(dashboard(advance(MonitorState(url), feed, time.time())))

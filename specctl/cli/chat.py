@@ -1,0 +1,58 @@
+"""``specctl chat``: talk to a gateway, or to an embedded cluster started on the spot."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+
+def chat(
+    gateway: Optional[str] = typer.Option(None, help="gateway URL (default: start an embedded cluster here)"),
+    temperature: float = typer.Option(0.0, help="0 = greedy: exactly the target's own output; /temp changes it"),
+    max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="most tokens per reply"),
+    draft: Optional[str] = typer.Option(None, help="embedded cluster: draft model"),
+    target: Optional[str] = typer.Option(None, help="embedded cluster: target model"),
+    mode: Optional[str] = typer.Option(None, help="embedded cluster: chain | tree"),
+    dtype: Optional[str] = typer.Option(None, help="embedded cluster: fp32 | bf16"),
+    draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="embedded cluster: none | int8"),
+    threads: Optional[int] = typer.Option(None, help="embedded cluster: torch CPU threads"),
+    profile: Optional[str] = typer.Option(None, help="embedded cluster: hardware profile"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECCTL_API_KEY", help="the gateway's API key"),
+) -> None:
+    """Chat interactively; replies stream as the target accepts tokens."""
+    from specctl.chat.repl import ChatState, repl
+    from specctl.errors import ConfigError
+    from specctl.spec.sampling import SamplingParams
+
+    try:
+        SamplingParams(temperature=temperature, max_tokens=max_tokens)
+    except Exception as exc:  # noqa: BLE001
+        raise ConfigError(str(exc)) from None
+    console = Console()
+    state = ChatState(temperature=temperature, max_tokens=max_tokens)
+    if gateway:
+        console.print(f"[dim]chatting with {gateway}[/]")
+        repl(gateway, console, state, api_key)
+        return
+    import logging
+
+    from specctl.cli.gateway import cluster_config
+    from specctl.cluster.embedded import ClusterConfig, ClusterThread
+    from specctl.spec.factory import apply_threads
+
+    config = cluster_config(profile, draft, target, mode, dtype, draft_quant, threads)
+    apply_threads(config)
+    logging.basicConfig(level=logging.WARNING)
+    console.print(f"[bold]no --gateway given: starting an embedded cluster[/] (draft {config.draft}, target "
+                  f"{config.target}, {config.mode} d={config.depth}, {config.dtype}) on loopback…", soft_wrap=True)
+    cluster = ClusterThread(config, ClusterConfig(targets=1, gateway_port=0, default_max_tokens=max_tokens),
+                            Console(stderr=True))
+    urls = cluster.start()
+    console.print(f"[dim]embedded cluster ready: gateway {urls['gateway']}/v1, draft {urls['draft']}, "
+                  f"target {urls['targets'][0]}[/]", soft_wrap=True)
+    try:
+        repl(urls["gateway"], console, state)
+    finally:
+        cluster.stop()

@@ -1,0 +1,123 @@
+"""``specctl gateway`` (the HTTP door in front of target instances) and ``specctl up``
+(draft server, N target instances and a gateway in one process, on loopback)."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+
+from specctl.config import build_config
+from specctl.errors import ConfigError
+
+API_KEY_HELP = "require `Authorization: Bearer KEY` on /v1/* (or SPECCTL_API_KEY)"
+
+
+def gateway(
+    target: List[str] = typer.Option(..., "--target", help="target instance HOST:PORT (repeatable)"),
+    drafter: List[str] = typer.Option([], "--drafter", help="draft server HOST:PORT to watch (found from targets too)"),
+    port: int = typer.Option(8000, help="HTTP port (0 = any free port)"),
+    host: str = typer.Option("127.0.0.1", help="address to bind (0.0.0.0 for every interface)"),
+    model: Optional[str] = typer.Option(None, help="model whose tokenizer to use (default: what the targets serve)"),
+    default_max_tokens: int = typer.Option(256, "--default-max-tokens", help="chat max_tokens when a request gives none"),
+    max_body_kb: int = typer.Option(1024, "--max-body-kb", help="largest request body accepted (413 above)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECCTL_API_KEY", help=API_KEY_HELP),
+    auth_token: Optional[str] = typer.Option(None, "--auth-token", envvar="SPECCTL_AUTH_TOKEN",
+                                             help="auth token of the target instances"),
+    tls_ca: Optional[str] = typer.Option(None, "--tls-ca", help="CA file: talk TLS to the target instances"),
+    log_level: str = typer.Option("info", "--log-level", help="debug | info | warning"),
+) -> None:
+    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics) over target instances."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from specctl.engine.loader import vocab_fingerprint
+    from specctl.gateway.metrics import GatewayMetrics
+    from specctl.gateway.server import Gateway, GatewayConfig
+    from specctl.gateway.upstream import Upstream
+    from specctl.runtime.loop import run, setup_logging, wait_for_shutdown
+    from specctl.runtime.tls import client_context
+    from specctl.spec.factory import split_model_name
+    from specctl.store import resolve_model
+
+    setup_logging(log_level)
+    console = Console(stderr=True)
+
+    async def main() -> None:
+        metrics = GatewayMetrics()
+        upstream = Upstream(target, drafter, auth_token=auth_token, ssl=client_context(tls_ca), metrics=metrics)
+        await upstream.poll_once()
+        name = model or next((t.welcome.model for t in upstream.targets if t.welcome), None)
+        if name is None:
+            errors = "; ".join(f"{t.address}: {t.error}" for t in upstream.targets)
+            raise ConfigError(f"no target instance answered ({errors}); start them first or pass --model")
+        path = resolve_model(split_model_name(name)[0], console)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        upstream.fingerprint = vocab_fingerprint(tokenizer)
+        context = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", 32768)
+        server = Gateway(GatewayConfig(model_name=name, context=context, host=host, port=port,
+                                       default_max_tokens=default_max_tokens, max_body_bytes=max_body_kb * 1024,
+                                       api_key=api_key), tokenizer, upstream, metrics)
+        bound = await server.start()
+        console.print(f"gateway for [bold]{name}[/] on http://{host}:{bound}/v1 over {len(target)} target instance(s)"
+                      f"{' (API key required)' if api_key else ''}", soft_wrap=True)
+        try:
+            await wait_for_shutdown()
+        finally:
+            await server.close()
+
+    run(main())
+
+
+def cluster_config(profile, draft, target, mode, dtype, draft_quant, threads):
+    config = build_config(profile, draft=draft, target=target, mode=mode, dtype=dtype, draft_quant=draft_quant,
+                          threads=threads)
+    if config.mode not in ("chain", "tree"):
+        raise ConfigError("the embedded cluster runs a draft server: --mode must be chain or tree")
+    return config
+
+
+def up(
+    draft: Optional[str] = typer.Option(None, help="draft model (default: qwen2.5-coder-0.5b)"),
+    target: Optional[str] = typer.Option(None, help="target model (default: qwen2.5-coder-1.5b)"),
+    targets: int = typer.Option(1, help="number of target instances"),
+    port: int = typer.Option(8000, help="gateway HTTP port"),
+    mode: Optional[str] = typer.Option(None, help="chain | tree"),
+    dtype: Optional[str] = typer.Option(None, help="fp32 | bf16"),
+    draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="none | int8"),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
+    profile: Optional[str] = typer.Option(None, help="hardware profile"),
+    log_level: str = typer.Option("warning", "--log-level", help="debug | info | warning"),
+) -> None:
+    """Start a draft server, N target instances and a gateway on loopback; Ctrl-C stops them all."""
+    from specctl.cluster.embedded import ClusterConfig, EmbeddedCluster
+    from specctl.runtime.loop import run, setup_logging, wait_for_shutdown
+    from specctl.spec.factory import apply_threads
+
+    config = cluster_config(profile, draft, target, mode, dtype, draft_quant, threads)
+    try:
+        plan = ClusterConfig(targets=targets, gateway_port=port)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    setup_logging(log_level)
+    apply_threads(config)
+    console = Console(stderr=True)
+
+    async def main() -> None:
+        cluster = EmbeddedCluster(config, plan, console)
+        try:
+            urls = await cluster.start()
+            console.print(f"[bold]specctl up[/]: {config.draft} drafting for {targets} x {config.target} "
+                          f"({config.mode}, d={config.depth}, {config.dtype})", soft_wrap=True)
+            console.print(f"  gateway  {urls['gateway']}/v1   (metrics {urls['gateway']}/metrics)", soft_wrap=True)
+            console.print(f"  draft    {urls['draft']}", soft_wrap=True)
+            for address in urls["targets"]:
+                console.print(f"  target   {address}", soft_wrap=True)
+            console.print(f"  try: specctl chat --gateway {urls['gateway']}   |   specctl monitor --gateway "
+                          f"{urls['gateway']}   |   Ctrl-C to stop", soft_wrap=True)
+            await wait_for_shutdown()
+        finally:
+            await cluster.close()
+            console.print("stopped: every role closed, ports freed")
+
+    run(main())

@@ -1,0 +1,71 @@
+"""``specctl monitor``: a live view of the star (rich Live over pure render functions)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+
+
+def monitor(
+    gateway: Optional[str] = typer.Option(None, help="gateway URL whose /v1/stats feed to show (default http://127.0.0.1:8000)"),
+    draft: List[str] = typer.Option([], "--draft", help="draft server HOST:PORT to probe directly (repeatable)"),
+    target: List[str] = typer.Option([], "--target", help="target instance HOST:PORT to probe directly (repeatable)"),
+    interval: float = typer.Option(0.5, help="seconds between polls"),
+    once: bool = typer.Option(False, "--once", help="print one frame and exit (scripts, logs)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECCTL_API_KEY", help="the gateway's API key"),
+    auth_token: Optional[str] = typer.Option(None, "--auth-token", envvar="SPECCTL_AUTH_TOKEN",
+                                             help="auth token of the roles probed directly"),
+) -> None:
+    """Watch draft load, queueing, idle time and acceptance live; roles that go away show as down."""
+    import aiohttp
+    from rich.live import Live
+
+    from specctl.errors import ConfigError
+    from specctl.monitor.render import dashboard
+    from specctl.monitor.source import gateway_feed, roles_feed
+    from specctl.monitor.view import MonitorState, advance
+    from specctl.runtime.loop import run, wait_for_shutdown
+
+    if interval < 0.05:
+        raise ConfigError("--interval must be at least 0.05 seconds")
+    direct = bool(draft or target)
+    if direct and gateway:
+        raise ConfigError("give either --gateway or --draft/--target, not both")
+    url = gateway or "http://127.0.0.1:8000"
+    source = ", ".join(draft + target) if direct else url
+    console = Console()
+    current = [MonitorState(source)]
+
+    async def poll(session: aiohttp.ClientSession) -> None:
+        try:
+            feed = await (roles_feed(draft, target, auth_token) if direct else gateway_feed(session, url, api_key))
+            current[0] = advance(current[0], feed, time.time())
+        except Exception as exc:  # noqa: BLE001 - the gateway being away is something to show, not to die of
+            current[0] = advance(current[0], None, time.time(), f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+
+    async def main() -> None:
+        async with aiohttp.ClientSession() as session:
+            if once:
+                await poll(session)
+                console.print(dashboard(current[0]))
+                return
+
+            async def loop() -> None:
+                while True:
+                    await poll(session)
+                    await asyncio.sleep(interval)
+
+            with Live(get_renderable=lambda: dashboard(current[0]), console=console, refresh_per_second=4,
+                      redirect_stderr=False):
+                poller = asyncio.create_task(loop())
+                try:
+                    await wait_for_shutdown()
+                finally:
+                    poller.cancel()
+                    await asyncio.gather(poller, return_exceptions=True)
+
+    run(main())

@@ -1,0 +1,96 @@
+"""The monitor's screen as pure functions of a MonitorState: same state, same picture.
+Laid out for an 80x24 terminal: a header, one panel per draft server, one row per target
+instance, and a tokens/s sparkline."""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Group, RenderableType
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from specctl.monitor.view import MonitorState, star_regime
+
+BARS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: tuple[float, ...] | list[float], width: int = 60) -> str:
+    values = list(values)[-width:]
+    if not values:
+        return ""
+    top = max(values) or 1.0
+    return "".join(BARS[min(len(BARS) - 1, int(v / top * (len(BARS) - 1) + 0.5))] for v in values)
+
+
+def _ms(value) -> str:
+    return f"{value:.1f}ms" if isinstance(value, (int, float)) else "-"
+
+
+def header(state: MonitorState, now: float) -> Text:
+    text = Text(f"specctl monitor  {state.source}", style="bold")
+    if state.feed and state.feed.get("model"):
+        text.append(f"  model {state.feed['model']}", style="cyan")
+    if state.error:
+        text.append(f"  DOWN: {state.error}"[:70], style="bold red")
+    elif state.polled_at:
+        text.append(f"  data {max(0.0, now - state.polled_at):.1f}s old", style="dim")
+    return text
+
+
+def draft_panel(draft: dict, targets: list[dict]) -> Panel:
+    address = draft.get("address", "?")
+    if not draft.get("up"):
+        return Panel(Text(f"down: {draft.get('error') or 'no answer'}"[:74], style="red"),
+                     title=f"draft {address}", border_style="red")
+    s = draft.get("stats", {})
+    regime = star_regime(s, [t.get("stats", {}) for t in targets if t.get("up")])
+    table = Table.grid(padding=(0, 2))
+    for _ in range(4):
+        table.add_column()
+    load = float(s.get("load", 0.0))
+    table.add_row(f"load [bold]{load:.0%}[/]", f"queue {s.get('queue_depth', 0)}", f"sessions {s.get('sessions', 0)}",
+                  f"R_q {s.get('R_q', 0):.1f}/s")
+    table.add_row(f"t_s {_ms(s.get('t_s_ms'))}", f"T_wait {_ms(s.get('T_wait_ms'))}", f"T_idle {_ms(s.get('T_idle_ms'))}",
+                  f"batch {s.get('mean_batch', 0):.1f}")
+    n_full = "?" if regime.n_full is None else str(regime.n_full)
+    style = "green" if regime.label == "fully loaded" else "yellow"
+    table.add_row(f"[{style}]{regime.label}[/]", f"N {regime.targets} vs N_full {n_full}",
+                  f"accept {s.get('acceptance_rate', 0):.0%}", f"MAL {s.get('mean_accepted_length', 0):.2f}")
+    return Panel(table, title=f"draft {address} ({s.get('model', '?')})"[:60], border_style="blue")
+
+
+def targets_table(targets: list[dict]) -> Table:
+    table = Table(expand=True, box=None, header_style="bold", pad_edge=False)
+    for name, justify in (("target", "left"), ("state", "left"), ("sess", "right"), ("R_p", "right"),
+                          ("tok/s", "right"), ("accept", "right"), ("MAL", "right"), ("draft", "left")):
+        table.add_column(name, justify=justify, no_wrap=True)
+    for t in targets:
+        s = t.get("stats", {})
+        if not t.get("up"):
+            table.add_row(t.get("address", "?"), Text("down", style="bold red"), "-", "-", "-", "-", "-", "-")
+            continue
+        draft = "ok" if s.get("draft_connected") else Text("AR", style="yellow")
+        table.add_row(t.get("address", "?"), Text("up", style="green"), str(s.get("sessions", 0)),
+                      f"{s.get('R_p', 0):.1f}", f"{s.get('tokens_per_s', 0):.1f}", f"{s.get('acceptance_rate', 0):.0%}",
+                      f"{s.get('mean_accepted_length', 0):.2f}", draft)
+    return table
+
+
+def dashboard(state: MonitorState, now: float | None = None) -> RenderableType:
+    now = time.time() if now is None else now
+    parts: list[RenderableType] = [header(state, now)]
+    feed = state.feed or {}
+    targets = feed.get("targets", [])
+    for draft in feed.get("drafters", [])[:2]:
+        parts.append(draft_panel(draft, targets))
+    if targets:
+        parts.append(targets_table(targets[:8]))
+        if len(targets) > 8:
+            parts.append(Text(f"… and {len(targets) - 8} more target instances", style="dim"))
+    elif not state.error:
+        parts.append(Text("waiting for the first stats…", style="dim"))
+    rate = state.rate_history[-1] if state.rate_history else 0.0
+    parts.append(Text(f"tokens/s {rate:6.1f} ", style="bold").append(sparkline(state.rate_history), style="magenta"))
+    return Group(*parts)

@@ -1,0 +1,73 @@
+"""What the monitor shows, as immutable values computed by pure functions from stats
+feeds (the gateway's /v1/stats, or the same shape assembled from the roles directly)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+HISTORY = 60  # sparkline points
+
+
+@dataclass(frozen=True, slots=True)
+class MonitorState:
+    source: str
+    feed: dict | None = None  # the latest feed; None until the first answer
+    error: str = ""  # why the last poll failed (the source is shown as down)
+    polled_at: float = 0.0
+    token_counts: tuple[tuple[str, int], ...] | None = None  # each answering target's token counter at polled_at
+    rate_history: tuple[float, ...] = field(default_factory=tuple)  # total tokens/s per poll
+
+
+def token_counts(feed: dict) -> tuple[tuple[str, int], ...]:
+    return tuple((t.get("address", ""), int(t.get("stats", {}).get("tokens", 0)))
+                 for t in feed.get("targets", []) if t.get("up"))
+
+
+def tokens_between(before: tuple[tuple[str, int], ...], after: tuple[tuple[str, int], ...]) -> int:
+    """Tokens produced between two polls by the targets that answered both (a restarted
+    target's counter starts again from zero, so it never counts negative)."""
+    old = dict(before)
+    return sum(max(0, count - old[address]) for address, count in after if address in old)
+
+
+def data_time(feed: dict, now: float) -> float:
+    """When the targets' numbers were taken: a gateway relays what it polled earlier."""
+    seen = [t["seen_at"] for t in feed.get("targets", []) if t.get("up") and t.get("seen_at")]
+    return max(seen) if seen else now
+
+
+def advance(state: MonitorState, feed: dict | None, now: float, error: str = "") -> MonitorState:
+    """The next state after a poll: a new feed (with the tokens/s since the last fresh
+    numbers added to the history) or, when the poll failed, the same data marked with the
+    error. A relayed feed with no fresher numbers leaves the history alone."""
+    if feed is None:
+        return MonitorState(state.source, state.feed, error or "no answer", state.polled_at, None, state.rate_history)
+    at, counts = data_time(feed, now), token_counts(feed)
+    history = state.rate_history
+    if state.token_counts is not None and at <= state.polled_at:
+        return MonitorState(state.source, feed, "", state.polled_at, state.token_counts, history)
+    if state.token_counts is not None:
+        rate = tokens_between(state.token_counts, counts) / (at - state.polled_at)
+        history = (history + (round(rate, 3),))[-HISTORY:]
+    return MonitorState(state.source, feed, "", at, counts, history)
+
+
+@dataclass(frozen=True, slots=True)
+class Regime:
+    targets: int  # target instances connected to the draft server
+    n_full: int | None  # None while there is not enough to estimate it
+    label: str
+
+
+def star_regime(draft_stats: dict, target_stats: list[dict]) -> Regime:
+    """StarSD's regime from measured times: S = the draft's time per request (t_s_ms),
+    Z ~ the targets' verification time per job (loopback communication is negligible),
+    N_full = ceil(Z/S) + 1; fully loaded once N >= N_full (DESIGN §4)."""
+    n = int(draft_stats.get("targets", 0))
+    service = float(draft_stats.get("t_s_ms", 0.0))
+    verify = [float(s.get("t_s_ms", 0.0)) for s in target_stats if s.get("t_s_ms")]
+    if service <= 0 or not verify:
+        return Regime(n, None, "idle" if n == 0 else "measuring")
+    n_full = math.ceil((sum(verify) / len(verify)) / service) + 1
+    return Regime(n, n_full, "fully loaded" if n >= n_full else "under-loaded")

@@ -1,0 +1,153 @@
+"""The monitor: pure state transitions and render functions (80x24), and the real command
+driven in tmux against a live cluster while load runs."""
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+from rich.console import Console
+
+from specctl.monitor.render import dashboard, sparkline
+from specctl.monitor.view import MonitorState, advance, star_regime
+
+DRAFT = {"role": "draft", "address": "10.0.0.1:9000", "up": True, "stats": {
+    "model": "qwen2.5-coder-0.5b", "targets": 3, "load": 0.87, "queue_depth": 2, "sessions": 3, "R_q": 41.5,
+    "t_s_ms": 20.0, "T_wait_ms": 3.2, "T_idle_ms": 1.5, "mean_batch": 1.4, "acceptance_rate": 0.61,
+    "mean_accepted_length": 3.4}}
+
+
+def target(i, up=True, tokens=100):
+    return {"role": "target", "address": f"10.0.0.{i + 2}:9100", "up": up, "error": "" if up else "refused",
+            "stats": {"sessions": 1, "R_p": 3.5, "tokens_per_s": 11.9, "acceptance_rate": 0.6, "tokens": tokens,
+                      "mean_accepted_length": 3.4, "draft_connected": True, "t_s_ms": 50.0} if up else {}}
+
+
+def feed(tokens=(100, 100, 100), up=(True, True, True)):
+    return {"model": "qwen2.5-coder-1.5b", "drafters": [DRAFT],
+            "targets": [target(i, u, t) for i, (t, u) in enumerate(zip(tokens, up))]}
+
+
+def text_of(renderable, width=80):
+    console = Console(width=width, record=True, color_system=None, file=open("/dev/null", "w"))
+    console.print(renderable)
+    return console.export_text()
+
+
+def test_sparkline_scales_to_the_maximum():
+    assert sparkline([]) == ""
+    assert sparkline([0, 5, 10]) == "▁▅█"
+    assert len(sparkline(list(range(100)), width=60)) == 60
+
+
+def test_advance_computes_tokens_per_second_and_keeps_data_when_a_poll_fails():
+    s0 = advance(MonitorState("gw"), feed((100, 100, 100)), now=10.0)
+    s1 = advance(s0, feed((120, 130, 150)), now=12.0)
+    assert s1.rate_history == (50.0,)
+    down = advance(s1, None, now=13.0, error="ConnectionRefusedError")
+    assert down.error == "ConnectionRefusedError" and down.feed == s1.feed and down.rate_history == (50.0,)
+    back = advance(down, feed((200, 200, 200)), now=14.0)
+    assert back.error == "" and back.rate_history == (50.0,)  # no rate across a gap of unknown length
+
+
+def test_star_regime_from_measured_times():
+    regime = star_regime(DRAFT["stats"], [target(0)["stats"]] * 3)
+    assert (regime.targets, regime.n_full, regime.label) == (3, 4, "under-loaded")  # ceil(50/20) + 1 = 4
+    assert star_regime({**DRAFT["stats"], "targets": 4}, [target(0)["stats"]]).label == "fully loaded"
+    assert star_regime({"targets": 0}, []).label == "idle"
+
+
+def test_dashboard_fits_80x24_and_shows_down_roles():
+    state = advance(advance(MonitorState("http://gw:8000"), feed(), 1.0), feed((150, 140, 100), (True, True, False)), 2.0)
+    screen = text_of(dashboard(state, now=2.5))
+    lines = screen.rstrip("\n").split("\n")
+    assert len(lines) <= 24 and max(len(line) for line in lines) <= 80
+    assert "load 87%" in screen and "under-loaded" in screen and "N 3 vs N_full 4" in screen
+    assert "T_idle 1.5ms" in screen and "T_wait 3.2ms" in screen and "queue 2" in screen
+    assert screen.count(" up ") == 2 and "down" in screen
+    assert "tokens/s   90.0" in screen
+    assert dashboard(state, now=2.5) is not dashboard(state, now=2.5)  # fresh renderables ...
+    assert text_of(dashboard(state, now=2.5)) == screen  # ... of the same picture
+
+
+def test_dashboard_when_the_gateway_is_down():
+    screen = text_of(dashboard(advance(MonitorState("http://gw:8000"), None, 1.0, "ClientConnectorError"), now=1.0))
+    assert "DOWN: ClientConnectorError" in screen
+
+
+needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+
+
+def tmux(*args):
+    return subprocess.run(["tmux", *args], capture_output=True, text=True, timeout=30)
+
+
+@needs_tmux
+def test_monitor_in_tmux_shows_changing_numbers_and_a_target_going_down(tiny_dir):
+    from specctl.cluster.embedded import ClusterConfig, ClusterThread
+    from specctl.config import build_config
+
+    config = build_config(None, target=str(tiny_dir["llama"]), draft=f"{tiny_dir['llama']}@2", mode="chain", depth=3,
+                          dtype="fp32", draft_quant="none")
+    cluster = ClusterThread(config, ClusterConfig(targets=2, gateway_port=0))
+    urls = cluster.start()
+    session = f"specctl-monitor-{time.time_ns()}"
+    stop = threading.Event()
+
+    def load():
+        while not stop.is_set():
+            body = json.dumps({"prompt": "load", "max_tokens": 24, "temperature": 0, "ignore_eos": True}).encode()
+            request = urllib.request.Request(urls["gateway"] + "/v1/completions", data=body,
+                                             headers={"Content-Type": "application/json"})
+            try:
+                urllib.request.urlopen(request, timeout=30).read()
+            except OSError:
+                pass
+
+    try:
+        assert tmux("new-session", "-d", "-s", session, "-x", "80", "-y", "24",
+                    f"{sys.executable} -m specctl monitor --gateway {urls['gateway']} --interval 0.25").returncode == 0
+        time.sleep(3)
+        idle = tmux("capture-pane", "-p", "-t", session).stdout
+        assert "specctl monitor" in idle and idle.count(" up ") == 2, idle
+        workers = [threading.Thread(target=load, daemon=True) for _ in range(2)]
+        for worker in workers:
+            worker.start()
+        frames = []
+        for _ in range(6):
+            time.sleep(1.0)
+            frames.append(tmux("capture-pane", "-p", "-t", session).stdout)
+        assert len(set(frames)) > 1  # the numbers move while load runs
+        assert any("R_q 0.0/s" not in frame for frame in frames), frames[-1]
+        assert all(len(line) <= 80 for frame in frames for line in frame.splitlines())
+        stop.set()
+        for worker in workers:
+            worker.join(timeout=30)
+        cluster.loop.call_soon_threadsafe(lambda: cluster.loop.create_task(cluster.cluster.targets[1].close()))
+        deadline = time.time() + 10
+        while time.time() < deadline and "down" not in tmux("capture-pane", "-p", "-t", session).stdout:
+            time.sleep(0.5)
+        final = tmux("capture-pane", "-p", "-t", session).stdout
+        assert "down" in final and " up " in final, final
+        print(final)
+    finally:
+        stop.set()
+        tmux("kill-session", "-t", session)
+        cluster.stop()
+
+
+def test_a_relayed_feed_without_fresher_numbers_leaves_the_history_alone():
+    def stamped(tokens, seen_at):
+        f = feed(tokens)
+        for t in f["targets"]:
+            t["seen_at"] = seen_at
+        return f
+
+    s1 = advance(advance(MonitorState("gw"), stamped((0, 0, 0), 100.0), now=100.2), stamped((10, 10, 10), 101.0), 101.1)
+    assert s1.rate_history == (30.0,)
+    s2 = advance(s1, stamped((10, 10, 10), 101.0), now=101.3)  # the gateway has not polled again yet
+    assert s2.rate_history == (30.0,) and s2.polled_at == 101.0
