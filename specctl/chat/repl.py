@@ -51,7 +51,7 @@ def command(line: str, state: ChatState) -> str:
 def stat_line(usage: dict, spec: dict, seconds: float) -> str:
     tokens = usage.get("completion_tokens", 0)
     rate = tokens / seconds if seconds > 0 else 0.0
-    return (f"{tokens} tokens, {rate:.1f} tok/s, mean accepted length {spec.get('mean_accepted_length', 0):.2f}, "
+    return (f"{tokens} token{'' if tokens == 1 else 's'}, {rate:.1f} tok/s, mean accepted length {spec.get('mean_accepted_length', 0):.2f}, "
             f"acceptance {spec.get('acceptance_rate', 0):.0%}")
 
 

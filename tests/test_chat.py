@@ -1,0 +1,118 @@
+"""``specctl chat``: the REPL against a live gateway (in-process, tiny models), Ctrl-C
+driven through tmux, and the no-argument embedded cluster with the default pair (slow)."""
+
+import shutil
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+from rich.console import Console
+
+from specctl.chat.repl import ChatState, Quit, command, repl
+from specctl.cluster.embedded import ClusterConfig, ClusterThread
+from specctl.config import build_config
+
+from conftest import needs_qwen
+
+needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_dir):
+    config = build_config(None, target=str(tiny_dir["llama"]), draft=f"{tiny_dir['llama']}@2", mode="chain", depth=3,
+                          dtype="fp32", draft_quant="none")
+    cluster = ClusterThread(config, ClusterConfig(targets=1, gateway_port=0))
+    urls = cluster.start()
+    yield urls["gateway"]
+    cluster.stop()
+
+
+def test_commands_change_the_state():
+    state = ChatState()
+    state.messages.append({"role": "user", "content": "hi"})
+    assert command("/temp 0.7", state) == "temperature 0.7" and state.temperature == 0.7
+    assert command("/temp hot", state).startswith("usage: /temp T")
+    assert command("/temp -1", state) == "temperature must be between 0 and 100"
+    assert command("/reset", state) == "conversation cleared" and state.messages == []
+    assert command("/frobnicate", state).startswith("unknown command /frobnicate")
+    with pytest.raises(Quit):
+        command("/quit", state)
+
+
+def test_repl_streams_the_targets_greedy_reply_and_keeps_the_conversation(gateway):
+    reference = openai.OpenAI(base_url=gateway + "/v1", api_key="x").chat.completions.create(
+        model="", messages=[{"role": "user", "content": "hello"}], max_tokens=12, temperature=0).choices[0].message.content
+    console = Console(record=True, width=200, file=open("/dev/null", "w"))
+    state = ChatState(max_tokens=12)
+    lines = iter(["hello", "/temp 0.5", "and again", "/quit", "never read"])
+    repl(gateway, console, state, read=lambda: next(lines))
+    out = console.export_text()
+    assert f"assistant> {reference}" in out.replace("\n", "")
+    assert out.count(" tok/s, mean accepted length") == 2 and "tok/s, mean accepted length" in out
+    assert [m["role"] for m in state.messages] == ["user", "assistant", "user", "assistant"]
+    assert state.messages[1]["content"] == reference
+    assert next(lines) == "never read"
+
+
+def test_repl_reports_an_unreachable_gateway_and_carries_on():
+    console = Console(record=True, width=200, file=open("/dev/null", "w"))
+    lines = iter(["hello", "/quit"])
+    state = ChatState()
+    repl("http://127.0.0.1:9", console, state, read=lambda: next(lines))
+    assert "error: " in console.export_text() and state.messages == []
+
+
+def tmux(*args):
+    return subprocess.run(["tmux", *args], capture_output=True, text=True, timeout=30)
+
+
+def wait_for(session, needle, timeout, count=1):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        pane = tmux("capture-pane", "-p", "-J", "-S", "-200", "-t", session).stdout
+        if pane.count(needle) >= count:
+            return pane
+        time.sleep(0.3)
+    raise AssertionError(f"{needle!r} did not appear:\n{pane}")
+
+
+@needs_tmux
+def test_ctrl_c_stops_a_reply_without_leaving(gateway):
+    session = f"specctl-chat-{time.time_ns()}"
+    tmux("new-session", "-d", "-s", session, "-x", "100", "-y", "30",
+         f"{sys.executable} -m specctl chat --gateway {gateway} --max-tokens 400")
+    try:
+        wait_for(session, "you>", 30)
+        tmux("send-keys", "-t", session, "tell me everything", "Enter")
+        wait_for(session, "assistant>", 30)
+        time.sleep(0.5)
+        tmux("send-keys", "-t", session, "C-c")
+        wait_for(session, "(stopped)", 15)
+        wait_for(session, "you>", 15, count=2)
+        tmux("send-keys", "-t", session, "/quit", "Enter")
+        deadline = time.time() + 15
+        while time.time() < deadline and tmux("has-session", "-t", session).returncode == 0:
+            time.sleep(0.3)
+        assert tmux("has-session", "-t", session).returncode != 0  # the REPL left on /quit
+    finally:
+        tmux("kill-session", "-t", session)
+
+
+@pytest.mark.slow
+@needs_tmux
+@needs_qwen
+def test_chat_with_no_arguments_answers_a_question():
+    session = f"specctl-chat-default-{time.time_ns()}"
+    tmux("new-session", "-d", "-s", session, "-x", "120", "-y", "40", f"{sys.executable} -m specctl chat -n 48")
+    try:
+        pane = wait_for(session, "you>", 600)
+        assert "starting an embedded cluster" in pane and "embedded cluster ready" in pane
+        tmux("send-keys", "-t", session, "What is the capital of France? Answer in one word.", "Enter")
+        pane = wait_for(session, "tok/s, mean accepted length", 600)
+        print(pane)
+        assert "Paris" in pane.split("assistant>")[1]
+        tmux("send-keys", "-t", session, "/quit", "Enter")
+    finally:
+        tmux("kill-session", "-t", session)
