@@ -4,7 +4,6 @@ the compute thread's batching of queued requests."""
 import asyncio
 import threading
 
-import pytest
 import torch
 
 from specctl.runtime.compute import ComputeThread

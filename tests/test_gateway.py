@@ -15,7 +15,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
-from specctl.engine.loader import load_model
 
 PROMPT = "The quick brown fox"
 

@@ -3,7 +3,6 @@ the joint distribution of generated tokens 2 and 3 (produced by speculative roun
 chain and tree speculation matches the target's exact distribution (chi-square, fixed
 seeds, p > 0.01)."""
 
-import itertools
 
 import pytest
 import torch

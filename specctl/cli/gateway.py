@@ -35,7 +35,7 @@ def gateway(
     from specctl.gateway.metrics import GatewayMetrics
     from specctl.gateway.server import Gateway, GatewayConfig
     from specctl.gateway.upstream import Upstream
-    from specctl.runtime.loop import run, setup_logging, wait_for_shutdown
+    from specctl.runtime.loop import run, serve, setup_logging
     from specctl.runtime.tls import client_context
     from specctl.spec.factory import split_model_name
     from specctl.store import resolve_model
@@ -58,13 +58,9 @@ def gateway(
         server = Gateway(GatewayConfig(model_name=name, context=context, host=host, port=port,
                                        default_max_tokens=default_max_tokens, max_body_bytes=max_body_kb * 1024,
                                        api_key=api_key), tokenizer, upstream, metrics)
-        bound = await server.start()
-        console.print(f"gateway for [bold]{name}[/] on http://{host}:{bound}/v1 over {len(target)} target instance(s)"
-                      f"{' (API key required)' if api_key else ''}", soft_wrap=True)
-        try:
-            await wait_for_shutdown()
-        finally:
-            await server.close()
+        await serve(server, lambda bound: console.print(
+            f"gateway for [bold]{name}[/] on http://{host}:{bound}/v1 over {len(target)} target instance(s)"
+            f"{' (API key required)' if api_key else ''}", soft_wrap=True))
 
     run(main())
 

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from typing import Optional
 
 import typer
 from rich.console import Console
 
 from specctl.config import build_config
-from specctl.errors import ConfigError, SpecctlError
+from specctl.errors import ConfigError
 
 AUTH_HELP = "shared auth token (or SPECCTL_AUTH_TOKEN); peers sign a nonce with it, it never crosses the wire"
 
@@ -36,7 +35,7 @@ def draft(
 ) -> None:
     """Run the shared draft server: one draft model serving many target instances (StarSD)."""
     from specctl.draft.server import DraftServer, DraftServerConfig
-    from specctl.runtime.loop import run, setup_logging, wait_for_shutdown
+    from specctl.runtime.loop import run, serve, setup_logging
     from specctl.runtime.tls import server_context
     from specctl.spec.factory import apply_threads, load_named, make_drafter
 
@@ -54,14 +53,9 @@ def draft(
     drafter = make_drafter(config, loaded)
 
     async def main() -> None:
-        server = DraftServer(loaded, drafter, server_config, ssl)
-        bound = await server.start()
-        console.print(f"draft server [bold]{config.draft}[/] ({config.mode}, d={config.depth}) listening on "
-                      f"{host}:{bound}{' (TLS)' if ssl else ''}{' (auth)' if auth_token else ''}", soft_wrap=True)
-        try:
-            await wait_for_shutdown()
-        finally:
-            await server.close()
+        await serve(DraftServer(loaded, drafter, server_config, ssl), lambda bound: console.print(
+            f"draft server [bold]{config.draft}[/] ({config.mode}, d={config.depth}) listening on "
+            f"{host}:{bound}{' (TLS)' if ssl else ''}{' (auth)' if auth_token else ''}", soft_wrap=True))
 
     run(main())
 
@@ -84,7 +78,7 @@ def verify(
     log_level: str = typer.Option("info", "--log-level", help="debug | info | warning"),
 ) -> None:
     """Run a target instance: verifies proposals from the draft server and serves generation requests."""
-    from specctl.runtime.loop import parse_hostport, run, setup_logging, wait_for_shutdown
+    from specctl.runtime.loop import parse_hostport, run, serve, setup_logging
     from specctl.runtime.tls import client_context, server_context
     from specctl.spec.factory import apply_threads, load_named
     from specctl.verify.draft_client import DraftClient
@@ -116,15 +110,12 @@ def verify(
             if not await first:  # a refusal (vocabulary, auth) raises here and stops start-up
                 console.print(f"[yellow]draft server {draft} unreachable ({client.last_error}); decoding "
                               "autoregressively and reconnecting in the background[/]")
-        server = TargetServer(loaded, server_config, client, ssl_server)
-        bound = await server.start()
-        console.print(f"target instance [bold]{config.target}[/] stage {stage} listening on {host}:{bound}"
-                      f"{' (TLS)' if ssl_server else ''}, draft {draft or 'none'}", soft_wrap=True)
         try:
-            await wait_for_shutdown()
+            await serve(TargetServer(loaded, server_config, client, ssl_server), lambda bound: console.print(
+                f"target instance [bold]{config.target}[/] stage {stage} listening on {host}:{bound}"
+                f"{' (TLS)' if ssl_server else ''}, draft {draft or 'none'}", soft_wrap=True))
         finally:
             if link:
                 link.cancel()
-            await server.close()
 
     run(main())

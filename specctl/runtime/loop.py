@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from typing import Awaitable
+from typing import Awaitable, Callable
 
 from specctl.errors import ConfigError
 
@@ -47,3 +47,13 @@ def run(main: Awaitable) -> None:
         uvloop.run(main)
     except ImportError:  # pragma: no cover
         asyncio.run(main)
+
+
+async def serve(server, announce: Callable[[int], None]) -> None:
+    """Start a server role, say where it listens, serve until Ctrl-C or SIGTERM, close it."""
+    bound = await server.start()
+    announce(bound)
+    try:
+        await wait_for_shutdown()
+    finally:
+        await server.close()

@@ -13,7 +13,6 @@ import random
 import time
 from dataclasses import dataclass, field
 
-import torch
 
 from specctl.draft.sessions import check_token_ids
 from specctl.engine.kv_cache import KVPool
@@ -186,11 +185,11 @@ class TargetServer:
             send(Error(code, str(exc), req=msg.req))
             return
         self.active += 1
-        handle = None
         started = time.perf_counter()
         try:
-            handle = await self._decode(session, params, msg, send)
+            await self._decode(session, params, msg, send)
             session.stats.wall_s = time.perf_counter() - started
+            self._release(session)  # before DONE: a client that reads DONE finds the state freed
             send(Done(msg.req, session.finish_reason or "stop", session.stats.to_dict()))
             self.totals.sessions_done += 1
         except asyncio.CancelledError:
@@ -199,10 +198,17 @@ class TargetServer:
             log.exception("session %s failed", msg.req)
             send(Error("internal", f"generation failed: {exc}", req=msg.req))
         finally:
-            self.active -= 1
-            self.compute.submit_nowait(session.close)
-            if self.draft is not None:
-                self.draft.close(getattr(session, "draft_handle", None))
+            self._release(session)
+
+    def _release(self, session: DecodeSession) -> None:
+        """Free a session's KV cache here and its state on the draft server (once)."""
+        if getattr(session, "released", False):
+            return
+        session.released = True
+        self.active -= 1
+        self.compute.submit_nowait(session.close)
+        if self.draft is not None:
+            self.draft.close(getattr(session, "draft_handle", None))
 
     async def _open_draft(self, session: DecodeSession, params: SamplingParams, msg: Generate):
         if self.draft is None or not self.draft.connected.is_set():
