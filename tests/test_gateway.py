@@ -121,6 +121,10 @@ def test_errors_are_openai_style_and_the_gateway_carries_on(cluster, client, tin
     assert code == status, error
     assert needle in error["message"]
     assert set(error) == {"message", "type", "param", "code"}
+    if status == 400 and isinstance(body, dict) and "prompt" in body and "max_tokens" not in body:
+        assert error["param"] in ("temperature", "top_p", "n", "prompt"), error
+    if body == {"max_tokens": 4}:
+        assert error["param"] == "prompt"
     after = client.completions.create(model=str(tiny_dir["llama"]), prompt=PROMPT, max_tokens=3, temperature=0)
     assert after.usage.completion_tokens >= 1
 

@@ -81,7 +81,7 @@ def parse_body(body: bytes, kind: type[_Common]) -> _Common:
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
-        where = re.search(r"at `\$\.(\w+)", str(exc))
+        where = re.search(r"at `\$\.(\w+)", str(exc)) or re.search(r"missing required field `(\w+)`", str(exc))
         raise ApiError(400, f"invalid request: {exc}", param=where[1] if where else None) from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
@@ -148,5 +148,5 @@ def sampling_params(req: _Common, prompt_tokens: int, context: int, default_max_
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=top_k, max_tokens=requested, seed=req.seed, ignore_eos=req.ignore_eos,
         )
-    except SpecctlError as exc:
-        raise ApiError(400, str(exc)) from None
+    except SpecctlError as exc:  # the message starts with the parameter's name
+        raise ApiError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
