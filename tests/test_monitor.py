@@ -13,7 +13,7 @@ import pytest
 from rich.console import Console
 
 from specctl.monitor.render import dashboard, sparkline
-from specctl.monitor.view import MonitorState, advance, star_regime
+from specctl.monitor.view import MonitorState, advance, recent_rates, star_regime
 
 DRAFT = {"role": "draft", "address": "10.0.0.1:9000", "up": True, "stats": {
     "model": "qwen2.5-coder-0.5b", "targets": 3, "load": 0.87, "queue_depth": 2, "sessions": 3, "R_q": 41.5,
@@ -151,3 +151,25 @@ def test_a_relayed_feed_without_fresher_numbers_leaves_the_history_alone():
     assert s1.rate_history == (30.0,)
     s2 = advance(s1, stamped((10, 10, 10), 101.0), now=101.3)  # the gateway has not polled again yet
     assert s2.rate_history == (30.0,) and s2.polled_at == 101.0
+
+
+def test_recent_rates_difference_the_lifetime_counters():
+    before = {"jobs": 100, "passes": 80, "busy_s": 10.0, "wait_s": 1.0, "idle_s": 4.0, "rounds": 50, "tokens": 150}
+    after = {"jobs": 120, "passes": 90, "busy_s": 11.5, "wait_s": 1.2, "idle_s": 4.1, "rounds": 60, "tokens": 190}
+    assert recent_rates(before, after, 2.0) == {"load": 0.75, "t_s_ms": 75.0, "T_wait_ms": 10.0, "T_idle_ms": 10.0,
+                                                "mean_batch": 2.0, "R_q": 10.0, "R_p": 5.0, "tokens_per_s": 20.0}
+    assert recent_rates(after, before, 2.0) == {}  # a restart: counters went backwards
+
+
+def test_the_screen_shows_recent_rates_once_two_fresh_snapshots_exist():
+    def stamped(busy, seen_at):
+        f = feed()
+        f["drafters"] = [{**DRAFT, "seen_at": seen_at, "stats": {**DRAFT["stats"], "busy_s": busy, "jobs": 10 * busy,
+                                                                  "passes": 10 * busy, "wait_s": 0, "idle_s": 0}}]
+        return f
+
+    s1 = advance(MonitorState("gw"), stamped(1.0, 10.0), 10.0)
+    s2 = advance(s1, stamped(1.5, 11.0), 11.0)
+    assert "load 50%" in text_of(dashboard(s2, now=11.0))  # lifetime load said 87%
+    s3 = advance(s2, stamped(1.5, 11.0), 11.5)  # relayed again, nothing fresher
+    assert s3.recent == s2.recent

@@ -11,7 +11,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from specctl.monitor.view import MonitorState, star_regime
+from specctl.monitor.view import MonitorState, shown, star_regime
 
 BARS = "▁▂▃▄▅▆▇█"
 
@@ -39,13 +39,13 @@ def header(state: MonitorState, now: float) -> Text:
     return text
 
 
-def draft_panel(draft: dict, targets: list[dict]) -> Panel:
+def draft_panel(draft: dict, targets: list[dict], state: MonitorState) -> Panel:
     address = draft.get("address", "?")
     if not draft.get("up"):
         return Panel(Text(f"down: {draft.get('error') or 'no answer'}"[:74], style="red"),
                      title=f"draft {address}", border_style="red")
-    s = draft.get("stats", {})
-    regime = star_regime(s, [t.get("stats", {}) for t in targets if t.get("up")])
+    s = shown(draft, state)
+    regime = star_regime(s, [shown(t, state) for t in targets if t.get("up")])
     table = Table.grid(padding=(0, 2))
     for _ in range(4):
         table.add_column()
@@ -61,13 +61,13 @@ def draft_panel(draft: dict, targets: list[dict]) -> Panel:
     return Panel(table, title=f"draft {address} ({s.get('model', '?')})"[:60], border_style="blue")
 
 
-def targets_table(targets: list[dict]) -> Table:
+def targets_table(targets: list[dict], state: MonitorState) -> Table:
     table = Table(expand=True, box=None, header_style="bold", pad_edge=False)
     for name, justify in (("target", "left"), ("state", "left"), ("sess", "right"), ("R_p", "right"),
                           ("tok/s", "right"), ("accept", "right"), ("MAL", "right"), ("draft", "left")):
         table.add_column(name, justify=justify, no_wrap=True)
     for t in targets:
-        s = t.get("stats", {})
+        s = shown(t, state)
         if not t.get("up"):
             table.add_row(t.get("address", "?"), Text("down", style="bold red"), "-", "-", "-", "-", "-", "-")
             continue
@@ -84,9 +84,9 @@ def dashboard(state: MonitorState, now: float | None = None) -> RenderableType:
     feed = state.feed or {}
     targets = feed.get("targets", [])
     for draft in feed.get("drafters", [])[:2]:
-        parts.append(draft_panel(draft, targets))
+        parts.append(draft_panel(draft, targets, state))
     if targets:
-        parts.append(targets_table(targets[:8]))
+        parts.append(targets_table(targets[:8], state))
         if len(targets) > 8:
             parts.append(Text(f"… and {len(targets) - 8} more target instances", style="dim"))
     elif not state.error:

@@ -25,7 +25,8 @@ async def _role(role: str, address: str, auth_token: str | None) -> dict:
         welcome, stats = await asyncio.wait_for(probe(host, port, auth_token), 3.0)
     except Exception as exc:  # noqa: BLE001 - a role that does not answer is shown as down
         return {"role": role, "address": address, "up": False, "error": str(exc) or type(exc).__name__, "stats": {}}
-    return {"role": role, "address": address, "up": True, "error": "", "stats": stats, "model": welcome.model}
+    return {"role": role, "address": address, "up": True, "error": "", "stats": stats, "model": welcome.model,
+            "seen_at": time.time()}
 
 
 async def roles_feed(drafters: list[str], targets: list[str], auth_token: str | None = None) -> dict:

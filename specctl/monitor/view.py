@@ -17,6 +17,7 @@ class MonitorState:
     polled_at: float = 0.0
     token_counts: tuple[tuple[str, int], ...] | None = None  # each answering target's token counter at polled_at
     rate_history: tuple[float, ...] = field(default_factory=tuple)  # total tokens/s per poll
+    recent: dict = field(default_factory=dict)  # address -> rates over the last interval (read-only)
 
 
 def token_counts(feed: dict) -> tuple[tuple[str, int], ...]:
@@ -29,6 +30,54 @@ def tokens_between(before: tuple[tuple[str, int], ...], after: tuple[tuple[str, 
     target's counter starts again from zero, so it never counts negative)."""
     old = dict(before)
     return sum(max(0, count - old[address]) for address, count in after if address in old)
+
+
+def recent_rates(before: dict, after: dict, seconds: float) -> dict:
+    """Rates and means of one role over the interval between two of its snapshots (the
+    lifetime counters differenced), so the screen shows what happens now, not since start.
+    Empty when the counters went backwards (the role restarted) or no time passed."""
+    delta = lambda key: float(after.get(key, 0)) - float(before.get(key, 0))  # noqa: E731
+    if seconds <= 0 or delta("jobs") < 0 or delta("busy_s") < 0:
+        return {}
+    jobs, passes = delta("jobs"), delta("passes")
+    out = {
+        "load": round(min(1.0, delta("busy_s") / seconds), 4),
+        "t_s_ms": round(1e3 * delta("busy_s") / jobs, 3) if jobs else 0.0,
+        "T_wait_ms": round(1e3 * delta("wait_s") / jobs, 3) if jobs else 0.0,
+        "T_idle_ms": round(1e3 * delta("idle_s") / passes, 3) if passes else 0.0,
+        "mean_batch": round(jobs / passes, 3) if passes else 0.0,
+        "R_q": round(jobs / seconds, 3),
+    }
+    if "tokens" in after:  # a target instance
+        out["R_p"] = round(max(0.0, delta("rounds")) / seconds, 3)
+        out["tokens_per_s"] = round(max(0.0, delta("tokens")) / seconds, 3)
+    return out
+
+
+def _roles(feed: dict | None) -> dict[str, dict]:
+    return {r.get("address", ""): r for r in (feed or {}).get("drafters", []) + (feed or {}).get("targets", [])
+            if r.get("up") and r.get("seen_at")}
+
+
+def advance_recent(previous: dict, old_feed: dict | None, new_feed: dict) -> dict:
+    old, out = _roles(old_feed), {}
+    for address, role in _roles(new_feed).items():
+        before = old.get(address)
+        if before is None:
+            continue
+        if role["seen_at"] <= before["seen_at"]:  # nothing fresher: keep what was shown
+            if address in previous:
+                out[address] = previous[address]
+            continue
+        rates = recent_rates(before.get("stats", {}), role.get("stats", {}), role["seen_at"] - before["seen_at"])
+        if rates:
+            out[address] = rates
+    return out
+
+
+def shown(role: dict, state: "MonitorState") -> dict:
+    """A role's stats as the screen shows them: recent rates over lifetime averages."""
+    return {**role.get("stats", {}), **state.recent.get(role.get("address", ""), {})}
 
 
 def data_time(feed: dict, now: float) -> float:
@@ -45,12 +94,13 @@ def advance(state: MonitorState, feed: dict | None, now: float, error: str = "")
         return MonitorState(state.source, state.feed, error or "no answer", state.polled_at, None, state.rate_history)
     at, counts = data_time(feed, now), token_counts(feed)
     history = state.rate_history
+    recent = advance_recent(state.recent, state.feed, feed)
     if state.token_counts is not None and at <= state.polled_at:
-        return MonitorState(state.source, feed, "", state.polled_at, state.token_counts, history)
+        return MonitorState(state.source, feed, "", state.polled_at, state.token_counts, history, recent)
     if state.token_counts is not None:
         rate = tokens_between(state.token_counts, counts) / (at - state.polled_at)
         history = (history + (round(rate, 3),))[-HISTORY:]
-    return MonitorState(state.source, feed, "", at, counts, history)
+    return MonitorState(state.source, feed, "", at, counts, history, recent)
 
 
 @dataclass(frozen=True, slots=True)
