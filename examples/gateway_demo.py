@@ -19,15 +19,11 @@ import aiohttp
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from specctl.bench.star import free_port
+
 TARGET, DRAFT = "smollm2-135m", "smollm2-135m@25"
 PROMPT, CHAT = "def fibonacci(n):", "Write a haiku about the sea."
 PY = sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def generate(prompt: str, chat: bool, n: int) -> dict:

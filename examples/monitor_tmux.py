@@ -7,21 +7,16 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
 
+from specctl.bench.star import free_ports
+
 PY = sys.executable
 SESSION = f"specctl-monitor-demo-{int(time.time())}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(*args: str) -> subprocess.Popen:
@@ -52,7 +47,7 @@ def load(base: str, stop: threading.Event) -> None:
 
 
 def main() -> None:
-    draft_port, t1, t2, gw = free_port(), free_port(), free_port(), free_port()
+    draft_port, t1, t2, gw = free_ports(4)
     common = ["--dtype", "fp32", "--threads", "1"]
     procs = [spawn("draft", "--port", str(draft_port), "--model", "smollm2-135m@25", "--mode", "chain", "--depth", "4",
                    "--draft-quant", "none", *common)]

@@ -67,3 +67,32 @@ async def test_compute_thread_serves_queued_requests_in_one_pass():
         assert compute.stats.jobs == 6 and compute.stats.passes == 2
     finally:
         compute.stop()
+
+
+def test_batched_verification_equals_one_session_at_a_time(tiny):
+    """Sessions of different lengths, chain and tree proposals and a proposal that does not
+    fit: verified together they commit exactly what each commits alone, to the end."""
+    from specctl.engine.tree import TokenTree
+    from specctl.spec.decode import DecodeSession, apply_many, generate
+    from specctl.spec.drafters import ModelTreeDrafter, Proposal
+
+    target = tiny["llama"]
+    chain, tree = ModelChainDrafter(tiny["llama-self2"], 3), ModelTreeDrafter(tiny["llama-draft"], 3, 2, 3)
+    prompts = [[1, 2, 3, 4, 5], [9, 8], [40, 41, 42, 43, 44, 45, 46], [300, 301]]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    drafters = [chain, tree, chain, tree]
+    sessions = [DecodeSession(target, p, params, d) for p, d in zip(prompts, drafters)]
+    for s in sessions:
+        s.prefill()
+    bad = Proposal(TokenTree.root(7))  # root is not the session's last token
+    assert isinstance(apply_many([(sessions[0], bad), (sessions[1], Proposal(TokenTree.root(sessions[1].seq[-1])))])[0],
+                      ValueError)
+    while not all(s.finished for s in sessions):
+        live = [s for s in sessions if not s.finished]
+        proposals = [s.draft.propose(s.seq, s.params, s.generator) for s in live]
+        for s, emitted in zip(live, apply_many(list(zip(live, proposals)))):
+            assert isinstance(emitted, list)
+            s.draft.on_verified(s.last_path)
+    for prompt, session in zip(prompts, sessions):
+        assert session.output == generate(target, prompt, params)[0]
+        assert session.cache.length == len(session.seq) - 1

@@ -250,3 +250,16 @@ async def test_no_reachable_target_is_503_with_retry_after_and_api_key_is_checke
                 assert response.status == 503
     finally:
         await gateway.close()
+
+
+def test_monitor_feed_straight_from_the_roles(cluster):
+    from specctl.bench.star import free_port
+    from specctl.monitor.source import roles_feed
+
+    urls = cluster[1]
+    dead = f"127.0.0.1:{free_port()}"
+    feed = asyncio.run(roles_feed([urls["draft"]], [*urls["targets"], dead]))
+    assert [d["up"] for d in feed["drafters"]] == [True]
+    assert [t["up"] for t in feed["targets"]] == [True, True, False]
+    assert feed["targets"][2]["error"] and feed["targets"][2]["address"] == dead
+    assert feed["drafters"][0]["stats"]["targets"] == 2  # two target instances hold a link to the draft server

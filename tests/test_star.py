@@ -243,3 +243,40 @@ async def test_bad_generate_requests_get_errors_and_the_server_carries_on(models
         assert tokens == local_reference(models, PROMPTS[0], 8)
     finally:
         await stop_star(draft_server, link, target_server)
+
+
+async def test_starsd_admission_refuses_a_target_beyond_n_max_which_then_runs_autoregressively(models):
+    from specctl.draft.plan import StarModel
+
+    target, draft = models
+    plan = StarModel(0.1, 0.22, 0.001, 0.8, 3)  # S = 300 ms > Z: a second target already slows both
+    standalone = (plan.per_target_throughput(1) + plan.per_target_throughput(2)) / 2  # N_max = 1
+    assert plan.n_max(standalone) == 1
+    draft_server = DraftServer(draft, ModelChainDrafter(draft.decoder, 3),
+                               DraftServerConfig(port=0, admission_model=plan, standalone_tokens_per_s=standalone))
+    draft_port = await draft_server.start()
+    servers, links = [], []
+    try:
+        for _ in range(2):
+            client = DraftClient("127.0.0.1", draft_port, model=target.name, fingerprint=target.vocab_fingerprint)
+            first = asyncio.get_running_loop().create_future()
+            links.append(asyncio.create_task(client.run(first)))
+            assert await first
+            servers.append(TargetServer(target, TargetServerConfig(port=0), client))
+        ports = [await server.start() for server in servers]
+        params = SamplingParams(max_tokens=300, ignore_eos=True)
+        started = asyncio.Event()
+        admitted = asyncio.create_task(remote_generate("127.0.0.1", ports[0], PROMPTS[0], params, lambda t: started.set()))
+        await started.wait()
+        short = SamplingParams(max_tokens=30, ignore_eos=True)
+        tokens, _, stats = await remote_generate("127.0.0.1", ports[1], PROMPTS[1], short)
+        assert tokens == local_reference(models, PROMPTS[1], 30)  # refused: slower, never different
+        assert stats["drafted"] == 0 and servers[1].totals.ar_rounds == 29
+        assert (await admitted)[0] == local_reference(models, PROMPTS[0], 300)
+        assert servers[0].totals.rounds > 0
+    finally:
+        for link in links:
+            link.cancel()
+        for server in servers:
+            await server.close()
+        await draft_server.close()

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from specctl.bench.star import free_port, spawn_role, wait_listening
+from specctl.bench.star import free_ports, spawn_role, wait_listening
 from specctl.engine.loader import load_model
 from specctl.spec.decode import generate
 from specctl.spec.sampling import SamplingParams
@@ -23,26 +23,27 @@ def spawn(*args) -> subprocess.Popen:
 @pytest.fixture
 def star(tiny_dir):
     procs = []
-    draft_port = free_port()
+    draft_port, *target_ports = free_ports(4)
     draft_args = ("draft", "--port", str(draft_port), "--model", f"{tiny_dir['llama']}@2", "--mode", "chain",
                   "--depth", "3", "--dtype", "fp32", "--threads", "1", "--log-level", "warning")
-    procs.append(spawn(*draft_args))
-    wait_listening(procs[0], "draft server")
-    target_ports = [free_port() for _ in range(3)]
-    for port in target_ports:
-        procs.append(spawn("verify", "--model", str(tiny_dir["llama"]), "--draft", f"127.0.0.1:{draft_port}",
-                           "--port", str(port), "--dtype", "fp32", "--threads", "1", "--log-level", "warning"))
-    for proc in procs[1:]:
-        wait_listening(proc, "target instance")
-    yield {"draft_args": draft_args, "draft_port": draft_port, "target_ports": target_ports, "procs": procs}
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    try:
+        procs.append(spawn(*draft_args))
+        wait_listening(procs[0], "draft server")
+        for port in target_ports:
+            procs.append(spawn("verify", "--model", str(tiny_dir["llama"]), "--draft", f"127.0.0.1:{draft_port}",
+                               "--port", str(port), "--dtype", "fp32", "--threads", "1", "--log-level", "warning"))
+        for proc in procs[1:]:
+            wait_listening(proc, "target instance")
+        yield {"draft_args": draft_args, "draft_port": draft_port, "target_ports": target_ports, "procs": procs}
+    finally:  # also when start-up failed: no process outlives the test
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 async def test_six_sessions_three_targets_then_draft_killed(star, tiny_dir):

@@ -35,10 +35,20 @@ class StarBenchSettings:
     threads: int = 1  # per process: many targets share this machine's cores
 
 
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports (all held open while choosing, so none repeats)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def spawn_role(*args: str) -> subprocess.Popen:
@@ -66,8 +76,7 @@ class StarCluster:
 
     def __init__(self, s: StarBenchSettings) -> None:
         self.settings, self.procs = s, []
-        self.draft_port = free_port()
-        self.target_ports = [free_port() for _ in range(max(s.targets))]
+        self.draft_port, *self.target_ports = free_ports(1 + max(s.targets))
 
     def __enter__(self) -> "StarCluster":
         s = self.settings

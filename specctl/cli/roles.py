@@ -14,6 +14,21 @@ from specctl.errors import ConfigError
 AUTH_HELP = "shared auth token (or SPECCTL_AUTH_TOKEN); peers sign a nonce with it, it never crosses the wire"
 
 
+def admission_model(plan: str | None, standalone: float | None, depth: int):
+    """The StarSD model behind --admission-plan TS_MS,TV_MS,TC_MS,BETA (times in ms)."""
+    from specctl.draft.plan import StarModel
+
+    if plan is None and standalone is None:
+        return None
+    if plan is None or standalone is None:
+        raise ConfigError("--admission-plan and --standalone go together")
+    try:
+        ts, tv, tc, beta = (float(part) for part in plan.split(","))
+        return StarModel(ts / 1e3, tv / 1e3, tc / 1e3, beta, depth)
+    except ValueError as exc:
+        raise ConfigError(f"--admission-plan wants TS_MS,TV_MS,TC_MS,BETA, e.g. 40,220,1,0.8 ({exc})") from None
+
+
 def draft(
     port: int = typer.Option(9000, help="TCP port to listen on (0 = any free port)"),
     host: str = typer.Option("127.0.0.1", help="address to bind (0.0.0.0 for every interface)"),
@@ -28,12 +43,19 @@ def draft(
     draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="none | int8 (CPU)"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
     profile: Optional[str] = typer.Option(None, help="hardware profile"),
+    admission_plan: Optional[str] = typer.Option(
+        None, "--admission-plan", help="TS_MS,TV_MS,TC_MS,BETA: refuse a target beyond StarSD's N_max (with --standalone)"),
+    standalone: Optional[float] = typer.Option(None, "--standalone", help="the target's standalone tokens/s (admission)"),
     auth_token: Optional[str] = typer.Option(None, "--auth-token", envvar="SPECCTL_AUTH_TOKEN", help=AUTH_HELP),
     tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="PEM certificate: serve TLS"),
     tls_key: Optional[str] = typer.Option(None, "--tls-key", help="PEM private key for --tls-cert"),
     log_level: str = typer.Option("info", "--log-level", help="debug | info | warning"),
 ) -> None:
-    """Run the shared draft server: one draft model serving many target instances (StarSD)."""
+    """Run the shared draft server: one draft model serving many target instances (StarSD).
+
+    With --admission-plan and --standalone, a new target instance is refused (its sessions run
+    autoregressively, exactly as before) when StarSD predicts it would make every target slower
+    than it runs alone: N > N_max. `specctl plan` prints N_max for the same numbers."""
     from specctl.draft.server import DraftServer, DraftServerConfig
     from specctl.runtime.loop import run, serve, setup_logging
     from specctl.runtime.tls import server_context
@@ -45,7 +67,9 @@ def draft(
         raise ConfigError("a draft server proposes: --mode must be chain, tree or ngram")
     ssl = server_context(tls_cert, tls_key)
     server_config = DraftServerConfig(host=host, port=port, max_sessions=config.max_sessions, max_batch=config.max_batch,
-                                      kv_budget_bytes=config.kv_budget_bytes, auth_token=auth_token)
+                                      kv_budget_bytes=config.kv_budget_bytes, auth_token=auth_token,
+                                      admission_model=admission_model(admission_plan, standalone, config.depth),
+                                      standalone_tokens_per_s=standalone)
     setup_logging(log_level)
     apply_threads(config)
     console = Console(stderr=True)
@@ -67,6 +91,7 @@ def verify(
     host: str = typer.Option("127.0.0.1", help="address to bind"),
     stage: str = typer.Option("1/1", help="pipeline stage i/n of this process"),
     max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="most concurrent sessions"),
+    max_batch: Optional[int] = typer.Option(None, "--max-batch", help="most sessions verified in one target forward"),
     dtype: Optional[str] = typer.Option(None, help="fp32 | bf16"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
     profile: Optional[str] = typer.Option(None, help="hardware profile"),
@@ -88,12 +113,13 @@ def verify(
         raise ConfigError("pipeline stages are not available yet: run --stage 1/1")
     if verify_delay_ms < 0:
         raise ConfigError("--verify-delay-ms must be >= 0")
-    config = build_config(profile, target=model, max_sessions=max_sessions, dtype=dtype, threads=threads)
+    config = build_config(profile, target=model, max_sessions=max_sessions, max_batch=max_batch, dtype=dtype,
+                          threads=threads)
     draft_addr = parse_hostport(draft) if draft else None
     ssl_server, ssl_client = server_context(tls_cert, tls_key), client_context(tls_ca)
     server_config = TargetServerConfig(host=host, port=port, max_sessions=config.max_sessions,
                                        kv_budget_bytes=config.kv_budget_bytes, auth_token=auth_token,
-                                       verify_delay_s=verify_delay_ms / 1e3)
+                                       verify_delay_s=verify_delay_ms / 1e3, max_batch=config.max_batch)
     setup_logging(log_level)
     apply_threads(config)
     console = Console(stderr=True)

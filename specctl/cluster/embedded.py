@@ -58,7 +58,8 @@ class EmbeddedCluster:
             self.links.append(asyncio.create_task(client.run(first)))
             await first
             server = TargetServer(target, TargetServerConfig(host=host, port=0, max_sessions=self.config.max_sessions,
-                                                             kv_budget_bytes=self.config.kv_budget_bytes), client)
+                                                             kv_budget_bytes=self.config.kv_budget_bytes,
+                                                             max_batch=self.config.max_batch), client)
             target_ports.append(await server.start())
             self.targets.append(server)
         metrics = GatewayMetrics()

@@ -112,17 +112,28 @@ class DecodeSession:
     def apply(self, proposal: Proposal) -> list[int]:
         """Verify a proposal (local or from a draft server) and commit what is accepted.
         ``last_path`` and ``last_committed`` then describe the outcome for the drafter."""
+        t1 = time.perf_counter()
+        tokens, positions, mask = self.verify_inputs(proposal)
+        return self.accept(proposal, self.target(tokens, positions, self.cache, mask=mask), t1)
+
+    def verify_inputs(self, proposal: Proposal) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The target forward that verifies a proposal: tree tokens, their positions
+        (prefix length + depth) and the tree mask over prefix + tree (None = one token)."""
         if proposal.tree.tokens[0] != self.seq[-1]:
             raise ValueError("proposal root is not the last committed token")
         if len(proposal.tree) > self.max_nodes:
             raise ValueError(f"proposal of {len(proposal.tree)} nodes exceeds the session's {self.max_nodes}")
-        t1 = time.perf_counter()
         tree, prefix = proposal.tree, len(self.seq) - 1
         mask = None if len(tree) == 1 else torch.cat([torch.ones(len(tree), prefix, dtype=torch.bool), tree.mask], 1)
-        logits = self.target(tree.tokens, prefix + tree.depth, self.cache, mask=mask)
+        return tree.tokens, prefix + tree.depth, mask
+
+    def accept(self, proposal: Proposal, logits: torch.Tensor, started: float) -> list[int]:
+        """Apply the acceptance rule to the target's logits over the tree, keep the accepted
+        path's KV, commit accepted tokens + bonus."""
+        tree, prefix = proposal.tree, len(self.seq) - 1
         path, bonus = verify(logits, proposal, self.params, self.generator)
         self.cache.gather(torch.cat([torch.arange(prefix), prefix + torch.tensor([0, *path], dtype=torch.long)]))
-        self.stats.verify_s += time.perf_counter() - t1
+        self.stats.verify_s += time.perf_counter() - started
         self.last_path = path
         if len(tree) > 1:
             self.stats.record_round(tree.max_depth, len(tree) - 1, len(path))
@@ -146,6 +157,38 @@ class DecodeSession:
     def close(self) -> None:
         self.cache.release()
         self.draft.close()
+
+
+def apply_many(items: list[tuple[DecodeSession, Proposal]]) -> list[list[int] | BaseException]:
+    """Verify the proposals of several sessions of one target in a single ragged forward
+    (the weights are read once for all of them); each session then accepts on its own,
+    exactly as ``DecodeSession.apply`` would. A session whose proposal does not fit gets
+    its exception back; the others go on."""
+    if len(items) == 1:
+        try:
+            return [items[0][0].apply(items[0][1])]
+        except Exception as exc:  # noqa: BLE001 - handed back to that session's caller
+            return [exc]
+    started = time.perf_counter()
+    results: list[list[int] | BaseException | None] = [None] * len(items)
+    ready = []
+    for i, (session, proposal) in enumerate(items):
+        try:
+            ready.append((i, session, proposal, session.verify_inputs(proposal)))
+        except Exception as exc:  # noqa: BLE001
+            results[i] = exc
+    if ready:
+        target = ready[0][1].target
+        logits = target.forward_many(
+            [inputs[0] for *_, inputs in ready], [inputs[1] for *_, inputs in ready],
+            [session.cache for _, session, _, _ in ready], [inputs[2] for *_, inputs in ready],
+            [torch.arange(inputs[0].shape[0]) for *_, inputs in ready])
+        for (i, session, proposal, _), rows in zip(ready, logits):
+            try:
+                results[i] = session.accept(proposal, rows, started)
+            except Exception as exc:  # noqa: BLE001
+                results[i] = exc
+    return results
 
 
 def generate(target: Decoder, prompt: list[int], params: SamplingParams, drafter: Drafter | None = None, **kw):

@@ -28,7 +28,7 @@ from specctl.net.protocol import (
 from specctl.runtime.compute import ComputeThread
 from specctl.runtime.listen import ListenConfig
 from specctl.runtime.tasks import TaskGroup
-from specctl.spec.decode import DecodeSession
+from specctl.spec.decode import DecodeSession, apply_many
 from specctl.spec.drafters import Proposal
 from specctl.spec.sampling import SamplingParams
 from specctl.verify.draft_client import DraftClient
@@ -40,11 +40,12 @@ log = logging.getLogger("specctl.verify")
 class TargetServerConfig(ListenConfig):
     verify_delay_s: float = 0.0  # emulate a slower target (bench star), never in production
     max_proposal_nodes: int = 128  # larger proposals from a draft server are ignored (AR round)
+    max_batch: int = 8  # most sessions verified together in one target forward
 
     def __post_init__(self) -> None:
         ListenConfig.__post_init__(self)
-        if self.verify_delay_s < 0 or self.max_proposal_nodes < 1:
-            raise ValueError("verify_delay_s must be >= 0 and max_proposal_nodes >= 1")
+        if self.verify_delay_s < 0 or self.max_proposal_nodes < 1 or self.max_batch < 1:
+            raise ValueError("verify_delay_s must be >= 0, max_proposal_nodes and max_batch >= 1")
 
 
 def proposal_from_message(msg: ProposalMsg) -> Proposal:
@@ -72,7 +73,7 @@ class TargetTotals:
 class TargetServer:
     def __init__(self, model: LoadedModel, config: TargetServerConfig, draft: DraftClient | None, ssl=None) -> None:
         self.model, self.config, self.draft, self.ssl = model, config, draft, ssl
-        self.compute = ComputeThread("target-compute")
+        self.compute = ComputeThread("target-compute", max_batch=config.max_batch)
         self.pool = KVPool(config.kv_budget_bytes)
         self.active = 0
         self.totals = TargetTotals()
@@ -226,10 +227,15 @@ class TargetServer:
         session.draft_handle = handle
         self._emit(msg.req, first, send)
         fresh = True  # the draft has the prompt but not the committed tokens since
+        # A draft server that refused this session (capacity, StarSD admission) is asked again
+        # only after it reconnects: the session goes on autoregressively meanwhile.
+        refused_epoch = self.draft.epoch if handle is None and self.draft is not None and self.draft.connected.is_set() else None
         while not session.finished:
             proposal = None
-            if handle is None and self.draft is not None and self.draft.connected.is_set():
+            if (handle is None and self.draft is not None and self.draft.connected.is_set()
+                    and refused_epoch != self.draft.epoch):
                 handle = session.draft_handle = await self._open_draft(session, params, msg)
+                refused_epoch = self.draft.epoch if handle is None else None
                 fresh = True
             if handle is not None:
                 if fresh:
@@ -246,7 +252,8 @@ class TargetServer:
                 self.totals.ar_rounds += 1
             if self.config.verify_delay_s:
                 await asyncio.sleep(self.config.verify_delay_s)
-            emitted = await self.compute.run(session.apply, proposal)
+            # Rounds of this instance's sessions that are due together share one forward.
+            emitted = await self.compute.run_batched("verify", apply_many, (session, proposal))
             if len(proposal.tree) > 1:
                 self.totals.rounds += 1
                 self.totals.drafted += proposal.tree.max_depth

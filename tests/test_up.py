@@ -1,0 +1,43 @@
+"""``specctl up`` as a user runs it: a real process that prints its URLs, serves, and on
+Ctrl-C closes every role and frees its ports."""
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+
+from specctl.bench.star import free_port
+
+
+def test_up_serves_then_shuts_down_cleanly_on_ctrl_c(tiny_dir):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "specctl", "up", "--target", str(tiny_dir["llama"]),
+                             "--draft", f"{tiny_dir['llama']}@2", "--mode", "chain", "--dtype", "fp32",
+                             "--draft-quant", "none", "--targets", "2", "--port", str(port)],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        while "Ctrl-C to stop" not in (line := proc.stderr.readline()):
+            assert line, "".join(lines)
+            lines.append(line)
+        out = "".join(lines)
+        assert f"gateway  http://127.0.0.1:{port}/v1" in out and out.count("  target   127.0.0.1:") == 2
+        addresses = [line.split()[-1] for line in lines if line.strip().startswith(("draft ", "target "))]
+        body = json.dumps({"prompt": "hi", "max_tokens": 5, "temperature": 0}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        reply = json.loads(urllib.request.urlopen(request, timeout=60).read())
+        assert reply["usage"]["completion_tokens"] >= 1
+        proc.send_signal(signal.SIGINT)
+        rest = proc.communicate(timeout=60)[1]
+        assert proc.returncode == 0, rest
+        assert "stopped: every role closed, ports freed" in rest
+        for host_port in [f"127.0.0.1:{port}", *addresses]:
+            host, number = host_port.rsplit(":", 1)
+            with socket.socket() as s:
+                assert s.connect_ex((host, int(number))) != 0, f"{host_port} still listening"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
