@@ -92,3 +92,18 @@ def test_bench_local_writes_json(tiny_dir, tmp_path):
 
 def test_bench_rejects_unknown_modes():
     _assert_one_line_error(run("bench", "local", "--modes", "ar,teleport"), "unknown modes teleport")
+
+
+def test_bench_serve_runs_every_variant_with_identical_texts(tiny_dir, tmp_path):
+    out = tmp_path / "serve.json"
+    proc = run("bench", "serve", "--target", str(tiny_dir["llama"]), "--draft", f"{tiny_dir['llama']}@2", "--mode", "chain",
+               "--depth", "3", "--dtype", "fp32", "--draft-quant", "none", "--concurrency", "1,3", "-n", "6",
+               "--requests-per-client", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert [(r["variant"], r["clients"]) for r in report["rows"]] == [
+        (v, c) for v in ("ar", "ar batched", "spec", "spec batched") for c in (1, 3)]
+    for row in report["rows"]:
+        assert row["same_as_ar"] == 1.0 and row["tokens"] == 6 * row["clients"]
+        assert row["vs ar"] is not None and row["vs ar batched"] is not None
+    assert "bench serve" in proc.stdout and "spec batched" in proc.stdout

@@ -180,3 +180,75 @@ def net(
         with open(json_out, "w") as f:
             json.dump({"round_trip": rt, "overhead": ov}, f, indent=2)
         console.print(f"wrote {json_out}")
+
+
+def render_serve_table(report: dict, title: str) -> Table:
+    table = Table(title=title)
+    for column in ("clients", "variant", "tokens/s", "vs ar", "vs ar batched", "TTFT p50", "latency p50", "same as ar"):
+        table.add_column(column, justify="left" if column == "variant" else "right")
+    fmt = lambda v, spec: "-" if v is None else spec.format(v)  # noqa: E731
+    for r in sorted(report["rows"], key=lambda r: (r["clients"], list(report["settings"]["variants"]).index(r["variant"]))):
+        table.add_row(str(r["clients"]), r["variant"], f"{r['tokens_per_s']:.2f}", fmt(r.get("vs ar"), "{:.2f}x"),
+                      fmt(r.get("vs ar batched"), "{:.2f}x"), f"{r['ttft_p50_ms']:.0f} ms", f"{r['latency_p50_ms']:.0f} ms",
+                      fmt(r.get("same_as_ar"), "{:.0%}"))
+    return table
+
+
+@app.command("serve")
+def serve(
+    target: Optional[str] = typer.Option(None, help="target model (default: the profile's, qwen2.5-coder-1.5b)"),
+    draft: Optional[str] = typer.Option(None, help="draft model (default: qwen2.5-coder-0.5b)"),
+    mode: Optional[str] = typer.Option(None, help="chain | tree"),
+    depth: Optional[int] = typer.Option(None, help="proposal depth d"),
+    dtype: Optional[str] = typer.Option(None, help="fp32 | bf16"),
+    draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="none | int8"),
+    concurrency: str = typer.Option("1,4", help="numbers of concurrent clients to measure"),
+    requests: int = typer.Option(2, "--requests-per-client", help="requests each client sends, one after another"),
+    max_tokens: int = typer.Option(64, "--max-tokens", "-n", help="new tokens per request (ignore_eos)"),
+    max_batch: int = typer.Option(8, "--max-batch", help="most sessions verified together in the batched variants"),
+    variants: str = typer.Option("ar,ar batched,spec,spec batched", help="comma-separated variants to run"),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
+    profile: Optional[str] = typer.Option(None, help="hardware profile"),
+    json_out: Optional[str] = typer.Option(None, "--json", help="write the report as JSON to this file"),
+) -> None:
+    """Concurrent streaming clients through the gateway: target alone vs speculation, one session
+    per forward vs batched verification, all in the same run."""
+    import asyncio
+
+    from specctl.bench.prompts import load_prompts
+    from specctl.bench.serve import VARIANTS, ServeBenchSettings, run_serve_bench
+    from specctl.spec.factory import apply_threads, load_pair
+
+    try:
+        levels = tuple(sorted({int(x) for x in concurrency.split(",") if x.strip()}))
+    except ValueError:
+        raise ConfigError(f"--concurrency must be comma-separated integers, got {concurrency!r}") from None
+    chosen = tuple(v.strip() for v in variants.split(",") if v.strip())
+    if not levels or levels[0] < 1 or levels[-1] > 64:
+        raise ConfigError("--concurrency must be between 1 and 64")
+    if not chosen or any(v not in VARIANTS for v in chosen):
+        raise ConfigError(f"--variants: choose from {', '.join(VARIANTS)}")
+    if requests < 1 or max_tokens < 1 or max_batch < 1:
+        raise ConfigError("--requests-per-client, --max-tokens and --max-batch must be at least 1")
+    config = build_config(profile, target=target, draft=draft, mode=mode, depth=depth, dtype=dtype,
+                          draft_quant=draft_quant, threads=threads, max_sessions=max(64, levels[-1]))
+    if config.mode not in ("chain", "tree"):
+        raise ConfigError("--mode must be chain or tree")
+    apply_threads(config)
+    console = Console(stderr=True)
+    models = load_pair(config, console)
+    settings = ServeBenchSettings(levels, max_tokens, requests, max_batch, chosen)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("variants x concurrency levels", total=len(chosen) * len(levels))
+        report = asyncio.run(run_serve_bench(config, models, load_prompts("builtin"), settings,
+                                             lambda: progress.advance(task)))
+    report["settings"].update(target=config.target, draft=config.draft, mode=config.mode, depth=config.depth,
+                              dtype=config.dtype, draft_quant=config.draft_quant)
+    title = (f"bench serve: {config.target} / {config.draft} ({config.mode} d={config.depth}, {config.dtype}), "
+             f"{requests} x {max_tokens} tokens per client")
+    Console(width=max(Console().width, 110)).print(render_serve_table(report, title))
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(report, f, indent=2)
+        console.print(f"wrote {json_out}")

@@ -12,6 +12,7 @@ from rich.console import Console
 
 from specctl.config import Config
 from specctl.draft.server import DraftServer, DraftServerConfig
+from specctl.engine.loader import LoadedModel
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.gateway.server import Gateway, GatewayConfig
 from specctl.gateway.upstream import Upstream
@@ -27,6 +28,7 @@ class ClusterConfig:
     gateway_port: int = 8000
     draft_port: int = 0  # 0 = any free port
     default_max_tokens: int = 256
+    speculate: bool = True  # False: no draft server, the targets decode autoregressively (a baseline)
 
     def __post_init__(self) -> None:
         if not 1 <= self.targets <= 64:
@@ -34,8 +36,10 @@ class ClusterConfig:
 
 
 class EmbeddedCluster:
-    def __init__(self, config: Config, cluster: ClusterConfig, console: Console | None = None) -> None:
+    def __init__(self, config: Config, cluster: ClusterConfig, console: Console | None = None,
+                 models: tuple[LoadedModel, LoadedModel | None] | None = None) -> None:
         self.config, self.cluster, self.console = config, cluster, console or Console(stderr=True)
+        self.models = models  # already loaded (benchmarks reuse them); else loaded by start()
         self.draft_server: DraftServer | None = None
         self.targets: list[TargetServer] = []
         self.links: list[asyncio.Task] = []
@@ -43,33 +47,37 @@ class EmbeddedCluster:
         self.urls: dict[str, str | list[str]] = {}
 
     async def start(self) -> dict:
-        if self.config.mode not in ("chain", "tree"):
-            raise ValueError("the embedded cluster runs a draft server: mode must be chain or tree")
-        target, draft = await asyncio.to_thread(load_pair, self.config, self.console)
         host, c = self.cluster.host, self.cluster
-        self.draft_server = DraftServer(draft, make_drafter(self.config, draft), DraftServerConfig(
-            host=host, port=c.draft_port, max_sessions=self.config.max_sessions * c.targets,
-            max_batch=self.config.max_batch, kv_budget_bytes=self.config.kv_budget_bytes))
-        draft_port = await self.draft_server.start()
+        if c.speculate and self.config.mode not in ("chain", "tree"):
+            raise ValueError("the embedded cluster runs a draft server: mode must be chain or tree")
+        target, draft = self.models or await asyncio.to_thread(load_pair, self.config, self.console)
+        draft_port = None
+        if c.speculate:
+            self.draft_server = DraftServer(draft, make_drafter(self.config, draft), DraftServerConfig(
+                host=host, port=c.draft_port, max_sessions=self.config.max_sessions * c.targets,
+                max_batch=self.config.max_batch, kv_budget_bytes=self.config.kv_budget_bytes))
+            draft_port = await self.draft_server.start()
         target_ports = []
         for _ in range(c.targets):
-            client = DraftClient(host, draft_port, model=target.name, fingerprint=target.vocab_fingerprint)
-            first = asyncio.get_running_loop().create_future()
-            self.links.append(asyncio.create_task(client.run(first)))
-            await first
+            client = None
+            if c.speculate:
+                client = DraftClient(host, draft_port, model=target.name, fingerprint=target.vocab_fingerprint)
+                first = asyncio.get_running_loop().create_future()
+                self.links.append(asyncio.create_task(client.run(first)))
+                await first
             server = TargetServer(target, TargetServerConfig(host=host, port=0, max_sessions=self.config.max_sessions,
                                                              kv_budget_bytes=self.config.kv_budget_bytes,
                                                              max_batch=self.config.max_batch), client)
             target_ports.append(await server.start())
             self.targets.append(server)
         metrics = GatewayMetrics()
-        upstream = Upstream([f"{host}:{p}" for p in target_ports], [f"{host}:{draft_port}"],
+        upstream = Upstream([f"{host}:{p}" for p in target_ports], [f"{host}:{draft_port}"] if draft_port else [],
                             fingerprint=target.vocab_fingerprint, metrics=metrics)
         self.gateway = Gateway(GatewayConfig(model_name=target.name, context=target.spec.max_position, host=host,
                                              port=c.gateway_port, default_max_tokens=c.default_max_tokens),
                                target.tokenizer, upstream, metrics)
         gateway_port = await self.gateway.start()
-        self.urls = {"gateway": f"http://{host}:{gateway_port}", "draft": f"{host}:{draft_port}",
+        self.urls = {"gateway": f"http://{host}:{gateway_port}", "draft": f"{host}:{draft_port}" if draft_port else None,
                      "targets": [f"{host}:{p}" for p in target_ports]}
         return self.urls
 

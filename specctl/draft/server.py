@@ -22,7 +22,7 @@ from specctl.net.protocol import (
     CloseSession, Error, OpenSession, Propose, ProtocolError, SessionOpened, Stats, StatsRequest, encode,
 )
 from specctl.runtime.compute import ComputeThread
-from specctl.runtime.listen import ListenConfig
+from specctl.runtime.listen import ListenConfig, LiveConnections
 from specctl.runtime.tasks import TaskGroup
 from specctl.spec.drafters import Drafter
 
@@ -66,6 +66,7 @@ class DraftServer:
         self._ids = itertools.count(1)
         self._tags = itertools.count(1)
         self._server: asyncio.base_events.Server | None = None
+        self._live = LiveConnections()
         self.started = time.time()
 
     @property
@@ -80,11 +81,9 @@ class DraftServer:
         """Stop listening and drop every connection (their sessions are freed)."""
         if self._server is not None:
             self._server.close()
-        for conn in list(self.connections.values()):
-            conn.writer.transport.abort()
+        await self._live.close_all()
         if self._server is not None:
             await self._server.wait_closed()
-        await asyncio.sleep(0)
         self.compute.stop()
 
     def snapshot(self) -> dict:
@@ -97,6 +96,7 @@ class DraftServer:
         return stats
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._live.track(writer)
         peer = str(writer.get_extra_info("peername"))
         conn: Connection | None = None
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from specctl.net.protocol import MAX_FRAME_BYTES
@@ -23,3 +24,24 @@ class ListenConfig:
             raise ValueError("max_sessions must be >= 1")
         if self.max_frame_bytes < 1024:
             raise ValueError("max_frame_bytes must be >= 1024")
+
+
+class LiveConnections:
+    """The running connection handlers of a server, so that closing the server ends them
+    all (a listening socket's close leaves accepted connections running)."""
+
+    def __init__(self) -> None:
+        self._tasks: dict[asyncio.Task, asyncio.StreamWriter] = {}
+
+    def track(self, writer: asyncio.StreamWriter) -> None:
+        """Called first thing in a connection handler."""
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks[task] = writer
+            task.add_done_callback(lambda t: self._tasks.pop(t, None))
+
+    async def close_all(self, timeout_s: float = 5.0) -> None:
+        for writer in list(self._tasks.values()):
+            writer.transport.abort()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout_s)

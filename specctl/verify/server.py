@@ -26,7 +26,7 @@ from specctl.net.protocol import (
     encode,
 )
 from specctl.runtime.compute import ComputeThread
-from specctl.runtime.listen import ListenConfig
+from specctl.runtime.listen import ListenConfig, LiveConnections
 from specctl.runtime.tasks import TaskGroup
 from specctl.spec.decode import DecodeSession, apply_many
 from specctl.spec.drafters import Proposal
@@ -78,6 +78,7 @@ class TargetServer:
         self.active = 0
         self.totals = TargetTotals()
         self._server = None
+        self._live = LiveConnections()
         self._conn_ids = itertools.count(1)
 
     async def start(self) -> int:
@@ -85,8 +86,11 @@ class TargetServer:
         return self._server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
+        """Stop listening and end every client connection (their sessions are freed)."""
         if self._server is not None:
             self._server.close()
+        await self._live.close_all()
+        if self._server is not None:
             await self._server.wait_closed()
         self.compute.stop()
 
@@ -109,6 +113,7 @@ class TargetServer:
         return stats
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._live.track(writer)
         peer = str(writer.get_extra_info("peername"))
         outgoing: asyncio.Queue = asyncio.Queue()
         tasks: dict[int, asyncio.Task] = {}
