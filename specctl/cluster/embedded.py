@@ -14,6 +14,7 @@ from specctl.config import Config
 from specctl.draft.server import DraftServer, DraftServerConfig
 from specctl.engine.loader import LoadedModel
 from specctl.gateway.metrics import GatewayMetrics
+from specctl.runtime.compute import ComputeThread
 from specctl.gateway.server import Gateway, GatewayConfig
 from specctl.gateway.upstream import Upstream
 from specctl.spec.factory import load_pair, make_drafter
@@ -44,6 +45,7 @@ class EmbeddedCluster:
         self.targets: list[TargetServer] = []
         self.links: list[asyncio.Task] = []
         self.gateway: Gateway | None = None
+        self.compute: ComputeThread | None = None
         self.urls: dict[str, str | list[str]] = {}
 
     async def start(self) -> dict:
@@ -51,11 +53,14 @@ class EmbeddedCluster:
         if c.speculate and self.config.mode not in ("chain", "tree"):
             raise ValueError("the embedded cluster runs a draft server: mode must be chain or tree")
         target, draft = self.models or await asyncio.to_thread(load_pair, self.config, self.console)
+        # One compute thread for the device, a lane per role (DESIGN: one compute thread per device).
+        self.compute = ComputeThread("cpu-compute", max_batch=self.config.max_batch)
         draft_port = None
         if c.speculate:
             self.draft_server = DraftServer(draft, make_drafter(self.config, draft), DraftServerConfig(
                 host=host, port=c.draft_port, max_sessions=self.config.max_sessions * c.targets,
-                max_batch=self.config.max_batch, kv_budget_bytes=self.config.kv_budget_bytes))
+                max_batch=self.config.max_batch, kv_budget_bytes=self.config.kv_budget_bytes),
+                compute=self.compute.lane())
             draft_port = await self.draft_server.start()
         target_ports = []
         for _ in range(c.targets):
@@ -67,7 +72,8 @@ class EmbeddedCluster:
                 await first
             server = TargetServer(target, TargetServerConfig(host=host, port=0, max_sessions=self.config.max_sessions,
                                                              kv_budget_bytes=self.config.kv_budget_bytes,
-                                                             max_batch=self.config.max_batch), client)
+                                                             max_batch=self.config.max_batch), client,
+                                  compute=self.compute.lane())
             target_ports.append(await server.start())
             self.targets.append(server)
         metrics = GatewayMetrics()
@@ -91,6 +97,8 @@ class EmbeddedCluster:
             await server.close()
         if self.draft_server:
             await self.draft_server.close()
+        if self.compute is not None:
+            self.compute.stop()
 
 
 class ClusterThread:

@@ -21,7 +21,7 @@ from specctl.net.handshake import server_handshake
 from specctl.net.protocol import (
     CloseSession, Error, OpenSession, Propose, ProtocolError, SessionOpened, Stats, StatsRequest, encode,
 )
-from specctl.runtime.compute import ComputeThread
+from specctl.runtime.compute import ComputeLane, ComputeThread
 from specctl.runtime.listen import ListenConfig, LiveConnections
 from specctl.runtime.tasks import TaskGroup
 from specctl.spec.drafters import Drafter
@@ -57,9 +57,11 @@ class Connection:
 
 
 class DraftServer:
-    def __init__(self, model: LoadedModel, drafter: Drafter, config: DraftServerConfig, ssl=None) -> None:
+    def __init__(self, model: LoadedModel, drafter: Drafter, config: DraftServerConfig, ssl=None,
+                 compute: ComputeLane | None = None) -> None:
         self.model, self.config, self.ssl = model, config, ssl
-        self.compute = ComputeThread("draft-compute", max_batch=config.max_batch)
+        # Its own compute thread, or a lane of the device's thread when roles share a process.
+        self.compute = compute or ComputeThread("draft-compute", max_batch=config.max_batch).lane(owns_thread=True)
         spec = model.spec
         self.table = SessionTable(drafter, KVPool(config.kv_budget_bytes), spec.vocab_size, spec.max_position)
         self.connections: dict[int, Connection] = {}

@@ -27,10 +27,15 @@ class LoadedModel:
     decoder: Decoder
     tokenizer: Any = field(repr=False)
     eos_token_ids: tuple[int, ...] = ()
+    _fingerprint: str | None = field(default=None, repr=False, compare=False)
 
     @property
     def vocab_fingerprint(self) -> str:
-        return vocab_fingerprint(self.tokenizer)
+        """Computed once: hashing a 150k-token vocabulary takes a noticeable fraction of a
+        second, and every handshake sends it."""
+        if self._fingerprint is None:
+            self._fingerprint = vocab_fingerprint(self.tokenizer)
+        return self._fingerprint
 
 
 def vocab_fingerprint(tokenizer: Any) -> str:

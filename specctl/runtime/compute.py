@@ -6,7 +6,8 @@ The queue is the global request buffer. The thread serves it work-conservingly i
 arrival order; a job submitted with a batch key is served together with every other
 queued job of the same key (up to ``max_batch``) in one call — one draft forward for the
 pending requests of many sessions and targets. It records StarSD's timings: t_s
-(service time per request), T_wait (time queued) and T_idle (idle gaps)."""
+(service time per request), T_wait (time queued) and T_idle (idle gaps), per lane: roles
+that share a device in one process share its thread through lanes."""
 
 from __future__ import annotations
 
@@ -53,7 +54,46 @@ class _Job:
     future: asyncio.Future | None
     loop: asyncio.AbstractEventLoop | None
     queued_at: float
-    batch_key: str | None = None
+    lane: "ComputeLane"
+    batch_key: tuple | None = None
+
+
+class ComputeLane:
+    """One role's share of a compute thread: its jobs join the thread's single queue (so
+    roles in one process never run torch from two threads at once — two OpenMP teams on
+    the same cores spin against each other), and its statistics are its own."""
+
+    def __init__(self, thread: "ComputeThread", owns_thread: bool = False) -> None:
+        self.thread, self.owns_thread = thread, owns_thread
+        self.stats = ComputeStats(started=time.perf_counter())
+        self.last_end: float | None = None  # when this lane's last pass ended (T_idle)
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.thread._put(_Job(fn, args, future, loop, time.perf_counter(), self))
+        return await future
+
+    async def run_batched(self, key: str, fn: Callable[[list], list], item: Any) -> Any:
+        """``fn(items)`` gets every queued item of this lane and key and returns one result
+        (or an exception instance) per item, in order."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.thread._put(_Job(fn, (item,), future, loop, time.perf_counter(), self, (id(self), key)))
+        return await future
+
+    def submit_nowait(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Fire work whose result nobody awaits (freeing a session's state on disconnect)."""
+        self.thread._put(_Job(fn, args, None, None, time.perf_counter(), self))
+
+    @property
+    def queue_depth(self) -> int:
+        return self.thread.depth_of(self)
+
+    def stop(self) -> None:
+        """Stops the thread only when this lane owns it (a shared thread has another owner)."""
+        if self.owns_thread:
+            self.thread.stop()
 
 
 class ComputeThread:
@@ -61,9 +101,16 @@ class ComputeThread:
         self.max_batch = max_batch
         self._jobs: deque[_Job | None] = deque()
         self._ready = threading.Condition()
-        self.stats = ComputeStats(started=time.perf_counter())
+        self._own = ComputeLane(self)
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
+
+    def lane(self, owns_thread: bool = False) -> ComputeLane:
+        return ComputeLane(self, owns_thread)
+
+    @property
+    def stats(self) -> ComputeStats:
+        return self._own.stats
 
     def _put(self, job: _Job | None) -> None:
         with self._ready:
@@ -71,26 +118,21 @@ class ComputeThread:
             self._ready.notify()
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._put(_Job(fn, args, future, loop, time.perf_counter()))
-        return await future
+        return await self._own.run(fn, *args)
 
     async def run_batched(self, key: str, fn: Callable[[list], list], item: Any) -> Any:
-        """``fn(items)`` gets every queued item of this key and returns one result (or an
-        exception instance) per item, in order."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._put(_Job(fn, (item,), future, loop, time.perf_counter(), key))
-        return await future
+        return await self._own.run_batched(key, fn, item)
 
     def submit_nowait(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Fire work whose result nobody awaits (freeing a session's state on disconnect)."""
-        self._put(_Job(fn, args, None, None, time.perf_counter()))
+        self._own.submit_nowait(fn, *args)
 
     @property
     def queue_depth(self) -> int:
         return len(self._jobs)
+
+    def depth_of(self, lane: ComputeLane) -> int:
+        with self._ready:
+            return sum(1 for job in self._jobs if job is not None and job.lane is lane)
 
     def stop(self) -> None:
         self._put(None)
@@ -114,12 +156,12 @@ class ComputeThread:
             return batch
 
     def _serve(self) -> None:
-        idle_since = time.perf_counter()
         while (batch := self._take()) is not None:
             start = time.perf_counter()
-            self.stats.idle_s += start - idle_since
-            self.stats.wait_s += sum(start - job.queued_at for job in batch)
             head = batch[0]
+            lane, stats = head.lane, head.lane.stats
+            stats.idle_s += start - (lane.last_end if lane.last_end is not None else stats.started)
+            stats.wait_s += sum(start - job.queued_at for job in batch)
             try:
                 if head.batch_key is None:
                     outcomes = [(head.fn(*head.args), None)]
@@ -128,10 +170,10 @@ class ComputeThread:
                                 for r in head.fn([job.args[0] for job in batch])]
             except BaseException as exc:  # delivered to every awaiting coroutine
                 outcomes = [(None, exc)] * len(batch)
-            idle_since = time.perf_counter()
-            self.stats.busy_s += idle_since - start
-            self.stats.jobs += len(batch)
-            self.stats.passes += 1
+            lane.last_end = time.perf_counter()
+            stats.busy_s += lane.last_end - start
+            stats.jobs += len(batch)
+            stats.passes += 1
             for job, (result, error) in zip(batch, outcomes):
                 if job.future is not None:
                     job.loop.call_soon_threadsafe(_resolve, job.future, result, error)

@@ -25,7 +25,7 @@ from specctl.net.protocol import (
     Cancel, Done, Error, Generate, Proposal as ProposalMsg, ProtocolError, Stats, StatsRequest, Tokens,
     encode,
 )
-from specctl.runtime.compute import ComputeThread
+from specctl.runtime.compute import ComputeLane, ComputeThread
 from specctl.runtime.listen import ListenConfig, LiveConnections
 from specctl.runtime.tasks import TaskGroup
 from specctl.spec.decode import DecodeSession, apply_many
@@ -71,9 +71,11 @@ class TargetTotals:
 
 
 class TargetServer:
-    def __init__(self, model: LoadedModel, config: TargetServerConfig, draft: DraftClient | None, ssl=None) -> None:
+    def __init__(self, model: LoadedModel, config: TargetServerConfig, draft: DraftClient | None, ssl=None,
+                 compute: ComputeLane | None = None) -> None:
         self.model, self.config, self.draft, self.ssl = model, config, draft, ssl
-        self.compute = ComputeThread("target-compute", max_batch=config.max_batch)
+        # Its own compute thread, or a lane of the device's thread when roles share a process.
+        self.compute = compute or ComputeThread("target-compute", max_batch=config.max_batch).lane(owns_thread=True)
         self.pool = KVPool(config.kv_budget_bytes)
         self.active = 0
         self.totals = TargetTotals()
