@@ -19,6 +19,7 @@ from specctl.bench.prompts import BenchPrompt
 from specctl.cluster.embedded import ClusterConfig, EmbeddedCluster
 from specctl.config import Config
 from specctl.engine.loader import LoadedModel
+from specctl.runtime.compute import ComputeThread
 
 VARIANTS = {  # name -> (speculate, batched verification)
     "ar": (False, False), "ar batched": (False, True), "spec": (True, False), "spec batched": (True, True),
@@ -84,12 +85,14 @@ async def _level(url: str, prompts: list[BenchPrompt], clients: int, settings: S
 
 
 async def run_serve_bench(config: Config, models: tuple[LoadedModel, LoadedModel | None], prompts: list[BenchPrompt],
-                          settings: ServeBenchSettings, advance: Callable[[], None] = lambda: None) -> dict:
+                          settings: ServeBenchSettings, advance: Callable[[], None] = lambda: None,
+                          compute: ComputeThread | None = None) -> dict:
     rows = []
     for variant in settings.variants:
         speculate, batched = VARIANTS[variant]
         variant_config = dataclasses.replace(config, max_batch=settings.max_batch if batched else 1)
-        cluster = EmbeddedCluster(variant_config, ClusterConfig(targets=1, gateway_port=0, speculate=speculate), models=models)
+        cluster = EmbeddedCluster(variant_config, ClusterConfig(targets=1, gateway_port=0, speculate=speculate), models=models,
+                                  compute=compute)
         try:
             urls = await cluster.start()
             await _one_warmup(urls["gateway"], prompts[0])

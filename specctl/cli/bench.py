@@ -213,10 +213,10 @@ def serve(
 ) -> None:
     """Concurrent streaming clients through the gateway: target alone vs speculation, one session
     per forward vs batched verification, all in the same run."""
-    import asyncio
-
     from specctl.bench.prompts import load_prompts
     from specctl.bench.serve import VARIANTS, ServeBenchSettings, run_serve_bench
+    from specctl.runtime.compute import ComputeThread
+    from specctl.runtime.loop import run_with_compute
     from specctl.spec.factory import apply_threads, load_pair
 
     try:
@@ -241,8 +241,14 @@ def serve(
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("variants x concurrency levels", total=len(chosen) * len(levels))
-        report = asyncio.run(run_serve_bench(config, models, load_prompts("builtin"), settings,
-                                             lambda: progress.advance(task)))
+        holder: dict = {}
+
+        async def main(compute: ComputeThread) -> None:  # compute served from the main thread, as in `up`
+            holder["report"] = await run_serve_bench(config, models, load_prompts("builtin"), settings,
+                                                     lambda: progress.advance(task), compute)
+
+        run_with_compute(main, ComputeThread("cpu-compute", max_batch=max_batch, spawn=False))
+        report = holder["report"]
     report["settings"].update(target=config.target, draft=config.draft, mode=config.mode, depth=config.depth,
                               dtype=config.dtype, draft_quant=config.draft_quant)
     title = (f"bench serve: {config.target} / {config.draft} ({config.mode} d={config.depth}, {config.dtype}), "

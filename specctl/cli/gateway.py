@@ -87,7 +87,8 @@ def up(
 ) -> None:
     """Start a draft server, N target instances and a gateway on loopback; Ctrl-C stops them all."""
     from specctl.cluster.embedded import ClusterConfig, EmbeddedCluster
-    from specctl.runtime.loop import run, setup_logging, wait_for_shutdown
+    from specctl.runtime.compute import ComputeThread
+    from specctl.runtime.loop import run_with_compute, setup_logging, wait_for_shutdown
     from specctl.spec.factory import apply_threads
 
     config = cluster_config(profile, draft, target, mode, dtype, draft_quant, threads)
@@ -99,8 +100,8 @@ def up(
     apply_threads(config)
     console = Console(stderr=True)
 
-    async def main() -> None:
-        cluster = EmbeddedCluster(config, plan, console)
+    async def main(compute: ComputeThread) -> None:
+        cluster = EmbeddedCluster(config, plan, console, compute=compute)
         try:
             urls = await cluster.start()
             console.print(f"[bold]specctl up[/]: {config.draft} drafting for {targets} x {config.target} "
@@ -116,4 +117,4 @@ def up(
             await cluster.close()
             console.print("stopped: every role closed, ports freed")
 
-    run(main())
+    run_with_compute(main, ComputeThread("cpu-compute", max_batch=config.max_batch, spawn=False))

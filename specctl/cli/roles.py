@@ -57,7 +57,8 @@ def draft(
     autoregressively, exactly as before) when StarSD predicts it would make every target slower
     than it runs alone: N > N_max. `specctl plan` prints N_max for the same numbers."""
     from specctl.draft.server import DraftServer, DraftServerConfig
-    from specctl.runtime.loop import run, serve, setup_logging
+    from specctl.runtime.compute import ComputeThread
+    from specctl.runtime.loop import run_with_compute, serve, setup_logging
     from specctl.runtime.tls import server_context
     from specctl.spec.factory import apply_threads, load_named, make_drafter
 
@@ -76,12 +77,12 @@ def draft(
     loaded = load_named(config.draft, config, console, config.draft_quant)
     drafter = make_drafter(config, loaded)
 
-    async def main() -> None:
-        await serve(DraftServer(loaded, drafter, server_config, ssl), lambda bound: console.print(
+    async def main(compute: ComputeThread) -> None:
+        await serve(DraftServer(loaded, drafter, server_config, ssl, compute=compute.lane(max_batch=config.max_batch)), lambda bound: console.print(
             f"draft server [bold]{config.draft}[/] ({config.mode}, d={config.depth}) listening on "
             f"{host}:{bound}{' (TLS)' if ssl else ''}{' (auth)' if auth_token else ''}", soft_wrap=True))
 
-    run(main())
+    run_with_compute(main, ComputeThread("draft-compute", max_batch=config.max_batch, spawn=False))
 
 
 def verify(
@@ -103,7 +104,8 @@ def verify(
     log_level: str = typer.Option("info", "--log-level", help="debug | info | warning"),
 ) -> None:
     """Run a target instance: verifies proposals from the draft server and serves generation requests."""
-    from specctl.runtime.loop import parse_hostport, run, serve, setup_logging
+    from specctl.runtime.compute import ComputeThread
+    from specctl.runtime.loop import parse_hostport, run_with_compute, serve, setup_logging
     from specctl.runtime.tls import client_context, server_context
     from specctl.spec.factory import apply_threads, load_named
     from specctl.verify.draft_client import DraftClient
@@ -125,7 +127,7 @@ def verify(
     console = Console(stderr=True)
     loaded = load_named(config.target, config, console)
 
-    async def main() -> None:
+    async def main(compute: ComputeThread) -> None:
         client = None
         link = None
         if draft_addr:
@@ -137,11 +139,11 @@ def verify(
                 console.print(f"[yellow]draft server {draft} unreachable ({client.last_error}); decoding "
                               "autoregressively and reconnecting in the background[/]")
         try:
-            await serve(TargetServer(loaded, server_config, client, ssl_server), lambda bound: console.print(
+            await serve(TargetServer(loaded, server_config, client, ssl_server, compute=compute.lane(max_batch=config.max_batch)), lambda bound: console.print(
                 f"target instance [bold]{config.target}[/] stage {stage} listening on {host}:{bound}"
                 f"{' (TLS)' if ssl_server else ''}, draft {draft or 'none'}", soft_wrap=True))
         finally:
             if link:
                 link.cancel()
 
-    run(main())
+    run_with_compute(main, ComputeThread("target-compute", max_batch=config.max_batch, spawn=False))

@@ -38,9 +38,11 @@ class ClusterConfig:
 
 class EmbeddedCluster:
     def __init__(self, config: Config, cluster: ClusterConfig, console: Console | None = None,
-                 models: tuple[LoadedModel, LoadedModel | None] | None = None) -> None:
+                 models: tuple[LoadedModel, LoadedModel | None] | None = None,
+                 compute: ComputeThread | None = None) -> None:
         self.config, self.cluster, self.console = config, cluster, console or Console(stderr=True)
         self.models = models  # already loaded (benchmarks reuse them); else loaded by start()
+        self._given_compute = compute  # the caller's (served from the main thread); else our own
         self.draft_server: DraftServer | None = None
         self.targets: list[TargetServer] = []
         self.links: list[asyncio.Task] = []
@@ -54,13 +56,13 @@ class EmbeddedCluster:
             raise ValueError("the embedded cluster runs a draft server: mode must be chain or tree")
         target, draft = self.models or await asyncio.to_thread(load_pair, self.config, self.console)
         # One compute thread for the device, a lane per role (DESIGN: one compute thread per device).
-        self.compute = ComputeThread("cpu-compute", max_batch=self.config.max_batch)
+        self.compute = self._given_compute or ComputeThread("cpu-compute", max_batch=self.config.max_batch)
         draft_port = None
         if c.speculate:
             self.draft_server = DraftServer(draft, make_drafter(self.config, draft), DraftServerConfig(
                 host=host, port=c.draft_port, max_sessions=self.config.max_sessions * c.targets,
                 max_batch=self.config.max_batch, kv_budget_bytes=self.config.kv_budget_bytes),
-                compute=self.compute.lane())
+                compute=self.compute.lane(max_batch=self.config.max_batch))
             draft_port = await self.draft_server.start()
         target_ports = []
         for _ in range(c.targets):
@@ -73,7 +75,7 @@ class EmbeddedCluster:
             server = TargetServer(target, TargetServerConfig(host=host, port=0, max_sessions=self.config.max_sessions,
                                                              kv_budget_bytes=self.config.kv_budget_bytes,
                                                              max_batch=self.config.max_batch), client,
-                                  compute=self.compute.lane())
+                                  compute=self.compute.lane(max_batch=self.config.max_batch))
             target_ports.append(await server.start())
             self.targets.append(server)
         metrics = GatewayMetrics()
@@ -97,7 +99,7 @@ class EmbeddedCluster:
             await server.close()
         if self.draft_server:
             await self.draft_server.close()
-        if self.compute is not None:
+        if self.compute is not None and self._given_compute is None:
             self.compute.stop()
 
 

@@ -63,8 +63,9 @@ class ComputeLane:
     roles in one process never run torch from two threads at once — two OpenMP teams on
     the same cores spin against each other), and its statistics are its own."""
 
-    def __init__(self, thread: "ComputeThread", owns_thread: bool = False) -> None:
+    def __init__(self, thread: "ComputeThread", owns_thread: bool = False, max_batch: int | None = None) -> None:
         self.thread, self.owns_thread = thread, owns_thread
+        self.max_batch = max_batch  # None: the thread's
         self.stats = ComputeStats(started=time.perf_counter())
         self.last_end: float | None = None  # when this lane's last pass ended (T_idle)
 
@@ -97,16 +98,25 @@ class ComputeLane:
 
 
 class ComputeThread:
-    def __init__(self, name: str = "compute", max_batch: int = 1) -> None:
+    """``spawn=False``: no thread is started; the caller serves the queue from its own
+    thread with ``serve_here()`` — the main thread, where torch's OpenMP runs small ops
+    about twice as fast as from any other thread (see ``runtime.loop.run_with_compute``)."""
+
+    def __init__(self, name: str = "compute", max_batch: int = 1, spawn: bool = True) -> None:
         self.max_batch = max_batch
         self._jobs: deque[_Job | None] = deque()
         self._ready = threading.Condition()
         self._own = ComputeLane(self)
-        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
-        self._thread.start()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True) if spawn else None
+        if self._thread is not None:
+            self._thread.start()
 
-    def lane(self, owns_thread: bool = False) -> ComputeLane:
-        return ComputeLane(self, owns_thread)
+    def serve_here(self) -> None:
+        """Serve jobs in the calling thread until ``stop()``."""
+        self._serve()
+
+    def lane(self, owns_thread: bool = False, max_batch: int | None = None) -> ComputeLane:
+        return ComputeLane(self, owns_thread, max_batch)
 
     @property
     def stats(self) -> ComputeStats:
@@ -136,7 +146,8 @@ class ComputeThread:
 
     def stop(self) -> None:
         self._put(None)
-        self._thread.join(timeout=30)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
 
     def _take(self) -> list[_Job] | None:
         with self._ready:
@@ -146,9 +157,10 @@ class ComputeThread:
             if first is None:
                 return None
             batch = [first]
-            if first.batch_key is not None and self.max_batch > 1:
+            limit = first.lane.max_batch or self.max_batch
+            if first.batch_key is not None and limit > 1:
                 for job in list(self._jobs):
-                    if len(batch) >= self.max_batch:
+                    if len(batch) >= limit:
                         break
                     if job is not None and job.batch_key == first.batch_key:
                         self._jobs.remove(job)
