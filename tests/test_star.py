@@ -12,7 +12,7 @@ from specctl.engine.loader import load_model
 from specctl.errors import VocabMismatch
 from specctl.net.framing import read_message, write_message
 from specctl.net.handshake import AuthError, client_handshake
-from specctl.net.protocol import Error, Generate, OpenSession, Propose, SessionOpened, Tokens, encode
+from specctl.net.protocol import Error, Generate, OpenSession, Propose, SessionOpened, Stats, StatsRequest, Tokens, encode
 from specctl.spec.decode import generate
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter
 from specctl.spec.sampling import SamplingParams
@@ -280,3 +280,22 @@ async def test_starsd_admission_refuses_a_target_beyond_n_max_which_then_runs_au
         for server in servers:
             await server.close()
         await draft_server.close()
+
+
+async def test_a_flooding_peer_is_slowed_down_not_dropped(models):
+    """The per-peer rate limit: 60 stats requests at once against a limit of 20/s all get
+    their answer; the server counts the ones that had to wait."""
+    target, draft = models
+    server = DraftServer(draft, ModelChainDrafter(draft.decoder, 3), DraftServerConfig(port=0, max_messages_per_s=20))
+    port = await server.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        await client_handshake(reader, writer, role="monitor")
+        for _ in range(60):
+            writer.write(encode(StatsRequest()))
+        replies = [await asyncio.wait_for(read_message(reader), 30) for _ in range(60)]
+        assert all(isinstance(r, Stats) for r in replies)
+        assert server.snapshot()["throttled"] >= 30
+        writer.close()
+    finally:
+        await server.close()

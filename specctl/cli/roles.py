@@ -14,6 +14,14 @@ from specctl.errors import ConfigError
 AUTH_HELP = "shared auth token (or SPECCTL_AUTH_TOKEN); peers sign a nonce with it, it never crosses the wire"
 
 
+def checked(config_class, **values):
+    """A server config from flags; its own validation becomes a one-line user error."""
+    try:
+        return config_class(**values)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def admission_model(plan: str | None, standalone: float | None, depth: int):
     """The StarSD model behind --admission-plan TS_MS,TV_MS,TC_MS,BETA (times in ms)."""
     from specctl.draft.plan import StarModel
@@ -43,6 +51,7 @@ def draft(
     draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="none | int8 (CPU)"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
     profile: Optional[str] = typer.Option(None, help="hardware profile"),
+    max_messages_per_s: float = typer.Option(5000.0, "--max-messages-per-s", help="per-peer rate limit (0 = off)"),
     admission_plan: Optional[str] = typer.Option(
         None, "--admission-plan", help="TS_MS,TV_MS,TC_MS,BETA: refuse a target beyond StarSD's N_max (with --standalone)"),
     standalone: Optional[float] = typer.Option(None, "--standalone", help="the target's standalone tokens/s (admission)"),
@@ -67,10 +76,10 @@ def draft(
     if config.mode == "ar":
         raise ConfigError("a draft server proposes: --mode must be chain, tree or ngram")
     ssl = server_context(tls_cert, tls_key)
-    server_config = DraftServerConfig(host=host, port=port, max_sessions=config.max_sessions, max_batch=config.max_batch,
-                                      kv_budget_bytes=config.kv_budget_bytes, auth_token=auth_token,
-                                      admission_model=admission_model(admission_plan, standalone, config.depth),
-                                      standalone_tokens_per_s=standalone)
+    server_config = checked(DraftServerConfig, host=host, port=port, max_sessions=config.max_sessions,
+                            max_batch=config.max_batch, kv_budget_bytes=config.kv_budget_bytes, auth_token=auth_token,
+                            admission_model=admission_model(admission_plan, standalone, config.depth),
+                            standalone_tokens_per_s=standalone, max_messages_per_s=max_messages_per_s)
     setup_logging(log_level)
     apply_threads(config)
     console = Console(stderr=True)
@@ -97,6 +106,7 @@ def verify(
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
     profile: Optional[str] = typer.Option(None, help="hardware profile"),
     verify_delay_ms: float = typer.Option(0.0, "--verify-delay-ms", help="add a delay to every verification (emulation)"),
+    max_messages_per_s: float = typer.Option(5000.0, "--max-messages-per-s", help="per-peer rate limit (0 = off)"),
     auth_token: Optional[str] = typer.Option(None, "--auth-token", envvar="SPECCTL_AUTH_TOKEN", help=AUTH_HELP),
     tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="PEM certificate: serve clients over TLS"),
     tls_key: Optional[str] = typer.Option(None, "--tls-key", help="PEM private key for --tls-cert"),
@@ -119,9 +129,10 @@ def verify(
                           threads=threads)
     draft_addr = parse_hostport(draft) if draft else None
     ssl_server, ssl_client = server_context(tls_cert, tls_key), client_context(tls_ca)
-    server_config = TargetServerConfig(host=host, port=port, max_sessions=config.max_sessions,
-                                       kv_budget_bytes=config.kv_budget_bytes, auth_token=auth_token,
-                                       verify_delay_s=verify_delay_ms / 1e3, max_batch=config.max_batch)
+    server_config = checked(TargetServerConfig, host=host, port=port, max_sessions=config.max_sessions,
+                            kv_budget_bytes=config.kv_budget_bytes, auth_token=auth_token,
+                            verify_delay_s=verify_delay_ms / 1e3, max_batch=config.max_batch,
+                            max_messages_per_s=max_messages_per_s)
     setup_logging(log_level)
     apply_threads(config)
     console = Console(stderr=True)

@@ -22,7 +22,7 @@ from specctl.net.protocol import (
     CloseSession, Error, OpenSession, Propose, ProtocolError, SessionOpened, Stats, StatsRequest, encode,
 )
 from specctl.runtime.compute import ComputeLane, ComputeThread
-from specctl.runtime.listen import ListenConfig, LiveConnections
+from specctl.runtime.listen import ListenConfig, LiveConnections, MessageRate
 from specctl.runtime.tasks import TaskGroup
 from specctl.spec.drafters import Drafter
 
@@ -69,6 +69,7 @@ class DraftServer:
         self._tags = itertools.count(1)
         self._server: asyncio.base_events.Server | None = None
         self._live = LiveConnections()
+        self.throttled = 0  # messages that waited for the per-peer rate limit
         self.started = time.time()
 
     @property
@@ -91,7 +92,7 @@ class DraftServer:
     def snapshot(self) -> dict:
         stats = {"model": self.model.name, "connections": len(self.connections),
                  "targets": sum(c.role == "target" for c in self.connections.values()),
-                 "uptime_s": round(time.time() - self.started, 1)}
+                 "uptime_s": round(time.time() - self.started, 1), "throttled": self.throttled}
         stats.update(self.compute.stats.snapshot(self.compute.queue_depth))
         stats.update(self.table.snapshot())
         stats["R_q"] = stats.pop("jobs_per_s")
@@ -133,6 +134,7 @@ class DraftServer:
             await writer.drain()
 
     async def _read_loop(self, conn: Connection, reader: asyncio.StreamReader, group: TaskGroup) -> None:
+        rate = MessageRate(self.config.max_messages_per_s)
         while True:
             try:
                 message = await read_message(reader, self.config.max_frame_bytes)
@@ -141,6 +143,8 @@ class DraftServer:
                 return
             except asyncio.IncompleteReadError:
                 return
+            if await rate.admit():
+                self.throttled += 1
             if isinstance(message, StatsRequest):
                 conn.send(Stats("draft", self.snapshot()))
             elif conn.role != "target":

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from aiolimiter import AsyncLimiter
+
 from specctl.net.protocol import MAX_FRAME_BYTES
 
 
@@ -16,6 +18,7 @@ class ListenConfig:
     max_frame_bytes: int = MAX_FRAME_BYTES
     kv_budget_bytes: int | None = None
     auth_token: str | None = None
+    max_messages_per_s: float = 5000.0  # per connection (0 = unlimited); faster peers are slowed, not dropped
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -24,6 +27,25 @@ class ListenConfig:
             raise ValueError("max_sessions must be >= 1")
         if self.max_frame_bytes < 1024:
             raise ValueError("max_frame_bytes must be >= 1024")
+        if self.max_messages_per_s < 0:
+            raise ValueError("max_messages_per_s must be >= 0 (0 = unlimited)")
+
+
+class MessageRate:
+    """The per-peer rate limit of DESIGN §5: a connection that sends more than ``per_s``
+    messages a second has its next message wait (a leaky bucket), so one flooding peer
+    cannot starve the others; it is slowed down, never disconnected."""
+
+    def __init__(self, per_s: float) -> None:
+        self._limiter = AsyncLimiter(per_s, 1.0) if per_s > 0 else None
+
+    async def admit(self) -> bool:
+        """Wait for room for one more message; True when the peer had to wait."""
+        if self._limiter is None:
+            return False
+        waited = not self._limiter.has_capacity()
+        await self._limiter.acquire()
+        return waited
 
 
 class LiveConnections:

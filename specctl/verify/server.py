@@ -7,7 +7,6 @@ slower, never different."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import random
 import time
@@ -26,7 +25,7 @@ from specctl.net.protocol import (
     encode,
 )
 from specctl.runtime.compute import ComputeLane, ComputeThread
-from specctl.runtime.listen import ListenConfig, LiveConnections
+from specctl.runtime.listen import ListenConfig, LiveConnections, MessageRate
 from specctl.runtime.tasks import TaskGroup
 from specctl.spec.decode import DecodeSession, apply_many
 from specctl.spec.drafters import Proposal
@@ -81,7 +80,7 @@ class TargetServer:
         self.totals = TargetTotals()
         self._server = None
         self._live = LiveConnections()
-        self._conn_ids = itertools.count(1)
+        self.throttled = 0  # messages that waited for the per-peer rate limit
 
     async def start(self) -> int:
         self._server = await asyncio.start_server(self._handle, self.config.host, self.config.port, ssl=self.ssl)
@@ -109,7 +108,7 @@ class TargetServer:
             "draft_connected": bool(self.draft and self.draft.connected.is_set()),
             "draft_reconnects": self.draft.reconnects if self.draft else 0,
             "draft_address": f"{self.draft.host}:{self.draft.port}" if self.draft else None,
-            "max_sessions": self.config.max_sessions,
+            "max_sessions": self.config.max_sessions, "throttled": self.throttled,
         }
         stats.update(self.compute.stats.snapshot(self.compute.queue_depth))
         return stats
@@ -147,6 +146,7 @@ class TargetServer:
 
     async def _read_loop(self, reader, outgoing: asyncio.Queue, tasks: dict, group: TaskGroup) -> None:
         send = lambda message: outgoing.put_nowait(encode(message))  # noqa: E731
+        rate = MessageRate(self.config.max_messages_per_s)
         while True:
             try:
                 message = await read_message(reader, self.config.max_frame_bytes)
@@ -155,6 +155,8 @@ class TargetServer:
                 return
             except asyncio.IncompleteReadError:
                 return
+            if await rate.admit():
+                self.throttled += 1
             if isinstance(message, Generate):
                 if message.req in tasks:
                     send(Error("bad_request", f"request id {message.req} is already running", req=message.req))
