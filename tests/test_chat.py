@@ -79,12 +79,17 @@ def wait_for(session, needle, timeout, count=1):
 
 
 @needs_tmux
-def test_ctrl_c_stops_a_reply_without_leaving(gateway):
+@pytest.mark.parametrize("embedded", [False, True], ids=["gateway", "embedded"])
+def test_ctrl_c_stops_a_reply_without_leaving(gateway, tiny_dir, embedded):
+    """Against a gateway (REPL in the main thread) and with the embedded cluster (compute in
+    the main thread, REPL beside it, Ctrl-C forwarded to the reply)."""
     session = f"specctl-chat-{time.time_ns()}"
+    where = (f"--target {tiny_dir['llama']} --draft {tiny_dir['llama']}@2 --mode chain --dtype fp32 --draft-quant none"
+             if embedded else f"--gateway {gateway}")
     tmux("new-session", "-d", "-s", session, "-x", "100", "-y", "30",
-         f"{sys.executable} -m specctl chat --gateway {gateway} --max-tokens 400")
+         f"{sys.executable} -m specctl chat {where} --max-tokens 400")
     try:
-        wait_for(session, "you>", 30)
+        wait_for(session, "you>", 60)
         tmux("send-keys", "-t", session, "tell me everything", "Enter")
         wait_for(session, "assistant>", 30)
         time.sleep(0.5)

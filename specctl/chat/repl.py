@@ -48,10 +48,14 @@ def command(line: str, state: ChatState) -> str:
     return f"unknown command {name}; {HELP}"
 
 
-def stat_line(usage: dict, spec: dict, seconds: float) -> str:
+def stat_line(usage: dict, spec: dict, first_s: float | None, last_s: float | None) -> str:
+    """tokens/s counts from the first streamed text to the last, so the prompt's prefill
+    (reported as "first after") does not dilute the decoding speed."""
     tokens = usage.get("completion_tokens", 0)
-    rate = tokens / seconds if seconds > 0 else 0.0
-    return (f"{tokens} token{'' if tokens == 1 else 's'}, {rate:.1f} tok/s, mean accepted length {spec.get('mean_accepted_length', 0):.2f}, "
+    decoding = (last_s - first_s) if first_s is not None and last_s is not None else 0.0
+    rate = f"{(tokens - 1) / decoding:.1f} tok/s" if tokens > 1 and decoding > 0 else "- tok/s"
+    first = f", first after {first_s:.1f}s" if first_s is not None else ""
+    return (f"{tokens} token{'' if tokens == 1 else 's'}{first}, {rate}, mean accepted length {spec.get('mean_accepted_length', 0):.2f}, "
             f"acceptance {spec.get('acceptance_rate', 0):.0%}")
 
 
@@ -94,9 +98,41 @@ async def fetch_feed(url: str, api_key: str | None = None) -> dict:
         return await gateway_feed(session, url, api_key)
 
 
+class Replies:
+    """Runs one reply at a time on its own event loop and lets another thread stop it:
+    when the REPL is not in the main thread, Ctrl-C reaches the main thread's handler,
+    which calls ``interrupt()``. In the main thread asyncio.run's own Ctrl-C handling does it."""
+
+    def __init__(self) -> None:
+        self._current: tuple[asyncio.AbstractEventLoop, asyncio.Task] | None = None
+
+    def run(self, coro):
+        async def main():
+            self._current = (asyncio.get_running_loop(), asyncio.current_task())
+            try:
+                return await coro
+            finally:
+                self._current = None
+
+        try:
+            return asyncio.run(main())
+        except asyncio.CancelledError:
+            raise KeyboardInterrupt from None
+
+    def interrupt(self) -> bool:
+        """Stop the running reply; False when none is running."""
+        current = self._current
+        if current is None:
+            return False
+        loop, task = current
+        loop.call_soon_threadsafe(task.cancel)
+        return True
+
+
 def repl(url: str, console: Console, state: ChatState | None = None, api_key: str | None = None,
-         read: Callable[[], str] | None = None) -> None:
+         read: Callable[[], str] | None = None, replies: Replies | None = None) -> None:
     state = state or ChatState()
+    replies = replies or Replies()
     read = read or (lambda: console.input("[bold green]you>[/] "))
     console.print(f"[dim]{HELP}[/]")
     while True:
@@ -122,13 +158,17 @@ def repl(url: str, console: Console, state: ChatState | None = None, api_key: st
         console.print("[bold cyan]assistant>[/] ", end="")
         started = time.perf_counter()
         pieces: list[str] = []
+        marks: list[float] = []  # when the first and the latest text arrived
 
         def show(delta: str) -> None:
+            marks[1:] = [time.perf_counter() - started]
+            if len(marks) == 1:
+                marks.insert(0, marks[0])
             pieces.append(delta)
             console.print(delta, end="", markup=False, highlight=False, soft_wrap=True)
 
         try:
-            text, usage, spec = asyncio.run(stream_reply(url, state, show, api_key))
+            text, usage, spec = replies.run(stream_reply(url, state, show, api_key))
         except KeyboardInterrupt:  # asyncio.run cancelled the stream: the gateway cancels the generation
             state.messages.append({"role": "assistant", "content": "".join(pieces)})
             console.print("\n[yellow](stopped)[/]")
@@ -139,7 +179,7 @@ def repl(url: str, console: Console, state: ChatState | None = None, api_key: st
             continue
         state.messages.append({"role": "assistant", "content": text})
         console.print()
-        console.print(f"[dim]{stat_line(usage, spec, time.perf_counter() - started)}[/]")
+        console.print(f"[dim]{stat_line(usage, spec, *(marks or [None, None]))}[/]")
 
 
 def show_stats(url: str, console: Console, api_key: str | None = None) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import threading
 from typing import Optional
 
 import typer
@@ -22,7 +24,7 @@ def chat(
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECCTL_API_KEY", help="the gateway's API key"),
 ) -> None:
     """Chat interactively; replies stream as the target accepts tokens."""
-    from specctl.chat.repl import ChatState, repl
+    from specctl.chat.repl import ChatState, Replies, repl
     from specctl.errors import ConfigError
     from specctl.spec.sampling import SamplingParams
 
@@ -40,6 +42,7 @@ def chat(
 
     from specctl.cli.gateway import cluster_config
     from specctl.cluster.embedded import ClusterConfig, ClusterThread
+    from specctl.runtime.compute import ComputeThread
     from specctl.spec.factory import apply_threads
 
     config = cluster_config(profile, draft, target, mode, dtype, draft_quant, threads)
@@ -47,12 +50,37 @@ def chat(
     logging.basicConfig(level=logging.WARNING)
     console.print(f"[bold]no --gateway given: starting an embedded cluster[/] (draft {config.draft}, target "
                   f"{config.target}, {config.mode} d={config.depth}, {config.dtype}) on loopback…", soft_wrap=True)
+    # Torch runs fastest from the main thread: it serves compute, the REPL and the cluster's
+    # asyncio loop run beside it, and Ctrl-C is forwarded to the reply being streamed.
+    compute = ComputeThread("cpu-compute", max_batch=config.max_batch, spawn=False)
     cluster = ClusterThread(config, ClusterConfig(targets=1, gateway_port=0, default_max_tokens=max_tokens),
-                            Console(stderr=True))
-    urls = cluster.start()
-    console.print(f"[dim]embedded cluster ready: gateway {urls['gateway']}/v1, draft {urls['draft']}, "
-                  f"target {urls['targets'][0]}[/]", soft_wrap=True)
+                            Console(stderr=True), compute=compute)
+    replies = Replies()
+    failure: list[BaseException] = []
+
+    def on_sigint(_signum, _frame) -> None:
+        if not replies.interrupt():
+            console.print("\n[dim](Ctrl-D or /quit to leave)[/]")
+
+    def front() -> None:
+        try:
+            urls = cluster.start()
+            console.print(f"[dim]embedded cluster ready: gateway {urls['gateway']}/v1, draft {urls['draft']}, "
+                          f"target {urls['targets'][0]}[/]", soft_wrap=True)
+            repl(urls["gateway"], console, state, replies=replies)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
+            failure.append(exc)
+        finally:
+            cluster.stop()
+            compute.stop()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    side = threading.Thread(target=front, name="specctl-chat")
+    side.start()
     try:
-        repl(urls["gateway"], console, state)
+        compute.serve_here()
     finally:
-        cluster.stop()
+        side.join()
+        signal.signal(signal.SIGINT, previous)
+    if failure:
+        raise failure[0]

@@ -107,8 +107,9 @@ class ClusterThread:
     """An EmbeddedCluster on its own event loop in a background thread, for a synchronous
     caller (the chat REPL, tests using the synchronous openai client)."""
 
-    def __init__(self, config: Config, cluster: ClusterConfig, console: Console | None = None) -> None:
-        self.cluster = EmbeddedCluster(config, cluster, console)
+    def __init__(self, config: Config, cluster: ClusterConfig, console: Console | None = None,
+                 compute: ComputeThread | None = None) -> None:
+        self.cluster = EmbeddedCluster(config, cluster, console, compute=compute)
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._error: BaseException | None = None
