@@ -13,7 +13,7 @@ import threading
 import time
 import urllib.request
 
-from specctl.bench.star import free_ports
+from specctl.bench.star import free_ports, stop_processes
 
 PY = sys.executable
 SESSION = f"specctl-monitor-demo-{int(time.time())}"
@@ -84,14 +84,7 @@ def main() -> None:
     finally:
         stop.set()
         subprocess.run(["tmux", "kill-session", "-t", SESSION], capture_output=True)
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(procs, signal.SIGINT, 30)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from specctl.bench.star import free_ports, spawn_role, wait_listening
+from specctl.bench.star import free_ports, spawn_role, stop_processes, wait_listening
 from specctl.engine.loader import load_model
 from specctl.spec.decode import generate
 from specctl.spec.sampling import SamplingParams
@@ -36,14 +36,7 @@ def star(tiny_dir):
             wait_listening(proc, "target instance")
         yield {"draft_args": draft_args, "draft_port": draft_port, "target_ports": target_ports, "procs": procs}
     finally:  # also when start-up failed: no process outlives the test
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(procs)
 
 
 async def test_six_sessions_three_targets_then_draft_killed(star, tiny_dir):

@@ -96,14 +96,19 @@ class StarCluster:
         return self
 
     def __exit__(self, *exc) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(self.procs)
+
+
+def stop_processes(procs: list[subprocess.Popen], sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> None:
+    """Ask every role process to stop (they close cleanly on SIGTERM/SIGINT); kill the stragglers."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(sig)
+    for proc in procs:
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 async def _measure(cluster: StarCluster, n: int, prompts: list[list[int]]) -> dict:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import threading
 from typing import Optional
 
 import typer
@@ -43,6 +42,7 @@ def chat(
     from specctl.cli.gateway import cluster_config
     from specctl.cluster.embedded import ClusterConfig, ClusterThread
     from specctl.runtime.compute import ComputeThread
+    from specctl.runtime.loop import compute_in_main_thread
     from specctl.spec.factory import apply_threads
 
     config = cluster_config(profile, draft, target, mode, dtype, draft_quant, threads)
@@ -56,9 +56,8 @@ def chat(
     cluster = ClusterThread(config, ClusterConfig(targets=1, gateway_port=0, default_max_tokens=max_tokens),
                             Console(stderr=True), compute=compute)
     replies = Replies()
-    failure: list[BaseException] = []
 
-    def on_sigint(_signum, _frame) -> None:
+    def on_sigint() -> None:
         if not replies.interrupt():
             console.print("\n[dim](Ctrl-D or /quit to leave)[/]")
 
@@ -68,19 +67,7 @@ def chat(
             console.print(f"[dim]embedded cluster ready: gateway {urls['gateway']}/v1, draft {urls['draft']}, "
                           f"target {urls['targets'][0]}[/]", soft_wrap=True)
             repl(urls["gateway"], console, state, replies=replies)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
-            failure.append(exc)
         finally:
             cluster.stop()
-            compute.stop()
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    side = threading.Thread(target=front, name="specctl-chat")
-    side.start()
-    try:
-        compute.serve_here()
-    finally:
-        side.join()
-        signal.signal(signal.SIGINT, previous)
-    if failure:
-        raise failure[0]
+    compute_in_main_thread(front, compute, on_signal=on_sigint, signals=(signal.SIGINT,))

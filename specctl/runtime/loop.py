@@ -55,37 +55,50 @@ async def wait_for_shutdown() -> None:
         _SHUTDOWN_WAITERS.remove(entry)
 
 
-def run_with_compute(main: Callable[[ComputeThread], Awaitable], compute: ComputeThread) -> None:
-    """Serve ``compute`` from the main thread and run the asyncio side in a second thread.
-    torch's OpenMP pays a large fork/join cost on every small op issued from a non-main
-    thread (measured: an int8 draft layer 1.9x slower), and decoding is many small ops.
-    Ctrl-C and SIGTERM reach ``wait_for_shutdown`` through the main thread's handlers."""
+def compute_in_main_thread(side: Callable[[], None], compute: ComputeThread,
+                           on_signal: Callable[[], None] | None = None,
+                           signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
+    """Serve ``compute`` from the main thread while ``side`` runs in a second thread; the
+    compute loop ends when ``side`` returns. torch's OpenMP pays a large fork/join cost on
+    every small op issued from a non-main thread (measured: an int8 draft layer 1.9x
+    slower), and decoding is many small ops. ``signals`` go to ``on_signal`` (default:
+    wake every ``wait_for_shutdown``), since only the main thread receives them."""
     failure: list[BaseException] = []
 
-    def loop_side() -> None:
+    def run_side() -> None:
         try:
-            run(main(compute))
+            side()
         except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
             failure.append(exc)
         finally:
             compute.stop()
 
-    def on_signal(_signum, _frame) -> None:
-        _SHUTDOWN_REQUESTED.set()
-        for loop, event in list(_SHUTDOWN_WAITERS):
-            loop.call_soon_threadsafe(event.set)
+    def handler(_signum, _frame) -> None:
+        (on_signal or request_shutdown)()
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    side = threading.Thread(target=loop_side, name="specctl-asyncio")
-    side.start()
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
+    thread = threading.Thread(target=run_side, name="specctl-side")
+    thread.start()
     try:
         compute.serve_here()
     finally:
-        side.join()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        thread.join()
+        for sig, old in previous.items():
+            signal.signal(sig, old)
     if failure:
         raise failure[0]
+
+
+def request_shutdown() -> None:
+    """What SIGINT/SIGTERM do: wake every wait_for_shutdown (or the next one to start)."""
+    _SHUTDOWN_REQUESTED.set()
+    for loop, event in list(_SHUTDOWN_WAITERS):
+        loop.call_soon_threadsafe(event.set)
+
+
+def run_with_compute(main: Callable[[ComputeThread], Awaitable], compute: ComputeThread) -> None:
+    """A role's async main in a second thread, its compute served from the main thread."""
+    compute_in_main_thread(lambda: run(main(compute)), compute)
 
 
 def run(main: Awaitable) -> None:
