@@ -96,3 +96,23 @@ def test_batched_verification_equals_one_session_at_a_time(tiny):
     for prompt, session in zip(prompts, sessions):
         assert session.output == generate(target, prompt, params)[0]
         assert session.cache.length == len(session.seq) - 1
+
+
+def test_batched_tree_drafting_matches_one_at_a_time(tiny):
+    from specctl.spec.drafters import ModelTreeDrafter, propose_trees
+
+    drafter = ModelTreeDrafter(tiny["llama-self2"], 3, 2, 3)
+    seqs = [[1, 2, 3, 4], [50, 60], [7, 7, 7, 7, 7, 7]]
+    for params in (SamplingParams(), SamplingParams(temperature=0.8, top_k=20)):
+        alone, alone_probs = [], []
+        for s in seqs:
+            session = drafter.open(s, 64)
+            tree = session.propose(s, params, None).tree
+            alone.append((tree.tokens.tolist(), tree.parents.tolist(), session.fed, session.cache.length))
+            alone_probs.append(tree.probs)
+        sessions = [drafter.open(s, 64) for s in seqs]
+        together = propose_trees(sessions, seqs, [params] * 3, [None] * 3)
+        assert [(p.tree.tokens.tolist(), p.tree.parents.tolist(), s.fed, s.cache.length)
+                for p, s in zip(together, sessions)] == alone
+        for proposal, probs in zip(together, alone_probs):
+            torch.testing.assert_close(proposal.tree.probs, probs, rtol=1e-5, atol=1e-6)

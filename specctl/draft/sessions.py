@@ -10,7 +10,7 @@ import torch
 from specctl.engine.kv_cache import KVPool
 from specctl.errors import BadRequest, PromptTooLong
 from specctl.net.protocol import OpenSession, Proposal, Tensor
-from specctl.spec.drafters import DraftSession, Drafter, can_batch, propose_chains
+from specctl.spec.drafters import DraftSession, Drafter, batch_kind
 from specctl.spec.sampling import SamplingParams
 
 
@@ -59,27 +59,30 @@ class SessionTable:
         self.states[tag] = TagState(session, params, generator, list(msg.prompt), capacity)
 
     def propose_many(self, requests: list[tuple[int, list[int], list[int]]]) -> list:
-        """Serve many Propose requests in one pass: chain sessions are drafted together (one
-        forward per step for all); anything else one at a time. One result or exception each."""
+        """Serve many Propose requests in one pass: chain sessions are drafted together and
+        tree sessions together (one forward per step or level for all); anything else one at
+        a time. One result or exception each."""
         results: list = [None] * len(requests)
-        batch: list[tuple[int, TagState]] = []
+        groups: dict = {}
         for i, (tag, path, tokens) in enumerate(requests):
             try:
                 state = self._advance(tag, path, tokens)
             except Exception as exc:  # noqa: BLE001 - reported to that request only
                 results[i] = exc
                 continue
-            if can_batch(state.session):  # the server allows one request in flight per tag
-                batch.append((i, state))
-            else:
+            together = batch_kind(state.session)  # the server allows one request in flight per tag
+            if together is None:
                 results[i] = self._draft(tag, state)
-        if len(batch) == 1:
-            i, state = batch[0]
-            results[i] = self._draft(requests[i][0], state)
-        elif batch:
+            else:
+                groups.setdefault(together, []).append((i, state))
+        for together, batch in groups.items():
+            if len(batch) == 1:
+                i, state = batch[0]
+                results[i] = self._draft(requests[i][0], state)
+                continue
             try:
-                proposals = propose_chains([s.session for _, s in batch], [s.seq for _, s in batch],
-                                           [s.params for _, s in batch], [s.generator for _, s in batch])
+                proposals = together([s.session for _, s in batch], [s.seq for _, s in batch],
+                                     [s.params for _, s in batch], [s.generator for _, s in batch])
             except Exception as exc:  # noqa: BLE001
                 proposals = [exc] * len(batch)
             for (i, state), proposal in zip(batch, proposals):

@@ -237,5 +237,44 @@ def propose_chains(sessions: list["_ChainSession"], seqs: list[list[int]], param
     ]
 
 
-def can_batch(session: DraftSession) -> bool:
-    return isinstance(session, _ChainSession)
+def propose_trees(sessions: list["_TreeSession"], seqs: list[list[int]], params: list[SamplingParams],
+                  generators: list[torch.Generator | None]) -> list[Proposal]:
+    """Draft a tree for several sessions at once: the catch-up and then every level are one
+    ragged forward over all of them (each its own frontier, positions and tree mask), with
+    the same growth rule as ``_TreeSession.propose``."""
+    decoder, shape = sessions[0].decoder, sessions[0].shape
+    score = [SamplingParams(temperature=1.0) if p.greedy else _draft_params(p) for p in params]
+    inputs, positions, at = [], [], []
+    for session, seq in zip(sessions, seqs):
+        session.committed, session.fed, start = len(seq), 0, session.cache.length
+        inputs.append(torch.tensor(seq[start:], dtype=torch.long))
+        positions.append(torch.arange(start, len(seq)))
+        at.append(torch.tensor([len(seq) - start - 1]))
+    logits = decoder.forward_many(inputs, positions, [s.cache for s in sessions], [None] * len(sessions), at)
+    trees = [TokenTree.root(seq[-1]).grow(torch.tensor([0]), probs_from_logits(rows[0], sp).unsqueeze(0),
+                                          shape.topk, shape.width)
+             for seq, rows, sp in zip(seqs, logits, score)]
+    for level in range(2, shape.depth + 1):
+        live = [b for b, tree in enumerate(trees) if tree.level(level - 1).numel()]
+        if not live:
+            break
+        frontiers = {b: trees[b].level(level - 1) for b in live}
+        masks = [torch.cat([torch.ones(frontiers[b].numel(), sessions[b].committed, dtype=torch.bool),
+                            trees[b].mask[frontiers[b]][:, 1 : int(frontiers[b][-1]) + 1]], dim=1) for b in live]
+        out = decoder.forward_many(
+            [trees[b].tokens[frontiers[b]] for b in live],
+            [sessions[b].committed - 1 + trees[b].depth[frontiers[b]] for b in live],
+            [sessions[b].cache for b in live], masks, [torch.arange(frontiers[b].numel()) for b in live])
+        for b, rows in zip(live, out):
+            sessions[b].fed = int(frontiers[b][-1])
+            trees[b] = trees[b].grow(frontiers[b], probs_from_logits(rows, score[b]), shape.topk, shape.width)
+    return [Proposal(tree) for tree in trees]
+
+
+def batch_kind(session: DraftSession):
+    """The function that drafts sessions like this one together, or None."""
+    if isinstance(session, _ChainSession):
+        return propose_chains
+    if isinstance(session, _TreeSession):
+        return propose_trees
+    return None
