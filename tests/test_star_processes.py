@@ -80,3 +80,11 @@ async def test_six_sessions_three_targets_then_draft_killed(star, tiny_dir):
     after = [(await remote_stats("127.0.0.1", port))["rounds"] for port in ports]
     assert all(a > b for a, b in zip(after, before))
     assert (await remote_stats("127.0.0.1", star["draft_port"]))["rounds"] > 0
+
+
+def test_emulated_star_benchmarks_lower_the_targets_priority():
+    from specctl.bench.star import StarBenchSettings
+
+    emulated = StarBenchSettings("d", "t", (1, 2), 4, 64, 180.0, "fp32")
+    assert emulated.target_niceness == 10  # their compute stands for other machines'
+    assert StarBenchSettings("d", "t", (1,), 4, 64, 0.0, "fp32").target_niceness == 0  # bench net: same footing

@@ -33,6 +33,13 @@ class StarBenchSettings:
     dtype: str
     mode: str = "chain"
     threads: int = 1  # per process: many targets share this machine's cores
+    # Emulated runs put the targets at a lower CPU priority: in the topology being emulated
+    # their compute runs on their own machines, not on the draft server's cores.
+    target_nice: int = 10
+
+    @property
+    def target_niceness(self) -> int:
+        return self.target_nice if self.verify_delay_ms > 0 else 0
 
 
 def free_ports(count: int) -> list[int]:
@@ -51,12 +58,13 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
-def spawn_role(*args: str) -> subprocess.Popen:
+def spawn_role(*args: str, niceness: int = 0) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     # Idle OpenMP workers must sleep, not spin: several processes share these cores.
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return subprocess.Popen([sys.executable, "-m", "specctl", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+                            stderr=subprocess.STDOUT, text=True, env=env,
+                            preexec_fn=(lambda: os.nice(niceness)) if niceness else None)
 
 
 def wait_listening(proc: subprocess.Popen, what: str, timeout: float = 600) -> None:
@@ -87,7 +95,8 @@ class StarCluster:
             wait_listening(self.procs[0], "draft server")
             for port in self.target_ports:
                 self.procs.append(spawn_role("verify", "--model", s.target, "--draft", f"127.0.0.1:{self.draft_port}",
-                                         "--port", str(port), "--verify-delay-ms", str(s.verify_delay_ms), *common))
+                                         "--port", str(port), "--verify-delay-ms", str(s.verify_delay_ms), *common,
+                                         niceness=s.target_niceness))
             for i, proc in enumerate(self.procs[1:]):
                 wait_listening(proc, f"target instance {i + 1}")
         except BaseException:
@@ -178,6 +187,6 @@ def run_star_bench(s: StarBenchSettings, prompts: list[list[int]], progress=None
     return {
         "settings": {"draft": s.draft, "target": s.target, "targets": list(s.targets), "depth": s.depth,
                      "max_tokens": s.max_tokens, "verify_delay_ms": s.verify_delay_ms, "dtype": s.dtype, "mode": s.mode,
-                     "emulated": s.verify_delay_ms > 0},
+                     "emulated": s.verify_delay_ms > 0, "target_niceness": s.target_niceness},
         "rows": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()} for row in rows],
     }

@@ -84,7 +84,8 @@ def local(
 
 def render_star_table(report: dict) -> Table:
     s = report["settings"]
-    label = f" (emulated: +{s['verify_delay_ms']:.0f} ms per verification)" if s["emulated"] else ""
+    label = (f" (emulated: +{s['verify_delay_ms']:.0f} ms per verification, targets at nice "
+             f"{s.get('target_niceness', 0)})") if s["emulated"] else ""
     table = Table(title=f"bench star: {s['draft']} -> {s['target']}, d={s['depth']}{label}")
     for column in ("N", "O", "O model", "O_i", "t_s", "T_wait", "T_idle", "R_q", "R_p", "load", "load model", "regime"):
         table.add_column(column, justify="right")
