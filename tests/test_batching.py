@@ -45,7 +45,7 @@ def test_batched_chain_drafting_matches_one_at_a_time(tiny):
 
 
 async def test_compute_thread_serves_queued_requests_in_one_pass():
-    compute = ComputeThread("test", max_batch=8)
+    compute = ComputeThread("test", max_batch=8).lane(owns_thread=True)
     gate = threading.Event()
     try:
         blocker = asyncio.ensure_future(compute.run(gate.wait))
@@ -67,6 +67,36 @@ async def test_compute_thread_serves_queued_requests_in_one_pass():
         assert compute.stats.jobs == 6 and compute.stats.passes == 2
     finally:
         compute.stop()
+
+
+async def test_lanes_share_one_thread_but_not_batches_or_stats():
+    thread = ComputeThread("shared", max_batch=8)
+    draft, target = thread.lane(), thread.lane(max_batch=2)
+    gate = threading.Event()
+    try:
+        blocker = asyncio.ensure_future(draft.run(gate.wait))
+        await asyncio.sleep(0.05)
+        calls = []
+
+        def batch_fn(items):
+            calls.append(list(items))
+            return list(items)
+
+        pending = [asyncio.ensure_future(lane.run_batched("k", batch_fn, (name, i)))
+                   for i in range(3) for lane, name in ((draft, "d"), (target, "t"))]
+        await asyncio.sleep(0.05)
+        assert draft.queue_depth == 3 and target.queue_depth == 3
+        gate.set()
+        await blocker
+        await asyncio.gather(*pending)
+        # Same key, different lanes: never in one batch; the target lane's limit is 2.
+        assert calls == [[("d", 0), ("d", 1), ("d", 2)], [("t", 0), ("t", 1)], [("t", 2)]]
+        assert (draft.stats.jobs, draft.stats.passes) == (4, 2)
+        assert (target.stats.jobs, target.stats.passes) == (3, 2)
+        draft.stop()  # a lane that does not own the thread leaves it running
+        assert await target.run(lambda: "still serving") == "still serving"
+    finally:
+        thread.stop()
 
 
 def test_batched_verification_equals_one_session_at_a_time(tiny):

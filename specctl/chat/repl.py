@@ -158,12 +158,12 @@ def repl(url: str, console: Console, state: ChatState | None = None, api_key: st
         console.print("[bold cyan]assistant>[/] ", end="")
         started = time.perf_counter()
         pieces: list[str] = []
-        marks: list[float] = []  # when the first and the latest text arrived
+        first_s = last_s = None  # when the first and the latest text arrived
 
         def show(delta: str) -> None:
-            marks[1:] = [time.perf_counter() - started]
-            if len(marks) == 1:
-                marks.insert(0, marks[0])
+            nonlocal first_s, last_s
+            last_s = time.perf_counter() - started
+            first_s = last_s if first_s is None else first_s
             pieces.append(delta)
             console.print(delta, end="", markup=False, highlight=False, soft_wrap=True)
 
@@ -179,7 +179,7 @@ def repl(url: str, console: Console, state: ChatState | None = None, api_key: st
             continue
         state.messages.append({"role": "assistant", "content": text})
         console.print()
-        console.print(f"[dim]{stat_line(usage, spec, *(marks or [None, None]))}[/]")
+        console.print(f"[dim]{stat_line(usage, spec, first_s, last_s)}[/]")
 
 
 def show_stats(url: str, console: Console, api_key: str | None = None) -> None:

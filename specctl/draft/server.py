@@ -22,7 +22,7 @@ from specctl.net.protocol import (
     CloseSession, Error, OpenSession, Propose, ProtocolError, SessionOpened, Stats, StatsRequest, encode,
 )
 from specctl.runtime.compute import ComputeLane, ComputeThread
-from specctl.runtime.listen import ListenConfig, LiveConnections, MessageRate
+from specctl.runtime.listen import ListenConfig, ListeningServer, MessageRate
 from specctl.runtime.tasks import TaskGroup
 from specctl.spec.drafters import Drafter
 
@@ -56,9 +56,10 @@ class Connection:
         self.outgoing.put_nowait(encode(message))
 
 
-class DraftServer:
+class DraftServer(ListeningServer):
     def __init__(self, model: LoadedModel, drafter: Drafter, config: DraftServerConfig, ssl=None,
                  compute: ComputeLane | None = None) -> None:
+        super().__init__()
         self.model, self.config, self.ssl = model, config, ssl
         # Its own compute thread, or a lane of the device's thread when roles share a process.
         self.compute = compute or ComputeThread("draft-compute", max_batch=config.max_batch).lane(owns_thread=True)
@@ -67,27 +68,11 @@ class DraftServer:
         self.connections: dict[int, Connection] = {}
         self._ids = itertools.count(1)
         self._tags = itertools.count(1)
-        self._server: asyncio.base_events.Server | None = None
-        self._live = LiveConnections()
-        self.throttled = 0  # messages that waited for the per-peer rate limit
         self.started = time.time()
 
     @property
     def active_sessions(self) -> int:
         return sum(len(c.tags) for c in self.connections.values())
-
-    async def start(self) -> int:
-        self._server = await asyncio.start_server(self._handle, self.config.host, self.config.port, ssl=self.ssl)
-        return self._server.sockets[0].getsockname()[1]
-
-    async def close(self) -> None:
-        """Stop listening and drop every connection (their sessions are freed)."""
-        if self._server is not None:
-            self._server.close()
-        await self._live.close_all()
-        if self._server is not None:
-            await self._server.wait_closed()
-        self.compute.stop()
 
     def snapshot(self) -> dict:
         stats = {"model": self.model.name, "connections": len(self.connections),
@@ -111,7 +96,7 @@ class DraftServer:
             conn = Connection(next(self._ids), peer, hello.role, writer)
             self.connections[conn.id] = conn
             async with TaskGroup() as group:
-                group.create_task(self._write_loop(conn, writer))
+                group.create_task(self._write_loop(conn.outgoing, writer))
                 try:
                     await self._read_loop(conn, reader, group)
                 finally:
@@ -127,11 +112,6 @@ class DraftServer:
                     self.compute.submit_nowait(self.table.close, tag)
                 conn.tags.clear()
             writer.close()
-
-    async def _write_loop(self, conn: Connection, writer: asyncio.StreamWriter) -> None:
-        while (frame := await conn.outgoing.get()) is not None:
-            writer.write(frame)
-            await writer.drain()
 
     async def _read_loop(self, conn: Connection, reader: asyncio.StreamReader, group: TaskGroup) -> None:
         rate = MessageRate(self.config.max_messages_per_s)

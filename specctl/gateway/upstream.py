@@ -63,13 +63,10 @@ class Upstream:
     async def _poll(self, link: RoleLink) -> None:
         try:
             welcome, stats = await asyncio.wait_for(probe(link.host, link.port, self.auth_token, self.ssl), 5.0)
-        except (RemoteError, OSError, asyncio.TimeoutError) as exc:
+        except Exception as exc:  # noqa: BLE001 - unreachable, refused or misbehaving: shown as down, never fatal
             if link.up:
                 log.warning("%s %s is down: %s", link.role, link.address, exc)
             link.up, link.error = False, str(exc) or type(exc).__name__
-            return
-        except Exception as exc:  # noqa: BLE001 - a misbehaving peer is shown as down, never fatal
-            link.up, link.error = False, f"{type(exc).__name__}: {exc}"
             return
         link.welcome, link.stats, link.seen_at = welcome, stats, time.time()
         if link.role == "target" and self.fingerprint and welcome.fingerprint != self.fingerprint:

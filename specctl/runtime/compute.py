@@ -100,13 +100,12 @@ class ComputeLane:
 class ComputeThread:
     """``spawn=False``: no thread is started; the caller serves the queue from its own
     thread with ``serve_here()`` — the main thread, where torch's OpenMP runs small ops
-    about twice as fast as from any other thread (see ``runtime.loop.run_with_compute``)."""
+    about twice as fast as from any other thread (see ``runtime.loop.compute_in_main_thread``)."""
 
     def __init__(self, name: str = "compute", max_batch: int = 1, spawn: bool = True) -> None:
         self.max_batch = max_batch
         self._jobs: deque[_Job | None] = deque()
         self._ready = threading.Condition()
-        self._own = ComputeLane(self)
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True) if spawn else None
         if self._thread is not None:
             self._thread.start()
@@ -116,25 +115,13 @@ class ComputeThread:
         self._serve()
 
     def lane(self, owns_thread: bool = False, max_batch: int | None = None) -> ComputeLane:
+        """Where a role submits its work (run, run_batched, submit_nowait) and keeps its stats."""
         return ComputeLane(self, owns_thread, max_batch)
-
-    @property
-    def stats(self) -> ComputeStats:
-        return self._own.stats
 
     def _put(self, job: _Job | None) -> None:
         with self._ready:
             self._jobs.append(job)
             self._ready.notify()
-
-    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await self._own.run(fn, *args)
-
-    async def run_batched(self, key: str, fn: Callable[[list], list], item: Any) -> Any:
-        return await self._own.run_batched(key, fn, item)
-
-    def submit_nowait(self, fn: Callable[..., Any], *args: Any) -> None:
-        self._own.submit_nowait(fn, *args)
 
     @property
     def queue_depth(self) -> int:

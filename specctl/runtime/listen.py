@@ -67,3 +67,39 @@ class LiveConnections:
             writer.transport.abort()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=timeout_s)
+
+
+class ListeningServer:
+    """What the server roles share: listen, track the live connections, write each
+    connection's frames from its own queue, and on close end every connection and stop
+    the compute lane. Subclasses set ``config``, ``ssl`` and ``compute`` and write ``_handle``."""
+
+    config: ListenConfig
+
+    def __init__(self) -> None:
+        self._server: asyncio.base_events.Server | None = None
+        self._live = LiveConnections()
+        self.throttled = 0  # messages that waited for the per-peer rate limit
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._handle, self.config.host, self.config.port, ssl=self.ssl)
+        return self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        """Stop listening and end every connection (their sessions are freed)."""
+        if self._server is not None:
+            self._server.close()
+        await self._live.close_all()
+        if self._server is not None:
+            await self._server.wait_closed()
+        self.compute.stop()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    async def _write_loop(outgoing: asyncio.Queue, writer: asyncio.StreamWriter) -> None:
+        """A slow peer only ever blocks its own queue (no head-of-line blocking)."""
+        while (frame := await outgoing.get()) is not None:
+            writer.write(frame)
+            await writer.drain()

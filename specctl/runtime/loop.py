@@ -36,7 +36,7 @@ _SHUTDOWN_REQUESTED = threading.Event()  # a signal that came before anyone wait
 
 async def wait_for_shutdown() -> None:
     """Until SIGTERM or SIGINT (Ctrl-C). In the loop's own thread the loop catches the
-    signals; in a loop thread beside a main-thread compute loop, run_with_compute does."""
+    signals; in a loop thread beside a main-thread compute loop, compute_in_main_thread does."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     if threading.current_thread() is threading.main_thread():
@@ -104,10 +104,10 @@ def run_with_compute(main: Callable[[ComputeThread], Awaitable], compute: Comput
 def run(main: Awaitable) -> None:
     try:
         import uvloop
-
-        uvloop.run(main)
-    except ImportError:  # pragma: no cover
+    except ImportError:  # pragma: no cover - uvloop is not available on Windows
         asyncio.run(main)
+        return
+    uvloop.run(main)
 
 
 async def serve(server, announce: Callable[[int], None]) -> None:

@@ -12,7 +12,6 @@ import random
 import time
 from dataclasses import dataclass, field
 
-
 from specctl.draft.sessions import check_token_ids
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.loader import LoadedModel
@@ -25,7 +24,7 @@ from specctl.net.protocol import (
     encode,
 )
 from specctl.runtime.compute import ComputeLane, ComputeThread
-from specctl.runtime.listen import ListenConfig, LiveConnections, MessageRate
+from specctl.runtime.listen import ListenConfig, ListeningServer, MessageRate
 from specctl.runtime.tasks import TaskGroup
 from specctl.spec.decode import DecodeSession, apply_many
 from specctl.spec.drafters import Proposal
@@ -69,31 +68,16 @@ class TargetTotals:
     started: float = field(default_factory=time.perf_counter)
 
 
-class TargetServer:
+class TargetServer(ListeningServer):
     def __init__(self, model: LoadedModel, config: TargetServerConfig, draft: DraftClient | None, ssl=None,
                  compute: ComputeLane | None = None) -> None:
+        super().__init__()
         self.model, self.config, self.draft, self.ssl = model, config, draft, ssl
         # Its own compute thread, or a lane of the device's thread when roles share a process.
         self.compute = compute or ComputeThread("target-compute", max_batch=config.max_batch).lane(owns_thread=True)
         self.pool = KVPool(config.kv_budget_bytes)
         self.active = 0
         self.totals = TargetTotals()
-        self._server = None
-        self._live = LiveConnections()
-        self.throttled = 0  # messages that waited for the per-peer rate limit
-
-    async def start(self) -> int:
-        self._server = await asyncio.start_server(self._handle, self.config.host, self.config.port, ssl=self.ssl)
-        return self._server.sockets[0].getsockname()[1]
-
-    async def close(self) -> None:
-        """Stop listening and end every client connection (their sessions are freed)."""
-        if self._server is not None:
-            self._server.close()
-        await self._live.close_all()
-        if self._server is not None:
-            await self._server.wait_closed()
-        self.compute.stop()
 
     def snapshot(self) -> dict:
         t = self.totals
@@ -138,11 +122,6 @@ class TargetServer:
             log.exception("client %s failed", peer)
         finally:
             writer.close()
-
-    async def _write_loop(self, outgoing: asyncio.Queue, writer: asyncio.StreamWriter) -> None:
-        while (frame := await outgoing.get()) is not None:
-            writer.write(frame)
-            await writer.drain()
 
     async def _read_loop(self, reader, outgoing: asyncio.Queue, tasks: dict, group: TaskGroup) -> None:
         send = lambda message: outgoing.put_nowait(encode(message))  # noqa: E731
