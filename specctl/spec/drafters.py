@@ -72,14 +72,6 @@ class _ModelDraftSession(DraftSession):
     def __init__(self, decoder: Decoder, capacity: int, pool: KVPool | None) -> None:
         self.decoder = decoder
         self.cache = decoder.new_cache(capacity, pool)
-        self.keep_after: list[int] = []  # cache positions of the fed tree nodes, by node index
-
-    def catch_up(self, seq: list[int]) -> torch.Tensor:
-        """Feed the committed tokens the cache lacks; logits after the last one."""
-        start = self.cache.length
-        new = torch.tensor(seq[start:], dtype=torch.long)
-        logits = self.decoder(new, torch.arange(start, len(seq)), self.cache, logits_at=torch.tensor([new.numel() - 1]))
-        return logits[0]
 
     def close(self) -> None:
         self.cache.release()
@@ -103,20 +95,7 @@ class _ChainSession(_ModelDraftSession):
         self.committed = 0
 
     def propose(self, seq, params, generator):
-        self.committed = len(seq)
-        logits = self.catch_up(seq)
-        tokens, probs, dists = [], [], []
-        for i in range(self.depth):
-            q = probs_from_logits(logits, _draft_params(params))
-            x = int(q.argmax()) if params.greedy else int(torch.multinomial(q, 1, generator=generator))
-            tokens.append(x)
-            probs.append(float(q[x]))
-            dists.append(q)
-            if i + 1 < self.depth:
-                pos = len(seq) + i
-                logits = self.decoder(torch.tensor([x]), torch.tensor([pos]), self.cache)[0]
-        tree = TokenTree.chain(seq[-1], tokens, probs)
-        return Proposal(tree, None if params.greedy else torch.stack(dists))
+        return propose_chains([self], [seq], [params], [generator])[0]
 
     def on_verified(self, path):
         # The cache holds seq + x_1..x_{d-1}; keep seq + the accepted x's it holds.
@@ -142,29 +121,7 @@ class _TreeSession(_ModelDraftSession):
         self.fed = 0  # tree nodes 1..fed are in the cache at positions committed + (node - 1)
 
     def propose(self, seq, params, generator):
-        shape, dparams = self.shape, _draft_params(params)
-        # Greedy drafting scores candidates by the draft's softmax (T = 1); sampling by the
-        # request's own processed distribution.
-        score_params = SamplingParams(temperature=1.0) if params.greedy else dparams
-        self.committed = prefix = len(seq)
-        tree = TokenTree.root(seq[-1])
-        q = probs_from_logits(self.catch_up(seq), score_params).unsqueeze(0)
-        tree = tree.grow(torch.tensor([0]), q, shape.topk, shape.width)
-        self.fed = 0
-        for level in range(2, shape.depth + 1):
-            frontier = tree.level(level - 1)
-            if frontier.numel() == 0:
-                break
-            last = int(frontier[-1])
-            # Queries: the frontier. Keys: the committed prefix + tree nodes 1..last.
-            mask = torch.cat(
-                [torch.ones(frontier.numel(), prefix, dtype=torch.bool), tree.mask[frontier][:, 1 : last + 1]], dim=1
-            )
-            positions = prefix - 1 + tree.depth[frontier]
-            logits = self.decoder(tree.tokens[frontier], positions, self.cache, mask=mask)
-            self.fed = last
-            tree = tree.grow(frontier, probs_from_logits(logits, score_params), shape.topk, shape.width)
-        return Proposal(tree)
+        return propose_trees([self], [seq], [params], [generator])[0]
 
     def on_verified(self, path):
         fed = torch.tensor([self.committed + node - 1 for node in path if node <= self.fed], dtype=torch.long)
@@ -202,20 +159,25 @@ class NgramDrafter(Drafter):
         return _Session()
 
 
+def _catch_up_many(sessions: list["_ModelDraftSession"], seqs: list[list[int]]) -> list[torch.Tensor]:
+    """Feed each session the committed tokens its cache lacks, all in one forward; the
+    logits after each one's last token."""
+    inputs, positions, at = [], [], []
+    for session, seq in zip(sessions, seqs):
+        session.committed, start = len(seq), session.cache.length
+        inputs.append(torch.tensor(seq[start:], dtype=torch.long))
+        positions.append(torch.arange(start, len(seq)))
+        at.append(torch.tensor([len(seq) - start - 1]))
+    return sessions[0].decoder.forward_many(inputs, positions, [s.cache for s in sessions], [None] * len(sessions), at)
+
+
 def propose_chains(sessions: list["_ChainSession"], seqs: list[list[int]], params: list[SamplingParams],
                    generators: list[torch.Generator | None]) -> list[Proposal]:
     """Draft a chain for several sessions at once: every step is one forward over all of
     them (the weights are read once per step instead of once per session)."""
     decoder, depth = sessions[0].decoder, sessions[0].depth
-    inputs, positions, at = [], [], []
-    for session, seq in zip(sessions, seqs):
-        session.committed = len(seq)
-        start = session.cache.length
-        inputs.append(torch.tensor(seq[start:], dtype=torch.long))
-        positions.append(torch.arange(start, len(seq)))
-        at.append(torch.tensor([len(seq) - start - 1]))
     caches = [s.cache for s in sessions]
-    logits = decoder.forward_many(inputs, positions, caches, [None] * len(sessions), at)
+    logits = _catch_up_many(sessions, seqs)
     drafts: list[tuple[list[int], list[float], list[torch.Tensor]]] = [([], [], []) for _ in sessions]
     for i in range(depth):
         step = []
@@ -240,17 +202,14 @@ def propose_chains(sessions: list["_ChainSession"], seqs: list[list[int]], param
 def propose_trees(sessions: list["_TreeSession"], seqs: list[list[int]], params: list[SamplingParams],
                   generators: list[torch.Generator | None]) -> list[Proposal]:
     """Draft a tree for several sessions at once: the catch-up and then every level are one
-    ragged forward over all of them (each its own frontier, positions and tree mask), with
-    the same growth rule as ``_TreeSession.propose``."""
+    ragged forward over all of them (each its own frontier, positions and tree mask).
+    Greedy drafting scores candidates by the draft's softmax (T = 1); sampling by the
+    request's own processed distribution."""
     decoder, shape = sessions[0].decoder, sessions[0].shape
     score = [SamplingParams(temperature=1.0) if p.greedy else _draft_params(p) for p in params]
-    inputs, positions, at = [], [], []
-    for session, seq in zip(sessions, seqs):
-        session.committed, session.fed, start = len(seq), 0, session.cache.length
-        inputs.append(torch.tensor(seq[start:], dtype=torch.long))
-        positions.append(torch.arange(start, len(seq)))
-        at.append(torch.tensor([len(seq) - start - 1]))
-    logits = decoder.forward_many(inputs, positions, [s.cache for s in sessions], [None] * len(sessions), at)
+    for session in sessions:
+        session.fed = 0
+    logits = _catch_up_many(sessions, seqs)
     trees = [TokenTree.root(seq[-1]).grow(torch.tensor([0]), probs_from_logits(rows[0], sp).unsqueeze(0),
                                           shape.topk, shape.width)
              for seq, rows, sp in zip(seqs, logits, score)]
