@@ -41,6 +41,7 @@ class Config:
     max_batch: int = 8
     prespec_budget: int = 0
     draft_quant: str = "none"  # none | int8 (CPU): a quantized draft is still lossless
+    target_quant: str = "none"  # none | int8 (CPU): the int8 model is then the target whose output is reproduced
     target: str = "qwen2.5-coder-1.5b"
     draft: str = "qwen2.5-coder-0.5b"
     profile: str = "desktop"
@@ -52,8 +53,9 @@ class Config:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
             raise ConfigError(f"attention_backend must be auto, torch or flashinfer, got {self.attention_backend!r}")
-        if self.draft_quant not in ("none", "int8"):
-            raise ConfigError(f"draft_quant must be none or int8, got {self.draft_quant!r}")
+        for name in ("draft_quant", "target_quant"):
+            if getattr(self, name) not in ("none", "int8"):
+                raise ConfigError(f"{name} must be none or int8, got {getattr(self, name)!r}")
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         for name, low, high in (

@@ -3,11 +3,17 @@ loopback, one session per target, StarSD's Table 1 per N next to the analytical 
 prediction from the measured t_s, t_v, t_c and acceptance.
 
 ``--verify-delay-ms`` makes every verification sleep that long on top of its compute, to
-emulate targets on bigger or slower hardware; such runs are labelled emulated."""
+emulate targets on bigger or slower hardware; such runs are labelled emulated.
+
+Each draft batching limit (``--max-batch 1,4``) is one sweep over N with its own processes:
+``1`` is StarSD's one-request-at-a-time service, the regime the analytical model describes;
+a larger limit drafts the pending requests of several targets in one forward, our step
+beyond StarSD, which keeps system throughput rising past N_full."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import socket
@@ -32,6 +38,11 @@ class StarBenchSettings:
     verify_delay_ms: float
     dtype: str
     mode: str = "chain"
+    max_batches: tuple[int, ...] = (1, 4)  # one sweep per draft batching limit
+    draft_quant: str = "int8"
+    target_quant: str = "none"
+    window_s: float = 30.0  # measured steady state per N
+    settle_s: float = 4.0  # after the sessions start, before the window opens
     threads: int = 1  # per process: many targets share this machine's cores
     # Emulated runs put the targets at a lower CPU priority: in the topology being emulated
     # their compute runs on their own machines, not on the draft server's cores.
@@ -82,8 +93,8 @@ def wait_listening(proc: subprocess.Popen, what: str, timeout: float = 600) -> N
 class StarCluster:
     """Processes of one benchmark; stopped (SIGTERM, then kill) however the run ends."""
 
-    def __init__(self, s: StarBenchSettings) -> None:
-        self.settings, self.procs = s, []
+    def __init__(self, s: StarBenchSettings, max_batch: int) -> None:
+        self.settings, self.max_batch, self.procs = s, max_batch, []
         self.draft_port, *self.target_ports = free_ports(1 + max(s.targets))
 
     def __enter__(self) -> "StarCluster":
@@ -91,11 +102,13 @@ class StarCluster:
         common = ("--dtype", s.dtype, "--threads", str(s.threads), "--log-level", "warning")
         try:
             self.procs.append(spawn_role("draft", "--port", str(self.draft_port), "--model", s.draft, "--mode", s.mode,
-                                     "--depth", str(s.depth), *common))
+                                         "--depth", str(s.depth), "--max-batch", str(self.max_batch),
+                                         "--draft-quant", s.draft_quant, *common))
             wait_listening(self.procs[0], "draft server")
             for port in self.target_ports:
                 self.procs.append(spawn_role("verify", "--model", s.target, "--draft", f"127.0.0.1:{self.draft_port}",
-                                         "--port", str(port), "--verify-delay-ms", str(s.verify_delay_ms), *common,
+                                         "--port", str(port), "--verify-delay-ms", str(s.verify_delay_ms),
+                                         "--quant", s.target_quant, *common,
                                          niceness=s.target_niceness))
             for i, proc in enumerate(self.procs[1:]):
                 wait_listening(proc, f"target instance {i + 1}")
@@ -120,50 +133,85 @@ def stop_processes(procs: list[subprocess.Popen], sig: int = signal.SIGTERM, tim
             proc.kill()
 
 
+async def _snapshots(cluster: StarCluster, n: int) -> tuple[dict, list[dict]]:
+    draft, *targets = await asyncio.gather(remote_stats("127.0.0.1", cluster.draft_port),
+                                           *(remote_stats("127.0.0.1", p) for p in cluster.target_ports[:n]))
+    return draft, targets
+
+
+async def _until_idle(cluster: StarCluster, n: int, timeout_s: float = 60.0) -> None:
+    """Wait until no session is open on the draft server or any target (the next N starts clean)."""
+    deadline = time.perf_counter() + timeout_s
+    while time.perf_counter() < deadline:
+        draft, targets = await _snapshots(cluster, n)
+        if draft["sessions"] == 0 and all(t["sessions"] == 0 for t in targets):
+            return
+        await asyncio.sleep(0.2)
+    raise SpecctlError("sessions were still open a minute after their clients left")
+
+
 async def _measure(cluster: StarCluster, n: int, prompts: list[list[int]]) -> dict:
+    """Steady state with N targets: every target serves one session after another (closed
+    loop, prompts in rotation) and the counters are read over a window in which all N are
+    busy, so neither start-up nor the tail of the last session to finish is in the numbers."""
     s = cluster.settings
     ports = cluster.target_ports[:n]
     params = SamplingParams(max_tokens=s.max_tokens, ignore_eos=True)
-    d0 = await remote_stats("127.0.0.1", cluster.draft_port)
-    t0 = [await remote_stats("127.0.0.1", p) for p in ports]
-    start = time.perf_counter()
-    results = await asyncio.gather(*(remote_generate("127.0.0.1", p, prompts[i % len(prompts)], params)
-                                     for i, p in enumerate(ports)))
-    wall = time.perf_counter() - start
-    d1 = await remote_stats("127.0.0.1", cluster.draft_port)
-    t1 = [await remote_stats("127.0.0.1", p) for p in ports]
+
+    async def client(i: int, port: int) -> None:
+        for k in itertools.count(i, n):
+            await remote_generate("127.0.0.1", port, prompts[k % len(prompts)], params)
+
+    clients = [asyncio.create_task(client(i, p)) for i, p in enumerate(ports)]
+    try:
+        await asyncio.sleep(s.settle_s)
+        d0, t0 = await _snapshots(cluster, n)
+        start = time.perf_counter()
+        await asyncio.sleep(s.window_s)
+        d1, t1 = await _snapshots(cluster, n)
+        wall = time.perf_counter() - start
+        for task in clients:
+            if task.done():
+                task.result()  # a client that failed fails the benchmark, with its error
+    finally:
+        for task in clients:
+            task.cancel()
+        await asyncio.gather(*clients, return_exceptions=True)
+    await _until_idle(cluster, n)
+    delta = lambda key: sum(b[key] - a[key] for a, b in zip(t0, t1))  # noqa: E731
     jobs = max(d1["jobs"] - d0["jobs"], 1)
-    rounds = sum(b["rounds"] - a["rounds"] for a, b in zip(t0, t1))
-    verify_busy = sum(b["busy_s"] - a["busy_s"] for a, b in zip(t0, t1))
-    tokens = sum(len(r[0]) for r in results)
-    accepted = sum(r[2]["accepted"] for r in results)
-    drafted = sum(r[2]["drafted"] for r in results)
+    rounds = delta("rounds")
     return {
-        "N": n, "wall_s": wall, "O": tokens / wall, "O_i": tokens / wall / n,
+        "N": n, "max_batch": cluster.max_batch, "wall_s": wall, "O": delta("tokens") / wall,
+        "O_i": delta("tokens") / wall / n,
         "t_s_ms": 1e3 * (d1["busy_s"] - d0["busy_s"]) / jobs,
         "T_wait_ms": 1e3 * (d1["wait_s"] - d0["wait_s"]) / jobs,
         "T_idle_ms": 1e3 * (d1["idle_s"] - d0["idle_s"]) / jobs,
-        "R_q": jobs / wall, "R_p": rounds / wall / n, "load": (d1["busy_s"] - d0["busy_s"]) / wall,
-        "t_v_ms": 1e3 * verify_busy / max(rounds, 1) + s.verify_delay_ms,
-        "mean_accepted_length": 1 + accepted / max(rounds, 1),
-        "acceptance_rate": accepted / max(drafted, 1),
+        "mean_batch": jobs / max(d1["passes"] - d0["passes"], 1), "R_q": jobs / wall,
+        "R_p": rounds / wall / n, "load": (d1["busy_s"] - d0["busy_s"]) / wall,
+        "t_v_ms": 1e3 * delta("busy_s") / max(rounds, 1) + s.verify_delay_ms,
+        "verify_cpu_ms": 1e3 * delta("cpu_s") / max(rounds, 1),
+        # What a target waits for a proposal; less the draft's T_wait + t_s, it is the network and event loops.
+        "proposal_ms": 1e3 * delta("proposal_wait_s") / max(rounds, 1),
+        "mean_accepted_length": 1 + delta("accepted") / max(rounds, 1),
+        "acceptance_rate": delta("accepted") / max(delta("drafted"), 1),
     }
 
 
 def predict(rows: list[dict], depth: int) -> None:
     """Fill each row with the model's prediction from N=1's measured times: S = t_s per
     request, t_v measured, t_c = what remains of N=1's round time; progress per round is the
-    measured mean accepted length (accepted + bonus), so O is in emitted tokens/s."""
+    row's own measured mean accepted length (accepted + bonus; the prompts differ per
+    target, so acceptance does too), so O is in emitted tokens/s."""
     base = rows[0]
     service = base["t_s_ms"] / 1e3
     round_1 = 1.0 / base["R_p"] if base["R_p"] else service
     t_v = base["t_v_ms"] / 1e3
     t_c = max(0.0, round_1 - service - t_v)
     model = StarModel(t_s=service / depth, t_v=t_v, t_c=t_c, beta=0.0, depth=depth)
-    tokens_per_round = base["mean_accepted_length"]
     for row in rows:
         n = row["N"]
-        row["model_O"] = n * tokens_per_round / model.round_time(n)
+        row["model_O"] = n * row["mean_accepted_length"] / model.round_time(n)
         row["model_load"] = model.load(n)
         row["model_T_idle_ms"] = model.idle(n) * 1e3
         row["regime"] = model.regime(n)
@@ -171,22 +219,60 @@ def predict(rows: list[dict], depth: int) -> None:
         row["model_t_c_ms"] = t_c * 1e3
 
 
-def run_star_bench(s: StarBenchSettings, prompts: list[list[int]], progress=None) -> dict:
-    rows = []
-    with StarCluster(s) as cluster:
+def _sweep(s: StarBenchSettings, max_batch: int, prompts: list[list[int]], progress=None) -> list[dict]:
+    """One batching limit over every N; N_full (from N=1's measured times) is measured too
+    when the list lacks it, since the scaling figures are read there."""
+    rows: list[dict] = []
+    with StarCluster(s, max_batch) as cluster:
         async def all_n() -> None:
-            # Warm-up: every target and the draft run once before measuring.
-            await _measure(cluster, max(s.targets), prompts)
-            for n in s.targets:
-                rows.append(await _measure(cluster, n, prompts))
+            # Every process runs its first (slow) forwards before anything is measured.
+            await asyncio.gather(*(remote_generate("127.0.0.1", p, prompts[0], SamplingParams(max_tokens=8))
+                                   for p in cluster.target_ports))
+            pending = list(s.targets)
+            while pending:
+                rows.append(await _measure(cluster, pending.pop(0), prompts))
                 if progress:
                     progress()
+                if len(rows) == 1 and rows[0]["N"] == 1:
+                    predict(rows, s.depth)
+                    n_full = rows[0]["N_full"]
+                    if n_full not in s.targets and n_full < max(s.targets):
+                        pending = sorted(pending + [n_full])
+                        if progress:
+                            progress(added=1)
 
         asyncio.run(all_n())
     predict(rows, s.depth)
+    return rows
+
+
+def summarize(rows: list[dict]) -> dict:
+    """The issue's scaling figures from the measured rows (pure): StarSD's one-at-a-time
+    sweep (max_batch 1) for load and the model; the most batched sweep for the gain past
+    N_full, against one-at-a-time at N_full (where StarSD saturates)."""
+    serial = [r for r in rows if r["max_batch"] == 1]
+    batched = [r for r in rows if r["max_batch"] == max(r["max_batch"] for r in rows)]
+    base = serial or batched
+    n_full = base[0]["N_full"]
+    full = [r for r in base if r["N"] >= n_full]
+    summary = {"N_full": n_full, "max_model_error_n_le_6": max((abs(r["O"] / r["model_O"] - 1) for r in base if r["N"] <= 6), default=0.0)}
+    if full:
+        summary["min_load_n_ge_n_full"] = min(r["load"] for r in full)
+        reference = full[0]  # the first measured N at or past N_full
+        top = max(batched, key=lambda r: r["N"])
+        summary.update({"reference_N": reference["N"], "reference_O": reference["O"], "batched_N": top["N"],
+                        "batched_max_batch": top["max_batch"], "batched_O": top["O"],
+                        "batched_gain": top["O"] / reference["O"]})
+    return summary
+
+
+def run_star_bench(s: StarBenchSettings, prompts: list[list[int]], progress=None) -> dict:
+    rows = [row for max_batch in s.max_batches for row in _sweep(s, max_batch, prompts, progress)]
     return {
         "settings": {"draft": s.draft, "target": s.target, "targets": list(s.targets), "depth": s.depth,
-                     "max_tokens": s.max_tokens, "verify_delay_ms": s.verify_delay_ms, "dtype": s.dtype, "mode": s.mode,
+                     "max_tokens": s.max_tokens, "window_s": s.window_s, "verify_delay_ms": s.verify_delay_ms, "dtype": s.dtype, "mode": s.mode,
+                     "max_batches": list(s.max_batches), "draft_quant": s.draft_quant, "target_quant": s.target_quant,
                      "emulated": s.verify_delay_ms > 0, "target_niceness": s.target_niceness},
         "rows": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()} for row in rows],
+        "summary": {k: (round(v, 4) if isinstance(v, float) else v) for k, v in summarize(rows).items()},
     }

@@ -16,6 +16,14 @@ from specctl.errors import ConfigError
 app = typer.Typer(help="Benchmarks: ratios against baselines measured in the same run.", no_args_is_help=True)
 
 
+def int_list(text: str, flag: str) -> tuple[int, ...]:
+    """Comma-separated integers, sorted and without repeats."""
+    try:
+        return tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise ConfigError(f"{flag} must be comma-separated integers, got {text!r}") from None
+
+
 def render_local_table(report: dict) -> Table:
     s = report["settings"]
     table = Table(title=f"bench local: {s['target']} / {s['draft']}, {s['dtype']}, {s['prompts']} prompts x {s['max_tokens']} tokens")
@@ -87,14 +95,28 @@ def render_star_table(report: dict) -> Table:
     label = (f" (emulated: +{s['verify_delay_ms']:.0f} ms per verification, targets at nice "
              f"{s.get('target_niceness', 0)})") if s["emulated"] else ""
     table = Table(title=f"bench star: {s['draft']} -> {s['target']}, d={s['depth']}{label}")
-    for column in ("N", "O", "O model", "O_i", "t_s", "T_wait", "T_idle", "R_q", "R_p", "load", "load model", "regime"):
+    for column in ("batch", "N", "O", "O model", "O_i", "t_s", "T_wait", "T_idle", "R_q", "R_p", "load", "load model",
+                   "regime"):
         table.add_column(column, justify="right")
     for r in report["rows"]:
-        table.add_row(str(r["N"]), f"{r['O']:.2f}", f"{r['model_O']:.2f}", f"{r['O_i']:.2f}", f"{r['t_s_ms']:.0f}",
+        batch = f"{r['max_batch']} ({r['mean_batch']:.1f})" if "mean_batch" in r else "-"
+        table.add_row(batch, str(r["N"]), f"{r['O']:.2f}", f"{r['model_O']:.2f}", f"{r['O_i']:.2f}", f"{r['t_s_ms']:.0f}",
                       f"{r['T_wait_ms']:.0f}", f"{r['T_idle_ms']:.0f}", f"{r['R_q']:.2f}", f"{r['R_p']:.2f}",
                       f"{r['load']:.0%}", f"{r['model_load']:.0%}", "full" if r["regime"] == "fully loaded" else "under")
-    table.caption = "O, O_i: tokens/s; t_s, T_wait, T_idle: ms per draft request; R_q: draft requests/s; R_p: rounds/s per target"
+    table.caption = ("batch: the draft's batching limit (mean requests per forward); O, O_i: tokens/s; t_s, T_wait, "
+                     "T_idle: ms per draft request; R_q: draft requests/s; R_p: rounds/s per target")
     return table
+
+
+def render_star_summary(summary: dict) -> str:
+    lines = [f"N_full {summary['N_full']}; one-at-a-time: measured O within "
+             f"{summary['max_model_error_n_le_6']:.0%} of the model for N <= 6"]
+    if "min_load_n_ge_n_full" in summary:
+        lines[0] += f", draft load >= {summary['min_load_n_ge_n_full']:.0%} for N >= N_full"
+        lines.append(f"batched drafting (max batch {summary['batched_max_batch']}) at N={summary['batched_N']}: "
+                     f"{summary['batched_O']:.2f} tok/s = {summary['batched_gain']:.2f}x one-at-a-time at "
+                     f"N={summary['reference_N']} ({summary['reference_O']:.2f} tok/s)")
+    return "\n".join(lines)
 
 
 @app.command("star")
@@ -103,12 +125,19 @@ def star(
     target: str = typer.Option("smollm2-135m", help="target model for every target instance"),
     targets: str = typer.Option("1,2,3,4,6,8", help="numbers of target instances to measure"),
     depth: int = typer.Option(4, help="chain depth d"),
-    max_tokens: int = typer.Option(64, "--max-tokens", "-n", help="new tokens per session"),
+    max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="new tokens per session (each target runs one after another)"),
+    window_s: float = typer.Option(30.0, "--window-s", help="seconds of steady state measured per N"),
     verify_delay_ms: float = typer.Option(0.0, "--verify-delay-ms", help="add to every verification (emulation)"),
     dtype: str = typer.Option("fp32", help="fp32 | bf16"),
+    max_batch: str = typer.Option("1,4", "--max-batch",
+                                  help="draft batching limits, one sweep each (1 = StarSD's one request at a time)"),
+    draft_quant: str = typer.Option("int8", "--draft-quant", help="none | int8"),
+    target_quant: str = typer.Option("none", "--target-quant",
+                                     help="none | int8: int8 targets cost a quarter of the CPU (emulated runs share cores)"),
     json_out: Optional[str] = typer.Option(None, "--json", help="write the report as JSON to this file"),
 ) -> None:
-    """One draft server, N target processes on loopback: StarSD's Table 1 next to the model's prediction."""
+    """One draft server, N target processes on loopback: StarSD's Table 1 next to the model's prediction,
+    for each draft batching limit."""
     from transformers import AutoTokenizer
 
     from specctl.bench.prompts import load_prompts
@@ -116,25 +145,37 @@ def star(
     from specctl.spec.factory import split_model_name
     from specctl.store import resolve_model
 
-    try:
-        counts = tuple(sorted({int(x) for x in targets.split(",") if x.strip()}))
-    except ValueError:
-        raise ConfigError(f"--targets must be comma-separated integers, got {targets!r}") from None
-    if not counts or counts[0] < 1 or counts[-1] > 32:
-        raise ConfigError("--targets must be between 1 and 32")
-    if verify_delay_ms < 0 or depth < 1 or max_tokens < 1:
-        raise ConfigError("--verify-delay-ms must be >= 0, --depth and --max-tokens >= 1")
+    counts, batches = int_list(targets, "--targets"), int_list(max_batch, "--max-batch")
+    if not counts or counts[0] != 1 or counts[-1] > 32:
+        raise ConfigError("--targets must start at 1 (the model is fitted to N=1's times) and stay <= 32")
+    if not batches or batches[0] < 1:
+        raise ConfigError("--max-batch values must be >= 1")
+    for name, value in (("--draft-quant", draft_quant), ("--target-quant", target_quant)):
+        if value not in ("none", "int8"):
+            raise ConfigError(f"{name} must be none or int8, got {value!r}")
+    if verify_delay_ms < 0 or depth < 1 or max_tokens < 1 or window_s <= 0:
+        raise ConfigError("--verify-delay-ms must be >= 0, --depth and --max-tokens >= 1, --window-s > 0")
     console = Console(stderr=True)
     path = resolve_model(split_model_name(target)[0], console)
     resolve_model(split_model_name(draft)[0], console)
     tok = AutoTokenizer.from_pretrained(path)
     prompts = [tok.encode(p.prompt) for p in load_prompts("builtin")]
-    settings = StarBenchSettings(draft, target, counts, depth, max_tokens, verify_delay_ms, dtype)
+    settings = StarBenchSettings(draft, target, counts, depth, max_tokens, verify_delay_ms, dtype, max_batches=batches, window_s=window_s,
+                                 draft_quant=draft_quant, target_quant=target_quant)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
-        task = progress.add_task(f"starting 1 draft + {counts[-1]} target processes, then measuring", total=len(counts))
-        report = run_star_bench(settings, prompts, lambda: progress.advance(task))
-    Console(width=max(Console().width, 110)).print(render_star_table(report))
+        task = progress.add_task(f"{len(batches)} sweeps of 1 draft + {counts[-1]} target processes",
+                                 total=len(counts) * len(batches))
+        def advance(added: int = 0) -> None:  # a sweep adds N_full when --targets lacks it
+            if added:
+                progress.update(task, total=progress.tasks[0].total + added)
+            else:
+                progress.advance(task)
+
+        report = run_star_bench(settings, prompts, advance)
+    out = Console(width=max(Console().width, 120))
+    out.print(render_star_table(report))
+    out.print(render_star_summary(report["summary"]))
     if json_out:
         with open(json_out, "w") as f:
             json.dump(report, f, indent=2)
@@ -220,10 +261,7 @@ def serve(
     from specctl.runtime.loop import run_with_compute
     from specctl.spec.factory import apply_threads, load_pair
 
-    try:
-        levels = tuple(sorted({int(x) for x in concurrency.split(",") if x.strip()}))
-    except ValueError:
-        raise ConfigError(f"--concurrency must be comma-separated integers, got {concurrency!r}") from None
+    levels = int_list(concurrency, "--concurrency")
     chosen = tuple(v.strip() for v in variants.split(",") if v.strip())
     if not levels or levels[0] < 1 or levels[-1] > 64:
         raise ConfigError("--concurrency must be between 1 and 64")

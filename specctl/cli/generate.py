@@ -52,6 +52,7 @@ def generate(
     topk: Optional[int] = typer.Option(None, help="tree top-k children per node"),
     dtype: Optional[str] = typer.Option(None, help="fp32 | bf16 (exactness is asserted in fp32)"),
     draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="none | int8: quantize the draft (CPU; still lossless)"),
+    target_quant: Optional[str] = typer.Option(None, "--target-quant", help="none | int8: serve the int8 model as the target (CPU)"),
     seed: Optional[int] = typer.Option(None, help="sampling seed"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (0 = default)"),
     profile: Optional[str] = typer.Option(None, help="hardware profile: desktop | server | jetson | FILE.toml"),
@@ -64,7 +65,7 @@ def generate(
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed)
     config = build_config(
         profile, target=target, draft=draft, mode=mode, depth=depth, width=width, topk=topk, dtype=dtype, threads=threads,
-        draft_quant=draft_quant,
+        draft_quant=draft_quant, target_quant=target_quant,
     )
     apply_threads(config)
     console = Console(stderr=True)

@@ -103,6 +103,7 @@ def verify(
     max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="most concurrent sessions"),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="most sessions verified in one target forward"),
     dtype: Optional[str] = typer.Option(None, help="fp32 | bf16"),
+    quant: Optional[str] = typer.Option(None, "--quant", help="none | int8 (CPU): serve the int8 model as the target"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
     profile: Optional[str] = typer.Option(None, help="hardware profile"),
     verify_delay_ms: float = typer.Option(0.0, "--verify-delay-ms", help="add a delay to every verification (emulation)"),
@@ -126,7 +127,7 @@ def verify(
     if verify_delay_ms < 0:
         raise ConfigError("--verify-delay-ms must be >= 0")
     config = build_config(profile, target=model, max_sessions=max_sessions, max_batch=max_batch, dtype=dtype,
-                          threads=threads)
+                          threads=threads, target_quant=quant)
     draft_addr = parse_hostport(draft) if draft else None
     ssl_server, ssl_client = server_context(tls_cert, tls_key), client_context(tls_ca)
     server_config = checked(TargetServerConfig, host=host, port=port, max_sessions=config.max_sessions,
@@ -136,7 +137,7 @@ def verify(
     setup_logging(log_level)
     apply_threads(config)
     console = Console(stderr=True)
-    loaded = load_named(config.target, config, console)
+    loaded = load_named(config.target, config, console, config.target_quant)
 
     async def main(compute: ComputeThread) -> None:
         client = None

@@ -24,6 +24,7 @@ class ComputeStats:
     jobs: int = 0
     passes: int = 0
     busy_s: float = 0.0
+    cpu_s: float = 0.0  # the compute thread's CPU time while busy: below busy_s when it was made to wait
     idle_s: float = 0.0
     wait_s: float = 0.0
     started: float = 0.0
@@ -41,6 +42,7 @@ class ComputeStats:
             "load": round(self.busy_s / wall, 4),
             "jobs_per_s": round(self.jobs / wall, 3),
             "busy_s": round(self.busy_s, 6),
+            "cpu_s": round(self.cpu_s, 6),
             "idle_s": round(self.idle_s, 6),
             "wait_s": round(self.wait_s, 6),
             "passes": self.passes,
@@ -156,7 +158,7 @@ class ComputeThread:
 
     def _serve(self) -> None:
         while (batch := self._take()) is not None:
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.thread_time()
             head = batch[0]
             lane, stats = head.lane, head.lane.stats
             stats.idle_s += start - (lane.last_end if lane.last_end is not None else stats.started)
@@ -171,6 +173,7 @@ class ComputeThread:
                 outcomes = [(None, exc)] * len(batch)
             lane.last_end = time.perf_counter()
             stats.busy_s += lane.last_end - start
+            stats.cpu_s += time.thread_time() - cpu_start
             stats.jobs += len(batch)
             stats.passes += 1
             for job, (result, error) in zip(batch, outcomes):

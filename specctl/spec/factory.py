@@ -47,10 +47,10 @@ def needs_draft_model(mode: str) -> bool:
 
 
 def load_pair(config: Config, console: Console | None = None) -> tuple[LoadedModel, LoadedModel | None]:
-    target = load_named(config.target, config, console)
+    target = load_named(config.target, config, console, config.target_quant)
     draft = None
     if needs_draft_model(config.mode):
-        same = config.draft == config.target and config.draft_quant == "none"
+        same = config.draft == config.target and config.draft_quant == config.target_quant
         draft = target if same else load_named(config.draft, config, console, config.draft_quant)
         check_same_vocab(target, draft)
     return target, draft

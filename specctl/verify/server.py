@@ -65,6 +65,7 @@ class TargetTotals:
     accepted: int = 0
     tokens: int = 0
     ar_rounds: int = 0
+    proposal_wait_s: float = 0.0  # awaiting the draft server's proposals: its queue, service and the network
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -85,7 +86,9 @@ class TargetServer(ListeningServer):
         stats = {
             "model": self.model.name, "sessions": self.active, "sessions_done": t.sessions_done,
             "rounds": t.rounds, "R_p": round(t.rounds / wall, 3), "tokens": t.tokens,
+            "drafted": t.drafted, "accepted": t.accepted,
             "tokens_per_s": round(t.tokens / wall, 3), "ar_rounds": t.ar_rounds,
+            "proposal_wait_s": round(t.proposal_wait_s, 6),
             "acceptance_rate": round(t.accepted / t.drafted, 4) if t.drafted else 0.0,
             "mean_accepted_length": round(1 + t.accepted / t.rounds, 4) if t.rounds else 0.0,
             "kv_used_mb": round(self.pool.used_bytes / 2**20, 2),
@@ -226,11 +229,13 @@ class TargetServer(ListeningServer):
                 refused_epoch = self.draft.epoch if handle is None else None
                 fresh = True
             if handle is not None:
+                asked = time.perf_counter()
                 if fresh:
                     reply = await self.draft.propose(handle, [], [session.seq[-1]] if session.output else [])
                 else:
                     reply = await self.draft.propose(handle, session.last_path, session.last_committed)
                 fresh = False
+                self.totals.proposal_wait_s += time.perf_counter() - asked
                 if reply is None:
                     handle = session.draft_handle = None
                 else:

@@ -1,0 +1,59 @@
+"""``specctl bench star``: the model fit and the scaling summary (pure), and one small real
+run — draft server and targets as processes, closed-loop clients, two batching sweeps."""
+
+import pytest
+
+from specctl.bench.star import StarBenchSettings, predict, run_star_bench, summarize
+
+
+def row(n: int, max_batch: int = 1, **values) -> dict:
+    return {"N": n, "max_batch": max_batch, "t_s_ms": 125.0, "t_v_ms": 250.0, "R_p": 2.0,
+            "mean_accepted_length": 2.0, **values}
+
+
+def test_predict_fits_the_model_to_n1_and_uses_each_rows_acceptance():
+    # S = 125 ms, t_v = 250 ms, round at N=1 = 1/R_p = 500 ms -> t_c = 125 ms, Z = 375 ms = 3 S.
+    rows = [row(1), row(2), row(6, mean_accepted_length=1.5)]
+    predict(rows, depth=4)
+    assert [r["N_full"] for r in rows] == [4, 4, 4]  # ceil(Z / S) + 1
+    assert rows[0]["model_t_c_ms"] == pytest.approx(125.0)
+    assert rows[0]["model_O"] == pytest.approx(1 * 2.0 / 0.5)  # round = S + Z
+    assert rows[1]["model_O"] == pytest.approx(2 * 2.0 / 0.5)  # idle 250 ms: round = 2 S + 250 ms
+    assert rows[1]["model_load"] == pytest.approx(0.5)
+    assert rows[2]["model_O"] == pytest.approx(6 * 1.5 / 0.75)  # fully loaded: round = 6 S
+    assert rows[2]["model_load"] == 1.0 and rows[2]["model_T_idle_ms"] == 0.0
+    assert [r["regime"] for r in rows] == ["under-loaded", "under-loaded", "fully loaded"]
+
+
+def test_summarize_reads_the_scaling_figures():
+    serial = [dict(N=n, max_batch=1, N_full=4, O=o, model_O=m, load=load)
+              for n, o, m, load in ((1, 5.0, 5.0, 0.25), (4, 18.0, 20.0, 0.97), (6, 20.0, 20.0, 1.0), (8, 19.0, 20.0, 0.99))]
+    batched = [dict(N=n, max_batch=4, N_full=4, O=o, model_O=m, load=load)
+               for n, o, m, load in ((1, 5.0, 5.0, 0.25), (4, 19.0, 20.0, 0.9), (8, 33.0, 20.0, 0.95))]
+    summary = summarize(serial + batched)
+    assert summary == {"N_full": 4, "max_model_error_n_le_6": pytest.approx(0.1), "min_load_n_ge_n_full": 0.97,
+                       "reference_N": 4, "reference_O": 18.0, "batched_N": 8, "batched_max_batch": 4,
+                       "batched_O": 33.0, "batched_gain": pytest.approx(33.0 / 18.0)}
+
+
+def test_summarize_without_a_measured_n_past_n_full():
+    rows = [dict(N=1, max_batch=1, N_full=5, O=5.0, model_O=4.0, load=0.2)]
+    assert summarize(rows) == {"N_full": 5, "max_model_error_n_le_6": pytest.approx(0.25)}
+
+
+def test_star_bench_runs_two_sweeps_of_real_processes(tiny_dir):
+    tiny = str(tiny_dir["llama"])
+    settings = StarBenchSettings(f"{tiny}@2", tiny, (1, 2), depth=3, max_tokens=24, verify_delay_ms=20.0, dtype="fp32",
+                                 max_batches=(1, 2), draft_quant="none", window_s=1.5, settle_s=0.5)
+    calls = []
+    report = run_star_bench(settings, [[5, 9, 13, 2], [7, 8, 9]], lambda added=0: calls.append(added))
+    rows = report["rows"]
+    assert [(r["max_batch"], r["N"]) for r in rows if r["N"] in (1, 2)] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    for r in rows:
+        assert r["O"] > 0 and r["R_q"] > 0 and 0 < r["load"] <= 1.0
+        assert r["mean_batch"] >= 1.0 and r["t_v_ms"] >= 20.0 and r["proposal_ms"] > 0
+        assert 1.0 <= r["mean_accepted_length"] <= 4.0  # depth 3: at most 3 accepted + 1
+    assert all(r["mean_batch"] == 1.0 for r in rows if r["max_batch"] == 1)
+    assert report["settings"]["emulated"] is True and report["settings"]["max_batches"] == [1, 2]
+    assert report["summary"]["N_full"] == rows[0]["N_full"]
+    assert calls.count(0) == len(rows)
