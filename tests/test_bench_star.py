@@ -44,7 +44,8 @@ def test_summarize_without_a_measured_n_past_n_full():
 def test_star_bench_runs_two_sweeps_of_real_processes(tiny_dir):
     tiny = str(tiny_dir["llama"])
     settings = StarBenchSettings(f"{tiny}@2", tiny, (1, 2), depth=3, max_tokens=24, verify_delay_ms=20.0, dtype="fp32",
-                                 max_batches=(1, 2), draft_quant="none", window_s=1.5, settle_s=0.5)
+                                 max_batches=(1, 2), draft_quant="none", window_s=1.5, settle_s=0.5,
+                                 warmup_s=1.0)
     calls = []
     report = run_star_bench(settings, [[5, 9, 13, 2], [7, 8, 9]], lambda added=0: calls.append(added))
     rows = report["rows"]

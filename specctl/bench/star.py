@@ -13,6 +13,7 @@ beyond StarSD, which keeps system throughput rising past N_full."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import signal
@@ -43,6 +44,7 @@ class StarBenchSettings:
     target_quant: str = "none"
     window_s: float = 30.0  # measured steady state per N
     settle_s: float = 4.0  # after the sessions start, before the window opens
+    warmup_s: float = 10.0  # every target busy once per sweep before the first N
     threads: int = 1  # per process: many targets share this machine's cores
     # Emulated runs put the targets at a lower CPU priority: in the topology being emulated
     # their compute runs on their own machines, not on the draft server's cores.
@@ -150,26 +152,19 @@ async def _until_idle(cluster: StarCluster, n: int, timeout_s: float = 60.0) -> 
     raise SpecctlError("sessions were still open a minute after their clients left")
 
 
-async def _measure(cluster: StarCluster, n: int, prompts: list[list[int]]) -> dict:
-    """Steady state with N targets: every target serves one session after another (closed
-    loop, prompts in rotation) and the counters are read over a window in which all N are
-    busy, so neither start-up nor the tail of the last session to finish is in the numbers."""
-    s = cluster.settings
-    ports = cluster.target_ports[:n]
-    params = SamplingParams(max_tokens=s.max_tokens, ignore_eos=True)
+@contextlib.asynccontextmanager
+async def _closed_loop(cluster: StarCluster, n: int, prompts: list[list[int]]):
+    """The first N targets each serve one session after another (prompts in rotation) until
+    the block ends; then every session is closed and freed before the next block."""
+    params = SamplingParams(max_tokens=cluster.settings.max_tokens, ignore_eos=True)
 
     async def client(i: int, port: int) -> None:
         for k in itertools.count(i, n):
             await remote_generate("127.0.0.1", port, prompts[k % len(prompts)], params)
 
-    clients = [asyncio.create_task(client(i, p)) for i, p in enumerate(ports)]
+    clients = [asyncio.create_task(client(i, p)) for i, p in enumerate(cluster.target_ports[:n])]
     try:
-        await asyncio.sleep(s.settle_s)
-        d0, t0 = await _snapshots(cluster, n)
-        start = time.perf_counter()
-        await asyncio.sleep(s.window_s)
-        d1, t1 = await _snapshots(cluster, n)
-        wall = time.perf_counter() - start
+        yield
         for task in clients:
             if task.done():
                 task.result()  # a client that failed fails the benchmark, with its error
@@ -178,6 +173,19 @@ async def _measure(cluster: StarCluster, n: int, prompts: list[list[int]]) -> di
             task.cancel()
         await asyncio.gather(*clients, return_exceptions=True)
     await _until_idle(cluster, n)
+
+
+async def _measure(cluster: StarCluster, n: int, prompts: list[list[int]]) -> dict:
+    """Steady state with N targets: the counters are read over a window in which all N are
+    busy, so neither start-up nor the tail of the last session to finish is in the numbers."""
+    s = cluster.settings
+    async with _closed_loop(cluster, n, prompts):
+        await asyncio.sleep(s.settle_s)
+        d0, t0 = await _snapshots(cluster, n)
+        start = time.perf_counter()
+        await asyncio.sleep(s.window_s)
+        d1, t1 = await _snapshots(cluster, n)
+        wall = time.perf_counter() - start
     delta = lambda key: sum(b[key] - a[key] for a, b in zip(t0, t1))  # noqa: E731
     jobs = max(d1["jobs"] - d0["jobs"], 1)
     rounds = delta("rounds")
@@ -225,9 +233,10 @@ def _sweep(s: StarBenchSettings, max_batch: int, prompts: list[list[int]], progr
     rows: list[dict] = []
     with StarCluster(s, max_batch) as cluster:
         async def all_n() -> None:
-            # Every process runs its first (slow) forwards before anything is measured.
-            await asyncio.gather(*(remote_generate("127.0.0.1", p, prompts[0], SamplingParams(max_tokens=8))
-                                   for p in cluster.target_ports))
+            # Every process runs its first (slow) forwards, and the machine settles after
+            # loading N models, before anything is measured.
+            async with _closed_loop(cluster, len(cluster.target_ports), prompts):
+                await asyncio.sleep(s.warmup_s)
             pending = list(s.targets)
             while pending:
                 rows.append(await _measure(cluster, pending.pop(0), prompts))
