@@ -26,19 +26,19 @@ def test_predict_fits_the_model_to_n1_and_uses_each_rows_acceptance():
 
 
 def test_summarize_reads_the_scaling_figures():
-    serial = [dict(N=n, max_batch=1, N_full=4, O=o, model_O=m, load=load)
+    serial = [dict(N=n, max_batch=1, N_full=4, O=o, model_O=m, load=load, model_S_ms=100.0, t_v_ms=250.0, model_t_c_ms=50.0)
               for n, o, m, load in ((1, 5.0, 5.0, 0.25), (4, 18.0, 20.0, 0.97), (6, 20.0, 20.0, 1.0), (8, 19.0, 20.0, 0.99))]
-    batched = [dict(N=n, max_batch=4, N_full=4, O=o, model_O=m, load=load)
+    batched = [dict(N=n, max_batch=4, N_full=4, O=o, model_O=m, load=load, model_S_ms=100.0, t_v_ms=250.0, model_t_c_ms=50.0)
                for n, o, m, load in ((1, 5.0, 5.0, 0.25), (4, 19.0, 20.0, 0.9), (8, 33.0, 20.0, 0.95))]
     summary = summarize(serial + batched)
-    assert summary == {"N_full": 4, "max_model_error_n_le_6": pytest.approx(0.1), "min_load_n_ge_n_full": 0.97,
+    assert summary == {"N_full": 4, "Z_over_S": 3.0, "max_model_error_n_le_6": pytest.approx(0.1), "min_load_n_ge_n_full": 0.97,
                        "reference_N": 4, "reference_O": 18.0, "batched_N": 8, "batched_max_batch": 4,
                        "batched_O": 33.0, "batched_gain": pytest.approx(33.0 / 18.0)}
 
 
 def test_summarize_without_a_measured_n_past_n_full():
-    rows = [dict(N=1, max_batch=1, N_full=5, O=5.0, model_O=4.0, load=0.2)]
-    assert summarize(rows) == {"N_full": 5, "max_model_error_n_le_6": pytest.approx(0.25)}
+    rows = [dict(N=1, max_batch=1, N_full=5, O=5.0, model_O=4.0, load=0.2, model_S_ms=80.0, t_v_ms=300.0, model_t_c_ms=20.0)]
+    assert summarize(rows) == {"N_full": 5, "Z_over_S": 4.0, "max_model_error_n_le_6": pytest.approx(0.25)}
 
 
 def test_star_bench_runs_two_sweeps_of_real_processes(tiny_dir):
@@ -58,3 +58,13 @@ def test_star_bench_runs_two_sweeps_of_real_processes(tiny_dir):
     assert report["settings"]["emulated"] is True and report["settings"]["max_batches"] == [1, 2]
     assert report["summary"]["N_full"] == rows[0]["N_full"]
     assert calls.count(0) == len(rows)
+
+
+def test_predict_takes_s_as_the_median_of_one_at_a_time_rows():
+    # N=1's window was slow (t_s 150 ms); the median of the one-at-a-time rows is 125 ms, and
+    # a batched row's amortized t_s (60 ms at 2 requests per forward) is not a service time.
+    rows = [row(1, t_s_ms=150.0, R_p=2.0), row(2), row(3), row(4, mean_batch=2.0, t_s_ms=60.0)]
+    predict(rows, depth=4)
+    assert rows[0]["model_S_ms"] == pytest.approx(125.0)
+    assert rows[0]["model_t_c_ms"] == pytest.approx(500.0 - 150.0 - 250.0)  # N=1's own round
+    assert rows[3]["model_O"] == pytest.approx(4 * 2.0 / (4 * 0.125 + max(0.0, 0.35 - 3 * 0.125)))

@@ -18,6 +18,7 @@ import itertools
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -154,15 +155,16 @@ async def _until_idle(cluster: StarCluster, n: int, timeout_s: float = 60.0) -> 
 
 @contextlib.asynccontextmanager
 async def _closed_loop(cluster: StarCluster, n: int, prompts: list[list[int]]):
-    """The first N targets each serve one session after another (prompts in rotation) until
-    the block ends; then every session is closed and freed before the next block."""
+    """The first N targets each serve one session after another until the block ends; then
+    every session is closed and freed before the next block. All targets go through the
+    prompts in the same order, so every N sees the same text and the same acceptance."""
     params = SamplingParams(max_tokens=cluster.settings.max_tokens, ignore_eos=True)
 
-    async def client(i: int, port: int) -> None:
-        for k in itertools.count(i, n):
+    async def client(port: int) -> None:
+        for k in itertools.count():
             await remote_generate("127.0.0.1", port, prompts[k % len(prompts)], params)
 
-    clients = [asyncio.create_task(client(i, p)) for i, p in enumerate(cluster.target_ports[:n])]
+    clients = [asyncio.create_task(client(p)) for p in cluster.target_ports[:n]]
     try:
         yield
         for task in clients:
@@ -207,15 +209,17 @@ async def _measure(cluster: StarCluster, n: int, prompts: list[list[int]]) -> di
 
 
 def predict(rows: list[dict], depth: int) -> None:
-    """Fill each row with the model's prediction from N=1's measured times: S = t_s per
-    request, t_v measured, t_c = what remains of N=1's round time; progress per round is the
-    row's own measured mean accepted length (accepted + bonus; the prompts differ per
-    target, so acceptance does too), so O is in emitted tokens/s."""
+    """Fill each row with the model's prediction. S = the median t_s of the rows served one
+    request at a time (the same quantity measured at every N: one number, robust to a noisy
+    window); t_v measured at N=1; t_c = what remains of N=1's round time. Progress per round
+    is the row's own measured mean accepted length (accepted + bonus), so O is in emitted
+    tokens/s."""
     base = rows[0]
-    service = base["t_s_ms"] / 1e3
+    single = sorted(r["t_s_ms"] for r in rows if r.get("mean_batch", 1.0) <= 1.05) or [base["t_s_ms"]]
+    service = statistics.median(single) / 1e3
     round_1 = 1.0 / base["R_p"] if base["R_p"] else service
     t_v = base["t_v_ms"] / 1e3
-    t_c = max(0.0, round_1 - service - t_v)
+    t_c = max(0.0, round_1 - base["t_s_ms"] / 1e3 - t_v)
     model = StarModel(t_s=service / depth, t_v=t_v, t_c=t_c, beta=0.0, depth=depth)
     for row in rows:
         n = row["N"]
@@ -224,6 +228,7 @@ def predict(rows: list[dict], depth: int) -> None:
         row["model_T_idle_ms"] = model.idle(n) * 1e3
         row["regime"] = model.regime(n)
         row["N_full"] = model.n_full
+        row["model_S_ms"] = service * 1e3
         row["model_t_c_ms"] = t_c * 1e3
 
 
@@ -264,7 +269,9 @@ def summarize(rows: list[dict]) -> dict:
     base = serial or batched
     n_full = base[0]["N_full"]
     full = [r for r in base if r["N"] >= n_full]
-    summary = {"N_full": n_full, "max_model_error_n_le_6": max((abs(r["O"] / r["model_O"] - 1) for r in base if r["N"] <= 6), default=0.0)}
+    first = base[0]
+    summary = {"N_full": n_full, "Z_over_S": (first["t_v_ms"] + first["model_t_c_ms"]) / first["model_S_ms"],
+               "max_model_error_n_le_6": max((abs(r["O"] / r["model_O"] - 1) for r in base if r["N"] <= 6), default=0.0)}
     if full:
         summary["min_load_n_ge_n_full"] = min(r["load"] for r in full)
         reference = full[0]  # the first measured N at or past N_full

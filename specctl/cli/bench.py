@@ -109,7 +109,7 @@ def render_star_table(report: dict) -> Table:
 
 
 def render_star_summary(summary: dict) -> str:
-    lines = [f"N_full {summary['N_full']}; one-at-a-time: measured O within "
+    lines = [f"Z = {summary['Z_over_S']:.1f} S, N_full {summary['N_full']}; one-at-a-time: measured O within "
              f"{summary['max_model_error_n_le_6']:.0%} of the model for N <= 6"]
     if "min_load_n_ge_n_full" in summary:
         lines[0] += f", draft load >= {summary['min_load_n_ge_n_full']:.0%} for N >= N_full"
