@@ -26,14 +26,15 @@ def test_predict_fits_the_model_to_n1_and_uses_each_rows_acceptance():
 
 
 def test_summarize_reads_the_scaling_figures():
-    serial = [dict(N=n, max_batch=1, N_full=4, O=o, model_O=m, load=load, model_S_ms=100.0, t_v_ms=250.0, model_t_c_ms=50.0)
+    serial = [dict(N=n, max_batch=1, N_full=4, O=o, R_q=o / 2, model_O=m, load=load, model_S_ms=100.0, t_v_ms=250.0, model_t_c_ms=50.0)
               for n, o, m, load in ((1, 5.0, 5.0, 0.25), (4, 18.0, 20.0, 0.97), (6, 20.0, 20.0, 1.0), (8, 19.0, 20.0, 0.99))]
-    batched = [dict(N=n, max_batch=4, N_full=4, O=o, model_O=m, load=load, model_S_ms=100.0, t_v_ms=250.0, model_t_c_ms=50.0)
+    batched = [dict(N=n, max_batch=4, N_full=4, O=o, R_q=o / 3, model_O=m, load=load, model_S_ms=100.0, t_v_ms=250.0, model_t_c_ms=50.0)
                for n, o, m, load in ((1, 5.0, 5.0, 0.25), (4, 19.0, 20.0, 0.9), (8, 33.0, 20.0, 0.95))]
     summary = summarize(serial + batched)
     assert summary == {"N_full": 4, "Z_over_S": 3.0, "max_model_error_n_le_6": pytest.approx(0.1), "min_load_n_ge_n_full": 0.97,
                        "reference_N": 4, "reference_O": 18.0, "batched_N": 8, "batched_max_batch": 4,
-                       "batched_O": 33.0, "batched_gain": pytest.approx(33.0 / 18.0)}
+                       "batched_O": 33.0, "batched_gain": pytest.approx(33.0 / 18.0),
+                       "batched_round_gain": pytest.approx((33.0 / 3) / (18.0 / 2))}
 
 
 def test_summarize_without_a_measured_n_past_n_full():
