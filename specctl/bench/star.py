@@ -234,7 +234,7 @@ def predict(rows: list[dict], depth: int) -> None:
 
 
 def _sweep(s: StarBenchSettings, max_batch: int, prompts: list[list[int]], progress=None) -> list[dict]:
-    """One batching limit over every N; N_full (from N=1's measured times) is measured too
+    """One batching limit over every N; N_full (as estimated after each N) is measured too
     when the list lacks it, since the scaling figures are read there."""
     rows: list[dict] = []
     with StarCluster(s, max_batch) as cluster:
@@ -243,18 +243,17 @@ def _sweep(s: StarBenchSettings, max_batch: int, prompts: list[list[int]], progr
             # loading N models, before anything is measured.
             async with _closed_loop(cluster, len(cluster.target_ports), prompts):
                 await asyncio.sleep(s.warmup_s)
-            pending = list(s.targets)
+            pending, added = list(s.targets), False
             while pending:
                 rows.append(await _measure(cluster, pending.pop(0), prompts))
                 if progress:
                     progress()
-                if len(rows) == 1 and rows[0]["N"] == 1:
-                    predict(rows, s.depth)
-                    n_full = rows[0]["N_full"]
-                    if n_full not in s.targets and n_full < max(s.targets):
-                        pending = sorted(pending + [n_full])
-                        if progress:
-                            progress(added=1)
+                predict(rows, s.depth)  # N_full as estimated from the rows so far
+                n_full = rows[0]["N_full"]
+                if not added and n_full in range(rows[-1]["N"] + 1, max(s.targets)) and n_full not in pending:
+                    pending, added = sorted(pending + [n_full]), True
+                    if progress:
+                        progress(added=1)
 
         asyncio.run(all_n())
     predict(rows, s.depth)
