@@ -120,6 +120,38 @@ async def test_client_disconnect_frees_state_everywhere(models):
         await stop_star(draft_server, link, target_server)
 
 
+async def test_clients_leaving_during_the_prefill_leave_no_session_anywhere(models):
+    # Closing right after GENERATE cancels the session while its prefill runs and its draft
+    # session is being opened: both must still be freed (a draft tag once leaked here).
+    draft_server, _, _, link, target_server, port = await start_star(models)
+    try:
+        for delay in (0.0, 0.001, 0.003, 0.01) * 5:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            await client_handshake(reader, writer, role="client")
+            await write_message(writer, Generate(1, list(range(1, 60)), 50, ignore_eos=True))
+            await asyncio.sleep(delay)
+            writer.close()
+        await wait_until(lambda: target_server.active == 0 and draft_server.table.states == {}
+                         and draft_server.active_sessions == 0)
+        await wait_until(lambda: draft_server.table.pool.used_bytes == 0 and target_server.pool.used_bytes == 0)
+    finally:
+        await stop_star(draft_server, link, target_server)
+
+
+async def test_a_draft_session_whose_opener_gave_up_is_closed(models):
+    draft_server, _, client, link, target_server, _ = await start_star(models)
+    try:
+        opening = asyncio.create_task(client.open([1, 2, 3], temperature=0.0, top_p=1.0, top_k=0, seed=1, max_tokens=8))
+        await asyncio.sleep(0)  # OpenSession is on the wire
+        opening.cancel()
+        await asyncio.gather(opening, return_exceptions=True)
+        await wait_until(lambda: draft_server.active_sessions == 0 and draft_server.table.states == {}
+                         and draft_server.compute.queue_depth == 0)
+        assert draft_server.table.snapshot()["sessions"] == 0
+    finally:
+        await stop_star(draft_server, link, target_server)
+
+
 async def _raw_target_connection(port, fingerprint, auth=None):
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     await client_handshake(reader, writer, role="target", fingerprint=fingerprint, auth_token=auth)

@@ -145,12 +145,14 @@ async def _snapshots(cluster: StarCluster, n: int) -> tuple[dict, list[dict]]:
 async def _until_idle(cluster: StarCluster, n: int, timeout_s: float = 60.0) -> None:
     """Wait until no session is open on the draft server or any target (the next N starts clean)."""
     deadline = time.perf_counter() + timeout_s
-    while time.perf_counter() < deadline:
+    while True:
         draft, targets = await _snapshots(cluster, n)
         if draft["sessions"] == 0 and all(t["sessions"] == 0 for t in targets):
             return
+        if time.perf_counter() > deadline:
+            raise SpecctlError(f"sessions still open {timeout_s:.0f}s after their clients left: draft "
+                               f"{draft['sessions']}, targets {[t['sessions'] for t in targets]}")
         await asyncio.sleep(0.2)
-    raise SpecctlError("sessions were still open a minute after their clients left")
 
 
 @contextlib.asynccontextmanager

@@ -100,6 +100,10 @@ class DraftClient:
             future = self._pending.pop(key, None)
             if future is not None and not future.done():
                 future.set_result(message)
+            elif isinstance(message, SessionOpened) and self._writer is not None:
+                # Nobody waits for this session any more (its opener was cancelled or timed
+                # out after asking): close it, or it would hold draft state until we disconnect.
+                self._writer.write(encode(CloseSession(message.tag)))
 
     async def _request(self, key: tuple[str, int], message) -> object | None:
         if self._writer is None:

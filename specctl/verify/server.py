@@ -214,8 +214,8 @@ class TargetServer(ListeningServer):
         try:
             first = await self.compute.run(session.prefill)
         finally:
-            handle = await opening
-        session.draft_handle = handle
+            # Known to the session even when cancelled during the prefill, so _release closes it.
+            session.draft_handle = handle = await opening
         self._emit(msg.req, first, send)
         fresh = True  # the draft has the prompt but not the committed tokens since
         # A draft server that refused this session (capacity, StarSD admission) is asked again
