@@ -1,5 +1,5 @@
 """``specctl bench star``: the model fit and the scaling summary (pure), and one small real
-run — draft server and targets as processes, closed-loop clients, two batching sweeps."""
+run — draft server and targets as processes, identical sessions per target, two batching sweeps."""
 
 import pytest
 
@@ -45,8 +45,7 @@ def test_summarize_without_a_measured_n_past_n_full():
 def test_star_bench_runs_two_sweeps_of_real_processes(tiny_dir):
     tiny = str(tiny_dir["llama"])
     settings = StarBenchSettings(f"{tiny}@2", tiny, (1, 2), depth=3, max_tokens=24, verify_delay_ms=20.0, dtype="fp32",
-                                 max_batches=(1, 2), draft_quant="none", window_s=1.5, settle_s=0.5,
-                                 warmup_s=1.0)
+                                 max_batches=(1, 2), draft_quant="none", sessions=2)
     calls = []
     report = run_star_bench(settings, [[5, 9, 13, 2], [7, 8, 9]], lambda added=0: calls.append(added))
     rows = report["rows"]
@@ -62,7 +61,7 @@ def test_star_bench_runs_two_sweeps_of_real_processes(tiny_dir):
 
 
 def test_predict_takes_s_as_the_median_of_one_at_a_time_rows():
-    # N=1's window was slow (t_s 150 ms); the median of the one-at-a-time rows is 125 ms, and
+    # N=1's run was slow (t_s 150 ms); the median of the one-at-a-time rows is 125 ms, and
     # a batched row's amortized t_s (60 ms at 2 requests per forward) is not a service time.
     rows = [row(1, t_s_ms=150.0, R_p=2.0), row(2), row(3), row(4, mean_batch=2.0, t_s_ms=60.0)]
     predict(rows, depth=4)

@@ -13,8 +13,6 @@ beyond StarSD, which keeps system throughput rising past N_full."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import itertools
 import os
 import signal
 import socket
@@ -43,9 +41,7 @@ class StarBenchSettings:
     max_batches: tuple[int, ...] = (1, 4)  # one sweep per draft batching limit
     draft_quant: str = "int8"
     target_quant: str = "none"
-    window_s: float = 30.0  # measured steady state per N
-    settle_s: float = 4.0  # after the sessions start, before the window opens
-    warmup_s: float = 10.0  # every target busy once per sweep before the first N
+    sessions: int = 4  # per target and N, the same prompts in the same order
     threads: int = 1  # per process: many targets share this machine's cores
     # Emulated runs put the targets at a lower CPU priority: in the topology being emulated
     # their compute runs on their own machines, not on the draft server's cores.
@@ -155,42 +151,27 @@ async def _until_idle(cluster: StarCluster, n: int, timeout_s: float = 60.0) -> 
         await asyncio.sleep(0.2)
 
 
-@contextlib.asynccontextmanager
-async def _closed_loop(cluster: StarCluster, n: int, prompts: list[list[int]]):
-    """The first N targets each serve one session after another until the block ends; then
-    every session is closed and freed before the next block. Target i goes through all the
-    prompts starting at the i-th: short sessions over a rotating mix keep acceptance close
-    to the workload's average at every N."""
+async def _workload(cluster: StarCluster, n: int, prompts: list[list[int]], sessions: int) -> None:
+    """The first N targets each serve the same sessions in the same order, one after another:
+    identical work, so every N and every sweep sees the same text and acceptance, and the
+    targets finish together (no long tail of one slow session)."""
     params = SamplingParams(max_tokens=cluster.settings.max_tokens, ignore_eos=True)
 
-    async def client(first: int, port: int) -> None:
-        for k in itertools.count(first):
+    async def client(port: int) -> None:
+        for k in range(sessions):
             await remote_generate("127.0.0.1", port, prompts[k % len(prompts)], params)
 
-    clients = [asyncio.create_task(client(i, p)) for i, p in enumerate(cluster.target_ports[:n])]
-    try:
-        yield
-        for task in clients:
-            if task.done():
-                task.result()  # a client that failed fails the benchmark, with its error
-    finally:
-        for task in clients:
-            task.cancel()
-        await asyncio.gather(*clients, return_exceptions=True)
-    await _until_idle(cluster, n)
+    await asyncio.gather(*(client(p) for p in cluster.target_ports[:n]))
 
 
 async def _measure(cluster: StarCluster, n: int, prompts: list[list[int]]) -> dict:
-    """Steady state with N targets: the counters are read over a window in which all N are
-    busy, so neither start-up nor the tail of the last session to finish is in the numbers."""
     s = cluster.settings
-    async with _closed_loop(cluster, n, prompts):
-        await asyncio.sleep(s.settle_s)
-        d0, t0 = await _snapshots(cluster, n)
-        start = time.perf_counter()
-        await asyncio.sleep(s.window_s)
-        d1, t1 = await _snapshots(cluster, n)
-        wall = time.perf_counter() - start
+    d0, t0 = await _snapshots(cluster, n)
+    start = time.perf_counter()
+    await _workload(cluster, n, prompts, s.sessions)
+    wall = time.perf_counter() - start
+    await _until_idle(cluster, n)
+    d1, t1 = await _snapshots(cluster, n)
     delta = lambda key: sum(b[key] - a[key] for a, b in zip(t0, t1))  # noqa: E731
     jobs = max(d1["jobs"] - d0["jobs"], 1)
     rounds = delta("rounds")
@@ -213,8 +194,8 @@ async def _measure(cluster: StarCluster, n: int, prompts: list[list[int]]) -> di
 
 def predict(rows: list[dict], depth: int) -> None:
     """Fill each row with the model's prediction. S = the median t_s of the rows served one
-    request at a time (the same quantity measured at every N: one number, robust to a noisy
-    window); t_v measured at N=1; t_c = what remains of N=1's round time. Progress per round
+    request at a time (the same quantity measured at every N: one number, robust to one noisy
+    run); t_v measured at N=1; t_c = what remains of N=1's round time. Progress per round
     is the row's own measured mean accepted length (accepted + bonus), so O is in emitted
     tokens/s."""
     base = rows[0]
@@ -243,8 +224,7 @@ def _sweep(s: StarBenchSettings, max_batch: int, prompts: list[list[int]], progr
         async def all_n() -> None:
             # Every process runs its first (slow) forwards, and the machine settles after
             # loading N models, before anything is measured.
-            async with _closed_loop(cluster, len(cluster.target_ports), prompts):
-                await asyncio.sleep(s.warmup_s)
+            await _workload(cluster, len(cluster.target_ports), prompts, 1)
             pending, added = list(s.targets), False
             while pending:
                 rows.append(await _measure(cluster, pending.pop(0), prompts))
@@ -281,7 +261,7 @@ def summarize(rows: list[dict]) -> dict:
         summary.update({"reference_N": reference["N"], "reference_O": reference["O"], "batched_N": top["N"],
                         "batched_max_batch": top["max_batch"], "batched_O": top["O"],
                         "batched_gain": top["O"] / reference["O"],
-                        # the same in draft rounds/s: free of the acceptance of the text in each window
+                        # the same in draft rounds/s, which does not depend on acceptance at all
                         "batched_round_gain": top["R_q"] / reference["R_q"]})
     return summary
 
@@ -290,7 +270,7 @@ def run_star_bench(s: StarBenchSettings, prompts: list[list[int]], progress=None
     rows = [row for max_batch in s.max_batches for row in _sweep(s, max_batch, prompts, progress)]
     return {
         "settings": {"draft": s.draft, "target": s.target, "targets": list(s.targets), "depth": s.depth,
-                     "max_tokens": s.max_tokens, "window_s": s.window_s, "verify_delay_ms": s.verify_delay_ms, "dtype": s.dtype, "mode": s.mode,
+                     "max_tokens": s.max_tokens, "sessions": s.sessions, "verify_delay_ms": s.verify_delay_ms, "dtype": s.dtype, "mode": s.mode,
                      "max_batches": list(s.max_batches), "draft_quant": s.draft_quant, "target_quant": s.target_quant,
                      "emulated": s.verify_delay_ms > 0, "target_niceness": s.target_niceness},
         "rows": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()} for row in rows],

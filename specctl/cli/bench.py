@@ -126,7 +126,7 @@ def star(
     targets: str = typer.Option("1,2,3,4,6,8", help="numbers of target instances to measure"),
     depth: int = typer.Option(4, help="chain depth d"),
     max_tokens: int = typer.Option(64, "--max-tokens", "-n", help="new tokens per session (each target runs one after another)"),
-    window_s: float = typer.Option(30.0, "--window-s", help="seconds of steady state measured per N"),
+    sessions: int = typer.Option(4, "--sessions", help="sessions per target and N (the same prompts for all)"),
     verify_delay_ms: float = typer.Option(0.0, "--verify-delay-ms", help="add to every verification (emulation)"),
     dtype: str = typer.Option("fp32", help="fp32 | bf16"),
     max_batch: str = typer.Option("1,4", "--max-batch",
@@ -153,14 +153,14 @@ def star(
     for name, value in (("--draft-quant", draft_quant), ("--target-quant", target_quant)):
         if value not in ("none", "int8"):
             raise ConfigError(f"{name} must be none or int8, got {value!r}")
-    if verify_delay_ms < 0 or depth < 1 or max_tokens < 1 or window_s <= 0:
-        raise ConfigError("--verify-delay-ms must be >= 0, --depth and --max-tokens >= 1, --window-s > 0")
+    if verify_delay_ms < 0 or depth < 1 or max_tokens < 1 or sessions < 1:
+        raise ConfigError("--verify-delay-ms must be >= 0, --depth, --max-tokens and --sessions >= 1")
     console = Console(stderr=True)
     path = resolve_model(split_model_name(target)[0], console)
     resolve_model(split_model_name(draft)[0], console)
     tok = AutoTokenizer.from_pretrained(path)
     prompts = [tok.encode(p.prompt) for p in load_prompts("builtin")]
-    settings = StarBenchSettings(draft, target, counts, depth, max_tokens, verify_delay_ms, dtype, max_batches=batches, window_s=window_s,
+    settings = StarBenchSettings(draft, target, counts, depth, max_tokens, verify_delay_ms, dtype, max_batches=batches, sessions=sessions,
                                  draft_quant=draft_quant, target_quant=target_quant)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
