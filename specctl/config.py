@@ -24,6 +24,7 @@ from specctl.errors import ConfigError
 PROFILE_DIRS = (Path(__file__).resolve().parent.parent / "profiles", Path(__file__).resolve().parent / "profiles")
 MODES = ("ar", "chain", "tree", "ngram")
 DTYPES = ("fp32", "bf16", "fp16")
+QUANTS = ("none", "int8")
 
 
 @dataclass(slots=True)
@@ -54,8 +55,8 @@ class Config:
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
             raise ConfigError(f"attention_backend must be auto, torch or flashinfer, got {self.attention_backend!r}")
         for name in ("draft_quant", "target_quant"):
-            if getattr(self, name) not in ("none", "int8"):
-                raise ConfigError(f"{name} must be none or int8, got {getattr(self, name)!r}")
+            if getattr(self, name) not in QUANTS:
+                raise ConfigError(f"{name} must be one of {', '.join(QUANTS)}, got {getattr(self, name)!r}")
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         for name, low, high in (

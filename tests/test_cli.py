@@ -107,3 +107,15 @@ def test_bench_serve_runs_every_variant_with_identical_texts(tiny_dir, tmp_path)
         assert row["same_as_ar"] == 1.0 and row["tokens"] == 6 * row["clients"]
         assert row["vs ar"] is not None and row["vs ar batched"] is not None
     assert "bench serve" in proc.stdout and "spec batched" in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--targets", "2,4"], "--targets must start at 1"),
+    (["--targets", "1,x"], "--targets must be comma-separated integers, got '1,x'"),
+    (["--max-batch", "0,4"], "--max-batch values must be >= 1"),
+    (["--target-quant", "int4"], "--target-quant must be one of none, int8, got 'int4'"),
+    (["--sessions", "0"], "--sessions >= 1"),
+])
+def test_bench_star_rejects_bad_flags_before_starting_anything(args, message):
+    result = run("bench", "star", *args)
+    assert result.returncode != 0 and message in result.stdout + result.stderr

@@ -28,6 +28,8 @@ def test_every_shipped_profile_is_valid():
         ({"mode": "magic"}, "mode must be one of ar, chain, tree, ngram, got 'magic'"),
         ({"device": "tpu"}, "device must be 'cpu' or 'cuda[:N]', got 'tpu'"),
         ({"attention_backend": "triton"}, "attention_backend must be auto, torch or flashinfer, got 'triton'"),
+        ({"draft_quant": "int4"}, "draft_quant must be one of none, int8, got 'int4'"),
+        ({"target_quant": "fp8"}, "target_quant must be one of none, int8, got 'fp8'"),
     ],
 )
 def test_bad_values_are_clear_errors(flags, message):

@@ -105,12 +105,18 @@ async def test_draft_server_death_falls_back_then_reconnects(models):
         await stop_star(draft_server, link, target_server)
 
 
+async def _generating_client(port, prompt, max_tokens):
+    """A raw client connection that has sent one GENERATE."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    await client_handshake(reader, writer, role="client")
+    await write_message(writer, Generate(1, prompt, max_tokens, ignore_eos=True))
+    return reader, writer
+
+
 async def test_client_disconnect_frees_state_everywhere(models):
     draft_server, _, _, link, target_server, port = await start_star(models)
     try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        await client_handshake(reader, writer, role="client")
-        await write_message(writer, Generate(1, [1, 2, 3], 400, ignore_eos=True))
+        reader, writer = await _generating_client(port, [1, 2, 3], 400)
         assert isinstance(await read_message(reader), Tokens)
         await wait_until(lambda: target_server.active == 1 and len(draft_server.table.states) == 1)
         writer.close()
@@ -126,9 +132,7 @@ async def test_clients_leaving_during_the_prefill_leave_no_session_anywhere(mode
     draft_server, _, _, link, target_server, port = await start_star(models)
     try:
         for delay in (0.0, 0.001, 0.003, 0.01) * 5:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            await client_handshake(reader, writer, role="client")
-            await write_message(writer, Generate(1, list(range(1, 60)), 50, ignore_eos=True))
+            _, writer = await _generating_client(port, list(range(1, 60)), 50)
             await asyncio.sleep(delay)
             writer.close()
         await wait_until(lambda: target_server.active == 0 and draft_server.table.states == {}

@@ -199,7 +199,7 @@ def predict(rows: list[dict], depth: int) -> None:
     is the row's own measured mean accepted length (accepted + bonus), so O is in emitted
     tokens/s."""
     base = rows[0]
-    single = sorted(r["t_s_ms"] for r in rows if r.get("mean_batch", 1.0) <= 1.05) or [base["t_s_ms"]]
+    single = [r["t_s_ms"] for r in rows if r.get("mean_batch", 1.0) <= 1.05] or [base["t_s_ms"]]
     service = statistics.median(single) / 1e3
     round_1 = 1.0 / base["R_p"] if base["R_p"] else service
     t_v = base["t_v_ms"] / 1e3
@@ -246,8 +246,9 @@ def summarize(rows: list[dict]) -> dict:
     """The issue's scaling figures from the measured rows (pure): StarSD's one-at-a-time
     sweep (max_batch 1) for load and the model; the most batched sweep for the gain past
     N_full, against one-at-a-time at N_full (where StarSD saturates)."""
+    most = max(r["max_batch"] for r in rows)
     serial = [r for r in rows if r["max_batch"] == 1]
-    batched = [r for r in rows if r["max_batch"] == max(r["max_batch"] for r in rows)]
+    batched = [r for r in rows if r["max_batch"] == most]
     base = serial or batched
     n_full = base[0]["N_full"]
     full = [r for r in base if r["N"] >= n_full]

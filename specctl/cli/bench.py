@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from specctl.config import build_config
+from specctl.config import QUANTS, build_config
 from specctl.errors import ConfigError
 
 app = typer.Typer(help="Benchmarks: ratios against baselines measured in the same run.", no_args_is_help=True)
@@ -151,8 +151,8 @@ def star(
     if not batches or batches[0] < 1:
         raise ConfigError("--max-batch values must be >= 1")
     for name, value in (("--draft-quant", draft_quant), ("--target-quant", target_quant)):
-        if value not in ("none", "int8"):
-            raise ConfigError(f"{name} must be none or int8, got {value!r}")
+        if value not in QUANTS:
+            raise ConfigError(f"{name} must be one of {', '.join(QUANTS)}, got {value!r}")
     if verify_delay_ms < 0 or depth < 1 or max_tokens < 1 or sessions < 1:
         raise ConfigError("--verify-delay-ms must be >= 0, --depth, --max-tokens and --sessions >= 1")
     console = Console(stderr=True)
