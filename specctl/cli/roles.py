@@ -128,11 +128,6 @@ def verify(
         raise ConfigError("--verify-delay-ms must be >= 0")
     config = build_config(profile, target=model, max_sessions=max_sessions, max_batch=max_batch, dtype=dtype,
                           threads=threads, target_quant=quant)
-    if config.target_quant == "int8" and config.max_batch > 1:
-        # Dynamic int8 shares one activation scale across a batch's rows: a session's output
-        # would depend on the sessions verified beside it. One session per forward keeps the
-        # int8 target's output its own.
-        config = config.replace(max_batch=1)
     draft_addr = parse_hostport(draft) if draft else None
     ssl_server, ssl_client = server_context(tls_cert, tls_key), client_context(tls_ca)
     server_config = checked(TargetServerConfig, host=host, port=port, max_sessions=config.max_sessions,

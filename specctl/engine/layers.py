@@ -60,13 +60,21 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(spec.hidden_size, kv * d, bias=spec.attention_bias)
         self.v_proj = nn.Linear(spec.hidden_size, kv * d, bias=spec.attention_bias)
         self.o_proj = nn.Linear(h * d, spec.hidden_size, bias=False)
+        self.qkv_proj: nn.Module | None = None  # int8 models fuse q/k/v into one projection
+        self.qkv_sizes = (h * d, kv * d, kv * d)
         self.attend = get_attention(backend)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv_proj is not None:
+            return self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x, cos, sin, segments: "Segments", layer: int) -> torch.Tensor:
         b, n, _ = x.shape
-        q = self.q_proj(x).view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.project(x)
+        q = q.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.reshape(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.reshape(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if len(segments.caches) == 1:
             keys, values = segments.caches[0].write(layer, k, v)
@@ -88,9 +96,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
         self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.gate_up_proj: nn.Module | None = None  # int8 models fuse gate/up into one projection
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,92 @@
+"""Row-scaled int8 linears and int8 decoders: close to fp32, and a row's output is
+bit-for-bit the same alone or in any batch (so int8 drafts and targets may batch)."""
+
+import pytest
+import torch
+from torch import nn
+
+from specctl.engine.loader import load_decoder
+from specctl.engine.quant import RowScaledInt8Linear, quantize_decoder
+from specctl.errors import ConfigError
+from specctl.spec.decode import DecodeSession, apply_many, generate
+from specctl.spec.drafters import ModelChainDrafter
+from specctl.spec.sampling import SamplingParams
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm())
+
+
+def test_fused_linear_is_the_concatenation_within_int8_error():
+    torch.manual_seed(0)
+    with_bias, without_bias = nn.Linear(64, 48), nn.Linear(64, 16, bias=False)
+    fused = RowScaledInt8Linear([with_bias, without_bias])
+    x = torch.randn(2, 5, 64)
+    want = torch.cat((with_bias(x), without_bias(x)), -1).detach()
+    got = fused(x)
+    assert got.shape == (2, 5, 64)
+    assert _relative_error(got, want) < 0.02
+
+
+def test_a_rows_output_does_not_depend_on_its_neighbours():
+    torch.manual_seed(1)
+    linear = nn.Linear(64, 32)
+    quantized = RowScaledInt8Linear([linear])
+    x = torch.randn(4, 64)
+    x[1] *= 1000  # an outlier row, like a first token's hidden state
+    x[3] = 0
+    alone = torch.cat([quantized(row[None]) for row in x])
+    together = quantized(x)
+    assert torch.equal(together, alone)
+    assert torch.equal(together[3], linear.bias.detach())  # a zero row gives exactly the bias
+    assert _relative_error(together[0], linear(x[0]).detach()) < 0.02
+
+
+def _prefilled(decoder, prompt: list[int]):
+    cache = decoder.new_cache(32)
+    decoder(torch.tensor(prompt), torch.arange(len(prompt)), cache)
+    return cache
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_int8_decoder_sessions_batched_equal_alone_bitwise(tiny_dir, tiny, arch):
+    decoder = quantize_decoder(load_decoder(tiny_dir[arch]), "int8")
+    assert not any(isinstance(module, nn.Linear) for module in decoder.modules())
+    prompts, new = [[1, 2, 3, 4, 5], [9, 8], []], [[6, 7], [7], [40, 41, 42, 43, 44]]  # the last one is a prefill
+    alone = []
+    for prompt, extra in zip(prompts, new):
+        cache = _prefilled(decoder, prompt) if prompt else decoder.new_cache(32)
+        alone.append(decoder(torch.tensor(extra), torch.arange(len(prompt), len(prompt) + len(extra)), cache))
+    caches = [_prefilled(decoder, p) if p else decoder.new_cache(32) for p in prompts]
+    together = decoder.forward_many(
+        [torch.tensor(e) for e in new], [torch.arange(len(p), len(p) + len(e)) for p, e in zip(prompts, new)],
+        caches, [None] * 3, [torch.arange(len(e)) for e in new])
+    for one, many in zip(alone, together):
+        assert torch.equal(many, one)
+    full = tiny[arch](torch.tensor([40, 41, 42, 43, 44]), torch.arange(5), tiny[arch].new_cache(8))
+    assert _relative_error(alone[2], full) < 0.05
+
+
+def test_int8_target_verifying_sessions_together_reproduces_its_own_output(tiny_dir, tiny):
+    target = quantize_decoder(load_decoder(tiny_dir["llama"]), "int8")
+    drafter = ModelChainDrafter(tiny["llama-draft"], 3)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5], [9, 8], [300, 301, 302]]
+    sessions = [DecodeSession(target, p, params, drafter) for p in prompts]
+    for session in sessions:
+        session.prefill()
+    while not all(s.finished for s in sessions):
+        live = [s for s in sessions if not s.finished]
+        proposals = [s.draft.propose(s.seq, s.params, s.generator) for s in live]
+        for session, emitted in zip(live, apply_many(list(zip(live, proposals)))):
+            assert isinstance(emitted, list)
+            session.draft.on_verified(session.last_path)
+    for prompt, session in zip(prompts, sessions):
+        assert session.output == generate(target, prompt, params)[0]
+
+
+def test_quantize_modes(tiny_dir):
+    decoder = load_decoder(tiny_dir["llama"])
+    assert quantize_decoder(decoder, "none") is decoder
+    with pytest.raises(ConfigError, match=r"^quantization must be one of none, int8, got 'int4'$"):
+        quantize_decoder(decoder, "int4")
