@@ -13,6 +13,7 @@ beyond StarSD, which keeps system throughput rising past N_full."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -216,30 +217,40 @@ def predict(rows: list[dict], depth: int) -> None:
         row["model_t_c_ms"] = t_c * 1e3
 
 
-def _sweep(s: StarBenchSettings, max_batch: int, prompts: list[list[int]], progress=None) -> list[dict]:
-    """One batching limit over every N; N_full (as estimated after each N) is measured too
-    when the list lacks it, since the scaling figures are read there."""
-    rows: list[dict] = []
-    with StarCluster(s, max_batch) as cluster:
+def _sweeps(s: StarBenchSettings, prompts: list[list[int]], progress=None) -> list[dict]:
+    """One sweep over N per batching limit, interleaved: every limit has its own processes,
+    all alive at once, and each N is measured for every limit back to back. This machine's
+    speed drifts by 10-25% over a run, so rows that are compared are taken a minute apart,
+    not a whole sweep apart. N_full (as estimated from the first limit's rows after each N)
+    is measured too when the list lacks it, since the scaling figures are read there."""
+    rows: dict[int, list[dict]] = {limit: [] for limit in s.max_batches}
+    with contextlib.ExitStack() as stack:
+        clusters = [stack.enter_context(StarCluster(s, limit)) for limit in s.max_batches]
+
         async def all_n() -> None:
             # Every process runs its first (slow) forwards, and the machine settles after
-            # loading N models, before anything is measured.
-            await _workload(cluster, len(cluster.target_ports), prompts, 1)
+            # loading the models, before anything is measured.
+            for cluster in clusters:
+                await _workload(cluster, len(cluster.target_ports), prompts, 1)
             pending, added = list(s.targets), False
             while pending:
-                rows.append(await _measure(cluster, pending.pop(0), prompts))
-                if progress:
-                    progress()
-                predict(rows, s.depth)  # N_full as estimated from the rows so far
-                n_full = rows[0]["N_full"]
-                if not added and n_full in range(rows[-1]["N"] + 1, max(s.targets)) and n_full not in pending:
+                n = pending.pop(0)
+                for cluster in clusters:
+                    rows[cluster.max_batch].append(await _measure(cluster, n, prompts))
+                    if progress:
+                        progress()
+                first = rows[s.max_batches[0]]
+                predict(first, s.depth)
+                n_full = first[0]["N_full"]
+                if not added and n_full in range(n + 1, max(s.targets)) and n_full not in pending:
                     pending, added = sorted(pending + [n_full]), True
                     if progress:
-                        progress(added=1)
+                        progress(added=len(clusters))
 
         asyncio.run(all_n())
-    predict(rows, s.depth)
-    return rows
+    for limit_rows in rows.values():
+        predict(limit_rows, s.depth)
+    return [row for limit in s.max_batches for row in rows[limit]]
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -268,7 +279,7 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def run_star_bench(s: StarBenchSettings, prompts: list[list[int]], progress=None) -> dict:
-    rows = [row for max_batch in s.max_batches for row in _sweep(s, max_batch, prompts, progress)]
+    rows = _sweeps(s, prompts, progress)
     return {
         "settings": {"draft": s.draft, "target": s.target, "targets": list(s.targets), "depth": s.depth,
                      "max_tokens": s.max_tokens, "sessions": s.sessions, "verify_delay_ms": s.verify_delay_ms, "dtype": s.dtype, "mode": s.mode,

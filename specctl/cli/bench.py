@@ -164,7 +164,7 @@ def star(
                                  draft_quant=draft_quant, target_quant=target_quant)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
-        task = progress.add_task(f"{len(batches)} sweeps of 1 draft + {counts[-1]} target processes",
+        task = progress.add_task(f"{len(batches)} interleaved sweeps, each 1 draft + {counts[-1]} target processes",
                                  total=len(counts) * len(batches))
         def advance(added: int = 0) -> None:  # a sweep adds N_full when --targets lacks it
             if added:
