@@ -95,11 +95,18 @@ def test_models_health_and_seeded_sampling(cluster, client, tiny_dir):
 def test_stop_strings_cut_the_text_and_finish_with_stop(cluster, client, tiny_dir):
     reference = client.completions.create(model=str(tiny_dir["llama"]), prompt=PROMPT, max_tokens=24, temperature=0,
                                           extra_body={"ignore_eos": True}).choices[0].text
-    stop = reference[8:11]
+    stop = reference[len(reference) // 2:][:3]  # several rounds in
+    _, before = _metrics(cluster[1]["gateway"])
     cut = client.completions.create(model=str(tiny_dir["llama"]), prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop],
                                     extra_body={"ignore_eos": True})
     assert cut.choices[0].text == reference[: reference.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
+    # The target was stopped with CANCEL and answered with its stats: the cut request counts.
+    rounds = cut.model_extra["specctl"]["rounds"]
+    assert rounds >= 1
+    _, after = _metrics(cluster[1]["gateway"])
+    drafts = "specctl:spec_decode_num_drafts_total"
+    assert after[drafts] - before[drafts] == rounds
 
 
 @pytest.mark.parametrize("body, status, needle", [

@@ -12,7 +12,7 @@ from specctl.engine.loader import load_model
 from specctl.errors import VocabMismatch
 from specctl.net.framing import read_message, write_message
 from specctl.net.handshake import AuthError, client_handshake
-from specctl.net.protocol import Error, Generate, OpenSession, Propose, SessionOpened, Stats, StatsRequest, Tokens, encode
+from specctl.net.protocol import Cancel, Done, Error, Generate, OpenSession, Propose, SessionOpened, Stats, StatsRequest, Tokens, encode
 from specctl.spec.decode import generate
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter
 from specctl.spec.sampling import SamplingParams
@@ -122,6 +122,30 @@ async def test_client_disconnect_frees_state_everywhere(models):
         writer.close()
         await wait_until(lambda: target_server.active == 0 and draft_server.table.states == {})
         await wait_until(lambda: draft_server.table.pool.used_bytes == 0 and target_server.pool.used_bytes == 0)
+    finally:
+        await stop_star(draft_server, link, target_server)
+
+
+async def test_cancel_ends_the_session_with_its_stats_and_the_connection_carries_on(models):
+    draft_server, _, _, link, target_server, port = await start_star(models)
+    try:
+        reader, writer = await _generating_client(port, [1, 2, 3], 400)
+        for _ in range(2):  # the prefill's token, then a round's
+            assert isinstance(await read_message(reader), Tokens)
+        await write_message(writer, Cancel(1))
+        while isinstance(reply := await read_message(reader), Tokens):
+            pass
+        assert isinstance(reply, Done) and reply.req == 1 and reply.finish_reason == "cancelled"
+        assert reply.stats["rounds"] >= 1 and reply.stats["drafted"] >= reply.stats["accepted"]
+        await wait_until(lambda: target_server.active == 0 and draft_server.table.states == {})
+        await write_message(writer, Cancel(1))  # nothing runs under that id any more
+        assert await read_message(reader) == Error("unknown_request", "no running request 1", req=1)
+        await write_message(writer, Generate(2, [1, 2, 3], 6, ignore_eos=True))
+        tokens = []
+        while isinstance(reply := await read_message(reader), Tokens):
+            tokens += reply.tokens
+        assert reply.finish_reason == "length" and tokens == local_reference(models, [1, 2, 3], 6)
+        writer.close()
     finally:
         await stop_star(draft_server, link, target_server)
 

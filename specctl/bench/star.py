@@ -181,7 +181,9 @@ async def _measure(cluster: StarCluster, n: int, prompts: list[list[int]]) -> di
         "O_i": delta("tokens") / wall / n,
         "t_s_ms": 1e3 * (d1["busy_s"] - d0["busy_s"]) / jobs,
         "T_wait_ms": 1e3 * (d1["wait_s"] - d0["wait_s"]) / jobs,
-        "T_idle_ms": 1e3 * (d1["idle_s"] - d0["idle_s"]) / jobs,
+        # Idle time inside the window: the server's own idle counter also holds the gap before
+        # the window's first request (the other sweeps' turns).
+        "T_idle_ms": 1e3 * max(wall - (d1["busy_s"] - d0["busy_s"]), 0.0) / jobs,
         "mean_batch": jobs / max(d1["passes"] - d0["passes"], 1), "R_q": jobs / wall,
         "R_p": rounds / wall / n, "load": (d1["busy_s"] - d0["busy_s"]) / wall,
         "t_v_ms": 1e3 * delta("busy_s") / max(rounds, 1) + s.verify_delay_ms,

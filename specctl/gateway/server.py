@@ -204,8 +204,10 @@ class Gateway:
                 count += len(event.tokens)
                 self.metrics.generation_tokens.inc(len(event.tokens))
                 delta = text.push(event.tokens)
-                if text.stopped:  # leaving closes the upstream connection: the target cancels the rest
-                    yield delta, "stop", {}, count
+                if text.stopped:  # the rest is not wanted: stop the target, keep its stats for the counters
+                    stats = await stream.cancel()
+                    self.metrics.record_generation(stats)
+                    yield delta, "stop", stats, count
                     return
                 yield delta, None, {}, count
             else:

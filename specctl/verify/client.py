@@ -10,7 +10,7 @@ from typing import Callable
 from specctl.errors import SpecctlError
 from specctl.net.framing import read_message, write_message
 from specctl.net.handshake import client_handshake
-from specctl.net.protocol import Done, Error, Generate, Stats, StatsRequest, Tokens, Welcome
+from specctl.net.protocol import Cancel, Done, Error, Generate, Stats, StatsRequest, Tokens, Welcome
 from specctl.spec.sampling import SamplingParams
 
 
@@ -71,6 +71,18 @@ class TargetStream:
                 return message
             if isinstance(message, Error):
                 raise RemoteError(message.code, message.message)
+
+    async def cancel(self, timeout_s: float = 2.0) -> dict:
+        """Stop the generation; returns its statistics so far (DONE "cancelled"), or {} when the
+        target does not answer in time (leaving the context then cancels it all the same)."""
+        try:
+            await write_message(self._writer, Cancel(1))
+            async with asyncio.timeout(timeout_s):
+                while not isinstance(event := await self.next(), Done):
+                    pass
+            return event.stats
+        except (RemoteError, ConnectionError, TimeoutError):
+            return {}
 
 
 async def remote_generate(

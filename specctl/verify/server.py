@@ -32,6 +32,7 @@ from specctl.spec.sampling import SamplingParams
 from specctl.verify.draft_client import DraftClient
 
 log = logging.getLogger("specctl.verify")
+CLIENT_CANCEL = "cancelled by the client"  # the reason a CANCEL message gives the session task
 
 
 @dataclass(slots=True)
@@ -151,7 +152,7 @@ class TargetServer(ListeningServer):
                 if task is None:
                     send(Error("unknown_request", f"no running request {message.req}", req=message.req))
                 else:
-                    task.cancel()
+                    task.cancel(CLIENT_CANCEL)  # answered with DONE "cancelled" and the session's stats
             elif isinstance(message, StatsRequest):
                 send(Stats("target", self.snapshot()))
             else:
@@ -184,7 +185,11 @@ class TargetServer(ListeningServer):
             self._release(session)  # before DONE: a client that reads DONE finds the state freed
             send(Done(msg.req, session.finish_reason or "stop", session.stats.to_dict()))
             self.totals.sessions_done += 1
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
+            if exc.args == (CLIENT_CANCEL,):  # not a dropped connection: the client waits for the stats
+                session.stats.wall_s = time.perf_counter() - started
+                self._release(session)
+                send(Done(msg.req, "cancelled", session.stats.to_dict()))
             raise
         except Exception as exc:  # noqa: BLE001 - the session ends with a clear error, the server carries on
             log.exception("session %s failed", msg.req)
