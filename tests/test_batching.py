@@ -9,6 +9,7 @@ import torch
 from specctl.runtime.compute import ComputeThread
 from specctl.spec.drafters import ModelChainDrafter, propose_chains
 from specctl.spec.sampling import SamplingParams
+from tests.conftest import verify_together_to_the_end
 
 
 def test_forward_many_equals_one_session_at_a_time(tiny):
@@ -117,12 +118,7 @@ def test_batched_verification_equals_one_session_at_a_time(tiny):
     bad = Proposal(TokenTree.root(7))  # root is not the session's last token
     assert isinstance(apply_many([(sessions[0], bad), (sessions[1], Proposal(TokenTree.root(sessions[1].seq[-1])))])[0],
                       ValueError)
-    while not all(s.finished for s in sessions):
-        live = [s for s in sessions if not s.finished]
-        proposals = [s.draft.propose(s.seq, s.params, s.generator) for s in live]
-        for s, emitted in zip(live, apply_many(list(zip(live, proposals)))):
-            assert isinstance(emitted, list)
-            s.draft.on_verified(s.last_path)
+    verify_together_to_the_end(sessions)
     for prompt, session in zip(prompts, sessions):
         assert session.output == generate(target, prompt, params)[0]
         assert session.cache.length == len(session.seq) - 1

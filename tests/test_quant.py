@@ -8,9 +8,10 @@ from torch import nn
 from specctl.engine.loader import load_decoder
 from specctl.engine.quant import RowScaledInt8Linear, quantize_decoder
 from specctl.errors import ConfigError
-from specctl.spec.decode import DecodeSession, apply_many, generate
+from specctl.spec.decode import DecodeSession, generate
 from specctl.spec.drafters import ModelChainDrafter
 from specctl.spec.sampling import SamplingParams
+from tests.conftest import verify_together_to_the_end
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -75,12 +76,7 @@ def test_int8_target_verifying_sessions_together_reproduces_its_own_output(tiny_
     sessions = [DecodeSession(target, p, params, drafter) for p in prompts]
     for session in sessions:
         session.prefill()
-    while not all(s.finished for s in sessions):
-        live = [s for s in sessions if not s.finished]
-        proposals = [s.draft.propose(s.seq, s.params, s.generator) for s in live]
-        for session, emitted in zip(live, apply_many(list(zip(live, proposals)))):
-            assert isinstance(emitted, list)
-            session.draft.on_verified(session.last_path)
+    verify_together_to_the_end(sessions)
     for prompt, session in zip(prompts, sessions):
         assert session.output == generate(target, prompt, params)[0]
 

@@ -76,9 +76,10 @@ def overhead(target, draft, target_name: str, draft_name: str, prompts: list[lis
         local_out.append(out)
     local = tokens / (time.perf_counter() - start)
     # Same threads as the one-process run: draft and target alternate, they do not overlap.
-    settings = StarBenchSettings(draft_name, target_name, (1,), depth, max_tokens, 0.0, dtype,
-                                 threads=torch.get_num_threads())
-    with StarCluster(settings) as cluster:
+    # The same draft as the one-process run: unquantized (the draft role's profile default is int8).
+    settings = StarBenchSettings(draft_name, target_name, (1,), depth, max_tokens, 0.0, dtype, max_batches=(1,),
+                                 draft_quant="none", threads=torch.get_num_threads())
+    with StarCluster(settings, max_batch=1) as cluster:
         async def remote_run() -> tuple[float, list]:
             port = cluster.target_ports[0]
             await remote_generate("127.0.0.1", port, prompts[0][:8], SamplingParams(max_tokens=4))

@@ -190,6 +190,8 @@ def net(
     depth: int = typer.Option(4, help="chain depth d"),
     dtype: str = typer.Option("fp32", help="fp32 | bf16"),
     limit: int = typer.Option(4, help="builtin prompts to use"),
+    threads: int = typer.Option(1, help="torch threads of the one process and of each separate process "
+                                        "(two pools of 2 threads contend on a 2-core machine)"),
     json_out: Optional[str] = typer.Option(None, "--json", help="write the report as JSON to this file"),
 ) -> None:
     """Protocol round trip of a 64-node proposal, and one process vs separate processes."""
@@ -200,6 +202,11 @@ def net(
     from specctl.config import build_config
     from specctl.spec.factory import load_named
 
+    import torch
+
+    if threads < 1:
+        raise ConfigError("--threads must be >= 1")
+    torch.set_num_threads(threads)  # the separate processes get the same count (overhead reads it)
     console = Console(stderr=True)
     rt = asyncio.run(round_trip_ms())
     config = build_config(None, target=target, draft=draft, dtype=dtype)
