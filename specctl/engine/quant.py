@@ -24,10 +24,10 @@ import warnings
 import torch
 from torch import nn
 
+from specctl.config import QUANTS
 from specctl.engine.model import Decoder
 from specctl.errors import ConfigError
 
-QUANT_MODES = ("none", "int8")
 _PINNED_COLUMNS = 8  # +1, -1, then zeros: keeps the input width a multiple of 8 for fbgemm
 
 
@@ -78,7 +78,7 @@ def quantize_decoder(decoder: Decoder, mode: str) -> Decoder:
     if mode == "none":
         return decoder
     if mode != "int8":
-        raise ConfigError(f"quantization must be one of {', '.join(QUANT_MODES)}, got {mode!r}")
+        raise ConfigError(f"quantization must be one of {', '.join(QUANTS)}, got {mode!r}")
     if decoder.device.type != "cpu":
         raise ConfigError("int8 quantization runs on the CPU only; use --draft-quant none / --quant none on CUDA")
     if decoder.dtype != torch.float32:

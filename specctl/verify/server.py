@@ -181,21 +181,22 @@ class TargetServer(ListeningServer):
         started = time.perf_counter()
         try:
             await self._decode(session, params, msg, send)
-            session.stats.wall_s = time.perf_counter() - started
-            self._release(session)  # before DONE: a client that reads DONE finds the state freed
-            send(Done(msg.req, session.finish_reason or "stop", session.stats.to_dict()))
+            self._finish(session, msg.req, session.finish_reason or "stop", started, send)
             self.totals.sessions_done += 1
         except asyncio.CancelledError as exc:
             if exc.args == (CLIENT_CANCEL,):  # not a dropped connection: the client waits for the stats
-                session.stats.wall_s = time.perf_counter() - started
-                self._release(session)
-                send(Done(msg.req, "cancelled", session.stats.to_dict()))
+                self._finish(session, msg.req, "cancelled", started, send)
             raise
         except Exception as exc:  # noqa: BLE001 - the session ends with a clear error, the server carries on
             log.exception("session %s failed", msg.req)
             send(Error("internal", f"generation failed: {exc}", req=msg.req))
         finally:
             self._release(session)
+
+    def _finish(self, session: DecodeSession, req: int, reason: str, started: float, send) -> None:
+        session.stats.wall_s = time.perf_counter() - started
+        self._release(session)  # before DONE: a client that reads DONE finds the state freed
+        send(Done(req, reason, session.stats.to_dict()))
 
     def _release(self, session: DecodeSession) -> None:
         """Free a session's KV cache here and its state on the draft server (once)."""
