@@ -9,7 +9,11 @@ from specctl.spec.factory import load_named
 def test_overhead_runs_the_same_pair_in_one_process_and_in_two(tiny_dir):
     config = build_config(None, target=str(tiny_dir["llama"]), draft=f"{tiny_dir['llama']}@2", dtype="fp32")
     target, draft = load_named(config.target, config), load_named(config.draft, config)
-    report = overhead(target, draft, config.target, config.draft, [[1, 2, 3, 4, 5, 6, 7, 8, 9], [40, 41]], 8, 3, "fp32")
+    report = overhead(target, draft, config.target, config.draft, [[1, 2, 3, 4, 5, 6, 7, 8, 9], [40, 41]], 8, 3, "fp32",
+                      repeats=2)
     assert report["outputs_identical"] is True
     assert report["one_process_tokens_per_s"] > 0 and report["separate_processes_tokens_per_s"] > 0
+    assert report["draft_compute_ms_per_round"] > 0
+    assert len(report["ratio_per_turn"]) == len(report["one_process_tokens_per_s_per_turn"]) == 2
+    assert len(report["ratio_per_turn"]) == report["repeats"] == 2
     assert (report["prompts"], report["max_tokens"], report["depth"], report["dtype"]) == (2, 8, 3, "fp32")

@@ -119,3 +119,8 @@ def test_bench_serve_runs_every_variant_with_identical_texts(tiny_dir, tmp_path)
 def test_bench_star_rejects_bad_flags_before_starting_anything(args, message):
     result = run("bench", "star", *args)
     assert result.returncode != 0 and message in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("flag", ["--threads", "--repeats"])
+def test_bench_net_rejects_counts_below_one_before_loading_anything(flag):
+    _assert_one_line_error(run("bench", "net", flag, "0"), "--threads and --repeats must be >= 1")

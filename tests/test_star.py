@@ -2,6 +2,7 @@
 test can inspect their state): exactness, faults, isolation, auth and TLS."""
 
 import asyncio
+import time
 import datetime
 import ipaddress
 
@@ -145,6 +146,25 @@ async def test_cancel_ends_the_session_with_its_stats_and_the_connection_carries
         while isinstance(reply := await read_message(reader), Tokens):
             tokens += reply.tokens
         assert reply.finish_reason == "length" and tokens == local_reference(models, [1, 2, 3], 6)
+        writer.close()
+    finally:
+        await stop_star(draft_server, link, target_server)
+
+
+async def test_a_cancel_before_the_session_exists_gets_done_and_frees_its_cache(models):
+    # The target's compute is busy, so the session's KV cache is still being set up when
+    # CANCEL arrives: the client still gets DONE, and the cache made meanwhile is freed.
+    draft_server, _, _, link, target_server, port = await start_star(models)
+    try:
+        target_server.compute.submit_nowait(time.sleep, 0.5)
+        reader, writer = await _generating_client(port, [1, 2, 3], 400)
+        await asyncio.sleep(0.1)
+        await write_message(writer, Cancel(1))
+        reply = await asyncio.wait_for(read_message(reader), 5)
+        assert isinstance(reply, Done) and reply.req == 1 and reply.finish_reason == "cancelled"
+        assert (reply.stats["prompt_tokens"], reply.stats["new_tokens"], reply.stats["rounds"]) == (3, 0, 0)
+        await wait_until(lambda: target_server.pool.used_bytes == 0 and target_server.pool.sessions == 0
+                         and target_server.active == 0 and draft_server.table.states == {})
         writer.close()
     finally:
         await stop_star(draft_server, link, target_server)

@@ -19,7 +19,7 @@ from specctl.net.protocol import Proposal, Propose, Tensor
 from specctl.spec.decode import generate
 from specctl.spec.drafters import ModelChainDrafter
 from specctl.spec.sampling import SamplingParams
-from specctl.verify.client import remote_generate
+from specctl.verify.client import probe, remote_generate
 
 
 def sample_proposal(nodes: int = 64, vocab: int = 151936, with_q: bool = False) -> Proposal:
@@ -63,34 +63,70 @@ async def round_trip_ms(iterations: int = 2000, nodes: int = 64) -> dict:
             "p99_ms": round(times[int(0.99 * len(times))], 4), "mean_ms": round(statistics.fmean(times), 4)}
 
 
+async def _probe_both(draft_port: int, target_port: int) -> tuple:
+    return await probe("127.0.0.1", draft_port), await probe("127.0.0.1", target_port)
+
+
 def overhead(target, draft, target_name: str, draft_name: str, prompts: list[list[int]], max_tokens: int,
-             depth: int, dtype: str) -> dict:
-    """tokens/s of the pair in one process vs separate processes; same prompts, greedy."""
+             depth: int, dtype: str, repeats: int = 3) -> dict:
+    """tokens/s of the pair in one process vs separate processes; same prompts, greedy.
+
+    Each turn runs every prompt on both sides, alternating which side goes first (AB BA
+    AB ...), so that a machine that speeds up or slows down for a while (this one varies by
+    20% from minute to minute) affects both alike; the ratio is of the totals."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     drafter = ModelChainDrafter(draft.decoder, depth)
     generate(target.decoder, prompts[0][:8], SamplingParams(max_tokens=4), drafter)
-    start, tokens, local_out = time.perf_counter(), 0, []
-    for ids in prompts:
-        out, _, _ = generate(target.decoder, ids, params, drafter)
-        tokens += len(out)
-        local_out.append(out)
-    local = tokens / (time.perf_counter() - start)
-    # Same threads as the one-process run: draft and target alternate, they do not overlap.
-    # The same draft as the one-process run: unquantized (the draft role's profile default is int8).
-    settings = StarBenchSettings(draft_name, target_name, (1,), depth, max_tokens, 0.0, dtype, max_batches=(1,),
-                                 draft_quant="none", threads=torch.get_num_threads())
-    with StarCluster(settings, max_batch=1) as cluster:
-        async def remote_run() -> tuple[float, list]:
-            port = cluster.target_ports[0]
-            await remote_generate("127.0.0.1", port, prompts[0][:8], SamplingParams(max_tokens=4))
-            begin, count, outs = time.perf_counter(), 0, []
-            for ids in prompts:
-                out, _, _ = await remote_generate("127.0.0.1", port, ids, params)
-                count += len(out)
-                outs.append(out)
-            return count / (time.perf_counter() - begin), outs
 
-        remote, remote_out = asyncio.run(remote_run())
-    return {"one_process_tokens_per_s": round(local, 3), "separate_processes_tokens_per_s": round(remote, 3),
-            "ratio": round(remote / local, 3), "outputs_identical": local_out == remote_out,
+    local_draft = [0.0, 0]  # draft seconds, rounds: the one process's own draft cost per round
+
+    def local_run(ids: list[int]) -> tuple[int, float, list]:
+        begin = time.perf_counter()
+        out, stats, _ = generate(target.decoder, ids, params, drafter)
+        local_draft[0] += stats.draft_s
+        local_draft[1] += stats.rounds
+        return len(out), time.perf_counter() - begin, out
+
+    async def remote_run(port: int, ids: list[int]) -> tuple[int, float, list]:
+        begin = time.perf_counter()
+        out, _, _ = await remote_generate("127.0.0.1", port, ids, params)
+        return len(out), time.perf_counter() - begin, out
+
+    # Same threads and OpenMP wait policy as this process, and the same unquantized draft
+    # (the draft role's profile default is int8): only the process boundary differs.
+    settings = StarBenchSettings(draft_name, target_name, (1,), depth, max_tokens, 0.0, dtype, max_batches=(1,),
+                                 draft_quant="none", threads=torch.get_num_threads(), passive_omp=False)
+    local, remote, identical = [], [], True
+    with StarCluster(settings, max_batch=1) as cluster:
+        port = cluster.target_ports[0]
+        asyncio.run(remote_generate("127.0.0.1", port, prompts[0][:8], SamplingParams(max_tokens=4)))
+        for turn in range(repeats):
+            local.append([])
+            remote.append([])
+            for i, ids in enumerate(prompts):
+                # Prompt by prompt, in the order AB BA AB ...: a slow minute hits both sides.
+                for side in ("local", "remote") if (turn * len(prompts) + i) % 2 == 0 else ("remote", "local"):
+                    if side == "local":
+                        local[-1].append(local_run(ids))
+                    else:
+                        remote[-1].append(asyncio.run(remote_run(port, ids)))
+            identical = identical and [r[2] for r in local[-1]] == [r[2] for r in remote[-1]]
+        (_, draft_stats), (_, target_stats) = asyncio.run(_probe_both(cluster.draft_port, port))
+    # What the target waited for proposals beyond the draft's own compute: framing, TCP,
+    # both event loops and thread hand-offs. Unlike the ratio, machine noise hardly moves it.
+    beyond_ms = 1e3 * (target_stats["proposal_wait_s"] - draft_stats["busy_s"]) / max(target_stats["rounds"], 1)
+
+    def rate(turns: list) -> float:
+        runs = [run for turn in turns for run in turn]
+        return sum(count for count, _, _ in runs) / sum(seconds for _, seconds, _ in runs)
+
+    return {"one_process_tokens_per_s": round(rate(local), 3), "separate_processes_tokens_per_s": round(rate(remote), 3),
+            "ratio": round(rate(remote) / rate(local), 3), "outputs_identical": identical,
+            "ratio_per_turn": [round(rate([r]) / rate([l]), 3) for l, r in zip(local, remote)],
+            "one_process_tokens_per_s_per_turn": [round(rate([l]), 3) for l in local],
+            "separate_processes_tokens_per_s_per_turn": [round(rate([r]), 3) for r in remote],
+            "proposal_wait_beyond_draft_compute_ms_per_round": round(beyond_ms, 3),
+            "draft_compute_ms_per_round": round(1e3 * draft_stats["busy_s"] / max(target_stats["rounds"], 1), 3),
+            "one_process_draft_ms_per_round": round(1e3 * local_draft[0] / max(local_draft[1], 1), 3),
+            "repeats": repeats, "threads": torch.get_num_threads(),
             "prompts": len(prompts), "max_tokens": max_tokens, "depth": depth, "dtype": dtype}

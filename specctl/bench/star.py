@@ -44,6 +44,9 @@ class StarBenchSettings:
     target_quant: str = "none"
     sessions: int = 4  # per target and N, the same prompts in the same order
     threads: int = 1  # per process: many targets share this machine's cores
+    # Idle OpenMP workers sleep instead of spinning: right when 9-18 processes share the cores,
+    # wrong for a like-for-like comparison with one process (bench net), which inherits the caller's policy.
+    passive_omp: bool = True
     # Emulated runs put the targets at a lower CPU priority: in the topology being emulated
     # their compute runs on their own machines, not on the draft server's cores.
     target_nice: int = 10
@@ -69,10 +72,12 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
-def spawn_role(*args: str, niceness: int = 0) -> subprocess.Popen:
+def spawn_role(*args: str, niceness: int = 0, threads: int | None = None, passive_omp: bool = True) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    # Idle OpenMP workers must sleep, not spin: several processes share these cores.
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if passive_omp:  # several processes share these cores: idle OpenMP workers must sleep, not spin
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if threads is not None:  # size the OpenMP pool at start-up, as --threads later asks
+        env["OMP_NUM_THREADS"] = str(threads)
     return subprocess.Popen([sys.executable, "-m", "specctl", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env,
                             preexec_fn=(lambda: os.nice(niceness)) if niceness else None)
@@ -100,16 +105,17 @@ class StarCluster:
     def __enter__(self) -> "StarCluster":
         s = self.settings
         common = ("--dtype", s.dtype, "--threads", str(s.threads), "--log-level", "warning")
+        env = {"threads": s.threads, "passive_omp": s.passive_omp}
         try:
             self.procs.append(spawn_role("draft", "--port", str(self.draft_port), "--model", s.draft, "--mode", s.mode,
                                          "--depth", str(s.depth), "--max-batch", str(self.max_batch),
-                                         "--draft-quant", s.draft_quant, *common))
+                                         "--draft-quant", s.draft_quant, *common, **env))
             wait_listening(self.procs[0], "draft server")
             for port in self.target_ports:
                 self.procs.append(spawn_role("verify", "--model", s.target, "--draft", f"127.0.0.1:{self.draft_port}",
                                          "--port", str(port), "--verify-delay-ms", str(s.verify_delay_ms),
                                          "--quant", s.target_quant, *common,
-                                         niceness=s.target_niceness))
+                                         niceness=s.target_niceness, **env))
             for i, proc in enumerate(self.procs[1:]):
                 wait_listening(proc, f"target instance {i + 1}")
         except BaseException:

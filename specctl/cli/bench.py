@@ -192,6 +192,7 @@ def net(
     limit: int = typer.Option(4, help="builtin prompts to use"),
     threads: int = typer.Option(1, help="torch threads of the one process and of each separate process "
                                         "(two pools of 2 threads contend on a 2-core machine)"),
+    repeats: int = typer.Option(3, help="turns of one process then separate processes; the ratio is of the totals"),
     json_out: Optional[str] = typer.Option(None, "--json", help="write the report as JSON to this file"),
 ) -> None:
     """Protocol round trip of a 64-node proposal, and one process vs separate processes."""
@@ -204,8 +205,8 @@ def net(
 
     import torch
 
-    if threads < 1:
-        raise ConfigError("--threads must be >= 1")
+    if threads < 1 or repeats < 1:
+        raise ConfigError("--threads and --repeats must be >= 1")
     torch.set_num_threads(threads)  # the separate processes get the same count (overhead reads it)
     console = Console(stderr=True)
     rt = asyncio.run(round_trip_ms())
@@ -214,7 +215,7 @@ def net(
     draft_model = load_named(draft, config, console)
     prompts = [target_model.tokenizer.encode(p.prompt) for p in load_prompts("builtin")[:limit]]
     with console.status("one process, then draft and target as separate processes"):
-        ov = overhead(target_model, draft_model, target, draft, prompts, max_tokens, depth, dtype)
+        ov = overhead(target_model, draft_model, target, draft, prompts, max_tokens, depth, dtype, repeats)
     table = Table(title="bench net")
     table.add_column("measure")
     table.add_column("value", justify="right")
@@ -223,7 +224,11 @@ def net(
     table.add_row("one process", f"{ov['one_process_tokens_per_s']:.2f} tok/s")
     table.add_row("separate processes (loopback)", f"{ov['separate_processes_tokens_per_s']:.2f} tok/s")
     table.add_row("ratio", f"{ov['ratio']:.3f}x")
+    table.add_row("ratio in each turn", "  ".join(f"{r:.3f}x" for r in ov["ratio_per_turn"]))
     table.add_row("outputs identical", str(ov["outputs_identical"]))
+    table.add_row("draft compute per round: one process", f"{ov['one_process_draft_ms_per_round']:.1f} ms")
+    table.add_row("draft compute per round: draft server", f"{ov['draft_compute_ms_per_round']:.1f} ms")
+    table.add_row("proposal wait beyond it per round", f"{ov['proposal_wait_beyond_draft_compute_ms_per_round']:.2f} ms")
     Console().print(table)
     if json_out:
         with open(json_out, "w") as f:

@@ -29,6 +29,7 @@ from specctl.runtime.tasks import TaskGroup
 from specctl.spec.decode import DecodeSession, apply_many
 from specctl.spec.drafters import Proposal
 from specctl.spec.sampling import SamplingParams
+from specctl.spec.stats import GenerationStats
 from specctl.verify.draft_client import DraftClient
 
 log = logging.getLogger("specctl.verify")
@@ -167,11 +168,15 @@ class TargetServer(ListeningServer):
             check_token_ids(msg.stop_token_ids, self.model.spec.vocab_size)
             if self.active >= self.config.max_sessions:
                 raise KVBudgetExceeded(f"target instance full: {self.config.max_sessions} sessions running; retry later")
-            session = await self.compute.run(
+            creating = asyncio.ensure_future(self.compute.run(
                 DecodeSession, self.model.decoder, msg.prompt, params, None, self.model.eos_token_ids, None, self.pool,
                 None, self.config.max_proposal_nodes,
-            )
-        except asyncio.CancelledError:
+            ))
+            session = await asyncio.shield(creating)  # cancelled meanwhile: the session made is still closed
+        except asyncio.CancelledError as exc:
+            creating.add_done_callback(self._close_orphan)
+            if exc.args == (CLIENT_CANCEL,):
+                send(Done(msg.req, "cancelled", GenerationStats(prompt_tokens=len(msg.prompt)).to_dict()))
             raise
         except SpecctlError as exc:
             code = "capacity" if isinstance(exc, KVBudgetExceeded) else "bad_request"
@@ -192,6 +197,11 @@ class TargetServer(ListeningServer):
             send(Error("internal", f"generation failed: {exc}", req=msg.req))
         finally:
             self._release(session)
+
+    def _close_orphan(self, creating: asyncio.Future) -> None:
+        """A session whose request was cancelled while its KV cache was being set up."""
+        if not creating.cancelled() and creating.exception() is None:
+            self.compute.submit_nowait(creating.result().close)
 
     def _finish(self, session: DecodeSession, req: int, reason: str, started: float, send) -> None:
         session.stats.wall_s = time.perf_counter() - started
