@@ -192,7 +192,8 @@ def net(
     limit: int = typer.Option(4, help="builtin prompts to use"),
     threads: int = typer.Option(1, help="torch threads of the one process and of each separate process "
                                         "(two pools of 2 threads contend on a 2-core machine)"),
-    repeats: int = typer.Option(3, help="turns of one process then separate processes; the ratio is of the totals"),
+    repeats: int = typer.Option(3, help="turns over the prompts, each prompt run in one process and in separate processes, "
+                                         "alternating which goes first; the ratio is of the totals"),
     json_out: Optional[str] = typer.Option(None, "--json", help="write the report as JSON to this file"),
 ) -> None:
     """Protocol round trip of a 64-node proposal, and one process vs separate processes."""
@@ -214,7 +215,7 @@ def net(
     target_model = load_named(target, config, console)
     draft_model = load_named(draft, config, console)
     prompts = [target_model.tokenizer.encode(p.prompt) for p in load_prompts("builtin")[:limit]]
-    with console.status("one process, then draft and target as separate processes"):
+    with console.status("one process and separate processes, prompt by prompt"):
         ov = overhead(target_model, draft_model, target, draft, prompts, max_tokens, depth, dtype, repeats)
     table = Table(title="bench net")
     table.add_column("measure")
