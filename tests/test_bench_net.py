@@ -14,6 +14,6 @@ def test_overhead_runs_the_same_pair_in_one_process_and_in_two(tiny_dir):
     assert report["outputs_identical"] is True
     assert report["one_process_tokens_per_s"] > 0 and report["separate_processes_tokens_per_s"] > 0
     assert report["draft_compute_ms_per_round"] > 0
-    assert len(report["ratio_per_turn"]) == len(report["one_process_tokens_per_s_per_turn"]) == 2
-    assert len(report["ratio_per_turn"]) == report["repeats"] == 2
+    assert report["repeats"] == 2 == len(report["ratio_per_turn"]) == len(report["one_process_tokens_per_s_per_turn"]) \
+        == len(report["separate_processes_tokens_per_s_per_turn"])
     assert (report["prompts"], report["max_tokens"], report["depth"], report["dtype"]) == (2, 8, 3, "fp32")
