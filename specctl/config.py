@@ -9,15 +9,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+import tomllib
 
 from specctl.errors import ConfigError
 

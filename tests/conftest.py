@@ -62,14 +62,24 @@ needs_qwen = pytest.mark.skipif(
 )
 
 
-def verify_together_to_the_end(sessions) -> None:
+def verify_together_to_the_end(sessions, drafters) -> None:
     """Run prefilled DecodeSessions to the end, verifying the live ones' rounds in one batched
     forward per round (as a target instance does), each round's proposal from its own drafter."""
     from specctl.spec.decode import apply_many
+    from specctl.spec.draft_state import DraftState, draft_capacity, draft_many
 
+    states = []
+    for session, drafter in zip(sessions, drafters):
+        capacity = draft_capacity(session.prompt_len, session.params.max_tokens, drafter.max_nodes)
+        states.append(DraftState(drafter.open(capacity), session.params, session.generator,
+                                 session.seq[: session.prompt_len], capacity, drafter.max_nodes,
+                                 session.target.spec.vocab_size))
     while not all(s.finished for s in sessions):
-        live = [s for s in sessions if not s.finished]
-        proposals = [s.draft.propose(s.seq, s.params, s.generator) for s in live]
-        for session, emitted in zip(live, apply_many(list(zip(live, proposals)))):
+        live = [i for i, s in enumerate(sessions) if not s.finished]
+        for i in live:
+            states[i].advance(sessions[i].last_path, sessions[i].last_committed)
+        proposals = draft_many([states[i] for i in live])
+        for emitted in apply_many([(sessions[i], p) for i, p in zip(live, proposals)]):
             assert isinstance(emitted, list)
-            session.draft.on_verified(session.last_path)
+    for state in states:
+        state.close()

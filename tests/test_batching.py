@@ -38,8 +38,8 @@ def test_batched_chain_drafting_matches_one_at_a_time(tiny):
     drafter = ModelChainDrafter(tiny["llama-self2"], 4)
     seqs = [[1, 2, 3, 4], [50, 60], [7, 7, 7, 7, 7, 7]]
     greedy = SamplingParams()
-    alone = [drafter.open(s, 32).propose(s, greedy, None).tree.tokens.tolist() for s in seqs]
-    sessions = [drafter.open(s, 32) for s in seqs]
+    alone = [drafter.open(32).propose(s, greedy, None).tree.tokens.tolist() for s in seqs]
+    sessions = [drafter.open(32) for s in seqs]
     together = propose_chains(sessions, seqs, [greedy] * 3, [None] * 3)
     assert [p.tree.tokens.tolist() for p in together] == alone
     assert [s.cache.length for s in sessions] == [len(s) + 3 for s in seqs]
@@ -104,7 +104,8 @@ def test_batched_verification_equals_one_session_at_a_time(tiny):
     """Sessions of different lengths, chain and tree proposals and a proposal that does not
     fit: verified together they commit exactly what each commits alone, to the end."""
     from specctl.engine.tree import TokenTree
-    from specctl.spec.decode import DecodeSession, apply_many, generate
+    from specctl.spec.decode import DecodeSession, apply_many
+    from specctl.spec.rounds import generate
     from specctl.spec.drafters import ModelTreeDrafter, Proposal
 
     target = tiny["llama"]
@@ -112,13 +113,13 @@ def test_batched_verification_equals_one_session_at_a_time(tiny):
     prompts = [[1, 2, 3, 4, 5], [9, 8], [40, 41, 42, 43, 44, 45, 46], [300, 301]]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     drafters = [chain, tree, chain, tree]
-    sessions = [DecodeSession(target, p, params, d) for p, d in zip(prompts, drafters)]
+    sessions = [DecodeSession(target, p, params, max_nodes=d.max_nodes) for p, d in zip(prompts, drafters)]
     for s in sessions:
         s.prefill()
     bad = Proposal(TokenTree.root(7))  # root is not the session's last token
     assert isinstance(apply_many([(sessions[0], bad), (sessions[1], Proposal(TokenTree.root(sessions[1].seq[-1])))])[0],
                       ValueError)
-    verify_together_to_the_end(sessions)
+    verify_together_to_the_end(sessions, drafters)
     for prompt, session in zip(prompts, sessions):
         assert session.output == generate(target, prompt, params)[0]
         assert session.cache.length == len(session.seq) - 1
@@ -132,11 +133,11 @@ def test_batched_tree_drafting_matches_one_at_a_time(tiny):
     for params in (SamplingParams(), SamplingParams(temperature=0.8, top_k=20)):
         alone, alone_probs = [], []
         for s in seqs:
-            session = drafter.open(s, 64)
+            session = drafter.open(64)
             tree = session.propose(s, params, None).tree
             alone.append((tree.tokens.tolist(), tree.parents.tolist(), session.fed, session.cache.length))
             alone_probs.append(tree.probs)
-        sessions = [drafter.open(s, 64) for s in seqs]
+        sessions = [drafter.open(64) for s in seqs]
         together = propose_trees(sessions, seqs, [params] * 3, [None] * 3)
         assert [(p.tree.tokens.tolist(), p.tree.parents.tolist(), s.fed, s.cache.length)
                 for p, s in zip(together, sessions)] == alone

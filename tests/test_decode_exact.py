@@ -5,7 +5,8 @@ import torch
 
 from specctl.engine.kv_cache import KVPool
 from specctl.errors import KVBudgetExceeded, PromptTooLong
-from specctl.spec.decode import DecodeSession, generate
+from specctl.spec.decode import DecodeSession
+from specctl.spec.rounds import InlineLane, LocalSpeculator, generate, run_inline, run_session
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.spec.sampling import SamplingParams
 
@@ -71,19 +72,28 @@ def test_session_state_is_freed(tiny):
     for drafter in (ModelChainDrafter(tiny["llama-draft"], 3), ModelTreeDrafter(tiny["llama-draft"], 3, 2, 2)):
         generate(tiny["llama"], [1, 2, 3], params, drafter, pool=pool, draft_pool=draft_pool)
         assert pool.used_bytes == 0 and draft_pool.used_bytes == 0 and pool.sessions == 0
-    # A stream abandoned half-way frees its state too.
-    session = DecodeSession(tiny["llama"], [1, 2, 3], params, ModelChainDrafter(tiny["llama-draft"], 3), pool=pool, draft_pool=draft_pool)
-    stream = session.stream()
-    next(stream)
-    assert pool.sessions == 1 and draft_pool.sessions == 1
-    stream.close()
-    assert pool.used_bytes == 0 and draft_pool.used_bytes == 0
+    # A session that fails half-way (here: its emit raises) frees its state too.
+    class Stop(Exception):
+        pass
+
+    def emit(tokens, result):
+        assert pool.sessions == 1 and draft_pool.sessions == (1 if result is not None else 0)
+        if result is not None:
+            raise Stop
+
+    lane = InlineLane()
+    speculator = LocalSpeculator(ModelChainDrafter(tiny["llama-draft"], 3), lane, draft_pool)
+    session = DecodeSession(tiny["llama"], [1, 2, 3], params, pool=pool, max_nodes=speculator.max_nodes)
+    with pytest.raises(Stop):
+        run_inline(run_session(session, speculator, lane, emit))
+    assert pool.used_bytes == 0 and draft_pool.used_bytes == 0 and pool.sessions == 0 and draft_pool.sessions == 0
 
 
 def test_budget_refuses_a_session_and_frees_the_target_reservation(tiny):
     pool, draft_pool = KVPool(), KVPool(budget_bytes=1)
     with pytest.raises(KVBudgetExceeded):
-        DecodeSession(tiny["llama"], [1, 2], SamplingParams(), ModelChainDrafter(tiny["llama-draft"], 3), pool=pool, draft_pool=draft_pool)
+        generate(tiny["llama"], [1, 2], SamplingParams(), ModelChainDrafter(tiny["llama-draft"], 3), pool=pool,
+                 draft_pool=draft_pool)
     assert pool.used_bytes == 0 and pool.sessions == 0
 
 

@@ -8,7 +8,8 @@ from torch import nn
 from specctl.engine.loader import load_decoder
 from specctl.engine.quant import RowScaledInt8Linear, quantize_decoder
 from specctl.errors import ConfigError
-from specctl.spec.decode import DecodeSession, generate
+from specctl.spec.decode import DecodeSession
+from specctl.spec.rounds import generate
 from specctl.spec.drafters import ModelChainDrafter
 from specctl.spec.sampling import SamplingParams
 from tests.conftest import verify_together_to_the_end
@@ -73,10 +74,10 @@ def test_int8_target_verifying_sessions_together_reproduces_its_own_output(tiny_
     drafter = ModelChainDrafter(tiny["llama-draft"], 3)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     prompts = [[1, 2, 3, 4, 5], [9, 8], [300, 301, 302]]
-    sessions = [DecodeSession(target, p, params, drafter) for p in prompts]
+    sessions = [DecodeSession(target, p, params, max_nodes=drafter.max_nodes) for p in prompts]
     for session in sessions:
         session.prefill()
-    verify_together_to_the_end(sessions)
+    verify_together_to_the_end(sessions, [drafter] * len(sessions))
     for prompt, session in zip(prompts, sessions):
         assert session.output == generate(target, prompt, params)[0]
 

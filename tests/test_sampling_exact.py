@@ -10,7 +10,7 @@ from scipy.stats import chisquare
 
 from specctl.engine.loader import load_decoder
 from specctl.engine.tiny import make_tiny_model
-from specctl.spec.decode import generate
+from specctl.spec.rounds import generate
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.spec.sampling import SamplingParams, probs_from_logits
 

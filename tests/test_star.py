@@ -14,7 +14,7 @@ from specctl.errors import VocabMismatch
 from specctl.net.framing import read_message, write_message
 from specctl.net.handshake import AuthError, client_handshake
 from specctl.net.protocol import Cancel, Done, Error, Generate, OpenSession, Propose, SessionOpened, Stats, StatsRequest, Tokens, encode
-from specctl.spec.decode import generate
+from specctl.spec.rounds import generate
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter
 from specctl.spec.sampling import SamplingParams
 from specctl.verify.client import remote_generate

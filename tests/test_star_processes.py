@@ -9,7 +9,7 @@ import pytest
 
 from specctl.bench.star import free_ports, spawn_role, stop_processes, wait_listening
 from specctl.engine.loader import load_model
-from specctl.spec.decode import generate
+from specctl.spec.rounds import generate
 from specctl.spec.sampling import SamplingParams
 from specctl.verify.client import remote_generate, remote_stats
 

@@ -10,10 +10,10 @@ import torch
 from rich.progress import Progress
 
 from specctl.bench.prompts import BenchPrompt
-from specctl.cli.generate import encode_prompt
 from specctl.config import Config
 from specctl.engine.loader import DTYPES, LoadedModel
-from specctl.spec.decode import generate
+from specctl.engine.text import encode_user_text
+from specctl.spec.rounds import generate
 from specctl.spec.factory import make_drafter
 from specctl.spec.sampling import SamplingParams
 
@@ -61,7 +61,7 @@ def run_engine_mode(mode: str, config: Config, target: LoadedModel, draft: Loade
         out, stats, _ = generate(target.decoder, ids, params, drafter, eos_token_ids=target.eos_token_ids)
         result.wall_s += time.perf_counter() - start
         result.new_tokens += len(out)
-        result.rounds += stats.rounds
+        result.rounds += stats.drafts  # speculative rounds: acceptance is over drafts
         result.accepted += stats.accepted
         result.drafted += stats.drafted
         result.outputs.append(out)
@@ -104,7 +104,7 @@ def run_hf_assisted(config: Config, target: LoadedModel, draft: LoadedModel, pro
 
 def run_local_bench(config: Config, target: LoadedModel, draft: LoadedModel | None, prompts: list[BenchPrompt],
                     modes: list[str], max_tokens: int, progress: Progress) -> dict:
-    encoded = [encode_prompt(target, p.prompt, p.chat) for p in prompts]
+    encoded = [encode_user_text(target.tokenizer, p.prompt, p.chat) for p in prompts]
     task = progress.add_task("benchmark", total=len(modes) * len(encoded))
     results: dict[str, ModeResult] = {}
     for mode in modes:

@@ -15,18 +15,17 @@ import torch
 
 from specctl.bench.star import StarBenchSettings, StarCluster
 from specctl.net.framing import read_message, write_message
-from specctl.net.protocol import Proposal, Propose, Tensor
-from specctl.spec.decode import generate
+from specctl.net.protocol import Proposal, Propose
+from specctl.spec.rounds import generate
 from specctl.spec.drafters import ModelChainDrafter
 from specctl.spec.sampling import SamplingParams
 from specctl.verify.client import probe, remote_generate
 
 
-def sample_proposal(nodes: int = 64, vocab: int = 151936, with_q: bool = False) -> Proposal:
+def sample_proposal(nodes: int = 64, vocab: int = 151936) -> Proposal:
     tokens = torch.randint(0, vocab, (nodes,)).tolist()
     parents = [-1] + [(i - 1) // 4 for i in range(1, nodes)]
-    q = Tensor.from_torch(torch.rand(4, 1024)) if with_q else None
-    return Proposal(1, tokens, parents, [0.5] * nodes, q)
+    return Proposal(1, tokens, parents, [0.5] * nodes)
 
 
 async def round_trip_ms(iterations: int = 2000, nodes: int = 64) -> dict:

@@ -196,7 +196,7 @@ async def _measure(cluster: StarCluster, n: int, prompts: list[list[int]]) -> di
         "verify_cpu_ms": 1e3 * delta("cpu_s") / max(rounds, 1),
         # What a target waits for a proposal; less the draft's T_wait + t_s, it is the network and event loops.
         "proposal_ms": 1e3 * delta("proposal_wait_s") / max(rounds, 1),
-        "mean_accepted_length": 1 + delta("accepted") / max(rounds, 1),
+        "mean_accepted_length": 1 + delta("accepted") / max(delta("drafts"), 1),
         "acceptance_rate": delta("accepted") / max(delta("drafted"), 1),
     }
 

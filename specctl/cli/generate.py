@@ -12,14 +12,9 @@ from rich.console import Console
 from specctl.config import build_config
 from specctl.engine import text
 from specctl.engine.loader import LoadedModel
-from specctl.spec.decode import DecodeSession
 from specctl.spec.factory import apply_threads, load_pair, make_drafter
+from specctl.spec.rounds import generate as run_generation
 from specctl.spec.sampling import SamplingParams
-
-
-def encode_prompt(model: LoadedModel, prompt: str, chat: bool) -> list[int]:
-    return text.encode_chat(model.tokenizer, [{"role": "user", "content": prompt}]) if chat else \
-        text.encode_prompt(model.tokenizer, prompt)
 
 
 class TextStreamer:
@@ -72,25 +67,23 @@ def generate(
     if remote:
         return _generate_remote(remote, config, prompt, chat, params, as_json, auth_token, tls_ca, console)
     target_model, draft_model = load_pair(config, console)
-    ids = encode_prompt(target_model, prompt, chat)
-    session = DecodeSession(
-        target_model.decoder,
-        ids,
-        params,
-        make_drafter(config, draft_model),
-        eos_token_ids=target_model.eos_token_ids,
-    )
+    ids = text.encode_user_text(target_model.tokenizer, prompt, chat)
     streamer = None if as_json else TextStreamer(target_model.tokenizer)
-    for _ in session.stream():
+    output: list[int] = []
+
+    def on_tokens(tokens: list[int], _round) -> None:
+        output.extend(tokens)
         if streamer:
-            streamer.update(session.output)
-    text = target_model.tokenizer.decode(session.output, skip_special_tokens=True)
-    stats = session.stats
+            streamer.update(output)
+
+    output, stats, finish_reason = run_generation(target_model.decoder, ids, params, make_drafter(config, draft_model),
+                                                  eos_token_ids=target_model.eos_token_ids, on_tokens=on_tokens)
     if as_json:
         print(json.dumps({
             "mode": config.mode, "target": config.target, "draft": config.draft if draft_model else None,
-            "dtype": config.dtype, "token_ids": session.output, "text": text,
-            "finish_reason": session.finish_reason, "stats": stats.to_dict(),
+            "dtype": config.dtype, "token_ids": output,
+            "text": target_model.tokenizer.decode(output, skip_special_tokens=True),
+            "finish_reason": finish_reason, "stats": stats.to_dict(),
         }))
     else:
         streamer.finish()
@@ -115,7 +108,7 @@ def _generate_remote(remote, config, prompt, chat, params, as_json, auth_token, 
     host, port = parse_hostport(remote)
     path = resolve_model(split_model_name(config.target)[0], console)
     holder = LoadedModel(config.target, path, None, None, AutoTokenizer.from_pretrained(path))
-    ids = encode_prompt(holder, prompt, chat)
+    ids = text.encode_user_text(holder.tokenizer, prompt, chat)
     streamer = None if as_json else TextStreamer(holder.tokenizer)
     result = {}
 
@@ -127,9 +120,9 @@ def _generate_remote(remote, config, prompt, chat, params, as_json, auth_token, 
 
     run(main())
     tokens, finish_reason, stats = result["out"]
-    text = holder.tokenizer.decode(tokens, skip_special_tokens=True)
+    output_text = holder.tokenizer.decode(tokens, skip_special_tokens=True)
     if as_json:
-        print(json.dumps({"mode": "remote", "remote": remote, "target": config.target, "token_ids": tokens, "text": text,
+        print(json.dumps({"mode": "remote", "remote": remote, "target": config.target, "token_ids": tokens, "text": output_text,
                           "finish_reason": finish_reason, "stats": stats}))
     else:
         streamer.finish()

@@ -23,7 +23,6 @@ from specctl.net.protocol import (
 )
 from specctl.runtime.compute import ComputeLane, ComputeThread
 from specctl.runtime.listen import ListenConfig, ListeningServer, MessageRate
-from specctl.runtime.tasks import TaskGroup
 from specctl.spec.drafters import Drafter
 
 log = logging.getLogger("specctl.draft")
@@ -95,7 +94,7 @@ class DraftServer(ListeningServer):
             )
             conn = Connection(next(self._ids), peer, hello.role, writer)
             self.connections[conn.id] = conn
-            async with TaskGroup() as group:
+            async with asyncio.TaskGroup() as group:
                 group.create_task(self._write_loop(conn.outgoing, writer))
                 try:
                     await self._read_loop(conn, reader, group)
@@ -113,7 +112,7 @@ class DraftServer(ListeningServer):
                 conn.tags.clear()
             writer.close()
 
-    async def _read_loop(self, conn: Connection, reader: asyncio.StreamReader, group: TaskGroup) -> None:
+    async def _read_loop(self, conn: Connection, reader: asyncio.StreamReader, group: asyncio.TaskGroup) -> None:
         rate = MessageRate(self.config.max_messages_per_s)
         while True:
             try:
@@ -148,7 +147,7 @@ class DraftServer(ListeningServer):
             else:
                 conn.send(Error("unexpected", f"a draft server does not handle {type(message).__name__}"))
 
-    def _open(self, conn: Connection, message: OpenSession, group: TaskGroup) -> None:
+    def _open(self, conn: Connection, message: OpenSession, group: asyncio.TaskGroup) -> None:
         if self.active_sessions >= self.config.max_sessions:
             conn.send(Error("capacity", f"draft server full: {self.config.max_sessions} sessions open; retry later", req=message.req))
             return

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from specctl.errors import UnsupportedArchitecture
+from specctl.errors import BadRequest, UnsupportedArchitecture
 
 SUPPORTED = ("llama", "qwen2", "mistral")
 
@@ -71,3 +71,9 @@ class ModelSpec:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         return ROPE_INIT_FUNCTIONS[rope_type](self.hf_config, torch.device("cpu"))
+
+
+def check_token_ids(ids: list[int], vocab_size: int) -> None:
+    """Refuse token ids outside the model's vocabulary (BadRequest), before any model sees them."""
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        raise BadRequest(f"token ids must be in [0, {vocab_size}), got {min(ids)}..{max(ids)}")

@@ -59,3 +59,8 @@ class IncrementalText:
         delta = upto[len(self.text) :] if len(upto) > len(self.text) else ""
         self.text += delta
         return delta
+
+
+def encode_user_text(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
+    """One user prompt: wrapped in the chat template (one user turn) when ``chat``."""
+    return encode_chat(tokenizer, [{"role": "user", "content": prompt}]) if chat else encode_prompt(tokenizer, prompt)

@@ -188,3 +188,21 @@ def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+class SlowedLane:
+    """A lane whose batched work (verification) waits ``delay_s`` before it is queued: stands
+    for a slower target device in emulated benchmarks (bench star), never in production."""
+
+    def __init__(self, lane: ComputeLane, delay_s: float) -> None:
+        self.lane, self.delay_s = lane, delay_s
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await self.lane.run(fn, *args)
+
+    async def run_batched(self, key: str, fn: Callable[[list], list], item: Any) -> Any:
+        await asyncio.sleep(self.delay_s)
+        return await self.lane.run_batched(key, fn, item)
+
+    def submit_nowait(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.lane.submit_nowait(fn, *args)

@@ -1,4 +1,4 @@
-"""The decode loop of one session: propose -> verify -> accept.
+"""The target side of one session: verify a proposal, accept, commit.
 
 The target's KV cache always holds the committed sequence minus its last token (the
 root of the next proposal). Each round the whole proposal tree is verified in one target
@@ -7,14 +7,12 @@ forward with the tree mask; the accepted path's KV is kept (gather), the rest dr
 from __future__ import annotations
 
 import time
-from typing import Iterator
-
 import torch
 
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.model import Decoder
 from specctl.errors import PromptTooLong
-from specctl.spec.drafters import Drafter, NoDrafter, Proposal
+from specctl.spec.drafters import Proposal
 from specctl.spec.sampling import SamplingParams, probs_from_logits, sample
 from specctl.spec.stats import GenerationStats
 from specctl.spec.verify import accept_chain_sampling, accept_greedy, accept_tree_sampling
@@ -31,17 +29,18 @@ def verify(logits: torch.Tensor, proposal, params: SamplingParams, generator) ->
 
 
 class DecodeSession:
+    """The target side of one session: its KV cache, committed text and output. Rounds are
+    driven by ``spec.rounds.run_session``; this class verifies and accepts."""
+
     def __init__(
         self,
         target: Decoder,
         prompt: list[int],
         params: SamplingParams,
-        drafter: Drafter | None = None,
         eos_token_ids: tuple[int, ...] = (),
         max_context: int | None = None,
         pool: KVPool | None = None,
-        draft_pool: KVPool | None = None,
-        max_proposal_nodes: int | None = None,
+        max_nodes: int = 1,
     ) -> None:
         if not prompt:
             raise PromptTooLong("the prompt is empty: give at least one token")
@@ -52,25 +51,18 @@ class DecodeSession:
                 f"of {limit} tokens; shorten the prompt or lower max_tokens"
             )
         self.target, self.params = target, params
-        self.drafter = drafter or NoDrafter()
+        self.prompt_len = len(prompt)
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-        # Room for the largest tree a round may verify: the local drafter's, or what a
-        # remote draft server may send (max_proposal_nodes).
-        self.max_nodes = max(self.drafter.max_nodes, max_proposal_nodes or 1)
-        capacity = len(prompt) + params.max_tokens + self.max_nodes + 1
-        self.cache = target.new_cache(capacity, pool)
-        try:
-            self.draft = self.drafter.open(prompt, capacity, draft_pool)
-        except BaseException:
-            self.cache.release()
-            raise
+        self.max_nodes = max_nodes  # the largest tree a round may verify (root included)
+        self.capacity = len(prompt) + params.max_tokens + max_nodes + 1
+        self.cache = target.new_cache(self.capacity, pool)
         self.generator = torch.Generator().manual_seed(params.seed if params.seed is not None else int(time.time_ns()))
         self.seq = list(prompt)
         self.output: list[int] = []
         self.finish_reason: str | None = None
         self.stats = GenerationStats(prompt_tokens=len(prompt))
-        self.last_path: list[int] = []
-        self.last_committed: list[int] = []
+        self.last_path: list[int] = []  # the last round's accepted nodes (root excluded)
+        self.last_committed: list[int] = []  # ... and the tokens it committed (accepted + bonus)
 
     @property
     def finished(self) -> bool:
@@ -92,29 +84,17 @@ class DecodeSession:
         return emitted
 
     def prefill(self) -> list[int]:
-        t0 = time.perf_counter()
         prompt = torch.tensor(self.seq, dtype=torch.long)
         logits = self.target(prompt, torch.arange(len(self.seq)), self.cache, logits_at=torch.tensor([len(self.seq) - 1]))
         first = int(logits[0].argmax()) if self.params.greedy else sample(probs_from_logits(logits[0], self.params), self.generator)
-        self.stats.prefill_s += time.perf_counter() - t0
         self.last_committed = [first]
         return self._emit([first])
 
-    def step(self) -> list[int]:
-        """One round; returns the tokens it committed (at least one unless finished)."""
-        t0 = time.perf_counter()
-        proposal = self.draft.propose(self.seq, self.params, self.generator)
-        self.stats.draft_s += time.perf_counter() - t0
-        emitted = self.apply(proposal)
-        self.draft.on_verified(self.last_path)
-        return emitted
-
     def apply(self, proposal: Proposal) -> list[int]:
-        """Verify a proposal (local or from a draft server) and commit what is accepted.
-        ``last_path`` and ``last_committed`` then describe the outcome for the drafter."""
-        t1 = time.perf_counter()
+        """Verify a proposal and commit what is accepted. ``last_path`` and
+        ``last_committed`` then describe the outcome for the drafter."""
         tokens, positions, mask = self.verify_inputs(proposal)
-        return self.accept(proposal, self.target(tokens, positions, self.cache, mask=mask), t1)
+        return self.accept(proposal, self.target(tokens, positions, self.cache, mask=mask))
 
     def verify_inputs(self, proposal: Proposal) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The target forward that verifies a proposal: tree tokens, their positions
@@ -127,36 +107,18 @@ class DecodeSession:
         mask = None if len(tree) == 1 else torch.cat([torch.ones(len(tree), prefix, dtype=torch.bool), tree.mask], 1)
         return tree.tokens, prefix + tree.depth, mask
 
-    def accept(self, proposal: Proposal, logits: torch.Tensor, started: float) -> list[int]:
+    def accept(self, proposal: Proposal, logits: torch.Tensor) -> list[int]:
         """Apply the acceptance rule to the target's logits over the tree, keep the accepted
         path's KV, commit accepted tokens + bonus."""
         tree, prefix = proposal.tree, len(self.seq) - 1
         path, bonus = verify(logits, proposal, self.params, self.generator)
         self.cache.gather(torch.cat([torch.arange(prefix), prefix + torch.tensor([0, *path], dtype=torch.long)]))
-        self.stats.verify_s += time.perf_counter() - started
         self.last_path = path
-        if len(tree) > 1:
-            self.stats.record_round(tree.max_depth, len(tree) - 1, len(path))
-        else:
-            self.stats.rounds += 1
         self.last_committed = [int(t) for t in tree.tokens[path].tolist()] + [bonus]
         return self._emit(self.last_committed)
 
-    def stream(self) -> Iterator[list[int]]:
-        start = time.perf_counter()
-        try:
-            yield self.prefill()
-            while not self.finished:
-                tokens = self.step()
-                self.stats.wall_s = time.perf_counter() - start
-                yield tokens
-        finally:
-            self.stats.wall_s = time.perf_counter() - start
-            self.close()
-
     def close(self) -> None:
         self.cache.release()
-        self.draft.close()
 
 
 def apply_many(items: list[tuple[DecodeSession, Proposal]]) -> list[list[int] | BaseException]:
@@ -169,7 +131,6 @@ def apply_many(items: list[tuple[DecodeSession, Proposal]]) -> list[list[int] | 
             return [items[0][0].apply(items[0][1])]
         except Exception as exc:  # noqa: BLE001 - handed back to that session's caller
             return [exc]
-    started = time.perf_counter()
     results: list[list[int] | BaseException | None] = [None] * len(items)
     ready = []
     for i, (session, proposal) in enumerate(items):
@@ -185,15 +146,7 @@ def apply_many(items: list[tuple[DecodeSession, Proposal]]) -> list[list[int] | 
             [torch.arange(inputs[0].shape[0]) for *_, inputs in ready])
         for (i, session, proposal, _), rows in zip(ready, logits):
             try:
-                results[i] = session.accept(proposal, rows, started)
+                results[i] = session.accept(proposal, rows)
             except Exception as exc:  # noqa: BLE001
                 results[i] = exc
     return results
-
-
-def generate(target: Decoder, prompt: list[int], params: SamplingParams, drafter: Drafter | None = None, **kw):
-    """Run a session to the end; returns (tokens, stats, finish_reason)."""
-    session = DecodeSession(target, prompt, params, drafter, **kw)
-    for _ in session.stream():
-        pass
-    return session.output, session.stats, session.finish_reason

@@ -44,24 +44,20 @@ class Drafter:
     name = "none"
     max_nodes = 1  # most tree nodes (root included) a proposal can have
 
-    def open(self, prompt: list[int], capacity: int, pool: KVPool | None = None) -> DraftSession:
+    def open(self, capacity: int, pool: KVPool | None = None) -> DraftSession:
         return DraftSession()
-
-    def propose_root_only(self, seq: list[int]) -> Proposal:
-        return Proposal(TokenTree.root(seq[-1]))
 
 
 class NoDrafter(Drafter):
     """Autoregressive decoding: every round verifies the root alone."""
 
-    def open(self, prompt: list[int], capacity: int, pool: KVPool | None = None) -> DraftSession:
-        drafter = self
+    def open(self, capacity: int, pool: KVPool | None = None) -> DraftSession:
+        return _RootOnlySession()
 
-        class _Session(DraftSession):
-            def propose(self, seq, params, generator):
-                return drafter.propose_root_only(seq)
 
-        return _Session()
+class _RootOnlySession(DraftSession):
+    def propose(self, seq, params, generator):
+        return Proposal(TokenTree.root(seq[-1]))
 
 
 def _draft_params(params: SamplingParams) -> SamplingParams:
@@ -84,7 +80,7 @@ class ModelChainDrafter(Drafter):
         self.decoder, self.depth = decoder, depth
         self.max_nodes = depth + 1
 
-    def open(self, prompt: list[int], capacity: int, pool: KVPool | None = None) -> DraftSession:
+    def open(self, capacity: int, pool: KVPool | None = None) -> DraftSession:
         return _ChainSession(self.decoder, capacity, pool, self.depth)
 
 
@@ -109,7 +105,7 @@ class ModelTreeDrafter(Drafter):
         self.decoder, self.depth, self.topk, self.width = decoder, depth, topk, width
         self.max_nodes = 1 + depth * width
 
-    def open(self, prompt: list[int], capacity: int, pool: KVPool | None = None) -> DraftSession:
+    def open(self, capacity: int, pool: KVPool | None = None) -> DraftSession:
         return _TreeSession(self.decoder, capacity, pool, self)
 
 
@@ -149,7 +145,7 @@ class NgramDrafter(Drafter):
                         return follow
         return []
 
-    def open(self, prompt: list[int], capacity: int, pool: KVPool | None = None) -> DraftSession:
+    def open(self, capacity: int, pool: KVPool | None = None) -> DraftSession:
         drafter = self
 
         class _Session(DraftSession):

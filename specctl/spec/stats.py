@@ -1,18 +1,42 @@
-"""Per-session statistics of the propose -> verify -> accept loop."""
+"""What a round did (RoundResult) and the one recorder of rounds (GenerationStats), used
+per session and, summed, per target instance.
+
+One definition: a *round* is one verification forward after the prefill. A round whose
+proposal held draft tokens is a *draft* (vLLM's ``num_drafts``); the others are
+autoregressive rounds (``ar_rounds``), by choice (mode ar, an n-gram miss) or because the
+draft failed (``fallback_rounds``). Acceptance figures are over drafts only."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+# Why a round ran autoregressively although a draft was wanted.
+FALLBACK_DRAFT_DOWN = "draft_down"  # no link to a draft server, or it refused the session
+FALLBACK_DRAFT_FAILED = "draft_failed"  # the draft server answered with an error or not in time
+FALLBACK_BAD_PROPOSAL = "bad_proposal"  # a proposal that does not fit the session was dropped
+
+
+@dataclass(frozen=True, slots=True)
+class RoundResult:
+    depth: int  # draft tokens on the proposal's longest path; 0 = an autoregressive round
+    nodes: int  # proposal nodes verified, root excluded
+    accepted: int  # draft tokens accepted
+    committed: int  # tokens the round emitted (accepted + bonus, less what a stop cut)
+    draft_s: float  # drafting here, or waiting for the draft server's proposal
+    verify_s: float  # from handing the proposal to the target's compute to its outcome
+    fallback: str | None = None  # why it ran autoregressively, when a draft was wanted
 
 
 @dataclass(slots=True)
 class GenerationStats:
     prompt_tokens: int = 0
     new_tokens: int = 0
-    rounds: int = 0  # speculative rounds (the prefill's first token is not a round)
-    drafted: int = 0  # draft positions offered (proposal depth), summed over rounds
-    accepted: int = 0  # draft tokens accepted, summed over rounds
+    rounds: int = 0  # verification rounds (the prefill's first token is not a round)
+    drafts: int = 0  # rounds that verified draft tokens
+    drafted: int = 0  # draft positions offered (proposal depth), summed over drafts
+    accepted: int = 0  # draft tokens accepted, summed over drafts
     tree_nodes: int = 0  # proposal nodes verified (root excluded)
+    fallback_rounds: int = 0  # autoregressive rounds because the draft was down, failed or sent a bad proposal
     accepted_per_pos: list[int] = field(default_factory=list)  # how often position i was accepted
     prefill_s: float = 0.0
     draft_s: float = 0.0
@@ -20,9 +44,13 @@ class GenerationStats:
     wall_s: float = 0.0
 
     @property
+    def ar_rounds(self) -> int:
+        return self.rounds - self.drafts
+
+    @property
     def mean_accepted_length(self) -> float:
-        """Tokens produced per round: the accepted draft tokens plus the target's bonus."""
-        return 1.0 + self.accepted / self.rounds if self.rounds else 0.0
+        """Tokens produced per draft round: the accepted draft tokens plus the target's bonus."""
+        return 1.0 + self.accepted / self.drafts if self.drafts else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -32,14 +60,21 @@ class GenerationStats:
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
-    def record_round(self, depth: int, nodes: int, accepted: int) -> None:
+    def record(self, result: RoundResult) -> None:
         self.rounds += 1
-        self.drafted += depth
-        self.tree_nodes += nodes
-        self.accepted += accepted
-        while len(self.accepted_per_pos) < depth:
+        self.draft_s += result.draft_s
+        self.verify_s += result.verify_s
+        if result.fallback is not None:
+            self.fallback_rounds += 1
+        if result.depth == 0:
+            return
+        self.drafts += 1
+        self.drafted += result.depth
+        self.tree_nodes += result.nodes
+        self.accepted += result.accepted
+        while len(self.accepted_per_pos) < result.depth:
             self.accepted_per_pos.append(0)
-        for i in range(accepted):
+        for i in range(result.accepted):
             self.accepted_per_pos[i] += 1
 
     def to_dict(self) -> dict:
@@ -47,6 +82,9 @@ class GenerationStats:
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens,
             "rounds": self.rounds,
+            "drafts": self.drafts,
+            "ar_rounds": self.ar_rounds,
+            "fallback_rounds": self.fallback_rounds,
             "drafted": self.drafted,
             "accepted": self.accepted,
             "tree_nodes": self.tree_nodes,

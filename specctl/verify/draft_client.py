@@ -17,6 +17,7 @@ from specctl.net.handshake import AuthError, client_handshake
 from specctl.net.protocol import CloseSession, Error, OpenSession, Proposal, Propose, SessionOpened, encode
 
 log = logging.getLogger("specctl.verify.draft")
+Handle = tuple[int, int]  # (connection epoch, tag) of a draft session
 
 
 class DraftClient:
@@ -119,7 +120,7 @@ class DraftClient:
             self._pending.pop(key, None)
 
     async def open(self, prompt: list[int], *, temperature: float, top_p: float, top_k: int, seed: int,
-                   max_tokens: int) -> tuple[int, int] | None:
+                   max_tokens: int) -> Handle | None:
         """(epoch, tag) of a new draft session, or None when the draft is unavailable."""
         epoch, req = self.epoch, next(self._reqs)
         reply = await self._request(("req", req), OpenSession(req, prompt, temperature, top_p, top_k, seed, max_tokens))
@@ -127,14 +128,14 @@ class DraftClient:
             return epoch, reply.tag
         return None
 
-    async def propose(self, handle: tuple[int, int], path: list[int], tokens: list[int]) -> Proposal | None:
+    async def propose(self, handle: Handle, path: list[int], tokens: list[int]) -> Proposal | None:
         epoch, tag = handle
         if epoch != self.epoch:
             return None
         reply = await self._request(("tag", tag), Propose(tag, path, tokens))
         return reply if isinstance(reply, Proposal) and epoch == self.epoch else None
 
-    def close(self, handle: tuple[int, int] | None) -> None:
+    def close(self, handle: Handle | None) -> None:
         if handle is None or handle[0] != self.epoch or self._writer is None:
             return
         try:

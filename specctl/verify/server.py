@@ -8,29 +8,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
-from dataclasses import dataclass, field
 
-from specctl.draft.sessions import check_token_ids
+from dataclasses import dataclass
+
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.loader import LoadedModel
-from specctl.engine.tree import TokenTree
+from specctl.engine.spec import check_token_ids
 from specctl.errors import KVBudgetExceeded, SpecctlError
 from specctl.net.framing import read_message
 from specctl.net.handshake import server_handshake
-from specctl.net.protocol import (
-    Cancel, Done, Error, Generate, Proposal as ProposalMsg, ProtocolError, Stats, StatsRequest, Tokens,
-    encode,
-)
-from specctl.runtime.compute import ComputeLane, ComputeThread
+from specctl.net.protocol import Cancel, Done, Error, Generate, ProtocolError, Stats, StatsRequest, Tokens, encode
+from specctl.runtime.compute import ComputeLane, ComputeThread, SlowedLane
 from specctl.runtime.listen import ListenConfig, ListeningServer, MessageRate
-from specctl.runtime.tasks import TaskGroup
-from specctl.spec.decode import DecodeSession, apply_many
-from specctl.spec.drafters import Proposal
+from specctl.spec.decode import DecodeSession
+from specctl.spec.rounds import run_session
 from specctl.spec.sampling import SamplingParams
-from specctl.spec.stats import GenerationStats
+from specctl.spec.stats import GenerationStats, RoundResult
 from specctl.verify.draft_client import DraftClient
+from specctl.verify.speculator import RemoteSpeculator
 
 log = logging.getLogger("specctl.verify")
 CLIENT_CANCEL = "cancelled by the client"  # the reason a CANCEL message gives the session task
@@ -48,29 +44,6 @@ class TargetServerConfig(ListenConfig):
             raise ValueError("verify_delay_s must be >= 0, max_proposal_nodes and max_batch >= 1")
 
 
-def proposal_from_message(msg: ProposalMsg) -> Proposal:
-    try:
-        tree = TokenTree.from_parents(msg.tokens, msg.parents, msg.probs)
-    except ValueError as exc:
-        raise ProtocolError(f"bad proposal tree: {exc}") from None
-    q = None if msg.draft_probs is None else msg.draft_probs.to_torch()
-    if q is not None and q.shape[0] != len(tree) - 1:
-        raise ProtocolError(f"draft_probs has {q.shape[0]} rows for a chain of {len(tree) - 1} tokens")
-    return Proposal(tree, q)
-
-
-@dataclass(slots=True)
-class TargetTotals:
-    sessions_done: int = 0
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    tokens: int = 0
-    ar_rounds: int = 0
-    proposal_wait_s: float = 0.0  # awaiting the draft server's proposals: its queue, service and the network
-    started: float = field(default_factory=time.perf_counter)
-
-
 class TargetServer(ListeningServer):
     def __init__(self, model: LoadedModel, config: TargetServerConfig, draft: DraftClient | None, ssl=None,
                  compute: ComputeLane | None = None) -> None:
@@ -78,21 +51,26 @@ class TargetServer(ListeningServer):
         self.model, self.config, self.draft, self.ssl = model, config, draft, ssl
         # Its own compute thread, or a lane of the device's thread when roles share a process.
         self.compute = compute or ComputeThread("target-compute", max_batch=config.max_batch).lane(owns_thread=True)
+        # Verification waits before it runs when emulating a slower target (bench star).
+        self.verify_lane = SlowedLane(self.compute, config.verify_delay_s) if config.verify_delay_s else self.compute
         self.pool = KVPool(config.kv_budget_bytes)
         self.active = 0
-        self.totals = TargetTotals()
+        self.sessions_done = 0
+        self.totals = GenerationStats()  # every round of every session, one recorder
+        self.started = time.perf_counter()
 
     def snapshot(self) -> dict:
         t = self.totals
-        wall = max(time.perf_counter() - t.started, 1e-9)
+        wall = max(time.perf_counter() - self.started, 1e-9)
         stats = {
-            "model": self.model.name, "sessions": self.active, "sessions_done": t.sessions_done,
-            "rounds": t.rounds, "R_p": round(t.rounds / wall, 3), "tokens": t.tokens,
-            "drafted": t.drafted, "accepted": t.accepted,
-            "tokens_per_s": round(t.tokens / wall, 3), "ar_rounds": t.ar_rounds,
-            "proposal_wait_s": round(t.proposal_wait_s, 6),
-            "acceptance_rate": round(t.accepted / t.drafted, 4) if t.drafted else 0.0,
-            "mean_accepted_length": round(1 + t.accepted / t.rounds, 4) if t.rounds else 0.0,
+            "model": self.model.name, "sessions": self.active, "sessions_done": self.sessions_done,
+            "rounds": t.rounds, "R_p": round(t.rounds / wall, 3), "tokens": t.new_tokens,
+            "drafts": t.drafts, "drafted": t.drafted, "accepted": t.accepted,
+            "tokens_per_s": round(t.new_tokens / wall, 3), "ar_rounds": t.ar_rounds,
+            "fallback_rounds": t.fallback_rounds,
+            "proposal_wait_s": round(t.draft_s, 6),
+            "acceptance_rate": round(t.acceptance_rate, 4),
+            "mean_accepted_length": round(t.mean_accepted_length, 4),
             "kv_used_mb": round(self.pool.used_bytes / 2**20, 2),
             "draft_connected": bool(self.draft and self.draft.connected.is_set()),
             "draft_reconnects": self.draft.reconnects if self.draft else 0,
@@ -113,7 +91,7 @@ class TargetServer(ListeningServer):
                 max_sessions=self.config.max_sessions, auth_token=self.config.auth_token,
                 accept_roles={"client": False, "gateway": False, "monitor": False},
             )
-            async with TaskGroup() as group:
+            async with asyncio.TaskGroup() as group:
                 group.create_task(self._write_loop(outgoing, writer))
                 try:
                     await self._read_loop(reader, outgoing, tasks, group)
@@ -128,7 +106,7 @@ class TargetServer(ListeningServer):
         finally:
             writer.close()
 
-    async def _read_loop(self, reader, outgoing: asyncio.Queue, tasks: dict, group: TaskGroup) -> None:
+    async def _read_loop(self, reader, outgoing: asyncio.Queue, tasks: dict, group: asyncio.TaskGroup) -> None:
         send = lambda message: outgoing.put_nowait(encode(message))  # noqa: E731
         rate = MessageRate(self.config.max_messages_per_s)
         while True:
@@ -160,19 +138,43 @@ class TargetServer(ListeningServer):
                 send(Error("unexpected", f"a target instance does not handle {type(message).__name__}"))
 
     async def _run_session(self, msg: Generate, send) -> None:
+        self.active += 1  # taken before any await: two requests cannot both see the last free slot
+        try:
+            session = await self._create(msg, send)
+            if session is None:
+                return
+            started = time.perf_counter()
+            speculator = RemoteSpeculator(self.draft, self.config.max_proposal_nodes, msg.seed)
+            emit = lambda tokens, result: self._emit(msg.req, tokens, result, send)  # noqa: E731
+            try:
+                await run_session(session, speculator, self.verify_lane, emit)
+                self.sessions_done += 1
+                self._done(session, msg.req, session.finish_reason or "stop", started, send)
+            except asyncio.CancelledError as exc:
+                if exc.args == (CLIENT_CANCEL,):  # not a dropped connection: the client waits for the stats
+                    self._done(session, msg.req, "cancelled", started, send)
+                raise
+            except Exception as exc:  # noqa: BLE001 - the session ends with a clear error, the server carries on
+                log.exception("session %s failed", msg.req)
+                send(Error("internal", f"generation failed: {exc}", req=msg.req))
+        finally:
+            self.active -= 1
+
+    async def _create(self, msg: Generate, send) -> DecodeSession | None:
+        """The session's target state, made on the compute thread; None when refused (answered)."""
         try:
             params = SamplingParams(temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k,
                                     max_tokens=msg.max_tokens, seed=msg.seed, stop_token_ids=tuple(msg.stop_token_ids),
                                     ignore_eos=msg.ignore_eos)
             check_token_ids(msg.prompt, self.model.spec.vocab_size)
             check_token_ids(msg.stop_token_ids, self.model.spec.vocab_size)
-            if self.active >= self.config.max_sessions:
+            if self.active > self.config.max_sessions:
                 raise KVBudgetExceeded(f"target instance full: {self.config.max_sessions} sessions running; retry later")
             creating = asyncio.ensure_future(self.compute.run(
-                DecodeSession, self.model.decoder, msg.prompt, params, None, self.model.eos_token_ids, None, self.pool,
-                None, self.config.max_proposal_nodes,
+                DecodeSession, self.model.decoder, msg.prompt, params, self.model.eos_token_ids, None, self.pool,
+                self.config.max_proposal_nodes,
             ))
-            session = await asyncio.shield(creating)  # cancelled meanwhile: the session made is still closed
+            return await asyncio.shield(creating)  # cancelled meanwhile: the session made is still closed
         except asyncio.CancelledError as exc:
             creating.add_done_callback(self._close_orphan)
             if exc.args == (CLIENT_CANCEL,):
@@ -181,111 +183,21 @@ class TargetServer(ListeningServer):
         except SpecctlError as exc:
             code = "capacity" if isinstance(exc, KVBudgetExceeded) else "bad_request"
             send(Error(code, str(exc), req=msg.req))
-            return
-        self.active += 1
-        started = time.perf_counter()
-        try:
-            await self._decode(session, params, msg, send)
-            self._finish(session, msg.req, session.finish_reason or "stop", started, send)
-            self.totals.sessions_done += 1
-        except asyncio.CancelledError as exc:
-            if exc.args == (CLIENT_CANCEL,):  # not a dropped connection: the client waits for the stats
-                self._finish(session, msg.req, "cancelled", started, send)
-            raise
-        except Exception as exc:  # noqa: BLE001 - the session ends with a clear error, the server carries on
-            log.exception("session %s failed", msg.req)
-            send(Error("internal", f"generation failed: {exc}", req=msg.req))
-        finally:
-            self._release(session)
+            return None
 
     def _close_orphan(self, creating: asyncio.Future) -> None:
         """A session whose request was cancelled while its KV cache was being set up."""
         if not creating.cancelled() and creating.exception() is None:
             self.compute.submit_nowait(creating.result().close)
 
-    def _finish(self, session: DecodeSession, req: int, reason: str, started: float, send) -> None:
+    def _done(self, session: DecodeSession, req: int, reason: str, started: float, send) -> None:
+        # The round loop has already queued the freeing of the session's state.
         session.stats.wall_s = time.perf_counter() - started
-        self._release(session)  # before DONE: a client that reads DONE finds the state freed
         send(Done(req, reason, session.stats.to_dict()))
 
-    def _release(self, session: DecodeSession) -> None:
-        """Free a session's KV cache here and its state on the draft server (once)."""
-        if getattr(session, "released", False):
-            return
-        session.released = True
-        self.active -= 1
-        self.compute.submit_nowait(session.close)
-        if self.draft is not None:
-            self.draft.close(getattr(session, "draft_handle", None))
-
-    async def _open_draft(self, session: DecodeSession, params: SamplingParams, msg: Generate):
-        if self.draft is None or not self.draft.connected.is_set():
-            return None
-        seed = msg.seed if msg.seed is not None else random.getrandbits(62)
-        return await self.draft.open(session.seq[:-1] if session.output else list(msg.prompt), temperature=params.temperature,
-                                     top_p=params.top_p, top_k=params.top_k, seed=seed, max_tokens=params.max_tokens)
-
-    async def _decode(self, session: DecodeSession, params: SamplingParams, msg: Generate, send):
-        opening = asyncio.ensure_future(self._open_draft(session, params, msg))  # overlaps the target's prefill
-        try:
-            first = await self.compute.run(session.prefill)
-        finally:
-            # Known to the session even when cancelled during the prefill, so _release closes it.
-            session.draft_handle = handle = await opening
-        self._emit(msg.req, first, send)
-        fresh = True  # the draft has the prompt but not the committed tokens since
-        # A draft server that refused this session (capacity, StarSD admission) is asked again
-        # only after it reconnects: the session goes on autoregressively meanwhile.
-        refused_epoch = self.draft.epoch if handle is None and self.draft is not None and self.draft.connected.is_set() else None
-        while not session.finished:
-            proposal = None
-            if (handle is None and self.draft is not None and self.draft.connected.is_set()
-                    and refused_epoch != self.draft.epoch):
-                handle = session.draft_handle = await self._open_draft(session, params, msg)
-                refused_epoch = self.draft.epoch if handle is None else None
-                fresh = True
-            if handle is not None:
-                asked = time.perf_counter()
-                if fresh:
-                    reply = await self.draft.propose(handle, [], [session.seq[-1]] if session.output else [])
-                else:
-                    reply = await self.draft.propose(handle, session.last_path, session.last_committed)
-                fresh = False
-                self.totals.proposal_wait_s += time.perf_counter() - asked
-                if reply is None:
-                    handle = session.draft_handle = None
-                else:
-                    proposal = self._checked(reply, session)
-            if proposal is None:
-                proposal = Proposal(TokenTree.root(session.seq[-1]))
-                self.totals.ar_rounds += 1
-            if self.config.verify_delay_s:
-                await asyncio.sleep(self.config.verify_delay_s)
-            # Rounds of this instance's sessions that are due together share one forward.
-            emitted = await self.compute.run_batched("verify", apply_many, (session, proposal))
-            if len(proposal.tree) > 1:
-                self.totals.rounds += 1
-                self.totals.drafted += proposal.tree.max_depth
-                self.totals.accepted += len(session.last_path)
-            self._emit(msg.req, emitted, send)
-        return handle
-
-    def _checked(self, reply: ProposalMsg, session: DecodeSession) -> Proposal | None:
-        """A proposal that does not fit this session is dropped: the round runs autoregressively."""
-        try:
-            proposal = proposal_from_message(reply)
-        except ProtocolError as exc:
-            log.warning("ignoring a bad proposal: %s", exc)
-            return None
-        vocab = self.model.spec.vocab_size
-        if (len(proposal.tree) > session.max_nodes or int(proposal.tree.tokens[0]) != session.seq[-1]
-                or int(proposal.tree.tokens.max()) >= vocab or int(proposal.tree.tokens.min()) < 0
-                or (proposal.draft_probs is not None and proposal.draft_probs.shape[-1] != vocab)):
-            log.warning("ignoring a proposal that does not fit the session")
-            return None
-        return proposal
-
-    def _emit(self, req: int, tokens: list[int], send) -> None:
+    def _emit(self, req: int, tokens: list[int], result: RoundResult | None, send) -> None:
+        if result is not None:
+            self.totals.record(result)
         if tokens:
-            self.totals.tokens += len(tokens)
+            self.totals.new_tokens += len(tokens)
             send(Tokens(req, tokens))

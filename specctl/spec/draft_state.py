@@ -1,0 +1,108 @@
+"""The draft side of one session, wherever the draft runs: the draft session, the committed
+text it drafts from and the proposal it last made. A round's outcome (accepted node
+indices + the tokens it committed) is applied here, and only here, whether it arrives as a
+Propose message on a draft server or from the one-process round loop; an outcome that does
+not fit the last proposal is refused before it reaches the model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specctl.engine.spec import check_token_ids
+from specctl.engine.tree import TokenTree
+from specctl.errors import BadRequest
+from specctl.spec.drafters import DraftSession, Proposal, batch_kind
+from specctl.spec.sampling import SamplingParams
+
+
+def draft_capacity(prompt_tokens: int, max_tokens: int, max_nodes: int) -> int:
+    """Positions a draft session reserves: the text it may see plus a proposal drafted past
+    its end, plus the outcome that arrives before it is cut back."""
+    return prompt_tokens + max_tokens + 2 * max_nodes + 2
+
+
+@dataclass(slots=True)
+class DraftState:
+    session: DraftSession
+    params: SamplingParams
+    generator: torch.Generator
+    seq: list[int]  # committed text; its last token is the next proposal's root
+    capacity: int  # positions the session reserved (prompt + max_tokens + room for proposals)
+    max_nodes: int  # the drafter's largest proposal (root included)
+    vocab_size: int
+    last_tree: TokenTree | None = None  # the proposal the next outcome answers, if any
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    def check_outcome(self, path: list[int], tokens: list[int]) -> None:
+        """Refuse an outcome that is not one the last proposal could have had: BadRequest."""
+        check_token_ids(tokens, self.vocab_size)
+        if not tokens:
+            raise BadRequest("an outcome must commit at least one token (the bonus, or the first token after a prompt)")
+        if len(self.seq) + len(tokens) + self.max_nodes > self.capacity:
+            raise BadRequest(f"the session grew past the {self.capacity} positions it reserved")
+        tree = self.last_tree
+        if tree is None:
+            if path:
+                raise BadRequest("an accepted path was sent but no proposal is outstanding")
+            return
+        if len(tokens) != len(path) + 1:
+            raise BadRequest(f"an outcome of {len(path)} accepted nodes commits {len(path) + 1} tokens, got {len(tokens)}")
+        parent = 0
+        for node, token in zip(path, tokens):
+            if not 0 < node < len(tree) or int(tree.parents[node]) != parent:
+                raise BadRequest(f"accepted path {path} is not a root-to-leaf path of the last proposal")
+            if int(tree.tokens[node]) != token:
+                raise BadRequest(f"token {token} at node {node} differs from the proposed {int(tree.tokens[node])}")
+            parent = node
+
+    def advance(self, path: list[int], tokens: list[int]) -> None:
+        """Apply the last round's outcome (checked first) to the draft's KV and text."""
+        self.check_outcome(path, tokens)
+        if self.last_tree is not None:
+            self.session.on_verified(path)
+            self.rounds += 1
+            self.drafted += self.last_tree.max_depth
+            self.accepted += len(path)
+            self.last_tree = None
+        self.seq.extend(tokens)
+
+    def proposed(self, proposal: Proposal) -> Proposal:
+        self.last_tree = proposal.tree
+        return proposal
+
+    def close(self) -> None:
+        self.session.close()
+
+
+def draft_many(states: list[DraftState]) -> list[Proposal | Exception]:
+    """Draft for several sessions in one pass: chain sessions together and tree sessions
+    together (one forward per step or level for all of them), anything else one at a
+    time. One proposal or exception per state, in order."""
+    results: list[Proposal | Exception | None] = [None] * len(states)
+    groups: dict = {}
+    for i, state in enumerate(states):
+        groups.setdefault(batch_kind(state.session), []).append(i)
+    for together, members in groups.items():
+        batch = [states[i] for i in members]
+        if together is None:
+            proposals = [_propose_one(s) for s in batch]
+        else:
+            try:
+                proposals = together([s.session for s in batch], [s.seq for s in batch],
+                                     [s.params for s in batch], [s.generator for s in batch])
+            except Exception as exc:  # noqa: BLE001 - handed to every session of the group
+                proposals = [exc] * len(batch)
+        for i, state, proposal in zip(members, batch, proposals):
+            results[i] = proposal if isinstance(proposal, Exception) else state.proposed(proposal)
+    return results
+
+
+def _propose_one(state: DraftState) -> Proposal | Exception:
+    try:
+        return state.session.propose(state.seq, state.params, state.generator)
+    except Exception as exc:  # noqa: BLE001 - that session's only
+        return exc

@@ -1,0 +1,157 @@
+"""The round loop: propose -> verify -> accept, once for every way of running a session.
+
+``run_session(session, speculator, lane, emit)`` serves ``specctl generate``, the target
+instance (``specctl verify``) and the embedded cluster alike. What differs is plugged in:
+
+- the *speculator* proposes (a drafter in this process, a draft server over TCP; pipeline
+  stages and pre-speculation plug in here too) and owns the draft side's lifecycle;
+- the *lane* runs compute (the device's compute thread, or inline for a caller with no
+  event loop to keep responsive), batching the verification of sessions due together;
+- *emit* gets every committed token batch with the round that produced it.
+
+A speculator that cannot propose returns no proposal and a reason: the round verifies
+the root alone (plain autoregressive decoding: slower, never different)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, NamedTuple, Protocol
+
+from specctl.engine.kv_cache import KVPool
+from specctl.engine.model import Decoder
+from specctl.engine.tree import TokenTree
+from specctl.spec.decode import DecodeSession, apply_many
+from specctl.spec.draft_state import DraftState, draft_capacity, draft_many
+from specctl.spec.drafters import Drafter, NoDrafter, Proposal
+from specctl.spec.sampling import SamplingParams
+from specctl.spec.stats import GenerationStats, RoundResult
+
+Emit = Callable[[list[int], RoundResult | None], None]  # (tokens, None for the prefill's first token)
+
+
+class Drafted(NamedTuple):
+    proposal: Proposal | None  # None: verify the root alone this round
+    draft_s: float
+    fallback: str | None = None  # why there is no proposal although one was wanted
+
+
+class Speculator(Protocol):
+    max_nodes: int  # the largest proposal it may return (root included)
+
+    def begin(self, session: DecodeSession) -> None:
+        """The session exists and its prefill is about to run (open the draft side now, so it overlaps)."""
+
+    async def propose(self, session: DecodeSession) -> Drafted:
+        """The next proposal, given the last round's outcome in ``session.last_path`` /
+        ``session.last_committed`` (or the prefill's first token)."""
+
+    def close(self) -> None:
+        """Free the draft side's state for this session (called once, however the session ends)."""
+
+
+class Lane(Protocol):
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any: ...
+
+    async def run_batched(self, key: str, fn: Callable[[list], list], item: Any) -> Any: ...
+
+    def submit_nowait(self, fn: Callable[..., Any], *args: Any) -> None: ...
+
+
+class InlineLane:
+    """Compute in the caller's thread, at once: for the one-process ``generate``, which has
+    no event loop to keep responsive (and torch runs small ops fastest in the main thread)."""
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return fn(*args)
+
+    async def run_batched(self, key: str, fn: Callable[[list], list], item: Any) -> Any:
+        result = fn([item])[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def submit_nowait(self, fn: Callable[..., Any], *args: Any) -> None:
+        fn(*args)
+
+
+class LocalSpeculator:
+    """A drafter in this process, run on the target's lane."""
+
+    def __init__(self, drafter: Drafter, lane: Lane, pool: KVPool | None = None) -> None:
+        self.drafter, self.lane, self.pool = drafter, lane, pool
+        self.max_nodes = drafter.max_nodes
+        self.state: DraftState | None = None
+
+    def begin(self, session: DecodeSession) -> None:
+        self.prompt = session.seq[: session.prompt_len]
+
+    async def propose(self, session: DecodeSession) -> Drafted:
+        started = time.perf_counter()
+        proposal = await self.lane.run(self._draft, session)
+        return Drafted(proposal, time.perf_counter() - started)
+
+    def _draft(self, session: DecodeSession) -> Proposal:
+        if self.state is None:  # opened on the compute side, at the first round
+            capacity = draft_capacity(session.prompt_len, session.params.max_tokens, self.max_nodes)
+            self.state = DraftState(self.drafter.open(capacity, self.pool), session.params, session.generator,
+                                    list(self.prompt), capacity, self.max_nodes, session.target.spec.vocab_size)
+        self.state.advance(session.last_path, session.last_committed)
+        result = draft_many([self.state])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def close(self) -> None:
+        if self.state is not None:
+            self.lane.submit_nowait(self.state.close)
+            self.state = None
+
+
+async def run_session(session: DecodeSession, speculator: Speculator, lane: Lane, emit: Emit) -> None:
+    """Prefill, then rounds until the session finishes. However it ends (finished, failed,
+    cancelled), the session's KV cache and its draft-side state are freed."""
+    started = time.perf_counter()
+    speculator.begin(session)
+    try:
+        first = await lane.run(session.prefill)
+        session.stats.prefill_s = time.perf_counter() - started
+        emit(first, None)
+        while not session.finished:
+            drafted = await speculator.propose(session)
+            proposal = drafted.proposal or Proposal(TokenTree.root(session.seq[-1]))
+            asked = time.perf_counter()
+            # Rounds of sessions of this lane that are due together share one target forward.
+            tokens = await lane.run_batched("verify", apply_many, (session, proposal))
+            tree = proposal.tree
+            result = RoundResult(tree.max_depth, len(tree) - 1, len(session.last_path), len(tokens),
+                                 drafted.draft_s, time.perf_counter() - asked, drafted.fallback)
+            session.stats.record(result)
+            session.stats.wall_s = time.perf_counter() - started
+            emit(tokens, result)
+    finally:
+        session.stats.wall_s = time.perf_counter() - started
+        speculator.close()
+        lane.submit_nowait(session.close)
+
+
+def run_inline(coroutine) -> Any:
+    """Run a coroutine that never suspends (an InlineLane round loop) without an event
+    loop, so a synchronous caller can use it even inside a running loop (tests)."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value
+    coroutine.close()
+    raise RuntimeError("an inline round loop awaited something outside the InlineLane")
+
+
+def generate(target: Decoder, prompt: list[int], params: SamplingParams, drafter: Drafter | None = None, *,
+             eos_token_ids: tuple[int, ...] = (), max_context: int | None = None, pool: KVPool | None = None,
+             draft_pool: KVPool | None = None,
+             on_tokens: Emit | None = None) -> tuple[list[int], GenerationStats, str | None]:
+    """Run a session to the end in this thread: (tokens, stats, finish_reason)."""
+    lane = InlineLane()
+    speculator = LocalSpeculator(drafter or NoDrafter(), lane, draft_pool)
+    session = DecodeSession(target, prompt, params, eos_token_ids, max_context, pool, speculator.max_nodes)
+    run_inline(run_session(session, speculator, lane, on_tokens or (lambda tokens, result: None)))
+    return session.output, session.stats, session.finish_reason

@@ -1,0 +1,133 @@
+"""Proposals from a draft server: the speculator a target instance plugs into the round
+loop. It owns the session's draft-session lifecycle, in one place:
+
+- open it while the target runs the prefill, from the text committed so far;
+- a draft server that refused the session (capacity, StarSD admission) is asked again
+  only after the link reconnects; meanwhile rounds run autoregressively;
+- a Propose that fails (an error from the draft server, or no answer in time) leaves the
+  draft session in an unknown state: it is closed at once and a new one opened next
+  round (after three failures in a row, only after a reconnect);
+- closed when the session ends, also while it is still being opened."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+
+from specctl.engine.tree import TokenTree
+from specctl.net.protocol import Proposal as ProposalMsg, ProtocolError
+from specctl.spec.decode import DecodeSession
+from specctl.spec.drafters import Proposal
+from specctl.spec.rounds import Drafted
+from specctl.spec.stats import FALLBACK_BAD_PROPOSAL, FALLBACK_DRAFT_DOWN, FALLBACK_DRAFT_FAILED
+from specctl.verify.draft_client import DraftClient, Handle
+
+log = logging.getLogger("specctl.verify")
+MAX_FAILURES_IN_A_ROW = 3
+
+
+def proposal_from_message(msg: ProposalMsg, vocab_size: int) -> Proposal:
+    try:
+        tree = TokenTree.from_parents(msg.tokens, msg.parents, msg.probs)
+    except ValueError as exc:
+        raise ProtocolError(f"bad proposal tree: {exc}") from None
+    q = None if msg.draft_probs is None else msg.draft_probs.to_torch()
+    if q is not None and (q.dim() != 2 or q.shape[0] != len(tree) - 1 or q.shape[1] != vocab_size):
+        raise ProtocolError(f"draft_probs of shape {list(q.shape)} for a chain of {len(tree) - 1} tokens "
+                            f"over {vocab_size} tokens")
+    return Proposal(tree, q)
+
+
+class RemoteSpeculator:
+    def __init__(self, client: DraftClient | None, max_nodes: int, seed: int | None = None) -> None:
+        self.client, self.max_nodes = client, max_nodes
+        self.seed = seed if seed is not None else random.getrandbits(62)
+        self.handle: Handle | None = None
+        self._opening: asyncio.Future | None = None
+        self._opened_at = 0  # committed tokens the draft session was opened with
+        self._fresh = True  # no proposal yet from this draft session
+        self._refused_epoch: int | None = None
+        self._failures = 0
+        self._failures_epoch: int | None = None
+
+    def _linked(self) -> bool:
+        return self.client is not None and self.client.connected.is_set()
+
+    def begin(self, session: DecodeSession) -> None:
+        if self._linked():
+            self._opening = asyncio.ensure_future(self._open(session, session.seq))
+
+    async def _open(self, session: DecodeSession, text: list[int]) -> Handle | None:
+        params = session.params
+        generated = len(text) - session.prompt_len
+        self._opened_at, self._fresh = len(text), True
+        epoch = self.client.epoch
+        handle = await self.client.open(list(text), temperature=params.temperature, top_p=params.top_p,
+                                        top_k=params.top_k, seed=self.seed, max_tokens=params.max_tokens - generated)
+        # Refused on a live link: ask again only after a reconnect.
+        self._refused_epoch = epoch if handle is None and self.client.epoch == epoch else None
+        return handle
+
+    def _may_reopen(self) -> bool:
+        return (self._linked() and self._refused_epoch != self.client.epoch
+                and (self._failures < MAX_FAILURES_IN_A_ROW or self._failures_epoch != self.client.epoch))
+
+    async def propose(self, session: DecodeSession) -> Drafted:
+        started = time.perf_counter()
+        if self._opening is not None:
+            opening, self._opening = self._opening, None
+            self.handle = await opening
+        elif self.handle is None and self._may_reopen():
+            # The root stays out of the draft's text: it is the first outcome's token.
+            self.handle = await self._open(session, session.seq[:-1])
+        if self.handle is None:
+            return Drafted(None, time.perf_counter() - started, FALLBACK_DRAFT_DOWN)
+        if self._fresh:
+            path, tokens = [], session.seq[self._opened_at:]
+        else:
+            path, tokens = session.last_path, session.last_committed
+        reply = await self.client.propose(self.handle, path, tokens)
+        self._fresh = False
+        waited = time.perf_counter() - started
+        if reply is None:
+            self.client.close(self.handle)
+            self.handle = None
+            self._failures += 1
+            self._failures_epoch = self.client.epoch
+            return Drafted(None, waited, FALLBACK_DRAFT_FAILED)
+        self._failures = 0
+        proposal = self._checked(reply, session)
+        return Drafted(proposal, waited, None if proposal is not None else FALLBACK_BAD_PROPOSAL)
+
+    def _checked(self, reply: ProposalMsg, session: DecodeSession) -> Proposal | None:
+        """A proposal that does not fit this session is dropped: the round runs autoregressively
+        (and the draft learns it as an outcome with nothing accepted)."""
+        vocab = session.target.spec.vocab_size
+        try:
+            proposal = proposal_from_message(reply, vocab)
+        except ProtocolError as exc:
+            log.warning("ignoring a bad proposal: %s", exc)
+            return None
+        tokens = proposal.tree.tokens
+        if (len(proposal.tree) > session.max_nodes or int(tokens[0]) != session.seq[-1]
+                or int(tokens.max()) >= vocab or int(tokens.min()) < 0):
+            log.warning("ignoring a proposal that does not fit the session")
+            return None
+        return proposal
+
+    def close(self) -> None:
+        if self.client is None:
+            return
+        if self._opening is not None:
+            # Still opening (the session ended during its prefill): close what it opens.
+            self._opening.add_done_callback(self._close_opened)
+            self._opening = None
+        if self.handle is not None:
+            self.client.close(self.handle)
+            self.handle = None
+
+    def _close_opened(self, opening: asyncio.Future) -> None:
+        if not opening.cancelled() and opening.exception() is None:
+            self.client.close(opening.result())
