@@ -76,7 +76,8 @@ class DraftServer(ListeningServer):
     def snapshot(self) -> dict:
         stats = {"model": self.model.name, "connections": len(self.connections),
                  "targets": sum(c.role == "target" for c in self.connections.values()),
-                 "uptime_s": round(time.time() - self.started, 1), "throttled": self.throttled}
+                 "uptime_s": round(time.time() - self.started, 1), "throttled": self.throttled,
+                 "rejected_requests": self.rejected_requests}
         stats.update(self.compute.stats.snapshot(self.compute.queue_depth))
         stats.update(self.table.snapshot())
         stats["R_q"] = stats.pop("jobs_per_s")
@@ -118,7 +119,7 @@ class DraftServer(ListeningServer):
             try:
                 message = await read_message(reader, self.config.max_frame_bytes)
             except ProtocolError as exc:
-                conn.send(Error("protocol", str(exc)))  # then close: the stream can't be trusted
+                self._refuse(conn, Error("protocol", str(exc)))  # then close: the stream can't be trusted
                 return
             except asyncio.IncompleteReadError:
                 return
@@ -127,14 +128,14 @@ class DraftServer(ListeningServer):
             if isinstance(message, StatsRequest):
                 conn.send(Stats("draft", self.snapshot()))
             elif conn.role != "target":
-                conn.send(Error("forbidden", f"a {conn.role} connection may only request stats"))
+                self._refuse(conn, Error("forbidden", f"a {conn.role} connection may only request stats"))
             elif isinstance(message, OpenSession):
                 self._open(conn, message, group)
             elif isinstance(message, Propose):
                 if message.tag not in conn.tags:
-                    conn.send(Error("unknown_tag", f"unknown session tag {message.tag}", tag=message.tag))
+                    self._refuse(conn, Error("unknown_tag", f"unknown session tag {message.tag}", tag=message.tag))
                 elif message.tag in conn.inflight:
-                    conn.send(Error("busy", f"session {message.tag} already has a request in flight", tag=message.tag))
+                    self._refuse(conn, Error("busy", f"session {message.tag} already has a request in flight", tag=message.tag))
                 else:
                     conn.inflight.add(message.tag)
                     group.create_task(self._propose(conn, message))
@@ -143,9 +144,14 @@ class DraftServer(ListeningServer):
                     conn.tags.discard(message.tag)
                     self.compute.submit_nowait(self.table.close, message.tag)
                 else:
-                    conn.send(Error("unknown_tag", f"unknown session tag {message.tag}", tag=message.tag))
+                    self._refuse(conn, Error("unknown_tag", f"unknown session tag {message.tag}", tag=message.tag))
             else:
-                conn.send(Error("unexpected", f"a draft server does not handle {type(message).__name__}"))
+                self._refuse(conn, Error("unexpected", f"a draft server does not handle {type(message).__name__}"))
+
+    def _refuse(self, conn: Connection, error: Error) -> None:
+        """Answer a bad or inconsistent request with an error to that peer only."""
+        self.reject(conn.peer, f"{error.code}: {error.message}")
+        conn.send(error)
 
     def _open(self, conn: Connection, message: OpenSession, group: asyncio.TaskGroup) -> None:
         if self.active_sessions >= self.config.max_sessions:
@@ -172,7 +178,7 @@ class DraftServer(ListeningServer):
             return
         except SpecctlError as exc:
             conn.tags.discard(tag)
-            conn.send(Error("bad_request", str(exc), req=message.req))
+            self._refuse(conn, Error("bad_request", str(exc), req=message.req))
             return
         except Exception as exc:  # noqa: BLE001
             conn.tags.discard(tag)
@@ -185,10 +191,10 @@ class DraftServer(ListeningServer):
             request = (message.tag, message.path, message.tokens)
             proposal = await self.compute.run_batched("propose", self.table.propose_many, request)
         except UnknownTag:
-            conn.send(Error("unknown_tag", f"unknown session tag {message.tag}", tag=message.tag))
+            self._refuse(conn, Error("unknown_tag", f"unknown session tag {message.tag}", tag=message.tag))
             return
         except SpecctlError as exc:
-            conn.send(Error("bad_request", str(exc), tag=message.tag))
+            self._refuse(conn, Error("bad_request", str(exc), tag=message.tag))
             return
         except Exception as exc:  # noqa: BLE001 - report, keep serving the other sessions
             log.exception("proposal for tag %s failed", message.tag)

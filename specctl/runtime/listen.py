@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
+import time
 from dataclasses import dataclass
 
 from aiolimiter import AsyncLimiter
 
+from specctl.errors import ConfigError
 from specctl.net.protocol import MAX_FRAME_BYTES
+
+log = logging.getLogger("specctl.listen")
 
 
 @dataclass(slots=True)
@@ -80,9 +86,30 @@ class ListeningServer:
         self._server: asyncio.base_events.Server | None = None
         self._live = LiveConnections()
         self.throttled = 0  # messages that waited for the per-peer rate limit
+        self.rejected_requests = 0  # well-formed messages refused (bad or inconsistent requests)
+        self._rejections_unlogged = 0
+        self._last_rejection_log = 0.0
+
+    def reject(self, peer: str, reason: str) -> None:
+        """Count a refused request and log it in one line, at most once a second (a peer
+        sending thousands of bad requests must not flood the log)."""
+        self.rejected_requests += 1
+        now = time.monotonic()
+        if now - self._last_rejection_log < 1.0:
+            self._rejections_unlogged += 1
+            return
+        more = f" ({self._rejections_unlogged} more since the last line)" if self._rejections_unlogged else ""
+        log.warning("refused a request from %s: %s%s", peer, reason, more)
+        self._last_rejection_log, self._rejections_unlogged = now, 0
 
     async def start(self) -> int:
-        self._server = await asyncio.start_server(self._handle, self.config.host, self.config.port, ssl=self.ssl)
+        try:
+            self._server = await asyncio.start_server(self._handle, self.config.host, self.config.port, ssl=self.ssl)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ConfigError(f"port {self.config.port} on {self.config.host} is already in use: stop what "
+                                  f"listens there or pick another port with --port") from None
+            raise ConfigError(f"cannot listen on {self.config.host}:{self.config.port}: {exc.strerror or exc}") from None
         return self._server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:

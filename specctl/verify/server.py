@@ -76,6 +76,7 @@ class TargetServer(ListeningServer):
             "draft_reconnects": self.draft.reconnects if self.draft else 0,
             "draft_address": f"{self.draft.host}:{self.draft.port}" if self.draft else None,
             "max_sessions": self.config.max_sessions, "throttled": self.throttled,
+            "rejected_requests": self.rejected_requests,
         }
         stats.update(self.compute.stats.snapshot(self.compute.queue_depth))
         return stats
@@ -94,7 +95,7 @@ class TargetServer(ListeningServer):
             async with asyncio.TaskGroup() as group:
                 group.create_task(self._write_loop(outgoing, writer))
                 try:
-                    await self._read_loop(reader, outgoing, tasks, group)
+                    await self._read_loop(reader, outgoing, tasks, group, peer)
                 finally:
                     for task in tasks.values():  # the client is gone: stop its sessions everywhere
                         task.cancel()
@@ -106,14 +107,19 @@ class TargetServer(ListeningServer):
         finally:
             writer.close()
 
-    async def _read_loop(self, reader, outgoing: asyncio.Queue, tasks: dict, group: asyncio.TaskGroup) -> None:
+    async def _read_loop(self, reader, outgoing: asyncio.Queue, tasks: dict, group: asyncio.TaskGroup, peer: str) -> None:
         send = lambda message: outgoing.put_nowait(encode(message))  # noqa: E731
+
+        def refuse(error: Error) -> None:
+            self.reject(peer, f"{error.code}: {error.message}")
+            send(error)
+
         rate = MessageRate(self.config.max_messages_per_s)
         while True:
             try:
                 message = await read_message(reader, self.config.max_frame_bytes)
             except ProtocolError as exc:
-                send(Error("protocol", str(exc)))
+                refuse(Error("protocol", str(exc)))
                 return
             except asyncio.IncompleteReadError:
                 return
@@ -121,7 +127,7 @@ class TargetServer(ListeningServer):
                 self.throttled += 1
             if isinstance(message, Generate):
                 if message.req in tasks:
-                    send(Error("bad_request", f"request id {message.req} is already running", req=message.req))
+                    refuse(Error("bad_request", f"request id {message.req} is already running", req=message.req))
                     continue
                 task = group.create_task(self._run_session(message, send))
                 tasks[message.req] = task
@@ -129,13 +135,13 @@ class TargetServer(ListeningServer):
             elif isinstance(message, Cancel):
                 task = tasks.get(message.req)
                 if task is None:
-                    send(Error("unknown_request", f"no running request {message.req}", req=message.req))
+                    refuse(Error("unknown_request", f"no running request {message.req}", req=message.req))
                 else:
                     task.cancel(CLIENT_CANCEL)  # answered with DONE "cancelled" and the session's stats
             elif isinstance(message, StatsRequest):
                 send(Stats("target", self.snapshot()))
             else:
-                send(Error("unexpected", f"a target instance does not handle {type(message).__name__}"))
+                refuse(Error("unexpected", f"a target instance does not handle {type(message).__name__}"))
 
     async def _run_session(self, msg: Generate, send) -> None:
         self.active += 1  # taken before any await: two requests cannot both see the last free slot
@@ -181,8 +187,11 @@ class TargetServer(ListeningServer):
                 send(Done(msg.req, "cancelled", GenerationStats(prompt_tokens=len(msg.prompt)).to_dict()))
             raise
         except SpecctlError as exc:
-            code = "capacity" if isinstance(exc, KVBudgetExceeded) else "bad_request"
-            send(Error(code, str(exc), req=msg.req))
+            if isinstance(exc, KVBudgetExceeded):
+                send(Error("capacity", str(exc), req=msg.req))
+            else:
+                self.reject(f"request {msg.req}", f"bad_request: {exc}")
+                send(Error("bad_request", str(exc), req=msg.req))
             return None
 
     def _close_orphan(self, creating: asyncio.Future) -> None:

@@ -1,0 +1,132 @@
+"""The round loop with a remote speculator: the draft-session lifecycle when a Propose
+fails or times out (no draft session may outlive its round), and the one definition of
+rounds in the stats."""
+
+import asyncio
+import time
+
+import pytest
+
+from specctl.draft.server import DraftServer, DraftServerConfig
+from specctl.engine.loader import load_model
+from specctl.spec.drafters import DraftSession, Drafter, ModelChainDrafter
+from specctl.spec.rounds import generate
+from specctl.spec.sampling import SamplingParams
+from specctl.verify.client import remote_generate
+from specctl.verify.draft_client import DraftClient
+from specctl.verify.server import TargetServer, TargetServerConfig
+
+PROMPTS = [[5, 9, 13, 2], [7, 8, 9, 10, 7, 8, 9], [42, 43, 44, 45, 46]]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_dir):
+    target = load_model("tiny-llama", tiny_dir["llama"], "fp32")
+    draft = load_model("tiny-llama@2", tiny_dir["llama"], "fp32", num_layers=2)
+    return target, draft
+
+
+class FailingEveryThirdDrafter(Drafter):
+    """Fault injection: a real chain drafter whose sessions fail every third proposal."""
+
+    def __init__(self, inner: Drafter) -> None:
+        self.inner, self.max_nodes, self.calls = inner, inner.max_nodes, 0
+
+    def open(self, capacity, pool=None) -> DraftSession:
+        drafter, session = self, self.inner.open(capacity, pool)
+
+        class _Session(DraftSession):
+            def propose(self, seq, params, generator):
+                drafter.calls += 1
+                if drafter.calls % 3 == 0:
+                    raise RuntimeError("injected draft failure")
+                return session.propose(seq, params, generator)
+
+            def on_verified(self, path):
+                session.on_verified(path)
+
+            def close(self):
+                session.close()
+
+        return _Session()
+
+
+async def _star(models, drafter, timeout_s=30.0):
+    target, draft = models
+    draft_server = DraftServer(draft, drafter, DraftServerConfig(port=0))
+    draft_port = await draft_server.start()
+    client = DraftClient("127.0.0.1", draft_port, model=target.name, fingerprint=target.vocab_fingerprint,
+                         timeout_s=timeout_s)
+    first = asyncio.get_running_loop().create_future()
+    link = asyncio.create_task(client.run(first))
+    assert await first
+    target_server = TargetServer(target, TargetServerConfig(port=0), client)
+    return draft_server, link, target_server, await target_server.start()
+
+
+async def _stop(draft_server, link, target_server):
+    link.cancel()
+    await target_server.close()
+    await draft_server.close()
+
+
+async def _drained(draft_server, target_server, timeout=20.0):
+    """Until every session is gone on both sides (the closes are queued on the compute threads)."""
+    async def done():
+        while draft_server.table.states or target_server.active or draft_server.active_sessions:
+            await asyncio.sleep(0.01)
+    await asyncio.wait_for(done(), timeout)
+
+
+def _reference(models, prompt, params):
+    return generate(models[0].decoder, prompt, params)[0]
+
+
+async def test_a_failed_propose_closes_its_draft_session_and_the_output_stays_exact(models):
+    drafter = FailingEveryThirdDrafter(ModelChainDrafter(models[1].decoder, 3))
+    draft_server, link, target_server, port = await _star(models, drafter)
+    try:
+        params = SamplingParams(max_tokens=40, ignore_eos=True)
+        for prompt in PROMPTS:
+            tokens, _, stats = await remote_generate("127.0.0.1", port, prompt, params)
+            assert tokens == _reference(models, prompt, params)
+            assert stats["fallback_rounds"] > 0 and stats["drafts"] > 0
+            assert stats["rounds"] == stats["drafts"] + stats["ar_rounds"]
+            # Measured directly: no draft session and no draft KV byte outlives the session.
+            await _drained(draft_server, target_server)
+            assert draft_server.table.pool.used_bytes == 0 and draft_server.table.pool.sessions == 0
+        assert drafter.calls >= 3
+    finally:
+        await _stop(draft_server, link, target_server)
+
+
+async def test_a_timed_out_propose_closes_its_draft_session_and_the_output_stays_exact(models):
+    draft_server, link, target_server, port = await _star(models, ModelChainDrafter(models[1].decoder, 3), timeout_s=0.3)
+    try:
+        params = SamplingParams(max_tokens=120, ignore_eos=True)
+        stalled = []
+
+        def stall_once(tokens):
+            # At the first token, stall the draft server's compute for longer than the
+            # target waits for a proposal (0.3 s): the next Propose times out.
+            if not stalled:
+                stalled.append(True)
+                draft_server.compute.submit_nowait(time.sleep, 1.0)
+
+        tokens, _, stats = await remote_generate("127.0.0.1", port, PROMPTS[0], params, stall_once)
+        assert tokens == _reference(models, PROMPTS[0], params)
+        assert stats["fallback_rounds"] >= 1
+        await _drained(draft_server, target_server)
+        assert draft_server.table.pool.used_bytes == 0
+        assert target_server.snapshot()["fallback_rounds"] == stats["fallback_rounds"]
+    finally:
+        await _stop(draft_server, link, target_server)
+
+
+def test_autoregressive_rounds_are_rounds_but_not_drafts(tiny):
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    _, stats, _ = generate(tiny["llama"], [1, 2, 3], params)
+    assert (stats.rounds, stats.drafts, stats.ar_rounds, stats.drafted, stats.mean_accepted_length) == (11, 0, 11, 0, 0.0)
+    _, stats, _ = generate(tiny["llama"], [1, 2, 3], params, ModelChainDrafter(tiny["llama-draft"], 3))
+    assert stats.rounds == stats.drafts > 0 and stats.ar_rounds == 0 and stats.drafted == 3 * stats.drafts
+    assert stats.to_dict()["fallback_rounds"] == 0
