@@ -165,6 +165,12 @@ def test_sixteen_concurrent_streams_all_end_with_done(cluster):
 
     texts = asyncio.run(main())
     assert len(texts) == 16 and all(texts)
+    # One pooled connection per target instance carried them all, and carries the next ones.
+    links = cluster[0].cluster.gateway.upstream.targets
+    pooled = [link.connection for link in links]
+    assert all(c is not None and not c.closed for c in pooled)
+    assert len(asyncio.run(main())) == 16
+    assert [link.connection for link in links] == pooled and not any(c.closed for c in pooled)
 
 
 def _metrics(base):
@@ -215,6 +221,8 @@ def test_client_disconnect_cancels_the_generation_everywhere(cluster, tiny_dir):
     assert sum(t.active for t in thread.cluster.targets) == 0
     assert thread.cluster.draft_server.table.snapshot()["sessions"] == 0
     assert thread.cluster.gateway.running == 0
+    # Cancelled by a CANCEL on the pooled connection, which stays up for the next request.
+    assert all(link.connection is None or not link.connection.closed for link in thread.cluster.gateway.upstream.targets)
 
 
 def test_stats_feed_has_every_role(cluster):

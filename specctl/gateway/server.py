@@ -6,6 +6,7 @@ when the HTTP client goes away (handler cancellation closes the upstream connect
 from __future__ import annotations
 
 import asyncio
+import errno
 import contextlib
 import logging
 import time
@@ -16,7 +17,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from specctl.engine.text import IncrementalText, encode_chat, encode_prompt
-from specctl.errors import BadRequest
+from specctl.errors import BadRequest, ConfigError
 from specctl.gateway import responses as R
 from specctl.gateway.api import (
     ApiError, ChatCompletionRequest, CompletionRequest, chat_messages, parse_body, refuse_unsupported,
@@ -74,12 +75,19 @@ class Gateway:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        self.upstream.close()
 
     async def start(self) -> int:
         await self.upstream.poll_once()  # know the instances' capacities before the first request
         self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        await web.TCPSite(self._runner, self.config.host, self.config.port).start()
+        try:
+            await web.TCPSite(self._runner, self.config.host, self.config.port).start()
+        except OSError as exc:
+            await self._runner.cleanup()
+            raise ConfigError(f"cannot listen on {self.config.host}:{self.config.port}: {exc.strerror or exc}"
+                              + ("; stop what listens there or pick another port with --port"
+                                 if exc.errno == errno.EADDRINUSE else "")) from None
         return self._runner.addresses[0][1]
 
     async def close(self) -> None:

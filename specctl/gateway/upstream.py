@@ -19,7 +19,7 @@ from specctl.gateway.routing import TargetView, pick_target
 from specctl.net.protocol import Welcome
 from specctl.runtime.loop import parse_hostport
 from specctl.spec.sampling import SamplingParams
-from specctl.verify.client import RemoteError, TargetStream, probe
+from specctl.verify.client import RemoteError, TargetConnection, TargetStream, probe
 
 log = logging.getLogger("specctl.gateway")
 
@@ -37,6 +37,8 @@ class RoleLink:
     inflight: int = 0
     error: str = ""
     seen_at: float = 0.0
+    connection: TargetConnection | None = None  # reused by every request to this instance
+    connecting: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def address(self) -> str:
@@ -114,11 +116,10 @@ class Upstream:
             tried.add(index)
             link = self.targets[index]
             link.inflight += 1
-            stream = TargetStream(link.host, link.port, prompt, params, role="gateway",
-                                  auth_token=self.auth_token, ssl=self.ssl)
+            stream = None
             try:
                 try:
-                    await stream.__aenter__()
+                    stream = (await self._connection(link)).generate(prompt, params)
                     first = await stream.next()
                 except RemoteError as exc:
                     if exc.code not in RETRYABLE:
@@ -130,8 +131,24 @@ class Upstream:
                 yield stream, first
                 return
             finally:
-                await stream.__aexit__(None, None, None)
+                if stream is not None:
+                    stream.close()  # cancels it on the target unless it finished
                 link.inflight -= 1
+
+    async def _connection(self, link: RoleLink) -> TargetConnection:
+        """The instance's pooled connection, (re)made when there is none or it dropped."""
+        async with link.connecting:
+            if link.connection is None or link.connection.closed:
+                link.connection = None
+                link.connection = await TargetConnection(link.host, link.port, "gateway", self.auth_token,
+                                                         self.ssl).connect()
+            return link.connection
+
+    def close(self) -> None:
+        for link in self.targets:
+            if link.connection is not None:
+                link.connection.close()
+                link.connection = None
 
     def snapshot(self) -> dict:
         return {"targets": [t.snapshot() for t in self.targets], "drafters": [d.snapshot() for d in self.drafters]}

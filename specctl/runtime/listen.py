@@ -106,10 +106,9 @@ class ListeningServer:
         try:
             self._server = await asyncio.start_server(self._handle, self.config.host, self.config.port, ssl=self.ssl)
         except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise ConfigError(f"port {self.config.port} on {self.config.host} is already in use: stop what "
-                                  f"listens there or pick another port with --port") from None
-            raise ConfigError(f"cannot listen on {self.config.host}:{self.config.port}: {exc.strerror or exc}") from None
+            raise ConfigError(f"cannot listen on {self.config.host}:{self.config.port}: {exc.strerror or exc}"
+                              + ("; stop what listens there or pick another port with --port"
+                                 if exc.errno == errno.EADDRINUSE else "")) from None
         return self._server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:

@@ -4,13 +4,15 @@ probe (handshake + stats) that works against any role."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import ssl as ssl_module
-from typing import Callable
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Callable
 
 from specctl.errors import SpecctlError
 from specctl.net.framing import read_message, write_message
 from specctl.net.handshake import client_handshake
-from specctl.net.protocol import Cancel, Done, Error, Generate, Stats, StatsRequest, Tokens, Welcome
+from specctl.net.protocol import Cancel, Done, Error, Generate, Stats, StatsRequest, Tokens, Welcome, encode
 from specctl.spec.sampling import SamplingParams
 
 
@@ -29,60 +31,141 @@ async def _connect(host: str, port: int, ssl: ssl_module.SSLContext | None):
         raise RemoteError("unreachable", f"cannot reach {host}:{port}: {exc.strerror or exc}") from None
 
 
-class TargetStream:
-    """One generation on a target instance, as an async context manager: leaving it early
-    closes the connection, which cancels the session and frees its state everywhere."""
+class TargetConnection:
+    """One connection to a target instance that carries many generations at once, told
+    apart by request id: a gateway keeps one per instance rather than a TCP connection and
+    a handshake per request. When it drops, every stream on it ends with RemoteError."""
 
-    def __init__(self, host: str, port: int, prompt: list[int], params: SamplingParams, role: str = "client",
-                 auth_token: str | None = None, ssl: ssl_module.SSLContext | None = None) -> None:
-        self.host, self.port, self.prompt, self.params = host, port, prompt, params
-        self.role, self.auth_token, self.ssl = role, auth_token, ssl
+    def __init__(self, host: str, port: int, role: str = "client", auth_token: str | None = None,
+                 ssl: ssl_module.SSLContext | None = None) -> None:
+        self.host, self.port, self.role, self.auth_token, self.ssl = host, port, role, auth_token, ssl
         self.welcome: Welcome | None = None
-        self._reader = self._writer = None
+        self.closed = False
+        self._streams: dict[int, asyncio.Queue] = {}
+        self._reqs = itertools.count(1)
+        self._writer: asyncio.StreamWriter | None = None
+        self._reading: asyncio.Task | None = None
 
-    async def __aenter__(self) -> "TargetStream":
-        self._reader, self._writer = await _connect(self.host, self.port, self.ssl)
+    async def connect(self) -> "TargetConnection":
+        reader, self._writer = await _connect(self.host, self.port, self.ssl)
         try:
-            self.welcome = await client_handshake(self._reader, self._writer, role=self.role, auth_token=self.auth_token)
-            p = self.params
-            await write_message(self._writer, Generate(
-                1, self.prompt, p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, list(p.stop_token_ids), p.ignore_eos,
-            ))
+            self.welcome = await client_handshake(reader, self._writer, role=self.role, auth_token=self.auth_token)
         except (ConnectionError, asyncio.IncompleteReadError) as exc:
-            self._writer.close()
+            self.close()
             raise RemoteError("unreachable", f"{self.host}:{self.port} dropped the connection: {exc}") from None
         except BaseException:
-            self._writer.close()
+            self.close()
             raise
+        self._reading = asyncio.create_task(self._read_loop(reader))
         return self
 
-    async def __aexit__(self, *exc_info) -> None:
+    async def _read_loop(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                message = await read_message(reader)
+                queue = self._streams.get(getattr(message, "req", None))
+                if queue is not None:
+                    queue.put_nowait(message)
+                elif isinstance(message, Error) and message.req is None:
+                    return  # about the connection itself (a protocol error): it is closed next
+        except (asyncio.IncompleteReadError, ConnectionError, SpecctlError):
+            pass
+        finally:
+            self.close()
+
+    def generate(self, prompt: list[int], params: SamplingParams) -> "TargetStream":
+        """Start a generation on this connection."""
+        if self.closed or self._writer is None:
+            raise RemoteError("disconnected", f"the connection to {self.host}:{self.port} is closed")
+        req = next(self._reqs)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[req] = queue
+        self._send(Generate(req, prompt, params.max_tokens, params.temperature, params.top_p, params.top_k,
+                            params.seed, list(params.stop_token_ids), params.ignore_eos))
+        return TargetStream(self, req, queue)
+
+    def _send(self, message) -> None:
+        try:
+            self._writer.write(encode(message))
+        except (ConnectionError, RuntimeError, AttributeError):
+            self.close()
+
+    def _forget(self, req: int) -> None:
+        self._streams.pop(req, None)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for queue in self._streams.values():
+            queue.put_nowait(None)  # None: the connection is gone
         if self._writer is not None:
             self._writer.close()
+        if self._reading is not None and self._reading is not asyncio.current_task():
+            self._reading.cancel()
+
+
+class TargetStream:
+    """One generation on a target instance. ``close()`` before it finished cancels it on
+    the target (its state is freed everywhere); the connection carries on."""
+
+    def __init__(self, connection: TargetConnection, req: int, queue: asyncio.Queue) -> None:
+        self.connection, self.req, self._queue = connection, req, queue
+        self.finished = False
+
+    @property
+    def welcome(self) -> Welcome | None:
+        return self.connection.welcome
 
     async def next(self) -> Tokens | Done:
         """The next TOKENS or the final DONE; an ERROR or a lost connection raises RemoteError."""
-        while True:
-            try:
-                message = await read_message(self._reader)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                raise RemoteError("disconnected", f"target instance {self.host}:{self.port} closed the connection mid-stream") from None
-            if isinstance(message, (Tokens, Done)):
-                return message
-            if isinstance(message, Error):
-                raise RemoteError(message.code, message.message)
+        message = await self._queue.get()
+        if message is None:
+            self.finished = True
+            c = self.connection
+            raise RemoteError("disconnected", f"target instance {c.host}:{c.port} closed the connection mid-stream")
+        if isinstance(message, Error):
+            self.finished = True
+            raise RemoteError(message.code, message.message)
+        if isinstance(message, Done):
+            self.finished = True
+        return message
 
     async def cancel(self, timeout_s: float = 2.0) -> dict:
         """Stop the generation; returns its statistics so far (DONE "cancelled"), or {} when the
-        target does not answer in time (leaving the context then cancels it all the same)."""
+        target does not answer in time (closing the stream then cancels it all the same)."""
+        if self.finished:
+            return {}
+        self.connection._send(Cancel(self.req))
         try:
-            await write_message(self._writer, Cancel(1))
             async with asyncio.timeout(timeout_s):
                 while not isinstance(event := await self.next(), Done):
                     pass
             return event.stats
-        except (RemoteError, ConnectionError, TimeoutError):
+        except (RemoteError, TimeoutError):
             return {}
+
+    def close(self) -> None:
+        if not self.finished and not self.connection.closed:
+            self.connection._send(Cancel(self.req))
+        self.finished = True
+        self.connection._forget(self.req)
+
+
+@asynccontextmanager
+async def open_stream(host: str, port: int, prompt: list[int], params: SamplingParams, role: str = "client",
+                      auth_token: str | None = None,
+                      ssl: ssl_module.SSLContext | None = None) -> AsyncIterator[TargetStream]:
+    """One generation on its own connection (a command-line client)."""
+    connection = await TargetConnection(host, port, role, auth_token, ssl).connect()
+    try:
+        stream = connection.generate(prompt, params)
+        try:
+            yield stream
+        finally:
+            stream.close()
+    finally:
+        connection.close()
 
 
 async def remote_generate(
@@ -96,7 +179,7 @@ async def remote_generate(
 ) -> tuple[list[int], str, dict]:
     """Returns (tokens, finish_reason, stats)."""
     tokens: list[int] = []
-    async with TargetStream(host, port, prompt, params, auth_token=auth_token, ssl=ssl) as stream:
+    async with open_stream(host, port, prompt, params, auth_token=auth_token, ssl=ssl) as stream:
         while isinstance(event := await stream.next(), Tokens):
             tokens.extend(event.tokens)
             if on_tokens:
