@@ -19,8 +19,8 @@ EXAMPLES = [
     p.OpenSession(3, [1, 2, 3], 0.7, 0.9, 5, 42, 64),
     p.SessionOpened(3, 17),
     p.Propose(17, [1, 2], [5, 6, 7]),
-    p.Proposal(17, [5, 6, 7], [-1, 0, 1], [1.0, 0.5, 0.25], p.Tensor.from_torch(torch.ones(2, 3))),
-    p.Proposal(17, [5], [-1], [1.0]),
+    p.Proposal(17, [5, 6, 7], [-1, 0, 1], p.SparseProbs.from_dense(torch.tensor([[0.0, 0.25, 0.75], [1.0, 0.0, 0.0]]))),
+    p.Proposal(17, [5], [-1]),
     p.CloseSession(17),
     p.Generate(1, [1, 2], 32, 0.0, 1.0, 0, None, [2]),
     p.Tokens(1, [4, 5]),
@@ -102,3 +102,16 @@ def test_hmac_signature():
     nonce = b"n" * 32
     assert verify_signature("secret", nonce, sign("secret", nonce))
     assert not verify_signature("secret", nonce, sign("other", nonce))
+
+
+def test_a_sampled_chain_proposal_frame_stays_small_and_exact_at_qwen_vocabulary():
+    from specctl.spec.sampling import DRAFT_SUPPORT, keep_top
+
+    vocab, depth = 151936, 8
+    q = keep_top(torch.randn(depth, vocab, generator=torch.Generator().manual_seed(0)).softmax(-1), DRAFT_SUPPORT)
+    frame = p.encode(p.Proposal(3, list(range(depth + 1)), list(range(-1, depth)), p.SparseProbs.from_dense(q)))
+    assert len(frame) < depth * DRAFT_SUPPORT * 12 + 512  # 8 + 4 bytes per kept entry, not 4 per vocabulary entry
+    decoded = p.decode(frame[4:])
+    assert torch.equal(decoded.draft_probs.to_dense(vocab), q)
+    with pytest.raises(p.ProtocolError, match=r"^sparse probability ids must be in \[0, 1000\)$"):
+        decoded.draft_probs.to_dense(1000)

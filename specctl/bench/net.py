@@ -25,7 +25,7 @@ from specctl.verify.client import probe, remote_generate
 def sample_proposal(nodes: int = 64, vocab: int = 151936) -> Proposal:
     tokens = torch.randint(0, vocab, (nodes,)).tolist()
     parents = [-1] + [(i - 1) // 4 for i in range(1, nodes)]
-    return Proposal(1, tokens, parents, [0.5] * nodes)
+    return Proposal(1, tokens, parents)
 
 
 async def round_trip_ms(iterations: int = 2000, nodes: int = 64) -> dict:

@@ -10,7 +10,7 @@ import torch
 from specctl.engine.kv_cache import KVPool
 from specctl.errors import PromptTooLong
 from specctl.engine.spec import check_token_ids
-from specctl.net.protocol import OpenSession, Proposal, Tensor
+from specctl.net.protocol import OpenSession, Proposal, SparseProbs
 from specctl.spec.draft_state import DraftState, draft_capacity, draft_many
 from specctl.spec.drafters import Drafter, Proposal as DraftProposal
 from specctl.spec.sampling import SamplingParams
@@ -92,5 +92,5 @@ class SessionTable:
 
 def _message(tag: int, proposal: DraftProposal) -> Proposal:
     tree = proposal.tree
-    q = None if proposal.draft_probs is None else Tensor.from_torch(proposal.draft_probs.float())
-    return Proposal(tag, tree.tokens.tolist(), tree.parents.tolist(), tree.probs.tolist(), q)
+    q = None if proposal.draft_probs is None else SparseProbs.from_dense(proposal.draft_probs)
+    return Proposal(tag, tree.tokens.tolist(), tree.parents.tolist(), q)

@@ -45,9 +45,11 @@ class TokenTree:
         return tree
 
     @classmethod
-    def from_parents(cls, tokens: list[int], parents: list[int], probs: list[float]) -> "TokenTree":
-        """Rebuild a tree sent over the wire, checking it is a BFS-ordered tree."""
+    def from_parents(cls, tokens: list[int], parents: list[int], probs: list[float] | None = None) -> "TokenTree":
+        """Rebuild a tree sent over the wire, checking it is a BFS-ordered tree (the
+        verifier needs no draft probabilities: they default to 1)."""
         n = len(tokens)
+        probs = [1.0] * n if probs is None else probs
         if n == 0 or len(parents) != n or len(probs) != n:
             raise ValueError(f"tokens, parents and probs must have the same non-zero length ({n}, {len(parents)}, {len(probs)})")
         if parents[0] != -1:

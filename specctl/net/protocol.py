@@ -13,7 +13,7 @@ import torch
 
 from specctl.errors import SpecctlError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: sparse q in Proposal, no per-node probs
 MAX_FRAME_BYTES = 16 << 20
 
 
@@ -97,12 +97,33 @@ class Propose(msgspec.Struct, tag=True, frozen=True):
     tokens: list[int]
 
 
+class SparseProbs(msgspec.Struct, frozen=True):
+    """Rows of probabilities that are zero outside a small support (a sampled draft's q, cut
+    to its top tokens before sampling): [rows, k] token ids and their probabilities. The
+    receiver rebuilds the exact dense rows; a round's frame stays kilobytes at any vocabulary."""
+    ids: Tensor  # int64 [rows, k]
+    probs: Tensor  # float32 [rows, k]
+
+    @classmethod
+    def from_dense(cls, rows: torch.Tensor) -> "SparseProbs":
+        support = int((rows > 0).sum(-1).max()) if rows.numel() else 0
+        values, ids = rows.float().topk(max(support, 1), dim=-1)
+        return cls(Tensor.from_torch(ids), Tensor.from_torch(values))
+
+    def to_dense(self, vocab_size: int) -> torch.Tensor:
+        ids, probs = self.ids.to_torch(), self.probs.to_torch()
+        if ids.dtype != torch.int64 or probs.dtype != torch.float32 or ids.dim() != 2 or ids.shape != probs.shape:
+            raise ProtocolError("sparse probabilities need int64 ids and float32 probs of the same [rows, k] shape")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+            raise ProtocolError(f"sparse probability ids must be in [0, {vocab_size})")
+        return torch.zeros(ids.shape[0], vocab_size).scatter_(1, ids, probs)
+
+
 class Proposal(msgspec.Struct, tag=True, frozen=True):
     tag: int
     tokens: list[int]  # BFS order, root first
     parents: list[int]  # -1 for the root
-    probs: list[float]
-    draft_probs: Tensor | None = None  # [depth, vocab] q of a sampled chain
+    draft_probs: SparseProbs | None = None  # q of a sampled chain, one row per drafted token
 
 
 class CloseSession(msgspec.Struct, tag=True, frozen=True):

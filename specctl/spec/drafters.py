@@ -19,7 +19,7 @@ import torch
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.model import Decoder
 from specctl.engine.tree import TokenTree
-from specctl.spec.sampling import SamplingParams, probs_from_logits
+from specctl.spec.sampling import DRAFT_SUPPORT, SamplingParams, keep_top, probs_from_logits
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +179,8 @@ def propose_chains(sessions: list["_ChainSession"], seqs: list[list[int]], param
         step = []
         for b, (tokens, probs, dists) in enumerate(drafts):
             q = probs_from_logits(logits[b][0], _draft_params(params[b]))
+            if not params[b].greedy:
+                q = keep_top(q, DRAFT_SUPPORT)
             x = int(q.argmax()) if params[b].greedy else int(torch.multinomial(q, 1, generator=generators[b]))
             tokens.append(x)
             probs.append(float(q[x]))

@@ -55,5 +55,20 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     return logits.softmax(-1)
 
 
+# A sampled draft draws from its top DRAFT_SUPPORT tokens only (renormalised). Verification
+# uses that q exactly, so this stays lossless; it keeps q sparse, so a round's frame is
+# kilobytes at any vocabulary size, and costs acceptance only the draft's tail mass.
+DRAFT_SUPPORT = 256
+
+
+def keep_top(probs: torch.Tensor, k: int) -> torch.Tensor:
+    """``probs`` with all but its ``k`` most likely tokens set to 0, renormalised."""
+    if k >= probs.shape[-1]:
+        return probs
+    values, ids = probs.topk(k, dim=-1)
+    kept = torch.zeros_like(probs).scatter_(-1, ids, values)
+    return kept / kept.sum(-1, keepdim=True)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))

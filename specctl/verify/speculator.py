@@ -30,13 +30,12 @@ MAX_FAILURES_IN_A_ROW = 3
 
 def proposal_from_message(msg: ProposalMsg, vocab_size: int) -> Proposal:
     try:
-        tree = TokenTree.from_parents(msg.tokens, msg.parents, msg.probs)
+        tree = TokenTree.from_parents(msg.tokens, msg.parents)
     except ValueError as exc:
         raise ProtocolError(f"bad proposal tree: {exc}") from None
-    q = None if msg.draft_probs is None else msg.draft_probs.to_torch()
-    if q is not None and (q.dim() != 2 or q.shape[0] != len(tree) - 1 or q.shape[1] != vocab_size):
-        raise ProtocolError(f"draft_probs of shape {list(q.shape)} for a chain of {len(tree) - 1} tokens "
-                            f"over {vocab_size} tokens")
+    q = None if msg.draft_probs is None else msg.draft_probs.to_dense(vocab_size)
+    if q is not None and q.shape[0] != len(tree) - 1:
+        raise ProtocolError(f"draft_probs has {q.shape[0]} rows for a chain of {len(tree) - 1} tokens")
     return Proposal(tree, q)
 
 
