@@ -1,4 +1,6 @@
+import asyncio
 import importlib.util
+import time
 from pathlib import Path
 
 import pytest
@@ -83,3 +85,36 @@ def verify_together_to_the_end(sessions, drafters) -> None:
             assert isinstance(emitted, list)
     for state in states:
         state.close()
+
+
+async def wait_until(predicate, timeout: float = 20.0, what: str = "condition") -> None:
+    """Await a condition on state the test can see (polled), never a fixed sleep."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout} s")
+        await asyncio.sleep(0.01)
+
+
+def poll_until(probe, predicate, timeout: float = 20.0, interval: float = 0.2):
+    """Call ``probe`` until ``predicate(result)`` holds; returns that result."""
+    deadline = time.time() + timeout
+    while True:
+        result = probe()
+        if predicate(result):
+            return result
+        if time.time() > deadline:
+            raise AssertionError(f"condition not reached within {timeout} s; last: {result!r}")
+        time.sleep(interval)
+
+
+async def poll_async(probe, predicate, timeout: float = 20.0, interval: float = 0.05):
+    """Await ``probe()`` until ``predicate(result)`` holds; returns that result."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        result = await probe()
+        if predicate(result):
+            return result
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"condition not reached within {timeout} s; last: {result!r}")
+        await asyncio.sleep(interval)

@@ -9,7 +9,7 @@ import torch
 from specctl.runtime.compute import ComputeThread
 from specctl.spec.drafters import ModelChainDrafter, propose_chains
 from specctl.spec.sampling import SamplingParams
-from tests.conftest import verify_together_to_the_end
+from tests.conftest import verify_together_to_the_end, wait_until
 
 
 def test_forward_many_equals_one_session_at_a_time(tiny):
@@ -47,10 +47,10 @@ def test_batched_chain_drafting_matches_one_at_a_time(tiny):
 
 async def test_compute_thread_serves_queued_requests_in_one_pass():
     compute = ComputeThread("test", max_batch=8).lane(owns_thread=True)
-    gate = threading.Event()
+    gate, busy = threading.Event(), threading.Event()
     try:
-        blocker = asyncio.ensure_future(compute.run(gate.wait))
-        await asyncio.sleep(0.05)
+        blocker = asyncio.ensure_future(compute.run(lambda: busy.set() or gate.wait()))
+        await asyncio.to_thread(busy.wait)
         calls = []
 
         def batch_fn(items):
@@ -58,7 +58,7 @@ async def test_compute_thread_serves_queued_requests_in_one_pass():
             return [ValueError("bad item") if item == 3 else item * 10 for item in items]
 
         pending = [asyncio.ensure_future(compute.run_batched("k", batch_fn, i)) for i in range(5)]
-        await asyncio.sleep(0.05)
+        await wait_until(lambda: compute.queue_depth == 5, what="five jobs queued")
         gate.set()
         await blocker
         results = await asyncio.gather(*pending, return_exceptions=True)
@@ -73,10 +73,10 @@ async def test_compute_thread_serves_queued_requests_in_one_pass():
 async def test_lanes_share_one_thread_but_not_batches_or_stats():
     thread = ComputeThread("shared", max_batch=8)
     draft, target = thread.lane(), thread.lane(max_batch=2)
-    gate = threading.Event()
+    gate, busy = threading.Event(), threading.Event()
     try:
-        blocker = asyncio.ensure_future(draft.run(gate.wait))
-        await asyncio.sleep(0.05)
+        blocker = asyncio.ensure_future(draft.run(lambda: busy.set() or gate.wait()))
+        await asyncio.to_thread(busy.wait)
         calls = []
 
         def batch_fn(items):
@@ -85,8 +85,7 @@ async def test_lanes_share_one_thread_but_not_batches_or_stats():
 
         pending = [asyncio.ensure_future(lane.run_batched("k", batch_fn, (name, i)))
                    for i in range(3) for lane, name in ((draft, "d"), (target, "t"))]
-        await asyncio.sleep(0.05)
-        assert draft.queue_depth == 3 and target.queue_depth == 3
+        await wait_until(lambda: draft.queue_depth == 3 and target.queue_depth == 3, what="six jobs queued")
         gate.set()
         await blocker
         await asyncio.gather(*pending)

@@ -14,7 +14,7 @@ from specctl.chat.repl import ChatState, Quit, command, repl
 from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
 
-from conftest import needs_qwen
+from conftest import needs_qwen, poll_until
 
 needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 
@@ -69,13 +69,8 @@ def tmux(*args):
 
 
 def wait_for(session, needle, timeout, count=1):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        pane = tmux("capture-pane", "-p", "-J", "-S", "-200", "-t", session).stdout
-        if pane.count(needle) >= count:
-            return pane
-        time.sleep(0.3)
-    raise AssertionError(f"{needle!r} did not appear:\n{pane}")
+    return poll_until(lambda: tmux("capture-pane", "-p", "-J", "-S", "-200", "-t", session).stdout,
+                      lambda pane: pane.count(needle) >= count, timeout, interval=0.3)
 
 
 @needs_tmux
@@ -91,16 +86,15 @@ def test_ctrl_c_stops_a_reply_without_leaving(gateway, tiny_dir, embedded):
     try:
         wait_for(session, "you>", 60)
         tmux("send-keys", "-t", session, "tell me everything", "Enter")
-        wait_for(session, "assistant>", 30)
-        time.sleep(0.5)
+        # Ctrl-C once the reply is streaming (text after the prompt), not at a fixed time.
+        poll_until(lambda: tmux("capture-pane", "-p", "-J", "-t", session).stdout,
+                   lambda pane: "assistant>" in pane and len(pane.split("assistant>")[-1].strip()) >= 8, 30)
         tmux("send-keys", "-t", session, "C-c")
         wait_for(session, "(stopped)", 15)
         wait_for(session, "you>", 15, count=2)
         tmux("send-keys", "-t", session, "/quit", "Enter")
-        deadline = time.time() + 15
-        while time.time() < deadline and tmux("has-session", "-t", session).returncode == 0:
-            time.sleep(0.3)
-        assert tmux("has-session", "-t", session).returncode != 0  # the REPL left on /quit
+        # The REPL left on /quit: its tmux session ends.
+        poll_until(lambda: tmux("has-session", "-t", session).returncode, lambda rc: rc != 0, 15)
     finally:
         tmux("kill-session", "-t", session)
 

@@ -14,6 +14,7 @@ from rich.console import Console
 
 from specctl.monitor.render import dashboard, sparkline
 from specctl.monitor.view import MonitorState, advance, recent_rates, star_regime
+from tests.conftest import poll_until
 
 DRAFT = {"role": "draft", "address": "10.0.0.1:9000", "up": True, "stats": {
     "model": "qwen2.5-coder-0.5b", "targets": 3, "load": 0.87, "queue_depth": 2, "sessions": 3, "R_q": 41.5,
@@ -111,27 +112,24 @@ def test_monitor_in_tmux_shows_changing_numbers_and_a_target_going_down(tiny_dir
     try:
         assert tmux("new-session", "-d", "-s", session, "-x", "80", "-y", "24",
                     f"{sys.executable} -m specctl monitor --gateway {urls['gateway']} --interval 0.25").returncode == 0
-        time.sleep(3)
-        idle = tmux("capture-pane", "-p", "-t", session).stdout
-        assert "specctl monitor" in idle and idle.count(" up ") == 2, idle
+        pane = lambda: tmux("capture-pane", "-p", "-t", session).stdout  # noqa: E731
+        poll_until(pane, lambda idle: "specctl monitor" in idle and idle.count(" up ") == 2, 30)
         workers = [threading.Thread(target=load, daemon=True) for _ in range(2)]
         for worker in workers:
             worker.start()
         frames = []
-        for _ in range(6):
-            time.sleep(1.0)
-            frames.append(tmux("capture-pane", "-p", "-t", session).stdout)
-        assert len(set(frames)) > 1  # the numbers move while load runs
-        assert any("R_q 0.0/s" not in frame for frame in frames), frames[-1]
+
+        def moved(frame: str) -> bool:  # the numbers move while load runs, drafting included
+            frames.append(frame)
+            return len(set(frames)) > 1 and any("R_q 0.0/s" not in f for f in frames)
+
+        poll_until(pane, moved, 30, interval=0.25)
         assert all(len(line) <= 80 for frame in frames for line in frame.splitlines())
         stop.set()
         for worker in workers:
             worker.join(timeout=30)
         cluster.loop.call_soon_threadsafe(lambda: cluster.loop.create_task(cluster.cluster.targets[1].close()))
-        deadline = time.time() + 10
-        while time.time() < deadline and "down" not in tmux("capture-pane", "-p", "-t", session).stdout:
-            time.sleep(0.5)
-        final = tmux("capture-pane", "-p", "-t", session).stdout
+        final = poll_until(pane, lambda frame: "down" in frame, 15)
         assert "down" in final and " up " in final, final
         print(final)
     finally:

@@ -2,6 +2,7 @@
 test can inspect their state): exactness, faults, isolation, auth and TLS."""
 
 import asyncio
+import threading
 import time
 import datetime
 import ipaddress
@@ -13,13 +14,14 @@ from specctl.engine.loader import load_model
 from specctl.errors import VocabMismatch
 from specctl.net.framing import read_message, write_message
 from specctl.net.handshake import AuthError, client_handshake
-from specctl.net.protocol import Cancel, Done, Error, Generate, OpenSession, Propose, SessionOpened, Stats, StatsRequest, Tokens, encode
+from specctl.net.protocol import Cancel, Done, Error, Generate, OpenSession, Propose, SessionOpened, Stats, StatsRequest, Tokens, decode, encode
 from specctl.spec.rounds import generate
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter
 from specctl.spec.sampling import SamplingParams
 from specctl.verify.client import remote_generate
 from specctl.verify.draft_client import DraftClient
 from specctl.verify.server import TargetServer, TargetServerConfig
+from tests.conftest import wait_until
 
 PROMPTS = [[5, 9, 13, 2], [7, 8, 9, 10, 7, 8, 9], [100], [42, 43, 44, 45, 46], [1, 2, 3, 1, 2, 3], [250, 3, 77]]
 
@@ -54,14 +56,6 @@ async def stop_star(draft_server, link, target_server):
 
 def local_reference(models, prompt, max_tokens):
     return generate(models[0].decoder, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0]
-
-
-async def wait_until(predicate, timeout=20.0):
-    for _ in range(int(timeout / 0.02)):
-        if predicate():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not reached")
 
 
 @pytest.mark.parametrize("kind", ["chain", "tree"])
@@ -156,11 +150,13 @@ async def test_a_cancel_before_the_session_exists_gets_done_and_frees_its_cache(
     # CANCEL arrives: the client still gets DONE, and the cache made meanwhile is freed.
     draft_server, _, _, link, target_server, port = await start_star(models)
     try:
-        target_server.compute.submit_nowait(time.sleep, 0.5)
+        gate = threading.Event()
+        target_server.compute.submit_nowait(gate.wait, 30)
         reader, writer = await _generating_client(port, [1, 2, 3], 400)
-        await asyncio.sleep(0.1)
+        await wait_until(lambda: target_server.active == 1, what="the request reached the target")
         await write_message(writer, Cancel(1))
         reply = await asyncio.wait_for(read_message(reader), 5)
+        gate.set()  # now the session's KV cache is made, and must be freed
         assert isinstance(reply, Done) and reply.req == 1 and reply.finish_reason == "cancelled"
         assert (reply.stats["prompt_tokens"], reply.stats["new_tokens"], reply.stats["rounds"]) == (3, 0, 0)
         await wait_until(lambda: target_server.pool.used_bytes == 0 and target_server.pool.sessions == 0
@@ -189,15 +185,40 @@ async def test_clients_leaving_during_the_prefill_leave_no_session_anywhere(mode
 async def test_a_draft_session_whose_opener_gave_up_is_closed(models):
     draft_server, _, client, link, target_server, _ = await start_star(models)
     try:
+        gate = threading.Event()  # the draft's compute is held: the open is surely in flight
+        draft_server.compute.submit_nowait(gate.wait, 30)
         opening = asyncio.create_task(client.open([1, 2, 3], temperature=0.0, top_p=1.0, top_k=0, seed=1, max_tokens=8))
-        await asyncio.sleep(0)  # OpenSession is on the wire
+        await wait_until(lambda: draft_server.active_sessions == 1, what="the draft server has the OpenSession")
         opening.cancel()
-        await asyncio.gather(opening, return_exceptions=True)
+        assert isinstance((await asyncio.gather(opening, return_exceptions=True))[0], asyncio.CancelledError)
+        gate.set()  # now it opens the session, answers, and the client closes what nobody waits for
         await wait_until(lambda: draft_server.active_sessions == 0 and draft_server.table.states == {}
-                         and draft_server.compute.queue_depth == 0)
+                         and draft_server.compute.queue_depth == 0, what="the draft session closed")
         assert draft_server.table.snapshot()["sessions"] == 0
     finally:
         await stop_star(draft_server, link, target_server)
+
+
+async def test_an_opener_cancelled_as_its_reply_arrives_closes_the_session():
+    """wait_for returns a reply that arrived in the same loop step as the cancellation:
+    the opener must still end cancelled, and close the session it was given."""
+    class Recorder:
+        frames: list = []
+
+        def write(self, frame):
+            self.frames.append(decode(frame[4:]))
+
+    client = DraftClient("127.0.0.1", 9, model="m", fingerprint="f")
+    client._writer, client.epoch = Recorder(), 1
+    opening = asyncio.create_task(client.open([1, 2], temperature=0.0, top_p=1.0, top_k=0, seed=1, max_tokens=4))
+    await wait_until(lambda: client._pending, what="the OpenSession is sent")
+    (future,) = client._pending.values()
+    future.set_result(SessionOpened(1, 77))
+    opening.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await opening
+    assert [type(m).__name__ for m in Recorder.frames] == ["OpenSession", "CloseSession"]
+    assert Recorder.frames[1].tag == 77
 
 
 async def _raw_target_connection(port, fingerprint, auth=None):

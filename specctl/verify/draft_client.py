@@ -113,11 +113,19 @@ class DraftClient:
         self._pending[key] = future
         try:
             self._writer.write(encode(message))
-            return await asyncio.wait_for(future, self.timeout_s)
+            reply = await asyncio.wait_for(future, self.timeout_s)
         except (ConnectionError, asyncio.TimeoutError):
             return None
         finally:
             self._pending.pop(key, None)
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            # Cancelled just as the reply came (wait_for then returns it): a session it
+            # opened has nobody to close it but us.
+            if isinstance(reply, SessionOpened):
+                self.close((self.epoch, reply.tag))
+            raise asyncio.CancelledError
+        return reply
 
     async def open(self, prompt: list[int], *, temperature: float, top_p: float, top_k: int, seed: int,
                    max_tokens: int) -> Handle | None:
