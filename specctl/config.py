@@ -37,6 +37,7 @@ class Config:
     width: int = 4
     max_batch: int = 8
     prespec_budget: int = 0
+    draft_stop: float = 0.0  # adaptive depth: stop drafting below this draft probability of the path (0 = off)
     draft_quant: str = "none"  # none | int8 (CPU): a quantized draft is still lossless
     target_quant: str = "none"  # none | int8 (CPU): the int8 model is then the target whose output is reproduced
     target: str = "qwen2.5-coder-1.5b"
@@ -55,6 +56,8 @@ class Config:
                 raise ConfigError(f"{name} must be one of {', '.join(QUANTS)}, got {getattr(self, name)!r}")
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if not isinstance(self.draft_stop, (int, float)) or isinstance(self.draft_stop, bool) or not 0.0 <= self.draft_stop < 1.0:
+            raise ConfigError(f"draft_stop must be a number in [0, 1), got {self.draft_stop!r}")
         for name, low, high in (
             ("threads", 0, 1024), ("kv_budget_mb", 1, 1 << 24), ("max_sessions", 1, 1 << 20),
             ("depth", 1, 64), ("topk", 1, 64), ("width", 1, 256), ("max_batch", 1, 4096), ("prespec_budget", 0, 4096),

@@ -78,16 +78,19 @@ def test_bench_local_writes_json(tiny_dir, tmp_path):
     out = tmp_path / "bench.json"
     proc = run("bench", "local", "--target", str(tiny_dir["llama"]), "--draft", str(tiny_dir["llama-draft"]),
                "--max-tokens", "8", "--limit", "2", "--modes", "ar,chain,tree,ngram,hf-assisted", "--dtype", "fp32",
-               "--json", str(out))
+               "--repeats", "2", "--prompts", "heldout", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert list(report["modes"]) == ["ar", "chain", "tree", "ngram", "hf-assisted"]
     for mode, result in report["modes"].items():
         assert {"tokens_per_s", "speedup_vs_ar", "mean_accepted_length", "acceptance_rate"} <= set(result)
         assert result["outputs_equal_to_ar"] == 1.0, mode  # fp32: every mode is exact
-    assert report["modes"]["ar"]["speedup_vs_ar"] == 1.0
+        assert len(result["speedup_per_repeat"]) == 2 and list(result["per_kind"]) == ["code"]
+        low, median, high = result["speedup_min_median_max"]
+        assert low <= median <= high and result["per_kind"]["code"]["outputs_equal_to_ar"] == 1.0
+    assert report["modes"]["ar"]["speedup_vs_ar"] == 1.0 and report["modes"]["ar"]["speedup_per_repeat"] == [1.0, 1.0]
     assert report["settings"]["max_tokens"] == 8 and report["settings"]["prompts"] == 2
-    assert "bench local" in proc.stdout
+    assert "bench local" in proc.stdout and "by class of prompt" in proc.stdout
 
 
 def test_bench_rejects_unknown_modes():
@@ -124,3 +127,39 @@ def test_bench_star_rejects_bad_flags_before_starting_anything(args, message):
 @pytest.mark.parametrize("flag", ["--threads", "--repeats"])
 def test_bench_net_rejects_counts_below_one_before_loading_anything(flag):
     _assert_one_line_error(run("bench", "net", flag, "0"), "--threads and --repeats must be >= 1")
+
+
+@pytest.mark.parametrize("args", [
+    ["teleport"], ["generate", "--no-such-flag"], ["generate", "-p", "x", "--max-tokens", "abc"], ["generate"],
+    ["plan", "--ts", "ten", "--tv", "1", "--beta", "0.5", "--depth", "4"],
+])
+def test_usage_errors_print_the_usage_and_exit_2_without_a_traceback(args):
+    proc = run(*args, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "Usage: " in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--ts", "nan"], "t_s, t_v, t_c and beta must be finite numbers"),
+    (["--ts", "10", "--beta", "inf"], "t_s, t_v, t_c and beta must be finite numbers"),
+    (["--ts", "10", "--standalone", "-3"], "--standalone must be a positive number of tokens/s, got -3.0"),
+    (["--ts", "10", "--standalone", "nan"], "--standalone must be a positive number of tokens/s, got nan"),
+])
+def test_plan_refuses_non_finite_and_non_positive_inputs(flags, message):
+    base = {"--ts": "10", "--tv": "100", "--beta": "0.5", "--depth": "4"}
+    given = dict(zip(flags[::2], flags[1::2]))
+    args = [x for k, v in {**base, **given}.items() for x in (k, v)]
+    _assert_one_line_error(run("plan", *args, timeout=60), message)
+
+
+def test_a_port_in_use_is_one_line_naming_it(tiny_dir):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run("draft", "--model", f"{tiny_dir['llama']}@2", "--dtype", "fp32", "--draft-quant", "none",
+                   "--port", str(port), timeout=120)
+    _assert_one_line_error(proc, f"cannot listen on 127.0.0.1:{port}: address already in use; stop what listens "
+                                 "there or pick another port with --port")

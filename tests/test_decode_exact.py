@@ -117,3 +117,19 @@ def test_int8_quantized_draft_stays_exact(tiny_dir, tiny):
         reference, _, _ = generate(tiny["llama"], prompt, params)
         for drafter in (ModelChainDrafter(draft, 4), ModelTreeDrafter(draft, 3, 2, 3)):
             assert generate(tiny["llama"], prompt, params, drafter)[0] == reference
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_adaptive_depth_stays_exact_and_drafts_less(tiny, sampled):
+    """Stopping a proposal early (the draft unsure of its path) changes what drafting costs,
+    never what is accepted: greedy output equals the target alone."""
+    params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8 if sampled else 0.0, seed=3)
+    draft = tiny["llama-self2"]
+    for full, adaptive in ((ModelChainDrafter(draft, 6), ModelChainDrafter(draft, 6, stop=0.3)),
+                           (ModelTreeDrafter(draft, 5, 2, 3), ModelTreeDrafter(draft, 5, 2, 3, stop=0.3))):
+        for prompt in _prompts(11, 3):
+            _, full_stats, _ = generate(tiny["llama"], prompt, params, full)
+            out, stats, _ = generate(tiny["llama"], prompt, params, adaptive)
+            if not sampled:
+                assert out == generate(tiny["llama"], prompt, params)[0]
+            assert stats.drafted / stats.drafts < full_stats.drafted / full_stats.drafts

@@ -57,6 +57,17 @@ def test_speculative_sampling_matches_target_distribution(small, mode, temperatu
         "tree": ModelTreeDrafter(draft, 2, 2, 3),
         "ngram": NgramDrafter(2),
     }[mode]
+    _assert_target_distribution(target, drafter, temperature, top_p)
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_adaptive_depth_keeps_the_target_distribution(small, mode):
+    target, draft = small
+    drafter = ModelChainDrafter(draft, 3, stop=0.4) if mode == "chain" else ModelTreeDrafter(draft, 3, 2, 3, stop=0.4)
+    _assert_target_distribution(target, drafter, 1.0, 1.0)
+
+
+def _assert_target_distribution(target, drafter, temperature, top_p):
     expected = _exact_joint_of_tokens_2_and_3(target, SamplingParams(temperature=temperature, top_p=top_p))
     counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
     rounds_with_acceptance = 0

@@ -1,10 +1,16 @@
 """``specctl bench local``: every mode on the same prompts in one process, greedy, with the
-target alone (ar) and transformers' assisted generation (hf-assisted) as baselines."""
+target alone (ar) and transformers' assisted generation (hf-assisted) as baselines.
+
+The modes take turns prompt by prompt (the order rotates with the prompt and the repeat),
+so a slow minute of the machine falls on every mode alike; each repeat gives one ratio
+per mode, reported as min / median / max beside the ratio of the totals."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from rich.progress import Progress
@@ -13,65 +19,90 @@ from specctl.bench.prompts import BenchPrompt
 from specctl.config import Config
 from specctl.engine.loader import DTYPES, LoadedModel
 from specctl.engine.text import encode_user_text
-from specctl.spec.rounds import generate
 from specctl.spec.factory import make_drafter
+from specctl.spec.rounds import generate
 from specctl.spec.sampling import SamplingParams
 
 MODES = ("ar", "chain", "tree", "ngram", "hf-assisted")
+Runner = Callable[[list[int]], tuple[list[int], object]]  # prompt ids -> (new tokens, GenerationStats or None)
+
+
+@dataclass(slots=True)
+class Tally:
+    tokens: int = 0
+    wall_s: float = 0.0
+
+    def add(self, tokens: int, wall_s: float) -> None:
+        self.tokens += tokens
+        self.wall_s += wall_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
 
 
 @dataclass(slots=True)
 class ModeResult:
     mode: str
-    new_tokens: int = 0
-    wall_s: float = 0.0
-    rounds: int = 0
+    total: Tally = field(default_factory=Tally)
+    per_repeat: dict[int, Tally] = field(default_factory=dict)
+    per_kind: dict[str, Tally] = field(default_factory=dict)
+    drafts: int = 0
     accepted: int = 0
     drafted: int = 0
-    outputs: list[list[int]] = field(default_factory=list)
+    outputs: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # (repeat, prompt) -> tokens
 
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.wall_s if self.wall_s else 0.0
+    def record(self, repeat: int, index: int, kind: str, out: list[int], stats, wall_s: float) -> None:
+        for tally in (self.total, self.per_repeat.setdefault(repeat, Tally()), self.per_kind.setdefault(kind, Tally())):
+            tally.add(len(out), wall_s)
+        self.outputs[(repeat, index)] = out
+        if stats is not None:
+            self.drafts += stats.drafts
+            self.accepted += stats.accepted
+            self.drafted += stats.drafted
 
-    def summary(self, ar: "ModeResult | None") -> dict:
+    def summary(self, ar: "ModeResult | None", kinds: dict[int, str]) -> dict:
         spec = self.mode not in ("ar", "hf-assisted")
-        same = None
-        if ar is not None and ar.outputs and self.outputs:
-            same = sum(a == b for a, b in zip(ar.outputs, self.outputs)) / len(self.outputs)
+        ratio = lambda mine, base: round(mine.tokens_per_s / base.tokens_per_s, 3) if base and base.tokens_per_s else None  # noqa: E731
+        same = lambda keys: (sum(self.outputs[k] == ar.outputs[(0, k[1])] for k in keys) / len(keys)  # noqa: E731
+                             if ar is not None and keys else None)
+        spread = [ratio(t, ar.per_repeat[r]) for r, t in sorted(self.per_repeat.items())] if ar else []
         return {
-            "tokens_per_s": round(self.tokens_per_s, 3),
-            "speedup_vs_ar": round(self.tokens_per_s / ar.tokens_per_s, 3) if ar and ar.tokens_per_s else None,
-            "mean_accepted_length": round(1 + self.accepted / self.rounds, 3) if spec and self.rounds else None,
+            "tokens_per_s": round(self.total.tokens_per_s, 3),
+            "speedup_vs_ar": ratio(self.total, ar.total if ar else None),
+            "speedup_per_repeat": spread,
+            "speedup_min_median_max": [min(spread), statistics.median(spread), max(spread)] if spread else None,
+            "mean_accepted_length": round(1 + self.accepted / self.drafts, 3) if spec and self.drafts else None,
             "acceptance_rate": round(self.accepted / self.drafted, 3) if spec and self.drafted else None,
-            "new_tokens": self.new_tokens,
-            "wall_s": round(self.wall_s, 3),
-            "outputs_equal_to_ar": same,
+            "new_tokens": self.total.tokens,
+            "wall_s": round(self.total.wall_s, 3),
+            "outputs_equal_to_ar": same(list(self.outputs)),
+            "per_kind": {
+                kind: {"tokens_per_s": round(t.tokens_per_s, 3),
+                       "speedup_vs_ar": ratio(t, ar.per_kind.get(kind) if ar else None),
+                       "outputs_equal_to_ar": same([k for k in self.outputs if kinds[k[1]] == kind])}
+                for kind, t in sorted(self.per_kind.items())
+            },
         }
 
 
-def run_engine_mode(mode: str, config: Config, target: LoadedModel, draft: LoadedModel | None,
-                    prompts: list[list[int]], max_tokens: int, advance) -> ModeResult:
+def engine_runner(mode: str, config: Config, target: LoadedModel, draft: LoadedModel | None, max_tokens: int,
+                  warm_up: list[int]) -> Runner:
     drafter = make_drafter(config.replace(mode=mode), draft)
     params = SamplingParams(max_tokens=max_tokens)
-    generate(target.decoder, prompts[0][:8], SamplingParams(max_tokens=4), drafter)  # warm-up
-    result = ModeResult(mode)
-    for ids in prompts:
-        start = time.perf_counter()
+    generate(target.decoder, warm_up, SamplingParams(max_tokens=4), drafter)
+
+    def run(ids: list[int]):
         out, stats, _ = generate(target.decoder, ids, params, drafter, eos_token_ids=target.eos_token_ids)
-        result.wall_s += time.perf_counter() - start
-        result.new_tokens += len(out)
-        result.rounds += stats.drafts  # speculative rounds: acceptance is over drafts
-        result.accepted += stats.accepted
-        result.drafted += stats.drafted
-        result.outputs.append(out)
-        advance()
-    return result
+        return out, stats
+
+    return run
 
 
-def run_hf_assisted(config: Config, target: LoadedModel, draft: LoadedModel, prompts: list[list[int]],
-                    max_tokens: int, advance) -> ModeResult:
-    """transformers' own assisted generation with the same two checkpoints."""
+def hf_assisted_runner(config: Config, target: LoadedModel, draft: LoadedModel, max_tokens: int,
+                       warm_up: list[int]) -> Runner:
+    """transformers' own assisted generation with the same two checkpoints (its defaults:
+    dynamic draft length and its confidence threshold)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -85,42 +116,47 @@ def run_hf_assisted(config: Config, target: LoadedModel, draft: LoadedModel, pro
         hf_draft.config.num_hidden_layers = draft.spec.num_layers
     eos = list(target.eos_token_ids) or None
     kw = dict(do_sample=False, eos_token_id=eos, pad_token_id=eos[0] if eos else None)
-    result = ModeResult("hf-assisted")
-    with torch.inference_mode():
-        hf_target.generate(torch.tensor([prompts[0][:8]]), assistant_model=hf_draft, max_new_tokens=4, **kw)
-        for ids in prompts:
-            start = time.perf_counter()
-            out = hf_target.generate(torch.tensor([ids]), assistant_model=hf_draft, max_new_tokens=max_tokens, **kw)
-            result.wall_s += time.perf_counter() - start
-            new = out[0, len(ids):].tolist()
-            while new and new[-1] in target.eos_token_ids:  # we do not count the EOS either
-                new.pop()
-            result.new_tokens += len(new)
-            result.outputs.append(new)
-            advance()
-    del hf_target, hf_draft
-    return result
+
+    def run(ids: list[int], new: int = max_tokens):
+        with torch.inference_mode():
+            out = hf_target.generate(torch.tensor([ids]), assistant_model=hf_draft, max_new_tokens=new, **kw)
+        tokens = out[0, len(ids):].tolist()
+        while tokens and tokens[-1] in target.eos_token_ids:  # we do not count the EOS either
+            tokens.pop()
+        return tokens, None
+
+    run(warm_up, 4)
+    return run
 
 
 def run_local_bench(config: Config, target: LoadedModel, draft: LoadedModel | None, prompts: list[BenchPrompt],
-                    modes: list[str], max_tokens: int, progress: Progress) -> dict:
+                    modes: list[str], max_tokens: int, progress: Progress, repeats: int = 1) -> dict:
     encoded = [encode_user_text(target.tokenizer, p.prompt, p.chat) for p in prompts]
-    task = progress.add_task("benchmark", total=len(modes) * len(encoded))
-    results: dict[str, ModeResult] = {}
+    kinds = {i: p.kind for i, p in enumerate(prompts)}
+    warm_up = encoded[0][:8]
+    runners: dict[str, Runner] = {}
     for mode in modes:
-        progress.update(task, description=f"mode {mode}")
-        advance = lambda: progress.advance(task)  # noqa: E731
-        if mode == "hf-assisted":
-            results[mode] = run_hf_assisted(config, target, draft, encoded, max_tokens, advance)
-        else:
-            results[mode] = run_engine_mode(mode, config, target, draft, encoded, max_tokens, advance)
+        progress.console.print(f"[dim]preparing {mode}[/]")
+        runners[mode] = (hf_assisted_runner(config, target, draft, max_tokens, warm_up) if mode == "hf-assisted"
+                         else engine_runner(mode, config, target, draft, max_tokens, warm_up))
+    results = {mode: ModeResult(mode) for mode in modes}
+    task = progress.add_task("benchmark", total=repeats * len(encoded) * len(modes))
+    for repeat in range(repeats):
+        for index, ids in enumerate(encoded):
+            shift = (index + repeat) % len(modes)
+            for mode in modes[shift:] + modes[:shift]:
+                progress.update(task, description=f"repeat {repeat + 1}/{repeats}, prompt {index + 1}, {mode}")
+                start = time.perf_counter()
+                out, stats = runners[mode](ids)
+                results[mode].record(repeat, index, kinds[index], out, stats, time.perf_counter() - start)
+                progress.advance(task)
     ar = results.get("ar")
     return {
         "settings": {
             "target": config.target, "draft": config.draft, "dtype": config.dtype, "max_tokens": max_tokens,
-            "prompts": len(prompts), "depth": config.depth, "topk": config.topk, "width": config.width,
-            "draft_quant": config.draft_quant,
+            "prompts": len(prompts), "repeats": repeats, "depth": config.depth, "topk": config.topk,
+            "width": config.width, "draft_stop": config.draft_stop, "draft_quant": config.draft_quant,
             "threads": torch.get_num_threads(), "temperature": 0.0,
         },
-        "modes": {mode: r.summary(ar) for mode, r in results.items()},
+        "modes": {mode: r.summary(ar, kinds) for mode, r in results.items()},
     }

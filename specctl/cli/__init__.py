@@ -30,24 +30,11 @@ app.command("monitor")(monitor.monitor)
 
 
 def main() -> None:
-    """Entry point: user errors become one line on stderr and exit code 2, no traceback."""
+    """Entry point. Usage errors (unknown command or option, a value of the wrong type, a
+    missing option) print typer's usage message and exit 2; errors a user causes otherwise
+    print one ``error:`` line and exit 2; neither prints a traceback."""
     try:
-        app(standalone_mode=False)
+        app()  # standalone: typer reports its own usage errors and exits
     except SpecctlError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
-    except typer.Abort:
-        print("aborted", file=sys.stderr)
-        sys.exit(1)
-    except Exception as exc:  # click usage errors and the like
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        raise

@@ -26,13 +26,34 @@ def int_list(text: str, flag: str) -> tuple[int, ...]:
 
 def render_local_table(report: dict) -> Table:
     s = report["settings"]
-    table = Table(title=f"bench local: {s['target']} / {s['draft']}, {s['dtype']}, {s['prompts']} prompts x {s['max_tokens']} tokens")
-    for column in ("mode", "tokens/s", "speedup vs ar", "mean accepted length", "acceptance", "same as ar"):
+    table = Table(title=f"bench local: {s['target']} / {s['draft']}, {s['dtype']}, {s['prompts']} prompts x "
+                        f"{s['max_tokens']} tokens, {s['repeats']} repeat(s)")
+    for column in ("mode", "tokens/s", "vs ar", "vs ar per repeat (min / median / max)", "mean accepted length",
+                   "acceptance", "same as ar"):
         table.add_column(column, justify="right" if column != "mode" else "left")
     fmt = lambda v, spec="{:.2f}": "-" if v is None else spec.format(v)  # noqa: E731
     for mode, r in report["modes"].items():
-        table.add_row(mode, fmt(r["tokens_per_s"]), fmt(r["speedup_vs_ar"], "{:.2f}x"), fmt(r["mean_accepted_length"]),
-                      fmt(r["acceptance_rate"], "{:.0%}"), fmt(r["outputs_equal_to_ar"], "{:.0%}"))
+        spread = r["speedup_min_median_max"]
+        table.add_row(mode, fmt(r["tokens_per_s"]), fmt(r["speedup_vs_ar"], "{:.2f}x"),
+                      "-" if spread is None else " / ".join(f"{x:.2f}x" for x in spread),
+                      fmt(r["mean_accepted_length"]), fmt(r["acceptance_rate"], "{:.0%}"),
+                      fmt(r["outputs_equal_to_ar"], "{:.0%}"))
+    return table
+
+
+def render_local_kinds(report: dict) -> Table:
+    kinds = sorted({kind for r in report["modes"].values() for kind in r["per_kind"]})
+    table = Table(title="by class of prompt: tokens/s vs ar (same as ar)")
+    table.add_column("mode")
+    for kind in kinds:
+        table.add_column(kind, justify="right")
+    for mode, r in report["modes"].items():
+        cells = []
+        for kind in kinds:
+            k = r["per_kind"].get(kind, {})
+            ratio, same = k.get("speedup_vs_ar"), k.get("outputs_equal_to_ar")
+            cells.append("-" if ratio is None else f"{ratio:.2f}x ({same:.0%})" if same is not None else f"{ratio:.2f}x")
+        table.add_row(mode, *cells)
     return table
 
 
@@ -40,15 +61,17 @@ def render_local_table(report: dict) -> Table:
 def local(
     target: Optional[str] = typer.Option(None, help="target model (default: the profile's, qwen2.5-coder-1.5b)"),
     draft: Optional[str] = typer.Option(None, help="draft model (default: qwen2.5-coder-0.5b); NAME@N = first N layers"),
-    prompts: str = typer.Option("builtin", help="'builtin' or a JSON-lines file of {\"prompt\", \"chat\"}"),
+    prompts: str = typer.Option("builtin", help="builtin (8 prompts), heldout (20 never tuned on) or a JSON-lines file of {\"prompt\", \"chat\", \"kind\"}"),
     max_tokens: int = typer.Option(128, "--max-tokens", "-n", help="new tokens per prompt"),
     modes: str = typer.Option("ar,chain,tree,ngram,hf-assisted", help="comma-separated modes to compare"),
     dtype: Optional[str] = typer.Option(None, help="fp32 | bf16"),
     draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="none | int8: quantize the draft for chain/tree"),
+    draft_stop: Optional[float] = typer.Option(None, "--draft-stop", help="adaptive depth: stop drafting once the draft's probability of its path is below this (0 = off)"),
     depth: Optional[int] = typer.Option(None, help="proposal depth d"),
     width: Optional[int] = typer.Option(None, help="tree width w"),
     topk: Optional[int] = typer.Option(None, help="tree top-k"),
     limit: int = typer.Option(0, help="use only the first N prompts (0 = all)"),
+    repeats: int = typer.Option(1, help="turns over all prompts; each gives one ratio per mode (min/median/max reported)"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
     profile: Optional[str] = typer.Option(None, help="hardware profile"),
     json_out: Optional[str] = typer.Option(None, "--json", help="write the report as JSON to this file"),
@@ -64,9 +87,10 @@ def local(
         raise ConfigError(f"unknown modes {', '.join(unknown) or '(none)'}: choose from {', '.join(MODES)}")
     if "ar" in wanted:  # the baseline runs first
         wanted = ["ar"] + [m for m in wanted if m != "ar"]
-    if max_tokens < 1:
-        raise ConfigError("--max-tokens must be at least 1")
+    if max_tokens < 1 or repeats < 1:
+        raise ConfigError("--max-tokens and --repeats must be at least 1")
     config = build_config(profile, target=target, draft=draft, dtype=dtype, depth=depth, width=width, topk=topk, threads=threads,
+                          draft_stop=draft_stop,
                           draft_quant=draft_quant)
     bench_prompts = load_prompts(prompts)
     if limit:
@@ -82,8 +106,9 @@ def local(
         check_same_vocab(target_model, draft_model)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
-        report = run_local_bench(config, target_model, draft_model, bench_prompts, wanted, max_tokens, progress)
+        report = run_local_bench(config, target_model, draft_model, bench_prompts, wanted, max_tokens, progress, repeats)
     Console().print(render_local_table(report))
+    Console().print(render_local_kinds(report))
     if json_out:
         with open(json_out, "w") as f:
             json.dump(report, f, indent=2)

@@ -42,6 +42,7 @@ def generate(
     top_p: float = typer.Option(1.0, "--top-p", help="nucleus sampling mass"),
     top_k: int = typer.Option(0, "--top-k", help="keep the k most likely tokens (0 = off)"),
     mode: Optional[str] = typer.Option(None, help="ar | chain | tree | ngram"),
+    draft_stop: Optional[float] = typer.Option(None, "--draft-stop", help="adaptive depth: stop drafting once the draft's probability of its path is below this (0 = off)"),
     depth: Optional[int] = typer.Option(None, help="proposal depth d"),
     width: Optional[int] = typer.Option(None, help="tree width w (nodes kept per level)"),
     topk: Optional[int] = typer.Option(None, help="tree top-k children per node"),
@@ -59,7 +60,7 @@ def generate(
     """Generate text with speculative decoding in one process (draft and target together)."""
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed)
     config = build_config(
-        profile, target=target, draft=draft, mode=mode, depth=depth, width=width, topk=topk, dtype=dtype, threads=threads,
+        profile, target=target, draft=draft, mode=mode, depth=depth, draft_stop=draft_stop, width=width, topk=topk, dtype=dtype, threads=threads,
         draft_quant=draft_quant, target_quant=target_quant,
     )
     apply_threads(config)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Optional
 
 import typer
@@ -36,6 +37,8 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ) -> None:
     """Predict draft load, idle time and throughput for N = 1.. targets sharing one draft server."""
+    if standalone is not None and not (math.isfinite(standalone) and standalone > 0):
+        raise ConfigError(f"--standalone must be a positive number of tokens/s, got {standalone}")
     try:
         model = StarModel(ts / 1e3, tv / 1e3, tc / 1e3, beta, depth)
     except ValueError as exc:

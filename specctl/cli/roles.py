@@ -42,6 +42,7 @@ def draft(
     host: str = typer.Option("127.0.0.1", help="address to bind (0.0.0.0 for every interface)"),
     model: Optional[str] = typer.Option(None, help="draft model (default: qwen2.5-coder-0.5b)"),
     mode: Optional[str] = typer.Option(None, help="chain | tree | ngram: the proposals this server makes"),
+    draft_stop: Optional[float] = typer.Option(None, "--draft-stop", help="adaptive depth: stop drafting once the draft's probability of its path is below this (0 = off)"),
     depth: Optional[int] = typer.Option(None, help="proposal depth d"),
     topk: Optional[int] = typer.Option(None, help="tree top-k"),
     width: Optional[int] = typer.Option(None, help="tree width w"),
@@ -71,7 +72,7 @@ def draft(
     from specctl.runtime.tls import server_context
     from specctl.spec.factory import apply_threads, load_named, make_drafter
 
-    config = build_config(profile, draft=model, mode=mode, depth=depth, topk=topk, width=width,
+    config = build_config(profile, draft=model, mode=mode, depth=depth, draft_stop=draft_stop, topk=topk, width=width,
                           max_sessions=max_sessions, max_batch=max_batch, dtype=dtype, threads=threads, draft_quant=draft_quant)
     if config.mode == "ar":
         raise ConfigError("a draft server proposes: --mode must be chain, tree or ngram")

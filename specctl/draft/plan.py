@@ -25,6 +25,8 @@ class StarModel:
     depth: int
 
     def __post_init__(self) -> None:
+        if not all(math.isfinite(x) for x in (self.t_s, self.t_v, self.t_c, self.beta)):
+            raise ValueError("t_s, t_v, t_c and beta must be finite numbers")
         if self.t_s <= 0 or self.t_v < 0 or self.t_c < 0:
             raise ValueError("t_s must be > 0 and t_v, t_c >= 0")
         if not 0 <= self.beta < 1:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 import contextlib
 import logging
 import time
@@ -85,7 +86,8 @@ class Gateway:
             await web.TCPSite(self._runner, self.config.host, self.config.port).start()
         except OSError as exc:
             await self._runner.cleanup()
-            raise ConfigError(f"cannot listen on {self.config.host}:{self.config.port}: {exc.strerror or exc}"
+            reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+            raise ConfigError(f"cannot listen on {self.config.host}:{self.config.port}: {reason}"
                               + ("; stop what listens there or pick another port with --port"
                                  if exc.errno == errno.EADDRINUSE else "")) from None
         return self._runner.addresses[0][1]

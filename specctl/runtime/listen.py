@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 import logging
 import time
 from dataclasses import dataclass
@@ -106,7 +107,8 @@ class ListeningServer:
         try:
             self._server = await asyncio.start_server(self._handle, self.config.host, self.config.port, ssl=self.ssl)
         except OSError as exc:
-            raise ConfigError(f"cannot listen on {self.config.host}:{self.config.port}: {exc.strerror or exc}"
+            reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+            raise ConfigError(f"cannot listen on {self.config.host}:{self.config.port}: {reason}"
                               + ("; stop what listens there or pick another port with --port"
                                  if exc.errno == errno.EADDRINUSE else "")) from None
         return self._server.sockets[0].getsockname()[1]

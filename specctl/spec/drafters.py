@@ -76,18 +76,18 @@ class _ModelDraftSession(DraftSession):
 class ModelChainDrafter(Drafter):
     name = "chain"
 
-    def __init__(self, decoder: Decoder, depth: int) -> None:
-        self.decoder, self.depth = decoder, depth
+    def __init__(self, decoder: Decoder, depth: int, stop: float = 0.0) -> None:
+        self.decoder, self.depth, self.stop = decoder, depth, stop
         self.max_nodes = depth + 1
 
     def open(self, capacity: int, pool: KVPool | None = None) -> DraftSession:
-        return _ChainSession(self.decoder, capacity, pool, self.depth)
+        return _ChainSession(self.decoder, capacity, pool, self.depth, self.stop)
 
 
 class _ChainSession(_ModelDraftSession):
-    def __init__(self, decoder: Decoder, capacity: int, pool: KVPool | None, depth: int) -> None:
+    def __init__(self, decoder: Decoder, capacity: int, pool: KVPool | None, depth: int, stop: float) -> None:
         super().__init__(decoder, capacity, pool)
-        self.depth = depth
+        self.depth, self.stop = depth, stop
         self.committed = 0
 
     def propose(self, seq, params, generator):
@@ -101,8 +101,8 @@ class _ChainSession(_ModelDraftSession):
 class ModelTreeDrafter(Drafter):
     name = "tree"
 
-    def __init__(self, decoder: Decoder, depth: int, topk: int, width: int) -> None:
-        self.decoder, self.depth, self.topk, self.width = decoder, depth, topk, width
+    def __init__(self, decoder: Decoder, depth: int, topk: int, width: int, stop: float = 0.0) -> None:
+        self.decoder, self.depth, self.topk, self.width, self.stop = decoder, depth, topk, width, stop
         self.max_nodes = 1 + depth * width
 
     def open(self, capacity: int, pool: KVPool | None = None) -> DraftSession:
@@ -170,27 +170,36 @@ def _catch_up_many(sessions: list["_ModelDraftSession"], seqs: list[list[int]]) 
 def propose_chains(sessions: list["_ChainSession"], seqs: list[list[int]], params: list[SamplingParams],
                    generators: list[torch.Generator | None]) -> list[Proposal]:
     """Draft a chain for several sessions at once: every step is one forward over all of
-    them (the weights are read once per step instead of once per session)."""
-    decoder, depth = sessions[0].decoder, sessions[0].depth
+    them (the weights are read once per step instead of once per session). Adaptive depth:
+    a session stops drafting once the draft's own probability of its chain so far falls
+    below ``stop`` (greedy chains are scored by the draft's softmax at T = 1); the
+    proposal's length never affects what is accepted, only what drafting costs."""
+    decoder, depth, stop = sessions[0].decoder, sessions[0].depth, sessions[0].stop
     caches = [s.cache for s in sessions]
     logits = _catch_up_many(sessions, seqs)
     drafts: list[tuple[list[int], list[float], list[torch.Tensor]]] = [([], [], []) for _ in sessions]
+    reach = [1.0] * len(sessions)
+    live = list(range(len(sessions)))
     for i in range(depth):
-        step = []
-        for b, (tokens, probs, dists) in enumerate(drafts):
-            q = probs_from_logits(logits[b][0], _draft_params(params[b]))
+        for rows, b in zip(logits, live):
+            tokens, probs, dists = drafts[b]
+            q = probs_from_logits(rows[0], _draft_params(params[b]))
             if not params[b].greedy:
                 q = keep_top(q, DRAFT_SUPPORT)
             x = int(q.argmax()) if params[b].greedy else int(torch.multinomial(q, 1, generator=generators[b]))
             tokens.append(x)
             probs.append(float(q[x]))
             dists.append(q)
-            step.append(x)
+            if stop:
+                reach[b] *= float(rows[0].float().softmax(-1)[x]) if params[b].greedy else float(q[x])
+        live = [b for b in live if reach[b] >= stop]
+        if not live:
+            break
         if i + 1 < depth:
             one = torch.tensor([0])
-            logits = decoder.forward_many([torch.tensor([x]) for x in step],
-                                          [torch.tensor([len(seq) + i]) for seq in seqs], caches,
-                                          [None] * len(sessions), [one] * len(sessions))
+            logits = decoder.forward_many([torch.tensor([drafts[b][0][-1]]) for b in live],
+                                          [torch.tensor([len(seqs[b]) + i]) for b in live], [caches[b] for b in live],
+                                          [None] * len(live), [one] * len(live))
     return [
         Proposal(TokenTree.chain(seq[-1], tokens, probs), None if p.greedy else torch.stack(dists))
         for seq, p, (tokens, probs, dists) in zip(seqs, params, drafts)
@@ -211,8 +220,12 @@ def propose_trees(sessions: list["_TreeSession"], seqs: list[list[int]], params:
     trees = [TokenTree.root(seq[-1]).grow(torch.tensor([0]), probs_from_logits(rows[0], sp).unsqueeze(0),
                                           shape.topk, shape.width)
              for seq, rows, sp in zip(seqs, logits, score)]
+    # Adaptive depth: a session's tree stops growing once its likeliest node of the last
+    # level has a cumulative draft probability below ``stop``.
+    reached = lambda tree, level: float(tree.score[tree.level(level)].max().exp()) if tree.level(level).numel() else 0.0  # noqa: E731
+    stopped = {b for b, tree in enumerate(trees) if shape.stop and reached(tree, 1) < shape.stop}
     for level in range(2, shape.depth + 1):
-        live = [b for b, tree in enumerate(trees) if tree.level(level - 1).numel()]
+        live = [b for b, tree in enumerate(trees) if b not in stopped and tree.level(level - 1).numel()]
         if not live:
             break
         frontiers = {b: trees[b].level(level - 1) for b in live}
@@ -225,6 +238,8 @@ def propose_trees(sessions: list["_TreeSession"], seqs: list[list[int]], params:
         for b, rows in zip(live, out):
             sessions[b].fed = int(frontiers[b][-1])
             trees[b] = trees[b].grow(frontiers[b], probs_from_logits(rows, score[b]), shape.topk, shape.width)
+            if shape.stop and reached(trees[b], level) < shape.stop:
+                stopped.add(b)
     return [Proposal(tree) for tree in trees]
 
 

@@ -63,5 +63,5 @@ def make_drafter(config: Config, draft: LoadedModel | None) -> Drafter:
         return NgramDrafter(config.depth)
     assert draft is not None, "chain and tree modes need a draft model"
     if config.mode == "chain":
-        return ModelChainDrafter(draft.decoder, config.depth)
-    return ModelTreeDrafter(draft.decoder, config.depth, config.topk, config.width)
+        return ModelChainDrafter(draft.decoder, config.depth, config.draft_stop)
+    return ModelTreeDrafter(draft.decoder, config.depth, config.topk, config.width, config.draft_stop)
