@@ -16,7 +16,9 @@ from specctl.draft.server import DraftServer, DraftServerConfig
 from specctl.engine.loader import load_model
 from specctl.net.framing import read_message, write_message
 from specctl.net.handshake import client_handshake
-from specctl.net.protocol import CloseSession, Hello, OpenSession, Proposal, Propose, SessionOpened, Stats, StatsRequest, encode
+from specctl.net.protocol import (
+    PROTOCOL_VERSION, CloseSession, Hello, OpenSession, Proposal, Propose, SessionOpened, Stats, StatsRequest, encode,
+)
 from specctl.spec.draft_state import DraftState
 from specctl.spec.drafters import ModelChainDrafter
 from tests.conftest import poll_until
@@ -77,7 +79,7 @@ def _poke(port: int, payload: bytes, handshake_fingerprint: str | None) -> None:
                 return body
 
             recv_frame()
-            sock.sendall(encode(Hello(1, "target", handshake_fingerprint)))
+            sock.sendall(encode(Hello(PROTOCOL_VERSION, "target", handshake_fingerprint)))
             recv_frame()
         sock.sendall(payload)
         sock.settimeout(2)
@@ -112,7 +114,7 @@ def test_live_server_survives_fuzzing(live, payload, after_handshake):
 
 def _live_draft_states() -> int:
     gc.collect()
-    return sum(isinstance(o, DraftState) for o in gc.get_objects())
+    return sum(type(o) is DraftState for o in gc.get_objects())
 
 
 def test_thousand_open_close_cycles_leave_no_session_state(live):

@@ -111,7 +111,7 @@ def test_stop_strings_cut_the_text_and_finish_with_stop(cluster, client, tiny_di
 
 @pytest.mark.parametrize("body, status, needle", [
     (b"{not json", 400, "not valid JSON"),
-    (b'{"prompt": "\xff\xfe"}', 400, "not valid UTF-8 JSON: byte 0xff at position 12"),
+    (b'{"prompt": "\xff\xfe"}', 400, "not valid UTF-8 JSON: a string holds byte 0xff, which is not UTF-8"),
     (b"\xff{}", 400, "not valid JSON"),
     (b"", 400, "empty"),
     ({"max_tokens": 4}, 400, "prompt"),

@@ -80,6 +80,29 @@ def test_dashboard_when_the_gateway_is_down():
     assert "DOWN: ClientConnectorError" in screen
 
 
+def test_a_gateway_that_died_shows_no_stale_rows_and_its_whole_error_in_80_columns():
+    live = advance(advance(MonitorState("http://gateway.example.internal:8000"), feed(), 1.0), feed((150, 140, 100)), 2.0)
+    assert text_of(dashboard(live, now=2.5)).count(" up ") == 3
+    error = "ClientConnectorError: Cannot connect to host gateway.example.internal:8000 ssl:default [Connect call failed]"
+    dead = advance(live, None, 9.0, error)
+    screen = text_of(dashboard(dead, now=9.0))
+    lines = screen.rstrip("\n").split("\n")
+    assert max(len(line) for line in lines) <= 80
+    assert f"DOWN: {error}"[:78] in screen and " up " not in screen and "load" not in screen
+    assert "no current data (last answer 7s ago); retrying" in screen
+
+
+def test_monitor_once_exits_non_zero_when_nothing_answers():
+    import socket
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # bound, not listening: connections are refused
+        proc = subprocess.run([sys.executable, "-m", "specctl", "monitor", "--once", "--gateway", f"http://127.0.0.1:{port}"],
+                              capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "DOWN" in proc.stdout and "Traceback" not in proc.stderr
+
+
 needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 
 

@@ -15,7 +15,7 @@ def monitor(
     draft: List[str] = typer.Option([], "--draft", help="draft server HOST:PORT to probe directly (repeatable)"),
     target: List[str] = typer.Option([], "--target", help="target instance HOST:PORT to probe directly (repeatable)"),
     interval: float = typer.Option(0.5, help="seconds between polls"),
-    once: bool = typer.Option(False, "--once", help="print one frame and exit (scripts, logs)"),
+    once: bool = typer.Option(False, "--once", help="print one frame and exit (scripts, logs); exit 1 when nothing answered"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECCTL_API_KEY", help="the gateway's API key"),
     auth_token: Optional[str] = typer.Option(None, "--auth-token", envvar="SPECCTL_AUTH_TOKEN",
                                              help="auth token of the roles probed directly"),
@@ -52,6 +52,8 @@ def monitor(
             if once:
                 await poll(session)
                 console.print(dashboard(current[0]))
+                if current[0].error:
+                    raise typer.Exit(1)  # scripts must see that nothing answered
                 return
 
             async def loop() -> None:

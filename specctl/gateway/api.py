@@ -86,8 +86,8 @@ def parse_body(body: bytes, kind: type[_Common]) -> _Common:
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
     except UnicodeDecodeError as exc:  # a string that is not UTF-8 (msgspec raises it as is)
-        raise ApiError(400, f"the request body is not valid UTF-8 JSON: byte 0x{exc.object[exc.start]:02x} "
-                            f"at position {exc.start}") from None
+        raise ApiError(400, f"the request body is not valid UTF-8 JSON: a string holds byte "
+                            f"0x{exc.object[exc.start]:02x}, which is not UTF-8") from None
 
 
 def refuse_unsupported(req: _Common) -> None:

@@ -29,11 +29,11 @@ def _ms(value) -> str:
 
 
 def header(state: MonitorState, now: float) -> Text:
-    text = Text(f"specctl monitor  {state.source}", style="bold")
+    text = Text(f"specctl monitor  {state.source}"[:78], style="bold")
     if state.feed and state.feed.get("model"):
-        text.append(f"  model {state.feed['model']}", style="cyan")
-    if state.error:
-        text.append(f"  DOWN: {state.error}"[:70], style="bold red")
+        text.append(f"  model {state.feed['model']}"[: max(0, 78 - len(text))], style="cyan")
+    if state.error:  # on its own line, so an 80-column terminal shows it whole
+        text.append("\n" + f"DOWN: {state.error}"[:78], style="bold red")
     elif state.polled_at:
         text.append(f"  data {max(0.0, now - state.polled_at):.1f}s old", style="dim")
     return text
@@ -81,6 +81,11 @@ def targets_table(targets: list[dict], state: MonitorState) -> Table:
 def dashboard(state: MonitorState, now: float | None = None) -> RenderableType:
     now = time.time() if now is None else now
     parts: list[RenderableType] = [header(state, now)]
+    if state.error:
+        # The last numbers are not shown as if they were current: the source is not answering.
+        last = f" (last answer {now - state.polled_at:.0f}s ago)" if state.polled_at else ""
+        parts.append(Text(f"no current data{last}; retrying", style="dim"))
+        return Group(*parts)
     feed = state.feed or {}
     targets = feed.get("targets", [])
     for draft in feed.get("drafters", [])[:2]:
