@@ -163,3 +163,37 @@ def test_a_port_in_use_is_one_line_naming_it(tiny_dir):
                    "--port", str(port), timeout=120)
     _assert_one_line_error(proc, f"cannot listen on 127.0.0.1:{port}: address already in use; stop what listens "
                                  "there or pick another port with --port")
+
+
+def test_remote_generation_uses_the_tokenizer_of_the_model_the_instance_serves(tiny_dir):
+    """Against a target that is not the default model: the text equals the local run of that
+    model, and a --target that contradicts the instance is refused in one line."""
+    from specctl.bench.star import free_port, spawn_role, stop_processes, wait_listening
+
+    model = str(tiny_dir["llama-other-vocab"])
+    port = free_port()
+    proc = spawn_role("verify", "--model", model, "--port", str(port), "--dtype", "fp32", "--threads", "1",
+                      "--log-level", "warning")
+    try:
+        wait_listening(proc, "target instance")
+        remote = run("generate", "--remote", f"127.0.0.1:{port}", "-p", "hello world", "-n", "10", "--json")
+        assert remote.returncode == 0, remote.stderr
+        local = run("generate", "--target", model, "--mode", "ar", "-p", "hello world", "-n", "10", "--dtype", "fp32",
+                    "--json")
+        assert local.returncode == 0, local.stderr
+        remote_json, local_json = json.loads(remote.stdout), json.loads(local.stdout)
+        assert remote_json["target"] == model
+        assert remote_json["token_ids"] == local_json["token_ids"] and remote_json["text"] == local_json["text"]
+        _assert_one_line_error(run("generate", "--remote", f"127.0.0.1:{port}", "--target", "qwen2.5-coder-1.5b",
+                                   "-p", "x"), f"serves {model!r}, not 'qwen2.5-coder-1.5b'")
+    finally:
+        stop_processes([proc])
+
+
+@pytest.mark.parametrize("stage, message", [
+    ("abc", "--stage must be i/n with 1 <= i <= n (e.g. 1/1 or 3/8), got 'abc'"),
+    ("4/3", "--stage must be i/n with 1 <= i <= n (e.g. 1/1 or 3/8), got '4/3'"),
+    ("3/8", "pipeline stages are not available yet (asked for stage 3/8): run --stage 1/1"),
+])
+def test_stage_is_checked_before_anything_loads(stage, message):
+    _assert_one_line_error(run("verify", "--stage", stage, timeout=60), message)

@@ -2,6 +2,7 @@
 test can inspect their state): exactness, faults, isolation, auth and TLS."""
 
 import asyncio
+import logging
 import threading
 import time
 import datetime
@@ -76,7 +77,8 @@ async def test_concurrent_sessions_over_tcp_equal_target_greedy(models, kind):
         await stop_star(draft_server, link, target_server)
 
 
-async def test_draft_server_death_falls_back_then_reconnects(models):
+async def test_draft_server_death_falls_back_then_reconnects(models, caplog):
+    caplog.set_level(logging.INFO, logger="specctl.verify.draft")
     draft_server, draft_port, client, link, target_server, port = await start_star(models)
     try:
         params = SamplingParams(max_tokens=60, ignore_eos=True)
@@ -96,6 +98,10 @@ async def test_draft_server_death_falls_back_then_reconnects(models):
         tokens, _, _ = await remote_generate("127.0.0.1", port, PROMPTS[0], params)
         assert tokens == local_reference(models, PROMPTS[0], 60)
         assert draft_server.snapshot()["rounds"] > before
+        messages = [r.getMessage() for r in caplog.records if r.name == "specctl.verify.draft"]
+        lost = [m for m in messages if m.startswith("lost the draft server")]
+        assert len(lost) == 1 and "decoding autoregressively and reconnecting" in lost[0]
+        assert any(m.startswith("reconnected to the draft server") for m in messages)
     finally:
         await stop_star(draft_server, link, target_server)
 

@@ -79,7 +79,7 @@ def up(
     targets: int = typer.Option(1, help="number of target instances"),
     port: int = typer.Option(8000, help="gateway HTTP port"),
     mode: Optional[str] = typer.Option(None, help="chain | tree"),
-    dtype: Optional[str] = typer.Option(None, help="fp32 | bf16"),
+    dtype: Optional[str] = typer.Option(None, help="fp32 | bf16 | fp16"),
     draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="none | int8"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
     profile: Optional[str] = typer.Option(None, help="hardware profile"),

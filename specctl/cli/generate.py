@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 from typing import Optional
@@ -11,7 +12,6 @@ from rich.console import Console
 
 from specctl.config import build_config
 from specctl.engine import text
-from specctl.engine.loader import LoadedModel
 from specctl.spec.factory import apply_threads, load_pair, make_drafter
 from specctl.spec.rounds import generate as run_generation
 from specctl.spec.sampling import SamplingParams
@@ -46,7 +46,7 @@ def generate(
     depth: Optional[int] = typer.Option(None, help="proposal depth d"),
     width: Optional[int] = typer.Option(None, help="tree width w (nodes kept per level)"),
     topk: Optional[int] = typer.Option(None, help="tree top-k children per node"),
-    dtype: Optional[str] = typer.Option(None, help="fp32 | bf16 (exactness is asserted in fp32)"),
+    dtype: Optional[str] = typer.Option(None, help="fp32 | bf16 | fp16 (exactness is asserted in fp32)"),
     draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="none | int8: quantize the draft (CPU; still lossless)"),
     target_quant: Optional[str] = typer.Option(None, "--target-quant", help="none | int8: serve the int8 model as the target (CPU)"),
     seed: Optional[int] = typer.Option(None, help="sampling seed"),
@@ -66,7 +66,7 @@ def generate(
     apply_threads(config)
     console = Console(stderr=True)
     if remote:
-        return _generate_remote(remote, config, prompt, chat, params, as_json, auth_token, tls_ca, console)
+        return _generate_remote(remote, target, prompt, chat, params, as_json, auth_token, tls_ca, console)
     target_model, draft_model = load_pair(config, console)
     ids = text.encode_user_text(target_model.tokenizer, prompt, chat)
     streamer = None if as_json else TextStreamer(target_model.tokenizer)
@@ -94,38 +94,50 @@ def generate(
         )
 
 
-def _generate_remote(remote, config, prompt, chat, params, as_json, auth_token, tls_ca, console) -> None:
-    """Same output as local mode; the tokenizer comes from the local copy of the target model."""
+def _generate_remote(remote, requested_target, prompt, chat, params, as_json, auth_token, tls_ca, console) -> None:
+    """Same output as local mode. The tokenizer is the one of the model the target instance
+    says it serves (its handshake), never a local default: text encoded for another
+    vocabulary would come back as fluent garbage."""
     import time
 
     from transformers import AutoTokenizer
 
+    from specctl.engine.loader import vocab_fingerprint
+    from specctl.errors import ConfigError
     from specctl.runtime.loop import parse_hostport, run
     from specctl.runtime.tls import client_context
     from specctl.spec.factory import split_model_name
     from specctl.store import resolve_model
-    from specctl.verify.client import remote_generate
+    from specctl.verify.client import probe, remote_generate
 
     host, port = parse_hostport(remote)
-    path = resolve_model(split_model_name(config.target)[0], console)
-    holder = LoadedModel(config.target, path, None, None, AutoTokenizer.from_pretrained(path))
-    ids = text.encode_user_text(holder.tokenizer, prompt, chat)
-    streamer = None if as_json else TextStreamer(holder.tokenizer)
+    ssl = client_context(tls_ca)
+    welcome, _ = asyncio.run(probe(host, port, auth_token, ssl))
+    served = welcome.model
+    if requested_target is not None and requested_target != served:
+        raise ConfigError(f"the target instance at {remote} serves {served!r}, not {requested_target!r}: "
+                          "leave --target out (the tokenizer follows the instance) or connect to another instance")
+    path = resolve_model(split_model_name(served)[0], console)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if welcome.fingerprint and vocab_fingerprint(tokenizer) != welcome.fingerprint:
+        raise ConfigError(f"the local copy of {served!r} has another vocabulary than the one {remote} serves")
+    ids = text.encode_user_text(tokenizer, prompt, chat)
+    streamer = None if as_json else TextStreamer(tokenizer)
     result = {}
 
     async def main() -> None:
         start = time.perf_counter()
         result["out"] = await remote_generate(host, port, ids, params, streamer.update if streamer else None,
-                                              auth_token=auth_token, ssl=client_context(tls_ca))
+                                              auth_token=auth_token, ssl=ssl)
         result["wall"] = time.perf_counter() - start
 
     run(main())
     tokens, finish_reason, stats = result["out"]
-    output_text = holder.tokenizer.decode(tokens, skip_special_tokens=True)
+    output_text = tokenizer.decode(tokens, skip_special_tokens=True)
     if as_json:
-        print(json.dumps({"mode": "remote", "remote": remote, "target": config.target, "token_ids": tokens, "text": output_text,
+        print(json.dumps({"mode": "remote", "remote": remote, "target": served, "token_ids": tokens, "text": output_text,
                           "finish_reason": finish_reason, "stats": stats}))
     else:
         streamer.finish()
-        console.print(f"[dim]{len(tokens)} tokens in {result['wall']:.2f}s via {remote}, "
+        console.print(f"[dim]{len(tokens)} tokens in {result['wall']:.2f}s via {remote} ({served}), "
                       f"mean accepted length {stats.get('mean_accepted_length', 0):.2f}[/]")

@@ -48,7 +48,7 @@ def draft(
     width: Optional[int] = typer.Option(None, help="tree width w"),
     max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="most open sessions (admission)"),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="most requests served per compute pass"),
-    dtype: Optional[str] = typer.Option(None, help="fp32 | bf16"),
+    dtype: Optional[str] = typer.Option(None, help="fp32 | bf16 | fp16"),
     draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="none | int8 (CPU)"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
     profile: Optional[str] = typer.Option(None, help="hardware profile"),
@@ -95,6 +95,14 @@ def draft(
     run_with_compute(main, ComputeThread("draft-compute", max_batch=config.max_batch, spawn=False))
 
 
+def parse_stage(text: str) -> tuple[int, int]:
+    """``i/n`` with 1 <= i <= n: this process's stage of an n-stage pipeline."""
+    index, sep, count = text.partition("/")
+    if not sep or not index.strip().isdigit() or not count.strip().isdigit() or not 1 <= int(index) <= int(count):
+        raise ConfigError(f"--stage must be i/n with 1 <= i <= n (e.g. 1/1 or 3/8), got {text!r}")
+    return int(index), int(count)
+
+
 def verify(
     model: Optional[str] = typer.Option(None, help="target model (default: qwen2.5-coder-1.5b)"),
     draft: Optional[str] = typer.Option(None, help="draft server HOST:PORT (none: autoregressive only)"),
@@ -103,7 +111,7 @@ def verify(
     stage: str = typer.Option("1/1", help="pipeline stage i/n of this process"),
     max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="most concurrent sessions"),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="most sessions verified in one target forward"),
-    dtype: Optional[str] = typer.Option(None, help="fp32 | bf16"),
+    dtype: Optional[str] = typer.Option(None, help="fp32 | bf16 | fp16"),
     quant: Optional[str] = typer.Option(None, "--quant", help="none | int8 (CPU): serve the int8 model as the target"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
     profile: Optional[str] = typer.Option(None, help="hardware profile"),
@@ -123,8 +131,9 @@ def verify(
     from specctl.verify.draft_client import DraftClient
     from specctl.verify.server import TargetServer, TargetServerConfig
 
-    if stage != "1/1":
-        raise ConfigError("pipeline stages are not available yet: run --stage 1/1")
+    index, count = parse_stage(stage)
+    if count != 1:
+        raise ConfigError(f"pipeline stages are not available yet (asked for stage {index}/{count}): run --stage 1/1")
     if verify_delay_ms < 0:
         raise ConfigError("--verify-delay-ms must be >= 0")
     config = build_config(profile, target=model, max_sessions=max_sessions, max_batch=max_batch, dtype=dtype,

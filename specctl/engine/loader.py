@@ -48,7 +48,9 @@ def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
         raise VocabMismatch(
             f"draft {draft.name!r} and target {target.name!r} have different vocabularies "
             f"({len(draft.tokenizer)} vs {len(target.tokenizer)} tokens, fingerprints "
-            f"{draft.vocab_fingerprint} vs {target.vocab_fingerprint}); pick a draft from the target's model family"
+            f"{draft.vocab_fingerprint} vs {target.vocab_fingerprint}); pick a draft from the target's model family "
+            f"with --draft (--draft {target.name}@N drafts with the target's own first N layers) or use --mode ngram, "
+            "which needs no draft model"
         )
 
 

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 from pathlib import Path
+from unittest import mock
 
 from filelock import FileLock
 from rich.console import Console
@@ -136,7 +137,10 @@ def _convert_gguf(gguf: Path, target: Path, source: dict, console: Console | Non
     console = console or Console(stderr=True)
     target.mkdir(parents=True, exist_ok=True)
     folder, name = str(gguf.parent), gguf.name
-    with console.status(f"converting {name} to safetensors (once; dequantizing takes a minute)"):
+    # One status line, not transformers' tqdm bars (one per file read, ~22 lines on a first run):
+    # tqdm reads TQDM_DISABLE when each bar is made.
+    with console.status(f"converting {name} to safetensors (once; dequantizing takes a minute)"), \
+            mock.patch.dict(os.environ, TQDM_DISABLE="1"):
         hf_logging.disable_progress_bar()
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)

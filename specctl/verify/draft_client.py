@@ -57,6 +57,8 @@ class DraftClient:
                 await self.connect_once()
                 if first_connected is not None and not first_connected.done():
                     first_connected.set_result(True)
+                elif self.last_error is not None:
+                    log.info("reconnected to the draft server at %s:%d; speculating again", self.host, self.port)
                 backoff = 0.2
                 self.last_error = None
                 await self._read_loop()
@@ -67,6 +69,9 @@ class DraftClient:
                     return
                 log.error("draft server refused us: %s", exc)
             except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001
+                if self.connected.is_set():  # once per loss, not per reconnection attempt
+                    log.warning("lost the draft server at %s:%d (%s); decoding autoregressively and reconnecting",
+                                self.host, self.port, type(exc).__name__)
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 if first_connected is not None and not first_connected.done():
                     first_connected.set_result(False)  # not fatal: decode autoregressively meanwhile
