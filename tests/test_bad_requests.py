@@ -17,7 +17,7 @@ from specctl.engine.loader import load_model
 from specctl.net.framing import read_message, write_message
 from specctl.net.handshake import client_handshake
 from specctl.net.protocol import (
-    Cancel, CloseSession, Generate, OpenSession, Propose, SessionOpened, Stats, StatsRequest,
+    Cancel, CloseSession, Generate, OpenSession, Propose, SessionOpened, StatsRequest,
 )
 from specctl.spec.drafters import ModelChainDrafter
 from specctl.spec.rounds import generate

@@ -31,7 +31,9 @@ def test_summarize_reads_the_scaling_figures():
     batched = [dict(N=n, max_batch=4, N_full=4, O=o, R_q=o / 3, model_O=m, load=load, model_S_ms=100.0, t_v_ms=250.0, model_t_c_ms=50.0)
                for n, o, m, load in ((1, 5.0, 5.0, 0.25), (4, 19.0, 20.0, 0.9), (8, 33.0, 20.0, 0.95))]
     summary = summarize(serial + batched)
-    assert summary == {"N_full": 4, "Z_over_S": 3.0, "max_model_error_n_le_6": pytest.approx(0.1), "min_load_n_ge_n_full": 0.97,
+    assert summary == {"N_full": 4, "Z_over_S": 3.0, "max_model_error_past_fit": pytest.approx(0.1),
+                       "model_error_by_N": [[1, 0.0], [4, pytest.approx(-0.1)], [6, 0.0], [8, pytest.approx(-0.05)]],
+                       "min_load_n_ge_n_full": 0.97,
                        "reference_N": 4, "reference_O": 18.0, "batched_N": 8, "batched_max_batch": 4,
                        "batched_O": 33.0, "batched_gain": pytest.approx(33.0 / 18.0),
                        "batched_round_gain": pytest.approx((33.0 / 3) / (18.0 / 2))}
@@ -39,7 +41,8 @@ def test_summarize_reads_the_scaling_figures():
 
 def test_summarize_without_a_measured_n_past_n_full():
     rows = [dict(N=1, max_batch=1, N_full=5, O=5.0, model_O=4.0, load=0.2, model_S_ms=80.0, t_v_ms=300.0, model_t_c_ms=20.0)]
-    assert summarize(rows) == {"N_full": 5, "Z_over_S": 4.0, "max_model_error_n_le_6": pytest.approx(0.25)}
+    assert summarize(rows) == {"N_full": 5, "Z_over_S": 4.0, "model_error_by_N": [[1, pytest.approx(0.25)]],
+                               "max_model_error_past_fit": None}
 
 
 def test_star_bench_runs_two_sweeps_of_real_processes(tiny_dir):

@@ -11,6 +11,8 @@ import urllib.request
 
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from specctl.cluster.embedded import ClusterConfig, ClusterThread
@@ -280,3 +282,29 @@ def test_monitor_feed_straight_from_the_roles(cluster):
     assert [t["up"] for t in feed["targets"]] == [True, True, False]
     assert feed["targets"][2]["error"] and feed["targets"][2]["address"] == dead
     assert feed["drafters"][0]["stats"]["targets"] == 2  # two target instances hold a link to the draft server
+
+
+_any_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=12)
+_fields = ["model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "n", "logprobs",
+           "ignore_eos", "prompt", "messages", "echo", "best_of", "stream_options", "max_completion_tokens"]
+_bodies = st.one_of(
+    st.binary(max_size=40),  # random bytes, invalid UTF-8 among them
+    st.binary(max_size=8).map(lambda b: b'{"prompt": "' + b + b'"}'),  # bytes inside a string
+    st.integers(1, 3000).map(lambda depth: b"[" * depth + b"]" * depth),  # deeply nested JSON
+    st.dictionaries(st.sampled_from(_fields), _any_json, max_size=6).map(lambda d: json.dumps(d).encode()),
+)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=_bodies, chat=st.booleans())
+def test_any_body_gets_an_answer_never_a_server_error(cluster, body, chat):
+    """Wrong types in every field, random bytes, invalid UTF-8, deep nesting: a 2xx or a 4xx
+    with an OpenAI-style error, never a 500; and the gateway still serves."""
+    url = cluster[1]["gateway"] + ("/v1/chat/completions" if chat else "/v1/completions")
+    code, _headers, raw = post(url, body)
+    assert code < 500, raw[:300]
+    if code >= 400:
+        error = json.loads(raw)["error"]
+        assert error["message"] and error["type"]

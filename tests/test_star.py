@@ -4,7 +4,6 @@ test can inspect their state): exactness, faults, isolation, auth and TLS."""
 import asyncio
 import logging
 import threading
-import time
 import datetime
 import ipaddress
 

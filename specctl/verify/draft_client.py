@@ -111,14 +111,14 @@ class DraftClient:
                 # out after asking): close it, or it would hold draft state until we disconnect.
                 self._writer.write(encode(CloseSession(message.tag)))
 
-    async def _request(self, key: tuple[str, int], message) -> object | None:
+    async def _request(self, key: tuple[str, int], message, timeout_s: float | None = None) -> object | None:
         if self._writer is None:
             return None
         future = asyncio.get_running_loop().create_future()
         self._pending[key] = future
         try:
             self._writer.write(encode(message))
-            reply = await asyncio.wait_for(future, self.timeout_s)
+            reply = await asyncio.wait_for(future, timeout_s or self.timeout_s)
         except (ConnectionError, asyncio.TimeoutError):
             return None
         finally:
@@ -141,11 +141,12 @@ class DraftClient:
             return epoch, reply.tag
         return None
 
-    async def propose(self, handle: Handle, path: list[int], tokens: list[int]) -> Proposal | None:
+    async def propose(self, handle: Handle, path: list[int], tokens: list[int],
+                      timeout_s: float | None = None) -> Proposal | None:
         epoch, tag = handle
         if epoch != self.epoch:
             return None
-        reply = await self._request(("tag", tag), Propose(tag, path, tokens))
+        reply = await self._request(("tag", tag), Propose(tag, path, tokens), timeout_s)
         return reply if isinstance(reply, Proposal) and epoch == self.epoch else None
 
     def close(self, handle: Handle | None) -> None:

@@ -26,6 +26,10 @@ from specctl.verify.draft_client import DraftClient, Handle
 
 log = logging.getLogger("specctl.verify")
 MAX_FAILURES_IN_A_ROW = 3
+# A fresh draft session's first proposal also reads the prompt: its deadline grows by the
+# client's timeout for every this many prompt tokens (a 5,000-token prompt once timed out
+# on every round, and speculation stayed off for the whole request).
+PREFILL_TOKENS_PER_TIMEOUT = 512
 
 
 def proposal_from_message(msg: ProposalMsg, vocab_size: int) -> Proposal:
@@ -83,11 +87,13 @@ class RemoteSpeculator:
             self.handle = await self._open(session, session.seq[:-1])
         if self.handle is None:
             return Drafted(None, time.perf_counter() - started, FALLBACK_DRAFT_DOWN)
-        if self._fresh:
+        timeout = None
+        if self._fresh:  # the draft first reads the whole text it was opened with: a long prompt takes long
             path, tokens = [], session.seq[self._opened_at:]
+            timeout = self.client.timeout_s * (1 + self._opened_at / PREFILL_TOKENS_PER_TIMEOUT)
         else:
             path, tokens = session.last_path, session.last_committed
-        reply = await self.client.propose(self.handle, path, tokens)
+        reply = await self.client.propose(self.handle, path, tokens, timeout)
         self._fresh = False
         waited = time.perf_counter() - started
         if reply is None:
@@ -95,6 +101,9 @@ class RemoteSpeculator:
             self.handle = None
             self._failures += 1
             self._failures_epoch = self.client.epoch
+            if self._failures == MAX_FAILURES_IN_A_ROW:
+                log.warning("a session's draft failed %d rounds in a row; it decodes autoregressively until the "
+                            "draft server reconnects", MAX_FAILURES_IN_A_ROW)
             return Drafted(None, waited, FALLBACK_DRAFT_FAILED)
         self._failures = 0
         proposal = self._checked(reply, session)

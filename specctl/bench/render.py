@@ -1,0 +1,80 @@
+"""The benchmark commands' tables: pure functions of their JSON reports."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+
+def render_local_table(report: dict) -> Table:
+    s = report["settings"]
+    table = Table(title=f"bench local: {s['target']} / {s['draft']}, {s['dtype']}, {s['prompts']} prompts x "
+                        f"{s['max_tokens']} tokens, {s['repeats']} repeat(s)")
+    for column in ("mode", "tokens/s", "vs ar", "vs ar per repeat (min / median / max)", "mean accepted length",
+                   "acceptance", "same as ar"):
+        table.add_column(column, justify="right" if column != "mode" else "left")
+    fmt = lambda v, spec="{:.2f}": "-" if v is None else spec.format(v)  # noqa: E731
+    for mode, r in report["modes"].items():
+        spread = r["speedup_min_median_max"]
+        table.add_row(mode, fmt(r["tokens_per_s"]), fmt(r["speedup_vs_ar"], "{:.2f}x"),
+                      "-" if spread is None else " / ".join(f"{x:.2f}x" for x in spread),
+                      fmt(r["mean_accepted_length"]), fmt(r["acceptance_rate"], "{:.0%}"),
+                      fmt(r["outputs_equal_to_ar"], "{:.0%}"))
+    return table
+
+
+def render_local_kinds(report: dict) -> Table:
+    kinds = sorted({kind for r in report["modes"].values() for kind in r["per_kind"]})
+    table = Table(title="by class of prompt: tokens/s vs ar (same as ar)")
+    table.add_column("mode")
+    for kind in kinds:
+        table.add_column(kind, justify="right")
+    for mode, r in report["modes"].items():
+        cells = []
+        for kind in kinds:
+            k = r["per_kind"].get(kind, {})
+            ratio, same = k.get("speedup_vs_ar"), k.get("outputs_equal_to_ar")
+            cells.append("-" if ratio is None else f"{ratio:.2f}x ({same:.0%})" if same is not None else f"{ratio:.2f}x")
+        table.add_row(mode, *cells)
+    return table
+
+
+def render_star_table(report: dict) -> Table:
+    s = report["settings"]
+    label = (f" (emulated: +{s['verify_delay_ms']:.0f} ms per verification, targets at nice "
+             f"{s.get('target_niceness', 0)})") if s["emulated"] else ""
+    table = Table(title=f"bench star: {s['draft']} -> {s['target']}, d={s['depth']}{label}")
+    for column in ("batch", "N", "O", "O model", "O_i", "t_s", "T_wait", "T_idle", "R_q", "R_p", "load", "load model",
+                   "regime"):
+        table.add_column(column, justify="right")
+    for r in report["rows"]:
+        batch = f"{r['max_batch']} ({r['mean_batch']:.1f})" if "mean_batch" in r else "-"
+        table.add_row(batch, str(r["N"]), f"{r['O']:.2f}", f"{r['model_O']:.2f}", f"{r['O_i']:.2f}", f"{r['t_s_ms']:.0f}",
+                      f"{r['T_wait_ms']:.0f}", f"{r['T_idle_ms']:.0f}", f"{r['R_q']:.2f}", f"{r['R_p']:.2f}",
+                      f"{r['load']:.0%}", f"{r['model_load']:.0%}", "full" if r["regime"] == "fully loaded" else "under")
+    table.caption = ("batch: the draft's batching limit (mean requests per forward); O, O_i: tokens/s; t_s, T_wait, "
+                     "T_idle: ms per draft request; R_q: draft requests/s; R_p: rounds/s per target")
+    return table
+
+
+def render_star_summary(summary: dict) -> str:
+    errors = ", ".join(f"N={n}: {e:+.1%}" for n, e in summary["model_error_by_N"])
+    lines = [f"Z = {summary['Z_over_S']:.1f} S, N_full {summary['N_full']}; one-at-a-time, measured O vs the model "
+             f"(fitted on N=1): {errors}"]
+    if "min_load_n_ge_n_full" in summary:
+        lines[0] += f", draft load >= {summary['min_load_n_ge_n_full']:.0%} for N >= N_full"
+        lines.append(f"batched drafting (max batch {summary['batched_max_batch']}) at N={summary['batched_N']}: "
+                     f"{summary['batched_O']:.2f} tok/s = {summary['batched_gain']:.2f}x one-at-a-time at "
+                     f"N={summary['reference_N']} ({summary['reference_O']:.2f} tok/s); {summary['batched_round_gain']:.2f}x in draft rounds/s")
+    return "\n".join(lines)
+
+
+def render_serve_table(report: dict, title: str) -> Table:
+    table = Table(title=title)
+    for column in ("clients", "variant", "tokens/s", "vs ar", "vs ar batched", "TTFT p50", "latency p50", "same as ar"):
+        table.add_column(column, justify="left" if column == "variant" else "right")
+    fmt = lambda v, spec: "-" if v is None else spec.format(v)  # noqa: E731
+    for r in sorted(report["rows"], key=lambda r: (r["clients"], list(report["settings"]["variants"]).index(r["variant"]))):
+        table.add_row(str(r["clients"]), r["variant"], f"{r['tokens_per_s']:.2f}", fmt(r.get("vs ar"), "{:.2f}x"),
+                      fmt(r.get("vs ar batched"), "{:.2f}x"), f"{r['ttft_p50_ms']:.0f} ms", f"{r['latency_p50_ms']:.0f} ms",
+                      fmt(r.get("same_as_ar"), "{:.0%}"))
+    return table
