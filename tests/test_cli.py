@@ -46,6 +46,7 @@ def test_vocabulary_mismatch_error(tiny_dir):
     proc = run("generate", "--target", str(tiny_dir["llama"]), "--draft", str(tiny_dir["llama-other-vocab"]),
                "--mode", "chain", "--prompt", "x", "--dtype", "fp32")
     _assert_one_line_error(proc, "have different vocabularies (384 vs 320 tokens")
+    assert "drafts with the target's own first N layers) or use --mode ngram, which needs no draft model" in proc.stderr
 
 
 def test_prompt_longer_than_context_error(tiny_dir):
@@ -197,3 +198,11 @@ def test_remote_generation_uses_the_tokenizer_of_the_model_the_instance_serves(t
 ])
 def test_stage_is_checked_before_anything_loads(stage, message):
     _assert_one_line_error(run("verify", "--stage", stage, timeout=60), message)
+
+
+def test_a_gateway_with_no_reachable_target_says_so_in_one_lowercase_line():
+    from specctl.bench.star import free_port
+
+    port = free_port()  # nothing listens there
+    _assert_one_line_error(run("gateway", "--target", f"127.0.0.1:{port}", "--port", "0", timeout=60),
+                           "no target instance answered")

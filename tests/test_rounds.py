@@ -92,6 +92,7 @@ async def test_a_failed_propose_closes_its_draft_session_and_the_output_stays_ex
             assert tokens == _reference(models, prompt, params)
             assert stats["fallback_rounds"] > 0 and stats["drafts"] > 0
             assert stats["rounds"] == stats["drafts"] + stats["ar_rounds"]
+            assert stats["draft_ms"] > 0  # the wait for the draft server's proposals
             # Measured directly: no draft session and no draft KV byte outlives the session.
             await _drained(draft_server, target_server)
             assert draft_server.table.pool.used_bytes == 0 and draft_server.table.pool.sessions == 0
@@ -130,3 +131,15 @@ def test_autoregressive_rounds_are_rounds_but_not_drafts(tiny):
     _, stats, _ = generate(tiny["llama"], [1, 2, 3], params, ModelChainDrafter(tiny["llama-draft"], 3))
     assert stats.rounds == stats.drafts > 0 and stats.ar_rounds == 0 and stats.drafted == 3 * stats.drafts
     assert stats.to_dict()["fallback_rounds"] == 0
+
+
+async def test_a_target_without_a_draft_server_is_autoregressive_by_choice_not_by_fallback(models):
+    target_server = TargetServer(models[0], TargetServerConfig(port=0), None)
+    port = await target_server.start()
+    try:
+        params = SamplingParams(max_tokens=10, ignore_eos=True)
+        tokens, _, stats = await remote_generate("127.0.0.1", port, PROMPTS[0], params)
+        assert tokens == _reference(models, PROMPTS[0], params)
+        assert (stats["rounds"], stats["ar_rounds"], stats["drafts"], stats["fallback_rounds"]) == (9, 9, 0, 0)
+    finally:
+        await target_server.close()

@@ -378,6 +378,7 @@ async def test_starsd_admission_refuses_a_target_beyond_n_max_which_then_runs_au
         tokens, _, stats = await remote_generate("127.0.0.1", ports[1], PROMPTS[1], short)
         assert tokens == local_reference(models, PROMPTS[1], 30)  # refused: slower, never different
         assert stats["drafted"] == 0 and servers[1].totals.ar_rounds == 29
+        assert stats["fallback_rounds"] == 29  # the draft refused it: a fallback, counted as one
         assert (await admitted)[0] == local_reference(models, PROMPTS[0], 300)
         assert servers[0].totals.rounds > 0
     finally:

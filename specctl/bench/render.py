@@ -9,7 +9,7 @@ def render_local_table(report: dict) -> Table:
     s = report["settings"]
     table = Table(title=f"bench local: {s['target']} / {s['draft']}, {s['dtype']}, {s['prompts']} prompts x "
                         f"{s['max_tokens']} tokens, {s['repeats']} repeat(s)")
-    for column in ("mode", "tokens/s", "vs ar", "vs ar per repeat (min / median / max)", "mean accepted length",
+    for column in ("mode", "tokens/s", "vs ar", "min / median / max", "mean accepted length",
                    "acceptance", "same as ar"):
         table.add_column(column, justify="right" if column != "mode" else "left")
     fmt = lambda v, spec="{:.2f}": "-" if v is None else spec.format(v)  # noqa: E731

@@ -78,6 +78,8 @@ class RemoteSpeculator:
                 and (self._failures < MAX_FAILURES_IN_A_ROW or self._failures_epoch != self.client.epoch))
 
     async def propose(self, session: DecodeSession) -> Drafted:
+        if self.client is None:  # no draft server configured: autoregressive by choice, not a fallback
+            return Drafted(None, 0.0)
         started = time.perf_counter()
         if self._opening is not None:
             opening, self._opening = self._opening, None
