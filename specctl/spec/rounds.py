@@ -83,7 +83,7 @@ class LocalSpeculator:
         self.state: DraftState | None = None
 
     def begin(self, session: DecodeSession) -> None:
-        self.prompt = session.seq[: session.prompt_len]
+        """Nothing yet: the draft session is opened on the compute side at the first round."""
 
     async def propose(self, session: DecodeSession) -> Drafted:
         started = time.perf_counter()
@@ -91,10 +91,11 @@ class LocalSpeculator:
         return Drafted(proposal, time.perf_counter() - started)
 
     def _draft(self, session: DecodeSession) -> Proposal:
-        if self.state is None:  # opened on the compute side, at the first round
+        if self.state is None:  # the text grows by appending: its first prompt_len tokens are the prompt
             capacity = draft_capacity(session.prompt_len, session.params.max_tokens, self.max_nodes)
             self.state = DraftState(self.drafter.open(capacity, self.pool), session.params, session.generator,
-                                    list(self.prompt), capacity, self.max_nodes, session.target.spec.vocab_size)
+                                    session.seq[: session.prompt_len], capacity, self.max_nodes,
+                                    session.target.spec.vocab_size)
         self.state.advance(session.last_path, session.last_committed)
         result = draft_many([self.state])[0]
         if isinstance(result, Exception):

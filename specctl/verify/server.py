@@ -149,16 +149,15 @@ class TargetServer(ListeningServer):
             session = await self._create(msg, send)
             if session is None:
                 return
-            started = time.perf_counter()
             speculator = RemoteSpeculator(self.draft, self.config.max_proposal_nodes, msg.seed)
             emit = lambda tokens, result: self._emit(msg.req, tokens, result, send)  # noqa: E731
             try:
                 await run_session(session, speculator, self.verify_lane, emit)
                 self.sessions_done += 1
-                self._done(session, msg.req, session.finish_reason or "stop", started, send)
+                self._done(session, msg.req, session.finish_reason or "stop", send)
             except asyncio.CancelledError as exc:
                 if exc.args == (CLIENT_CANCEL,):  # not a dropped connection: the client waits for the stats
-                    self._done(session, msg.req, "cancelled", started, send)
+                    self._done(session, msg.req, "cancelled", send)
                 raise
             except Exception as exc:  # noqa: BLE001 - the session ends with a clear error, the server carries on
                 log.exception("session %s failed", msg.req)
@@ -199,9 +198,8 @@ class TargetServer(ListeningServer):
         if not creating.cancelled() and creating.exception() is None:
             self.compute.submit_nowait(creating.result().close)
 
-    def _done(self, session: DecodeSession, req: int, reason: str, started: float, send) -> None:
-        # The round loop has already queued the freeing of the session's state.
-        session.stats.wall_s = time.perf_counter() - started
+    def _done(self, session: DecodeSession, req: int, reason: str, send) -> None:
+        # The round loop has set wall_s and queued the freeing of the session's state.
         send(Done(req, reason, session.stats.to_dict()))
 
     def _emit(self, req: int, tokens: list[int], result: RoundResult | None, send) -> None:
