@@ -139,7 +139,6 @@ class Upstream:
         """The instance's pooled connection, (re)made when there is none or it dropped."""
         async with link.connecting:
             if link.connection is None or link.connection.closed:
-                link.connection = None
                 link.connection = await TargetConnection(link.host, link.port, "gateway", self.auth_token,
                                                          self.ssl).connect()
             return link.connection
