@@ -143,3 +143,25 @@ async def test_a_target_without_a_draft_server_is_autoregressive_by_choice_not_b
         assert (stats["rounds"], stats["ar_rounds"], stats["drafts"], stats["fallback_rounds"]) == (9, 9, 0, 0)
     finally:
         await target_server.close()
+
+
+async def test_prefill_finishing_before_the_open_is_sent_still_drafts_from_the_prompt(models):
+    """begin() snapshots the text: a prefill that commits its first token before the
+    opening task runs must not make the first Propose carry no tokens (a race seen on CI)."""
+    from specctl.spec.decode import DecodeSession
+    from specctl.verify.speculator import RemoteSpeculator
+
+    target, _ = models
+    draft_server, link, target_server, _ = await _star(models, ModelChainDrafter(models[1].decoder, 3))
+    try:
+        session = DecodeSession(target.decoder, PROMPTS[0], SamplingParams(max_tokens=8), (), None, None, 4)
+        speculator = RemoteSpeculator(target_server.draft, 4)
+        speculator.begin(session)
+        session.prefill()  # in this loop step, before the opening task has run
+        drafted = await speculator.propose(session)
+        assert drafted.fallback is None and drafted.proposal is not None
+        assert int(drafted.proposal.tree.tokens[0]) == session.seq[-1]
+        speculator.close()
+        session.close()
+    finally:
+        await _stop(draft_server, link, target_server)

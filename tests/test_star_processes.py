@@ -47,7 +47,8 @@ async def test_six_sessions_three_targets_then_draft_killed(star, tiny_dir):
     ports = star["target_ports"]
     results = await asyncio.gather(*(remote_generate("127.0.0.1", ports[i % 3], p, params) for i, p in enumerate(PROMPTS)))
     assert [tokens for tokens, _, _ in results] == reference
-    assert all(stats["drafts"] == stats["rounds"] > 0 for _, _, stats in results)  # no round without a draft
+    # No round without a draft (the stats say why one ran without).
+    assert [(s["drafts"], s["fallback_rounds"]) for _, _, s in results] == [(s["rounds"], 0) for _, _, s in results], results
     assert sum(stats["accepted"] for _, _, stats in results) > 0
     # CLOSE reaches the draft server just after DONE reaches the client.
     draft_stats = await poll_async(lambda: remote_stats("127.0.0.1", star["draft_port"]), lambda s: s["sessions"] == 0)

@@ -13,6 +13,7 @@ beyond StarSD, which keeps system throughput rising past N_full."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import signal
@@ -20,6 +21,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -91,6 +93,9 @@ def wait_listening(proc: subprocess.Popen, what: str, timeout: float = 600) -> N
             raise SpecctlError(f"{what} exited during start-up: {''.join(seen[-5:]).strip()}")
         seen.append(line)
         if "listening on" in line:
+            # Keep reading: a full pipe would block the process at its next log line.
+            proc.log_tail = collections.deque(seen[-20:], maxlen=200)
+            threading.Thread(target=proc.log_tail.extend, args=(proc.stdout,), daemon=True).start()
             return
     raise SpecctlError(f"{what} did not start within {timeout:.0f}s")
 

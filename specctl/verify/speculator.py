@@ -60,14 +60,18 @@ class RemoteSpeculator:
 
     def begin(self, session: DecodeSession) -> None:
         if self._linked():
-            self._opening = asyncio.ensure_future(self._open(session, session.seq))
+            # A copy, taken now: the prefill appends to session.seq before the task may run.
+            self._opening = asyncio.ensure_future(self._open(session, list(session.seq)))
 
-    async def _open(self, session: DecodeSession, text: list[int]) -> Handle | None:
-        params = session.params
-        generated = len(text) - session.prompt_len
+    def _open(self, session: DecodeSession, text: list[int]):
+        """Start opening a draft session from ``text`` (the draft's first proposal then
+        reads what the target committed after it)."""
         self._opened_at, self._fresh = len(text), True
+        return self._opened(session.params, text, len(text) - session.prompt_len)
+
+    async def _opened(self, params, text: list[int], generated: int) -> Handle | None:
         epoch = self.client.epoch
-        handle = await self.client.open(list(text), temperature=params.temperature, top_p=params.top_p,
+        handle = await self.client.open(text, temperature=params.temperature, top_p=params.top_p,
                                         top_k=params.top_k, seed=self.seed, max_tokens=params.max_tokens - generated)
         # Refused on a live link: ask again only after a reconnect.
         self._refused_epoch = epoch if handle is None and self.client.epoch == epoch else None
