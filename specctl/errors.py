@@ -44,3 +44,8 @@ class KVBudgetExceeded(SpecctlError):
 
 class BadRequest(SpecctlError):
     """A well-formed request with invalid content (token ids outside the vocabulary, ...)."""
+
+
+class StageUnavailable(SpecctlError):
+    """A pipeline stage is unreachable, failed, or restarted: the sessions that ran through
+    it cannot go on (their KV there is gone); new sessions work once the chain is whole."""

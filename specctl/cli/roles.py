@@ -105,10 +105,16 @@ def parse_stage(text: str) -> tuple[int, int]:
 
 def verify(
     model: Optional[str] = typer.Option(None, help="target model (default: qwen2.5-coder-1.5b)"),
-    draft: Optional[str] = typer.Option(None, help="draft server HOST:PORT (none: autoregressive only)"),
-    port: int = typer.Option(9100, help="TCP port for clients (0 = any free port)"),
+    draft: Optional[str] = typer.Option(None, help="draft server HOST:PORT (none: autoregressive only); stage 1 only"),
+    port: Optional[int] = typer.Option(None, help="TCP port (default 9100; 0 = any free port); with --pipeline "
+                                       "each stage listens on its own entry's port"),
     host: str = typer.Option("127.0.0.1", help="address to bind"),
-    stage: str = typer.Option("1/1", help="pipeline stage i/n of this process"),
+    stage: str = typer.Option("1/1", help="pipeline stage i/n of this process: stage 1 serves clients and talks to "
+                              "the draft server, stage n holds the LM head"),
+    pipeline: Optional[str] = typer.Option(None, "--pipeline", help="HOST:PORT of every stage in order, comma-"
+                                           "separated (the same on every box; the first is stage 1's client address)"),
+    layers: Optional[str] = typer.Option(None, "--layers", help="a:b: this stage's layers [a, b) (default: a "
+                                         "balanced split)"),
     max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="most concurrent sessions"),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="most sessions verified in one target forward"),
     dtype: Optional[str] = typer.Option(None, help="fp32 | bf16 | fp16"),
@@ -116,56 +122,120 @@ def verify(
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
     profile: Optional[str] = typer.Option(None, help="hardware profile"),
     verify_delay_ms: float = typer.Option(0.0, "--verify-delay-ms", help="add a delay to every verification (emulation)"),
+    stage_delay_ms: float = typer.Option(0.0, "--stage-delay-ms", help="stages 2..n: add a delay to every forward "
+                                         "(emulates a slower device per stage)"),
     max_messages_per_s: float = typer.Option(5000.0, "--max-messages-per-s", help="per-peer rate limit (0 = off)"),
     auth_token: Optional[str] = typer.Option(None, "--auth-token", envvar="SPECCTL_AUTH_TOKEN", help=AUTH_HELP),
-    tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="PEM certificate: serve clients over TLS"),
+    tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="PEM certificate: serve clients (and the "
+                                           "previous stage) over TLS"),
     tls_key: Optional[str] = typer.Option(None, "--tls-key", help="PEM private key for --tls-cert"),
-    tls_ca: Optional[str] = typer.Option(None, "--tls-ca", help="CA file: talk TLS to the draft server"),
+    tls_ca: Optional[str] = typer.Option(None, "--tls-ca", help="CA file: talk TLS to the draft server and the "
+                                         "next stage"),
     log_level: str = typer.Option("info", "--log-level", help="debug | info | warning"),
 ) -> None:
-    """Run a target instance: verifies proposals from the draft server and serves generation requests."""
-    from specctl.runtime.compute import ComputeThread
-    from specctl.runtime.loop import parse_hostport, run_with_compute, serve, setup_logging
+    """Run a target instance (or one stage of a pipelined one): verifies proposals from the
+    draft server and serves generation requests.
+
+    A target split over n boxes runs the same command on each, differing only in --stage:
+    specctl verify --stage 2/3 --pipeline a:9100,b:9101,c:9102 --model M"""
+    from specctl.pipeline.launch import load_stage, stage_plan
+    from specctl.runtime.loop import parse_hostport, setup_logging
     from specctl.runtime.tls import client_context, server_context
-    from specctl.spec.factory import apply_threads, load_named
+    from specctl.spec.factory import apply_threads
+
+    index, count = parse_stage(stage)
+    if verify_delay_ms < 0 or stage_delay_ms < 0:
+        raise ConfigError("--verify-delay-ms and --stage-delay-ms must be >= 0")
+    if pipeline and count == 1:
+        raise ConfigError("--pipeline needs --stage i/n with n > 1")
+    if draft and index > 1:
+        raise ConfigError(f"--draft goes to stage 1 only (this is stage {index}/{count})")
+    config = build_config(profile, target=model, max_sessions=max_sessions, max_batch=max_batch, dtype=dtype,
+                          threads=threads, target_quant=quant)
+    console = Console(stderr=True)
+    plan = stage_plan(config, index, count, pipeline, layers, console)
+    if pipeline:
+        port = plan.listen[1] if plan.listen else parse_hostport(pipeline.split(",")[0].strip())[1]
+    port = 9100 if port is None else port
+    ssl_server, ssl_client = server_context(tls_cert, tls_key), client_context(tls_ca)
+    setup_logging(log_level)
+    apply_threads(config)
+    if index > 1:
+        _serve_stage(config, plan, console, host=host, port=port, auth_token=auth_token, ssl_server=ssl_server,
+                     ssl_client=ssl_client, delay_s=stage_delay_ms / 1e3, max_messages_per_s=max_messages_per_s)
+        return
+    _serve_target(config, plan, console, load_stage(config, plan, console), host=host, port=port, draft=draft,
+                  auth_token=auth_token, ssl_server=ssl_server, ssl_client=ssl_client,
+                  verify_delay_s=verify_delay_ms / 1e3, max_messages_per_s=max_messages_per_s)
+
+
+def _serve_stage(config, plan, console: Console, *, host: str, port: int, auth_token, ssl_server, ssl_client,
+                 delay_s: float, max_messages_per_s: float) -> None:
+    from specctl.pipeline.launch import load_stage
+    from specctl.pipeline.stage import StageServer, StageServerConfig
+    from specctl.runtime.compute import ComputeThread
+    from specctl.runtime.loop import run_with_compute, serve
+
+    stage_config = checked(StageServerConfig, host=host, port=port, max_sessions=config.max_sessions,
+                           kv_budget_bytes=config.kv_budget_bytes, auth_token=auth_token, index=plan.index,
+                           count=plan.count, next_address=plan.next, delay_s=delay_s,
+                           max_messages_per_s=max_messages_per_s)
+    loaded = load_stage(config, plan, console)
+    first, last = plan.layers
+    then = f"next {plan.next[0]}:{plan.next[1]}" if plan.next else "LM head here"
+
+    async def main(compute: ComputeThread) -> None:
+        await serve(StageServer(loaded, stage_config, ssl_server, ssl_client, compute=compute.lane()),
+                    lambda bound: console.print(
+                        f"pipeline stage {plan.index}/{plan.count} of [bold]{config.target}[/] (layers {first}:{last}) "
+                        f"listening on {host}:{bound}{' (TLS)' if ssl_server else ''}, {then}", soft_wrap=True))
+
+    run_with_compute(main, ComputeThread(f"stage{plan.index}-compute", spawn=False))
+
+
+def _serve_target(config, plan, console: Console, loaded, *, host: str, port: int, draft: str | None, auth_token,
+                  ssl_server, ssl_client, verify_delay_s: float, max_messages_per_s: float) -> None:
+    from specctl.pipeline.launch import pipelined_target
+    from specctl.runtime.compute import ComputeThread
+    from specctl.runtime.loop import parse_hostport, run_with_compute, serve
     from specctl.verify.draft_client import DraftClient
     from specctl.verify.server import TargetServer, TargetServerConfig
 
-    index, count = parse_stage(stage)
-    if count != 1:
-        raise ConfigError(f"pipeline stages are not available yet (asked for stage {index}/{count}): run --stage 1/1")
-    if verify_delay_ms < 0:
-        raise ConfigError("--verify-delay-ms must be >= 0")
-    config = build_config(profile, target=model, max_sessions=max_sessions, max_batch=max_batch, dtype=dtype,
-                          threads=threads, target_quant=quant)
     draft_addr = parse_hostport(draft) if draft else None
-    ssl_server, ssl_client = server_context(tls_cert, tls_key), client_context(tls_ca)
     server_config = checked(TargetServerConfig, host=host, port=port, max_sessions=config.max_sessions,
                             kv_budget_bytes=config.kv_budget_bytes, auth_token=auth_token,
-                            verify_delay_s=verify_delay_ms / 1e3, max_batch=config.max_batch,
+                            verify_delay_s=verify_delay_s, max_batch=config.max_batch,
                             max_messages_per_s=max_messages_per_s)
-    setup_logging(log_level)
-    apply_threads(config)
-    console = Console(stderr=True)
-    loaded = load_named(config.target, config, console, config.target_quant)
+    chain = None
+    if plan.next is not None:
+        loaded, chain = pipelined_target(loaded, plan.next, auth_token=auth_token, ssl=ssl_client)
 
     async def main(compute: ComputeThread) -> None:
         client = None
-        link = None
+        links = []
+        if chain is not None:
+            first = asyncio.get_running_loop().create_future()
+            links.append(asyncio.create_task(chain.run(first)))
+            if not await first:
+                console.print(f"[yellow]pipeline not whole yet ({chain.last_error}); retrying in the background[/]",
+                              soft_wrap=True)
         if draft_addr:
             client = DraftClient(*draft_addr, model=loaded.name, fingerprint=loaded.vocab_fingerprint,
                                  auth_token=auth_token, ssl=ssl_client)
             first = asyncio.get_running_loop().create_future()
-            link = asyncio.create_task(client.run(first))
+            links.append(asyncio.create_task(client.run(first)))
             if not await first:  # a refusal (vocabulary, auth) raises here and stops start-up
                 console.print(f"[yellow]draft server {draft} unreachable ({client.last_error}); decoding "
                               "autoregressively and reconnecting in the background[/]")
+        stages = f" stage 1/{plan.count} (layers {plan.layers[0]}:{plan.layers[1]})" if chain else ""
         try:
-            await serve(TargetServer(loaded, server_config, client, ssl_server, compute=compute.lane(max_batch=config.max_batch)), lambda bound: console.print(
-                f"target instance [bold]{config.target}[/] stage {stage} listening on {host}:{bound}"
-                f"{' (TLS)' if ssl_server else ''}, draft {draft or 'none'}", soft_wrap=True))
+            await serve(TargetServer(loaded, server_config, client, ssl_server, compute=compute.lane(max_batch=config.max_batch),
+                                     pipeline=chain),
+                        lambda bound: console.print(
+                            f"target instance [bold]{config.target}[/]{stages} listening on {host}:{bound}"
+                            f"{' (TLS)' if ssl_server else ''}, draft {draft or 'none'}", soft_wrap=True))
         finally:
-            if link:
+            for link in links:
                 link.cancel()
 
     run_with_compute(main, ComputeThread("target-compute", max_batch=config.max_batch, spawn=False))

@@ -116,17 +116,20 @@ def load_model(
     num_layers: int | None = None,
     device: str = "cpu",
     backend: str = "torch",
+    stage: tuple[tuple[int, int], bool, bool] | None = None,
 ) -> LoadedModel:
-    """Full model (or its first ``num_layers`` layers + norm + head: an early-exit self-draft)."""
+    """Full model (or its first ``num_layers`` layers + norm + head: an early-exit self-draft;
+    or a pipeline stage: ``stage`` = (layer range, embedding?, norm + head?))."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     config = AutoConfig.from_pretrained(path)
-    layer_range = None
+    layer_range, embed, head = stage or (None, True, True)
     if num_layers is not None:
         if not 0 < num_layers <= config.num_hidden_layers:
             raise ModelNotFound(f"{name}: cannot take the first {num_layers} of {config.num_hidden_layers} layers")
         layer_range = (0, num_layers)
-    decoder = load_decoder(path, DTYPES[dtype], layer_range, device=device, backend=backend, config=config)
+    decoder = load_decoder(path, DTYPES[dtype], layer_range, embed, head, device=device, backend=backend,
+                           config=config)
     tokenizer = AutoTokenizer.from_pretrained(path)
     eos: set[int] = set()
     try:

@@ -80,15 +80,26 @@ class Decoder(nn.Module):
     ) -> list[torch.Tensor]:
         """Several sessions in one forward (ragged: each its own tokens, cache and mask).
         Returns, per session, the logits at its ``logits_at`` rows."""
-        bounds, start = [], 0
-        for tokens in inputs:
-            bounds.append((start, start + tokens.shape[0]))
-            start += tokens.shape[0]
-        masks = [None if m is None else m.to(self.device) for m in masks]
+        bounds = ragged_bounds([tokens.shape[0] for tokens in inputs])
         rows = torch.cat([at + lo for at, (lo, _) in zip(logits_at, bounds)])
-        out = self._run(torch.cat(inputs), torch.cat(positions), Segments(bounds, caches, masks), rows)
+        out = self.forward_ragged(torch.cat(inputs), torch.cat(positions), bounds, caches, masks, rows)
         sizes = [at.numel() for at in logits_at]
         return list(out.split(sizes))
+
+    @torch.inference_mode()
+    def forward_ragged(
+        self,
+        inputs: torch.Tensor,
+        positions: torch.Tensor,
+        bounds: list[tuple[int, int]],
+        caches: list[KVCache],
+        masks: list[torch.Tensor | None],
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``forward_many`` on concatenated inputs: session s owns rows bounds[s]. Returns
+        hidden states of every row without a head (a pipeline stage), else logits at ``rows``."""
+        masks = [None if m is None else m.to(self.device) for m in masks]
+        return self._run(inputs, positions, Segments(bounds, caches, masks), rows)
 
     def _run(self, inputs: torch.Tensor, positions: torch.Tensor, segments: Segments, logits_at) -> torch.Tensor:
         if self.embed_tokens is not None:
@@ -106,3 +117,12 @@ class Decoder(nn.Module):
         if logits_at is not None:
             x = x[logits_at.to(self.device)]
         return self.lm_head(self.norm(x)).float()
+
+
+def ragged_bounds(lengths: list[int]) -> list[tuple[int, int]]:
+    """[(start, end)) of each session's rows when their tokens are concatenated."""
+    bounds, start = [], 0
+    for n in lengths:
+        bounds.append((start, start + n))
+        start += n
+    return bounds

@@ -31,7 +31,7 @@ from specctl.verify.client import RemoteError, TargetStream
 
 log = logging.getLogger("specctl.gateway")
 
-REMOTE_STATUS = {"bad_request": 400, "capacity": 503}
+REMOTE_STATUS = {"bad_request": 400, "capacity": 503, "unavailable": 503}
 
 
 @dataclass(slots=True)

@@ -23,7 +23,7 @@ from specctl.verify.client import RemoteError, TargetConnection, TargetStream, p
 
 log = logging.getLogger("specctl.gateway")
 
-RETRYABLE = {"unreachable", "disconnected", "capacity"}  # nothing was generated yet: another instance may take it
+RETRYABLE = {"unreachable", "disconnected", "capacity", "unavailable"}  # nothing was generated yet: another instance may take it
 
 
 @dataclass(slots=True)

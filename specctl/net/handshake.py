@@ -5,8 +5,9 @@ answers Welcome or an Error and closes. The token itself never crosses the wire.
 from __future__ import annotations
 
 import asyncio
+from typing import Awaitable, Callable
 
-from specctl.errors import SpecctlError, VocabMismatch
+from specctl.errors import SpecctlError, StageUnavailable, VocabMismatch
 from specctl.net.framing import new_nonce, read_message, sign, verify_signature, write_message
 from specctl.net.protocol import PROTOCOL_VERSION, Challenge, Error, Hello, ProtocolError, Welcome
 
@@ -31,8 +32,12 @@ async def server_handshake(
     max_sessions: int,
     auth_token: str | None,
     accept_roles: dict[str, bool],  # client role -> must its vocabulary fingerprint match?
+    before_welcome: Callable[[Hello], Awaitable[None]] | None = None,
 ) -> Hello:
-    """Returns the client's Hello, or sends an Error and raises (the caller closes)."""
+    """Returns the client's Hello, or sends an Error and raises (the caller closes).
+    ``before_welcome`` runs once the client is accepted and before it is welcomed (a
+    pipeline stage builds the rest of its chain there); a SpecctlError from it is sent
+    to the client as an "unavailable" error."""
     nonce = new_nonce()
     await write_message(writer, Challenge(PROTOCOL_VERSION, role, nonce))
     hello = await asyncio.wait_for(read_message(reader, max_bytes=64 << 10), HANDSHAKE_TIMEOUT_S)
@@ -56,6 +61,11 @@ async def server_handshake(
             f"{hello.model!r} has {hello.fingerprint}; draft and target must share a tokenizer",
             VocabMismatch,
         )
+    if before_welcome is not None:
+        try:
+            await before_welcome(hello)
+        except SpecctlError as exc:
+            await refuse("unavailable", str(exc), type(exc))
     await write_message(writer, Welcome(PROTOCOL_VERSION, role, model, fingerprint, max_sessions))
     return hello
 
@@ -76,7 +86,8 @@ async def client_handshake(
     await write_message(writer, Hello(PROTOCOL_VERSION, role, fingerprint, model, auth))
     reply = await asyncio.wait_for(read_message(reader, max_bytes=64 << 10), HANDSHAKE_TIMEOUT_S)
     if isinstance(reply, Error):
-        raise {"auth": AuthError, "vocab_mismatch": VocabMismatch}.get(reply.code, HandshakeRefused)(reply.message)
+        raise {"auth": AuthError, "vocab_mismatch": VocabMismatch, "unavailable": StageUnavailable}.get(
+            reply.code, HandshakeRefused)(reply.message)
     if not isinstance(reply, Welcome):
         raise ProtocolError(f"expected Welcome, got {type(reply).__name__}")
     return reply

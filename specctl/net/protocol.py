@@ -13,12 +13,15 @@ import torch
 
 from specctl.errors import SpecctlError
 
-PROTOCOL_VERSION = 2  # 2: sparse q in Proposal, no per-node probs
+PROTOCOL_VERSION = 3  # 2: sparse q in Proposal, no per-node probs; 3: pipeline stage messages, bf16 tensors
 MAX_FRAME_BYTES = 16 << 20
 
 
 class ProtocolError(SpecctlError):
     """A malformed, oversized or unexpected frame: the connection that sent it is closed."""
+
+
+TENSOR_DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "bool")
 
 
 class Tensor(msgspec.Struct, frozen=True):
@@ -29,11 +32,12 @@ class Tensor(msgspec.Struct, frozen=True):
     @classmethod
     def from_torch(cls, t: torch.Tensor) -> "Tensor":
         t = t.detach().contiguous().cpu()
-        return cls(str(t.dtype).removeprefix("torch."), list(t.shape), t.numpy().tobytes())
+        raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # numpy has no bfloat16: ship its bits
+        return cls(str(t.dtype).removeprefix("torch."), list(t.shape), raw.numpy().tobytes())
 
     def to_torch(self) -> torch.Tensor:
         dtype = getattr(torch, self.dtype, None)
-        if not isinstance(dtype, torch.dtype) or self.dtype not in ("float32", "float16", "int64", "int32", "bool"):
+        if not isinstance(dtype, torch.dtype) or self.dtype not in TENSOR_DTYPES:
             raise ProtocolError(f"unsupported tensor dtype {self.dtype!r}")
         count = 1
         for dim in self.shape:
@@ -159,6 +163,45 @@ class Cancel(msgspec.Struct, tag=True, frozen=True):
     req: int
 
 
+# --- pipeline stage i -> stage i+1 (and StageOutput back) ----------------------------------
+# One connection per neighbouring pair. Messages apply in the order sent, so a session's
+# KV pruning reaches every stage before that session's next forward (no stage ever runs
+# ahead of what was verified).
+
+class StageOpen(msgspec.Struct, tag=True, frozen=True):
+    sid: int
+    capacity: int  # positions to reserve for the session's KV on every stage
+
+
+class StageForward(msgspec.Struct, tag=True, frozen=True):
+    """A micro-batch: the hidden states of several sessions' new tokens, concatenated."""
+    fid: int
+    sids: list[int]
+    lengths: list[int]  # new tokens per session
+    positions: Tensor  # int64 [sum(lengths)] RoPE positions
+    masks: list[Tensor | None]  # per session: bool [n, n] among the new tokens (tree), None = causal
+    logits_at: list[list[int]]  # per session: which of its new tokens get logits (last stage)
+    hidden: Tensor  # [sum(lengths), hidden] in the model's dtype
+
+
+class StageKeep(msgspec.Struct, tag=True, frozen=True):
+    """Keep KV positions [0, prefix) + ``tail`` (ascending), compacted: after a verification."""
+    sid: int
+    prefix: int
+    tail: list[int] = []
+
+
+class StageClose(msgspec.Struct, tag=True, frozen=True):
+    sid: int
+
+
+class StageOutput(msgspec.Struct, tag=True, frozen=True):
+    """Last stage -> back up the chain: logits rows of a StageForward, in the model's dtype
+    (exact: the LM head computes them in it), rows of every session concatenated."""
+    fid: int
+    logits: Tensor
+
+
 # --- any role ----------------------------------------------------------------------------
 
 class StatsRequest(msgspec.Struct, tag=True, frozen=True):
@@ -180,6 +223,7 @@ class Error(msgspec.Struct, tag=True, frozen=True):
 Message = Union[
     Challenge, Hello, Welcome, OpenSession, SessionOpened, Propose, Proposal, CloseSession,
     Generate, Tokens, Done, Cancel, StatsRequest, Stats, Error,
+    StageOpen, StageForward, StageKeep, StageClose, StageOutput,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

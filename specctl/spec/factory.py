@@ -30,14 +30,17 @@ def apply_threads(config: Config) -> None:
         torch.set_num_threads(config.threads)
 
 
-def load_named(name: str, config: Config, console: Console | None = None, quant: str = "none") -> LoadedModel:
+def load_named(name: str, config: Config, console: Console | None = None, quant: str = "none",
+               stage: tuple[tuple[int, int], bool, bool] | None = None) -> LoadedModel:
+    """A model by name; ``stage`` = (layer range, embedding?, head?) loads one pipeline stage's part."""
     base, layers = split_model_name(name)
     path = resolve_model(base, console)
     backend = select_backend(config.attention_backend, config.device)
     console = console or Console(stderr=True)
     dtype = "fp32" if quant == "int8" else config.dtype
-    with console.status(f"loading {name} ({quant if quant != 'none' else config.dtype})"):
-        model = load_model(name, path, dtype, num_layers=layers, device=config.device, backend=backend)
+    what = "" if stage is None else f" layers {stage[0][0]}:{stage[0][1]}"
+    with console.status(f"loading {name}{what} ({quant if quant != 'none' else config.dtype})"):
+        model = load_model(name, path, dtype, num_layers=layers, device=config.device, backend=backend, stage=stage)
         model.decoder = quantize_decoder(model.decoder, quant)
     return model
 

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.loader import LoadedModel
 from specctl.engine.spec import check_token_ids
-from specctl.errors import KVBudgetExceeded, SpecctlError
+from specctl.errors import KVBudgetExceeded, SpecctlError, StageUnavailable
 from specctl.net.framing import read_message
 from specctl.net.handshake import server_handshake
 from specctl.net.protocol import Cancel, Done, Error, Generate, ProtocolError, Stats, StatsRequest, Tokens, encode
+from specctl.pipeline.decoder import PipelineClient
 from specctl.runtime.compute import ComputeLane, ComputeThread, SlowedLane
 from specctl.runtime.listen import ListenConfig, ListeningServer, MessageRate
 from specctl.spec.decode import DecodeSession
@@ -46,9 +47,10 @@ class TargetServerConfig(ListenConfig):
 
 class TargetServer(ListeningServer):
     def __init__(self, model: LoadedModel, config: TargetServerConfig, draft: DraftClient | None, ssl=None,
-                 compute: ComputeLane | None = None) -> None:
+                 compute: ComputeLane | None = None, pipeline: PipelineClient | None = None) -> None:
         super().__init__()
         self.model, self.config, self.draft, self.ssl = model, config, draft, ssl
+        self.pipeline = pipeline  # stage 1 of a pipelined target: the link down the chain
         # Its own compute thread, or a lane of the device's thread when roles share a process.
         self.compute = compute or ComputeThread("target-compute", max_batch=config.max_batch).lane(owns_thread=True)
         # Verification waits before it runs when emulating a slower target (bench star).
@@ -78,6 +80,9 @@ class TargetServer(ListeningServer):
             "max_sessions": self.config.max_sessions, "throttled": self.throttled,
             "rejected_requests": self.rejected_requests,
         }
+        if self.pipeline is not None:
+            stats.update({"pipeline_connected": self.pipeline.connected.is_set(),
+                          "pipeline_rebuilds": self.pipeline.reconnects, "pipeline_error": self.pipeline.last_error})
         stats.update(self.compute.stats.snapshot(self.compute.queue_depth))
         return stats
 
@@ -159,6 +164,9 @@ class TargetServer(ListeningServer):
                 if exc.args == (CLIENT_CANCEL,):  # not a dropped connection: the client waits for the stats
                     self._done(session, msg.req, "cancelled", send)
                 raise
+            except StageUnavailable as exc:  # a pipeline stage went away: this session cannot go on
+                log.warning("session %s ended: %s", msg.req, exc)
+                send(Error("unavailable", f"generation failed: {exc}", req=msg.req))
             except Exception as exc:  # noqa: BLE001 - the session ends with a clear error, the server carries on
                 log.exception("session %s failed", msg.req)
                 send(Error("internal", f"generation failed: {exc}", req=msg.req))
@@ -188,6 +196,8 @@ class TargetServer(ListeningServer):
         except SpecctlError as exc:
             if isinstance(exc, KVBudgetExceeded):
                 send(Error("capacity", str(exc), req=msg.req))
+            elif isinstance(exc, StageUnavailable):
+                send(Error("unavailable", str(exc), req=msg.req))
             else:
                 self.reject(f"request {msg.req}", f"bad_request: {exc}")
                 send(Error("bad_request", str(exc), req=msg.req))

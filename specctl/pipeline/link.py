@@ -1,0 +1,76 @@
+"""The link from one pipeline stage to the next: one TCP connection, the usual handshake
+(role "stage", the model's vocabulary fingerprint, auth, TLS), frames written in the order
+they are posted. Replies (StageOutput, Error) come back on the same connection.
+
+This is the whole transport interface the pipeline uses (connect, post, replies, closed):
+an NCCL link for GPU boxes would implement the same four things."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl as ssl_module
+from typing import Callable
+
+from specctl.net.framing import read_message
+from specctl.net.handshake import client_handshake
+from specctl.net.protocol import Message, encode
+
+log = logging.getLogger("specctl.pipeline")
+STAGE_FRAME_BYTES = 1 << 30  # hidden states of a long prompt and logits rows over a large vocabulary
+
+
+class StageLink:
+    def __init__(self, host: str, port: int, *, model: str, fingerprint: str, on_reply: Callable[[Message], None],
+                 auth_token: str | None = None, ssl: ssl_module.SSLContext | None = None) -> None:
+        self.host, self.port, self.model, self.fingerprint = host, port, model, fingerprint
+        self.on_reply, self.auth_token, self.ssl = on_reply, auth_token, ssl
+        self.closed = asyncio.Event()
+        self.error: str | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def connect(self) -> None:
+        """Connect and shake hands; raises what the connection or the handshake raised."""
+        reader, writer = await asyncio.open_connection(self.host, self.port, ssl=self.ssl,
+                                                       server_hostname=self.host if self.ssl else None)
+        try:
+            await client_handshake(reader, writer, role="stage", model=self.model, fingerprint=self.fingerprint,
+                                   auth_token=self.auth_token)
+        except BaseException:
+            writer.close()
+            raise
+        self._writer = writer
+        self._reader_task = asyncio.create_task(self._read(reader))
+
+    def post(self, message: Message) -> None:
+        """Queue one frame (loop thread only). Frames leave in posting order."""
+        if self._writer is None or self.closed.is_set():
+            return
+        self._writer.write(encode(message))
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                self.on_reply(await read_message(reader, STAGE_FRAME_BYTES))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - EOF, reset, a bad frame: the link is gone either way
+            self.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        finally:
+            self._shut()
+
+    def _shut(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        self.closed.set()
+
+    async def close(self) -> None:
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            await asyncio.gather(self._reader_task, return_exceptions=True)
+        self._shut()

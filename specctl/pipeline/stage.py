@@ -1,0 +1,178 @@
+"""A pipeline stage i > 1 (``specctl verify --stage i/n``): it holds layers [a, b) (the last
+stage also the final norm and LM head), accepts the previous stage's connection, runs its
+layers over each micro-batch in arrival order and passes the hidden states on; the last
+stage sends the logits rows back, relayed up the chain.
+
+A chain is built per connection: when stage i-1 connects, stage i connects to stage i+1
+for it. Whatever breaks (a stage dies, a link drops) tears the chain down from there in
+both directions and frees every session's KV on every stage; stage 1 then fails its
+sessions with a clear error and reconnects, and new sessions work without restarting
+the other stages."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl as ssl_module
+import time
+from dataclasses import dataclass
+
+from specctl.engine.kv_cache import KVPool
+from specctl.errors import SpecctlError, StageUnavailable
+from specctl.net.framing import read_message
+from specctl.net.handshake import server_handshake
+from specctl.net.protocol import (Error, StageClose, StageForward, StageKeep, StageOpen, StageOutput, Stats,
+                                  StatsRequest, encode)
+from specctl.pipeline.link import STAGE_FRAME_BYTES, StageLink
+from specctl.pipeline.worker import StageStats, StageWorker
+from specctl.runtime.compute import ComputeLane, ComputeThread
+from specctl.runtime.listen import ListenConfig, ListeningServer
+
+log = logging.getLogger("specctl.pipeline")
+
+
+@dataclass(slots=True)
+class StageServerConfig(ListenConfig):
+    index: int = 2
+    count: int = 2
+    next_address: tuple[str, int] | None = None  # None on the last stage
+    delay_s: float = 0.0  # emulated extra time per forward (a slower device; bench pipeline)
+
+    def __post_init__(self) -> None:
+        ListenConfig.__post_init__(self)
+        if not 2 <= self.index <= self.count:
+            raise ValueError(f"a stage server is stage 2..n, got {self.index}/{self.count}")
+        if (self.next_address is None) != (self.index == self.count):
+            raise ValueError("every stage but the last needs the next stage's address")
+        if self.delay_s < 0:
+            raise ValueError("delay_s must be >= 0")
+
+
+class StageServer(ListeningServer):
+    def __init__(self, model, config: StageServerConfig, ssl=None, ssl_client: ssl_module.SSLContext | None = None,
+                 compute: ComputeLane | None = None) -> None:
+        super().__init__()
+        self.model, self.config, self.ssl, self.ssl_client = model, config, ssl, ssl_client
+        self.compute = compute or ComputeThread(f"stage{config.index}-compute").lane(owns_thread=True)
+        self.pool = KVPool(config.kv_budget_bytes)
+        self.stats = StageStats()
+        self.chains = 0  # upstream connections served (each one a chain)
+        self.workers: set[StageWorker] = set()  # one per live chain: its sessions' KV
+        self.started = time.perf_counter()
+
+    @property
+    def name(self) -> str:
+        return f"stage {self.config.index}/{self.config.count}"
+
+    def snapshot(self) -> dict:
+        first, last = self.model.decoder.layer_range
+        stats = {"model": self.model.name, "stage": f"{self.config.index}/{self.config.count}",
+                 "layers": f"{first}:{last}", "kv_used_mb": round(self.pool.used_bytes / 2**20, 2),
+                 "sessions": self.pool.sessions, "chains": self.chains, "rejected_requests": self.rejected_requests}
+        stats.update(self.stats.to_dict())
+        return stats
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._live.track(writer)
+        peer = str(writer.get_extra_info("peername"))
+        outgoing: asyncio.Queue = asyncio.Queue()
+        send = lambda message: outgoing.put_nowait(encode(message))  # noqa: E731
+        link: StageLink | None = None
+        worker = StageWorker(self.model.decoder, self.pool, self.stats)
+        self.workers.add(worker)
+        try:
+            async def build_chain(hello) -> None:  # the whole chain exists before stage 1 is welcomed
+                nonlocal link
+                if hello.role == "stage":
+                    link = await self._link_next(send)
+
+            hello = await server_handshake(
+                reader, writer, role="stage", model=self.model.name, fingerprint=self.model.vocab_fingerprint,
+                max_sessions=self.config.max_sessions, auth_token=self.config.auth_token,
+                accept_roles={"stage": True, "monitor": False, "client": False, "gateway": False},
+                before_welcome=build_chain)
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self._write_loop(outgoing, writer))
+                try:
+                    if hello.role == "stage":
+                        self.chains += 1
+                        if link is not None:  # the chain ends with the next link too
+                            group.create_task(self._end_with(link, writer))
+                    await self._read_loop(reader, send, worker, link, hello.role == "stage")
+                finally:
+                    outgoing.put_nowait(None)
+        except (SpecctlError, asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError) as exc:
+            log.info("%s: upstream %s closed: %s", self.name, peer, exc or type(exc).__name__)
+        except Exception:  # noqa: BLE001
+            log.exception("%s: upstream %s failed", self.name, peer)
+        finally:
+            writer.close()
+            if link is not None:
+                await link.close()
+            self.workers.discard(worker)
+            if worker.caches:
+                self.compute.submit_nowait(worker.close_all)
+
+    async def _link_next(self, send) -> StageLink | None:
+        if self.config.next_address is None:
+            return None
+        host, port = self.config.next_address
+        link = StageLink(host, port, model=self.model.name, fingerprint=self.model.vocab_fingerprint,
+                         on_reply=send, auth_token=self.config.auth_token, ssl=self.ssl_client)
+        try:
+            await link.connect()
+        except StageUnavailable:
+            raise  # a stage further down is missing: its message says which
+        except (OSError, SpecctlError, asyncio.TimeoutError) as exc:
+            raise StageUnavailable(
+                f"pipeline stage {self.config.index + 1} at {link.address} is unreachable from stage "
+                f"{self.config.index} ({exc or type(exc).__name__}); start it, or check --pipeline") from None
+        return link
+
+    @staticmethod
+    async def _end_with(link: StageLink, writer: asyncio.StreamWriter) -> None:
+        await link.closed.wait()
+        log.warning("the next pipeline stage at %s went away (%s): closing this chain", link.address, link.error)
+        writer.transport.abort()
+
+    async def _read_loop(self, reader, send, worker: StageWorker, link: StageLink | None, chain: bool) -> None:
+        index = self.config.index
+        while True:
+            message = await read_message(reader, STAGE_FRAME_BYTES if chain else self.config.max_frame_bytes)
+            if isinstance(message, StatsRequest):
+                send(Stats("stage", self.snapshot()))
+            elif not chain:
+                send(Error("unexpected", f"a {type(message).__name__} needs a stage connection"))
+            elif isinstance(message, StageForward):
+                try:
+                    if self.config.delay_s:
+                        await asyncio.sleep(self.config.delay_s)
+                    out = await self.compute.run(worker.forward, message)
+                except Exception as exc:  # noqa: BLE001 - that micro-batch fails, the chain goes on
+                    self.reject("stage upstream", f"forward {message.fid}: {exc}")
+                    send(Error("stage_failed", f"pipeline stage {index}: {exc}", req=message.fid))
+                    continue
+                if isinstance(out, StageOutput):
+                    send(out)
+                else:
+                    link.post(out)
+            elif isinstance(message, (StageOpen, StageKeep, StageClose)):
+                try:
+                    await self.compute.run(self._apply, worker, message)
+                except Exception as exc:  # noqa: BLE001 - the session's next forward reports it
+                    self.reject("stage upstream", f"{type(message).__name__} {message.sid}: {exc}")
+                    worker.failed[message.sid] = f"pipeline stage {index}: {exc}"
+                if link is not None:
+                    link.post(message)
+            else:
+                send(Error("unexpected", f"a pipeline stage does not handle {type(message).__name__}"))
+
+    @staticmethod
+    def _apply(worker: StageWorker, message) -> None:
+        if isinstance(message, StageOpen):
+            worker.open(message)
+        elif isinstance(message, StageKeep):
+            worker.keep(message)
+        else:
+            worker.failed.pop(message.sid, None)
+            worker.close(message.sid)
