@@ -33,6 +33,25 @@ class Decoder(nn.Module):
         inv_freq, self.rope_scaling = spec.inv_freq()
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
+    def part(self, layer_range: tuple[int, int], embed: bool, head: bool) -> "Decoder":
+        """Layers [a, b) of this decoder, with its embedding and/or norm + head, sharing the
+        weights (no copy): a pipeline stage run in this process."""
+        first, last = layer_range
+        own_first, own_last = self.layer_range
+        if not own_first <= first < last <= own_last or (embed and self.embed_tokens is None) or (head and self.lm_head is None):
+            raise ValueError(f"decoder with layers {own_first}:{own_last} has no part {first}:{last}"
+                             f"{' with the embedding' if embed else ''}{' with the head' if head else ''}")
+        with torch.device("meta"):
+            part = Decoder(self.spec, layer_range, embed=False, head=False)
+        part.layers = nn.ModuleList(list(self.layers)[first - own_first : last - own_first])
+        if embed:
+            part.embed_tokens = self.embed_tokens
+        if head:
+            part.norm, part.lm_head = self.norm, self.lm_head
+        part.has_embed, part.has_head = embed, head
+        part.inv_freq, part.rope_scaling = self.inv_freq, self.rope_scaling
+        return part
+
     @property
     def num_layers(self) -> int:
         return len(self.layers)

@@ -59,7 +59,9 @@ class StageLink:
                 self.on_reply(await read_message(reader, STAGE_FRAME_BYTES))
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - EOF, reset, a bad frame: the link is gone either way
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.error = f"the stage at {self.address} closed the connection"
+        except Exception as exc:  # noqa: BLE001 - a bad frame, ...: the link is gone either way
             self.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         finally:
             self._shut()

@@ -21,7 +21,7 @@ from specctl.engine.kv_cache import KVPool
 from specctl.errors import SpecctlError, StageUnavailable
 from specctl.net.framing import read_message
 from specctl.net.handshake import server_handshake
-from specctl.net.protocol import (Error, StageClose, StageForward, StageKeep, StageOpen, StageOutput, Stats,
+from specctl.net.protocol import (Error, ProtocolError, StageClose, StageForward, StageKeep, StageOpen, StageOutput, Stats,
                                   StatsRequest, encode)
 from specctl.pipeline.link import STAGE_FRAME_BYTES, StageLink
 from specctl.pipeline.worker import StageStats, StageWorker
@@ -138,7 +138,14 @@ class StageServer(ListeningServer):
     async def _read_loop(self, reader, send, worker: StageWorker, link: StageLink | None, chain: bool) -> None:
         index = self.config.index
         while True:
-            message = await read_message(reader, STAGE_FRAME_BYTES if chain else self.config.max_frame_bytes)
+            try:
+                message = await read_message(reader, STAGE_FRAME_BYTES if chain else self.config.max_frame_bytes)
+            except ProtocolError as exc:  # this connection ends (its chain with it); the stage carries on
+                self.reject("stage upstream", str(exc))
+                send(Error("protocol", str(exc)))
+                return
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
             if isinstance(message, StatsRequest):
                 send(Stats("stage", self.snapshot()))
             elif not chain:

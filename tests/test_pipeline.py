@@ -1,0 +1,191 @@
+"""Pipeline stages (verify --stage i/n): the split, the exactness of a target split over
+2-4 stages in every mode, the KV invariant after every round, freed state, a stage that
+dies and comes back, and bad frames to a stage."""
+
+import asyncio
+import socket
+
+import pytest
+
+from specctl.engine.loader import load_model
+from specctl.errors import ConfigError, StageUnavailable
+from specctl.net.framing import read_message
+from specctl.net.handshake import client_handshake
+from specctl.net.protocol import Error, StageForward, Tensor, encode
+from specctl.pipeline.local import LocalPipeline
+from specctl.pipeline.split import balanced_split, parse_layers, plan_stage
+from specctl.pipeline.worker import keep_positions, split_keep
+from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
+from specctl.spec.rounds import generate
+from specctl.spec.sampling import SamplingParams
+from tests.conftest import wait_until
+
+PROMPTS = [[5, 9, 13, 2], [7, 8, 9, 10, 7, 8, 9], [42, 43, 44, 45, 46]]
+
+
+def test_balanced_split_gives_every_stage_a_contiguous_share():
+    assert balanced_split(4, 1) == [(0, 4)]
+    assert balanced_split(4, 3) == [(0, 2), (2, 3), (3, 4)]
+    assert balanced_split(28, 8) == [(0, 4), (4, 8), (8, 12), (12, 16), (16, 19), (19, 22), (22, 25), (25, 28)]
+    with pytest.raises(ConfigError, match="cannot split 4 layers into 5 stages"):
+        balanced_split(4, 5)
+
+
+def test_stage_plan_from_the_command_line():
+    plan = plan_stage(2, 3, 4, "a:1,b:2,c:3", None)
+    assert (plan.layers, plan.listen, plan.next, plan.first, plan.last) == ((2, 3), ("b", 2), ("c", 3), False, False)
+    last = plan_stage(3, 3, 4, "a:1,b:2,c:3", "1:4")
+    assert (last.layers, last.next, last.last) == ((1, 4), None, True)
+    with pytest.raises(ConfigError, match="needs --pipeline with 3 HOST:PORT addresses"):
+        plan_stage(1, 3, 4, "a:1,b:2", None)
+    with pytest.raises(ConfigError, match="expected HOST:PORT, got 'b'"):
+        plan_stage(1, 2, 4, "a:1,b", None)
+    with pytest.raises(ConfigError, match=r"--layers 3:9: need 0 <= a < b <= 4"):
+        parse_layers("3:9", 4)
+
+
+def test_keep_travels_as_prefix_and_tail():
+    keep = [0, 1, 2, 3, 5, 8]
+    assert split_keep(keep) == (4, [5, 8])
+    assert keep_positions(*split_keep(keep)).tolist() == keep
+    assert split_keep(list(range(6))) == (6, [])
+
+
+@pytest.fixture(scope="module")
+def models(tiny_dir):
+    return load_model("t", tiny_dir["llama"], "fp32"), load_model("d", tiny_dir["llama-draft"], "fp32")
+
+
+def _drafter(mode, draft):
+    return {"ar": None, "ngram": NgramDrafter(4), "chain": ModelChainDrafter(draft.decoder, 4),
+            "tree": ModelTreeDrafter(draft.decoder, 4, 2, 3)}[mode]
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+async def test_a_target_split_over_stages_outputs_exactly_the_whole_target_in_every_mode(models, stages):
+    target, draft = models
+    pipeline = LocalPipeline(target, stages)
+    staged = await pipeline.start()
+    try:
+        params = SamplingParams(max_tokens=24, ignore_eos=True)
+        for mode in ("ar", "ngram", "chain", "tree"):
+            for prompt in PROMPTS:
+                reference = generate(target.decoder, prompt, params, _drafter(mode, draft))[0]
+                tokens, stats, _ = await asyncio.to_thread(generate, staged.decoder, prompt, params, _drafter(mode, draft))
+                assert tokens == reference, (mode, prompt)
+                assert stats.rounds > 0
+        # Every session's KV is freed on every stage.
+        await wait_until(lambda: all(s.pool.sessions == 0 and s.pool.used_bytes == 0 for s in pipeline.servers),
+                         what="stage KV freed")
+        assert all(s.stats.forwards > 0 and s.stats.opened == s.stats.closed for s in pipeline.servers)
+    finally:
+        await pipeline.close()
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+async def test_sampling_through_two_stages_draws_what_the_whole_target_draws(models, mode):
+    """The stages ship the exact logits: with the same seed the sampled tokens are the same
+    as the whole target's (hence the same distribution)."""
+    target, draft = models
+    pipeline = LocalPipeline(target, 2)
+    staged = await pipeline.start()
+    try:
+        for seed in range(4):
+            params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=seed, ignore_eos=True)
+            reference = generate(target.decoder, PROMPTS[seed % 3], params, _drafter(mode, draft))[0]
+            tokens = (await asyncio.to_thread(generate, staged.decoder, PROMPTS[seed % 3], params,
+                                              _drafter(mode, draft)))[0]
+            assert tokens == reference
+    finally:
+        await pipeline.close()
+
+
+async def test_every_stage_holds_exactly_the_committed_kv_after_every_round(models):
+    """No stage over-advances after a rejection: after each round, once the round's pruning
+    has arrived, every stage's KV length equals the committed text less its last token."""
+    target, draft = models
+    pipeline = LocalPipeline(target, 3)
+    staged = await pipeline.start()
+    loop = asyncio.get_running_loop()
+    prompt, seen = PROMPTS[1], []
+
+    def lengths() -> list[int]:
+        return [c.length for s in pipeline.servers for w in list(s.workers) for c in list(w.caches.values())]
+
+    def after_round(tokens, result):
+        seen.append(len(tokens))
+        committed = len(prompt) + sum(seen)
+        asyncio.run_coroutine_threadsafe(
+            wait_until(lambda: lengths() == [committed - 1] * 2, what=f"stage KV at {committed - 1}"), loop).result()
+
+    try:
+        tokens, stats, _ = await asyncio.to_thread(
+            generate, staged.decoder, prompt, SamplingParams(max_tokens=30, ignore_eos=True),
+            ModelTreeDrafter(draft.decoder, 4, 2, 3), on_tokens=after_round)
+        assert len(tokens) == 30 and stats.drafts > 0 and len(seen) == stats.rounds + 1
+        assert sum(s.stats.pruned for s in pipeline.servers) > 0  # rejected tree nodes were dropped everywhere
+    finally:
+        await pipeline.close()
+
+
+async def test_a_stage_that_dies_ends_its_sessions_clearly_and_a_restarted_one_serves_new_sessions(models):
+    target, _ = models
+    pipeline = LocalPipeline(target, 3)
+    staged = await pipeline.start()
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    try:
+        last, port = pipeline.servers[-1], pipeline.ports[-1]
+        started = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        running = asyncio.create_task(asyncio.to_thread(
+            generate, staged.decoder, PROMPTS[0], params, None,
+            on_tokens=lambda tokens, result: loop.call_soon_threadsafe(started.set)))
+        await started.wait()
+        await last.close()  # stage 3 goes away mid-session
+        # In flight or between rounds, the session ends with the reason.
+        with pytest.raises(StageUnavailable, match=r"the pipeline (chain broke|is down) \((the stage at|pipeline stage 3 at) 127.0.0.1:"):
+            await running
+        # Stage 2 freed the chain's KV; stage 1 tells new sessions why it cannot serve them.
+        await wait_until(lambda: pipeline.servers[0].pool.sessions == 0, what="stage 2 freed")
+        with pytest.raises(StageUnavailable, match="stage 3 at 127.0.0.1:.* is unreachable from stage 2"):
+            await wait_until(lambda: not pipeline.client.connected.is_set(), what="chain down")
+            await asyncio.to_thread(generate, staged.decoder, PROMPTS[0], params)
+        # Restart stage 3 on its port: stage 1 rebuilds the chain, new sessions are exact again.
+        pipeline.servers.pop()
+        pipeline.ports.pop()
+        await pipeline.start_stage(3, None, port=port)
+        await wait_until(pipeline.client.connected.is_set, what="chain rebuilt")
+        short = SamplingParams(max_tokens=16, ignore_eos=True)
+        assert (await asyncio.to_thread(generate, staged.decoder, PROMPTS[2], short))[0] == \
+            generate(target.decoder, PROMPTS[2], short)[0]
+        assert pipeline.client.reconnects == 1
+    finally:
+        await pipeline.close()
+
+
+async def test_bad_frames_to_a_stage_get_an_error_and_disturb_nothing_else(models):
+    target, _ = models
+    pipeline = LocalPipeline(target, 2)
+    staged = await pipeline.start()
+    stage = pipeline.servers[0]
+    try:
+        # Garbage instead of a handshake: that connection is closed, the stage goes on.
+        with socket.create_connection(("127.0.0.1", pipeline.ports[0])) as sock:
+            sock.sendall(b"\x00\x00\x00\x05hello")
+        # A well-formed stage peer sending a forward for a session it never opened.
+        reader, writer = await asyncio.open_connection("127.0.0.1", pipeline.ports[0])
+        await client_handshake(reader, writer, role="stage", model="t", fingerprint=target.vocab_fingerprint)
+        import torch
+        hidden = torch.zeros(1, target.spec.hidden_size)
+        writer.write(encode(StageForward(7, [99], [1], Tensor.from_torch(torch.tensor([0])), [None], [[0]],
+                                         Tensor.from_torch(hidden))))
+        reply = await read_message(reader)
+        assert isinstance(reply, Error) and reply.code == "stage_failed" and reply.req == 7
+        assert reply.message == "pipeline stage 2: unknown stage session 99"
+        writer.close()
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+        assert (await asyncio.to_thread(generate, staged.decoder, PROMPTS[0], params))[0] == \
+            generate(target.decoder, PROMPTS[0], params)[0]
+        assert stage.rejected_requests >= 1
+    finally:
+        await pipeline.close()
