@@ -1,0 +1,67 @@
+"""A pipelined target as separate processes on loopback (`specctl verify --stage i/2`,
+the same command on every box) with a draft server: exact output; kill -9 the last stage
+mid-stream (the session ends with a clear error), restart it (new sessions work without
+restarting the others)."""
+
+import asyncio
+import signal
+
+import pytest
+
+from specctl.bench.star import free_ports, spawn_role, stop_processes, wait_listening
+from specctl.engine.loader import load_model
+from specctl.spec.rounds import generate
+from specctl.spec.sampling import SamplingParams
+from specctl.verify.client import RemoteError, remote_generate, remote_stats
+from tests.conftest import poll_async
+
+PROMPT = [5, 9, 13, 2]
+
+
+def stage_args(tiny_dir, index: int, pipeline: str, *extra: str) -> tuple[str, ...]:
+    return ("verify", "--stage", f"{index}/2", "--pipeline", pipeline, "--model", str(tiny_dir["llama"]),
+            "--dtype", "fp32", "--threads", "1", "--log-level", "warning", *extra)
+
+
+async def test_two_stage_processes_with_a_draft_server_then_the_last_stage_killed_and_restarted(tiny_dir):
+    draft_port, first_port, second_port = free_ports(3)
+    pipeline = f"127.0.0.1:{first_port},127.0.0.1:{second_port}"
+    procs = []
+    try:
+        procs.append(spawn_role("draft", "--port", str(draft_port), "--model", f"{tiny_dir['llama']}@2", "--mode",
+                                "tree", "--depth", "4", "--dtype", "fp32", "--threads", "1", "--log-level", "warning"))
+        wait_listening(procs[0], "draft server")
+        procs.append(spawn_role(*stage_args(tiny_dir, 2, pipeline)))
+        wait_listening(procs[1], "stage 2")
+        procs.append(spawn_role(*stage_args(tiny_dir, 1, pipeline, "--draft", f"127.0.0.1:{draft_port}")))
+        wait_listening(procs[2], "stage 1")
+
+        target = load_model("t", tiny_dir["llama"], "fp32")
+        params = SamplingParams(max_tokens=32, ignore_eos=True)
+        reference = generate(target.decoder, PROMPT, params)[0]
+        tokens, _, stats = await remote_generate("127.0.0.1", first_port, PROMPT, params)
+        assert tokens == reference and stats["drafts"] > 0
+        assert (await remote_stats("127.0.0.1", first_port))["pipeline_connected"] is True
+
+        # kill -9 the last stage while a long session streams: it ends with a clear error.
+        started = asyncio.Event()
+        running = asyncio.create_task(remote_generate("127.0.0.1", first_port, PROMPT,
+                                                      SamplingParams(max_tokens=400, ignore_eos=True),
+                                                      lambda t: started.set()))
+        await started.wait()
+        procs[1].send_signal(signal.SIGKILL)
+        procs[1].wait()
+        with pytest.raises(RemoteError, match="generation failed: the pipeline") as failed:
+            await running
+        assert failed.value.code == "unavailable"
+        with pytest.raises(RemoteError, match="pipeline"):
+            await remote_generate("127.0.0.1", first_port, PROMPT, params)
+
+        # Restart it alone: stage 1 rebuilds the chain; the output is exact again.
+        procs[1] = spawn_role(*stage_args(tiny_dir, 2, pipeline))
+        wait_listening(procs[1], "stage 2")
+        await poll_async(lambda: remote_stats("127.0.0.1", first_port), lambda s: s["pipeline_connected"])
+        tokens, _, stats = await remote_generate("127.0.0.1", first_port, PROMPT, params)
+        assert tokens == reference and stats["drafts"] > 0
+    finally:
+        stop_processes(procs)
