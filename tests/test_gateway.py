@@ -3,6 +3,7 @@ gateway; tiny fp32 models, loopback TCP and HTTP), driven by the official openai
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import time
@@ -263,7 +264,8 @@ async def test_no_reachable_target_is_503_with_retry_after_and_api_key_is_checke
                     assert response.status == 503
                     assert response.headers["Retry-After"] == "1"
                     body = await response.json()
-                    assert body["error"]["message"] == "no target instance is reachable; retry later"
+                    assert re.fullmatch(r"no target instance is reachable \(127\.0\.0\.1:\d+: cannot reach "
+                                        r"127\.0\.0\.1:\d+: .*\); retry later", body["error"]["message"])
                     assert body["error"]["code"] == "no_capacity"
             async with session.get(f"http://127.0.0.1:{port}/health") as response:
                 assert response.status == 503

@@ -77,6 +77,8 @@ def up(
     draft: Optional[str] = typer.Option(None, help="draft model (default: qwen2.5-coder-0.5b)"),
     target: Optional[str] = typer.Option(None, help="target model (default: qwen2.5-coder-1.5b)"),
     targets: int = typer.Option(1, help="number of target instances"),
+    stages: int = typer.Option(1, help="pipeline stages per target instance (the target split by layers, each "
+                               "stage a server on loopback)"),
     port: int = typer.Option(8000, help="gateway HTTP port"),
     mode: Optional[str] = typer.Option(None, help="chain | tree"),
     dtype: Optional[str] = typer.Option(None, help="fp32 | bf16 | fp16"),
@@ -85,7 +87,8 @@ def up(
     profile: Optional[str] = typer.Option(None, help="hardware profile"),
     log_level: str = typer.Option("warning", "--log-level", help="debug | info | warning"),
 ) -> None:
-    """Start a draft server, N target instances and a gateway on loopback; Ctrl-C stops them all."""
+    """Start a draft server, N target instances (each split over --stages pipeline stages) and a
+    gateway on loopback; Ctrl-C stops them all."""
     from specctl.cluster.embedded import ClusterConfig, EmbeddedCluster
     from specctl.runtime.compute import ComputeThread
     from specctl.runtime.loop import run_with_compute, setup_logging, wait_for_shutdown
@@ -93,7 +96,7 @@ def up(
 
     config = cluster_config(profile, draft, target, mode, dtype, draft_quant, threads)
     try:
-        plan = ClusterConfig(targets=targets, gateway_port=port)
+        plan = ClusterConfig(targets=targets, gateway_port=port, stages=stages)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     setup_logging(log_level)
@@ -108,8 +111,9 @@ def up(
                           f"({config.mode}, d={config.depth}, {config.dtype})", soft_wrap=True)
             console.print(f"  gateway  {urls['gateway']}/v1   (metrics {urls['gateway']}/metrics)", soft_wrap=True)
             console.print(f"  draft    {urls['draft']}", soft_wrap=True)
-            for address in urls["targets"]:
-                console.print(f"  target   {address}", soft_wrap=True)
+            for i, address in enumerate(urls["targets"]):
+                more = f"   (stages 2..{stages}: {', '.join(urls['stages'][i])})" if stages > 1 else ""
+                console.print(f"  target   {address}{more}", soft_wrap=True)
             console.print(f"  try: specctl chat --gateway {urls['gateway']}   |   specctl monitor --gateway "
                           f"{urls['gateway']}   |   Ctrl-C to stop", soft_wrap=True)
             await wait_for_shutdown()

@@ -17,6 +17,7 @@ from specctl.gateway.metrics import GatewayMetrics
 from specctl.runtime.compute import ComputeThread
 from specctl.gateway.server import Gateway, GatewayConfig
 from specctl.gateway.upstream import Upstream
+from specctl.pipeline.local import LocalPipeline
 from specctl.spec.factory import load_pair, make_drafter
 from specctl.verify.draft_client import DraftClient
 from specctl.verify.server import TargetServer, TargetServerConfig
@@ -30,10 +31,13 @@ class ClusterConfig:
     draft_port: int = 0  # 0 = any free port
     default_max_tokens: int = 256
     speculate: bool = True  # False: no draft server, the targets decode autoregressively (a baseline)
+    stages: int = 1  # pipeline stages per target instance (each on loopback, with its own compute thread)
 
     def __post_init__(self) -> None:
         if not 1 <= self.targets <= 64:
             raise ValueError(f"targets must be in 1..64, got {self.targets}")
+        if not 1 <= self.stages <= 64:
+            raise ValueError(f"stages must be in 1..64, got {self.stages}")
 
 
 class EmbeddedCluster:
@@ -46,6 +50,7 @@ class EmbeddedCluster:
         self.draft_server: DraftServer | None = None
         self.targets: list[TargetServer] = []
         self.links: list[asyncio.Task] = []
+        self.pipelines: list[LocalPipeline] = []
         self.gateway: Gateway | None = None
         self.compute: ComputeThread | None = None
         self.urls: dict[str, str | list[str]] = {}
@@ -72,10 +77,15 @@ class EmbeddedCluster:
                 first = asyncio.get_running_loop().create_future()
                 self.links.append(asyncio.create_task(client.run(first)))
                 await first
-            server = TargetServer(target, TargetServerConfig(host=host, port=0, max_sessions=self.config.max_sessions,
-                                                             kv_budget_bytes=self.config.kv_budget_bytes,
-                                                             max_batch=self.config.max_batch), client,
-                                  compute=self.compute.lane(max_batch=self.config.max_batch))
+            model, chain = target, None
+            if c.stages > 1:
+                pipeline = LocalPipeline(target, c.stages, host, kv_budget_bytes=self.config.kv_budget_bytes)
+                self.pipelines.append(pipeline)
+                model, chain = await pipeline.start(), pipeline.client
+            server = TargetServer(model, TargetServerConfig(host=host, port=0, max_sessions=self.config.max_sessions,
+                                                            kv_budget_bytes=self.config.kv_budget_bytes,
+                                                            max_batch=self.config.max_batch), client,
+                                  compute=self.compute.lane(max_batch=self.config.max_batch), pipeline=chain)
             target_ports.append(await server.start())
             self.targets.append(server)
         metrics = GatewayMetrics()
@@ -86,7 +96,8 @@ class EmbeddedCluster:
                                target.tokenizer, upstream, metrics)
         gateway_port = await self.gateway.start()
         self.urls = {"gateway": f"http://{host}:{gateway_port}", "draft": f"{host}:{draft_port}" if draft_port else None,
-                     "targets": [f"{host}:{p}" for p in target_ports]}
+                     "targets": [f"{host}:{p}" for p in target_ports],
+                     "stages": [[f"{host}:{p}" for p in pipeline.ports] for pipeline in self.pipelines]}
         return self.urls
 
     async def close(self) -> None:
@@ -97,6 +108,8 @@ class EmbeddedCluster:
         await asyncio.gather(*self.links, return_exceptions=True)
         for server in self.targets:
             await server.close()
+        for pipeline in self.pipelines:
+            await pipeline.close()
         if self.draft_server:
             await self.draft_server.close()
         if self.compute is not None and self._given_compute is None:

@@ -110,7 +110,9 @@ class Upstream:
             index = pick_target(self.views(), frozenset(tried))
             if index is None:
                 down = all(not t.up for t in self.targets)
-                raise ApiError(503, "no target instance is reachable; retry later" if down else
+                reasons = "; ".join(f"{t.address}: {t.error}" for t in self.targets if not t.up and t.error)
+                raise ApiError(503, f"no target instance is reachable{f' ({reasons})' if reasons else ''}; retry later"
+                               if down else
                                "every target instance is at capacity; retry later",
                                type="server_error", code="no_capacity", retry_after=1)
             tried.add(index)

@@ -1,0 +1,36 @@
+"""`specctl up --stages 3`: the gateway in front of a target split over 3 stages answers
+exactly what the whole target generates; with a stage gone it answers 503 with the reason."""
+
+import asyncio
+import json
+
+import pytest
+
+from specctl.cluster.embedded import ClusterConfig, ClusterThread
+from specctl.config import build_config
+from tests.test_gateway import PROMPT, post, specctl_generate
+
+
+@pytest.fixture
+def staged_cluster(tiny_dir):
+    config = build_config(None, target=str(tiny_dir["llama"]), draft=f"{tiny_dir['llama']}@2", mode="tree", depth=3,
+                          dtype="fp32", draft_quant="none", max_sessions=8)
+    thread = ClusterThread(config, ClusterConfig(targets=1, gateway_port=0, stages=3))
+    urls = thread.start()
+    yield thread, urls
+    thread.stop()
+
+
+def test_gateway_over_a_three_stage_target_is_exact_and_a_dead_stage_gives_503(staged_cluster, tiny_dir):
+    thread, urls = staged_cluster
+    assert len(urls["stages"]) == 1 and len(urls["stages"][0]) == 2  # stages 2 and 3 of the one instance
+    reference = specctl_generate(tiny_dir, PROMPT, 20)
+    body = {"model": str(tiny_dir["llama"]), "prompt": PROMPT, "max_tokens": 20, "temperature": 0}
+    status, _, raw = post(urls["gateway"] + "/v1/completions", body)
+    assert status == 200 and json.loads(raw)["choices"][0]["text"] == reference["text"]
+
+    pipeline = thread.cluster.pipelines[0]
+    asyncio.run_coroutine_threadsafe(pipeline.servers[-1].close(), thread.loop).result(30)
+    status, headers, raw = post(urls["gateway"] + "/v1/completions", body)
+    assert status == 503, raw
+    assert "pipeline" in json.loads(raw)["error"]["message"]
