@@ -3,12 +3,18 @@ exactly what the whole target generates; with a stage gone it answers 503 with t
 
 import asyncio
 import json
+import re
+import urllib.request
 
 import pytest
 
 from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
+from specctl.monitor.render import dashboard
+from specctl.monitor.view import MonitorState, advance
+from tests.conftest import poll_until
 from tests.test_gateway import PROMPT, post, specctl_generate
+from tests.test_monitor import text_of
 
 
 @pytest.fixture
@@ -28,6 +34,23 @@ def test_gateway_over_a_three_stage_target_is_exact_and_a_dead_stage_gives_503(s
     body = {"model": str(tiny_dir["llama"]), "prompt": PROMPT, "max_tokens": 20, "temperature": 0}
     status, _, raw = post(urls["gateway"] + "/v1/completions", body)
     assert status == 200 and json.loads(raw)["choices"][0]["text"] == reference["text"]
+
+    # Per-stage numbers reach the stats feed, /metrics and the monitor's table.
+    def stage_feed():
+        with urllib.request.urlopen(urls["gateway"] + "/v1/stats", timeout=10) as response:
+            return json.loads(response.read())
+    def counted(f):  # the feed's stage numbers are from the poll before last: wait for ones after the request
+        stages = f["targets"][0].get("stats", {}).get("stages", [])
+        return len(stages) == 2 and all(s["forwards"] > 0 for s in stages)
+    feed = poll_until(stage_feed, counted)
+    stages = feed["targets"][0]["stats"]["stages"]
+    assert [(s["stage"], s["layers"]) for s in stages] == [("2/3", "2:3"), ("3/3", "3:4")]
+    assert all(s["forwards"] > 0 and s["pruned_positions"] > 0 for s in stages), stages
+    with urllib.request.urlopen(urls["gateway"] + "/metrics", timeout=10) as response:
+        metrics = response.read().decode()
+    assert re.search(r'specctl:stage_step_ms\{address="[^"]+",stage="3/3"\} \d', metrics)
+    screen = text_of(dashboard(advance(MonitorState("gw"), feed, now=1.0), now=1.0))
+    assert "└ stage 2/3 2:3" in screen and "└ stage 3/3 3:4" in screen
 
     pipeline = thread.cluster.pipelines[0]
     asyncio.run_coroutine_threadsafe(pipeline.servers[-1].close(), thread.loop).result(30)

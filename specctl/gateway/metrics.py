@@ -21,6 +21,13 @@ ROLE_GAUGES = {
     "R_p": ("R_p", "verification rounds per second"),
 }
 
+STAGE_GAUGES = {
+    "step_ms": ("stage_step_ms", "mean compute time of a pipeline stage per micro-batch (ms)"),
+    "forwards": ("stage_forwards", "micro-batches a pipeline stage has run"),
+    "pruned_positions": ("stage_pruned_positions", "KV positions a pipeline stage dropped after verifications"),
+    "kv_used_mb": ("stage_kv_used_mb", "KV memory a pipeline stage holds (MiB)"),
+}
+
 
 class GatewayMetrics:
     def __init__(self) -> None:
@@ -38,6 +45,8 @@ class GatewayMetrics:
         self.role_up = Gauge(f"{p}role_up", "1 when the role answered the last poll", ["role", "address"], registry=r)
         self.role_gauges = {key: Gauge(f"{p}{name}", help_, ["role", "address"], registry=r)
                             for key, (name, help_) in ROLE_GAUGES.items()}
+        self.stage_gauges = {key: Gauge(f"{p}{name}", help_, ["address", "stage"], registry=r)
+                             for key, (name, help_) in STAGE_GAUGES.items()}
 
     def record_generation(self, stats: dict) -> None:
         """Counters from a finished request's per-session statistics."""
@@ -52,6 +61,10 @@ class GatewayMetrics:
         for key, gauge in self.role_gauges.items():
             if isinstance(stats.get(key), (int, float)):
                 gauge.labels(role=role, address=address).set(stats[key])
+        for stage in stats.get("stages", []):  # a pipelined target: its stages 2..n, by the address of stage 1
+            for key, gauge in self.stage_gauges.items():
+                if isinstance(stage.get(key), (int, float)):
+                    gauge.labels(address=address, stage=str(stage.get("stage"))).set(stage[key])
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -75,7 +75,18 @@ def targets_table(targets: list[dict], state: MonitorState) -> Table:
         table.add_row(t.get("address", "?"), Text("up", style="green"), str(s.get("sessions", 0)),
                       f"{s.get('R_p', 0):.1f}", f"{s.get('tokens_per_s', 0):.1f}", f"{s.get('acceptance_rate', 0):.0%}",
                       f"{s.get('mean_accepted_length', 0):.2f}", draft)
+        if "pipeline_connected" in s and not s["pipeline_connected"]:
+            table.add_row(Text("  pipeline down", style="bold red"), "", "", "", "", "", "", "")
+        for stage in s.get("stages", []):
+            table.add_row(*stage_row(stage))
     return table
+
+
+def stage_row(stage: dict) -> tuple:
+    """One pipeline stage under its target: layers, step time, pruned KV, sessions."""
+    return (Text(f"  └ stage {stage.get('stage', '?')} {stage.get('layers', '')}", style="dim"), "",
+            str(stage.get("sessions", 0)), "", _ms(stage.get("step_ms")), f"pr {stage.get('pruned_positions', 0)}",
+            "", "")
 
 
 def dashboard(state: MonitorState, now: float | None = None) -> RenderableType:

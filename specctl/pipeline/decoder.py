@@ -21,7 +21,8 @@ import torch
 from specctl.engine.kv_cache import KVCache, KVPool
 from specctl.engine.model import Decoder, ragged_bounds
 from specctl.errors import StageUnavailable
-from specctl.net.protocol import Error, Message, StageClose, StageForward, StageKeep, StageOpen, StageOutput, Tensor
+from specctl.net.protocol import (Error, Message, StageClose, StageForward, StageKeep, StageOpen, StageOutput, Stats,
+                                  StatsRequest, Tensor)
 from specctl.pipeline.link import StageLink
 from specctl.pipeline.worker import split_keep
 
@@ -40,6 +41,7 @@ class PipelineClient:
         self.connected = asyncio.Event()
         self.last_error: str | None = None
         self.reconnects = 0
+        self.stage_stats: dict[str, dict] = {}  # "i/n" -> that stage's latest stats
         self._pending: dict[int, concurrent.futures.Future] = {}
         self._fids = itertools.count(1)
 
@@ -76,8 +78,16 @@ class PipelineClient:
             self.last_error = link.error or "closed"
             log.warning("lost the pipeline at %s (%s): its sessions end; reconnecting", link.address, self.last_error)
 
+    def refresh_stats(self) -> list[dict]:
+        """The stages' latest stats (loop thread), asking for fresh ones for next time."""
+        if self.link is not None and self.connected.is_set():
+            self.link.post(StatsRequest())
+        return [self.stage_stats[key] for key in sorted(self.stage_stats, key=lambda k: int(k.split("/")[0]))]
+
     def _on_reply(self, message: Message) -> None:
-        if isinstance(message, StageOutput):
+        if isinstance(message, Stats):
+            self.stage_stats[str(message.stats.get("stage"))] = message.stats
+        elif isinstance(message, StageOutput):
             future = self._pending.pop(message.fid, None)
             if future is not None:
                 future.set_result(message.logits)

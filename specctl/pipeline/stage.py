@@ -148,6 +148,8 @@ class StageServer(ListeningServer):
                 return
             if isinstance(message, StatsRequest):
                 send(Stats("stage", self.snapshot()))
+                if chain and link is not None:  # every stage's answer comes back up the chain
+                    link.post(message)
             elif not chain:
                 send(Error("unexpected", f"a {type(message).__name__} needs a stage connection"))
             elif isinstance(message, StageForward):

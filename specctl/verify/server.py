@@ -82,7 +82,8 @@ class TargetServer(ListeningServer):
         }
         if self.pipeline is not None:
             stats.update({"pipeline_connected": self.pipeline.connected.is_set(),
-                          "pipeline_rebuilds": self.pipeline.reconnects, "pipeline_error": self.pipeline.last_error})
+                          "pipeline_rebuilds": self.pipeline.reconnects, "pipeline_error": self.pipeline.last_error,
+                          "stages": self.pipeline.refresh_stats()})
         stats.update(self.compute.stats.snapshot(self.compute.queue_depth))
         return stats
 
