@@ -179,9 +179,10 @@ class StageForward(msgspec.Struct, tag=True, frozen=True):
     sids: list[int]
     lengths: list[int]  # new tokens per session
     positions: Tensor  # int64 [sum(lengths)] RoPE positions
-    masks: list[Tensor | None]  # per session: bool [n, n] among the new tokens (tree), None = causal
+    masks: list[Tensor | None]  # per session: bool [n, k], the last k columns of its attention mask (None = causal)
     logits_at: list[list[int]]  # per session: which of its new tokens get logits (last stage)
     hidden: Tensor  # [sum(lengths), hidden] in the model's dtype
+    want: str = "logits"  # last stage: "logits" rows, or "argmax" (greedy: one token id per row)
 
 
 class StageKeep(msgspec.Struct, tag=True, frozen=True):

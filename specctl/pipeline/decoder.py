@@ -120,15 +120,17 @@ class PipelineClient:
         if epoch == self.epoch and self.link is not None:
             self.link.post(message)
 
-    def forward(self, epoch: int, make: Callable[[int], StageForward]) -> torch.Tensor:
-        """From the compute thread: send a micro-batch down the chain, wait for its logits."""
+    def submit(self, epoch: int, make: Callable[[int], StageForward]) -> concurrent.futures.Future:
+        """From any thread but the loop's: send a micro-batch down the chain now; the future
+        gets the last stage's output (a Tensor frame). Outputs come back in sending order."""
         self._check(epoch)
         future: concurrent.futures.Future = concurrent.futures.Future()
         self.loop.call_soon_threadsafe(self._send_forward, epoch, make, future)
-        try:
-            return future.result(FORWARD_TIMEOUT_S).to_torch()
-        except concurrent.futures.TimeoutError:
-            raise StageUnavailable(f"the pipeline did not answer within {FORWARD_TIMEOUT_S:.0f}s") from None
+        return future
+
+    def forward(self, epoch: int, make: Callable[[int], StageForward]) -> torch.Tensor:
+        """From the compute thread: send a micro-batch down the chain, wait for its logits."""
+        return wait_output(self.submit(epoch, make))
 
     def _send_forward(self, epoch: int, make: Callable[[int], StageForward], future) -> None:
         try:
@@ -139,6 +141,13 @@ class PipelineClient:
         fid = next(self._fids)
         self._pending[fid] = future
         self.link.post(make(fid))
+
+
+def wait_output(future: concurrent.futures.Future) -> torch.Tensor:
+    try:
+        return future.result(FORWARD_TIMEOUT_S).to_torch()
+    except concurrent.futures.TimeoutError:
+        raise StageUnavailable(f"the pipeline did not answer within {FORWARD_TIMEOUT_S:.0f}s") from None
 
 
 class PipelineCache(KVCache):

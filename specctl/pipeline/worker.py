@@ -15,12 +15,16 @@ from specctl.errors import BadRequest
 from specctl.net.protocol import StageForward, StageKeep, StageOpen, StageOutput, Tensor
 
 
-def full_mask(tree_mask: torch.Tensor | None, cached: int) -> torch.Tensor | None:
-    """The attention mask over (cached prefix + new tokens) from the mask among the new
-    tokens: every new token sees the whole prefix."""
-    if tree_mask is None:
+def full_mask(tail_mask: torch.Tensor | None, cached: int) -> torch.Tensor | None:
+    """The attention mask over (cached + n new tokens) from its last k columns [n, k] (k >= n:
+    the new tokens among themselves, and for a growing tree also the tree nodes cached
+    before them); the columns before those see everything (the committed prefix)."""
+    if tail_mask is None:
         return None
-    return torch.cat([torch.ones(tree_mask.shape[0], cached, dtype=torch.bool), tree_mask.bool()], 1)
+    n, k = tail_mask.shape
+    if not n <= k <= cached + n:
+        raise BadRequest(f"a stage mask of {k} columns for {n} new tokens over {cached} cached")
+    return torch.cat([torch.ones(n, cached + n - k, dtype=torch.bool), tail_mask.bool()], 1)
 
 
 def keep_positions(prefix: int, tail: list[int]) -> torch.Tensor:
@@ -93,6 +97,8 @@ class StageWorker:
         started = time.perf_counter()
         caches = [self._cache(sid) for sid in msg.sids]
         hidden, positions = msg.hidden.to_torch(), msg.positions.to_torch()
+        if msg.want not in ("logits", "argmax"):
+            raise BadRequest(f"a stage forward wants 'logits' or 'argmax', not {msg.want!r}")
         if hidden.shape[0] != sum(msg.lengths) or positions.shape[0] != hidden.shape[0]:
             raise BadRequest("a stage forward's hidden states, positions and lengths disagree")
         masks = [full_mask(None if m is None else m.to_torch(), cache.length) for m, cache in zip(msg.masks, caches)]
@@ -100,13 +106,14 @@ class StageWorker:
         if self.decoder.lm_head is None:
             out = self.decoder.forward_ragged(hidden, positions, bounds, caches, masks)
             reply = StageForward(msg.fid, msg.sids, msg.lengths, msg.positions, msg.masks, msg.logits_at,
-                                 Tensor.from_torch(out))
+                                 Tensor.from_torch(out), msg.want)
         else:
             rows = torch.tensor([lo + at for at_list, (lo, _) in zip(msg.logits_at, bounds) for at in at_list],
                                 dtype=torch.long)
             logits = self.decoder.forward_ragged(hidden, positions, bounds, caches, masks, rows)
             # The head computed them in the model's dtype: shipping that dtype is exact.
-            reply = StageOutput(msg.fid, Tensor.from_torch(logits.to(self.decoder.dtype)))
+            out = logits.argmax(-1) if msg.want == "argmax" else logits.to(self.decoder.dtype)
+            reply = StageOutput(msg.fid, Tensor.from_torch(out))
         self.stats.forwards += 1
         self.stats.tokens += hidden.shape[0]
         self.stats.busy_s += time.perf_counter() - started

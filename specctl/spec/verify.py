@@ -46,6 +46,25 @@ def accept_greedy(tree: TokenTree, target_logits: torch.Tensor) -> tuple[list[in
         node = match
 
 
+def accept_at_node(candidates: list[int], target_probs: torch.Tensor,
+                   generator: torch.Generator | None) -> tuple[int | None, int]:
+    """One node of tree sampling: try the candidate tokens in order, accepting x with
+    probability p(x) of the current, renormalised p, else setting p(x) = 0. Returns (index
+    of the accepted candidate, its token), or (None, a token drawn from what is left of p):
+    either way the token is distributed exactly as p."""
+    p = target_probs.clone()
+    for index, x in enumerate(candidates):
+        total = float(p.sum())
+        if total <= 0:
+            break
+        if float(torch.rand((), generator=generator)) * total < float(p[x]):
+            return index, x
+        p[x] = 0.0
+    if float(p.sum()) <= 0:  # numerically exhausted: fall back to the untouched p
+        p = target_probs
+    return None, int(torch.multinomial(p, 1, generator=generator))
+
+
 def accept_tree_sampling(
     tree: TokenTree, target_probs: torch.Tensor, generator: torch.Generator | None
 ) -> tuple[list[int], int]:
@@ -53,23 +72,11 @@ def accept_tree_sampling(
     children = _children_table(tree)
     node, path = 0, []
     while True:
-        p = target_probs[node].clone()
-        accepted = None
-        for child in children[node]:
-            x = tokens[child]
-            total = float(p.sum())
-            if total <= 0:
-                break
-            if float(torch.rand((), generator=generator)) * total < float(p[x]):
-                accepted = child
-                break
-            p[x] = 0.0
-        if accepted is None:
-            if float(p.sum()) <= 0:  # numerically exhausted: fall back to the untouched p
-                p = target_probs[node]
-            return path, int(torch.multinomial(p, 1, generator=generator))
-        path.append(accepted)
-        node = accepted
+        index, token = accept_at_node([tokens[c] for c in children[node]], target_probs[node], generator)
+        if index is None:
+            return path, token
+        node = children[node][index]
+        path.append(node)
 
 
 def accept_chain_sampling(
