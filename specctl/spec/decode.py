@@ -68,6 +68,10 @@ class DecodeSession:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def commit(self, tokens: list[int]) -> list[int]:
+        """Append verified tokens (up to a stop token or max_tokens); returns those emitted."""
+        return self._emit(tokens)
+
     def _emit(self, tokens: list[int]) -> list[int]:
         emitted = []
         for token in tokens:

@@ -1,0 +1,221 @@
+"""SpecPipe (§3.3): keep a pipelined target busy with a speculative token tree fed one
+level per pipeline step.
+
+Stage 1 drives a session: each time a level's output comes back from the last stage it
+verifies the current root (the target's next token after it, argmax or the tree-sampling
+rule at one node) against the root's children. A hit re-roots the tree to that child and
+prunes every stage's KV to its subtree; a miss flushes the tree and refills the pipeline
+from the verified token. Meanwhile the draft grows the tree by one fixed-width level
+(its top-k children per node, the w likeliest paths overall) whenever a pipeline slot
+frees, so up to n levels are in flight through n stages.
+
+Every stage applies the levels and the prunings in the order stage 1 sent them, so one
+mirror of the cache (``CacheMirror``) describes all of them: stage 1 computes each level's
+mask and each pruning's kept positions once."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from specctl.engine.kv_cache import KVPool
+from specctl.engine.model import Decoder
+from specctl.net.protocol import StageForward, Tensor
+from specctl.pipeline.decoder import PipelineDecoder, wait_output
+from specctl.pipeline.live_tree import CacheMirror, SpecTree
+from specctl.spec.decode import DecodeSession
+from specctl.spec.rounds import Emit
+from specctl.spec.sampling import SamplingParams, probs_from_logits
+from specctl.spec.stats import GenerationStats, RoundResult
+from specctl.spec.verify import accept_at_node
+
+
+@dataclass(frozen=True, slots=True)
+class TreeShape:
+    width: int = 4  # nodes per level (a fixed-width tree balances the stages' work)
+    topk: int = 2  # children considered per node
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.width <= 256 or not 1 <= self.topk <= 64:
+            raise ValueError(f"width must be in 1..256 and topk in 1..64, got {self.width}, {self.topk}")
+
+
+@dataclass(slots=True)
+class PipeStats:
+    steps: int = 0  # verifications (one per level output that held the root)
+    hits: int = 0  # the verified token was one of the root's children
+    flushes: int = 0  # it was not, and the root had children: the pipeline refills
+    levels_sent: int = 0
+    stale_outputs: int = 0  # outputs of flushed trees, dropped on arrival
+
+    @property
+    def hit_rate(self) -> float:
+        tried = self.hits + self.flushes
+        return self.hits / tried if tried else 0.0
+
+    def to_dict(self) -> dict:
+        return {"steps": self.steps, "hits": self.hits, "flushes": self.flushes, "levels_sent": self.levels_sent,
+                "stale_outputs": self.stale_outputs, "hit_rate": round(self.hit_rate, 4)}
+
+
+class DraftLevels:
+    """The token source: a draft model growing the tree one level at a time, with its own
+    KV of the committed text and the tree nodes it has read."""
+
+    def __init__(self, draft: Decoder, shape: TreeShape, prompt: list[int], capacity: int,
+                 pool: KVPool | None = None) -> None:
+        self.draft, self.shape = draft, shape
+        self.cache = draft.new_cache(capacity, pool)
+        draft(torch.tensor(prompt), torch.arange(len(prompt)), self.cache, logits_at=torch.tensor([len(prompt) - 1]))
+        self.mirror = CacheMirror(len(prompt))
+        self.pending: list[tuple[int, int]] = []  # committed (token, position) the cache still lacks
+
+    def next_level(self, tree: SpecTree, frontier: list[int]) -> list[int]:
+        """Read the frontier nodes and add the next level to ``tree``; returns its node ids."""
+        if self.pending:
+            tokens, positions = zip(*self.pending)
+            self.draft(torch.tensor(tokens), torch.tensor(positions), self.cache, logits_at=torch.tensor([0]))
+            self.mirror.prefix += len(self.pending)
+            self.pending = []
+        tail = self.mirror.level_mask(tree, frontier)
+        mask = torch.cat([torch.ones(len(frontier), self.mirror.prefix, dtype=torch.bool), tail], 1)
+        nodes = [tree.nodes[i] for i in frontier]
+        logits = self.draft(torch.tensor([n.token for n in nodes]), torch.tensor([n.pos for n in nodes]),
+                            self.cache, mask=mask)
+        self.mirror.append(frontier)
+        probs, tokens = logits.float().softmax(-1).topk(self.shape.topk, dim=-1)
+        candidates = [(nodes[r].score * float(probs[r, j]), r, int(tokens[r, j]))
+                      for r in range(len(frontier)) for j in range(self.shape.topk)]
+        chosen = sorted(candidates, reverse=True)[: self.shape.width]
+        chosen.sort(key=lambda c: (c[1], -c[0]))  # by parent, likeliest child first (tried first)
+        return [tree.add(token, frontier[r], nodes[r].pos + 1, score) for score, r, token in chosen]
+
+    def reroot(self, tree: SpecTree, committed: int, new_root: int | None) -> None:
+        if self.mirror.order and self.mirror.order[0] == committed:
+            self.cache.gather(self.mirror.reroot(tree, committed, new_root))
+        else:  # verified before the draft read it (nothing under it read either): read it next time
+            node = tree.nodes[committed]
+            self.pending.append((node.token, node.pos))
+
+    def close(self) -> None:
+        self.cache.release()
+
+
+@dataclass(slots=True)
+class _Sent:
+    future: object
+    level: list[int]
+    tree_epoch: int
+
+
+@dataclass(slots=True)
+class SpecPipeRun:
+    """One session driven through the pipeline (on a thread that may block on it)."""
+    target: PipelineDecoder
+    session: DecodeSession
+    draft: DraftLevels
+    stages: int
+    delay_s: float = 0.0  # emulated time of stage 1's own forward (bench pipeline)
+    emit: Emit | None = None
+    stats: PipeStats = field(default_factory=PipeStats)
+
+    def run(self) -> None:
+        session, cache = self.session, self.session.cache
+        first = session.prefill()
+        if self.emit:
+            self.emit(first, None)
+        tree, mirror = SpecTree(), CacheMirror(cache.length)
+        root = tree.add(session.seq[-1], None, len(session.seq) - 1)
+        levels: list[list[int]] = []  # levels sent of the live tree, root's first
+        in_flight: deque[_Sent] = deque()
+        tree_epoch, draft_s, wait_s = 0, 0.0, 0.0
+        want = "argmax" if session.params.greedy else "logits"
+        while not session.finished:
+            while len(in_flight) < self.stages:
+                started = time.perf_counter()
+                level = [root] if not levels else self.draft.next_level(tree, levels[-1])
+                draft_s += time.perf_counter() - started
+                in_flight.append(_Sent(self._send(tree, mirror, level, want), level, tree_epoch))
+                levels.append(level)
+                self.stats.levels_sent += 1
+            sent = in_flight.popleft()
+            started = time.perf_counter()
+            output = wait_output(sent.future)
+            wait_s += time.perf_counter() - started
+            if sent.tree_epoch != tree_epoch or root not in sent.level:
+                self.stats.stale_outputs += sent.tree_epoch != tree_epoch
+                continue
+            children = [c for c in (levels[1] if len(levels) > 1 else []) if tree.nodes[c].parent == root]
+            row = output[sent.level.index(root)]
+            index, token = self._decide(row, [tree.nodes[c].token for c in children])
+            committed = session.commit([token])
+            self.stats.steps += 1
+            new_root = None if index is None else children[index]
+            if children:
+                self.stats.hits += new_root is not None
+                self.stats.flushes += new_root is None
+            session.stats.record(RoundResult(1 if children else 0, len(children), int(new_root is not None),
+                                             len(committed), draft_s, wait_s))
+            draft_s = wait_s = 0.0
+            if self.emit and committed:
+                self.emit(committed, None)
+            cache.gather(mirror.reroot(tree, root, new_root))  # every stage prunes, in order
+            self.draft.reroot(tree, root, new_root)
+            if new_root is None:  # flush: refill from the verified token
+                tree_epoch += 1
+                tree, levels = SpecTree(), []
+                root = tree.add(token, None, len(session.seq) - 1)
+            else:
+                tree.reroot(new_root)
+                root = new_root
+                levels = [[n for n in level if n in tree.nodes] for level in levels[1:]]
+                if [] in levels:  # a level wholly in pruned branches: the tree grows again from above it
+                    levels = levels[: levels.index([])]
+
+    def _send(self, tree: SpecTree, mirror: CacheMirror, level: list[int], want: str):
+        cache = self.session.cache
+        tokens = torch.tensor([tree.nodes[i].token for i in level])
+        positions = torch.tensor([tree.nodes[i].pos for i in level])
+        tail = mirror.level_mask(tree, level)
+        mask = torch.cat([torch.ones(len(level), mirror.prefix, dtype=torch.bool), tail], 1)
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        hidden = self.target.local.forward_ragged(tokens, positions, [(0, len(level))], [cache], [mask])
+        mirror.append(level)
+        frames = Tensor.from_torch(positions), Tensor.from_torch(tail), Tensor.from_torch(hidden)
+        n, sid = len(level), cache.sid
+        return self.target.client.submit(cache.epoch, lambda fid: StageForward(
+            fid, [sid], [n], frames[0], [frames[1]], [list(range(n))], frames[2], want))
+
+    def _decide(self, row: torch.Tensor, children: list[int]) -> tuple[int | None, int]:
+        """The target's token after the root, and which child it is (None: none of them)."""
+        params = self.session.params
+        if params.greedy:
+            token = int(row) if row.dim() == 0 else int(row.argmax())
+            return (children.index(token) if token in children else None), token
+        return accept_at_node(children, probs_from_logits(row.float(), params), self.session.generator)
+
+
+def specpipe_generate(target: PipelineDecoder, draft: Decoder, prompt: list[int], params: SamplingParams,
+                      shape: TreeShape = TreeShape(), *, stages: int, eos_token_ids: tuple[int, ...] = (),
+                      max_context: int | None = None, pool: KVPool | None = None, draft_pool: KVPool | None = None,
+                      delay_s: float = 0.0, on_tokens: Emit | None = None,
+                      ) -> tuple[list[int], GenerationStats, str | None, PipeStats]:
+    """Run one session to the end with SpecPipe: (tokens, stats, finish_reason, pipeline stats)."""
+    max_nodes = (stages + 2) * shape.width + 1  # the most tree nodes ever cached at once
+    started = time.perf_counter()
+    session = DecodeSession(target, prompt, params, eos_token_ids, max_context, pool, max_nodes)
+    source = None
+    try:
+        source = DraftLevels(draft, shape, prompt, len(prompt) + params.max_tokens + max_nodes + 2, draft_pool)
+        run = SpecPipeRun(target, session, source, stages, delay_s, on_tokens)
+        run.run()
+    finally:
+        session.stats.wall_s = time.perf_counter() - started
+        session.close()
+        if source is not None:
+            source.close()
+    return session.output, session.stats, session.finish_reason, run.stats

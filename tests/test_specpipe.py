@@ -1,0 +1,128 @@
+"""SpecPipe: a pipelined target fed one speculative tree level per step. Exact greedy
+output over 2-4 stages and several widths; the target's distribution when sampling
+(chi-square through 2 stages, and the one-node acceptance rule alone); the tree's
+bookkeeping (masks over cached ancestors, kept positions on a re-rooting)."""
+
+import asyncio
+
+import pytest
+import torch
+
+from specctl.engine.loader import LoadedModel, load_decoder, load_model
+from specctl.engine.tiny import make_tiny_model
+from specctl.pipeline.live_tree import CacheMirror, SpecTree
+from specctl.pipeline.local import LocalPipeline
+from specctl.pipeline.specpipe import TreeShape, specpipe_generate
+from specctl.spec.rounds import generate
+from specctl.spec.sampling import SamplingParams
+from specctl.spec.verify import accept_at_node
+from tests.conftest import wait_until
+from tests.test_sampling_exact import PROMPT as SMALL_PROMPT, VOCAB, _exact_joint_of_tokens_2_and_3, assert_counts_match
+
+PROMPTS = [[5, 9, 13, 2], [7, 8, 9, 10, 7, 8, 9], [42, 43, 44, 45, 46]]
+
+
+def test_a_level_sees_its_cached_ancestors_and_a_reroot_keeps_the_subtree():
+    tree = SpecTree()
+    root = tree.add(10, None, 5)
+    a, b = tree.add(11, root, 6), tree.add(12, root, 6)
+    mirror = CacheMirror(prefix=5)
+    mirror.append([root, a, b])
+    c, d = tree.add(13, a, 7), tree.add(14, b, 7)
+    assert mirror.level_mask(tree, [c, d]).tolist() == [[True, True, False, True, False],
+                                                        [True, False, True, False, True]]
+    mirror.append([c, d])
+    keep = mirror.reroot(tree, root, a)  # root committed; a and its child c stay
+    assert keep == [0, 1, 2, 3, 4, 5, 6, 8] and (mirror.prefix, mirror.order) == (6, [a, c])
+    tree.reroot(a)
+    assert sorted(tree.nodes) == [a, c] and tree.nodes[a].parent is None
+    assert mirror.reroot(tree, a, None) == list(range(7)) and (mirror.prefix, mirror.order) == (7, [])
+    with pytest.raises(ValueError, match="not the oldest cached tree node"):
+        CacheMirror(3, [c]).reroot(tree, a, None)
+
+
+def test_one_node_acceptance_draws_exactly_the_target_distribution():
+    p = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15])
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.zeros(5, dtype=torch.float64)
+    accepted = 0
+    for _ in range(6000):
+        index, token = accept_at_node([3, 1], p, generator)
+        counts[token] += 1
+        accepted += index is not None
+    assert 0 < accepted < 6000
+    assert_counts_match(counts, p.double())
+
+
+@pytest.fixture(scope="module")
+def models(tiny_dir):
+    return load_model("t", tiny_dir["llama"], "fp32"), load_model("d", tiny_dir["llama"], "fp32", num_layers=2)
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+async def test_specpipe_outputs_exactly_the_whole_target(models, stages):
+    target, draft = models
+    pipeline = LocalPipeline(target, stages)
+    staged = await pipeline.start()
+    try:
+        params = SamplingParams(max_tokens=40, ignore_eos=True)
+        hits = 0
+        for prompt in PROMPTS:
+            reference = generate(target.decoder, prompt, params)[0]
+            for width in (1, 3):
+                tokens, stats, reason, pipe = await asyncio.to_thread(
+                    specpipe_generate, staged.decoder, draft.decoder, prompt, params, TreeShape(width, 2),
+                    stages=stages)
+                assert tokens == reference and reason == "length", (prompt, width)
+                assert pipe.steps == stats.rounds == 39 and pipe.hits + pipe.flushes <= pipe.steps
+                assert stats.accepted == pipe.hits
+                hits += pipe.hits
+        assert hits > 0  # the re-rooting path ran, not only flushes
+        await wait_until(lambda: all(s.pool.sessions == 0 for s in pipeline.servers), what="stage KV freed")
+    finally:
+        await pipeline.close()
+
+
+async def test_specpipe_stops_at_a_stop_token_like_the_target(models):
+    target, draft = models
+    pipeline = LocalPipeline(target, 2)
+    staged = await pipeline.start()
+    try:
+        reference = generate(target.decoder, PROMPTS[0], SamplingParams(max_tokens=20, ignore_eos=True))[0]
+        params = SamplingParams(max_tokens=20, stop_token_ids=(reference[7],))
+        expected, _, expected_reason = generate(target.decoder, PROMPTS[0], params)
+        tokens, _, reason, _ = await asyncio.to_thread(specpipe_generate, staged.decoder, draft.decoder, PROMPTS[0],
+                                                       params, TreeShape(2, 2), stages=2)
+        assert (tokens, reason) == (expected, expected_reason) == (reference[:7], "stop")
+    finally:
+        await pipeline.close()
+
+
+async def test_specpipe_sampling_keeps_the_target_distribution(tmp_path):
+    """Tokens 2 and 3 (both decided by SpecPipe steps) through 2 stages: chi-square
+    against the target's exact joint distribution on a 6-token vocabulary."""
+    kw = dict(vocab_size=VOCAB, layers=2, hidden=32, eos_token_id=None, init_std=0.3)
+    path = make_tiny_model(tmp_path / "t", "llama", seed=11, **kw)
+    decoder = load_decoder(path)  # no tokenizer for a 6-token vocabulary: the fingerprint is given
+    target = LoadedModel("t", path, decoder.spec, decoder, None, _fingerprint="six-tokens")
+    draft = load_decoder(make_tiny_model(tmp_path / "d", "llama", seed=12, **kw))
+    pipeline = LocalPipeline(target, 2)
+    staged = await pipeline.start()
+    try:
+        expected = _exact_joint_of_tokens_2_and_3(target.decoder, SamplingParams(temperature=1.0))
+
+        def sample_all():
+            counts, hits = torch.zeros(VOCAB, VOCAB, dtype=torch.float64), 0
+            for seed in range(1200):
+                params = SamplingParams(temperature=1.0, max_tokens=3, seed=seed)
+                out, _, _, pipe = specpipe_generate(staged.decoder, draft, SMALL_PROMPT, params,
+                                                    TreeShape(2, 2), stages=2)
+                counts[out[1], out[2]] += 1
+                hits += pipe.hits
+            return counts, hits
+
+        counts, hits = await asyncio.to_thread(sample_all)
+        assert hits > 0
+        assert_counts_match(counts, expected)
+    finally:
+        await pipeline.close()
