@@ -194,10 +194,20 @@ def test_remote_generation_uses_the_tokenizer_of_the_model_the_instance_serves(t
 @pytest.mark.parametrize("stage, message", [
     ("abc", "--stage must be i/n with 1 <= i <= n (e.g. 1/1 or 3/8), got 'abc'"),
     ("4/3", "--stage must be i/n with 1 <= i <= n (e.g. 1/1 or 3/8), got '4/3'"),
-    ("3/8", "pipeline stages are not available yet (asked for stage 3/8): run --stage 1/1"),
+    ("3/8", "--stage 3/8 needs --pipeline with 8 HOST:PORT addresses, one per stage in order (got 0)"),
 ])
 def test_stage_is_checked_before_anything_loads(stage, message):
     _assert_one_line_error(run("verify", "--stage", stage, timeout=60), message)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--stage", "2/2", "--pipeline", "a:1,b"), "expected HOST:PORT, got 'b'"),
+    (("--stage", "2/3", "--pipeline", "a:1,b:2"), "--stage 2/3 needs --pipeline with 3 HOST:PORT addresses"),
+    (("--stage", "1/1", "--pipeline", "a:1"), "--pipeline needs --stage i/n with n > 1"),
+    (("--stage", "2/2", "--pipeline", "a:1,b:2", "--draft", "c:3"), "--draft goes to stage 1 only (this is stage 2/2)"),
+])
+def test_pipeline_flags_are_checked_before_anything_loads(args, message):
+    _assert_one_line_error(run("verify", *args, timeout=60), message)
 
 
 def test_a_gateway_with_no_reachable_target_says_so_in_one_lowercase_line():
@@ -206,3 +216,26 @@ def test_a_gateway_with_no_reachable_target_says_so_in_one_lowercase_line():
     port = free_port()  # nothing listens there
     _assert_one_line_error(run("gateway", "--target", f"127.0.0.1:{port}", "--port", "0", timeout=60),
                            "no target instance answered")
+
+
+def test_bench_pipeline_measures_every_mode_and_stage_count_with_exact_outputs(tiny_dir, tmp_path):
+    out = tmp_path / "pipeline.json"
+    proc = run("bench", "pipeline", "--target", str(tiny_dir["llama"]), "--draft", f"{tiny_dir['llama']}@2",
+               "--stages", "1,2,4", "--stage-delay-ms", "2", "-n", "6", "--limit", "2", "--repeats", "2",
+               "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert [(r["stages"], r["mode"]) for r in report["rows"]] == [
+        (1, "pp"), (1, "pp+chain"), (2, "pp"), (2, "pp+chain"), (2, "specpipe"),
+        (4, "pp"), (4, "pp+chain"), (4, "specpipe")]
+    for row in report["rows"]:
+        assert row["same_as_target"] == row["runs"] == 4, row  # fp32: every mode is exact
+        assert row["tbt_ms_min"] <= row["tbt_ms"] <= row["tbt_ms_max"]
+    specpipe = [r for r in report["rows"] if r["mode"] == "specpipe"]
+    assert all(r["predicted_tbt_ms"] > 0 and 0 <= r["hit_rate"] <= 1 for r in specpipe)
+    assert "bench pipeline" in proc.stdout and "E(T) ms" in proc.stdout
+
+
+def test_bench_pipeline_refuses_more_stages_than_layers(tiny_dir):
+    _assert_one_line_error(run("bench", "pipeline", "--target", str(tiny_dir["llama"]), "--draft",
+                               f"{tiny_dir['llama']}@2", "--stages", "1,5"), "has 4 layers: at most that many stages")

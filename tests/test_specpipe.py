@@ -71,8 +71,7 @@ async def test_specpipe_outputs_exactly_the_whole_target(models, stages):
             reference = generate(target.decoder, prompt, params)[0]
             for width in (1, 3):
                 tokens, stats, reason, pipe = await asyncio.to_thread(
-                    specpipe_generate, staged.decoder, draft.decoder, prompt, params, TreeShape(width, 2),
-                    stages=stages)
+                    specpipe_generate, staged.decoder, draft.decoder, prompt, params, TreeShape(width, 2))
                 assert tokens == reference and reason == "length", (prompt, width)
                 assert pipe.steps == stats.rounds == 39 and pipe.hits + pipe.flushes <= pipe.steps
                 assert stats.accepted == pipe.hits
@@ -92,7 +91,7 @@ async def test_specpipe_stops_at_a_stop_token_like_the_target(models):
         params = SamplingParams(max_tokens=20, stop_token_ids=(reference[7],))
         expected, _, expected_reason = generate(target.decoder, PROMPTS[0], params)
         tokens, _, reason, _ = await asyncio.to_thread(specpipe_generate, staged.decoder, draft.decoder, PROMPTS[0],
-                                                       params, TreeShape(2, 2), stages=2)
+                                                       params, TreeShape(2, 2))
         assert (tokens, reason) == (expected, expected_reason) == (reference[:7], "stop")
     finally:
         await pipeline.close()
@@ -116,7 +115,7 @@ async def test_specpipe_sampling_keeps_the_target_distribution(tmp_path):
             for seed in range(1200):
                 params = SamplingParams(temperature=1.0, max_tokens=3, seed=seed)
                 out, _, _, pipe = specpipe_generate(staged.decoder, draft, SMALL_PROMPT, params,
-                                                    TreeShape(2, 2), stages=2)
+                                                    TreeShape(2, 2))
                 counts[out[1], out[2]] += 1
                 hits += pipe.hits
             return counts, hits

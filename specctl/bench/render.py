@@ -78,3 +78,19 @@ def render_serve_table(report: dict, title: str) -> Table:
                       fmt(r.get("vs ar batched"), "{:.2f}x"), f"{r['ttft_p50_ms']:.0f} ms", f"{r['latency_p50_ms']:.0f} ms",
                       fmt(r.get("same_as_ar"), "{:.0%}"))
     return table
+
+
+def render_pipeline_table(report: dict) -> Table:
+    s = report["settings"]
+    table = Table(title=f"bench pipeline: {s['prompts']} prompts x {s['max_tokens']} tokens, {s['stage_delay_ms']:.0f} ms "
+                        f"emulated per stage step, {s['repeats']} repeat(s); n stages, TBT = time between tokens, chain = PP+chain")
+    for column in ("n", "mode", "TBT ms", "min-max", "vs PP", "vs chain", "hit", "E(T) ms", "same"):
+        table.add_column(column, justify="left" if column == "mode" else "right")
+    fmt = lambda v, spec="{:.2f}": "-" if v is None else spec.format(v)  # noqa: E731
+    for r in report["rows"]:
+        predicted = r.get("predicted_tbt_ms")
+        prediction = "-" if predicted is None else f"{predicted:.0f} ({r['prediction_error']:.0%})"
+        table.add_row(str(r["stages"]), r["mode"], f"{r['tbt_ms']:.1f}", f"{r['tbt_ms_min']:.0f}-{r['tbt_ms_max']:.0f}",
+                      fmt(r["vs_pp"], "{:.2f}x"), fmt(r["vs_pp_chain"], "{:.2f}x"), fmt(r.get("hit_rate"), "{:.0%}"),
+                      prediction, f"{r['same_as_target']}/{r['runs']}")
+    return table

@@ -14,6 +14,7 @@ from specctl.config import QUANTS, build_config
 from specctl.bench.render import (
     render_local_kinds, render_local_table, render_serve_table, render_star_summary, render_star_table,
 )
+from specctl.cli.bench_pipeline import pipeline
 from specctl.errors import ConfigError
 
 app = typer.Typer(help="Benchmarks: ratios against baselines measured in the same run.", no_args_is_help=True)
@@ -264,3 +265,6 @@ def serve(
         with open(json_out, "w") as f:
             json.dump(report, f, indent=2)
         console.print(f"wrote {json_out}")
+
+
+app.command("pipeline")(pipeline)

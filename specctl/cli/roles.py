@@ -139,6 +139,7 @@ def verify(
     A target split over n boxes runs the same command on each, differing only in --stage:
     specctl verify --stage 2/3 --pipeline a:9100,b:9101,c:9102 --model M"""
     from specctl.pipeline.launch import load_stage, stage_plan
+    from specctl.pipeline.split import parse_pipeline
     from specctl.runtime.loop import parse_hostport, setup_logging
     from specctl.runtime.tls import client_context, server_context
     from specctl.spec.factory import apply_threads
@@ -148,6 +149,7 @@ def verify(
         raise ConfigError("--verify-delay-ms and --stage-delay-ms must be >= 0")
     if pipeline and count == 1:
         raise ConfigError("--pipeline needs --stage i/n with n > 1")
+    parse_pipeline(pipeline, index, count)
     if draft and index > 1:
         raise ConfigError(f"--draft goes to stage 1 only (this is stage {index}/{count})")
     config = build_config(profile, target=model, max_sessions=max_sessions, max_batch=max_batch, dtype=dtype,
@@ -208,7 +210,7 @@ def _serve_target(config, plan, console: Console, loaded, *, host: str, port: in
                             max_messages_per_s=max_messages_per_s)
     chain = None
     if plan.next is not None:
-        loaded, chain = pipelined_target(loaded, plan.next, auth_token=auth_token, ssl=ssl_client)
+        loaded, chain = pipelined_target(loaded, plan.next, stages=plan.count, auth_token=auth_token, ssl=ssl_client)
 
     async def main(compute: ComputeThread) -> None:
         client = None

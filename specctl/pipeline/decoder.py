@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import time
 from typing import Callable
 
 import torch
@@ -178,10 +179,11 @@ class PipelineCache(KVCache):
 class PipelineDecoder:
     """Embedding + layers [0, b) here; layers [b, L) + norm + head on stages 2..n."""
 
-    def __init__(self, local: Decoder, client: PipelineClient) -> None:
+    def __init__(self, local: Decoder, client: PipelineClient, stages: int = 2, delay_s: float = 0.0) -> None:
         if local.lm_head is not None or local.embed_tokens is None:
             raise ValueError("stage 1 of a pipeline embeds and has no LM head")
-        self.local, self.client = local, client
+        self.local, self.client, self.stages = local, client, stages
+        self.delay_s = delay_s  # emulated extra time of stage 1's own forward (as --stage-delay-ms on the others)
         self.spec, self.layer_range = local.spec, local.layer_range
         self._sids = itertools.count(1)
 
@@ -212,6 +214,8 @@ class PipelineDecoder:
         # The other stages rebuild each mask from their own (equal) cache length.
         tree_masks = [None if m is None else Tensor.from_torch(m[:, -n:]) for m, n in zip(masks, lengths)]
         flat_positions = torch.cat(positions)
+        if self.delay_s:
+            time.sleep(self.delay_s)
         hidden = self.local.forward_ragged(torch.cat(inputs), flat_positions, ragged_bounds(lengths), caches, masks)
         sids, at = [cache.sid for cache in caches], [a.tolist() for a in logits_at]
         hidden_frame, positions_frame = Tensor.from_torch(hidden), Tensor.from_torch(flat_positions.long())

@@ -37,12 +37,13 @@ def load_stage(config: Config, plan: StagePlan, console: Console | None = None) 
     return load_named(config.target, config, console, config.target_quant, stage=stage)
 
 
-def pipelined_target(stage_one: LoadedModel, next_address: tuple[str, int], *, auth_token: str | None = None,
-                     ssl: ssl_module.SSLContext | None = None) -> tuple[LoadedModel, PipelineClient]:
+def pipelined_target(stage_one: LoadedModel, next_address: tuple[str, int], *, stages: int,
+                     auth_token: str | None = None, ssl: ssl_module.SSLContext | None = None,
+                     delay_s: float = 0.0) -> tuple[LoadedModel, PipelineClient]:
     """Stage 1 as a target model: its decoder sends each micro-batch down the chain. Run
     ``client.run()`` on the event loop to build (and rebuild) the chain."""
     host, port = next_address
     client = PipelineClient(lambda on_reply: StageLink(host, port, model=stage_one.name,
                                                        fingerprint=stage_one.vocab_fingerprint, on_reply=on_reply,
                                                        auth_token=auth_token, ssl=ssl))
-    return dataclasses.replace(stage_one, decoder=PipelineDecoder(stage_one.decoder, client)), client
+    return dataclasses.replace(stage_one, decoder=PipelineDecoder(stage_one.decoder, client, stages, delay_s)), client

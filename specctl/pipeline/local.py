@@ -36,7 +36,8 @@ class LocalPipeline:
         for index in range(self.stages, 1, -1):
             await self.start_stage(index, next_port)
             next_port = self.ports[0]
-        target, self.client = pipelined_target(self.stage_model(1), (self.host, next_port))
+        target, self.client = pipelined_target(self.stage_model(1), (self.host, next_port), stages=self.stages,
+                                               delay_s=self.delay_s)
         first = asyncio.get_running_loop().create_future()
         self._link = asyncio.create_task(self.client.run(first))
         if not await first:

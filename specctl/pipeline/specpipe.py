@@ -50,6 +50,7 @@ class PipeStats:
     flushes: int = 0  # it was not, and the root had children: the pipeline refills
     levels_sent: int = 0
     stale_outputs: int = 0  # outputs of flushed trees, dropped on arrival
+    stage1_s: float = 0.0  # stage 1's time per level sent, summed: drafting it, then its own layers
 
     @property
     def hit_rate(self) -> float:
@@ -58,7 +59,8 @@ class PipeStats:
 
     def to_dict(self) -> dict:
         return {"steps": self.steps, "hits": self.hits, "flushes": self.flushes, "levels_sent": self.levels_sent,
-                "stale_outputs": self.stale_outputs, "hit_rate": round(self.hit_rate, 4)}
+                "stale_outputs": self.stale_outputs, "hit_rate": round(self.hit_rate, 4),
+                "stage1_step_ms": round(1e3 * self.stage1_s / self.levels_sent, 3) if self.levels_sent else 0.0}
 
 
 class DraftLevels:
@@ -117,8 +119,6 @@ class SpecPipeRun:
     target: PipelineDecoder
     session: DecodeSession
     draft: DraftLevels
-    stages: int
-    delay_s: float = 0.0  # emulated time of stage 1's own forward (bench pipeline)
     emit: Emit | None = None
     stats: PipeStats = field(default_factory=PipeStats)
 
@@ -134,11 +134,13 @@ class SpecPipeRun:
         tree_epoch, draft_s, wait_s = 0, 0.0, 0.0
         want = "argmax" if session.params.greedy else "logits"
         while not session.finished:
-            while len(in_flight) < self.stages:
+            while len(in_flight) < self.target.stages:  # one level per stage in flight
                 started = time.perf_counter()
                 level = [root] if not levels else self.draft.next_level(tree, levels[-1])
-                draft_s += time.perf_counter() - started
-                in_flight.append(_Sent(self._send(tree, mirror, level, want), level, tree_epoch))
+                drafted = time.perf_counter() - started
+                draft_s += drafted
+                in_flight.append(_Sent(self._send(tree, mirror, level, want, drafted), level, tree_epoch))
+                self.stats.stage1_s += time.perf_counter() - started
                 levels.append(level)
                 self.stats.levels_sent += 1
             sent = in_flight.popleft()
@@ -175,14 +177,14 @@ class SpecPipeRun:
                 if [] in levels:  # a level wholly in pruned branches: the tree grows again from above it
                     levels = levels[: levels.index([])]
 
-    def _send(self, tree: SpecTree, mirror: CacheMirror, level: list[int], want: str):
+    def _send(self, tree: SpecTree, mirror: CacheMirror, level: list[int], want: str, drafted: float):
         cache = self.session.cache
         tokens = torch.tensor([tree.nodes[i].token for i in level])
         positions = torch.tensor([tree.nodes[i].pos for i in level])
         tail = mirror.level_mask(tree, level)
         mask = torch.cat([torch.ones(len(level), mirror.prefix, dtype=torch.bool), tail], 1)
-        if self.delay_s:
-            time.sleep(self.delay_s)
+        if self.target.delay_s > drafted:  # emulated device time; the draft ran on its own device meanwhile
+            time.sleep(self.target.delay_s - drafted)
         hidden = self.target.local.forward_ragged(tokens, positions, [(0, len(level))], [cache], [mask])
         mirror.append(level)
         frames = Tensor.from_torch(positions), Tensor.from_torch(tail), Tensor.from_torch(hidden)
@@ -200,18 +202,18 @@ class SpecPipeRun:
 
 
 def specpipe_generate(target: PipelineDecoder, draft: Decoder, prompt: list[int], params: SamplingParams,
-                      shape: TreeShape = TreeShape(), *, stages: int, eos_token_ids: tuple[int, ...] = (),
+                      shape: TreeShape = TreeShape(), *, eos_token_ids: tuple[int, ...] = (),
                       max_context: int | None = None, pool: KVPool | None = None, draft_pool: KVPool | None = None,
-                      delay_s: float = 0.0, on_tokens: Emit | None = None,
+                      on_tokens: Emit | None = None,
                       ) -> tuple[list[int], GenerationStats, str | None, PipeStats]:
     """Run one session to the end with SpecPipe: (tokens, stats, finish_reason, pipeline stats)."""
-    max_nodes = (stages + 2) * shape.width + 1  # the most tree nodes ever cached at once
+    max_nodes = (target.stages + 2) * shape.width + 1  # the most tree nodes ever cached at once
     started = time.perf_counter()
     session = DecodeSession(target, prompt, params, eos_token_ids, max_context, pool, max_nodes)
     source = None
     try:
         source = DraftLevels(draft, shape, prompt, len(prompt) + params.max_tokens + max_nodes + 2, draft_pool)
-        run = SpecPipeRun(target, session, source, stages, delay_s, on_tokens)
+        run = SpecPipeRun(target, session, source, on_tokens)
         run.run()
     finally:
         session.stats.wall_s = time.perf_counter() - started

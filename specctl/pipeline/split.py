@@ -40,6 +40,15 @@ def parse_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def parse_pipeline(pipeline: str | None, index: int, count: int) -> list[tuple[str, int]]:
+    """``--pipeline H:P,...``: one address per stage, in order (checked before anything loads)."""
+    addresses = [parse_address(part.strip()) for part in pipeline.split(",")] if pipeline else []
+    if count > 1 and len(addresses) != count:
+        raise ConfigError(f"--stage {index}/{count} needs --pipeline with {count} HOST:PORT addresses, one per stage "
+                          f"in order (got {len(addresses)})")
+    return addresses
+
+
 @dataclass(frozen=True, slots=True)
 class StagePlan:
     index: int  # 1-based
@@ -60,10 +69,7 @@ class StagePlan:
 def plan_stage(index: int, count: int, num_layers: int, pipeline: str | None, layers: str | None) -> StagePlan:
     """Stage ``index`` of ``count`` from ``--pipeline H:P,...`` (one address per stage, in
     order; the first is stage 1's own address for clients) and ``--layers``."""
-    addresses = [parse_address(part.strip()) for part in pipeline.split(",")] if pipeline else []
-    if count > 1 and len(addresses) != count:
-        raise ConfigError(f"--stage {index}/{count} needs --pipeline with {count} HOST:PORT addresses, one per stage "
-                          f"in order (got {len(addresses)})")
+    addresses = parse_pipeline(pipeline, index, count)
     span = parse_layers(layers, num_layers) if layers else balanced_split(num_layers, count)[index - 1]
     return StagePlan(index, count, span,
                      addresses[index - 1] if index > 1 else None,

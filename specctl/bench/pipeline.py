@@ -1,0 +1,140 @@
+"""``specctl bench pipeline``: a target split over 1..n stages (real compute of each stage's
+layers, stages on loopback TCP, each with an emulated per-stage time standing for a device
+of its own) decoding with plain pipeline parallelism (one token per traversal), pipeline
++ chain speculation (the whole proposal as one micro-batch) and SpecPipe (one tree level
+per step). Every output is checked against the target alone; SpecPipe's measured time
+between tokens is set beside the paper's prediction E(T) = t + (1 - P) n t."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from specctl.engine.loader import LoadedModel
+from specctl.engine.model import Decoder
+from specctl.pipeline.local import LocalPipeline
+from specctl.pipeline.specpipe import TreeShape, specpipe_generate
+from specctl.spec.drafters import ModelChainDrafter
+from specctl.spec.rounds import generate
+from specctl.spec.sampling import SamplingParams
+
+MODES = ("pp", "pp+chain", "specpipe")
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineBench:
+    stages: tuple[int, ...] = (1, 2, 4)
+    max_tokens: int = 48
+    delay_s: float = 0.05
+    depth: int = 4  # pp+chain proposal depth
+    shape: TreeShape = TreeShape(4, 2)  # SpecPipe level width and top-k
+    repeats: int = 1
+
+
+class DelayedDecoder:
+    """The one-stage baseline: the whole target, each forward taking the emulated stage time too."""
+
+    def __init__(self, decoder: Decoder, delay_s: float) -> None:
+        self.decoder, self.delay_s, self.spec = decoder, delay_s, decoder.spec
+
+    def new_cache(self, capacity, pool=None):
+        return self.decoder.new_cache(capacity, pool)
+
+    def __call__(self, *args, **kwargs):
+        time.sleep(self.delay_s)
+        return self.decoder(*args, **kwargs)
+
+    def forward_many(self, *args, **kwargs):
+        time.sleep(self.delay_s)
+        return self.decoder.forward_many(*args, **kwargs)
+
+
+def _stage_busy(pipeline: LocalPipeline | None) -> list[tuple[float, int]]:
+    return [] if pipeline is None else [(s.stats.busy_s, s.stats.forwards) for s in pipeline.servers]
+
+
+def _run_one(mode: str, decoder, draft: Decoder, prompt: list[int], params: SamplingParams,
+             bench: PipelineBench, pipeline: LocalPipeline | None) -> dict:
+    before = _stage_busy(pipeline)
+    started = time.perf_counter()
+    hit_rate = step_ms = None
+    if mode == "pp":
+        tokens, stats, _ = generate(decoder, prompt, params)
+    elif mode == "pp+chain":
+        tokens, stats, _ = generate(decoder, prompt, params, ModelChainDrafter(draft, bench.depth))
+    else:
+        tokens, stats, _, pipe = specpipe_generate(decoder, draft, prompt, params, bench.shape)
+        hit_rate = pipe.hits / pipe.steps if pipe.steps else 0.0
+        # t(w): the slowest stage's time per level (stage 1: drafting overlapped with its device time, then its layers)
+        servers = [1e3 * (busy - b0) / max(n - n0, 1) for (busy, n), (b0, n0) in zip(_stage_busy(pipeline), before)]
+        step_ms = max([pipe.to_dict()["stage1_step_ms"]] + [1e3 * bench.delay_s + ms for ms in servers])
+    wall = time.perf_counter() - started
+    decode_s = max(wall - stats.prefill_s, 1e-9)
+    return {"tokens": tokens, "tbt_ms": 1e3 * decode_s / max(len(tokens) - 1, 1), "wall_s": wall,
+            "hit_rate": hit_rate, "step_ms": step_ms}
+
+
+async def run_pipeline_bench(target: LoadedModel, draft: LoadedModel, prompts: list[list[int]], bench: PipelineBench,
+                             advance: Callable[[str], None] = lambda what: None) -> dict:
+    params = SamplingParams(max_tokens=bench.max_tokens, ignore_eos=True)
+    references = [generate(target.decoder, prompt, params)[0] for prompt in prompts]
+    rows = []
+    for n in bench.stages:
+        pipeline = None
+        if n == 1:
+            decoder, modes = DelayedDecoder(target.decoder, bench.delay_s), ("pp", "pp+chain")
+        else:
+            pipeline = LocalPipeline(target, n, delay_s=bench.delay_s)
+            decoder, modes = (await pipeline.start()).decoder, MODES
+        try:
+            runs: dict[str, list[list[dict]]] = {mode: [[] for _ in range(bench.repeats)] for mode in modes}
+            for repeat in range(bench.repeats):
+                for i, prompt in enumerate(prompts):
+                    for mode in modes:  # interleaved: a slow moment of the machine hits every mode alike
+                        result = await asyncio.to_thread(_run_one, mode, decoder, draft.decoder, prompt, params, bench,
+                                                         pipeline)
+                        result["same"] = result.pop("tokens") == references[i]
+                        runs[mode][repeat].append(result)
+                        advance(f"{n} stage{'s' * (n > 1)} {mode}")
+        finally:
+            if pipeline is not None:
+                await pipeline.close()
+        rows.extend(_summarise(n, mode, runs[mode]) for mode in modes)
+    _add_predictions(rows)
+    return {"settings": {"stages": list(bench.stages), "max_tokens": bench.max_tokens,
+                         "stage_delay_ms": 1e3 * bench.delay_s, "chain_depth": bench.depth,
+                         "width": bench.shape.width, "topk": bench.shape.topk, "repeats": bench.repeats,
+                         "prompts": len(prompts)},
+            "rows": rows}
+
+
+def _summarise(stages: int, mode: str, per_repeat: list[list[dict]]) -> dict:
+    tbt = [statistics.mean(r["tbt_ms"] for r in turn) for turn in per_repeat]
+    flat = [r for turn in per_repeat for r in turn]
+    row = {"stages": stages, "mode": mode, "tbt_ms": round(statistics.median(tbt), 2),
+           "tbt_ms_min": round(min(tbt), 2), "tbt_ms_max": round(max(tbt), 2),
+           "tokens_per_s": round(1e3 / statistics.median(tbt), 3),
+           "same_as_target": sum(r["same"] for r in flat), "runs": len(flat)}
+    if mode == "specpipe":
+        row["hit_rate"] = round(statistics.mean(r["hit_rate"] for r in flat), 4)
+        row["step_ms"] = round(statistics.mean(r["step_ms"] for r in flat), 2)
+    return row
+
+
+def _add_predictions(rows: list[dict]) -> None:
+    """Ratios against plain PP and PP+chain at the same stage count, and SpecPipe's E(T)
+    (eq. 2): t(w) = the slowest stage's measured time per level, P = the measured share of
+    steps whose verified token was in the tree."""
+    by = {(r["stages"], r["mode"]): r for r in rows}
+    for row in rows:
+        pp, chain = by.get((row["stages"], "pp")), by.get((row["stages"], "pp+chain"))
+        row["vs_pp"] = round(pp["tbt_ms"] / row["tbt_ms"], 3) if pp else None
+        row["vs_pp_chain"] = round(chain["tbt_ms"] / row["tbt_ms"], 3) if chain else None
+        if row["mode"] == "specpipe":
+            n, step = row["stages"], row["step_ms"]
+            predicted = step * (1 + (1 - row["hit_rate"]) * n)
+            row["predicted_tbt_ms"] = round(predicted, 2)
+            row["prediction_error"] = round(abs(predicted - row["tbt_ms"]) / row["tbt_ms"], 4)
