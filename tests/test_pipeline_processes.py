@@ -65,3 +65,34 @@ async def test_two_stage_processes_with_a_draft_server_then_the_last_stage_kille
         assert tokens == reference and stats["drafts"] > 0
     finally:
         stop_processes(procs)
+
+
+async def test_stage_one_serving_specpipe_is_exact_and_a_cancelled_request_frees_every_stage(tiny_dir):
+    first_port, second_port = free_ports(2)
+    pipeline = f"127.0.0.1:{first_port},127.0.0.1:{second_port}"
+    procs = []
+    try:
+        procs.append(spawn_role(*stage_args(tiny_dir, 2, pipeline)))
+        wait_listening(procs[0], "stage 2")
+        procs.append(spawn_role(*stage_args(tiny_dir, 1, pipeline, "--specpipe-draft", f"{tiny_dir['llama']}@2",
+                                            "--width", "3")))
+        wait_listening(procs[1], "stage 1")
+        target = load_model("t", tiny_dir["llama"], "fp32")
+        params = SamplingParams(max_tokens=40, ignore_eos=True)
+        for prompt in (PROMPT, [7, 8, 9, 10, 7, 8, 9]):
+            tokens, reason, stats = await remote_generate("127.0.0.1", first_port, prompt, params)
+            assert tokens == generate(target.decoder, prompt, params)[0] and reason == "length"
+            assert stats["rounds"] == 39
+        # A client that goes away mid-stream: its session ends on stage 1 and on stage 2.
+        started = asyncio.Event()
+        running = asyncio.create_task(remote_generate("127.0.0.1", first_port, PROMPT,
+                                                      SamplingParams(max_tokens=400, ignore_eos=True),
+                                                      lambda t: started.set()))
+        await started.wait()
+        running.cancel()
+        stats = await poll_async(lambda: remote_stats("127.0.0.1", first_port),
+                                 lambda s: s["sessions"] == 0 and s["kv_used_mb"] == 0 and s["stages"]
+                                 and s["stages"][0]["sessions"] == 0)
+        assert stats["stages"][0]["sessions_opened"] == stats["stages"][0]["sessions_closed"] == 3
+    finally:
+        stop_processes(procs)

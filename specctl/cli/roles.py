@@ -115,6 +115,11 @@ def verify(
                                            "separated (the same on every box; the first is stage 1's client address)"),
     layers: Optional[str] = typer.Option(None, "--layers", help="a:b: this stage's layers [a, b) (default: a "
                                          "balanced split)"),
+    specpipe_draft: Optional[str] = typer.Option(None, "--specpipe-draft", help="stage 1 of n > 1: decode with "
+                                                 "SpecPipe (one tree level per pipeline step), drafting with this "
+                                                 "model in this process (instead of --draft)"),
+    width: int = typer.Option(4, "--width", help="SpecPipe: nodes per tree level"),
+    topk: int = typer.Option(2, "--topk", help="SpecPipe: children considered per node"),
     max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="most concurrent sessions"),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="most sessions verified in one target forward"),
     dtype: Optional[str] = typer.Option(None, help="fp32 | bf16 | fp16"),
@@ -152,6 +157,10 @@ def verify(
     parse_pipeline(pipeline, index, count)
     if draft and index > 1:
         raise ConfigError(f"--draft goes to stage 1 only (this is stage {index}/{count})")
+    if specpipe_draft and (index != 1 or count == 1 or draft):
+        raise ConfigError("--specpipe-draft goes to stage 1 of a pipeline (--stage 1/n, n > 1), without --draft")
+    if specpipe_draft and not (1 <= width <= 16 and 1 <= topk <= 16):
+        raise ConfigError("--width and --topk must be in 1..16")
     config = build_config(profile, target=model, max_sessions=max_sessions, max_batch=max_batch, dtype=dtype,
                           threads=threads, target_quant=quant)
     console = Console(stderr=True)
@@ -166,9 +175,22 @@ def verify(
         _serve_stage(config, plan, console, host=host, port=port, auth_token=auth_token, ssl_server=ssl_server,
                      ssl_client=ssl_client, delay_s=stage_delay_ms / 1e3, max_messages_per_s=max_messages_per_s)
         return
-    _serve_target(config, plan, console, load_stage(config, plan, console), host=host, port=port, draft=draft,
+    specpipe = None
+    if specpipe_draft:
+        from specctl.engine.loader import check_same_vocab
+        from specctl.pipeline.serve import SpecPipeDraft
+        from specctl.pipeline.specpipe import TreeShape
+        from specctl.spec.factory import load_named
+
+        stage_one = load_stage(config, plan, console)
+        local_draft = load_named(specpipe_draft, config, console, config.draft_quant)
+        check_same_vocab(stage_one, local_draft)
+        specpipe = SpecPipeDraft(local_draft.decoder, TreeShape(width, topk), specpipe_draft)
+    else:
+        stage_one = load_stage(config, plan, console)
+    _serve_target(config, plan, console, stage_one, host=host, port=port, draft=draft,
                   auth_token=auth_token, ssl_server=ssl_server, ssl_client=ssl_client,
-                  verify_delay_s=verify_delay_ms / 1e3, max_messages_per_s=max_messages_per_s)
+                  verify_delay_s=verify_delay_ms / 1e3, max_messages_per_s=max_messages_per_s, specpipe=specpipe)
 
 
 def _serve_stage(config, plan, console: Console, *, host: str, port: int, auth_token, ssl_server, ssl_client,
@@ -196,7 +218,7 @@ def _serve_stage(config, plan, console: Console, *, host: str, port: int, auth_t
 
 
 def _serve_target(config, plan, console: Console, loaded, *, host: str, port: int, draft: str | None, auth_token,
-                  ssl_server, ssl_client, verify_delay_s: float, max_messages_per_s: float) -> None:
+                  ssl_server, ssl_client, verify_delay_s: float, max_messages_per_s: float, specpipe=None) -> None:
     from specctl.pipeline.launch import pipelined_target
     from specctl.runtime.compute import ComputeThread
     from specctl.runtime.loop import parse_hostport, run_with_compute, serve
@@ -230,9 +252,11 @@ def _serve_target(config, plan, console: Console, loaded, *, host: str, port: in
                 console.print(f"[yellow]draft server {draft} unreachable ({client.last_error}); decoding "
                               "autoregressively and reconnecting in the background[/]")
         stages = f" stage 1/{plan.count} (layers {plan.layers[0]}:{plan.layers[1]})" if chain else ""
+        if specpipe is not None:
+            stages += f", SpecPipe w={specpipe.shape.width} drafting with {specpipe.name}"
         try:
             await serve(TargetServer(loaded, server_config, client, ssl_server, compute=compute.lane(max_batch=config.max_batch),
-                                     pipeline=chain),
+                                     pipeline=chain, specpipe=specpipe),
                         lambda bound: console.print(
                             f"target instance [bold]{config.target}[/]{stages} listening on {host}:{bound}"
                             f"{' (TLS)' if ssl_server else ''}, draft {draft or 'none'}", soft_wrap=True))

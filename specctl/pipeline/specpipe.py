@@ -121,6 +121,7 @@ class SpecPipeRun:
     draft: DraftLevels
     emit: Emit | None = None
     stats: PipeStats = field(default_factory=PipeStats)
+    stop: bool = False  # set from another thread: end after the current step (a cancelled request)
 
     def run(self) -> None:
         session, cache = self.session, self.session.cache
@@ -133,7 +134,7 @@ class SpecPipeRun:
         in_flight: deque[_Sent] = deque()
         tree_epoch, draft_s, wait_s = 0, 0.0, 0.0
         want = "argmax" if session.params.greedy else "logits"
-        while not session.finished:
+        while not session.finished and not self.stop:
             while len(in_flight) < self.target.stages:  # one level per stage in flight
                 started = time.perf_counter()
                 level = [root] if not levels else self.draft.next_level(tree, levels[-1])
@@ -159,11 +160,12 @@ class SpecPipeRun:
             if children:
                 self.stats.hits += new_root is not None
                 self.stats.flushes += new_root is None
-            session.stats.record(RoundResult(1 if children else 0, len(children), int(new_root is not None),
-                                             len(committed), draft_s, wait_s))
+            result = RoundResult(1 if children else 0, len(children), int(new_root is not None), len(committed),
+                                 draft_s, wait_s)
+            session.stats.record(result)
             draft_s = wait_s = 0.0
-            if self.emit and committed:
-                self.emit(committed, None)
+            if self.emit:
+                self.emit(committed, result)
             cache.gather(mirror.reroot(tree, root, new_root))  # every stage prunes, in order
             self.draft.reroot(tree, root, new_root)
             if new_root is None:  # flush: refill from the verified token

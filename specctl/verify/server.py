@@ -20,6 +20,7 @@ from specctl.net.framing import read_message
 from specctl.net.handshake import server_handshake
 from specctl.net.protocol import Cancel, Done, Error, Generate, ProtocolError, Stats, StatsRequest, Tokens, encode
 from specctl.pipeline.decoder import PipelineClient
+from specctl.pipeline.serve import SpecPipeDraft, serve_specpipe
 from specctl.runtime.compute import ComputeLane, ComputeThread, SlowedLane
 from specctl.runtime.listen import ListenConfig, ListeningServer, MessageRate
 from specctl.spec.decode import DecodeSession
@@ -47,10 +48,12 @@ class TargetServerConfig(ListenConfig):
 
 class TargetServer(ListeningServer):
     def __init__(self, model: LoadedModel, config: TargetServerConfig, draft: DraftClient | None, ssl=None,
-                 compute: ComputeLane | None = None, pipeline: PipelineClient | None = None) -> None:
+                 compute: ComputeLane | None = None, pipeline: PipelineClient | None = None,
+                 specpipe: SpecPipeDraft | None = None) -> None:
         super().__init__()
         self.model, self.config, self.draft, self.ssl = model, config, draft, ssl
         self.pipeline = pipeline  # stage 1 of a pipelined target: the link down the chain
+        self.specpipe = specpipe  # SpecPipe with a draft in this process, instead of the round loop
         # Its own compute thread, or a lane of the device's thread when roles share a process.
         self.compute = compute or ComputeThread("target-compute", max_batch=config.max_batch).lane(owns_thread=True)
         # Verification waits before it runs when emulating a slower target (bench star).
@@ -155,10 +158,13 @@ class TargetServer(ListeningServer):
             session = await self._create(msg, send)
             if session is None:
                 return
-            speculator = RemoteSpeculator(self.draft, self.config.max_proposal_nodes, msg.seed)
             emit = lambda tokens, result: self._emit(msg.req, tokens, result, send)  # noqa: E731
             try:
-                await run_session(session, speculator, self.verify_lane, emit)
+                if self.specpipe is not None:
+                    await serve_specpipe(session, self.specpipe, self.compute, emit)
+                else:
+                    speculator = RemoteSpeculator(self.draft, self.config.max_proposal_nodes, msg.seed)
+                    await run_session(session, speculator, self.verify_lane, emit)
                 self.sessions_done += 1
                 self._done(session, msg.req, session.finish_reason or "stop", send)
             except asyncio.CancelledError as exc:

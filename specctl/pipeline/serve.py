@@ -1,0 +1,61 @@
+"""SpecPipe sessions in a target instance (stage 1 of ``verify --stage 1/n --specpipe-draft M``):
+each session's driver runs on the device's compute lane, one session at a time (SpecPipe's
+single-request mode: the pipeline is kept full by one session's tree levels)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from specctl.engine.model import Decoder
+from specctl.pipeline.specpipe import DraftLevels, SpecPipeRun, TreeShape
+from specctl.spec.decode import DecodeSession
+from specctl.spec.rounds import Emit
+
+
+@dataclass(frozen=True, slots=True)
+class SpecPipeDraft:
+    draft: Decoder
+    shape: TreeShape
+    name: str = ""  # the draft model's name, for logs
+
+    def max_nodes(self, stages: int) -> int:
+        return (stages + 2) * self.shape.width + 1
+
+
+async def serve_specpipe(session: DecodeSession, spec: SpecPipeDraft, lane, emit: Emit) -> None:
+    """Run ``session`` to the end with SpecPipe; its KV (every stage's) and the draft's are
+    freed however it ends. A cancelled request stops after the step in progress."""
+    loop = asyncio.get_running_loop()
+    started = time.perf_counter()
+    run, cancelled = None, False
+
+    def drive() -> None:
+        nonlocal run
+        if cancelled:  # cancelled while queued
+            return
+        prompt = session.seq[: session.prompt_len]
+        capacity = session.prompt_len + session.params.max_tokens + spec.max_nodes(session.target.stages) + 2
+        run = SpecPipeRun(session.target, session, DraftLevels(spec.draft, spec.shape, prompt, capacity),
+                          lambda tokens, result: loop.call_soon_threadsafe(emit, tokens, result))
+        run.stop = cancelled
+        run.run()
+
+    def free() -> None:
+        session.close()
+        if run is not None:
+            run.draft.close()
+
+    job = asyncio.ensure_future(lane.run(drive))
+    try:
+        await asyncio.shield(job)
+    except asyncio.CancelledError:
+        cancelled = True
+        if run is not None:
+            run.stop = True
+        raise
+    finally:
+        session.stats.wall_s = time.perf_counter() - started
+        lane.submit_nowait(free)  # after the driver: the lane runs jobs in order
+
