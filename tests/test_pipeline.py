@@ -64,9 +64,8 @@ def _drafter(mode, draft):
 @pytest.mark.parametrize("stages", [2, 3, 4])
 async def test_a_target_split_over_stages_outputs_exactly_the_whole_target_in_every_mode(models, stages):
     target, draft = models
-    pipeline = LocalPipeline(target, stages)
-    staged = await pipeline.start()
-    try:
+    async with LocalPipeline(target, stages) as pipeline:
+        staged = pipeline.staged
         params = SamplingParams(max_tokens=24, ignore_eos=True)
         for mode in ("ar", "ngram", "chain", "tree"):
             for prompt in PROMPTS:
@@ -78,8 +77,6 @@ async def test_a_target_split_over_stages_outputs_exactly_the_whole_target_in_ev
         await wait_until(lambda: all(s.pool.sessions == 0 and s.pool.used_bytes == 0 for s in pipeline.servers),
                          what="stage KV freed")
         assert all(s.stats.forwards > 0 and s.stats.opened == s.stats.closed for s in pipeline.servers)
-    finally:
-        await pipeline.close()
 
 
 @pytest.mark.parametrize("mode", ["chain", "tree"])
@@ -87,53 +84,46 @@ async def test_sampling_through_two_stages_draws_what_the_whole_target_draws(mod
     """The stages ship the exact logits: with the same seed the sampled tokens are the same
     as the whole target's (hence the same distribution)."""
     target, draft = models
-    pipeline = LocalPipeline(target, 2)
-    staged = await pipeline.start()
-    try:
+    async with LocalPipeline(target, 2) as pipeline:
+        staged = pipeline.staged
         for seed in range(4):
             params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=seed, ignore_eos=True)
             reference = generate(target.decoder, PROMPTS[seed % 3], params, _drafter(mode, draft))[0]
             tokens = (await asyncio.to_thread(generate, staged.decoder, PROMPTS[seed % 3], params,
                                               _drafter(mode, draft)))[0]
             assert tokens == reference
-    finally:
-        await pipeline.close()
 
 
 async def test_every_stage_holds_exactly_the_committed_kv_after_every_round(models):
     """No stage over-advances after a rejection: after each round, once the round's pruning
     has arrived, every stage's KV length equals the committed text less its last token."""
     target, draft = models
-    pipeline = LocalPipeline(target, 3)
-    staged = await pipeline.start()
-    loop = asyncio.get_running_loop()
-    prompt, seen = PROMPTS[1], []
+    async with LocalPipeline(target, 3) as pipeline:
+        staged = pipeline.staged
+        loop = asyncio.get_running_loop()
+        prompt, seen = PROMPTS[1], []
 
-    def lengths() -> list[int]:
-        return [c.length for s in pipeline.servers for w in list(s.workers) for c in list(w.caches.values())]
+        def lengths() -> list[int]:
+            return [c.length for s in pipeline.servers for w in list(s.workers) for c in list(w.caches.values())]
 
-    def after_round(tokens, result):
-        seen.append(len(tokens))
-        committed = len(prompt) + sum(seen)
-        asyncio.run_coroutine_threadsafe(
-            wait_until(lambda: lengths() == [committed - 1] * 2, what=f"stage KV at {committed - 1}"), loop).result()
+        def after_round(tokens, result):
+            seen.append(len(tokens))
+            committed = len(prompt) + sum(seen)
+            asyncio.run_coroutine_threadsafe(
+                wait_until(lambda: lengths() == [committed - 1] * 2, what=f"stage KV at {committed - 1}"), loop).result()
 
-    try:
         tokens, stats, _ = await asyncio.to_thread(
             generate, staged.decoder, prompt, SamplingParams(max_tokens=30, ignore_eos=True),
             ModelTreeDrafter(draft.decoder, 4, 2, 3), on_tokens=after_round)
         assert len(tokens) == 30 and stats.drafts > 0 and len(seen) == stats.rounds + 1
         assert sum(s.stats.pruned for s in pipeline.servers) > 0  # rejected tree nodes were dropped everywhere
-    finally:
-        await pipeline.close()
 
 
 async def test_a_stage_that_dies_ends_its_sessions_clearly_and_a_restarted_one_serves_new_sessions(models):
     target, _ = models
-    pipeline = LocalPipeline(target, 3)
-    staged = await pipeline.start()
-    params = SamplingParams(max_tokens=200, ignore_eos=True)
-    try:
+    async with LocalPipeline(target, 3) as pipeline:
+        staged = pipeline.staged
+        params = SamplingParams(max_tokens=200, ignore_eos=True)
         last, port = pipeline.servers[-1], pipeline.ports[-1]
         started = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -159,16 +149,13 @@ async def test_a_stage_that_dies_ends_its_sessions_clearly_and_a_restarted_one_s
         assert (await asyncio.to_thread(generate, staged.decoder, PROMPTS[2], short))[0] == \
             generate(target.decoder, PROMPTS[2], short)[0]
         assert pipeline.client.reconnects == 1
-    finally:
-        await pipeline.close()
 
 
 async def test_bad_frames_to_a_stage_get_an_error_and_disturb_nothing_else(models):
     target, _ = models
-    pipeline = LocalPipeline(target, 2)
-    staged = await pipeline.start()
-    stage = pipeline.servers[0]
-    try:
+    async with LocalPipeline(target, 2) as pipeline:
+        staged = pipeline.staged
+        stage = pipeline.servers[0]
         # Garbage instead of a handshake: that connection is closed, the stage goes on.
         with socket.create_connection(("127.0.0.1", pipeline.ports[0])) as sock:
             sock.sendall(b"\x00\x00\x00\x05hello")
@@ -187,5 +174,33 @@ async def test_bad_frames_to_a_stage_get_an_error_and_disturb_nothing_else(model
         assert (await asyncio.to_thread(generate, staged.decoder, PROMPTS[0], params))[0] == \
             generate(target.decoder, PROMPTS[0], params)[0]
         assert stage.rejected_requests >= 1
+
+
+async def test_a_stage_whose_layers_do_not_follow_the_previous_stage_is_refused(models):
+    import dataclasses
+
+    from specctl.pipeline.launch import pipelined_target
+    from specctl.pipeline.stage import StageServer, StageServerConfig
+
+    target, _ = models
+    last = dataclasses.replace(target, decoder=target.decoder.part((3, 4), False, True))
+    server = StageServer(last, StageServerConfig(port=0, index=2, count=2))
+    port = await server.start()
+    first = dataclasses.replace(target, decoder=target.decoder.part((0, 2), True, False))  # layer 2 is missing
+    _, client = pipelined_target(first, ("127.0.0.1", port), stages=2)
+    connected = asyncio.get_running_loop().create_future()
+    link = asyncio.create_task(client.run(connected))
+    try:
+        assert await connected is False
+        assert client.last_error == ("pipeline stage 2 holds layers from 3 but the previous stage sent layers 0:2: "
+                                     "every stage must start where the previous one ends (check --layers and "
+                                     "--stage on both)")
+        assert server.chains == 0
     finally:
-        await pipeline.close()
+        link.cancel()
+        await server.close()
+
+
+def test_the_first_and_last_stage_must_hold_the_ends_of_the_model():
+    with pytest.raises(ConfigError, match="stage 1 must start at layer 0 and stage 2 end at layer 4"):
+        plan_stage(2, 2, 4, "a:1,b:2", "2:3")

@@ -62,9 +62,8 @@ def models(tiny_dir):
 @pytest.mark.parametrize("stages", [2, 3, 4])
 async def test_specpipe_outputs_exactly_the_whole_target(models, stages):
     target, draft = models
-    pipeline = LocalPipeline(target, stages)
-    staged = await pipeline.start()
-    try:
+    async with LocalPipeline(target, stages) as pipeline:
+        staged = pipeline.staged
         params = SamplingParams(max_tokens=40, ignore_eos=True)
         hits = 0
         for prompt in PROMPTS:
@@ -78,23 +77,18 @@ async def test_specpipe_outputs_exactly_the_whole_target(models, stages):
                 hits += pipe.hits
         assert hits > 0  # the re-rooting path ran, not only flushes
         await wait_until(lambda: all(s.pool.sessions == 0 for s in pipeline.servers), what="stage KV freed")
-    finally:
-        await pipeline.close()
 
 
 async def test_specpipe_stops_at_a_stop_token_like_the_target(models):
     target, draft = models
-    pipeline = LocalPipeline(target, 2)
-    staged = await pipeline.start()
-    try:
+    async with LocalPipeline(target, 2) as pipeline:
+        staged = pipeline.staged
         reference = generate(target.decoder, PROMPTS[0], SamplingParams(max_tokens=20, ignore_eos=True))[0]
         params = SamplingParams(max_tokens=20, stop_token_ids=(reference[7],))
         expected, _, expected_reason = generate(target.decoder, PROMPTS[0], params)
         tokens, _, reason, _ = await asyncio.to_thread(specpipe_generate, staged.decoder, draft.decoder, PROMPTS[0],
                                                        params, TreeShape(2, 2))
         assert (tokens, reason) == (expected, expected_reason) == (reference[:7], "stop")
-    finally:
-        await pipeline.close()
 
 
 async def test_specpipe_sampling_keeps_the_target_distribution(tmp_path):
@@ -105,9 +99,8 @@ async def test_specpipe_sampling_keeps_the_target_distribution(tmp_path):
     decoder = load_decoder(path)  # no tokenizer for a 6-token vocabulary: the fingerprint is given
     target = LoadedModel("t", path, decoder.spec, decoder, None, _fingerprint="six-tokens")
     draft = load_decoder(make_tiny_model(tmp_path / "d", "llama", seed=12, **kw))
-    pipeline = LocalPipeline(target, 2)
-    staged = await pipeline.start()
-    try:
+    async with LocalPipeline(target, 2) as pipeline:
+        staged = pipeline.staged
         expected = _exact_joint_of_tokens_2_and_3(target.decoder, SamplingParams(temperature=1.0))
 
         def sample_all():
@@ -123,5 +116,3 @@ async def test_specpipe_sampling_keeps_the_target_distribution(tmp_path):
         counts, hits = await asyncio.to_thread(sample_all)
         assert hits > 0
         assert_counts_match(counts, expected)
-    finally:
-        await pipeline.close()

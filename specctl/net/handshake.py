@@ -5,6 +5,7 @@ answers Welcome or an Error and closes. The token itself never crosses the wire.
 from __future__ import annotations
 
 import asyncio
+import ssl as ssl_module
 from typing import Awaitable, Callable
 
 from specctl.errors import SpecctlError, StageUnavailable, VocabMismatch
@@ -78,12 +79,13 @@ async def client_handshake(
     model: str = "",
     fingerprint: str = "",
     auth_token: str | None = None,
+    layers: list[int] | None = None,
 ) -> Welcome:
     challenge = await asyncio.wait_for(read_message(reader, max_bytes=64 << 10), HANDSHAKE_TIMEOUT_S)
     if not isinstance(challenge, Challenge):
         raise ProtocolError(f"expected Challenge, got {type(challenge).__name__}")
     auth = sign(auth_token, challenge.nonce) if auth_token else b""
-    await write_message(writer, Hello(PROTOCOL_VERSION, role, fingerprint, model, auth))
+    await write_message(writer, Hello(PROTOCOL_VERSION, role, fingerprint, model, auth, layers or []))
     reply = await asyncio.wait_for(read_message(reader, max_bytes=64 << 10), HANDSHAKE_TIMEOUT_S)
     if isinstance(reply, Error):
         raise {"auth": AuthError, "vocab_mismatch": VocabMismatch, "unavailable": StageUnavailable}.get(
@@ -91,3 +93,18 @@ async def client_handshake(
     if not isinstance(reply, Welcome):
         raise ProtocolError(f"expected Welcome, got {type(reply).__name__}")
     return reply
+
+
+async def open_peer(host: str, port: int, *, role: str, model: str = "", fingerprint: str = "",
+                    auth_token: str | None = None, ssl: ssl_module.SSLContext | None = None,
+                    layers: list[int] | None = None) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Welcome]:
+    """Connect (TLS when ``ssl`` is given) and shake hands as ``role``; the connection is
+    closed again when the handshake fails."""
+    reader, writer = await asyncio.open_connection(host, port, ssl=ssl, server_hostname=host if ssl else None)
+    try:
+        welcome = await client_handshake(reader, writer, role=role, model=model, fingerprint=fingerprint,
+                                         auth_token=auth_token, layers=layers)
+    except BaseException:
+        writer.close()
+        raise
+    return reader, writer, welcome

@@ -66,6 +66,7 @@ class Hello(msgspec.Struct, tag=True, frozen=True):
     fingerprint: str = ""
     model: str = ""
     auth: bytes = b""
+    layers: list[int] = []  # a pipeline stage: the layer range [a, b) it holds (the next must start at b)
 
 
 class Welcome(msgspec.Struct, tag=True, frozen=True):

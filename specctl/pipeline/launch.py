@@ -45,5 +45,6 @@ def pipelined_target(stage_one: LoadedModel, next_address: tuple[str, int], *, s
     host, port = next_address
     client = PipelineClient(lambda on_reply: StageLink(host, port, model=stage_one.name,
                                                        fingerprint=stage_one.vocab_fingerprint, on_reply=on_reply,
-                                                       auth_token=auth_token, ssl=ssl))
+                                                       auth_token=auth_token, ssl=ssl,
+                                                       layers=stage_one.decoder.layer_range))
     return dataclasses.replace(stage_one, decoder=PipelineDecoder(stage_one.decoder, client, stages, delay_s)), client

@@ -13,7 +13,7 @@ import ssl as ssl_module
 from typing import Callable
 
 from specctl.net.framing import read_message
-from specctl.net.handshake import client_handshake
+from specctl.net.handshake import open_peer
 from specctl.net.protocol import Message, encode
 
 log = logging.getLogger("specctl.pipeline")
@@ -22,8 +22,10 @@ STAGE_FRAME_BYTES = 1 << 30  # hidden states of a long prompt and logits rows ov
 
 class StageLink:
     def __init__(self, host: str, port: int, *, model: str, fingerprint: str, on_reply: Callable[[Message], None],
-                 auth_token: str | None = None, ssl: ssl_module.SSLContext | None = None) -> None:
+                 auth_token: str | None = None, ssl: ssl_module.SSLContext | None = None,
+                 layers: tuple[int, int] | None = None) -> None:
         self.host, self.port, self.model, self.fingerprint = host, port, model, fingerprint
+        self.layers = layers  # the sending stage's layers: the next stage checks that it starts where they end
         self.on_reply, self.auth_token, self.ssl = on_reply, auth_token, ssl
         self.closed = asyncio.Event()
         self.error: str | None = None
@@ -36,14 +38,9 @@ class StageLink:
 
     async def connect(self) -> None:
         """Connect and shake hands; raises what the connection or the handshake raised."""
-        reader, writer = await asyncio.open_connection(self.host, self.port, ssl=self.ssl,
-                                                       server_hostname=self.host if self.ssl else None)
-        try:
-            await client_handshake(reader, writer, role="stage", model=self.model, fingerprint=self.fingerprint,
-                                   auth_token=self.auth_token)
-        except BaseException:
-            writer.close()
-            raise
+        reader, writer, _ = await open_peer(self.host, self.port, role="stage", model=self.model,
+                                            fingerprint=self.fingerprint, auth_token=self.auth_token, ssl=self.ssl,
+                                            layers=list(self.layers) if self.layers else None)
         self._writer = writer
         self._reader_task = asyncio.create_task(self._read(reader))
 

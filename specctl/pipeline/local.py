@@ -24,7 +24,15 @@ class LocalPipeline:
         self.servers: list[StageServer] = []  # stage 2 first
         self.ports: list[int] = []
         self.client: PipelineClient | None = None
+        self.staged: LoadedModel | None = None  # stage 1 as a target model, once started
         self._link: asyncio.Task | None = None
+
+    async def __aenter__(self) -> "LocalPipeline":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
 
     def stage_model(self, index: int) -> LoadedModel:
         part = self.model.decoder.part(self.ranges[index - 1], index == 1, index == self.stages)
@@ -42,6 +50,7 @@ class LocalPipeline:
         self._link = asyncio.create_task(self.client.run(first))
         if not await first:
             raise RuntimeError(f"local pipeline did not link: {self.client.last_error}")
+        self.staged = target
         return target
 
     async def start_stage(self, index: int, next_port: int | None, port: int = 0) -> StageServer:

@@ -71,6 +71,9 @@ def plan_stage(index: int, count: int, num_layers: int, pipeline: str | None, la
     order; the first is stage 1's own address for clients) and ``--layers``."""
     addresses = parse_pipeline(pipeline, index, count)
     span = parse_layers(layers, num_layers) if layers else balanced_split(num_layers, count)[index - 1]
+    if index == 1 and span[0] != 0 or index == count and span[1] != num_layers:
+        raise ConfigError(f"--layers {span[0]}:{span[1]}: stage 1 must start at layer 0 and stage {count} end at "
+                          f"layer {num_layers} (the last stage holds the LM head)")
     return StagePlan(index, count, span,
                      addresses[index - 1] if index > 1 else None,
                      addresses[index] if index < count else None)

@@ -84,6 +84,7 @@ class StageServer(ListeningServer):
             async def build_chain(hello) -> None:  # the whole chain exists before stage 1 is welcomed
                 nonlocal link
                 if hello.role == "stage":
+                    self._check_layers(hello.layers)
                     link = await self._link_next(send)
 
             hello = await server_handshake(
@@ -113,12 +114,21 @@ class StageServer(ListeningServer):
             if worker.caches:
                 self.compute.submit_nowait(worker.close_all)
 
+    def _check_layers(self, previous: list[int]) -> None:
+        first, _ = self.model.decoder.layer_range
+        if len(previous) != 2 or previous[1] != first:
+            held = f"layers {previous[0]}:{previous[1]}" if len(previous) == 2 else "no layer range"
+            raise StageUnavailable(f"pipeline stage {self.config.index} holds layers from {first} but the previous "
+                                   f"stage sent {held}: every stage must start where the previous one ends "
+                                   "(check --layers and --stage on both)")
+
     async def _link_next(self, send) -> StageLink | None:
         if self.config.next_address is None:
             return None
         host, port = self.config.next_address
         link = StageLink(host, port, model=self.model.name, fingerprint=self.model.vocab_fingerprint,
-                         on_reply=send, auth_token=self.config.auth_token, ssl=self.ssl_client)
+                         on_reply=send, auth_token=self.config.auth_token, ssl=self.ssl_client,
+                         layers=self.model.decoder.layer_range)
         try:
             await link.connect()
         except StageUnavailable:

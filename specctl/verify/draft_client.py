@@ -13,7 +13,7 @@ import ssl as ssl_module
 
 from specctl.errors import VocabMismatch
 from specctl.net.framing import read_message
-from specctl.net.handshake import AuthError, client_handshake
+from specctl.net.handshake import AuthError, open_peer
 from specctl.net.protocol import CloseSession, Error, OpenSession, Proposal, Propose, SessionOpened, encode
 
 log = logging.getLogger("specctl.verify.draft")
@@ -35,14 +35,8 @@ class DraftClient:
         self.reconnects = 0
 
     async def connect_once(self) -> None:
-        reader, writer = await asyncio.open_connection(self.host, self.port, ssl=self.ssl,
-                                                       server_hostname=self.host if self.ssl else None)
-        try:
-            await client_handshake(reader, writer, role="target", model=self.model, fingerprint=self.fingerprint,
-                                   auth_token=self.auth_token)
-        except BaseException:
-            writer.close()
-            raise
+        reader, writer, _ = await open_peer(self.host, self.port, role="target", model=self.model,
+                                            fingerprint=self.fingerprint, auth_token=self.auth_token, ssl=self.ssl)
         self._writer = writer
         self.epoch += 1
         self.connected.set()
