@@ -53,3 +53,27 @@ def test_plan_command_json():
     assert report["N_full"] == 4 and report["N_max"] == 5
     assert [r["regime"] for r in report["rows"]][:5] == ["under-loaded"] * 3 + ["fully loaded"] * 2
     assert report["rows"][0]["T_idle_ms"] == 120.0
+
+
+def test_specpipe_width_is_the_one_with_the_smallest_expected_time_between_tokens():
+    from specctl.pipeline.plan import WidthOption, pick_width
+
+    # E(T) = t + (1 - P) m t: w=1 50 + 0.4*4*50 = 130; w=4 52 + 0.2*4*52 = 93.6; w=8 60 + 0.17*4*60 = 100.8
+    rows, best = pick_width(4, [WidthOption(1, 50, 0.6), WidthOption(4, 52, 0.8), WidthOption(8, 60, 0.83)])
+    assert [r["expected_tbt_ms"] for r in rows] == [130.0, 93.6, 100.8] and best == 4
+    assert pick_width(2, [WidthOption(1, 10, 1.0), WidthOption(2, 10, 1.0)])[1] == 1  # a tie: the narrower
+
+
+def test_plan_pipeline_command_json_and_its_errors():
+    def plan(*args):
+        return subprocess.run([sys.executable, "-m", "specctl", "plan", "--pipeline", *args],
+                              capture_output=True, text=True, timeout=120)
+
+    proc = plan("--stages", "4", "--widths", "1,4", "--step-ms", "50,52", "--hit", "0.6,0.8", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["best_width"] == 4
+    bad = plan("--widths", "1,2", "--step-ms", "5", "--hit", "0.5,0.6")
+    assert bad.returncode == 2 and "need one value per width (2, 1, 2 given)" in bad.stderr + bad.stdout
+    missing = subprocess.run([sys.executable, "-m", "specctl", "plan", "--ts", "10"], capture_output=True, text=True,
+                             timeout=120)
+    assert missing.returncode == 2 and "plan needs --ts, --tv, --beta and --depth" in missing.stderr + missing.stdout

@@ -28,15 +28,28 @@ def plan_report(model: StarModel, standalone: Optional[float]) -> dict:
 
 
 def plan(
-    ts: float = typer.Option(..., "--ts", help="draft time per drafted token t_s (ms)"),
-    tv: float = typer.Option(..., "--tv", help="verification time per round t_v (ms)"),
+    ts: Optional[float] = typer.Option(None, "--ts", help="draft time per drafted token t_s (ms)"),
+    tv: Optional[float] = typer.Option(None, "--tv", help="verification time per round t_v (ms)"),
     tc: float = typer.Option(0.0, "--tc", help="communication time per round t_c (ms)"),
-    beta: float = typer.Option(..., "--beta", help="per-token acceptance probability β in [0, 1)"),
-    depth: int = typer.Option(..., "--depth", help="proposal depth d"),
+    beta: Optional[float] = typer.Option(None, "--beta", help="per-token acceptance probability β in [0, 1)"),
+    depth: Optional[int] = typer.Option(None, "--depth", help="proposal depth d"),
     standalone: Optional[float] = typer.Option(None, "--standalone", help="the target's standalone tokens/s (sets N_max)"),
+    pipeline: bool = typer.Option(False, "--pipeline", help="SpecPipe instead: pick the tree width w from "
+                                  "--stages, --widths, --step-ms and --hit"),
+    stages: int = typer.Option(4, "--stages", help="--pipeline: pipeline stages m"),
+    widths: str = typer.Option("1,2,4,8", "--widths", help="--pipeline: candidate widths w"),
+    step_ms: Optional[str] = typer.Option(None, "--step-ms", help="--pipeline: measured step time t(w) per width (ms)"),
+    hit: Optional[str] = typer.Option(None, "--hit", help="--pipeline: measured hit rate P(w) per width (bench "
+                                      "pipeline reports it)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ) -> None:
-    """Predict draft load, idle time and throughput for N = 1.. targets sharing one draft server."""
+    """Predict draft load, idle time and throughput for N = 1.. targets sharing one draft server
+    (StarSD); with --pipeline, SpecPipe's time between tokens per tree width (E(T), eq. 2)."""
+    if pipeline:
+        _plan_pipeline(stages, widths, step_ms, hit, as_json)
+        return
+    if None in (ts, tv, beta, depth):
+        raise ConfigError("plan needs --ts, --tv, --beta and --depth (or --pipeline with its own flags)")
     if standalone is not None and not (math.isfinite(standalone) and standalone > 0):
         raise ConfigError(f"--standalone must be a positive number of tokens/s, got {standalone}")
     try:
@@ -58,3 +71,31 @@ def plan(
         table.add_row(str(r["N"]), f"{r['T_idle_ms']:.1f}", f"{r['load']:.0%}", f"{r['system_tokens_per_s']:.2f}",
                       f"{r['per_target_tokens_per_s']:.2f}", r["regime"])
     console.print(table)
+
+
+def _numbers(text: str, flag: str, kind=float) -> list:
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} must be comma-separated numbers, got {text!r}") from None
+
+
+def _plan_pipeline(stages: int, widths: str, step_ms: str | None, hit: str | None, as_json: bool) -> None:
+    from specctl.pipeline.plan import WidthOption, pick_width
+
+    if step_ms is None or hit is None:
+        raise ConfigError("plan --pipeline needs --step-ms and --hit, one value per width (bench pipeline measures them)")
+    ws, ts, ps = _numbers(widths, "--widths", int), _numbers(step_ms, "--step-ms"), _numbers(hit, "--hit")
+    if not len(ws) == len(ts) == len(ps):
+        raise ConfigError(f"--widths, --step-ms and --hit need one value per width ({len(ws)}, {len(ts)}, {len(ps)} given)")
+    rows, best = pick_width(stages, [WidthOption(w, t, p) for w, t, p in zip(ws, ts, ps)])
+    if as_json:
+        print(json.dumps({"stages": stages, "best_width": best, "rows": rows}))
+        return
+    table = Table(title=f"SpecPipe over {stages} stages: E(T) = t(w) + (1 - P(w)) m t(w)")
+    for column in ("w", "t(w) ms", "P(w)", "E(T) ms", ""):
+        table.add_column(column, justify="right")
+    for r in rows:
+        table.add_row(str(r["width"]), f"{r['step_ms']:.1f}", f"{r['hit_rate']:.0%}", f"{r['expected_tbt_ms']:.1f}",
+                      "best" if r["width"] == best else "")
+    Console().print(table)
