@@ -94,5 +94,6 @@ async def test_stage_one_serving_specpipe_is_exact_and_a_cancelled_request_frees
                                  lambda s: s["sessions"] == 0 and s["kv_used_mb"] == 0 and s["stages"]
                                  and s["stages"][0]["sessions"] == 0)
         assert stats["stages"][0]["sessions_opened"] == stats["stages"][0]["sessions_closed"] == 3
+        assert stats["specpipe_steps"] >= 78 and stats["specpipe_hits"] + stats["specpipe_flushes"] <= stats["specpipe_steps"]
     finally:
         stop_processes(procs)

@@ -75,6 +75,9 @@ def targets_table(targets: list[dict], state: MonitorState) -> Table:
         table.add_row(t.get("address", "?"), Text("up", style="green"), str(s.get("sessions", 0)),
                       f"{s.get('R_p', 0):.1f}", f"{s.get('tokens_per_s', 0):.1f}", f"{s.get('acceptance_rate', 0):.0%}",
                       f"{s.get('mean_accepted_length', 0):.2f}", draft)
+        if "specpipe_steps" in s:
+            table.add_row(Text(f"  SpecPipe w={s.get('specpipe_width')}", style="dim"), "", "", "", "",
+                          f"hit {s.get('specpipe_hit_rate', 0):.0%}", f"fl {s.get('specpipe_flushes', 0)}", "")
         if "pipeline_connected" in s and not s["pipeline_connected"]:
             table.add_row(Text("  pipeline down", style="bold red"), "", "", "", "", "", "", "")
         for stage in s.get("stages", []):

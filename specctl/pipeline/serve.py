@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specctl.engine.model import Decoder
-from specctl.pipeline.specpipe import DraftLevels, SpecPipeRun, TreeShape
+from specctl.pipeline.specpipe import DraftLevels, PipeStats, SpecPipeRun, TreeShape
 from specctl.spec.decode import DecodeSession
 from specctl.spec.rounds import Emit
 
@@ -19,6 +19,12 @@ class SpecPipeDraft:
     draft: Decoder
     shape: TreeShape
     name: str = ""  # the draft model's name, for logs
+    totals: PipeStats = field(default_factory=PipeStats)  # every session's steps, hits, flushes
+
+    def snapshot(self) -> dict:
+        t = self.totals
+        return {"specpipe_steps": t.steps, "specpipe_hits": t.hits, "specpipe_flushes": t.flushes,
+                "specpipe_hit_rate": round(t.hit_rate, 4), "specpipe_width": self.shape.width}
 
     def max_nodes(self, stages: int) -> int:
         return (stages + 2) * self.shape.width + 1
@@ -46,6 +52,7 @@ async def serve_specpipe(session: DecodeSession, spec: SpecPipeDraft, lane, emit
         session.close()
         if run is not None:
             run.draft.close()
+            spec.totals.add(run.stats)
 
     job = asyncio.ensure_future(lane.run(drive))
     try:

@@ -52,6 +52,10 @@ class PipeStats:
     stale_outputs: int = 0  # outputs of flushed trees, dropped on arrival
     stage1_s: float = 0.0  # stage 1's time per level sent, summed: drafting it, then its own layers
 
+    def add(self, other: "PipeStats") -> None:
+        for name in ("steps", "hits", "flushes", "levels_sent", "stale_outputs", "stage1_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
     @property
     def hit_rate(self) -> float:
         tried = self.hits + self.flushes

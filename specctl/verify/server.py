@@ -87,6 +87,8 @@ class TargetServer(ListeningServer):
             stats.update({"pipeline_connected": self.pipeline.connected.is_set(),
                           "pipeline_rebuilds": self.pipeline.reconnects, "pipeline_error": self.pipeline.last_error,
                           "stages": self.pipeline.refresh_stats()})
+        if self.specpipe is not None:
+            stats.update(self.specpipe.snapshot())
         stats.update(self.compute.stats.snapshot(self.compute.queue_depth))
         return stats
 
