@@ -78,3 +78,40 @@ def test_qwen_pair_is_exact_in_fp32():
         for drafter in (ModelChainDrafter(draft, 4), ModelTreeDrafter(draft, 4, 3, 4), NgramDrafter(4)):
             out, stats, _ = generate(target.decoder, ids, params, drafter, eos_token_ids=target.eos_token_ids)
             assert out == reference, (drafter.name, text)
+
+
+@pytest.mark.slow
+@needs_qwen
+async def test_qwen_target_split_over_four_stage_processes_is_exact_in_fp32():
+    """qwen2.5-coder-1.5b fp32 in 4 `verify --stage i/4` processes: SpecPipe with the 0.5b
+    draft in stage 1, then stage 1 restarted alone as plain pipeline parallelism; both
+    produce the whole target's greedy tokens."""
+    import asyncio
+
+    from specctl.bench.star import free_ports, spawn_role, stop_processes, wait_listening
+    from specctl.verify.client import remote_generate
+
+    target = load_model("qwen2.5-coder-1.5b", resolve_model("qwen2.5-coder-1.5b"), "fp32")
+    params = SamplingParams(max_tokens=24)
+    prompts = [_chat_ids(target, text) for text in PROMPTS[:2]]
+    references = [generate(target.decoder, ids, params, eos_token_ids=target.eos_token_ids)[0] for ids in prompts]
+    ports = free_ports(4)
+    pipeline = ",".join(f"127.0.0.1:{p}" for p in ports)
+
+    def stage(index, *extra):
+        return spawn_role("verify", "--stage", f"{index}/4", "--pipeline", pipeline, "--model", "qwen2.5-coder-1.5b",
+                          "--dtype", "fp32", "--threads", "1", "--log-level", "warning", *extra)
+
+    procs = []
+    try:
+        for index in (4, 3, 2):
+            procs.append(stage(index))
+            wait_listening(procs[-1], f"stage {index}")
+        for extra in (("--specpipe-draft", "qwen2.5-coder-0.5b", "--width", "4"), ()):
+            procs.append(stage(1, *extra))
+            wait_listening(procs[-1], "stage 1")
+            outputs = await asyncio.gather(*(remote_generate("127.0.0.1", ports[0], ids, params) for ids in prompts))
+            assert [tokens for tokens, _, _ in outputs] == references, extra
+            stop_processes([procs.pop()])
+    finally:
+        stop_processes(procs)

@@ -127,7 +127,11 @@ class ListeningServer:
 
     @staticmethod
     async def _write_loop(outgoing: asyncio.Queue, writer: asyncio.StreamWriter) -> None:
-        """A slow peer only ever blocks its own queue (no head-of-line blocking)."""
+        """A slow peer only ever blocks its own queue (no head-of-line blocking). A peer that
+        went away ends the loop quietly: the reader sees it and closes the connection."""
         while (frame := await outgoing.get()) is not None:
             writer.write(frame)
-            await writer.drain()
+            try:
+                await writer.drain()
+            except ConnectionError:
+                return
