@@ -204,3 +204,38 @@ async def test_a_stage_whose_layers_do_not_follow_the_previous_stage_is_refused(
 def test_the_first_and_last_stage_must_hold_the_ends_of_the_model():
     with pytest.raises(ConfigError, match="stage 1 must start at layer 0 and stage 2 end at layer 4"):
         plan_stage(2, 2, 4, "a:1,b:2", "2:3")
+
+
+async def test_many_sessions_keep_several_micro_batches_in_flight_and_stay_exact(models, tiny_dir):
+    """SpecPipe-DB's batch mode: a pipelined target instance with a draft server serves 6
+    sessions at once; groups of sessions go down the chain as micro-batches without waiting
+    for each other, and every output is the whole target's."""
+    from specctl.draft.server import DraftServer, DraftServerConfig
+    from specctl.verify.client import remote_generate
+    from specctl.verify.draft_client import DraftClient
+    from specctl.verify.server import TargetServer, TargetServerConfig
+
+    target, draft = models
+    prompts = PROMPTS * 2
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    references = [generate(target.decoder, p, params)[0] for p in prompts]
+    draft_server = DraftServer(draft, ModelChainDrafter(draft.decoder, 3), DraftServerConfig(port=0))
+    client = DraftClient("127.0.0.1", await draft_server.start(), model=target.name,
+                         fingerprint=target.vocab_fingerprint)
+    connected = asyncio.get_running_loop().create_future()
+    link = asyncio.create_task(client.run(connected))
+    assert await connected
+    async with LocalPipeline(target, 3) as pipeline:
+        server = TargetServer(pipeline.staged, TargetServerConfig(port=0, max_batch=2), client,
+                              pipeline=pipeline.client)
+        port = await server.start()
+        try:
+            results = await asyncio.gather(*(remote_generate("127.0.0.1", port, p, params) for p in prompts))
+            assert [tokens for tokens, _, _ in results] == references
+            assert all(stats["drafts"] > 0 for _, _, stats in results)
+            assert pipeline.client.most_in_flight >= 2  # micro-batches overlapped in the chain
+            await wait_until(lambda: all(s.pool.sessions == 0 for s in pipeline.servers), what="stage KV freed")
+        finally:
+            await server.close()
+    link.cancel()
+    await draft_server.close()

@@ -43,6 +43,7 @@ class PipelineClient:
         self.last_error: str | None = None
         self.reconnects = 0
         self.stage_stats: dict[str, dict] = {}  # "i/n" -> that stage's latest stats
+        self.most_in_flight = 0  # the most micro-batches ever in the chain at once
         self._pending: dict[int, concurrent.futures.Future] = {}
         self._fids = itertools.count(1)
 
@@ -141,6 +142,7 @@ class PipelineClient:
             return
         fid = next(self._fids)
         self._pending[fid] = future
+        self.most_in_flight = max(self.most_in_flight, len(self._pending))
         self.link.post(make(fid))
 
 
@@ -207,6 +209,13 @@ class PipelineDecoder:
 
     def forward_many(self, inputs: list[torch.Tensor], positions: list[torch.Tensor], caches: list[PipelineCache],
                      masks: list[torch.Tensor | None], logits_at: list[torch.Tensor]) -> list[torch.Tensor]:
+        future = self.send_many(inputs, positions, caches, masks, logits_at)
+        return list(wait_output(future).float().split([a.numel() for a in logits_at]))
+
+    def send_many(self, inputs: list[torch.Tensor], positions: list[torch.Tensor], caches: list[PipelineCache],
+                  masks: list[torch.Tensor | None], logits_at: list[torch.Tensor]) -> concurrent.futures.Future:
+        """Run stage 1's layers over a micro-batch and send it down the chain; the future gets
+        the logits rows (every session's, concatenated) without holding this thread meanwhile."""
         epoch = caches[0].epoch
         if any(cache.epoch != epoch for cache in caches):
             raise StageUnavailable("sessions of two pipeline chains in one micro-batch")
@@ -219,6 +228,5 @@ class PipelineDecoder:
         hidden = self.local.forward_ragged(torch.cat(inputs), flat_positions, ragged_bounds(lengths), caches, masks)
         sids, at = [cache.sid for cache in caches], [a.tolist() for a in logits_at]
         hidden_frame, positions_frame = Tensor.from_torch(hidden), Tensor.from_torch(flat_positions.long())
-        logits = self.client.forward(epoch, lambda fid: StageForward(fid, sids, lengths, positions_frame, tree_masks,
-                                                                     at, hidden_frame))
-        return list(logits.float().split([len(a) for a in at]))
+        return self.client.submit(epoch, lambda fid: StageForward(fid, sids, lengths, positions_frame, tree_masks,
+                                                                  at, hidden_frame))

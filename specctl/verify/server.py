@@ -20,6 +20,7 @@ from specctl.net.framing import read_message
 from specctl.net.handshake import server_handshake
 from specctl.net.protocol import Cancel, Done, Error, Generate, ProtocolError, Stats, StatsRequest, Tokens, encode
 from specctl.pipeline.decoder import PipelineClient
+from specctl.pipeline.microbatch import MicroBatchLane
 from specctl.pipeline.serve import SpecPipeDraft, serve_specpipe
 from specctl.runtime.compute import ComputeLane, ComputeThread, SlowedLane
 from specctl.runtime.listen import ListenConfig, ListeningServer, MessageRate
@@ -58,6 +59,8 @@ class TargetServer(ListeningServer):
         self.compute = compute or ComputeThread("target-compute", max_batch=config.max_batch).lane(owns_thread=True)
         # Verification waits before it runs when emulating a slower target (bench star).
         self.verify_lane = SlowedLane(self.compute, config.verify_delay_s) if config.verify_delay_s else self.compute
+        if pipeline is not None:  # several sessions' micro-batches in flight through the stages at once
+            self.verify_lane = MicroBatchLane(self.verify_lane)
         self.pool = KVPool(config.kv_budget_bytes)
         self.active = 0
         self.sessions_done = 0
@@ -86,6 +89,7 @@ class TargetServer(ListeningServer):
         if self.pipeline is not None:
             stats.update({"pipeline_connected": self.pipeline.connected.is_set(),
                           "pipeline_rebuilds": self.pipeline.reconnects, "pipeline_error": self.pipeline.last_error,
+                          "pipeline_most_in_flight": self.pipeline.most_in_flight,
                           "stages": self.pipeline.refresh_stats()})
         if self.specpipe is not None:
             stats.update(self.specpipe.snapshot())
