@@ -161,7 +161,8 @@ async def test_bad_frames_to_a_stage_get_an_error_and_disturb_nothing_else(model
             sock.sendall(b"\x00\x00\x00\x05hello")
         # A well-formed stage peer sending a forward for a session it never opened.
         reader, writer = await asyncio.open_connection("127.0.0.1", pipeline.ports[0])
-        await client_handshake(reader, writer, role="stage", model="t", fingerprint=target.vocab_fingerprint)
+        await client_handshake(reader, writer, role="stage", model="t", fingerprint=target.vocab_fingerprint,
+                               layers=[0, 2])
         import torch
         hidden = torch.zeros(1, target.spec.hidden_size)
         writer.write(encode(StageForward(7, [99], [1], Tensor.from_torch(torch.tensor([0])), [None], [[0]],
