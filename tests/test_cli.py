@@ -222,14 +222,15 @@ def test_bench_pipeline_measures_every_mode_and_stage_count_with_exact_outputs(t
     out = tmp_path / "pipeline.json"
     proc = run("bench", "pipeline", "--target", str(tiny_dir["llama"]), "--draft", f"{tiny_dir['llama']}@2",
                "--stages", "1,2,4", "--stage-delay-ms", "2", "-n", "6", "--limit", "2", "--repeats", "2",
-               "--json", str(out))
+               "--sessions", "4", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert [(r["stages"], r["mode"]) for r in report["rows"]] == [
-        (1, "pp"), (1, "pp+chain"), (2, "pp"), (2, "pp+chain"), (2, "specpipe"),
-        (4, "pp"), (4, "pp+chain"), (4, "specpipe")]
+        (1, "pp"), (1, "pp+chain"), (2, "pp"), (2, "pp+chain"), (2, "specpipe"), (2, "pp+chain x4"),
+        (2, "specpipe-db x4"), (4, "pp"), (4, "pp+chain"), (4, "specpipe"), (4, "pp+chain x4"), (4, "specpipe-db x4")]
     for row in report["rows"]:
         assert row["same_as_target"] == row["runs"] == 4, row  # fp32: every mode is exact
+        assert row["vs_pp"] is not None and row["vs_pp_chain"] is not None
         assert row["tbt_ms_min"] <= row["tbt_ms"] <= row["tbt_ms_max"]
     specpipe = [r for r in report["rows"] if r["mode"] == "specpipe"]
     assert all(r["predicted_tbt_ms"] > 0 and 0 <= r["hit_rate"] <= 1 for r in specpipe)

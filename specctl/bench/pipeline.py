@@ -16,12 +16,16 @@ from typing import Callable
 from specctl.engine.loader import LoadedModel
 from specctl.engine.model import Decoder
 from specctl.pipeline.local import LocalPipeline
+from specctl.pipeline.microbatch import MicroBatchLane
+from specctl.runtime.compute import ComputeThread
+from specctl.spec.decode import DecodeSession
 from specctl.pipeline.specpipe import TreeShape, specpipe_generate
 from specctl.spec.drafters import ModelChainDrafter
-from specctl.spec.rounds import generate
+from specctl.spec.rounds import LocalSpeculator, generate, run_session
 from specctl.spec.sampling import SamplingParams
 
 MODES = ("pp", "pp+chain", "specpipe")
+BATCH_MODES = ("pp+chain xS", "specpipe-db xS")  # S sessions at once: one micro-batch in flight, or several
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +36,7 @@ class PipelineBench:
     depth: int = 4  # pp+chain proposal depth
     shape: TreeShape = TreeShape(4, 2)  # SpecPipe level width and top-k
     repeats: int = 1
+    sessions: int = 8  # the batch rows' concurrent sessions (0 = no batch rows)
 
 
 class DelayedDecoder:
@@ -60,7 +65,7 @@ def _run_one(mode: str, decoder, draft: Decoder, prompt: list[int], params: Samp
              bench: PipelineBench, pipeline: LocalPipeline | None) -> dict:
     before = _stage_busy(pipeline)
     started = time.perf_counter()
-    hit_rate = step_ms = None
+    hit_rate = step_ms = bubbles = None
     if mode == "pp":
         tokens, stats, _ = generate(decoder, prompt, params)
     elif mode == "pp+chain":
@@ -68,13 +73,40 @@ def _run_one(mode: str, decoder, draft: Decoder, prompt: list[int], params: Samp
     else:
         tokens, stats, _, pipe = specpipe_generate(decoder, draft, prompt, params, bench.shape)
         hit_rate = pipe.hits / pipe.steps if pipe.steps else 0.0
+        bubbles = pipe.bubbles / pipe.steps if pipe.steps else 0.0
         # t(w): the slowest stage's time per level (stage 1: drafting overlapped with its device time, then its layers)
         servers = [1e3 * (busy - b0) / max(n - n0, 1) for (busy, n), (b0, n0) in zip(_stage_busy(pipeline), before)]
         step_ms = max([pipe.to_dict()["stage1_step_ms"]] + [1e3 * bench.delay_s + ms for ms in servers])
     wall = time.perf_counter() - started
     decode_s = max(wall - stats.prefill_s, 1e-9)
     return {"tokens": tokens, "tbt_ms": 1e3 * decode_s / max(len(tokens) - 1, 1), "wall_s": wall,
-            "hit_rate": hit_rate, "step_ms": step_ms}
+            "hit_rate": hit_rate, "step_ms": step_ms, "bubbles_per_token": bubbles}
+
+
+async def _run_batch(decoder, draft: Decoder, prompts: list[list[int]], params: SamplingParams,
+                     bench: PipelineBench, stages: int, micro_batches: bool) -> dict:
+    """Every prompt as a session at once through the round loop (chain drafts, stage 1's
+    compute thread verifying groups of sessions due together): with ``micro_batches`` the
+    groups overlap in the stages (SpecPipe-DB), without it one group is in the chain at a time."""
+    compute = ComputeThread("bench-batch", max_batch=-(-len(prompts) // stages))
+    lane = compute.lane(owns_thread=True)
+    verify_lane = MicroBatchLane(lane) if micro_batches else lane
+
+    async def one(prompt: list[int]) -> list[int]:
+        drafter = ModelChainDrafter(draft, bench.depth)
+        session = await lane.run(DecodeSession, decoder, prompt, params, (), None, None, drafter.max_nodes)
+        await run_session(session, LocalSpeculator(drafter, lane), verify_lane, lambda tokens, result: None)
+        return session.output
+
+    started = time.perf_counter()
+    try:
+        outputs = await asyncio.gather(*(one(p) for p in prompts))
+    finally:
+        lane.stop()
+    wall = time.perf_counter() - started
+    tokens = sum(len(o) for o in outputs)
+    return {"outputs": outputs, "tbt_ms": 1e3 * wall / max(len(o) for o in outputs), "wall_s": wall,
+            "tokens_per_s": tokens / wall, "hit_rate": None, "step_ms": None, "sessions": len(prompts)}
 
 
 async def run_pipeline_bench(target: LoadedModel, draft: LoadedModel, prompts: list[list[int]], bench: PipelineBench,
@@ -99,10 +131,19 @@ async def run_pipeline_bench(target: LoadedModel, draft: LoadedModel, prompts: l
                         result["same"] = result.pop("tokens") == references[i]
                         runs[mode][repeat].append(result)
                         advance(f"{n} stage{'s' * (n > 1)} {mode}")
+            if n > 1 and bench.sessions:
+                for mode in BATCH_MODES:
+                    batch = [prompts[i % len(prompts)] for i in range(bench.sessions)]
+                    result = await _run_batch(decoder, draft.decoder, batch, params, bench, n, "db" in mode)
+                    outputs = result.pop("outputs")
+                    result["same_count"] = sum(o == references[i % len(prompts)] for i, o in enumerate(outputs))
+                    result["same"] = result["same_count"] == len(outputs)
+                    runs[mode.replace("S", str(bench.sessions))] = [[result]]
+                    advance(f"{n} stages {mode}")
         finally:
             if pipeline is not None:
                 await pipeline.close()
-        rows.extend(_summarise(n, mode, runs[mode]) for mode in modes)
+        rows.extend(_summarise(n, mode, turns) for mode, turns in runs.items())
     _add_predictions(rows)
     return {"settings": {"stages": list(bench.stages), "max_tokens": bench.max_tokens,
                          "stage_delay_ms": 1e3 * bench.delay_s, "chain_depth": bench.depth,
@@ -114,13 +155,19 @@ async def run_pipeline_bench(target: LoadedModel, draft: LoadedModel, prompts: l
 def _summarise(stages: int, mode: str, per_repeat: list[list[dict]]) -> dict:
     tbt = [statistics.mean(r["tbt_ms"] for r in turn) for turn in per_repeat]
     flat = [r for turn in per_repeat for r in turn]
-    row = {"stages": stages, "mode": mode, "tbt_ms": round(statistics.median(tbt), 2),
+    aggregate = [r["tokens_per_s"] for r in flat if "tokens_per_s" in r]
+    row = {"stages": stages, "mode": mode, "sessions": flat[0].get("sessions", 1),
+           "tbt_ms": round(statistics.median(tbt), 2),
            "tbt_ms_min": round(min(tbt), 2), "tbt_ms_max": round(max(tbt), 2),
-           "tokens_per_s": round(1e3 / statistics.median(tbt), 3),
-           "same_as_target": sum(r["same"] for r in flat), "runs": len(flat)}
+           "tokens_per_s": round(statistics.median(aggregate) if aggregate else 1e3 / statistics.median(tbt), 3),
+           "same_as_target": sum(r.get("same_count", int(r["same"])) for r in flat),
+           "runs": sum(r.get("sessions", 1) for r in flat)}
     if mode == "specpipe":
         row["hit_rate"] = round(statistics.mean(r["hit_rate"] for r in flat), 4)
         row["step_ms"] = round(statistics.mean(r["step_ms"] for r in flat), 2)
+        # Steps whose level had been pruned away entirely: they cost a step and give no token
+        # (the paper's E(T) has no term for them).
+        row["bubbles_per_token"] = round(statistics.mean(r["bubbles_per_token"] for r in flat), 4)
     return row
 
 
@@ -130,9 +177,13 @@ def _add_predictions(rows: list[dict]) -> None:
     steps whose verified token was in the tree."""
     by = {(r["stages"], r["mode"]): r for r in rows}
     for row in rows:
-        pp, chain = by.get((row["stages"], "pp")), by.get((row["stages"], "pp+chain"))
-        row["vs_pp"] = round(pp["tbt_ms"] / row["tbt_ms"], 3) if pp else None
-        row["vs_pp_chain"] = round(chain["tbt_ms"] / row["tbt_ms"], 3) if chain else None
+        batch = row["mode"].endswith(tuple(f"x{n}" for n in range(1, 1000)))
+        pp = by.get((row["stages"], "pp"))
+        chain = next((r for r in rows if r["stages"] == row["stages"] and r["mode"].startswith("pp+chain x")), None) \
+            if batch else by.get((row["stages"], "pp+chain"))
+        # Throughput ratios (a batch row's tokens/s is all its sessions' together).
+        row["vs_pp"] = round(row["tokens_per_s"] / pp["tokens_per_s"], 3) if pp else None
+        row["vs_pp_chain"] = round(row["tokens_per_s"] / chain["tokens_per_s"], 3) if chain else None
         if row["mode"] == "specpipe":
             n, step = row["stages"], row["step_ms"]
             predicted = step * (1 + (1 - row["hit_rate"]) * n)

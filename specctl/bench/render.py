@@ -80,17 +80,25 @@ def render_serve_table(report: dict, title: str) -> Table:
     return table
 
 
+def hit_cell(row: dict) -> str:
+    if row.get("hit_rate") is None:
+        return "-"
+    return f"{row['hit_rate']:.0%} / {row.get('bubbles_per_token', 0):.2f}"
+
+
 def render_pipeline_table(report: dict) -> Table:
     s = report["settings"]
     table = Table(title=f"bench pipeline: {s['prompts']} prompts x {s['max_tokens']} tokens, {s['stage_delay_ms']:.0f} ms "
-                        f"emulated per stage step, {s['repeats']} repeat(s); n stages, TBT = time between tokens, chain = PP+chain")
-    for column in ("n", "mode", "TBT ms", "min-max", "vs PP", "vs chain", "hit", "E(T) ms", "same"):
+                        f"emulated per stage step, {s['repeats']} repeat(s); n stages, TBT = time between tokens "
+                        "(median, min-max), tok/s = all sessions together, ratios of tok/s, hit = steps whose token "
+                        "was in the tree / steps wasted on a pruned level per token")
+    for column in ("n", "mode", "TBT ms", "tok/s", "vs PP", "vs chain", "hit", "E(T) ms", "same"):
         table.add_column(column, justify="left" if column == "mode" else "right")
     fmt = lambda v, spec="{:.2f}": "-" if v is None else spec.format(v)  # noqa: E731
     for r in report["rows"]:
         predicted = r.get("predicted_tbt_ms")
         prediction = "-" if predicted is None else f"{predicted:.0f} ({r['prediction_error']:.0%})"
-        table.add_row(str(r["stages"]), r["mode"], f"{r['tbt_ms']:.1f}", f"{r['tbt_ms_min']:.0f}-{r['tbt_ms_max']:.0f}",
-                      fmt(r["vs_pp"], "{:.2f}x"), fmt(r["vs_pp_chain"], "{:.2f}x"), fmt(r.get("hit_rate"), "{:.0%}"),
-                      prediction, f"{r['same_as_target']}/{r['runs']}")
+        spread = "" if r["tbt_ms_min"] == r["tbt_ms_max"] else f" ({r['tbt_ms_min']:.0f}-{r['tbt_ms_max']:.0f})"
+        table.add_row(str(r["stages"]), r["mode"], f"{r['tbt_ms']:.0f}{spread}", f"{r['tokens_per_s']:.2f}",
+                      fmt(r["vs_pp"], "{:.2f}x"), fmt(r["vs_pp_chain"], "{:.2f}x"), hit_cell(r), prediction, f"{r['same_as_target']}/{r['runs']}")
     return table

@@ -28,6 +28,7 @@ def pipeline(
     width: int = typer.Option(4, help="SpecPipe level width w"),
     topk: int = typer.Option(2, help="SpecPipe children considered per node"),
     repeats: int = typer.Option(1, help="turns over all prompts (min/median/max reported)"),
+    sessions: int = typer.Option(8, help="batch rows: this many sessions at once through the stages (0 = none)"),
     dtype: str = typer.Option("fp32", help="fp32 | bf16 | fp16"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
     json_out: Optional[str] = typer.Option(None, "--json", help="write the report as JSON to this file"),
@@ -62,8 +63,11 @@ def pipeline(
         raise ConfigError(f"{target} has {target_model.spec.num_layers} layers: at most that many stages")
     chosen = load_prompts(prompts)[: limit or None]
     encoded = [target_model.tokenizer.encode(p.prompt) for p in chosen]
-    bench = PipelineBench(counts, max_tokens, stage_delay_ms / 1e3, depth, shape, repeats)
+    if sessions < 0:
+        raise ConfigError("--sessions must be >= 0")
+    bench = PipelineBench(counts, max_tokens, stage_delay_ms / 1e3, depth, shape, repeats, sessions)
     total = sum((2 if n == 1 else 3) for n in counts) * len(encoded) * repeats
+    total += sum(2 for n in counts if n > 1) if sessions else 0
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("bench pipeline", total=total)

@@ -50,10 +50,11 @@ class PipeStats:
     flushes: int = 0  # it was not, and the root had children: the pipeline refills
     levels_sent: int = 0
     stale_outputs: int = 0  # outputs of flushed trees, dropped on arrival
+    bubbles: int = 0  # outputs of the live tree with nothing to verify (their level was wholly pruned)
     stage1_s: float = 0.0  # stage 1's time per level sent, summed: drafting it, then its own layers
 
     def add(self, other: "PipeStats") -> None:
-        for name in ("steps", "hits", "flushes", "levels_sent", "stale_outputs", "stage1_s"):
+        for name in ("steps", "hits", "flushes", "levels_sent", "stale_outputs", "bubbles", "stage1_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     @property
@@ -63,7 +64,7 @@ class PipeStats:
 
     def to_dict(self) -> dict:
         return {"steps": self.steps, "hits": self.hits, "flushes": self.flushes, "levels_sent": self.levels_sent,
-                "stale_outputs": self.stale_outputs, "hit_rate": round(self.hit_rate, 4),
+                "stale_outputs": self.stale_outputs, "bubbles": self.bubbles, "hit_rate": round(self.hit_rate, 4),
                 "stage1_step_ms": round(1e3 * self.stage1_s / self.levels_sent, 3) if self.levels_sent else 0.0}
 
 
@@ -154,6 +155,7 @@ class SpecPipeRun:
             wait_s += time.perf_counter() - started
             if sent.tree_epoch != tree_epoch or root not in sent.level:
                 self.stats.stale_outputs += sent.tree_epoch != tree_epoch
+                self.stats.bubbles += sent.tree_epoch == tree_epoch
                 continue
             children = [c for c in (levels[1] if len(levels) > 1 else []) if tree.nodes[c].parent == root]
             row = output[sent.level.index(root)]
