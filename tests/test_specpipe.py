@@ -74,6 +74,7 @@ async def test_specpipe_outputs_exactly_the_whole_target(models, stages):
                 assert tokens == reference and reason == "length", (prompt, width)
                 assert pipe.steps == stats.rounds == 39 and pipe.hits + pipe.flushes <= pipe.steps
                 assert stats.accepted == pipe.hits
+                assert pipe.bubbles == 0  # every node keeps its likeliest child: no level is pruned away whole
                 hits += pipe.hits
         assert hits > 0  # the re-rooting path ran, not only flushes
         await wait_until(lambda: all(s.pool.sessions == 0 for s in pipeline.servers), what="stage KV freed")

@@ -96,7 +96,13 @@ class DraftLevels:
         probs, tokens = logits.float().softmax(-1).topk(self.shape.topk, dim=-1)
         candidates = [(nodes[r].score * float(probs[r, j]), r, int(tokens[r, j]))
                       for r in range(len(frontier)) for j in range(self.shape.topk)]
-        chosen = sorted(candidates, reverse=True)[: self.shape.width]
+        # Every frontier node keeps its likeliest child first (the likeliest nodes when the
+        # level is full), then the w likeliest paths fill the level: whichever node a
+        # verification picks, the levels already in the pipeline still hold its descendants,
+        # so no pipeline step is wasted on a level pruned away entirely.
+        firsts = sorted(candidates[:: self.shape.topk], reverse=True)[: self.shape.width]
+        rest = sorted(set(candidates) - set(firsts), reverse=True)
+        chosen = firsts + rest[: self.shape.width - len(firsts)]
         chosen.sort(key=lambda c: (c[1], -c[0]))  # by parent, likeliest child first (tried first)
         return [tree.add(token, frontier[r], nodes[r].pos + 1, score) for score, r, token in chosen]
 

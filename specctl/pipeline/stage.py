@@ -94,14 +94,17 @@ class StageServer(ListeningServer):
                 before_welcome=build_chain)
             async with asyncio.TaskGroup() as group:
                 group.create_task(self._write_loop(outgoing, writer))
+                watch = None
                 try:
                     if hello.role == "stage":
                         self.chains += 1
                         if link is not None:  # the chain ends with the next link too
-                            group.create_task(self._end_with(link, writer))
+                            watch = group.create_task(self._end_with(link, writer))
                     await self._read_loop(reader, send, worker, link, hello.role == "stage")
                 finally:
                     outgoing.put_nowait(None)
+                    if watch is not None:  # the upstream ended first: not the next stage's doing
+                        watch.cancel()
         except (SpecctlError, asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError) as exc:
             log.info("%s: upstream %s closed: %s", self.name, peer, exc or type(exc).__name__)
         except Exception:  # noqa: BLE001
