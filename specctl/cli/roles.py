@@ -113,8 +113,8 @@ def verify(
                               "the draft server, stage n holds the LM head"),
     pipeline: Optional[str] = typer.Option(None, "--pipeline", help="HOST:PORT of every stage in order, comma-"
                                            "separated (the same on every box; the first is stage 1's client address)"),
-    layers: Optional[str] = typer.Option(None, "--layers", help="a:b: this stage's layers [a, b) (default: a "
-                                         "balanced split)"),
+    layers: Optional[str] = typer.Option(None, "--layers", help="this stage's layers [a, b), written a:b "
+                                         "(default: a balanced split)"),
     specpipe_draft: Optional[str] = typer.Option(None, "--specpipe-draft", help="stage 1 of n > 1: decode with "
                                                  "SpecPipe (one tree level per pipeline step), drafting with this "
                                                  "model in this process (instead of --draft)"),
