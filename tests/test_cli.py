@@ -205,6 +205,10 @@ def test_stage_is_checked_before_anything_loads(stage, message):
     (("--stage", "2/3", "--pipeline", "a:1,b:2"), "--stage 2/3 needs --pipeline with 3 HOST:PORT addresses"),
     (("--stage", "1/1", "--pipeline", "a:1"), "--pipeline needs --stage i/n with n > 1"),
     (("--stage", "2/2", "--pipeline", "a:1,b:2", "--draft", "c:3"), "--draft goes to stage 1 only (this is stage 2/2)"),
+    (("--stage", "1/8", "--pipeline", ",".join(f"a:{p}" for p in range(1, 9)), "--specpipe-draft", "m", "--width", "16"),
+     "SpecPipe over 8 stages at --width 16 keeps up to 161 tree nodes per session; the most is 128: lower --width"),
+    (("--stage", "1/2", "--pipeline", "a:1,b:2", "--specpipe-draft", "m", "--draft", "c:3"),
+     "--specpipe-draft goes to stage 1 of a pipeline (--stage 1/n, n > 1), without --draft"),
 ])
 def test_pipeline_flags_are_checked_before_anything_loads(args, message):
     _assert_one_line_error(run("verify", *args, timeout=60), message)

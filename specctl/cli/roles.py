@@ -159,8 +159,8 @@ def verify(
         raise ConfigError(f"--draft goes to stage 1 only (this is stage {index}/{count})")
     if specpipe_draft and (index != 1 or count == 1 or draft):
         raise ConfigError("--specpipe-draft goes to stage 1 of a pipeline (--stage 1/n, n > 1), without --draft")
-    if specpipe_draft and not (1 <= width <= 16 and 1 <= topk <= 16):
-        raise ConfigError("--width and --topk must be in 1..16")
+    if specpipe_draft:
+        _check_specpipe_shape(count, width, topk)
     config = build_config(profile, target=model, max_sessions=max_sessions, max_batch=max_batch, dtype=dtype,
                           threads=threads, target_quant=quant)
     console = Console(stderr=True)
@@ -191,6 +191,18 @@ def verify(
     _serve_target(config, plan, console, stage_one, host=host, port=port, draft=draft,
                   auth_token=auth_token, ssl_server=ssl_server, ssl_client=ssl_client,
                   verify_delay_s=verify_delay_ms / 1e3, max_messages_per_s=max_messages_per_s, specpipe=specpipe)
+
+
+def _check_specpipe_shape(stages: int, width: int, topk: int) -> None:
+    from specctl.pipeline.specpipe import TreeShape, max_tree_nodes
+    from specctl.verify.server import MAX_PROPOSAL_NODES
+
+    if not (1 <= width <= 16 and 1 <= topk <= 16):
+        raise ConfigError("--width and --topk must be in 1..16")
+    nodes = max_tree_nodes(stages, TreeShape(width, topk))
+    if nodes > MAX_PROPOSAL_NODES:
+        raise ConfigError(f"SpecPipe over {stages} stages at --width {width} keeps up to {nodes} tree nodes per "
+                          f"session; the most is {MAX_PROPOSAL_NODES}: lower --width")
 
 
 def _serve_stage(config, plan, console: Console, *, host: str, port: int, auth_token, ssl_server, ssl_client,

@@ -26,9 +26,6 @@ class SpecPipeDraft:
         return {"specpipe_steps": t.steps, "specpipe_hits": t.hits, "specpipe_flushes": t.flushes,
                 "specpipe_hit_rate": round(t.hit_rate, 4), "specpipe_width": self.shape.width}
 
-    def max_nodes(self, stages: int) -> int:
-        return (stages + 2) * self.shape.width + 1
-
 
 async def serve_specpipe(session: DecodeSession, spec: SpecPipeDraft, lane, emit: Emit) -> None:
     """Run ``session`` to the end with SpecPipe; its KV (every stage's) and the draft's are
@@ -41,9 +38,7 @@ async def serve_specpipe(session: DecodeSession, spec: SpecPipeDraft, lane, emit
         nonlocal run
         if cancelled:  # cancelled while queued
             return
-        prompt = session.seq[: session.prompt_len]
-        capacity = session.prompt_len + session.params.max_tokens + spec.max_nodes(session.target.stages) + 2
-        run = SpecPipeRun(session.target, session, DraftLevels(spec.draft, spec.shape, prompt, capacity),
+        run = SpecPipeRun(session.target, session, DraftLevels(spec.draft, spec.shape, session),
                           lambda tokens, result: loop.call_soon_threadsafe(emit, tokens, result))
         run.stop = cancelled
         run.run()

@@ -68,13 +68,20 @@ class PipeStats:
                 "stage1_step_ms": round(1e3 * self.stage1_s / self.levels_sent, 3) if self.levels_sent else 0.0}
 
 
+def max_tree_nodes(stages: int, shape: TreeShape) -> int:
+    """The most tree nodes a session ever has cached: the root's level and up to one level
+    per stage in flight (plus one being drafted), ``width`` nodes each."""
+    return (stages + 2) * shape.width + 1
+
+
 class DraftLevels:
     """The token source: a draft model growing the tree one level at a time, with its own
     KV of the committed text and the tree nodes it has read."""
 
-    def __init__(self, draft: Decoder, shape: TreeShape, prompt: list[int], capacity: int,
-                 pool: KVPool | None = None) -> None:
+    def __init__(self, draft: Decoder, shape: TreeShape, session: DecodeSession, pool: KVPool | None = None) -> None:
         self.draft, self.shape = draft, shape
+        prompt = session.seq[: session.prompt_len]
+        capacity = session.prompt_len + session.params.max_tokens + max_tree_nodes(session.target.stages, shape) + 2
         self.cache = draft.new_cache(capacity, pool)
         draft(torch.tensor(prompt), torch.arange(len(prompt)), self.cache, logits_at=torch.tensor([len(prompt) - 1]))
         self.mirror = CacheMirror(len(prompt))
@@ -221,12 +228,12 @@ def specpipe_generate(target: PipelineDecoder, draft: Decoder, prompt: list[int]
                       on_tokens: Emit | None = None,
                       ) -> tuple[list[int], GenerationStats, str | None, PipeStats]:
     """Run one session to the end with SpecPipe: (tokens, stats, finish_reason, pipeline stats)."""
-    max_nodes = (target.stages + 2) * shape.width + 1  # the most tree nodes ever cached at once
     started = time.perf_counter()
-    session = DecodeSession(target, prompt, params, eos_token_ids, max_context, pool, max_nodes)
+    session = DecodeSession(target, prompt, params, eos_token_ids, max_context, pool,
+                            max_tree_nodes(target.stages, shape))
     source = None
     try:
-        source = DraftLevels(draft, shape, prompt, len(prompt) + params.max_tokens + max_nodes + 2, draft_pool)
+        source = DraftLevels(draft, shape, session, draft_pool)
         run = SpecPipeRun(target, session, source, on_tokens)
         run.run()
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specctl.errors import ConfigError
+from specctl.runtime.loop import parse_hostport
 
 
 def balanced_split(num_layers: int, stages: int) -> list[tuple[int, int]]:
@@ -33,16 +34,9 @@ def parse_layers(text: str, num_layers: int) -> tuple[int, int]:
     return first, last
 
 
-def parse_address(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"expected HOST:PORT, got {text!r}")
-    return host, int(port)
-
-
 def parse_pipeline(pipeline: str | None, index: int, count: int) -> list[tuple[str, int]]:
     """``--pipeline H:P,...``: one address per stage, in order (checked before anything loads)."""
-    addresses = [parse_address(part.strip()) for part in pipeline.split(",")] if pipeline else []
+    addresses = [parse_hostport(part.strip()) for part in pipeline.split(",")] if pipeline else []
     if count > 1 and len(addresses) != count:
         raise ConfigError(f"--stage {index}/{count} needs --pipeline with {count} HOST:PORT addresses, one per stage "
                           f"in order (got {len(addresses)})")

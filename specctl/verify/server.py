@@ -35,10 +35,13 @@ log = logging.getLogger("specctl.verify")
 CLIENT_CANCEL = "cancelled by the client"  # the reason a CANCEL message gives the session task
 
 
+MAX_PROPOSAL_NODES = 128  # also bounds a SpecPipe session's cached tree
+
+
 @dataclass(slots=True)
 class TargetServerConfig(ListenConfig):
     verify_delay_s: float = 0.0  # emulate a slower target (bench star), never in production
-    max_proposal_nodes: int = 128  # larger proposals from a draft server are ignored (AR round)
+    max_proposal_nodes: int = MAX_PROPOSAL_NODES  # larger proposals from a draft server are ignored (AR round)
     max_batch: int = 8  # most sessions verified together in one target forward
 
     def __post_init__(self) -> None:
