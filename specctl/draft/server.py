@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 
 from specctl.draft.plan import StarModel, admit
 from specctl.draft.sessions import SessionTable, UnknownTag
+from specctl.draft.speculation import PrespecConfig, SpeculationCache
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.loader import LoadedModel
-from specctl.errors import KVBudgetExceeded, SpecctlError
+from specctl.errors import ConfigError, KVBudgetExceeded, SpecctlError
 from specctl.net.framing import read_message
 from specctl.net.handshake import server_handshake
 from specctl.net.protocol import (
@@ -34,6 +35,7 @@ class DraftServerConfig(ListenConfig):
     max_batch: int = 8  # most Propose requests drafted together in one pass
     admission_model: StarModel | None = None  # StarSD N_max admission, when given
     standalone_tokens_per_s: float | None = None
+    prespec: PrespecConfig | None = None  # pre-speculation (chain drafters), when on
 
     def __post_init__(self) -> None:
         ListenConfig.__post_init__(self)
@@ -64,6 +66,13 @@ class DraftServer(ListeningServer):
         self.compute = compute or ComputeThread("draft-compute", max_batch=config.max_batch).lane(owns_thread=True)
         spec = model.spec
         self.table = SessionTable(drafter, KVPool(config.kv_budget_bytes), spec.vocab_size, spec.max_position)
+        if config.prespec is not None:
+            if drafter.name != "chain":
+                raise ConfigError(f"pre-speculation drafts chains: it needs --mode chain, not {drafter.name}")
+            self.table.speculation = SpeculationCache(config.prespec, drafter.depth, self.compute.wake_background)
+            self.compute.add_background(self.table.speculation.step)
+        self.proposals_sent = 0
+        self.proposal_bytes = 0
         self.connections: dict[int, Connection] = {}
         self._ids = itertools.count(1)
         self._tags = itertools.count(1)
@@ -81,6 +90,9 @@ class DraftServer(ListeningServer):
         stats.update(self.compute.stats.snapshot(self.compute.queue_depth))
         stats.update(self.table.snapshot())
         stats["R_q"] = stats.pop("jobs_per_s")
+        stats["proposal_bytes_mean"] = round(self.proposal_bytes / self.proposals_sent, 1) if self.proposals_sent else 0.0
+        if "prespec" in stats:  # the share of the draft's idle time pre-speculation put to use
+            stats["prespec"]["leftover_used"] = round(stats["background_s"] / stats["idle_s"], 4) if stats["idle_s"] else 0.0
         return stats
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -189,7 +201,11 @@ class DraftServer(ListeningServer):
     async def _propose(self, conn: Connection, message: Propose) -> None:
         try:
             request = (message.tag, message.path, message.tokens)
-            proposal = await self.compute.run_batched("propose", self.table.propose_many, request)
+            proposal = None
+            if self.table.speculation is not None:  # a hit answers at once, whatever else misses
+                proposal = await self.compute.run_batched("lookup", self.table.lookup_many, request)
+            if proposal is None:
+                proposal = await self.compute.run_batched("propose", self.table.propose_many, request)
         except UnknownTag:
             self._refuse(conn, Error("unknown_tag", f"unknown session tag {message.tag}", tag=message.tag))
             return
@@ -202,4 +218,7 @@ class DraftServer(ListeningServer):
             return
         finally:
             conn.inflight.discard(message.tag)
-        conn.send(proposal)
+        frame = encode(proposal)
+        self.proposals_sent += 1
+        self.proposal_bytes += len(frame)
+        conn.outgoing.put_nowait(frame)

@@ -3,16 +3,19 @@ checks ownership (a connection can only touch its own tags) before submitting wo
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 
+from specctl.draft.speculation import SpeculationCache
 from specctl.engine.kv_cache import KVPool
 from specctl.errors import PromptTooLong
 from specctl.engine.spec import check_token_ids
 from specctl.net.protocol import OpenSession, Proposal, SparseProbs
 from specctl.spec.draft_state import DraftState, draft_capacity, draft_many
-from specctl.spec.drafters import Drafter, Proposal as DraftProposal
+from specctl.engine.tree import TokenTree
+from specctl.spec.drafters import Drafter, NgramDrafter, Proposal as DraftProposal
 from specctl.spec.sampling import SamplingParams
 
 
@@ -30,6 +33,7 @@ class SessionTable:
     total_rounds: int = 0
     total_drafted: int = 0
     total_accepted: int = 0
+    speculation: SpeculationCache | None = None  # pre-speculation, when on (chain drafters)
 
     def open(self, tag: int, msg: OpenSession) -> None:
         params = SamplingParams(temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, max_tokens=msg.max_tokens)
@@ -37,6 +41,7 @@ class SessionTable:
         if not msg.prompt or len(msg.prompt) + msg.max_tokens > self.max_context:
             raise PromptTooLong(f"prompt of {len(msg.prompt)} tokens plus max_tokens {msg.max_tokens} does not fit the draft's context of {self.max_context}")
         capacity = draft_capacity(len(msg.prompt), msg.max_tokens, self.drafter.max_nodes)
+        capacity += self.speculation.reserve if self.speculation is not None else 0
         session = self.drafter.open(capacity, self.pool)
         generator = torch.Generator().manual_seed(msg.seed)
         self.states[tag] = DraftState(session, params, generator, list(msg.prompt), capacity, self.drafter.max_nodes,
@@ -57,17 +62,72 @@ class SessionTable:
             except Exception as exc:  # noqa: BLE001 - reported to that request only
                 results[i] = exc
                 continue
-            self.total_rounds += state.rounds - before[0]
-            self.total_drafted += state.drafted - before[1]
-            self.total_accepted += state.accepted - before[2]
+            self._count(state, before)
             ready.append((i, tag, state))
+        spec = self.speculation
+        if spec is not None:
+            ready = self._fall_back(ready, results)
+            for _, tag, state in ready:
+                state.session.reshape = spec.reshape_for(tag, state)
+        started = time.perf_counter()
         proposals = draft_many([state for _, _, state in ready])
-        for (i, tag, _), proposal in zip(ready, proposals):
-            results[i] = proposal if isinstance(proposal, Exception) else _message(tag, proposal)
+        if spec is not None and ready:
+            spec.drafted(len(ready), time.perf_counter() - started)
+        for (i, tag, state), proposal in zip(ready, proposals):
+            if isinstance(proposal, Exception):
+                results[i] = proposal
+                continue
+            results[i] = _message(tag, proposal)
+            if spec is not None:
+                spec.planned(tag, state, proposal)
         return results
+
+    def _fall_back(self, ready: list, results: list) -> list:
+        """The sessions whose outcome missed the speculation cache are drafted just in time with
+        the others, or answered from the n-gram backup (Saguaro fallback); the rest of ``ready``."""
+        spec = self.speculation
+        missed = [(i, tag, state) for i, tag, state in ready if tag in spec.missed]
+        spec.missed.difference_update(tag for _, tag, _ in missed)
+        if not missed:
+            return ready
+        if spec.fallback_for([(tag, state) for _, tag, state in missed]) == "jit":
+            spec.stats.fallback_jit += len(missed)
+            return ready
+        spec.stats.fallback_ngram += len(missed)
+        backup = NgramDrafter(spec.depth)
+        for i, tag, state in missed:
+            proposal = DraftProposal(TokenTree.chain(state.seq[-1], backup.lookup(state.seq)))
+            # The draft's KV holds a prefix of the text; the next outcome keeps all of it.
+            state.session.committed = state.session.cache.length
+            results[i] = _message(tag, state.proposed(proposal))
+            spec.planned(tag, state, proposal, backup=True)
+        backed = {tag for _, tag, _ in missed}
+        return [item for item in ready if item[1] not in backed]
+
+    def lookup_many(self, requests: list[tuple[int, list[int], list[int]]]) -> list:
+        """Answer Propose requests from the speculation cache: a Proposal message per hit, None
+        per miss (then ``propose_many`` serves it)."""
+        items = [(tag, self.states.get(tag), path, tokens) for tag, path, tokens in requests]
+        before = {tag: (s.rounds, s.drafted, s.accepted) for tag, s, _, _ in items if s is not None}
+        results = []
+        for (tag, state, _, _), proposal in zip(items, self.speculation.lookup_many(items)):
+            if proposal is None:
+                results.append(None)
+                continue
+            self._count(state, before[tag])
+            results.append(_message(tag, proposal))
+            self.speculation.planned(tag, state, proposal)
+        return results
+
+    def _count(self, state: DraftState, before: tuple[int, int, int]) -> None:
+        self.total_rounds += state.rounds - before[0]
+        self.total_drafted += state.drafted - before[1]
+        self.total_accepted += state.accepted - before[2]
 
     def close(self, tag: int) -> None:
         state = self.states.pop(tag, None)
+        if self.speculation is not None:
+            self.speculation.drop(tag)
         if state is not None:
             state.close()
 
@@ -87,6 +147,7 @@ class SessionTable:
             "mean_accepted_length": round(1 + self.total_accepted / self.total_rounds, 4) if self.total_rounds else 0.0,
             "kv_used_mb": round(self.pool.used_bytes / 2**20, 2),
             "per_session": per_session,
+            **({"prespec": self.speculation.snapshot()} if self.speculation is not None else {}),
         }
 
 

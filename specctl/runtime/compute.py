@@ -12,6 +12,7 @@ that share a device in one process share its thread through lanes."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import deque
@@ -28,6 +29,12 @@ class ComputeStats:
     idle_s: float = 0.0
     wait_s: float = 0.0
     started: float = 0.0
+    # Background work (pre-speculation) runs only while no job is queued; a job that arrives
+    # during a background step waits for that step at most (the delay recorded here).
+    background_s: float = 0.0
+    background_steps: int = 0
+    background_step_max_s: float = 0.0
+    background_delay_max_s: float = 0.0
 
     def snapshot(self, queued: int) -> dict:
         wall = max(time.perf_counter() - self.started, 1e-9)
@@ -46,6 +53,10 @@ class ComputeStats:
             "idle_s": round(self.idle_s, 6),
             "wait_s": round(self.wait_s, 6),
             "passes": self.passes,
+            "background_s": round(self.background_s, 6),
+            "background_steps": self.background_steps,
+            "background_step_max_ms": round(1e3 * self.background_step_max_s, 3),
+            "background_delay_max_ms": round(1e3 * self.background_delay_max_s, 3),
         }
 
 
@@ -93,6 +104,14 @@ class ComputeLane:
     def queue_depth(self) -> int:
         return self.thread.depth_of(self)
 
+    def add_background(self, fn: Callable[[], bool]) -> None:
+        """``fn()`` does one bounded step of background work and says whether it did any; it
+        runs on the compute thread only while no job is queued, after ``wake_background()``."""
+        self.thread._background.append((self, fn))
+
+    def wake_background(self) -> None:
+        self.thread._wake_background()
+
     def stop(self) -> None:
         """Stops the thread only when this lane owns it (a shared thread has another owner)."""
         if self.owns_thread:
@@ -108,6 +127,9 @@ class ComputeThread:
         self.max_batch = max_batch
         self._jobs: deque[_Job | None] = deque()
         self._ready = threading.Condition()
+        self._background: list[tuple[ComputeLane, Callable[[], bool]]] = []
+        self._background_due = False
+        self._last_background = (0.0, 0.0)  # (start, end) of the last background step
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True) if spawn else None
         if self._thread is not None:
             self._thread.start()
@@ -138,9 +160,17 @@ class ComputeThread:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
 
+    def _wake_background(self) -> None:
+        with self._ready:
+            self._background_due = True
+            self._ready.notify()
+
     def _take(self) -> list[_Job] | None:
+        """The next batch of jobs; [] = no job queued, background work is due; None = stop."""
         with self._ready:
             while not self._jobs:
+                if self._background_due and self._background:
+                    return []
                 self._ready.wait()
             first = self._jobs.popleft()
             if first is None:
@@ -156,13 +186,39 @@ class ComputeThread:
                         batch.append(job)
             return batch
 
+    def _run_background(self) -> None:
+        did = False
+        for lane, fn in self._background:
+            start = time.perf_counter()
+            try:
+                worked = bool(fn())
+            except Exception:  # noqa: BLE001 - background work must never stop the thread
+                logging.getLogger("specctl.compute").exception("background work failed")
+                worked = False
+            end = time.perf_counter()
+            if worked:
+                did = True
+                self._last_background = (start, end)
+                lane.stats.background_s += end - start
+                lane.stats.background_steps += 1
+                lane.stats.background_step_max_s = max(lane.stats.background_step_max_s, end - start)
+        if not did:
+            with self._ready:
+                self._background_due = False
+
     def _serve(self) -> None:
         while (batch := self._take()) is not None:
+            if not batch:
+                self._run_background()
+                continue
             start, cpu_start = time.perf_counter(), time.thread_time()
             head = batch[0]
             lane, stats = head.lane, head.lane.stats
             stats.idle_s += start - (lane.last_end if lane.last_end is not None else stats.started)
             stats.wait_s += sum(start - job.queued_at for job in batch)
+            began, ended = self._last_background
+            if ended > head.queued_at:  # it arrived during a background step
+                stats.background_delay_max_s = max(stats.background_delay_max_s, ended - max(head.queued_at, began))
             try:
                 if head.batch_key is None:
                     outcomes = [(head.fn(*head.args), None)]

@@ -59,11 +59,13 @@ class DraftState:
                 raise BadRequest(f"token {token} at node {node} differs from the proposed {int(tree.tokens[node])}")
             parent = node
 
-    def advance(self, path: list[int], tokens: list[int]) -> None:
-        """Apply the last round's outcome (checked first) to the draft's KV and text."""
+    def advance(self, path: list[int], tokens: list[int], kv_done: bool = False) -> None:
+        """Apply the last round's outcome (checked first) to the draft's KV and text;
+        ``kv_done``: the KV already holds the outcome (a pre-speculated branch was adopted)."""
         self.check_outcome(path, tokens)
         if self.last_tree is not None:
-            self.session.on_verified(path)
+            if not kv_done:
+                self.session.on_verified(path)
             self.rounds += 1
             self.drafted += self.last_tree.max_depth
             self.accepted += len(path)

@@ -13,6 +13,7 @@ model drafters keep exactly the KV of the accepted path.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -27,6 +28,12 @@ class Proposal:
     tree: TokenTree
     # q for each chain position when the chain's tokens were sampled from it: [len(tree)-1, V]
     draft_probs: torch.Tensor | None = None
+    # A chain's draft candidates per position, likeliest first: [len(tree)-1, RANKED] token ids
+    # (pre-speculation guesses the bonus token among them)
+    ranked: torch.Tensor | None = None
+
+
+RANKED = 16  # candidates a chain keeps per position
 
 
 class DraftSession:
@@ -89,6 +96,8 @@ class _ChainSession(_ModelDraftSession):
         super().__init__(decoder, capacity, pool)
         self.depth, self.stop = depth, stop
         self.committed = 0
+        # (position, q) -> the q to sample from instead (Saguaro sampling); None = q itself
+        self.reshape: Callable[[int, torch.Tensor], torch.Tensor] | None = None
 
     def propose(self, seq, params, generator):
         return propose_chains([self], [seq], [params], [generator])[0]
@@ -178,6 +187,7 @@ def propose_chains(sessions: list["_ChainSession"], seqs: list[list[int]], param
     caches = [s.cache for s in sessions]
     logits = _catch_up_many(sessions, seqs)
     drafts: list[tuple[list[int], list[float], list[torch.Tensor]]] = [([], [], []) for _ in sessions]
+    ranked: list[list[torch.Tensor]] = [[] for _ in sessions]
     reach = [1.0] * len(sessions)
     live = list(range(len(sessions)))
     for i in range(depth):
@@ -186,6 +196,9 @@ def propose_chains(sessions: list["_ChainSession"], seqs: list[list[int]], param
             q = probs_from_logits(rows[0], _draft_params(params[b]))
             if not params[b].greedy:
                 q = keep_top(q, DRAFT_SUPPORT)
+                if sessions[b].reshape is not None:
+                    q = sessions[b].reshape(i, q)
+            ranked[b].append(rows[0].topk(min(RANKED, rows.shape[-1])).indices)
             x = int(q.argmax()) if params[b].greedy else int(torch.multinomial(q, 1, generator=generators[b]))
             tokens.append(x)
             probs.append(float(q[x]))
@@ -201,8 +214,8 @@ def propose_chains(sessions: list["_ChainSession"], seqs: list[list[int]], param
                                           [torch.tensor([len(seqs[b]) + i]) for b in live], [caches[b] for b in live],
                                           [None] * len(live), [one] * len(live))
     return [
-        Proposal(TokenTree.chain(seq[-1], tokens, probs), None if p.greedy else torch.stack(dists))
-        for seq, p, (tokens, probs, dists) in zip(seqs, params, drafts)
+        Proposal(TokenTree.chain(seq[-1], tokens, probs), None if p.greedy else torch.stack(dists), torch.stack(ranks))
+        for seq, p, (tokens, probs, dists), ranks in zip(seqs, params, drafts, ranked)
     ]
 
 

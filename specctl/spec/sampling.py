@@ -72,3 +72,18 @@ def keep_top(probs: torch.Tensor, k: int) -> torch.Tensor:
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def saguaro(probs: torch.Tensor, fanout: int, c: float) -> torch.Tensor:
+    """Saguaro sampling (SSD, Theorem 15): the ``fanout + 1`` most likely tokens' probabilities
+    times ``c`` in (0, 1], renormalised. Drafting from this q pushes the residual max(0, p - q)
+    onto the tokens pre-speculation caches as bonus candidates; verification must use this
+    q (the one sampled from), so it stays lossless. c = 1 is plain sampling."""
+    if not 0.0 < c <= 1.0:
+        raise ValueError(f"the Saguaro constant must be in (0, 1], got {c}")
+    if c == 1.0 or fanout < 0:
+        return probs
+    ids = probs.topk(min(fanout + 1, probs.shape[-1]), dim=-1).indices
+    scaled = probs.clone()
+    scaled.scatter_(-1, ids, probs.gather(-1, ids) * c)
+    return scaled / scaled.sum(-1, keepdim=True)

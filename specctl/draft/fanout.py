@@ -1,0 +1,106 @@
+"""Pre-speculation's decisions as pure functions (SSD / Saguaro, DESIGN §4).
+
+P(k)      = a^k (1-a) for k < d, a^d for k = d     how many of d drafted tokens the target accepts
+F_k       ∝ P(k)^(1/(1+r)),  Σ F_k = B            geometric fan-out (Theorem 12), capped per position
+1-hit(F)  = F^(-r)                                 the power-law miss rate r is fitted to
+speedup   = (h·E_p + (1-h)·E_b) / (h + (1-h)(1+T_b))   over autoregressive (Theorem 7), times in
+                                                       units of one verification
+fallback  = the backup (n-gram) when E_b/Z beats E_p/(Z + d·t_step(m)) for the m misses drafted together
+            (Theorem 17's cross-over, from measured times)"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+MIN_OUTCOMES_FOR_FIT = 8  # below this, the prior exponent stands
+PRIOR_R = 1.0
+PRIOR_ACCEPTANCE = 0.6
+PRIOR_WEIGHT = 4.0  # the prior counts as this many drafted tokens
+
+
+def outcome_probs(a: float, depth: int) -> list[float]:
+    """P(k accepted) for k = 0..depth, geometric in the acceptance rate a."""
+    if not 0.0 <= a <= 1.0 or depth < 1:
+        raise ValueError(f"need 0 <= a <= 1 and depth >= 1, got a={a}, depth={depth}")
+    return [a**k * (1 - a) for k in range(depth)] + [a**depth]
+
+
+def fanout(a: float, r: float, depth: int, budget: int, cap: int) -> list[int]:
+    """Integer fan-outs F_0..F_d with Σ F = min(budget, cap·(d+1)), F_k <= cap, in proportion to
+    P(k)^(1/(1+r)): the shares of capped positions go to the others (water-filling), then the
+    largest remainders are rounded up."""
+    if budget < 0 or cap < 0 or r < 0:
+        raise ValueError(f"need budget, cap, r >= 0, got {budget}, {cap}, {r}")
+    weights = [p ** (1.0 / (1.0 + r)) for p in outcome_probs(a, depth)]
+    total = min(budget, cap * (depth + 1))
+    shares = [0.0] * (depth + 1)
+    free, left = set(range(depth + 1)), float(total)
+    while free and left > 1e-9:
+        mass = sum(weights[k] for k in free)
+        if mass <= 0:
+            for k in free:
+                shares[k] += left / len(free)
+            break
+        over = {k for k in free if shares[k] + left * weights[k] / mass > cap}
+        if not over:
+            for k in free:
+                shares[k] += left * weights[k] / mass
+            break
+        for k in over:
+            left -= cap - shares[k]
+            shares[k] = cap
+        free -= over
+    counts = [min(cap, math.floor(s + 1e-9)) for s in shares]
+    order = sorted(range(depth + 1), key=lambda k: (counts[k] - shares[k], k))
+    for k in order[: total - sum(counts)]:
+        counts[k] += 1
+    return counts
+
+
+def acceptance_estimate(accepted: int, drafted: int) -> float:
+    """The session's acceptance rate, pulled towards a prior while it has drafted little."""
+    a = (accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (drafted + PRIOR_WEIGHT)
+    return min(max(a, 0.01), 0.99)
+
+
+def power_law_exponent(ranks: Sequence[int | None], max_fanout: int) -> float:
+    """Fit 1-hit(F) = F^(-r) to observed outcomes: ``ranks`` holds, per residual bonus, its
+    0-based rank among the draft's candidates at that position (the proposed token
+    excluded), None when it was not among them. Least squares through the origin in
+    log-log space over F = 2..max_fanout; the prior while there are few outcomes."""
+    if len(ranks) < MIN_OUTCOMES_FOR_FIT or max_fanout < 2:
+        return PRIOR_R
+    xs, ys = [], []
+    for f in range(2, max_fanout + 1):
+        miss = sum(1 for rank in ranks if rank is None or rank >= f) / len(ranks)
+        if 0.0 < miss < 1.0:
+            xs.append(math.log(f))
+            ys.append(math.log(miss))
+    if not xs:  # every bonus in the top 2 (never missed), or never in the top max_fanout
+        return 8.0 if all(rank is not None and rank < 2 for rank in ranks) else 0.05
+    r = -sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+    return min(max(r, 0.05), 8.0)
+
+
+def choose_fallback(misses: int, step_s: float, depth: int, return_s: float, e_primary: float,
+                    e_backup: float) -> str:
+    """"jit" (draft the missed proposals now with the primary draft) or "ngram" (the backup:
+    no draft time, fewer tokens), whichever gives more tokens per second to the ``misses``
+    sessions drafted together: E_p / (Z + d·t_step(m)) against E_b / Z."""
+    if misses < 1:
+        raise ValueError("choose_fallback needs at least one miss")
+    z = max(return_s, 1e-6)
+    jit = e_primary / (z + depth * max(step_s, 0.0))
+    return "ngram" if e_backup / z > jit else "jit"
+
+
+def predicted_speedup(hit: float, e_primary: float, e_backup: float, t_backup: float) -> float:
+    """SSD's speedup over autoregressive decoding (Theorem 7); t_backup in verifications."""
+    return (hit * e_primary + (1 - hit) * e_backup) / (hit + (1 - hit) * (1 + t_backup))
+
+
+def predicted_gain_over_plain(hit: float, e_primary: float, t_primary: float) -> float:
+    """Pre-speculation with a just-in-time fallback (E_b = E_p, T_b = T_p) over plain
+    speculative decoding, whose speedup over autoregressive is E_p / (1 + T_p)."""
+    return predicted_speedup(hit, e_primary, e_primary, t_primary) / (e_primary / (1 + t_primary))

@@ -1,0 +1,219 @@
+"""The draft server's speculation cache: one pre-speculation Plan per session whose chain
+proposal is out, keyed (tag, k, bonus) through the plan's branches. Touched only on the
+compute thread.
+
+- ``planned``: after a proposal is sent, plan its outcomes' branches (fan-out from the
+  session's own acceptance rate and power-law exponent) and wake the background work;
+- ``step``: one batched forward over every plan's live branches, run by the compute
+  thread only while no real request is queued (leftover capacity);
+- ``lookup_many``: a Propose whose outcome a branch holds is answered from it (finishing
+  the branch first when it is not done); anything else is a miss, which the table drafts
+  just in time or with the n-gram backup (``fallback_for``), per session: a miss never
+  holds back another session's hit."""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+from functools import partial
+
+from specctl.draft.fanout import acceptance_estimate, choose_fallback, fanout, power_law_exponent
+from specctl.draft.prespec import Plan, adopt, finish, make_plan, proposal_of, step
+from specctl.errors import ConfigError
+from specctl.spec.draft_state import DraftState
+from specctl.spec.drafters import RANKED, Proposal
+from specctl.spec.sampling import saguaro
+
+FALLBACKS = ("auto", "jit", "ngram")
+PRIOR_BACKUP_LENGTH = 1.2  # tokens per round the n-gram backup is assumed to give before it is measured
+
+
+@dataclass(slots=True)
+class PrespecConfig:
+    budget: int = 8  # most branches per session and round
+    saguaro_c: float = 1.0  # Saguaro sampling's down-weighting constant (1 = plain sampling)
+    fallback: str = "auto"  # on a miss: auto | jit | ngram
+    max_rows: int = 64  # most branch tokens in one background forward (bounds a real request's wait)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.budget, int) or not 1 <= self.budget <= 4096:
+            raise ConfigError(f"the pre-speculation budget must be an integer in [1, 4096], got {self.budget!r}")
+        if not isinstance(self.saguaro_c, (int, float)) or not 0.0 < self.saguaro_c <= 1.0:
+            raise ConfigError(f"--saguaro-c must be in (0, 1], got {self.saguaro_c!r}")
+        if self.fallback not in FALLBACKS:
+            raise ConfigError(f"--fallback must be one of {', '.join(FALLBACKS)}, got {self.fallback!r}")
+        if not isinstance(self.max_rows, int) or self.max_rows < 1:
+            raise ConfigError(f"max_rows must be a positive integer, got {self.max_rows!r}")
+
+
+@dataclass(slots=True)
+class History:
+    """What a session's past rounds say about its next outcome."""
+    ranks: collections.deque = field(default_factory=lambda: collections.deque(maxlen=256))
+    proposed_at: float | None = None
+    return_s: float | None = None  # draft-side return time Z (proposal sent -> next outcome), smoothed
+    backup_pending: bool = False  # its last proposal came from the n-gram backup
+    backup_rounds: int = 0
+    backup_accepted: int = 0
+
+    @property
+    def backup_length(self) -> float:
+        return 1 + self.backup_accepted / self.backup_rounds if self.backup_rounds else PRIOR_BACKUP_LENGTH
+
+
+@dataclass(slots=True)
+class PrespecStats:
+    hits: int = 0
+    partial_hits: int = 0  # hits whose branch was still being drafted
+    misses: int = 0
+    branches_drafted: int = 0
+    branches_used: int = 0
+    steps: int = 0
+    busy_s: float = 0.0
+    fallback_jit: int = 0
+    fallback_ngram: int = 0
+
+
+class SpeculationCache:
+    def __init__(self, config: PrespecConfig, depth: int, wake=lambda: None) -> None:
+        self.config, self.depth, self.wake = config, depth, wake
+        self.plans: dict[int, Plan] = {}
+        self.history: dict[int, History] = {}
+        self.missed: set[int] = set()  # sessions whose outcome just missed (their fallback is due)
+        self.step_s: dict[int, float] = {}  # smoothed chain-drafting time per token, by sessions drafted together
+        self.stats = PrespecStats()
+
+    @property
+    def reserve(self) -> int:
+        """KV positions a session needs beyond its proposals for its branches."""
+        return 1 + self.config.budget * self.depth
+
+    def reshape_for(self, tag: int, state: DraftState):
+        """Saguaro sampling for a session's next proposal (None: plain sampling)."""
+        if state.params.greedy or self.config.saguaro_c >= 1.0:
+            return None
+        counts = self._fanout_tag(tag, state, self.depth + 1)
+        return partial(_saguaro_at, counts, self.config.saguaro_c)
+
+    def _fanout_tag(self, tag: int, state: DraftState, positions: int) -> list[int]:
+        history = self.history.setdefault(tag, History())
+        a = acceptance_estimate(state.accepted, state.drafted)
+        r = power_law_exponent(history.ranks, RANKED - 1)
+        return fanout(a, r, positions - 1, self.config.budget, RANKED - 1)
+
+    def planned(self, tag: int, state: DraftState, proposal: Proposal, backup: bool = False) -> None:
+        """A proposal went out: plan its outcomes' branches (not for a backup proposal)."""
+        history = self.history.setdefault(tag, History())
+        history.proposed_at, history.backup_pending = time.perf_counter(), backup
+        self.plans.pop(tag, None)
+        if backup or proposal.ranked is None:
+            return
+        chain_length = len(proposal.tree) - 1
+        plan = make_plan(state, proposal, self._fanout_tag(tag, state, chain_length + 1), self.depth,
+                         self.reshape_for(tag, state))
+        if plan is not None:
+            self.plans[tag] = plan
+            self.stats.branches_drafted += sum(plan.fanout)
+            self.wake()
+
+    def outcome(self, tag: int, path: list[int], tokens: list[int]) -> Plan | None:
+        """The outcome of the session's last proposal arrived: learn from it; its plan, if any."""
+        history = self.history.setdefault(tag, History())
+        if history.proposed_at is not None:
+            z = time.perf_counter() - history.proposed_at
+            history.return_s = z if history.return_s is None else 0.8 * history.return_s + 0.2 * z
+            history.proposed_at = None
+        if history.backup_pending:
+            history.backup_pending = False
+            history.backup_rounds += 1
+            history.backup_accepted += len(path)
+        plan = self.plans.pop(tag, None)
+        if plan is not None and tokens:
+            rank = plan.rank_of(len(path), tokens[-1])
+            if len(path) < len(plan.chain):
+                history.ranks.append(rank)
+        return plan
+
+    def lookup_many(self, requests: list[tuple[int, DraftState | None, list[int], list[int]]]) -> list[Proposal | None]:
+        """Per request (tag, state, path, tokens): the proposal a branch holds for it, or None
+        (a miss, or nothing was planned: the caller drafts as usual)."""
+        results: list[Proposal | None] = [None] * len(requests)
+        adopted: list[tuple[int, int, DraftState, Plan]] = []
+        for i, (tag, state, path, tokens) in enumerate(requests):
+            plan = self.outcome(tag, path, tokens) if state is not None else self.plans.pop(tag, None)
+            if plan is None or state is None:
+                continue
+            try:
+                state.check_outcome(path, tokens)
+            except Exception:  # noqa: BLE001 - the table's own drafting path reports it
+                continue
+            key = (len(path), tokens[-1])
+            branch = plan.branches.get(key)
+            if branch is None or not branch.slots:
+                self.stats.misses += 1
+                self.missed.add(tag)
+                continue
+            self.stats.hits += 1
+            self.stats.partial_hits += branch.live(plan.depth)
+            self.stats.branches_used += 1
+            adopt(plan, key)
+            state.advance(path, tokens, kv_done=True)
+            adopted.append((i, tag, state, plan))
+        finish([plan for _, _, _, plan in adopted])
+        for i, tag, state, plan in adopted:
+            branch = next(iter(plan.branches.values()))
+            results[i] = state.proposed(proposal_of(branch, state.params))
+        return results
+
+    def step(self) -> bool:
+        """One background forward over the live branches; False when there was nothing to do."""
+        due = [(tag, plan) for tag, plan in self.plans.items() if plan.has_work]
+        if not due:
+            return False
+        started = time.perf_counter()
+        advanced = {id(plan) for plan in step([plan for _, plan in due], self.config.max_rows)}
+        self.stats.steps += 1
+        self.stats.busy_s += time.perf_counter() - started
+        for tag, plan in due:  # the plans just served go to the back: a step that cannot take all serves them in turn
+            if id(plan) in advanced:
+                self.plans[tag] = self.plans.pop(tag)
+        return True
+
+    def fallback_for(self, misses: list[tuple[int, DraftState]]) -> str:
+        """How to draft the sessions that just missed, together: "jit" or "ngram"."""
+        if self.config.fallback != "auto":
+            return self.config.fallback
+        returns = [self.history[tag].return_s for tag, _ in misses if self.history.get(tag) and self.history[tag].return_s]
+        if not returns:
+            return "jit"
+        primary = sum(1 + s.accepted / s.rounds if s.rounds else 1.0 for _, s in misses) / len(misses)
+        backup = sum(self.history[tag].backup_length for tag, _ in misses) / len(misses)
+        known = sorted(self.step_s, key=lambda m: abs(m - len(misses)))
+        step_s = self.step_s[known[0]] if known else 0.0
+        return choose_fallback(len(misses), step_s, self.depth, sum(returns) / len(returns), primary, backup)
+
+    def drafted(self, sessions: int, seconds: float) -> None:
+        """A just-in-time pass drafted ``sessions`` chains in ``seconds``."""
+        per_token = seconds / self.depth
+        old = self.step_s.get(sessions)
+        self.step_s[sessions] = per_token if old is None else 0.8 * old + 0.2 * per_token
+
+    def drop(self, tag: int) -> None:
+        self.plans.pop(tag, None)
+        self.history.pop(tag, None)
+        self.missed.discard(tag)
+
+    def snapshot(self) -> dict:
+        s = self.stats
+        looked = s.hits + s.misses
+        return {"hits": s.hits, "partial_hits": s.partial_hits, "misses": s.misses,
+                "hit_rate": round(s.hits / looked, 4) if looked else 0.0,
+                "branches_drafted": s.branches_drafted, "branches_used": s.branches_used, "steps": s.steps,
+                "busy_s": round(s.busy_s, 6), "fallback_jit": s.fallback_jit, "fallback_ngram": s.fallback_ngram,
+                "plans": len(self.plans), "budget": self.config.budget, "saguaro_c": self.config.saguaro_c,
+                "fallback": self.config.fallback}
+
+
+def _saguaro_at(counts: list[int], c: float, position: int, q):
+    return saguaro(q, counts[min(position, len(counts) - 1)], c)

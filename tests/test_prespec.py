@@ -1,0 +1,187 @@
+"""Pre-speculation on the draft server's session table (no network): the round loop runs
+against the table as a target would over TCP, with the background steps a busy or idle
+draft would fit between proposal and outcome. Exact output with hits, partial hits and
+forced misses; the target's distribution with Saguaro sampling; freed state."""
+
+import pytest
+import torch
+
+from specctl.draft.sessions import SessionTable
+from specctl.draft.speculation import PrespecConfig, SpeculationCache
+from specctl.engine.kv_cache import KVPool
+from specctl.engine.loader import load_decoder
+from specctl.engine.tiny import make_tiny_model
+from specctl.errors import ConfigError
+from specctl.net.protocol import OpenSession
+from specctl.spec.decode import DecodeSession
+from specctl.spec.drafters import ModelChainDrafter
+from specctl.spec.rounds import Drafted, InlineLane, generate, run_inline, run_session
+from specctl.spec.sampling import SamplingParams
+from specctl.verify.speculator import proposal_from_message
+from tests.test_sampling_exact import PROMPT, SAMPLES, VOCAB, _next_probs, assert_counts_match
+
+PROMPTS = [[5, 9, 13, 2], [7, 8, 9, 10, 7, 8, 9], [100, 3], [1, 2, 3, 1, 2, 3]]
+
+
+class TableSpeculator:
+    """Stands for a target's link to a draft server: Propose -> lookup, then drafting on a miss;
+    ``steps`` background steps run while the target verifies."""
+
+    def __init__(self, table: SessionTable, tag: int, steps: int) -> None:
+        self.table, self.tag, self.steps = table, tag, steps
+        self.max_nodes = table.drafter.max_nodes
+        self.opened = False
+
+    def begin(self, session) -> None:
+        pass
+
+    async def propose(self, session) -> Drafted:
+        if not self.opened:
+            p = session.params
+            self.table.open(self.tag, OpenSession(0, session.seq[: session.prompt_len], p.temperature, p.top_p, p.top_k,
+                                                  seed=p.seed or 0, max_tokens=p.max_tokens))
+            self.opened, path, tokens = True, [], session.seq[session.prompt_len:]
+        else:
+            path, tokens = session.last_path, session.last_committed
+        request = (self.tag, path, tokens)
+        message = self.table.lookup_many([request])[0] or self.table.propose_many([request])[0]
+        if isinstance(message, Exception):
+            raise message
+        for _ in range(self.steps):
+            self.table.speculation.step()
+        return Drafted(proposal_from_message(message, session.target.spec.vocab_size), 0.0)
+
+    def close(self) -> None:
+        self.table.close(self.tag)
+
+
+def make_table(draft, depth=3, **prespec) -> SessionTable:
+    drafter = ModelChainDrafter(draft, depth)
+    table = SessionTable(drafter, KVPool(None), draft.spec.vocab_size, draft.spec.max_position)
+    table.speculation = SpeculationCache(PrespecConfig(**prespec), depth)
+    return table
+
+
+def run(target, table, prompt, params, steps, tag=1):
+    speculator = TableSpeculator(table, tag, steps)
+    session = DecodeSession(target, prompt, params, max_nodes=speculator.max_nodes)
+    run_inline(run_session(session, speculator, InlineLane(), lambda tokens, result: None))
+    return session.output, session.stats
+
+
+@pytest.mark.parametrize("steps, fallback", [(8, "jit"), (2, "jit"), (0, "jit"), (1, "ngram"), (0, "auto")])
+def test_greedy_equals_target_alone_with_hits_and_misses(tiny, steps, fallback):
+    target, draft = tiny["llama"], tiny["llama-self2"]
+    table = make_table(draft, budget=6, fallback=fallback)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    for tag, prompt in enumerate(PROMPTS, 1):
+        out, _ = run(target, table, prompt, params, steps, tag)
+        assert out == generate(target, prompt, params)[0]
+    stats = table.speculation.snapshot()
+    if steps == 0:  # nothing drafted ahead: every outcome misses and is served by the fallback
+        assert stats["hits"] == 0 and stats["misses"] > 0
+        assert stats["fallback_jit"] + stats["fallback_ngram"] == stats["misses"]
+        if fallback == "jit":
+            assert stats["fallback_jit"] == stats["misses"]
+    elif steps == 8:  # every branch finished before its outcome arrived
+        assert stats["hits"] > 0 and stats["partial_hits"] == 0
+    elif steps == 2:  # hits arrive before their branch is done: it is finished on the spot
+        assert stats["partial_hits"] > 0
+    if fallback == "ngram":
+        assert stats["fallback_ngram"] == stats["misses"] > 0 and stats["fallback_jit"] == 0
+    assert table.states == {} and table.speculation.plans == {} and table.speculation.history == {}
+    assert table.pool.used_bytes == 0
+
+
+def test_a_hit_answers_from_the_branch_without_drafting(tiny):
+    target, draft = tiny["llama"], tiny["llama-self2"]
+    table = make_table(draft, budget=16)
+    out, stats = run(target, table, PROMPTS[1], SamplingParams(max_tokens=30, ignore_eos=True), steps=10)
+    snap = table.speculation.snapshot()
+    # Budget 16 over a vocabulary of 512 with a self-draft: most outcomes are in the cache.
+    assert snap["hits"] > snap["misses"]
+    assert snap["branches_used"] == snap["hits"]
+    assert snap["hit_rate"] == round(snap["hits"] / (snap["hits"] + snap["misses"]), 4)
+
+
+def test_cache_is_freed_on_close_over_1000_sessions(tiny):
+    draft = tiny["llama-self2"]
+    table = make_table(draft, budget=4)
+    params = OpenSession(0, [5, 6, 7], max_tokens=8)
+    for tag in range(1, 1001):
+        table.open(tag, params)
+        assert table.propose_many([(tag, [], [8])])[0].tokens[0] == 8
+        table.speculation.step()
+        if tag % 2:  # half of them also see an outcome first
+            table.lookup_many([(tag, [], [9])])
+        table.close(tag)
+    spec = table.speculation
+    assert spec.plans == {} and spec.history == {} and spec.missed == set()
+    assert table.states == {} and table.pool.used_bytes == 0
+
+
+def test_plans_wait_their_turn_when_a_step_cannot_take_them_all(tiny):
+    draft = tiny["llama-self2"]
+    table = make_table(draft, budget=4, max_rows=5)
+    for tag in (1, 2):
+        table.open(tag, OpenSession(0, [5, 6, 7], max_tokens=16))
+        table.propose_many([(tag, [], [8])])
+    spec = table.speculation
+    before = {tag: plan.steps for tag, plan in spec.plans.items()}
+    spec.step()
+    spec.step()
+    assert [spec.plans[tag].steps - before[tag] for tag in (1, 2)] == [1, 1]
+
+
+@pytest.mark.parametrize("budget, saguaro_c, fallback", [(1, None, None), (0, 1, None), (4, 0.0, None), (4, 1.5, None),
+                                                          (4, 1.0, "sometimes")])
+def test_bad_prespec_settings_are_refused(budget, saguaro_c, fallback):
+    kwargs = {"budget": budget}
+    if saguaro_c is not None:
+        kwargs["saguaro_c"] = saguaro_c
+    if fallback is not None:
+        kwargs["fallback"] = fallback
+    if budget == 1 and saguaro_c is None and fallback is None:
+        PrespecConfig(**kwargs)
+        return
+    with pytest.raises(ConfigError):
+        PrespecConfig(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    root = tmp_path_factory.mktemp("prespec-small-vocab")
+    kw = dict(vocab_size=VOCAB, layers=2, hidden=32, eos_token_id=None, init_std=0.3)
+    return (load_decoder(make_tiny_model(root / "t", "llama", seed=11, **kw)),
+            load_decoder(make_tiny_model(root / "d", "llama", seed=12, **kw)))
+
+
+def _exact_joint_of_tokens_3_and_4(target, params) -> torch.Tensor:
+    joint = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    p1 = _next_probs(target, PROMPT, params)
+    for t1 in range(VOCAB):
+        p2 = _next_probs(target, PROMPT + [t1], params)
+        for t2 in range(VOCAB):
+            p3 = _next_probs(target, PROMPT + [t1, t2], params)
+            for t3 in range(VOCAB):
+                weight = float(p1[t1]) * float(p2[t2]) * float(p3[t3])
+                if weight:
+                    joint[t3] += weight * _next_probs(target, PROMPT + [t1, t2, t3], params).double()
+    return joint
+
+
+@pytest.mark.parametrize("saguaro_c, fallback", [(1.0, "jit"), (0.1, "jit"), (0.1, "ngram")])
+def test_sampling_keeps_the_target_distribution(small, saguaro_c, fallback):
+    """Depth 1, budget 6 (3 of the 5 possible bonuses per position): tokens 3 and 4 come from rounds whose
+    proposals were mostly pre-speculated (Saguaro-sampled when C < 1), the rest from misses."""
+    target, draft = small
+    params = SamplingParams(temperature=1.0)
+    expected = _exact_joint_of_tokens_3_and_4(target, params)
+    table = make_table(draft, depth=1, budget=6, saguaro_c=saguaro_c, fallback=fallback)
+    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    for seed in range(SAMPLES):
+        out, _ = run(target, table, PROMPT, SamplingParams(temperature=1.0, max_tokens=4, seed=seed), steps=3, tag=seed + 1)
+        counts[out[2], out[3]] += 1
+    snap = table.speculation.snapshot()
+    assert snap["hits"] > 100 and snap["misses"] > 100  # both paths were exercised
+    assert_counts_match(counts, expected)
