@@ -3,6 +3,7 @@ the compute thread's batching of queued requests."""
 
 import asyncio
 import threading
+import time
 
 import torch
 
@@ -66,6 +67,47 @@ async def test_compute_thread_serves_queued_requests_in_one_pass():
         assert results[:3] == [0, 10, 20] and results[4] == 40
         assert isinstance(results[3], ValueError) and str(results[3]) == "bad item"
         assert compute.stats.jobs == 6 and compute.stats.passes == 2
+    finally:
+        compute.stop()
+
+
+async def test_background_work_runs_only_between_jobs_and_delays_a_job_one_step_at_most():
+    compute = ComputeThread("test", max_batch=8).lane(owns_thread=True)
+    steps, stepping = [], threading.Event()
+
+    def background() -> bool:  # never runs out of work, like pre-speculation under load
+        stepping.set()
+        steps.append(threading.current_thread().name)
+        time.sleep(0.01)
+        return len(steps) < 10_000
+
+    try:
+        compute.add_background(background)
+        assert not steps  # not woken yet: nothing runs
+        compute.wake_background()
+        await asyncio.to_thread(stepping.wait)
+        for i in range(20):  # jobs arriving while it is busy are still served, each promptly
+            assert await compute.run(lambda i=i: i * 2) == i * 2
+        snap = compute.stats.snapshot(0)
+        assert snap["background_steps"] > 0 and snap["jobs"] == 20
+        # Each job waited for the step under way, never for a second one.
+        assert compute.stats.background_delay_max_s <= compute.stats.background_step_max_s
+        assert set(steps) == {"test"}
+    finally:
+        compute.stop()
+
+
+async def test_background_work_stops_when_it_has_nothing_to_do():
+    compute = ComputeThread("test").lane(owns_thread=True)
+    calls = []
+    try:
+        compute.add_background(lambda: calls.append(1) and False)
+        compute.wake_background()
+        await wait_until(lambda: calls, what="one background call")
+        await asyncio.sleep(0.1)
+        assert len(calls) == 1  # it said there was nothing to do: not called again until woken
+        compute.wake_background()
+        await wait_until(lambda: len(calls) == 2, what="a second call after waking")
     finally:
         compute.stop()
 

@@ -244,3 +244,14 @@ def test_bench_pipeline_measures_every_mode_and_stage_count_with_exact_outputs(t
 def test_bench_pipeline_refuses_more_stages_than_layers(tiny_dir):
     _assert_one_line_error(run("bench", "pipeline", "--target", str(tiny_dir["llama"]), "--draft",
                                f"{tiny_dir['llama']}@2", "--stages", "1,5"), "has 4 layers: at most that many stages")
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--prespec", "--mode", "tree"), "--prespec drafts chains: use --mode chain (not tree)"),
+    (("--prespec", "--mode", "chain", "--saguaro-c", "1.5"), "--saguaro-c must be in (0, 1], got 1.5"),
+    (("--prespec", "--mode", "chain", "--fallback", "sometimes"), "--fallback must be one of auto, jit, ngram, got 'sometimes'"),
+    (("--prespec", "--mode", "chain", "--prespec-budget", "0"), "the pre-speculation budget must be an integer in [1, 4096], got 0"),
+    (("--fallback", "jit"), "--prespec-budget, --saguaro-c and --fallback need --prespec"),
+])
+def test_prespec_flags_are_checked_before_anything_loads(args, message):
+    _assert_one_line_error(run("draft", "--model", "no-such-model", *args, timeout=60), message)

@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from specctl.cli import bench, chat, gateway, generate, models, monitor, plan, roles
+from specctl.cli import bench, chat, draft, gateway, generate, models, monitor, plan, roles
 from specctl.errors import SpecctlError
 
 app = typer.Typer(
@@ -20,7 +20,7 @@ app = typer.Typer(
 app.add_typer(models.app, name="models")
 app.add_typer(bench.app, name="bench")
 app.command("generate")(generate.generate)
-app.command("draft")(roles.draft)
+app.command("draft")(draft.draft)
 app.command("verify")(roles.verify)
 app.command("plan")(plan.plan)
 app.command("gateway")(gateway.gateway)

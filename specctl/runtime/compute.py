@@ -129,7 +129,7 @@ class ComputeThread:
         self._ready = threading.Condition()
         self._background: list[tuple[ComputeLane, Callable[[], bool]]] = []
         self._background_due = False
-        self._last_background = (0.0, 0.0)  # (start, end) of the last background step
+        self._recent_background: deque[tuple[float, float]] = deque(maxlen=16)  # (start, end) of recent steps
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True) if spawn else None
         if self._thread is not None:
             self._thread.start()
@@ -198,7 +198,7 @@ class ComputeThread:
             end = time.perf_counter()
             if worked:
                 did = True
-                self._last_background = (start, end)
+                self._recent_background.append((start, end))
                 lane.stats.background_s += end - start
                 lane.stats.background_steps += 1
                 lane.stats.background_step_max_s = max(lane.stats.background_step_max_s, end - start)
@@ -216,9 +216,9 @@ class ComputeThread:
             lane, stats = head.lane, head.lane.stats
             stats.idle_s += start - (lane.last_end if lane.last_end is not None else stats.started)
             stats.wait_s += sum(start - job.queued_at for job in batch)
-            began, ended = self._last_background
-            if ended > head.queued_at:  # it arrived during a background step
-                stats.background_delay_max_s = max(stats.background_delay_max_s, ended - max(head.queued_at, began))
+            # How long the head job waited on background steps (one at most, by design).
+            waited = sum(max(0.0, min(end, start) - max(began, head.queued_at)) for began, end in self._recent_background)
+            stats.background_delay_max_s = max(stats.background_delay_max_s, waited)
             try:
                 if head.batch_key is None:
                     outcomes = [(head.fn(*head.args), None)]

@@ -1,0 +1,101 @@
+"""``specctl draft``: the shared draft server of the star, optionally pre-speculating."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from specctl.cli.roles import AUTH_HELP, admission_model, checked
+from specctl.config import build_config
+from specctl.errors import ConfigError
+
+DEFAULT_PRESPEC_BUDGET = 8
+
+
+def prespec_config(enabled: bool, budget: int | None, profile_budget: int, saguaro_c: float, fallback: str, mode: str):
+    """The pre-speculation settings from the flags (budget: flag > profile > default), or None when off."""
+    from specctl.draft.speculation import PrespecConfig
+
+    if not enabled:
+        if budget is not None or saguaro_c != 1.0 or fallback != "auto":
+            raise ConfigError("--prespec-budget, --saguaro-c and --fallback need --prespec")
+        return None
+    if mode != "chain":
+        raise ConfigError(f"--prespec drafts chains: use --mode chain (not {mode})")
+    budget = budget if budget is not None else (profile_budget or DEFAULT_PRESPEC_BUDGET)
+    return checked(PrespecConfig, budget=budget, saguaro_c=saguaro_c, fallback=fallback)
+
+
+def draft(
+    port: int = typer.Option(9000, help="TCP port to listen on (0 = any free port)"),
+    host: str = typer.Option("127.0.0.1", help="address to bind (0.0.0.0 for every interface)"),
+    model: Optional[str] = typer.Option(None, help="draft model (default: qwen2.5-coder-0.5b)"),
+    mode: Optional[str] = typer.Option(None, help="chain | tree | ngram: the proposals this server makes"),
+    draft_stop: Optional[float] = typer.Option(None, "--draft-stop", help="adaptive depth: stop drafting once the draft's probability of its path is below this (0 = off)"),
+    depth: Optional[int] = typer.Option(None, help="proposal depth d"),
+    topk: Optional[int] = typer.Option(None, help="tree top-k"),
+    width: Optional[int] = typer.Option(None, help="tree width w"),
+    max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="most open sessions (admission)"),
+    max_batch: Optional[int] = typer.Option(None, "--max-batch", help="most requests served per compute pass"),
+    dtype: Optional[str] = typer.Option(None, help="fp32 | bf16 | fp16"),
+    draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="none | int8 (CPU)"),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
+    profile: Optional[str] = typer.Option(None, help="hardware profile"),
+    max_messages_per_s: float = typer.Option(5000.0, "--max-messages-per-s", help="per-peer rate limit (0 = off)"),
+    admission_plan: Optional[str] = typer.Option(
+        None, "--admission-plan", help="TS_MS,TV_MS,TC_MS,BETA: refuse a target beyond StarSD's N_max (with --standalone)"),
+    standalone: Optional[float] = typer.Option(None, "--standalone", help="the target's standalone tokens/s (admission)"),
+    auth_token: Optional[str] = typer.Option(None, "--auth-token", envvar="SPECCTL_AUTH_TOKEN", help=AUTH_HELP),
+    tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="PEM certificate: serve TLS"),
+    tls_key: Optional[str] = typer.Option(None, "--tls-key", help="PEM private key for --tls-cert"),
+    prespec: bool = typer.Option(False, "--prespec", help="pre-speculation (SSD/Saguaro): while a target verifies, "
+                                 "draft the next proposal for its likely outcomes in leftover compute (chain mode)"),
+    prespec_budget: Optional[int] = typer.Option(None, "--prespec-budget", help="most branches (outcomes) drafted ahead "
+                                                 "per session and round (default: the profile's, else 8)"),
+    saguaro_c: float = typer.Option(1.0, "--saguaro-c", help="Saguaro sampling at T > 0: the top-(F+1) draft "
+                                    "probabilities times C in (0, 1] (1 = plain sampling; lower = more hits, less acceptance)"),
+    fallback: str = typer.Option("auto", "--fallback", help="on a cache miss: jit (draft now), ngram (the fast backup), "
+                                 "or auto (whichever the measured times favour for the sessions that missed together)"),
+    log_level: str = typer.Option("info", "--log-level", help="debug | info | warning"),
+) -> None:
+    """Run the shared draft server: one draft model serving many target instances (StarSD).
+
+    With --admission-plan and --standalone, a new target instance is refused (its sessions run
+    autoregressively, exactly as before) when StarSD predicts it would make every target slower
+    than it runs alone: N > N_max. `specctl plan` prints N_max for the same numbers.
+
+    With --prespec, the outcomes of every proposal out for verification are guessed (k tokens
+    accepted, then the bonus) and drafted ahead, only while no real request waits; a hit is
+    answered at once, a miss as before. Output stays exactly the target's."""
+    from specctl.draft.server import DraftServer, DraftServerConfig
+    from specctl.runtime.compute import ComputeThread
+    from specctl.runtime.loop import run_with_compute, serve, setup_logging
+    from specctl.runtime.tls import server_context
+    from specctl.spec.factory import apply_threads, load_named, make_drafter
+
+    config = build_config(profile, draft=model, mode=mode, depth=depth, draft_stop=draft_stop, topk=topk, width=width,
+                          max_sessions=max_sessions, max_batch=max_batch, dtype=dtype, threads=threads, draft_quant=draft_quant)
+    if config.mode == "ar":
+        raise ConfigError("a draft server proposes: --mode must be chain, tree or ngram")
+    speculation = prespec_config(prespec, prespec_budget, config.prespec_budget, saguaro_c, fallback, config.mode)
+    ssl = server_context(tls_cert, tls_key)
+    server_config = checked(DraftServerConfig, host=host, port=port, max_sessions=config.max_sessions,
+                            max_batch=config.max_batch, kv_budget_bytes=config.kv_budget_bytes, auth_token=auth_token,
+                            admission_model=admission_model(admission_plan, standalone, config.depth),
+                            standalone_tokens_per_s=standalone, max_messages_per_s=max_messages_per_s,
+                            prespec=speculation)
+    setup_logging(log_level)
+    apply_threads(config)
+    console = Console(stderr=True)
+    loaded = load_named(config.draft, config, console, config.draft_quant)
+    drafter = make_drafter(config, loaded)
+
+    async def main(compute: ComputeThread) -> None:
+        await serve(DraftServer(loaded, drafter, server_config, ssl, compute=compute.lane(max_batch=config.max_batch)), lambda bound: console.print(
+            f"draft server [bold]{config.draft}[/] ({config.mode}, d={config.depth}) listening on "
+            f"{host}:{bound}{' (TLS)' if ssl else ''}{' (auth)' if auth_token else ''}"
+            f"{f' (pre-speculation, budget {speculation.budget})' if speculation else ''}", soft_wrap=True))
+
+    run_with_compute(main, ComputeThread("draft-compute", max_batch=config.max_batch, spawn=False))

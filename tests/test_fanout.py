@@ -1,0 +1,76 @@
+"""Pre-speculation's decision functions, against values worked out by hand."""
+
+import math
+
+import pytest
+import torch
+
+from specctl.draft.fanout import (
+    PRIOR_R, acceptance_estimate, choose_fallback, fanout, outcome_probs, power_law_exponent, predicted_gain_over_plain,
+    predicted_speedup,
+)
+from specctl.spec.sampling import saguaro
+
+
+def test_outcome_probabilities_are_geometric_and_capped():
+    assert outcome_probs(0.5, 2) == [0.5, 0.25, 0.25]
+    assert outcome_probs(0.0, 3) == [1.0, 0.0, 0.0, 0.0]
+    assert math.isclose(sum(outcome_probs(0.73, 5)), 1.0)
+    with pytest.raises(ValueError):
+        outcome_probs(1.5, 2)
+
+
+def test_fanout_follows_p_to_the_power_one_over_one_plus_r():
+    # r = 0: shares 8 * [0.5, 0.25, 0.25]
+    assert fanout(0.5, 0.0, 2, 8, 15) == [4, 2, 2]
+    # r = 1: sqrt([0.5, 0.25, 0.25]) -> shares [3.31, 2.34, 2.34]; the one left over goes to k = 1
+    assert fanout(0.5, 1.0, 2, 8, 15) == [3, 3, 2]
+
+
+def test_fanout_caps_a_position_and_gives_its_share_to_the_others():
+    # a = 0.9, d = 1: shares [0.6, 5.4] of 6; k = 1 capped at 3, k = 0 takes the rest
+    assert fanout(0.9, 0.0, 1, 10, 3) == [3, 3]
+    assert fanout(0.9, 0.0, 1, 4, 3) == [1, 3]
+    assert sum(fanout(0.7, 1.3, 4, 13, 15)) == 13
+    assert fanout(0.7, 1.0, 3, 0, 15) == [0, 0, 0, 0]
+
+
+def test_acceptance_estimate_starts_at_the_prior_and_follows_the_session():
+    assert acceptance_estimate(0, 0) == pytest.approx(0.6)
+    assert acceptance_estimate(90, 100) == pytest.approx((90 + 2.4) / 104)
+    assert acceptance_estimate(0, 1000) == 0.01
+
+
+def test_power_law_exponent_fits_the_miss_rate():
+    # miss(2) = 1/2, miss(3) = 1/3: exactly F^-1
+    ranks = [0] * 6 + [2] * 2 + [None] * 4
+    assert power_law_exponent(ranks, 3) == pytest.approx(1.0)
+    assert power_law_exponent(ranks[:7], 3) == PRIOR_R  # too few outcomes to fit
+    assert power_law_exponent([0, 1] * 5, 3) == 8.0  # never missed with two candidates
+    assert power_law_exponent([None] * 10, 3) == 0.05  # never among the candidates
+
+
+def test_fallback_cross_over_from_measured_times():
+    # JIT: 3 tokens / (0.1 + 4 * 0.05) = 10/s; n-gram: 1.2 / 0.1 = 12/s
+    assert choose_fallback(4, 0.05, 4, 0.1, 3.0, 1.2) == "ngram"
+    # a faster step: 3 / 0.14 = 21/s beats 12/s
+    assert choose_fallback(4, 0.01, 4, 0.1, 3.0, 1.2) == "jit"
+    with pytest.raises(ValueError):
+        choose_fallback(0, 0.01, 4, 0.1, 3.0, 1.2)
+
+
+def test_speedup_model():
+    assert predicted_speedup(1.0, 3.0, 1.2, 0.5) == 3.0
+    assert predicted_speedup(0.0, 3.0, 1.2, 0.5) == pytest.approx(1.2 / 1.5)
+    # a full hit rate hides the draft time entirely: E_p / 1 over E_p / (1 + T_p)
+    assert predicted_gain_over_plain(1.0, 3.0, 1.0) == pytest.approx(2.0)
+    assert predicted_gain_over_plain(0.0, 3.0, 1.0) == pytest.approx(1.0)
+
+
+def test_saguaro_sampling_down_weights_the_top_f_plus_one():
+    q = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    expected = torch.tensor([0.2, 0.15, 0.2, 0.1]) / 0.65
+    assert torch.allclose(saguaro(q, 1, 0.5), expected)
+    assert saguaro(q, 1, 1.0) is q
+    with pytest.raises(ValueError):
+        saguaro(q, 1, 0.0)
