@@ -310,3 +310,19 @@ def test_any_body_gets_an_answer_never_a_server_error(cluster, body, chat):
     if code >= 400:
         error = json.loads(raw)["error"]
         assert error["message"] and error["type"]
+
+
+def test_a_pre_speculating_drafts_cache_is_exported_as_gauges():
+    from specctl.gateway.metrics import GatewayMetrics
+
+    metrics = GatewayMetrics()
+    metrics.record_role("draft", "d:9000", True, {"load": 0.5, "proposal_bytes_mean": 812.5, "prespec": {
+        "hit_rate": 0.62, "hits": 31, "misses": 19, "branches_drafted": 400, "branches_used": 31,
+        "leftover_used": 0.45, "fallback_jit": 12, "fallback_ngram": 7}})
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(metrics.exposition().decode()) for s in family.samples}
+    assert samples[("specctl:prespec_hit_rate", (("address", "d:9000"),))] == 0.62
+    assert samples[("specctl:prespec_branches_drafted", (("address", "d:9000"),))] == 400
+    assert samples[("specctl:prespec_leftover_used", (("address", "d:9000"),))] == 0.45
+    assert samples[("specctl:prespec_fallbacks", (("address", "d:9000"), ("kind", "ngram")))] == 7
+    assert samples[("specctl:proposal_bytes_mean", (("address", "d:9000"), ("role", "draft")))] == 812.5

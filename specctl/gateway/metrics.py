@@ -21,6 +21,18 @@ ROLE_GAUGES = {
     "R_p": ("R_p", "verification rounds per second"),
     "specpipe_flushes": ("specpipe_flushes", "SpecPipe steps whose verified token was not in the tree (a refill)"),
     "specpipe_hit_rate": ("specpipe_hit_rate", "share of SpecPipe steps whose verified token was in the tree"),
+    "proposal_bytes_mean": ("proposal_bytes_mean", "mean size of a draft server's Proposal frame (bytes)"),
+    "background_delay_max_ms": ("background_delay_max_ms", "longest a request waited for background work (ms)"),
+}
+
+# a draft server's "prespec" stats -> (gauge name, help)
+PRESPEC_GAUGES = {
+    "hit_rate": ("prespec_hit_rate", "share of outcomes whose next proposal was pre-speculated"),
+    "hits": ("prespec_hits", "outcomes answered from the speculation cache"),
+    "misses": ("prespec_misses", "outcomes the speculation cache did not hold"),
+    "branches_drafted": ("prespec_branches_drafted", "outcome branches planned for pre-speculation"),
+    "branches_used": ("prespec_branches_used", "pre-speculated branches that became proposals"),
+    "leftover_used": ("prespec_leftover_used", "share of the draft's idle time spent pre-speculating"),
 }
 
 STAGE_GAUGES = {
@@ -49,6 +61,10 @@ class GatewayMetrics:
                             for key, (name, help_) in ROLE_GAUGES.items()}
         self.stage_gauges = {key: Gauge(f"{p}{name}", help_, ["address", "stage"], registry=r)
                              for key, (name, help_) in STAGE_GAUGES.items()}
+        self.prespec_gauges = {key: Gauge(f"{p}{name}", help_, ["address"], registry=r)
+                               for key, (name, help_) in PRESPEC_GAUGES.items()}
+        self.prespec_fallbacks = Gauge(f"{p}prespec_fallbacks", "cache misses by how they were drafted",
+                                       ["address", "kind"], registry=r)
 
     def record_generation(self, stats: dict) -> None:
         """Counters from a finished request's per-session statistics."""
@@ -67,6 +83,14 @@ class GatewayMetrics:
             for key, gauge in self.stage_gauges.items():
                 if isinstance(stage.get(key), (int, float)):
                     gauge.labels(address=address, stage=str(stage.get("stage"))).set(stage[key])
+        prespec = stats.get("prespec")
+        if isinstance(prespec, dict):  # a pre-speculating draft server
+            for key, gauge in self.prespec_gauges.items():
+                if isinstance(prespec.get(key), (int, float)):
+                    gauge.labels(address=address).set(prespec[key])
+            for kind in ("jit", "ngram"):
+                if isinstance(prespec.get(f"fallback_{kind}"), int):
+                    self.prespec_fallbacks.labels(address=address, kind=kind).set(prespec[f"fallback_{kind}"])
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

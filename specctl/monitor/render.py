@@ -58,7 +58,18 @@ def draft_panel(draft: dict, targets: list[dict], state: MonitorState) -> Panel:
     style = "green" if regime.label == "fully loaded" else "yellow"
     table.add_row(f"[{style}]{regime.label}[/]", f"N {regime.targets} vs N_full {n_full}",
                   f"accept {s.get('acceptance_rate', 0):.0%}", f"MAL {s.get('mean_accepted_length', 0):.2f}")
+    if isinstance(s.get("prespec"), dict):
+        table.add_row(*prespec_row(s["prespec"]))
     return Panel(table, title=f"draft {address} ({s.get('model', '?')})"[:60], border_style="blue")
+
+
+def prespec_row(prespec: dict) -> tuple[str, str, str, str]:
+    """Pre-speculation on the draft server: cache hits, branches used of drafted, idle time put
+    to use, and how misses were drafted."""
+    return (f"prespec hit [bold]{prespec.get('hit_rate', 0):.0%}[/]",
+            f"branches {prespec.get('branches_used', 0)}/{prespec.get('branches_drafted', 0)}",
+            f"leftover {prespec.get('leftover_used', 0):.0%}",
+            f"miss jit {prespec.get('fallback_jit', 0)} ng {prespec.get('fallback_ngram', 0)}")
 
 
 def targets_table(targets: list[dict], state: MonitorState) -> Table:
