@@ -102,3 +102,27 @@ def render_pipeline_table(report: dict) -> Table:
         table.add_row(str(r["stages"]), r["mode"], f"{r['tbt_ms']:.0f}{spread}", f"{r['tokens_per_s']:.2f}",
                       fmt(r["vs_pp"], "{:.2f}x"), fmt(r["vs_pp_chain"], "{:.2f}x"), hit_cell(r), prediction, f"{r['same_as_target']}/{r['runs']}")
     return table
+
+
+def render_prespec_table(report: dict) -> Table:
+    s = report["settings"]
+    label = f" (emulated: +{s['verify_delay_ms']:.0f} ms per verification)" if s["emulated"] else ""
+    table = Table(title=f"bench prespec: {s['draft']} -> {s['target']}, d={s['depth']}, budget {s['budget']}, "
+                        f"fallback {s['fallback']}{label}")
+    for column in ("N", "plain O", "prespec O", "gain", "predicted", "hit rate", "partial", "branches used",
+                   "MAL plain/pre", "T_p", "same as plain"):
+        table.add_column(column, justify="right")
+    rows = report["rows"]
+    for pair in report["pairs"]:
+        plain, pre = (next(r for r in rows if r["N"] == pair["N"] and r["repeat"] == pair["repeat"] and r["mode"] == m)
+                      for m in ("plain", "prespec"))
+        table.add_row(str(pair["N"]), f"{plain['O']:.2f}", f"{pre['O']:.2f}", f"{pair['gain']:.2f}x",
+                      f"{pair['predicted_gain']:.2f}x", f"{pre['hit_rate']:.0%}", str(pre["partial_hits"]),
+                      f"{pre['branches_used']}/{pre['branches_drafted']}",
+                      f"{plain['mean_accepted_length']:.2f}/{pre['mean_accepted_length']:.2f}", f"{pair['T_p']:.2f}",
+                      "yes" if pair["same_as_plain"] else "NO")
+    spread = "; ".join(f"N={n}: gain {v['gain']['min']:.2f}/{v['gain']['median']:.2f}/{v['gain']['max']:.2f}x"
+                       for n, v in report["summary"].items())
+    table.caption = (f"O: tokens/s of all N targets; gain: prespec O / plain O of the same repeat (min/median/max: "
+                     f"{spread}); predicted: SSD Theorem 7 with the measured hit rate, T_p = S/Z")
+    return table

@@ -52,6 +52,7 @@ class StarBenchSettings:
     # Emulated runs put the targets at a lower CPU priority: in the topology being emulated
     # their compute runs on their own machines, not on the draft server's cores.
     target_nice: int = 10
+    draft_args: tuple[str, ...] = ()  # more flags for the draft server (bench prespec: --prespec ...)
 
     @property
     def target_niceness(self) -> int:
@@ -114,7 +115,7 @@ class StarCluster:
         try:
             self.procs.append(spawn_role("draft", "--port", str(self.draft_port), "--model", s.draft, "--mode", s.mode,
                                          "--depth", str(s.depth), "--max-batch", str(self.max_batch),
-                                         "--draft-quant", s.draft_quant, *common, **env))
+                                         "--draft-quant", s.draft_quant, *s.draft_args, *common, **env))
             wait_listening(self.procs[0], "draft server")
             for port in self.target_ports:
                 self.procs.append(spawn_role("verify", "--model", s.target, "--draft", f"127.0.0.1:{self.draft_port}",
@@ -163,24 +164,26 @@ async def _until_idle(cluster: StarCluster, n: int, timeout_s: float = 60.0) -> 
         await asyncio.sleep(0.2)
 
 
-async def _workload(cluster: StarCluster, n: int, prompts: list[list[int]], sessions: int) -> None:
+async def _workload(cluster: StarCluster, n: int, prompts: list[list[int]], sessions: int) -> list[list[list[int]]]:
     """The first N targets each serve the same sessions in the same order, one after another:
     identical work, so every N and every sweep sees the same text and acceptance, and the
-    targets finish together (no long tail of one slow session)."""
+    targets finish together (no long tail of one slow session). Returns each target's texts."""
     params = SamplingParams(max_tokens=cluster.settings.max_tokens, ignore_eos=True)
 
-    async def client(port: int) -> None:
-        for k in range(sessions):
-            await remote_generate("127.0.0.1", port, prompts[k % len(prompts)], params)
+    async def client(port: int) -> list[list[int]]:
+        return [(await remote_generate("127.0.0.1", port, prompts[k % len(prompts)], params))[0] for k in range(sessions)]
 
-    await asyncio.gather(*(client(p) for p in cluster.target_ports[:n]))
+    return list(await asyncio.gather(*(client(p) for p in cluster.target_ports[:n])))
 
 
-async def _measure(cluster: StarCluster, n: int, prompts: list[list[int]]) -> dict:
+async def _measure(cluster: StarCluster, n: int, prompts: list[list[int]], texts: list | None = None) -> dict:
+    """One row at N targets (``texts``, when given, receives what every target generated)."""
     s = cluster.settings
     d0, t0 = await _snapshots(cluster, n)
     start = time.perf_counter()
-    await _workload(cluster, n, prompts, s.sessions)
+    outputs = await _workload(cluster, n, prompts, s.sessions)
+    if texts is not None:
+        texts.extend(outputs)
     wall = time.perf_counter() - start
     await _until_idle(cluster, n)
     d1, t1 = await _snapshots(cluster, n)

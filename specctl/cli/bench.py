@@ -15,6 +15,7 @@ from specctl.bench.render import (
     render_local_kinds, render_local_table, render_serve_table, render_star_summary, render_star_table,
 )
 from specctl.cli.bench_pipeline import pipeline
+from specctl.cli.bench_prespec import prespec
 from specctl.errors import ConfigError
 
 app = typer.Typer(help="Benchmarks: ratios against baselines measured in the same run.", no_args_is_help=True)
@@ -268,3 +269,4 @@ def serve(
 
 
 app.command("pipeline")(pipeline)
+app.command("prespec")(prespec)

@@ -1,0 +1,121 @@
+"""``specctl bench prespec``: plain remote speculation against pre-speculation on the star,
+as separate processes on loopback (bench star's cluster and workload), at N = 1, 2 and
+N_full targets, with verification emulated (``--verify-delay-ms``) so that its time Z is
+about the draft's S.
+
+Both draft servers (one plain, one ``--prespec``) and their targets are alive at once and
+each N is measured for both back to back, ``repeats`` times, so drift on this machine hits
+both alike. Each prespec row carries the hit rate, the branches drafted and used, the
+share of idle time used, and SSD's prediction (Theorem 7 with a just-in-time fallback):
+gain = (E_pre / E_plain) · (1 + T_p) / (h + (1 - h)(1 + T_p)), T_p = S / Z, below N_full;
+no gain at or past it (no leftover capacity)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import statistics
+from dataclasses import dataclass
+
+from specctl.bench.star import StarBenchSettings, StarCluster, _measure, _workload, predict
+from specctl.draft.fanout import predicted_gain_over_plain
+from specctl.verify.client import remote_stats
+
+PRESPEC_KEYS = ("hits", "misses", "partial_hits", "branches_drafted", "branches_used", "fallback_jit", "fallback_ngram")
+
+
+@dataclass(frozen=True, slots=True)
+class PrespecBenchSettings:
+    star: StarBenchSettings  # the draft, targets, depth, workload and emulated verification
+    budget: int = 8
+    fallback: str = "jit"
+    repeats: int = 3
+
+    @property
+    def prespec_star(self) -> StarBenchSettings:
+        return dataclasses.replace(self.star, draft_args=("--prespec", "--prespec-budget", str(self.budget),
+                                                          "--fallback", self.fallback))
+
+
+async def _prespec_row(cluster: StarCluster, n: int, prompts: list[list[int]], texts: list) -> dict:
+    before = (await remote_stats("127.0.0.1", cluster.draft_port)).get("prespec", {})
+    row = await _measure(cluster, n, prompts, texts)
+    draft = await remote_stats("127.0.0.1", cluster.draft_port)
+    after = draft.get("prespec", {})
+    for key in PRESPEC_KEYS:
+        row[key] = after.get(key, 0) - before.get(key, 0)
+    looked = row["hits"] + row["misses"]
+    row["hit_rate"] = row["hits"] / looked if looked else 0.0
+    row["proposal_bytes_mean"] = draft.get("proposal_bytes_mean", 0.0)
+    row["background_delay_max_ms"] = draft.get("background_delay_max_ms", 0.0)
+    row["background_step_max_ms"] = draft.get("background_step_max_ms", 0.0)
+    return row
+
+
+def compare(plain: dict, pre: dict, n_full: int, service_s: float, return_s: float) -> dict:
+    """The prespec row against the plain row of the same N and repeat, with SSD's prediction (pure)."""
+    t_p = service_s / return_s if return_s > 0 else 0.0
+    length_ratio = pre["mean_accepted_length"] / plain["mean_accepted_length"] if plain["mean_accepted_length"] else 1.0
+    predicted = length_ratio * (predicted_gain_over_plain(pre["hit_rate"], 1.0, t_p) if pre["N"] < n_full else 1.0)
+    gain = pre["O"] / plain["O"] if plain["O"] else 0.0
+    return {"N": pre["N"], "gain": gain, "predicted_gain": predicted, "prediction_error": gain / predicted - 1,
+            "T_p": t_p, "hit_rate": pre["hit_rate"]}
+
+
+def summarize(pairs: list[dict]) -> dict:
+    """min / median / max of each N's gain and prediction error over the repeats (pure)."""
+    by_n: dict[int, list[dict]] = {}
+    for pair in pairs:
+        by_n.setdefault(pair["N"], []).append(pair)
+    spread = lambda values: {"min": min(values), "median": statistics.median(values), "max": max(values)}  # noqa: E731
+    return {str(n): {"gain": spread([p["gain"] for p in rows]), "predicted_gain": spread([p["predicted_gain"] for p in rows]),
+                     "prediction_error": spread([p["prediction_error"] for p in rows]),
+                     "hit_rate": spread([p["hit_rate"] for p in rows]), "same_as_plain": all(p["same_as_plain"] for p in rows)}
+            for n, rows in sorted(by_n.items())}
+
+
+def run_prespec_bench(s: PrespecBenchSettings, prompts: list[list[int]], progress=None) -> dict:
+    rows: list[dict] = []
+    pairs: list[dict] = []
+    with contextlib.ExitStack() as stack:
+        plain = stack.enter_context(StarCluster(s.star, s.star.max_batches[0]))
+        pre = stack.enter_context(StarCluster(s.prespec_star, s.star.max_batches[0]))
+
+        async def sweep() -> None:
+            for cluster in (plain, pre):  # first forwards and settling, not measured
+                await _workload(cluster, len(cluster.target_ports), prompts, 1)
+            pending, n_full, model = [1, 2], None, None
+            while pending:
+                n = pending.pop(0)
+                for repeat in range(s.repeats):
+                    plain_texts, pre_texts = [], []
+                    a = await _measure(plain, n, prompts, plain_texts)
+                    b = await _prespec_row(pre, n, prompts, pre_texts)
+                    a.update(mode="plain", repeat=repeat)
+                    b.update(mode="prespec", repeat=repeat)
+                    rows.extend([a, b])
+                    if n == 1 and model is None:
+                        predict([a], s.star.depth)
+                        n_full = a["N_full"]
+                        model = (a["model_S_ms"] / 1e3, 1.0 / a["R_p"] - a["model_S_ms"] / 1e3)
+                        if n_full not in pending and n_full > 2:
+                            pending.append(min(n_full, max(s.star.targets)))
+                            if progress:
+                                progress(added=s.repeats)
+                    pair = compare(a, b, n_full, *model)
+                    pair.update(repeat=repeat, same_as_plain=plain_texts == pre_texts)
+                    pairs.append(pair)
+                    if progress:
+                        progress()
+
+        asyncio.run(sweep())
+    return {
+        "settings": {"draft": s.star.draft, "target": s.star.target, "depth": s.star.depth,
+                     "max_tokens": s.star.max_tokens, "sessions": s.star.sessions, "verify_delay_ms": s.star.verify_delay_ms,
+                     "dtype": s.star.dtype, "draft_quant": s.star.draft_quant, "target_quant": s.star.target_quant,
+                     "budget": s.budget, "fallback": s.fallback, "repeats": s.repeats, "emulated": s.star.verify_delay_ms > 0},
+        "rows": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()} for row in rows],
+        "pairs": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in pair.items()} for pair in pairs],
+        "summary": summarize(pairs),
+    }

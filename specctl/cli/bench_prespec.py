@@ -1,0 +1,79 @@
+"""``specctl bench prespec``: plain remote speculation vs pre-speculation on the star."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from specctl.config import QUANTS
+from specctl.errors import ConfigError
+
+
+def prespec(
+    draft: str = typer.Option("smollm2-135m@25", help="draft model for both draft servers (NAME@N: first N layers)"),
+    target: str = typer.Option("smollm2-135m", help="target model for every target instance"),
+    depth: int = typer.Option(4, help="chain depth d"),
+    budget: int = typer.Option(8, help="pre-speculation budget: branches per session and round"),
+    fallback: str = typer.Option("jit", "--fallback", help="jit | ngram | auto: how the prespec server drafts a miss"),
+    max_targets: int = typer.Option(8, "--max-targets", help="the most target processes (N_full is capped at it)"),
+    max_tokens: int = typer.Option(48, "--max-tokens", "-n", help="new tokens per session"),
+    sessions: int = typer.Option(2, "--sessions", help="sessions per target, N and repeat (the same prompts for all)"),
+    verify_delay_ms: float = typer.Option(60.0, "--verify-delay-ms", help="added to every verification (emulation): "
+                                          "choose it so that Z is about S"),
+    repeats: int = typer.Option(3, help="measurements of each N and mode (min/median/max reported)"),
+    dtype: str = typer.Option("fp32", help="fp32 | bf16 | fp16"),
+    draft_quant: str = typer.Option("int8", "--draft-quant", help="none | int8"),
+    target_quant: str = typer.Option("int8", "--target-quant", help="none | int8 (targets share this machine's cores)"),
+    prompts: str = typer.Option("heldout", help="builtin, heldout or a JSON-lines file"),
+    json_out: Optional[str] = typer.Option(None, "--json", help="write the report as JSON to this file"),
+) -> None:
+    """Two draft servers, one plain and one with --prespec, each with its own target processes on
+    loopback: tokens/s at N = 1, 2 and N_full, hit rate, and SSD's predicted gain beside the measured."""
+    from transformers import AutoTokenizer
+
+    from specctl.bench.prespec import PrespecBenchSettings, run_prespec_bench
+    from specctl.bench.prompts import load_prompts
+    from specctl.bench.render import render_prespec_table
+    from specctl.bench.star import StarBenchSettings
+    from specctl.draft.speculation import PrespecConfig
+    from specctl.spec.factory import split_model_name
+    from specctl.store import resolve_model
+
+    for name, value in (("--draft-quant", draft_quant), ("--target-quant", target_quant)):
+        if value not in QUANTS:
+            raise ConfigError(f"{name} must be one of {', '.join(QUANTS)}, got {value!r}")
+    if verify_delay_ms < 0 or depth < 1 or max_tokens < 1 or sessions < 1 or repeats < 1 or not 2 <= max_targets <= 32:
+        raise ConfigError("--verify-delay-ms must be >= 0, --depth, --max-tokens, --sessions and --repeats >= 1, "
+                          "--max-targets in [2, 32]")
+    try:
+        PrespecConfig(budget=budget, fallback=fallback)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    console = Console(stderr=True)
+    path = resolve_model(split_model_name(target)[0], console)
+    resolve_model(split_model_name(draft)[0], console)
+    tok = AutoTokenizer.from_pretrained(path)
+    encoded = [tok.encode(p.prompt) for p in load_prompts(prompts)]
+    star = StarBenchSettings(draft, target, tuple(range(1, max_targets + 1)), depth, max_tokens, verify_delay_ms, dtype,
+                             max_batches=(8,), sessions=sessions, draft_quant=draft_quant, target_quant=target_quant)
+    settings = PrespecBenchSettings(star, budget, fallback, repeats)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task(f"plain vs prespec, 2 draft + {2 * max_targets} target processes", total=2 * repeats)
+
+        def advance(added: int = 0) -> None:  # N_full joins once N=1 has been measured
+            if added:
+                progress.update(task, total=progress.tasks[0].total + added)
+            else:
+                progress.advance(task)
+
+        report = run_prespec_bench(settings, encoded, advance)
+    Console(width=max(Console().width, 120)).print(render_prespec_table(report))
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(report, f, indent=2)
+        console.print(f"wrote {json_out}")

@@ -1,0 +1,44 @@
+"""``specctl bench prespec``: the comparison and spread (pure) and one small real run of
+both star clusters as processes."""
+
+import pytest
+
+from specctl.bench.prespec import PrespecBenchSettings, compare, run_prespec_bench, summarize
+from specctl.bench.star import StarBenchSettings
+
+
+def test_compare_predicts_ssd_gain_below_n_full_and_none_past_it():
+    plain = {"N": 1, "O": 10.0, "mean_accepted_length": 3.0}
+    pre = {"N": 1, "O": 15.0, "mean_accepted_length": 3.0, "hit_rate": 1.0}
+    # every outcome hit, S = Z: the draft time (T_p = 1) is hidden entirely -> 2x
+    pair = compare(plain, pre, n_full=3, service_s=0.1, return_s=0.1)
+    assert pair["predicted_gain"] == pytest.approx(2.0) and pair["gain"] == pytest.approx(1.5)
+    assert pair["prediction_error"] == pytest.approx(-0.25) and pair["T_p"] == pytest.approx(1.0)
+    # half the outcomes hit: (1 + 1) / (0.5 + 0.5 * 2) = 4/3
+    assert compare(plain, {**pre, "hit_rate": 0.5}, 3, 0.1, 0.1)["predicted_gain"] == pytest.approx(4 / 3)
+    # at N_full the draft never idles: nothing to pre-speculate with
+    assert compare({**plain, "N": 3}, {**pre, "N": 3}, 3, 0.1, 0.1)["predicted_gain"] == 1.0
+
+
+def test_summary_reports_min_median_max_per_n():
+    pairs = [{"N": 1, "gain": g, "predicted_gain": 1.5, "prediction_error": g / 1.5 - 1, "hit_rate": 0.8,
+              "same_as_plain": True} for g in (1.2, 1.5, 1.4)]
+    summary = summarize(pairs + [{**pairs[0], "N": 2, "same_as_plain": False}])
+    assert summary["1"]["gain"] == {"min": 1.2, "median": 1.4, "max": 1.5}
+    assert summary["1"]["same_as_plain"] is True and summary["2"]["same_as_plain"] is False
+
+
+def test_prespec_bench_runs_both_clusters_of_real_processes(tiny_dir):
+    tiny = str(tiny_dir["llama"])
+    star = StarBenchSettings(f"{tiny}@2", tiny, (1, 2, 3), depth=3, max_tokens=16, verify_delay_ms=20.0, dtype="fp32",
+                             max_batches=(8,), draft_quant="none", sessions=1)
+    calls = []
+    report = run_prespec_bench(PrespecBenchSettings(star, budget=4, repeats=1), [[5, 9, 13, 2], [7, 8, 9]],
+                               lambda added=0: calls.append(added))
+    rows = report["rows"]
+    assert [r["mode"] for r in rows[:4]] == ["plain", "prespec", "plain", "prespec"]
+    assert [r["N"] for r in rows[:4]] == [1, 1, 2, 2]
+    pre = [r for r in rows if r["mode"] == "prespec"]
+    assert all(r["hits"] + r["misses"] > 0 for r in pre) and sum(r["branches_drafted"] for r in pre) > 0
+    assert all(p["same_as_plain"] for p in report["pairs"])  # exact: the same texts as plain speculation
+    assert set(report["summary"]) >= {"1", "2"}
