@@ -99,12 +99,13 @@ def run_prespec_bench(s: PrespecBenchSettings, prompts: list[list[int]], progres
                         predict([a], s.star.depth)
                         n_full = a["N_full"]
                         model = (a["model_S_ms"] / 1e3, 1.0 / a["R_p"] - a["model_S_ms"] / 1e3)
-                        if n_full not in pending and n_full > 2:
-                            pending.append(min(n_full, max(s.star.targets)))
+                        top = min(n_full, max(s.star.targets))
+                        if top > 2:  # N_full, or as near as the processes allow
+                            pending.append(top)
                             if progress:
                                 progress(added=s.repeats)
                     pair = compare(a, b, n_full, *model)
-                    pair.update(repeat=repeat, same_as_plain=plain_texts == pre_texts)
+                    pair.update(repeat=repeat, same_as_plain=plain_texts == pre_texts, rows=[len(rows) - 2, len(rows) - 1])
                     pairs.append(pair)
                     if progress:
                         progress()

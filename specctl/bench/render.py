@@ -114,8 +114,7 @@ def render_prespec_table(report: dict) -> Table:
         table.add_column(column, justify="right")
     rows = report["rows"]
     for pair in report["pairs"]:
-        plain, pre = (next(r for r in rows if r["N"] == pair["N"] and r["repeat"] == pair["repeat"] and r["mode"] == m)
-                      for m in ("plain", "prespec"))
+        plain, pre = (rows[i] for i in pair["rows"])
         table.add_row(str(pair["N"]), f"{plain['O']:.2f}", f"{pre['O']:.2f}", f"{pair['gain']:.2f}x",
                       f"{pair['predicted_gain']:.2f}x", f"{pre['hit_rate']:.0%}", str(pre["partial_hits"]),
                       f"{pre['branches_used']}/{pre['branches_drafted']}",

@@ -14,12 +14,12 @@ from specctl.errors import ConfigError
 
 
 def prespec(
-    draft: str = typer.Option("smollm2-135m@25", help="draft model for both draft servers (NAME@N: first N layers)"),
-    target: str = typer.Option("smollm2-135m", help="target model for every target instance"),
+    draft: str = typer.Option("qwen2.5-coder-0.5b", help="draft model for both draft servers (NAME@N: first N layers)"),
+    target: str = typer.Option("qwen2.5-coder-1.5b", help="target model for every target instance"),
     depth: int = typer.Option(4, help="chain depth d"),
     budget: int = typer.Option(8, help="pre-speculation budget: branches per session and round"),
     fallback: str = typer.Option("jit", "--fallback", help="jit | ngram | auto: how the prespec server drafts a miss"),
-    max_targets: int = typer.Option(8, "--max-targets", help="the most target processes (N_full is capped at it)"),
+    max_targets: int = typer.Option(4, "--max-targets", help="the most target processes (N_full is capped at it)"),
     max_tokens: int = typer.Option(48, "--max-tokens", "-n", help="new tokens per session"),
     sessions: int = typer.Option(2, "--sessions", help="sessions per target, N and repeat (the same prompts for all)"),
     verify_delay_ms: float = typer.Option(60.0, "--verify-delay-ms", help="added to every verification (emulation): "
