@@ -51,6 +51,7 @@ class Plan:
     branches: dict[tuple[int, int], Branch] = field(default_factory=dict)
     tail: int | None = None  # x_d, still to feed (the full-accept candidates follow it)
     steps: int = 0
+    started: int = 0  # branches that got at least one forward
 
     @property
     def has_work(self) -> bool:
@@ -128,6 +129,7 @@ def step(plans: list[Plan], max_rows: int | None = None) -> list[Plan]:
                 for token in row.topk(min(RANKED, row.shape[-1])).indices.tolist()[: plan.fanout[-1]]:
                     plan.branches[(k, token)] = Branch(plan.base + k, [token])
             else:
+                plan.started += not branch.slots
                 branch.slots.append(start + i)
                 _draw(plan, branch, row)
     return [plan for plan, _, _ in work]

@@ -67,7 +67,7 @@ class PrespecStats:
     hits: int = 0
     partial_hits: int = 0  # hits whose branch was still being drafted
     misses: int = 0
-    branches_drafted: int = 0
+    branches_drafted: int = 0  # branches that got at least one draft forward
     branches_used: int = 0
     steps: int = 0
     busy_s: float = 0.0
@@ -106,7 +106,7 @@ class SpeculationCache:
         """A proposal went out: plan its outcomes' branches (not for a backup proposal)."""
         history = self.history.setdefault(tag, History())
         history.proposed_at, history.backup_pending = time.perf_counter(), backup
-        self.plans.pop(tag, None)
+        self._retire(self.plans.pop(tag, None))
         if backup or proposal.ranked is None:
             return
         chain_length = len(proposal.tree) - 1
@@ -114,7 +114,6 @@ class SpeculationCache:
                          self.reshape_for(tag, state))
         if plan is not None:
             self.plans[tag] = plan
-            self.stats.branches_drafted += sum(plan.fanout)
             self.wake()
 
     def outcome(self, tag: int, path: list[int], tokens: list[int]) -> Plan | None:
@@ -128,7 +127,7 @@ class SpeculationCache:
             history.backup_pending = False
             history.backup_rounds += 1
             history.backup_accepted += len(path)
-        plan = self.plans.pop(tag, None)
+        plan = self._retire(self.plans.pop(tag, None))
         if plan is not None and tokens:
             rank = plan.rank_of(len(path), tokens[-1])
             if len(path) < len(plan.chain):
@@ -141,7 +140,7 @@ class SpeculationCache:
         results: list[Proposal | None] = [None] * len(requests)
         adopted: list[tuple[int, int, DraftState, Plan]] = []
         for i, (tag, state, path, tokens) in enumerate(requests):
-            plan = self.outcome(tag, path, tokens) if state is not None else self.plans.pop(tag, None)
+            plan = self.outcome(tag, path, tokens) if state is not None else self._retire(self.plans.pop(tag, None))
             if plan is None or state is None:
                 continue
             try:
@@ -199,8 +198,14 @@ class SpeculationCache:
         old = self.step_s.get(sessions)
         self.step_s[sessions] = per_token if old is None else 0.8 * old + 0.2 * per_token
 
+    def _retire(self, plan: Plan | None) -> Plan | None:
+        """A plan leaves the cache (its outcome arrived, or its session ended): count its work."""
+        if plan is not None:
+            self.stats.branches_drafted += plan.started
+        return plan
+
     def drop(self, tag: int) -> None:
-        self.plans.pop(tag, None)
+        self._retire(self.plans.pop(tag, None))
         self.history.pop(tag, None)
         self.missed.discard(tag)
 
