@@ -52,11 +52,13 @@ class StarBenchSettings:
     # Emulated runs put the targets at a lower CPU priority: in the topology being emulated
     # their compute runs on their own machines, not on the draft server's cores.
     target_nice: int = 10
+    # The targets stand for other machines even without a sleep (bench prespec): nice them anyway.
+    nice_unemulated: bool = False
     draft_args: tuple[str, ...] = ()  # more flags for the draft server (bench prespec: --prespec ...)
 
     @property
     def target_niceness(self) -> int:
-        return self.target_nice if self.verify_delay_ms > 0 else 0
+        return self.target_nice if self.verify_delay_ms > 0 or self.nice_unemulated else 0
 
 
 def free_ports(count: int) -> list[int]:
@@ -122,8 +124,9 @@ class StarCluster:
                                          "--port", str(port), "--verify-delay-ms", str(s.verify_delay_ms),
                                          "--quant", s.target_quant, *common,
                                          niceness=s.target_niceness, **env))
-            for i, proc in enumerate(self.procs[1:]):
-                wait_listening(proc, f"target instance {i + 1}")
+                # One at a time: a target loading fp32 weights to quantize them peaks at several
+                # GB, and N of them loading at once ran this 24 GB machine out of memory.
+                wait_listening(self.procs[-1], f"target instance {len(self.procs) - 1}")
         except BaseException:
             self.__exit__()
             raise

@@ -32,7 +32,10 @@ def prespec(
     json_out: Optional[str] = typer.Option(None, "--json", help="write the report as JSON to this file"),
 ) -> None:
     """Two draft servers, one plain and one with --prespec, each with its own target processes on
-    loopback: tokens/s at N = 1, 2 and N_full, hit rate, and SSD's predicted gain beside the measured."""
+    loopback: tokens/s at N = 1, 2 and N_full, hit rate, and SSD's predicted gain beside the measured.
+
+    The targets run at nice 10: they stand for other machines, and on this box the draft's
+    pre-speculation would otherwise take their cores (a cost a real star does not have)."""
     from transformers import AutoTokenizer
 
     from specctl.bench.prespec import PrespecBenchSettings, run_prespec_bench
@@ -59,7 +62,8 @@ def prespec(
     tok = AutoTokenizer.from_pretrained(path)
     encoded = [tok.encode(p.prompt) for p in load_prompts(prompts)]
     star = StarBenchSettings(draft, target, tuple(range(1, max_targets + 1)), depth, max_tokens, verify_delay_ms, dtype,
-                             max_batches=(8,), sessions=sessions, draft_quant=draft_quant, target_quant=target_quant)
+                             max_batches=(8,), sessions=sessions, draft_quant=draft_quant, target_quant=target_quant,
+                             nice_unemulated=True)
     settings = PrespecBenchSettings(star, budget, fallback, repeats)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
