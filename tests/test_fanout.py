@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from specctl.draft.fanout import (
-    PRIOR_R, acceptance_estimate, choose_fallback, fanout, outcome_probs, power_law_exponent, predicted_gain_over_plain,
-    predicted_speedup,
+    PRIOR_R, acceptance_estimate, budget_that_fits, choose_fallback, fanout, outcome_probs, power_law_exponent,
+    predicted_gain_over_plain, predicted_speedup, step_time_fit,
 )
 from specctl.spec.sampling import saguaro
 
@@ -74,3 +74,19 @@ def test_saguaro_sampling_down_weights_the_top_f_plus_one():
     assert saguaro(q, 1, 1.0) is q
     with pytest.raises(ValueError):
         saguaro(q, 1, 0.0)
+
+
+def test_step_time_is_fitted_linear_in_rows():
+    alpha, beta = step_time_fit([(1, 0.02), (3, 0.04), (5, 0.06)])
+    assert alpha == pytest.approx(0.01) and beta == pytest.approx(0.01)
+    assert step_time_fit([(4, 0.05), (4, 0.06)]) is None  # rows never varied: no slope
+    assert step_time_fit([(2, 0.03)]) is None
+
+
+def test_budget_is_what_finishes_before_the_outcome_returns():
+    fit = (0.01, 0.01)  # 10 ms + 10 ms per row
+    # Z = 350 ms over d+1 = 5 steps: 70 ms a step -> 6 rows
+    assert budget_that_fits(0.35, 4, fit, sharing=1, most=8) == 6
+    assert budget_that_fits(0.35, 4, fit, sharing=2, most=8) == 3  # two sessions share the steps
+    assert budget_that_fits(0.35, 4, fit, sharing=1, most=4) == 4
+    assert budget_that_fits(0.01, 4, fit, sharing=1, most=8) == 1  # at least the likeliest outcome

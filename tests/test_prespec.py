@@ -56,9 +56,10 @@ class TableSpeculator:
 
 
 def make_table(draft, depth=3, **prespec) -> SessionTable:
+    """The budget is not cut to measured times here: the test decides how many steps fit."""
     drafter = ModelChainDrafter(draft, depth)
     table = SessionTable(drafter, KVPool(None), draft.spec.vocab_size, draft.spec.max_position)
-    table.speculation = SpeculationCache(PrespecConfig(**prespec), depth)
+    table.speculation = SpeculationCache(PrespecConfig(**prespec, fit_budget=False), depth)
     return table
 
 
@@ -185,3 +186,18 @@ def test_sampling_keeps_the_target_distribution(small, saguaro_c, fallback):
     snap = table.speculation.snapshot()
     assert snap["hits"] > 100 and snap["misses"] > 100  # both paths were exercised
     assert_counts_match(counts, expected)
+
+
+def test_the_budget_shrinks_to_what_finishes_before_the_outcome(tiny):
+    """Measured return time and step times cut the budget (here: outcomes return at once)."""
+    table = SessionTable(ModelChainDrafter(tiny["llama-self2"], 3), KVPool(None), 320, 512)
+    table.speculation = SpeculationCache(PrespecConfig(budget=8), 3)
+    run(tiny["llama"], table, PROMPTS[0], SamplingParams(max_tokens=30, ignore_eos=True), steps=4)
+    spec = table.speculation
+    assert len(spec.step_samples) > 0
+    table.open(99, OpenSession(0, [5, 6, 7], max_tokens=16))
+    table.propose_many([(99, [], [8])])
+    spec.history[99].return_s = 1e-6  # the outcome comes back before one step could finish
+    assert spec.budget_for(spec.history[99]) == 1
+    spec.history[99].return_s = 1e3
+    assert spec.budget_for(spec.history[99]) == 8

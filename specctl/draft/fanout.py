@@ -83,6 +83,31 @@ def power_law_exponent(ranks: Sequence[int | None], max_fanout: int) -> float:
     return min(max(r, 0.05), 8.0)
 
 
+def step_time_fit(samples: Sequence[tuple[int, float]]) -> tuple[float, float] | None:
+    """Least-squares t(rows) = alpha + beta·rows over measured (rows, seconds) steps, or None
+    while the rows measured do not vary (beta then has no estimate)."""
+    if len(samples) < 2:
+        return None
+    n = len(samples)
+    mean_x = sum(x for x, _ in samples) / n
+    mean_y = sum(y for _, y in samples) / n
+    sxx = sum((x - mean_x) ** 2 for x, _ in samples)
+    if sxx == 0:
+        return None
+    beta = max(sum((x - mean_x) * (y - mean_y) for x, y in samples) / sxx, 1e-9)
+    return max(mean_y - beta * mean_x, 0.0), beta
+
+
+def budget_that_fits(return_s: float, depth: int, fit: tuple[float, float], sharing: int, most: int) -> int:
+    """Branches one session can have drafted before its outcome returns (SSD's budget: what the
+    draft finishes while the target verifies): d+1 steps of t(rows) within the return time Z,
+    the rows shared among ``sharing`` sessions; at least 1, at most ``most``."""
+    alpha, beta = fit
+    per_step = return_s / (depth + 1)
+    rows = (per_step - alpha) / beta / max(sharing, 1)
+    return int(min(max(math.floor(rows + 1e-9), 1), most))
+
+
 def choose_fallback(misses: int, step_s: float, depth: int, return_s: float, e_primary: float,
                     e_backup: float) -> str:
     """"jit" (draft the missed proposals now with the primary draft) or "ngram" (the backup:

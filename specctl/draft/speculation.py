@@ -18,7 +18,9 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 
-from specctl.draft.fanout import acceptance_estimate, choose_fallback, fanout, power_law_exponent
+from specctl.draft.fanout import (
+    acceptance_estimate, budget_that_fits, choose_fallback, fanout, power_law_exponent, step_time_fit,
+)
 from specctl.draft.prespec import Plan, adopt, finish, make_plan, proposal_of, step
 from specctl.errors import ConfigError
 from specctl.spec.draft_state import DraftState
@@ -35,6 +37,7 @@ class PrespecConfig:
     saguaro_c: float = 1.0  # Saguaro sampling's down-weighting constant (1 = plain sampling)
     fallback: str = "auto"  # on a miss: auto | jit | ngram
     max_rows: int = 64  # most branch tokens in one background forward (bounds a real request's wait)
+    fit_budget: bool = True  # cut the budget to what finishes within the measured return time
 
     def __post_init__(self) -> None:
         if not isinstance(self.budget, int) or not 1 <= self.budget <= 4096:
@@ -82,6 +85,7 @@ class SpeculationCache:
         self.history: dict[int, History] = {}
         self.missed: set[int] = set()  # sessions whose outcome just missed (their fallback is due)
         self.step_s: dict[int, float] = {}  # smoothed chain-drafting time per token, by sessions drafted together
+        self.step_samples: collections.deque = collections.deque(maxlen=64)  # (rows, seconds) of background steps
         self.stats = PrespecStats()
 
     @property
@@ -100,7 +104,15 @@ class SpeculationCache:
         history = self.history.setdefault(tag, History())
         a = acceptance_estimate(state.accepted, state.drafted)
         r = power_law_exponent(history.ranks, RANKED - 1)
-        return fanout(a, r, positions - 1, self.config.budget, RANKED - 1)
+        return fanout(a, r, positions - 1, self.budget_for(history), RANKED - 1)
+
+    def budget_for(self, history: History) -> int:
+        """The configured budget, cut to what the draft can finish before this session's
+        outcome returns once both its return time and the step time are measured."""
+        fit = step_time_fit(self.step_samples)
+        if not self.config.fit_budget or history.return_s is None or fit is None:
+            return self.config.budget
+        return budget_that_fits(history.return_s, self.depth, fit, len(self.plans) + 1, self.config.budget)
 
     def planned(self, tag: int, state: DraftState, proposal: Proposal, backup: bool = False) -> None:
         """A proposal went out: plan its outcomes' branches (not for a backup proposal)."""
@@ -170,10 +182,14 @@ class SpeculationCache:
         due = [(tag, plan) for tag, plan in self.plans.items() if plan.has_work]
         if not due:
             return False
+        rows = {id(plan): (plan.tail is not None) + sum(b.live(plan.depth) for b in plan.branches.values())
+                for _, plan in due}
         started = time.perf_counter()
         advanced = {id(plan) for plan in step([plan for _, plan in due], self.config.max_rows)}
+        seconds = time.perf_counter() - started
+        self.step_samples.append((sum(rows[key] for key in advanced), seconds))
         self.stats.steps += 1
-        self.stats.busy_s += time.perf_counter() - started
+        self.stats.busy_s += seconds
         for tag, plan in due:  # the plans just served go to the back: a step that cannot take all serves them in turn
             if id(plan) in advanced:
                 self.plans[tag] = self.plans.pop(tag)
@@ -198,6 +214,11 @@ class SpeculationCache:
         old = self.step_s.get(sessions)
         self.step_s[sessions] = per_token if old is None else 0.8 * old + 0.2 * per_token
 
+    def _budget_now(self) -> float:
+        """Mean budget the open plans were given (what fits the measured times)."""
+        plans = list(self.plans.values())
+        return round(sum(sum(p.fanout) for p in plans) / len(plans), 2) if plans else float(self.config.budget)
+
     def _retire(self, plan: Plan | None) -> Plan | None:
         """A plan leaves the cache (its outcome arrived, or its session ended): count its work."""
         if plan is not None:
@@ -216,7 +237,7 @@ class SpeculationCache:
                 "hit_rate": round(s.hits / looked, 4) if looked else 0.0,
                 "branches_drafted": s.branches_drafted, "branches_used": s.branches_used, "steps": s.steps,
                 "busy_s": round(s.busy_s, 6), "fallback_jit": s.fallback_jit, "fallback_ngram": s.fallback_ngram,
-                "plans": len(self.plans), "budget": self.config.budget, "saguaro_c": self.config.saguaro_c,
+                "plans": len(self.plans), "budget": self.config.budget, "budget_now": self._budget_now(), "saguaro_c": self.config.saguaro_c,
                 "fallback": self.config.fallback}
 
 
