@@ -94,6 +94,54 @@ def test_greedy_equals_target_alone_with_hits_and_misses(tiny, steps, fallback):
     assert table.pool.used_bytes == 0
 
 
+class CheckedTable(SessionTable):
+    """After every proposal: the draft's KV holds exactly the text's keys (against a fresh
+    forward), and a model proposal is exactly what just-in-time drafting proposes."""
+
+    def _check(self, requests, results):
+        for (tag, _, _), message in zip(requests, results):
+            if message is None or isinstance(message, Exception):
+                continue
+            state = self.states[tag]
+            cache, n = state.session.cache, len(state.seq)
+            fresh = self.drafter.decoder.new_cache(n)
+            self.drafter.decoder(torch.tensor(state.seq), torch.arange(n), fresh)
+            kept = min(n, cache.length)
+            assert torch.allclose(cache.k[:, :, :, :kept], fresh.k[:, :, :, :kept], atol=1e-4)
+            if cache.length >= n:  # drafted by the model (an n-gram backup proposal leaves the KV alone)
+                reference = self.drafter.open(n + 8)
+                expected = reference.propose(state.seq, SamplingParams(), None).tree.tokens.tolist()
+                reference.close()
+                assert message.tokens == expected
+                self.checked += 1
+
+    def lookup_many(self, requests):
+        results = super().lookup_many(requests)
+        self._check(requests, results)
+        return results
+
+    def propose_many(self, requests):
+        results = super().propose_many(requests)
+        self._check(requests, results)
+        return results
+
+
+@pytest.mark.parametrize("steps, fallback", [(8, "jit"), (2, "jit"), (1, "ngram")])
+def test_every_proposal_is_what_just_in_time_drafting_proposes(tiny, steps, fallback):
+    """A branch's KV never leaks into the trunk: after a miss with all d accepted, the cut to
+    text + d once kept a branch's bonus as if it were x_d (lossless, but every later
+    proposal of the session was drafted from a corrupted KV)."""
+    target, draft = tiny["llama"], tiny["llama-self2"]
+    table = CheckedTable(ModelChainDrafter(draft, 3), KVPool(None), draft.spec.vocab_size, draft.spec.max_position)
+    table.checked = 0
+    table.speculation = SpeculationCache(PrespecConfig(budget=6, fallback=fallback, fit_budget=False), 3)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    for tag, prompt in enumerate(PROMPTS, 1):
+        assert run(target, table, prompt, params, steps, tag)[0] == generate(target, prompt, params)[0]
+    snap = table.speculation.snapshot()
+    assert table.checked > 20 and snap["hits"] > 0 and snap["misses"] > 0
+
+
 def test_a_hit_answers_from_the_branch_without_drafting(tiny):
     target, draft = tiny["llama"], tiny["llama-self2"]
     table = make_table(draft, budget=16)

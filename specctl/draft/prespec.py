@@ -50,6 +50,7 @@ class Plan:
     reshape: Reshape | None = None
     branches: dict[tuple[int, int], Branch] = field(default_factory=dict)
     tail: int | None = None  # x_d, still to feed (the full-accept candidates follow it)
+    tail_fed: bool = False
     steps: int = 0
     started: int = 0  # branches that got at least one forward
 
@@ -124,7 +125,7 @@ def step(plans: list[Plan], max_rows: int | None = None) -> list[Plan]:
         plan.steps += 1
         for i, (branch, row) in enumerate(zip(rows, logits)):
             if branch is None:
-                plan.tail = None
+                plan.tail, plan.tail_fed = None, True
                 k = len(plan.chain)
                 for token in row.topk(min(RANKED, row.shape[-1])).indices.tolist()[: plan.fanout[-1]]:
                     plan.branches[(k, token)] = Branch(plan.base + k, [token])
@@ -162,6 +163,14 @@ def adopt(plan: Plan, key: tuple[int, int]) -> Branch:
     plan.branches, plan.tail = {key: branch}, None
     plan.state.session.committed = branch.prefix + 1  # text + x_1..x_k + the bonus
     return branch
+
+
+def discard(plan: Plan) -> None:
+    """Drop every branch's KV (a miss, or no outcome to use it for): the session's cache goes
+    back to its trunk — the text, x_1..x_{d-1} and x_d if it was fed. Branch slots follow
+    the trunk, so a later cut to text + k accepted must never keep one as if it were x_k."""
+    cache = plan.state.session.cache
+    cache.truncate(min(cache.length, plan.base + len(plan.chain) - 1 + plan.tail_fed))
 
 
 def finish(plans: list[Plan]) -> None:

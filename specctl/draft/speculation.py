@@ -21,7 +21,7 @@ from functools import partial
 from specctl.draft.fanout import (
     acceptance_estimate, budget_that_fits, choose_fallback, fanout, power_law_exponent, step_time_fit,
 )
-from specctl.draft.prespec import Plan, adopt, finish, make_plan, proposal_of, step
+from specctl.draft.prespec import Plan, adopt, discard, finish, make_plan, proposal_of, step
 from specctl.errors import ConfigError
 from specctl.spec.draft_state import DraftState
 from specctl.spec.drafters import RANKED, Proposal
@@ -118,7 +118,9 @@ class SpeculationCache:
         """A proposal went out: plan its outcomes' branches (not for a backup proposal)."""
         history = self.history.setdefault(tag, History())
         history.proposed_at, history.backup_pending = time.perf_counter(), backup
-        self._retire(self.plans.pop(tag, None))
+        old = self._retire(self.plans.pop(tag, None))
+        if old is not None:
+            discard(old)
         if backup or proposal.ranked is None:
             return
         chain_length = len(proposal.tree) - 1
@@ -158,10 +160,12 @@ class SpeculationCache:
             try:
                 state.check_outcome(path, tokens)
             except Exception:  # noqa: BLE001 - the table's own drafting path reports it
+                discard(plan)
                 continue
             key = (len(path), tokens[-1])
             branch = plan.branches.get(key)
             if branch is None or not branch.slots:
+                discard(plan)
                 self.stats.misses += 1
                 self.missed.add(tag)
                 continue
