@@ -14,7 +14,7 @@ from specctl.engine.tiny import make_tiny_model
 from specctl.errors import ConfigError
 from specctl.net.protocol import OpenSession
 from specctl.spec.decode import DecodeSession
-from specctl.spec.drafters import ModelChainDrafter
+from specctl.spec.drafters import ModelChainDrafter, Proposal as DraftProposal
 from specctl.spec.rounds import Drafted, InlineLane, generate, run_inline, run_session
 from specctl.spec.sampling import SamplingParams
 from specctl.verify.speculator import proposal_from_message
@@ -59,7 +59,7 @@ def make_table(draft, depth=3, **prespec) -> SessionTable:
     """The budget is not cut to measured times here: the test decides how many steps fit."""
     drafter = ModelChainDrafter(draft, depth)
     table = SessionTable(drafter, KVPool(None), draft.spec.vocab_size, draft.spec.max_position)
-    table.speculation = SpeculationCache(PrespecConfig(**prespec, fit_budget=False), depth)
+    table.speculation = SpeculationCache(PrespecConfig(**prespec, adaptive=False), depth)
     return table
 
 
@@ -134,7 +134,7 @@ def test_every_proposal_is_what_just_in_time_drafting_proposes(tiny, steps, fall
     target, draft = tiny["llama"], tiny["llama-self2"]
     table = CheckedTable(ModelChainDrafter(draft, 3), KVPool(None), draft.spec.vocab_size, draft.spec.max_position)
     table.checked = 0
-    table.speculation = SpeculationCache(PrespecConfig(budget=6, fallback=fallback, fit_budget=False), 3)
+    table.speculation = SpeculationCache(PrespecConfig(budget=6, fallback=fallback, adaptive=False), 3)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     for tag, prompt in enumerate(PROMPTS, 1):
         assert run(target, table, prompt, params, steps, tag)[0] == generate(target, prompt, params)[0]
@@ -249,3 +249,22 @@ def test_the_budget_shrinks_to_what_finishes_before_the_outcome(tiny):
     assert spec.budget_for(spec.history[99]) == 1
     spec.history[99].return_s = 1e3
     assert spec.budget_for(spec.history[99]) == 8
+
+
+def test_a_session_it_does_not_pay_for_is_left_alone_then_probed(tiny):
+    from specctl.draft.speculation import JUDGED_AFTER, PROBE_EVERY
+
+    table = SessionTable(ModelChainDrafter(tiny["llama-self2"], 3), KVPool(None), 320, 512)
+    spec = table.speculation = SpeculationCache(PrespecConfig(budget=2), 3)
+    table.open(1, OpenSession(0, [5, 6, 7], max_tokens=200))
+    table.propose_many([(1, [], [8])])
+    history = spec.history[1]
+    history.recent_hits.extend([False] * JUDGED_AFTER)  # it never hit
+    history.return_s = spec.step_s[min(spec.step_s)] * 3  # T_p = 1
+    state = table.states[1]
+    proposal = DraftProposal(state.last_tree, None, torch.zeros(3, 16, dtype=torch.long))
+    for round_ in range(PROBE_EVERY + 1):  # the same proposal planned again and again: only the probe plans it
+        spec.plans.pop(1, None)
+        spec.planned(1, state, proposal)
+        assert (1 in spec.plans) == (round_ == PROBE_EVERY), round_
+    assert spec.snapshot()["skipped"] == PROBE_EVERY

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from specctl.draft.fanout import (
-    acceptance_estimate, budget_that_fits, choose_fallback, fanout, power_law_exponent, step_time_fit,
+    acceptance_estimate, budget_that_fits, choose_fallback, fanout, power_law_exponent, step_time_fit, worth_it,
 )
 from specctl.draft.prespec import Plan, adopt, discard, finish, make_plan, proposal_of, step
 from specctl.errors import ConfigError
@@ -29,6 +29,8 @@ from specctl.spec.sampling import saguaro
 
 FALLBACKS = ("auto", "jit", "ngram")
 PRIOR_BACKUP_LENGTH = 1.2  # tokens per round the n-gram backup is assumed to give before it is measured
+JUDGED_AFTER = 16  # a session's recent lookups before its hit rate may switch pre-speculation off
+PROBE_EVERY = 32  # a session it does not pay for is pre-speculated again once in this many rounds
 
 
 @dataclass(slots=True)
@@ -37,7 +39,9 @@ class PrespecConfig:
     saguaro_c: float = 1.0  # Saguaro sampling's down-weighting constant (1 = plain sampling)
     fallback: str = "auto"  # on a miss: auto | jit | ngram
     max_rows: int = 64  # most branch tokens in one background forward (bounds a real request's wait)
-    fit_budget: bool = True  # cut the budget to what finishes within the measured return time
+    # Measured times steer it: the budget is cut to what finishes within the return time, and a
+    # session it does not pay for is left alone (probed now and then). Off: tests decide.
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.budget, int) or not 1 <= self.budget <= 4096:
@@ -59,6 +63,8 @@ class History:
     backup_pending: bool = False  # its last proposal came from the n-gram backup
     backup_rounds: int = 0
     backup_accepted: int = 0
+    recent_hits: collections.deque = field(default_factory=lambda: collections.deque(maxlen=JUDGED_AFTER))
+    skipped: int = 0  # rounds not pre-speculated since it stopped paying
 
     @property
     def backup_length(self) -> float:
@@ -76,6 +82,7 @@ class PrespecStats:
     busy_s: float = 0.0
     fallback_jit: int = 0
     fallback_ngram: int = 0
+    skipped: int = 0  # rounds not pre-speculated because it did not pay for that session
 
 
 class SpeculationCache:
@@ -110,7 +117,7 @@ class SpeculationCache:
         """The configured budget, cut to what the draft can finish before this session's
         outcome returns once both its return time and the step time are measured."""
         fit = step_time_fit(self.step_samples)
-        if not self.config.fit_budget or history.return_s is None or fit is None:
+        if not self.config.adaptive or history.return_s is None or fit is None:
             return self.config.budget
         return budget_that_fits(history.return_s, self.depth, fit, len(self.plans) + 1, self.config.budget)
 
@@ -121,7 +128,7 @@ class SpeculationCache:
         old = self._retire(self.plans.pop(tag, None))
         if old is not None:
             discard(old)
-        if backup or proposal.ranked is None:
+        if backup or proposal.ranked is None or not self._pays(history):
             return
         chain_length = len(proposal.tree) - 1
         plan = make_plan(state, proposal, self._fanout_tag(tag, state, chain_length + 1), self.depth,
@@ -129,6 +136,20 @@ class SpeculationCache:
         if plan is not None:
             self.plans[tag] = plan
             self.wake()
+
+    def _pays(self, history: History) -> bool:
+        """Pre-speculate this session's next round? Yes until its recent hit rate is known, then
+        while SSD predicts a gain worth the cost (``worth_it``), and once in PROBE_EVERY rounds."""
+        known = sorted(self.step_s)
+        if not self.config.adaptive or len(history.recent_hits) < JUDGED_AFTER or not known or not history.return_s:
+            return True
+        t_p = self.step_s[known[0]] * self.depth / history.return_s
+        if worth_it(sum(history.recent_hits) / len(history.recent_hits), t_p) or history.skipped >= PROBE_EVERY:
+            history.skipped = 0
+            return True
+        history.skipped += 1
+        self.stats.skipped += 1
+        return False
 
     def outcome(self, tag: int, path: list[int], tokens: list[int]) -> Plan | None:
         """The outcome of the session's last proposal arrived: learn from it; its plan, if any."""
@@ -164,6 +185,7 @@ class SpeculationCache:
                 continue
             key = (len(path), tokens[-1])
             branch = plan.branches.get(key)
+            self.history[tag].recent_hits.append(branch is not None and bool(branch.slots))
             if branch is None or not branch.slots:
                 discard(plan)
                 self.stats.misses += 1
@@ -240,7 +262,7 @@ class SpeculationCache:
         return {"hits": s.hits, "partial_hits": s.partial_hits, "misses": s.misses,
                 "hit_rate": round(s.hits / looked, 4) if looked else 0.0,
                 "branches_drafted": s.branches_drafted, "branches_used": s.branches_used, "steps": s.steps,
-                "busy_s": round(s.busy_s, 6), "fallback_jit": s.fallback_jit, "fallback_ngram": s.fallback_ngram,
+                "busy_s": round(s.busy_s, 6), "fallback_jit": s.fallback_jit, "fallback_ngram": s.fallback_ngram, "skipped": s.skipped,
                 "plans": len(self.plans), "budget": self.config.budget, "budget_now": self._budget_now(), "saguaro_c": self.config.saguaro_c,
                 "fallback": self.config.fallback}
 
