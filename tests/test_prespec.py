@@ -251,7 +251,7 @@ def test_the_budget_shrinks_to_what_finishes_before_the_outcome(tiny):
     assert spec.budget_for(spec.history[99]) == 8
 
 
-def test_a_session_it_does_not_pay_for_is_left_alone_then_probed(tiny):
+def test_sessions_are_left_alone_while_it_does_not_pay_then_probed(tiny):
     from specctl.draft.speculation import JUDGED_AFTER, PROBE_EVERY
 
     table = SessionTable(ModelChainDrafter(tiny["llama-self2"], 3), KVPool(None), 320, 512)
@@ -259,7 +259,7 @@ def test_a_session_it_does_not_pay_for_is_left_alone_then_probed(tiny):
     table.open(1, OpenSession(0, [5, 6, 7], max_tokens=200))
     table.propose_many([(1, [], [8])])
     history = spec.history[1]
-    history.recent_hits.extend([False] * JUDGED_AFTER)  # it never hit
+    spec.recent_hits.extend([False] * JUDGED_AFTER)  # nothing hit lately
     history.return_s = spec.step_s[min(spec.step_s)] * 3  # T_p = 1
     state = table.states[1]
     proposal = DraftProposal(state.last_tree, None, torch.zeros(3, 16, dtype=torch.long))

@@ -202,7 +202,9 @@ class DraftServer(ListeningServer):
         try:
             request = (message.tag, message.path, message.tokens)
             proposal = None
-            if self.table.speculation is not None:  # a hit answers at once, whatever else misses
+            # A hit answers at once, whatever else misses; a session with nothing planned skips
+            # the lookup (a stale answer is safe: drafting drops any plan it finds).
+            if self.table.speculation is not None and message.tag in self.table.speculation.plans:
                 proposal = await self.compute.run_batched("lookup", self.table.lookup_many, request)
             if proposal is None:
                 proposal = await self.compute.run_batched("propose", self.table.propose_many, request)

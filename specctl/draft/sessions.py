@@ -58,6 +58,8 @@ class SessionTable:
                 if state is None:
                     raise UnknownTag(tag)
                 before = state.rounds, state.drafted, state.accepted
+                if self.speculation is not None:  # learn from the outcome; no branch KV may stay
+                    self.speculation.outcome_without_lookup(tag, path, tokens)
                 state.advance(path, tokens)
             except Exception as exc:  # noqa: BLE001 - reported to that request only
                 results[i] = exc

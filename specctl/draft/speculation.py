@@ -29,8 +29,8 @@ from specctl.spec.sampling import saguaro
 
 FALLBACKS = ("auto", "jit", "ngram")
 PRIOR_BACKUP_LENGTH = 1.2  # tokens per round the n-gram backup is assumed to give before it is measured
-JUDGED_AFTER = 16  # a session's recent lookups before its hit rate may switch pre-speculation off
-PROBE_EVERY = 32  # a session it does not pay for is pre-speculated again once in this many rounds
+JUDGED_AFTER = 16  # recent lookups (of any session) before their hit rate may switch pre-speculation off
+PROBE_EVERY = 32  # while it does not pay, one round in this many is pre-speculated anyway (to notice a change)
 
 
 @dataclass(slots=True)
@@ -63,8 +63,6 @@ class History:
     backup_pending: bool = False  # its last proposal came from the n-gram backup
     backup_rounds: int = 0
     backup_accepted: int = 0
-    recent_hits: collections.deque = field(default_factory=lambda: collections.deque(maxlen=JUDGED_AFTER))
-    skipped: int = 0  # rounds not pre-speculated since it stopped paying
 
     @property
     def backup_length(self) -> float:
@@ -82,7 +80,7 @@ class PrespecStats:
     busy_s: float = 0.0
     fallback_jit: int = 0
     fallback_ngram: int = 0
-    skipped: int = 0  # rounds not pre-speculated because it did not pay for that session
+    skipped: int = 0  # rounds not pre-speculated because it did not pay
 
 
 class SpeculationCache:
@@ -93,6 +91,10 @@ class SpeculationCache:
         self.missed: set[int] = set()  # sessions whose outcome just missed (their fallback is due)
         self.step_s: dict[int, float] = {}  # smoothed chain-drafting time per token, by sessions drafted together
         self.step_samples: collections.deque = collections.deque(maxlen=64)  # (rows, seconds) of background steps
+        # Hit or miss of the latest lookups of every session: sessions are often shorter than
+        # the window a hit rate needs, and the draft/target pair decides it more than the text.
+        self.recent_hits: collections.deque = collections.deque(maxlen=JUDGED_AFTER)
+        self.skipped_in_a_row = 0
         self.stats = PrespecStats()
 
     @property
@@ -138,16 +140,17 @@ class SpeculationCache:
             self.wake()
 
     def _pays(self, history: History) -> bool:
-        """Pre-speculate this session's next round? Yes until its recent hit rate is known, then
-        while SSD predicts a gain worth the cost (``worth_it``), and once in PROBE_EVERY rounds."""
+        """Pre-speculate this session's next round? Yes until the recent hit rate is known, then
+        while SSD predicts a gain worth the cost (``worth_it``) from it and the session's T_p,
+        and for one round in PROBE_EVERY."""
         known = sorted(self.step_s)
-        if not self.config.adaptive or len(history.recent_hits) < JUDGED_AFTER or not known or not history.return_s:
+        if not self.config.adaptive or len(self.recent_hits) < JUDGED_AFTER or not known or not history.return_s:
             return True
         t_p = self.step_s[known[0]] * self.depth / history.return_s
-        if worth_it(sum(history.recent_hits) / len(history.recent_hits), t_p) or history.skipped >= PROBE_EVERY:
-            history.skipped = 0
+        if worth_it(sum(self.recent_hits) / len(self.recent_hits), t_p) or self.skipped_in_a_row >= PROBE_EVERY:
+            self.skipped_in_a_row = 0
             return True
-        history.skipped += 1
+        self.skipped_in_a_row += 1
         self.stats.skipped += 1
         return False
 
@@ -169,6 +172,13 @@ class SpeculationCache:
                 history.ranks.append(rank)
         return plan
 
+    def outcome_without_lookup(self, tag: int, path: list[int], tokens: list[int]) -> None:
+        """An outcome served by drafting: learn from it (a second call for the same outcome
+        learns nothing twice) and drop any plan it still had, with its branches' KV."""
+        plan = self.outcome(tag, path, tokens)
+        if plan is not None:
+            discard(plan)
+
     def lookup_many(self, requests: list[tuple[int, DraftState | None, list[int], list[int]]]) -> list[Proposal | None]:
         """Per request (tag, state, path, tokens): the proposal a branch holds for it, or None
         (a miss, or nothing was planned: the caller drafts as usual)."""
@@ -185,7 +195,7 @@ class SpeculationCache:
                 continue
             key = (len(path), tokens[-1])
             branch = plan.branches.get(key)
-            self.history[tag].recent_hits.append(branch is not None and bool(branch.slots))
+            self.recent_hits.append(branch is not None and bool(branch.slots))
             if branch is None or not branch.slots:
                 discard(plan)
                 self.stats.misses += 1
