@@ -7,7 +7,7 @@ import torch
 
 from specctl.draft.fanout import (
     PRIOR_R, acceptance_estimate, budget_that_fits, choose_fallback, fanout, outcome_probs, power_law_exponent,
-    predicted_gain_over_plain, predicted_speedup, step_time_fit, worth_it,
+    predicted_gain_over_plain, predicted_speedup, step_time_fit,
 )
 from specctl.spec.sampling import saguaro
 
@@ -90,11 +90,3 @@ def test_budget_is_what_finishes_before_the_outcome_returns():
     assert budget_that_fits(0.35, 4, fit, sharing=2, most=8) == 3  # two sessions share the steps
     assert budget_that_fits(0.35, 4, fit, sharing=1, most=4) == 4
     assert budget_that_fits(0.01, 4, fit, sharing=1, most=8) == 1  # at least the likeliest outcome
-
-
-def test_prespeculation_pays_only_above_the_minimum_predicted_gain():
-    # T_p = 1: gain = 2 / (h + 2(1 - h)); h = 0.1 -> 2 / 1.9 = 1.053; h = 0.05 -> 2 / 1.95 = 1.026
-    assert worth_it(0.1, 1.0)
-    assert not worth_it(0.05, 1.0)
-    assert not worth_it(0.9, 0.0)  # nothing to hide: the draft takes no time
-    assert worth_it(0.05, 1.0, min_gain=1.0)

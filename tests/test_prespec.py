@@ -14,7 +14,7 @@ from specctl.engine.tiny import make_tiny_model
 from specctl.errors import ConfigError
 from specctl.net.protocol import OpenSession
 from specctl.spec.decode import DecodeSession
-from specctl.spec.drafters import ModelChainDrafter, Proposal as DraftProposal
+from specctl.spec.drafters import ModelChainDrafter
 from specctl.spec.rounds import Drafted, InlineLane, generate, run_inline, run_session
 from specctl.spec.sampling import SamplingParams
 from specctl.verify.speculator import proposal_from_message
@@ -251,20 +251,14 @@ def test_the_budget_shrinks_to_what_finishes_before_the_outcome(tiny):
     assert spec.budget_for(spec.history[99]) == 8
 
 
-def test_sessions_are_left_alone_while_it_does_not_pay_then_probed(tiny):
-    from specctl.draft.speculation import JUDGED_AFTER, PROBE_EVERY
-
+def test_trials_measure_rounds_and_a_mode_kept_off_plans_nothing(tiny):
     table = SessionTable(ModelChainDrafter(tiny["llama-self2"], 3), KVPool(None), 320, 512)
-    spec = table.speculation = SpeculationCache(PrespecConfig(budget=2), 3)
-    table.open(1, OpenSession(0, [5, 6, 7], max_tokens=200))
-    table.propose_many([(1, [], [8])])
-    history = spec.history[1]
-    spec.recent_hits.extend([False] * JUDGED_AFTER)  # nothing hit lately
-    history.return_s = spec.step_s[min(spec.step_s)] * 3  # T_p = 1
-    state = table.states[1]
-    proposal = DraftProposal(state.last_tree, None, torch.zeros(3, 16, dtype=torch.long))
-    for round_ in range(PROBE_EVERY + 1):  # the same proposal planned again and again: only the probe plans it
-        spec.plans.pop(1, None)
-        spec.planned(1, state, proposal)
-        assert (1 in spec.plans) == (round_ == PROBE_EVERY), round_
-    assert spec.snapshot()["skipped"] == PROBE_EVERY
+    spec = table.speculation = SpeculationCache(PrespecConfig(budget=4), 3)
+    out, _ = run(tiny["llama"], table, PROMPTS[1], SamplingParams(max_tokens=30, ignore_eos=True), steps=4)
+    assert out == generate(tiny["llama"], PROMPTS[1], SamplingParams(max_tokens=30, ignore_eos=True))[0]
+    assert spec.trial.tokens[True] > 0 and spec.trial.seconds[True] > 0  # rounds with it were measured
+    spec.trial.phase, spec.trial.kept, spec.trial.left = "keep", False, 1000  # as if it had lost its trial
+    run(tiny["llama"], table, PROMPTS[0], SamplingParams(max_tokens=30, ignore_eos=True), steps=4, tag=2)
+    snap = spec.snapshot()
+    assert snap["skipped"] > 0 and snap["trial"]["kept"] is False
+    assert spec.plans == {}

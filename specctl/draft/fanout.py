@@ -129,14 +129,3 @@ def predicted_gain_over_plain(hit: float, e_primary: float, t_primary: float) ->
     """Pre-speculation with a just-in-time fallback (E_b = E_p, T_b = T_p) over plain
     speculative decoding, whose speedup over autoregressive is E_p / (1 + T_p)."""
     return predicted_speedup(hit, e_primary, e_primary, t_primary) / (e_primary / (1 + t_primary))
-
-
-MIN_GAIN = 1.05  # below this predicted gain, pre-speculating a session costs more than it saves (see worth_it)
-
-
-def worth_it(hit_rate: float, t_primary: float, min_gain: float = MIN_GAIN) -> bool:
-    """Whether pre-speculating a session pays: SSD's predicted gain over plain speculation from
-    its own hit rate and T_p (draft time / return time) must reach ``min_gain``, because
-    pre-speculation is not free — a request may wait for one background step, and where draft
-    and target share hardware the target's verification slows while the draft computes."""
-    return predicted_gain_over_plain(hit_rate, 1.0, t_primary) >= min_gain

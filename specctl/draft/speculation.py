@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from specctl.draft.fanout import (
-    acceptance_estimate, budget_that_fits, choose_fallback, fanout, power_law_exponent, step_time_fit, worth_it,
+    acceptance_estimate, budget_that_fits, choose_fallback, fanout, power_law_exponent, step_time_fit,
 )
 from specctl.draft.prespec import Plan, adopt, discard, finish, make_plan, proposal_of, step
+from specctl.draft.trial import Trial
 from specctl.errors import ConfigError
 from specctl.spec.draft_state import DraftState
 from specctl.spec.drafters import RANKED, Proposal
@@ -29,8 +30,6 @@ from specctl.spec.sampling import saguaro
 
 FALLBACKS = ("auto", "jit", "ngram")
 PRIOR_BACKUP_LENGTH = 1.2  # tokens per round the n-gram backup is assumed to give before it is measured
-JUDGED_AFTER = 16  # recent lookups (of any session) before their hit rate may switch pre-speculation off
-PROBE_EVERY = 32  # while it does not pay, one round in this many is pre-speculated anyway (to notice a change)
 
 
 @dataclass(slots=True)
@@ -39,8 +38,8 @@ class PrespecConfig:
     saguaro_c: float = 1.0  # Saguaro sampling's down-weighting constant (1 = plain sampling)
     fallback: str = "auto"  # on a miss: auto | jit | ngram
     max_rows: int = 64  # most branch tokens in one background forward (bounds a real request's wait)
-    # Measured times steer it: the budget is cut to what finishes within the return time, and a
-    # session it does not pay for is left alone (probed now and then). Off: tests decide.
+    # Measured times steer it: the budget is cut to what finishes within the return time, and
+    # trials keep pre-speculation only while it makes rounds faster (draft/trial.py). Off: tests decide.
     adaptive: bool = True
 
     def __post_init__(self) -> None:
@@ -63,6 +62,8 @@ class History:
     backup_pending: bool = False  # its last proposal came from the n-gram backup
     backup_rounds: int = 0
     backup_accepted: int = 0
+    last_outcome_at: float | None = None
+    planned_last: bool = False  # its last proposal was pre-speculated
 
     @property
     def backup_length(self) -> float:
@@ -80,7 +81,7 @@ class PrespecStats:
     busy_s: float = 0.0
     fallback_jit: int = 0
     fallback_ngram: int = 0
-    skipped: int = 0  # rounds not pre-speculated because it did not pay
+    skipped: int = 0  # rounds not pre-speculated (a trial without it, or it did not pay)
 
 
 class SpeculationCache:
@@ -91,10 +92,7 @@ class SpeculationCache:
         self.missed: set[int] = set()  # sessions whose outcome just missed (their fallback is due)
         self.step_s: dict[int, float] = {}  # smoothed chain-drafting time per token, by sessions drafted together
         self.step_samples: collections.deque = collections.deque(maxlen=64)  # (rows, seconds) of background steps
-        # Hit or miss of the latest lookups of every session: sessions are often shorter than
-        # the window a hit rate needs, and the draft/target pair decides it more than the text.
-        self.recent_hits: collections.deque = collections.deque(maxlen=JUDGED_AFTER)
-        self.skipped_in_a_row = 0
+        self.trial = Trial()
         self.stats = PrespecStats()
 
     @property
@@ -127,30 +125,24 @@ class SpeculationCache:
         """A proposal went out: plan its outcomes' branches (not for a backup proposal)."""
         history = self.history.setdefault(tag, History())
         history.proposed_at, history.backup_pending = time.perf_counter(), backup
+        history.planned_last = False
         old = self._retire(self.plans.pop(tag, None))
         if old is not None:
             discard(old)
-        if backup or proposal.ranked is None or not self._pays(history):
+        if backup or proposal.ranked is None or not self._pays():
             return
         chain_length = len(proposal.tree) - 1
         plan = make_plan(state, proposal, self._fanout_tag(tag, state, chain_length + 1), self.depth,
                          self.reshape_for(tag, state))
         if plan is not None:
             self.plans[tag] = plan
+            history.planned_last = True
             self.wake()
 
-    def _pays(self, history: History) -> bool:
-        """Pre-speculate this session's next round? Yes until the recent hit rate is known, then
-        while SSD predicts a gain worth the cost (``worth_it``) from it and the session's T_p,
-        and for one round in PROBE_EVERY."""
-        known = sorted(self.step_s)
-        if not self.config.adaptive or len(self.recent_hits) < JUDGED_AFTER or not known or not history.return_s:
+    def _pays(self) -> bool:
+        """Pre-speculate the round being proposed? Always when not adaptive; else as the trial says."""
+        if not self.config.adaptive or self.trial.next_round():
             return True
-        t_p = self.step_s[known[0]] * self.depth / history.return_s
-        if worth_it(sum(self.recent_hits) / len(self.recent_hits), t_p) or self.skipped_in_a_row >= PROBE_EVERY:
-            self.skipped_in_a_row = 0
-            return True
-        self.skipped_in_a_row += 1
         self.stats.skipped += 1
         return False
 
@@ -158,9 +150,13 @@ class SpeculationCache:
         """The outcome of the session's last proposal arrived: learn from it; its plan, if any."""
         history = self.history.setdefault(tag, History())
         if history.proposed_at is not None:
-            z = time.perf_counter() - history.proposed_at
+            now = time.perf_counter()
+            z = now - history.proposed_at
             history.return_s = z if history.return_s is None else 0.8 * history.return_s + 0.2 * z
             history.proposed_at = None
+            if history.last_outcome_at is not None:  # a whole round: outcome to outcome
+                self.trial.record(history.planned_last, len(tokens), now - history.last_outcome_at)
+            history.last_outcome_at = now
         if history.backup_pending:
             history.backup_pending = False
             history.backup_rounds += 1
@@ -195,7 +191,6 @@ class SpeculationCache:
                 continue
             key = (len(path), tokens[-1])
             branch = plan.branches.get(key)
-            self.recent_hits.append(branch is not None and bool(branch.slots))
             if branch is None or not branch.slots:
                 discard(plan)
                 self.stats.misses += 1
@@ -272,7 +267,7 @@ class SpeculationCache:
         return {"hits": s.hits, "partial_hits": s.partial_hits, "misses": s.misses,
                 "hit_rate": round(s.hits / looked, 4) if looked else 0.0,
                 "branches_drafted": s.branches_drafted, "branches_used": s.branches_used, "steps": s.steps,
-                "busy_s": round(s.busy_s, 6), "fallback_jit": s.fallback_jit, "fallback_ngram": s.fallback_ngram, "skipped": s.skipped,
+                "busy_s": round(s.busy_s, 6), "fallback_jit": s.fallback_jit, "fallback_ngram": s.fallback_ngram, "skipped": s.skipped, "trial": self.trial.snapshot(),
                 "plans": len(self.plans), "budget": self.config.budget, "budget_now": self._budget_now(), "saguaro_c": self.config.saguaro_c,
                 "fallback": self.config.fallback}
 
