@@ -251,7 +251,7 @@ def test_bench_pipeline_refuses_more_stages_than_layers(tiny_dir):
     (("--prespec", "--mode", "chain", "--saguaro-c", "1.5"), "--saguaro-c must be in (0, 1], got 1.5"),
     (("--prespec", "--mode", "chain", "--fallback", "sometimes"), "--fallback must be one of auto, jit, ngram, got 'sometimes'"),
     (("--prespec", "--mode", "chain", "--prespec-budget", "0"), "the pre-speculation budget must be an integer in [1, 4096], got 0"),
-    (("--fallback", "jit"), "--prespec-budget, --saguaro-c and --fallback need --prespec"),
+    (("--fallback", "jit"), "--prespec-budget, --saguaro-c, --fallback and --no-prespec-trials need --prespec"),
 ])
 def test_prespec_flags_are_checked_before_anything_loads(args, message):
     _assert_one_line_error(run("draft", "--model", "no-such-model", *args, timeout=60), message)

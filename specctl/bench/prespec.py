@@ -22,7 +22,8 @@ from specctl.bench.star import StarBenchSettings, StarCluster, _measure, _worklo
 from specctl.draft.fanout import predicted_gain_over_plain
 from specctl.verify.client import remote_stats
 
-PRESPEC_KEYS = ("hits", "misses", "partial_hits", "branches_drafted", "branches_used", "fallback_jit", "fallback_ngram")
+PRESPEC_KEYS = ("hits", "misses", "partial_hits", "branches_drafted", "branches_used", "fallback_jit", "fallback_ngram",
+                "skipped")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,11 +32,12 @@ class PrespecBenchSettings:
     budget: int = 8
     fallback: str = "jit"
     repeats: int = 3
+    trials: bool = True  # False: --no-prespec-trials, pre-speculation in every round
 
     @property
     def prespec_star(self) -> StarBenchSettings:
-        return dataclasses.replace(self.star, draft_args=("--prespec", "--prespec-budget", str(self.budget),
-                                                          "--fallback", self.fallback))
+        args = ("--prespec", "--prespec-budget", str(self.budget), "--fallback", self.fallback)
+        return dataclasses.replace(self.star, draft_args=args + (() if self.trials else ("--no-prespec-trials",)))
 
 
 async def _prespec_row(cluster: StarCluster, n: int, prompts: list[list[int]], texts: list) -> dict:
@@ -115,7 +117,8 @@ def run_prespec_bench(s: PrespecBenchSettings, prompts: list[list[int]], progres
         "settings": {"draft": s.star.draft, "target": s.star.target, "depth": s.star.depth,
                      "max_tokens": s.star.max_tokens, "sessions": s.star.sessions, "verify_delay_ms": s.star.verify_delay_ms,
                      "dtype": s.star.dtype, "draft_quant": s.star.draft_quant, "target_quant": s.star.target_quant,
-                     "budget": s.budget, "fallback": s.fallback, "repeats": s.repeats, "emulated": s.star.verify_delay_ms > 0},
+                     "budget": s.budget, "fallback": s.fallback, "repeats": s.repeats, "trials": s.trials,
+                     "emulated": s.star.verify_delay_ms > 0},
         "rows": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()} for row in rows],
         "pairs": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in pair.items()} for pair in pairs],
         "summary": summarize(pairs),

@@ -108,8 +108,8 @@ def render_prespec_table(report: dict) -> Table:
     s = report["settings"]
     label = f" (emulated: +{s['verify_delay_ms']:.0f} ms per verification)" if s["emulated"] else ""
     table = Table(title=f"bench prespec: {s['draft']} -> {s['target']}, d={s['depth']}, budget {s['budget']}, "
-                        f"fallback {s['fallback']}{label}")
-    for column in ("N", "plain O", "prespec O", "gain", "predicted", "hit rate", "partial", "branches used",
+                        f"fallback {s['fallback']}, {'trials' if s.get('trials', True) else 'every round'}{label}")
+    for column in ("N", "plain O", "prespec O", "gain", "predicted", "hit rate", "partial", "skipped", "branches used",
                    "MAL plain/pre", "T_p", "same as plain"):
         table.add_column(column, justify="right")
     rows = report["rows"]
@@ -117,6 +117,7 @@ def render_prespec_table(report: dict) -> Table:
         plain, pre = (rows[i] for i in pair["rows"])
         table.add_row(str(pair["N"]), f"{plain['O']:.2f}", f"{pre['O']:.2f}", f"{pair['gain']:.2f}x",
                       f"{pair['predicted_gain']:.2f}x", f"{pre['hit_rate']:.0%}", str(pre["partial_hits"]),
+                      str(pre.get("skipped", 0)),
                       f"{pre['branches_used']}/{pre['branches_drafted']}",
                       f"{plain['mean_accepted_length']:.2f}/{pre['mean_accepted_length']:.2f}", f"{pair['T_p']:.2f}",
                       "yes" if pair["same_as_plain"] else "NO")

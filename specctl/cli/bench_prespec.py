@@ -25,6 +25,8 @@ def prespec(
     verify_delay_ms: float = typer.Option(60.0, "--verify-delay-ms", help="added to every verification (emulation): "
                                           "choose it so that Z is about S"),
     repeats: int = typer.Option(3, help="measurements of each N and mode (min/median/max reported)"),
+    trials: bool = typer.Option(True, "--trials/--no-trials", help="the prespec server keeps pre-speculation only "
+                                "while its trials find it faster (as by default); --no-trials: in every round"),
     dtype: str = typer.Option("fp32", help="fp32 | bf16 | fp16"),
     draft_quant: str = typer.Option("int8", "--draft-quant", help="none | int8"),
     target_quant: str = typer.Option("int8", "--target-quant", help="none | int8 (targets share this machine's cores)"),
@@ -64,7 +66,7 @@ def prespec(
     star = StarBenchSettings(draft, target, tuple(range(1, max_targets + 1)), depth, max_tokens, verify_delay_ms, dtype,
                              max_batches=(8,), sessions=sessions, draft_quant=draft_quant, target_quant=target_quant,
                              nice_unemulated=True)
-    settings = PrespecBenchSettings(star, budget, fallback, repeats)
+    settings = PrespecBenchSettings(star, budget, fallback, repeats, trials)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task(f"plain vs prespec, 2 draft + {2 * max_targets} target processes", total=2 * repeats)

@@ -14,18 +14,19 @@ from specctl.errors import ConfigError
 DEFAULT_PRESPEC_BUDGET = 8
 
 
-def prespec_config(enabled: bool, budget: int | None, profile_budget: int, saguaro_c: float, fallback: str, mode: str):
+def prespec_config(enabled: bool, budget: int | None, profile_budget: int, saguaro_c: float, fallback: str, mode: str,
+                   trials: bool = True):
     """The pre-speculation settings from the flags (budget: flag > profile > default), or None when off."""
     from specctl.draft.speculation import PrespecConfig
 
     if not enabled:
-        if budget is not None or saguaro_c != 1.0 or fallback != "auto":
-            raise ConfigError("--prespec-budget, --saguaro-c and --fallback need --prespec")
+        if budget is not None or saguaro_c != 1.0 or fallback != "auto" or not trials:
+            raise ConfigError("--prespec-budget, --saguaro-c, --fallback and --no-prespec-trials need --prespec")
         return None
     if mode != "chain":
         raise ConfigError(f"--prespec drafts chains: use --mode chain (not {mode})")
     budget = budget if budget is not None else (profile_budget or DEFAULT_PRESPEC_BUDGET)
-    return checked(PrespecConfig, budget=budget, saguaro_c=saguaro_c, fallback=fallback)
+    return checked(PrespecConfig, budget=budget, saguaro_c=saguaro_c, fallback=fallback, trials=trials)
 
 
 def draft(
@@ -58,6 +59,9 @@ def draft(
                                     "probabilities times C in (0, 1] (1 = plain sampling; lower = more hits, less acceptance)"),
     fallback: str = typer.Option("auto", "--fallback", help="on a cache miss: jit (draft now), ngram (the fast backup), "
                                  "or auto (whichever the measured times favour for the sessions that missed together)"),
+    prespec_trials: bool = typer.Option(True, "--prespec-trials/--no-prespec-trials",
+                                        help="keep pre-speculation only while measured trials find it faster "
+                                             "(off: pre-speculate every round)"),
     log_level: str = typer.Option("info", "--log-level", help="debug | info | warning"),
 ) -> None:
     """Run the shared draft server: one draft model serving many target instances (StarSD).
@@ -79,7 +83,8 @@ def draft(
                           max_sessions=max_sessions, max_batch=max_batch, dtype=dtype, threads=threads, draft_quant=draft_quant)
     if config.mode == "ar":
         raise ConfigError("a draft server proposes: --mode must be chain, tree or ngram")
-    speculation = prespec_config(prespec, prespec_budget, config.prespec_budget, saguaro_c, fallback, config.mode)
+    speculation = prespec_config(prespec, prespec_budget, config.prespec_budget, saguaro_c, fallback, config.mode,
+                                 prespec_trials)
     ssl = server_context(tls_cert, tls_key)
     server_config = checked(DraftServerConfig, host=host, port=port, max_sessions=config.max_sessions,
                             max_batch=config.max_batch, kv_budget_bytes=config.kv_budget_bytes, auth_token=auth_token,

@@ -41,6 +41,7 @@ class PrespecConfig:
     # Measured times steer it: the budget is cut to what finishes within the return time, and
     # trials keep pre-speculation only while it makes rounds faster (draft/trial.py). Off: tests decide.
     adaptive: bool = True
+    trials: bool = True  # with adaptive: off = pre-speculate every round (measure it alone)
 
     def __post_init__(self) -> None:
         if not isinstance(self.budget, int) or not 1 <= self.budget <= 4096:
@@ -141,7 +142,7 @@ class SpeculationCache:
 
     def _pays(self) -> bool:
         """Pre-speculate the round being proposed? Always when not adaptive; else as the trial says."""
-        if not self.config.adaptive or self.trial.next_round():
+        if not (self.config.adaptive and self.config.trials) or self.trial.next_round():
             return True
         self.stats.skipped += 1
         return False
