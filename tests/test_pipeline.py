@@ -241,3 +241,39 @@ async def test_many_sessions_keep_several_micro_batches_in_flight_and_stay_exact
             await server.close()
     link.cancel()
     await draft_server.close()
+
+
+async def test_a_session_checking_the_link_while_it_closes_reads_why_it_broke():
+    """The client clears `connected` before it awaits the link's close: a session that checks in
+    that window once read "not connected yet" instead of the stage's error (seen on CI-like load)."""
+    from specctl.pipeline.decoder import PipelineClient
+
+    closing, release = asyncio.Event(), asyncio.Event()
+
+    class SlowToCloseLink:
+        address = "127.0.0.1:1"
+
+        def __init__(self, on_reply):
+            self.closed, self.error = asyncio.Event(), None
+
+        async def connect(self):
+            pass
+
+        async def close(self):
+            closing.set()
+            await release.wait()
+
+    client = PipelineClient(SlowToCloseLink)
+    first = asyncio.get_running_loop().create_future()
+    runner = asyncio.create_task(client.run(first))
+    try:
+        assert await first
+        epoch = client.epoch
+        client.link.error = "the stage at 127.0.0.1:1 went away"
+        client.link.closed.set()
+        await closing.wait()  # connected is cleared; close() has not returned
+        with pytest.raises(StageUnavailable, match=r"the pipeline is down \(the stage at 127\.0\.0\.1:1 went away\)"):
+            client._check(epoch)
+    finally:
+        release.set()
+        runner.cancel()

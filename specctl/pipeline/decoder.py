@@ -74,6 +74,9 @@ class PipelineClient:
             try:
                 await link.closed.wait()
             finally:
+                # The reason first: a session checking the link while it closes below must read
+                # why (it once read "not connected yet" in that window).
+                self.last_error = link.error or "closed"
                 self.connected.clear()
                 await link.close()
                 self._fail_pending(f"the pipeline chain broke ({link.error or 'closed'})")
