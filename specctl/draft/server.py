@@ -53,8 +53,11 @@ class Connection:
     tags: set[int] = field(default_factory=set)
     inflight: set[int] = field(default_factory=set)
 
-    def send(self, message) -> None:
-        self.outgoing.put_nowait(encode(message))
+    def send(self, message) -> int:
+        """Queue one message; its frame's size in bytes."""
+        frame = encode(message)
+        self.outgoing.put_nowait(frame)
+        return len(frame)
 
 
 class DraftServer(ListeningServer):
@@ -220,7 +223,5 @@ class DraftServer(ListeningServer):
             return
         finally:
             conn.inflight.discard(message.tag)
-        frame = encode(proposal)
         self.proposals_sent += 1
-        self.proposal_bytes += len(frame)
-        conn.outgoing.put_nowait(frame)
+        self.proposal_bytes += conn.send(proposal)
