@@ -28,6 +28,7 @@ class Config:
     device: str = "cpu"
     dtype: str = "bf16"
     attention_backend: str = "auto"
+    cuda_graphs: bool = True  # on CUDA: steps of <= 64 tokens padded to a bucket and replayed as CUDA graphs
     threads: int = 0  # 0 = torch's default
     kv_budget_mb: int = 4096
     max_sessions: int = 64
@@ -51,6 +52,8 @@ class Config:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
             raise ConfigError(f"attention_backend must be auto, torch or flashinfer, got {self.attention_backend!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ConfigError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         for name in ("draft_quant", "target_quant"):
             if getattr(self, name) not in QUANTS:
                 raise ConfigError(f"{name} must be one of {', '.join(QUANTS)}, got {getattr(self, name)!r}")

@@ -8,11 +8,13 @@ or forced by the profile's ``attention_backend``."""
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
 
 from specctl_kernels import torch_backend
+from specctl_kernels.torch_backend import static_attention
 
 BACKENDS = ("auto", "torch", "flashinfer")
 
@@ -29,15 +31,36 @@ def flashinfer_available() -> bool:
     return True
 
 
-def select_backend(requested: str, device: torch.device | str) -> str:
-    """Resolve ``auto`` to a concrete backend; refuse one that cannot run here."""
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+log = logging.getLogger("specctl.kernels")
+
+
+def select_backend(requested: str, device: torch.device | str, dtype: torch.dtype | None = None,
+                   head_dim: int | None = None) -> str:
+    """Resolve ``auto`` to a concrete backend; refuse one that cannot run here. flashinfer has
+    kernels for fp16/bf16 and head dims 64/128/256 only: ``auto`` then falls back to torch."""
     if requested not in BACKENDS:
         raise ValueError(f"unknown attention backend {requested!r}: one of {', '.join(BACKENDS)}")
     is_cuda = torch.device(device).type == "cuda"
+    unsupported = None
+    if dtype is not None and dtype not in FLASHINFER_DTYPES:
+        unsupported = f"{str(dtype).removeprefix('torch.')} (it has fp16/bf16 kernels only)"
+    elif head_dim is not None and head_dim not in FLASHINFER_HEAD_DIMS:
+        unsupported = f"head dim {head_dim} (it has {', '.join(map(str, FLASHINFER_HEAD_DIMS))})"
     if requested == "auto":
-        return "flashinfer" if is_cuda and flashinfer_available() else "torch"
-    if requested == "flashinfer" and not (is_cuda and flashinfer_available()):
-        raise ValueError("attention backend 'flashinfer' needs a CUDA device and `pip install flashinfer-python`")
+        if not (is_cuda and flashinfer_available()):
+            return "torch"
+        if unsupported:
+            log.info("attention: torch SDPA, since flashinfer has no kernels for %s", unsupported)
+            return "torch"
+        return "flashinfer"
+    if requested == "flashinfer":
+        if not (is_cuda and flashinfer_available()):
+            raise ValueError("attention backend 'flashinfer' needs a CUDA device and `pip install flashinfer-python`")
+        if unsupported:
+            raise ValueError(f"attention backend 'flashinfer' has no kernels for {unsupported}; use attention_backend "
+                             "= 'auto' or 'torch'")
     return requested
 
 
@@ -70,4 +93,5 @@ def causal_mask(n: int, total: int, device: torch.device | str = "cpu") -> torch
     return cols <= rows + past
 
 
-__all__ = ["BACKENDS", "causal_mask", "flashinfer_available", "get_attention", "select_backend", "tree_attention"]
+__all__ = ["BACKENDS", "causal_mask", "flashinfer_available", "get_attention", "select_backend", "static_attention",
+           "tree_attention"]

@@ -2,11 +2,39 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# cuDNN attention plans per shape: its first call at each new KV length cost 45-56 ms on an
+# H100, and a decode step meets a new length every time. Name the kernels SDPA may use.
+_CUDA_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _kernels(q: torch.Tensor):
+    return sdpa_kernel(_CUDA_KERNELS) if q.is_cuda else contextlib.nullcontext()
 
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    with _kernels(q):
+        return _tree_attention(q, k, v, mask)
+
+
+def static_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grouped_mask: torch.Tensor) -> torch.Tensor:
+    """Attention over a whole static KV buffer: q [1, H, M, D]; k, v [1, Hkv, S, D];
+    grouped_mask [G*M, S] with G = H / Hkv (row g*M + m is query m's mask). The G query heads
+    that share a KV head are stacked as rows of that head, so K/V are never copied."""
+    b, heads, m, d = q.shape
+    kv_heads = k.shape[1]
+    grouped = q.reshape(b, kv_heads, heads // kv_heads * m, d)
+    with _kernels(q):
+        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=grouped_mask[None, None])
+    return out.reshape(b, heads, m, d)
+
+
+def _tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     n, total = q.shape[2], k.shape[2]
     if mask is None:
         if n == 1:

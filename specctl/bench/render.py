@@ -126,3 +126,17 @@ def render_prespec_table(report: dict) -> Table:
     table.caption = (f"O: tokens/s of all N targets; gain: prespec O / plain O of the same repeat (min/median/max: "
                      f"{spread}); predicted: SSD Theorem 7 with the measured hit rate, T_p = S/Z")
     return table
+
+
+def render_kernels_table(report: dict) -> Table:
+    s = report["settings"]
+    table = Table(title=f"bench kernels: {report['model']} ({report['params_millions']}M params, {s['dtype']}) on "
+                        f"{report['device']}, context {s['context']}; limit {report['bandwidth_limit_ms']:.2f} ms/step "
+                        f"at {report['bandwidth_gbps']:.0f} GB/s")
+    for column in ("tokens", "eager ms (min/med/max)", "graph ms (min/med/max)", "tokens/s", "of limit"):
+        table.add_column(column, justify="right")
+    spread = lambda v: "-" if v is None else " / ".join(f"{x:.2f}" for x in v)  # noqa: E731
+    for row in report["steps"]:
+        table.add_row(str(row["tokens"]), spread(row["eager_ms_min_median_max"]), spread(row["graph_ms_min_median_max"]),
+                      f"{row['tokens_per_s']:.0f}", f"{row['fraction_of_bandwidth_limit']:.0%}")
+    return table

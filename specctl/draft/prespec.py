@@ -21,7 +21,7 @@ import torch
 from specctl.engine.tree import TokenTree
 from specctl.spec.draft_state import DraftState
 from specctl.spec.drafters import RANKED, Proposal
-from specctl.spec.sampling import DRAFT_SUPPORT, SamplingParams, keep_top, probs_from_logits
+from specctl.spec.sampling import DRAFT_SUPPORT, SamplingParams, keep_top, probs_from_logits, sample
 
 Reshape = Callable[[int, torch.Tensor], torch.Tensor]  # (position, q) -> the q to sample from
 
@@ -147,7 +147,7 @@ def _draw(plan: Plan, branch: Branch, row: torch.Tensor) -> None:
     q = keep_top(probs_from_logits(row, state.params), DRAFT_SUPPORT)
     if plan.reshape is not None:
         q = plan.reshape(position, q)
-    x = int(torch.multinomial(q, 1, generator=state.generator))
+    x = sample(q, state.generator)
     branch.tokens.append(x)
     branch.probs.append(float(q[x]))
     branch.dists.append(q)

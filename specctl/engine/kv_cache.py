@@ -40,9 +40,11 @@ class KVPool:
 
 
 class KVCache:
-    """Keys and values of one session for a range of layers: [layers, kv_heads, capacity, head_dim].
+    """Keys and values of one session for a range of layers: [layers, 1, kv_heads, slots, head_dim].
 
-    ``length`` positions are valid. A forward writes its n new positions at [length, length+n)
+    ``length`` positions are valid. ``slots`` = capacity + a trash slot, rounded up to 16
+    (padded static steps write their padding rows to ``trash`` and attend over all slots,
+    so the buffer starts zeroed: stale memory must not hold NaNs). A forward writes its n new positions at [length, length+n)
     in every layer and then ``commit(n)``s them; ``truncate`` and ``gather`` drop positions."""
 
     def __init__(
@@ -55,14 +57,17 @@ class KVCache:
         device: torch.device | str = "cpu",
         pool: KVPool | None = None,
     ) -> None:
-        shape = (num_layers, 1, num_kv_heads, capacity, head_dim)
-        self.nbytes = 2 * num_layers * num_kv_heads * capacity * head_dim * torch.tensor([], dtype=dtype).element_size()
+        self.slots = -(-(capacity + 1) // 16) * 16
+        self.trash = self.slots - 1
+        shape = (num_layers, 1, num_kv_heads, self.slots, head_dim)
+        self.nbytes = 2 * num_layers * num_kv_heads * self.slots * head_dim * torch.tensor([], dtype=dtype).element_size()
         self.pool = pool
         self.released = True  # until the reservation succeeds, there is nothing to give back
         if pool is not None:
             pool.reserve(self.nbytes)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.steps: dict = {}  # bucket -> engine.static.StepGraph (its CUDA graph bakes in k and v)
         self.capacity = capacity
         self.length = 0
         self.released = False
@@ -108,6 +113,7 @@ class KVCache:
             self.released = True
             if self.pool is not None:
                 self.pool.release(self.nbytes)
+            self.steps = {}
             self.k = self.v = torch.empty(0)
             self.length = self.capacity = 0
 

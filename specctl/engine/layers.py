@@ -10,7 +10,8 @@ from torch import nn
 
 from specctl.engine.kv_cache import KVCache
 from specctl.engine.spec import ModelSpec
-from specctl_kernels import get_attention
+from specctl.engine.static import StaticSegment
+from specctl_kernels import get_attention, static_attention
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +77,12 @@ class Attention(nn.Module):
         k = k.reshape(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.reshape(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if len(segments.caches) == 1:
+        if isinstance(segments, StaticSegment):
+            cache = segments.cache
+            cache.k[layer, 0].index_copy_(1, segments.write_at, k[0])
+            cache.v[layer, 0].index_copy_(1, segments.write_at, v[0])
+            out = static_attention(q, cache.k[layer], cache.v[layer], segments.mask)
+        elif len(segments.caches) == 1:
             keys, values = segments.caches[0].write(layer, k, v)
             out = self.attend(q, keys, values, segments.masks[0])
         else:
@@ -117,3 +123,28 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, segments: "Segments", layer: int) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def fused_linear(linears: list[nn.Linear]) -> nn.Linear:
+    """One nn.Linear computing the concatenated outputs of ``linears`` (same input)."""
+    weight = torch.cat([linear.weight.detach() for linear in linears])
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=linears[0].bias is not None,
+                      device=weight.device, dtype=weight.dtype)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if fused.bias is not None:
+        fused.bias = nn.Parameter(torch.cat([linear.bias.detach() for linear in linears]), requires_grad=False)
+    return fused
+
+
+def fuse_projections(decoder: nn.Module) -> nn.Module:
+    """q/k/v and gate/up read the same input: one GEMM each instead of three and two (on a GPU a
+    decode step is launch- and tail-bound). In place; a layer already fused is left alone."""
+    for layer in decoder.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.qkv_proj is None:
+            attn.qkv_proj = fused_linear([attn.q_proj, attn.k_proj, attn.v_proj])
+            attn.q_proj = attn.k_proj = attn.v_proj = None
+        if mlp.gate_up_proj is None:
+            mlp.gate_up_proj = fused_linear([mlp.gate_proj, mlp.up_proj])
+            mlp.gate_proj = mlp.up_proj = None
+    return decoder

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from specctl.engine.model import Decoder
 from specctl.engine.spec import ModelSpec
 from specctl.errors import ModelNotFound, VocabMismatch
+from specctl_kernels import select_backend
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -71,10 +72,13 @@ def load_decoder(
     backend: str = "torch",
     config: Any = None,
 ) -> Decoder:
+    """``backend``: an attention backend or ``auto`` (chosen here, from device, dtype and
+    head dim)."""
     from transformers import AutoConfig
 
     config = config or AutoConfig.from_pretrained(path)
     spec = ModelSpec.from_hf(config)
+    backend = select_backend(backend, device, dtype, spec.head_dim)
     with torch.device("meta"):
         decoder = Decoder(spec, layer_range, embed, head, backend)
     first, last = decoder.layer_range

@@ -10,6 +10,7 @@ from torch import nn
 from specctl.engine.kv_cache import KVCache, KVPool
 from specctl.engine.layers import DecoderLayer, RMSNorm, Segments, rope_cos_sin
 from specctl.engine.spec import ModelSpec
+from specctl.engine.static import StaticRunner, StaticSegment
 
 
 class Decoder(nn.Module):
@@ -32,6 +33,15 @@ class Decoder(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if head else None
         inv_freq, self.rope_scaling = spec.inv_freq()
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.static: StaticRunner | None = None
+
+    def use_static_steps(self, graphs: bool = True) -> "Decoder":
+        """Run single-session steps of up to 64 tokens padded to a size bucket over the whole
+        KV buffer, captured as CUDA graphs when on CUDA and ``graphs``."""
+        if not (self.has_embed and self.has_head):
+            raise ValueError("static steps need a full model (embedding and head)")
+        self.static = StaticRunner(self, graphs)
+        return self
 
     def part(self, layer_range: tuple[int, int], embed: bool, head: bool) -> "Decoder":
         """Layers [a, b) of this decoder, with its embedding and/or norm + head, sharing the
@@ -83,9 +93,11 @@ class Decoder(nn.Module):
         mask [n, cache.length + n]: True where a new token may attend; None = causal.
         logits_at: which of the n rows get logits (None = all). Returns float32 logits
         [len(logits_at), vocab] with a head, else hidden states [n, hidden]."""
+        n = inputs.shape[0]
+        if self.static is not None and self.static.fits(n, cache):
+            return self.static.run(inputs, positions, cache, mask, logits_at)
         if mask is not None:
             mask = mask.to(self.device)
-        n = inputs.shape[0]
         return self._run(inputs, positions, Segments([(0, n)], [cache], [mask]), logits_at)
 
     @torch.inference_mode()
@@ -99,6 +111,8 @@ class Decoder(nn.Module):
     ) -> list[torch.Tensor]:
         """Several sessions in one forward (ragged: each its own tokens, cache and mask).
         Returns, per session, the logits at its ``logits_at`` rows."""
+        if len(inputs) == 1:
+            return [self.forward(inputs[0], positions[0], caches[0], masks[0], logits_at[0])]
         bounds = ragged_bounds([tokens.shape[0] for tokens in inputs])
         rows = torch.cat([at + lo for at, (lo, _) in zip(logits_at, bounds)])
         out = self.forward_ragged(torch.cat(inputs), torch.cat(positions), bounds, caches, masks, rows)
@@ -119,6 +133,14 @@ class Decoder(nn.Module):
         hidden states of every row without a head (a pipeline stage), else logits at ``rows``."""
         masks = [None if m is None else m.to(self.device) for m in masks]
         return self._run(inputs, positions, Segments(bounds, caches, masks), rows)
+
+    def static_forward(self, ids: torch.Tensor, positions: torch.Tensor, segment: StaticSegment) -> torch.Tensor:
+        """The padded step (engine.static): float32 logits of all M rows; the caller commits."""
+        x = self.embed_tokens(ids).unsqueeze(0)
+        cos, sin = rope_cos_sin(self.inv_freq, self.rope_scaling, positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, segment, i)
+        return self.lm_head(self.norm(x[0])).float()
 
     def _run(self, inputs: torch.Tensor, positions: torch.Tensor, segments: Segments, logits_at) -> torch.Tensor:
         if self.embed_tokens is not None:

@@ -137,7 +137,9 @@ class TokenTree:
         Children are ordered by parent, then by draft probability (tree sampling tries them
         in this order)."""
         k = min(topk, frontier_probs.shape[-1])
-        top_p, top_tok = frontier_probs.topk(k, dim=-1)  # [f, k]
+        # The tree lives on the CPU (it is bookkeeping); only the top-k leave the model's device.
+        top_p, top_tok = (t.cpu() for t in frontier_probs.topk(k, dim=-1))  # [f, k]
+        frontier = frontier.cpu()
         cand_parent = frontier.unsqueeze(1).expand(-1, k).reshape(-1)
         cand_p, cand_tok = top_p.reshape(-1), top_tok.reshape(-1)
         cand_score = self.score[cand_parent] + cand_p.clamp_min(1e-30).log()

@@ -20,7 +20,7 @@ import torch
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.model import Decoder
 from specctl.engine.tree import TokenTree
-from specctl.spec.sampling import DRAFT_SUPPORT, SamplingParams, keep_top, probs_from_logits
+from specctl.spec.sampling import DRAFT_SUPPORT, SamplingParams, keep_top, probs_from_logits, sample
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +199,7 @@ def propose_chains(sessions: list["_ChainSession"], seqs: list[list[int]], param
                 if sessions[b].reshape is not None:
                     q = sessions[b].reshape(i, q)
             ranked[b].append(rows[0].topk(min(RANKED, rows.shape[-1])).indices)
-            x = int(q.argmax()) if params[b].greedy else int(torch.multinomial(q, 1, generator=generators[b]))
+            x = int(q.argmax()) if params[b].greedy else sample(q, generators[b])
             tokens.append(x)
             probs.append(float(q[x]))
             dists.append(q)

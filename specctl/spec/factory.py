@@ -9,7 +9,8 @@ import torch
 from rich.console import Console
 
 from specctl.config import Config
-from specctl.engine.loader import LoadedModel, check_same_vocab, load_model
+from specctl.engine.loader import DTYPES, LoadedModel, check_same_vocab, load_model
+from specctl.engine.layers import fuse_projections
 from specctl.engine.quant import quantize_decoder
 from specctl.spec.drafters import Drafter, ModelChainDrafter, ModelTreeDrafter, NgramDrafter, NoDrafter
 from specctl.store import resolve_model
@@ -35,13 +36,19 @@ def load_named(name: str, config: Config, console: Console | None = None, quant:
     """A model by name; ``stage`` = (layer range, embedding?, head?) loads one pipeline stage's part."""
     base, layers = split_model_name(name)
     path = resolve_model(base, console)
-    backend = select_backend(config.attention_backend, config.device)
     console = console or Console(stderr=True)
     dtype = "fp32" if quant == "int8" else config.dtype
+    if config.attention_backend != "auto":
+        select_backend(config.attention_backend, config.device, DTYPES[dtype])  # refuse early, before a download
     what = "" if stage is None else f" layers {stage[0][0]}:{stage[0][1]}"
     with console.status(f"loading {name}{what} ({quant if quant != 'none' else config.dtype})"):
-        model = load_model(name, path, dtype, num_layers=layers, device=config.device, backend=backend, stage=stage)
+        model = load_model(name, path, dtype, num_layers=layers, device=config.device,
+                           backend=config.attention_backend, stage=stage)
         model.decoder = quantize_decoder(model.decoder, quant)
+        if model.decoder.device.type == "cuda":
+            fuse_projections(model.decoder)
+            if stage is None and config.cuda_graphs:
+                model.decoder.use_static_steps(graphs=True)
     return model
 
 

@@ -70,8 +70,26 @@ def keep_top(probs: torch.Tensor, k: int) -> torch.Tensor:
     return kept / kept.sum(-1, keepdim=True)
 
 
+def uniform(generator: torch.Generator | None) -> float:
+    """One uniform draw in [0, 1) from the session's generator, which lives on the CPU
+    whatever device the model is on (a seed then means the same stream everywhere)."""
+    return float(torch.rand((), generator=generator, dtype=torch.float64))
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """One token drawn from ``probs`` (1-D, any device, need not sum to 1) by inverting its
+    CDF at a uniform from the CPU ``generator``: the CDF stays where the probabilities are
+    (one 8-byte copy back, no vocabulary-sized transfer), and zero-probability tokens are
+    never drawn."""
+    cdf = probs.double().cumsum(-1)
+    total = float(cdf[-1])
+    if not total > 0:
+        raise ValueError("cannot sample from a distribution with no mass")
+    index = int(torch.searchsorted(cdf, torch.tensor([uniform(generator) * total], dtype=torch.float64,
+                                                     device=cdf.device), right=True))
+    if index >= probs.shape[-1] or float(probs[index]) <= 0:  # u rounded onto the total: the last token with mass
+        index = int(probs.nonzero()[-1])
+    return index
 
 
 def saguaro(probs: torch.Tensor, fanout: int, c: float) -> torch.Tensor:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from specctl.engine.tree import TokenTree
+from specctl.spec.sampling import sample, uniform
 
 
 def _children_table(tree: TokenTree) -> list[list[int]]:
@@ -57,12 +58,12 @@ def accept_at_node(candidates: list[int], target_probs: torch.Tensor,
         total = float(p.sum())
         if total <= 0:
             break
-        if float(torch.rand((), generator=generator)) * total < float(p[x]):
+        if uniform(generator) * total < float(p[x]):
             return index, x
         p[x] = 0.0
     if float(p.sum()) <= 0:  # numerically exhausted: fall back to the untouched p
         p = target_probs
-    return None, int(torch.multinomial(p, 1, generator=generator))
+    return None, sample(p, generator)
 
 
 def accept_tree_sampling(
@@ -85,16 +86,17 @@ def accept_chain_sampling(
     """tree: a chain (node i+1 is the child of node i); draft_probs[i] = q at node i (the
     distribution node i+1 was sampled from); target_probs[i] = p at node i."""
     tokens = tree.tokens.tolist()
+    draft_probs = draft_probs.to(target_probs.device)  # q may come from a draft on another device
     path: list[int] = []
     for i in range(len(tree) - 1):
         x = tokens[i + 1]
         p_x, q_x = float(target_probs[i, x]), float(draft_probs[i, x])
-        if q_x > 0 and float(torch.rand((), generator=generator)) * q_x < p_x:
+        if q_x > 0 and uniform(generator) * q_x < p_x:
             path.append(i + 1)
             continue
         residual = (target_probs[i] - draft_probs[i]).clamp_min(0)
         if float(residual.sum()) <= 0:
             residual = target_probs[i]
-        return path, int(torch.multinomial(residual, 1, generator=generator))
+        return path, sample(residual, generator)
     last = len(tree) - 1
-    return path, int(torch.multinomial(target_probs[last], 1, generator=generator))
+    return path, sample(target_probs[last], generator)

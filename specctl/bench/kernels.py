@@ -1,0 +1,156 @@
+"""``specctl bench kernels``: how fast one decoder step is, against the memory-bandwidth limit.
+
+A decode or verification step of a small batch reads every weight once (and the KV cache
+of the context); at batch sizes this small it is memory-bound, so the bound is
+bytes read / bandwidth. The bandwidth is measured here (a device-to-device copy, bytes
+read + written), not taken from a data sheet. Models can be real checkpoints or random
+weights of a real model's shape (``SHAPES``): timing does not depend on the values."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from specctl.engine.model import Decoder
+from specctl.engine.spec import ModelSpec
+
+# Architecture facts of real checkpoints (their config.json), for random-weight runs.
+SHAPES: dict[str, dict] = {
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+}
+SHAPE_ALIASES = {"0.5b": "qwen2.5-0.5b", "1.5b": "qwen2.5-1.5b", "7b": "qwen2.5-7b"}
+VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def shape_config(name: str):
+    """A transformers Qwen2Config of a known model shape (by name or size, e.g. ``1.5b``)."""
+    from transformers import Qwen2Config
+
+    key = SHAPE_ALIASES.get(name.lower(), name.lower())
+    if key not in SHAPES:
+        raise ValueError(f"unknown model shape {name!r}: one of {', '.join([*SHAPES, *SHAPE_ALIASES])}")
+    return Qwen2Config(max_position_embeddings=32768, rms_norm_eps=1e-6, **SHAPES[key])
+
+
+def random_decoder(config, dtype: torch.dtype, device: str) -> Decoder:
+    """A decoder of ``config``'s shape with random weights, built on ``device`` directly."""
+    spec = ModelSpec.from_hf(config)
+    with torch.device(device):
+        decoder = Decoder(spec).to(dtype)
+    for parameter in decoder.parameters():
+        parameter.requires_grad_(False).normal_(0.0, 0.02)
+    if spec.tie_embeddings:
+        decoder.lm_head.weight = decoder.embed_tokens.weight
+    inv_freq, _ = spec.inv_freq()
+    decoder.inv_freq = inv_freq.to(device)
+    return decoder.eval()
+
+
+def weight_bytes_per_step(decoder: Decoder) -> int:
+    """Bytes of weights one step reads: every parameter once, except the embedding table, of
+    which a step reads a few rows (unless it is tied to the LM head, which reads it all)."""
+    seen, total = set(), 0
+    for name, parameter in decoder.named_parameters():
+        if id(parameter) in seen:
+            continue
+        seen.add(id(parameter))
+        if name.startswith("embed_tokens.") and not decoder.spec.tie_embeddings:
+            continue
+        total += parameter.numel() * parameter.element_size()
+    return total
+
+
+def bandwidth_limit_ms(step_bytes: int, bandwidth_gbps: float) -> float:
+    return step_bytes / (bandwidth_gbps * 1e9) * 1e3
+
+
+def measure_bandwidth_gbps(device: str, megabytes: int = 1024, repeats: int = 10) -> float:
+    """Copy bandwidth of ``device`` in GB/s, counting bytes read and written."""
+    source = torch.empty(megabytes << 20, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    timings = []
+    for _ in range(repeats + 2):
+        start = _now(device)
+        target.copy_(source)
+        timings.append(_now(device) - start)
+    return 2 * source.numel() / statistics.median(timings[2:]) / 1e9
+
+
+def _now(device: str) -> float:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+@dataclass(frozen=True, slots=True)
+class StepTiming:
+    tokens: int
+    ms_min: float
+    ms_median: float
+    ms_max: float
+
+
+def time_steps(decoder: Decoder, context: int, sizes: tuple[int, ...], repeats: int,
+               on_done: Callable[[], None] = lambda: None) -> list[StepTiming]:
+    """Median (and spread) of ``repeats`` forwards of n new tokens after ``context`` cached ones,
+    for each n in ``sizes``; the cache is cut back to the context after every step."""
+    device = str(decoder.device)
+    cache = decoder.new_cache(context + max(sizes) + 1)
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, decoder.spec.vocab_size, (context,), generator=generator)
+    decoder(prompt, torch.arange(context), cache, logits_at=torch.tensor([context - 1]))
+    results = []
+    for n in sizes:
+        tokens = torch.randint(0, decoder.spec.vocab_size, (n,), generator=generator)
+        positions = torch.arange(context, context + n)
+        timings = []
+        for _ in range(repeats + 3):  # the first steps of a size capture its graph
+            start = _now(device)
+            logits = decoder(tokens, positions, cache)
+            int(logits[-1].argmax())  # the host sync every real step has
+            timings.append((_now(device) - start) * 1e3)
+            cache.truncate(context)
+        kept = timings[3:]
+        results.append(StepTiming(n, min(kept), statistics.median(kept), max(kept)))
+        on_done()
+    cache.release()
+    return results
+
+
+def kernels_report(name: str, decoder: Decoder, eager: list[StepTiming], static: list[StepTiming] | None,
+                   bandwidth_gbps: float, context: int, settings: dict) -> dict:
+    """The JSON report: per step size, eager and static (CUDA graph) timings, tokens/s and the
+    fraction of the bandwidth limit reached."""
+    spec = decoder.spec
+    kv_bytes = spec.kv_bytes_per_token(decoder.dtype) * context
+    step_bytes = weight_bytes_per_step(decoder) + kv_bytes
+    limit = bandwidth_limit_ms(step_bytes, bandwidth_gbps)
+    rows = []
+    for i, timing in enumerate(eager):
+        best = static[i] if static is not None else timing
+        rows.append({
+            "tokens": timing.tokens,
+            "eager_ms_min_median_max": [timing.ms_min, timing.ms_median, timing.ms_max],
+            "graph_ms_min_median_max": None if static is None else [best.ms_min, best.ms_median, best.ms_max],
+            "tokens_per_s": timing.tokens / best.ms_median * 1e3,
+            "fraction_of_bandwidth_limit": limit / best.ms_median,
+        })
+    return {
+        "model": name,
+        "settings": settings,
+        "device": torch.cuda.get_device_name(decoder.device) if decoder.device.type == "cuda" else "cpu",
+        "params_millions": round(sum(p.numel() for p in decoder.parameters()) / 1e6, 1),
+        "bytes_per_step": step_bytes,
+        "bandwidth_gbps": round(bandwidth_gbps, 1),
+        "bandwidth_limit_ms": limit,
+        "steps": rows,
+    }

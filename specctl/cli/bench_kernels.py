@@ -1,0 +1,83 @@
+"""``specctl bench kernels``: ms per decode step and per verification of 1..64 tokens, eager
+and as CUDA graphs, against the memory-bandwidth limit."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from specctl.errors import ConfigError
+
+
+def kernels(
+    model: str = typer.Option("1.5b", help="a model shape (0.5b, 1.5b, 7b or qwen2.5-NB) with --random-weights, "
+                              "else a model name (specctl models list)"),
+    random_weights: bool = typer.Option(True, "--random-weights/--real-weights",
+                                        help="random weights of the model's shape: no download, same timing"),
+    device: str = typer.Option("cuda", help="cuda[:N] or cpu"),
+    dtype: str = typer.Option("bf16", help="fp32 | bf16 | fp16"),
+    sizes: str = typer.Option("1,2,4,8,16,32,64", help="new tokens per step to time (1 = an AR decode step)"),
+    context: int = typer.Option(512, help="tokens already in the KV cache"),
+    repeats: int = typer.Option(20, help="timed steps per size (min/median/max reported)"),
+    graphs: bool = typer.Option(True, "--graphs/--no-graphs", help="also time the static steps as CUDA graphs "
+                                "(CUDA only)"),
+    json_out: Optional[str] = typer.Option(None, "--json", help="write the report as JSON to this file"),
+) -> None:
+    """One model's step times on one device: an AR step, verification of up to 64 tokens, their
+    tokens/s and the fraction of the bandwidth limit (bytes a step reads / measured copy bandwidth)."""
+    import torch
+
+    from specctl.bench.kernels import VERIFY_SIZES, kernels_report, measure_bandwidth_gbps, random_decoder, \
+        shape_config, time_steps
+    from specctl.bench.render import render_kernels_table
+    from specctl.cli.bench import int_list
+    from specctl.config import build_config
+    from specctl.engine.layers import fuse_projections
+    from specctl.engine.loader import DTYPES
+    from specctl.engine.static import BUCKETS
+    from specctl.spec.factory import load_named
+
+    steps = int_list(sizes, "--sizes") or VERIFY_SIZES
+    if steps[0] < 1 or steps[-1] > BUCKETS[-1]:
+        raise ConfigError(f"--sizes must be between 1 and {BUCKETS[-1]}")
+    if context < 1 or repeats < 1:
+        raise ConfigError("--context and --repeats must be >= 1")
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device here; use --device cpu")
+    console = Console(stderr=True)
+    with console.status(f"building {model} ({dtype}, {'random weights' if random_weights else 'checkpoint'})"):
+        if random_weights:
+            try:
+                decoder = random_decoder(shape_config(model), DTYPES[dtype], device)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+        else:
+            config = build_config(None, target=model, device=device, dtype=dtype, cuda_graphs=False)
+            decoder = load_named(model, config, console).decoder
+        if decoder.device.type == "cuda":
+            fuse_projections(decoder)
+        bandwidth = measure_bandwidth_gbps(device)
+    timed_graphs = graphs and decoder.device.type == "cuda"
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as progress:
+        task = progress.add_task("timing steps", total=len(steps) * (2 if timed_graphs else 1))
+        advance = lambda: progress.advance(task)  # noqa: E731
+        decoder.static = None
+        eager = time_steps(decoder, context, steps, repeats, advance)
+        static = None
+        if timed_graphs:
+            decoder.use_static_steps(graphs=True)
+            static = time_steps(decoder, context, steps, repeats, advance)
+    settings = {"dtype": dtype, "context": context, "repeats": repeats, "random_weights": random_weights,
+                "graphs": timed_graphs}
+    report = kernels_report(model, decoder, eager, static, bandwidth, context, settings)
+    Console().print(render_kernels_table(report))
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(report, f, indent=2)

@@ -1,0 +1,133 @@
+"""Static-shape steps: a decode or verification forward of n <= 64 new tokens padded to a
+size bucket, attending over the session's whole KV buffer with an explicit mask, so that
+every step of a session has the same shapes and the same tensor addresses. On CUDA each
+(session cache, bucket) is captured once as a CUDA graph and then replayed: one launch per
+step instead of ~40 per layer (issue 11: a 1.5B step was 6 % of the bandwidth limit,
+launch-bound). On the CPU the same padded forward runs eagerly (tests check it against the
+ragged path there).
+
+Padding rows read token 0 at position 0, write their K/V into the cache's trash slot
+(``KVCache.trash``, never visible to a real row) and attend to that slot alone, so they
+stay finite and touch nothing real. Each real row's result depends on its own inputs
+only: the padded forward is exact where the eager one is."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specctl.engine.kv_cache import KVCache
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def bucket_for(n: int) -> int | None:
+    """The smallest bucket holding n tokens (None: too many, run eagerly)."""
+    return next((size for size in BUCKETS if size >= n), None)
+
+
+@dataclass(frozen=True, slots=True)
+class StaticSegment:
+    """One session's padded step, as the attention layers see it."""
+
+    cache: KVCache
+    write_at: torch.Tensor  # [M] cache slot each row's K/V goes to
+    mask: torch.Tensor  # [G*M, slots] bool: row (g, m) = mask of row m (queries grouped per KV head)
+
+
+def step_mask(size: int, n: int, length: int, slots: int, trash: int, mask: torch.Tensor | None) -> torch.Tensor:
+    """[size, slots] bool: real row i sees what ``mask`` row i says over the cache's first
+    length + n slots (None = causal); padding rows see only the trash slot."""
+    full = torch.zeros(size, slots, dtype=torch.bool)
+    if mask is None:
+        full[:n, : length + n] = torch.ones(n, length + n, dtype=torch.bool).tril(length)
+    else:
+        full[:n, : length + n] = mask.cpu()
+    full[n:, trash] = True
+    return full
+
+
+class StepGraph:
+    """The padded step of one size for one session's cache: static input buffers, and on
+    CUDA the captured graph that reads them."""
+
+    def __init__(self, decoder, cache: KVCache, size: int, pool=None, warm: bool = True) -> None:
+        device = decoder.device
+        self.decoder, self.cache, self.size = decoder, cache, size
+        self.ids = torch.zeros(size, dtype=torch.long, device=device)
+        self.positions = torch.zeros(size, dtype=torch.long, device=device)
+        self.write_at = torch.full((size,), cache.trash, dtype=torch.long, device=device)
+        self.mask = step_mask(size, 0, 0, cache.slots, cache.trash, None).to(device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
+        if pool is not None:
+            self._capture(pool, warm)
+
+    def _body(self) -> torch.Tensor:
+        groups = self.decoder.spec.num_heads // self.decoder.spec.num_kv_heads
+        segment = StaticSegment(self.cache, self.write_at, self.mask.repeat(groups, 1))
+        return self.decoder.static_forward(self.ids, self.positions, segment)
+
+    def _capture(self, pool, warm: bool) -> None:
+        # The buffers hold a padding-only step (writes go to the trash slot) while warming up.
+        if warm:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._body()
+            torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.out = self._body()
+
+    def run(self, inputs: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+            logits_at: torch.Tensor | None) -> torch.Tensor:
+        n, length, cache = inputs.shape[0], self.cache.length, self.cache
+        ids = torch.zeros(self.size, dtype=torch.long)
+        ids[:n] = inputs.cpu()
+        pos = torch.zeros(self.size, dtype=torch.long)
+        pos[:n] = positions.cpu()
+        write_at = torch.full((self.size,), cache.trash, dtype=torch.long)
+        write_at[:n] = torch.arange(length, length + n)
+        self.ids.copy_(ids)
+        self.positions.copy_(pos)
+        self.write_at.copy_(write_at)
+        self.mask.copy_(step_mask(self.size, n, length, cache.slots, cache.trash, mask))
+        if self.graph is not None:
+            self.graph.replay()
+            out = self.out
+        else:
+            out = self._body()
+        cache.commit(n)
+        rows = torch.arange(n) if logits_at is None else logits_at.cpu()
+        return out[rows.to(out.device)]
+
+
+class StaticRunner:
+    """Runs a full decoder's small steps padded (and, on CUDA with ``graphs``, as CUDA
+    graphs), one StepGraph per (cache, bucket), kept on the cache so it goes with it."""
+
+    def __init__(self, decoder, graphs: bool) -> None:
+        self.decoder = decoder
+        self.graphs = graphs and decoder.device.type == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self.warmed: set[int] = set()
+        self.captures = 0
+        self.replays = 0
+
+    def fits(self, n: int, cache: KVCache) -> bool:
+        return bucket_for(n) is not None and cache.length + n <= cache.capacity
+
+    def run(self, inputs: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
+            logits_at: torch.Tensor | None) -> torch.Tensor:
+        size = bucket_for(inputs.shape[0])
+        step = cache.steps.get(size)
+        if step is None:
+            # cuBLAS and the allocator need one eager pass per shape before a capture.
+            step = StepGraph(self.decoder, cache, size, self.pool, warm=size not in self.warmed)
+            self.warmed.add(size)
+            cache.steps[size] = step
+            self.captures += step.graph is not None
+        self.replays += step.graph is not None
+        return step.run(inputs, positions, mask, logits_at)

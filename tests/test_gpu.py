@@ -1,0 +1,129 @@
+"""Every mode on CUDA (skipped without a GPU): greedy output equal to the target alone, sampled
+runs on device tensors, CUDA graphs on == off, bf16 speculative == bf16 AR, the star with a
+CUDA draft and target."""
+
+import asyncio
+
+import pytest
+import torch
+
+from specctl.draft.server import DraftServer, DraftServerConfig
+from specctl.engine.layers import fuse_projections
+from specctl.engine.loader import load_decoder, load_model
+from specctl.engine.tree import TokenTree
+from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
+from specctl.spec.rounds import generate
+from specctl.spec.sampling import SamplingParams, sample
+from specctl.verify.client import remote_generate
+from specctl.verify.draft_client import DraftClient
+from specctl.verify.server import TargetServer, TargetServerConfig
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = [[5, 9, 13, 2], [7, 8, 9, 10, 7, 8, 9] * 3, [100], list(range(30, 100))]
+
+
+def _cuda(path, dtype=torch.float32, graphs=True, layers=None):
+    decoder = load_decoder(path, dtype, layer_range=layers, device="cuda", backend="torch")
+    fuse_projections(decoder)
+    return decoder.use_static_steps(graphs) if graphs else decoder
+
+
+def _drafters(draft):
+    return {"chain": ModelChainDrafter(draft, 4), "tree": ModelTreeDrafter(draft, 3, 2, 3), "ngram": NgramDrafter(4)}
+
+
+@pytest.fixture(scope="module")
+def cuda_pair(tiny_dir):
+    return _cuda(tiny_dir["qwen2"]), _cuda(tiny_dir["qwen2-draft"])
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree", "ngram"])
+def test_greedy_every_mode_equals_ar_on_cuda(cuda_pair, mode):
+    target, draft = cuda_pair
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    for prompt in PROMPTS:
+        reference, _, _ = generate(target, prompt, params)
+        output, stats, _ = generate(target, prompt, params, _drafters(draft)[mode])
+        assert output == reference, f"{mode} diverged on {prompt}"
+    assert target.static.replays > 0 and target.static.captures > 0
+
+
+@pytest.mark.parametrize("mode", ["ar", "chain", "tree", "ngram"])
+def test_sampled_every_mode_runs_on_cuda_and_is_seeded(cuda_pair, mode):
+    target, draft = cuda_pair
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, max_tokens=40, ignore_eos=True, seed=5)
+    drafter = None if mode == "ar" else _drafters(draft)[mode]
+    first, _, reason = generate(target, PROMPTS[0], params, drafter)
+    again, _, _ = generate(target, PROMPTS[0], params, None if mode == "ar" else _drafters(draft)[mode])
+    assert len(first) == 40 and reason == "length" and first == again
+
+
+def test_graphs_on_equal_graphs_off_fp32(tiny_dir):
+    on, eager = _cuda(tiny_dir["llama"]), _cuda(tiny_dir["llama"], graphs=False)
+    draft_on, draft_off = _cuda(tiny_dir["llama-draft"]), _cuda(tiny_dir["llama-draft"], graphs=False)
+    for params in (SamplingParams(max_tokens=32, ignore_eos=True),
+                   SamplingParams(temperature=0.8, max_tokens=32, ignore_eos=True, seed=3)):
+        for prompt in PROMPTS:
+            assert generate(on, prompt, params)[0] == generate(eager, prompt, params)[0]
+            assert (generate(on, prompt, params, ModelChainDrafter(draft_on, 4))[0]
+                    == generate(eager, prompt, params, ModelChainDrafter(draft_off, 4))[0])
+    assert on.static.captures > 0 and eager.static is None
+
+
+def test_cuda_fp32_equals_cpu_fp32(tiny_dir, tiny):
+    target = _cuda(tiny_dir["llama"])
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    same = sum(generate(target, p, params)[0] == generate(tiny["llama"], p, params)[0] for p in PROMPTS)
+    assert same == len(PROMPTS)
+
+
+def test_bf16_speculative_equals_bf16_ar(tiny_dir):
+    target, draft = _cuda(tiny_dir["qwen2"], torch.bfloat16), _cuda(tiny_dir["qwen2-draft"], torch.bfloat16)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    for prompt in PROMPTS:
+        reference, _, _ = generate(target, prompt, params)
+        for mode, drafter in _drafters(draft).items():
+            assert generate(target, prompt, params, drafter)[0] == reference, f"bf16 {mode} diverged on {prompt}"
+
+
+def test_tree_growth_and_sampling_take_cuda_probabilities():
+    probs = torch.tensor([[0.1, 0.6, 0.3, 0.0]], device="cuda")
+    tree = TokenTree.root(3).grow(torch.tensor([0]), probs, topk=2, width=2)
+    assert tree.tokens.tolist() == [3, 1, 2] and tree.tokens.device.type == "cpu"
+    generator = torch.Generator().manual_seed(0)
+    draws = [sample(probs[0], generator) for _ in range(200)]
+    assert 3 not in draws and set(draws) <= {0, 1, 2}
+
+
+async def _star_run(tiny_dir, kind):
+    target = load_model("tiny-llama", tiny_dir["llama"], "fp32", device="cuda")
+    draft = load_model("tiny-llama@2", tiny_dir["llama"], "fp32", num_layers=2, device="cuda")
+    target.decoder.use_static_steps()
+    draft.decoder.use_static_steps()
+    drafter = ModelChainDrafter(draft.decoder, 3) if kind == "chain" else ModelTreeDrafter(draft.decoder, 3, 2, 3)
+    draft_server = DraftServer(draft, drafter, DraftServerConfig(port=0))
+    draft_port = await draft_server.start()
+    client = DraftClient("127.0.0.1", draft_port, model=target.name, fingerprint=target.vocab_fingerprint)
+    first = asyncio.get_running_loop().create_future()
+    link = asyncio.create_task(client.run(first))
+    assert await first
+    target_server = TargetServer(target, TargetServerConfig(port=0), client)
+    port = await target_server.start()
+    try:
+        greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+        sampled = SamplingParams(temperature=0.7, max_tokens=24, ignore_eos=True, seed=1)
+        results = await asyncio.gather(*(remote_generate("127.0.0.1", port, p, greedy) for p in PROMPTS),
+                                       remote_generate("127.0.0.1", port, PROMPTS[0], sampled))
+        for prompt, (tokens, reason, _) in zip(PROMPTS, results):
+            assert tokens == generate(target.decoder, prompt, greedy)[0]
+        assert len(results[-1][0]) == 24
+    finally:
+        link.cancel()
+        await target_server.close()
+        await draft_server.close()
+
+
+@pytest.mark.parametrize("kind", ["chain", "tree"])
+async def test_star_on_cuda_equals_target_greedy(tiny_dir, kind):
+    await _star_run(tiny_dir, kind)
