@@ -29,6 +29,7 @@ class Config:
     dtype: str = "bf16"
     attention_backend: str = "auto"
     cuda_graphs: bool = True  # on CUDA: steps of <= 64 tokens padded to a bucket and replayed as CUDA graphs
+    torch_compile: bool = True  # on CUDA with cuda_graphs: those steps' layers through torch.compile (fused kernels)
     threads: int = 0  # 0 = torch's default
     kv_budget_mb: int = 4096
     max_sessions: int = 64
@@ -52,8 +53,9 @@ class Config:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
             raise ConfigError(f"attention_backend must be auto, torch or flashinfer, got {self.attention_backend!r}")
-        if not isinstance(self.cuda_graphs, bool):
-            raise ConfigError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
+        for name in ("cuda_graphs", "torch_compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("draft_quant", "target_quant"):
             if getattr(self, name) not in QUANTS:
                 raise ConfigError(f"{name} must be one of {', '.join(QUANTS)}, got {getattr(self, name)!r}")

@@ -44,7 +44,8 @@ def test_write_beyond_capacity_is_refused():
 
 
 def test_pool_budget_refuses_and_release_frees():
-    per_session = 2 * 2 * 1 * 10 * 2 * 4  # k and v, layers, heads, capacity, dim, fp32 bytes
+    # k and v, layers, heads, slots (capacity 10 + the trash slot, rounded up to 16), dim, fp32 bytes
+    per_session = 2 * 2 * 1 * 16 * 2 * 4
     pool = KVPool(budget_bytes=2 * per_session)
     a, b = _filled(pool=pool), _filled(pool=pool)
     assert pool.used_bytes == 2 * per_session and pool.sessions == 2

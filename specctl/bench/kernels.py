@@ -126,22 +126,21 @@ def time_steps(decoder: Decoder, context: int, sizes: tuple[int, ...], repeats: 
     return results
 
 
-def kernels_report(name: str, decoder: Decoder, eager: list[StepTiming], static: list[StepTiming] | None,
-                   bandwidth_gbps: float, context: int, settings: dict) -> dict:
-    """The JSON report: per step size, eager and static (CUDA graph) timings, tokens/s and the
-    fraction of the bandwidth limit reached."""
+def kernels_report(name: str, decoder: Decoder, timings: dict[str, list[StepTiming]], bandwidth_gbps: float,
+                   context: int, settings: dict) -> dict:
+    """The JSON report: per step size, each variant's timings (eager, CUDA graphs, graphs +
+    torch.compile), and tokens/s and the fraction of the bandwidth limit of the fastest."""
     spec = decoder.spec
     kv_bytes = spec.kv_bytes_per_token(decoder.dtype) * context
     step_bytes = weight_bytes_per_step(decoder) + kv_bytes
     limit = bandwidth_limit_ms(step_bytes, bandwidth_gbps)
     rows = []
-    for i, timing in enumerate(eager):
-        best = static[i] if static is not None else timing
+    for i, tokens in enumerate(t.tokens for t in next(iter(timings.values()))):
+        best = min((variant[i] for variant in timings.values()), key=lambda t: t.ms_median)
         rows.append({
-            "tokens": timing.tokens,
-            "eager_ms_min_median_max": [timing.ms_min, timing.ms_median, timing.ms_max],
-            "graph_ms_min_median_max": None if static is None else [best.ms_min, best.ms_median, best.ms_max],
-            "tokens_per_s": timing.tokens / best.ms_median * 1e3,
+            "tokens": tokens,
+            "ms_min_median_max": {name: [v[i].ms_min, v[i].ms_median, v[i].ms_max] for name, v in timings.items()},
+            "tokens_per_s": tokens / best.ms_median * 1e3,
             "fraction_of_bandwidth_limit": limit / best.ms_median,
         })
     return {
@@ -152,5 +151,6 @@ def kernels_report(name: str, decoder: Decoder, eager: list[StepTiming], static:
         "bytes_per_step": step_bytes,
         "bandwidth_gbps": round(bandwidth_gbps, 1),
         "bandwidth_limit_ms": limit,
+        "variants": list(timings),
         "steps": rows,
     }

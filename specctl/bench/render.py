@@ -133,10 +133,12 @@ def render_kernels_table(report: dict) -> Table:
     table = Table(title=f"bench kernels: {report['model']} ({report['params_millions']}M params, {s['dtype']}) on "
                         f"{report['device']}, context {s['context']}; limit {report['bandwidth_limit_ms']:.2f} ms/step "
                         f"at {report['bandwidth_gbps']:.0f} GB/s")
-    for column in ("tokens", "eager ms (min/med/max)", "graph ms (min/med/max)", "tokens/s", "of limit"):
-        table.add_column(column, justify="right")
-    spread = lambda v: "-" if v is None else " / ".join(f"{x:.2f}" for x in v)  # noqa: E731
+    table.add_column("tokens", justify="right")
+    for variant in report["variants"]:
+        table.add_column(f"{variant} ms (min/med/max)", justify="right")
+    table.add_column("tokens/s (best)", justify="right")
+    table.add_column("of limit", justify="right")
     for row in report["steps"]:
-        table.add_row(str(row["tokens"]), spread(row["eager_ms_min_median_max"]), spread(row["graph_ms_min_median_max"]),
-                      f"{row['tokens_per_s']:.0f}", f"{row['fraction_of_bandwidth_limit']:.0%}")
+        spreads = [" / ".join(f"{x:.2f}" for x in row["ms_min_median_max"][v]) for v in report["variants"]]
+        table.add_row(str(row["tokens"]), *spreads, f"{row['tokens_per_s']:.0f}", f"{row['fraction_of_bandwidth_limit']:.0%}")
     return table

@@ -25,6 +25,8 @@ def kernels(
     repeats: int = typer.Option(20, help="timed steps per size (min/median/max reported)"),
     graphs: bool = typer.Option(True, "--graphs/--no-graphs", help="also time the static steps as CUDA graphs "
                                 "(CUDA only)"),
+    compile: bool = typer.Option(True, "--compile/--no-compile", help="also time CUDA graphs of torch.compile'd "
+                                 "layers (CUDA only; compiling takes a minute)"),
     json_out: Optional[str] = typer.Option(None, "--json", help="write the report as JSON to this file"),
 ) -> None:
     """One model's step times on one device: an AR step, verification of up to 64 tokens, their
@@ -63,20 +65,24 @@ def kernels(
         if decoder.device.type == "cuda":
             fuse_projections(decoder)
         bandwidth = measure_bandwidth_gbps(device)
-    timed_graphs = graphs and decoder.device.type == "cuda"
+    on_cuda = decoder.device.type == "cuda"
+    variants = {"eager": None}
+    if graphs and on_cuda:
+        variants["graphs"] = dict(graphs=True)
+    if graphs and compile and on_cuda:
+        variants["graphs+compile"] = dict(graphs=True, compile=True)
+    timings = {}
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
-        task = progress.add_task("timing steps", total=len(steps) * (2 if timed_graphs else 1))
-        advance = lambda: progress.advance(task)  # noqa: E731
-        decoder.static = None
-        eager = time_steps(decoder, context, steps, repeats, advance)
-        static = None
-        if timed_graphs:
-            decoder.use_static_steps(graphs=True)
-            static = time_steps(decoder, context, steps, repeats, advance)
-    settings = {"dtype": dtype, "context": context, "repeats": repeats, "random_weights": random_weights,
-                "graphs": timed_graphs}
-    report = kernels_report(model, decoder, eager, static, bandwidth, context, settings)
+        task = progress.add_task("timing steps", total=len(steps) * len(variants))
+        for name, static in variants.items():
+            progress.update(task, description=f"timing steps: {name}")
+            decoder.static = None
+            if static is not None:
+                decoder.use_static_steps(**static)
+            timings[name] = time_steps(decoder, context, steps, repeats, lambda: progress.advance(task))
+    settings = {"dtype": dtype, "context": context, "repeats": repeats, "random_weights": random_weights}
+    report = kernels_report(model, decoder, timings, bandwidth, context, settings)
     Console().print(render_kernels_table(report))
     if json_out:
         with open(json_out, "w") as f:

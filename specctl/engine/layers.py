@@ -30,10 +30,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: normalised in float32, cast back, then scaled."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, scaling: float, positions: torch.Tensor, dtype: torch.dtype):
@@ -112,6 +116,27 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+def before_attention(x, norm_weight, eps: float, qkv_weight, qkv_bias, cos, sin, heads: int, kv_heads: int,
+                     head_dim: int):
+    """A static step's layer up to attention, on plain tensors (so one compiled function serves
+    every layer): norm, fused q/k/v projection, RoPE. Returns q [1, H, M, D], k and v [1, Hkv, M, D]."""
+    b, n, _ = x.shape
+    qkv = F.linear(rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias)
+    q, k, v = qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
+    q = q.reshape(b, n, heads, head_dim).transpose(1, 2)
+    k = k.reshape(b, n, kv_heads, head_dim).transpose(1, 2)
+    v = v.reshape(b, n, kv_heads, head_dim).transpose(1, 2)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def after_attention(x, attn, o_weight, norm_weight, eps: float, gate_up_weight, gate_up_bias, down_weight, down_bias):
+    """The rest of a static step's layer: output projection, residual, norm, fused gate/up MLP, residual."""
+    b, heads, n, head_dim = attn.shape
+    x = x + F.linear(attn.transpose(1, 2).reshape(b, n, heads * head_dim), o_weight)
+    gate, up = F.linear(rms_norm(x, norm_weight, eps), gate_up_weight, gate_up_bias).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, down_weight, down_bias)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, backend: str) -> None:
         super().__init__()
@@ -123,6 +148,25 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, segments: "Segments", layer: int) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def static_step(self, x, cos, sin, segment: StaticSegment, layer: int, before=before_attention,
+                    attend=static_attention, after=after_attention) -> torch.Tensor:
+        """The layer on a static step through three functions of plain tensors (each may be its
+        torch.compile'd version); needs fused projections."""
+        attn, mlp = self.self_attn, self.mlp
+        q, k, v = before(x, self.input_layernorm.weight, self.input_layernorm.eps, attn.qkv_proj.weight,
+                         attn.qkv_proj.bias, cos, sin, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        cache = segment.cache
+        cache.k[layer, 0].index_copy_(1, segment.write_at, k[0])
+        cache.v[layer, 0].index_copy_(1, segment.write_at, v[0])
+        out = attend(q, cache.k[layer], cache.v[layer], segment.mask)
+        return after(x, out, attn.o_proj.weight, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps,
+                     mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias)
+
+    @property
+    def fused(self) -> bool:
+        """Both projections fused into plain nn.Linear layers (static_step can run)."""
+        return type(self.self_attn.qkv_proj) is nn.Linear and type(self.mlp.gate_up_proj) is nn.Linear
 
 
 def fused_linear(linears: list[nn.Linear]) -> nn.Linear:

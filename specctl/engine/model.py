@@ -4,13 +4,15 @@ KV cache with an explicit (tree) attention mask."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
 from specctl.engine.kv_cache import KVCache, KVPool
 from specctl.engine.layers import DecoderLayer, RMSNorm, Segments, rope_cos_sin
 from specctl.engine.spec import ModelSpec
-from specctl.engine.static import StaticRunner, StaticSegment
+from specctl.engine.static import CUDA_LOCK, StaticRunner, StaticSegment
 
 
 class Decoder(nn.Module):
@@ -35,12 +37,13 @@ class Decoder(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.static: StaticRunner | None = None
 
-    def use_static_steps(self, graphs: bool = True) -> "Decoder":
+    def use_static_steps(self, graphs: bool = True, compile: bool = False) -> "Decoder":
         """Run single-session steps of up to 64 tokens padded to a size bucket over the whole
-        KV buffer, captured as CUDA graphs when on CUDA and ``graphs``."""
+        KV buffer, captured as CUDA graphs when on CUDA and ``graphs``; ``compile``: each
+        layer's step through torch.compile'd functions (fused projections needed)."""
         if not (self.has_embed and self.has_head):
             raise ValueError("static steps need a full model (embedding and head)")
-        self.static = StaticRunner(self, graphs)
+        self.static = StaticRunner(self, graphs, compile)
         return self
 
     def part(self, layer_range: tuple[int, int], embed: bool, head: bool) -> "Decoder":
@@ -94,11 +97,15 @@ class Decoder(nn.Module):
         logits_at: which of the n rows get logits (None = all). Returns float32 logits
         [len(logits_at), vocab] with a head, else hidden states [n, hidden]."""
         n = inputs.shape[0]
-        if self.static is not None and self.static.fits(n, cache):
-            return self.static.run(inputs, positions, cache, mask, logits_at)
-        if mask is not None:
-            mask = mask.to(self.device)
-        return self._run(inputs, positions, Segments([(0, n)], [cache], [mask]), logits_at)
+        with self._device_lock():
+            if self.static is not None and self.static.fits(n, cache):
+                return self.static.run(inputs, positions, cache, mask, logits_at)
+            if mask is not None:
+                mask = mask.to(self.device)
+            return self._run(inputs, positions, Segments([(0, n)], [cache], [mask]), logits_at)
+
+    def _device_lock(self):
+        return CUDA_LOCK if self.device.type == "cuda" else contextlib.nullcontext()
 
     @torch.inference_mode()
     def forward_many(
@@ -132,14 +139,16 @@ class Decoder(nn.Module):
         """``forward_many`` on concatenated inputs: session s owns rows bounds[s]. Returns
         hidden states of every row without a head (a pipeline stage), else logits at ``rows``."""
         masks = [None if m is None else m.to(self.device) for m in masks]
-        return self._run(inputs, positions, Segments(bounds, caches, masks), rows)
+        with self._device_lock():
+            return self._run(inputs, positions, Segments(bounds, caches, masks), rows)
 
     def static_forward(self, ids: torch.Tensor, positions: torch.Tensor, segment: StaticSegment) -> torch.Tensor:
         """The padded step (engine.static): float32 logits of all M rows; the caller commits."""
         x = self.embed_tokens(ids).unsqueeze(0)
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scaling, positions, x.dtype)
+        pieces = self.static.pieces if self.static is not None else None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, segment, i)
+            x = layer(x, cos, sin, segment, i) if pieces is None else layer.static_step(x, cos, sin, segment, i, *pieces)
         return self.lm_head(self.norm(x[0])).float()
 
     def _run(self, inputs: torch.Tensor, positions: torch.Tensor, segments: Segments, logits_at) -> torch.Tensor:

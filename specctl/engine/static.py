@@ -13,6 +13,7 @@ only: the padded forward is exact where the eager one is."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,13 @@ import torch
 from specctl.engine.kv_cache import KVCache
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+# One CUDA graph capture at a time per process, and no other forward while one runs:
+# torch.cuda.graph synchronises the device on entry, which fails while another thread is
+# capturing, and two captures cannot record into memory pools at once. A draft server and a
+# target in one process (``specctl up``, tests) each have a compute thread; every CUDA forward
+# takes this lock (uncontended in a one-model process).
+CUDA_LOCK = threading.RLock()
 
 
 def bucket_for(n: int) -> int | None:
@@ -78,7 +86,9 @@ class StepGraph:
                 self._body()
             torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # thread_local: another compute thread of this process (a draft server beside a target)
+        # may use the GPU while this one captures.
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.out = self._body()
 
     def run(self, inputs: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
@@ -108,10 +118,36 @@ class StaticRunner:
     """Runs a full decoder's small steps padded (and, on CUDA with ``graphs``, as CUDA
     graphs), one StepGraph per (cache, bucket), kept on the cache so it goes with it."""
 
-    def __init__(self, decoder, graphs: bool) -> None:
+    def __init__(self, decoder, graphs: bool, compile: bool = False) -> None:
         self.decoder = decoder
         self.graphs = graphs and decoder.device.type == "cuda"
-        self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        # (before, attend, after): the per-layer functions a static step runs, None = the modules' forward
+        self.pieces = None
+        if compile or all(layer.fused for layer in decoder.layers):
+            from specctl.engine.layers import after_attention, before_attention
+            from specctl_kernels import static_attention
+
+            if not all(layer.fused for layer in decoder.layers):
+                raise ValueError("compiled static steps need fused projections (engine.layers.fuse_projections)")
+            self.pieces = (before_attention, static_attention, after_attention)
+            if compile:
+                # One specialised compile per bucket (automatic dynamic shapes made slower
+                # kernels on an H100); attention's KV length differs between sessions, so it
+                # gets one compile with symbolic sizes.
+                torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(BUCKETS))
+                self.pieces = (torch.compile(before_attention, fullgraph=True, dynamic=False),
+                               torch.compile(static_attention, fullgraph=True, dynamic=True),
+                               torch.compile(after_attention, fullgraph=True, dynamic=False))
+        self.pool = None
+        if self.graphs:
+            # A graph memory pool dies with the last graph captured into it, and capturing into
+            # a dead pool's handle trips an allocator assert. Sessions come and go (their graphs
+            # with them), so a tiny graph that lives as long as the runner keeps the pool alive.
+            self.pool = torch.cuda.graph_pool_handle()
+            self._anchor = torch.cuda.CUDAGraph()
+            scratch = torch.zeros(1, device=decoder.device)
+            with torch.cuda.graph(self._anchor, pool=self.pool, capture_error_mode="thread_local"):
+                self._anchor_out = scratch + 1
         self.warmed: set[int] = set()
         self.captures = 0
         self.replays = 0

@@ -48,7 +48,7 @@ def load_named(name: str, config: Config, console: Console | None = None, quant:
         if model.decoder.device.type == "cuda":
             fuse_projections(model.decoder)
             if stage is None and config.cuda_graphs:
-                model.decoder.use_static_steps(graphs=True)
+                model.decoder.use_static_steps(graphs=True, compile=config.torch_compile)
     return model
 
 
