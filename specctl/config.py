@@ -18,7 +18,7 @@ import tomllib
 from specctl.errors import ConfigError
 
 PROFILE_DIRS = (Path(__file__).resolve().parent.parent / "profiles", Path(__file__).resolve().parent / "profiles")
-MODES = ("ar", "chain", "tree", "ngram")
+MODES = ("ar", "chain", "tree", "ngram", "multi")
 DTYPES = ("fp32", "bf16", "fp16")
 QUANTS = ("none", "int8")
 
@@ -44,6 +44,7 @@ class Config:
     target_quant: str = "none"  # none | int8 (CPU): the int8 model is then the target whose output is reproduced
     target: str = "qwen2.5-coder-1.5b"
     draft: str = "qwen2.5-coder-0.5b"
+    drafters: str = ""  # mode multi: comma-separated drafters (model names, NAME@N, ngram), routed and fused
     profile: str = "desktop"
 
     def __post_init__(self) -> None:
@@ -61,6 +62,8 @@ class Config:
                 raise ConfigError(f"{name} must be one of {', '.join(QUANTS)}, got {getattr(self, name)!r}")
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.mode == "multi" and not self.drafter_names:
+            raise ConfigError("mode multi needs drafters, e.g. --drafters qwen2.5-coder-0.5b,ngram")
         if not isinstance(self.draft_stop, (int, float)) or isinstance(self.draft_stop, bool) or not 0.0 <= self.draft_stop < 1.0:
             raise ConfigError(f"draft_stop must be a number in [0, 1), got {self.draft_stop!r}")
         for name, low, high in (
@@ -70,6 +73,10 @@ class Config:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
                 raise ConfigError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+
+    @property
+    def drafter_names(self) -> list[str]:
+        return [name.strip() for name in str(self.drafters).split(",") if name.strip()]
 
     @property
     def kv_budget_bytes(self) -> int:

@@ -30,6 +30,8 @@ def test_every_shipped_profile_is_valid():
         ({"attention_backend": "triton"}, "attention_backend must be auto, torch or flashinfer, got 'triton'"),
         ({"draft_quant": "int4"}, "draft_quant must be one of none, int8, got 'int4'"),
         ({"target_quant": "fp8"}, "target_quant must be one of none, int8, got 'fp8'"),
+        ({"cuda_graphs": "yes"}, "cuda_graphs must be true or false, got 'yes'"),
+        ({"torch_compile": 1}, "torch_compile must be true or false, got 1"),
     ],
 )
 def test_bad_values_are_clear_errors(flags, message):

@@ -49,3 +49,32 @@ def test_flashinfer_matches_torch_reference():
     mask[3, 9] = False  # a branch that does not see a sibling
     ref = tree_attention(q, k, v, mask, backend="torch")
     torch.testing.assert_close(tree_attention(q, k, v, mask, backend="flashinfer"), ref, rtol=2e-3, atol=2e-3)
+
+
+def test_auto_backend_falls_back_to_torch_where_flashinfer_has_no_kernels(monkeypatch, caplog):
+    import logging
+
+    import specctl_kernels
+
+    monkeypatch.setattr(specctl_kernels, "flashinfer_available", lambda: True)
+    with caplog.at_level(logging.INFO, logger="specctl.kernels"):
+        assert select_backend("auto", "cuda", torch.float32, 128) == "torch"
+    assert "flashinfer has no kernels for float32" in caplog.text
+    assert select_backend("auto", "cuda", torch.bfloat16, 96) == "torch"
+    assert select_backend("auto", "cuda", torch.bfloat16, 128) == "flashinfer"
+    assert select_backend("auto", "cuda", torch.float16, 64) == "flashinfer"
+    assert select_backend("auto", "cpu", torch.bfloat16, 128) == "torch"
+    with pytest.raises(ValueError, match="'flashinfer' has no kernels for float32 .* use attention_backend = 'auto'"):
+        select_backend("flashinfer", "cuda", torch.float32, 128)
+
+
+def test_static_attention_equals_masked_softmax_attention():
+    from specctl_kernels import static_attention
+
+    torch.manual_seed(3)
+    q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8)
+    mask = torch.zeros(3, 16, dtype=torch.bool)
+    mask[:, :6] = True
+    mask[1, 6] = mask[2, 7] = True
+    grouped = mask.repeat(2, 1)  # 2 query heads per KV head
+    torch.testing.assert_close(static_attention(q, k, v, grouped), _naive(q, k, v, mask), rtol=1e-5, atol=1e-6)

@@ -39,3 +39,36 @@ def test_matches_transformers_warpers(temperature, top_k, top_p):
         ref = TopPLogitsWarper(top_p)(None, ref)
     ours = probs_from_logits(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
     torch.testing.assert_close(ours, ref.softmax(-1))
+
+
+def test_sample_never_draws_a_token_without_mass_and_is_seeded():
+    from specctl.spec.sampling import sample
+
+    probs = torch.tensor([0.0, 0.25, 0.0, 0.75, 0.0])
+    draws = [sample(probs, torch.Generator().manual_seed(s)) for s in range(300)]
+    assert set(draws) == {1, 3}
+    again = [sample(probs, torch.Generator().manual_seed(s)) for s in range(300)]
+    assert draws == again
+
+
+def test_sample_follows_the_distribution():
+    from scipy.stats import chisquare
+
+    from specctl.spec.sampling import sample
+
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.tensor([sample(probs, generator) for _ in range(4000)]), minlength=4)
+    assert chisquare(counts.tolist(), (probs * 4000).tolist()).pvalue > 0.01
+
+
+def test_sample_edge_cases(monkeypatch):
+    import specctl.spec.sampling as sampling
+
+    with pytest.raises(ValueError, match="cannot sample from a distribution with no mass"):
+        sampling.sample(torch.zeros(4), None)
+    # A uniform that rounds onto the total still lands on a token with mass (the last one).
+    monkeypatch.setattr(sampling, "uniform", lambda generator: 1.0)
+    assert sampling.sample(torch.tensor([0.5, 0.5, 0.0]), None) == 1
+    monkeypatch.setattr(sampling, "uniform", lambda generator: 0.0)
+    assert sampling.sample(torch.tensor([0.0, 0.5, 0.5]), None) == 1

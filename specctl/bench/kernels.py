@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -32,12 +33,16 @@ VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 def shape_config(name: str):
-    """A transformers Qwen2Config of a known model shape (by name or size, e.g. ``1.5b``)."""
-    from transformers import Qwen2Config
+    """A transformers config of a known model shape (by name or size, e.g. ``1.5b``), or of
+    the checkpoint directory ``name`` (its config.json)."""
+    from transformers import AutoConfig, Qwen2Config
 
+    if (Path(name) / "config.json").is_file():
+        return AutoConfig.from_pretrained(name)
     key = SHAPE_ALIASES.get(name.lower(), name.lower())
     if key not in SHAPES:
-        raise ValueError(f"unknown model shape {name!r}: one of {', '.join([*SHAPES, *SHAPE_ALIASES])}")
+        raise ValueError(f"unknown model shape {name!r}: one of {', '.join([*SHAPES, *SHAPE_ALIASES])} "
+                         "or a checkpoint directory")
     return Qwen2Config(max_position_embeddings=32768, rms_norm_eps=1e-6, **SHAPES[key])
 
 

@@ -12,7 +12,7 @@ from rich.console import Console
 
 from specctl.config import build_config
 from specctl.engine import text
-from specctl.spec.factory import apply_threads, load_pair, make_drafter
+from specctl.spec.factory import apply_threads, load_pair, make_drafter, make_multi_drafter
 from specctl.spec.rounds import generate as run_generation
 from specctl.spec.sampling import SamplingParams
 
@@ -41,7 +41,9 @@ def generate(
     temperature: float = typer.Option(0.0, help="0 = greedy (exactly the target's greedy output)"),
     top_p: float = typer.Option(1.0, "--top-p", help="nucleus sampling mass"),
     top_k: int = typer.Option(0, "--top-k", help="keep the k most likely tokens (0 = off)"),
-    mode: Optional[str] = typer.Option(None, help="ar | chain | tree | ngram"),
+    mode: Optional[str] = typer.Option(None, help="ar | chain | tree | ngram | multi (several drafters: --drafters)"),
+    drafters: Optional[str] = typer.Option(None, help="mode multi: comma-separated drafters, routed per session and "
+                                           "fused into one tree (model names, NAME@N, ngram)"),
     draft_stop: Optional[float] = typer.Option(None, "--draft-stop", help="adaptive depth: stop drafting once the draft's probability of its path is below this (0 = off)"),
     depth: Optional[int] = typer.Option(None, help="proposal depth d"),
     width: Optional[int] = typer.Option(None, help="tree width w (nodes kept per level)"),
@@ -60,7 +62,7 @@ def generate(
     """Generate text with speculative decoding in one process (draft and target together)."""
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed)
     config = build_config(
-        profile, target=target, draft=draft, mode=mode, depth=depth, draft_stop=draft_stop, width=width, topk=topk, dtype=dtype, threads=threads,
+        profile, target=target, draft=draft, mode=mode, drafters=drafters, depth=depth, draft_stop=draft_stop, width=width, topk=topk, dtype=dtype, threads=threads,
         draft_quant=draft_quant, target_quant=target_quant,
     )
     apply_threads(config)
@@ -68,6 +70,8 @@ def generate(
     if remote:
         return _generate_remote(remote, target, prompt, chat, params, as_json, auth_token, tls_ca, console)
     target_model, draft_model = load_pair(config, console)
+    drafter = (make_multi_drafter(config, target_model, console) if config.mode == "multi"
+               else make_drafter(config, draft_model))
     ids = text.encode_user_text(target_model.tokenizer, prompt, chat)
     streamer = None if as_json else TextStreamer(target_model.tokenizer)
     output: list[int] = []
@@ -77,7 +81,7 @@ def generate(
         if streamer:
             streamer.update(output)
 
-    output, stats, finish_reason = run_generation(target_model.decoder, ids, params, make_drafter(config, draft_model),
+    output, stats, finish_reason = run_generation(target_model.decoder, ids, params, drafter,
                                                   eos_token_ids=target_model.eos_token_ids, on_tokens=on_tokens)
     if as_json:
         print(json.dumps({
@@ -85,6 +89,7 @@ def generate(
             "dtype": config.dtype, "token_ids": output,
             "text": target_model.tokenizer.decode(output, skip_special_tokens=True),
             "finish_reason": finish_reason, "stats": stats.to_dict(),
+            **({"drafters": drafter.snapshot()} if config.mode == "multi" else {}),
         }))
     else:
         streamer.finish()

@@ -20,7 +20,9 @@ import torch
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.model import Decoder
 from specctl.engine.tree import TokenTree
-from specctl.spec.sampling import DRAFT_SUPPORT, SamplingParams, keep_top, probs_from_logits, sample
+from specctl.spec.sampling import (
+    DRAFT_SUPPORT, SamplingParams, checked_token, keep_top, probs_from_logits, sample_tensor,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,12 +201,18 @@ def propose_chains(sessions: list["_ChainSession"], seqs: list[list[int]], param
                 if sessions[b].reshape is not None:
                     q = sessions[b].reshape(i, q)
             ranked[b].append(rows[0].topk(min(RANKED, rows.shape[-1])).indices)
-            x = int(q.argmax()) if params[b].greedy else sample(q, generators[b])
+            chosen = q.argmax() if params[b].greedy else sample_tensor(q, generators[b])
+            # How likely the draft finds its token (greedy: its softmax at T = 1, as q is one-hot;
+            # sampled: q), read back with the token in one device sync. It is the node's
+            # probability in the tree: adaptive depth and routing among drafters use it.
+            likely = rows[0].float().softmax(-1)[chosen] if params[b].greedy else q[chosen]
+            x, p_x = torch.stack([chosen.double(), likely.double()]).tolist()
+            x = checked_token(int(x))
             tokens.append(x)
-            probs.append(float(q[x]))
+            probs.append(p_x)
             dists.append(q)
             if stop:
-                reach[b] *= float(rows[0].float().softmax(-1)[x]) if params[b].greedy else float(q[x])
+                reach[b] *= p_x
         live = [b for b in live if reach[b] >= stop]
         if not live:
             break

@@ -13,6 +13,7 @@ from specctl.engine.loader import DTYPES, LoadedModel, check_same_vocab, load_mo
 from specctl.engine.layers import fuse_projections
 from specctl.engine.quant import quantize_decoder
 from specctl.spec.drafters import Drafter, ModelChainDrafter, ModelTreeDrafter, NgramDrafter, NoDrafter
+from specctl.spec.multi import MultiDrafter
 from specctl.store import resolve_model
 from specctl_kernels import select_backend
 
@@ -66,11 +67,28 @@ def load_pair(config: Config, console: Console | None = None) -> tuple[LoadedMod
     return target, draft
 
 
+def make_multi_drafter(config: Config, target: LoadedModel, console: Console | None = None) -> MultiDrafter:
+    """Mode multi: every drafter of ``config.drafters`` (a model name, NAME@N, or ngram) as a
+    chain of depth d, routed and fused per session."""
+    drafters: dict[str, Drafter] = {}
+    for name in config.drafter_names:
+        if name == "ngram":
+            drafters[name] = NgramDrafter(config.depth)
+            continue
+        same = name == config.target and config.draft_quant == config.target_quant
+        model = target if same else load_named(name, config, console, config.draft_quant)
+        check_same_vocab(target, model)
+        drafters[name] = ModelChainDrafter(model.decoder, config.depth, config.draft_stop)
+    return MultiDrafter(drafters)
+
+
 def make_drafter(config: Config, draft: LoadedModel | None) -> Drafter:
     if config.mode == "ar":
         return NoDrafter()
     if config.mode == "ngram":
         return NgramDrafter(config.depth)
+    if config.mode == "multi":
+        raise ValueError("mode multi loads several drafters: use make_multi_drafter")
     assert draft is not None, "chain and tree modes need a draft model"
     if config.mode == "chain":
         return ModelChainDrafter(draft.decoder, config.depth, config.draft_stop)

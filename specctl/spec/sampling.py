@@ -76,20 +76,28 @@ def uniform(generator: torch.Generator | None) -> float:
     return float(torch.rand((), generator=generator, dtype=torch.float64))
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token drawn from ``probs`` (1-D, any device, need not sum to 1) by inverting its
-    CDF at a uniform from the CPU ``generator``: the CDF stays where the probabilities are
-    (one 8-byte copy back, no vocabulary-sized transfer), and zero-probability tokens are
-    never drawn."""
+def sample_tensor(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token drawn from ``probs`` (1-D, any device, need not sum to 1) as a 0-d tensor on
+    the probabilities' device, without waiting for the device: the CDF is inverted at a
+    uniform from the CPU ``generator`` (a seed means the same stream on every device), and
+    zero-probability tokens are never drawn. -1 when ``probs`` has no mass."""
     cdf = probs.double().cumsum(-1)
-    total = float(cdf[-1])
-    if not total > 0:
+    point = cdf[-1:] * uniform(generator)
+    index = torch.searchsorted(cdf, point, right=True)[0]
+    # u rounded onto the total lands past the end: take the last token with mass.
+    last = torch.where(probs > 0, torch.arange(probs.shape[-1], device=probs.device), -1).max()
+    return torch.minimum(index, last)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """``sample_tensor``, read back (one device sync)."""
+    return checked_token(int(sample_tensor(probs, generator)))
+
+
+def checked_token(token: int) -> int:
+    if token < 0:
         raise ValueError("cannot sample from a distribution with no mass")
-    index = int(torch.searchsorted(cdf, torch.tensor([uniform(generator) * total], dtype=torch.float64,
-                                                     device=cdf.device), right=True))
-    if index >= probs.shape[-1] or float(probs[index]) <= 0:  # u rounded onto the total: the last token with mass
-        index = int(probs.nonzero()[-1])
-    return index
+    return token
 
 
 def saguaro(probs: torch.Tensor, fanout: int, c: float) -> torch.Tensor:

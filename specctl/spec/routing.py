@@ -1,0 +1,87 @@
+"""Routing among several drafters (CoSine, DESIGN §4), as pure functions.
+
+Per session and drafter a routing score m = (1/K) Σ c·d / (c·d + (1−c)(1−d)) over the K
+tokens the drafter proposed so far, from its confidence c (its own probability of the
+token) and the verification outcome d (1 accepted, 0 not). While the session's mean
+accepted length is under τ the router explores: the top-scored drafter, plus another one at
+random with probability α; above τ it exploits: the top one, plus a random other with
+probability β < α. A drafter that is down is not a candidate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PRIOR = 0.5  # the score of a drafter nothing is known about yet
+
+
+def token_score(confidence: float, outcome: float) -> float:
+    """c·d / (c·d + (1−c)(1−d)); 0 where both terms vanish (c = 1 and d = 0)."""
+    agree = confidence * outcome
+    denominator = agree + (1.0 - confidence) * (1.0 - outcome)
+    return 0.0 if denominator <= 0.0 else agree / denominator
+
+
+@dataclass(slots=True)
+class RoutingScore:
+    """A drafter's running score within one session."""
+
+    total: float = 0.0
+    tokens: int = 0
+
+    def add(self, confidences: list[float], accepted: int) -> None:
+        """One round's proposal of this drafter: its tokens' confidences, and how many of
+        them (a prefix) verification accepted."""
+        for i, confidence in enumerate(confidences):
+            self.total += token_score(confidence, 1.0 if i < accepted else 0.0)
+        self.tokens += len(confidences)
+
+    @property
+    def value(self) -> float:
+        return self.total / self.tokens if self.tokens else PRIOR
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingPolicy:
+    tau: float = 2.0  # mean accepted length under which the router explores
+    alpha: float = 0.5  # chance of adding a random other drafter while exploring
+    beta: float = 0.1  # ... while exploiting
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.beta <= self.alpha <= 1.0:
+            raise ValueError(f"need 0 <= beta <= alpha <= 1, got alpha={self.alpha}, beta={self.beta}")
+        if self.tau < 0:
+            raise ValueError(f"tau must be >= 0, got {self.tau}")
+
+
+def choose_drafters(scores: list[float], up: list[bool], mean_accepted: float, policy: RoutingPolicy,
+                    coin: float, pick: float) -> list[int]:
+    """The drafters to ask this round (indices, best score first). ``coin`` and ``pick``
+    are uniforms in [0, 1): whether to add a random other drafter, and which one. Ties in
+    score go to the earlier drafter."""
+    candidates = [i for i, ok in enumerate(up) if ok]
+    if not candidates:
+        return []
+    top = max(candidates, key=lambda i: (scores[i], -i))
+    others = [i for i in candidates if i != top]
+    chance = policy.alpha if mean_accepted < policy.tau else policy.beta
+    if others and coin < chance:
+        return [top, others[min(int(pick * len(others)), len(others) - 1)]]
+    return [top]
+
+
+@dataclass(slots=True)
+class DrafterStats:
+    """What one drafter did, over all sessions (stats, /metrics, the monitor)."""
+
+    chosen_rounds: int = 0
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    failures: int = 0
+    score_sum: float = 0.0
+    scored_sessions: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def snapshot(self) -> dict:
+        return {"chosen_rounds": self.chosen_rounds, "proposed_tokens": self.proposed_tokens,
+                "accepted_tokens": self.accepted_tokens, "failures": self.failures,
+                "mean_score": round(self.score_sum / self.scored_sessions, 4) if self.scored_sessions else None}

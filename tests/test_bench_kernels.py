@@ -1,0 +1,78 @@
+"""bench kernels: the bytes a step reads, the bandwidth limit, the report and table, the CLI."""
+
+import json
+
+import pytest
+import torch
+
+from specctl.bench.kernels import (
+    StepTiming, bandwidth_limit_ms, kernels_report, random_decoder, shape_config, time_steps, weight_bytes_per_step,
+)
+from specctl.bench.render import render_kernels_table
+from specctl.engine.tiny import tiny_config
+from tests.test_cli import _assert_one_line_error, run
+
+
+def test_weight_bytes_count_a_tied_embedding_once_and_skip_an_untied_one():
+    tied = random_decoder(tiny_config("qwen2", tie_word_embeddings=True), torch.float32, "cpu")
+    untied = random_decoder(tiny_config("qwen2", tie_word_embeddings=False), torch.float32, "cpu")
+    embedding = 320 * 64 * 4
+    layers = sum(p.numel() for p in tied.layers.parameters()) * 4 + 64 * 4  # + the final norm
+    assert weight_bytes_per_step(tied) == layers + embedding  # the LM head reads the shared table
+    assert weight_bytes_per_step(untied) == layers + embedding  # the untied head; the table is looked up, not read
+
+
+def test_known_shapes_and_the_limit():
+    config = shape_config("1.5b")
+    assert (config.hidden_size, config.num_hidden_layers, config.num_key_value_heads) == (1536, 28, 2)
+    assert shape_config("qwen2.5-0.5b").intermediate_size == 4864
+    with pytest.raises(ValueError, match="unknown model shape '3b'"):
+        shape_config("3b")
+    assert bandwidth_limit_ms(2_000_000_000, 1000.0) == pytest.approx(2.0)
+
+
+def test_report_and_table_take_the_fastest_variant():
+    decoder = random_decoder(tiny_config("llama"), torch.float32, "cpu")
+    timings = {"eager": [StepTiming(1, 2.0, 4.0, 5.0), StepTiming(8, 3.0, 5.0, 6.0)],
+               "graphs": [StepTiming(1, 1.0, 2.0, 3.0), StepTiming(8, 2.0, 2.5, 4.0)]}
+    report = kernels_report("tiny", decoder, timings, 1.0, 16, {"dtype": "fp32", "context": 16})
+    limit = report["bandwidth_limit_ms"]
+    assert report["bytes_per_step"] == weight_bytes_per_step(decoder) + decoder.spec.kv_bytes_per_token(torch.float32) * 16
+    assert limit == pytest.approx(report["bytes_per_step"] / 1e6)
+    first, second = report["steps"]
+    assert first["tokens_per_s"] == pytest.approx(500.0) and second["tokens_per_s"] == pytest.approx(8 / 2.5e-3)
+    assert first["fraction_of_bandwidth_limit"] == pytest.approx(limit / 2.0)
+    assert first["ms_min_median_max"]["eager"] == [2.0, 4.0, 5.0]
+    table = render_kernels_table(report)
+    assert [c.header for c in table.columns] == ["tokens", "eager ms (min/med/max)", "graphs ms (min/med/max)",
+                                                 "tokens/s (best)", "of limit"]
+
+
+def test_time_steps_leaves_the_context_and_times_every_size():
+    decoder = random_decoder(tiny_config("llama"), torch.float32, "cpu")
+    timings = time_steps(decoder, 12, (1, 4), repeats=2)
+    assert [t.tokens for t in timings] == [1, 4] and all(0 < t.ms_min <= t.ms_median <= t.ms_max for t in timings)
+
+
+def test_cli_times_a_checkpoint_shape_on_cpu(tiny_dir, tmp_path):
+    out = tmp_path / "k.json"
+    proc = run("bench", "kernels", "--model", str(tiny_dir["llama"]), "--device", "cpu", "--dtype", "fp32",
+               "--sizes", "1,2", "--context", "8", "--repeats", "2", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["variants"] == ["eager"] and [s["tokens"] for s in report["steps"]] == [1, 2]
+    assert "bench kernels" in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--sizes", "1,128", "--device", "cpu"], "--sizes must be between 1 and 64"),
+    (["--dtype", "int4", "--device", "cpu"], "--dtype must be one of fp32, bf16, fp16"),
+    (["--model", "3b", "--device", "cpu"], "unknown model shape '3b'"),
+])
+def test_cli_rejects_bad_flags(args, message):
+    _assert_one_line_error(run("bench", "kernels", *args), message)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cli_without_cuda_says_to_use_the_cpu():
+    _assert_one_line_error(run("bench", "kernels"), "--device cuda: no CUDA device here; use --device cpu")

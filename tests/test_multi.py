@@ -1,0 +1,124 @@
+"""Several drafters in one session (CoSine routing + fusion): exact against the target alone,
+a drafter dying mid-run changes nothing, sampling keeps the target's distribution, stats."""
+
+import pytest
+import torch
+
+from specctl.engine.kv_cache import KVPool
+from specctl.spec.drafters import Drafter, DraftSession, ModelChainDrafter, ModelTreeDrafter, NgramDrafter
+from specctl.spec.multi import MultiDrafter
+from specctl.spec.rounds import generate
+from specctl.spec.routing import RoutingPolicy
+from specctl.spec.sampling import SamplingParams
+from tests.test_sampling_exact import _assert_target_distribution, small  # noqa: F401 - the fixture
+
+PROMPTS = [[5, 9, 13, 2], [7, 8, 9, 10] * 6, list(range(30, 70)), [100]]
+
+
+class _Dying(Drafter):
+    """Wraps a drafter; its sessions fail every proposal from the ``after``-th on."""
+
+    def __init__(self, inner: Drafter, after: int) -> None:
+        self.inner, self.after = inner, after
+        self.max_nodes = inner.max_nodes
+
+    def open(self, capacity, pool=None):
+        inner, after = self.inner.open(capacity, pool), self.after
+
+        class _Session(DraftSession):
+            calls = 0
+
+            def propose(self, seq, params, generator):
+                self.calls += 1
+                if self.calls >= after:
+                    raise ConnectionError("draft server gone")
+                return inner.propose(seq, params, generator)
+
+            def on_verified(self, path):
+                inner.on_verified(path)
+
+            def close(self):
+                inner.close()
+
+        return _Session()
+
+
+def _multi(tiny, arch, **kw):
+    return MultiDrafter({"draft": ModelChainDrafter(tiny[f"{arch}-draft"], 4),
+                         "self2": ModelChainDrafter(tiny[f"{arch}-self2"], 3),
+                         "ngram": NgramDrafter(4)}, **kw)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_with_three_drafters_equals_the_target_alone(tiny, arch):
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    drafter = _multi(tiny, arch)
+    for prompt in PROMPTS:
+        reference = generate(tiny[arch], prompt, params)[0]
+        output, stats, _ = generate(tiny[arch], prompt, params, drafter)
+        assert output == reference, prompt
+    snapshot = drafter.snapshot()
+    assert sum(s["chosen_rounds"] for s in snapshot.values()) > 0
+    assert all(s["failures"] == 0 for s in snapshot.values())
+    assert sum(s["accepted_tokens"] for s in snapshot.values()) > 0
+
+
+def test_always_fusing_every_drafter_is_exact_and_credits_each(tiny):
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    everyone = RoutingPolicy(tau=100.0, alpha=1.0, beta=1.0)  # two drafters a round, always
+    drafter = MultiDrafter({"draft": ModelChainDrafter(tiny["llama-draft"], 4), "ngram": NgramDrafter(4)},
+                           policy=everyone)
+    for prompt in PROMPTS:
+        assert generate(tiny["llama"], prompt, params, drafter)[0] == generate(tiny["llama"], prompt, params)[0]
+    snapshot = drafter.snapshot()
+    assert snapshot["draft"]["chosen_rounds"] == snapshot["ngram"]["chosen_rounds"] > 0
+
+
+def test_a_drafter_dying_mid_run_is_skipped_and_output_unchanged(tiny):
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    always_both = RoutingPolicy(tau=100.0, alpha=1.0, beta=1.0)
+    drafter = MultiDrafter({"remote": _Dying(ModelChainDrafter(tiny["llama-draft"], 4), after=3),
+                            "self2": ModelChainDrafter(tiny["llama-self2"], 3)}, policy=always_both)
+    pool = KVPool()
+    for prompt in PROMPTS:
+        reference = generate(tiny["llama"], prompt, params)[0]
+        assert generate(tiny["llama"], prompt, params, drafter, draft_pool=pool)[0] == reference
+    assert drafter.snapshot()["remote"]["failures"] > 0
+    assert pool.used_bytes == 0 and pool.sessions == 0
+
+
+def test_all_drafters_failing_falls_back_to_plain_decoding(tiny):
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    drafter = MultiDrafter({"gone": _Dying(NgramDrafter(3), after=1)})
+    output, stats, _ = generate(tiny["llama"], PROMPTS[1], params, drafter)
+    assert output == generate(tiny["llama"], PROMPTS[1], params)[0] and stats.accepted == 0
+
+
+def test_tree_drafters_and_bad_budgets_are_refused(tiny):
+    with pytest.raises(ValueError, match="fusion takes chain drafters"):
+        MultiDrafter({"tree": ModelTreeDrafter(tiny["llama-draft"], 3, 2, 2)})
+    with pytest.raises(ValueError, match="at least one drafter"):
+        MultiDrafter({})
+    with pytest.raises(ValueError, match="budget must be >= 1"):
+        MultiDrafter({"ngram": NgramDrafter(3)}, budget=0)
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.85)])
+def test_fused_sampling_keeps_the_target_distribution(small, temperature, top_p):  # noqa: F811
+    target, draft = small
+    drafter = MultiDrafter({"draft": ModelChainDrafter(draft, 2), "ngram": NgramDrafter(2)},
+                           policy=RoutingPolicy(tau=100.0, alpha=1.0, beta=1.0))
+    _assert_target_distribution(target, drafter, temperature, top_p)
+
+
+def test_generate_mode_multi_from_the_command_line(tiny_dir):
+    import json
+
+    from tests.test_cli import _assert_one_line_error, _generate
+
+    reference = json.loads(_generate(tiny_dir, "--mode", "ar").stdout)["token_ids"]
+    proc = _generate(tiny_dir, "--mode", "multi", "--drafters", f"{tiny_dir['llama-draft']},ngram")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["token_ids"] == reference and set(result["drafters"]) == {str(tiny_dir["llama-draft"]), "ngram"}
+    _assert_one_line_error(_generate(tiny_dir, "--mode", "multi"), "mode multi needs drafters")

@@ -1,0 +1,105 @@
+"""Static padded steps (engine/static.py), run eagerly on the CPU: the same logic a CUDA graph
+replays on a GPU. Outputs and KV equal the ragged path's; padding touches nothing real."""
+
+import pytest
+import torch
+
+from specctl.engine.layers import fuse_projections
+from specctl.engine.loader import load_decoder
+from specctl.engine.static import BUCKETS, bucket_for, step_mask
+from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
+from specctl.spec.rounds import generate
+from specctl.spec.sampling import SamplingParams
+
+PROMPTS = [[1, 2, 3], list(range(30, 70)), [7, 8, 9, 10] * 6, list(range(100, 190))]  # the last: prefill > 64
+
+
+@pytest.fixture(scope="module")
+def static_pair(tiny_dir):
+    return load_decoder(tiny_dir["qwen2"]).use_static_steps(), load_decoder(tiny_dir["qwen2-draft"]).use_static_steps()
+
+
+def _drafters(draft):
+    return {"ar": None, "chain": ModelChainDrafter(draft, 4), "tree": ModelTreeDrafter(draft, 3, 2, 3),
+            "ngram": NgramDrafter(4)}
+
+
+def test_buckets():
+    assert [bucket_for(n) for n in (1, 2, 3, 5, 8, 9, 33, 64)] == [1, 2, 4, 8, 8, 16, 64, 64]
+    assert bucket_for(65) is None and BUCKETS[-1] == 64
+
+
+def test_step_mask_causal_rows_and_padding_rows():
+    mask = step_mask(4, 2, 3, 16, 15, None)
+    assert mask.shape == (4, 16)
+    assert mask[0].nonzero().flatten().tolist() == [0, 1, 2, 3]
+    assert mask[1].nonzero().flatten().tolist() == [0, 1, 2, 3, 4]
+    assert mask[2].nonzero().flatten().tolist() == [15] and mask[3].nonzero().flatten().tolist() == [15]
+
+
+def test_step_mask_keeps_a_tree_mask():
+    tree = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 0, 1]], dtype=torch.bool)  # prefix 2, root + 2 children
+    mask = step_mask(4, 3, 2, 16, 15, tree)
+    assert torch.equal(mask[:3, :5], tree) and not mask[:3, 5:].any()
+    assert mask[3].nonzero().flatten().tolist() == [15]
+
+
+@pytest.mark.parametrize("mode", ["ar", "chain", "tree", "ngram"])
+def test_static_steps_equal_the_ragged_path_greedy_and_sampled(tiny, static_pair, mode):
+    target, draft = static_pair
+    for params in (SamplingParams(max_tokens=40, ignore_eos=True),
+                   SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, ignore_eos=True, seed=3)):
+        for prompt in PROMPTS:
+            reference = generate(tiny["qwen2"], prompt, params, _drafters(tiny["qwen2-draft"])[mode])[0]
+            assert generate(target, prompt, params, _drafters(draft)[mode])[0] == reference, (mode, prompt)
+    assert target.static.captures == 0 and target.static.replays == 0  # no CUDA graphs on the CPU
+
+
+def test_fused_pieces_equal_the_modules(tiny, tiny_dir):
+    fused = fuse_projections(load_decoder(tiny_dir["llama"])).use_static_steps()
+    assert fused.static.pieces is not None and all(layer.fused for layer in fused.layers)
+    draft = fuse_projections(load_decoder(tiny_dir["llama-draft"])).use_static_steps()
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    for prompt in PROMPTS:
+        reference = generate(tiny["llama"], prompt, params)[0]
+        assert generate(fused, prompt, params)[0] == reference
+        assert generate(fused, prompt, params, ModelTreeDrafter(draft, 3, 2, 3))[0] == reference
+
+
+def test_padding_rows_leave_the_cache_as_the_ragged_path_does(tiny, static_pair):
+    target, _ = static_pair
+    eager_cache, static_cache = tiny["qwen2"].new_cache(64), target.new_cache(64)
+    prompt = torch.tensor(PROMPTS[1][:20])
+    for decoder, cache in ((tiny["qwen2"], eager_cache), (target, static_cache)):
+        decoder(prompt, torch.arange(20), cache)
+        decoder(torch.tensor([5, 6, 7]), torch.arange(20, 23), cache)  # 3 tokens padded to 4 on the static path
+    assert static_cache.length == eager_cache.length == 23
+    torch.testing.assert_close(static_cache.k[:, :, :, :23], eager_cache.k[:, :, :, :23], rtol=0, atol=1e-6)
+    assert not static_cache.k[:, :, :, 23 : static_cache.trash].any()  # padding wrote only the trash slot
+    assert sorted(static_cache.steps) == [4]
+    static_cache.release()
+    assert static_cache.steps == {}
+
+
+def test_a_step_that_does_not_fit_runs_on_the_ragged_path(static_pair):
+    target, _ = static_pair
+    cache = target.new_cache(100)
+    target(torch.arange(90), torch.arange(90), cache)  # 90 tokens: no bucket
+    assert cache.steps == {} and cache.length == 90
+
+
+def test_static_steps_need_a_full_model(tiny_dir):
+    stage = load_decoder(tiny_dir["llama"], layer_range=(0, 2), head=False)
+    with pytest.raises(ValueError, match="static steps need a full model"):
+        stage.use_static_steps()
+    with pytest.raises(ValueError, match="compiled static steps need fused projections"):
+        load_decoder(tiny_dir["llama"]).use_static_steps(compile=True)
+
+
+def test_fuse_projections_is_idempotent_and_exact(tiny, tiny_dir):
+    fused = fuse_projections(fuse_projections(load_decoder(tiny_dir["qwen2"])))
+    layer = fused.layers[0]
+    assert layer.self_attn.q_proj is None and layer.mlp.gate_proj is None and layer.fused
+    ids = torch.tensor(PROMPTS[1])
+    expected = tiny["qwen2"](ids, torch.arange(ids.numel()), tiny["qwen2"].new_cache(64))
+    torch.testing.assert_close(fused(ids, torch.arange(ids.numel()), fused.new_cache(64)), expected, rtol=1e-5, atol=1e-5)
