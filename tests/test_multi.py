@@ -122,3 +122,38 @@ def test_generate_mode_multi_from_the_command_line(tiny_dir):
     result = json.loads(proc.stdout)
     assert result["token_ids"] == reference and set(result["drafters"]) == {str(tiny_dir["llama-draft"]), "ngram"}
     _assert_one_line_error(_generate(tiny_dir, "--mode", "multi"), "mode multi needs drafters")
+
+
+def test_bench_drafters_measures_singles_routing_and_fusion_with_exact_outputs(tiny_dir, tmp_path):
+    import json
+
+    from tests.test_cli import run
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hello world hello world", "kind": "edit"}\n{"prompt": "abc def", "kind": "code"}\n')
+    out = tmp_path / "d.json"
+    proc = run("bench", "drafters", "--target", str(tiny_dir["llama"]), "--drafters",
+               f"{tiny_dir['llama-draft']},ngram", "--prompts", str(prompts), "-n", "12", "--dtype", "fp32",
+               "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert list(report["modes"]) == ["ar", str(tiny_dir["llama-draft"]), "ngram", "routing", "routing+fusion"]
+    assert all(m["outputs_equal_to_ar"] == 1.0 for m in report["modes"].values())
+    against = report["against_best_single"]
+    assert against["best_single"] in (str(tiny_dir["llama-draft"]), "ngram")
+    assert set(against["routing+fusion"]["per_kind"]) == {"code", "edit"}
+    assert report["drafters"]["routing+fusion"]["ngram"]["chosen_rounds"] >= 0
+
+
+def test_bench_drafters_needs_two_drafters():
+    from tests.test_cli import _assert_one_line_error, run
+
+    _assert_one_line_error(run("bench", "drafters", "--drafters", "ngram"), "--drafters needs at least two drafters")
+
+
+def test_the_mixed_workload_has_four_classes():
+    from specctl.bench.prompts import load_prompts
+
+    prompts = load_prompts("mixed")
+    assert len(prompts) == 16 and [p.kind for p in prompts[:4]] == ["code", "prose", "edit", "summary"]
+    assert {p.kind for p in prompts} == {"code", "prose", "edit", "summary"}

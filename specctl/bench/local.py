@@ -88,7 +88,11 @@ class ModeResult:
 
 def engine_runner(mode: str, config: Config, target: LoadedModel, draft: LoadedModel | None, max_tokens: int,
                   warm_up: list[int]) -> Runner:
-    drafter = make_drafter(config.replace(mode=mode), draft)
+    return drafter_runner(make_drafter(config.replace(mode=mode), draft), target, max_tokens, warm_up)
+
+
+def drafter_runner(drafter, target: LoadedModel, max_tokens: int, warm_up: list[int]) -> Runner:
+    """Greedy generation with ``drafter`` (None = the target alone), warmed up once."""
     params = SamplingParams(max_tokens=max_tokens)
     generate(target.decoder, warm_up, SamplingParams(max_tokens=4), drafter)
 
@@ -132,13 +136,28 @@ def hf_assisted_runner(config: Config, target: LoadedModel, draft: LoadedModel, 
 def run_local_bench(config: Config, target: LoadedModel, draft: LoadedModel | None, prompts: list[BenchPrompt],
                     modes: list[str], max_tokens: int, progress: Progress, repeats: int = 1) -> dict:
     encoded = [encode_user_text(target.tokenizer, p.prompt, p.chat) for p in prompts]
-    kinds = {i: p.kind for i, p in enumerate(prompts)}
     warm_up = encoded[0][:8]
     runners: dict[str, Runner] = {}
     for mode in modes:
         progress.console.print(f"[dim]preparing {mode}[/]")
         runners[mode] = (hf_assisted_runner(config, target, draft, max_tokens, warm_up) if mode == "hf-assisted"
                          else engine_runner(mode, config, target, draft, max_tokens, warm_up))
+    return {
+        "settings": {
+            "target": config.target, "draft": config.draft, "dtype": config.dtype, "max_tokens": max_tokens,
+            "prompts": len(prompts), "repeats": repeats, "depth": config.depth, "topk": config.topk,
+            "width": config.width, "draft_stop": config.draft_stop, "draft_quant": config.draft_quant,
+            "threads": torch.get_num_threads(), "temperature": 0.0,
+        },
+        "modes": measure(runners, encoded, [p.kind for p in prompts], progress, repeats),
+    }
+
+
+def measure(runners: dict[str, Runner], encoded: list[list[int]], kinds: list[str], progress: Progress,
+            repeats: int) -> dict:
+    """Every runner on every prompt, taking turns prompt by prompt (the order rotates), so a
+    slow minute of the machine falls on all of them; summaries against the "ar" runner."""
+    modes = list(runners)
     results = {mode: ModeResult(mode) for mode in modes}
     task = progress.add_task("benchmark", total=repeats * len(encoded) * len(modes))
     for repeat in range(repeats):
@@ -151,12 +170,4 @@ def run_local_bench(config: Config, target: LoadedModel, draft: LoadedModel | No
                 results[mode].record(repeat, index, kinds[index], out, stats, time.perf_counter() - start)
                 progress.advance(task)
     ar = results.get("ar")
-    return {
-        "settings": {
-            "target": config.target, "draft": config.draft, "dtype": config.dtype, "max_tokens": max_tokens,
-            "prompts": len(prompts), "repeats": repeats, "depth": config.depth, "topk": config.topk,
-            "width": config.width, "draft_stop": config.draft_stop, "draft_quant": config.draft_quant,
-            "threads": torch.get_num_threads(), "temperature": 0.0,
-        },
-        "modes": {mode: r.summary(ar, kinds) for mode, r in results.items()},
-    }
+    return {mode: r.summary(ar, dict(enumerate(kinds))) for mode, r in results.items()}

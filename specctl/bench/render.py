@@ -142,3 +142,17 @@ def render_kernels_table(report: dict) -> Table:
         spreads = [" / ".join(f"{x:.2f}" for x in row["ms_min_median_max"][v]) for v in report["variants"]]
         table.add_row(str(row["tokens"]), *spreads, f"{row['tokens_per_s']:.0f}", f"{row['fraction_of_bandwidth_limit']:.0%}")
     return table
+
+
+def render_drafters_summary(report: dict) -> Table:
+    against = report["against_best_single"]
+    kinds = sorted(next(iter(against[m]["per_kind"] for m in ("routing", "routing+fusion"))))
+    table = Table(title=f"against the best single drafter ({against['best_single']} overall; per class its best)")
+    table.add_column("mode")
+    table.add_column("overall", justify="right")
+    for kind in kinds:
+        table.add_column(kind, justify="right")
+    for mode in ("routing", "routing+fusion"):
+        row = against[mode]
+        table.add_row(mode, f"{row['overall']:.2f}x", *(f"{row['per_kind'][k]:.2f}x" for k in kinds))
+    return table

@@ -14,6 +14,7 @@ from specctl.config import QUANTS, build_config
 from specctl.bench.render import (
     render_local_kinds, render_local_table, render_serve_table, render_star_summary, render_star_table,
 )
+from specctl.cli.bench_drafters import drafters
 from specctl.cli.bench_kernels import kernels
 from specctl.cli.bench_pipeline import pipeline
 from specctl.cli.bench_prespec import prespec
@@ -272,3 +273,4 @@ def serve(
 app.command("pipeline")(pipeline)
 app.command("prespec")(prespec)
 app.command("kernels")(kernels)
+app.command("drafters")(drafters)

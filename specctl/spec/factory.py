@@ -67,9 +67,8 @@ def load_pair(config: Config, console: Console | None = None) -> tuple[LoadedMod
     return target, draft
 
 
-def make_multi_drafter(config: Config, target: LoadedModel, console: Console | None = None) -> MultiDrafter:
-    """Mode multi: every drafter of ``config.drafters`` (a model name, NAME@N, or ngram) as a
-    chain of depth d, routed and fused per session."""
+def load_drafters(config: Config, target: LoadedModel, console: Console | None = None) -> dict[str, Drafter]:
+    """Every drafter of ``config.drafters`` (a model name, NAME@N, or ngram) as a chain of depth d."""
     drafters: dict[str, Drafter] = {}
     for name in config.drafter_names:
         if name == "ngram":
@@ -79,7 +78,12 @@ def make_multi_drafter(config: Config, target: LoadedModel, console: Console | N
         model = target if same else load_named(name, config, console, config.draft_quant)
         check_same_vocab(target, model)
         drafters[name] = ModelChainDrafter(model.decoder, config.depth, config.draft_stop)
-    return MultiDrafter(drafters)
+    return drafters
+
+
+def make_multi_drafter(config: Config, target: LoadedModel, console: Console | None = None) -> MultiDrafter:
+    """Mode multi: the drafters of ``config.drafters``, routed and fused per session."""
+    return MultiDrafter(load_drafters(config, target, console))
 
 
 def make_drafter(config: Config, draft: LoadedModel | None) -> Drafter:

@@ -1,0 +1,59 @@
+"""``specctl bench drafters``: each drafter alone, routing among them, and routing + fusion
+(CoSine), greedy, on the same prompts in one run, against the target alone. Routing alone
+asks the top-scored drafter each round (an untried drafter counts as 0.5, so a weak one is
+dropped for an untried one); routing + fusion also adds a random other drafter (often while
+the session accepts little, rarely once it accepts much) and fuses the two chains."""
+
+from __future__ import annotations
+
+from rich.progress import Progress
+
+from specctl.bench.local import drafter_runner, measure
+from specctl.bench.prompts import BenchPrompt
+from specctl.config import Config
+from specctl.engine.loader import LoadedModel
+from specctl.engine.text import encode_user_text
+from specctl.spec.drafters import Drafter
+from specctl.spec.multi import MultiDrafter
+from specctl.spec.routing import RoutingPolicy
+
+ROUTING_ONLY = RoutingPolicy(alpha=0.0, beta=0.0)
+
+
+def run_drafters_bench(config: Config, target: LoadedModel, drafters: dict[str, Drafter], prompts: list[BenchPrompt],
+                       max_tokens: int, progress: Progress, repeats: int = 1) -> dict:
+    encoded = [encode_user_text(target.tokenizer, p.prompt, p.chat) for p in prompts]
+    warm_up = encoded[0][:8]
+    routing, fused = MultiDrafter(drafters, policy=ROUTING_ONLY), MultiDrafter(drafters)
+    plan = {"ar": None, **drafters, "routing": routing, "routing+fusion": fused}
+    runners = {}
+    for name, drafter in plan.items():
+        progress.console.print(f"[dim]preparing {name}[/]")
+        runners[name] = drafter_runner(drafter, target, max_tokens, warm_up)
+    modes = measure(runners, encoded, [p.kind for p in prompts], progress, repeats)
+    return {
+        "settings": {"target": config.target, "draft": ",".join(drafters), "dtype": config.dtype,
+                     "draft_quant": config.draft_quant, "max_tokens": max_tokens, "prompts": len(prompts),
+                     "repeats": repeats, "depth": config.depth, "temperature": 0.0,
+                     "tau": fused.policy.tau, "alpha": fused.policy.alpha, "beta": fused.policy.beta},
+        "modes": modes,
+        "drafters": {"routing": routing.snapshot(), "routing+fusion": fused.snapshot()},
+        "against_best_single": against_best_single(modes, list(drafters)),
+    }
+
+
+def against_best_single(modes: dict, singles: list[str]) -> dict:
+    """tokens/s of routing and routing + fusion over the best single drafter's, overall and per
+    class of prompt (the best single drafter of that class)."""
+    best = max(singles, key=lambda name: modes[name]["tokens_per_s"])
+    kinds = sorted(modes[best]["per_kind"])
+    out: dict = {"best_single": best}
+    for mode in ("routing", "routing+fusion"):
+        per_kind = {}
+        for kind in kinds:
+            top = max(modes[name]["per_kind"][kind]["tokens_per_s"] for name in singles)
+            per_kind[kind] = round(modes[mode]["per_kind"][kind]["tokens_per_s"] / top, 3) if top else None
+        overall = modes[best]["tokens_per_s"]
+        out[mode] = {"overall": round(modes[mode]["tokens_per_s"] / overall, 3) if overall else None,
+                     "per_kind": per_kind}
+    return out
