@@ -2,7 +2,6 @@
 a drafter dying mid-run changes nothing, sampling keeps the target's distribution, stats."""
 
 import pytest
-import torch
 
 from specctl.engine.kv_cache import KVPool
 from specctl.spec.drafters import Drafter, DraftSession, ModelChainDrafter, ModelTreeDrafter, NgramDrafter
