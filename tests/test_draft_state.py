@@ -31,7 +31,7 @@ def test_outcomes_that_do_not_fit_the_last_proposal_are_refused(tiny):
     grandchild = tree.children(child)[0]
     sibling = tree.children(0)[1]
     token = lambda node: int(tree.tokens[node])  # noqa: E731
-    with pytest.raises(BadRequest, match=r"^an outcome of 1 accepted nodes commits 2 tokens, got 1$"):
+    with pytest.raises(BadRequest, match=r"^an outcome of 1 accepted nodes commits at least 2 tokens, got 1$"):
         state.advance([child], [token(child)])
     with pytest.raises(BadRequest, match=r"is not a root-to-leaf path of the last proposal$"):
         state.advance([grandchild], [token(grandchild), 7])
@@ -45,6 +45,24 @@ def test_outcomes_that_do_not_fit_the_last_proposal_are_refused(tiny):
     assert state.seq == [1, 2, 3, 4, token(child), token(grandchild), 7]
     assert (state.rounds, state.drafted, state.accepted, state.last_tree) == (1, 3, 2, None)
     state.close()
+
+
+def test_an_outcome_may_commit_text_after_the_bonus(tiny):
+    """Several drafters: this draft's chain was accepted in part, then other drafters' fused
+    tokens (or rounds this draft sat out) committed more text; it catches up from all of it."""
+    drafter = ModelChainDrafter(tiny["llama-draft"], 3)
+    state = _state(drafter, [1, 2, 3])
+    state.advance([], [4])
+    tree = draft_many([state])[0].tree
+    first = int(tree.tokens[1])
+    state.advance([1], [first, 9, 10, 11])
+    assert state.seq == [1, 2, 3, 4, first, 9, 10, 11] and state.accepted == 1
+    again = draft_many([state])[0]
+    reference = _state(drafter, [1, 2, 3, 4, first, 9, 10])
+    reference.advance([], [11])
+    assert again.tree.tokens.tolist() == draft_many([reference])[0].tree.tokens.tolist()
+    state.close()
+    reference.close()
 
 
 def test_a_session_cannot_grow_past_what_it_reserved(tiny):

@@ -326,3 +326,18 @@ def test_a_pre_speculating_drafts_cache_is_exported_as_gauges():
     assert samples[("specctl:prespec_leftover_used", (("address", "d:9000"),))] == 0.45
     assert samples[("specctl:prespec_fallbacks", (("address", "d:9000"), ("kind", "ngram")))] == 7
     assert samples[("specctl:proposal_bytes_mean", (("address", "d:9000"), ("role", "draft")))] == 812.5
+
+
+def test_a_targets_drafters_are_exported_as_gauges_by_drafter():
+    from specctl.gateway.metrics import GatewayMetrics
+
+    metrics = GatewayMetrics()
+    metrics.record_role("target", "t:9100", True, {"drafters": {
+        "d:9000": {"chosen_rounds": 12, "accepted_tokens": 30, "failures": 1, "mean_score": 0.5, "connected": True},
+        "ngram": {"chosen_rounds": 3, "accepted_tokens": 4, "failures": 0, "mean_score": None, "connected": True}}})
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(metrics.exposition().decode()) for s in family.samples}
+    assert samples[("specctl:drafter_chosen_rounds", (("address", "t:9100"), ("drafter", "d:9000")))] == 12
+    assert samples[("specctl:drafter_accepted_tokens", (("address", "t:9100"), ("drafter", "ngram")))] == 4
+    assert samples[("specctl:drafter_mean_score", (("address", "t:9100"), ("drafter", "d:9000")))] == 0.5
+    assert ("specctl:drafter_mean_score", (("address", "t:9100"), ("drafter", "ngram"))) not in samples

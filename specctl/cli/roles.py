@@ -48,7 +48,12 @@ def parse_stage(text: str) -> tuple[int, int]:
 
 def verify(
     model: Optional[str] = typer.Option(None, help="target model (default: qwen2.5-coder-1.5b)"),
-    draft: Optional[str] = typer.Option(None, help="draft server HOST:PORT (none: autoregressive only); stage 1 only"),
+    draft: Optional[list[str]] = typer.Option(None, "--draft", help="draft server HOST:PORT (none: autoregressive "
+                                              "only); stage 1 only. Repeat it, and add 'ngram' for the local n-gram "
+                                              "lookup, for several drafters routed and fused per session (CoSine)"),
+    draft_deadline_ms: float = typer.Option(500.0, "--draft-deadline-ms", help="several drafters: one that has not "
+                                            "answered by then is skipped for the round"),
+    fusion_budget: int = typer.Option(16, "--fusion-budget", help="several drafters: most nodes of the fused tree"),
     port: Optional[int] = typer.Option(None, help="TCP port (default 9100; 0 = any free port); with --pipeline "
                                        "each stage listens on its own entry's port"),
     host: str = typer.Option("127.0.0.1", help="address to bind"),
@@ -131,7 +136,10 @@ def verify(
         specpipe = SpecPipeDraft(local_draft.decoder, TreeShape(width, topk), specpipe_draft)
     else:
         stage_one = load_stage(config, plan, console)
-    _serve_target(config, plan, console, stage_one, host=host, port=port, draft=draft,
+    if draft and len(draft) > 1 and (draft_deadline_ms <= 0 or fusion_budget < 1):
+        raise ConfigError("--draft-deadline-ms must be > 0 and --fusion-budget >= 1")
+    _serve_target(config, plan, console, stage_one, host=host, port=port, draft=list(draft or []),
+                  fusion_settings=(draft_deadline_ms / 1e3, fusion_budget),
                   auth_token=auth_token, ssl_server=ssl_server, ssl_client=ssl_client,
                   verify_delay_s=verify_delay_ms / 1e3, max_messages_per_s=max_messages_per_s, specpipe=specpipe)
 
@@ -172,15 +180,17 @@ def _serve_stage(config, plan, console: Console, *, host: str, port: int, auth_t
     run_with_compute(main, ComputeThread(f"stage{plan.index}-compute", spawn=False))
 
 
-def _serve_target(config, plan, console: Console, loaded, *, host: str, port: int, draft: str | None, auth_token,
-                  ssl_server, ssl_client, verify_delay_s: float, max_messages_per_s: float, specpipe=None) -> None:
+def _serve_target(config, plan, console: Console, loaded, *, host: str, port: int, draft: list[str], auth_token,
+                  ssl_server, ssl_client, verify_delay_s: float, max_messages_per_s: float, specpipe=None,
+                  fusion_settings: tuple[float, int] = (0.5, 16)) -> None:
     from specctl.pipeline.launch import pipelined_target
     from specctl.runtime.compute import ComputeThread
     from specctl.runtime.loop import parse_hostport, run_with_compute, serve
     from specctl.verify.draft_client import DraftClient
     from specctl.verify.server import TargetServer, TargetServerConfig
 
-    draft_addr = parse_hostport(draft) if draft else None
+    several = len(draft) > 1 or draft == ["ngram"]
+    addresses = {name: parse_hostport(name) for name in draft if name != "ngram"}
     server_config = checked(TargetServerConfig, host=host, port=port, max_sessions=config.max_sessions,
                             kv_budget_bytes=config.kv_budget_bytes, auth_token=auth_token,
                             verify_delay_s=verify_delay_s, max_batch=config.max_batch,
@@ -198,23 +208,34 @@ def _serve_target(config, plan, console: Console, loaded, *, host: str, port: in
             if not await first:
                 console.print(f"[yellow]pipeline not whole yet ({chain.last_error}); retrying in the background[/]",
                               soft_wrap=True)
-        if draft_addr:
-            client = DraftClient(*draft_addr, model=loaded.name, fingerprint=loaded.vocab_fingerprint,
-                                 auth_token=auth_token, ssl=ssl_client)
+        clients = {}
+        for name, address in addresses.items():
+            clients[name] = DraftClient(*address, model=loaded.name, fingerprint=loaded.vocab_fingerprint,
+                                        auth_token=auth_token, ssl=ssl_client)
             first = asyncio.get_running_loop().create_future()
-            links.append(asyncio.create_task(client.run(first)))
+            links.append(asyncio.create_task(clients[name].run(first)))
             if not await first:  # a refusal (vocabulary, auth) raises here and stops start-up
-                console.print(f"[yellow]draft server {draft} unreachable ({client.last_error}); decoding "
-                              "autoregressively and reconnecting in the background[/]")
+                console.print(f"[yellow]draft server {name} unreachable ({clients[name].last_error}); decoding "
+                              "without it and reconnecting in the background[/]")
+        fusion = None
+        if several:
+            from specctl.verify.fused import Fusion
+
+            deadline_s, budget = fusion_settings
+            fusion = Fusion(clients, ngram_depth=config.depth if "ngram" in draft else 0, budget=budget,
+                            deadline_s=deadline_s)
+        else:
+            client = next(iter(clients.values()), None)
         stages = f" stage 1/{plan.count} (layers {plan.layers[0]}:{plan.layers[1]})" if chain else ""
         if specpipe is not None:
             stages += f", SpecPipe w={specpipe.shape.width} drafting with {specpipe.name}"
         try:
             await serve(TargetServer(loaded, server_config, client, ssl_server, compute=compute.lane(max_batch=config.max_batch),
-                                     pipeline=chain, specpipe=specpipe),
+                                     pipeline=chain, specpipe=specpipe, fusion=fusion),
                         lambda bound: console.print(
                             f"target instance [bold]{config.target}[/]{stages} listening on {host}:{bound}"
-                            f"{' (TLS)' if ssl_server else ''}, draft {draft or 'none'}", soft_wrap=True))
+                            f"{' (TLS)' if ssl_server else ''}, draft {', '.join(draft) or 'none'}"
+                            f"{' (routed and fused)' if several else ''}", soft_wrap=True))
         finally:
             for link in links:
                 link.cancel()

@@ -43,6 +43,15 @@ STAGE_GAUGES = {
 }
 
 
+# a target's "drafters" stats (several drafters) -> (gauge name, help), labelled by drafter
+DRAFTER_GAUGES = {
+    "chosen_rounds": ("drafter_chosen_rounds", "rounds a drafter was routed to"),
+    "accepted_tokens": ("drafter_accepted_tokens", "a drafter's tokens the target accepted"),
+    "failures": ("drafter_failures", "rounds a drafter was skipped: down, failed or past the deadline"),
+    "mean_score": ("drafter_mean_score", "a drafter's mean routing score over finished sessions"),
+}
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -65,6 +74,8 @@ class GatewayMetrics:
                                for key, (name, help_) in PRESPEC_GAUGES.items()}
         self.prespec_fallbacks = Gauge(f"{p}prespec_fallbacks", "cache misses by how they were drafted",
                                        ["address", "kind"], registry=r)
+        self.drafter_gauges = {key: Gauge(f"{p}{name}", help_, ["address", "drafter"], registry=r)
+                               for key, (name, help_) in DRAFTER_GAUGES.items()}
 
     def record_generation(self, stats: dict) -> None:
         """Counters from a finished request's per-session statistics."""
@@ -83,6 +94,12 @@ class GatewayMetrics:
             for key, gauge in self.stage_gauges.items():
                 if isinstance(stage.get(key), (int, float)):
                     gauge.labels(address=address, stage=str(stage.get("stage"))).set(stage[key])
+        drafters = stats.get("drafters")
+        if isinstance(drafters, dict):  # a target with several drafters, routed and fused
+            for name, drafter in drafters.items():
+                for key, gauge in self.drafter_gauges.items():
+                    if isinstance(drafter, dict) and isinstance(drafter.get(key), (int, float)):
+                        gauge.labels(address=address, drafter=name).set(drafter[key])
         prespec = stats.get("prespec")
         if isinstance(prespec, dict):  # a pre-speculating draft server
             for key, gauge in self.prespec_gauges.items():

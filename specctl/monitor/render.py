@@ -93,7 +93,18 @@ def targets_table(targets: list[dict], state: MonitorState) -> Table:
             table.add_row(Text("  pipeline down", style="bold red"), "", "", "", "", "", "", "")
         for stage in s.get("stages", []):
             table.add_row(*stage_row(stage))
+        for name, drafter in (s.get("drafters") or {}).items():
+            table.add_row(*drafter_row(name, drafter))
     return table
+
+
+def drafter_row(name: str, drafter: dict) -> tuple:
+    """One drafter of a target with several: rounds routed to it, tokens accepted, its score."""
+    score = drafter.get("mean_score")
+    state = Text("ok", style="green") if drafter.get("connected", True) else Text("down", style="bold red")
+    return (Text(f"  └ {name}"[:28], style="dim"), state, "", f"{drafter.get('chosen_rounds', 0)}r", "",
+            f"acc {drafter.get('accepted_tokens', 0)}", "-" if score is None else f"m {score:.2f}",
+            f"fail {drafter.get('failures', 0)}")
 
 
 def stage_row(stage: dict) -> tuple:

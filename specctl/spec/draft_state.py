@@ -49,8 +49,11 @@ class DraftState:
             if path:
                 raise BadRequest("an accepted path was sent but no proposal is outstanding")
             return
-        if len(tokens) != len(path) + 1:
-            raise BadRequest(f"an outcome of {len(path)} accepted nodes commits {len(path) + 1} tokens, got {len(tokens)}")
+        # The accepted tokens, the bonus, and (when the target fused other drafters' tokens into
+        # the round, or skipped this draft for some rounds) the text committed after them.
+        if len(tokens) < len(path) + 1:
+            raise BadRequest(f"an outcome of {len(path)} accepted nodes commits at least {len(path) + 1} tokens, "
+                             f"got {len(tokens)}")
         parent = 0
         for node, token in zip(path, tokens):
             if not 0 < node < len(tree) or int(tree.parents[node]) != parent:

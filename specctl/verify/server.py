@@ -29,6 +29,7 @@ from specctl.spec.rounds import run_session
 from specctl.spec.sampling import SamplingParams
 from specctl.spec.stats import GenerationStats, RoundResult
 from specctl.verify.draft_client import DraftClient
+from specctl.verify.fused import Fusion
 from specctl.verify.speculator import RemoteSpeculator
 
 log = logging.getLogger("specctl.verify")
@@ -53,9 +54,10 @@ class TargetServerConfig(ListenConfig):
 class TargetServer(ListeningServer):
     def __init__(self, model: LoadedModel, config: TargetServerConfig, draft: DraftClient | None, ssl=None,
                  compute: ComputeLane | None = None, pipeline: PipelineClient | None = None,
-                 specpipe: SpecPipeDraft | None = None) -> None:
+                 specpipe: SpecPipeDraft | None = None, fusion: Fusion | None = None) -> None:
         super().__init__()
         self.model, self.config, self.draft, self.ssl = model, config, draft, ssl
+        self.fusion = fusion  # several drafters, routed and fused per session (instead of ``draft``)
         self.pipeline = pipeline  # stage 1 of a pipelined target: the link down the chain
         self.specpipe = specpipe  # SpecPipe with a draft in this process, instead of the round loop
         # Its own compute thread, or a lane of the device's thread when roles share a process.
@@ -96,6 +98,9 @@ class TargetServer(ListeningServer):
                           "stages": self.pipeline.refresh_stats()})
         if self.specpipe is not None:
             stats.update(self.specpipe.snapshot())
+        if self.fusion is not None:
+            stats["drafters"] = self.fusion.snapshot()
+            stats["draft_connected"] = any(d["connected"] for d in stats["drafters"].values())
         stats.update(self.compute.stats.snapshot(self.compute.queue_depth))
         return stats
 
@@ -172,7 +177,8 @@ class TargetServer(ListeningServer):
                 if self.specpipe is not None:
                     await serve_specpipe(session, self.specpipe, self.compute, emit)
                 else:
-                    speculator = RemoteSpeculator(self.draft, self.config.max_proposal_nodes, msg.seed)
+                    speculator = (self.fusion.speculator(msg.seed) if self.fusion is not None
+                                  else RemoteSpeculator(self.draft, self.config.max_proposal_nodes, msg.seed))
                     await run_session(session, speculator, self.verify_lane, emit)
                 self.sessions_done += 1
                 self._done(session, msg.req, session.finish_reason or "stop", send)

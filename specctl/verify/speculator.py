@@ -44,8 +44,10 @@ def proposal_from_message(msg: ProposalMsg, vocab_size: int) -> Proposal:
 
 
 class RemoteSpeculator:
-    def __init__(self, client: DraftClient | None, max_nodes: int, seed: int | None = None) -> None:
+    def __init__(self, client: DraftClient | None, max_nodes: int, seed: int | None = None,
+                 greedy_drafts: bool = False) -> None:
         self.client, self.max_nodes = client, max_nodes
+        self.greedy_drafts = greedy_drafts  # draft argmax chains even when the request samples (fusion)
         self.seed = seed if seed is not None else random.getrandbits(62)
         self.handle: Handle | None = None
         self._opening: asyncio.Future | None = None
@@ -71,7 +73,8 @@ class RemoteSpeculator:
 
     async def _opened(self, params, text: list[int], generated: int) -> Handle | None:
         epoch = self.client.epoch
-        handle = await self.client.open(text, temperature=params.temperature, top_p=params.top_p,
+        temperature = 0.0 if self.greedy_drafts else params.temperature
+        handle = await self.client.open(text, temperature=temperature, top_p=params.top_p,
                                         top_k=params.top_k, seed=self.seed, max_tokens=params.max_tokens - generated)
         # Refused on a live link: ask again only after a reconnect.
         self._refused_epoch = epoch if handle is None and self.client.epoch == epoch else None
@@ -81,7 +84,16 @@ class RemoteSpeculator:
         return (self._linked() and self._refused_epoch != self.client.epoch
                 and (self._failures < MAX_FAILURES_IN_A_ROW or self._failures_epoch != self.client.epoch))
 
-    async def propose(self, session: DecodeSession) -> Drafted:
+    @property
+    def fresh(self) -> bool:
+        """No proposal yet from this draft session (it reads the text it was opened with first)."""
+        return self.handle is None or self._fresh
+
+    async def propose(self, session: DecodeSession, outcome: tuple[list[int], list[int]] | None = None,
+                      timeout_s: float | None = None) -> Drafted:
+        """``outcome``: what to tell the draft about the rounds since its last proposal,
+        instead of the last round's path and tokens (a draft that other drafters were fused
+        with, or that sat rounds out); ``timeout_s``: a deadline shorter than the client's."""
         if self.client is None:  # no draft server configured: autoregressive by choice, not a fallback
             return Drafted(None, 0.0)
         started = time.perf_counter()
@@ -93,10 +105,12 @@ class RemoteSpeculator:
             self.handle = await self._open(session, session.seq[:-1])
         if self.handle is None:
             return Drafted(None, time.perf_counter() - started, FALLBACK_DRAFT_DOWN)
-        timeout = None
+        timeout = timeout_s
         if self._fresh:  # the draft first reads the whole text it was opened with: a long prompt takes long
             path, tokens = [], session.seq[self._opened_at:]
             timeout = self.client.timeout_s * (1 + self._opened_at / PREFILL_TOKENS_PER_TIMEOUT)
+        elif outcome is not None:
+            path, tokens = outcome
         else:
             path, tokens = session.last_path, session.last_committed
         reply = await self.client.propose(self.handle, path, tokens, timeout)

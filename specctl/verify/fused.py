@@ -1,0 +1,176 @@
+"""Several draft servers (and the local n-gram lookup) for one target instance (CoSine):
+``specctl verify --draft A --draft B [--draft ngram]``.
+
+Per session, each round goes to the drafters ``spec.routing`` picks from their scores on
+this session; the chosen ones draft at once (each its own draft server), and their chains
+are fused into one tree (``spec.fusion``) verified like any tree. A drafter that is down, or
+that has not answered by the deadline, is skipped for that round; its late answer is
+dropped. Each draft session is told the rounds since its last proposal in one outcome (its
+accepted prefix, then all the text committed since), so a drafter that sat rounds out
+catches up by itself. Draft servers draft greedy chains (``greedy_drafts``): the fused tree
+is verified by the rule for deterministic candidates, lossless at any temperature.
+
+Over the wire a proposal carries no probabilities, so a remote drafter's tokens get its
+routing score as their confidence (it orders siblings); the n-gram lookup's count 1."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+
+from specctl.spec.decode import DecodeSession
+from specctl.spec.drafters import NgramDrafter, Proposal
+from specctl.spec.fusion import accepted_prefix, fuse_chains
+from specctl.spec.rounds import Drafted
+from specctl.spec.routing import DrafterStats, RoutingPolicy, RoutingScore, choose_drafters
+from specctl.spec.stats import FALLBACK_DRAFT_DOWN
+from specctl.verify.draft_client import DraftClient
+from specctl.verify.speculator import RemoteSpeculator
+
+NGRAM = "ngram"
+
+
+@dataclass(slots=True)
+class Fusion:
+    """What a target instance's sessions share: the draft links, the policy, the stats."""
+
+    clients: dict[str, DraftClient]  # name (host:port) -> link; "ngram" is local and has none
+    ngram_depth: int = 0  # > 0: the local n-gram lookup is one of the drafters
+    budget: int = 16  # fused tree nodes besides the root
+    deadline_s: float = 0.5  # a drafter that has not answered by then is skipped for the round
+    policy: RoutingPolicy = field(default_factory=RoutingPolicy)
+    stats: dict[str, DrafterStats] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in self.names:
+            self.stats.setdefault(name, DrafterStats())
+        if self.budget < 1 or self.deadline_s <= 0:
+            raise ValueError("the fusion budget must be >= 1 and the deadline > 0")
+
+    @property
+    def names(self) -> list[str]:
+        return [*self.clients, *([NGRAM] if self.ngram_depth else [])]
+
+    def speculator(self, seed: int | None) -> "FusedSpeculator":
+        return FusedSpeculator(self, seed)
+
+    def snapshot(self) -> dict:
+        out = {}
+        for name in self.names:
+            client = self.clients.get(name)
+            out[name] = {**self.stats[name].snapshot(),
+                         "connected": True if client is None else client.connected.is_set()}
+        return out
+
+
+@dataclass(slots=True)
+class _Link:
+    name: str
+    remote: RemoteSpeculator | None
+    score: RoutingScore = field(default_factory=RoutingScore)
+    synced: int = 0  # len(session.seq) when its outstanding proposal was asked for
+    accepted: int = 0  # its accepted prefix in the round it was last used
+    outstanding: bool = False
+    late: asyncio.Task | None = None  # a proposal past the deadline, still on its way
+
+
+class FusedSpeculator:
+    def __init__(self, fusion: Fusion, seed: int | None) -> None:
+        self.fusion = fusion
+        self.max_nodes = 1 + fusion.budget
+        self.rng = random.Random(seed)
+        self.links = [_Link(name, RemoteSpeculator(client, self.max_nodes, self.rng.getrandbits(62), greedy_drafts=True))
+                      for name, client in fusion.clients.items()]
+        if fusion.ngram_depth:
+            self.links.append(_Link(NGRAM, None))
+        self.ngram = NgramDrafter(fusion.ngram_depth) if fusion.ngram_depth else None
+        self.asked: list[tuple[_Link, list[float], list[int]]] = []
+        self.rounds = self.accepted = 0
+
+    def begin(self, session: DecodeSession) -> None:
+        for link in self.links:
+            if link.remote is not None:
+                link.remote.begin(session)
+
+    def _up(self, link: _Link) -> bool:
+        return link.remote is None or (link.late is None and link.remote.client is not None
+                                       and link.remote.client.connected.is_set())
+
+    def _score_last_round(self, session: DecodeSession) -> None:
+        for link, confidences, nodes in self.asked:
+            taken = accepted_prefix(session.last_path, nodes)
+            link.score.add(confidences, taken)
+            link.accepted = taken
+            self.fusion.stats[link.name].accepted_tokens += taken
+        if self.asked:
+            self.rounds += 1
+            self.accepted += len(session.last_path)
+        self.asked = []
+
+    async def propose(self, session: DecodeSession) -> Drafted:
+        started = time.perf_counter()
+        self._score_last_round(session)
+        stats = self.fusion.stats
+        scores = [link.score.value for link in self.links]
+        mean = self.accepted / self.rounds if self.rounds else 0.0
+        order = choose_drafters(scores, [self._up(link) for link in self.links], mean, self.fusion.policy,
+                                self.rng.random(), self.rng.random())
+        if not order:
+            return Drafted(None, time.perf_counter() - started, FALLBACK_DRAFT_DOWN)
+        tasks = {}
+        for i in order:
+            link = self.links[i]
+            if link.remote is not None:
+                outcome = ([*range(1, link.accepted + 1)] if link.outstanding else [], session.seq[link.synced:])
+                link.synced, link.accepted, link.outstanding = len(session.seq), 0, False
+                tasks[i] = asyncio.ensure_future(link.remote.propose(session, outcome, self.fusion.deadline_s))
+        chains: dict[int, tuple[list[int], list[float]]] = {}
+        for i in order:
+            if self.links[i].remote is None:
+                chains[i] = (tokens := self.ngram.lookup(session.seq), [1.0] * len(tokens))
+        if tasks:
+            done, pending = await asyncio.wait(tasks.values(), timeout=self.fusion.deadline_s)
+            for i, task in tasks.items():
+                link = self.links[i]
+                if task in pending:  # skipped this round; its answer is dropped when it comes
+                    link.late = task
+                    task.add_done_callback(lambda _task, link=link: self._landed(link))
+                    stats[link.name].failures += 1
+                    continue
+                drafted = task.result()
+                proposal = drafted.proposal
+                if proposal is None:
+                    stats[link.name].failures += drafted.fallback is not None
+                    continue
+                link.outstanding = True
+                tree = proposal.tree
+                if tree.parents.tolist() == list(range(-1, len(tree) - 1)):
+                    chains[i] = (tree.tokens[1:].tolist(), [link.score.value] * (len(tree) - 1))
+        used = [i for i in order if i in chains]
+        tree, nodes = fuse_chains(session.seq[-1], [chains[i] for i in used], self.fusion.budget)
+        self.asked = [(self.links[i], chains[i][1][: len(path)], path) for i, path in zip(used, nodes)]
+        for link, confidences, _ in self.asked:
+            stats[link.name].chosen_rounds += 1
+            stats[link.name].proposed_tokens += len(confidences)
+        return Drafted(Proposal(tree), time.perf_counter() - started)
+
+    @staticmethod
+    def _landed(link: _Link) -> None:
+        """A late proposal arrived (or failed): the draft session holds it as outstanding,
+        with nothing of it accepted."""
+        task, link.late = link.late, None
+        if task is not None and not task.cancelled() and task.exception() is None and task.result().proposal:
+            link.outstanding, link.accepted = True, 0
+
+    def close(self) -> None:
+        for link in self.links:
+            if link.late is not None:
+                link.late.cancel()
+            if link.remote is not None:
+                link.remote.close()
+        for link in self.links:
+            if link.score.tokens:
+                self.fusion.stats[link.name].score_sum += link.score.value
+                self.fusion.stats[link.name].scored_sessions += 1

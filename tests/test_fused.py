@@ -1,0 +1,92 @@
+"""A target instance with several draft servers and the local n-gram lookup (CoSine over TCP):
+greedy output equals the target alone, a draft server killed mid-run changes nothing, sampled
+sessions run, per-drafter stats, freed state."""
+
+import asyncio
+
+import pytest
+
+from specctl.draft.server import DraftServer, DraftServerConfig
+from specctl.engine.loader import load_model
+from specctl.spec.drafters import ModelChainDrafter
+from specctl.spec.routing import RoutingPolicy
+from specctl.spec.sampling import SamplingParams
+from specctl.verify.client import remote_generate
+from specctl.verify.draft_client import DraftClient
+from specctl.verify.fused import Fusion
+from specctl.verify.server import TargetServer, TargetServerConfig
+from tests.conftest import wait_until
+from tests.test_star import PROMPTS, local_reference
+
+
+@pytest.fixture(scope="module")
+def models(tiny_dir):
+    target = load_model("tiny-llama", tiny_dir["llama"], "fp32")
+    drafts = [load_model("tiny-llama@2", tiny_dir["llama"], "fp32", num_layers=2),
+              load_model("tiny-llama-draft", tiny_dir["llama-draft"], "fp32")]
+    return target, drafts
+
+
+async def _start(models, policy=None, deadline_s=2.0):
+    target, drafts = models
+    servers, clients, links = [], {}, []
+    for draft in drafts:
+        server = DraftServer(draft, ModelChainDrafter(draft.decoder, 3), DraftServerConfig(port=0))
+        port = await server.start()
+        client = DraftClient("127.0.0.1", port, model=target.name, fingerprint=target.vocab_fingerprint)
+        first = asyncio.get_running_loop().create_future()
+        links.append(asyncio.create_task(client.run(first)))
+        assert await first
+        servers.append(server)
+        clients[f"127.0.0.1:{port}"] = client
+    fusion = Fusion(clients, ngram_depth=3, budget=8, deadline_s=deadline_s, policy=policy or RoutingPolicy())
+    target_server = TargetServer(target, TargetServerConfig(port=0), None, fusion=fusion)
+    port = await target_server.start()
+    return servers, links, target_server, port, fusion
+
+
+async def _stop(servers, links, target_server):
+    for link in links:
+        link.cancel()
+    await target_server.close()
+    for server in servers:
+        await server.close()
+
+
+async def test_greedy_with_two_draft_servers_and_ngram_equals_the_target_alone(models):
+    servers, links, target_server, port, fusion = await _start(models, RoutingPolicy(tau=100.0, alpha=1.0, beta=1.0))
+    try:
+        params = SamplingParams(max_tokens=24, ignore_eos=True)
+        results = await asyncio.gather(*(remote_generate("127.0.0.1", port, p, params) for p in PROMPTS))
+        for prompt, (tokens, reason, _) in zip(PROMPTS, results):
+            assert tokens == local_reference(models, prompt, 24) and reason == "length"
+        stats = target_server.snapshot()["drafters"]
+        assert set(stats) == {*fusion.clients, "ngram"}
+        assert sum(s["chosen_rounds"] for s in stats.values()) > 0 and all(s["connected"] for s in stats.values())
+        await wait_until(lambda: all(s.table.states == {} for s in servers) and target_server.active == 0)
+        assert all(s.table.pool.used_bytes == 0 for s in servers) and target_server.pool.used_bytes == 0
+    finally:
+        await _stop(servers, links, target_server)
+
+
+async def test_a_draft_server_killed_mid_run_changes_nothing(models):
+    servers, links, target_server, port, fusion = await _start(models, RoutingPolicy(tau=100.0, alpha=1.0, beta=1.0),
+                                                               deadline_s=0.5)
+    try:
+        params = SamplingParams(max_tokens=40, ignore_eos=True)
+        runs = [asyncio.create_task(remote_generate("127.0.0.1", port, p, params)) for p in PROMPTS]
+        await wait_until(lambda: target_server.totals.rounds >= 6, what="a few rounds")
+        await servers[0].close()
+        results = await asyncio.gather(*runs)
+        for prompt, (tokens, reason, _) in zip(PROMPTS, results):
+            assert tokens == local_reference(models, prompt, 40) and reason == "length"
+        sampled, reason, _ = await remote_generate("127.0.0.1", port, PROMPTS[1],
+                                                   SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=4))
+        assert len(sampled) == 16 and reason == "length"
+    finally:
+        await _stop(servers, links, target_server)
+
+
+def test_fusion_settings_are_checked():
+    with pytest.raises(ValueError, match="budget must be >= 1 and the deadline > 0"):
+        Fusion({}, ngram_depth=3, budget=0)
