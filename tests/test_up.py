@@ -41,3 +41,28 @@ def test_up_serves_then_shuts_down_cleanly_on_ctrl_c(tiny_dir):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_up_with_several_drafters_serves_and_shuts_down_cleanly(tiny_dir):
+    port = free_port()
+    drafters = f"{tiny_dir['llama-draft']},{tiny_dir['llama']}@2,ngram"
+    proc = subprocess.Popen([sys.executable, "-m", "specctl", "up", "--target", str(tiny_dir["llama"]),
+                             "--drafters", drafters, "--dtype", "fp32", "--draft-quant", "none", "--port", str(port)],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        while "Ctrl-C to stop" not in (line := proc.stderr.readline()):
+            assert line, "".join(lines)
+            lines.append(line)
+        out = "".join(lines)
+        assert out.count("  draft    127.0.0.1:") == 2 and "ngram drafting for 1 x" in out
+        body = json.dumps({"prompt": "hello hello hello", "max_tokens": 8, "temperature": 0}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        assert json.loads(urllib.request.urlopen(request, timeout=60).read())["usage"]["completion_tokens"] >= 1
+        proc.send_signal(signal.SIGINT)
+        rest = proc.communicate(timeout=60)[1]
+        assert proc.returncode == 0 and "stopped: every role closed, ports freed" in rest, rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()

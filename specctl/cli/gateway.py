@@ -65,10 +65,12 @@ def gateway(
     run(main())
 
 
-def cluster_config(profile, draft, target, mode, dtype, draft_quant, threads):
-    config = build_config(profile, draft=draft, target=target, mode=mode, dtype=dtype, draft_quant=draft_quant,
-                          threads=threads)
-    if config.mode not in ("chain", "tree"):
+def cluster_config(profile, draft, target, mode, dtype, draft_quant, threads, drafters=None):
+    if drafters is not None and mode not in (None, "multi"):
+        raise ConfigError("--drafters routes among several drafters: leave --mode out")
+    config = build_config(profile, draft=draft, target=target, mode="multi" if drafters is not None else mode,
+                          drafters=drafters, dtype=dtype, draft_quant=draft_quant, threads=threads)
+    if config.mode not in ("chain", "tree", "multi"):
         raise ConfigError("the embedded cluster runs a draft server: --mode must be chain or tree")
     return config
 
@@ -81,20 +83,25 @@ def up(
                                "stage a server on loopback)"),
     port: int = typer.Option(8000, help="gateway HTTP port"),
     mode: Optional[str] = typer.Option(None, help="chain | tree"),
+    drafters: Optional[str] = typer.Option(None, help="several drafters instead of --draft: comma-separated model "
+                                           "names, NAME@N and ngram; a draft server per model, every target routes "
+                                           "among them and fuses their chains (CoSine)"),
     dtype: Optional[str] = typer.Option(None, help="fp32 | bf16 | fp16"),
     draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="none | int8"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
     profile: Optional[str] = typer.Option(None, help="hardware profile"),
     log_level: str = typer.Option("warning", "--log-level", help="debug | info | warning"),
 ) -> None:
-    """Start a draft server, N target instances (each split over --stages pipeline stages) and a
+    """Start a draft server (or one per --drafters model), N target instances (each split over --stages pipeline stages) and a
     gateway on loopback; Ctrl-C stops them all."""
     from specctl.cluster.embedded import ClusterConfig, EmbeddedCluster
     from specctl.runtime.compute import ComputeThread
     from specctl.runtime.loop import run_with_compute, setup_logging, wait_for_shutdown
     from specctl.spec.factory import apply_threads
 
-    config = cluster_config(profile, draft, target, mode, dtype, draft_quant, threads)
+    config = cluster_config(profile, draft, target, mode, dtype, draft_quant, threads, drafters)
+    if drafters is not None and stages > 1:
+        raise ConfigError("--drafters and --stages > 1 do not go together yet")
     try:
         plan = ClusterConfig(targets=targets, gateway_port=port, stages=stages)
     except ValueError as exc:
@@ -107,10 +114,12 @@ def up(
         cluster = EmbeddedCluster(config, plan, console, compute=compute)
         try:
             urls = await cluster.start()
-            console.print(f"[bold]specctl up[/]: {config.draft} drafting for {targets} x {config.target} "
+            drafting = ", ".join(config.drafter_names) if config.mode == "multi" else config.draft
+            console.print(f"[bold]specctl up[/]: {drafting} drafting for {targets} x {config.target} "
                           f"({config.mode}, d={config.depth}, {config.dtype})", soft_wrap=True)
             console.print(f"  gateway  {urls['gateway']}/v1   (metrics {urls['gateway']}/metrics)", soft_wrap=True)
-            console.print(f"  draft    {urls['draft']}", soft_wrap=True)
+            for address in urls["drafts"]:
+                console.print(f"  draft    {address}", soft_wrap=True)
             for i, address in enumerate(urls["targets"]):
                 more = f"   (stages 2..{stages}: {', '.join(urls['stages'][i])})" if stages > 1 else ""
                 console.print(f"  target   {address}{more}", soft_wrap=True)

@@ -18,7 +18,7 @@ from specctl.runtime.compute import ComputeThread
 from specctl.gateway.server import Gateway, GatewayConfig
 from specctl.gateway.upstream import Upstream
 from specctl.pipeline.local import LocalPipeline
-from specctl.spec.factory import load_pair, make_drafter
+from specctl.spec.factory import load_draft_models, load_pair, make_drafter
 from specctl.verify.draft_client import DraftClient
 from specctl.verify.server import TargetServer, TargetServerConfig
 
@@ -48,6 +48,7 @@ class EmbeddedCluster:
         self.models = models  # already loaded (benchmarks reuse them); else loaded by start()
         self._given_compute = compute  # the caller's (served from the main thread); else our own
         self.draft_server: DraftServer | None = None
+        self.draft_servers: list[DraftServer] = []  # mode multi: one per model drafter
         self.targets: list[TargetServer] = []
         self.links: list[asyncio.Task] = []
         self.pipelines: list[LocalPipeline] = []
@@ -57,11 +58,13 @@ class EmbeddedCluster:
 
     async def start(self) -> dict:
         host, c = self.cluster.host, self.cluster
-        if c.speculate and self.config.mode not in ("chain", "tree"):
-            raise ValueError("the embedded cluster runs a draft server: mode must be chain or tree")
+        if c.speculate and self.config.mode not in ("chain", "tree", "multi"):
+            raise ValueError("the embedded cluster runs a draft server: mode must be chain or tree (or multi)")
         target, draft = self.models or await asyncio.to_thread(load_pair, self.config, self.console)
         # One compute thread for the device, a lane per role (DESIGN: one compute thread per device).
         self.compute = self._given_compute or ComputeThread("cpu-compute", max_batch=self.config.max_batch)
+        if c.speculate and self.config.mode == "multi":
+            return await self._start_multi(target)
         draft_port = None
         if c.speculate:
             self.draft_server = DraftServer(draft, make_drafter(self.config, draft), DraftServerConfig(
@@ -88,17 +91,55 @@ class EmbeddedCluster:
                                   compute=self.compute.lane(max_batch=self.config.max_batch), pipeline=chain)
             target_ports.append(await server.start())
             self.targets.append(server)
+        return await self._start_gateway(target, target_ports, [f"{host}:{draft_port}"] if draft_port else [])
+
+    async def _start_gateway(self, target: LoadedModel, target_ports: list[int], drafts: list[str]) -> dict:
+        host, c = self.cluster.host, self.cluster
         metrics = GatewayMetrics()
-        upstream = Upstream([f"{host}:{p}" for p in target_ports], [f"{host}:{draft_port}"] if draft_port else [],
-                            fingerprint=target.vocab_fingerprint, metrics=metrics)
+        upstream = Upstream([f"{host}:{p}" for p in target_ports], drafts, fingerprint=target.vocab_fingerprint,
+                            metrics=metrics)
         self.gateway = Gateway(GatewayConfig(model_name=target.name, context=target.spec.max_position, host=host,
                                              port=c.gateway_port, default_max_tokens=c.default_max_tokens),
                                target.tokenizer, upstream, metrics)
         gateway_port = await self.gateway.start()
-        self.urls = {"gateway": f"http://{host}:{gateway_port}", "draft": f"{host}:{draft_port}" if draft_port else None,
-                     "targets": [f"{host}:{p}" for p in target_ports],
+        self.urls = {"gateway": f"http://{host}:{gateway_port}", "draft": drafts[0] if drafts else None,
+                     "drafts": drafts, "targets": [f"{host}:{p}" for p in target_ports],
                      "stages": [[f"{host}:{p}" for p in pipeline.ports] for pipeline in self.pipelines]}
         return self.urls
+
+    async def _start_multi(self, target: LoadedModel) -> dict:
+        """Several drafters: a draft server per model drafter, every target routing among them
+        (and the local n-gram lookup when named) and fusing their chains."""
+        from specctl.spec.drafters import ModelChainDrafter
+        from specctl.verify.fused import Fusion
+
+        host, config = self.cluster.host, self.config
+        models = await asyncio.to_thread(load_draft_models, config, target, self.console)
+        draft_addresses = []
+        for name, model in models.items():
+            server = DraftServer(model, ModelChainDrafter(model.decoder, config.depth), DraftServerConfig(
+                host=host, port=0, max_sessions=config.max_sessions * self.cluster.targets, max_batch=config.max_batch,
+                kv_budget_bytes=config.kv_budget_bytes), compute=self.compute.lane(max_batch=config.max_batch))
+            draft_addresses.append(f"{host}:{await server.start()}")
+            self.draft_servers.append(server)
+        target_ports = []
+        for _ in range(self.cluster.targets):
+            clients = {}
+            for name, address in zip(models, draft_addresses):
+                clients[name] = DraftClient(host, int(address.rsplit(":", 1)[1]), model=target.name,
+                                            fingerprint=target.vocab_fingerprint)
+                first = asyncio.get_running_loop().create_future()
+                self.links.append(asyncio.create_task(clients[name].run(first)))
+                await first
+            fusion = Fusion(clients, ngram_depth=config.depth if "ngram" in config.drafter_names else 0,
+                            budget=2 * config.depth)
+            server = TargetServer(target, TargetServerConfig(host=host, port=0, max_sessions=config.max_sessions,
+                                                             kv_budget_bytes=config.kv_budget_bytes,
+                                                             max_batch=config.max_batch), None,
+                                  compute=self.compute.lane(max_batch=config.max_batch), fusion=fusion)
+            target_ports.append(await server.start())
+            self.targets.append(server)
+        return await self._start_gateway(target, target_ports, draft_addresses)
 
     async def close(self) -> None:
         if self.gateway:
@@ -110,8 +151,9 @@ class EmbeddedCluster:
             await server.close()
         for pipeline in self.pipelines:
             await pipeline.close()
-        if self.draft_server:
-            await self.draft_server.close()
+        for server in [self.draft_server, *self.draft_servers]:
+            if server is not None:
+                await server.close()
         if self.compute is not None and self._given_compute is None:
             self.compute.stop()
 

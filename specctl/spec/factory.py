@@ -67,18 +67,23 @@ def load_pair(config: Config, console: Console | None = None) -> tuple[LoadedMod
     return target, draft
 
 
+def load_draft_models(config: Config, target: LoadedModel, console: Console | None = None) -> dict[str, LoadedModel]:
+    """The model drafters of ``config.drafters`` (every name but ngram), vocabularies checked."""
+    models = {}
+    for name in config.drafter_names:
+        if name != "ngram":
+            same = name == config.target and config.draft_quant == config.target_quant
+            models[name] = target if same else load_named(name, config, console, config.draft_quant)
+            check_same_vocab(target, models[name])
+    return models
+
+
 def load_drafters(config: Config, target: LoadedModel, console: Console | None = None) -> dict[str, Drafter]:
     """Every drafter of ``config.drafters`` (a model name, NAME@N, or ngram) as a chain of depth d."""
-    drafters: dict[str, Drafter] = {}
-    for name in config.drafter_names:
-        if name == "ngram":
-            drafters[name] = NgramDrafter(config.depth)
-            continue
-        same = name == config.target and config.draft_quant == config.target_quant
-        model = target if same else load_named(name, config, console, config.draft_quant)
-        check_same_vocab(target, model)
-        drafters[name] = ModelChainDrafter(model.decoder, config.depth, config.draft_stop)
-    return drafters
+    models = load_draft_models(config, target, console)
+    return {name: NgramDrafter(config.depth) if name == "ngram"
+            else ModelChainDrafter(models[name].decoder, config.depth, config.draft_stop)
+            for name in config.drafter_names}
 
 
 def make_multi_drafter(config: Config, target: LoadedModel, console: Console | None = None) -> MultiDrafter:
