@@ -148,7 +148,8 @@ class StaticRunner:
             scratch = torch.zeros(1, device=decoder.device)
             with torch.cuda.graph(self._anchor, pool=self.pool, capture_error_mode="thread_local"):
                 self._anchor_out = scratch + 1
-        self.warmed: set[int] = set()
+        self.compiled = compile
+        self.warmed: set[tuple[int, int]] = set()
         self.captures = 0
         self.replays = 0
 
@@ -160,9 +161,12 @@ class StaticRunner:
         size = bucket_for(inputs.shape[0])
         step = cache.steps.get(size)
         if step is None:
-            # cuBLAS and the allocator need one eager pass per shape before a capture.
-            step = StepGraph(self.decoder, cache, size, self.pool, warm=size not in self.warmed)
-            self.warmed.add(size)
+            # cuBLAS and the allocator need one eager pass per shape before a capture, and a
+            # compiled attention may meet a KV buffer size it has not seen (no compiling while
+            # capturing).
+            shape = (size, cache.slots if self.compiled else 0)
+            step = StepGraph(self.decoder, cache, size, self.pool, warm=shape not in self.warmed)
+            self.warmed.add(shape)
             cache.steps[size] = step
             self.captures += step.graph is not None
         self.replays += step.graph is not None
