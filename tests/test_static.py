@@ -74,7 +74,8 @@ def test_padding_rows_leave_the_cache_as_the_ragged_path_does(tiny, static_pair)
         decoder(prompt, torch.arange(20), cache)
         decoder(torch.tensor([5, 6, 7]), torch.arange(20, 23), cache)  # 3 tokens padded to 4 on the static path
     assert static_cache.length == eager_cache.length == 23
-    torch.testing.assert_close(static_cache.k[:, :, :, :23], eager_cache.k[:, :, :, :23], rtol=0, atol=1e-6)
+    # (attention computed another way than SDPA: equal to float32 rounding)
+    torch.testing.assert_close(static_cache.k[:, :, :, :23], eager_cache.k[:, :, :, :23], rtol=1e-4, atol=1e-5)
     assert not static_cache.k[:, :, :, 23 : static_cache.trash].any()  # padding wrote only the trash slot
     assert sorted(static_cache.steps) == [4]
     static_cache.release()
