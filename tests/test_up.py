@@ -11,6 +11,22 @@ import urllib.request
 from specctl.bench.star import free_port
 
 
+def _started(proc) -> list[str]:
+    """What ``up`` printed until it said it serves."""
+    lines = []
+    while "Ctrl-C to stop" not in (line := proc.stderr.readline()):
+        assert line, "".join(lines)
+        lines.append(line)
+    return lines
+
+
+def _complete(port: int, prompt: str, max_tokens: int) -> dict:
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    return json.loads(urllib.request.urlopen(request, timeout=60).read())
+
+
 def test_up_serves_then_shuts_down_cleanly_on_ctrl_c(tiny_dir):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "specctl", "up", "--target", str(tiny_dir["llama"]),
@@ -18,18 +34,11 @@ def test_up_serves_then_shuts_down_cleanly_on_ctrl_c(tiny_dir):
                              "--draft-quant", "none", "--targets", "2", "--port", str(port)],
                             stderr=subprocess.PIPE, text=True)
     try:
-        lines = []
-        while "Ctrl-C to stop" not in (line := proc.stderr.readline()):
-            assert line, "".join(lines)
-            lines.append(line)
+        lines = _started(proc)
         out = "".join(lines)
         assert f"gateway  http://127.0.0.1:{port}/v1" in out and out.count("  target   127.0.0.1:") == 2
         addresses = [line.split()[-1] for line in lines if line.strip().startswith(("draft ", "target "))]
-        body = json.dumps({"prompt": "hi", "max_tokens": 5, "temperature": 0}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-        reply = json.loads(urllib.request.urlopen(request, timeout=60).read())
-        assert reply["usage"]["completion_tokens"] >= 1
+        assert _complete(port, "hi", 5)["usage"]["completion_tokens"] >= 1
         proc.send_signal(signal.SIGINT)
         rest = proc.communicate(timeout=60)[1]
         assert proc.returncode == 0, rest
@@ -50,16 +59,9 @@ def test_up_with_several_drafters_serves_and_shuts_down_cleanly(tiny_dir):
                              "--drafters", drafters, "--dtype", "fp32", "--draft-quant", "none", "--port", str(port)],
                             stderr=subprocess.PIPE, text=True)
     try:
-        lines = []
-        while "Ctrl-C to stop" not in (line := proc.stderr.readline()):
-            assert line, "".join(lines)
-            lines.append(line)
-        out = "".join(lines)
+        out = "".join(_started(proc))
         assert out.count("  draft    127.0.0.1:") == 2 and "ngram drafting for 1 x" in out
-        body = json.dumps({"prompt": "hello hello hello", "max_tokens": 8, "temperature": 0}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-        assert json.loads(urllib.request.urlopen(request, timeout=60).read())["usage"]["completion_tokens"] >= 1
+        assert _complete(port, "hello hello hello", 8)["usage"]["completion_tokens"] >= 1
         proc.send_signal(signal.SIGINT)
         rest = proc.communicate(timeout=60)[1]
         assert proc.returncode == 0 and "stopped: every role closed, ports freed" in rest, rest
