@@ -61,7 +61,7 @@ def test_prompt_longer_than_context_error(tiny_dir):
         (["--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
         (["--top-k", "-2"], "top_k must be a non-negative integer (0 = off), got -2"),
         (["--max-tokens", "0"], "max_tokens must be a positive integer, got 0"),
-        (["--mode", "warp"], "mode must be one of ar, chain, tree, ngram, got 'warp'"),
+        (["--mode", "warp"], "mode must be one of ar, chain, tree, ngram, multi, got 'warp'"),
     ],
 )
 def test_bad_parameters_error(tiny_dir, flags, expected):
