@@ -140,9 +140,10 @@ def _draw(plan: Plan, branch: Branch, row: torch.Tensor) -> None:
     state = plan.state
     position = len(branch.tokens) - 1
     branch.ranked.append(row.topk(min(RANKED, row.shape[-1])).indices)
-    if state.params.greedy:
-        branch.tokens.append(int(row.argmax()))
-        branch.probs.append(1.0)
+    if state.params.greedy:  # the node's probability is the draft's softmax, as in a just-in-time chain
+        probs = row.float().softmax(-1)
+        branch.tokens.append(int(probs.argmax()))
+        branch.probs.append(float(probs.max()))
         return
     q = keep_top(probs_from_logits(row, state.params), DRAFT_SUPPORT)
     if plan.reshape is not None:
