@@ -141,9 +141,9 @@ def _draw(plan: Plan, branch: Branch, row: torch.Tensor) -> None:
     position = len(branch.tokens) - 1
     branch.ranked.append(row.topk(min(RANKED, row.shape[-1])).indices)
     if state.params.greedy:  # the node's probability is the draft's softmax, as in a just-in-time chain
-        probs = row.float().softmax(-1)
-        branch.tokens.append(int(probs.argmax()))
-        branch.probs.append(float(probs.max()))
+        x = int(row.argmax())  # on the logits, as just-in-time drafting does (softmax can round ties together)
+        branch.tokens.append(x)
+        branch.probs.append(float(row.float().softmax(-1)[x]))
         return
     q = keep_top(probs_from_logits(row, state.params), DRAFT_SUPPORT)
     if plan.reshape is not None:
