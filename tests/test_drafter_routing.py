@@ -1,0 +1,75 @@
+"""Routing among drafters (CoSine) and fusion of their chains, as pure functions, by hand."""
+
+import pytest
+
+from specctl.spec.fusion import accepted_prefix, fuse_chains
+from specctl.spec.routing import PRIOR, RoutingPolicy, RoutingScore, choose_drafters, token_score
+
+
+def test_token_score_by_hand():
+    assert token_score(0.8, 1.0) == pytest.approx(1.0)  # 0.8 / (0.8 + 0)
+    assert token_score(0.8, 0.0) == 0.0  # 0 / (0 + 0.2)
+    assert token_score(0.8, 0.5) == pytest.approx(0.8)  # 0.4 / (0.4 + 0.1)
+    assert token_score(0.3, 0.6) == pytest.approx(0.18 / (0.18 + 0.28))
+    assert token_score(1.0, 0.0) == 0.0 and token_score(0.0, 1.0) == 0.0  # 0/0 -> 0
+
+
+def test_running_score_is_the_mean_over_proposed_tokens():
+    score = RoutingScore()
+    assert score.value == PRIOR
+    score.add([0.9, 0.7, 0.4], accepted=2)  # 1 + 1 + 0
+    score.add([0.6], accepted=0)  # 0
+    assert score.tokens == 4 and score.value == pytest.approx(0.5)
+
+
+def test_choose_explores_below_tau_and_exploits_above():
+    policy = RoutingPolicy(tau=2.0, alpha=0.5, beta=0.1)
+    scores = [0.2, 0.9, 0.5]
+    up = [True, True, True]
+    # exploring (mean accepted 1.0 < 2): a coin under alpha adds a random other drafter
+    assert choose_drafters(scores, up, 1.0, policy, coin=0.3, pick=0.0) == [1, 0]
+    assert choose_drafters(scores, up, 1.0, policy, coin=0.3, pick=0.99) == [1, 2]
+    assert choose_drafters(scores, up, 1.0, policy, coin=0.6, pick=0.0) == [1]
+    # exploiting (3.0 >= 2): only a coin under beta adds one
+    assert choose_drafters(scores, up, 3.0, policy, coin=0.3, pick=0.0) == [1]
+    assert choose_drafters(scores, up, 3.0, policy, coin=0.05, pick=0.5) == [1, 2]
+
+
+def test_choose_skips_drafters_that_are_down_and_breaks_ties_by_order():
+    policy = RoutingPolicy()
+    assert choose_drafters([0.5, 0.9], [True, False], 0.0, policy, 0.0, 0.0) == [0]
+    assert choose_drafters([0.5, 0.9], [False, False], 0.0, policy, 0.0, 0.0) == []
+    assert choose_drafters([0.5, 0.5, 0.5], [True] * 3, 5.0, policy, 0.9, 0.0) == [0]
+
+
+def test_policy_is_checked():
+    with pytest.raises(ValueError, match="need 0 <= beta <= alpha <= 1"):
+        RoutingPolicy(alpha=0.1, beta=0.5)
+    with pytest.raises(ValueError, match="tau must be >= 0"):
+        RoutingPolicy(tau=-1)
+
+
+def test_fusion_merges_shared_prefixes_and_orders_siblings_by_confidence():
+    tree, nodes = fuse_chains(7, [([1, 2, 3], [0.6, 0.5, 0.4]), ([1, 4], [0.9, 0.8]), ([5], [0.7])], budget=10)
+    # root 7; level 1: 1 (conf max(0.6, 0.9)) before 5 (0.7); level 2 under 1: 4 (0.8) before 2 (0.5); then 3
+    assert tree.tokens.tolist() == [7, 1, 5, 4, 2, 3]
+    assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 4]
+    assert tree.probs.tolist() == pytest.approx([1.0, 0.9, 0.7, 0.8, 0.5, 0.4])
+    assert nodes == [[1, 4, 5], [1, 3], [2]]
+
+
+def test_fusion_respects_the_budget_best_chain_first():
+    tree, nodes = fuse_chains(0, [([1, 2, 3], [0.9] * 3), ([1, 5, 6], [0.8] * 3)], budget=4)
+    assert len(tree) == 5 and tree.tokens.tolist() == [0, 1, 2, 5, 3]
+    assert nodes == [[1, 2, 4], [1, 3]]  # the second chain was cut after 5
+    empty, none = fuse_chains(9, [([], [])], budget=3)
+    assert empty.tokens.tolist() == [9] and none == [[]]
+    with pytest.raises(ValueError, match="budget must be >= 0"):
+        fuse_chains(0, [], -1)
+
+
+def test_accepted_prefix():
+    assert accepted_prefix([1, 3, 5], [1, 3, 4]) == 2
+    assert accepted_prefix([2], [1, 3]) == 0
+    assert accepted_prefix([1, 3], [1, 3, 5]) == 2
+    assert accepted_prefix([], [1]) == 0
