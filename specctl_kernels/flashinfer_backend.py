@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import torch
 
-
-def causal_mask(n: int, total: int, device: torch.device) -> torch.Tensor:
-    return torch.ones(n, total, dtype=torch.bool, device=device).tril(total - n)
+from specctl_kernels import causal_mask
 
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -44,8 +44,9 @@ class KVCache:
 
     ``length`` positions are valid. ``slots`` = capacity + a trash slot, rounded up to 16
     (padded static steps write their padding rows to ``trash`` and attend over all slots,
-    so the buffer starts zeroed: stale memory must not hold NaNs). A forward writes its n new positions at [length, length+n)
-    in every layer and then ``commit(n)``s them; ``truncate`` and ``gather`` drop positions."""
+    so the buffer starts zeroed: stale memory must not hold NaNs). A forward writes its n
+    new positions at [length, length+n) in every layer and then ``commit(n)``s them;
+    ``truncate`` and ``gather`` drop positions."""
 
     def __init__(
         self,

@@ -82,10 +82,7 @@ class Attention(nn.Module):
         v = v.reshape(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if isinstance(segments, StaticSegment):
-            cache = segments.cache
-            cache.k[layer, 0].index_copy_(1, segments.write_at, k[0])
-            cache.v[layer, 0].index_copy_(1, segments.write_at, v[0])
-            out = static_attention(q, cache.k[layer], cache.v[layer], segments.mask)
+            out = segments.attend(layer, q, k, v)
         elif len(segments.caches) == 1:
             keys, values = segments.caches[0].write(layer, k, v)
             out = self.attend(q, keys, values, segments.masks[0])
@@ -156,10 +153,7 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         q, k, v = before(x, self.input_layernorm.weight, self.input_layernorm.eps, attn.qkv_proj.weight,
                          attn.qkv_proj.bias, cos, sin, attn.num_heads, attn.num_kv_heads, attn.head_dim)
-        cache = segment.cache
-        cache.k[layer, 0].index_copy_(1, segment.write_at, k[0])
-        cache.v[layer, 0].index_copy_(1, segment.write_at, v[0])
-        out = attend(q, cache.k[layer], cache.v[layer], segment.mask)
+        out = segment.attend(layer, q, k, v, attend)
         return after(x, out, attn.o_proj.weight, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps,
                      mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias)
 

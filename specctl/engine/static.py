@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from specctl.engine.kv_cache import KVCache
+from specctl_kernels import causal_mask, static_attention
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -43,15 +44,19 @@ class StaticSegment:
     write_at: torch.Tensor  # [M] cache slot each row's K/V goes to
     mask: torch.Tensor  # [G*M, slots] bool: row (g, m) = mask of row m (queries grouped per KV head)
 
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attention=static_attention) -> torch.Tensor:
+        """Write this step's K/V [1, Hkv, M, D] into the layer's buffer, then attend over all of it."""
+        self.cache.k[layer, 0].index_copy_(1, self.write_at, k[0])
+        self.cache.v[layer, 0].index_copy_(1, self.write_at, v[0])
+        return attention(q, self.cache.k[layer], self.cache.v[layer], self.mask)
+
 
 def step_mask(size: int, n: int, length: int, slots: int, trash: int, mask: torch.Tensor | None) -> torch.Tensor:
     """[size, slots] bool: real row i sees what ``mask`` row i says over the cache's first
     length + n slots (None = causal); padding rows see only the trash slot."""
     full = torch.zeros(size, slots, dtype=torch.bool)
-    if mask is None:
-        full[:n, : length + n] = torch.ones(n, length + n, dtype=torch.bool).tril(length)
-    else:
-        full[:n, : length + n] = mask.cpu()
+    full[:n, : length + n] = causal_mask(n, length + n) if mask is None else mask.cpu()
     full[n:, trash] = True
     return full
 

@@ -9,7 +9,7 @@ probability β < α. A drafter that is down is not a candidate."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 PRIOR = 0.5  # the score of a drafter nothing is known about yet
 
@@ -79,7 +79,6 @@ class DrafterStats:
     failures: int = 0
     score_sum: float = 0.0
     scored_sessions: int = 0
-    extra: dict = field(default_factory=dict)
 
     def snapshot(self) -> dict:
         return {"chosen_rounds": self.chosen_rounds, "proposed_tokens": self.proposed_tokens,

@@ -131,7 +131,12 @@ class FusedSpeculator:
             if self.links[i].remote is None:
                 chains[i] = (tokens := self.ngram.lookup(session.seq), [1.0] * len(tokens))
         if tasks:
-            done, pending = await asyncio.wait(tasks.values(), timeout=self.fusion.deadline_s)
+            try:
+                done, pending = await asyncio.wait(tasks.values(), timeout=self.fusion.deadline_s)
+            except asyncio.CancelledError:  # the session ended meanwhile: its proposals are nobody's
+                for task in tasks.values():
+                    task.cancel()
+                raise
             for i, task in tasks.items():
                 link = self.links[i]
                 if task in pending:  # skipped this round; its answer is dropped when it comes
