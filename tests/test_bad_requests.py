@@ -133,7 +133,7 @@ async def _send_and_drain(port: int, role: str, fingerprint: str, messages: list
         writer.close()
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(to_draft=draft_messages, to_target=target_messages, open_own=st.booleans())
 def test_inconsistent_requests_get_errors_and_disturb_nothing(star, to_draft, to_target, open_own):
     watcher = Tracebacks()

@@ -28,6 +28,7 @@ def test_summary_reports_min_median_max_per_n():
     assert summary["1"]["same_as_plain"] is True and summary["2"]["same_as_plain"] is False
 
 
+@pytest.mark.slow
 def test_prespec_bench_runs_both_clusters_of_real_processes(tiny_dir):
     tiny = str(tiny_dir["llama"])
     star = StarBenchSettings(f"{tiny}@2", tiny, (1, 2, 3), depth=3, max_tokens=16, verify_delay_ms=20.0, dtype="fp32",

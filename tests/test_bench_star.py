@@ -45,6 +45,7 @@ def test_summarize_without_a_measured_n_past_n_full():
                                "max_model_error_past_fit": None}
 
 
+@pytest.mark.slow
 def test_star_bench_runs_two_sweeps_of_real_processes(tiny_dir):
     tiny = str(tiny_dir["llama"])
     settings = StarBenchSettings(f"{tiny}@2", tiny, (1, 2), depth=3, max_tokens=24, verify_delay_ms=20.0, dtype="fp32",

@@ -103,7 +103,7 @@ frames = st.one_of(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(payload=frames, after_handshake=st.booleans())
 def test_live_server_survives_fuzzing(live, payload, after_handshake):
     server, loaded = live

@@ -23,6 +23,7 @@ def stage_args(tiny_dir, index: int, pipeline: str, *extra: str) -> tuple[str, .
             "--dtype", "fp32", "--threads", "1", "--log-level", "warning", *extra)
 
 
+@pytest.mark.slow
 async def test_two_stage_processes_with_a_draft_server_then_the_last_stage_killed_and_restarted(tiny_dir):
     draft_port, first_port, second_port = free_ports(3)
     pipeline = f"127.0.0.1:{first_port},127.0.0.1:{second_port}"

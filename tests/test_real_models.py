@@ -39,7 +39,7 @@ def smollm():
 
 
 @needs_smollm
-@pytest.mark.parametrize("layers", ["@10", "@20"])
+@pytest.mark.parametrize("layers", ["@10", pytest.param("@20", marks=pytest.mark.slow)])
 def test_smollm2_self_draft_is_exact(smollm, layers):
     target, draft = smollm["target"], smollm[layers].decoder
     params = SamplingParams(max_tokens=24)
@@ -52,6 +52,7 @@ def test_smollm2_self_draft_is_exact(smollm, layers):
 
 
 @needs_smollm
+@pytest.mark.slow
 @pytest.mark.parametrize("layers", sorted(GUARD_FLOORS))
 def test_smollm2_acceptance_does_not_collapse(smollm, layers):
     target = smollm["target"]

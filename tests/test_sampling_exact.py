@@ -48,8 +48,14 @@ def _exact_joint_of_tokens_2_and_3(target, params) -> torch.Tensor:
     return joint
 
 
-@pytest.mark.parametrize("temperature, top_p", [(0.7, 1.0), (1.0, 1.0), (1.0, 0.85)])
-@pytest.mark.parametrize("mode", ["chain", "tree", "ngram"])
+# One setting per mode in the default run; the other six (about 90 s) run with --runslow.
+DEFAULT_SETTINGS = {("chain", 0.7, 1.0), ("tree", 1.0, 0.85), ("ngram", 0.7, 1.0)}
+SETTINGS = [pytest.param(mode, temperature, top_p,
+                         marks=() if (mode, temperature, top_p) in DEFAULT_SETTINGS else pytest.mark.slow)
+            for mode in ("chain", "tree", "ngram") for temperature, top_p in ((0.7, 1.0), (1.0, 1.0), (1.0, 0.85))]
+
+
+@pytest.mark.parametrize("mode, temperature, top_p", SETTINGS)
 def test_speculative_sampling_matches_target_distribution(small, mode, temperature, top_p):
     target, draft = small
     drafter = {
@@ -60,7 +66,7 @@ def test_speculative_sampling_matches_target_distribution(small, mode, temperatu
     _assert_target_distribution(target, drafter, temperature, top_p)
 
 
-@pytest.mark.parametrize("mode", ["chain", "tree"])
+@pytest.mark.parametrize("mode", ["chain", pytest.param("tree", marks=pytest.mark.slow)])
 def test_adaptive_depth_keeps_the_target_distribution(small, mode):
     target, draft = small
     drafter = ModelChainDrafter(draft, 3, stop=0.4) if mode == "chain" else ModelTreeDrafter(draft, 3, 2, 3, stop=0.4)

@@ -92,6 +92,7 @@ async def test_specpipe_stops_at_a_stop_token_like_the_target(models):
         assert (tokens, reason) == (expected, expected_reason) == (reference[:7], "stop")
 
 
+@pytest.mark.slow
 async def test_specpipe_sampling_keeps_the_target_distribution(tmp_path):
     """Tokens 2 and 3 (both decided by SpecPipe steps) through 2 stages: chi-square
     against the target's exact joint distribution on a 6-token vocabulary."""
