@@ -3,7 +3,8 @@
 import pytest
 
 from specctl.spec.fusion import accepted_prefix, fuse_chains
-from specctl.spec.routing import PRIOR, RoutingPolicy, RoutingScore, choose_drafters, token_score
+from specctl.spec.routing import (PRIOR, RoutingPolicy, RoutingScore, choose_drafters, next_drafter, rank_drafters,
+                                  token_score)
 
 
 def test_token_score_by_hand():
@@ -40,6 +41,27 @@ def test_choose_skips_drafters_that_are_down_and_breaks_ties_by_order():
     assert choose_drafters([0.5, 0.9], [True, False], 0.0, policy, 0.0, 0.0) == [0]
     assert choose_drafters([0.5, 0.9], [False, False], 0.0, policy, 0.0, 0.0) == []
     assert choose_drafters([0.5, 0.5, 0.5], [True] * 3, 5.0, policy, 0.9, 0.0) == [0]
+
+
+def test_free_drafters_win_ties_and_ride_along():
+    free = [False, False, True]
+    # all untried (0.5): the free n-gram lookup is ranked first
+    assert rank_drafters([0.5, 0.5, 0.5], [True] * 3, free) == [2, 0, 1]
+    assert choose_drafters([0.5, 0.5, 0.5], [True] * 3, 0.0, RoutingPolicy(), 0.9, 0.0, free) == [2]
+    # a model drafter scoring higher is asked, and the free one joins the fusion ...
+    assert choose_drafters([0.5, 0.8, 0.3], [True] * 3, 0.0, RoutingPolicy(), 0.9, 0.0, free) == [1, 2]
+    assert choose_drafters([0.5, 0.8, 0.3], [True] * 3, 0.0, RoutingPolicy(), 0.1, 0.0, free) == [1, 0, 2]
+    # ... unless one drafter a round is asked for, or it is down
+    one = RoutingPolicy(alpha=0.0, beta=0.0, free_riders=False)
+    assert choose_drafters([0.5, 0.8, 0.3], [True] * 3, 0.0, one, 0.0, 0.0, free) == [1]
+    assert choose_drafters([0.5, 0.8, 0.3], [True, True, False], 0.0, RoutingPolicy(), 0.9, 0.0, free) == [1]
+
+
+def test_next_drafter_is_the_best_ranked_not_asked():
+    free = [False, False, True]
+    assert next_drafter([0.5, 0.8, 0.9], [True] * 3, [2], free) == 1
+    assert next_drafter([0.5, 0.8, 0.9], [True, False, True], [2], free) == 0
+    assert next_drafter([0.5, 0.8, 0.9], [True, False, True], [2, 0], free) is None
 
 
 def test_policy_is_checked():

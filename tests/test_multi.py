@@ -5,7 +5,7 @@ import pytest
 
 from specctl.engine.kv_cache import KVPool
 from specctl.spec.drafters import Drafter, DraftSession, ModelChainDrafter, ModelTreeDrafter, NgramDrafter
-from specctl.spec.multi import MultiDrafter
+from specctl.spec.multi import GREEDY, MultiDrafter
 from specctl.spec.rounds import generate
 from specctl.spec.routing import RoutingPolicy
 from specctl.spec.sampling import SamplingParams
@@ -67,10 +67,31 @@ def test_always_fusing_every_drafter_is_exact_and_credits_each(tiny):
     everyone = RoutingPolicy(tau=100.0, alpha=1.0, beta=1.0)  # two drafters a round, always
     drafter = MultiDrafter({"draft": ModelChainDrafter(tiny["llama-draft"], 4), "ngram": NgramDrafter(4)},
                            policy=everyone)
+    rounds = 0
     for prompt in PROMPTS:
-        assert generate(tiny["llama"], prompt, params, drafter)[0] == generate(tiny["llama"], prompt, params)[0]
+        output, stats, _ = generate(tiny["llama"], prompt, params, drafter)
+        assert output == generate(tiny["llama"], prompt, params)[0]
+        rounds += stats.rounds
     snapshot = drafter.snapshot()
-    assert snapshot["draft"]["chosen_rounds"] == snapshot["ngram"]["chosen_rounds"] > 0
+    # the model drafter proposed every round; the n-gram lookup in the rounds where it found a match
+    assert snapshot["draft"]["chosen_rounds"] == rounds > snapshot["ngram"]["chosen_rounds"] > 0
+
+
+def test_an_ngram_lookup_without_a_match_passes_the_round_to_the_model_drafter(tiny):
+    one_a_round = RoutingPolicy(alpha=0.0, beta=0.0, free_riders=False)
+    drafter = MultiDrafter({"draft": ModelChainDrafter(tiny["llama-draft"], 4), "ngram": NgramDrafter(4)},
+                           policy=one_a_round)
+    session = drafter.open(64)
+    try:
+        text = list(range(30, 40))  # no token repeats: the n-gram lookup (ranked first, untried) finds nothing
+        assert len(session.propose(text, GREEDY, None).tree) == 5
+        assert drafter.snapshot()["draft"]["chosen_rounds"] == 1 and drafter.snapshot()["ngram"]["chosen_rounds"] == 0
+        session.on_verified([])
+        # 35 was seen before: the lookup proposes what followed it, and the model drafter is not asked
+        assert session.propose(text + [35], GREEDY, None).tree.tokens.tolist() == [35, 36, 37, 38, 39]
+        assert drafter.snapshot()["draft"]["chosen_rounds"] == 1 and drafter.snapshot()["ngram"]["chosen_rounds"] == 1
+    finally:
+        session.close()
 
 
 def test_a_drafter_dying_mid_run_is_skipped_and_output_unchanged(tiny):

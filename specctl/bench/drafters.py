@@ -1,8 +1,10 @@
 """``specctl bench drafters``: each drafter alone, routing among them, and routing + fusion
 (CoSine), greedy, on the same prompts in one run, against the target alone. Routing alone
-asks the top-scored drafter each round (an untried drafter counts as 0.5, so a weak one is
-dropped for an untried one); routing + fusion also adds a random other drafter (often while
-the session accepts little, rarely once it accepts much) and fuses the two chains."""
+asks one drafter a round: the top-scored one (an untried drafter counts as 0.5, so a weak
+one is dropped for an untried one; the free n-gram lookup wins ties; a drafter with nothing
+to propose passes the round to the next). Routing + fusion also adds a random other drafter
+(often while the session accepts little, rarely once it accepts much) and the n-gram
+lookup's match whenever it has one, and fuses the chains."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from specctl.spec.drafters import Drafter
 from specctl.spec.multi import MultiDrafter
 from specctl.spec.routing import RoutingPolicy
 
-ROUTING_ONLY = RoutingPolicy(alpha=0.0, beta=0.0)
+ROUTING_ONLY = RoutingPolicy(alpha=0.0, beta=0.0, free_riders=False)
 
 
 def run_drafters_bench(config: Config, target: LoadedModel, drafters: dict[str, Drafter], prompts: list[BenchPrompt],

@@ -12,9 +12,9 @@ import logging
 
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.tree import TokenTree
-from specctl.spec.drafters import DraftSession, Drafter, ModelTreeDrafter, Proposal
+from specctl.spec.drafters import DraftSession, Drafter, ModelTreeDrafter, NgramDrafter, Proposal
 from specctl.spec.fusion import accepted_prefix, fuse_chains
-from specctl.spec.routing import DrafterStats, RoutingPolicy, RoutingScore, choose_drafters
+from specctl.spec.routing import DrafterStats, RoutingPolicy, RoutingScore, choose_drafters, next_drafter
 from specctl.spec.sampling import SamplingParams, uniform
 
 log = logging.getLogger("specctl.multi")
@@ -40,6 +40,7 @@ class MultiDrafter(Drafter):
         self.max_nodes = 1 + self.budget
         self.policy = policy or RoutingPolicy()
         self.stats = {name: DrafterStats() for name in self.names}
+        self.free = [isinstance(drafters[name], NgramDrafter) for name in self.names]  # no model: costs nothing
 
     def open(self, capacity: int, pool: KVPool | None = None) -> DraftSession:
         return _MultiSession(self, capacity, pool)
@@ -69,28 +70,40 @@ class _MultiSession(DraftSession):
 
     def propose(self, seq, params, generator):
         owner = self.owner
-        order = choose_drafters([s.value for s in self.scores], [True] * len(self.sessions), self.mean_accepted,
-                                owner.policy, uniform(generator), uniform(generator))
-        chains, asked = [], []
-        for i in order:
-            name = owner.names[i]
-            try:
-                tree = self.sessions[i].propose(seq, GREEDY, None).tree
-            except Exception as exc:  # noqa: BLE001 - that drafter is skipped this round
-                owner.stats[name].failures += 1
-                log.warning("drafter %s failed, skipped this round: %s", name, exc)
-                self._reset(i)
-                continue
-            if len(tree) > 1 and tree.parents.tolist() != list(range(-1, len(tree) - 1)):
-                raise ValueError(f"drafter {name} proposed a tree; fusion takes chains")
-            chains.append((tree.tokens[1:].tolist(), tree.probs[1:].tolist()))
-            asked.append(i)
+        scores, up = [s.value for s in self.scores], [True] * len(self.sessions)
+        order = choose_drafters(scores, up, self.mean_accepted, owner.policy, uniform(generator),
+                                uniform(generator), owner.free)
+        chains, asked, tried = [], [], list(order)
+        while order:
+            for i in order:
+                chain = self._ask(i, seq)
+                if chain is not None:
+                    chains.append(chain)
+                    asked.append(i)
+            # nothing proposed (no n-gram match, failures): the next-ranked drafter has a go
+            following = None if any(tokens for tokens, _ in chains) else next_drafter(scores, up, tried, owner.free)
+            order = [] if following is None else [following]
+            tried += order
         tree, nodes = fuse_chains(seq[-1], chains, owner.budget) if chains else (TokenTree.root(seq[-1]), [])
         self.asked = [(i, chain[1][: len(path)], path) for i, chain, path in zip(asked, chains, nodes)]
         for i, confidences, _ in self.asked:
-            owner.stats[owner.names[i]].chosen_rounds += 1
+            owner.stats[owner.names[i]].chosen_rounds += bool(confidences)
             owner.stats[owner.names[i]].proposed_tokens += len(confidences)
         return Proposal(tree)
+
+    def _ask(self, i: int, seq: list[int]) -> tuple[list[int], list[float]] | None:
+        """Drafter i's chain (tokens, confidences), or None when it failed (skipped this round)."""
+        name = self.owner.names[i]
+        try:
+            tree = self.sessions[i].propose(seq, GREEDY, None).tree
+        except Exception as exc:  # noqa: BLE001 - that drafter is skipped this round
+            self.owner.stats[name].failures += 1
+            log.warning("drafter %s failed, skipped this round: %s", name, exc)
+            self._reset(i)
+            return None
+        if len(tree) > 1 and tree.parents.tolist() != list(range(-1, len(tree) - 1)):
+            raise ValueError(f"drafter {name} proposed a tree; fusion takes chains")
+        return tree.tokens[1:].tolist(), tree.probs[1:].tolist()
 
     def _reset(self, i: int) -> None:
         """Back to the committed text (a draft that failed halfway may have drafted tokens)."""

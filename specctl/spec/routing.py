@@ -5,7 +5,13 @@ tokens the drafter proposed so far, from its confidence c (its own probability o
 token) and the verification outcome d (1 accepted, 0 not). While the session's mean
 accepted length is under τ the router explores: the top-scored drafter, plus another one at
 random with probability α; above τ it exploits: the top one, plus a random other with
-probability β < α. A drafter that is down is not a candidate."""
+probability β < α. A drafter that is down is not a candidate.
+
+Beyond CoSine, cost: a *free* drafter (the local n-gram lookup: no model, no network) wins
+ties, so it is tried before a model drafter nothing is known about yet, and with
+``free_riders`` it joins every round's fusion at no drafting cost. A round whose chosen
+drafters propose nothing asks the next-ranked one (``next_drafter``), so an n-gram lookup
+that finds no match never leaves a round without a proposal."""
 
 from __future__ import annotations
 
@@ -45,6 +51,7 @@ class RoutingPolicy:
     tau: float = 2.0  # mean accepted length under which the router explores
     alpha: float = 0.5  # chance of adding a random other drafter while exploring
     beta: float = 0.1  # ... while exploiting
+    free_riders: bool = True  # free drafters join every round (fusion); False: one drafter a round
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.beta <= self.alpha <= 1.0:
@@ -53,20 +60,33 @@ class RoutingPolicy:
             raise ValueError(f"tau must be >= 0, got {self.tau}")
 
 
+def rank_drafters(scores: list[float], up: list[bool], free: list[bool] | None = None) -> list[int]:
+    """The drafters that are up, best first: by score, then free before costly, then in order."""
+    free = free or [False] * len(scores)
+    return sorted((i for i, ok in enumerate(up) if ok), key=lambda i: (-scores[i], not free[i], i))
+
+
 def choose_drafters(scores: list[float], up: list[bool], mean_accepted: float, policy: RoutingPolicy,
-                    coin: float, pick: float) -> list[int]:
-    """The drafters to ask this round (indices, best score first). ``coin`` and ``pick``
-    are uniforms in [0, 1): whether to add a random other drafter, and which one. Ties in
-    score go to the earlier drafter."""
-    candidates = [i for i, ok in enumerate(up) if ok]
-    if not candidates:
+                    coin: float, pick: float, free: list[bool] | None = None) -> list[int]:
+    """The drafters to ask this round (indices, top-ranked first, then a random other one,
+    then the free riders). ``coin`` and ``pick`` are uniforms in [0, 1): whether to add a
+    random other drafter, and which one."""
+    ranked = rank_drafters(scores, up, free)
+    if not ranked:
         return []
-    top = max(candidates, key=lambda i: (scores[i], -i))
-    others = [i for i in candidates if i != top]
+    top, others = ranked[0], sorted(ranked[1:])
     chance = policy.alpha if mean_accepted < policy.tau else policy.beta
+    chosen = [top]
     if others and coin < chance:
-        return [top, others[min(int(pick * len(others)), len(others) - 1)]]
-    return [top]
+        chosen.append(others[min(int(pick * len(others)), len(others) - 1)])
+    if policy.free_riders and free:
+        chosen += [i for i in ranked if free[i] and i not in chosen]
+    return chosen
+
+
+def next_drafter(scores: list[float], up: list[bool], asked: list[int], free: list[bool] | None = None) -> int | None:
+    """The best-ranked drafter not asked yet this round (None when none is left)."""
+    return next((i for i in rank_drafters(scores, up, free) if i not in asked), None)
 
 
 @dataclass(slots=True)

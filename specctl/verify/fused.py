@@ -24,7 +24,7 @@ from specctl.spec.decode import DecodeSession
 from specctl.spec.drafters import NgramDrafter, Proposal
 from specctl.spec.fusion import accepted_prefix, fuse_chains
 from specctl.spec.rounds import Drafted
-from specctl.spec.routing import DrafterStats, RoutingPolicy, RoutingScore, choose_drafters
+from specctl.spec.routing import DrafterStats, RoutingPolicy, RoutingScore, choose_drafters, next_drafter
 from specctl.spec.stats import FALLBACK_DRAFT_DOWN
 from specctl.verify.draft_client import DraftClient
 from specctl.verify.speculator import RemoteSpeculator
@@ -115,10 +115,32 @@ class FusedSpeculator:
         stats = self.fusion.stats
         scores = [link.score.value for link in self.links]
         mean = self.accepted / self.rounds if self.rounds else 0.0
-        order = choose_drafters(scores, [self._up(link) for link in self.links], mean, self.fusion.policy,
-                                self.rng.random(), self.rng.random())
+        up, free = [self._up(link) for link in self.links], [link.remote is None for link in self.links]
+        order = choose_drafters(scores, up, mean, self.fusion.policy, self.rng.random(), self.rng.random(), free)
         if not order:
             return Drafted(None, time.perf_counter() - started, FALLBACK_DRAFT_DOWN)
+        chains: dict[int, tuple[list[int], list[float]]] = {}
+        asked = list(order)
+        while order:
+            await self._ask(session, order, chains)
+            # nothing proposed (no n-gram match, drafters late or failed): the next-ranked one has a go
+            following = None if any(tokens for tokens, _ in chains.values()) else next_drafter(scores, up, asked, free)
+            order = [] if following is None else [following]
+            asked += order
+        order = asked
+        used = [i for i in order if i in chains]
+        tree, nodes = fuse_chains(session.seq[-1], [chains[i] for i in used], self.fusion.budget)
+        self.asked = [(self.links[i], chains[i][1][: len(path)], path) for i, path in zip(used, nodes)]
+        for link, confidences, _ in self.asked:
+            stats[link.name].chosen_rounds += bool(confidences)
+            stats[link.name].proposed_tokens += len(confidences)
+        return Drafted(Proposal(tree), time.perf_counter() - started)
+
+    async def _ask(self, session: DecodeSession, order: list[int],
+                   chains: dict[int, tuple[list[int], list[float]]]) -> None:
+        """Ask the drafters in ``order`` at once; their chains land in ``chains`` (a drafter
+        late past the deadline or failing is skipped for this round)."""
+        stats = self.fusion.stats
         tasks = {}
         for i in order:
             link = self.links[i]
@@ -126,40 +148,33 @@ class FusedSpeculator:
                 outcome = ([*range(1, link.accepted + 1)] if link.outstanding else [], session.seq[link.synced:])
                 link.synced, link.accepted, link.outstanding = len(session.seq), 0, False
                 tasks[i] = asyncio.ensure_future(link.remote.propose(session, outcome, self.fusion.deadline_s))
-        chains: dict[int, tuple[list[int], list[float]]] = {}
         for i in order:
             if self.links[i].remote is None:
                 chains[i] = (tokens := self.ngram.lookup(session.seq), [1.0] * len(tokens))
-        if tasks:
-            try:
-                done, pending = await asyncio.wait(tasks.values(), timeout=self.fusion.deadline_s)
-            except asyncio.CancelledError:  # the session ended meanwhile: its proposals are nobody's
-                for task in tasks.values():
-                    task.cancel()
-                raise
-            for i, task in tasks.items():
-                link = self.links[i]
-                if task in pending:  # skipped this round; its answer is dropped when it comes
-                    link.late = task
-                    task.add_done_callback(lambda _task, link=link: self._landed(link))
-                    stats[link.name].failures += 1
-                    continue
-                drafted = task.result()
-                proposal = drafted.proposal
-                if proposal is None:
-                    stats[link.name].failures += drafted.fallback is not None
-                    continue
-                link.outstanding = True
-                tree = proposal.tree
-                if tree.parents.tolist() == list(range(-1, len(tree) - 1)):
-                    chains[i] = (tree.tokens[1:].tolist(), [link.score.value] * (len(tree) - 1))
-        used = [i for i in order if i in chains]
-        tree, nodes = fuse_chains(session.seq[-1], [chains[i] for i in used], self.fusion.budget)
-        self.asked = [(self.links[i], chains[i][1][: len(path)], path) for i, path in zip(used, nodes)]
-        for link, confidences, _ in self.asked:
-            stats[link.name].chosen_rounds += 1
-            stats[link.name].proposed_tokens += len(confidences)
-        return Drafted(Proposal(tree), time.perf_counter() - started)
+        if not tasks:
+            return
+        try:
+            done, pending = await asyncio.wait(tasks.values(), timeout=self.fusion.deadline_s)
+        except asyncio.CancelledError:  # the session ended meanwhile: its proposals are nobody's
+            for task in tasks.values():
+                task.cancel()
+            raise
+        for i, task in tasks.items():
+            link = self.links[i]
+            if task in pending:  # skipped this round; its answer is dropped when it comes
+                link.late = task
+                task.add_done_callback(lambda _task, link=link: self._landed(link))
+                stats[link.name].failures += 1
+                continue
+            drafted = task.result()
+            proposal = drafted.proposal
+            if proposal is None:
+                stats[link.name].failures += drafted.fallback is not None
+                continue
+            link.outstanding = True
+            tree = proposal.tree
+            if tree.parents.tolist() == list(range(-1, len(tree) - 1)):
+                chains[i] = (tree.tokens[1:].tolist(), [link.score.value] * (len(tree) - 1))
 
     @staticmethod
     def _landed(link: _Link) -> None:
