@@ -162,7 +162,7 @@ def test_bench_drafters_measures_singles_routing_and_fusion_with_exact_outputs(t
     against = report["against_best_single"]
     assert against["best_single"] in (str(tiny_dir["llama-draft"]), "ngram")
     assert set(against["routing+fusion"]["per_kind"]) == {"code", "edit"}
-    assert report["drafters"]["routing+fusion"]["ngram"]["chosen_rounds"] >= 0
+    assert report["drafters"]["routing+fusion"]["ngram"]["chosen_rounds"] > 0  # the repeated prompt matches
 
 
 def test_bench_drafters_needs_two_drafters():

@@ -14,7 +14,7 @@ from specctl.errors import ConfigError
 
 def drafters(
     target: Optional[str] = typer.Option(None, help="target model (default: the profile's, qwen2.5-coder-1.5b)"),
-    drafters: str = typer.Option("qwen2.5-coder-0.5b,qwen2.5-coder-1.5b@8,ngram", "--drafters",
+    drafters: str = typer.Option("qwen2.5-coder-0.5b,ngram", "--drafters",
                                  help="comma-separated drafters: model names, NAME@N (first N layers), ngram"),
     prompts: str = typer.Option("mixed", help="mixed (code, prose, edits, summaries), builtin, heldout or a JSON-lines file"),
     max_tokens: int = typer.Option(64, "--max-tokens", "-n", help="new tokens per prompt"),
