@@ -52,6 +52,7 @@ class DraftSession:
 class Drafter:
     name = "none"
     max_nodes = 1  # most tree nodes (root included) a proposal can have
+    free = False  # True: proposing costs nothing worth counting (no model, no network); routing prefers it
 
     def open(self, capacity: int, pool: KVPool | None = None) -> DraftSession:
         return DraftSession()
@@ -140,6 +141,7 @@ class NgramDrafter(Drafter):
     (n from max_ngram down to min_ngram) and propose the tokens that followed it."""
 
     name = "ngram"
+    free = True  # a lookup in the text
 
     def __init__(self, depth: int, max_ngram: int = 3, min_ngram: int = 1) -> None:
         self.depth, self.max_ngram, self.min_ngram = depth, max_ngram, min_ngram

@@ -12,7 +12,7 @@ import logging
 
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.tree import TokenTree
-from specctl.spec.drafters import DraftSession, Drafter, ModelTreeDrafter, NgramDrafter, Proposal
+from specctl.spec.drafters import DraftSession, Drafter, ModelTreeDrafter, Proposal
 from specctl.spec.fusion import accepted_prefix, fuse_chains
 from specctl.spec.routing import DrafterStats, RoutingPolicy, RoutingScore, choose_drafters, next_drafter
 from specctl.spec.sampling import SamplingParams, uniform
@@ -40,7 +40,7 @@ class MultiDrafter(Drafter):
         self.max_nodes = 1 + self.budget
         self.policy = policy or RoutingPolicy()
         self.stats = {name: DrafterStats() for name in self.names}
-        self.free = [isinstance(drafters[name], NgramDrafter) for name in self.names]  # no model: costs nothing
+        self.free = [drafters[name].free for name in self.names]
 
     def open(self, capacity: int, pool: KVPool | None = None) -> DraftSession:
         return _MultiSession(self, capacity, pool)

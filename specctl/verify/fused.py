@@ -127,8 +127,7 @@ class FusedSpeculator:
             following = None if any(tokens for tokens, _ in chains.values()) else next_drafter(scores, up, asked, free)
             order = [] if following is None else [following]
             asked += order
-        order = asked
-        used = [i for i in order if i in chains]
+        used = [i for i in asked if i in chains]
         tree, nodes = fuse_chains(session.seq[-1], [chains[i] for i in used], self.fusion.budget)
         self.asked = [(self.links[i], chains[i][1][: len(path)], path) for i, path in zip(used, nodes)]
         for link, confidences, _ in self.asked:
