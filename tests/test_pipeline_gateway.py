@@ -57,3 +57,22 @@ def test_gateway_over_a_three_stage_target_is_exact_and_a_dead_stage_gives_503(s
     status, headers, raw = post(urls["gateway"] + "/v1/completions", body)
     assert status == 503, raw
     assert "pipeline" in json.loads(raw)["error"]["message"]
+
+
+def test_several_drafters_in_front_of_a_two_stage_target_are_exact(tiny_dir):
+    """`specctl up --drafters A,ngram --stages 2`: fused proposals verified through the stages."""
+    config = build_config(None, target=str(tiny_dir["llama"]), mode="multi",
+                          drafters=f"{tiny_dir['llama']}@2,ngram", depth=3, dtype="fp32", draft_quant="none")
+    thread = ClusterThread(config, ClusterConfig(targets=1, gateway_port=0, stages=2))
+    urls = thread.start()
+    try:
+        prompt = "one two three one two three one two"
+        reference = specctl_generate(tiny_dir, prompt, 24)
+        body = {"model": str(tiny_dir["llama"]), "prompt": prompt, "max_tokens": 24, "temperature": 0}
+        status, _, raw = post(urls["gateway"] + "/v1/completions", body)
+        assert status == 200 and json.loads(raw)["choices"][0]["text"] == reference["text"]
+        target = thread.cluster.targets[0]
+        assert sum(d["chosen_rounds"] for d in target.fusion.snapshot().values()) > 0
+        assert thread.cluster.pipelines[0].servers[0].stats.forwards > 0  # stage 2 verified them
+    finally:
+        thread.stop()

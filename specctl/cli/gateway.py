@@ -100,8 +100,6 @@ def up(
     from specctl.spec.factory import apply_threads
 
     config = cluster_config(profile, draft, target, mode, dtype, draft_quant, threads, drafters)
-    if drafters is not None and stages > 1:
-        raise ConfigError("--drafters and --stages > 1 do not go together yet")
     try:
         plan = ClusterConfig(targets=targets, gateway_port=port, stages=stages)
     except ValueError as exc:

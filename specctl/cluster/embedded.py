@@ -17,6 +17,7 @@ from specctl.gateway.metrics import GatewayMetrics
 from specctl.runtime.compute import ComputeThread
 from specctl.gateway.server import Gateway, GatewayConfig
 from specctl.gateway.upstream import Upstream
+from specctl.pipeline.decoder import PipelineClient
 from specctl.pipeline.local import LocalPipeline
 from specctl.spec.factory import load_draft_models, load_pair, make_drafter
 from specctl.verify.draft_client import DraftClient
@@ -80,11 +81,7 @@ class EmbeddedCluster:
                 first = asyncio.get_running_loop().create_future()
                 self.links.append(asyncio.create_task(client.run(first)))
                 await first
-            model, chain = target, None
-            if c.stages > 1:
-                pipeline = LocalPipeline(target, c.stages, host, kv_budget_bytes=self.config.kv_budget_bytes)
-                self.pipelines.append(pipeline)
-                model, chain = await pipeline.start(), pipeline.client
+            model, chain = await self._split(target)
             server = TargetServer(model, TargetServerConfig(host=host, port=0, max_sessions=self.config.max_sessions,
                                                             kv_budget_bytes=self.config.kv_budget_bytes,
                                                             max_batch=self.config.max_batch), client,
@@ -92,6 +89,15 @@ class EmbeddedCluster:
             target_ports.append(await server.start())
             self.targets.append(server)
         return await self._start_gateway(target, target_ports, [f"{host}:{draft_port}"] if draft_port else [])
+
+    async def _split(self, target: LoadedModel) -> tuple[LoadedModel, PipelineClient | None]:
+        """A target instance's model: the whole target, or stage 1 of its own loopback pipeline."""
+        if self.cluster.stages == 1:
+            return target, None
+        pipeline = LocalPipeline(target, self.cluster.stages, self.cluster.host,
+                                 kv_budget_bytes=self.config.kv_budget_bytes)
+        self.pipelines.append(pipeline)
+        return await pipeline.start(), pipeline.client
 
     async def _start_gateway(self, target: LoadedModel, target_ports: list[int], drafts: list[str]) -> dict:
         host, c = self.cluster.host, self.cluster
@@ -133,10 +139,12 @@ class EmbeddedCluster:
                 await first
             fusion = Fusion(clients, ngram_depth=config.depth if "ngram" in config.drafter_names else 0,
                             budget=2 * config.depth)
-            server = TargetServer(target, TargetServerConfig(host=host, port=0, max_sessions=config.max_sessions,
-                                                             kv_budget_bytes=config.kv_budget_bytes,
-                                                             max_batch=config.max_batch), None,
-                                  compute=self.compute.lane(max_batch=config.max_batch), fusion=fusion)
+            model, chain = await self._split(target)
+            server = TargetServer(model, TargetServerConfig(host=host, port=0, max_sessions=config.max_sessions,
+                                                            kv_budget_bytes=config.kv_budget_bytes,
+                                                            max_batch=config.max_batch), None,
+                                  compute=self.compute.lane(max_batch=config.max_batch), pipeline=chain,
+                                  fusion=fusion)
             target_ports.append(await server.start())
             self.targets.append(server)
         return await self._start_gateway(target, target_ports, draft_addresses)
