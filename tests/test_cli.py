@@ -239,6 +239,17 @@ def test_bench_pipeline_measures_every_mode_and_stage_count_with_exact_outputs(t
     specpipe = [r for r in report["rows"] if r["mode"] == "specpipe"]
     assert all(r["predicted_tbt_ms"] > 0 and 0 <= r["hit_rate"] <= 1 for r in specpipe)
     assert "bench pipeline" in proc.stdout and "E(T) ms" in proc.stdout
+    assert report["settings"]["stages_as"] == "processes"
+
+
+def test_bench_pipeline_in_process_runs_the_stages_as_threads(tiny_dir, tmp_path):
+    out = tmp_path / "pipeline.json"
+    proc = run("bench", "pipeline", "--target", str(tiny_dir["llama"]), "--draft", f"{tiny_dir['llama']}@2",
+               "--stages", "2", "--in-process", "-n", "4", "--limit", "1", "--sessions", "0", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["settings"]["stages_as"] == "threads of one process"
+    assert [(r["mode"], r["same_as_target"]) for r in report["rows"]] == [("pp", 1), ("pp+chain", 1), ("specpipe", 1)]
 
 
 def test_bench_pipeline_refuses_more_stages_than_layers(tiny_dir):

@@ -1,8 +1,8 @@
 """``specctl bench pipeline``: a target split over 1..n stages (real compute of each stage's
-layers, stages on loopback TCP, each with an emulated per-stage time standing for a device
-of its own) decoding with plain pipeline parallelism (one token per traversal), pipeline
-+ chain speculation (the whole proposal as one micro-batch) and SpecPipe (one tree level
-per step). Every output is checked against the target alone; SpecPipe's measured time
+layers; stages 2..n as processes of their own on loopback TCP, each with an emulated
+per-stage time standing for a device of its own) decoding with plain pipeline parallelism
+(one token per traversal), pipeline + chain speculation (the whole proposal as one
+micro-batch) and SpecPipe (one tree level per step). Every output is checked against the target alone; SpecPipe's measured time
 between tokens is set beside the paper's prediction E(T) = t + (1 - P) n t."""
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from specctl.bench.stages import StageProcesses, StageProcessSettings
 from specctl.engine.loader import LoadedModel
 from specctl.engine.model import Decoder
 from specctl.pipeline.local import LocalPipeline
 from specctl.pipeline.microbatch import MicroBatchLane
+from specctl.pipeline.specpipe import TreeShape, specpipe_generate
 from specctl.runtime.compute import ComputeThread
 from specctl.spec.decode import DecodeSession
-from specctl.pipeline.specpipe import TreeShape, specpipe_generate
 from specctl.spec.drafters import ModelChainDrafter
 from specctl.spec.rounds import LocalSpeculator, generate, run_session
 from specctl.spec.sampling import SamplingParams
@@ -37,6 +38,8 @@ class PipelineBench:
     shape: TreeShape = TreeShape(4, 2)  # SpecPipe level width and top-k
     repeats: int = 1
     sessions: int = 8  # the batch rows' concurrent sessions (0 = no batch rows)
+    model: str | None = None  # stages 2..n as processes loading this model; None: stage threads in this process
+    dtype: str = "fp32"  # the stage processes' dtype
 
 
 class DelayedDecoder:
@@ -57,30 +60,32 @@ class DelayedDecoder:
         return self.decoder.forward_many(*args, **kwargs)
 
 
-def _stage_busy(pipeline: LocalPipeline | None) -> list[tuple[float, int]]:
-    return [] if pipeline is None else [(s.stats.busy_s, s.stats.forwards) for s in pipeline.servers]
-
-
 def _run_one(mode: str, decoder, draft: Decoder, prompt: list[int], params: SamplingParams,
-             bench: PipelineBench, pipeline: LocalPipeline | None) -> dict:
-    before = _stage_busy(pipeline)
+             bench: PipelineBench) -> dict:
     started = time.perf_counter()
-    hit_rate = step_ms = bubbles = None
+    result: dict = {"hit_rate": None, "step_ms": None, "bubbles_per_token": None}
     if mode == "pp":
         tokens, stats, _ = generate(decoder, prompt, params)
     elif mode == "pp+chain":
         tokens, stats, _ = generate(decoder, prompt, params, ModelChainDrafter(draft, bench.depth))
     else:
         tokens, stats, _, pipe = specpipe_generate(decoder, draft, prompt, params, bench.shape)
-        hit_rate = pipe.hits / pipe.steps if pipe.steps else 0.0
-        bubbles = pipe.bubbles / pipe.steps if pipe.steps else 0.0
-        # t(w): the slowest stage's time per level (stage 1: drafting overlapped with its device time, then its layers)
-        servers = [1e3 * (busy - b0) / max(n - n0, 1) for (busy, n), (b0, n0) in zip(_stage_busy(pipeline), before)]
-        step_ms = max([pipe.to_dict()["stage1_step_ms"]] + [1e3 * bench.delay_s + ms for ms in servers])
+        result["hit_rate"] = pipe.hits / pipe.steps if pipe.steps else 0.0
+        result["bubbles_per_token"] = pipe.bubbles / pipe.steps if pipe.steps else 0.0
+        result["stage1_step_ms"] = pipe.to_dict()["stage1_step_ms"]
     wall = time.perf_counter() - started
     decode_s = max(wall - stats.prefill_s, 1e-9)
-    return {"tokens": tokens, "tbt_ms": 1e3 * decode_s / max(len(tokens) - 1, 1), "wall_s": wall,
-            "hit_rate": hit_rate, "step_ms": step_ms, "bubbles_per_token": bubbles}
+    result.update(tokens=tokens, tbt_ms=1e3 * decode_s / max(len(tokens) - 1, 1), wall_s=wall)
+    return result
+
+
+def slowest_step_ms(stage1_step_ms: float, before: list[tuple[float, int]], after: list[tuple[float, int]],
+                    delay_s: float) -> float:
+    """t(w): the slowest stage's time per level. Stage 1's is measured by SpecPipe (drafting
+    overlapped with its device time, then its layers); stages 2..n's is their compute per
+    forward over the run (busy seconds and forwards before and after it) plus the emulated time."""
+    stages = [1e3 * (busy - b0) / max(n - n0, 1) for (busy, n), (b0, n0) in zip(after, before)]
+    return max([stage1_step_ms] + [1e3 * delay_s + ms for ms in stages])
 
 
 async def _run_batch(decoder, draft: Decoder, prompts: list[list[int]], params: SamplingParams,
@@ -119,15 +124,19 @@ async def run_pipeline_bench(target: LoadedModel, draft: LoadedModel, prompts: l
         if n == 1:
             decoder, modes = DelayedDecoder(target.decoder, bench.delay_s), ("pp", "pp+chain")
         else:
-            pipeline = LocalPipeline(target, n, delay_s=bench.delay_s)
+            pipeline = StageProcesses(target, n, StageProcessSettings(bench.model, bench.dtype, bench.delay_s)) \
+                if bench.model else LocalPipeline(target, n, delay_s=bench.delay_s)
             decoder, modes = (await pipeline.start()).decoder, MODES
         try:
             runs: dict[str, list[list[dict]]] = {mode: [[] for _ in range(bench.repeats)] for mode in modes}
             for repeat in range(bench.repeats):
                 for i, prompt in enumerate(prompts):
                     for mode in modes:  # interleaved: a slow moment of the machine hits every mode alike
-                        result = await asyncio.to_thread(_run_one, mode, decoder, draft.decoder, prompt, params, bench,
-                                                         pipeline)
+                        before = await pipeline.counters() if mode == "specpipe" else []
+                        result = await asyncio.to_thread(_run_one, mode, decoder, draft.decoder, prompt, params, bench)
+                        if mode == "specpipe":
+                            result["step_ms"] = slowest_step_ms(result.pop("stage1_step_ms"), before,
+                                                                await pipeline.counters(), bench.delay_s)
                         result["same"] = result.pop("tokens") == references[i]
                         runs[mode][repeat].append(result)
                         advance(f"{n} stage{'s' * (n > 1)} {mode}")
@@ -148,6 +157,7 @@ async def run_pipeline_bench(target: LoadedModel, draft: LoadedModel, prompts: l
     return {"settings": {"stages": list(bench.stages), "max_tokens": bench.max_tokens,
                          "stage_delay_ms": 1e3 * bench.delay_s, "chain_depth": bench.depth,
                          "width": bench.shape.width, "topk": bench.shape.topk, "repeats": bench.repeats,
+                         "stages_as": "processes" if bench.model else "threads of one process",
                          "prompts": len(prompts)},
             "rows": rows}
 

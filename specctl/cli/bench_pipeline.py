@@ -30,6 +30,8 @@ def pipeline(
     repeats: int = typer.Option(1, help="turns over all prompts (min/median/max reported)"),
     sessions: int = typer.Option(8, help="batch rows: this many sessions at once through the stages (0 = none)"),
     dtype: str = typer.Option("fp32", help="fp32 | bf16 | fp16"),
+    in_process: bool = typer.Option(False, "--in-process", help="run stages 2..n as threads of this process "
+                                    "(default: a process per stage, as a box per stage would)"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
     json_out: Optional[str] = typer.Option(None, "--json", help="write the report as JSON to this file"),
 ) -> None:
@@ -65,7 +67,8 @@ def pipeline(
     encoded = [target_model.tokenizer.encode(p.prompt) for p in chosen]
     if sessions < 0:
         raise ConfigError("--sessions must be >= 0")
-    bench = PipelineBench(counts, max_tokens, stage_delay_ms / 1e3, depth, shape, repeats, sessions)
+    bench = PipelineBench(counts, max_tokens, stage_delay_ms / 1e3, depth, shape, repeats, sessions,
+                          model=None if in_process else target, dtype=dtype)
     total = sum((2 if n == 1 else 3) for n in counts) * len(encoded) * repeats
     total += sum(2 for n in counts if n > 1) if sessions else 0
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())

@@ -63,6 +63,10 @@ class LocalPipeline:
         self.ports.insert(0, bound)
         return server
 
+    async def counters(self) -> list[tuple[float, int]]:
+        """(busy seconds, forwards) of stages 2..n."""
+        return [(server.stats.busy_s, server.stats.forwards) for server in self.servers]
+
     def snapshot(self) -> list[dict]:
         return [server.snapshot() for server in self.servers]
 
