@@ -98,3 +98,28 @@ async def test_stage_one_serving_specpipe_is_exact_and_a_cancelled_request_frees
         assert stats["specpipe_steps"] >= 78 and stats["specpipe_hits"] + stats["specpipe_flushes"] <= stats["specpipe_steps"]
     finally:
         stop_processes(procs)
+
+
+async def test_stage_one_serving_specpipe_with_levels_from_a_draft_server_process_is_exact(tiny_dir):
+    draft_port, first_port, second_port = free_ports(3)
+    pipeline = f"127.0.0.1:{first_port},127.0.0.1:{second_port}"
+    procs = []
+    try:
+        procs.append(spawn_role("draft", "--port", str(draft_port), "--model", f"{tiny_dir['llama']}@2", "--mode",
+                                "chain", "--dtype", "fp32", "--threads", "1", "--log-level", "warning"))
+        procs.append(spawn_role(*stage_args(tiny_dir, 2, pipeline)))
+        wait_listening(procs[0], "draft server")
+        wait_listening(procs[1], "stage 2")
+        procs.append(spawn_role(*stage_args(tiny_dir, 1, pipeline, "--draft", f"127.0.0.1:{draft_port}",
+                                            "--specpipe", "--width", "3")))
+        wait_listening(procs[2], "stage 1")
+        target = load_model("t", tiny_dir["llama"], "fp32")
+        params = SamplingParams(max_tokens=40, ignore_eos=True)
+        tokens, reason, _ = await remote_generate("127.0.0.1", first_port, PROMPT, params)
+        assert tokens == generate(target.decoder, PROMPT, params)[0] and reason == "length"
+        stats = await remote_stats("127.0.0.1", first_port)
+        assert stats["specpipe_steps"] == 39 and stats["specpipe_hits"] > 0 and stats["specpipe_draft_lost"] == 0
+        draft = await poll_async(lambda: remote_stats("127.0.0.1", draft_port), lambda s: s["level_sessions"] == 0)
+        assert draft["levels_sent"] > 0
+    finally:
+        stop_processes(procs)

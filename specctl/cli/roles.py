@@ -66,6 +66,8 @@ def verify(
     specpipe_draft: Optional[str] = typer.Option(None, "--specpipe-draft", help="stage 1 of n > 1: decode with "
                                                  "SpecPipe (one tree level per pipeline step), drafting with this "
                                                  "model in this process (instead of --draft)"),
+    specpipe: bool = typer.Option(False, "--specpipe", help="stage 1 of n > 1: decode with SpecPipe, the tree "
+                                  "levels drafted by the draft server at --draft (one; without it: plain PP)"),
     width: int = typer.Option(4, "--width", help="SpecPipe: nodes per tree level"),
     topk: int = typer.Option(2, "--topk", help="SpecPipe: children considered per node"),
     max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="most concurrent sessions"),
@@ -107,7 +109,10 @@ def verify(
         raise ConfigError(f"--draft goes to stage 1 only (this is stage {index}/{count})")
     if specpipe_draft and (index != 1 or count == 1 or draft):
         raise ConfigError("--specpipe-draft goes to stage 1 of a pipeline (--stage 1/n, n > 1), without --draft")
-    if specpipe_draft:
+    if specpipe and (index != 1 or count == 1 or specpipe_draft or len(draft or []) != 1 or draft == ["ngram"]):
+        raise ConfigError("--specpipe goes to stage 1 of a pipeline (--stage 1/n, n > 1) with one --draft HOST:PORT "
+                          "(or use --specpipe-draft M for a draft in this process)")
+    if specpipe_draft or specpipe:
         _check_specpipe_shape(count, width, topk)
     config = build_config(profile, target=model, max_sessions=max_sessions, max_batch=max_batch, dtype=dtype,
                           threads=threads, target_quant=quant)
@@ -123,7 +128,7 @@ def verify(
         _serve_stage(config, plan, console, host=host, port=port, auth_token=auth_token, ssl_server=ssl_server,
                      ssl_client=ssl_client, delay_s=stage_delay_ms / 1e3, max_messages_per_s=max_messages_per_s)
         return
-    specpipe = None
+    levels = None
     if specpipe_draft:
         from specctl.engine.loader import check_same_vocab
         from specctl.pipeline.serve import SpecPipeDraft
@@ -133,7 +138,7 @@ def verify(
         stage_one = load_stage(config, plan, console)
         local_draft = load_named(specpipe_draft, config, console, config.draft_quant)
         check_same_vocab(stage_one, local_draft)
-        specpipe = SpecPipeDraft(local_draft.decoder, TreeShape(width, topk), specpipe_draft)
+        levels = SpecPipeDraft.local(local_draft.decoder, TreeShape(width, topk), specpipe_draft)
     else:
         stage_one = load_stage(config, plan, console)
     if draft and len(draft) > 1 and (draft_deadline_ms <= 0 or fusion_budget < 1):
@@ -141,7 +146,8 @@ def verify(
     _serve_target(config, plan, console, stage_one, host=host, port=port, draft=list(draft or []),
                   fusion_settings=(draft_deadline_ms / 1e3, fusion_budget),
                   auth_token=auth_token, ssl_server=ssl_server, ssl_client=ssl_client,
-                  verify_delay_s=verify_delay_ms / 1e3, max_messages_per_s=max_messages_per_s, specpipe=specpipe)
+                  verify_delay_s=verify_delay_ms / 1e3, max_messages_per_s=max_messages_per_s, specpipe=levels,
+                  remote_specpipe=(width, topk) if specpipe else None)
 
 
 def _check_specpipe_shape(stages: int, width: int, topk: int) -> None:
@@ -182,6 +188,7 @@ def _serve_stage(config, plan, console: Console, *, host: str, port: int, auth_t
 
 def _serve_target(config, plan, console: Console, loaded, *, host: str, port: int, draft: list[str], auth_token,
                   ssl_server, ssl_client, verify_delay_s: float, max_messages_per_s: float, specpipe=None,
+                  remote_specpipe: tuple[int, int] | None = None,
                   fusion_settings: tuple[float, int] = (0.5, 16)) -> None:
     from specctl.pipeline.launch import pipelined_target
     from specctl.runtime.compute import ComputeThread
@@ -200,6 +207,7 @@ def _serve_target(config, plan, console: Console, loaded, *, host: str, port: in
         loaded, chain = pipelined_target(loaded, plan.next, stages=plan.count, auth_token=auth_token, ssl=ssl_client)
 
     async def main(compute: ComputeThread) -> None:
+        nonlocal specpipe
         client = None
         links = []
         if chain is not None:
@@ -226,6 +234,11 @@ def _serve_target(config, plan, console: Console, loaded, *, host: str, port: in
                             deadline_s=deadline_s)
         else:
             client = next(iter(clients.values()), None)
+        if remote_specpipe is not None:  # the levels come from the one draft server
+            from specctl.pipeline.serve import SpecPipeDraft
+            from specctl.pipeline.specpipe import TreeShape
+
+            specpipe = SpecPipeDraft.remote(client, asyncio.get_running_loop(), TreeShape(*remote_specpipe), draft[0])
         stages = f" stage 1/{plan.count} (layers {plan.layers[0]}:{plan.layers[1]})" if chain else ""
         if specpipe is not None:
             stages += f", SpecPipe w={specpipe.shape.width} drafting with {specpipe.name}"

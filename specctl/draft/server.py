@@ -11,6 +11,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from specctl.draft.levels import LevelTable
 from specctl.draft.plan import StarModel, admit
 from specctl.draft.sessions import SessionTable, UnknownTag
 from specctl.draft.speculation import PrespecConfig, SpeculationCache
@@ -20,7 +21,8 @@ from specctl.errors import ConfigError, KVBudgetExceeded, SpecctlError
 from specctl.net.framing import read_message
 from specctl.net.handshake import server_handshake
 from specctl.net.protocol import (
-    CloseSession, Error, OpenSession, Propose, ProtocolError, SessionOpened, Stats, StatsRequest, encode,
+    CloseSession, Error, NextLevel, OpenLevels, OpenSession, Propose, ProtocolError, Reroot, SessionOpened, Stats,
+    StatsRequest, encode,
 )
 from specctl.runtime.compute import ComputeLane, ComputeThread
 from specctl.runtime.listen import ListenConfig, ListeningServer, MessageRate
@@ -69,6 +71,7 @@ class DraftServer(ListeningServer):
         self.compute = compute or ComputeThread("draft-compute", max_batch=config.max_batch).lane(owns_thread=True)
         spec = model.spec
         self.table = SessionTable(drafter, KVPool(config.kv_budget_bytes), spec.vocab_size, spec.max_position)
+        self.levels = LevelTable(model.decoder, self.table.pool, spec.vocab_size, spec.max_position)  # SpecPipe
         if config.prespec is not None:
             if drafter.name != "chain":
                 raise ConfigError(f"pre-speculation drafts chains: it needs --mode chain, not {drafter.name}")
@@ -92,6 +95,7 @@ class DraftServer(ListeningServer):
                  "rejected_requests": self.rejected_requests}
         stats.update(self.compute.stats.snapshot(self.compute.queue_depth))
         stats.update(self.table.snapshot())
+        stats.update(self.levels.snapshot())
         stats["R_q"] = stats.pop("jobs_per_s")
         stats["proposal_bytes_mean"] = round(self.proposal_bytes / self.proposals_sent, 1) if self.proposals_sent else 0.0
         if "prespec" in stats:  # the share of the draft's idle time pre-speculation put to use
@@ -124,7 +128,7 @@ class DraftServer(ListeningServer):
             if conn is not None:
                 self.connections.pop(conn.id, None)
                 for tag in conn.tags:
-                    self.compute.submit_nowait(self.table.close, tag)
+                    self.compute.submit_nowait(self._close_tag, tag)
                 conn.tags.clear()
             writer.close()
 
@@ -144,8 +148,15 @@ class DraftServer(ListeningServer):
                 conn.send(Stats("draft", self.snapshot()))
             elif conn.role != "target":
                 self._refuse(conn, Error("forbidden", f"a {conn.role} connection may only request stats"))
-            elif isinstance(message, OpenSession):
+            elif isinstance(message, (OpenSession, OpenLevels)):
                 self._open(conn, message, group)
+            elif isinstance(message, NextLevel):
+                if self._known(conn, message.tag):
+                    conn.inflight.add(message.tag)
+                    group.create_task(self._next_level(conn, message))
+            elif isinstance(message, Reroot):
+                if self._known(conn, message.tag):  # in order with the session's next level request
+                    self.compute.submit_nowait(self.levels.reroot, message)
             elif isinstance(message, Propose):
                 if message.tag not in conn.tags:
                     self._refuse(conn, Error("unknown_tag", f"unknown session tag {message.tag}", tag=message.tag))
@@ -157,18 +168,46 @@ class DraftServer(ListeningServer):
             elif isinstance(message, CloseSession):
                 if message.tag in conn.tags:
                     conn.tags.discard(message.tag)
-                    self.compute.submit_nowait(self.table.close, message.tag)
+                    self.compute.submit_nowait(self._close_tag, message.tag)
                 else:
                     self._refuse(conn, Error("unknown_tag", f"unknown session tag {message.tag}", tag=message.tag))
             else:
                 self._refuse(conn, Error("unexpected", f"a draft server does not handle {type(message).__name__}"))
+
+    def _close_tag(self, tag: int) -> None:
+        self.table.close(tag)
+        self.levels.close(tag)
+
+    def _known(self, conn: Connection, tag: int) -> bool:
+        """A level request for an open session of this connection, with none in flight."""
+        if tag not in conn.tags:
+            self._refuse(conn, Error("unknown_tag", f"unknown session tag {tag}", tag=tag))
+        elif tag in conn.inflight:
+            self._refuse(conn, Error("busy", f"session {tag} already has a request in flight", tag=tag))
+        else:
+            return True
+        return False
+
+    async def _next_level(self, conn: Connection, message: NextLevel) -> None:
+        try:
+            level = await self.compute.run(self.levels.next_level, message.tag, message.frontier)
+        except SpecctlError as exc:
+            self._refuse(conn, Error("bad_request", str(exc), tag=message.tag))
+            return
+        except Exception as exc:  # noqa: BLE001 - report, keep serving the other sessions
+            log.exception("level for tag %s failed", message.tag)
+            conn.send(Error("internal", f"drafting a level failed: {exc}", tag=message.tag))
+            return
+        finally:
+            conn.inflight.discard(message.tag)
+        conn.send(level)
 
     def _refuse(self, conn: Connection, error: Error) -> None:
         """Answer a bad or inconsistent request with an error to that peer only."""
         self.reject(conn.peer, f"{error.code}: {error.message}")
         conn.send(error)
 
-    def _open(self, conn: Connection, message: OpenSession, group: asyncio.TaskGroup) -> None:
+    def _open(self, conn: Connection, message: OpenSession | OpenLevels, group: asyncio.TaskGroup) -> None:
         if self.active_sessions >= self.config.max_sessions:
             conn.send(Error("capacity", f"draft server full: {self.config.max_sessions} sessions open; retry later", req=message.req))
             return
@@ -184,9 +223,10 @@ class DraftServer(ListeningServer):
         conn.tags.add(tag)
         group.create_task(self._open_on_compute(conn, tag, message))
 
-    async def _open_on_compute(self, conn: Connection, tag: int, message: OpenSession) -> None:
+    async def _open_on_compute(self, conn: Connection, tag: int, message: OpenSession | OpenLevels) -> None:
         try:
-            await self.compute.run(self.table.open, tag, message)
+            await self.compute.run(self.levels.open if isinstance(message, OpenLevels) else self.table.open, tag,
+                                   message)
         except KVBudgetExceeded as exc:
             conn.tags.discard(tag)
             conn.send(Error("capacity", str(exc), req=message.req))

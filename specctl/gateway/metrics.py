@@ -21,6 +21,9 @@ ROLE_GAUGES = {
     "R_p": ("R_p", "verification rounds per second"),
     "specpipe_flushes": ("specpipe_flushes", "SpecPipe steps whose verified token was not in the tree (a refill)"),
     "specpipe_hit_rate": ("specpipe_hit_rate", "share of SpecPipe steps whose verified token was in the tree"),
+    "specpipe_draft_lost": ("specpipe_draft_lost", "SpecPipe sessions that went on without their draft (plain PP)"),
+    "levels_sent": ("specpipe_levels_sent", "SpecPipe tree levels a draft server drafted for remote stage 1s"),
+    "level_sessions": ("specpipe_level_sessions", "SpecPipe tree-level sessions open on a draft server"),
     "proposal_bytes_mean": ("proposal_bytes_mean", "mean size of a draft server's Proposal frame (bytes)"),
     "background_delay_max_ms": ("background_delay_max_ms", "longest a request waited for background work (ms)"),
 }

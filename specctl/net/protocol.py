@@ -13,7 +13,8 @@ import torch
 
 from specctl.errors import SpecctlError
 
-PROTOCOL_VERSION = 3  # 2: sparse q in Proposal, no per-node probs; 3: pipeline stage messages, bf16 tensors
+PROTOCOL_VERSION = 4  # 2: sparse q in Proposal, no per-node probs; 3: pipeline stage messages, bf16 tensors;
+# 4: SpecPipe tree levels from a draft server
 MAX_FRAME_BYTES = 16 << 20
 
 
@@ -135,6 +136,43 @@ class CloseSession(msgspec.Struct, tag=True, frozen=True):
     tag: int
 
 
+# --- SpecPipe's stage 1 <-> draft: a tree grown one level per pipeline step ------------------
+# The draft server keeps the session's tree; stage 1 mirrors it (the same node ids, as both
+# add the same nodes in the same order and re-root the same way).
+
+class OpenLevels(msgspec.Struct, tag=True, frozen=True):
+    """Open a tree-level session on ``prompt``; answered by SessionOpened."""
+    req: int
+    prompt: list[int]
+    width: int  # nodes per level
+    topk: int  # children considered per node
+    capacity: int  # KV positions the session may need: text + new tokens + tree nodes
+
+
+class NextLevel(msgspec.Struct, tag=True, frozen=True):
+    """Read the ``frontier`` nodes (the last level) and answer the next level (Level)."""
+    tag: int
+    frontier: list[int]
+
+
+class Level(msgspec.Struct, tag=True, frozen=True):
+    tag: int
+    nodes: list[int]  # the new nodes' ids
+    tokens: list[int]
+    parents: list[int]
+    scores: list[float]  # the draft's probability of each node's path
+
+
+class Reroot(msgspec.Struct, tag=True, frozen=True):
+    """The target verified ``committed``'s next token: keep ``new_root``'s subtree, or (new_root
+    = -1) start a fresh tree whose root is ``token`` at ``position``. committed = -1: the first tree."""
+    tag: int
+    committed: int
+    new_root: int
+    token: int
+    position: int
+
+
 # --- client <-> target -----------------------------------------------------------------
 
 class Generate(msgspec.Struct, tag=True, frozen=True):
@@ -226,6 +264,7 @@ Message = Union[
     Challenge, Hello, Welcome, OpenSession, SessionOpened, Propose, Proposal, CloseSession,
     Generate, Tokens, Done, Cancel, StatsRequest, Stats, Error,
     StageOpen, StageForward, StageKeep, StageClose, StageOutput,
+    OpenLevels, NextLevel, Level, Reroot,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -1,30 +1,44 @@
-"""SpecPipe sessions in a target instance (stage 1 of ``verify --stage 1/n --specpipe-draft M``):
-each session's driver runs on the device's compute lane, one session at a time (SpecPipe's
-single-request mode: the pipeline is kept full by one session's tree levels)."""
+"""SpecPipe sessions in a target instance (stage 1 of ``verify --stage 1/n --specpipe-draft M``,
+or ``--draft H:P --specpipe`` with the levels from a draft server): each session's driver
+runs on the device's compute lane, one session at a time (SpecPipe's single-request mode:
+the pipeline is kept full by one session's tree levels)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specctl.engine.model import Decoder
-from specctl.pipeline.specpipe import DraftLevels, PipeStats, SpecPipeRun, TreeShape
+from specctl.pipeline.specpipe import DraftLevels, LevelSource, PipeStats, SpecPipeRun, TreeShape
 from specctl.spec.decode import DecodeSession
 from specctl.spec.rounds import Emit
 
 
 @dataclass(frozen=True, slots=True)
 class SpecPipeDraft:
-    draft: Decoder
     shape: TreeShape
-    name: str = ""  # the draft model's name, for logs
+    name: str  # the draft model's name or the draft server's address, for logs
+    open_levels: Callable[[DecodeSession], LevelSource]  # a session's level source (on the compute thread)
     totals: PipeStats = field(default_factory=PipeStats)  # every session's steps, hits, flushes
+
+    @classmethod
+    def local(cls, draft: Decoder, shape: TreeShape, name: str) -> "SpecPipeDraft":
+        return cls(shape, name, lambda session: DraftLevels.for_session(draft, shape, session))
+
+    @classmethod
+    def remote(cls, client, loop: asyncio.AbstractEventLoop, shape: TreeShape, name: str) -> "SpecPipeDraft":
+        """Levels from the draft server behind ``client`` (a DraftClient on ``loop``)."""
+        from specctl.pipeline.remote_levels import RemoteLevels
+
+        return cls(shape, name, lambda session: RemoteLevels(client, loop, shape, session))
 
     def snapshot(self) -> dict:
         t = self.totals
         return {"specpipe_steps": t.steps, "specpipe_hits": t.hits, "specpipe_flushes": t.flushes,
-                "specpipe_hit_rate": round(t.hit_rate, 4), "specpipe_width": self.shape.width}
+                "specpipe_hit_rate": round(t.hit_rate, 4), "specpipe_width": self.shape.width,
+                "specpipe_draft_lost": t.draft_lost}
 
 
 async def serve_specpipe(session: DecodeSession, spec: SpecPipeDraft, lane, emit: Emit) -> None:
@@ -38,7 +52,7 @@ async def serve_specpipe(session: DecodeSession, spec: SpecPipeDraft, lane, emit
         nonlocal run
         if cancelled:  # cancelled while queued
             return
-        run = SpecPipeRun(session.target, session, DraftLevels(spec.draft, spec.shape, session),
+        run = SpecPipeRun(session.target, session, spec.open_levels(session),
                           lambda tokens, result: loop.call_soon_threadsafe(emit, tokens, result))
         run.stop = cancelled
         run.run()

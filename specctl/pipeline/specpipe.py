@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -52,9 +53,10 @@ class PipeStats:
     stale_outputs: int = 0  # outputs of flushed trees, dropped on arrival
     bubbles: int = 0  # outputs of the live tree with nothing to verify (their level was wholly pruned)
     stage1_s: float = 0.0  # stage 1's time per level sent, summed: drafting it, then its own layers
+    draft_lost: int = 0  # sessions that went on without their (remote) draft
 
     def add(self, other: "PipeStats") -> None:
-        for name in ("steps", "hits", "flushes", "levels_sent", "stale_outputs", "bubbles", "stage1_s"):
+        for name in ("steps", "hits", "flushes", "levels_sent", "stale_outputs", "bubbles", "stage1_s", "draft_lost"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     @property
@@ -65,6 +67,7 @@ class PipeStats:
     def to_dict(self) -> dict:
         return {"steps": self.steps, "hits": self.hits, "flushes": self.flushes, "levels_sent": self.levels_sent,
                 "stale_outputs": self.stale_outputs, "bubbles": self.bubbles, "hit_rate": round(self.hit_rate, 4),
+                "draft_lost": self.draft_lost,
                 "stage1_step_ms": round(1e3 * self.stage1_s / self.levels_sent, 3) if self.levels_sent else 0.0}
 
 
@@ -74,18 +77,45 @@ def max_tree_nodes(stages: int, shape: TreeShape) -> int:
     return (stages + 2) * shape.width + 1
 
 
+def level_capacity(prompt_len: int, max_tokens: int, stages: int, shape: TreeShape) -> int:
+    """KV positions a draft growing a session's tree may need: its text, the new tokens and
+    the most tree nodes ever cached."""
+    return prompt_len + max_tokens + max_tree_nodes(stages, shape) + 2
+
+
+class LevelSource(Protocol):
+    """Where SpecPipe's levels come from: a draft model here (DraftLevels) or on a draft server."""
+    alive: bool
+
+    def start(self, token: int, position: int) -> None: ...
+    def next_level(self, tree: SpecTree, frontier: list[int]) -> list[int] | None: ...
+    def reroot(self, tree: SpecTree, committed: int, new_root: int | None, token: int, position: int) -> None: ...
+    def close(self) -> None: ...
+
+
 class DraftLevels:
     """The token source: a draft model growing the tree one level at a time, with its own
-    KV of the committed text and the tree nodes it has read."""
+    KV of the committed text and the tree nodes it has read. (A draft server runs one per
+    session for a remote stage 1: ``pipeline/remote_levels.py``.)"""
 
-    def __init__(self, draft: Decoder, shape: TreeShape, session: DecodeSession, pool: KVPool | None = None) -> None:
+    alive = True  # a local draft never goes away (a remote one may: stage 1 then decodes as plain PP)
+
+    def __init__(self, draft: Decoder, shape: TreeShape, prompt: list[int], capacity: int,
+                 pool: KVPool | None = None) -> None:
         self.draft, self.shape = draft, shape
-        prompt = session.seq[: session.prompt_len]
-        capacity = session.prompt_len + session.params.max_tokens + max_tree_nodes(session.target.stages, shape) + 2
         self.cache = draft.new_cache(capacity, pool)
         draft(torch.tensor(prompt), torch.arange(len(prompt)), self.cache, logits_at=torch.tensor([len(prompt) - 1]))
         self.mirror = CacheMirror(len(prompt))
         self.pending: list[tuple[int, int]] = []  # committed (token, position) the cache still lacks
+
+    @classmethod
+    def for_session(cls, draft: Decoder, shape: TreeShape, session: DecodeSession,
+                    pool: KVPool | None = None) -> "DraftLevels":
+        capacity = level_capacity(session.prompt_len, session.params.max_tokens, session.target.stages, shape)
+        return cls(draft, shape, session.seq[: session.prompt_len], capacity, pool)
+
+    def start(self, token: int, position: int) -> None:
+        """A tree's first root (the prefill's token): the draft reads it with the first level."""
 
     def next_level(self, tree: SpecTree, frontier: list[int]) -> list[int]:
         """Read the frontier nodes and add the next level to ``tree``; returns its node ids."""
@@ -113,7 +143,10 @@ class DraftLevels:
         chosen.sort(key=lambda c: (c[1], -c[0]))  # by parent, likeliest child first (tried first)
         return [tree.add(token, frontier[r], nodes[r].pos + 1, score) for score, r, token in chosen]
 
-    def reroot(self, tree: SpecTree, committed: int, new_root: int | None) -> None:
+    def reroot(self, tree: SpecTree, committed: int, new_root: int | None, token: int = -1,
+               position: int = -1) -> None:
+        """``committed``'s next token was verified (``token`` at ``position``): keep the draft's
+        KV of the committed path and of ``new_root``'s subtree (None: a flush)."""
         if self.mirror.order and self.mirror.order[0] == committed:
             self.cache.gather(self.mirror.reroot(tree, committed, new_root))
         else:  # verified before the draft read it (nothing under it read either): read it next time
@@ -136,7 +169,7 @@ class SpecPipeRun:
     """One session driven through the pipeline (on a thread that may block on it)."""
     target: PipelineDecoder
     session: DecodeSession
-    draft: DraftLevels
+    draft: LevelSource
     emit: Emit | None = None
     stats: PipeStats = field(default_factory=PipeStats)
     stop: bool = False  # set from another thread: end after the current step (a cancelled request)
@@ -148,20 +181,27 @@ class SpecPipeRun:
             self.emit(first, None)
         tree, mirror = SpecTree(), CacheMirror(cache.length)
         root = tree.add(session.seq[-1], None, len(session.seq) - 1)
+        self.draft.start(session.seq[-1], len(session.seq) - 1)
         levels: list[list[int]] = []  # levels sent of the live tree, root's first
         in_flight: deque[_Sent] = deque()
         tree_epoch, draft_s, wait_s = 0, 0.0, 0.0
         want = "argmax" if session.params.greedy else "logits"
         while not session.finished and not self.stop:
-            while len(in_flight) < self.target.stages:  # one level per stage in flight
+            # One level per stage in flight; without a draft (a remote one went away) one
+            # root at a time: plain pipeline parallelism, the same tokens.
+            while len(in_flight) < (self.target.stages if self.draft.alive else 1):
                 started = time.perf_counter()
                 level = [root] if not levels else self.draft.next_level(tree, levels[-1])
+                if level is None:  # the draft just went away: verify what is in flight, then go on without it
+                    self.stats.draft_lost = 1
+                    break
                 drafted = time.perf_counter() - started
                 draft_s += drafted
                 in_flight.append(_Sent(self._send(tree, mirror, level, want, drafted), level, tree_epoch))
                 self.stats.stage1_s += time.perf_counter() - started
                 levels.append(level)
                 self.stats.levels_sent += 1
+            assert in_flight, "a live tree's levels are always in flight"
             sent = in_flight.popleft()
             started = time.perf_counter()
             output = wait_output(sent.future)
@@ -186,7 +226,8 @@ class SpecPipeRun:
             if self.emit:
                 self.emit(committed, result)
             cache.gather(mirror.reroot(tree, root, new_root))  # every stage prunes, in order
-            self.draft.reroot(tree, root, new_root)
+            if self.draft.alive:
+                self.draft.reroot(tree, root, new_root, token, len(session.seq) - 1)
             if new_root is None:  # flush: refill from the verified token
                 tree_epoch += 1
                 tree, levels = SpecTree(), []
@@ -233,7 +274,7 @@ def specpipe_generate(target: PipelineDecoder, draft: Decoder, prompt: list[int]
                             max_tree_nodes(target.stages, shape))
     source = None
     try:
-        source = DraftLevels(draft, shape, session, draft_pool)
+        source = DraftLevels.for_session(draft, shape, session, draft_pool)
         run = SpecPipeRun(target, session, source, on_tokens)
         run.run()
     finally:

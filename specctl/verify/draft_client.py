@@ -14,7 +14,8 @@ import ssl as ssl_module
 from specctl.errors import VocabMismatch
 from specctl.net.framing import read_message
 from specctl.net.handshake import AuthError, open_peer
-from specctl.net.protocol import CloseSession, Error, OpenSession, Proposal, Propose, SessionOpened, encode
+from specctl.net.protocol import (CloseSession, Error, Level, NextLevel, OpenLevels, OpenSession, Proposal, Propose,
+                                  Reroot, SessionOpened, encode)
 
 log = logging.getLogger("specctl.verify.draft")
 Handle = tuple[int, int]  # (connection epoch, tag) of a draft session
@@ -90,7 +91,7 @@ class DraftClient:
             message = await read_message(self._reader)
             if isinstance(message, SessionOpened):
                 key = ("req", message.req)
-            elif isinstance(message, Proposal):
+            elif isinstance(message, (Proposal, Level)):
                 key = ("tag", message.tag)
             elif isinstance(message, Error):
                 key = ("req", message.req) if message.req is not None else ("tag", message.tag)
@@ -142,6 +143,27 @@ class DraftClient:
             return None
         reply = await self._request(("tag", tag), Propose(tag, path, tokens), timeout_s)
         return reply if isinstance(reply, Proposal) and epoch == self.epoch else None
+
+    async def open_levels(self, prompt: list[int], width: int, topk: int, capacity: int) -> Handle | None:
+        """A SpecPipe tree-level session (None when the draft is unavailable or refuses)."""
+        epoch, req = self.epoch, next(self._reqs)
+        reply = await self._request(("req", req), OpenLevels(req, prompt, width, topk, capacity))
+        return (epoch, reply.tag) if isinstance(reply, SessionOpened) and epoch == self.epoch else None
+
+    async def next_level(self, handle: Handle, frontier: list[int]) -> Level | None:
+        epoch, tag = handle
+        if epoch != self.epoch:
+            return None
+        reply = await self._request(("tag", tag), NextLevel(tag, frontier))
+        return reply if isinstance(reply, Level) and epoch == self.epoch else None
+
+    def reroot(self, handle: Handle, committed: int, new_root: int, token: int, position: int) -> None:
+        """Fire and forget, in order with the session's next level request."""
+        if handle[0] == self.epoch and self._writer is not None:
+            try:
+                self._writer.write(encode(Reroot(handle[1], committed, new_root, token, position)))
+            except (ConnectionError, RuntimeError):
+                pass  # the link is going: the next level request finds out
 
     def close(self, handle: Handle | None) -> None:
         if handle is None or handle[0] != self.epoch or self._writer is None:

@@ -1,0 +1,87 @@
+"""SpecPipe's tree levels drafted on the draft server for a remote stage 1 (``verify --stage
+1/n --draft H:P --specpipe``). Each session holds the draft's KV and the tree; stage 1
+mirrors the tree (both sides add the same nodes in the same order and re-root alike, so
+the node ids agree). Runs on the draft server's compute thread, in message order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specctl.engine.kv_cache import KVPool
+from specctl.engine.model import Decoder
+from specctl.engine.spec import check_token_ids
+from specctl.errors import BadRequest
+from specctl.net.protocol import Level, OpenLevels, Reroot
+from specctl.pipeline.live_tree import SpecTree
+from specctl.pipeline.specpipe import DraftLevels, TreeShape
+
+
+@dataclass(slots=True)
+class LevelSession:
+    levels: DraftLevels
+    tree: SpecTree
+    failed: str | None = None  # a re-rooting that did not fit the tree: the next level request says why
+
+
+class LevelTable:
+    def __init__(self, draft: Decoder, pool: KVPool, vocab_size: int, max_position: int) -> None:
+        self.draft, self.pool, self.vocab_size, self.max_position = draft, pool, vocab_size, max_position
+        self.sessions: dict[int, LevelSession] = {}
+        self.levels_sent = 0
+
+    def open(self, tag: int, msg: OpenLevels) -> None:
+        try:
+            shape = TreeShape(msg.width, msg.topk)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        check_token_ids(msg.prompt, self.vocab_size)
+        if not msg.prompt or not len(msg.prompt) < msg.capacity <= self.max_position:
+            raise BadRequest(f"a level session needs a prompt and a capacity above its length, at most "
+                             f"{self.max_position}: got {len(msg.prompt)} tokens, capacity {msg.capacity}")
+        self.sessions[tag] = LevelSession(DraftLevels(self.draft, shape, list(msg.prompt), msg.capacity, self.pool),
+                                          SpecTree())
+
+    def next_level(self, tag: int, frontier: list[int]) -> Level:
+        session = self._session(tag)
+        if session.failed is not None:
+            raise BadRequest(session.failed)
+        if not frontier or any(node not in session.tree.nodes for node in frontier):
+            raise BadRequest(f"the frontier {frontier[:8]} names nodes the session's tree does not hold")
+        ids = session.levels.next_level(session.tree, frontier)
+        nodes = [session.tree.nodes[i] for i in ids]
+        self.levels_sent += 1
+        return Level(tag, ids, [n.token for n in nodes], [n.parent for n in nodes], [n.score for n in nodes])
+
+    def reroot(self, msg: Reroot) -> None:
+        session = self._session(msg.tag)
+        tree = session.tree
+        if session.failed is not None:
+            return
+        if msg.committed >= 0 and (msg.committed not in tree.nodes
+                                   or msg.new_root >= 0 and tree.nodes.get(msg.new_root, None) is None):
+            session.failed = f"re-rooting at {msg.committed} -> {msg.new_root}: nodes the tree does not hold"
+            return
+        if not 0 <= msg.token < self.vocab_size or not 0 <= msg.position < session.levels.cache.capacity:
+            session.failed = f"token {msg.token} at position {msg.position} is out of range"
+            return
+        if msg.committed >= 0:
+            session.levels.reroot(tree, msg.committed, None if msg.new_root < 0 else msg.new_root)
+        if msg.new_root < 0 or msg.committed < 0:
+            session.tree = SpecTree()
+            session.tree.add(msg.token, None, msg.position)
+        else:
+            tree.reroot(msg.new_root)
+
+    def close(self, tag: int) -> None:
+        session = self.sessions.pop(tag, None)
+        if session is not None:
+            session.levels.close()
+
+    def _session(self, tag: int) -> LevelSession:
+        session = self.sessions.get(tag)
+        if session is None:
+            raise BadRequest(f"unknown level session {tag}")
+        return session
+
+    def snapshot(self) -> dict:
+        return {"level_sessions": len(self.sessions), "levels_sent": self.levels_sent}

@@ -1,0 +1,156 @@
+"""SpecPipe with its tree levels drafted by a draft server (`verify --stage 1/n --draft H:P
+--specpipe`): exact against the whole target, the draft's level sessions freed, the
+draft server gone mid-session (plain PP from then on, the same tokens), bad level
+requests refused with a clear error."""
+
+import asyncio
+
+import pytest
+
+from specctl.draft.levels import LevelTable
+from specctl.draft.server import DraftServer, DraftServerConfig
+from specctl.engine.kv_cache import KVPool
+from specctl.engine.loader import load_model
+from specctl.errors import BadRequest
+from specctl.net.framing import read_message, write_message
+from specctl.net.handshake import client_handshake
+from specctl.net.protocol import Error, Level, NextLevel, OpenLevels, Reroot, SessionOpened
+from specctl.pipeline.local import LocalPipeline
+from specctl.pipeline.serve import SpecPipeDraft
+from specctl.pipeline.specpipe import TreeShape, specpipe_generate
+from specctl.spec.drafters import ModelChainDrafter
+from specctl.spec.rounds import generate
+from specctl.spec.sampling import SamplingParams
+from specctl.verify.client import remote_generate, remote_stats
+from specctl.verify.draft_client import DraftClient
+from specctl.verify.server import TargetServer, TargetServerConfig
+from tests.conftest import wait_until
+
+PROMPTS = [[5, 9, 13, 2], [7, 8, 9, 10, 7, 8, 9], [42, 43, 44, 45, 46]]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_dir):
+    return load_model("t", tiny_dir["llama"], "fp32"), load_model("d", tiny_dir["llama"], "fp32", num_layers=2)
+
+
+class RemoteSpecPipe:
+    """A draft server, a target split over ``stages`` loopback stages and stage 1 serving
+    SpecPipe with the draft server's levels."""
+
+    def __init__(self, models, stages: int, shape: TreeShape) -> None:
+        self.models, self.stages, self.shape = models, stages, shape
+
+    async def __aenter__(self) -> "RemoteSpecPipe":
+        target, draft = self.models
+        self.draft = DraftServer(draft, ModelChainDrafter(draft.decoder, 3), DraftServerConfig(port=0))
+        draft_port = await self.draft.start()
+        self.pipeline = LocalPipeline(target, self.stages)
+        staged = await self.pipeline.start()
+        self.client = DraftClient("127.0.0.1", draft_port, model=target.name, fingerprint=target.vocab_fingerprint)
+        first = asyncio.get_running_loop().create_future()
+        self.link = asyncio.create_task(self.client.run(first))
+        assert await first
+        specpipe = SpecPipeDraft.remote(self.client, asyncio.get_running_loop(), self.shape, "draft server")
+        self.target = TargetServer(staged, TargetServerConfig(port=0), self.client, pipeline=self.pipeline.client,
+                                   specpipe=specpipe)
+        self.port = await self.target.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.target.close()
+        self.link.cancel()
+        await asyncio.gather(self.link, return_exceptions=True)
+        await self.pipeline.close()
+        await self.draft.close()
+
+
+@pytest.mark.parametrize("stages, width", [(2, 3), (3, 1), (4, 4)])
+async def test_levels_from_a_draft_server_give_exactly_the_whole_targets_tokens(models, stages, width):
+    target, _ = models
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    async with RemoteSpecPipe(models, stages, TreeShape(width, 2)) as cluster:
+        for prompt in PROMPTS:
+            tokens, reason, stats = await remote_generate("127.0.0.1", cluster.port, prompt, params)
+            assert tokens == generate(target.decoder, prompt, params)[0] and reason == "length", prompt
+        served = await remote_stats("127.0.0.1", cluster.port)
+        assert served["specpipe_steps"] == 3 * 31 and served["specpipe_hits"] > 0 and served["specpipe_draft_lost"] == 0
+        # The same tree as a draft in stage 1's process grows: the same hits.
+        local = [await asyncio.to_thread(specpipe_generate, cluster.pipeline.staged.decoder, models[1].decoder, prompt,
+                                         params, TreeShape(width, 2)) for prompt in PROMPTS]
+        assert served["specpipe_hits"] == sum(run[3].hits for run in local)
+        assert cluster.draft.levels.levels_sent > 0
+        await wait_until(lambda: not cluster.draft.levels.sessions, what="the draft's level sessions freed")
+        await wait_until(lambda: all(s.pool.sessions == 0 for s in cluster.pipeline.servers), what="stage KV freed")
+
+
+async def test_the_draft_server_gone_mid_session_leaves_plain_pipelining_with_the_same_tokens(models):
+    target, _ = models
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    reference = generate(target.decoder, PROMPTS[1], params)[0]
+    async with RemoteSpecPipe(models, 3, TreeShape(2, 2)) as cluster:
+        seen = asyncio.Event()
+
+        def on_tokens(tokens):
+            if cluster.draft.levels.levels_sent >= 5:
+                seen.set()
+        running = asyncio.create_task(remote_generate("127.0.0.1", cluster.port, PROMPTS[1], params, on_tokens))
+        await asyncio.wait_for(seen.wait(), 60)
+        await cluster.draft.close()  # the draft server goes away mid-session
+        tokens, reason, _ = await running
+        assert tokens == reference and reason == "length"
+        served = await remote_stats("127.0.0.1", cluster.port)
+        assert served["specpipe_draft_lost"] == 1 and served["specpipe_hits"] > 0
+        # The next session starts without a draft (none is there) and is exact too.
+        tokens, _, _ = await remote_generate("127.0.0.1", cluster.port, PROMPTS[0], params)
+        assert tokens == generate(target.decoder, PROMPTS[0], params)[0]
+
+
+def test_level_table_refuses_what_does_not_fit_its_tree(models):
+    _, draft = models
+    table = LevelTable(draft.decoder, KVPool(None), draft.spec.vocab_size, draft.spec.max_position)
+    with pytest.raises(BadRequest, match="width must be in 1..256"):
+        table.open(1, OpenLevels(0, [5, 9], width=0, topk=2, capacity=64))
+    with pytest.raises(BadRequest, match="token ids must be in"):
+        table.open(1, OpenLevels(0, [5, 10**6], width=2, topk=2, capacity=64))
+    with pytest.raises(BadRequest, match="a capacity above its length"):
+        table.open(1, OpenLevels(0, [5, 9], width=2, topk=2, capacity=2))
+    table.open(1, OpenLevels(0, [5, 9, 13], width=2, topk=2, capacity=64))
+    table.reroot(Reroot(1, -1, -1, 2, 3))  # the first tree: root token 2 at position 3
+    level = table.next_level(1, [0])
+    assert level.nodes == [1, 2] and level.parents == [0, 0] and len(set(level.tokens)) == 2
+    with pytest.raises(BadRequest, match="names nodes the session's tree does not hold"):
+        table.next_level(1, [7])
+    with pytest.raises(BadRequest, match="unknown level session 9"):
+        table.next_level(9, [0])
+    table.reroot(Reroot(1, 0, 42, 0, 4))  # a node it never had: the session says so on its next request
+    with pytest.raises(BadRequest, match="re-rooting at 0 -> 42: nodes the tree does not hold"):
+        table.next_level(1, [1, 2])
+    table.close(1)
+    assert not table.sessions and table.pool.sessions == 0
+
+
+async def test_level_requests_over_the_wire_for_unknown_sessions_get_an_error(models):
+    target, draft = models
+    server = DraftServer(draft, ModelChainDrafter(draft.decoder, 3), DraftServerConfig(port=0))
+    port = await server.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        await client_handshake(reader, writer, role="target", model=target.name, fingerprint=target.vocab_fingerprint)
+        await write_message(writer, NextLevel(77, [0]))
+        reply = await read_message(reader)
+        assert isinstance(reply, Error) and (reply.code, reply.tag) == ("unknown_tag", 77)
+        await write_message(writer, OpenLevels(1, [5, 9, 13], 2, 2, 64))
+        opened = await read_message(reader)
+        assert isinstance(opened, SessionOpened)
+        await write_message(writer, Reroot(opened.tag, -1, -1, 2, 3))
+        await write_message(writer, NextLevel(opened.tag, [0]))
+        level = await read_message(reader)
+        assert isinstance(level, Level) and level.nodes == [1, 2]
+        await write_message(writer, NextLevel(opened.tag, [5]))
+        refused = await read_message(reader)
+        assert isinstance(refused, Error) and refused.code == "bad_request" and "does not hold" in refused.message
+        writer.close()
+        await wait_until(lambda: not server.levels.sessions, what="a dropped connection's level sessions freed")
+    finally:
+        await server.close()
