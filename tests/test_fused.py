@@ -8,7 +8,7 @@ import pytest
 
 from specctl.draft.server import DraftServer, DraftServerConfig
 from specctl.engine.loader import load_model
-from specctl.spec.drafters import ModelChainDrafter
+from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter
 from specctl.spec.routing import RoutingPolicy
 from specctl.spec.sampling import SamplingParams
 from specctl.verify.client import remote_generate
@@ -27,11 +27,12 @@ def models(tiny_dir):
     return target, drafts
 
 
-async def _start(models, policy=None, deadline_s=2.0):
+async def _start(models, policy=None, deadline_s=2.0, modes=("chain", "chain")):
     target, drafts = models
     servers, clients, links = [], {}, []
-    for draft in drafts:
-        server = DraftServer(draft, ModelChainDrafter(draft.decoder, 3), DraftServerConfig(port=0))
+    for draft, mode in zip(drafts, modes):
+        drafter = ModelTreeDrafter(draft.decoder, 3, 2, 4) if mode == "tree" else ModelChainDrafter(draft.decoder, 3)
+        server = DraftServer(draft, drafter, DraftServerConfig(port=0))
         port = await server.start()
         client = DraftClient("127.0.0.1", port, model=target.name, fingerprint=target.vocab_fingerprint)
         first = asyncio.get_running_loop().create_future()
@@ -53,8 +54,10 @@ async def _stop(servers, links, target_server):
         await server.close()
 
 
-async def test_greedy_with_two_draft_servers_and_ngram_equals_the_target_alone(models):
-    servers, links, target_server, port, fusion = await _start(models, RoutingPolicy(tau=100.0, alpha=1.0, beta=1.0))
+@pytest.mark.parametrize("modes", [("chain", "chain"), ("tree", "chain")])
+async def test_greedy_with_two_draft_servers_and_ngram_equals_the_target_alone(models, modes):
+    servers, links, target_server, port, fusion = await _start(models, RoutingPolicy(tau=100.0, alpha=1.0, beta=1.0),
+                                                               modes=modes)
     try:
         params = SamplingParams(max_tokens=24, ignore_eos=True)
         results = await asyncio.gather(*(remote_generate("127.0.0.1", port, p, params) for p in PROMPTS))
@@ -63,6 +66,8 @@ async def test_greedy_with_two_draft_servers_and_ngram_equals_the_target_alone(m
         stats = target_server.snapshot()["drafters"]
         assert set(stats) == {*fusion.clients, "ngram"}
         assert sum(s["chosen_rounds"] for s in stats.values()) > 0 and all(s["connected"] for s in stats.values())
+        first = stats[next(iter(fusion.clients))]  # a tree drafter's nodes are fused and credited too
+        assert first["chosen_rounds"] > 0 and first["accepted_tokens"] > 0 and first["failures"] == 0
         await wait_until(lambda: all(s.table.states == {} for s in servers) and target_server.active == 0)
         assert all(s.table.pool.used_bytes == 0 for s in servers) and target_server.pool.used_bytes == 0
     finally:

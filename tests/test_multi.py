@@ -114,9 +114,55 @@ def test_all_drafters_failing_falls_back_to_plain_decoding(tiny):
     assert output == generate(tiny["llama"], PROMPTS[1], params)[0] and stats.accepted == 0
 
 
-def test_tree_drafters_and_bad_budgets_are_refused(tiny):
-    with pytest.raises(ValueError, match="fusion takes chain drafters"):
-        MultiDrafter({"tree": ModelTreeDrafter(tiny["llama-draft"], 3, 2, 2)})
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_tree_drafter_fused_with_chains_equals_the_target_alone_and_is_credited(tiny, arch):
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    everyone = RoutingPolicy(tau=100.0, alpha=1.0, beta=1.0)  # the tree and a chain every round, the lookup too
+    drafter = MultiDrafter({"tree": ModelTreeDrafter(tiny[f"{arch}-self2"], 3, 2, 6),
+                            "chain": ModelChainDrafter(tiny[f"{arch}-draft"], 4), "ngram": NgramDrafter(4)},
+                           policy=everyone, budget=12)
+    pool = KVPool()
+    for prompt in PROMPTS:
+        reference = generate(tiny[arch], prompt, params)[0]
+        assert generate(tiny[arch], prompt, params, drafter, draft_pool=pool)[0] == reference, prompt
+    snapshot = drafter.snapshot()
+    assert snapshot["tree"]["chosen_rounds"] > 0 and snapshot["tree"]["accepted_tokens"] > 0
+    assert snapshot["tree"]["proposed_tokens"] > snapshot["tree"]["chosen_rounds"] * 3  # more than one path a round
+    assert all(s["failures"] == 0 for s in snapshot.values())
+    assert pool.used_bytes == 0 and pool.sessions == 0
+
+
+def test_a_tree_drafter_is_told_its_own_nodes_of_the_verified_path(tiny):
+    """The tree drafter's session hears the verified path in its own numbering, not the fused
+    tree's: it then drafts exactly what a tree drafter alone drafts after the same round."""
+    make = lambda: ModelTreeDrafter(tiny["llama-self2"], 3, 2, 6)  # noqa: E731
+    drafter = MultiDrafter({"tree": make(), "ngram": NgramDrafter(3)},
+                           policy=RoutingPolicy(tau=100.0, alpha=1.0, beta=1.0))
+    session, alone = drafter.open(128), make().open(128)
+    try:
+        text = [5, 9, 13, 2, 5, 9]  # the lookup proposes 13, 2, 5 (what followed 5, 9 before)
+        tree = session.propose(text, GREEDY, None).tree
+        asked = {i: (draft, where) for i, draft, where in session.asked}
+        (draft, where), (lookup, _) = asked[0], asked[1]
+        assert lookup.tokens == [13, 2, 5]
+        assert alone.propose(text, GREEDY, None).tree.tokens[1:].tolist() == draft.tokens
+        # Verification takes the tree drafter's second root child, then its first child.
+        second = [i + 1 for i, parent in enumerate(draft.parents) if parent == 0][1]
+        below = [i + 1 for i, parent in enumerate(draft.parents) if parent == second][0]
+        path = [where[second - 1], where[below - 1]]
+        assert path != [second, below]  # the fused numbering differs from the drafter's own
+        session.on_verified(path)
+        alone.on_verified([second, below])
+        assert session.scores[0].total == 2.0 and session.scores[1].total == 0.0  # the lookup's were rejected
+        after = text + [int(tree.tokens[path[0]]), int(tree.tokens[path[1]]), 77]  # and the bonus
+        assert (session.sessions[0].propose(after, GREEDY, None).tree.tokens.tolist()
+                == alone.propose(after, GREEDY, None).tree.tokens.tolist())
+    finally:
+        session.close()
+        alone.close()
+
+
+def test_bad_budgets_are_refused(tiny):
     with pytest.raises(ValueError, match="at least one drafter"):
         MultiDrafter({})
     with pytest.raises(ValueError, match="budget must be >= 1"):
@@ -129,6 +175,14 @@ def test_fused_sampling_keeps_the_target_distribution(small, temperature, top_p)
     drafter = MultiDrafter({"draft": ModelChainDrafter(draft, 2), "ngram": NgramDrafter(2)},
                            policy=RoutingPolicy(tau=100.0, alpha=1.0, beta=1.0))
     _assert_target_distribution(target, drafter, temperature, top_p)
+
+
+@pytest.mark.slow
+def test_fused_sampling_with_a_tree_drafter_keeps_the_target_distribution(small):  # noqa: F811
+    target, draft = small
+    drafter = MultiDrafter({"tree": ModelTreeDrafter(draft, 2, 2, 4), "ngram": NgramDrafter(2)},
+                           policy=RoutingPolicy(tau=100.0, alpha=1.0, beta=1.0))
+    _assert_target_distribution(target, drafter, 0.8, 1.0)
 
 
 def test_generate_mode_multi_from_the_command_line(tiny_dir):

@@ -18,6 +18,11 @@ from tests.conftest import poll_async
 PROMPT = [5, 9, 13, 2]
 
 
+def draft_server(tiny_dir, port: int, mode: str):
+    return spawn_role("draft", "--port", str(port), "--model", f"{tiny_dir['llama']}@2", "--mode", mode, "--depth", "4",
+                      "--dtype", "fp32", "--threads", "1", "--log-level", "warning")
+
+
 def stage_args(tiny_dir, index: int, pipeline: str, *extra: str) -> tuple[str, ...]:
     return ("verify", "--stage", f"{index}/2", "--pipeline", pipeline, "--model", str(tiny_dir["llama"]),
             "--dtype", "fp32", "--threads", "1", "--log-level", "warning", *extra)
@@ -29,8 +34,7 @@ async def test_two_stage_processes_with_a_draft_server_then_the_last_stage_kille
     pipeline = f"127.0.0.1:{first_port},127.0.0.1:{second_port}"
     procs = []
     try:
-        procs.append(spawn_role("draft", "--port", str(draft_port), "--model", f"{tiny_dir['llama']}@2", "--mode",
-                                "tree", "--depth", "4", "--dtype", "fp32", "--threads", "1", "--log-level", "warning"))
+        procs.append(draft_server(tiny_dir, draft_port, "tree"))
         wait_listening(procs[0], "draft server")
         procs.append(spawn_role(*stage_args(tiny_dir, 2, pipeline)))
         wait_listening(procs[1], "stage 2")
@@ -105,8 +109,7 @@ async def test_stage_one_serving_specpipe_with_levels_from_a_draft_server_proces
     pipeline = f"127.0.0.1:{first_port},127.0.0.1:{second_port}"
     procs = []
     try:
-        procs.append(spawn_role("draft", "--port", str(draft_port), "--model", f"{tiny_dir['llama']}@2", "--mode",
-                                "chain", "--dtype", "fp32", "--threads", "1", "--log-level", "warning"))
+        procs.append(draft_server(tiny_dir, draft_port, "chain"))
         procs.append(spawn_role(*stage_args(tiny_dir, 2, pipeline)))
         wait_listening(procs[0], "draft server")
         wait_listening(procs[1], "stage 2")

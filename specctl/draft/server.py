@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Awaitable
 import logging
 import time
 from dataclasses import dataclass, field
@@ -189,18 +190,25 @@ class DraftServer(ListeningServer):
         return False
 
     async def _next_level(self, conn: Connection, message: NextLevel) -> None:
+        work = self.compute.run(self.levels.next_level, message.tag, message.frontier)
+        level = await self._answer(conn, message.tag, work, "drafting a level")
+        if level is not None:
+            conn.send(level)
+
+    async def _answer(self, conn: Connection, tag: int, work: Awaitable, what: str):
+        """A session's reply, or None after telling that peer why there is none."""
         try:
-            level = await self.compute.run(self.levels.next_level, message.tag, message.frontier)
+            return await work
+        except UnknownTag:
+            self._refuse(conn, Error("unknown_tag", f"unknown session tag {tag}", tag=tag))
         except SpecctlError as exc:
-            self._refuse(conn, Error("bad_request", str(exc), tag=message.tag))
-            return
+            self._refuse(conn, Error("bad_request", str(exc), tag=tag))
         except Exception as exc:  # noqa: BLE001 - report, keep serving the other sessions
-            log.exception("level for tag %s failed", message.tag)
-            conn.send(Error("internal", f"drafting a level failed: {exc}", tag=message.tag))
-            return
+            log.exception("%s for tag %s failed", what, tag)
+            conn.send(Error("internal", f"{what} failed: {exc}", tag=tag))
         finally:
-            conn.inflight.discard(message.tag)
-        conn.send(level)
+            conn.inflight.discard(tag)
+        return None
 
     def _refuse(self, conn: Connection, error: Error) -> None:
         """Answer a bad or inconsistent request with an error to that peer only."""
@@ -242,26 +250,17 @@ class DraftServer(ListeningServer):
         conn.send(SessionOpened(message.req, tag))
 
     async def _propose(self, conn: Connection, message: Propose) -> None:
-        try:
+        async def draft():
             request = (message.tag, message.path, message.tokens)
-            proposal = None
             # A hit answers at once, whatever else misses; a session with nothing planned skips
             # the lookup (a stale answer is safe: drafting drops any plan it finds).
             if self.table.speculation is not None and message.tag in self.table.speculation.plans:
                 proposal = await self.compute.run_batched("lookup", self.table.lookup_many, request)
-            if proposal is None:
-                proposal = await self.compute.run_batched("propose", self.table.propose_many, request)
-        except UnknownTag:
-            self._refuse(conn, Error("unknown_tag", f"unknown session tag {message.tag}", tag=message.tag))
-            return
-        except SpecctlError as exc:
-            self._refuse(conn, Error("bad_request", str(exc), tag=message.tag))
-            return
-        except Exception as exc:  # noqa: BLE001 - report, keep serving the other sessions
-            log.exception("proposal for tag %s failed", message.tag)
-            conn.send(Error("internal", f"drafting failed: {exc}", tag=message.tag))
-            return
-        finally:
-            conn.inflight.discard(message.tag)
-        self.proposals_sent += 1
-        self.proposal_bytes += conn.send(proposal)
+                if proposal is not None:
+                    return proposal
+            return await self.compute.run_batched("propose", self.table.propose_many, request)
+
+        proposal = await self._answer(conn, message.tag, draft(), "drafting")
+        if proposal is not None:
+            self.proposals_sent += 1
+            self.proposal_bytes += conn.send(proposal)

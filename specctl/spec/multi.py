@@ -1,7 +1,7 @@
 """Several drafters for one target (CoSine): a Drafter whose sessions route each round to
-the drafters that do best on this session (``spec.routing``) and fuse their chains into one
-tree (``spec.fusion``). A drafter that fails is skipped for that round (its failure is
-counted); if all fail the round verifies the root alone. Lossless like every tree: greedy
+the drafters that do best on this session (``spec.routing``) and fuse their proposals
+(chains or trees) into one tree (``spec.fusion``). A drafter that fails is skipped for
+that round (its failure is counted); if all fail the round verifies the root alone. Lossless like every tree: greedy
 output is the target's, and sampled requests get deterministic candidates (each drafter
 drafts greedily) verified by recursive rejection, so no q is ever passed that was not
 sampled from."""
@@ -12,8 +12,8 @@ import logging
 
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.tree import TokenTree
-from specctl.spec.drafters import DraftSession, Drafter, ModelTreeDrafter, Proposal
-from specctl.spec.fusion import accepted_prefix, fuse_chains
+from specctl.spec.drafters import DraftSession, Drafter, Proposal
+from specctl.spec.fusion import Draft, fuse, own_path, routing_outcome
 from specctl.spec.routing import DrafterStats, RoutingPolicy, RoutingScore, choose_drafters, next_drafter
 from specctl.spec.sampling import SamplingParams, uniform
 
@@ -28,9 +28,6 @@ class MultiDrafter(Drafter):
                  policy: RoutingPolicy | None = None) -> None:
         if not drafters:
             raise ValueError("give at least one drafter")
-        trees = [name for name, d in drafters.items() if isinstance(d, ModelTreeDrafter)]
-        if trees:
-            raise ValueError(f"fusion takes chain drafters (model chains, n-gram); {', '.join(trees)} drafts trees")
         self.drafters = dict(drafters)
         self.names = list(drafters)
         longest = max(d.max_nodes for d in drafters.values()) - 1
@@ -60,7 +57,7 @@ class _MultiSession(DraftSession):
             self.close()
             raise
         self.scores = [RoutingScore() for _ in owner.names]
-        self.asked: list[tuple[int, list[float], list[int]]] = []  # (drafter, confidences, tree nodes)
+        self.asked: list[tuple[int, Draft, list[int | None]]] = []  # (drafter, its draft, where it landed)
         self.rounds = 0
         self.accepted = 0
 
@@ -73,37 +70,35 @@ class _MultiSession(DraftSession):
         scores, up = [s.value for s in self.scores], [True] * len(self.sessions)
         order = choose_drafters(scores, up, self.mean_accepted, owner.policy, uniform(generator),
                                 uniform(generator), owner.free)
-        chains, asked, tried = [], [], list(order)
+        drafts, asked, tried = [], [], list(order)
         while order:
             for i in order:
-                chain = self._ask(i, seq)
-                if chain is not None:
-                    chains.append(chain)
+                draft = self._ask(i, seq)
+                if draft is not None:
+                    drafts.append(draft)
                     asked.append(i)
             # nothing proposed (no n-gram match, failures): the next-ranked drafter has a go
-            following = None if any(tokens for tokens, _ in chains) else next_drafter(scores, up, tried, owner.free)
+            following = None if any(d.tokens for d in drafts) else next_drafter(scores, up, tried, owner.free)
             order = [] if following is None else [following]
             tried += order
-        tree, nodes = fuse_chains(seq[-1], chains, owner.budget) if chains else (TokenTree.root(seq[-1]), [])
-        self.asked = [(i, chain[1][: len(path)], path) for i, chain, path in zip(asked, chains, nodes)]
-        for i, confidences, _ in self.asked:
-            owner.stats[owner.names[i]].chosen_rounds += bool(confidences)
-            owner.stats[owner.names[i]].proposed_tokens += len(confidences)
+        tree, placed = fuse(seq[-1], drafts, owner.budget) if drafts else (TokenTree.root(seq[-1]), [])
+        self.asked = list(zip(asked, drafts, placed))
+        for i, _, where in self.asked:
+            kept = sum(node is not None for node in where)
+            owner.stats[owner.names[i]].chosen_rounds += bool(kept)
+            owner.stats[owner.names[i]].proposed_tokens += kept
         return Proposal(tree)
 
-    def _ask(self, i: int, seq: list[int]) -> tuple[list[int], list[float]] | None:
-        """Drafter i's chain (tokens, confidences), or None when it failed (skipped this round)."""
+    def _ask(self, i: int, seq: list[int]) -> Draft | None:
+        """Drafter i's proposal (a chain or a tree), or None when it failed (skipped this round)."""
         name = self.owner.names[i]
         try:
-            tree = self.sessions[i].propose(seq, GREEDY, None).tree
+            return Draft.of_tree(self.sessions[i].propose(seq, GREEDY, None).tree)
         except Exception as exc:  # noqa: BLE001 - that drafter is skipped this round
             self.owner.stats[name].failures += 1
             log.warning("drafter %s failed, skipped this round: %s", name, exc)
             self._reset(i)
             return None
-        if len(tree) > 1 and tree.parents.tolist() != list(range(-1, len(tree) - 1)):
-            raise ValueError(f"drafter {name} proposed a tree; fusion takes chains")
-        return tree.tokens[1:].tolist(), tree.probs[1:].tolist()
 
     def _reset(self, i: int) -> None:
         """Back to the committed text (a draft that failed halfway may have drafted tokens)."""
@@ -113,11 +108,11 @@ class _MultiSession(DraftSession):
             log.warning("drafter %s could not reset after a failure", self.owner.names[i])
 
     def on_verified(self, path):
-        for i, confidences, nodes in self.asked:
-            taken = accepted_prefix(path, nodes)
-            self.sessions[i].on_verified(list(range(1, taken + 1)))
-            self.scores[i].add(confidences, taken)
-            self.owner.stats[self.owner.names[i]].accepted_tokens += taken
+        for i, draft, where in self.asked:
+            taken = own_path(path, where)
+            self.sessions[i].on_verified(taken)
+            self.scores[i].add(*routing_outcome(draft, where, taken))
+            self.owner.stats[self.owner.names[i]].accepted_tokens += len(taken)
         self.asked = []
         self.rounds += 1
         self.accepted += len(path)

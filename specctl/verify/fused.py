@@ -2,12 +2,13 @@
 ``specctl verify --draft A --draft B [--draft ngram]``.
 
 Per session, each round goes to the drafters ``spec.routing`` picks from their scores on
-this session; the chosen ones draft at once (each its own draft server), and their chains
-are fused into one tree (``spec.fusion``) verified like any tree. A drafter that is down, or
+this session; the chosen ones draft at once (each its own draft server), and their
+proposals (chains, or trees from a draft server in tree mode) are fused into one tree
+(``spec.fusion``) verified like any tree. A drafter that is down, or
 that has not answered by the deadline, is skipped for that round; its late answer is
 dropped. Each draft session is told the rounds since its last proposal in one outcome (its
 accepted prefix, then all the text committed since), so a drafter that sat rounds out
-catches up by itself. Draft servers draft greedy chains (``greedy_drafts``): the fused tree
+catches up by itself. Draft servers draft greedily (``greedy_drafts``): the fused tree
 is verified by the rule for deterministic candidates, lossless at any temperature.
 
 Over the wire a proposal carries no probabilities, so a remote drafter's tokens get its
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 
 from specctl.spec.decode import DecodeSession
 from specctl.spec.drafters import NgramDrafter, Proposal
-from specctl.spec.fusion import accepted_prefix, fuse_chains
+from specctl.spec.fusion import Draft, fuse, own_path, routing_outcome
 from specctl.spec.rounds import Drafted
 from specctl.spec.routing import DrafterStats, RoutingPolicy, RoutingScore, choose_drafters, next_drafter
 from specctl.spec.stats import FALLBACK_DRAFT_DOWN
@@ -71,7 +72,7 @@ class _Link:
     remote: RemoteSpeculator | None
     score: RoutingScore = field(default_factory=RoutingScore)
     synced: int = 0  # len(session.seq) when its outstanding proposal was asked for
-    accepted: int = 0  # its accepted prefix in the round it was last used
+    path: list[int] = field(default_factory=list)  # its nodes on the verified path, the round it was last used
     outstanding: bool = False
     late: asyncio.Task | None = None  # a proposal past the deadline, still on its way
 
@@ -86,7 +87,7 @@ class FusedSpeculator:
         if fusion.ngram_depth:
             self.links.append(_Link(NGRAM, None))
         self.ngram = NgramDrafter(fusion.ngram_depth) if fusion.ngram_depth else None
-        self.asked: list[tuple[_Link, list[float], list[int]]] = []
+        self.asked: list[tuple[_Link, Draft, list[int | None]]] = []  # (drafter, its draft, where it landed)
         self.rounds = self.accepted = 0
 
     def begin(self, session: DecodeSession) -> None:
@@ -99,11 +100,10 @@ class FusedSpeculator:
                                        and link.remote.client.connected.is_set())
 
     def _score_last_round(self, session: DecodeSession) -> None:
-        for link, confidences, nodes in self.asked:
-            taken = accepted_prefix(session.last_path, nodes)
-            link.score.add(confidences, taken)
-            link.accepted = taken
-            self.fusion.stats[link.name].accepted_tokens += taken
+        for link, draft, where in self.asked:
+            link.path = own_path(session.last_path, where)
+            link.score.add(*routing_outcome(draft, where, link.path))
+            self.fusion.stats[link.name].accepted_tokens += len(link.path)
         if self.asked:
             self.rounds += 1
             self.accepted += len(session.last_path)
@@ -119,37 +119,37 @@ class FusedSpeculator:
         order = choose_drafters(scores, up, mean, self.fusion.policy, self.rng.random(), self.rng.random(), free)
         if not order:
             return Drafted(None, time.perf_counter() - started, FALLBACK_DRAFT_DOWN)
-        chains: dict[int, tuple[list[int], list[float]]] = {}
+        drafts: dict[int, Draft] = {}
         asked = list(order)
         while order:
-            await self._ask(session, order, chains)
+            await self._ask(session, order, drafts)
             # nothing proposed (no n-gram match, drafters late or failed): the next-ranked one has a go
-            following = None if any(tokens for tokens, _ in chains.values()) else next_drafter(scores, up, asked, free)
+            following = None if any(d.tokens for d in drafts.values()) else next_drafter(scores, up, asked, free)
             order = [] if following is None else [following]
             asked += order
-        used = [i for i in asked if i in chains]
-        tree, nodes = fuse_chains(session.seq[-1], [chains[i] for i in used], self.fusion.budget)
-        self.asked = [(self.links[i], chains[i][1][: len(path)], path) for i, path in zip(used, nodes)]
-        for link, confidences, _ in self.asked:
-            stats[link.name].chosen_rounds += bool(confidences)
-            stats[link.name].proposed_tokens += len(confidences)
+        used = [i for i in asked if i in drafts]
+        tree, placed = fuse(session.seq[-1], [drafts[i] for i in used], self.fusion.budget)
+        self.asked = [(self.links[i], drafts[i], where) for i, where in zip(used, placed)]
+        for link, _, where in self.asked:
+            kept = sum(node is not None for node in where)
+            stats[link.name].chosen_rounds += bool(kept)
+            stats[link.name].proposed_tokens += kept
         return Drafted(Proposal(tree), time.perf_counter() - started)
 
-    async def _ask(self, session: DecodeSession, order: list[int],
-                   chains: dict[int, tuple[list[int], list[float]]]) -> None:
-        """Ask the drafters in ``order`` at once; their chains land in ``chains`` (a drafter
+    async def _ask(self, session: DecodeSession, order: list[int], drafts: dict[int, Draft]) -> None:
+        """Ask the drafters in ``order`` at once; their proposals land in ``drafts`` (a drafter
         late past the deadline or failing is skipped for this round)."""
         stats = self.fusion.stats
         tasks = {}
         for i in order:
             link = self.links[i]
             if link.remote is not None:
-                outcome = ([*range(1, link.accepted + 1)] if link.outstanding else [], session.seq[link.synced:])
-                link.synced, link.accepted, link.outstanding = len(session.seq), 0, False
+                outcome = (link.path if link.outstanding else [], session.seq[link.synced:])
+                link.synced, link.path, link.outstanding = len(session.seq), [], False
                 tasks[i] = asyncio.ensure_future(link.remote.propose(session, outcome, self.fusion.deadline_s))
         for i in order:
             if self.links[i].remote is None:
-                chains[i] = (tokens := self.ngram.lookup(session.seq), [1.0] * len(tokens))
+                drafts[i] = Draft.chain(tokens := self.ngram.lookup(session.seq), [1.0] * len(tokens))
         if not tasks:
             return
         try:
@@ -171,9 +171,7 @@ class FusedSpeculator:
                 stats[link.name].failures += drafted.fallback is not None
                 continue
             link.outstanding = True
-            tree = proposal.tree
-            if tree.parents.tolist() == list(range(-1, len(tree) - 1)):
-                chains[i] = (tree.tokens[1:].tolist(), [link.score.value] * (len(tree) - 1))
+            drafts[i] = Draft.of_tree(proposal.tree, [link.score.value] * (len(proposal.tree) - 1))
 
     @staticmethod
     def _landed(link: _Link) -> None:
@@ -181,7 +179,7 @@ class FusedSpeculator:
         with nothing of it accepted."""
         task, link.late = link.late, None
         if task is not None and not task.cancelled() and task.exception() is None and task.result().proposal:
-            link.outstanding, link.accepted = True, 0
+            link.outstanding, link.path = True, []
 
     def close(self) -> None:
         for link in self.links:
