@@ -2,7 +2,7 @@
 
 import pytest
 
-from specctl.spec.fusion import accepted_prefix, fuse_chains
+from specctl.spec.fusion import Draft, accepted_prefix, fuse, fuse_chains, own_path, routing_outcome
 from specctl.spec.routing import (PRIOR, RoutingPolicy, RoutingScore, choose_drafters, next_drafter, rank_drafters,
                                   token_score)
 
@@ -95,3 +95,32 @@ def test_accepted_prefix():
     assert accepted_prefix([2], [1, 3]) == 0
     assert accepted_prefix([1, 3], [1, 3, 5]) == 2
     assert accepted_prefix([], [1]) == 0
+
+
+def test_fusion_merges_a_tree_with_a_chain_and_maps_each_drafts_nodes():
+    #   tree draft: root -> 1 (0.6) -> 3 (0.5); root -> 2 (0.3) -> 4 (0.2), 5 (0.25)
+    tree_draft = Draft([1, 2, 3, 4, 5], [0, 0, 1, 2, 2], [0.6, 0.3, 0.5, 0.2, 0.25])
+    chain = Draft.chain([2, 4, 9], [0.9, 0.8, 0.7])
+    tree, (tree_where, chain_where) = fuse(7, [tree_draft, chain], budget=10)
+    # level 1: 2 (max 0.3, 0.9) before 1 (0.6); level 2 under 2: 4 (0.8) then 5 (0.25); under 1: 3; then 9 under 4
+    assert tree.tokens.tolist() == [7, 2, 1, 4, 5, 3, 9]
+    assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 2, 3]
+    assert tree_where == [2, 1, 5, 3, 4] and chain_where == [1, 3, 6]
+    # the target accepts 2, 4, 9: the tree drafter's own nodes 2, 4; the chain's 1, 2, 3
+    assert own_path([1, 3, 6], tree_where) == [2, 4] and own_path([1, 3, 6], chain_where) == [1, 2, 3]
+    assert own_path([2, 5], chain_where) == []
+    # its nodes on the path accepted, its likeliest line below them rejected (none below 4)
+    assert routing_outcome(tree_draft, tree_where, [2, 4]) == ([0.3, 0.2], 2)
+    assert routing_outcome(tree_draft, tree_where, []) == ([0.6, 0.5], 0)  # nothing taken: its best line
+    assert routing_outcome(chain, chain_where, [1]) == ([0.9, 0.8, 0.7], 1)
+
+
+def test_fusion_cuts_a_trees_subtree_with_its_parent():
+    tree_draft = Draft([1, 2, 3, 4], [0, 0, 1, 2], [0.9, 0.8, 0.7, 0.6])
+    tree, (where,) = fuse(0, [tree_draft], budget=2)
+    assert tree.tokens.tolist() == [0, 1, 2] and where == [1, 2, None, None]
+    assert routing_outcome(tree_draft, where, []) == ([0.9], 0)  # a cut node is not counted
+    with pytest.raises(ValueError, match="parents must come before their children"):
+        Draft([1, 2], [0, 2], [0.5, 0.5])
+    with pytest.raises(ValueError, match="one parent and one confidence per token"):
+        Draft([1, 2], [0], [0.5, 0.5])
