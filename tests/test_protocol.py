@@ -115,3 +115,17 @@ def test_a_sampled_chain_proposal_frame_stays_small_and_exact_at_qwen_vocabulary
     assert torch.equal(decoded.draft_probs.to_dense(vocab), q)
     with pytest.raises(p.ProtocolError, match=r"^sparse probability ids must be in \[0, 1000\)$"):
         decoded.draft_probs.to_dense(1000)
+
+
+def test_a_proposal_carries_the_drafts_confidence_in_a_byte_per_node():
+    from specctl.verify.speculator import proposal_from_message
+
+    Proposal = p.Proposal
+    message = Proposal(3, [7, 1, 2, 4], [-1, 0, 0, 1], confidences=Proposal.pack_confidences([0.9, 0.05, 1.0]))
+    again = p.decode(p.encode(message)[4:])
+    assert again.confidences == bytes([230, 13, 255])
+    tree = proposal_from_message(again, 16).tree
+    assert tree.probs.tolist() == pytest.approx([1.0, 230 / 255, 13 / 255, 1.0])
+    assert proposal_from_message(Proposal(3, [7, 1], [-1, 0]), 16).tree.probs.tolist() == [1.0, 1.0]  # none given
+    with pytest.raises(p.ProtocolError, match="2 confidences for 1 drafted tokens"):
+        proposal_from_message(Proposal(3, [7, 1], [-1, 0], confidences=b"\x01\x02"), 16)

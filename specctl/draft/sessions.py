@@ -156,4 +156,5 @@ class SessionTable:
 def _message(tag: int, proposal: DraftProposal) -> Proposal:
     tree = proposal.tree
     q = None if proposal.draft_probs is None else SparseProbs.from_dense(proposal.draft_probs)
-    return Proposal(tag, tree.tokens.tolist(), tree.parents.tolist(), q)
+    return Proposal(tag, tree.tokens.tolist(), tree.parents.tolist(), q,
+                    Proposal.pack_confidences(tree.probs[1:].tolist()))

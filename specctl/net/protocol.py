@@ -130,6 +130,20 @@ class Proposal(msgspec.Struct, tag=True, frozen=True):
     tokens: list[int]  # BFS order, root first
     parents: list[int]  # -1 for the root
     draft_probs: SparseProbs | None = None  # q of a sampled chain, one row per drafted token
+    # The draft's confidence in each node after the root (its probability given the parent),
+    # a byte each, round(255 c): what fusion orders siblings by. Empty: not given.
+    confidences: bytes = b""
+
+    @staticmethod
+    def pack_confidences(probs: list[float]) -> bytes:
+        return bytes(min(255, max(0, round(255 * p))) for p in probs)
+
+    def unpacked_confidences(self) -> list[float] | None:
+        if not self.confidences:
+            return None
+        if len(self.confidences) != len(self.tokens) - 1:
+            raise ProtocolError(f"{len(self.confidences)} confidences for {len(self.tokens) - 1} drafted tokens")
+        return [1.0] + [c / 255 for c in self.confidences]
 
 
 class CloseSession(msgspec.Struct, tag=True, frozen=True):

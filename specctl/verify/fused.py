@@ -11,8 +11,8 @@ accepted prefix, then all the text committed since), so a drafter that sat round
 catches up by itself. Draft servers draft greedily (``greedy_drafts``): the fused tree
 is verified by the rule for deterministic candidates, lossless at any temperature.
 
-Over the wire a proposal carries no probabilities, so a remote drafter's tokens get its
-routing score as their confidence (it orders siblings); the n-gram lookup's count 1."""
+A proposal carries the draft's confidence in each node (its probability, a byte each): it
+orders the fused tree's siblings; the n-gram lookup's count 1."""
 
 from __future__ import annotations
 
@@ -171,7 +171,7 @@ class FusedSpeculator:
                 stats[link.name].failures += drafted.fallback is not None
                 continue
             link.outstanding = True
-            drafts[i] = Draft.of_tree(proposal.tree, [link.score.value] * (len(proposal.tree) - 1))
+            drafts[i] = Draft.of_tree(proposal.tree)  # the draft's own confidences (protocol v4)
 
     @staticmethod
     def _landed(link: _Link) -> None:

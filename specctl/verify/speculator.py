@@ -34,7 +34,7 @@ PREFILL_TOKENS_PER_TIMEOUT = 512
 
 def proposal_from_message(msg: ProposalMsg, vocab_size: int) -> Proposal:
     try:
-        tree = TokenTree.from_parents(msg.tokens, msg.parents)
+        tree = TokenTree.from_parents(msg.tokens, msg.parents, msg.unpacked_confidences())
     except ValueError as exc:
         raise ProtocolError(f"bad proposal tree: {exc}") from None
     q = None if msg.draft_probs is None else msg.draft_probs.to_dense(vocab_size)
