@@ -246,6 +246,7 @@ def test_bench_pipeline_measures_every_mode_and_stage_count_with_exact_outputs(t
     assert report["settings"]["stages_as"] == "processes"
 
 
+@pytest.mark.slow
 def test_bench_pipeline_in_process_runs_the_stages_as_threads(tiny_dir, tmp_path):
     out = tmp_path / "pipeline.json"
     proc = run("bench", "pipeline", "--target", str(tiny_dir["llama"]), "--draft", f"{tiny_dir['llama']}@2",

@@ -104,6 +104,7 @@ async def test_stage_one_serving_specpipe_is_exact_and_a_cancelled_request_frees
         stop_processes(procs)
 
 
+@pytest.mark.slow  # the same in one process: tests/test_specpipe_remote.py
 async def test_stage_one_serving_specpipe_with_levels_from_a_draft_server_process_is_exact(tiny_dir):
     draft_port, first_port, second_port = free_ports(3)
     pipeline = f"127.0.0.1:{first_port},127.0.0.1:{second_port}"
