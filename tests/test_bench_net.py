@@ -1,11 +1,14 @@
 """bench net's overhead comparison runs end to end (it once crashed unnoticed) and compares
 the same pair: the separate processes reproduce the one-process outputs."""
 
+import pytest
+
 from specctl.bench.net import overhead
 from specctl.config import build_config
 from specctl.spec.factory import load_named
 
 
+@pytest.mark.slow
 def test_overhead_runs_the_same_pair_in_one_process_and_in_two(tiny_dir):
     config = build_config(None, target=str(tiny_dir["llama"]), draft=f"{tiny_dir['llama']}@2", dtype="fp32")
     target, draft = load_named(config.target, config), load_named(config.draft, config)

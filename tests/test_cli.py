@@ -166,6 +166,7 @@ def test_a_port_in_use_is_one_line_naming_it(tiny_dir):
                                  "there or pick another port with --port")
 
 
+@pytest.mark.slow
 def test_remote_generation_uses_the_tokenizer_of_the_model_the_instance_serves(tiny_dir):
     """Against a target that is not the default model: the text equals the local run of that
     model, and a --target that contradicts the instance is refused in one line."""
@@ -226,18 +227,22 @@ def test_a_gateway_with_no_reachable_target_says_so_in_one_lowercase_line():
                            "no target instance answered")
 
 
-def test_bench_pipeline_measures_every_mode_and_stage_count_with_exact_outputs(tiny_dir, tmp_path):
+@pytest.mark.parametrize("stages, rows", [
+    ("1,3", [(1, "pp"), (1, "pp+chain"), (3, "pp"), (3, "pp+chain"), (3, "specpipe"), (3, "pp+chain x2"),
+             (3, "specpipe-db x2")]),
+    pytest.param("1,2,4", [(1, "pp"), (1, "pp+chain"), (2, "pp"), (2, "pp+chain"), (2, "specpipe"), (2, "pp+chain x2"),
+                           (2, "specpipe-db x2"), (4, "pp"), (4, "pp+chain"), (4, "specpipe"), (4, "pp+chain x2"),
+                           (4, "specpipe-db x2")], marks=pytest.mark.slow)])
+def test_bench_pipeline_measures_every_mode_and_stage_count_with_exact_outputs(tiny_dir, tmp_path, stages, rows):
     out = tmp_path / "pipeline.json"
     proc = run("bench", "pipeline", "--target", str(tiny_dir["llama"]), "--draft", f"{tiny_dir['llama']}@2",
-               "--stages", "1,2,4", "--stage-delay-ms", "2", "-n", "6", "--limit", "2", "--repeats", "2",
-               "--sessions", "4", "--json", str(out))
+               "--stages", stages, "--stage-delay-ms", "2", "-n", "5", "--limit", "1", "--repeats", "2",
+               "--sessions", "2", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
-    assert [(r["stages"], r["mode"]) for r in report["rows"]] == [
-        (1, "pp"), (1, "pp+chain"), (2, "pp"), (2, "pp+chain"), (2, "specpipe"), (2, "pp+chain x4"),
-        (2, "specpipe-db x4"), (4, "pp"), (4, "pp+chain"), (4, "specpipe"), (4, "pp+chain x4"), (4, "specpipe-db x4")]
+    assert [(r["stages"], r["mode"]) for r in report["rows"]] == rows
     for row in report["rows"]:
-        assert row["same_as_target"] == row["runs"] == 4, row  # fp32: every mode is exact
+        assert row["same_as_target"] == row["runs"] == 2, row  # fp32: every mode is exact
         assert row["vs_pp"] is not None and row["vs_pp_chain"] is not None
         assert row["tbt_ms_min"] <= row["tbt_ms"] <= row["tbt_ms_max"]
     specpipe = [r for r in report["rows"] if r["mode"] == "specpipe"]

@@ -169,7 +169,8 @@ def test_bad_budgets_are_refused(tiny):
         MultiDrafter({"ngram": NgramDrafter(3)}, budget=0)
 
 
-@pytest.mark.parametrize("temperature, top_p", [pytest.param(1.0, 1.0, marks=pytest.mark.slow), (0.7, 0.85)])
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.85)])
 def test_fused_sampling_keeps_the_target_distribution(small, temperature, top_p):  # noqa: F811
     target, draft = small
     drafter = MultiDrafter({"draft": ModelChainDrafter(draft, 2), "ngram": NgramDrafter(2)},

@@ -219,8 +219,8 @@ def _exact_joint_of_tokens_3_and_4(target, params) -> torch.Tensor:
     return joint
 
 
-@pytest.mark.parametrize("saguaro_c, fallback", [pytest.param(1.0, "jit", marks=pytest.mark.slow), (0.1, "jit"),
-                                                 pytest.param(0.1, "ngram", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("saguaro_c, fallback", [(1.0, "jit"), (0.1, "jit"), (0.1, "ngram")])
 def test_sampling_keeps_the_target_distribution(small, saguaro_c, fallback):
     """Depth 1, budget 6 (3 of the 5 possible bonuses per position): tokens 3 and 4 come from rounds whose
     proposals were mostly pre-speculated (Saguaro-sampled when C < 1), the rest from misses."""

@@ -43,7 +43,7 @@ def smollm():
 def test_smollm2_self_draft_is_exact(smollm, layers):
     target, draft = smollm["target"], smollm[layers].decoder
     params = SamplingParams(max_tokens=24)
-    for text in PROMPTS[:2]:
+    for text in PROMPTS[: 1 if layers == "@10" else 2]:  # the default run keeps to one prompt (CI's slow run: two)
         ids = _chat_ids(target, text)
         reference, _, _ = generate(target.decoder, ids, params, eos_token_ids=target.eos_token_ids)
         for drafter in (ModelChainDrafter(draft, 4), ModelTreeDrafter(draft, 4, 3, 4), NgramDrafter(4)):

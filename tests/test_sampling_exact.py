@@ -66,7 +66,8 @@ def test_speculative_sampling_matches_target_distribution(small, mode, temperatu
     _assert_target_distribution(target, drafter, temperature, top_p)
 
 
-@pytest.mark.parametrize("mode", ["chain", pytest.param("tree", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_adaptive_depth_keeps_the_target_distribution(small, mode):
     target, draft = small
     drafter = ModelChainDrafter(draft, 3, stop=0.4) if mode == "chain" else ModelTreeDrafter(draft, 3, 2, 3, stop=0.4)
