@@ -54,6 +54,7 @@ def test_time_steps_leaves_the_context_and_times_every_size():
     assert [t.tokens for t in timings] == [1, 4] and all(0 < t.ms_min <= t.ms_median <= t.ms_max for t in timings)
 
 
+@pytest.mark.slow
 def test_cli_times_a_checkpoint_shape_on_cpu(tiny_dir, tmp_path):
     out = tmp_path / "k.json"
     proc = run("bench", "kernels", "--model", str(tiny_dir["llama"]), "--device", "cpu", "--dtype", "fp32",

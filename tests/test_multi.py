@@ -186,6 +186,7 @@ def test_fused_sampling_with_a_tree_drafter_keeps_the_target_distribution(small)
     _assert_target_distribution(target, drafter, 0.8, 1.0)
 
 
+@pytest.mark.slow  # `up --drafters` (tests/test_up.py) runs the same drafters from the command line
 def test_generate_mode_multi_from_the_command_line(tiny_dir):
     import json
 
