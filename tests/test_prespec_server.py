@@ -50,7 +50,9 @@ async def stop(draft_server, links, servers):
 
 @pytest.mark.parametrize("fallback", ["jit", "ngram"])
 async def test_greedy_sessions_equal_the_target_with_prespec_over_tcp(models, fallback):
-    draft_server, links, servers, ports = await start(models, PrespecConfig(budget=6, fallback=fallback), 0.02)
+    # adaptive off: the trials or the budget fit may rightly switch pre-speculation off on a loaded machine
+    draft_server, links, servers, ports = await start(models, PrespecConfig(budget=6, fallback=fallback, adaptive=False),
+                                                      0.02)
     try:
         params = SamplingParams(max_tokens=24, ignore_eos=True)
         results = await asyncio.gather(*(remote_generate("127.0.0.1", ports[i % 2], p, params) for i, p in enumerate(PROMPTS)))
