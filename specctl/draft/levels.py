@@ -57,8 +57,7 @@ class LevelTable:
         tree = session.tree
         if session.failed is not None:
             return
-        if msg.committed >= 0 and (msg.committed not in tree.nodes
-                                   or msg.new_root >= 0 and tree.nodes.get(msg.new_root, None) is None):
+        if msg.committed >= 0 and (msg.committed not in tree.nodes or msg.new_root >= 0 and msg.new_root not in tree.nodes):
             session.failed = f"re-rooting at {msg.committed} -> {msg.new_root}: nodes the tree does not hold"
             return
         if not 0 <= msg.token < self.vocab_size or not 0 <= msg.position < session.levels.cache.capacity:
