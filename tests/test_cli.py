@@ -269,7 +269,9 @@ def test_bench_pipeline_refuses_more_stages_than_layers(tiny_dir):
 
 
 @pytest.mark.parametrize("args, message", [
-    (("--prespec", "--mode", "tree"), "--prespec drafts chains: use --mode chain (not tree)"),
+    (("--prespec", "--mode", "ngram"), "--prespec drafts with the draft model: use --mode chain or tree (not ngram)"),
+    (("--prespec", "--mode", "tree", "--saguaro-c", "0.5"), "--saguaro-c reshapes sampled chain tokens; a tree's "
+     "candidates are the draft's top-k, not sampled: use --mode chain with --saguaro-c"),
     (("--prespec", "--mode", "chain", "--saguaro-c", "1.5"), "--saguaro-c must be in (0, 1], got 1.5"),
     (("--prespec", "--mode", "chain", "--fallback", "sometimes"), "--fallback must be one of auto, jit, ngram, got 'sometimes'"),
     (("--prespec", "--mode", "chain", "--prespec-budget", "0"), "the pre-speculation budget must be an integer in [1, 4096], got 0"),

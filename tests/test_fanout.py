@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from specctl.draft.fanout import (
-    PRIOR_R, acceptance_estimate, budget_that_fits, choose_fallback, fanout, outcome_probs, power_law_exponent,
-    predicted_gain_over_plain, predicted_speedup, step_time_fit,
+    PRIOR_R, acceptance_estimate, budget_that_fits, choose_fallback, fanout, fanout_for, outcome_probs,
+    power_law_exponent, predicted_gain_over_plain, predicted_speedup, step_time_fit, tree_outcome_probs,
 )
 from specctl.spec.sampling import saguaro
 
@@ -25,6 +25,24 @@ def test_fanout_follows_p_to_the_power_one_over_one_plus_r():
     assert fanout(0.5, 0.0, 2, 8, 15) == [4, 2, 2]
     # r = 1: sqrt([0.5, 0.25, 0.25]) -> shares [3.31, 2.34, 2.34]; the one left over goes to k = 1
     assert fanout(0.5, 1.0, 2, 8, 15) == [3, 3, 2]
+
+
+def test_tree_outcome_probabilities_split_a_node_among_its_children():
+    assert tree_outcome_probs(0.5, [-1, 0, 1], [1.0, 0.9, 0.8]) == outcome_probs(0.5, 2)  # a chain
+    # root -> 1 (q .6), 2 (q .3); 1 -> 3 (q .5); a = 0.6: node 1 accepted w.p. .6, node 2 .6 * .3 / .6 = .3
+    # (the root keeps 1 - .9), node 3 .6 of node 1's .6
+    assert tree_outcome_probs(0.6, [-1, 0, 0, 1], [1.0, 0.6, 0.3, 0.5]) == pytest.approx([0.1, 0.24, 0.3, 0.36])
+    # two equally likely children at a = 0.9 would take 1.8: scaled to 0.99 together
+    assert tree_outcome_probs(0.9, [-1, 0, 0], [1.0, 0.5, 0.5]) == pytest.approx([0.01, 0.495, 0.495])
+    assert tree_outcome_probs(0.3, [-1], [1.0]) == [1.0]
+    with pytest.raises(ValueError):
+        tree_outcome_probs(0.5, [-1, 0], [1.0])
+
+
+def test_fanout_for_a_tree_gives_each_node_its_share():
+    # r = 0: 10 * [0.1, 0.24, 0.3, 0.36] = [1, 2.4, 3, 3.6]; the one left over goes to node 3 (remainder .6)
+    assert fanout_for([0.1, 0.24, 0.3, 0.36], 0.0, 10, 15) == [1, 2, 3, 4]
+    assert fanout_for([0.1, 0.24, 0.3, 0.36], 0.0, 10, 3) == [1, 3, 3, 3]  # capped: node 1 takes what 3 could not
 
 
 def test_fanout_caps_a_position_and_gives_its_share_to_the_others():

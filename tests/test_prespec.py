@@ -14,7 +14,7 @@ from specctl.engine.tiny import make_tiny_model
 from specctl.errors import ConfigError
 from specctl.net.protocol import OpenSession
 from specctl.spec.decode import DecodeSession
-from specctl.spec.drafters import ModelChainDrafter
+from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter
 from specctl.spec.rounds import Drafted, InlineLane, generate, run_inline, run_session
 from specctl.spec.sampling import SamplingParams
 from specctl.verify.speculator import proposal_from_message
@@ -55,11 +55,12 @@ class TableSpeculator:
         self.table.close(self.tag)
 
 
-def make_table(draft, depth=3, **prespec) -> SessionTable:
-    """The budget is not cut to measured times here: the test decides how many steps fit."""
-    drafter = ModelChainDrafter(draft, depth)
-    table = SessionTable(drafter, KVPool(None), draft.spec.vocab_size, draft.spec.max_position)
-    table.speculation = SpeculationCache(PrespecConfig(**prespec, adaptive=False), depth)
+def make_table(draft, depth=3, tree=None, table_class=SessionTable, **prespec) -> SessionTable:
+    """The budget is not cut to measured times here: the test decides how many steps fit.
+    ``tree``: (top-k, width) of a tree drafter; None: a chain drafter."""
+    drafter = ModelChainDrafter(draft, depth) if tree is None else ModelTreeDrafter(draft, depth, *tree)
+    table = table_class(drafter, KVPool(None), draft.spec.vocab_size, draft.spec.max_position)
+    table.speculation = SpeculationCache.for_drafter(PrespecConfig(**prespec, adaptive=False), drafter)
     return table
 
 
@@ -70,10 +71,15 @@ def run(target, table, prompt, params, steps, tag=1):
     return session.output, session.stats
 
 
-@pytest.mark.parametrize("steps, fallback", [(8, "jit"), (2, "jit"), (0, "jit"), (1, "ngram"), (0, "auto")])
-def test_greedy_equals_target_alone_with_hits_and_misses(tiny, steps, fallback):
+TREE = (2, 3)  # top-k, width: a tree drafter's branches are trees of the same shape
+
+
+@pytest.mark.parametrize("steps, fallback, tree", [(8, "jit", None), (2, "jit", None), (0, "jit", None), (1, "ngram", None),
+                                                   (0, "auto", None), (8, "jit", TREE), (1, "jit", TREE),
+                                                   (1, "ngram", TREE)])
+def test_greedy_equals_target_alone_with_hits_and_misses(tiny, steps, fallback, tree):
     target, draft = tiny["llama"], tiny["llama-self2"]
-    table = make_table(draft, budget=6, fallback=fallback)
+    table = make_table(draft, budget=6, fallback=fallback, tree=tree)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     for tag, prompt in enumerate(PROMPTS, 1):
         out, _ = run(target, table, prompt, params, steps, tag)
@@ -86,7 +92,7 @@ def test_greedy_equals_target_alone_with_hits_and_misses(tiny, steps, fallback):
             assert stats["fallback_jit"] == stats["misses"]
     elif steps == 8:  # every branch finished before its outcome arrived
         assert stats["hits"] > 0 and stats["partial_hits"] == 0
-    elif steps == 2:  # hits arrive before their branch is done: it is finished on the spot
+    elif steps in (1, 2):  # hits arrive before their branch is done: it is finished on the spot
         assert stats["partial_hits"] > 0
     if fallback == "ngram":
         assert stats["fallback_ngram"] == stats["misses"] > 0 and stats["fallback_jit"] == 0
@@ -109,10 +115,14 @@ class CheckedTable(SessionTable):
             kept = min(n, cache.length)
             assert torch.allclose(cache.k[:, :, :, :kept], fresh.k[:, :, :, :kept], atol=1e-4)
             if cache.length >= n:  # drafted by the model (an n-gram backup proposal leaves the KV alone)
-                reference = self.drafter.open(n + 8)
-                expected = reference.propose(state.seq, SamplingParams(), None).tree.tokens.tolist()
+                reference = self.drafter.open(n + self.drafter.max_nodes + 8)
+                expected = reference.propose(state.seq, SamplingParams(), None).tree
+                assert (message.tokens, message.parents) == (expected.tokens.tolist(), expected.parents.tolist())
+                if hasattr(reference, "fed"):  # a tree session knows which of its nodes the KV holds
+                    assert (state.session.fed, cache.length) == (reference.fed, reference.cache.length)
+                    fed = n + reference.fed  # and they hold what fresh drafting would
+                    assert torch.allclose(cache.k[:, :, :, n:fed], reference.cache.k[:, :, :, n:fed], atol=1e-4)
                 reference.close()
-                assert message.tokens == expected
                 self.checked += 1
 
     def lookup_many(self, requests):
@@ -126,15 +136,16 @@ class CheckedTable(SessionTable):
         return results
 
 
-@pytest.mark.parametrize("steps, fallback", [(8, "jit"), (2, "jit"), (1, "ngram")])
-def test_every_proposal_is_what_just_in_time_drafting_proposes(tiny, steps, fallback):
+@pytest.mark.parametrize("steps, fallback, tree", [(8, "jit", None), (2, "jit", None), (1, "ngram", None),
+                                                   (8, "jit", TREE), (1, "ngram", TREE)])
+def test_every_proposal_is_what_just_in_time_drafting_proposes(tiny, steps, fallback, tree):
     """A branch's KV never leaks into the trunk: after a miss with all d accepted, the cut to
     text + d once kept a branch's bonus as if it were x_d (lossless, but every later
-    proposal of the session was drafted from a corrupted KV)."""
+    proposal of the session was drafted from a corrupted KV). A tree branch leaves the KV,
+    and the tree session's record of it, as drafting the tree just in time would."""
     target, draft = tiny["llama"], tiny["llama-self2"]
-    table = CheckedTable(ModelChainDrafter(draft, 3), KVPool(None), draft.spec.vocab_size, draft.spec.max_position)
+    table = make_table(draft, budget=6, fallback=fallback, tree=tree, table_class=CheckedTable)
     table.checked = 0
-    table.speculation = SpeculationCache(PrespecConfig(budget=6, fallback=fallback, adaptive=False), 3)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     for tag, prompt in enumerate(PROMPTS, 1):
         assert run(target, table, prompt, params, steps, tag)[0] == generate(target, prompt, params)[0]
@@ -153,9 +164,10 @@ def test_a_hit_answers_from_the_branch_without_drafting(tiny):
     assert snap["hit_rate"] == round(snap["hits"] / (snap["hits"] + snap["misses"]), 4)
 
 
-def test_cache_is_freed_on_close_over_1000_sessions(tiny):
+@pytest.mark.parametrize("tree", [None, TREE])
+def test_cache_is_freed_on_close_over_1000_sessions(tiny, tree):
     draft = tiny["llama-self2"]
-    table = make_table(draft, budget=4)
+    table = make_table(draft, budget=4, tree=tree)
     params = OpenSession(0, [5, 6, 7], max_tokens=8)
     for tag in range(1, 1001):
         table.open(tag, params)
@@ -220,14 +232,16 @@ def _exact_joint_of_tokens_3_and_4(target, params) -> torch.Tensor:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("saguaro_c, fallback", [(1.0, "jit"), (0.1, "jit"), (0.1, "ngram")])
-def test_sampling_keeps_the_target_distribution(small, saguaro_c, fallback):
+@pytest.mark.parametrize("saguaro_c, fallback, tree", [(1.0, "jit", None), (0.1, "jit", None), (0.1, "ngram", None),
+                                                       (1.0, "jit", TREE), (1.0, "ngram", TREE)])
+def test_sampling_keeps_the_target_distribution(small, saguaro_c, fallback, tree):
     """Depth 1, budget 6 (3 of the 5 possible bonuses per position): tokens 3 and 4 come from rounds whose
-    proposals were mostly pre-speculated (Saguaro-sampled when C < 1), the rest from misses."""
+    proposals were mostly pre-speculated (Saguaro-sampled when C < 1), the rest from misses. A tree's
+    candidates are the draft's top-k, not sampled: Saguaro's C has nothing to reshape there."""
     target, draft = small
     params = SamplingParams(temperature=1.0)
     expected = _exact_joint_of_tokens_3_and_4(target, params)
-    table = make_table(draft, depth=1, budget=6, saguaro_c=saguaro_c, fallback=fallback)
+    table = make_table(draft, depth=1, budget=6, saguaro_c=saguaro_c, fallback=fallback, tree=tree)
     counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
     for seed in range(SAMPLES):
         out, _ = run(target, table, PROMPT, SamplingParams(temperature=1.0, max_tokens=4, seed=seed), steps=3, tag=seed + 1)

@@ -10,7 +10,7 @@ from specctl.draft.server import DraftServer, DraftServerConfig
 from specctl.draft.speculation import PrespecConfig
 from specctl.engine.loader import load_model
 from specctl.errors import ConfigError
-from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter
+from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.spec.sampling import DRAFT_SUPPORT, SamplingParams
 from specctl.verify.client import remote_generate
 from specctl.verify.draft_client import DraftClient
@@ -86,7 +86,7 @@ async def test_sampled_sessions_ship_sparse_q_with_prespec(models):
         await stop(draft_server, links, servers)
 
 
-def test_prespec_needs_a_chain_drafter(models):
+def test_prespec_needs_a_model_drafter(models):
     _, draft = models
-    with pytest.raises(ConfigError, match="needs --mode chain"):
-        DraftServer(draft, ModelTreeDrafter(draft.decoder, 3, 2, 3), DraftServerConfig(port=0, prespec=PrespecConfig()))
+    with pytest.raises(ConfigError, match="needs --mode chain or tree, not ngram"):
+        DraftServer(draft, NgramDrafter(3), DraftServerConfig(port=0, prespec=PrespecConfig()))

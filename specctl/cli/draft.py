@@ -23,8 +23,11 @@ def prespec_config(enabled: bool, budget: int | None, profile_budget: int, sagua
         if budget is not None or saguaro_c != 1.0 or fallback != "auto" or not trials:
             raise ConfigError("--prespec-budget, --saguaro-c, --fallback and --no-prespec-trials need --prespec")
         return None
-    if mode != "chain":
-        raise ConfigError(f"--prespec drafts chains: use --mode chain (not {mode})")
+    if mode not in ("chain", "tree"):
+        raise ConfigError(f"--prespec drafts with the draft model: use --mode chain or tree (not {mode})")
+    if mode == "tree" and saguaro_c != 1.0:
+        raise ConfigError("--saguaro-c reshapes sampled chain tokens; a tree's candidates are the draft's top-k, "
+                          "not sampled: use --mode chain with --saguaro-c")
     budget = budget if budget is not None else (profile_budget or DEFAULT_PRESPEC_BUDGET)
     return checked(PrespecConfig, budget=budget, saguaro_c=saguaro_c, fallback=fallback, trials=trials)
 
@@ -52,7 +55,7 @@ def draft(
     tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="PEM certificate: serve TLS"),
     tls_key: Optional[str] = typer.Option(None, "--tls-key", help="PEM private key for --tls-cert"),
     prespec: bool = typer.Option(False, "--prespec", help="pre-speculation (SSD/Saguaro): while a target verifies, "
-                                 "draft the next proposal for its likely outcomes in leftover compute (chain mode)"),
+                                 "draft the next proposal for its likely outcomes in leftover compute (chain or tree mode)"),
     prespec_budget: Optional[int] = typer.Option(None, "--prespec-budget", help="most branches (outcomes) drafted ahead "
                                                  "per session and round (default: the profile's, else 8)"),
     saguaro_c: float = typer.Option(1.0, "--saguaro-c", help="Saguaro sampling at T > 0: the top-(F+1) draft "
@@ -70,8 +73,8 @@ def draft(
     autoregressively, exactly as before) when StarSD predicts it would make every target slower
     than it runs alone: N > N_max. `specctl plan` prints N_max for the same numbers.
 
-    With --prespec, the outcomes of every proposal out for verification are guessed (k tokens
-    accepted, then the bonus) and drafted ahead, only while no real request waits; a hit is
+    With --prespec, the outcomes of every proposal out for verification are guessed (the
+    accepted path ends at some node, then the bonus) and drafted ahead, only while no real request waits; a hit is
     answered at once, a miss as before. Output stays exactly the target's."""
     from specctl.draft.server import DraftServer, DraftServerConfig
     from specctl.runtime.compute import ComputeThread

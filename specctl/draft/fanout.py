@@ -1,6 +1,8 @@
 """Pre-speculation's decisions as pure functions (SSD / Saguaro, DESIGN §4).
 
 P(k)      = a^k (1-a) for k < d, a^d for k = d     how many of d drafted tokens the target accepts
+P(v)      = reach(v) (1 - Σ_c a_c)                 a tree: the accepted path ends at node v, where
+                                                   a_c = a q(c) / max q(siblings) (a chain: P(k))
 F_k       ∝ P(k)^(1/(1+r)),  Σ F_k = B            geometric fan-out (Theorem 12), capped per position
 1-hit(F)  = F^(-r)                                 the power-law miss rate r is fitted to
 speedup   = (h·E_p + (1-h)·E_b) / (h + (1-h)(1+T_b))   over autoregressive (Theorem 7), times in
@@ -26,16 +28,47 @@ def outcome_probs(a: float, depth: int) -> list[float]:
     return [a**k * (1 - a) for k in range(depth)] + [a**depth]
 
 
+def tree_outcome_probs(a: float, parents: Sequence[int], probs: Sequence[float]) -> list[float]:
+    """P(the accepted path ends at node v) for each node of a proposal tree (BFS order, node 0
+    the root). A node's likeliest child is accepted with the session's acceptance rate a, its
+    siblings in proportion to their draft probability q (at most 0.99 for all of them); what
+    a node does not pass to its children ends there. A chain gives ``outcome_probs``."""
+    if not 0.0 <= a <= 1.0 or not parents or len(parents) != len(probs):
+        raise ValueError(f"need 0 <= a <= 1 and one probability per node, got a={a}, {len(parents)} parents, "
+                         f"{len(probs)} probabilities")
+    children: list[list[int]] = [[] for _ in parents]
+    for node, parent in enumerate(parents[1:], 1):
+        children[parent].append(node)
+    accept = [0.0] * len(parents)
+    for kids in children:
+        if kids:
+            top = max(probs[c] for c in kids)
+            shares = [a * probs[c] / top if top > 0 else 0.0 for c in kids]
+            scale = min(1.0, 0.99 / sum(shares)) if len(kids) > 1 and sum(shares) > 0.99 else 1.0
+            for c, share in zip(kids, shares):
+                accept[c] = share * scale
+    reach = [1.0] + [0.0] * (len(parents) - 1)
+    for node in range(1, len(parents)):
+        reach[node] = reach[parents[node]] * accept[node]
+    return [reach[v] * (1.0 - sum(accept[c] for c in children[v])) for v in range(len(parents))]
+
+
 def fanout(a: float, r: float, depth: int, budget: int, cap: int) -> list[int]:
-    """Integer fan-outs F_0..F_d with Σ F = min(budget, cap·(d+1)), F_k <= cap, in proportion to
-    P(k)^(1/(1+r)): the shares of capped positions go to the others (water-filling), then the
-    largest remainders are rounded up."""
+    """Integer fan-outs F_0..F_d for a chain of depth d (``fanout_for`` its outcome probabilities)."""
+    return fanout_for(outcome_probs(a, depth), r, budget, cap)
+
+
+def fanout_for(outcomes: Sequence[float], r: float, budget: int, cap: int) -> list[int]:
+    """Integer fan-outs, one per outcome, with Σ F = min(budget, cap·outcomes), F <= cap, in
+    proportion to P^(1/(1+r)): the shares of capped outcomes go to the others (water-filling),
+    then the largest remainders are rounded up."""
     if budget < 0 or cap < 0 or r < 0:
         raise ValueError(f"need budget, cap, r >= 0, got {budget}, {cap}, {r}")
-    weights = [p ** (1.0 / (1.0 + r)) for p in outcome_probs(a, depth)]
-    total = min(budget, cap * (depth + 1))
-    shares = [0.0] * (depth + 1)
-    free, left = set(range(depth + 1)), float(total)
+    weights = [max(p, 0.0) ** (1.0 / (1.0 + r)) for p in outcomes]
+    n = len(weights)
+    total = min(budget, cap * n)
+    shares = [0.0] * n
+    free, left = set(range(n)), float(total)
     while free and left > 1e-9:
         mass = sum(weights[k] for k in free)
         if mass <= 0:
@@ -52,7 +85,7 @@ def fanout(a: float, r: float, depth: int, budget: int, cap: int) -> list[int]:
             shares[k] = cap
         free -= over
     counts = [min(cap, math.floor(s + 1e-9)) for s in shares]
-    order = sorted(range(depth + 1), key=lambda k: (counts[k] - shares[k], k))
+    order = sorted(range(n), key=lambda k: (counts[k] - shares[k], k))
     for k in order[: total - sum(counts)]:
         counts[k] += 1
     return counts
@@ -98,13 +131,15 @@ def step_time_fit(samples: Sequence[tuple[int, float]]) -> tuple[float, float] |
     return max(mean_y - beta * mean_x, 0.0), beta
 
 
-def budget_that_fits(return_s: float, depth: int, fit: tuple[float, float], sharing: int, most: int) -> int:
+def budget_that_fits(return_s: float, depth: int, fit: tuple[float, float], sharing: int, most: int,
+                     rows_per_branch: int = 1) -> int:
     """Branches one session can have drafted before its outcome returns (SSD's budget: what the
     draft finishes while the target verifies): d+1 steps of t(rows) within the return time Z,
-    the rows shared among ``sharing`` sessions; at least 1, at most ``most``."""
+    the rows shared among ``sharing`` sessions, a branch feeding ``rows_per_branch`` rows a step
+    (1 for a chain, up to the width for a tree); at least 1, at most ``most``."""
     alpha, beta = fit
     per_step = return_s / (depth + 1)
-    rows = (per_step - alpha) / beta / max(sharing, 1)
+    rows = (per_step - alpha) / beta / max(sharing, 1) / max(rows_per_branch, 1)
     return int(min(max(math.floor(rows + 1e-9), 1), most))
 
 

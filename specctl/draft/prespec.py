@@ -1,34 +1,42 @@
-"""Pre-speculation's branches (SSD / Saguaro, DESIGN §4): while a target verifies chain
-proposal x_1..x_d, draft the next proposal for its likely outcomes.
+"""Pre-speculation's branches (SSD / Saguaro, DESIGN §4): while a target verifies a proposal
+(a chain or a tree), draft the next proposal for its likely outcomes.
 
-A Plan belongs to one session and its outstanding chain (the draft's KV holds the text and
-x_1..x_{d-1}, as after any chain proposal). Its branches are keyed (k, bonus): k tokens
-accepted, then the target's bonus. For k < d the bonus candidates are the draft's top
-tokens at position k+1 without x_{k+1} (a rejected token is never the bonus: the residual
-is zero there); for k = d, the top tokens after x_d, which is fed first. Each step feeds
-every live branch's last token — all branches of all sessions in one forward — each
-attending to its trunk prefix and its own path (a tree mask over trunk + fork), and draws
-its next token. The branch that hits becomes the session's KV (one gather); the others
-are dropped with the plan."""
+A Plan belongs to one session and its outstanding proposal. The draft's KV holds the text
+and the proposal's nodes 1..fed (node j at slot base + j - 1, as after any proposal: every
+node but the last level). An outcome is (v, bonus): the accepted path ends at node v, then
+the target's bonus. Bonus candidates are the draft's top tokens after v without v's
+children (a rejected candidate is never the bonus: the residual is zero there); for a node
+of the last level, its top tokens once it is fed (a tail, fed first). Each step feeds every
+live branch's next rows — all branches of all sessions in one forward — each row attending
+to the text, the path to v and its own branch (a tree mask over trunk + fork). A branch
+drafts what the session's drafter would: a chain (sampled at T > 0, Saguaro-reshaped when
+C < 1) or a tree of the same top-k, width and depth. The branch that hits becomes the
+session's KV (one gather); the others are dropped with the plan."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Union
 
 import torch
 
 from specctl.engine.tree import TokenTree
 from specctl.spec.draft_state import DraftState
-from specctl.spec.drafters import RANKED, Proposal
-from specctl.spec.sampling import DRAFT_SUPPORT, SamplingParams, keep_top, probs_from_logits, sample
+from specctl.spec.drafters import RANKED, Proposal, tree_score_params, tree_shape
+from specctl.spec.sampling import DRAFT_SUPPORT, keep_top, probs_from_logits, sample
 
 Reshape = Callable[[int, torch.Tensor], torch.Tensor]  # (position, q) -> the q to sample from
+Row = tuple[int, int, list[int]]  # (token, position, KV slots it attends to besides the text and itself)
+
+
+def _top(logits: torch.Tensor) -> torch.Tensor:
+    return logits.topk(min(RANKED, logits.shape[-1]), dim=-1).indices
 
 
 @dataclass(slots=True)
-class Branch:
-    prefix: int  # trunk positions it attends to: the text and x_1..x_k
+class ChainBranch:
+    trunk: list[int]  # KV slots of the accepted path (the text is attended to as well)
+    position: int  # the bonus's position
     tokens: list[int]  # the bonus, then the tokens drafted after it
     slots: list[int] = field(default_factory=list)  # KV slots of tokens[:len(slots)]
     probs: list[float] = field(default_factory=list)
@@ -38,108 +46,179 @@ class Branch:
     def live(self, depth: int) -> bool:
         return len(self.tokens) <= depth
 
+    def rows(self) -> list[Row]:
+        return [(self.tokens[len(self.slots)], self.position + len(self.slots), list(self.slots))]
+
+    def absorb(self, plan: "Plan", slots: list[int], logits: torch.Tensor) -> None:
+        self.slots += slots
+        _draw(plan, self, logits[0])
+
+    def proposal(self, plan: "Plan") -> Proposal:
+        params = plan.state.params
+        return Proposal(TokenTree.chain(self.tokens[0], self.tokens[1:], self.probs),
+                        None if params.greedy else torch.stack(self.dists), torch.stack(self.ranked))
+
+
+@dataclass(slots=True)
+class TreeBranch:
+    trunk: list[int]
+    position: int
+    tree: TokenTree  # rooted at the bonus; grown level by level as the session's tree drafter would
+    slots: list[int] = field(default_factory=list)  # KV slot of node j, for the nodes fed so far
+    ranked: list[torch.Tensor] = field(default_factory=list)
+    done: bool = False  # adaptive depth stopped it
+
+    def live(self, depth: int) -> bool:
+        return not self.done and len(self.slots) < len(self.tree) and self.tree.max_depth < depth
+
+    def rows(self) -> list[Row]:
+        return [(int(self.tree.tokens[j]), self.position + int(self.tree.depth[j]),
+                 [self.slots[a] for a in self.tree.path_to(j)[:-1]]) for j in range(len(self.slots), len(self.tree))]
+
+    def absorb(self, plan: "Plan", slots: list[int], logits: torch.Tensor) -> None:
+        shape = tree_shape(plan.state.session)
+        frontier = torch.arange(len(self.slots), len(self.tree))
+        self.slots += slots
+        self.ranked += list(_top(logits))
+        self.tree = self.tree.grow(frontier, probs_from_logits(logits, tree_score_params(plan.state.params)),
+                                   shape.topk, shape.width)
+        level = self.tree.level(self.tree.max_depth)
+        if shape.stop and (int(level.numel()) == 0 or float(self.tree.score[level].max().exp()) < shape.stop):
+            self.done = True
+
+    def proposal(self, plan: "Plan") -> Proposal:
+        plan.state.session.fed = len(self.slots) - 1  # the tree session's own record of its KV
+        return Proposal(self.tree, None, torch.stack(self.ranked))
+
+
+Branch = Union[ChainBranch, TreeBranch]
+
 
 @dataclass(slots=True)
 class Plan:
     state: DraftState
-    base: int  # text length when proposed: x_1 sits at position base
-    chain: list[int]  # the outstanding proposal x_1..x_d
-    ranked: torch.Tensor  # [d, RANKED] the draft's candidates at each of its positions
-    fanout: list[int]  # F_0..F_d
-    depth: int  # tokens each branch drafts after its bonus
+    base: int  # text length when proposed: node j >= 1 sits at KV slot base + j - 1
+    tree: TokenTree  # the outstanding proposal
+    ranked: torch.Tensor  # [fed + 1, RANKED] the draft's candidates after each fed node, root first
+    fanout: list[int]  # F_v for each node v
+    depth: int  # how deep each branch drafts after its bonus
     reshape: Reshape | None = None
     branches: dict[tuple[int, int], Branch] = field(default_factory=dict)
-    tail: int | None = None  # x_d, still to feed (the full-accept candidates follow it)
-    tail_fed: bool = False
+    tails: list[int] = field(default_factory=list)  # last-level nodes with outcomes, still to feed
     steps: int = 0
     started: int = 0  # branches that got at least one forward
 
     @property
-    def has_work(self) -> bool:
-        return self.tail is not None or any(b.live(self.depth) for b in self.branches.values())
+    def fed(self) -> int:
+        return self.ranked.shape[0] - 1
 
-    def rank_of(self, k: int, bonus: int) -> int | None:
-        """The bonus's 0-based rank among the candidates for k accepted, or None."""
-        if k >= len(self.chain):
+    @property
+    def has_work(self) -> bool:
+        return bool(self.tails) or any(b.live(self.depth) for b in self.branches.values())
+
+    def children_tokens(self, node: int) -> set[int]:
+        return {int(self.tree.tokens[c]) for c in self.tree.children(node)}
+
+    def rank_of(self, node: int, bonus: int) -> int | None:
+        """The bonus's 0-based rank among the candidates after a fed node, or None."""
+        if node > self.fed:
             return None
-        candidates = [t for t in self.ranked[k].tolist() if t != self.chain[k]]
+        taken = self.children_tokens(node)
+        candidates = [t for t in self.ranked[node].tolist() if t not in taken]
         return candidates.index(bonus) if bonus in candidates else None
+
+    def _open(self, node: int, candidates: list[int]) -> None:
+        trunk = [self.base + a - 1 for a in self.tree.path_to(node)[1:]]
+        position = self.base + int(self.tree.depth[node])
+        taken = self.children_tokens(node)
+        for token in [t for t in candidates if t not in taken][: self.fanout[node]]:
+            if tree_shape(self.state.session) is None:
+                self.branches[(node, token)] = ChainBranch(list(trunk), position, [token])
+            else:
+                self.branches[(node, token)] = TreeBranch(list(trunk), position, TokenTree.root(token))
 
 
 def make_plan(state: DraftState, proposal: Proposal, fanout: list[int], depth: int,
               reshape: Reshape | None = None) -> Plan | None:
-    """The branches to draft for this chain proposal's outcomes, or None when it cannot
-    have any (no candidates, or no KV room left for them)."""
-    chain = proposal.tree.tokens[1:].tolist()
+    """The branches to draft for this proposal's outcomes, or None when it cannot have any
+    (no candidates, or no KV room left for them)."""
+    tree, ranked = proposal.tree, proposal.ranked
     cache = state.session.cache
     base = len(state.seq)
-    if not chain or proposal.ranked is None or len(fanout) != len(chain) + 1 or cache.length != base + len(chain) - 1:
+    if len(tree) < 2 or ranked is None or len(fanout) != len(tree) or cache.length != base + ranked.shape[0] - 1:
         return None
-    if cache.length + 1 + sum(fanout) * depth > cache.capacity:
+    plan = Plan(state, base, tree, ranked, fanout, depth, reshape)
+    plan.tails = [v for v in range(plan.fed + 1, len(tree))]
+    if not any(fanout[v] for v in plan.tails):
+        plan.tails = []
+    shape = tree_shape(state.session)
+    branch_kv = depth if shape is None else shape.max_nodes - shape.width  # a branch's fed nodes, bonus included
+    if cache.length + len(plan.tails) + sum(fanout) * branch_kv > cache.capacity:
         return None
-    plan = Plan(state, base, chain, proposal.ranked, fanout, depth, reshape)
-    for k, count in enumerate(fanout[:-1]):
-        for token in [t for t in proposal.ranked[k].tolist() if t != chain[k]][:count]:
-            plan.branches[(k, token)] = Branch(base + k, [token])
-    plan.tail = chain[-1] if fanout[-1] > 0 else None
+    for node in range(plan.fed + 1):
+        plan._open(node, ranked[node].tolist())
     return plan
 
 
 def step(plans: list[Plan], max_rows: int | None = None) -> list[Plan]:
-    """One draft forward that advances every live branch of ``plans`` by one token (up to
-    ``max_rows`` rows; the plans beyond wait for the next step). Returns the plans advanced."""
-    work: list[tuple[Plan, int, list[Branch | None]]] = []
+    """One draft forward that advances every live branch of ``plans`` by one token or tree
+    level (up to ``max_rows`` rows; the plans beyond wait for the next step). Returns the
+    plans advanced."""
+    work: list[tuple[Plan, int, list]] = []
     inputs, positions, caches, masks = [], [], [], []
     total = 0
     for plan in plans:
-        rows: list[Branch | None] = [None] if plan.tail is not None else []
-        rows += [b for b in plan.branches.values() if b.live(plan.depth)]
+        owners: list = []
+        rows: list[Row] = []
+        for node in plan.tails:  # first, in node order: node j lands at slot base + j - 1
+            owners.append(node)
+            rows.append((int(plan.tree.tokens[node]), plan.base - 1 + int(plan.tree.depth[node]),
+                         [plan.base + a - 1 for a in plan.tree.path_to(node)[1:-1]]))
+        for branch in plan.branches.values():
+            if branch.live(plan.depth):
+                for token, position, attend in branch.rows():
+                    owners.append(branch)
+                    rows.append((token, position, branch.trunk + attend))
         if not rows or (max_rows is not None and total and total + len(rows) > max_rows):
             continue
         cache = plan.state.session.cache
         start, n = cache.length, len(rows)
         mask = torch.zeros(n, start + n, dtype=torch.bool)
-        tokens, where = [], []
-        for i, branch in enumerate(rows):
-            if branch is None:  # x_d: right after the trunk, before any branch slot
-                mask[i, : start + 1] = True
-                tokens.append(plan.tail)
-                where.append(plan.base + len(plan.chain) - 1)
-            else:
-                mask[i, : branch.prefix] = True
-                mask[i, branch.slots] = True
-                mask[i, start + i] = True
-                tokens.append(branch.tokens[len(branch.slots)])
-                where.append(branch.prefix + len(branch.slots))
-        inputs.append(torch.tensor(tokens, dtype=torch.long))
-        positions.append(torch.tensor(where, dtype=torch.long))
+        for i, (_, _, attend) in enumerate(rows):
+            mask[i, : plan.base] = True
+            mask[i, attend] = True
+            mask[i, start + i] = True
+        inputs.append(torch.tensor([token for token, _, _ in rows], dtype=torch.long))
+        positions.append(torch.tensor([position for _, position, _ in rows], dtype=torch.long))
         caches.append(cache)
         masks.append(mask)
-        work.append((plan, start, rows))
+        work.append((plan, start, owners))
         total += n
     if not work:
         return []
     decoder = work[0][0].state.session.decoder
-    out = decoder.forward_many(inputs, positions, caches, masks, [torch.arange(len(rows)) for _, _, rows in work])
-    for (plan, start, rows), logits in zip(work, out):
+    out = decoder.forward_many(inputs, positions, caches, masks, [torch.arange(len(owners)) for _, _, owners in work])
+    for (plan, start, owners), logits in zip(work, out):
         plan.steps += 1
-        for i, (branch, row) in enumerate(zip(rows, logits)):
-            if branch is None:
-                plan.tail, plan.tail_fed = None, True
-                k = len(plan.chain)
-                for token in row.topk(min(RANKED, row.shape[-1])).indices.tolist()[: plan.fanout[-1]]:
-                    plan.branches[(k, token)] = Branch(plan.base + k, [token])
+        plan.tails = []
+        i = 0
+        while i < len(owners):
+            owner, j = owners[i], i + 1
+            while j < len(owners) and owners[j] is owner and not isinstance(owner, int):
+                j += 1
+            if isinstance(owner, int):  # a tail: its outcomes' branches start here
+                plan._open(owner, _top(logits[i]).tolist())
             else:
-                plan.started += not branch.slots
-                branch.slots.append(start + i)
-                _draw(plan, branch, row)
+                plan.started += not owner.slots
+                owner.absorb(plan, list(range(start + i, start + j)), logits[i:j])
+            i = j
     return [plan for plan, _, _ in work]
 
 
-def _draw(plan: Plan, branch: Branch, row: torch.Tensor) -> None:
+def _draw(plan: Plan, branch: ChainBranch, row: torch.Tensor) -> None:
     state = plan.state
     position = len(branch.tokens) - 1
-    branch.ranked.append(row.topk(min(RANKED, row.shape[-1])).indices)
+    branch.ranked.append(_top(row))
     if state.params.greedy:  # the node's probability is the draft's softmax, as in a just-in-time chain
         x = int(row.argmax())  # on the logits, as just-in-time drafting does (softmax can round ties together)
         branch.tokens.append(x)
@@ -155,23 +234,25 @@ def _draw(plan: Plan, branch: Branch, row: torch.Tensor) -> None:
 
 
 def adopt(plan: Plan, key: tuple[int, int]) -> Branch:
-    """Make the branch ``key`` the session's KV (trunk prefix + its slots, compacted) and
+    """Make the branch ``key`` the session's KV (text + its path + its slots, compacted) and
     drop every other branch; it keeps drafting from there if it is not finished."""
     branch = plan.branches[key]
-    cache = plan.state.session.cache
-    cache.gather(list(range(branch.prefix)) + branch.slots)
-    branch.slots = list(range(branch.prefix, branch.prefix + len(branch.slots)))
-    plan.branches, plan.tail = {key: branch}, None
-    plan.state.session.committed = branch.prefix + 1  # text + x_1..x_k + the bonus
+    session = plan.state.session
+    session.cache.gather(list(range(plan.base)) + branch.trunk + branch.slots)
+    bonus_at = plan.base + len(branch.trunk)
+    branch.trunk = list(range(plan.base, bonus_at))
+    branch.slots = list(range(bonus_at, bonus_at + len(branch.slots)))
+    plan.branches, plan.tails = {key: branch}, []
+    session.committed = bonus_at + 1  # text + the accepted path + the bonus
     return branch
 
 
 def discard(plan: Plan) -> None:
     """Drop every branch's KV (a miss, or no outcome to use it for): the session's cache goes
-    back to its trunk — the text, x_1..x_{d-1} and x_d if it was fed. Branch slots follow
-    the trunk, so a later cut to text + k accepted must never keep one as if it were x_k."""
+    back to the text and the proposal's fed nodes. Branch and tail slots follow them, so a
+    later cut to text + accepted must never keep one as if it were a proposal node."""
     cache = plan.state.session.cache
-    cache.truncate(min(cache.length, plan.base + len(plan.chain) - 1 + plan.tail_fed))
+    cache.truncate(min(cache.length, plan.base + plan.fed))
 
 
 def finish(plans: list[Plan]) -> None:
@@ -180,7 +261,7 @@ def finish(plans: list[Plan]) -> None:
         step([plan for plan in plans if plan.has_work])
 
 
-def proposal_of(branch: Branch, params: SamplingParams) -> Proposal:
-    drafted = branch.tokens[1:]
-    return Proposal(TokenTree.chain(branch.tokens[0], drafted, branch.probs),
-                    None if params.greedy else torch.stack(branch.dists), torch.stack(branch.ranked))
+def proposal_of(plan: Plan) -> Proposal:
+    """The adopted branch's proposal (after ``finish``); the session's drafting state now
+    describes the KV the branch left."""
+    return next(iter(plan.branches.values())).proposal(plan)

@@ -38,7 +38,7 @@ class DraftServerConfig(ListenConfig):
     max_batch: int = 8  # most Propose requests drafted together in one pass
     admission_model: StarModel | None = None  # StarSD N_max admission, when given
     standalone_tokens_per_s: float | None = None
-    prespec: PrespecConfig | None = None  # pre-speculation (chain drafters), when on
+    prespec: PrespecConfig | None = None  # pre-speculation (chain or tree drafters), when on
 
     def __post_init__(self) -> None:
         ListenConfig.__post_init__(self)
@@ -74,9 +74,10 @@ class DraftServer(ListeningServer):
         self.table = SessionTable(drafter, KVPool(config.kv_budget_bytes), spec.vocab_size, spec.max_position)
         self.levels = LevelTable(model.decoder, self.table.pool, spec.vocab_size, spec.max_position)  # SpecPipe
         if config.prespec is not None:
-            if drafter.name != "chain":
-                raise ConfigError(f"pre-speculation drafts chains: it needs --mode chain, not {drafter.name}")
-            self.table.speculation = SpeculationCache(config.prespec, drafter.depth, self.compute.wake_background)
+            if drafter.name not in ("chain", "tree"):
+                raise ConfigError(f"pre-speculation drafts with the draft model: it needs --mode chain or tree, "
+                                  f"not {drafter.name}")
+            self.table.speculation = SpeculationCache.for_drafter(config.prespec, drafter, self.compute.wake_background)
             self.compute.add_background(self.table.speculation.step)
         self.proposals_sent = 0
         self.proposal_bytes = 0

@@ -33,7 +33,7 @@ class SessionTable:
     total_rounds: int = 0
     total_drafted: int = 0
     total_accepted: int = 0
-    speculation: SpeculationCache | None = None  # pre-speculation, when on (chain drafters)
+    speculation: SpeculationCache | None = None  # pre-speculation, when on (model drafters)
 
     def open(self, tag: int, msg: OpenSession) -> None:
         params = SamplingParams(temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, max_tokens=msg.max_tokens)
@@ -99,8 +99,7 @@ class SessionTable:
         backup = NgramDrafter(spec.depth)
         for i, tag, state in missed:
             proposal = DraftProposal(TokenTree.chain(state.seq[-1], backup.lookup(state.seq)))
-            # The draft's KV holds a prefix of the text; the next outcome keeps all of it.
-            state.session.committed = state.session.cache.length
+            state.session.holds_text_only()  # none of this proposal's nodes is in the draft's KV
             results[i] = _message(tag, state.proposed(proposal))
             spec.planned(tag, state, proposal, backup=True)
         backed = {tag for _, tag, _ in missed}

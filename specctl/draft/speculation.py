@@ -1,5 +1,6 @@
-"""The draft server's speculation cache: one pre-speculation Plan per session whose chain
-proposal is out, keyed (tag, k, bonus) through the plan's branches. Touched only on the
+"""The draft server's speculation cache: one pre-speculation Plan per session whose proposal
+(a chain or a tree) is out, keyed (tag, node, bonus) through the plan's branches (for a
+chain the node is k, the number of tokens accepted). Touched only on the
 compute thread.
 
 - ``planned``: after a proposal is sent, plan its outcomes' branches (fan-out from the
@@ -19,13 +20,14 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from specctl.draft.fanout import (
-    acceptance_estimate, budget_that_fits, choose_fallback, fanout, power_law_exponent, step_time_fit,
+    acceptance_estimate, budget_that_fits, choose_fallback, fanout, fanout_for, power_law_exponent, step_time_fit,
+    tree_outcome_probs,
 )
 from specctl.draft.prespec import Plan, adopt, discard, finish, make_plan, proposal_of, step
 from specctl.draft.trial import Trial
 from specctl.errors import ConfigError
 from specctl.spec.draft_state import DraftState
-from specctl.spec.drafters import RANKED, Proposal
+from specctl.spec.drafters import RANKED, Drafter, ModelTreeDrafter, Proposal, tree_shape
 from specctl.spec.sampling import saguaro
 
 FALLBACKS = ("auto", "jit", "ngram")
@@ -86,8 +88,9 @@ class PrespecStats:
 
 
 class SpeculationCache:
-    def __init__(self, config: PrespecConfig, depth: int, wake=lambda: None) -> None:
-        self.config, self.depth, self.wake = config, depth, wake
+    def __init__(self, config: PrespecConfig, depth: int, wake=lambda: None, width: int | None = None) -> None:
+        """``width``: a tree drafter's width (its branches are trees); None: chains."""
+        self.config, self.depth, self.wake, self.width = config, depth, wake, width
         self.plans: dict[int, Plan] = {}
         self.history: dict[int, History] = {}
         self.missed: set[int] = set()  # sessions whose outcome just missed (their fallback is due)
@@ -96,23 +99,36 @@ class SpeculationCache:
         self.trial = Trial()
         self.stats = PrespecStats()
 
+    @classmethod
+    def for_drafter(cls, config: PrespecConfig, drafter: Drafter, wake=lambda: None) -> "SpeculationCache":
+        return cls(config, drafter.depth, wake, drafter.width if isinstance(drafter, ModelTreeDrafter) else None)
+
     @property
     def reserve(self) -> int:
-        """KV positions a session needs beyond its proposals for its branches."""
-        return 1 + self.config.budget * self.depth
+        """KV positions a session needs beyond its proposals for its branches (and the tails:
+        the proposal's last level, fed for the candidates after it)."""
+        if self.width is None:
+            return 1 + self.config.budget * self.depth
+        return self.width + self.config.budget * (1 + (self.depth - 1) * self.width)
 
     def reshape_for(self, tag: int, state: DraftState):
-        """Saguaro sampling for a session's next proposal (None: plain sampling)."""
-        if state.params.greedy or self.config.saguaro_c >= 1.0:
+        """Saguaro sampling for a session's next chain proposal (None: plain sampling; a tree's
+        candidates are not sampled, so there is nothing to reshape)."""
+        if state.params.greedy or self.config.saguaro_c >= 1.0 or tree_shape(state.session) is not None:
             return None
-        counts = self._fanout_tag(tag, state, self.depth + 1)
+        history = self.history.setdefault(tag, History())
+        counts = fanout(acceptance_estimate(state.accepted, state.drafted), power_law_exponent(history.ranks, RANKED - 1),
+                        self.depth, self.budget_for(history), RANKED - 1)
         return partial(_saguaro_at, counts, self.config.saguaro_c)
 
-    def _fanout_tag(self, tag: int, state: DraftState, positions: int) -> list[int]:
+    def _fanout_tree(self, tag: int, state: DraftState, proposal: Proposal) -> list[int]:
+        """F_v for each node of the proposal, from the session's acceptance rate and exponent."""
         history = self.history.setdefault(tag, History())
-        a = acceptance_estimate(state.accepted, state.drafted)
+        tree = proposal.tree
+        outcomes = tree_outcome_probs(acceptance_estimate(state.accepted, state.drafted), tree.parents.tolist(),
+                                      tree.probs.tolist())
         r = power_law_exponent(history.ranks, RANKED - 1)
-        return fanout(a, r, positions - 1, self.budget_for(history), RANKED - 1)
+        return fanout_for(outcomes, r, self.budget_for(history), RANKED - 1)
 
     def budget_for(self, history: History) -> int:
         """The configured budget, cut to what the draft can finish before this session's
@@ -120,7 +136,8 @@ class SpeculationCache:
         fit = step_time_fit(self.step_samples)
         if not self.config.adaptive or history.return_s is None or fit is None:
             return self.config.budget
-        return budget_that_fits(history.return_s, self.depth, fit, len(self.plans) + 1, self.config.budget)
+        return budget_that_fits(history.return_s, self.depth, fit, len(self.plans) + 1, self.config.budget,
+                                self.width or 1)
 
     def planned(self, tag: int, state: DraftState, proposal: Proposal, backup: bool = False) -> None:
         """A proposal went out: plan its outcomes' branches (not for a backup proposal)."""
@@ -132,8 +149,7 @@ class SpeculationCache:
             discard(old)
         if backup or proposal.ranked is None or not self._pays():
             return
-        chain_length = len(proposal.tree) - 1
-        plan = make_plan(state, proposal, self._fanout_tag(tag, state, chain_length + 1), self.depth,
+        plan = make_plan(state, proposal, self._fanout_tree(tag, state, proposal), self.depth,
                          self.reshape_for(tag, state))
         if plan is not None:
             self.plans[tag] = plan
@@ -163,10 +179,8 @@ class SpeculationCache:
             history.backup_rounds += 1
             history.backup_accepted += len(path)
         plan = self._retire(self.plans.pop(tag, None))
-        if plan is not None and tokens:
-            rank = plan.rank_of(len(path), tokens[-1])
-            if len(path) < len(plan.chain):
-                history.ranks.append(rank)
+        if plan is not None and len(tokens) == len(path) + 1 and (path[-1] if path else 0) <= plan.fed:
+            history.ranks.append(plan.rank_of(path[-1] if path else 0, tokens[-1]))
         return plan
 
     def outcome_without_lookup(self, tag: int, path: list[int], tokens: list[int]) -> None:
@@ -190,8 +204,10 @@ class SpeculationCache:
             except Exception:  # noqa: BLE001 - the table's own drafting path reports it
                 discard(plan)
                 continue
-            key = (len(path), tokens[-1])
-            branch = plan.branches.get(key)
+            # A branch drafted on text + path + bonus; an outcome that committed more (fused
+            # drafters, skipped rounds) is a miss whatever its last token.
+            key = (path[-1] if path else 0, tokens[-1])
+            branch = plan.branches.get(key) if len(tokens) == len(path) + 1 else None
             if branch is None or not branch.slots:
                 discard(plan)
                 self.stats.misses += 1
@@ -205,8 +221,7 @@ class SpeculationCache:
             adopted.append((i, tag, state, plan))
         finish([plan for _, _, _, plan in adopted])
         for i, tag, state, plan in adopted:
-            branch = next(iter(plan.branches.values()))
-            results[i] = state.proposed(proposal_of(branch, state.params))
+            results[i] = state.proposed(proposal_of(plan))
         return results
 
     def step(self) -> bool:
@@ -214,7 +229,7 @@ class SpeculationCache:
         due = [(tag, plan) for tag, plan in self.plans.items() if plan.has_work]
         if not due:
             return False
-        rows = {id(plan): (plan.tail is not None) + sum(b.live(plan.depth) for b in plan.branches.values())
+        rows = {id(plan): len(plan.tails) + sum(len(b.rows()) for b in plan.branches.values() if b.live(plan.depth))
                 for _, plan in due}
         started = time.perf_counter()
         advanced = {id(plan) for plan in step([plan for _, plan in due], self.config.max_rows)}

@@ -30,12 +30,13 @@ class Proposal:
     tree: TokenTree
     # q for each chain position when the chain's tokens were sampled from it: [len(tree)-1, V]
     draft_probs: torch.Tensor | None = None
-    # A chain's draft candidates per position, likeliest first: [len(tree)-1, RANKED] token ids
-    # (pre-speculation guesses the bonus token among them)
+    # The draft's candidates after each node in its KV (every node but the last level: a
+    # chain's x_0..x_{d-1}), likeliest first: [fed + 1, RANKED] token ids (pre-speculation
+    # guesses the bonus token among them)
     ranked: torch.Tensor | None = None
 
 
-RANKED = 16  # candidates a chain keeps per position
+RANKED = 16  # candidates a model drafter keeps per node it feeds
 
 
 class DraftSession:
@@ -105,6 +106,11 @@ class _ChainSession(_ModelDraftSession):
     def propose(self, seq, params, generator):
         return propose_chains([self], [seq], [params], [generator])[0]
 
+    def holds_text_only(self) -> None:
+        """The cache holds a prefix of the text and none of the outstanding proposal's nodes
+        (a proposal from elsewhere, e.g. the n-gram backup): the next outcome keeps all of it."""
+        self.committed = self.cache.length
+
     def on_verified(self, path):
         # The cache holds seq + x_1..x_{d-1}; keep seq + the accepted x's it holds.
         self.cache.truncate(min(self.committed + len(path), self.cache.length))
@@ -121,6 +127,17 @@ class ModelTreeDrafter(Drafter):
         return _TreeSession(self.decoder, capacity, pool, self)
 
 
+def tree_shape(session: DraftSession) -> ModelTreeDrafter | None:
+    """The tree drafter whose session this is (its top-k, width, depth), or None."""
+    return session.shape if isinstance(session, _TreeSession) else None
+
+
+def tree_score_params(params: SamplingParams) -> SamplingParams:
+    """What tree drafting ranks candidates by: the draft's softmax (T = 1) for a greedy
+    request, the request's own processed distribution when it samples."""
+    return SamplingParams(temperature=1.0) if params.greedy else _draft_params(params)
+
+
 class _TreeSession(_ModelDraftSession):
     def __init__(self, decoder: Decoder, capacity: int, pool: KVPool | None, shape: ModelTreeDrafter) -> None:
         super().__init__(decoder, capacity, pool)
@@ -130,6 +147,9 @@ class _TreeSession(_ModelDraftSession):
 
     def propose(self, seq, params, generator):
         return propose_trees([self], [seq], [params], [generator])[0]
+
+    def holds_text_only(self) -> None:
+        self.committed, self.fed = self.cache.length, 0
 
     def on_verified(self, path):
         fed = torch.tensor([self.committed + node - 1 for node in path if node <= self.fed], dtype=torch.long)
@@ -236,10 +256,11 @@ def propose_trees(sessions: list["_TreeSession"], seqs: list[list[int]], params:
     Greedy drafting scores candidates by the draft's softmax (T = 1); sampling by the
     request's own processed distribution."""
     decoder, shape = sessions[0].decoder, sessions[0].shape
-    score = [SamplingParams(temperature=1.0) if p.greedy else _draft_params(p) for p in params]
+    score = [tree_score_params(p) for p in params]
     for session in sessions:
         session.fed = 0
     logits = _catch_up_many(sessions, seqs)
+    ranked = [[rows.topk(min(RANKED, rows.shape[-1]), dim=-1).indices] for rows in logits]
     trees = [TokenTree.root(seq[-1]).grow(torch.tensor([0]), probs_from_logits(rows[0], sp).unsqueeze(0),
                                           shape.topk, shape.width)
              for seq, rows, sp in zip(seqs, logits, score)]
@@ -260,10 +281,11 @@ def propose_trees(sessions: list["_TreeSession"], seqs: list[list[int]], params:
             [sessions[b].cache for b in live], masks, [torch.arange(frontiers[b].numel()) for b in live])
         for b, rows in zip(live, out):
             sessions[b].fed = int(frontiers[b][-1])
+            ranked[b].append(rows.topk(min(RANKED, rows.shape[-1]), dim=-1).indices)
             trees[b] = trees[b].grow(frontiers[b], probs_from_logits(rows, score[b]), shape.topk, shape.width)
             if shape.stop and reached(trees[b], level) < shape.stop:
                 stopped.add(b)
-    return [Proposal(tree) for tree in trees]
+    return [Proposal(tree, None, torch.cat(ranks)) for tree, ranks in zip(trees, ranked)]
 
 
 def batch_kind(session: DraftSession):
