@@ -29,10 +29,11 @@ def test_summary_reports_min_median_max_per_n():
 
 
 @pytest.mark.slow
-def test_prespec_bench_runs_both_clusters_of_real_processes(tiny_dir):
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_prespec_bench_runs_both_clusters_of_real_processes(tiny_dir, mode):
     tiny = str(tiny_dir["llama"])
     star = StarBenchSettings(f"{tiny}@2", tiny, (1, 2, 3), depth=3, max_tokens=16, verify_delay_ms=20.0, dtype="fp32",
-                             max_batches=(8,), draft_quant="none", sessions=1)
+                             mode=mode, max_batches=(8,), draft_quant="none", sessions=1)
     calls = []
     # Without trials: every round is pre-speculated (a trial could fall in a phase without it).
     report = run_prespec_bench(PrespecBenchSettings(star, budget=4, repeats=1, trials=False), [[5, 9, 13, 2], [7, 8, 9]],
@@ -45,3 +46,4 @@ def test_prespec_bench_runs_both_clusters_of_real_processes(tiny_dir):
     assert sum(r["branches_drafted"] for r in pre) > 0
     assert all(p["same_as_plain"] for p in report["pairs"])  # exact: the same texts as plain speculation
     assert set(report["summary"]) >= {"1", "2"}
+    assert report["settings"]["mode"] == mode

@@ -24,9 +24,10 @@ def models(tiny_dir):
     return load_model("tiny-llama", tiny_dir["llama"], "fp32"), load_model("tiny-llama@2", tiny_dir["llama"], "fp32", num_layers=2)
 
 
-async def start(models, prespec: PrespecConfig, verify_delay_s: float, targets: int = 2):
+async def start(models, prespec: PrespecConfig, verify_delay_s: float, targets: int = 2, tree: bool = False):
     target, draft = models
-    draft_server = DraftServer(draft, ModelChainDrafter(draft.decoder, 3), DraftServerConfig(port=0, prespec=prespec))
+    drafter = ModelTreeDrafter(draft.decoder, 3, 2, 3) if tree else ModelChainDrafter(draft.decoder, 3)
+    draft_server = DraftServer(draft, drafter, DraftServerConfig(port=0, prespec=prespec))
     draft_port = await draft_server.start()
     links, servers, ports = [], [], []
     for _ in range(targets):
@@ -48,11 +49,11 @@ async def stop(draft_server, links, servers):
     await draft_server.close()
 
 
-@pytest.mark.parametrize("fallback", ["jit", "ngram"])
-async def test_greedy_sessions_equal_the_target_with_prespec_over_tcp(models, fallback):
+@pytest.mark.parametrize("fallback, tree", [("jit", False), ("ngram", False), ("jit", True)])
+async def test_greedy_sessions_equal_the_target_with_prespec_over_tcp(models, fallback, tree):
     # adaptive off: the trials or the budget fit may rightly switch pre-speculation off on a loaded machine
     draft_server, links, servers, ports = await start(models, PrespecConfig(budget=6, fallback=fallback, adaptive=False),
-                                                      0.02)
+                                                      0.02, tree=tree)
     try:
         params = SamplingParams(max_tokens=24, ignore_eos=True)
         results = await asyncio.gather(*(remote_generate("127.0.0.1", ports[i % 2], p, params) for i, p in enumerate(PROMPTS)))

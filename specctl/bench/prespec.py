@@ -114,7 +114,7 @@ def run_prespec_bench(s: PrespecBenchSettings, prompts: list[list[int]], progres
 
         asyncio.run(sweep())
     return {
-        "settings": {"draft": s.star.draft, "target": s.star.target, "depth": s.star.depth,
+        "settings": {"draft": s.star.draft, "target": s.star.target, "mode": s.star.mode, "depth": s.star.depth,
                      "max_tokens": s.star.max_tokens, "sessions": s.star.sessions, "verify_delay_ms": s.star.verify_delay_ms,
                      "dtype": s.star.dtype, "draft_quant": s.star.draft_quant, "target_quant": s.star.target_quant,
                      "budget": s.budget, "fallback": s.fallback, "repeats": s.repeats, "trials": s.trials,

@@ -16,7 +16,9 @@ from specctl.errors import ConfigError
 def prespec(
     draft: str = typer.Option("qwen2.5-coder-0.5b", help="draft model for both draft servers (NAME@N: first N layers)"),
     target: str = typer.Option("qwen2.5-coder-1.5b", help="target model for every target instance"),
-    depth: int = typer.Option(4, help="chain depth d"),
+    mode: str = typer.Option("chain", help="chain | tree: the proposals both draft servers make (a tree: the "
+                             "profile's top-k and width)"),
+    depth: int = typer.Option(4, help="proposal depth d"),
     budget: int = typer.Option(8, help="pre-speculation budget: branches per session and round"),
     fallback: str = typer.Option("jit", "--fallback", help="jit | ngram | auto: how the prespec server drafts a miss"),
     max_targets: int = typer.Option(4, "--max-targets", help="the most target processes (N_full is capped at it)"),
@@ -51,6 +53,8 @@ def prespec(
     for name, value in (("--draft-quant", draft_quant), ("--target-quant", target_quant)):
         if value not in QUANTS:
             raise ConfigError(f"{name} must be one of {', '.join(QUANTS)}, got {value!r}")
+    if mode not in ("chain", "tree"):
+        raise ConfigError(f"--mode must be chain or tree (what pre-speculation drafts), got {mode!r}")
     if verify_delay_ms < 0 or depth < 1 or max_tokens < 1 or sessions < 1 or repeats < 1 or not 2 <= max_targets <= 32:
         raise ConfigError("--verify-delay-ms must be >= 0, --depth, --max-tokens, --sessions and --repeats >= 1, "
                           "--max-targets in [2, 32]")
@@ -64,7 +68,7 @@ def prespec(
     tok = AutoTokenizer.from_pretrained(path)
     encoded = [tok.encode(p.prompt) for p in load_prompts(prompts)]
     star = StarBenchSettings(draft, target, tuple(range(1, max_targets + 1)), depth, max_tokens, verify_delay_ms, dtype,
-                             max_batches=(8,), sessions=sessions, draft_quant=draft_quant, target_quant=target_quant,
+                             mode=mode, max_batches=(8,), sessions=sessions, draft_quant=draft_quant, target_quant=target_quant,
                              nice_unemulated=True)
     settings = PrespecBenchSettings(star, budget, fallback, repeats, trials)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())

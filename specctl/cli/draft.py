@@ -17,7 +17,7 @@ DEFAULT_PRESPEC_BUDGET = 8
 def prespec_config(enabled: bool, budget: int | None, profile_budget: int, saguaro_c: float, fallback: str, mode: str,
                    trials: bool = True):
     """The pre-speculation settings from the flags (budget: flag > profile > default), or None when off."""
-    from specctl.draft.speculation import PrespecConfig
+    from specctl.draft.prespec_config import PrespecConfig
 
     if not enabled:
         if budget is not None or saguaro_c != 1.0 or fallback != "auto" or not trials:
@@ -76,18 +76,19 @@ def draft(
     With --prespec, the outcomes of every proposal out for verification are guessed (the
     accepted path ends at some node, then the bonus) and drafted ahead, only while no real request waits; a hit is
     answered at once, a miss as before. Output stays exactly the target's."""
-    from specctl.draft.server import DraftServer, DraftServerConfig
-    from specctl.runtime.compute import ComputeThread
-    from specctl.runtime.loop import run_with_compute, serve, setup_logging
-    from specctl.runtime.tls import server_context
-    from specctl.spec.factory import apply_threads, load_named, make_drafter
-
     config = build_config(profile, draft=model, mode=mode, depth=depth, draft_stop=draft_stop, topk=topk, width=width,
                           max_sessions=max_sessions, max_batch=max_batch, dtype=dtype, threads=threads, draft_quant=draft_quant)
     if config.mode == "ar":
         raise ConfigError("a draft server proposes: --mode must be chain, tree or ngram")
     speculation = prespec_config(prespec, prespec_budget, config.prespec_budget, saguaro_c, fallback, config.mode,
                                  prespec_trials)
+    # torch loads only once the flags above are known to be good: a mistake is reported at once
+    from specctl.draft.server import DraftServer, DraftServerConfig
+    from specctl.runtime.compute import ComputeThread
+    from specctl.runtime.loop import run_with_compute, serve, setup_logging
+    from specctl.runtime.tls import server_context
+    from specctl.spec.factory import apply_threads, load_named, make_drafter
+
     ssl = server_context(tls_cert, tls_key)
     server_config = checked(DraftServerConfig, host=host, port=port, max_sessions=config.max_sessions,
                             max_batch=config.max_batch, kv_budget_bytes=config.kv_budget_bytes, auth_token=auth_token,

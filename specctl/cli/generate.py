@@ -12,9 +12,6 @@ from rich.console import Console
 
 from specctl.config import build_config
 from specctl.engine import text
-from specctl.spec.factory import apply_threads, load_pair, make_drafter, make_multi_drafter
-from specctl.spec.rounds import generate as run_generation
-from specctl.spec.sampling import SamplingParams
 
 
 class TextStreamer:
@@ -60,6 +57,11 @@ def generate(
     tls_ca: Optional[str] = typer.Option(None, "--tls-ca", help="CA file: talk TLS to --remote"),
 ) -> None:
     """Generate text with speculative decoding in one process (draft and target together)."""
+    # torch loads here, not when the CLI starts: --help and flag errors stay quick
+    from specctl.spec.factory import apply_threads, load_pair, make_drafter, make_multi_drafter
+    from specctl.spec.rounds import generate as run_generation
+    from specctl.spec.sampling import SamplingParams
+
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed)
     config = build_config(
         profile, target=target, draft=draft, mode=mode, drafters=drafters, depth=depth, draft_stop=draft_stop, width=width, topk=topk, dtype=dtype, threads=threads,

@@ -93,11 +93,9 @@ def verify(
 
     A target split over n boxes runs the same command on each, differing only in --stage:
     specctl verify --stage 2/3 --pipeline a:9100,b:9101,c:9102 --model M"""
-    from specctl.pipeline.launch import load_stage, stage_plan
     from specctl.pipeline.split import parse_pipeline
     from specctl.runtime.loop import parse_hostport, setup_logging
     from specctl.runtime.tls import client_context, server_context
-    from specctl.spec.factory import apply_threads
 
     index, count = parse_stage(stage)
     if verify_delay_ms < 0 or stage_delay_ms < 0:
@@ -116,6 +114,10 @@ def verify(
         _check_specpipe_shape(count, width, topk)
     config = build_config(profile, target=model, max_sessions=max_sessions, max_batch=max_batch, dtype=dtype,
                           threads=threads, target_quant=quant)
+    # torch loads only once the flags are known to be good: a mistake is reported at once
+    from specctl.pipeline.launch import load_stage, stage_plan
+    from specctl.spec.factory import apply_threads
+
     console = Console(stderr=True)
     plan = stage_plan(config, index, count, pipeline, layers, console)
     if pipeline:
