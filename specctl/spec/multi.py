@@ -84,9 +84,7 @@ class _MultiSession(DraftSession):
         tree, placed = fuse(seq[-1], drafts, owner.budget) if drafts else (TokenTree.root(seq[-1]), [])
         self.asked = list(zip(asked, drafts, placed))
         for i, _, where in self.asked:
-            kept = sum(node is not None for node in where)
-            owner.stats[owner.names[i]].chosen_rounds += bool(kept)
-            owner.stats[owner.names[i]].proposed_tokens += kept
+            owner.stats[owner.names[i]].fused(where)
         return Proposal(tree)
 
     def _ask(self, i: int, seq: list[int]) -> Draft | None:
@@ -120,8 +118,6 @@ class _MultiSession(DraftSession):
     def close(self) -> None:
         for i, session in enumerate(self.sessions):
             session.close()
-            if i < len(getattr(self, "scores", [])) and self.scores[i].tokens:
-                stats = self.owner.stats[self.owner.names[i]]
-                stats.score_sum += self.scores[i].value
-                stats.scored_sessions += 1
+            if i < len(getattr(self, "scores", [])):
+                self.owner.stats[self.owner.names[i]].session_ended(self.scores[i])
         self.sessions = []

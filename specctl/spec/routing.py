@@ -100,6 +100,18 @@ class DrafterStats:
     score_sum: float = 0.0
     scored_sessions: int = 0
 
+    def fused(self, where: list[int | None]) -> None:
+        """Its draft went into a round's fused tree (``where``: each of its nodes' place, None if cut)."""
+        kept = sum(node is not None for node in where)
+        self.chosen_rounds += bool(kept)
+        self.proposed_tokens += kept
+
+    def session_ended(self, score: "RoutingScore") -> None:
+        """A session that used it ended: its routing score joins the mean."""
+        if score.tokens:
+            self.score_sum += score.value
+            self.scored_sessions += 1
+
     def snapshot(self) -> dict:
         return {"chosen_rounds": self.chosen_rounds, "proposed_tokens": self.proposed_tokens,
                 "accepted_tokens": self.accepted_tokens, "failures": self.failures,

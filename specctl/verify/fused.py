@@ -131,9 +131,7 @@ class FusedSpeculator:
         tree, placed = fuse(session.seq[-1], [drafts[i] for i in used], self.fusion.budget)
         self.asked = [(self.links[i], drafts[i], where) for i, where in zip(used, placed)]
         for link, _, where in self.asked:
-            kept = sum(node is not None for node in where)
-            stats[link.name].chosen_rounds += bool(kept)
-            stats[link.name].proposed_tokens += kept
+            stats[link.name].fused(where)
         return Drafted(Proposal(tree), time.perf_counter() - started)
 
     async def _ask(self, session: DecodeSession, order: list[int], drafts: dict[int, Draft]) -> None:
@@ -188,6 +186,4 @@ class FusedSpeculator:
             if link.remote is not None:
                 link.remote.close()
         for link in self.links:
-            if link.score.tokens:
-                self.fusion.stats[link.name].score_sum += link.score.value
-                self.fusion.stats[link.name].scored_sessions += 1
+            self.fusion.stats[link.name].session_ended(link.score)
