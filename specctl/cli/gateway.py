@@ -81,7 +81,7 @@ def up(
     targets: int = typer.Option(1, help="number of target instances"),
     stages: int = typer.Option(1, help="pipeline stages per target instance (the target split by layers, each "
                                "stage a server on loopback)"),
-    port: int = typer.Option(8000, help="gateway HTTP port"),
+    port: int = typer.Option(8000, help="gateway HTTP port (0 = any free port, printed at start)"),
     mode: Optional[str] = typer.Option(None, help="chain | tree"),
     drafters: Optional[str] = typer.Option(None, help="several drafters instead of --draft: comma-separated model "
                                            "names, NAME@N and ngram; a draft server per model, every target routes "
