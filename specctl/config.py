@@ -30,6 +30,9 @@ class Config:
     attention_backend: str = "auto"
     cuda_graphs: bool = True  # on CUDA: steps of <= 64 tokens padded to a bucket and replayed as CUDA graphs
     torch_compile: bool = True  # on CUDA with cuda_graphs: those steps' layers through torch.compile (fused kernels)
+    # CPU targets in bf16/fp16/int8: verification rows attend as AR decode steps do, so speculative
+    # output is bit-identical to AR (specctl_kernels.row_exact); false: one masked call, a little faster
+    row_exact_attention: bool = True
     threads: int = 0  # 0 = torch's default
     kv_budget_mb: int = 4096
     max_sessions: int = 64
@@ -54,7 +57,7 @@ class Config:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
             raise ConfigError(f"attention_backend must be auto, torch or flashinfer, got {self.attention_backend!r}")
-        for name in ("cuda_graphs", "torch_compile"):
+        for name in ("cuda_graphs", "torch_compile", "row_exact_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("draft_quant", "target_quant"):

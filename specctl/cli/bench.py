@@ -71,7 +71,7 @@ def local(
         bench_prompts = bench_prompts[:limit]
     apply_threads(config)
     console = Console(stderr=True)
-    target_model = load_named(config.target, config, console)
+    target_model = load_named(config.target, config, console, target=True)
     draft_model = None
     if any(m in ("chain", "tree", "hf-assisted") for m in wanted):
         from specctl.engine.loader import check_same_vocab
@@ -182,7 +182,7 @@ def net(
     console = Console(stderr=True)
     rt = asyncio.run(round_trip_ms())
     config = build_config(None, target=target, draft=draft, dtype=dtype)
-    target_model = load_named(target, config, console)
+    target_model = load_named(target, config, console, target=True)
     draft_model = load_named(draft, config, console)
     prompts = [target_model.tokenizer.encode(p.prompt) for p in load_prompts("builtin")[:limit]]
     with console.status("one process and separate processes, prompt by prompt"):

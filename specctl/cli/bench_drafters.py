@@ -45,7 +45,7 @@ def drafters(
     bench_prompts = load_prompts(prompts)[: limit or None]
     apply_threads(config)
     console = Console(stderr=True)
-    target_model = load_named(config.target, config, console)
+    target_model = load_named(config.target, config, console, target=True)
     loaded = load_drafters(config, target_model, console)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:

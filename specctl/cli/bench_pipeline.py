@@ -58,7 +58,7 @@ def pipeline(
                           target_quant="none")
     apply_threads(config)
     console = Console(stderr=True)
-    target_model = load_named(config.target, config, console)
+    target_model = load_named(config.target, config, console, target=True)
     draft_model = load_named(config.draft, config, console)
     check_same_vocab(target_model, draft_model)
     if counts[-1] > target_model.spec.num_layers:

@@ -11,7 +11,7 @@ from torch import nn
 from specctl.engine.kv_cache import KVCache
 from specctl.engine.spec import ModelSpec
 from specctl.engine.static import StaticSegment
-from specctl_kernels import get_attention, static_attention
+from specctl_kernels import get_attention, row_exact, static_attention
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +68,12 @@ class Attention(nn.Module):
         self.qkv_proj: nn.Module | None = None  # int8 models fuse q/k/v into one projection
         self.qkv_sizes = (h * d, kv * d, kv * d)
         self.attend = get_attention(backend)
+        self.row_exact = False
+
+    def use_row_exact(self) -> None:
+        """Masked (verification) rows attend as one-token decode steps would (specctl_kernels.row_exact)."""
+        if not self.row_exact:
+            self.attend, self.row_exact = row_exact(self.attend), True
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.qkv_proj is not None:

@@ -46,6 +46,17 @@ class Decoder(nn.Module):
         self.static = StaticRunner(self, graphs, compile)
         return self
 
+    def use_row_exact_attention(self) -> "Decoder":
+        """Verification rows attend exactly as AR decode steps do (specctl_kernels.row_exact):
+        a target whose linear layers are row-independent then verifies bit-identically to AR."""
+        for layer in self.layers:
+            layer.self_attn.use_row_exact()
+        return self
+
+    @property
+    def row_exact(self) -> bool:
+        return all(layer.self_attn.row_exact for layer in self.layers)
+
     def part(self, layer_range: tuple[int, int], embed: bool, head: bool) -> "Decoder":
         """Layers [a, b) of this decoder, with its embedding and/or norm + head, sharing the
         weights (no copy): a pipeline stage run in this process."""

@@ -34,7 +34,7 @@ def load_stage(config: Config, plan: StagePlan, console: Console | None = None) 
     from specctl.spec.factory import load_named
 
     stage = None if plan.count == 1 else (plan.layers, plan.first, plan.last)
-    return load_named(config.target, config, console, config.target_quant, stage=stage)
+    return load_named(config.target, config, console, config.target_quant, stage=stage, target=True)
 
 
 def pipelined_target(stage_one: LoadedModel, next_address: tuple[str, int], *, stages: int,

@@ -32,9 +32,19 @@ def apply_threads(config: Config) -> None:
         torch.set_num_threads(config.threads)
 
 
+def rows_independent(device: str, dtype: str, quant: str) -> bool:
+    """Whether a model's linear layers give each row the same bits alone or among others
+    (measured on torch 2.13 CPU: bf16 and fp16 matmuls and the row-scaled int8 layers do;
+    fp32 does not, since a one-row product takes MKL's matrix-vector kernel (1e-6 apart);
+    CUDA GEMMs pick kernels by shape). Only there does row-exact attention make a
+    verification reproduce AR bit for bit, so only there is it worth its cost."""
+    return device == "cpu" and (quant == "int8" or dtype in ("bf16", "fp16"))
+
+
 def load_named(name: str, config: Config, console: Console | None = None, quant: str = "none",
-               stage: tuple[tuple[int, int], bool, bool] | None = None) -> LoadedModel:
-    """A model by name; ``stage`` = (layer range, embedding?, head?) loads one pipeline stage's part."""
+               stage: tuple[tuple[int, int], bool, bool] | None = None, target: bool = False) -> LoadedModel:
+    """A model by name; ``stage`` = (layer range, embedding?, head?) loads one pipeline stage's part;
+    ``target``: it verifies, so it attends row-exactly where that makes it reproduce AR."""
     base, layers = split_model_name(name)
     path = resolve_model(base, console)
     console = console or Console(stderr=True)
@@ -46,6 +56,8 @@ def load_named(name: str, config: Config, console: Console | None = None, quant:
         model = load_model(name, path, dtype, num_layers=layers, device=config.device,
                            backend=config.attention_backend, stage=stage)
         model.decoder = quantize_decoder(model.decoder, quant)
+        if target and config.row_exact_attention and rows_independent(config.device, dtype, quant):
+            model.decoder.use_row_exact_attention()
         if model.decoder.device.type == "cuda":
             fuse_projections(model.decoder)
             if stage is None and config.cuda_graphs:
@@ -58,7 +70,7 @@ def needs_draft_model(mode: str) -> bool:
 
 
 def load_pair(config: Config, console: Console | None = None) -> tuple[LoadedModel, LoadedModel | None]:
-    target = load_named(config.target, config, console, config.target_quant)
+    target = load_named(config.target, config, console, config.target_quant, target=True)
     draft = None
     if needs_draft_model(config.mode):
         same = config.draft == config.target and config.draft_quant == config.target_quant

@@ -1,0 +1,145 @@
+"""Row-exact attention (specctl_kernels.row_exact): a verification forward of a bf16 or int8
+target reproduces AR decoding bit for bit, so speculative output equals the target alone."""
+
+import pytest
+import torch
+
+from specctl.config import Config
+from specctl.engine.loader import load_decoder
+from specctl.engine.quant import quantize_decoder
+from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
+from specctl.spec.factory import rows_independent
+from specctl.spec.rounds import generate
+from specctl.spec.sampling import SamplingParams
+from specctl_kernels import row_exact, tree_attention
+
+HEADS, KV_HEADS, DIM = 6, 2, 16
+
+
+def _qkv(rows: int, keys: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, HEADS, rows, DIM, generator=gen), torch.randn(1, KV_HEADS, keys, DIM, generator=gen),
+            torch.randn(1, KV_HEADS, keys, DIM, generator=gen))
+
+
+def _tree_mask(parents: list[int], prefix: int) -> torch.Tensor:
+    """[n, prefix + n]: each node sees the prefix, its ancestors and itself (parents[0] = -1)."""
+    n = len(parents)
+    mask = torch.zeros(n, prefix + n, dtype=torch.bool)
+    mask[:, :prefix] = True
+    for node in range(n):
+        ancestor = node
+        while ancestor >= 0:
+            mask[node, prefix + ancestor] = True
+            ancestor = parents[ancestor]
+    return mask
+
+
+def test_each_chain_row_is_the_one_token_call_over_the_keys_before_it():
+    q, k, v = _qkv(7, 50)
+    mask = _tree_mask([-1, 0, 1, 2, 3, 4, 5], 43)
+    out = row_exact(tree_attention)(q, k, v, mask)
+    for i in range(7):
+        alone = tree_attention(q[:, :, i : i + 1], k[:, :, : 44 + i], v[:, :, : 44 + i], None)
+        assert torch.equal(out[:, :, i : i + 1], alone)
+    torch.testing.assert_close(out, tree_attention(q, k, v, mask))  # the same attention, to the last bits aside
+
+
+def test_a_tree_node_attends_to_prefix_ancestors_and_itself_in_cache_order():
+    parents = [-1, 0, 0, 1, 2, 2, 4]
+    q, k, v = _qkv(7, 20 + 7, seed=1)
+    mask = _tree_mask(parents, 20)
+    out = row_exact(tree_attention)(q, k, v, mask)
+    for node, path in enumerate([[0], [0, 1], [0, 2], [0, 1, 3], [0, 2, 4], [0, 2, 5], [0, 2, 4, 6]]):
+        index = torch.tensor(list(range(20)) + [20 + p for p in path])
+        alone = tree_attention(q[:, :, node : node + 1], k[:, :, index], v[:, :, index], None)
+        assert torch.equal(out[:, :, node : node + 1], alone), node
+
+
+def test_unmasked_calls_and_batched_masks():
+    q, k, v = _qkv(5, 12, seed=2)
+    assert torch.equal(row_exact(tree_attention)(q, k, v, None), tree_attention(q, k, v, None))
+    q2, k2, v2 = (torch.cat([t, t.flip(-1)]) for t in (q, k, v))
+    masks = torch.stack([_tree_mask([-1, 0, 0, 1, 2], 7), _tree_mask([-1, 0, 1, 2, 3], 7)])
+    out = row_exact(tree_attention)(q2, k2, v2, masks)
+    for b in range(2):
+        assert torch.equal(out[b : b + 1], row_exact(tree_attention)(q2[b : b + 1], k2[b : b + 1], v2[b : b + 1], masks[b]))
+
+
+@pytest.mark.parametrize("device, dtype, quant, expected", [
+    ("cpu", "bf16", "none", True), ("cpu", "fp16", "none", True), ("cpu", "fp32", "int8", True),
+    ("cpu", "fp32", "none", False), ("cuda", "bf16", "none", False),
+])
+def test_row_exact_is_used_only_where_linear_layers_are_row_independent(device, dtype, quant, expected):
+    assert rows_independent(device, dtype, quant) is expected
+
+
+def test_the_switch_is_a_validated_config_field():
+    assert Config().row_exact_attention is True
+    with pytest.raises(Exception, match="row_exact_attention must be true or false, got 'yes'"):
+        Config(row_exact_attention="yes")
+
+
+def _target(tiny_dir, kind: str):
+    if kind == "bf16":
+        return load_decoder(tiny_dir["llama"], dtype=torch.bfloat16)
+    return quantize_decoder(load_decoder(tiny_dir["llama"]), "int8")
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_verification_logits_equal_ar_step_logits_bit_for_bit(tiny_dir, kind):
+    """A chain and a tree (the path's nodes among siblings) verified in one forward give each
+    path node exactly the logits AR decoding computes at that position."""
+    target = _target(tiny_dir, kind).use_row_exact_attention()
+    prompt, path = [5, 9, 14, 3, 77, 21, 8], [40, 41, 42, 43, 44]
+    ar_cache = target.new_cache(64)
+    target(torch.tensor(prompt[:-1]), torch.arange(len(prompt) - 1), ar_cache)
+    ar_logits = []
+    for position, token in enumerate([prompt[-1], *path], start=len(prompt) - 1):
+        ar_logits.append(target(torch.tensor([token]), torch.tensor([position]), ar_cache)[0])
+    prefix = len(prompt) - 1
+    # tree: root, a sibling of 40, 40, a sibling of 41, 41, 42, 43, 44 (a chain is the same minus siblings)
+    for tokens, parents, path_nodes in (
+        ([prompt[-1], *path], [-1, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5]),
+        ([prompt[-1], 90, 40, 91, 41, 42, 43, 44], [-1, 0, 0, 2, 2, 4, 5, 6], [0, 2, 4, 5, 6, 7]),
+    ):
+        cache = target.new_cache(64)
+        target(torch.tensor(prompt[:-1]), torch.arange(prefix), cache)
+        depth = torch.zeros(len(parents), dtype=torch.long)
+        for node in range(1, len(parents)):
+            depth[node] = depth[parents[node]] + 1
+        logits = target(torch.tensor(tokens), prefix + depth, cache, mask=_tree_mask(parents, prefix))
+        for step, node in enumerate(path_nodes):
+            assert torch.equal(logits[node], ar_logits[step]), f"node {node} (step {step}) differs from AR"
+        cache.release()
+    ar_cache.release()
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_speculative_output_equals_the_target_alone_in_bf16_and_int8(tiny_dir, tiny, kind):
+    target = _target(tiny_dir, kind).use_row_exact_attention()
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    drafters = {"chain": ModelChainDrafter(tiny["llama-draft"], 4), "tree": ModelTreeDrafter(tiny["llama-draft"], 3, 2, 3),
+                "ngram": NgramDrafter(4)}
+    for prompt in ([1, 2, 3], [7, 8, 9, 10] * 5, list(range(30, 60))):
+        reference, _, _ = generate(target, prompt, params)
+        for name, drafter in drafters.items():
+            assert generate(target, prompt, params, drafter)[0] == reference, f"{kind} {name} diverged on {prompt}"
+
+
+def test_sessions_verified_together_in_bf16_each_equal_the_target_alone(tiny_dir, tiny):
+    """The ragged many-session forward (a target instance's batch) is row-exact too."""
+    from specctl.spec.decode import DecodeSession
+    from tests.conftest import verify_together_to_the_end
+
+    target = _target(tiny_dir, "bf16").use_row_exact_attention()
+    chain, tree = ModelChainDrafter(tiny["llama-draft"], 4), ModelTreeDrafter(tiny["llama-draft"], 3, 2, 3)
+    prompts = [[1, 2, 3, 4, 5], [9, 8], [40, 41, 42, 43, 44, 45, 46]]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    drafters = [chain, tree, chain]
+    sessions = [DecodeSession(target, p, params, max_nodes=d.max_nodes) for p, d in zip(prompts, drafters)]
+    for s in sessions:
+        s.prefill()
+    verify_together_to_the_end(sessions, drafters)
+    for prompt, session in zip(prompts, sessions):
+        assert session.output == generate(target, prompt, params)[0]
