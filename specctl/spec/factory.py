@@ -11,6 +11,7 @@ from rich.console import Console
 from specctl.config import Config
 from specctl.engine.loader import DTYPES, LoadedModel, check_same_vocab, load_model
 from specctl.engine.layers import fuse_projections
+from specctl.engine import rows
 from specctl.engine.quant import quantize_decoder
 from specctl.spec.drafters import Drafter, ModelChainDrafter, ModelTreeDrafter, NgramDrafter, NoDrafter
 from specctl.spec.multi import MultiDrafter
@@ -32,15 +33,6 @@ def apply_threads(config: Config) -> None:
         torch.set_num_threads(config.threads)
 
 
-def rows_independent(device: str, dtype: str, quant: str) -> bool:
-    """Whether a model's linear layers give each row the same bits alone or among others
-    (measured on torch 2.13 CPU: bf16 and fp16 matmuls and the row-scaled int8 layers do;
-    fp32 does not, since a one-row product takes MKL's matrix-vector kernel (1e-6 apart);
-    CUDA GEMMs pick kernels by shape). Only there does row-exact attention make a
-    verification reproduce AR bit for bit, so only there is it worth its cost."""
-    return device == "cpu" and (quant == "int8" or dtype in ("bf16", "fp16"))
-
-
 def load_named(name: str, config: Config, console: Console | None = None, quant: str = "none",
                stage: tuple[tuple[int, int], bool, bool] | None = None, target: bool = False) -> LoadedModel:
     """A model by name; ``stage`` = (layer range, embedding?, head?) loads one pipeline stage's part;
@@ -56,7 +48,8 @@ def load_named(name: str, config: Config, console: Console | None = None, quant:
         model = load_model(name, path, dtype, num_layers=layers, device=config.device,
                            backend=config.attention_backend, stage=stage)
         model.decoder = quantize_decoder(model.decoder, quant)
-        if target and config.row_exact_attention and rows_independent(config.device, dtype, quant):
+        if target and config.row_exact_attention and rows.candidate(config.device, dtype, quant) \
+                and rows.decoder_rows_independent(model.decoder, quant):
             model.decoder.use_row_exact_attention()
         if model.decoder.device.type == "cuda":
             fuse_projections(model.decoder)
