@@ -55,13 +55,15 @@ async def serve_specpipe(session: DecodeSession, spec: SpecPipeDraft, lane, emit
         run = SpecPipeRun(session.target, session, spec.open_levels(session),
                           lambda tokens, result: loop.call_soon_threadsafe(emit, tokens, result))
         run.stop = cancelled
-        run.run()
+        try:
+            run.run()
+        finally:  # before the reply ends: a client reading the stats next sees this session in them
+            spec.totals.add(run.stats)
 
     def free() -> None:
         session.close()
         if run is not None:
             run.draft.close()
-            spec.totals.add(run.stats)
 
     job = asyncio.ensure_future(lane.run(drive))
     try:
