@@ -81,12 +81,12 @@ def test_the_probe_finds_int8_row_independent_and_a_row_mixing_layer_not(tiny_di
         def forward(self, x):
             return super().forward(x) + x.mean(0, keepdim=True)[..., : self.out_features]
 
-    assert not linear_rows_independent(Mixing(16, 8), 16, torch.float32)
+    assert not linear_rows_independent(Mixing(16, 8))
     class Scaling(torch.nn.Linear):  # row by row, elementwise
         def forward(self, x):
             return 2 * x[..., : self.out_features]
 
-    assert linear_rows_independent(Scaling(16, 8), 16, torch.float32)
+    assert linear_rows_independent(Scaling(16, 8))
 
 
 def test_the_switch_is_a_validated_config_field():

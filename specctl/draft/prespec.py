@@ -22,15 +22,17 @@ import torch
 
 from specctl.engine.tree import TokenTree
 from specctl.spec.draft_state import DraftState
-from specctl.spec.drafters import RANKED, Proposal, tree_score_params, tree_shape
+from specctl.spec.drafters import ModelTreeDrafter, Proposal, ranked_candidates, tree_score_params, tree_shape
 from specctl.spec.sampling import DRAFT_SUPPORT, keep_top, probs_from_logits, sample
 
 Reshape = Callable[[int, torch.Tensor], torch.Tensor]  # (position, q) -> the q to sample from
 Row = tuple[int, int, list[int]]  # (token, position, KV slots it attends to besides the text and itself)
 
 
-def _top(logits: torch.Tensor) -> torch.Tensor:
-    return logits.topk(min(RANKED, logits.shape[-1]), dim=-1).indices
+def kv_per_branch(shape: ModelTreeDrafter | None, depth: int) -> int:
+    """KV slots one branch can fill: a chain's bonus and the d - 1 tokens fed after it; a
+    tree's nodes but its last level (the bonus is its root)."""
+    return depth if shape is None else shape.max_nodes - shape.width
 
 
 @dataclass(slots=True)
@@ -79,7 +81,7 @@ class TreeBranch:
         shape = tree_shape(plan.state.session)
         frontier = torch.arange(len(self.slots), len(self.tree))
         self.slots += slots
-        self.ranked += list(_top(logits))
+        self.ranked += list(ranked_candidates(logits))
         self.tree = self.tree.grow(frontier, probs_from_logits(logits, tree_score_params(plan.state.params)),
                                    shape.topk, shape.width)
         level = self.tree.level(self.tree.max_depth)
@@ -148,12 +150,10 @@ def make_plan(state: DraftState, proposal: Proposal, fanout: list[int], depth: i
     if len(tree) < 2 or ranked is None or len(fanout) != len(tree) or cache.length != base + ranked.shape[0] - 1:
         return None
     plan = Plan(state, base, tree, ranked, fanout, depth, reshape)
-    plan.tails = [v for v in range(plan.fed + 1, len(tree))]
+    plan.tails = list(range(plan.fed + 1, len(tree)))  # all of them: node j lands at slot base + j - 1
     if not any(fanout[v] for v in plan.tails):
         plan.tails = []
-    shape = tree_shape(state.session)
-    branch_kv = depth if shape is None else shape.max_nodes - shape.width  # a branch's fed nodes, bonus included
-    if cache.length + len(plan.tails) + sum(fanout) * branch_kv > cache.capacity:
+    if cache.length + len(plan.tails) + sum(fanout) * kv_per_branch(tree_shape(state.session), depth) > cache.capacity:
         return None
     for node in range(plan.fed + 1):
         plan._open(node, ranked[node].tolist())
@@ -207,7 +207,7 @@ def step(plans: list[Plan], max_rows: int | None = None) -> list[Plan]:
             while j < len(owners) and owners[j] is owner and not isinstance(owner, int):
                 j += 1
             if isinstance(owner, int):  # a tail: its outcomes' branches start here
-                plan._open(owner, _top(logits[i]).tolist())
+                plan._open(owner, ranked_candidates(logits[i]).tolist())
             else:
                 plan.started += not owner.slots
                 owner.absorb(plan, list(range(start + i, start + j)), logits[i:j])
@@ -218,7 +218,7 @@ def step(plans: list[Plan], max_rows: int | None = None) -> list[Plan]:
 def _draw(plan: Plan, branch: ChainBranch, row: torch.Tensor) -> None:
     state = plan.state
     position = len(branch.tokens) - 1
-    branch.ranked.append(_top(row))
+    branch.ranked.append(ranked_candidates(row))
     if state.params.greedy:  # the node's probability is the draft's softmax, as in a just-in-time chain
         x = int(row.argmax())  # on the logits, as just-in-time drafting does (softmax can round ties together)
         branch.tokens.append(x)

@@ -24,13 +24,18 @@ from specctl.draft.fanout import (
     tree_outcome_probs,
 )
 from specctl.draft.prespec_config import FALLBACKS, PrespecConfig  # noqa: F401 - re-exported
-from specctl.draft.prespec import Plan, adopt, discard, finish, make_plan, proposal_of, step
+from specctl.draft.prespec import Plan, adopt, discard, finish, kv_per_branch, make_plan, proposal_of, step
 from specctl.draft.trial import Trial
 from specctl.spec.draft_state import DraftState
 from specctl.spec.drafters import RANKED, Drafter, ModelTreeDrafter, Proposal, tree_shape
 from specctl.spec.sampling import saguaro
 
 PRIOR_BACKUP_LENGTH = 1.2  # tokens per round the n-gram backup is assumed to give before it is measured
+
+
+def _end_node(path: list[int]) -> int:
+    """The proposal node the accepted path ends at (0: the root, nothing accepted)."""
+    return path[-1] if path else 0
 
 
 @dataclass(slots=True)
@@ -65,9 +70,10 @@ class PrespecStats:
 
 
 class SpeculationCache:
-    def __init__(self, config: PrespecConfig, depth: int, wake=lambda: None, width: int | None = None) -> None:
-        """``width``: a tree drafter's width (its branches are trees); None: chains."""
-        self.config, self.depth, self.wake, self.width = config, depth, wake, width
+    def __init__(self, config: PrespecConfig, depth: int, wake=lambda: None, shape: ModelTreeDrafter | None = None) -> None:
+        """``shape``: the tree drafter whose trees the branches are; None: chains."""
+        self.config, self.depth, self.wake, self.shape = config, depth, wake, shape
+        self.width = 1 if shape is None else shape.width  # a chain is a tree of width 1
         self.plans: dict[int, Plan] = {}
         self.history: dict[int, History] = {}
         self.missed: set[int] = set()  # sessions whose outcome just missed (their fallback is due)
@@ -78,15 +84,13 @@ class SpeculationCache:
 
     @classmethod
     def for_drafter(cls, config: PrespecConfig, drafter: Drafter, wake=lambda: None) -> "SpeculationCache":
-        return cls(config, drafter.depth, wake, drafter.width if isinstance(drafter, ModelTreeDrafter) else None)
+        return cls(config, drafter.depth, wake, drafter if isinstance(drafter, ModelTreeDrafter) else None)
 
     @property
     def reserve(self) -> int:
         """KV positions a session needs beyond its proposals for its branches (and the tails:
         the proposal's last level, fed for the candidates after it)."""
-        if self.width is None:
-            return 1 + self.config.budget * self.depth
-        return self.width + self.config.budget * (1 + (self.depth - 1) * self.width)
+        return self.width + self.config.budget * kv_per_branch(self.shape, self.depth)
 
     def reshape_for(self, tag: int, state: DraftState):
         """Saguaro sampling for a session's next chain proposal (None: plain sampling; a tree's
@@ -114,7 +118,7 @@ class SpeculationCache:
         if not self.config.adaptive or history.return_s is None or fit is None:
             return self.config.budget
         return budget_that_fits(history.return_s, self.depth, fit, len(self.plans) + 1, self.config.budget,
-                                self.width or 1)
+                                self.width)
 
     def planned(self, tag: int, state: DraftState, proposal: Proposal, backup: bool = False) -> None:
         """A proposal went out: plan its outcomes' branches (not for a backup proposal)."""
@@ -156,8 +160,8 @@ class SpeculationCache:
             history.backup_rounds += 1
             history.backup_accepted += len(path)
         plan = self._retire(self.plans.pop(tag, None))
-        if plan is not None and len(tokens) == len(path) + 1 and (path[-1] if path else 0) <= plan.fed:
-            history.ranks.append(plan.rank_of(path[-1] if path else 0, tokens[-1]))
+        if plan is not None and len(tokens) == len(path) + 1 and _end_node(path) <= plan.fed:
+            history.ranks.append(plan.rank_of(_end_node(path), tokens[-1]))
         return plan
 
     def outcome_without_lookup(self, tag: int, path: list[int], tokens: list[int]) -> None:
@@ -183,7 +187,7 @@ class SpeculationCache:
                 continue
             # A branch drafted on text + path + bonus; an outcome that committed more (fused
             # drafters, skipped rounds) is a miss whatever its last token.
-            key = (path[-1] if path else 0, tokens[-1])
+            key = (_end_node(path), tokens[-1])
             branch = plan.branches.get(key) if len(tokens) == len(path) + 1 else None
             if branch is None or not branch.slots:
                 discard(plan)

@@ -25,9 +25,9 @@ def candidate(device: str, dtype: str, quant: str) -> bool:
     return device == "cpu" and (quant == "int8" or dtype in ("bf16", "fp16"))
 
 
-def linear_rows_independent(linear: nn.Module, in_features: int, dtype: torch.dtype) -> bool:
+def linear_rows_independent(linear: nn.Linear) -> bool:
     """One layer, probed: each of 8 random rows alone equals its row in the 8-row product."""
-    x = torch.randn(PROBE_ROWS, in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
+    x = torch.randn(PROBE_ROWS, linear.in_features, generator=torch.Generator().manual_seed(0)).to(linear.weight.dtype)
     with torch.inference_mode():
         together = linear(x)
         return all(torch.equal(linear(x[i : i + 1]), together[i : i + 1]) for i in range(PROBE_ROWS))
@@ -42,8 +42,9 @@ def decoder_rows_independent(decoder: nn.Module, quant: str) -> bool:
     linears = [m for m in (*layer.self_attn.modules(), *layer.mlp.modules()) if isinstance(m, nn.Linear)]
     if decoder.lm_head is not None:
         linears.append(decoder.lm_head)
-    for linear in linears:
-        if not linear_rows_independent(linear, linear.in_features, linear.weight.dtype):
+    distinct = {tuple(linear.weight.shape): linear for linear in linears}  # k and v share a shape, ...
+    for linear in distinct.values():
+        if not linear_rows_independent(linear):
             log.info("row-exact attention off: %s matmuls of shape %s are not row-independent on this CPU, "
                      "so speculative output may differ from AR in the last bits", linear.weight.dtype,
                      tuple(linear.weight.shape))

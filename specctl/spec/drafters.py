@@ -39,6 +39,11 @@ class Proposal:
 RANKED = 16  # candidates a model drafter keeps per node it feeds
 
 
+def ranked_candidates(logits: torch.Tensor) -> torch.Tensor:
+    """The draft's RANKED likeliest tokens after each row of ``logits``, likeliest first."""
+    return logits.topk(min(RANKED, logits.shape[-1]), dim=-1).indices
+
+
 class DraftSession:
     def propose(self, seq: list[int], params: SamplingParams, generator: torch.Generator | None) -> Proposal:
         raise NotImplementedError
@@ -222,7 +227,7 @@ def propose_chains(sessions: list["_ChainSession"], seqs: list[list[int]], param
                 q = keep_top(q, DRAFT_SUPPORT)
                 if sessions[b].reshape is not None:
                     q = sessions[b].reshape(i, q)
-            ranked[b].append(rows[0].topk(min(RANKED, rows.shape[-1])).indices)
+            ranked[b].append(ranked_candidates(rows[0]))
             chosen = q.argmax() if params[b].greedy else sample_tensor(q, generators[b])
             # How likely the draft finds its token (greedy: its softmax at T = 1, as q is one-hot;
             # sampled: q), read back with the token in one device sync. It is the node's
@@ -260,7 +265,7 @@ def propose_trees(sessions: list["_TreeSession"], seqs: list[list[int]], params:
     for session in sessions:
         session.fed = 0
     logits = _catch_up_many(sessions, seqs)
-    ranked = [[rows.topk(min(RANKED, rows.shape[-1]), dim=-1).indices] for rows in logits]
+    ranked = [[ranked_candidates(rows)] for rows in logits]
     trees = [TokenTree.root(seq[-1]).grow(torch.tensor([0]), probs_from_logits(rows[0], sp).unsqueeze(0),
                                           shape.topk, shape.width)
              for seq, rows, sp in zip(seqs, logits, score)]
@@ -281,7 +286,7 @@ def propose_trees(sessions: list["_TreeSession"], seqs: list[list[int]], params:
             [sessions[b].cache for b in live], masks, [torch.arange(frontiers[b].numel()) for b in live])
         for b, rows in zip(live, out):
             sessions[b].fed = int(frontiers[b][-1])
-            ranked[b].append(rows.topk(min(RANKED, rows.shape[-1]), dim=-1).indices)
+            ranked[b].append(ranked_candidates(rows))
             trees[b] = trees[b].grow(frontiers[b], probs_from_logits(rows, score[b]), shape.topk, shape.width)
             if shape.stop and reached(trees[b], level) < shape.stop:
                 stopped.add(b)
