@@ -43,6 +43,17 @@ def test_write_beyond_capacity_is_refused():
         cache.write(0, torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))
 
 
+def test_skipped_positions_keep_the_order_and_respect_the_capacity():
+    cache = _filled(length=4)
+    cache.skip(3)  # a dead pipeline forward's rows: counted, never written
+    assert cache.length == 7
+    cache.gather([0, 1, 2, 3])  # the pruning that follows drops them
+    assert _positions(cache) == [0, 1, 2, 3]
+    with pytest.raises(KVBudgetExceeded, match="session KV cache full"):
+        cache.skip(7)
+    assert cache.length == 4
+
+
 def test_pool_budget_refuses_and_release_frees():
     # k and v, layers, heads, slots (capacity 10 + the trash slot, rounded up to 16), dim, fp32 bytes
     per_session = 2 * 2 * 1 * 16 * 2 * 4

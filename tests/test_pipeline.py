@@ -1,6 +1,6 @@
 """Pipeline stages (verify --stage i/n): the split, the exactness of a target split over
 2-4 stages in every mode, the KV invariant after every round, freed state, a stage that
-dies and comes back, and bad frames to a stage."""
+dies and comes back, bad frames to a stage, and dead forwards dropped ahead of the queue."""
 
 import asyncio
 import socket
@@ -11,7 +11,7 @@ from specctl.engine.loader import load_model
 from specctl.errors import ConfigError, StageUnavailable
 from specctl.net.framing import read_message
 from specctl.net.handshake import client_handshake
-from specctl.net.protocol import Error, StageForward, Tensor, encode
+from specctl.net.protocol import Error, StageDrop, StageForward, StageKeep, StageOpen, StageOutput, Tensor, encode
 from specctl.pipeline.local import LocalPipeline
 from specctl.pipeline.split import balanced_split, parse_layers, plan_stage
 from specctl.pipeline.worker import keep_positions, split_keep
@@ -176,6 +176,50 @@ async def test_bad_frames_to_a_stage_get_an_error_and_disturb_nothing_else(model
         assert (await asyncio.to_thread(generate, staged.decoder, PROMPTS[0], params))[0] == \
             generate(target.decoder, PROMPTS[0], params)[0]
         assert stage.rejected_requests >= 1
+
+
+async def test_a_drop_overtakes_the_queued_forwards_and_the_live_rows_after_it_are_exact(models):
+    """Forwards queue behind a slow stage; a StageDrop sent after them takes effect at once:
+    the dead ones come back empty without compute, their rows hold KV positions until the
+    pruning, and the next live forward equals the same forward in a session that never had
+    the dead rows."""
+    import torch
+    target, _ = models
+    async with LocalPipeline(target, 2, delay_s=0.3) as pipeline:
+        stage = pipeline.servers[0]
+        first = stage.model.decoder.layer_range[0]
+        reader, writer = await asyncio.open_connection("127.0.0.1", pipeline.ports[0])
+        await client_handshake(reader, writer, role="stage", model="t", fingerprint=target.vocab_fingerprint,
+                               layers=[0, first])
+        hidden = torch.randn(4, target.spec.hidden_size, generator=torch.Generator().manual_seed(0))
+
+        def forward(fid, sid, rows, tag):
+            n = len(rows)
+            return StageForward(fid, [sid], [n], Tensor.from_torch(torch.tensor(rows)), [None], [list(range(n))],
+                                Tensor.from_torch(hidden[rows]), "logits", [tag])
+
+        for message in (StageOpen(1, 16), forward(1, 1, [0, 1], 0), forward(2, 1, [2], 1), forward(3, 1, [3], 2),
+                        StageDrop(1, [1, 2])):
+            writer.write(encode(message))
+        replies = {}
+        for _ in range(3):
+            reply = await read_message(reader)
+            assert isinstance(reply, StageOutput), reply
+            replies[reply.fid] = reply.logits.to_torch()
+        assert replies[1].shape[0] == 2 and replies[2].numel() == replies[3].numel() == 0
+        assert (stage.stats.dropped_forwards, stage.stats.dropped_tokens, stage.stats.forwards) == (2, 2, 1)
+        worker = next(w for w in stage.workers if w.caches)  # this connection's (not stage 1's chain)
+        assert worker.caches[1].length == 4 and worker.dead == {}  # the dead rows hold their places
+        for message in (StageKeep(1, 2), forward(4, 1, [2], 3), StageOpen(2, 16), forward(5, 2, [0, 1], 0),
+                        forward(6, 2, [2], 1)):
+            writer.write(encode(message))
+        for _ in range(3):
+            reply = await read_message(reader)
+            replies[reply.fid] = reply.logits.to_torch()
+        assert torch.equal(replies[4], replies[6]) and torch.equal(replies[1], replies[5])
+        assert worker.caches[1].length == worker.caches[2].length == 3
+        writer.close()
+        await wait_until(lambda: stage.pool.sessions == 0, what="the connection's sessions freed")
 
 
 async def test_a_stage_whose_layers_do_not_follow_the_previous_stage_is_refused(models):

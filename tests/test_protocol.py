@@ -34,6 +34,14 @@ EXAMPLES = [
     p.NextLevel(17, [0, 3]),
     p.Level(17, [4, 5], [9, 8], [3, 3], [0.5, 0.25]),
     p.Reroot(17, 0, -1, 9, 12),
+    p.StageOpen(3, 128),
+    p.StageForward(5, [3], [2], p.Tensor.from_torch(torch.tensor([7, 8])), [None], [[0, 1]],
+                   p.Tensor.from_torch(torch.zeros(2, 4)), "argmax", [6]),
+    p.StageForward(5, [3], [2], p.Tensor.from_torch(torch.tensor([7, 8])), [None], [[0, 1]],
+                   p.Tensor.from_torch(torch.empty(0, dtype=torch.long)), "argmax", [6], dropped=True),
+    p.StageKeep(3, 9, [11, 12]),
+    p.StageDrop(3, [6, 7]),
+    p.StageClose(3),
 ]
 
 

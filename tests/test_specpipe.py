@@ -80,6 +80,29 @@ async def test_specpipe_outputs_exactly_the_whole_target(models, stages):
         await wait_until(lambda: all(s.pool.sessions == 0 for s in pipeline.servers), what="stage KV freed")
 
 
+async def test_levels_left_dead_by_a_verification_are_dropped_by_the_stages_and_the_output_stays_exact(models):
+    """With slow stages the levels of a flushed tree (or of a wholly pruned level) are still
+    queued downstream when the verification happens: stage 1 declares them dead and the
+    stages pass them on uncomputed; the tokens stay the whole target's."""
+    target, draft = models
+    async with LocalPipeline(target, 4, delay_s=0.03) as pipeline:
+        staged = pipeline.staged
+        params = SamplingParams(max_tokens=30, ignore_eos=True)
+        declared = 0
+        for prompt in PROMPTS:
+            reference = generate(target.decoder, prompt, params)[0]
+            tokens, _, _, pipe = await asyncio.to_thread(
+                specpipe_generate, staged.decoder, draft.decoder, prompt, params, TreeShape(1, 2))
+            assert tokens == reference, prompt
+            # Every stale or bubble output had been declared dead; no verified level ever was.
+            assert pipe.stale_outputs + pipe.bubbles <= pipe.levels_dropped <= pipe.levels_sent - pipe.steps
+            declared += pipe.levels_dropped
+        dropped = sum(server.stats.dropped_forwards for server in pipeline.servers)
+        assert declared > 0 and dropped > 0, (declared, dropped)
+        await wait_until(lambda: all(s.pool.sessions == 0 for s in pipeline.servers), what="stage KV freed")
+        assert all(worker.dead == {} for s in pipeline.servers for worker in s.workers)
+
+
 async def test_specpipe_stops_at_a_stop_token_like_the_target(models):
     target, draft = models
     async with LocalPipeline(target, 2) as pipeline:

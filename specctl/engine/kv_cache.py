@@ -89,6 +89,13 @@ class KVCache:
     def commit(self, n: int) -> None:
         self.length += n
 
+    def skip(self, n: int) -> None:
+        """Take n positions without writing them: rows of a dead pipeline forward, pruned
+        before anything attends to them (only their count keeps every stage's cache order)."""
+        if self.length + n > self.capacity:
+            raise KVBudgetExceeded(f"session KV cache full ({self.capacity} positions)")
+        self.length += n
+
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")

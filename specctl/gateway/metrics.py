@@ -22,6 +22,8 @@ ROLE_GAUGES = {
     "specpipe_flushes": ("specpipe_flushes", "SpecPipe steps whose verified token was not in the tree (a refill)"),
     "specpipe_hit_rate": ("specpipe_hit_rate", "share of SpecPipe steps whose verified token was in the tree"),
     "specpipe_draft_lost": ("specpipe_draft_lost", "SpecPipe sessions that went on without their draft (plain PP)"),
+    "specpipe_levels_dropped": ("specpipe_levels_dropped",
+                                "SpecPipe levels in flight that verifications left dead (dropped by the stages)"),
     "levels_sent": ("specpipe_levels_sent", "SpecPipe tree levels a draft server drafted for remote stage 1s"),
     "level_sessions": ("specpipe_level_sessions", "SpecPipe tree-level sessions open on a draft server"),
     "proposal_bytes_mean": ("proposal_bytes_mean", "mean size of a draft server's Proposal frame (bytes)"),
@@ -42,6 +44,7 @@ STAGE_GAUGES = {
     "step_ms": ("stage_step_ms", "mean compute time of a pipeline stage per micro-batch (ms)"),
     "forwards": ("stage_forwards", "micro-batches a pipeline stage has run"),
     "pruned_positions": ("stage_pruned_positions", "KV positions a pipeline stage dropped after verifications"),
+    "dropped_forwards": ("stage_dropped_forwards", "dead forwards a pipeline stage passed on without computing"),
     "kv_used_mb": ("stage_kv_used_mb", "KV memory a pipeline stage holds (MiB)"),
 }
 

@@ -236,6 +236,8 @@ class StageForward(msgspec.Struct, tag=True, frozen=True):
     logits_at: list[list[int]]  # per session: which of its new tokens get logits (last stage)
     hidden: Tensor  # [sum(lengths), hidden] in the model's dtype
     want: str = "logits"  # last stage: "logits" rows, or "argmax" (greedy: one token id per row)
+    tags: list[int] = []  # per session: the sender's id of this forward (SpecPipe: its level), for StageDrop
+    dropped: bool = False  # a dead forward passed on without hidden states: reserve its KV rows, compute nothing
 
 
 class StageKeep(msgspec.Struct, tag=True, frozen=True):
@@ -247,6 +249,14 @@ class StageKeep(msgspec.Struct, tag=True, frozen=True):
 
 class StageClose(msgspec.Struct, tag=True, frozen=True):
     sid: int
+
+
+class StageDrop(msgspec.Struct, tag=True, frozen=True):
+    """Control path: the forwards of session ``sid`` tagged ``tags`` are dead (every row will
+    be pruned: a flushed tree, a level wholly pruned). A stage reads it as soon as it arrives,
+    ahead of the forwards queued for its compute, and passes those on without computing them."""
+    sid: int
+    tags: list[int]
 
 
 class StageOutput(msgspec.Struct, tag=True, frozen=True):
@@ -277,7 +287,7 @@ class Error(msgspec.Struct, tag=True, frozen=True):
 Message = Union[
     Challenge, Hello, Welcome, OpenSession, SessionOpened, Propose, Proposal, CloseSession,
     Generate, Tokens, Done, Cancel, StatsRequest, Stats, Error,
-    StageOpen, StageForward, StageKeep, StageClose, StageOutput,
+    StageOpen, StageForward, StageKeep, StageClose, StageDrop, StageOutput,
     OpenLevels, NextLevel, Level, Reroot,
 ]
 

@@ -22,8 +22,8 @@ import torch
 from specctl.engine.kv_cache import KVCache, KVPool
 from specctl.engine.model import Decoder, ragged_bounds
 from specctl.errors import StageUnavailable
-from specctl.net.protocol import (Error, Message, StageClose, StageForward, StageKeep, StageOpen, StageOutput, Stats,
-                                  StatsRequest, Tensor)
+from specctl.net.protocol import (Error, Message, StageClose, StageDrop, StageForward, StageKeep, StageOpen,
+                                  StageOutput, Stats, StatsRequest, Tensor)
 from specctl.pipeline.link import StageLink
 from specctl.pipeline.worker import split_keep
 
@@ -174,6 +174,10 @@ class PipelineCache(KVCache):
         super().gather(keep)
         prefix, tail = split_keep(keep)
         self.client.post(self.epoch, StageKeep(self.sid, prefix, tail))
+
+    def drop(self, tags: list[int]) -> None:
+        """Declare this session's forwards ``tags`` dead on every stage (they overtake the queue)."""
+        self.client.post(self.epoch, StageDrop(self.sid, tags))
 
     def release(self) -> None:
         if not self.released:

@@ -38,7 +38,7 @@ class SpecPipeDraft:
         t = self.totals
         return {"specpipe_steps": t.steps, "specpipe_hits": t.hits, "specpipe_flushes": t.flushes,
                 "specpipe_hit_rate": round(t.hit_rate, 4), "specpipe_width": self.shape.width,
-                "specpipe_draft_lost": t.draft_lost}
+                "specpipe_draft_lost": t.draft_lost, "specpipe_levels_dropped": t.levels_dropped}
 
 
 async def serve_specpipe(session: DecodeSession, spec: SpecPipeDraft, lane, emit: Emit) -> None:

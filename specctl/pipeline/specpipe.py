@@ -11,7 +11,10 @@ frees, so up to n levels are in flight through n stages.
 
 Every stage applies the levels and the prunings in the order stage 1 sent them, so one
 mirror of the cache (``CacheMirror``) describes all of them: stage 1 computes each level's
-mask and each pruning's kept positions once."""
+mask and each pruning's kept positions once. A level that a verification leaves with no
+live node (all of a flushed tree's, a level wholly pruned) is declared dead on the control
+path (StageDrop), which overtakes the levels queued at each stage: a stage that has not
+run it yet passes it on without computing it."""
 
 from __future__ import annotations
 
@@ -54,9 +57,11 @@ class PipeStats:
     bubbles: int = 0  # outputs of the live tree with nothing to verify (their level was wholly pruned)
     stage1_s: float = 0.0  # stage 1's time per level sent, summed: drafting it, then its own layers
     draft_lost: int = 0  # sessions that went on without their (remote) draft
+    levels_dropped: int = 0  # levels in flight declared dead to the other stages (StageDrop)
 
     def add(self, other: "PipeStats") -> None:
-        for name in ("steps", "hits", "flushes", "levels_sent", "stale_outputs", "bubbles", "stage1_s", "draft_lost"):
+        for name in ("steps", "hits", "flushes", "levels_sent", "stale_outputs", "bubbles", "stage1_s", "draft_lost",
+                     "levels_dropped"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     @property
@@ -67,7 +72,7 @@ class PipeStats:
     def to_dict(self) -> dict:
         return {"steps": self.steps, "hits": self.hits, "flushes": self.flushes, "levels_sent": self.levels_sent,
                 "stale_outputs": self.stale_outputs, "bubbles": self.bubbles, "hit_rate": round(self.hit_rate, 4),
-                "draft_lost": self.draft_lost,
+                "draft_lost": self.draft_lost, "levels_dropped": self.levels_dropped,
                 "stage1_step_ms": round(1e3 * self.stage1_s / self.levels_sent, 3) if self.levels_sent else 0.0}
 
 
@@ -162,6 +167,8 @@ class _Sent:
     future: object
     level: list[int]
     tree_epoch: int
+    tag: int  # this session's id of the forward, for StageDrop
+    dead: bool = False  # declared dead to the other stages
 
 
 @dataclass(slots=True)
@@ -197,7 +204,8 @@ class SpecPipeRun:
                     break
                 drafted = time.perf_counter() - started
                 draft_s += drafted
-                in_flight.append(_Sent(self._send(tree, mirror, level, want, drafted), level, tree_epoch))
+                tag = self.stats.levels_sent
+                in_flight.append(_Sent(self._send(tree, mirror, level, want, drafted, tag), level, tree_epoch, tag))
                 self.stats.stage1_s += time.perf_counter() - started
                 levels.append(level)
                 self.stats.levels_sent += 1
@@ -210,6 +218,8 @@ class SpecPipeRun:
                 self.stats.stale_outputs += sent.tree_epoch != tree_epoch
                 self.stats.bubbles += sent.tree_epoch == tree_epoch
                 continue
+            if output.numel() == 0:
+                raise RuntimeError("a pipeline stage dropped a level that was not declared dead")
             children = [c for c in (levels[1] if len(levels) > 1 else []) if tree.nodes[c].parent == root]
             row = output[sent.level.index(root)]
             index, token = self._decide(row, [tree.nodes[c].token for c in children])
@@ -238,8 +248,18 @@ class SpecPipeRun:
                 levels = [[n for n in level if n in tree.nodes] for level in levels[1:]]
                 if [] in levels:  # a level wholly in pruned branches: the tree grows again from above it
                     levels = levels[: levels.index([])]
+            self._declare_dead([s for s in in_flight if not s.dead and (
+                s.tree_epoch != tree_epoch or not any(node in tree.nodes for node in s.level))])
 
-    def _send(self, tree: SpecTree, mirror: CacheMirror, level: list[int], want: str, drafted: float):
+    def _declare_dead(self, sents: list[_Sent]) -> None:
+        """Tell the other stages (control path) which queued levels to pass on uncomputed."""
+        if sents:
+            for sent in sents:
+                sent.dead = True
+            self.session.cache.drop([sent.tag for sent in sents])
+            self.stats.levels_dropped += len(sents)
+
+    def _send(self, tree: SpecTree, mirror: CacheMirror, level: list[int], want: str, drafted: float, tag: int):
         cache = self.session.cache
         tokens = torch.tensor([tree.nodes[i].token for i in level])
         positions = torch.tensor([tree.nodes[i].pos for i in level])
@@ -252,7 +272,7 @@ class SpecPipeRun:
         frames = Tensor.from_torch(positions), Tensor.from_torch(tail), Tensor.from_torch(hidden)
         n, sid = len(level), cache.sid
         return self.target.client.submit(cache.epoch, lambda fid: StageForward(
-            fid, [sid], [n], frames[0], [frames[1]], [list(range(n))], frames[2], want))
+            fid, [sid], [n], frames[0], [frames[1]], [list(range(n))], frames[2], want, [tag]))
 
     def _decide(self, row: torch.Tensor, children: list[int]) -> tuple[int | None, int]:
         """The target's token after the root, and which child it is (None: none of them)."""

@@ -1,7 +1,8 @@
 """A pipeline stage i > 1 (``specctl verify --stage i/n``): it holds layers [a, b) (the last
 stage also the final norm and LM head), accepts the previous stage's connection, runs its
 layers over each micro-batch in arrival order and passes the hidden states on; the last
-stage sends the logits rows back, relayed up the chain.
+stage sends the logits rows back, relayed up the chain. Frames are read as they arrive, so
+a control frame (StageDrop) takes effect ahead of the forwards queued for the compute.
 
 A chain is built per connection: when stage i-1 connects, stage i connects to stage i+1
 for it. Whatever breaks (a stage dies, a link drops) tears the chain down from there in
@@ -21,14 +22,15 @@ from specctl.engine.kv_cache import KVPool
 from specctl.errors import SpecctlError, StageUnavailable
 from specctl.net.framing import read_message
 from specctl.net.handshake import server_handshake
-from specctl.net.protocol import (Error, ProtocolError, StageClose, StageForward, StageKeep, StageOpen, StageOutput, Stats,
-                                  StatsRequest, encode)
+from specctl.net.protocol import (Error, ProtocolError, StageClose, StageDrop, StageForward, StageKeep, StageOpen,
+                                  StageOutput, Stats, StatsRequest, encode)
 from specctl.pipeline.link import STAGE_FRAME_BYTES, StageLink
 from specctl.pipeline.worker import StageStats, StageWorker
 from specctl.runtime.compute import ComputeLane, ComputeThread
 from specctl.runtime.listen import ListenConfig, ListeningServer
 
 log = logging.getLogger("specctl.pipeline")
+WORK_QUEUE_FRAMES = 256  # frames read ahead of the compute: enough for every level in flight, bounded memory
 
 
 @dataclass(slots=True)
@@ -149,27 +151,51 @@ class StageServer(ListeningServer):
         writer.transport.abort()
 
     async def _read_loop(self, reader, send, worker: StageWorker, link: StageLink | None, chain: bool) -> None:
+        """Read frames as they arrive: control frames (StageDrop, StatsRequest) take effect at
+        once and go on down the chain; the rest queue, in order, for ``_work_loop``."""
+        work: asyncio.Queue = asyncio.Queue(WORK_QUEUE_FRAMES)
+        worker_task = asyncio.create_task(self._work_loop(work, send, worker, link))
+        try:
+            while True:
+                try:
+                    message = await read_message(reader, STAGE_FRAME_BYTES if chain else self.config.max_frame_bytes)
+                except ProtocolError as exc:  # this connection ends (its chain with it); the stage carries on
+                    self.reject("stage upstream", str(exc))
+                    send(Error("protocol", str(exc)))
+                    return
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                if isinstance(message, StatsRequest):
+                    send(Stats("stage", self.snapshot()))
+                    if chain and link is not None:  # every stage's answer comes back up the chain
+                        link.post(message)
+                elif not chain:
+                    send(Error("unexpected", f"a {type(message).__name__} needs a stage connection"))
+                elif isinstance(message, StageDrop):
+                    worker.mark_dead(message)
+                    if link is not None:
+                        link.post(message)
+                elif isinstance(message, (StageForward, StageOpen, StageKeep, StageClose)):
+                    await work.put(message)
+                else:
+                    send(Error("unexpected", f"a pipeline stage does not handle {type(message).__name__}"))
+        finally:
+            worker_task.cancel()
+            await asyncio.gather(worker_task, return_exceptions=True)
+
+    async def _work_loop(self, work: asyncio.Queue, send, worker: StageWorker, link: StageLink | None) -> None:
+        """Forwards and KV changes in arrival order, on the compute thread."""
         index = self.config.index
         while True:
-            try:
-                message = await read_message(reader, STAGE_FRAME_BYTES if chain else self.config.max_frame_bytes)
-            except ProtocolError as exc:  # this connection ends (its chain with it); the stage carries on
-                self.reject("stage upstream", str(exc))
-                send(Error("protocol", str(exc)))
-                return
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return
-            if isinstance(message, StatsRequest):
-                send(Stats("stage", self.snapshot()))
-                if chain and link is not None:  # every stage's answer comes back up the chain
-                    link.post(message)
-            elif not chain:
-                send(Error("unexpected", f"a {type(message).__name__} needs a stage connection"))
-            elif isinstance(message, StageForward):
+            message = await work.get()
+            if isinstance(message, StageForward):
                 try:
-                    if self.config.delay_s:
-                        await asyncio.sleep(self.config.delay_s)
-                    out = await self.compute.run(worker.forward, message)
+                    if worker.is_dead(message):  # no device time either: nothing runs
+                        out = await self.compute.run(worker.hollow, message)
+                    else:
+                        if self.config.delay_s:
+                            await asyncio.sleep(self.config.delay_s)
+                        out = await self.compute.run(worker.forward, message)
                 except Exception as exc:  # noqa: BLE001 - that micro-batch fails, the chain goes on
                     self.reject("stage upstream", f"forward {message.fid}: {exc}")
                     send(Error("stage_failed", f"pipeline stage {index}: {exc}", req=message.fid))
@@ -178,7 +204,9 @@ class StageServer(ListeningServer):
                     send(out)
                 else:
                     link.post(out)
-            elif isinstance(message, (StageOpen, StageKeep, StageClose)):
+            else:
+                if isinstance(message, StageClose):
+                    worker.dead.pop(message.sid, None)
                 try:
                     await self.compute.run(self._apply, worker, message)
                 except Exception as exc:  # noqa: BLE001 - the session's next forward reports it
@@ -186,8 +214,6 @@ class StageServer(ListeningServer):
                     worker.failed[message.sid] = f"pipeline stage {index}: {exc}"
                 if link is not None:
                     link.post(message)
-            else:
-                send(Error("unexpected", f"a pipeline stage does not handle {type(message).__name__}"))
 
     @staticmethod
     def _apply(worker: StageWorker, message) -> None:

@@ -1,6 +1,11 @@
 """What a pipeline stage computes: its layers over a micro-batch of sessions, and each
 session's KV for those layers. Runs on the stage's compute thread, one message at a time
-in arrival order, so a session's pruning always lands before its next forward."""
+in arrival order, so a session's pruning always lands before its next forward.
+
+A forward declared dead (StageDrop, read on arrival ahead of the compute queue) is not
+computed: its rows take their KV positions unwritten and it goes on hollow, so every
+stage's cache keeps stage 1's order; the pruning that follows it removes those rows before
+any live row could attend to them."""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import torch
 from specctl.engine.kv_cache import KVCache, KVPool
 from specctl.engine.model import Decoder, ragged_bounds
 from specctl.errors import BadRequest
-from specctl.net.protocol import StageForward, StageKeep, StageOpen, StageOutput, Tensor
+from specctl.net.protocol import StageDrop, StageForward, StageKeep, StageOpen, StageOutput, Tensor
 
 
 def full_mask(tail_mask: torch.Tensor | None, cached: int) -> torch.Tensor | None:
@@ -47,11 +52,14 @@ class StageStats:
     pruned: int = 0  # KV positions dropped by verifications (rejected tree nodes)
     opened: int = 0
     closed: int = 0
+    dropped_forwards: int = 0  # dead forwards passed on without computing them
+    dropped_tokens: int = 0
 
     def to_dict(self) -> dict:
         step = 1e3 * self.busy_s / self.forwards if self.forwards else 0.0
         return {"forwards": self.forwards, "tokens": self.tokens, "step_ms": round(step, 3),
-                "pruned_positions": self.pruned, "sessions_opened": self.opened, "sessions_closed": self.closed}
+                "pruned_positions": self.pruned, "sessions_opened": self.opened, "sessions_closed": self.closed,
+                "dropped_forwards": self.dropped_forwards, "dropped_tokens": self.dropped_tokens}
 
 
 @dataclass(slots=True, eq=False)
@@ -62,6 +70,7 @@ class StageWorker:
     stats: StageStats
     caches: dict[int, KVCache] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)  # sessions whose open failed here: why
+    dead: dict[int, set[int]] = field(default_factory=dict)  # sid -> tags of its dead forwards (loop thread)
 
     def open(self, msg: StageOpen) -> None:
         if msg.sid in self.caches:
@@ -74,6 +83,43 @@ class StageWorker:
         before = cache.length
         cache.gather(keep_positions(msg.prefix, msg.tail))
         self.stats.pruned += before - cache.length
+
+    def mark_dead(self, msg: StageDrop) -> None:
+        """(Loop thread) remember dead forwards until they reach the head of the queue."""
+        if msg.tags:
+            self.dead.setdefault(msg.sid, set()).update(msg.tags)
+
+    def is_dead(self, msg: StageForward) -> bool:
+        """(Loop thread, once per forward, in arrival order) whether to pass ``msg`` on hollow:
+        every session's row of it is dead. A session's tags grow in sending order, so the
+        tags up to this one are done with here (bounded by what is in flight)."""
+        if msg.dropped:
+            return True
+        if len(msg.tags) != len(msg.sids):
+            return False
+        dead = all(tag in self.dead.get(sid, ()) for sid, tag in zip(msg.sids, msg.tags))
+        for sid, tag in zip(msg.sids, msg.tags):
+            tags = self.dead.get(sid)
+            if tags is not None:
+                tags.difference_update([t for t in tags if t <= tag])
+                if not tags:
+                    del self.dead[sid]
+        return dead
+
+    def hollow(self, msg: StageForward) -> StageForward | StageOutput:
+        """A dead forward: its rows take their KV positions unwritten; nothing is computed."""
+        caches = [self._cache(sid) for sid in msg.sids]
+        if len(msg.lengths) != len(caches):
+            raise BadRequest("a stage forward's sessions and lengths disagree")
+        for cache, n in zip(caches, msg.lengths):
+            cache.skip(n)
+        self.stats.dropped_forwards += 1
+        self.stats.dropped_tokens += sum(msg.lengths)
+        empty = Tensor.from_torch(torch.empty(0, dtype=torch.long))
+        if self.decoder.lm_head is not None:
+            return StageOutput(msg.fid, empty)
+        return StageForward(msg.fid, msg.sids, msg.lengths, msg.positions, msg.masks, msg.logits_at, empty, msg.want,
+                            msg.tags, dropped=True)
 
     def close(self, sid: int) -> None:
         cache = self.caches.pop(sid, None)
@@ -106,7 +152,7 @@ class StageWorker:
         if self.decoder.lm_head is None:
             out = self.decoder.forward_ragged(hidden, positions, bounds, caches, masks)
             reply = StageForward(msg.fid, msg.sids, msg.lengths, msg.positions, msg.masks, msg.logits_at,
-                                 Tensor.from_torch(out), msg.want)
+                                 Tensor.from_torch(out), msg.want, msg.tags)
         else:
             rows = torch.tensor([lo + at for at_list, (lo, _) in zip(msg.logits_at, bounds) for at in at_list],
                                 dtype=torch.long)
