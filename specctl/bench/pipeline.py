@@ -16,6 +16,7 @@ from typing import Callable
 from specctl.bench.stages import StageProcesses, StageProcessSettings
 from specctl.engine.loader import LoadedModel
 from specctl.engine.model import Decoder
+from specctl.pipeline.decoder import sleep_rest
 from specctl.pipeline.local import LocalPipeline
 from specctl.pipeline.microbatch import MicroBatchLane
 from specctl.pipeline.specpipe import TreeShape, specpipe_generate
@@ -43,7 +44,8 @@ class PipelineBench:
 
 
 class DelayedDecoder:
-    """The one-stage baseline: the whole target, each forward taking the emulated stage time too."""
+    """The one-stage baseline: the whole target, each forward taking the emulated stage time
+    (its real compute inside it, as on every stage)."""
 
     def __init__(self, decoder: Decoder, delay_s: float) -> None:
         self.decoder, self.delay_s, self.spec = decoder, delay_s, decoder.spec
@@ -52,12 +54,16 @@ class DelayedDecoder:
         return self.decoder.new_cache(capacity, pool)
 
     def __call__(self, *args, **kwargs):
-        time.sleep(self.delay_s)
-        return self.decoder(*args, **kwargs)
+        started = time.perf_counter()
+        out = self.decoder(*args, **kwargs)
+        sleep_rest(started, self.delay_s)
+        return out
 
     def forward_many(self, *args, **kwargs):
-        time.sleep(self.delay_s)
-        return self.decoder.forward_many(*args, **kwargs)
+        started = time.perf_counter()
+        out = self.decoder.forward_many(*args, **kwargs)
+        sleep_rest(started, self.delay_s)
+        return out
 
 
 def _run_one(mode: str, decoder, draft: Decoder, prompt: list[int], params: SamplingParams,
@@ -82,10 +88,11 @@ def _run_one(mode: str, decoder, draft: Decoder, prompt: list[int], params: Samp
 def slowest_step_ms(stage1_step_ms: float, before: list[tuple[float, int]], after: list[tuple[float, int]],
                     delay_s: float) -> float:
     """t(w): the slowest stage's time per level. Stage 1's is measured by SpecPipe (drafting
-    overlapped with its device time, then its layers); stages 2..n's is their compute per
-    forward over the run (busy seconds and forwards before and after it) plus the emulated time."""
+    and its layers inside its device time); stages 2..n's is the emulated time, or their
+    compute per forward over the run (busy seconds and forwards before and after it) where
+    that is longer."""
     stages = [1e3 * (busy - b0) / max(n - n0, 1) for (busy, n), (b0, n0) in zip(after, before)]
-    return max([stage1_step_ms] + [1e3 * delay_s + ms for ms in stages])
+    return max([stage1_step_ms] + [max(1e3 * delay_s, ms) for ms in stages])
 
 
 async def _run_batch(decoder, draft: Decoder, prompts: list[list[int]], params: SamplingParams,

@@ -19,8 +19,9 @@ def pipeline(
     target: str = typer.Option("smollm2-135m", help="target model, split over the stages"),
     draft: str = typer.Option("smollm2-135m@12", help="draft model (NAME@N: the target's first N layers)"),
     stages: str = typer.Option("1,2,4", help="stage counts to measure"),
-    stage_delay_ms: float = typer.Option(50.0, "--stage-delay-ms", help="emulated time of one stage's forward "
-                                         "(a device per stage; this machine's cores are shared)"),
+    stage_delay_ms: float = typer.Option(50.0, "--stage-delay-ms", help="emulated device time of one stage's "
+                                         "step, its real compute running inside it (a device per stage; this "
+                                         "machine's cores are shared)"),
     max_tokens: int = typer.Option(48, "--max-tokens", "-n", help="new tokens per prompt"),
     prompts: str = typer.Option("heldout", help="builtin, heldout or a JSON-lines file"),
     limit: int = typer.Option(4, help="use only the first N prompts (0 = all)"),

@@ -77,8 +77,8 @@ def verify(
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
     profile: Optional[str] = typer.Option(None, help="hardware profile"),
     verify_delay_ms: float = typer.Option(0.0, "--verify-delay-ms", help="add a delay to every verification (emulation)"),
-    stage_delay_ms: float = typer.Option(0.0, "--stage-delay-ms", help="stages 2..n: add a delay to every forward "
-                                         "(emulates a slower device per stage)"),
+    stage_delay_ms: float = typer.Option(0.0, "--stage-delay-ms", help="stages 2..n: every forward takes at least "
+                                         "this long, its compute included (emulates a slower device per stage)"),
     max_messages_per_s: float = typer.Option(5000.0, "--max-messages-per-s", help="per-peer rate limit (0 = off)"),
     auth_token: Optional[str] = typer.Option(None, "--auth-token", envvar="SPECCTL_AUTH_TOKEN", help=AUTH_HELP),
     tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="PEM certificate: serve clients (and the "

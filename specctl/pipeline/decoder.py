@@ -149,6 +149,15 @@ class PipelineClient:
         self.link.post(make(fid))
 
 
+def sleep_rest(started: float, delay_s: float) -> None:
+    """Emulated device time (--stage-delay-ms): a stage step that began at ``started`` takes
+    ``delay_s`` in all, its real compute included (it takes longer only if the compute does).
+    The real compute stands in for the device's work, so it is not added on top of it."""
+    rest = delay_s - (time.perf_counter() - started)
+    if rest > 0:
+        time.sleep(rest)
+
+
 def wait_output(future: concurrent.futures.Future) -> torch.Tensor:
     try:
         return future.result(FORWARD_TIMEOUT_S).to_torch()
@@ -192,7 +201,7 @@ class PipelineDecoder:
         if local.lm_head is not None or local.embed_tokens is None:
             raise ValueError("stage 1 of a pipeline embeds and has no LM head")
         self.local, self.client, self.stages = local, client, stages
-        self.delay_s = delay_s  # emulated extra time of stage 1's own forward (as --stage-delay-ms on the others)
+        self.delay_s = delay_s  # emulated time of stage 1's own step (as --stage-delay-ms on the others)
         self.spec, self.layer_range = local.spec, local.layer_range
         self._sids = itertools.count(1)
 
@@ -230,9 +239,9 @@ class PipelineDecoder:
         # The other stages rebuild each mask from their own (equal) cache length.
         tree_masks = [None if m is None else Tensor.from_torch(m[:, -n:]) for m, n in zip(masks, lengths)]
         flat_positions = torch.cat(positions)
-        if self.delay_s:
-            time.sleep(self.delay_s)
+        started = time.perf_counter()
         hidden = self.local.forward_ragged(torch.cat(inputs), flat_positions, ragged_bounds(lengths), caches, masks)
+        sleep_rest(started, self.delay_s)
         sids, at = [cache.sid for cache in caches], [a.tolist() for a in logits_at]
         hidden_frame, positions_frame = Tensor.from_torch(hidden), Tensor.from_torch(flat_positions.long())
         return self.client.submit(epoch, lambda fid: StageForward(fid, sids, lengths, positions_frame, tree_masks,

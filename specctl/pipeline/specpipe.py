@@ -28,7 +28,7 @@ import torch
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.model import Decoder
 from specctl.net.protocol import StageForward, Tensor
-from specctl.pipeline.decoder import PipelineDecoder, wait_output
+from specctl.pipeline.decoder import PipelineDecoder, sleep_rest, wait_output
 from specctl.pipeline.live_tree import CacheMirror, SpecTree
 from specctl.spec.decode import DecodeSession
 from specctl.spec.rounds import Emit
@@ -183,7 +183,9 @@ class SpecPipeRun:
 
     def run(self) -> None:
         session, cache = self.session, self.session.cache
+        started = time.perf_counter()
         first = session.prefill()
+        session.stats.prefill_s = time.perf_counter() - started  # as the round loop reports it
         if self.emit:
             self.emit(first, None)
         tree, mirror = SpecTree(), CacheMirror(cache.length)
@@ -265,9 +267,10 @@ class SpecPipeRun:
         positions = torch.tensor([tree.nodes[i].pos for i in level])
         tail = mirror.level_mask(tree, level)
         mask = torch.cat([torch.ones(len(level), mirror.prefix, dtype=torch.bool), tail], 1)
-        if self.target.delay_s > drafted:  # emulated device time; the draft ran on its own device meanwhile
-            time.sleep(self.target.delay_s - drafted)
+        started = time.perf_counter()
         hidden = self.target.local.forward_ragged(tokens, positions, [(0, len(level))], [cache], [mask])
+        # Emulated device time: drafting the level and stage 1's layers both inside one step.
+        sleep_rest(started - drafted, self.target.delay_s)
         mirror.append(level)
         frames = Tensor.from_torch(positions), Tensor.from_torch(tail), Tensor.from_torch(hidden)
         n, sid = len(level), cache.sid

@@ -38,7 +38,7 @@ class StageServerConfig(ListenConfig):
     index: int = 2
     count: int = 2
     next_address: tuple[str, int] | None = None  # None on the last stage
-    delay_s: float = 0.0  # emulated extra time per forward (a slower device; bench pipeline)
+    delay_s: float = 0.0  # emulated device time of a forward, its real compute included (bench pipeline)
 
     def __post_init__(self) -> None:
         ListenConfig.__post_init__(self)
@@ -193,9 +193,11 @@ class StageServer(ListeningServer):
                     if worker.is_dead(message):  # no device time either: nothing runs
                         out = await self.compute.run(worker.hollow, message)
                     else:
-                        if self.config.delay_s:
-                            await asyncio.sleep(self.config.delay_s)
+                        started = time.perf_counter()
                         out = await self.compute.run(worker.forward, message)
+                        rest = self.config.delay_s - (time.perf_counter() - started)
+                        if rest > 0:  # emulated device time, the real compute inside it (pipeline/decoder.sleep_rest)
+                            await asyncio.sleep(rest)
                 except Exception as exc:  # noqa: BLE001 - that micro-batch fails, the chain goes on
                     self.reject("stage upstream", f"forward {message.fid}: {exc}")
                     send(Error("stage_failed", f"pipeline stage {index}: {exc}", req=message.fid))
