@@ -14,7 +14,7 @@ from specctl.net.handshake import client_handshake
 from specctl.net.protocol import Error, StageDrop, StageForward, StageKeep, StageOpen, StageOutput, Tensor, encode
 from specctl.pipeline.local import LocalPipeline
 from specctl.pipeline.split import balanced_split, parse_layers, plan_stage
-from specctl.pipeline.worker import keep_positions, split_keep
+from specctl.pipeline.worker import StageStats, StageWorker, keep_positions, split_keep
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.spec.rounds import generate
 from specctl.spec.sampling import SamplingParams
@@ -220,6 +220,16 @@ async def test_a_drop_overtakes_the_queued_forwards_and_the_live_rows_after_it_a
         assert worker.caches[1].length == worker.caches[2].length == 3
         writer.close()
         await wait_until(lambda: stage.pool.sessions == 0, what="the connection's sessions freed")
+
+
+def test_stray_drops_cannot_grow_a_stage_past_what_can_be_queued():
+    worker = StageWorker(None, None, StageStats())
+    worker.mark_dead(StageDrop(1, list(range(10))), most=4)
+    worker.mark_dead(StageDrop(1, [20]), most=4)
+    assert worker.dead == {1: {0, 1, 2, 3}}
+    for sid in range(2, 9):
+        worker.mark_dead(StageDrop(sid, [0]), most=4)
+    assert sorted(worker.dead) == [1, 2, 3, 4]
 
 
 async def test_a_stage_whose_layers_do_not_follow_the_previous_stage_is_refused(models):

@@ -54,14 +54,14 @@ class DelayedDecoder:
         return self.decoder.new_cache(capacity, pool)
 
     def __call__(self, *args, **kwargs):
-        started = time.perf_counter()
-        out = self.decoder(*args, **kwargs)
-        sleep_rest(started, self.delay_s)
-        return out
+        return self._slowed(self.decoder, *args, **kwargs)
 
     def forward_many(self, *args, **kwargs):
+        return self._slowed(self.decoder.forward_many, *args, **kwargs)
+
+    def _slowed(self, forward, *args, **kwargs):
         started = time.perf_counter()
-        out = self.decoder.forward_many(*args, **kwargs)
+        out = forward(*args, **kwargs)
         sleep_rest(started, self.delay_s)
         return out
 

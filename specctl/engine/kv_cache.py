@@ -77,14 +77,17 @@ class KVCache:
         """Store [1, Hkv, n, D] new keys/values after the committed ones; return all keys/values."""
         n = k_new.shape[2]
         end = self.length + n
-        if end > self.capacity:
+        self._check_room(n)
+        self.k[layer, :, :, self.length : end] = k_new
+        self.v[layer, :, :, self.length : end] = v_new
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def _check_room(self, n: int) -> None:
+        if self.length + n > self.capacity:
             raise KVBudgetExceeded(
                 f"session KV cache full ({self.capacity} positions): the prompt plus generated tokens "
                 "exceed what the session reserved"
             )
-        self.k[layer, :, :, self.length : end] = k_new
-        self.v[layer, :, :, self.length : end] = v_new
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
     def commit(self, n: int) -> None:
         self.length += n
@@ -92,8 +95,7 @@ class KVCache:
     def skip(self, n: int) -> None:
         """Take n positions without writing them: rows of a dead pipeline forward, pruned
         before anything attends to them (only their count keeps every stage's cache order)."""
-        if self.length + n > self.capacity:
-            raise KVBudgetExceeded(f"session KV cache full ({self.capacity} positions)")
+        self._check_room(n)
         self.length += n
 
     def truncate(self, length: int) -> None:

@@ -172,7 +172,7 @@ class StageServer(ListeningServer):
                 elif not chain:
                     send(Error("unexpected", f"a {type(message).__name__} needs a stage connection"))
                 elif isinstance(message, StageDrop):
-                    worker.mark_dead(message)
+                    worker.mark_dead(message, WORK_QUEUE_FRAMES)
                     if link is not None:
                         link.post(message)
                 elif isinstance(message, (StageForward, StageOpen, StageKeep, StageClose)):

@@ -84,10 +84,14 @@ class StageWorker:
         cache.gather(keep_positions(msg.prefix, msg.tail))
         self.stats.pruned += before - cache.length
 
-    def mark_dead(self, msg: StageDrop) -> None:
-        """(Loop thread) remember dead forwards until they reach the head of the queue."""
-        if msg.tags:
-            self.dead.setdefault(msg.sid, set()).update(msg.tags)
+    def mark_dead(self, msg: StageDrop, most: int) -> None:
+        """(Loop thread) remember dead forwards until they reach the head of the queue: at
+        most ``most`` sessions and ``most`` tags each (no more forwards can be queued), so a
+        peer's stray drops cannot grow this. (Its session may still be opening: the open can
+        be queued behind forwards.)"""
+        if msg.tags and (msg.sid in self.dead or len(self.dead) < most):
+            tags = self.dead.setdefault(msg.sid, set())
+            tags.update(msg.tags[: max(most - len(tags), 0)])
 
     def is_dead(self, msg: StageForward) -> bool:
         """(Loop thread, once per forward, in arrival order) whether to pass ``msg`` on hollow:
