@@ -122,7 +122,7 @@ async def test_stage_one_serving_specpipe_with_levels_from_a_draft_server_proces
         tokens, reason, _ = await remote_generate("127.0.0.1", first_port, PROMPT, params)
         assert tokens == generate(target.decoder, PROMPT, params)[0] and reason == "length"
         stats = await remote_stats("127.0.0.1", first_port)
-        assert stats["specpipe_steps"] == 39 and stats["specpipe_hits"] > 0 and stats["specpipe_draft_lost"] == 0
+        assert stats["specpipe_steps"] == 40 and stats["specpipe_hits"] > 0 and stats["specpipe_draft_lost"] == 0
         draft = await poll_async(lambda: remote_stats("127.0.0.1", draft_port), lambda s: s["level_sessions"] == 0)
         assert draft["levels_sent"] > 0
     finally:

@@ -12,7 +12,8 @@ from specctl.engine.loader import LoadedModel, load_decoder, load_model
 from specctl.engine.tiny import make_tiny_model
 from specctl.pipeline.live_tree import CacheMirror, SpecTree
 from specctl.pipeline.local import LocalPipeline
-from specctl.pipeline.specpipe import TreeShape, specpipe_generate
+from specctl.pipeline.specpipe import DraftLevels, SpecPipeRun, TreeShape, max_tree_nodes, specpipe_generate
+from specctl.spec.decode import DecodeSession
 from specctl.spec.rounds import generate
 from specctl.spec.sampling import SamplingParams
 from specctl.spec.verify import accept_at_node
@@ -72,8 +73,10 @@ async def test_specpipe_outputs_exactly_the_whole_target(models, stages):
                 tokens, stats, reason, pipe = await asyncio.to_thread(
                     specpipe_generate, staged.decoder, draft.decoder, prompt, params, TreeShape(width, 2))
                 assert tokens == reference and reason == "length", (prompt, width)
-                assert pipe.steps == stats.rounds == 39 and pipe.hits + pipe.flushes <= pipe.steps
-                assert stats.accepted == pipe.hits
+                # The prefill is the first tree's root level: its output is a verification
+                # too (of the draft's guesses at the first token), reported as the prefill's.
+                assert pipe.steps == stats.rounds + 1 == 40 and pipe.hits + pipe.flushes <= pipe.steps
+                assert stats.accepted <= pipe.hits <= stats.accepted + 1
                 assert pipe.bubbles == 0  # every node keeps its likeliest child: no level is pruned away whole
                 hits += pipe.hits
         assert hits > 0  # the re-rooting path ran, not only flushes
@@ -101,6 +104,30 @@ async def test_levels_left_dead_by_a_verification_are_dropped_by_the_stages_and_
         assert declared > 0 and dropped > 0, (declared, dropped)
         await wait_until(lambda: all(s.pool.sessions == 0 for s in pipeline.servers), what="stage KV freed")
         assert all(worker.dead == {} for s in pipeline.servers for worker in s.workers)
+
+
+@pytest.mark.parametrize("prompt", [[7], PROMPTS[1]], ids=["one-token-prompt", "prompt"])
+async def test_the_draft_levels_follow_the_prefill_so_the_pipeline_is_full_at_the_first_token(models, prompt):
+    """The prompt's last token is the first tree's root and the prefill its level: when the
+    first token comes out, the prefill and n - 1 levels under the root were sent (the draft
+    read the prompt but its last token; a one-token prompt: nothing before the root)."""
+    target, draft = models
+    async with LocalPipeline(target, 4) as pipeline:
+        params = SamplingParams(max_tokens=16, ignore_eos=True)
+        session = DecodeSession(pipeline.staged.decoder, prompt, params, max_nodes=max_tree_nodes(4, TreeShape(2, 2)))
+        levels = DraftLevels.for_session(draft.decoder, TreeShape(2, 2), session)
+        assert levels.mirror.prefix == levels.cache.length == len(prompt) - 1
+        sent_at_emit = []
+        run = SpecPipeRun(pipeline.staged.decoder, session, levels,
+                          lambda tokens, result: sent_at_emit.append((len(tokens), result is None, run.stats.levels_sent)))
+        await asyncio.to_thread(run.run)
+        assert session.output == generate(target.decoder, prompt, params)[0]
+        assert sent_at_emit[0] == (1, True, 4)  # the first token, reported as the prefill's, with 4 forwards sent
+        assert all(not first for _, first, _ in sent_at_emit[1:]) and len(sent_at_emit) == 16
+        assert run.stats.steps == session.stats.rounds + 1 == 16
+        session.close()
+        levels.close()
+        await wait_until(lambda: all(s.pool.sessions == 0 for s in pipeline.servers), what="stage KV freed")
 
 
 async def test_specpipe_stops_at_a_stop_token_like_the_target(models):

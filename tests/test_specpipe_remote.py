@@ -74,7 +74,7 @@ async def test_levels_from_a_draft_server_give_exactly_the_whole_targets_tokens(
             tokens, reason, stats = await remote_generate("127.0.0.1", cluster.port, prompt, params)
             assert tokens == generate(target.decoder, prompt, params)[0] and reason == "length", prompt
         served = await remote_stats("127.0.0.1", cluster.port)
-        assert served["specpipe_steps"] == 3 * 31 and served["specpipe_hits"] > 0 and served["specpipe_draft_lost"] == 0
+        assert served["specpipe_steps"] == 3 * 32 and served["specpipe_hits"] > 0 and served["specpipe_draft_lost"] == 0
         # The same tree as a draft in stage 1's process grows: the same hits.
         local = [await asyncio.to_thread(specpipe_generate, cluster.pipeline.staged.decoder, models[1].decoder, prompt,
                                          params, TreeShape(width, 2)) for prompt in PROMPTS]
@@ -113,7 +113,7 @@ def test_level_table_refuses_what_does_not_fit_its_tree(models):
         table.open(1, OpenLevels(0, [5, 9], width=0, topk=2, capacity=64))
     with pytest.raises(BadRequest, match="token ids must be in"):
         table.open(1, OpenLevels(0, [5, 10**6], width=2, topk=2, capacity=64))
-    with pytest.raises(BadRequest, match="a capacity above its length"):
+    with pytest.raises(BadRequest, match="a capacity above its text.s length"):
         table.open(1, OpenLevels(0, [5, 9], width=2, topk=2, capacity=2))
     table.open(1, OpenLevels(0, [5, 9, 13], width=2, topk=2, capacity=64))
     table.reroot(Reroot(1, -1, -1, 2, 3))  # the first tree: root token 2 at position 3
@@ -123,10 +123,14 @@ def test_level_table_refuses_what_does_not_fit_its_tree(models):
         table.next_level(1, [7])
     with pytest.raises(BadRequest, match="unknown level session 9"):
         table.next_level(9, [0])
+    table.open(2, OpenLevels(0, [], width=2, topk=2, capacity=64))  # a one-token prompt: nothing before the root
+    table.reroot(Reroot(2, -1, -1, 5, 0))
+    assert table.next_level(2, [0]).nodes == [1, 2]
     table.reroot(Reroot(1, 0, 42, 0, 4))  # a node it never had: the session says so on its next request
     with pytest.raises(BadRequest, match="re-rooting at 0 -> 42: nodes the tree does not hold"):
         table.next_level(1, [1, 2])
     table.close(1)
+    table.close(2)
     assert not table.sessions and table.pool.sessions == 0
 
 

@@ -35,8 +35,8 @@ class LevelTable:
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         check_token_ids(msg.prompt, self.vocab_size)
-        if not msg.prompt or not len(msg.prompt) < msg.capacity <= self.max_position:
-            raise BadRequest(f"a level session needs a prompt and a capacity above its length, at most "
+        if not len(msg.prompt) < msg.capacity <= self.max_position:
+            raise BadRequest(f"a level session needs a capacity above its text's length, at most "
                              f"{self.max_position}: got {len(msg.prompt)} tokens, capacity {msg.capacity}")
         self.sessions[tag] = LevelSession(DraftLevels(self.draft, shape, list(msg.prompt), msg.capacity, self.pool),
                                           SpecTree())

@@ -155,7 +155,8 @@ class CloseSession(msgspec.Struct, tag=True, frozen=True):
 # add the same nodes in the same order and re-root the same way).
 
 class OpenLevels(msgspec.Struct, tag=True, frozen=True):
-    """Open a tree-level session on ``prompt``; answered by SessionOpened."""
+    """Open a tree-level session on ``prompt``, the text before the first tree's root (stage 1
+    sends the prompt but its last token, the root); answered by SessionOpened."""
     req: int
     prompt: list[int]
     width: int  # nodes per level

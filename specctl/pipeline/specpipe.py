@@ -7,7 +7,9 @@ rule at one node) against the root's children. A hit re-roots the tree to that c
 prunes every stage's KV to its subtree; a miss flushes the tree and refills the pipeline
 from the verified token. Meanwhile the draft grows the tree by one fixed-width level
 (its top-k children per node, the w likeliest paths overall) whenever a pipeline slot
-frees, so up to n levels are in flight through n stages.
+frees, so up to n levels are in flight through n stages. The first tree's root is the
+prompt's last token and the prefill is its level: the draft's levels follow the prefill
+into the pipeline, so it is full when the first token comes out.
 
 Every stage applies the levels and the prunings in the order stage 1 sent them, so one
 mirror of the cache (``CacheMirror``) describes all of them: stage 1 computes each level's
@@ -105,22 +107,24 @@ class DraftLevels:
 
     alive = True  # a local draft never goes away (a remote one may: stage 1 then decodes as plain PP)
 
-    def __init__(self, draft: Decoder, shape: TreeShape, prompt: list[int], capacity: int,
+    def __init__(self, draft: Decoder, shape: TreeShape, prefix: list[int], capacity: int,
                  pool: KVPool | None = None) -> None:
+        """``prefix``: the committed text before the first tree's root (may be empty)."""
         self.draft, self.shape = draft, shape
         self.cache = draft.new_cache(capacity, pool)
-        draft(torch.tensor(prompt), torch.arange(len(prompt)), self.cache, logits_at=torch.tensor([len(prompt) - 1]))
-        self.mirror = CacheMirror(len(prompt))
+        if prefix:
+            draft(torch.tensor(prefix), torch.arange(len(prefix)), self.cache, logits_at=torch.tensor([len(prefix) - 1]))
+        self.mirror = CacheMirror(len(prefix))
         self.pending: list[tuple[int, int]] = []  # committed (token, position) the cache still lacks
 
     @classmethod
     def for_session(cls, draft: Decoder, shape: TreeShape, session: DecodeSession,
                     pool: KVPool | None = None) -> "DraftLevels":
         capacity = level_capacity(session.prompt_len, session.params.max_tokens, session.target.stages, shape)
-        return cls(draft, shape, session.seq[: session.prompt_len], capacity, pool)
+        return cls(draft, shape, session.seq[: session.prompt_len - 1], capacity, pool)
 
     def start(self, token: int, position: int) -> None:
-        """A tree's first root (the prefill's token): the draft reads it with the first level."""
+        """The first tree's root (the prompt's last token): the draft reads it with the first level."""
 
     def next_level(self, tree: SpecTree, frontier: list[int]) -> list[int]:
         """Read the frontier nodes and add the next level to ``tree``; returns its node ids."""
@@ -183,18 +187,22 @@ class SpecPipeRun:
 
     def run(self) -> None:
         session, cache = self.session, self.session.cache
-        started = time.perf_counter()
-        first = session.prefill()
-        session.stats.prefill_s = time.perf_counter() - started  # as the round loop reports it
-        if self.emit:
-            self.emit(first, None)
-        tree, mirror = SpecTree(), CacheMirror(cache.length)
-        root = tree.add(session.seq[-1], None, len(session.seq) - 1)
-        self.draft.start(session.seq[-1], len(session.seq) - 1)
-        levels: list[list[int]] = []  # levels sent of the live tree, root's first
-        in_flight: deque[_Sent] = deque()
-        tree_epoch, draft_s, wait_s = 0, 0.0, 0.0
+        begun = time.perf_counter()
         want = "argmax" if session.params.greedy else "logits"
+        # The first tree's root is the prompt's last token and the prefill is its level: the
+        # draft's levels follow the prefill into the pipeline at once, so the pipeline is
+        # already full when the first token comes out (no refill after it).
+        last = session.prompt_len - 1
+        tree, mirror = SpecTree(), CacheMirror(last)
+        root = tree.add(session.seq[-1], None, last)
+        self.draft.start(session.seq[-1], last)
+        prompt = torch.tensor(session.seq[: session.prompt_len])
+        in_flight = deque([_Sent(self._forward(prompt, torch.arange(len(prompt)), None, [len(prompt) - 1], want,
+                                               begun, tag=0), [root], 0, 0)])
+        mirror.append([root])
+        self.stats.levels_sent = 1
+        levels: list[list[int]] = [[root]]  # levels sent of the live tree, root's first
+        tree_epoch, draft_s, wait_s, first = 0, 0.0, 0.0, True
         while not session.finished and not self.stop:
             # One level per stage in flight; without a draft (a remote one went away) one
             # root at a time: plain pipeline parallelism, the same tokens.
@@ -207,7 +215,7 @@ class SpecPipeRun:
                 drafted = time.perf_counter() - started
                 draft_s += drafted
                 tag = self.stats.levels_sent
-                in_flight.append(_Sent(self._send(tree, mirror, level, want, drafted, tag), level, tree_epoch, tag))
+                in_flight.append(_Sent(self._send(tree, mirror, level, want, started, tag), level, tree_epoch, tag))
                 self.stats.stage1_s += time.perf_counter() - started
                 levels.append(level)
                 self.stats.levels_sent += 1
@@ -231,9 +239,13 @@ class SpecPipeRun:
             if children:
                 self.stats.hits += new_root is not None
                 self.stats.flushes += new_root is None
-            result = RoundResult(1 if children else 0, len(children), int(new_root is not None), len(committed),
-                                 draft_s, wait_s)
-            session.stats.record(result)
+            result = None
+            if first:  # the prompt's next token: reported as the prefill's, as the round loop does
+                session.stats.prefill_s, first = time.perf_counter() - begun, False
+            else:
+                result = RoundResult(1 if children else 0, len(children), int(new_root is not None), len(committed),
+                                     draft_s, wait_s)
+                session.stats.record(result)
             draft_s = wait_s = 0.0
             if self.emit:
                 self.emit(committed, result)
@@ -261,21 +273,29 @@ class SpecPipeRun:
             self.session.cache.drop([sent.tag for sent in sents])
             self.stats.levels_dropped += len(sents)
 
-    def _send(self, tree: SpecTree, mirror: CacheMirror, level: list[int], want: str, drafted: float, tag: int):
-        cache = self.session.cache
-        tokens = torch.tensor([tree.nodes[i].token for i in level])
-        positions = torch.tensor([tree.nodes[i].pos for i in level])
+    def _send(self, tree: SpecTree, mirror: CacheMirror, level: list[int], want: str, started: float, tag: int):
         tail = mirror.level_mask(tree, level)
         mask = torch.cat([torch.ones(len(level), mirror.prefix, dtype=torch.bool), tail], 1)
-        started = time.perf_counter()
-        hidden = self.target.local.forward_ragged(tokens, positions, [(0, len(level))], [cache], [mask])
-        # Emulated device time: drafting the level and stage 1's layers both inside one step.
-        sleep_rest(started - drafted, self.target.delay_s)
+        tokens = torch.tensor([tree.nodes[i].token for i in level])
+        positions = torch.tensor([tree.nodes[i].pos for i in level])
+        future = self._forward(tokens, positions, (mask, tail), list(range(len(level))), want, started, tag)
         mirror.append(level)
-        frames = Tensor.from_torch(positions), Tensor.from_torch(tail), Tensor.from_torch(hidden)
-        n, sid = len(level), cache.sid
+        return future
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, masks: tuple[torch.Tensor, torch.Tensor] | None,
+                 logits_at: list[int], want: str, started: float, tag: int):
+        """Stage 1's layers over one forward of this session (``masks``: its full mask and the
+        tail the other stages rebuild it from; None = causal), then down the chain."""
+        cache = self.session.cache
+        hidden = self.target.local.forward_ragged(tokens, positions, [(0, len(tokens))], [cache],
+                                                  [None if masks is None else masks[0]])
+        # Emulated device time: drafting the level (since ``started``) and stage 1's layers in one step.
+        sleep_rest(started, self.target.delay_s)
+        frames = (Tensor.from_torch(positions), None if masks is None else Tensor.from_torch(masks[1]),
+                  Tensor.from_torch(hidden))
+        n, sid = len(tokens), cache.sid
         return self.target.client.submit(cache.epoch, lambda fid: StageForward(
-            fid, [sid], [n], frames[0], [frames[1]], [list(range(n))], frames[2], want, [tag]))
+            fid, [sid], [n], frames[0], [frames[1]], [logits_at], frames[2], want, [tag]))
 
     def _decide(self, row: torch.Tensor, children: list[int]) -> tuple[int | None, int]:
         """The target's token after the root, and which child it is (None: none of them)."""
