@@ -64,7 +64,7 @@ def test_greedy_with_three_drafters_equals_the_target_alone(tiny, arch):
 
 def test_always_fusing_every_drafter_is_exact_and_credits_each(tiny):
     params = SamplingParams(max_tokens=32, ignore_eos=True)
-    everyone = RoutingPolicy(tau=100.0, alpha=1.0, beta=1.0)  # two drafters a round, always
+    everyone = RoutingPolicy(tau=100.0, alpha=1.0, beta=1.0, plain_arm=False)  # two drafters a round, always
     drafter = MultiDrafter({"draft": ModelChainDrafter(tiny["llama-draft"], 4), "ngram": NgramDrafter(4)},
                            policy=everyone)
     rounds = 0
@@ -196,7 +196,7 @@ def test_generate_mode_multi_from_the_command_line(tiny_dir):
     proc = _generate(tiny_dir, "--mode", "multi", "--drafters", f"{tiny_dir['llama-draft']},ngram")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
-    assert result["token_ids"] == reference and set(result["drafters"]) == {str(tiny_dir["llama-draft"]), "ngram"}
+    assert result["token_ids"] == reference and set(result["drafters"]) == {str(tiny_dir["llama-draft"]), "ngram", "none"}
     _assert_one_line_error(_generate(tiny_dir, "--mode", "multi"), "mode multi needs drafters")
 
 
@@ -213,12 +213,14 @@ def test_bench_drafters_measures_singles_routing_and_fusion_with_exact_outputs(t
                "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
-    assert list(report["modes"]) == ["ar", str(tiny_dir["llama-draft"]), "ngram", "routing", "routing+fusion"]
+    assert list(report["modes"]) == ["ar", str(tiny_dir["llama-draft"]), "ngram", "routing", "routing+fusion",
+                                     "routing+fusion no-plain"]
     assert all(m["outputs_equal_to_ar"] == 1.0 for m in report["modes"].values())
     against = report["against_best_single"]
     assert against["best_single"] in (str(tiny_dir["llama-draft"]), "ngram")
     assert set(against["routing+fusion"]["per_kind"]) == {"code", "edit"}
     assert report["drafters"]["routing+fusion"]["ngram"]["chosen_rounds"] > 0  # the repeated prompt matches
+    assert "none" in report["drafters"]["routing+fusion"] and "none" not in report["drafters"]["routing+fusion no-plain"]
 
 
 def test_bench_drafters_needs_two_drafters():

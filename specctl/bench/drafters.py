@@ -4,7 +4,9 @@ asks one drafter a round: the top-scored one (an untried drafter counts as 0.5, 
 one is dropped for an untried one; the free n-gram lookup wins ties; a drafter with nothing
 to propose passes the round to the next). Routing + fusion also adds a random other drafter
 (often while the session accepts little, rarely once it accepts much) and the n-gram
-lookup's match whenever it has one, and fuses the chains."""
+lookup's match whenever it has one, and fuses the chains. Both may route a session to no
+drafter (plain rounds) where its plain rounds commit faster (``spec.pays``); the last mode is
+routing + fusion without that arm, to show what it adds."""
 
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from specctl.spec.multi import MultiDrafter
 from specctl.spec.routing import RoutingPolicy
 
 ROUTING_ONLY = RoutingPolicy(alpha=0.0, beta=0.0, free_riders=False)
+NO_PLAIN = "routing+fusion no-plain"
+ROUTED = ("routing", "routing+fusion", NO_PLAIN)
 
 
 def run_drafters_bench(config: Config, target: LoadedModel, drafters: dict[str, Drafter], prompts: list[BenchPrompt],
@@ -27,7 +31,8 @@ def run_drafters_bench(config: Config, target: LoadedModel, drafters: dict[str, 
     encoded = [encode_user_text(target.tokenizer, p.prompt, p.chat) for p in prompts]
     warm_up = encoded[0][:8]
     routing, fused = MultiDrafter(drafters, policy=ROUTING_ONLY), MultiDrafter(drafters)
-    plan = {"ar": None, **drafters, "routing": routing, "routing+fusion": fused}
+    always = MultiDrafter(drafters, policy=RoutingPolicy(plain_arm=False))
+    plan = {"ar": None, **drafters, "routing": routing, "routing+fusion": fused, NO_PLAIN: always}
     runners = {}
     for name, drafter in plan.items():
         progress.console.print(f"[dim]preparing {name}[/]")
@@ -39,7 +44,7 @@ def run_drafters_bench(config: Config, target: LoadedModel, drafters: dict[str, 
                      "repeats": repeats, "depth": config.depth, "temperature": 0.0,
                      "tau": fused.policy.tau, "alpha": fused.policy.alpha, "beta": fused.policy.beta},
         "modes": modes,
-        "drafters": {"routing": routing.snapshot(), "routing+fusion": fused.snapshot()},
+        "drafters": {"routing": routing.snapshot(), "routing+fusion": fused.snapshot(), NO_PLAIN: always.snapshot()},
         "against_best_single": against_best_single(modes, list(drafters)),
     }
 
@@ -50,7 +55,7 @@ def against_best_single(modes: dict, singles: list[str]) -> dict:
     best = max(singles, key=lambda name: modes[name]["tokens_per_s"])
     kinds = sorted(modes[best]["per_kind"])
     out: dict = {"best_single": best}
-    for mode in ("routing", "routing+fusion"):
+    for mode in ROUTED:
         per_kind = {}
         for kind in kinds:
             top = max(modes[name]["per_kind"][kind]["tokens_per_s"] for name in singles)

@@ -146,13 +146,14 @@ def render_kernels_table(report: dict) -> Table:
 
 def render_drafters_summary(report: dict) -> Table:
     against = report["against_best_single"]
-    kinds = sorted(next(iter(against[m]["per_kind"] for m in ("routing", "routing+fusion"))))
+    modes = [m for m in against if m != "best_single"]
+    kinds = sorted(against[modes[0]]["per_kind"])
     table = Table(title=f"against the best single drafter ({against['best_single']} overall; per class its best)")
     table.add_column("mode")
     table.add_column("overall", justify="right")
     for kind in kinds:
         table.add_column(kind, justify="right")
-    for mode in ("routing", "routing+fusion"):
+    for mode in modes:
         row = against[mode]
         table.add_row(mode, f"{row['overall']:.2f}x", *(f"{row['per_kind'][k]:.2f}x" for k in kinds))
     return table

@@ -54,6 +54,9 @@ def verify(
     draft_deadline_ms: float = typer.Option(500.0, "--draft-deadline-ms", help="several drafters: one that has not "
                                             "answered by then is skipped for the round"),
     fusion_budget: int = typer.Option(16, "--fusion-budget", help="several drafters: most nodes of the fused tree"),
+    plain_rounds: bool = typer.Option(True, "--plain-rounds/--no-plain-rounds", help="several drafters: a session "
+                                      "routes to no drafter (plain decoding) while its plain rounds commit tokens "
+                                      "faster than its speculative ones, as measured on it"),
     port: Optional[int] = typer.Option(None, help="TCP port (default 9100; 0 = any free port); with --pipeline "
                                        "each stage listens on its own entry's port"),
     host: str = typer.Option("127.0.0.1", help="address to bind"),
@@ -146,7 +149,7 @@ def verify(
     if draft and len(draft) > 1 and (draft_deadline_ms <= 0 or fusion_budget < 1):
         raise ConfigError("--draft-deadline-ms must be > 0 and --fusion-budget >= 1")
     _serve_target(config, plan, console, stage_one, host=host, port=port, draft=list(draft or []),
-                  fusion_settings=(draft_deadline_ms / 1e3, fusion_budget),
+                  fusion_settings=(draft_deadline_ms / 1e3, fusion_budget, plain_rounds),
                   auth_token=auth_token, ssl_server=ssl_server, ssl_client=ssl_client,
                   verify_delay_s=verify_delay_ms / 1e3, max_messages_per_s=max_messages_per_s, specpipe=levels,
                   remote_specpipe=(width, topk) if specpipe else None)
@@ -191,7 +194,7 @@ def _serve_stage(config, plan, console: Console, *, host: str, port: int, auth_t
 def _serve_target(config, plan, console: Console, loaded, *, host: str, port: int, draft: list[str], auth_token,
                   ssl_server, ssl_client, verify_delay_s: float, max_messages_per_s: float, specpipe=None,
                   remote_specpipe: tuple[int, int] | None = None,
-                  fusion_settings: tuple[float, int] = (0.5, 16)) -> None:
+                  fusion_settings: tuple[float, int, bool] = (0.5, 16, True)) -> None:
     from specctl.pipeline.launch import pipelined_target
     from specctl.runtime.compute import ComputeThread
     from specctl.runtime.loop import parse_hostport, run_with_compute, serve
@@ -231,9 +234,11 @@ def _serve_target(config, plan, console: Console, loaded, *, host: str, port: in
         if several:
             from specctl.verify.fused import Fusion
 
-            deadline_s, budget = fusion_settings
+            from specctl.spec.routing import RoutingPolicy
+
+            deadline_s, budget, plain_rounds = fusion_settings
             fusion = Fusion(clients, ngram_depth=config.depth if "ngram" in draft else 0, budget=budget,
-                            deadline_s=deadline_s)
+                            deadline_s=deadline_s, policy=RoutingPolicy(plain_arm=plain_rounds))
         else:
             client = next(iter(clients.values()), None)
         if remote_specpipe is not None:  # the levels come from the one draft server

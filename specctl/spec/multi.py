@@ -1,20 +1,24 @@
 """Several drafters for one target (CoSine): a Drafter whose sessions route each round to
 the drafters that do best on this session (``spec.routing``) and fuse their proposals
 (chains or trees) into one tree (``spec.fusion``). A drafter that fails is skipped for
-that round (its failure is counted); if all fail the round verifies the root alone. Lossless like every tree: greedy
-output is the target's, and sampled requests get deterministic candidates (each drafter
+that round (its failure is counted); if all fail the round verifies the root alone, as it
+does by choice where the session's plain rounds commit faster (``spec.pays``). Lossless like
+every tree: greedy output is the target's, and sampled requests get deterministic candidates (each drafter
 drafts greedily) verified by recursive rejection, so no q is ever passed that was not
 sampled from."""
 
 from __future__ import annotations
 
 import logging
+import time
+from typing import Callable
 
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.tree import TokenTree
 from specctl.spec.drafters import DraftSession, Drafter, Proposal
 from specctl.spec.fusion import Draft, fuse, own_path, routing_outcome
-from specctl.spec.routing import DrafterStats, RoutingPolicy, RoutingScore, choose_drafters, next_drafter
+from specctl.spec.pays import PaysGate
+from specctl.spec.routing import NONE, DrafterStats, RoutingPolicy, RoutingScore, choose_drafters, next_drafter
 from specctl.spec.sampling import SamplingParams, uniform
 
 log = logging.getLogger("specctl.multi")
@@ -25,7 +29,7 @@ class MultiDrafter(Drafter):
     name = "multi"
 
     def __init__(self, drafters: dict[str, Drafter], budget: int | None = None,
-                 policy: RoutingPolicy | None = None) -> None:
+                 policy: RoutingPolicy | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
         if not drafters:
             raise ValueError("give at least one drafter")
         self.drafters = dict(drafters)
@@ -37,13 +41,16 @@ class MultiDrafter(Drafter):
         self.max_nodes = 1 + self.budget
         self.policy = policy or RoutingPolicy()
         self.stats = {name: DrafterStats() for name in self.names}
+        self.plain = DrafterStats()  # the rounds routed to no drafter
+        self.clock = clock
         self.free = [drafters[name].free for name in self.names]
 
     def open(self, capacity: int, pool: KVPool | None = None) -> DraftSession:
         return _MultiSession(self, capacity, pool)
 
     def snapshot(self) -> dict:
-        return {name: stats.snapshot() for name, stats in self.stats.items()}
+        drafters = {name: stats.snapshot() for name, stats in self.stats.items()}
+        return drafters | ({NONE: self.plain.snapshot()} if self.policy.plain_arm else {})
 
 
 class _MultiSession(DraftSession):
@@ -60,6 +67,7 @@ class _MultiSession(DraftSession):
         self.asked: list[tuple[int, Draft, list[int | None]]] = []  # (drafter, its draft, where it landed)
         self.rounds = 0
         self.accepted = 0
+        self.gate = PaysGate() if owner.policy.plain_arm else None
 
     @property
     def mean_accepted(self) -> float:
@@ -67,6 +75,10 @@ class _MultiSession(DraftSession):
 
     def propose(self, seq, params, generator):
         owner = self.owner
+        if self.gate is not None and not self.gate.begin(owner.clock()):
+            owner.plain.chosen_rounds += 1
+            self.asked = []
+            return Proposal(TokenTree.root(seq[-1]))  # plain decoding pays more for this session now
         scores, up = [s.value for s in self.scores], [True] * len(self.sessions)
         order = choose_drafters(scores, up, self.mean_accepted, owner.policy, uniform(generator),
                                 uniform(generator), owner.free)
@@ -106,6 +118,10 @@ class _MultiSession(DraftSession):
             log.warning("drafter %s could not reset after a failure", self.owner.names[i])
 
     def on_verified(self, path):
+        if self.gate is not None:
+            self.gate.end(len(path) + 1, self.owner.clock())
+            if not self.gate.current:
+                return  # a plain round: no drafter to tell, no routing evidence
         for i, draft, where in self.asked:
             taken = own_path(path, where)
             self.sessions[i].on_verified(taken)

@@ -11,13 +11,16 @@ Beyond CoSine, cost: a *free* drafter (the local n-gram lookup: no model, no net
 ties, so it is tried before a model drafter nothing is known about yet, and with
 ``free_riders`` it joins every round's fusion at no drafting cost. A round whose chosen
 drafters propose nothing asks the next-ranked one (``next_drafter``), so an n-gram lookup
-that finds no match never leaves a round without a proposal."""
+that finds no match never leaves a round without a proposal. And a session may route to
+no drafter at all (``plain_arm``, ``spec.pays``) where its plain rounds commit tokens faster
+than its speculative ones."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 PRIOR = 0.5  # the score of a drafter nothing is known about yet
+NONE = "none"  # the stats' name for the rounds routed to no drafter (plain decoding)
 
 
 def token_score(confidence: float, outcome: float) -> float:
@@ -52,6 +55,7 @@ class RoutingPolicy:
     alpha: float = 0.5  # chance of adding a random other drafter while exploring
     beta: float = 0.1  # ... while exploiting
     free_riders: bool = True  # free drafters join every round (fusion); False: one drafter a round
+    plain_arm: bool = True  # a session may route to no drafter where plain rounds commit faster (spec.pays)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.beta <= self.alpha <= 1.0:

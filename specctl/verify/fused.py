@@ -20,12 +20,14 @@ import asyncio
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from specctl.spec.decode import DecodeSession
 from specctl.spec.drafters import NgramDrafter, Proposal
 from specctl.spec.fusion import Draft, fuse, own_path, routing_outcome
+from specctl.spec.pays import PaysGate
 from specctl.spec.rounds import Drafted
-from specctl.spec.routing import DrafterStats, RoutingPolicy, RoutingScore, choose_drafters, next_drafter
+from specctl.spec.routing import NONE, DrafterStats, RoutingPolicy, RoutingScore, choose_drafters, next_drafter
 from specctl.spec.stats import FALLBACK_DRAFT_DOWN
 from specctl.verify.draft_client import DraftClient
 from specctl.verify.speculator import RemoteSpeculator
@@ -43,9 +45,10 @@ class Fusion:
     deadline_s: float = 0.5  # a drafter that has not answered by then is skipped for the round
     policy: RoutingPolicy = field(default_factory=RoutingPolicy)
     stats: dict[str, DrafterStats] = field(default_factory=dict)
+    clock: Callable[[], float] = time.perf_counter
 
     def __post_init__(self) -> None:
-        for name in self.names:
+        for name in self.names + ([NONE] if self.policy.plain_arm else []):
             self.stats.setdefault(name, DrafterStats())
         if self.budget < 1 or self.deadline_s <= 0:
             raise ValueError("the fusion budget must be >= 1 and the deadline > 0")
@@ -59,7 +62,7 @@ class Fusion:
 
     def snapshot(self) -> dict:
         out = {}
-        for name in self.names:
+        for name in self.stats:
             client = self.clients.get(name)
             out[name] = {**self.stats[name].snapshot(),
                          "connected": True if client is None else client.connected.is_set()}
@@ -89,6 +92,7 @@ class FusedSpeculator:
         self.ngram = NgramDrafter(fusion.ngram_depth) if fusion.ngram_depth else None
         self.asked: list[tuple[_Link, Draft, list[int | None]]] = []  # (drafter, its draft, where it landed)
         self.rounds = self.accepted = 0
+        self.gate = PaysGate() if fusion.policy.plain_arm else None
 
     def begin(self, session: DecodeSession) -> None:
         for link in self.links:
@@ -113,6 +117,11 @@ class FusedSpeculator:
         started = time.perf_counter()
         self._score_last_round(session)
         stats = self.fusion.stats
+        if self.gate is not None:
+            self.gate.end(len(session.last_committed), self.fusion.clock())
+            if not self.gate.begin(self.fusion.clock()):
+                stats[NONE].chosen_rounds += 1  # plain decoding pays more for this session now
+                return Drafted(None, time.perf_counter() - started)
         scores = [link.score.value for link in self.links]
         mean = self.accepted / self.rounds if self.rounds else 0.0
         up, free = [self._up(link) for link in self.links], [link.remote is None for link in self.links]
