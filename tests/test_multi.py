@@ -219,8 +219,19 @@ def test_bench_drafters_measures_singles_routing_and_fusion_with_exact_outputs(t
     against = report["against_best_single"]
     assert against["best_single"] in (str(tiny_dir["llama-draft"]), "ngram")
     assert set(against["routing+fusion"]["per_kind"]) == {"code", "edit"}
+    assert against["ceiling_best_per_class_or_ar"] >= against["ceiling_best_per_class"] >= 1.0
     assert report["drafters"]["routing+fusion"]["ngram"]["chosen_rounds"] > 0  # the repeated prompt matches
     assert "none" in report["drafters"]["routing+fusion"] and "none" not in report["drafters"]["routing+fusion no-plain"]
+
+
+def test_the_routing_ceiling_serves_each_class_with_its_fastest_arm():
+    from specctl.bench.drafters import per_class_best_rate
+
+    row = lambda rate: {"tokens_per_s": rate, "new_tokens": 10}  # noqa: E731
+    modes = {"a": {"per_kind": {"x": row(2.0), "y": row(1.0)}}, "b": {"per_kind": {"x": row(1.0), "y": row(5.0)}}}
+    assert per_class_best_rate(modes, ["a", "b"], ["x", "y"]) == pytest.approx(20 / 7)  # x on a: 5 s, y on b: 2 s
+    assert per_class_best_rate(modes, ["a"], ["x", "y"]) == pytest.approx(20 / 15)
+    assert per_class_best_rate(modes, ["a", "missing"], ["x"]) == 2.0
 
 
 def test_bench_drafters_needs_two_drafters():

@@ -63,4 +63,22 @@ def against_best_single(modes: dict, singles: list[str]) -> dict:
         overall = modes[best]["tokens_per_s"]
         out[mode] = {"overall": round(modes[mode]["tokens_per_s"] / overall, 3) if overall else None,
                      "per_kind": per_kind}
+    # What routing could reach at most without fusing: every class served by its best single
+    # drafter (and by the target alone where that is faster), over the best single overall.
+    for key, arms in (("ceiling_best_per_class", singles), ("ceiling_best_per_class_or_ar", [*singles, "ar"])):
+        rate = per_class_best_rate(modes, arms, kinds)
+        out[key] = round(rate / overall, 3) if overall and rate else None
     return out
+
+
+def per_class_best_rate(modes: dict, arms: list[str], kinds: list[str]) -> float:
+    """tokens/s of the whole workload if each class ran on its fastest of ``arms`` (pure)."""
+    tokens = seconds = 0.0
+    for kind in kinds:
+        rows = [modes[arm]["per_kind"][kind] for arm in arms if arm in modes]
+        best = max(row["tokens_per_s"] for row in rows)
+        if best <= 0:
+            return 0.0
+        count = rows[0]["new_tokens"]
+        tokens, seconds = tokens + count, seconds + count / best
+    return tokens / seconds if seconds else 0.0

@@ -78,7 +78,7 @@ class ModeResult:
             "wall_s": round(self.total.wall_s, 3),
             "outputs_equal_to_ar": same(list(self.outputs)),
             "per_kind": {
-                kind: {"tokens_per_s": round(t.tokens_per_s, 3),
+                kind: {"tokens_per_s": round(t.tokens_per_s, 3), "new_tokens": t.tokens,
                        "speedup_vs_ar": ratio(t, ar.per_kind.get(kind) if ar else None),
                        "outputs_equal_to_ar": same([k for k in self.outputs if kinds[k[1]] == kind])}
                 for kind, t in sorted(self.per_kind.items())

@@ -146,7 +146,7 @@ def render_kernels_table(report: dict) -> Table:
 
 def render_drafters_summary(report: dict) -> Table:
     against = report["against_best_single"]
-    modes = [m for m in against if m != "best_single"]
+    modes = [m for m in against if isinstance(against[m], dict)]
     kinds = sorted(against[modes[0]]["per_kind"])
     table = Table(title=f"against the best single drafter ({against['best_single']} overall; per class its best)")
     table.add_column("mode")
@@ -156,4 +156,8 @@ def render_drafters_summary(report: dict) -> Table:
     for mode in modes:
         row = against[mode]
         table.add_row(mode, f"{row['overall']:.2f}x", *(f"{row['per_kind'][k]:.2f}x" for k in kinds))
+    for key, label in (("ceiling_best_per_class", "ceiling: each class its best single"),
+                       ("ceiling_best_per_class_or_ar", "ceiling: ... or ar where faster")):
+        if against.get(key) is not None:
+            table.add_row(label, f"{against[key]:.2f}x", *("" for _ in kinds), style="dim")
     return table

@@ -9,10 +9,8 @@ arm (a round's time: from asking for its proposal to its verified outcome) and t
 faster arm; after PROBE_EVERY rounds in a row on one arm it tries the other once, as the
 text may have changed (prose, then code).
 
-The first speculative round after plain ones is not measured: the drafters catch up on the
-text committed meanwhile (the first round of a session: the draft's prompt prefill), which
-a steady round does not pay. A probe of speculation therefore lasts until one round of it
-was measured. Vanilla CoSine has no such arm; vLLM and SGLang users know it as dynamic
+A session's first speculative round is not measured: it holds the draft's prompt prefill,
+which no later round pays. Vanilla CoSine has no such arm; vLLM and SGLang users know it as dynamic
 speculation (turned off where it does not pay)."""
 
 from __future__ import annotations
@@ -56,15 +54,13 @@ class PaysGate:
     current: bool | None = None  # the arm of the round in flight (or of the last one)
     streak: int = 0  # rounds in a row on that arm
     started: float | None = None  # when the round in flight was asked for; None: none in flight
-    catching_up: bool = False  # the round in flight is the drafters' catch-up: not measured
-    probe_pending: bool = False  # a catch-up round ended: speculate once more, measured
+    first: bool = False  # the round in flight is the session's first (the draft's prompt prefill): not measured
     plain_rounds: int = 0
 
     def begin(self, now: float) -> bool:
         """A round starts: speculate in it?"""
-        arm = True if self.probe_pending else speculate_next(list(self.spec), list(self.plain), self.current,
-                                                             self.streak)
-        self.catching_up = arm and self.current is not True
+        arm = speculate_next(list(self.spec), list(self.plain), self.current, self.streak)
+        self.first = self.current is None
         self.streak = self.streak + 1 if arm == self.current else 1
         self.current, self.started = arm, now
         self.plain_rounds += not arm
@@ -74,6 +70,6 @@ class PaysGate:
         """The round in flight committed ``tokens``."""
         if self.started is None:
             return
-        if not self.catching_up:
+        if not self.first:
             (self.spec if self.current else self.plain).append((tokens, now - self.started))
-        self.probe_pending, self.started = self.catching_up, None
+        self.started = None
