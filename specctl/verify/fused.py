@@ -8,8 +8,10 @@ proposals (chains, or trees from a draft server in tree mode) are fused into one
 that has not answered by the deadline, is skipped for that round; its late answer is
 dropped. Each draft session is told the rounds since its last proposal in one outcome (its
 accepted prefix, then all the text committed since), so a drafter that sat rounds out
-catches up by itself. Draft servers draft greedily (``greedy_drafts``): the fused tree
-is verified by the rule for deterministic candidates, lossless at any temperature.
+catches up by itself. A session routes to no drafter at all (a plain round) while its
+plain rounds commit tokens faster than its speculative ones (``spec.pays``). Draft servers
+draft greedily (``greedy_drafts``): the fused tree is verified by the rule for
+deterministic candidates, lossless at any temperature.
 
 A proposal carries the draft's confidence in each node (its probability, a byte each): it
 orders the fused tree's siblings; the n-gram lookup's count 1."""
