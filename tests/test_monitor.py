@@ -215,7 +215,8 @@ def test_a_target_with_several_drafters_shows_a_row_per_drafter_in_80x24():
                 "ngram": {"chosen_rounds": 45, "accepted_tokens": 90, "failures": 0, "mean_score": None,
                           "connected": True},
                 "10.0.0.2:9000": {"chosen_rounds": 7, "accepted_tokens": 3, "failures": 9, "mean_score": 0.1,
-                                  "connected": False}}
+                                  "connected": False},
+                "none": {"chosen_rounds": 33, "accepted_tokens": 0, "failures": 0, "mean_score": None, "connected": True}}
     data = feed(tokens=(100,), up=(True,))
     data["targets"][0]["stats"]["drafters"] = drafters
     screen = text_of(dashboard(advance(MonitorState("http://gw:8000"), data, 1.0), now=1.5))
@@ -223,3 +224,4 @@ def test_a_target_with_several_drafters_shows_a_row_per_drafter_in_80x24():
     assert len(lines) <= 24 and max(len(line) for line in lines) <= 80
     assert "└ 10.0.0.1:9000" in screen and "120r" in screen and "acc 310" in screen and "m 0.64" in screen
     assert "└ ngram" in screen and "fail 9" in screen and "down" in screen
+    assert "└ none" in screen and "plain" in screen and "33r" in screen  # the rounds decoded plainly

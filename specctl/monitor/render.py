@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from specctl.monitor.view import MonitorState, shown, star_regime
+from specctl.spec.routing import NONE
 
 BARS = "▁▂▃▄▅▆▇█"
 
@@ -99,9 +100,13 @@ def targets_table(targets: list[dict], state: MonitorState) -> Table:
 
 
 def drafter_row(name: str, drafter: dict) -> tuple:
-    """One drafter of a target with several: rounds routed to it, tokens accepted, its score."""
+    """One drafter of a target with several: rounds routed to it, tokens accepted, its score
+    ("none": the rounds its sessions decoded plainly, where that measured faster)."""
     score = drafter.get("mean_score")
-    state = Text("ok", style="green") if drafter.get("connected", True) else Text("down", style="bold red")
+    if name == NONE:
+        state = Text("plain", style="dim")
+    else:
+        state = Text("ok", style="green") if drafter.get("connected", True) else Text("down", style="bold red")
     return (Text(f"  └ {name}"[:28], style="dim"), state, "", f"{drafter.get('chosen_rounds', 0)}r", "",
             f"acc {drafter.get('accepted_tokens', 0)}", "-" if score is None else f"m {score:.2f}",
             f"fail {drafter.get('failures', 0)}")
