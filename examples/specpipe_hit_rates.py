@@ -7,14 +7,19 @@ process (4 stages as threads, no emulated delay; Qwen2.5-Coder 1.5B / 0.5B, bf16
 tokens). The step time t and plain PP's time between tokens come from a `specctl bench pipeline`
 run at 4 stages (MEASURED.json, default: the committed one), whose measured TBT E(T) matched
 within 4-14 %. Prints one row per prompt and min / median / max."""
-import asyncio, json, statistics, sys
+import asyncio
+import json
+import statistics
+import sys
+
+from rich.console import Console
+
 from specctl.bench.prompts import load_prompts
 from specctl.config import build_config
-from specctl.spec.factory import apply_threads, load_named
 from specctl.pipeline.local import LocalPipeline
 from specctl.pipeline.specpipe import TreeShape, specpipe_generate
+from specctl.spec.factory import apply_threads, load_named
 from specctl.spec.sampling import SamplingParams
-from rich.console import Console
 
 measured = json.load(open(sys.argv[2] if len(sys.argv) > 2 else
                            "docs/results/bench-pipeline-qwen-bf16-800ms-4-stages-prefill-root.json"))

@@ -53,7 +53,6 @@ def test_the_gate_skips_the_first_round_and_settles_on_the_faster_arm():
         now += seconds
     assert arms == [True, True, True, False, False, False]
     assert list(gate.spec) == [(2, 1.0), (2, 1.0)] and list(gate.plain) == [(1, 0.25)] * 3
-    assert gate.plain_rounds == 3
     # PROBE_EVERY plain rounds in a row: speculation is tried once, and measured: 10 tokens in
     # 1 s lifts its window's rate (14 tokens / 3 s) over plain's 4 tokens a second
     while gate.streak < PROBE_EVERY:

@@ -232,9 +232,8 @@ def _serve_target(config, plan, console: Console, loaded, *, host: str, port: in
                               "without it and reconnecting in the background[/]")
         fusion = None
         if several:
-            from specctl.verify.fused import Fusion
-
             from specctl.spec.routing import RoutingPolicy
+            from specctl.verify.fused import Fusion
 
             deadline_s, budget, plain_rounds = fusion_settings
             fusion = Fusion(clients, ngram_depth=config.depth if "ngram" in draft else 0, budget=budget,

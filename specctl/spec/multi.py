@@ -3,9 +3,9 @@ the drafters that do best on this session (``spec.routing``) and fuse their prop
 (chains or trees) into one tree (``spec.fusion``). A drafter that fails is skipped for
 that round (its failure is counted); if all fail the round verifies the root alone, as it
 does by choice where the session's plain rounds commit faster (``spec.pays``). Lossless like
-every tree: greedy output is the target's, and sampled requests get deterministic candidates (each drafter
-drafts greedily) verified by recursive rejection, so no q is ever passed that was not
-sampled from."""
+every tree: greedy output is the target's, and sampled requests get deterministic
+candidates (each drafter drafts greedily) verified by recursive rejection, so no q is ever
+passed that was not sampled from."""
 
 from __future__ import annotations
 

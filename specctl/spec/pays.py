@@ -16,6 +16,7 @@ speculation (turned off where it does not pay)."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 WINDOW = 8  # measured rounds per arm the rates are taken over
@@ -25,13 +26,13 @@ SPEC_FIRST = 2  # measured speculative rounds before the first plain round is tr
 Round = tuple[int, float]  # (tokens committed, seconds)
 
 
-def rate(rounds: "deque[Round] | list[Round]") -> float:
+def rate(rounds: Sequence[Round]) -> float:
     """Committed tokens per second over the rounds (0 when no time was measured)."""
     seconds = sum(s for _, s in rounds)
     return sum(t for t, _ in rounds) / seconds if seconds > 0 else 0.0
 
 
-def speculate_next(spec: list[Round], plain: list[Round], current: bool | None, streak: int) -> bool:
+def speculate_next(spec: Sequence[Round], plain: Sequence[Round], current: bool | None, streak: int) -> bool:
     """Speculate in the next round? (pure) ``spec``/``plain``: each arm's measured rounds;
     ``current``: the arm of the last round (None before the first); ``streak``: how many
     rounds in a row it was taken."""
@@ -55,15 +56,13 @@ class PaysGate:
     streak: int = 0  # rounds in a row on that arm
     started: float | None = None  # when the round in flight was asked for; None: none in flight
     first: bool = False  # the round in flight is the session's first (the draft's prompt prefill): not measured
-    plain_rounds: int = 0
 
     def begin(self, now: float) -> bool:
         """A round starts: speculate in it?"""
-        arm = speculate_next(list(self.spec), list(self.plain), self.current, self.streak)
+        arm = speculate_next(self.spec, self.plain, self.current, self.streak)
         self.first = self.current is None
         self.streak = self.streak + 1 if arm == self.current else 1
         self.current, self.started = arm, now
-        self.plain_rounds += not arm
         return arm
 
     def end(self, tokens: int, now: float) -> None:

@@ -22,7 +22,6 @@ import asyncio
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 from specctl.spec.decode import DecodeSession
 from specctl.spec.drafters import NgramDrafter, Proposal
@@ -47,7 +46,6 @@ class Fusion:
     deadline_s: float = 0.5  # a drafter that has not answered by then is skipped for the round
     policy: RoutingPolicy = field(default_factory=RoutingPolicy)
     stats: dict[str, DrafterStats] = field(default_factory=dict)
-    clock: Callable[[], float] = time.perf_counter
 
     def __post_init__(self) -> None:
         for name in self.names + ([NONE] if self.policy.plain_arm else []):
@@ -120,8 +118,8 @@ class FusedSpeculator:
         self._score_last_round(session)
         stats = self.fusion.stats
         if self.gate is not None:
-            self.gate.end(len(session.last_committed), self.fusion.clock())
-            if not self.gate.begin(self.fusion.clock()):
+            self.gate.end(len(session.last_committed), started)
+            if not self.gate.begin(started):
                 stats[NONE].chosen_rounds += 1  # plain decoding pays more for this session now
                 return Drafted(None, time.perf_counter() - started)
         scores = [link.score.value for link in self.links]
