@@ -1,16 +1,16 @@
 """SpecPipe's hit rate on every held-out prompt, and the E(T)-predicted time between tokens against plain PP.
 
-    python examples/specpipe_hit_rates.py OUT.json [MEASURED.json]
+    python examples/specpipe_hit_rates.py OUT.json [MEASURED.json] [--width W] [--topk K] [--prompts SET] [--limit N]
 
 The tree a session grows does not depend on timing, so its hit rate P is measured here in one
-process (4 stages as threads, no emulated delay; Qwen2.5-Coder 1.5B / 0.5B, bf16, w=4, k=2, 32
-tokens). The step time t and plain PP's time between tokens come from a `specctl bench pipeline`
+process (4 stages as threads, no emulated delay; Qwen2.5-Coder 1.5B / 0.5B, bf16, 32 tokens;
+width w and top-k k as given, default the untuned 4 and 2; the held-out prompts by default). The step time t and plain PP's time between tokens come from a `specctl bench pipeline`
 run at 4 stages (MEASURED.json, default: the committed one), whose measured TBT E(T) matched
 within 4-14 %. Prints one row per prompt and min / median / max."""
+import argparse
 import asyncio
 import json
 import statistics
-import sys
 
 from rich.console import Console
 
@@ -21,8 +21,15 @@ from specctl.pipeline.specpipe import TreeShape, specpipe_generate
 from specctl.spec.factory import apply_threads, load_named
 from specctl.spec.sampling import SamplingParams
 
-measured = json.load(open(sys.argv[2] if len(sys.argv) > 2 else
-                           "docs/results/bench-pipeline-qwen-bf16-800ms-4-stages-prefill-root.json"))
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("measured", nargs="?", default="docs/results/bench-pipeline-qwen-bf16-800ms-4-stages-prefill-root.json")
+parser.add_argument("--width", type=int, default=4)
+parser.add_argument("--topk", type=int, default=2)
+parser.add_argument("--prompts", default="heldout")
+parser.add_argument("--limit", type=int, default=None)
+args = parser.parse_args()
+measured = json.load(open(args.measured))
 N = 4
 STEP_MS = next(r["step_ms"] for r in measured["rows"] if r["mode"] == "specpipe" and r["stages"] == N)
 PP_MS = next(r["tbt_ms"] for r in measured["rows"] if r["mode"] == "pp" and r["stages"] == N)
@@ -32,7 +39,7 @@ apply_threads(config)
 c = Console(stderr=True)
 target = load_named(config.target, config, c, target=True)
 draft = load_named(config.draft, config, c)
-prompts = load_prompts("heldout")
+prompts = load_prompts(args.prompts)[: args.limit]
 rows = []
 
 async def main():
@@ -40,7 +47,7 @@ async def main():
         for i, p in enumerate(prompts):
             ids = target.tokenizer.encode(p.prompt)
             toks, stats, _, ps = await asyncio.to_thread(specpipe_generate, pipe.staged.decoder, draft.decoder, ids,
-                                                        SamplingParams(max_tokens=32, ignore_eos=True), TreeShape(4, 2))
+                                                        SamplingParams(max_tokens=32, ignore_eos=True), TreeShape(args.width, args.topk))
             predicted = STEP_MS * (1 + (1 - ps.hit_rate) * N)
             rows.append({"prompt": i + 1, "kind": p.kind, "hit_rate": round(ps.hit_rate, 4), "steps": ps.steps,
                          "flushes": ps.flushes, "predicted_tbt_ms": round(predicted, 1),
@@ -52,5 +59,5 @@ summary = {"prompts": len(rows), "hit_rate_min_median_max": [min(r["hit_rate"] f
            "predicted_vs_pp_min_median_max": [min(ratios), statistics.median(ratios), max(ratios)],
            "at_least_3x": sum(x >= 3 for x in ratios)}
 print(summary)
-json.dump({"rows": rows, "summary": summary, "step_ms": STEP_MS, "pp_tbt_ms": PP_MS, "stages": N, "width": 4, "topk": 2,
-           "max_tokens": 32, "dtype": "bf16"}, open(sys.argv[1], "w"), indent=1)
+json.dump({"rows": rows, "summary": summary, "step_ms": STEP_MS, "pp_tbt_ms": PP_MS, "stages": N, "width": args.width,
+           "topk": args.topk, "prompts": args.prompts, "max_tokens": 32, "dtype": "bf16"}, open(args.out, "w"), indent=1)
