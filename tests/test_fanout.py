@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specctl.draft.fanout import (
-    PRIOR_R, acceptance_estimate, budget_that_fits, choose_fallback, fanout, fanout_for, outcome_probs,
+    PRIOR_R, acceptance_estimate, budget_that_fits, budget_that_pays, choose_fallback, expected_hit, fanout, fanout_for, outcome_probs,
     power_law_exponent, predicted_gain_over_plain, predicted_speedup, step_time_fit, tree_outcome_probs,
 )
 from specctl.spec.sampling import saguaro
@@ -108,3 +108,32 @@ def test_budget_is_what_finishes_before_the_outcome_returns():
     assert budget_that_fits(0.35, 4, fit, sharing=2, most=8) == 3  # two sessions share the steps
     assert budget_that_fits(0.35, 4, fit, sharing=1, most=4) == 4
     assert budget_that_fits(0.01, 4, fit, sharing=1, most=8) == 1  # at least the likeliest outcome
+
+
+def test_expected_hit_weighs_each_outcome_by_the_share_of_past_bonuses_its_fanout_covers():
+    # ranks [0, 1, 3, None]: H(2) = 2/4, H(1) = 1/4, H(0) = 0 -> 0.5 * 0.5 + 0.3 * 0.25 + 0.2 * 0
+    assert expected_hit([0.5, 0.3, 0.2], [2, 1, 0], [0, 1, 3, None]) == pytest.approx(0.325)
+    assert expected_hit([0.5, 0.5], [4, 4], []) == 0.0  # nothing ranked yet
+    with pytest.raises(ValueError, match="one fan-out per outcome"):
+        expected_hit([0.5, 0.5], [1], [0])
+
+
+def test_budget_that_pays_counts_partly_drafted_hits():
+    # 30 ms + 3 ms per row, Z = 100 ms, d = 3: a just-in-time proposal costs 4 * 33 ms = 132 ms.
+    # B=1: step 33 ms, share 100/132 = 0.758: 0.2 * 0.758 * 132 - 16.5 = 3.5 ms saved
+    # B=2: step 36 ms, share 0.694: 0.4 * 0.694 * 132 - 18 = 18.7 ms
+    # B=3: step 39 ms, share 0.641: 0.5 * 0.641 * 132 - 19.5 = 22.8 ms   <- the most
+    # B=4: step 42 ms, share 0.595: 0.55 * 0.595 * 132 - 21 = 22.2 ms
+    hits = {1: 0.2, 2: 0.4, 3: 0.5, 4: 0.55}
+    fit = (0.030, 0.003)
+    assert budget_that_pays(0.100, 3, fit, sharing=1, most=4, hit_at=hits.get) == 3
+    assert budget_that_fits(0.100, 3, fit, sharing=1, most=4) == 1  # no branch would finish in time
+    # Three sessions share each step (steps of 39, 48, 57, 66 ms): B=1 -2.6 ms, B=2 3.5 ms, B=3 0.5 ms, B=4 -5.5 ms
+    assert budget_that_pays(0.100, 3, fit, sharing=3, most=4, hit_at=hits.get) == 2
+    # Four: every budget costs more than it saves; the least loss is B=2 (-2.6 ms against -5.3 at B=1)
+    assert budget_that_pays(0.100, 3, fit, sharing=4, most=4, hit_at=hits.get) == 2
+    # Batching for free and time to spare: the largest budget; hits that do not grow with B: the smallest.
+    assert budget_that_pays(1.0, 3, (0.030, 1e-9), sharing=1, most=4, hit_at=hits.get) == 4
+    assert budget_that_pays(0.100, 3, fit, sharing=1, most=4, hit_at=lambda b: 0.3) == 1
+    with pytest.raises(ValueError, match="most >= 1"):
+        budget_that_pays(0.1, 3, fit, sharing=1, most=0, hit_at=hits.get)

@@ -6,6 +6,7 @@ forced misses; the target's distribution with Saguaro sampling; freed state."""
 import pytest
 import torch
 
+from specctl.draft.fanout import MIN_OUTCOMES_FOR_FIT, fanout_for, outcome_probs
 from specctl.draft.sessions import SessionTable
 from specctl.draft.speculation import PrespecConfig, SpeculationCache
 from specctl.engine.kv_cache import KVPool
@@ -14,7 +15,7 @@ from specctl.engine.tiny import make_tiny_model
 from specctl.errors import ConfigError
 from specctl.net.protocol import OpenSession
 from specctl.spec.decode import DecodeSession
-from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter
+from specctl.spec.drafters import RANKED, ModelChainDrafter, ModelTreeDrafter
 from specctl.spec.rounds import Drafted, InlineLane, generate, run_inline, run_session
 from specctl.spec.sampling import SamplingParams
 from specctl.verify.speculator import proposal_from_message
@@ -283,10 +284,17 @@ def test_the_budget_shrinks_to_what_finishes_before_the_outcome(tiny):
     assert len(spec.step_samples) > 0
     table.open(99, OpenSession(0, [5, 6, 7], max_tokens=16))
     table.propose_many([(99, [], [8])])
+    outcomes, r = outcome_probs(0.6, 3), 1.0
     spec.history[99].return_s = 1e-6  # the outcome comes back before one step could finish
-    assert spec.budget_for(spec.history[99]) == 1
+    assert spec.budget_for(spec.history[99], outcomes, r) == 1
     spec.history[99].return_s = 1e3
-    assert spec.budget_for(spec.history[99]) == 8
+    assert spec.budget_for(spec.history[99], outcomes, r) == 8
+    # Once the session's bonuses are ranked, the budget is the one whose expected hits save the most:
+    # every bonus so far was the draft's first candidate, so branches beyond one per outcome cannot hit
+    # and only make the steps longer; with time to spare that is the smallest budget covering every k.
+    spec.history[99].ranks.extend([0] * MIN_OUTCOMES_FOR_FIT)
+    covering = min(b for b in range(1, 9) if all(f >= 1 for f in fanout_for(outcomes, r, b, RANKED - 1)))
+    assert covering == 4 and spec.budget_for(spec.history[99], outcomes, r) == covering
 
 
 def test_trials_measure_rounds_and_a_mode_kept_off_plans_nothing(tiny):

@@ -7,13 +7,15 @@ F_k       ∝ P(k)^(1/(1+r)),  Σ F_k = B            geometric fan-out (Theorem 
 1-hit(F)  = F^(-r)                                 the power-law miss rate r is fitted to
 speedup   = (h·E_p + (1-h)·E_b) / (h + (1-h)(1+T_b))   over autoregressive (Theorem 7), times in
                                                        units of one verification
+budget    = argmax_B hit(B)·f(B)·(d+1)·t(w) - t(rows)/2   a partly drafted hit still saves its share f(B)
 fallback  = the backup (n-gram) when E_b/Z beats E_p/(Z + d·t_step(m)) for the m misses drafted together
             (Theorem 17's cross-over, from measured times)"""
 
 from __future__ import annotations
 
+import bisect
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 MIN_OUTCOMES_FOR_FIT = 8  # below this, the prior exponent stands
 PRIOR_R = 1.0
@@ -141,6 +143,43 @@ def budget_that_fits(return_s: float, depth: int, fit: tuple[float, float], shar
     per_step = return_s / (depth + 1)
     rows = (per_step - alpha) / beta / max(sharing, 1) / max(rows_per_branch, 1)
     return int(min(max(math.floor(rows + 1e-9), 1), most))
+
+
+def expected_hit(outcomes: Sequence[float], fanouts: Sequence[int], ranks: Sequence[int | None]) -> float:
+    """Σ_v P(v)·H(F_v): the chance that the outcome is among the planned branches, H(F) being
+    the share of the session's past bonuses that ranked below F among the draft's candidates."""
+    if len(outcomes) != len(fanouts):
+        raise ValueError(f"need one fan-out per outcome, got {len(outcomes)} outcomes and {len(fanouts)} fan-outs")
+    if not ranks:
+        return 0.0
+    ranked = sorted(rank for rank in ranks if rank is not None)
+    return sum(p * bisect.bisect_left(ranked, f) for p, f in zip(outcomes, fanouts)) / len(ranks)
+
+
+def budget_that_pays(return_s: float, depth: int, fit: tuple[float, float], sharing: int, most: int,
+                     hit_at: Callable[[int], float], rows_per_branch: int = 1) -> int:
+    """The budget B in 1..most that saves the session the most drafting time per round.
+
+    A hit branch is adopted even when it is only partly drafted (the session drafts the rest), so
+    a hit on a branch that got the share f(B) = min(1, Z / ((d+1)·t(rows))) of its d+1 steps saves
+    that share of a just-in-time proposal, (d+1)·t(w); more rows per background step also make a
+    real request wait longer behind one (half a step on average):
+        saved(B) = hit(B)·f(B)·(d+1)·t(w) - t(rows)/2,   rows = B·w·sharing.
+    Where batching is nearly free (a GPU) this is the largest budget; where a step of eight rows
+    costs much more than one (a CPU), fewer — but not only what finishes (``budget_that_fits``)."""
+    if most < 1:
+        raise ValueError(f"need most >= 1, got {most}")
+    alpha, beta = fit
+    width = max(rows_per_branch, 1)
+    just_in_time = (depth + 1) * (alpha + beta * width)
+    best, best_saved = 1, -math.inf
+    for budget in range(1, most + 1):
+        step = alpha + beta * budget * width * max(sharing, 1)
+        share = min(1.0, return_s / ((depth + 1) * step)) if step > 0 else 1.0
+        saved = hit_at(budget) * share * just_in_time - step / 2
+        if saved > best_saved + 1e-12:
+            best, best_saved = budget, saved
+    return best
 
 
 def choose_fallback(misses: int, step_s: float, depth: int, return_s: float, e_primary: float,

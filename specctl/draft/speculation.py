@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from specctl.draft.fanout import (
-    acceptance_estimate, budget_that_fits, choose_fallback, fanout, fanout_for, power_law_exponent, step_time_fit,
+    MIN_OUTCOMES_FOR_FIT, acceptance_estimate, budget_that_fits, budget_that_pays, choose_fallback, expected_hit,
+    fanout_for, outcome_probs, power_law_exponent, step_time_fit,
     tree_outcome_probs,
 )
 from specctl.draft.prespec_config import FALLBACKS, PrespecConfig  # noqa: F401 - re-exported
@@ -98,8 +99,9 @@ class SpeculationCache:
         if state.params.greedy or self.config.saguaro_c >= 1.0 or tree_shape(state.session) is not None:
             return None
         history = self.history.setdefault(tag, History())
-        counts = fanout(acceptance_estimate(state.accepted, state.drafted), power_law_exponent(history.ranks, RANKED - 1),
-                        self.depth, self.budget_for(history), RANKED - 1)
+        outcomes = outcome_probs(acceptance_estimate(state.accepted, state.drafted), self.depth)
+        r = power_law_exponent(history.ranks, RANKED - 1)
+        counts = fanout_for(outcomes, r, self.budget_for(history, outcomes, r), RANKED - 1)
         return partial(_saguaro_at, counts, self.config.saguaro_c)
 
     def _fanout_tree(self, tag: int, state: DraftState, proposal: Proposal) -> list[int]:
@@ -109,16 +111,24 @@ class SpeculationCache:
         outcomes = tree_outcome_probs(acceptance_estimate(state.accepted, state.drafted), tree.parents.tolist(),
                                       tree.probs.tolist())
         r = power_law_exponent(history.ranks, RANKED - 1)
-        return fanout_for(outcomes, r, self.budget_for(history), RANKED - 1)
+        return fanout_for(outcomes, r, self.budget_for(history, outcomes, r), RANKED - 1)
 
-    def budget_for(self, history: History) -> int:
-        """The configured budget, cut to what the draft can finish before this session's
-        outcome returns once both its return time and the step time are measured."""
+    def budget_for(self, history: History, outcomes: list[float], r: float) -> int:
+        """The configured budget until the return and step times are measured; then, while few
+        of the session's bonuses are ranked, what the draft finishes before the outcome returns;
+        then the budget whose expected hits save the most drafting time (partly drafted hits too)."""
         fit = step_time_fit(self.step_samples)
         if not self.config.adaptive or history.return_s is None or fit is None:
             return self.config.budget
-        return budget_that_fits(history.return_s, self.depth, fit, len(self.plans) + 1, self.config.budget,
-                                self.width)
+        sharing = len(self.plans) + 1
+        if len(history.ranks) < MIN_OUTCOMES_FOR_FIT:
+            return budget_that_fits(history.return_s, self.depth, fit, sharing, self.config.budget, self.width)
+        ranks = list(history.ranks)
+
+        def hit_at(budget: int) -> float:
+            return expected_hit(outcomes, fanout_for(outcomes, r, budget, RANKED - 1), ranks)
+
+        return budget_that_pays(history.return_s, self.depth, fit, sharing, self.config.budget, hit_at, self.width)
 
     def planned(self, tag: int, state: DraftState, proposal: Proposal, backup: bool = False) -> None:
         """A proposal went out: plan its outcomes' branches (not for a backup proposal)."""
