@@ -5,11 +5,13 @@ import asyncio
 import threading
 import time
 
+import pytest
 import torch
 
-from specctl.runtime.compute import ComputeThread
+from specctl.runtime.compute import ComputeThread, SlowedLane
 from specctl.spec.drafters import ModelChainDrafter, propose_chains
 from specctl.spec.sampling import SamplingParams
+from specctl.verify.server import TargetServerConfig
 from tests.conftest import verify_together_to_the_end, wait_until
 
 
@@ -184,3 +186,37 @@ def test_batched_tree_drafting_matches_one_at_a_time(tiny):
                 for p, s in zip(together, sessions)] == alone
         for proposal, probs in zip(together, alone_probs):
             torch.testing.assert_close(proposal.tree.probs, probs, rtol=1e-5, atol=1e-6)
+
+
+async def test_a_slowed_lane_pads_quick_verifications_to_its_floor_and_leaves_slow_ones_alone(monkeypatch):
+    """The emulation of a target device (bench prespec's --verify-time-ms): the work runs on the
+    lane at once and the lane then waits out the rest of the floor; a delay (bench star) comes first."""
+    import specctl.runtime.compute as compute_module
+
+    slept: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def recording_sleep(seconds: float) -> None:
+        slept.append(seconds)
+        await real_sleep(0)
+
+    monkeypatch.setattr(compute_module.asyncio, "sleep", recording_sleep)
+    compute = ComputeThread("test", max_batch=8).lane(owns_thread=True)
+    try:
+        floored = SlowedLane(compute, 0.0, floor_s=30.0)
+        assert await floored.run_batched("k", lambda items: [i * 2 for i in items], 4) == 8
+        assert len(slept) == 1 and 29.0 < slept[0] <= 30.0  # a quick item waits out nearly all of the floor
+        slept.clear()
+        floored = SlowedLane(compute, 0.0, floor_s=0.001)
+        assert await floored.run_batched("k", lambda items: time.sleep(0.05) or items, 5) == 5
+        assert slept == []  # work longer than the floor is not padded
+        delayed = SlowedLane(compute, 2.0)
+        assert await delayed.run_batched("k", lambda items: items, 6) == 6
+        assert slept == [2.0]
+    finally:
+        compute.stop()
+
+
+def test_a_negative_emulated_verification_time_is_refused_by_the_target_config():
+    with pytest.raises(ValueError, match="verify_delay_s and verify_floor_s must be >= 0"):
+        TargetServerConfig(port=0, verify_floor_s=-0.1)

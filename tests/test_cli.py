@@ -279,3 +279,11 @@ def test_bench_pipeline_refuses_more_stages_than_layers(tiny_dir):
 ])
 def test_prespec_flags_are_checked_before_anything_loads(args, message):
     _assert_one_line_error(run("draft", "--model", "no-such-model", *args, timeout=60), message)
+
+
+@pytest.mark.parametrize("command", [("verify", "--model", "no-such-model"), ("bench", "prespec")])
+def test_a_negative_emulated_verification_time_is_refused_before_anything_loads(command):
+    proc = run(*command, "--verify-time-ms", "-5", timeout=60)
+    message = ("--verify-delay-ms, --verify-time-ms and --stage-delay-ms must be >= 0" if command[0] == "verify"
+               else "--verify-delay-ms and --verify-time-ms must be >= 0")
+    _assert_one_line_error(proc, message)

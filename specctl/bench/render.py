@@ -106,7 +106,11 @@ def render_pipeline_table(report: dict) -> Table:
 
 def render_prespec_table(report: dict) -> Table:
     s = report["settings"]
-    label = f" (emulated: +{s['verify_delay_ms']:.0f} ms per verification)" if s["emulated"] else ""
+    label = ""
+    if s.get("verify_time_ms"):
+        label += f", every verification >= {s['verify_time_ms']:.0f} ms (emulated)"
+    if s["verify_delay_ms"]:
+        label += f", +{s['verify_delay_ms']:.0f} ms per verification (emulated)"
     table = Table(title=f"bench prespec: {s['draft']} -> {s['target']}, {s.get('mode', 'chain')} d={s['depth']}, budget {s['budget']}, "
                         f"fallback {s['fallback']}, {'trials' if s.get('trials', True) else 'every round'}{label}")
     for column in ("N", "plain O", "prespec O", "gain", "predicted", "hit rate", "partial", "skipped", "branches used",

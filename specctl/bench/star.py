@@ -3,7 +3,8 @@ loopback, one session per target, StarSD's Table 1 per N next to the analytical 
 prediction from the measured t_s, t_v, t_c and acceptance.
 
 ``--verify-delay-ms`` makes every verification sleep that long on top of its compute, to
-emulate targets on bigger or slower hardware; such runs are labelled emulated.
+emulate targets on bigger or slower hardware; ``verify_time_ms`` (bench prespec) makes every
+verification take at least that long, its compute inside it; such runs are labelled emulated.
 
 Each draft batching limit (``--max-batch 1,4``) is one sweep over N with its own processes:
 ``1`` is StarSD's one-request-at-a-time service, the regime the analytical model describes;
@@ -55,10 +56,15 @@ class StarBenchSettings:
     # The targets stand for other machines even without a sleep (bench prespec): nice them anyway.
     nice_unemulated: bool = False
     draft_args: tuple[str, ...] = ()  # more flags for the draft server (bench prespec: --prespec ...)
+    verify_time_ms: float = 0.0  # every verification takes at least this long, its compute included
+
+    @property
+    def emulated(self) -> bool:
+        return self.verify_delay_ms > 0 or self.verify_time_ms > 0
 
     @property
     def target_niceness(self) -> int:
-        return self.target_nice if self.verify_delay_ms > 0 or self.nice_unemulated else 0
+        return self.target_nice if self.emulated or self.nice_unemulated else 0
 
 
 def free_ports(count: int) -> list[int]:
@@ -122,6 +128,7 @@ class StarCluster:
             for port in self.target_ports:
                 self.procs.append(spawn_role("verify", "--model", s.target, "--draft", f"127.0.0.1:{self.draft_port}",
                                          "--port", str(port), "--verify-delay-ms", str(s.verify_delay_ms),
+                                         "--verify-time-ms", str(s.verify_time_ms),
                                          "--quant", s.target_quant, *common,
                                          niceness=s.target_niceness, **env))
                 # One at a time: a target loading fp32 weights to quantize them peaks at several
@@ -203,7 +210,7 @@ async def _measure(cluster: StarCluster, n: int, prompts: list[list[int]], texts
         "T_idle_ms": 1e3 * max(wall - (d1["busy_s"] - d0["busy_s"]), 0.0) / jobs,
         "mean_batch": jobs / max(d1["passes"] - d0["passes"], 1), "R_q": jobs / wall,
         "R_p": rounds / wall / n, "load": (d1["busy_s"] - d0["busy_s"]) / wall,
-        "t_v_ms": 1e3 * delta("busy_s") / max(rounds, 1) + s.verify_delay_ms,
+        "t_v_ms": max(1e3 * delta("busy_s") / max(rounds, 1), s.verify_time_ms) + s.verify_delay_ms,
         "verify_cpu_ms": 1e3 * delta("cpu_s") / max(rounds, 1),
         # What a target waits for a proposal; less the draft's T_wait + t_s, it is the network and event loops.
         "proposal_ms": 1e3 * delta("proposal_wait_s") / max(rounds, 1),
@@ -305,7 +312,7 @@ def run_star_bench(s: StarBenchSettings, prompts: list[list[int]], progress=None
         "settings": {"draft": s.draft, "target": s.target, "targets": list(s.targets), "depth": s.depth,
                      "max_tokens": s.max_tokens, "sessions": s.sessions, "verify_delay_ms": s.verify_delay_ms, "dtype": s.dtype, "mode": s.mode,
                      "max_batches": list(s.max_batches), "draft_quant": s.draft_quant, "target_quant": s.target_quant,
-                     "emulated": s.verify_delay_ms > 0, "target_niceness": s.target_niceness},
+                     "verify_time_ms": s.verify_time_ms, "emulated": s.emulated, "target_niceness": s.target_niceness},
         "rows": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()} for row in rows],
         "summary": {k: (round(v, 4) if isinstance(v, float) else v) for k, v in summarize(rows).items()},
     }

@@ -80,6 +80,8 @@ def verify(
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
     profile: Optional[str] = typer.Option(None, help="hardware profile"),
     verify_delay_ms: float = typer.Option(0.0, "--verify-delay-ms", help="add a delay to every verification (emulation)"),
+    verify_time_ms: float = typer.Option(0.0, "--verify-time-ms", help="every verification takes at least this long, "
+                                         "its compute included (emulates a target device of that speed)"),
     stage_delay_ms: float = typer.Option(0.0, "--stage-delay-ms", help="stages 2..n: every forward takes at least "
                                          "this long, its compute included (emulates a slower device per stage)"),
     max_messages_per_s: float = typer.Option(5000.0, "--max-messages-per-s", help="per-peer rate limit (0 = off)"),
@@ -101,8 +103,8 @@ def verify(
     from specctl.runtime.tls import client_context, server_context
 
     index, count = parse_stage(stage)
-    if verify_delay_ms < 0 or stage_delay_ms < 0:
-        raise ConfigError("--verify-delay-ms and --stage-delay-ms must be >= 0")
+    if verify_delay_ms < 0 or verify_time_ms < 0 or stage_delay_ms < 0:
+        raise ConfigError("--verify-delay-ms, --verify-time-ms and --stage-delay-ms must be >= 0")
     if pipeline and count == 1:
         raise ConfigError("--pipeline needs --stage i/n with n > 1")
     parse_pipeline(pipeline, index, count)
@@ -151,7 +153,7 @@ def verify(
     _serve_target(config, plan, console, stage_one, host=host, port=port, draft=list(draft or []),
                   fusion_settings=(draft_deadline_ms / 1e3, fusion_budget, plain_rounds),
                   auth_token=auth_token, ssl_server=ssl_server, ssl_client=ssl_client,
-                  verify_delay_s=verify_delay_ms / 1e3, max_messages_per_s=max_messages_per_s, specpipe=levels,
+                  verify_delay_s=verify_delay_ms / 1e3, verify_floor_s=verify_time_ms / 1e3, max_messages_per_s=max_messages_per_s, specpipe=levels,
                   remote_specpipe=(width, topk) if specpipe else None)
 
 
@@ -193,6 +195,7 @@ def _serve_stage(config, plan, console: Console, *, host: str, port: int, auth_t
 
 def _serve_target(config, plan, console: Console, loaded, *, host: str, port: int, draft: list[str], auth_token,
                   ssl_server, ssl_client, verify_delay_s: float, max_messages_per_s: float, specpipe=None,
+                  verify_floor_s: float = 0.0,
                   remote_specpipe: tuple[int, int] | None = None,
                   fusion_settings: tuple[float, int, bool] = (0.5, 16, True)) -> None:
     from specctl.pipeline.launch import pipelined_target
@@ -205,7 +208,7 @@ def _serve_target(config, plan, console: Console, loaded, *, host: str, port: in
     addresses = {name: parse_hostport(name) for name in draft if name != "ngram"}
     server_config = checked(TargetServerConfig, host=host, port=port, max_sessions=config.max_sessions,
                             kv_budget_bytes=config.kv_budget_bytes, auth_token=auth_token,
-                            verify_delay_s=verify_delay_s, max_batch=config.max_batch,
+                            verify_delay_s=verify_delay_s, verify_floor_s=verify_floor_s, max_batch=config.max_batch,
                             max_messages_per_s=max_messages_per_s)
     chain = None
     if plan.next is not None:

@@ -247,18 +247,28 @@ def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -
 
 
 class SlowedLane:
-    """A lane whose batched work (verification) waits ``delay_s`` before it is queued: stands
-    for a slower target device in emulated benchmarks (bench star), never in production."""
+    """A lane whose batched work (verification) waits ``delay_s`` before it is queued, and
+    then takes at least ``floor_s`` from its submission, its compute included: stands for a
+    slower target device in emulated benchmarks (bench star adds a delay; bench prespec sets
+    a floor, so the compute — slowed or not by what else runs on this machine's cores —
+    happens inside the emulated device time), never in production."""
 
-    def __init__(self, lane: ComputeLane, delay_s: float) -> None:
-        self.lane, self.delay_s = lane, delay_s
+    def __init__(self, lane: ComputeLane, delay_s: float, floor_s: float = 0.0) -> None:
+        self.lane, self.delay_s, self.floor_s = lane, delay_s, floor_s
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await self.lane.run(fn, *args)
 
     async def run_batched(self, key: str, fn: Callable[[list], list], item: Any) -> Any:
-        await asyncio.sleep(self.delay_s)
-        return await self.lane.run_batched(key, fn, item)
+        loop = asyncio.get_running_loop()
+        submitted = loop.time()
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        result = await self.lane.run_batched(key, fn, item)
+        left = self.floor_s - (loop.time() - submitted)
+        if left > 0:
+            await asyncio.sleep(left)
+        return result
 
     def submit_nowait(self, fn: Callable[..., Any], *args: Any) -> None:
         self.lane.submit_nowait(fn, *args)

@@ -42,13 +42,14 @@ MAX_PROPOSAL_NODES = 128  # also bounds a SpecPipe session's cached tree
 @dataclass(slots=True)
 class TargetServerConfig(ListenConfig):
     verify_delay_s: float = 0.0  # emulate a slower target (bench star), never in production
+    verify_floor_s: float = 0.0  # emulate a target device: a verification takes at least this long (bench prespec)
     max_proposal_nodes: int = MAX_PROPOSAL_NODES  # larger proposals from a draft server are ignored (AR round)
     max_batch: int = 8  # most sessions verified together in one target forward
 
     def __post_init__(self) -> None:
         ListenConfig.__post_init__(self)
-        if self.verify_delay_s < 0 or self.max_proposal_nodes < 1 or self.max_batch < 1:
-            raise ValueError("verify_delay_s must be >= 0, max_proposal_nodes and max_batch >= 1")
+        if self.verify_delay_s < 0 or self.verify_floor_s < 0 or self.max_proposal_nodes < 1 or self.max_batch < 1:
+            raise ValueError("verify_delay_s and verify_floor_s must be >= 0, max_proposal_nodes and max_batch >= 1")
 
 
 class TargetServer(ListeningServer):
@@ -63,7 +64,9 @@ class TargetServer(ListeningServer):
         # Its own compute thread, or a lane of the device's thread when roles share a process.
         self.compute = compute or ComputeThread("target-compute", max_batch=config.max_batch).lane(owns_thread=True)
         # Verification waits before it runs when emulating a slower target (bench star).
-        self.verify_lane = SlowedLane(self.compute, config.verify_delay_s) if config.verify_delay_s else self.compute
+        slowed = config.verify_delay_s or config.verify_floor_s
+        self.verify_lane = (SlowedLane(self.compute, config.verify_delay_s, config.verify_floor_s) if slowed
+                            else self.compute)
         if pipeline is not None:  # several sessions' micro-batches in flight through the stages at once
             self.verify_lane = MicroBatchLane(self.verify_lane)
         self.pool = KVPool(config.kv_budget_bytes)
