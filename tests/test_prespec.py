@@ -8,7 +8,7 @@ import torch
 
 from specctl.draft.fanout import MIN_OUTCOMES_FOR_FIT, fanout_for, outcome_probs
 from specctl.draft.sessions import SessionTable
-from specctl.draft.speculation import PrespecConfig, SpeculationCache
+from specctl.draft.speculation import History, PrespecConfig, SpeculationCache
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.loader import load_decoder
 from specctl.engine.tiny import make_tiny_model
@@ -284,17 +284,25 @@ def test_the_budget_shrinks_to_what_finishes_before_the_outcome(tiny):
     assert len(spec.step_samples) > 0
     table.open(99, OpenSession(0, [5, 6, 7], max_tokens=16))
     table.propose_many([(99, [], [8])])
+    assert len(spec.ranks) > 0  # the run's sessions ranked their bonuses
+    spec.ranks.clear()  # as if nothing were ranked yet: the budget is what finishes in time
     outcomes, r = outcome_probs(0.6, 3), 1.0
     spec.history[99].return_s = 1e-6  # the outcome comes back before one step could finish
     assert spec.budget_for(spec.history[99], outcomes, r) == 1
     spec.history[99].return_s = 1e3
     assert spec.budget_for(spec.history[99], outcomes, r) == 8
-    # Once the session's bonuses are ranked, the budget is the one whose expected hits save the most:
-    # every bonus so far was the draft's first candidate, so branches beyond one per outcome cannot hit
-    # and only make the steps longer; with time to spare that is the smallest budget covering every k.
-    spec.history[99].ranks.extend([0] * MIN_OUTCOMES_FOR_FIT)
+    # Once bonuses are ranked, the budget is the one whose expected hits save the most: every bonus
+    # so far was the draft's first candidate, so branches beyond one per outcome cannot hit and only
+    # make the steps longer; with time to spare that is the smallest budget covering every k.
     covering = min(b for b in range(1, 9) if all(f >= 1 for f in fanout_for(outcomes, r, b, RANKED - 1)))
-    assert covering == 4 and spec.budget_for(spec.history[99], outcomes, r) == covering
+    assert covering == 4
+    spec.history[99].ranks.extend([0] * MIN_OUTCOMES_FOR_FIT)
+    assert spec.budget_for(spec.history[99], outcomes, r) == covering
+    # A session with few ranks of its own goes by every session's.
+    fresh = History(return_s=1e3)
+    assert spec.budget_for(fresh, outcomes, r) == 8
+    spec.ranks.extend([0] * MIN_OUTCOMES_FOR_FIT)
+    assert spec.budget_for(fresh, outcomes, r) == covering
 
 
 def test_trials_measure_rounds_and_a_mode_kept_off_plans_nothing(tiny):

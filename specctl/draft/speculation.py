@@ -80,6 +80,9 @@ class SpeculationCache:
         self.missed: set[int] = set()  # sessions whose outcome just missed (their fallback is due)
         self.step_s: dict[int, float] = {}  # smoothed chain-drafting time per token, by sessions drafted together
         self.step_samples: collections.deque = collections.deque(maxlen=64)  # (rows, seconds) of background steps
+        # Every session's bonus ranks: the draft/target pair's own, so a session's budget can use
+        # them until it has ranked enough of its own.
+        self.ranks: collections.deque = collections.deque(maxlen=1024)
         self.trial = Trial()
         self.stats = PrespecStats()
 
@@ -114,16 +117,17 @@ class SpeculationCache:
         return fanout_for(outcomes, r, self.budget_for(history, outcomes, r), RANKED - 1)
 
     def budget_for(self, history: History, outcomes: list[float], r: float) -> int:
-        """The configured budget until the return and step times are measured; then, while few
-        of the session's bonuses are ranked, what the draft finishes before the outcome returns;
-        then the budget whose expected hits save the most drafting time (partly drafted hits too)."""
+        """The configured budget until the return and step times are measured; then the budget
+        whose expected hits save the most drafting time (partly drafted hits too), from the
+        session's ranked bonuses or, while it has few, every session's; before any are ranked,
+        what the draft finishes before the outcome returns."""
         fit = step_time_fit(self.step_samples)
         if not self.config.adaptive or history.return_s is None or fit is None:
             return self.config.budget
         sharing = len(self.plans) + 1
-        if len(history.ranks) < MIN_OUTCOMES_FOR_FIT:
+        ranks = list(history.ranks if len(history.ranks) >= MIN_OUTCOMES_FOR_FIT else self.ranks)
+        if len(ranks) < MIN_OUTCOMES_FOR_FIT:
             return budget_that_fits(history.return_s, self.depth, fit, sharing, self.config.budget, self.width)
-        ranks = list(history.ranks)
 
         def hit_at(budget: int) -> float:
             return expected_hit(outcomes, fanout_for(outcomes, r, budget, RANKED - 1), ranks)
@@ -171,7 +175,9 @@ class SpeculationCache:
             history.backup_accepted += len(path)
         plan = self._retire(self.plans.pop(tag, None))
         if plan is not None and len(tokens) == len(path) + 1 and _end_node(path) <= plan.fed:
-            history.ranks.append(plan.rank_of(_end_node(path), tokens[-1]))
+            rank = plan.rank_of(_end_node(path), tokens[-1])
+            history.ranks.append(rank)
+            self.ranks.append(rank)
         return plan
 
     def outcome_without_lookup(self, tag: int, path: list[int], tokens: list[int]) -> None:
