@@ -9,13 +9,16 @@ from specctl.bench.star import StarBenchSettings
 
 def test_compare_predicts_ssd_gain_below_n_full_and_none_past_it():
     plain = {"N": 1, "O": 10.0, "mean_accepted_length": 3.0}
-    pre = {"N": 1, "O": 15.0, "mean_accepted_length": 3.0, "hit_rate": 1.0}
+    pre = {"N": 1, "O": 15.0, "mean_accepted_length": 3.0, "hit_rate": 1.0, "ready_rate": 1.0}
     # every outcome hit, S = Z: the draft time (T_p = 1) is hidden entirely -> 2x
     pair = compare(plain, pre, n_full=3, service_s=0.1, return_s=0.1)
     assert pair["predicted_gain"] == pytest.approx(2.0) and pair["gain"] == pytest.approx(1.5)
     assert pair["prediction_error"] == pytest.approx(-0.25) and pair["T_p"] == pytest.approx(1.0)
-    # half the outcomes hit: (1 + 1) / (0.5 + 0.5 * 2) = 4/3
-    assert compare(plain, {**pre, "hit_rate": 0.5}, 3, 0.1, 0.1)["predicted_gain"] == pytest.approx(4 / 3)
+    # half the outcomes ready: (1 + 1) / (0.5 + 0.5 * 2) = 4/3
+    assert compare(plain, {**pre, "ready_rate": 0.5}, 3, 0.1, 0.1)["predicted_gain"] == pytest.approx(4 / 3)
+    # every outcome hit, but each branch only half drafted when it came: the model sees half of them ready
+    half = compare(plain, {**pre, "hit_rate": 1.0, "ready_rate": 0.5}, 3, 0.1, 0.1)
+    assert half["predicted_gain"] == pytest.approx(4 / 3) and half["hit_rate"] == 1.0 and half["ready_rate"] == 0.5
     # at N_full the draft never idles: nothing to pre-speculate with
     assert compare({**plain, "N": 3}, {**pre, "N": 3}, 3, 0.1, 0.1)["predicted_gain"] == 1.0
 

@@ -317,11 +317,12 @@ def test_a_pre_speculating_drafts_cache_is_exported_as_gauges():
 
     metrics = GatewayMetrics()
     metrics.record_role("draft", "d:9000", True, {"load": 0.5, "proposal_bytes_mean": 812.5, "prespec": {
-        "hit_rate": 0.62, "hits": 31, "misses": 19, "branches_drafted": 400, "branches_used": 31,
+        "hit_rate": 0.62, "ready_rate": 0.41, "hits": 31, "misses": 19, "branches_drafted": 400, "branches_used": 31,
         "leftover_used": 0.45, "fallback_jit": 12, "fallback_ngram": 7}})
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(metrics.exposition().decode()) for s in family.samples}
     assert samples[("specctl:prespec_hit_rate", (("address", "d:9000"),))] == 0.62
+    assert samples[("specctl:prespec_ready_rate", (("address", "d:9000"),))] == 0.41
     assert samples[("specctl:prespec_branches_drafted", (("address", "d:9000"),))] == 400
     assert samples[("specctl:prespec_leftover_used", (("address", "d:9000"),))] == 0.45
     assert samples[("specctl:prespec_fallbacks", (("address", "d:9000"), ("kind", "ngram")))] == 7

@@ -93,8 +93,10 @@ def test_greedy_equals_target_alone_with_hits_and_misses(tiny, steps, fallback, 
             assert stats["fallback_jit"] == stats["misses"]
     elif steps == 8:  # every branch finished before its outcome arrived
         assert stats["hits"] > 0 and stats["partial_hits"] == 0
+        assert stats["hit_drafted"] == stats["hits"] and stats["ready_rate"] == stats["hit_rate"]
     elif steps in (1, 2):  # hits arrive before their branch is done: it is finished on the spot
         assert stats["partial_hits"] > 0
+        assert stats["hit_drafted"] < stats["hits"] and stats["ready_rate"] < stats["hit_rate"]
     if fallback == "ngram":
         assert stats["fallback_ngram"] == stats["misses"] > 0 and stats["fallback_jit"] == 0
     assert table.states == {} and table.speculation.plans == {} and table.speculation.history == {}

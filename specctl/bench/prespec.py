@@ -1,14 +1,15 @@
 """``specctl bench prespec``: plain remote speculation against pre-speculation on the star,
 as separate processes on loopback (bench star's cluster and workload), at N = 1, 2 and
-N_full targets, with verification emulated (``--verify-delay-ms``) so that its time Z is
-about the draft's S.
+N_full targets, with verification emulated so that its time Z is about the draft's S
+(``--verify-delay-ms`` adds a sleep; ``--verify-time-ms`` sets a floor with the compute inside).
 
 Both draft servers (one plain, one ``--prespec``) and their targets are alive at once and
 each N is measured for both back to back, ``repeats`` times, so drift on this machine hits
 both alike. Each prespec row carries the hit rate, the branches drafted and used, the
 share of idle time used, and SSD's prediction (Theorem 7 with a just-in-time fallback):
 gain = (E_pre / E_plain) · (1 + T_p) / (h + (1 - h)(1 + T_p)), T_p = S / Z, below N_full;
-no gain at or past it (no leftover capacity)."""
+no gain at or past it (no leftover capacity). h is the ready rate: SSD's hit answers at once,
+ours may still have drafting left, so a hit counts by the share of its proposal drafted."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from specctl.bench.star import StarBenchSettings, StarCluster, _measure, _worklo
 from specctl.draft.fanout import predicted_gain_over_plain
 from specctl.verify.client import remote_stats
 
-PRESPEC_KEYS = ("hits", "misses", "partial_hits", "branches_drafted", "branches_used", "fallback_jit", "fallback_ngram",
+PRESPEC_KEYS = ("hits", "hit_drafted", "misses", "partial_hits", "branches_drafted", "branches_used", "fallback_jit", "fallback_ngram",
                 "skipped")
 
 
@@ -49,6 +50,7 @@ async def _prespec_row(cluster: StarCluster, n: int, prompts: list[list[int]], t
         row[key] = after.get(key, 0) - before.get(key, 0)
     looked = row["hits"] + row["misses"]
     row["hit_rate"] = row["hits"] / looked if looked else 0.0
+    row["ready_rate"] = row["hit_drafted"] / looked if looked else 0.0
     row["proposal_bytes_mean"] = draft.get("proposal_bytes_mean", 0.0)
     row["background_delay_max_ms"] = draft.get("background_delay_max_ms", 0.0)
     row["background_step_max_ms"] = draft.get("background_step_max_ms", 0.0)
@@ -56,13 +58,15 @@ async def _prespec_row(cluster: StarCluster, n: int, prompts: list[list[int]], t
 
 
 def compare(plain: dict, pre: dict, n_full: int, service_s: float, return_s: float) -> dict:
-    """The prespec row against the plain row of the same N and repeat, with SSD's prediction (pure)."""
+    """The prespec row against the plain row of the same N and repeat, with SSD's prediction (pure).
+    SSD's hit answers at once; a hit on a branch still being drafted leaves the rest to draft, so
+    the prediction takes the ready rate (each hit counted by the share of its proposal drafted)."""
     t_p = service_s / return_s if return_s > 0 else 0.0
     length_ratio = pre["mean_accepted_length"] / plain["mean_accepted_length"] if plain["mean_accepted_length"] else 1.0
-    predicted = length_ratio * (predicted_gain_over_plain(pre["hit_rate"], 1.0, t_p) if pre["N"] < n_full else 1.0)
+    predicted = length_ratio * (predicted_gain_over_plain(pre["ready_rate"], 1.0, t_p) if pre["N"] < n_full else 1.0)
     gain = pre["O"] / plain["O"] if plain["O"] else 0.0
     return {"N": pre["N"], "gain": gain, "predicted_gain": predicted, "prediction_error": gain / predicted - 1,
-            "T_p": t_p, "hit_rate": pre["hit_rate"]}
+            "T_p": t_p, "hit_rate": pre["hit_rate"], "ready_rate": pre["ready_rate"]}
 
 
 def summarize(pairs: list[dict]) -> dict:

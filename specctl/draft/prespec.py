@@ -48,6 +48,10 @@ class ChainBranch:
     def live(self, depth: int) -> bool:
         return len(self.tokens) <= depth
 
+    def drafted(self, depth: int) -> float:
+        """The share of its proposal drafted so far (the bonus is given, d tokens follow it)."""
+        return min(1.0, (len(self.tokens) - 1) / depth)
+
     def rows(self) -> list[Row]:
         return [(self.tokens[len(self.slots)], self.position + len(self.slots), list(self.slots))]
 
@@ -72,6 +76,10 @@ class TreeBranch:
 
     def live(self, depth: int) -> bool:
         return not self.done and len(self.slots) < len(self.tree) and self.tree.max_depth < depth
+
+    def drafted(self, depth: int) -> float:
+        """The share of its proposal drafted so far: its levels grown out of d."""
+        return 1.0 if not self.live(depth) else min(1.0, int(self.tree.max_depth) / depth)
 
     def rows(self) -> list[Row]:
         return [(int(self.tree.tokens[j]), self.position + int(self.tree.depth[j]),

@@ -60,6 +60,7 @@ class History:
 class PrespecStats:
     hits: int = 0
     partial_hits: int = 0  # hits whose branch was still being drafted
+    hit_drafted: float = 0.0  # the hits' drafted shares summed (a finished branch counts 1)
     misses: int = 0
     branches_drafted: int = 0  # branches that got at least one draft forward
     branches_used: int = 0
@@ -212,6 +213,7 @@ class SpeculationCache:
                 continue
             self.stats.hits += 1
             self.stats.partial_hits += branch.live(plan.depth)
+            self.stats.hit_drafted += branch.drafted(plan.depth)
             self.stats.branches_used += 1
             adopt(plan, key)
             state.advance(path, tokens, kv_done=True)
@@ -279,6 +281,9 @@ class SpeculationCache:
         looked = s.hits + s.misses
         return {"hits": s.hits, "partial_hits": s.partial_hits, "misses": s.misses,
                 "hit_rate": round(s.hits / looked, 4) if looked else 0.0,
+                # what SSD's model calls the hit rate: a partial hit leaves the rest to draft
+                "hit_drafted": round(s.hit_drafted, 4),
+                "ready_rate": round(s.hit_drafted / looked, 4) if looked else 0.0,
                 "branches_drafted": s.branches_drafted, "branches_used": s.branches_used, "steps": s.steps,
                 "busy_s": round(s.busy_s, 6), "fallback_jit": s.fallback_jit, "fallback_ngram": s.fallback_ngram, "skipped": s.skipped, "trial": self.trial.snapshot(),
                 "plans": len(self.plans), "budget": self.config.budget, "budget_now": self._budget_now(), "saguaro_c": self.config.saguaro_c,

@@ -33,6 +33,8 @@ ROLE_GAUGES = {
 # a draft server's "prespec" stats -> (gauge name, help)
 PRESPEC_GAUGES = {
     "hit_rate": ("prespec_hit_rate", "share of outcomes whose next proposal was pre-speculated"),
+    "ready_rate": ("prespec_ready_rate", "share of outcomes' next proposals drafted ahead, partial hits by the "
+                   "share drafted"),
     "hits": ("prespec_hits", "outcomes answered from the speculation cache"),
     "misses": ("prespec_misses", "outcomes the speculation cache did not hold"),
     "branches_drafted": ("prespec_branches_drafted", "outcome branches planned for pre-speculation"),

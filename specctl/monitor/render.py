@@ -67,7 +67,7 @@ def draft_panel(draft: dict, targets: list[dict], state: MonitorState) -> Panel:
 def prespec_row(prespec: dict) -> tuple[str, str, str, str]:
     """Pre-speculation on the draft server: cache hits, branches used of drafted, idle time put
     to use, and how misses were drafted."""
-    return (f"prespec hit [bold]{prespec.get('hit_rate', 0):.0%}[/]",
+    return (f"prespec hit [bold]{prespec.get('hit_rate', 0):.0%}[/] ({prespec.get('ready_rate', 0):.0%} ready)",
             f"branches {prespec.get('branches_used', 0)}/{prespec.get('branches_drafted', 0)}",
             f"leftover {prespec.get('leftover_used', 0):.0%}",
             f"miss jit {prespec.get('fallback_jit', 0)} ng {prespec.get('fallback_ngram', 0)}")
