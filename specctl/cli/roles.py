@@ -153,7 +153,8 @@ def verify(
     _serve_target(config, plan, console, stage_one, host=host, port=port, draft=list(draft or []),
                   fusion_settings=(draft_deadline_ms / 1e3, fusion_budget, plain_rounds),
                   auth_token=auth_token, ssl_server=ssl_server, ssl_client=ssl_client,
-                  verify_delay_s=verify_delay_ms / 1e3, verify_floor_s=verify_time_ms / 1e3, max_messages_per_s=max_messages_per_s, specpipe=levels,
+                  verify_delay_s=verify_delay_ms / 1e3, verify_floor_s=verify_time_ms / 1e3,
+                  max_messages_per_s=max_messages_per_s, specpipe=levels,
                   remote_specpipe=(width, topk) if specpipe else None)
 
 
