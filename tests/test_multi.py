@@ -214,14 +214,14 @@ def test_bench_drafters_measures_singles_routing_and_fusion_with_exact_outputs(t
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert list(report["modes"]) == ["ar", str(tiny_dir["llama-draft"]), "ngram", "routing", "routing+fusion",
-                                     "routing+fusion no-plain"]
+                                     "routing+fusion by score"]
     assert all(m["outputs_equal_to_ar"] == 1.0 for m in report["modes"].values())
     against = report["against_best_single"]
     assert against["best_single"] in (str(tiny_dir["llama-draft"]), "ngram")
     assert set(against["routing+fusion"]["per_kind"]) == {"code", "edit"}
     assert against["ceiling_best_per_class_or_ar"] >= against["ceiling_best_per_class"] >= 1.0
     assert report["drafters"]["routing+fusion"]["ngram"]["chosen_rounds"] > 0  # the repeated prompt matches
-    assert "none" in report["drafters"]["routing+fusion"] and "none" not in report["drafters"]["routing+fusion no-plain"]
+    assert "none" in report["drafters"]["routing+fusion"] and "none" in report["drafters"]["routing+fusion by score"]
 
 
 def test_the_routing_ceiling_serves_each_class_with_its_fastest_arm():

@@ -4,10 +4,12 @@ rounds commit faster — its output still the target's own."""
 
 from specctl.spec.drafters import Drafter, DraftSession, ModelChainDrafter, NgramDrafter
 from specctl.spec.multi import MultiDrafter
-from specctl.spec.pays import PROBE_EVERY, SPEC_FIRST, WINDOW, PaysGate, rate, speculate_next
+from specctl.spec.pays import PLAIN, PROBE_EVERY, SPEC_FIRST, TOP, WINDOW, PaysGate, arms, next_arm, rate
 from specctl.spec.rounds import generate
 from specctl.spec.routing import NONE, RoutingPolicy
 from specctl.spec.sampling import SamplingParams
+
+SPEC = 0  # a drafter's arm
 
 
 def test_rate_is_committed_tokens_per_second_over_the_rounds():
@@ -15,56 +17,96 @@ def test_rate_is_committed_tokens_per_second_over_the_rounds():
     assert rate([]) == 0.0 and rate([(2, 0.0)]) == 0.0
 
 
+def _next(spec, plain, current, streak, taken_at=None):
+    return next_arm({SPEC: spec, PLAIN: plain}, [SPEC, PLAIN], current, streak, taken_at)
+
+
 def test_speculate_until_measured_then_probe_plain_once_then_take_the_faster():
     assert SPEC_FIRST == 2
-    assert speculate_next([], [], None, 0) is True
-    assert speculate_next([(4, 1.0)], [], True, 2) is True  # one measured speculative round is not enough
-    assert speculate_next([(4, 1.0), (4, 1.0)], [], True, 3) is False  # plain never tried: try it
-    assert speculate_next([(4, 1.0)] * 2, [(1, 0.5)], False, 1) is True  # 4 tok/s against 2
-    assert speculate_next([(2, 1.0)] * 2, [(1, 0.25)], False, 1) is False  # 2 tok/s against 4
-    assert speculate_next([(2, 1.0)] * 2, [(1, 0.5)], True, 1) is True  # a tie speculates
+    assert _next([], [], None, 0) == SPEC
+    assert _next([(4, 1.0)], [], SPEC, 2) == SPEC  # one measured speculative round is not enough
+    assert _next([(4, 1.0), (4, 1.0)], [], SPEC, 3) == PLAIN  # plain never tried: try it
+    assert _next([(4, 1.0)] * 2, [(1, 0.5)], PLAIN, 1) == SPEC  # 4 tok/s against 2
+    assert _next([(2, 1.0)] * 2, [(1, 0.25)], PLAIN, 1) == PLAIN  # 2 tok/s against 4
+    assert _next([(2, 1.0)] * 2, [(1, 0.5)], SPEC, 1) == SPEC  # a tie goes to the better-ranked
 
 
 def test_after_probe_every_rounds_on_one_arm_the_other_is_tried_once():
     spec, plain = [(4, 1.0)] * 2, [(1, 0.5)]
-    assert speculate_next(spec, plain, True, PROBE_EVERY - 1) is True
-    assert speculate_next(spec, plain, True, PROBE_EVERY) is False
-    assert speculate_next(spec, plain, False, 1) is True  # the probe was one round: back to the faster
+    assert _next(spec, plain, SPEC, PROBE_EVERY - 1) == SPEC
+    assert _next(spec, plain, SPEC, PROBE_EVERY) == PLAIN
+    assert _next(spec, plain, PLAIN, 1) == SPEC  # the probe was one round: back to the faster
     slow = [(1, 1.0)] * 2
-    assert speculate_next(slow, plain, False, PROBE_EVERY) is True
-    assert speculate_next(slow, plain, True, 1) is False
+    assert _next(slow, plain, PLAIN, PROBE_EVERY) == SPEC
+    assert _next(slow, plain, SPEC, 1) == PLAIN
 
 
-def _round(gate: PaysGate, now: float, seconds: float, tokens: int) -> bool:
-    arm = gate.begin(now)
+def test_several_drafters_are_tried_in_rank_order_then_the_fastest_leads():
+    order = [2, 0, PLAIN]  # drafter 2 ranked first by its routing score
+    assert next_arm({}, order, None, 0) == 2
+    assert next_arm({2: [(3, 1.0)] * 2}, order, 2, 3) == 0  # every other arm is measured once
+    measured = {2: [(3, 1.0)] * 2, 0: [(8, 2.0)]}
+    assert next_arm(measured, order, 0, 1) == PLAIN
+    measured[PLAIN] = [(1, 0.5)]
+    assert next_arm(measured, order, PLAIN, 1) == 0  # 4 tok/s against 3 and 2: the lower-ranked drafter leads
+    # PROBE_EVERY rounds on it: the arm taken longest ago is tried (drafter 2 in round 3, plain in round 4)
+    assert next_arm(measured, order, 0, PROBE_EVERY, {2: 3, 0: 20, PLAIN: 4}) == 2
+    assert next_arm(measured, order, 0, PROBE_EVERY, {2: 5, 0: 20, PLAIN: 4}) == PLAIN
+    assert next_arm(measured, [0], 0, PROBE_EVERY) == 0  # one arm: nothing to choose
+
+
+def test_the_arms_are_each_drafter_up_or_the_top_scored_then_none():
+    assert arms([2, 0], by_rate=True, plain=True) == [2, 0, PLAIN]
+    assert arms([2, 0], by_rate=False, plain=True) == [TOP, PLAIN]
+    assert arms([2, 0], by_rate=True, plain=False) == [2, 0]
+    assert arms([], by_rate=True, plain=True) == [TOP, PLAIN]  # every drafter down: the router says so
+    assert RoutingPolicy(plain_arm=False, by_rate=False).measures is False and RoutingPolicy().measures
+
+
+def _round(gate: PaysGate, now: float, seconds: float, tokens: int) -> int:
+    arm = gate.begin([SPEC, PLAIN], now)
     gate.end(tokens, now + seconds)
     return arm
 
 
 def test_the_gate_skips_the_first_round_and_settles_on_the_faster_arm():
-    gate, now, arms = PaysGate(), 0.0, []
+    gate, now, taken = PaysGate(), 0.0, []
     # speculative rounds: 2 tokens in 1 s (the first, with the draft's prompt prefill, took 9 s);
     # plain rounds: 1 token in 0.25 s
     for _ in range(6):
-        arm = gate.begin(now)
-        seconds = 0.25 if not arm else 9.0 if not arms else 1.0
-        gate.end(2 if arm else 1, now + seconds)
-        arms.append(arm)
+        arm = gate.begin([SPEC, PLAIN], now)
+        seconds = 0.25 if arm == PLAIN else 9.0 if not taken else 1.0
+        gate.end(2 if arm == SPEC else 1, now + seconds)
+        taken.append(arm)
         now += seconds
-    assert arms == [True, True, True, False, False, False]
-    assert list(gate.spec) == [(2, 1.0), (2, 1.0)] and list(gate.plain) == [(1, 0.25)] * 3
+    assert taken == [SPEC, SPEC, SPEC, PLAIN, PLAIN, PLAIN]
+    assert list(gate.measured[SPEC]) == [(2, 1.0), (2, 1.0)] and list(gate.measured[PLAIN]) == [(1, 0.25)] * 3
     # PROBE_EVERY plain rounds in a row: speculation is tried once, and measured: 10 tokens in
     # 1 s lifts its window's rate (14 tokens / 3 s) over plain's 4 tokens a second
     while gate.streak < PROBE_EVERY:
-        assert _round(gate, now, 0.25, 1) is False
-    assert _round(gate, now, 1.0, 10) is True and list(gate.spec)[-1] == (10, 1.0)
-    assert _round(gate, now, 1.0, 1) is True  # chosen on 14 tokens / 3 s; then 15 / 4 s
-    assert gate.begin(now) is False  # plain's 4 tokens a second is faster again
+        assert _round(gate, now, 0.25, 1) == PLAIN
+    assert _round(gate, now, 1.0, 10) == SPEC and list(gate.measured[SPEC])[-1] == (10, 1.0)
+    assert _round(gate, now, 1.0, 1) == SPEC  # chosen on 14 tokens / 3 s; then 15 / 4 s
+    assert gate.begin([SPEC, PLAIN], now) == PLAIN and gate.plain  # plain's 4 tokens a second is faster again
+
+
+def test_a_round_with_a_drafters_first_draft_is_not_measured():
+    gate = PaysGate()
+    _round(gate, 0.0, 9.0, 2)  # the session's first
+    gate.begin([SPEC, PLAIN], 10.0)
+    gate.uncounted()  # e.g. a model drafter drafting here for the first time: its prompt prefill
+    gate.end(2, 15.0)
+    assert SPEC not in gate.measured
+    _round(gate, 20.0, 1.0, 3)
+    assert list(gate.measured[SPEC]) == [(3, 1.0)] and gate.taken_at == {SPEC: 2} and gate.rounds == 3
 
 
 def test_the_window_keeps_the_last_rounds_only():
     gate = PaysGate()
-    assert gate.spec.maxlen == gate.plain.maxlen == WINDOW
+    for i in range(WINDOW + 3):
+        gate.begin([SPEC], float(i))
+        gate.end(i, i + 1.0)
+    assert [tokens for tokens, _ in gate.measured[SPEC]] == list(range(3, WINDOW + 3))
 
 
 class _FakeClock:
@@ -132,3 +174,28 @@ def test_a_session_keeps_speculating_where_it_pays_and_without_the_plain_arm(tin
     assert drafter.snapshot()[NONE]["chosen_rounds"] == 1  # the one probe of plain decoding
     never = MultiDrafter({"ngram": NgramDrafter(3)}, policy=RoutingPolicy(plain_arm=False))
     assert generate(tiny["llama"], prompt, params, never)[0] == reference and NONE not in never.snapshot()
+
+
+def test_the_drafter_whose_rounds_commit_fastest_leads_though_the_score_ties(tiny):
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    prompt = [7, 8, 9, 10] * 6
+    reference = generate(tiny["llama"], prompt, params)[0]
+    one_a_round = dict(alpha=0.0, beta=0.0, free_riders=False)
+
+    def drafters(clock):  # the target drafting for itself: every token accepted, so both score 1.0
+        return {"slow": _Costly(ModelChainDrafter(tiny["llama"], 4), clock, 5.0),
+                "fast": _Costly(ModelChainDrafter(tiny["llama"], 2), clock, 0.01)}
+
+    clock = _FakeClock()
+    by_rate = MultiDrafter(drafters(clock), policy=RoutingPolicy(**one_a_round), clock=clock)
+    output, stats, _ = generate(tiny["llama"], prompt, params, by_rate)
+    assert output == reference
+    led = by_rate.snapshot()
+    # slow first (ranked first on the tie), measured twice, then fast once and plain once; fast from then on
+    assert led["slow"]["chosen_rounds"] == 3 and led[NONE]["chosen_rounds"] == 1
+    assert led["fast"]["chosen_rounds"] == stats.rounds - 4
+    clock = _FakeClock()
+    by_score = MultiDrafter(drafters(clock), policy=RoutingPolicy(**one_a_round, by_rate=False, plain_arm=False),
+                            clock=clock)
+    assert generate(tiny["llama"], prompt, params, by_score)[0] == reference
+    assert by_score.snapshot()["fast"]["chosen_rounds"] == 0  # the score alone never sees the cost

@@ -5,8 +5,10 @@ one is dropped for an untried one; the free n-gram lookup wins ties; a drafter w
 to propose passes the round to the next). Routing + fusion also adds a random other drafter
 (often while the session accepts little, rarely once it accepts much) and the n-gram
 lookup's match whenever it has one, and fuses the chains. Both may route a session to no
-drafter (plain rounds) where its plain rounds commit faster (``spec.pays``); the last mode is
-routing + fusion without that arm, to show what it adds."""
+drafter (plain rounds) where its plain rounds commit faster, and let the drafter whose rounds
+commit fastest on the session lead each round (``spec.pays``); the last mode is routing +
+fusion led by the routing score alone (CoSine's rule, with the plain arm), to show what
+leading by the measured rate adds."""
 
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ from specctl.spec.multi import MultiDrafter
 from specctl.spec.routing import RoutingPolicy
 
 ROUTING_ONLY = RoutingPolicy(alpha=0.0, beta=0.0, free_riders=False)
-NO_PLAIN = "routing+fusion no-plain"
-ROUTED = ("routing", "routing+fusion", NO_PLAIN)
+BY_SCORE = "routing+fusion by score"
+ROUTED = ("routing", "routing+fusion", BY_SCORE)
 
 
 def run_drafters_bench(config: Config, target: LoadedModel, drafters: dict[str, Drafter], prompts: list[BenchPrompt],
@@ -31,8 +33,8 @@ def run_drafters_bench(config: Config, target: LoadedModel, drafters: dict[str, 
     encoded = [encode_user_text(target.tokenizer, p.prompt, p.chat) for p in prompts]
     warm_up = encoded[0][:8]
     routing, fused = MultiDrafter(drafters, policy=ROUTING_ONLY), MultiDrafter(drafters)
-    always = MultiDrafter(drafters, policy=RoutingPolicy(plain_arm=False))
-    plan = {"ar": None, **drafters, "routing": routing, "routing+fusion": fused, NO_PLAIN: always}
+    by_score = MultiDrafter(drafters, policy=RoutingPolicy(by_rate=False))
+    plan = {"ar": None, **drafters, "routing": routing, "routing+fusion": fused, BY_SCORE: by_score}
     runners = {}
     for name, drafter in plan.items():
         progress.console.print(f"[dim]preparing {name}[/]")
@@ -44,7 +46,7 @@ def run_drafters_bench(config: Config, target: LoadedModel, drafters: dict[str, 
                      "repeats": repeats, "depth": config.depth, "temperature": 0.0,
                      "tau": fused.policy.tau, "alpha": fused.policy.alpha, "beta": fused.policy.beta},
         "modes": modes,
-        "drafters": {"routing": routing.snapshot(), "routing+fusion": fused.snapshot(), NO_PLAIN: always.snapshot()},
+        "drafters": {"routing": routing.snapshot(), "routing+fusion": fused.snapshot(), BY_SCORE: by_score.snapshot()},
         "against_best_single": against_best_single(modes, list(drafters)),
     }
 

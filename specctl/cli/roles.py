@@ -57,6 +57,9 @@ def verify(
     plain_rounds: bool = typer.Option(True, "--plain-rounds/--no-plain-rounds", help="several drafters: a session "
                                       "routes to no drafter (plain decoding) while its plain rounds commit tokens "
                                       "faster than its speculative ones, as measured on it"),
+    lead_by_rate: bool = typer.Option(True, "--lead-by-rate/--lead-by-score", help="several drafters: each round "
+                                      "is led by the drafter whose rounds commit tokens fastest for the session, as "
+                                      "measured on it (--lead-by-score: by the routing score alone, CoSine)"),
     port: Optional[int] = typer.Option(None, help="TCP port (default 9100; 0 = any free port); with --pipeline "
                                        "each stage listens on its own entry's port"),
     host: str = typer.Option("127.0.0.1", help="address to bind"),
@@ -151,7 +154,7 @@ def verify(
     if draft and len(draft) > 1 and (draft_deadline_ms <= 0 or fusion_budget < 1):
         raise ConfigError("--draft-deadline-ms must be > 0 and --fusion-budget >= 1")
     _serve_target(config, plan, console, stage_one, host=host, port=port, draft=list(draft or []),
-                  fusion_settings=(draft_deadline_ms / 1e3, fusion_budget, plain_rounds),
+                  fusion_settings=(draft_deadline_ms / 1e3, fusion_budget, plain_rounds, lead_by_rate),
                   auth_token=auth_token, ssl_server=ssl_server, ssl_client=ssl_client,
                   verify_delay_s=verify_delay_ms / 1e3, verify_floor_s=verify_time_ms / 1e3,
                   max_messages_per_s=max_messages_per_s, specpipe=levels,
@@ -198,7 +201,7 @@ def _serve_target(config, plan, console: Console, loaded, *, host: str, port: in
                   ssl_server, ssl_client, verify_delay_s: float, max_messages_per_s: float, specpipe=None,
                   verify_floor_s: float = 0.0,
                   remote_specpipe: tuple[int, int] | None = None,
-                  fusion_settings: tuple[float, int, bool] = (0.5, 16, True)) -> None:
+                  fusion_settings: tuple[float, int, bool, bool] = (0.5, 16, True, True)) -> None:
     from specctl.pipeline.launch import pipelined_target
     from specctl.runtime.compute import ComputeThread
     from specctl.runtime.loop import parse_hostport, run_with_compute, serve
@@ -239,9 +242,9 @@ def _serve_target(config, plan, console: Console, loaded, *, host: str, port: in
             from specctl.spec.routing import RoutingPolicy
             from specctl.verify.fused import Fusion
 
-            deadline_s, budget, plain_rounds = fusion_settings
+            deadline_s, budget, plain_rounds, lead_by_rate = fusion_settings
             fusion = Fusion(clients, ngram_depth=config.depth if "ngram" in draft else 0, budget=budget,
-                            deadline_s=deadline_s, policy=RoutingPolicy(plain_arm=plain_rounds))
+                            deadline_s=deadline_s, policy=RoutingPolicy(plain_arm=plain_rounds, by_rate=lead_by_rate))
         else:
             client = next(iter(clients.values()), None)
         if remote_specpipe is not None:  # the levels come from the one draft server

@@ -17,8 +17,9 @@ from specctl.engine.kv_cache import KVPool
 from specctl.engine.tree import TokenTree
 from specctl.spec.drafters import DraftSession, Drafter, Proposal
 from specctl.spec.fusion import Draft, fuse, own_path, routing_outcome
-from specctl.spec.pays import PaysGate
-from specctl.spec.routing import NONE, DrafterStats, RoutingPolicy, RoutingScore, choose_drafters, next_drafter
+from specctl.spec.pays import PLAIN, TOP, PaysGate, arms
+from specctl.spec.routing import (NONE, DrafterStats, RoutingPolicy, RoutingScore, choose_drafters, next_drafter,
+                                  rank_drafters)
 from specctl.spec.sampling import SamplingParams, uniform
 
 log = logging.getLogger("specctl.multi")
@@ -67,21 +68,26 @@ class _MultiSession(DraftSession):
         self.asked: list[tuple[int, Draft, list[int | None]]] = []  # (drafter, its draft, where it landed)
         self.rounds = 0
         self.accepted = 0
-        self.gate = PaysGate() if owner.policy.plain_arm else None
+        self.gate = PaysGate() if owner.policy.measures else None
+        self.drafted: set[int] = set()  # the drafters that have drafted in this session (their prompt prefill done)
 
     @property
     def mean_accepted(self) -> float:
         return self.accepted / self.rounds if self.rounds else 0.0
 
     def propose(self, seq, params, generator):
-        owner = self.owner
-        if self.gate is not None and not self.gate.begin(owner.clock()):
-            owner.plain.chosen_rounds += 1
-            self.asked = []
-            return Proposal(TokenTree.root(seq[-1]))  # plain decoding pays more for this session now
+        owner, policy = self.owner, self.owner.policy
         scores, up = [s.value for s in self.scores], [True] * len(self.sessions)
-        order = choose_drafters(scores, up, self.mean_accepted, owner.policy, uniform(generator),
-                                uniform(generator), owner.free)
+        lead = TOP
+        if self.gate is not None:
+            ranked = rank_drafters(scores, up, owner.free)
+            lead = self.gate.begin(arms(ranked, policy.by_rate, policy.plain_arm), owner.clock())
+            if lead == PLAIN:
+                owner.plain.chosen_rounds += 1
+                self.asked = []
+                return Proposal(TokenTree.root(seq[-1]))  # plain decoding pays more for this session now
+        order = choose_drafters(scores, up, self.mean_accepted, policy, uniform(generator), uniform(generator),
+                                owner.free, None if lead == TOP else lead)
         drafts, asked, tried = [], [], list(order)
         while order:
             for i in order:
@@ -93,6 +99,9 @@ class _MultiSession(DraftSession):
             following = None if any(d.tokens for d in drafts) else next_drafter(scores, up, tried, owner.free)
             order = [] if following is None else [following]
             tried += order
+        if self.gate is not None and any(not owner.free[i] and i not in self.drafted for i in tried):
+            self.gate.uncounted()  # a model drafter's first draft here: its prompt prefill is in this round
+        self.drafted.update(tried)
         tree, placed = fuse(seq[-1], drafts, owner.budget) if drafts else (TokenTree.root(seq[-1]), [])
         self.asked = list(zip(asked, drafts, placed))
         for i, _, where in self.asked:
@@ -120,7 +129,7 @@ class _MultiSession(DraftSession):
     def on_verified(self, path):
         if self.gate is not None:
             self.gate.end(len(path) + 1, self.owner.clock())
-            if not self.gate.current:
+            if self.gate.plain:
                 return  # a plain round: no drafter to tell, no routing evidence
         for i, draft, where in self.asked:
             taken = own_path(path, where)

@@ -1,27 +1,35 @@
-"""Whether speculating pays for one session, measured on the session's own rounds.
+"""Which arm pays for one session, measured on the session's own rounds.
 
-Speculation loses where the drafters guess badly (a code drafter on prose): a round costs
-the drafting plus the verification of every proposed node and commits barely more than the
-one token of a plain decoding step. So routing has one arm besides the drafters: *none*, a
-round that verifies the root alone (plain decoding: lossless like every round). Each
-session keeps the committed tokens per second of its last WINDOW measured rounds of either
-arm (a round's time: from asking for its proposal to its verified outcome) and takes the
-faster arm; after PROBE_EVERY rounds in a row on one arm it tries the other once, as the
-text may have changed (prose, then code).
+CoSine's routing score is the share of a drafter's tokens that were accepted; it does not see
+what a round costs. Speculation loses where the drafters guess badly (a code drafter on prose):
+a round costs the drafting plus the verification of every proposed node and commits barely
+more than the one token of a plain decoding step. And a free drafter (the n-gram lookup) whose
+matches are accepted half the time may score as well as a model drafter whose rounds commit
+twice the tokens. So each session measures its *arms* — a drafter leading the round (it drafts
+first; the others join as routing says), or *none*: a round that verifies the root alone
+(plain decoding, lossless like every round) — by the committed tokens per second of their last
+WINDOW measured rounds (a round's time: from asking for its proposal to its verified outcome),
+and takes the fastest. Before that it tries them: the best-ranked arm SPEC_FIRST times, every
+other once, in the routing score's order; after PROBE_EVERY rounds in a row on one arm it
+tries the one it took longest ago, as the text may have changed (prose, then code).
 
-A session's first speculative round is not measured: it holds the draft's prompt prefill,
-which no later round pays. Vanilla CoSine has no such arm; vLLM and SGLang users know it as dynamic
-speculation (turned off where it does not pay)."""
+A round is not measured when it holds a prompt prefill that no later round pays: the
+session's first, and one in which a model drafter drafts for the first time in the session.
+Routing by the score alone (CoSine as published) is the arm TOP: whichever drafter the score
+ranks first, against none. vLLM and SGLang users know the none arm as dynamic speculation
+(turned off where it does not pay)."""
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 WINDOW = 8  # measured rounds per arm the rates are taken over
-PROBE_EVERY = 16  # rounds in a row on one arm before the other is tried once
-SPEC_FIRST = 2  # measured speculative rounds before the first plain round is tried
+PROBE_EVERY = 16  # rounds in a row on one arm before another is tried once
+SPEC_FIRST = 2  # measured rounds of the best-ranked arm before any other is tried
+PLAIN = -1  # the arm of a plain round: no drafter
+TOP = -2  # the arm "whichever drafter the routing score ranks first" (routing by the score alone)
 
 Round = tuple[int, float]  # (tokens committed, seconds)
 
@@ -32,43 +40,65 @@ def rate(rounds: Sequence[Round]) -> float:
     return sum(t for t, _ in rounds) / seconds if seconds > 0 else 0.0
 
 
-def speculate_next(spec: Sequence[Round], plain: Sequence[Round], current: bool | None, streak: int) -> bool:
-    """Speculate in the next round? (pure) ``spec``/``plain``: each arm's measured rounds;
-    ``current``: the arm of the last round (None before the first); ``streak``: how many
-    rounds in a row it was taken."""
-    if len(spec) < SPEC_FIRST:
-        return True
-    if not plain:
-        return False
-    faster = rate(spec) >= rate(plain)
-    if current == faster and streak >= PROBE_EVERY:
-        return not faster
-    return faster
+def next_arm(measured: Mapping[int, Sequence[Round]], order: Sequence[int], current: int | None, streak: int,
+             taken_at: Mapping[int, int] | None = None) -> int:
+    """The arm of the next round (pure). ``order``: the arms to choose from, best-ranked first;
+    ``measured``: each arm's measured rounds; ``current``: the arm of the last round (None
+    before the first) and ``streak`` how many rounds in a row it was taken; ``taken_at``: the
+    round each arm was last taken in."""
+    top = order[0]
+    if len(order) == 1 or len(measured.get(top, ())) < SPEC_FIRST:
+        return top
+    untried = next((arm for arm in order[1:] if not measured.get(arm)), None)
+    if untried is not None:
+        return untried
+    best = max(order, key=lambda arm: rate(measured[arm]))  # of equals the better-ranked
+    if current == best and streak >= PROBE_EVERY:
+        taken_at = taken_at or {}
+        return min((arm for arm in order if arm != best), key=lambda arm: taken_at.get(arm, -1))
+    return best
+
+
+def arms(ranked: Sequence[int], by_rate: bool, plain: bool) -> list[int]:
+    """The arms a round may take, best-ranked first: each drafter that is up (``ranked``, by
+    routing score) or, routing by the score alone, TOP; then none where plain rounds may be taken."""
+    drafters = list(ranked) if by_rate and ranked else [TOP]
+    return drafters + ([PLAIN] if plain else [])
 
 
 @dataclass(slots=True)
 class PaysGate:
-    """One session's choice between speculating and plain rounds (``speculate_next``)."""
+    """One session's choice among its arms (``next_arm``)."""
 
-    spec: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
-    plain: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
-    current: bool | None = None  # the arm of the round in flight (or of the last one)
+    measured: dict[int, deque] = field(default_factory=dict)  # arm -> its last WINDOW measured rounds
+    taken_at: dict[int, int] = field(default_factory=dict)  # arm -> the round it was last taken in
+    current: int | None = None  # the arm of the round in flight (or of the last one)
     streak: int = 0  # rounds in a row on that arm
+    rounds: int = 0
     started: float | None = None  # when the round in flight was asked for; None: none in flight
-    first: bool = False  # the round in flight is the session's first (the draft's prompt prefill): not measured
+    counted: bool = False  # the round in flight is measured
 
-    def begin(self, now: float) -> bool:
-        """A round starts: speculate in it?"""
-        arm = speculate_next(self.spec, self.plain, self.current, self.streak)
-        self.first = self.current is None
+    def begin(self, order: Sequence[int], now: float) -> int:
+        """A round starts: its arm, one of ``order``."""
+        arm = next_arm(self.measured, order, self.current, self.streak, self.taken_at)
+        self.counted = self.current is not None  # the session's first round holds the prompt prefill
         self.streak = self.streak + 1 if arm == self.current else 1
         self.current, self.started = arm, now
+        self.taken_at[arm], self.rounds = self.rounds, self.rounds + 1
         return arm
+
+    def uncounted(self) -> None:
+        """The round in flight holds a model drafter's first draft in this session (its prompt prefill)."""
+        self.counted = False
+
+    @property
+    def plain(self) -> bool:
+        return self.current == PLAIN
 
     def end(self, tokens: int, now: float) -> None:
         """The round in flight committed ``tokens``."""
         if self.started is None:
             return
-        if not self.first:
-            (self.spec if self.current else self.plain).append((tokens, now - self.started))
+        if self.counted:
+            self.measured.setdefault(self.current, deque(maxlen=WINDOW)).append((tokens, now - self.started))
         self.started = None

@@ -12,8 +12,8 @@ ties, so it is tried before a model drafter nothing is known about yet, and with
 ``free_riders`` it joins every round's fusion at no drafting cost. A round whose chosen
 drafters propose nothing asks the next-ranked one (``next_drafter``), so an n-gram lookup
 that finds no match never leaves a round without a proposal. And a session may route to
-no drafter at all (``plain_arm``, ``spec.pays``) where its plain rounds commit tokens faster
-than its speculative ones."""
+no drafter at all (``plain_arm``), and let the drafter whose rounds commit tokens fastest
+for it lead (``by_rate``): the score does not see what a round costs (``spec.pays``)."""
 
 from __future__ import annotations
 
@@ -56,6 +56,12 @@ class RoutingPolicy:
     beta: float = 0.1  # ... while exploiting
     free_riders: bool = True  # free drafters join every round (fusion); False: one drafter a round
     plain_arm: bool = True  # a session may route to no drafter where plain rounds commit faster (spec.pays)
+    by_rate: bool = True  # the drafter whose rounds commit fastest for the session leads (spec.pays); False: the top score
+
+    @property
+    def measures(self) -> bool:
+        """Whether sessions measure their rounds (spec.pays)."""
+        return self.plain_arm or self.by_rate
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.beta <= self.alpha <= 1.0:
@@ -71,14 +77,15 @@ def rank_drafters(scores: list[float], up: list[bool], free: list[bool] | None =
 
 
 def choose_drafters(scores: list[float], up: list[bool], mean_accepted: float, policy: RoutingPolicy,
-                    coin: float, pick: float, free: list[bool] | None = None) -> list[int]:
-    """The drafters to ask this round (indices, top-ranked first, then a random other one,
-    then the free riders). ``coin`` and ``pick`` are uniforms in [0, 1): whether to add a
-    random other drafter, and which one."""
+                    coin: float, pick: float, free: list[bool] | None = None, lead: int | None = None) -> list[int]:
+    """The drafters to ask this round (indices, the leader first — ``lead`` if it is up, else
+    the top-ranked —, then a random other one, then the free riders). ``coin`` and ``pick``
+    are uniforms in [0, 1): whether to add a random other drafter, and which one."""
     ranked = rank_drafters(scores, up, free)
     if not ranked:
         return []
-    top, others = ranked[0], sorted(ranked[1:])
+    top = lead if lead in ranked else ranked[0]
+    others = sorted(i for i in ranked if i != top)
     chance = policy.alpha if mean_accepted < policy.tau else policy.beta
     chosen = [top]
     if others and coin < chance:

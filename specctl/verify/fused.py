@@ -9,7 +9,8 @@ that has not answered by the deadline, is skipped for that round; its late answe
 dropped. Each draft session is told the rounds since its last proposal in one outcome (its
 accepted prefix, then all the text committed since), so a drafter that sat rounds out
 catches up by itself. A session routes to no drafter at all (a plain round) while its
-plain rounds commit tokens faster than its speculative ones (``spec.pays``). Draft servers
+plain rounds commit tokens faster than its speculative ones, and lets the drafter whose
+rounds commit fastest for it lead (``spec.pays``). Draft servers
 draft greedily (``greedy_drafts``): the fused tree is verified by the rule for
 deterministic candidates, lossless at any temperature.
 
@@ -26,9 +27,10 @@ from dataclasses import dataclass, field
 from specctl.spec.decode import DecodeSession
 from specctl.spec.drafters import NgramDrafter, Proposal
 from specctl.spec.fusion import Draft, fuse, own_path, routing_outcome
-from specctl.spec.pays import PaysGate
+from specctl.spec.pays import PLAIN, TOP, PaysGate, arms
 from specctl.spec.rounds import Drafted
-from specctl.spec.routing import NONE, DrafterStats, RoutingPolicy, RoutingScore, choose_drafters, next_drafter
+from specctl.spec.routing import (NONE, DrafterStats, RoutingPolicy, RoutingScore, choose_drafters, next_drafter,
+                                  rank_drafters)
 from specctl.spec.stats import FALLBACK_DRAFT_DOWN
 from specctl.verify.draft_client import DraftClient
 from specctl.verify.speculator import RemoteSpeculator
@@ -92,7 +94,7 @@ class FusedSpeculator:
         self.ngram = NgramDrafter(fusion.ngram_depth) if fusion.ngram_depth else None
         self.asked: list[tuple[_Link, Draft, list[int | None]]] = []  # (drafter, its draft, where it landed)
         self.rounds = self.accepted = 0
-        self.gate = PaysGate() if fusion.policy.plain_arm else None
+        self.gate = PaysGate() if fusion.policy.measures else None
 
     def begin(self, session: DecodeSession) -> None:
         for link in self.links:
@@ -116,21 +118,27 @@ class FusedSpeculator:
     async def propose(self, session: DecodeSession) -> Drafted:
         started = time.perf_counter()
         self._score_last_round(session)
-        stats = self.fusion.stats
+        stats, policy = self.fusion.stats, self.fusion.policy
+        scores = [link.score.value for link in self.links]
+        up, free = [self._up(link) for link in self.links], [link.remote is None for link in self.links]
+        lead = TOP
         if self.gate is not None:
             self.gate.end(len(session.last_committed), started)
-            if not self.gate.begin(started):
+            lead = self.gate.begin(arms(rank_drafters(scores, up, free), policy.by_rate, policy.plain_arm), started)
+            if lead == PLAIN:
                 stats[NONE].chosen_rounds += 1  # plain decoding pays more for this session now
                 return Drafted(None, time.perf_counter() - started)
-        scores = [link.score.value for link in self.links]
         mean = self.accepted / self.rounds if self.rounds else 0.0
-        up, free = [self._up(link) for link in self.links], [link.remote is None for link in self.links]
-        order = choose_drafters(scores, up, mean, self.fusion.policy, self.rng.random(), self.rng.random(), free)
+        order = choose_drafters(scores, up, mean, policy, self.rng.random(), self.rng.random(), free,
+                                None if lead == TOP else lead)
         if not order:
             return Drafted(None, time.perf_counter() - started, FALLBACK_DRAFT_DOWN)
         drafts: dict[int, Draft] = {}
         asked = list(order)
         while order:
+            if self.gate is not None and any(self.links[i].remote is not None and not self.links[i].synced
+                                             for i in order):
+                self.gate.uncounted()  # a draft server's first draft for this session: its prompt prefill
             await self._ask(session, order, drafts)
             # nothing proposed (no n-gram match, drafters late or failed): the next-ranked one has a go
             following = None if any(d.tokens for d in drafts.values()) else next_drafter(scores, up, asked, free)
