@@ -9,6 +9,7 @@ import pytest
 from specctl.draft.server import DraftServer, DraftServerConfig
 from specctl.engine.loader import load_model
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter
+from specctl.spec.pays import PROBE_EVERY
 from specctl.spec.routing import RoutingPolicy
 from specctl.spec.sampling import SamplingParams
 from specctl.verify.client import remote_generate
@@ -27,7 +28,7 @@ def models(tiny_dir):
     return target, drafts
 
 
-async def _start(models, policy=None, deadline_s=2.0, modes=("chain", "chain")):
+async def _start(models, policy=None, deadline_s=2.0, modes=("chain", "chain"), ngram_depth=3):
     target, drafts = models
     servers, clients, links = [], {}, []
     for draft, mode in zip(drafts, modes):
@@ -40,7 +41,7 @@ async def _start(models, policy=None, deadline_s=2.0, modes=("chain", "chain")):
         assert await first
         servers.append(server)
         clients[f"127.0.0.1:{port}"] = client
-    fusion = Fusion(clients, ngram_depth=3, budget=8, deadline_s=deadline_s, policy=policy or RoutingPolicy())
+    fusion = Fusion(clients, ngram_depth=ngram_depth, budget=8, deadline_s=deadline_s, policy=policy or RoutingPolicy())
     target_server = TargetServer(target, TargetServerConfig(port=0), None, fusion=fusion)
     port = await target_server.start()
     return servers, links, target_server, port, fusion
@@ -88,6 +89,32 @@ async def test_a_draft_server_killed_mid_run_changes_nothing(models):
         sampled, reason, _ = await remote_generate("127.0.0.1", port, PROMPTS[1],
                                                    SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=4))
         assert len(sampled) == 16 and reason == "length"
+    finally:
+        await _stop(servers, links, target_server)
+
+
+@pytest.mark.parametrize("by_rate", [True, False])
+async def test_a_slow_draft_server_leads_only_the_rounds_that_measure_it(models, by_rate):
+    one_a_round = RoutingPolicy(alpha=0.0, beta=0.0, free_riders=False, plain_arm=False, by_rate=by_rate)
+    servers, links, target_server, port, fusion = await _start(models, one_a_round, ngram_depth=0)
+    slow_name, fast_name = fusion.clients
+    slow, propose = fusion.clients[slow_name], fusion.clients[slow_name].propose
+
+    async def slowed(*args, **kwargs):  # the better drafter (the target's own first layers), 0.3 s late
+        await asyncio.sleep(0.3)
+        return await propose(*args, **kwargs)
+
+    slow.propose = slowed
+    try:
+        params = SamplingParams(max_tokens=40, ignore_eos=True)
+        tokens, reason, _ = await remote_generate("127.0.0.1", port, PROMPTS[0], params)
+        assert tokens == local_reference(models, PROMPTS[0], 40) and reason == "length"
+        stats = target_server.snapshot()["drafters"]
+        led = stats[slow_name]["chosen_rounds"], stats[fast_name]["chosen_rounds"]
+        if by_rate:  # first by rank (the session's first round and 2 measured), then once per probe
+            assert led[0] <= 3 + sum(led) // PROBE_EVERY and led[1] > led[0]
+        else:  # the score alone never sees that it is slow
+            assert led[0] > led[1]
     finally:
         await _stop(servers, links, target_server)
 
