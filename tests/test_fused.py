@@ -9,7 +9,7 @@ import pytest
 from specctl.draft.server import DraftServer, DraftServerConfig
 from specctl.engine.loader import load_model
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter
-from specctl.spec.pays import PROBE_EVERY
+from specctl.spec.pays import SPEC_FIRST, probe_after
 from specctl.spec.routing import RoutingPolicy
 from specctl.spec.sampling import SamplingParams
 from specctl.verify.client import remote_generate
@@ -112,7 +112,11 @@ async def test_a_slow_draft_server_leads_only_the_rounds_that_measure_it(models,
         stats = target_server.snapshot()["drafters"]
         led = stats[slow_name]["chosen_rounds"], stats[fast_name]["chosen_rounds"]
         if by_rate:  # first by rank (the session's first round and 2 measured), then once per probe
-            assert led[0] <= 3 + sum(led) // PROBE_EVERY and led[1] > led[0]
+            probes, judged_on, between = 0, SPEC_FIRST, probe_after(SPEC_FIRST)
+            while between <= led[1]:  # the probes come further apart as it is judged on more rounds
+                probes, judged_on = probes + 1, judged_on + 1
+                between += probe_after(judged_on)
+            assert led[0] <= 3 + probes and led[1] > 3 * led[0]
         else:  # the score alone never sees that it is slow
             assert led[0] > led[1]
     finally:

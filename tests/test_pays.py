@@ -4,7 +4,7 @@ rounds commit faster — its output still the target's own."""
 
 from specctl.spec.drafters import Drafter, DraftSession, ModelChainDrafter, NgramDrafter
 from specctl.spec.multi import MultiDrafter
-from specctl.spec.pays import PLAIN, PROBE_EVERY, SPEC_FIRST, TOP, WINDOW, PaysGate, arms, next_arm, rate
+from specctl.spec.pays import PLAIN, PROBE_EVERY, SPEC_FIRST, TOP, WINDOW, PaysGate, arms, next_arm, probe_after, rate
 from specctl.spec.rounds import generate
 from specctl.spec.routing import NONE, RoutingPolicy
 from specctl.spec.sampling import SamplingParams
@@ -17,8 +17,8 @@ def test_rate_is_committed_tokens_per_second_over_the_rounds():
     assert rate([]) == 0.0 and rate([(2, 0.0)]) == 0.0
 
 
-def _next(spec, plain, current, streak, taken_at=None):
-    return next_arm({SPEC: spec, PLAIN: plain}, [SPEC, PLAIN], current, streak, taken_at)
+def _next(spec, plain, current, streak):
+    return next_arm({SPEC: spec, PLAIN: plain}, [SPEC, PLAIN], current, streak)
 
 
 def test_speculate_until_measured_then_probe_plain_once_then_take_the_faster():
@@ -31,13 +31,17 @@ def test_speculate_until_measured_then_probe_plain_once_then_take_the_faster():
     assert _next([(2, 1.0)] * 2, [(1, 0.5)], SPEC, 1) == SPEC  # a tie goes to the better-ranked
 
 
-def test_after_probe_every_rounds_on_one_arm_the_other_is_tried_once():
+def test_the_runner_up_is_tried_again_sooner_the_fewer_rounds_it_was_judged_on():
+    assert [probe_after(n) for n in (0, 1, 2, 4, WINDOW)] == [2, 2, 4, 8, PROBE_EVERY]
     spec, plain = [(4, 1.0)] * 2, [(1, 0.5)]
-    assert _next(spec, plain, SPEC, PROBE_EVERY - 1) == SPEC
-    assert _next(spec, plain, SPEC, PROBE_EVERY) == PLAIN
+    assert _next(spec, plain, SPEC, 1) == SPEC
+    assert _next(spec, plain, SPEC, 2) == PLAIN  # plain judged on one round
     assert _next(spec, plain, PLAIN, 1) == SPEC  # the probe was one round: back to the faster
+    assert _next(spec, [(1, 0.5)] * WINDOW, SPEC, PROBE_EVERY - 1) == SPEC
+    assert _next(spec, [(1, 0.5)] * WINDOW, SPEC, PROBE_EVERY) == PLAIN
     slow = [(1, 1.0)] * 2
-    assert _next(slow, plain, PLAIN, PROBE_EVERY) == SPEC
+    assert _next(slow, plain, PLAIN, 3) == PLAIN
+    assert _next(slow, plain, PLAIN, 4) == SPEC  # speculation judged on two rounds
     assert _next(slow, plain, SPEC, 1) == PLAIN
 
 
@@ -49,9 +53,8 @@ def test_several_drafters_are_tried_in_rank_order_then_the_fastest_leads():
     assert next_arm(measured, order, 0, 1) == PLAIN
     measured[PLAIN] = [(1, 0.5)]
     assert next_arm(measured, order, PLAIN, 1) == 0  # 4 tok/s against 3 and 2: the lower-ranked drafter leads
-    # PROBE_EVERY rounds on it: the arm taken longest ago is tried (drafter 2 in round 3, plain in round 4)
-    assert next_arm(measured, order, 0, PROBE_EVERY, {2: 3, 0: 20, PLAIN: 4}) == 2
-    assert next_arm(measured, order, 0, PROBE_EVERY, {2: 5, 0: 20, PLAIN: 4}) == PLAIN
+    assert next_arm(measured, order, 0, 3) == 0
+    assert next_arm(measured, order, 0, 4) == 2  # the runner-up (3 tok/s, two rounds), not plain
     assert next_arm(measured, [0], 0, PROBE_EVERY) == 0  # one arm: nothing to choose
 
 
@@ -73,20 +76,21 @@ def test_the_gate_skips_the_first_round_and_settles_on_the_faster_arm():
     gate, now, taken = PaysGate(), 0.0, []
     # speculative rounds: 2 tokens in 1 s (the first, with the draft's prompt prefill, took 9 s);
     # plain rounds: 1 token in 0.25 s
-    for _ in range(6):
+    for _ in range(8):
         arm = gate.begin([SPEC, PLAIN], now)
         seconds = 0.25 if arm == PLAIN else 9.0 if not taken else 1.0
         gate.end(2 if arm == SPEC else 1, now + seconds)
         taken.append(arm)
         now += seconds
-    assert taken == [SPEC, SPEC, SPEC, PLAIN, PLAIN, PLAIN]
-    assert list(gate.measured[SPEC]) == [(2, 1.0), (2, 1.0)] and list(gate.measured[PLAIN]) == [(1, 0.25)] * 3
-    # PROBE_EVERY plain rounds in a row: speculation is tried once, and measured: 10 tokens in
-    # 1 s lifts its window's rate (14 tokens / 3 s) over plain's 4 tokens a second
-    while gate.streak < PROBE_EVERY:
+    # speculation judged on two rounds is tried again after 4 plain ones
+    assert taken == [SPEC, SPEC, SPEC, PLAIN, PLAIN, PLAIN, PLAIN, SPEC]
+    assert list(gate.measured[SPEC]) == [(2, 1.0)] * 3 and list(gate.measured[PLAIN]) == [(1, 0.25)] * 4
+    # 6 more plain rounds in a row (three speculative ones measured): speculation is tried once,
+    # and measured: 10 tokens in 1 s lifts its window's rate (16 tokens / 4 s) to plain's
+    for _ in range(probe_after(3)):
         assert _round(gate, now, 0.25, 1) == PLAIN
     assert _round(gate, now, 1.0, 10) == SPEC and list(gate.measured[SPEC])[-1] == (10, 1.0)
-    assert _round(gate, now, 1.0, 1) == SPEC  # chosen on 14 tokens / 3 s; then 15 / 4 s
+    assert _round(gate, now, 1.0, 1) == SPEC  # chosen on 16 tokens / 4 s (a tie); then 17 / 5 s
     assert gate.begin([SPEC, PLAIN], now) == PLAIN and gate.plain  # plain's 4 tokens a second is faster again
 
 
@@ -98,7 +102,7 @@ def test_a_round_with_a_drafters_first_draft_is_not_measured():
     gate.end(2, 15.0)
     assert SPEC not in gate.measured
     _round(gate, 20.0, 1.0, 3)
-    assert list(gate.measured[SPEC]) == [(3, 1.0)] and gate.taken_at == {SPEC: 2} and gate.rounds == 3
+    assert list(gate.measured[SPEC]) == [(3, 1.0)]
 
 
 def test_the_window_keeps_the_last_rounds_only():
@@ -171,7 +175,9 @@ def test_a_session_keeps_speculating_where_it_pays_and_without_the_plain_arm(tin
     drafter = MultiDrafter({"self": _Costly(ModelChainDrafter(tiny["llama"], 4), clock, 0.05)}, clock=clock)
     output, stats, _ = generate(tiny["llama"], prompt, params, drafter)
     assert output == reference
-    assert drafter.snapshot()[NONE]["chosen_rounds"] == 1  # the one probe of plain decoding
+    # plain decoding tried after 2 measured speculative rounds, then probed again 2 rounds later
+    # (judged on one round); the rest speculative
+    assert stats.rounds == 10 and stats.drafts == 8 and drafter.snapshot()[NONE]["chosen_rounds"] == 2
     never = MultiDrafter({"ngram": NgramDrafter(3)}, policy=RoutingPolicy(plain_arm=False))
     assert generate(tiny["llama"], prompt, params, never)[0] == reference and NONE not in never.snapshot()
 
@@ -191,9 +197,10 @@ def test_the_drafter_whose_rounds_commit_fastest_leads_though_the_score_ties(tin
     output, stats, _ = generate(tiny["llama"], prompt, params, by_rate)
     assert output == reference
     led = by_rate.snapshot()
-    # slow first (ranked first on the tie), measured twice, then fast once and plain once; fast from then on
-    assert led["slow"]["chosen_rounds"] == 3 and led[NONE]["chosen_rounds"] == 1
-    assert led["fast"]["chosen_rounds"] == stats.rounds - 4
+    # slow first (ranked first on the tie: the session's first round, then measured twice), then
+    # fast once and plain once; fast from then on, with plain (the runner-up) probed after 2, 4, 6 rounds
+    assert led["slow"]["chosen_rounds"] == 3 and led[NONE]["chosen_rounds"] == 3
+    assert led["fast"]["chosen_rounds"] == stats.rounds - 6
     clock = _FakeClock()
     by_score = MultiDrafter(drafters(clock), policy=RoutingPolicy(**one_a_round, by_rate=False, plain_arm=False),
                             clock=clock)

@@ -10,8 +10,10 @@ first; the others join as routing says), or *none*: a round that verifies the ro
 (plain decoding, lossless like every round) — by the committed tokens per second of their last
 WINDOW measured rounds (a round's time: from asking for its proposal to its verified outcome),
 and takes the fastest. Before that it tries them: the best-ranked arm SPEC_FIRST times, every
-other once, in the routing score's order; after PROBE_EVERY rounds in a row on one arm it
-tries the one it took longest ago, as the text may have changed (prose, then code).
+other once, in the routing score's order. Then, after some rounds in a row on the fastest, it
+tries the runner-up once, as the text may have changed (prose, then code) and a rate from few
+rounds is a guess: after 2 rounds while the runner-up has 1 measured, growing to PROBE_EVERY
+once it has a full window (``probe_after``).
 
 A round is not measured when it holds a prompt prefill that no later round pays: the
 session's first, and one in which a model drafter drafts for the first time in the session.
@@ -26,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 WINDOW = 8  # measured rounds per arm the rates are taken over
-PROBE_EVERY = 16  # rounds in a row on one arm before another is tried once
+PROBE_EVERY = 16  # rounds in a row on the fastest arm before a runner-up with a full window is tried once
 SPEC_FIRST = 2  # measured rounds of the best-ranked arm before any other is tried
 PLAIN = -1  # the arm of a plain round: no drafter
 TOP = -2  # the arm "whichever drafter the routing score ranks first" (routing by the score alone)
@@ -40,23 +42,28 @@ def rate(rounds: Sequence[Round]) -> float:
     return sum(t for t, _ in rounds) / seconds if seconds > 0 else 0.0
 
 
-def next_arm(measured: Mapping[int, Sequence[Round]], order: Sequence[int], current: int | None, streak: int,
-             taken_at: Mapping[int, int] | None = None) -> int:
+def next_arm(measured: Mapping[int, Sequence[Round]], order: Sequence[int], current: int | None,
+             streak: int) -> int:
     """The arm of the next round (pure). ``order``: the arms to choose from, best-ranked first;
     ``measured``: each arm's measured rounds; ``current``: the arm of the last round (None
-    before the first) and ``streak`` how many rounds in a row it was taken; ``taken_at``: the
-    round each arm was last taken in."""
+    before the first) and ``streak`` how many rounds in a row it was taken."""
     top = order[0]
     if len(order) == 1 or len(measured.get(top, ())) < SPEC_FIRST:
         return top
     untried = next((arm for arm in order[1:] if not measured.get(arm)), None)
     if untried is not None:
         return untried
-    best = max(order, key=lambda arm: rate(measured[arm]))  # of equals the better-ranked
-    if current == best and streak >= PROBE_EVERY:
-        taken_at = taken_at or {}
-        return min((arm for arm in order if arm != best), key=lambda arm: taken_at.get(arm, -1))
+    best, runner_up = sorted(order, key=lambda arm: -rate(measured[arm]))[:2]  # of equals the better-ranked
+    if current == best and streak >= probe_after(len(measured[runner_up])):
+        return runner_up
     return best
+
+
+def probe_after(rounds: int) -> int:
+    """Rounds in a row on the best arm before another is tried once, by how many measured rounds
+    that one has: an arm judged on one or two rounds (a speculative round's tokens vary from 1 to
+    d + 1) is tried again soon, one with a full window after PROBE_EVERY."""
+    return max(2, PROBE_EVERY * rounds // WINDOW)
 
 
 def arms(ranked: Sequence[int], by_rate: bool, plain: bool) -> list[int]:
@@ -71,20 +78,17 @@ class PaysGate:
     """One session's choice among its arms (``next_arm``)."""
 
     measured: dict[int, deque] = field(default_factory=dict)  # arm -> its last WINDOW measured rounds
-    taken_at: dict[int, int] = field(default_factory=dict)  # arm -> the round it was last taken in
     current: int | None = None  # the arm of the round in flight (or of the last one)
     streak: int = 0  # rounds in a row on that arm
-    rounds: int = 0
     started: float | None = None  # when the round in flight was asked for; None: none in flight
     counted: bool = False  # the round in flight is measured
 
     def begin(self, order: Sequence[int], now: float) -> int:
         """A round starts: its arm, one of ``order``."""
-        arm = next_arm(self.measured, order, self.current, self.streak, self.taken_at)
+        arm = next_arm(self.measured, order, self.current, self.streak)
         self.counted = self.current is not None  # the session's first round holds the prompt prefill
         self.streak = self.streak + 1 if arm == self.current else 1
         self.current, self.started = arm, now
-        self.taken_at[arm], self.rounds = self.rounds, self.rounds + 1
         return arm
 
     def uncounted(self) -> None:
