@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specctl.draft.fanout import (
-    PRIOR_R, acceptance_estimate, budget_that_fits, budget_that_pays, choose_fallback, expected_hit, fanout, fanout_for, outcome_probs,
+    PRIOR_R, acceptance_estimate, budget_that_fits, budget_that_pays, choose_fallback, expected_hit, fanout, hit_curve, fanout_for, outcome_probs,
     power_law_exponent, predicted_gain_over_plain, predicted_speedup, step_time_fit, tree_outcome_probs,
 )
 from specctl.spec.sampling import saguaro
@@ -112,10 +112,10 @@ def test_budget_is_what_finishes_before_the_outcome_returns():
 
 def test_expected_hit_weighs_each_outcome_by_the_share_of_past_bonuses_its_fanout_covers():
     # ranks [0, 1, 3, None]: H(2) = 2/4, H(1) = 1/4, H(0) = 0 -> 0.5 * 0.5 + 0.3 * 0.25 + 0.2 * 0
-    assert expected_hit([0.5, 0.3, 0.2], [2, 1, 0], [0, 1, 3, None]) == pytest.approx(0.325)
-    assert expected_hit([0.5, 0.5], [4, 4], []) == 0.0  # nothing ranked yet
+    assert expected_hit([0.5, 0.3, 0.2], [2, 1, 0], hit_curve([0, 1, 3, None])) == pytest.approx(0.325)
+    assert expected_hit([0.5, 0.5], [4, 4], hit_curve([])) == 0.0  # nothing ranked yet
     with pytest.raises(ValueError, match="one fan-out per outcome"):
-        expected_hit([0.5, 0.5], [1], [0])
+        expected_hit([0.5, 0.5], [1], hit_curve([0]))
 
 
 def test_budget_that_pays_counts_partly_drafted_hits():

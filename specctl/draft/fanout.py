@@ -145,15 +145,18 @@ def budget_that_fits(return_s: float, depth: int, fit: tuple[float, float], shar
     return int(min(max(math.floor(rows + 1e-9), 1), most))
 
 
-def expected_hit(outcomes: Sequence[float], fanouts: Sequence[int], ranks: Sequence[int | None]) -> float:
-    """Σ_v P(v)·H(F_v): the chance that the outcome is among the planned branches, H(F) being
-    the share of the session's past bonuses that ranked below F among the draft's candidates."""
+def hit_curve(ranks: Sequence[int | None]) -> Callable[[int], float]:
+    """H(F): the share of the session's past bonuses that ranked below F among the draft's
+    candidates (None: not among them). Sorted once, asked for many fan-outs."""
+    ranked, total = sorted(rank for rank in ranks if rank is not None), len(ranks)
+    return lambda fanout: bisect.bisect_left(ranked, fanout) / total if total else 0.0
+
+
+def expected_hit(outcomes: Sequence[float], fanouts: Sequence[int], hit: Callable[[int], float]) -> float:
+    """Σ_v P(v)·H(F_v): the chance that the outcome is among the planned branches (H: ``hit_curve``)."""
     if len(outcomes) != len(fanouts):
         raise ValueError(f"need one fan-out per outcome, got {len(outcomes)} outcomes and {len(fanouts)} fan-outs")
-    if not ranks:
-        return 0.0
-    ranked = sorted(rank for rank in ranks if rank is not None)
-    return sum(p * bisect.bisect_left(ranked, f) for p, f in zip(outcomes, fanouts)) / len(ranks)
+    return sum(p * hit(f) for p, f in zip(outcomes, fanouts))
 
 
 def budget_that_pays(return_s: float, depth: int, fit: tuple[float, float], sharing: int, most: int,

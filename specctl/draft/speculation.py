@@ -21,6 +21,7 @@ from functools import partial
 
 from specctl.draft.fanout import (
     MIN_OUTCOMES_FOR_FIT, acceptance_estimate, budget_that_fits, budget_that_pays, choose_fallback, expected_hit,
+    hit_curve,
     fanout_for, outcome_probs, power_law_exponent, step_time_fit,
     tree_outcome_probs,
 )
@@ -126,12 +127,13 @@ class SpeculationCache:
         if not self.config.adaptive or history.return_s is None or fit is None:
             return self.config.budget
         sharing = len(self.plans) + 1
-        ranks = list(history.ranks if len(history.ranks) >= MIN_OUTCOMES_FOR_FIT else self.ranks)
+        ranks = history.ranks if len(history.ranks) >= MIN_OUTCOMES_FOR_FIT else self.ranks
         if len(ranks) < MIN_OUTCOMES_FOR_FIT:
             return budget_that_fits(history.return_s, self.depth, fit, sharing, self.config.budget, self.width)
+        hit = hit_curve(ranks)
 
         def hit_at(budget: int) -> float:
-            return expected_hit(outcomes, fanout_for(outcomes, r, budget, RANKED - 1), ranks)
+            return expected_hit(outcomes, fanout_for(outcomes, r, budget, RANKED - 1), hit)
 
         return budget_that_pays(history.return_s, self.depth, fit, sharing, self.config.budget, hit_at, self.width)
 
