@@ -126,3 +126,28 @@ async def test_a_slow_draft_server_leads_only_the_rounds_that_measure_it(models,
 def test_fusion_settings_are_checked():
     with pytest.raises(ValueError, match="budget must be >= 1 and the deadline > 0"):
         Fusion({}, ngram_depth=3, budget=0)
+
+
+@pytest.mark.parametrize("routing", [(), ("--lead-by-score", "--no-plain-rounds")])
+def test_verify_with_two_drafts_from_the_command_line_equals_the_target_alone(tiny_dir, routing):
+    import json
+
+    from specctl.bench.star import free_ports, spawn_role, stop_processes, wait_listening
+    from tests.test_cli import run
+
+    draft_port, target_port = free_ports(2)
+    common = ("--dtype", "fp32", "--threads", "1", "--log-level", "warning")
+    procs = [spawn_role("draft", "--model", str(tiny_dir["llama-draft"]), "--port", str(draft_port), *common)]
+    try:
+        wait_listening(procs[0], "draft server")
+        procs.append(spawn_role("verify", "--model", str(tiny_dir["llama"]), "--port", str(target_port),
+                                "--draft", f"127.0.0.1:{draft_port}", "--draft", "ngram", *routing, *common))
+        wait_listening(procs[1], "target instance")
+        remote = run("generate", "--remote", f"127.0.0.1:{target_port}", "-p", "hello hello hello", "-n", "16",
+                     "--json")
+        local = run("generate", "--target", str(tiny_dir["llama"]), "--mode", "ar", "-p", "hello hello hello",
+                    "-n", "16", "--dtype", "fp32", "--json")
+        assert remote.returncode == 0 and local.returncode == 0, remote.stderr + local.stderr
+        assert json.loads(remote.stdout)["token_ids"] == json.loads(local.stdout)["token_ids"]
+    finally:
+        stop_processes(procs)

@@ -11,6 +11,7 @@ from rich.console import Console
 
 from specctl.config import build_config
 from specctl.errors import ConfigError
+from specctl.spec.routing import RoutingPolicy  # pure: no torch at start-up
 
 AUTH_HELP = "shared auth token (or SPECCTL_AUTH_TOKEN); peers sign a nonce with it, it never crosses the wire"
 
@@ -154,7 +155,8 @@ def verify(
     if draft and len(draft) > 1 and (draft_deadline_ms <= 0 or fusion_budget < 1):
         raise ConfigError("--draft-deadline-ms must be > 0 and --fusion-budget >= 1")
     _serve_target(config, plan, console, stage_one, host=host, port=port, draft=list(draft or []),
-                  fusion_settings=(draft_deadline_ms / 1e3, fusion_budget, plain_rounds, lead_by_rate),
+                  fusion_settings=(draft_deadline_ms / 1e3, fusion_budget,
+                                   RoutingPolicy(plain_arm=plain_rounds, by_rate=lead_by_rate)),
                   auth_token=auth_token, ssl_server=ssl_server, ssl_client=ssl_client,
                   verify_delay_s=verify_delay_ms / 1e3, verify_floor_s=verify_time_ms / 1e3,
                   max_messages_per_s=max_messages_per_s, specpipe=levels,
@@ -201,7 +203,7 @@ def _serve_target(config, plan, console: Console, loaded, *, host: str, port: in
                   ssl_server, ssl_client, verify_delay_s: float, max_messages_per_s: float, specpipe=None,
                   verify_floor_s: float = 0.0,
                   remote_specpipe: tuple[int, int] | None = None,
-                  fusion_settings: tuple[float, int, bool, bool] = (0.5, 16, True, True)) -> None:
+                  fusion_settings: tuple[float, int, RoutingPolicy | None] = (0.5, 16, None)) -> None:
     from specctl.pipeline.launch import pipelined_target
     from specctl.runtime.compute import ComputeThread
     from specctl.runtime.loop import parse_hostport, run_with_compute, serve
@@ -239,12 +241,11 @@ def _serve_target(config, plan, console: Console, loaded, *, host: str, port: in
                               "without it and reconnecting in the background[/]")
         fusion = None
         if several:
-            from specctl.spec.routing import RoutingPolicy
             from specctl.verify.fused import Fusion
 
-            deadline_s, budget, plain_rounds, lead_by_rate = fusion_settings
+            deadline_s, budget, policy = fusion_settings
             fusion = Fusion(clients, ngram_depth=config.depth if "ngram" in draft else 0, budget=budget,
-                            deadline_s=deadline_s, policy=RoutingPolicy(plain_arm=plain_rounds, by_rate=lead_by_rate))
+                            deadline_s=deadline_s, policy=policy or RoutingPolicy())
         else:
             client = next(iter(clients.values()), None)
         if remote_specpipe is not None:  # the levels come from the one draft server
