@@ -117,6 +117,13 @@ async def test_a_slow_draft_server_leads_only_the_rounds_that_measure_it(models,
                 probes, judged_on = probes + 1, judged_on + 1
                 between += probe_after(judged_on)
             assert led[0] <= 3 + probes and led[1] > 3 * led[0]
+            # what the session measured is the target's: the next session starts from it (spec.pays)
+            assert sorted(fusion.pooled_rounds) == [0, 1]
+            assert all(seconds > 0 for rounds in fusion.pooled_rounds.values() for _, (_, seconds) in rounds)
+            tokens, _, _ = await remote_generate("127.0.0.1", port, PROMPTS[0], params)
+            assert tokens == local_reference(models, PROMPTS[0], 40)
+            again = target_server.snapshot()["drafters"][slow_name]["chosen_rounds"] - led[0]
+            assert again < led[0]  # no trial rounds: only the runner-up's probes
         else:  # the score alone never sees that it is slow
             assert led[0] > led[1]
     finally:

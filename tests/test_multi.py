@@ -214,7 +214,7 @@ def test_bench_drafters_measures_singles_routing_and_fusion_with_exact_outputs(t
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert list(report["modes"]) == ["ar", str(tiny_dir["llama-draft"]), "ngram", "routing", "routing+fusion",
-                                     "routing+fusion by score"]
+                                     "routing+fusion, own rates", "routing+fusion by score"]
     assert all(m["outputs_equal_to_ar"] == 1.0 for m in report["modes"].values())
     against = report["against_best_single"]
     assert against["best_single"] in (str(tiny_dir["llama-draft"]), "ngram")

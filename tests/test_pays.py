@@ -4,7 +4,8 @@ rounds commit faster — its output still the target's own."""
 
 from specctl.spec.drafters import Drafter, DraftSession, ModelChainDrafter, NgramDrafter
 from specctl.spec.multi import MultiDrafter
-from specctl.spec.pays import PLAIN, PROBE_EVERY, SPEC_FIRST, TOP, WINDOW, PaysGate, arms, next_arm, probe_after, rate
+from specctl.spec.pays import (PLAIN, PROBE_EVERY, SPEC_FIRST, TOP, WINDOW, PaysGate, arms, next_arm, probe_after, rate,
+                              topped_up)
 from specctl.spec.rounds import generate
 from specctl.spec.routing import NONE, RoutingPolicy
 from specctl.spec.sampling import SamplingParams
@@ -56,6 +57,50 @@ def test_several_drafters_are_tried_in_rank_order_then_the_fastest_leads():
     assert next_arm(measured, order, 0, 3) == 0
     assert next_arm(measured, order, 0, 4) == 2  # the runner-up (3 tok/s, two rounds), not plain
     assert next_arm(measured, [0], 0, PROBE_EVERY) == 0  # one arm: nothing to choose
+
+
+def test_a_session_sees_each_arm_through_its_own_rounds_topped_up_with_the_pooled_ones():
+    pooled = [(4, 1.0)] * WINDOW
+    assert topped_up([], pooled) == pooled
+    assert topped_up([(1, 1.0)] * 3, pooled) == [(1, 1.0)] * 3 + [(4, 1.0)] * (WINDOW - 3)
+    assert topped_up([(1, 1.0)] * WINDOW, pooled) == [(1, 1.0)] * WINDOW  # its own window full: no prior left
+    assert topped_up([(2, 1.0)], [(1, 1.0), (3, 1.0)]) == [(2, 1.0), (1, 1.0), (3, 1.0)]
+    assert topped_up([(2, 1.0)] * (WINDOW - 1), [(1, 1.0), (3, 1.0)]) == [(2, 1.0)] * (WINDOW - 1) + [(3, 1.0)]
+
+
+def test_a_new_session_starts_on_the_arm_the_targets_sessions_measured_fastest():
+    order = [2, 0, PLAIN]  # drafter 2 ranked first by its routing score
+    pooled = {2: [(1, 1.0)] * WINDOW, 0: [(8, 2.0)] * WINDOW, PLAIN: [(1, 0.5)] * WINDOW}
+    assert next_arm({}, order, None, 0) == 2  # without a prior: the best-ranked, measured first
+    assert next_arm({}, order, None, 0, pooled) == 0  # 4 tok/s against 1 and 2: no arm tried anew
+    assert next_arm({}, order, None, 0, {0: [(8, 2.0)]}) == 2  # arms the pool has not seen are tried as before
+    # the runner-up (plain, 2 tok/s) is probed by the session's own count: after 2 rounds, not PROBE_EVERY
+    assert next_arm({0: [(4, 1.0)]}, order, 0, 1, pooled) == 0
+    assert next_arm({0: [(4, 1.0)] * 2}, order, 0, 2, pooled) == PLAIN
+    # this text is not drafter 0's: its own rounds displace the pooled ones and the session moves on
+    own = {0: [(1, 1.0)] * 7, PLAIN: [(1, 0.5)]}  # 0: (7 + 8) tokens / (7 + 2) s = 1.67 tok/s against plain's 2
+    assert next_arm(own, order, 0, 1, pooled) == PLAIN
+
+
+def test_the_gates_of_a_targets_sessions_pool_what_they_measured():
+    pooled: dict = {}
+    first, second = PaysGate(pooled=pooled), PaysGate(pooled=pooled)
+    _round(first, 0.0, 9.0, 2)  # the first round (prompt prefill) is measured by neither
+    assert pooled == {}
+    for i in range(3):
+        arm = first.begin([SPEC, PLAIN], 10.0 + i)
+        first.end(1, 10.25 + i) if arm == PLAIN else first.end(2, 11.0 + i)
+    assert {arm: list(rounds) for arm, rounds in pooled.items()} == {SPEC: [(first, (2, 1.0))] * 2,
+                                                                     PLAIN: [(first, (1, 0.25))]}
+    assert list(second.measured) == []  # a session's own rounds stay its own
+    _round(second, 20.0, 9.0, 2)
+    assert second.begin([SPEC, PLAIN], 30.0) == PLAIN  # the pool's 4 tok/s against 2: no speculative trials
+    second.end(1, 30.5)
+    assert list(pooled[PLAIN]) == [(first, (1, 0.25)), (second, (1, 0.5))]
+    assert list(second.measured[PLAIN]) == [(1, 0.5)]
+    for i in range(WINDOW):
+        _round(second, 40.0 + i, 0.25, 1)
+    assert len(pooled[PLAIN]) == WINDOW  # the pool keeps the last WINDOW rounds of each arm
 
 
 def test_the_arms_are_each_drafter_up_or_the_top_scored_then_none():
@@ -206,3 +251,28 @@ def test_the_drafter_whose_rounds_commit_fastest_leads_though_the_score_ties(tin
                             clock=clock)
     assert generate(tiny["llama"], prompt, params, by_score)[0] == reference
     assert by_score.snapshot()["fast"]["chosen_rounds"] == 0  # the score alone never sees the cost
+
+
+def test_later_sessions_of_a_target_do_not_try_the_costly_drafter_again(tiny):
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompts = [[7, 8, 9, 10] * 6, [3, 4, 5, 6] * 6, [11, 12, 13] * 8]
+    references = [generate(tiny["llama"], prompt, params)[0] for prompt in prompts]
+    one_a_round = dict(alpha=0.0, beta=0.0, free_riders=False)
+
+    def slow_rounds(pooled: bool) -> list[int]:
+        clock = _FakeClock()
+        slow = _Costly(ModelChainDrafter(tiny["llama"], 4), clock, 5.0)  # every token accepted, 5 s a round
+        fast = _Costly(ModelChainDrafter(tiny["llama"], 2), clock, 0.01)
+        drafter = MultiDrafter({"slow": slow, "fast": fast}, policy=RoutingPolicy(**one_a_round, pooled=pooled),
+                               clock=clock)
+        counts = []
+        for prompt, reference in zip(prompts, references):
+            before = drafter.snapshot()["slow"]["chosen_rounds"]
+            assert generate(tiny["llama"], prompt, params, drafter)[0] == reference
+            counts.append(drafter.snapshot()["slow"]["chosen_rounds"] - before)
+        return counts
+
+    # each session on its own tries slow (ranked first on the score's tie) three times; with the
+    # pool only the first session does: the later ones start on fast, and their runner-up is plain
+    assert slow_rounds(pooled=False) == [3, 3, 3]
+    assert slow_rounds(pooled=True) == [3, 0, 0]

@@ -6,9 +6,11 @@ to propose passes the round to the next). Routing + fusion also adds a random ot
 (often while the session accepts little, rarely once it accepts much) and the n-gram
 lookup's match whenever it has one, and fuses the chains. Both may route a session to no
 drafter (plain rounds) where its plain rounds commit faster, and let the drafter whose rounds
-commit fastest on the session lead each round (``spec.pays``); the last mode is routing +
-fusion led by the routing score alone (CoSine's rule, with the plain arm), to show what
-leading by the measured rate adds."""
+commit fastest on the session lead each round (``spec.pays``), each session starting from
+the rates the earlier ones measured; "own rates" is routing + fusion with each session
+measuring every arm itself, to show what sharing adds; the last mode is routing + fusion led
+by the routing score alone (CoSine's rule, with the plain arm), to show what leading by the
+measured rate adds."""
 
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ from specctl.spec.routing import RoutingPolicy
 
 ROUTING_ONLY = RoutingPolicy(alpha=0.0, beta=0.0, free_riders=False)
 BY_SCORE = "routing+fusion by score"
-ROUTED = ("routing", "routing+fusion", BY_SCORE)
+OWN_RATES = "routing+fusion, own rates"  # each session measures every arm itself (no pooled prior)
+ROUTED = ("routing", "routing+fusion", OWN_RATES, BY_SCORE)
 
 
 def run_drafters_bench(config: Config, target: LoadedModel, drafters: dict[str, Drafter], prompts: list[BenchPrompt],
@@ -34,7 +37,9 @@ def run_drafters_bench(config: Config, target: LoadedModel, drafters: dict[str, 
     warm_up = encoded[0][:8]
     routing, fused = MultiDrafter(drafters, policy=ROUTING_ONLY), MultiDrafter(drafters)
     by_score = MultiDrafter(drafters, policy=RoutingPolicy(by_rate=False))
-    plan = {"ar": None, **drafters, "routing": routing, "routing+fusion": fused, BY_SCORE: by_score}
+    own_rates = MultiDrafter(drafters, policy=RoutingPolicy(pooled=False))
+    plan = {"ar": None, **drafters, "routing": routing, "routing+fusion": fused, OWN_RATES: own_rates,
+            BY_SCORE: by_score}
     runners = {}
     for name, drafter in plan.items():
         progress.console.print(f"[dim]preparing {name}[/]")
@@ -46,7 +51,8 @@ def run_drafters_bench(config: Config, target: LoadedModel, drafters: dict[str, 
                      "repeats": repeats, "depth": config.depth, "temperature": 0.0,
                      "tau": fused.policy.tau, "alpha": fused.policy.alpha, "beta": fused.policy.beta},
         "modes": modes,
-        "drafters": {"routing": routing.snapshot(), "routing+fusion": fused.snapshot(), BY_SCORE: by_score.snapshot()},
+        "drafters": {"routing": routing.snapshot(), "routing+fusion": fused.snapshot(),
+                     OWN_RATES: own_rates.snapshot(), BY_SCORE: by_score.snapshot()},
         "against_best_single": against_best_single(modes, list(drafters)),
     }
 

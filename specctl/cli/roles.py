@@ -61,6 +61,9 @@ def verify(
     lead_by_rate: bool = typer.Option(True, "--lead-by-rate/--lead-by-score", help="several drafters: each round "
                                       "is led by the drafter whose rounds commit tokens fastest for the session, as "
                                       "measured on it (--lead-by-score: by the routing score alone, CoSine)"),
+    pooled_rates: bool = typer.Option(True, "--pooled-rates/--own-rates", help="several drafters: a new session "
+                                      "starts from the rates this target's sessions measured, so it does not try "
+                                      "every drafter anew (--own-rates: each session measures every arm itself)"),
     port: Optional[int] = typer.Option(None, help="TCP port (default 9100; 0 = any free port); with --pipeline "
                                        "each stage listens on its own entry's port"),
     host: str = typer.Option("127.0.0.1", help="address to bind"),
@@ -156,7 +159,8 @@ def verify(
         raise ConfigError("--draft-deadline-ms must be > 0 and --fusion-budget >= 1")
     _serve_target(config, plan, console, stage_one, host=host, port=port, draft=list(draft or []),
                   fusion_settings=(draft_deadline_ms / 1e3, fusion_budget,
-                                   RoutingPolicy(plain_arm=plain_rounds, by_rate=lead_by_rate)),
+                                   RoutingPolicy(plain_arm=plain_rounds, by_rate=lead_by_rate,
+                                                 pooled=pooled_rates)),
                   auth_token=auth_token, ssl_server=ssl_server, ssl_client=ssl_client,
                   verify_delay_s=verify_delay_ms / 1e3, verify_floor_s=verify_time_ms / 1e3,
                   max_messages_per_s=max_messages_per_s, specpipe=levels,

@@ -43,6 +43,7 @@ class MultiDrafter(Drafter):
         self.policy = policy or RoutingPolicy()
         self.stats = {name: DrafterStats() for name in self.names}
         self.plain = DrafterStats()  # the rounds routed to no drafter
+        self.pooled_rounds: dict = {}  # arm -> the last rounds its sessions measured (spec.pays)
         self.clock = clock
         self.free = [drafters[name].free for name in self.names]
 
@@ -68,7 +69,8 @@ class _MultiSession(DraftSession):
         self.asked: list[tuple[int, Draft, list[int | None]]] = []  # (drafter, its draft, where it landed)
         self.rounds = 0
         self.accepted = 0
-        self.gate = PaysGate() if owner.policy.measures else None
+        self.gate = PaysGate(pooled=owner.pooled_rounds if owner.policy.pooled else None) \
+            if owner.policy.measures else None
         self.drafted: set[int] = set()  # the drafters that have drafted in this session (their prompt prefill done)
 
     @property

@@ -15,6 +15,13 @@ tries the runner-up once, as the text may have changed (prose, then code) and a 
 rounds is a guess: after 2 rounds while the runner-up has 1 measured, growing to PROBE_EVERY
 once it has a full window (``probe_after``).
 
+A target's sessions share what they measured (``pooled``: each arm's last WINDOW measured
+rounds over all of them): a session sees each arm through its own rounds, topped up to
+WINDOW with the pooled ones, so a new session does not pay again for trying every arm — the
+costly drafter that never pays on this target is not tried by each session anew — while its
+own rounds displace the pooled ones as it measures them (the text at hand decides, the
+target's experience is the prior). The runner-up is still probed by the session's own count.
+
 A round is not measured when it holds a prompt prefill that no later round pays: the
 session's first, and one in which a model drafter drafts for the first time in the session.
 Routing by the score alone (CoSine as published) is the arm TOP: whichever drafter the score
@@ -43,20 +50,29 @@ def rate(rounds: Sequence[Round]) -> float:
 
 
 def next_arm(measured: Mapping[int, Sequence[Round]], order: Sequence[int], current: int | None,
-             streak: int) -> int:
+             streak: int, pooled: Mapping[int, Sequence[Round]] | None = None) -> int:
     """The arm of the next round (pure). ``order``: the arms to choose from, best-ranked first;
-    ``measured``: each arm's measured rounds; ``current``: the arm of the last round (None
-    before the first) and ``streak`` how many rounds in a row it was taken."""
+    ``measured``: each arm's measured rounds in this session; ``current``: the arm of the last
+    round (None before the first) and ``streak`` how many rounds in a row it was taken;
+    ``pooled``: each arm's last rounds measured by every session of the target (``seen``)."""
+    seen = {arm: topped_up(measured.get(arm, ()), (pooled or {}).get(arm, ())) for arm in order}
     top = order[0]
-    if len(order) == 1 or len(measured.get(top, ())) < SPEC_FIRST:
+    if len(order) == 1 or len(seen[top]) < SPEC_FIRST:
         return top
-    untried = next((arm for arm in order[1:] if not measured.get(arm)), None)
+    untried = next((arm for arm in order[1:] if not seen[arm]), None)
     if untried is not None:
         return untried
-    best, runner_up = sorted(order, key=lambda arm: -rate(measured[arm]))[:2]  # of equals the better-ranked
-    if current == best and streak >= probe_after(len(measured[runner_up])):
+    best, runner_up = sorted(order, key=lambda arm: -rate(seen[arm]))[:2]  # of equals the better-ranked
+    if current == best and streak >= probe_after(len(measured.get(runner_up, ()))):
         return runner_up
     return best
+
+
+def topped_up(own: Sequence[Round], pooled: Sequence[Round]) -> list[Round]:
+    """An arm as a session sees it: its own measured rounds, and the most recent pooled ones
+    up to WINDOW in all."""
+    room = WINDOW - len(own)
+    return list(own) + (list(pooled)[-room:] if room > 0 else [])
 
 
 def probe_after(rounds: int) -> int:
@@ -78,6 +94,9 @@ class PaysGate:
     """One session's choice among its arms (``next_arm``)."""
 
     measured: dict[int, deque] = field(default_factory=dict)  # arm -> its last WINDOW measured rounds
+    # the target's: arm -> its last WINDOW measured rounds of all sessions, as (gate, round) so
+    # that a session does not count its own twice; shared by its sessions' gates; None: not shared
+    pooled: dict[int, deque] | None = None
     current: int | None = None  # the arm of the round in flight (or of the last one)
     streak: int = 0  # rounds in a row on that arm
     started: float | None = None  # when the round in flight was asked for; None: none in flight
@@ -85,7 +104,9 @@ class PaysGate:
 
     def begin(self, order: Sequence[int], now: float) -> int:
         """A round starts: its arm, one of ``order``."""
-        arm = next_arm(self.measured, order, self.current, self.streak)
+        others = None if self.pooled is None else \
+            {arm: [r for gate, r in rounds if gate is not self] for arm, rounds in self.pooled.items()}
+        arm = next_arm(self.measured, order, self.current, self.streak, others)
         self.counted = self.current is not None  # the session's first round holds the prompt prefill
         self.streak = self.streak + 1 if arm == self.current else 1
         self.current, self.started = arm, now
@@ -104,5 +125,8 @@ class PaysGate:
         if self.started is None:
             return
         if self.counted:
-            self.measured.setdefault(self.current, deque(maxlen=WINDOW)).append((tokens, now - self.started))
+            measured = (tokens, now - self.started)
+            self.measured.setdefault(self.current, deque(maxlen=WINDOW)).append(measured)
+            if self.pooled is not None:
+                self.pooled.setdefault(self.current, deque(maxlen=WINDOW)).append((self, measured))
         self.started = None

@@ -57,6 +57,7 @@ class RoutingPolicy:
     free_riders: bool = True  # free drafters join every round (fusion); False: one drafter a round
     plain_arm: bool = True  # a session may route to no drafter where plain rounds commit faster (spec.pays)
     by_rate: bool = True  # the drafter whose rounds commit fastest for the session leads (spec.pays); False: the top score
+    pooled: bool = True  # a session starts from the rates the target's other sessions measured (spec.pays)
 
     @property
     def measures(self) -> bool:

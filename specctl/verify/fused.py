@@ -48,6 +48,7 @@ class Fusion:
     deadline_s: float = 0.5  # a drafter that has not answered by then is skipped for the round
     policy: RoutingPolicy = field(default_factory=RoutingPolicy)
     stats: dict[str, DrafterStats] = field(default_factory=dict)
+    pooled_rounds: dict = field(default_factory=dict)  # arm -> the last rounds the sessions measured (spec.pays)
 
     def __post_init__(self) -> None:
         for name in self.names + ([NONE] if self.policy.plain_arm else []):
@@ -94,7 +95,8 @@ class FusedSpeculator:
         self.ngram = NgramDrafter(fusion.ngram_depth) if fusion.ngram_depth else None
         self.asked: list[tuple[_Link, Draft, list[int | None]]] = []  # (drafter, its draft, where it landed)
         self.rounds = self.accepted = 0
-        self.gate = PaysGate() if fusion.policy.measures else None
+        self.gate = PaysGate(pooled=fusion.pooled_rounds if fusion.policy.pooled else None) \
+            if fusion.policy.measures else None
 
     def begin(self, session: DecodeSession) -> None:
         for link in self.links:
