@@ -5,7 +5,7 @@ rounds commit faster — its output still the target's own."""
 from specctl.spec.drafters import Drafter, DraftSession, ModelChainDrafter, NgramDrafter
 from specctl.spec.multi import MultiDrafter
 from specctl.spec.pays import (PLAIN, PROBE_EVERY, SPEC_FIRST, TOP, WINDOW, PaysGate, arms, next_arm, probe_after, rate,
-                              topped_up)
+                              as_seen)
 from specctl.spec.rounds import generate
 from specctl.spec.routing import NONE, RoutingPolicy
 from specctl.spec.sampling import SamplingParams
@@ -59,13 +59,11 @@ def test_several_drafters_are_tried_in_rank_order_then_the_fastest_leads():
     assert next_arm(measured, [0], 0, PROBE_EVERY) == 0  # one arm: nothing to choose
 
 
-def test_a_session_sees_each_arm_through_its_own_rounds_topped_up_with_the_pooled_ones():
-    pooled = [(4, 1.0)] * WINDOW
-    assert topped_up([], pooled) == pooled
-    assert topped_up([(1, 1.0)] * 3, pooled) == [(1, 1.0)] * 3 + [(4, 1.0)] * (WINDOW - 3)
-    assert topped_up([(1, 1.0)] * WINDOW, pooled) == [(1, 1.0)] * WINDOW  # its own window full: no prior left
-    assert topped_up([(2, 1.0)], [(1, 1.0), (3, 1.0)]) == [(2, 1.0), (1, 1.0), (3, 1.0)]
-    assert topped_up([(2, 1.0)] * (WINDOW - 1), [(1, 1.0), (3, 1.0)]) == [(2, 1.0)] * (WINDOW - 1) + [(3, 1.0)]
+def test_a_session_judges_an_arm_by_its_own_rounds_once_it_has_any_else_by_the_pooled_ones():
+    pooled = [(4, 1.0)] * (WINDOW + 2)
+    assert as_seen([], pooled) == [(4, 1.0)] * WINDOW
+    assert as_seen([(1, 1.0)], pooled) == [(1, 1.0)]
+    assert as_seen([], []) == []
 
 
 def test_a_new_session_starts_on_the_arm_the_targets_sessions_measured_fastest():
@@ -77,9 +75,18 @@ def test_a_new_session_starts_on_the_arm_the_targets_sessions_measured_fastest()
     # the runner-up (plain, 2 tok/s) is probed by the session's own count: after 2 rounds, not PROBE_EVERY
     assert next_arm({0: [(4, 1.0)]}, order, 0, 1, pooled) == 0
     assert next_arm({0: [(4, 1.0)] * 2}, order, 0, 2, pooled) == PLAIN
-    # this text is not drafter 0's: its own rounds displace the pooled ones and the session moves on
-    own = {0: [(1, 1.0)] * 7, PLAIN: [(1, 0.5)]}  # 0: (7 + 8) tokens / (7 + 2) s = 1.67 tok/s against plain's 2
-    assert next_arm(own, order, 0, 1, pooled) == PLAIN
+    # this text is not drafter 0's: one round of its own replaces the pool's 4 tok/s
+    assert next_arm({0: [(1, 1.0)]}, order, 0, 1, pooled) == PLAIN  # 1 tok/s against plain's pooled 2
+
+
+def test_a_session_tries_a_free_drafter_itself_though_the_pool_knows_it():
+    order = [2, 0, PLAIN]  # drafter 2 (free, the n-gram lookup) ranked first on the score's tie
+    pooled = {2: [(1, 1.0)] * WINDOW, 0: [(8, 2.0)] * WINDOW, PLAIN: [(1, 0.5)] * WINDOW}
+    assert next_arm({}, order, None, 0, pooled) == 0  # the pool's fastest
+    assert next_arm({}, order, None, 0, pooled, own_first=[2]) == 2  # but the free one is tried first, once
+    # on this text it commits 6 tokens a second, against the pool's 4 for drafter 0: it leads
+    assert next_arm({2: [(6, 1.0)]}, order, 2, 1, pooled, own_first=[2]) == 2
+    assert next_arm({2: [(2, 1.0)]}, order, 2, 1, pooled, own_first=[2]) == 0  # here it does not
 
 
 def test_the_gates_of_a_targets_sessions_pool_what_they_measured():
@@ -98,9 +105,10 @@ def test_the_gates_of_a_targets_sessions_pool_what_they_measured():
     second.end(1, 30.5)
     assert list(pooled[PLAIN]) == [(first, (1, 0.25)), (second, (1, 0.5))]
     assert list(second.measured[PLAIN]) == [(1, 0.5)]
-    for i in range(WINDOW):
+    for i in range(3 * WINDOW):
         _round(second, 40.0 + i, 0.25, 1)
-    assert len(pooled[PLAIN]) == WINDOW  # the pool keeps the last WINDOW rounds of each arm
+    # the pool keeps the last WINDOW rounds of each arm (equal rates: the better-ranked leads)
+    assert len(pooled[SPEC]) == WINDOW and len(pooled[PLAIN]) <= WINDOW
 
 
 def test_the_arms_are_each_drafter_up_or_the_top_scored_then_none():

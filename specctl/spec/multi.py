@@ -83,7 +83,8 @@ class _MultiSession(DraftSession):
         lead = TOP
         if self.gate is not None:
             ranked = rank_drafters(scores, up, owner.free)
-            lead = self.gate.begin(arms(ranked, policy.by_rate, policy.plain_arm), owner.clock())
+            lead = self.gate.begin(arms(ranked, policy.by_rate, policy.plain_arm), owner.clock(),
+                                   [i for i in ranked if owner.free[i]])
             if lead == PLAIN:
                 owner.plain.chosen_rounds += 1
                 self.asked = []

@@ -16,14 +16,14 @@ rounds is a guess: after 2 rounds while the runner-up has 1 measured, growing to
 once it has a full window (``probe_after``).
 
 A target's sessions share what they measured (``pooled``: each arm's last WINDOW measured
-rounds over all of them): a session sees each arm through its own rounds, topped up to
-WINDOW with the pooled ones, so a new session does not pay again for trying every arm — the
-costly drafter that never pays on this target is not tried by each session anew — while its
-own rounds displace the pooled ones as it measures them (the text at hand decides, the
-target's experience is the prior). The runner-up is still probed by the session's own count.
+rounds over all of them): a session judges an arm by its own rounds once it has any, and by
+the pooled ones until then, so a new session starts on the arm the target found fastest and
+does not pay again for trying every arm — the costly drafter that never pays on this target
+is not tried by each session anew. The text at hand still decides: the runner-up is probed by
+the session's own count, a free drafter is tried by each session itself (``own_first``), and
+one round of its own replaces the pool's word on an arm (a pooled rate mixes texts: the
+n-gram lookup is far the best on a summary of the prompt and poor elsewhere).
 
-A round is not measured when it holds a prompt prefill that no later round pays: the
-session's first, and one in which a model drafter drafts for the first time in the session.
 Routing by the score alone (CoSine as published) is the arm TOP: whichever drafter the score
 ranks first, against none. vLLM and SGLang users know the none arm as dynamic speculation
 (turned off where it does not pay)."""
@@ -31,7 +31,7 @@ ranks first, against none. vLLM and SGLang users know the none arm as dynamic sp
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 WINDOW = 8  # measured rounds per arm the rates are taken over
@@ -50,16 +50,20 @@ def rate(rounds: Sequence[Round]) -> float:
 
 
 def next_arm(measured: Mapping[int, Sequence[Round]], order: Sequence[int], current: int | None,
-             streak: int, pooled: Mapping[int, Sequence[Round]] | None = None) -> int:
+             streak: int, pooled: Mapping[int, Sequence[Round]] | None = None,
+             own_first: Collection[int] = ()) -> int:
     """The arm of the next round (pure). ``order``: the arms to choose from, best-ranked first;
     ``measured``: each arm's measured rounds in this session; ``current``: the arm of the last
     round (None before the first) and ``streak`` how many rounds in a row it was taken;
-    ``pooled``: each arm's last rounds measured by every session of the target (``seen``)."""
-    seen = {arm: topped_up(measured.get(arm, ()), (pooled or {}).get(arm, ())) for arm in order}
+    ``pooled``: each arm's last rounds measured by every session of the target (``seen``);
+    ``own_first``: arms the session tries itself though the pool knows them (a free drafter:
+    trying it costs no drafting, and where it is best — the n-gram lookup on a summary of the
+    prompt — it is best by far, on texts the pool's rate says little about)."""
+    seen = {arm: as_seen(measured.get(arm, ()), (pooled or {}).get(arm, ())) for arm in order}
     top = order[0]
-    if len(order) == 1 or len(seen[top]) < SPEC_FIRST:
+    if len(order) == 1 or len(measured.get(top, ())) + len((pooled or {}).get(top, ())) < SPEC_FIRST:
         return top
-    untried = next((arm for arm in order[1:] if not seen[arm]), None)
+    untried = next((arm for arm in order if not seen[arm] or (arm in own_first and not measured.get(arm))), None)
     if untried is not None:
         return untried
     best, runner_up = sorted(order, key=lambda arm: -rate(seen[arm]))[:2]  # of equals the better-ranked
@@ -68,11 +72,9 @@ def next_arm(measured: Mapping[int, Sequence[Round]], order: Sequence[int], curr
     return best
 
 
-def topped_up(own: Sequence[Round], pooled: Sequence[Round]) -> list[Round]:
-    """An arm as a session sees it: its own measured rounds, and the most recent pooled ones
-    up to WINDOW in all."""
-    room = WINDOW - len(own)
-    return list(own) + (list(pooled)[-room:] if room > 0 else [])
+def as_seen(own: Sequence[Round], pooled: Sequence[Round]) -> list[Round]:
+    """The rounds a session judges an arm by: its own once it has any, else the pooled ones."""
+    return list(own) if own else list(pooled)[-WINDOW:]
 
 
 def probe_after(rounds: int) -> int:
@@ -102,11 +104,11 @@ class PaysGate:
     started: float | None = None  # when the round in flight was asked for; None: none in flight
     counted: bool = False  # the round in flight is measured
 
-    def begin(self, order: Sequence[int], now: float) -> int:
-        """A round starts: its arm, one of ``order``."""
+    def begin(self, order: Sequence[int], now: float, own_first: Collection[int] = ()) -> int:
+        """A round starts: its arm, one of ``order`` (``own_first``: as ``next_arm``)."""
         others = None if self.pooled is None else \
             {arm: [r for gate, r in rounds if gate is not self] for arm, rounds in self.pooled.items()}
-        arm = next_arm(self.measured, order, self.current, self.streak, others)
+        arm = next_arm(self.measured, order, self.current, self.streak, others, own_first)
         self.counted = self.current is not None  # the session's first round holds the prompt prefill
         self.streak = self.streak + 1 if arm == self.current else 1
         self.current, self.started = arm, now

@@ -126,7 +126,9 @@ class FusedSpeculator:
         lead = TOP
         if self.gate is not None:
             self.gate.end(len(session.last_committed), started)
-            lead = self.gate.begin(arms(rank_drafters(scores, up, free), policy.by_rate, policy.plain_arm), started)
+            ranked = rank_drafters(scores, up, free)
+            lead = self.gate.begin(arms(ranked, policy.by_rate, policy.plain_arm), started,
+                                   [i for i in ranked if free[i]])
             if lead == PLAIN:
                 stats[NONE].chosen_rounds += 1  # plain decoding pays more for this session now
                 return Drafted(None, time.perf_counter() - started)
