@@ -24,6 +24,8 @@ the session's own count, a free drafter is tried by each session itself (``own_f
 one round of its own replaces the pool's word on an arm (a pooled rate mixes texts: the
 n-gram lookup is far the best on a summary of the prompt and poor elsewhere).
 
+A round is not measured when it holds a prompt prefill that no later round pays: the
+session's first, and one in which a model drafter drafts for the first time in the session.
 Routing by the score alone (CoSine as published) is the arm TOP: whichever drafter the score
 ranks first, against none. vLLM and SGLang users know the none arm as dynamic speculation
 (turned off where it does not pay)."""
