@@ -21,9 +21,7 @@ from functools import partial
 
 from specctl.draft.fanout import (
     MIN_OUTCOMES_FOR_FIT, acceptance_estimate, budget_that_fits, budget_that_pays, choose_fallback, expected_hit,
-    hit_curve,
-    fanout_for, outcome_probs, power_law_exponent, step_time_fit,
-    tree_outcome_probs,
+    fanout_for, hit_curve, outcome_probs, power_law_exponent, step_time_fit, tree_outcome_probs,
 )
 from specctl.draft.prespec_config import FALLBACKS, PrespecConfig  # noqa: F401 - re-exported
 from specctl.draft.prespec import Plan, adopt, discard, finish, kv_per_branch, make_plan, proposal_of, step
