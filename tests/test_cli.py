@@ -1,6 +1,7 @@
 """The command line as a user meets it: JSON output, and one-line errors without tracebacks."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -72,8 +73,23 @@ def test_bad_parameters_error(tiny_dir, flags, expected):
 def test_help_explains_every_role_command():
     proc = run("--help")
     assert proc.returncode == 0
-    for command in ("generate", "models", "bench"):
-        assert command in proc.stdout
+    for command in ("generate", "draft", "verify", "plan", "gateway", "up", "chat", "monitor", "models", "bench"):
+        assert f"│ {command} " in proc.stdout, command
+
+
+def test_command_lists_show_each_summary_unbroken():
+    """A docstring's first paragraph spans source lines; the command list joins them (typer's
+    rich mode would break the sentence where the source line ends)."""
+    wide = subprocess.run([sys.executable, "-m", "specctl", "bench", "--help"], capture_output=True, text=True,
+                          env={**os.environ, "COLUMNS": "400"}, timeout=60)
+    assert wide.returncode == 0
+    assert ("pipeline  Time between tokens of plain PP, PP + chain speculation and SpecPipe at each stage count, "
+            "outputs checked against the target alone, SpecPipe's E(T) prediction beside it.") in wide.stdout
+    from specctl.cli import app, bench, models
+
+    for sub in (app, bench.app, models.app):
+        for info in sub.registered_commands:
+            assert "\n" not in info.short_help and info.short_help.endswith((".", ")")), info.short_help
 
 
 def test_bench_local_writes_json(tiny_dir, tmp_path):

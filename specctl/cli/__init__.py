@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import typer
@@ -27,6 +28,18 @@ app.command("gateway")(gateway.gateway)
 app.command("up")(gateway.up)
 app.command("chat")(chat.chat)
 app.command("monitor")(monitor.monitor)
+
+
+def _one_line_summaries(*apps: typer.Typer) -> None:
+    """Command lists show each command's first docstring paragraph; typer's rich mode keeps its
+    line breaks there, so the wrapped source lines would break mid-sentence: join them."""
+    for sub in apps:
+        for info in sub.registered_commands:
+            if info.short_help is None and info.callback is not None and info.callback.__doc__:
+                info.short_help = " ".join(inspect.cleandoc(info.callback.__doc__).split("\n\n")[0].split())
+
+
+_one_line_summaries(app, bench.app, models.app)
 
 
 def main() -> None:
