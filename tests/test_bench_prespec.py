@@ -31,6 +31,14 @@ def test_summary_reports_min_median_max_per_n():
     assert summary["1"]["same_as_plain"] is True and summary["2"]["same_as_plain"] is False
 
 
+def test_the_delay_and_the_floor_are_alternatives():
+    from specctl.cli.bench_prespec import emulated_delay_ms
+
+    assert emulated_delay_ms(None, 0.0) == 60.0  # the default emulation: a delay
+    assert emulated_delay_ms(None, 150.0) == 0.0  # --verify-time-ms alone: 150 ms, not 60 ms more
+    assert emulated_delay_ms(25.0, 150.0) == 25.0  # both given: both, as asked
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_prespec_bench_runs_both_clusters_of_real_processes(tiny_dir, mode):

@@ -13,6 +13,18 @@ from specctl.config import QUANTS
 from specctl.errors import ConfigError
 
 
+DEFAULT_DELAY_MS = 60.0
+
+
+def emulated_delay_ms(delay_ms: float | None, floor_ms: float) -> float:
+    """The delay added to every verification: as given, else the default unless a floor
+    (--verify-time-ms) is given — the two emulations are alternatives, and a user who asks for
+    a 150 ms verification means 150 ms, not 60 ms more."""
+    if delay_ms is not None:
+        return delay_ms
+    return 0.0 if floor_ms > 0 else DEFAULT_DELAY_MS
+
+
 def prespec(
     draft: str = typer.Option("qwen2.5-coder-0.5b", help="draft model for both draft servers (NAME@N: first N layers)"),
     target: str = typer.Option("qwen2.5-coder-1.5b", help="target model for every target instance"),
@@ -24,8 +36,9 @@ def prespec(
     max_targets: int = typer.Option(4, "--max-targets", help="the most target processes (N_full is capped at it)"),
     max_tokens: int = typer.Option(48, "--max-tokens", "-n", help="new tokens per session"),
     sessions: int = typer.Option(2, "--sessions", help="sessions per target, N and repeat (the same prompts for all)"),
-    verify_delay_ms: float = typer.Option(60.0, "--verify-delay-ms", help="added to every verification (emulation): "
-                                          "choose it so that Z is about S"),
+    verify_delay_ms: Optional[float] = typer.Option(None, "--verify-delay-ms", help="added to every verification "
+                                                    "(emulation): choose it so that Z is about S (default: 60, or 0 "
+                                                    "with --verify-time-ms)"),
     verify_time_ms: float = typer.Option(0.0, "--verify-time-ms", help="every verification takes at least this long, "
                                          "its compute included (emulation of target devices: what the draft's "
                                          "background work costs this machine's shared cores stays inside it)"),
@@ -53,6 +66,7 @@ def prespec(
     from specctl.spec.factory import split_model_name
     from specctl.store import resolve_model
 
+    verify_delay_ms = emulated_delay_ms(verify_delay_ms, verify_time_ms)
     for name, value in (("--draft-quant", draft_quant), ("--target-quant", target_quant)):
         if value not in QUANTS:
             raise ConfigError(f"{name} must be one of {', '.join(QUANTS)}, got {value!r}")
