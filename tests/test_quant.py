@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from specctl.engine.loader import load_decoder
-from specctl.engine.quant import RowScaledInt8Linear, quantize_decoder
+from specctl.engine.quant import CompactEmbedding, RowScaledInt8Linear, quantize_decoder
+from specctl.engine.tiny import make_tiny_model
 from specctl.errors import ConfigError
 from specctl.spec.decode import DecodeSession
 from specctl.spec.rounds import generate
@@ -87,3 +88,32 @@ def test_quantize_modes(tiny_dir):
     assert quantize_decoder(decoder, "none") is decoder
     with pytest.raises(ConfigError, match=r"^quantization must be one of none, int8, got 'int4'$"):
         quantize_decoder(decoder, "int4")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied and tied embeddings
+def test_int8_from_a_bf16_checkpoint_as_stored_equals_widening_it_first(tmp_path, arch):
+    """Loading as stored (no fp32 copy of the model) gives the same int8 model bit for bit, its
+    embedding table kept in bf16 at half the bytes."""
+    path = make_tiny_model(tmp_path / arch, arch, seed=5, dtype=torch.bfloat16)
+    widened = quantize_decoder(load_decoder(path, torch.float32), "int8")
+    stored = load_decoder(path, None)
+    assert stored.embed_tokens.weight.dtype == torch.bfloat16 and stored.dtype == torch.bfloat16
+    stored = quantize_decoder(stored, "int8")
+    assert isinstance(stored.embed_tokens, CompactEmbedding) and stored.embed_tokens.weight.dtype == torch.bfloat16
+    assert type(widened.embed_tokens) is nn.Embedding and widened.embed_tokens.weight.dtype == torch.float32
+    assert stored.dtype == torch.float32 and all(p.dtype == torch.float32 for n, p in stored.named_parameters()
+                                                 if not n.startswith("embed_tokens."))
+    ids = torch.tensor([1, 2, 3, 250, 7])
+    assert torch.equal(stored.embed_tokens(ids), widened.embed_tokens(ids))
+    assert stored.embed_tokens(ids).dtype == torch.float32
+    prompt = [5, 9, 40, 41, 42]
+    want = widened(torch.tensor(prompt), torch.arange(5), widened.new_cache(8))
+    got = stored(torch.tensor(prompt), torch.arange(5), stored.new_cache(8))
+    assert torch.equal(got, want)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    assert generate(stored, prompt, params)[0] == generate(widened, prompt, params)[0]
+
+
+def test_an_fp32_checkpoints_embedding_stays_a_plain_fp32_table(tiny_dir):
+    decoder = quantize_decoder(load_decoder(tiny_dir["llama"], None), "int8")
+    assert type(decoder.embed_tokens) is nn.Embedding and decoder.embed_tokens.weight.dtype == torch.float32

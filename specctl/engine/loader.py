@@ -64,7 +64,7 @@ def _weight_files(path: Path) -> list[Path]:
 
 def load_decoder(
     path: Path,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = torch.float32,
     layer_range: tuple[int, int] | None = None,
     embed: bool = True,
     head: bool = True,
@@ -73,12 +73,13 @@ def load_decoder(
     config: Any = None,
 ) -> Decoder:
     """``backend``: an attention backend or ``auto`` (chosen here, from device, dtype and
-    head dim)."""
+    head dim). ``dtype`` None keeps the checkpoint's own dtypes, for a caller that converts
+    the model next (int8 quantization: no fp32 copy of the whole model is ever held)."""
     from transformers import AutoConfig
 
     config = config or AutoConfig.from_pretrained(path)
     spec = ModelSpec.from_hf(config)
-    backend = select_backend(backend, device, dtype, spec.head_dim)
+    backend = select_backend(backend, device, dtype or torch.float32, spec.head_dim)
     with torch.device("meta"):
         decoder = Decoder(spec, layer_range, embed, head, backend)
     first, last = decoder.layer_range
@@ -99,7 +100,7 @@ def load_decoder(
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():
                 if key in wanted:
-                    tensor = f.get_tensor(key).to(dtype)
+                    tensor = f.get_tensor(key) if dtype is None else f.get_tensor(key).to(dtype)
                     if wanted[key] is not None:
                         state[wanted[key]] = tensor
                     if key == "model.embed_tokens.weight" and spec.tie_embeddings and head:
@@ -123,7 +124,8 @@ def load_model(
     stage: tuple[tuple[int, int], bool, bool] | None = None,
 ) -> LoadedModel:
     """Full model (or its first ``num_layers`` layers + norm + head: an early-exit self-draft;
-    or a pipeline stage: ``stage`` = (layer range, embedding?, norm + head?))."""
+    or a pipeline stage: ``stage`` = (layer range, embedding?, norm + head?)). ``dtype``
+    "stored": the checkpoint's own (``load_decoder``'s None)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     config = AutoConfig.from_pretrained(path)
@@ -132,7 +134,7 @@ def load_model(
         if not 0 < num_layers <= config.num_hidden_layers:
             raise ModelNotFound(f"{name}: cannot take the first {num_layers} of {config.num_hidden_layers} layers")
         layer_range = (0, num_layers)
-    decoder = load_decoder(path, DTYPES[dtype], layer_range, embed, head, device=device, backend=backend,
+    decoder = load_decoder(path, None if dtype == "stored" else DTYPES[dtype], layer_range, embed, head, device=device, backend=backend,
                            config=config)
     tokenizer = AutoTokenizer.from_pretrained(path)
     eos: set[int] = set()

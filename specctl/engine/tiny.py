@@ -57,8 +57,11 @@ def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, layers: int =
     raise ValueError(f"no tiny config for {arch!r}")
 
 
-def make_tiny_model(directory: Path | str, arch: str = "llama", seed: int = 0, init_std: float = 0.1, **config) -> Path:
-    """Write a random-weight checkpoint (config.json, safetensors, tokenizer) to ``directory``.
+def make_tiny_model(directory: Path | str, arch: str = "llama", seed: int = 0, init_std: float = 0.1,
+                    dtype: torch.dtype = torch.float32, **config) -> Path:
+    """Write a random-weight checkpoint (config.json, safetensors, tokenizer) to ``directory``,
+    its weights stored in ``dtype`` (bf16, as the packaged models are stored, for the loaders
+    that keep a checkpoint's dtype).
 
     ``init_std`` larger than the usual 0.02 gives peaked, varied next-token distributions, so
     greedy decoding does not collapse into repeating one token."""
@@ -69,7 +72,7 @@ def make_tiny_model(directory: Path | str, arch: str = "llama", seed: int = 0, i
     cfg.initializer_range = init_std
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    model.save_pretrained(directory)
+    model.to(dtype).save_pretrained(directory)
     if cfg.vocab_size >= TINY_VOCAB:  # smaller vocabularies are for token-level tests only
         make_byte_tokenizer(cfg.vocab_size).save_pretrained(directory)
     return directory

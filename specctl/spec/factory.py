@@ -40,13 +40,14 @@ def load_named(name: str, config: Config, console: Console | None = None, quant:
     base, layers = split_model_name(name)
     path = resolve_model(base, console)
     console = console or Console(stderr=True)
-    dtype = "fp32" if quant == "int8" else config.dtype
+    dtype = "fp32" if quant == "int8" else config.dtype  # what it computes in
     if config.attention_backend != "auto":
         select_backend(config.attention_backend, config.device, DTYPES[dtype])  # refuse early, before a download
     what = "" if stage is None else f" layers {stage[0][0]}:{stage[0][1]}"
     with console.status(f"loading {name}{what} ({quant if quant != 'none' else config.dtype})"):
-        model = load_model(name, path, dtype, num_layers=layers, device=config.device,
-                           backend=config.attention_backend, stage=stage)
+        # int8: loaded as stored (bf16), each linear widened only while it is quantized.
+        model = load_model(name, path, "stored" if quant == "int8" else dtype, num_layers=layers,
+                           device=config.device, backend=config.attention_backend, stage=stage)
         model.decoder = quantize_decoder(model.decoder, quant)
         if target and config.row_exact_attention and rows.candidate(config.device, dtype, quant) \
                 and rows.decoder_rows_independent(model.decoder, quant):
