@@ -19,7 +19,7 @@ import aiohttp
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from specctl.bench.star import free_port
+from specctl.bench.processes import free_port
 
 TARGET, DRAFT = "smollm2-135m", "smollm2-135m@25"
 PROMPT, CHAT = "def fibonacci(n):", "Write a haiku about the sea."

@@ -13,7 +13,7 @@ import threading
 import time
 import urllib.request
 
-from specctl.bench.star import free_ports, stop_processes
+from specctl.bench.processes import free_ports, stop_processes
 
 PY = sys.executable
 SESSION = f"specctl-monitor-demo-{int(time.time())}"

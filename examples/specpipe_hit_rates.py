@@ -17,7 +17,8 @@ from rich.console import Console
 from specctl.bench.prompts import load_prompts
 from specctl.config import build_config
 from specctl.pipeline.local import LocalPipeline
-from specctl.pipeline.specpipe import TreeShape, specpipe_generate
+from specctl.pipeline.specpipe import specpipe_generate
+from specctl.pipeline.token_source import TreeShape
 from specctl.spec.factory import apply_threads, load_named
 from specctl.spec.sampling import SamplingParams
 

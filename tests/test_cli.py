@@ -187,7 +187,7 @@ def test_a_port_in_use_is_one_line_naming_it(tiny_dir):
 def test_remote_generation_uses_the_tokenizer_of_the_model_the_instance_serves(tiny_dir):
     """Against a target that is not the default model: the text equals the local run of that
     model, and a --target that contradicts the instance is refused in one line."""
-    from specctl.bench.star import free_port, spawn_role, stop_processes, wait_listening
+    from specctl.bench.processes import free_port, spawn_role, stop_processes, wait_listening
 
     model = str(tiny_dir["llama-other-vocab"])
     port = free_port()
@@ -237,7 +237,7 @@ def test_pipeline_flags_are_checked_before_anything_loads(args, message):
 
 
 def test_a_gateway_with_no_reachable_target_says_so_in_one_lowercase_line():
-    from specctl.bench.star import free_port
+    from specctl.bench.processes import free_port
 
     port = free_port()  # nothing listens there
     _assert_one_line_error(run("gateway", "--target", f"127.0.0.1:{port}", "--port", "0", timeout=60),

@@ -139,7 +139,7 @@ def test_fusion_settings_are_checked():
 def test_verify_with_two_drafts_from_the_command_line_equals_the_target_alone(tiny_dir, routing):
     import json
 
-    from specctl.bench.star import free_ports, spawn_role, stop_processes, wait_listening
+    from specctl.bench.processes import free_ports, spawn_role, stop_processes, wait_listening
     from tests.test_cli import run
 
     draft_port, target_port = free_ports(2)

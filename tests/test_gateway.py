@@ -243,7 +243,7 @@ async def test_no_reachable_target_is_503_with_retry_after_and_api_key_is_checke
     import aiohttp
     from transformers import AutoTokenizer
 
-    from specctl.bench.star import free_port
+    from specctl.bench.processes import free_port
     from specctl.gateway.metrics import GatewayMetrics
     from specctl.gateway.server import Gateway, GatewayConfig
     from specctl.gateway.upstream import Upstream
@@ -274,7 +274,7 @@ async def test_no_reachable_target_is_503_with_retry_after_and_api_key_is_checke
 
 
 def test_monitor_feed_straight_from_the_roles(cluster):
-    from specctl.bench.star import free_port
+    from specctl.bench.processes import free_port
     from specctl.monitor.source import roles_feed
 
     urls = cluster[1]

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from specctl.bench.star import free_ports, spawn_role, stop_processes, wait_listening
+from specctl.bench.processes import free_ports, spawn_role, stop_processes, wait_listening
 from specctl.engine.loader import load_model
 from specctl.spec.rounds import generate
 from specctl.spec.sampling import SamplingParams

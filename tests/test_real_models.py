@@ -89,7 +89,7 @@ async def test_qwen_target_split_over_four_stage_processes_is_exact_in_fp32():
     produce the whole target's greedy tokens."""
     import asyncio
 
-    from specctl.bench.star import free_ports, spawn_role, stop_processes, wait_listening
+    from specctl.bench.processes import free_ports, spawn_role, stop_processes, wait_listening
     from specctl.verify.client import remote_generate
 
     target = load_model("qwen2.5-coder-1.5b", resolve_model("qwen2.5-coder-1.5b"), "fp32")

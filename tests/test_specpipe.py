@@ -12,7 +12,8 @@ from specctl.engine.loader import LoadedModel, load_decoder, load_model
 from specctl.engine.tiny import make_tiny_model
 from specctl.pipeline.live_tree import CacheMirror, SpecTree
 from specctl.pipeline.local import LocalPipeline
-from specctl.pipeline.specpipe import DraftLevels, SpecPipeRun, TreeShape, max_tree_nodes, specpipe_generate
+from specctl.pipeline.specpipe import SpecPipeRun, specpipe_generate
+from specctl.pipeline.token_source import DraftLevels, TreeShape, max_tree_nodes
 from specctl.spec.decode import DecodeSession
 from specctl.spec.rounds import generate
 from specctl.spec.sampling import SamplingParams

@@ -17,7 +17,8 @@ from specctl.net.handshake import client_handshake
 from specctl.net.protocol import Error, Level, NextLevel, OpenLevels, Reroot, SessionOpened
 from specctl.pipeline.local import LocalPipeline
 from specctl.pipeline.serve import SpecPipeDraft
-from specctl.pipeline.specpipe import TreeShape, specpipe_generate
+from specctl.pipeline.specpipe import specpipe_generate
+from specctl.pipeline.token_source import TreeShape
 from specctl.spec.drafters import ModelChainDrafter
 from specctl.spec.rounds import generate
 from specctl.spec.sampling import SamplingParams

@@ -19,7 +19,8 @@ from specctl.engine.model import Decoder
 from specctl.pipeline.decoder import sleep_rest
 from specctl.pipeline.local import LocalPipeline
 from specctl.pipeline.microbatch import MicroBatchLane
-from specctl.pipeline.specpipe import TreeShape, specpipe_generate
+from specctl.pipeline.specpipe import specpipe_generate
+from specctl.pipeline.token_source import TreeShape
 from specctl.runtime.compute import ComputeThread
 from specctl.spec.decode import DecodeSession
 from specctl.spec.drafters import ModelChainDrafter

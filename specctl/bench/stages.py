@@ -11,7 +11,7 @@ import dataclasses
 import subprocess
 import time
 
-from specctl.bench.star import free_ports, spawn_role, stop_processes, wait_listening
+from specctl.bench.processes import free_ports, spawn_role, stop_processes, wait_listening
 from specctl.engine.loader import LoadedModel
 from specctl.errors import SpecctlError
 from specctl.pipeline.decoder import PipelineClient

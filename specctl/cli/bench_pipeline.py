@@ -43,7 +43,7 @@ def pipeline(
     from specctl.bench.render import render_pipeline_table
     from specctl.cli.bench import int_list
     from specctl.engine.loader import check_same_vocab
-    from specctl.pipeline.specpipe import TreeShape
+    from specctl.pipeline.token_source import TreeShape
     from specctl.spec.factory import apply_threads, load_named
 
     counts = int_list(stages, "--stages")

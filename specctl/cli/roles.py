@@ -146,7 +146,7 @@ def verify(
     if specpipe_draft:
         from specctl.engine.loader import check_same_vocab
         from specctl.pipeline.serve import SpecPipeDraft
-        from specctl.pipeline.specpipe import TreeShape
+        from specctl.pipeline.token_source import TreeShape
         from specctl.spec.factory import load_named
 
         stage_one = load_stage(config, plan, console)
@@ -168,7 +168,7 @@ def verify(
 
 
 def _check_specpipe_shape(stages: int, width: int, topk: int) -> None:
-    from specctl.pipeline.specpipe import TreeShape, max_tree_nodes
+    from specctl.pipeline.token_source import TreeShape, max_tree_nodes
     from specctl.verify.server import MAX_PROPOSAL_NODES
 
     if not (1 <= width <= 16 and 1 <= topk <= 16):
@@ -254,7 +254,7 @@ def _serve_target(config, plan, console: Console, loaded, *, host: str, port: in
             client = next(iter(clients.values()), None)
         if remote_specpipe is not None:  # the levels come from the one draft server
             from specctl.pipeline.serve import SpecPipeDraft
-            from specctl.pipeline.specpipe import TreeShape
+            from specctl.pipeline.token_source import TreeShape
 
             specpipe = SpecPipeDraft.remote(client, asyncio.get_running_loop(), TreeShape(*remote_specpipe), draft[0])
         stages = f" stage 1/{plan.count} (layers {plan.layers[0]}:{plan.layers[1]})" if chain else ""

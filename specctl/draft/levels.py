@@ -13,7 +13,7 @@ from specctl.engine.spec import check_token_ids
 from specctl.errors import BadRequest
 from specctl.net.protocol import Level, OpenLevels, Reroot
 from specctl.pipeline.live_tree import SpecTree
-from specctl.pipeline.specpipe import DraftLevels, TreeShape
+from specctl.pipeline.token_source import DraftLevels, TreeShape
 
 
 @dataclass(slots=True)

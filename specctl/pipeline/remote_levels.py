@@ -12,7 +12,7 @@ import logging
 from collections.abc import Coroutine
 
 from specctl.pipeline.live_tree import SpecTree
-from specctl.pipeline.specpipe import TreeShape, level_capacity
+from specctl.pipeline.token_source import TreeShape, level_capacity
 from specctl.spec.decode import DecodeSession
 from specctl.verify.draft_client import DraftClient, Handle
 

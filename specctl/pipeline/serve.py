@@ -11,7 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specctl.engine.model import Decoder
-from specctl.pipeline.specpipe import DraftLevels, LevelSource, PipeStats, SpecPipeRun, TreeShape
+from specctl.pipeline.specpipe import PipeStats, SpecPipeRun
+from specctl.pipeline.token_source import DraftLevels, LevelSource, TreeShape
 from specctl.spec.decode import DecodeSession
 from specctl.spec.rounds import Emit
 

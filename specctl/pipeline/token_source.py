@@ -1,0 +1,113 @@
+"""SpecPipe's token source (§3.3): the shape of the tree, and a draft model growing it one
+fixed-width level at a time (its top-k children per node, the w likeliest paths overall).
+A draft server grows it the same way for a remote stage 1 (``pipeline/remote_levels.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from specctl.engine.kv_cache import KVPool
+from specctl.engine.model import Decoder
+from specctl.pipeline.live_tree import CacheMirror, SpecTree
+from specctl.spec.decode import DecodeSession
+
+
+@dataclass(frozen=True, slots=True)
+class TreeShape:
+    width: int = 4  # nodes per level (a fixed-width tree balances the stages' work)
+    topk: int = 2  # children considered per node
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.width <= 256 or not 1 <= self.topk <= 64:
+            raise ValueError(f"width must be in 1..256 and topk in 1..64, got {self.width}, {self.topk}")
+
+
+def max_tree_nodes(stages: int, shape: TreeShape) -> int:
+    """The most tree nodes a session ever has cached: the root's level and up to one level
+    per stage in flight (plus one being drafted), ``width`` nodes each."""
+    return (stages + 2) * shape.width + 1
+
+
+def level_capacity(prompt_len: int, max_tokens: int, stages: int, shape: TreeShape) -> int:
+    """KV positions a draft growing a session's tree may need: its text, the new tokens and
+    the most tree nodes ever cached."""
+    return prompt_len + max_tokens + max_tree_nodes(stages, shape) + 2
+
+
+class LevelSource(Protocol):
+    """Where SpecPipe's levels come from: a draft model here (DraftLevels) or on a draft server."""
+    alive: bool
+
+    def start(self, token: int, position: int) -> None: ...
+    def next_level(self, tree: SpecTree, frontier: list[int]) -> list[int] | None: ...
+    def reroot(self, tree: SpecTree, committed: int, new_root: int | None, token: int, position: int) -> None: ...
+    def close(self) -> None: ...
+
+
+class DraftLevels:
+    """The token source: a draft model growing the tree one level at a time, with its own
+    KV of the committed text and the tree nodes it has read. (A draft server runs one per
+    session for a remote stage 1: ``pipeline/remote_levels.py``.)"""
+
+    alive = True  # a local draft never goes away (a remote one may: stage 1 then decodes as plain PP)
+
+    def __init__(self, draft: Decoder, shape: TreeShape, prefix: list[int], capacity: int,
+                 pool: KVPool | None = None) -> None:
+        """``prefix``: the committed text before the first tree's root (may be empty)."""
+        self.draft, self.shape = draft, shape
+        self.cache = draft.new_cache(capacity, pool)
+        if prefix:
+            draft(torch.tensor(prefix), torch.arange(len(prefix)), self.cache, logits_at=torch.tensor([len(prefix) - 1]))
+        self.mirror = CacheMirror(len(prefix))
+        self.pending: list[tuple[int, int]] = []  # committed (token, position) the cache still lacks
+
+    @classmethod
+    def for_session(cls, draft: Decoder, shape: TreeShape, session: DecodeSession,
+                    pool: KVPool | None = None) -> "DraftLevels":
+        capacity = level_capacity(session.prompt_len, session.params.max_tokens, session.target.stages, shape)
+        return cls(draft, shape, session.seq[: session.prompt_len - 1], capacity, pool)
+
+    def start(self, token: int, position: int) -> None:
+        """The first tree's root (the prompt's last token): the draft reads it with the first level."""
+
+    def next_level(self, tree: SpecTree, frontier: list[int]) -> list[int]:
+        """Read the frontier nodes and add the next level to ``tree``; returns its node ids."""
+        if self.pending:
+            tokens, positions = zip(*self.pending)
+            self.draft(torch.tensor(tokens), torch.tensor(positions), self.cache, logits_at=torch.tensor([0]))
+            self.mirror.prefix += len(self.pending)
+            self.pending = []
+        tail = self.mirror.level_mask(tree, frontier)
+        mask = torch.cat([torch.ones(len(frontier), self.mirror.prefix, dtype=torch.bool), tail], 1)
+        nodes = [tree.nodes[i] for i in frontier]
+        logits = self.draft(torch.tensor([n.token for n in nodes]), torch.tensor([n.pos for n in nodes]),
+                            self.cache, mask=mask)
+        self.mirror.append(frontier)
+        probs, tokens = logits.float().softmax(-1).topk(self.shape.topk, dim=-1)
+        candidates = [(nodes[r].score * float(probs[r, j]), r, int(tokens[r, j]))
+                      for r in range(len(frontier)) for j in range(self.shape.topk)]
+        # Every frontier node keeps its likeliest child first (the likeliest nodes when the
+        # level is full), then the w likeliest paths fill the level: whichever node a
+        # verification picks, the levels already in the pipeline still hold its descendants,
+        # so no pipeline step is wasted on a level pruned away entirely.
+        firsts = sorted(candidates[:: self.shape.topk], reverse=True)[: self.shape.width]
+        rest = sorted(set(candidates) - set(firsts), reverse=True)
+        chosen = firsts + rest[: self.shape.width - len(firsts)]
+        chosen.sort(key=lambda c: (c[1], -c[0]))  # by parent, likeliest child first (tried first)
+        return [tree.add(token, frontier[r], nodes[r].pos + 1, score) for score, r, token in chosen]
+
+    def reroot(self, tree: SpecTree, committed: int, new_root: int | None, token: int = -1,
+               position: int = -1) -> None:
+        """``committed``'s next token was verified (``token`` at ``position``): keep the draft's
+        KV of the committed path and of ``new_root``'s subtree (None: a flush)."""
+        if self.mirror.order and self.mirror.order[0] == committed:
+            self.cache.gather(self.mirror.reroot(tree, committed, new_root))
+        else:  # verified before the draft read it (nothing under it read either): read it next time
+            node = tree.nodes[committed]
+            self.pending.append((node.token, node.pos))
+
+    def close(self) -> None:
+        self.cache.release()
