@@ -4,7 +4,7 @@
 
 The tree a session grows does not depend on timing, so its hit rate P is measured here in one
 process (4 stages as threads, no emulated delay; Qwen2.5-Coder 1.5B / 0.5B, bf16, 32 tokens;
-width w and top-k k as given, default the untuned 4 and 2; the held-out prompts by default). The step time t and plain PP's time between tokens come from a `specctl bench pipeline`
+width w, top-k k and the level rule as given, default 4, 2 and likeliest; the held-out prompts by default). The step time t and plain PP's time between tokens come from a `specctl bench pipeline`
 run at 4 stages (MEASURED.json, default: the committed one), whose measured TBT E(T) matched
 within 4-14 %. Prints one row per prompt and min / median / max."""
 import argparse
@@ -27,6 +27,7 @@ parser.add_argument("out")
 parser.add_argument("measured", nargs="?", default="docs/results/bench-pipeline-qwen-bf16-800ms-4-stages-prefill-root.json")
 parser.add_argument("--width", type=int, default=4)
 parser.add_argument("--topk", type=int, default=2)
+parser.add_argument("--spread", default="likeliest")
 parser.add_argument("--prompts", default="heldout")
 parser.add_argument("--limit", type=int, default=None)
 args = parser.parse_args()
@@ -48,10 +49,10 @@ async def main():
         for i, p in enumerate(prompts):
             ids = target.tokenizer.encode(p.prompt)
             toks, stats, _, ps = await asyncio.to_thread(specpipe_generate, pipe.staged.decoder, draft.decoder, ids,
-                                                        SamplingParams(max_tokens=32, ignore_eos=True), TreeShape(args.width, args.topk))
+                                                        SamplingParams(max_tokens=32, ignore_eos=True), TreeShape(args.width, args.topk, args.spread))
             predicted = STEP_MS * (1 + (1 - ps.hit_rate) * N)
             rows.append({"prompt": i + 1, "kind": p.kind, "hit_rate": round(ps.hit_rate, 4), "steps": ps.steps,
-                         "flushes": ps.flushes, "predicted_tbt_ms": round(predicted, 1),
+                         "flushes": ps.flushes, "levels_sent": ps.levels_sent, "predicted_tbt_ms": round(predicted, 1),
                          "predicted_vs_pp": round(PP_MS / predicted, 3)})
             print(rows[-1], flush=True)
 asyncio.run(main())
@@ -61,4 +62,4 @@ summary = {"prompts": len(rows), "hit_rate_min_median_max": [min(r["hit_rate"] f
            "at_least_3x": sum(x >= 3 for x in ratios)}
 print(summary)
 json.dump({"rows": rows, "summary": summary, "step_ms": STEP_MS, "pp_tbt_ms": PP_MS, "stages": N, "width": args.width,
-           "topk": args.topk, "prompts": args.prompts, "max_tokens": 32, "dtype": "bf16"}, open(args.out, "w"), indent=1)
+           "topk": args.topk, "spread": args.spread, "prompts": args.prompts, "max_tokens": 32, "dtype": "bf16"}, open(args.out, "w"), indent=1)

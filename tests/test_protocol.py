@@ -31,6 +31,7 @@ EXAMPLES = [
     p.Error("unknown_tag", "unknown session tag 9", tag=9),
     p.Proposal(17, [5, 6], [-1, 0], confidences=b"\x80"),
     p.OpenLevels(4, [1, 2, 3], 4, 2, 200),
+    p.OpenLevels(4, [1, 2, 3], 4, 2, 200, "every-node"),
     p.NextLevel(17, [0, 3]),
     p.Level(17, [4, 5], [9, 8], [3, 3], [0.5, 0.25]),
     p.Reroot(17, 0, -1, 9, 12),

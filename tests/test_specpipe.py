@@ -13,7 +13,7 @@ from specctl.engine.tiny import make_tiny_model
 from specctl.pipeline.live_tree import CacheMirror, SpecTree
 from specctl.pipeline.local import LocalPipeline
 from specctl.pipeline.specpipe import SpecPipeRun, specpipe_generate
-from specctl.pipeline.token_source import DraftLevels, TreeShape, max_tree_nodes
+from specctl.pipeline.token_source import DraftLevels, TreeShape, max_tree_nodes, spread_level
 from specctl.spec.decode import DecodeSession
 from specctl.spec.rounds import generate
 from specctl.spec.sampling import SamplingParams
@@ -61,8 +61,9 @@ def models(tiny_dir):
     return load_model("t", tiny_dir["llama"], "fp32"), load_model("d", tiny_dir["llama"], "fp32", num_layers=2)
 
 
+@pytest.mark.parametrize("spread", ["likeliest", "every-node"])
 @pytest.mark.parametrize("stages", [2, 3, 4])
-async def test_specpipe_outputs_exactly_the_whole_target(models, stages):
+async def test_specpipe_outputs_exactly_the_whole_target(models, stages, spread):
     target, draft = models
     async with LocalPipeline(target, stages) as pipeline:
         staged = pipeline.staged
@@ -72,13 +73,15 @@ async def test_specpipe_outputs_exactly_the_whole_target(models, stages):
             reference = generate(target.decoder, prompt, params)[0]
             for width in (1, 3):
                 tokens, stats, reason, pipe = await asyncio.to_thread(
-                    specpipe_generate, staged.decoder, draft.decoder, prompt, params, TreeShape(width, 2))
+                    specpipe_generate, staged.decoder, draft.decoder, prompt, params, TreeShape(width, 2, spread))
                 assert tokens == reference and reason == "length", (prompt, width)
                 # The prefill is the first tree's root level: its output is a verification
                 # too (of the draft's guesses at the first token), reported as the prefill's.
                 assert pipe.steps == stats.rounds + 1 == 40 and pipe.hits + pipe.flushes <= pipe.steps
                 assert stats.accepted <= pipe.hits <= stats.accepted + 1
-                assert pipe.bubbles == 0  # every node keeps its likeliest child: no level is pruned away whole
+                assert pipe.hit_rate == pipe.hits / pipe.steps
+                if spread == "every-node":  # every node keeps its likeliest child: no level is pruned away whole
+                    assert pipe.bubbles == 0
                 hits += pipe.hits
         assert hits > 0  # the re-rooting path ran, not only flushes
         await wait_until(lambda: all(s.pool.sessions == 0 for s in pipeline.servers), what="stage KV freed")
@@ -169,3 +172,16 @@ async def test_specpipe_sampling_keeps_the_target_distribution(tmp_path):
         counts, hits = await asyncio.to_thread(sample_all)
         assert hits > 0
         assert_counts_match(counts, expected)
+
+
+def test_a_level_is_the_likeliest_paths_or_every_nodes_likeliest_child_first():
+    # (path probability, frontier row, token), top-2 per row, likeliest first: row 0 is a likely
+    # node with two likely children, rows 1 and 2 unlikely ones.
+    candidates = [(0.5, 0, 10), (0.3, 0, 11), (0.06, 1, 20), (0.01, 1, 21), (0.05, 2, 30), (0.02, 2, 31)]
+    assert spread_level(candidates, 2, 3, "likeliest") == [(0.5, 0, 10), (0.3, 0, 11), (0.06, 1, 20)]
+    assert spread_level(candidates, 2, 3, "every-node") == [(0.5, 0, 10), (0.06, 1, 20), (0.05, 2, 30)]
+    # A level narrower than the frontier: every-node keeps the likeliest rows' first children.
+    assert spread_level(candidates, 2, 2, "every-node") == [(0.5, 0, 10), (0.06, 1, 20)]
+    assert spread_level(candidates, 2, 8, "likeliest") == sorted(candidates, reverse=True)
+    with pytest.raises(ValueError, match=r"^spread must be one of likeliest, every-node, got 'wide'$"):
+        TreeShape(4, 2, "wide")

@@ -66,11 +66,12 @@ class RemoteSpecPipe:
         await self.draft.close()
 
 
-@pytest.mark.parametrize("stages, width", [(2, 3), (3, 1), (4, 4)])
-async def test_levels_from_a_draft_server_give_exactly_the_whole_targets_tokens(models, stages, width):
+@pytest.mark.parametrize("stages, width, spread", [(2, 3, "likeliest"), (3, 1, "likeliest"), (4, 4, "likeliest"),
+                                                   (3, 3, "every-node")])
+async def test_levels_from_a_draft_server_give_exactly_the_whole_targets_tokens(models, stages, width, spread):
     target, _ = models
     params = SamplingParams(max_tokens=32, ignore_eos=True)
-    async with RemoteSpecPipe(models, stages, TreeShape(width, 2)) as cluster:
+    async with RemoteSpecPipe(models, stages, TreeShape(width, 2, spread)) as cluster:
         for prompt in PROMPTS:
             tokens, reason, stats = await remote_generate("127.0.0.1", cluster.port, prompt, params)
             assert tokens == generate(target.decoder, prompt, params)[0] and reason == "length", prompt
@@ -78,7 +79,7 @@ async def test_levels_from_a_draft_server_give_exactly_the_whole_targets_tokens(
         assert served["specpipe_steps"] == 3 * 32 and served["specpipe_hits"] > 0 and served["specpipe_draft_lost"] == 0
         # The same tree as a draft in stage 1's process grows: the same hits.
         local = [await asyncio.to_thread(specpipe_generate, cluster.pipeline.staged.decoder, models[1].decoder, prompt,
-                                         params, TreeShape(width, 2)) for prompt in PROMPTS]
+                                         params, TreeShape(width, 2, spread)) for prompt in PROMPTS]
         assert served["specpipe_hits"] == sum(run[3].hits for run in local)
         assert cluster.draft.levels.levels_sent > 0
         await wait_until(lambda: not cluster.draft.levels.sessions, what="the draft's level sessions freed")
@@ -112,6 +113,8 @@ def test_level_table_refuses_what_does_not_fit_its_tree(models):
     table = LevelTable(draft.decoder, KVPool(None), draft.spec.vocab_size, draft.spec.max_position)
     with pytest.raises(BadRequest, match="width must be in 1..256"):
         table.open(1, OpenLevels(0, [5, 9], width=0, topk=2, capacity=64))
+    with pytest.raises(BadRequest, match=r"^spread must be one of likeliest, every-node, got 'wide'$"):
+        table.open(1, OpenLevels(0, [5, 9], width=2, topk=2, capacity=64, spread="wide"))
     with pytest.raises(BadRequest, match="token ids must be in"):
         table.open(1, OpenLevels(0, [5, 10**6], width=2, topk=2, capacity=64))
     with pytest.raises(BadRequest, match="a capacity above its text.s length"):

@@ -164,7 +164,8 @@ async def run_pipeline_bench(target: LoadedModel, draft: LoadedModel, prompts: l
     _add_predictions(rows)
     return {"settings": {"stages": list(bench.stages), "max_tokens": bench.max_tokens,
                          "stage_delay_ms": 1e3 * bench.delay_s, "chain_depth": bench.depth,
-                         "width": bench.shape.width, "topk": bench.shape.topk, "repeats": bench.repeats,
+                         "width": bench.shape.width, "topk": bench.shape.topk, "spread": bench.shape.spread,
+                         "repeats": bench.repeats,
                          "stages_as": "processes" if bench.model else "threads of one process",
                          "prompts": len(prompts)},
             "rows": rows}

@@ -28,6 +28,8 @@ def pipeline(
     depth: int = typer.Option(4, help="PP+chain proposal depth"),
     width: int = typer.Option(4, help="SpecPipe level width w"),
     topk: int = typer.Option(2, help="SpecPipe children considered per node"),
+    spread: str = typer.Option("likeliest", help="SpecPipe: a level's nodes are the w likeliest paths (likeliest), "
+                               "or every node's likeliest child first (every-node)"),
     repeats: int = typer.Option(1, help="turns over all prompts (min/median/max reported)"),
     sessions: int = typer.Option(8, help="batch rows: this many sessions at once through the stages (0 = none)"),
     dtype: str = typer.Option("fp32", help="fp32 | bf16 | fp16"),
@@ -52,7 +54,7 @@ def pipeline(
     if stage_delay_ms < 0 or max_tokens < 2 or repeats < 1 or depth < 1:
         raise ConfigError("--stage-delay-ms must be >= 0, --max-tokens >= 2, --repeats and --depth >= 1")
     try:
-        shape = TreeShape(width, topk)
+        shape = TreeShape(width, topk, spread)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     config = build_config(None, target=target, draft=draft, dtype=dtype, threads=threads, draft_quant="none",

@@ -80,6 +80,8 @@ def verify(
                                   "levels drafted by the draft server at --draft (one; without it: plain PP)"),
     width: int = typer.Option(4, "--width", help="SpecPipe: nodes per tree level"),
     topk: int = typer.Option(2, "--topk", help="SpecPipe: children considered per node"),
+    spread: str = typer.Option("likeliest", "--spread", help="SpecPipe: a level's nodes are the w likeliest paths "
+                               "(likeliest), or every node's likeliest child first (every-node)"),
     max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="most concurrent sessions"),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="most sessions verified in one target forward"),
     dtype: Optional[str] = typer.Option(None, help="fp32 | bf16 | fp16"),
@@ -122,8 +124,7 @@ def verify(
     if specpipe and (index != 1 or count == 1 or specpipe_draft or len(draft or []) != 1 or draft == ["ngram"]):
         raise ConfigError("--specpipe goes to stage 1 of a pipeline (--stage 1/n, n > 1) with one --draft HOST:PORT "
                           "(or use --specpipe-draft M for a draft in this process)")
-    if specpipe_draft or specpipe:
-        _check_specpipe_shape(count, width, topk)
+    shape = _specpipe_shape(count, width, topk, spread) if specpipe_draft or specpipe else None
     config = build_config(profile, target=model, max_sessions=max_sessions, max_batch=max_batch, dtype=dtype,
                           threads=threads, target_quant=quant)
     # torch loads only once the flags are known to be good: a mistake is reported at once
@@ -146,13 +147,12 @@ def verify(
     if specpipe_draft:
         from specctl.engine.loader import check_same_vocab
         from specctl.pipeline.serve import SpecPipeDraft
-        from specctl.pipeline.token_source import TreeShape
         from specctl.spec.factory import load_named
 
         stage_one = load_stage(config, plan, console)
         local_draft = load_named(specpipe_draft, config, console, config.draft_quant)
         check_same_vocab(stage_one, local_draft)
-        levels = SpecPipeDraft.local(local_draft.decoder, TreeShape(width, topk), specpipe_draft)
+        levels = SpecPipeDraft.local(local_draft.decoder, shape, specpipe_draft)
     else:
         stage_one = load_stage(config, plan, console)
     if draft and len(draft) > 1 and (draft_deadline_ms <= 0 or fusion_budget < 1):
@@ -164,19 +164,24 @@ def verify(
                   auth_token=auth_token, ssl_server=ssl_server, ssl_client=ssl_client,
                   verify_delay_s=verify_delay_ms / 1e3, verify_floor_s=verify_time_ms / 1e3,
                   max_messages_per_s=max_messages_per_s, specpipe=levels,
-                  remote_specpipe=(width, topk) if specpipe else None)
+                  remote_specpipe=shape if specpipe else None)
 
 
-def _check_specpipe_shape(stages: int, width: int, topk: int) -> None:
-    from specctl.pipeline.token_source import TreeShape, max_tree_nodes
+def _specpipe_shape(stages: int, width: int, topk: int, spread: str):
+    """SpecPipe's TreeShape from the flags, refused with the reason before anything loads."""
+    from specctl.pipeline.token_source import SPREADS, TreeShape, max_tree_nodes
     from specctl.verify.server import MAX_PROPOSAL_NODES
 
     if not (1 <= width <= 16 and 1 <= topk <= 16):
         raise ConfigError("--width and --topk must be in 1..16")
-    nodes = max_tree_nodes(stages, TreeShape(width, topk))
+    if spread not in SPREADS:
+        raise ConfigError(f"--spread must be one of {', '.join(SPREADS)}, got {spread!r}")
+    shape = TreeShape(width, topk, spread)
+    nodes = max_tree_nodes(stages, shape)
     if nodes > MAX_PROPOSAL_NODES:
         raise ConfigError(f"SpecPipe over {stages} stages at --width {width} keeps up to {nodes} tree nodes per "
                           f"session; the most is {MAX_PROPOSAL_NODES}: lower --width")
+    return shape
 
 
 def _serve_stage(config, plan, console: Console, *, host: str, port: int, auth_token, ssl_server, ssl_client,
@@ -206,7 +211,7 @@ def _serve_stage(config, plan, console: Console, *, host: str, port: int, auth_t
 def _serve_target(config, plan, console: Console, loaded, *, host: str, port: int, draft: list[str], auth_token,
                   ssl_server, ssl_client, verify_delay_s: float, max_messages_per_s: float, specpipe=None,
                   verify_floor_s: float = 0.0,
-                  remote_specpipe: tuple[int, int] | None = None,
+                  remote_specpipe=None,  # a TreeShape: SpecPipe with the levels from the draft server
                   fusion_settings: tuple[float, int, RoutingPolicy | None] = (0.5, 16, None)) -> None:
     from specctl.pipeline.launch import pipelined_target
     from specctl.runtime.compute import ComputeThread
@@ -254,9 +259,7 @@ def _serve_target(config, plan, console: Console, loaded, *, host: str, port: in
             client = next(iter(clients.values()), None)
         if remote_specpipe is not None:  # the levels come from the one draft server
             from specctl.pipeline.serve import SpecPipeDraft
-            from specctl.pipeline.token_source import TreeShape
-
-            specpipe = SpecPipeDraft.remote(client, asyncio.get_running_loop(), TreeShape(*remote_specpipe), draft[0])
+            specpipe = SpecPipeDraft.remote(client, asyncio.get_running_loop(), remote_specpipe, draft[0])
         stages = f" stage 1/{plan.count} (layers {plan.layers[0]}:{plan.layers[1]})" if chain else ""
         if specpipe is not None:
             stages += f", SpecPipe w={specpipe.shape.width} drafting with {specpipe.name}"

@@ -31,7 +31,7 @@ class LevelTable:
 
     def open(self, tag: int, msg: OpenLevels) -> None:
         try:
-            shape = TreeShape(msg.width, msg.topk)
+            shape = TreeShape(msg.width, msg.topk, msg.spread)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         check_token_ids(msg.prompt, self.vocab_size)

@@ -162,6 +162,7 @@ class OpenLevels(msgspec.Struct, tag=True, frozen=True):
     width: int  # nodes per level
     topk: int  # children considered per node
     capacity: int  # KV positions the session may need: text + new tokens + tree nodes
+    spread: str = "likeliest"  # how a level's nodes are chosen (pipeline.token_source.TreeShape)
 
 
 class NextLevel(msgspec.Struct, tag=True, frozen=True):

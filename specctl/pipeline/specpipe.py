@@ -58,8 +58,9 @@ class PipeStats:
 
     @property
     def hit_rate(self) -> float:
-        tried = self.hits + self.flushes
-        return self.hits / tried if tried else 0.0
+        """The share of steps whose verified token was in the tree: a root left without children
+        (its subtree not drafted, the draft gone) counts as a miss, as it costs one."""
+        return self.hits / self.steps if self.steps else 0.0
 
     def to_dict(self) -> dict:
         return {"steps": self.steps, "hits": self.hits, "flushes": self.flushes, "levels_sent": self.levels_sent,

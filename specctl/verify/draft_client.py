@@ -144,10 +144,11 @@ class DraftClient:
         reply = await self._request(("tag", tag), Propose(tag, path, tokens), timeout_s)
         return reply if isinstance(reply, Proposal) and epoch == self.epoch else None
 
-    async def open_levels(self, prompt: list[int], width: int, topk: int, capacity: int) -> Handle | None:
+    async def open_levels(self, prompt: list[int], width: int, topk: int, capacity: int,
+                          spread: str = "likeliest") -> Handle | None:
         """A SpecPipe tree-level session (None when the draft is unavailable or refuses)."""
         epoch, req = self.epoch, next(self._reqs)
-        reply = await self._request(("req", req), OpenLevels(req, prompt, width, topk, capacity))
+        reply = await self._request(("req", req), OpenLevels(req, prompt, width, topk, capacity, spread))
         return (epoch, reply.tag) if isinstance(reply, SessionOpened) and epoch == self.epoch else None
 
     async def next_level(self, handle: Handle, frontier: list[int]) -> Level | None:
