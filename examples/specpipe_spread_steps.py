@@ -11,6 +11,7 @@ import json
 import sys
 
 from rich.console import Console
+
 from specctl.bench.prompts import load_prompts
 from specctl.config import build_config
 from specctl.pipeline.local import LocalPipeline
@@ -18,6 +19,7 @@ from specctl.pipeline.specpipe import specpipe_generate
 from specctl.pipeline.token_source import TreeShape
 from specctl.spec.factory import apply_threads, load_named
 from specctl.spec.sampling import SamplingParams
+
 DTYPE = __import__("os").environ.get("DTYPE", "bf16")
 prompts_name, width, topk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 spreads = sys.argv[4].split(",")
@@ -30,6 +32,8 @@ target = load_named(config.target, config, c, target=True)
 draft = load_named(config.draft, config, c)
 prompts = load_prompts(prompts_name)[:limit]
 res = {}
+
+
 async def main():
     async with LocalPipeline(target, 4) as pipe:
         for spread in spreads:
@@ -38,12 +42,14 @@ async def main():
                 ids = target.tokenizer.encode(p.prompt)
                 toks, stats, _, ps = await asyncio.to_thread(specpipe_generate, pipe.staged.decoder, draft.decoder, ids,
                                 SamplingParams(max_tokens=32, ignore_eos=True), TreeShape(width, topk, spread))
-                rows.append({"prompt": i + 1, "levels_sent": ps.levels_sent, "tokens": len(toks), "hits": ps.hits, "flushes": ps.flushes, "bubbles": ps.bubbles, "tokens_out": toks})
+                rows.append({"prompt": i + 1, "levels_sent": ps.levels_sent, "tokens": len(toks), "hits": ps.hits,
+                             "flushes": ps.flushes, "bubbles": ps.bubbles, "tokens_out": toks})
             res[spread] = rows
             spt = [(r["levels_sent"] - 3) / r["tokens"] for r in rows]
             print(spread, "steps/token per prompt", [round(x, 2) for x in spt], "mean", round(sum(spt) / len(spt), 3), flush=True)
     same = all(res[p][i]["tokens_out"] == res[spreads[0]][i]["tokens_out"] for p in spreads for i in range(len(prompts)))
     print("outputs identical across spreads:", same)
+
 asyncio.run(main())
 json.dump({"settings": {"prompts": prompts_name, "width": width, "topk": topk, "dtype": DTYPE, "limit": limit,
                         "stages": 4, "max_tokens": 32}, "runs": res}, open(sys.argv[6] if len(sys.argv) > 6 else

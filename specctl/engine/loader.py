@@ -134,8 +134,8 @@ def load_model(
         if not 0 < num_layers <= config.num_hidden_layers:
             raise ModelNotFound(f"{name}: cannot take the first {num_layers} of {config.num_hidden_layers} layers")
         layer_range = (0, num_layers)
-    decoder = load_decoder(path, None if dtype == "stored" else DTYPES[dtype], layer_range, embed, head, device=device, backend=backend,
-                           config=config)
+    decoder = load_decoder(path, None if dtype == "stored" else DTYPES[dtype], layer_range, embed, head,
+                           device=device, backend=backend, config=config)
     tokenizer = AutoTokenizer.from_pretrained(path)
     eos: set[int] = set()
     try:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+
 import torch
 
 from specctl.engine.kv_cache import KVPool
