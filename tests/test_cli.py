@@ -228,7 +228,7 @@ def test_stage_is_checked_before_anything_loads(stage, message):
     (("--stage", "1/2", "--pipeline", "a:1,b:2", "--specpipe-draft", "m", "--draft", "c:3"),
      "--specpipe-draft goes to stage 1 of a pipeline (--stage 1/n, n > 1), without --draft"),
     (("--stage", "1/2", "--pipeline", "a:1,b:2", "--specpipe-draft", "m", "--spread", "wide"),
-     "--spread must be one of likeliest, every-node, got 'wide'"),
+     "spread must be one of likeliest, every-node, got 'wide'"),
     (("--stage", "1/2", "--pipeline", "a:1,b:2", "--specpipe"),
      "--specpipe goes to stage 1 of a pipeline (--stage 1/n, n > 1) with one --draft HOST:PORT"),
     (("--stage", "1/2", "--pipeline", "a:1,b:2", "--specpipe", "--draft", "c:3", "--draft", "d:4"),

@@ -169,14 +169,15 @@ def verify(
 
 def _specpipe_shape(stages: int, width: int, topk: int, spread: str):
     """SpecPipe's TreeShape from the flags, refused with the reason before anything loads."""
-    from specctl.pipeline.token_source import SPREADS, TreeShape, max_tree_nodes
+    from specctl.pipeline.token_source import TreeShape, max_tree_nodes
     from specctl.verify.server import MAX_PROPOSAL_NODES
 
     if not (1 <= width <= 16 and 1 <= topk <= 16):
         raise ConfigError("--width and --topk must be in 1..16")
-    if spread not in SPREADS:
-        raise ConfigError(f"--spread must be one of {', '.join(SPREADS)}, got {spread!r}")
-    shape = TreeShape(width, topk, spread)
+    try:
+        shape = TreeShape(width, topk, spread)
+    except ValueError as exc:  # the shape checks itself (the spread's name)
+        raise ConfigError(str(exc)) from None
     nodes = max_tree_nodes(stages, shape)
     if nodes > MAX_PROPOSAL_NODES:
         raise ConfigError(f"SpecPipe over {stages} stages at --width {width} keeps up to {nodes} tree nodes per "
