@@ -27,7 +27,7 @@ class TreeShape:
     #   children, an unlikely node none;
     # "every-node": every frontier node keeps its likeliest child first, then the likeliest paths
     #   fill the level — no level is ever pruned away whole, but once a level is full every node
-    #   has one child and the tree is w chains (measured: 12-13 % more steps per token).
+    #   has one child and the tree is w chains (measured: 1.28 steps per token against 1.13-1.19).
     spread: str = "likeliest"
 
     def __post_init__(self) -> None:
