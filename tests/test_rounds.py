@@ -165,3 +165,34 @@ async def test_prefill_finishing_before_the_open_is_sent_still_drafts_from_the_p
         session.close()
     finally:
         await _stop(draft_server, link, target_server)
+
+
+async def test_a_round_cancelled_just_as_its_draft_session_opens_still_closes_it(models):
+    """The session ends (client disconnect) in the loop step where the opening it waits on
+    completes: the handle never reaches the speculator, yet the draft session must close
+    (CI once left one open on the draft server after a gateway client hung up)."""
+    from specctl.spec.decode import DecodeSession
+    from specctl.verify.speculator import RemoteSpeculator
+
+    target, _ = models
+    draft_server, link, target_server, _ = await _star(models, ModelChainDrafter(models[1].decoder, 3))
+    try:
+        session = DecodeSession(target.decoder, PROMPTS[0], SamplingParams(max_tokens=8), (), None, None, 4)
+        speculator = RemoteSpeculator(target_server.draft, 4)
+        speculator.begin(session)
+        session.prefill()
+        opening = speculator._opening
+        rounds: list[asyncio.Task] = []
+        # Registered before the round waits on the opening, so it runs first when the opening
+        # completes: the round is cancelled with its wake-up already due.
+        opening.add_done_callback(lambda _: rounds[0].cancel())
+        rounds.append(asyncio.ensure_future(speculator.propose(session)))
+        with pytest.raises(asyncio.CancelledError):
+            await rounds[0]
+        assert opening.result() is not None  # the draft session was opened ...
+        speculator.close()  # ... and the round loop's `finally` closes it
+        session.close()
+        await _drained(draft_server, target_server)
+        assert draft_server.table.snapshot()["sessions"] == 0
+    finally:
+        await _stop(draft_server, link, target_server)

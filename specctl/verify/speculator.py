@@ -98,8 +98,11 @@ class RemoteSpeculator:
             return Drafted(None, 0.0)
         started = time.perf_counter()
         if self._opening is not None:
-            opening, self._opening = self._opening, None
-            self.handle = await opening
+            # Shielded and left in _opening until it is ours: a round cancelled in the step
+            # the opening completes would otherwise drop the handle, and close() could not
+            # close a draft session it never saw.
+            self.handle = await asyncio.shield(self._opening)
+            self._opening = None
         elif self.handle is None and self._may_reopen():
             # The root stays out of the draft's text: it is the first outcome's token.
             self.handle = await self._open(session, session.seq[:-1])
