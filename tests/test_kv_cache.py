@@ -54,6 +54,23 @@ def test_skipped_positions_keep_the_order_and_respect_the_capacity():
     assert cache.length == 4
 
 
+def test_placed_positions_move_to_their_rows_and_the_dead_rows_hold_places():
+    cache = _filled(length=6)  # positions 2..5 stand for the 4 live rows just written of a 6-row forward
+    cache.place(2, [0, 2, 3, 5], 6)
+    assert cache.length == 8
+    assert [_positions(cache)[i] for i in (0, 1, 2, 4, 5, 7)] == [0, 1, 2, 3, 4, 5]
+    assert [cache.v[1, 0, 0, i, 0].item() for i in (2, 4, 5, 7)] == [-2, -3, -4, -5]
+    cache.gather([0, 1, 2, 4, 5, 7])  # the pruning drops the dead rows
+    assert _positions(cache) == [0, 1, 2, 3, 4, 5]
+    with pytest.raises(ValueError, match=r"cannot place 2 positions at 5 as rows of 3 \(length 6\)"):
+        cache.place(5, [0, 1], 3)
+    with pytest.raises(ValueError, match="cannot place 1 positions at 5 as rows of 2"):
+        cache.place(5, [2], 2)
+    with pytest.raises(KVBudgetExceeded, match="session KV cache full"):
+        cache.place(6, [], 5)
+    assert cache.length == 6
+
+
 def test_pool_budget_refuses_and_release_frees():
     # k and v, layers, heads, slots (capacity 10 + the trash slot, rounded up to 16), dim, fp32 bytes
     per_session = 2 * 2 * 1 * 16 * 2 * 4

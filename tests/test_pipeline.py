@@ -11,10 +11,11 @@ from specctl.engine.loader import load_model
 from specctl.errors import ConfigError, StageUnavailable
 from specctl.net.framing import read_message
 from specctl.net.handshake import client_handshake
-from specctl.net.protocol import Error, StageDrop, StageForward, StageKeep, StageOpen, StageOutput, Tensor, encode
+from specctl.net.protocol import (Error, ProtocolError, StageDrop, StageForward, StageKeep, StageOpen, StageOutput, Tensor,
+                                   decode, encode)
 from specctl.pipeline.local import LocalPipeline
 from specctl.pipeline.split import balanced_split, parse_layers, plan_stage
-from specctl.pipeline.worker import StageStats, StageWorker, keep_positions, split_keep
+from specctl.pipeline.worker import StageStats, StageWorker, keep_positions, rows_to_compute, split_keep
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.spec.rounds import generate
 from specctl.spec.sampling import SamplingParams
@@ -222,11 +223,79 @@ async def test_a_drop_overtakes_the_queued_forwards_and_the_live_rows_after_it_a
         await wait_until(lambda: stage.pool.sessions == 0, what="the connection's sessions freed")
 
 
+async def test_dead_rows_of_a_live_forward_are_not_computed_and_the_live_rows_are_exact(models):
+    """A drop naming some rows of a queued forward: the stages (a middle one, then the last)
+    compute only the others, the dead rows come back as zeros, keep their KV positions until
+    the pruning, and every live row, then the next forward, equals a session that never had
+    the dead row (each forward the same shape in both, so the comparison is exact)."""
+    import torch
+    target, _ = models
+    async with LocalPipeline(target, 3, delay_s=0.3) as pipeline:
+        middle = pipeline.servers[0]
+        first = middle.model.decoder.layer_range[0]
+        reader, writer = await asyncio.open_connection("127.0.0.1", pipeline.ports[0])
+        await client_handshake(reader, writer, role="stage", model="t", fingerprint=target.vocab_fingerprint,
+                               layers=[0, first])
+        hidden = torch.randn(6, target.spec.hidden_size, generator=torch.Generator().manual_seed(1))
+
+        def forward(fid, sid, rows, positions, tail, tag):
+            n = len(rows)
+            mask = None if tail is None else Tensor.from_torch(torch.tensor(tail, dtype=torch.bool))
+            return StageForward(fid, [sid], [n], Tensor.from_torch(torch.tensor(positions)), [mask],
+                                [list(range(n))], Tensor.from_torch(hidden[rows]), "logits", [tag])
+
+        siblings = [[1, 0, 0], [0, 1, 0], [0, 0, 1]]  # three nodes at position 2, each over the prefix
+        child = [[0, 1, 1]]  # a child of the third, over the two nodes kept and itself
+        with_dead_row = [StageOpen(1, 16), forward(1, 1, [0, 1], [0, 1], None, 0),
+                         forward(2, 1, [2, 3, 4], [2, 2, 2], siblings, 1), StageDrop(1, [1], [[1]]),
+                         StageKeep(1, 2, [2, 4]), forward(3, 1, [5], [3], child, 2)]
+        never_had_it = [StageOpen(2, 16), forward(4, 2, [0, 1], [0, 1], None, 0),
+                        forward(5, 2, [2, 4], [2, 2], [[1, 0], [0, 1]], 1), forward(6, 2, [5], [3], child, 2)]
+        replies = {}
+        for batch in (with_dead_row, never_had_it):
+            for message in batch:
+                writer.write(encode(message))
+            for _ in range(3):
+                reply = await read_message(reader)
+                assert isinstance(reply, StageOutput), reply
+                replies[reply.fid] = reply.logits.to_torch()
+        assert torch.equal(replies[2][[0, 2]], replies[5]) and not replies[2][1].any()
+        assert torch.equal(replies[1], replies[4]) and torch.equal(replies[3], replies[6])
+        last = pipeline.servers[1]
+        assert (middle.stats.skipped_rows, last.stats.skipped_rows) == (1, 1)
+        assert middle.stats.dropped_forwards == last.stats.dropped_forwards == 0
+        writer.close()
+        await wait_until(lambda: all(s.pool.sessions == 0 for s in pipeline.servers), what="the sessions freed")
+
+
+def test_rows_to_compute_keeps_a_causal_forward_whole_unless_all_of_it_is_dead():
+    assert rows_to_compute([3, 2, 4, 2], [False, True, True, False], [{1}, {0}, None, set()]) == \
+        [[0, 2], [0, 1], [], [0, 1]]
+
+
+def test_a_drop_naming_rows_for_fewer_forwards_than_tags_is_refused():
+    import msgspec
+    for body, error in (({"sid": 1, "tags": [3, 4], "rows": [[0]]}, "a stage drop lists rows for 1 forwards but tags 2"),
+                        ({"sid": 1, "tags": [3], "rows": [[-1]]}, "a stage drop's rows must be >= 0")):
+        with pytest.raises(ProtocolError, match=f"invalid message: {error}"):
+            decode(msgspec.msgpack.encode({"type": "StageDrop", **body}))
+        with pytest.raises(ValueError, match=error):
+            StageDrop(**body)
+
+
+def test_partial_drops_merge_and_a_whole_drop_wins():
+    worker = StageWorker(None, None, StageStats())
+    worker.mark_dead(StageDrop(1, [5, 6], [[0], [2]]), most=4)
+    worker.mark_dead(StageDrop(1, [5, 6], [[3], []]), most=4)
+    worker.mark_dead(StageDrop(1, [6], [[1]]), most=4)
+    assert worker.dead == {1: {5: {0, 3}, 6: None}}
+
+
 def test_stray_drops_cannot_grow_a_stage_past_what_can_be_queued():
     worker = StageWorker(None, None, StageStats())
     worker.mark_dead(StageDrop(1, list(range(10))), most=4)
     worker.mark_dead(StageDrop(1, [20]), most=4)
-    assert worker.dead == {1: {0, 1, 2, 3}}
+    assert worker.dead == {1: {0: None, 1: None, 2: None, 3: None}}
     for sid in range(2, 9):
         worker.mark_dead(StageDrop(sid, [0]), most=4)
     assert sorted(worker.dead) == [1, 2, 3, 4]

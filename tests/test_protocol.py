@@ -42,6 +42,7 @@ EXAMPLES = [
                    p.Tensor.from_torch(torch.empty(0, dtype=torch.long)), "argmax", [6], dropped=True),
     p.StageKeep(3, 9, [11, 12]),
     p.StageDrop(3, [6, 7]),
+    p.StageDrop(3, [6, 7], [[0, 2], []]),
     p.StageClose(3),
 ]
 

@@ -87,25 +87,33 @@ async def test_specpipe_outputs_exactly_the_whole_target(models, stages, spread)
         await wait_until(lambda: all(s.pool.sessions == 0 for s in pipeline.servers), what="stage KV freed")
 
 
-async def test_levels_left_dead_by_a_verification_are_dropped_by_the_stages_and_the_output_stays_exact(models):
+@pytest.mark.parametrize("width", [1, 3])
+async def test_levels_left_dead_by_a_verification_are_dropped_by_the_stages_and_the_output_stays_exact(models, width):
     """With slow stages the levels of a flushed tree (or of a wholly pruned level) are still
     queued downstream when the verification happens: stage 1 declares them dead and the
-    stages pass them on uncomputed; the tokens stay the whole target's."""
+    stages pass them on uncomputed; in levels that keep live nodes (width 3) the pruned rows
+    are declared dead and not computed. The tokens stay the whole target's."""
     target, draft = models
     async with LocalPipeline(target, 4, delay_s=0.03) as pipeline:
         staged = pipeline.staged
         params = SamplingParams(max_tokens=30, ignore_eos=True)
-        declared = 0
+        declared, declared_rows = 0, 0
         for prompt in PROMPTS:
             reference = generate(target.decoder, prompt, params)[0]
             tokens, _, _, pipe = await asyncio.to_thread(
-                specpipe_generate, staged.decoder, draft.decoder, prompt, params, TreeShape(1, 2))
+                specpipe_generate, staged.decoder, draft.decoder, prompt, params, TreeShape(width, 2))
             assert tokens == reference, prompt
             # Every stale or bubble output had been declared dead; no verified level ever was.
             assert pipe.stale_outputs + pipe.bubbles <= pipe.levels_dropped <= pipe.levels_sent - pipe.steps
             declared += pipe.levels_dropped
+            declared_rows += pipe.rows_dropped
         dropped = sum(server.stats.dropped_forwards for server in pipeline.servers)
         assert declared > 0 and dropped > 0, (declared, dropped)
+        skipped = sum(server.stats.skipped_rows for server in pipeline.servers)
+        if width == 1:
+            assert declared_rows == skipped == 0  # a level of one node is live or dead as a whole
+        else:
+            assert declared_rows > 0 and skipped > 0, (declared_rows, skipped)
         await wait_until(lambda: all(s.pool.sessions == 0 for s in pipeline.servers), what="stage KV freed")
         assert all(worker.dead == {} for s in pipeline.servers for worker in s.workers)
 

@@ -77,12 +77,12 @@ class KVCache:
         """Store [1, Hkv, n, D] new keys/values after the committed ones; return all keys/values."""
         n = k_new.shape[2]
         end = self.length + n
-        self._check_room(n)
+        self.check_room(n)
         self.k[layer, :, :, self.length : end] = k_new
         self.v[layer, :, :, self.length : end] = v_new
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
-    def _check_room(self, n: int) -> None:
+    def check_room(self, n: int) -> None:
         if self.length + n > self.capacity:
             raise KVBudgetExceeded(
                 f"session KV cache full ({self.capacity} positions): the prompt plus generated tokens "
@@ -95,8 +95,22 @@ class KVCache:
     def skip(self, n: int) -> None:
         """Take n positions without writing them: rows of a dead pipeline forward, pruned
         before anything attends to them (only their count keeps every stage's cache order)."""
-        self._check_room(n)
+        self.check_room(n)
         self.length += n
+
+    def place(self, start: int, rows: list[int], n: int) -> None:
+        """The positions just committed from ``start`` are rows ``rows`` (ascending) of n new
+        ones: move them to those rows and take the others unwritten (a pipeline forward's
+        dead rows, see ``skip``), so the cache keeps the order of the n."""
+        if self.length != start + len(rows) or (rows and not (0 <= rows[0] and rows[-1] < n)):
+            raise ValueError(f"cannot place {len(rows)} positions at {start} as rows of {n} (length {self.length})")
+        self.check_room(n - len(rows))
+        if rows != list(range(len(rows))):
+            dst = torch.tensor(rows, dtype=torch.long, device=self.k.device) + start
+            end = start + len(rows)
+            self.k.index_copy_(3, dst, self.k[:, :, :, start:end].clone())
+            self.v.index_copy_(3, dst, self.v[:, :, :, start:end].clone())
+        self.length = start + n
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.length:

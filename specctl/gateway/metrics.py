@@ -47,6 +47,7 @@ STAGE_GAUGES = {
     "forwards": ("stage_forwards", "micro-batches a pipeline stage has run"),
     "pruned_positions": ("stage_pruned_positions", "KV positions a pipeline stage dropped after verifications"),
     "dropped_forwards": ("stage_dropped_forwards", "dead forwards a pipeline stage passed on without computing"),
+    "skipped_rows": ("stage_skipped_rows", "dead rows of live forwards a pipeline stage did not compute"),
     "kv_used_mb": ("stage_kv_used_mb", "KV memory a pipeline stage holds (MiB)"),
 }
 

@@ -254,11 +254,20 @@ class StageClose(msgspec.Struct, tag=True, frozen=True):
 
 
 class StageDrop(msgspec.Struct, tag=True, frozen=True):
-    """Control path: the forwards of session ``sid`` tagged ``tags`` are dead (every row will
-    be pruned: a flushed tree, a level wholly pruned). A stage reads it as soon as it arrives,
-    ahead of the forwards queued for its compute, and passes those on without computing them."""
+    """Control path: rows of the forwards of session ``sid`` tagged ``tags`` are dead (they
+    will be pruned: a flushed tree, a level wholly or partly in rejected branches). A stage
+    reads it as soon as it arrives, ahead of the forwards queued for its compute, and does
+    not compute those rows. ``rows``: per tag, its dead rows; empty (or no list at all) =
+    every row of it, and the forward is passed on without computing anything."""
     sid: int
     tags: list[int]
+    rows: list[list[int]] = []
+
+    def __post_init__(self) -> None:
+        if self.rows and len(self.rows) != len(self.tags):
+            raise ValueError(f"a stage drop lists rows for {len(self.rows)} forwards but tags {len(self.tags)}")
+        if any(row < 0 for rows in self.rows for row in rows):
+            raise ValueError("a stage drop's rows must be >= 0")
 
 
 class StageOutput(msgspec.Struct, tag=True, frozen=True):

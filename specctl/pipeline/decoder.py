@@ -184,9 +184,10 @@ class PipelineCache(KVCache):
         prefix, tail = split_keep(keep)
         self.client.post(self.epoch, StageKeep(self.sid, prefix, tail))
 
-    def drop(self, tags: list[int]) -> None:
-        """Declare this session's forwards ``tags`` dead on every stage (they overtake the queue)."""
-        self.client.post(self.epoch, StageDrop(self.sid, tags))
+    def drop(self, tags: list[int], rows: list[list[int]] | None = None) -> None:
+        """Declare rows of this session's forwards ``tags`` dead on every stage (they overtake
+        the queue): per tag its dead rows, [] = all of them (also when ``rows`` is None)."""
+        self.client.post(self.epoch, StageDrop(self.sid, tags, rows or []))
 
     def release(self) -> None:
         if not self.released:

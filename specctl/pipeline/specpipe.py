@@ -16,8 +16,9 @@ mirror of the cache (``CacheMirror``) describes all of them: stage 1 computes ea
 mask and each pruning's kept positions once. A level that a verification leaves with no
 live node (all of a flushed tree's, a level wholly pruned) is declared dead on the control
 path (StageDrop), which overtakes the levels queued at each stage: a stage that has not
-run it yet passes it on without computing it. The levels come from a token source
-(``pipeline/token_source.py``)."""
+run it yet passes it on without computing it. So are the pruned rows of a level still in
+flight that keeps live ones: the stages that have not run it yet compute only the live
+rows. The levels come from a token source (``pipeline/token_source.py``)."""
 
 from __future__ import annotations
 
@@ -51,10 +52,11 @@ class PipeStats:
     stage1_s: float = 0.0  # stage 1's time per level sent, summed: drafting it, then its own layers
     draft_lost: int = 0  # sessions that went on without their (remote) draft
     levels_dropped: int = 0  # levels in flight declared dead to the other stages (StageDrop)
+    rows_dropped: int = 0  # pruned rows of levels in flight that keep live ones, declared dead
 
     def add(self, other: "PipeStats") -> None:
         for name in ("steps", "hits", "flushes", "levels_sent", "stale_outputs", "bubbles", "stage1_s", "draft_lost",
-                     "levels_dropped"):
+                     "levels_dropped", "rows_dropped"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     @property
@@ -67,6 +69,7 @@ class PipeStats:
         return {"steps": self.steps, "hits": self.hits, "flushes": self.flushes, "levels_sent": self.levels_sent,
                 "stale_outputs": self.stale_outputs, "bubbles": self.bubbles, "hit_rate": round(self.hit_rate, 4),
                 "draft_lost": self.draft_lost, "levels_dropped": self.levels_dropped,
+                "rows_dropped": self.rows_dropped,
                 "stage1_step_ms": round(1e3 * self.stage1_s / self.levels_sent, 3) if self.levels_sent else 0.0}
 
 
@@ -77,6 +80,7 @@ class _Sent:
     tree_epoch: int
     tag: int  # this session's id of the forward, for StageDrop
     dead: bool = False  # declared dead to the other stages
+    dead_rows: set[int] = field(default_factory=set)  # rows declared dead while others live
 
 
 @dataclass(slots=True)
@@ -166,16 +170,30 @@ class SpecPipeRun:
                 levels = [[n for n in level if n in tree.nodes] for level in levels[1:]]
                 if [] in levels:  # a level wholly in pruned branches: the tree grows again from above it
                     levels = levels[: levels.index([])]
-            self._declare_dead([s for s in in_flight if not s.dead and (
-                s.tree_epoch != tree_epoch or not any(node in tree.nodes for node in s.level))])
+            self._declare_dead(in_flight, tree, tree_epoch)
 
-    def _declare_dead(self, sents: list[_Sent]) -> None:
-        """Tell the other stages (control path) which queued levels to pass on uncomputed."""
-        if sents:
-            for sent in sents:
+    def _declare_dead(self, in_flight: deque[_Sent], tree: SpecTree, tree_epoch: int) -> None:
+        """Tell the other stages (control path) what the verification just pruned from the
+        levels in flight: a level with no live row is passed on uncomputed, the others skip
+        their newly dead rows."""
+        tags, rows = [], []
+        for sent in in_flight:
+            if sent.dead:
+                continue
+            gone = [] if sent.tree_epoch != tree_epoch else [
+                i for i, node in enumerate(sent.level) if node not in tree.nodes and i not in sent.dead_rows]
+            if sent.tree_epoch != tree_epoch or len(gone) + len(sent.dead_rows) == len(sent.level):
                 sent.dead = True
-            self.session.cache.drop([sent.tag for sent in sents])
-            self.stats.levels_dropped += len(sents)
+                tags.append(sent.tag)
+                rows.append([])
+                self.stats.levels_dropped += 1
+            elif gone:
+                sent.dead_rows.update(gone)
+                tags.append(sent.tag)
+                rows.append(gone)
+                self.stats.rows_dropped += len(gone)
+        if tags:
+            self.session.cache.drop(tags, rows)
 
     def _send(self, tree: SpecTree, mirror: CacheMirror, level: list[int], want: str, started: float, tag: int):
         tail = mirror.level_mask(tree, level)

@@ -190,11 +190,12 @@ class StageServer(ListeningServer):
             message = await work.get()
             if isinstance(message, StageForward):
                 try:
-                    if worker.is_dead(message):  # no device time either: nothing runs
+                    dead = worker.dead_rows(message)
+                    if all(rows is None for rows in dead):  # no device time either: nothing runs
                         out = await self.compute.run(worker.hollow, message)
                     else:
                         started = time.perf_counter()
-                        out = await self.compute.run(worker.forward, message)
+                        out = await self.compute.run(worker.forward, message, dead)
                         rest = self.config.delay_s - (time.perf_counter() - started)
                         if rest > 0:  # emulated device time, the real compute inside it (pipeline/decoder.sleep_rest)
                             await asyncio.sleep(rest)

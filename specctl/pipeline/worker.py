@@ -2,10 +2,12 @@
 session's KV for those layers. Runs on the stage's compute thread, one message at a time
 in arrival order, so a session's pruning always lands before its next forward.
 
-A forward declared dead (StageDrop, read on arrival ahead of the compute queue) is not
-computed: its rows take their KV positions unwritten and it goes on hollow, so every
-stage's cache keeps stage 1's order; the pruning that follows it removes those rows before
-any live row could attend to them."""
+Rows declared dead (StageDrop, read on arrival ahead of the compute queue) are not
+computed: they take their KV positions unwritten, so every stage's cache keeps stage 1's
+order, and the pruning that follows removes them before any live row could attend to them
+(a live node attends only to its ancestors, which are live). A forward with every row dead
+goes on hollow; one with some rows dead computes the others and sends zeros for the dead
+(stage 1 reads only the root's row, which is live)."""
 
 from __future__ import annotations
 
@@ -54,12 +56,14 @@ class StageStats:
     closed: int = 0
     dropped_forwards: int = 0  # dead forwards passed on without computing them
     dropped_tokens: int = 0
+    skipped_rows: int = 0  # dead rows of forwards that were computed for their live rows
 
     def to_dict(self) -> dict:
         step = 1e3 * self.busy_s / self.forwards if self.forwards else 0.0
         return {"forwards": self.forwards, "tokens": self.tokens, "step_ms": round(step, 3),
                 "pruned_positions": self.pruned, "sessions_opened": self.opened, "sessions_closed": self.closed,
-                "dropped_forwards": self.dropped_forwards, "dropped_tokens": self.dropped_tokens}
+                "dropped_forwards": self.dropped_forwards, "dropped_tokens": self.dropped_tokens,
+                "skipped_rows": self.skipped_rows}
 
 
 @dataclass(slots=True, eq=False)
@@ -70,7 +74,8 @@ class StageWorker:
     stats: StageStats
     caches: dict[int, KVCache] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)  # sessions whose open failed here: why
-    dead: dict[int, set[int]] = field(default_factory=dict)  # sid -> tags of its dead forwards (loop thread)
+    # (loop thread) sid -> tag of a forward -> its dead rows (None: every row)
+    dead: dict[int, dict[int, set[int] | None]] = field(default_factory=dict)
 
     def open(self, msg: StageOpen) -> None:
         if msg.sid in self.caches:
@@ -85,30 +90,34 @@ class StageWorker:
         self.stats.pruned += before - cache.length
 
     def mark_dead(self, msg: StageDrop, most: int) -> None:
-        """(Loop thread) remember dead forwards until they reach the head of the queue: at
-        most ``most`` sessions and ``most`` tags each (no more forwards can be queued), so a
-        peer's stray drops cannot grow this. (Its session may still be opening: the open can
-        be queued behind forwards.)"""
+        """(Loop thread) remember dead rows until their forward reaches the head of the queue:
+        at most ``most`` sessions and ``most`` forwards each (no more forwards can be queued),
+        so a peer's stray drops cannot grow this. (Its session may still be opening: the open
+        can be queued behind forwards.)"""
         if msg.tags and (msg.sid in self.dead or len(self.dead) < most):
-            tags = self.dead.setdefault(msg.sid, set())
-            tags.update(msg.tags[: max(most - len(tags), 0)])
+            tags = self.dead.setdefault(msg.sid, {})
+            for tag, rows in zip(msg.tags, msg.rows or [[]] * len(msg.tags)):
+                if (tag not in tags and len(tags) >= most) or (tag in tags and tags[tag] is None):
+                    continue
+                tags[tag] = None if not rows else tags.get(tag, set()) | set(rows)
 
-    def is_dead(self, msg: StageForward) -> bool:
-        """(Loop thread, once per forward, in arrival order) whether to pass ``msg`` on hollow:
-        every session's row of it is dead. A session's tags grow in sending order, so the
-        tags up to this one are done with here (bounded by what is in flight)."""
+    def dead_rows(self, msg: StageForward) -> list[set[int] | None]:
+        """(Loop thread, once per forward, in arrival order) each session's dead rows of
+        ``msg`` (None: all of them). A session's tags grow in sending order, so the tags up to
+        this one are done with here (bounded by what is in flight)."""
         if msg.dropped:
-            return True
+            return [None] * len(msg.sids)
         if len(msg.tags) != len(msg.sids):
-            return False
-        dead = all(tag in self.dead.get(sid, ()) for sid, tag in zip(msg.sids, msg.tags))
+            return [set() for _ in msg.sids]
+        found = []
         for sid, tag in zip(msg.sids, msg.tags):
-            tags = self.dead.get(sid)
-            if tags is not None:
-                tags.difference_update([t for t in tags if t <= tag])
-                if not tags:
-                    del self.dead[sid]
-        return dead
+            tags = self.dead.get(sid, {})
+            found.append(tags.get(tag, set()))
+            for done in [t for t in tags if t <= tag]:
+                del tags[done]
+            if not tags:
+                self.dead.pop(sid, None)
+        return found
 
     def hollow(self, msg: StageForward) -> StageForward | StageOutput:
         """A dead forward: its rows take their KV positions unwritten; nothing is computed."""
@@ -141,9 +150,9 @@ class StageWorker:
             raise BadRequest(self.failed.get(sid, f"unknown stage session {sid}"))
         return cache
 
-    def forward(self, msg: StageForward) -> StageForward | StageOutput:
-        """Run this stage's layers: hidden states for the next stage, or (last stage) the
-        logits rows asked for."""
+    def forward(self, msg: StageForward, dead: list[set[int] | None] | None = None) -> StageForward | StageOutput:
+        """Run this stage's layers over the rows not in ``dead`` (per session): hidden states
+        for the next stage, or (last stage) the logits rows asked for."""
         started = time.perf_counter()
         caches = [self._cache(sid) for sid in msg.sids]
         hidden, positions = msg.hidden.to_torch(), msg.positions.to_torch()
@@ -153,18 +162,75 @@ class StageWorker:
             raise BadRequest("a stage forward's hidden states, positions and lengths disagree")
         masks = [full_mask(None if m is None else m.to_torch(), cache.length) for m, cache in zip(msg.masks, caches)]
         bounds = ragged_bounds(msg.lengths)
+        wanted = [lo + at for at_list, (lo, _) in zip(msg.logits_at, bounds) for at in at_list]
+        live = rows_to_compute(msg.lengths, [m is None for m in masks], dead or [set() for _ in caches])
+        if live == [list(range(n)) for n in msg.lengths]:
+            out = self.decoder.forward_ragged(hidden, positions, bounds, caches, masks, self._head_rows(wanted))
+        else:
+            out = self._forward_live(hidden, positions, bounds, caches, masks, live, wanted)
         if self.decoder.lm_head is None:
-            out = self.decoder.forward_ragged(hidden, positions, bounds, caches, masks)
             reply = StageForward(msg.fid, msg.sids, msg.lengths, msg.positions, msg.masks, msg.logits_at,
                                  Tensor.from_torch(out), msg.want, msg.tags)
         else:
-            rows = torch.tensor([lo + at for at_list, (lo, _) in zip(msg.logits_at, bounds) for at in at_list],
-                                dtype=torch.long)
-            logits = self.decoder.forward_ragged(hidden, positions, bounds, caches, masks, rows)
             # The head computed them in the model's dtype: shipping that dtype is exact.
-            out = logits.argmax(-1) if msg.want == "argmax" else logits.to(self.decoder.dtype)
+            out = out.argmax(-1) if msg.want == "argmax" else out.to(self.decoder.dtype)
             reply = StageOutput(msg.fid, Tensor.from_torch(out))
+        computed = sum(len(rows) for rows in live)
         self.stats.forwards += 1
-        self.stats.tokens += hidden.shape[0]
+        self.stats.tokens += computed
+        self.stats.skipped_rows += hidden.shape[0] - computed
         self.stats.busy_s += time.perf_counter() - started
         return reply
+
+    def _head_rows(self, wanted: list[int]) -> torch.Tensor | None:
+        return None if self.decoder.lm_head is None else torch.tensor(wanted, dtype=torch.long)
+
+    def _forward_live(self, hidden: torch.Tensor, positions: torch.Tensor, bounds: list[tuple[int, int]],
+                      caches: list[KVCache], masks: list[torch.Tensor | None], live: list[list[int]],
+                      wanted: list[int]) -> torch.Tensor:
+        """The forward over the live rows only; the dead rows' KV positions are taken unwritten
+        and their outputs are zeros."""
+        for cache, (lo, hi) in zip(caches, bounds):
+            cache.check_room(hi - lo)
+        index = [lo + row for (lo, _), rows in zip(bounds, live) for row in rows]
+        computed = [i for i, rows in enumerate(live) if rows]
+        starts = [cache.length for cache in caches]
+        sub_masks = [live_mask(masks[i], starts[i], live[i]) for i in computed]
+        at = {row: i for i, row in enumerate(index)}
+        head_rows = [at[row] for row in wanted if row in at]
+        select = torch.tensor(index, dtype=torch.long)
+        if not index:  # rows were listed dead one by one, all of them
+            for cache, start, (lo, hi) in zip(caches, starts, bounds):
+                cache.place(start, [], hi - lo)
+            width = hidden.shape[1] if self.decoder.lm_head is None else self.decoder.spec.vocab_size
+            return torch.zeros(hidden.shape[0] if self.decoder.lm_head is None else len(wanted), width,
+                               dtype=self.decoder.dtype)
+        out = self.decoder.forward_ragged(hidden[select], positions[select],
+                                          ragged_bounds([len(live[i]) for i in computed]),
+                                          [caches[i] for i in computed], sub_masks, self._head_rows(head_rows))
+        for cache, start, rows, (lo, hi) in zip(caches, starts, live, bounds):
+            cache.place(start, rows, hi - lo)
+        if self.decoder.lm_head is None:
+            full = out.new_zeros(hidden.shape[0], out.shape[1])
+            full[select.to(out.device)] = out
+        else:
+            full = out.new_zeros(len(wanted), out.shape[1])
+            full[torch.tensor([row in at for row in wanted], dtype=torch.bool, device=out.device)] = out
+        return full
+
+
+def rows_to_compute(lengths: list[int], causal: list[bool], dead: list[set[int] | None]) -> list[list[int]]:
+    """Per session, the rows of a forward a stage computes: all but the dead ones, except in a
+    causal forward (a prefill: every row attends to every row before it), computed whole."""
+    return [list(range(n)) if is_causal and rows is not None else
+            [] if rows is None else [row for row in range(n) if row not in rows]
+            for n, is_causal, rows in zip(lengths, causal, dead)]
+
+
+def live_mask(mask: torch.Tensor | None, cached: int, rows: list[int]) -> torch.Tensor | None:
+    """A forward's full mask [n, cached + n] cut to its live rows, among themselves and over
+    everything cached."""
+    if mask is None:
+        return None
+    columns = torch.cat([torch.arange(cached), cached + torch.tensor(rows, dtype=torch.long)])
+    return mask[rows][:, columns]
