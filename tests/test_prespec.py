@@ -335,9 +335,16 @@ def test_trials_measure_rounds_and_a_mode_kept_off_plans_nothing(tiny):
     spec = table.speculation = SpeculationCache(PrespecConfig(budget=4), 3)
     out, _ = run(tiny["llama"], table, PROMPTS[1], SamplingParams(max_tokens=30, ignore_eos=True), steps=4)
     assert out == generate(tiny["llama"], PROMPTS[1], SamplingParams(max_tokens=30, ignore_eos=True))[0]
-    assert spec.trial.tokens[True] > 0 and spec.trial.seconds[True] > 0  # rounds with it were measured
-    spec.trial.phase, spec.trial.kept, spec.trial.left = "keep", False, 1000  # as if it had lost its trial
+    trial = spec.trials.by_level[1]  # one session: the first load level's trial
+    assert list(spec.trials.by_level) == [1]
+    assert trial.tokens[True] > 0 and trial.seconds[True] > 0  # rounds with it were measured
+    trial.phase, trial.kept, trial.left = "keep", False, 1000  # as if it had lost its trial
     run(tiny["llama"], table, PROMPTS[0], SamplingParams(max_tokens=30, ignore_eos=True), steps=4, tag=2)
     snap = spec.snapshot()
-    assert snap["skipped"] > 0 and snap["trial"]["kept"] is False
+    assert snap["skipped"] > 0 and snap["trials"]["1"]["kept"] is False
     assert spec.plans == {}
+    # Another load level has a trial of its own, which starts by measuring pre-speculation.
+    table.open(3, OpenSession(0, [5, 6, 7], max_tokens=16))
+    table.open(4, OpenSession(0, [5, 6, 8], max_tokens=16))
+    table.propose_many([(3, [], [8]), (4, [], [9])])
+    assert sorted(spec.trials.by_level) == [1, 2] and sorted(spec.plans) == [3, 4]

@@ -26,7 +26,7 @@ from specctl.draft.fanout import (
 )
 from specctl.draft.prespec_config import FALLBACKS, PrespecConfig  # noqa: F401 - re-exported
 from specctl.draft.prespec import Plan, adopt, discard, finish, kv_per_branch, make_plan, proposal_of, step
-from specctl.draft.trial import Trial
+from specctl.draft.trial import Trials
 from specctl.spec.draft_state import DraftState
 from specctl.spec.drafters import RANKED, Drafter, ModelTreeDrafter, Proposal, tree_shape
 from specctl.spec.sampling import saguaro
@@ -50,6 +50,7 @@ class History:
     backup_accepted: int = 0
     last_outcome_at: float | None = None
     planned_last: bool = False  # its last proposal was pre-speculated
+    level_last: int = 0  # the load level whose trial its last proposal counts for (0: none)
 
     @property
     def backup_length(self) -> float:
@@ -85,7 +86,7 @@ class SpeculationCache:
         # Every session's bonus ranks: the draft/target pair's own, so a session's budget can use
         # them until it has ranked enough of its own.
         self.ranks: collections.deque = collections.deque(maxlen=1024)
-        self.trial = Trial()
+        self.trials = Trials()
         self.stats = PrespecStats()
 
     @classmethod
@@ -141,11 +142,11 @@ class SpeculationCache:
         """A proposal went out: plan its outcomes' branches (not for a backup proposal)."""
         history = self.history.setdefault(tag, History())
         history.proposed_at, history.backup_pending = time.perf_counter(), backup
-        history.planned_last = False
+        history.planned_last, history.level_last = False, 0
         old = self._retire(self.plans.pop(tag, None))
         if old is not None:
             discard(old)
-        if backup or proposal.ranked is None or not self._pays():
+        if backup or proposal.ranked is None or not self._pays(history):
             return
         plan = make_plan(state, proposal, self._fanout_tree(tag, state, proposal), self.depth,
                          self.reshape_for(tag, state))
@@ -154,12 +155,14 @@ class SpeculationCache:
             history.planned_last = True
             self.wake()
 
-    def _pays(self) -> bool:
-        """Pre-speculate the round being proposed? Always when not adaptive; else as the trial says."""
-        if not (self.config.adaptive and self.config.trials) or self.trial.next_round():
+    def _pays(self, history: History) -> bool:
+        """Pre-speculate the round being proposed? Always when not adaptive; else as the trial
+        of the present load says."""
+        if not (self.config.adaptive and self.config.trials):
             return True
-        self.stats.skipped += 1
-        return False
+        on, history.level_last = self.trials.next_round(len(self.history))
+        self.stats.skipped += not on
+        return on
 
     def outcome(self, tag: int, path: list[int], tokens: list[int]) -> Plan | None:
         """The outcome of the session's last proposal arrived: learn from it; its plan, if any."""
@@ -170,7 +173,7 @@ class SpeculationCache:
             history.return_s = z if history.return_s is None else 0.8 * history.return_s + 0.2 * z
             history.proposed_at = None
             if history.last_outcome_at is not None:  # a whole round: outcome to outcome
-                self.trial.record(history.planned_last, len(tokens), now - history.last_outcome_at)
+                self.trials.record(history.level_last, history.planned_last, len(tokens), now - history.last_outcome_at)
             history.last_outcome_at = now
         if history.backup_pending:
             history.backup_pending = False
@@ -301,7 +304,7 @@ class SpeculationCache:
                 "ready_rate": round(s.hit_drafted / looked, 4) if looked else 0.0,
                 "branches_drafted": s.branches_drafted, "branches_used": s.branches_used, "steps": s.steps,
                 "busy_s": round(s.busy_s, 6), "fallback_jit": s.fallback_jit, "fallback_ngram": s.fallback_ngram, "skipped": s.skipped,
-                "held_steps": s.held, "trial": self.trial.snapshot(),
+                "held_steps": s.held, "trials": self.trials.snapshot(),
                 "plans": len(self.plans), "budget": self.config.budget, "budget_now": self._budget_now(), "saguaro_c": self.config.saguaro_c,
                 "fallback": self.config.fallback}
 

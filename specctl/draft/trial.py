@@ -8,7 +8,13 @@ So the draft server runs trials: TRIAL_ROUNDS rounds with pre-speculation, as ma
 without, then keeps whichever gave its sessions more committed tokens per second of round
 time (the time between two outcomes of a session) for KEEP_ROUNDS rounds, and tries
 again. Rounds count over all sessions; a session's round counts for the mode its proposal
-was made in."""
+was made in.
+
+What pays at one session (the draft idles while its target verifies) need not at three (it
+hardly idles, and its background steps make the other targets' requests wait), so each load
+level — the sessions pre-speculation knows of, bucketed 1, 2, 3-4, 5-8, ... — has a trial
+and a decision of its own: a draft server whose load changes does not keep the decision it
+measured at another load for KEEP_ROUNDS rounds."""
 
 from __future__ import annotations
 
@@ -61,3 +67,28 @@ class Trial:
         rate = lambda on: round(self.tokens[on] / self.seconds[on], 3) if self.seconds[on] else 0.0  # noqa: E731
         return {"phase": self.phase, "kept": self.kept, "tokens_per_s_on": rate(True), "tokens_per_s_off": rate(False),
                 "decisions": self.decisions}
+
+
+def load_level(sessions: int) -> int:
+    """The load bucket a decision holds for, named by its largest session count: 1, 2, 4, 8, ..."""
+    return 1 << max(sessions - 1, 0).bit_length()
+
+
+@dataclass(slots=True)
+class Trials:
+    """A Trial per load level."""
+    by_level: dict[int, Trial] = field(default_factory=dict)
+
+    def next_round(self, sessions: int) -> tuple[bool, int]:
+        """Pre-speculate the round now being proposed with ``sessions`` sessions about, and the
+        level it counts for."""
+        level = load_level(sessions)
+        return self.by_level.setdefault(level, Trial()).next_round(), level
+
+    def record(self, level: int, prespeculated: bool, tokens: int, seconds: float) -> None:
+        trial = self.by_level.get(level)
+        if trial is not None:
+            trial.record(prespeculated, tokens, seconds)
+
+    def snapshot(self) -> dict:
+        return {str(level): trial.snapshot() for level, trial in sorted(self.by_level.items())}
