@@ -179,6 +179,14 @@ async def test_bad_frames_to_a_stage_get_an_error_and_disturb_nothing_else(model
         assert stage.rejected_requests >= 1
 
 
+async def _as_stage_one(pipeline, target):
+    """A connection to stage 2 that speaks as stage 1 would (frames written by the test)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", pipeline.ports[0])
+    await client_handshake(reader, writer, role="stage", model="t", fingerprint=target.vocab_fingerprint,
+                           layers=[0, pipeline.servers[0].model.decoder.layer_range[0]])
+    return reader, writer
+
+
 async def test_a_drop_overtakes_the_queued_forwards_and_the_live_rows_after_it_are_exact(models):
     """Forwards queue behind a slow stage; a StageDrop sent after them takes effect at once:
     the dead ones come back empty without compute, their rows hold KV positions until the
@@ -188,10 +196,7 @@ async def test_a_drop_overtakes_the_queued_forwards_and_the_live_rows_after_it_a
     target, _ = models
     async with LocalPipeline(target, 2, delay_s=0.3) as pipeline:
         stage = pipeline.servers[0]
-        first = stage.model.decoder.layer_range[0]
-        reader, writer = await asyncio.open_connection("127.0.0.1", pipeline.ports[0])
-        await client_handshake(reader, writer, role="stage", model="t", fingerprint=target.vocab_fingerprint,
-                               layers=[0, first])
+        reader, writer = await _as_stage_one(pipeline, target)
         hidden = torch.randn(4, target.spec.hidden_size, generator=torch.Generator().manual_seed(0))
 
         def forward(fid, sid, rows, tag):
@@ -232,10 +237,7 @@ async def test_dead_rows_of_a_live_forward_are_not_computed_and_the_live_rows_ar
     target, _ = models
     async with LocalPipeline(target, 3, delay_s=0.3) as pipeline:
         middle = pipeline.servers[0]
-        first = middle.model.decoder.layer_range[0]
-        reader, writer = await asyncio.open_connection("127.0.0.1", pipeline.ports[0])
-        await client_handshake(reader, writer, role="stage", model="t", fingerprint=target.vocab_fingerprint,
-                               layers=[0, first])
+        reader, writer = await _as_stage_one(pipeline, target)
         hidden = torch.randn(6, target.spec.hidden_size, generator=torch.Generator().manual_seed(1))
 
         def forward(fid, sid, rows, positions, tail, tag):

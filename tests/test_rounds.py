@@ -145,18 +145,23 @@ async def test_a_target_without_a_draft_server_is_autoregressive_by_choice_not_b
         await target_server.close()
 
 
-async def test_prefill_finishing_before_the_open_is_sent_still_drafts_from_the_prompt(models):
-    """begin() snapshots the text: a prefill that commits its first token before the
-    opening task runs must not make the first Propose carry no tokens (a race seen on CI)."""
+def _begun(models, target_server):
+    """A session with a remote speculator that has begun opening its draft session."""
     from specctl.spec.decode import DecodeSession
     from specctl.verify.speculator import RemoteSpeculator
 
-    target, _ = models
+    session = DecodeSession(models[0].decoder, PROMPTS[0], SamplingParams(max_tokens=8), (), None, None, 4)
+    speculator = RemoteSpeculator(target_server.draft, 4)
+    speculator.begin(session)
+    return session, speculator
+
+
+async def test_prefill_finishing_before_the_open_is_sent_still_drafts_from_the_prompt(models):
+    """begin() snapshots the text: a prefill that commits its first token before the
+    opening task runs must not make the first Propose carry no tokens (a race seen on CI)."""
     draft_server, link, target_server, _ = await _star(models, ModelChainDrafter(models[1].decoder, 3))
     try:
-        session = DecodeSession(target.decoder, PROMPTS[0], SamplingParams(max_tokens=8), (), None, None, 4)
-        speculator = RemoteSpeculator(target_server.draft, 4)
-        speculator.begin(session)
+        session, speculator = _begun(models, target_server)
         session.prefill()  # in this loop step, before the opening task has run
         drafted = await speculator.propose(session)
         assert drafted.fallback is None and drafted.proposal is not None
@@ -171,15 +176,9 @@ async def test_a_round_cancelled_just_as_its_draft_session_opens_still_closes_it
     """The session ends (client disconnect) in the loop step where the opening it waits on
     completes: the handle never reaches the speculator, yet the draft session must close
     (CI once left one open on the draft server after a gateway client hung up)."""
-    from specctl.spec.decode import DecodeSession
-    from specctl.verify.speculator import RemoteSpeculator
-
-    target, _ = models
     draft_server, link, target_server, _ = await _star(models, ModelChainDrafter(models[1].decoder, 3))
     try:
-        session = DecodeSession(target.decoder, PROMPTS[0], SamplingParams(max_tokens=8), (), None, None, 4)
-        speculator = RemoteSpeculator(target_server.draft, 4)
-        speculator.begin(session)
+        session, speculator = _begun(models, target_server)
         session.prefill()
         opening = speculator._opening
         rounds: list[asyncio.Task] = []
