@@ -7,8 +7,7 @@ import torch
 
 from specctl.draft.fanout import (
     PRIOR_R, acceptance_estimate, budget_that_fits, budget_that_pays, choose_fallback, expected_hit, fanout, hit_curve, fanout_for, outcome_probs,
-    power_law_exponent, predicted_gain_over_plain, predicted_speedup, step_fits_before_outcomes, step_time_fit,
-    tree_outcome_probs,
+    power_law_exponent, predicted_gain_over_plain, predicted_speedup, step_time_fit, tree_outcome_probs,
 )
 from specctl.spec.sampling import saguaro
 
@@ -100,13 +99,6 @@ def test_step_time_is_fitted_linear_in_rows():
     assert alpha == pytest.approx(0.01) and beta == pytest.approx(0.01)
     assert step_time_fit([(4, 0.05), (4, 0.06)]) is None  # rows never varied: no slope
     assert step_time_fit([(2, 0.03)]) is None
-
-
-def test_a_step_fits_only_if_no_outcome_is_due_while_it_runs():
-    assert step_fits_before_outcomes(10.0, [10.5, 12.0], 0.4)
-    assert not step_fits_before_outcomes(10.0, [12.0, 10.3], 0.4)
-    assert step_fits_before_outcomes(10.0, [9.0], 0.4)  # overdue: when it comes is unknown
-    assert step_fits_before_outcomes(10.0, [], 0.4)
 
 
 def test_budget_is_what_finishes_before_the_outcome_returns():

@@ -307,29 +307,6 @@ def test_the_budget_shrinks_to_what_finishes_before_the_outcome(tiny):
     assert spec.budget_for(fresh, outcomes, r) == covering
 
 
-def test_a_background_step_is_not_started_when_an_outcome_is_due_before_it_would_end(tiny):
-    """A real request arriving mid-step waits for the step: the draft server starts one only
-    if no outstanding proposal's outcome is expected (sent + Z) before the fitted step time."""
-    import time
-
-    table = SessionTable(ModelChainDrafter(tiny["llama-self2"], 3), KVPool(None), 320, 512)
-    spec = table.speculation = SpeculationCache(PrespecConfig(budget=8), 3)
-    run(tiny["llama"], table, PROMPTS[0], SamplingParams(max_tokens=30, ignore_eos=True), steps=4)
-    table.open(99, OpenSession(0, [5, 6, 7], max_tokens=16))
-    table.propose_many([(99, [], [8])])
-    plan, history = spec.plans[99], spec.history[99]
-    spec.step_samples.clear()
-    spec.step_samples.extend([(1, 1.0), (2, 2.0)])  # as if a step took a second per row
-    steps, held = plan.steps, spec.stats.held
-    history.proposed_at, history.return_s = time.perf_counter(), 0.5  # due while it would run
-    assert spec.step() is False and (plan.steps, spec.stats.held) == (steps, held + 1)
-    assert spec.snapshot()["held_steps"] == held + 1
-    history.return_s = 1e3  # due long after
-    assert spec.step() is True and plan.steps == steps + 1
-    history.proposed_at, history.return_s = time.perf_counter() - 10, 1.0  # overdue: says nothing, holds nothing
-    assert spec.step() is True and plan.steps == steps + 2
-
-
 def test_trials_measure_rounds_and_a_mode_kept_off_plans_nothing(tiny):
     table = SessionTable(ModelChainDrafter(tiny["llama-self2"], 3), KVPool(None), 320, 512)
     spec = table.speculation = SpeculationCache(PrespecConfig(budget=4), 3)

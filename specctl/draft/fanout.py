@@ -133,14 +133,6 @@ def step_time_fit(samples: Sequence[tuple[int, float]]) -> tuple[float, float] |
     return max(mean_y - beta * mean_x, 0.0), beta
 
 
-def step_fits_before_outcomes(now: float, due: Sequence[float], step_s: float) -> bool:
-    """Start a background step only if no session's outcome is expected while it runs: a
-    real request arriving mid-step waits for the step (measured at N = 3: 29-32 ms of a 63-72 ms
-    proposal). ``due``: when each outstanding proposal's outcome is expected (sent + Z); one
-    already overdue says nothing about when it comes and holds nothing back."""
-    return not any(now < at < now + step_s for at in due)
-
-
 def budget_that_fits(return_s: float, depth: int, fit: tuple[float, float], sharing: int, most: int,
                      rows_per_branch: int = 1) -> int:
     """Branches one session can have drafted before its outcome returns (SSD's budget: what the

@@ -21,8 +21,7 @@ from functools import partial
 
 from specctl.draft.fanout import (
     MIN_OUTCOMES_FOR_FIT, acceptance_estimate, budget_that_fits, budget_that_pays, choose_fallback, expected_hit,
-    fanout_for, hit_curve, outcome_probs, power_law_exponent, step_fits_before_outcomes, step_time_fit,
-    tree_outcome_probs,
+    fanout_for, hit_curve, outcome_probs, power_law_exponent, step_time_fit, tree_outcome_probs,
 )
 from specctl.draft.prespec_config import FALLBACKS, PrespecConfig  # noqa: F401 - re-exported
 from specctl.draft.prespec import Plan, adopt, discard, finish, kv_per_branch, make_plan, proposal_of, step
@@ -70,7 +69,6 @@ class PrespecStats:
     fallback_jit: int = 0
     fallback_ngram: int = 0
     skipped: int = 0  # rounds not pre-speculated (a trial without it, or it did not pay)
-    held: int = 0  # background steps not started: an outcome was expected before they would end
 
 
 class SpeculationCache:
@@ -235,9 +233,6 @@ class SpeculationCache:
             return False
         rows = {id(plan): len(plan.tails) + sum(len(b.rows()) for b in plan.branches.values() if b.live(plan.depth))
                 for _, plan in due}
-        if self.config.adaptive and not self._fits(min(sum(rows.values()), self.config.max_rows)):
-            self.stats.held += 1
-            return False  # woken again by the next proposal sent
         started = time.perf_counter()
         advanced = {id(plan) for plan in step([plan for _, plan in due], self.config.max_rows)}
         seconds = time.perf_counter() - started
@@ -248,16 +243,6 @@ class SpeculationCache:
             if id(plan) in advanced:
                 self.plans[tag] = self.plans.pop(tag)
         return True
-
-    def _fits(self, rows: int) -> bool:
-        """Whether a step of ``rows`` rows ends before any outcome is expected (yes until step
-        times are measured)."""
-        fit = step_time_fit(self.step_samples)
-        if fit is None:
-            return True
-        due = [h.proposed_at + h.return_s for h in self.history.values()
-               if h.proposed_at is not None and h.return_s is not None]
-        return step_fits_before_outcomes(time.perf_counter(), due, fit[0] + fit[1] * rows)
 
     def fallback_for(self, misses: list[tuple[int, DraftState]]) -> str:
         """How to draft the sessions that just missed, together: "jit" or "ngram"."""
@@ -304,7 +289,7 @@ class SpeculationCache:
                 "ready_rate": round(s.hit_drafted / looked, 4) if looked else 0.0,
                 "branches_drafted": s.branches_drafted, "branches_used": s.branches_used, "steps": s.steps,
                 "busy_s": round(s.busy_s, 6), "fallback_jit": s.fallback_jit, "fallback_ngram": s.fallback_ngram, "skipped": s.skipped,
-                "held_steps": s.held, "trials": self.trials.snapshot(),
+                "trials": self.trials.snapshot(),
                 "plans": len(self.plans), "budget": self.config.budget, "budget_now": self._budget_now(), "saguaro_c": self.config.saguaro_c,
                 "fallback": self.config.fallback}
 

@@ -40,8 +40,6 @@ PRESPEC_GAUGES = {
     "branches_drafted": ("prespec_branches_drafted", "outcome branches planned for pre-speculation"),
     "branches_used": ("prespec_branches_used", "pre-speculated branches that became proposals"),
     "leftover_used": ("prespec_leftover_used", "share of the draft's idle time spent pre-speculating"),
-    "held_steps": ("prespec_held_steps", "background steps not started because an outcome was due before they "
-                   "would end"),
 }
 
 STAGE_GAUGES = {
