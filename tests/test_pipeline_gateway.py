@@ -50,8 +50,9 @@ def test_gateway_over_a_three_stage_target_is_exact_and_a_dead_stage_gives_503(s
         metrics = response.read().decode()
     assert re.search(r'specctl:stage_step_ms\{address="[^"]+",stage="3/3"\} \d', metrics)
     assert re.search(r'specctl:stage_dropped_forwards\{address="[^"]+",stage="2/3"\} 0', metrics)  # tree rounds: none
+    assert re.search(r'specctl:stage_skipped_rows\{address="[^"]+",stage="2/3"\} 0', metrics)
     screen = text_of(dashboard(advance(MonitorState("gw"), feed, now=1.0), now=1.0))
-    assert "└ stage 2/3 2:3" in screen and "└ stage 3/3 3:4" in screen and "dr 0" in screen
+    assert "└ stage 2/3 2:3" in screen and "└ stage 3/3 3:4" in screen and "dr 0" in screen and "sk 0" in screen
 
     pipeline = thread.cluster.pipelines[0]
     asyncio.run_coroutine_threadsafe(pipeline.servers[-1].close(), thread.loop).result(30)

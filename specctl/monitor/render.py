@@ -113,10 +113,11 @@ def drafter_row(name: str, drafter: dict) -> tuple:
 
 
 def stage_row(stage: dict) -> tuple:
-    """One pipeline stage under its target: layers, step time, pruned KV, dead forwards dropped, sessions."""
+    """One pipeline stage under its target: layers, step time, pruned KV, dead forwards dropped,
+    dead rows of live forwards skipped, sessions."""
     return (Text(f"  └ stage {stage.get('stage', '?')} {stage.get('layers', '')}", style="dim"), "",
             str(stage.get("sessions", 0)), "", _ms(stage.get("step_ms")), f"pr {stage.get('pruned_positions', 0)}",
-            f"dr {stage.get('dropped_forwards', 0)}", "")
+            f"dr {stage.get('dropped_forwards', 0)}", f"sk {stage.get('skipped_rows', 0)}")
 
 
 def dashboard(state: MonitorState, now: float | None = None) -> RenderableType:
