@@ -127,3 +127,22 @@ async def _star_run(tiny_dir, kind):
 @pytest.mark.parametrize("kind", ["chain", "tree"])
 async def test_star_on_cuda_equals_target_greedy(tiny_dir, kind):
     await _star_run(tiny_dir, kind)
+
+
+async def test_specpipe_through_stages_on_cuda_equals_the_target_with_dead_rows_skipped(tiny_dir):
+    """SpecPipe over 3 CUDA stages (threads of this process, TCP between them), levels of width
+    3 so verifications leave levels in flight partly dead: the stages skip those rows on the
+    device (KV placed, zeros sent) and the tokens equal the whole target's, greedy."""
+    from specctl.pipeline.local import LocalPipeline
+    from specctl.pipeline.specpipe import specpipe_generate
+    from specctl.pipeline.token_source import TreeShape
+
+    target = load_model("t", tiny_dir["llama"], "fp32", device="cuda")
+    draft = load_model("d", tiny_dir["llama"], "fp32", num_layers=2, device="cuda")
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    async with LocalPipeline(target, 3, delay_s=0.03) as pipeline:
+        for prompt in PROMPTS:
+            tokens, _, _, pipe = await asyncio.to_thread(specpipe_generate, pipeline.staged.decoder, draft.decoder,
+                                                         prompt, params, TreeShape(3, 2))
+            assert tokens == generate(target.decoder, prompt, params)[0], prompt
+        assert all(server.stats.forwards > 0 for server in pipeline.servers)
