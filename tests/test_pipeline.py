@@ -293,6 +293,29 @@ def test_partial_drops_merge_and_a_whole_drop_wins():
     assert worker.dead == {1: {5: {0, 3}, 6: None}}
 
 
+def test_a_forward_with_every_row_listed_dead_goes_hollow_and_a_malformed_one_is_refused():
+    import torch
+
+    from specctl.engine.kv_cache import KVCache
+    from specctl.errors import BadRequest
+
+    worker = StageWorker(None, None, StageStats())
+    worker.mark_dead(StageDrop(1, [5, 6], [[0, 1, 2], [1]]), most=4)
+
+    def forward(tag, lengths=(3,), masks=(None,)):
+        n = sum(lengths)
+        return StageForward(tag, [1], list(lengths), Tensor.from_torch(torch.arange(n)), list(masks), [[0]],
+                            Tensor.from_torch(torch.zeros(n, 4)), "logits", [tag])
+
+    assert worker.dead_rows(forward(5)) == [None]  # listed row by row, all of them: as a whole drop
+    assert worker.dead_rows(forward(6)) == [{1}] and worker.dead == {}
+    worker.caches[1] = KVCache(1, 1, 4, 16, torch.float32)
+    for bad in (forward(7, lengths=(2, 1)), forward(7, masks=(None, None))):
+        with pytest.raises(BadRequest, match="a stage forward's sessions, lengths, masks and logits rows disagree"):
+            worker.forward(bad)
+    assert worker.caches[1].length == 0
+
+
 def test_stray_drops_cannot_grow_a_stage_past_what_can_be_queued():
     worker = StageWorker(None, None, StageStats())
     worker.mark_dead(StageDrop(1, list(range(10))), most=4)

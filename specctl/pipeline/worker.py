@@ -107,12 +107,13 @@ class StageWorker:
         this one are done with here (bounded by what is in flight)."""
         if msg.dropped:
             return [None] * len(msg.sids)
-        if len(msg.tags) != len(msg.sids):
-            return [set() for _ in msg.sids]
+        if len(msg.tags) != len(msg.sids) or len(msg.lengths) != len(msg.sids):
+            return [set() for _ in msg.sids]  # not a forward SpecPipe tagged (or malformed: refused by forward)
         found = []
-        for sid, tag in zip(msg.sids, msg.tags):
+        for sid, tag, n in zip(msg.sids, msg.tags, msg.lengths):
             tags = self.dead.get(sid, {})
-            found.append(tags.get(tag, set()))
+            rows = tags.get(tag, set())
+            found.append(None if rows is not None and rows >= set(range(n)) else rows)  # every row listed: all
             for done in [t for t in tags if t <= tag]:
                 del tags[done]
             if not tags:
@@ -158,6 +159,8 @@ class StageWorker:
         hidden, positions = msg.hidden.to_torch(), msg.positions.to_torch()
         if msg.want not in ("logits", "argmax"):
             raise BadRequest(f"a stage forward wants 'logits' or 'argmax', not {msg.want!r}")
+        if len(msg.lengths) != len(caches) or len(msg.masks) != len(caches) or len(msg.logits_at) != len(caches):
+            raise BadRequest("a stage forward's sessions, lengths, masks and logits rows disagree")
         if hidden.shape[0] != sum(msg.lengths) or positions.shape[0] != hidden.shape[0]:
             raise BadRequest("a stage forward's hidden states, positions and lengths disagree")
         masks = [full_mask(None if m is None else m.to_torch(), cache.length) for m, cache in zip(msg.masks, caches)]
@@ -199,12 +202,6 @@ class StageWorker:
         at = {row: i for i, row in enumerate(index)}
         head_rows = [at[row] for row in wanted if row in at]
         select = torch.tensor(index, dtype=torch.long)
-        if not index:  # rows were listed dead one by one, all of them
-            for cache, start, (lo, hi) in zip(caches, starts, bounds):
-                cache.place(start, [], hi - lo)
-            width = hidden.shape[1] if self.decoder.lm_head is None else self.decoder.spec.vocab_size
-            return torch.zeros(hidden.shape[0] if self.decoder.lm_head is None else len(wanted), width,
-                               dtype=self.decoder.dtype)
         out = self.decoder.forward_ragged(hidden[select], positions[select],
                                           ragged_bounds([len(live[i]) for i in computed]),
                                           [caches[i] for i in computed], sub_masks, self._head_rows(head_rows))
