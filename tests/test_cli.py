@@ -264,6 +264,7 @@ def test_bench_pipeline_measures_every_mode_and_stage_count_with_exact_outputs(t
         assert row["same_as_target"] == row["runs"] == 2, row  # fp32: every mode is exact
         assert row["vs_pp"] is not None and row["vs_pp_chain"] is not None
         assert row["tbt_ms_min"] <= row["tbt_ms"] <= row["tbt_ms_max"]
+        assert len(row["tbt_ms_per_prompt"]) == 1 if " x" not in row["mode"] else "tbt_ms_per_prompt" not in row
     specpipe = [r for r in report["rows"] if r["mode"] == "specpipe"]
     assert all(r["predicted_tbt_ms"] > 0 and 0 <= r["hit_rate"] <= 1 for r in specpipe)
     assert "bench pipeline" in proc.stdout and "E(T) ms" in proc.stdout

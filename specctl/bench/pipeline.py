@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from specctl.bench.spread import spread
 from specctl.bench.stages import StageProcesses, StageProcessSettings
 from specctl.engine.loader import LoadedModel
 from specctl.engine.model import Decoder
@@ -181,6 +182,9 @@ def _summarise(stages: int, mode: str, per_repeat: list[list[dict]]) -> dict:
            "tokens_per_s": round(statistics.median(aggregate) if aggregate else 1e3 / statistics.median(tbt), 3),
            "same_as_target": sum(r.get("same_count", int(r["same"])) for r in flat),
            "runs": sum(r.get("sessions", 1) for r in flat)}
+    if not aggregate:  # one session per run: each prompt's time between tokens, its median over the repeats
+        row["tbt_ms_per_prompt"] = [round(statistics.median(turn[i]["tbt_ms"] for turn in per_repeat), 2)
+                                    for i in range(len(per_repeat[0]))]
     if mode == "specpipe":
         row["hit_rate"] = round(statistics.mean(r["hit_rate"] for r in flat), 4)
         row["step_ms"] = round(statistics.mean(r["step_ms"] for r in flat), 2)
@@ -203,8 +207,17 @@ def _add_predictions(rows: list[dict]) -> None:
         # Throughput ratios (a batch row's tokens/s is all its sessions' together).
         row["vs_pp"] = round(row["tokens_per_s"] / pp["tokens_per_s"], 3) if pp else None
         row["vs_pp_chain"] = round(row["tokens_per_s"] / chain["tokens_per_s"], 3) if chain else None
+        for key, baseline in (("vs_pp_per_prompt", pp), ("vs_pp_chain_per_prompt", chain)):
+            if baseline and "tbt_ms_per_prompt" in row and "tbt_ms_per_prompt" in baseline:
+                row[key] = spread(per_prompt_ratios(baseline["tbt_ms_per_prompt"], row["tbt_ms_per_prompt"]), 3)
         if row["mode"] == "specpipe":
             n, step = row["stages"], row["step_ms"]
             predicted = step * (1 + (1 - row["hit_rate"]) * n)
             row["predicted_tbt_ms"] = round(predicted, 2)
             row["prediction_error"] = round(abs(predicted - row["tbt_ms"]) / row["tbt_ms"], 4)
+
+
+def per_prompt_ratios(baseline_tbt: list[float], tbt: list[float]) -> list[float]:
+    """How many times faster than the baseline each prompt ran (its time between tokens over ours)."""
+    return [base / max(ours, 1e-9) for base, ours in zip(baseline_tbt, tbt, strict=True)]
+

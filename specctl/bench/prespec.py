@@ -16,9 +16,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import statistics
 from dataclasses import dataclass
 
+from specctl.bench.spread import spread
 from specctl.bench.star import StarBenchSettings, StarCluster, _measure, _workload, predict
 from specctl.draft.fanout import predicted_gain_over_plain
 from specctl.verify.client import remote_stats
@@ -74,7 +74,6 @@ def summarize(pairs: list[dict]) -> dict:
     by_n: dict[int, list[dict]] = {}
     for pair in pairs:
         by_n.setdefault(pair["N"], []).append(pair)
-    spread = lambda values: {"min": min(values), "median": statistics.median(values), "max": max(values)}  # noqa: E731
     return {str(n): {"gain": spread([p["gain"] for p in rows]), "predicted_gain": spread([p["predicted_gain"] for p in rows]),
                      "prediction_error": spread([p["prediction_error"] for p in rows]),
                      "hit_rate": spread([p["hit_rate"] for p in rows]), "same_as_plain": all(p["same_as_plain"] for p in rows)}

@@ -5,6 +5,10 @@ from __future__ import annotations
 from rich.table import Table
 
 
+def fmt(value: float | None, spec: str = "{:.2f}") -> str:
+    return "-" if value is None else spec.format(value)
+
+
 def render_local_table(report: dict) -> Table:
     s = report["settings"]
     table = Table(title=f"bench local: {s['target']} / {s['draft']}, {s['dtype']}, {s['prompts']} prompts x "
@@ -12,7 +16,6 @@ def render_local_table(report: dict) -> Table:
     for column in ("mode", "tokens/s", "vs ar", "min / median / max", "mean accepted length",
                    "acceptance", "same as ar"):
         table.add_column(column, justify="right" if column != "mode" else "left")
-    fmt = lambda v, spec="{:.2f}": "-" if v is None else spec.format(v)  # noqa: E731
     for mode, r in report["modes"].items():
         spread = r["speedup_min_median_max"]
         table.add_row(mode, fmt(r["tokens_per_s"]), fmt(r["speedup_vs_ar"], "{:.2f}x"),
@@ -72,7 +75,6 @@ def render_serve_table(report: dict, title: str) -> Table:
     table = Table(title=title)
     for column in ("clients", "variant", "tokens/s", "vs ar", "vs ar batched", "TTFT p50", "latency p50", "same as ar"):
         table.add_column(column, justify="left" if column == "variant" else "right")
-    fmt = lambda v, spec: "-" if v is None else spec.format(v)  # noqa: E731
     for r in sorted(report["rows"], key=lambda r: (r["clients"], list(report["settings"]["variants"]).index(r["variant"]))):
         table.add_row(str(r["clients"]), r["variant"], f"{r['tokens_per_s']:.2f}", fmt(r.get("vs ar"), "{:.2f}x"),
                       fmt(r.get("vs ar batched"), "{:.2f}x"), f"{r['ttft_p50_ms']:.0f} ms", f"{r['latency_p50_ms']:.0f} ms",
@@ -94,14 +96,24 @@ def render_pipeline_table(report: dict) -> Table:
                         "was in the tree / steps wasted on a pruned level per token")
     for column in ("n", "mode", "TBT ms", "tok/s", "vs PP", "vs chain", "hit", "E(T) ms", "same"):
         table.add_column(column, justify="left" if column == "mode" else "right")
-    fmt = lambda v, spec="{:.2f}": "-" if v is None else spec.format(v)  # noqa: E731
     for r in report["rows"]:
         predicted = r.get("predicted_tbt_ms")
         prediction = "-" if predicted is None else f"{predicted:.0f} ({r['prediction_error']:.0%})"
         spread = "" if r["tbt_ms_min"] == r["tbt_ms_max"] else f" ({r['tbt_ms_min']:.0f}-{r['tbt_ms_max']:.0f})"
         table.add_row(str(r["stages"]), r["mode"], f"{r['tbt_ms']:.0f}{spread}", f"{r['tokens_per_s']:.2f}",
-                      fmt(r["vs_pp"], "{:.2f}x"), fmt(r["vs_pp_chain"], "{:.2f}x"), hit_cell(r), prediction, f"{r['same_as_target']}/{r['runs']}")
+                      ratio_cell(r["vs_pp"], r.get("vs_pp_per_prompt")),
+                      ratio_cell(r["vs_pp_chain"], r.get("vs_pp_chain_per_prompt")), hit_cell(r), prediction,
+                      f"{r['same_as_target']}/{r['runs']}")
+    table.caption = "vs PP / vs chain: the ratio of the totals; below it the per-prompt ratios' min-max"
     return table
+
+
+def ratio_cell(ratio: float | None, per_prompt: dict | None) -> str:
+    if ratio is None:
+        return "-"
+    if per_prompt is None or per_prompt["min"] == per_prompt["max"]:
+        return f"{ratio:.2f}x"
+    return f"{ratio:.2f}x\n{per_prompt['min']:.2f}-{per_prompt['max']:.2f}"
 
 
 def render_prespec_table(report: dict) -> Table:
