@@ -1,6 +1,7 @@
 """Every mode on CUDA (skipped without a GPU): greedy output equal to the target alone, sampled
 runs on device tensors, CUDA graphs on == off, bf16 speculative == bf16 AR, the star with a
-CUDA draft and target."""
+CUDA draft and target, several drafters fused, a pre-speculating draft server, and PP, PP + chain
+and SpecPipe through CUDA stages."""
 
 import asyncio
 
@@ -146,3 +147,90 @@ async def test_specpipe_through_stages_on_cuda_equals_the_target_with_dead_rows_
                                                          prompt, params, TreeShape(3, 2))
             assert tokens == generate(target.decoder, prompt, params)[0], prompt
         assert all(server.stats.forwards > 0 for server in pipeline.servers)
+
+
+# --- the features that came after the last GPU run: each helper takes the device, so the same
+# code can be tried on the CPU (python -c "...helper(..., 'cpu')") when no GPU is lent ---------
+
+def several_drafters_run(tiny_dir, device: str) -> None:
+    """CoSine routing + fusion of a chain, a tree and the n-gram lookup: greedy equal to the
+    target alone, a sampled run completes (routing follows measured times, so a seed fixes
+    the distribution there, not the text)."""
+    from specctl.spec.multi import MultiDrafter
+
+    target = load_decoder(tiny_dir["qwen2"], device=device, backend="torch")
+    draft = load_decoder(tiny_dir["qwen2-draft"], device=device, backend="torch")
+    if device == "cuda":
+        fuse_projections(target), fuse_projections(draft)
+        target.use_static_steps(), draft.use_static_steps()
+    multi = lambda: MultiDrafter({"chain": ModelChainDrafter(draft, 4), "tree": ModelTreeDrafter(draft, 3, 2, 3),  # noqa: E731
+                                  "ngram": NgramDrafter(4)})
+    greedy = SamplingParams(max_tokens=40, ignore_eos=True)
+    drafter = multi()
+    for prompt in PROMPTS:
+        assert generate(target, prompt, greedy, drafter)[0] == generate(target, prompt, greedy)[0], prompt
+    assert sum(s["chosen_rounds"] for s in drafter.snapshot().values()) > 0
+    sampled = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=40, ignore_eos=True, seed=4)
+    tokens, _, reason = generate(target, PROMPTS[1], sampled, multi())
+    assert len(tokens) == 40 and reason == "length"
+
+
+async def prespec_run(tiny_dir, device: str, tree: bool) -> None:
+    """A pre-speculating draft server (branches batched with the tree mask, cache hits' KV
+    made the session's): greedy equal to the target alone, a sampled session with Saguaro
+    C < 1 shipping sparse q."""
+    from specctl.draft.prespec_config import PrespecConfig
+
+    target = load_model("tiny-llama", tiny_dir["llama"], "fp32", device=device)
+    draft = load_model("tiny-llama@2", tiny_dir["llama"], "fp32", num_layers=2, device=device)
+    drafter = ModelTreeDrafter(draft.decoder, 3, 2, 3) if tree else ModelChainDrafter(draft.decoder, 3)
+    prespec = PrespecConfig(budget=6, saguaro_c=0.5, fallback="jit", adaptive=False)
+    draft_server = DraftServer(draft, drafter, DraftServerConfig(port=0, prespec=prespec))
+    draft_port = await draft_server.start()
+    client = DraftClient("127.0.0.1", draft_port, model=target.name, fingerprint=target.vocab_fingerprint)
+    first = asyncio.get_running_loop().create_future()
+    link = asyncio.create_task(client.run(first))
+    assert await first
+    target_server = TargetServer(target, TargetServerConfig(port=0, verify_delay_s=0.02), client)
+    port = await target_server.start()
+    try:
+        greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+        sampled = SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=3)
+        results = await asyncio.gather(*(remote_generate("127.0.0.1", port, p, greedy) for p in PROMPTS),
+                                       remote_generate("127.0.0.1", port, PROMPTS[0], sampled))
+        for prompt, (tokens, _, _) in zip(PROMPTS, results):
+            assert tokens == generate(target.decoder, prompt, greedy)[0], prompt
+        assert len(results[-1][0]) == 24
+        assert draft_server.snapshot()["prespec"]["steps"] > 0
+    finally:
+        link.cancel()
+        await target_server.close()
+        await draft_server.close()
+
+
+async def pipeline_chain_run(tiny_dir, device: str) -> None:
+    """Plain PP and PP + chain speculation through 3 stages on the device: the target's tokens."""
+    from specctl.pipeline.local import LocalPipeline
+
+    target = load_model("t", tiny_dir["llama"], "fp32", device=device)
+    draft = load_model("d", tiny_dir["llama-draft"], "fp32", device=device)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    async with LocalPipeline(target, 3, delay_s=0.0) as pipeline:
+        for prompt in PROMPTS:
+            reference = generate(target.decoder, prompt, params)[0]
+            for drafter in (None, ModelChainDrafter(draft.decoder, 4)):
+                tokens = (await asyncio.to_thread(generate, pipeline.staged.decoder, prompt, params, drafter))[0]
+                assert tokens == reference, (prompt, drafter)
+
+
+def test_several_drafters_fused_on_cuda_equal_the_target(tiny_dir):
+    several_drafters_run(tiny_dir, "cuda")
+
+
+@pytest.mark.parametrize("tree", [False, True])
+async def test_prespec_draft_server_on_cuda_equals_the_target(tiny_dir, tree):
+    await prespec_run(tiny_dir, "cuda", tree)
+
+
+async def test_pp_and_pp_chain_through_cuda_stages_equal_the_target(tiny_dir):
+    await pipeline_chain_run(tiny_dir, "cuda")
