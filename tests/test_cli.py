@@ -268,6 +268,7 @@ def test_bench_pipeline_measures_every_mode_and_stage_count_with_exact_outputs(t
     specpipe = [r for r in report["rows"] if r["mode"] == "specpipe"]
     assert all(r["predicted_tbt_ms"] > 0 and 0 <= r["hit_rate"] <= 1 for r in specpipe)
     assert "bench pipeline" in proc.stdout and "E(T) ms" in proc.stdout
+    assert "│ specpipe " in proc.stdout and "…" not in proc.stdout  # piped: the table is not cut to 80 columns
     assert report["settings"]["stages_as"] == "processes"
 
 

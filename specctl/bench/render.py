@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+from rich.console import Console
 from rich.table import Table
+
+
+def table_console(min_width: int = 120) -> Console:
+    """Where a benchmark's tables go: stdout at least ``min_width`` columns wide, so a table
+    piped to a file keeps its figures whole (rich assumes 80 columns off a terminal)."""
+    return Console(width=max(Console().width, min_width))
 
 
 def fmt(value: float | None, spec: str = "{:.2f}") -> str:

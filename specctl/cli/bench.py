@@ -12,7 +12,7 @@ from rich.table import Table
 
 from specctl.config import QUANTS, build_config
 from specctl.bench.render import (
-    render_local_kinds, render_local_table, render_serve_table, render_star_summary, render_star_table,
+    render_local_kinds, render_local_table, render_serve_table, render_star_summary, render_star_table, table_console,
 )
 from specctl.cli.bench_drafters import drafters
 from specctl.cli.bench_kernels import kernels
@@ -81,8 +81,8 @@ def local(
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         report = run_local_bench(config, target_model, draft_model, bench_prompts, wanted, max_tokens, progress, repeats)
-    Console().print(render_local_table(report))
-    Console().print(render_local_kinds(report))
+    table_console().print(render_local_table(report))
+    table_console().print(render_local_kinds(report))
     if json_out:
         with open(json_out, "w") as f:
             json.dump(report, f, indent=2)
@@ -143,7 +143,7 @@ def star(
                 progress.advance(task)
 
         report = run_star_bench(settings, prompts, advance)
-    out = Console(width=max(Console().width, 120))
+    out = table_console()
     out.print(render_star_table(report))
     out.print(render_star_summary(report["summary"]))
     if json_out:
@@ -200,7 +200,7 @@ def net(
     table.add_row("draft compute per round: one process", f"{ov['one_process_draft_ms_per_round']:.1f} ms")
     table.add_row("draft compute per round: draft server", f"{ov['draft_compute_ms_per_round']:.1f} ms")
     table.add_row("proposal wait beyond it per round", f"{ov['proposal_wait_beyond_draft_compute_ms_per_round']:.2f} ms")
-    Console().print(table)
+    table_console().print(table)
     if json_out:
         with open(json_out, "w") as f:
             json.dump({"round_trip": rt, "overhead": ov}, f, indent=2)
@@ -263,7 +263,7 @@ def serve(
                               dtype=config.dtype, draft_quant=config.draft_quant)
     title = (f"bench serve: {config.target} / {config.draft} ({config.mode} d={config.depth}, {config.dtype}), "
              f"{requests} x {max_tokens} tokens per client")
-    Console(width=max(Console().width, 110)).print(render_serve_table(report, title))
+    table_console().print(render_serve_table(report, title))
     if json_out:
         with open(json_out, "w") as f:
             json.dump(report, f, indent=2)

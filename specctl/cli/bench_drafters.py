@@ -32,7 +32,7 @@ def drafters(
     against the target alone."""
     from specctl.bench.drafters import run_drafters_bench
     from specctl.bench.prompts import load_prompts
-    from specctl.bench.render import render_drafters_summary, render_local_kinds, render_local_table
+    from specctl.bench.render import render_drafters_summary, render_local_kinds, render_local_table, table_console
     from specctl.config import build_config
     from specctl.spec.factory import apply_threads, load_drafters, load_named
 
@@ -50,9 +50,9 @@ def drafters(
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         report = run_drafters_bench(config, target_model, loaded, bench_prompts, max_tokens, progress, repeats)
-    Console().print(render_local_table(report))
-    Console().print(render_local_kinds(report))
-    Console().print(render_drafters_summary(report))
+    table_console().print(render_local_table(report))
+    table_console().print(render_local_kinds(report))
+    table_console().print(render_drafters_summary(report))
     if json_out:
         with open(json_out, "w") as f:
             json.dump(report, f, indent=2)

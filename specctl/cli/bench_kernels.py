@@ -35,7 +35,7 @@ def kernels(
 
     from specctl.bench.kernels import VERIFY_SIZES, kernels_report, measure_bandwidth_gbps, random_decoder, \
         shape_config, time_steps
-    from specctl.bench.render import render_kernels_table
+    from specctl.bench.render import render_kernels_table, table_console
     from specctl.cli.bench import int_list
     from specctl.config import build_config
     from specctl.engine.layers import fuse_projections
@@ -83,7 +83,7 @@ def kernels(
             timings[name] = time_steps(decoder, context, steps, repeats, lambda: progress.advance(task))
     settings = {"dtype": dtype, "context": context, "repeats": repeats, "random_weights": random_weights}
     report = kernels_report(model, decoder, timings, bandwidth, context, settings)
-    Console().print(render_kernels_table(report))
+    table_console().print(render_kernels_table(report))
     if json_out:
         with open(json_out, "w") as f:
             json.dump(report, f, indent=2)

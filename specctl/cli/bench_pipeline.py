@@ -42,7 +42,7 @@ def pipeline(
     count, outputs checked against the target alone, SpecPipe's E(T) prediction beside it."""
     from specctl.bench.pipeline import PipelineBench, run_pipeline_bench
     from specctl.bench.prompts import load_prompts
-    from specctl.bench.render import render_pipeline_table
+    from specctl.bench.render import render_pipeline_table, table_console
     from specctl.cli.bench import int_list
     from specctl.engine.loader import check_same_vocab
     from specctl.pipeline.token_source import TreeShape
@@ -80,7 +80,7 @@ def pipeline(
         report = asyncio.run(run_pipeline_bench(target_model, draft_model, encoded, bench,
                                                 lambda what: progress.update(task, advance=1, description=what)))
     report["settings"].update(target=target, draft=draft, dtype=dtype)
-    Console().print(render_pipeline_table(report))
+    table_console().print(render_pipeline_table(report))
     if json_out:
         with open(json_out, "w") as f:
             json.dump(report, f, indent=2)

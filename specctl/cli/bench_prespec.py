@@ -60,7 +60,7 @@ def prespec(
 
     from specctl.bench.prespec import PrespecBenchSettings, run_prespec_bench
     from specctl.bench.prompts import load_prompts
-    from specctl.bench.render import render_prespec_table
+    from specctl.bench.render import render_prespec_table, table_console
     from specctl.bench.star import StarBenchSettings
     from specctl.draft.speculation import PrespecConfig
     from specctl.spec.factory import split_model_name
@@ -100,7 +100,7 @@ def prespec(
                 progress.advance(task)
 
         report = run_prespec_bench(settings, encoded, advance)
-    Console(width=max(Console().width, 120)).print(render_prespec_table(report))
+    table_console().print(render_prespec_table(report))
     if json_out:
         with open(json_out, "w") as f:
             json.dump(report, f, indent=2)
