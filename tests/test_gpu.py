@@ -97,28 +97,35 @@ def test_tree_growth_and_sampling_take_cuda_probabilities():
     assert 3 not in draws and set(draws) <= {0, 1, 2}
 
 
-async def _star_run(tiny_dir, kind):
-    target = load_model("tiny-llama", tiny_dir["llama"], "fp32", device="cuda")
-    draft = load_model("tiny-llama@2", tiny_dir["llama"], "fp32", num_layers=2, device="cuda")
-    target.decoder.use_static_steps()
-    draft.decoder.use_static_steps()
-    drafter = ModelChainDrafter(draft.decoder, 3) if kind == "chain" else ModelTreeDrafter(draft.decoder, 3, 2, 3)
-    draft_server = DraftServer(draft, drafter, DraftServerConfig(port=0))
+async def star_run(tiny_dir, device: str, tree: bool, prespec=None) -> None:
+    """A draft server and a target instance over TCP on the device (static steps on CUDA),
+    pre-speculating with ``prespec``: greedy equal to the target alone, a sampled session
+    completes."""
+    target = load_model("tiny-llama", tiny_dir["llama"], "fp32", device=device)
+    draft = load_model("tiny-llama@2", tiny_dir["llama"], "fp32", num_layers=2, device=device)
+    if device == "cuda":
+        target.decoder.use_static_steps()
+        draft.decoder.use_static_steps()
+    drafter = ModelTreeDrafter(draft.decoder, 3, 2, 3) if tree else ModelChainDrafter(draft.decoder, 3)
+    draft_server = DraftServer(draft, drafter, DraftServerConfig(port=0, prespec=prespec))
     draft_port = await draft_server.start()
     client = DraftClient("127.0.0.1", draft_port, model=target.name, fingerprint=target.vocab_fingerprint)
     first = asyncio.get_running_loop().create_future()
     link = asyncio.create_task(client.run(first))
     assert await first
-    target_server = TargetServer(target, TargetServerConfig(port=0), client)
+    # A verification a little slower than drafting leaves the draft time to pre-speculate.
+    target_server = TargetServer(target, TargetServerConfig(port=0, verify_delay_s=0.02 if prespec else 0.0), client)
     port = await target_server.start()
     try:
         greedy = SamplingParams(max_tokens=24, ignore_eos=True)
-        sampled = SamplingParams(temperature=0.7, max_tokens=24, ignore_eos=True, seed=1)
+        sampled = SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=3)
         results = await asyncio.gather(*(remote_generate("127.0.0.1", port, p, greedy) for p in PROMPTS),
                                        remote_generate("127.0.0.1", port, PROMPTS[0], sampled))
-        for prompt, (tokens, reason, _) in zip(PROMPTS, results):
-            assert tokens == generate(target.decoder, prompt, greedy)[0]
+        for prompt, (tokens, _, _) in zip(PROMPTS, results):
+            assert tokens == generate(target.decoder, prompt, greedy)[0], prompt
         assert len(results[-1][0]) == 24
+        if prespec:
+            assert draft_server.snapshot()["prespec"]["steps"] > 0
     finally:
         link.cancel()
         await target_server.close()
@@ -127,7 +134,7 @@ async def _star_run(tiny_dir, kind):
 
 @pytest.mark.parametrize("kind", ["chain", "tree"])
 async def test_star_on_cuda_equals_target_greedy(tiny_dir, kind):
-    await _star_run(tiny_dir, kind)
+    await star_run(tiny_dir, "cuda", kind == "tree")
 
 
 async def test_specpipe_through_stages_on_cuda_equals_the_target_with_dead_rows_skipped(tiny_dir):
@@ -175,39 +182,6 @@ def several_drafters_run(tiny_dir, device: str) -> None:
     assert len(tokens) == 40 and reason == "length"
 
 
-async def prespec_run(tiny_dir, device: str, tree: bool) -> None:
-    """A pre-speculating draft server (branches batched with the tree mask, cache hits' KV
-    made the session's): greedy equal to the target alone, a sampled session with Saguaro
-    C < 1 shipping sparse q."""
-    from specctl.draft.prespec_config import PrespecConfig
-
-    target = load_model("tiny-llama", tiny_dir["llama"], "fp32", device=device)
-    draft = load_model("tiny-llama@2", tiny_dir["llama"], "fp32", num_layers=2, device=device)
-    drafter = ModelTreeDrafter(draft.decoder, 3, 2, 3) if tree else ModelChainDrafter(draft.decoder, 3)
-    prespec = PrespecConfig(budget=6, saguaro_c=0.5, fallback="jit", adaptive=False)
-    draft_server = DraftServer(draft, drafter, DraftServerConfig(port=0, prespec=prespec))
-    draft_port = await draft_server.start()
-    client = DraftClient("127.0.0.1", draft_port, model=target.name, fingerprint=target.vocab_fingerprint)
-    first = asyncio.get_running_loop().create_future()
-    link = asyncio.create_task(client.run(first))
-    assert await first
-    target_server = TargetServer(target, TargetServerConfig(port=0, verify_delay_s=0.02), client)
-    port = await target_server.start()
-    try:
-        greedy = SamplingParams(max_tokens=24, ignore_eos=True)
-        sampled = SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=3)
-        results = await asyncio.gather(*(remote_generate("127.0.0.1", port, p, greedy) for p in PROMPTS),
-                                       remote_generate("127.0.0.1", port, PROMPTS[0], sampled))
-        for prompt, (tokens, _, _) in zip(PROMPTS, results):
-            assert tokens == generate(target.decoder, prompt, greedy)[0], prompt
-        assert len(results[-1][0]) == 24
-        assert draft_server.snapshot()["prespec"]["steps"] > 0
-    finally:
-        link.cancel()
-        await target_server.close()
-        await draft_server.close()
-
-
 async def pipeline_chain_run(tiny_dir, device: str) -> None:
     """Plain PP and PP + chain speculation through 3 stages on the device: the target's tokens."""
     from specctl.pipeline.local import LocalPipeline
@@ -229,7 +203,10 @@ def test_several_drafters_fused_on_cuda_equal_the_target(tiny_dir):
 
 @pytest.mark.parametrize("tree", [False, True])
 async def test_prespec_draft_server_on_cuda_equals_the_target(tiny_dir, tree):
-    await prespec_run(tiny_dir, "cuda", tree)
+    """Branches batched with the tree mask, cache hits' KV made the session's, Saguaro C < 1."""
+    from specctl.draft.prespec_config import PrespecConfig
+
+    await star_run(tiny_dir, "cuda", tree, PrespecConfig(budget=6, saguaro_c=0.5, fallback="jit", adaptive=False))
 
 
 async def test_pp_and_pp_chain_through_cuda_stages_equal_the_target(tiny_dir):
