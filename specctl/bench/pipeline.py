@@ -220,4 +220,3 @@ def _add_predictions(rows: list[dict]) -> None:
 def per_prompt_ratios(baseline_tbt: list[float], tbt: list[float]) -> list[float]:
     """How many times faster than the baseline each prompt ran (its time between tokens over ours)."""
     return [base / max(ours, 1e-9) for base, ours in zip(baseline_tbt, tbt, strict=True)]
-
