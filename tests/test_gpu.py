@@ -165,13 +165,13 @@ def several_drafters_run(tiny_dir, device: str) -> None:
     the distribution there, not the text)."""
     from specctl.spec.multi import MultiDrafter
 
-    target = load_decoder(tiny_dir["qwen2"], device=device, backend="torch")
-    draft = load_decoder(tiny_dir["qwen2-draft"], device=device, backend="torch")
-    if device == "cuda":
-        fuse_projections(target), fuse_projections(draft)
-        target.use_static_steps(), draft.use_static_steps()
-    multi = lambda: MultiDrafter({"chain": ModelChainDrafter(draft, 4), "tree": ModelTreeDrafter(draft, 3, 2, 3),  # noqa: E731
-                                  "ngram": NgramDrafter(4)})
+    load = _cuda if device == "cuda" else load_decoder
+    target, draft = load(tiny_dir["qwen2"]), load(tiny_dir["qwen2-draft"])
+
+    def multi() -> MultiDrafter:
+        return MultiDrafter({"chain": ModelChainDrafter(draft, 4), "tree": ModelTreeDrafter(draft, 3, 2, 3),
+                             "ngram": NgramDrafter(4)})
+
     greedy = SamplingParams(max_tokens=40, ignore_eos=True)
     drafter = multi()
     for prompt in PROMPTS:
