@@ -223,8 +223,11 @@ def test_stage_is_checked_before_anything_loads(stage, message):
     (("--stage", "2/3", "--pipeline", "a:1,b:2"), "--stage 2/3 needs --pipeline with 3 HOST:PORT addresses"),
     (("--stage", "1/1", "--pipeline", "a:1"), "--pipeline needs --stage i/n with n > 1"),
     (("--stage", "2/2", "--pipeline", "a:1,b:2", "--draft", "c:3"), "--draft goes to stage 1 only (this is stage 2/2)"),
-    (("--stage", "1/8", "--pipeline", ",".join(f"a:{p}" for p in range(1, 9)), "--specpipe-draft", "m", "--width", "16"),
-     "SpecPipe over 8 stages at --width 16 keeps up to 161 tree nodes per session; the most is 128: lower --width"),
+    (("--stage", "1/12", "--pipeline", ",".join(f"a:{p}" for p in range(1, 13)), "--specpipe-draft", "m", "--width",
+      "16"), "SpecPipe over 12 stages at --width 16 keeps up to 401 tree nodes per session; the most is 320: lower "
+             "--width or --refill"),
+    (("--stage", "1/2", "--pipeline", "a:1,b:2", "--specpipe-draft", "m", "--refill", "17"),
+     "refill depth must be in 0..16, got 17"),
     (("--stage", "1/2", "--pipeline", "a:1,b:2", "--specpipe-draft", "m", "--draft", "c:3"),
      "--specpipe-draft goes to stage 1 of a pipeline (--stage 1/n, n > 1), without --draft"),
     (("--stage", "1/2", "--pipeline", "a:1,b:2", "--specpipe-draft", "m", "--spread", "wide"),
@@ -247,11 +250,11 @@ def test_a_gateway_with_no_reachable_target_says_so_in_one_lowercase_line():
 
 
 @pytest.mark.parametrize("stages, rows", [
-    ("1,3", [(1, "pp"), (1, "pp+chain"), (3, "pp"), (3, "pp+chain"), (3, "specpipe"), (3, "pp+chain x2"),
-             (3, "specpipe-db x2")]),
-    pytest.param("1,2,4", [(1, "pp"), (1, "pp+chain"), (2, "pp"), (2, "pp+chain"), (2, "specpipe"), (2, "pp+chain x2"),
-                           (2, "specpipe-db x2"), (4, "pp"), (4, "pp+chain"), (4, "specpipe"), (4, "pp+chain x2"),
-                           (4, "specpipe-db x2")], marks=pytest.mark.slow)])
+    ("1,3", [(1, "pp"), (1, "pp+chain"), (3, "pp"), (3, "pp+chain"), (3, "specpipe"), (3, "specpipe r=0"),
+             (3, "pp+chain x2"), (3, "specpipe-db x2")]),
+    pytest.param("1,2,4", [(1, "pp"), (1, "pp+chain"), (2, "pp"), (2, "pp+chain"), (2, "specpipe"), (2, "specpipe r=0"),
+                           (2, "pp+chain x2"), (2, "specpipe-db x2"), (4, "pp"), (4, "pp+chain"), (4, "specpipe"),
+                           (4, "specpipe r=0"), (4, "pp+chain x2"), (4, "specpipe-db x2")], marks=pytest.mark.slow)])
 def test_bench_pipeline_measures_every_mode_and_stage_count_with_exact_outputs(tiny_dir, tmp_path, stages, rows):
     out = tmp_path / "pipeline.json"
     proc = run("bench", "pipeline", "--target", str(tiny_dir["llama"]), "--draft", f"{tiny_dir['llama']}@2",
@@ -265,8 +268,10 @@ def test_bench_pipeline_measures_every_mode_and_stage_count_with_exact_outputs(t
         assert row["vs_pp"] is not None and row["vs_pp_chain"] is not None
         assert row["tbt_ms_min"] <= row["tbt_ms"] <= row["tbt_ms_max"]
         assert len(row["tbt_ms_per_prompt"]) == 1 if " x" not in row["mode"] else "tbt_ms_per_prompt" not in row
-    specpipe = [r for r in report["rows"] if r["mode"] == "specpipe"]
+    specpipe = [r for r in report["rows"] if r["mode"] in ("specpipe", "specpipe r=0")]
     assert all(r["predicted_tbt_ms"] > 0 and 0 <= r["hit_rate"] <= 1 for r in specpipe)
+    # The refill (stages - 1 levels by default) beside SpecPipe without it, same run.
+    assert [r["refill"] for r in specpipe] == [r["stages"] - 1 if r["mode"] == "specpipe" else 0 for r in specpipe]
     assert "bench pipeline" in proc.stdout and "E(T) ms" in proc.stdout
     assert "│ specpipe " in proc.stdout and "…" not in proc.stdout  # piped: the table is not cut to 80 columns
     assert report["settings"]["stages_as"] == "processes"
@@ -280,7 +285,8 @@ def test_bench_pipeline_in_process_runs_the_stages_as_threads(tiny_dir, tmp_path
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert report["settings"]["stages_as"] == "threads of one process"
-    assert [(r["mode"], r["same_as_target"]) for r in report["rows"]] == [("pp", 1), ("pp+chain", 1), ("specpipe", 1)]
+    assert [(r["mode"], r["same_as_target"]) for r in report["rows"]] == [("pp", 1), ("pp+chain", 1), ("specpipe", 1),
+                                                                           ("specpipe r=0", 1)]
 
 
 def test_bench_pipeline_refuses_more_stages_than_layers(tiny_dir):

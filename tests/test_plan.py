@@ -62,6 +62,13 @@ def test_specpipe_width_is_the_one_with_the_smallest_expected_time_between_token
     rows, best = pick_width(4, [WidthOption(1, 50, 0.6), WidthOption(4, 52, 0.8), WidthOption(8, 60, 0.83)])
     assert [r["expected_tbt_ms"] for r in rows] == [130.0, 93.6, 100.8] and best == 4
     assert pick_width(2, [WidthOption(1, 10, 1.0), WidthOption(2, 10, 1.0)])[1] == 1  # a tie: the narrower
+    # A refill of D levels: each miss's output also decides the next i tokens with probability
+    # P^i, at no step of their own: w=4, D=3: 52 (1 + 0.2*4 - 0.8 (1 - 0.8^3)) = 52 * 1.4096 = 73.2992
+    rows, _ = pick_width(4, [WidthOption(4, 52, 0.8)], refill=3)
+    assert rows[0]["expected_tbt_ms"] == 73.299
+    # the same sum written out: misses per token 0.2, each saving 0.8 + 0.64 + 0.512 steps
+    assert WidthOption(4, 52, 0.8).expected_tbt_ms(4, 3) == pytest.approx(52 * (1 + 0.2 * 4 - 0.2 * (0.8 + 0.64 + 0.512)))
+    assert WidthOption(4, 52, 0.8).expected_tbt_ms(4, 0) == WidthOption(4, 52, 0.8).expected_tbt_ms(4)
 
 
 def test_plan_pipeline_command_json_and_its_errors():

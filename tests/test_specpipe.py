@@ -19,7 +19,7 @@ from specctl.spec.rounds import generate
 from specctl.spec.sampling import SamplingParams
 from specctl.spec.verify import accept_at_node
 from tests.conftest import wait_until
-from tests.test_sampling_exact import PROMPT as SMALL_PROMPT, VOCAB, _exact_joint_of_tokens_2_and_3, assert_counts_match
+from tests.test_sampling_exact import PROMPT as SMALL_PROMPT, VOCAB, _next_probs, assert_counts_match
 
 PROMPTS = [[5, 9, 13, 2], [7, 8, 9, 10, 7, 8, 9], [42, 43, 44, 45, 46]]
 
@@ -41,6 +41,23 @@ def test_a_level_sees_its_cached_ancestors_and_a_reroot_keeps_the_subtree():
     assert mirror.reroot(tree, a, None) == list(range(7)) and (mirror.prefix, mirror.order) == (7, [])
     with pytest.raises(ValueError, match="not the oldest cached tree node"):
         CacheMirror(3, [c]).reroot(tree, a, None)
+
+
+def test_a_refill_forward_of_several_levels_sees_its_ancestors_among_its_own_rows():
+    tree = SpecTree()
+    root = tree.add(10, None, 5)
+    a, b = tree.add(11, root, 6), tree.add(12, root, 6)
+    c = tree.add(13, b, 7)
+    mirror = CacheMirror(prefix=5)
+    # The verified token and two levels under it as one forward (parents before children):
+    # each row sees itself and its ancestors among the forward's own rows.
+    assert mirror.level_mask(tree, [root, a, b, c]).tolist() == [[True, False, False, False],
+                                                                 [True, True, False, False],
+                                                                 [True, False, True, False],
+                                                                 [True, False, True, True]]
+    mirror.append([root, a, b, c])
+    d = tree.add(14, c, 8)
+    assert mirror.level_mask(tree, [d]).tolist() == [[True, False, True, True, True]]
 
 
 def test_one_node_acceptance_draws_exactly_the_target_distribution():
@@ -87,6 +104,43 @@ async def test_specpipe_outputs_exactly_the_whole_target(models, stages, spread)
         await wait_until(lambda: all(s.pool.sessions == 0 for s in pipeline.servers), what="stage KV freed")
 
 
+@pytest.mark.parametrize("stages, refill", [(2, 0), (2, 1), (4, 0), (4, 1), (4, None), (4, 5)])
+async def test_a_refill_decides_several_tokens_from_one_output_and_the_tokens_stay_the_whole_targets(
+        models, stages, refill):
+    """After a miss the verified token goes with ``refill`` levels drafted under it (None:
+    stages - 1): their output decides the tokens through them while they hit. 0 is the
+    token alone (one decision per output)."""
+    target, draft = models
+    shape = TreeShape(3, 2, refill=refill)
+    depth = shape.refill_depth(stages)
+    assert depth == (stages - 1 if refill is None else refill)
+    async with LocalPipeline(target, stages) as pipeline:
+        params = SamplingParams(max_tokens=40, ignore_eos=True)
+        refills = chained = 0
+        for prompt in PROMPTS:
+            reference = generate(target.decoder, prompt, params)[0]
+            tokens, stats, reason, pipe = await asyncio.to_thread(
+                specpipe_generate, pipeline.staged.decoder, draft.decoder, prompt, params, shape)
+            assert tokens == reference and reason == "length", prompt
+            assert pipe.steps == stats.rounds + 1 == 40
+            # Every miss is refilled (the draft is local, never lost) but one that ends the
+            # session; a chained decision follows a hit inside a refill, at most ``depth`` per refill.
+            misses = pipe.steps - pipe.hits
+            assert (misses - 1 <= pipe.refills <= misses) if depth else pipe.refills == 0
+            assert pipe.refill_tokens <= depth * pipe.refills
+            refills, chained = refills + pipe.refills, chained + pipe.refill_tokens
+        assert (refills > 0 and chained > 0) if depth else refills == chained == 0
+        await wait_until(lambda: all(s.pool.sessions == 0 for s in pipeline.servers), what="stage KV freed")
+
+
+def test_the_refill_depth_is_checked_and_sizes_the_cached_tree():
+    assert TreeShape(4, 2).refill_depth(4) == 3 and TreeShape(4, 2).refill_depth(1) == 0
+    assert max_tree_nodes(4, TreeShape(4, 2)) == (4 + 2 + 3) * 4 + 1
+    assert max_tree_nodes(4, TreeShape(4, 2, refill=0)) == (4 + 2) * 4 + 1
+    with pytest.raises(ValueError, match=r"^refill depth must be in 0\.\.16, got 17$"):
+        TreeShape(4, 2, refill=17)
+
+
 @pytest.mark.parametrize("width", [1, 3])
 async def test_levels_left_dead_by_a_verification_are_dropped_by_the_stages_and_the_output_stays_exact(models, width):
     """With slow stages the levels of a flushed tree (or of a wholly pruned level) are still
@@ -103,8 +157,10 @@ async def test_levels_left_dead_by_a_verification_are_dropped_by_the_stages_and_
             tokens, _, _, pipe = await asyncio.to_thread(
                 specpipe_generate, staged.decoder, draft.decoder, prompt, params, TreeShape(width, 2))
             assert tokens == reference, prompt
-            # Every stale or bubble output had been declared dead; no verified level ever was.
-            assert pipe.stale_outputs + pipe.bubbles <= pipe.levels_dropped <= pipe.levels_sent - pipe.steps
+            # Every stale or bubble output had been declared dead; no verified forward ever was
+            # (a refill's forward holds several steps: those after its first are refill tokens).
+            verified_forwards = pipe.steps - pipe.refill_tokens
+            assert pipe.stale_outputs + pipe.bubbles <= pipe.levels_dropped <= pipe.levels_sent - verified_forwards
             declared += pipe.levels_dropped
             declared_rows += pipe.rows_dropped
         dropped = sum(server.stats.dropped_forwards for server in pipeline.servers)
@@ -154,10 +210,25 @@ async def test_specpipe_stops_at_a_stop_token_like_the_target(models):
         assert (tokens, reason) == (expected, expected_reason) == (reference[:7], "stop")
 
 
+def _exact_joint_of_tokens_3_and_4(target, params) -> torch.Tensor:
+    """P(token 3, token 4) of the target sampling alone, summed over tokens 1 and 2."""
+    joint = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    p1 = _next_probs(target, SMALL_PROMPT, params)
+    for t1 in range(VOCAB):
+        p2 = _next_probs(target, SMALL_PROMPT + [t1], params)
+        for t2 in range(VOCAB):
+            p3 = _next_probs(target, SMALL_PROMPT + [t1, t2], params)
+            for t3 in range(VOCAB):
+                p4 = _next_probs(target, SMALL_PROMPT + [t1, t2, t3], params)
+                joint[t3] += float(p1[t1]) * float(p2[t2]) * float(p3[t3]) * p4.double()
+    return joint
+
+
 @pytest.mark.slow
 async def test_specpipe_sampling_keeps_the_target_distribution(tmp_path):
-    """Tokens 2 and 3 (both decided by SpecPipe steps) through 2 stages: chi-square
-    against the target's exact joint distribution on a 6-token vocabulary."""
+    """Tokens 3 and 4 (decided by SpecPipe steps: re-rootings, refills and decisions chained
+    through a refill's output) through 2 stages: chi-square against the target's exact joint
+    distribution on a 6-token vocabulary."""
     kw = dict(vocab_size=VOCAB, layers=2, hidden=32, eos_token_id=None, init_std=0.3)
     path = make_tiny_model(tmp_path / "t", "llama", seed=11, **kw)
     decoder = load_decoder(path)  # no tokenizer for a 6-token vocabulary: the fingerprint is given
@@ -165,20 +236,20 @@ async def test_specpipe_sampling_keeps_the_target_distribution(tmp_path):
     draft = load_decoder(make_tiny_model(tmp_path / "d", "llama", seed=12, **kw))
     async with LocalPipeline(target, 2) as pipeline:
         staged = pipeline.staged
-        expected = _exact_joint_of_tokens_2_and_3(target.decoder, SamplingParams(temperature=1.0))
+        expected = _exact_joint_of_tokens_3_and_4(target.decoder, SamplingParams(temperature=1.0))
 
         def sample_all():
-            counts, hits = torch.zeros(VOCAB, VOCAB, dtype=torch.float64), 0
+            counts, hits, chained = torch.zeros(VOCAB, VOCAB, dtype=torch.float64), 0, 0
             for seed in range(1200):
-                params = SamplingParams(temperature=1.0, max_tokens=3, seed=seed)
+                params = SamplingParams(temperature=1.0, max_tokens=4, seed=seed)
                 out, _, _, pipe = specpipe_generate(staged.decoder, draft, SMALL_PROMPT, params,
                                                     TreeShape(2, 2))
-                counts[out[1], out[2]] += 1
-                hits += pipe.hits
-            return counts, hits
+                counts[out[2], out[3]] += 1
+                hits, chained = hits + pipe.hits, chained + pipe.refill_tokens
+            return counts, hits, chained
 
-        counts, hits = await asyncio.to_thread(sample_all)
-        assert hits > 0
+        counts, hits, chained = await asyncio.to_thread(sample_all)
+        assert hits > 0 and chained > 0
         assert_counts_match(counts, expected)
 
 

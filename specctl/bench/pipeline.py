@@ -2,15 +2,16 @@
 layers; stages 2..n as processes of their own on loopback TCP, each with an emulated
 per-stage time standing for a device of its own) decoding with plain pipeline parallelism
 (one token per traversal), pipeline + chain speculation (the whole proposal as one
-micro-batch) and SpecPipe (one tree level per step). Every output is checked against the target alone; SpecPipe's measured time
-between tokens is set beside the paper's prediction E(T) = t + (1 - P) n t."""
+micro-batch) and SpecPipe (one tree level per step; with and without the refill after a
+miss). Every output is checked against the target alone; SpecPipe's measured time between
+tokens is set beside the prediction E(T) (eq. 2 less the refill's saving, pipeline/plan.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from specctl.bench.spread import spread
@@ -20,6 +21,7 @@ from specctl.engine.model import Decoder
 from specctl.pipeline.decoder import sleep_rest
 from specctl.pipeline.local import LocalPipeline
 from specctl.pipeline.microbatch import MicroBatchLane
+from specctl.pipeline.plan import WidthOption
 from specctl.pipeline.specpipe import specpipe_generate
 from specctl.pipeline.token_source import TreeShape
 from specctl.runtime.compute import ComputeThread
@@ -29,6 +31,7 @@ from specctl.spec.rounds import LocalSpeculator, generate, run_session
 from specctl.spec.sampling import SamplingParams
 
 MODES = ("pp", "pp+chain", "specpipe")
+NO_REFILL = "specpipe r=0"  # SpecPipe with the missed token alone after a miss: the refill's same-run baseline
 BATCH_MODES = ("pp+chain xS", "specpipe-db xS")  # S sessions at once: one micro-batch in flight, or several
 
 
@@ -68,6 +71,14 @@ class DelayedDecoder:
         return out
 
 
+def pipeline_modes(stages: int, shape: TreeShape) -> tuple[str, ...]:
+    """The single-session modes measured at a stage count (SpecPipe without its refill too,
+    where the shape refills)."""
+    if stages == 1:
+        return "pp", "pp+chain"
+    return MODES + ((NO_REFILL,) if shape.refill_depth(stages) else ())
+
+
 def _run_one(mode: str, decoder, draft: Decoder, prompt: list[int], params: SamplingParams,
              bench: PipelineBench) -> dict:
     started = time.perf_counter()
@@ -77,7 +88,10 @@ def _run_one(mode: str, decoder, draft: Decoder, prompt: list[int], params: Samp
     elif mode == "pp+chain":
         tokens, stats, _ = generate(decoder, prompt, params, ModelChainDrafter(draft, bench.depth))
     else:
-        tokens, stats, _, pipe = specpipe_generate(decoder, draft, prompt, params, bench.shape)
+        shape = bench.shape if mode == "specpipe" else replace(bench.shape, refill=0)
+        tokens, stats, _, pipe = specpipe_generate(decoder, draft, prompt, params, shape)
+        result["refill"] = shape.refill_depth(decoder.stages)
+        result["refill_tokens_per_token"] = pipe.refill_tokens / pipe.steps if pipe.steps else 0.0
         result["hit_rate"] = pipe.hits / pipe.steps if pipe.steps else 0.0
         result["bubbles_per_token"] = pipe.bubbles / pipe.steps if pipe.steps else 0.0
         result["stage1_step_ms"] = pipe.to_dict()["stage1_step_ms"]
@@ -131,19 +145,21 @@ async def run_pipeline_bench(target: LoadedModel, draft: LoadedModel, prompts: l
     for n in bench.stages:
         pipeline = None
         if n == 1:
-            decoder, modes = DelayedDecoder(target.decoder, bench.delay_s), ("pp", "pp+chain")
+            decoder = DelayedDecoder(target.decoder, bench.delay_s)
         else:
             pipeline = StageProcesses(target, n, StageProcessSettings(bench.model, bench.dtype, bench.delay_s)) \
                 if bench.model else LocalPipeline(target, n, delay_s=bench.delay_s)
-            decoder, modes = (await pipeline.start()).decoder, MODES
+            decoder = (await pipeline.start()).decoder
+        modes = pipeline_modes(n, bench.shape)
         try:
             runs: dict[str, list[list[dict]]] = {mode: [[] for _ in range(bench.repeats)] for mode in modes}
             for repeat in range(bench.repeats):
                 for i, prompt in enumerate(prompts):
                     for mode in modes:  # interleaved: a slow moment of the machine hits every mode alike
-                        before = await pipeline.counters() if mode == "specpipe" else []
+                        single = mode.startswith("specpipe")
+                        before = await pipeline.counters() if single else []
                         result = await asyncio.to_thread(_run_one, mode, decoder, draft.decoder, prompt, params, bench)
-                        if mode == "specpipe":
+                        if single:
                             result["step_ms"] = slowest_step_ms(result.pop("stage1_step_ms"), before,
                                                                 await pipeline.counters(), bench.delay_s)
                         result["same"] = result.pop("tokens") == references[i]
@@ -166,6 +182,7 @@ async def run_pipeline_bench(target: LoadedModel, draft: LoadedModel, prompts: l
     return {"settings": {"stages": list(bench.stages), "max_tokens": bench.max_tokens,
                          "stage_delay_ms": 1e3 * bench.delay_s, "chain_depth": bench.depth,
                          "width": bench.shape.width, "topk": bench.shape.topk, "spread": bench.shape.spread,
+                         "refill": bench.shape.refill,
                          "repeats": bench.repeats,
                          "stages_as": "processes" if bench.model else "threads of one process",
                          "prompts": len(prompts)},
@@ -185,7 +202,9 @@ def _summarise(stages: int, mode: str, per_repeat: list[list[dict]]) -> dict:
     if not aggregate:  # one session per run: each prompt's time between tokens, its median over the repeats
         row["tbt_ms_per_prompt"] = [round(statistics.median(turn[i]["tbt_ms"] for turn in per_repeat), 2)
                                     for i in range(len(per_repeat[0]))]
-    if mode == "specpipe":
+    if "hit_rate" in flat[0] and flat[0]["hit_rate"] is not None:  # a SpecPipe session per run
+        row["refill"] = flat[0].get("refill", 0)
+        row["refill_tokens_per_token"] = round(statistics.mean(r.get("refill_tokens_per_token", 0.0) for r in flat), 4)
         row["hit_rate"] = round(statistics.mean(r["hit_rate"] for r in flat), 4)
         row["step_ms"] = round(statistics.mean(r["step_ms"] for r in flat), 2)
         # Steps whose level had been pruned away entirely: they cost a step and give no token
@@ -210,9 +229,9 @@ def _add_predictions(rows: list[dict]) -> None:
         for key, baseline in (("vs_pp_per_prompt", pp), ("vs_pp_chain_per_prompt", chain)):
             if baseline and "tbt_ms_per_prompt" in row and "tbt_ms_per_prompt" in baseline:
                 row[key] = spread(per_prompt_ratios(baseline["tbt_ms_per_prompt"], row["tbt_ms_per_prompt"]), 3)
-        if row["mode"] == "specpipe":
-            n, step = row["stages"], row["step_ms"]
-            predicted = step * (1 + (1 - row["hit_rate"]) * n)
+        if "hit_rate" in row:
+            option = WidthOption(1, row["step_ms"], row["hit_rate"])  # the width is not used
+            predicted = option.expected_tbt_ms(row["stages"], row["refill"])
             row["predicted_tbt_ms"] = round(predicted, 2)
             row["prediction_error"] = round(abs(predicted - row["tbt_ms"]) / row["tbt_ms"], 4)
 

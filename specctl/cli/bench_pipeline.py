@@ -30,6 +30,9 @@ def pipeline(
     topk: int = typer.Option(2, help="SpecPipe children considered per node"),
     spread: str = typer.Option("likeliest", help="SpecPipe: a level's nodes are the w likeliest paths (likeliest), "
                                "or every node's likeliest child first (every-node)"),
+    refill: Optional[int] = typer.Option(None, "--refill", help="SpecPipe: levels sent with the token after a miss "
+                                         "(default: stages - 1; 0 = the token alone). Where it is not 0, SpecPipe "
+                                         "without it runs too (the 'specpipe r=0' row)"),
     repeats: int = typer.Option(1, help="turns over all prompts (min/median/max reported)"),
     sessions: int = typer.Option(8, help="batch rows: this many sessions at once through the stages (0 = none)"),
     dtype: str = typer.Option("fp32", help="fp32 | bf16 | fp16"),
@@ -40,7 +43,7 @@ def pipeline(
 ) -> None:
     """Time between tokens of plain PP, PP + chain speculation and SpecPipe at each stage
     count, outputs checked against the target alone, SpecPipe's E(T) prediction beside it."""
-    from specctl.bench.pipeline import PipelineBench, run_pipeline_bench
+    from specctl.bench.pipeline import PipelineBench, pipeline_modes, run_pipeline_bench
     from specctl.bench.prompts import load_prompts
     from specctl.bench.render import render_pipeline_table, table_console
     from specctl.cli.bench import int_list
@@ -54,7 +57,7 @@ def pipeline(
     if stage_delay_ms < 0 or max_tokens < 2 or repeats < 1 or depth < 1:
         raise ConfigError("--stage-delay-ms must be >= 0, --max-tokens >= 2, --repeats and --depth >= 1")
     try:
-        shape = TreeShape(width, topk, spread)
+        shape = TreeShape(width, topk, spread, refill)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     config = build_config(None, target=target, draft=draft, dtype=dtype, threads=threads, draft_quant="none",
@@ -72,7 +75,7 @@ def pipeline(
         raise ConfigError("--sessions must be >= 0")
     bench = PipelineBench(counts, max_tokens, stage_delay_ms / 1e3, depth, shape, repeats, sessions,
                           model=None if in_process else target, dtype=dtype)
-    total = sum((2 if n == 1 else 3) for n in counts) * len(encoded) * repeats
+    total = sum(len(pipeline_modes(n, shape)) for n in counts) * len(encoded) * repeats
     total += sum(2 for n in counts if n > 1) if sessions else 0
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:

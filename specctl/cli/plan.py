@@ -41,12 +41,14 @@ def plan(
     step_ms: Optional[str] = typer.Option(None, "--step-ms", help="--pipeline: measured step time t(w) per width (ms)"),
     hit: Optional[str] = typer.Option(None, "--hit", help="--pipeline: measured hit rate P(w) per width (bench "
                                       "pipeline reports it)"),
+    refill: Optional[int] = typer.Option(None, "--refill", help="--pipeline: levels sent with the token after a "
+                                         "miss (default: stages - 1, as verify --stage does; 0 = the token alone)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ) -> None:
     """Predict draft load, idle time and throughput for N = 1.. targets sharing one draft server
     (StarSD); with --pipeline, SpecPipe's time between tokens per tree width (E(T), eq. 2)."""
     if pipeline:
-        _plan_pipeline(stages, widths, step_ms, hit, as_json)
+        _plan_pipeline(stages, widths, step_ms, hit, stages - 1 if refill is None else refill, as_json)
         return
     if None in (ts, tv, beta, depth):
         raise ConfigError("plan needs --ts, --tv, --beta and --depth (or --pipeline with its own flags)")
@@ -80,7 +82,7 @@ def _numbers(text: str, flag: str, kind=float) -> list:
         raise ConfigError(f"{flag} must be comma-separated numbers, got {text!r}") from None
 
 
-def _plan_pipeline(stages: int, widths: str, step_ms: str | None, hit: str | None, as_json: bool) -> None:
+def _plan_pipeline(stages: int, widths: str, step_ms: str | None, hit: str | None, refill: int, as_json: bool) -> None:
     from specctl.pipeline.plan import WidthOption, pick_width
 
     if step_ms is None or hit is None:
@@ -88,11 +90,12 @@ def _plan_pipeline(stages: int, widths: str, step_ms: str | None, hit: str | Non
     ws, ts, ps = _numbers(widths, "--widths", int), _numbers(step_ms, "--step-ms"), _numbers(hit, "--hit")
     if not len(ws) == len(ts) == len(ps):
         raise ConfigError(f"--widths, --step-ms and --hit need one value per width ({len(ws)}, {len(ts)}, {len(ps)} given)")
-    rows, best = pick_width(stages, [WidthOption(w, t, p) for w, t, p in zip(ws, ts, ps)])
+    rows, best = pick_width(stages, [WidthOption(w, t, p) for w, t, p in zip(ws, ts, ps)], refill)
     if as_json:
-        print(json.dumps({"stages": stages, "best_width": best, "rows": rows}))
+        print(json.dumps({"stages": stages, "refill": refill, "best_width": best, "rows": rows}))
         return
-    table = Table(title=f"SpecPipe over {stages} stages: E(T) = t(w) + (1 - P(w)) m t(w)")
+    table = Table(title=f"SpecPipe over {stages} stages, refill D = {refill}: "
+                        "E(T) = t(w) (1 + (1 - P(w)) m - P(w) (1 - P(w)^D))")
     for column in ("w", "t(w) ms", "P(w)", "E(T) ms", ""):
         table.add_column(column, justify="right")
     for r in rows:

@@ -82,6 +82,9 @@ def verify(
     topk: int = typer.Option(2, "--topk", help="SpecPipe: children considered per node"),
     spread: str = typer.Option("likeliest", "--spread", help="SpecPipe: a level's nodes are the w likeliest paths "
                                "(likeliest), or every node's likeliest child first (every-node)"),
+    refill: Optional[int] = typer.Option(None, "--refill", help="SpecPipe: after a miss, this many levels drafted "
+                                         "under the verified token go with it, so their output decides several "
+                                         "tokens at once (default: stages - 1; 0 = the token alone)"),
     max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="most concurrent sessions"),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="most sessions verified in one target forward"),
     dtype: Optional[str] = typer.Option(None, help="fp32 | bf16 | fp16"),
@@ -124,7 +127,7 @@ def verify(
     if specpipe and (index != 1 or count == 1 or specpipe_draft or len(draft or []) != 1 or draft == ["ngram"]):
         raise ConfigError("--specpipe goes to stage 1 of a pipeline (--stage 1/n, n > 1) with one --draft HOST:PORT "
                           "(or use --specpipe-draft M for a draft in this process)")
-    shape = _specpipe_shape(count, width, topk, spread) if specpipe_draft or specpipe else None
+    shape = _specpipe_shape(count, width, topk, spread, refill) if specpipe_draft or specpipe else None
     config = build_config(profile, target=model, max_sessions=max_sessions, max_batch=max_batch, dtype=dtype,
                           threads=threads, target_quant=quant)
     # torch loads only once the flags are known to be good: a mistake is reported at once
@@ -167,21 +170,20 @@ def verify(
                   remote_specpipe=shape if specpipe else None)
 
 
-def _specpipe_shape(stages: int, width: int, topk: int, spread: str):
+def _specpipe_shape(stages: int, width: int, topk: int, spread: str, refill: int | None = None):
     """SpecPipe's TreeShape from the flags, refused with the reason before anything loads."""
-    from specctl.pipeline.token_source import TreeShape, max_tree_nodes
-    from specctl.verify.server import MAX_PROPOSAL_NODES
+    from specctl.pipeline.token_source import MAX_TREE_NODES, TreeShape, max_tree_nodes
 
     if not (1 <= width <= 16 and 1 <= topk <= 16):
         raise ConfigError("--width and --topk must be in 1..16")
     try:
-        shape = TreeShape(width, topk, spread)
-    except ValueError as exc:  # the shape checks itself (the spread's name)
+        shape = TreeShape(width, topk, spread, refill)
+    except ValueError as exc:  # the shape checks itself (the spread's name, the refill depth)
         raise ConfigError(str(exc)) from None
     nodes = max_tree_nodes(stages, shape)
-    if nodes > MAX_PROPOSAL_NODES:
+    if nodes > MAX_TREE_NODES:
         raise ConfigError(f"SpecPipe over {stages} stages at --width {width} keeps up to {nodes} tree nodes per "
-                          f"session; the most is {MAX_PROPOSAL_NODES}: lower --width")
+                          f"session; the most is {MAX_TREE_NODES}: lower --width or --refill")
     return shape
 
 

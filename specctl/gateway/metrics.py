@@ -24,6 +24,8 @@ ROLE_GAUGES = {
     "specpipe_draft_lost": ("specpipe_draft_lost", "SpecPipe sessions that went on without their draft (plain PP)"),
     "specpipe_levels_dropped": ("specpipe_levels_dropped",
                                 "SpecPipe levels in flight that verifications left dead (dropped by the stages)"),
+    "specpipe_refill_tokens": ("specpipe_refill_tokens", "SpecPipe tokens decided by a refill's output after its "
+                               "first (several levels sent with the verified token after a miss)"),
     "levels_sent": ("specpipe_levels_sent", "SpecPipe tree levels a draft server drafted for remote stage 1s"),
     "level_sessions": ("specpipe_level_sessions", "SpecPipe tree-level sessions open on a draft server"),
     "proposal_bytes_mean": ("proposal_bytes_mean", "mean size of a draft server's Proposal frame (bytes)"),

@@ -89,7 +89,8 @@ def targets_table(targets: list[dict], state: MonitorState) -> Table:
                       f"{s.get('mean_accepted_length', 0):.2f}", draft)
         if "specpipe_steps" in s:
             table.add_row(Text(f"  SpecPipe w={s.get('specpipe_width')}", style="dim"), "", "", "", "",
-                          f"hit {s.get('specpipe_hit_rate', 0):.0%}", f"fl {s.get('specpipe_flushes', 0)}", "")
+                          f"hit {s.get('specpipe_hit_rate', 0):.0%}", f"fl {s.get('specpipe_flushes', 0)}",
+                          f"rf +{s.get('specpipe_refill_tokens', 0)}")
         if "pipeline_connected" in s and not s["pipeline_connected"]:
             table.add_row(Text("  pipeline down", style="bold red"), "", "", "", "", "", "", "")
         for stage in s.get("stages", []):

@@ -61,9 +61,10 @@ class CacheMirror:
         return self.prefix + len(self.order)
 
     def level_mask(self, tree: SpecTree, level: list[int]) -> torch.Tensor:
-        """[n, len(order) + n]: each new node sees its cached ancestors and itself (the
+        """[n, len(order) + n]: each new node sees its cached ancestors, its ancestors among
+        the new nodes (a refill sends several levels at once, parents first) and itself (the
         committed prefix before these columns is visible to all)."""
-        index = {node_id: i for i, node_id in enumerate(self.order)}
+        index = {node_id: i for i, node_id in enumerate(self.order + level)}
         mask = torch.zeros(len(level), len(self.order) + len(level), dtype=torch.bool)
         for row, node_id in enumerate(level):
             mask[row, len(self.order) + row] = True

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from specctl.engine.model import Decoder
 from specctl.pipeline.specpipe import PipeStats, SpecPipeRun
-from specctl.pipeline.token_source import DraftLevels, LevelSource, TreeShape
+from specctl.pipeline.token_source import DraftLevels, LevelSource, TreeShape, max_tree_nodes
 from specctl.spec.decode import DecodeSession
 from specctl.spec.rounds import Emit
 
@@ -35,11 +35,16 @@ class SpecPipeDraft:
 
         return cls(shape, name, lambda session: RemoteLevels(client, loop, shape, session))
 
+    def max_nodes(self, stages: int) -> int:
+        """The most tree nodes one session keeps cached: its KV is sized for them."""
+        return max_tree_nodes(stages, self.shape)
+
     def snapshot(self) -> dict:
         t = self.totals
         return {"specpipe_steps": t.steps, "specpipe_hits": t.hits, "specpipe_flushes": t.flushes,
                 "specpipe_hit_rate": round(t.hit_rate, 4), "specpipe_width": self.shape.width,
-                "specpipe_draft_lost": t.draft_lost, "specpipe_levels_dropped": t.levels_dropped}
+                "specpipe_draft_lost": t.draft_lost, "specpipe_levels_dropped": t.levels_dropped,
+                "specpipe_refills": t.refills, "specpipe_refill_tokens": t.refill_tokens}
 
 
 async def serve_specpipe(session: DecodeSession, spec: SpecPipeDraft, lane, emit: Emit) -> None:
@@ -54,7 +59,8 @@ async def serve_specpipe(session: DecodeSession, spec: SpecPipeDraft, lane, emit
         if cancelled:  # cancelled while queued
             return
         run = SpecPipeRun(session.target, session, spec.open_levels(session),
-                          lambda tokens, result: loop.call_soon_threadsafe(emit, tokens, result))
+                          lambda tokens, result: loop.call_soon_threadsafe(emit, tokens, result),
+                          spec.shape.refill_depth(session.target.stages))
         run.stop = cancelled
         try:
             run.run()

@@ -53,10 +53,12 @@ class PipeStats:
     draft_lost: int = 0  # sessions that went on without their (remote) draft
     levels_dropped: int = 0  # levels in flight declared dead to the other stages (StageDrop)
     rows_dropped: int = 0  # pruned rows of levels in flight that keep live ones, declared dead
+    refills: int = 0  # misses refilled with levels under the verified token in its forward
+    refill_tokens: int = 0  # tokens decided by a forward's output after its first (chained through a refill)
 
     def add(self, other: "PipeStats") -> None:
         for name in ("steps", "hits", "flushes", "levels_sent", "stale_outputs", "bubbles", "stage1_s", "draft_lost",
-                     "levels_dropped", "rows_dropped"):
+                     "levels_dropped", "rows_dropped", "refills", "refill_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     @property
@@ -69,7 +71,7 @@ class PipeStats:
         return {"steps": self.steps, "hits": self.hits, "flushes": self.flushes, "levels_sent": self.levels_sent,
                 "stale_outputs": self.stale_outputs, "bubbles": self.bubbles, "hit_rate": round(self.hit_rate, 4),
                 "draft_lost": self.draft_lost, "levels_dropped": self.levels_dropped,
-                "rows_dropped": self.rows_dropped,
+                "rows_dropped": self.rows_dropped, "refills": self.refills, "refill_tokens": self.refill_tokens,
                 "stage1_step_ms": round(1e3 * self.stage1_s / self.levels_sent, 3) if self.levels_sent else 0.0}
 
 
@@ -90,6 +92,7 @@ class SpecPipeRun:
     session: DecodeSession
     draft: LevelSource
     emit: Emit | None = None
+    refill: int = 0  # levels drafted under the verified token after a miss, sent with it (TreeShape.refill)
     stats: PipeStats = field(default_factory=PipeStats)
     stop: bool = False  # set from another thread: end after the current step (a cancelled request)
 
@@ -112,21 +115,21 @@ class SpecPipeRun:
         levels: list[list[int]] = [[root]]  # levels sent of the live tree, root's first
         tree_epoch, draft_s, wait_s, first = 0, 0.0, 0.0, True
         while not session.finished and not self.stop:
-            # One level per stage in flight; without a draft (a remote one went away) one
+            # One forward per stage in flight; without a draft (a remote one went away) one
             # root at a time: plain pipeline parallelism, the same tokens.
             while len(in_flight) < (self.target.stages if self.draft.alive else 1):
                 started = time.perf_counter()
-                level = [root] if not levels else self.draft.next_level(tree, levels[-1])
-                if level is None:  # the draft just went away: verify what is in flight, then go on without it
-                    self.stats.draft_lost = 1
+                new_levels = self._next_levels(tree, levels, root)
+                if new_levels is None:  # the draft just went away: verify what is in flight, then go on without it
                     break
-                drafted = time.perf_counter() - started
-                draft_s += drafted
+                draft_s += time.perf_counter() - started
                 tag = self.stats.levels_sent
-                in_flight.append(_Sent(self._send(tree, mirror, level, want, started, tag), level, tree_epoch, tag))
+                forward = [node for level in new_levels for node in level]
+                in_flight.append(_Sent(self._send(tree, mirror, forward, want, started, tag), forward, tree_epoch, tag))
                 self.stats.stage1_s += time.perf_counter() - started
-                levels.append(level)
+                levels.extend(new_levels)
                 self.stats.levels_sent += 1
+            self.stats.draft_lost = int(not self.draft.alive)
             assert in_flight, "a live tree's levels are always in flight"
             sent = in_flight.popleft()
             started = time.perf_counter()
@@ -138,39 +141,60 @@ class SpecPipeRun:
                 continue
             if output.numel() == 0:
                 raise RuntimeError("a pipeline stage dropped a level that was not declared dead")
-            children = [c for c in (levels[1] if len(levels) > 1 else []) if tree.nodes[c].parent == root]
-            row = output[sent.level.index(root)]
-            index, token = self._decide(row, [tree.nodes[c].token for c in children])
-            committed = session.commit([token])
-            self.stats.steps += 1
-            new_root = None if index is None else children[index]
-            if children:
-                self.stats.hits += new_root is not None
-                self.stats.flushes += new_root is None
-            result = None
-            if first:  # the prompt's next token: reported as the prefill's, as the round loop does
-                session.stats.prefill_s, first = time.perf_counter() - begun, False
-            else:
-                result = RoundResult(1 if children else 0, len(children), int(new_root is not None), len(committed),
-                                     draft_s, wait_s)
-                session.stats.record(result)
-            draft_s = wait_s = 0.0
-            if self.emit:
-                self.emit(committed, result)
-            cache.gather(mirror.reroot(tree, root, new_root))  # every stage prunes, in order
-            if self.draft.alive:
-                self.draft.reroot(tree, root, new_root, token, len(session.seq) - 1)
-            if new_root is None:  # flush: refill from the verified token
-                tree_epoch += 1
-                tree, levels = SpecTree(), []
-                root = tree.add(token, None, len(session.seq) - 1)
-            else:
+            decided = 0
+            # A refill's output holds the root's row and its subtree's: the decisions chain
+            # through it while they hit (the next root's row is in the same output).
+            while root in sent.level and not session.finished:
+                children = [c for c in (levels[1] if len(levels) > 1 else []) if tree.nodes[c].parent == root]
+                index, token = self._decide(output[sent.level.index(root)], [tree.nodes[c].token for c in children])
+                committed = session.commit([token])
+                self.stats.steps += 1
+                self.stats.refill_tokens += decided > 0
+                decided += 1
+                new_root = None if index is None else children[index]
+                if children:
+                    self.stats.hits += new_root is not None
+                    self.stats.flushes += new_root is None
+                result = None
+                if first:  # the prompt's next token: reported as the prefill's, as the round loop does
+                    session.stats.prefill_s, first = time.perf_counter() - begun, False
+                else:
+                    result = RoundResult(1 if children else 0, len(children), int(new_root is not None),
+                                         len(committed), draft_s, wait_s)
+                    session.stats.record(result)
+                draft_s = wait_s = 0.0
+                if self.emit:
+                    self.emit(committed, result)
+                cache.gather(mirror.reroot(tree, root, new_root))  # every stage prunes, in order
+                if self.draft.alive:
+                    self.draft.reroot(tree, root, new_root, token, len(session.seq) - 1)
+                if new_root is None:  # flush: refill from the verified token
+                    tree_epoch += 1
+                    tree, levels = SpecTree(), []
+                    root = tree.add(token, None, len(session.seq) - 1)
+                    break
                 tree.reroot(new_root)
                 root = new_root
                 levels = [[n for n in level if n in tree.nodes] for level in levels[1:]]
                 if [] in levels:  # a level wholly in pruned branches: the tree grows again from above it
                     levels = levels[: levels.index([])]
             self._declare_dead(in_flight, tree, tree_epoch)
+
+    def _next_levels(self, tree: SpecTree, levels: list[list[int]], root: int) -> list[list[int]] | None:
+        """The next forward's levels: one more under the frontier; after a flush (no level
+        sent yet) the verified token with up to ``refill`` levels drafted under it. None: the
+        draft went away before it gave a level."""
+        if levels:
+            level = self.draft.next_level(tree, levels[-1])
+            return None if level is None else [level]
+        refill = [[root]]
+        for _ in range(self.refill if self.draft.alive else 0):
+            level = self.draft.next_level(tree, refill[-1])
+            if level is None:  # gone meanwhile: the token goes with what was drafted (plain PP from then on)
+                break
+            refill.append(level)
+        self.stats.refills += len(refill) > 1
+        return refill
 
     def _declare_dead(self, in_flight: deque[_Sent], tree: SpecTree, tree_epoch: int) -> None:
         """Tell the other stages (control path) what the verification just pruned from the
@@ -240,7 +264,7 @@ def specpipe_generate(target: PipelineDecoder, draft: Decoder, prompt: list[int]
     source = None
     try:
         source = DraftLevels.for_session(draft, shape, session, draft_pool)
-        run = SpecPipeRun(target, session, source, on_tokens)
+        run = SpecPipeRun(target, session, source, on_tokens, shape.refill_depth(target.stages))
         run.run()
     finally:
         session.stats.wall_s = time.perf_counter() - started

@@ -16,6 +16,7 @@ from specctl.spec.decode import DecodeSession
 
 
 SPREADS = ("likeliest", "every-node")
+MAX_TREE_NODES = 320  # the most tree nodes a SpecPipe session may keep cached (its KV is sized for them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,18 +30,28 @@ class TreeShape:
     #   fill the level — no level is ever pruned away whole, but once a level is full every node
     #   has one child and the tree is w chains (measured: 1.28 steps per token against 1.13-1.19).
     spread: str = "likeliest"
+    # Levels drafted under the verified token after a miss and sent with it as one forward
+    # (None: stages - 1; 0: the token alone, one level per step as before). Their output
+    # decides several tokens at once while they hit, where a lone token decides one.
+    refill: int | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.width <= 256 or not 1 <= self.topk <= 64:
             raise ValueError(f"width must be in 1..256 and topk in 1..64, got {self.width}, {self.topk}")
         if self.spread not in SPREADS:
             raise ValueError(f"spread must be one of {', '.join(SPREADS)}, got {self.spread!r}")
+        if self.refill is not None and not 0 <= self.refill <= 16:
+            raise ValueError(f"refill depth must be in 0..16, got {self.refill}")
+
+    def refill_depth(self, stages: int) -> int:
+        """Levels sent with the verified token after a miss (the default: one per stage but the first)."""
+        return max(stages - 1, 0) if self.refill is None else self.refill
 
 
 def max_tree_nodes(stages: int, shape: TreeShape) -> int:
-    """The most tree nodes a session ever has cached: the root's level and up to one level
-    per stage in flight (plus one being drafted), ``width`` nodes each."""
-    return (stages + 2) * shape.width + 1
+    """The most tree nodes a session ever has cached: the root's level, a refill's levels and
+    up to one level per stage in flight (plus one being drafted), ``width`` nodes each."""
+    return (stages + 2 + shape.refill_depth(stages)) * shape.width + 1
 
 
 def level_capacity(prompt_len: int, max_tokens: int, stages: int, shape: TreeShape) -> int:

@@ -210,7 +210,8 @@ class TargetServer(ListeningServer):
                 raise KVBudgetExceeded(f"target instance full: {self.config.max_sessions} sessions running; retry later")
             creating = asyncio.ensure_future(self.compute.run(
                 DecodeSession, self.model.decoder, msg.prompt, params, self.model.eos_token_ids, None, self.pool,
-                self.config.max_proposal_nodes,
+                self.config.max_proposal_nodes if self.specpipe is None
+                else self.specpipe.max_nodes(getattr(self.model.decoder, "stages", 1)),
             ))
             return await asyncio.shield(creating)  # cancelled meanwhile: the session made is still closed
         except asyncio.CancelledError as exc:
