@@ -1,6 +1,8 @@
-"""Pipeline steps per token of SpecPipe's level rules (TreeShape.spread) at 4 stages, one process.
+"""Pipeline steps per token of SpecPipe's level rules (TreeShape.spread, TreeShape.refill) at 4 stages, one process.
 
-    DTYPE=fp32 python examples/specpipe_spread_steps.py PROMPTS WIDTH TOPK likeliest,every-node [LIMIT]
+    DTYPE=fp32 python examples/specpipe_spread_steps.py PROMPTS WIDTH TOPK likeliest,every-node,likeliest@0 [LIMIT]
+
+Each entry is SPREAD or SPREAD@REFILL (levels sent with the token after a miss; default stages - 1 = 3).
 
 Qwen2.5-Coder 1.5B split in 4 stages (threads), the 0.5B drafting, greedy, 32 tokens. A level
 sent is one step of stage 1, so (levels sent - 3) / tokens is the steps per token (1 = a hit
@@ -22,7 +24,7 @@ from specctl.spec.sampling import SamplingParams
 
 DTYPE = __import__("os").environ.get("DTYPE", "bf16")
 prompts_name, width, topk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-spreads = sys.argv[4].split(",")
+spreads = sys.argv[4].split(",")  # SPREAD or SPREAD@REFILL
 limit = int(sys.argv[5]) if len(sys.argv) > 5 else None
 config = build_config(None, target="qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b", dtype=DTYPE, threads=None,
                       draft_quant="none", target_quant="none")
@@ -34,6 +36,11 @@ prompts = load_prompts(prompts_name)[:limit]
 res = {}
 
 
+def shape_of(entry: str) -> TreeShape:
+    spread, _, refill = entry.partition("@")
+    return TreeShape(width, topk, spread, int(refill) if refill else None)
+
+
 async def main():
     async with LocalPipeline(target, 4) as pipe:
         for spread in spreads:
@@ -41,9 +48,10 @@ async def main():
             for i, p in enumerate(prompts):
                 ids = target.tokenizer.encode(p.prompt)
                 toks, stats, _, ps = await asyncio.to_thread(specpipe_generate, pipe.staged.decoder, draft.decoder, ids,
-                                SamplingParams(max_tokens=32, ignore_eos=True), TreeShape(width, topk, spread))
+                                SamplingParams(max_tokens=32, ignore_eos=True), shape_of(spread))
                 rows.append({"prompt": i + 1, "levels_sent": ps.levels_sent, "tokens": len(toks), "hits": ps.hits,
-                             "flushes": ps.flushes, "bubbles": ps.bubbles, "tokens_out": toks})
+                             "flushes": ps.flushes, "bubbles": ps.bubbles, "refill_tokens": ps.refill_tokens,
+                             "tokens_out": toks})
             res[spread] = rows
             spt = [(r["levels_sent"] - 3) / r["tokens"] for r in rows]
             print(spread, "steps/token per prompt", [round(x, 2) for x in spt], "mean", round(sum(spt) / len(spt), 3), flush=True)
