@@ -19,7 +19,7 @@ from specctl.spec.drafters import RANKED, ModelChainDrafter, ModelTreeDrafter
 from specctl.spec.rounds import Drafted, InlineLane, generate, run_inline, run_session
 from specctl.spec.sampling import SamplingParams
 from specctl.verify.speculator import proposal_from_message
-from tests.test_sampling_exact import PROMPT, SAMPLES, VOCAB, _next_probs, assert_counts_match
+from tests.test_sampling_exact import PROMPT, SAMPLES, VOCAB, _exact_joint_of_tokens_3_and_4, assert_counts_match
 
 PROMPTS = [[5, 9, 13, 2], [7, 8, 9, 10, 7, 8, 9], [100, 3], [1, 2, 3, 1, 2, 3]]
 
@@ -241,20 +241,6 @@ def small(tmp_path_factory):
     kw = dict(vocab_size=VOCAB, layers=2, hidden=32, eos_token_id=None, init_std=0.3)
     return (load_decoder(make_tiny_model(root / "t", "llama", seed=11, **kw)),
             load_decoder(make_tiny_model(root / "d", "llama", seed=12, **kw)))
-
-
-def _exact_joint_of_tokens_3_and_4(target, params) -> torch.Tensor:
-    joint = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
-    p1 = _next_probs(target, PROMPT, params)
-    for t1 in range(VOCAB):
-        p2 = _next_probs(target, PROMPT + [t1], params)
-        for t2 in range(VOCAB):
-            p3 = _next_probs(target, PROMPT + [t1, t2], params)
-            for t3 in range(VOCAB):
-                weight = float(p1[t1]) * float(p2[t2]) * float(p3[t3])
-                if weight:
-                    joint[t3] += weight * _next_probs(target, PROMPT + [t1, t2, t3], params).double()
-    return joint
 
 
 @pytest.mark.slow

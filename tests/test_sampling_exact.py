@@ -48,6 +48,21 @@ def _exact_joint_of_tokens_2_and_3(target, params) -> torch.Tensor:
     return joint
 
 
+def _exact_joint_of_tokens_3_and_4(target, params) -> torch.Tensor:
+    """P(token 3, token 4) of the target alone, summed over tokens 1 and 2."""
+    joint = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    p1 = _next_probs(target, PROMPT, params)
+    for t1 in range(VOCAB):
+        p2 = _next_probs(target, PROMPT + [t1], params)
+        for t2 in range(VOCAB):
+            p3 = _next_probs(target, PROMPT + [t1, t2], params)
+            for t3 in range(VOCAB):
+                weight = float(p1[t1]) * float(p2[t2]) * float(p3[t3])
+                if weight:
+                    joint[t3] += weight * _next_probs(target, PROMPT + [t1, t2, t3], params).double()
+    return joint
+
+
 # One setting per mode in the default run; the other six (about 90 s) run with --runslow.
 DEFAULT_SETTINGS = {("chain", 0.7, 1.0), ("tree", 1.0, 0.85), ("ngram", 0.7, 1.0)}
 SETTINGS = [pytest.param(mode, temperature, top_p,

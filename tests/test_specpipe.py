@@ -19,7 +19,8 @@ from specctl.spec.rounds import generate
 from specctl.spec.sampling import SamplingParams
 from specctl.spec.verify import accept_at_node
 from tests.conftest import wait_until
-from tests.test_sampling_exact import PROMPT as SMALL_PROMPT, VOCAB, _next_probs, assert_counts_match
+from tests.test_sampling_exact import (PROMPT as SMALL_PROMPT, VOCAB, _exact_joint_of_tokens_3_and_4,
+                                      assert_counts_match)
 
 PROMPTS = [[5, 9, 13, 2], [7, 8, 9, 10, 7, 8, 9], [42, 43, 44, 45, 46]]
 
@@ -208,20 +209,6 @@ async def test_specpipe_stops_at_a_stop_token_like_the_target(models):
         tokens, _, reason, _ = await asyncio.to_thread(specpipe_generate, staged.decoder, draft.decoder, PROMPTS[0],
                                                        params, TreeShape(2, 2))
         assert (tokens, reason) == (expected, expected_reason) == (reference[:7], "stop")
-
-
-def _exact_joint_of_tokens_3_and_4(target, params) -> torch.Tensor:
-    """P(token 3, token 4) of the target sampling alone, summed over tokens 1 and 2."""
-    joint = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
-    p1 = _next_probs(target, SMALL_PROMPT, params)
-    for t1 in range(VOCAB):
-        p2 = _next_probs(target, SMALL_PROMPT + [t1], params)
-        for t2 in range(VOCAB):
-            p3 = _next_probs(target, SMALL_PROMPT + [t1, t2], params)
-            for t3 in range(VOCAB):
-                p4 = _next_probs(target, SMALL_PROMPT + [t1, t2, t3], params)
-                joint[t3] += float(p1[t1]) * float(p2[t2]) * float(p3[t3]) * p4.double()
-    return joint
 
 
 @pytest.mark.slow

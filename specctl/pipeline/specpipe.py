@@ -5,7 +5,10 @@ Stage 1 drives a session: each time a level's output comes back from the last st
 verifies the current root (the target's next token after it, argmax or the tree-sampling
 rule at one node) against the root's children. A hit re-roots the tree to that child and
 prunes every stage's KV to its subtree; a miss flushes the tree and refills the pipeline
-from the verified token. Meanwhile the draft grows the tree by one fixed-width level
+from the verified token, sent with the draft's first D levels under it in one forward
+(``TreeShape.refill``, stages - 1 by default): a lone token's output decides one token after
+the n steps a miss costs, the refill's decides the tokens through its levels while they hit
+(the next root's row is in the same output). Meanwhile the draft grows the tree by one fixed-width level
 (its top-k children per node, the w likeliest paths overall) whenever a pipeline slot
 frees, so up to n levels are in flight through n stages. The first tree's root is the
 prompt's last token and the prefill is its level: the draft's levels follow the prefill
