@@ -202,7 +202,7 @@ def _summarise(stages: int, mode: str, per_repeat: list[list[dict]]) -> dict:
     if not aggregate:  # one session per run: each prompt's time between tokens, its median over the repeats
         row["tbt_ms_per_prompt"] = [round(statistics.median(turn[i]["tbt_ms"] for turn in per_repeat), 2)
                                     for i in range(len(per_repeat[0]))]
-    if "hit_rate" in flat[0] and flat[0]["hit_rate"] is not None:  # a SpecPipe session per run
+    if flat[0].get("hit_rate") is not None:  # a SpecPipe session per run
         row["refill"] = flat[0].get("refill", 0)
         row["refill_tokens_per_token"] = round(statistics.mean(r.get("refill_tokens_per_token", 0.0) for r in flat), 4)
         row["hit_rate"] = round(statistics.mean(r["hit_rate"] for r in flat), 4)

@@ -61,6 +61,10 @@ class TargetServer(ListeningServer):
         self.fusion = fusion  # several drafters, routed and fused per session (instead of ``draft``)
         self.pipeline = pipeline  # stage 1 of a pipelined target: the link down the chain
         self.specpipe = specpipe  # SpecPipe with a draft in this process, instead of the round loop
+        # A session's KV holds its largest proposal; under SpecPipe (stage 1 of a pipeline) its
+        # whole tree in flight, a refill's levels included.
+        self.session_nodes = (config.max_proposal_nodes if specpipe is None
+                              else specpipe.max_nodes(model.decoder.stages))
         # Its own compute thread, or a lane of the device's thread when roles share a process.
         self.compute = compute or ComputeThread("target-compute", max_batch=config.max_batch).lane(owns_thread=True)
         # Verification waits before it runs when emulating a slower target (bench star).
@@ -210,8 +214,7 @@ class TargetServer(ListeningServer):
                 raise KVBudgetExceeded(f"target instance full: {self.config.max_sessions} sessions running; retry later")
             creating = asyncio.ensure_future(self.compute.run(
                 DecodeSession, self.model.decoder, msg.prompt, params, self.model.eos_token_ids, None, self.pool,
-                self.config.max_proposal_nodes if self.specpipe is None
-                else self.specpipe.max_nodes(getattr(self.model.decoder, "stages", 1)),
+                self.session_nodes,
             ))
             return await asyncio.shield(creating)  # cancelled meanwhile: the session made is still closed
         except asyncio.CancelledError as exc:
