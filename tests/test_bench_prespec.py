@@ -44,7 +44,8 @@ def test_the_delay_and_the_floor_are_alternatives():
 def test_prespec_bench_runs_both_clusters_of_real_processes(tiny_dir, mode):
     tiny = str(tiny_dir["llama"])
     star = StarBenchSettings(f"{tiny}@2", tiny, (1, 2, 3), depth=3, max_tokens=16, verify_delay_ms=20.0, dtype="fp32",
-                             mode=mode, max_batches=(8,), draft_quant="none", sessions=1)
+                             mode=mode, max_batches=(8,), draft_quant="none", sessions=1,
+                             draft_step_ms=5.0 if mode == "tree" else 0.0)
     calls = []
     # Without trials: every round is pre-speculated (a trial could fall in a phase without it).
     report = run_prespec_bench(PrespecBenchSettings(star, budget=4, repeats=1, trials=False), [[5, 9, 13, 2], [7, 8, 9]],
@@ -58,3 +59,6 @@ def test_prespec_bench_runs_both_clusters_of_real_processes(tiny_dir, mode):
     assert all(p["same_as_plain"] for p in report["pairs"])  # exact: the same texts as plain speculation
     assert set(report["summary"]) >= {"1", "2"}
     assert report["settings"]["mode"] == mode
+    if mode == "tree":  # the emulated draft device: every background forward took the floor at least
+        assert report["settings"]["draft_step_ms"] == 5.0
+        assert all(r["background_step_max_ms"] >= 5.0 for r in pre if r["branches_drafted"])

@@ -311,5 +311,13 @@ def test_prespec_flags_are_checked_before_anything_loads(args, message):
 def test_a_negative_emulated_verification_time_is_refused_before_anything_loads(command):
     proc = run(*command, "--verify-time-ms", "-5", timeout=60)
     message = ("--verify-delay-ms, --verify-time-ms and --stage-delay-ms must be >= 0" if command[0] == "verify"
-               else "--verify-delay-ms and --verify-time-ms must be >= 0")
+               else "--verify-delay-ms, --verify-time-ms and --draft-step-ms must be >= 0")
     _assert_one_line_error(proc, message)
+
+
+@pytest.mark.parametrize("command, message", [
+    (("draft", "--model", "no-such-model", "--step-time-ms", "-1"), "--step-time-ms must be >= 0, got -1"),
+    (("bench", "prespec", "--draft-step-ms", "-1"), "--verify-delay-ms, --verify-time-ms and --draft-step-ms must be >= 0"),
+])
+def test_a_negative_emulated_draft_step_is_refused_before_anything_loads(command, message):
+    _assert_one_line_error(run(*command, timeout=60), message)

@@ -71,3 +71,32 @@ def test_layer_range_loads_only_its_layers(tiny_dir):
 def test_bad_layer_range_is_refused(tiny_dir):
     with pytest.raises(ValueError, match=r"layer range \[2, 9\) outside the model's 4 layers"):
         load_decoder(tiny_dir["llama"], layer_range=(2, 9))
+
+
+def test_an_emulated_step_floor_pads_every_forward_and_changes_no_logit(tiny, monkeypatch):
+    """`draft --step-time-ms`: each forward (one session or several) sleeps the rest of the floor
+    after its compute; with the floor off nothing sleeps; the logits are the same either way."""
+    from specctl.runtime import compute
+
+    decoder = tiny["llama"]
+    slept: list[float] = []
+    monkeypatch.setattr(compute.time, "sleep", slept.append)
+    prompt = torch.tensor([5, 9, 13, 2])
+
+    def run() -> list[torch.Tensor]:
+        caches = [decoder.new_cache(16), decoder.new_cache(16)]
+        one = decoder(prompt, torch.arange(4), caches[0])
+        many = decoder.forward_many([torch.tensor([7]), torch.tensor([3, 4])], [torch.tensor([4]), torch.arange(2)],
+                                    caches, [None, None], [torch.tensor([0]), torch.tensor([1])])
+        return [one, *many]
+
+    plain = run()
+    assert slept == []
+    decoder.step_floor_s = 30.0
+    try:
+        floored = run()
+    finally:
+        decoder.step_floor_s = 0.0
+    assert len(slept) == 2 and all(0 < s <= 30.0 for s in slept)  # one per forward, the compute inside the floor
+    for a, b in zip(plain, floored):
+        assert torch.equal(a, b)

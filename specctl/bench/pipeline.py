@@ -18,13 +18,12 @@ from specctl.bench.spread import spread
 from specctl.bench.stages import StageProcesses, StageProcessSettings
 from specctl.engine.loader import LoadedModel
 from specctl.engine.model import Decoder
-from specctl.pipeline.decoder import sleep_rest
 from specctl.pipeline.local import LocalPipeline
 from specctl.pipeline.microbatch import MicroBatchLane
 from specctl.pipeline.plan import WidthOption
 from specctl.pipeline.specpipe import specpipe_generate
 from specctl.pipeline.token_source import TreeShape
-from specctl.runtime.compute import ComputeThread
+from specctl.runtime.compute import ComputeThread, sleep_rest
 from specctl.spec.decode import DecodeSession
 from specctl.spec.drafters import ModelChainDrafter
 from specctl.spec.rounds import LocalSpeculator, generate, run_session

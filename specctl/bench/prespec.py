@@ -119,7 +119,7 @@ def run_prespec_bench(s: PrespecBenchSettings, prompts: list[list[int]], progres
     return {
         "settings": {"draft": s.star.draft, "target": s.star.target, "mode": s.star.mode, "depth": s.star.depth,
                      "max_tokens": s.star.max_tokens, "sessions": s.star.sessions, "verify_delay_ms": s.star.verify_delay_ms,
-                     "verify_time_ms": s.star.verify_time_ms,
+                     "verify_time_ms": s.star.verify_time_ms, "draft_step_ms": s.star.draft_step_ms,
                      "dtype": s.star.dtype, "draft_quant": s.star.draft_quant, "target_quant": s.star.target_quant,
                      "budget": s.budget, "fallback": s.fallback, "repeats": s.repeats, "trials": s.trials,
                      "emulated": s.star.emulated},

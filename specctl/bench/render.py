@@ -130,6 +130,8 @@ def render_prespec_table(report: dict) -> Table:
         label += f", every verification >= {s['verify_time_ms']:.0f} ms (emulated)"
     if s["verify_delay_ms"]:
         label += f", +{s['verify_delay_ms']:.0f} ms per verification (emulated)"
+    if s.get("draft_step_ms"):
+        label += f", every draft forward >= {s['draft_step_ms']:.0f} ms (emulated)"
     table = Table(title=f"bench prespec: {s['draft']} -> {s['target']}, {s.get('mode', 'chain')} d={s['depth']}, budget {s['budget']}, "
                         f"fallback {s['fallback']}, {'trials' if s.get('trials', True) else 'every round'}{label}")
     for column in ("N", "plain O", "prespec O", "gain", "predicted", "hit (ready)", "partial", "skipped", "branches used",

@@ -51,10 +51,11 @@ class StarBenchSettings:
     nice_unemulated: bool = False
     draft_args: tuple[str, ...] = ()  # more flags for the draft server (bench prespec: --prespec ...)
     verify_time_ms: float = 0.0  # every verification takes at least this long, its compute included
+    draft_step_ms: float = 0.0  # every draft forward takes at least this long (a device whose rows are ~free)
 
     @property
     def emulated(self) -> bool:
-        return self.verify_delay_ms > 0 or self.verify_time_ms > 0
+        return self.verify_delay_ms > 0 or self.verify_time_ms > 0 or self.draft_step_ms > 0
 
     @property
     def target_niceness(self) -> int:
@@ -75,7 +76,8 @@ class StarCluster:
         try:
             self.procs.append(spawn_role("draft", "--port", str(self.draft_port), "--model", s.draft, "--mode", s.mode,
                                          "--depth", str(s.depth), "--max-batch", str(self.max_batch),
-                                         "--draft-quant", s.draft_quant, *s.draft_args, *common, **env))
+                                         "--draft-quant", s.draft_quant, "--step-time-ms", str(s.draft_step_ms),
+                                         *s.draft_args, *common, **env))
             wait_listening(self.procs[0], "draft server")
             for port in self.target_ports:
                 self.procs.append(spawn_role("verify", "--model", s.target, "--draft", f"127.0.0.1:{self.draft_port}",

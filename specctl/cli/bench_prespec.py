@@ -42,6 +42,9 @@ def prespec(
     verify_time_ms: float = typer.Option(0.0, "--verify-time-ms", help="every verification takes at least this long, "
                                          "its compute included (emulation of target devices: what the draft's "
                                          "background work costs this machine's shared cores stays inside it)"),
+    draft_step_ms: float = typer.Option(0.0, "--draft-step-ms", help="every draft forward takes at least this long, "
+                                        "its compute included (emulation of a draft device whose step time does not "
+                                        "grow with its rows, as a GPU's: what SSD assumes of the draft)"),
     repeats: int = typer.Option(3, help="measurements of each N and mode (min/median/max reported)"),
     trials: bool = typer.Option(True, "--trials/--no-trials", help="the prespec server keeps pre-speculation only "
                                 "while its trials find it faster (as by default); --no-trials: in every round"),
@@ -72,9 +75,9 @@ def prespec(
             raise ConfigError(f"{name} must be one of {', '.join(QUANTS)}, got {value!r}")
     if mode not in ("chain", "tree"):
         raise ConfigError(f"--mode must be chain or tree (what pre-speculation drafts), got {mode!r}")
-    if (verify_delay_ms < 0 or verify_time_ms < 0 or depth < 1 or max_tokens < 1 or sessions < 1 or repeats < 1
+    if (verify_delay_ms < 0 or verify_time_ms < 0 or draft_step_ms < 0 or depth < 1 or max_tokens < 1 or sessions < 1 or repeats < 1
             or not 2 <= max_targets <= 32):
-        raise ConfigError("--verify-delay-ms and --verify-time-ms must be >= 0, --depth, --max-tokens, --sessions and "
+        raise ConfigError("--verify-delay-ms, --verify-time-ms and --draft-step-ms must be >= 0, --depth, --max-tokens, --sessions and "
                           "--repeats >= 1, --max-targets in [2, 32]")
     try:
         PrespecConfig(budget=budget, fallback=fallback)
@@ -87,7 +90,7 @@ def prespec(
     encoded = [tok.encode(p.prompt) for p in load_prompts(prompts)]
     star = StarBenchSettings(draft, target, tuple(range(1, max_targets + 1)), depth, max_tokens, verify_delay_ms, dtype,
                              mode=mode, max_batches=(8,), sessions=sessions, draft_quant=draft_quant, target_quant=target_quant,
-                             nice_unemulated=True, verify_time_ms=verify_time_ms)
+                             nice_unemulated=True, verify_time_ms=verify_time_ms, draft_step_ms=draft_step_ms)
     settings = PrespecBenchSettings(star, budget, fallback, repeats, trials)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:

@@ -65,6 +65,9 @@ def draft(
     prespec_trials: bool = typer.Option(True, "--prespec-trials/--no-prespec-trials",
                                         help="keep pre-speculation only while measured trials find it faster "
                                              "(off: pre-speculate every round)"),
+    step_time_ms: float = typer.Option(0.0, "--step-time-ms", help="benchmarks: every draft forward takes at least "
+                                       "this long, its compute included (emulates a draft device whose step time does "
+                                       "not grow with its rows, as a GPU's; bench prespec --draft-step-ms)"),
     log_level: str = typer.Option("info", "--log-level", help="debug | info | warning"),
 ) -> None:
     """Run the shared draft server: one draft model serving many target instances (StarSD).
@@ -80,6 +83,8 @@ def draft(
                           max_sessions=max_sessions, max_batch=max_batch, dtype=dtype, threads=threads, draft_quant=draft_quant)
     if config.mode == "ar":
         raise ConfigError("a draft server proposes: --mode must be chain, tree or ngram")
+    if step_time_ms < 0:
+        raise ConfigError(f"--step-time-ms must be >= 0, got {step_time_ms:g}")
     speculation = prespec_config(prespec, prespec_budget, config.prespec_budget, saguaro_c, fallback, config.mode,
                                  prespec_trials)
     # torch loads only once the flags above are known to be good: a mistake is reported at once
@@ -99,6 +104,7 @@ def draft(
     apply_threads(config)
     console = Console(stderr=True)
     loaded = load_named(config.draft, config, console, config.draft_quant)
+    loaded.decoder.step_floor_s = step_time_ms / 1e3
     drafter = make_drafter(config, loaded)
 
     async def main(compute: ComputeThread) -> None:

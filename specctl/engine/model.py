@@ -5,6 +5,7 @@ KV cache with an explicit (tree) attention mask."""
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 from torch import nn
@@ -13,6 +14,7 @@ from specctl.engine.kv_cache import KVCache, KVPool
 from specctl.engine.layers import DecoderLayer, RMSNorm, Segments, rope_cos_sin
 from specctl.engine.spec import ModelSpec
 from specctl.engine.static import CUDA_LOCK, StaticRunner, StaticSegment
+from specctl.runtime.compute import sleep_rest
 
 
 class Decoder(nn.Module):
@@ -36,6 +38,10 @@ class Decoder(nn.Module):
         inv_freq, self.rope_scaling = spec.inv_freq()
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.static: StaticRunner | None = None
+        # Benchmarks only (`specctl draft --step-time-ms`): every eager forward takes at least this
+        # long, its compute inside — a device whose step time does not grow with its rows, as a
+        # GPU's does not up to tens of rows. 0 = off, as always outside an emulated benchmark.
+        self.step_floor_s = 0.0
 
     def use_static_steps(self, graphs: bool = True, compile: bool = False) -> "Decoder":
         """Run single-session steps of up to 64 tokens padded to a size bucket over the whole
@@ -163,6 +169,14 @@ class Decoder(nn.Module):
         return self.lm_head(self.norm(x[0])).float()
 
     def _run(self, inputs: torch.Tensor, positions: torch.Tensor, segments: Segments, logits_at) -> torch.Tensor:
+        if not self.step_floor_s:
+            return self._compute(inputs, positions, segments, logits_at)
+        started = time.perf_counter()
+        out = self._compute(inputs, positions, segments, logits_at)
+        sleep_rest(started, self.step_floor_s)
+        return out
+
+    def _compute(self, inputs: torch.Tensor, positions: torch.Tensor, segments: Segments, logits_at) -> torch.Tensor:
         if self.embed_tokens is not None:
             x = self.embed_tokens(inputs.to(self.device)).unsqueeze(0)
         else:

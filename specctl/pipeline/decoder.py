@@ -26,6 +26,7 @@ from specctl.net.protocol import (Error, Message, StageClose, StageDrop, StageFo
                                   StageOutput, Stats, StatsRequest, Tensor)
 from specctl.pipeline.link import StageLink
 from specctl.pipeline.worker import split_keep
+from specctl.runtime.compute import sleep_rest
 
 log = logging.getLogger("specctl.pipeline")
 FORWARD_TIMEOUT_S = 600.0  # a stage that neither answers nor drops the link (a long prompt on a slow box)
@@ -147,15 +148,6 @@ class PipelineClient:
         self._pending[fid] = future
         self.most_in_flight = max(self.most_in_flight, len(self._pending))
         self.link.post(make(fid))
-
-
-def sleep_rest(started: float, delay_s: float) -> None:
-    """Emulated device time (--stage-delay-ms): a stage step that began at ``started`` takes
-    ``delay_s`` in all, its real compute included (it takes longer only if the compute does).
-    The real compute stands in for the device's work, so it is not added on top of it."""
-    rest = delay_s - (time.perf_counter() - started)
-    if rest > 0:
-        time.sleep(rest)
 
 
 def wait_output(future: concurrent.futures.Future) -> torch.Tensor:

@@ -34,9 +34,10 @@ import torch
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.model import Decoder
 from specctl.net.protocol import StageForward, Tensor
-from specctl.pipeline.decoder import PipelineDecoder, sleep_rest, wait_output
+from specctl.pipeline.decoder import PipelineDecoder, wait_output
 from specctl.pipeline.live_tree import CacheMirror, SpecTree
 from specctl.pipeline.token_source import DraftLevels, LevelSource, TreeShape, max_tree_nodes
+from specctl.runtime.compute import sleep_rest
 from specctl.spec.decode import DecodeSession
 from specctl.spec.rounds import Emit
 from specctl.spec.sampling import SamplingParams, probs_from_logits

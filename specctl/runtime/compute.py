@@ -246,6 +246,15 @@ def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -
         future.set_result(result)
 
 
+def sleep_rest(started: float, delay_s: float) -> None:
+    """Emulated device time (--stage-delay-ms, --step-time-ms): a step that began at ``started``
+    takes ``delay_s`` in all, its real compute included (it takes longer only if the compute
+    does). The real compute stands in for the device's work, so it is not added on top of it."""
+    rest = delay_s - (time.perf_counter() - started)
+    if rest > 0:
+        time.sleep(rest)
+
+
 class SlowedLane:
     """A lane whose batched work (verification) waits ``delay_s`` before it is queued, and
     then takes at least ``floor_s`` from its submission, its compute included: stands for a
