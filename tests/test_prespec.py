@@ -157,28 +157,6 @@ def test_every_proposal_is_what_just_in_time_drafting_proposes(tiny, steps, fall
     assert table.checked > 20 and snap["hits"] > 0 and snap["misses"] > 0
 
 
-@pytest.mark.parametrize("steps", [8, 3, 2])
-def test_a_finished_chain_feeds_its_last_token_ahead_only_in_idle_steps(tiny, steps):
-    """With time to spare a finished chain branch feeds its last token (d = 3: the bonus and
-    two tokens are the branch's 3 steps, the last token a 4th), so when it hits, the next
-    plan opens its full-accept branches at once (``fed_ahead``) instead of after a tail step.
-    A hit never waits for it: finishing an adopted branch feeds nothing ahead. The output,
-    every proposal and the KV's text stay what just-in-time drafting gives (CheckedTable)."""
-    target, draft = tiny["llama"], tiny["llama-self2"]
-    table = make_table(draft, budget=6, fallback="jit", table_class=CheckedTable)
-    table.checked = 0
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
-    for tag, prompt in enumerate(PROMPTS, 1):
-        assert run(target, table, prompt, params, steps, tag)[0] == generate(target, prompt, params)[0]
-    snap = table.speculation.snapshot()
-    assert snap["hits"] > 0 and table.checked > 20
-    if steps == 8:  # every hit branch had its 4th step: each plan after a hit starts without a tail
-        assert snap["hits"] - len(PROMPTS) <= snap["fed_ahead"] <= snap["hits"]
-    else:  # the tail step comes first in each plan, so no branch finishes in time for a 4th step
-        assert snap["fed_ahead"] == 0
-    assert table.pool.used_bytes == 0
-
-
 def test_a_hit_answers_from_the_branch_without_drafting(tiny):
     target, draft = tiny["llama"], tiny["llama-self2"]
     table = make_table(draft, budget=16)

@@ -24,7 +24,7 @@ from specctl.draft.fanout import predicted_gain_over_plain
 from specctl.verify.client import remote_stats
 
 PRESPEC_KEYS = ("hits", "hit_drafted", "misses", "partial_hits", "branches_drafted", "branches_used", "fallback_jit",
-                "fallback_ngram", "skipped", "fed_ahead")
+                "fallback_ngram", "skipped")
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,9 +30,9 @@ Row = tuple[int, int, list[int]]  # (token, position, KV slots it attends to bes
 
 
 def kv_per_branch(shape: ModelTreeDrafter | None, depth: int) -> int:
-    """KV slots one branch can fill: a chain's bonus and the d tokens after it (the last fed
-    ahead, ``ChainBranch.ahead``); a tree's nodes but its last level (the bonus is its root)."""
-    return depth + 1 if shape is None else shape.max_nodes - shape.width
+    """KV slots one branch can fill: a chain's bonus and the d - 1 tokens fed after it; a
+    tree's nodes but its last level (the bonus is its root)."""
+    return depth if shape is None else shape.max_nodes - shape.width
 
 
 @dataclass(slots=True)
@@ -48,13 +48,6 @@ class ChainBranch:
     def live(self, depth: int) -> bool:
         return len(self.tokens) <= depth
 
-    def ahead(self, depth: int) -> bool:
-        """Drafted in full, its last token not fed yet. Fed ahead (idle time only, never while a
-        hit waits), it gives the candidates after that token: if the branch becomes the next
-        proposal, that proposal's full-accept branches start at its first background step
-        instead of after a tail step — otherwise d + 1 steps, one more than just in time."""
-        return len(self.tokens) == depth + 1 and len(self.slots) == depth
-
     def drafted(self, depth: int) -> float:
         """The share of its proposal drafted so far (the bonus is given, d tokens follow it)."""
         return min(1.0, (len(self.tokens) - 1) / depth)
@@ -64,10 +57,7 @@ class ChainBranch:
 
     def absorb(self, plan: "Plan", slots: list[int], logits: torch.Tensor) -> None:
         self.slots += slots
-        if len(self.tokens) > plan.depth:  # its last token, fed ahead: only the candidates after it
-            self.ranked.append(ranked_candidates(logits[0]))
-        else:
-            _draw(plan, self, logits[0])
+        _draw(plan, self, logits[0])
 
     def proposal(self, plan: "Plan") -> Proposal:
         params = plan.state.params
@@ -86,9 +76,6 @@ class TreeBranch:
 
     def live(self, depth: int) -> bool:
         return not self.done and len(self.slots) < len(self.tree) and self.tree.max_depth < depth
-
-    def ahead(self, depth: int) -> bool:
-        return False  # a tree's last level is w rows: not fed ahead
 
     def drafted(self, depth: int) -> float:
         """The share of its proposal drafted so far: its levels grown out of d."""
@@ -139,11 +126,6 @@ class Plan:
     def has_work(self) -> bool:
         return bool(self.tails) or any(b.live(self.depth) for b in self.branches.values())
 
-    def feeding(self, ahead: bool) -> list[Branch]:
-        """The branches a step advances: the live ones, and with ``ahead`` the finished chains
-        whose last token is still to feed."""
-        return [b for b in self.branches.values() if b.live(self.depth) or (ahead and b.ahead(self.depth))]
-
     def children_tokens(self, node: int) -> set[int]:
         return {int(self.tree.tokens[c]) for c in self.tree.children(node)}
 
@@ -186,11 +168,10 @@ def make_plan(state: DraftState, proposal: Proposal, fanout: list[int], depth: i
     return plan
 
 
-def step(plans: list[Plan], max_rows: int | None = None, ahead: bool = True) -> list[Plan]:
+def step(plans: list[Plan], max_rows: int | None = None) -> list[Plan]:
     """One draft forward that advances every live branch of ``plans`` by one token or tree
-    level (up to ``max_rows`` rows; the plans beyond wait for the next step), and with
-    ``ahead`` feeds finished chains' last tokens (``ChainBranch.ahead``). Returns the plans
-    advanced."""
+    level (up to ``max_rows`` rows; the plans beyond wait for the next step). Returns the
+    plans advanced."""
     work: list[tuple[Plan, int, list]] = []
     inputs, positions, caches, masks = [], [], [], []
     total = 0
@@ -201,10 +182,11 @@ def step(plans: list[Plan], max_rows: int | None = None, ahead: bool = True) -> 
             owners.append(node)
             rows.append((int(plan.tree.tokens[node]), plan.base - 1 + int(plan.tree.depth[node]),
                          [plan.base + a - 1 for a in plan.tree.path_to(node)[1:-1]]))
-        for branch in plan.feeding(ahead):
-            for token, position, attend in branch.rows():
-                owners.append(branch)
-                rows.append((token, position, branch.trunk + attend))
+        for branch in plan.branches.values():
+            if branch.live(plan.depth):
+                for token, position, attend in branch.rows():
+                    owners.append(branch)
+                    rows.append((token, position, branch.trunk + attend))
         if not rows or (max_rows is not None and total and total + len(rows) > max_rows):
             continue
         cache = plan.state.session.cache
@@ -282,10 +264,9 @@ def discard(plan: Plan) -> None:
 
 
 def finish(plans: list[Plan]) -> None:
-    """Draft the adopted branches to full depth (a hit that arrived before they were done);
-    nothing is fed ahead while the hit waits."""
+    """Draft the adopted branches to full depth (a hit that arrived before they were done)."""
     while any(plan.has_work for plan in plans):
-        step([plan for plan in plans if plan.has_work], ahead=False)
+        step([plan for plan in plans if plan.has_work])
 
 
 def proposal_of(plan: Plan) -> Proposal:

@@ -69,7 +69,6 @@ class PrespecStats:
     fallback_jit: int = 0
     fallback_ngram: int = 0
     skipped: int = 0  # rounds not pre-speculated (a trial without it, or it did not pay)
-    fed_ahead: int = 0  # plans of a proposal whose last token was fed ahead: no tail step first
 
 
 class SpeculationCache:
@@ -151,7 +150,6 @@ class SpeculationCache:
                          self.reshape_for(tag, state))
         if plan is not None:
             self.plans[tag] = plan
-            self.stats.fed_ahead += plan.fed == len(plan.tree) - 1
             history.planned_last = True
             self.wake()
 
@@ -230,10 +228,11 @@ class SpeculationCache:
 
     def step(self) -> bool:
         """One background forward over the live branches; False when there was nothing to do."""
-        due = [(tag, plan) for tag, plan in self.plans.items() if plan.has_work or plan.feeding(ahead=True)]
+        due = [(tag, plan) for tag, plan in self.plans.items() if plan.has_work]
         if not due:
             return False
-        rows = {id(plan): len(plan.tails) + sum(len(b.rows()) for b in plan.feeding(ahead=True)) for _, plan in due}
+        rows = {id(plan): len(plan.tails) + sum(len(b.rows()) for b in plan.branches.values() if b.live(plan.depth))
+                for _, plan in due}
         started = time.perf_counter()
         advanced = {id(plan) for plan in step([plan for _, plan in due], self.config.max_rows)}
         seconds = time.perf_counter() - started
@@ -289,7 +288,7 @@ class SpeculationCache:
                 "hit_drafted": round(s.hit_drafted, 4),
                 "ready_rate": round(s.hit_drafted / looked, 4) if looked else 0.0,
                 "branches_drafted": s.branches_drafted, "branches_used": s.branches_used, "steps": s.steps,
-                "busy_s": round(s.busy_s, 6), "fallback_jit": s.fallback_jit, "fallback_ngram": s.fallback_ngram, "skipped": s.skipped, "fed_ahead": s.fed_ahead,
+                "busy_s": round(s.busy_s, 6), "fallback_jit": s.fallback_jit, "fallback_ngram": s.fallback_ngram, "skipped": s.skipped,
                 "trials": self.trials.snapshot(),
                 "plans": len(self.plans), "budget": self.config.budget, "budget_now": self._budget_now(), "saguaro_c": self.config.saguaro_c,
                 "fallback": self.config.fallback}
