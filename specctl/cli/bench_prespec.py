@@ -75,10 +75,10 @@ def prespec(
             raise ConfigError(f"{name} must be one of {', '.join(QUANTS)}, got {value!r}")
     if mode not in ("chain", "tree"):
         raise ConfigError(f"--mode must be chain or tree (what pre-speculation drafts), got {mode!r}")
-    if (verify_delay_ms < 0 or verify_time_ms < 0 or draft_step_ms < 0 or depth < 1 or max_tokens < 1 or sessions < 1 or repeats < 1
+    if (min(verify_delay_ms, verify_time_ms, draft_step_ms) < 0 or min(depth, max_tokens, sessions, repeats) < 1
             or not 2 <= max_targets <= 32):
-        raise ConfigError("--verify-delay-ms, --verify-time-ms and --draft-step-ms must be >= 0, --depth, --max-tokens, --sessions and "
-                          "--repeats >= 1, --max-targets in [2, 32]")
+        raise ConfigError("--verify-delay-ms, --verify-time-ms and --draft-step-ms must be >= 0, --depth, --max-tokens, "
+                          "--sessions and --repeats >= 1, --max-targets in [2, 32]")
     try:
         PrespecConfig(budget=budget, fallback=fallback)
     except ValueError as exc:
