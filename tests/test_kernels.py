@@ -78,3 +78,15 @@ def test_static_attention_equals_masked_softmax_attention():
     mask[1, 6] = mask[2, 7] = True
     grouped = mask.repeat(2, 1)  # 2 query heads per KV head
     torch.testing.assert_close(static_attention(q, k, v, grouped), _naive(q, k, v, mask), rtol=1e-5, atol=1e-6)
+
+
+def test_static_attention_in_bf16_keeps_the_dtype_and_stays_within_bf16_rounding():
+    from specctl_kernels import static_attention
+
+    torch.manual_seed(4)
+    q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8)
+    mask = torch.zeros(3, 16, dtype=torch.bool)
+    mask[:, :9] = True
+    out = static_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask.repeat(2, 1))
+    assert out.dtype == torch.bfloat16 and out.shape == (1, 4, 3, 8)
+    torch.testing.assert_close(out.float(), _naive(q, k, v, mask), rtol=0, atol=5e-2)

@@ -16,10 +16,11 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specctl.engine.kv_cache import KVCache
-from specctl_kernels import causal_mask, static_attention
+from specctl_kernels import static_attention
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -56,9 +57,19 @@ def step_mask(size: int, n: int, length: int, slots: int, trash: int, mask: torc
     """[size, slots] bool: real row i sees what ``mask`` row i says over the cache's first
     length + n slots (None = causal); padding rows see only the trash slot."""
     full = torch.zeros(size, slots, dtype=torch.bool)
-    full[:n, : length + n] = causal_mask(n, length + n) if mask is None else mask.cpu()
-    full[n:, trash] = True
+    fill_step_mask(full.numpy(), n, length, trash, mask)
     return full
+
+
+def fill_step_mask(full: np.ndarray, n: int, length: int, trash: int, mask: torch.Tensor | None) -> None:
+    """``step_mask`` written in place into ``full`` [size, slots] (a step's host staging buffer)."""
+    full[:] = False
+    if mask is None:
+        full[:n, :length] = True
+        full[:n, length : length + n] = np.tri(n, dtype=bool)
+    else:
+        full[:n, : length + n] = mask.cpu().numpy()
+    full[n:, trash] = True
 
 
 class StepGraph:
@@ -68,9 +79,16 @@ class StepGraph:
     def __init__(self, decoder, cache: KVCache, size: int, pool=None, warm: bool = True) -> None:
         device = decoder.device
         self.decoder, self.cache, self.size = decoder, cache, size
-        self.ids = torch.zeros(size, dtype=torch.long, device=device)
-        self.positions = torch.zeros(size, dtype=torch.long, device=device)
-        self.write_at = torch.full((size,), cache.trash, dtype=torch.long, device=device)
+        pinned = device.type == "cuda"
+        # A step's inputs are written in place into pinned host buffers and sent in two
+        # asynchronous copies: building them as new tensors and sending them in five pageable
+        # (blocking) copies cost ~0.7 ms a step on an H100, beside a 1.5B graph's 2.3 ms.
+        self.host_index = torch.zeros(3, size, dtype=torch.long, pin_memory=pinned)  # ids, positions, write_at
+        self.host_mask = torch.zeros(size, cache.slots, dtype=torch.bool, pin_memory=pinned)
+        self.sent = torch.cuda.Event() if pinned else None
+        # The device buffers hold a padding-only step (writes go to the trash slot) until the first run.
+        self.index = torch.zeros(3, size, dtype=torch.long, device=device)
+        self.index[2] = cache.trash
         self.mask = step_mask(size, 0, 0, cache.slots, cache.trash, None).to(device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
@@ -79,11 +97,10 @@ class StepGraph:
 
     def _body(self) -> torch.Tensor:
         groups = self.decoder.spec.num_heads // self.decoder.spec.num_kv_heads
-        segment = StaticSegment(self.cache, self.write_at, self.mask.repeat(groups, 1))
-        return self.decoder.static_forward(self.ids, self.positions, segment)
+        segment = StaticSegment(self.cache, self.index[2], self.mask.repeat(groups, 1))
+        return self.decoder.static_forward(self.index[0], self.index[1], segment)
 
     def _capture(self, pool, warm: bool) -> None:
-        # The buffers hold a padding-only step (writes go to the trash slot) while warming up.
         if warm:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -99,24 +116,27 @@ class StepGraph:
     def run(self, inputs: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
             logits_at: torch.Tensor | None) -> torch.Tensor:
         n, length, cache = inputs.shape[0], self.cache.length, self.cache
-        ids = torch.zeros(self.size, dtype=torch.long)
-        ids[:n] = inputs.cpu()
-        pos = torch.zeros(self.size, dtype=torch.long)
-        pos[:n] = positions.cpu()
-        write_at = torch.full((self.size,), cache.trash, dtype=torch.long)
-        write_at[:n] = torch.arange(length, length + n)
-        self.ids.copy_(ids)
-        self.positions.copy_(pos)
-        self.write_at.copy_(write_at)
-        self.mask.copy_(step_mask(self.size, n, length, cache.slots, cache.trash, mask))
+        if self.sent is not None:
+            self.sent.synchronize()  # the last step's copies have left the staging buffers
+        index = self.host_index.numpy()
+        index[:2] = 0
+        index[0, :n] = inputs.cpu().numpy()
+        index[1, :n] = positions.cpu().numpy()
+        index[2] = cache.trash
+        index[2, :n] = np.arange(length, length + n)
+        fill_step_mask(self.host_mask.numpy(), n, length, cache.trash, mask)
+        self.index.copy_(self.host_index, non_blocking=True)
+        self.mask.copy_(self.host_mask, non_blocking=True)
+        if self.sent is not None:
+            self.sent.record()
         if self.graph is not None:
             self.graph.replay()
             out = self.out
         else:
             out = self._body()
         cache.commit(n)
-        rows = torch.arange(n) if logits_at is None else logits_at.cpu()
-        return out[rows.to(out.device)]
+        # A copy: the graph's output buffer is overwritten by the next replay.
+        return out[:n].clone() if logits_at is None else out[logits_at.to(out.device)]
 
 
 class StaticRunner:
