@@ -66,8 +66,10 @@ class KVCache:
         self.released = True  # until the reservation succeeds, there is nothing to give back
         if pool is not None:
             pool.reserve(self.nbytes)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Keys and values in one buffer [layers, 2, 1, kv_heads, slots, head_dim]: a static step
+        # writes both of a layer in one kernel (``k`` and ``v`` are views of it).
+        self.kv = torch.zeros((num_layers, 2, *shape[1:]), dtype=dtype, device=device)
+        self.k, self.v = self.kv[:, 0], self.kv[:, 1]
         self.steps: dict = {}  # bucket -> engine.static.StepGraph (its CUDA graph bakes in k and v)
         self.capacity = capacity
         self.length = 0
@@ -138,7 +140,7 @@ class KVCache:
             if self.pool is not None:
                 self.pool.release(self.nbytes)
             self.steps = {}
-            self.k = self.v = torch.empty(0)
+            self.kv = self.k = self.v = torch.empty(0)
             self.length = self.capacity = 0
 
     def __del__(self) -> None:  # a dropped session must give its budget back

@@ -88,7 +88,7 @@ class Attention(nn.Module):
         v = v.reshape(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if isinstance(segments, StaticSegment):
-            out = segments.attend(layer, q, k, v)
+            out = segments.attend(layer, q, torch.stack((k[0], v[0])))
         elif len(segments.caches) == 1:
             keys, values = segments.caches[0].write(layer, k, v)
             out = self.attend(q, keys, values, segments.masks[0])
@@ -119,25 +119,28 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-def before_attention(x, norm_weight, eps: float, qkv_weight, qkv_bias, cos, sin, heads: int, kv_heads: int,
-                     head_dim: int):
+def before_attention(h, qkv_weight, qkv_bias, cos, sin, heads: int, kv_heads: int, head_dim: int):
     """A static step's layer up to attention, on plain tensors (so one compiled function serves
-    every layer): norm, fused q/k/v projection, RoPE. Returns q [1, H, M, D], k and v [1, Hkv, M, D]."""
-    b, n, _ = x.shape
-    qkv = F.linear(rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias)
-    q, k, v = qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
-    q = q.reshape(b, n, heads, head_dim).transpose(1, 2)
-    k = k.reshape(b, n, kv_heads, head_dim).transpose(1, 2)
-    v = v.reshape(b, n, kv_heads, head_dim).transpose(1, 2)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    every layer), from the normed input h: fused q/k/v projection, RoPE on q and k together.
+    Returns q [1, H, M, D] and kv [2, Hkv, M, D] (keys and values, as the cache stores them)."""
+    b, n, _ = h.shape
+    qkv = F.linear(h, qkv_weight, qkv_bias)
+    qk, v = qkv.split(((heads + kv_heads) * head_dim, kv_heads * head_dim), dim=-1)
+    qk = apply_rope(qk.reshape(b, n, heads + kv_heads, head_dim).transpose(1, 2), cos, sin)
+    q, k = qk.split((heads, kv_heads), dim=1)
+    return q, torch.stack((k[0], v.reshape(n, kv_heads, head_dim).transpose(0, 1)))
 
 
-def after_attention(x, attn, o_weight, norm_weight, eps: float, gate_up_weight, gate_up_bias, down_weight, down_bias):
-    """The rest of a static step's layer: output projection, residual, norm, fused gate/up MLP, residual."""
+def after_attention(x, attn, o_weight, norm_weight, eps: float, gate_up_weight, gate_up_bias, down_weight, down_bias,
+                    next_norm_weight):
+    """The rest of a static step's layer: output projection, residual, norm, fused gate/up MLP,
+    residual; and the next layer's input norm (or the final norm), so that the residual add and
+    that norm run as one kernel. Returns (x, next layer's normed input)."""
     b, heads, n, head_dim = attn.shape
     x = x + F.linear(attn.transpose(1, 2).reshape(b, n, heads * head_dim), o_weight)
     gate, up = F.linear(rms_norm(x, norm_weight, eps), gate_up_weight, gate_up_bias).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, down_weight, down_bias)
+    x = x + F.linear(F.silu(gate) * up, down_weight, down_bias)
+    return x, rms_norm(x, next_norm_weight, eps)
 
 
 class DecoderLayer(nn.Module):
@@ -152,16 +155,18 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def static_step(self, x, cos, sin, segment: StaticSegment, layer: int, before=before_attention,
-                    attend=static_attention, after=after_attention) -> torch.Tensor:
+    def static_step(self, x, h, cos, sin, segment: StaticSegment, layer: int, next_norm: RMSNorm,
+                    before=before_attention, attend=static_attention, after=after_attention):
         """The layer on a static step through three functions of plain tensors (each may be its
-        torch.compile'd version); needs fused projections."""
+        torch.compile'd version), from x and its normed h; needs fused projections. Returns
+        (x, h) for the next layer, h normed by ``next_norm`` (the next layer's, or the final one)."""
         attn, mlp = self.self_attn, self.mlp
-        q, k, v = before(x, self.input_layernorm.weight, self.input_layernorm.eps, attn.qkv_proj.weight,
-                         attn.qkv_proj.bias, cos, sin, attn.num_heads, attn.num_kv_heads, attn.head_dim)
-        out = segment.attend(layer, q, k, v, attend)
+        q, kv = before(h, attn.qkv_proj.weight, attn.qkv_proj.bias, cos, sin, attn.num_heads, attn.num_kv_heads,
+                       attn.head_dim)
+        out = segment.attend(layer, q, kv, attend)
         return after(x, out, attn.o_proj.weight, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps,
-                     mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias)
+                     mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias,
+                     next_norm.weight)
 
     @property
     def fused(self) -> bool:

@@ -164,9 +164,15 @@ class Decoder(nn.Module):
         x = self.embed_tokens(ids).unsqueeze(0)
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scaling, positions, x.dtype)
         pieces = self.static.pieces if self.static is not None else None
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, segment, i) if pieces is None else layer.static_step(x, cos, sin, segment, i, *pieces)
-        return self.lm_head(self.norm(x[0])).float()
+        if pieces is None:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, segment, i)
+            return self.lm_head(self.norm(x[0])).float()
+        h = self.layers[0].input_layernorm(x)
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for i, (layer, next_norm) in enumerate(zip(self.layers, norms)):
+            x, h = layer.static_step(x, h, cos, sin, segment, i, next_norm, *pieces)
+        return self.lm_head(h[0]).float()
 
     def _run(self, inputs: torch.Tensor, positions: torch.Tensor, segments: Segments, logits_at) -> torch.Tensor:
         if not self.step_floor_s:

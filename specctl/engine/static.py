@@ -45,11 +45,10 @@ class StaticSegment:
     write_at: torch.Tensor  # [M] cache slot each row's K/V goes to
     mask: torch.Tensor  # [G*M, slots] bool: row (g, m) = mask of row m (queries grouped per KV head)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               attention=static_attention) -> torch.Tensor:
-        """Write this step's K/V [1, Hkv, M, D] into the layer's buffer, then attend over all of it."""
-        self.cache.k[layer, 0].index_copy_(1, self.write_at, k[0])
-        self.cache.v[layer, 0].index_copy_(1, self.write_at, v[0])
+    def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor, attention=static_attention) -> torch.Tensor:
+        """Write this step's keys and values kv [2, Hkv, M, D] into the layer's buffer (one
+        kernel), then attend with q [1, H, M, D] over all of it."""
+        self.cache.kv[layer, :, 0].index_copy_(2, self.write_at, kv)
         return attention(q, self.cache.k[layer], self.cache.v[layer], self.mask)
 
 

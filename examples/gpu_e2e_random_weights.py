@@ -1,0 +1,84 @@
+"""GPU end to end (run on a lent H100, 2026-11-25; docs/results/gpu-e2e-h100-2026-11-25.json):
+random weights of the Qwen2.5 1.5B/0.5B shapes, bf16, CUDA graphs + compiled layers; AR vs
+chain/tree/n-gram speculation, tokens/s min/median/max over 4 prompts, same-as-AR.
+
+Random weights accept nothing from another random model, and greedy decoding of them
+degenerates into repeating a token (so n-gram lookup hits); "self" drafts with the target
+itself (every token accepted), "exit@N" with its first N layers.
+Usage: python examples/gpu_e2e_random_weights.py [TOKENS]  (needs CUDA; writes $OUT/e2e.json)."""
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from specctl.bench.kernels import random_decoder, shape_config
+from specctl.engine.layers import fuse_projections
+from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
+from specctl.spec.rounds import generate
+from specctl.spec.sampling import SamplingParams
+
+OUT = os.environ.get("OUT", "/tmp")
+torch.manual_seed(0)
+
+
+def build(shape):
+    dec = random_decoder(shape_config(shape), torch.bfloat16, "cuda")
+    fuse_projections(dec)
+    return dec
+
+
+def main():
+    n_tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 128
+    target = build("1.5b").use_static_steps(graphs=True, compile=True)
+    draft = build("0.5b").use_static_steps(graphs=True, compile=True)
+    exits = {}
+    for n in (2, 4):
+        exits[n] = target.part((0, n), embed=True, head=True).use_static_steps(graphs=True, compile=True)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 150000, (length,), generator=gen).tolist() for length in (40, 200, 90, 400)]
+    params = SamplingParams(max_tokens=n_tokens, ignore_eos=True)
+    modes = {
+        "ar": lambda: None,
+        "chain 0.5b d4": lambda: ModelChainDrafter(draft, 4),
+        "chain self d4": lambda: ModelChainDrafter(target, 4),
+        "ngram d8": lambda: NgramDrafter(8),
+        "chain exit@2 d4": lambda: ModelChainDrafter(exits[2], 4),
+        "chain exit@4 d4": lambda: ModelChainDrafter(exits[4], 4),
+        "tree exit@4 4x2x4": lambda: ModelTreeDrafter(exits[4], 4, 2, 4),
+        "tree self 4x2x4": lambda: ModelTreeDrafter(target, 4, 2, 4),
+    }
+    # warm every mode once (compiles and captures of every bucket)
+    for make in modes.values():
+        generate(target, prompts[0][:30], SamplingParams(max_tokens=24, ignore_eos=True), make())
+    results, reference = {}, {}
+    for name, make in modes.items():
+        rates, same, accepted, drafts = [], 0, 0, 0
+        for i, prompt in enumerate(prompts):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            out, stats, _ = generate(target, prompt, params, make())
+            wall = time.perf_counter() - start
+            rates.append(len(out) / wall)
+            if name == "ar":
+                reference[i] = out
+            same += out == reference[i]
+            accepted += stats.accepted
+            drafts += stats.drafts
+        mal = 1 + accepted / drafts if drafts else 1.0
+        results[name] = {"tok_s": [round(min(rates), 1), round(statistics.median(rates), 1), round(max(rates), 1)],
+                         "mean_accepted_length": round(mal, 2), "same_as_ar": f"{same}/{len(prompts)}"}
+        print(f"{name:18s} tok/s {results[name]['tok_s']}  MAL {mal:.2f}  same as ar {same}/{len(prompts)}",
+              flush=True)
+    ar = results["ar"]["tok_s"][1]
+    for name, r in results.items():
+        r["median_vs_ar"] = round(r["tok_s"][1] / ar, 2)
+    with open(f"{OUT}/e2e.json", "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "tokens": n_tokens, "prompts": [len(p) for p in prompts],
+                   "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
