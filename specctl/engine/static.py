@@ -134,8 +134,14 @@ class StepGraph:
         else:
             out = self._body()
         cache.commit(n)
-        # A copy: the graph's output buffer is overwritten by the next replay.
-        return out[:n].clone() if logits_at is None else out[logits_at.to(out.device)]
+        # A copy: the graph's output buffer is overwritten by the next replay. Rows in a run are
+        # sliced: a row index sent to the device would be a blocking copy (a second host sync
+        # in every draft step).
+        rows = list(range(n)) if logits_at is None else logits_at.tolist()
+        first = rows[0] if rows else 0
+        if rows == list(range(first, first + len(rows))):
+            return out[first : first + len(rows)].clone()
+        return out[torch.tensor(rows, device=out.device)]
 
 
 class StaticRunner:

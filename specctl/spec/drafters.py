@@ -222,13 +222,13 @@ def propose_chains(sessions: list["_ChainSession"], seqs: list[list[int]], param
     for i in range(depth):
         for rows, b in zip(logits, live):
             tokens, probs, dists = drafts[b]
-            q = probs_from_logits(rows[0], _draft_params(params[b]))
-            if not params[b].greedy:
-                q = keep_top(q, DRAFT_SUPPORT)
-                if sessions[b].reshape is not None:
-                    q = sessions[b].reshape(i, q)
+            # greedy: no q is built (the proposal carries none; its one-hot would cost two
+            # vocabulary-sized kernels a step)
+            q = None if params[b].greedy else keep_top(probs_from_logits(rows[0], params[b]), DRAFT_SUPPORT)
+            if q is not None and sessions[b].reshape is not None:
+                q = sessions[b].reshape(i, q)
             ranked[b].append(ranked_candidates(rows[0]))
-            chosen = q.argmax() if params[b].greedy else sample_tensor(q, generators[b])
+            chosen = rows[0].float().argmax() if params[b].greedy else sample_tensor(q, generators[b])
             # How likely the draft finds its token (greedy: its softmax at T = 1, as q is one-hot;
             # sampled: q), read back with the token in one device sync. It is the node's
             # probability in the tree: adaptive depth and routing among drafters use it.
