@@ -5,7 +5,7 @@ chain/tree/n-gram speculation, tokens/s min/median/max over 4 prompts, same-as-A
 Random weights accept nothing from another random model, and greedy decoding of them
 degenerates into repeating a token (so n-gram lookup hits); "self" drafts with the target
 itself (every token accepted), "exit@N" with its first N layers.
-Usage: python examples/gpu_e2e_random_weights.py [TOKENS [MODE,MODE...]]  (needs CUDA; writes $OUT/e2e.json)."""
+Usage: python examples/gpu_e2e_random_weights.py [TOKENS]  (needs CUDA; writes $OUT/e2e.json)."""
 import json
 import os
 import statistics
@@ -16,7 +16,6 @@ import torch
 
 from specctl.bench.kernels import random_decoder, shape_config
 from specctl.engine.layers import fuse_projections
-from specctl.spec import drafters
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.spec.rounds import generate
 from specctl.spec.sampling import SamplingParams
@@ -44,25 +43,18 @@ def main():
     modes = {
         "ar": lambda: None,
         "chain 0.5b d4": lambda: ModelChainDrafter(draft, 4),
-        "chain 0.5b d4 (steps)": lambda: ModelChainDrafter(draft, 4),
         "chain self d4": lambda: ModelChainDrafter(target, 4),
         "ngram d8": lambda: NgramDrafter(8),
         "chain exit@2 d4": lambda: ModelChainDrafter(exits[2], 4),
-        "chain exit@2 d4 (steps)": lambda: ModelChainDrafter(exits[2], 4),
         "chain exit@4 d4": lambda: ModelChainDrafter(exits[4], 4),
         "tree exit@4 4x2x4": lambda: ModelTreeDrafter(exits[4], 4, 2, 4),
         "tree self 4x2x4": lambda: ModelTreeDrafter(target, 4, 2, 4),
     }
-    if len(sys.argv) > 2:  # a comma-separated subset of the modes (ar always runs)
-        modes = {name: make for name, make in modes.items() if name == "ar" or name in sys.argv[2].split(",")}
     # warm every mode once (compiles and captures of every bucket)
-    for name, make in modes.items():
-        drafters.CHAIN_GRAPHS = not name.endswith("(steps)")
+    for make in modes.values():
         generate(target, prompts[0][:30], SamplingParams(max_tokens=24, ignore_eos=True), make())
     results, reference = {}, {}
     for name, make in modes.items():
-        # "(steps)": the greedy chain drafted step by step instead of as one CUDA graph
-        drafters.CHAIN_GRAPHS = not name.endswith("(steps)")
         rates, same, accepted, drafts = [], 0, 0, 0
         for i, prompt in enumerate(prompts):
             torch.cuda.synchronize()

@@ -88,32 +88,6 @@ def test_bf16_speculative_equals_bf16_ar(tiny_dir):
             assert generate(target, prompt, params, drafter)[0] == reference, f"bf16 {mode} diverged on {prompt}"
 
 
-def test_a_greedy_chain_as_one_cuda_graph_equals_the_step_by_step_chain(tiny_dir, monkeypatch):
-    from specctl.spec import drafters
-
-    target, draft = _cuda(tiny_dir["qwen2"], torch.bfloat16), _cuda(tiny_dir["qwen2-draft"], torch.bfloat16)
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
-    propose, captured = drafters._propose_by_chain_graph, []
-
-    def spy(session, seq, rows):
-        proposal = propose(session, seq, rows)
-        captured.append(session.cache.steps[("chain", 4, drafters.RANKED)].graph is not None)
-        return proposal
-
-    monkeypatch.setattr(drafters, "_propose_by_chain_graph", spy)
-    runs = {}
-    for chain_graphs in (True, False):
-        monkeypatch.setattr(drafters, "CHAIN_GRAPHS", chain_graphs)
-        runs[chain_graphs] = [generate(target, p, params, ModelChainDrafter(draft, 5, stop=0.2))[:2] for p in PROMPTS]
-        if chain_graphs:
-            assert captured and all(captured)  # every proposal drafted by a captured CUDA graph
-            captured.clear()
-    assert not captured
-    for prompt, (graph_out, graph_stats), (step_out, step_stats) in zip(PROMPTS, runs[True], runs[False]):
-        assert graph_out == step_out == generate(target, prompt, params)[0]
-        assert (graph_stats.drafted, graph_stats.accepted) == (step_stats.drafted, step_stats.accepted)
-
-
 def test_tree_growth_and_sampling_take_cuda_probabilities():
     probs = torch.tensor([[0.1, 0.6, 0.3, 0.0]], device="cuda")
     tree = TokenTree.root(3).grow(torch.tensor([0]), probs, topk=2, width=2)

@@ -104,27 +104,3 @@ def test_fuse_projections_is_idempotent_and_exact(tiny, tiny_dir):
     ids = torch.tensor(PROMPTS[1])
     expected = tiny["qwen2"](ids, torch.arange(ids.numel()), tiny["qwen2"].new_cache(64))
     torch.testing.assert_close(fused(ids, torch.arange(ids.numel()), fused.new_cache(64)), expected, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("stop", [0.0, 0.3])
-def test_a_greedy_chain_drafted_as_one_graph_equals_the_step_by_step_chain(static_pair, monkeypatch, stop):
-    from specctl.spec import drafters
-
-    _, draft = static_pair
-    seen = []
-    for chain_graphs in (True, False):
-        monkeypatch.setattr(drafters, "CHAIN_GRAPHS", chain_graphs)
-        session = ModelChainDrafter(draft, 5, stop=stop).open(128)
-        seq, runs = PROMPTS[1][:20], []
-        for _ in range(4):
-            proposal = session.propose(seq, SamplingParams(max_tokens=8), None)
-            tokens = proposal.tree.tokens.tolist()
-            runs.append((tokens, proposal.tree.probs.tolist(), proposal.ranked.tolist(), session.cache.length))
-            session.on_verified([1])  # x_1 accepted, then a bonus token 7
-            seq = seq + [tokens[1], 7]
-        seen.append(runs)
-        assert (("chain", 4, 16) in session.cache.steps) == chain_graphs
-        session.close()
-    assert seen[0] == seen[1]  # tokens, probabilities, ranked candidates and the cache's length
-    if stop:
-        assert any(len(tokens) < 6 for tokens, *_ in seen[0])  # the stop cut a chain short

@@ -10,7 +10,6 @@ import time
 import torch
 from torch import nn
 
-from specctl.engine.chain_graph import draft_chain
 from specctl.engine.kv_cache import KVCache, KVPool
 from specctl.engine.layers import DecoderLayer, RMSNorm, Segments, rope_cos_sin
 from specctl.engine.spec import ModelSpec
@@ -121,17 +120,6 @@ class Decoder(nn.Module):
             if mask is not None:
                 mask = mask.to(self.device)
             return self._run(inputs, positions, Segments([(0, n)], [cache], [mask]), logits_at)
-
-    @torch.inference_mode()
-    def draft_greedy_chain(self, first: torch.Tensor, cache: KVCache, steps: int, ranked: int):
-        """After a forward whose argmax is ``first`` (a device scalar, not read back): feed it,
-        then each greedy token after it, ``steps`` one-token steps in one CUDA graph (static
-        steps needed). Returns device tensors: the ``steps`` tokens drafted after ``first``,
-        their probabilities under the draft (softmax at T = 1) and each step's ``ranked``
-        likeliest tokens [steps, ranked]. The cache then holds ``first`` and all but the last
-        of those tokens (``steps`` more positions)."""
-        with self._device_lock():
-            return draft_chain(self.static, cache, first, steps, ranked)
 
     def _device_lock(self):
         return CUDA_LOCK if self.device.type == "cuda" else contextlib.nullcontext()

@@ -215,8 +215,6 @@ def propose_chains(sessions: list["_ChainSession"], seqs: list[list[int]], param
     decoder, depth, stop = sessions[0].decoder, sessions[0].depth, sessions[0].stop
     caches = [s.cache for s in sessions]
     logits = _catch_up_many(sessions, seqs)
-    if _chain_graph_fits(sessions, params):
-        return [_propose_by_chain_graph(sessions[0], seqs[0], logits[0])]
     drafts: list[tuple[list[int], list[float], list[torch.Tensor]]] = [([], [], []) for _ in sessions]
     ranked: list[list[torch.Tensor]] = [[] for _ in sessions]
     reach = [1.0] * len(sessions)
@@ -254,36 +252,6 @@ def propose_chains(sessions: list["_ChainSession"], seqs: list[list[int]], param
         Proposal(TokenTree.chain(seq[-1], tokens, probs), None if p.greedy else torch.stack(dists), torch.stack(ranks))
         for seq, p, (tokens, probs, dists), ranks in zip(seqs, params, drafts, ranked)
     ]
-
-
-CHAIN_GRAPHS = True  # a greedy single-session chain on static steps drafts as one CUDA graph (tests turn it off)
-
-
-def _chain_graph_fits(sessions: list["_ChainSession"], params: list[SamplingParams]) -> bool:
-    session = sessions[0]
-    return (CHAIN_GRAPHS and len(sessions) == 1 and params[0].greedy and session.reshape is None
-            and session.depth > 1 and session.decoder.static is not None and not session.decoder.step_floor_s
-            and session.cache.length + session.depth - 1 <= session.cache.capacity)
-
-
-def _propose_by_chain_graph(session: "_ChainSession", seq: list[int], rows: torch.Tensor) -> Proposal:
-    """``propose_chains`` for one greedy session, its d - 1 steps as one graph and one read-back
-    (engine/chain_graph.py); the same tokens, probabilities, candidates and cache state."""
-    first = rows[0].float().argmax()
-    first_likely = rows[0].float().softmax(-1)[first]
-    tokens, likely, ranked = session.decoder.draft_greedy_chain(first, session.cache, session.depth - 1, RANKED)
-    xs, ps = torch.stack([torch.cat([first.view(1), tokens]).double(),
-                          torch.cat([first_likely.view(1), likely]).double()]).tolist()
-    keep, reach = len(xs), 1.0
-    for i, p_x in enumerate(ps):
-        reach *= p_x
-        if session.stop and reach < session.stop:  # the chain ends after this token
-            keep = i + 1
-            break
-    # As if drafted step by step: the cache holds the text and the first keep - 1 tokens.
-    session.cache.truncate(len(seq) + keep - 1)
-    ranks = torch.cat([ranked_candidates(rows[0]).unsqueeze(0), ranked])[:keep]
-    return Proposal(TokenTree.chain(seq[-1], [checked_token(int(x)) for x in xs[:keep]], ps[:keep]), None, ranks)
 
 
 def propose_trees(sessions: list["_TreeSession"], seqs: list[list[int]], params: list[SamplingParams],
