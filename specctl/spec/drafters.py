@@ -163,7 +163,10 @@ class _TreeSession(_ModelDraftSession):
 
 class NgramDrafter(Drafter):
     """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens
-    (n from max_ngram down to min_ngram) and propose the tokens that followed it."""
+    (n from max_ngram down to min_ngram) that is followed by ``depth`` tokens, and propose
+    them; failing that, the occurrence followed by the most tokens (the latest of those).
+    The latest occurrence alone falls short in a loop: in "x x x x" the latest "x x x" is
+    followed by one token, while the text repeats for as long as it loops."""
 
     name = "ngram"
     free = True  # a lookup in the text
@@ -175,12 +178,16 @@ class NgramDrafter(Drafter):
     def lookup(self, seq: list[int]) -> list[int]:
         n_seq = len(seq)
         for n in range(min(self.max_ngram, n_seq - 1), self.min_ngram - 1, -1):
-            pattern = seq[n_seq - n :]
+            pattern, longest = seq[n_seq - n :], []
             for start in range(n_seq - n - 1, -1, -1):
                 if seq[start : start + n] == pattern:
                     follow = seq[start + n : start + n + self.depth]
-                    if follow:
+                    if len(follow) == self.depth:
                         return follow
+                    if len(follow) > len(longest):
+                        longest = follow
+            if longest:
+                return longest
         return []
 
     def open(self, capacity: int, pool: KVPool | None = None) -> DraftSession:
