@@ -8,7 +8,10 @@ from specctl.config import Config
 from specctl.engine.loader import load_decoder
 from specctl.engine.quant import quantize_decoder
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
-from specctl.engine.rows import candidate, decoder_rows_independent, linear_rows_independent
+from specctl.engine import rows
+from specctl.engine.rows import (
+    PairedRowLinear, candidate, decoder_row_mode, decoder_rows_independent, linear_rows_independent, pair_single_rows,
+)
 from specctl.spec.rounds import generate
 from specctl.spec.sampling import SamplingParams
 from specctl_kernels import row_exact, tree_attention
@@ -103,11 +106,48 @@ def _target(tiny_dir, kind: str):
 
 def _row_exact_target(tiny_dir, kind: str):
     """The target as load_named(target=True) makes it; bf16 exactness needs this CPU's bf16
-    matmuls to be row-independent (the load-time probe), int8 has it by construction."""
+    matmuls to be row-independent, alone or with one-row products paired (the load-time
+    probe), int8 has it by construction."""
     target = _target(tiny_dir, kind)
-    if not decoder_rows_independent(target, "int8" if kind == "int8" else "none"):
+    mode = decoder_row_mode(target, "int8" if kind == "int8" else "none")
+    if mode is None:
         pytest.skip(f"{kind} matmuls are not row-independent on this CPU: row-exact attention stays off here")
+    if mode == "pairs":
+        pair_single_rows(target)
     return target.use_row_exact_attention()
+
+
+class OneRowOff(torch.nn.Linear):
+    """A layer whose one-row products take another kernel (a CPU's matrix-vector path), 1e-3 off."""
+
+    def forward(self, x):
+        return super().forward(x) + (1e-3 if x.numel() == x.shape[-1] else 0.0)
+
+
+def test_the_probe_tells_a_layer_exact_in_pairs_from_one_exact_alone():
+    layer = OneRowOff(16, 8)
+    assert not linear_rows_independent(layer) and linear_rows_independent(layer, rows=2)
+
+    class Mixing(torch.nn.Linear):  # each row's output depends on the other rows: not even in pairs
+        def forward(self, x):
+            return super().forward(x) + x.mean(0, keepdim=True)[..., : self.out_features]
+
+    assert not linear_rows_independent(Mixing(16, 8), rows=2)
+
+
+def test_pairing_computes_a_one_row_product_as_a_pair_and_shares_the_weights(monkeypatch):
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4, bias=False))
+    weights = [model[0].weight, model[0].bias, model[1].weight]
+    pair_single_rows(model)
+    assert [type(m) for m in model] == [PairedRowLinear, PairedRowLinear]
+    assert [model[0].weight, model[0].bias, model[1].weight] == weights and model[1].bias is None
+    linear, shapes = torch.nn.functional.linear, []
+    monkeypatch.setattr(rows.F, "linear", lambda x, w, b=None: shapes.append(tuple(x.shape)) or linear(x, w, b))
+    x = torch.randn(3, 16)
+    one = model[0](x[:1].reshape(1, 1, 16))
+    assert shapes == [(2, 16)] and one.shape == (1, 1, 8)
+    assert torch.equal(one.reshape(8), linear(x[:1].repeat(2, 1), *weights[:2])[0])
+    assert torch.equal(model[0](x), linear(x, *weights[:2])) and shapes[-1] == (3, 16)
 
 
 @pytest.mark.parametrize("kind", ["bf16", "int8"])

@@ -49,9 +49,12 @@ def load_named(name: str, config: Config, console: Console | None = None, quant:
         model = load_model(name, path, "stored" if quant == "int8" else dtype, num_layers=layers,
                            device=config.device, backend=config.attention_backend, stage=stage)
         model.decoder = quantize_decoder(model.decoder, quant)
-        if target and config.row_exact_attention and rows.candidate(config.device, dtype, quant) \
-                and rows.decoder_rows_independent(model.decoder, quant):
-            model.decoder.use_row_exact_attention()
+        if target and config.row_exact_attention and rows.candidate(config.device, dtype, quant):
+            mode = rows.decoder_row_mode(model.decoder, quant)
+            if mode == "pairs":
+                rows.pair_single_rows(model.decoder)
+            if mode is not None:
+                model.decoder.use_row_exact_attention()
         if model.decoder.device.type == "cuda":
             fuse_projections(model.decoder)
             if stage is None and config.cuda_graphs:
