@@ -10,7 +10,7 @@ from specctl.engine.quant import quantize_decoder
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.engine import rows
 from specctl.engine.rows import (
-    PairedRowLinear, candidate, decoder_row_mode, decoder_rows_independent, linear_rows_independent, pair_single_rows,
+    PairedRowLinear, candidate, decoder_row_mode, linear_rows_independent, pair_single_rows,
 )
 from specctl.spec.rounds import generate
 from specctl.spec.sampling import SamplingParams
@@ -78,7 +78,7 @@ def test_row_exact_is_a_candidate_only_where_linear_layers_can_be_row_independen
 
 
 def test_the_probe_finds_int8_row_independent_and_a_row_mixing_layer_not(tiny_dir):
-    assert decoder_rows_independent(_target(tiny_dir, "int8"), "int8")
+    assert decoder_row_mode(_target(tiny_dir, "int8"), "int8") == "alone"
 
     class Mixing(torch.nn.Linear):  # each row's output depends on the whole batch
         def forward(self, x):

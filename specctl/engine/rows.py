@@ -68,11 +68,6 @@ def decoder_row_mode(decoder: nn.Module, quant: str) -> RowMode:
     return None
 
 
-def decoder_rows_independent(decoder: nn.Module, quant: str) -> bool:
-    """Row-independent as the layers are (no pairing)."""
-    return decoder_row_mode(decoder, quant) == "alone"
-
-
 class PairedRowLinear(nn.Linear):
     """A linear layer whose one-row products are computed as two rows (the row twice), so a
     decode step's row gets the bits a verification forward gives it among other rows."""

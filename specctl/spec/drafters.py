@@ -229,17 +229,21 @@ def propose_chains(sessions: list["_ChainSession"], seqs: list[list[int]], param
     for i in range(depth):
         for rows, b in zip(logits, live):
             tokens, probs, dists = drafts[b]
-            # greedy: no q is built (the proposal carries none; its one-hot would cost two
-            # vocabulary-sized kernels a step)
-            q = None if params[b].greedy else keep_top(probs_from_logits(rows[0], params[b]), DRAFT_SUPPORT)
-            if q is not None and sessions[b].reshape is not None:
-                q = sessions[b].reshape(i, q)
             ranked[b].append(ranked_candidates(rows[0]))
-            chosen = rows[0].float().argmax() if params[b].greedy else sample_tensor(q, generators[b])
-            # How likely the draft finds its token (greedy: its softmax at T = 1, as q is one-hot;
-            # sampled: q), read back with the token in one device sync. It is the node's
-            # probability in the tree: adaptive depth and routing among drafters use it.
-            likely = rows[0].float().softmax(-1)[chosen] if params[b].greedy else q[chosen]
+            # How likely the draft finds its token (greedy: its softmax at T = 1; sampled: q) is
+            # read back with the token in one device sync. It is the node's probability in the
+            # tree: adaptive depth and routing among drafters use it.
+            if params[b].greedy:
+                # no q: the proposal carries none (a one-hot q cost two vocabulary-sized kernels a step)
+                q, logit_row = None, rows[0].float()
+                chosen = logit_row.argmax()
+                likely = logit_row.softmax(-1)[chosen]
+            else:
+                q = keep_top(probs_from_logits(rows[0], params[b]), DRAFT_SUPPORT)
+                if sessions[b].reshape is not None:
+                    q = sessions[b].reshape(i, q)
+                chosen = sample_tensor(q, generators[b])
+                likely = q[chosen]
             x, p_x = torch.stack([chosen.double(), likely.double()]).tolist()
             x = checked_token(int(x))
             tokens.append(x)
