@@ -100,3 +100,18 @@ def test_an_emulated_step_floor_pads_every_forward_and_changes_no_logit(tiny, mo
     assert len(slept) == 2 and all(0 < s <= 30.0 for s in slept)  # one per forward, the compute inside the floor
     for a, b in zip(plain, floored):
         assert torch.equal(a, b)
+
+
+def test_an_emulated_step_floor_pads_static_steps_too(tiny_dir, monkeypatch):
+    """The floor also pads a step that runs padded to a bucket (engine.static: CUDA graphs on a GPU)."""
+    from specctl.runtime import compute
+
+    decoder = load_decoder(tiny_dir["qwen2"]).use_static_steps(graphs=False)
+    slept: list[float] = []
+    monkeypatch.setattr(compute.time, "sleep", slept.append)
+    cache = decoder.new_cache(16)
+    decoder(torch.tensor([5, 9, 13, 2]), torch.arange(4), cache)
+    assert slept == []
+    decoder.step_floor_s = 30.0
+    decoder(torch.tensor([7]), torch.tensor([4]), cache)
+    assert len(slept) == 1 and 0 < slept[0] <= 30.0

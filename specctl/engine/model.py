@@ -38,7 +38,7 @@ class Decoder(nn.Module):
         inv_freq, self.rope_scaling = spec.inv_freq()
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.static: StaticRunner | None = None
-        # Benchmarks only (`specctl draft --step-time-ms`): every eager forward takes at least this
+        # Benchmarks only (`specctl draft --step-time-ms`): every forward (eager or static) takes at least this
         # long, its compute inside — a device whose step time does not grow with its rows, as a
         # GPU's does not up to tens of rows. 0 = off, as always outside an emulated benchmark.
         self.step_floor_s = 0.0
@@ -116,7 +116,14 @@ class Decoder(nn.Module):
         n = inputs.shape[0]
         with self._device_lock():
             if self.static is not None and self.static.fits(n, cache):
-                return self.static.run(inputs, positions, cache, mask, logits_at)
+                if not self.step_floor_s:
+                    return self.static.run(inputs, positions, cache, mask, logits_at)
+                started = time.perf_counter()
+                out = self.static.run(inputs, positions, cache, mask, logits_at)
+                if out.device.type == "cuda":  # the floor counts the device's work, not its launch
+                    torch.cuda.synchronize(out.device)
+                sleep_rest(started, self.step_floor_s)
+                return out
             if mask is not None:
                 mask = mask.to(self.device)
             return self._run(inputs, positions, Segments([(0, n)], [cache], [mask]), logits_at)
