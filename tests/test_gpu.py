@@ -72,6 +72,18 @@ def test_graphs_on_equal_graphs_off_fp32(tiny_dir):
     assert on.static.captures > 0 and eager.static is None
 
 
+def test_a_later_session_replays_the_graphs_captured_over_its_reused_buffer(tiny_dir):
+    """Sessions of one KV size share their buffers' captured graphs: the second session of a
+    size captures nothing, and every output still equals the eager decoder's."""
+    on, eager = _cuda(tiny_dir["llama"]), _cuda(tiny_dir["llama"], graphs=False)
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    assert generate(on, PROMPTS[3], params)[0] == generate(eager, PROMPTS[3], params)[0]
+    captured = on.static.captures
+    for prompt in (PROMPTS[3], PROMPTS[1][:14], PROMPTS[0]):  # the first's prefill bucket, then smaller ones
+        assert generate(on, prompt, params)[0] == generate(eager, prompt, params)[0]
+    assert on.static.reused == 3 and on.static.captures == captured + 2  # the prefills of 14 and 4 tokens only
+
+
 def test_cuda_fp32_equals_cpu_fp32(tiny_dir, tiny):
     target = _cuda(tiny_dir["llama"])
     params = SamplingParams(max_tokens=24, ignore_eos=True)

@@ -6,7 +6,9 @@ import torch
 
 from specctl.engine.layers import fuse_projections
 from specctl.engine.loader import load_decoder
-from specctl.engine.static import BUCKETS, bucket_for, step_mask
+from specctl.engine.kv_cache import KVPool
+from specctl.engine.static import BUCKETS, SLOT_QUANTUM, SPARES_PER_SIZE, StepGraph, bucket_for, step_mask
+from specctl.errors import KVBudgetExceeded
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.spec.rounds import generate
 from specctl.spec.sampling import SamplingParams
@@ -66,9 +68,10 @@ def test_fused_pieces_equal_the_modules(tiny, tiny_dir):
         assert generate(fused, prompt, params, ModelTreeDrafter(draft, 3, 2, 3))[0] == reference
 
 
-def test_padding_rows_leave_the_cache_as_the_ragged_path_does(tiny, static_pair):
-    target, _ = static_pair
+def test_padding_rows_leave_the_cache_as_the_ragged_path_does(tiny, tiny_dir):
+    target = load_decoder(tiny_dir["qwen2"]).use_static_steps()  # its own: no spare buffer from other tests
     eager_cache, static_cache = tiny["qwen2"].new_cache(64), target.new_cache(64)
+    assert static_cache.slots == SLOT_QUANTUM and static_cache.trash == SLOT_QUANTUM - 1
     prompt = torch.tensor(PROMPTS[1][:20])
     for decoder, cache in ((tiny["qwen2"], eager_cache), (target, static_cache)):
         decoder(prompt, torch.arange(20), cache)
@@ -78,15 +81,21 @@ def test_padding_rows_leave_the_cache_as_the_ragged_path_does(tiny, static_pair)
     torch.testing.assert_close(static_cache.k[:, :, :, :23], eager_cache.k[:, :, :, :23], rtol=1e-4, atol=1e-5)
     assert not static_cache.k[:, :, :, 23 : static_cache.trash].any()  # padding wrote only the trash slot
     assert sorted(static_cache.steps) == [4, 32]  # the 20-token prefill ran in bucket 32
+    steps = dict(static_cache.steps)
     static_cache.release()
-    assert static_cache.steps == {}
+    assert target.static.spares == {SLOT_QUANTUM: [static_cache]}
+    # The next session of that size takes the buffer and the steps over it; the old object keeps nothing.
+    again = target.new_cache(100)
+    assert again.steps == steps and all(step.cache is again for step in steps.values())
+    assert static_cache.steps == {} and static_cache.kv.numel() == 0 and target.static.spares[SLOT_QUANTUM] == []
 
 
 def test_a_step_that_does_not_fit_runs_on_the_ragged_path(static_pair):
     target, _ = static_pair
     cache = target.new_cache(100)
+    steps = dict(cache.steps)  # those of earlier sessions on this buffer
     target(torch.arange(90), torch.arange(90), cache)  # 90 tokens: no bucket
-    assert cache.steps == {} and cache.length == 90
+    assert cache.steps == steps and cache.length == 90
 
 
 def test_static_steps_need_a_full_model(tiny_dir):
@@ -104,3 +113,55 @@ def test_fuse_projections_is_idempotent_and_exact(tiny, tiny_dir):
     ids = torch.tensor(PROMPTS[1])
     expected = tiny["qwen2"](ids, torch.arange(ids.numel()), tiny["qwen2"].new_cache(64))
     torch.testing.assert_close(fused(ids, torch.arange(ids.numel()), fused.new_cache(64)), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_sessions_reuse_a_released_buffer_and_its_steps_and_stale_keys_change_nothing(tiny, tiny_dir):
+    """A long session leaves its keys in the buffer; the shorter sessions after it, on that
+    buffer and its steps (no new StepGraph), still decode exactly as the ragged path does."""
+    target = load_decoder(tiny_dir["qwen2"]).use_static_steps()
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    built = []
+    real_init = StepGraph.__init__
+
+    def counting_init(self, *args, **kwargs):
+        built.append(args[2])  # the bucket
+        real_init(self, *args, **kwargs)
+
+    StepGraph.__init__ = counting_init
+    try:
+        for prompt in (PROMPTS[1], PROMPTS[0], PROMPTS[2]):
+            assert generate(target, prompt, params)[0] == generate(tiny["qwen2"], prompt, params)[0]
+    finally:
+        StepGraph.__init__ = real_init
+    # The decode step (bucket 1) is built once for the three sessions; each prefill's bucket once.
+    assert target.static.reused == 2 and sorted(built) == [1, 4, 32, 64]
+    assert len(target.static.spares[SLOT_QUANTUM]) == 1
+
+
+def test_a_released_buffer_is_budgeted_again_and_a_refused_session_leaves_it_spare(tiny_dir):
+    target = load_decoder(tiny_dir["qwen2"]).use_static_steps()
+    first = target.new_cache(10)
+    pool = KVPool(budget_bytes=first.nbytes)
+    first.release()
+    held = target.new_cache(10, pool)
+    assert target.static.reused == 1 and pool.used_bytes == held.nbytes and pool.sessions == 1
+    with pytest.raises(KVBudgetExceeded, match="KV cache budget exhausted"):
+        target.new_cache(10, pool)
+    held.release()
+    assert pool.used_bytes == 0 and pool.sessions == 0
+    with pytest.raises(KVBudgetExceeded, match="session KV cache full"):  # a stale holder fails loudly
+        held.write(0, torch.zeros(1, 2, 1, target.spec.head_dim), torch.zeros(1, 2, 1, target.spec.head_dim))
+    small = KVPool(budget_bytes=1)
+    with pytest.raises(KVBudgetExceeded):
+        target.new_cache(10, small)
+    assert target.static.spares[SLOT_QUANTUM] == [held]  # refused: the buffer is still there for the next one
+
+
+def test_spare_buffers_are_capped_per_size(tiny_dir):
+    target = load_decoder(tiny_dir["qwen2"]).use_static_steps()
+    caches = [target.new_cache(10) for _ in range(SPARES_PER_SIZE + 3)] + [target.new_cache(SLOT_QUANTUM)]
+    for cache in caches:
+        cache.release()
+    assert len(target.static.spares[SLOT_QUANTUM]) == SPARES_PER_SIZE
+    assert len(target.static.spares[2 * SLOT_QUANTUM]) == 1  # capacity 256 + the trash slot: the next size
+    assert all(cache.kv.numel() == 0 for cache in caches[SPARES_PER_SIZE:-1])  # the others' buffers freed

@@ -7,6 +7,7 @@ failing one that is already streaming (StarSD's admission rule N_max, in bytes).
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 import torch
 
@@ -43,8 +44,9 @@ class KVCache:
     """Keys and values of one session for a range of layers: [layers, 1, kv_heads, slots, head_dim].
 
     ``length`` positions are valid. ``slots`` = capacity + a trash slot, rounded up to 16
-    (padded static steps write their padding rows to ``trash`` and attend over all slots,
-    so the buffer starts zeroed: stale memory must not hold NaNs). A forward writes its n
+    or as given (padded static steps write their padding rows to ``trash`` and attend over
+    all slots, masked, so the buffer starts zeroed: stale memory must not hold NaNs; a
+    ``spare``'s buffer, left by a released session, holds finite values). A forward writes its n
     new positions at [length, length+n) in every layer and then ``commit(n)``s them;
     ``truncate`` and ``gather`` drop positions."""
 
@@ -57,20 +59,32 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         pool: KVPool | None = None,
+        slots: int | None = None,
+        spare: "KVCache | None" = None,
     ) -> None:
-        self.slots = -(-(capacity + 1) // 16) * 16
+        self.released = True  # until the reservation succeeds, there is nothing to give back
+        self.recycle: Callable[[KVCache], bool] | None = None  # takes a released cache's buffer for reuse
+        self.slots = spare.slots if spare is not None else slots or -(-(capacity + 1) // 16) * 16
+        if capacity + 1 > self.slots:
+            raise ValueError(f"a cache of {self.slots} slots holds at most {self.slots - 1} positions, not {capacity}")
         self.trash = self.slots - 1
-        shape = (num_layers, 1, num_kv_heads, self.slots, head_dim)
         self.nbytes = 2 * num_layers * num_kv_heads * self.slots * head_dim * torch.tensor([], dtype=dtype).element_size()
         self.pool = pool
-        self.released = True  # until the reservation succeeds, there is nothing to give back
         if pool is not None:
             pool.reserve(self.nbytes)
-        # Keys and values in one buffer [layers, 2, 1, kv_heads, slots, head_dim]: a static step
-        # writes both of a layer in one kernel (``k`` and ``v`` are views of it).
-        self.kv = torch.zeros((num_layers, 2, *shape[1:]), dtype=dtype, device=device)
+        if spare is None:
+            # Keys and values in one buffer [layers, 2, 1, kv_heads, slots, head_dim]: a static step
+            # writes both of a layer in one kernel (``k`` and ``v`` are views of it).
+            self.kv = torch.zeros((num_layers, 2, 1, num_kv_heads, self.slots, head_dim), dtype=dtype, device=device)
+            self.steps: dict = {}  # bucket -> engine.static.StepGraph (its CUDA graph bakes in kv's address)
+        else:
+            # A released session's buffer and the steps captured over it move to this cache; the
+            # old object keeps nothing, so a stale holder of it fails as on any released cache.
+            self.kv, self.steps = spare.kv, spare.steps
+            spare.kv, spare.k, spare.v, spare.steps = (torch.empty(0),) * 3 + ({},)
+            for step in self.steps.values():
+                step.cache = self
         self.k, self.v = self.kv[:, 0], self.kv[:, 1]
-        self.steps: dict = {}  # bucket -> engine.static.StepGraph (its CUDA graph bakes in k and v)
         self.capacity = capacity
         self.length = 0
         self.released = False
@@ -135,13 +149,21 @@ class KVCache:
         self.length = keep.numel()
 
     def release(self) -> None:
-        if not self.released:
-            self.released = True
-            if self.pool is not None:
-                self.pool.release(self.nbytes)
-            self.steps = {}
-            self.kv = self.k = self.v = torch.empty(0)
-            self.length = self.capacity = 0
+        """Give the budget back; the buffer goes to ``recycle`` if it takes it (a static
+        decoder keeps buffers with their captured steps for the next session), else is freed.
+        A stale position written after this fails: the capacity is 0."""
+        if self.released:
+            return
+        self.released = True
+        if self.pool is not None:
+            self.pool.release(self.nbytes)
+        self.length = self.capacity = 0
+        keep, self.recycle = self.recycle, None
+        if keep is not None and keep(self):
+            return
+        self.steps = {}
+        self.kv = self.k = self.v = torch.empty(0)
 
-    def __del__(self) -> None:  # a dropped session must give its budget back
+    def __del__(self) -> None:  # a dropped session must give its budget back (its buffer is not kept)
+        self.recycle = None
         self.release()

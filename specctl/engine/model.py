@@ -95,6 +95,8 @@ class Decoder(nn.Module):
         return self.layers[0].input_layernorm.weight.device
 
     def new_cache(self, capacity: int, pool: KVPool | None = None) -> KVCache:
+        if self.static is not None:  # sized for reuse, with the steps captured over it
+            return self.static.new_cache(capacity, pool)
         s = self.spec
         return KVCache(self.num_layers, s.num_kv_heads, s.head_dim, capacity, self.dtype, self.device, pool)
 

@@ -23,6 +23,13 @@ from specctl.engine.kv_cache import KVCache
 from specctl_kernels import static_attention
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# A static decoder's KV buffers come in multiples of this many slots, and a released session's
+# buffer is kept, with the steps captured over it, for the next session of the same size: a
+# capture (and a compile for a new KV size) per session cost more host time than a short
+# session won back (issue 11). The padding's extra slots are masked; at 256 they add <= 255
+# positions of attention, a few % of a small model's step at the longest.
+SLOT_QUANTUM = 256
+SPARES_PER_SIZE = 8  # buffers kept per slot count (device memory outside the KV budget)
 
 # One CUDA graph capture at a time per process, and no other forward while one runs:
 # torch.cuda.graph synchronises the device on entry, which fails while another thread is
@@ -182,6 +189,35 @@ class StaticRunner:
         self.warmed: set[tuple[int, int]] = set()
         self.captures = 0
         self.replays = 0
+        self.spares: dict[int, list[KVCache]] = {}  # slots -> released caches holding a buffer and its steps
+        self.reused = 0  # caches opened on a spare buffer
+        self._spares_lock = threading.Lock()  # caches are released from any thread (a session's close)
+
+    def new_cache(self, capacity: int, pool=None) -> KVCache:
+        """A session's cache, on a spare buffer of its size (and the steps captured over it) if one is kept."""
+        slots = -(-(capacity + 1) // SLOT_QUANTUM) * SLOT_QUANTUM
+        with self._spares_lock:
+            kept = self.spares.get(slots)
+            spare = kept.pop() if kept else None
+        spec = self.decoder.spec
+        try:
+            cache = KVCache(self.decoder.num_layers, spec.num_kv_heads, spec.head_dim, capacity, self.decoder.dtype,
+                            self.decoder.device, pool, slots=slots, spare=spare)
+        except BaseException:
+            if spare is not None:  # the budget refused the session: the buffer stays spare
+                self._keep(spare)
+            raise
+        cache.recycle = self._keep
+        self.reused += spare is not None
+        return cache
+
+    def _keep(self, cache: KVCache) -> bool:
+        with self._spares_lock:
+            kept = self.spares.setdefault(cache.slots, [])
+            if len(kept) >= SPARES_PER_SIZE:
+                return False
+            kept.append(cache)
+            return True
 
     def fits(self, n: int, cache: KVCache) -> bool:
         return bucket_for(n) is not None and cache.length + n <= cache.capacity
