@@ -1,4 +1,6 @@
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specctl.engine.tree import TokenTree
 
@@ -31,6 +33,20 @@ def test_chain_is_a_path():
     chain = TokenTree.chain(5, [6, 7, 8])
     assert chain.parents.tolist() == [-1, 0, 1, 2]
     assert torch.equal(chain.mask, torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+
+
+@given(st.lists(st.integers(0, 150_000), max_size=24), st.data())
+@settings(max_examples=60, deadline=None)
+def test_a_chain_built_at_once_is_the_chain_appended_level_by_level(tokens, data):
+    probs = data.draw(st.one_of(st.none(), st.lists(st.floats(0.0, 1.0), min_size=len(tokens), max_size=len(tokens))))
+    stepwise = TokenTree.root(5)
+    for i, token in enumerate(tokens):
+        p = 1.0 if probs is None else probs[i]
+        stepwise = stepwise.append_layer(torch.tensor([len(stepwise) - 1]), torch.tensor([token]), torch.tensor([p]))
+    chain = TokenTree.chain(5, tokens, probs)
+    for field in ("tokens", "parents", "probs", "depth", "mask", "score"):  # bit for bit, dtypes included
+        a, b = getattr(stepwise, field), getattr(chain, field)
+        assert a.dtype == b.dtype and torch.equal(a, b), field
 
 
 def test_fixed_width_growth_keeps_best_cumulative_probability():
