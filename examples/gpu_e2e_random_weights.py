@@ -55,23 +55,29 @@ def main():
         generate(target, prompts[0][:30], SamplingParams(max_tokens=24, ignore_eos=True), make())
     results, reference = {}, {}
     for name, make in modes.items():
-        rates, same, accepted, drafts = [], 0, 0, 0
+        rates, same, accepted, drafts, prefill = [], 0, 0, 0, []
+        captures = target.static.captures + draft.static.captures
         for i, prompt in enumerate(prompts):
             torch.cuda.synchronize()
             start = time.perf_counter()
             out, stats, _ = generate(target, prompt, params, make())
             wall = time.perf_counter() - start
             rates.append(len(out) / wall)
+            prefill.append(1000 * stats.prefill_s)
             if name == "ar":
                 reference[i] = out
             same += out == reference[i]
             accepted += stats.accepted
             drafts += stats.drafts
         mal = 1 + accepted / drafts if drafts else 1.0
+        # Graphs captured during the timed sessions (buffers are shared across sessions since
+        # 2026-11-26: after the warm-up a session of a seen size should capture none).
+        captured = target.static.captures + draft.static.captures - captures
         results[name] = {"tok_s": [round(min(rates), 1), round(statistics.median(rates), 1), round(max(rates), 1)],
-                         "mean_accepted_length": round(mal, 2), "same_as_ar": f"{same}/{len(prompts)}"}
-        print(f"{name:18s} tok/s {results[name]['tok_s']}  MAL {mal:.2f}  same as ar {same}/{len(prompts)}",
-              flush=True)
+                         "mean_accepted_length": round(mal, 2), "same_as_ar": f"{same}/{len(prompts)}",
+                         "prefill_ms": [round(ms, 1) for ms in prefill], "graphs_captured": captured}
+        print(f"{name:18s} tok/s {results[name]['tok_s']}  MAL {mal:.2f}  same as ar {same}/{len(prompts)}  "
+              f"prefill ms {results[name]['prefill_ms']}  graphs captured {captured}", flush=True)
     ar = results["ar"]["tok_s"][1]
     for name, r in results.items():
         r["median_vs_ar"] = round(r["tok_s"][1] / ar, 2)

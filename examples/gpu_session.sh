@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Everything a lent GPU session checks, in one device call (a call costs a machine start):
+# the GPU tests, the kernel benchmark of both Qwen shapes and the end-to-end run, logs and
+# JSON under $OUT. Wheels the device lacks travel in .whl (README "On a GPU"); run it with
+#   device run: command "bash examples/gpu_session.sh", carry [".whl"], timeout_s 540
+set -o pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:$PWD || exit 1
+export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/gpu-session}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/device.txt"
+python3 -m pytest tests/test_gpu.py tests/test_kernels.py tests/test_static.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -5
+for model in 1.5b 0.5b; do
+  python3 -m specctl bench kernels --model "$model" --dtype bf16 --repeats 30 --json "$OUT/kernels-$model.json" 2>&1 \
+    | tee "$OUT/kernels-$model.log"
+done
+python3 examples/gpu_e2e_random_weights.py 128 2>&1 | tee "$OUT/e2e.log"
