@@ -165,3 +165,20 @@ def test_spare_buffers_are_capped_per_size(tiny_dir):
     assert len(target.static.spares[SLOT_QUANTUM]) == SPARES_PER_SIZE
     assert len(target.static.spares[2 * SLOT_QUANTUM]) == 1  # capacity 256 + the trash slot: the next size
     assert all(cache.kv.numel() == 0 for cache in caches[SPARES_PER_SIZE:-1])  # the others' buffers freed
+
+
+def test_spare_buffers_stay_under_a_byte_cap_the_longest_kept_dropped_first(tiny_dir):
+    target = load_decoder(tiny_dir["qwen2"]).use_static_steps()
+    small, large = target.new_cache(10), target.new_cache(2 * SLOT_QUANTUM)  # one quantum, and three
+    others = [target.new_cache(10) for _ in range(2)]
+    target.static.spare_bytes_cap = 2 * small.nbytes + 1
+    small.release()
+    others[0].release()
+    assert target.static.spares[SLOT_QUANTUM] == [small, others[0]] and target.static.spare_bytes == 2 * small.nbytes
+    others[1].release()  # a third would pass the cap: the longest kept (small) goes
+    assert target.static.spares[SLOT_QUANTUM] == [others[0], others[1]] and small.kv.numel() == 0
+    large.release()  # larger than the whole cap: not kept, and nothing else dropped for it
+    assert large.nbytes == 3 * small.nbytes and large.kv.numel() == 0 and not target.static.spares[3 * SLOT_QUANTUM]
+    assert target.static.spare_bytes == 2 * small.nbytes
+    again = target.new_cache(10)  # takes one over: its bytes leave the count
+    assert target.static.reused == 1 and target.static.spare_bytes == small.nbytes and again.kv.numel() > 0

@@ -29,7 +29,10 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # session won back (issue 11). The padding's extra slots are masked; at 256 they add <= 255
 # positions of attention, a few % of a small model's step at the longest.
 SLOT_QUANTUM = 256
-SPARES_PER_SIZE = 8  # buffers kept per slot count (device memory outside the KV budget)
+SPARES_PER_SIZE = 8  # buffers kept per slot count
+# Kept buffers are device memory outside the KV budget: all of them together stay under this,
+# the longest-kept dropped first (requests of many sizes would otherwise pile up buffers).
+SPARE_BYTES = 1 << 30
 
 # One CUDA graph capture at a time per process, and no other forward while one runs:
 # torch.cuda.graph synchronises the device on entry, which fails while another thread is
@@ -190,6 +193,8 @@ class StaticRunner:
         self.captures = 0
         self.replays = 0
         self.spares: dict[int, list[KVCache]] = {}  # slots -> released caches holding a buffer and its steps
+        self.spare_bytes, self.spare_bytes_cap = 0, SPARE_BYTES
+        self._kept_serial = 0  # the order buffers were kept in (the longest-kept goes first)
         self.reused = 0  # caches opened on a spare buffer
         self._spares_lock = threading.Lock()  # caches are released from any thread (a session's close)
 
@@ -199,25 +204,38 @@ class StaticRunner:
         with self._spares_lock:
             kept = self.spares.get(slots)
             spare = kept.pop() if kept else None
+            self.spare_bytes -= spare.nbytes if spare is not None else 0
         spec = self.decoder.spec
         try:
             cache = KVCache(self.decoder.num_layers, spec.num_kv_heads, spec.head_dim, capacity, self.decoder.dtype,
                             self.decoder.device, pool, slots=slots, spare=spare)
         except BaseException:
-            if spare is not None:  # the budget refused the session: the buffer stays spare
-                self._keep(spare)
+            if spare is not None and not self._keep(spare):  # the budget refused the session: the buffer stays spare
+                _free(spare)
             raise
         cache.recycle = self._keep
         self.reused += spare is not None
         return cache
 
     def _keep(self, cache: KVCache) -> bool:
+        """Keep a released cache's buffer (and steps) for reuse; False: not kept (the cache frees it)."""
         with self._spares_lock:
             kept = self.spares.setdefault(cache.slots, [])
-            if len(kept) >= SPARES_PER_SIZE:
+            if len(kept) >= SPARES_PER_SIZE or cache.nbytes > self.spare_bytes_cap:
                 return False
+            while self.spare_bytes + cache.nbytes > self.spare_bytes_cap:
+                self._drop_oldest()
+            self._kept_serial += 1
+            cache.kept_serial = self._kept_serial
             kept.append(cache)
+            self.spare_bytes += cache.nbytes
             return True
+
+    def _drop_oldest(self) -> None:
+        oldest = min((cache for caches in self.spares.values() for cache in caches), key=lambda c: c.kept_serial)
+        self.spares[oldest.slots].remove(oldest)
+        self.spare_bytes -= oldest.nbytes
+        _free(oldest)
 
     def fits(self, n: int, cache: KVCache) -> bool:
         return bucket_for(n) is not None and cache.length + n <= cache.capacity
@@ -237,3 +255,8 @@ class StaticRunner:
             self.captures += step.graph is not None
         self.replays += step.graph is not None
         return step.run(inputs, positions, mask, logits_at)
+
+
+def _free(cache: KVCache) -> None:
+    """Let a released cache's buffer and captured steps go."""
+    cache.steps, cache.kv, cache.k, cache.v = {}, torch.empty(0), torch.empty(0), torch.empty(0)
