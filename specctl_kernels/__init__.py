@@ -96,16 +96,28 @@ def row_exact(attend: AttentionFn) -> AttentionFn:
                 return torch.cat([attend_rows(q[b : b + 1], k[b : b + 1], v[b : b + 1], mask[b])
                                   for b in range(mask.shape[0])])
             mask = mask[0]
-        visible = mask.sum(1)
-        # a row whose visible keys are the cache's first ones reads a view, as AR does
-        prefix = mask.long().cumprod(1).sum(1) == visible
+        visible = mask.sum(1).tolist()
+        leading = mask.long().cumprod(1).sum(1).tolist()  # each row's run of the cache's first keys
+        # Rows that see more than their leading run (tree nodes: the prefix, then their
+        # ancestors) read a scratch buffer: the run all of them share is copied once, and
+        # each row writes only its few keys after it (gathering every row's keys whole
+        # copied the prefix once per row and layer: most of row-exact attention's cost).
+        scattered = [i for i, (count, run) in enumerate(zip(visible, leading)) if run != count]
+        shared = min((leading[i] for i in scattered), default=0)
+        if scattered:
+            longest = max(visible[i] for i in scattered)
+            k_rows = k.new_empty(k.shape[0], k.shape[1], longest, k.shape[3])
+            v_rows = v.new_empty(v.shape[0], v.shape[1], longest, v.shape[3])
+            k_rows[:, :, :shared], v_rows[:, :, :shared] = k[:, :, :shared], v[:, :, :shared]
         rows = []
-        for i, (count, is_prefix) in enumerate(zip(visible.tolist(), prefix.tolist())):
-            if is_prefix:
+        for i, count in enumerate(visible):
+            if leading[i] == count:  # the cache's first keys: a view, as AR reads them
                 keys, values = k[:, :, :count], v[:, :, :count]
             else:
-                index = mask[i].nonzero().squeeze(1)
-                keys, values = k.index_select(2, index), v.index_select(2, index)
+                after = mask[i, shared:].nonzero().squeeze(1) + shared
+                k_rows[:, :, shared:count] = k.index_select(2, after)
+                v_rows[:, :, shared:count] = v.index_select(2, after)
+                keys, values = k_rows[:, :, :count], v_rows[:, :, :count]
             rows.append(attend(q[:, :, i : i + 1], keys, values, None))
         return torch.cat(rows, dim=2)
 

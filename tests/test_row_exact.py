@@ -59,6 +59,25 @@ def test_a_tree_node_attends_to_prefix_ancestors_and_itself_in_cache_order():
         assert torch.equal(out[:, :, node : node + 1], alone), node
 
 
+def test_rows_with_gaps_after_different_leading_runs_each_see_exactly_their_keys():
+    """Any mask, not only a tree's: rows whose visible keys start with runs of different
+    lengths and then skip some, beside rows that see a plain run (a view of the cache)."""
+    q, k, v = _qkv(5, 30, seed=3)
+    mask = torch.zeros(5, 30, dtype=torch.bool)
+    mask[0, :12] = True  # a plain run
+    mask[1, :10] = True
+    mask[1, [14, 20]] = True
+    mask[2, :25] = True
+    mask[2, 27] = True
+    mask[3, :30] = True  # all
+    mask[4, [0, 2, 29]] = True  # a leading run of 1
+    out = row_exact(tree_attention)(q, k, v, mask)
+    for row in range(5):
+        index = mask[row].nonzero().squeeze(1)
+        alone = tree_attention(q[:, :, row : row + 1], k[:, :, index], v[:, :, index], None)
+        assert torch.equal(out[:, :, row : row + 1], alone), row
+
+
 def test_unmasked_calls_and_batched_masks():
     q, k, v = _qkv(5, 12, seed=2)
     assert torch.equal(row_exact(tree_attention)(q, k, v, None), tree_attention(q, k, v, None))
