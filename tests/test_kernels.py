@@ -1,5 +1,6 @@
 import pytest
 import torch
+import torch.nn.functional as F
 
 from specctl_kernels import causal_mask, flashinfer_available, select_backend, tree_attention
 
@@ -90,3 +91,19 @@ def test_static_attention_in_bf16_keeps_the_dtype_and_stays_within_bf16_rounding
     out = static_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask.repeat(2, 1))
     assert out.dtype == torch.bfloat16 and out.shape == (1, 4, 3, 8)
     torch.testing.assert_close(out.float(), _naive(q, k, v, mask), rtol=0, atol=5e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_one_half_precision_row_on_the_cpu_is_float32_attention_over_its_keys(dtype):
+    """A decode step's attention in bf16/fp16 on the CPU (float32 matmuls, not CPU SDPA's slow
+    one-row kernel): grouped-query heads map to their KV head as SDPA's enable_gqa does, and
+    the result is float32 attention of the same inputs, rounded once."""
+    torch.manual_seed(7)
+    q, k, v = torch.randn(1, 12, 1, 64, dtype=dtype), torch.randn(1, 2, 37, 64, dtype=dtype), torch.randn(1, 2, 37, 64, dtype=dtype)
+    out = tree_attention(q, k, v, None)
+    reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
+    assert out.dtype == dtype and out.shape == (1, 12, 1, 64)
+    torch.testing.assert_close(out, reference.to(dtype), rtol=0, atol=float(torch.finfo(dtype).eps) * 4)
+    # the view of a larger buffer (the cache) and a contiguous copy give the same bits
+    buffer = torch.cat([k, torch.randn(1, 2, 11, 64, dtype=dtype)], 2)
+    assert torch.equal(tree_attention(q, buffer[:, :, :37], v, None), out)
