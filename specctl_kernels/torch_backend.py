@@ -60,8 +60,9 @@ def _tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 def _one_row_in_float32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """One query row of a half-precision model on the CPU (a decode step; each row of a
     row-exact verification): float32 matmuls over float32 copies of the keys and values.
-    CPU SDPA took ~10x as long for it (bf16, 12 heads over 316 keys: 0.80 ms against 0.09;
-    2.6 ms against 0.25 over 1,000) and is no closer to a float32 reference. The G query
+    CPU SDPA's one-row kernel took 4-8x as long for it (bf16, 12 heads over 150-316 keys:
+    0.29-1.08 ms against 0.07-0.14, docs/results/one-row-float32-attention-2026-11-26.txt)
+    and is no closer to a float32 reference. The G query
     heads sharing a KV head are rows of one matmul, so nothing is repeated."""
     b, heads, _, d = q.shape
     kv_heads = k.shape[1]

@@ -81,7 +81,7 @@ class KVCache:
             # A released session's buffer and the steps captured over it move to this cache; the
             # old object keeps nothing, so a stale holder of it fails as on any released cache.
             self.kv, self.steps = spare.kv, spare.steps
-            spare.kv, spare.k, spare.v, spare.steps = (torch.empty(0),) * 3 + ({},)
+            spare.free_buffer()
             for step in self.steps.values():
                 step.cache = self
         self.k, self.v = self.kv[:, 0], self.kv[:, 1]
@@ -159,8 +159,12 @@ class KVCache:
             self.pool.release(self.nbytes)
         self.length = self.capacity = 0
         keep, self.recycle = self.recycle, None
-        if keep is not None and keep(self):
-            return
+        if keep is None or not keep(self):
+            self.free_buffer()
+
+    def free_buffer(self) -> None:
+        """Let go of the buffer and the steps captured over it (a released cache's, or one
+        whose buffer moved to a new cache)."""
         self.steps = {}
         self.kv = self.k = self.v = torch.empty(0)
 

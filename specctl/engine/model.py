@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import Callable
 
 import torch
 from torch import nn
@@ -118,17 +119,10 @@ class Decoder(nn.Module):
         n = inputs.shape[0]
         with self._device_lock():
             if self.static is not None and self.static.fits(n, cache):
-                if not self.step_floor_s:
-                    return self.static.run(inputs, positions, cache, mask, logits_at)
-                started = time.perf_counter()
-                out = self.static.run(inputs, positions, cache, mask, logits_at)
-                if out.device.type == "cuda":  # the floor counts the device's work, not its launch
-                    torch.cuda.synchronize(out.device)
-                sleep_rest(started, self.step_floor_s)
-                return out
+                return self._floored(self.static.run, inputs, positions, cache, mask, logits_at)
             if mask is not None:
                 mask = mask.to(self.device)
-            return self._run(inputs, positions, Segments([(0, n)], [cache], [mask]), logits_at)
+            return self._floored(self._compute, inputs, positions, Segments([(0, n)], [cache], [mask]), logits_at)
 
     def _device_lock(self):
         return CUDA_LOCK if self.device.type == "cuda" else contextlib.nullcontext()
@@ -166,7 +160,7 @@ class Decoder(nn.Module):
         hidden states of every row without a head (a pipeline stage), else logits at ``rows``."""
         masks = [None if m is None else m.to(self.device) for m in masks]
         with self._device_lock():
-            return self._run(inputs, positions, Segments(bounds, caches, masks), rows)
+            return self._floored(self._compute, inputs, positions, Segments(bounds, caches, masks), rows)
 
     def static_forward(self, ids: torch.Tensor, positions: torch.Tensor, segment: StaticSegment) -> torch.Tensor:
         """The padded step (engine.static): float32 logits of all M rows; the caller commits."""
@@ -183,11 +177,14 @@ class Decoder(nn.Module):
             x, h = layer.static_step(x, h, cos, sin, segment, i, next_norm, *pieces)
         return self.lm_head(h[0]).float()
 
-    def _run(self, inputs: torch.Tensor, positions: torch.Tensor, segments: Segments, logits_at) -> torch.Tensor:
+    def _floored(self, compute: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+        """``compute(*args)``, taking at least the emulated step floor (0 = off: a plain call)."""
         if not self.step_floor_s:
-            return self._compute(inputs, positions, segments, logits_at)
+            return compute(*args)
         started = time.perf_counter()
-        out = self._compute(inputs, positions, segments, logits_at)
+        out = compute(*args)
+        if out.device.type == "cuda":  # the floor counts the device's work, not its launch
+            torch.cuda.synchronize(out.device)
         sleep_rest(started, self.step_floor_s)
         return out
 

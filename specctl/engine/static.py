@@ -211,7 +211,7 @@ class StaticRunner:
                             self.decoder.device, pool, slots=slots, spare=spare)
         except BaseException:
             if spare is not None and not self._keep(spare):  # the budget refused the session: the buffer stays spare
-                _free(spare)
+                spare.free_buffer()
             raise
         cache.recycle = self._keep
         self.reused += spare is not None
@@ -235,7 +235,7 @@ class StaticRunner:
         oldest = min((cache for caches in self.spares.values() for cache in caches), key=lambda c: c.kept_serial)
         self.spares[oldest.slots].remove(oldest)
         self.spare_bytes -= oldest.nbytes
-        _free(oldest)
+        oldest.free_buffer()
 
     def fits(self, n: int, cache: KVCache) -> bool:
         return bucket_for(n) is not None and cache.length + n <= cache.capacity
@@ -255,8 +255,3 @@ class StaticRunner:
             self.captures += step.graph is not None
         self.replays += step.graph is not None
         return step.run(inputs, positions, mask, logits_at)
-
-
-def _free(cache: KVCache) -> None:
-    """Let a released cache's buffer and captured steps go."""
-    cache.steps, cache.kv, cache.k, cache.v = {}, torch.empty(0), torch.empty(0), torch.empty(0)
