@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specctl.draft.fanout import (
-    PRIOR_R, acceptance_estimate, budget_that_fits, budget_that_pays, choose_fallback, expected_hit, fanout, hit_curve, fanout_for, outcome_probs,
+    PRIOR_R, acceptance_estimate, answer_now, budget_that_fits, budget_that_pays, choose_fallback, expected_committed, expected_hit, fanout, hit_curve, fanout_for, outcome_probs,
     power_law_exponent, predicted_gain_over_plain, predicted_speedup, step_time_fit, tree_outcome_probs,
 )
 from specctl.spec.sampling import saguaro
@@ -137,3 +137,23 @@ def test_budget_that_pays_counts_partly_drafted_hits():
     assert budget_that_pays(0.100, 3, fit, sharing=1, most=4, hit_at=lambda b: 0.3) == 1
     with pytest.raises(ValueError, match="most >= 1"):
         budget_that_pays(0.1, 3, fit, sharing=1, most=0, hit_at=hits.get)
+
+
+def test_expected_committed_counts_the_accepted_tokens_and_the_bonus():
+    assert expected_committed(0.75, 4) == pytest.approx(1 + 0.75 + 0.5625 + 0.421875 + 0.31640625)
+    assert expected_committed(0.5, 0) == 1.0  # nothing drafted: the bonus alone
+    assert expected_committed(1.0, 3) == 4.0
+    with pytest.raises(ValueError):
+        expected_committed(1.5, 2)
+
+
+def test_a_partly_drafted_hit_is_answered_now_when_waiting_commits_fewer_tokens_a_second():
+    # a = 0.75, d = 4, Z = 0.5 s, a step 0.12 s: E(4) = 3.0508 over 0.5 + (4 - j)·0.12
+    assert answer_now(3, 4, 0.75, 0.5, 0.12)  # 2.7344 / 0.5 = 5.47/s against 3.0508 / 0.62 = 4.92/s
+    assert answer_now(2, 4, 0.75, 0.5, 0.12)  # 2.3125 / 0.5 = 4.63/s against 3.0508 / 0.74 = 4.12/s
+    assert not answer_now(1, 4, 0.75, 0.5, 0.12)  # 1.75 / 0.5 = 3.5/s against 3.0508 / 0.86 = 3.55/s
+    assert not answer_now(3, 4, 0.75, 0.5, 0.01)  # a fast step: 3.0508 / 0.51 = 5.98/s against 5.47/s
+    assert not answer_now(4, 4, 0.75, 0.5, 0.12)  # done: nothing to wait for
+    for bad in [(0, 4, 0.75, 0.5, 0.1), (5, 4, 0.75, 0.5, 0.1), (2, 4, 0.75, 0.0, 0.1), (2, 4, 0.75, 0.5, -1.0)]:
+        with pytest.raises(ValueError):
+            answer_now(*bad)

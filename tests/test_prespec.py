@@ -8,6 +8,7 @@ import torch
 
 from specctl.draft.fanout import MIN_OUTCOMES_FOR_FIT, fanout_for, outcome_probs
 from specctl.draft.sessions import SessionTable
+from specctl.draft.prespec import ChainBranch
 from specctl.draft.speculation import History, PrespecConfig, SpeculationCache
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.loader import load_decoder
@@ -18,7 +19,7 @@ from specctl.spec.decode import DecodeSession
 from specctl.spec.drafters import RANKED, ModelChainDrafter, ModelTreeDrafter
 from specctl.spec.rounds import Drafted, InlineLane, generate, run_inline, run_session
 from specctl.spec.sampling import SamplingParams
-from specctl.verify.speculator import proposal_from_message
+from specctl.verify.speculator import draft_seed, proposal_from_message
 from tests.test_sampling_exact import PROMPT, SAMPLES, VOCAB, _exact_joint_of_tokens_3_and_4, assert_counts_match
 
 PROMPTS = [[5, 9, 13, 2], [7, 8, 9, 10, 7, 8, 9], [100, 3], [1, 2, 3, 1, 2, 3]]
@@ -40,7 +41,7 @@ class TableSpeculator:
         if not self.opened:
             p = session.params
             self.table.open(self.tag, OpenSession(0, session.seq[: session.prompt_len], p.temperature, p.top_p, p.top_k,
-                                                  seed=p.seed or 0, max_tokens=p.max_tokens))
+                                                  seed=draft_seed(p.seed), max_tokens=p.max_tokens))
             self.opened, path, tokens = True, [], session.seq[session.prompt_len:]
         else:
             path, tokens = session.last_path, session.last_committed
@@ -56,13 +57,20 @@ class TableSpeculator:
         self.table.close(self.tag)
 
 
-def make_table(draft, depth=3, tree=None, table_class=SessionTable, **prespec) -> SessionTable:
+def make_table(draft, depth=3, tree=None, table_class=SessionTable, cache_class=SpeculationCache, **prespec) -> SessionTable:
     """The budget is not cut to measured times here: the test decides how many steps fit.
     ``tree``: (top-k, width) of a tree drafter; None: a chain drafter."""
     drafter = ModelChainDrafter(draft, depth) if tree is None else ModelTreeDrafter(draft, depth, *tree)
     table = table_class(drafter, KVPool(None), draft.spec.vocab_size, draft.spec.max_position)
-    table.speculation = SpeculationCache.for_drafter(PrespecConfig(**prespec, adaptive=False), drafter)
+    table.speculation = cache_class.for_drafter(PrespecConfig(**prespec, adaptive=False), drafter)
     return table
+
+
+class ShortAnswers(SpeculationCache):
+    """Answers every partly drafted chain hit at once with the tokens it has, whatever the times."""
+
+    def _answers_now(self, tag, state, branch, plan) -> bool:
+        return isinstance(branch, ChainBranch) and branch.live(plan.depth) and len(branch.tokens) >= 2
 
 
 def run(target, table, prompt, params, steps, tag=1):
@@ -105,7 +113,10 @@ def test_greedy_equals_target_alone_with_hits_and_misses(tiny, steps, fallback, 
 
 class CheckedTable(SessionTable):
     """After every proposal: the draft's KV holds exactly the text's keys (against a fresh
-    forward), and a model proposal is exactly what just-in-time drafting proposes."""
+    forward), and a model proposal is exactly what just-in-time drafting proposes (with
+    ``short``: a chain may be a first part of it, a hit answered before it was finished)."""
+
+    short = False
 
     def _check(self, requests, results):
         for (tag, _, _), message in zip(requests, results):
@@ -120,7 +131,11 @@ class CheckedTable(SessionTable):
             if cache.length >= n:  # drafted by the model (an n-gram backup proposal leaves the KV alone)
                 reference = self.drafter.open(n + self.drafter.max_nodes + 8)
                 expected = reference.propose(state.seq, SamplingParams(), None).tree
-                assert (message.tokens, message.parents) == (expected.tokens.tolist(), expected.parents.tolist())
+                tokens, parents = expected.tokens.tolist(), expected.parents.tolist()
+                if self.short and len(message.tokens) < len(tokens):
+                    tokens, parents = tokens[: len(message.tokens)], parents[: len(message.tokens)]
+                    self.shortened += 1
+                assert (message.tokens, message.parents) == (tokens, parents)
                 if hasattr(reference, "fed"):  # a tree session knows which of its nodes the KV holds
                     assert (state.session.fed, cache.length) == (reference.fed, reference.cache.length)
                     fed = n + reference.fed  # and they hold what fresh drafting would
@@ -155,6 +170,22 @@ def test_every_proposal_is_what_just_in_time_drafting_proposes(tiny, steps, fall
         assert run(target, table, prompt, params, steps, tag)[0] == generate(target, prompt, params)[0]
     snap = table.speculation.snapshot()
     assert table.checked > 20 and snap["hits"] > 0 and snap["misses"] > 0
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_partly_drafted_hits_answered_at_once_keep_the_output_and_the_kv_exact(tiny, steps):
+    """A partial chain hit answered with the tokens its branch has (not finished first): the
+    proposal is the first part of what drafting just in time would propose, the KV holds the
+    text, and the next round's plan starts from that shorter proposal."""
+    target, draft = tiny["llama"], tiny["llama-self2"]
+    table = make_table(draft, depth=4, budget=6, table_class=CheckedTable, cache_class=ShortAnswers)
+    table.checked, table.shortened, table.short = 0, 0, True
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    for tag, prompt in enumerate(PROMPTS, 1):
+        assert run(target, table, prompt, params, steps, tag)[0] == generate(target, prompt, params)[0]
+    snap = table.speculation.snapshot()
+    assert snap["short_answers"] == snap["partial_hits"] > 0 and table.shortened == snap["short_answers"]
+    assert table.states == {} and table.speculation.plans == {} and table.pool.used_bytes == 0
 
 
 def test_a_hit_answers_from_the_branch_without_drafting(tiny):
@@ -260,6 +291,31 @@ def test_sampling_keeps_the_target_distribution(small, saguaro_c, fallback, tree
         counts[out[2], out[3]] += 1
     snap = table.speculation.snapshot()
     assert snap["hits"] > 100 and snap["misses"] > 100  # both paths were exercised
+    assert_counts_match(counts, expected)
+
+
+def test_the_draft_seed_follows_the_request_seed_but_is_never_it():
+    """The draft's random stream must not be the target's: with the request's seed for both, a
+    Saguaro-reshaped chain of depth 2 (the test below) failed its chi-square test (p = 0.001)."""
+    assert draft_seed(7) == draft_seed(7) != draft_seed(8)
+    assert all(draft_seed(seed) != seed for seed in range(1000))
+    assert draft_seed(None) != draft_seed(None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saguaro_c", [1.0, 0.1])
+def test_sampling_keeps_the_target_distribution_with_partial_hits_answered_at_once(small, saguaro_c):
+    """Depth 2 and one background step a round: hits come with one of two tokens drafted and are
+    answered with it; the output is still the target's distribution."""
+    target, draft = small
+    expected = _exact_joint_of_tokens_3_and_4(target, SamplingParams(temperature=1.0))
+    table = make_table(draft, depth=2, budget=6, saguaro_c=saguaro_c, fallback="jit", cache_class=ShortAnswers)
+    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    for seed in range(SAMPLES):
+        out, _ = run(target, table, PROMPT, SamplingParams(temperature=1.0, max_tokens=4, seed=seed), steps=1, tag=seed + 1)
+        counts[out[2], out[3]] += 1
+    snap = table.speculation.snapshot()
+    assert snap["short_answers"] > 100 and snap["misses"] > 100
     assert_counts_match(counts, expected)
 
 

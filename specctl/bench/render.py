@@ -134,7 +134,7 @@ def render_prespec_table(report: dict) -> Table:
         label += f", every draft forward >= {s['draft_step_ms']:.0f} ms (emulated)"
     table = Table(title=f"bench prespec: {s['draft']} -> {s['target']}, {s.get('mode', 'chain')} d={s['depth']}, budget {s['budget']}, "
                         f"fallback {s['fallback']}, {'trials' if s.get('trials', True) else 'every round'}{label}")
-    for column in ("N", "plain O", "prespec O", "gain", "predicted", "hit (ready)", "partial", "skipped", "branches used",
+    for column in ("N", "plain O", "prespec O", "gain", "predicted", "hit (ready)", "partial (short)", "skipped", "branches used",
                    "MAL plain/pre", "T_p", "same as plain"):
         table.add_column(column, justify="right")
     rows = report["rows"]
@@ -142,7 +142,7 @@ def render_prespec_table(report: dict) -> Table:
         plain, pre = (rows[i] for i in pair["rows"])
         table.add_row(str(pair["N"]), f"{plain['O']:.2f}", f"{pre['O']:.2f}", f"{pair['gain']:.2f}x",
                       f"{pair['predicted_gain']:.2f}x", f"{pre['hit_rate']:.0%} ({pre.get('ready_rate', pre['hit_rate']):.0%})",
-                      str(pre["partial_hits"]),
+                      f"{pre['partial_hits']} ({pre.get('short_answers', 0)})",
                       str(pre.get("skipped", 0)),
                       f"{pre['branches_used']}/{pre['branches_drafted']}",
                       f"{plain['mean_accepted_length']:.2f}/{pre['mean_accepted_length']:.2f}", f"{pair['T_p']:.2f}",
@@ -151,7 +151,8 @@ def render_prespec_table(report: dict) -> Table:
                        for n, v in report["summary"].items())
     table.caption = (f"O: tokens/s of all N targets; gain: prespec O / plain O of the same repeat (min/median/max: "
                      f"{spread}); predicted: SSD Theorem 7 with the measured ready rate (hits, a partial one by "
-                     f"the share of its proposal drafted when its outcome came), T_p = S/Z")
+                     f"the share of its proposal drafted when its outcome came), T_p = S/Z; short: partial hits answered at once "
+                     f"with the tokens drafted so far")
     return table
 
 

@@ -9,7 +9,9 @@ speedup   = (h·E_p + (1-h)·E_b) / (h + (1-h)(1+T_b))   over autoregressive (Th
                                                        units of one verification
 budget    = argmax_B hit(B)·f(B)·(d+1)·t(w) - t(rows)/2   a partly drafted hit still saves its share f(B)
 fallback  = the backup (n-gram) when E_b/Z beats E_p/(Z + d·t_step(m)) for the m misses drafted together
-            (Theorem 17's cross-over, from measured times)"""
+            (Theorem 17's cross-over, from measured times)
+answer    = a partly drafted chain hit with its j tokens now when E(j)/Z beats E(d)/(Z + (d-j)·t_step),
+            E(n) = Σ_{i<=n} a^i"""
 
 from __future__ import annotations
 
@@ -206,3 +208,26 @@ def predicted_gain_over_plain(hit: float, e_primary: float, t_primary: float) ->
     """Pre-speculation with a just-in-time fallback (E_b = E_p, T_b = T_p) over plain
     speculative decoding, whose speedup over autoregressive is E_p / (1 + T_p)."""
     return predicted_speedup(hit, e_primary, e_primary, t_primary) / (e_primary / (1 + t_primary))
+
+
+def expected_committed(a: float, drafted: int) -> float:
+    """Tokens a round commits on average when the target verifies a chain of ``drafted``
+    tokens with acceptance rate a: the accepted ones and the bonus, Σ_{i=0..n} a^i."""
+    if not 0.0 <= a <= 1.0 or drafted < 0:
+        raise ValueError(f"need 0 <= a <= 1 and drafted >= 0, got a={a}, drafted={drafted}")
+    return sum(a**i for i in range(drafted + 1))
+
+
+def answer_now(drafted: int, depth: int, a: float, return_s: float, step_s: float) -> bool:
+    """Answer a hit whose chain branch holds ``drafted`` of its ``depth`` tokens with those
+    now, rather than drafting the rest first (one step of ``step_s`` each)? Whichever round
+    commits more tokens a second: E(j)/Z against E(d)/(Z + (d - j)·t_step), Z the return time.
+    The likeliest outcome, all d accepted, has its branches start a step late (the proposal's
+    last token is fed first for their candidates), so at Z about the drafting time they come
+    one step short; waiting a step for one more token of a round rarely pays."""
+    if not 1 <= drafted <= depth or return_s <= 0 or step_s < 0:
+        raise ValueError(f"need 1 <= drafted <= depth and return_s > 0, step_s >= 0, got drafted={drafted}, "
+                         f"depth={depth}, return_s={return_s}, step_s={step_s}")
+    now = expected_committed(a, drafted) / return_s
+    later = expected_committed(a, depth) / (return_s + (depth - drafted) * step_s)
+    return now > later

@@ -8,7 +8,8 @@ compute thread.
 - ``step``: one batched forward over every plan's live branches, run by the compute
   thread only while no real request is queued (leftover capacity);
 - ``lookup_many``: a Propose whose outcome a branch holds is answered from it (finishing
-  the branch first when it is not done); anything else is a miss, which the table drafts
+  the branch first when it is not done, or — a chain, when the measured times say waiting
+  does not pay — with the tokens it has); anything else is a miss, which the table drafts
   just in time or with the n-gram backup (``fallback_for``), per session: a miss never
   holds back another session's hit."""
 
@@ -20,11 +21,11 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from specctl.draft.fanout import (
-    MIN_OUTCOMES_FOR_FIT, acceptance_estimate, budget_that_fits, budget_that_pays, choose_fallback, expected_hit,
-    fanout_for, hit_curve, outcome_probs, power_law_exponent, step_time_fit, tree_outcome_probs,
+    MIN_OUTCOMES_FOR_FIT, acceptance_estimate, answer_now, budget_that_fits, budget_that_pays, choose_fallback,
+    expected_hit, fanout_for, hit_curve, outcome_probs, power_law_exponent, step_time_fit, tree_outcome_probs,
 )
 from specctl.draft.prespec_config import FALLBACKS, PrespecConfig  # noqa: F401 - re-exported
-from specctl.draft.prespec import Plan, adopt, discard, finish, kv_per_branch, make_plan, proposal_of, step
+from specctl.draft.prespec import Branch, ChainBranch, Plan, adopt, discard, finish, kv_per_branch, make_plan, proposal_of, step
 from specctl.draft.trial import Trials
 from specctl.spec.draft_state import DraftState
 from specctl.spec.drafters import RANKED, Drafter, ModelTreeDrafter, Proposal, tree_shape
@@ -60,6 +61,7 @@ class History:
 class PrespecStats:
     hits: int = 0
     partial_hits: int = 0  # hits whose branch was still being drafted
+    short_answers: int = 0  # partial hits answered at once with the tokens drafted so far
     hit_drafted: float = 0.0  # the hits' drafted shares summed (a finished branch counts 1)
     misses: int = 0
     branches_drafted: int = 0  # branches that got at least one draft forward
@@ -218,13 +220,28 @@ class SpeculationCache:
             self.stats.partial_hits += branch.live(plan.depth)
             self.stats.hit_drafted += branch.drafted(plan.depth)
             self.stats.branches_used += 1
-            adopt(plan, key)
+            adopted_branch = adopt(plan, key)
+            if self._answers_now(tag, state, adopted_branch, plan):
+                plan.depth = len(adopted_branch.tokens) - 1  # its proposal: what it has drafted so far
+                self.stats.short_answers += 1
             state.advance(path, tokens, kv_done=True)
             adopted.append((i, tag, state, plan))
         finish([plan for _, _, _, plan in adopted])
         for i, tag, state, plan in adopted:
             results[i] = state.proposed(proposal_of(plan))
         return results
+
+    def _answers_now(self, tag: int, state: DraftState, branch: Branch, plan: Plan) -> bool:
+        """Answer an adopted chain branch that is still being drafted with what it has? By the
+        measured return and one-row step times (never without them, nor when not adaptive)."""
+        if not (self.config.adaptive and isinstance(branch, ChainBranch) and branch.live(plan.depth)):
+            return False
+        history, fit = self.history.get(tag), step_time_fit(self.step_samples)
+        if history is None or history.return_s is None or fit is None or len(branch.tokens) < 2:
+            return False
+        alpha, beta = fit
+        a = acceptance_estimate(state.accepted, state.drafted)
+        return answer_now(len(branch.tokens) - 1, plan.depth, a, history.return_s, alpha + beta)
 
     def step(self) -> bool:
         """One background forward over the live branches; False when there was nothing to do."""
@@ -282,7 +299,7 @@ class SpeculationCache:
     def snapshot(self) -> dict:
         s = self.stats
         looked = s.hits + s.misses
-        return {"hits": s.hits, "partial_hits": s.partial_hits, "misses": s.misses,
+        return {"hits": s.hits, "partial_hits": s.partial_hits, "short_answers": s.short_answers, "misses": s.misses,
                 "hit_rate": round(s.hits / looked, 4) if looked else 0.0,
                 # what SSD's model calls the hit rate: a partial hit leaves the rest to draft
                 "hit_drafted": round(s.hit_drafted, 4),

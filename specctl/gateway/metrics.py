@@ -39,6 +39,8 @@ PRESPEC_GAUGES = {
                    "share drafted"),
     "hits": ("prespec_hits", "outcomes answered from the speculation cache"),
     "misses": ("prespec_misses", "outcomes the speculation cache did not hold"),
+    "partial_hits": ("prespec_partial_hits", "hits whose branch was still being drafted"),
+    "short_answers": ("prespec_short_answers", "partial hits answered at once with the tokens drafted so far"),
     "branches_drafted": ("prespec_branches_drafted", "outcome branches planned for pre-speculation"),
     "branches_used": ("prespec_branches_used", "pre-speculated branches that became proposals"),
     "leftover_used": ("prespec_leftover_used", "share of the draft's idle time spent pre-speculating"),

@@ -32,6 +32,15 @@ MAX_FAILURES_IN_A_ROW = 3
 PREFILL_TOKENS_PER_TIMEOUT = 512
 
 
+def draft_seed(seed: int | None) -> int:
+    """The draft session's seed for a request seeded with ``seed``: derived from it (a seeded
+    request stays reproducible) but never the seed itself. The target's acceptance tests draw
+    from a generator seeded with the request's seed; a draft seeded alike drew the same
+    numbers to pick its tokens, and the two correlated streams biased the output away from
+    the target's distribution (Saguaro-reshaped chains of depth 2 failed a chi-square test)."""
+    return random.Random(f"specctl-draft-{seed}").getrandbits(62) if seed is not None else random.getrandbits(62)
+
+
 def proposal_from_message(msg: ProposalMsg, vocab_size: int) -> Proposal:
     try:
         tree = TokenTree.from_parents(msg.tokens, msg.parents, msg.unpacked_confidences())
@@ -48,7 +57,7 @@ class RemoteSpeculator:
                  greedy_drafts: bool = False) -> None:
         self.client, self.max_nodes = client, max_nodes
         self.greedy_drafts = greedy_drafts  # draft argmax chains even when the request samples (fusion)
-        self.seed = seed if seed is not None else random.getrandbits(62)
+        self.seed = draft_seed(seed)
         self.handle: Handle | None = None
         self._opening: asyncio.Future | None = None
         self._opened_at = 0  # committed tokens the draft session was opened with
