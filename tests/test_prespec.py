@@ -8,7 +8,6 @@ import torch
 
 from specctl.draft.fanout import MIN_OUTCOMES_FOR_FIT, fanout_for, outcome_probs
 from specctl.draft.sessions import SessionTable
-from specctl.draft.prespec import ChainBranch
 from specctl.draft.speculation import History, PrespecConfig, SpeculationCache
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.loader import load_decoder
@@ -29,8 +28,8 @@ class TableSpeculator:
     """Stands for a target's link to a draft server: Propose -> lookup, then drafting on a miss;
     ``steps`` background steps run while the target verifies."""
 
-    def __init__(self, table: SessionTable, tag: int, steps: int) -> None:
-        self.table, self.tag, self.steps = table, tag, steps
+    def __init__(self, table: SessionTable, tag: int, steps: int, early: bool = False) -> None:
+        self.table, self.tag, self.steps, self.early = table, tag, steps, early
         self.max_nodes = table.drafter.max_nodes
         self.opened = False
 
@@ -46,7 +45,14 @@ class TableSpeculator:
         else:
             path, tokens = session.last_path, session.last_committed
         request = (self.tag, path, tokens)
-        message = self.table.lookup_many([request])[0] or self.table.propose_many([request])[0]
+        early = self.table.early_answer(self.tag, path, tokens) if self.early else None
+        if early is not None:  # as the server does: answered from what was published, then committed
+            message, ticket = early
+            [error] = self.table.commit_many([ticket])
+            if error is not None:
+                raise error
+        else:
+            message = self.table.lookup_many([request])[0] or self.table.propose_many([request])[0]
         if isinstance(message, Exception):
             raise message
         for _ in range(self.steps):
@@ -67,14 +73,15 @@ def make_table(draft, depth=3, tree=None, table_class=SessionTable, cache_class=
 
 
 class ShortAnswers(SpeculationCache):
-    """Answers every partly drafted chain hit at once with the tokens it has, whatever the times."""
+    """Answers every partly drafted chain hit at once with the tokens it has, whatever the times:
+    a step as slow as the return time says waiting never pays."""
 
-    def _answers_now(self, tag, state, branch, plan) -> bool:
-        return isinstance(branch, ChainBranch) and branch.live(plan.depth) and len(branch.tokens) >= 2
+    def _answer_times(self, tag):
+        return 1.0, 1.0
 
 
-def run(target, table, prompt, params, steps, tag=1):
-    speculator = TableSpeculator(table, tag, steps)
+def run(target, table, prompt, params, steps, tag=1, early=False):
+    speculator = TableSpeculator(table, tag, steps, early)
     session = DecodeSession(target, prompt, params, max_nodes=speculator.max_nodes)
     run_inline(run_session(session, speculator, InlineLane(), lambda tokens, result: None))
     return session.output, session.stats
@@ -153,11 +160,24 @@ class CheckedTable(SessionTable):
         self._check(requests, results)
         return results
 
+    def early_answer(self, tag, path, tokens):
+        early = super().early_answer(tag, path, tokens)
+        if early is not None:
+            self.sent = early[0]
+        return early
 
-@pytest.mark.parametrize("steps, fallback, tree", [(8, "jit", None), (2, "jit", None), (1, "ngram", None),
-                                                   (1, "ngram", TREE),
-                                                   pytest.param(8, "jit", TREE, marks=pytest.mark.slow)])
-def test_every_proposal_is_what_just_in_time_drafting_proposes(tiny, steps, fallback, tree):
+    def commit_many(self, tickets):
+        results = super().commit_many(tickets)
+        self._check([(t.tag, t.path, t.tokens) for t in tickets], [self.sent] * len(tickets))
+        return results
+
+
+@pytest.mark.parametrize("steps, fallback, tree, early", [(8, "jit", None, False), (2, "jit", None, False),
+                                                          (1, "ngram", None, False), (1, "ngram", TREE, False),
+                                                          (8, "jit", None, True), (2, "jit", None, True),
+                                                          (8, "jit", TREE, True),
+                                                          pytest.param(8, "jit", TREE, False, marks=pytest.mark.slow)])
+def test_every_proposal_is_what_just_in_time_drafting_proposes(tiny, steps, fallback, tree, early):
     """A branch's KV never leaks into the trunk: after a miss with all d accepted, the cut to
     text + d once kept a branch's bonus as if it were x_d (lossless, but every later
     proposal of the session was drafted from a corrupted KV). A tree branch leaves the KV,
@@ -167,13 +187,16 @@ def test_every_proposal_is_what_just_in_time_drafting_proposes(tiny, steps, fall
     table.checked = 0
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     for tag, prompt in enumerate(PROMPTS, 1):
-        assert run(target, table, prompt, params, steps, tag)[0] == generate(target, prompt, params)[0]
+        assert run(target, table, prompt, params, steps, tag, early)[0] == generate(target, prompt, params)[0]
     snap = table.speculation.snapshot()
     assert table.checked > 20 and snap["hits"] > 0 and snap["misses"] > 0
+    if early:  # finished branches are answered from the published copy; the others as before
+        assert snap["early_answers"] == snap["hits"] - snap["partial_hits"] and snap["short_answers"] == 0
+        assert snap["early_answers"] > 0 or steps < 3
 
 
-@pytest.mark.parametrize("steps", [1, 2])
-def test_partly_drafted_hits_answered_at_once_keep_the_output_and_the_kv_exact(tiny, steps):
+@pytest.mark.parametrize("steps, early", [(1, False), (2, False), (1, True), (2, True)])
+def test_partly_drafted_hits_answered_at_once_keep_the_output_and_the_kv_exact(tiny, steps, early):
     """A partial chain hit answered with the tokens its branch has (not finished first): the
     proposal is the first part of what drafting just in time would propose, the KV holds the
     text, and the next round's plan starts from that shorter proposal."""
@@ -182,9 +205,11 @@ def test_partly_drafted_hits_answered_at_once_keep_the_output_and_the_kv_exact(t
     table.checked, table.shortened, table.short = 0, 0, True
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     for tag, prompt in enumerate(PROMPTS, 1):
-        assert run(target, table, prompt, params, steps, tag)[0] == generate(target, prompt, params)[0]
+        assert run(target, table, prompt, params, steps, tag, early)[0] == generate(target, prompt, params)[0]
     snap = table.speculation.snapshot()
     assert snap["short_answers"] == snap["partial_hits"] > 0 and table.shortened == snap["short_answers"]
+    # from the event loop's copy of the branches, or from the branches on the compute thread
+    assert (snap["early_answers"] == snap["hits"]) if early else (snap["early_answers"] == 0)
     assert table.states == {} and table.speculation.plans == {} and table.pool.used_bytes == 0
 
 
@@ -303,8 +328,8 @@ def test_the_draft_seed_follows_the_request_seed_but_is_never_it():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("saguaro_c", [1.0, 0.1])
-def test_sampling_keeps_the_target_distribution_with_partial_hits_answered_at_once(small, saguaro_c):
+@pytest.mark.parametrize("saguaro_c, early", [(1.0, False), (0.1, False), (0.1, True)])
+def test_sampling_keeps_the_target_distribution_with_partial_hits_answered_at_once(small, saguaro_c, early):
     """Depth 2 and one background step a round: hits come with one of two tokens drafted and are
     answered with it; the output is still the target's distribution."""
     target, draft = small
@@ -312,10 +337,12 @@ def test_sampling_keeps_the_target_distribution_with_partial_hits_answered_at_on
     table = make_table(draft, depth=2, budget=6, saguaro_c=saguaro_c, fallback="jit", cache_class=ShortAnswers)
     counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
     for seed in range(SAMPLES):
-        out, _ = run(target, table, PROMPT, SamplingParams(temperature=1.0, max_tokens=4, seed=seed), steps=1, tag=seed + 1)
+        out, _ = run(target, table, PROMPT, SamplingParams(temperature=1.0, max_tokens=4, seed=seed), steps=1,
+                     tag=seed + 1, early=early)
         counts[out[2], out[3]] += 1
     snap = table.speculation.snapshot()
     assert snap["short_answers"] > 100 and snap["misses"] > 100
+    assert (snap["early_answers"] == snap["hits"]) if early else (snap["early_answers"] == 0)
     assert_counts_match(counts, expected)
 
 

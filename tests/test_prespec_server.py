@@ -62,6 +62,9 @@ async def test_greedy_sessions_equal_the_target_with_prespec_over_tcp(models, fa
         snap = draft_server.snapshot()
         pre = snap["prespec"]
         assert pre["hits"] > 0 and pre["steps"] > 0 and snap["background_steps"] > 0
+        # Finished branches answered by the event loop, not behind a background step (early.py);
+        # a tree's branches (w rows a step) are rarely finished in time here
+        assert pre["early_answers"] <= pre["hits"] and (tree or pre["early_answers"] > 0), str(pre)
         assert pre[f"fallback_{fallback}"] == pre["misses"]
         assert 0 < pre["leftover_used"] <= 1
         # Loaded with six sessions: a real request waited for one background step at most.
@@ -69,7 +72,8 @@ async def test_greedy_sessions_equal_the_target_with_prespec_over_tcp(models, fa
         assert snap["proposal_bytes_mean"] > 0
         await wait_until(lambda: draft_server.table.states == {} and all(s.active == 0 for s in servers))
         spec = draft_server.table.speculation
-        assert spec.plans == {} and spec.history == {} and draft_server.table.pool.used_bytes == 0
+        assert spec.plans == {} and spec.history == {} and spec.published == {} and draft_server.commits == {}
+        assert draft_server.table.pool.used_bytes == 0
     finally:
         await stop(draft_server, links, servers)
 

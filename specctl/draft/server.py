@@ -82,6 +82,7 @@ class DraftServer(ListeningServer):
         self.proposals_sent = 0
         self.proposal_bytes = 0
         self.connections: dict[int, Connection] = {}
+        self.commits: dict[int, asyncio.Task] = {}  # early answers being made their session's KV, by tag
         self._ids = itertools.count(1)
         self._tags = itertools.count(1)
         self.started = time.time()
@@ -166,7 +167,7 @@ class DraftServer(ListeningServer):
                     self._refuse(conn, Error("busy", f"session {message.tag} already has a request in flight", tag=message.tag))
                 else:
                     conn.inflight.add(message.tag)
-                    group.create_task(self._propose(conn, message))
+                    group.create_task(self._propose(conn, message, group))
             elif isinstance(message, CloseSession):
                 if message.tag in conn.tags:
                     conn.tags.discard(message.tag)
@@ -211,6 +212,39 @@ class DraftServer(ListeningServer):
             conn.inflight.discard(tag)
         return None
 
+    def _answer_early(self, conn: Connection, message: Propose, group: asyncio.TaskGroup) -> bool:
+        """A hit answered from the branches the compute thread published, without waiting behind
+        its background step (draft/early.py); its adoption is queued at once."""
+        if self.table.speculation is None:
+            return False
+        try:
+            early = self.table.early_answer(message.tag, message.path, message.tokens)
+        except Exception:  # noqa: BLE001 - the compute thread's path serves it instead
+            log.exception("answering session %s early failed", message.tag)
+            return False
+        if early is None:
+            return False
+        reply, ticket = early
+        done = self.compute.submit_batched("commit", self.table.commit_many, ticket)
+        self.commits[message.tag] = group.create_task(self._committed(message.tag, done))
+        conn.inflight.discard(message.tag)
+        self.proposals_sent += 1
+        self.proposal_bytes += conn.send(reply)
+        return True
+
+    async def _committed(self, tag: int, done: asyncio.Future) -> None:
+        """Wait for an early answer's commit; a failed one closed the session's state, so its
+        next request is refused as an unknown tag (the target then opens a new one)."""
+        try:
+            await done
+        except UnknownTag:  # closed while its answer was out: nothing to keep
+            pass
+        except Exception:  # noqa: BLE001 - logged; that session alone is affected
+            log.exception("making an early answer of session %s its KV failed", tag)
+        finally:
+            if self.commits.get(tag) is asyncio.current_task():
+                del self.commits[tag]
+
     def _refuse(self, conn: Connection, error: Error) -> None:
         """Answer a bad or inconsistent request with an error to that peer only."""
         self.reject(conn.peer, f"{error.code}: {error.message}")
@@ -250,7 +284,13 @@ class DraftServer(ListeningServer):
             return
         conn.send(SessionOpened(message.req, tag))
 
-    async def _propose(self, conn: Connection, message: Propose) -> None:
+    async def _propose(self, conn: Connection, message: Propose, group: asyncio.TaskGroup) -> None:
+        commit = self.commits.get(message.tag)
+        if commit is not None:  # the session's last answer is still being made its KV
+            await asyncio.wait([commit])
+        if self._answer_early(conn, message, group):
+            return
+
         async def draft():
             request = (message.tag, message.path, message.tokens)
             # A hit answers at once, whatever else misses; a session with nothing planned skips

@@ -1,5 +1,8 @@
 """Per-tag draft state. Touched only on the compute thread, so no locks: the asyncio side
-checks ownership (a connection can only touch its own tags) before submitting work."""
+checks ownership (a connection can only touch its own tags) before submitting work. One
+exception, ``early_answer``: the event loop reads a session's text and outstanding proposal
+(changed only by that session's own requests, which the server runs one at a time) and the
+branches the compute thread published (draft/early.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specctl.draft.early import Ticket, commit, pick, proposal_for
 from specctl.draft.speculation import SpeculationCache
 from specctl.engine.kv_cache import KVPool
 from specctl.errors import PromptTooLong
@@ -118,6 +122,47 @@ class SessionTable:
             self._count(state, before[tag])
             results.append(_message(tag, proposal))
             self.speculation.planned(tag, state, proposal)
+        return results
+
+    def early_answer(self, tag: int, path: list[int], tokens: list[int]) -> tuple[Proposal, Ticket] | None:
+        """On the event loop: the Proposal message for this outcome from a published branch,
+        and the ticket the compute thread commits it with (``commit_many``); None: go through
+        the compute thread (a miss, a branch not far enough, a bad outcome to report)."""
+        spec, state = self.speculation, self.states.get(tag)
+        published = spec.published.get(tag) if spec is not None and state is not None else None
+        if published is None:
+            return None
+        try:
+            state.check_outcome(path, tokens)
+        except Exception:  # noqa: BLE001 - the compute thread's path reports it
+            return None
+        picked = pick(published, path, tokens)
+        if picked is None:
+            return None
+        key, branch = picked
+        message = _message(tag, proposal_for(branch, state.params.greedy))
+        return message, Ticket(tag, list(path), list(tokens), key, branch.drafted, published.plan, time.perf_counter())
+
+    def commit_many(self, tickets: list[Ticket]) -> list:
+        """On the compute thread: make each answered branch its session's and plan the next
+        round (None each, or the exception; a session that fails here is closed, so its next
+        request is refused with a clear error rather than drafted from a broken KV)."""
+        results: list = []
+        for ticket in tickets:
+            state = self.states.get(ticket.tag)
+            if state is None:  # closed while the answer was out
+                results.append(UnknownTag(ticket.tag))
+                continue
+            before = state.rounds, state.drafted, state.accepted
+            try:
+                proposal = commit(self.speculation, state, ticket)
+            except Exception as exc:  # noqa: BLE001 - reported to that request only
+                self.close(ticket.tag)
+                results.append(exc)
+                continue
+            self._count(state, before)
+            self.speculation.planned(ticket.tag, state, proposal, proposed_at=ticket.answered_at)
+            results.append(None)
         return results
 
     def _count(self, state: DraftState, before: tuple[int, int, int]) -> None:

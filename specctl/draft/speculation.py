@@ -25,6 +25,7 @@ from specctl.draft.fanout import (
     expected_hit, fanout_for, hit_curve, outcome_probs, power_law_exponent, step_time_fit, tree_outcome_probs,
 )
 from specctl.draft.prespec_config import FALLBACKS, PrespecConfig  # noqa: F401 - re-exported
+from specctl.draft.early import Published, publish
 from specctl.draft.prespec import Branch, ChainBranch, Plan, adopt, discard, finish, kv_per_branch, make_plan, proposal_of, step
 from specctl.draft.trial import Trials
 from specctl.spec.draft_state import DraftState
@@ -62,6 +63,7 @@ class PrespecStats:
     hits: int = 0
     partial_hits: int = 0  # hits whose branch was still being drafted
     short_answers: int = 0  # partial hits answered at once with the tokens drafted so far
+    early_answers: int = 0  # hits answered by the event loop, not behind a background step (early.py)
     hit_drafted: float = 0.0  # the hits' drafted shares summed (a finished branch counts 1)
     misses: int = 0
     branches_drafted: int = 0  # branches that got at least one draft forward
@@ -88,6 +90,9 @@ class SpeculationCache:
         self.ranks: collections.deque = collections.deque(maxlen=1024)
         self.trials = Trials()
         self.stats = PrespecStats()
+        # Per session, its plan's branches as last published: the one thing the event loop reads
+        # (each entry replaced whole; see early.py).
+        self.published: dict[int, Published] = {}
 
     @classmethod
     def for_drafter(cls, config: PrespecConfig, drafter: Drafter, wake=lambda: None) -> "SpeculationCache":
@@ -138,12 +143,15 @@ class SpeculationCache:
 
         return budget_that_pays(history.return_s, self.depth, fit, sharing, self.config.budget, hit_at, self.width)
 
-    def planned(self, tag: int, state: DraftState, proposal: Proposal, backup: bool = False) -> None:
-        """A proposal went out: plan its outcomes' branches (not for a backup proposal)."""
+    def planned(self, tag: int, state: DraftState, proposal: Proposal, backup: bool = False,
+                proposed_at: float | None = None) -> None:
+        """A proposal went out (at ``proposed_at``, default now): plan its outcomes' branches
+        (not for a backup proposal)."""
         history = self.history.setdefault(tag, History())
-        history.proposed_at, history.backup_pending = time.perf_counter(), backup
+        history.proposed_at = time.perf_counter() if proposed_at is None else proposed_at
+        history.backup_pending = backup
         history.planned_last, history.level_last = False, 0
-        old = self._retire(self.plans.pop(tag, None))
+        old = self._take_plan(tag)
         if old is not None:
             discard(old)
         if backup or proposal.ranked is None or not self._pays(history):
@@ -179,7 +187,7 @@ class SpeculationCache:
             history.backup_pending = False
             history.backup_rounds += 1
             history.backup_accepted += len(path)
-        plan = self._retire(self.plans.pop(tag, None))
+        plan = self._take_plan(tag)
         if plan is not None and len(tokens) == len(path) + 1 and _end_node(path) <= plan.fed:
             rank = plan.rank_of(_end_node(path), tokens[-1])
             history.ranks.append(rank)
@@ -199,7 +207,7 @@ class SpeculationCache:
         results: list[Proposal | None] = [None] * len(requests)
         adopted: list[tuple[int, int, DraftState, Plan]] = []
         for i, (tag, state, path, tokens) in enumerate(requests):
-            plan = self.outcome(tag, path, tokens) if state is not None else self._retire(self.plans.pop(tag, None))
+            plan = self.outcome(tag, path, tokens) if state is not None else self._take_plan(tag)
             if plan is None or state is None:
                 continue
             try:
@@ -234,14 +242,25 @@ class SpeculationCache:
     def _answers_now(self, tag: int, state: DraftState, branch: Branch, plan: Plan) -> bool:
         """Answer an adopted chain branch that is still being drafted with what it has? By the
         measured return and one-row step times (never without them, nor when not adaptive)."""
-        if not (self.config.adaptive and isinstance(branch, ChainBranch) and branch.live(plan.depth)):
+        if not (isinstance(branch, ChainBranch) and branch.live(plan.depth) and len(branch.tokens) >= 2):
             return False
+        return_s, step_s = self._answer_times(tag)
+        if return_s is None or step_s is None:
+            return False
+        return answer_now(len(branch.tokens) - 1, plan.depth, acceptance_estimate(state.accepted, state.drafted),
+                          return_s, step_s)
+
+    def _answer_times(self, tag: int) -> tuple[float | None, float | None]:
+        """The session's return time and a one-row step's, as measured (None: not yet, or not adaptive)."""
         history, fit = self.history.get(tag), step_time_fit(self.step_samples)
-        if history is None or history.return_s is None or fit is None or len(branch.tokens) < 2:
-            return False
-        alpha, beta = fit
-        a = acceptance_estimate(state.accepted, state.drafted)
-        return answer_now(len(branch.tokens) - 1, plan.depth, a, history.return_s, alpha + beta)
+        if not self.config.adaptive or history is None or fit is None:
+            return None, None
+        return history.return_s, fit[0] + fit[1]
+
+    def _publish(self, tag: int, plan: Plan) -> None:
+        """What the plan's branches hold now, for the event loop to answer from (early.py)."""
+        state = plan.state
+        self.published[tag] = publish(plan, acceptance_estimate(state.accepted, state.drafted), *self._answer_times(tag))
 
     def step(self) -> bool:
         """One background forward over the live branches; False when there was nothing to do."""
@@ -259,6 +278,7 @@ class SpeculationCache:
         for tag, plan in due:  # the plans just served go to the back: a step that cannot take all serves them in turn
             if id(plan) in advanced:
                 self.plans[tag] = self.plans.pop(tag)
+                self._publish(tag, plan)
         return True
 
     def fallback_for(self, misses: list[tuple[int, DraftState]]) -> str:
@@ -285,21 +305,25 @@ class SpeculationCache:
         plans = list(self.plans.values())
         return round(sum(sum(p.fanout) for p in plans) / len(plans), 2) if plans else float(self.config.budget)
 
-    def _retire(self, plan: Plan | None) -> Plan | None:
-        """A plan leaves the cache (its outcome arrived, or its session ended): count its work."""
+    def _take_plan(self, tag: int) -> Plan | None:
+        """The session's plan leaves the cache (its outcome arrived, or its session ended), and
+        with it what was published of it: count its work."""
+        self.published.pop(tag, None)
+        plan = self.plans.pop(tag, None)
         if plan is not None:
             self.stats.branches_drafted += plan.started
         return plan
 
     def drop(self, tag: int) -> None:
-        self._retire(self.plans.pop(tag, None))
+        self._take_plan(tag)
         self.history.pop(tag, None)
         self.missed.discard(tag)
 
     def snapshot(self) -> dict:
         s = self.stats
         looked = s.hits + s.misses
-        return {"hits": s.hits, "partial_hits": s.partial_hits, "short_answers": s.short_answers, "misses": s.misses,
+        return {"hits": s.hits, "partial_hits": s.partial_hits, "short_answers": s.short_answers,
+                "early_answers": s.early_answers, "misses": s.misses,
                 "hit_rate": round(s.hits / looked, 4) if looked else 0.0,
                 # what SSD's model calls the hit rate: a partial hit leaves the rest to draft
                 "hit_drafted": round(s.hit_drafted, 4),

@@ -91,10 +91,14 @@ class ComputeLane:
     async def run_batched(self, key: str, fn: Callable[[list], list], item: Any) -> Any:
         """``fn(items)`` gets every queued item of this lane and key and returns one result
         (or an exception instance) per item, in order."""
+        return await self.submit_batched(key, fn, item)
+
+    def submit_batched(self, key: str, fn: Callable[[list], list], item: Any) -> asyncio.Future:
+        """``run_batched``, queued before this call returns (not when a task first runs)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self.thread._put(_Job(fn, (item,), future, loop, time.perf_counter(), self, (id(self), key)))
-        return await future
+        return future
 
     def submit_nowait(self, fn: Callable[..., Any], *args: Any) -> None:
         """Fire work whose result nobody awaits (freeing a session's state on disconnect)."""

@@ -1,0 +1,126 @@
+"""Answering a pre-speculation hit without waiting for the device (DESIGN §4).
+
+A hit's answer needs only the tokens its branch has drafted, not the device. But the compute
+thread that owns the branches is often in the middle of a background step when an outcome
+arrives (on a GPU: kernels in flight; with ``--step-time-ms``: the emulated device's step),
+and a Propose queued behind it waited for the step to end — 85-93 ms of a 570 ms round,
+measured at d = 4 with 120 ms draft steps. So after every background step the compute thread
+publishes, per plan, what each branch has drafted (copies, swapped in whole); the event loop
+answers a Propose whose outcome a published branch holds — finished, or partly drafted when
+``fanout.answer_now`` says waiting does not pay — at once, and queues the adoption (the
+branch's KV becomes the session's; the next round is planned) for the compute thread, which
+runs it before any further background step. The answer is the proposal the compute thread
+would have sent with the same tokens, so the output is unchanged."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specctl.draft.fanout import answer_now
+from specctl.draft.prespec import ChainBranch, Plan, adopt, discard, proposal_of
+from specctl.engine.tree import TokenTree
+from specctl.spec.draft_state import DraftState
+from specctl.spec.drafters import Proposal
+
+Key = tuple[int, int]  # (the node the accepted path ends at, the bonus)
+
+
+@dataclass(frozen=True, slots=True)
+class DraftedBranch:
+    """What one branch had drafted when published."""
+    tokens: tuple[int, ...]  # a chain: the bonus, then the tokens drafted after it
+    probs: tuple[float, ...]
+    dists: tuple[torch.Tensor, ...]  # q of each drafted token (sampled chains)
+    tree: TokenTree | None  # a finished tree branch's tree; None for a chain
+    drafted: int  # tokens (a chain) or levels (a tree) drafted after the bonus
+    done: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    """A plan's branches as the event loop may read them, with what deciding needs."""
+    plan: Plan
+    depth: int
+    branches: dict[Key, DraftedBranch]
+    acceptance: float
+    return_s: float | None  # None: a partly drafted branch is never answered early
+    step_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """An answer sent from the event loop, for the compute thread to make the session's."""
+    tag: int
+    path: list[int]
+    tokens: list[int]
+    key: Key
+    drafted: int
+    plan: Plan
+    answered_at: float
+
+
+def publish(plan: Plan, acceptance: float, return_s: float | None, step_s: float | None) -> Published:
+    """Copy what the plan's branches hold now (on the compute thread, after a step)."""
+    branches: dict[Key, DraftedBranch] = {}
+    for key, branch in plan.branches.items():
+        if isinstance(branch, ChainBranch):
+            if len(branch.tokens) > 1 and len(branch.slots) == len(branch.tokens) - 1:
+                branches[key] = DraftedBranch(tuple(branch.tokens), tuple(branch.probs), tuple(branch.dists), None,
+                                              len(branch.tokens) - 1, not branch.live(plan.depth))
+        elif branch.slots and not branch.live(plan.depth):
+            branches[key] = DraftedBranch((), (), (), branch.tree, int(branch.tree.max_depth), True)
+    return Published(plan, plan.depth, branches, acceptance, return_s, step_s)
+
+
+def pick(published: Published, path: list[int], tokens: list[int]) -> tuple[Key, DraftedBranch] | None:
+    """The published branch that answers this outcome now, or None (not drafted, not far
+    enough, or an outcome that committed more than path and bonus: the compute thread decides)."""
+    if len(tokens) != len(path) + 1:
+        return None
+    key = (path[-1] if path else 0, tokens[-1])
+    branch = published.branches.get(key)
+    if branch is None:
+        return None
+    if branch.done:
+        return key, branch
+    if published.return_s is None or published.step_s is None:
+        return None
+    if answer_now(branch.drafted, published.depth, published.acceptance, published.return_s, published.step_s):
+        return key, branch
+    return None
+
+
+def proposal_for(branch: DraftedBranch, greedy: bool) -> Proposal:
+    """The proposal the branch answers with (its wire message needs no ranked candidates)."""
+    if branch.tree is not None:
+        return Proposal(branch.tree)
+    n = branch.drafted
+    tree = TokenTree.chain(branch.tokens[0], list(branch.tokens[1:n + 1]), list(branch.probs[:n]))
+    return Proposal(tree, None if greedy else torch.stack(branch.dists[:n]))
+
+
+def commit(spec, state: DraftState, ticket: Ticket) -> Proposal:
+    """On the compute thread: make the answered branch the session's (cut to what was sent, if
+    a step drafted more since), as a hit served there would; the session's new proposal."""
+    plan = spec.outcome(ticket.tag, ticket.path, ticket.tokens)
+    if plan is not ticket.plan:
+        if plan is not None:
+            discard(plan)
+        raise RuntimeError(f"session {ticket.tag}: the plan its answer came from is gone")
+    branch = plan.branches[ticket.key]
+    partial = ticket.drafted < plan.depth if isinstance(branch, ChainBranch) else False
+    stats = spec.stats
+    stats.hits += 1
+    stats.early_answers += 1
+    stats.partial_hits += partial
+    stats.short_answers += partial
+    stats.hit_drafted += min(1.0, ticket.drafted / plan.depth)
+    stats.branches_used += 1
+    if isinstance(branch, ChainBranch):
+        branch.cut(ticket.drafted)
+        plan.depth = ticket.drafted
+    adopt(plan, ticket.key)
+    state.advance(ticket.path, ticket.tokens, kv_done=True)
+    return state.proposed(proposal_of(plan))
