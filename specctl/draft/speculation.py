@@ -257,10 +257,6 @@ class SpeculationCache:
             return None, None
         return history.return_s, fit[0] + fit[1]
 
-    def _publish(self, tag: int, plan: Plan) -> None:
-        """What the plan's branches hold now, for the event loop to answer from (early.py)."""
-        state = plan.state
-        self.published[tag] = publish(plan, acceptance_estimate(state.accepted, state.drafted), *self._answer_times(tag))
 
     def step(self) -> bool:
         """One background forward over the live branches; False when there was nothing to do."""
@@ -278,7 +274,7 @@ class SpeculationCache:
         for tag, plan in due:  # the plans just served go to the back: a step that cannot take all serves them in turn
             if id(plan) in advanced:
                 self.plans[tag] = self.plans.pop(tag)
-                self._publish(tag, plan)
+                self.published[tag] = publish(plan)  # its finished branches, for the event loop (early.py)
         return True
 
     def fallback_for(self, misses: list[tuple[int, DraftState]]) -> str:
