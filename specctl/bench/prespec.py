@@ -23,8 +23,8 @@ from specctl.bench.star import StarBenchSettings, StarCluster, _measure, _worklo
 from specctl.draft.fanout import predicted_gain_over_plain
 from specctl.verify.client import remote_stats
 
-PRESPEC_KEYS = ("hits", "hit_drafted", "misses", "partial_hits", "short_answers", "branches_drafted", "branches_used",
-                "fallback_jit", "fallback_ngram", "skipped")
+PRESPEC_KEYS = ("hits", "hit_drafted", "misses", "partial_hits", "short_answers", "early_answers", "branches_drafted",
+                "branches_used", "fallback_jit", "fallback_ngram", "skipped")
 
 
 @dataclass(frozen=True, slots=True)
