@@ -151,8 +151,8 @@ def render_prespec_table(report: dict) -> Table:
                        for n, v in report["summary"].items())
     table.caption = (f"O: tokens/s of all N targets; gain: prespec O / plain O of the same repeat (min/median/max: "
                      f"{spread}); predicted: SSD Theorem 7 with the measured ready rate (hits, a partial one by "
-                     f"the share of its proposal drafted when its outcome came), T_p = S/Z; short: partial hits answered at once "
-                     f"with the tokens drafted so far")
+                     f"the share of its proposal drafted when its outcome came, a short one whole), T_p = S/Z; short: partial "
+                     f"hits answered at once with the tokens drafted so far")
     return table
 
 

@@ -224,13 +224,15 @@ class SpeculationCache:
                 self.stats.misses += 1
                 self.missed.add(tag)
                 continue
+            short = self._answers_now(tag, state, branch, plan)
             self.stats.hits += 1
             self.stats.partial_hits += branch.live(plan.depth)
-            self.stats.hit_drafted += branch.drafted(plan.depth)
+            # ready: what a hit needs no more drafting for (a short answer's proposal is all drafted)
+            self.stats.hit_drafted += 1.0 if short else branch.drafted(plan.depth)
             self.stats.branches_used += 1
-            adopted_branch = adopt(plan, key)
-            if self._answers_now(tag, state, adopted_branch, plan):
-                plan.depth = len(adopted_branch.tokens) - 1  # its proposal: what it has drafted so far
+            adopt(plan, key)
+            if short:
+                plan.depth = len(branch.tokens) - 1  # its proposal: what it has drafted so far
                 self.stats.short_answers += 1
             state.advance(path, tokens, kv_done=True)
             adopted.append((i, tag, state, plan))
