@@ -26,7 +26,9 @@ from specctl.draft.fanout import (
 )
 from specctl.draft.prespec_config import FALLBACKS, PrespecConfig  # noqa: F401 - re-exported
 from specctl.draft.early import Published, publish
-from specctl.draft.prespec import Branch, ChainBranch, Plan, adopt, discard, finish, kv_per_branch, make_plan, proposal_of, step
+from specctl.draft.prespec import (
+    Branch, ChainBranch, Plan, adopt, discard, finish, kv_per_branch, make_plan, proposal_of, step,
+)
 from specctl.draft.trial import Trials
 from specctl.spec.draft_state import DraftState
 from specctl.spec.drafters import RANKED, Drafter, ModelTreeDrafter, Proposal, tree_shape
@@ -258,7 +260,6 @@ class SpeculationCache:
         if not self.config.adaptive or history is None or fit is None:
             return None, None
         return history.return_s, fit[0] + fit[1]
-
 
     def step(self) -> bool:
         """One background forward over the live branches; False when there was nothing to do."""
