@@ -67,9 +67,9 @@ def publish(plan: Plan) -> Published:
             continue
         if isinstance(branch, ChainBranch):
             branches[key] = DraftedBranch(tuple(branch.tokens), tuple(branch.probs), tuple(branch.dists), None,
-                                          len(branch.tokens) - 1)
+                                          branch.levels)
         else:
-            branches[key] = DraftedBranch((), (), (), branch.tree, int(branch.tree.max_depth))
+            branches[key] = DraftedBranch((), (), (), branch.tree, branch.levels)
     return Published(plan, branches)
 
 

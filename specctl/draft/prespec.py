@@ -48,6 +48,11 @@ class ChainBranch:
     def live(self, depth: int) -> bool:
         return len(self.tokens) <= depth
 
+    @property
+    def levels(self) -> int:
+        """Tokens drafted after the bonus so far."""
+        return len(self.tokens) - 1
+
     def drafted(self, depth: int) -> float:
         """The share of its proposal drafted so far (the bonus is given, d tokens follow it)."""
         return min(1.0, (len(self.tokens) - 1) / depth)
@@ -76,6 +81,11 @@ class TreeBranch:
 
     def live(self, depth: int) -> bool:
         return not self.done and len(self.slots) < len(self.tree) and self.tree.max_depth < depth
+
+    @property
+    def levels(self) -> int:
+        """Levels grown below the bonus so far."""
+        return int(self.tree.max_depth)
 
     def drafted(self, depth: int) -> float:
         """The share of its proposal drafted so far: its levels grown out of d."""

@@ -8,8 +8,8 @@ compute thread.
 - ``step``: one batched forward over every plan's live branches, run by the compute
   thread only while no real request is queued (leftover capacity);
 - ``lookup_many``: a Propose whose outcome a branch holds is answered from it (finishing
-  the branch first when it is not done, or — a chain, when the measured times say waiting
-  does not pay — with the tokens it has); anything else is a miss, which the table drafts
+  the branch first when it is not done, or, when the measured times say waiting does not
+  pay, with the tokens or levels it has); anything else is a miss, which the table drafts
   just in time or with the n-gram backup (``fallback_for``), per session: a miss never
   holds back another session's hit."""
 
@@ -27,7 +27,7 @@ from specctl.draft.fanout import (
 from specctl.draft.prespec_config import FALLBACKS, PrespecConfig  # noqa: F401 - re-exported
 from specctl.draft.early import Published, publish
 from specctl.draft.prespec import (
-    Branch, ChainBranch, Plan, adopt, discard, finish, kv_per_branch, make_plan, proposal_of, step,
+    Branch, Plan, adopt, discard, finish, kv_per_branch, make_plan, proposal_of, step,
 )
 from specctl.draft.trial import Trials
 from specctl.spec.draft_state import DraftState
@@ -234,7 +234,7 @@ class SpeculationCache:
             self.stats.branches_used += 1
             adopt(plan, key)
             if short:
-                plan.depth = len(branch.tokens) - 1  # its proposal: what it has drafted so far
+                plan.depth = branch.levels  # its proposal: what it has drafted so far
                 self.stats.short_answers += 1
             state.advance(path, tokens, kv_done=True)
             adopted.append((i, tag, state, plan))
@@ -244,15 +244,15 @@ class SpeculationCache:
         return results
 
     def _answers_now(self, tag: int, state: DraftState, branch: Branch, plan: Plan) -> bool:
-        """Answer an adopted chain branch that is still being drafted with what it has? By the
-        measured return and one-row step times (never without them, nor when not adaptive)."""
-        if not (isinstance(branch, ChainBranch) and branch.live(plan.depth) and len(branch.tokens) >= 2):
+        """Answer an adopted branch that is still being drafted with what it has? By the measured
+        return and one-row step times (never without them, nor when not adaptive). A tree's
+        levels count as a chain's tokens: its acceptance rate is the session's per level."""
+        if not branch.live(plan.depth) or branch.levels < 1:
             return False
         return_s, step_s = self._answer_times(tag)
         if return_s is None or step_s is None:
             return False
-        return answer_now(len(branch.tokens) - 1, plan.depth, acceptance_estimate(state.accepted, state.drafted),
-                          return_s, step_s)
+        return answer_now(branch.levels, plan.depth, acceptance_estimate(state.accepted, state.drafted), return_s, step_s)
 
     def _answer_times(self, tag: int) -> tuple[float | None, float | None]:
         """The session's return time and a one-row step's, as measured (None: not yet, or not adaptive)."""
