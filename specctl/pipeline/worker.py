@@ -138,8 +138,8 @@ class StageWorker:
     def close(self, sid: int) -> None:
         cache = self.caches.pop(sid, None)
         if cache is not None:
+            self.stats.closed += 1  # counted first: whoever sees the pool freed sees it counted (a test raced it)
             cache.release()
-            self.stats.closed += 1
 
     def close_all(self) -> None:
         for sid in list(self.caches):
