@@ -10,7 +10,7 @@ speedup   = (h·E_p + (1-h)·E_b) / (h + (1-h)(1+T_b))   over autoregressive (Th
 budget    = argmax_B hit(B)·f(B)·(d+1)·t(w) - t(rows)/2   a partly drafted hit still saves its share f(B)
 fallback  = the backup (n-gram) when E_b/Z beats E_p/(Z + d·t_step(m)) for the m misses drafted together
             (Theorem 17's cross-over, from measured times)
-answer    = a partly drafted chain hit with its j tokens now when E(j)/Z beats E(d)/(Z + (d-j)·t_step),
+answer    = a partly drafted hit with its j tokens (levels) now when E(j)/Z beats E(d)/(Z + (d-j)·t_step),
             E(n) = Σ_{i<=n} a^i"""
 
 from __future__ import annotations
@@ -219,8 +219,8 @@ def expected_committed(a: float, drafted: int) -> float:
 
 
 def answer_now(drafted: int, depth: int, a: float, return_s: float, step_s: float) -> bool:
-    """Answer a hit whose chain branch holds ``drafted`` of its ``depth`` tokens with those
-    now, rather than drafting the rest first (one step of ``step_s`` each)? Whichever round
+    """Answer a hit whose branch holds ``drafted`` of its ``depth`` tokens (a tree: levels) with
+    those now, rather than drafting the rest first (one step of ``step_s`` each)? Whichever round
     commits more tokens a second: E(j)/Z against E(d)/(Z + (d - j)·t_step), Z the return time.
     The likeliest outcome, all d accepted, has its branches start a step late (the proposal's
     last token is fed first for their candidates), so at Z about the drafting time they come

@@ -55,7 +55,7 @@ class ChainBranch:
 
     def drafted(self, depth: int) -> float:
         """The share of its proposal drafted so far (the bonus is given, d tokens follow it)."""
-        return min(1.0, (len(self.tokens) - 1) / depth)
+        return min(1.0, self.levels / depth)
 
     def rows(self) -> list[Row]:
         return [(self.tokens[len(self.slots)], self.position + len(self.slots), list(self.slots))]
@@ -89,7 +89,7 @@ class TreeBranch:
 
     def drafted(self, depth: int) -> float:
         """The share of its proposal drafted so far: its levels grown out of d."""
-        return 1.0 if not self.live(depth) else min(1.0, int(self.tree.max_depth) / depth)
+        return 1.0 if not self.live(depth) else min(1.0, self.levels / depth)
 
     def rows(self) -> list[Row]:
         return [(int(self.tree.tokens[j]), self.position + int(self.tree.depth[j]),
