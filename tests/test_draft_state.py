@@ -44,6 +44,7 @@ def test_outcomes_that_do_not_fit_the_last_proposal_are_refused(tiny):
     state.advance([child, grandchild], [token(child), token(grandchild), 7])
     assert state.seq == [1, 2, 3, 4, token(child), token(grandchild), 7]
     assert (state.rounds, state.drafted, state.accepted, state.last_tree) == (1, 3, 2, None)
+    assert list(state.outcomes) == [(3, 2)]  # (levels proposed, accepted): nothing for the refusals
     state.close()
 
 
@@ -57,6 +58,7 @@ def test_an_outcome_may_commit_text_after_the_bonus(tiny):
     first = int(tree.tokens[1])
     state.advance([1], [first, 9, 10, 11])
     assert state.seq == [1, 2, 3, 4, first, 9, 10, 11] and state.accepted == 1
+    assert list(state.outcomes) == [(3, 1)]
     again = draft_many([state])[0]
     reference = _state(drafter, [1, 2, 3, 4, first, 9, 10])
     reference.advance([], [11])

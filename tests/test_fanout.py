@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specctl.draft.fanout import (
-    PRIOR_R, acceptance_estimate, answer_now, budget_that_fits, budget_that_pays, choose_fallback, expected_committed, expected_hit, fanout, hit_curve, fanout_for, outcome_probs,
+    PRIOR_R, PRIOR_WEIGHT, acceptance_by_position, acceptance_estimate, answer_before_step, answer_now, chain_outcome_probs, budget_that_fits, budget_that_pays, choose_fallback, expected_committed, expected_hit, fanout, hit_curve, fanout_for, outcome_probs,
     power_law_exponent, predicted_gain_over_plain, predicted_speedup, step_time_fit, tree_outcome_probs,
 )
 from specctl.spec.sampling import saguaro
@@ -140,20 +140,67 @@ def test_budget_that_pays_counts_partly_drafted_hits():
 
 
 def test_expected_committed_counts_the_accepted_tokens_and_the_bonus():
-    assert expected_committed(0.75, 4) == pytest.approx(1 + 0.75 + 0.5625 + 0.421875 + 0.31640625)
-    assert expected_committed(0.5, 0) == 1.0  # nothing drafted: the bonus alone
-    assert expected_committed(1.0, 3) == 4.0
+    assert expected_committed([0.75] * 4, 4) == pytest.approx(1 + 0.75 + 0.5625 + 0.421875 + 0.31640625)
+    assert expected_committed([0.5], 0) == 1.0  # nothing drafted: the bonus alone
+    assert expected_committed([1.0] * 3, 3) == 4.0
+    # by position: 1 + .7 + .7 * .9 + .7 * .9 * .9
+    assert expected_committed([0.7, 0.9, 0.9, 0.5], 3) == pytest.approx(1 + 0.7 + 0.63 + 0.567)
     with pytest.raises(ValueError):
-        expected_committed(1.5, 2)
+        expected_committed([1.5, 0.5], 2)
+    with pytest.raises(ValueError):
+        expected_committed([0.5], 2)  # more drafted than positions known
+
+
+def test_acceptance_by_position_is_measured_per_position_and_pulled_towards_a_while_unseen():
+    assert acceptance_by_position([], 3, 0.6) == pytest.approx([0.6, 0.6, 0.6])
+    # d = 2 rounds (proposed, accepted): position 1 reached 4 times, accepted 3; position 2 reached
+    # 3 times, accepted 2; the round of one token says nothing about position 2
+    rounds = [(2, 2), (2, 0), (2, 1), (1, 1), (2, 2)]
+    w = PRIOR_WEIGHT
+    assert acceptance_by_position(rounds, 2, 0.5) == pytest.approx([(4 + 0.5 * w) / (5 + w), (2 + 0.5 * w) / (3 + w)])
+    # streaks: every round all or nothing — position 1 is a coin flip, the later ones always follow
+    streaks = [(4, 4), (4, 0)] * 200
+    p = acceptance_by_position(streaks, 4, 0.5)
+    assert p[0] == pytest.approx(0.5) and min(p[1:]) > 0.98
+    assert chain_outcome_probs(p)[4] > 0.45  # where a geometric P(k) in a = 0.5 says 0.0625
+    with pytest.raises(ValueError):
+        acceptance_by_position(rounds, 0, 0.5)
+
+
+def test_chain_outcome_probabilities_follow_the_acceptance_by_position():
+    assert chain_outcome_probs([0.5, 0.5]) == outcome_probs(0.5, 2) == [0.5, 0.25, 0.25]
+    assert chain_outcome_probs([0.8, 0.9]) == pytest.approx([0.2, 0.08, 0.72])
+    with pytest.raises(ValueError):
+        chain_outcome_probs([])
 
 
 def test_a_partly_drafted_hit_is_answered_now_when_waiting_commits_fewer_tokens_a_second():
-    # a = 0.75, d = 4, Z = 0.5 s, a step 0.12 s: E(4) = 3.0508 over 0.5 + (4 - j)·0.12
-    assert answer_now(3, 4, 0.75, 0.5, 0.12)  # 2.7344 / 0.5 = 5.47/s against 3.0508 / 0.62 = 4.92/s
-    assert answer_now(2, 4, 0.75, 0.5, 0.12)  # 2.3125 / 0.5 = 4.63/s against 3.0508 / 0.74 = 4.12/s
-    assert not answer_now(1, 4, 0.75, 0.5, 0.12)  # 1.75 / 0.5 = 3.5/s against 3.0508 / 0.86 = 3.55/s
-    assert not answer_now(3, 4, 0.75, 0.5, 0.01)  # a fast step: 3.0508 / 0.51 = 5.98/s against 5.47/s
-    assert not answer_now(4, 4, 0.75, 0.5, 0.12)  # done: nothing to wait for
-    for bad in [(0, 4, 0.75, 0.5, 0.1), (5, 4, 0.75, 0.5, 0.1), (2, 4, 0.75, 0.0, 0.1), (2, 4, 0.75, 0.5, -1.0)]:
+    # p = 0.75 at every position, d = 4, Z = 0.5 s, a step 0.12 s: E(4) = 3.0508 over 0.5 + (4 - j)·0.12
+    a = [0.75] * 4
+    assert answer_now(3, 4, a, 0.5, 0.12)  # 2.7344 / 0.5 = 5.47/s against 3.0508 / 0.62 = 4.92/s
+    assert answer_now(2, 4, a, 0.5, 0.12)  # 2.3125 / 0.5 = 4.63/s against 3.0508 / 0.74 = 4.12/s
+    assert not answer_now(1, 4, a, 0.5, 0.12)  # 1.75 / 0.5 = 3.5/s against 3.0508 / 0.86 = 3.55/s
+    assert not answer_now(3, 4, a, 0.5, 0.01)  # a fast step: 3.0508 / 0.51 = 5.98/s against 5.47/s
+    assert not answer_now(4, 4, a, 0.5, 0.12)  # done: nothing to wait for
+    # A 0.1 s step: at p = 0.75 throughout, 2.7344 / 0.5 = 5.47/s now against 3.0508 / 0.6 = 5.08/s; in
+    # streaks (p = .6, .99, .99, .99: a round that starts well goes on) E(3) = 2.7821, E(4) = 3.3642,
+    # 5.56/s now against 5.61/s after one more step: wait
+    assert answer_now(3, 4, a, 0.5, 0.1)
+    assert not answer_now(3, 4, [0.6, 0.99, 0.99, 0.99], 0.5, 0.1)
+    for bad in [(0, 4, a, 0.5, 0.1), (5, 4, a, 0.5, 0.1), (2, 4, a, 0.0, 0.1), (2, 4, a, 0.5, -1.0), (2, 4, a[:3], 0.5, 0.1)]:
         with pytest.raises(ValueError):
             answer_now(*bad)
+
+
+def test_a_partial_hit_is_answered_before_the_step_in_flight_when_its_rest_costs_more_than_a_token():
+    # p = 0.75, d = 4, Z = 0.5 s, steps of 0.12 s; r: what is left of the step in flight
+    a = [0.75] * 4
+    assert answer_before_step(3, 4, a, 0.5, 0.1, 0.12)  # 2.7344 / 0.5 = 5.47/s against 3.0508 / 0.6 = 5.08/s
+    assert not answer_before_step(3, 4, a, 0.5, 0.02, 0.12)  # the step nearly done: 3.0508 / 0.52 = 5.87/s
+    assert answer_before_step(2, 4, a, 0.5, 0.1, 0.12)  # 4.63/s against 4.56/s (one more) and 4.24/s (all)
+    assert not answer_before_step(2, 4, a, 0.5, 0.02, 0.12)  # 4.63/s against 5.26/s after the step
+    assert not answer_before_step(1, 4, a, 0.5, 0.1, 0.12)  # 3.5/s against 3.85/s
+    for bad in [(0, 4, a, 0.5, 0.1, 0.1), (4, 4, a, 0.5, 0.1, 0.1), (2, 4, a, 0.0, 0.1, 0.1), (2, 4, a, 0.5, -0.1, 0.1),
+                (2, 4, a[:3], 0.5, 0.1, 0.1)]:
+        with pytest.raises(ValueError):
+            answer_before_step(*bad)

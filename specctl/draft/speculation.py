@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import collections
 import time
-from dataclasses import dataclass, field
 from functools import partial
 
 from specctl.draft.fanout import (
-    MIN_OUTCOMES_FOR_FIT, acceptance_estimate, answer_now, budget_that_fits, budget_that_pays, choose_fallback,
-    expected_hit, fanout_for, hit_curve, outcome_probs, power_law_exponent, step_time_fit, tree_outcome_probs,
+    MIN_OUTCOMES_FOR_FIT, acceptance_by_position, acceptance_estimate, answer_now, budget_that_fits, budget_that_pays,
+    chain_outcome_probs, choose_fallback, expected_hit, fanout_for, hit_curve, power_law_exponent, step_time_fit,
+    tree_outcome_probs,
 )
 from specctl.draft.prespec_config import FALLBACKS, PrespecConfig  # noqa: F401 - re-exported
 from specctl.draft.early import Published, publish
+from specctl.draft.history import History, PrespecStats
 from specctl.draft.prespec import (
     Branch, Plan, adopt, discard, finish, kv_per_branch, make_plan, proposal_of, step,
 )
@@ -34,47 +35,9 @@ from specctl.spec.draft_state import DraftState
 from specctl.spec.drafters import RANKED, Drafter, ModelTreeDrafter, Proposal, tree_shape
 from specctl.spec.sampling import saguaro
 
-PRIOR_BACKUP_LENGTH = 1.2  # tokens per round the n-gram backup is assumed to give before it is measured
-
-
 def _end_node(path: list[int]) -> int:
     """The proposal node the accepted path ends at (0: the root, nothing accepted)."""
     return path[-1] if path else 0
-
-
-@dataclass(slots=True)
-class History:
-    """What a session's past rounds say about its next outcome."""
-    ranks: collections.deque = field(default_factory=lambda: collections.deque(maxlen=256))
-    proposed_at: float | None = None
-    return_s: float | None = None  # draft-side return time Z (proposal sent -> next outcome), smoothed
-    backup_pending: bool = False  # its last proposal came from the n-gram backup
-    backup_rounds: int = 0
-    backup_accepted: int = 0
-    last_outcome_at: float | None = None
-    planned_last: bool = False  # its last proposal was pre-speculated
-    level_last: int = 0  # the load level whose trial its last proposal counts for (0: none)
-
-    @property
-    def backup_length(self) -> float:
-        return 1 + self.backup_accepted / self.backup_rounds if self.backup_rounds else PRIOR_BACKUP_LENGTH
-
-
-@dataclass(slots=True)
-class PrespecStats:
-    hits: int = 0
-    partial_hits: int = 0  # hits whose branch was still being drafted
-    short_answers: int = 0  # partial hits answered at once with the tokens drafted so far
-    early_answers: int = 0  # hits answered by the event loop, not behind a background step (early.py)
-    hit_drafted: float = 0.0  # the hits' drafted shares summed (a finished branch counts 1)
-    misses: int = 0
-    branches_drafted: int = 0  # branches that got at least one draft forward
-    branches_used: int = 0
-    steps: int = 0
-    busy_s: float = 0.0
-    fallback_jit: int = 0
-    fallback_ngram: int = 0
-    skipped: int = 0  # rounds not pre-speculated (a trial without it, or it did not pay)
 
 
 class SpeculationCache:
@@ -95,6 +58,7 @@ class SpeculationCache:
         # Per session, its plan's branches as last published: the one thing the event loop reads
         # (each entry replaced whole; see early.py).
         self.published: dict[int, Published] = {}
+        self.step_ends_at: float | None = None  # when the background step in flight should end (early.py)
 
     @classmethod
     def for_drafter(cls, config: PrespecConfig, drafter: Drafter, wake=lambda: None) -> "SpeculationCache":
@@ -112,7 +76,7 @@ class SpeculationCache:
         if state.params.greedy or self.config.saguaro_c >= 1.0 or tree_shape(state.session) is not None:
             return None
         history = self.history.setdefault(tag, History())
-        outcomes = outcome_probs(acceptance_estimate(state.accepted, state.drafted), self.depth)
+        outcomes = chain_outcome_probs(_acceptance(state, self.depth))
         r = power_law_exponent(history.ranks, RANKED - 1)
         counts = fanout_for(outcomes, r, self.budget_for(history, outcomes, r), RANKED - 1)
         return partial(_saguaro_at, counts, self.config.saguaro_c)
@@ -121,8 +85,11 @@ class SpeculationCache:
         """F_v for each node of the proposal, from the session's acceptance rate and exponent."""
         history = self.history.setdefault(tag, History())
         tree = proposal.tree
-        outcomes = tree_outcome_probs(acceptance_estimate(state.accepted, state.drafted), tree.parents.tolist(),
-                                      tree.probs.tolist())
+        if int(tree.max_depth) == len(tree) - 1:  # a chain: its outcomes from the acceptance by position
+            outcomes = chain_outcome_probs(_acceptance(state, len(tree) - 1))
+        else:
+            outcomes = tree_outcome_probs(acceptance_estimate(state.accepted, state.drafted), tree.parents.tolist(),
+                                          tree.probs.tolist())
         r = power_law_exponent(history.ranks, RANKED - 1)
         return fanout_for(outcomes, r, self.budget_for(history, outcomes, r), RANKED - 1)
 
@@ -252,7 +219,7 @@ class SpeculationCache:
         return_s, step_s = self._answer_times(tag)
         if return_s is None or step_s is None:
             return False
-        return answer_now(branch.levels, plan.depth, acceptance_estimate(state.accepted, state.drafted), return_s, step_s)
+        return answer_now(branch.levels, plan.depth, _acceptance(state, plan.depth), return_s, step_s)
 
     def _answer_times(self, tag: int) -> tuple[float | None, float | None]:
         """The session's return time and a one-row step's, as measured (None: not yet, or not adaptive)."""
@@ -269,7 +236,13 @@ class SpeculationCache:
         rows = {id(plan): len(plan.tails) + sum(len(b.rows()) for b in plan.branches.values() if b.live(plan.depth))
                 for _, plan in due}
         started = time.perf_counter()
-        advanced = {id(plan) for plan in step([plan for _, plan in due], self.config.max_rows)}
+        fit = step_time_fit(self.step_samples)
+        if fit is not None:  # rows beyond max_rows wait for the next step
+            self.step_ends_at = started + fit[0] + fit[1] * min(sum(rows.values()), self.config.max_rows)
+        try:
+            advanced = {id(plan) for plan in step([plan for _, plan in due], self.config.max_rows)}
+        finally:
+            self.step_ends_at = None
         seconds = time.perf_counter() - started
         self.step_samples.append((sum(rows[key] for key in advanced), seconds))
         self.stats.steps += 1
@@ -277,7 +250,8 @@ class SpeculationCache:
         for tag, plan in due:  # the plans just served go to the back: a step that cannot take all serves them in turn
             if id(plan) in advanced:
                 self.plans[tag] = self.plans.pop(tag)
-                self.published[tag] = publish(plan)  # its finished branches, for the event loop (early.py)
+                # what the event loop answers from (early.py), with what deciding a partial answer needs
+                self.published[tag] = publish(plan, tuple(_acceptance(plan.state, plan.depth)), *self._answer_times(tag))
         return True
 
     def fallback_for(self, misses: list[tuple[int, DraftState]]) -> str:
@@ -332,6 +306,11 @@ class SpeculationCache:
                 "trials": self.trials.snapshot(),
                 "plans": len(self.plans), "budget": self.config.budget, "budget_now": self._budget_now(), "saguaro_c": self.config.saguaro_c,
                 "fallback": self.config.fallback}
+
+
+def _acceptance(state: DraftState, depth: int) -> list[float]:
+    """The session's acceptance by position 1..depth (per level for a tree), from its rounds."""
+    return acceptance_by_position(state.outcomes, depth, acceptance_estimate(state.accepted, state.drafted))
 
 
 def _saguaro_at(counts: list[int], c: float, position: int, q):

@@ -60,17 +60,22 @@ def draft_panel(draft: dict, targets: list[dict], state: MonitorState) -> Panel:
     table.add_row(f"[{style}]{regime.label}[/]", f"N {regime.targets} vs N_full {n_full}",
                   f"accept {s.get('acceptance_rate', 0):.0%}", f"MAL {s.get('mean_accepted_length', 0):.2f}")
     if isinstance(s.get("prespec"), dict):
-        table.add_row(*prespec_row(s["prespec"]))
+        for row in prespec_rows(s["prespec"]):
+            table.add_row(*row)
     return Panel(table, title=f"draft {address} ({s.get('model', '?')})"[:60], border_style="blue")
 
 
-def prespec_row(prespec: dict) -> tuple[str, str, str, str]:
+def prespec_rows(prespec: dict) -> list[tuple[str, str, str, str]]:
     """Pre-speculation on the draft server: cache hits, branches used of drafted, idle time put
-    to use, and how misses were drafted."""
-    return (f"prespec hit [bold]{prespec.get('hit_rate', 0):.0%}[/] ({prespec.get('ready_rate', 0):.0%} ready)",
-            f"branches {prespec.get('branches_used', 0)}/{prespec.get('branches_drafted', 0)}",
-            f"leftover {prespec.get('leftover_used', 0):.0%}",
-            f"miss jit {prespec.get('fallback_jit', 0)} ng {prespec.get('fallback_ngram', 0)}")
+    to use, how misses were drafted; then how hits were answered (still being drafted, with the
+    tokens drafted so far, from the event loop) and the rounds not pre-speculated."""
+    return [(f"prespec hit [bold]{prespec.get('hit_rate', 0):.0%}[/] ({prespec.get('ready_rate', 0):.0%} ready)",
+             f"branches {prespec.get('branches_used', 0)}/{prespec.get('branches_drafted', 0)}",
+             f"leftover {prespec.get('leftover_used', 0):.0%}",
+             f"miss jit {prespec.get('fallback_jit', 0)} ng {prespec.get('fallback_ngram', 0)}"),
+            (f"hits {prespec.get('hits', 0)} partial {prespec.get('partial_hits', 0)}",
+             f"short {prespec.get('short_answers', 0)}", f"early {prespec.get('early_answers', 0)}",
+             f"skipped {prespec.get('skipped', 0)}")]
 
 
 def targets_table(targets: list[dict], state: MonitorState) -> Table:

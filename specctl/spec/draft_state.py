@@ -6,7 +6,8 @@ not fit the last proposal is refused before it reaches the model."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import collections
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +37,8 @@ class DraftState:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    # (tokens or levels proposed, accepted) of its recent rounds: acceptance by position
+    outcomes: collections.deque = field(default_factory=lambda: collections.deque(maxlen=256))
 
     def check_outcome(self, path: list[int], tokens: list[int]) -> None:
         """Refuse an outcome that is not one the last proposal could have had: BadRequest."""
@@ -72,6 +75,7 @@ class DraftState:
             self.rounds += 1
             self.drafted += self.last_tree.max_depth
             self.accepted += len(path)
+            self.outcomes.append((int(self.last_tree.max_depth), len(path)))
             self.last_tree = None
         self.seq.extend(tokens)
 
