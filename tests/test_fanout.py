@@ -153,11 +153,14 @@ def test_expected_committed_counts_the_accepted_tokens_and_the_bonus():
 
 def test_acceptance_by_position_is_measured_per_position_and_pulled_towards_a_while_unseen():
     assert acceptance_by_position([], 3, 0.6) == pytest.approx([0.6, 0.6, 0.6])
-    # d = 2 rounds (proposed, accepted): position 1 reached 4 times, accepted 3; position 2 reached
-    # 3 times, accepted 2; the round of one token says nothing about position 2
+    # d = 2 rounds (proposed, accepted): position 1 reached 5 times, accepted 4; position 2 reached
+    # 3 times, accepted 2 (the round of one token says nothing about it), pulled towards p_1
     rounds = [(2, 2), (2, 0), (2, 1), (1, 1), (2, 2)]
     w = PRIOR_WEIGHT
-    assert acceptance_by_position(rounds, 2, 0.5) == pytest.approx([(4 + 0.5 * w) / (5 + w), (2 + 0.5 * w) / (3 + w)])
+    p1 = (4 + 0.5 * w) / (5 + w)
+    assert acceptance_by_position(rounds, 2, 0.5) == pytest.approx([p1, (2 + p1 * w) / (3 + w)])
+    # never reached: as likely as the position before it
+    assert acceptance_by_position([(1, 1)] * 50, 3, 0.5)[1:] == pytest.approx([(50 + 0.5 * w) / (50 + w)] * 2)
     # streaks: every round all or nothing — position 1 is a coin flip, the later ones always follow
     streaks = [(4, 4), (4, 0)] * 200
     p = acceptance_by_position(streaks, 4, 0.5)
