@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specctl.draft.fanout import (
-    PRIOR_R, PRIOR_WEIGHT, acceptance_by_position, acceptance_estimate, answer_before_step, answer_now, chain_outcome_probs, budget_that_fits, budget_that_pays, choose_fallback, expected_committed, expected_hit, fanout, hit_curve, fanout_for, outcome_probs,
+    PRIOR_R, PRIOR_WEIGHT, acceptance_by_position, acceptance_estimate, answer_now, chain_outcome_probs, budget_that_fits, budget_that_pays, choose_fallback, expected_committed, expected_hit, fanout, hit_curve, fanout_for, outcome_probs,
     power_law_exponent, predicted_gain_over_plain, predicted_speedup, step_time_fit, tree_outcome_probs,
 )
 from specctl.spec.sampling import saguaro
@@ -194,16 +194,3 @@ def test_a_partly_drafted_hit_is_answered_now_when_waiting_commits_fewer_tokens_
         with pytest.raises(ValueError):
             answer_now(*bad)
 
-
-def test_a_partial_hit_is_answered_before_the_step_in_flight_when_its_rest_costs_more_than_a_token():
-    # p = 0.75, d = 4, Z = 0.5 s, steps of 0.12 s; r: what is left of the step in flight
-    a = [0.75] * 4
-    assert answer_before_step(3, 4, a, 0.5, 0.1, 0.12)  # 2.7344 / 0.5 = 5.47/s against 3.0508 / 0.6 = 5.08/s
-    assert not answer_before_step(3, 4, a, 0.5, 0.02, 0.12)  # the step nearly done: 3.0508 / 0.52 = 5.87/s
-    assert answer_before_step(2, 4, a, 0.5, 0.1, 0.12)  # 4.63/s against 4.56/s (one more) and 4.24/s (all)
-    assert not answer_before_step(2, 4, a, 0.5, 0.02, 0.12)  # 4.63/s against 5.26/s after the step
-    assert not answer_before_step(1, 4, a, 0.5, 0.1, 0.12)  # 3.5/s against 3.85/s
-    for bad in [(0, 4, a, 0.5, 0.1, 0.1), (4, 4, a, 0.5, 0.1, 0.1), (2, 4, a, 0.0, 0.1, 0.1), (2, 4, a, 0.5, -0.1, 0.1),
-                (2, 4, a[:3], 0.5, 0.1, 0.1)]:
-        with pytest.raises(ValueError):
-            answer_before_step(*bad)

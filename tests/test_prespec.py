@@ -3,8 +3,6 @@ against the table as a target would over TCP, with the background steps a busy o
 draft would fit between proposal and outcome. Exact output with hits, partial hits and
 forced misses; the target's distribution with Saguaro sampling; freed state."""
 
-import time
-
 import pytest
 import torch
 
@@ -28,12 +26,10 @@ PROMPTS = [[5, 9, 13, 2], [7, 8, 9, 10, 7, 8, 9], [100, 3], [1, 2, 3, 1, 2, 3]]
 
 class TableSpeculator:
     """Stands for a target's link to a draft server: Propose -> lookup, then drafting on a miss;
-    ``steps`` background steps run while the target verifies. ``in_flight``: each outcome
-    arrives while one more background step is running (the event loop may answer a partly
-    drafted chain from what was published; that step ends before the answer is committed)."""
+    ``steps`` background steps run while the target verifies."""
 
-    def __init__(self, table: SessionTable, tag: int, steps: int, early: bool = False, in_flight: bool = False) -> None:
-        self.table, self.tag, self.steps, self.early, self.in_flight = table, tag, steps, early, in_flight
+    def __init__(self, table: SessionTable, tag: int, steps: int, early: bool = False) -> None:
+        self.table, self.tag, self.steps, self.early = table, tag, steps, early
         self.max_nodes = table.drafter.max_nodes
         self.opened = False
 
@@ -49,13 +45,7 @@ class TableSpeculator:
         else:
             path, tokens = session.last_path, session.last_committed
         request = (self.tag, path, tokens)
-        spec = self.table.speculation
-        if self.in_flight:
-            spec.step_ends_at = time.perf_counter() + 10.0
         early = self.table.early_answer(self.tag, path, tokens) if self.early else None
-        if self.in_flight:
-            spec.step()  # the step in flight ends before the answer is committed
-            spec.step_ends_at = None
         if early is not None:  # as the server does: answered from what was published, then committed
             message, ticket = early
             [error] = self.table.commit_many([ticket])
@@ -90,8 +80,8 @@ class ShortAnswers(SpeculationCache):
         return 1.0, 1.0
 
 
-def run(target, table, prompt, params, steps, tag=1, early=False, in_flight=False):
-    speculator = TableSpeculator(table, tag, steps, early, in_flight)
+def run(target, table, prompt, params, steps, tag=1, early=False):
+    speculator = TableSpeculator(table, tag, steps, early)
     session = DecodeSession(target, prompt, params, max_nodes=speculator.max_nodes)
     run_inline(run_session(session, speculator, InlineLane(), lambda tokens, result: None))
     return session.output, session.stats
@@ -227,26 +217,6 @@ def test_partly_drafted_hits_answered_at_once_keep_the_output_and_the_kv_exact(t
     assert table.states == {} and table.speculation.plans == {} and table.pool.used_bytes == 0
 
 
-@pytest.mark.parametrize("steps", [1, 2])
-def test_partly_drafted_chains_answered_while_a_step_is_in_flight_keep_the_output_and_the_kv_exact(tiny, steps):
-    """The event loop answers a partial chain hit with the tokens last published while the step in
-    flight drafts one more (a step as slow as the return time: waiting never pays); that step
-    ends before the answer is committed, and the commit cuts the branch back to what was sent:
-    each proposal is the first part of just-in-time drafting's, the KV holds exactly the text."""
-    target, draft = tiny["llama"], tiny["llama-self2"]
-    table = make_table(draft, depth=4, budget=6, table_class=CheckedTable, cache_class=ShortAnswers)
-    table.checked, table.shortened, table.short = 0, 0, True
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
-    for tag, prompt in enumerate(PROMPTS, 1):
-        assert run(target, table, prompt, params, steps, tag, early=True, in_flight=True)[0] == \
-            generate(target, prompt, params)[0]
-    snap = table.speculation.snapshot()
-    assert snap["short_answers"] == snap["partial_hits"] > 0 and table.shortened == snap["short_answers"]
-    assert snap["early_answers"] > snap["hits"] - snap["partial_hits"]  # partial ones among them
-    assert table.speculation.step_ends_at is None
-    assert table.states == {} and table.speculation.plans == {} and table.pool.used_bytes == 0
-
-
 def test_a_hit_answers_from_the_branch_without_drafting(tiny):
     target, draft = tiny["llama"], tiny["llama-self2"]
     table = make_table(draft, budget=16)
@@ -362,28 +332,22 @@ def test_the_draft_seed_follows_the_request_seed_but_is_never_it():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("saguaro_c, early, in_flight", [(1.0, False, False), (0.1, False, False), (0.1, True, False),
-                                                        (0.1, True, True)])
-def test_sampling_keeps_the_target_distribution_with_partial_hits_answered_at_once(small, saguaro_c, early, in_flight):
+@pytest.mark.parametrize("saguaro_c, early", [(1.0, False), (0.1, False), (0.1, True)])
+def test_sampling_keeps_the_target_distribution_with_partial_hits_answered_at_once(small, saguaro_c, early):
     """Depth 2 and one background step a round: hits come with one of two tokens drafted and are
     answered with it; with two steps (early) the branches after a rejection finish and are
-    answered from the event loop's copy (a full accept, rare here, with one token); with one
-    step and another in flight, the event loop answers the partial ones too, cut back after it. The output is still
-    the target's distribution."""
+    answered from the event loop's copy (a full accept, rare here, with one token). The output
+    is still the target's distribution."""
     target, draft = small
     expected = _exact_joint_of_tokens_3_and_4(target, SamplingParams(temperature=1.0))
     table = make_table(draft, depth=2, budget=6, saguaro_c=saguaro_c, fallback="jit", cache_class=ShortAnswers)
     counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
     for seed in range(SAMPLES):
         out, _ = run(target, table, PROMPT, SamplingParams(temperature=1.0, max_tokens=4, seed=seed),
-                     steps=2 if early and not in_flight else 1, tag=seed + 1, early=early, in_flight=in_flight)
+                     steps=2 if early else 1, tag=seed + 1, early=early)
         counts[out[2], out[3]] += 1
     snap = table.speculation.snapshot()
-    assert snap["misses"] > 100
-    if in_flight:
-        assert snap["early_answers"] > snap["hits"] - snap["partial_hits"] and snap["short_answers"] > 100
-    else:
-        assert snap["early_answers"] == (snap["hits"] - snap["partial_hits"] if early else 0)
+    assert snap["misses"] > 100 and snap["early_answers"] == (snap["hits"] - snap["partial_hits"] if early else 0)
     assert snap["early_answers" if early else "short_answers"] > 100
     assert_counts_match(counts, expected)
 

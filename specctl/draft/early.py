@@ -11,14 +11,10 @@ adoption (the branch's KV becomes the session's; the next round is planned) for 
 thread, which runs it before any further background step. The answer is the proposal the
 compute thread would have sent, so the output is unchanged.
 
-A partly drafted chain branch is answered from the event loop too, with the tokens the last
-published step left, when waiting for the step in flight (which would add one) does not pay
-by ``fanout.answer_before_step``: the remaining time of that step against one more token,
-valued with the session's acceptance by position. Always answering them early measured 1.21x
-against 1.43x (proposals of 2.4 tokens against 3.5, d = 4, 120 ms draft steps, a 410 ms
-verification): with acceptance geometric in the mean rate a token looked worth too little.
-The compute thread cuts the adopted branch back to what was sent. Partly grown trees go
-through the compute thread."""
+A partly drafted branch still goes through the compute thread, after the step in flight,
+which may well be drafting its next token: answering it early with what the last published
+step left (``fanout.answer_now`` on those tokens) measured 1.21x against 1.43x — proposals of
+2.4 tokens against 3.5 (d = 4, 120 ms steps, a 410 ms verification)."""
 
 from __future__ import annotations
 
@@ -26,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 
-from specctl.draft.fanout import answer_before_step
 from specctl.draft.prespec import ChainBranch, Plan, adopt, discard, proposal_of
 from specctl.engine.tree import TokenTree
 from specctl.spec.draft_state import DraftState
@@ -37,24 +32,19 @@ Key = tuple[int, int]  # (the node the accepted path ends at, the bonus)
 
 @dataclass(frozen=True, slots=True)
 class DraftedBranch:
-    """A branch as published: finished, or a chain with at least one token after its bonus."""
+    """A finished branch, as published."""
     tokens: tuple[int, ...]  # a chain: the bonus, then the tokens drafted after it
     probs: tuple[float, ...]
     dists: tuple[torch.Tensor, ...]  # q of each drafted token (sampled chains)
     tree: TokenTree | None  # a finished tree branch's tree; None for a chain
     drafted: int  # tokens (a chain) or levels (a tree) drafted after the bonus
-    done: bool
 
 
 @dataclass(frozen=True, slots=True)
 class Published:
-    """A plan's branches as the event loop may read them, with what deciding needs."""
+    """A plan's finished branches as the event loop may read them."""
     plan: Plan
-    depth: int
     branches: dict[Key, DraftedBranch]
-    acceptance: tuple[float, ...] = ()  # the session's by position 1..depth
-    return_s: float | None = None  # None: a partly drafted branch goes through the compute thread
-    step_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,39 +59,28 @@ class Ticket:
     answered_at: float
 
 
-def publish(plan: Plan, acceptance: tuple[float, ...] = (), return_s: float | None = None,
-            step_s: float | None = None) -> Published:
-    """Copy what the plan's branches hold (on the compute thread, after a step): finished ones,
-    and chains with a token after their bonus."""
+def publish(plan: Plan) -> Published:
+    """Copy the plan's finished branches (on the compute thread, after a step)."""
     branches: dict[Key, DraftedBranch] = {}
     for key, branch in plan.branches.items():
-        done = not branch.live(plan.depth)
+        if not branch.slots or branch.live(plan.depth):
+            continue
         if isinstance(branch, ChainBranch):
-            if branch.levels >= 1 and len(branch.slots) == branch.levels:
-                branches[key] = DraftedBranch(tuple(branch.tokens), tuple(branch.probs), tuple(branch.dists), None,
-                                              branch.levels, done)
-        elif branch.slots and done:
-            branches[key] = DraftedBranch((), (), (), branch.tree, branch.levels, True)
-    return Published(plan, plan.depth, branches, acceptance, return_s, step_s)
+            branches[key] = DraftedBranch(tuple(branch.tokens), tuple(branch.probs), tuple(branch.dists), None,
+                                          branch.levels)
+        else:
+            branches[key] = DraftedBranch((), (), (), branch.tree, branch.levels)
+    return Published(plan, branches)
 
 
-def pick(published: Published, path: list[int], tokens: list[int], step_ends_at: float | None,
-         now: float) -> tuple[Key, DraftedBranch] | None:
-    """The published branch that answers this outcome now, or None (a miss, a branch better
-    finished first, or an outcome that committed more than path and bonus: the compute thread
-    decides). ``step_ends_at``: when the background step in flight should end (None: none is)."""
+def pick(published: Published, path: list[int], tokens: list[int]) -> tuple[Key, DraftedBranch] | None:
+    """The finished branch that answers this outcome, or None (a miss, a branch still being
+    drafted, or an outcome that committed more than path and bonus: the compute thread decides)."""
     if len(tokens) != len(path) + 1:
         return None
     key = (path[-1] if path else 0, tokens[-1])
     branch = published.branches.get(key)
-    if branch is None or branch.done:
-        return None if branch is None else (key, branch)
-    if step_ends_at is None or published.return_s is None or published.step_s is None:
-        return None
-    if answer_before_step(branch.drafted, published.depth, published.acceptance, published.return_s,
-                          max(0.0, step_ends_at - now), published.step_s):
-        return key, branch
-    return None
+    return None if branch is None else (key, branch)
 
 
 def proposal_for(branch: DraftedBranch, greedy: bool) -> Proposal:
@@ -114,25 +93,18 @@ def proposal_for(branch: DraftedBranch, greedy: bool) -> Proposal:
 
 
 def commit(spec, state: DraftState, ticket: Ticket) -> Proposal:
-    """On the compute thread: make the answered branch the session's (cut back to what was sent,
-    when a step drafted more since), as a hit served there would; the session's new proposal."""
+    """On the compute thread: make the answered branch the session's, as a hit served there
+    would; the session's new proposal."""
     plan = spec.outcome(ticket.tag, ticket.path, ticket.tokens)
     if plan is not ticket.plan:
         if plan is not None:
             discard(plan)
         raise RuntimeError(f"session {ticket.tag}: the plan its answer came from is gone")
-    branch = plan.branches[ticket.key]
-    short = isinstance(branch, ChainBranch) and ticket.drafted < plan.depth
     stats = spec.stats
     stats.hits += 1
     stats.early_answers += 1
-    stats.partial_hits += short
-    stats.short_answers += short
-    stats.hit_drafted += 1.0  # nothing of what was sent is left to draft
+    stats.hit_drafted += 1.0
     stats.branches_used += 1
-    if short:
-        branch.cut(ticket.drafted)
-        plan.depth = ticket.drafted
     adopt(plan, ticket.key)
     state.advance(ticket.path, ticket.tokens, kv_done=True)
     return state.proposed(proposal_of(plan))

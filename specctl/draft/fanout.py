@@ -13,8 +13,7 @@ budget    = argmax_B hit(B)·f(B)·(d+1)·t(w) - t(rows)/2   a partly drafted hi
 fallback  = the backup (n-gram) when E_b/Z beats E_p/(Z + d·t_step(m)) for the m misses drafted together
             (Theorem 17's cross-over, from measured times)
 answer    = a partly drafted hit with its j tokens (levels) now when E(j)/Z beats E(d)/(Z + (d-j)·t_step),
-            E(n) = 1 + Σ_{i<=n} p_1..p_i; while the step that drafts its next token is in flight (r left),
-            from the event loop when E(j)/Z beats E(j+1)/(Z + r) and E(d)/(Z + r + (d-j-1)·t_step)"""
+            E(n) = 1 + Σ_{i<=n} p_1..p_i"""
 
 from __future__ import annotations
 
@@ -274,19 +273,3 @@ def answer_now(drafted: int, depth: int, p: Sequence[float], return_s: float, st
     later = expected_committed(p, depth) / (return_s + (depth - drafted) * step_s)
     return now > later
 
-
-def answer_before_step(drafted: int, depth: int, p: Sequence[float], return_s: float, remaining_s: float,
-                       step_s: float) -> bool:
-    """A hit whose branch holds ``drafted`` of its ``depth`` tokens arrives while the step that
-    drafts its next token is in flight, ``remaining_s`` from its end: answer now with those
-    rather than wait for that step (one more token) or for the rest of its proposal? E(j)/Z
-    against E(j+1)/(Z + r) and E(d)/(Z + r + (d - j - 1)·t_step). Why: the wait for the step in
-    flight is part of a step, often most of one, so it can cost more than a token is worth."""
-    if not 1 <= drafted < depth <= len(p) or return_s <= 0 or remaining_s < 0 or step_s < 0:
-        raise ValueError(f"need 1 <= drafted < depth <= {len(p)}, return_s > 0 and remaining_s, step_s >= 0, got "
-                         f"drafted={drafted}, depth={depth}, return_s={return_s}, remaining_s={remaining_s}, "
-                         f"step_s={step_s}")
-    now = expected_committed(p, drafted) / return_s
-    after_step = expected_committed(p, drafted + 1) / (return_s + remaining_s)
-    after_all = expected_committed(p, depth) / (return_s + remaining_s + (depth - drafted - 1) * step_s)
-    return now > max(after_step, after_all)

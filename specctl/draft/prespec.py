@@ -64,12 +64,6 @@ class ChainBranch:
         self.slots += slots
         _draw(plan, self, logits[0])
 
-    def cut(self, drafted: int) -> None:
-        """Keep the first ``drafted`` tokens after the bonus (an answer sent with them while a
-        step drafted more): their KV slots are the bonus's and the tokens' before the last."""
-        del self.tokens[drafted + 1:], self.slots[drafted:], self.probs[drafted:], self.dists[drafted:]
-        del self.ranked[drafted:]
-
     def proposal(self, plan: "Plan") -> Proposal:
         params = plan.state.params
         return Proposal(TokenTree.chain(self.tokens[0], self.tokens[1:], self.probs),

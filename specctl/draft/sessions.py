@@ -136,7 +136,7 @@ class SessionTable:
             state.check_outcome(path, tokens)
         except Exception:  # noqa: BLE001 - the compute thread's path reports it
             return None
-        picked = pick(published, path, tokens, spec.step_ends_at, time.perf_counter())
+        picked = pick(published, path, tokens)
         if picked is None:
             return None
         key, branch = picked

@@ -35,6 +35,7 @@ from specctl.spec.draft_state import DraftState
 from specctl.spec.drafters import RANKED, Drafter, ModelTreeDrafter, Proposal, tree_shape
 from specctl.spec.sampling import saguaro
 
+
 def _end_node(path: list[int]) -> int:
     """The proposal node the accepted path ends at (0: the root, nothing accepted)."""
     return path[-1] if path else 0
@@ -58,7 +59,6 @@ class SpeculationCache:
         # Per session, its plan's branches as last published: the one thing the event loop reads
         # (each entry replaced whole; see early.py).
         self.published: dict[int, Published] = {}
-        self.step_ends_at: float | None = None  # when the background step in flight should end (early.py)
 
     @classmethod
     def for_drafter(cls, config: PrespecConfig, drafter: Drafter, wake=lambda: None) -> "SpeculationCache":
@@ -236,13 +236,7 @@ class SpeculationCache:
         rows = {id(plan): len(plan.tails) + sum(len(b.rows()) for b in plan.branches.values() if b.live(plan.depth))
                 for _, plan in due}
         started = time.perf_counter()
-        fit = step_time_fit(self.step_samples)
-        if fit is not None:  # rows beyond max_rows wait for the next step
-            self.step_ends_at = started + fit[0] + fit[1] * min(sum(rows.values()), self.config.max_rows)
-        try:
-            advanced = {id(plan) for plan in step([plan for _, plan in due], self.config.max_rows)}
-        finally:
-            self.step_ends_at = None
+        advanced = {id(plan) for plan in step([plan for _, plan in due], self.config.max_rows)}
         seconds = time.perf_counter() - started
         self.step_samples.append((sum(rows[key] for key in advanced), seconds))
         self.stats.steps += 1
@@ -250,8 +244,7 @@ class SpeculationCache:
         for tag, plan in due:  # the plans just served go to the back: a step that cannot take all serves them in turn
             if id(plan) in advanced:
                 self.plans[tag] = self.plans.pop(tag)
-                # what the event loop answers from (early.py), with what deciding a partial answer needs
-                self.published[tag] = publish(plan, tuple(_acceptance(plan.state, plan.depth)), *self._answer_times(tag))
+                self.published[tag] = publish(plan)  # its finished branches, for the event loop (early.py)
         return True
 
     def fallback_for(self, misses: list[tuple[int, DraftState]]) -> str:
