@@ -3,6 +3,8 @@ against the table as a target would over TCP, with the background steps a busy o
 draft would fit between proposal and outcome. Exact output with hits, partial hits and
 forced misses; the target's distribution with Saguaro sampling; freed state."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -11,11 +13,12 @@ from specctl.draft.sessions import SessionTable
 from specctl.draft.speculation import History, PrespecConfig, SpeculationCache
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.loader import load_decoder
+from specctl.engine.tree import TokenTree
 from specctl.engine.tiny import make_tiny_model
 from specctl.errors import ConfigError
 from specctl.net.protocol import OpenSession
 from specctl.spec.decode import DecodeSession
-from specctl.spec.drafters import RANKED, ModelChainDrafter, ModelTreeDrafter
+from specctl.spec.drafters import RANKED, ModelChainDrafter, ModelTreeDrafter, Proposal
 from specctl.spec.rounds import Drafted, InlineLane, generate, run_inline, run_session
 from specctl.spec.sampling import SamplingParams
 from specctl.verify.speculator import draft_seed, proposal_from_message
@@ -400,3 +403,16 @@ def test_trials_measure_rounds_and_a_mode_kept_off_plans_nothing(tiny):
     table.open(4, OpenSession(0, [5, 6, 8], max_tokens=16))
     table.propose_many([(3, [], [8]), (4, [], [9])])
     assert sorted(spec.trials.by_level) == [1, 2] and sorted(spec.plans) == [3, 4]
+
+
+def test_a_chain_proposal_fans_out_by_the_sessions_acceptance_by_position():
+    """A session whose rounds come in streaks (all four accepted, or none) gets most of its budget
+    on the full accept, where a geometric P(k) in its mean rate (0.5) would give it the least."""
+    spec = SpeculationCache(PrespecConfig(budget=12, adaptive=False), depth=4)
+    state = SimpleNamespace(accepted=400, drafted=800, outcomes=[(4, 4), (4, 0)] * 100)
+    proposal = Proposal(TokenTree.chain(1, [2, 3, 4, 5], [0.9] * 4))
+    counts = spec._fanout_tree(7, state, proposal)
+    assert len(counts) == 5 and sum(counts) == 12
+    assert counts[4] == max(counts) and counts[4] > counts[1] + counts[2] + counts[3]
+    geometric = fanout_for(outcome_probs(0.5, 4), 1.0, 12, RANKED - 1)
+    assert geometric[4] == min(geometric)
