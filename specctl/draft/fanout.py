@@ -272,4 +272,3 @@ def answer_now(drafted: int, depth: int, p: Sequence[float], return_s: float, st
     now = expected_committed(p, drafted) / return_s
     later = expected_committed(p, depth) / (return_s + (depth - drafted) * step_s)
     return now > later
-

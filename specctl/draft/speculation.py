@@ -82,7 +82,8 @@ class SpeculationCache:
         return partial(_saguaro_at, counts, self.config.saguaro_c)
 
     def _fanout_tree(self, tag: int, state: DraftState, proposal: Proposal) -> list[int]:
-        """F_v for each node of the proposal, from the session's acceptance rate and exponent."""
+        """F_v for each node of the proposal, from the session's acceptance (by position for a
+        chain, the rate for a tree's nodes) and exponent."""
         history = self.history.setdefault(tag, History())
         tree = proposal.tree
         if int(tree.max_depth) == len(tree) - 1:  # a chain: its outcomes from the acceptance by position
