@@ -3,7 +3,7 @@ both star clusters as processes."""
 
 import pytest
 
-from specctl.bench.prespec import PrespecBenchSettings, compare, run_prespec_bench, summarize
+from specctl.bench.prespec import PrespecBenchSettings, compare, loads_past_two, run_prespec_bench, summarize
 from specctl.bench.star import StarBenchSettings
 
 
@@ -62,3 +62,14 @@ def test_prespec_bench_runs_both_clusters_of_real_processes(tiny_dir, mode):
     if mode == "tree":  # the emulated draft device: every background forward took the floor at least
         assert report["settings"]["draft_step_ms"] == 5.0
         assert all(r["background_step_max_ms"] >= 5.0 for r in pre if r["branches_drafted"])
+
+
+@pytest.mark.parametrize(("n_full", "max_targets", "loads"), [
+    (3, 4, [3, 4]),  # N_full and one past it
+    (3, 3, [3]),  # no process for N_full + 1
+    (6, 4, [4]),  # as near N_full as the processes allow, nothing past it
+    (2, 4, [3]),  # N = 2 is measured anyway: N_full + 1 only
+    (1, 4, []),  # a draft never idle even at N = 1: 1 and 2 cover it
+])
+def test_the_loads_past_two_are_n_full_and_one_past_it_as_far_as_the_processes_allow(n_full, max_targets, loads):
+    assert loads_past_two(n_full, max_targets) == loads

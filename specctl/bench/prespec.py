@@ -1,7 +1,8 @@
 """``specctl bench prespec``: plain remote speculation against pre-speculation on the star,
-as separate processes on loopback (bench star's cluster and workload), at N = 1, 2 and
-N_full targets, with verification emulated so that its time Z is about the draft's S
-(``--verify-delay-ms`` adds a sleep; ``--verify-time-ms`` sets a floor with the compute inside).
+as separate processes on loopback (bench star's cluster and workload), at N = 1, 2, N_full and
+N_full + 1 targets (as many as ``--max-targets`` allows), with verification emulated so that its
+time Z is about the draft's S (``--verify-delay-ms`` adds a sleep; ``--verify-time-ms`` sets a
+floor with the compute inside).
 
 Both draft servers (one plain, one ``--prespec``) and their targets are alive at once and
 each N is measured for both back to back, ``repeats`` times, so drift on this machine hits
@@ -80,6 +81,13 @@ def summarize(pairs: list[dict]) -> dict:
             for n, rows in sorted(by_n.items())}
 
 
+def loads_past_two(n_full: int, max_targets: int) -> list[int]:
+    """The loads measured after N = 1 and 2 (pure): N_full, or as near as the processes allow, and
+    N_full + 1 when they allow it, since the aim "no loss at N >= N_full" is about past it too."""
+    top = min(n_full, max_targets)
+    return [n for n in (top, top + 1 if top == n_full else None) if n is not None and 2 < n <= max_targets]
+
+
 def run_prespec_bench(s: PrespecBenchSettings, prompts: list[list[int]], progress=None) -> dict:
     rows: list[dict] = []
     pairs: list[dict] = []
@@ -104,9 +112,8 @@ def run_prespec_bench(s: PrespecBenchSettings, prompts: list[list[int]], progres
                         predict([a], s.star.depth)
                         n_full = a["N_full"]
                         model = (a["model_S_ms"] / 1e3, 1.0 / a["R_p"] - a["model_S_ms"] / 1e3)
-                        top = min(n_full, max(s.star.targets))
-                        if top > 2:  # N_full, or as near as the processes allow
-                            pending.append(top)
+                        for more in loads_past_two(n_full, max(s.star.targets)):
+                            pending.append(more)
                             if progress:
                                 progress(added=s.repeats)
                     pair = compare(a, b, n_full, *model)

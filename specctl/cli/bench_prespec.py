@@ -33,7 +33,7 @@ def prespec(
     depth: int = typer.Option(4, help="proposal depth d"),
     budget: int = typer.Option(8, help="pre-speculation budget: branches per session and round"),
     fallback: str = typer.Option("jit", "--fallback", help="jit | ngram | auto: how the prespec server drafts a miss"),
-    max_targets: int = typer.Option(4, "--max-targets", help="the most target processes (N_full is capped at it)"),
+    max_targets: int = typer.Option(4, "--max-targets", help="the most target processes per draft server: N_full and N_full + 1 are measured as far as it allows"),
     max_tokens: int = typer.Option(48, "--max-tokens", "-n", help="new tokens per session"),
     sessions: int = typer.Option(2, "--sessions", help="sessions per target, N and repeat (the same prompts for all)"),
     verify_delay_ms: Optional[float] = typer.Option(None, "--verify-delay-ms", help="added to every verification "
@@ -55,7 +55,7 @@ def prespec(
     json_out: Optional[str] = typer.Option(None, "--json", help="write the report as JSON to this file"),
 ) -> None:
     """Two draft servers, one plain and one with --prespec, each with its own target processes on
-    loopback: tokens/s at N = 1, 2 and N_full, hit rate, and SSD's predicted gain beside the measured.
+    loopback: tokens/s at N = 1, 2, N_full and N_full + 1, hit rate, and SSD's predicted gain beside the measured.
 
     The targets run at nice 10: they stand for other machines, and on this box the draft's
     pre-speculation would otherwise take their cores (a cost a real star does not have)."""
@@ -96,7 +96,7 @@ def prespec(
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task(f"plain vs prespec, 2 draft + {2 * max_targets} target processes", total=2 * repeats)
 
-        def advance(added: int = 0) -> None:  # N_full joins once N=1 has been measured
+        def advance(added: int = 0) -> None:  # N_full and N_full + 1 join once N=1 has been measured
             if added:
                 progress.update(task, total=progress.tasks[0].total + added)
             else:
