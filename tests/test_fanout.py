@@ -85,6 +85,15 @@ def test_speedup_model():
     assert predicted_gain_over_plain(0.0, 3.0, 1.0) == pytest.approx(1.0)
 
 
+def test_a_draft_slower_than_the_verification_bounds_a_hits_round_by_its_own_time():
+    # SSD assumes T_p <= 1; a draft taking 1.5 verifications makes a hit's round 1.5, not 1
+    assert predicted_speedup(1.0, 3.0, 3.0, 1.5, t_primary=1.5) == pytest.approx(3.0 / 1.5)
+    assert predicted_gain_over_plain(1.0, 3.0, 1.5) == pytest.approx(2.5 / 1.5)
+    assert predicted_gain_over_plain(0.5, 3.0, 1.5) == pytest.approx(2.5 / (0.5 * 1.5 + 0.5 * 2.5))
+    # at T_p <= 1 Theorem 7 as SSD states it
+    assert predicted_gain_over_plain(0.5, 3.0, 0.8) == pytest.approx(1.8 / (0.5 + 0.5 * 1.8))
+
+
 def test_saguaro_sampling_down_weights_the_top_f_plus_one():
     q = torch.tensor([0.4, 0.3, 0.2, 0.1])
     expected = torch.tensor([0.2, 0.15, 0.2, 0.1]) / 0.65

@@ -234,15 +234,17 @@ def choose_fallback(misses: int, step_s: float, depth: int, return_s: float, e_p
     return "ngram" if e_backup / z > jit else "jit"
 
 
-def predicted_speedup(hit: float, e_primary: float, e_backup: float, t_backup: float) -> float:
-    """SSD's speedup over autoregressive decoding (Theorem 7); t_backup in verifications."""
-    return (hit * e_primary + (1 - hit) * e_backup) / (hit + (1 - hit) * (1 + t_backup))
+def predicted_speedup(hit: float, e_primary: float, e_backup: float, t_backup: float, t_primary: float = 0.0) -> float:
+    """SSD's speedup over autoregressive decoding (Theorem 7); times in verifications. SSD assumes
+    the primary's drafting ends within the verification (T_p <= 1, its appendix A); past that a
+    hit still waits for the draft, so a hit's round takes max(1, T_p) here (the same for T_p <= 1)."""
+    return (hit * e_primary + (1 - hit) * e_backup) / (hit * max(1.0, t_primary) + (1 - hit) * (1 + t_backup))
 
 
 def predicted_gain_over_plain(hit: float, e_primary: float, t_primary: float) -> float:
     """Pre-speculation with a just-in-time fallback (E_b = E_p, T_b = T_p) over plain
     speculative decoding, whose speedup over autoregressive is E_p / (1 + T_p)."""
-    return predicted_speedup(hit, e_primary, e_primary, t_primary) / (e_primary / (1 + t_primary))
+    return predicted_speedup(hit, e_primary, e_primary, t_primary, t_primary) / (e_primary / (1 + t_primary))
 
 
 def expected_committed(p: Sequence[float], drafted: int) -> float:
