@@ -62,9 +62,10 @@ async def test_greedy_sessions_equal_the_target_with_prespec_over_tcp(models, fa
         snap = draft_server.snapshot()
         pre = snap["prespec"]
         assert pre["hits"] > 0 and pre["steps"] > 0 and snap["background_steps"] > 0
-        # Finished branches answered by the event loop, not behind a background step (early.py);
-        # a tree's branches (w rows a step) are rarely finished in time here
-        assert pre["early_answers"] <= pre["hits"] and (tree or pre["early_answers"] > 0), str(pre)
+        # Finished branches may be answered by the event loop (early.py). Whether any finished before
+        # their outcome depends on this machine's timing (a fresh-clone CI once had none of 26), so
+        # the path itself is asserted step by step in test_prespec.py, and here only its bound.
+        assert pre["early_answers"] <= pre["hits"], str(pre)
         assert pre[f"fallback_{fallback}"] == pre["misses"]
         assert 0 < pre["leftover_used"] <= 1
         # Loaded with six sessions: a real request waited for one background step at most.
