@@ -84,8 +84,7 @@ def summarize(pairs: list[dict]) -> dict:
 def loads_past_two(n_full: int, max_targets: int) -> list[int]:
     """The loads measured after N = 1 and 2 (pure): N_full, or as near as the processes allow, and
     N_full + 1 when they allow it, since the aim "no loss at N >= N_full" is about past it too."""
-    top = min(n_full, max_targets)
-    return [n for n in (top, top + 1 if top == n_full else None) if n is not None and 2 < n <= max_targets]
+    return [n for n in (min(n_full, max_targets), n_full + 1) if 2 < n <= max_targets]
 
 
 def run_prespec_bench(s: PrespecBenchSettings, prompts: list[list[int]], progress=None) -> dict:

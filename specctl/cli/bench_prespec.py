@@ -33,7 +33,8 @@ def prespec(
     depth: int = typer.Option(4, help="proposal depth d"),
     budget: int = typer.Option(8, help="pre-speculation budget: branches per session and round"),
     fallback: str = typer.Option("jit", "--fallback", help="jit | ngram | auto: how the prespec server drafts a miss"),
-    max_targets: int = typer.Option(4, "--max-targets", help="the most target processes per draft server: N_full and N_full + 1 are measured as far as it allows"),
+    max_targets: int = typer.Option(4, "--max-targets", help="the most target processes per draft server: N_full and "
+                                     "N_full + 1 are measured as far as it allows"),
     max_tokens: int = typer.Option(48, "--max-tokens", "-n", help="new tokens per session"),
     sessions: int = typer.Option(2, "--sessions", help="sessions per target, N and repeat (the same prompts for all)"),
     verify_delay_ms: Optional[float] = typer.Option(None, "--verify-delay-ms", help="added to every verification "
