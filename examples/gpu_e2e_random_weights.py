@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from specctl.bench.kernels import random_decoder, shape_config
+from specctl.bench.kernels import random_decoder, shape_config, time_steps
 from specctl.engine.layers import fuse_projections
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.spec.rounds import generate
@@ -30,6 +30,21 @@ def build(shape):
     return dec
 
 
+def draft_step_ms(draft, stop: float, prompt: list[int], rounds: int = 30) -> float:
+    """Median ms a forward of a greedy d4 chain proposal (the catch-up of one token and 3 steps)."""
+    session = ModelChainDrafter(draft, 4, stop=stop).open(len(prompt) + rounds + 8)
+    seq, times = list(prompt), []
+    for r in range(rounds + 3):
+        seq.append(1000 + r)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        session.propose(seq, SamplingParams(), None)  # ends in its read-back
+        times.append((time.perf_counter() - start) * 1e3 / 4)
+        session.on_verified([])
+    session.close()
+    return statistics.median(times[3:])
+
+
 def main():
     n_tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 128
     target = build("1.5b").use_static_steps(graphs=True, compile=True)
@@ -43,9 +58,12 @@ def main():
     modes = {
         "ar": lambda: None,
         "chain 0.5b d4": lambda: ModelChainDrafter(draft, 4),
+        # a stop too small to end a chain: the same drafts, read back every step (before 2026-11-26)
+        "chain 0.5b d4 r/step": lambda: ModelChainDrafter(draft, 4, stop=1e-30),
         "chain self d4": lambda: ModelChainDrafter(target, 4),
         "ngram d8": lambda: NgramDrafter(8),
         "chain exit@2 d4": lambda: ModelChainDrafter(exits[2], 4),
+        "chain exit@2 r/step": lambda: ModelChainDrafter(exits[2], 4, stop=1e-30),
         "chain exit@4 d4": lambda: ModelChainDrafter(exits[4], 4),
         "tree exit@4 4x2x4": lambda: ModelTreeDrafter(exits[4], 4, 2, 4),
         "tree self 4x2x4": lambda: ModelTreeDrafter(target, 4, 2, 4),
@@ -79,11 +97,19 @@ def main():
         print(f"{name:18s} tok/s {results[name]['tok_s']}  MAL {mal:.2f}  same as ar {same}/{len(prompts)}  "
               f"prefill ms {results[name]['prefill_ms']}  graphs captured {captured}", flush=True)
     ar = results["ar"]["tok_s"][1]
+    ar_step = time_steps(target, 512, (1,), 30)[0].ms_median
+    steps = {}
+    for stop, label in ((0.0, "read once"), (1e-30, "read each step")):
+        ms = draft_step_ms(draft, stop, prompts[3])
+        steps[label] = {"ms": round(ms, 3), "vs_target_ar_step": round(ms / ar_step, 3)}
+        print(f"0.5b draft step in a d4 chain ({label}): {ms:.2f} ms = {ms / ar_step:.2f}x the 1.5b AR step "
+              f"({ar_step:.2f} ms, context 512)", flush=True)
     for name, r in results.items():
         r["median_vs_ar"] = round(r["tok_s"][1] / ar, 2)
     with open(f"{OUT}/e2e.json", "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "tokens": n_tokens, "prompts": [len(p) for p in prompts],
-                   "results": results}, f, indent=1)
+                   "results": results,
+                   "draft_step": steps, "target_ar_step_ms": round(ar_step, 3)}, f, indent=1)
 
 
 if __name__ == "__main__":

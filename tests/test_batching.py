@@ -48,6 +48,27 @@ def test_batched_chain_drafting_matches_one_at_a_time(tiny):
     assert [s.cache.length for s in sessions] == [len(s) + 3 for s in seqs]
 
 
+def test_a_greedy_chain_read_back_once_equals_one_read_back_a_step(tiny):
+    """With no adaptive depth a greedy chain feeds each token to the next step on the device
+    and reads the chain back once; a stop too small to end any chain (1e-30) takes the
+    read-back-a-step path. Both draft the same tokens, probabilities, candidates and KV."""
+    seqs = [[1, 2, 3, 4], [50, 60], [7, 7, 7, 7, 7, 7]]
+    greedy = SamplingParams()
+    proposals, caches = {}, {}
+    for stop in (0.0, 1e-30):
+        drafter = ModelChainDrafter(tiny["llama-draft"], 4, stop=stop)
+        sessions = [drafter.open(32) for _ in seqs]
+        proposals[stop] = propose_chains(sessions, seqs, [greedy] * 3, [None] * 3)
+        caches[stop] = [s.cache.k[..., : s.cache.length, :].clone() for s in sessions]
+    for once, per_step in zip(proposals[0.0], proposals[1e-30]):
+        assert once.tree.tokens.tolist() == per_step.tree.tokens.tolist()
+        assert once.tree.score.tolist() == per_step.tree.score.tolist()
+        assert torch.equal(once.ranked, per_step.ranked)
+        assert once.draft_probs is None and per_step.draft_probs is None
+    for once, per_step in zip(caches[0.0], caches[1e-30]):
+        assert torch.equal(once, per_step)
+
+
 async def test_compute_thread_serves_queued_requests_in_one_pass():
     compute = ComputeThread("test", max_batch=8).lane(owns_thread=True)
     gate, busy = threading.Event(), threading.Event()

@@ -4,6 +4,7 @@ CUDA draft and target, several drafters fused, a pre-speculating draft server, a
 and SpecPipe through CUDA stages."""
 
 import asyncio
+import warnings
 
 import pytest
 import torch
@@ -82,6 +83,32 @@ def test_a_later_session_replays_the_graphs_captured_over_its_reused_buffer(tiny
     for prompt in (PROMPTS[3], PROMPTS[1][:14], PROMPTS[0]):  # the first's prefill bucket, then smaller ones
         assert generate(on, prompt, params)[0] == generate(eager, prompt, params)[0]
     assert on.static.reused == 3 and on.static.captures == captured + 2  # the prefills of 14 and 4 tokens only
+
+
+def test_a_greedy_chain_syncs_the_host_once_a_proposal_on_cuda(cuda_pair):
+    """A greedy chain's tokens go from step to step on the device: depth 4 reads back once a
+    proposal, where reading each step's token (a stop too small to end the chain) syncs 4
+    times. Counted by torch's sync debug mode (a warning per synchronising operation)."""
+    _, draft = cuda_pair
+    seq = PROMPTS[1]
+    syncs, tokens = {}, {}
+    for stop in (0.0, 1e-30):
+        session = ModelChainDrafter(draft, 4, stop=stop).open(64)
+        session.propose(seq, SamplingParams(), None)  # captures the graphs this session's steps use
+        session.on_verified([])
+        # Switched on outside the count: the switch itself once raised a warning (seen on an H100).
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                proposal = session.propose(seq + [11], SamplingParams(), None)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        syncs[stop] = sum("synchronizing" in str(w.message) for w in caught)
+        tokens[stop] = proposal.tree.tokens.tolist()
+        session.close()
+    assert tokens[0.0] == tokens[1e-30]
+    assert (syncs[0.0], syncs[1e-30]) == (1, 4), syncs
 
 
 def test_cuda_fp32_equals_cpu_fp32(tiny_dir, tiny):

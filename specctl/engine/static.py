@@ -129,13 +129,19 @@ class StepGraph:
             self.sent.synchronize()  # the last step's copies have left the staging buffers
         index = self.host_index.numpy()
         index[:2] = 0
-        index[0, :n] = inputs.cpu().numpy()
+        # A draft's own last token stays on the device (a greedy chain reads back once per
+        # proposal): it is copied into the step's ids after the staging copy, without a sync.
+        ids_on_device = inputs.device.type != "cpu"
+        if not ids_on_device:
+            index[0, :n] = inputs.numpy()
         index[1, :n] = positions.cpu().numpy()
         index[2] = cache.trash
         index[2, :n] = np.arange(length, length + n)
         fill_step_mask(self.host_mask.numpy(), n, length, cache.trash, mask)
         self.index.copy_(self.host_index, non_blocking=True)
         self.mask.copy_(self.host_mask, non_blocking=True)
+        if ids_on_device:
+            self.index[0, :n].copy_(inputs)
         if self.sent is not None:
             self.sent.record()
         if self.graph is not None:

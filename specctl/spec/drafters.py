@@ -222,47 +222,60 @@ def propose_chains(sessions: list["_ChainSession"], seqs: list[list[int]], param
     decoder, depth, stop = sessions[0].decoder, sessions[0].depth, sessions[0].stop
     caches = [s.cache for s in sessions]
     logits = _catch_up_many(sessions, seqs)
-    drafts: list[tuple[list[int], list[float], list[torch.Tensor]]] = [([], [], []) for _ in sessions]
+    # Greedy chains with no adaptive depth decide nothing on the host between steps: each
+    # step's token goes to the next forward on the device and the chain is read back once.
+    # On a GPU the host then prepares step i + 1 while the device runs step i (issue 11: a
+    # read-back per step left the device idle for the host's part of every step).
+    read_once = not stop and all(p.greedy for p in params)
+    picks: list[list[torch.Tensor]] = [[] for _ in sessions]  # per step: [token, its probability], on the device
+    last: list[torch.Tensor] = [torch.empty(0)] * len(sessions)  # each session's last token [1], on the device
+    dists: list[list[torch.Tensor | None]] = [[] for _ in sessions]
     ranked: list[list[torch.Tensor]] = [[] for _ in sessions]
+    drafted: list[list[tuple[int, float]]] = [[] for _ in sessions]  # (token, probability) read back per step
     reach = [1.0] * len(sessions)
     live = list(range(len(sessions)))
     for i in range(depth):
         for rows, b in zip(logits, live):
-            tokens, probs, dists = drafts[b]
             ranked[b].append(ranked_candidates(rows[0]))
             # How likely the draft finds its token (greedy: its softmax at T = 1; sampled: q) is
-            # read back with the token in one device sync. It is the node's probability in the
-            # tree: adaptive depth and routing among drafters use it.
+            # read back with the token. It is the node's probability in the tree: adaptive depth
+            # and routing among drafters use it. (gather, not [chosen]: indexing by a 0-d tensor
+            # reads it back to the host, a device sync.)
             if params[b].greedy:
                 # no q: the proposal carries none (a one-hot q cost two vocabulary-sized kernels a step)
                 q, logit_row = None, rows[0].float()
                 chosen = logit_row.argmax()
-                likely = logit_row.softmax(-1)[chosen]
+                likely = logit_row.softmax(-1).gather(0, chosen.view(1))[0]
             else:
                 q = keep_top(probs_from_logits(rows[0], params[b]), DRAFT_SUPPORT)
                 if sessions[b].reshape is not None:
                     q = sessions[b].reshape(i, q)
                 chosen = sample_tensor(q, generators[b])
-                likely = q[chosen]
-            x, p_x = torch.stack([chosen.double(), likely.double()]).tolist()
-            x = checked_token(int(x))
-            tokens.append(x)
-            probs.append(p_x)
-            dists.append(q)
-            if stop:
+                likely = q.gather(0, chosen.view(1))[0]
+            picks[b].append(torch.stack([chosen.double(), likely.double()]))
+            last[b] = chosen.view(1)
+            dists[b].append(q)
+            if not read_once:
+                x, p_x = picks[b][-1].tolist()
+                drafted[b].append((checked_token(int(x)), p_x))
                 reach[b] *= p_x
         live = [b for b in live if reach[b] >= stop]
         if not live:
             break
         if i + 1 < depth:
             one = torch.tensor([0])
-            logits = decoder.forward_many([torch.tensor([drafts[b][0][-1]]) for b in live],
-                                          [torch.tensor([len(seqs[b]) + i]) for b in live], [caches[b] for b in live],
-                                          [None] * len(live), [one] * len(live))
-    return [
-        Proposal(TokenTree.chain(seq[-1], tokens, probs), None if p.greedy else torch.stack(dists), torch.stack(ranks))
-        for seq, p, (tokens, probs, dists), ranks in zip(seqs, params, drafts, ranked)
-    ]
+            inputs = [last[b] if read_once else torch.tensor([drafted[b][-1][0]]) for b in live]
+            logits = decoder.forward_many(inputs, [torch.tensor([len(seqs[b]) + i]) for b in live],
+                                          [caches[b] for b in live], [None] * len(live), [one] * len(live))
+    if read_once:  # every session drafted all d steps: one read-back of all chains
+        read = torch.stack([torch.stack(steps) for steps in picks]).tolist()
+        drafted = [[(checked_token(int(x)), p_x) for x, p_x in steps] for steps in read]
+    proposals = []
+    for b, (seq, p) in enumerate(zip(seqs, params)):
+        tokens, probs = [x for x, _ in drafted[b]], [p_x for _, p_x in drafted[b]]
+        proposals.append(Proposal(TokenTree.chain(seq[-1], tokens, probs), None if p.greedy else torch.stack(dists[b]),
+                                  torch.stack(ranked[b])))
+    return proposals
 
 
 def propose_trees(sessions: list["_TreeSession"], seqs: list[list[int]], params: list[SamplingParams],
