@@ -57,6 +57,36 @@ def test_static_steps_equal_the_ragged_path_greedy_and_sampled(tiny, static_pair
     assert target.static.captures == 0 and target.static.replays == 0  # no CUDA graphs on the CPU
 
 
+@pytest.mark.parametrize("logits_at", [None, [149], [140, 3, 70, 64]])
+def test_a_long_causal_forward_runs_as_steps_of_the_largest_bucket(tiny, static_pair, logits_at):
+    """A prefill longer than 64 tokens runs as consecutive 64-token steps (graph replays on
+    CUDA) and a last smaller one: the same logits, in the order asked, and the same KV as one
+    eager forward."""
+    target, plain = static_pair[0], tiny["qwen2"]
+    prompt = torch.tensor([(7 * i) % (plain.spec.vocab_size - 1) + 1 for i in range(150)])
+    at = None if logits_at is None else torch.tensor(logits_at)
+    caches = {"chunked": target.new_cache(700), "whole": plain.new_cache(700)}  # a KV size no other test uses
+    chunked = target(prompt, torch.arange(150), caches["chunked"], logits_at=at)
+    whole = plain(prompt, torch.arange(150), caches["whole"], logits_at=at)
+    assert chunked.shape == whole.shape == (150 if logits_at is None else len(logits_at), plain.spec.vocab_size)
+    torch.testing.assert_close(chunked, whole, rtol=1e-4, atol=1e-4)
+    assert sorted(caches["chunked"].steps) == [32, 64]  # 64 + 64 + 22 (padded to 32)
+    assert caches["chunked"].length == caches["whole"].length == 150
+    torch.testing.assert_close(caches["chunked"].k[..., :150, :], caches["whole"].k[..., :150, :], rtol=1e-4, atol=1e-4)
+    for cache in caches.values():
+        cache.release()
+
+
+def test_a_masked_or_oversized_long_forward_stays_eager(static_pair):
+    target = static_pair[0]
+    cache = target.new_cache(100)
+    assert target.static.fits_in_chunks(90, cache, None)
+    assert not target.static.fits_in_chunks(90, cache, torch.ones(90, 90, dtype=torch.bool))  # a tree: not causal
+    assert not target.static.fits_in_chunks(101, cache, None)  # past the session's capacity
+    assert not target.static.fits_in_chunks(64, cache, None)  # one step holds it
+    cache.release()
+
+
 def test_fused_pieces_equal_the_modules(tiny, tiny_dir):
     fused = fuse_projections(load_decoder(tiny_dir["llama"])).use_static_steps()
     assert fused.static.pieces is not None and all(layer.fused for layer in fused.layers)

@@ -120,6 +120,8 @@ class Decoder(nn.Module):
         with self._device_lock():
             if self.static is not None and self.static.fits(n, cache):
                 return self._floored(self.static.run, inputs, positions, cache, mask, logits_at)
+            if self.static is not None and self.static.fits_in_chunks(n, cache, mask):
+                return self._floored(self.static.run_chunks, inputs, positions, cache, logits_at)
             if mask is not None:
                 mask = mask.to(self.device)
             return self._floored(self._compute, inputs, positions, Segments([(0, n)], [cache], [mask]), logits_at)

@@ -246,6 +246,30 @@ class StaticRunner:
     def fits(self, n: int, cache: KVCache) -> bool:
         return bucket_for(n) is not None and cache.length + n <= cache.capacity
 
+    def fits_in_chunks(self, n: int, cache: KVCache, mask: torch.Tensor | None) -> bool:
+        """A causal forward longer than the largest step (a prefill) that runs as steps of it."""
+        return mask is None and n > BUCKETS[-1] and cache.length + n <= cache.capacity
+
+    def run_chunks(self, inputs: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                   logits_at: torch.Tensor | None) -> torch.Tensor:
+        """A causal forward of more tokens than the largest bucket as consecutive steps of that
+        bucket (a chunked prefill): each chunk attends to the cache and to itself causally, as
+        the whole forward would, and replays a captured graph on CUDA — an eager prefill of a
+        few hundred tokens costs ~10x a 64-token graph step on an H100 (issue 11). Logits of
+        the ``logits_at`` rows (None = all), in that order."""
+        n, chunk = inputs.shape[0], BUCKETS[-1]
+        wanted = list(range(n)) if logits_at is None else [int(row) for row in logits_at.tolist()]
+        in_order = sorted(range(len(wanted)), key=wanted.__getitem__)  # the wanted rows in forward order
+        outs = []
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            at = torch.tensor([wanted[i] - start for i in in_order if start <= wanted[i] < end], dtype=torch.long)
+            outs.append(self.run(inputs[start:end], positions[start:end], cache, None, at))
+        out = torch.cat(outs)
+        if in_order == list(range(len(wanted))):
+            return out
+        return out[torch.tensor(in_order).argsort().to(out.device)]
+
     def run(self, inputs: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
             logits_at: torch.Tensor | None) -> torch.Tensor:
         size = bucket_for(inputs.shape[0])
