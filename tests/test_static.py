@@ -3,6 +3,8 @@ replays on a GPU. Outputs and KV equal the ragged path's; padding touches nothin
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from specctl.engine.layers import fuse_projections
 from specctl.engine.loader import load_decoder
@@ -75,6 +77,26 @@ def test_a_long_causal_forward_runs_as_steps_of_the_largest_bucket(tiny, static_
     torch.testing.assert_close(caches["chunked"].k[..., :150, :], caches["whole"].k[..., :150, :], rtol=1e-4, atol=1e-4)
     for cache in caches.values():
         cache.release()
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_chunked_forwards_of_any_length_after_any_cached_prefix_equal_one_forward(tiny, static_pair, data):
+    """Any cached prefix, any length past one step, any rows asked for in any order."""
+    target, plain = static_pair[0], tiny["qwen2"]
+    cached = data.draw(st.integers(0, 40), label="cached")
+    n = data.draw(st.integers(65, 200), label="n")
+    rows = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=5, unique=True), label="rows")
+    tokens = torch.tensor([(11 * i) % (plain.spec.vocab_size - 1) + 1 for i in range(cached + n)])
+    out = {}
+    for name, decoder in (("chunked", target), ("whole", plain)):
+        cache = decoder.new_cache(cached + n + 1)
+        if cached:
+            decoder(tokens[:cached], torch.arange(cached), cache)
+        out[name] = decoder(tokens[cached:], torch.arange(cached, cached + n), cache, logits_at=torch.tensor(rows))
+        assert cache.length == cached + n
+        cache.release()
+    torch.testing.assert_close(out["chunked"], out["whole"], rtol=1e-4, atol=1e-4)
 
 
 def test_a_masked_or_oversized_long_forward_stays_eager(static_pair):
