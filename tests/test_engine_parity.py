@@ -115,3 +115,50 @@ def test_an_emulated_step_floor_pads_static_steps_too(tiny_dir, monkeypatch):
     decoder.step_floor_s = 30.0
     decoder(torch.tensor([7]), torch.tensor([4]), cache)
     assert len(slept) == 1 and 0 < slept[0] <= 30.0
+
+
+def test_a_batch_of_sessions_replayed_one_step_each_equals_each_alone_under_one_floor(tiny_dir, monkeypatch):
+    """Where static steps are graph replays (CUDA), a forward of 2-8 sessions runs as one step
+    per session: each session's logits are exactly its forward alone, and an emulated step
+    floor pads the batch once, as it pads one forward of it. (On the CPU steps are not replays:
+    the switch is set by hand here.)"""
+    from specctl.engine.static import REPLAY_PER_SESSION_UP_TO
+    from specctl.runtime import compute
+
+    decoder = load_decoder(tiny_dir["qwen2"]).use_static_steps(graphs=False)
+    assert not decoder.static.per_session and not decoder.static.replays_each(2)
+    decoder.static.per_session = True
+    assert [decoder.static.replays_each(n) for n in (1, 2, REPLAY_PER_SESSION_UP_TO, REPLAY_PER_SESSION_UP_TO + 1)] == [
+        False, True, True, False]
+    prompts = [[5, 9, 13, 2], [7, 8], [100, 3, 4, 5, 6, 7]]
+    tree_mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)  # two new tokens, the second masked off the first
+
+    def batch(caches):
+        return decoder.forward_many([torch.tensor([11]), torch.tensor([12, 13]), torch.tensor([14, 15])],
+                                    [torch.tensor([4]), torch.tensor([2, 3]), torch.tensor([6, 6])],
+                                    caches, [None, None, torch.cat([torch.ones(2, 4, dtype=torch.bool), tree_mask], 1)],
+                                    [torch.tensor([0]), torch.tensor([0, 1]), torch.tensor([1])])
+
+    def fresh():
+        caches = [decoder.new_cache(32) for _ in prompts]
+        for prompt, cache in zip(prompts, caches):
+            decoder(torch.tensor(prompt), torch.arange(len(prompt)), cache)
+        return caches
+
+    together = batch(fresh())
+    alone_caches = fresh()
+    alone = [decoder(torch.tensor([11]), torch.tensor([4]), alone_caches[0], logits_at=torch.tensor([0])),
+             decoder(torch.tensor([12, 13]), torch.tensor([2, 3]), alone_caches[1], logits_at=torch.tensor([0, 1])),
+             decoder(torch.tensor([14, 15]), torch.tensor([6, 6]), alone_caches[2],
+                     mask=torch.cat([torch.ones(2, 4, dtype=torch.bool), tree_mask], 1), logits_at=torch.tensor([1]))]
+    assert all(torch.equal(a, b) for a, b in zip(together, alone))
+    caches = fresh()
+    slept: list[float] = []
+    monkeypatch.setattr(compute.time, "sleep", slept.append)
+    decoder.step_floor_s = 30.0
+    try:
+        floored = batch(caches)
+    finally:
+        decoder.step_floor_s = 0.0
+    assert len(slept) == 1 and 0 < slept[0] <= 30.0
+    assert all(torch.equal(a, b) for a, b in zip(floored, alone))

@@ -111,6 +111,30 @@ def test_a_greedy_chain_syncs_the_host_once_a_proposal_on_cuda(cuda_pair):
     assert (syncs[0.0], syncs[1e-30]) == (1, 4), syncs
 
 
+def test_a_batch_of_sessions_on_cuda_graphs_replays_one_step_each_and_equals_each_alone(tiny_dir):
+    """Batched drafting and verification on CUDA graphs: each session's step is a replay, and its
+    bf16 logits are exactly its forward alone (an eager batch computed them through other kernels)."""
+    decoder = _cuda(tiny_dir["qwen2"], torch.bfloat16)
+    assert decoder.static.per_session
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3]]
+
+    def fresh():
+        caches = [decoder.new_cache(128) for _ in prompts]
+        for prompt, cache in zip(prompts, caches):
+            decoder(torch.tensor(prompt), torch.arange(len(prompt)), cache)
+        return caches
+
+    steps = [(torch.tensor([11]), torch.tensor([len(p)])) for p in prompts]
+    at = [torch.tensor([0])] * 3
+    caches = fresh()
+    replays = decoder.static.replays
+    together = decoder.forward_many([s[0] for s in steps], [s[1] for s in steps], caches, [None] * 3, at)
+    assert decoder.static.replays == replays + 3  # one replay a session
+    alone = [decoder(tokens, positions, cache, logits_at=torch.tensor([0]))
+             for (tokens, positions), cache in zip(steps, fresh())]
+    assert all(torch.equal(a, b) for a, b in zip(together, alone))
+
+
 def test_cuda_fp32_equals_cpu_fp32(tiny_dir, tiny):
     target = _cuda(tiny_dir["llama"])
     params = SamplingParams(max_tokens=24, ignore_eos=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 from torch import nn
@@ -16,6 +16,8 @@ from specctl.engine.layers import DecoderLayer, RMSNorm, Segments, rope_cos_sin
 from specctl.engine.spec import ModelSpec
 from specctl.engine.static import CUDA_LOCK, StaticRunner, StaticSegment
 from specctl.runtime.compute import sleep_rest
+
+Out = TypeVar("Out")
 
 
 class Decoder(nn.Module):
@@ -116,15 +118,19 @@ class Decoder(nn.Module):
         mask [n, cache.length + n]: True where a new token may attend; None = causal.
         logits_at: which of the n rows get logits (None = all). Returns float32 logits
         [len(logits_at), vocab] with a head, else hidden states [n, hidden]."""
-        n = inputs.shape[0]
         with self._device_lock():
-            if self.static is not None and self.static.fits(n, cache):
-                return self._floored(self.static.run, inputs, positions, cache, mask, logits_at)
-            if self.static is not None and self.static.fits_in_chunks(n, cache, mask):
-                return self._floored(self.static.run_chunks, inputs, positions, cache, logits_at)
-            if mask is not None:
-                mask = mask.to(self.device)
-            return self._floored(self._compute, inputs, positions, Segments([(0, n)], [cache], [mask]), logits_at)
+            return self._floored(self._one_session, inputs, positions, cache, mask, logits_at)
+
+    def _one_session(self, inputs: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
+                     logits_at: torch.Tensor | None) -> torch.Tensor:
+        n = inputs.shape[0]
+        if self.static is not None and self.static.fits(n, cache):
+            return self.static.run(inputs, positions, cache, mask, logits_at)
+        if self.static is not None and self.static.fits_in_chunks(n, cache, mask):
+            return self.static.run_chunks(inputs, positions, cache, logits_at)
+        if mask is not None:
+            mask = mask.to(self.device)
+        return self._compute(inputs, positions, Segments([(0, n)], [cache], [mask]), logits_at)
 
     def _device_lock(self):
         return CUDA_LOCK if self.device.type == "cuda" else contextlib.nullcontext()
@@ -138,10 +144,15 @@ class Decoder(nn.Module):
         masks: list[torch.Tensor | None],
         logits_at: list[torch.Tensor],
     ) -> list[torch.Tensor]:
-        """Several sessions in one forward (ragged: each its own tokens, cache and mask).
+        """Several sessions in one forward (ragged: each its own tokens, cache and mask); on
+        CUDA graphs up to ``static.REPLAY_PER_SESSION_UP_TO`` sessions run as one step each instead.
         Returns, per session, the logits at its ``logits_at`` rows."""
         if len(inputs) == 1:
             return [self.forward(inputs[0], positions[0], caches[0], masks[0], logits_at[0])]
+        if self.static is not None and self.static.replays_each(len(inputs)):
+            sessions = list(zip(inputs, positions, caches, masks, logits_at))
+            with self._device_lock():  # one step floor for the batch, as for one forward of it
+                return self._floored(lambda: [self._one_session(*one) for one in sessions])
         bounds = ragged_bounds([tokens.shape[0] for tokens in inputs])
         rows = torch.cat([at + lo for at, (lo, _) in zip(logits_at, bounds)])
         out = self.forward_ragged(torch.cat(inputs), torch.cat(positions), bounds, caches, masks, rows)
@@ -179,14 +190,14 @@ class Decoder(nn.Module):
             x, h = layer.static_step(x, h, cos, sin, segment, i, next_norm, *pieces)
         return self.lm_head(h[0]).float()
 
-    def _floored(self, compute: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+    def _floored(self, compute: Callable[..., Out], *args) -> Out:
         """``compute(*args)``, taking at least the emulated step floor (0 = off: a plain call)."""
         if not self.step_floor_s:
             return compute(*args)
         started = time.perf_counter()
         out = compute(*args)
-        if out.device.type == "cuda":  # the floor counts the device's work, not its launch
-            torch.cuda.synchronize(out.device)
+        if self.device.type == "cuda":  # the floor counts the device's work, not its launch
+            torch.cuda.synchronize(self.device)
         sleep_rest(started, self.step_floor_s)
         return out
 

@@ -34,6 +34,13 @@ SPARES_PER_SIZE = 8  # buffers kept per slot count
 # the longest-kept dropped first (requests of many sizes would otherwise pile up buffers).
 SPARE_BYTES = 1 << 30
 
+# Several sessions' forwards (a batched draft step, a batched verification) run as one graph
+# replay each, up to this many sessions, rather than as one eager forward of all of them: on an
+# H100 an eager forward cost 16-30 ms against a 1.5B step's 2.5 ms replayed (bench kernels,
+# 2026-11-26), and each session then computes through the kernels it uses alone (bf16 outputs
+# of a batched verification equal the session's AR). Above it one eager forward is cheaper.
+REPLAY_PER_SESSION_UP_TO = 8
+
 # One CUDA graph capture at a time per process, and no other forward while one runs:
 # torch.cuda.graph synchronises the device on entry, which fails while another thread is
 # capturing, and two captures cannot record into memory pools at once. A draft server and a
@@ -195,6 +202,7 @@ class StaticRunner:
             with torch.cuda.graph(self._anchor, pool=self.pool, capture_error_mode="thread_local"):
                 self._anchor_out = scratch + 1
         self.compiled = compile
+        self.per_session = self.graphs  # batches as per-session steps: where steps are graph replays
         self.warmed: set[tuple[int, int]] = set()
         self.captures = 0
         self.replays = 0
@@ -242,6 +250,10 @@ class StaticRunner:
         self.spares[oldest.slots].remove(oldest)
         self.spare_bytes -= oldest.nbytes
         oldest.free_buffer()
+
+    def replays_each(self, sessions: int) -> bool:
+        """Whether a forward of several sessions runs as one step per session (see REPLAY_PER_SESSION_UP_TO)."""
+        return self.per_session and 1 < sessions <= REPLAY_PER_SESSION_UP_TO
 
     def fits(self, n: int, cache: KVCache) -> bool:
         return bucket_for(n) is not None and cache.length + n <= cache.capacity
