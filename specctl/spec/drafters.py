@@ -264,8 +264,7 @@ def propose_chains(sessions: list["_ChainSession"], seqs: list[list[int]], param
             break
         if i + 1 < depth:
             one = torch.tensor([0])
-            inputs = [last[b] if read_once else torch.tensor([drafted[b][-1][0]]) for b in live]
-            logits = decoder.forward_many(inputs, [torch.tensor([len(seqs[b]) + i]) for b in live],
+            logits = decoder.forward_many([last[b] for b in live], [torch.tensor([len(seqs[b]) + i]) for b in live],
                                           [caches[b] for b in live], [None] * len(live), [one] * len(live))
     if read_once:  # every session drafted all d steps: one read-back of all chains
         read = torch.stack([torch.stack(steps) for steps in picks]).tolist()
