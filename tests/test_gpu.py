@@ -12,6 +12,7 @@ import torch
 from specctl.draft.server import DraftServer, DraftServerConfig
 from specctl.engine.layers import fuse_projections
 from specctl.engine.loader import load_decoder, load_model
+from specctl.engine.tiny import make_tiny_model
 from specctl.engine.tree import TokenTree
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.spec.rounds import generate
@@ -19,14 +20,15 @@ from specctl.spec.sampling import SamplingParams, sample
 from specctl.verify.client import remote_generate
 from specctl.verify.draft_client import DraftClient
 from specctl.verify.server import TargetServer, TargetServerConfig
+from specctl_kernels import flashinfer_available
 
 pytestmark = pytest.mark.gpu
 
 PROMPTS = [[5, 9, 13, 2], [7, 8, 9, 10, 7, 8, 9] * 3, [100], list(range(30, 100))]
 
 
-def _cuda(path, dtype=torch.float32, graphs=True, layers=None):
-    decoder = load_decoder(path, dtype, layer_range=layers, device="cuda", backend="torch")
+def _cuda(path, dtype=torch.float32, graphs=True, layers=None, backend="torch"):
+    decoder = load_decoder(path, dtype, layer_range=layers, device="cuda", backend=backend)
     fuse_projections(decoder)
     return decoder.use_static_steps(graphs) if graphs else decoder
 
@@ -149,6 +151,22 @@ def test_bf16_speculative_equals_bf16_ar(tiny_dir):
         reference, _, _ = generate(target, prompt, params)
         for mode, drafter in _drafters(draft).items():
             assert generate(target, prompt, params, drafter)[0] == reference, f"bf16 {mode} diverged on {prompt}"
+
+
+@pytest.mark.skipif(not flashinfer_available(), reason="flashinfer not installed")
+def test_bf16_speculative_equals_bf16_ar_with_flashinfer_attention(tmp_path):
+    """Issue 11: with flashinfer, decode and verification must go through the same kernel, or
+    bf16 speculative output drifts from bf16 AR. Eager forwards (no static steps), so every
+    attention is flashinfer's; head dim 64, which it has kernels for."""
+    target = _cuda(make_tiny_model(tmp_path / "t", "qwen2", seed=1, hidden=256), torch.bfloat16, graphs=False,
+                   backend="flashinfer")
+    draft = _cuda(make_tiny_model(tmp_path / "d", "qwen2", seed=8, layers=2, hidden=256), torch.bfloat16,
+                  graphs=False, backend="flashinfer")
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    for prompt in PROMPTS:
+        reference, _, _ = generate(target, prompt, params)
+        for mode, drafter in _drafters(draft).items():
+            assert generate(target, prompt, params, drafter)[0] == reference, f"flashinfer {mode} diverged on {prompt}"
 
 
 def test_tree_growth_and_sampling_take_cuda_probabilities():
