@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from specctl.bench.kernels import (
-    StepTiming, bandwidth_limit_ms, kernels_report, random_decoder, shape_config, time_steps, weight_bytes_per_step,
+    ONE_EAGER, REPLAY_EACH, BatchTiming, StepTiming, bandwidth_limit_ms, kernels_report, random_decoder, shape_config,
+    time_batches, time_steps, weight_bytes_per_step,
 )
-from specctl.bench.render import render_kernels_table
+from specctl.bench.render import render_kernel_batches_table, render_kernels_table
 from specctl.engine.tiny import tiny_config
 from tests.test_cli import _assert_one_line_error, run
 
@@ -58,17 +59,21 @@ def test_time_steps_leaves_the_context_and_times_every_size():
 def test_cli_times_a_checkpoint_shape_on_cpu(tiny_dir, tmp_path):
     out = tmp_path / "k.json"
     proc = run("bench", "kernels", "--model", str(tiny_dir["llama"]), "--device", "cpu", "--dtype", "fp32",
-               "--sizes", "1,2", "--context", "8", "--repeats", "2", "--json", str(out))
+               "--sizes", "1,2", "--context", "8", "--repeats", "2", "--sessions", "2,3", "--batch-tokens", "1",
+               "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert report["variants"] == ["eager"] and [s["tokens"] for s in report["steps"]] == [1, 2]
-    assert "bench kernels" in proc.stdout
+    assert [(b["sessions"], b["tokens_each"], b["how"]) for b in report["batches"]] == [(2, 1, ONE_EAGER), (3, 1, ONE_EAGER)]
+    assert "bench kernels" in proc.stdout and "batched steps" in proc.stdout
 
 
 @pytest.mark.parametrize("args, message", [
     (["--sizes", "1,128", "--device", "cpu"], "--sizes must be between 1 and 64"),
     (["--dtype", "int4", "--device", "cpu"], "--dtype must be one of fp32, bf16, fp16"),
     (["--model", "3b", "--device", "cpu"], "unknown model shape '3b'"),
+    (["--sessions", "1,4", "--device", "cpu"], "--sessions must be between 2 and 64"),
+    (["--sessions", "4", "--batch-tokens", "0", "--device", "cpu"], "--batch-tokens must be between 1 and 64"),
 ])
 def test_cli_rejects_bad_flags(args, message):
     _assert_one_line_error(run("bench", "kernels", *args), message)
@@ -77,3 +82,37 @@ def test_cli_rejects_bad_flags(args, message):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_cli_without_cuda_says_to_use_the_cpu():
     _assert_one_line_error(run("bench", "kernels"), "--device cuda: no CUDA device here; use --device cpu")
+
+
+def test_time_batches_times_both_ways_where_steps_replay_and_restores_the_choice():
+    """Static steps on the CPU with per-session batches switched on by hand (as on CUDA graphs):
+    up to REPLAY_PER_SESSION_UP_TO sessions are timed both ways, more as one eager forward only;
+    every cache is left at its context and the decoder's choice is as it was."""
+    from specctl.engine.static import REPLAY_PER_SESSION_UP_TO
+
+    decoder = random_decoder(tiny_config("llama"), torch.float32, "cpu").use_static_steps(graphs=False)
+    decoder.static.per_session = True
+    over = REPLAY_PER_SESSION_UP_TO + 1
+    timings = time_batches(decoder, 12, (2, over), (1, 3), repeats=2)
+    assert [(t.sessions, t.tokens, t.how) for t in timings] == [
+        (2, 1, REPLAY_EACH), (2, 1, ONE_EAGER), (2, 3, REPLAY_EACH), (2, 3, ONE_EAGER),
+        (over, 1, ONE_EAGER), (over, 3, ONE_EAGER)]
+    assert all(0 < t.ms_min <= t.ms_median <= t.ms_max for t in timings)
+    assert decoder.static.per_session is True
+    plain = random_decoder(tiny_config("llama"), torch.float32, "cpu")
+    assert [t.how for t in time_batches(plain, 12, (2,), (1,), repeats=1)] == [ONE_EAGER]
+
+
+def test_report_rates_a_batch_against_its_sessions_one_at_a_time():
+    decoder = random_decoder(tiny_config("llama"), torch.float32, "cpu")
+    timings = {"eager": [StepTiming(1, 1.0, 2.0, 3.0), StepTiming(8, 2.0, 2.5, 4.0)]}
+    batches = {"eager": [BatchTiming(4, 1, ONE_EAGER, 5.0, 6.0, 7.0), BatchTiming(4, 5, ONE_EAGER, 5.0, 6.0, 7.0)]}
+    report = kernels_report("tiny", decoder, timings, 1.0, 16, {"dtype": "fp32", "context": 16}, batches)
+    first, second = report["batches"]
+    assert first == {"variant": "eager", "sessions": 4, "tokens_each": 1, "how": ONE_EAGER,
+                     "ms_min_median_max": [5.0, 6.0, 7.0], "vs_sessions_times_one_step": pytest.approx(6.0 / 8.0)}
+    assert second["vs_sessions_times_one_step"] is None  # 5 tokens alone were not timed
+    table = render_kernel_batches_table(report)
+    assert [c.header for c in table.columns] == ["variant", "sessions", "tokens each", "how", "ms (min/med/max)",
+                                                 "x sessions x one step"]
+    assert table.row_count == 2

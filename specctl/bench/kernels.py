@@ -131,8 +131,69 @@ def time_steps(decoder: Decoder, context: int, sizes: tuple[int, ...], repeats: 
     return results
 
 
+@dataclass(frozen=True, slots=True)
+class BatchTiming:
+    sessions: int
+    tokens: int  # new tokens of each session
+    how: str  # "one replay a session" or "one eager forward"
+    ms_min: float
+    ms_median: float
+    ms_max: float
+
+
+REPLAY_EACH, ONE_EAGER = "one replay a session", "one eager forward"
+
+
+def time_batches(decoder: Decoder, context: int, sessions: tuple[int, ...], tokens: tuple[int, ...], repeats: int,
+                 on_done: Callable[[], None] = lambda: None) -> list[BatchTiming]:
+    """A forward of several sessions (a draft server's batched step, a target's batched
+    verification): each of ``sessions`` sessions adds ``tokens`` new tokens after ``context``
+    of its own. Where the decoder's steps are graph replays, both ways a batch can run are
+    timed — a replay per session (``Decoder.forward_many``'s choice up to
+    ``REPLAY_PER_SESSION_UP_TO``) and one eager forward of all of them."""
+    device = str(decoder.device)
+    generator = torch.Generator().manual_seed(0)
+    caches = [decoder.new_cache(context + max(tokens) + 1) for _ in range(max(sessions))]
+    for cache in caches:
+        prompt = torch.randint(0, decoder.spec.vocab_size, (context,), generator=generator)
+        decoder(prompt, torch.arange(context), cache, logits_at=torch.tensor([context - 1]))
+    static = decoder.static
+    per_session = static.per_session if static is not None else False
+    results = []
+    try:
+        for count in sessions:
+            for n in tokens:
+                new = [torch.randint(0, decoder.spec.vocab_size, (n,), generator=generator) for _ in range(count)]
+                positions = [torch.arange(context, context + n)] * count
+                if static is not None:
+                    static.per_session = per_session  # as the decoder had it: does it replay this many?
+                hows = [True, False] if static is not None and static.replays_each(count) else [False]
+                for replay_each in hows:
+                    if static is not None:
+                        static.per_session = replay_each
+                    timings = []
+                    for _ in range(repeats + 3):  # the first steps capture graphs
+                        start = _now(device)
+                        logits = decoder.forward_many(new, positions, caches[:count], [None] * count,
+                                                      [torch.tensor([n - 1])] * count)
+                        int(logits[-1][-1].argmax())
+                        timings.append((_now(device) - start) * 1e3)
+                        for cache in caches[:count]:
+                            cache.truncate(context)
+                    kept = timings[3:]
+                    results.append(BatchTiming(count, n, REPLAY_EACH if replay_each else ONE_EAGER, min(kept),
+                                               statistics.median(kept), max(kept)))
+                on_done()
+    finally:
+        if static is not None:
+            static.per_session = per_session
+        for cache in caches:
+            cache.release()
+    return results
+
+
 def kernels_report(name: str, decoder: Decoder, timings: dict[str, list[StepTiming]], bandwidth_gbps: float,
-                   context: int, settings: dict) -> dict:
+                   context: int, settings: dict, batches: dict[str, list[BatchTiming]] | None = None) -> dict:
     """The JSON report: per step size, each variant's timings (eager, CUDA graphs, graphs +
     torch.compile), and tokens/s and the fraction of the bandwidth limit of the fastest."""
     spec = decoder.spec
@@ -158,4 +219,15 @@ def kernels_report(name: str, decoder: Decoder, timings: dict[str, list[StepTimi
         "bandwidth_limit_ms": limit,
         "variants": list(timings),
         "steps": rows,
+        "batches": [
+            {"variant": variant, "sessions": b.sessions, "tokens_each": b.tokens, "how": b.how,
+             "ms_min_median_max": [b.ms_min, b.ms_median, b.ms_max],
+             "vs_sessions_times_one_step": b.ms_median / (b.sessions * _median_of(timings[variant], b.tokens))
+             if _median_of(timings[variant], b.tokens) else None}
+            for variant, timed in (batches or {}).items() for b in timed
+        ],
     }
+
+
+def _median_of(steps: list[StepTiming], tokens: int) -> float | None:
+    return next((t.ms_median for t in steps if t.tokens == tokens), None)

@@ -172,6 +172,19 @@ def render_kernels_table(report: dict) -> Table:
     return table
 
 
+def render_kernel_batches_table(report: dict) -> Table:
+    """Forwards of several sessions (``bench kernels --sessions``), each way they can run."""
+    table = Table(title="batched steps: several sessions, each its own KV cache (context as above)")
+    for header in ("variant", "sessions", "tokens each", "how", "ms (min/med/max)", "x sessions x one step"):
+        table.add_column(header, justify="left" if header in ("variant", "how") else "right")
+    for row in report["batches"]:
+        ratio = row["vs_sessions_times_one_step"]
+        table.add_row(row["variant"], str(row["sessions"]), str(row["tokens_each"]), row["how"],
+                      " / ".join(f"{x:.2f}" for x in row["ms_min_median_max"]),
+                      "-" if ratio is None else f"{ratio:.2f}")
+    return table
+
+
 def render_drafters_summary(report: dict) -> Table:
     against = report["against_best_single"]
     modes = [m for m in against if isinstance(against[m], dict)]

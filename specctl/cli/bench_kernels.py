@@ -27,6 +27,10 @@ def kernels(
                                 "(CUDA only)"),
     compile: bool = typer.Option(True, "--compile/--no-compile", help="also time CUDA graphs of torch.compile'd "
                                  "layers (CUDA only; compiling takes a minute)"),
+    sessions: str = typer.Option("", help="also time forwards of several sessions at once, e.g. 2,4,8 (a draft "
+                                 "server's batched step, a target's batched verification); none by default"),
+    batch_tokens: str = typer.Option("1,4", help="with --sessions: new tokens of each session (1 = a draft step, "
+                                     "d+1 = a chain's verification)"),
     json_out: Optional[str] = typer.Option(None, "--json", help="write the report as JSON to this file"),
 ) -> None:
     """One model's step times on one device: an AR step, verification of up to 64 tokens, their
@@ -34,8 +38,8 @@ def kernels(
     import torch
 
     from specctl.bench.kernels import VERIFY_SIZES, kernels_report, measure_bandwidth_gbps, random_decoder, \
-        shape_config, time_steps
-    from specctl.bench.render import render_kernels_table, table_console
+        shape_config, time_batches, time_steps
+    from specctl.bench.render import render_kernel_batches_table, render_kernels_table, table_console
     from specctl.cli.bench import int_list
     from specctl.config import build_config
     from specctl.engine.layers import fuse_projections
@@ -46,6 +50,12 @@ def kernels(
     steps = int_list(sizes, "--sizes") or VERIFY_SIZES
     if steps[0] < 1 or steps[-1] > BUCKETS[-1]:
         raise ConfigError(f"--sizes must be between 1 and {BUCKETS[-1]}")
+    batch_sizes = int_list(sessions, "--sessions") if sessions else ()
+    tokens_each = int_list(batch_tokens, "--batch-tokens")
+    if batch_sizes and (batch_sizes[0] < 2 or batch_sizes[-1] > 64):
+        raise ConfigError("--sessions must be between 2 and 64")
+    if batch_sizes and (not tokens_each or tokens_each[0] < 1 or tokens_each[-1] > BUCKETS[-1]):
+        raise ConfigError(f"--batch-tokens must be between 1 and {BUCKETS[-1]}")
     if context < 1 or repeats < 1:
         raise ConfigError("--context and --repeats must be >= 1")
     if dtype not in DTYPES:
@@ -71,19 +81,25 @@ def kernels(
         variants["graphs"] = dict(graphs=True)
     if graphs and compile and on_cuda:
         variants["graphs+compile"] = dict(graphs=True, compile=True)
-    timings = {}
+    timings, batches = {}, {}
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
-        task = progress.add_task("timing steps", total=len(steps) * len(variants))
+        task = progress.add_task("timing steps", total=(len(steps) + len(batch_sizes) * len(tokens_each)) * len(variants))
         for name, static in variants.items():
             progress.update(task, description=f"timing steps: {name}")
             decoder.static = None
             if static is not None:
                 decoder.use_static_steps(**static)
             timings[name] = time_steps(decoder, context, steps, repeats, lambda: progress.advance(task))
+            if batch_sizes:
+                progress.update(task, description=f"timing batches: {name}")
+                batches[name] = time_batches(decoder, context, batch_sizes, tokens_each, repeats,
+                                             lambda: progress.advance(task))
     settings = {"dtype": dtype, "context": context, "repeats": repeats, "random_weights": random_weights}
-    report = kernels_report(model, decoder, timings, bandwidth, context, settings)
+    report = kernels_report(model, decoder, timings, bandwidth, context, settings, batches)
     table_console().print(render_kernels_table(report))
+    if batches:
+        table_console().print(render_kernel_batches_table(report))
     if json_out:
         with open(json_out, "w") as f:
             json.dump(report, f, indent=2)
