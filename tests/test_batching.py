@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from specctl.runtime.compute import ComputeThread, SlowedLane
-from specctl.spec.drafters import ModelChainDrafter, propose_chains
+from specctl.spec.batch_drafting import propose_chains
+from specctl.spec.drafters import ModelChainDrafter
 from specctl.spec.sampling import SamplingParams
 from specctl.verify.server import TargetServerConfig
 from tests.conftest import verify_together_to_the_end, wait_until
@@ -190,7 +191,8 @@ def test_batched_verification_equals_one_session_at_a_time(tiny):
 
 
 def test_batched_tree_drafting_matches_one_at_a_time(tiny):
-    from specctl.spec.drafters import ModelTreeDrafter, propose_trees
+    from specctl.spec.batch_drafting import propose_trees
+    from specctl.spec.drafters import ModelTreeDrafter
 
     drafter = ModelTreeDrafter(tiny["llama-self2"], 3, 2, 3)
     seqs = [[1, 2, 3, 4], [50, 60], [7, 7, 7, 7, 7, 7]]

@@ -14,7 +14,8 @@ import torch
 from specctl.engine.spec import check_token_ids
 from specctl.engine.tree import TokenTree
 from specctl.errors import BadRequest
-from specctl.spec.drafters import DraftSession, Proposal, batch_kind
+from specctl.spec.batch_drafting import batch_kind
+from specctl.spec.drafters import DraftSession, Proposal
 from specctl.spec.sampling import SamplingParams
 
 

@@ -1,0 +1,140 @@
+"""Model drafters' sessions drafted together: a chain or tree proposal for several sessions
+at once, every draft step one forward over all of them (the weights are read once a step
+instead of once a session). One session's ``propose`` is the batch of one."""
+
+from __future__ import annotations
+
+import torch
+
+from specctl.engine.tree import TokenTree
+from specctl.spec.drafters import (
+    DraftSession, Proposal, _ChainSession, _ModelDraftSession, _TreeSession, ranked_candidates, tree_score_params,
+)
+from specctl.spec.sampling import (
+    DRAFT_SUPPORT, SamplingParams, checked_token, keep_top, probs_from_logits, sample_tensor,
+)
+
+
+def catch_up_many(sessions: list[_ModelDraftSession], seqs: list[list[int]]) -> list[torch.Tensor]:
+    """Feed each session the committed tokens its cache lacks, all in one forward; the
+    logits after each one's last token."""
+    inputs, positions, at = [], [], []
+    for session, seq in zip(sessions, seqs):
+        session.committed, start = len(seq), session.cache.length
+        inputs.append(torch.tensor(seq[start:], dtype=torch.long))
+        positions.append(torch.arange(start, len(seq)))
+        at.append(torch.tensor([len(seq) - start - 1]))
+    return sessions[0].decoder.forward_many(inputs, positions, [s.cache for s in sessions], [None] * len(sessions), at)
+
+
+def propose_chains(sessions: list[_ChainSession], seqs: list[list[int]], params: list[SamplingParams],
+                   generators: list[torch.Generator | None]) -> list[Proposal]:
+    """Draft a chain for several sessions at once: every step is one forward over all of
+    them (the weights are read once per step instead of once per session). Adaptive depth:
+    a session stops drafting once the draft's own probability of its chain so far falls
+    below ``stop`` (greedy chains are scored by the draft's softmax at T = 1); the
+    proposal's length never affects what is accepted, only what drafting costs."""
+    decoder, depth, stop = sessions[0].decoder, sessions[0].depth, sessions[0].stop
+    caches = [s.cache for s in sessions]
+    logits = catch_up_many(sessions, seqs)
+    # Greedy chains with no adaptive depth decide nothing on the host between steps: each
+    # step's token goes to the next forward on the device and the chain is read back once.
+    # On a GPU the host then prepares step i + 1 while the device runs step i (issue 11: a
+    # read-back per step left the device idle for the host's part of every step).
+    read_once = not stop and all(p.greedy for p in params)
+    picks: list[list[torch.Tensor]] = [[] for _ in sessions]  # per step: [token, its probability], on the device
+    last: list[torch.Tensor] = [torch.empty(0)] * len(sessions)  # each session's last token [1], on the device
+    dists: list[list[torch.Tensor | None]] = [[] for _ in sessions]
+    ranked: list[list[torch.Tensor]] = [[] for _ in sessions]
+    drafted: list[list[tuple[int, float]]] = [[] for _ in sessions]  # (token, probability) read back per step
+    reach = [1.0] * len(sessions)
+    live = list(range(len(sessions)))
+    for i in range(depth):
+        for rows, b in zip(logits, live):
+            ranked[b].append(ranked_candidates(rows[0]))
+            # How likely the draft finds its token (greedy: its softmax at T = 1; sampled: q) is
+            # read back with the token. It is the node's probability in the tree: adaptive depth
+            # and routing among drafters use it. (gather, not [chosen]: indexing by a 0-d tensor
+            # reads it back to the host, a device sync.)
+            if params[b].greedy:
+                # no q: the proposal carries none (a one-hot q cost two vocabulary-sized kernels a step)
+                q, logit_row = None, rows[0].float()
+                chosen = logit_row.argmax()
+                likely = logit_row.softmax(-1).gather(0, chosen.view(1))[0]
+            else:
+                q = keep_top(probs_from_logits(rows[0], params[b]), DRAFT_SUPPORT)
+                if sessions[b].reshape is not None:
+                    q = sessions[b].reshape(i, q)
+                chosen = sample_tensor(q, generators[b])
+                likely = q.gather(0, chosen.view(1))[0]
+            picks[b].append(torch.stack([chosen.double(), likely.double()]))
+            last[b] = chosen.view(1)
+            dists[b].append(q)
+            if not read_once:
+                x, p_x = picks[b][-1].tolist()
+                drafted[b].append((checked_token(int(x)), p_x))
+                reach[b] *= p_x
+        live = [b for b in live if reach[b] >= stop]
+        if not live:
+            break
+        if i + 1 < depth:
+            one = torch.tensor([0])
+            logits = decoder.forward_many([last[b] for b in live], [torch.tensor([len(seqs[b]) + i]) for b in live],
+                                          [caches[b] for b in live], [None] * len(live), [one] * len(live))
+    if read_once:  # every session drafted all d steps: one read-back of all chains
+        read = torch.stack([torch.stack(steps) for steps in picks]).tolist()
+        drafted = [[(checked_token(int(x)), p_x) for x, p_x in steps] for steps in read]
+    proposals = []
+    for b, (seq, p) in enumerate(zip(seqs, params)):
+        tokens, probs = [x for x, _ in drafted[b]], [p_x for _, p_x in drafted[b]]
+        proposals.append(Proposal(TokenTree.chain(seq[-1], tokens, probs), None if p.greedy else torch.stack(dists[b]),
+                                  torch.stack(ranked[b])))
+    return proposals
+
+
+def propose_trees(sessions: list[_TreeSession], seqs: list[list[int]], params: list[SamplingParams],
+                  generators: list[torch.Generator | None]) -> list[Proposal]:
+    """Draft a tree for several sessions at once: the catch-up and then every level are one
+    ragged forward over all of them (each its own frontier, positions and tree mask).
+    Greedy drafting scores candidates by the draft's softmax (T = 1); sampling by the
+    request's own processed distribution."""
+    decoder, shape = sessions[0].decoder, sessions[0].shape
+    score = [tree_score_params(p) for p in params]
+    for session in sessions:
+        session.fed = 0
+    logits = catch_up_many(sessions, seqs)
+    ranked = [[ranked_candidates(rows)] for rows in logits]
+    trees = [TokenTree.root(seq[-1]).grow(torch.tensor([0]), probs_from_logits(rows[0], sp).unsqueeze(0),
+                                          shape.topk, shape.width)
+             for seq, rows, sp in zip(seqs, logits, score)]
+    # Adaptive depth: a session's tree stops growing once its likeliest node of the last
+    # level has a cumulative draft probability below ``stop``.
+    reached = lambda tree, level: float(tree.score[tree.level(level)].max().exp()) if tree.level(level).numel() else 0.0  # noqa: E731
+    stopped = {b for b, tree in enumerate(trees) if shape.stop and reached(tree, 1) < shape.stop}
+    for level in range(2, shape.depth + 1):
+        live = [b for b, tree in enumerate(trees) if b not in stopped and tree.level(level - 1).numel()]
+        if not live:
+            break
+        frontiers = {b: trees[b].level(level - 1) for b in live}
+        masks = [torch.cat([torch.ones(frontiers[b].numel(), sessions[b].committed, dtype=torch.bool),
+                            trees[b].mask[frontiers[b]][:, 1 : int(frontiers[b][-1]) + 1]], dim=1) for b in live]
+        out = decoder.forward_many(
+            [trees[b].tokens[frontiers[b]] for b in live],
+            [sessions[b].committed - 1 + trees[b].depth[frontiers[b]] for b in live],
+            [sessions[b].cache for b in live], masks, [torch.arange(frontiers[b].numel()) for b in live])
+        for b, rows in zip(live, out):
+            sessions[b].fed = int(frontiers[b][-1])
+            ranked[b].append(ranked_candidates(rows))
+            trees[b] = trees[b].grow(frontiers[b], probs_from_logits(rows, score[b]), shape.topk, shape.width)
+            if shape.stop and reached(trees[b], level) < shape.stop:
+                stopped.add(b)
+    return [Proposal(tree, None, torch.cat(ranks)) for tree, ranks in zip(trees, ranked)]
+
+
+def batch_kind(session: DraftSession):
+    """The function that drafts sessions like this one together, or None."""
+    if isinstance(session, _ChainSession):
+        return propose_chains
+    if isinstance(session, _TreeSession):
+        return propose_trees
+    return None
