@@ -1,16 +1,69 @@
 """Tree attention on CUDA with flashinfer's custom-mask prefill.
 
-flashinfer takes ragged [tokens, heads, dim] tensors and a flattened boolean mask; we
-call the single-request prefill once per batch row (sessions have different lengths).
-Every call passes a custom mask, a causal one included: one-token decode would otherwise
-go through another kernel (fa3 causal) than verification (fa2 custom mask), and bf16
-speculative output then differs from plain decoding."""
+flashinfer takes [tokens, heads, dim] queries and a bit-packed boolean mask; we call the
+single-request prefill once per batch row (sessions have different lengths). Every call
+passes a custom mask, a causal one included: one-token decode would otherwise go through
+another kernel (fa3 causal) than verification (fa2 custom mask), and bf16 speculative
+output then differs from plain decoding.
+
+Keys and values are read where the KV cache holds them: its [kv_heads, positions, dim]
+views are flashinfer's "HND" layout, whose strides the kernel takes, so nothing is copied
+(a `.contiguous()` of the whole K/V per layer and row cost more than the attention). The
+mask is packed once per forward, not once per layer: every layer of a forward passes the
+same mask tensor (or, causal, the same shape)."""
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
 from specctl_kernels import causal_mask
+
+_BIT_WEIGHTS = tuple(1 << i for i in range(8))
+
+
+def pack_mask_bits(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean mask as flashinfer's packed custom mask: its flattened bits, eight to a byte,
+    the first in the lowest bit (``numpy.packbits(..., bitorder="little")``)."""
+    flat = mask.reshape(-1).to(torch.uint8)
+    pad = -flat.numel() % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=mask.device)
+    return (flat.view(-1, 8) * weights).sum(-1, dtype=torch.uint8)
+
+
+class PackedMasks:
+    """The packed masks of the forward in progress. A forward's layers pass the same mask
+    tensor, so the first layer packs it and the others reuse it; a causal forward is known by
+    its shape. Holding the last mask keeps its id and memory from going to another tensor
+    while it is remembered; a tensor written in place since is told by its version counter
+    (inference tensors keep none: the engine builds every forward's mask anew)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._key: tuple | None = None
+        self._mask: torch.Tensor | None = None
+        self._rows: dict[int, torch.Tensor] = {}
+        self.packs = 0  # masks packed, for the tests
+
+    def row(self, mask: torch.Tensor | None, b: int, n: int, total: int, device: torch.device) -> torch.Tensor:
+        key = (("causal", n, total, str(device)) if mask is None
+               else ("mask", id(mask), mask.data_ptr(), None if mask.is_inference() else mask._version,
+                     tuple(mask.shape), str(mask.device)))
+        with self._lock:
+            if key != self._key:
+                self._key, self._mask, self._rows = key, mask, {}
+            packed = self._rows.get(b)
+            if packed is None:
+                rows = causal_mask(n, total, device) if mask is None else mask if mask.dim() == 2 else mask[b]
+                packed = self._rows[b] = pack_mask_bits(rows.reshape(n, total))
+                self.packs += 1
+            return packed
+
+
+PACKED = PackedMasks()
 
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -20,10 +73,11 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     total = k.shape[2]
     out = torch.empty_like(q)
     for b in range(batch):
-        qb = q[b].transpose(0, 1).contiguous()  # [n, H, D]
-        kb = k[b].transpose(0, 1).contiguous()  # [T, Hkv, D]
-        vb = v[b].transpose(0, 1).contiguous()
-        mb = causal_mask(n, total, q.device) if mask is None else mask if mask.dim() == 2 else mask[b]
-        ob = flashinfer.single_prefill_with_kv_cache(qb, kb, vb, custom_mask=mb.reshape(n, total).contiguous())
+        ob = flashinfer.single_prefill_with_kv_cache(
+            q[b].transpose(0, 1).contiguous(),  # [n, H, D]: n rows, a small copy
+            k[b], v[b],  # [Hkv, T, D] views of the cache ("HND"), strides passed to the kernel
+            kv_layout="HND",
+            packed_custom_mask=PACKED.row(mask, b, n, total, q.device),
+        )
         out[b] = ob.transpose(0, 1)
     return out

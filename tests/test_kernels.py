@@ -1,8 +1,12 @@
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specctl_kernels import causal_mask, flashinfer_available, select_backend, tree_attention
+from specctl_kernels.flashinfer_backend import PackedMasks, pack_mask_bits
 
 
 def _naive(q, k, v, mask):
@@ -41,15 +45,20 @@ def test_backend_selection_on_cpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not flashinfer_available(), reason="flashinfer not installed")
 def test_flashinfer_matches_torch_reference():
+    """Keys and values as the KV cache hands them over: views of a longer buffer (flashinfer
+    reads them in place, "HND" with strides); a batch of two with a mask each, and causal."""
     torch.manual_seed(2)
     dev = "cuda"
-    q = torch.randn(1, 4, 5, 64, device=dev, dtype=torch.float16)
-    k = torch.randn(1, 2, 12, 64, device=dev, dtype=torch.float16)
-    v = torch.randn(1, 2, 12, 64, device=dev, dtype=torch.float16)
+    q = torch.randn(2, 4, 5, 64, device=dev, dtype=torch.float16)
+    buffer = torch.randn(2, 2, 2, 32, 64, device=dev, dtype=torch.float16)  # [K/V, B, Hkv, slots, D]
+    k, v = buffer[0, :, :, :12], buffer[1, :, :, :12]
+    assert not k.is_contiguous()
     mask = causal_mask(5, 12, dev)
     mask[3, 9] = False  # a branch that does not see a sibling
-    ref = tree_attention(q, k, v, mask, backend="torch")
-    torch.testing.assert_close(tree_attention(q, k, v, mask, backend="flashinfer"), ref, rtol=2e-3, atol=2e-3)
+    masks = torch.stack([mask, causal_mask(5, 12, dev)])
+    for m in (mask, masks, None):
+        ref = tree_attention(q, k, v, m, backend="torch")
+        torch.testing.assert_close(tree_attention(q, k, v, m, backend="flashinfer"), ref, rtol=2e-3, atol=2e-3)
 
 
 def test_auto_backend_falls_back_to_torch_where_flashinfer_has_no_kernels(monkeypatch, caplog):
@@ -107,3 +116,36 @@ def test_one_half_precision_row_on_the_cpu_is_float32_attention_over_its_keys(dt
     # the view of a larger buffer (the cache) and a contiguous copy give the same bits
     buffer = torch.cat([k, torch.randn(1, 2, 11, 64, dtype=dtype)], 2)
     assert torch.equal(tree_attention(q, buffer[:, :, :37], v, None), out)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 9), cols=st.integers(1, 40), seed=st.integers(0, 2**31 - 1))
+def test_packed_mask_bits_are_numpys_little_endian_packbits(rows, cols, seed):
+    """flashinfer's packed custom mask, computed with torch so it runs on any device."""
+    mask = torch.rand(rows, cols, generator=torch.Generator().manual_seed(seed)) < 0.5
+    expected = np.packbits(mask.numpy().reshape(-1), bitorder="little")
+    assert pack_mask_bits(mask).tolist() == expected.tolist()
+
+
+def test_a_forwards_mask_is_packed_once_for_all_its_layers():
+    packed = PackedMasks()
+    tree = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    batched = torch.stack([tree, tree.flip(1)])
+    for _layer in range(4):  # every layer of one forward passes the same tensors
+        first = packed.row(tree, 0, 2, 4, tree.device)
+    assert packed.packs == 1 and first.tolist() == pack_mask_bits(tree).tolist()
+    for _layer in range(3):
+        rows = [packed.row(batched, b, 2, 4, tree.device) for b in range(2)]
+    assert packed.packs == 3 and rows[1].tolist() == pack_mask_bits(batched[1]).tolist()
+    for _layer in range(3):  # causal forwards are known by their shape
+        causal = packed.row(None, 0, 3, 7, tree.device)
+    assert packed.packs == 4 and causal.tolist() == pack_mask_bits(causal_mask(3, 7)).tolist()
+    assert packed.row(None, 0, 3, 8, tree.device).tolist() == pack_mask_bits(causal_mask(3, 8)).tolist()
+    assert packed.packs == 5
+    packed.row(tree, 0, 2, 4, tree.device)
+    tree[0, 3] = True  # the same tensor written in place: packed anew
+    assert packed.row(tree, 0, 2, 4, tree.device).tolist() == pack_mask_bits(tree).tolist()
+    assert packed.packs == 7
+    with torch.inference_mode():  # the engine's masks are inference tensors (no version counter)
+        fresh = torch.ones(2, 4, dtype=torch.bool)
+        assert packed.row(fresh, 0, 2, 4, fresh.device).tolist() == pack_mask_bits(fresh).tolist()
