@@ -74,6 +74,21 @@ def get_attention(backend: str) -> AttentionFn:
     raise ValueError(f"no concrete attention backend {backend!r}")
 
 
+def warm_up(backend: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+            device: torch.device | str) -> bool:
+    """Run ``backend``'s attention once at a model's shapes, so that a backend that compiles its
+    kernels on first use (flashinfer's JIT: minutes the first time on a machine, cached after)
+    does it while the model loads rather than in the first request. Returns whether it ran:
+    only flashinfer needs it."""
+    if backend != "flashinfer":
+        return False
+    q = torch.zeros(1, num_heads, 2, head_dim, dtype=dtype, device=device)
+    kv = torch.zeros(1, num_kv_heads, 4, head_dim, dtype=dtype, device=device)
+    get_attention(backend)(q, kv, kv, None)  # every call takes the custom-mask kernel: this one
+    torch.cuda.synchronize(device)
+    return True
+
+
 def row_exact(attend: AttentionFn) -> AttentionFn:
     """``attend`` with every masked query row computed exactly as a one-token decode step
     computes it: ``attend`` of that row alone over just its visible keys, in cache order
@@ -144,4 +159,4 @@ def causal_mask(n: int, total: int, device: torch.device | str = "cpu") -> torch
 
 
 __all__ = ["BACKENDS", "causal_mask", "flashinfer_available", "get_attention", "row_exact", "select_backend",
-           "static_attention", "tree_attention"]
+           "static_attention", "tree_attention", "warm_up"]

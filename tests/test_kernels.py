@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specctl_kernels import causal_mask, flashinfer_available, select_backend, tree_attention
+from specctl_kernels import causal_mask, flashinfer_available, select_backend, tree_attention, warm_up
 from specctl_kernels.flashinfer_backend import PackedMasks, pack_mask_bits
 
 
@@ -149,3 +149,38 @@ def test_a_forwards_mask_is_packed_once_for_all_its_layers():
     with torch.inference_mode():  # the engine's masks are inference tensors (no version counter)
         fresh = torch.ones(2, 4, dtype=torch.bool)
         assert packed.row(fresh, 0, 2, 4, fresh.device).tolist() == pack_mask_bits(fresh).tolist()
+
+
+def test_only_flashinfer_is_warmed_up():
+    assert not warm_up("torch", torch.float32, 4, 2, 16, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not flashinfer_available(), reason="flashinfer not installed")
+def test_flashinfer_warm_up_runs_at_a_models_shapes_and_leaves_attention_exact():
+    assert warm_up("flashinfer", torch.bfloat16, 4, 2, 64, "cuda")
+    q = torch.randn(1, 4, 3, 64, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, 2, 9, 64, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(tree_attention(q, kv, kv, None, backend="flashinfer"),
+                               tree_attention(q, kv, kv, None, backend="torch"), rtol=2e-2, atol=2e-2)
+
+
+def test_a_model_on_flashinfer_is_warmed_up_at_load_with_a_status_line(monkeypatch, tiny):
+    """The wiring from loading to the warm-up (flashinfer itself needs CUDA: its run is the GPU
+    test above); a model on another backend is not warmed up."""
+    import io
+
+    from rich.console import Console
+
+    from specctl.spec import factory
+
+    calls = []
+    monkeypatch.setattr(factory, "warm_up", lambda *args: calls.append(args) or True)
+    decoder = tiny["llama"]
+    console = Console(file=io.StringIO())
+    factory.warm_up_attention(decoder, console)
+    assert calls == []
+    monkeypatch.setattr(decoder, "attention_backend", "flashinfer")
+    factory.warm_up_attention(decoder, console)
+    spec = decoder.spec
+    assert calls == [("flashinfer", decoder.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim, decoder.device)]

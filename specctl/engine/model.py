@@ -34,6 +34,7 @@ class Decoder(nn.Module):
         if not 0 <= first < last <= spec.num_layers:
             raise ValueError(f"layer range [{first}, {last}) outside the model's {spec.num_layers} layers")
         self.spec, self.layer_range, self.has_embed, self.has_head = spec, (first, last), embed, head
+        self.attention_backend = backend
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size) if embed else None
         self.layers = nn.ModuleList(DecoderLayer(spec, backend) for _ in range(last - first))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_eps) if head else None

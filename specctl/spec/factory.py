@@ -11,12 +11,13 @@ from rich.console import Console
 from specctl.config import Config
 from specctl.engine.loader import DTYPES, LoadedModel, check_same_vocab, load_model
 from specctl.engine.layers import fuse_projections
+from specctl.engine.model import Decoder
 from specctl.engine import rows
 from specctl.engine.quant import quantize_decoder
 from specctl.spec.drafters import Drafter, ModelChainDrafter, ModelTreeDrafter, NgramDrafter, NoDrafter
 from specctl.spec.multi import MultiDrafter
 from specctl.store import resolve_model
-from specctl_kernels import select_backend
+from specctl_kernels import select_backend, warm_up
 
 _LAYERS_SUFFIX = re.compile(r"^(?P<name>.+)@(?P<layers>\d+)$")
 
@@ -59,7 +60,17 @@ def load_named(name: str, config: Config, console: Console | None = None, quant:
             fuse_projections(model.decoder)
             if stage is None and config.cuda_graphs:
                 model.decoder.use_static_steps(graphs=True, compile=config.torch_compile)
+    warm_up_attention(model.decoder, console)
     return model
+
+
+def warm_up_attention(decoder: Decoder, console: Console) -> None:
+    """flashinfer compiles its attention kernels on first use: at load, with a line saying so."""
+    spec = decoder.spec
+    if decoder.attention_backend == "flashinfer":
+        with console.status(f"compiling flashinfer's attention kernels ({str(decoder.dtype).removeprefix('torch.')}, "
+                            f"head dim {spec.head_dim}; minutes on a machine's first start, cached after)"):
+            warm_up("flashinfer", decoder.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim, decoder.device)
 
 
 def needs_draft_model(mode: str) -> bool:
