@@ -27,7 +27,6 @@ def is_dropped(name: str, parents: list[str], keep: set[str]) -> bool:
 
 
 def slim(source: Path, target: Path, parents: list[str], keep: set[str]) -> tuple[int, int]:
-    dropped: set[str] = set()
     with zipfile.ZipFile(source) as wheel, zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as out:
         members = wheel.infolist()
         dropped = {m.filename for m in members if is_dropped(m.filename, parents, keep)}

@@ -96,6 +96,21 @@ def _now(device: str) -> float:
     return time.perf_counter()
 
 
+def _timed(device: str, repeats: int, step: Callable[[], torch.Tensor], reset: Callable[[], object]
+           ) -> tuple[float, float, float]:
+    """min / median / max ms of ``repeats`` runs of ``step`` (after 3 untimed ones: they capture
+    graphs), each ending in the host sync every real step has (its last logits' argmax), each
+    followed by ``reset`` (untimed)."""
+    timings = []
+    for _ in range(repeats + 3):
+        start = _now(device)
+        int(step().argmax())
+        timings.append((_now(device) - start) * 1e3)
+        reset()
+    kept = timings[3:]
+    return min(kept), statistics.median(kept), max(kept)
+
+
 @dataclass(frozen=True, slots=True)
 class StepTiming:
     tokens: int
@@ -117,15 +132,9 @@ def time_steps(decoder: Decoder, context: int, sizes: tuple[int, ...], repeats: 
     for n in sizes:
         tokens = torch.randint(0, decoder.spec.vocab_size, (n,), generator=generator)
         positions = torch.arange(context, context + n)
-        timings = []
-        for _ in range(repeats + 3):  # the first steps of a size capture its graph
-            start = _now(device)
-            logits = decoder(tokens, positions, cache)
-            int(logits[-1].argmax())  # the host sync every real step has
-            timings.append((_now(device) - start) * 1e3)
-            cache.truncate(context)
-        kept = timings[3:]
-        results.append(StepTiming(n, min(kept), statistics.median(kept), max(kept)))
+        spread = _timed(device, repeats, lambda: decoder(tokens, positions, cache)[-1],
+                        lambda: cache.truncate(context))
+        results.append(StepTiming(n, *spread))
         on_done()
     cache.release()
     return results
@@ -171,18 +180,12 @@ def time_batches(decoder: Decoder, context: int, sessions: tuple[int, ...], toke
                 for replay_each in hows:
                     if static is not None:
                         static.per_session = replay_each
-                    timings = []
-                    for _ in range(repeats + 3):  # the first steps capture graphs
-                        start = _now(device)
-                        logits = decoder.forward_many(new, positions, caches[:count], [None] * count,
-                                                      [torch.tensor([n - 1])] * count)
-                        int(logits[-1][-1].argmax())
-                        timings.append((_now(device) - start) * 1e3)
-                        for cache in caches[:count]:
-                            cache.truncate(context)
-                    kept = timings[3:]
-                    results.append(BatchTiming(count, n, REPLAY_EACH if replay_each else ONE_EAGER, min(kept),
-                                               statistics.median(kept), max(kept)))
+                    spread = _timed(
+                        device, repeats,
+                        lambda: decoder.forward_many(new, positions, caches[:count], [None] * count,
+                                                     [torch.tensor([n - 1])] * count)[-1][-1],
+                        lambda: [cache.truncate(context) for cache in caches[:count]])
+                    results.append(BatchTiming(count, n, REPLAY_EACH if replay_each else ONE_EAGER, *spread))
                 on_done()
     finally:
         if static is not None:
@@ -222,12 +225,13 @@ def kernels_report(name: str, decoder: Decoder, timings: dict[str, list[StepTimi
         "batches": [
             {"variant": variant, "sessions": b.sessions, "tokens_each": b.tokens, "how": b.how,
              "ms_min_median_max": [b.ms_min, b.ms_median, b.ms_max],
-             "vs_sessions_times_one_step": b.ms_median / (b.sessions * _median_of(timings[variant], b.tokens))
-             if _median_of(timings[variant], b.tokens) else None}
+             "vs_sessions_times_one_step": _vs_one_at_a_time(b, timings[variant])}
             for variant, timed in (batches or {}).items() for b in timed
         ],
     }
 
 
-def _median_of(steps: list[StepTiming], tokens: int) -> float | None:
-    return next((t.ms_median for t in steps if t.tokens == tokens), None)
+def _vs_one_at_a_time(batch: BatchTiming, steps: list[StepTiming]) -> float | None:
+    """The batch's median over its sessions' steps one after another (None: that size was not timed)."""
+    one = next((t.ms_median for t in steps if t.tokens == batch.tokens), None)
+    return batch.ms_median / (batch.sessions * one) if one else None
