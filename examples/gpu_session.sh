@@ -20,6 +20,10 @@ if [ "${1:-}" = "flashinfer" ]; then
     .whl/flashinfer_python-*.whl .whl/apache_tvm_ffi-*.whl || exit 1
   FLASHINFER_CUDA_ARCH_LIST=9.0a PYTHONPATH=/tmp/fisite:$PYTHONPATH timeout 380 python3 -m pytest -rs --durations=5 \
     tests/test_kernels.py tests/test_gpu.py -k flashinfer 2>&1 | tee "$OUT/flashinfer-tests.log"
+  # Eager forwards with flashinfer: one session, and batches as one paged call a layer over the KV arena.
+  FLASHINFER_CUDA_ARCH_LIST=9.0a PYTHONPATH=/tmp/fisite:$PYTHONPATH timeout 200 python3 -m specctl bench kernels \
+    --model 1.5b --dtype bf16 --attention flashinfer --no-graphs --sizes 1,4,16,64 --repeats 10 \
+    --sessions 2,4,8,16,32 --json "$OUT/kernels-1.5b-flashinfer.json" 2>&1 | tee "$OUT/kernels-1.5b-flashinfer.log"
   exit
 fi
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/device.txt"

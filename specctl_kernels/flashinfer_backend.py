@@ -81,3 +81,33 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
         )
         out[b] = ob.transpose(0, 1)
     return out
+
+
+WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended split-k workspace
+
+
+class BatchPaged:
+    """Several sessions' attention over a paged arena in one flashinfer call per layer:
+    ``BatchPrefillWithPagedKVCacheWrapper`` planned once per forward (``paged.PagePlan``) and run
+    for each layer on the arena's pages, read in place ("HND" views: the kernel takes their
+    strides, the same for keys and values). Every plan passes a custom mask (causal written out)
+    so a decode step and a verification run the same kernel, as ``tree_attention`` does; split-KV
+    is off so a session's result does not depend on the batch it came in."""
+
+    def __init__(self, device: torch.device) -> None:
+        import flashinfer
+
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="HND")
+        self.device = device
+
+    def plan(self, plan, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        device = self.device
+        self.wrapper.plan(
+            plan.qo_indptr.to(device), plan.kv_indptr.to(device), plan.kv_indices.to(device),
+            plan.last_page_len.to(device), num_heads, num_kv_heads, head_dim, plan.page,
+            custom_mask=plan.flat_mask(device), q_data_type=dtype, kv_data_type=dtype, disable_split_kv=True)
+
+    def run(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> torch.Tensor:
+        """q [N, H, D] -> [N, H, D]."""
+        return self.wrapper.run(q, (k_pages, v_pages))

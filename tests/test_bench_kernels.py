@@ -74,6 +74,11 @@ def test_cli_times_a_checkpoint_shape_on_cpu(tiny_dir, tmp_path):
     (["--model", "3b", "--device", "cpu"], "unknown model shape '3b'"),
     (["--sessions", "1,4", "--device", "cpu"], "--sessions must be between 2 and 64"),
     (["--sessions", "4", "--batch-tokens", "0", "--device", "cpu"], "--batch-tokens must be between 1 and 64"),
+    (["--attention", "sdpa", "--device", "cpu"], "--attention must be torch or flashinfer, got 'sdpa'"),
+    (["--attention", "flashinfer", "--device", "cpu"],
+     "attention backend 'flashinfer' needs a CUDA device and `pip install flashinfer-python`"),
+    (["--attention", "flashinfer", "--dtype", "fp32", "--device", "cpu"],
+     "attention backend 'flashinfer' needs a CUDA device"),
 ])
 def test_cli_rejects_bad_flags(args, message):
     _assert_one_line_error(run("bench", "kernels", *args), message)

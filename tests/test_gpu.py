@@ -169,6 +169,57 @@ def test_bf16_speculative_equals_bf16_ar_with_flashinfer_attention(tmp_path):
             assert generate(target, prompt, params, drafter)[0] == reference, f"flashinfer {mode} diverged on {prompt}"
 
 
+@pytest.mark.skipif(not flashinfer_available(), reason="flashinfer not installed")
+def test_flashinfer_paged_attention_equals_the_torch_page_table():
+    """Issue 11 must-do 3: sessions at scattered ranges of one arena, causal and tree masks, in one
+    BatchPrefillWithPagedKVCacheWrapper call reading the arena's pages in place."""
+    from specctl.engine.kv_arena import KVArena
+    from specctl_kernels.paged import PagedAttention, paged_reference
+
+    torch.manual_seed(0)
+    arena = KVArena(2, 2, 64, 1024, torch.bfloat16, "cuda")
+    arena.buffer.normal_()
+    tree = torch.ones(3, 43, dtype=torch.bool, device="cuda")
+    tree[1, 41] = tree[2, 40] = False
+    sessions = [(0, 17, 1, None), (160, 43, 3, tree), (320, 300, 5, None), (48, 2, 2, None)]
+    paged = PagedAttention("flashinfer", arena)
+    planned = paged.plan([s[0] for s in sessions], [s[1] for s in sessions], [s[2] for s in sessions],
+                         [s[3] for s in sessions], 8)
+    q = torch.randn(1, 8, sum(s[2] for s in sessions), 64, dtype=torch.bfloat16, device="cuda")
+    for layer in (0, 1):
+        expected = paged_reference(q[0].transpose(0, 1), *arena.pages(layer), planned.plan)
+        torch.testing.assert_close(planned.attend(layer, q)[0].transpose(0, 1), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not flashinfer_available(), reason="flashinfer not installed")
+def test_bf16_over_a_flashinfer_paged_arena_speculative_equals_ar_and_a_batch_each_alone(tmp_path):
+    """Every eager forward of caches on the arena is one paged flashinfer call a layer: bf16
+    speculative == bf16 AR, and a batch of sessions' logits == each session's alone (split-KV
+    off: a session's result must not depend on its batch)."""
+    target = _cuda(make_tiny_model(tmp_path / "t", "qwen2", seed=1, hidden=256), torch.bfloat16, graphs=False,
+                   backend="flashinfer").use_kv_arena(64 << 20, attention="flashinfer")
+    draft = _cuda(make_tiny_model(tmp_path / "d", "qwen2", seed=8, layers=2, hidden=256), torch.bfloat16,
+                  graphs=False, backend="flashinfer").use_kv_arena(64 << 20, attention="flashinfer")
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    for prompt in PROMPTS:
+        reference, _, _ = generate(target, prompt, params)
+        for mode, drafter in _drafters(draft).items():
+            assert generate(target, prompt, params, drafter)[0] == reference, f"paged {mode} diverged on {prompt}"
+    assert target.paged.plans > 0 and target.kv_arena.free_slots == target.kv_arena.slots
+
+    def fresh():
+        caches = [target.new_cache(128) for _ in PROMPTS]
+        for prompt, cache in zip(PROMPTS, caches):
+            target(torch.tensor(prompt), torch.arange(len(prompt)), cache)
+        return caches
+
+    steps = [(torch.tensor([11, 12]), torch.tensor([len(p), len(p) + 1])) for p in PROMPTS]
+    at = [torch.tensor([0, 1])] * len(PROMPTS)
+    together = target.forward_many([s[0] for s in steps], [s[1] for s in steps], fresh(), [None] * len(PROMPTS), at)
+    alone = [target(tokens, positions, cache) for (tokens, positions), cache in zip(steps, fresh())]
+    assert all(torch.equal(a, b) for a, b in zip(together, alone))
+
+
 def test_tree_growth_and_sampling_take_cuda_probabilities():
     probs = torch.tensor([[0.1, 0.6, 0.3, 0.0]], device="cuda")
     tree = TokenTree.root(3).grow(torch.tensor([0]), probs, topk=2, width=2)

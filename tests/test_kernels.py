@@ -184,3 +184,42 @@ def test_a_model_on_flashinfer_is_warmed_up_at_load_with_a_status_line(monkeypat
     factory.warm_up_attention(decoder, console)
     spec = decoder.spec
     assert calls == [("flashinfer", decoder.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim, decoder.device)]
+
+
+def test_a_model_on_flashinfer_gets_an_arena_of_the_kv_budget_and_its_batch_kernels_warmed_up(monkeypatch, tiny_dir):
+    """The wiring (flashinfer's batch call itself is a GPU test): the arena of ``kv_budget_mb``
+    with paged flashinfer attention, once; the paged warm-up after the single-prefill one."""
+    import io
+
+    from rich.console import Console
+
+    from specctl.config import Config
+    from specctl.engine.loader import load_decoder
+    from specctl.engine.model import Decoder
+    from specctl.spec import factory
+
+    decoder = load_decoder(tiny_dir["llama"])
+    factory.use_arena_for_flashinfer(decoder, Config(kv_budget_mb=1))
+    assert decoder.kv_arena is None  # torch attention: caches of their own
+    arenas = []
+    real = Decoder.use_kv_arena
+    monkeypatch.setattr(Decoder, "use_kv_arena",
+                        lambda self, budget, attention: arenas.append((budget, attention)) or real(self, budget, "torch"))
+    monkeypatch.setattr(decoder, "attention_backend", "flashinfer")
+    factory.use_arena_for_flashinfer(decoder, Config(kv_budget_mb=1))
+    factory.use_arena_for_flashinfer(decoder, Config(kv_budget_mb=1))
+    assert arenas == [(1 << 20, "flashinfer")] and decoder.kv_arena is not None
+    warmed = []
+    monkeypatch.setattr(factory, "warm_up", lambda *args: warmed.append("single") or True)
+    monkeypatch.setattr(decoder.paged, "warm_up", lambda heads: warmed.append(("paged", heads)))
+    factory.warm_up_attention(decoder, Console(file=io.StringIO()))
+    assert warmed == ["single", ("paged", decoder.spec.num_heads)]
+
+
+def test_the_paged_warm_up_reads_the_arena_and_counts_no_forward(tiny_dir):
+    from specctl.engine.loader import load_decoder
+
+    decoder = load_decoder(tiny_dir["llama"]).use_kv_arena(1 << 20, attention="torch")
+    before = decoder.kv_arena.buffer.clone()
+    decoder.paged.warm_up(decoder.spec.num_heads)
+    assert decoder.paged.plans == 0 and torch.equal(decoder.kv_arena.buffer, before)

@@ -46,11 +46,11 @@ def shape_config(name: str):
     return Qwen2Config(max_position_embeddings=32768, rms_norm_eps=1e-6, **SHAPES[key])
 
 
-def random_decoder(config, dtype: torch.dtype, device: str) -> Decoder:
+def random_decoder(config, dtype: torch.dtype, device: str, backend: str = "torch") -> Decoder:
     """A decoder of ``config``'s shape with random weights, built on ``device`` directly."""
     spec = ModelSpec.from_hf(config)
     with torch.device(device):
-        decoder = Decoder(spec).to(dtype)
+        decoder = Decoder(spec, backend=backend).to(dtype)
     for parameter in decoder.parameters():
         parameter.requires_grad_(False).normal_(0.0, 0.02)
     if spec.tie_embeddings:

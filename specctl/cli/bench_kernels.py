@@ -31,6 +31,8 @@ def kernels(
                                  "server's batched step, a target's batched verification); none by default"),
     batch_tokens: str = typer.Option("1,4", help="with --sessions: new tokens of each session (1 = a draft step, "
                                      "d+1 = a chain's verification)"),
+    attention: str = typer.Option("torch", help="torch | flashinfer: the eager forwards' attention (flashinfer: the "
+                                  "sessions' caches in one KV arena, a batch one paged call a layer; CUDA, bf16/fp16)"),
     json_out: Optional[str] = typer.Option(None, "--json", help="write the report as JSON to this file"),
 ) -> None:
     """One model's step times on one device: an AR step, verification of up to 64 tokens, their
@@ -44,8 +46,9 @@ def kernels(
     from specctl.config import build_config
     from specctl.engine.layers import fuse_projections
     from specctl.engine.loader import DTYPES
-    from specctl.engine.static import BUCKETS
-    from specctl.spec.factory import load_named
+    from specctl.engine.static import BUCKETS, SLOT_QUANTUM
+    from specctl.spec.factory import load_named, warm_up_attention
+    from specctl_kernels import select_backend
 
     steps = int_list(sizes, "--sizes") or VERIFY_SIZES
     if steps[0] < 1 or steps[-1] > BUCKETS[-1]:
@@ -62,19 +65,33 @@ def kernels(
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device here; use --device cpu")
+    if attention not in ("torch", "flashinfer"):
+        raise ConfigError(f"--attention must be torch or flashinfer, got {attention!r}")
+    try:
+        select_backend(attention, device, DTYPES[dtype])
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     console = Console(stderr=True)
     with console.status(f"building {model} ({dtype}, {'random weights' if random_weights else 'checkpoint'})"):
         if random_weights:
             try:
-                decoder = random_decoder(shape_config(model), DTYPES[dtype], device)
+                decoder = random_decoder(shape_config(model), DTYPES[dtype], device, attention)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
         else:
-            config = build_config(None, target=model, device=device, dtype=dtype, cuda_graphs=False)
+            config = build_config(None, target=model, device=device, dtype=dtype, cuda_graphs=False,
+                                  attention_backend=attention)
             decoder = load_named(model, config, console).decoder
         if decoder.device.type == "cuda":
             fuse_projections(decoder)
+        if attention == "flashinfer" and decoder.kv_arena is None:
+            # An arena holding every session this run opens: each cache, for its largest step.
+            spec = decoder.spec
+            slots = (max(batch_sizes, default=1) + 2) * (context + 2 * BUCKETS[-1] + SLOT_QUANTUM)
+            decoder.use_kv_arena(slots * 2 * decoder.num_layers * spec.num_kv_heads * spec.head_dim
+                                 * torch.finfo(decoder.dtype).bits // 8, attention="flashinfer")
         bandwidth = measure_bandwidth_gbps(device)
+    warm_up_attention(decoder, console)
     on_cuda = decoder.device.type == "cuda"
     variants = {"eager": None}
     if graphs and on_cuda:
@@ -95,7 +112,8 @@ def kernels(
                 progress.update(task, description=f"timing batches: {name}")
                 batches[name] = time_batches(decoder, context, batch_sizes, tokens_each, repeats,
                                              lambda: progress.advance(task))
-    settings = {"dtype": dtype, "context": context, "repeats": repeats, "random_weights": random_weights}
+    settings = {"dtype": dtype, "context": context, "repeats": repeats, "random_weights": random_weights,
+                "attention": attention}
     report = kernels_report(model, decoder, timings, bandwidth, context, settings, batches)
     table_console().print(render_kernels_table(report))
     if batches:

@@ -7,11 +7,14 @@ failing one that is already streaming (StarSD's admission rule N_max, in bytes).
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from specctl.errors import KVBudgetExceeded
+
+if TYPE_CHECKING:
+    from specctl.engine.kv_arena import KVArena
 
 
 class KVPool:
@@ -61,6 +64,7 @@ class KVCache:
         pool: KVPool | None = None,
         slots: int | None = None,
         spare: "KVCache | None" = None,
+        arena: "KVArena | None" = None,
     ) -> None:
         self.released = True  # until the reservation succeeds, there is nothing to give back
         self.recycle: Callable[[KVCache], bool] | None = None  # takes a released cache's buffer for reuse
@@ -70,17 +74,31 @@ class KVCache:
         self.trash = self.slots - 1
         self.nbytes = 2 * num_layers * num_kv_heads * self.slots * head_dim * torch.tensor([], dtype=dtype).element_size()
         self.pool = pool
+        self.arena, self.start = None, 0  # a range of a shared arena (engine.kv_arena), or a buffer of its own
         if pool is not None:
             pool.reserve(self.nbytes)
         if spare is None:
-            # Keys and values in one buffer [layers, 2, 1, kv_heads, slots, head_dim]: a static step
-            # writes both of a layer in one kernel (``k`` and ``v`` are views of it).
-            self.kv = torch.zeros((num_layers, 2, 1, num_kv_heads, self.slots, head_dim), dtype=dtype, device=device)
             self.steps: dict = {}  # bucket -> engine.static.StepGraph (its CUDA graph bakes in kv's address)
+            if arena is None:
+                # Keys and values in one buffer [layers, 2, 1, kv_heads, slots, head_dim]: a static
+                # step writes both of a layer in one kernel (``k`` and ``v`` are views of it).
+                self.kv = torch.zeros((num_layers, 2, 1, num_kv_heads, self.slots, head_dim), dtype=dtype,
+                                      device=device)
+            else:
+                try:
+                    self.start = arena.allocate(self.slots)
+                except BaseException:
+                    if pool is not None:
+                        pool.release(self.nbytes)
+                    raise
+                self.arena, self.kv = arena, arena.view(self.start, self.slots)
+                self.kv.zero_()  # a released session's keys must not leak into this one's padded steps
         else:
-            # A released session's buffer and the steps captured over it move to this cache; the
-            # old object keeps nothing, so a stale holder of it fails as on any released cache.
-            self.kv, self.steps = spare.kv, spare.steps
+            # A released session's buffer (or arena range) and the steps captured over it move to
+            # this cache; the old object keeps nothing, so a stale holder of it fails as on any
+            # released cache.
+            self.kv, self.steps, self.arena, self.start = spare.kv, spare.steps, spare.arena, spare.start
+            spare.arena = None  # the range is this cache's now: the spare must not give it back
             spare.free_buffer()
             for step in self.steps.values():
                 step.cache = self
@@ -167,6 +185,9 @@ class KVCache:
         whose buffer moved to a new cache)."""
         self.steps = {}
         self.kv = self.k = self.v = torch.empty(0)
+        arena, self.arena = self.arena, None
+        if arena is not None:
+            arena.free(self.start, self.slots)
 
     def __del__(self) -> None:  # a dropped session must give its budget back (its buffer is not kept)
         self.recycle = None

@@ -12,6 +12,7 @@ from specctl.engine.kv_cache import KVCache
 from specctl.engine.spec import ModelSpec
 from specctl.engine.static import StaticSegment
 from specctl_kernels import get_attention, row_exact, static_attention
+from specctl_kernels.paged import PlannedForward
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +22,7 @@ class Segments:
     bounds: list[tuple[int, int]]
     caches: list[KVCache]
     masks: list[torch.Tensor | None]
+    paged: PlannedForward | None = None  # one batched attention call per layer over the KV arena
 
 
 class RMSNorm(nn.Module):
@@ -89,6 +91,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if isinstance(segments, StaticSegment):
             out = segments.attend(layer, q, torch.stack((k[0], v[0])))
+        elif segments.paged is not None:
+            for (start, end), cache in zip(segments.bounds, segments.caches):
+                cache.write(layer, k[:, :, start:end], v[:, :, start:end])
+            out = segments.paged.attend(layer, q)
         elif len(segments.caches) == 1:
             keys, values = segments.caches[0].write(layer, k, v)
             out = self.attend(q, keys, values, segments.masks[0])

@@ -11,11 +11,13 @@ from typing import Callable, TypeVar
 import torch
 from torch import nn
 
+from specctl.engine.kv_arena import KVArena
 from specctl.engine.kv_cache import KVCache, KVPool
 from specctl.engine.layers import DecoderLayer, RMSNorm, Segments, rope_cos_sin
 from specctl.engine.spec import ModelSpec
 from specctl.engine.static import CUDA_LOCK, StaticRunner, StaticSegment
 from specctl.runtime.compute import sleep_rest
+from specctl_kernels.paged import PagedAttention
 
 Out = TypeVar("Out")
 
@@ -46,6 +48,8 @@ class Decoder(nn.Module):
         # long, its compute inside — a device whose step time does not grow with its rows, as a
         # GPU's does not up to tens of rows. 0 = off, as always outside an emulated benchmark.
         self.step_floor_s = 0.0
+        self.kv_arena: KVArena | None = None  # sessions' caches as ranges of one buffer (use_kv_arena)
+        self.paged: PagedAttention | None = None  # batched attention over the arena (use_kv_arena)
 
     def use_static_steps(self, graphs: bool = True, compile: bool = False) -> "Decoder":
         """Run single-session steps of up to 64 tokens padded to a size bucket over the whole
@@ -54,6 +58,21 @@ class Decoder(nn.Module):
         if not (self.has_embed and self.has_head):
             raise ValueError("static steps need a full model (embedding and head)")
         self.static = StaticRunner(self, graphs, compile)
+        if self.kv_arena is not None:
+            self.static.adopt_arena(self.kv_arena)
+        return self
+
+    def use_kv_arena(self, budget_bytes: int, attention: str | None = None) -> "Decoder":
+        """Hold every session's KV cache in one arena of ``budget_bytes`` (engine.kv_arena), and
+        run an eager forward's attention, of one session or several, as one paged call per layer
+        through ``attention`` (``flashinfer``; ``torch``: the reference, for tests; None: the
+        arena without paged attention)."""
+        s = self.spec
+        self.kv_arena = KVArena.for_budget(self.num_layers, s.num_kv_heads, s.head_dim, budget_bytes, self.dtype,
+                                           self.device)
+        self.paged = None if attention is None else PagedAttention(attention, self.kv_arena)
+        if self.static is not None:
+            self.static.adopt_arena(self.kv_arena)
         return self
 
     def use_row_exact_attention(self) -> "Decoder":
@@ -102,7 +121,8 @@ class Decoder(nn.Module):
         if self.static is not None:  # sized for reuse, with the steps captured over it
             return self.static.new_cache(capacity, pool)
         s = self.spec
-        return KVCache(self.num_layers, s.num_kv_heads, s.head_dim, capacity, self.dtype, self.device, pool)
+        return KVCache(self.num_layers, s.num_kv_heads, s.head_dim, capacity, self.dtype, self.device, pool,
+                       arena=self.kv_arena)
 
     @torch.inference_mode()
     def forward(
@@ -131,7 +151,7 @@ class Decoder(nn.Module):
             return self.static.run_chunks(inputs, positions, cache, logits_at)
         if mask is not None:
             mask = mask.to(self.device)
-        return self._compute(inputs, positions, Segments([(0, n)], [cache], [mask]), logits_at)
+        return self._compute(inputs, positions, self._segments([(0, n)], [cache], [mask]), logits_at)
 
     def _device_lock(self):
         return CUDA_LOCK if self.device.type == "cuda" else contextlib.nullcontext()
@@ -174,7 +194,18 @@ class Decoder(nn.Module):
         hidden states of every row without a head (a pipeline stage), else logits at ``rows``."""
         masks = [None if m is None else m.to(self.device) for m in masks]
         with self._device_lock():
-            return self._floored(self._compute, inputs, positions, Segments(bounds, caches, masks), rows)
+            return self._floored(self._compute, inputs, positions, self._segments(bounds, caches, masks), rows)
+
+    def _segments(self, bounds: list[tuple[int, int]], caches: list[KVCache], masks: list[torch.Tensor | None]):
+        """An eager forward's sessions; with paged attention over the arena holding all their
+        caches, planned once here for every layer."""
+        paged = None
+        if self.paged is not None and all(getattr(cache, "arena", None) is self.kv_arena for cache in caches):
+            new = [hi - lo for lo, hi in bounds]
+            paged = self.paged.plan([cache.start for cache in caches],
+                                    [cache.length + n for cache, n in zip(caches, new)], new, masks,
+                                    self.spec.num_heads)
+        return Segments(bounds, caches, masks, paged)
 
     def static_forward(self, ids: torch.Tensor, positions: torch.Tensor, segment: StaticSegment) -> torch.Tensor:
         """The padded step (engine.static): float32 logits of all M rows; the caller commits."""

@@ -222,7 +222,7 @@ class StaticRunner:
         spec = self.decoder.spec
         try:
             cache = KVCache(self.decoder.num_layers, spec.num_kv_heads, spec.head_dim, capacity, self.decoder.dtype,
-                            self.decoder.device, pool, slots=slots, spare=spare)
+                            self.decoder.device, pool, slots=slots, spare=spare, arena=self.decoder.kv_arena)
         except BaseException:
             if spare is not None and not self._keep(spare):  # the budget refused the session: the buffer stays spare
                 spare.free_buffer()
@@ -244,6 +244,20 @@ class StaticRunner:
             kept.append(cache)
             self.spare_bytes += cache.nbytes
             return True
+
+    def adopt_arena(self, arena) -> None:
+        """Caches come from ``arena`` (engine.kv_arena): kept buffers are ranges of it, given back
+        when a new session finds no free range (a session's memory before a spare's)."""
+        arena.reclaimers.append(self.drop_spares)
+
+    def drop_spares(self) -> bool:
+        """Free every kept buffer; whether there was one."""
+        with self._spares_lock:
+            dropped = False
+            while self.spare_bytes:
+                self._drop_oldest()
+                dropped = True
+            return dropped
 
     def _drop_oldest(self) -> None:
         oldest = min((cache for caches in self.spares.values() for cache in caches), key=lambda c: c.kept_serial)

@@ -60,8 +60,16 @@ def load_named(name: str, config: Config, console: Console | None = None, quant:
             fuse_projections(model.decoder)
             if stage is None and config.cuda_graphs:
                 model.decoder.use_static_steps(graphs=True, compile=config.torch_compile)
+        use_arena_for_flashinfer(model.decoder, config)
     warm_up_attention(model.decoder, console)
     return model
+
+
+def use_arena_for_flashinfer(decoder: Decoder, config: Config) -> None:
+    """On flashinfer, sessions' caches live in one arena of the KV budget, so that an eager
+    forward of one session or several is one batched flashinfer call a layer (issue 11)."""
+    if decoder.attention_backend == "flashinfer" and decoder.kv_arena is None:
+        decoder.use_kv_arena(config.kv_budget_bytes, attention="flashinfer")
 
 
 def warm_up_attention(decoder: Decoder, console: Console) -> None:
@@ -71,6 +79,8 @@ def warm_up_attention(decoder: Decoder, console: Console) -> None:
         with console.status(f"compiling flashinfer's attention kernels ({str(decoder.dtype).removeprefix('torch.')}, "
                             f"head dim {spec.head_dim}; minutes on a machine's first start, cached after)"):
             warm_up("flashinfer", decoder.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim, decoder.device)
+            if decoder.paged is not None:
+                decoder.paged.warm_up(spec.num_heads)
 
 
 def needs_draft_model(mode: str) -> bool:
