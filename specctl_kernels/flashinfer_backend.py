@@ -98,15 +98,18 @@ class BatchPaged:
         import flashinfer
 
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="HND")
+        # fa2: the kernel family of the custom-mask single prefill (``tree_attention``), named
+        # rather than left to ``auto``'s choice by device.
+        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="HND", backend="fa2")
         self.device = device
 
     def plan(self, plan, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
-        device = self.device
+        # The page table stays on the host: plan() reads it there (its scheduler) and copies it
+        # to the device itself; the mask goes to the device, packed there.
         self.wrapper.plan(
-            plan.qo_indptr.to(device), plan.kv_indptr.to(device), plan.kv_indices.to(device),
-            plan.last_page_len.to(device), num_heads, num_kv_heads, head_dim, plan.page,
-            custom_mask=plan.flat_mask(device), q_data_type=dtype, kv_data_type=dtype, disable_split_kv=True)
+            plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.last_page_len, num_heads, num_kv_heads, head_dim,
+            plan.page, custom_mask=plan.flat_mask(self.device), q_data_type=dtype, kv_data_type=dtype,
+            disable_split_kv=True)
 
     def run(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> torch.Tensor:
         """q [N, H, D] -> [N, H, D]."""
