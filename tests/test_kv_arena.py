@@ -246,3 +246,29 @@ def test_static_steps_keep_spare_ranges_and_give_them_back_when_the_arena_is_ful
     big = decoder.new_cache(400)  # needs the whole arena: the spares go
     assert big.start == 0 and decoder.static.spare_bytes == 0
     big.release()
+
+
+def test_cache_operations_on_a_range_equal_those_on_a_buffer_and_stay_inside_it():
+    """write, gather (tree pruning), place (a pipeline forward's dead rows), truncate: the same
+    keys as a cache with a buffer of its own, and the neighbours' ranges untouched."""
+    arena = _arena(128)
+    before = KVCache(2, 2, 4, 20, torch.float32, arena=arena)
+    ranged = KVCache(2, 2, 4, 20, torch.float32, arena=arena)
+    after = KVCache(2, 2, 4, 20, torch.float32, arena=arena)
+    arena.buffer[:, :, :, : before.slots] = 1.0
+    arena.buffer[:, :, :, after.start :] = 2.0
+    own = KVCache(2, 2, 4, 20, torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    for cache in (ranged, own):
+        gen.manual_seed(3)
+        for layer in (0, 1):
+            cache.write(layer, torch.randn(1, 2, 9, 4, generator=gen), torch.randn(1, 2, 9, 4, generator=gen))
+        cache.commit(9)
+        cache.gather([0, 1, 2, 5, 7])
+        for layer in (0, 1):
+            cache.write(layer, torch.randn(1, 2, 2, 4, generator=gen), torch.randn(1, 2, 2, 4, generator=gen))
+        cache.commit(2)
+        cache.place(5, [0, 2], 4)
+        cache.truncate(8)
+    assert torch.equal(ranged.kv[:, :, :, :, :8], own.kv[:, :, :, :, :8])
+    assert (arena.buffer[:, :, :, : before.slots] == 1.0).all() and (arena.buffer[:, :, :, after.start :] == 2.0).all()
