@@ -3,7 +3,7 @@ both star clusters as processes."""
 
 import pytest
 
-from specctl.bench.prespec import PrespecBenchSettings, compare, loads_past_two, run_prespec_bench, summarize
+from specctl.bench.prespec import PrespecBenchSettings, compare, first_loads, loads_past_two, run_prespec_bench, summarize
 from specctl.bench.star import StarBenchSettings
 
 
@@ -73,3 +73,7 @@ def test_prespec_bench_runs_both_clusters_of_real_processes(tiny_dir, mode):
 ])
 def test_the_loads_past_two_are_n_full_and_one_past_it_as_far_as_the_processes_allow(n_full, max_targets, loads):
     assert loads_past_two(n_full, max_targets) == loads
+
+
+def test_n_1_and_2_come_first_as_far_as_the_processes_allow():
+    assert first_loads(1) == [1] and first_loads(2) == [1, 2] and first_loads(4) == [1, 2]

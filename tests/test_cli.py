@@ -318,8 +318,8 @@ def test_a_negative_emulated_verification_time_is_refused_before_anything_loads(
 @pytest.mark.parametrize("command, message", [
     (("draft", "--model", "no-such-model", "--step-time-ms", "-1"), "--step-time-ms must be >= 0, got -1"),
     (("bench", "prespec", "--draft-step-ms", "-1"), "--verify-delay-ms, --verify-time-ms and --draft-step-ms must be >= 0"),
-    (("bench", "prespec", "--max-targets", "1"), "--depth, --max-tokens, --sessions and --repeats >= 1, --max-targets in [2, 32]"),
-    (("bench", "prespec", "--depth", "0"), "--depth, --max-tokens, --sessions and --repeats >= 1, --max-targets in [2, 32]"),
+    (("bench", "prespec", "--max-targets", "0"), "--depth, --max-tokens, --sessions and --repeats >= 1, --max-targets in [1, 32]"),
+    (("bench", "prespec", "--depth", "0"), "--depth, --max-tokens, --sessions and --repeats >= 1, --max-targets in [1, 32]"),
 ])
 def test_bad_emulation_and_bench_prespec_flags_are_refused_before_anything_loads(command, message):
     _assert_one_line_error(run(*command, timeout=60), message)

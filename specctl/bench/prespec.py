@@ -81,6 +81,11 @@ def summarize(pairs: list[dict]) -> dict:
             for n, rows in sorted(by_n.items())}
 
 
+def first_loads(max_targets: int) -> list[int]:
+    """N = 1 and 2, as far as the target processes allow (an N = 1-only run: ``--max-targets 1``)."""
+    return [n for n in (1, 2) if n <= max_targets]
+
+
 def loads_past_two(n_full: int, max_targets: int) -> list[int]:
     """The loads measured after N = 1 and 2 (pure): N_full, or as near as the processes allow, and
     N_full + 1 when they allow it, since the aim "no loss at N >= N_full" is about past it too."""
@@ -97,7 +102,7 @@ def run_prespec_bench(s: PrespecBenchSettings, prompts: list[list[int]], progres
         async def sweep() -> None:
             for cluster in (plain, pre):  # first forwards and settling, not measured
                 await _workload(cluster, len(cluster.target_ports), prompts, 1)
-            pending, n_full, model = [1, 2], None, None
+            pending, n_full, model = first_loads(max(s.star.targets)), None, None
             while pending:
                 n = pending.pop(0)
                 for repeat in range(s.repeats):

@@ -33,8 +33,8 @@ def prespec(
     depth: int = typer.Option(4, help="proposal depth d"),
     budget: int = typer.Option(8, help="pre-speculation budget: branches per session and round"),
     fallback: str = typer.Option("jit", "--fallback", help="jit | ngram | auto: how the prespec server drafts a miss"),
-    max_targets: int = typer.Option(4, "--max-targets", help="the most target processes per draft server: N_full and "
-                                     "N_full + 1 are measured as far as it allows"),
+    max_targets: int = typer.Option(4, "--max-targets", help="the most target processes per draft server: N = 1, 2, "
+                                     "N_full and N_full + 1 are measured as far as it allows (1: N = 1 only)"),
     max_tokens: int = typer.Option(48, "--max-tokens", "-n", help="new tokens per session"),
     sessions: int = typer.Option(2, "--sessions", help="sessions per target, N and repeat (the same prompts for all)"),
     verify_delay_ms: Optional[float] = typer.Option(None, "--verify-delay-ms", help="added to every verification "
@@ -77,9 +77,9 @@ def prespec(
     if mode not in ("chain", "tree"):
         raise ConfigError(f"--mode must be chain or tree (what pre-speculation drafts), got {mode!r}")
     if (min(verify_delay_ms, verify_time_ms, draft_step_ms) < 0 or min(depth, max_tokens, sessions, repeats) < 1
-            or not 2 <= max_targets <= 32):
+            or not 1 <= max_targets <= 32):
         raise ConfigError("--verify-delay-ms, --verify-time-ms and --draft-step-ms must be >= 0, --depth, --max-tokens, "
-                          "--sessions and --repeats >= 1, --max-targets in [2, 32]")
+                          "--sessions and --repeats >= 1, --max-targets in [1, 32]")
     try:
         PrespecConfig(budget=budget, fallback=fallback)
     except ValueError as exc:
@@ -95,7 +95,8 @@ def prespec(
     settings = PrespecBenchSettings(star, budget, fallback, repeats, trials)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
-        task = progress.add_task(f"plain vs prespec, 2 draft + {2 * max_targets} target processes", total=2 * repeats)
+        task = progress.add_task(f"plain vs prespec, 2 draft + {2 * max_targets} target processes",
+                                 total=min(2, max_targets) * repeats)
 
         def advance(added: int = 0) -> None:  # N_full and N_full + 1 join once N=1 has been measured
             if added:
