@@ -51,7 +51,8 @@ class KVCache:
     all slots, masked, so the buffer starts zeroed: stale memory must not hold NaNs; a
     ``spare``'s buffer, left by a released session, holds finite values). A forward writes its n
     new positions at [length, length+n) in every layer and then ``commit(n)``s them;
-    ``truncate`` and ``gather`` drop positions."""
+    ``truncate`` and ``gather`` drop positions. With an ``arena`` (engine.kv_arena) the buffer
+    is a range of it, taken at open and given back when the buffer is let go."""
 
     def __init__(
         self,
