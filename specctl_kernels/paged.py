@@ -112,6 +112,17 @@ class PagedAttention:
         self.plans += 1
         return PlannedForward(self, page_plan)
 
+    def attend(self, layer: int, q: torch.Tensor, plan: PagePlan) -> torch.Tensor:
+        """q [1, H, N, D] (every session's new rows, in order) -> [1, H, N, D], ``plan`` being the
+        one made last (flashinfer's wrapper holds it)."""
+        rows = q[0].transpose(0, 1).contiguous()  # [N, H, D]: a small copy
+        k_pages, v_pages = self.arena.pages(layer)
+        if self._batch is not None:
+            out = self._batch.run(rows, k_pages, v_pages)
+        else:
+            out = paged_reference(rows, k_pages, v_pages, plan)
+        return out.transpose(0, 1)[None]
+
 
     def warm_up(self, num_heads: int) -> None:
         """One batched call at the model's shapes: flashinfer compiles its batch kernels on
@@ -124,15 +135,10 @@ class PagedAttention:
 
 @dataclass(frozen=True, slots=True)
 class PlannedForward:
+    """One forward's plan, as the layers use it (``Segments.paged``)."""
+
     owner: PagedAttention
     plan: PagePlan
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """q [1, H, N, D] (every session's new rows, in order) -> [1, H, N, D]."""
-        rows = q[0].transpose(0, 1).contiguous()  # [N, H, D]: a small copy
-        k_pages, v_pages = self.owner.arena.pages(layer)
-        if self.owner._batch is not None:
-            out = self.owner._batch.run(rows, k_pages, v_pages)
-        else:
-            out = paged_reference(rows, k_pages, v_pages, self.plan)
-        return out.transpose(0, 1)[None]
+        return self.owner.attend(layer, q, self.plan)

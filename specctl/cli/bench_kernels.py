@@ -86,12 +86,11 @@ def kernels(
             fuse_projections(decoder)
         if attention == "flashinfer" and decoder.kv_arena is None:
             # An arena holding every session this run opens: each cache, for its largest step.
-            spec = decoder.spec
             slots = (max(batch_sizes, default=1) + 2) * (context + 2 * BUCKETS[-1] + SLOT_QUANTUM)
-            decoder.use_kv_arena(slots * 2 * decoder.num_layers * spec.num_kv_heads * spec.head_dim
-                                 * torch.finfo(decoder.dtype).bits // 8, attention="flashinfer")
+            decoder.use_kv_arena(slots * decoder.kv_slot_bytes, attention="flashinfer")
         bandwidth = measure_bandwidth_gbps(device)
-    warm_up_attention(decoder, console)
+    if random_weights:  # a checkpoint was warmed up as it loaded
+        warm_up_attention(decoder, console)
     on_cuda = decoder.device.type == "cuda"
     variants = {"eager": None}
     if graphs and on_cuda:

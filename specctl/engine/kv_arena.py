@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from specctl.engine.kv_cache import kv_slot_bytes
 from specctl.errors import KVBudgetExceeded
 
 PAGE = 16  # slots per page: flashinfer's usual page size, and KVCache's slot quantum
@@ -32,7 +33,7 @@ class KVArena:
         # Zeroed: padded static steps attend over a session's whole range, masked (no NaNs allowed).
         self.buffer = torch.zeros((num_layers, 2, num_kv_heads, slots, head_dim), dtype=dtype, device=device)
         self.slots, self.page = slots, PAGE
-        self.slot_bytes = 2 * num_layers * num_kv_heads * head_dim * self.buffer.element_size()
+        self.slot_bytes = kv_slot_bytes(num_layers, num_kv_heads, head_dim, dtype)
         self._free: list[tuple[int, int]] = [(0, slots)]  # (start, size), sorted by start
         self._lock = threading.Lock()
         # Called, in turn, when no free range is large enough: each may give ranges back (a static
@@ -43,7 +44,7 @@ class KVArena:
     def for_budget(cls, num_layers: int, num_kv_heads: int, head_dim: int, budget_bytes: int, dtype: torch.dtype,
                    device: torch.device | str = "cpu") -> "KVArena":
         """The largest arena within ``budget_bytes``."""
-        slot_bytes = 2 * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+        slot_bytes = kv_slot_bytes(num_layers, num_kv_heads, head_dim, dtype)
         slots = budget_bytes // slot_bytes // PAGE * PAGE
         if slots < PAGE:
             raise ValueError(f"a KV budget of {budget_bytes} bytes holds fewer than {PAGE} positions of this model "

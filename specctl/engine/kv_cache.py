@@ -17,6 +17,11 @@ if TYPE_CHECKING:
     from specctl.engine.kv_arena import KVArena
 
 
+def kv_slot_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one cache position takes: a key and a value per layer and KV head."""
+    return 2 * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
 class KVPool:
     """Byte budget shared by the KV caches of one role (None = unlimited)."""
 
@@ -73,7 +78,7 @@ class KVCache:
         if capacity + 1 > self.slots:
             raise ValueError(f"a cache of {self.slots} slots holds at most {self.slots - 1} positions, not {capacity}")
         self.trash = self.slots - 1
-        self.nbytes = 2 * num_layers * num_kv_heads * self.slots * head_dim * torch.tensor([], dtype=dtype).element_size()
+        self.nbytes = self.slots * kv_slot_bytes(num_layers, num_kv_heads, head_dim, dtype)
         self.pool = pool
         self.arena, self.start = None, 0  # a range of a shared arena (engine.kv_arena), or a buffer of its own
         if pool is not None:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from specctl.engine.kv_arena import KVArena
-from specctl.engine.kv_cache import KVCache, KVPool
+from specctl.engine.kv_cache import KVCache, KVPool, kv_slot_bytes
 from specctl.engine.layers import DecoderLayer, RMSNorm, Segments, rope_cos_sin
 from specctl.engine.spec import ModelSpec
 from specctl.engine.static import CUDA_LOCK, StaticRunner, StaticSegment
@@ -116,6 +116,11 @@ class Decoder(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.layers[0].input_layernorm.weight.device
+
+    @property
+    def kv_slot_bytes(self) -> int:
+        """Bytes one position of a session's KV cache takes."""
+        return kv_slot_bytes(self.num_layers, self.spec.num_kv_heads, self.spec.head_dim, self.dtype)
 
     def new_cache(self, capacity: int, pool: KVPool | None = None) -> KVCache:
         if self.static is not None:  # sized for reuse, with the steps captured over it
