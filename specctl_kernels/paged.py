@@ -105,11 +105,15 @@ class PagedAttention:
 
     def plan(self, starts: list[int], kv_lens: list[int], new_tokens: list[int], masks: list[torch.Tensor | None],
              num_heads: int) -> "PlannedForward":
+        self.plans += 1
+        return self._plan(starts, kv_lens, new_tokens, masks, num_heads)
+
+    def _plan(self, starts: list[int], kv_lens: list[int], new_tokens: list[int], masks: list[torch.Tensor | None],
+              num_heads: int) -> "PlannedForward":
         page_plan = plan_pages(starts, kv_lens, new_tokens, masks, self.arena.page)
         if self._batch is not None:
             buffer = self.arena.buffer
             self._batch.plan(page_plan, num_heads, buffer.shape[2], buffer.shape[4], buffer.dtype)
-        self.plans += 1
         return PlannedForward(self, page_plan)
 
     def attend(self, layer: int, q: torch.Tensor, plan: PagePlan) -> torch.Tensor:
@@ -129,8 +133,7 @@ class PagedAttention:
         first use (see specctl_kernels.warm_up). It reads the arena's first page, writes nothing."""
         buffer = self.arena.buffer
         q = torch.zeros(1, num_heads, 2, buffer.shape[4], dtype=buffer.dtype, device=buffer.device)
-        self.plan([0], [2], [2], [None], num_heads).attend(0, q)
-        self.plans -= 1  # not a forward
+        self._plan([0], [2], [2], [None], num_heads).attend(0, q)  # not a forward: not counted
 
 
 @dataclass(frozen=True, slots=True)

@@ -244,8 +244,20 @@ def test_static_steps_keep_spare_ranges_and_give_them_back_when_the_arena_is_ful
     other.release()
     assert arena.free_slots == 0  # both kept
     big = decoder.new_cache(400)  # needs the whole arena: the spares go
-    assert big.start == 0 and decoder.static.spare_bytes == 0
+    assert big.start == 0 and decoder.static.spares.nbytes == 0
     big.release()
+
+
+def test_replaced_static_steps_give_their_spare_ranges_back_and_leave_the_arena(tiny_dir):
+    decoder = load_decoder(tiny_dir["qwen2"]).use_static_steps()
+    decoder.use_kv_arena(512 * decoder.kv_slot_bytes)
+    arena, old = decoder.kv_arena, decoder.static
+    cache = decoder.new_cache(100)
+    cache.release()
+    assert arena.free_slots == 256 and arena.reclaimers == [old.spares.drop_all]  # a spare range kept
+    decoder.use_static_steps(graphs=False)  # e.g. bench kernels' next variant
+    assert arena.free_slots == 512 and old.spares.nbytes == 0
+    assert arena.reclaimers == [decoder.static.spares.drop_all]  # the old runner is no longer asked (nor kept alive)
 
 
 def test_cache_operations_on_a_range_equal_those_on_a_buffer_and_stay_inside_it():

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from specctl.engine.layers import fuse_projections
 from specctl.engine.loader import load_decoder
 from specctl.engine.kv_cache import KVPool
-from specctl.engine.static import BUCKETS, SLOT_QUANTUM, SPARES_PER_SIZE, StepGraph, bucket_for, step_mask
+from specctl.engine.spares import SPARES_PER_SIZE
+from specctl.engine.static import BUCKETS, SLOT_QUANTUM, StepGraph, bucket_for, step_mask
 from specctl.errors import KVBudgetExceeded
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.spec.rounds import generate
@@ -135,11 +136,11 @@ def test_padding_rows_leave_the_cache_as_the_ragged_path_does(tiny, tiny_dir):
     assert sorted(static_cache.steps) == [4, 32]  # the 20-token prefill ran in bucket 32
     steps = dict(static_cache.steps)
     static_cache.release()
-    assert target.static.spares == {SLOT_QUANTUM: [static_cache]}
+    assert target.static.spares.by_slots == {SLOT_QUANTUM: [static_cache]}
     # The next session of that size takes the buffer and the steps over it; the old object keeps nothing.
     again = target.new_cache(100)
     assert again.steps == steps and all(step.cache is again for step in steps.values())
-    assert static_cache.steps == {} and static_cache.kv.numel() == 0 and target.static.spares[SLOT_QUANTUM] == []
+    assert static_cache.steps == {} and static_cache.kv.numel() == 0 and target.static.spares.by_slots[SLOT_QUANTUM] == []
 
 
 def test_a_step_that_does_not_fit_runs_on_the_ragged_path(static_pair):
@@ -187,7 +188,7 @@ def test_sessions_reuse_a_released_buffer_and_its_steps_and_stale_keys_change_no
         StepGraph.__init__ = real_init
     # The decode step (bucket 1) is built once for the three sessions; each prefill's bucket once.
     assert target.static.reused == 2 and sorted(built) == [1, 4, 32, 64]
-    assert len(target.static.spares[SLOT_QUANTUM]) == 1
+    assert len(target.static.spares.by_slots[SLOT_QUANTUM]) == 1
 
 
 def test_a_released_buffer_is_budgeted_again_and_a_refused_session_leaves_it_spare(tiny_dir):
@@ -206,7 +207,7 @@ def test_a_released_buffer_is_budgeted_again_and_a_refused_session_leaves_it_spa
     small = KVPool(budget_bytes=1)
     with pytest.raises(KVBudgetExceeded):
         target.new_cache(10, small)
-    assert target.static.spares[SLOT_QUANTUM] == [held]  # refused: the buffer is still there for the next one
+    assert target.static.spares.by_slots[SLOT_QUANTUM] == [held]  # refused: the buffer is still there for the next one
 
 
 def test_spare_buffers_are_capped_per_size(tiny_dir):
@@ -214,8 +215,8 @@ def test_spare_buffers_are_capped_per_size(tiny_dir):
     caches = [target.new_cache(10) for _ in range(SPARES_PER_SIZE + 3)] + [target.new_cache(SLOT_QUANTUM)]
     for cache in caches:
         cache.release()
-    assert len(target.static.spares[SLOT_QUANTUM]) == SPARES_PER_SIZE
-    assert len(target.static.spares[2 * SLOT_QUANTUM]) == 1  # capacity 256 + the trash slot: the next size
+    assert len(target.static.spares.by_slots[SLOT_QUANTUM]) == SPARES_PER_SIZE
+    assert len(target.static.spares.by_slots[2 * SLOT_QUANTUM]) == 1  # capacity 256 + the trash slot: the next size
     assert all(cache.kv.numel() == 0 for cache in caches[SPARES_PER_SIZE:-1])  # the others' buffers freed
 
 
@@ -223,14 +224,14 @@ def test_spare_buffers_stay_under_a_byte_cap_the_longest_kept_dropped_first(tiny
     target = load_decoder(tiny_dir["qwen2"]).use_static_steps()
     small, large = target.new_cache(10), target.new_cache(2 * SLOT_QUANTUM)  # one quantum, and three
     others = [target.new_cache(10) for _ in range(2)]
-    target.static.spare_bytes_cap = 2 * small.nbytes + 1
+    target.static.spares.cap = 2 * small.nbytes + 1
     small.release()
     others[0].release()
-    assert target.static.spares[SLOT_QUANTUM] == [small, others[0]] and target.static.spare_bytes == 2 * small.nbytes
+    assert target.static.spares.by_slots[SLOT_QUANTUM] == [small, others[0]] and target.static.spares.nbytes == 2 * small.nbytes
     others[1].release()  # a third would pass the cap: the longest kept (small) goes
-    assert target.static.spares[SLOT_QUANTUM] == [others[0], others[1]] and small.kv.numel() == 0
+    assert target.static.spares.by_slots[SLOT_QUANTUM] == [others[0], others[1]] and small.kv.numel() == 0
     large.release()  # larger than the whole cap: not kept, and nothing else dropped for it
-    assert large.nbytes == 3 * small.nbytes and large.kv.numel() == 0 and not target.static.spares[3 * SLOT_QUANTUM]
-    assert target.static.spare_bytes == 2 * small.nbytes
+    assert large.nbytes == 3 * small.nbytes and large.kv.numel() == 0 and not target.static.spares.by_slots[3 * SLOT_QUANTUM]
+    assert target.static.spares.nbytes == 2 * small.nbytes
     again = target.new_cache(10)  # takes one over: its bytes leave the count
-    assert target.static.reused == 1 and target.static.spare_bytes == small.nbytes and again.kv.numel() > 0
+    assert target.static.reused == 1 and target.static.spares.nbytes == small.nbytes and again.kv.numel() > 0

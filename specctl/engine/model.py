@@ -57,6 +57,8 @@ class Decoder(nn.Module):
         layer's step through torch.compile'd functions (fused projections needed)."""
         if not (self.has_embed and self.has_head):
             raise ValueError("static steps need a full model (embedding and head)")
+        if self.static is not None and self.kv_arena is not None:
+            self.static.leave_arena(self.kv_arena)
         self.static = StaticRunner(self, graphs, compile)
         if self.kv_arena is not None:
             self.static.adopt_arena(self.kv_arena)

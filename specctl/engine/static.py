@@ -20,19 +20,15 @@ import numpy as np
 import torch
 
 from specctl.engine.kv_cache import KVCache
+from specctl.engine.spares import SpareCaches
 from specctl_kernels import static_attention
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # A static decoder's KV buffers come in multiples of this many slots, and a released session's
-# buffer is kept, with the steps captured over it, for the next session of the same size: a
-# capture (and a compile for a new KV size) per session cost more host time than a short
-# session won back (issue 11). The padding's extra slots are masked; at 256 they add <= 255
-# positions of attention, a few % of a small model's step at the longest.
+# buffer is kept, with the steps captured over it, for the next session of the same size
+# (engine.spares). The padding's extra slots are masked; at 256 they add <= 255 positions of
+# attention, a few % of a small model's step at the longest.
 SLOT_QUANTUM = 256
-SPARES_PER_SIZE = 8  # buffers kept per slot count
-# Kept buffers are device memory outside the KV budget: all of them together stay under this,
-# the longest-kept dropped first (requests of many sizes would otherwise pile up buffers).
-SPARE_BYTES = 1 << 30
 
 # Several sessions' forwards (a batched draft step, a batched verification) run as one graph
 # replay each, up to this many sessions, rather than as one eager forward of all of them: on an
@@ -206,64 +202,34 @@ class StaticRunner:
         self.warmed: set[tuple[int, int]] = set()
         self.captures = 0
         self.replays = 0
-        self.spares: dict[int, list[KVCache]] = {}  # slots -> released caches holding a buffer and its steps
-        self.spare_bytes, self.spare_bytes_cap = 0, SPARE_BYTES
-        self._kept_serial = 0  # the order buffers were kept in (the longest-kept goes first)
+        self.spares = SpareCaches()
         self.reused = 0  # caches opened on a spare buffer
-        self._spares_lock = threading.Lock()  # caches are released from any thread (a session's close)
 
     def new_cache(self, capacity: int, pool=None) -> KVCache:
         """A session's cache, on a spare buffer of its size (and the steps captured over it) if one is kept."""
         slots = -(-(capacity + 1) // SLOT_QUANTUM) * SLOT_QUANTUM
-        with self._spares_lock:
-            kept = self.spares.get(slots)
-            spare = kept.pop() if kept else None
-            self.spare_bytes -= spare.nbytes if spare is not None else 0
+        spare = self.spares.take(slots)
         spec = self.decoder.spec
         try:
             cache = KVCache(self.decoder.num_layers, spec.num_kv_heads, spec.head_dim, capacity, self.decoder.dtype,
                             self.decoder.device, pool, slots=slots, spare=spare, arena=self.decoder.kv_arena)
         except BaseException:
-            if spare is not None and not self._keep(spare):  # the budget refused the session: the buffer stays spare
+            if spare is not None and not self.spares.keep(spare):  # the budget refused the session: the buffer stays spare
                 spare.free_buffer()
             raise
-        cache.recycle = self._keep
+        cache.recycle = self.spares.keep
         self.reused += spare is not None
         return cache
-
-    def _keep(self, cache: KVCache) -> bool:
-        """Keep a released cache's buffer (and steps) for reuse; False: not kept (the cache frees it)."""
-        with self._spares_lock:
-            kept = self.spares.setdefault(cache.slots, [])
-            if len(kept) >= SPARES_PER_SIZE or cache.nbytes > self.spare_bytes_cap:
-                return False
-            while self.spare_bytes + cache.nbytes > self.spare_bytes_cap:
-                self._drop_oldest()
-            self._kept_serial += 1
-            cache.kept_serial = self._kept_serial
-            kept.append(cache)
-            self.spare_bytes += cache.nbytes
-            return True
 
     def adopt_arena(self, arena) -> None:
         """Caches come from ``arena`` (engine.kv_arena): kept buffers are ranges of it, given back
         when a new session finds no free range (a session's memory before a spare's)."""
-        arena.reclaimers.append(self.drop_spares)
+        arena.reclaimers.append(self.spares.drop_all)
 
-    def drop_spares(self) -> bool:
-        """Free every kept buffer; whether there was one."""
-        with self._spares_lock:
-            dropped = False
-            while self.spare_bytes:
-                self._drop_oldest()
-                dropped = True
-            return dropped
-
-    def _drop_oldest(self) -> None:
-        oldest = min((cache for caches in self.spares.values() for cache in caches), key=lambda c: c.kept_serial)
-        self.spares[oldest.slots].remove(oldest)
-        self.spare_bytes -= oldest.nbytes
-        oldest.free_buffer()
+    def leave_arena(self, arena) -> None:
+        """This runner is being replaced: its kept ranges go back to ``arena``, which stops asking it."""
+        self.spares.drop_all()
+        arena.reclaimers.remove(self.spares.drop_all)
 
     def replays_each(self, sessions: int) -> bool:
         """Whether a forward of several sessions runs as one step per session (see REPLAY_PER_SESSION_UP_TO)."""
