@@ -7,20 +7,31 @@ from specctl.bench.prespec import PrespecBenchSettings, compare, first_loads, lo
 from specctl.bench.star import StarBenchSettings
 
 
-def test_compare_predicts_ssd_gain_below_n_full_and_none_past_it():
-    plain = {"N": 1, "O": 10.0, "mean_accepted_length": 3.0}
-    pre = {"N": 1, "O": 15.0, "mean_accepted_length": 3.0, "hit_rate": 1.0, "ready_rate": 1.0}
+def test_compare_predicts_ssds_round_on_the_star_against_plains_measured_round():
+    plain = {"N": 1, "O": 10.0, "mean_accepted_length": 3.0, "R_p": 5.0}  # a round of 0.2 s = S + Z
+    pre = {"N": 1, "O": 15.0, "mean_accepted_length": 3.0, "hit_rate": 1.0, "ready_rate": 1.0, "ready_share": 1.0}
     # every outcome hit, S = Z: the draft time (T_p = 1) is hidden entirely -> 2x
-    pair = compare(plain, pre, n_full=3, service_s=0.1, return_s=0.1)
+    pair = compare(plain, pre, service_s=0.1, return_s=0.1)
     assert pair["predicted_gain"] == pytest.approx(2.0) and pair["gain"] == pytest.approx(1.5)
     assert pair["prediction_error"] == pytest.approx(-0.25) and pair["T_p"] == pytest.approx(1.0)
-    # half the outcomes ready: (1 + 1) / (0.5 + 0.5 * 2) = 4/3
-    assert compare(plain, {**pre, "ready_rate": 0.5}, 3, 0.1, 0.1)["predicted_gain"] == pytest.approx(4 / 3)
+    # half the rounds ready: (1 + 1) / (0.5 + 0.5 * 2) = 4/3
+    assert compare(plain, {**pre, "ready_share": 0.5}, 0.1, 0.1)["predicted_gain"] == pytest.approx(4 / 3)
     # every outcome hit, but each branch only half drafted when it came: the model sees half of them ready
-    half = compare(plain, {**pre, "hit_rate": 1.0, "ready_rate": 0.5}, 3, 0.1, 0.1)
+    half = compare(plain, {**pre, "ready_rate": 0.5, "ready_share": 0.5}, 0.1, 0.1)
     assert half["predicted_gain"] == pytest.approx(4 / 3) and half["hit_rate"] == 1.0 and half["ready_rate"] == 0.5
-    # at N_full the draft never idles: nothing to pre-speculate with
-    assert compare({**plain, "N": 3}, {**pre, "N": 3}, 3, 0.1, 0.1)["predicted_gain"] == 1.0
+    # N = 3, plain's rounds queued to 0.4 s (measured), half the rounds ready: SSD's round 0.15 s, 3 misses
+    # of 0.1 s at 50 % keep the draft 0.15 s, plus half a background step of 0.04 s: 0.4 / 0.17
+    three = compare({**plain, "N": 3, "R_p": 2.5}, {**pre, "N": 3, "ready_share": 0.5}, 0.1, 0.1, step_s=0.04)
+    assert three["predicted_gain"] == pytest.approx(0.4 / 0.17)
+    # the pre-speculating server's own mean background step, when the row has it, rather than plain's step
+    measured = compare({**plain, "N": 3, "R_p": 2.5}, {**pre, "N": 3, "ready_share": 0.5, "background_step_mean_ms": 100.0},
+                       0.1, 0.1, step_s=0.04)
+    assert measured["predicted_gain"] == pytest.approx(0.4 / 0.2)
+    # nothing ready at N = 3: every round a miss, the draft bound by them (3 x 0.1 s) against plain's queued 0.4 s
+    assert compare({**plain, "N": 3, "R_p": 2.5}, {**pre, "N": 3, "ready_share": 0.0}, 0.1, 0.1)["predicted_gain"] == \
+        pytest.approx(0.4 / 0.3)
+    # a row of an older report without the ready share: the ready rate
+    assert compare(plain, {k: v for k, v in pre.items() if k != "ready_share"}, 0.1, 0.1)["ready_share"] == 1.0
 
 
 def test_summary_reports_min_median_max_per_n():

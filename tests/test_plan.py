@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from specctl.draft.plan import StarModel, admit
+from specctl.draft.plan import StarModel, admit, prespec_round_time
 
 # t_s = 10 ms/token, d = 4 -> S = 40 ms; Z = t_c + t_v = 20 + 100 = 120 ms; β = 0.5
 MODEL = StarModel(t_s=0.010, t_v=0.100, t_c=0.020, beta=0.5, depth=4)
@@ -42,6 +42,34 @@ def test_n_max_and_admission():
 def test_invalid_model_is_refused():
     with pytest.raises(ValueError, match="beta must be in \\[0, 1\\)"):
         StarModel(0.01, 0.1, 0.0, 1.0, 4)
+
+
+def test_prespec_round_is_ssds_below_the_misses_bound_and_the_misses_above_it():
+    # S = 0.1, Z = 0.1, 90 % ready: a ready hit answers at once, a miss drafts S then waits Z
+    assert prespec_round_time(1, 0.9, 0.1, 0.1) == pytest.approx(0.9 * 0.1 + 0.1 * 0.2)
+    # drafting longer than the verification (S = 0.2 > Z): a hit still waits for the drafting
+    assert prespec_round_time(1, 1.0, 0.2, 0.1) == pytest.approx(0.2)
+    # 30 targets' misses alone, 30 x 0.1 x 0.1 = 0.3 s, outlast SSD's round (0.11 s)
+    assert prespec_round_time(30, 0.9, 0.1, 0.1) == pytest.approx(0.3)
+    assert prespec_round_time(1, 0.0, 0.1, 0.1) == pytest.approx(0.2)  # nothing ready: plain's round
+    # with other targets, a request waits out half a draft step (0.04 s) on average; alone it does not
+    assert prespec_round_time(2, 0.9, 0.1, 0.1, step=0.04) == pytest.approx(0.11 + 0.02)
+    assert prespec_round_time(1, 0.9, 0.1, 0.1, step=0.04) == pytest.approx(0.11)
+
+
+def test_prespec_round_at_one_target_is_ssds_theorem_7():
+    from specctl.draft.fanout import predicted_gain_over_plain
+
+    for ready, s, z in ((0.9, 0.1, 0.1), (0.5, 0.08, 0.1), (0.92, 0.877, 0.839)):
+        gain = (s + z) / prespec_round_time(1, ready, s, z, step=0.05)  # alone: no wait for another's step
+        assert gain == pytest.approx(predicted_gain_over_plain(ready, 1.0, s / z))
+
+
+@pytest.mark.parametrize("args", [(0, 0.5, 0.1, 0.1), (1, 1.5, 0.1, 0.1), (1, 0.5, 0.0, 0.1), (1, 0.5, 0.1, -1.0),
+                                  (2, 0.5, 0.1, 0.1, -0.01)])
+def test_prespec_round_refuses_impossible_inputs(args):
+    with pytest.raises(ValueError, match="need n >= 1, ready in"):
+        prespec_round_time(*args)
 
 
 def test_plan_command_json():

@@ -7,10 +7,15 @@ floor with the compute inside).
 Both draft servers (one plain, one ``--prespec``) and their targets are alive at once and
 each N is measured for both back to back, ``repeats`` times, so drift on this machine hits
 both alike. Each prespec row carries the hit rate, the branches drafted and used, the
-share of idle time used, and SSD's prediction (Theorem 7 with a just-in-time fallback):
-gain = (E_pre / E_plain) · (1 + T_p) / (h + (1 - h)(1 + T_p)), T_p = S / Z, below N_full;
-no gain at or past it (no leftover capacity). h is the ready rate: SSD's hit answers at once,
-ours may still have drafting left, so a hit counts by the share of its proposal drafted."""
+share of idle time used, and the prediction of its tokens/s over plain's: SSD's round (Theorem 7
+with a just-in-time fallback) on the star of N targets (``draft.plan.prespec_round_time``):
+gain = (E_pre / E_plain) · T_plain(N) / max(h·max(Z, S) + (1 - h)(Z + S) + w, N·(1 - h)·S),
+T_plain(N) measured (plain's round in the same repeat: at N = 1 it is S + Z; past that it holds
+the queue of the plain star, which StarSD's max(Z + S, N·S) leaves out), S and Z measured on
+plain speculation at N = 1, w = half the pre-speculating server's mean background step at
+N >= 2 (a request waits out the step in flight). h is the ready share: SSD's hit answers at
+once, ours may still have drafting left, so a hit counts by the share of its proposal drafted,
+and a round the trials left without pre-speculation counts as a miss."""
 
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from dataclasses import dataclass
 
 from specctl.bench.spread import spread
 from specctl.bench.star import StarBenchSettings, StarCluster, _measure, _workload, predict
-from specctl.draft.fanout import predicted_gain_over_plain
+from specctl.draft.plan import prespec_round_time
 from specctl.verify.client import remote_stats
 
 PRESPEC_KEYS = ("hits", "hit_drafted", "misses", "partial_hits", "short_answers", "early_answers", "branches_drafted",
@@ -43,7 +48,8 @@ class PrespecBenchSettings:
 
 
 async def _prespec_row(cluster: StarCluster, n: int, prompts: list[list[int]], texts: list) -> dict:
-    before = (await remote_stats("127.0.0.1", cluster.draft_port)).get("prespec", {})
+    stats = await remote_stats("127.0.0.1", cluster.draft_port)
+    before, before_steps, before_busy = stats.get("prespec", {}), stats.get("background_steps", 0), stats.get("background_s", 0.0)
     row = await _measure(cluster, n, prompts, texts)
     draft = await remote_stats("127.0.0.1", cluster.draft_port)
     after = draft.get("prespec", {})
@@ -52,22 +58,30 @@ async def _prespec_row(cluster: StarCluster, n: int, prompts: list[list[int]], t
     looked = row["hits"] + row["misses"]
     row["hit_rate"] = row["hits"] / looked if looked else 0.0
     row["ready_rate"] = row["hit_drafted"] / looked if looked else 0.0
+    rounds = looked + row["skipped"]  # a round without pre-speculation is drafted when its outcome comes
+    row["ready_share"] = row["hit_drafted"] / rounds if rounds else 0.0
+    steps = draft.get("background_steps", 0) - before_steps
+    row["background_step_mean_ms"] = 1e3 * (draft.get("background_s", 0.0) - before_busy) / steps if steps else 0.0
     row["proposal_bytes_mean"] = draft.get("proposal_bytes_mean", 0.0)
     row["background_delay_max_ms"] = draft.get("background_delay_max_ms", 0.0)
     row["background_step_max_ms"] = draft.get("background_step_max_ms", 0.0)
     return row
 
 
-def compare(plain: dict, pre: dict, n_full: int, service_s: float, return_s: float) -> dict:
-    """The prespec row against the plain row of the same N and repeat, with SSD's prediction (pure).
-    SSD's hit answers at once; a hit on a branch still being drafted leaves the rest to draft, so
-    the prediction takes the ready rate (each hit counted by the share of its proposal drafted)."""
+def compare(plain: dict, pre: dict, service_s: float, return_s: float, step_s: float = 0.0) -> dict:
+    """The prespec row against the plain row of the same N and repeat, with the prediction (pure):
+    SSD's round on the star of ``pre["N"]`` targets against plain's measured round, S, Z and
+    the draft step measured on plain speculation at N = 1; the wait behind a background step
+    is half the pre-speculating server's mean one when the row has it, else half ``step_s``."""
     t_p = service_s / return_s if return_s > 0 else 0.0
     length_ratio = pre["mean_accepted_length"] / plain["mean_accepted_length"] if plain["mean_accepted_length"] else 1.0
-    predicted = length_ratio * (predicted_gain_over_plain(pre["ready_rate"], 1.0, t_p) if pre["N"] < n_full else 1.0)
+    ready = pre.get("ready_share", pre["ready_rate"])
+    background_step = pre.get("background_step_mean_ms", 0.0) / 1e3 or step_s
+    plain_round = 1.0 / plain["R_p"] if plain.get("R_p") else service_s + return_s
+    predicted = length_ratio * plain_round / prespec_round_time(pre["N"], ready, service_s, return_s, background_step)
     gain = pre["O"] / plain["O"] if plain["O"] else 0.0
     return {"N": pre["N"], "gain": gain, "predicted_gain": predicted, "prediction_error": gain / predicted - 1,
-            "T_p": t_p, "hit_rate": pre["hit_rate"], "ready_rate": pre["ready_rate"]}
+            "T_p": t_p, "hit_rate": pre["hit_rate"], "ready_rate": pre["ready_rate"], "ready_share": ready}
 
 
 def summarize(pairs: list[dict]) -> dict:
@@ -115,12 +129,13 @@ def run_prespec_bench(s: PrespecBenchSettings, prompts: list[list[int]], progres
                     if n == 1 and model is None:
                         predict([a], s.star.depth)
                         n_full = a["N_full"]
-                        model = (a["model_S_ms"] / 1e3, 1.0 / a["R_p"] - a["model_S_ms"] / 1e3)
+                        service = a["model_S_ms"] / 1e3
+                        model = (service, 1.0 / a["R_p"] - service, service / max(a["drafted_per_round"], 1.0))
                         for more in loads_past_two(n_full, max(s.star.targets)):
                             pending.append(more)
                             if progress:
                                 progress(added=s.repeats)
-                    pair = compare(a, b, n_full, *model)
+                    pair = compare(a, b, *model)
                     pair.update(repeat=repeat, same_as_plain=plain_texts == pre_texts, rows=[len(rows) - 2, len(rows) - 1])
                     pairs.append(pair)
                     if progress:

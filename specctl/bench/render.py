@@ -150,8 +150,9 @@ def render_prespec_table(report: dict) -> Table:
     spread = "; ".join(f"N={n}: gain {v['gain']['min']:.2f}/{v['gain']['median']:.2f}/{v['gain']['max']:.2f}x"
                        for n, v in report["summary"].items())
     table.caption = (f"O: tokens/s of all N targets; gain: prespec O / plain O of the same repeat (min/median/max: "
-                     f"{spread}); predicted: SSD Theorem 7 with the measured ready rate (hits, a partial one by "
-                     f"the share of its proposal drafted when its outcome came, a short one whole), T_p = S/Z; short: partial "
+                     f"{spread}); predicted: SSD's round (Theorem 7) on the star of N targets against plain's measured "
+                     f"round, with half a background step's wait at N >= 2 and the measured ready share (hits, a partial one by the share of its proposal drafted when its outcome came, a short one "
+                     f"whole, among all rounds: one the trials skipped is a miss), T_p = S/Z; short: partial "
                      f"hits answered at once with the tokens drafted so far")
     return table
 

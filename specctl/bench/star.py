@@ -158,6 +158,7 @@ async def _measure(cluster: StarCluster, n: int, prompts: list[list[int]], texts
         "proposal_ms": 1e3 * delta("proposal_wait_s") / max(rounds, 1),
         "mean_accepted_length": 1 + delta("accepted") / max(delta("drafts"), 1),
         "acceptance_rate": delta("accepted") / max(delta("drafted"), 1),
+        "drafted_per_round": delta("drafted") / max(delta("drafts"), 1),
     }
 
 

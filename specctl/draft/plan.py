@@ -8,7 +8,15 @@ T_idle  = max(0, Z - (N-1)·S)      the draft's idle gap per round
 T       = N·S + T_idle             round time with N targets
 O       = N·E[l]/T,  O_i = E[l]/T  system and per-target throughput (tokens/s)
 N_full  = ceil(Z/S) + 1            the first N at which the draft never idles
-N_max   = the largest N with O_i >= the target's standalone speed"""
+N_max   = the largest N with O_i >= the target's standalone speed
+
+With pre-speculation (SSD's round on the star; h = the share of rounds answered from a ready branch):
+T_pre   = max(h·max(Z, S) + (1-h)(Z + S) + w, N·(1-h)·S)   a ready hit answers at once (or when
+                                                          drafting that outlasts the verification
+                                                          ends), a miss is drafted then; the draft
+                                                          is bound by N misses
+w       = f/2 for N >= 2, 0 for N = 1                    a request waits out the background step
+                                                          (of length f) in flight"""
 
 from __future__ import annotations
 
@@ -79,6 +87,23 @@ class StarModel:
         while n < limit and self.per_target_throughput(n + 1) >= standalone_tokens_per_s:
             n += 1
         return n
+
+
+def prespec_round_time(n: int, ready: float, service: float, return_time: float, step: float = 0.0) -> float:
+    """A target's round with pre-speculation on a star of ``n`` targets (seconds): SSD's round
+    (Theorem 7, a just-in-time fallback) or, when the n targets' misses alone keep the draft busy,
+    StarSD's N·S with only the misses as service. Background drafting costs no round time but
+    two things: its share of the draft shows in ``ready`` (a draft with no time left for
+    branches has fewer ready hits), and with other targets' branches being drafted a request
+    arrives at a random point of a draft ``step`` and waits out the rest, half a step on average
+    (a fixed-length step's mean residual). At N = 1 the only steps are the target's own, whose
+    timing SSD's max(Z, S) already holds."""
+    if n < 1 or not 0.0 <= ready <= 1.0 or service <= 0 or return_time < 0 or step < 0:
+        raise ValueError(f"need n >= 1, ready in [0, 1], service > 0, return_time >= 0, step >= 0; got n={n}, "
+                         f"ready={ready}, service={service}, return_time={return_time}, step={step}")
+    single = ready * max(return_time, service) + (1 - ready) * (return_time + service)
+    wait = step / 2 if n >= 2 else 0.0
+    return max(single + wait, n * (1 - ready) * service)
 
 
 def admit(active_targets: int, model: StarModel | None, standalone_tokens_per_s: float | None) -> bool:
