@@ -270,6 +270,37 @@ def test_an_outcome_that_committed_more_than_path_and_bonus_misses(tiny, tree):
     assert table.pool.used_bytes == 0
 
 
+@pytest.mark.parametrize("tree", [None, TREE])
+def test_a_full_accepts_bonus_is_ranked_once_its_tail_was_fed(tiny, tree):
+    """The likeliest outcome of a tree (and a deep chain's) ends at a last-level node, whose
+    candidates the proposal does not have: once a step fed it, its bonus is ranked too."""
+    table = make_table(tiny["llama-self2"], budget=8, tree=tree, fallback="jit")  # a miss is drafted and planned again
+    spec = table.speculation
+
+    def full_accept(bonus_rank: int | None) -> tuple[list[int], list[int], int]:
+        plan = spec.plans[1]
+        last = len(plan.tree) - 1  # a last-level node
+        assert last > plan.fed
+        path = plan.tree.path_to(last)[1:]
+        known = plan.candidates_after(last)
+        bonus = 3 if known is None else known[bonus_rank]
+        return path, [int(plan.tree.tokens[v]) for v in path] + [bonus], last
+
+    table.open(1, OpenSession(0, [5, 6, 7], max_tokens=24))
+    table.propose_many([(1, [], [8])])
+    path, tokens, last = full_accept(None)  # no step yet: nothing known after the last level
+    assert spec.plans[1].candidates_after(last) is None
+    table.lookup_many([(1, path, tokens)])[0] or table.propose_many([(1, path, tokens)])
+    assert list(spec.history[1].ranks) == []  # not ranked: unknown is not "not among them"
+    spec.step()  # feeds the proposal's last level as tails
+    path, tokens, last = full_accept(1)
+    assert spec.plans[1].rank_of(last, tokens[-1]) == 1
+    table.lookup_many([(1, path, tokens)])[0] or table.propose_many([(1, path, tokens)])
+    assert list(spec.history[1].ranks) == [1] and list(spec.ranks) == [1]
+    table.close(1)
+    assert table.pool.used_bytes == 0
+
+
 def test_plans_wait_their_turn_when_a_step_cannot_take_them_all(tiny):
     draft = tiny["llama-self2"]
     table = make_table(draft, budget=4, max_rows=5)

@@ -125,6 +125,7 @@ class Plan:
     reshape: Reshape | None = None
     branches: dict[tuple[int, int], Branch] = field(default_factory=dict)
     tails: list[int] = field(default_factory=list)  # last-level nodes with outcomes, still to feed
+    tail_candidates: dict[int, list[int]] = field(default_factory=dict)  # the draft's candidates after each fed tail
     steps: int = 0
     started: int = 0  # branches that got at least one forward
 
@@ -139,12 +140,19 @@ class Plan:
     def children_tokens(self, node: int) -> set[int]:
         return {int(self.tree.tokens[c]) for c in self.tree.children(node)}
 
+    def candidates_after(self, node: int) -> list[int] | None:
+        """The draft's ranked candidates after ``node``: a fed node's from the proposal, a
+        last-level node's once a step has fed it as a tail; None while they are not known."""
+        return self.ranked[node].tolist() if node <= self.fed else self.tail_candidates.get(node)
+
     def rank_of(self, node: int, bonus: int) -> int | None:
-        """The bonus's 0-based rank among the candidates after a fed node, or None."""
-        if node > self.fed:
+        """The bonus's 0-based rank among the candidates after ``node`` (its children excluded:
+        a rejected child is never the bonus), or None: not among them, or not known yet."""
+        known = self.candidates_after(node)
+        if known is None:
             return None
         taken = self.children_tokens(node)
-        candidates = [t for t in self.ranked[node].tolist() if t not in taken]
+        candidates = [t for t in known if t not in taken]
         return candidates.index(bonus) if bonus in candidates else None
 
     def _open(self, node: int, candidates: list[int]) -> None:
@@ -225,7 +233,8 @@ def step(plans: list[Plan], max_rows: int | None = None) -> list[Plan]:
             while j < len(owners) and owners[j] is owner and not isinstance(owner, int):
                 j += 1
             if isinstance(owner, int):  # a tail: its outcomes' branches start here
-                plan._open(owner, ranked_candidates(logits[i]).tolist())
+                plan.tail_candidates[owner] = ranked_candidates(logits[i]).tolist()
+                plan._open(owner, plan.tail_candidates[owner])
             else:
                 plan.started += not owner.slots
                 owner.absorb(plan, list(range(start + i, start + j)), logits[i:j])

@@ -158,7 +158,10 @@ class SpeculationCache:
             history.backup_rounds += 1
             history.backup_accepted += len(path)
         plan = self._take_plan(tag)
-        if plan is not None and len(tokens) == len(path) + 1 and _end_node(path) <= plan.fed:
+        # Ranked whenever the candidates after the end node are known: a full accept's (a
+        # last-level node's) once its tail was fed — the likeliest outcome of a tree or a deep
+        # chain, which the hit curve would otherwise never see.
+        if plan is not None and len(tokens) == len(path) + 1 and plan.candidates_after(_end_node(path)) is not None:
             rank = plan.rank_of(_end_node(path), tokens[-1])
             history.ranks.append(rank)
             self.ranks.append(rank)
