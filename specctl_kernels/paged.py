@@ -127,7 +127,6 @@ class PagedAttention:
             out = paged_reference(rows, k_pages, v_pages, plan)
         return out.transpose(0, 1)[None]
 
-
     def warm_up(self, num_heads: int) -> None:
         """One batched call at the model's shapes: flashinfer compiles its batch kernels on
         first use (see specctl_kernels.warm_up). It reads the arena's first page, writes nothing."""

@@ -151,8 +151,9 @@ def render_prespec_table(report: dict) -> Table:
                        for n, v in report["summary"].items())
     table.caption = (f"O: tokens/s of all N targets; gain: prespec O / plain O of the same repeat (min/median/max: "
                      f"{spread}); predicted: SSD's round (Theorem 7) on the star of N targets against plain's measured "
-                     f"round, with half a background step's wait at N >= 2 and the measured ready share (hits, a partial one by the share of its proposal drafted when its outcome came, a short one "
-                     f"whole, among all rounds: one the trials skipped is a miss), T_p = S/Z; short: partial "
+                     f"round, with half a background step's wait at N >= 2 and the measured ready share (hits, a partial "
+                     f"one by the share of its proposal drafted when its outcome came, a short one whole, among all rounds: "
+                     f"one the trials skipped is a miss), T_p = S/Z; short: partial "
                      f"hits answered at once with the tokens drafted so far")
     return table
 
