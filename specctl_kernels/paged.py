@@ -43,26 +43,39 @@ class PagePlan:
 
 
 def plan_pages(starts: list[int], kv_lens: list[int], new_tokens: list[int], masks: list[torch.Tensor | None],
-               page: int) -> PagePlan:
+               page: int, rows_per_request: list[int] | None = None) -> PagePlan:
     """The page table of sessions whose ranges begin at slot ``starts`` (multiples of ``page``),
-    attending over their first ``kv_lens`` slots with ``new_tokens`` queries each."""
+    attending over their first ``kv_lens`` slots with ``new_tokens`` queries each. With
+    ``rows_per_request``, session b's queries become requests of at most that many rows over the
+    same pages, each with its rows of the mask (a causal one written out): the same rows in the
+    same order, in requests flashinfer gives the decode step's query tile (see
+    flashinfer_backend.rows_per_call)."""
     if any(start % page for start in starts):
         raise ValueError(f"session ranges must begin on a page ({page} slots): {starts}")
     if any(n < 1 or kv_len < n for n, kv_len in zip(new_tokens, kv_lens)):
         raise ValueError(f"each session needs 1 <= new tokens <= keys: {new_tokens} over {kv_lens}")
-    counts = [-(-kv_len // page) for kv_len in kv_lens]
-    indices = [torch.arange(start // page, start // page + count, dtype=torch.int32)
-               for start, count in zip(starts, counts)]
     shaped = []
     for n, kv_len, mask in zip(new_tokens, kv_lens, masks):
         if mask is not None and mask.numel() != n * kv_len:
             raise ValueError(f"a mask of shape {tuple(mask.shape)} for {n} queries over {kv_len} keys")
         shaped.append(None if mask is None else mask.reshape(n, kv_len))
+    requests = []  # (start, kv_len, rows, mask)
+    for b, (start, kv_len, n, mask) in enumerate(zip(starts, kv_lens, new_tokens, shaped)):
+        step = n if rows_per_request is None else rows_per_request[b]
+        if step >= n:
+            requests.append((start, kv_len, n, mask))
+            continue
+        full = causal_mask(n, kv_len) if mask is None else mask
+        requests += [(start, kv_len, min(step, n - lo), full[lo : lo + step]) for lo in range(0, n, step)]
+    counts = [-(-kv_len // page) for _, kv_len, _, _ in requests]
+    indices = [torch.arange(start // page, start // page + count, dtype=torch.int32)
+               for (start, _, _, _), count in zip(requests, counts)]
     return PagePlan(
-        qo_indptr=_indptr(new_tokens), kv_indptr=_indptr(counts), kv_indices=torch.cat(indices),
-        last_page_len=torch.tensor([kv_len - (count - 1) * page for kv_len, count in zip(kv_lens, counts)],
+        qo_indptr=_indptr([rows for _, _, rows, _ in requests]), kv_indptr=_indptr(counts),
+        kv_indices=torch.cat(indices),
+        last_page_len=torch.tensor([kv_len - (count - 1) * page for (_, kv_len, _, _), count in zip(requests, counts)],
                                    dtype=torch.int32),
-        kv_lens=tuple(kv_lens), masks=tuple(shaped), page=page)
+        kv_lens=tuple(kv_len for _, kv_len, _, _ in requests), masks=tuple(mask for *_, mask in requests), page=page)
 
 
 def _indptr(sizes: list[int]) -> torch.Tensor:
@@ -110,9 +123,14 @@ class PagedAttention:
 
     def _plan(self, starts: list[int], kv_lens: list[int], new_tokens: list[int], masks: list[torch.Tensor | None],
               num_heads: int) -> "PlannedForward":
-        page_plan = plan_pages(starts, kv_lens, new_tokens, masks, self.arena.page)
+        buffer = self.arena.buffer
+        steps = None
         if self._batch is not None:
-            buffer = self.arena.buffer
+            from specctl_kernels.flashinfer_backend import rows_per_call
+
+            steps = [rows_per_call(n, num_heads // buffer.shape[2]) for n in new_tokens]
+        page_plan = plan_pages(starts, kv_lens, new_tokens, masks, self.arena.page, steps)
+        if self._batch is not None:
             self._batch.plan(page_plan, num_heads, buffer.shape[2], buffer.shape[4], buffer.dtype)
         return PlannedForward(self, page_plan)
 

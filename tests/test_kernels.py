@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specctl_kernels import causal_mask, flashinfer_available, select_backend, tree_attention, warm_up
-from specctl_kernels.flashinfer_backend import PackedMasks, pack_mask_bits
+from specctl_kernels.flashinfer_backend import PackedMasks, pack_mask_bits, rows_per_call
 
 
 def _naive(q, k, v, mask):
@@ -132,23 +132,76 @@ def test_a_forwards_mask_is_packed_once_for_all_its_layers():
     tree = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
     batched = torch.stack([tree, tree.flip(1)])
     for _layer in range(4):  # every layer of one forward passes the same tensors
-        first = packed.row(tree, 0, 2, 4, tree.device)
+        first = packed.rows(tree, 0, 2, 4, tree.device)[0]
     assert packed.packs == 1 and first.tolist() == pack_mask_bits(tree).tolist()
     for _layer in range(3):
-        rows = [packed.row(batched, b, 2, 4, tree.device) for b in range(2)]
+        rows = [packed.rows(batched, b, 2, 4, tree.device)[0] for b in range(2)]
     assert packed.packs == 3 and rows[1].tolist() == pack_mask_bits(batched[1]).tolist()
     for _layer in range(3):  # causal forwards are known by their shape
-        causal = packed.row(None, 0, 3, 7, tree.device)
+        causal = packed.rows(None, 0, 3, 7, tree.device)[0]
     assert packed.packs == 4 and causal.tolist() == pack_mask_bits(causal_mask(3, 7)).tolist()
-    assert packed.row(None, 0, 3, 8, tree.device).tolist() == pack_mask_bits(causal_mask(3, 8)).tolist()
+    assert packed.rows(None, 0, 3, 8, tree.device)[0].tolist() == pack_mask_bits(causal_mask(3, 8)).tolist()
     assert packed.packs == 5
-    packed.row(tree, 0, 2, 4, tree.device)
+    packed.rows(tree, 0, 2, 4, tree.device)[0]
     tree[0, 3] = True  # the same tensor written in place: packed anew
-    assert packed.row(tree, 0, 2, 4, tree.device).tolist() == pack_mask_bits(tree).tolist()
+    assert packed.rows(tree, 0, 2, 4, tree.device)[0].tolist() == pack_mask_bits(tree).tolist()
     assert packed.packs == 7
     with torch.inference_mode():  # the engine's masks are inference tensors (no version counter)
         fresh = torch.ones(2, 4, dtype=torch.bool)
-        assert packed.row(fresh, 0, 2, 4, fresh.device).tolist() == pack_mask_bits(fresh).tolist()
+        assert packed.rows(fresh, 0, 2, 4, fresh.device)[0].tolist() == pack_mask_bits(fresh).tolist()
+    pieces = packed.rows(None, 0, 5, 9, tree.device, step=2)  # one piece a kernel call, rows 2 + 2 + 1
+    assert [p.tolist() for p in pieces] == [pack_mask_bits(causal_mask(5, 9)[lo : lo + 2]).tolist() for lo in (0, 2, 4)]
+
+
+def test_a_verification_goes_to_flashinfer_in_calls_of_the_decode_steps_tile():
+    """16 packed rows (query rows x GQA group) a call at most, one row where a group alone is
+    more; a prefill (over 64 rows) in one call."""
+    assert [rows_per_call(n, 2) for n in (1, 5, 8, 10, 64, 65)] == [8, 8, 8, 8, 8, 65]
+    assert [rows_per_call(n, 6) for n in (1, 5, 16)] == [2, 2, 2]  # Qwen2.5-1.5B: 12 heads over 2
+    assert rows_per_call(3, 16) == 1 and rows_per_call(3, 32) == 1
+    with pytest.raises(ValueError, match="rows and the GQA group must be >= 1, got 0 and 2"):
+        rows_per_call(0, 2)
+
+
+def _unpacked(packed: torch.Tensor, rows: int, total: int) -> torch.Tensor:
+    bits = np.unpackbits(packed.numpy(), bitorder="little")[: rows * total]
+    return torch.from_numpy(bits.astype(bool)).reshape(rows, total)
+
+
+def test_flashinfer_tree_attention_cuts_a_verification_into_pieces_with_their_rows_of_the_mask(monkeypatch):
+    """A stand-in for flashinfer's single prefill (SDPA over the unpacked mask) records each
+    call's rows: a 10-node tree with 4 heads over 2 (group 2) goes as 8 + 2 rows, the rows'
+    results land where they belong, and a 70-row prefill is one call."""
+    import sys
+    import types
+
+    calls = []
+
+    def single_prefill_with_kv_cache(q, k, v, kv_layout, packed_custom_mask):
+        assert kv_layout == "HND"
+        rows, total = q.shape[0], k.shape[1]
+        calls.append(rows)
+        mask = _unpacked(packed_custom_mask, rows, total)
+        return _naive(q.transpose(0, 1)[None], k[None], v[None], mask)[0].transpose(0, 1)
+
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(
+        single_prefill_with_kv_cache=single_prefill_with_kv_cache))
+    from specctl_kernels import flashinfer_backend
+
+    torch.manual_seed(9)
+    q, k, v = torch.randn(2, 4, 10, 16), torch.randn(2, 2, 30, 16), torch.randn(2, 2, 30, 16)
+    tree = torch.rand(2, 10, 30) < 0.6
+    tree[:, :, :20] = True
+    tree[:, torch.arange(10), 20 + torch.arange(10)] = True
+    out = flashinfer_backend.tree_attention(q, k, v, tree)
+    assert calls == [8, 2, 8, 2]
+    for b in range(2):
+        torch.testing.assert_close(out[b : b + 1], _naive(q[b : b + 1], k[b : b + 1], v[b : b + 1], tree[b]))
+    calls.clear()
+    q, k, v = torch.randn(1, 4, 70, 16), torch.randn(1, 2, 70, 16), torch.randn(1, 2, 70, 16)
+    out = flashinfer_backend.tree_attention(q, k, v, None)
+    assert calls == [70]
+    torch.testing.assert_close(out, _naive(q, k, v, causal_mask(70, 70)))
 
 
 def test_only_flashinfer_is_warmed_up():

@@ -149,10 +149,11 @@ def test_the_page_table_of_a_forward():
 
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 6), st.booleans()), min_size=1, max_size=4),
-       st.integers(0, 2**16))
-def test_paged_attention_equals_each_sessions_own_attention(sessions, seed):
+       st.integers(0, 2**16), st.none() | st.integers(1, 4))
+def test_paged_attention_equals_each_sessions_own_attention(sessions, seed, rows_per_request):
     """Sessions at scattered ranges of one arena, each its cached length, new tokens and mask
-    (causal or a random tree-like one): the page table reads exactly each session's keys."""
+    (causal or a random tree-like one): the page table reads exactly each session's keys, also
+    with each session's rows cut into requests of a few rows."""
     gen = torch.Generator().manual_seed(seed)
     arena = KVArena(1, 2, 8, 512, torch.float32)
     arena.buffer.copy_(torch.randn(arena.buffer.shape, generator=gen))
@@ -168,7 +169,8 @@ def test_paged_attention_equals_each_sessions_own_attention(sessions, seed):
             mask[torch.arange(n), cached + torch.arange(n)] = True  # a node sees itself
         masks.append(mask)
     q = torch.randn(sum(new), 4, 8, generator=gen)
-    out = paged_reference(q, *arena.pages(0), plan_pages(starts, kv_lens, new, masks, PAGE))
+    steps = None if rows_per_request is None else [rows_per_request] * len(new)
+    out = paged_reference(q, *arena.pages(0), plan_pages(starts, kv_lens, new, masks, PAGE, steps))
     row = 0
     for start, kv_len, n, mask in zip(starts, kv_lens, new, masks):
         k = arena.buffer[0, 0, :, start : start + kv_len][None]
@@ -176,6 +178,37 @@ def test_paged_attention_equals_each_sessions_own_attention(sessions, seed):
         expected = tree_attention(q[row : row + n].transpose(0, 1)[None], k, v, mask)[0].transpose(0, 1)
         torch.testing.assert_close(out[row : row + n], expected, rtol=1e-5, atol=1e-6)
         row += n
+
+
+def test_a_sessions_rows_cut_into_requests_keep_their_pages_and_their_rows_of_the_mask():
+    tree = torch.rand(3, 20) < 0.5
+    plan = plan_pages([32, 96], [5, 20], [4, 3], [None, tree], PAGE, rows_per_request=[2, 8])
+    assert plan.qo_indptr.tolist() == [0, 2, 4, 7] and plan.kv_indptr.tolist() == [0, 1, 2, 4]
+    assert plan.kv_indices.tolist() == [2, 2, 6, 7] and plan.last_page_len.tolist() == [5, 5, 4]
+    assert plan.kv_lens == (5, 5, 20)
+    assert torch.equal(plan.masks[0], causal_mask(4, 5)[:2]) and torch.equal(plan.masks[1], causal_mask(4, 5)[2:])
+    assert torch.equal(plan.masks[2], tree)
+    assert torch.equal(plan.flat_mask("cpu"), torch.cat([causal_mask(4, 5).reshape(-1), tree.reshape(-1)]))
+
+
+def test_flashinfer_plans_a_verification_in_requests_of_the_decode_steps_tile(monkeypatch):
+    """The page table handed to flashinfer: 16 packed rows a request at most (group 4: 4 rows),
+    a prefill's rows in one."""
+    import specctl_kernels.flashinfer_backend as fb
+
+    planned = []
+
+    class FakeBatch:
+        def __init__(self, device):
+            pass
+
+        def plan(self, plan, *shape):
+            planned.append(plan)
+
+    monkeypatch.setattr(fb, "BatchPaged", FakeBatch)
+    paged = PagedAttention("flashinfer", _arena(256))
+    paged.plan([0, 64], [30, 100], [10, 70], [None, None], num_heads=8)  # 2 KV heads: group 4
+    assert planned[0].qo_indptr.tolist() == [0, 4, 8, 10, 80]
 
 
 def test_an_unknown_paged_backend_is_refused():
