@@ -10,7 +10,7 @@ from specctl.engine.quant import quantize_decoder
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.engine import rows
 from specctl.engine.rows import (
-    PairedRowLinear, candidate, decoder_row_mode, linear_rows_independent, pair_single_rows,
+    PaddedRowLinear, candidate, decoder_min_rows, linear_rows_independent, pad_small_products,
 )
 from specctl.spec.rounds import generate
 from specctl.spec.sampling import SamplingParams
@@ -97,7 +97,7 @@ def test_row_exact_is_a_candidate_only_where_linear_layers_can_be_row_independen
 
 
 def test_the_probe_finds_int8_row_independent_and_a_row_mixing_layer_not(tiny_dir):
-    assert decoder_row_mode(_target(tiny_dir, "int8"), "int8") == "alone"
+    assert decoder_min_rows(_target(tiny_dir, "int8"), "int8") == 1
 
     class Mixing(torch.nn.Linear):  # each row's output depends on the whole batch
         def forward(self, x):
@@ -128,11 +128,11 @@ def _row_exact_target(tiny_dir, kind: str):
     matmuls to be row-independent, alone or with one-row products paired (the load-time
     probe), int8 has it by construction."""
     target = _target(tiny_dir, kind)
-    mode = decoder_row_mode(target, "int8" if kind == "int8" else "none")
-    if mode is None:
+    min_rows = decoder_min_rows(target, "int8" if kind == "int8" else "none")
+    if min_rows is None:
         pytest.skip(f"{kind} matmuls are not row-independent on this CPU: row-exact attention stays off here")
-    if mode == "pairs":
-        pair_single_rows(target)
+    if min_rows > 1:
+        pad_small_products(target, min_rows)
     return target.use_row_exact_attention()
 
 
@@ -145,28 +145,54 @@ class OneRowOff(torch.nn.Linear):
 
 def test_the_probe_tells_a_layer_exact_in_pairs_from_one_exact_alone():
     layer = OneRowOff(16, 8)
-    assert not linear_rows_independent(layer) and linear_rows_independent(layer, rows=2)
+    assert not linear_rows_independent(layer) and linear_rows_independent(layer, min_rows=2)
 
     class Mixing(torch.nn.Linear):  # each row's output depends on the other rows: not even in pairs
         def forward(self, x):
             return super().forward(x) + x.mean(0, keepdim=True)[..., : self.out_features]
 
-    assert not linear_rows_independent(Mixing(16, 8), rows=2)
+    assert not any(linear_rows_independent(Mixing(16, 8), n) for n in rows.PAD_CANDIDATES)
 
 
-def test_pairing_computes_a_one_row_product_as_a_pair_and_shares_the_weights(monkeypatch):
+def test_the_probe_finds_the_row_count_from_which_every_product_agrees():
+    class SmallProductsOff(torch.nn.Linear):  # one and two rows take another kernel (this CPU's bf16)
+        def forward(self, x):
+            return super().forward(x) + (1e-3 if x.numel() <= 2 * x.shape[-1] else 0.0)
+
+    layer = SmallProductsOff(16, 8)
+    assert [linear_rows_independent(layer, n) for n in (1, 2, 3, 4)] == [False, False, True, True]
+
+
+def test_the_probe_sees_a_tail_block_that_differs():
+    """Rows 4.. of a product whose row count is no multiple of 4 off (a kernel's tail block):
+    every row of 8 rows agrees with the row alone, row 4 of 6 rows does not, and no padding
+    mends it (13 rows has such a tail too)."""
+    class TailOff(torch.nn.Linear):
+        def forward(self, x):
+            out = super().forward(x)
+            if x.shape[0] % 4 and x.shape[0] > 4:
+                out = out.clone()
+                out[4:] += 1e-3
+            return out
+
+    assert not any(linear_rows_independent(TailOff(16, 8), n) for n in rows.PAD_CANDIDATES)
+
+
+def test_padding_computes_small_products_padded_and_shares_the_weights(monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4, bias=False))
     weights = [model[0].weight, model[0].bias, model[1].weight]
-    pair_single_rows(model)
-    assert [type(m) for m in model] == [PairedRowLinear, PairedRowLinear]
+    pad_small_products(model, 3)
+    assert [type(m) for m in model] == [PaddedRowLinear, PaddedRowLinear] and model[0].min_rows == 3
     assert [model[0].weight, model[0].bias, model[1].weight] == weights and model[1].bias is None
     linear, shapes = torch.nn.functional.linear, []
     monkeypatch.setattr(rows.F, "linear", lambda x, w, b=None: shapes.append(tuple(x.shape)) or linear(x, w, b))
-    x = torch.randn(3, 16)
+    x = torch.randn(4, 16)
     one = model[0](x[:1].reshape(1, 1, 16))
-    assert shapes == [(2, 16)] and one.shape == (1, 1, 8)
-    assert torch.equal(one.reshape(8), linear(x[:1].repeat(2, 1), *weights[:2])[0])
-    assert torch.equal(model[0](x), linear(x, *weights[:2])) and shapes[-1] == (3, 16)
+    assert shapes == [(3, 16)] and one.shape == (1, 1, 8)
+    assert torch.equal(one.reshape(8), linear(x[:1].repeat(3, 1), *weights[:2])[0])
+    two = model[0](x[:2])
+    assert shapes[-1] == (3, 16) and torch.equal(two, linear(x[[0, 1, 1]], *weights[:2])[:2])
+    assert torch.equal(model[0](x), linear(x, *weights[:2])) and shapes[-1] == (4, 16)
 
 
 @pytest.mark.parametrize("kind", ["bf16", "int8"])

@@ -3,28 +3,33 @@
 Only then does row-exact attention (``specctl_kernels.row_exact``) make a verification
 forward reproduce AR decoding bit for bit, so only then is it worth its cost. Measured on
 torch 2.13 CPU: the row-scaled int8 layers always do (exact integer products, a scale per
-row); bf16 and fp16 matmuls do on the machines tried; fp32 does not (a one-row product
-takes MKL's matrix-vector kernel, 1e-6 apart); CUDA GEMMs choose kernels by shape. Since
-the half-precision result depends on the CPU's kernels, it is probed on the model's own
-layers at load time rather than assumed.
-
-On a CPU with AVX-512-BF16 (torch 2.13, oneDNN) a one-row bf16 product takes another kernel
-than two or more rows, while every row of a 2..64-row product is the same bits wherever it
-stands: there a one-row input is computed as a pair (itself twice, ``PairedRowLinear``), which
-makes the layer row-independent."""
+row); fp32 does not (a one-row product takes MKL's matrix-vector kernel, 1e-6 apart); CUDA
+GEMMs choose kernels by shape. bf16 and fp16 products take one kernel for small row counts
+and another from some count on, whose rows all agree wherever they stand: on a CPU with
+AVX-512-BF16 one row differs from two or more; on this AVX2 CPU one and two rows differ from
+three or more in about 1 output element in 10^5 (2026-11-27: a v_proj row of a tiny model,
+found by probing many draws; a single draw of 8 rows had missed it). Such a layer is made
+row-independent by computing every product of fewer rows than that count padded to it, the
+last row repeated (``PaddedRowLinear``). Since it depends on the CPU's kernels, the count is
+probed on the model's own layers at load time rather than assumed."""
 
 from __future__ import annotations
 
 import logging
-from typing import Literal
-
+from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 log = logging.getLogger("specctl.engine")
 
-PROBE_ROWS = 8
+PROBE_ROWS = 8  # rows checked in each product
+# Product sizes a verification forward has (a chain of d + 1 rows, a tree of up to 64 nodes):
+# every size up to 8, tails of the 4/8/16-row blocks, and the largest.
+PROBE_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 32, 64)
+PROBE_ELEMENTS = 1 << 16  # output elements compared a size (draws of PROBE_ROWS rows)
+PROBE_DRAWS_MAX = 64
+PAD_CANDIDATES = (1, 2, 3, 4, 8)  # the row counts products are padded to, tried in order
 
 
 def candidate(device: str, dtype: str, quant: str) -> bool:
@@ -32,63 +37,83 @@ def candidate(device: str, dtype: str, quant: str) -> bool:
     return device == "cpu" and (quant == "int8" or dtype in ("bf16", "fp16"))
 
 
-def linear_rows_independent(linear: nn.Linear, rows: int = 1) -> bool:
-    """One layer, probed: each of 8 random rows equals its row in the 8-row product when
-    computed alone (``rows`` = 1), or in a pair, first and second (``rows`` = 2)."""
-    x = torch.randn(PROBE_ROWS, linear.in_features, generator=torch.Generator().manual_seed(0)).to(linear.weight.dtype)
+def padded_product(product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, min_rows: int) -> torch.Tensor:
+    """``product`` of x [rows, in], fewer than ``min_rows`` rows computed padded to
+    ``min_rows``, the last row repeated (contiguous rows: a stride-0 view may take another
+    kernel)."""
+    rows = x.shape[0]
+    if rows >= min_rows:
+        return product(x)
+    return product(torch.cat([x, x[-1:].repeat(min_rows - rows, 1)]))[:rows]
+
+
+def linear_rows_independent(linear: nn.Linear, min_rows: int = 1) -> bool:
+    """One layer, probed: with products of fewer than ``min_rows`` rows padded to it, each of
+    the first rows of a product of every size in PROBE_SIZES equals that row's product alone.
+    Every size, since a CPU's kernel blocks rows (in fours, eights, ...) and a tail block can
+    take other code. Several random draws where the layer is narrow: another summation order
+    changes a half-precision result only where the float32 sum lies near a rounding boundary,
+    so a probe must compare enough elements (PROBE_ELEMENTS a size) to see it."""
+    draws = min(PROBE_DRAWS_MAX, -(-PROBE_ELEMENTS // (PROBE_ROWS * linear.out_features)))
+    gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        together = linear(x)
-        if rows == 1:
-            return all(torch.equal(linear(x[i : i + 1]), together[i : i + 1]) for i in range(PROBE_ROWS))
-        return all(torch.equal(linear(x[[i, j]]), together[[i, j]])
-                   for i, j in zip(range(PROBE_ROWS), [*range(1, PROBE_ROWS), 0]))
+        for _ in range(draws):
+            x = torch.randn(max(PROBE_SIZES), linear.in_features, generator=gen)
+            x = x.to(linear.weight.device, linear.weight.dtype)
+            alone = [padded_product(linear, x[i : i + 1], min_rows) for i in range(PROBE_ROWS)]
+            for size in PROBE_SIZES:
+                together = padded_product(linear, x[:size], min_rows)
+                if not all(torch.equal(together[i : i + 1], alone[i]) for i in range(min(size, PROBE_ROWS))):
+                    return False
+    return True
 
 
-RowMode = Literal["alone", "pairs"] | None
-
-
-def decoder_row_mode(decoder: nn.Module, quant: str) -> RowMode:
-    """How the decoder's linear layers give each row the same bits in any product: "alone"
-    (as they are), "pairs" (with one-row products computed as pairs) or None (not at all).
+def decoder_min_rows(decoder: nn.Module, quant: str) -> int | None:
+    """The fewest rows the decoder's linear products must be padded to for each row to get the
+    same bits in any product (1: as they are), or None (no count in PAD_CANDIDATES does).
     Every distinct linear shape of the first layer and the LM head is probed (int8: exact by
     construction)."""
     if quant == "int8":
-        return "alone"
+        return 1
     layer = decoder.layers[0]
     linears = [m for m in (*layer.self_attn.modules(), *layer.mlp.modules()) if isinstance(m, nn.Linear)]
     if decoder.lm_head is not None:
         linears.append(decoder.lm_head)
     distinct = list({tuple(linear.weight.shape): linear for linear in linears}.values())  # k and v share a shape, ...
-    if all(linear_rows_independent(linear) for linear in distinct):
-        return "alone"
-    if all(linear_rows_independent(linear, rows=2) for linear in distinct):
-        return "pairs"
+    for min_rows in PAD_CANDIDATES:
+        if all(linear_rows_independent(linear, min_rows) for linear in distinct):
+            return min_rows
     log.info("row-exact attention off: %s matmuls are not row-independent on this CPU, so speculative output "
              "may differ from AR in the last bits", distinct[0].weight.dtype)
     return None
 
 
-class PairedRowLinear(nn.Linear):
-    """A linear layer whose one-row products are computed as two rows (the row twice), so a
-    decode step's row gets the bits a verification forward gives it among other rows."""
+class PaddedRowLinear(nn.Linear):
+    """A linear layer whose products of fewer than ``min_rows`` rows are computed padded to it,
+    so a decode step's row (and a short verification's) gets the bits a longer verification
+    forward gives it."""
+
+    min_rows: int = 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() != x.shape[-1]:
+        rows = x.numel() // x.shape[-1]
+        if rows >= self.min_rows:
             return F.linear(x, self.weight, self.bias)
-        pair = x.reshape(1, -1).repeat(2, 1)  # contiguous rows: a stride-0 view may take another kernel
-        return F.linear(pair, self.weight, self.bias)[:1].reshape(*x.shape[:-1], -1)
+        product = lambda rows_in: F.linear(rows_in, self.weight, self.bias)  # noqa: E731
+        return padded_product(product, x.reshape(rows, -1), self.min_rows).reshape(*x.shape[:-1], -1)
 
 
-def pair_single_rows(decoder: nn.Module) -> nn.Module:
-    """Every plain nn.Linear of the decoder (layers and LM head) becomes a PairedRowLinear
-    sharing its parameters (tied embeddings stay tied). In place."""
+def pad_small_products(decoder: nn.Module, min_rows: int) -> nn.Module:
+    """Every plain nn.Linear of the decoder (layers and LM head) becomes a PaddedRowLinear of
+    ``min_rows`` sharing its parameters (tied embeddings stay tied). In place."""
     for parent in list(decoder.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
                 with torch.device("meta"):
-                    paired = PairedRowLinear(child.in_features, child.out_features, bias=child.bias is not None)
-                paired.weight = child.weight
+                    padded = PaddedRowLinear(child.in_features, child.out_features, bias=child.bias is not None)
+                padded.min_rows = min_rows
+                padded.weight = child.weight
                 if child.bias is not None:
-                    paired.bias = child.bias
-                setattr(parent, name, paired)
+                    padded.bias = child.bias
+                setattr(parent, name, padded)
     return decoder

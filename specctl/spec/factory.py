@@ -51,10 +51,10 @@ def load_named(name: str, config: Config, console: Console | None = None, quant:
                            device=config.device, backend=config.attention_backend, stage=stage)
         model.decoder = quantize_decoder(model.decoder, quant)
         if target and config.row_exact_attention and rows.candidate(config.device, dtype, quant):
-            mode = rows.decoder_row_mode(model.decoder, quant)
-            if mode == "pairs":
-                rows.pair_single_rows(model.decoder)
-            if mode is not None:
+            min_rows = rows.decoder_min_rows(model.decoder, quant)
+            if min_rows is not None and min_rows > 1:
+                rows.pad_small_products(model.decoder, min_rows)
+            if min_rows is not None:
                 model.decoder.use_row_exact_attention()
         if model.decoder.device.type == "cuda":
             fuse_projections(model.decoder)
