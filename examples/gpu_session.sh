@@ -8,7 +8,8 @@
 # JIT-compile on first use, minutes):
 #   device run: command "bash examples/gpu_session.sh flashinfer", carry [".whl"], timeout_s 420
 # flashinfer goes to a folder of its own used by that step only (installed, `auto` would pick
-# it for the benchmarks' bf16 shapes).
+# it for the benchmarks' bf16 shapes). A session with little device time: the flashinfer call
+# first (its JIT needs 17-37 s a kernel; 2026-11-27's call of both took 396 s).
 set -o pipefail
 base_wheels=$(ls .whl/*.whl | grep -v -e flashinfer -e tvm_ffi)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $base_wheels \
@@ -27,7 +28,9 @@ if [ "${1:-}" = "flashinfer" ]; then
   exit
 fi
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/device.txt"
-python3 -m pytest tests/test_gpu.py tests/test_kernels.py tests/test_static.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -5
+# test_row_exact runs on the GPU machine's CPU (an AMX Xeon: its bf16 kernels differ from this one's)
+python3 -m pytest tests/test_gpu.py tests/test_kernels.py tests/test_static.py tests/test_kv_arena.py tests/test_row_exact.py 2>&1 \
+  | tee "$OUT/gpu-tests.log" | tail -5
 for model in 1.5b 0.5b; do
   python3 -m specctl bench kernels --model "$model" --dtype bf16 --repeats 30 --sessions 2,4,8 --json "$OUT/kernels-$model.json" 2>&1 \
     | tee "$OUT/kernels-$model.log"
