@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from specctl.draft.fanout import (
+    carry_is_cheap,
     PRIOR_R, PRIOR_WEIGHT, acceptance_by_position, acceptance_estimate, answer_now, chain_outcome_probs, budget_that_fits, budget_that_pays, choose_fallback, expected_committed, expected_hit, fanout, hit_curve, fanout_for, outcome_probs,
     power_law_exponent, predicted_gain_over_plain, predicted_speedup, step_time_fit, tree_outcome_probs,
 )
@@ -203,3 +204,13 @@ def test_a_partly_drafted_hit_is_answered_now_when_waiting_commits_fewer_tokens_
         with pytest.raises(ValueError):
             answer_now(*bad)
 
+
+
+def test_carried_rows_must_add_at_most_a_tenth_to_a_forward():
+    gpu_like, cpu_like = (0.120, 1e-6), (0.002, 0.004)  # seconds: fixed, per row
+    assert carry_is_cheap(gpu_like, 1, 40)  # 40 rows add 0.03 % to a 120 ms step
+    assert not carry_is_cheap(cpu_like, 1, 40)  # 160 ms on a 6 ms step
+    assert carry_is_cheap((0.1, 0.001), 1, 10) and not carry_is_cheap((0.1, 0.001), 1, 11)  # 10.1 ms of 101 ms
+    assert carry_is_cheap((0.0, 0.001), 20, 2) and not carry_is_cheap((0.0, 0.001), 20, 3)  # own rows count
+    assert not carry_is_cheap(None, 1, 5)  # not measured yet
+    assert not carry_is_cheap(gpu_like, 1, 0)  # nothing to carry

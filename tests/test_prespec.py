@@ -220,6 +220,52 @@ def test_partly_drafted_hits_answered_at_once_keep_the_output_and_the_kv_exact(t
     assert table.states == {} and table.speculation.plans == {} and table.pool.used_bytes == 0
 
 
+class Carrying(SpeculationCache):
+    """Rows cost nothing (a GPU-like draft, whatever this CPU measures): misses and unfinished
+    hits are drafted in forwards that carry the other sessions' plans."""
+
+    def _carry_is_cheap(self, own_rows, carried_rows):
+        return carried_rows > 0
+
+
+@pytest.mark.parametrize("tree", [None, TREE])
+@pytest.mark.parametrize("carrying", [True, False])
+def test_a_miss_is_drafted_in_forwards_that_carry_the_other_sessions_plan(tiny, tree, carrying):
+    """At N >= 2 a miss drafted alone held the draft through the other session's verification,
+    whose plan then missed too. Where rows are cheap the miss becomes a branch, drafted in
+    forwards that also advance the other plan; its proposal and KV are what drafting just in
+    time gives (CheckedTable), and the other session's outcome then hits its advanced branch."""
+    table = make_table(tiny["llama-self2"], budget=4, tree=tree, table_class=CheckedTable,
+                       cache_class=Carrying if carrying else SpeculationCache)
+    table.checked = 0
+    spec = table.speculation
+    for tag, prompt in ((1, [5, 6, 7]), (2, [9, 3, 4, 1])):
+        table.open(tag, OpenSession(0, prompt, max_tokens=16))
+        table.propose_many([(tag, [], [8])])
+    other = spec.plans[2]
+    root_children = {int(t) for t in spec.plans[1].tree.tokens[1:][spec.plans[1].tree.parents[1:] == 0]}
+    bonus = next(t for t in range(3, 100) if t not in root_children)  # no branch has drafted anything: a miss
+    checked = table.checked  # the two first proposals
+    [message] = table.lookup_many([(1, [], [bonus])])
+    if not carrying:
+        assert message is None and spec.missed == {1} and other.steps == 0
+        assert spec.stats.jit_carried == 0
+        table.propose_many([(1, [], [bonus])])
+    else:
+        assert message is not None and message.tokens[0] == bonus and spec.missed == set()
+        assert (spec.stats.misses, spec.stats.fallback_jit, spec.stats.jit_carried, spec.stats.hits) == (1, 1, 1, 0)
+        assert other.steps > 0 and 2 in spec.published  # the other plan advanced in the same forwards
+        assert table.checked == checked + 1  # the proposal and KV equal just-in-time drafting's
+        key = next(k for k, b in other.branches.items() if b.slots)
+        node, bonus2 = key
+        path = other.tree.path_to(node)[1:]
+        [hit] = table.lookup_many([(2, path, [int(other.tree.tokens[v]) for v in path] + [bonus2])])
+        assert hit is not None and spec.stats.hits == 1 and table.checked == checked + 2
+    for tag in (1, 2):
+        table.close(tag)
+    assert spec.plans == {} and spec.history == {} and table.states == {} and table.pool.used_bytes == 0
+
+
 def test_a_hit_answers_from_the_branch_without_drafting(tiny):
     target, draft = tiny["llama"], tiny["llama-self2"]
     table = make_table(draft, budget=16)

@@ -170,6 +170,22 @@ def step_time_fit(samples: Sequence[tuple[int, float]]) -> tuple[float, float] |
     return max(mean_y - beta * mean_x, 0.0), beta
 
 
+CARRY_SHARE = 0.1  # carried rows may add this share to a forward's time
+
+
+def carry_is_cheap(fit: tuple[float, float] | None, rows_own: int, rows_carried: int) -> bool:
+    """Let a forward that drafts some sessions' next proposals (a miss, a hit still being
+    drafted) carry other sessions' branch rows too? Where the measured step time t(rows) =
+    alpha + beta·rows says they add at most CARRY_SHARE to it: a GPU-like draft, whose rows are
+    nearly free. There the other plans keep advancing instead of waiting for the compute thread:
+    at N >= 2 a miss drafted alone held it through the other session's verification, whose plan
+    then missed too (trees: hit rate 85 % at N = 1, 11-40 % at N >= 2)."""
+    if fit is None or rows_carried <= 0:
+        return False
+    alpha, beta = fit
+    return beta * rows_carried <= CARRY_SHARE * (alpha + beta * max(rows_own, 1))
+
+
 def budget_that_fits(return_s: float, depth: int, fit: tuple[float, float], sharing: int, most: int,
                      rows_per_branch: int = 1) -> int:
     """Branches one session can have drafted before its outcome returns (SSD's budget: what the

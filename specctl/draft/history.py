@@ -39,5 +39,6 @@ class PrespecStats:
     steps: int = 0
     busy_s: float = 0.0
     fallback_jit: int = 0
+    jit_carried: int = 0  # of those, drafted as branches in forwards carrying the other plans
     fallback_ngram: int = 0
     skipped: int = 0  # rounds not pre-speculated (a trial without it, or it did not pay)

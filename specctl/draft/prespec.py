@@ -156,14 +156,26 @@ class Plan:
         return candidates.index(bonus) if bonus in candidates else None
 
     def _open(self, node: int, candidates: list[int]) -> None:
-        trunk = [self.base + a - 1 for a in self.tree.path_to(node)[1:]]
-        position = self.base + int(self.tree.depth[node])
         taken = self.children_tokens(node)
         for token in [t for t in candidates if t not in taken][: self.fanout[node]]:
-            if tree_shape(self.state.session) is None:
-                self.branches[(node, token)] = ChainBranch(list(trunk), position, [token])
-            else:
-                self.branches[(node, token)] = TreeBranch(list(trunk), position, TokenTree.root(token))
+            self.branches[(node, token)] = self._branch(node, token)
+
+    def _branch(self, node: int, bonus: int) -> Branch:
+        trunk = [self.base + a - 1 for a in self.tree.path_to(node)[1:]]
+        position = self.base + int(self.tree.depth[node])
+        if tree_shape(self.state.session) is None:
+            return ChainBranch(trunk, position, [bonus])
+        return TreeBranch(trunk, position, TokenTree.root(bonus))
+
+    def open_outcome(self, node: int, bonus: int) -> Branch | None:
+        """A branch for an outcome nothing was planned for, drafted from its bonus like any
+        other (a miss drafted in the background's forwards), or None: the node's KV is not
+        there yet (a last-level node before its tail was fed), or the bonus is one of its
+        children (never a bonus)."""
+        if self.candidates_after(node) is None or bonus in self.children_tokens(node):
+            return None
+        branch = self.branches[(node, bonus)] = self._branch(node, bonus)
+        return branch
 
 
 def make_plan(state: DraftState, proposal: Proposal, fanout: list[int], depth: int,
@@ -184,6 +196,11 @@ def make_plan(state: DraftState, proposal: Proposal, fanout: list[int], depth: i
     for node in range(plan.fed + 1):
         plan._open(node, ranked[node].tolist())
     return plan
+
+
+def live_rows(plan: Plan) -> int:
+    """Rows the plan's next step feeds: its tails and its live branches' next rows."""
+    return len(plan.tails) + sum(len(b.rows()) for b in plan.branches.values() if b.live(plan.depth))
 
 
 def step(plans: list[Plan], max_rows: int | None = None) -> list[Plan]:
@@ -280,12 +297,6 @@ def discard(plan: Plan) -> None:
     later cut to text + accepted must never keep one as if it were a proposal node."""
     cache = plan.state.session.cache
     cache.truncate(min(cache.length, plan.base + plan.fed))
-
-
-def finish(plans: list[Plan]) -> None:
-    """Draft the adopted branches to full depth (a hit that arrived before they were done)."""
-    while any(plan.has_work for plan in plans):
-        step([plan for plan in plans if plan.has_work])
 
 
 def proposal_of(plan: Plan) -> Proposal:

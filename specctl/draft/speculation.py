@@ -21,14 +21,14 @@ from functools import partial
 
 from specctl.draft.fanout import (
     MIN_OUTCOMES_FOR_FIT, acceptance_by_position, acceptance_estimate, answer_now, budget_that_fits, budget_that_pays,
-    chain_outcome_probs, choose_fallback, expected_hit, fanout_for, hit_curve, power_law_exponent, step_time_fit,
+    carry_is_cheap, chain_outcome_probs, choose_fallback, expected_hit, fanout_for, hit_curve, power_law_exponent, step_time_fit,
     tree_outcome_probs,
 )
 from specctl.draft.prespec_config import FALLBACKS, PrespecConfig  # noqa: F401 - re-exported
 from specctl.draft.early import Published, publish
 from specctl.draft.history import History, PrespecStats
 from specctl.draft.prespec import (
-    Branch, Plan, adopt, discard, finish, kv_per_branch, make_plan, proposal_of, step,
+    Branch, Plan, adopt, discard, kv_per_branch, live_rows, make_plan, proposal_of, step,
 )
 from specctl.draft.trial import Trials
 from specctl.spec.draft_state import DraftState
@@ -193,9 +193,19 @@ class SpeculationCache:
             key = (_end_node(path), tokens[-1])
             branch = plan.branches.get(key) if len(tokens) == len(path) + 1 else None
             if branch is None or not branch.slots:
-                discard(plan)
                 self.stats.misses += 1
-                self.missed.add(tag)
+                if len(tokens) == len(path) + 1 and self._carry_a_miss():
+                    branch = branch or plan.open_outcome(*key)
+                if branch is None:
+                    discard(plan)
+                    self.missed.add(tag)
+                    continue
+                # drafted just in time, in forwards that carry the other plans' branches (_finish)
+                self.stats.fallback_jit += 1
+                self.stats.jit_carried += 1
+                adopt(plan, key)
+                state.advance(path, tokens, kv_done=True)
+                adopted.append((i, tag, state, plan))
                 continue
             short = self._answers_now(tag, state, branch, plan)
             self.stats.hits += 1
@@ -209,7 +219,7 @@ class SpeculationCache:
                 self.stats.short_answers += 1
             state.advance(path, tokens, kv_done=True)
             adopted.append((i, tag, state, plan))
-        finish([plan for _, _, _, plan in adopted])
+        self._finish([plan for _, _, _, plan in adopted])
         for i, tag, state, plan in adopted:
             results[i] = state.proposed(proposal_of(plan))
         return results
@@ -234,22 +244,52 @@ class SpeculationCache:
 
     def step(self) -> bool:
         """One background forward over the live branches; False when there was nothing to do."""
-        due = [(tag, plan) for tag, plan in self.plans.items() if plan.has_work]
+        due = [plan for plan in self.plans.values() if plan.has_work]
         if not due:
             return False
-        rows = {id(plan): len(plan.tails) + sum(len(b.rows()) for b in plan.branches.values() if b.live(plan.depth))
-                for _, plan in due}
+        rows = {id(plan): live_rows(plan) for plan in due}
         started = time.perf_counter()
-        advanced = {id(plan) for plan in step([plan for _, plan in due], self.config.max_rows)}
+        advanced = self._advance(due)
         seconds = time.perf_counter() - started
         self.step_samples.append((sum(rows[key] for key in advanced), seconds))
         self.stats.steps += 1
         self.stats.busy_s += seconds
-        for tag, plan in due:  # the plans just served go to the back: a step that cannot take all serves them in turn
+        return True
+
+    def _advance(self, plans: list[Plan]) -> set[int]:
+        """One forward over ``plans``' live rows (the first ones first, when max_rows cuts); the
+        ids of the plans it advanced. The cache's plans just served go to the back (a step that
+        cannot take all serves them in turn) and publish their finished branches (early.py)."""
+        advanced = {id(plan) for plan in step(plans, self.config.max_rows)}
+        for tag, plan in list(self.plans.items()):
             if id(plan) in advanced:
                 self.plans[tag] = self.plans.pop(tag)
-                self.published[tag] = publish(plan)  # its finished branches, for the event loop (early.py)
-        return True
+                self.published[tag] = publish(plan)
+        return advanced
+
+    def _carry_a_miss(self) -> bool:
+        """Draft a miss as a branch in forwards that carry the other plans (rather than just in
+        time on its own)? Only with the just-in-time fallback, other plans at work, and rows
+        that cost little (``carry_is_cheap``)."""
+        if self.config.fallback == "ngram":
+            return False
+        return self._carry_is_cheap(1, sum(live_rows(plan) for plan in self.plans.values() if plan.has_work))
+
+    def _carry_is_cheap(self, own_rows: int, carried_rows: int) -> bool:
+        """By the measured step times (never when not adaptive: tests decide)."""
+        return self.config.adaptive and carry_is_cheap(step_time_fit(self.step_samples), own_rows, carried_rows)
+
+    def _finish(self, adopted: list[Plan]) -> None:
+        """Draft the adopted branches to full depth (a hit that came before they were done, a
+        carried miss); each forward carries the other plans' live rows where they cost little."""
+        while any(plan.has_work for plan in adopted):
+            own = [plan for plan in adopted if plan.has_work]
+            others = [plan for plan in self.plans.values() if plan.has_work]
+            carried = others if self._carry_is_cheap(sum(map(live_rows, own)), sum(map(live_rows, others))) else []
+            if carried:
+                self._advance(own + carried)
+            else:
+                step(own)
 
     def fallback_for(self, misses: list[tuple[int, DraftState]]) -> str:
         """How to draft the sessions that just missed, together: "jit" or "ngram"."""
@@ -299,7 +339,7 @@ class SpeculationCache:
                 "hit_drafted": round(s.hit_drafted, 4),
                 "ready_rate": round(s.hit_drafted / looked, 4) if looked else 0.0,
                 "branches_drafted": s.branches_drafted, "branches_used": s.branches_used, "steps": s.steps,
-                "busy_s": round(s.busy_s, 6), "fallback_jit": s.fallback_jit, "fallback_ngram": s.fallback_ngram, "skipped": s.skipped,
+                "busy_s": round(s.busy_s, 6), "fallback_jit": s.fallback_jit, "jit_carried": s.jit_carried, "fallback_ngram": s.fallback_ngram, "skipped": s.skipped,
                 "trials": self.trials.snapshot(),
                 "plans": len(self.plans), "budget": self.config.budget, "budget_now": self._budget_now(), "saguaro_c": self.config.saguaro_c,
                 "fallback": self.config.fallback}
