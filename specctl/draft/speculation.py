@@ -11,18 +11,17 @@ compute thread.
   the branch first when it is not done, or, when the measured times say waiting does not
   pay, with the tokens or levels it has); anything else is a miss, which the table drafts
   just in time or with the n-gram backup (``fallback_for``), per session: a miss never
-  holds back another session's hit."""
+  holds back another session's hit. Where rows cost little (a GPU-like draft), a miss is
+  drafted as a branch of its own, and a hit's unfinished branch finished, in forwards that
+  carry the other sessions' plans too (``_finish``), so a miss does not starve them."""
 
 from __future__ import annotations
 
 import collections
 import time
-from functools import partial
 
 from specctl.draft.fanout import (
-    MIN_OUTCOMES_FOR_FIT, acceptance_by_position, acceptance_estimate, answer_now, budget_that_fits, budget_that_pays,
-    carry_is_cheap, chain_outcome_probs, choose_fallback, expected_hit, fanout_for, hit_curve, power_law_exponent, step_time_fit,
-    tree_outcome_probs,
+    answer_now, carry_is_cheap, choose_fallback, step_time_fit,
 )
 from specctl.draft.prespec_config import FALLBACKS, PrespecConfig  # noqa: F401 - re-exported
 from specctl.draft.early import Published, publish
@@ -30,10 +29,10 @@ from specctl.draft.history import History, PrespecStats
 from specctl.draft.prespec import (
     Branch, Plan, adopt, discard, kv_per_branch, live_rows, make_plan, proposal_of, step,
 )
+from specctl.draft.sizing import PlanSizing, acceptance_of
 from specctl.draft.trial import Trials
 from specctl.spec.draft_state import DraftState
-from specctl.spec.drafters import RANKED, Drafter, ModelTreeDrafter, Proposal, tree_shape
-from specctl.spec.sampling import saguaro
+from specctl.spec.drafters import Drafter, ModelTreeDrafter, Proposal
 
 
 def _end_node(path: list[int]) -> int:
@@ -41,7 +40,7 @@ def _end_node(path: list[int]) -> int:
     return path[-1] if path else 0
 
 
-class SpeculationCache:
+class SpeculationCache(PlanSizing):
     def __init__(self, config: PrespecConfig, depth: int, wake=lambda: None, shape: ModelTreeDrafter | None = None) -> None:
         """``shape``: the tree drafter whose trees the branches are; None: chains."""
         self.config, self.depth, self.wake, self.shape = config, depth, wake, shape
@@ -69,49 +68,6 @@ class SpeculationCache:
         """KV positions a session needs beyond its proposals for its branches (and the tails:
         the proposal's last level, fed for the candidates after it)."""
         return self.width + self.config.budget * kv_per_branch(self.shape, self.depth)
-
-    def reshape_for(self, tag: int, state: DraftState):
-        """Saguaro sampling for a session's next chain proposal (None: plain sampling; a tree's
-        candidates are not sampled, so there is nothing to reshape)."""
-        if state.params.greedy or self.config.saguaro_c >= 1.0 or tree_shape(state.session) is not None:
-            return None
-        history = self.history.setdefault(tag, History())
-        outcomes = chain_outcome_probs(_acceptance(state, self.depth))
-        r = power_law_exponent(history.ranks, RANKED - 1)
-        counts = fanout_for(outcomes, r, self.budget_for(history, outcomes, r), RANKED - 1)
-        return partial(_saguaro_at, counts, self.config.saguaro_c)
-
-    def _fanout_tree(self, tag: int, state: DraftState, proposal: Proposal) -> list[int]:
-        """F_v for each node of the proposal, from the session's acceptance (by position for a
-        chain, the rate for a tree's nodes) and exponent."""
-        history = self.history.setdefault(tag, History())
-        tree = proposal.tree
-        if int(tree.max_depth) == len(tree) - 1:  # a chain: its outcomes from the acceptance by position
-            outcomes = chain_outcome_probs(_acceptance(state, len(tree) - 1))
-        else:
-            outcomes = tree_outcome_probs(acceptance_estimate(state.accepted, state.drafted), tree.parents.tolist(),
-                                          tree.probs.tolist())
-        r = power_law_exponent(history.ranks, RANKED - 1)
-        return fanout_for(outcomes, r, self.budget_for(history, outcomes, r), RANKED - 1)
-
-    def budget_for(self, history: History, outcomes: list[float], r: float) -> int:
-        """The configured budget until the return and step times are measured; then the budget
-        whose expected hits save the most drafting time (partly drafted hits too), from the
-        session's ranked bonuses or, while it has few, every session's; before any are ranked,
-        what the draft finishes before the outcome returns."""
-        fit = step_time_fit(self.step_samples)
-        if not self.config.adaptive or history.return_s is None or fit is None:
-            return self.config.budget
-        sharing = len(self.plans) + 1
-        ranks = history.ranks if len(history.ranks) >= MIN_OUTCOMES_FOR_FIT else self.ranks
-        if len(ranks) < MIN_OUTCOMES_FOR_FIT:
-            return budget_that_fits(history.return_s, self.depth, fit, sharing, self.config.budget, self.width)
-        hit = hit_curve(ranks)
-
-        def hit_at(budget: int) -> float:
-            return expected_hit(outcomes, fanout_for(outcomes, r, budget, RANKED - 1), hit)
-
-        return budget_that_pays(history.return_s, self.depth, fit, sharing, self.config.budget, hit_at, self.width)
 
     def planned(self, tag: int, state: DraftState, proposal: Proposal, backup: bool = False,
                 proposed_at: float | None = None) -> None:
@@ -233,7 +189,7 @@ class SpeculationCache:
         return_s, step_s = self._answer_times(tag)
         if return_s is None or step_s is None:
             return False
-        return answer_now(branch.levels, plan.depth, _acceptance(state, plan.depth), return_s, step_s)
+        return answer_now(branch.levels, plan.depth, acceptance_of(state, plan.depth), return_s, step_s)
 
     def _answer_times(self, tag: int) -> tuple[float | None, float | None]:
         """The session's return time and a one-row step's, as measured (None: not yet, or not adaptive)."""
@@ -343,12 +299,3 @@ class SpeculationCache:
                 "trials": self.trials.snapshot(),
                 "plans": len(self.plans), "budget": self.config.budget, "budget_now": self._budget_now(), "saguaro_c": self.config.saguaro_c,
                 "fallback": self.config.fallback}
-
-
-def _acceptance(state: DraftState, depth: int) -> list[float]:
-    """The session's acceptance by position 1..depth (per level for a tree), from its rounds."""
-    return acceptance_by_position(state.outcomes, depth, acceptance_estimate(state.accepted, state.drafted))
-
-
-def _saguaro_at(counts: list[int], c: float, position: int, q):
-    return saguaro(q, counts[min(position, len(counts) - 1)], c)
