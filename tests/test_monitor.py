@@ -198,7 +198,7 @@ def test_the_screen_shows_recent_rates_once_two_fresh_snapshots_exist():
 
 def test_a_pre_speculating_draft_shows_its_cache_in_80x24():
     prespec = {"hit_rate": 0.62, "ready_rate": 0.41, "branches_used": 31, "branches_drafted": 400, "leftover_used": 0.45,
-               "fallback_jit": 12, "fallback_ngram": 7, "hits": 40, "partial_hits": 22, "short_answers": 15,
+               "fallback_jit": 12, "jit_carried": 5, "fallback_ngram": 7, "hits": 40, "partial_hits": 22, "short_answers": 15,
                "early_answers": 9, "skipped": 3}
     drafter = {**DRAFT, "stats": {**DRAFT["stats"], "prespec": prespec}}
     state = advance(MonitorState("http://gw:8000"), {**feed(), "drafters": [drafter]}, 1.0)
@@ -206,8 +206,8 @@ def test_a_pre_speculating_draft_shows_its_cache_in_80x24():
     lines = screen.rstrip("\n").split("\n")
     assert len(lines) <= 24 and max(len(line) for line in lines) <= 80
     assert "prespec hit 62% (41% ready)" in screen and "branches 31/400" in screen and "leftover 45%" in screen
-    assert "miss jit 12 ng 7" in screen
-    assert "hits 40 partial 22" in screen and "short 15" in screen and "early 9" in screen and "skipped 3" in screen
+    assert "miss jit 12 ng 7" in screen and "carry 5" in screen
+    assert "hits 40 partial 22" in screen and "short 15" in screen and "early 9" in screen and "skip 3" in screen
     assert "prespec" not in text_of(dashboard(advance(MonitorState("x"), feed(), 1.0), now=1.5))
 
 

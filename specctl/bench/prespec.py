@@ -30,7 +30,7 @@ from specctl.draft.plan import prespec_round_time
 from specctl.verify.client import remote_stats
 
 PRESPEC_KEYS = ("hits", "hit_drafted", "misses", "partial_hits", "short_answers", "early_answers", "branches_drafted",
-                "branches_used", "fallback_jit", "fallback_ngram", "skipped")
+                "branches_used", "fallback_jit", "jit_carried", "fallback_ngram", "skipped")
 
 
 @dataclass(frozen=True, slots=True)
