@@ -6,9 +6,10 @@ torch 2.13 CPU: the row-scaled int8 layers always do (exact integer products, a 
 row); fp32 does not (a one-row product takes MKL's matrix-vector kernel, 1e-6 apart); CUDA
 GEMMs choose kernels by shape. bf16 and fp16 products take one kernel for small row counts
 and another from some count on, whose rows all agree wherever they stand: on a CPU with
-AVX-512-BF16 one row differs from two or more; on this AVX2 CPU one and two rows differ from
-three or more in about 1 output element in 10^5 (2026-11-27: a v_proj row of a tiny model,
-found by probing many draws; a single draw of 8 rows had missed it). Such a layer is made
+AVX-512-BF16 (an AMD EPYC, torch 2.13) one row differs from two or more in most products, and
+one and two rows differ from three or more in about 1 output element in 10^5 (2026-11-27: a
+v_proj row of a tiny model, found by probing many draws; a single draw of 8 rows had missed
+it; an AMX Xeon failed a bit-exact test the same way). Such a layer is made
 row-independent by computing every product of fewer rows than that count padded to it, the
 last row repeated (``PaddedRowLinear``). Since it depends on the CPU's kernels, the count is
 probed on the model's own layers at load time rather than assumed."""
