@@ -68,7 +68,7 @@ class PackedMasks:
         self._lock = threading.Lock()
         self._key: tuple | None = None
         self._mask: torch.Tensor | None = None
-        self._rows: dict[int, torch.Tensor] = {}
+        self._rows: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # (batch row, step) -> pieces
         self.packs = 0  # masks packed, for the tests
 
     def rows(self, mask: torch.Tensor | None, b: int, n: int, total: int, device: torch.device,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from specctl_kernels import causal_mask, torch_backend
+from specctl_kernels.flashinfer_backend import rows_per_call  # pure: imports no flashinfer
 
 PAGED_BACKENDS = ("torch", "flashinfer")
 
@@ -126,8 +127,6 @@ class PagedAttention:
         buffer = self.arena.buffer
         steps = None
         if self._batch is not None:
-            from specctl_kernels.flashinfer_backend import rows_per_call
-
             steps = [rows_per_call(n, num_heads // buffer.shape[2]) for n in new_tokens]
         page_plan = plan_pages(starts, kv_lens, new_tokens, masks, self.arena.page, steps)
         if self._batch is not None:

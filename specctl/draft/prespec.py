@@ -300,6 +300,6 @@ def discard(plan: Plan) -> None:
 
 
 def proposal_of(plan: Plan) -> Proposal:
-    """The adopted branch's proposal (after ``finish``); the session's drafting state now
-    describes the KV the branch left."""
+    """The adopted branch's proposal (once ``SpeculationCache._finish`` drafted it); the
+    session's drafting state now describes the KV the branch left."""
     return next(iter(plan.branches.values())).proposal(plan)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -100,8 +101,10 @@ class PaddedRowLinear(nn.Linear):
         rows = x.numel() // x.shape[-1]
         if rows >= self.min_rows:
             return F.linear(x, self.weight, self.bias)
-        product = lambda rows_in: F.linear(rows_in, self.weight, self.bias)  # noqa: E731
-        return padded_product(product, x.reshape(rows, -1), self.min_rows).reshape(*x.shape[:-1], -1)
+        return padded_product(self._product, x.reshape(rows, -1), self.min_rows).reshape(*x.shape[:-1], -1)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
 
 
 def pad_small_products(decoder: nn.Module, min_rows: int) -> nn.Module:
