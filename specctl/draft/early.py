@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specctl.draft.prespec import ChainBranch, Plan, adopt, discard, proposal_of
+from specctl.draft.branches import ChainBranch
+from specctl.draft.prespec import Plan, adopt, discard, proposal_of
 from specctl.engine.tree import TokenTree
 from specctl.spec.draft_state import DraftState
 from specctl.spec.drafters import Proposal

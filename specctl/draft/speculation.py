@@ -26,9 +26,8 @@ from specctl.draft.fanout import (
 from specctl.draft.prespec_config import FALLBACKS, PrespecConfig  # noqa: F401 - re-exported
 from specctl.draft.early import Published, publish
 from specctl.draft.history import History, PrespecStats
-from specctl.draft.prespec import (
-    Branch, Plan, adopt, discard, kv_per_branch, live_rows, make_plan, proposal_of, step,
-)
+from specctl.draft.branches import Branch, kv_per_branch
+from specctl.draft.prespec import Plan, adopt, discard, live_rows, make_plan, proposal_of, step
 from specctl.draft.sizing import PlanSizing, acceptance_of
 from specctl.draft.trial import Trials
 from specctl.spec.draft_state import DraftState
