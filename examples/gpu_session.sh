@@ -32,7 +32,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/
 python3 -m pytest tests/test_gpu.py tests/test_kernels.py tests/test_static.py tests/test_kv_arena.py tests/test_row_exact.py 2>&1 \
   | tee "$OUT/gpu-tests.log" | tail -5
 for model in 1.5b 0.5b; do
-  python3 -m specctl bench kernels --model "$model" --dtype bf16 --repeats 30 --sessions 2,4,8 --json "$OUT/kernels-$model.json" 2>&1 \
+  python3 -m specctl bench kernels --model "$model" --dtype bf16 --repeats 30 --sessions 2,4,8 --profile 20 --json "$OUT/kernels-$model.json" 2>&1 \
     | tee "$OUT/kernels-$model.log"
 done
 python3 examples/gpu_e2e_random_weights.py 128 2>&1 | tee "$OUT/e2e.log"

@@ -9,7 +9,8 @@ from specctl.bench.kernels import (
     ONE_EAGER, REPLAY_EACH, BatchTiming, StepTiming, bandwidth_limit_ms, kernels_report, random_decoder, shape_config,
     time_batches, time_steps, weight_bytes_per_step,
 )
-from specctl.bench.render import render_kernel_batches_table, render_kernels_table
+from specctl.bench.kernel_profile import profile_steps, summarize_kernels
+from specctl.bench.render import render_kernel_batches_table, render_kernel_profile, render_kernels_table
 from specctl.engine.tiny import tiny_config
 from tests.test_cli import _assert_one_line_error, run
 
@@ -49,6 +50,31 @@ def test_report_and_table_take_the_fastest_variant():
                                                  "tokens/s (best)", "of limit"]
 
 
+def test_kernel_profile_sums_per_step_and_ranks_by_time():
+    rows = [("gemv", 8, 600.0), ("norm", 12, 120.0), ("rope", 4, 40.0), ("add", 12, 40.0)]
+    report = summarize_kernels(rows, steps=4, wall_us=1000.0, top=2)
+    assert report["kernels_per_step"] == 9.0 and report["busy_us_per_step"] == 200.0
+    assert report["wall_us_per_step"] == 250.0 and report["busy_share_of_wall"] == 0.8
+    assert report["top"] == [{"name": "gemv", "calls_per_step": 2.0, "us_per_step": 150.0, "share": 0.75},
+                             {"name": "norm", "calls_per_step": 3.0, "us_per_step": 30.0, "share": 0.15}]
+    assert report["rest"] == {"names": 2, "calls_per_step": 4.0, "us_per_step": 20.0}  # ties ranked by name
+    with pytest.raises(ValueError, match="need steps >= 1 and a wall time > 0, got 0 and 1.0"):
+        summarize_kernels(rows, steps=0, wall_us=1.0)
+
+
+def test_kernel_profile_of_cpu_steps_names_the_matrix_products():
+    decoder = random_decoder(tiny_config("llama"), torch.float32, "cpu")
+    report = profile_steps(decoder, context=8, steps=3, top=40)
+    names = [row["name"] for row in report["top"]]
+    assert report["steps"] == 3 and report["unit"] == "aten ops" and report["kernels_per_step"] > 0
+    assert any(name in names for name in ("aten::mm", "aten::addmm", "aten::bmm"))
+    assert 0 < report["busy_us_per_step"] <= report["wall_us_per_step"]
+    top_us = sum(row["us_per_step"] for row in report["top"])
+    assert top_us + report["rest"]["us_per_step"] == pytest.approx(report["busy_us_per_step"])
+    table = render_kernel_profile({"variant": "eager", **report})
+    assert [c.header for c in table.columns] == ["kernel", "calls a step", "us a step", "of busy"]
+
+
 def test_time_steps_leaves_the_context_and_times_every_size():
     decoder = random_decoder(tiny_config("llama"), torch.float32, "cpu")
     timings = time_steps(decoder, 12, (1, 4), repeats=2)
@@ -60,10 +86,12 @@ def test_cli_times_a_checkpoint_shape_on_cpu(tiny_dir, tmp_path):
     out = tmp_path / "k.json"
     proc = run("bench", "kernels", "--model", str(tiny_dir["llama"]), "--device", "cpu", "--dtype", "fp32",
                "--sizes", "1,2", "--context", "8", "--repeats", "2", "--sessions", "2,3", "--batch-tokens", "1",
-               "--json", str(out))
+               "--profile", "2", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert report["variants"] == ["eager"] and [s["tokens"] for s in report["steps"]] == [1, 2]
+    assert report["profile"]["variant"] == "eager" and report["profile"]["steps"] == 2
+    assert "where an AR step goes: eager, 2 steps profiled" in proc.stdout
     assert [(b["sessions"], b["tokens_each"], b["how"]) for b in report["batches"]] == [(2, 1, ONE_EAGER), (3, 1, ONE_EAGER)]
     assert "bench kernels" in proc.stdout and "batched steps" in proc.stdout
 
@@ -75,6 +103,7 @@ def test_cli_times_a_checkpoint_shape_on_cpu(tiny_dir, tmp_path):
     (["--sessions", "1,4", "--device", "cpu"], "--sessions must be between 2 and 64"),
     (["--sessions", "4", "--batch-tokens", "0", "--device", "cpu"], "--batch-tokens must be between 1 and 64"),
     (["--attention", "sdpa", "--device", "cpu"], "--attention must be torch or flashinfer, got 'sdpa'"),
+    (["--profile", "-1", "--device", "cpu"], "--profile must be >= 0 (steps to profile; 0: off), got -1"),
     (["--attention", "flashinfer", "--device", "cpu"],
      "attention backend 'flashinfer' needs a CUDA device and `pip install flashinfer-python`"),
     (["--attention", "flashinfer", "--dtype", "fp32", "--device", "cpu"],

@@ -187,6 +187,21 @@ def render_kernel_batches_table(report: dict) -> Table:
     return table
 
 
+def render_kernel_profile(profile: dict) -> Table:
+    """Where an AR step's time goes (``bench kernels --profile``): the kernels that take most of it."""
+    table = Table(title=f"where an AR step goes: {profile['variant']}, {profile['steps']} steps profiled, "
+                        f"{profile['device_time']}",
+                  caption=f"{profile['kernels_per_step']:.0f} {profile['unit']} a step, busy {profile['busy_us_per_step']:.0f} us "
+                          f"of {profile['wall_us_per_step']:.0f} us a step ({profile['busy_share_of_wall']:.0%}; the "
+                          f"profiler's own overhead is in the wall time); the other {profile['rest']['names']} names: "
+                          f"{profile['rest']['calls_per_step']:.0f} calls, {profile['rest']['us_per_step']:.0f} us a step")
+    for header in ("kernel", "calls a step", "us a step", "of busy"):
+        table.add_column(header, justify="left" if header == "kernel" else "right", overflow="fold")
+    for row in profile["top"]:
+        table.add_row(row["name"], f"{row['calls_per_step']:.1f}", f"{row['us_per_step']:.1f}", f"{row['share']:.0%}")
+    return table
+
+
 def render_drafters_summary(report: dict) -> Table:
     against = report["against_best_single"]
     modes = [m for m in against if isinstance(against[m], dict)]

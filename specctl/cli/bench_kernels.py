@@ -33,6 +33,8 @@ def kernels(
                                      "d+1 = a chain's verification)"),
     attention: str = typer.Option("torch", help="torch | flashinfer: the eager forwards' attention (flashinfer: the "
                                   "sessions' caches in one KV arena, a batch one paged call a layer; CUDA, bf16/fp16)"),
+    profile: int = typer.Option(0, help="also profile this many AR steps of the fastest variant: kernels a step, the "
+                                "device's busy time against the wall time, the kernels that take most (0: off)"),
     json_out: Optional[str] = typer.Option(None, "--json", help="write the report as JSON to this file"),
 ) -> None:
     """One model's step times on one device: an AR step, verification of up to 64 tokens, their
@@ -41,7 +43,9 @@ def kernels(
 
     from specctl.bench.kernels import VERIFY_SIZES, kernels_report, measure_bandwidth_gbps, random_decoder, \
         shape_config, time_batches, time_steps
-    from specctl.bench.render import render_kernel_batches_table, render_kernels_table, table_console
+    from specctl.bench.kernel_profile import profile_steps
+    from specctl.bench.render import render_kernel_batches_table, render_kernel_profile, render_kernels_table, \
+        table_console
     from specctl.cli.bench import int_list
     from specctl.config import build_config
     from specctl.engine.layers import fuse_projections
@@ -61,6 +65,8 @@ def kernels(
         raise ConfigError(f"--batch-tokens must be between 1 and {BUCKETS[-1]}")
     if context < 1 or repeats < 1:
         raise ConfigError("--context and --repeats must be >= 1")
+    if profile < 0:
+        raise ConfigError(f"--profile must be >= 0 (steps to profile; 0: off), got {profile}")
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -114,9 +120,14 @@ def kernels(
     settings = {"dtype": dtype, "context": context, "repeats": repeats, "random_weights": random_weights,
                 "attention": attention}
     report = kernels_report(model, decoder, timings, bandwidth, context, settings, batches)
+    if profile:
+        with console.status(f"profiling {profile} AR steps ({name})"):
+            report["profile"] = {"variant": name, **profile_steps(decoder, context, profile)}
     table_console().print(render_kernels_table(report))
     if batches:
         table_console().print(render_kernel_batches_table(report))
+    if profile:
+        table_console().print(render_kernel_profile(report["profile"]))
     if json_out:
         with open(json_out, "w") as f:
             json.dump(report, f, indent=2)
