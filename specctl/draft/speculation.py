@@ -149,8 +149,10 @@ class SpeculationCache(PlanSizing):
             branch = plan.branches.get(key) if len(tokens) == len(path) + 1 else None
             if branch is None or not branch.slots:
                 self.stats.misses += 1
-                if len(tokens) == len(path) + 1 and self._carry_a_miss():
-                    branch = branch or plan.open_outcome(*key)
+                # A branch planned but not started is a miss like one never planned: carried in
+                # the other plans' forwards only where that is cheap, else the session's fallback.
+                carried = len(tokens) == len(path) + 1 and self._carry_a_miss()
+                branch = (branch or plan.open_outcome(*key)) if carried else None
                 if branch is None:
                     discard(plan)
                     self.missed.add(tag)
