@@ -205,6 +205,20 @@ def test_every_proposal_is_what_just_in_time_drafting_proposes(tiny, steps, fall
         assert snap["early_answers"] > 0 or steps < 3
 
 
+@pytest.mark.parametrize("tree, stop", [(None, 0.6), (None, 0.9), (TREE, 0.3)])
+def test_branches_stop_where_just_in_time_drafting_stops_with_adaptive_depth(tiny, tree, stop):
+    """A branch drafts what the session's drafter would, adaptive depth included: a chain
+    branch once stopped is finished (published, answered early), not drafted on to d."""
+    target, draft = tiny["llama"], tiny["llama-self2"]
+    table = make_table(draft, depth=4, budget=6, tree=tree, table_class=CheckedTable, stop=stop)
+    table.checked = 0
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    for tag, prompt in enumerate(PROMPTS, 1):
+        assert run(target, table, prompt, params, 8, tag, early=True)[0] == generate(target, prompt, params)[0]
+    snap = table.speculation.snapshot()
+    assert table.checked > 20 and snap["hits"] > 0 and snap["early_answers"] == snap["hits"] - snap["partial_hits"] > 0
+
+
 @pytest.mark.parametrize("steps, early, tree", [(1, False, None), (2, False, None), (1, True, None), (2, True, None),
                                                 (1, False, TREE), (2, True, TREE)])
 def test_partly_drafted_hits_answered_at_once_keep_the_output_and_the_kv_exact(tiny, steps, early, tree):

@@ -4,6 +4,7 @@ depth (TreeBranch) — and how each forward's logits grow it. A Plan (draft.pres
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Union
 
@@ -35,9 +36,10 @@ class ChainBranch:
     probs: list[float] = field(default_factory=list)
     dists: list[torch.Tensor] = field(default_factory=list)  # q of each drafted token (sampling)
     ranked: list[torch.Tensor] = field(default_factory=list)
+    stopped: bool = False  # adaptive depth stopped it, as it stops just-in-time drafting
 
     def live(self, depth: int) -> bool:
-        return len(self.tokens) <= depth
+        return not self.stopped and len(self.tokens) <= depth
 
     @property
     def levels(self) -> int:
@@ -46,7 +48,7 @@ class ChainBranch:
 
     def drafted(self, depth: int) -> float:
         """The share of its proposal drafted so far (the bonus is given, d tokens follow it)."""
-        return min(1.0, self.levels / depth)
+        return 1.0 if self.stopped else min(1.0, self.levels / depth)
 
     def rows(self) -> list[Row]:
         return [(self.tokens[len(self.slots)], self.position + len(self.slots), list(self.slots))]
@@ -113,11 +115,16 @@ def _draw(plan: "Plan", branch: ChainBranch, row: torch.Tensor) -> None:
         x = int(row.argmax())  # on the logits, as just-in-time drafting does (softmax can round ties together)
         branch.tokens.append(x)
         branch.probs.append(float(row.float().softmax(-1)[x]))
-        return
-    q = keep_top(probs_from_logits(row, state.params), DRAFT_SUPPORT)
-    if plan.reshape is not None:
-        q = plan.reshape(position, q)
-    x = sample(q, state.generator)
-    branch.tokens.append(x)
-    branch.probs.append(float(q[x]))
-    branch.dists.append(q)
+    else:
+        q = keep_top(probs_from_logits(row, state.params), DRAFT_SUPPORT)
+        if plan.reshape is not None:
+            q = plan.reshape(position, q)
+        x = sample(q, state.generator)
+        branch.tokens.append(x)
+        branch.probs.append(float(q[x]))
+        branch.dists.append(q)
+    # Adaptive depth as batch_drafting.propose_chains applies it: the token that takes the
+    # chain's probability below the session's stop is the last one drafted.
+    stop = state.session.stop
+    if stop and math.prod(branch.probs) < stop:
+        branch.stopped = True
