@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from specctl.bench.kernels import primed_cache
 from specctl.engine.model import Decoder
 
 TOP_KERNELS = 15
@@ -57,11 +58,9 @@ def profile_steps(decoder: Decoder, context: int, steps: int, top: int = TOP_KER
     from torch.profiler import ProfilerActivity, profile
 
     on_cuda = decoder.device.type == "cuda"
-    cache = decoder.new_cache(context + 2)
     generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, decoder.spec.vocab_size, (context,), generator=generator)
-    decoder(prompt, torch.arange(context), cache, logits_at=torch.tensor([context - 1]))
-    token, position = prompt[-1:], torch.tensor([context])
+    cache = primed_cache(decoder, context, 2, generator)
+    token, position = torch.randint(0, decoder.spec.vocab_size, (1,), generator=generator), torch.tensor([context])
 
     def step() -> None:
         int(decoder(token, position, cache)[-1].argmax())  # the host sync every real step has

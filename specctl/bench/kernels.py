@@ -119,15 +119,21 @@ class StepTiming:
     ms_max: float
 
 
+def primed_cache(decoder: Decoder, context: int, room: int, generator: torch.Generator):
+    """A new cache holding ``context`` random tokens (their prefill run), with ``room`` slots more."""
+    cache = decoder.new_cache(context + room)
+    prompt = torch.randint(0, decoder.spec.vocab_size, (context,), generator=generator)
+    decoder(prompt, torch.arange(context), cache, logits_at=torch.tensor([context - 1]))
+    return cache
+
+
 def time_steps(decoder: Decoder, context: int, sizes: tuple[int, ...], repeats: int,
                on_done: Callable[[], None] = lambda: None) -> list[StepTiming]:
     """Median (and spread) of ``repeats`` forwards of n new tokens after ``context`` cached ones,
     for each n in ``sizes``; the cache is cut back to the context after every step."""
     device = str(decoder.device)
-    cache = decoder.new_cache(context + max(sizes) + 1)
     generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, decoder.spec.vocab_size, (context,), generator=generator)
-    decoder(prompt, torch.arange(context), cache, logits_at=torch.tensor([context - 1]))
+    cache = primed_cache(decoder, context, max(sizes) + 1, generator)
     results = []
     for n in sizes:
         tokens = torch.randint(0, decoder.spec.vocab_size, (n,), generator=generator)
@@ -162,10 +168,7 @@ def time_batches(decoder: Decoder, context: int, sessions: tuple[int, ...], toke
     ``REPLAY_PER_SESSION_UP_TO``) and one eager forward of all of them."""
     device = str(decoder.device)
     generator = torch.Generator().manual_seed(0)
-    caches = [decoder.new_cache(context + max(tokens) + 1) for _ in range(max(sessions))]
-    for cache in caches:
-        prompt = torch.randint(0, decoder.spec.vocab_size, (context,), generator=generator)
-        decoder(prompt, torch.arange(context), cache, logits_at=torch.tensor([context - 1]))
+    caches = [primed_cache(decoder, context, max(tokens) + 1, generator) for _ in range(max(sessions))]
     static = decoder.static
     per_session = static.per_session if static is not None else False
     results = []
