@@ -97,6 +97,8 @@ def paged_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
             return cache.index_select(0, pages).transpose(0, 1).reshape(kv_heads, -1, dim)[None, :, :kv_len]
 
         rows = q[lo:hi].transpose(0, 1)[None]  # [1, H, n, D]
+        # A causal session cut into requests carries its rows of a mask built on the host.
+        mask = None if mask is None else mask.to(q.device)
         out[lo:hi] = torch_backend.tree_attention(rows, slots(k_pages), slots(v_pages), mask)[0].transpose(0, 1)
     return out
 
