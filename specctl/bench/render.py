@@ -192,8 +192,9 @@ def render_kernel_profile(profile: dict) -> Table:
     table = Table(title=f"where an AR step goes: {profile['variant']}, {profile['steps']} steps profiled, "
                         f"{profile['device_time']}",
                   caption=f"{profile['kernels_per_step']:.0f} {profile['unit']} a step, busy {profile['busy_us_per_step']:.0f} us "
-                          f"of {profile['wall_us_per_step']:.0f} us a step ({profile['busy_share_of_wall']:.0%}; the "
-                          f"profiler's own overhead is in the wall time); the other {profile['rest']['names']} names: "
+                          f"of {profile['wall_us_per_step']:.0f} us a step ({profile['busy_share_of_wall']:.0%}; "
+                          f"{profile['profiled_wall_us_per_step']:.0f} us a step under the profiler); "
+                          f"the other {profile['rest']['names']} names: "
                           f"{profile['rest']['calls_per_step']:.0f} calls, {profile['rest']['us_per_step']:.0f} us a step")
     for header in ("kernel", "calls a step", "us a step", "of busy"):
         table.add_column(header, justify="left" if header == "kernel" else "right", overflow="fold")
