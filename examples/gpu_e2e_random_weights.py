@@ -5,7 +5,8 @@ chain/tree/n-gram speculation, tokens/s min/median/max over 4 prompts, same-as-A
 Random weights accept nothing from another random model, and greedy decoding of them
 degenerates into repeating a token (so n-gram lookup hits); "self" drafts with the target
 itself (every token accepted), "exit@N" with its first N layers.
-Usage: python examples/gpu_e2e_random_weights.py [TOKENS]  (needs CUDA; writes $OUT/e2e.json)."""
+Usage: python examples/gpu_e2e_random_weights.py [TOKENS]  (needs CUDA; writes $OUT/e2e.json;
+E2E_MODES="ar r/step,ngram d8" times ar and those modes only)."""
 import json
 import os
 import statistics
@@ -56,7 +57,8 @@ def main():
     prompts = [torch.randint(0, 150000, (length,), generator=gen).tolist() for length in (40, 200, 90, 400)]
     params = SamplingParams(max_tokens=n_tokens, ignore_eos=True)
     modes = {
-        "ar": lambda: None,
+        "ar": lambda: None,  # runs ahead: the next step is launched before the token is read back
+        "ar r/step": lambda: None,  # reads each token back before the next step (before 2026-11-27)
         "chain 0.5b d4": lambda: ModelChainDrafter(draft, 4),
         # a stop too small to end a chain: the same drafts, read back every step (before 2026-11-26)
         "chain 0.5b d4 r/step": lambda: ModelChainDrafter(draft, 4, stop=1e-30),
@@ -70,9 +72,12 @@ def main():
     }
     # Warm every mode over every prompt: compiles and the graphs of every KV size the timed runs
     # meet (with a first prompt alone, the first mode to meet a size paid its captures).
-    for make in modes.values():
+    only = os.environ.get("E2E_MODES")  # a comma-separated subset, for a short device call
+    if only:
+        modes = {name: make for name, make in modes.items() if name in only.split(",") or name == "ar"}
+    for name, make in modes.items():
         for prompt in prompts:
-            generate(target, prompt, params, make())
+            generate(target, prompt, params, make(), run_ahead=False if name == "ar r/step" else None)
     static = [target.static, draft.static] + [decoder.static for decoder in exits.values()]
     results, reference = {}, {}
     for name, make in modes.items():
@@ -81,7 +86,7 @@ def main():
         for i, prompt in enumerate(prompts):
             torch.cuda.synchronize()
             start = time.perf_counter()
-            out, stats, _ = generate(target, prompt, params, make())
+            out, stats, _ = generate(target, prompt, params, make(), run_ahead=False if name == "ar r/step" else None)
             wall = time.perf_counter() - start
             rates.append(len(out) / wall)
             prefill.append(1000 * stats.prefill_s)
@@ -102,7 +107,7 @@ def main():
     ar = results["ar"]["tok_s"][1]
     ar_step = time_steps(target, 512, (1,), 30)[0].ms_median
     steps = {}
-    for stop, label in ((0.0, "read once"), (1e-30, "read each step")):
+    for stop, label in () if only else ((0.0, "read once"), (1e-30, "read each step")):
         ms = draft_step_ms(draft, stop, prompts[3])
         steps[label] = {"ms": round(ms, 3), "vs_target_ar_step": round(ms / ar_step, 3)}
         print(f"0.5b draft step in a d4 chain ({label}): {ms:.2f} ms = {ms / ar_step:.2f}x the 1.5b AR step "

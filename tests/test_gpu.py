@@ -14,6 +14,7 @@ from specctl.engine.layers import fuse_projections
 from specctl.engine.loader import load_decoder, load_model
 from specctl.engine.tiny import make_tiny_model
 from specctl.engine.tree import TokenTree
+from specctl.spec.decode import DecodeSession
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.spec.rounds import generate
 from specctl.spec.sampling import SamplingParams, sample
@@ -51,6 +52,19 @@ def test_greedy_every_mode_equals_ar_on_cuda(cuda_pair, mode):
         output, stats, _ = generate(target, prompt, params, _drafters(draft)[mode])
         assert output == reference, f"{mode} diverged on {prompt}"
     assert target.static.replays > 0 and target.static.captures > 0
+
+
+def test_greedy_ar_runs_ahead_on_cuda_graphs_and_equals_reading_each_step(cuda_pair):
+    target, _ = cuda_pair
+    for params in (SamplingParams(max_tokens=40, ignore_eos=True), SamplingParams(max_tokens=40)):
+        for prompt in PROMPTS:
+            each, _, each_finish = generate(target, prompt, params, run_ahead=False)
+            ahead, stats, ahead_finish = generate(target, prompt, params)  # auto: on, greedy AR on graphs
+            assert (ahead, ahead_finish) == (each, each_finish), f"running ahead diverged on {prompt}"
+            assert stats.rounds == len(each) - 1 if ahead_finish == "length" else stats.rounds == len(each)
+    session = DecodeSession(target, PROMPTS[0], SamplingParams(max_tokens=4))
+    assert session.run_ahead and session._token_host.is_pinned()
+    session.close()
 
 
 @pytest.mark.parametrize("mode", ["ar", "chain", "tree", "ngram"])
