@@ -63,8 +63,10 @@ class TargetServer(ListeningServer):
         self.specpipe = specpipe  # SpecPipe with a draft in this process, instead of the round loop
         # A session's KV holds its largest proposal; under SpecPipe (stage 1 of a pipeline) its
         # whole tree in flight, a refill's levels included.
-        self.session_nodes = (config.max_proposal_nodes if specpipe is None
-                              else specpipe.max_nodes(model.decoder.stages))
+        # Without any draft every round is the root alone: one node (and greedy sessions on CUDA
+        # graphs then run ahead, see spec.decode.runs_ahead).
+        self.session_nodes = (specpipe.max_nodes(model.decoder.stages) if specpipe is not None
+                              else 1 if draft is None and fusion is None else config.max_proposal_nodes)
         # Its own compute thread, or a lane of the device's thread when roles share a process.
         self.compute = compute or ComputeThread("target-compute", max_batch=config.max_batch).lane(owns_thread=True)
         # Verification waits before it runs when emulating a slower target (bench star).
