@@ -54,12 +54,13 @@ def test_greedy_every_mode_equals_ar_on_cuda(cuda_pair, mode):
     assert target.static.replays > 0 and target.static.captures > 0
 
 
-def test_greedy_ar_runs_ahead_on_cuda_graphs_and_equals_reading_each_step(cuda_pair):
+def test_ar_runs_ahead_on_cuda_graphs_and_equals_reading_each_step(cuda_pair):
     target, _ = cuda_pair
-    for params in (SamplingParams(max_tokens=40, ignore_eos=True), SamplingParams(max_tokens=40)):
+    sampled = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, max_tokens=40, seed=3)
+    for params in (SamplingParams(max_tokens=40, ignore_eos=True), SamplingParams(max_tokens=40), sampled):
         for prompt in PROMPTS:
             each, _, each_finish = generate(target, prompt, params, run_ahead=False)
-            ahead, stats, ahead_finish = generate(target, prompt, params)  # auto: on, greedy AR on graphs
+            ahead, stats, ahead_finish = generate(target, prompt, params)  # auto: on, AR on graphs
             assert (ahead, ahead_finish) == (each, each_finish), f"running ahead diverged on {prompt}"
             assert stats.rounds == len(each) - 1 if ahead_finish == "length" else stats.rounds == len(each)
     session = DecodeSession(target, PROMPTS[0], SamplingParams(max_tokens=4))

@@ -1,10 +1,12 @@
-"""Greedy AR that runs the target's next step before reading its token back (spec.decode,
-``DecodeSession.run_ahead``): the same tokens, finish and KV as reading each step, on the
-CPU (where it is forced on: the auto rule keeps it to CUDA graphs)."""
+"""AR that runs the target's next step before reading its token back (spec.decode,
+``DecodeSession.run_ahead``): the same tokens (greedy, and sampled from the same seed), finish
+and KV as reading each step, on the CPU (where it is forced on: the auto rule keeps it to CUDA
+graphs)."""
 
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from specctl.engine.loader import load_decoder
 from specctl.engine.tree import TokenTree
@@ -35,23 +37,28 @@ def _run(target, params, run_ahead, prompt=PROMPT):
     return session, emitted
 
 
+SAMPLED = dict(temperature=0.9, top_p=0.95, top_k=50, seed=11)
+
+
+@pytest.mark.parametrize("sampling", [{}, SAMPLED], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("kind", ["eager", "static"])
-def test_running_ahead_gives_the_tokens_of_reading_each_step(decoders, kind):
+def test_running_ahead_gives_the_tokens_of_reading_each_step(decoders, kind, sampling):
     target = decoders[kind]
-    plain, plain_emitted = _run(target, SamplingParams(max_tokens=12, ignore_eos=True), False)
-    ahead, ahead_emitted = _run(target, SamplingParams(max_tokens=12, ignore_eos=True), True)
+    plain, plain_emitted = _run(target, SamplingParams(max_tokens=12, ignore_eos=True, **sampling), False)
+    ahead, ahead_emitted = _run(target, SamplingParams(max_tokens=12, ignore_eos=True, **sampling), True)
     assert ahead.output == plain.output and ahead_emitted == plain_emitted and ahead.finish_reason == "length"
     assert ahead.steps_ahead == 11  # every token but the last: no step is run for a token never emitted
     assert ahead.stats.rounds == plain.stats.rounds == 11
     assert ahead.final_cache_length == plain.final_cache_length == len(ahead.seq) - 1
 
 
+@pytest.mark.parametrize("sampling", [{}, SAMPLED], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("kind", ["eager", "static"])
-def test_a_stop_token_drops_the_step_run_ahead_and_its_kv(decoders, kind):
+def test_a_stop_token_drops_the_step_run_ahead_and_its_kv(decoders, kind, sampling):
     target = decoders[kind]
-    reference, _ = _run(target, SamplingParams(max_tokens=12, ignore_eos=True), False)
+    reference, _ = _run(target, SamplingParams(max_tokens=12, ignore_eos=True, **sampling), False)
     stop = reference.output[5]
-    params = SamplingParams(max_tokens=12, stop_token_ids=(stop,))
+    params = SamplingParams(max_tokens=12, stop_token_ids=(stop,), **sampling)
     plain, _ = _run(target, params, False)
     ahead, _ = _run(target, params, True)
     first = reference.output.index(stop)
@@ -113,11 +120,20 @@ def test_sessions_verified_together_take_their_steps_run_ahead(decoders):
     assert [session.steps_ahead for session in sessions] == [7, 0, 7]
 
 
-def test_only_greedy_ar_on_cuda_graphs_runs_ahead():
+def test_a_draw_with_no_mass_fails_as_reading_each_step_fails(decoders):
+    target = decoders["static"]
+    for run_ahead in (False, True):
+        session = DecodeSession(target, PROMPT, SamplingParams(max_tokens=8, temperature=0.7), run_ahead=run_ahead)
+        nan = torch.full((1, target.spec.vocab_size), float("nan"))
+        with pytest.raises(ValueError, match="cannot sample from a distribution with no mass"):
+            session._read_running_ahead(nan) if run_ahead else session.accept(Proposal(TokenTree.root(PROMPT[-1])), nan)
+        session.close()
+
+
+def test_only_ar_on_cuda_graphs_runs_ahead():
     graphs, padded = SimpleNamespace(static=SimpleNamespace(graphs=True)), SimpleNamespace(static=SimpleNamespace(graphs=False))
     greedy, sampled = SamplingParams(), SamplingParams(temperature=0.8)
-    assert runs_ahead(greedy, 1, graphs)
-    assert not runs_ahead(sampled, 1, graphs)  # its draw is made on the host, after reading the logits
+    assert runs_ahead(greedy, 1, graphs) and runs_ahead(sampled, 1, graphs)
     assert not runs_ahead(greedy, 5, graphs)  # a speculator's proposals re-verify the root: the step would be wasted
     assert not runs_ahead(greedy, 1, padded)  # the CPU computes as it launches: nothing to overlap
     assert not runs_ahead(greedy, 1, SimpleNamespace())  # a pipeline of stages

@@ -13,19 +13,19 @@ from specctl.engine.kv_cache import KVPool
 from specctl.engine.model import Decoder
 from specctl.errors import PromptTooLong
 from specctl.spec.drafters import Proposal
-from specctl.spec.sampling import SamplingParams, probs_from_logits, sample
+from specctl.spec.sampling import SamplingParams, checked_token, probs_from_logits, sample, sample_tensor
 from specctl.spec.stats import GenerationStats
 from specctl.spec.verify import accept_chain_sampling, accept_greedy, accept_tree_sampling
 
 
 def runs_ahead(params: SamplingParams, max_nodes: int, target: Decoder) -> bool:
-    """Whether a session runs the target's next step before reading its token back: greedy
-    decoding of the target alone (every proposal the root: ``max_nodes`` 1) on CUDA graphs,
-    where the host's part of a round (~0.4 ms beside a 2.4 ms 1.5B step on an H100) can
-    overlap the device's. Elsewhere a step launched early only waits (the CPU computes as it
-    launches) or is wasted (a proposal of several nodes re-verifies the root)."""
+    """Whether a session runs the target's next step before reading its token back: decoding
+    with the target alone (every proposal the root: ``max_nodes`` 1) on CUDA graphs, greedy or
+    sampled, where the host's part of a round (~0.4 ms beside a 2.4 ms 1.5B step on an H100)
+    can overlap the device's. Elsewhere a step launched early only waits (the CPU computes as
+    it launches) or is wasted (a proposal of several nodes re-verifies the root)."""
     static = getattr(target, "static", None)  # a pipeline of stages has none
-    return params.greedy and max_nodes == 1 and static is not None and static.graphs
+    return max_nodes == 1 and static is not None and static.graphs
 
 
 def verify(logits: torch.Tensor, proposal, params: SamplingParams, generator) -> tuple[list[int], int]:
@@ -74,7 +74,7 @@ class DecodeSession:
         self.stats = GenerationStats(prompt_tokens=len(prompt))
         self.last_path: list[int] = []  # the last round's accepted nodes (root excluded)
         self.last_committed: list[int] = []  # ... and the tokens it committed (accepted + bonus)
-        # Run ahead (greedy AR): the next step is launched with its token still on the device,
+        # Run ahead (AR): the next step is launched with its token still on the device,
         # and the token read back while that step runs. ``ahead`` holds that step's logits: the
         # next root's verification, already in the cache. None (auto): see runs_ahead.
         self.run_ahead = runs_ahead(params, max_nodes, target) if run_ahead is None else run_ahead
@@ -138,19 +138,26 @@ class DecodeSession:
         return None
 
     def _read_running_ahead(self, logits: torch.Tensor) -> int:
-        """The greedy token of the last row of ``logits``: sent to the host, the next step
-        launched with it on the device (unless the token ends the session by length), then read."""
-        token = logits[-1:].argmax(-1)  # [1], on the device
+        """The token of the last row of ``logits`` (its argmax, or drawn as ``sample`` draws it:
+        one uniform of the session's generator, the CDF inverted on the device): sent to the
+        host, the next step launched with it on the device (unless the token ends the session by
+        length), then read."""
+        if self.params.greedy:
+            token = logits[-1].argmax(-1, keepdim=True)  # [1], on the device
+        else:
+            token = sample_tensor(probs_from_logits(logits[-1], self.params), self.generator).reshape(1)
         self._token_host.copy_(token, non_blocking=self._token_read is not None)
         if self._token_read is not None:
             self._token_read.record()  # before the next step in the stream: reading waits for the copy only
         if len(self.output) + 1 < self.params.max_tokens:
             position = torch.tensor([len(self.seq)])  # where the token will stand once committed
-            self.ahead = self.target(token, position, self.cache)
+            # (-1, a distribution with no mass, fails below: the step must not index with it)
+            fed = token if self.params.greedy else token.clamp(min=0)
+            self.ahead = self.target(fed, position, self.cache)
             self.steps_ahead += 1
         if self._token_read is not None:
             self._token_read.synchronize()
-        return int(self._token_host[0])
+        return checked_token(int(self._token_host[0]))
 
     def _settle_ahead(self, emitted: list[int]) -> list[int]:
         """A session that has finished (a stop token) drops the step run ahead and its KV."""
