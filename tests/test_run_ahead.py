@@ -126,7 +126,7 @@ def test_a_draw_with_no_mass_fails_as_reading_each_step_fails(decoders):
         session = DecodeSession(target, PROMPT, SamplingParams(max_tokens=8, temperature=0.7), run_ahead=run_ahead)
         nan = torch.full((1, target.spec.vocab_size), float("nan"))
         with pytest.raises(ValueError, match="cannot sample from a distribution with no mass"):
-            session._read_running_ahead(nan) if run_ahead else session.accept(Proposal(TokenTree.root(PROMPT[-1])), nan)
+            session.accept(Proposal(TokenTree.root(PROMPT[-1])), nan)
         session.close()
 
 
