@@ -63,7 +63,7 @@ class TargetServer(ListeningServer):
         self.specpipe = specpipe  # SpecPipe with a draft in this process, instead of the round loop
         # A session's KV holds its largest proposal; under SpecPipe (stage 1 of a pipeline) its
         # whole tree in flight, a refill's levels included.
-        # Without any draft every round is the root alone: one node (and greedy sessions on CUDA
+        # Without any draft every round is the root alone: one node (and sessions on CUDA
         # graphs then run ahead, see spec.decode.runs_ahead).
         self.session_nodes = (specpipe.max_nodes(model.decoder.stages) if specpipe is not None
                               else 1 if draft is None and fusion is None else config.max_proposal_nodes)
