@@ -30,7 +30,7 @@ echo "== gpu tests t=$SECONDS"
 timeout "$(left 130)" python3 -m pytest -rs tests/test_gpu.py tests/test_kernels.py tests/test_static.py tests/test_kv_arena.py \
   tests/test_row_exact.py tests/test_run_ahead.py 2>&1 | tee "$G/gpu-tests.log" | tail -8
 echo "== kernels 1.5b t=$SECONDS"
-timeout "$(left 110)" python3 -m specctl bench kernels --model 1.5b --dtype bf16 --repeats 20 --sizes 1,4,16 --profile 20 \
+timeout "$(left 110)" python3 -m specctl bench kernels --model 1.5b --dtype bf16 --repeats 20 --sizes 1,4,16 --profile 20 --decode 128 \
   --json "$G/kernels-1.5b.json" 2>&1 | tee "$G/kernels-1.5b.log" | tail -40
 echo "== e2e t=$SECONDS"
 timeout "$(left 110)" python3 examples/gpu_e2e_random_weights.py 128 2>&1 | tee "$G/e2e.log" | grep -e tok/s -e "draft step"

@@ -9,8 +9,10 @@ from specctl.bench.kernels import (
     ONE_EAGER, REPLAY_EACH, BatchTiming, StepTiming, bandwidth_limit_ms, kernels_report, random_decoder, shape_config,
     time_batches, time_steps, weight_bytes_per_step,
 )
+from specctl.bench.kernel_decode import READS_EACH, RUNS_AHEAD, DecodeTiming, decode_rows, time_decode
 from specctl.bench.kernel_profile import profile_steps, summarize_kernels
-from specctl.bench.render import render_kernel_batches_table, render_kernel_profile, render_kernels_table
+from specctl.bench.render import render_kernel_batches_table, render_kernel_decode, render_kernel_profile, \
+    render_kernels_table
 from specctl.engine.tiny import tiny_config
 from tests.test_cli import _assert_one_line_error, run
 
@@ -77,6 +79,28 @@ def test_kernel_profile_of_cpu_steps_names_the_matrix_products():
     assert f"{report['profiled_wall_us_per_step']:.0f} us a step under the profiler" in table.caption
 
 
+def test_decode_rows_rate_each_way_against_the_limit():
+    rows = decode_rows([DecodeTiming(READS_EACH, 64, 2.5, 2.8, 3.0), DecodeTiming(RUNS_AHEAD, 64, 2.1, 2.24, 2.4)], 1.12)
+    assert rows == [
+        {"how": READS_EACH, "tokens": 64, "ms_min_median_max": [2.5, 2.8, 3.0], "tokens_per_s": pytest.approx(1e3 / 2.8),
+         "fraction_of_bandwidth_limit": pytest.approx(0.4)},
+        {"how": RUNS_AHEAD, "tokens": 64, "ms_min_median_max": [2.1, 2.24, 2.4], "tokens_per_s": pytest.approx(1e3 / 2.24),
+         "fraction_of_bandwidth_limit": pytest.approx(0.5)},
+    ]
+    table = render_kernel_decode({"decode": {"variant": "graphs+compile", "rows": rows}, "settings": {"repeats": 20}})
+    assert table.title == "AR generation: 64 tokens after the context, graphs+compile, 20 generations"
+    assert [c.header for c in table.columns] == ["how", "ms a token (min/med/max)", "tokens/s", "of limit"]
+
+
+def test_decode_times_the_rounds_of_cpu_generations_one_way():
+    decoder = random_decoder(tiny_config("llama"), torch.float32, "cpu")
+    timings = time_decode(decoder, context=8, tokens=5, repeats=2)
+    assert [(t.how, t.tokens) for t in timings] == [(READS_EACH, 5)]  # no graphs: nothing runs ahead
+    assert 0 < timings[0].ms_min <= timings[0].ms_median <= timings[0].ms_max
+    with pytest.raises(ValueError, match="a generation needs at least 2 tokens to time its rounds, got 1"):
+        time_decode(decoder, 8, 1, 2)
+
+
 def test_time_steps_leaves_the_context_and_times_every_size():
     decoder = random_decoder(tiny_config("llama"), torch.float32, "cpu")
     timings = time_steps(decoder, 12, (1, 4), repeats=2)
@@ -88,12 +112,14 @@ def test_cli_times_a_checkpoint_shape_on_cpu(tiny_dir, tmp_path):
     out = tmp_path / "k.json"
     proc = run("bench", "kernels", "--model", str(tiny_dir["llama"]), "--device", "cpu", "--dtype", "fp32",
                "--sizes", "1,2", "--context", "8", "--repeats", "2", "--sessions", "2,3", "--batch-tokens", "1",
-               "--profile", "2", "--json", str(out))
+               "--profile", "2", "--decode", "3", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert report["variants"] == ["eager"] and [s["tokens"] for s in report["steps"]] == [1, 2]
     assert report["profile"]["variant"] == "eager" and report["profile"]["steps"] == 2
     assert "where an AR step goes: eager, 2 steps profiled" in proc.stdout
+    assert report["decode"]["variant"] == "eager" and [r["how"] for r in report["decode"]["rows"]] == [READS_EACH]
+    assert "AR generation: 3 tokens after the context, eager, 2 generations" in proc.stdout
     assert [(b["sessions"], b["tokens_each"], b["how"]) for b in report["batches"]] == [(2, 1, ONE_EAGER), (3, 1, ONE_EAGER)]
     assert "bench kernels" in proc.stdout and "batched steps" in proc.stdout
 
@@ -106,6 +132,7 @@ def test_cli_times_a_checkpoint_shape_on_cpu(tiny_dir, tmp_path):
     (["--sessions", "4", "--batch-tokens", "0", "--device", "cpu"], "--batch-tokens must be between 1 and 64"),
     (["--attention", "sdpa", "--device", "cpu"], "--attention must be torch or flashinfer, got 'sdpa'"),
     (["--profile", "-1", "--device", "cpu"], "--profile must be >= 0 (steps to profile; 0: off), got -1"),
+    (["--decode", "1", "--device", "cpu"], "--decode must be 0 (off) or at least 2 tokens, got 1"),
     (["--attention", "flashinfer", "--device", "cpu"],
      "attention backend 'flashinfer' needs a CUDA device and `pip install flashinfer-python`"),
     (["--attention", "flashinfer", "--dtype", "fp32", "--device", "cpu"],

@@ -187,6 +187,19 @@ def render_kernel_batches_table(report: dict) -> Table:
     return table
 
 
+def render_kernel_decode(report: dict) -> Table:
+    """AR generation, a token's cost with the round loop (``bench kernels --decode``)."""
+    decode = report["decode"]
+    table = Table(title=f"AR generation: {decode['rows'][0]['tokens']} tokens after the context, {decode['variant']}, "
+                        f"{report['settings']['repeats']} generations")
+    for header in ("how", "ms a token (min/med/max)", "tokens/s", "of limit"):
+        table.add_column(header, justify="left" if header == "how" else "right")
+    for row in decode["rows"]:
+        table.add_row(row["how"], " / ".join(f"{x:.2f}" for x in row["ms_min_median_max"]),
+                      f"{row['tokens_per_s']:.0f}", f"{row['fraction_of_bandwidth_limit']:.0%}")
+    return table
+
+
 def render_kernel_profile(profile: dict) -> Table:
     """Where an AR step's time goes (``bench kernels --profile``): the kernels that take most of it."""
     table = Table(title=f"where an AR step goes: {profile['variant']}, {profile['steps']} steps profiled, "

@@ -35,6 +35,9 @@ def kernels(
                                   "sessions' caches in one KV arena, a batch one paged call a layer; CUDA, bf16/fp16)"),
     profile: int = typer.Option(0, help="also profile this many AR steps of the fastest variant: kernels a step, the "
                                 "device's busy time against the wall time, the kernels that take most (0: off)"),
+    decode: int = typer.Option(0, help="also time greedy AR generations of this many tokens with the fastest variant: "
+                               "ms a token with the round loop's host work, reading each token back and (CUDA "
+                               "graphs) running the next step ahead (0: off)"),
     json_out: Optional[str] = typer.Option(None, "--json", help="write the report as JSON to this file"),
 ) -> None:
     """One model's step times on one device: an AR step, verification of up to 64 tokens, their
@@ -43,9 +46,10 @@ def kernels(
 
     from specctl.bench.kernels import VERIFY_SIZES, kernels_report, measure_bandwidth_gbps, random_decoder, \
         shape_config, time_batches, time_steps
+    from specctl.bench.kernel_decode import decode_rows, time_decode
     from specctl.bench.kernel_profile import profile_steps
-    from specctl.bench.render import render_kernel_batches_table, render_kernel_profile, render_kernels_table, \
-        table_console
+    from specctl.bench.render import render_kernel_batches_table, render_kernel_decode, render_kernel_profile, \
+        render_kernels_table, table_console
     from specctl.cli.bench import int_list
     from specctl.config import build_config
     from specctl.engine.layers import fuse_projections
@@ -65,6 +69,8 @@ def kernels(
         raise ConfigError(f"--batch-tokens must be between 1 and {BUCKETS[-1]}")
     if context < 1 or repeats < 1:
         raise ConfigError("--context and --repeats must be >= 1")
+    if decode < 0 or decode == 1:
+        raise ConfigError(f"--decode must be 0 (off) or at least 2 tokens, got {decode}")
     if profile < 0:
         raise ConfigError(f"--profile must be >= 0 (steps to profile; 0: off), got {profile}")
     if dtype not in DTYPES:
@@ -120,13 +126,19 @@ def kernels(
     settings = {"dtype": dtype, "context": context, "repeats": repeats, "random_weights": random_weights,
                 "attention": attention}
     report = kernels_report(model, decoder, timings, bandwidth, context, settings, batches)
+    fastest = list(variants)[-1]  # set up last: the decoder runs it now
+    if decode:
+        with console.status(f"timing {repeats} generations of {decode} tokens ({fastest})"):
+            timed = time_decode(decoder, context, decode, repeats)
+        report["decode"] = {"variant": fastest, "rows": decode_rows(timed, report["bandwidth_limit_ms"])}
     if profile:
-        fastest = list(variants)[-1]  # set up last: the decoder runs it now
         with console.status(f"profiling {profile} AR steps ({fastest})"):
             report["profile"] = {"variant": fastest, **profile_steps(decoder, context, profile)}
     table_console().print(render_kernels_table(report))
     if batches:
         table_console().print(render_kernel_batches_table(report))
+    if decode:
+        table_console().print(render_kernel_decode(report))
     if profile:
         table_console().print(render_kernel_profile(report["profile"]))
     if json_out:
