@@ -79,7 +79,7 @@ class DecodeSession:
         # next root's verification, already in the cache. None (auto): see runs_ahead.
         self.run_ahead = runs_ahead(params, max_nodes, target) if run_ahead is None else run_ahead
         self.ahead: torch.Tensor | None = None
-        self.steps_ahead = 0  # steps run ahead, for the tests and stats (used + dropped)
+        self.steps_ahead = 0  # steps run ahead (used + dropped), for the tests
         on_cuda = self.run_ahead and target.device.type == "cuda"
         self._token_host = torch.zeros(1, dtype=torch.long, pin_memory=on_cuda)
         self._token_read = torch.cuda.Event() if on_cuda else None
