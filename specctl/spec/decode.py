@@ -113,7 +113,8 @@ class DecodeSession:
         if self.run_ahead:
             first = self._read_running_ahead(logits)
         else:
-            first = int(logits[0].argmax()) if self.params.greedy else sample(probs_from_logits(logits[0], self.params), self.generator)
+            first = (int(logits[0].argmax()) if self.params.greedy
+                     else sample(probs_from_logits(logits, self.params)[0], self.generator))  # [1, vocab], as a round's
         self.last_committed = [first]
         return self._settle_ahead(self._emit([first]))
 
@@ -145,7 +146,8 @@ class DecodeSession:
         if self.params.greedy:
             token = logits[-1].argmax(-1, keepdim=True)  # [1], on the device
         else:
-            token = sample_tensor(probs_from_logits(logits[-1], self.params), self.generator).reshape(1)
+            # over a [1, vocab] row, as a verification of the root alone computes it: the same bits
+            token = sample_tensor(probs_from_logits(logits[-1:], self.params)[0], self.generator).reshape(1)
         self._token_host.copy_(token, non_blocking=self._token_read is not None)
         if self._token_read is not None:
             self._token_read.record()  # before the next step in the stream: reading waits for the copy only
