@@ -75,18 +75,22 @@ def main():
     only = os.environ.get("E2E_MODES")  # a comma-separated subset, for a short device call
     if only:
         modes = {name: make for name, make in modes.items() if name in only.split(",") or name == "ar"}
-    for name, make in modes.items():
+
+    def run(name: str, prompt: list[int]):
+        return generate(target, prompt, params, modes[name](), run_ahead=False if name == "ar r/step" else None)
+
+    for name in modes:
         for prompt in prompts:
-            generate(target, prompt, params, make(), run_ahead=False if name == "ar r/step" else None)
+            run(name, prompt)
     static = [target.static, draft.static] + [decoder.static for decoder in exits.values()]
     results, reference = {}, {}
-    for name, make in modes.items():
+    for name in modes:
         rates, same, accepted, drafts, prefill = [], 0, 0, 0, []
         captures = sum(runner.captures for runner in static)
         for i, prompt in enumerate(prompts):
             torch.cuda.synchronize()
             start = time.perf_counter()
-            out, stats, _ = generate(target, prompt, params, make(), run_ahead=False if name == "ar r/step" else None)
+            out, stats, _ = run(name, prompt)
             wall = time.perf_counter() - start
             rates.append(len(out) / wall)
             prefill.append(1000 * stats.prefill_s)
