@@ -153,6 +153,53 @@ def test_bad_chat_bodies_and_unknown_routes(cluster):
     assert "error" not in error
 
 
+@pytest.mark.parametrize("extra, param, message", [
+    ({"logit_bias": {"42": 5}}, "logit_bias", "logit_bias is not supported (it would change the target's distribution)"),
+    ({"top_logprobs": 2}, "top_logprobs", "top_logprobs are not supported"),
+    ({"response_format": {"type": "json_object"}}, "response_format",
+     "response_format 'json_object' is not supported: the output is the target's own text, unconstrained (only 'text')"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+     "tools are not supported: the output is the target's own text, with no tool calls"),
+    ({"functions": [{"name": "f"}]}, "functions",
+     "functions are not supported: the output is the target's own text, with no tool calls"),
+    ({"tool_choice": "required"}, "tool_choice", "tool_choice must be 'none' or 'auto': no tools are supported"),
+    ({"min_p": 0.1}, "min_p", "min_p is not supported (it would change the target's distribution)"),
+    ({"min_tokens": 4}, "min_tokens", "min_tokens is not supported (it would change the target's distribution)"),
+    ({"repetition_penalty": 1.2}, "repetition_penalty",
+     "repetition_penalty is not supported (it would change the target's distribution)"),
+    ({"guided_choice": ["yes", "no"]}, "guided_choice",
+     "guided_choice is not supported (it would change the target's distribution)"),
+    ({"stop_token_ids": [2]}, "stop_token_ids", "stop_token_ids are not supported: use stop strings"),
+])
+def test_fields_that_would_change_the_output_are_refused_with_their_name(cluster, extra, param, message):
+    for route, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions",
+                                                                {"messages": [{"role": "user", "content": "x"}]})):
+        code, _, raw = post(cluster[1]["gateway"] + route, {**body, "max_tokens": 2, **extra})
+        assert code == 400 and json.loads(raw)["error"] == {"message": message, "type": "invalid_request_error",
+                                                            "param": param, "code": None}
+
+
+def test_fields_at_their_no_op_values_are_served():
+    from specctl.gateway.api import CompletionRequest, parse_body, refuse_unsupported
+
+    body = {"prompt": "x", "logit_bias": {"42": 0}, "top_logprobs": 0, "response_format": {"type": "text"},
+            "tools": [], "tool_choice": "none", "min_p": 0.0, "min_tokens": 0, "repetition_penalty": 1.0,
+            "stop_token_ids": [], "guided_json": None}
+    refuse_unsupported(parse_body(json.dumps(body).encode(), CompletionRequest))  # raises nothing
+
+
+def test_an_unknown_field_is_ignored_and_named_once_in_the_log(caplog):
+    from specctl.gateway import api
+
+    api._warned_fields.difference_update({"zz_flavour", "store"})
+    with caplog.at_level("WARNING", logger="specctl.gateway"):
+        for _ in range(3):
+            req = api.parse_body(b'{"prompt": "x", "zz_flavour": "mint", "store": false}', api.CompletionRequest)
+            assert req.prompt == "x"
+    named = [r.getMessage() for r in caplog.records if "zz_flavour" in r.getMessage()]
+    assert named == ["ignoring request field(s) store, zz_flavour: not an OpenAI field this gateway serves"]
+
+
 def test_sixteen_concurrent_streams_all_end_with_done(cluster):
     import aiohttp
 
@@ -290,7 +337,8 @@ _any_json = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=12)
 _fields = ["model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "n", "logprobs",
-           "ignore_eos", "prompt", "messages", "echo", "best_of", "stream_options", "max_completion_tokens"]
+           "ignore_eos", "prompt", "messages", "echo", "best_of", "stream_options", "max_completion_tokens",
+           "logit_bias", "top_logprobs", "response_format", "tools", "tool_choice", "min_p", "stop_token_ids"]
 _bodies = st.one_of(
     st.binary(max_size=40),  # random bytes, invalid UTF-8 among them
     st.binary(max_size=8).map(lambda b: b'{"prompt": "' + b + b'"}'),  # bytes inside a string

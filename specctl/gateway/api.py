@@ -6,12 +6,18 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
   does (0 or -1 = off); ``seed`` makes sampling reproducible.
 - max_tokens defaults to 16 for completions (OpenAI) and to the gateway's
   ``default_max_tokens`` for chat, capped by what the context has left.
-- n > 1, logprobs, echo, best_of, suffix and non-zero penalties are refused with 400
-  rather than silently ignored: they would change what the caller gets."""
+- n > 1, logprobs, echo, best_of, suffix, non-zero penalties, logit_bias, a JSON
+  response_format, tools, and vLLM's constraining extensions (guided_*, min_p, min_tokens,
+  repetition_penalty, stop_token_ids) are refused with 400 rather than silently ignored: they
+  would change what the caller gets (and most would change the target's distribution).
+- Fields neither served nor refused (OpenAI's store, metadata, service_tier, ...) are
+  ignored, as vLLM ignores them, with one warning a field name in the gateway's log."""
 
 from __future__ import annotations
 
+import logging
 import re
+from typing import Any
 
 import msgspec
 
@@ -19,6 +25,7 @@ from specctl.errors import SpecctlError
 from specctl.spec.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 4
+log = logging.getLogger("specctl.gateway")
 
 
 class ApiError(SpecctlError):
@@ -33,6 +40,10 @@ class ApiError(SpecctlError):
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
+
+
+class ResponseFormat(msgspec.Struct):
+    type: str = "text"
 
 
 class ContentPart(msgspec.Struct):
@@ -59,8 +70,23 @@ class _Common(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    tool_choice: Any = None
     ignore_eos: bool = False  # vLLM's extension, handy for benchmarks
     user: str | None = None
+    # vLLM's extensions that constrain or reshape sampling: accepted only at their no-op values
+    min_p: float | None = None
+    min_tokens: int | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -75,11 +101,14 @@ class ChatCompletionRequest(_Common, kw_only=True):
     max_completion_tokens: int | None = None
 
 
+_warned_fields: set[str] = set()  # unknown request fields already named in the log
+
+
 def parse_body(body: bytes, kind: type[_Common]) -> _Common:
     if not body.strip():
         raise ApiError(400, "the request body is empty: send a JSON object")
     try:
-        return msgspec.json.decode(body, type=kind)
+        req = msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
         where = re.search(r"at `\$\.(\w+)", str(exc)) or re.search(r"missing required field `(\w+)`", str(exc))
         raise ApiError(400, f"invalid request: {exc}", param=where[1] if where else None) from None
@@ -88,6 +117,17 @@ def parse_body(body: bytes, kind: type[_Common]) -> _Common:
     except UnicodeDecodeError as exc:  # a string that is not UTF-8 (msgspec raises it as is)
         raise ApiError(400, f"the request body is not valid UTF-8 JSON: a string holds byte "
                             f"0x{exc.object[exc.start]:02x}, which is not UTF-8") from None
+    _warn_unknown(body, kind)
+    return req
+
+
+def _warn_unknown(body: bytes, kind: type[_Common]) -> None:
+    """Name each field the gateway neither serves nor refuses once in the log (ignored, as vLLM does)."""
+    fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw]).keys()  # a valid object: decoded above
+    unknown = sorted(set(fields) - set(kind.__struct_fields__) - _warned_fields)
+    if unknown:
+        _warned_fields.update(unknown)
+        log.warning("ignoring request field(s) %s: not an OpenAI field this gateway serves", ", ".join(unknown))
 
 
 def refuse_unsupported(req: _Common) -> None:
@@ -98,6 +138,30 @@ def refuse_unsupported(req: _Common) -> None:
             raise ApiError(400, f"{name} is not supported (it would change the target's distribution)", param=name)
     if req.logprobs:
         raise ApiError(400, "logprobs are not supported", param="logprobs")
+    if req.top_logprobs:
+        raise ApiError(400, "top_logprobs are not supported", param="top_logprobs")
+    changes_distribution = {
+        "logit_bias": any(req.logit_bias.values()) if req.logit_bias else False,
+        "min_p": bool(req.min_p),
+        "min_tokens": bool(req.min_tokens),
+        "repetition_penalty": req.repetition_penalty not in (None, 1.0),
+        **{name: getattr(req, name) is not None for name in ("guided_json", "guided_regex", "guided_choice",
+                                                             "guided_grammar")},
+    }
+    for name, used in changes_distribution.items():
+        if used:
+            raise ApiError(400, f"{name} is not supported (it would change the target's distribution)", param=name)
+    if req.stop_token_ids:
+        raise ApiError(400, "stop_token_ids are not supported: use stop strings", param="stop_token_ids")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise ApiError(400, f"response_format {req.response_format.type!r} is not supported: the output is the "
+                            "target's own text, unconstrained (only 'text')", param="response_format")
+    for name in ("tools", "functions"):
+        if getattr(req, name):
+            raise ApiError(400, f"{name} are not supported: the output is the target's own text, with no tool calls",
+                           param=name)
+    if req.tool_choice not in (None, "none", "auto"):
+        raise ApiError(400, "tool_choice must be 'none' or 'auto': no tools are supported", param="tool_choice")
     if isinstance(req, CompletionRequest):
         if req.echo:
             raise ApiError(400, "echo is not supported", param="echo")
