@@ -61,7 +61,9 @@ def test_repl_reports_an_unreachable_gateway_and_carries_on():
     lines = iter(["hello", "/quit"])
     state = ChatState()
     repl("http://127.0.0.1:9", console, state, read=lambda: next(lines))
-    assert "error: " in console.export_text() and state.messages == []
+    assert ("error: cannot reach the gateway at http://127.0.0.1:9 (connection refused): start one "
+            "(`specctl up` or `specctl gateway`), or leave out --gateway to chat with an embedded cluster"
+            in console.export_text().replace("\n", "")) and state.messages == []
 
 
 def tmux(*args):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -175,11 +176,21 @@ def repl(url: str, console: Console, state: ChatState | None = None, api_key: st
             continue
         except (RuntimeError, aiohttp.ClientError, OSError) as exc:
             state.messages.pop()
-            console.print(f"\n[red]error: {exc}[/]")
+            console.print(f"\n[red]error: {failure_message(url, exc)}[/]", markup=True, highlight=False)
             continue
         state.messages.append({"role": "assistant", "content": text})
         console.print()
         console.print(f"[dim]{stat_line(usage, spec, first_s, last_s)}[/]")
+
+
+def failure_message(url: str, exc: BaseException) -> str:
+    """What went wrong with a reply, and for a gateway that cannot be reached, what to do."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        error = exc.os_error
+        reason = os.strerror(error.errno).lower() if error.errno else str(error)  # asyncio's strerror names the call
+        return (f"cannot reach the gateway at {url} ({reason}): start one "
+                "(`specctl up` or `specctl gateway`), or leave out --gateway to chat with an embedded cluster")
+    return str(exc)
 
 
 def show_stats(url: str, console: Console, api_key: str | None = None) -> None:
