@@ -198,6 +198,10 @@ def test_an_unknown_field_is_ignored_and_named_once_in_the_log(caplog):
             assert req.prompt == "x"
     named = [r.getMessage() for r in caplog.records if "zz_flavour" in r.getMessage()]
     assert named == ["ignoring request field(s) store, zz_flavour: not an OpenAI field this gateway serves"]
+    # Names are remembered up to a bound: a client inventing names cannot grow the gateway's memory.
+    for i in range(api.MAX_WARNED_FIELDS + 10):
+        api.parse_body(json.dumps({"prompt": "x", f"zz_{i}": 1}).encode(), api.CompletionRequest)
+    assert len(api._warned_fields) == api.MAX_WARNED_FIELDS
 
 
 def test_sixteen_concurrent_streams_all_end_with_done(cluster):

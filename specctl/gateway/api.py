@@ -102,6 +102,7 @@ class ChatCompletionRequest(_Common, kw_only=True):
 
 
 _warned_fields: set[str] = set()  # unknown request fields already named in the log
+MAX_WARNED_FIELDS = 64  # clients may send any names: the log names the first ones, memory stays bounded
 
 
 def parse_body(body: bytes, kind: type[_Common]) -> _Common:
@@ -124,7 +125,7 @@ def parse_body(body: bytes, kind: type[_Common]) -> _Common:
 def _warn_unknown(body: bytes, kind: type[_Common]) -> None:
     """Name each field the gateway neither serves nor refuses once in the log (ignored, as vLLM does)."""
     fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw]).keys()  # a valid object: decoded above
-    unknown = sorted(set(fields) - set(kind.__struct_fields__) - _warned_fields)
+    unknown = sorted(set(fields) - set(kind.__struct_fields__) - _warned_fields)[:max(0, MAX_WARNED_FIELDS - len(_warned_fields))]
     if unknown:
         _warned_fields.update(unknown)
         log.warning("ignoring request field(s) %s: not an OpenAI field this gateway serves", ", ".join(unknown))
