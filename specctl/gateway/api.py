@@ -125,7 +125,8 @@ def parse_body(body: bytes, kind: type[_Common]) -> _Common:
 def _warn_unknown(body: bytes, kind: type[_Common]) -> None:
     """Name each field the gateway neither serves nor refuses once in the log (ignored, as vLLM does)."""
     fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw]).keys()  # a valid object: decoded above
-    unknown = sorted(set(fields) - set(kind.__struct_fields__) - _warned_fields)[:max(0, MAX_WARNED_FIELDS - len(_warned_fields))]
+    room = max(0, MAX_WARNED_FIELDS - len(_warned_fields))
+    unknown = sorted(set(fields) - set(kind.__struct_fields__) - _warned_fields)[:room]
     if unknown:
         _warned_fields.update(unknown)
         log.warning("ignoring request field(s) %s: not an OpenAI field this gateway serves", ", ".join(unknown))
