@@ -169,7 +169,6 @@ def test_bad_chat_bodies_and_unknown_routes(cluster):
      "repetition_penalty is not supported (it would change the target's distribution)"),
     ({"guided_choice": ["yes", "no"]}, "guided_choice",
      "guided_choice is not supported (it would change the target's distribution)"),
-    ({"stop_token_ids": [2]}, "stop_token_ids", "stop_token_ids are not supported: use stop strings"),
 ])
 def test_fields_that_would_change_the_output_are_refused_with_their_name(cluster, extra, param, message):
     for route, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions",
@@ -177,6 +176,23 @@ def test_fields_that_would_change_the_output_are_refused_with_their_name(cluster
         code, _, raw = post(cluster[1]["gateway"] + route, {**body, "max_tokens": 2, **extra})
         assert code == 400 and json.loads(raw)["error"] == {"message": message, "type": "invalid_request_error",
                                                             "param": param, "code": None}
+
+
+def test_stop_token_ids_end_the_generation_before_the_stop_token(cluster, tiny_dir):
+    reference = specctl_generate(tiny_dir, PROMPT, 20)
+    ids = reference["token_ids"]
+    k = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])  # the first token not seen before it
+    body = {"prompt": PROMPT, "max_tokens": 20, "temperature": 0, "stop_token_ids": [ids[k]]}
+    code, _, raw = post(cluster[1]["gateway"] + "/v1/completions", body)
+    choice, usage = json.loads(raw)["choices"][0], json.loads(raw)["usage"]
+    assert code == 200 and choice["finish_reason"] == "stop" and usage["completion_tokens"] == k
+    assert reference["text"].startswith(choice["text"])
+    code, _, raw = post(cluster[1]["gateway"] + "/v1/completions", {**body, "stop_token_ids": [10**6]})
+    assert code == 400 and "token ids must be in [0, " in json.loads(raw)["error"]["message"]
+    code, _, raw = post(cluster[1]["gateway"] + "/v1/completions", {**body, "stop_token_ids": list(range(65))})
+    assert code == 400 and json.loads(raw)["error"] == {"message": "at most 64 stop_token_ids, got 65",
+                                                        "type": "invalid_request_error", "param": "stop_token_ids",
+                                                        "code": None}
 
 
 def test_fields_at_their_no_op_values_are_served():

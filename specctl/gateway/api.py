@@ -8,8 +8,10 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
   ``default_max_tokens`` for chat, capped by what the context has left.
 - n > 1, logprobs, echo, best_of, suffix, non-zero penalties, logit_bias, a JSON
   response_format, tools, and vLLM's constraining extensions (guided_*, min_p, min_tokens,
-  repetition_penalty, stop_token_ids) are refused with 400 rather than silently ignored: they
-  would change what the caller gets (and most would change the target's distribution).
+  repetition_penalty) are refused with 400 rather than silently ignored: they would change
+  what the caller gets (and most would change the target's distribution).
+- vLLM's stop_token_ids (at most MAX_STOP_TOKEN_IDS) end the generation as EOS does: the
+  stop token is not part of the output (vLLM keeps a non-special one in its text).
 - Fields neither served nor refused (OpenAI's store, metadata, service_tier, ...) are
   ignored, as vLLM ignores them, with one warning a field name in the gateway's log."""
 
@@ -25,6 +27,7 @@ from specctl.errors import SpecctlError
 from specctl.spec.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 4
+MAX_STOP_TOKEN_IDS = 64
 log = logging.getLogger("specctl.gateway")
 
 
@@ -78,11 +81,11 @@ class _Common(msgspec.Struct, kw_only=True):
     tool_choice: Any = None
     ignore_eos: bool = False  # vLLM's extension, handy for benchmarks
     user: str | None = None
+    stop_token_ids: list[int] | None = None  # vLLM's extension
     # vLLM's extensions that constrain or reshape sampling: accepted only at their no-op values
     min_p: float | None = None
     min_tokens: int | None = None
     repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -153,8 +156,6 @@ def refuse_unsupported(req: _Common) -> None:
     for name, used in changes_distribution.items():
         if used:
             raise ApiError(400, f"{name} is not supported (it would change the target's distribution)", param=name)
-    if req.stop_token_ids:
-        raise ApiError(400, "stop_token_ids are not supported: use stop strings", param="stop_token_ids")
     if req.response_format is not None and req.response_format.type != "text":
         raise ApiError(400, f"response_format {req.response_format.type!r} is not supported: the output is the "
                             "target's own text, unconstrained (only 'text')", param="response_format")
@@ -197,7 +198,11 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
 
 
 def sampling_params(req: _Common, prompt_tokens: int, context: int, default_max_tokens: int) -> SamplingParams:
-    """Validated sampling parameters; a prompt that leaves no room is a 400 as in OpenAI."""
+    """Validated sampling parameters; a prompt that leaves no room is a 400 as in OpenAI. Stop
+    token ids outside the vocabulary are refused by the target instance (a 400 too)."""
+    if req.stop_token_ids and len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ApiError(400, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(req.stop_token_ids)}",
+                       param="stop_token_ids")
     room = context - prompt_tokens
     requested = req.max_completion_tokens if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens else req.max_tokens
     if requested is not None and requested < 1:
@@ -216,6 +221,7 @@ def sampling_params(req: _Common, prompt_tokens: int, context: int, default_max_
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=top_k, max_tokens=requested, seed=req.seed, ignore_eos=req.ignore_eos,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
         )
     except SpecctlError as exc:  # the message starts with the parameter's name
         raise ApiError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
