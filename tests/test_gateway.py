@@ -410,3 +410,34 @@ def test_a_targets_drafters_are_exported_as_gauges_by_drafter():
     assert samples[("specctl:drafter_accepted_tokens", (("address", "t:9100"), ("drafter", "ngram")))] == 4
     assert samples[("specctl:drafter_mean_score", (("address", "t:9100"), ("drafter", "d:9000")))] == 0.5
     assert ("specctl:drafter_mean_score", (("address", "t:9100"), ("drafter", "ngram"))) not in samples
+
+
+def test_a_target_that_dies_mid_stream_ends_the_stream_with_its_error_then_503(tiny_dir):
+    """kill a target instance mid-stream: the stream ends with an error event naming it (once)
+    and [DONE]; the gateway then answers 503 with Retry-After, and carries on."""
+    import dataclasses
+
+    config = build_config(None, target=str(tiny_dir["llama"]), mode="ar", dtype="fp32", max_sessions=4)
+    thread = ClusterThread(config, ClusterConfig(targets=1, gateway_port=0, speculate=False))
+    urls = thread.start()
+    try:
+        target = thread.cluster.targets[0]
+        target.config = dataclasses.replace(target.config, verify_delay_s=0.02)  # a round a slow device takes
+        body = {"prompt": PROMPT, "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True}
+        request = urllib.request.Request(urls["gateway"] + "/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            events = [response.readline()]  # the first chunk: the target is streaming
+            asyncio.run_coroutine_threadsafe(target.close(), thread.loop).result(30)
+            events += [line for line in response if line.strip()]
+        data = [line.decode().removeprefix("data: ").strip() for line in events if line.startswith(b"data: ")]
+        assert data[-1] == "[DONE]"
+        error = json.loads(data[-2])["error"]
+        assert re.fullmatch(r"target instance 127\.0\.0\.1:\d+ closed the connection mid-stream", error["message"])
+        assert error["type"] == "server_error"
+        assert all("choices" in json.loads(d) for d in data[:-2])
+        code, headers, raw = post(urls["gateway"] + "/v1/completions", {"prompt": PROMPT, "max_tokens": 4})
+        assert code == 503 and headers["Retry-After"] == "1"
+        assert json.loads(raw)["error"]["code"] == "no_capacity"
+    finally:
+        thread.stop()

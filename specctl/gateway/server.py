@@ -34,6 +34,12 @@ log = logging.getLogger("specctl.gateway")
 REMOTE_STATUS = {"bad_request": 400, "capacity": 503, "unavailable": 503}
 
 
+def remote_message(exc: RemoteError) -> str:
+    """A target instance's error as the client reads it: said to come from the target, once."""
+    message = str(exc)
+    return message if message.startswith("target instance") else f"target instance: {message}"
+
+
 @dataclass(slots=True)
 class GatewayConfig:
     model_name: str
@@ -191,7 +197,7 @@ class Gateway:
                     else:
                         response = await self._collect(req, chat, len(prompt), events, text)
             except RemoteError as exc:
-                raise ApiError(REMOTE_STATUS.get(exc.code, 502), f"target instance: {exc}",
+                raise ApiError(REMOTE_STATUS.get(exc.code, 502), remote_message(exc),
                                type="invalid_request_error" if exc.code == "bad_request" else "server_error") from None
             status = "ok"
             return response
@@ -249,7 +255,7 @@ class Gateway:
                     if req.stream_options and req.stream_options.include_usage:
                         await response.write(R.sse(R.usage_chunk(rid, model, chat, created, prompt_tokens, count)))
         except RemoteError as exc:  # headers are gone: the error travels in the stream, as vLLM does
-            await response.write(R.sse(ApiError(502, f"target instance: {exc}", type="server_error").body()))
+            await response.write(R.sse(ApiError(502, remote_message(exc), type="server_error").body()))
         await response.write(R.sse("[DONE]"))
         await response.write_eof()
         return response
