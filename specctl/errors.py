@@ -49,3 +49,22 @@ class BadRequest(SpecctlError):
 class StageUnavailable(SpecctlError):
     """A pipeline stage is unreachable, failed, or restarted: the sessions that ran through
     it cannot go on (their KV there is gone); new sessions work once the chain is whole."""
+
+
+
+def unreachable_reason(exc: BaseException) -> str | None:
+    """Why a connection could not be made ("connection refused", "name or service not known"),
+    or None when ``exc`` is not a failure to connect. aiohttp and asyncio word it around the
+    call ("Cannot connect to host ... [Connect call failed ...]"), which says less."""
+    import os
+    import socket
+
+    import aiohttp
+
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        exc = exc.os_error
+    elif not isinstance(exc, (ConnectionRefusedError, socket.gaierror)):
+        return None
+    if isinstance(exc, socket.gaierror):
+        return str(exc.strerror or exc).lower()
+    return os.strerror(exc.errno).lower() if exc.errno else (str(exc) or type(exc).__name__)

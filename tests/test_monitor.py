@@ -227,3 +227,19 @@ def test_a_target_with_several_drafters_shows_a_row_per_drafter_in_80x24():
     assert "└ 10.0.0.1:9000" in screen and "120r" in screen and "acc 310" in screen and "m 0.64" in screen
     assert "└ ngram" in screen and "fail 9" in screen and "down" in screen
     assert "└ none" in screen and "plain" in screen and "33r" in screen  # the rounds decoded plainly
+
+
+def test_a_poll_that_cannot_connect_says_why_in_a_few_words():
+    import aiohttp
+    from aiohttp.client_reqrep import ConnectionKey
+
+    from specctl.monitor.view import poll_error
+
+    key = ConnectionKey("127.0.0.1", 1, False, True, None, None, None)
+    refused = aiohttp.ClientConnectorError(key, ConnectionRefusedError(111, "Connect call failed ('127.0.0.1', 1)"))
+    assert poll_error("http://127.0.0.1:1", refused) == "cannot reach http://127.0.0.1:1 (connection refused)"
+    assert poll_error("http://gw:8000", ValueError("bad feed")) == "ValueError: bad feed"
+    assert poll_error("http://gw:8000", TimeoutError()) == "TimeoutError"
+    screen = text_of(dashboard(advance(MonitorState("http://127.0.0.1:1"), None, 1.0,
+                                       poll_error("http://127.0.0.1:1", refused)), now=1.0))
+    assert "DOWN: cannot reach http://127.0.0.1:1 (connection refused)" in screen

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import aiohttp
 from rich.console import Console
+
+from specctl.errors import unreachable_reason
 
 HELP = "commands: /reset (forget the conversation), /temp T (sampling temperature), /stats, /quit; Ctrl-C stops a reply"
 
@@ -185,9 +186,8 @@ def repl(url: str, console: Console, state: ChatState | None = None, api_key: st
 
 def failure_message(url: str, exc: BaseException) -> str:
     """What went wrong with a reply, and for a gateway that cannot be reached, what to do."""
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        error = exc.os_error
-        reason = os.strerror(error.errno).lower() if error.errno else str(error)  # asyncio's strerror names the call
+    reason = unreachable_reason(exc) if isinstance(exc, aiohttp.ClientConnectorError) else None
+    if reason:
         return (f"cannot reach the gateway at {url} ({reason}): start one "
                 "(`specctl up` or `specctl gateway`), or leave out --gateway to chat with an embedded cluster")
     return str(exc)

@@ -27,7 +27,7 @@ def monitor(
     from specctl.errors import ConfigError
     from specctl.monitor.render import dashboard
     from specctl.monitor.source import gateway_feed, roles_feed
-    from specctl.monitor.view import MonitorState, advance
+    from specctl.monitor.view import MonitorState, advance, poll_error
     from specctl.runtime.loop import run, wait_for_shutdown
 
     if interval < 0.05:
@@ -45,7 +45,7 @@ def monitor(
             feed = await (roles_feed(draft, target, auth_token) if direct else gateway_feed(session, url, api_key))
             current[0] = advance(current[0], feed, time.time())
         except Exception as exc:  # noqa: BLE001 - the gateway being away is something to show, not to die of
-            current[0] = advance(current[0], None, time.time(), f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+            current[0] = advance(current[0], None, time.time(), poll_error(url if not direct else source, exc))
 
     async def main() -> None:
         async with aiohttp.ClientSession() as session:

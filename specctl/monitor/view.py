@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from specctl.errors import unreachable_reason
+
 HISTORY = 60  # sparkline points
 
 
@@ -121,3 +123,12 @@ def star_regime(draft_stats: dict, target_stats: list[dict]) -> Regime:
         return Regime(n, None, "idle" if n == 0 else "measuring")
     n_full = math.ceil((sum(verify) / len(verify)) / service) + 1
     return Regime(n, n_full, "fully loaded" if n >= n_full else "under-loaded")
+
+
+def poll_error(source: str, exc: BaseException) -> str:
+    """What the dashboard says when a poll of ``source`` failed: a connection that could not
+    be made in a few words (why), anything else as its type and message."""
+    reason = unreachable_reason(exc)
+    if reason:
+        return f"cannot reach {source} ({reason})"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
