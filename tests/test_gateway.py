@@ -441,3 +441,32 @@ def test_a_target_that_dies_mid_stream_ends_the_stream_with_its_error_then_503(t
         assert json.loads(raw)["error"]["code"] == "no_capacity"
     finally:
         thread.stop()
+
+
+def test_tokenize_and_detokenize_as_vllm_does(cluster, tiny_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_dir["llama"]))
+    base = cluster[1]["gateway"]
+    code, _, raw = post(base + "/tokenize", {"prompt": PROMPT})
+    ids = tokenizer.encode(PROMPT)
+    assert code == 200 and json.loads(raw) == {"count": len(ids), "max_model_len": 512, "tokens": ids}
+    # the ids a completion of that prompt is counted with
+    code, _, raw = post(base + "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "temperature": 0})
+    assert json.loads(raw)["usage"]["prompt_tokens"] == len(ids)
+    code, _, raw = post(base + "/detokenize", {"tokens": ids})
+    assert code == 200 and json.loads(raw) == {"prompt": tokenizer.decode(ids)}
+    messages = [{"role": "user", "content": PROMPT}]
+    code, _, raw = post(base + "/tokenize", {"messages": messages})
+    chat_ids = json.loads(raw)["tokens"]
+    code, _, raw = post(base + "/v1/chat/completions", {"messages": messages, "max_tokens": 1, "temperature": 0})
+    assert json.loads(raw)["usage"]["prompt_tokens"] == len(chat_ids) > len(ids)
+    for path, body, status, message in [
+        ("/tokenize", {}, 400, "give either prompt or messages"),
+        ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400, "give either prompt or messages"),
+        ("/tokenize", {"prompt": "x", "model": "gpt-4"}, 404, "The model `gpt-4` does not exist"),
+        ("/detokenize", {"tokens": [len(tokenizer)]}, 400, f"token ids must be in [0, {len(tokenizer)})"),
+        ("/detokenize", {"tokens": "abc"}, 400, "Expected `array`"),
+    ]:
+        code, _, raw = post(base + path, body)
+        assert code == status and message in json.loads(raw)["error"]["message"], (path, body, raw)

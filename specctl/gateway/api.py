@@ -104,11 +104,23 @@ class ChatCompletionRequest(_Common, kw_only=True):
     max_completion_tokens: int | None = None
 
 
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's /tokenize: a completion prompt or chat messages (as the endpoints encode them)."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
 _warned_fields: set[str] = set()  # unknown request fields already named in the log
 MAX_WARNED_FIELDS = 64  # clients may send any names: the log names the first ones, memory stays bounded
 
 
-def parse_body(body: bytes, kind: type[_Common]) -> _Common:
+def parse_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
     if not body.strip():
         raise ApiError(400, "the request body is empty: send a JSON object")
     try:
@@ -125,7 +137,7 @@ def parse_body(body: bytes, kind: type[_Common]) -> _Common:
     return req
 
 
-def _warn_unknown(body: bytes, kind: type[_Common]) -> None:
+def _warn_unknown(body: bytes, kind: type[msgspec.Struct]) -> None:
     """Name each field the gateway neither serves nor refuses once in the log (ignored, as vLLM does)."""
     fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw]).keys()  # a valid object: decoded above
     room = max(0, MAX_WARNED_FIELDS - len(_warned_fields))

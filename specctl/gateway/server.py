@@ -21,8 +21,8 @@ from specctl.engine.text import IncrementalText, encode_chat, encode_prompt
 from specctl.errors import BadRequest, ConfigError
 from specctl.gateway import responses as R
 from specctl.gateway.api import (
-    ApiError, ChatCompletionRequest, CompletionRequest, chat_messages, parse_body, refuse_unsupported,
-    sampling_params, stop_strings,
+    ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_messages, parse_body,
+    refuse_unsupported, sampling_params, stop_strings,
 )
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.gateway.upstream import Upstream
@@ -72,6 +72,7 @@ class Gateway:
             web.post("/v1/completions", self._completions), web.post("/v1/chat/completions", self._chat),
             web.get("/v1/models", self._models), web.get("/health", self._health),
             web.get("/metrics", self._metrics), web.get("/v1/stats", self._stats),
+            web.post("/tokenize", self._tokenize), web.post("/detokenize", self._detokenize),
         ])
         app.cleanup_ctx.append(self._poller)
         return app
@@ -150,6 +151,32 @@ class Gateway:
         feed.update(self.upstream.snapshot())
         return web.json_response(feed)
 
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: the ids a prompt (or chat messages) becomes, as generation encodes it."""
+        self._check_key(request)
+        req = parse_body(await request.read(), TokenizeRequest)
+        self._check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError(400, "give either prompt or messages", param="prompt")
+        chat = req.messages is not None
+        ids = self._encode(ChatCompletionRequest(messages=req.messages) if chat else CompletionRequest(prompt=req.prompt))
+        return web.json_response({"count": len(ids), "max_model_len": self.config.context, "tokens": ids})
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        self._check_key(request)
+        req = parse_body(await request.read(), DetokenizeRequest)
+        self._check_model(req.model)
+        vocab = len(self.tokenizer)
+        if req.tokens and (min(req.tokens) < 0 or max(req.tokens) >= vocab):
+            raise ApiError(400, f"token ids must be in [0, {vocab}), got {min(req.tokens)}..{max(req.tokens)}",
+                           param="tokens")
+        return web.json_response({"prompt": self.tokenizer.decode(req.tokens)})
+
+    def _check_model(self, model: str | None) -> None:
+        if model and model != self.config.model_name:
+            raise ApiError(404, f"The model `{model}` does not exist. This gateway serves `{self.config.model_name}`.",
+                           param="model", code="model_not_found")
+
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
 
@@ -181,9 +208,7 @@ class Gateway:
             self._check_key(request)
             req = parse_body(await request.read(), ChatCompletionRequest if chat else CompletionRequest)
             refuse_unsupported(req)
-            if req.model and req.model != self.config.model_name:
-                raise ApiError(404, f"The model `{req.model}` does not exist. This gateway serves "
-                               f"`{self.config.model_name}`.", param="model", code="model_not_found")
+            self._check_model(req.model)
             stop = stop_strings(req)
             prompt = self._encode(req)
             params = sampling_params(req, len(prompt), self.config.context, self.config.default_max_tokens)
