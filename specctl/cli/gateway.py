@@ -28,7 +28,8 @@ def gateway(
     tls_ca: Optional[str] = typer.Option(None, "--tls-ca", help="CA file: talk TLS to the target instances"),
     log_level: str = typer.Option("info", "--log-level", help="debug | info | warning"),
 ) -> None:
-    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics; vLLM's /tokenize, /detokenize) over target instances."""
+    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models), /health, /metrics and
+    vLLM's /tokenize, /detokenize over target instances."""
     from transformers import AutoConfig, AutoTokenizer
 
     from specctl.engine.loader import vocab_fingerprint
