@@ -18,6 +18,20 @@ from specctl.spec.stats import GenerationStats
 from specctl.spec.verify import accept_chain_sampling, accept_greedy, accept_tree_sampling
 
 
+TokenLogprob = tuple[float, list[int], list[float]]  # the token's log-probability; its alternatives' ids, theirs
+
+
+def token_logprobs(rows: torch.Tensor, tokens: list[int], alternatives: int) -> list[TokenLogprob]:
+    """Each token's log-probability under the target's raw distribution at its row (before
+    temperature, top-k and top-p, as vLLM reports them), with the ``alternatives`` likeliest."""
+    logprobs = rows.float().log_softmax(-1)
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).view(-1, 1))[:, 0].tolist()
+    if not alternatives:
+        return [(lp, [], []) for lp in chosen]
+    values, ids = logprobs.topk(alternatives, dim=-1)
+    return list(zip(chosen, ids.tolist(), values.tolist()))
+
+
 def runs_ahead(params: SamplingParams, max_nodes: int, target: Decoder) -> bool:
     """Whether a session runs the target's next step before reading its token back: decoding
     with the target alone (every proposal the root: ``max_nodes`` 1) on CUDA graphs, greedy or
@@ -72,6 +86,7 @@ class DecodeSession:
         self.output: list[int] = []
         self.finish_reason: str | None = None
         self.stats = GenerationStats(prompt_tokens=len(prompt))
+        self.logprobs: list[TokenLogprob] = []  # of each output token, when params.logprobs asks for them
         self.last_path: list[int] = []  # the last round's accepted nodes (root excluded)
         self.last_committed: list[int] = []  # ... and the tokens it committed (accepted + bonus)
         # Run ahead (AR): the next step is launched with its token still on the device,
@@ -92,7 +107,9 @@ class DecodeSession:
         """Append verified tokens (up to a stop token or max_tokens); returns those emitted."""
         return self._emit(tokens)
 
-    def _emit(self, tokens: list[int]) -> list[int]:
+    def _emit(self, tokens: list[int], rows: torch.Tensor | None = None) -> list[int]:
+        """Commit ``tokens`` up to a stop token or max_tokens; ``rows``: the target's logits each
+        token was chosen from (their log-probabilities are kept when the request asks)."""
         emitted = []
         for token in tokens:
             if token in self.stop_ids:
@@ -105,6 +122,8 @@ class DecodeSession:
                 self.finish_reason = "length"
                 break
         self.stats.new_tokens = len(self.output)
+        if rows is not None and emitted and self.params.logprobs is not None:
+            self.logprobs += token_logprobs(rows[: len(emitted)], emitted, self.params.logprobs)
         return emitted
 
     def prefill(self) -> list[int]:
@@ -116,7 +135,7 @@ class DecodeSession:
             first = (int(logits[0].argmax()) if self.params.greedy
                      else sample(probs_from_logits(logits, self.params)[0], self.generator))  # [1, vocab], as a round's
         self.last_committed = [first]
-        return self._settle_ahead(self._emit([first]))
+        return self._settle_ahead(self._emit([first], logits[-1:]))
 
     def apply(self, proposal: Proposal) -> list[int]:
         """Verify a proposal and commit what is accepted. ``last_path`` and
@@ -189,12 +208,14 @@ class DecodeSession:
             else:
                 bonus = verify(logits, proposal, self.params, self.generator)[1]
             self.last_path, self.last_committed = [], [bonus]
-            return self._settle_ahead(self._emit(self.last_committed))
+            return self._settle_ahead(self._emit(self.last_committed, logits[:1]))
         path, bonus = verify(logits, proposal, self.params, self.generator)
         self.cache.gather(torch.cat([torch.arange(prefix), prefix + torch.tensor([0, *path], dtype=torch.long)]))
         self.last_path = path
         self.last_committed = [int(t) for t in tree.tokens[path].tolist()] + [bonus]
-        return self._emit(self.last_committed)
+        # token i of the path was chosen at its parent's row (the root's, then the path's), the bonus at the last one's
+        rows = logits[torch.tensor([0, *path], device=logits.device)] if self.params.logprobs is not None else None
+        return self._emit(self.last_committed, rows)
 
     def close(self) -> None:
         self.cache.release()

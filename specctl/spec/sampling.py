@@ -9,6 +9,9 @@ import torch
 from specctl.errors import InvalidSamplingParams
 
 
+MAX_LOGPROBS = 20  # alternatives per token, as vLLM and OpenAI allow
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
@@ -18,6 +21,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; n: each token's log-probability and its n likeliest alternatives
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0):
@@ -30,6 +34,9 @@ class SamplingParams:
             raise InvalidSamplingParams(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
             raise InvalidSamplingParams(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidSamplingParams(f"logprobs must be between 0 and {MAX_LOGPROBS} (the alternatives listed "
+                                        f"beside each token), got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
