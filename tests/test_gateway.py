@@ -12,6 +12,7 @@ import urllib.request
 
 import openai
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
@@ -155,7 +156,6 @@ def test_bad_chat_bodies_and_unknown_routes(cluster):
 
 @pytest.mark.parametrize("extra, param, message", [
     ({"logit_bias": {"42": 5}}, "logit_bias", "logit_bias is not supported (it would change the target's distribution)"),
-    ({"top_logprobs": 2}, "top_logprobs", "top_logprobs are not supported"),
     ({"response_format": {"type": "json_object"}}, "response_format",
      "response_format 'json_object' is not supported: the output is the target's own text, unconstrained (only 'text')"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
@@ -178,6 +178,72 @@ def test_fields_that_would_change_the_output_are_refused_with_their_name(cluster
                                                             "param": param, "code": None}
 
 
+def _target_logprobs(tiny_dir, prompt_ids, output_ids):
+    """The tiny target's raw log-softmax at each output token's row, one forward over the text."""
+    from specctl.engine.loader import load_decoder
+
+    target = load_decoder(tiny_dir["llama"])
+    text = prompt_ids + output_ids
+    logits = target(torch.tensor(text[:-1]), torch.arange(len(text) - 1), target.new_cache(len(text) + 1))
+    return logits[len(prompt_ids) - 1:].float().log_softmax(-1)
+
+
+def test_logprobs_are_the_targets_in_both_api_shapes_streamed_or_not(cluster, tiny_dir):
+    base = cluster[1]["gateway"]
+    reference = specctl_generate(tiny_dir, PROMPT, 12)
+    prompt_ids = json.loads(post(base + "/tokenize", {"prompt": PROMPT})[2])["tokens"]
+    expected = _target_logprobs(tiny_dir, prompt_ids, reference["token_ids"])
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "logprobs": 2}
+    code, _, raw = post(base + "/v1/completions", body)
+    choice = json.loads(raw)["choices"][0]
+    logprobs = choice["logprobs"]
+    assert code == 200 and choice["text"] == reference["text"]
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == json.loads(raw)["usage"]["completion_tokens"] == 12
+    for i, token in enumerate(reference["token_ids"]):
+        assert logprobs["token_logprobs"][i] == pytest.approx(float(expected[i, token]), abs=1e-4)
+        top = logprobs["top_logprobs"][i]
+        assert top[logprobs["tokens"][i]] == logprobs["token_logprobs"][i]  # greedy: the token is its likeliest
+        assert sorted(top.values(), reverse=True) == pytest.approx(expected[i].topk(len(top)).values.tolist(), abs=1e-4)
+    widths = [len(t) for t in logprobs["tokens"]]
+    assert logprobs["text_offset"] == [sum(widths[:i]) for i in range(len(widths))]
+    # streamed: the chunks' logprobs join into the same lists
+    request = urllib.request.Request(base + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        chunks = [json.loads(line[6:]) for line in response if line.startswith(b"data: {")]
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    assert sum((s["token_logprobs"] for s in streamed), []) == logprobs["token_logprobs"]
+    assert sum((s["text_offset"] for s in streamed), []) == logprobs["text_offset"]
+    # chat: logprobs true and top_logprobs n
+    messages = [{"role": "user", "content": PROMPT}]
+    code, _, raw = post(base + "/v1/chat/completions", {"messages": messages, "max_tokens": 6, "temperature": 0,
+                                                        "logprobs": True, "top_logprobs": 3})
+    content = json.loads(raw)["choices"][0]["logprobs"]["content"]
+    assert code == 200 and len(content) == json.loads(raw)["usage"]["completion_tokens"]
+    for entry in content:
+        assert entry["bytes"] == list(entry["token"].encode()) and len(entry["top_logprobs"]) == 3
+        assert entry["top_logprobs"][0]["logprob"] == entry["logprob"]  # greedy
+    code, _, raw = post(base + "/v1/chat/completions", {"messages": messages, "max_tokens": 2, "logprobs": True})
+    assert all(entry["top_logprobs"] == [] for entry in json.loads(raw)["choices"][0]["logprobs"]["content"])
+    code, _, raw = post(base + "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
+    assert json.loads(raw)["choices"][0]["logprobs"] is None  # not asked for
+
+
+@pytest.mark.parametrize("route, extra, message", [
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
+    ("/v1/chat/completions", {"logprobs": 2}, "logprobs must be true or false for chat; top_logprobs gives the "
+                                              "alternatives"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs must be between 0 and 20, got 21"),
+    ("/v1/completions", {"logprobs": 21}, "logprobs must be between 0 and 20, got 21"),
+    ("/v1/completions", {"logprobs": True}, "logprobs for completions is the number of alternatives (0-20); "
+                                           "top_logprobs is for chat"),
+])
+def test_logprobs_out_of_range_or_in_the_wrong_shape_are_refused(cluster, route, extra, message):
+    body = {"prompt": "x"} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    code, _, raw = post(cluster[1]["gateway"] + route, {**body, "max_tokens": 2, **extra})
+    assert code == 400 and json.loads(raw)["error"]["message"] == message
+
+
 def test_stop_token_ids_end_the_generation_before_the_stop_token(cluster, tiny_dir):
     reference = specctl_generate(tiny_dir, PROMPT, 20)
     ids = reference["token_ids"]
@@ -198,7 +264,7 @@ def test_stop_token_ids_end_the_generation_before_the_stop_token(cluster, tiny_d
 def test_fields_at_their_no_op_values_are_served():
     from specctl.gateway.api import CompletionRequest, parse_body, refuse_unsupported
 
-    body = {"prompt": "x", "logit_bias": {"42": 0}, "top_logprobs": 0, "response_format": {"type": "text"},
+    body = {"prompt": "x", "logit_bias": {"42": 0}, "response_format": {"type": "text"},
             "tools": [], "tool_choice": "none", "min_p": 0.0, "min_tokens": 0, "repetition_penalty": 1.0,
             "stop_token_ids": [], "guided_json": None}
     refuse_unsupported(parse_body(json.dumps(body).encode(), CompletionRequest))  # raises nothing

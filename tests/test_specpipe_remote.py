@@ -162,3 +162,17 @@ async def test_level_requests_over_the_wire_for_unknown_sessions_get_an_error(mo
         await wait_until(lambda: not server.levels.sessions, what="a dropped connection's level sessions freed")
     finally:
         await server.close()
+
+
+async def test_logprobs_are_refused_by_a_specpipe_target_which_serves_on(models):
+    from specctl.verify.client import RemoteError
+
+    target, _ = models
+    async with RemoteSpecPipe(models, 2, TreeShape(2, 2)) as cluster:
+        with pytest.raises(RemoteError, match="^logprobs are not available from a SpecPipe target: its stages send "
+                                              "the verified tokens, not the logits$") as refused:
+            await remote_generate("127.0.0.1", cluster.port, PROMPTS[0], SamplingParams(max_tokens=4, logprobs=1))
+        assert refused.value.code == "bad_request"
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        tokens, _, _ = await remote_generate("127.0.0.1", cluster.port, PROMPTS[0], params)
+        assert tokens == generate(target.decoder, PROMPTS[0], params)[0]

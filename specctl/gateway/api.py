@@ -6,7 +6,11 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
   does (0 or -1 = off); ``seed`` makes sampling reproducible.
 - max_tokens defaults to 16 for completions (OpenAI) and to the gateway's
   ``default_max_tokens`` for chat, capped by what the context has left.
-- n > 1, logprobs, echo, best_of, suffix, non-zero penalties, logit_bias, a JSON
+- logprobs: completions ``logprobs: n``, chat ``logprobs: true`` + ``top_logprobs: n`` (n <= 20):
+  the target's raw log-probabilities (before temperature, top-k, top-p, as vLLM reports
+  them) of every completion token counted in usage, a stop string's last batch included;
+  a token's text is its own decoding (a piece of a multi-byte character shows as U+FFFD).
+- n > 1, echo, best_of, suffix, non-zero penalties, logit_bias, a JSON
   response_format, tools, and vLLM's constraining extensions (guided_*, min_p, min_tokens,
   repetition_penalty) are refused with 400 rather than silently ignored: they would change
   what the caller gets (and most would change the target's distribution).
@@ -24,7 +28,7 @@ from typing import Any
 import msgspec
 
 from specctl.errors import SpecctlError
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.sampling import MAX_LOGPROBS, SamplingParams
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_TOKEN_IDS = 64
@@ -153,10 +157,7 @@ def refuse_unsupported(req: _Common) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
             raise ApiError(400, f"{name} is not supported (it would change the target's distribution)", param=name)
-    if req.logprobs:
-        raise ApiError(400, "logprobs are not supported", param="logprobs")
-    if req.top_logprobs:
-        raise ApiError(400, "top_logprobs are not supported", param="top_logprobs")
+    wanted_logprobs(req)  # refuses values out of range
     changes_distribution = {
         "logit_bias": any(req.logit_bias.values()) if req.logit_bias else False,
         "min_p": bool(req.min_p),
@@ -184,6 +185,27 @@ def refuse_unsupported(req: _Common) -> None:
             raise ApiError(400, "best_of is not supported", param="best_of")
         if req.suffix:
             raise ApiError(400, "suffix is not supported", param="suffix")
+
+
+def wanted_logprobs(req: _Common) -> int | None:
+    """How many alternatives each token's logprobs list, or None when the request wants no
+    logprobs: completions ask with ``logprobs: n``; chat with ``logprobs: true`` and
+    ``top_logprobs: n`` (OpenAI's two shapes)."""
+    if isinstance(req, ChatCompletionRequest):
+        if not isinstance(req.logprobs, (bool, type(None))):
+            raise ApiError(400, "logprobs must be true or false for chat; top_logprobs gives the alternatives",
+                           param="logprobs")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        wanted, name = (req.top_logprobs or 0) if req.logprobs else None, "top_logprobs"
+    else:
+        if isinstance(req.logprobs, bool) or req.top_logprobs is not None:
+            raise ApiError(400, "logprobs for completions is the number of alternatives (0-20); top_logprobs is "
+                                "for chat", param="logprobs")
+        wanted, name = req.logprobs, "logprobs"
+    if wanted is not None and not 0 <= wanted <= MAX_LOGPROBS:
+        raise ApiError(400, f"{name} must be between 0 and {MAX_LOGPROBS}, got {wanted}", param=name)
+    return wanted
 
 
 def stop_strings(req: _Common) -> list[str]:
@@ -233,7 +255,7 @@ def sampling_params(req: _Common, prompt_tokens: int, context: int, default_max_
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=top_k, max_tokens=requested, seed=req.seed, ignore_eos=req.ignore_eos,
-            stop_token_ids=tuple(req.stop_token_ids or ()),
+            stop_token_ids=tuple(req.stop_token_ids or ()), logprobs=wanted_logprobs(req),
         )
     except SpecctlError as exc:  # the message starts with the parameter's name
         raise ApiError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None

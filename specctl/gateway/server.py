@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, NamedTuple
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -22,7 +22,7 @@ from specctl.errors import BadRequest, ConfigError
 from specctl.gateway import responses as R
 from specctl.gateway.api import (
     ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_messages, parse_body,
-    refuse_unsupported, sampling_params, stop_strings,
+    refuse_unsupported, sampling_params, stop_strings, wanted_logprobs,
 )
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.gateway.upstream import Upstream
@@ -32,6 +32,15 @@ from specctl.verify.client import RemoteError, TargetStream
 log = logging.getLogger("specctl.gateway")
 
 REMOTE_STATUS = {"bad_request": 400, "capacity": 503, "unavailable": 503}
+
+
+class Event(NamedTuple):
+    """What a generation hands the response, as its tokens arrive."""
+    delta: str  # text to hand out now
+    finish: str | None  # the finish_reason, on the last event
+    stats: dict  # the generation's statistics, on the last event
+    count: int  # completion tokens so far
+    logprobs: list  # R.TokenLogprob of this event's tokens (empty unless the request asked)
 
 
 def remote_message(exc: RemoteError) -> str:
@@ -237,31 +246,41 @@ class Gateway:
             self.metrics.running.set(self.running)
             self.metrics.requests.labels(endpoint=endpoint, status=status).inc()
 
-    async def _events(self, stream: TargetStream, first, text: IncrementalText) -> AsyncIterator[tuple[str, str | None, dict, int]]:
-        """(text delta, finish_reason or None, stats, completion tokens so far) as tokens arrive."""
+    async def _events(self, stream: TargetStream, first, text: IncrementalText) -> AsyncIterator[Event]:
+        """Text deltas (with their tokens' log-probabilities) as tokens arrive, the last with its
+        finish_reason and the generation's stats."""
         event, count = first, 0
         while True:
             if isinstance(event, Tokens):
                 count += len(event.tokens)
                 self.metrics.generation_tokens.inc(len(event.tokens))
                 delta = text.push(event.tokens)
+                logprobs = [R.TokenLogprob(*entry) for entry in zip(event.tokens, event.logprobs, event.top_ids,
+                                                                     event.top_logprobs)]
                 if text.stopped:  # the rest is not wanted: stop the target, keep its stats for the counters
                     stats = await stream.cancel()
                     self.metrics.record_generation(stats)
-                    yield delta, "stop", stats, count
+                    yield Event(delta, "stop", stats, count, logprobs)
                     return
-                yield delta, None, {}, count
+                yield Event(delta, None, {}, count, logprobs)
             else:
                 self.metrics.record_generation(event.stats)
-                yield text.finish(), event.finish_reason, event.stats, count
+                yield Event(text.finish(), event.finish_reason, event.stats, count, [])
                 return
             event = await stream.next()
 
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
     async def _collect(self, req, chat: bool, prompt_tokens: int, events, text: IncrementalText) -> web.Response:
-        async for _delta, finish, stats, count in events:
-            if finish:
-                return web.json_response(R.full_response(R.new_id(chat), self.config.model_name, chat, text.text, finish,
-                                                          prompt_tokens, count, stats))
+        logprobs: list[R.TokenLogprob] = []
+        async for event in events:
+            logprobs += event.logprobs
+            if event.finish:
+                body = R.logprobs_body(chat, logprobs, self._token_text) if wanted_logprobs(req) is not None else None
+                return web.json_response(R.full_response(R.new_id(chat), self.config.model_name, chat, text.text,
+                                                          event.finish, prompt_tokens, event.count, event.stats,
+                                                          logprobs=body))
         raise ApiError(502, "the target instance ended the stream without finishing", type="server_error")
 
     async def _stream(self, request: web.Request, req, chat: bool, prompt_tokens: int, events) -> web.StreamResponse:
@@ -270,15 +289,19 @@ class Gateway:
         await response.prepare(request)
         if chat:
             await response.write(R.sse(R.chunk(rid, model, chat, created, role=True)))
+        offset, with_logprobs = 0, wanted_logprobs(req) is not None
         try:
-            async for delta, finish, stats, count in events:
-                if delta:
-                    await response.write(R.sse(R.chunk(rid, model, chat, created, text=delta)))
-                if finish:
-                    await response.write(R.sse(R.chunk(rid, model, chat, created, finish_reason=finish,
-                                                       extra={"specctl": R.spec_summary(stats)})))
+            async for event in events:
+                if event.delta or (with_logprobs and event.logprobs):
+                    logprobs = R.logprobs_body(chat, event.logprobs, self._token_text, offset) if with_logprobs else None
+                    offset += sum(len(self._token_text(e.token)) for e in event.logprobs)
+                    await response.write(R.sse(R.chunk(rid, model, chat, created, text=event.delta, logprobs=logprobs)))
+                if event.finish:
+                    await response.write(R.sse(R.chunk(rid, model, chat, created, finish_reason=event.finish,
+                                                       extra={"specctl": R.spec_summary(event.stats)})))
                     if req.stream_options and req.stream_options.include_usage:
-                        await response.write(R.sse(R.usage_chunk(rid, model, chat, created, prompt_tokens, count)))
+                        await response.write(R.sse(R.usage_chunk(rid, model, chat, created, prompt_tokens,
+                                                                 event.count)))
         except RemoteError as exc:  # headers are gone: the error travels in the stream, as vLLM does
             await response.write(R.sse(ApiError(502, remote_message(exc), type="server_error").body()))
         await response.write(R.sse("[DONE]"))

@@ -201,11 +201,16 @@ class Generate(msgspec.Struct, tag=True, frozen=True):
     seed: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    logprobs: int = -1  # -1: none; n >= 0: each token's log-probability and its n likeliest alternatives
 
 
 class Tokens(msgspec.Struct, tag=True, frozen=True):
     req: int
     tokens: list[int]
+    # when the request asked: per token, its log-probability, and its alternatives' ids and theirs
+    logprobs: list[float] = []
+    top_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
 
 
 class Done(msgspec.Struct, tag=True, frozen=True):

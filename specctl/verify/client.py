@@ -81,7 +81,8 @@ class TargetConnection:
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[req] = queue
         self._send(Generate(req, prompt, params.max_tokens, params.temperature, params.top_p, params.top_k,
-                            params.seed, list(params.stop_token_ids), params.ignore_eos))
+                            params.seed, list(params.stop_token_ids), params.ignore_eos,
+                            -1 if params.logprobs is None else params.logprobs))
         return TargetStream(self, req, queue)
 
     def _send(self, message) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.loader import LoadedModel
 from specctl.engine.spec import check_token_ids
-from specctl.errors import KVBudgetExceeded, SpecctlError, StageUnavailable
+from specctl.errors import BadRequest, KVBudgetExceeded, SpecctlError, StageUnavailable
 from specctl.net.framing import read_message
 from specctl.net.handshake import server_handshake
 from specctl.net.protocol import Cancel, Done, Error, Generate, ProtocolError, Stats, StatsRequest, Tokens, encode
@@ -181,7 +181,7 @@ class TargetServer(ListeningServer):
             session = await self._create(msg, send)
             if session is None:
                 return
-            emit = lambda tokens, result: self._emit(msg.req, tokens, result, send)  # noqa: E731
+            emit = lambda tokens, result: self._emit(session, msg.req, tokens, result, send)  # noqa: E731
             try:
                 if self.specpipe is not None:
                     await serve_specpipe(session, self.specpipe, self.compute, emit)
@@ -209,7 +209,10 @@ class TargetServer(ListeningServer):
         try:
             params = SamplingParams(temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k,
                                     max_tokens=msg.max_tokens, seed=msg.seed, stop_token_ids=tuple(msg.stop_token_ids),
-                                    ignore_eos=msg.ignore_eos)
+                                    ignore_eos=msg.ignore_eos, logprobs=None if msg.logprobs < 0 else msg.logprobs)
+            if params.logprobs is not None and self.specpipe is not None:
+                raise BadRequest("logprobs are not available from a SpecPipe target: its stages send the verified "
+                                 "tokens, not the logits")
             check_token_ids(msg.prompt, self.model.spec.vocab_size)
             check_token_ids(msg.stop_token_ids, self.model.spec.vocab_size)
             if self.active > self.config.max_sessions:
@@ -243,9 +246,13 @@ class TargetServer(ListeningServer):
         # The round loop has set wall_s and queued the freeing of the session's state.
         send(Done(req, reason, session.stats.to_dict()))
 
-    def _emit(self, req: int, tokens: list[int], result: RoundResult | None, send) -> None:
+    def _emit(self, session: DecodeSession, req: int, tokens: list[int], result: RoundResult | None, send) -> None:
         if result is not None:
             self.totals.record(result)
         if tokens:
             self.totals.new_tokens += len(tokens)
-            send(Tokens(req, tokens))
+            if session.params.logprobs is None:
+                send(Tokens(req, tokens))
+                return
+            chosen, ids, values = zip(*session.logprobs[-len(tokens):])
+            send(Tokens(req, tokens, list(chosen), list(ids), list(values)))
