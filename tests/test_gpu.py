@@ -43,6 +43,29 @@ def cuda_pair(tiny_dir):
     return _cuda(tiny_dir["qwen2"]), _cuda(tiny_dir["qwen2-draft"])
 
 
+@pytest.mark.parametrize("mode", ["ar", "chain", "tree"])
+def test_logprobs_on_cuda_are_the_same_in_every_mode_and_running_ahead(cuda_pair, mode):
+    """Each token's log-probability and alternatives, read from device logits (graphs, run-ahead in ar)."""
+    from specctl.spec.rounds import InlineLane, LocalSpeculator, run_inline, run_session
+    from specctl.spec.drafters import NoDrafter
+
+    target, draft = cuda_pair
+    params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2)
+
+    def logprobs(drafter):
+        lane = InlineLane()
+        speculator = LocalSpeculator(drafter, lane, None)
+        session = DecodeSession(target, PROMPTS[1], params, (), None, None, speculator.max_nodes)
+        run_inline(run_session(session, speculator, lane, lambda tokens, result: None))
+        return session.output, session.logprobs
+
+    reference = logprobs(NoDrafter())  # runs ahead: one node a round on graphs
+    output, got = logprobs(_drafters(draft)[mode] if mode != "ar" else NoDrafter())
+    assert output == reference[0] and len(got) == 24
+    for (lp, ids, values), (ref_lp, ref_ids, ref_values) in zip(got, reference[1]):
+        assert ids == ref_ids and lp == pytest.approx(ref_lp, abs=1e-4) and values == pytest.approx(ref_values, abs=1e-4)
+
+
 @pytest.mark.parametrize("mode", ["chain", "tree", "ngram"])
 def test_greedy_every_mode_equals_ar_on_cuda(cuda_pair, mode):
     target, draft = cuda_pair
