@@ -220,13 +220,29 @@ def test_logprobs_are_the_targets_in_both_api_shapes_streamed_or_not(cluster, ti
                                                         "logprobs": True, "top_logprobs": 3})
     content = json.loads(raw)["choices"][0]["logprobs"]["content"]
     assert code == 200 and len(content) == json.loads(raw)["usage"]["completion_tokens"]
+    assert bytes(sum((entry["bytes"] for entry in content), [])).decode() == json.loads(raw)["choices"][0]["message"]["content"]
     for entry in content:
-        assert entry["bytes"] == list(entry["token"].encode()) and len(entry["top_logprobs"]) == 3
+        assert len(entry["top_logprobs"]) == 3
         assert entry["top_logprobs"][0]["logprob"] == entry["logprob"]  # greedy
     code, _, raw = post(base + "/v1/chat/completions", {"messages": messages, "max_tokens": 2, "logprobs": True})
     assert all(entry["top_logprobs"] == [] for entry in json.loads(raw)["choices"][0]["logprobs"]["content"])
     code, _, raw = post(base + "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
     assert json.loads(raw)["choices"][0]["logprobs"] is None  # not asked for
+
+
+def test_a_tokens_bytes_are_its_raw_bytes_so_a_split_character_rebuilds(tiny_dir):
+    """OpenAI's logprobs ``bytes``: a character split over byte-level tokens, each token's own
+    text U+FFFD, comes back whole from the tokens' bytes."""
+    from transformers import AutoTokenizer
+
+    from specctl.engine.text import token_bytes_of
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_dir["llama"]))
+    token_bytes = token_bytes_of(tokenizer)
+    ids = tokenizer.encode("é🙂 x")
+    assert len(ids) > 3 and "\ufffd" in tokenizer.decode([ids[0]])  # the tiny tokenizer is one byte a token
+    assert b"".join(token_bytes(i) for i in ids) == "é🙂 x".encode()
+    assert token_bytes(tokenizer.convert_tokens_to_ids("<|endoftext|>")) == b"<|endoftext|>"
 
 
 @pytest.mark.parametrize("route, extra, message", [

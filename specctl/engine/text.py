@@ -3,7 +3,7 @@ incremental decoding of a growing output with OpenAI-style stop strings."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from specctl.errors import BadRequest
 
@@ -64,3 +64,26 @@ class IncrementalText:
 def encode_user_text(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
     """One user prompt: wrapped in the chat template (one user turn) when ``chat``."""
     return encode_chat(tokenizer, [{"role": "user", "content": prompt}]) if chat else encode_prompt(tokenizer, prompt)
+
+
+def token_bytes_of(tokenizer: Any) -> Callable[[int], bytes]:
+    """A token id -> the raw bytes it stands for (OpenAI's logprobs ``bytes``, from which a
+    client rebuilds a character split over tokens, where each token's own text is U+FFFD).
+    Byte-level BPE (GPT-2, Qwen, SmolLM2, Llama 3) maps a token's characters back through its
+    byte table; a character outside the table (a special token) and any other tokenizer give
+    the UTF-8 of the token's decoded text."""
+    import json
+
+    decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") if hasattr(tokenizer, "backend_tokenizer") else None
+    if "ByteLevel" not in json.dumps(decoder):
+        return lambda token: tokenizer.decode([token]).encode()
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte table
+
+    table = {char: byte for byte, char in bytes_to_unicode().items()}
+
+    def token_bytes(token: int) -> bytes:
+        piece = tokenizer.convert_ids_to_tokens(token)
+        if piece is None or any(char not in table for char in piece):
+            return tokenizer.decode([token]).encode()
+        return bytes(table[char] for char in piece)
+    return token_bytes

@@ -32,17 +32,19 @@ def spec_summary(stats: dict) -> dict:
 
 
 def logprobs_body(chat: bool, entries: list[TokenLogprob] | None, token_text: Callable[[int], str],
-                  offset: int = 0) -> dict | None:
+                  offset: int = 0, token_bytes: Callable[[int], bytes] | None = None) -> dict | None:
     """OpenAI's ``logprobs`` of a choice (None when not asked for). Chat: ``content``, a list of
-    {token, logprob, bytes, top_logprobs}. Completions: the legacy parallel lists — tokens,
-    token_logprobs, top_logprobs (the token and its alternatives, as vLLM lists them) and each
-    token's text_offset from ``offset`` (the text handed out before these tokens)."""
+    {token, logprob, bytes (the token's raw bytes: ``token_bytes``), top_logprobs}. Completions:
+    the legacy parallel lists — tokens, token_logprobs, top_logprobs (the token and its
+    alternatives, as vLLM lists them) and each token's text_offset from ``offset`` (the text
+    handed out before these tokens)."""
     if entries is None:
         return None
     if chat:
+        raw = token_bytes or (lambda token: token_text(token).encode())
+
         def item(token: int, logprob: float) -> dict:
-            text = token_text(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"token": token_text(token), "logprob": logprob, "bytes": list(raw(token))}
         return {"content": [{**item(e.token, e.logprob),
                              "top_logprobs": [item(t, lp) for t, lp in zip(e.top_ids, e.top_logprobs)]}
                             for e in entries]}

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, NamedTuple
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from specctl.engine.text import IncrementalText, encode_chat, encode_prompt
+from specctl.engine.text import IncrementalText, encode_chat, encode_prompt, token_bytes_of
 from specctl.errors import BadRequest, ConfigError
 from specctl.gateway import responses as R
 from specctl.gateway.api import (
@@ -69,6 +69,7 @@ class GatewayConfig:
 class Gateway:
     def __init__(self, config: GatewayConfig, tokenizer: Any, upstream: Upstream, metrics: GatewayMetrics) -> None:
         self.config, self.tokenizer, self.upstream, self.metrics = config, tokenizer, upstream, metrics
+        self._token_bytes = token_bytes_of(tokenizer)
         self.created = int(time.time())
         self.running = 0
         self._runner: web.AppRunner | None = None
@@ -277,7 +278,8 @@ class Gateway:
         async for event in events:
             logprobs += event.logprobs
             if event.finish:
-                body = R.logprobs_body(chat, logprobs, self._token_text) if wanted_logprobs(req) is not None else None
+                body = (R.logprobs_body(chat, logprobs, self._token_text, token_bytes=self._token_bytes)
+                        if wanted_logprobs(req) is not None else None)
                 return web.json_response(R.full_response(R.new_id(chat), self.config.model_name, chat, text.text,
                                                           event.finish, prompt_tokens, event.count, event.stats,
                                                           logprobs=body))
@@ -293,7 +295,8 @@ class Gateway:
         try:
             async for event in events:
                 if event.delta or (with_logprobs and event.logprobs):
-                    logprobs = R.logprobs_body(chat, event.logprobs, self._token_text, offset) if with_logprobs else None
+                    logprobs = (R.logprobs_body(chat, event.logprobs, self._token_text, offset, self._token_bytes)
+                                if with_logprobs else None)
                     offset += sum(len(self._token_text(e.token)) for e in event.logprobs)
                     await response.write(R.sse(R.chunk(rid, model, chat, created, text=event.delta, logprobs=logprobs)))
                 if event.finish:
