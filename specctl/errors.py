@@ -51,7 +51,6 @@ class StageUnavailable(SpecctlError):
     it cannot go on (their KV there is gone); new sessions work once the chain is whole."""
 
 
-
 def unreachable_reason(exc: BaseException) -> str | None:
     """Why a connection could not be made ("connection refused", "name or service not known"),
     or None when ``exc`` is not a failure to connect. aiohttp and asyncio word it around the

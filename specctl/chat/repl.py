@@ -186,7 +186,7 @@ def repl(url: str, console: Console, state: ChatState | None = None, api_key: st
 
 def failure_message(url: str, exc: BaseException) -> str:
     """What went wrong with a reply, and for a gateway that cannot be reached, what to do."""
-    reason = unreachable_reason(exc) if isinstance(exc, aiohttp.ClientConnectorError) else None
+    reason = unreachable_reason(exc)
     if reason:
         return (f"cannot reach the gateway at {url} ({reason}): start one "
                 "(`specctl up` or `specctl gateway`), or leave out --gateway to chat with an embedded cluster")

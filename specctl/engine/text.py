@@ -74,8 +74,8 @@ def token_bytes_of(tokenizer: Any) -> Callable[[int], bytes]:
     the UTF-8 of the token's decoded text."""
     import json
 
-    decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") if hasattr(tokenizer, "backend_tokenizer") else None
-    if "ByteLevel" not in json.dumps(decoder):
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or "ByteLevel" not in json.dumps(json.loads(backend.to_str()).get("decoder")):
         return lambda token: tokenizer.decode([token]).encode()
     from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte table
 

@@ -297,7 +297,8 @@ class Gateway:
                 if event.delta or (with_logprobs and event.logprobs):
                     logprobs = (R.logprobs_body(chat, event.logprobs, self._token_text, offset, self._token_bytes)
                                 if with_logprobs else None)
-                    offset += sum(len(self._token_text(e.token)) for e in event.logprobs)
+                    if logprobs and not chat and logprobs["tokens"]:  # the next chunk's tokens start after these
+                        offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
                     await response.write(R.sse(R.chunk(rid, model, chat, created, text=event.delta, logprobs=logprobs)))
                 if event.finish:
                     await response.write(R.sse(R.chunk(rid, model, chat, created, finish_reason=event.finish,
