@@ -122,7 +122,11 @@ def test_stop_strings_cut_the_text_and_finish_with_stop(cluster, client, tiny_di
     ({"prompt": "x", "temperature": -1}, 400, "temperature must be between 0 and 100"),
     ({"prompt": "x", "top_p": 1.5}, 400, "top_p must be in (0, 1]"),
     ({"prompt": "x", "temperature": "hot"}, 400, "Expected `float | null`"),
-    ({"prompt": "x", "n": 2}, 400, "only n=1"),
+    ({"prompt": "x", "n": 0}, 400, "n must be between 1 and 128, got 0"),
+    ({"prompt": "x", "n": 40, "max_tokens": 2}, 400,
+     "this request asks for 40 generations at once (n times the prompts) but the target instances hold 32 sessions"),
+    ({"prompt": ["x", 3]}, 400, "prompt must be a string, a list of token ids, or a list of strings or of token-id"),
+    ({"prompt": [[]]}, 400, "the prompt is empty"),
     ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens must be at least 1"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "The model `gpt-4` does not exist"),
     ({"prompt": "word " * 600, "max_tokens": 8}, 400, "maximum context length is 512 tokens"),
@@ -552,3 +556,90 @@ def test_tokenize_and_detokenize_as_vllm_does(cluster, tiny_dir):
     ]:
         code, _, raw = post(base + path, body)
         assert code == status and message in json.loads(raw)["error"]["message"], (path, body, raw)
+
+
+def _wait_idle(thread, timeout=20.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline and (sum(t.active for t in thread.cluster.targets)
+                                      or thread.cluster.draft_server.table.snapshot()["sessions"]):
+        time.sleep(0.05)
+    return sum(t.active for t in thread.cluster.targets), thread.cluster.draft_server.table.snapshot()["sessions"]
+
+
+def test_n_choices_are_n_generations_each_as_a_request_of_its_own(cluster, client, tiny_dir):
+    model = str(tiny_dir["llama"])
+    reference = specctl_generate(tiny_dir, PROMPT, 10)
+    greedy = client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0, n=3)
+    assert [(c.index, c.text) for c in greedy.choices] == [(i, reference["text"]) for i in range(3)]
+    assert greedy.usage.prompt_tokens == reference["stats"]["prompt_tokens"]  # the prompt counted once
+    assert greedy.usage.completion_tokens == 3 * len(reference["token_ids"])
+    assert greedy.model_extra["specctl"]["rounds"] >= 3
+    # Sampled with a seed: choice j is what one choice with seed + j samples (as vLLM seeds them).
+    sampled = client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=77, n=3,
+                                        extra_body={"ignore_eos": True})
+    alone = [client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=77 + j,
+                                       extra_body={"ignore_eos": True}).choices[0].text for j in range(3)]
+    assert [c.text for c in sampled.choices] == alone
+    assert len(set(alone)) > 1
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello"}],
+                                          max_tokens=8, temperature=0, n=2)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content == \
+        specctl_generate(tiny_dir, "Say hello", 8, chat=True)["text"]
+    assert _wait_idle(cluster[0]) == (0, 0)
+
+
+def test_batched_prompts_give_n_choices_each_in_prompt_order(cluster, client, tiny_dir):
+    model, prompts = str(tiny_dir["llama"]), ["Once upon a time", "The capital of"]
+    alone = [client.completions.create(model=model, prompt=p, max_tokens=6, temperature=0) for p in prompts]
+    batch = client.completions.create(model=model, prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert [(c.index, c.text) for c in batch.choices] == [(i * 2 + j, alone[i].choices[0].text)
+                                                          for i in range(2) for j in range(2)]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+    ids = [json.loads(post(cluster[1]["gateway"] + "/tokenize", {"prompt": p})[2])["tokens"] for p in prompts]
+    by_ids = client.completions.create(model=model, prompt=ids, max_tokens=6, temperature=0)
+    assert [c.text for c in by_ids.choices] == [a.choices[0].text for a in alone]
+
+
+def test_streamed_choices_carry_their_index_and_rebuild_each_text(cluster, client, tiny_dir):
+    model = str(tiny_dir["llama"])
+    full = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Count"}], max_tokens=12,
+                                          temperature=1.0, seed=5, n=3, logprobs=True)
+    chunks = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Count"}],
+                                                 max_tokens=12, temperature=1.0, seed=5, n=3, logprobs=True,
+                                                 stream=True, stream_options={"include_usage": True}))
+    for choice in full.choices:
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert mine[0].delta.role == "assistant"  # each choice opens with its role
+        assert "".join(c.delta.content or "" for c in mine) == choice.message.content
+        assert [e.token for c in mine if c.logprobs for e in c.logprobs.content] == \
+            [e.token for e in choice.logprobs.content]
+        assert [c.finish_reason for c in mine if c.finish_reason] == [choice.finish_reason]
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_a_choice_that_cannot_start_fails_the_request_and_frees_its_siblings(cluster, tiny_dir):
+    thread, urls = cluster
+    from specctl.engine.tiny import TINY_VOCAB as vocab  # an id past it is refused by the target instance
+    for stream in (False, True):
+        code, _, raw = post(urls["gateway"] + "/v1/completions",
+                            {"prompt": [[1, 2, 3], [1, vocab + 5]], "max_tokens": 200, "temperature": 0,
+                             "ignore_eos": True, "stream": stream, "n": 2})
+        assert code == 400, raw
+        assert "target instance" in json.loads(raw)["error"]["message"]
+        assert _wait_idle(thread) == (0, 0)
+        assert thread.cluster.gateway.running == 0
+
+
+def test_client_disconnect_cancels_every_choice(cluster):
+    thread, urls = cluster
+    request = urllib.request.Request(urls["gateway"] + "/v1/completions", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"prompt": PROMPT, "max_tokens": 400, "temperature": 0, "n": 3,
+                                                      "stream": True, "ignore_eos": True}).encode())
+    response = urllib.request.urlopen(request, timeout=60)
+    assert response.readline().startswith(b"data: ")
+    assert sum(t.active for t in thread.cluster.targets) == 3
+    response.close()
+    assert _wait_idle(thread) == (0, 0)
+    assert thread.cluster.gateway.running == 0

@@ -10,7 +10,12 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
   the target's raw log-probabilities (before temperature, top-k, top-p, as vLLM reports
   them) of every completion token counted in usage, a stop string's last batch included;
   a token's text is its own decoding (a piece of a multi-byte character shows as U+FFFD).
-- n > 1, echo, best_of, suffix, non-zero penalties, logit_bias, a JSON
+- n choices per prompt and batched prompts (a list of strings or of token-id lists) run as
+  that many generations at once (choice index = prompt index * n + j; with a seed, choice j
+  samples with seed + j, as vLLM does); usage counts each prompt once. A request that asks
+  for more generations than the instances hold at once is refused (400), one they cannot
+  start now is a 503 like any other.
+- echo, best_of other than n, suffix, non-zero penalties, logit_bias, a JSON
   response_format, tools, and vLLM's constraining extensions (guided_*, min_p, min_tokens,
   repetition_penalty) are refused with 400 rather than silently ignored: they would change
   what the caller gets (and most would change the target's distribution).
@@ -32,6 +37,7 @@ from specctl.spec.sampling import MAX_LOGPROBS, SamplingParams
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_TOKEN_IDS = 64
+MAX_CHOICES = 128  # generations one request may ask for (n times its prompts); the instances' sessions bound it too
 log = logging.getLogger("specctl.gateway")
 
 
@@ -97,7 +103,7 @@ class _Common(msgspec.Struct, kw_only=True):
 
 
 class CompletionRequest(_Common, kw_only=True):
-    prompt: str | list[int | str]  # text, token ids, or a one-element list of text
+    prompt: str | list[int | str | list[int]]  # text, token ids, or a batch of either
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -152,8 +158,8 @@ def _warn_unknown(body: bytes, kind: type[msgspec.Struct]) -> None:
 
 
 def refuse_unsupported(req: _Common) -> None:
-    if req.n != 1:
-        raise ApiError(400, "only n=1 is supported", param="n")
+    if not 1 <= req.n <= MAX_CHOICES:
+        raise ApiError(400, f"n must be between 1 and {MAX_CHOICES}, got {req.n}", param="n")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
             raise ApiError(400, f"{name} is not supported (it would change the target's distribution)", param=name)
@@ -181,8 +187,9 @@ def refuse_unsupported(req: _Common) -> None:
     if isinstance(req, CompletionRequest):
         if req.echo:
             raise ApiError(400, "echo is not supported", param="echo")
-        if req.best_of not in (None, 1):
-            raise ApiError(400, "best_of is not supported", param="best_of")
+        if req.best_of not in (None, req.n):
+            raise ApiError(400, "best_of is not supported (only equal to n): every choice generated is returned",
+                           param="best_of")
         if req.suffix:
             raise ApiError(400, "suffix is not supported", param="suffix")
 
@@ -206,6 +213,21 @@ def wanted_logprobs(req: _Common) -> int | None:
     if wanted is not None and not 0 <= wanted <= MAX_LOGPROBS:
         raise ApiError(400, f"{name} must be between 0 and {MAX_LOGPROBS}, got {wanted}", param=name)
     return wanted
+
+
+def completion_prompts(prompt: str | list) -> list[str | list[int]]:
+    """A completion request's prompts: one text, one list of token ids, or a batch of either
+    (OpenAI's four shapes; a batch's prompts are one shape)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, int) for p in prompt):
+        return [prompt]
+    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        if len(prompt) > MAX_CHOICES:
+            raise ApiError(400, f"at most {MAX_CHOICES} prompts a request, got {len(prompt)}", param="prompt")
+        return list(prompt)
+    raise ApiError(400, "prompt must be a string, a list of token ids, or a list of strings or of token-id lists "
+                        "(one shape per batch)", param="prompt")
 
 
 def stop_strings(req: _Common) -> list[str]:

@@ -59,31 +59,46 @@ def logprobs_body(chat: bool, entries: list[TokenLogprob] | None, token_text: Ca
             "text_offset": offsets}
 
 
-def full_response(rid: str, model: str, chat: bool, text: str, finish_reason: str, prompt_tokens: int,
-                  completion_tokens: int, stats: dict, created: int | None = None, logprobs: dict | None = None) -> dict:
+def spec_summaries(stats: list[dict]) -> dict:
+    """The ``specctl`` summary of a request: its one generation's, or for several choices their
+    rounds and tokens added up (the rates recomputed from the sums; tokens/s over the longest)."""
+    if len(stats) == 1:
+        return spec_summary(stats[0])
+    total = {key: sum(s.get(key, 0) for s in stats) for key in ("rounds", "drafts", "drafted", "accepted", "new_tokens")}
+    wall_s = max((s.get("wall_ms", 0.0) for s in stats), default=0.0) / 1e3
+    return {"rounds": total["rounds"], "drafted": total["drafted"], "accepted": total["accepted"],
+            "mean_accepted_length": round(1 + total["accepted"] / total["drafts"], 4) if total["drafts"] else 0.0,
+            "acceptance_rate": round(total["accepted"] / total["drafted"], 4) if total["drafted"] else 0.0,
+            "tokens_per_s": round(total["new_tokens"] / wall_s, 3) if wall_s > 0 else 0.0}
+
+
+def choice(chat: bool, index: int, text: str, finish_reason: str, logprobs: dict | None = None) -> dict:
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                  "finish_reason": finish_reason}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def full_response(rid: str, model: str, chat: bool, choices: list[dict], prompt_tokens: int, completion_tokens: int,
+                  summary: dict, created: int | None = None) -> dict:
     return {
         "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created or int(time.time()),
-        "model": model, "choices": [choice], "usage": usage(prompt_tokens, completion_tokens),
-        "specctl": spec_summary(stats),
+        "model": model, "choices": sorted(choices, key=lambda c: c["index"]),
+        "usage": usage(prompt_tokens, completion_tokens), "specctl": summary,
     }
 
 
 def chunk(rid: str, model: str, chat: bool, created: int, text: str | None = None, finish_reason: str | None = None,
-          role: bool = False, extra: dict | None = None, logprobs: dict | None = None) -> dict:
+          role: bool = False, extra: dict | None = None, logprobs: dict | None = None, index: int = 0) -> dict:
     """One streamed chunk: a text delta (with its tokens' logprobs), the opening role (chat) or
     the closing finish_reason."""
     if chat:
         delta: dict = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        one = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        one = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
     body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-            "model": model, "choices": [choice]}
+            "model": model, "choices": [one]}
     body.update(extra or {})
     return body
 

@@ -12,35 +12,26 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, NamedTuple
+from typing import Any, AsyncIterator
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from specctl.engine.text import IncrementalText, encode_chat, encode_prompt, token_bytes_of
+from specctl.engine.text import encode_chat, encode_prompt, token_bytes_of
 from specctl.errors import BadRequest, ConfigError
 from specctl.gateway import responses as R
 from specctl.gateway.api import (
-    ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_messages, parse_body,
-    refuse_unsupported, sampling_params, stop_strings, wanted_logprobs,
+    MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_messages,
+    completion_prompts, parse_body, refuse_unsupported, sampling_params, stop_strings, wanted_logprobs,
 )
+from specctl.gateway.choices import Choices, choice_specs
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.gateway.upstream import Upstream
-from specctl.net.protocol import Tokens
-from specctl.verify.client import RemoteError, TargetStream
+from specctl.verify.client import RemoteError
 
 log = logging.getLogger("specctl.gateway")
 
 REMOTE_STATUS = {"bad_request": 400, "capacity": 503, "unavailable": 503}
-
-
-class Event(NamedTuple):
-    """What a generation hands the response, as its tokens arrive."""
-    delta: str  # text to hand out now
-    finish: str | None  # the finish_reason, on the last event
-    stats: dict  # the generation's statistics, on the last event
-    count: int  # completion tokens so far
-    logprobs: list  # R.TokenLogprob of this event's tokens (empty unless the request asked)
 
 
 def remote_message(exc: RemoteError) -> str:
@@ -169,7 +160,7 @@ class Gateway:
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "give either prompt or messages", param="prompt")
         chat = req.messages is not None
-        ids = self._encode(ChatCompletionRequest(messages=req.messages) if chat else CompletionRequest(prompt=req.prompt))
+        ids = self._encode(ChatCompletionRequest(messages=req.messages) if chat else CompletionRequest(prompt=req.prompt))[0]
         return web.json_response({"count": len(ids), "max_model_len": self.config.context, "tokens": ids})
 
     async def _detokenize(self, request: web.Request) -> web.Response:
@@ -193,19 +184,17 @@ class Gateway:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
 
-    def _encode(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
+    def _encode(self, req: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
+        """The request's prompts as token ids: chat messages, or a completion prompt (text, token
+        ids, or a batch of either)."""
         try:
             if isinstance(req, ChatCompletionRequest):
-                return encode_chat(self.tokenizer, chat_messages(req))
-            prompt = req.prompt
-            if isinstance(prompt, list) and any(isinstance(p, str) for p in prompt):
-                if len(prompt) != 1 or not isinstance(prompt[0], str):
-                    raise ApiError(400, "batched prompts are not supported: send one prompt per request", param="prompt")
-                prompt = prompt[0]
-            ids = encode_prompt(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+                return [encode_chat(self.tokenizer, chat_messages(req))]
+            prompts = completion_prompts(req.prompt)
+            ids = [encode_prompt(self.tokenizer, p) if isinstance(p, str) else p for p in prompts]
         except BadRequest as exc:
             raise ApiError(400, str(exc)) from None
-        if not ids:
+        if not all(ids):
             raise ApiError(400, "the prompt is empty", param="prompt")
         return ids
 
@@ -220,17 +209,18 @@ class Gateway:
             refuse_unsupported(req)
             self._check_model(req.model)
             stop = stop_strings(req)
-            prompt = self._encode(req)
-            params = sampling_params(req, len(prompt), self.config.context, self.config.default_max_tokens)
-            self.metrics.prompt_tokens.inc(len(prompt))
+            prompts = self._encode(req)
+            specs = choice_specs(prompts, [sampling_params(req, len(p), self.config.context,
+                                                           self.config.default_max_tokens) for p in prompts], req.n)
+            self._check_room(len(specs))
+            prompt_tokens = sum(map(len, prompts))
+            self.metrics.prompt_tokens.inc(prompt_tokens)
             try:
-                async with self.upstream.stream(prompt, params) as (stream, first):
-                    text = IncrementalText(self.tokenizer, stop)
-                    events = self._events(stream, first, text)
+                async with Choices(self.upstream, self.metrics, self.tokenizer, specs, stop) as choices:
                     if req.stream:
-                        response = await self._stream(request, req, chat, len(prompt), events)
+                        response = await self._stream(request, req, chat, prompt_tokens, choices)
                     else:
-                        response = await self._collect(req, chat, len(prompt), events, text)
+                        response = await self._collect(req, chat, prompt_tokens, choices)
             except RemoteError as exc:
                 raise ApiError(REMOTE_STATUS.get(exc.code, 502), remote_message(exc),
                                type="invalid_request_error" if exc.code == "bad_request" else "server_error") from None
@@ -247,65 +237,64 @@ class Gateway:
             self.metrics.running.set(self.running)
             self.metrics.requests.labels(endpoint=endpoint, status=status).inc()
 
-    async def _events(self, stream: TargetStream, first, text: IncrementalText) -> AsyncIterator[Event]:
-        """Text deltas (with their tokens' log-probabilities) as tokens arrive, the last with its
-        finish_reason and the generation's stats."""
-        event, count = first, 0
-        while True:
-            if isinstance(event, Tokens):
-                count += len(event.tokens)
-                self.metrics.generation_tokens.inc(len(event.tokens))
-                delta = text.push(event.tokens)
-                logprobs = [R.TokenLogprob(*entry) for entry in zip(event.tokens, event.logprobs, event.top_ids,
-                                                                     event.top_logprobs)]
-                if text.stopped:  # the rest is not wanted: stop the target, keep its stats for the counters
-                    stats = await stream.cancel()
-                    self.metrics.record_generation(stats)
-                    yield Event(delta, "stop", stats, count, logprobs)
-                    return
-                yield Event(delta, None, {}, count, logprobs)
-            else:
-                self.metrics.record_generation(event.stats)
-                yield Event(text.finish(), event.finish_reason, event.stats, count, [])
-                return
-            event = await stream.next()
+    def _check_room(self, generations: int) -> None:
+        """A request's choices run at once: more than the instances that are up can ever hold
+        at once is refused (fewer, but busy now, is the usual 503 to retry)."""
+        if generations > MAX_CHOICES:
+            raise ApiError(400, f"this request asks for {generations} generations (n times the prompts); at most "
+                                f"{MAX_CHOICES}", param="n")
+        room = sum(view.capacity for view in self.upstream.views() if view.up)
+        if room and generations > room:
+            raise ApiError(400, f"this request asks for {generations} generations at once (n times the prompts) but "
+                                f"the target instances hold {room} sessions in all: lower n or send fewer prompts",
+                           param="n")
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
 
-    async def _collect(self, req, chat: bool, prompt_tokens: int, events, text: IncrementalText) -> web.Response:
-        logprobs: list[R.TokenLogprob] = []
-        async for event in events:
-            logprobs += event.logprobs
-            if event.finish:
-                body = (R.logprobs_body(chat, logprobs, self._token_text, token_bytes=self._token_bytes)
-                        if wanted_logprobs(req) is not None else None)
-                return web.json_response(R.full_response(R.new_id(chat), self.config.model_name, chat, text.text,
-                                                          event.finish, prompt_tokens, event.count, event.stats,
-                                                          logprobs=body))
-        raise ApiError(502, "the target instance ended the stream without finishing", type="server_error")
+    def _logprobs(self, chat: bool, entries: list, offset: int = 0) -> dict | None:
+        return R.logprobs_body(chat, entries, self._token_text, offset, self._token_bytes)
 
-    async def _stream(self, request: web.Request, req, chat: bool, prompt_tokens: int, events) -> web.StreamResponse:
+    async def _collect(self, req, chat: bool, prompt_tokens: int, choices: Choices) -> web.Response:
+        texts: dict[int, list[str]] = {}
+        logprobs: dict[int, list[R.TokenLogprob]] = {}
+        bodies, stats, completion_tokens = [], [], 0
+        with_logprobs = wanted_logprobs(req) is not None
+        async for index, event in choices.events():
+            texts.setdefault(index, []).append(event.delta)
+            logprobs.setdefault(index, []).extend(event.logprobs)
+            if event.finish:
+                bodies.append(R.choice(chat, index, "".join(texts[index]), event.finish,
+                                       self._logprobs(chat, logprobs[index]) if with_logprobs else None))
+                stats.append(event.stats)
+                completion_tokens += event.count
+        return web.json_response(R.full_response(R.new_id(chat), self.config.model_name, chat, bodies, prompt_tokens,
+                                                 completion_tokens, R.spec_summaries(stats)))
+
+    async def _stream(self, request: web.Request, req, chat: bool, prompt_tokens: int,
+                      choices: Choices) -> web.StreamResponse:
         rid, created, model = R.new_id(chat), int(time.time()), self.config.model_name
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         if chat:
-            await response.write(R.sse(R.chunk(rid, model, chat, created, role=True)))
-        offset, with_logprobs = 0, wanted_logprobs(req) is not None
+            for spec in choices.specs:
+                await response.write(R.sse(R.chunk(rid, model, chat, created, role=True, index=spec.index)))
+        offsets: dict[int, int] = {}  # each choice's text handed out so far (completions' text_offset)
+        with_logprobs, completion_tokens = wanted_logprobs(req) is not None, 0
         try:
-            async for event in events:
+            async for index, event in choices.events():
                 if event.delta or (with_logprobs and event.logprobs):
-                    logprobs = (R.logprobs_body(chat, event.logprobs, self._token_text, offset, self._token_bytes)
-                                if with_logprobs else None)
+                    logprobs = self._logprobs(chat, event.logprobs, offsets.get(index, 0)) if with_logprobs else None
                     if logprobs and not chat and logprobs["tokens"]:  # the next chunk's tokens start after these
-                        offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
-                    await response.write(R.sse(R.chunk(rid, model, chat, created, text=event.delta, logprobs=logprobs)))
+                        offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+                    await response.write(R.sse(R.chunk(rid, model, chat, created, text=event.delta, logprobs=logprobs,
+                                                       index=index)))
                 if event.finish:
+                    completion_tokens += event.count
                     await response.write(R.sse(R.chunk(rid, model, chat, created, finish_reason=event.finish,
-                                                       extra={"specctl": R.spec_summary(event.stats)})))
-                    if req.stream_options and req.stream_options.include_usage:
-                        await response.write(R.sse(R.usage_chunk(rid, model, chat, created, prompt_tokens,
-                                                                 event.count)))
+                                                       extra={"specctl": R.spec_summary(event.stats)}, index=index)))
+            if req.stream_options and req.stream_options.include_usage:
+                await response.write(R.sse(R.usage_chunk(rid, model, chat, created, prompt_tokens, completion_tokens)))
         except RemoteError as exc:  # headers are gone: the error travels in the stream, as vLLM does
             await response.write(R.sse(ApiError(502, remote_message(exc), type="server_error").body()))
         await response.write(R.sse("[DONE]"))

@@ -1,0 +1,138 @@
+"""A request's choices: ``n`` per prompt, for each prompt of a batch, each its own generation
+on the least-loaded target instance, all running at once; their events merged into one
+stream in the order they arrive, each tagged with its choice's index (OpenAI's and vLLM's
+layout: prompt i's j-th choice has index i * n + j).
+
+A request is one unit: it starts once every choice has its first token (so a choice that
+cannot start — no capacity, a bad prompt — fails the request with its HTTP error before any
+response is sent), and a choice that fails later ends them all. Leaving the ``async with``
+(the response done, or the client gone) cancels what still runs; each generation's stream
+then cancels it on its target."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass
+from typing import AsyncIterator, NamedTuple
+
+from specctl.engine.text import IncrementalText
+from specctl.gateway import responses as R
+from specctl.gateway.metrics import GatewayMetrics
+from specctl.gateway.upstream import Upstream
+from specctl.net.protocol import Tokens
+from specctl.spec.sampling import SamplingParams
+from specctl.verify.client import TargetStream
+
+
+class Event(NamedTuple):
+    """What a generation hands the response, as its tokens arrive."""
+    delta: str  # text to hand out now
+    finish: str | None  # the finish_reason, on the last event
+    stats: dict  # the generation's statistics, on the last event
+    count: int  # completion tokens so far
+    logprobs: list  # R.TokenLogprob of this event's tokens (empty unless the request asked)
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceSpec:
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+
+
+def choice_specs(prompts: list[list[int]], params: list[SamplingParams], n: int) -> list[ChoiceSpec]:
+    """Prompt i's j-th choice: index i * n + j; with a seed, seed + j (as vLLM seeds a request's
+    choices: reproducible, and not n copies of one sample)."""
+    return [ChoiceSpec(i * n + j, prompt, p if p.seed is None or not j else dataclasses.replace(p, seed=p.seed + j))
+            for i, (prompt, p) in enumerate(zip(prompts, params)) for j in range(n)]
+
+
+class Choices:
+    """Owns the tasks of one request's generations (``async with``: none outlives it)."""
+
+    def __init__(self, upstream: Upstream, metrics: GatewayMetrics, tokenizer, specs: list[ChoiceSpec],
+                 stop: list[str]) -> None:
+        self.upstream, self.metrics, self.tokenizer, self.specs, self.stop = upstream, metrics, tokenizer, specs, stop
+        self._queue: asyncio.Queue[tuple[int, Event | BaseException]] = asyncio.Queue()
+        self._started: list[asyncio.Future] = []
+        self._tasks: list[asyncio.Task] = []
+
+    async def __aenter__(self) -> "Choices":
+        loop = asyncio.get_running_loop()
+        self._started = [loop.create_future() for _ in self.specs]
+        self._tasks = [asyncio.create_task(self._run(k, spec)) for k, spec in enumerate(self.specs)]
+        try:
+            await self._wait_started()
+        except BaseException:
+            await self._stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self._stop()
+
+    async def _wait_started(self) -> None:
+        pending = set(self._started)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            for future in done:
+                future.result()  # the first choice that could not start fails the request
+
+    async def _stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for future in self._started:  # retrieved, so that no "exception never retrieved" is logged
+            if future.done() and not future.cancelled():
+                future.exception()
+
+    async def _run(self, k: int, spec: ChoiceSpec) -> None:
+        started = self._started[k]
+        try:
+            async with self.upstream.stream(spec.prompt, spec.params) as (stream, first):
+                started.set_result(None)
+                async for event in self._events(stream, first):
+                    await self._queue.put((k, event))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - handed to the request, which ends with it
+            if not started.done():
+                started.set_exception(exc)
+            else:
+                await self._queue.put((k, exc))
+
+    async def events(self) -> AsyncIterator[tuple[int, Event]]:
+        """(choice index, event) until every choice has finished; a choice's failure is raised."""
+        running = len(self.specs)
+        while running:
+            k, item = await self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            running -= item.finish is not None
+            yield self.specs[k].index, item
+
+    async def _events(self, stream: TargetStream, first) -> AsyncIterator[Event]:
+        """Text deltas (with their tokens' log-probabilities) as tokens arrive, the last with its
+        finish_reason and the generation's stats."""
+        text = IncrementalText(self.tokenizer, self.stop)
+        event, count = first, 0
+        while True:
+            if isinstance(event, Tokens):
+                count += len(event.tokens)
+                self.metrics.generation_tokens.inc(len(event.tokens))
+                delta = text.push(event.tokens)
+                logprobs = [R.TokenLogprob(*entry) for entry in zip(event.tokens, event.logprobs, event.top_ids,
+                                                                     event.top_logprobs)]
+                if text.stopped:  # the rest is not wanted: stop the target, keep its stats for the counters
+                    stats = await stream.cancel()
+                    self.metrics.record_generation(stats)
+                    yield Event(delta, "stop", stats, count, logprobs)
+                    return
+                yield Event(delta, None, {}, count, logprobs)
+            else:
+                self.metrics.record_generation(event.stats)
+                yield Event(text.finish(), event.finish_reason, event.stats, count, [])
+                return
+            event = await stream.next()
+
