@@ -643,3 +643,42 @@ def test_client_disconnect_cancels_every_choice(cluster):
     response.close()
     assert _wait_idle(thread) == (0, 0)
     assert thread.cluster.gateway.running == 0
+
+
+def test_echo_puts_the_prompt_first_with_its_logprobs_as_lm_eval_asks(cluster, tiny_dir):
+    base = cluster[1]["gateway"]
+    plain = json.loads(post(base + "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0})[2])
+    echoed = json.loads(post(base + "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                                                        "echo": True})[2])
+    assert echoed["choices"][0]["text"] == PROMPT + plain["choices"][0]["text"]
+    assert echoed["usage"] == plain["usage"]
+    # lm-eval's loglikelihood request: batched token ids, echo, logprobs 1, one token
+    prompts = [json.loads(post(base + "/tokenize", {"prompt": p})[2])["tokens"] for p in (PROMPT, "Hello there")]
+    code, _, raw = post(base + "/v1/completions", {"prompt": prompts, "max_tokens": 1, "temperature": 0, "echo": True,
+                                                   "logprobs": 1})
+    assert code == 200, raw
+    for ids, choice in zip(prompts, json.loads(raw)["choices"]):
+        logprobs, generated = choice["logprobs"], _target_logprobs(tiny_dir, ids, [0])
+        assert len(logprobs["tokens"]) == len(ids) + 1
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        whole = _target_logprobs(tiny_dir, ids[:1], ids[1:] + [0])  # row i: prompt token i + 1's distribution
+        for i, token in enumerate(ids[1:]):
+            assert logprobs["token_logprobs"][i + 1] == pytest.approx(float(whole[i, token]), abs=1e-4)
+            assert len(logprobs["top_logprobs"][i + 1]) in (1, 2)  # the token and the likeliest (maybe the same)
+        assert logprobs["token_logprobs"][-1] == pytest.approx(float(generated[0].max()), abs=1e-4)  # greedy
+        widths = [len(t) for t in logprobs["tokens"]]
+        assert logprobs["text_offset"] == [sum(widths[:i]) for i in range(len(widths))]
+        assert "".join(logprobs["tokens"][:len(ids)]) == "".join(
+            json.loads(post(base + "/detokenize", {"tokens": [t]})[2])["prompt"] for t in ids)
+    # streamed: the prompt comes first, with its logprobs; the chunks rebuild the same text and lists
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "echo": True, "logprobs": 0}
+    whole = json.loads(post(base + "/v1/completions", body)[2])["choices"][0]
+    request = urllib.request.Request(base + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        chunks = [json.loads(line[6:])["choices"][0] for line in response if line.startswith(b"data: {")]
+    assert chunks[0]["text"] == PROMPT and chunks[0]["logprobs"]["token_logprobs"][0] is None
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    assert sum((c["logprobs"]["token_logprobs"] for c in chunks if c["logprobs"]), []) == \
+        whole["logprobs"]["token_logprobs"]
+    assert sum((c["logprobs"]["text_offset"] for c in chunks if c["logprobs"]), []) == whole["logprobs"]["text_offset"]

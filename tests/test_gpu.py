@@ -66,6 +66,28 @@ def test_logprobs_on_cuda_are_the_same_in_every_mode_and_running_ahead(cuda_pair
         assert ids == ref_ids and lp == pytest.approx(ref_lp, abs=1e-4) and values == pytest.approx(ref_values, abs=1e-4)
 
 
+def test_prompt_logprobs_on_cuda_match_a_whole_prompt_forward_and_leave_the_output_alone(cuda_pair):
+    """The echoed prompt's log-probabilities: a chunked scoring pass on the device (graphs on)."""
+    import specctl.spec.logprobs as logprobs_module
+
+    target, _ = cuda_pair
+    prompt = PROMPTS[1] * 8
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    reference, _, _ = generate(target, prompt, params)
+    chunk, logprobs_module.PROMPT_CHUNK = logprobs_module.PROMPT_CHUNK, 16
+    try:
+        session = DecodeSession(target, prompt, SamplingParams(max_tokens=16, ignore_eos=True, prompt_logprobs=1))
+    finally:
+        logprobs_module.PROMPT_CHUNK = chunk
+    scored = session.prompt_logprobs
+    session.close()
+    assert generate(target, prompt, SamplingParams(max_tokens=16, ignore_eos=True, prompt_logprobs=1))[0] == reference
+    whole = target(torch.tensor(prompt), torch.arange(len(prompt)), target.new_cache(len(prompt)))[:-1].log_softmax(-1)
+    assert len(scored) == len(prompt) - 1
+    for row, token, (lp, ids, _) in zip(whole, prompt[1:], scored):
+        assert lp == pytest.approx(float(row[token]), abs=1e-3)  # chunked vs one forward: the last bits may differ
+
+
 @pytest.mark.parametrize("mode", ["chain", "tree", "ngram"])
 def test_greedy_every_mode_equals_ar_on_cuda(cuda_pair, mode):
     target, draft = cuda_pair

@@ -65,3 +65,46 @@ def test_no_logprobs_unless_asked_and_at_most_twenty_alternatives(tiny):
     with pytest.raises(InvalidSamplingParams, match=r"^logprobs must be between 0 and 20 \(the alternatives listed "
                                                     r"beside each token\), got 21$"):
         SamplingParams(logprobs=21)
+
+
+def test_prompt_logprobs_are_the_targets_and_leave_the_output_alone(tiny, monkeypatch):
+    import specctl.spec.logprobs as logprobs_module
+    from specctl.engine.kv_cache import KVPool
+
+    target = tiny["llama"]
+    monkeypatch.setattr(logprobs_module, "PROMPT_CHUNK", 4)  # 6 rows scored: a chunk of 4, then one of 2
+    pool = KVPool()
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    plain = decode(target, params)
+    lane = InlineLane()
+    speculator = LocalSpeculator(ModelChainDrafter(tiny["llama-draft"], 3), lane, None)
+    session = DecodeSession(target, PROMPT, SamplingParams(max_tokens=12, ignore_eos=True, prompt_logprobs=2), (),
+                            None, pool, speculator.max_nodes)
+    assert pool.sessions == 1  # the scoring pass's scratch cache is gone before the session's is taken
+    run_inline(run_session(session, speculator, lane, lambda tokens, result: None))
+    assert session.output == plain.output
+    full = target(torch.tensor(PROMPT), torch.arange(len(PROMPT)), target.new_cache(len(PROMPT)))
+    expected = full[:-1].float().log_softmax(-1)
+    assert len(session.prompt_logprobs) == len(PROMPT) - 1
+    for row, token, (chosen, ids, values) in zip(expected, PROMPT[1:], session.prompt_logprobs):
+        assert chosen == pytest.approx(float(row[token]), abs=1e-5)
+        assert ids == row.topk(2).indices.tolist() and values == pytest.approx(row.topk(2).values.tolist(), abs=1e-5)
+    assert decode(target, params).prompt_logprobs is None
+    one = DecodeSession(target, PROMPT[:1], SamplingParams(max_tokens=2, prompt_logprobs=0), (), None, pool)
+    assert one.prompt_logprobs == []  # nothing precedes the only token
+    one.close()
+    session.close()
+    assert pool.used_bytes == 0 and pool.sessions == 0
+
+
+def test_prompt_logprobs_that_do_not_fit_the_kv_budget_leave_nothing_reserved(tiny):
+    from specctl.engine.kv_cache import KVPool
+    from specctl.errors import KVBudgetExceeded
+
+    target = tiny["llama"]
+    pool = KVPool(budget_bytes=target.kv_slot_bytes * 4)
+    with pytest.raises(KVBudgetExceeded, match="KV cache budget exhausted"):
+        DecodeSession(target, PROMPT, SamplingParams(max_tokens=2, prompt_logprobs=0), (), None, pool)
+    assert pool.used_bytes == 0 and pool.sessions == 0
+    with pytest.raises(InvalidSamplingParams, match=r"^prompt_logprobs must be between 0 and 20"):
+        SamplingParams(prompt_logprobs=-1)

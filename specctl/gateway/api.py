@@ -15,7 +15,11 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
   samples with seed + j, as vLLM does); usage counts each prompt once. A request that asks
   for more generations than the instances hold at once is refused (400), one they cannot
   start now is a 503 like any other.
-- echo, best_of other than n, suffix, non-zero penalties, logit_bias, a JSON
+- echo (completions) puts the prompt before each choice's text (as given, or decoded from
+  its token ids); with logprobs its tokens are listed first, the first with null (nothing
+  precedes it), the others with the target's log-probabilities from a pass of their own over
+  the prompt (the generation's prefill is untouched: the output stays the target's own).
+- best_of other than n, suffix, non-zero penalties, logit_bias, a JSON
   response_format, tools, and vLLM's constraining extensions (guided_*, min_p, min_tokens,
   repetition_penalty) are refused with 400 rather than silently ignored: they would change
   what the caller gets (and most would change the target's distribution).
@@ -185,8 +189,6 @@ def refuse_unsupported(req: _Common) -> None:
     if req.tool_choice not in (None, "none", "auto"):
         raise ApiError(400, "tool_choice must be 'none' or 'auto': no tools are supported", param="tool_choice")
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise ApiError(400, "echo is not supported", param="echo")
         if req.best_of not in (None, req.n):
             raise ApiError(400, "best_of is not supported (only equal to n): every choice generated is returned",
                            param="best_of")
@@ -278,6 +280,7 @@ def sampling_params(req: _Common, prompt_tokens: int, context: int, default_max_
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=top_k, max_tokens=requested, seed=req.seed, ignore_eos=req.ignore_eos,
             stop_token_ids=tuple(req.stop_token_ids or ()), logprobs=wanted_logprobs(req),
+            prompt_logprobs=wanted_logprobs(req) if isinstance(req, CompletionRequest) and req.echo else None,
         )
     except SpecctlError as exc:  # the message starts with the parameter's name
         raise ApiError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None

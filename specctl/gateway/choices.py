@@ -39,12 +39,15 @@ class ChoiceSpec:
     index: int
     prompt: list[int]
     params: SamplingParams
+    echo: str | None = None  # the prompt's text, handed out before the generation's (completions' echo)
 
 
-def choice_specs(prompts: list[list[int]], params: list[SamplingParams], n: int) -> list[ChoiceSpec]:
+def choice_specs(prompts: list[list[int]], params: list[SamplingParams], n: int,
+                 echoes: list[str] | None = None) -> list[ChoiceSpec]:
     """Prompt i's j-th choice: index i * n + j; with a seed, seed + j (as vLLM seeds a request's
     choices: reproducible, and not n copies of one sample)."""
-    return [ChoiceSpec(i * n + j, prompt, p if p.seed is None or not j else dataclasses.replace(p, seed=p.seed + j))
+    return [ChoiceSpec(i * n + j, prompt, p if p.seed is None or not j else dataclasses.replace(p, seed=p.seed + j),
+                       echoes[i] if echoes else None)
             for i, (prompt, p) in enumerate(zip(prompts, params)) for j in range(n)]
 
 
@@ -92,7 +95,7 @@ class Choices:
         try:
             async with self.upstream.stream(spec.prompt, spec.params) as (stream, first):
                 started.set_result(None)
-                async for event in self._events(stream, first):
+                async for event in self._events(stream, first, spec):
                     await self._queue.put((k, event))
         except asyncio.CancelledError:
             raise
@@ -112,9 +115,12 @@ class Choices:
             running -= item.finish is not None
             yield self.specs[k].index, item
 
-    async def _events(self, stream: TargetStream, first) -> AsyncIterator[Event]:
+    async def _events(self, stream: TargetStream, first, spec: ChoiceSpec) -> AsyncIterator[Event]:
         """Text deltas (with their tokens' log-probabilities) as tokens arrive, the last with its
-        finish_reason and the generation's stats."""
+        finish_reason and the generation's stats; an echoed prompt first."""
+        if spec.echo is not None:
+            yield Event(spec.echo, None, {}, 0, prompt_logprobs(spec.prompt, first) if spec.params.prompt_logprobs
+                        is not None and isinstance(first, Tokens) else [])
         text = IncrementalText(self.tokenizer, self.stop)
         event, count = first, 0
         while True:
@@ -136,3 +142,9 @@ class Choices:
                 return
             event = await stream.next()
 
+
+def prompt_logprobs(prompt: list[int], first: Tokens) -> list[R.TokenLogprob]:
+    """An echoed prompt's tokens with their log-probabilities (sent with the first TOKENS); its
+    first token has none."""
+    return [R.TokenLogprob(prompt[0], None, [], []),
+            *map(R.TokenLogprob, prompt[1:], first.prompt_logprobs, first.prompt_top_ids, first.prompt_top_logprobs)]

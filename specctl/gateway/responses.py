@@ -12,7 +12,7 @@ from typing import Callable, NamedTuple
 class TokenLogprob(NamedTuple):
     """One output token's log-probability under the target and its likeliest alternatives."""
     token: int
-    logprob: float
+    logprob: float | None  # None: an echoed prompt's first token (nothing precedes it)
     top_ids: list[int]
     top_logprobs: list[float]
 
@@ -54,7 +54,8 @@ def logprobs_body(chat: bool, entries: list[TokenLogprob] | None, token_text: Ca
         offsets.append(offset)
         offset += len(text)
     return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{text: e.logprob, **{token_text(t): lp for t, lp in zip(e.top_ids, e.top_logprobs)}}
+            "top_logprobs": [None if e.logprob is None else  # an echoed prompt's first token
+                             {text: e.logprob, **{token_text(t): lp for t, lp in zip(e.top_ids, e.top_logprobs)}}
                              for text, e in zip(texts, entries)],
             "text_offset": offsets}
 

@@ -211,7 +211,8 @@ class Gateway:
             stop = stop_strings(req)
             prompts = self._encode(req)
             specs = choice_specs(prompts, [sampling_params(req, len(p), self.config.context,
-                                                           self.config.default_max_tokens) for p in prompts], req.n)
+                                                           self.config.default_max_tokens) for p in prompts], req.n,
+                                 self._echoes(req, prompts))
             self._check_room(len(specs))
             prompt_tokens = sum(map(len, prompts))
             self.metrics.prompt_tokens.inc(prompt_tokens)
@@ -236,6 +237,13 @@ class Gateway:
             self.running -= 1
             self.metrics.running.set(self.running)
             self.metrics.requests.labels(endpoint=endpoint, status=status).inc()
+
+    def _echoes(self, req, prompts: list[list[int]]) -> list[str] | None:
+        """Each prompt's text as echo hands it back: as given, or decoded from its token ids."""
+        if not getattr(req, "echo", False):
+            return None
+        return [p if isinstance(p, str) else self.tokenizer.decode(ids)
+                for p, ids in zip(completion_prompts(req.prompt), prompts)]
 
     def _check_room(self, generations: int) -> None:
         """A request's choices run at once: more than the instances that are up can ever hold

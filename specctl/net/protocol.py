@@ -202,6 +202,7 @@ class Generate(msgspec.Struct, tag=True, frozen=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int = -1  # -1: none; n >= 0: each token's log-probability and its n likeliest alternatives
+    prompt_logprobs: int = -1  # the same for the prompt's tokens after the first (sent with the first TOKENS)
 
 
 class Tokens(msgspec.Struct, tag=True, frozen=True):
@@ -211,6 +212,10 @@ class Tokens(msgspec.Struct, tag=True, frozen=True):
     logprobs: list[float] = []
     top_ids: list[list[int]] = []
     top_logprobs: list[list[float]] = []
+    # the first TOKENS of a generation that asked (sent even with no token): the prompt's, its first token excluded
+    prompt_logprobs: list[float] = []
+    prompt_top_ids: list[list[int]] = []
+    prompt_top_logprobs: list[list[float]] = []
 
 
 class Done(msgspec.Struct, tag=True, frozen=True):

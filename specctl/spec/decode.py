@@ -13,23 +13,10 @@ from specctl.engine.kv_cache import KVPool
 from specctl.engine.model import Decoder
 from specctl.errors import PromptTooLong
 from specctl.spec.drafters import Proposal
+from specctl.spec.logprobs import TokenLogprob, score_prompt, token_logprobs
 from specctl.spec.sampling import SamplingParams, checked_token, probs_from_logits, sample, sample_tensor
 from specctl.spec.stats import GenerationStats
 from specctl.spec.verify import accept_chain_sampling, accept_greedy, accept_tree_sampling
-
-
-TokenLogprob = tuple[float, list[int], list[float]]  # the token's log-probability; its alternatives' ids, theirs
-
-
-def token_logprobs(rows: torch.Tensor, tokens: list[int], alternatives: int) -> list[TokenLogprob]:
-    """Each token's log-probability under the target's raw distribution at its row (before
-    temperature, top-k and top-p, as vLLM reports them), with the ``alternatives`` likeliest."""
-    logprobs = rows.float().log_softmax(-1)
-    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).view(-1, 1))[:, 0].tolist()
-    if not alternatives:
-        return [(lp, [], []) for lp in chosen]
-    values, ids = logprobs.topk(alternatives, dim=-1)
-    return list(zip(chosen, ids.tolist(), values.tolist()))
 
 
 def runs_ahead(params: SamplingParams, max_nodes: int, target: Decoder) -> bool:
@@ -80,6 +67,10 @@ class DecodeSession:
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         self.max_nodes = max_nodes  # the largest tree a round may verify (root included)
         self.capacity = len(prompt) + params.max_tokens + max_nodes + 1
+        # of the prompt's tokens after the first, when params.prompt_logprobs asks: a pass of its own,
+        # its scratch KV freed before the session's is taken
+        self.prompt_logprobs: list[TokenLogprob] | None = (
+            None if params.prompt_logprobs is None else score_prompt(target, prompt, params.prompt_logprobs, pool))
         self.cache = target.new_cache(self.capacity, pool)
         self.generator = torch.Generator().manual_seed(params.seed if params.seed is not None else int(time.time_ns()))
         self.seq = list(prompt)

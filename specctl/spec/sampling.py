@@ -22,6 +22,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n: each token's log-probability and its n likeliest alternatives
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (the first has none: nothing precedes it)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0):
@@ -34,9 +35,11 @@ class SamplingParams:
             raise InvalidSamplingParams(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
             raise InvalidSamplingParams(f"seed must be a non-negative integer, got {self.seed!r}")
-        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise InvalidSamplingParams(f"logprobs must be between 0 and {MAX_LOGPROBS} (the alternatives listed "
-                                        f"beside each token), got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS):
+                raise InvalidSamplingParams(f"{name} must be between 0 and {MAX_LOGPROBS} (the alternatives listed "
+                                            f"beside each token), got {value!r}")
 
     @property
     def greedy(self) -> bool:

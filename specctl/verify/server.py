@@ -209,8 +209,9 @@ class TargetServer(ListeningServer):
         try:
             params = SamplingParams(temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k,
                                     max_tokens=msg.max_tokens, seed=msg.seed, stop_token_ids=tuple(msg.stop_token_ids),
-                                    ignore_eos=msg.ignore_eos, logprobs=None if msg.logprobs < 0 else msg.logprobs)
-            if params.logprobs is not None and self.specpipe is not None:
+                                    ignore_eos=msg.ignore_eos, logprobs=None if msg.logprobs < 0 else msg.logprobs,
+                                    prompt_logprobs=None if msg.prompt_logprobs < 0 else msg.prompt_logprobs)
+            if (params.logprobs is not None or params.prompt_logprobs is not None) and self.specpipe is not None:
                 raise BadRequest("logprobs are not available from a SpecPipe target: its stages send the verified "
                                  "tokens, not the logits")
             check_token_ids(msg.prompt, self.model.spec.vocab_size)
@@ -249,10 +250,14 @@ class TargetServer(ListeningServer):
     def _emit(self, session: DecodeSession, req: int, tokens: list[int], result: RoundResult | None, send) -> None:
         if result is not None:
             self.totals.record(result)
-        if tokens:
-            self.totals.new_tokens += len(tokens)
-            if session.params.logprobs is None:
-                send(Tokens(req, tokens))
-                return
-            chosen, ids, values = zip(*session.logprobs[-len(tokens):])
-            send(Tokens(req, tokens, list(chosen), list(ids), list(values)))
+        prompt = session.prompt_logprobs if result is None else None  # the prefill's: the prompt's go with it
+        if not tokens and prompt is None:
+            return
+        self.totals.new_tokens += len(tokens)
+        own = session.logprobs[len(session.logprobs) - len(tokens):] if session.params.logprobs is not None else []
+        send(Tokens(req, tokens, *_columns(own), *_columns(prompt or [])))
+
+
+def _columns(entries: list) -> tuple[list, list, list]:
+    """(log-probability, alternatives' ids, theirs) entries as the wire's three parallel lists."""
+    return tuple(map(list, zip(*entries))) if entries else ([], [], [])

@@ -1,0 +1,43 @@
+"""Log-probabilities under the target (OpenAI's and vLLM's ``logprobs``): of the tokens a
+session emits, from the rows they were chosen at, and of a prompt's own tokens (an echoed
+prompt's, as lm-eval's loglikelihood tasks ask for them)."""
+
+from __future__ import annotations
+
+import torch
+
+from specctl.engine.kv_cache import KVPool
+
+TokenLogprob = tuple[float, list[int], list[float]]  # the token's log-probability; its alternatives' ids, theirs
+PROMPT_CHUNK = 512  # prompt rows scored per forward: bounds the logits held at once (rows x vocabulary)
+
+
+def token_logprobs(rows: torch.Tensor, tokens: list[int], alternatives: int) -> list[TokenLogprob]:
+    """Each token's log-probability under the target's raw distribution at its row (before
+    temperature, top-k and top-p, as vLLM reports them), with the ``alternatives`` likeliest."""
+    logprobs = rows.float().log_softmax(-1)
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).view(-1, 1))[:, 0].tolist()
+    if not alternatives:
+        return [(lp, [], []) for lp in chosen]
+    values, ids = logprobs.topk(alternatives, dim=-1)
+    return list(zip(chosen, ids.tolist(), values.tolist()))
+
+
+def score_prompt(target, prompt: list[int], alternatives: int, pool: KVPool | None = None) -> list[TokenLogprob]:
+    """The log-probability of each prompt token after the first, given those before it.
+
+    A pass of its own over a scratch cache (freed at once), in chunks of PROMPT_CHUNK rows:
+    the session's prefill stays the one forward that decoding with the target alone runs, so
+    asking for the prompt's log-probabilities never changes a bit of the output. It costs
+    that second pass over the prompt."""
+    cache = target.new_cache(len(prompt), pool)
+    scored: list[TokenLogprob] = []
+    try:
+        for lo in range(0, len(prompt) - 1, PROMPT_CHUNK):  # the last row predicts the output, not the prompt
+            hi = min(lo + PROMPT_CHUNK, len(prompt) - 1)
+            logits = target(torch.tensor(prompt[lo:hi], dtype=torch.long), torch.arange(lo, hi), cache,
+                            logits_at=torch.arange(hi - lo))
+            scored += token_logprobs(logits, prompt[lo + 1:hi + 1], alternatives)
+    finally:
+        cache.release()
+    return scored
