@@ -169,8 +169,6 @@ def test_bad_chat_bodies_and_unknown_routes(cluster):
     ({"tool_choice": "required"}, "tool_choice", "tool_choice must be 'none' or 'auto': no tools are supported"),
     ({"min_p": 0.1}, "min_p", "min_p is not supported (it would change the target's distribution)"),
     ({"min_tokens": 4}, "min_tokens", "min_tokens is not supported (it would change the target's distribution)"),
-    ({"repetition_penalty": 1.2}, "repetition_penalty",
-     "repetition_penalty is not supported (it would change the target's distribution)"),
     ({"guided_choice": ["yes", "no"]}, "guided_choice",
      "guided_choice is not supported (it would change the target's distribution)"),
 ])
@@ -682,3 +680,32 @@ def test_echo_puts_the_prompt_first_with_its_logprobs_as_lm_eval_asks(cluster, t
     assert sum((c["logprobs"]["token_logprobs"] for c in chunks if c["logprobs"]), []) == \
         whole["logprobs"]["token_logprobs"]
     assert sum((c["logprobs"]["text_offset"] for c in chunks if c["logprobs"]), []) == whole["logprobs"]["text_offset"]
+
+
+def test_penalties_are_the_targets_own_through_the_gateway(cluster, tiny_dir):
+    from specctl.engine.loader import load_decoder
+    from specctl.spec.rounds import generate
+    from specctl.spec.sampling import SamplingParams
+
+    base = cluster[1]["gateway"]
+    ids = json.loads(post(base + "/tokenize", {"prompt": PROMPT})[2])["tokens"]
+    penalties = {"presence_penalty": 0.5, "frequency_penalty": 0.4, "repetition_penalty": 1.6}
+    code, _, raw = post(base + "/v1/completions", {"prompt": ids, "max_tokens": 16, "temperature": 0,
+                                                   "ignore_eos": True, **penalties})
+    assert code == 200, raw
+    target = load_decoder(tiny_dir["llama"])
+    expected, _, _ = generate(target, ids, SamplingParams(max_tokens=16, ignore_eos=True, **penalties))
+    plain, _, _ = generate(target, ids, SamplingParams(max_tokens=16, ignore_eos=True))
+    assert json.loads(raw)["choices"][0]["text"] == target_text(tiny_dir, expected) != target_text(tiny_dir, plain)
+    assert json.loads(raw)["usage"]["completion_tokens"] == 16
+    for field, value, message in (("presence_penalty", 3, "presence_penalty must be between -2 and 2, got 3.0"),
+                                  ("repetition_penalty", 0, "repetition_penalty must be in (0, 100] (1 = off), got 0.0")):
+        code, _, raw = post(base + "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, field: value})
+        assert code == 400 and json.loads(raw)["error"]["message"] == message
+        assert json.loads(raw)["error"]["param"] == field
+
+
+def target_text(tiny_dir, tokens):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_dir["llama"]).decode(tokens, skip_special_tokens=True)

@@ -88,6 +88,21 @@ def test_prompt_logprobs_on_cuda_match_a_whole_prompt_forward_and_leave_the_outp
         assert lp == pytest.approx(float(row[token]), abs=1e-3)  # chunked vs one forward: the last bits may differ
 
 
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_penalties_on_cuda_every_mode_equals_ar_and_ar_does_not_run_ahead(cuda_pair, mode):
+    """The penalty state lives on the device; AR with penalties reads each step (no run-ahead)."""
+    target, draft = cuda_pair
+    params = SamplingParams(max_tokens=32, ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.4,
+                            repetition_penalty=1.6)
+    for prompt in PROMPTS:
+        reference, _, _ = generate(target, prompt, params)
+        assert generate(target, prompt, params, _drafters(draft)[mode])[0] == reference, f"{mode} diverged on {prompt}"
+        assert reference != generate(target, prompt, SamplingParams(max_tokens=32, ignore_eos=True))[0]
+    session = DecodeSession(target, PROMPTS[0], params)
+    assert not session.run_ahead and session.penalties.counts.device.type == "cuda"
+    session.close()
+
+
 @pytest.mark.parametrize("mode", ["chain", "tree", "ngram"])
 def test_greedy_every_mode_equals_ar_on_cuda(cuda_pair, mode):
     target, draft = cuda_pair

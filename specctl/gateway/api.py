@@ -19,10 +19,13 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
   its token ids); with logprobs its tokens are listed first, the first with null (nothing
   precedes it), the others with the target's log-probabilities from a pass of their own over
   the prompt (the generation's prefill is untouched: the output stays the target's own).
-- best_of other than n, suffix, non-zero penalties, logit_bias, a JSON
-  response_format, tools, and vLLM's constraining extensions (guided_*, min_p, min_tokens,
-  repetition_penalty) are refused with 400 rather than silently ignored: they would change
-  what the caller gets (and most would change the target's distribution).
+- presence_penalty and frequency_penalty (OpenAI's, over the output) and vLLM's
+  repetition_penalty (over prompt and output) are part of the target's distribution, applied
+  by verification (spec.penalties), greedy included, as vLLM applies them.
+- best_of other than n, suffix, logit_bias, a JSON response_format, tools, and vLLM's
+  constraining extensions (guided_*, min_p, min_tokens) are refused with 400 rather than
+  silently ignored: they would change what the caller gets (and most would change the
+  target's distribution).
 - vLLM's stop_token_ids (at most MAX_STOP_TOKEN_IDS) end the generation as EOS does: the
   stop token is not part of the output (vLLM keeps a non-special one in its text).
 - Fields neither served nor refused (OpenAI's store, metadata, service_tier, ...) are
@@ -164,15 +167,11 @@ def _warn_unknown(body: bytes, kind: type[msgspec.Struct]) -> None:
 def refuse_unsupported(req: _Common) -> None:
     if not 1 <= req.n <= MAX_CHOICES:
         raise ApiError(400, f"n must be between 1 and {MAX_CHOICES}, got {req.n}", param="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise ApiError(400, f"{name} is not supported (it would change the target's distribution)", param=name)
     wanted_logprobs(req)  # refuses values out of range
     changes_distribution = {
         "logit_bias": any(req.logit_bias.values()) if req.logit_bias else False,
         "min_p": bool(req.min_p),
         "min_tokens": bool(req.min_tokens),
-        "repetition_penalty": req.repetition_penalty not in (None, 1.0),
         **{name: getattr(req, name) is not None for name in ("guided_json", "guided_regex", "guided_choice",
                                                              "guided_grammar")},
     }
@@ -281,6 +280,8 @@ def sampling_params(req: _Common, prompt_tokens: int, context: int, default_max_
             top_k=top_k, max_tokens=requested, seed=req.seed, ignore_eos=req.ignore_eos,
             stop_token_ids=tuple(req.stop_token_ids or ()), logprobs=wanted_logprobs(req),
             prompt_logprobs=wanted_logprobs(req) if isinstance(req, CompletionRequest) and req.echo else None,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         )
     except SpecctlError as exc:  # the message starts with the parameter's name
         raise ApiError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None

@@ -11,9 +11,11 @@ import torch
 
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.model import Decoder
+from specctl.engine.tree import TokenTree
 from specctl.errors import PromptTooLong
 from specctl.spec.drafters import Proposal
 from specctl.spec.logprobs import TokenLogprob, score_prompt, token_logprobs
+from specctl.spec.penalties import Penalties
 from specctl.spec.sampling import SamplingParams, checked_token, probs_from_logits, sample, sample_tensor
 from specctl.spec.stats import GenerationStats
 from specctl.spec.verify import accept_chain_sampling, accept_greedy, accept_tree_sampling
@@ -24,9 +26,10 @@ def runs_ahead(params: SamplingParams, max_nodes: int, target: Decoder) -> bool:
     with the target alone (every proposal the root: ``max_nodes`` 1) on CUDA graphs, greedy or
     sampled, where the host's part of a round (~0.4 ms beside a 2.4 ms 1.5B step on an H100)
     can overlap the device's. Elsewhere a step launched early only waits (the CPU computes as
-    it launches) or is wasted (a proposal of several nodes re-verifies the root)."""
+    it launches) or is wasted (a proposal of several nodes re-verifies the root). Not with
+    penalties: the token's choice needs the output counts, which live on the host's side."""
     static = getattr(target, "static", None)  # a pipeline of stages has none
-    return max_nodes == 1 and static is not None and static.graphs
+    return max_nodes == 1 and static is not None and static.graphs and not params.penalized
 
 
 def verify(logits: torch.Tensor, proposal, params: SamplingParams, generator) -> tuple[list[int], int]:
@@ -83,7 +86,10 @@ class DecodeSession:
         # Run ahead (AR): the next step is launched with its token still on the device,
         # and the token read back while that step runs. ``ahead`` holds that step's logits: the
         # next root's verification, already in the cache. None (auto): see runs_ahead.
+        self.penalties = Penalties.of(params, prompt, target.spec.vocab_size, target.device)
         self.run_ahead = runs_ahead(params, max_nodes, target) if run_ahead is None else run_ahead
+        if self.penalties is not None:
+            self.run_ahead = False  # see runs_ahead
         self.ahead: torch.Tensor | None = None
         self.steps_ahead = 0  # steps run ahead (used + dropped), for the tests
         on_cuda = self.run_ahead and target.device.type == "cuda"
@@ -113,6 +119,8 @@ class DecodeSession:
                 self.finish_reason = "length"
                 break
         self.stats.new_tokens = len(self.output)
+        if self.penalties is not None:
+            self.penalties.record(emitted)
         if rows is not None and emitted and self.params.logprobs is not None:
             self.logprobs += token_logprobs(rows[: len(emitted)], emitted, self.params.logprobs)
         return emitted
@@ -123,8 +131,9 @@ class DecodeSession:
         if self.run_ahead:
             first = self._read_running_ahead(logits)
         else:
-            first = (int(logits[0].argmax()) if self.params.greedy
-                     else sample(probs_from_logits(logits, self.params)[0], self.generator))  # [1, vocab], as a round's
+            scored = self._scored(logits, None)
+            first = (int(scored[0].argmax()) if self.params.greedy
+                     else sample(probs_from_logits(scored, self.params)[0], self.generator))  # [1, vocab], as a round's
         self.last_committed = [first]
         return self._settle_ahead(self._emit([first], logits[-1:]))
 
@@ -197,16 +206,24 @@ class DecodeSession:
             if self.run_ahead:
                 bonus = self._read_running_ahead(logits)
             else:
-                bonus = verify(logits, proposal, self.params, self.generator)[1]
+                bonus = verify(self._scored(logits, tree), proposal, self.params, self.generator)[1]
             self.last_path, self.last_committed = [], [bonus]
             return self._settle_ahead(self._emit(self.last_committed, logits[:1]))
-        path, bonus = verify(logits, proposal, self.params, self.generator)
+        path, bonus = verify(self._scored(logits, tree), proposal, self.params, self.generator)
         self.cache.gather(torch.cat([torch.arange(prefix), prefix + torch.tensor([0, *path], dtype=torch.long)]))
         self.last_path = path
         self.last_committed = [int(t) for t in tree.tokens[path].tolist()] + [bonus]
         # token i of the path was chosen at its parent's row (the root's, then the path's), the bonus at the last one's
         rows = logits[torch.tensor([0, *path], device=logits.device)] if self.params.logprobs is not None else None
         return self._emit(self.last_committed, rows)
+
+    def _scored(self, logits: torch.Tensor, tree: TokenTree | None) -> torch.Tensor:
+        """The logits the acceptance rule reads: the target's, penalized when the request asks
+        (row j with the text up to ``tree``'s node j; None: one row after the committed text)."""
+        if self.penalties is None:
+            return logits
+        paths = [[]] if tree is None else [tree.tokens[tree.path_to(j)[1:]].tolist() for j in range(len(tree))]
+        return self.penalties.apply(logits, paths)
 
     def close(self) -> None:
         self.cache.release()

@@ -23,6 +23,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n: each token's log-probability and its n likeliest alternatives
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (the first has none: nothing precedes it)
+    presence_penalty: float = 0.0  # OpenAI's, over the output's tokens (spec.penalties)
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # transformers'/vLLM's, over prompt and output; 1 = off
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0):
@@ -35,6 +38,13 @@ class SamplingParams:
             raise InvalidSamplingParams(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
             raise InvalidSamplingParams(f"seed must be a non-negative integer, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and -2.0 <= value <= 2.0):
+                raise InvalidSamplingParams(f"{name} must be between -2 and 2, got {value!r}")
+        if not (isinstance(self.repetition_penalty, (int, float)) and 0.0 < self.repetition_penalty <= 100.0):
+            raise InvalidSamplingParams(f"repetition_penalty must be in (0, 100] (1 = off), got "
+                                        f"{self.repetition_penalty!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS):
@@ -44,6 +54,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -83,7 +83,8 @@ class TargetConnection:
         self._send(Generate(req, prompt, params.max_tokens, params.temperature, params.top_p, params.top_k,
                             params.seed, list(params.stop_token_ids), params.ignore_eos,
                             -1 if params.logprobs is None else params.logprobs,
-                            -1 if params.prompt_logprobs is None else params.prompt_logprobs))
+                            -1 if params.prompt_logprobs is None else params.prompt_logprobs,
+                            params.presence_penalty, params.frequency_penalty, params.repetition_penalty))
         return TargetStream(self, req, queue)
 
     def _send(self, message) -> None:

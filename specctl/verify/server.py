@@ -210,10 +210,15 @@ class TargetServer(ListeningServer):
             params = SamplingParams(temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k,
                                     max_tokens=msg.max_tokens, seed=msg.seed, stop_token_ids=tuple(msg.stop_token_ids),
                                     ignore_eos=msg.ignore_eos, logprobs=None if msg.logprobs < 0 else msg.logprobs,
-                                    prompt_logprobs=None if msg.prompt_logprobs < 0 else msg.prompt_logprobs)
+                                    prompt_logprobs=None if msg.prompt_logprobs < 0 else msg.prompt_logprobs,
+                                    presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+                                    repetition_penalty=msg.repetition_penalty)
             if (params.logprobs is not None or params.prompt_logprobs is not None) and self.specpipe is not None:
                 raise BadRequest("logprobs are not available from a SpecPipe target: its stages send the verified "
                                  "tokens, not the logits")
+            if params.penalized and self.specpipe is not None:
+                raise BadRequest("penalties are not available from a SpecPipe target: its stages verify with the "
+                                 "unpenalized distribution")
             check_token_ids(msg.prompt, self.model.spec.vocab_size)
             check_token_ids(msg.stop_token_ids, self.model.spec.vocab_size)
             if self.active > self.config.max_sessions:
