@@ -95,6 +95,31 @@ async def test_sampling_through_two_stages_draws_what_the_whole_target_draws(mod
             assert tokens == reference
 
 
+async def test_penalties_and_prompt_logprobs_through_two_stages_are_the_whole_targets(models):
+    from specctl.spec.decode import DecodeSession
+
+    target, draft = models
+    async with LocalPipeline(target, 2) as pipeline:
+        staged = pipeline.staged
+        for seed, temperature in ((0, 0.0), (1, 0.9)):
+            params = SamplingParams(max_tokens=20, temperature=temperature, seed=seed, ignore_eos=True,
+                                    presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.4)
+            reference = generate(target.decoder, PROMPTS[0], params, _drafter("chain", draft))[0]
+            assert (await asyncio.to_thread(generate, staged.decoder, PROMPTS[0], params,
+                                            _drafter("chain", draft)))[0] == reference
+        params = SamplingParams(max_tokens=2, prompt_logprobs=2)
+        whole = DecodeSession(target.decoder, PROMPTS[1], params)
+        split = await asyncio.to_thread(DecodeSession, staged.decoder, PROMPTS[1], params)
+        assert len(split.prompt_logprobs) == len(PROMPTS[1]) - 1
+        for (lp, ids, values), (ref_lp, ref_ids, ref_values) in zip(split.prompt_logprobs, whole.prompt_logprobs):
+            assert ids == ref_ids and lp == pytest.approx(ref_lp, abs=1e-5) and values == pytest.approx(ref_values,
+                                                                                                      abs=1e-5)
+        whole.close()
+        await asyncio.to_thread(split.close)
+        await wait_until(lambda: all(s.pool.sessions == 0 and s.pool.used_bytes == 0 for s in pipeline.servers),
+                         what="stage KV freed")
+
+
 async def test_every_stage_holds_exactly_the_committed_kv_after_every_round(models):
     """No stage over-advances after a rejection: after each round, once the round's pruning
     has arrived, every stage's KV length equals the committed text less its last token."""
