@@ -42,7 +42,7 @@ def test_penalized_rows_are_transformers_and_openais():
     for row, path in enumerate(paths):
         expected = reference_logits(logits[row], PROMPT[:3] + [40], output + path, PENALIZED)
         torch.testing.assert_close(got[row], expected)
-    assert Penalties.of(SamplingParams(), PROMPT, vocab, torch.device("cpu")) is None
+    assert not SamplingParams().penalized and SamplingParams(repetition_penalty=1.1).penalized
 
 
 @pytest.mark.parametrize("mode, params", [(mode, params) for mode in ("chain", "tree", "ngram")

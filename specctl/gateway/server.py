@@ -160,7 +160,8 @@ class Gateway:
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "give either prompt or messages", param="prompt")
         chat = req.messages is not None
-        ids = self._encode(ChatCompletionRequest(messages=req.messages) if chat else CompletionRequest(prompt=req.prompt))[0]
+        [ids] = self._encode(ChatCompletionRequest(messages=req.messages) if chat
+                             else CompletionRequest(prompt=req.prompt))
         return web.json_response({"count": len(ids), "max_model_len": self.config.context, "tokens": ids})
 
     async def _detokenize(self, request: web.Request) -> web.Response:

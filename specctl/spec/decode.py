@@ -86,7 +86,8 @@ class DecodeSession:
         # Run ahead (AR): the next step is launched with its token still on the device,
         # and the token read back while that step runs. ``ahead`` holds that step's logits: the
         # next root's verification, already in the cache. None (auto): see runs_ahead.
-        self.penalties = Penalties.of(params, prompt, target.spec.vocab_size, target.device)
+        self.penalties = (Penalties(params, prompt, target.spec.vocab_size, target.device) if params.penalized
+                          else None)  # None: nothing to compute
         self.run_ahead = runs_ahead(params, max_nodes, target) if run_ahead is None else run_ahead
         if self.penalties is not None:
             self.run_ahead = False  # see runs_ahead

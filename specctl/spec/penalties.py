@@ -24,11 +24,6 @@ class Penalties:
         self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
         self.in_prompt[torch.tensor(prompt, dtype=torch.long, device=device)] = True
 
-    @staticmethod
-    def of(params: SamplingParams, prompt: list[int], vocab_size: int, device: torch.device) -> "Penalties | None":
-        """The session's penalties, or None when every one is off (then nothing is computed)."""
-        return Penalties(params, prompt, vocab_size, device) if params.penalized else None
-
     def record(self, tokens: list[int]) -> None:
         """Output tokens committed."""
         if tokens:
