@@ -33,6 +33,17 @@ def test_generate_json_is_identical_across_modes(tiny_dir, modes):
                                         "tokens_per_s", "draft_ms", "verify_ms"}
 
 
+def test_generate_with_penalties_is_the_same_in_every_mode_and_differs_from_without(tiny_dir):
+    penalties = ("--repetition-penalty", "1.6", "--presence-penalty", "0.5", "--frequency-penalty", "0.4")
+    outputs = {}
+    for mode in ("ar", "chain"):
+        proc = _generate(tiny_dir, "--mode", mode, *penalties)
+        assert proc.returncode == 0, proc.stderr
+        outputs[mode] = json.loads(proc.stdout)["token_ids"]
+    assert outputs["chain"] == outputs["ar"]
+    assert outputs["ar"] != json.loads(_generate(tiny_dir, "--mode", "ar").stdout)["token_ids"]
+
+
 def _assert_one_line_error(proc, expected: str):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
@@ -64,6 +75,8 @@ def test_prompt_longer_than_context_error(tiny_dir):
         (["--top-k", "-2"], "top_k must be a non-negative integer (0 = off), got -2"),
         (["--max-tokens", "0"], "max_tokens must be a positive integer, got 0"),
         (["--mode", "warp"], "mode must be one of ar, chain, tree, ngram, multi, got 'warp'"),
+        (["--repetition-penalty", "0"], "repetition_penalty must be in (0, 100] (1 = off), got 0.0"),
+        (["--presence-penalty", "2.5"], "presence_penalty must be between -2 and 2, got 2.5"),
     ],
 )
 def test_bad_parameters_error(tiny_dir, flags, expected):

@@ -38,6 +38,12 @@ def generate(
     temperature: float = typer.Option(0.0, help="0 = greedy (exactly the target's greedy output)"),
     top_p: float = typer.Option(1.0, "--top-p", help="nucleus sampling mass"),
     top_k: int = typer.Option(0, "--top-k", help="keep the k most likely tokens (0 = off)"),
+    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="divide the logits of tokens already "
+                                             "in prompt or output (transformers' rule; 1 = off)"),
+    presence_penalty: float = typer.Option(0.0, "--presence-penalty", help="subtract from tokens already in the "
+                                           "output (OpenAI's; -2..2)"),
+    frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help="subtract per earlier occurrence in "
+                                            "the output (OpenAI's; -2..2)"),
     mode: Optional[str] = typer.Option(None, help="ar | chain | tree | ngram | multi (several drafters: --drafters)"),
     drafters: Optional[str] = typer.Option(None, help="mode multi: comma-separated drafters, routed per session and "
                                            "fused into one tree (model names, NAME@N, ngram)"),
@@ -62,7 +68,9 @@ def generate(
     from specctl.spec.rounds import generate as run_generation
     from specctl.spec.sampling import SamplingParams
 
-    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed)
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
+                            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                            frequency_penalty=frequency_penalty)
     config = build_config(
         profile, target=target, draft=draft, mode=mode, drafters=drafters, depth=depth, draft_stop=draft_stop, width=width, topk=topk, dtype=dtype, threads=threads,
         draft_quant=draft_quant, target_quant=target_quant,
