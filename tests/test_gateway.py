@@ -159,7 +159,6 @@ def test_bad_chat_bodies_and_unknown_routes(cluster):
 
 
 @pytest.mark.parametrize("extra, param, message", [
-    ({"logit_bias": {"42": 5}}, "logit_bias", "logit_bias is not supported (it would change the target's distribution)"),
     ({"response_format": {"type": "json_object"}}, "response_format",
      "response_format 'json_object' is not supported: the output is the target's own text, unconstrained (only 'text')"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
@@ -167,8 +166,6 @@ def test_bad_chat_bodies_and_unknown_routes(cluster):
     ({"functions": [{"name": "f"}]}, "functions",
      "functions are not supported: the output is the target's own text, with no tool calls"),
     ({"tool_choice": "required"}, "tool_choice", "tool_choice must be 'none' or 'auto': no tools are supported"),
-    ({"min_p": 0.1}, "min_p", "min_p is not supported (it would change the target's distribution)"),
-    ({"min_tokens": 4}, "min_tokens", "min_tokens is not supported (it would change the target's distribution)"),
     ({"guided_choice": ["yes", "no"]}, "guided_choice",
      "guided_choice is not supported (it would change the target's distribution)"),
 ])
@@ -682,7 +679,7 @@ def test_echo_puts_the_prompt_first_with_its_logprobs_as_lm_eval_asks(cluster, t
     assert sum((c["logprobs"]["text_offset"] for c in chunks if c["logprobs"]), []) == whole["logprobs"]["text_offset"]
 
 
-def test_penalties_are_the_targets_own_through_the_gateway(cluster, tiny_dir):
+def test_penalties_logit_bias_and_min_tokens_are_the_targets_own_through_the_gateway(cluster, tiny_dir):
     from specctl.engine.loader import load_decoder
     from specctl.spec.rounds import generate
     from specctl.spec.sampling import SamplingParams
@@ -698,11 +695,29 @@ def test_penalties_are_the_targets_own_through_the_gateway(cluster, tiny_dir):
     plain, _, _ = generate(target, ids, SamplingParams(max_tokens=16, ignore_eos=True))
     assert json.loads(raw)["choices"][0]["text"] == target_text(tiny_dir, expected) != target_text(tiny_dir, plain)
     assert json.loads(raw)["usage"]["completion_tokens"] == 16
+    # logit_bias and min_tokens: the target's own with them too
+    rules = {"logit_bias": {str(plain[0]): -100, str(plain[3]): 4.5}, "min_tokens": 10, "stop_token_ids": [plain[5]]}
+    code, _, raw = post(base + "/v1/completions", {"prompt": ids, "max_tokens": 16, "temperature": 0,
+                                                   "ignore_eos": True, **rules})
+    assert code == 200, raw
+    expected, _, _ = generate(target, ids, SamplingParams(max_tokens=16, ignore_eos=True, min_tokens=10,
+                                                          logit_bias=((plain[0], -100.0), (plain[3], 4.5)),
+                                                          stop_token_ids=(plain[5],)))
+    assert json.loads(raw)["choices"][0]["text"] == target_text(tiny_dir, expected)
+    assert json.loads(raw)["usage"]["completion_tokens"] == len(expected) >= 10
     for field, value, message in (("presence_penalty", 3, "presence_penalty must be between -2 and 2, got 3.0"),
-                                  ("repetition_penalty", 0, "repetition_penalty must be in (0, 100] (1 = off), got 0.0")):
+                                  ("repetition_penalty", 0, "repetition_penalty must be in (0, 100] (1 = off), got 0.0"),
+                                  ("min_p", 2, "min_p must be between 0 and 1, got 2.0"),
+                                  ("min_tokens", 9, "min_tokens must be between 0 and max_tokens (2), got 9"),
+                                  ("logit_bias", {"x": 1}, "logit_bias keys are token ids, got 'x'"),
+                                  ("logit_bias", {"3": 300}, "logit_bias maps token ids (>= 0) to values between -100 "
+                                                            "and 100, got 3: 300.0")):
         code, _, raw = post(base + "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, field: value})
         assert code == 400 and json.loads(raw)["error"]["message"] == message
         assert json.loads(raw)["error"]["param"] == field
+    code, _, raw = post(base + "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "logit_bias": {"99999": 1}})
+    assert code == 400 and json.loads(raw)["error"]["message"] == \
+        "target instance: logit_bias names token 99999, past the vocabulary of 320 tokens"
 
 
 def target_text(tiny_dir, tokens):

@@ -89,17 +89,19 @@ def test_prompt_logprobs_on_cuda_match_a_whole_prompt_forward_and_leave_the_outp
 
 
 @pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_penalties_on_cuda_every_mode_equals_ar_and_ar_does_not_run_ahead(cuda_pair, mode):
-    """The penalty state lives on the device; AR with penalties reads each step (no run-ahead)."""
+def test_logit_rules_on_cuda_every_mode_equals_ar_and_ar_does_not_run_ahead(cuda_pair, mode):
+    """The rules' state (counts, bias, stop ids) lives on the device; AR with them reads each step
+    (no run-ahead)."""
     target, draft = cuda_pair
     params = SamplingParams(max_tokens=32, ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.4,
-                            repetition_penalty=1.6)
+                            repetition_penalty=1.6, min_tokens=8, stop_token_ids=(11,),
+                            logit_bias=((5, -100.0), (7, 2.0)))
     for prompt in PROMPTS:
         reference, _, _ = generate(target, prompt, params)
         assert generate(target, prompt, params, _drafters(draft)[mode])[0] == reference, f"{mode} diverged on {prompt}"
         assert reference != generate(target, prompt, SamplingParams(max_tokens=32, ignore_eos=True))[0]
     session = DecodeSession(target, PROMPTS[0], params)
-    assert not session.run_ahead and session.penalties.counts.device.type == "cuda"
+    assert not session.run_ahead and session.rules.counts.device.type == "cuda" == session.rules.bias.device.type
     session.close()
 
 

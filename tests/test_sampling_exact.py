@@ -89,12 +89,20 @@ def test_adaptive_depth_keeps_the_target_distribution(small, mode):
     _assert_target_distribution(target, drafter, 1.0, 1.0)
 
 
-def _assert_target_distribution(target, drafter, temperature, top_p):
-    expected = _exact_joint_of_tokens_2_and_3(target, SamplingParams(temperature=temperature, top_p=top_p))
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_min_p_keeps_the_target_distribution(small, mode):
+    """min_p filters the target's p (and a local chain draft's q, drawn with the same params)."""
+    target, draft = small
+    drafter = ModelChainDrafter(draft, 2) if mode == "chain" else ModelTreeDrafter(draft, 2, 2, 3)
+    _assert_target_distribution(target, drafter, 1.0, 1.0, min_p=0.15)
+
+
+def _assert_target_distribution(target, drafter, temperature, top_p, min_p=0.0):
+    expected = _exact_joint_of_tokens_2_and_3(target, SamplingParams(temperature=temperature, top_p=top_p, min_p=min_p))
     counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
     rounds_with_acceptance = 0
     for seed in range(SAMPLES):
-        params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=3, seed=seed)
+        params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=3, seed=seed, min_p=min_p)
         out, stats, _ = generate(target, PROMPT, params, drafter)
         counts[out[1], out[2]] += 1
         rounds_with_acceptance += stats.accepted > 0

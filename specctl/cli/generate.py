@@ -38,6 +38,8 @@ def generate(
     temperature: float = typer.Option(0.0, help="0 = greedy (exactly the target's greedy output)"),
     top_p: float = typer.Option(1.0, "--top-p", help="nucleus sampling mass"),
     top_k: int = typer.Option(0, "--top-k", help="keep the k most likely tokens (0 = off)"),
+    min_p: float = typer.Option(0.0, "--min-p", help="drop tokens below min_p times the likeliest one's "
+                                "probability (0 = off)"),
     repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="divide the logits of tokens already "
                                              "in prompt or output (transformers' rule; 1 = off)"),
     presence_penalty: float = typer.Option(0.0, "--presence-penalty", help="subtract from tokens already in the "
@@ -70,7 +72,7 @@ def generate(
 
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
                             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                            frequency_penalty=frequency_penalty)
+                            frequency_penalty=frequency_penalty, min_p=min_p)
     config = build_config(
         profile, target=target, draft=draft, mode=mode, drafters=drafters, depth=depth, draft_stop=draft_stop, width=width, topk=topk, dtype=dtype, threads=threads,
         draft_quant=draft_quant, target_quant=target_quant,

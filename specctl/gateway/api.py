@@ -19,13 +19,12 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
   its token ids); with logprobs its tokens are listed first, the first with null (nothing
   precedes it), the others with the target's log-probabilities from a pass of their own over
   the prompt (the generation's prefill is untouched: the output stays the target's own).
-- presence_penalty and frequency_penalty (OpenAI's, over the output) and vLLM's
-  repetition_penalty (over prompt and output) are part of the target's distribution, applied
-  by verification (spec.penalties), greedy included, as vLLM applies them.
-- best_of other than n, suffix, logit_bias, a JSON response_format, tools, and vLLM's
-  constraining extensions (guided_*, min_p, min_tokens) are refused with 400 rather than
-  silently ignored: they would change what the caller gets (and most would change the
-  target's distribution).
+- logit_bias, presence_penalty and frequency_penalty (OpenAI's), and vLLM's
+  repetition_penalty, min_tokens and min_p are part of the target's distribution, applied by
+  verification (spec.logit_rules, spec.sampling), greedy included, as vLLM applies them.
+- best_of other than n, suffix, a JSON response_format, tools, and vLLM's constraining
+  extensions (guided_*) are refused with 400 rather than silently ignored: they would change
+  what the caller gets.
 - vLLM's stop_token_ids (at most MAX_STOP_TOKEN_IDS) end the generation as EOS does: the
   stop token is not part of the output (vLLM keeps a non-special one in its text).
 - Fields neither served nor refused (OpenAI's store, metadata, service_tier, ...) are
@@ -168,15 +167,8 @@ def refuse_unsupported(req: _Common) -> None:
     if not 1 <= req.n <= MAX_CHOICES:
         raise ApiError(400, f"n must be between 1 and {MAX_CHOICES}, got {req.n}", param="n")
     wanted_logprobs(req)  # refuses values out of range
-    changes_distribution = {
-        "logit_bias": any(req.logit_bias.values()) if req.logit_bias else False,
-        "min_p": bool(req.min_p),
-        "min_tokens": bool(req.min_tokens),
-        **{name: getattr(req, name) is not None for name in ("guided_json", "guided_regex", "guided_choice",
-                                                             "guided_grammar")},
-    }
-    for name, used in changes_distribution.items():
-        if used:
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        if getattr(req, name) is not None:
             raise ApiError(400, f"{name} is not supported (it would change the target's distribution)", param=name)
     if req.response_format is not None and req.response_format.type != "text":
         raise ApiError(400, f"response_format {req.response_format.type!r} is not supported: the output is the "
@@ -231,6 +223,17 @@ def completion_prompts(prompt: str | list) -> list[str | list[int]]:
                         "(one shape per batch)", param="prompt")
 
 
+def logit_bias(req: _Common) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias (token ids as strings -> -100..100) as (id, bias) pairs; the target
+    instance refuses ids past its vocabulary."""
+    pairs = []
+    for key, bias in (req.logit_bias or {}).items():
+        if not key.strip().isdigit():
+            raise ApiError(400, f"logit_bias keys are token ids, got {key!r}", param="logit_bias")
+        pairs.append((int(key), bias))
+    return tuple(sorted(pairs))
+
+
 def stop_strings(req: _Common) -> list[str]:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
@@ -282,6 +285,7 @@ def sampling_params(req: _Common, prompt_tokens: int, context: int, default_max_
             prompt_logprobs=wanted_logprobs(req) if isinstance(req, CompletionRequest) and req.echo else None,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            min_p=req.min_p or 0.0, min_tokens=req.min_tokens or 0, logit_bias=logit_bias(req),
         )
     except SpecctlError as exc:  # the message starts with the parameter's name
         raise ApiError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None

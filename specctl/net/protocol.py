@@ -203,9 +203,12 @@ class Generate(msgspec.Struct, tag=True, frozen=True):
     ignore_eos: bool = False
     logprobs: int = -1  # -1: none; n >= 0: each token's log-probability and its n likeliest alternatives
     prompt_logprobs: int = -1  # the same for the prompt's tokens after the first (sent with the first TOKENS)
-    presence_penalty: float = 0.0  # spec.penalties
+    presence_penalty: float = 0.0  # spec.logit_rules
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = {}
 
 
 class Tokens(msgspec.Struct, tag=True, frozen=True):

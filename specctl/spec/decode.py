@@ -15,7 +15,7 @@ from specctl.engine.tree import TokenTree
 from specctl.errors import PromptTooLong
 from specctl.spec.drafters import Proposal
 from specctl.spec.logprobs import TokenLogprob, score_prompt, token_logprobs
-from specctl.spec.penalties import Penalties
+from specctl.spec.logit_rules import LogitRules
 from specctl.spec.sampling import SamplingParams, checked_token, probs_from_logits, sample, sample_tensor
 from specctl.spec.stats import GenerationStats
 from specctl.spec.verify import accept_chain_sampling, accept_greedy, accept_tree_sampling
@@ -26,10 +26,10 @@ def runs_ahead(params: SamplingParams, max_nodes: int, target: Decoder) -> bool:
     with the target alone (every proposal the root: ``max_nodes`` 1) on CUDA graphs, greedy or
     sampled, where the host's part of a round (~0.4 ms beside a 2.4 ms 1.5B step on an H100)
     can overlap the device's. Elsewhere a step launched early only waits (the CPU computes as
-    it launches) or is wasted (a proposal of several nodes re-verifies the root). Not with
-    penalties: the token's choice needs the output counts, which live on the host's side."""
+    it launches) or is wasted (a proposal of several nodes re-verifies the root). Not when the
+    request adjusts the logits (spec.logit_rules): the next token's rules need this one."""
     static = getattr(target, "static", None)  # a pipeline of stages has none
-    return max_nodes == 1 and static is not None and static.graphs and not params.penalized
+    return max_nodes == 1 and static is not None and static.graphs and not params.adjusts_logits
 
 
 def verify(logits: torch.Tensor, proposal, params: SamplingParams, generator) -> tuple[list[int], int]:
@@ -86,10 +86,10 @@ class DecodeSession:
         # Run ahead (AR): the next step is launched with its token still on the device,
         # and the token read back while that step runs. ``ahead`` holds that step's logits: the
         # next root's verification, already in the cache. None (auto): see runs_ahead.
-        self.penalties = (Penalties(params, prompt, target.spec.vocab_size, target.device) if params.penalized
-                          else None)  # None: nothing to compute
+        self.rules = (LogitRules(params, prompt, self.stop_ids, target.spec.vocab_size, target.device)
+                      if params.adjusts_logits else None)  # None: nothing to compute
         self.run_ahead = runs_ahead(params, max_nodes, target) if run_ahead is None else run_ahead
-        if self.penalties is not None:
+        if self.rules is not None:
             self.run_ahead = False  # see runs_ahead
         self.ahead: torch.Tensor | None = None
         self.steps_ahead = 0  # steps run ahead (used + dropped), for the tests
@@ -120,8 +120,8 @@ class DecodeSession:
                 self.finish_reason = "length"
                 break
         self.stats.new_tokens = len(self.output)
-        if self.penalties is not None:
-            self.penalties.record(emitted)
+        if self.rules is not None:
+            self.rules.record(emitted)
         if rows is not None and emitted and self.params.logprobs is not None:
             self.logprobs += token_logprobs(rows[: len(emitted)], emitted, self.params.logprobs)
         return emitted
@@ -219,12 +219,12 @@ class DecodeSession:
         return self._emit(self.last_committed, rows)
 
     def _scored(self, logits: torch.Tensor, tree: TokenTree | None) -> torch.Tensor:
-        """The logits the acceptance rule reads: the target's, penalized when the request asks
-        (row j with the text up to ``tree``'s node j; None: one row after the committed text)."""
-        if self.penalties is None:
+        """The logits the acceptance rule reads: the target's, adjusted when the request asks
+        (row j for the text up to ``tree``'s node j; None: one row after the committed text)."""
+        if self.rules is None:
             return logits
         paths = [[]] if tree is None else [tree.tokens[tree.path_to(j)[1:]].tolist() for j in range(len(tree))]
-        return self.penalties.apply(logits, paths)
+        return self.rules.apply(logits, paths)
 
     def close(self) -> None:
         self.cache.release()

@@ -10,6 +10,7 @@ from specctl.errors import InvalidSamplingParams
 
 
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM and OpenAI allow
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,9 +24,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n: each token's log-probability and its n likeliest alternatives
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (the first has none: nothing precedes it)
-    presence_penalty: float = 0.0  # OpenAI's, over the output's tokens (spec.penalties)
+    presence_penalty: float = 0.0  # OpenAI's, over the output's tokens (spec.logit_rules)
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # transformers'/vLLM's, over prompt and output; 1 = off
+    min_p: float = 0.0  # drop tokens below min_p times the likeliest one's probability (after top-p); 0 = off
+    min_tokens: int = 0  # the stop tokens (EOS, stop_token_ids) are barred until this many are out
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit), OpenAI's -100..100
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0):
@@ -45,6 +49,18 @@ class SamplingParams:
         if not (isinstance(self.repetition_penalty, (int, float)) and 0.0 < self.repetition_penalty <= 100.0):
             raise InvalidSamplingParams(f"repetition_penalty must be in (0, 100] (1 = off), got "
                                         f"{self.repetition_penalty!r}")
+        if not (isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p <= 1.0):
+            raise InvalidSamplingParams(f"min_p must be between 0 and 1, got {self.min_p!r}")
+        if not (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens):
+            raise InvalidSamplingParams(f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got "
+                                        f"{self.min_tokens!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidSamplingParams(f"logit_bias may bias at most {MAX_LOGIT_BIAS} tokens, got "
+                                        f"{len(self.logit_bias)}")
+        for token, bias in self.logit_bias:
+            if not (isinstance(token, int) and token >= 0 and isinstance(bias, (int, float)) and -100 <= bias <= 100):
+                raise InvalidSamplingParams(f"logit_bias maps token ids (>= 0) to values between -100 and 100, got "
+                                            f"{token!r}: {bias!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS):
@@ -56,13 +72,15 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
-    def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
+    def adjusts_logits(self) -> bool:
+        """Whether the target's logits are changed before sampling (spec.logit_rules)."""
+        return (bool(self.presence_penalty or self.frequency_penalty or self.min_tokens or self.logit_bias)
+                or self.repetition_penalty != 1.0)
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (transformers' order and semantics); float32
-    probabilities over the last dimension. Greedy gives a one-hot argmax distribution."""
+    """Temperature, then top-k, then top-p, then min-p (transformers' order and semantics);
+    float32 probabilities over the last dimension. Greedy gives a one-hot argmax distribution."""
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
@@ -76,6 +94,9 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         remove = cum <= (1 - params.top_p)
         remove[..., -1] = False  # always keep the most likely token
         logits = logits.masked_fill(remove.scatter(-1, sorted_idx, remove), float("-inf"))
+    if params.min_p:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(-1, keepdim=True).values, float("-inf"))
     return logits.softmax(-1)
 
 

@@ -84,7 +84,8 @@ class TargetConnection:
                             params.seed, list(params.stop_token_ids), params.ignore_eos,
                             -1 if params.logprobs is None else params.logprobs,
                             -1 if params.prompt_logprobs is None else params.prompt_logprobs,
-                            params.presence_penalty, params.frequency_penalty, params.repetition_penalty))
+                            params.presence_penalty, params.frequency_penalty, params.repetition_penalty,
+                            params.min_p, params.min_tokens, dict(params.logit_bias)))
         return TargetStream(self, req, queue)
 
     def _send(self, message) -> None:

@@ -212,13 +212,18 @@ class TargetServer(ListeningServer):
                                     ignore_eos=msg.ignore_eos, logprobs=None if msg.logprobs < 0 else msg.logprobs,
                                     prompt_logprobs=None if msg.prompt_logprobs < 0 else msg.prompt_logprobs,
                                     presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
-                                    repetition_penalty=msg.repetition_penalty)
+                                    repetition_penalty=msg.repetition_penalty, min_p=msg.min_p,
+                                    min_tokens=msg.min_tokens, logit_bias=tuple(sorted(msg.logit_bias.items())))
             if (params.logprobs is not None or params.prompt_logprobs is not None) and self.specpipe is not None:
                 raise BadRequest("logprobs are not available from a SpecPipe target: its stages send the verified "
                                  "tokens, not the logits")
-            if params.penalized and self.specpipe is not None:
-                raise BadRequest("penalties are not available from a SpecPipe target: its stages verify with the "
-                                 "unpenalized distribution")
+            if params.adjusts_logits and self.specpipe is not None:
+                raise BadRequest("penalties, logit_bias and min_tokens are not available from a SpecPipe target: its "
+                                 "stages verify with the unadjusted distribution")
+            biased = max((token for token, _ in params.logit_bias), default=-1)
+            if biased >= self.model.spec.vocab_size:
+                raise BadRequest(f"logit_bias names token {biased}, past the vocabulary of "
+                                 f"{self.model.spec.vocab_size} tokens")
             check_token_ids(msg.prompt, self.model.spec.vocab_size)
             check_token_ids(msg.stop_token_ids, self.model.spec.vocab_size)
             if self.active > self.config.max_sessions:

@@ -1,6 +1,7 @@
-"""Sampling penalties (presence, frequency, repetition) are part of the target's distribution:
-the penalized logits are transformers' and OpenAI's, and every speculative mode produces what
-the target alone produces with them — token for token greedy, the same distribution sampled."""
+"""What a request changes in the target's logits (logit_bias, min_tokens, the presence,
+frequency and repetition penalties) is part of the target's distribution: the adjusted logits
+are transformers' and OpenAI's, and every speculative mode produces what the target alone
+produces with them — token for token greedy, the same distribution sampled."""
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 
 from specctl.errors import InvalidSamplingParams
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
-from specctl.spec.penalties import Penalties
+from specctl.spec.logit_rules import LogitRules
 from specctl.spec.rounds import generate
 from specctl.spec.sampling import SamplingParams, probs_from_logits
 from tests.test_sampling_exact import PROMPT as SMALL_PROMPT
@@ -34,7 +35,7 @@ def reference_logits(logits: torch.Tensor, prompt: list[int], output: list[int],
 def test_penalized_rows_are_transformers_and_openais():
     torch.manual_seed(0)
     vocab, output = 50, [7, 7, 3, 11]
-    penalties = Penalties(PENALIZED, PROMPT[:3] + [40], vocab, torch.device("cpu"))
+    penalties = LogitRules(PENALIZED, PROMPT[:3] + [40], set(), vocab, torch.device("cpu"))
     penalties.record(output)
     logits = torch.randn(3, vocab) * 4
     paths = [[], [7], [9, 3]]  # a root, a child repeating a token, a grandchild
@@ -42,7 +43,28 @@ def test_penalized_rows_are_transformers_and_openais():
     for row, path in enumerate(paths):
         expected = reference_logits(logits[row], PROMPT[:3] + [40], output + path, PENALIZED)
         torch.testing.assert_close(got[row], expected)
-    assert not SamplingParams().penalized and SamplingParams(repetition_penalty=1.1).penalized
+    assert not SamplingParams().adjusts_logits and SamplingParams(repetition_penalty=1.1).adjusts_logits
+
+
+def test_logit_bias_then_min_tokens_then_penalties_as_vllm_orders_them():
+    torch.manual_seed(1)
+    vocab, stop = 40, {2, 5}
+    params = SamplingParams(max_tokens=8, min_tokens=3, logit_bias=((7, 5.0), (9, -100.0)), repetition_penalty=1.5,
+                            presence_penalty=0.5)
+    rules = LogitRules(params, [7, 1], stop, vocab, torch.device("cpu"))
+    rules.record([3])  # one token out: rows with fewer than 2 tokens on their path still bar the stop tokens
+    logits = torch.randn(3, vocab) * 4
+    paths = [[], [4], [4, 8]]
+    got = rules.apply(logits, paths)
+    for row, path in enumerate(paths):
+        biased = logits[row].clone()
+        biased[7] += 5.0
+        biased[9] -= 100.0
+        if 1 + len(path) < 3:
+            biased[[2, 5]] = float("-inf")
+        expected = reference_logits(biased, [7, 1], [3] + path, params)
+        torch.testing.assert_close(got[row], expected)
+    assert torch.isinf(got[:2, [2, 5]]).all() and not torch.isinf(got[2]).any()
 
 
 @pytest.mark.parametrize("mode, params", [(mode, params) for mode in ("chain", "tree", "ngram")
@@ -107,8 +129,11 @@ def _fields(params: SamplingParams) -> dict:
     ({"presence_penalty": 2.5}, "presence_penalty must be between -2 and 2, got 2.5"),
     ({"frequency_penalty": -3}, "frequency_penalty must be between -2 and 2, got -3"),
     ({"repetition_penalty": 0}, "repetition_penalty must be in (0, 100] (1 = off), got 0"),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens must be between 0 and max_tokens (10), got 20"),
+    ({"logit_bias": ((3, 101.0),)}, "logit_bias maps token ids (>= 0) to values between -100 and 100, got 3: 101.0"),
+    ({"logit_bias": tuple((i, 1.0) for i in range(1025))}, "logit_bias may bias at most 1024 tokens, got 1025"),
 ])
-def test_penalties_out_of_range_are_refused(fields, message):
+def test_adjustments_out_of_range_are_refused(fields, message):
     with pytest.raises(InvalidSamplingParams) as refused:
         SamplingParams(**fields)
     assert str(refused.value) == message
@@ -127,3 +152,21 @@ def test_greedy_with_penalties_on_six_tokens_where_paths_repeat_them(small, mode
         output, stats, _ = generate(target, prompt, params, drafter)
         assert output == alone, prompt
         assert stats.accepted > 0
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree", "ngram"])
+def test_greedy_with_logit_bias_and_min_tokens_every_mode_equals_the_target_alone(tiny, mode):
+    target = tiny["llama"]
+    drafter = {"chain": ModelChainDrafter(tiny["llama-draft"], 4),
+               "tree": ModelTreeDrafter(tiny["llama-draft"], 3, 2, 3), "ngram": NgramDrafter(3)}[mode]
+    plain, _, _ = generate(target, PROMPT, SamplingParams(max_tokens=24, ignore_eos=True))
+    stop = plain[4]  # a stop token the plain output reaches early
+    stopped = generate(target, PROMPT, SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=(stop,)))[0]
+    assert stopped == plain[:plain.index(stop)]
+    for rules in ({"min_tokens": 12}, {"min_tokens": 12, "logit_bias": ((plain[1], -100.0), (plain[2], 3.0))}):
+        params = SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=(stop,), **rules)
+        alone, _, _ = generate(target, PROMPT, params)
+        assert len(alone) >= 12 and stop not in alone
+        if "logit_bias" in rules:
+            assert plain[1] not in alone
+        assert generate(target, PROMPT, params, drafter)[0] == alone

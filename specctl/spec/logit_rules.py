@@ -1,0 +1,68 @@
+"""What a request changes in the target's logits before temperature, top-k, top-p and min-p,
+in vLLM's order: ``logit_bias`` (added), ``min_tokens`` (the stop tokens barred until that
+many tokens are out), then the penalties — transformers'/vLLM's ``repetition_penalty`` (over
+prompt and output) and OpenAI's ``presence_penalty`` and ``frequency_penalty`` (over the
+output). Greedy decoding takes the argmax of the result, as vLLM does.
+
+They are part of the target's distribution, so verification applies them: a proposal node's
+row is adjusted for the text it follows (the committed text, then the node's own path), which
+is what decoding with the target alone computes at that point. The draft does not apply them:
+a rule it did not foresee costs acceptance, never exactness."""
+
+from __future__ import annotations
+
+import torch
+
+from specctl.spec.sampling import SamplingParams
+
+
+class LogitRules:
+    """One session's rules and the state they need: which tokens the prompt holds, how often
+    each token came in the output so far, how many tokens are out (on the target's device)."""
+
+    def __init__(self, params: SamplingParams, prompt: list[int], stop_ids: set[int], vocab_size: int,
+                 device: torch.device) -> None:
+        self.presence, self.frequency, self.repetition = (params.presence_penalty, params.frequency_penalty,
+                                                          params.repetition_penalty)
+        self.min_tokens, self.produced = params.min_tokens, 0
+        self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+        self.bias = None
+        if params.logit_bias:
+            self.bias = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+            ids, values = zip(*params.logit_bias)
+            self.bias[torch.tensor(ids, device=device)] = torch.tensor(values, device=device)
+        self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        self.in_prompt[torch.tensor(prompt, dtype=torch.long, device=device)] = True
+
+    def record(self, tokens: list[int]) -> None:
+        """Output tokens committed."""
+        self.produced += len(tokens)
+        if tokens:
+            self.counts.index_add_(0, torch.tensor(tokens, dtype=torch.long, device=self.counts.device),
+                                   torch.ones(len(tokens), device=self.counts.device))
+
+    def apply(self, logits: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
+        """``logits`` [rows, vocab] adjusted; row r follows the output so far, then ``paths[r]``
+        (a proposal node's tokens past the committed text, its own included)."""
+        logits = logits.float()
+        if self.bias is not None:
+            logits = logits + self.bias
+        barred = [r for r, path in enumerate(paths) if self.produced + len(path) < self.min_tokens]
+        if barred and self.stop_ids.numel():
+            logits = logits.clone()
+            logits[torch.tensor(barred, device=logits.device).unsqueeze(1), self.stop_ids] = float("-inf")
+        if self.repetition == 1.0 and not (self.frequency or self.presence):
+            return logits
+        counts = self.counts.expand(logits.shape[0], -1).clone()
+        rows = [r for r, path in enumerate(paths) for _ in path]
+        if rows:
+            at = (torch.tensor(rows, device=counts.device), torch.tensor(sum(paths, []), device=counts.device))
+            counts.index_put_(at, torch.ones(len(rows), device=counts.device), accumulate=True)
+        if self.repetition != 1.0:
+            seen = self.in_prompt | (counts > 0)
+            logits = torch.where(seen, torch.where(logits > 0, logits / self.repetition, logits * self.repetition),
+                                 logits)
+        if self.frequency or self.presence:
+            logits = logits - self.frequency * counts - self.presence * (counts > 0).float()
+        return logits
