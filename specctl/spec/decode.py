@@ -83,11 +83,11 @@ class DecodeSession:
         self.logprobs: list[TokenLogprob] = []  # of each output token, when params.logprobs asks for them
         self.last_path: list[int] = []  # the last round's accepted nodes (root excluded)
         self.last_committed: list[int] = []  # ... and the tokens it committed (accepted + bonus)
+        self.rules = (LogitRules(params, prompt, self.stop_ids, target.spec.vocab_size, target.device)
+                      if params.adjusts_logits else None)  # None: nothing to compute
         # Run ahead (AR): the next step is launched with its token still on the device,
         # and the token read back while that step runs. ``ahead`` holds that step's logits: the
         # next root's verification, already in the cache. None (auto): see runs_ahead.
-        self.rules = (LogitRules(params, prompt, self.stop_ids, target.spec.vocab_size, target.device)
-                      if params.adjusts_logits else None)  # None: nothing to compute
         self.run_ahead = runs_ahead(params, max_nodes, target) if run_ahead is None else run_ahead
         if self.rules is not None:
             self.run_ahead = False  # see runs_ahead

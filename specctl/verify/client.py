@@ -12,8 +12,9 @@ from typing import AsyncIterator, Callable
 from specctl.errors import SpecctlError
 from specctl.net.framing import read_message, write_message
 from specctl.net.handshake import client_handshake
-from specctl.net.protocol import Cancel, Done, Error, Generate, Stats, StatsRequest, Tokens, Welcome, encode
+from specctl.net.protocol import Cancel, Done, Error, Stats, StatsRequest, Tokens, Welcome, encode
 from specctl.spec.sampling import SamplingParams
+from specctl.verify.wire_params import generate_message
 
 
 class RemoteError(SpecctlError):
@@ -80,12 +81,7 @@ class TargetConnection:
         req = next(self._reqs)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[req] = queue
-        self._send(Generate(req, prompt, params.max_tokens, params.temperature, params.top_p, params.top_k,
-                            params.seed, list(params.stop_token_ids), params.ignore_eos,
-                            -1 if params.logprobs is None else params.logprobs,
-                            -1 if params.prompt_logprobs is None else params.prompt_logprobs,
-                            params.presence_penalty, params.frequency_penalty, params.repetition_penalty,
-                            params.min_p, params.min_tokens, dict(params.logit_bias)))
+        self._send(generate_message(req, prompt, params))
         return TargetStream(self, req, queue)
 
     def _send(self, message) -> None:

@@ -26,7 +26,7 @@ from specctl.runtime.compute import ComputeLane, ComputeThread, SlowedLane
 from specctl.runtime.listen import ListenConfig, ListeningServer, MessageRate
 from specctl.spec.decode import DecodeSession
 from specctl.spec.rounds import run_session
-from specctl.spec.sampling import SamplingParams
+from specctl.verify.wire_params import sampling_params_of
 from specctl.spec.stats import GenerationStats, RoundResult
 from specctl.verify.draft_client import DraftClient
 from specctl.verify.fused import Fusion
@@ -207,13 +207,7 @@ class TargetServer(ListeningServer):
     async def _create(self, msg: Generate, send) -> DecodeSession | None:
         """The session's target state, made on the compute thread; None when refused (answered)."""
         try:
-            params = SamplingParams(temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k,
-                                    max_tokens=msg.max_tokens, seed=msg.seed, stop_token_ids=tuple(msg.stop_token_ids),
-                                    ignore_eos=msg.ignore_eos, logprobs=None if msg.logprobs < 0 else msg.logprobs,
-                                    prompt_logprobs=None if msg.prompt_logprobs < 0 else msg.prompt_logprobs,
-                                    presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
-                                    repetition_penalty=msg.repetition_penalty, min_p=msg.min_p,
-                                    min_tokens=msg.min_tokens, logit_bias=tuple(sorted(msg.logit_bias.items())))
+            params = sampling_params_of(msg)
             if (params.logprobs is not None or params.prompt_logprobs is not None) and self.specpipe is not None:
                 raise BadRequest("logprobs are not available from a SpecPipe target: its stages send the verified "
                                  "tokens, not the logits")

@@ -1,0 +1,32 @@
+"""A request's sampling parameters on the wire (GENERATE) and back, both directions in one
+place: a field added to SamplingParams either travels or fails the round-trip test."""
+
+from __future__ import annotations
+
+from specctl.net.protocol import Generate
+from specctl.spec.sampling import SamplingParams
+
+
+def generate_message(req: int, prompt: list[int], params: SamplingParams) -> Generate:
+    return Generate(
+        req, prompt, params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed,
+        list(params.stop_token_ids), params.ignore_eos,
+        logprobs=-1 if params.logprobs is None else params.logprobs,
+        prompt_logprobs=-1 if params.prompt_logprobs is None else params.prompt_logprobs,
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty, min_p=params.min_p, min_tokens=params.min_tokens,
+        logit_bias=dict(params.logit_bias),
+    )
+
+
+def sampling_params_of(msg: Generate) -> SamplingParams:
+    """The request's parameters, validated (InvalidSamplingParams names the bad one)."""
+    return SamplingParams(
+        temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, max_tokens=msg.max_tokens, seed=msg.seed,
+        stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+        logprobs=None if msg.logprobs < 0 else msg.logprobs,
+        prompt_logprobs=None if msg.prompt_logprobs < 0 else msg.prompt_logprobs,
+        presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty, min_p=msg.min_p, min_tokens=msg.min_tokens,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+    )
