@@ -1,0 +1,147 @@
+"""A request's choices through the gateway (gateway.choices): n per prompt, batched prompts,
+echo with the prompt's log-probabilities — each choice what a request of its own gets,
+streamed with its index, and a request whose choice fails frees every sibling."""
+
+import json
+import time
+import urllib.request
+
+import pytest
+
+from tests.test_gateway import PROMPT, _target_logprobs, openai_client, post, running_cluster, specctl_generate
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_dir):
+    yield from running_cluster(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return openai_client(cluster)
+
+
+def _wait_idle(thread, timeout=20.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline and (sum(t.active for t in thread.cluster.targets)
+                                      or thread.cluster.draft_server.table.snapshot()["sessions"]):
+        time.sleep(0.05)
+    return sum(t.active for t in thread.cluster.targets), thread.cluster.draft_server.table.snapshot()["sessions"]
+
+
+def test_n_choices_are_n_generations_each_as_a_request_of_its_own(cluster, client, tiny_dir):
+    model = str(tiny_dir["llama"])
+    reference = specctl_generate(tiny_dir, PROMPT, 10)
+    greedy = client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0, n=3)
+    assert [(c.index, c.text) for c in greedy.choices] == [(i, reference["text"]) for i in range(3)]
+    assert greedy.usage.prompt_tokens == reference["stats"]["prompt_tokens"]  # the prompt counted once
+    assert greedy.usage.completion_tokens == 3 * len(reference["token_ids"])
+    assert greedy.model_extra["specctl"]["rounds"] >= 3
+    # Sampled with a seed: choice j is what one choice with seed + j samples (as vLLM seeds them).
+    sampled = client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=77, n=3,
+                                        extra_body={"ignore_eos": True})
+    alone = [client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=77 + j,
+                                       extra_body={"ignore_eos": True}).choices[0].text for j in range(3)]
+    assert [c.text for c in sampled.choices] == alone
+    assert len(set(alone)) > 1
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello"}],
+                                          max_tokens=8, temperature=0, n=2)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content == \
+        specctl_generate(tiny_dir, "Say hello", 8, chat=True)["text"]
+    assert _wait_idle(cluster[0]) == (0, 0)
+
+
+def test_batched_prompts_give_n_choices_each_in_prompt_order(cluster, client, tiny_dir):
+    model, prompts = str(tiny_dir["llama"]), ["Once upon a time", "The capital of"]
+    alone = [client.completions.create(model=model, prompt=p, max_tokens=6, temperature=0) for p in prompts]
+    batch = client.completions.create(model=model, prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert [(c.index, c.text) for c in batch.choices] == [(i * 2 + j, alone[i].choices[0].text)
+                                                          for i in range(2) for j in range(2)]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+    ids = [json.loads(post(cluster[1]["gateway"] + "/tokenize", {"prompt": p})[2])["tokens"] for p in prompts]
+    by_ids = client.completions.create(model=model, prompt=ids, max_tokens=6, temperature=0)
+    assert [c.text for c in by_ids.choices] == [a.choices[0].text for a in alone]
+
+
+def test_streamed_choices_carry_their_index_and_rebuild_each_text(cluster, client, tiny_dir):
+    model = str(tiny_dir["llama"])
+    full = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Count"}], max_tokens=12,
+                                          temperature=1.0, seed=5, n=3, logprobs=True)
+    chunks = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Count"}],
+                                                 max_tokens=12, temperature=1.0, seed=5, n=3, logprobs=True,
+                                                 stream=True, stream_options={"include_usage": True}))
+    for choice in full.choices:
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert mine[0].delta.role == "assistant"  # each choice opens with its role
+        assert "".join(c.delta.content or "" for c in mine) == choice.message.content
+        assert [e.token for c in mine if c.logprobs for e in c.logprobs.content] == \
+            [e.token for e in choice.logprobs.content]
+        assert [c.finish_reason for c in mine if c.finish_reason] == [choice.finish_reason]
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_a_choice_that_cannot_start_fails_the_request_and_frees_its_siblings(cluster, tiny_dir):
+    thread, urls = cluster
+    from specctl.engine.tiny import TINY_VOCAB as vocab  # an id past it is refused by the target instance
+    for stream in (False, True):
+        code, _, raw = post(urls["gateway"] + "/v1/completions",
+                            {"prompt": [[1, 2, 3], [1, vocab + 5]], "max_tokens": 200, "temperature": 0,
+                             "ignore_eos": True, "stream": stream, "n": 2})
+        assert code == 400, raw
+        assert "target instance" in json.loads(raw)["error"]["message"]
+        assert _wait_idle(thread) == (0, 0)
+        assert thread.cluster.gateway.running == 0
+
+
+def test_client_disconnect_cancels_every_choice(cluster):
+    thread, urls = cluster
+    request = urllib.request.Request(urls["gateway"] + "/v1/completions", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"prompt": PROMPT, "max_tokens": 400, "temperature": 0, "n": 3,
+                                                      "stream": True, "ignore_eos": True}).encode())
+    response = urllib.request.urlopen(request, timeout=60)
+    assert response.readline().startswith(b"data: ")
+    assert sum(t.active for t in thread.cluster.targets) == 3
+    response.close()
+    assert _wait_idle(thread) == (0, 0)
+    assert thread.cluster.gateway.running == 0
+
+
+def test_echo_puts_the_prompt_first_with_its_logprobs_as_lm_eval_asks(cluster, tiny_dir):
+    base = cluster[1]["gateway"]
+    plain = json.loads(post(base + "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0})[2])
+    echoed = json.loads(post(base + "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                                                        "echo": True})[2])
+    assert echoed["choices"][0]["text"] == PROMPT + plain["choices"][0]["text"]
+    assert echoed["usage"] == plain["usage"]
+    # lm-eval's loglikelihood request: batched token ids, echo, logprobs 1, one token
+    prompts = [json.loads(post(base + "/tokenize", {"prompt": p})[2])["tokens"] for p in (PROMPT, "Hello there")]
+    code, _, raw = post(base + "/v1/completions", {"prompt": prompts, "max_tokens": 1, "temperature": 0, "echo": True,
+                                                   "logprobs": 1})
+    assert code == 200, raw
+    for ids, choice in zip(prompts, json.loads(raw)["choices"]):
+        logprobs, generated = choice["logprobs"], _target_logprobs(tiny_dir, ids, [0])
+        assert len(logprobs["tokens"]) == len(ids) + 1
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        whole = _target_logprobs(tiny_dir, ids[:1], ids[1:] + [0])  # row i: prompt token i + 1's distribution
+        for i, token in enumerate(ids[1:]):
+            assert logprobs["token_logprobs"][i + 1] == pytest.approx(float(whole[i, token]), abs=1e-4)
+            assert len(logprobs["top_logprobs"][i + 1]) in (1, 2)  # the token and the likeliest (maybe the same)
+        assert logprobs["token_logprobs"][-1] == pytest.approx(float(generated[0].max()), abs=1e-4)  # greedy
+        widths = [len(t) for t in logprobs["tokens"]]
+        assert logprobs["text_offset"] == [sum(widths[:i]) for i in range(len(widths))]
+        assert "".join(logprobs["tokens"][:len(ids)]) == "".join(
+            json.loads(post(base + "/detokenize", {"tokens": [t]})[2])["prompt"] for t in ids)
+    # streamed: the prompt comes first, with its logprobs; the chunks rebuild the same text and lists
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "echo": True, "logprobs": 0}
+    whole = json.loads(post(base + "/v1/completions", body)[2])["choices"][0]
+    request = urllib.request.Request(base + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        chunks = [json.loads(line[6:])["choices"][0] for line in response if line.startswith(b"data: {")]
+    assert chunks[0]["text"] == PROMPT and chunks[0]["logprobs"]["token_logprobs"][0] is None
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    assert sum((c["logprobs"]["token_logprobs"] for c in chunks if c["logprobs"]), []) == \
+        whole["logprobs"]["token_logprobs"]
+    assert sum((c["logprobs"]["text_offset"] for c in chunks if c["logprobs"]), []) == whole["logprobs"]["text_offset"]
