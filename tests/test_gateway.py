@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
+from tests.conftest import poll_until
 
 PROMPT = "The quick brown fox"
 
@@ -382,7 +383,7 @@ def test_client_disconnect_cancels_the_generation_everywhere(cluster, tiny_dir):
         time.sleep(0.1)
     assert sum(t.active for t in thread.cluster.targets) == 0
     assert thread.cluster.draft_server.table.snapshot()["sessions"] == 0
-    assert thread.cluster.gateway.running == 0
+    poll_until(lambda: thread.cluster.gateway.running, lambda running: running == 0, timeout=10)
     # Cancelled by a CANCEL on the pooled connection, which stays up for the next request.
     assert all(link.connection is None or not link.connection.closed for link in thread.cluster.gateway.upstream.targets)
 
@@ -502,9 +503,10 @@ def test_a_targets_drafters_are_exported_as_gauges_by_drafter():
     assert ("specctl:drafter_mean_score", (("address", "t:9100"), ("drafter", "ngram"))) not in samples
 
 
-def test_a_target_that_dies_mid_stream_ends_the_stream_with_its_error_then_503(tiny_dir):
-    """kill a target instance mid-stream: the stream ends with an error event naming it (once)
-    and [DONE]; the gateway then answers 503 with Retry-After, and carries on."""
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_target_that_dies_mid_stream_ends_the_stream_with_its_error_then_503(tiny_dir, n):
+    """kill a target instance mid-stream: the stream ends with an error event naming it (once,
+    whatever the choices) and [DONE]; the gateway then answers 503 with Retry-After, and carries on."""
     import dataclasses
 
     config = build_config(None, target=str(tiny_dir["llama"]), mode="ar", dtype="fp32", max_sessions=4)
@@ -513,7 +515,7 @@ def test_a_target_that_dies_mid_stream_ends_the_stream_with_its_error_then_503(t
     try:
         target = thread.cluster.targets[0]
         target.config = dataclasses.replace(target.config, verify_delay_s=0.02)  # a round a slow device takes
-        body = {"prompt": PROMPT, "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True}
+        body = {"prompt": PROMPT, "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True, "n": n}
         request = urllib.request.Request(urls["gateway"] + "/v1/completions", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=60) as response:
@@ -526,6 +528,7 @@ def test_a_target_that_dies_mid_stream_ends_the_stream_with_its_error_then_503(t
         assert re.fullmatch(r"target instance 127\.0\.0\.1:\d+ closed the connection mid-stream", error["message"])
         assert error["type"] == "server_error"
         assert all("choices" in json.loads(d) for d in data[:-2])
+        poll_until(lambda: thread.cluster.gateway.running, lambda running: running == 0, timeout=10)
         code, headers, raw = post(urls["gateway"] + "/v1/completions", {"prompt": PROMPT, "max_tokens": 4})
         assert code == 503 and headers["Retry-After"] == "1"
         assert json.loads(raw)["error"]["code"] == "no_capacity"

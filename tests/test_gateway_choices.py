@@ -8,6 +8,7 @@ import urllib.request
 
 import pytest
 
+from tests.conftest import poll_until
 from tests.test_gateway import PROMPT, _target_logprobs, openai_client, post, running_cluster, specctl_generate
 
 
@@ -92,7 +93,7 @@ def test_a_choice_that_cannot_start_fails_the_request_and_frees_its_siblings(clu
         assert code == 400, raw
         assert "target instance" in json.loads(raw)["error"]["message"]
         assert _wait_idle(thread) == (0, 0)
-        assert thread.cluster.gateway.running == 0
+        poll_until(lambda: thread.cluster.gateway.running, lambda running: running == 0, timeout=10)
 
 
 def test_client_disconnect_cancels_every_choice(cluster):
@@ -105,7 +106,7 @@ def test_client_disconnect_cancels_every_choice(cluster):
     assert sum(t.active for t in thread.cluster.targets) == 3
     response.close()
     assert _wait_idle(thread) == (0, 0)
-    assert thread.cluster.gateway.running == 0
+    poll_until(lambda: thread.cluster.gateway.running, lambda running: running == 0, timeout=10)
 
 
 def test_echo_puts_the_prompt_first_with_its_logprobs_as_lm_eval_asks(cluster, tiny_dir):
