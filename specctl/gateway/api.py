@@ -7,8 +7,9 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
 - max_tokens defaults to 16 for completions (OpenAI) and to the gateway's
   ``default_max_tokens`` for chat, capped by what the context has left.
 - logprobs: completions ``logprobs: n``, chat ``logprobs: true`` + ``top_logprobs: n`` (n <= 20):
-  the target's raw log-probabilities (before temperature, top-k, top-p, as vLLM reports
-  them) of every completion token counted in usage, a stop string's last batch included;
+  the target's raw log-probabilities (before the logit rules, temperature, top-k, top-p,
+  as vLLM reports them) of every completion token counted in usage, a stop string's last
+  batch included;
   a token's text is its own decoding (a piece of a multi-byte character shows as U+FFFD).
 - n choices per prompt and batched prompts (a list of strings or of token-id lists) run as
   that many generations at once (choice index = prompt index * n + j; with a seed, choice j
