@@ -171,11 +171,6 @@ def test_bad_chat_bodies_and_unknown_routes(cluster):
 @pytest.mark.parametrize("extra, param, message", [
     ({"response_format": {"type": "json_object"}}, "response_format",
      "response_format 'json_object' is not supported: the output is the target's own text, unconstrained (only 'text')"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
-     "tools are not supported: the output is the target's own text, with no tool calls"),
-    ({"functions": [{"name": "f"}]}, "functions",
-     "functions are not supported: the output is the target's own text, with no tool calls"),
-    ({"tool_choice": "required"}, "tool_choice", "tool_choice must be 'none' or 'auto': no tools are supported"),
     ({"guided_choice": ["yes", "no"]}, "guided_choice",
      "guided_choice is not supported (it would change the target's distribution)"),
 ])

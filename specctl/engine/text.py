@@ -13,12 +13,13 @@ def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
     return tokenizer.encode(prompt)
 
 
-def encode_chat(tokenizer: Any, messages: Sequence[dict]) -> list[int]:
-    """Messages through the model's own chat template, ready for the assistant's turn.
-    The template adds any special tokens itself, so the encoder must not add them again."""
+def encode_chat(tokenizer: Any, messages: Sequence[dict], tools: list[dict] | None = None) -> list[int]:
+    """Messages (and the tools the model may call) through the model's own chat template, ready
+    for the assistant's turn. The template adds any special tokens itself, so the encoder must
+    not add them again."""
     if not getattr(tokenizer, "chat_template", None):
         raise BadRequest("this model has no chat template: use /v1/completions (or drop --chat)")
-    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(list(messages), tools=tools, add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)
 
 

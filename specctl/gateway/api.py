@@ -23,8 +23,10 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
 - logit_bias, presence_penalty and frequency_penalty (OpenAI's), and vLLM's
   repetition_penalty, min_tokens and min_p are part of the target's distribution, applied by
   verification (spec.logit_rules, spec.sampling), greedy included, as vLLM applies them.
-- best_of other than n, suffix, a JSON response_format, tools, and vLLM's constraining
-  extensions (guided_*) are refused with 400 rather than silently ignored: they would change
+- chat tools are rendered by the model's chat template and the output parsed for calls
+  (gateway.tools: vLLM's Hermes parser); tool_choice "none" renders none.
+- best_of other than n, suffix, a JSON response_format, tool_choice "required" or named,
+  legacy functions, and vLLM's constraining extensions (guided_*) are refused with 400 rather than silently ignored: they would change
   what the caller gets.
 - vLLM's stop_token_ids (at most MAX_STOP_TOKEN_IDS) end the generation as EOS does: the
   stop token is not part of the output (vLLM keeps a non-special one in its text).
@@ -71,9 +73,22 @@ class ContentPart(msgspec.Struct):
     text: str = ""
 
 
+class CalledFunction(msgspec.Struct):
+    name: str
+    arguments: str  # JSON, as OpenAI sends it
+
+
+class ToolCall(msgspec.Struct):
+    function: CalledFunction
+    id: str | None = None
+    type: str = "function"
+
+
 class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool's answer
 
 
 class _Common(msgspec.Struct, kw_only=True):
@@ -126,6 +141,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Any] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
@@ -174,12 +190,13 @@ def refuse_unsupported(req: _Common) -> None:
     if req.response_format is not None and req.response_format.type != "text":
         raise ApiError(400, f"response_format {req.response_format.type!r} is not supported: the output is the "
                             "target's own text, unconstrained (only 'text')", param="response_format")
-    for name in ("tools", "functions"):
-        if getattr(req, name):
-            raise ApiError(400, f"{name} are not supported: the output is the target's own text, with no tool calls",
-                           param=name)
+    if req.functions:
+        raise ApiError(400, "functions are not supported: send them as tools", param="functions")
+    if req.tools and not isinstance(req, ChatCompletionRequest):
+        raise ApiError(400, "tools are for chat completions", param="tools")
     if req.tool_choice not in (None, "none", "auto"):
-        raise ApiError(400, "tool_choice must be 'none' or 'auto': no tools are supported", param="tool_choice")
+        raise ApiError(400, "tool_choice must be 'none' or 'auto': forcing a call needs constrained decoding, which "
+                            "would change the target's output", param="tool_choice")
     if isinstance(req, CompletionRequest):
         if req.best_of not in (None, req.n):
             raise ApiError(400, "best_of is not supported (only equal to n): every choice generated is returned",
@@ -254,8 +271,23 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
             if any(part.type != "text" for part in content):
                 raise ApiError(400, "only text content parts are supported", param="messages")
             content = "".join(part.text for part in content)
-        out.append({"role": "system" if message.role == "developer" else message.role, "content": content or ""})
+        turn = {"role": "system" if message.role == "developer" else message.role, "content": content or ""}
+        if message.tool_calls:
+            turn["tool_calls"] = [{"type": "function", "function": {"name": call.function.name,
+                                                                    "arguments": _arguments(call.function.arguments)}}
+                                  for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            turn["tool_call_id"] = message.tool_call_id
+        out.append(turn)
     return out
+
+
+def _arguments(arguments: str) -> Any:
+    """A call's arguments as the chat template renders them (an object, not its JSON text)."""
+    try:
+        return msgspec.json.decode(arguments)
+    except msgspec.DecodeError:
+        raise ApiError(400, f"a tool call's arguments must be JSON, got {arguments!r}", param="messages") from None
 
 
 def sampling_params(req: _Common, prompt_tokens: int, context: int, default_max_tokens: int) -> SamplingParams:

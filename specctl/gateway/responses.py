@@ -73,10 +73,13 @@ def spec_summaries(stats: list[dict]) -> dict:
             "tokens_per_s": round(total["new_tokens"] / wall_s, 3) if wall_s > 0 else 0.0}
 
 
-def choice(chat: bool, index: int, text: str, finish_reason: str, logprobs: dict | None = None) -> dict:
+def choice(chat: bool, index: int, text: str | None, finish_reason: str, logprobs: dict | None = None,
+           tool_calls: list[dict] | None = None) -> dict:
     if chat:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish_reason}
+        message = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
@@ -90,11 +93,14 @@ def full_response(rid: str, model: str, chat: bool, choices: list[dict], prompt_
 
 
 def chunk(rid: str, model: str, chat: bool, created: int, text: str | None = None, finish_reason: str | None = None,
-          role: bool = False, extra: dict | None = None, logprobs: dict | None = None, index: int = 0) -> dict:
-    """One streamed chunk: a text delta (with its tokens' logprobs), the opening role (chat) or
-    the closing finish_reason."""
+          role: bool = False, extra: dict | None = None, logprobs: dict | None = None, index: int = 0,
+          tool_calls: list[dict] | None = None) -> dict:
+    """One streamed chunk: a text delta (with its tokens' logprobs), the opening role (chat),
+    a choice's tool calls (whole, each with its index) or the closing finish_reason."""
     if chat:
         delta: dict = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+        if tool_calls:
+            delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(tool_calls)]}
         one = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
         one = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}

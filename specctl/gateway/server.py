@@ -25,6 +25,8 @@ from specctl.gateway.api import (
     completion_prompts, parse_body, refuse_unsupported, sampling_params, stop_strings, wanted_logprobs,
 )
 from specctl.gateway.choices import Choices, choice_specs
+from specctl.gateway.respond import Reply, remote_message
+from specctl.gateway.tools import request_tools
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.gateway.upstream import Upstream
 from specctl.verify.client import RemoteError
@@ -32,12 +34,6 @@ from specctl.verify.client import RemoteError
 log = logging.getLogger("specctl.gateway")
 
 REMOTE_STATUS = {"bad_request": 400, "capacity": 503, "unavailable": 503}
-
-
-def remote_message(exc: RemoteError) -> str:
-    """A target instance's error as the client reads it: said to come from the target, once."""
-    message = str(exc)
-    return message if message.startswith("target instance") else f"target instance: {message}"
 
 
 @dataclass(slots=True)
@@ -160,7 +156,7 @@ class Gateway:
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "give either prompt or messages", param="prompt")
         chat = req.messages is not None
-        [ids] = self._encode(ChatCompletionRequest(messages=req.messages) if chat
+        [ids] = self._encode(ChatCompletionRequest(messages=req.messages, tools=req.tools) if chat
                              else CompletionRequest(prompt=req.prompt))
         return web.json_response({"count": len(ids), "max_model_len": self.config.context, "tokens": ids})
 
@@ -190,7 +186,7 @@ class Gateway:
         ids, or a batch of either)."""
         try:
             if isinstance(req, ChatCompletionRequest):
-                return [encode_chat(self.tokenizer, chat_messages(req))]
+                return [encode_chat(self.tokenizer, chat_messages(req), self._tools(req))]
             prompts = completion_prompts(req.prompt)
             ids = [encode_prompt(self.tokenizer, p) if isinstance(p, str) else p for p in prompts]
         except BadRequest as exc:
@@ -218,11 +214,13 @@ class Gateway:
             prompt_tokens = sum(map(len, prompts))
             self.metrics.prompt_tokens.inc(prompt_tokens)
             try:
+                with_logprobs = wanted_logprobs(req) is not None
+                reply = Reply(self.config.model_name, chat, prompt_tokens,
+                              (lambda entries, offset: self._logprobs(chat, entries, offset)) if with_logprobs else None,
+                              tools=self._tools(req) is not None,
+                              include_usage=bool(req.stream_options and req.stream_options.include_usage))
                 async with Choices(self.upstream, self.metrics, self.tokenizer, specs, stop) as choices:
-                    if req.stream:
-                        response = await self._stream(request, req, chat, prompt_tokens, choices)
-                    else:
-                        response = await self._collect(req, chat, prompt_tokens, choices)
+                    response = await (reply.stream(request, choices) if req.stream else reply.collect(choices))
             except RemoteError as exc:
                 raise ApiError(REMOTE_STATUS.get(exc.code, 502), remote_message(exc),
                                type="invalid_request_error" if exc.code == "bad_request" else "server_error") from None
@@ -264,48 +262,7 @@ class Gateway:
     def _logprobs(self, chat: bool, entries: list, offset: int = 0) -> dict | None:
         return R.logprobs_body(chat, entries, self._token_text, offset, self._token_bytes)
 
-    async def _collect(self, req, chat: bool, prompt_tokens: int, choices: Choices) -> web.Response:
-        texts: dict[int, list[str]] = {}
-        logprobs: dict[int, list[R.TokenLogprob]] = {}
-        bodies, stats, completion_tokens = [], [], 0
-        with_logprobs = wanted_logprobs(req) is not None
-        async for index, event in choices.events():
-            texts.setdefault(index, []).append(event.delta)
-            logprobs.setdefault(index, []).extend(event.logprobs)
-            if event.finish:
-                bodies.append(R.choice(chat, index, "".join(texts[index]), event.finish,
-                                       self._logprobs(chat, logprobs[index]) if with_logprobs else None))
-                stats.append(event.stats)
-                completion_tokens += event.count
-        return web.json_response(R.full_response(R.new_id(chat), self.config.model_name, chat, bodies, prompt_tokens,
-                                                 completion_tokens, R.spec_summaries(stats)))
-
-    async def _stream(self, request: web.Request, req, chat: bool, prompt_tokens: int,
-                      choices: Choices) -> web.StreamResponse:
-        rid, created, model = R.new_id(chat), int(time.time()), self.config.model_name
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        if chat:
-            for spec in choices.specs:
-                await response.write(R.sse(R.chunk(rid, model, chat, created, role=True, index=spec.index)))
-        offsets: dict[int, int] = {}  # each choice's text handed out so far (completions' text_offset)
-        with_logprobs, completion_tokens = wanted_logprobs(req) is not None, 0
-        try:
-            async for index, event in choices.events():
-                if event.delta or (with_logprobs and event.logprobs):
-                    logprobs = self._logprobs(chat, event.logprobs, offsets.get(index, 0)) if with_logprobs else None
-                    if logprobs and not chat and logprobs["tokens"]:  # the next chunk's tokens start after these
-                        offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
-                    await response.write(R.sse(R.chunk(rid, model, chat, created, text=event.delta, logprobs=logprobs,
-                                                       index=index)))
-                if event.finish:
-                    completion_tokens += event.count
-                    await response.write(R.sse(R.chunk(rid, model, chat, created, finish_reason=event.finish,
-                                                       extra={"specctl": R.spec_summary(event.stats)}, index=index)))
-            if req.stream_options and req.stream_options.include_usage:
-                await response.write(R.sse(R.usage_chunk(rid, model, chat, created, prompt_tokens, completion_tokens)))
-        except RemoteError as exc:  # headers are gone: the error travels in the stream, as vLLM does
-            await response.write(R.sse(ApiError(502, remote_message(exc), type="server_error").body()))
-        await response.write(R.sse("[DONE]"))
-        await response.write_eof()
-        return response
+    def _tools(self, req) -> list[dict] | None:
+        if not isinstance(req, ChatCompletionRequest):
+            return None
+        return request_tools(req.tools, req.tool_choice, getattr(self.tokenizer, "chat_template", None))

@@ -1,0 +1,93 @@
+"""A request's choices become its answer: one JSON body (collected) or an SSE stream, with
+each choice's logprobs and, when the request gave tools, its text read for tool calls."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from aiohttp import web
+
+from specctl.gateway import responses as R
+from specctl.gateway import tools as T
+from specctl.gateway.api import ApiError
+from specctl.gateway.choices import Choices
+from specctl.verify.client import RemoteError
+
+
+def remote_message(exc: RemoteError) -> str:
+    """A target instance's error as the client reads it: said to come from the target, once."""
+    message = str(exc)
+    return message if message.startswith("target instance") else f"target instance: {message}"
+
+
+@dataclass(slots=True)
+class Reply:
+    model: str
+    chat: bool
+    prompt_tokens: int
+    logprobs: Callable[[list, int], dict] | None  # (entries, text offset) -> OpenAI's logprobs; None: not asked
+    tools: bool = False  # read each choice's text for tool calls
+    include_usage: bool = False  # streamed: a last chunk with the usage
+
+    async def collect(self, choices: Choices) -> web.Response:
+        texts: dict[int, list[str]] = {}
+        entries: dict[int, list[R.TokenLogprob]] = {}
+        bodies, stats, completion_tokens = [], [], 0
+        async for index, event in choices.events():
+            texts.setdefault(index, []).append(event.delta)
+            entries.setdefault(index, []).extend(event.logprobs)
+            if event.finish:
+                text, calls, finish = "".join(texts[index]), None, event.finish
+                parsed = T.parse(text) if self.tools else None
+                if parsed is not None:
+                    (text, calls), finish = parsed, "tool_calls"
+                bodies.append(R.choice(self.chat, index, text, finish,
+                                       self.logprobs(entries[index], 0) if self.logprobs else None, calls))
+                stats.append(event.stats)
+                completion_tokens += event.count
+        return web.json_response(R.full_response(R.new_id(self.chat), self.model, self.chat, bodies,
+                                                 self.prompt_tokens, completion_tokens, R.spec_summaries(stats)))
+
+    async def stream(self, request: web.Request, choices: Choices) -> web.StreamResponse:
+        rid, created, model, chat = R.new_id(self.chat), int(time.time()), self.model, self.chat
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+
+        async def send(**fields) -> None:
+            await response.write(R.sse(R.chunk(rid, model, chat, created, **fields)))
+
+        if chat:
+            for spec in choices.specs:
+                await send(role=True, index=spec.index)
+        offsets: dict[int, int] = {}  # each choice's text handed out so far (completions' text_offset)
+        calls = {spec.index: T.StreamedCalls() for spec in choices.specs} if self.tools else {}
+        completion_tokens = 0
+        try:
+            async for index, event in choices.events():
+                delta = calls[index].push(event.delta) if self.tools else event.delta
+                if delta or (self.logprobs and event.logprobs):
+                    logprobs = self.logprobs(event.logprobs, offsets.get(index, 0)) if self.logprobs else None
+                    if logprobs and not chat and logprobs["tokens"]:  # the next chunk's tokens start after these
+                        offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+                    await send(text=delta, logprobs=logprobs, index=index)
+                if event.finish:
+                    finish = event.finish
+                    if self.tools:
+                        rest, found = calls[index].finish()
+                        if rest:
+                            await send(text=rest, index=index)
+                        if found:
+                            await send(tool_calls=found, index=index)
+                            finish = "tool_calls"
+                    completion_tokens += event.count
+                    await send(finish_reason=finish, extra={"specctl": R.spec_summary(event.stats)}, index=index)
+            if self.include_usage:
+                await response.write(R.sse(R.usage_chunk(rid, model, chat, created, self.prompt_tokens,
+                                                         completion_tokens)))
+        except RemoteError as exc:  # headers are gone: the error travels in the stream, as vLLM does
+            await response.write(R.sse(ApiError(502, remote_message(exc), type="server_error").body()))
+        await response.write(R.sse("[DONE]"))
+        await response.write_eof()
+        return response

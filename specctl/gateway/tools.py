@@ -1,0 +1,86 @@
+"""Tool calling as vLLM serves it with its Hermes parser (``--tool-call-parser hermes``, the
+format of the Qwen2.5 chat templates): the request's tools go to the model's own chat
+template, and the target's text is read back for ``<tool_call>{"name": ..., "arguments":
+{...}}</tool_call>`` blocks, which become the message's ``tool_calls`` (finish_reason
+"tool_calls"). Decoding is untouched — the calls are the target's own tokens, parsed — so
+forcing a call (``tool_choice`` "required" or a named function) is refused: it needs
+constrained decoding. A text whose blocks do not parse stays content, as vLLM leaves it."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from specctl.gateway.api import ApiError
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+def request_tools(tools: list[Any] | None, tool_choice: Any, chat_template: str | None) -> list[dict] | None:
+    """The tools to render and parse for, or None (no tools, or ``tool_choice`` "none": the
+    model is not told of them). A template that does not render tools is a 400."""
+    if not tools or tool_choice == "none":
+        return None
+    specs = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(function, dict)
+                and isinstance(function.get("name"), str) and function["name"]):
+            raise ApiError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                                "\"parameters\": {...}}}}", param="tools")
+        specs.append({"type": "function", "function": function})
+    if "tools" not in (chat_template or ""):
+        raise ApiError(400, "this model's chat template does not render tools, so it cannot be told of them: send "
+                            "the request without tools", param="tools")
+    return specs
+
+
+def parse(text: str) -> tuple[str | None, list[dict]] | None:
+    """(the content before the first call, or None when there is none; the calls in OpenAI's
+    shape) — or None when the text holds no call that parses."""
+    start = text.find(OPEN)
+    if start < 0:
+        return None
+    calls = []
+    for block in text[start + len(OPEN):].split(OPEN):
+        body = block.split(CLOSE, 1)[0].strip()  # the last block may be cut short by max_tokens: then no call
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError:
+            return None
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+            return None
+        arguments = call.get("arguments", {})
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}})
+    content = text[:start]  # as streamed: whitespace kept, so streamed and whole agree
+    return content if content.strip() else None, calls
+
+
+class StreamedCalls:
+    """A streamed choice's text with tools: its content is handed out up to the first
+    ``<tool_call>`` (holding back a tail that may start one); what follows is parsed at the end."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.sent = 0  # characters of content handed out
+
+    def push(self, delta: str) -> str:
+        self.text += delta
+        start = self.text.find(OPEN)
+        if start >= 0:
+            upto = start
+        else:
+            hold = max((k for k in range(1, len(OPEN)) if self.text.endswith(OPEN[:k])), default=0)
+            upto = len(self.text) - hold
+        out, self.sent = self.text[self.sent:upto] if upto > self.sent else "", max(self.sent, upto)
+        return out
+
+    def finish(self) -> tuple[str, list[dict] | None]:
+        """(content not yet handed out, the calls or None)."""
+        parsed = parse(self.text)
+        if parsed is None:
+            rest, self.sent = self.text[self.sent:], len(self.text)
+            return rest, None
+        return "", parsed[1]
