@@ -118,3 +118,31 @@ async def poll_async(probe, predicate, timeout: float = 20.0, interval: float = 
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"condition not reached within {timeout} s; last: {result!r}")
         await asyncio.sleep(interval)
+
+
+def running_cluster(tiny_dir):
+    """A draft server, 2 target instances (16 sessions each) and a gateway over the tiny model,
+    all in one thread on loopback: (thread, urls)."""
+    from specctl.cluster.embedded import ClusterConfig, ClusterThread
+    from specctl.config import build_config
+
+    config = build_config(None, target=str(tiny_dir["llama"]), draft=f"{tiny_dir['llama']}@2", mode="chain", depth=3,
+                          dtype="fp32", draft_quant="none", max_sessions=16)
+    thread = ClusterThread(config, ClusterConfig(targets=2, gateway_port=0))
+    urls = thread.start()
+    yield thread, urls
+    thread.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_dir):
+    """The gateway tests' cluster (running_cluster), one per test module that asks."""
+    yield from running_cluster(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    """The official openai client on the cluster's gateway."""
+    import openai
+
+    return openai.OpenAI(base_url=cluster[1]["gateway"] + "/v1", api_key="unused", max_retries=0)

@@ -10,7 +10,6 @@ import time
 import urllib.error
 import urllib.request
 
-import openai
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -22,30 +21,6 @@ from specctl.config import build_config
 from tests.conftest import poll_until
 
 PROMPT = "The quick brown fox"
-
-
-def running_cluster(tiny_dir):
-    """A draft server, 2 target instances (16 sessions each) and a gateway: (thread, urls)."""
-    config = build_config(None, target=str(tiny_dir["llama"]), draft=f"{tiny_dir['llama']}@2", mode="chain", depth=3,
-                          dtype="fp32", draft_quant="none", max_sessions=16)
-    thread = ClusterThread(config, ClusterConfig(targets=2, gateway_port=0))
-    urls = thread.start()
-    yield thread, urls
-    thread.stop()
-
-
-def openai_client(cluster):
-    return openai.OpenAI(base_url=cluster[1]["gateway"] + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def cluster(tiny_dir):
-    yield from running_cluster(tiny_dir)
-
-
-@pytest.fixture(scope="module")
-def client(cluster):
-    return openai_client(cluster)
 
 
 def specctl_generate(tiny_dir, prompt, max_tokens, chat=False):

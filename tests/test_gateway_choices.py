@@ -9,17 +9,7 @@ import urllib.request
 import pytest
 
 from tests.conftest import poll_until
-from tests.test_gateway import PROMPT, _target_logprobs, openai_client, post, running_cluster, specctl_generate
-
-
-@pytest.fixture(scope="module")
-def cluster(tiny_dir):
-    yield from running_cluster(tiny_dir)
-
-
-@pytest.fixture(scope="module")
-def client(cluster):
-    return openai_client(cluster)
+from tests.test_gateway import PROMPT, _target_logprobs, post, specctl_generate
 
 
 def _wait_idle(thread, timeout=20.0):

@@ -11,7 +11,8 @@ from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
 from specctl.gateway.api import ApiError, ChatCompletionRequest, chat_messages, parse_body
 from specctl.gateway.tools import StreamedCalls, parse, request_tools
-from tests.test_gateway import post, running_cluster
+from tests.conftest import running_cluster
+from tests.test_gateway import post
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "today's weather",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
