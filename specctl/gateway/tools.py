@@ -74,7 +74,8 @@ class StreamedCalls:
         else:
             hold = max((k for k in range(1, len(OPEN)) if self.text.endswith(OPEN[:k])), default=0)
             upto = len(self.text) - hold
-        out, self.sent = self.text[self.sent:upto] if upto > self.sent else "", max(self.sent, upto)
+        out = self.text[self.sent:upto] if upto > self.sent else ""
+        self.sent = max(self.sent, upto)
         return out
 
     def finish(self) -> tuple[str, list[dict] | None]:
