@@ -213,12 +213,12 @@ class Gateway:
             self._check_room(len(specs))
             prompt_tokens = sum(map(len, prompts))
             self.metrics.prompt_tokens.inc(prompt_tokens)
+            with_logprobs = wanted_logprobs(req) is not None
+            reply = Reply(self.config.model_name, chat, prompt_tokens,
+                          (lambda entries, offset: self._logprobs(chat, entries, offset)) if with_logprobs else None,
+                          tools=self._tools(req) is not None,
+                          include_usage=bool(req.stream_options and req.stream_options.include_usage))
             try:
-                with_logprobs = wanted_logprobs(req) is not None
-                reply = Reply(self.config.model_name, chat, prompt_tokens,
-                              (lambda entries, offset: self._logprobs(chat, entries, offset)) if with_logprobs else None,
-                              tools=self._tools(req) is not None,
-                              include_usage=bool(req.stream_options and req.stream_options.include_usage))
                 async with Choices(self.upstream, self.metrics, self.tokenizer, specs, stop) as choices:
                     response = await (reply.stream(request, choices) if req.stream else reply.collect(choices))
             except RemoteError as exc:
