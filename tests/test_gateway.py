@@ -573,7 +573,7 @@ def test_penalties_logit_bias_and_min_tokens_are_the_targets_own_through_the_gat
         assert json.loads(raw)["error"]["param"] == field
     code, _, raw = post(base + "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "logit_bias": {"99999": 1}})
     assert code == 400 and json.loads(raw)["error"]["message"] == \
-        "target instance: logit_bias names token 99999, past the vocabulary of 320 tokens"
+        "target instance: logit_bias token ids must be in [0, 320), got 99999..99999"
 
 
 def target_text(tiny_dir, tokens):

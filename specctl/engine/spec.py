@@ -73,7 +73,8 @@ class ModelSpec:
         return ROPE_INIT_FUNCTIONS[rope_type](self.hf_config, torch.device("cpu"))
 
 
-def check_token_ids(ids: list[int], vocab_size: int) -> None:
-    """Refuse token ids outside the model's vocabulary (BadRequest), before any model sees them."""
+def check_token_ids(ids: list[int], vocab_size: int, what: str = "token ids") -> None:
+    """Refuse token ids outside the model's vocabulary (BadRequest), before any model sees them;
+    ``what`` names them in the message."""
     if ids and (min(ids) < 0 or max(ids) >= vocab_size):
-        raise BadRequest(f"token ids must be in [0, {vocab_size}), got {min(ids)}..{max(ids)}")
+        raise BadRequest(f"{what} must be in [0, {vocab_size}), got {min(ids)}..{max(ids)}")

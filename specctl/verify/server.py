@@ -26,11 +26,11 @@ from specctl.runtime.compute import ComputeLane, ComputeThread, SlowedLane
 from specctl.runtime.listen import ListenConfig, ListeningServer, MessageRate
 from specctl.spec.decode import DecodeSession
 from specctl.spec.rounds import run_session
-from specctl.verify.wire_params import sampling_params_of
 from specctl.spec.stats import GenerationStats, RoundResult
 from specctl.verify.draft_client import DraftClient
 from specctl.verify.fused import Fusion
 from specctl.verify.speculator import RemoteSpeculator
+from specctl.verify.wire_params import sampling_params_of
 
 log = logging.getLogger("specctl.verify")
 CLIENT_CANCEL = "cancelled by the client"  # the reason a CANCEL message gives the session task
@@ -214,10 +214,8 @@ class TargetServer(ListeningServer):
             if params.adjusts_logits and self.specpipe is not None:
                 raise BadRequest("penalties, logit_bias and min_tokens are not available from a SpecPipe target: its "
                                  "stages verify with the unadjusted distribution")
-            biased = max((token for token, _ in params.logit_bias), default=-1)
-            if biased >= self.model.spec.vocab_size:
-                raise BadRequest(f"logit_bias names token {biased}, past the vocabulary of "
-                                 f"{self.model.spec.vocab_size} tokens")
+            check_token_ids([token for token, _ in params.logit_bias], self.model.spec.vocab_size,
+                            "logit_bias token ids")
             check_token_ids(msg.prompt, self.model.spec.vocab_size)
             check_token_ids(msg.stop_token_ids, self.model.spec.vocab_size)
             if self.active > self.config.max_sessions:
