@@ -23,7 +23,8 @@ EXAMPLES = [
     p.Proposal(17, [5], [-1]),
     p.CloseSession(17),
     p.Generate(1, [1, 2], 32, 0.0, 1.0, 0, None, [2]),
-    p.Generate(2, [1], 8, 0.7, 0.9, 5, 3, [], True, 2, 1, 0.5, 0.25, 1.2, 0.05, 4, {7: -100.0, 9: 2.5}),
+    p.Generate(2, [1], 8, 0.7, 0.9, 5, 3, [], True, 2, 1, 0.5, 0.25, 1.2, 0.05, 4, {7: -100.0, 9: 2.5}, "json",
+               '{"type": "object"}'),
     p.Tokens(2, [], prompt_logprobs=[-1.5], prompt_top_ids=[[3]], prompt_top_logprobs=[[-0.5]]),
     p.Tokens(1, [4, 5]),
     p.Done(1, "length", {"rounds": 3}),
@@ -155,7 +156,8 @@ def test_sampling_params_travel_whole_in_generate():
 
     every = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_tokens=9, seed=3, stop_token_ids=(4, 2),
                            ignore_eos=True, logprobs=2, prompt_logprobs=0, presence_penalty=0.5, frequency_penalty=-0.25,
-                           repetition_penalty=1.2, min_p=0.05, min_tokens=4, logit_bias=((7, -100.0), (9, 2.5)))
+                           repetition_penalty=1.2, min_p=0.05, min_tokens=4, logit_bias=((7, -100.0), (9, 2.5)),
+                           structured=("regex", "[ab]+"))
     defaults = [name for name in SamplingParams.__slots__ if getattr(every, name) == getattr(SamplingParams(), name)]
     assert defaults == []  # the example sets every field: a new one must be added here
     for params in (every, SamplingParams()):

@@ -46,6 +46,14 @@ def generate(
                                            "output (OpenAI's; -2..2)"),
     frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help="subtract per earlier occurrence in "
                                             "the output (OpenAI's; -2..2)"),
+    json_schema: Optional[str] = typer.Option(None, "--json-schema", help="constrain the output to this JSON schema "
+                                              "(its text, or @FILE)"),
+    json_object: bool = typer.Option(False, "--json-object", help="constrain the output to a JSON object"),
+    regex: Optional[str] = typer.Option(None, "--regex", help="constrain the output to this regular expression"),
+    choice: Optional[list[str]] = typer.Option(None, "--choice", help="constrain the output to one of these strings "
+                                               "(repeat the flag)"),
+    grammar: Optional[str] = typer.Option(None, "--grammar", help="constrain the output to this Lark or GBNF "
+                                          "grammar (its text, or @FILE)"),
     mode: Optional[str] = typer.Option(None, help="ar | chain | tree | ngram | multi (several drafters: --drafters)"),
     drafters: Optional[str] = typer.Option(None, help="mode multi: comma-separated drafters, routed per session and "
                                            "fused into one tree (model names, NAME@N, ngram)"),
@@ -72,7 +80,8 @@ def generate(
 
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
                             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                            frequency_penalty=frequency_penalty, min_p=min_p)
+                            frequency_penalty=frequency_penalty, min_p=min_p,
+                            structured=structured_flags(json_schema, json_object, regex, choice, grammar))
     config = build_config(
         profile, target=target, draft=draft, mode=mode, drafters=drafters, depth=depth, draft_stop=draft_stop, width=width, topk=topk, dtype=dtype, threads=threads,
         draft_quant=draft_quant, target_quant=target_quant,
@@ -94,7 +103,8 @@ def generate(
             streamer.update(output)
 
     output, stats, finish_reason = run_generation(target_model.decoder, ids, params, drafter,
-                                                  eos_token_ids=target_model.eos_token_ids, on_tokens=on_tokens)
+                                                  eos_token_ids=target_model.eos_token_ids, on_tokens=on_tokens,
+                                                  tokenizer=target_model.tokenizer)
     if as_json:
         print(json.dumps({
             "mode": config.mode, "target": config.target, "draft": config.draft if draft_model else None,
@@ -109,6 +119,28 @@ def generate(
             f"[dim]{stats.new_tokens} tokens, {stats.tokens_per_s:.2f} tok/s, mode {config.mode}, "
             f"mean accepted length {stats.mean_accepted_length:.2f}, acceptance {stats.acceptance_rate:.0%}[/]"
         )
+
+
+def structured_flags(json_schema: str | None, json_object: bool, regex: str | None, choice: list[str] | None,
+                     grammar: str | None) -> tuple[str, str] | None:
+    """The one constraint the flags ask for, checked (spec.structured); None: the output is free."""
+    from pathlib import Path
+
+    from specctl.errors import ConfigError
+    from specctl.spec.structured import JSON_OBJECT, grammar_text
+
+    def text_of(value: str) -> str:  # @FILE: the file's text
+        return Path(value[1:]).read_text() if value.startswith("@") else value
+
+    asked = [structured for structured in (
+        ("json", text_of(json_schema)) if json_schema else None, ("json", JSON_OBJECT) if json_object else None,
+        ("regex", regex) if regex else None, ("choice", json.dumps(choice)) if choice else None,
+        ("grammar", text_of(grammar)) if grammar else None) if structured is not None]
+    if len(asked) > 1:
+        raise ConfigError("give one of --json-schema, --json-object, --regex, --choice, --grammar")
+    if asked:
+        grammar_text(*asked[0])  # InvalidSamplingParams says what is wrong
+    return asked[0] if asked else None
 
 
 def _generate_remote(remote, requested_target, prompt, chat, params, as_json, auth_token, tls_ca, console) -> None:

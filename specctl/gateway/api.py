@@ -25,9 +25,13 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
   verification (spec.logit_rules, spec.sampling), greedy included, as vLLM applies them.
 - chat tools are rendered by the model's chat template and the output parsed for calls
   (gateway.tools: vLLM's Hermes parser); tool_choice "none" renders none.
-- best_of other than n, suffix, a JSON response_format, tool_choice "required" or named,
-  legacy functions, and vLLM's constraining extensions (guided_*) are refused with 400 rather than silently ignored: they would change
-  what the caller gets.
+- structured output — response_format json_object / json_schema, vLLM's guided_json,
+  guided_regex, guided_choice, guided_grammar and structured_outputs — constrains the target's
+  distribution to the grammar (spec.structured, llguidance as vLLM's guidance backend, JSON
+  with flexible whitespace); verification applies it, so every mode stays the target's own
+  output under the grammar. One constraint a request; ignore_eos cannot go with one.
+- best_of other than n, suffix, tool_choice "required" or named, and legacy functions are
+  refused with 400 rather than silently ignored: they would change what the caller gets.
 - vLLM's stop_token_ids (at most MAX_STOP_TOKEN_IDS) end the generation as EOS does: the
   stop token is not part of the output (vLLM keeps a non-special one in its text).
 - Fields neither served nor refused (OpenAI's store, metadata, service_tier, ...) are
@@ -66,6 +70,7 @@ class StreamOptions(msgspec.Struct):
 
 class ResponseFormat(msgspec.Struct):
     type: str = "text"
+    json_schema: dict[str, Any] | None = None  # {"name", "schema", "strict"}: the schema is what counts
 
 
 class ContentPart(msgspec.Struct):
@@ -114,7 +119,7 @@ class _Common(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False  # vLLM's extension, handy for benchmarks
     user: str | None = None
     stop_token_ids: list[int] | None = None  # vLLM's extension
-    # vLLM's extensions that constrain or reshape sampling: accepted only at their no-op values
+    # vLLM's extensions that reshape or constrain sampling (gateway.structured)
     min_p: float | None = None
     min_tokens: int | None = None
     repetition_penalty: float | None = None
@@ -122,6 +127,7 @@ class _Common(msgspec.Struct, kw_only=True):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -184,12 +190,6 @@ def refuse_unsupported(req: _Common) -> None:
     if not 1 <= req.n <= MAX_CHOICES:
         raise ApiError(400, f"n must be between 1 and {MAX_CHOICES}, got {req.n}", param="n")
     wanted_logprobs(req)  # refuses values out of range
-    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-        if getattr(req, name) is not None:
-            raise ApiError(400, f"{name} is not supported (it would change the target's distribution)", param=name)
-    if req.response_format is not None and req.response_format.type != "text":
-        raise ApiError(400, f"response_format {req.response_format.type!r} is not supported: the output is the "
-                            "target's own text, unconstrained (only 'text')", param="response_format")
     if req.functions:
         raise ApiError(400, "functions are not supported: send them as tools", param="functions")
     if req.tools and not isinstance(req, ChatCompletionRequest):
@@ -290,9 +290,11 @@ def _arguments(arguments: str) -> Any:
         raise ApiError(400, f"a tool call's arguments must be JSON, got {arguments!r}", param="messages") from None
 
 
-def sampling_params(req: _Common, prompt_tokens: int, context: int, default_max_tokens: int) -> SamplingParams:
+def sampling_params(req: _Common, prompt_tokens: int, context: int, default_max_tokens: int,
+                    structured: tuple[str, str] | None = None) -> SamplingParams:
     """Validated sampling parameters; a prompt that leaves no room is a 400 as in OpenAI. Stop
-    token ids outside the vocabulary are refused by the target instance (a 400 too)."""
+    token ids outside the vocabulary are refused by the target instance (a 400 too).
+    ``structured``: the request's grammar (gateway.structured), checked already."""
     if req.stop_token_ids and len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise ApiError(400, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(req.stop_token_ids)}",
                        param="stop_token_ids")
@@ -319,6 +321,7 @@ def sampling_params(req: _Common, prompt_tokens: int, context: int, default_max_
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             min_p=req.min_p or 0.0, min_tokens=req.min_tokens or 0, logit_bias=logit_bias(req),
+            structured=structured,
         )
     except SpecctlError as exc:  # the message starts with the parameter's name
         raise ApiError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None

@@ -26,6 +26,7 @@ from specctl.gateway.api import (
 )
 from specctl.gateway.choices import Choices, choice_specs
 from specctl.gateway.respond import Reply, remote_message
+from specctl.gateway.structured import structured_output
 from specctl.gateway.tools import request_tools
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.gateway.upstream import Upstream
@@ -207,9 +208,10 @@ class Gateway:
             self._check_model(req.model)
             stop = stop_strings(req)
             prompts = self._encode(req)
+            structured = structured_output(req)
             specs = choice_specs(prompts, [sampling_params(req, len(p), self.config.context,
-                                                           self.config.default_max_tokens) for p in prompts], req.n,
-                                 self._echoes(req, prompts))
+                                                           self.config.default_max_tokens, structured)
+                                           for p in prompts], req.n, self._echoes(req, prompts))
             self._check_room(len(specs))
             prompt_tokens = sum(map(len, prompts))
             self.metrics.prompt_tokens.inc(prompt_tokens)

@@ -209,6 +209,8 @@ class Generate(msgspec.Struct, tag=True, frozen=True):
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: dict[int, float] = {}
+    structured_kind: str = ""  # spec.structured: "" = unconstrained, else its kind and text
+    structured_spec: str = ""
 
 
 class Tokens(msgspec.Struct, tag=True, frozen=True):

@@ -7,17 +7,20 @@ forward with the tree mask; the accepted path's KV is kept (gather), the rest dr
 from __future__ import annotations
 
 import time
+from typing import Any
+
 import torch
 
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.model import Decoder
 from specctl.engine.tree import TokenTree
-from specctl.errors import PromptTooLong
+from specctl.errors import BadRequest, PromptTooLong
 from specctl.spec.drafters import Proposal
 from specctl.spec.logprobs import TokenLogprob, score_prompt, token_logprobs
 from specctl.spec.logit_rules import LogitRules
 from specctl.spec.sampling import SamplingParams, checked_token, probs_from_logits, sample, sample_tensor
 from specctl.spec.stats import GenerationStats
+from specctl.spec.structured import Structure
 from specctl.spec.verify import accept_chain_sampling, accept_greedy, accept_tree_sampling
 
 
@@ -56,6 +59,7 @@ class DecodeSession:
         pool: KVPool | None = None,
         max_nodes: int = 1,
         run_ahead: bool | None = None,
+        tokenizer: Any = None,
     ) -> None:
         if not prompt:
             raise PromptTooLong("the prompt is empty: give at least one token")
@@ -83,7 +87,11 @@ class DecodeSession:
         self.logprobs: list[TokenLogprob] = []  # of each output token, when params.logprobs asks for them
         self.last_path: list[int] = []  # the last round's accepted nodes (root excluded)
         self.last_committed: list[int] = []  # ... and the tokens it committed (accepted + bonus)
-        self.rules = (LogitRules(params, prompt, self.stop_ids, target.spec.vocab_size, target.device)
+        if params.structured is not None and tokenizer is None:
+            raise BadRequest("structured output needs the target's tokenizer, which this caller did not give")
+        structure = (None if params.structured is None else
+                     Structure(*params.structured, tokenizer, target.spec.vocab_size, self.stop_ids, target.device))
+        self.rules = (LogitRules(params, prompt, self.stop_ids, target.spec.vocab_size, target.device, structure)
                       if params.adjusts_logits else None)  # None: nothing to compute
         # Run ahead (AR): the next step is launched with its token still on the device,
         # and the token read back while that step runs. ``ahead`` holds that step's logits: the
@@ -122,6 +130,9 @@ class DecodeSession:
         self.stats.new_tokens = len(self.output)
         if self.rules is not None:
             self.rules.record(emitted)
+            structure = self.rules.structure
+            if structure is not None and structure.finished and self.finish_reason is None:
+                self.finish_reason = "stop"  # only a stop token is left: the target alone would take it next
         if rows is not None and emitted and self.params.logprobs is not None:
             self.logprobs += token_logprobs(rows[: len(emitted)], emitted, self.params.logprobs)
         return emitted

@@ -2,7 +2,9 @@
 in vLLM's order: ``logit_bias`` (added), ``min_tokens`` (the stop tokens barred until that
 many tokens are out), then the penalties — transformers'/vLLM's ``repetition_penalty`` (over
 prompt and output) and OpenAI's ``presence_penalty`` and ``frequency_penalty`` (over the
-output). Greedy decoding takes the argmax of the result, as vLLM does.
+output). Greedy decoding takes the argmax of the result, as vLLM does. A grammar (structured
+output, spec.structured) masks the row first; where it has ended, min_tokens bars nothing
+(the grammar allows only the stop tokens there).
 
 They are part of the target's distribution, so verification applies them: a proposal node's
 row is adjusted for the text it follows (the committed text, then the node's own path), which
@@ -14,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from specctl.spec.sampling import SamplingParams
+from specctl.spec.structured import Structure
 
 
 class LogitRules:
@@ -21,7 +24,8 @@ class LogitRules:
     each token came in the output so far, how many tokens are out (on the target's device)."""
 
     def __init__(self, params: SamplingParams, prompt: list[int], stop_ids: set[int], vocab_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, structure: Structure | None = None) -> None:
+        self.structure = structure
         self.presence, self.frequency, self.repetition = (params.presence_penalty, params.frequency_penalty,
                                                           params.repetition_penalty)
         self.min_tokens, self.produced = params.min_tokens, 0
@@ -38,6 +42,8 @@ class LogitRules:
     def record(self, tokens: list[int]) -> None:
         """Output tokens committed."""
         self.produced += len(tokens)
+        if self.structure is not None:
+            self.structure.record(tokens)
         if tokens:
             self.counts.index_add_(0, torch.tensor(tokens, dtype=torch.long, device=self.counts.device),
                                    torch.ones(len(tokens), device=self.counts.device))
@@ -46,9 +52,13 @@ class LogitRules:
         """``logits`` [rows, vocab] adjusted; row r follows the output so far, then ``paths[r]``
         (a proposal node's tokens past the committed text, its own included)."""
         logits = logits.float()
+        ended = [False] * len(paths)
+        if self.structure is not None:
+            allowed, ended = self.structure.allowed(paths)
+            logits = logits.masked_fill(~allowed, float("-inf"))
         if self.bias is not None:
             logits = logits + self.bias
-        barred = [r for r, path in enumerate(paths) if self.produced + len(path) < self.min_tokens]
+        barred = [r for r, path in enumerate(paths) if self.produced + len(path) < self.min_tokens and not ended[r]]
         if barred and self.stop_ids.numel():
             logits = logits.clone()
             logits[torch.tensor(barred, device=logits.device).unsqueeze(1), self.stop_ids] = float("-inf")

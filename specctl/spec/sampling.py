@@ -30,6 +30,9 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens below min_p times the likeliest one's probability (after top-p); 0 = off
     min_tokens: int = 0  # the stop tokens (EOS, stop_token_ids) are barred until this many are out
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit), OpenAI's -100..100
+    # (kind, spec): the output constrained to a grammar (spec.structured: "json" + a JSON schema,
+    # "regex", "choice" + a JSON list of strings, "grammar" + Lark/GBNF); None = unconstrained
+    structured: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0):
@@ -61,6 +64,16 @@ class SamplingParams:
             if not (isinstance(token, int) and token >= 0 and isinstance(bias, (int, float)) and -100 <= bias <= 100):
                 raise InvalidSamplingParams(f"logit_bias maps token ids (>= 0) to values between -100 and 100, got "
                                             f"{token!r}: {bias!r}")
+        if self.structured is not None:
+            from specctl.spec.structured import KINDS, MAX_SPEC_CHARS
+
+            kind, spec = self.structured if len(self.structured) == 2 else (None, None)
+            if kind not in KINDS or not isinstance(spec, str) or not spec.strip():
+                raise InvalidSamplingParams(f"structured output is a kind ({', '.join(KINDS)}) and its text, got "
+                                            f"{self.structured!r:.80}")
+            if len(spec) > MAX_SPEC_CHARS:
+                raise InvalidSamplingParams(f"structured output's {kind} may have at most {MAX_SPEC_CHARS} "
+                                            f"characters, got {len(spec)}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS):
@@ -73,9 +86,9 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether the target's logits are changed before sampling (spec.logit_rules)."""
+        """Whether the target's logits are changed before sampling (spec.logit_rules, spec.structured)."""
         return (bool(self.presence_penalty or self.frequency_penalty or self.min_tokens or self.logit_bias)
-                or self.repetition_penalty != 1.0)
+                or self.repetition_penalty != 1.0 or self.structured is not None)
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

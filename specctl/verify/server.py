@@ -27,6 +27,7 @@ from specctl.runtime.listen import ListenConfig, ListeningServer, MessageRate
 from specctl.spec.decode import DecodeSession
 from specctl.spec.rounds import run_session
 from specctl.spec.stats import GenerationStats, RoundResult
+from specctl.spec.structured import ll_tokenizer
 from specctl.verify.draft_client import DraftClient
 from specctl.verify.fused import Fusion
 from specctl.verify.speculator import RemoteSpeculator
@@ -206,27 +207,31 @@ class TargetServer(ListeningServer):
 
     async def _create(self, msg: Generate, send) -> DecodeSession | None:
         """The session's target state, made on the compute thread; None when refused (answered)."""
+        creating = None
         try:
             params = sampling_params_of(msg)
             if (params.logprobs is not None or params.prompt_logprobs is not None) and self.specpipe is not None:
                 raise BadRequest("logprobs are not available from a SpecPipe target: its stages send the verified "
                                  "tokens, not the logits")
             if params.adjusts_logits and self.specpipe is not None:
-                raise BadRequest("penalties, logit_bias and min_tokens are not available from a SpecPipe target: its "
-                                 "stages verify with the unadjusted distribution")
+                raise BadRequest("penalties, logit_bias, min_tokens and structured output are not available from a "
+                                 "SpecPipe target: its stages verify with the unadjusted distribution")
             check_token_ids([token for token, _ in params.logit_bias], self.model.spec.vocab_size,
                             "logit_bias token ids")
             check_token_ids(msg.prompt, self.model.spec.vocab_size)
             check_token_ids(msg.stop_token_ids, self.model.spec.vocab_size)
             if self.active > self.config.max_sessions:
                 raise KVBudgetExceeded(f"target instance full: {self.config.max_sessions} sessions running; retry later")
+            if params.structured is not None:  # built once, seconds: not on the compute thread other sessions use
+                await asyncio.to_thread(ll_tokenizer, self.model.tokenizer, self.model.spec.vocab_size)
             creating = asyncio.ensure_future(self.compute.run(
                 DecodeSession, self.model.decoder, msg.prompt, params, self.model.eos_token_ids, None, self.pool,
-                self.session_nodes,
+                self.session_nodes, None, self.model.tokenizer,
             ))
             return await asyncio.shield(creating)  # cancelled meanwhile: the session made is still closed
         except asyncio.CancelledError as exc:
-            creating.add_done_callback(self._close_orphan)
+            if creating is not None:
+                creating.add_done_callback(self._close_orphan)
             if exc.args == (CLIENT_CANCEL,):
                 send(Done(msg.req, "cancelled", GenerationStats(prompt_tokens=len(msg.prompt)).to_dict()))
             raise

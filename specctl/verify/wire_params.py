@@ -16,6 +16,8 @@ def generate_message(req: int, prompt: list[int], params: SamplingParams) -> Gen
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty, min_p=params.min_p, min_tokens=params.min_tokens,
         logit_bias=dict(params.logit_bias),
+        structured_kind=params.structured[0] if params.structured else "",
+        structured_spec=params.structured[1] if params.structured else "",
     )
 
 
@@ -29,4 +31,5 @@ def sampling_params_of(msg: Generate) -> SamplingParams:
         presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty, min_p=msg.min_p, min_tokens=msg.min_tokens,
         logit_bias=tuple(sorted(msg.logit_bias.items())),
+        structured=(msg.structured_kind, msg.structured_spec) if msg.structured_kind else None,
     )

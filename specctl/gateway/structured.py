@@ -1,0 +1,78 @@
+"""A request's structured output, from the fields OpenAI and vLLM clients send it in:
+OpenAI's ``response_format`` (``json_object``, ``json_schema``) and vLLM's ``guided_json``,
+``guided_regex``, ``guided_choice``, ``guided_grammar`` and ``structured_outputs`` ({json,
+regex, choice, grammar, json_object}). One constraint a request; the grammar is checked
+here, so a bad one is a 400 naming its field before any instance is asked."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from specctl.errors import InvalidSamplingParams
+from specctl.gateway.api import ApiError
+from specctl.spec.structured import JSON_OBJECT, grammar_text
+
+# vLLM's structured_outputs keys (and the guided_* fields) -> spec.structured's kinds
+_KINDS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+def _spec(kind: str, value: Any, field: str) -> tuple[str, str]:
+    """(kind, text) for spec.structured; a JSON schema or choice list may come as an object."""
+    if kind == "json" and isinstance(value, dict):
+        return kind, json.dumps(value)
+    if kind == "choice" and isinstance(value, list):
+        return kind, json.dumps(value)
+    if isinstance(value, str):
+        return kind, value
+    shape = {"json": "a JSON schema", "choice": "a list of strings"}.get(kind, "a string")
+    raise ApiError(400, f"{field} must be {shape}", param=field.split(".")[0])
+
+
+def _asked(req: Any) -> list[tuple[str, tuple[str, str]]]:
+    """Every constraint the request sets, with the field it came in."""
+    asked = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        if fmt.type == "json_object":
+            asked.append(("response_format", ("json", JSON_OBJECT)))
+        elif fmt.type == "json_schema":
+            schema = (fmt.json_schema or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise ApiError(400, "response_format json_schema needs json_schema.schema, a JSON schema object",
+                               param="response_format")
+            asked.append(("response_format", ("json", json.dumps(schema))))
+        else:
+            raise ApiError(400, f"response_format type must be 'text', 'json_object' or 'json_schema', got "
+                                f"{fmt.type!r}", param="response_format")
+    for kind in _KINDS:
+        value = getattr(req, f"guided_{kind}")
+        if value is not None:
+            asked.append((f"guided_{kind}", _spec(kind, value, f"guided_{kind}")))
+    for key, value in (req.structured_outputs or {}).items():
+        if value is None or value is False:
+            continue
+        if key == "json_object":
+            asked.append(("structured_outputs", ("json", JSON_OBJECT)))
+        elif key in _KINDS:
+            asked.append(("structured_outputs", _spec(key, value, f"structured_outputs.{key}")))
+        else:
+            raise ApiError(400, f"structured_outputs.{key} is not supported: give one of json, regex, choice, "
+                                "grammar, json_object", param="structured_outputs")
+    return asked
+
+
+def structured_output(req: Any) -> tuple[str, str] | None:
+    """The request's constraint as spec.structured takes it (None: the output is free), checked."""
+    asked = _asked(req)
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise ApiError(400, f"one structured output a request, got {len(asked)} ({', '.join(f for f, _ in asked)})",
+                       param=asked[1][0])
+    field, structured = asked[0]
+    try:
+        grammar_text(*structured)
+    except InvalidSamplingParams as exc:
+        raise ApiError(400, str(exc), param=field) from None
+    return structured

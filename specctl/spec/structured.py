@@ -1,0 +1,125 @@
+"""Structured output: the target's distribution constrained to a grammar (a JSON schema, a
+regex, a choice of strings, a Lark/GBNF grammar), as vLLM's ``guidance`` backend serves it
+with llguidance — the same library, grammars and defaults (JSON with flexible whitespace).
+
+The grammar is part of the target's distribution, so verification applies it: a proposal
+node's row keeps only the tokens the grammar allows after the committed text and the node's
+own path, which is what decoding with the target alone under the grammar computes there. A
+node the grammar forbids has no probability at its parent's row, so it is never accepted.
+The stop tokens (EOS, stop_token_ids) are allowed exactly where the grammar may end; once it
+can take nothing more (the only token left would be EOS) the session ends with "stop", as
+the target alone would one token later."""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import torch
+
+from specctl.errors import InvalidSamplingParams
+
+KINDS = ("json", "regex", "choice", "grammar")  # what SamplingParams.structured's first item may say
+MAX_SPEC_CHARS = 65536  # a schema, regex or grammar's text
+JSON_OBJECT = '{"type": "object"}'  # response_format json_object: any JSON object
+
+_tokenizers: dict[int, tuple[Any, Any]] = {}  # id(HF tokenizer) -> (it, its LLTokenizer): built once (~2 s)
+_tokenizers_lock = threading.Lock()
+
+
+def grammar_text(kind: str, spec: str) -> str:
+    """The llguidance grammar for ``(kind, spec)``; InvalidSamplingParams names what is wrong."""
+    import llguidance
+
+    try:
+        if kind == "json":
+            json.loads(spec)  # llguidance takes a JSON text; say so here when it is not one
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(spec, defaults={"whitespace_flexible": True})
+        elif kind == "choice":
+            choices = json.loads(spec)
+            if not (isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices)):
+                raise ValueError("a choice is a non-empty list of strings")
+            grammar = llguidance.grammar_from("choice", choices)
+        elif kind in ("regex", "grammar"):
+            grammar = llguidance.grammar_from(kind, spec)
+        else:
+            raise ValueError(f"unknown kind {kind!r} (one of {', '.join(KINDS)})")
+    except ValueError as exc:  # json.JSONDecodeError included
+        raise InvalidSamplingParams(f"structured output ({kind}) is invalid: {exc}") from None
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise InvalidSamplingParams(f"structured output ({kind}) is invalid: {_one_line(error)}")
+    return grammar
+
+
+def _one_line(error: str) -> str:
+    """llguidance's message (a header, the source with a caret, "error: ...") on one line."""
+    lines = [line.strip() for line in error.strip().splitlines()]
+    return " ".join([lines[0]] + [line for line in lines[1:] if line.startswith("error:")])
+
+
+def ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
+    """llguidance's view of a Hugging Face tokenizer over the model's ``vocab_size`` rows (ids
+    past the tokenizer's are never allowed); built once per tokenizer, it takes seconds."""
+    import llguidance.hf
+
+    with _tokenizers_lock:
+        held = _tokenizers.get(id(tokenizer))
+        if held is None or held[0] is not tokenizer:
+            held = _tokenizers[id(tokenizer)] = (tokenizer, llguidance.hf.from_tokenizer(tokenizer, vocab_size))
+        return held[1]
+
+
+def _bits(mask: bytes, vocab_size: int) -> torch.Tensor:
+    """llguidance's bitmask (32 tokens a little-endian int32 word) as a bool row."""
+    words = torch.frombuffer(bytearray(mask), dtype=torch.int32)
+    return ((words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).bool().flatten()[:vocab_size]
+
+
+class Structure:
+    """One session's grammar state: the committed output consumed, each row's allowed tokens
+    computed by consuming a proposal node's path and rolling it back."""
+
+    def __init__(self, kind: str, spec: str, tokenizer: Any, vocab_size: int, stop_ids: set[int],
+                 device: torch.device) -> None:
+        import llguidance
+
+        if not stop_ids:
+            raise InvalidSamplingParams("structured output needs a stop token (EOS): it ends the output where the "
+                                        "grammar does, so ignore_eos cannot be combined with it")
+        tokens = ll_tokenizer(tokenizer, vocab_size)
+        self.matcher = llguidance.LLMatcher(tokens, grammar_text(kind, spec))
+        if self.matcher.is_error():
+            raise InvalidSamplingParams(f"structured output ({kind}) is invalid: {_one_line(self.matcher.get_error())}")
+        self.end_token, self.vocab_size, self.device = tokens.eos_token, vocab_size, device
+        self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long)
+
+    @property
+    def finished(self) -> bool:
+        """The grammar takes nothing more: the output is complete."""
+        return self.matcher.is_stopped()
+
+    def record(self, tokens: list[int]) -> None:
+        """Output tokens committed (each one the grammar allowed: verification only accepts those)."""
+        if tokens and not self.matcher.consume_tokens(tokens):
+            raise RuntimeError(f"committed tokens outside the grammar: {self.matcher.get_error()}")
+
+    def allowed(self, paths: list[list[int]]) -> tuple[torch.Tensor, list[bool]]:
+        """([rows, vocab] bool on the device, ended): row r's tokens the grammar allows after the
+        output so far and ``paths[r]``, and whether the grammar has ended there (only the stop
+        tokens left). A row whose path leaves the grammar is never reached (its node was refused
+        at its parent's row): it is left unconstrained."""
+        rows = torch.ones(len(paths), self.vocab_size, dtype=torch.bool)
+        ended = [False] * len(paths)
+        for r, path in enumerate(paths):
+            if self.matcher.validate_tokens(path) < len(path) or not self.matcher.consume_tokens(path):
+                continue
+            row = _bits(self.matcher.compute_bitmask(), self.vocab_size)
+            ended[r] = self.matcher.is_stopped()
+            self.matcher.rollback(len(path))
+            may_end = bool(row[self.end_token])
+            row[self.end_token] = False
+            row[self.stop_ids] = may_end  # every stop token ends the output as EOS does
+            rows[r] = row
+        return rows.to(self.device, non_blocking=True), ended

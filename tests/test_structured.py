@@ -1,0 +1,164 @@
+"""Structured output (spec.structured): the target's distribution constrained to a grammar is
+what every mode produces — token for token greedy, the same distribution sampled — the rows
+verification reads are llguidance's masks after each node's path, the output ends where the
+grammar does, and a bad grammar is a one-line error naming what is wrong."""
+
+import json
+import re
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from specctl.engine.tiny import make_byte_tokenizer
+from specctl.errors import BadRequest, InvalidSamplingParams
+from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
+from specctl.spec.rounds import generate
+from specctl.spec.sampling import SamplingParams, probs_from_logits
+from specctl.spec.structured import Structure, grammar_text
+from tests.test_sampling_exact import VOCAB, assert_counts_match, small  # noqa: F401 - the fixture
+
+EOS = 256  # the tiny models' end token
+SCHEMA = json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"},
+                                                      "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+                     "required": ["ok", "n"], "additionalProperties": False,
+                     "x-guidance": {"whitespace_flexible": False}})  # short: the random model would pad with spaces
+CONSTRAINTS = {"json": ("json", SCHEMA), "regex": ("regex", r"[a-c]{2,5}-\d{3}"),
+               "choice": ("choice", json.dumps(["yes", "no", "maybe not"]))}
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer():
+    return make_byte_tokenizer()
+
+
+def letters_tokenizer() -> PreTrainedTokenizerFast:
+    """The six-token vocabulary of the ``small`` models: a..e and the end token."""
+    vocab = {c: i for i, c in enumerate("abcde")} | {"<|endoftext|>": 5}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+
+
+def test_rows_are_the_grammars_masks_after_each_path_and_stop_tokens_where_it_may_end():
+    tokenizer = letters_tokenizer()
+    structure = Structure("regex", "[a-c][b-d]e?", tokenizer, VOCAB, {5}, torch.device("cpu"))
+    structure.record([0])  # "a" committed
+    rows, ended = structure.allowed([[], [1], [1, 4], [4]])  # after "a", "ab", "abe", "ae" (off the grammar)
+    assert rows.tolist() == [[False, True, True, True, False, False],  # [b-d]
+                             [False, False, False, False, True, True],  # "e" or the end
+                             [False, False, False, False, False, True],  # only the end
+                             [True] * VOCAB]  # never reached: "e" has no probability at "a"'s row
+    assert ended == [False, False, True, False]
+    assert not structure.finished
+    structure.record([1, 4])
+    assert structure.finished
+    with pytest.raises(RuntimeError, match="committed tokens outside the grammar"):
+        Structure("regex", "[a-c]", tokenizer, VOCAB, {5}, torch.device("cpu")).record([4])
+
+
+@pytest.mark.parametrize("kind", sorted(CONSTRAINTS))
+@pytest.mark.parametrize("mode", ["chain", "tree", "ngram"])
+def test_greedy_under_a_grammar_every_mode_equals_the_target_alone(tiny, byte_tokenizer, kind, mode):
+    target = tiny["llama"]
+    drafter = {"chain": ModelChainDrafter(tiny["llama-draft"], 4),
+               "tree": ModelTreeDrafter(tiny["llama-draft"], 3, 2, 3), "ngram": NgramDrafter(3)}[mode]
+    params = SamplingParams(max_tokens=40, structured=CONSTRAINTS[kind])
+    prompt = byte_tokenizer.encode("answer: ")
+    alone, _, reason = generate(target, prompt, params, eos_token_ids=(EOS,), tokenizer=byte_tokenizer)
+    output, stats, reason_spec = generate(target, prompt, params, drafter, eos_token_ids=(EOS,),
+                                          tokenizer=byte_tokenizer)
+    assert output == alone and reason_spec == reason == "stop"
+    assert stats.drafts > 0
+    text = byte_tokenizer.decode(output)
+    if kind == "json":
+        assert set(json.loads(text)) == {"ok", "n"}
+    elif kind == "regex":
+        assert re.fullmatch(r"[a-c]{2,5}-\d{3}", text)
+    else:
+        assert text in ("yes", "no", "maybe not")
+    free, _, _ = generate(target, prompt, SamplingParams(max_tokens=40), eos_token_ids=(EOS,))
+    assert free != alone  # the grammar bites
+
+
+def test_the_output_ends_where_the_grammar_does_even_under_min_tokens(tiny, byte_tokenizer):
+    params = SamplingParams(max_tokens=30, min_tokens=20, structured=("choice", json.dumps(["done"])))
+    output, _, reason = generate(tiny["llama"], byte_tokenizer.encode("x"), params, ModelChainDrafter(
+        tiny["llama-draft"], 3), eos_token_ids=(EOS,), tokenizer=byte_tokenizer)
+    assert byte_tokenizer.decode(output) == "done" and reason == "stop"
+
+
+def _exact_joint(target, allowed: list[list[int]], temperature: float) -> torch.Tensor:
+    """P(t1, t2, t3) of the target alone with each position's logits outside ``allowed`` at -inf."""
+    params = SamplingParams(temperature=temperature)
+    joint = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
+
+    def next_probs(seq, position):
+        logits = target(torch.tensor(seq), torch.arange(len(seq)), target.new_cache(len(seq)))[-1]
+        masked = torch.full_like(logits, float("-inf"))
+        masked[allowed[position]] = logits[allowed[position]]
+        return probs_from_logits(masked, params).double()
+
+    prompt = [1, 4, 2]
+    p1 = next_probs(prompt, 0)
+    for t1 in allowed[0]:
+        p2 = next_probs(prompt + [t1], 1)
+        for t2 in allowed[1]:
+            joint[t1, t2] = p1[t1] * p2[t2] * next_probs(prompt + [t1, t2], 2)
+    return joint
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_sampling_under_a_grammar_keeps_the_targets_constrained_distribution(small, mode):  # noqa: F811
+    target, draft = small
+    tokenizer = letters_tokenizer()
+    expected = _exact_joint(target, [[0, 1, 2], [1, 2, 3], [0, 1, 2, 3, 4]], 1.0)  # [a-c][b-d][a-e]
+    drafter = ModelChainDrafter(draft, 2) if mode == "chain" else ModelTreeDrafter(draft, 2, 2, 3)
+    counts = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
+    accepted = 0
+    for seed in range(1000):
+        params = SamplingParams(temperature=1.0, max_tokens=4, seed=seed, structured=("regex", "[a-c][b-d][a-e]"))
+        out, stats, reason = generate(target, [1, 4, 2], params, drafter, eos_token_ids=(5,), tokenizer=tokenizer)
+        assert len(out) == 3 and reason == "stop"
+        counts[out[0], out[1], out[2]] += 1
+        accepted += stats.accepted > 0
+    assert accepted > 100  # the acceptance rule ran, not only the bonus
+    assert_counts_match(counts, expected)
+
+
+@pytest.mark.parametrize("structured, message", [
+    (("json", "{not json"), "structured output (json) is invalid: Expecting property name enclosed in double quotes"),
+    (("regex", "(ab"), 'structured output (regex) is invalid: at 1(8): invalid regex "(ab" (in regex): regex parse '
+                       'error: error: unclosed group'),
+    (("choice", '"yes"'), "structured output (choice) is invalid: a choice is a non-empty list of strings"),
+    (("grammar", "start: missing_rule"), "structured output (grammar) is invalid: "),
+])
+def test_a_bad_grammar_is_refused_with_what_is_wrong(structured, message):
+    with pytest.raises(InvalidSamplingParams) as caught:
+        grammar_text(*structured)
+    assert str(caught.value).startswith(message) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("structured, message", [
+    (("yaml", "a: b"), "structured output is a kind (json, regex, choice, grammar) and its text, got ('yaml', 'a: b')"),
+    (("regex", " "), "structured output is a kind (json, regex, choice, grammar) and its text, got ('regex', ' ')"),
+    (("regex", "a" * 65537), "structured output's regex may have at most 65536 characters, got 65537"),
+])
+def test_structured_params_out_of_shape_are_refused(structured, message):
+    with pytest.raises(InvalidSamplingParams) as caught:
+        SamplingParams(structured=structured)
+    assert str(caught.value) == message
+
+
+def test_a_grammar_needs_an_end_token_and_the_tokenizer(tiny, byte_tokenizer):
+    params = SamplingParams(max_tokens=8, ignore_eos=True, structured=("regex", "a+"))
+    with pytest.raises(InvalidSamplingParams, match="ignore_eos cannot be combined with it"):
+        generate(tiny["llama"], [1, 2], params, eos_token_ids=(EOS,), tokenizer=byte_tokenizer)
+    with pytest.raises(BadRequest, match="structured output needs the target's tokenizer"):
+        generate(tiny["llama"], [1, 2], SamplingParams(structured=("regex", "a+")), eos_token_ids=(EOS,))
+    # stop_token_ids end the output where the grammar may, as EOS does
+    output, _, reason = generate(tiny["llama"], [1, 2], SamplingParams(
+        max_tokens=8, ignore_eos=True, stop_token_ids=(300,), structured=("choice", '["ab"]')),
+        eos_token_ids=(EOS,), tokenizer=byte_tokenizer)
+    assert byte_tokenizer.decode(output) == "ab" and reason == "stop"
