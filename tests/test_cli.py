@@ -44,6 +44,13 @@ def test_generate_with_penalties_is_the_same_in_every_mode_and_differs_from_with
     assert outputs["ar"] != json.loads(_generate(tiny_dir, "--mode", "ar").stdout)["token_ids"]
 
 
+def test_generate_with_a_choice_is_one_of_them_in_every_mode(tiny_dir):
+    texts = {mode: json.loads(_generate(tiny_dir, "--mode", mode, "--choice", "north", "--choice", "south").stdout)
+             for mode in ("ar", "chain")}
+    assert texts["ar"]["text"] in ("north", "south") and texts["ar"]["finish_reason"] == "stop"
+    assert texts["chain"]["token_ids"] == texts["ar"]["token_ids"]
+
+
 def _assert_one_line_error(proc, expected: str):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
@@ -77,6 +84,10 @@ def test_prompt_longer_than_context_error(tiny_dir):
         (["--mode", "warp"], "mode must be one of ar, chain, tree, ngram, multi, got 'warp'"),
         (["--repetition-penalty", "0"], "repetition_penalty must be in (0, 100] (1 = off), got 0.0"),
         (["--presence-penalty", "2.5"], "presence_penalty must be between -2 and 2, got 2.5"),
+        (["--regex", "a+", "--json-object"], "give one of --json-schema, --json-object, --regex, --choice, --grammar"),
+        (["--regex", "(ab"], 'structured output (regex) is invalid: at 1(8): invalid regex "(ab" (in regex): regex '
+                             'parse error: error: unclosed group'),
+        (["--json-schema", "@/no/such/schema.json"], "cannot read /no/such/schema.json: No such file or directory"),
     ],
 )
 def test_bad_parameters_error(tiny_dir, flags, expected):

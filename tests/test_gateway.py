@@ -143,20 +143,6 @@ def test_bad_chat_bodies_and_unknown_routes(cluster):
     assert "error" not in error
 
 
-@pytest.mark.parametrize("extra, param, message", [
-    ({"response_format": {"type": "json_object"}}, "response_format",
-     "response_format 'json_object' is not supported: the output is the target's own text, unconstrained (only 'text')"),
-    ({"guided_choice": ["yes", "no"]}, "guided_choice",
-     "guided_choice is not supported (it would change the target's distribution)"),
-])
-def test_fields_that_would_change_the_output_are_refused_with_their_name(cluster, extra, param, message):
-    for route, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions",
-                                                                {"messages": [{"role": "user", "content": "x"}]})):
-        code, _, raw = post(cluster[1]["gateway"] + route, {**body, "max_tokens": 2, **extra})
-        assert code == 400 and json.loads(raw)["error"] == {"message": message, "type": "invalid_request_error",
-                                                            "param": param, "code": None}
-
-
 def _target_logprobs(tiny_dir, prompt_ids, output_ids):
     """The tiny target's raw log-softmax at each output token's row, one forward over the text."""
     from specctl.engine.loader import load_decoder
@@ -419,7 +405,8 @@ _any_json = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=12)
 _fields = ["model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "n", "logprobs",
            "ignore_eos", "prompt", "messages", "echo", "best_of", "stream_options", "max_completion_tokens",
-           "logit_bias", "top_logprobs", "response_format", "tools", "tool_choice", "min_p", "stop_token_ids"]
+           "logit_bias", "top_logprobs", "response_format", "tools", "tool_choice", "min_p", "stop_token_ids",
+           "guided_regex", "guided_choice", "structured_outputs"]
 _bodies = st.one_of(
     st.binary(max_size=40),  # random bytes, invalid UTF-8 among them
     st.binary(max_size=8).map(lambda b: b'{"prompt": "' + b + b'"}'),  # bytes inside a string

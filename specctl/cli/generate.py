@@ -130,7 +130,12 @@ def structured_flags(json_schema: str | None, json_object: bool, regex: str | No
     from specctl.spec.structured import JSON_OBJECT, grammar_text
 
     def text_of(value: str) -> str:  # @FILE: the file's text
-        return Path(value[1:]).read_text() if value.startswith("@") else value
+        if not value.startswith("@"):
+            return value
+        try:
+            return Path(value[1:]).read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read {value[1:]}: {exc.strerror}") from None
 
     asked = [structured for structured in (
         ("json", text_of(json_schema)) if json_schema else None, ("json", JSON_OBJECT) if json_object else None,

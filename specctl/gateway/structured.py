@@ -21,11 +21,12 @@ def _spec(kind: str, value: Any, field: str) -> tuple[str, str]:
     """(kind, text) for spec.structured; a JSON schema or choice list may come as an object."""
     if kind == "json" and isinstance(value, dict):
         return kind, json.dumps(value)
-    if kind == "choice" and isinstance(value, list):
-        return kind, json.dumps(value)
-    if isinstance(value, str):
+    if kind == "choice":
+        if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+            return kind, json.dumps(value)
+    elif isinstance(value, str):
         return kind, value
-    shape = {"json": "a JSON schema", "choice": "a list of strings"}.get(kind, "a string")
+    shape = {"json": "a JSON schema", "choice": "a non-empty list of strings"}.get(kind, "a string")
     raise ApiError(400, f"{field} must be {shape}", param=field.split(".")[0])
 
 
@@ -71,6 +72,9 @@ def structured_output(req: Any) -> tuple[str, str] | None:
         raise ApiError(400, f"one structured output a request, got {len(asked)} ({', '.join(f for f, _ in asked)})",
                        param=asked[1][0])
     field, structured = asked[0]
+    if req.ignore_eos and not req.stop_token_ids:
+        raise ApiError(400, f"{field} cannot be combined with ignore_eos: the output ends where the grammar does, "
+                            "with EOS", param="ignore_eos")
     try:
         grammar_text(*structured)
     except InvalidSamplingParams as exc:
