@@ -106,6 +106,29 @@ def test_logit_rules_on_cuda_every_mode_equals_ar_and_ar_does_not_run_ahead(cuda
 
 
 @pytest.mark.parametrize("mode", ["chain", "tree", "ngram"])
+def test_structured_output_on_cuda_every_mode_equals_ar_and_sampling_keeps_to_the_grammar(cuda_pair, mode):
+    """The grammar's masks are computed on the host and applied to device logits (every row)."""
+    import json
+    import re
+
+    from specctl.engine.tiny import make_byte_tokenizer
+
+    target, draft = cuda_pair
+    tokenizer, choices = make_byte_tokenizer(), ["north", "south", "east"]
+    regex = SamplingParams(max_tokens=40, structured=("regex", r"[a-c]{2,5}-\d{3}"))
+    for prompt in PROMPTS:
+        reference, _, reason = generate(target, prompt, regex, eos_token_ids=(256,), tokenizer=tokenizer)
+        assert reason == "stop" and re.fullmatch(r"[a-c]{2,5}-\d{3}", tokenizer.decode(reference))
+        output, _, _ = generate(target, prompt, regex, _drafters(draft)[mode], eos_token_ids=(256,),
+                                tokenizer=tokenizer)
+        assert output == reference, f"{mode} diverged on {prompt}"
+        sampled = SamplingParams(max_tokens=40, temperature=0.8, seed=4, structured=("choice", json.dumps(choices)))
+        output, _, reason = generate(target, prompt, sampled, _drafters(draft)[mode], eos_token_ids=(256,),
+                                     tokenizer=tokenizer)
+        assert reason == "stop" and tokenizer.decode(output) in choices
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree", "ngram"])
 def test_greedy_every_mode_equals_ar_on_cuda(cuda_pair, mode):
     target, draft = cuda_pair
     params = SamplingParams(max_tokens=40, ignore_eos=True)
