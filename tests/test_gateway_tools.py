@@ -10,7 +10,7 @@ import pytest
 from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
 from specctl.gateway.api import ApiError, ChatCompletionRequest, chat_messages, parse_body
-from specctl.gateway.tools import StreamedCalls, parse, request_tools
+from specctl.gateway.tools import ForcedCalls, StreamedCalls, forced_call, parse, request_tools
 from tests.conftest import running_cluster
 from tests.test_gateway import post
 
@@ -52,6 +52,28 @@ def test_streamed_content_stops_at_the_first_call_and_the_calls_come_at_the_end(
     plain = StreamedCalls()
     assert plain.push("a <tool") == "a " and plain.push("box> b") == "<toolbox> b"  # held back, then handed out
     assert plain.push(" <tool_c") == " " and plain.finish() == ("<tool_c", None)  # never a call: text after all
+
+
+def test_a_forced_call_is_held_to_its_schema_and_read_back_as_the_call():
+    named, structured = forced_call([WEATHER], {"type": "function", "function": {"name": "get_weather"}})
+    assert (named, structured) == ("get_weather", ("json", json.dumps(WEATHER["function"]["parameters"])))
+    reader = ForcedCalls(named)
+    assert reader.push('{"city": ') + reader.push('"Oslo"}') == ""
+    rest, calls = reader.finish()
+    assert rest == "" and calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert reader.finish_reason == "stop"  # OpenAI's for a named call
+    named, (kind, schema) = forced_call([WEATHER], "required")
+    assert named is None and json.loads(schema)["items"]["anyOf"][0]["properties"]["name"] == {"const": "get_weather"}
+    reader = ForcedCalls(None)
+    reader.push('[{"name": "get_weather", "parameters": {"city": "Rome"}}, {"name": "get_weather", "parameters": {}}]')
+    _, calls = reader.finish()
+    assert [c["function"]["arguments"] for c in calls] == ['{"city": "Rome"}', "{}"] and reader.finish_reason == "tool_calls"
+    cut = ForcedCalls(None)
+    cut.push('[{"name": "get_we')  # max_tokens came first: no call, the text stays content
+    assert cut.finish() == ('[{"name": "get_we', None)
+    assert forced_call([WEATHER], "auto") is None and forced_call(None, None) is None
+    with pytest.raises(ApiError, match="tool_choice names 'get_time', which is not among the tools"):
+        forced_call([WEATHER], {"type": "function", "function": {"name": "get_time"}})
 
 
 def test_tools_are_checked_and_go_through_the_template_with_earlier_calls_as_objects(tiny_dir):
@@ -122,6 +144,35 @@ def test_a_request_with_tools_is_served_with_them_in_its_prompt(tools_cluster):
     assert code == 200 and json.loads(raw)["usage"]["prompt_tokens"] == without
 
 
+def test_a_forced_call_comes_back_as_the_call_streamed_or_not(tools_cluster):
+    base = tools_cluster[1]["gateway"]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    tool = {**WEATHER, "function": {**WEATHER["function"], "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+        "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}}}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    body = {"messages": messages, "tools": [tool], "tool_choice": "required", "max_tokens": 12, "temperature": 0}
+    answer = json.loads(post(base + "/v1/chat/completions", body)[2])["choices"][0]
+    # "required"'s list allows any whitespace around its items (vLLM's default), which this random model takes
+    # till max_tokens: the text stays content (the complete list is read back in the test above)
+    assert answer["finish_reason"] == "length" and "tool_calls" not in answer["message"]
+    assert answer["message"]["content"].startswith("[")
+    finish = "stop"  # OpenAI's for a named call
+    body = {**body, "tool_choice": named, "max_tokens": 60}
+    code, _, raw = post(base + "/v1/chat/completions", body)
+    assert code == 200, raw
+    answer = json.loads(raw)["choices"][0]
+    assert answer["finish_reason"] == finish and answer["message"]["content"] is None
+    [call] = answer["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Oslo")
+    code, _, raw = post(base + "/v1/chat/completions", {**body, "stream": True})
+    chunks = [json.loads(line[6:]) for line in raw.split(b"\n\n") if line.startswith(b"data: {")]
+    streamed = [c["choices"][0]["delta"]["tool_calls"] for c in chunks if "tool_calls" in c["choices"][0]["delta"]]
+    assert [[c["function"] for c in calls] for calls in streamed] == [[call["function"]]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == finish
+
+
 @pytest.fixture(scope="module")
 def plain_cluster(tiny_dir):
     """The tiny model as packaged: its chat template renders no tools."""
@@ -131,9 +182,10 @@ def plain_cluster(tiny_dir):
 @pytest.mark.parametrize("route, body, param, message", [
     ("/v1/chat/completions", {"tools": [WEATHER]}, "tools",
      "this model's chat template does not render tools, so it cannot be told of them: send the request without tools"),
-    ("/v1/chat/completions", {"tools": [WEATHER], "tool_choice": "required"}, "tool_choice",
-     "tool_choice must be 'none' or 'auto': forcing a call needs constrained decoding, which would change the "
-     "target's output"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice",
+     "tool_choice forces a call, but the request gives no tools"),
+    ("/v1/chat/completions", {"tool_choice": {"type": "function", "function": "get_weather"}}, "tool_choice",
+     "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions", "functions are not supported: send them as tools"),
     ("/v1/completions", {"tools": [WEATHER]}, "tools", "tools are for chat completions"),
 ])

@@ -24,14 +24,15 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
   repetition_penalty, min_tokens and min_p are part of the target's distribution, applied by
   verification (spec.logit_rules, spec.sampling), greedy included, as vLLM applies them.
 - chat tools are rendered by the model's chat template and the output parsed for calls
-  (gateway.tools: vLLM's Hermes parser); tool_choice "none" renders none.
+  (gateway.tools: vLLM's Hermes parser); tool_choice "none" renders none; "required" or a
+  named function forces a call by structured output, as vLLM forces one.
 - structured output — response_format json_object / json_schema, vLLM's guided_json,
   guided_regex, guided_choice, guided_grammar and structured_outputs — constrains the target's
   distribution to the grammar (spec.structured, llguidance as vLLM's guidance backend, JSON
   with flexible whitespace); verification applies it, so every mode stays the target's own
   output under the grammar. One constraint a request; ignore_eos cannot go with one.
-- best_of other than n, suffix, tool_choice "required" or named, and legacy functions are
-  refused with 400 rather than silently ignored: they would change what the caller gets.
+- best_of other than n, suffix and legacy functions are refused with 400 rather than
+  silently ignored: they would change what the caller gets.
 - vLLM's stop_token_ids (at most MAX_STOP_TOKEN_IDS) end the generation as EOS does: the
   stop token is not part of the output (vLLM keeps a non-special one in its text).
 - Fields neither served nor refused (OpenAI's store, metadata, service_tier, ...) are
@@ -194,9 +195,6 @@ def refuse_unsupported(req: _Common) -> None:
         raise ApiError(400, "functions are not supported: send them as tools", param="functions")
     if req.tools and not isinstance(req, ChatCompletionRequest):
         raise ApiError(400, "tools are for chat completions", param="tools")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise ApiError(400, "tool_choice must be 'none' or 'auto': forcing a call needs constrained decoding, which "
-                            "would change the target's output", param="tool_choice")
     if isinstance(req, CompletionRequest):
         if req.best_of not in (None, req.n):
             raise ApiError(400, "best_of is not supported (only equal to n): every choice generated is returned",

@@ -1,16 +1,16 @@
 """A request's choices become its answer: one JSON body (collected) or an SSE stream, with
-each choice's logprobs and, when the request gave tools, its text read for tool calls."""
+each choice's logprobs and, when the request gave tools, its text read for tool calls
+(gateway.tools: the Hermes blocks of a free output, or a forced call's JSON)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from aiohttp import web
 
 from specctl.gateway import responses as R
-from specctl.gateway import tools as T
 from specctl.gateway.api import ApiError
 from specctl.gateway.choices import Choices
 from specctl.verify.client import RemoteError
@@ -28,7 +28,7 @@ class Reply:
     chat: bool
     prompt_tokens: int
     logprobs: Callable[[list, int], dict] | None  # (entries, text offset) -> OpenAI's logprobs; None: not asked
-    tools: bool = False  # read each choice's text for tool calls
+    calls: Callable[[], Any] | None = None  # a reader of one choice's tool calls (gateway.tools); None: no tools
     include_usage: bool = False  # streamed: a last chunk with the usage
 
     async def collect(self, choices: Choices) -> web.Response:
@@ -40,9 +40,12 @@ class Reply:
             entries.setdefault(index, []).extend(event.logprobs)
             if event.finish:
                 text, calls, finish = "".join(texts[index]), None, event.finish
-                parsed = T.parse(text) if self.tools else None
-                if parsed is not None:
-                    (text, calls), finish = parsed, "tool_calls"
+                if self.calls is not None:
+                    reader = self.calls()
+                    content = reader.push(text)
+                    rest, calls = reader.finish()
+                    if calls:  # content beside calls: None when there is none, as OpenAI's
+                        text, finish = (content + rest) if (content + rest).strip() else None, reader.finish_reason
                 bodies.append(R.choice(self.chat, index, text, finish,
                                        self.logprobs(entries[index], 0) if self.logprobs else None, calls))
                 stats.append(event.stats)
@@ -62,11 +65,11 @@ class Reply:
             for spec in choices.specs:
                 await send(role=True, index=spec.index)
         offsets: dict[int, int] = {}  # each choice's text handed out so far (completions' text_offset)
-        calls = {spec.index: T.StreamedCalls() for spec in choices.specs} if self.tools else {}
+        calls = {spec.index: self.calls() for spec in choices.specs} if self.calls is not None else {}
         completion_tokens = 0
         try:
             async for index, event in choices.events():
-                delta = calls[index].push(event.delta) if self.tools else event.delta
+                delta = calls[index].push(event.delta) if calls else event.delta
                 if delta or (self.logprobs and event.logprobs):
                     logprobs = self.logprobs(event.logprobs, offsets.get(index, 0)) if self.logprobs else None
                     if logprobs and not chat and logprobs["tokens"]:  # the next chunk's tokens start after these
@@ -74,13 +77,13 @@ class Reply:
                     await send(text=delta, logprobs=logprobs, index=index)
                 if event.finish:
                     finish = event.finish
-                    if self.tools:
+                    if calls:
                         rest, found = calls[index].finish()
                         if rest:
                             await send(text=rest, index=index)
                         if found:
                             await send(tool_calls=found, index=index)
-                            finish = "tool_calls"
+                            finish = calls[index].finish_reason
                     completion_tokens += event.count
                     await send(finish_reason=finish, extra={"specctl": R.spec_summary(event.stats)}, index=index)
             if self.include_usage:

@@ -11,6 +11,7 @@ import os
 import contextlib
 import logging
 import time
+from functools import partial
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -27,7 +28,7 @@ from specctl.gateway.api import (
 from specctl.gateway.choices import Choices, choice_specs
 from specctl.gateway.respond import Reply, remote_message
 from specctl.gateway.structured import structured_output
-from specctl.gateway.tools import request_tools
+from specctl.gateway.tools import ForcedCalls, StreamedCalls, forced_call, request_tools
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.gateway.upstream import Upstream
 from specctl.verify.client import RemoteError
@@ -208,7 +209,9 @@ class Gateway:
             self._check_model(req.model)
             stop = stop_strings(req)
             prompts = self._encode(req)
-            structured = structured_output(req)
+            tools = self._tools(req)
+            forced = forced_call(tools, req.tool_choice)
+            structured = structured_output(req, forced[1] if forced else None)
             specs = choice_specs(prompts, [sampling_params(req, len(p), self.config.context,
                                                            self.config.default_max_tokens, structured)
                                            for p in prompts], req.n, self._echoes(req, prompts))
@@ -218,7 +221,7 @@ class Gateway:
             with_logprobs = wanted_logprobs(req) is not None
             reply = Reply(self.config.model_name, chat, prompt_tokens,
                           (lambda entries, offset: self._logprobs(chat, entries, offset)) if with_logprobs else None,
-                          tools=self._tools(req) is not None,
+                          calls=None if tools is None else partial(ForcedCalls, forced[0]) if forced else StreamedCalls,
                           include_usage=bool(req.stream_options and req.stream_options.include_usage))
             try:
                 async with Choices(self.upstream, self.metrics, self.tokenizer, specs, stop) as choices:

@@ -63,9 +63,10 @@ def _asked(req: Any) -> list[tuple[str, tuple[str, str]]]:
     return asked
 
 
-def structured_output(req: Any) -> tuple[str, str] | None:
-    """The request's constraint as spec.structured takes it (None: the output is free), checked."""
-    asked = _asked(req)
+def structured_output(req: Any, forced_call: tuple[str, str] | None = None) -> tuple[str, str] | None:
+    """The request's constraint as spec.structured takes it (None: the output is free), checked;
+    ``forced_call``: the schema a forced tool call holds the output to (gateway.tools)."""
+    asked = _asked(req) + ([("tool_choice", forced_call)] if forced_call else [])
     if not asked:
         return None
     if len(asked) > 1:

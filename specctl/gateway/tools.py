@@ -2,9 +2,13 @@
 format of the Qwen2.5 chat templates): the request's tools go to the model's own chat
 template, and the target's text is read back for ``<tool_call>{"name": ..., "arguments":
 {...}}</tool_call>`` blocks, which become the message's ``tool_calls`` (finish_reason
-"tool_calls"). Decoding is untouched — the calls are the target's own tokens, parsed — so
-forcing a call (``tool_choice`` "required" or a named function) is refused: it needs
-constrained decoding. A text whose blocks do not parse stays content, as vLLM leaves it."""
+"tool_calls"). Decoding is untouched — the calls are the target's own tokens, parsed. A text
+whose blocks do not parse stays content, as vLLM leaves it.
+
+Forcing a call is structured output (spec.structured), as vLLM forces one: a named function
+constrains the output to its parameters' JSON schema, which becomes the call's arguments
+(finish_reason stays "stop", as OpenAI's for a named call); "required" constrains it to a JSON
+list of {"name", "parameters"} of the given tools, one call or more (finish_reason "tool_calls")."""
 
 from __future__ import annotations
 
@@ -36,6 +40,56 @@ def request_tools(tools: list[Any] | None, tool_choice: Any, chat_template: str 
     return specs
 
 
+def forced_call(tools: list[dict] | None, tool_choice: Any) -> tuple[str | None, tuple[str, str]] | None:
+    """(the named function, or None for "required"; the JSON schema the output is held to) when
+    ``tool_choice`` forces a call, else None."""
+    if tool_choice in (None, "none", "auto"):
+        return None
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    named = function.get("name") if isinstance(function, dict) else None
+    if tool_choice != "required" and not (isinstance(named, str) and tool_choice.get("type", "function") == "function"):
+        raise ApiError(400, "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": "
+                            "{\"name\": ...}}", param="tool_choice")
+    if not tools:
+        raise ApiError(400, "tool_choice forces a call, but the request gives no tools", param="tool_choice")
+    parameters = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
+    if named is not None:
+        if named not in parameters:
+            raise ApiError(400, f"tool_choice names {named!r}, which is not among the tools", param="tool_choice")
+        return named, ("json", json.dumps(parameters[named]))
+    one_of = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
+               "required": ["name", "parameters"], "additionalProperties": False}
+              for name, schema in parameters.items()]
+    return None, ("json", json.dumps({"type": "array", "minItems": 1, "items": {"anyOf": one_of}}))
+
+
+def _call(name: str, arguments: str) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+class ForcedCalls:
+    """A choice whose output was held to a forced call's schema (``forced_call``): nothing is
+    content; at the end the text is the named function's arguments, or "required"'s list of
+    calls (a list cut short by max_tokens does not parse and stays content)."""
+
+    def __init__(self, named: str | None) -> None:
+        self.named, self.text = named, ""
+        self.finish_reason = "stop" if named is not None else "tool_calls"
+
+    def push(self, delta: str) -> str:
+        self.text += delta
+        return ""
+
+    def finish(self) -> tuple[str, list[dict] | None]:
+        if self.named is not None:
+            return "", [_call(self.named, self.text)]
+        try:
+            calls = [_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(self.text)]
+        except (json.JSONDecodeError, TypeError, KeyError):
+            return self.text, None
+        return "", calls
+
+
 def parse(text: str) -> tuple[str | None, list[dict]] | None:
     """(the content before the first call, or None when there is none; the calls in OpenAI's
     shape) — or None when the text holds no call that parses."""
@@ -51,9 +105,7 @@ def parse(text: str) -> tuple[str | None, list[dict]] | None:
             return None
         if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
             return None
-        arguments = call.get("arguments", {})
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}})
+        calls.append(_call(call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)))
     content = text[:start]  # as streamed: whitespace kept, so streamed and whole agree
     return content if content.strip() else None, calls
 
@@ -61,6 +113,8 @@ def parse(text: str) -> tuple[str | None, list[dict]] | None:
 class StreamedCalls:
     """A streamed choice's text with tools: its content is handed out up to the first
     ``<tool_call>`` (holding back a tail that may start one); what follows is parsed at the end."""
+
+    finish_reason = "tool_calls"
 
     def __init__(self) -> None:
         self.text = ""
