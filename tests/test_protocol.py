@@ -17,6 +17,7 @@ EXAMPLES = [
     p.Hello(1, "target", "abc", "model", b"sig"),
     p.Welcome(1, "draft", "m", "fp", 64),
     p.OpenSession(3, [1, 2, 3], 0.7, 0.9, 5, 42, 64),
+    p.OpenSession(4, [1, 2, 3], 0.0, 1.0, 0, 0, 64, "regex", "[ab]+", 2),
     p.SessionOpened(3, 17),
     p.Propose(17, [1, 2], [5, 6, 7]),
     p.Proposal(17, [5, 6, 7], [-1, 0, 1], p.SparseProbs.from_dense(torch.tensor([[0.0, 0.25, 0.75], [1.0, 0.0, 0.0]]))),

@@ -82,6 +82,27 @@ def test_greedy_under_a_grammar_every_mode_equals_the_target_alone(tiny, byte_to
     assert free != alone  # the grammar bites
 
 
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_the_draft_follows_the_grammar_so_more_is_accepted(tiny, byte_tokenizer, mode, monkeypatch):
+    drafter = (ModelChainDrafter(tiny["llama-draft"], 4) if mode == "chain"
+               else ModelTreeDrafter(tiny["llama-draft"], 3, 2, 3))
+    params = SamplingParams(max_tokens=40, structured=CONSTRAINTS["regex"])
+    prompt = byte_tokenizer.encode("answer: ")
+    guided, stats, _ = generate(tiny["llama"], prompt, params, drafter, eos_token_ids=(EOS,), tokenizer=byte_tokenizer)
+    lost = Structure.guide
+
+    def lost_guide(self, device):  # a guide that lost track: the draft drafts free
+        copy = lost(self, device)
+        copy.lost = True
+        return copy
+
+    monkeypatch.setattr(Structure, "guide", lost_guide)
+    free, free_stats, _ = generate(tiny["llama"], prompt, params, drafter, eos_token_ids=(EOS,),
+                                   tokenizer=byte_tokenizer)
+    assert guided == free
+    assert stats.accepted > free_stats.accepted == 0  # free, this random draft never writes [a-c] where it must
+
+
 def test_the_output_ends_where_the_grammar_does_even_under_min_tokens(tiny, byte_tokenizer):
     params = SamplingParams(max_tokens=30, min_tokens=20, structured=("choice", json.dumps(["done"])))
     output, _, reason = generate(tiny["llama"], byte_tokenizer.encode("x"), params, ModelChainDrafter(

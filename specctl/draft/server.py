@@ -6,6 +6,7 @@ another. Per-tag state is freed on CloseSession or when its connection drops."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections.abc import Awaitable
 import logging
@@ -28,6 +29,7 @@ from specctl.net.protocol import (
 from specctl.runtime.compute import ComputeLane, ComputeThread
 from specctl.runtime.listen import ListenConfig, ListeningServer, MessageRate
 from specctl.spec.drafters import Drafter
+from specctl.spec.structured import Structure, ll_tokenizer
 
 log = logging.getLogger("specctl.draft")
 
@@ -71,7 +73,8 @@ class DraftServer(ListeningServer):
         # Its own compute thread, or a lane of the device's thread when roles share a process.
         self.compute = compute or ComputeThread("draft-compute", max_batch=config.max_batch).lane(owns_thread=True)
         spec = model.spec
-        self.table = SessionTable(drafter, KVPool(config.kv_budget_bytes), spec.vocab_size, spec.max_position)
+        self.table = SessionTable(drafter, KVPool(config.kv_budget_bytes), spec.vocab_size, spec.max_position,
+                                  guide_of=self._guide)
         self.levels = LevelTable(model.decoder, self.table.pool, spec.vocab_size, spec.max_position)  # SpecPipe
         if config.prespec is not None:
             if drafter.name not in ("chain", "tree"):
@@ -266,8 +269,20 @@ class DraftServer(ListeningServer):
         conn.tags.add(tag)
         group.create_task(self._open_on_compute(conn, tag, message))
 
+    def _guide(self, kind: str, spec: str) -> Structure | None:
+        """The grammar a session's drafting follows; None (drafting free, still lossless) when it fails."""
+        try:
+            return Structure(kind, spec, self.model.tokenizer, self.model.spec.vocab_size,
+                             set(self.model.eos_token_ids), self.model.decoder.device)
+        except Exception as exc:  # noqa: BLE001 - the target checks the grammar; the draft only follows it
+            log.warning("drafting without the request's %s grammar: %s", kind, exc)
+            return None
+
     async def _open_on_compute(self, conn: Connection, tag: int, message: OpenSession | OpenLevels) -> None:
         try:
+            if getattr(message, "structured_kind", ""):  # built once, seconds: not on the compute thread
+                with contextlib.suppress(Exception):  # a tokenizer it cannot read: _guide says so, drafting goes on
+                    await asyncio.to_thread(ll_tokenizer, self.model.tokenizer, self.model.spec.vocab_size)
             await self.compute.run(self.levels.open if isinstance(message, OpenLevels) else self.table.open, tag,
                                    message)
         except KVBudgetExceeded as exc:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -38,6 +39,8 @@ class SessionTable:
     total_drafted: int = 0
     total_accepted: int = 0
     speculation: SpeculationCache | None = None  # pre-speculation, when on (model drafters)
+    # (kind, spec) -> the grammar a model drafter follows (spec.structured), or None when it cannot
+    guide_of: Callable[[str, str], Any] | None = None
 
     def open(self, tag: int, msg: OpenSession) -> None:
         params = SamplingParams(temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, max_tokens=msg.max_tokens)
@@ -50,6 +53,10 @@ class SessionTable:
         generator = torch.Generator().manual_seed(msg.seed)
         self.states[tag] = DraftState(session, params, generator, list(msg.prompt), capacity, self.drafter.max_nodes,
                                       self.vocab_size)
+        if msg.structured_kind and self.guide_of is not None and hasattr(session, "guide"):
+            session.guide = self.guide_of(msg.structured_kind, msg.structured_spec)
+            if session.guide is not None and msg.generated > 0:
+                session.guide.follow(list(msg.prompt[-msg.generated:]))
 
     def propose_many(self, requests: list[tuple[int, list[int], list[int]]]) -> list:
         """Serve many Propose requests in one pass (``draft_many``): one Proposal message or

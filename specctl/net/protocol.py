@@ -88,6 +88,9 @@ class OpenSession(msgspec.Struct, tag=True, frozen=True):
     top_k: int = 0
     seed: int = 0
     max_tokens: int = 128
+    structured_kind: str = ""  # the request's grammar (spec.structured), followed while drafting; "" = none
+    structured_spec: str = ""
+    generated: int = 0  # the prompt's last tokens that are output already (the grammar has read them)
 
 
 class SessionOpened(msgspec.Struct, tag=True, frozen=True):

@@ -91,12 +91,17 @@ class LocalSpeculator:
         return Drafted(proposal, time.perf_counter() - started)
 
     def _draft(self, session: DecodeSession) -> Proposal:
-        if self.state is None:  # the text grows by appending: its first prompt_len tokens are the prompt
+        opening = self.state is None
+        if opening:  # the text grows by appending: its first prompt_len tokens are the prompt
             capacity = draft_capacity(session.prompt_len, session.params.max_tokens, self.max_nodes)
             self.state = DraftState(self.drafter.open(capacity, self.pool), session.params, session.generator,
                                     session.seq[: session.prompt_len], capacity, self.max_nodes,
                                     session.target.spec.vocab_size)
         self.state.advance(session.last_path, session.last_committed)
+        structure = session.rules.structure if session.rules is not None else None
+        if opening and structure is not None and hasattr(self.state.session, "guide"):
+            # the draft follows the grammar from here (the committed text is in the copy already)
+            self.state.session.guide = structure.guide(self.state.session.decoder.device)
         result = draft_many([self.state])[0]
         if isinstance(result, Exception):
             raise result

@@ -8,7 +8,11 @@ own path, which is what decoding with the target alone under the grammar compute
 node the grammar forbids has no probability at its parent's row, so it is never accepted.
 The stop tokens (EOS, stop_token_ids) are allowed exactly where the grammar may end; once it
 can take nothing more (the only token left would be EOS) the session ends with "stop", as
-the target alone would one token later."""
+the target alone would one token later.
+
+The draft follows the grammar too (``Structure.guide``: a copy of the session's state, kept up
+to date with each outcome), so it proposes only what the target may accept; it is a guide,
+never a check: a draft whose guide loses track drafts free, which costs acceptance only."""
 
 from __future__ import annotations
 
@@ -94,6 +98,27 @@ class Structure:
             raise InvalidSamplingParams(f"structured output ({kind}) is invalid: {_one_line(self.matcher.get_error())}")
         self.end_token, self.vocab_size, self.device = tokens.eos_token, vocab_size, device
         self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long)
+        self.lost = False  # a draft's guide given tokens outside the grammar: it constrains nothing more
+
+    def guide(self, device: torch.device) -> "Structure":
+        """A copy of this state for a draft on ``device`` (spec.batch_drafting masks its rows)."""
+        copy = object.__new__(Structure)
+        copy.matcher, copy.end_token, copy.vocab_size, copy.stop_ids = (self.matcher.deep_copy(), self.end_token,
+                                                                        self.vocab_size, self.stop_ids)
+        copy.device, copy.lost = device, False
+        return copy
+
+    def follow(self, tokens: list[int]) -> None:
+        """A draft's guide: committed tokens, the stop token that ends the output included; a
+        token the grammar refuses leaves the guide lost (drafting goes on free)."""
+        if tokens and not self.lost and not self.matcher.is_stopped() and not self.matcher.consume_tokens(tokens):
+            self.lost = True
+
+    def masked(self, logits: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
+        """A draft's ``logits`` [rows, vocab] with what the grammar refuses after each path at -inf."""
+        if self.lost:
+            return logits
+        return logits.masked_fill(~self.allowed(paths)[0], float("-inf"))
 
     @property
     def finished(self) -> bool:

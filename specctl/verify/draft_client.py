@@ -128,10 +128,14 @@ class DraftClient:
         return reply
 
     async def open(self, prompt: list[int], *, temperature: float, top_p: float, top_k: int, seed: int,
-                   max_tokens: int) -> Handle | None:
-        """(epoch, tag) of a new draft session, or None when the draft is unavailable."""
+                   max_tokens: int, structured: tuple[str, str] | None = None, generated: int = 0) -> Handle | None:
+        """(epoch, tag) of a new draft session, or None when the draft is unavailable. ``structured``:
+        the request's grammar, which the draft follows; ``generated``: how many of the prompt's last
+        tokens are output already."""
         epoch, req = self.epoch, next(self._reqs)
-        reply = await self._request(("req", req), OpenSession(req, prompt, temperature, top_p, top_k, seed, max_tokens))
+        kind, spec = structured or ("", "")
+        reply = await self._request(("req", req), OpenSession(req, prompt, temperature, top_p, top_k, seed, max_tokens,
+                                                              kind, spec, generated))
         if isinstance(reply, SessionOpened) and epoch == self.epoch:
             return epoch, reply.tag
         return None
