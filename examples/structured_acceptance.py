@@ -1,7 +1,8 @@
 """What structured output costs speculation with the Qwen pair: chat prompts that ask for JSON,
-answered under a JSON schema (spec.structured) by the target alone and by chain speculation,
-every output compared with the target alone's; acceptance, mean accepted length and tokens/s
-beside the same prompts answered free. Writes the table and a JSON file.
+answered under a JSON schema (spec.structured) by the target alone and by chain speculation —
+the draft following the grammar (as specctl drafts) and, for comparison, drafting free — every
+output compared with the target alone's; acceptance, mean accepted length and tokens/s beside
+the same prompts answered free. Writes the table and a JSON file.
 
     python examples/structured_acceptance.py OUT.json [--depth 6] [--max-tokens 96] [--dtype fp32]
 """
@@ -17,6 +18,17 @@ from specctl.engine.text import encode_chat
 from specctl.spec.factory import apply_threads, load_pair, make_drafter
 from specctl.spec.rounds import generate
 from specctl.spec.sampling import SamplingParams
+from specctl.spec.structured import Structure
+
+
+def _free_guide(self, device):
+    """A draft guide that has lost track: the draft drafts free (the comparison row)."""
+    guide = GUIDE(self, device)
+    guide.lost = True
+    return guide
+
+
+GUIDE = Structure.guide
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "languages": {"type": "array", "items": {"type": "string"}}},
@@ -53,8 +65,10 @@ def main() -> None:
     target, draft = load_pair(config)
     drafter = make_drafter(config, draft)
     rows = []
-    for label, constrained in (("free", False), ("json schema", True)):
-        for mode in ("ar", "chain"):
+    for label, constrained, draft_free in (("free", False, False), ("json schema", True, False),
+                                           ("json schema, draft free", True, True)):
+        Structure.guide = _free_guide if draft_free else GUIDE
+        for mode in ("ar", "chain") if not draft_free else ("chain",):
             total = {"tokens": 0, "accepted": 0, "drafted": 0, "drafts": 0, "wall_s": 0.0, "same_as_ar": 0}
             for prompt, schema in CASES:
                 ids = encode_chat(target.tokenizer, [{"role": "user", "content": prompt}])
@@ -66,7 +80,7 @@ def main() -> None:
                 total["wall_s"] += time.perf_counter() - started
                 if mode == "ar":
                     rows.append({"label": label, "prompt": prompt, "text": target.tokenizer.decode(out), "ids": out})
-                reference = next(r["ids"] for r in rows if r["label"] == label and r["prompt"] == prompt)
+                reference = next(r["ids"] for r in rows if r["label"] == label.split(",")[0] and r["prompt"] == prompt)
                 total["same_as_ar"] += out == reference
                 total["tokens"] += len(out)
                 total["accepted"] += stats.accepted
@@ -74,7 +88,7 @@ def main() -> None:
                 total["drafts"] += stats.drafts
             acceptance = total["accepted"] / max(total["drafted"], 1)
             mal = 1 + total["accepted"] / max(total["drafts"], 1)
-            print(f"{label:12s} {mode:6s} tokens {total['tokens']:4d}  acceptance {acceptance:.3f}  MAL {mal:.2f}  "
+            print(f"{label:24s} {mode:6s} tokens {total['tokens']:4d}  acceptance {acceptance:.3f}  MAL {mal:.2f}  "
                   f"tok/s {total['tokens'] / total['wall_s']:.2f}  same as ar {total['same_as_ar']}/{len(CASES)}",
                   flush=True)
             rows.append({"label": label, "mode": mode, **total, "acceptance": acceptance, "mal": mal})
