@@ -11,8 +11,8 @@ import os
 import contextlib
 import logging
 import time
-from functools import partial
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, AsyncIterator
 
 from aiohttp import web

@@ -11,10 +11,7 @@ from typing import Any
 
 from specctl.errors import InvalidSamplingParams
 from specctl.gateway.api import ApiError
-from specctl.spec.structured import JSON_OBJECT, grammar_text
-
-# vLLM's structured_outputs keys (and the guided_* fields) -> spec.structured's kinds
-_KINDS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+from specctl.spec.structured import JSON_OBJECT, KINDS, grammar_text
 
 
 def _spec(kind: str, value: Any, field: str) -> tuple[str, str]:
@@ -46,7 +43,7 @@ def _asked(req: Any) -> list[tuple[str, tuple[str, str]]]:
         else:
             raise ApiError(400, f"response_format type must be 'text', 'json_object' or 'json_schema', got "
                                 f"{fmt.type!r}", param="response_format")
-    for kind in _KINDS:
+    for kind in KINDS:  # vLLM's guided_* and structured_outputs keys are spec.structured's kinds
         value = getattr(req, f"guided_{kind}")
         if value is not None:
             asked.append((f"guided_{kind}", _spec(kind, value, f"guided_{kind}")))
@@ -55,7 +52,7 @@ def _asked(req: Any) -> list[tuple[str, tuple[str, str]]]:
             continue
         if key == "json_object":
             asked.append(("structured_outputs", ("json", JSON_OBJECT)))
-        elif key in _KINDS:
+        elif key in KINDS:
             asked.append(("structured_outputs", _spec(key, value, f"structured_outputs.{key}")))
         else:
             raise ApiError(400, f"structured_outputs.{key} is not supported: give one of json, regex, choice, "
