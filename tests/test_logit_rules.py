@@ -80,6 +80,20 @@ def test_greedy_with_penalties_every_mode_equals_the_target_alone(tiny, mode, pa
     assert alone != generate(target, PROMPT, SamplingParams(max_tokens=32, ignore_eos=True))[0]  # they bite
 
 
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_the_draft_follows_the_penalties_so_more_is_accepted(tiny, mode, monkeypatch):
+    """The target as its own draft: following the request's rules it proposes what the target
+    picks (everything a chain proposes is accepted); drafting free, it misses where they bite."""
+    drafter = {"chain": ModelChainDrafter(tiny["llama"], 4), "tree": ModelTreeDrafter(tiny["llama"], 3, 2, 3)}[mode]
+    guided, stats, _ = generate(tiny["llama"], PROMPT, STRONG, drafter)
+    monkeypatch.setattr(LogitRules, "guide", lambda self, device: None)  # the draft drafts free
+    free, free_stats, _ = generate(tiny["llama"], PROMPT, STRONG, drafter)
+    assert guided == free
+    assert stats.accepted > free_stats.accepted
+    if mode == "chain":
+        assert stats.accepted == stats.drafted
+
+
 def test_the_target_alone_with_penalties_is_a_full_forward_per_token(tiny):
     """AR decoding with penalties against the definition: one forward over the whole text per
     token, the last row penalized by the reference, its argmax."""

@@ -406,3 +406,39 @@ async def test_a_flooding_peer_is_slowed_down_not_dropped(models):
         writer.close()
     finally:
         await server.close()
+
+
+async def test_the_draft_server_follows_the_requests_rules_and_grammar(models):
+    """OpenSession carries the logit rules, min_p and the grammar; the draft's guide counts the
+    output the target committed before the session opened as output."""
+    import json
+
+    from specctl.spec.logit_rules import LogitRules
+
+    target, draft = models
+    server = DraftServer(draft, ModelChainDrafter(draft.decoder, 3), DraftServerConfig(port=0))
+    table = server.table
+    ab = draft.tokenizer.encode("ab")
+    table.open(1, OpenSession(1, [5, 9, 13, *ab], 0.7, 1.0, 0, 3, 20, "regex", "[a-c]+", 2, 0.5, 0.25, 1.3, 0.05, 4,
+                              {7: -5.0}))
+    state = table.states[1]
+    guide = state.session.guide
+    assert isinstance(guide, LogitRules) and state.params.min_p == 0.05
+    assert guide.counts[ab].tolist() == [1.0, 1.0] and guide.counts.sum() == 2 and guide.produced == 2
+    assert guide.in_prompt[[5, 9, 13]].all() and not guide.in_prompt[ab].any()
+    assert (guide.presence, guide.frequency, guide.repetition, guide.min_tokens) == (0.5, 0.25, 1.3, 4)
+    assert float(guide.bias[7]) == -5.0
+    assert not guide.structure.lost and guide.structure.matcher.validate_tokens(ab) == 2  # "ab" read: more may come
+    rows, _ = guide.structure.allowed([[]])
+    assert rows[0, draft.tokenizer.encode("c")].all() and not rows[0, draft.tokenizer.encode("d")].any()
+    table.open(2, OpenSession(2, [5, 9, 13, *draft.tokenizer.encode("x")], structured_kind="regex",
+                              structured_spec="[a-c]+", generated=1))  # output the grammar refuses: drafting free
+    assert table.states[2].session.guide.structure.lost
+    table.open(3, OpenSession(3, [5, 9, 13], structured_kind="choice", structured_spec=json.dumps(["ab"])))
+    assert table.states[3].session.guide.structure is not None
+    table.open(4, OpenSession(4, [5, 9, 13]))  # nothing to follow
+    assert table.states[4].session.guide is None
+    table.open(5, OpenSession(5, [5, 9, 13], logit_bias={10**6: 1.0}))  # the target refuses it: the draft drafts free
+    assert table.states[5].session.guide is None
+    for tag in range(1, 6):
+        table.close(tag)

@@ -19,6 +19,7 @@ from specctl.draft.sessions import SessionTable, UnknownTag
 from specctl.draft.speculation import PrespecConfig, SpeculationCache
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.loader import LoadedModel
+from specctl.engine.spec import check_token_ids
 from specctl.errors import ConfigError, KVBudgetExceeded, SpecctlError
 from specctl.net.framing import read_message
 from specctl.net.handshake import server_handshake
@@ -29,6 +30,8 @@ from specctl.net.protocol import (
 from specctl.runtime.compute import ComputeLane, ComputeThread
 from specctl.runtime.listen import ListenConfig, ListeningServer, MessageRate
 from specctl.spec.drafters import Drafter
+from specctl.spec.logit_rules import LogitRules
+from specctl.spec.sampling import SamplingParams
 from specctl.spec.structured import Structure, ll_tokenizer
 
 log = logging.getLogger("specctl.draft")
@@ -269,13 +272,19 @@ class DraftServer(ListeningServer):
         conn.tags.add(tag)
         group.create_task(self._open_on_compute(conn, tag, message))
 
-    def _guide(self, kind: str, spec: str) -> Structure | None:
-        """The grammar a session's drafting follows; None (drafting free, still lossless) when it fails."""
+    def _guide(self, rules: SamplingParams, prompt: list[int], output: list[int]) -> LogitRules | None:
+        """The logit rules and grammar a session's drafting follows (``output``: what the target
+        committed before the session opened); None (drafting free, still lossless) when they fail."""
+        spec, stop_ids, device = self.model.spec, set(self.model.eos_token_ids), self.model.decoder.device
         try:
-            return Structure(kind, spec, self.model.tokenizer, self.model.spec.vocab_size,
-                             set(self.model.eos_token_ids), self.model.decoder.device)
-        except Exception as exc:  # noqa: BLE001 - the target checks the grammar; the draft only follows it
-            log.warning("drafting without the request's %s grammar: %s", kind, exc)
+            structure = None if rules.structured is None else Structure(*rules.structured, self.model.tokenizer,
+                                                                        spec.vocab_size, stop_ids, device, strict=False)
+            check_token_ids([token for token, _ in rules.logit_bias], spec.vocab_size, "logit_bias token ids")
+            guide = LogitRules(rules, prompt, stop_ids, spec.vocab_size, device, structure)
+            guide.record(output)
+            return guide
+        except Exception as exc:  # noqa: BLE001 - the target checks the request; the draft only follows it
+            log.warning("drafting without the request's logit rules: %s", exc)
             return None
 
     async def _open_on_compute(self, conn: Connection, tag: int, message: OpenSession | OpenLevels) -> None:

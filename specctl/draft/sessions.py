@@ -15,7 +15,7 @@ import torch
 from specctl.draft.early import Ticket, commit, pick, proposal_for
 from specctl.draft.speculation import SpeculationCache
 from specctl.engine.kv_cache import KVPool
-from specctl.errors import PromptTooLong
+from specctl.errors import PromptTooLong, SpecctlError
 from specctl.engine.spec import check_token_ids
 from specctl.net.protocol import OpenSession, Proposal, SparseProbs
 from specctl.spec.draft_state import DraftState, draft_capacity, draft_many
@@ -39,11 +39,13 @@ class SessionTable:
     total_drafted: int = 0
     total_accepted: int = 0
     speculation: SpeculationCache | None = None  # pre-speculation, when on (model drafters)
-    # (kind, spec) -> the grammar a model drafter follows (spec.structured), or None when it cannot
-    guide_of: Callable[[str, str], Any] | None = None
+    # (request's parameters, prompt, output so far) -> the logit rules and grammar a model drafter
+    # follows (spec.logit_rules), or None when it cannot
+    guide_of: Callable[[SamplingParams, list[int], list[int]], Any] | None = None
 
     def open(self, tag: int, msg: OpenSession) -> None:
-        params = SamplingParams(temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, max_tokens=msg.max_tokens)
+        params = SamplingParams(temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, max_tokens=msg.max_tokens,
+                                min_p=msg.min_p)
         check_token_ids(msg.prompt, self.vocab_size)
         if not msg.prompt or len(msg.prompt) + msg.max_tokens > self.max_context:
             raise PromptTooLong(f"prompt of {len(msg.prompt)} tokens plus max_tokens {msg.max_tokens} does not fit the draft's context of {self.max_context}")
@@ -53,10 +55,11 @@ class SessionTable:
         generator = torch.Generator().manual_seed(msg.seed)
         self.states[tag] = DraftState(session, params, generator, list(msg.prompt), capacity, self.drafter.max_nodes,
                                       self.vocab_size)
-        if msg.structured_kind and self.guide_of is not None and hasattr(session, "guide"):
-            session.guide = self.guide_of(msg.structured_kind, msg.structured_spec)
-            if session.guide is not None and msg.generated > 0:
-                session.guide.follow(list(msg.prompt[-msg.generated:]))
+        if self.guide_of is not None and hasattr(session, "guide"):
+            rules = _rules(msg)
+            if rules is not None:
+                split = len(msg.prompt) - msg.generated
+                session.guide = self.guide_of(rules, list(msg.prompt[:split]), list(msg.prompt[split:]))
 
     def propose_many(self, requests: list[tuple[int, list[int], list[int]]]) -> list:
         """Serve many Propose requests in one pass (``draft_many``): one Proposal message or
@@ -209,3 +212,18 @@ def _message(tag: int, proposal: DraftProposal) -> Proposal:
     q = None if proposal.draft_probs is None else SparseProbs.from_dense(proposal.draft_probs)
     return Proposal(tag, tree.tokens.tolist(), tree.parents.tolist(), q,
                     Proposal.pack_confidences(tree.probs[1:].tolist()))
+
+
+def _rules(msg: OpenSession) -> SamplingParams | None:
+    """The request's logit rules and grammar as OpenSession carries them, or None when there are
+    none (or they do not hold together: the draft then drafts free, which the target's check of
+    the same request makes rare)."""
+    try:
+        rules = SamplingParams(
+            max_tokens=max(msg.max_tokens + msg.generated, msg.min_tokens, 1), presence_penalty=msg.presence_penalty,
+            frequency_penalty=msg.frequency_penalty, repetition_penalty=msg.repetition_penalty,
+            min_tokens=msg.min_tokens, logit_bias=tuple(sorted(msg.logit_bias.items())),
+            structured=(msg.structured_kind, msg.structured_spec) if msg.structured_kind else None)
+    except SpecctlError:
+        return None
+    return rules if rules.adjusts_logits else None

@@ -88,9 +88,16 @@ class OpenSession(msgspec.Struct, tag=True, frozen=True):
     top_k: int = 0
     seed: int = 0
     max_tokens: int = 128
-    structured_kind: str = ""  # the request's grammar (spec.structured), followed while drafting; "" = none
+    # the request's logit rules (spec.logit_rules) and grammar (spec.structured), which the draft follows
+    structured_kind: str = ""  # "" = none
     structured_spec: str = ""
-    generated: int = 0  # the prompt's last tokens that are output already (the grammar has read them)
+    generated: int = 0  # the prompt's last tokens that are output already (the rules count them as output)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0  # of the whole output, ``generated`` included
+    logit_bias: dict[int, float] = {}
 
 
 class SessionOpened(msgspec.Struct, tag=True, frozen=True):

@@ -41,7 +41,7 @@ def propose_chains(sessions: list[_ChainSession], seqs: list[list[int]], params:
     # step's token goes to the next forward on the device and the chain is read back once.
     # On a GPU the host then prepares step i + 1 while the device runs step i (issue 11: a
     # read-back per step left the device idle for the host's part of every step).
-    guides = [s.guide for s in sessions]  # a grammar's mask needs each step's token on the host
+    guides = [s.guide for s in sessions]  # the request's rules need each step's token on the host
     read_once = not stop and all(p.greedy for p in params) and not any(guides)
     picks: list[list[torch.Tensor]] = [[] for _ in sessions]  # per step: [token, its probability], on the device
     last: list[torch.Tensor] = [torch.empty(0)] * len(sessions)  # each session's last token [1], on the device
@@ -53,7 +53,7 @@ def propose_chains(sessions: list[_ChainSession], seqs: list[list[int]], params:
     for i in range(depth):
         for rows, b in zip(logits, live):
             if guides[b] is not None:
-                rows = guides[b].masked(rows[:1], [[x for x, _ in drafted[b]]])
+                rows = guides[b].apply(rows[:1], [[x for x, _ in drafted[b]]])
             ranked[b].append(ranked_candidates(rows[0]))
             # How likely the draft finds its token (greedy: its softmax at T = 1; sampled: q) is
             # read back with the token. It is the node's probability in the tree: adaptive depth
@@ -105,7 +105,7 @@ def propose_trees(sessions: list[_TreeSession], seqs: list[list[int]], params: l
     score = [tree_score_params(p) for p in params]
     for session in sessions:
         session.fed = 0
-    logits = [rows if s.guide is None else s.guide.masked(rows, [[]]) for s, rows in zip(sessions, catch_up_many(
+    logits = [rows if s.guide is None else s.guide.apply(rows, [[]]) for s, rows in zip(sessions, catch_up_many(
         sessions, seqs))]
     ranked = [[ranked_candidates(rows)] for rows in logits]
     trees = [TokenTree.root(seq[-1]).grow(torch.tensor([0]), probs_from_logits(rows[0], sp).unsqueeze(0),
@@ -129,7 +129,7 @@ def propose_trees(sessions: list[_TreeSession], seqs: list[list[int]], params: l
         for b, rows in zip(live, out):
             if sessions[b].guide is not None:  # each frontier node's row after its own path
                 paths = [trees[b].tokens[trees[b].path_to(int(j))[1:]].tolist() for j in frontiers[b]]
-                rows = sessions[b].guide.masked(rows, paths)
+                rows = sessions[b].guide.apply(rows, paths)
             sessions[b].fed = int(frontiers[b][-1])
             ranked[b].append(ranked_candidates(rows))
             trees[b] = trees[b].grow(frontiers[b], probs_from_logits(rows, score[b]), shape.topk, shape.width)

@@ -79,9 +79,9 @@ class DraftState:
             self.outcomes.append((int(self.last_tree.max_depth), len(path)))
             self.last_tree = None
         self.seq.extend(tokens)
-        guide = getattr(self.session, "guide", None)
+        guide = getattr(self.session, "guide", None)  # the request's logit rules, which the draft follows
         if guide is not None:
-            guide.follow(tokens)
+            guide.record(tokens)
 
     def proposed(self, proposal: Proposal) -> Proposal:
         self.last_tree = proposal.tree

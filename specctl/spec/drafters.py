@@ -82,7 +82,7 @@ class _ModelDraftSession(DraftSession):
     def __init__(self, decoder: Decoder, capacity: int, pool: KVPool | None) -> None:
         self.decoder = decoder
         self.cache = decoder.new_cache(capacity, pool)
-        self.guide = None  # the request's grammar, followed while drafting (spec.structured), or None
+        self.guide = None  # the request's logit rules and grammar, followed while drafting (spec.logit_rules)
 
     def close(self) -> None:
         self.cache.release()

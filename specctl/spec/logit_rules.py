@@ -8,8 +8,10 @@ output, spec.structured) masks the row first; where it has ended, min_tokens bar
 
 They are part of the target's distribution, so verification applies them: a proposal node's
 row is adjusted for the text it follows (the committed text, then the node's own path), which
-is what decoding with the target alone computes at that point. The draft does not apply them:
-a rule it did not foresee costs acceptance, never exactness."""
+is what decoding with the target alone computes at that point. The draft applies them too
+(``LogitRules.guide``: a copy of the session's state, or one the draft server builds from the
+session's parameters), so it drafts what the target is likely to accept; a draft that could
+not would cost acceptance, never exactness."""
 
 from __future__ import annotations
 
@@ -38,6 +40,18 @@ class LogitRules:
         self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
         self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
         self.in_prompt[torch.tensor(prompt, dtype=torch.long, device=device)] = True
+
+    def guide(self, device: torch.device) -> "LogitRules":
+        """A copy of this state for a draft on ``device`` (spec.batch_drafting adjusts its rows),
+        kept up to date with each outcome by ``record``."""
+        copy = object.__new__(LogitRules)
+        copy.presence, copy.frequency, copy.repetition = self.presence, self.frequency, self.repetition
+        copy.min_tokens, copy.produced = self.min_tokens, self.produced
+        copy.stop_ids, copy.counts, copy.in_prompt = (self.stop_ids.to(device), self.counts.to(device, copy=True),
+                                                      self.in_prompt.to(device))
+        copy.bias = None if self.bias is None else self.bias.to(device)
+        copy.structure = None if self.structure is None else self.structure.guide(device)
+        return copy
 
     def record(self, tokens: list[int]) -> None:
         """Output tokens committed."""

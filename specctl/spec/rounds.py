@@ -98,10 +98,9 @@ class LocalSpeculator:
                                     session.seq[: session.prompt_len], capacity, self.max_nodes,
                                     session.target.spec.vocab_size)
         self.state.advance(session.last_path, session.last_committed)
-        structure = session.rules.structure if session.rules is not None else None
-        if opening and structure is not None and hasattr(self.state.session, "guide"):
-            # the draft follows the grammar from here (the committed text is in the copy already)
-            self.state.session.guide = structure.guide(self.state.session.decoder.device)
+        if opening and session.rules is not None and hasattr(self.state.session, "guide"):
+            # the draft follows the request's rules from here (the committed text is in the copy already)
+            self.state.session.guide = session.rules.guide(self.state.session.decoder.device)
         result = draft_many([self.state])[0]
         if isinstance(result, Exception):
             raise result

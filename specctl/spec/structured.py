@@ -11,8 +11,9 @@ can take nothing more (the only token left would be EOS) the session ends with "
 the target alone would one token later.
 
 The draft follows the grammar too (``Structure.guide``: a copy of the session's state, kept up
-to date with each outcome), so it proposes only what the target may accept; it is a guide,
-never a check: a draft whose guide loses track drafts free, which costs acceptance only."""
+to date with each outcome; spec.logit_rules), so it proposes only what the target may accept;
+it is a guide, never a check: a draft whose guide loses track drafts free, which costs
+acceptance only."""
 
 from __future__ import annotations
 
@@ -86,7 +87,7 @@ class Structure:
     computed by consuming a proposal node's path and rolling it back."""
 
     def __init__(self, kind: str, spec: str, tokenizer: Any, vocab_size: int, stop_ids: set[int],
-                 device: torch.device) -> None:
+                 device: torch.device, strict: bool = True) -> None:
         import llguidance
 
         if not stop_ids:
@@ -98,27 +99,16 @@ class Structure:
             raise InvalidSamplingParams(f"structured output ({kind}) is invalid: {_one_line(self.matcher.get_error())}")
         self.end_token, self.vocab_size, self.device = tokens.eos_token, vocab_size, device
         self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long)
-        self.lost = False  # a draft's guide given tokens outside the grammar: it constrains nothing more
+        self.strict = strict  # the target's: a token outside the grammar is a bug; a draft's guide is lenient
+        self.lost = False  # a guide given tokens outside the grammar: it constrains nothing more
 
     def guide(self, device: torch.device) -> "Structure":
-        """A copy of this state for a draft on ``device`` (spec.batch_drafting masks its rows)."""
+        """A copy of this state for a draft on ``device``: it follows the committed text leniently."""
         copy = object.__new__(Structure)
         copy.matcher, copy.end_token, copy.vocab_size, copy.stop_ids = (self.matcher.deep_copy(), self.end_token,
                                                                         self.vocab_size, self.stop_ids)
-        copy.device, copy.lost = device, False
+        copy.device, copy.strict, copy.lost = device, False, False
         return copy
-
-    def follow(self, tokens: list[int]) -> None:
-        """A draft's guide: committed tokens, the stop token that ends the output included; a
-        token the grammar refuses leaves the guide lost (drafting goes on free)."""
-        if tokens and not self.lost and not self.matcher.is_stopped() and not self.matcher.consume_tokens(tokens):
-            self.lost = True
-
-    def masked(self, logits: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
-        """A draft's ``logits`` [rows, vocab] with what the grammar refuses after each path at -inf."""
-        if self.lost:
-            return logits
-        return logits.masked_fill(~self.allowed(paths)[0], float("-inf"))
 
     @property
     def finished(self) -> bool:
@@ -126,9 +116,15 @@ class Structure:
         return self.matcher.is_stopped()
 
     def record(self, tokens: list[int]) -> None:
-        """Output tokens committed (each one the grammar allowed: verification only accepts those)."""
-        if tokens and not self.matcher.consume_tokens(tokens):
-            raise RuntimeError(f"committed tokens outside the grammar: {self.matcher.get_error()}")
+        """Output tokens committed (the target's: each one the grammar allowed, verification only
+        accepts those). A draft's guide also sees the stop token that ends the output, and one
+        the grammar refuses leaves it lost (drafting goes on free)."""
+        if not tokens or self.lost or (not self.strict and self.matcher.is_stopped()):
+            return
+        if not self.matcher.consume_tokens(tokens):
+            if self.strict:
+                raise RuntimeError(f"committed tokens outside the grammar: {self.matcher.get_error()}")
+            self.lost = True
 
     def allowed(self, paths: list[list[int]]) -> tuple[torch.Tensor, list[bool]]:
         """([rows, vocab] bool on the device, ended): row r's tokens the grammar allows after the
@@ -137,7 +133,7 @@ class Structure:
         at its parent's row): it is left unconstrained."""
         rows = torch.ones(len(paths), self.vocab_size, dtype=torch.bool)
         ended = [False] * len(paths)
-        for r, path in enumerate(paths):
+        for r, path in enumerate(paths if not self.lost else ()):
             if self.matcher.validate_tokens(path) < len(path) or not self.matcher.consume_tokens(path):
                 continue
             row = _bits(self.matcher.compute_bitmask(), self.vocab_size)

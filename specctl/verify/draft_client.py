@@ -16,6 +16,7 @@ from specctl.net.framing import read_message
 from specctl.net.handshake import AuthError, open_peer
 from specctl.net.protocol import (CloseSession, Error, Level, NextLevel, OpenLevels, OpenSession, Proposal, Propose,
                                   Reroot, SessionOpened, encode)
+from specctl.spec.sampling import SamplingParams
 
 log = logging.getLogger("specctl.verify.draft")
 Handle = tuple[int, int]  # (connection epoch, tag) of a draft session
@@ -128,14 +129,16 @@ class DraftClient:
         return reply
 
     async def open(self, prompt: list[int], *, temperature: float, top_p: float, top_k: int, seed: int,
-                   max_tokens: int, structured: tuple[str, str] | None = None, generated: int = 0) -> Handle | None:
-        """(epoch, tag) of a new draft session, or None when the draft is unavailable. ``structured``:
-        the request's grammar, which the draft follows; ``generated``: how many of the prompt's last
-        tokens are output already."""
+                   max_tokens: int, rules: SamplingParams | None = None, generated: int = 0) -> Handle | None:
+        """(epoch, tag) of a new draft session, or None when the draft is unavailable. ``rules``: the
+        request's parameters, whose logit rules, grammar and min_p the draft follows; ``generated``:
+        how many of the prompt's last tokens are output already."""
         epoch, req = self.epoch, next(self._reqs)
-        kind, spec = structured or ("", "")
-        reply = await self._request(("req", req), OpenSession(req, prompt, temperature, top_p, top_k, seed, max_tokens,
-                                                              kind, spec, generated))
+        rules = rules or SamplingParams()
+        kind, spec = rules.structured or ("", "")
+        reply = await self._request(("req", req), OpenSession(
+            req, prompt, temperature, top_p, top_k, seed, max_tokens, kind, spec, generated, rules.presence_penalty,
+            rules.frequency_penalty, rules.repetition_penalty, rules.min_p, rules.min_tokens, dict(rules.logit_bias)))
         if isinstance(reply, SessionOpened) and epoch == self.epoch:
             return epoch, reply.tag
         return None

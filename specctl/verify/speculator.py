@@ -85,7 +85,7 @@ class RemoteSpeculator:
         temperature = 0.0 if self.greedy_drafts else params.temperature
         handle = await self.client.open(text, temperature=temperature, top_p=params.top_p,
                                         top_k=params.top_k, seed=self.seed, max_tokens=params.max_tokens - generated,
-                                        structured=params.structured, generated=generated)
+                                        rules=params, generated=generated)
         # Refused on a live link: ask again only after a reconnect.
         self._refused_epoch = epoch if handle is None and self.client.epoch == epoch else None
         return handle
