@@ -12,6 +12,7 @@ from collections.abc import Awaitable
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 from specctl.draft.levels import LevelTable
 from specctl.draft.plan import StarModel, admit
@@ -19,7 +20,6 @@ from specctl.draft.sessions import SessionTable, UnknownTag
 from specctl.draft.speculation import PrespecConfig, SpeculationCache
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.loader import LoadedModel
-from specctl.engine.spec import check_token_ids
 from specctl.errors import ConfigError, KVBudgetExceeded, SpecctlError
 from specctl.net.framing import read_message
 from specctl.net.handshake import server_handshake
@@ -30,9 +30,8 @@ from specctl.net.protocol import (
 from specctl.runtime.compute import ComputeLane, ComputeThread
 from specctl.runtime.listen import ListenConfig, ListeningServer, MessageRate
 from specctl.spec.drafters import Drafter
-from specctl.spec.logit_rules import LogitRules
-from specctl.spec.sampling import SamplingParams
-from specctl.spec.structured import Structure, ll_tokenizer
+from specctl.spec.logit_rules import draft_guide
+from specctl.spec.structured import ll_tokenizer
 
 log = logging.getLogger("specctl.draft")
 
@@ -77,7 +76,8 @@ class DraftServer(ListeningServer):
         self.compute = compute or ComputeThread("draft-compute", max_batch=config.max_batch).lane(owns_thread=True)
         spec = model.spec
         self.table = SessionTable(drafter, KVPool(config.kv_budget_bytes), spec.vocab_size, spec.max_position,
-                                  guide_of=self._guide)
+                                  guide_of=partial(draft_guide, tokenizer=model.tokenizer, vocab_size=spec.vocab_size,
+                                                   stop_ids=set(model.eos_token_ids), device=model.decoder.device))
         self.levels = LevelTable(model.decoder, self.table.pool, spec.vocab_size, spec.max_position)  # SpecPipe
         if config.prespec is not None:
             if drafter.name not in ("chain", "tree"):
@@ -271,21 +271,6 @@ class DraftServer(ListeningServer):
         tag = next(self._tags)
         conn.tags.add(tag)
         group.create_task(self._open_on_compute(conn, tag, message))
-
-    def _guide(self, rules: SamplingParams, prompt: list[int], output: list[int]) -> LogitRules | None:
-        """The logit rules and grammar a session's drafting follows (``output``: what the target
-        committed before the session opened); None (drafting free, still lossless) when they fail."""
-        spec, stop_ids, device = self.model.spec, set(self.model.eos_token_ids), self.model.decoder.device
-        try:
-            structure = None if rules.structured is None else Structure(*rules.structured, self.model.tokenizer,
-                                                                        spec.vocab_size, stop_ids, device, strict=False)
-            check_token_ids([token for token, _ in rules.logit_bias], spec.vocab_size, "logit_bias token ids")
-            guide = LogitRules(rules, prompt, stop_ids, spec.vocab_size, device, structure)
-            guide.record(output)
-            return guide
-        except Exception as exc:  # noqa: BLE001 - the target checks the request; the draft only follows it
-            log.warning("drafting without the request's logit rules: %s", exc)
-            return None
 
     async def _open_on_compute(self, conn: Connection, tag: int, message: OpenSession | OpenLevels) -> None:
         try:

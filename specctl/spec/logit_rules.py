@@ -15,10 +15,16 @@ not would cost acceptance, never exactness."""
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import torch
 
+from specctl.engine.spec import check_token_ids
 from specctl.spec.sampling import SamplingParams
 from specctl.spec.structured import Structure
+
+log = logging.getLogger("specctl.draft")
 
 
 class LogitRules:
@@ -90,3 +96,20 @@ class LogitRules:
         if self.frequency or self.presence:
             logits = logits - self.frequency * counts - self.presence * (counts > 0).float()
         return logits
+
+
+def draft_guide(rules: SamplingParams, prompt: list[int], output: list[int], *, tokenizer: Any, vocab_size: int,
+                stop_ids: set[int], device: torch.device) -> LogitRules | None:
+    """The rules and grammar a draft server's session follows, built from the request's
+    parameters (``output``: what the target committed before the session opened); None —
+    drafting free, still lossless — when they cannot be (the target checks the request)."""
+    try:
+        structure = None if rules.structured is None else Structure(*rules.structured, tokenizer, vocab_size, stop_ids,
+                                                                    device, strict=False)
+        check_token_ids([token for token, _ in rules.logit_bias], vocab_size, "logit_bias token ids")
+        guide = LogitRules(rules, prompt, stop_ids, vocab_size, device, structure)
+        guide.record(output)
+        return guide
+    except Exception as exc:  # noqa: BLE001 - a guide, never a check
+        log.warning("drafting without the request's logit rules: %s", exc)
+        return None
