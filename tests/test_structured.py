@@ -130,7 +130,7 @@ def _exact_joint(target, allowed: list[list[int]], temperature: float) -> torch.
     return joint
 
 
-@pytest.mark.parametrize("mode", ["chain", "tree"])
+@pytest.mark.parametrize("mode", ["chain", pytest.param("tree", marks=pytest.mark.slow)])  # tree: ~25 s, --runslow
 def test_sampling_under_a_grammar_keeps_the_targets_constrained_distribution(small, mode):  # noqa: F811
     target, draft = small
     tokenizer = letters_tokenizer()
