@@ -16,7 +16,7 @@ from specctl.errors import BadRequest, InvalidSamplingParams
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.spec.rounds import generate
 from specctl.spec.sampling import SamplingParams, probs_from_logits
-from specctl.spec.structured import Structure, grammar_text
+from specctl.spec.structured import Structure, grammar_text, ll_tokenizer
 from tests.test_sampling_exact import VOCAB, assert_counts_match, small  # noqa: F401 - the fixture
 
 EOS = 256  # the tiny models' end token
@@ -183,3 +183,5 @@ def test_a_grammar_needs_an_end_token_and_the_tokenizer(tiny, byte_tokenizer):
         max_tokens=8, ignore_eos=True, stop_token_ids=(300,), structured=("choice", '["ab"]')),
         eos_token_ids=(EOS,), tokenizer=byte_tokenizer)
     assert byte_tokenizer.decode(output) == "ab" and reason == "stop"
+    with pytest.raises(BadRequest, match="^structured output needs the model's fast tokenizer: Only fast tokenizers"):
+        ll_tokenizer(object(), 320)  # llguidance reads fast tokenizers only: a clean error, not a crash of the session

@@ -15,6 +15,7 @@ not would cost acceptance, never exactness."""
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any
 
@@ -50,14 +51,12 @@ class LogitRules:
     def guide(self, device: torch.device) -> "LogitRules":
         """A copy of this state for a draft on ``device`` (spec.batch_drafting adjusts its rows),
         kept up to date with each outcome by ``record``."""
-        copy = object.__new__(LogitRules)
-        copy.presence, copy.frequency, copy.repetition = self.presence, self.frequency, self.repetition
-        copy.min_tokens, copy.produced = self.min_tokens, self.produced
-        copy.stop_ids, copy.counts, copy.in_prompt = (self.stop_ids.to(device), self.counts.to(device, copy=True),
-                                                      self.in_prompt.to(device))
-        copy.bias = None if self.bias is None else self.bias.to(device)
-        copy.structure = None if self.structure is None else self.structure.guide(device)
-        return copy
+        guide = copy.copy(self)  # every field as is; then the state it changes or keeps on a device, its own
+        guide.stop_ids, guide.counts, guide.in_prompt = (self.stop_ids.to(device), self.counts.to(device, copy=True),
+                                                         self.in_prompt.to(device))
+        guide.bias = None if self.bias is None else self.bias.to(device)
+        guide.structure = None if self.structure is None else self.structure.guide(device)
+        return guide
 
     def record(self, tokens: list[int]) -> None:
         """Output tokens committed."""

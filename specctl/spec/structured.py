@@ -17,13 +17,14 @@ acceptance only."""
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from typing import Any
 
 import torch
 
-from specctl.errors import InvalidSamplingParams
+from specctl.errors import BadRequest, InvalidSamplingParams
 
 KINDS = ("json", "regex", "choice", "grammar")  # what SamplingParams.structured's first item may say
 MAX_SPEC_CHARS = 65536  # a schema, regex or grammar's text
@@ -72,7 +73,10 @@ def ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
     with _tokenizers_lock:
         held = _tokenizers.get(id(tokenizer))
         if held is None or held[0] is not tokenizer:
-            held = _tokenizers[id(tokenizer)] = (tokenizer, llguidance.hf.from_tokenizer(tokenizer, vocab_size))
+            try:
+                held = _tokenizers[id(tokenizer)] = (tokenizer, llguidance.hf.from_tokenizer(tokenizer, vocab_size))
+            except ValueError as exc:  # a slow (Python) tokenizer: llguidance reads fast ones only
+                raise BadRequest(f"structured output needs the model's fast tokenizer: {exc}") from None
         return held[1]
 
 
@@ -104,11 +108,9 @@ class Structure:
 
     def guide(self, device: torch.device) -> "Structure":
         """A copy of this state for a draft on ``device``: it follows the committed text leniently."""
-        copy = object.__new__(Structure)
-        copy.matcher, copy.end_token, copy.vocab_size, copy.stop_ids = (self.matcher.deep_copy(), self.end_token,
-                                                                        self.vocab_size, self.stop_ids)
-        copy.device, copy.strict, copy.lost = device, False, False
-        return copy
+        guide = copy.copy(self)
+        guide.matcher, guide.device, guide.strict = self.matcher.deep_copy(), device, False
+        return guide
 
     @property
     def finished(self) -> bool:
