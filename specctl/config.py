@@ -35,6 +35,9 @@ class Config:
     row_exact_attention: bool = True
     threads: int = 0  # 0 = torch's default
     kv_budget_mb: int = 4096
+    # finished sessions' KV kept for new prompts that start the same way (a chat's next turn, a
+    # shared system prompt): vLLM's and SGLang's automatic prefix caching, by copy; 0 = off
+    prefix_cache_mb: int = 512
     max_sessions: int = 64
     mode: str = "tree"
     depth: int = 4
@@ -70,7 +73,7 @@ class Config:
         if not isinstance(self.draft_stop, (int, float)) or isinstance(self.draft_stop, bool) or not 0.0 <= self.draft_stop < 1.0:
             raise ConfigError(f"draft_stop must be a number in [0, 1), got {self.draft_stop!r}")
         for name, low, high in (
-            ("threads", 0, 1024), ("kv_budget_mb", 1, 1 << 24), ("max_sessions", 1, 1 << 20),
+            ("threads", 0, 1024), ("kv_budget_mb", 1, 1 << 24), ("prefix_cache_mb", 0, 1 << 24), ("max_sessions", 1, 1 << 20),
             ("depth", 1, 64), ("topk", 1, 64), ("width", 1, 256), ("max_batch", 1, 4096), ("prespec_budget", 0, 4096),
         ):
             value = getattr(self, name)

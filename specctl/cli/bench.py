@@ -65,7 +65,7 @@ def local(
         raise ConfigError("--max-tokens and --repeats must be at least 1")
     config = build_config(profile, target=target, draft=draft, dtype=dtype, depth=depth, width=width, topk=topk, threads=threads,
                           draft_stop=draft_stop,
-                          draft_quant=draft_quant)
+                          draft_quant=draft_quant, prefix_cache_mb=0)  # modes prefill the same prompts
     bench_prompts = load_prompts(prompts)
     if limit:
         bench_prompts = bench_prompts[:limit]
@@ -181,7 +181,7 @@ def net(
     torch.set_num_threads(threads)  # the separate processes get the same count (overhead reads it)
     console = Console(stderr=True)
     rt = asyncio.run(round_trip_ms())
-    config = build_config(None, target=target, draft=draft, dtype=dtype)
+    config = build_config(None, target=target, draft=draft, dtype=dtype, prefix_cache_mb=0)
     target_model = load_named(target, config, console, target=True)
     draft_model = load_named(draft, config, console)
     prompts = [target_model.tokenizer.encode(p.prompt) for p in load_prompts("builtin")[:limit]]
@@ -241,7 +241,8 @@ def serve(
     if requests < 1 or max_tokens < 1 or max_batch < 1:
         raise ConfigError("--requests-per-client, --max-tokens and --max-batch must be at least 1")
     config = build_config(profile, target=target, draft=draft, mode=mode, depth=depth, dtype=dtype,
-                          draft_quant=draft_quant, threads=threads, max_sessions=max(64, levels[-1]))
+                          draft_quant=draft_quant, threads=threads, max_sessions=max(64, levels[-1]),
+                          prefix_cache_mb=0)
     if config.mode not in ("chain", "tree"):
         raise ConfigError("--mode must be chain or tree")
     apply_threads(config)

@@ -39,7 +39,8 @@ def drafters(
     if max_tokens < 1 or repeats < 1:
         raise ConfigError("--max-tokens and --repeats must be at least 1")
     config = build_config(profile, target=target, mode="multi", drafters=drafters, depth=depth, dtype=dtype,
-                          draft_quant=draft_quant, threads=threads, draft_stop=0.0)
+                          draft_quant=draft_quant, threads=threads, draft_stop=0.0,
+                          prefix_cache_mb=0)
     if len(config.drafter_names) < 2:
         raise ConfigError("--drafters needs at least two drafters to route among")
     bench_prompts = load_prompts(prompts)[: limit or None]

@@ -92,7 +92,7 @@ def kernels(
                 raise ConfigError(str(exc)) from None
         else:
             config = build_config(None, target=model, device=device, dtype=dtype, cuda_graphs=False,
-                                  attention_backend=attention)
+                                  attention_backend=attention, prefix_cache_mb=0)
             decoder = load_named(model, config, console).decoder
         if decoder.device.type == "cuda":
             fuse_projections(decoder)

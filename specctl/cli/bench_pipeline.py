@@ -61,7 +61,7 @@ def pipeline(
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     config = build_config(None, target=target, draft=draft, dtype=dtype, threads=threads, draft_quant="none",
-                          target_quant="none")
+                          target_quant="none", prefix_cache_mb=0)
     apply_threads(config)
     console = Console(stderr=True)
     target_model = load_named(config.target, config, console, target=True)

@@ -43,6 +43,7 @@ def draft(
     width: Optional[int] = typer.Option(None, help="tree width w"),
     max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="most open sessions (admission)"),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="most requests served per compute pass"),
+    prefix_cache_mb: Optional[int] = typer.Option(None, "--prefix-cache-mb", help="MiB of finished sessions' KV kept for prompts that start the same way, so the draft's prefill computes only the rest (default 512; 0 = off)"),
     dtype: Optional[str] = typer.Option(None, help="fp32 | bf16 | fp16"),
     draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="none | int8 (CPU)"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
@@ -80,7 +81,8 @@ def draft(
     accepted path ends at some node, then the bonus) and drafted ahead, only while no real request waits; a hit is
     answered at once, a miss as before. Output stays exactly the target's."""
     config = build_config(profile, draft=model, mode=mode, depth=depth, draft_stop=draft_stop, topk=topk, width=width,
-                          max_sessions=max_sessions, max_batch=max_batch, dtype=dtype, threads=threads, draft_quant=draft_quant)
+                          max_sessions=max_sessions, max_batch=max_batch, dtype=dtype, threads=threads, draft_quant=draft_quant,
+                          prefix_cache_mb=prefix_cache_mb)
     if config.mode == "ar":
         raise ConfigError("a draft server proposes: --mode must be chain, tree or ngram")
     if step_time_ms < 0:

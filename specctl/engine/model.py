@@ -14,6 +14,7 @@ from torch import nn
 from specctl.engine.kv_arena import KVArena
 from specctl.engine.kv_cache import KVCache, KVPool, kv_slot_bytes
 from specctl.engine.layers import DecoderLayer, RMSNorm, Segments, rope_cos_sin
+from specctl.engine.prefix_cache import PrefixCache
 from specctl.engine.spec import ModelSpec
 from specctl.engine.static import CUDA_LOCK, StaticRunner, StaticSegment
 from specctl.runtime.compute import sleep_rest
@@ -50,6 +51,7 @@ class Decoder(nn.Module):
         self.step_floor_s = 0.0
         self.kv_arena: KVArena | None = None  # sessions' caches as ranges of one buffer (use_kv_arena)
         self.paged: PagedAttention | None = None  # batched attention over the arena (use_kv_arena)
+        self.prefix_cache: PrefixCache | None = None  # finished sessions' KV, reused by new ones (use_prefix_cache)
 
     def use_static_steps(self, graphs: bool = True, compile: bool = False) -> "Decoder":
         """Run single-session steps of up to 64 tokens padded to a size bucket over the whole
@@ -75,6 +77,14 @@ class Decoder(nn.Module):
         self.paged = None if attention is None else PagedAttention(attention, self.kv_arena)
         if self.static is not None:
             self.static.adopt_arena(self.kv_arena)
+        return self
+
+    def use_prefix_cache(self, budget_bytes: int) -> "Decoder":
+        """Keep finished sessions' KV (``budget_bytes`` of copies) for new sessions whose prompts
+        start the same way (engine.prefix_cache); a full model's sessions only."""
+        if not (self.has_embed and self.has_head):
+            raise ValueError("a prefix cache needs a full model (a pipeline stage's positions are the pipeline's)")
+        self.prefix_cache = PrefixCache(budget_bytes)
         return self
 
     def use_row_exact_attention(self) -> "Decoder":

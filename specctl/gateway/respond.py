@@ -30,11 +30,12 @@ class Reply:
     logprobs: Callable[[list, int], dict] | None  # (entries, text offset) -> OpenAI's logprobs; None: not asked
     calls: Callable[[], Any] | None = None  # a reader of one choice's tool calls (gateway.tools); None: no tools
     include_usage: bool = False  # streamed: a last chunk with the usage
+    n: int = 1  # choices per prompt (a prompt's cached tokens are counted once)
 
     async def collect(self, choices: Choices) -> web.Response:
         texts: dict[int, list[str]] = {}
         entries: dict[int, list[R.TokenLogprob]] = {}
-        bodies, stats, completion_tokens = [], [], 0
+        bodies, stats, completion_tokens = [], {}, 0
         async for index, event in choices.events():
             texts.setdefault(index, []).append(event.delta)
             entries.setdefault(index, []).extend(event.logprobs)
@@ -48,10 +49,12 @@ class Reply:
                         text, finish = (content + rest) if (content + rest).strip() else None, reader.finish_reason
                 bodies.append(R.choice(self.chat, index, text, finish,
                                        self.logprobs(entries[index], 0) if self.logprobs else None, calls))
-                stats.append(event.stats)
+                stats[index] = event.stats
                 completion_tokens += event.count
         return web.json_response(R.full_response(R.new_id(self.chat), self.model, self.chat, bodies,
-                                                 self.prompt_tokens, completion_tokens, R.spec_summaries(stats)))
+                                                 self.prompt_tokens, completion_tokens,
+                                                 R.spec_summaries(list(stats.values())),
+                                                 cached=R.cached_tokens(stats, self.n)))
 
     async def stream(self, request: web.Request, choices: Choices) -> web.StreamResponse:
         rid, created, model, chat = R.new_id(self.chat), int(time.time()), self.model, self.chat
@@ -66,7 +69,7 @@ class Reply:
                 await send(role=True, index=spec.index)
         offsets: dict[int, int] = {}  # each choice's text handed out so far (completions' text_offset)
         calls = {spec.index: self.calls() for spec in choices.specs} if self.calls is not None else {}
-        completion_tokens = 0
+        completion_tokens, stats = 0, {}
         try:
             async for index, event in choices.events():
                 delta = calls[index].push(event.delta) if calls else event.delta
@@ -85,10 +88,11 @@ class Reply:
                             await send(tool_calls=found, index=index)
                             finish = calls[index].finish_reason
                     completion_tokens += event.count
+                    stats[index] = event.stats
                     await send(finish_reason=finish, extra={"specctl": R.spec_summary(event.stats)}, index=index)
             if self.include_usage:
                 await response.write(R.sse(R.usage_chunk(rid, model, chat, created, self.prompt_tokens,
-                                                         completion_tokens)))
+                                                         completion_tokens, R.cached_tokens(stats, self.n))))
         except RemoteError as exc:  # headers are gone: the error travels in the stream, as vLLM does
             await response.write(R.sse(ApiError(502, remote_message(exc), type="server_error").body()))
         await response.write(R.sse("[DONE]"))

@@ -21,9 +21,17 @@ def new_id(chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; ``cached_tokens``: prompt tokens the targets' prefix caches served."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def cached_tokens(stats: dict[int, dict], n: int) -> int:
+    """Prompt tokens served from prefix caches: each prompt's first choice's (its other choices
+    read the same prompt, so it is counted once, as ``prompt_tokens`` counts it)."""
+    return sum(s.get("cached_prompt_tokens", 0) for index, s in stats.items() if index % n == 0)
 
 
 def spec_summary(stats: dict) -> dict:
@@ -84,11 +92,11 @@ def choice(chat: bool, index: int, text: str | None, finish_reason: str, logprob
 
 
 def full_response(rid: str, model: str, chat: bool, choices: list[dict], prompt_tokens: int, completion_tokens: int,
-                  summary: dict, created: int | None = None) -> dict:
+                  summary: dict, created: int | None = None, cached: int = 0) -> dict:
     return {
         "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created or int(time.time()),
         "model": model, "choices": sorted(choices, key=lambda c: c["index"]),
-        "usage": usage(prompt_tokens, completion_tokens), "specctl": summary,
+        "usage": usage(prompt_tokens, completion_tokens, cached), "specctl": summary,
     }
 
 
@@ -110,10 +118,11 @@ def chunk(rid: str, model: str, chat: bool, created: int, text: str | None = Non
     return body
 
 
-def usage_chunk(rid: str, model: str, chat: bool, created: int, prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_chunk(rid: str, model: str, chat: bool, created: int, prompt_tokens: int, completion_tokens: int,
+                cached: int = 0) -> dict:
     """The last chunk when stream_options.include_usage is set: no choices, only usage."""
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-            "model": model, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+            "model": model, "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached)}
 
 
 def sse(body: dict | str) -> bytes:

@@ -222,7 +222,7 @@ class Gateway:
             reply = Reply(self.config.model_name, chat, prompt_tokens,
                           (lambda entries, offset: self._logprobs(chat, entries, offset)) if with_logprobs else None,
                           calls=None if tools is None else partial(ForcedCalls, forced[0]) if forced else StreamedCalls,
-                          include_usage=bool(req.stream_options and req.stream_options.include_usage))
+                          include_usage=bool(req.stream_options and req.stream_options.include_usage), n=req.n)
             try:
                 async with Choices(self.upstream, self.metrics, self.tokenizer, specs, stop) as choices:
                     response = await (reply.stream(request, choices) if req.stream else reply.collect(choices))

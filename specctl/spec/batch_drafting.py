@@ -19,7 +19,10 @@ def catch_up_many(sessions: list[_ModelDraftSession], seqs: list[list[int]]) -> 
     """Feed each session the committed tokens its cache lacks, all in one forward; the
     logits after each one's last token."""
     inputs, positions, at = [], [], []
+    prefixes = sessions[0].decoder.prefix_cache
     for session, seq in zip(sessions, seqs):
+        if prefixes is not None and not session.cache.length:  # a new session: its prompt's start may be cached
+            prefixes.restore(seq, session.cache)
         session.committed, start = len(seq), session.cache.length
         inputs.append(torch.tensor(seq[start:], dtype=torch.long))
         positions.append(torch.arange(start, len(seq)))

@@ -138,8 +138,12 @@ class DecodeSession:
         return emitted
 
     def prefill(self) -> list[int]:
-        prompt = torch.tensor(self.seq, dtype=torch.long)
-        logits = self.target(prompt, torch.arange(len(self.seq)), self.cache, logits_at=torch.tensor([len(self.seq) - 1]))
+        prefixes = getattr(self.target, "prefix_cache", None)  # a pipeline's target has none
+        start = prefixes.restore(self.seq, self.cache) if prefixes is not None else 0
+        self.stats.cached_prompt_tokens = start
+        prompt = torch.tensor(self.seq[start:], dtype=torch.long)
+        logits = self.target(prompt, torch.arange(start, len(self.seq)), self.cache,
+                             logits_at=torch.tensor([len(self.seq) - start - 1]))
         if self.run_ahead:
             first = self._read_running_ahead(logits)
         else:
@@ -238,6 +242,10 @@ class DecodeSession:
         return self.rules.apply(logits, paths)
 
     def close(self) -> None:
+        prefixes = getattr(self.target, "prefix_cache", None)
+        if prefixes is not None and self.finished and not self.cache.released:
+            # the committed text's KV (a failed or cancelled session's cache may hold a forward's leftovers)
+            prefixes.store(self.seq, self.cache)
         self.cache.release()
 
 

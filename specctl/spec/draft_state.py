@@ -88,7 +88,12 @@ class DraftState:
         return proposal
 
     def close(self) -> None:
-        self.session.close()
+        session = self.session
+        prefixes = getattr(getattr(session, "decoder", None), "prefix_cache", None)
+        committed = getattr(session, "committed", 0)  # the cache's first positions hold seq[:committed]
+        if prefixes is not None and committed and not session.cache.released:
+            prefixes.store(self.seq[:committed], session.cache)
+        session.close()
 
 
 def draft_many(states: list[DraftState]) -> list[Proposal | Exception]:

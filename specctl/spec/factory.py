@@ -61,6 +61,8 @@ def load_named(name: str, config: Config, console: Console | None = None, quant:
             if stage is None and config.cuda_graphs:
                 model.decoder.use_static_steps(graphs=True, compile=config.torch_compile)
         use_arena_for_flashinfer(model.decoder, config)
+        if stage is None and config.prefix_cache_mb and model.decoder.prefix_cache is None:
+            model.decoder.use_prefix_cache(config.prefix_cache_mb << 20)
     warm_up_attention(model.decoder, console)
     return model
 

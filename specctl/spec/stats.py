@@ -30,6 +30,7 @@ class RoundResult:
 @dataclass(slots=True)
 class GenerationStats:
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of them, restored from the prefix cache rather than computed
     new_tokens: int = 0
     rounds: int = 0  # verification rounds (the prefill's first token is not a round)
     drafts: int = 0  # rounds that verified draft tokens
@@ -80,6 +81,7 @@ class GenerationStats:
     def to_dict(self) -> dict:
         return {
             "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "new_tokens": self.new_tokens,
             "rounds": self.rounds,
             "drafts": self.drafts,

@@ -1,0 +1,202 @@
+"""Automatic prefix caching (engine.prefix_cache): a new session whose prompt starts as a
+finished one's text restores that text's KV and prefills only the rest — with the same
+output as a prefill of the whole prompt, in every mode, and a store that keeps to its budget."""
+
+import numpy as np
+import pytest
+import torch
+
+from specctl.engine.prefix_cache import MIN_REUSE, PrefixCache, common_prefix
+from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
+from specctl.spec.rounds import generate
+from specctl.spec.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture
+def cached(tiny):
+    """The tiny llama target and draft, each with a prefix cache for this test only (the
+    decoders are the session's: the caches go when the test ends)."""
+    target, draft = tiny["llama"], tiny["llama-draft"]
+    target.use_prefix_cache(64 << 20)
+    draft.use_prefix_cache(64 << 20)
+    yield target, draft
+    target.prefix_cache = draft.prefix_cache = None
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    return torch.randint(0, 256, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _alone(target, prompt, params=GREEDY):
+    """The target alone with no prefix cache: the reference."""
+    prefixes, target.prefix_cache = target.prefix_cache, None
+    try:
+        return generate(target, prompt, params)[0]
+    finally:
+        target.prefix_cache = prefixes
+
+
+def test_common_prefix():
+    a = np.array([1, 2, 3, 4])
+    assert common_prefix(a, np.array([1, 2, 9])) == 2
+    assert common_prefix(a, np.array([1, 2])) == 2
+    assert common_prefix(a, np.array([5])) == 0
+    assert common_prefix(a, np.array([], dtype=np.int64)) == 0
+
+
+@pytest.mark.parametrize("mode", ["ar", "chain", "tree", "ngram"])
+def test_next_turn_restores_the_last_text_and_keeps_the_target_alone_output(cached, mode):
+    target, draft = cached
+    drafter = {"ar": None, "chain": ModelChainDrafter(draft, 4), "tree": ModelTreeDrafter(draft, 3, 2, 3),
+               "ngram": NgramDrafter(3)}[mode]
+    first = _prompt(1, 40)
+    output, stats, _ = generate(target, first, GREEDY, drafter)
+    assert output == _alone(target, first) and stats.cached_prompt_tokens == 0
+    # the next turn: the whole last text, then more
+    second = first + output + _prompt(2, 9)
+    output2, stats2, _ = generate(target, second, GREEDY, drafter)
+    assert output2 == _alone(target, second)
+    # the last text's KV: prompt + output, less the last token unless a verified path fed it
+    assert stats2.cached_prompt_tokens in (len(first) + len(output) - 1, len(first) + len(output))
+    assert target.prefix_cache.stats.hits == 1
+    if mode in ("chain", "tree"):  # the draft's own cache was used for its prefill too
+        assert draft.prefix_cache.stats.hits == 1
+
+
+def test_a_shared_start_is_reused_and_the_rest_computed(cached):
+    target, _ = cached
+    system = _prompt(3, 30)
+    generate(target, system + _prompt(4, 5), GREEDY)
+    other = system + _prompt(5, 7)
+    output, stats, _ = generate(target, other, GREEDY)
+    assert stats.cached_prompt_tokens == 30
+    assert output == _alone(target, other)
+
+
+def test_sampled_output_with_a_restored_prefix_is_the_seeded_target_alone(cached):
+    target, draft = cached
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=20, ignore_eos=True)
+    first = _prompt(6, 36)
+    generate(target, first, params, ModelChainDrafter(draft, 3))
+    again, stats, _ = generate(target, first, params, ModelChainDrafter(draft, 3))
+    assert stats.cached_prompt_tokens == len(first) - 1  # the last prompt token is computed: its logits
+    assert again == generate(target, first, params, ModelChainDrafter(draft, 3))[0]
+    prefixes, target.prefix_cache = target.prefix_cache, None
+    try:
+        assert again == generate(target, first, params, ModelChainDrafter(draft, 3))[0]
+    finally:
+        target.prefix_cache = prefixes
+
+
+def test_short_prefixes_and_other_texts_are_not_reused(cached):
+    target, _ = cached
+    generate(target, _prompt(7, 40), GREEDY)
+    short = _prompt(7, 40)[: MIN_REUSE - 1] + _prompt(8, 20)
+    assert generate(target, short, GREEDY)[1].cached_prompt_tokens == 0
+    assert generate(target, _prompt(9, 40), GREEDY)[1].cached_prompt_tokens == 0
+    assert target.prefix_cache.stats.queries == 3 and target.prefix_cache.stats.hits == 0
+
+
+def test_a_failed_session_stores_nothing(cached):
+    target, _ = cached
+    prompt = _prompt(10, 40)
+    with pytest.raises(ValueError):
+        generate(target, prompt, SamplingParams(max_tokens=8, ignore_eos=True),
+                 drafter=_FailingDrafter())
+    assert len(target.prefix_cache) == 0
+    assert generate(target, prompt, GREEDY)[1].cached_prompt_tokens == 0
+
+
+class _FailingDrafter(NgramDrafter):
+    def __init__(self) -> None:
+        super().__init__(3)
+
+    def open(self, capacity, pool=None):
+        raise ValueError("the draft could not open")
+
+
+def _cache_of(decoder, tokens):
+    cache = decoder.new_cache(len(tokens) + 8)
+    decoder(torch.tensor(tokens), torch.arange(len(tokens)), cache)
+    return cache
+
+
+def test_store_keeps_to_the_budget_least_recently_used_first(tiny):
+    target = tiny["llama"]
+    one = target.kv_slot_bytes * 20 + 20 * 8  # an entry of 20 positions: keys and values, token ids
+    store = PrefixCache(budget_bytes=2 * one + 1)
+    texts = [_prompt(20 + i, 20) for i in range(3)]
+    for text in texts[:2]:
+        store.store(text, _cache_of(target, text))
+    assert len(store) == 2 and store.used_bytes == 2 * one
+    probe = target.new_cache(40)
+    assert store.restore(texts[0] + [1], probe) == 20  # texts[0] is now the most recently used
+    store.store(texts[2], _cache_of(target, texts[2]))
+    assert len(store) == 2 and store.stats.evicted == 1
+    assert store.restore(texts[1] + [1], target.new_cache(40)) == 0  # the one evicted
+    assert store.restore(texts[0] + [1], target.new_cache(40)) == 20
+    assert store.restore(texts[2] + [1], target.new_cache(40)) == 20
+    assert store.snapshot() == {"queries": 4, "hits": 3, "query_tokens": 84, "hit_tokens": 60, "stored": 3,
+                                "evicted": 1, "entries": 2, "bytes": 2 * one, "budget_bytes": 2 * one + 1}
+
+
+def test_a_longer_text_replaces_its_prefix_and_a_held_text_is_not_kept_twice(tiny):
+    target = tiny["llama"]
+    store = PrefixCache(budget_bytes=64 << 20)
+    turn = _prompt(30, 20)
+    longer = turn + _prompt(31, 10)
+    store.store(turn, _cache_of(target, turn))
+    store.store(longer, _cache_of(target, longer))
+    assert len(store) == 1 and store.used_bytes == target.kv_slot_bytes * 30 + 30 * 8
+    store.store(turn, _cache_of(target, turn))  # held already, inside the longer one
+    assert len(store) == 1 and store.stats.stored == 2
+
+
+def test_restored_keys_and_values_are_the_ones_stored(tiny):
+    target = tiny["llama"]
+    store = PrefixCache(budget_bytes=64 << 20)
+    text = _prompt(40, 24)
+    source = _cache_of(target, text)
+    store.store(text, source)
+    probe = target.new_cache(40)
+    assert store.restore(text + [5, 6], probe) == 24 and probe.length == 24
+    assert torch.equal(probe.k[:, :, :, :24], source.k[:, :, :, :24])
+    assert torch.equal(probe.v[:, :, :, :24], source.v[:, :, :, :24])
+    # the whole prompt cached: all but its last token restored (its logits are the first token's)
+    assert store.restore(text, target.new_cache(40)) == 23
+
+
+def test_restore_needs_an_empty_cache_and_a_positive_budget(tiny):
+    store = PrefixCache(budget_bytes=1 << 20)
+    cache = _cache_of(tiny["llama"], _prompt(50, 4))
+    with pytest.raises(ValueError, match="a prefix is restored into an empty cache, not one of length 4"):
+        store.restore(_prompt(50, 30), cache)
+    with pytest.raises(ValueError, match="a prefix cache needs a positive budget, not 0 bytes"):
+        PrefixCache(0)
+
+
+def test_a_pipeline_stage_has_no_prefix_cache(tiny):
+    part = tiny["llama"].part((0, 1), embed=True, head=False)
+    with pytest.raises(ValueError, match="a prefix cache needs a full model"):
+        part.use_prefix_cache(1 << 20)
+
+
+@pytest.mark.parametrize("mode", ["ar", "chain", "tree"])
+def test_logits_after_a_restored_prefix_are_a_whole_prefill_s(cached, mode):
+    """Closer than the output: the next token's logits, with the prefix's KV as a finished session
+    of each mode computed it (prefill, decode steps, verified trees), against one prefill."""
+    target, draft = cached
+    drafter = {"ar": None, "chain": ModelChainDrafter(draft, 4), "tree": ModelTreeDrafter(draft, 3, 2, 3)}[mode]
+    first = _prompt(60, 30)
+    output = generate(target, first, GREEDY, drafter)[0]
+    prompt = first + output + _prompt(61, 6)
+    restored = target.new_cache(len(prompt) + 1)
+    start = target.prefix_cache.restore(prompt, restored)
+    assert start >= len(first) + len(output) - 1
+    after = target(torch.tensor(prompt[start:]), torch.arange(start, len(prompt)), restored,
+                   logits_at=torch.tensor([len(prompt) - start - 1]))
+    whole = target(torch.tensor(prompt), torch.arange(len(prompt)), target.new_cache(len(prompt) + 1),
+                   logits_at=torch.tensor([len(prompt) - 1]))
+    torch.testing.assert_close(after, whole, rtol=1e-5, atol=1e-5)
