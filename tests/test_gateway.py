@@ -322,6 +322,27 @@ def test_metrics_parse_and_counters_grow(cluster, client, tiny_dir):
     assert roles == {"draft", "target"}
 
 
+def test_a_repeated_prompt_is_served_from_one_targets_prefix_cache_with_the_same_text(cluster, client, tiny_dir):
+    """Cache-aware routing sends the second request where the first finished (two instances
+    here), whose prefix cache holds its text: usage says how many prompt tokens it served, and
+    the text is the target alone's (a fresh process with no cache)."""
+    prompt = "Prefix caching: the same long opening, sent twice, is computed once. " * 3
+    reference = specctl_generate(tiny_dir, prompt, 12)
+    model = str(tiny_dir["llama"])
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
+    assert first.choices[0].text == second.choices[0].text == reference["text"]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == reference["text"]
+    families, _ = poll_until(lambda: _metrics(cluster[1]["gateway"]), lambda m: any(
+        s.value > 0 for s in m[0]["specctl:prefix_cache_hit_tokens"].samples if s.labels["role"] == "target"))
+    assert "specctl:prefix_cache_hit_rate" in families and "specctl:prefix_cache_mb" in families
+
+
 def test_client_disconnect_cancels_the_generation_everywhere(cluster, tiny_dir):
     thread, urls = cluster
     request = urllib.request.Request(urls["gateway"] + "/v1/completions", headers={"Content-Type": "application/json"},

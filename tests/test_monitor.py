@@ -229,6 +229,22 @@ def test_a_target_with_several_drafters_shows_a_row_per_drafter_in_80x24():
     assert "└ none" in screen and "plain" in screen and "33r" in screen  # the rounds decoded plainly
 
 
+def test_prefix_caches_show_their_hit_rate_in_80x24_once_asked():
+    cache = {"prefix_cache_hit_rate": 0.734, "prefix_cache_hit_tokens": 734, "prefix_cache_query_tokens": 1000,
+             "prefix_cache_entries": 12, "prefix_cache_mb": 37.4}
+    data = feed(tokens=(100,), up=(True,))
+    data["targets"][0]["stats"].update(cache)
+    data["drafters"] = [{**DRAFT, "stats": {**DRAFT["stats"], **cache, "prefix_cache_hit_rate": 0.5}}]
+    screen = text_of(dashboard(advance(MonitorState("http://gw:8000"), data, 1.0), now=1.5))
+    lines = screen.rstrip("\n").split("\n")
+    assert len(lines) <= 24 and max(len(line) for line in lines) <= 80
+    assert "prefix cache" in screen and "hit 73%" in screen and "12 txt" in screen and "37 MiB" in screen
+    assert "prefix cache hit 50%" in screen and "12 texts" in screen
+    idle = feed(tokens=(100,), up=(True,))  # a cache nobody asked yet: no row
+    idle["targets"][0]["stats"].update({**cache, "prefix_cache_query_tokens": 0})
+    assert "prefix cache" not in text_of(dashboard(advance(MonitorState("x"), idle, 1.0), now=1.5))
+
+
 def test_a_poll_that_cannot_connect_says_why_in_a_few_words():
     import aiohttp
     from aiohttp.client_reqrep import ConnectionKey

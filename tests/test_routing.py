@@ -15,3 +15,21 @@ def test_down_full_and_excluded_instances_are_skipped():
     assert pick_target(views, exclude=frozenset({2})) is None
     assert pick_target([]) is None
     assert pick_target([TargetView(True, 0, 0)]) is None  # capacity unknown until the first handshake
+
+
+def test_the_instance_holding_the_prompts_start_wins_within_the_balance():
+    # instance 1 finished a text this prompt starts with (40 tokens shared): it wins over a less loaded one
+    views = [TargetView(True, 0, 8, 0), TargetView(True, 1, 8, 0, prefix_match=40)]
+    assert pick_target(views) == 1
+    # ... not beyond one request more in flight than the least loaded
+    assert pick_target([TargetView(True, 0, 8), TargetView(True, 2, 8, 0, prefix_match=40)]) == 0
+    # a start shorter than the cache's floor is no reason
+    assert pick_target([TargetView(True, 0, 8), TargetView(True, 0, 8, 0, prefix_match=15)]) == 0
+    # the longest shared start, then the least loaded of those
+    views = [TargetView(True, 1, 8, 0, prefix_match=30), TargetView(True, 1, 8, 0, prefix_match=50),
+             TargetView(True, 0, 8, 0, prefix_match=50)]
+    assert pick_target(views) == 2
+    # full, down or excluded: never, however much it holds
+    assert pick_target([TargetView(True, 8, 8, 0, prefix_match=99), TargetView(True, 0, 8)]) == 1
+    assert pick_target([TargetView(False, 0, 8, 0, prefix_match=99), TargetView(True, 1, 8)]) == 1
+    assert pick_target([TargetView(True, 0, 8, 0, prefix_match=99), TargetView(True, 1, 8)], frozenset({0})) == 1

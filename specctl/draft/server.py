@@ -20,6 +20,7 @@ from specctl.draft.sessions import SessionTable, UnknownTag
 from specctl.draft.speculation import PrespecConfig, SpeculationCache
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.loader import LoadedModel
+from specctl.engine.prefix_cache import prefix_cache_stats
 from specctl.errors import ConfigError, KVBudgetExceeded, SpecctlError
 from specctl.net.framing import read_message
 from specctl.net.handshake import server_handshake
@@ -101,7 +102,7 @@ class DraftServer(ListeningServer):
         stats = {"model": self.model.name, "connections": len(self.connections),
                  "targets": sum(c.role == "target" for c in self.connections.values()),
                  "uptime_s": round(time.time() - self.started, 1), "throttled": self.throttled,
-                 "rejected_requests": self.rejected_requests}
+                 "rejected_requests": self.rejected_requests, **prefix_cache_stats(self.model.decoder)}
         stats.update(self.compute.stats.snapshot(self.compute.queue_depth))
         stats.update(self.table.snapshot())
         stats.update(self.levels.snapshot())

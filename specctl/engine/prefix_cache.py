@@ -146,3 +146,15 @@ class PrefixCache:
         with self._lock:
             return {**self.stats.to_dict(), "entries": len(self._entries), "bytes": self.used_bytes,
                     "budget_bytes": self.budget_bytes}
+
+
+def prefix_cache_stats(decoder) -> dict:
+    """A role's stats-feed entries for its model's prefix cache (none without one): the share of
+    prompt tokens it served (vLLM's prefix cache hit rate), their counts, and the MiB it holds."""
+    store = getattr(decoder, "prefix_cache", None)
+    if store is None:
+        return {}
+    s = store.snapshot()
+    return {"prefix_cache_hit_rate": round(s["hit_tokens"] / s["query_tokens"], 4) if s["query_tokens"] else 0.0,
+            "prefix_cache_hit_tokens": s["hit_tokens"], "prefix_cache_query_tokens": s["query_tokens"],
+            "prefix_cache_entries": s["entries"], "prefix_cache_mb": round(s["bytes"] / 2**20, 2)}

@@ -30,6 +30,10 @@ ROLE_GAUGES = {
     "level_sessions": ("specpipe_level_sessions", "SpecPipe tree-level sessions open on a draft server"),
     "proposal_bytes_mean": ("proposal_bytes_mean", "mean size of a draft server's Proposal frame (bytes)"),
     "background_delay_max_ms": ("background_delay_max_ms", "longest a request waited for background work (ms)"),
+    "prefix_cache_hit_rate": ("prefix_cache_hit_rate", "share of prompt tokens a role's prefix cache served"),
+    "prefix_cache_hit_tokens": ("prefix_cache_hit_tokens", "prompt tokens a role's prefix cache served"),
+    "prefix_cache_query_tokens": ("prefix_cache_query_tokens", "prompt tokens a role's prefix cache was asked for"),
+    "prefix_cache_mb": ("prefix_cache_mb", "memory a role's prefix cache holds (MiB)"),
 }
 
 # a draft server's "prespec" stats -> (gauge name, help)

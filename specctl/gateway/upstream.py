@@ -6,6 +6,7 @@ back on its own when it answers again."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import ssl as ssl_module
 import time
@@ -13,6 +14,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+import numpy as np
+
+from specctl.engine.prefix_cache import common_prefix
 from specctl.gateway.api import ApiError
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.gateway.routing import TargetView, pick_target
@@ -23,6 +27,7 @@ from specctl.verify.client import RemoteError, TargetConnection, TargetStream, p
 
 log = logging.getLogger("specctl.gateway")
 
+RECENT_PROMPTS = 64  # per instance, for cache-aware routing (a lookup compares the prompt with each)
 RETRYABLE = {"unreachable", "disconnected", "capacity", "unavailable"}  # nothing was generated yet: another instance may take it
 
 
@@ -39,14 +44,17 @@ class RoleLink:
     seen_at: float = 0.0
     connection: TargetConnection | None = None  # reused by every request to this instance
     connecting: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # prompts of the requests it finished lately: what its prefix cache likely holds (cache-aware routing)
+    finished: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RECENT_PROMPTS))
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def view(self) -> TargetView:
+    def view(self, prompt: np.ndarray | None = None) -> TargetView:
         capacity = self.welcome.max_sessions if self.welcome else 0
-        return TargetView(self.up, self.inflight, capacity, int(self.stats.get("sessions", 0)))
+        match = max((common_prefix(done, prompt) for done in self.finished), default=0) if prompt is not None else 0
+        return TargetView(self.up, self.inflight, capacity, int(self.stats.get("sessions", 0)), match)
 
     def snapshot(self) -> dict:
         return {"role": self.role, "address": self.address, "up": self.up, "error": self.error,
@@ -98,16 +106,17 @@ class Upstream:
             await self.poll_once()
             await asyncio.sleep(self.poll_interval_s)
 
-    def views(self) -> list[TargetView]:
-        return [t.view() for t in self.targets]
+    def views(self, prompt: np.ndarray | None = None) -> list[TargetView]:
+        return [t.view(prompt) for t in self.targets]
 
     @asynccontextmanager
     async def stream(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[tuple[TargetStream, object]]:
         """(stream, first event) of a generation on the least-loaded instance. Failures before
         the first token move on to the next instance; with none left the caller gets a 503."""
         tried: set[int] = set()
+        tokens = np.asarray(prompt, dtype=np.int64)
         while True:
-            index = pick_target(self.views(), frozenset(tried))
+            index = pick_target(self.views(tokens), frozenset(tried))
             if index is None:
                 down = all(not t.up for t in self.targets)
                 reasons = "; ".join(f"{t.address}: {t.error}" for t in self.targets if not t.up and t.error)
@@ -131,6 +140,8 @@ class Upstream:
                     log.warning("target %s: %s; trying another", link.address, exc)
                     continue
                 yield stream, first
+                if stream.finished:  # its text's KV is in that instance's prefix cache now
+                    link.finished.append(tokens)
                 return
             finally:
                 if stream is not None:

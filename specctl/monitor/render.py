@@ -59,6 +59,9 @@ def draft_panel(draft: dict, targets: list[dict], state: MonitorState) -> Panel:
     style = "green" if regime.label == "fully loaded" else "yellow"
     table.add_row(f"[{style}]{regime.label}[/]", f"N {regime.targets} vs N_full {n_full}",
                   f"accept {s.get('acceptance_rate', 0):.0%}", f"MAL {s.get('mean_accepted_length', 0):.2f}")
+    if s.get("prefix_cache_query_tokens"):
+        table.add_row(f"prefix cache hit {s.get('prefix_cache_hit_rate', 0):.0%}",
+                      f"{s.get('prefix_cache_entries', 0)} texts", f"{s.get('prefix_cache_mb', 0):.0f} MiB", "")
     if isinstance(s.get("prespec"), dict):
         for row in prespec_rows(s["prespec"]):
             table.add_row(*row)
@@ -99,6 +102,8 @@ def targets_table(targets: list[dict], state: MonitorState) -> Table:
                           f"rf +{s.get('specpipe_refill_tokens', 0)}")
         if "pipeline_connected" in s and not s["pipeline_connected"]:
             table.add_row(Text("  pipeline down", style="bold red"), "", "", "", "", "", "", "")
+        if s.get("prefix_cache_query_tokens"):
+            table.add_row(*prefix_cache_row(s))
         for stage in s.get("stages", []):
             table.add_row(*stage_row(stage))
         for name, drafter in (s.get("drafters") or {}).items():
@@ -117,6 +122,12 @@ def drafter_row(name: str, drafter: dict) -> tuple:
     return (Text(f"  └ {name}"[:28], style="dim"), state, "", f"{drafter.get('chosen_rounds', 0)}r", "",
             f"acc {drafter.get('accepted_tokens', 0)}", "-" if score is None else f"m {score:.2f}",
             f"fail {drafter.get('failures', 0)}")
+
+
+def prefix_cache_row(s: dict) -> tuple:
+    """A target's prefix cache: the share of prompt tokens it served, its entries and memory."""
+    return (Text("  prefix cache", style="dim"), "", "", "", "", f"hit {s.get('prefix_cache_hit_rate', 0):.0%}",
+            f"{s.get('prefix_cache_entries', 0)} txt", f"{s.get('prefix_cache_mb', 0):.0f} MiB")
 
 
 def stage_row(stage: dict) -> tuple:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.loader import LoadedModel
+from specctl.engine.prefix_cache import prefix_cache_stats
 from specctl.engine.spec import check_token_ids
 from specctl.errors import BadRequest, KVBudgetExceeded, SpecctlError, StageUnavailable
 from specctl.net.framing import read_message
@@ -100,6 +101,7 @@ class TargetServer(ListeningServer):
             "draft_address": f"{self.draft.host}:{self.draft.port}" if self.draft else None,
             "max_sessions": self.config.max_sessions, "throttled": self.throttled,
             "rejected_requests": self.rejected_requests,
+            **prefix_cache_stats(self.model.decoder),
         }
         if self.pipeline is not None:
             stats.update({"pipeline_connected": self.pipeline.connected.is_set(),
