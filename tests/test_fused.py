@@ -135,7 +135,8 @@ def test_fusion_settings_are_checked():
         Fusion({}, ngram_depth=3, budget=0)
 
 
-@pytest.mark.parametrize("routing", [(), ("--lead-by-score", "--no-plain-rounds", "--own-rates")])
+@pytest.mark.parametrize("routing", [(), pytest.param(("--lead-by-score", "--no-plain-rounds", "--own-rates"),
+                                                      marks=pytest.mark.slow)])  # 23 s each
 def test_verify_with_two_drafts_from_the_command_line_equals_the_target_alone(tiny_dir, routing):
     import json
 

@@ -182,7 +182,8 @@ class CheckedTable(SessionTable):
         return results
 
 
-@pytest.mark.parametrize("steps, fallback, tree, early", [(8, "jit", None, False), (2, "jit", None, False),
+@pytest.mark.parametrize("steps, fallback, tree, early", [pytest.param(8, "jit", None, False, marks=pytest.mark.slow),
+                                                          (2, "jit", None, False),
                                                           (1, "ngram", None, False), (1, "ngram", TREE, False),
                                                           (8, "jit", None, True), (2, "jit", None, True),
                                                           (8, "jit", TREE, True),
