@@ -139,6 +139,23 @@ def test_greedy_every_mode_equals_ar_on_cuda(cuda_pair, mode):
     assert target.static.replays > 0 and target.static.captures > 0
 
 
+@pytest.mark.parametrize("mode", ["ar", "chain", "tree"])
+def test_a_restored_prefix_on_cuda_graphs_keeps_the_target_alone_output(tiny_dir, mode):
+    """The prefix cache on CUDA (engine.prefix_cache): the next turn's prompt restores the last
+    text's KV into a cache whose steps are CUDA graphs, and prefills the rest; fp32 output equal
+    to the target alone's without a cache."""
+    target, draft = _cuda(tiny_dir["qwen2"]).use_prefix_cache(64 << 20), _cuda(tiny_dir["qwen2-draft"])
+    drafter = {"ar": None, **_drafters(draft)}[mode]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    first = list(range(30, 70))
+    output = generate(target, first, params, drafter)[0]
+    second = first + output + [5, 9, 13]
+    again, stats, _ = generate(target, second, params, drafter)
+    assert stats.cached_prompt_tokens >= len(first) + len(output) - 1
+    target.prefix_cache = None
+    assert again == generate(target, second, params)[0]
+
+
 def test_ar_runs_ahead_on_cuda_graphs_and_equals_reading_each_step(cuda_pair):
     target, _ = cuda_pair
     sampled = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, max_tokens=40, seed=3)

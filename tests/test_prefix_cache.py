@@ -200,3 +200,18 @@ def test_logits_after_a_restored_prefix_are_a_whole_prefill_s(cached, mode):
     whole = target(torch.tensor(prompt), torch.arange(len(prompt)), target.new_cache(len(prompt) + 1),
                    logits_at=torch.tensor([len(prompt) - 1]))
     torch.testing.assert_close(after, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_a_prefix_restores_into_an_arena_range_and_the_output_stays_the_plain_caches(tiny, tiny_dir):
+    """The arena's caches are views of one buffer (engine.kv_arena): the copy lands in the
+    session's range, and the sessions give their ranges back."""
+    from specctl.engine.loader import load_decoder
+
+    target = load_decoder(tiny_dir["qwen2"]).use_kv_arena(1 << 20, attention="torch").use_prefix_cache(8 << 20)
+    first = _prompt(70, 30)
+    output = generate(target, first, GREEDY)[0]
+    second = first + output + _prompt(71, 5)
+    again, stats, _ = generate(target, second, GREEDY, ModelChainDrafter(tiny["qwen2-draft"], 4))
+    assert stats.cached_prompt_tokens >= len(first) + len(output) - 1
+    assert again == generate(tiny["qwen2"], second, GREEDY)[0]
+    assert target.kv_arena.free_slots == target.kv_arena.slots

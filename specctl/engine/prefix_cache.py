@@ -10,8 +10,10 @@ longest common prefix (a radix tree pays at thousands of entries, not at the ten
 of a few hundred MiB holds).
 
 The prefix's keys and values are the ones the cached session computed (in its prefill, or
-in a verification or decode step); a fresh prefill computes the same values, up to the
-rounding that a different batch shape gives in bf16 (fp32 on the CPU: the same bits, tested).
+in a verification or decode step); a fresh prefill computes the same values up to rounding —
+as a prefill of the same text in other chunks does: on the CPU with the 1.5B target, fp32 keys
+differ by up to 4e-5 and the next token's logits by 8e-6, bf16 keys by one unit in the last
+place (tests: fp32 logits within 1e-5 and every output the target alone's).
 """
 
 from __future__ import annotations
