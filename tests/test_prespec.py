@@ -3,6 +3,7 @@ against the table as a target would over TCP, with the background steps a busy o
 draft would fit between proposal and outcome. Exact output with hits, partial hits and
 forced misses; the target's distribution with Saguaro sampling; freed state."""
 
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -19,6 +20,7 @@ from specctl.errors import ConfigError
 from specctl.net.protocol import OpenSession
 from specctl.spec.decode import DecodeSession
 from specctl.spec.drafters import RANKED, ModelChainDrafter, ModelTreeDrafter, Proposal
+from specctl.spec.logit_rules import draft_guide
 from specctl.spec.rounds import Drafted, InlineLane, generate, run_inline, run_session
 from specctl.spec.sampling import SamplingParams
 from specctl.verify.speculator import draft_seed, proposal_from_message
@@ -43,7 +45,9 @@ class TableSpeculator:
         if not self.opened:
             p = session.params
             self.table.open(self.tag, OpenSession(0, session.seq[: session.prompt_len], p.temperature, p.top_p, p.top_k,
-                                                  seed=draft_seed(p.seed), max_tokens=p.max_tokens))
+                                                  seed=draft_seed(p.seed), max_tokens=p.max_tokens,
+                                                  presence_penalty=p.presence_penalty,
+                                                  repetition_penalty=p.repetition_penalty))
             self.opened, path, tokens = True, [], session.seq[session.prompt_len:]
         else:
             path, tokens = session.last_path, session.last_committed
@@ -67,11 +71,14 @@ class TableSpeculator:
 
 
 def make_table(draft, depth=3, tree=None, table_class=SessionTable, cache_class=SpeculationCache, stop=0.0,
-               **prespec) -> SessionTable:
+               guided=False, **prespec) -> SessionTable:
     """The budget is not cut to measured times here: the test decides how many steps fit.
-    ``tree``: (top-k, width) of a tree drafter; None: a chain drafter. ``stop``: adaptive depth."""
+    ``tree``: (top-k, width) of a tree drafter; None: a chain drafter. ``stop``: adaptive depth.
+    ``guided``: sessions follow the request's logit rules, as the draft server's do."""
     drafter = ModelChainDrafter(draft, depth, stop) if tree is None else ModelTreeDrafter(draft, depth, *tree, stop)
-    table = table_class(drafter, KVPool(None), draft.spec.vocab_size, draft.spec.max_position)
+    guide_of = (partial(draft_guide, tokenizer=None, vocab_size=draft.spec.vocab_size, stop_ids=set(),
+                        device=draft.device) if guided else None)
+    table = table_class(drafter, KVPool(None), draft.spec.vocab_size, draft.spec.max_position, guide_of=guide_of)
     table.speculation = cache_class.for_drafter(PrespecConfig(**prespec, adaptive=False), drafter)
     return table
 
@@ -145,6 +152,8 @@ class CheckedTable(SessionTable):
             assert torch.allclose(cache.k[:, :, :, :kept], fresh.k[:, :, :, :kept], atol=1e-4)
             if cache.length >= n:  # drafted by the model (an n-gram backup proposal leaves the KV alone)
                 reference = self.drafter.open(n + self.drafter.max_nodes + 8)
+                if state.session.guide is not None:  # following the request's rules from the same text
+                    reference.guide = state.session.guide.guide(state.session.decoder.device)
                 expected = reference.propose(state.seq, SamplingParams(), None).tree
                 tokens, parents = expected.tokens.tolist(), expected.parents.tolist()
                 if self.short and len(message.tokens) < len(tokens):
@@ -204,6 +213,22 @@ def test_every_proposal_is_what_just_in_time_drafting_proposes(tiny, steps, fall
     if early:  # finished branches are answered from the published copy; the others as before
         assert snap["early_answers"] == snap["hits"] - snap["partial_hits"] and snap["short_answers"] == 0
         assert snap["early_answers"] > 0 or steps < 3
+
+
+@pytest.mark.parametrize("tree, early", [(None, False), (None, True), (TREE, True)])
+def test_branches_follow_the_requests_rules_as_just_in_time_drafting_does(tiny, tree, early):
+    """Under penalties every proposal — pre-speculated branches, tails' bonus candidates and
+    misses alike — is what the session's guided just-in-time drafting proposes (CheckedTable
+    gives the reference the session's guide), and the output is the target alone's."""
+    target, draft = tiny["llama"], tiny["llama-self2"]
+    table = make_table(draft, budget=6, tree=tree, table_class=CheckedTable, guided=True)
+    table.checked = 0
+    params = SamplingParams(max_tokens=40, ignore_eos=True, repetition_penalty=1.6, presence_penalty=0.8)
+    for tag, prompt in enumerate(PROMPTS, 1):
+        assert run(target, table, prompt, params, 8, tag, early)[0] == generate(target, prompt, params)[0]
+    snap = table.speculation.snapshot()
+    assert table.checked > 20 and snap["hits"] > 0
+    assert table.states == {} and table.speculation.plans == {}
 
 
 @pytest.mark.parametrize("tree, stop", [(None, 0.6), (None, 0.9), (TREE, 0.3)])

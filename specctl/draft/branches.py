@@ -32,6 +32,7 @@ class ChainBranch:
     trunk: list[int]  # KV slots of the accepted path (the text is attended to as well)
     position: int  # the bonus's position
     tokens: list[int]  # the bonus, then the tokens drafted after it
+    accepted: list[int] = field(default_factory=list)  # the accepted path's tokens (the request's rules read them)
     slots: list[int] = field(default_factory=list)  # KV slots of tokens[:len(slots)]
     probs: list[float] = field(default_factory=list)
     dists: list[torch.Tensor] = field(default_factory=list)  # q of each drafted token (sampling)
@@ -55,7 +56,7 @@ class ChainBranch:
 
     def absorb(self, plan: "Plan", slots: list[int], logits: torch.Tensor) -> None:
         self.slots += slots
-        _draw(plan, self, logits[0])
+        _draw(plan, self, guided(plan, logits[:1], [self.accepted + self.tokens])[0])
 
     def proposal(self, plan: "Plan") -> Proposal:
         params = plan.state.params
@@ -68,6 +69,7 @@ class TreeBranch:
     trunk: list[int]
     position: int
     tree: TokenTree  # rooted at the bonus; grown level by level as the session's tree drafter would
+    accepted: list[int] = field(default_factory=list)  # the accepted path's tokens (the request's rules read them)
     slots: list[int] = field(default_factory=list)  # KV slot of node j, for the nodes fed so far
     ranked: list[torch.Tensor] = field(default_factory=list)
     done: bool = False  # adaptive depth stopped it
@@ -92,6 +94,8 @@ class TreeBranch:
         shape = tree_shape(plan.state.session)
         frontier = torch.arange(len(self.slots), len(self.tree))
         self.slots += slots
+        logits = guided(plan, logits, [self.accepted + self.tree.tokens[self.tree.path_to(int(j))].tolist()
+                                       for j in frontier])
         self.ranked += list(ranked_candidates(logits))
         self.tree = self.tree.grow(frontier, probs_from_logits(logits, tree_score_params(plan.state.params)),
                                    shape.topk, shape.width)
@@ -105,6 +109,14 @@ class TreeBranch:
 
 
 Branch = Union[ChainBranch, TreeBranch]
+
+
+def guided(plan: "Plan", logits: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
+    """Rows adjusted by the request's rules and grammar as the session's own drafting adjusts
+    them (spec.logit_rules; ``paths``: each row's tokens past the text), or as they are when
+    the session drafts free."""
+    guide = getattr(plan.state.session, "guide", None)
+    return logits if guide is None else guide.apply(logits, paths)
 
 
 def _draw(plan: "Plan", branch: ChainBranch, row: torch.Tensor) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specctl.draft.branches import Branch, ChainBranch, Reshape, Row, TreeBranch, kv_per_branch
+from specctl.draft.branches import Branch, ChainBranch, Reshape, Row, TreeBranch, guided, kv_per_branch
 from specctl.engine.tree import TokenTree
 from specctl.spec.draft_state import DraftState
 from specctl.spec.drafters import Proposal, ranked_candidates, tree_shape
@@ -72,11 +72,13 @@ class Plan:
             self.branches[(node, token)] = self._branch(node, token)
 
     def _branch(self, node: int, bonus: int) -> Branch:
-        trunk = [self.base + a - 1 for a in self.tree.path_to(node)[1:]]
+        path = self.tree.path_to(node)[1:]
+        trunk = [self.base + a - 1 for a in path]
+        accepted = self.tree.tokens[path].tolist() if path else []
         position = self.base + int(self.tree.depth[node])
         if tree_shape(self.state.session) is None:
-            return ChainBranch(trunk, position, [bonus])
-        return TreeBranch(trunk, position, TokenTree.root(bonus))
+            return ChainBranch(trunk, position, [bonus], accepted=accepted)
+        return TreeBranch(trunk, position, TokenTree.root(bonus), accepted=accepted)
 
     def open_outcome(self, node: int, bonus: int) -> Branch | None:
         """A branch for an outcome nothing was planned for, drafted from its bonus like any
@@ -161,7 +163,8 @@ def step(plans: list[Plan], max_rows: int | None = None) -> list[Plan]:
             while j < len(owners) and owners[j] is owner and not isinstance(owner, int):
                 j += 1
             if isinstance(owner, int):  # a tail: its outcomes' branches start here
-                plan.tail_candidates[owner] = ranked_candidates(logits[i]).tolist()
+                path = plan.tree.tokens[plan.tree.path_to(owner)[1:]].tolist()
+                plan.tail_candidates[owner] = ranked_candidates(guided(plan, logits[i : i + 1], [path])[0]).tolist()
                 plan._open(owner, plan.tail_candidates[owner])
             else:
                 plan.started += not owner.slots
