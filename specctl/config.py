@@ -36,8 +36,10 @@ class Config:
     threads: int = 0  # 0 = torch's default
     kv_budget_mb: int = 4096
     # finished sessions' KV kept for new prompts that start the same way (a chat's next turn, a
-    # shared system prompt): vLLM's and SGLang's automatic prefix caching, by copy; 0 = off
-    prefix_cache_mb: int = 512
+    # shared system prompt): vLLM's and SGLang's automatic prefix caching, by copy; 0 = off;
+    # -1 = auto: 512 MiB for drafts and fp32 targets, off for a bf16/fp16 target (a restored
+    # prefix differs from a fresh prefill by bf16 rounding, which changes some greedy outputs)
+    prefix_cache_mb: int = -1
     max_sessions: int = 64
     mode: str = "tree"
     depth: int = 4
@@ -73,7 +75,7 @@ class Config:
         if not isinstance(self.draft_stop, (int, float)) or isinstance(self.draft_stop, bool) or not 0.0 <= self.draft_stop < 1.0:
             raise ConfigError(f"draft_stop must be a number in [0, 1), got {self.draft_stop!r}")
         for name, low, high in (
-            ("threads", 0, 1024), ("kv_budget_mb", 1, 1 << 24), ("prefix_cache_mb", 0, 1 << 24), ("max_sessions", 1, 1 << 20),
+            ("threads", 0, 1024), ("kv_budget_mb", 1, 1 << 24), ("prefix_cache_mb", -1, 1 << 24), ("max_sessions", 1, 1 << 20),
             ("depth", 1, 64), ("topk", 1, 64), ("width", 1, 256), ("max_batch", 1, 4096), ("prespec_budget", 0, 4096),
         ):
             value = getattr(self, name)

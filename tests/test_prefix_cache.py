@@ -215,3 +215,16 @@ def test_a_prefix_restores_into_an_arena_range_and_the_output_stays_the_plain_ca
     assert stats.cached_prompt_tokens >= len(first) + len(output) - 1
     assert again == generate(tiny["qwen2"], second, GREEDY)[0]
     assert target.kv_arena.free_slots == target.kv_arena.slots
+
+
+def test_auto_keeps_a_cache_for_drafts_and_fp32_targets_only():
+    from specctl.config import build_config
+    from specctl.errors import ConfigError
+    from specctl.spec.factory import prefix_cache_mb
+
+    assert [prefix_cache_mb(-1, dtype, True) for dtype in ("fp32", "bf16", "fp16")] == [512, 0, 0]
+    assert [prefix_cache_mb(-1, dtype, False) for dtype in ("fp32", "bf16", "fp16")] == [512, 512, 512]
+    assert prefix_cache_mb(64, "bf16", True) == 64 and prefix_cache_mb(0, "fp32", False) == 0  # as configured
+    assert build_config(None).prefix_cache_mb == -1
+    with pytest.raises(ConfigError, match=r"prefix_cache_mb must be an integer in \[-1, 16777216\], got -2"):
+        build_config(None, prefix_cache_mb=-2)

@@ -43,7 +43,7 @@ def draft(
     width: Optional[int] = typer.Option(None, help="tree width w"),
     max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="most open sessions (admission)"),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="most requests served per compute pass"),
-    prefix_cache_mb: Optional[int] = typer.Option(None, "--prefix-cache-mb", help="MiB of finished sessions' KV kept for prompts that start the same way, so the draft's prefill computes only the rest (default 512; 0 = off)"),
+    prefix_cache_mb: Optional[int] = typer.Option(None, "--prefix-cache-mb", help="MiB of finished sessions' KV kept for prompts that start the same way, so the draft's prefill computes only the rest (default 512; 0 = off; lossless either way: the draft only proposes)"),
     dtype: Optional[str] = typer.Option(None, help="fp32 | bf16 | fp16"),
     draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="none | int8 (CPU)"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),

@@ -14,6 +14,10 @@ from specctl.errors import ConfigError
 from specctl.spec.routing import RoutingPolicy  # pure: no torch at start-up
 
 AUTH_HELP = "shared auth token (or SPECCTL_AUTH_TOKEN); peers sign a nonce with it, it never crosses the wire"
+PREFIX_CACHE_HELP = ("MiB of finished sessions' KV kept for prompts that start the same way (a chat's next turn, "
+                     "a shared system prompt), so their prefill computes only the rest (default: 512 for an fp32 "
+                     "or int8 target, off for bf16/fp16, whose restored prefixes differ from a fresh prefill by "
+                     "rounding; 0 = off)")
 
 
 def checked(config_class, **values):
@@ -87,7 +91,7 @@ def verify(
                                          "tokens at once (default: stages - 1; 0 = the token alone)"),
     max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="most concurrent sessions"),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="most sessions verified in one target forward"),
-    prefix_cache_mb: Optional[int] = typer.Option(None, "--prefix-cache-mb", help="MiB of finished sessions' KV kept for prompts that start the same way (a chat's next turn, a shared system prompt), so their prefill computes only the rest (default 512; 0 = off)"),
+    prefix_cache_mb: Optional[int] = typer.Option(None, "--prefix-cache-mb", help=PREFIX_CACHE_HELP),
     dtype: Optional[str] = typer.Option(None, help="fp32 | bf16 | fp16"),
     quant: Optional[str] = typer.Option(None, "--quant", help="none | int8 (CPU): serve the int8 model as the target"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
