@@ -99,7 +99,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    console = Console()
+    console = Console(width=120)
     runs: dict[str, list[list[dict]]] = {"off": [], "on": []}
     for repeat in range(args.repeats):
         for label, mb in (("off", 0), ("on", 512)):  # alternated: the machine's drift falls on both
