@@ -273,6 +273,7 @@ def test_a_gateway_with_no_reachable_target_says_so_in_one_lowercase_line():
                            "no target instance answered")
 
 
+@pytest.mark.slow  # 23 s and more: the bench commands run in CI's --runslow pass, as the other bench runs do
 @pytest.mark.parametrize("stages, rows", [
     ("1,3", [(1, "pp"), (1, "pp+chain"), (3, "pp"), (3, "pp+chain"), (3, "specpipe"), (3, "specpipe r=0"),
              (3, "pp+chain x2"), (3, "specpipe-db x2")]),

@@ -32,6 +32,7 @@ def test_tiny_parity_prefill_and_incremental(tiny_dir, arch):
     _check_parity(tiny_dir[arch], torch.randint(0, 300, (24,)), split=17)
 
 
+@pytest.mark.slow  # 31 s on a slow 2-core machine; the tiny models' parity stays in the default run
 @needs_smollm
 def test_smollm2_parity():
     torch.manual_seed(0)
