@@ -2,7 +2,8 @@
 server, one target instance, gateway), a conversation of several turns over a long system
 prompt streamed through the OpenAI API, run with the prefix cache and without; time to first
 token per turn, the prompt tokens the cache served (usage.prompt_tokens_details.cached_tokens),
-and whether every reply is the same with and without it. Writes the table and a JSON file.
+and whether every reply is the same with and without it; then one request for 3 sampled
+choices, whose 2nd and 3rd reuse the 1st's prompt. Writes the tables and a JSON file.
 
     python examples/prefix_cache_chat.py OUT.json [--dtype bf16] [--max-tokens 48] [--repeats 2]
 """
@@ -92,6 +93,26 @@ def converse(url: str, model: str, max_tokens: int, system: str = SYSTEM, questi
     return turns
 
 
+def spread(xs: list[float]) -> str:
+    return f"{min(xs):.2f}/{statistics.median(xs):.2f}/{max(xs):.2f}"
+
+
+def choices(url: str, model: str, max_tokens: int, n: int = 3) -> dict:
+    """One request for n sampled choices over a system prompt nothing cached starts with: each
+    choice is a session of its own, and with the cache the 2nd..nth reuse the first's prompt."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "system", "content": "Review strictly." + SYSTEM}, {"role": "user", "content": TURNS[0]}]
+    started, first, texts = time.perf_counter(), {}, {}
+    for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, n=n,
+                                                temperature=0.8, seed=5, stream=True):
+        for choice in chunk.choices:
+            if choice.delta.content:
+                first.setdefault(choice.index, time.perf_counter() - started)
+                texts[choice.index] = texts.get(choice.index, "") + choice.delta.content
+    return {"ttft_s": [round(first.get(i, 0.0), 3) for i in range(n)], "total_s": round(time.perf_counter() - started, 3),
+            "texts": [texts.get(i, "") for i in range(n)]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out")
@@ -101,6 +122,7 @@ def main() -> None:
     args = parser.parse_args()
     console = Console(width=120)
     runs: dict[str, list[list[dict]]] = {"off": [], "on": []}
+    sampled: dict[str, list[dict]] = {"off": [], "on": []}  # one request for 3 sampled choices
     for repeat in range(args.repeats):
         for label, mb in (("off", 0), ("on", 512)):  # alternated: the machine's drift falls on both
             config = build_config(None, dtype=args.dtype, prefix_cache_mb=mb)
@@ -109,12 +131,15 @@ def main() -> None:
             try:
                 # warm-up on a text of its own (nothing the measured conversation could find in the cache)
                 converse(urls["gateway"], config.target, 4, "Be brief.", ["Say hi."])
+                picked = choices(urls["gateway"], config.target, 16)
                 cluster_turns = converse(urls["gateway"], config.target, args.max_tokens)
             finally:
                 cluster.stop()
             runs[label].append(cluster_turns)
+            sampled[label].append(picked)
             console.print(f"repeat {repeat + 1} prefix cache {label}: TTFT "
-                          + " ".join(f"{t['ttft_s']:.2f}s" for t in cluster_turns))
+                          + " ".join(f"{t['ttft_s']:.2f}s" for t in cluster_turns)
+                          + "; 3 choices' first tokens " + " ".join(f"{t:.2f}s" for t in picked["ttft_s"]))
     rows = []
     for turn in range(len(TURNS)):
         off = [run[turn] for run in runs["off"]]
@@ -129,12 +154,19 @@ def main() -> None:
                   f"  {'speedup':>7}  same reply")
     for row in rows:
         off, on = row["ttft_off_s"], row["ttft_on_s"]
-        spread = lambda xs: f"{min(xs):.2f}/{statistics.median(xs):.2f}/{max(xs):.2f}"  # noqa: E731
         console.print(f"{row['turn']:>4} {row['prompt_tokens']:>7} {row['cached_tokens']:>7}  {spread(off):>22}  "
                       f"{spread(on):>22}  {statistics.median(off) / statistics.median(on):>6.2f}x  "
                       f"{'yes' if row['same_replies'] else 'NO'}")
+    console.print("\nn = 3 sampled choices (T 0.8, seed 5) of one request, each a session: first token of each, "
+                  "min / median / max")
+    for label in ("off", "on"):
+        console.print(f"  cache {label:>3}: " + "  ".join(
+            spread([run["ttft_s"][i] for run in sampled[label]]) for i in range(3))
+            + f"  whole request {spread([run['total_s'] for run in sampled[label]])}")
+    same = all(a["texts"] == b["texts"] for a, b in zip(sampled["off"], sampled["on"]))
+    console.print(f"  same choices with and without: {'yes' if same else 'NO'}")
     with open(args.out, "w") as f:
-        json.dump({"settings": vars(args), "rows": rows, "runs": runs}, f, indent=1)
+        json.dump({"settings": vars(args), "rows": rows, "runs": runs, "choices": sampled}, f, indent=1)
 
 
 if __name__ == "__main__":

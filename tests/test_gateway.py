@@ -346,6 +346,30 @@ def test_a_repeated_prompt_is_served_from_one_targets_prefix_cache_with_the_same
     assert "specctl:prefix_cache_hit_rate" in families and "specctl:prefix_cache_mb" in families
 
 
+def test_a_prompt_in_flight_serves_the_same_prompt_sent_while_it_decodes(cluster, client, tiny_dir):
+    """An instance stores a prompt's KV when its prefill runs, and the gateway routes by the
+    prompts an instance prefilled: a second request sent while the first still streams finds
+    the prompt in the same instance's cache (the first is not finished yet). (The embedded
+    cluster's instances share one model and so one cache: where the second went is checked.)"""
+    targets = cluster[0].cluster.targets
+    prompt = "A shared system prompt, long enough to be worth caching, for requests at once. " * 3
+    request = urllib.request.Request(cluster[1]["gateway"] + "/v1/completions",
+                                     headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"prompt": prompt, "max_tokens": 200, "temperature": 0,
+                                                      "stream": True, "ignore_eos": True}).encode())
+    response = urllib.request.urlopen(request, timeout=60)
+    try:
+        assert response.readline().startswith(b"data: ")  # its prefill has run
+        holder = next(t for t in targets if t.active == 1)
+        done = [t.sessions_done for t in targets]
+        second = client.completions.create(model=str(tiny_dir["llama"]), prompt=prompt, max_tokens=8, temperature=0)
+        assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
+        assert [t.sessions_done - d for t, d in zip(targets, done)] == [int(t is holder) for t in targets]
+        assert second.choices[0].text == specctl_generate(tiny_dir, prompt, 8)["text"]
+    finally:
+        response.close()
+
+
 def test_client_disconnect_cancels_the_generation_everywhere(cluster, tiny_dir):
     thread, urls = cluster
     request = urllib.request.Request(urls["gateway"] + "/v1/completions", headers={"Content-Type": "application/json"},

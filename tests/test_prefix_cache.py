@@ -8,6 +8,7 @@ import torch
 
 from specctl.engine.prefix_cache import MIN_REUSE, PrefixCache, common_prefix
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
+from specctl.spec.decode import DecodeSession
 from specctl.spec.rounds import generate
 from specctl.spec.sampling import SamplingParams
 
@@ -75,6 +76,42 @@ def test_a_shared_start_is_reused_and_the_rest_computed(cached):
     assert output == _alone(target, other)
 
 
+def test_a_session_that_starts_while_another_decodes_reuses_its_prompt(cached):
+    """The prompt's KV is stored when its prefill runs: a session with the same system prompt
+    that starts while the first is still decoding computes only its own part."""
+    target, _ = cached
+    system = _prompt(20, 30)
+    first = DecodeSession(target, system + _prompt(21, 5), GREEDY)
+    first_token = first.prefill()
+    other = system + _prompt(22, 7)
+    output, stats, _ = generate(target, other, GREEDY)
+    assert stats.cached_prompt_tokens == len(system) and output == _alone(target, other)
+    assert first_token == _alone(target, system + _prompt(21, 5))[:1]  # its own cache untouched
+    first.close()
+
+
+def test_a_draft_session_that_starts_while_another_drafts_reuses_its_prompt(cached):
+    _, draft = cached
+    system = _prompt(23, 30)
+    drafter = ModelChainDrafter(draft, 4)
+    first = drafter.open(128)
+    first.propose(system + _prompt(24, 5), GREEDY, None)
+    assert draft.prefix_cache.stats.stored == 1
+    other = system + _prompt(25, 7)
+    second = drafter.open(128)
+    proposal = second.propose(other, GREEDY, None)
+    assert draft.prefix_cache.stats.hit_tokens == len(system)
+    prefixes, draft.prefix_cache = draft.prefix_cache, None
+    try:  # the same proposal as a draft that prefills the whole prompt
+        fresh = drafter.open(128)
+        assert proposal.tree.tokens.tolist() == fresh.propose(other, GREEDY, None).tree.tokens.tolist()
+        fresh.close()
+    finally:
+        draft.prefix_cache = prefixes
+    first.close()
+    second.close()
+
+
 def test_sampled_output_with_a_restored_prefix_is_the_seeded_target_alone(cached):
     target, draft = cached
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=20, ignore_eos=True)
@@ -99,14 +136,17 @@ def test_short_prefixes_and_other_texts_are_not_reused(cached):
     assert target.prefix_cache.stats.queries == 3 and target.prefix_cache.stats.hits == 0
 
 
-def test_a_failed_session_stores_nothing(cached):
+def test_a_failed_session_keeps_its_prompt_and_nothing_after_it(cached):
     target, _ = cached
     prompt = _prompt(10, 40)
     with pytest.raises(ValueError):
         generate(target, prompt, SamplingParams(max_tokens=8, ignore_eos=True),
                  drafter=_FailingDrafter())
-    assert len(target.prefix_cache) == 0
-    assert generate(target, prompt, GREEDY)[1].cached_prompt_tokens == 0
+    # the prompt's KV was stored when its prefill ran; what a failed session's cache holds after it is not
+    assert len(target.prefix_cache) == 1
+    longer = prompt + _prompt(11, 6)
+    output, stats, _ = generate(target, longer, GREEDY)
+    assert stats.cached_prompt_tokens == len(prompt) and output == _alone(target, longer)
 
 
 class _FailingDrafter(NgramDrafter):

@@ -11,7 +11,7 @@ class TargetView:
     inflight: int  # requests this gateway has running there
     capacity: int  # the instance's max_sessions (from its handshake)
     sessions: int = 0  # sessions it reported in its last stats (other clients included)
-    prefix_match: int = 0  # the longest start this request shares with a text the instance finished lately
+    prefix_match: int = 0  # the longest start this request shares with a prompt the instance prefilled lately
 
 
 CACHE_WORTH = 16  # prompt tokens: a shorter shared start is not worth a less loaded instance (as the cache's own floor)
@@ -19,7 +19,7 @@ BALANCE = 1  # requests in flight an instance may have beyond the least loaded o
 
 
 def pick_target(views: list[TargetView], exclude: frozenset[int] = frozenset()) -> int | None:
-    """Cache-aware least loaded (as SGLang's router): the instance that finished the text this
+    """Cache-aware least loaded (as SGLang's router): the instance that prefilled the text this
     request starts with (its prefix cache holds it), unless that instance has more than
     BALANCE requests in flight beyond the least loaded one; otherwise fewest of our requests in
     flight, then fewest sessions reported, then the lowest index. None when every instance is

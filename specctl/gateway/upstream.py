@@ -44,8 +44,8 @@ class RoleLink:
     seen_at: float = 0.0
     connection: TargetConnection | None = None  # reused by every request to this instance
     connecting: asyncio.Lock = field(default_factory=asyncio.Lock)
-    # prompts of the requests it finished lately: what its prefix cache likely holds (cache-aware routing)
-    finished: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RECENT_PROMPTS))
+    # prompts of the requests it prefilled lately: what its prefix cache likely holds (cache-aware routing)
+    prefilled: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RECENT_PROMPTS))
 
     @property
     def address(self) -> str:
@@ -53,7 +53,7 @@ class RoleLink:
 
     def view(self, prompt: np.ndarray | None = None) -> TargetView:
         capacity = self.welcome.max_sessions if self.welcome else 0
-        match = max((common_prefix(done, prompt) for done in self.finished), default=0) if prompt is not None else 0
+        match = max((common_prefix(done, prompt) for done in self.prefilled), default=0) if prompt is not None else 0
         return TargetView(self.up, self.inflight, capacity, int(self.stats.get("sessions", 0)), match)
 
     def snapshot(self) -> dict:
@@ -139,9 +139,8 @@ class Upstream:
                         link.up, link.error = False, str(exc)
                     log.warning("target %s: %s; trying another", link.address, exc)
                     continue
+                link.prefilled.append(tokens)  # its first token came: the prompt's KV is in that instance's prefix cache
                 yield stream, first
-                if stream.finished:  # its text's KV is in that instance's prefix cache now
-                    link.finished.append(tokens)
                 return
             finally:
                 if stream is not None:

@@ -18,16 +18,20 @@ from specctl.spec.sampling import (
 def catch_up_many(sessions: list[_ModelDraftSession], seqs: list[list[int]]) -> list[torch.Tensor]:
     """Feed each session the committed tokens its cache lacks, all in one forward; the
     logits after each one's last token."""
-    inputs, positions, at = [], [], []
+    inputs, positions, at, new = [], [], [], []
     prefixes = sessions[0].decoder.prefix_cache
     for session, seq in zip(sessions, seqs):
         if prefixes is not None and not session.cache.length:  # a new session: its prompt's start may be cached
             prefixes.restore(seq, session.cache)
+            new.append((session, seq))
         session.committed, start = len(seq), session.cache.length
         inputs.append(torch.tensor(seq[start:], dtype=torch.long))
         positions.append(torch.arange(start, len(seq)))
         at.append(torch.tensor([len(seq) - start - 1]))
-    return sessions[0].decoder.forward_many(inputs, positions, [s.cache for s in sessions], [None] * len(sessions), at)
+    logits = sessions[0].decoder.forward_many(inputs, positions, [s.cache for s in sessions], [None] * len(sessions), at)
+    for session, seq in new:  # its prompt's KV for the sessions that start the same way while it drafts
+        prefixes.store(seq, session.cache)
+    return logits
 
 
 def propose_chains(sessions: list[_ChainSession], seqs: list[list[int]], params: list[SamplingParams],

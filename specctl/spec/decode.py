@@ -144,6 +144,10 @@ class DecodeSession:
         prompt = torch.tensor(self.seq[start:], dtype=torch.long)
         logits = self.target(prompt, torch.arange(start, len(self.seq)), self.cache,
                              logits_at=torch.tensor([len(self.seq) - start - 1]))
+        if prefixes is not None:
+            # the prompt's KV now, not only at the end: a session that starts the same way while
+            # this one decodes (a shared system prompt, a request's next choice) reuses it
+            prefixes.store(self.seq, self.cache)
         if self.run_ahead:
             first = self._read_running_ahead(logits)
         else:
