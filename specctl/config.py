@@ -40,6 +40,10 @@ class Config:
     # -1 = auto: 512 MiB for drafts and fp32 targets, off for a bf16/fp16 target (a restored
     # prefix differs from a fresh prefill by bf16 rounding, which changes some greedy outputs)
     prefix_cache_mb: int = -1
+    # a target's prompt prefill runs in chunks of this many tokens, each a compute job of its own,
+    # so other sessions' rounds run between them (vLLM's chunked prefill); 0 = whole; -1 = auto:
+    # 2048 on CUDA, 512 on the CPU. Every session of the model chunks the same way (outputs agree)
+    prefill_chunk: int = -1
     max_sessions: int = 64
     mode: str = "tree"
     depth: int = 4
@@ -75,7 +79,7 @@ class Config:
         if not isinstance(self.draft_stop, (int, float)) or isinstance(self.draft_stop, bool) or not 0.0 <= self.draft_stop < 1.0:
             raise ConfigError(f"draft_stop must be a number in [0, 1), got {self.draft_stop!r}")
         for name, low, high in (
-            ("threads", 0, 1024), ("kv_budget_mb", 1, 1 << 24), ("prefix_cache_mb", -1, 1 << 24), ("max_sessions", 1, 1 << 20),
+            ("threads", 0, 1024), ("kv_budget_mb", 1, 1 << 24), ("prefix_cache_mb", -1, 1 << 24), ("prefill_chunk", -1, 1 << 24), ("max_sessions", 1, 1 << 20),
             ("depth", 1, 64), ("topk", 1, 64), ("width", 1, 256), ("max_batch", 1, 4096), ("prespec_budget", 0, 4096),
         ):
             value = getattr(self, name)

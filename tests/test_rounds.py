@@ -196,3 +196,26 @@ async def test_a_round_cancelled_just_as_its_draft_session_opens_still_closes_it
         assert draft_server.table.snapshot()["sessions"] == 0
     finally:
         await _stop(draft_server, link, target_server)
+
+
+async def test_chunked_prefills_on_both_sides_keep_the_output_and_free_every_session(models):
+    """Target and draft prefill a prompt 8 tokens a job (the draft before its first proposal,
+    which waits for it): the output is the target alone's, every proposal drafted from the whole
+    prompt (no fallback), and no session or byte of KV stays on either side."""
+    target, draft = models
+    target.decoder.prefill_chunk = draft.decoder.prefill_chunk = 8
+    draft_server, link, target_server, port = await _star(models, ModelChainDrafter(draft.decoder, 3))
+    try:
+        params = SamplingParams(max_tokens=24, ignore_eos=True)
+        prompt = list(range(5, 45))
+        jobs = draft_server.compute.stats.jobs
+        tokens, _, stats = await remote_generate("127.0.0.1", port, prompt, params)
+        assert tokens == _reference(models, prompt, params)
+        assert stats["fallback_rounds"] == 0 and stats["drafts"] == stats["rounds"]
+        # open, 5 chunks of the 39 tokens before the last, a proposal a round, the close
+        assert draft_server.compute.stats.jobs - jobs >= 1 + 5 + stats["rounds"]
+        await _drained(draft_server, target_server)
+        assert draft_server.table.pool.used_bytes == 0 and draft_server.table.pool.sessions == 0
+    finally:
+        target.decoder.prefill_chunk = draft.decoder.prefill_chunk = 0
+        await _stop(draft_server, link, target_server)

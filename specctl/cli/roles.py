@@ -92,6 +92,9 @@ def verify(
     max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="most concurrent sessions"),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="most sessions verified in one target forward"),
     prefix_cache_mb: Optional[int] = typer.Option(None, "--prefix-cache-mb", help=PREFIX_CACHE_HELP),
+    prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help="a prompt's prefill runs in jobs of "
+                                                "this many tokens, so running sessions keep decoding between them "
+                                                "(default 512 on the CPU, 2048 on CUDA; 0 = the whole prompt at once)"),
     dtype: Optional[str] = typer.Option(None, help="fp32 | bf16 | fp16"),
     quant: Optional[str] = typer.Option(None, "--quant", help="none | int8 (CPU): serve the int8 model as the target"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
@@ -134,7 +137,8 @@ def verify(
                           "(or use --specpipe-draft M for a draft in this process)")
     shape = _specpipe_shape(count, width, topk, spread, refill) if specpipe_draft or specpipe else None
     config = build_config(profile, target=model, max_sessions=max_sessions, max_batch=max_batch, dtype=dtype,
-                          threads=threads, target_quant=quant, prefix_cache_mb=prefix_cache_mb)
+                          threads=threads, target_quant=quant, prefix_cache_mb=prefix_cache_mb,
+                          prefill_chunk=prefill_chunk)
     # torch loads only once the flags are known to be good: a mistake is reported at once
     from specctl.pipeline.launch import load_stage, stage_plan
     from specctl.spec.factory import apply_threads

@@ -292,7 +292,21 @@ class DraftServer(ListeningServer):
             conn.tags.discard(tag)
             conn.send(Error("internal", f"could not open a draft session: {exc}", req=message.req))
             return
+        if isinstance(message, OpenLevels):
+            conn.send(SessionOpened(message.req, tag))
+            return
+        # The prompt's KV in chunks, each a job of its own (other sessions draft between them);
+        # the session's first Propose waits for it, as for an early answer's commit.
+        self.commits[tag] = asyncio.current_task()
         conn.send(SessionOpened(message.req, tag))
+        try:
+            while not await self.compute.run(self.table.prefill_step, tag):
+                pass
+        except Exception:  # noqa: BLE001 - the first proposal's catch-up feeds what is missing
+            log.exception("prefilling draft session %s failed", tag)
+        finally:
+            if self.commits.get(tag) is asyncio.current_task():
+                del self.commits[tag]
 
     async def _propose(self, conn: Connection, message: Propose, group: asyncio.TaskGroup) -> None:
         commit = self.commits.get(message.tag)

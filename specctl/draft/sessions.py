@@ -20,7 +20,8 @@ from specctl.engine.spec import check_token_ids
 from specctl.net.protocol import OpenSession, Proposal, SparseProbs
 from specctl.spec.draft_state import DraftState, draft_capacity, draft_many
 from specctl.engine.tree import TokenTree
-from specctl.spec.drafters import Drafter, NgramDrafter, Proposal as DraftProposal
+from specctl.spec.batch_drafting import prefill_step
+from specctl.spec.drafters import Drafter, NgramDrafter, Proposal as DraftProposal, _ModelDraftSession
 from specctl.spec.sampling import SamplingParams
 
 
@@ -60,6 +61,15 @@ class SessionTable:
             if rules is not None:
                 split = len(msg.prompt) - msg.generated
                 session.guide = self.guide_of(rules, list(msg.prompt[:split]), list(msg.prompt[split:]))
+
+    def prefill_step(self, tag: int) -> bool:
+        """A chunk of a new model-draft session's prompt into its cache (batch_drafting.prefill_step);
+        True once it is in, or when there is nothing to feed (closed, a lookup drafter, drafted already)."""
+        state = self.states.get(tag)
+        session = getattr(state, "session", None)
+        if state is None or not isinstance(session, _ModelDraftSession) or state.rounds:
+            return True
+        return prefill_step(session, state.seq)
 
     def propose_many(self, requests: list[tuple[int, list[int], list[int]]]) -> list:
         """Serve many Propose requests in one pass (``draft_many``): one Proposal message or

@@ -21,7 +21,8 @@ def catch_up_many(sessions: list[_ModelDraftSession], seqs: list[list[int]]) -> 
     inputs, positions, at, new = [], [], [], []
     prefixes = sessions[0].decoder.prefix_cache
     for session, seq in zip(sessions, seqs):
-        if prefixes is not None and not session.cache.length:  # a new session: its prompt's start may be cached
+        if prefixes is not None and not session.looked_up:  # a new session: its prompt's start may be cached
+            session.looked_up = True
             prefixes.restore(seq, session.cache)
             new.append((session, seq))
         session.committed, start = len(seq), session.cache.length
@@ -32,6 +33,26 @@ def catch_up_many(sessions: list[_ModelDraftSession], seqs: list[list[int]]) -> 
     for session, seq in new:  # its prompt's KV for the sessions that start the same way while it drafts
         prefixes.store(seq, session.cache)
     return logits
+
+
+def prefill_step(session: _ModelDraftSession, seq: list[int]) -> bool:
+    """Feed a new session's cache the text's next ``prefill_chunk`` tokens (0: all), before its
+    first proposal, as a job of its own: the proposals of other sessions, batched with that
+    first one's catch-up, then do not wait for a long prompt. All but the last token (the
+    first proposal's catch-up feeds it and reads its logits). True once nothing is left."""
+    prefixes = session.decoder.prefix_cache
+    if prefixes is not None and not session.looked_up:
+        session.looked_up = True
+        prefixes.restore(seq, session.cache)
+    start, goal, chunk = session.cache.length, len(seq) - 1, session.decoder.prefill_chunk
+    if start >= goal:
+        return True
+    end = goal if chunk <= 0 else min(goal, start + chunk)
+    session.decoder(torch.tensor(seq[start:end], dtype=torch.long), torch.arange(start, end), session.cache,
+                    logits_at=torch.tensor([end - start - 1]))
+    if end == goal and prefixes is not None:  # for the sessions that start the same way while this one drafts
+        prefixes.store(seq[:end], session.cache)
+    return end == goal
 
 
 def propose_chains(sessions: list[_ChainSession], seqs: list[list[int]], params: list[SamplingParams],

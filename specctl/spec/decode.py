@@ -87,6 +87,7 @@ class DecodeSession:
         self.logprobs: list[TokenLogprob] = []  # of each output token, when params.logprobs asks for them
         self.last_path: list[int] = []  # the last round's accepted nodes (root excluded)
         self.last_committed: list[int] = []  # ... and the tokens it committed (accepted + bonus)
+        self.prefilled: int | None = None  # prompt positions in the cache (None: the prefill has not begun)
         if params.structured is not None and tokenizer is None:
             raise BadRequest("structured output needs the target's tokenizer, which this caller did not give")
         structure = (None if params.structured is None else
@@ -138,12 +139,27 @@ class DecodeSession:
         return emitted
 
     def prefill(self) -> list[int]:
+        """The whole prompt's prefill (its chunks one after the other); the first tokens emitted."""
+        while (first := self.prefill_step()) is None:
+            pass
+        return first
+
+    def prefill_step(self) -> list[int] | None:
+        """The prompt's next ``target.prefill_chunk`` positions (0: all of them) into the cache:
+        the first tokens emitted once the prompt is in, None while some are left. Run as jobs of
+        their own, other sessions' rounds run between them (vLLM's chunked prefill); the chunks
+        depend on the prompt only, so every session of the target, every mode, computes alike."""
         prefixes = getattr(self.target, "prefix_cache", None)  # a pipeline's target has none
-        start = prefixes.restore(self.seq, self.cache) if prefixes is not None else 0
-        self.stats.cached_prompt_tokens = start
-        prompt = torch.tensor(self.seq[start:], dtype=torch.long)
-        logits = self.target(prompt, torch.arange(start, len(self.seq)), self.cache,
-                             logits_at=torch.tensor([len(self.seq) - start - 1]))
+        if self.prefilled is None:  # the first chunk: a cached start of the prompt is restored
+            self.prefilled = prefixes.restore(self.seq, self.cache) if prefixes is not None else 0
+            self.stats.cached_prompt_tokens = self.prefilled
+        start, chunk = self.prefilled, getattr(self.target, "prefill_chunk", 0)
+        end = len(self.seq) if chunk <= 0 else min(len(self.seq), start + chunk)
+        logits = self.target(torch.tensor(self.seq[start:end], dtype=torch.long), torch.arange(start, end), self.cache,
+                             logits_at=torch.tensor([end - start - 1]))
+        self.prefilled = end
+        if end < len(self.seq):
+            return None
         if prefixes is not None:
             # the prompt's KV now, not only at the end: a session that starts the same way while
             # this one decodes (a shared system prompt, a request's next choice) reuses it

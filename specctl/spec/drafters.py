@@ -83,6 +83,7 @@ class _ModelDraftSession(DraftSession):
         self.decoder = decoder
         self.cache = decoder.new_cache(capacity, pool)
         self.guide = None  # the request's logit rules and grammar, followed while drafting (spec.logit_rules)
+        self.looked_up = False  # the prefix cache was asked for the prompt's start (once, before any feeding)
 
     def close(self) -> None:
         self.cache.release()

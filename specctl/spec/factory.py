@@ -64,6 +64,8 @@ def load_named(name: str, config: Config, console: Console | None = None, quant:
         prefix_mb = prefix_cache_mb(config.prefix_cache_mb, dtype, target)
         if stage is None and prefix_mb and model.decoder.prefix_cache is None:
             model.decoder.use_prefix_cache(prefix_mb << 20)
+        if stage is None:
+            model.decoder.prefill_chunk = prefill_chunk(config.prefill_chunk, model.decoder.device)
     warm_up_attention(model.decoder, console)
     return model
 
@@ -80,6 +82,16 @@ def prefix_cache_mb(configured: int, dtype: str, target: bool) -> int:
     if configured >= 0:
         return configured
     return AUTO_PREFIX_CACHE_MB if not target or dtype == "fp32" else 0
+
+
+AUTO_PREFILL_CHUNK = {"cuda": 2048, "cpu": 512}
+
+
+def prefill_chunk(configured: int, device: torch.device) -> int:
+    """Tokens a prefill job computes (0 = the whole prompt). Auto (-1): 2048 on CUDA (vLLM's
+    token budget a step; each chunk reads the weights once more), 512 on the CPU, where 512
+    tokens of the 1.5B target are seconds of compute already."""
+    return configured if configured >= 0 else AUTO_PREFILL_CHUNK.get(device.type, 512)
 
 
 def use_arena_for_flashinfer(decoder: Decoder, config: Config) -> None:

@@ -118,7 +118,9 @@ async def run_session(session: DecodeSession, speculator: Speculator, lane: Lane
     started = time.perf_counter()
     speculator.begin(session)
     try:
-        first = await lane.run(session.prefill)
+        # the prompt in chunks, each a job of its own: other sessions' rounds run between them
+        while (first := await lane.run(session.prefill_step)) is None:
+            pass
         session.stats.prefill_s = time.perf_counter() - started
         emit(first, None)
         while not session.finished:

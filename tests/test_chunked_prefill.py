@@ -1,0 +1,168 @@
+"""Chunked prefill (spec.decode.DecodeSession.prefill_step): a prompt's prefill in jobs of
+``prefill_chunk`` tokens, so other sessions' rounds run between them — with the whole
+prefill's output in every mode, and the chunk size resolved from the configuration."""
+
+import asyncio
+
+import pytest
+import torch
+
+from specctl.config import ConfigError, build_config
+from specctl.runtime.compute import ComputeThread
+from specctl.spec.batch_drafting import prefill_step
+from specctl.spec.decode import DecodeSession
+from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter, NoDrafter
+from specctl.spec.factory import prefill_chunk
+from specctl.spec.rounds import LocalSpeculator, generate, run_session
+from specctl.spec.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture
+def chunked(tiny):
+    """The tiny llama target and draft, the target prefilling 8 tokens a job (this test only)."""
+    target, draft = tiny["llama"], tiny["llama-draft"]
+    target.prefill_chunk = 8
+    yield target, draft
+    target.prefill_chunk = 0
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    return torch.randint(0, 256, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _whole(target, prompt, params=GREEDY, drafter=None):
+    chunk, target.prefill_chunk = target.prefill_chunk, 0
+    try:
+        return generate(target, prompt, params, drafter)[0]
+    finally:
+        target.prefill_chunk = chunk
+
+
+def test_a_prompt_is_prefilled_a_chunk_a_step_and_the_first_token_comes_with_the_last(chunked):
+    target, _ = chunked
+    prompt = _prompt(1, 37)
+    session = DecodeSession(target, prompt, GREEDY)
+    steps = []
+    while (first := session.prefill_step()) is None:
+        steps.append(session.prefilled)
+    assert steps == [8, 16, 24, 32] and session.prefilled == 37 and session.cache.length == 37
+    assert first == _whole(target, prompt)[:1]
+    session.close()
+
+
+@pytest.mark.parametrize("mode", ["ar", "chain", "tree", "ngram"])
+def test_every_mode_gives_the_whole_prefill_s_output(chunked, mode):
+    target, draft = chunked
+    drafter = {"ar": None, "chain": ModelChainDrafter(draft, 4), "tree": ModelTreeDrafter(draft, 3, 2, 3),
+               "ngram": NgramDrafter(3)}[mode]
+    prompt = _prompt(2, 45)
+    assert generate(target, prompt, GREEDY, drafter)[0] == _whole(target, prompt)
+
+
+def test_sampled_output_is_the_seeded_whole_prefill_s(chunked):
+    target, draft = chunked
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=20, ignore_eos=True)
+    prompt = _prompt(3, 30)
+    drafter = ModelChainDrafter(draft, 3)  # seeded sampling draws the same numbers in the same mode
+    assert generate(target, prompt, params, drafter)[0] == _whole(target, prompt, params, drafter)
+
+
+def test_logits_after_a_chunked_prefill_are_the_whole_prefill_s(chunked):
+    target, _ = chunked
+    prompt = _prompt(4, 40)
+    chunked_cache = target.new_cache(48)
+    for start in range(0, 40, 8):
+        logits = target(torch.tensor(prompt[start:start + 8]), torch.arange(start, start + 8), chunked_cache)
+    whole = target(torch.tensor(prompt), torch.arange(40), target.new_cache(48))
+    torch.testing.assert_close(logits[-1], whole[-1], atol=1e-5, rtol=0)
+
+
+def test_a_restored_prefix_is_followed_by_chunks_of_the_rest(chunked):
+    target, _ = chunked
+    target.use_prefix_cache(16 << 20)
+    try:
+        system = _prompt(5, 20)
+        generate(target, system + _prompt(6, 3), GREEDY)
+        prompt = system + _prompt(7, 17)
+        session = DecodeSession(target, prompt, GREEDY)
+        steps = []
+        while session.prefill_step() is None:
+            steps.append(session.prefilled)
+        assert session.stats.cached_prompt_tokens == 20 and steps == [28, 36]
+        session.close()
+        assert generate(target, prompt, GREEDY)[0] == _whole(target, prompt)
+    finally:
+        target.prefix_cache = None
+
+
+@pytest.mark.parametrize("chunk, interleaved", [(0, False), (8, True)])
+async def test_a_long_prompt_lets_a_running_session_take_rounds_between_its_chunks(tiny, chunk, interleaved):
+    """Two sessions on one compute thread: while the second's 64-token prompt is prefilled,
+    the first (already decoding) gets rounds between the chunks; whole, it waits for all of it."""
+    target = tiny["llama"]
+    lane = ComputeThread("test-compute").lane(owns_thread=True)
+    events: list[str] = []
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    running = DecodeSession(target, _prompt(8, 10), params)
+    arriving = DecodeSession(target, _prompt(9, 64), SamplingParams(max_tokens=4, ignore_eos=True))
+    step = arriving.prefill_step
+
+    def logged_step():
+        events.append("chunk")
+        return step()
+
+    arriving.prefill_step = logged_step
+    accept = running.accept
+
+    def logged_accept(*args):  # on the compute thread, as the chunks: the order they ran in
+        events.append("round")
+        return accept(*args)
+
+    running.accept = logged_accept
+    target.prefill_chunk = chunk
+    try:
+        first = asyncio.ensure_future(run_session(running, LocalSpeculator(NoDrafter(), lane), lane,
+                                                  lambda tokens, result: None))
+        while events.count("round") < 3:  # the first session is decoding
+            await asyncio.sleep(0.001)
+        await run_session(arriving, LocalSpeculator(NoDrafter(), lane), lane, lambda tokens, result: None)
+        await first
+    finally:
+        target.prefill_chunk = 0
+        lane.stop()
+    during = events[events.index("chunk"):len(events) - events[::-1].index("chunk")]
+    assert during.count("chunk") == (8 if chunk else 1)
+    assert (during.count("round") > 0) == interleaved
+    assert running.output == _whole(target, _prompt(8, 10), params)
+    assert arriving.output == _whole(target, _prompt(9, 64), SamplingParams(max_tokens=4, ignore_eos=True))
+
+
+def test_a_draft_session_is_prefilled_in_chunks_and_proposes_as_one_fed_whole(tiny):
+    draft = tiny["llama-draft"]
+    draft.prefill_chunk = 8
+    try:
+        drafter = ModelChainDrafter(draft, 4)
+        prompt = _prompt(10, 37)
+        session = drafter.open(64)
+        steps = []
+        while not prefill_step(session, prompt):
+            steps.append(session.cache.length)
+        assert steps == [8, 16, 24, 32] and session.cache.length == 36  # the last token: the first proposal's
+        proposal = session.propose(prompt, GREEDY, None)
+        fresh = drafter.open(64)
+        assert proposal.tree.tokens.tolist() == fresh.propose(prompt, GREEDY, None).tree.tokens.tolist()
+        session.close()
+        fresh.close()
+    finally:
+        draft.prefill_chunk = 0
+
+
+def test_the_chunk_size_resolves_by_device_and_is_validated():
+    assert prefill_chunk(-1, torch.device("cpu")) == 512
+    assert prefill_chunk(-1, torch.device("cuda")) == 2048
+    assert prefill_chunk(0, torch.device("cpu")) == 0 and prefill_chunk(64, torch.device("cuda")) == 64
+    assert build_config(None, prefill_chunk=256).prefill_chunk == 256
+    with pytest.raises(ConfigError, match="prefill_chunk"):
+        build_config(None, prefill_chunk=-2)
