@@ -212,8 +212,8 @@ async def test_chunked_prefills_on_both_sides_keep_the_output_and_free_every_ses
         tokens, _, stats = await remote_generate("127.0.0.1", port, prompt, params)
         assert tokens == _reference(models, prompt, params)
         assert stats["fallback_rounds"] == 0 and stats["drafts"] == stats["rounds"]
-        # open, 5 chunks of the 39 tokens before the last, a proposal a round, the close
-        assert draft_server.compute.stats.jobs - jobs >= 1 + 5 + stats["rounds"]
+        # open, 4 chunks (the first proposal's catch-up feeds the last 8 tokens), a proposal a round
+        assert draft_server.compute.stats.jobs - jobs >= 1 + 4 + stats["rounds"]
         await _drained(draft_server, target_server)
         assert draft_server.table.pool.used_bytes == 0 and draft_server.table.pool.sessions == 0
     finally:

@@ -24,6 +24,7 @@ def catch_up_many(sessions: list[_ModelDraftSession], seqs: list[list[int]]) -> 
         if prefixes is not None and not session.looked_up:  # a new session: its prompt's start may be cached
             session.looked_up = True
             prefixes.restore(seq, session.cache)
+        if prefixes is not None and not session.committed:  # its first catch-up: the prompt is in after it
             new.append((session, seq))
         session.committed, start = len(seq), session.cache.length
         inputs.append(torch.tensor(seq[start:], dtype=torch.long))
@@ -36,23 +37,24 @@ def catch_up_many(sessions: list[_ModelDraftSession], seqs: list[list[int]]) -> 
 
 
 def prefill_step(session: _ModelDraftSession, seq: list[int]) -> bool:
-    """Feed a new session's cache the text's next ``prefill_chunk`` tokens (0: all), before its
-    first proposal, as a job of its own: the proposals of other sessions, batched with that
-    first one's catch-up, then do not wait for a long prompt. All but the last token (the
-    first proposal's catch-up feeds it and reads its logits). True once nothing is left."""
+    """Feed a new session's cache the text's next ``prefill_chunk`` tokens, before its first
+    proposal, as a job of its own, until at most a chunk is left: the first proposal's catch-up,
+    batched with other sessions' proposals, then feeds no more than that (a long prompt does
+    not hold up their drafting). True once that is so (at once when chunk is 0 or the text short)."""
+    chunk = session.decoder.prefill_chunk
+    if chunk <= 0 or len(seq) <= chunk:
+        return True
     prefixes = session.decoder.prefix_cache
     if prefixes is not None and not session.looked_up:
         session.looked_up = True
         prefixes.restore(seq, session.cache)
-    start, goal, chunk = session.cache.length, len(seq) - 1, session.decoder.prefill_chunk
-    if start >= goal:
+    start = session.cache.length
+    if len(seq) - start <= chunk:
         return True
-    end = goal if chunk <= 0 else min(goal, start + chunk)
+    end = start + chunk
     session.decoder(torch.tensor(seq[start:end], dtype=torch.long), torch.arange(start, end), session.cache,
-                    logits_at=torch.tensor([end - start - 1]))
-    if end == goal and prefixes is not None:  # for the sessions that start the same way while this one drafts
-        prefixes.store(seq[:end], session.cache)
-    return end == goal
+                    logits_at=torch.tensor([chunk - 1]))
+    return len(seq) - end <= chunk
 
 
 def propose_chains(sessions: list[_ChainSession], seqs: list[list[int]], params: list[SamplingParams],
