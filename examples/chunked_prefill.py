@@ -60,6 +60,7 @@ def one_run(url: str, model: str, stream_tokens: int) -> dict:
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
     during = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > long["sent"] and a < long["done"]]
     return {"max_gap_s": round(max(gaps), 3), "max_gap_during_long_s": round(max(during or [0.0]), 3),
+            # streamed pieces of text (a round's tokens each), not tokens
             "tokens_during_long": sum(1 for t in arrivals if long["sent"] < t < long["done"]),
             "long_latency_s": round(long["done"] - long["sent"], 3), "long_prompt_tokens": long["prompt_tokens"],
             "texts": texts}
@@ -89,10 +90,10 @@ def main() -> None:
                 cluster.stop()
             runs[chunk].append(run)
             console.print(f"repeat {repeat + 1} prefill_chunk {chunk}: longest gap {run['max_gap_s']:.2f}s, "
-                          f"{run['tokens_during_long']} tokens streamed meanwhile, long request "
+                          f"{run['tokens_during_long']} pieces of text streamed meanwhile, long request "
                           f"{run['long_latency_s']:.2f}s ({run['long_prompt_tokens']} prompt tokens)")
     console.print(f"\n{args.dtype}, the default pair, embedded cluster; min / median / max over {args.repeats} runs")
-    console.print(f"{'prefill_chunk':>13}  {'longest gap (s)':>17}  {'tokens meanwhile':>17}  {'long request (s)':>17}")
+    console.print(f"{'prefill_chunk':>13}  {'longest gap (s)':>17}  {'pieces meanwhile':>17}  {'long request (s)':>17}")
     for chunk in chunks:
         rs = runs[chunk]
         console.print(f"{chunk:>13}  {spread([r['max_gap_s'] for r in rs]):>17}  "

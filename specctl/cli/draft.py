@@ -44,6 +44,10 @@ def draft(
     max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="most open sessions (admission)"),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="most requests served per compute pass"),
     prefix_cache_mb: Optional[int] = typer.Option(None, "--prefix-cache-mb", help="MiB of finished sessions' KV kept for prompts that start the same way, so the draft's prefill computes only the rest (default 512; 0 = off; lossless either way: the draft only proposes)"),
+    prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help="a new session's prompt is fed in jobs "
+                                                "of this many tokens before its first proposal, so other sessions' "
+                                                "drafting goes on between them (default 512 on the CPU, 2048 on CUDA; "
+                                                "0 = with the first proposal, whole)"),
     dtype: Optional[str] = typer.Option(None, help="fp32 | bf16 | fp16"),
     draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="none | int8 (CPU)"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
@@ -82,7 +86,7 @@ def draft(
     answered at once, a miss as before. Output stays exactly the target's."""
     config = build_config(profile, draft=model, mode=mode, depth=depth, draft_stop=draft_stop, topk=topk, width=width,
                           max_sessions=max_sessions, max_batch=max_batch, dtype=dtype, threads=threads, draft_quant=draft_quant,
-                          prefix_cache_mb=prefix_cache_mb)
+                          prefix_cache_mb=prefix_cache_mb, prefill_chunk=prefill_chunk)
     if config.mode == "ar":
         raise ConfigError("a draft server proposes: --mode must be chain, tree or ngram")
     if step_time_ms < 0:
