@@ -156,6 +156,21 @@ def test_a_restored_prefix_on_cuda_graphs_keeps_the_target_alone_output(tiny_dir
     assert again == generate(target, second, params)[0]
 
 
+@pytest.mark.parametrize("mode", ["ar", "chain", "tree"])
+def test_a_chunked_prefill_on_cuda_graphs_keeps_the_whole_prefill_s_output(cuda_pair, mode):
+    """Chunked prefill on CUDA (spec.decode.prefill_step): a 70-token prompt prefilled 16 tokens
+    a job into a cache whose steps are CUDA graphs; fp32 output equal to a whole prefill's (AR)."""
+    target, draft = cuda_pair
+    drafter = {"ar": None, **_drafters(draft)}[mode]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    whole = generate(target, PROMPTS[3], params)[0]
+    target.prefill_chunk = 16
+    try:
+        assert generate(target, PROMPTS[3], params, drafter)[0] == whole
+    finally:
+        target.prefill_chunk = 0
+
+
 def test_ar_runs_ahead_on_cuda_graphs_and_equals_reading_each_step(cuda_pair):
     target, _ = cuda_pair
     sampled = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, max_tokens=40, seed=3)
