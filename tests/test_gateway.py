@@ -225,6 +225,21 @@ def test_logprobs_out_of_range_or_in_the_wrong_shape_are_refused(cluster, route,
     assert code == 400 and json.loads(raw)["error"]["message"] == message
 
 
+def test_include_stop_str_in_output_ends_the_text_with_the_stop_string_whole_and_streamed(client, tiny_dir):
+    model = str(tiny_dir["llama"])
+    reference = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0,
+                                          extra_body={"ignore_eos": True}).choices[0].text
+    stop = reference[len(reference) // 2:][:3]
+    wanted = reference[: reference.index(stop) + len(stop)]
+    body = {"ignore_eos": True, "include_stop_str_in_output": True}
+    whole = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop],
+                                      extra_body=body)
+    assert whole.choices[0].text == wanted and whole.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop],
+                                            stream=True, extra_body=body))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == wanted
+
+
 def test_stop_token_ids_end_the_generation_before_the_stop_token(cluster, tiny_dir):
     reference = specctl_generate(tiny_dir, PROMPT, 20)
     ids = reference["token_ids"]

@@ -50,6 +50,20 @@ def test_the_earliest_of_several_stop_strings_wins(tok):
     assert "".join(feed(text, ids, step=5)) == "one "
 
 
+def test_include_stop_hands_out_the_stop_string_last(tok):
+    ids = tok.encode("abc STOP def", add_special_tokens=False)
+    text = IncrementalText(tok, ["STOP"], include_stop=True)
+    deltas = feed(text, ids)
+    assert "".join(deltas) == "abc STOP" and deltas[-1].endswith("STOP")
+    assert text.stopped and text.finish() == ""
+
+
+def test_include_stop_keeps_the_earliest_stop_string_and_the_shorter_where_two_start_together(tok):
+    ids = tok.encode("one two three", add_special_tokens=False)
+    assert "".join(feed(IncrementalText(tok, ["three", "two"], include_stop=True), ids, step=5)) == "one two"
+    assert "".join(feed(IncrementalText(tok, ["two t", "two"], include_stop=True), ids, step=13)) == "one two"
+
+
 def test_a_held_back_prefix_is_released_when_it_does_not_become_a_stop(tok):
     ids = tok.encode("ab", add_special_tokens=False)
     text = IncrementalText(tok, ["bc"])

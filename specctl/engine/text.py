@@ -26,11 +26,13 @@ def encode_chat(tokenizer: Any, messages: Sequence[dict], tools: list[dict] | No
 class IncrementalText:
     """Turns a growing list of token ids into text deltas. Holds back an incomplete UTF-8
     character and any tail that could be the start of a stop string, so that no text past
-    a stop string is ever handed out; ``stopped`` turns true when one is found."""
+    a stop string is ever handed out (the stop string itself is, last, with ``include_stop``:
+    vLLM's include_stop_str_in_output); ``stopped`` turns true when one is found."""
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), include_stop: bool = False) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
+        self.include_stop = include_stop
         self.tokens: list[int] = []
         self.text = ""  # everything handed out so far
         self.stopped = False
@@ -43,10 +45,11 @@ class IncrementalText:
             return ""
         self.tokens.extend(tokens)
         full = self._decoded()
-        hits = [i for s in self.stop if (i := full.find(s, max(0, len(self.text) - len(s) + 1))) >= 0]
+        hits = [(i, len(s)) for s in self.stop if (i := full.find(s, max(0, len(self.text) - len(s) + 1))) >= 0]
         if hits:
             self.stopped = True
-            return self._advance(full[: min(hits)])
+            at, length = min(hits)  # the earliest; of two there, the shorter (it ended first)
+            return self._advance(full[: at + length if self.include_stop else at])
         if full.endswith("\ufffd"):  # a multi-byte character is not complete yet
             return ""
         hold = max((k for s in self.stop for k in range(1, len(s)) if full.endswith(s[:k])), default=0)

@@ -34,7 +34,8 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
 - best_of other than n, suffix and legacy functions are refused with 400 rather than
   silently ignored: they would change what the caller gets.
 - vLLM's stop_token_ids (at most MAX_STOP_TOKEN_IDS) end the generation as EOS does: the
-  stop token is not part of the output (vLLM keeps a non-special one in its text).
+  stop token is not part of the output (vLLM keeps a non-special one in its text). A stop
+  string is not part of the text either unless vLLM's include_stop_str_in_output asks.
 - Fields neither served nor refused (OpenAI's store, metadata, service_tier, ...) are
   ignored, as vLLM ignores them, with one warning a field name in the gateway's log."""
 
@@ -120,6 +121,7 @@ class _Common(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False  # vLLM's extension, handy for benchmarks
     user: str | None = None
     stop_token_ids: list[int] | None = None  # vLLM's extension
+    include_stop_str_in_output: bool = False  # vLLM's extension: the stop string that ended the text ends it
     # vLLM's extensions that reshape or constrain sampling (gateway.structured)
     min_p: float | None = None
     min_tokens: int | None = None

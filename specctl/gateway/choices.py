@@ -55,8 +55,9 @@ class Choices:
     """Owns the tasks of one request's generations (``async with``: none outlives it)."""
 
     def __init__(self, upstream: Upstream, metrics: GatewayMetrics, tokenizer, specs: list[ChoiceSpec],
-                 stop: list[str]) -> None:
+                 stop: list[str], include_stop: bool = False) -> None:
         self.upstream, self.metrics, self.tokenizer, self.specs, self.stop = upstream, metrics, tokenizer, specs, stop
+        self.include_stop = include_stop  # vLLM's include_stop_str_in_output
         self._queue: asyncio.Queue[tuple[int, Event | BaseException]] = asyncio.Queue()
         self._started: list[asyncio.Future] = []
         self._tasks: list[asyncio.Task] = []
@@ -121,7 +122,7 @@ class Choices:
         if spec.echo is not None:
             yield Event(spec.echo, None, {}, 0, prompt_logprobs(spec.prompt, first) if spec.params.prompt_logprobs
                         is not None and isinstance(first, Tokens) else [])
-        text = IncrementalText(self.tokenizer, self.stop)
+        text = IncrementalText(self.tokenizer, self.stop, self.include_stop)
         event, count = first, 0
         while True:
             if isinstance(event, Tokens):

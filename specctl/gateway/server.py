@@ -224,7 +224,8 @@ class Gateway:
                           calls=None if tools is None else partial(ForcedCalls, forced[0]) if forced else StreamedCalls,
                           include_usage=bool(req.stream_options and req.stream_options.include_usage), n=req.n)
             try:
-                async with Choices(self.upstream, self.metrics, self.tokenizer, specs, stop) as choices:
+                async with Choices(self.upstream, self.metrics, self.tokenizer, specs, stop,
+                                   req.include_stop_str_in_output) as choices:
                     response = await (reply.stream(request, choices) if req.stream else reply.collect(choices))
             except RemoteError as exc:
                 raise ApiError(REMOTE_STATUS.get(exc.code, 502), remote_message(exc),
