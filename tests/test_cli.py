@@ -33,6 +33,7 @@ def test_generate_json_is_identical_across_modes(tiny_dir, modes):
                                         "tokens_per_s", "draft_ms", "verify_ms"}
 
 
+@pytest.mark.slow  # 3 processes, 22 s; penalties in every mode are tested in-process in the default run
 def test_generate_with_penalties_is_the_same_in_every_mode_and_differs_from_without(tiny_dir):
     penalties = ("--repetition-penalty", "1.6", "--presence-penalty", "0.5", "--frequency-penalty", "0.4")
     outputs = {}
@@ -44,6 +45,7 @@ def test_generate_with_penalties_is_the_same_in_every_mode_and_differs_from_with
     assert outputs["ar"] != json.loads(_generate(tiny_dir, "--mode", "ar").stdout)["token_ids"]
 
 
+@pytest.mark.slow  # 2 processes, 13 s; structured output in every mode is tested in-process in the default run
 def test_generate_with_a_choice_is_one_of_them_in_every_mode(tiny_dir):
     texts = {mode: json.loads(_generate(tiny_dir, "--mode", mode, "--choice", "north", "--choice", "south").stdout)
              for mode in ("ar", "chain")}

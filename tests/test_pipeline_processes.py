@@ -72,6 +72,7 @@ async def test_two_stage_processes_with_a_draft_server_then_the_last_stage_kille
         stop_processes(procs)
 
 
+@pytest.mark.slow  # 17 s of processes; in-thread SpecPipe pipelines are tested in the default run
 async def test_stage_one_serving_specpipe_is_exact_and_a_cancelled_request_frees_every_stage(tiny_dir):
     first_port, second_port = free_ports(2)
     pipeline = f"127.0.0.1:{first_port},127.0.0.1:{second_port}"
