@@ -200,6 +200,7 @@ def test_generate_mode_multi_from_the_command_line(tiny_dir):
     _assert_one_line_error(_generate(tiny_dir, "--mode", "multi"), "mode multi needs drafters")
 
 
+@pytest.mark.slow  # a benchmark command run end to end (11 s); routing and fusion are tested in-process by default
 def test_bench_drafters_measures_singles_routing_and_fusion_with_exact_outputs(tiny_dir, tmp_path):
     import json
 

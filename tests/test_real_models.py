@@ -39,7 +39,10 @@ def smollm():
 
 
 @needs_smollm
-@pytest.mark.parametrize("layers", ["@10", pytest.param("@20", marks=pytest.mark.slow)])
+# in --runslow since 2026-11-28 (53 s in a fresh clone, 41 of them preparing the packaged model; CI's second pass
+# runs it with the other real-model tests)
+@pytest.mark.slow
+@pytest.mark.parametrize("layers", ["@10", "@20"])
 def test_smollm2_self_draft_is_exact(smollm, layers):
     target, draft = smollm["target"], smollm[layers].decoder
     params = SamplingParams(max_tokens=24)

@@ -79,8 +79,10 @@ def models(tiny_dir):
     return load_model("t", tiny_dir["llama"], "fp32"), load_model("d", tiny_dir["llama"], "fp32", num_layers=2)
 
 
-@pytest.mark.parametrize("spread", ["likeliest", "every-node"])
-@pytest.mark.parametrize("stages", [2, 3, 4])
+# the default run: likeliest over 2 and 4 stages, every-node over 3; the other three in --runslow (CI's second pass)
+@pytest.mark.parametrize("stages, spread", [
+    (2, "likeliest"), (4, "likeliest"), (3, "every-node"),
+    *(pytest.param(s, p, marks=pytest.mark.slow) for s, p in ((3, "likeliest"), (2, "every-node"), (4, "every-node")))])
 async def test_specpipe_outputs_exactly_the_whole_target(models, stages, spread):
     target, draft = models
     async with LocalPipeline(target, stages) as pipeline:
