@@ -146,3 +146,11 @@ def client(cluster):
     import openai
 
     return openai.OpenAI(base_url=cluster[1]["gateway"] + "/v1", api_key="unused", max_retries=0)
+
+
+def mode_drafter(mode: str, draft):
+    """A small drafter of each mode over ``draft`` (None for ar): the modes' table the engine tests share."""
+    from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
+
+    return {"ar": None, "chain": ModelChainDrafter(draft, 4), "tree": ModelTreeDrafter(draft, 3, 2, 3),
+            "ngram": NgramDrafter(3)}[mode]

@@ -11,8 +11,9 @@ from specctl.config import ConfigError, build_config
 from specctl.runtime.compute import ComputeThread
 from specctl.spec.batch_drafting import prefill_step
 from specctl.spec.decode import DecodeSession
-from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter, NoDrafter
+from specctl.spec.drafters import ModelChainDrafter, NoDrafter
 from specctl.spec.factory import prefill_chunk
+from tests.conftest import mode_drafter
 from specctl.spec.rounds import LocalSpeculator, generate, run_session
 from specctl.spec.sampling import SamplingParams
 
@@ -55,8 +56,7 @@ def test_a_prompt_is_prefilled_a_chunk_a_step_and_the_first_token_comes_with_the
 @pytest.mark.parametrize("mode", ["ar", "chain", "tree", "ngram"])
 def test_every_mode_gives_the_whole_prefill_s_output(chunked, mode):
     target, draft = chunked
-    drafter = {"ar": None, "chain": ModelChainDrafter(draft, 4), "tree": ModelTreeDrafter(draft, 3, 2, 3),
-               "ngram": NgramDrafter(3)}[mode]
+    drafter = mode_drafter(mode, draft)
     prompt = _prompt(2, 45)
     assert generate(target, prompt, GREEDY, drafter)[0] == _whole(target, prompt)
 

@@ -9,6 +9,7 @@ import torch
 from specctl.engine.prefix_cache import MIN_REUSE, PrefixCache, common_prefix
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.spec.decode import DecodeSession
+from tests.conftest import mode_drafter
 from specctl.spec.rounds import generate
 from specctl.spec.sampling import SamplingParams
 
@@ -50,8 +51,7 @@ def test_common_prefix():
 @pytest.mark.parametrize("mode", ["ar", "chain", "tree", "ngram"])
 def test_next_turn_restores_the_last_text_and_keeps_the_target_alone_output(cached, mode):
     target, draft = cached
-    drafter = {"ar": None, "chain": ModelChainDrafter(draft, 4), "tree": ModelTreeDrafter(draft, 3, 2, 3),
-               "ngram": NgramDrafter(3)}[mode]
+    drafter = mode_drafter(mode, draft)
     first = _prompt(1, 40)
     output, stats, _ = generate(target, first, GREEDY, drafter)
     assert output == _alone(target, first) and stats.cached_prompt_tokens == 0
