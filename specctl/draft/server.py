@@ -11,61 +11,31 @@ import itertools
 from collections.abc import Awaitable
 import logging
 import time
-from dataclasses import dataclass, field
 from functools import partial
 
+from specctl.draft.connection import Connection, DraftServerConfig
 from specctl.draft.levels import LevelTable
-from specctl.draft.plan import StarModel, admit
+from specctl.draft.plan import admit
 from specctl.draft.sessions import SessionTable, UnknownTag
-from specctl.draft.speculation import PrespecConfig, SpeculationCache
+from specctl.draft.speculation import SpeculationCache
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.loader import LoadedModel
+from specctl.engine.prefill_gate import prefill_gate
 from specctl.engine.prefix_cache import prefix_cache_stats
 from specctl.errors import ConfigError, KVBudgetExceeded, SpecctlError
 from specctl.net.framing import read_message
 from specctl.net.handshake import server_handshake
 from specctl.net.protocol import (
     CloseSession, Error, NextLevel, OpenLevels, OpenSession, Propose, ProtocolError, Reroot, SessionOpened, Stats,
-    StatsRequest, encode,
+    StatsRequest,
 )
 from specctl.runtime.compute import ComputeLane, ComputeThread
-from specctl.runtime.listen import ListenConfig, ListeningServer, MessageRate
+from specctl.runtime.listen import ListeningServer, MessageRate
 from specctl.spec.drafters import Drafter
 from specctl.spec.logit_rules import draft_guide
 from specctl.spec.structured import ll_tokenizer
 
 log = logging.getLogger("specctl.draft")
-
-
-@dataclass(slots=True)
-class DraftServerConfig(ListenConfig):
-    max_sessions_per_connection: int = 64
-    max_batch: int = 8  # most Propose requests drafted together in one pass
-    admission_model: StarModel | None = None  # StarSD N_max admission, when given
-    standalone_tokens_per_s: float | None = None
-    prespec: PrespecConfig | None = None  # pre-speculation (chain or tree drafters), when on
-
-    def __post_init__(self) -> None:
-        ListenConfig.__post_init__(self)
-        if self.max_sessions_per_connection < 1 or self.max_batch < 1:
-            raise ValueError("max_sessions_per_connection and max_batch must be >= 1")
-
-
-@dataclass(slots=True)
-class Connection:
-    id: int
-    peer: str
-    role: str
-    writer: asyncio.StreamWriter
-    outgoing: asyncio.Queue = field(default_factory=asyncio.Queue)
-    tags: set[int] = field(default_factory=set)
-    inflight: set[int] = field(default_factory=set)
-
-    def send(self, message) -> int:
-        """Queue one message; its frame's size in bytes."""
-        frame = encode(message)
-        self.outgoing.put_nowait(frame)
-        return len(frame)
 
 
 class DraftServer(ListeningServer):
@@ -90,6 +60,7 @@ class DraftServer(ListeningServer):
         self.proposal_bytes = 0
         self.connections: dict[int, Connection] = {}
         self.commits: dict[int, asyncio.Task] = {}  # early answers being made their session's KV, by tag
+        self.prefill_gate = prefill_gate(model.decoder)  # sessions that start alike feed their start once
         self._ids = itertools.count(1)
         self._tags = itertools.count(1)
         self.started = time.time()
@@ -106,6 +77,8 @@ class DraftServer(ListeningServer):
         stats.update(self.compute.stats.snapshot(self.compute.queue_depth))
         stats.update(self.table.snapshot())
         stats.update(self.levels.snapshot())
+        if self.prefill_gate is not None:
+            stats["shared_prefills"] = self.prefill_gate.waits
         stats["R_q"] = stats.pop("jobs_per_s")
         stats["proposal_bytes_mean"] = round(self.proposal_bytes / self.proposals_sent, 1) if self.proposals_sent else 0.0
         if "prespec" in stats:  # the share of the draft's idle time pre-speculation put to use
@@ -299,9 +272,12 @@ class DraftServer(ListeningServer):
         # the session's first Propose waits for it, as for an early answer's commit.
         self.commits[tag] = asyncio.current_task()
         conn.send(SessionOpened(message.req, tag))
+        prompt = self.table.prompt_to_feed(tag)
         try:
-            while not await self.compute.run(self.table.prefill_step, tag):
-                pass
+            async with (self.prefill_gate.turn(prompt) if self.prefill_gate is not None and prompt is not None
+                        else contextlib.nullcontext()):
+                while not await self.compute.run(self.table.prefill_step, tag):
+                    pass
         except Exception:  # noqa: BLE001 - the first proposal's catch-up feeds what is missing
             log.exception("prefilling draft session %s failed", tag)
         finally:

@@ -62,6 +62,16 @@ class SessionTable:
                 split = len(msg.prompt) - msg.generated
                 session.guide = self.guide_of(rules, list(msg.prompt[:split]), list(msg.prompt[split:]))
 
+    def prompt_to_feed(self, tag: int) -> list[int] | None:
+        """The prompt ``prefill_step`` feeds in chunks before the first proposal, or None when
+        there is none (a lookup drafter, a prompt within a chunk, chunks off)."""
+        state = self.states.get(tag)
+        session = getattr(state, "session", None)
+        if not isinstance(session, _ModelDraftSession) or state.rounds:
+            return None
+        chunk = session.decoder.prefill_chunk
+        return state.seq if 0 < chunk < len(state.seq) else None
+
     def prefill_step(self, tag: int) -> bool:
         """A chunk of a new model-draft session's prompt into its cache (batch_drafting.prefill_step);
         True once it is in, or when there is nothing to feed (closed, a lookup drafter, drafted already)."""

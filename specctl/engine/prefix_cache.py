@@ -84,16 +84,11 @@ class PrefixCache:
         token's); the positions restored are committed. Returns how many (0: none)."""
         if cache.length:
             raise ValueError(f"a prefix is restored into an empty cache, not one of length {cache.length}")
-        tokens = np.asarray(prompt[:-1], dtype=np.int64)
         with self._lock:
             self.stats.queries += 1
             self.stats.query_tokens += len(prompt)
-            best, best_len = None, 0
-            for key, entry in self._entries.items():
-                n = common_prefix(entry.tokens, tokens)
-                if n > best_len:
-                    best, best_len = key, n
-            if best is None or best_len < self.min_reuse:
+            best, best_len = self._longest(prompt)
+            if best is None:
                 return 0
             entry = self._entries[best]
             self._entries.move_to_end(best)
@@ -104,6 +99,22 @@ class PrefixCache:
         cache.v[:, :, :, :best_len].copy_(entry.v[:, :, :, :best_len])
         cache.commit(best_len)
         return best_len
+
+    def held(self, prompt: list[int]) -> int:
+        """How many of the prompt's positions a restore would copy now (0: none); counts nothing."""
+        with self._lock:
+            return self._longest(prompt)[1]
+
+    def _longest(self, prompt: list[int]) -> tuple[int | None, int]:
+        """(the entry sharing the longest start with all but the prompt's last token, how much),
+        or (None, 0) below ``min_reuse``; under the lock."""
+        tokens = np.asarray(prompt[:-1], dtype=np.int64)
+        best, best_len = None, 0
+        for key, entry in self._entries.items():
+            n = common_prefix(entry.tokens, tokens)
+            if n > best_len:
+                best, best_len = key, n
+        return (best, best_len) if best_len >= self.min_reuse else (None, 0)
 
     def store(self, text: list[int], cache: KVCache) -> None:
         """Keep a copy of the KV of ``text``, which the cache's first positions hold (a

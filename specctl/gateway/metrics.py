@@ -34,6 +34,8 @@ ROLE_GAUGES = {
     "prefix_cache_hit_tokens": ("prefix_cache_hit_tokens", "prompt tokens a role's prefix cache served"),
     "prefix_cache_query_tokens": ("prefix_cache_query_tokens", "prompt tokens a role's prefix cache was asked for"),
     "prefix_cache_mb": ("prefix_cache_mb", "memory a role's prefix cache holds (MiB)"),
+    "shared_prefills": ("shared_prefills", "prefills that waited for another session's with the same start and "
+                        "restored it (engine.prefill_gate)"),
 }
 
 # a draft server's "prespec" stats -> (gauge name, help)

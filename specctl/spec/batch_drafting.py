@@ -54,7 +54,11 @@ def prefill_step(session: _ModelDraftSession, seq: list[int]) -> bool:
     end = start + chunk
     session.decoder(torch.tensor(seq[start:end], dtype=torch.long), torch.arange(start, end), session.cache,
                     logits_at=torch.tensor([chunk - 1]))
-    return len(seq) - end <= chunk
+    if len(seq) - end > chunk:
+        return False
+    if prefixes is not None:  # what is fed so far, for sessions waiting to start the same way (engine.prefill_gate)
+        prefixes.store(seq, session.cache)
+    return True
 
 
 def propose_chains(sessions: list[_ChainSession], seqs: list[list[int]], params: list[SamplingParams],

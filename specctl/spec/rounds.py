@@ -14,11 +14,13 @@ the root alone (plain autoregressive decoding: slower, never different)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Callable, NamedTuple, Protocol
 
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.model import Decoder
+from specctl.engine.prefill_gate import PrefillGate
 from specctl.engine.tree import TokenTree
 from specctl.spec.decode import DecodeSession, apply_many
 from specctl.spec.draft_state import DraftState, draft_capacity, draft_many
@@ -112,15 +114,18 @@ class LocalSpeculator:
             self.state = None
 
 
-async def run_session(session: DecodeSession, speculator: Speculator, lane: Lane, emit: Emit) -> None:
+async def run_session(session: DecodeSession, speculator: Speculator, lane: Lane, emit: Emit,
+                      gate: PrefillGate | None = None) -> None:
     """Prefill, then rounds until the session finishes. However it ends (finished, failed,
-    cancelled), the session's KV cache and its draft-side state are freed."""
+    cancelled), the session's KV cache and its draft-side state are freed. ``gate``: the
+    server's (engine.prefill_gate), so sessions that start alike prefill their start once."""
     started = time.perf_counter()
     speculator.begin(session)
     try:
-        # the prompt in chunks, each a job of its own: other sessions' rounds run between them
-        while (first := await lane.run(session.prefill_step)) is None:
-            pass
+        async with gate.turn(session.seq) if gate is not None else contextlib.nullcontext():
+            # the prompt in chunks, each a job of its own: other sessions' rounds run between them
+            while (first := await lane.run(session.prefill_step)) is None:
+                pass
         session.stats.prefill_s = time.perf_counter() - started
         emit(first, None)
         while not session.finished:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.loader import LoadedModel
+from specctl.engine.prefill_gate import prefill_gate
 from specctl.engine.prefix_cache import prefix_cache_stats
 from specctl.engine.spec import check_token_ids
 from specctl.errors import BadRequest, KVBudgetExceeded, SpecctlError, StageUnavailable
@@ -78,6 +79,7 @@ class TargetServer(ListeningServer):
         if pipeline is not None:  # several sessions' micro-batches in flight through the stages at once
             self.verify_lane = MicroBatchLane(self.verify_lane)
         self.pool = KVPool(config.kv_budget_bytes)
+        self.prefill_gate = prefill_gate(model.decoder)  # sessions that start alike prefill their start once
         self.active = 0
         self.sessions_done = 0
         self.totals = GenerationStats()  # every round of every session, one recorder
@@ -103,6 +105,8 @@ class TargetServer(ListeningServer):
             "rejected_requests": self.rejected_requests,
             **prefix_cache_stats(self.model.decoder),
         }
+        if self.prefill_gate is not None:
+            stats["shared_prefills"] = self.prefill_gate.waits
         if self.pipeline is not None:
             stats.update({"pipeline_connected": self.pipeline.connected.is_set(),
                           "pipeline_rebuilds": self.pipeline.reconnects, "pipeline_error": self.pipeline.last_error,
@@ -191,7 +195,7 @@ class TargetServer(ListeningServer):
                 else:
                     speculator = (self.fusion.speculator(msg.seed) if self.fusion is not None
                                   else RemoteSpeculator(self.draft, self.config.max_proposal_nodes, msg.seed))
-                    await run_session(session, speculator, self.verify_lane, emit)
+                    await run_session(session, speculator, self.verify_lane, emit, self.prefill_gate)
                 self.sessions_done += 1
                 self._done(session, msg.req, session.finish_reason or "stop", send)
             except asyncio.CancelledError as exc:

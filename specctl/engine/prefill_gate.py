@@ -1,0 +1,88 @@
+"""Sessions that start the same way at the same time share one prefill.
+
+The prefix cache (engine.prefix_cache) stores a prompt when its prefill ends. A session that
+starts while another with the same start is still being prefilled — a request's n choices, a
+burst of chats over one long system prompt — found nothing cached, and with chunked prefill
+the two prefills interleave chunk by chunk, so the shared start was computed once a session.
+The gate makes such a session wait for the prefill in flight to end and then restore what it
+stored, as vLLM's scheduler does when a request's prefix blocks are being computed by another.
+
+A session waits only where it pays: when a prefill in flight shares at least half of what this
+prompt would compute (what the cache does not hold already), and at least ``min_reuse`` tokens;
+a prompt sharing a short start with a long one in flight computes its own. Waiting changes
+when a prefill runs, never what it computes (a restored prefix is what a prefill computes, up
+to rounding: engine.prefix_cache), and a prefill that fails or is cancelled lets its waiters
+go all the same. One gate per server and event loop; without a prefix cache there is none."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from typing import AsyncIterator, Iterator
+
+import numpy as np
+
+from specctl.engine.prefix_cache import PrefixCache, common_prefix
+
+
+class PrefillGate:
+    """The prompts one decoder is prefilling now (event loop only)."""
+
+    def __init__(self, prefixes: PrefixCache) -> None:
+        self.prefixes = prefixes
+        self._running: dict[int, tuple[np.ndarray, asyncio.Event]] = {}
+        self._keys = itertools.count()
+        self.waits = 0  # prefills that waited for another (stats)
+
+    def sharer(self, prompt: list[int]) -> asyncio.Event | None:
+        """The end of the prefill in flight worth waiting for (see the module's doc), or None:
+        start now."""
+        tokens = np.asarray(prompt[:-1], dtype=np.int64)
+        best, best_len = None, 0
+        for running, done in self._running.values():
+            n = common_prefix(running, tokens)
+            if n > best_len:
+                best, best_len = done, n
+        held = self.prefixes.held(prompt)
+        gain = best_len - held
+        if best is None or gain < max(self.prefixes.min_reuse, (len(prompt) - held) / 2):
+            return None
+        return best
+
+    async def wait_turn(self, prompt: list[int]) -> None:
+        """Wait while a prefill in flight is worth waiting for; at once when none is (and then
+        without suspending, so an inline round loop may call it)."""
+        waited = False
+        while (done := self.sharer(prompt)) is not None:
+            waited = True
+            await done.wait()
+        self.waits += waited
+
+    @contextlib.asynccontextmanager
+    async def turn(self, prompt: list[int]) -> AsyncIterator[None]:
+        """``wait_turn``, then the prompt in flight until the block (its prefill) ends."""
+        await self.wait_turn(prompt)
+        with self.prefilling(prompt):
+            yield
+
+    @contextlib.contextmanager
+    def prefilling(self, prompt: list[int]) -> Iterator[None]:
+        """Registers the prompt as in flight until the block ends, however it ends."""
+        key = next(self._keys)
+        done = asyncio.Event()
+        self._running[key] = (np.asarray(prompt, dtype=np.int64), done)
+        try:
+            yield
+        finally:
+            del self._running[key]
+            done.set()
+
+    def __len__(self) -> int:
+        return len(self._running)
+
+
+def prefill_gate(decoder) -> PrefillGate | None:
+    """A gate for ``decoder``'s prefills, or None when it keeps no prefix cache."""
+    prefixes = getattr(decoder, "prefix_cache", None)
+    return None if prefixes is None else PrefillGate(prefixes)
