@@ -359,6 +359,7 @@ def test_a_repeated_prompt_is_served_from_one_targets_prefix_cache_with_the_same
     families, _ = poll_until(lambda: _metrics(cluster[1]["gateway"]), lambda m: any(
         s.value > 0 for s in m[0]["specctl:prefix_cache_hit_tokens"].samples if s.labels["role"] == "target"))
     assert "specctl:prefix_cache_hit_rate" in families and "specctl:prefix_cache_mb" in families
+    assert "specctl:shared_prefills" in families  # engine.prefill_gate (none here: the requests came one by one)
 
 
 def test_a_prompt_in_flight_serves_the_same_prompt_sent_while_it_decodes(cluster, client, tiny_dir):
@@ -383,6 +384,23 @@ def test_a_prompt_in_flight_serves_the_same_prompt_sent_while_it_decodes(cluster
         assert second.choices[0].text == specctl_generate(tiny_dir, prompt, 8)["text"]
     finally:
         response.close()
+
+
+def test_a_request_s_choices_go_to_one_instance_which_prefills_their_prompt_once(cluster, client, tiny_dir):
+    """The gateway counts a prompt as an instance's from the moment it sends it there, so a
+    request's second choice follows the first (one request more than the least loaded is
+    within the balance), and that instance's prefill gate makes it wait for the first's prefill
+    and restore it (engine.prefill_gate). Before, the second went to the idle instance, which
+    prefilled the prompt again."""
+    targets = cluster[0].cluster.targets
+    prompt = "Two choices of one request share their prompt: it is prefilled once, not twice. " * 3
+    done, shared = [t.sessions_done for t in targets], [t.snapshot()["shared_prefills"] for t in targets]
+    reply = client.completions.create(model=str(tiny_dir["llama"]), prompt=prompt, max_tokens=8, temperature=0, n=2)
+    moved = [t.sessions_done - d for t, d in zip(targets, done)]
+    assert sorted(moved) == [0, 2]
+    holder = targets[moved.index(2)]
+    assert [t.snapshot()["shared_prefills"] - s for t, s in zip(targets, shared)] == [int(t is holder) for t in targets]
+    assert [c.text for c in reply.choices] == [specctl_generate(tiny_dir, prompt, 8)["text"]] * 2
 
 
 def test_client_disconnect_cancels_the_generation_everywhere(cluster, tiny_dir):

@@ -231,7 +231,7 @@ def test_a_target_with_several_drafters_shows_a_row_per_drafter_in_80x24():
 
 def test_prefix_caches_show_their_hit_rate_in_80x24_once_asked():
     cache = {"prefix_cache_hit_rate": 0.734, "prefix_cache_hit_tokens": 734, "prefix_cache_query_tokens": 1000,
-             "prefix_cache_entries": 12, "prefix_cache_mb": 37.4}
+             "prefix_cache_entries": 12, "prefix_cache_mb": 37.4, "shared_prefills": 4}
     data = feed(tokens=(100,), up=(True,))
     data["targets"][0]["stats"].update(cache)
     data["drafters"] = [{**DRAFT, "stats": {**DRAFT["stats"], **cache, "prefix_cache_hit_rate": 0.5}}]
@@ -240,6 +240,7 @@ def test_prefix_caches_show_their_hit_rate_in_80x24_once_asked():
     assert len(lines) <= 24 and max(len(line) for line in lines) <= 80
     assert "prefix cache" in screen and "hit 73%" in screen and "12 txt" in screen and "37 MiB" in screen
     assert "prefix cache hit 50%" in screen and "12 texts" in screen
+    assert screen.count("shared 4") == 2  # prefills shared (engine.prefill_gate), target and draft
     idle = feed(tokens=(100,), up=(True,))  # a cache nobody asked yet: no row
     idle["targets"][0]["stats"].update({**cache, "prefix_cache_query_tokens": 0})
     assert "prefix cache" not in text_of(dashboard(advance(MonitorState("x"), idle, 1.0), now=1.5))

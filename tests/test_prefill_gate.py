@@ -32,12 +32,12 @@ async def test_a_prompt_waits_for_a_prefill_in_flight_that_starts_the_same_way(t
     assert gate.sharer(PROMPT) is None  # nothing in flight
     with gate.prefilling(PROMPT):
         done = gate.sharer(PROMPT)
-        assert isinstance(done, asyncio.Event) and not done.is_set() and len(gate) == 1
+        assert isinstance(done, asyncio.Event) and not done.is_set() and gate.in_flight == 1
         assert gate.sharer(PROMPT[:40] + [200] * 24) is done  # 40 of 64 shared: more than half
         assert gate.sharer(PROMPT[:20] + [200] * 44) is None  # 20 of 64: not worth the wait
         assert gate.sharer(PROMPT[:10] + [200] * 6) is None  # 10: below the prefix cache's minimum
         assert gate.sharer([200] + PROMPT[1:]) is None  # another start
-    assert done.is_set() and len(gate) == 0 and gate.sharer(PROMPT) is None
+    assert done.is_set() and gate.in_flight == 0 and gate.sharer(PROMPT) is None
 
 
 async def test_a_prompt_the_cache_holds_already_does_not_wait(tiny):
@@ -69,7 +69,7 @@ async def test_a_failed_prefill_lets_its_waiters_go_and_the_next_waits_for_the_o
     await asyncio.gather(second, third)
     # nothing was stored, so the second prefills it all, and the third waits for the second
     assert order == ["first starts", "second starts", "second ends", "third starts", "third ends"]
-    assert gate.waits == 2 and len(gate) == 0
+    assert gate.waits == 2 and gate.in_flight == 0
 
 
 def test_a_decoder_without_a_prefix_cache_has_no_gate(tiny):

@@ -78,7 +78,9 @@ class PrefillGate:
             del self._running[key]
             done.set()
 
-    def __len__(self) -> int:
+    @property
+    def in_flight(self) -> int:
+        """Prefills registered now."""
         return len(self._running)
 
 

@@ -1,5 +1,6 @@
 """A request's choices: ``n`` per prompt, for each prompt of a batch, each its own generation
-on the least-loaded target instance, all running at once; their events merged into one
+routed as any request is (gateway.routing: a choice follows its prompt's first to the instance
+prefilling it, within the balance), all running at once; their events merged into one
 stream in the order they arrive, each tagged with its choice's index (OpenAI's and vLLM's
 layout: prompt i's j-th choice has index i * n + j).
 

@@ -35,7 +35,8 @@ def cached_tokens(stats: dict[int, dict], n: int) -> int:
 
 
 def spec_summary(stats: dict) -> dict:
-    keys = ("rounds", "drafted", "accepted", "mean_accepted_length", "acceptance_rate", "tokens_per_s")
+    keys = ("rounds", "drafted", "accepted", "mean_accepted_length", "acceptance_rate", "tokens_per_s",
+            "fallback_rounds")  # rounds run without a proposal (draft down, late, refused): slower, never different
     return {key: stats[key] for key in keys if key in stats}
 
 

@@ -44,7 +44,8 @@ class RoleLink:
     seen_at: float = 0.0
     connection: TargetConnection | None = None  # reused by every request to this instance
     connecting: asyncio.Lock = field(default_factory=asyncio.Lock)
-    # prompts of the requests it prefilled lately: what its prefix cache likely holds (cache-aware routing)
+    # prompts of the requests it prefilled lately or is prefilling: what its prefix cache holds or
+    # will hold (cache-aware routing)
     prefilled: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RECENT_PROMPTS))
 
     @property
@@ -59,6 +60,14 @@ class RoleLink:
     def snapshot(self) -> dict:
         return {"role": self.role, "address": self.address, "up": self.up, "error": self.error,
                 "seen_at": self.seen_at or None, "stats": self.stats}
+
+
+def _forget(prompts: collections.deque, tokens: np.ndarray) -> None:
+    """Drop this request's record (the very array) of a prompt it did not get prefilled there."""
+    for i, held in enumerate(prompts):
+        if held is tokens:
+            del prompts[i]
+            return
 
 
 class Upstream:
@@ -127,7 +136,11 @@ class Upstream:
             tried.add(index)
             link = self.targets[index]
             link.inflight += 1
-            stream = None
+            # Counted as prefilled from now: a request that starts the same way while this one's
+            # prefill runs waits there for it and restores it (engine.prefill_gate) — a
+            # request's n choices, a burst over one system prompt.
+            link.prefilled.append(tokens)
+            stream, first = None, None
             try:
                 try:
                     stream = (await self._connection(link)).generate(prompt, params)
@@ -139,10 +152,11 @@ class Upstream:
                         link.up, link.error = False, str(exc)
                     log.warning("target %s: %s; trying another", link.address, exc)
                     continue
-                link.prefilled.append(tokens)  # its first token came: the prompt's KV is in that instance's prefix cache
                 yield stream, first
                 return
             finally:
+                if first is None:  # it never started there
+                    _forget(link.prefilled, tokens)
                 if stream is not None:
                     stream.close()  # cancels it on the target unless it finished
                 link.inflight -= 1

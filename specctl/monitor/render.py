@@ -61,7 +61,8 @@ def draft_panel(draft: dict, targets: list[dict], state: MonitorState) -> Panel:
                   f"accept {s.get('acceptance_rate', 0):.0%}", f"MAL {s.get('mean_accepted_length', 0):.2f}")
     if s.get("prefix_cache_query_tokens"):
         table.add_row(f"prefix cache hit {s.get('prefix_cache_hit_rate', 0):.0%}",
-                      f"{s.get('prefix_cache_entries', 0)} texts", f"{s.get('prefix_cache_mb', 0):.0f} MiB", "")
+                      f"{s.get('prefix_cache_entries', 0)} texts", f"{s.get('prefix_cache_mb', 0):.0f} MiB",
+                      f"shared {s.get('shared_prefills', 0)}")
     if isinstance(s.get("prespec"), dict):
         for row in prespec_rows(s["prespec"]):
             table.add_row(*row)
@@ -125,8 +126,10 @@ def drafter_row(name: str, drafter: dict) -> tuple:
 
 
 def prefix_cache_row(s: dict) -> tuple:
-    """A target's prefix cache: the share of prompt tokens it served, its entries and memory."""
-    return (Text("  prefix cache", style="dim"), "", "", "", "", f"hit {s.get('prefix_cache_hit_rate', 0):.0%}",
+    """A target's prefix cache: prefills shared (engine.prefill_gate), the share of prompt tokens
+    it served, its entries and memory."""
+    return (Text("  prefix cache", style="dim"), "", "", "", f"shared {s.get('shared_prefills', 0)}",
+            f"hit {s.get('prefix_cache_hit_rate', 0):.0%}",
             f"{s.get('prefix_cache_entries', 0)} txt", f"{s.get('prefix_cache_mb', 0):.0f} MiB")
 
 
