@@ -37,6 +37,8 @@ async def test_a_prompt_waits_for_a_prefill_in_flight_that_starts_the_same_way(t
         assert gate.sharer(PROMPT[:20] + [200] * 44) is None  # 20 of 64: not worth the wait
         assert gate.sharer(PROMPT[:10] + [200] * 6) is None  # 10: below the prefix cache's minimum
         assert gate.sharer([200] + PROMPT[1:]) is None  # another start
+        assert gate.sharer(PROMPT[:32]) is done  # all 31 shared, the prefill in flight twice as long
+        assert gate.sharer(PROMPT[:31]) is None  # ... but not more than twice: it would outlast this one's own
     assert done.is_set() and gate.in_flight == 0 and gate.sharer(PROMPT) is None
 
 

@@ -8,8 +8,10 @@ The gate makes such a session wait for the prefill in flight to end and then res
 stored, as vLLM's scheduler does when a request's prefix blocks are being computed by another.
 
 A session waits only where it pays: when a prefill in flight shares at least half of what this
-prompt would compute (what the cache does not hold already), and at least ``min_reuse`` tokens;
-a prompt sharing a short start with a long one in flight computes its own. Waiting changes
+prompt would compute (what the cache does not hold already), at least ``min_reuse`` tokens, and
+is of a prompt at most twice as long as this one (computing its own, interleaved with that one's
+chunks, would take about as long); a prompt sharing a short start, or any start with a much
+longer one in flight, computes its own. Waiting changes
 when a prefill runs, never what it computes (a restored prefix is what a prefill computes, up
 to rounding: engine.prefix_cache), and a prefill that fails or is cancelled lets its waiters
 go all the same. One gate per server and event loop; without a prefix cache there is none."""
@@ -41,6 +43,8 @@ class PrefillGate:
         tokens = np.asarray(prompt[:-1], dtype=np.int64)
         best, best_len = None, 0
         for running, done in self._running.values():
+            if len(running) > 2 * len(prompt):  # its prefill would outlast this one's, even interleaved
+                continue
             n = common_prefix(running, tokens)
             if n > best_len:
                 best, best_len = done, n
