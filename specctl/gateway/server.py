@@ -158,8 +158,9 @@ class Gateway:
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "give either prompt or messages", param="prompt")
         chat = req.messages is not None
-        [ids] = self._encode(ChatCompletionRequest(messages=req.messages, tools=req.tools) if chat
-                             else CompletionRequest(prompt=req.prompt))
+        parsed = (ChatCompletionRequest(messages=req.messages, tools=req.tools) if chat
+                  else CompletionRequest(prompt=req.prompt))
+        [ids] = self._encode(parsed, self._tools(parsed))
         return web.json_response({"count": len(ids), "max_model_len": self.config.context, "tokens": ids})
 
     async def _detokenize(self, request: web.Request) -> web.Response:
@@ -183,12 +184,12 @@ class Gateway:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
 
-    def _encode(self, req: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
-        """The request's prompts as token ids: chat messages, or a completion prompt (text, token
-        ids, or a batch of either)."""
+    def _encode(self, req: CompletionRequest | ChatCompletionRequest, tools: list[dict] | None) -> list[list[int]]:
+        """The request's prompts as token ids: chat messages (with the tools the model is told
+        of), or a completion prompt (text, token ids, or a batch of either)."""
         try:
             if isinstance(req, ChatCompletionRequest):
-                return [encode_chat(self.tokenizer, chat_messages(req), self._tools(req))]
+                return [encode_chat(self.tokenizer, chat_messages(req), tools)]
             prompts = completion_prompts(req.prompt)
             ids = [encode_prompt(self.tokenizer, p) if isinstance(p, str) else p for p in prompts]
         except BadRequest as exc:
@@ -208,8 +209,8 @@ class Gateway:
             refuse_unsupported(req)
             self._check_model(req.model)
             stop = stop_strings(req)
-            prompts = self._encode(req)
             tools = self._tools(req)
+            prompts = self._encode(req, tools)
             forced = forced_call(tools, req.tool_choice)
             structured = structured_output(req, forced[1] if forced else None)
             specs = choice_specs(prompts, [sampling_params(req, len(p), self.config.context,
