@@ -11,10 +11,10 @@ A session waits only where it pays: when a prefill in flight shares at least hal
 prompt would compute (what the cache does not hold already), at least ``min_reuse`` tokens, and
 is of a prompt at most twice as long as this one (computing its own, interleaved with that one's
 chunks, would take about as long); a prompt sharing a short start, or any start with a much
-longer one in flight, computes its own. Waiting changes
-when a prefill runs, never what it computes (a restored prefix is what a prefill computes, up
-to rounding: engine.prefix_cache), and a prefill that fails or is cancelled lets its waiters
-go all the same. One gate per server and event loop; without a prefix cache there is none."""
+longer one in flight, computes its own. Waiting changes when a prefill runs, never what it
+computes (a restored prefix is what a prefill computes, up to rounding: engine.prefix_cache),
+and a prefill that fails or is cancelled lets its waiters go all the same. One gate per
+server and event loop; without a prefix cache there is none."""
 
 from __future__ import annotations
 
