@@ -20,7 +20,7 @@ from specctl.draft.sessions import SessionTable, UnknownTag
 from specctl.draft.speculation import SpeculationCache
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.loader import LoadedModel
-from specctl.engine.prefill_gate import prefill_gate
+from specctl.engine.prefill_gate import prefill_gate, prefill_turn
 from specctl.engine.prefix_cache import prefix_cache_stats
 from specctl.errors import ConfigError, KVBudgetExceeded, SpecctlError
 from specctl.net.framing import read_message
@@ -272,10 +272,8 @@ class DraftServer(ListeningServer):
         # the session's first Propose waits for it, as for an early answer's commit.
         self.commits[tag] = asyncio.current_task()
         conn.send(SessionOpened(message.req, tag))
-        prompt = self.table.prompt_to_feed(tag)
         try:
-            async with (self.prefill_gate.turn(prompt) if self.prefill_gate is not None and prompt is not None
-                        else contextlib.nullcontext()):
+            async with prefill_turn(self.prefill_gate, self.table.prompt_to_feed(tag)):
                 while not await self.compute.run(self.table.prefill_step, tag):
                     pass
         except Exception:  # noqa: BLE001 - the first proposal's catch-up feeds what is missing

@@ -48,9 +48,11 @@ class PrefillGate:
             n = common_prefix(running, tokens)
             if n > best_len:
                 best, best_len = done, n
+        if best is None:  # nothing in flight shares its start: no need to ask the cache
+            return None
         held = self.prefixes.held(prompt)
         gain = best_len - held
-        if best is None or gain < max(self.prefixes.min_reuse, (len(prompt) - held) / 2):
+        if gain < max(self.prefixes.min_reuse, (len(prompt) - held) / 2):
             return None
         return best
 
@@ -86,6 +88,11 @@ class PrefillGate:
     def in_flight(self) -> int:
         """Prefills registered now."""
         return len(self._running)
+
+
+def prefill_turn(gate: PrefillGate | None, prompt: list[int] | None) -> contextlib.AbstractAsyncContextManager:
+    """``gate.turn(prompt)``, or nothing to wait for when there is no gate or no prompt to prefill."""
+    return gate.turn(prompt) if gate is not None and prompt is not None else contextlib.nullcontext()
 
 
 def prefill_gate(decoder) -> PrefillGate | None:

@@ -14,13 +14,12 @@ the root alone (plain autoregressive decoding: slower, never different)."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Any, Callable, NamedTuple, Protocol
 
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.model import Decoder
-from specctl.engine.prefill_gate import PrefillGate
+from specctl.engine.prefill_gate import PrefillGate, prefill_turn
 from specctl.engine.tree import TokenTree
 from specctl.spec.decode import DecodeSession, apply_many
 from specctl.spec.draft_state import DraftState, draft_capacity, draft_many
@@ -122,7 +121,7 @@ async def run_session(session: DecodeSession, speculator: Speculator, lane: Lane
     started = time.perf_counter()
     speculator.begin(session)
     try:
-        async with gate.turn(session.seq) if gate is not None else contextlib.nullcontext():
+        async with prefill_turn(gate, session.seq):
             # the prompt in chunks, each a job of its own: other sessions' rounds run between them
             while (first := await lane.run(session.prefill_step)) is None:
                 pass
