@@ -1,6 +1,7 @@
-"""Tool calling (gateway.tools): tools rendered by the model's own chat template, the target's
-text read back for Hermes ``<tool_call>`` blocks — whole or streamed — and what cannot be
-served (forcing a call, legacy functions, a template without tools) refused by name."""
+"""Tool calling (gateway.tools, gateway.tool_calls): tools rendered by the model's own chat
+template, the target's text read back for Hermes ``<tool_call>`` blocks — whole, or streamed
+name first and arguments as they come — and what cannot be served (legacy functions, a
+template without tools) refused by name."""
 
 import json
 import shutil
@@ -10,7 +11,8 @@ import pytest
 from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
 from specctl.gateway.api import ApiError, ChatCompletionRequest, chat_messages, parse_body
-from specctl.gateway.tools import ForcedCalls, StreamedCalls, forced_call, parse, request_tools
+from specctl.gateway.tool_calls import ForcedCalls, StreamedCalls, parse
+from specctl.gateway.tools import forced_call, request_tools
 from tests.conftest import running_cluster
 from tests.test_gateway import post
 
@@ -41,36 +43,94 @@ def test_a_call_is_parsed_into_openais_shape_and_anything_else_stays_text():
     assert parse('<tool_call>\n{"name": "f"}\n')[1][0]["function"] == {"name": "f", "arguments": "{}"}
 
 
-def test_streamed_content_stops_at_the_first_call_and_the_calls_come_at_the_end():
-    text = "Checking <b>now</b>.\n" + CALL
-    streamed = StreamedCalls()
-    pieces = [text[i:i + 5] for i in range(0, len(text), 5)]
-    out = "".join(streamed.push(piece) for piece in pieces)
-    rest, calls = streamed.finish()
-    assert out + rest == "Checking <b>now</b>.\n" == parse(text)[0]
-    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+def joined(deltas: list[dict]) -> list[dict]:
+    """Streamed tool-call deltas joined as OpenAI's client joins them: by index, strings appended."""
+    calls: dict[int, dict] = {}
+    for delta in deltas:
+        call = calls.setdefault(delta["index"], {"function": {"name": "", "arguments": ""}})
+        call.update({k: v for k, v in delta.items() if k in ("id", "type")})
+        for key, piece in delta.get("function", {}).items():
+            call["function"][key] += piece
+    return [calls[i] for i in sorted(calls)]
+
+
+def streamed(reader, text: str, size: int) -> tuple[str, list[list[dict]], list[dict] | None]:
+    """``text`` pushed ``size`` characters at a time: (content, the deltas of each push and of the
+    finish, the calls)."""
+    content, pushes = "", []
+    for i in range(0, len(text), size):
+        piece, deltas = reader.push(text[i:i + size])
+        content += piece
+        pushes.append(deltas)
+    rest, deltas, calls = reader.finish()
+    return content + rest, pushes + [deltas], calls
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 1000])
+def test_a_streamed_call_comes_name_first_then_its_arguments_as_written(size):
+    two = ("Checking <b>now</b>.\n" + CALL + "\n" + CALL.replace("Paris", "Oslo, </tool>{x}")
+           .replace('"arguments"', ' "arguments" ') + "\n")
+    content, pushes, calls = streamed(StreamedCalls(), two, size)
+    whole = parse(two)
+    assert content == "Checking <b>now</b>.\n" == whole[0]
+    deltas = [d for push in pushes for d in push]
+    assert [{**c, "id": ""} for c in joined(deltas)] == [{**c, "id": ""} for c in calls] == [{**c, "id": ""} for c in whole[1]]
+    assert [c["function"]["arguments"] for c in calls] == ['{"city": "Paris"}', '{"city": "Oslo, </tool>{x}"}']
+    assert [(d["index"], d["function"]["name"]) for d in deltas if "id" in d] == [(0, "get_weather"), (1, "get_weather")]
+    if size == 1:  # the name goes out with the arguments' first character; the rest piece by piece
+        first = next(i for i, push in enumerate(pushes) if push)
+        assert first == two.index('{"city"')
+        assert pushes[first] == [{"index": 0, "id": calls[0]["id"], "type": "function",
+                                  "function": {"name": "get_weather", "arguments": ""}},
+                                 {"index": 0, "function": {"arguments": "{"}}]
+        assert sum(1 for push in pushes for d in push if d["index"] == 0 and "id" not in d) >= 10
+
+
+def test_streamed_content_stops_at_the_first_call_and_odd_blocks_are_read_when_they_close():
     plain = StreamedCalls()
-    assert plain.push("a <tool") == "a " and plain.push("box> b") == "<toolbox> b"  # held back, then handed out
-    assert plain.push(" <tool_c") == " " and plain.finish() == ("<tool_c", None)  # never a call: text after all
+    assert plain.push("a <tool") == ("a ", []) and plain.push("box> b") == ("<toolbox> b", [])  # held back, then out
+    assert plain.push(" <tool_c") == (" ", []) and plain.finish() == ("<tool_c", [], None)  # never a call: text after all
+    odd = StreamedCalls()  # keys the other way round, or no arguments: a call once the block closes
+    assert odd.push('<tool_call>{"arguments": {"a": 1}, "name": "f"}') == ("", [])
+    _, deltas = odd.push('</tool_call><tool_call>{"name": "g"}')
+    assert [(d["function"]["name"], d["function"]["arguments"]) for d in deltas] == [("f", '{"a": 1}')]
+    _, deltas, calls = odd.finish()  # the last block ended without its tag: read at the finish
+    assert [(d["function"]["name"], d["function"]["arguments"]) for d in deltas] == [("g", "{}")] and len(calls) == 2
+
+
+def test_a_call_cut_short_or_malformed_stays_streamed_but_a_whole_answer_keeps_the_text():
+    cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    content, pushes, calls = streamed(StreamedCalls(), cut, 3)
+    assert content == "" and calls is None and parse(cut) is None
+    assert joined([d for push in pushes for d in push])[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Par'}
+    extra = '<tool_call>{"name": "f", "arguments": {"a": 1}, "more": 2}</tool_call>'  # not {name, arguments}
+    _, pushes, calls = streamed(StreamedCalls(), extra, 4)
+    assert calls is None and parse(extra) is None
+    assert joined([d for push in pushes for d in push])[0]["function"]["name"] == "f"
 
 
 def test_a_forced_call_is_held_to_its_schema_and_read_back_as_the_call():
     named, structured = forced_call([WEATHER], {"type": "function", "function": {"name": "get_weather"}})
     assert (named, structured) == ("get_weather", ("json", json.dumps(WEATHER["function"]["parameters"])))
     reader = ForcedCalls(named)
-    assert reader.push('{"city": ') + reader.push('"Oslo"}') == ""
-    rest, calls = reader.finish()
-    assert rest == "" and calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    (content, first), (more, second) = reader.push('{"city": '), reader.push('"Oslo"}')
+    rest, last, calls = reader.finish()
+    assert content + more + rest == "" and last == []
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'} == joined(first + second)[0]["function"]
+    assert first == [{"index": 0, "id": calls[0]["id"], "type": "function",
+                      "function": {"name": "get_weather", "arguments": '{"city": '}}]
     assert reader.finish_reason == "stop"  # OpenAI's for a named call
     named, (kind, schema) = forced_call([WEATHER], "required")
     assert named is None and json.loads(schema)["items"]["anyOf"][0]["properties"]["name"] == {"const": "get_weather"}
     reader = ForcedCalls(None)
-    reader.push('[{"name": "get_weather", "parameters": {"city": "Rome"}}, {"name": "get_weather", "parameters": {}}]')
-    _, calls = reader.finish()
+    assert reader.push('[{"name": "get_weather", "parameters": {"city": "Rome"}}, {"name": "get_weather", '
+                       '"parameters": {}}]') == ("", [])  # read at the end
+    _, deltas, calls = reader.finish()
     assert [c["function"]["arguments"] for c in calls] == ['{"city": "Rome"}', "{}"] and reader.finish_reason == "tool_calls"
+    assert joined(deltas) == calls
     cut = ForcedCalls(None)
     cut.push('[{"name": "get_we')  # max_tokens came first: no call, the text stays content
-    assert cut.finish() == ('[{"name": "get_we', None)
+    assert cut.finish() == ('[{"name": "get_we', [], None)
     assert forced_call([WEATHER], "auto") is None and forced_call(None, None) is None
     with pytest.raises(ApiError, match="tool_choice names 'get_time', which is not among the tools"):
         forced_call([WEATHER], {"type": "function", "function": {"name": "get_time"}})
@@ -168,8 +228,19 @@ def test_a_forced_call_comes_back_as_the_call_streamed_or_not(tools_cluster):
     assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Oslo")
     code, _, raw = post(base + "/v1/chat/completions", {**body, "stream": True})
     chunks = [json.loads(line[6:]) for line in raw.split(b"\n\n") if line.startswith(b"data: {")]
-    streamed = [c["choices"][0]["delta"]["tool_calls"] for c in chunks if "tool_calls" in c["choices"][0]["delta"]]
-    assert [[c["function"] for c in calls] for calls in streamed] == [[call["function"]]]
+    deltas = [d for c in chunks for d in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert [c["function"] for c in joined(deltas)] == [call["function"]]
+    assert len(deltas) > 2 and deltas[0]["function"]["name"] == "get_weather"  # the arguments as they come
+    import openai
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    state = ChatCompletionStreamState()  # the official client joins the deltas into the whole call
+    for chunk in client.chat.completions.create(**body, model=client.models.list().data[0].id, stream=True):
+        state.handle_chunk(chunk)
+    [joined_call] = state.current_completion_snapshot.choices[0].message.tool_calls
+    assert (joined_call.function.name, joined_call.function.arguments) == (call["function"]["name"],
+                                                                         call["function"]["arguments"])
     assert chunks[-1]["choices"][0]["finish_reason"] == finish
 
 

@@ -1,6 +1,7 @@
 """A request's choices become its answer: one JSON body (collected) or an SSE stream, with
 each choice's logprobs and, when the request gave tools, its text read for tool calls
-(gateway.tools: the Hermes blocks of a free output, or a forced call's JSON)."""
+(gateway.tool_calls: the Hermes blocks of a free output, or a forced call's JSON; streamed, a
+call's name as soon as it is read and its arguments as they come)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ class Reply:
     chat: bool
     prompt_tokens: int
     logprobs: Callable[[list, int], dict] | None  # (entries, text offset) -> OpenAI's logprobs; None: not asked
-    calls: Callable[[], Any] | None = None  # a reader of one choice's tool calls (gateway.tools); None: no tools
+    calls: Callable[[], Any] | None = None  # a reader of one choice's tool calls (gateway.tool_calls); None: no tools
     include_usage: bool = False  # streamed: a last chunk with the usage
     n: int = 1  # choices per prompt (a prompt's cached tokens are counted once)
 
@@ -43,8 +44,8 @@ class Reply:
                 text, calls, finish = "".join(texts[index]), None, event.finish
                 if self.calls is not None:
                     reader = self.calls()
-                    content = reader.push(text)
-                    rest, calls = reader.finish()
+                    content, _ = reader.push(text)
+                    rest, _, calls = reader.finish()
                     if calls:  # content beside calls: None when there is none, as OpenAI's
                         text, finish = (content + rest) if (content + rest).strip() else None, reader.finish_reason
                 bodies.append(R.choice(self.chat, index, text, finish,
@@ -72,20 +73,23 @@ class Reply:
         completion_tokens, stats = 0, {}
         try:
             async for index, event in choices.events():
-                delta = calls[index].push(event.delta) if calls else event.delta
+                delta, call_deltas = calls[index].push(event.delta) if calls else (event.delta, [])
                 if delta or (self.logprobs and event.logprobs):
                     logprobs = self.logprobs(event.logprobs, offsets.get(index, 0)) if self.logprobs else None
                     if logprobs and not chat and logprobs["tokens"]:  # the next chunk's tokens start after these
                         offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
                     await send(text=delta, logprobs=logprobs, index=index)
+                if call_deltas:
+                    await send(tool_calls=call_deltas, index=index)
                 if event.finish:
                     finish = event.finish
                     if calls:
-                        rest, found = calls[index].finish()
+                        rest, call_deltas, found = calls[index].finish()
                         if rest:
                             await send(text=rest, index=index)
+                        if call_deltas:
+                            await send(tool_calls=call_deltas, index=index)
                         if found:
-                            await send(tool_calls=found, index=index)
                             finish = calls[index].finish_reason
                     completion_tokens += event.count
                     stats[index] = event.stats

@@ -105,11 +105,11 @@ def chunk(rid: str, model: str, chat: bool, created: int, text: str | None = Non
           role: bool = False, extra: dict | None = None, logprobs: dict | None = None, index: int = 0,
           tool_calls: list[dict] | None = None) -> dict:
     """One streamed chunk: a text delta (with its tokens' logprobs), the opening role (chat),
-    a choice's tool calls (whole, each with its index) or the closing finish_reason."""
+    a choice's tool-call deltas (gateway.tool_calls) or the closing finish_reason."""
     if chat:
         delta: dict = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
         if tool_calls:
-            delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(tool_calls)]}
+            delta = {"tool_calls": tool_calls}
         one = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
         one = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}

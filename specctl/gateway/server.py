@@ -28,7 +28,8 @@ from specctl.gateway.api import (
 from specctl.gateway.choices import Choices, choice_specs
 from specctl.gateway.respond import Reply, remote_message
 from specctl.gateway.structured import structured_output
-from specctl.gateway.tools import ForcedCalls, StreamedCalls, forced_call, request_tools
+from specctl.gateway.tool_calls import ForcedCalls, StreamedCalls
+from specctl.gateway.tools import forced_call, request_tools
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.gateway.upstream import Upstream
 from specctl.verify.client import RemoteError

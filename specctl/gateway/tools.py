@@ -3,7 +3,8 @@ format of the Qwen2.5 chat templates): the request's tools go to the model's own
 template, and the target's text is read back for ``<tool_call>{"name": ..., "arguments":
 {...}}</tool_call>`` blocks, which become the message's ``tool_calls`` (finish_reason
 "tool_calls"). Decoding is untouched — the calls are the target's own tokens, parsed. A text
-whose blocks do not parse stays content, as vLLM leaves it.
+whose blocks do not parse stays content, as vLLM leaves it. The reading back, whole or
+streamed call by call, is gateway.tool_calls; this module checks what a request asks.
 
 Forcing a call is structured output (spec.structured), as vLLM forces one: a named function
 constrains the output to its parameters' JSON schema, which becomes the call's arguments
@@ -13,13 +14,9 @@ list of {"name", "parameters"} of the given tools, one call or more (finish_reas
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any
 
 from specctl.gateway.api import ApiError
-
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-
 
 def request_tools(tools: list[Any] | None, tool_choice: Any, chat_template: str | None) -> list[dict] | None:
     """The tools to render and parse for, or None (no tools, or ``tool_choice`` "none": the
@@ -61,81 +58,3 @@ def forced_call(tools: list[dict] | None, tool_choice: Any) -> tuple[str | None,
                "required": ["name", "parameters"], "additionalProperties": False}
               for name, schema in parameters.items()]
     return None, ("json", json.dumps({"type": "array", "minItems": 1, "items": {"anyOf": one_of}}))
-
-
-def _call(name: str, arguments: str) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-class ForcedCalls:
-    """A choice whose output was held to a forced call's schema (``forced_call``): nothing is
-    content; at the end the text is the named function's arguments, or "required"'s list of
-    calls (a list cut short by max_tokens does not parse and stays content)."""
-
-    def __init__(self, named: str | None) -> None:
-        self.named, self.text = named, ""
-        self.finish_reason = "stop" if named is not None else "tool_calls"
-
-    def push(self, delta: str) -> str:
-        self.text += delta
-        return ""
-
-    def finish(self) -> tuple[str, list[dict] | None]:
-        if self.named is not None:
-            return "", [_call(self.named, self.text)]
-        try:
-            calls = [_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(self.text)]
-        except (json.JSONDecodeError, TypeError, KeyError):
-            return self.text, None
-        return "", calls
-
-
-def parse(text: str) -> tuple[str | None, list[dict]] | None:
-    """(the content before the first call, or None when there is none; the calls in OpenAI's
-    shape) — or None when the text holds no call that parses."""
-    start = text.find(OPEN)
-    if start < 0:
-        return None
-    calls = []
-    for block in text[start + len(OPEN):].split(OPEN):
-        body = block.split(CLOSE, 1)[0].strip()  # the last block may be cut short by max_tokens: then no call
-        try:
-            call = json.loads(body)
-        except json.JSONDecodeError:
-            return None
-        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
-            return None
-        calls.append(_call(call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)))
-    content = text[:start]  # as streamed: whitespace kept, so streamed and whole agree
-    return content if content.strip() else None, calls
-
-
-class StreamedCalls:
-    """A streamed choice's text with tools: its content is handed out up to the first
-    ``<tool_call>`` (holding back a tail that may start one); what follows is parsed at the end."""
-
-    finish_reason = "tool_calls"
-
-    def __init__(self) -> None:
-        self.text = ""
-        self.sent = 0  # characters of content handed out
-
-    def push(self, delta: str) -> str:
-        self.text += delta
-        start = self.text.find(OPEN)
-        if start >= 0:
-            upto = start
-        else:
-            hold = max((k for k in range(1, len(OPEN)) if self.text.endswith(OPEN[:k])), default=0)
-            upto = len(self.text) - hold
-        out = self.text[self.sent:upto] if upto > self.sent else ""
-        self.sent = max(self.sent, upto)
-        return out
-
-    def finish(self) -> tuple[str, list[dict] | None]:
-        """(content not yet handed out, the calls or None)."""
-        parsed = parse(self.text)
-        if parsed is None:
-            rest, self.sent = self.text[self.sent:], len(self.text)
-            return rest, None
-        return "", parsed[1]

@@ -1,0 +1,183 @@
+"""A choice's tool calls read back from the target's text (gateway.tools checks what a request
+asks): the Hermes ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks of a free
+output, or a forced call's JSON. Streamed as vLLM's Hermes parser streams them: the content up
+to the first ``<tool_call>``, then each call's id and name as soon as its name is read, then
+its arguments as the model writes them — the model's own text, so the pieces join into the
+arguments a whole answer carries. A text whose blocks do not parse stays content; a call
+already streamed when its block turns out malformed or cut short (max_tokens) stays streamed,
+with the target's finish_reason, as vLLM leaves it."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# A block up to its arguments' first character, name first as the Hermes templates write
+# calls; a block in another shape ({"name": ...} alone, keys the other way round) is read whole
+# when it closes.
+HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\S)')
+
+
+def _held(text: str, tag: str) -> int:
+    """How many characters at the end of ``text`` may begin ``tag`` (held back until known)."""
+    return max((k for k in range(1, len(tag)) if text.endswith(tag[:k])), default=0)
+
+
+def _new_call(name: str, arguments: str) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _delta(index: int, call: dict, arguments: str) -> dict:
+    """A call's first delta in a stream: its id, type and name (a fresh dict: the call grows)."""
+    return {"index": index, "id": call["id"], "type": "function",
+            "function": {"name": call["function"]["name"], "arguments": arguments}}
+
+
+def _whole(body: str) -> dict | None:
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+        return None
+    return _new_call(call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False))
+
+
+def _arguments(region: str, closed: bool) -> str | None:
+    """A header's block after ``"arguments":``, as far as it is surely the arguments: the
+    block's closing brace and the whitespace around it (and a tag maybe begun) held back.
+    None: a closed block whose arguments are not the JSON of a call."""
+    if not closed:
+        region = region[:len(region) - _held(region, CLOSE)]
+    region = region.rstrip()
+    if region.endswith("}"):
+        region = region[:-1].rstrip()
+    elif closed:
+        return None
+    return region
+
+
+class StreamedCalls:
+    """A choice's text with tools, pushed as it comes: the content and the calls' deltas to
+    hand out; ``finish`` reads what is left once the choice ended."""
+
+    finish_reason = "tool_calls"
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.sent = 0  # characters of content handed out
+        self.calls: list[dict] = []  # the calls begun, as OpenAI's (arguments handed out so far)
+        self._starts: list[int] = []  # where each begun call's arguments start in its block
+        self._read_blocks = 0  # blocks read to their end
+        self._broken = False  # a block that is no call: nothing after it is read
+
+    def push(self, delta: str) -> tuple[str, list[dict]]:
+        """(content to hand out, tool-call deltas to hand out)."""
+        self.text += delta
+        start = self.text.find(OPEN)
+        upto = start if start >= 0 else len(self.text) - _held(self.text, OPEN)
+        content = self.text[self.sent:upto] if upto > self.sent else ""
+        self.sent = max(self.sent, upto)
+        return content, self._read(start, final=False) if start >= 0 else []
+
+    def finish(self) -> tuple[str, list[dict], list[dict] | None]:
+        """(content not yet handed out, the last deltas, every call — None when the text holds
+        a block that is no call: a whole answer keeps its text as content)."""
+        start = self.text.find(OPEN)
+        deltas = self._read(start, final=True) if start >= 0 else []
+        if self.calls:
+            return "", deltas, None if self._broken else self.calls
+        rest, self.sent = self.text[self.sent:], len(self.text)
+        return rest, [], None
+
+    def _read(self, start: int, final: bool) -> list[dict]:
+        deltas: list[dict] = []
+        blocks = self.text[start + len(OPEN):].split(OPEN)
+        for i in range(self._read_blocks, len(blocks)):
+            if self._broken:
+                break
+            closed = final or i < len(blocks) - 1 or CLOSE in blocks[i]
+            body = blocks[i].split(CLOSE, 1)[0]  # the last block may end without its tag
+            if i == len(self.calls):  # not begun
+                header = HEADER.match(body)
+                if header is None:
+                    if not closed:
+                        break
+                    call = _whole(body)
+                    if call is None:
+                        self._broken = True
+                        break
+                    self.calls.append(call)
+                    self._starts.append(len(body))
+                    deltas.append(_delta(i, call, call["function"]["arguments"]))
+                    self._read_blocks = i + 1
+                    continue
+                self.calls.append(_new_call(json.loads(header.group(1)), ""))
+                self._starts.append(header.end())
+                deltas.append(_delta(i, self.calls[i], ""))
+            function = self.calls[i]["function"]
+            arguments = _arguments(body[self._starts[i]:], closed)
+            if arguments is None or not arguments.startswith(function["arguments"]) or (closed and not _fits(body, arguments)):
+                self._broken = True
+                break
+            if piece := arguments[len(function["arguments"]):]:
+                function["arguments"] = arguments
+                deltas.append({"index": i, "function": {"arguments": piece}})
+            if not closed:
+                break
+            self._read_blocks = i + 1
+        return deltas
+
+
+def _fits(body: str, arguments: str) -> bool:
+    """Whether a header's closed block is one call whose arguments are ``arguments``."""
+    whole = _whole(body)
+    try:
+        return whole is not None and json.loads(whole["function"]["arguments"]) == json.loads(arguments)
+    except json.JSONDecodeError:
+        return False
+
+
+def parse(text: str) -> tuple[str | None, list[dict]] | None:
+    """A whole text's (content before the first call, None when there is none; the calls in
+    OpenAI's shape) — or None when it holds no call, or a block that is none."""
+    reader = StreamedCalls()
+    content, _ = reader.push(text)
+    _, _, calls = reader.finish()
+    if calls is None:
+        return None
+    return content if content.strip() else None, calls
+
+
+class ForcedCalls:
+    """A choice whose output was held to a forced call's schema (gateway.tools.forced_call):
+    nothing is content. A named function's output is its arguments, streamed as they come;
+    "required"'s list of calls is read at the end (a list cut short by max_tokens does not
+    parse and stays content)."""
+
+    def __init__(self, named: str | None) -> None:
+        self.named, self.text = named, ""
+        self.finish_reason = "stop" if named is not None else "tool_calls"
+        self.call = _new_call(named, "") if named is not None else None
+        self._begun = False
+
+    def push(self, delta: str) -> tuple[str, list[dict]]:
+        self.text += delta
+        if self.call is None or not (delta or not self._begun):
+            return "", []
+        self.call["function"]["arguments"] = self.text
+        if self._begun:
+            return "", [{"index": 0, "function": {"arguments": delta}}]
+        self._begun = True
+        return "", [_delta(0, self.call, delta)]
+
+    def finish(self) -> tuple[str, list[dict], list[dict] | None]:
+        if self.call is not None:
+            return "", self.push("")[1], [self.call]
+        try:
+            calls = [_new_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(self.text)]
+        except (json.JSONDecodeError, TypeError, KeyError):
+            return self.text, [], None
+        return "", [_delta(i, call, call["function"]["arguments"]) for i, call in enumerate(calls)], calls
