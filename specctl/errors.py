@@ -67,3 +67,7 @@ def unreachable_reason(exc: BaseException) -> str | None:
     if isinstance(exc, socket.gaierror):
         return str(exc.strerror or exc).lower()
     return os.strerror(exc.errno).lower() if exc.errno else (str(exc) or type(exc).__name__)
+
+
+class ProtocolError(SpecctlError):
+    """A malformed, oversized or unexpected frame: the connection that sent it is closed."""

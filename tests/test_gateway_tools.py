@@ -10,9 +10,10 @@ import pytest
 
 from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
-from specctl.gateway.api import ApiError, ChatCompletionRequest, chat_messages, parse_body
+from specctl.gateway.api import ApiError, ChatCompletionRequest, parse_body
 from specctl.gateway.tool_calls import ForcedCalls, StreamedCalls, parse
 from specctl.gateway.tools import forced_call, request_tools
+from specctl.gateway.translate import chat_messages
 from tests.conftest import running_cluster
 from tests.test_gateway import post
 

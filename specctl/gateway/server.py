@@ -22,14 +22,15 @@ from specctl.engine.text import encode_chat, encode_prompt, token_bytes_of
 from specctl.errors import BadRequest, ConfigError
 from specctl.gateway import responses as R
 from specctl.gateway.api import (
-    MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_messages,
-    completion_prompts, parse_body, refuse_unsupported, sampling_params, stop_strings, wanted_logprobs,
+    MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_body,
+    refuse_unsupported, wanted_logprobs,
 )
 from specctl.gateway.choices import Choices, choice_specs
 from specctl.gateway.respond import Reply, remote_message
 from specctl.gateway.structured import structured_output
 from specctl.gateway.tool_calls import ForcedCalls, StreamedCalls
 from specctl.gateway.tools import forced_call, request_tools
+from specctl.gateway.translate import chat_messages, completion_prompts, sampling_params, stop_strings
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.gateway.upstream import Upstream
 from specctl.verify.client import RemoteError

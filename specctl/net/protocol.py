@@ -2,7 +2,8 @@
 
 Frames are a 4-byte big-endian length followed by one msgpack message. Every message
 carries its type in a ``type`` field; anything that does not decode into a known message
-with valid fields becomes a ProtocolError. Tensors travel as {dtype, shape, data}."""
+with valid fields becomes a ProtocolError. Tensors travel as {dtype, shape, data}
+(net.tensor); the pipeline stages' messages are net.stage_messages, members of the union."""
 
 from __future__ import annotations
 
@@ -11,44 +12,13 @@ from typing import Union
 import msgspec
 import torch
 
-from specctl.errors import SpecctlError
+from specctl.errors import ProtocolError
+from specctl.net.stage_messages import StageClose, StageDrop, StageForward, StageKeep, StageOpen, StageOutput
+from specctl.net.tensor import Tensor
 
 PROTOCOL_VERSION = 4  # 2: sparse q in Proposal, no per-node probs; 3: pipeline stage messages, bf16 tensors;
 # 4: SpecPipe tree levels from a draft server
 MAX_FRAME_BYTES = 16 << 20
-
-
-class ProtocolError(SpecctlError):
-    """A malformed, oversized or unexpected frame: the connection that sent it is closed."""
-
-
-TENSOR_DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "bool")
-
-
-class Tensor(msgspec.Struct, frozen=True):
-    dtype: str
-    shape: list[int]
-    data: bytes
-
-    @classmethod
-    def from_torch(cls, t: torch.Tensor) -> "Tensor":
-        t = t.detach().contiguous().cpu()
-        raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # numpy has no bfloat16: ship its bits
-        return cls(str(t.dtype).removeprefix("torch."), list(t.shape), raw.numpy().tobytes())
-
-    def to_torch(self) -> torch.Tensor:
-        dtype = getattr(torch, self.dtype, None)
-        if not isinstance(dtype, torch.dtype) or self.dtype not in TENSOR_DTYPES:
-            raise ProtocolError(f"unsupported tensor dtype {self.dtype!r}")
-        count = 1
-        for dim in self.shape:
-            if dim < 0:
-                raise ProtocolError(f"negative tensor dimension in {self.shape}")
-            count *= dim
-        item = torch.tensor([], dtype=dtype).element_size()
-        if count * item != len(self.data):
-            raise ProtocolError(f"tensor of shape {self.shape} and dtype {self.dtype} needs {count * item} bytes, got {len(self.data)}")
-        return torch.frombuffer(bytearray(self.data), dtype=dtype).reshape(self.shape) if count else torch.empty(self.shape, dtype=dtype)
 
 
 # --- handshake -------------------------------------------------------------------------
@@ -244,65 +214,6 @@ class Done(msgspec.Struct, tag=True, frozen=True):
 
 class Cancel(msgspec.Struct, tag=True, frozen=True):
     req: int
-
-
-# --- pipeline stage i -> stage i+1 (and StageOutput back) ----------------------------------
-# One connection per neighbouring pair. Messages apply in the order sent, so a session's
-# KV pruning reaches every stage before that session's next forward (no stage ever runs
-# ahead of what was verified).
-
-class StageOpen(msgspec.Struct, tag=True, frozen=True):
-    sid: int
-    capacity: int  # positions to reserve for the session's KV on every stage
-
-
-class StageForward(msgspec.Struct, tag=True, frozen=True):
-    """A micro-batch: the hidden states of several sessions' new tokens, concatenated."""
-    fid: int
-    sids: list[int]
-    lengths: list[int]  # new tokens per session
-    positions: Tensor  # int64 [sum(lengths)] RoPE positions
-    masks: list[Tensor | None]  # per session: bool [n, k], the last k columns of its attention mask (None = causal)
-    logits_at: list[list[int]]  # per session: which of its new tokens get logits (last stage)
-    hidden: Tensor  # [sum(lengths), hidden] in the model's dtype
-    want: str = "logits"  # last stage: "logits" rows, or "argmax" (greedy: one token id per row)
-    tags: list[int] = []  # per session: the sender's id of this forward (SpecPipe: its level), for StageDrop
-    dropped: bool = False  # a dead forward passed on without hidden states: reserve its KV rows, compute nothing
-
-
-class StageKeep(msgspec.Struct, tag=True, frozen=True):
-    """Keep KV positions [0, prefix) + ``tail`` (ascending), compacted: after a verification."""
-    sid: int
-    prefix: int
-    tail: list[int] = []
-
-
-class StageClose(msgspec.Struct, tag=True, frozen=True):
-    sid: int
-
-
-class StageDrop(msgspec.Struct, tag=True, frozen=True):
-    """Control path: rows of the forwards of session ``sid`` tagged ``tags`` are dead (they
-    will be pruned: a flushed tree, a level wholly or partly in rejected branches). A stage
-    reads it as soon as it arrives, ahead of the forwards queued for its compute, and does
-    not compute those rows. ``rows``: per tag, its dead rows; empty (or no list at all) =
-    every row of it, and the forward is passed on without computing anything."""
-    sid: int
-    tags: list[int]
-    rows: list[list[int]] = []
-
-    def __post_init__(self) -> None:
-        if self.rows and len(self.rows) != len(self.tags):
-            raise ValueError(f"a stage drop lists rows for {len(self.rows)} forwards but tags {len(self.tags)}")
-        if any(row < 0 for rows in self.rows for row in rows):
-            raise ValueError("a stage drop's rows must be >= 0")
-
-
-class StageOutput(msgspec.Struct, tag=True, frozen=True):
-    """Last stage -> back up the chain: logits rows of a StageForward, in the model's dtype
-    (exact: the LM head computes them in it), rows of every session concatenated."""
-    fid: int
-    logits: Tensor
 
 
 # --- any role ----------------------------------------------------------------------------

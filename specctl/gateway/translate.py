@@ -1,0 +1,117 @@
+"""A validated request (gateway.api) in the engine's terms: its prompts, its chat turns as the
+chat template takes them, and its sampling parameters — with the limits of gateway.api and
+the context's room checked on the way, each failure an ApiError naming its parameter."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from specctl.errors import SpecctlError
+from specctl.gateway.api import (
+    MAX_CHOICES, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, ApiError, ChatCompletionRequest, CompletionRequest, RequestFields,
+    wanted_logprobs,
+)
+from specctl.spec.sampling import SamplingParams
+
+
+def completion_prompts(prompt: str | list) -> list[str | list[int]]:
+    """A completion request's prompts: one text, one list of token ids, or a batch of either
+    (OpenAI's four shapes; a batch's prompts are one shape)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, int) for p in prompt):
+        return [prompt]
+    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        if len(prompt) > MAX_CHOICES:
+            raise ApiError(400, f"at most {MAX_CHOICES} prompts a request, got {len(prompt)}", param="prompt")
+        return list(prompt)
+    raise ApiError(400, "prompt must be a string, a list of token ids, or a list of strings or of token-id lists "
+                        "(one shape per batch)", param="prompt")
+
+
+def logit_bias(req: RequestFields) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias (token ids as strings -> -100..100) as (id, bias) pairs; the target
+    instance refuses ids past its vocabulary."""
+    pairs = []
+    for key, bias in (req.logit_bias or {}).items():
+        if not key.strip().isdigit():
+            raise ApiError(400, f"logit_bias keys are token ids, got {key!r}", param="logit_bias")
+        pairs.append((int(key), bias))
+    return tuple(sorted(pairs))
+
+
+def stop_strings(req: RequestFields) -> list[str]:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
+    return [s for s in stop if s]
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    if not req.messages:
+        raise ApiError(400, "messages must not be empty", param="messages")
+    out = []
+    for message in req.messages:
+        if message.role not in ("system", "user", "assistant", "developer", "tool"):
+            raise ApiError(400, f"unknown message role {message.role!r}", param="messages")
+        content = message.content
+        if isinstance(content, list):
+            if any(part.type != "text" for part in content):
+                raise ApiError(400, "only text content parts are supported", param="messages")
+            content = "".join(part.text for part in content)
+        turn = {"role": "system" if message.role == "developer" else message.role, "content": content or ""}
+        if message.tool_calls:
+            turn["tool_calls"] = [{"type": "function", "function": {"name": call.function.name,
+                                                                    "arguments": _arguments(call.function.arguments)}}
+                                  for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            turn["tool_call_id"] = message.tool_call_id
+        out.append(turn)
+    return out
+
+
+def _arguments(arguments: str) -> Any:
+    """A call's arguments as the chat template renders them (an object, not its JSON text)."""
+    try:
+        return msgspec.json.decode(arguments)
+    except msgspec.DecodeError:
+        raise ApiError(400, f"a tool call's arguments must be JSON, got {arguments!r}", param="messages") from None
+
+
+def sampling_params(req: RequestFields, prompt_tokens: int, context: int, default_max_tokens: int,
+                    structured: tuple[str, str] | None = None) -> SamplingParams:
+    """Validated sampling parameters; a prompt that leaves no room is a 400 as in OpenAI. Stop
+    token ids outside the vocabulary are refused by the target instance (a 400 too).
+    ``structured``: the request's grammar (gateway.structured), checked already."""
+    if req.stop_token_ids and len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ApiError(400, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(req.stop_token_ids)}",
+                       param="stop_token_ids")
+    room = context - prompt_tokens
+    requested = req.max_completion_tokens if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens else req.max_tokens
+    if requested is not None and requested < 1:
+        raise ApiError(400, f"max_tokens must be at least 1, got {requested}", param="max_tokens")
+    if room < 1 or (requested is not None and requested > room):
+        raise ApiError(400, f"This model's maximum context length is {context} tokens. However, you requested "
+                       f"{prompt_tokens + (requested or 1)} tokens ({prompt_tokens} in the messages/prompt, "
+                       f"{requested or 1} in the completion). Please reduce the length of the prompt or max_tokens.",
+                       param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+                       code="context_length_exceeded")
+    if requested is None:
+        requested = min(16 if isinstance(req, CompletionRequest) else default_max_tokens, room)
+    top_k = req.top_k if req.top_k not in (None, -1) else 0
+    try:
+        return SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=top_k, max_tokens=requested, seed=req.seed, ignore_eos=req.ignore_eos,
+            stop_token_ids=tuple(req.stop_token_ids or ()), logprobs=wanted_logprobs(req),
+            prompt_logprobs=wanted_logprobs(req) if isinstance(req, CompletionRequest) and req.echo else None,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            min_p=req.min_p or 0.0, min_tokens=req.min_tokens or 0, logit_bias=logit_bias(req),
+            structured=structured,
+        )
+    except SpecctlError as exc:  # the message starts with the parameter's name
+        raise ApiError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
