@@ -146,3 +146,47 @@ async def test_two_choices_of_a_long_prompt_prefill_it_once_on_each_side(models)
         link.cancel()
         await target_server.close()
         await draft_server.close()
+
+
+async def test_a_prefill_registered_on_another_event_loop_is_not_waited_for():
+    import threading
+
+    gate = PrefillGate(PrefixCache(64 << 20))
+    registered, release = threading.Event(), threading.Event()
+
+    async def elsewhere() -> bool:
+        with gate.prefilling(PROMPT):
+            registered.set()
+            seen = gate.sharer(PROMPT) is not None  # its own loop waits for it
+            await asyncio.to_thread(release.wait)
+            return seen
+
+    other = asyncio.create_task(asyncio.to_thread(asyncio.run, elsewhere()))
+    await asyncio.to_thread(registered.wait)
+    assert gate.in_flight == 1 and gate.sharer(PROMPT) is None  # an Event of another loop cannot be awaited here
+    release.set()
+    assert await other and gate.in_flight == 0
+
+
+async def test_instances_over_one_model_share_its_gate_and_prefill_a_prompt_once(models):
+    """Two target instances over one model (an embedded cluster's): one gate, so sessions of one
+    prompt started together on each prefill it once; outputs the same."""
+    from specctl.runtime.compute import ComputeThread
+
+    target, _ = models
+    target.decoder.prefix_cache.clear()
+    compute = ComputeThread("test", max_batch=4)
+    servers = [TargetServer(target, TargetServerConfig(port=0), None, compute=compute.lane(max_batch=4))
+               for _ in range(2)]
+    assert servers[0].prefill_gate is servers[1].prefill_gate is prefill_gate(target.decoder) is not None
+    waits = servers[0].prefill_gate.waits
+    ports = [await server.start() for server in servers]
+    try:
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        results = await asyncio.gather(*(remote_generate("127.0.0.1", port, PROMPT, params) for port in ports))
+        assert sorted(stats["cached_prompt_tokens"] for _, _, stats in results) == [0, len(PROMPT) - 1]
+        assert results[0][0] == results[1][0] and servers[1].prefill_gate.waits == waits + 1
+    finally:
+        for server in servers:
+            await server.close()
+        compute.stop()

@@ -14,13 +14,16 @@ chunks, would take about as long); a prompt sharing a short start, or any start 
 longer one in flight, computes its own. Waiting changes when a prefill runs, never what it
 computes (a restored prefix is what a prefill computes, up to rounding: engine.prefix_cache),
 and a prefill that fails or is cancelled lets its waiters go all the same. One gate per
-server and event loop; without a prefix cache there is none."""
+prefix cache — servers over one model (an embedded cluster's instances) share it, so a
+session waits for a prefill in flight on another instance too; a prefill registered from
+another event loop is not waited for. Without a prefix cache there is none."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import itertools
+import weakref
 from typing import AsyncIterator, Iterator
 
 import numpy as np
@@ -33,7 +36,7 @@ class PrefillGate:
 
     def __init__(self, prefixes: PrefixCache) -> None:
         self.prefixes = prefixes
-        self._running: dict[int, tuple[np.ndarray, asyncio.Event]] = {}
+        self._running: dict[int, tuple[np.ndarray, asyncio.Event, asyncio.AbstractEventLoop]] = {}
         self._keys = itertools.count()
         self.waits = 0  # prefills that waited for another (stats)
 
@@ -41,9 +44,9 @@ class PrefillGate:
         """The end of the prefill in flight worth waiting for (see the module's doc), or None:
         start now."""
         tokens = np.asarray(prompt[:-1], dtype=np.int64)
-        best, best_len = None, 0
-        for running, done in self._running.values():
-            if len(running) > 2 * len(prompt):  # its prefill would outlast this one's, even interleaved
+        best, best_len, loop = None, 0, asyncio.get_running_loop()
+        for running, done, owner in self._running.values():
+            if len(running) > 2 * len(prompt) or owner is not loop:  # it would outlast this one's, even interleaved
                 continue
             n = common_prefix(running, tokens)
             if n > best_len:
@@ -77,7 +80,7 @@ class PrefillGate:
         """Registers the prompt as in flight until the block ends, however it ends."""
         key = next(self._keys)
         done = asyncio.Event()
-        self._running[key] = (np.asarray(prompt, dtype=np.int64), done)
+        self._running[key] = (np.asarray(prompt, dtype=np.int64), done, asyncio.get_running_loop())
         try:
             yield
         finally:
@@ -95,7 +98,15 @@ def prefill_turn(gate: PrefillGate | None, prompt: list[int] | None) -> contextl
     return gate.turn(prompt) if gate is not None and prompt is not None else contextlib.nullcontext()
 
 
+_gates: weakref.WeakKeyDictionary[PrefixCache, PrefillGate] = weakref.WeakKeyDictionary()
+
+
 def prefill_gate(decoder) -> PrefillGate | None:
-    """A gate for ``decoder``'s prefills, or None when it keeps no prefix cache."""
+    """The gate of ``decoder``'s prefix cache (one a cache, shared by the servers over it), or
+    None when it keeps none."""
     prefixes = getattr(decoder, "prefix_cache", None)
-    return None if prefixes is None else PrefillGate(prefixes)
+    if prefixes is None:
+        return None
+    if prefixes not in _gates:
+        _gates[prefixes] = PrefillGate(prefixes)
+    return _gates[prefixes]
