@@ -110,6 +110,15 @@ def test_a_call_cut_short_or_malformed_stays_streamed_but_a_whole_answer_keeps_t
     assert joined([d for push in pushes for d in push])[0]["function"]["name"] == "f"
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call_streamed_or_whole():
+    two = CALL + "\n" + CALL.replace("Paris", "Oslo") + "\n<tool_call>{broken"
+    content, pushes, calls = streamed(StreamedCalls(max_calls=1), two, 3)
+    assert content == "" and [c["function"]["arguments"] for c in calls] == ['{"city": "Paris"}']
+    assert [{**c, "id": ""} for c in joined([d for push in pushes for d in push])] == [{**calls[0], "id": ""}]
+    _, (_, schema) = forced_call([WEATHER], "required", parallel=False)
+    assert json.loads(schema)["maxItems"] == 1 and "maxItems" not in json.loads(forced_call([WEATHER], "required")[1][1])
+
+
 def test_a_forced_call_is_held_to_its_schema_and_read_back_as_the_call():
     named, structured = forced_call([WEATHER], {"type": "function", "function": {"name": "get_weather"}})
     assert (named, structured) == ("get_weather", ("json", json.dumps(WEATHER["function"]["parameters"])))

@@ -76,3 +76,16 @@ def test_chat_without_template_is_a_clear_error(tok):
     tok.chat_template = None
     with pytest.raises(BadRequest, match="has no chat template"):
         encode_chat(tok, [{"role": "user", "content": "hi"}])
+
+
+def test_chat_template_options_reach_the_template_and_its_refusals_are_bad_requests():
+    tok = make_byte_tokenizer()
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    text = lambda **options: tok.decode(encode_chat(tok, messages, options=options or None))  # noqa: E731
+    assert text().endswith("<|im_start|>assistant\nHel<|im_end|>\n<|im_start|>assistant\n")  # a new turn (default)
+    assert text(add_generation_prompt=False).endswith("Hel<|im_end|>\n")
+    assert text(add_generation_prompt=False, continue_final_message=True).endswith("<|im_start|>assistant\nHel")
+    tok.chat_template = "{% if shout %}HI{% else %}hi{% endif %}{{ raise_exception('no tools here') if tools }}"
+    assert text(shout=True) == "HI" and text() == "hi"  # chat_template_kwargs are the template's variables
+    with pytest.raises(BadRequest, match="^the chat template cannot render these messages: no tools here$"):
+        encode_chat(tok, messages, tools=[{"type": "function", "function": {"name": "f"}}])

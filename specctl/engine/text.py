@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+from jinja2 import TemplateError
+
 from specctl.errors import BadRequest
 
 
@@ -13,13 +15,21 @@ def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
     return tokenizer.encode(prompt)
 
 
-def encode_chat(tokenizer: Any, messages: Sequence[dict], tools: list[dict] | None = None) -> list[int]:
+def encode_chat(tokenizer: Any, messages: Sequence[dict], tools: list[dict] | None = None,
+                options: dict[str, Any] | None = None) -> list[int]:
     """Messages (and the tools the model may call) through the model's own chat template, ready
-    for the assistant's turn. The template adds any special tokens itself, so the encoder must
-    not add them again."""
+    for the assistant's turn — or, with ``options`` (vLLM's add_generation_prompt,
+    continue_final_message and chat_template_kwargs, checked by the caller), as they ask. The
+    template adds any special tokens itself, so the encoder must not add them again. A template
+    that refuses the messages (its raise_exception, or a final message it cannot continue) is a
+    BadRequest saying why."""
     if not getattr(tokenizer, "chat_template", None):
         raise BadRequest("this model has no chat template: use /v1/completions (or drop --chat)")
-    text = tokenizer.apply_chat_template(list(messages), tools=tools, add_generation_prompt=True, tokenize=False)
+    options = {"add_generation_prompt": True, **(options or {})}
+    try:
+        text = tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False, **options)
+    except (TemplateError, ValueError) as exc:
+        raise BadRequest(f"the chat template cannot render these messages: {exc}") from None
     return tokenizer.encode(text, add_special_tokens=False)
 
 

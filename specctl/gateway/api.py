@@ -26,7 +26,12 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
   verification (spec.logit_rules, spec.sampling), greedy included, as vLLM applies them.
 - chat tools are rendered by the model's chat template and the output parsed for calls
   (gateway.tools: vLLM's Hermes parser); tool_choice "none" renders none; "required" or a
-  named function forces a call by structured output, as vLLM forces one.
+  named function forces a call by structured output, as vLLM forces one; parallel_tool_calls
+  false keeps the first call ("required": a list of one).
+- vLLM's chat-template fields: add_generation_prompt (default true), continue_final_message
+  (the last message left open for the model to continue; not with add_generation_prompt) and
+  chat_template_kwargs (variables for the template, e.g. enable_thinking; not the names the
+  gateway sets itself). /tokenize takes them too.
 - structured output — response_format json_object / json_schema, vLLM's guided_json,
   guided_regex, guided_choice, guided_grammar and structured_outputs — constrains the target's
   distribution to the grammar (spec.structured, llguidance as vLLM's guidance backend, JSON
@@ -144,6 +149,11 @@ class CompletionRequest(RequestFields, kw_only=True):
 class ChatCompletionRequest(RequestFields, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    parallel_tool_calls: bool = True  # False: the first call only (OpenAI's; as vLLM drops the others)
+    # vLLM's extensions for the chat template (gateway.translate.chat_template_options)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -152,6 +162,9 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

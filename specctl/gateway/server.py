@@ -30,7 +30,9 @@ from specctl.gateway.respond import Reply, remote_message
 from specctl.gateway.structured import structured_output
 from specctl.gateway.tool_calls import ForcedCalls, StreamedCalls
 from specctl.gateway.tools import forced_call, request_tools
-from specctl.gateway.translate import chat_messages, completion_prompts, sampling_params, stop_strings
+from specctl.gateway.translate import (
+    chat_messages, chat_template_options, completion_prompts, sampling_params, stop_strings,
+)
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.gateway.upstream import Upstream
 from specctl.verify.client import RemoteError
@@ -160,7 +162,10 @@ class Gateway:
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "give either prompt or messages", param="prompt")
         chat = req.messages is not None
-        parsed = (ChatCompletionRequest(messages=req.messages, tools=req.tools) if chat
+        parsed = (ChatCompletionRequest(messages=req.messages, tools=req.tools,
+                                        add_generation_prompt=req.add_generation_prompt,
+                                        continue_final_message=req.continue_final_message,
+                                        chat_template_kwargs=req.chat_template_kwargs) if chat
                   else CompletionRequest(prompt=req.prompt))
         [ids] = self._encode(parsed, self._tools(parsed))
         return web.json_response({"count": len(ids), "max_model_len": self.config.context, "tokens": ids})
@@ -191,7 +196,7 @@ class Gateway:
         of), or a completion prompt (text, token ids, or a batch of either)."""
         try:
             if isinstance(req, ChatCompletionRequest):
-                return [encode_chat(self.tokenizer, chat_messages(req), tools)]
+                return [encode_chat(self.tokenizer, chat_messages(req), tools, chat_template_options(req))]
             prompts = completion_prompts(req.prompt)
             ids = [encode_prompt(self.tokenizer, p) if isinstance(p, str) else p for p in prompts]
         except BadRequest as exc:
@@ -213,7 +218,8 @@ class Gateway:
             stop = stop_strings(req)
             tools = self._tools(req)
             prompts = self._encode(req, tools)
-            forced = forced_call(tools, req.tool_choice)
+            one_call = chat and not req.parallel_tool_calls
+            forced = forced_call(tools, req.tool_choice, parallel=not one_call)
             structured = structured_output(req, forced[1] if forced else None)
             specs = choice_specs(prompts, [sampling_params(req, len(p), self.config.context,
                                                            self.config.default_max_tokens, structured)
@@ -224,7 +230,8 @@ class Gateway:
             with_logprobs = wanted_logprobs(req) is not None
             reply = Reply(self.config.model_name, chat, prompt_tokens,
                           (lambda entries, offset: self._logprobs(chat, entries, offset)) if with_logprobs else None,
-                          calls=None if tools is None else partial(ForcedCalls, forced[0]) if forced else StreamedCalls,
+                          calls=None if tools is None else (partial(ForcedCalls, forced[0]) if forced
+                                                                            else partial(StreamedCalls, 1 if one_call else None)),
                           include_usage=bool(req.stream_options and req.stream_options.include_usage), n=req.n)
             try:
                 async with Choices(self.upstream, self.metrics, self.tokenizer, specs, stop,

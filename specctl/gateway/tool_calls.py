@@ -65,7 +65,8 @@ class StreamedCalls:
 
     finish_reason = "tool_calls"
 
-    def __init__(self) -> None:
+    def __init__(self, max_calls: int | None = None) -> None:
+        self.max_calls = max_calls  # parallel_tool_calls false: 1 (the blocks after it are not read)
         self.text = ""
         self.sent = 0  # characters of content handed out
         self.calls: list[dict] = []  # the calls begun, as OpenAI's (arguments handed out so far)
@@ -94,7 +95,7 @@ class StreamedCalls:
 
     def _read(self, start: int, final: bool) -> list[dict]:
         deltas: list[dict] = []
-        blocks = self.text[start + len(OPEN):].split(OPEN)
+        blocks = self.text[start + len(OPEN):].split(OPEN)[:self.max_calls]
         for i in range(self._read_blocks, len(blocks)):
             if self._broken:
                 break

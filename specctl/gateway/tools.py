@@ -37,9 +37,11 @@ def request_tools(tools: list[Any] | None, tool_choice: Any, chat_template: str 
     return specs
 
 
-def forced_call(tools: list[dict] | None, tool_choice: Any) -> tuple[str | None, tuple[str, str]] | None:
+def forced_call(tools: list[dict] | None, tool_choice: Any,
+                parallel: bool = True) -> tuple[str | None, tuple[str, str]] | None:
     """(the named function, or None for "required"; the JSON schema the output is held to) when
-    ``tool_choice`` forces a call, else None."""
+    ``tool_choice`` forces a call, else None. Not ``parallel`` (parallel_tool_calls false):
+    "required"'s list holds one call."""
     if tool_choice in (None, "none", "auto"):
         return None
     function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
@@ -57,4 +59,5 @@ def forced_call(tools: list[dict] | None, tool_choice: Any) -> tuple[str | None,
     one_of = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
                "required": ["name", "parameters"], "additionalProperties": False}
               for name, schema in parameters.items()]
-    return None, ("json", json.dumps({"type": "array", "minItems": 1, "items": {"anyOf": one_of}}))
+    return None, ("json", json.dumps({"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}),
+                                      "items": {"anyOf": one_of}}))

@@ -72,6 +72,30 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     return out
 
 
+# apply_chat_template's own arguments and the variables the gateway sets: not a request's to set
+TEMPLATE_RESERVED = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+def chat_template_options(req: ChatCompletionRequest) -> dict[str, Any]:
+    """vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs as the
+    chat template's keyword arguments (engine.text.encode_chat)."""
+    if req.add_generation_prompt and req.continue_final_message:
+        raise ApiError(400, "continue_final_message leaves the last message open for the model to continue; it "
+                            "cannot go with add_generation_prompt, which starts a new one: set that to false",
+                       param="continue_final_message")
+    extra = req.chat_template_kwargs or {}
+    for key in extra:
+        if key in TEMPLATE_RESERVED or not key.isidentifier():
+            raise ApiError(400, f"chat_template_kwargs cannot set {key!r}: the gateway sets it (or it is no "
+                                f"template variable); use the request's own field", param="chat_template_kwargs")
+    return {**extra, "add_generation_prompt": req.add_generation_prompt,
+            "continue_final_message": req.continue_final_message}
+
+
 def _arguments(arguments: str) -> Any:
     """A call's arguments as the chat template renders them (an object, not its JSON text)."""
     try:

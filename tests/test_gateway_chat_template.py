@@ -1,0 +1,65 @@
+"""vLLM's chat-template fields through the gateway (gateway.translate.chat_template_options):
+add_generation_prompt, continue_final_message and chat_template_kwargs on /v1/chat/completions
+and /tokenize, and what is refused by name."""
+
+import json
+
+import pytest
+
+from specctl.engine.loader import load_model
+from specctl.gateway.api import ApiError, ChatCompletionRequest
+from specctl.gateway.translate import chat_template_options
+from tests.test_gateway import post
+
+MESSAGES = [{"role": "user", "content": "Write a word."}, {"role": "assistant", "content": "Sure: hel"}]
+
+
+def test_the_options_become_the_templates_arguments():
+    req = ChatCompletionRequest(messages=[], add_generation_prompt=False, continue_final_message=True,
+                                chat_template_kwargs={"enable_thinking": False})
+    assert chat_template_options(req) == {"enable_thinking": False, "add_generation_prompt": False,
+                                          "continue_final_message": True}
+    assert chat_template_options(ChatCompletionRequest(messages=[])) == {"add_generation_prompt": True,
+                                                                         "continue_final_message": False}
+    with pytest.raises(ApiError, match="cannot go with add_generation_prompt"):
+        chat_template_options(ChatCompletionRequest(messages=[], continue_final_message=True))
+    for key in ("tools", "add_generation_prompt", "tokenize", "not a name"):
+        with pytest.raises(ApiError, match=f"^chat_template_kwargs cannot set {key!r}"):
+            chat_template_options(ChatCompletionRequest(messages=[], chat_template_kwargs={key: 1}))
+
+
+def test_a_final_message_continued_is_the_prompt_tokenize_shows_and_the_reply_continues_it(cluster, tiny_dir):
+    base = cluster[1]["gateway"]
+    tokenizer = load_model("tiny", tiny_dir["llama"], "fp32").tokenizer
+    fields = {"add_generation_prompt": False, "continue_final_message": True}
+    code, _, raw = post(base + "/tokenize", {"messages": MESSAGES, **fields})
+    assert code == 200, raw
+    continued = json.loads(raw)["tokens"]
+    assert tokenizer.decode(continued).endswith("Sure: hel")  # left open: no end of turn, no new turn
+    new_turn = json.loads(post(base + "/tokenize", {"messages": MESSAGES})[2])["tokens"]
+    assert len(new_turn) > len(continued) and new_turn[:len(continued)] == continued
+    body = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0, **fields,
+            "chat_template_kwargs": {"enable_thinking": False}}  # a variable this template ignores
+    code, _, raw = post(base + "/v1/chat/completions", body)
+    assert code == 200, raw
+    answer = json.loads(raw)
+    assert answer["usage"]["prompt_tokens"] == len(continued)
+    completion = json.loads(post(base + "/v1/completions", {"prompt": continued, "max_tokens": 4, "temperature": 0})[2])
+    assert answer["choices"][0]["message"]["content"] == completion["choices"][0]["text"]  # the same prompt, continued
+
+
+@pytest.mark.parametrize("route, fields, param, message", [
+    ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message",
+     "continue_final_message leaves the last message open for the model to continue; it cannot go with "
+     "add_generation_prompt, which starts a new one: set that to false"),
+    ("/tokenize", {"continue_final_message": True}, "continue_final_message", "cannot go with add_generation_prompt"),
+    ("/v1/chat/completions", {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs",
+     "chat_template_kwargs cannot set 'messages': the gateway sets it (or it is no template variable); use the "
+     "request's own field"),
+    ("/v1/chat/completions", {"chat_template_kwargs": ["x"]}, None,
+     "invalid request: Expected `object | null`, got `array` - at `$.chat_template_kwargs`"),
+])
+def test_what_the_template_cannot_take_is_refused_by_name(cluster, route, fields, param, message):
+    code, _, raw = post(cluster[1]["gateway"] + route, {"messages": MESSAGES, **fields})
+    error = json.loads(raw)["error"]
+    assert code == 400 and message in error["message"] and (param is None or error["param"] == param)
