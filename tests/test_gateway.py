@@ -10,6 +10,7 @@ import time
 import urllib.error
 import urllib.request
 
+import openai
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -73,7 +74,15 @@ def test_chat_completions_equal_specctl_generate_chat(cluster, client, tiny_dir)
 
 
 def test_models_health_and_seeded_sampling(cluster, client, tiny_dir):
-    assert [m.id for m in client.models.list().data] == [str(tiny_dir["llama"])]
+    [card] = client.models.list().data
+    assert card.id == str(tiny_dir["llama"]) and card.model_extra["max_model_len"] == 512  # the tiny model's context
+    assert client.models.retrieve(card.id) == card  # GET /v1/models/{model}, slashes and all
+    with pytest.raises(openai.NotFoundError, match="The model `gpt-4` does not exist"):
+        client.models.retrieve("gpt-4")
+    from specctl import __version__
+
+    with urllib.request.urlopen(cluster[1]["gateway"] + "/version", timeout=10) as response:
+        assert json.loads(response.read()) == {"version": __version__}
     with urllib.request.urlopen(cluster[1]["gateway"] + "/health", timeout=10) as response:
         assert json.loads(response.read()) == {"status": "ok", "targets_up": 2, "targets": 2}
     runs = [client.completions.create(model=str(tiny_dir["llama"]), prompt=PROMPT, max_tokens=12, temperature=1.0,

@@ -130,5 +130,11 @@ def sse(body: dict | str) -> bytes:
     return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n".encode()
 
 
-def models_list(model: str, created: int) -> dict:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "specctl"}]}
+def model_card(model: str, created: int, context: int) -> dict:
+    """OpenAI's model object, with vLLM's root and max_model_len."""
+    return {"id": model, "object": "model", "created": created, "owned_by": "specctl", "root": model,
+            "max_model_len": context}
+
+
+def models_list(model: str, created: int, context: int) -> dict:
+    return {"object": "list", "data": [model_card(model, created, context)]}

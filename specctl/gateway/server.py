@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from specctl import __version__
 from specctl.engine.text import encode_chat, encode_prompt, token_bytes_of
 from specctl.errors import BadRequest, ConfigError
 from specctl.gateway import responses as R
@@ -73,7 +74,8 @@ class Gateway:
         app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._errors])
         app.add_routes([
             web.post("/v1/completions", self._completions), web.post("/v1/chat/completions", self._chat),
-            web.get("/v1/models", self._models), web.get("/health", self._health),
+            web.get("/v1/models", self._models), web.get("/v1/models/{model:.+}", self._model),
+            web.get("/version", self._version), web.get("/health", self._health),
             web.get("/metrics", self._metrics), web.get("/v1/stats", self._stats),
             web.post("/tokenize", self._tokenize), web.post("/detokenize", self._detokenize),
         ])
@@ -136,7 +138,19 @@ class Gateway:
 
     async def _models(self, request: web.Request) -> web.Response:
         self._check_key(request)
-        return web.json_response(R.models_list(self.config.model_name, self.created))
+        return web.json_response(R.models_list(self.config.model_name, self.created, self.config.context))
+
+    async def _model(self, request: web.Request) -> web.Response:
+        """OpenAI's GET /v1/models/{model} (the client's models.retrieve)."""
+        self._check_key(request)
+        model = request.match_info["model"]
+        if model != self.config.model_name:  # _check_model passes an empty name
+            self._check_model(model or " ")
+        return web.json_response(R.model_card(self.config.model_name, self.created, self.config.context))
+
+    async def _version(self, _request: web.Request) -> web.Response:
+        """vLLM's GET /version: this gateway's specctl version."""
+        return web.json_response({"version": __version__})
 
     async def _health(self, _request: web.Request) -> web.Response:
         up = sum(t.up for t in self.upstream.targets)
