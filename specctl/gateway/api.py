@@ -42,6 +42,8 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
 - vLLM's stop_token_ids (at most MAX_STOP_TOKEN_IDS) end the generation as EOS does: the
   stop token is not part of the output (vLLM keeps a non-special one in its text). A stop
   string is not part of the text either unless vLLM's include_stop_str_in_output asks.
+- vLLM's truncate_prompt_tokens k keeps each prompt's last k tokens (-1: as many as the
+  context holds); usage counts what is kept, and echo gives back that.
 - Fields neither served nor refused (OpenAI's store, metadata, service_tier, ...) are
   ignored, as vLLM ignores them, with one warning a field name in the gateway's log."""
 
@@ -128,6 +130,7 @@ class RequestFields(msgspec.Struct, kw_only=True):
     user: str | None = None
     stop_token_ids: list[int] | None = None  # vLLM's extension
     include_stop_str_in_output: bool = False  # vLLM's extension: the stop string that ended the text ends it
+    truncate_prompt_tokens: int | None = None  # vLLM's extension: keep the prompt's last k tokens (-1: the context)
     # vLLM's extensions that reshape or constrain sampling (gateway.structured)
     min_p: float | None = None
     min_tokens: int | None = None

@@ -32,7 +32,7 @@ from specctl.gateway.structured import structured_output
 from specctl.gateway.tool_calls import ForcedCalls, StreamedCalls
 from specctl.gateway.tools import forced_call, request_tools
 from specctl.gateway.translate import (
-    chat_messages, chat_template_options, completion_prompts, sampling_params, stop_strings,
+    chat_messages, chat_template_options, completion_prompts, sampling_params, stop_strings, truncated,
 )
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.gateway.upstream import Upstream
@@ -231,7 +231,7 @@ class Gateway:
             self._check_model(req.model)
             stop = stop_strings(req)
             tools = self._tools(req)
-            prompts = self._encode(req, tools)
+            prompts = truncated(self._encode(req, tools), req.truncate_prompt_tokens, self.config.context)
             one_call = chat and not req.parallel_tool_calls
             forced = forced_call(tools, req.tool_choice, parallel=not one_call)
             structured = structured_output(req, forced[1] if forced else None)
@@ -271,7 +271,7 @@ class Gateway:
         """Each prompt's text as echo hands it back: as given, or decoded from its token ids."""
         if not getattr(req, "echo", False):
             return None
-        return [p if isinstance(p, str) else self.tokenizer.decode(ids)
+        return [p if isinstance(p, str) and req.truncate_prompt_tokens is None else self.tokenizer.decode(ids)
                 for p, ids in zip(completion_prompts(req.prompt), prompts)]
 
     def _check_room(self, generations: int) -> None:

@@ -31,6 +31,20 @@ def completion_prompts(prompt: str | list) -> list[str | list[int]]:
                         "(one shape per batch)", param="prompt")
 
 
+def truncated(prompts: list[list[int]], keep: int | None, context: int) -> list[list[int]]:
+    """vLLM's truncate_prompt_tokens: each prompt's last ``keep`` tokens (-1: the context's worth)."""
+    if keep is None:
+        return prompts
+    if keep == 0 or keep < -1:
+        raise ApiError(400, f"truncate_prompt_tokens must be at least 1 (or -1: as many as the context holds), got "
+                            f"{keep}", param="truncate_prompt_tokens")
+    if keep > context:
+        raise ApiError(400, f"truncate_prompt_tokens value ({keep}) is greater than max_model_len ({context}). Please, "
+                            f"select a smaller truncation size.", param="truncate_prompt_tokens")
+    keep = context if keep == -1 else keep
+    return [p[-keep:] for p in prompts]
+
+
 def logit_bias(req: RequestFields) -> tuple[tuple[int, float], ...]:
     """OpenAI's logit_bias (token ids as strings -> -100..100) as (id, bias) pairs; the target
     instance refuses ids past its vocabulary."""

@@ -1,6 +1,6 @@
-"""vLLM's chat-template fields through the gateway (gateway.translate.chat_template_options):
-add_generation_prompt, continue_final_message and chat_template_kwargs on /v1/chat/completions
-and /tokenize, and what is refused by name."""
+"""gateway.translate through the gateway: vLLM's chat-template fields (add_generation_prompt,
+continue_final_message and chat_template_kwargs on /v1/chat/completions and /tokenize) and its
+truncate_prompt_tokens, and what is refused by name."""
 
 import json
 
@@ -8,7 +8,7 @@ import pytest
 
 from specctl.engine.loader import load_model
 from specctl.gateway.api import ApiError, ChatCompletionRequest
-from specctl.gateway.translate import chat_template_options
+from specctl.gateway.translate import chat_template_options, truncated
 from tests.test_gateway import post
 
 MESSAGES = [{"role": "user", "content": "Write a word."}, {"role": "assistant", "content": "Sure: hel"}]
@@ -63,3 +63,24 @@ def test_what_the_template_cannot_take_is_refused_by_name(cluster, route, fields
     code, _, raw = post(cluster[1]["gateway"] + route, {"messages": MESSAGES, **fields})
     error = json.loads(raw)["error"]
     assert code == 400 and message in error["message"] and (param is None or error["param"] == param)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens_and_counts_what_it_kept(cluster):
+    base = cluster[1]["gateway"]
+    assert truncated([[1, 2, 3], [4]], 2, 8) == [[2, 3], [4]] and truncated([[1, 2, 3]], -1, 2) == [[2, 3]]
+    assert truncated([[1, 2, 3]], None, 2) == [[1, 2, 3]]
+    prompt = list(range(40, 80))
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True}
+    cut = json.loads(post(base + "/v1/completions", {**body, "truncate_prompt_tokens": 10})[2])
+    tail = json.loads(post(base + "/v1/completions", {**body, "prompt": prompt[-10:]})[2])
+    assert cut["usage"]["prompt_tokens"] == 10 and cut["choices"][0]["text"] == tail["choices"][0]["text"]
+    whole = json.loads(post(base + "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2})[2])
+    chat = json.loads(post(base + "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2,
+                                                           "truncate_prompt_tokens": 5})[2])
+    assert chat["usage"]["prompt_tokens"] == 5 < whole["usage"]["prompt_tokens"]
+    for keep, message in ((0, "truncate_prompt_tokens must be at least 1 (or -1: as many as the context holds), "
+                              "got 0"),
+                          (513, "truncate_prompt_tokens value (513) is greater than max_model_len (512). Please, "
+                                "select a smaller truncation size.")):
+        code, _, raw = post(base + "/v1/completions", {**body, "truncate_prompt_tokens": keep})
+        assert code == 400 and json.loads(raw)["error"]["message"] == message
