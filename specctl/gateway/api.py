@@ -175,6 +175,12 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
     tokens: list[int]
 
 
+def check_key(request: Any, api_key: str | None) -> None:
+    """The gateway's --api-key, as OpenAI's clients send it (a 401 otherwise)."""
+    if api_key and request.headers.get("Authorization", "") != f"Bearer {api_key}":
+        raise ApiError(401, "Incorrect API key provided: send `Authorization: Bearer <key>`", code="invalid_api_key")
+
+
 _warned_fields: set[str] = set()  # unknown request fields already named in the log
 MAX_WARNED_FIELDS = 64  # clients may send any names: the log names the first ones, memory stays bounded
 

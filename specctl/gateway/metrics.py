@@ -35,7 +35,7 @@ ROLE_GAUGES = {
     "prefix_cache_query_tokens": ("prefix_cache_query_tokens", "prompt tokens a role's prefix cache was asked for"),
     "prefix_cache_mb": ("prefix_cache_mb", "memory a role's prefix cache holds (MiB)"),
     "shared_prefills": ("shared_prefills", "prefills that waited for another session's with the same start and "
-                        "restored it (engine.prefill_gate)"),
+                        "restored it (engine.prefill_gate; one count a prefix cache, as its other figures)"),
 }
 
 # a draft server's "prespec" stats -> (gauge name, help)

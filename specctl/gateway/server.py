@@ -6,41 +6,28 @@ when the HTTP client goes away (handler cancellation closes the upstream connect
 from __future__ import annotations
 
 import asyncio
-import errno
-import os
 import contextlib
+import errno
 import logging
+import os
 import time
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, AsyncIterator
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from specctl import __version__
-from specctl.engine.text import encode_chat, encode_prompt, token_bytes_of
-from specctl.errors import BadRequest, ConfigError
+from specctl.errors import ConfigError
 from specctl.gateway import responses as R
 from specctl.gateway.api import (
-    MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_body,
-    refuse_unsupported, wanted_logprobs,
+    ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, check_key, parse_body,
 )
-from specctl.gateway.choices import Choices, choice_specs
-from specctl.gateway.respond import Reply, remote_message
-from specctl.gateway.structured import structured_output
-from specctl.gateway.tool_calls import ForcedCalls, StreamedCalls
-from specctl.gateway.tools import forced_call, request_tools
-from specctl.gateway.translate import (
-    chat_messages, chat_template_options, completion_prompts, sampling_params, stop_strings, truncated,
-)
+from specctl.gateway.generation import Generations
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.gateway.upstream import Upstream
-from specctl.verify.client import RemoteError
 
 log = logging.getLogger("specctl.gateway")
-
-REMOTE_STATUS = {"bad_request": 400, "capacity": 503, "unavailable": 503}
 
 
 @dataclass(slots=True)
@@ -63,10 +50,14 @@ class GatewayConfig:
 class Gateway:
     def __init__(self, config: GatewayConfig, tokenizer: Any, upstream: Upstream, metrics: GatewayMetrics) -> None:
         self.config, self.tokenizer, self.upstream, self.metrics = config, tokenizer, upstream, metrics
-        self._token_bytes = token_bytes_of(tokenizer)
+        self.generations = Generations(config, tokenizer, upstream, metrics)
         self.created = int(time.time())
-        self.running = 0
         self._runner: web.AppRunner | None = None
+
+    @property
+    def running(self) -> int:
+        """Generation requests in flight."""
+        return self.generations.running
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -131,8 +122,16 @@ class Gateway:
             return web.json_response(ApiError(500, f"internal error: {exc}", type="server_error").body(), status=500)
 
     def _check_key(self, request: web.Request) -> None:
-        if self.config.api_key and request.headers.get("Authorization", "") != f"Bearer {self.config.api_key}":
-            raise ApiError(401, "Incorrect API key provided: send `Authorization: Bearer <key>`", code="invalid_api_key")
+        check_key(request, self.config.api_key)
+
+    def _check_model(self, model: str | None) -> None:
+        self.generations.check_model(model)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.generations.serve(request, "completions")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self.generations.serve(request, "chat")
 
     # --- endpoints -----------------------------------------------------------------------
 
@@ -164,7 +163,7 @@ class Gateway:
         """The stats feed for the monitor: the latest snapshot of every role."""
         self._check_key(request)
         feed = {"time": time.time(), "model": self.config.model_name,
-                "gateway": {"requests_running": self.running}}
+                "gateway": {"requests_running": self.generations.running}}
         feed.update(self.upstream.snapshot())
         return web.json_response(feed)
 
@@ -181,7 +180,7 @@ class Gateway:
                                         continue_final_message=req.continue_final_message,
                                         chat_template_kwargs=req.chat_template_kwargs) if chat
                   else CompletionRequest(prompt=req.prompt))
-        [ids] = self._encode(parsed, self._tools(parsed))
+        [ids] = self.generations.encode(parsed, self.generations.tools(parsed))
         return web.json_response({"count": len(ids), "max_model_len": self.config.context, "tokens": ids})
 
     async def _detokenize(self, request: web.Request) -> web.Response:
@@ -193,106 +192,3 @@ class Gateway:
             raise ApiError(400, f"token ids must be in [0, {vocab}), got {min(req.tokens)}..{max(req.tokens)}",
                            param="tokens")
         return web.json_response({"prompt": self.tokenizer.decode(req.tokens)})
-
-    def _check_model(self, model: str | None) -> None:
-        if model and model != self.config.model_name:
-            raise ApiError(404, f"The model `{model}` does not exist. This gateway serves `{self.config.model_name}`.",
-                           param="model", code="model_not_found")
-
-    async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=False)
-
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=True)
-
-    def _encode(self, req: CompletionRequest | ChatCompletionRequest, tools: list[dict] | None) -> list[list[int]]:
-        """The request's prompts as token ids: chat messages (with the tools the model is told
-        of), or a completion prompt (text, token ids, or a batch of either)."""
-        try:
-            if isinstance(req, ChatCompletionRequest):
-                return [encode_chat(self.tokenizer, chat_messages(req), tools, chat_template_options(req))]
-            prompts = completion_prompts(req.prompt)
-            ids = [encode_prompt(self.tokenizer, p) if isinstance(p, str) else p for p in prompts]
-        except BadRequest as exc:
-            raise ApiError(400, str(exc)) from None
-        if not all(ids):
-            raise ApiError(400, "the prompt is empty", param="prompt")
-        return ids
-
-    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        endpoint = "chat" if chat else "completions"
-        status = "error"
-        self.running += 1
-        self.metrics.running.set(self.running)
-        try:
-            self._check_key(request)
-            req = parse_body(await request.read(), ChatCompletionRequest if chat else CompletionRequest)
-            refuse_unsupported(req)
-            self._check_model(req.model)
-            stop = stop_strings(req)
-            tools = self._tools(req)
-            prompts = truncated(self._encode(req, tools), req.truncate_prompt_tokens, self.config.context)
-            one_call = chat and not req.parallel_tool_calls
-            forced = forced_call(tools, req.tool_choice, parallel=not one_call)
-            structured = structured_output(req, forced[1] if forced else None)
-            specs = choice_specs(prompts, [sampling_params(req, len(p), self.config.context,
-                                                           self.config.default_max_tokens, structured)
-                                           for p in prompts], req.n, self._echoes(req, prompts))
-            self._check_room(len(specs))
-            prompt_tokens = sum(map(len, prompts))
-            self.metrics.prompt_tokens.inc(prompt_tokens)
-            with_logprobs = wanted_logprobs(req) is not None
-            reply = Reply(self.config.model_name, chat, prompt_tokens,
-                          (lambda entries, offset: self._logprobs(chat, entries, offset)) if with_logprobs else None,
-                          calls=None if tools is None else (partial(ForcedCalls, forced[0]) if forced
-                                                                            else partial(StreamedCalls, 1 if one_call else None)),
-                          include_usage=bool(req.stream_options and req.stream_options.include_usage), n=req.n)
-            try:
-                async with Choices(self.upstream, self.metrics, self.tokenizer, specs, stop,
-                                   req.include_stop_str_in_output) as choices:
-                    response = await (reply.stream(request, choices) if req.stream else reply.collect(choices))
-            except RemoteError as exc:
-                raise ApiError(REMOTE_STATUS.get(exc.code, 502), remote_message(exc),
-                               type="invalid_request_error" if exc.code == "bad_request" else "server_error") from None
-            status = "ok"
-            return response
-        except asyncio.CancelledError:
-            status = "cancelled"
-            raise
-        except ApiError as exc:
-            status = str(exc.status)
-            raise
-        finally:
-            self.running -= 1
-            self.metrics.running.set(self.running)
-            self.metrics.requests.labels(endpoint=endpoint, status=status).inc()
-
-    def _echoes(self, req, prompts: list[list[int]]) -> list[str] | None:
-        """Each prompt's text as echo hands it back: as given, or decoded from its token ids."""
-        if not getattr(req, "echo", False):
-            return None
-        return [p if isinstance(p, str) and req.truncate_prompt_tokens is None else self.tokenizer.decode(ids)
-                for p, ids in zip(completion_prompts(req.prompt), prompts)]
-
-    def _check_room(self, generations: int) -> None:
-        """A request's choices run at once: more than the instances that are up can ever hold
-        at once is refused (fewer, but busy now, is the usual 503 to retry)."""
-        if generations > MAX_CHOICES:
-            raise ApiError(400, f"this request asks for {generations} generations (n times the prompts); at most "
-                                f"{MAX_CHOICES}", param="n")
-        room = sum(view.capacity for view in self.upstream.views() if view.up)
-        if room and generations > room:
-            raise ApiError(400, f"this request asks for {generations} generations at once (n times the prompts) but "
-                                f"the target instances hold {room} sessions in all: lower n or send fewer prompts",
-                           param="n")
-
-    def _token_text(self, token: int) -> str:
-        return self.tokenizer.decode([token])
-
-    def _logprobs(self, chat: bool, entries: list, offset: int = 0) -> dict | None:
-        return R.logprobs_body(chat, entries, self._token_text, offset, self._token_bytes)
-
-    def _tools(self, req) -> list[dict] | None:
-        if not isinstance(req, ChatCompletionRequest):
-            return None
-        return request_tools(req.tools, req.tool_choice, getattr(self.tokenizer, "chat_template", None))

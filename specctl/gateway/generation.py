@@ -1,0 +1,143 @@
+"""The gateway's generation requests (/v1/completions, /v1/chat/completions): a request
+parsed and checked (gateway.api, gateway.translate), its prompts encoded, its choices run on
+the target instances (gateway.choices) and answered whole or streamed (gateway.respond)."""
+
+from __future__ import annotations
+
+import asyncio
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from specctl.engine.text import encode_chat, encode_prompt, token_bytes_of
+from specctl.errors import BadRequest
+from specctl.gateway import responses as R
+from specctl.gateway.api import (
+    MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, check_key, parse_body, refuse_unsupported,
+    wanted_logprobs,
+)
+from specctl.gateway.choices import Choices, choice_specs
+from specctl.gateway.metrics import GatewayMetrics
+from specctl.gateway.respond import Reply, remote_message
+from specctl.gateway.structured import structured_output
+from specctl.gateway.tool_calls import ForcedCalls, StreamedCalls
+from specctl.gateway.tools import forced_call, request_tools
+from specctl.gateway.translate import (
+    chat_messages, chat_template_options, completion_prompts, sampling_params, stop_strings, truncated,
+)
+from specctl.gateway.upstream import Upstream
+from specctl.verify.client import RemoteError
+
+if TYPE_CHECKING:
+    from specctl.gateway.server import GatewayConfig
+
+REMOTE_STATUS = {"bad_request": 400, "capacity": 503, "unavailable": 503}
+
+
+class Generations:
+    """The generation requests of one gateway; ``running`` counts those in flight."""
+
+    def __init__(self, config: "GatewayConfig", tokenizer: Any, upstream: Upstream, metrics: GatewayMetrics) -> None:
+        self.config, self.tokenizer, self.upstream, self.metrics = config, tokenizer, upstream, metrics
+        self._token_bytes = token_bytes_of(tokenizer)
+        self.running = 0
+
+    def check_model(self, model: str | None) -> None:
+        if model and model != self.config.model_name:
+            raise ApiError(404, f"The model `{model}` does not exist. This gateway serves `{self.config.model_name}`.",
+                           param="model", code="model_not_found")
+
+    def encode(self, req: CompletionRequest | ChatCompletionRequest, tools: list[dict] | None) -> list[list[int]]:
+        """The request's prompts as token ids: chat messages (with the tools the model is told
+        of), or a completion prompt (text, token ids, or a batch of either)."""
+        try:
+            if isinstance(req, ChatCompletionRequest):
+                return [encode_chat(self.tokenizer, chat_messages(req), tools, chat_template_options(req))]
+            prompts = completion_prompts(req.prompt)
+            ids = [encode_prompt(self.tokenizer, p) if isinstance(p, str) else p for p in prompts]
+        except BadRequest as exc:
+            raise ApiError(400, str(exc)) from None
+        if not all(ids):
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        return ids
+
+    async def serve(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        """One generation request of ``endpoint`` ("completions", "chat"), answered whole or
+        streamed; counted in the metrics however it ends."""
+        chat = endpoint == "chat"
+        status = "error"
+        self.running += 1
+        self.metrics.running.set(self.running)
+        try:
+            check_key(request, self.config.api_key)
+            req = parse_body(await request.read(), ChatCompletionRequest if chat else CompletionRequest)
+            refuse_unsupported(req)
+            self.check_model(req.model)
+            stop = stop_strings(req)
+            tools = self.tools(req)
+            prompts = truncated(self.encode(req, tools), req.truncate_prompt_tokens, self.config.context)
+            one_call = chat and not req.parallel_tool_calls
+            forced = forced_call(tools, req.tool_choice, parallel=not one_call)
+            structured = structured_output(req, forced[1] if forced else None)
+            specs = choice_specs(prompts, [sampling_params(req, len(p), self.config.context,
+                                                           self.config.default_max_tokens, structured)
+                                           for p in prompts], req.n, self._echoes(req, prompts))
+            self._check_room(len(specs))
+            prompt_tokens = sum(map(len, prompts))
+            self.metrics.prompt_tokens.inc(prompt_tokens)
+            with_logprobs = wanted_logprobs(req) is not None
+            reply = Reply(self.config.model_name, chat, prompt_tokens,
+                          (lambda entries, offset: self._logprobs(chat, entries, offset)) if with_logprobs else None,
+                          calls=None if tools is None else (partial(ForcedCalls, forced[0]) if forced
+                                                                            else partial(StreamedCalls, 1 if one_call else None)),
+                          include_usage=bool(req.stream_options and req.stream_options.include_usage), n=req.n)
+            try:
+                async with Choices(self.upstream, self.metrics, self.tokenizer, specs, stop,
+                                   req.include_stop_str_in_output) as choices:
+                    response = await (reply.stream(request, choices) if req.stream else reply.collect(choices))
+            except RemoteError as exc:
+                raise ApiError(REMOTE_STATUS.get(exc.code, 502), remote_message(exc),
+                               type="invalid_request_error" if exc.code == "bad_request" else "server_error") from None
+            status = "ok"
+            return response
+        except asyncio.CancelledError:
+            status = "cancelled"
+            raise
+        except ApiError as exc:
+            status = str(exc.status)
+            raise
+        finally:
+            self.running -= 1
+            self.metrics.running.set(self.running)
+            self.metrics.requests.labels(endpoint=endpoint, status=status).inc()
+
+    def _echoes(self, req, prompts: list[list[int]]) -> list[str] | None:
+        """Each prompt's text as echo hands it back: as given, or decoded from its token ids."""
+        if not getattr(req, "echo", False):
+            return None
+        return [p if isinstance(p, str) and req.truncate_prompt_tokens is None else self.tokenizer.decode(ids)
+                for p, ids in zip(completion_prompts(req.prompt), prompts)]
+
+    def _check_room(self, generations: int) -> None:
+        """A request's choices run at once: more than the instances that are up can ever hold
+        at once is refused (fewer, but busy now, is the usual 503 to retry)."""
+        if generations > MAX_CHOICES:
+            raise ApiError(400, f"this request asks for {generations} generations (n times the prompts); at most "
+                                f"{MAX_CHOICES}", param="n")
+        room = sum(view.capacity for view in self.upstream.views() if view.up)
+        if room and generations > room:
+            raise ApiError(400, f"this request asks for {generations} generations at once (n times the prompts) but "
+                                f"the target instances hold {room} sessions in all: lower n or send fewer prompts",
+                           param="n")
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def _logprobs(self, chat: bool, entries: list, offset: int = 0) -> dict | None:
+        return R.logprobs_body(chat, entries, self._token_text, offset, self._token_bytes)
+
+    def tools(self, req) -> list[dict] | None:
+        if not isinstance(req, ChatCompletionRequest):
+            return None
+        return request_tools(req.tools, req.tool_choice, getattr(self.tokenizer, "chat_template", None))
