@@ -56,6 +56,8 @@ def test_a_final_message_continued_is_the_prompt_tokenize_shows_and_the_reply_co
     ("/v1/chat/completions", {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs",
      "chat_template_kwargs cannot set 'messages': the gateway sets it (or it is no template variable); use the "
      "request's own field"),
+    ("/v1/chat/completions", {"max_completion_tokens": 0, "max_tokens": 5}, "max_completion_tokens",
+     "max_completion_tokens must be at least 1, got 0"),  # it was read as unset: max_tokens counted
     ("/v1/chat/completions", {"chat_template_kwargs": ["x"]}, None,
      "invalid request: Expected `object | null`, got `array` - at `$.chat_template_kwargs`"),
 ])

@@ -20,6 +20,7 @@ from specctl.gateway.api import (
 from specctl.gateway.choices import Choices, choice_specs
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.gateway.respond import Reply, remote_message
+from specctl.gateway.responses_api import ResponsesReply, ResponsesRequest, as_chat
 from specctl.gateway.structured import structured_output
 from specctl.gateway.tool_calls import ForcedCalls, StreamedCalls
 from specctl.gateway.tools import forced_call, request_tools
@@ -63,15 +64,21 @@ class Generations:
         return ids
 
     async def serve(self, request: web.Request, endpoint: str) -> web.StreamResponse:
-        """One generation request of ``endpoint`` ("completions", "chat"), answered whole or
-        streamed; counted in the metrics however it ends."""
-        chat = endpoint == "chat"
+        """One generation request of ``endpoint`` ("completions", "chat", "responses": a chat
+        request answered as a response, gateway.responses_api), answered whole or streamed;
+        counted in the metrics however it ends."""
+        chat = endpoint != "completions"
         status = "error"
         self.running += 1
         self.metrics.running.set(self.running)
         try:
             check_key(request, self.config.api_key)
-            req = parse_body(await request.read(), ChatCompletionRequest if chat else CompletionRequest)
+            body = await request.read()
+            if endpoint == "responses":
+                asked = parse_body(body, ResponsesRequest)
+                req = as_chat(asked)
+            else:
+                req = parse_body(body, ChatCompletionRequest if chat else CompletionRequest)
             refuse_unsupported(req)
             self.check_model(req.model)
             stop = stop_strings(req)
@@ -86,12 +93,8 @@ class Generations:
             self._check_room(len(specs))
             prompt_tokens = sum(map(len, prompts))
             self.metrics.prompt_tokens.inc(prompt_tokens)
-            with_logprobs = wanted_logprobs(req) is not None
-            reply = Reply(self.config.model_name, chat, prompt_tokens,
-                          (lambda entries, offset: self._logprobs(chat, entries, offset)) if with_logprobs else None,
-                          calls=None if tools is None else (partial(ForcedCalls, forced[0]) if forced
-                                                                            else partial(StreamedCalls, 1 if one_call else None)),
-                          include_usage=bool(req.stream_options and req.stream_options.include_usage), n=req.n)
+            reply = (ResponsesReply(self.config.model_name, prompt_tokens, asked) if endpoint == "responses"
+                     else self._reply(req, chat, prompt_tokens, tools, forced, one_call))
             try:
                 async with Choices(self.upstream, self.metrics, self.tokenizer, specs, stop,
                                    req.include_stop_str_in_output) as choices:
@@ -111,6 +114,15 @@ class Generations:
             self.running -= 1
             self.metrics.running.set(self.running)
             self.metrics.requests.labels(endpoint=endpoint, status=status).inc()
+
+    def _reply(self, req, chat: bool, prompt_tokens: int, tools: list[dict] | None, forced, one_call: bool) -> Reply:
+        """A completion's or chat's answer: logprobs as asked, tool calls read back when tools were given."""
+        logprobs = ((lambda entries, offset: self._logprobs(chat, entries, offset))
+                    if wanted_logprobs(req) is not None else None)
+        calls = None if tools is None else (partial(ForcedCalls, forced[0]) if forced
+                                            else partial(StreamedCalls, 1 if one_call else None))
+        return Reply(self.config.model_name, chat, prompt_tokens, logprobs, calls=calls,
+                     include_usage=bool(req.stream_options and req.stream_options.include_usage), n=req.n)
 
     def _echoes(self, req, prompts: list[list[int]]) -> list[str] | None:
         """Each prompt's text as echo hands it back: as given, or decoded from its token ids."""

@@ -65,6 +65,7 @@ class Gateway:
         app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._errors])
         app.add_routes([
             web.post("/v1/completions", self._completions), web.post("/v1/chat/completions", self._chat),
+            web.post("/v1/responses", self._responses),
             web.get("/v1/models", self._models), web.get("/v1/models/{model:.+}", self._model),
             web.get("/version", self._version), web.get("/health", self._health),
             web.get("/metrics", self._metrics), web.get("/v1/stats", self._stats),
@@ -132,6 +133,9 @@ class Gateway:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self.generations.serve(request, "chat")
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        return await self.generations.serve(request, "responses")
 
     # --- endpoints -----------------------------------------------------------------------
 

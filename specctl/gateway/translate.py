@@ -127,9 +127,11 @@ def sampling_params(req: RequestFields, prompt_tokens: int, context: int, defaul
         raise ApiError(400, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(req.stop_token_ids)}",
                        param="stop_token_ids")
     room = context - prompt_tokens
-    requested = req.max_completion_tokens if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens else req.max_tokens
+    name = ("max_completion_tokens" if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None
+            else "max_tokens")
+    requested = getattr(req, name)
     if requested is not None and requested < 1:
-        raise ApiError(400, f"max_tokens must be at least 1, got {requested}", param="max_tokens")
+        raise ApiError(400, f"{name} must be at least 1, got {requested}", param=name)
     if room < 1 or (requested is not None and requested > room):
         raise ApiError(400, f"This model's maximum context length is {context} tokens. However, you requested "
                        f"{prompt_tokens + (requested or 1)} tokens ({prompt_tokens} in the messages/prompt, "
