@@ -1,13 +1,19 @@
-"""OpenAI's Responses API on the gateway (gateway.responses_api), driven by the official openai
-client: a response is the chat completion of the same messages, whole or streamed as the
-Responses events; structured text.format; what is not served refused by name."""
+"""OpenAI's Responses API on the gateway (gateway.responses_api, gateway.responses_reply), driven
+by the official openai client: a response is the chat completion of the same messages, whole or
+streamed as the Responses events; function tools in and calls out; structured text.format; what
+is not served refused by name."""
 
 import json
 
 import openai
 import pytest
 
+from specctl.gateway.responses_api import ResponsesRequest, as_chat
+from specctl.gateway.responses_reply import StreamedItems
+from specctl.gateway.tool_calls import StreamedCalls, parse
+from specctl.gateway.translate import chat_messages
 from tests.test_gateway import post
+from tests.test_gateway_tools import CALL, WEATHER, tools_cluster  # noqa: F401 (a fixture)
 
 QUESTION = "Name a colour."
 
@@ -68,13 +74,18 @@ def test_text_format_json_schema_holds_the_output_to_it(cluster, client, tiny_di
      "previous_response_id needs stored responses, which this gateway does not keep: send the whole conversation in "
      "input"),
     ({"background": True}, "background", "background responses are not served: leave background false"),
-    ({"tools": [{"type": "function", "name": "f"}]}, "tools",
-     "tools on /v1/responses are not served: use /v1/chat/completions for tool calls"),
+    ({"tools": [{"type": "web_search"}]}, "tools",
+     'tools[0] must be a function tool {"type": "function", "name": ..., "parameters": {...}}: built-in tools are '
+     'not served'),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input",
      "input[0] holds a part that is not text: only input_text and output_text are served"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input",
-     "input[0] must be a message of role user, system, developer, assistant; got type 'function_call_output', "
-     "role None"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input",
+     "input[0] must be a message of role user, system, developer, assistant, a function_call or a "
+     "function_call_output; got type 'reasoning', role None"),
+    ({"input": [{"type": "function_call_output", "output": "1"}]}, "input",
+     "input[0] is a function_call_output without call_id and output"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input",
+     "input[0] is a function_call without call_id, name and arguments"),
     ({"text": {"format": {"type": "grammar"}}}, "text.format",
      "text.format type must be 'text', 'json_object' or 'json_schema', got 'grammar'"),
     ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens must be at least 1, got 0"),
@@ -88,3 +99,73 @@ def test_what_is_not_served_is_refused_by_name(cluster, fields, param, message):
 def test_the_client_reads_a_refusal_as_its_error(client, tiny_dir):
     with pytest.raises(openai.BadRequestError, match="previous_response_id needs stored responses"):
         client.responses.create(model=str(tiny_dir["llama"]), input=QUESTION, previous_response_id="resp_1")
+
+
+def test_function_tools_and_earlier_calls_become_the_chat_request():
+    import msgspec
+
+    req = msgspec.convert({
+        "input": [{"role": "user", "content": "Weather in Paris and Oslo?"},
+                  {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+                  {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                  {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+                  {"type": "function_call_output", "call_id": "call_2", "output": "snow"}],
+        "tools": [{"type": "function", **WEATHER["function"]}], "tool_choice": {"type": "function", "name": "get_weather"},
+        "parallel_tool_calls": False}, ResponsesRequest)
+    chat = as_chat(req)
+    assert chat.tools == [WEATHER] and chat.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
+    assert chat.parallel_tool_calls is False
+    messages = chat_messages(chat)
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "tool"]  # both calls in one turn
+    assert [c["function"]["arguments"] for c in messages[1]["tool_calls"]] == [{"city": "Paris"}, {"city": "Oslo"}]
+    assert [(m["tool_call_id"], m["content"]) for m in messages[2:]] == [("call_1", "sunny"), ("call_2", "snow")]
+
+
+async def test_streamed_items_open_and_close_as_text_and_calls_come():
+    events = []
+
+    async def send(kind, **fields):
+        events.append((kind, fields))
+
+    text = "Checking.\n" + CALL + "\n" + CALL.replace("Paris", "Oslo")
+    items, reader = StreamedItems(send), StreamedCalls()
+    for i in range(0, len(text), 4):
+        await items.add(*reader.push(text[i:i + 4]))
+    rest, deltas, calls = reader.finish()
+    await items.add(rest, deltas)
+    output = await items.close("completed")
+    assert [item["type"] for item in output] == ["message", "function_call", "function_call"]
+    assert output[0]["content"][0]["text"] == "Checking.\n" == parse(text)[0]
+    assert [(i["call_id"], i["name"], i["arguments"]) for i in output[1:]] == [
+        (c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    kinds = [kind for kind, _ in events]
+    assert [k for k in kinds if "delta" not in k] == [
+        "response.output_item.added", "response.content_part.added", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done"] + [
+        "response.output_item.added", "response.function_call_arguments.done", "response.output_item.done"] * 2
+    for index, item in enumerate(output[1:], start=1):  # each call's argument deltas join into its arguments
+        pieces = [f["delta"] for k, f in events if k == "response.function_call_arguments.delta" and f["output_index"] == index]
+        assert "".join(pieces) == item["arguments"] and len(pieces) > 1
+    empty = StreamedItems(send)
+    assert [i["content"][0]["text"] for i in await empty.close("incomplete")] == [""]  # nothing came: an empty message
+
+
+def test_a_forced_call_comes_back_as_a_function_call_item_streamed_or_not(tools_cluster):  # noqa: F811
+    base = tools_cluster[1]["gateway"]
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    tool = {"type": "function", "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+        "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}}
+    fields = dict(model=model, input="Weather in Paris?", tools=[tool], max_output_tokens=60, temperature=0,
+                  tool_choice={"type": "function", "name": "get_weather"})
+    response = client.responses.create(**fields)
+    [call] = response.output  # a forced call: no text
+    assert (call.type, call.name, call.status) == ("function_call", "get_weather", "completed")
+    assert json.loads(call.arguments)["city"] in ("Paris", "Oslo") and call.call_id.startswith("call_")
+    assert response.status == "completed"
+    events = list(client.responses.create(**fields, stream=True))
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert "".join(deltas) == done.arguments == call.arguments and len(deltas) > 1
+    assert events[-1].type == "response.completed" and events[-1].response.output[0].arguments == call.arguments

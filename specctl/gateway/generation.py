@@ -20,7 +20,8 @@ from specctl.gateway.api import (
 from specctl.gateway.choices import Choices, choice_specs
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.gateway.respond import Reply, remote_message
-from specctl.gateway.responses_api import ResponsesReply, ResponsesRequest, as_chat
+from specctl.gateway.responses_api import ResponsesRequest, as_chat
+from specctl.gateway.responses_reply import ResponsesReply
 from specctl.gateway.structured import structured_output
 from specctl.gateway.tool_calls import ForcedCalls, StreamedCalls
 from specctl.gateway.tools import forced_call, request_tools
@@ -93,8 +94,10 @@ class Generations:
             self._check_room(len(specs))
             prompt_tokens = sum(map(len, prompts))
             self.metrics.prompt_tokens.inc(prompt_tokens)
-            reply = (ResponsesReply(self.config.model_name, prompt_tokens, asked) if endpoint == "responses"
-                     else self._reply(req, chat, prompt_tokens, tools, forced, one_call))
+            calls = None if tools is None else (partial(ForcedCalls, forced[0]) if forced
+                                                else partial(StreamedCalls, 1 if one_call else None))
+            reply = (ResponsesReply(self.config.model_name, prompt_tokens, asked, calls) if endpoint == "responses"
+                     else self._reply(req, chat, prompt_tokens, calls))
             try:
                 async with Choices(self.upstream, self.metrics, self.tokenizer, specs, stop,
                                    req.include_stop_str_in_output) as choices:
@@ -115,12 +118,10 @@ class Generations:
             self.metrics.running.set(self.running)
             self.metrics.requests.labels(endpoint=endpoint, status=status).inc()
 
-    def _reply(self, req, chat: bool, prompt_tokens: int, tools: list[dict] | None, forced, one_call: bool) -> Reply:
-        """A completion's or chat's answer: logprobs as asked, tool calls read back when tools were given."""
+    def _reply(self, req, chat: bool, prompt_tokens: int, calls) -> Reply:
+        """A completion's or chat's answer: logprobs as asked, tool calls read back by ``calls``."""
         logprobs = ((lambda entries, offset: self._logprobs(chat, entries, offset))
                     if wanted_logprobs(req) is not None else None)
-        calls = None if tools is None else (partial(ForcedCalls, forced[0]) if forced
-                                            else partial(StreamedCalls, 1 if one_call else None))
         return Reply(self.config.model_name, chat, prompt_tokens, logprobs, calls=calls,
                      include_usage=bool(req.stream_options and req.stream_options.include_usage), n=req.n)
 

@@ -1,31 +1,23 @@
-"""OpenAI's Responses API (``POST /v1/responses``) for text, over the chat path: the request's
-``instructions`` and ``input`` become chat messages (gateway.translate renders them through the
-chat template), and the one generation comes back as a response object with one message of
-``output_text`` — whole, or streamed as the Responses events (response.created ... deltas ...
-response.completed). ``text.format`` json_object / json_schema is structured output, as
-``response_format`` is for chat.
+"""OpenAI's Responses API (``POST /v1/responses``) over the chat path, as vLLM serves it: the
+request's ``instructions``, ``input`` items (messages, earlier ``function_call`` items and
+their ``function_call_output``) and function ``tools`` become a chat request, rendered by the
+chat template (gateway.translate) and read back for tool calls (gateway.tool_calls); the
+answer (gateway.responses_reply) is a response object whose output is the message and the
+``function_call`` items — whole, or streamed as the Responses events. ``text.format``
+json_object / json_schema is structured output, as ``response_format`` is for chat.
 
 Choices made here (as vLLM serves the API, without its store): responses are not stored, so
 ``previous_response_id`` and ``background`` are refused (send the conversation in ``input``);
-tools, reasoning and non-text input parts are refused by name rather than ignored. A response
-cut by ``max_output_tokens`` has status "incomplete" (incomplete_details.reason
-"max_output_tokens"); a target that fails mid-stream ends the stream with response.failed."""
+built-in tools (web search, files, ...), reasoning options and non-text input parts are
+refused by name rather than ignored."""
 
 from __future__ import annotations
 
-import time
-import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from aiohttp import web
 
-from specctl.gateway import responses as R
-from specctl.gateway.api import ApiError, ChatCompletionRequest, ChatMessage, ResponseFormat
-from specctl.gateway.choices import Choices
-from specctl.gateway.respond import remote_message
-from specctl.verify.client import RemoteError
+from specctl.gateway.api import ApiError, CalledFunction, ChatCompletionRequest, ChatMessage, ResponseFormat, ToolCall
 
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -40,6 +32,12 @@ class InputItem(msgspec.Struct, kw_only=True):
     type: str = "message"
     role: str | None = None
     content: str | list[InputPart] | None = None
+    id: str | None = None
+    status: str | None = None
+    call_id: str | None = None  # function_call and function_call_output items
+    name: str | None = None
+    arguments: str | None = None
+    output: str | None = None
 
 
 class TextFormat(msgspec.Struct, kw_only=True):
@@ -83,9 +81,6 @@ def as_chat(req: ResponsesRequest) -> ChatCompletionRequest:
                             "whole conversation in input", param="previous_response_id")
     if req.background:
         raise ApiError(400, "background responses are not served: leave background false", param="background")
-    if req.tools:
-        raise ApiError(400, "tools on /v1/responses are not served: use /v1/chat/completions for tool calls",
-                       param="tools")
     if req.reasoning:
         raise ApiError(400, "reasoning options are not served", param="reasoning")
     if req.max_output_tokens is not None and req.max_output_tokens < 1:
@@ -94,17 +89,59 @@ def as_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     messages = [ChatMessage(role="system", content=req.instructions)] if req.instructions else []
     items = [InputItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
     for i, item in enumerate(items):
-        if item.type != "message" or item.role not in ROLES:
-            raise ApiError(400, f"input[{i}] must be a message of role {', '.join(ROLES)}; got type {item.type!r}, "
-                                f"role {item.role!r}", param="input")
-        parts = item.content if isinstance(item.content, list) else [InputPart(type="input_text", text=item.content)]
-        if any(part.type not in TEXT_PARTS for part in parts):
-            raise ApiError(400, f"input[{i}] holds a part that is not text: only input_text and output_text are "
-                                f"served", param="input")
-        messages.append(ChatMessage(role=item.role, content="".join(part.text or "" for part in parts)))
-    return ChatCompletionRequest(messages=messages, model=req.model, max_completion_tokens=req.max_output_tokens,
-                                 temperature=req.temperature, top_p=req.top_p, stream=req.stream, seed=req.seed,
-                                 top_k=req.top_k, user=req.user, response_format=_format(req))
+        message = _message(i, item, messages[-1] if messages else None)
+        if not (messages and message is messages[-1]):  # else a call joined the assistant turn before it
+            messages.append(message)
+    return ChatCompletionRequest(
+        messages=messages, model=req.model, max_completion_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
+        stream=req.stream, seed=req.seed, top_k=req.top_k, user=req.user, response_format=_format(req),
+        tools=_tools(req.tools), tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls)
+
+
+def _message(i: int, item: InputItem, last: ChatMessage | None) -> ChatMessage:
+    """An input item as a chat message; a function_call after another joins its assistant turn
+    (returned as that same message)."""
+    if item.type == "function_call":
+        if not (item.call_id and item.name and item.arguments is not None):
+            raise ApiError(400, f"input[{i}] is a function_call without call_id, name and arguments", param="input")
+        call = ToolCall(function=CalledFunction(name=item.name, arguments=item.arguments), id=item.call_id)
+        if last is not None and last.role == "assistant" and last.tool_calls:
+            last.tool_calls.append(call)
+            return last
+        return ChatMessage(role="assistant", content=None, tool_calls=[call])
+    if item.type == "function_call_output":
+        if not item.call_id or item.output is None:
+            raise ApiError(400, f"input[{i}] is a function_call_output without call_id and output", param="input")
+        return ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id)
+    if item.type != "message" or item.role not in ROLES:
+        raise ApiError(400, f"input[{i}] must be a message of role {', '.join(ROLES)}, a function_call or a "
+                            f"function_call_output; got type {item.type!r}, role {item.role!r}", param="input")
+    parts = item.content if isinstance(item.content, list) else [InputPart(type="input_text", text=item.content)]
+    if any(part.type not in TEXT_PARTS for part in parts):
+        raise ApiError(400, f"input[{i}] holds a part that is not text: only input_text and output_text are served",
+                       param="input")
+    return ChatMessage(role=item.role, content="".join(part.text or "" for part in parts))
+
+
+def _tools(tools: list[Any] | None) -> list[dict] | None:
+    """The Responses API's function tools ({type, name, description, parameters}) as chat's."""
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(tool.get("name"), str)):
+            raise ApiError(400, f"tools[{i}] must be a function tool {{\"type\": \"function\", \"name\": ..., "
+                                f"\"parameters\": {{...}}}}: built-in tools are not served", param="tools")
+        function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _tool_choice(choice: Any) -> Any:
+    """{"type": "function", "name": ...} as chat's {"type": "function", "function": {"name": ...}}."""
+    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
 
 
 def _format(req: ResponsesRequest) -> ResponseFormat | None:
@@ -119,106 +156,3 @@ def _format(req: ResponsesRequest) -> ResponseFormat | None:
         return ResponseFormat(type="json_object")
     raise ApiError(400, f"text.format type must be 'text', 'json_object' or 'json_schema', got {fmt.type!r}",
                    param="text.format")
-
-
-@dataclass(slots=True)
-class ResponsesReply:
-    """One response's body and events, built as its one generation's tokens arrive."""
-
-    model: str
-    prompt_tokens: int
-    req: ResponsesRequest
-    rid: str = ""
-    item_id: str = ""
-    created: int = 0
-
-    def __post_init__(self) -> None:
-        self.rid, self.item_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
-        self.created = int(time.time())
-
-    def body(self, status: str, text: str | None = None, count: int = 0, stats: dict | None = None,
-             finish: str | None = None, error: dict | None = None) -> dict:
-        """The response object: in progress (no output yet), completed, incomplete or failed."""
-        output = [] if text is None else [self.message(text, "completed" if finish == "stop" else "incomplete")]
-        fmt = self.req.text.format if self.req.text is not None and self.req.text.format is not None else None
-        body = {
-            "id": self.rid, "object": "response", "created_at": self.created, "status": status, "model": self.model,
-            "output": output, "error": error,
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": self.req.instructions, "max_output_tokens": self.req.max_output_tokens,
-            "temperature": 1.0 if self.req.temperature is None else self.req.temperature,
-            "top_p": 1.0 if self.req.top_p is None else self.req.top_p,
-            "parallel_tool_calls": self.req.parallel_tool_calls, "tool_choice": "auto", "tools": [],
-            "text": {"format": msgspec.to_builtins(fmt) if fmt is not None else {"type": "text"}},
-            "previous_response_id": None, "store": False, "truncation": "disabled", "reasoning": None,
-            "metadata": self.req.metadata or {}, "user": self.req.user,
-            "usage": None if stats is None else self.usage(count, stats),
-        }
-        if stats is not None:
-            body["specctl"] = R.spec_summary(stats)
-        return body
-
-    def message(self, text: str, status: str) -> dict:
-        return {"id": self.item_id, "type": "message", "status": status, "role": "assistant",
-                "content": [self.part(text)]}
-
-    @staticmethod
-    def part(text: str) -> dict:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-    def usage(self, count: int, stats: dict) -> dict:
-        return {"input_tokens": self.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": R.cached_tokens({0: stats}, 1)},
-                "output_tokens": count, "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": self.prompt_tokens + count}
-
-    @staticmethod
-    def status(finish: str) -> str:
-        return "incomplete" if finish == "length" else "completed"
-
-    async def collect(self, choices: Choices) -> web.Response:
-        pieces = []
-        async for _, event in choices.events():
-            pieces.append(event.delta)
-            if event.finish:
-                text = "".join(pieces)
-                return web.json_response(self.body(self.status(event.finish), text, event.count, event.stats,
-                                                   event.finish))
-        raise RuntimeError("a generation ended without its last event")  # Choices always ends with one
-
-    async def stream(self, request: web.Request, choices: Choices) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        sequence = 0
-
-        async def send(kind: str, **fields) -> None:
-            nonlocal sequence
-            event = {"type": kind, "sequence_number": sequence, **fields}
-            sequence += 1
-            await response.write(f"event: {kind}\n".encode() + R.sse(event))
-
-        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
-        await send("response.created", response=self.body("in_progress"))
-        await send("response.in_progress", response=self.body("in_progress"))
-        await send("response.output_item.added", output_index=0, item={**self.message("", "in_progress"),
-                                                                       "content": []})
-        await send("response.content_part.added", **where, part=self.part(""))
-        pieces: list[str] = []
-        try:
-            async for _, event in choices.events():
-                if event.delta:
-                    pieces.append(event.delta)
-                    await send("response.output_text.delta", **where, delta=event.delta, logprobs=[])
-                if event.finish:
-                    text, status = "".join(pieces), self.status(event.finish)
-                    await send("response.output_text.done", **where, text=text, logprobs=[])
-                    await send("response.content_part.done", **where, part=self.part(text))
-                    await send("response.output_item.done", output_index=0,
-                               item=self.message(text, "completed" if event.finish == "stop" else "incomplete"))
-                    await send(f"response.{status}",
-                               response=self.body(status, text, event.count, event.stats, event.finish))
-        except RemoteError as exc:  # headers are gone: the failure travels in the stream, as OpenAI's does
-            error = {"code": "server_error", "message": remote_message(exc)}
-            await send("response.failed", response=self.body("failed", error=error))
-        await response.write_eof()
-        return response

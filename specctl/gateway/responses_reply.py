@@ -1,0 +1,193 @@
+"""A Responses API answer (gateway.responses_api): the response object, whose output is the
+assistant's message and its ``function_call`` items, whole or streamed as the Responses events
+— response.created, response.in_progress, then per output item its ``added`` event, its text or
+arguments deltas and its ``done`` events, then response.completed (or response.incomplete when
+max_output_tokens cut it; response.failed when a target fails mid-stream)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import msgspec
+from aiohttp import web
+
+from specctl.gateway import responses as R
+from specctl.gateway.choices import Choices
+from specctl.gateway.respond import remote_message
+from specctl.verify.client import RemoteError
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def message_item(item_id: str, text: str, status: str) -> dict:
+    return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": [text_part(text)]}
+
+
+def call_item(item_id: str, call: dict, status: str) -> dict:
+    """A chat tool call (gateway.tool_calls) as a Responses function_call item."""
+    return {"id": item_id, "type": "function_call", "status": status, "call_id": call["id"],
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"]}
+
+
+def status_of(finish: str, calls: list | None) -> str:
+    return "completed" if calls or finish != "length" else "incomplete"
+
+
+@dataclass(slots=True)
+class ResponsesReply:
+    model: str
+    prompt_tokens: int
+    req: Any  # gateway.responses_api.ResponsesRequest
+    calls: Callable[[], Any] | None = None  # a reader of the tool calls (gateway.tool_calls); None: no tools
+    rid: str = field(default_factory=lambda: _id("resp"))
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def body(self, status: str, output: list[dict], count: int = 0, stats: dict | None = None,
+             error: dict | None = None) -> dict:
+        """The response object (no usage while in progress)."""
+        fmt = self.req.text.format if self.req.text is not None and self.req.text.format is not None else None
+        body = {
+            "id": self.rid, "object": "response", "created_at": self.created, "status": status, "model": self.model,
+            "output": output, "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": self.req.instructions, "max_output_tokens": self.req.max_output_tokens,
+            "temperature": 1.0 if self.req.temperature is None else self.req.temperature,
+            "top_p": 1.0 if self.req.top_p is None else self.req.top_p,
+            "parallel_tool_calls": self.req.parallel_tool_calls,
+            "tool_choice": self.req.tool_choice if self.req.tool_choice is not None else "auto",
+            "tools": self.req.tools or [],
+            "text": {"format": msgspec.to_builtins(fmt) if fmt is not None else {"type": "text"}},
+            "previous_response_id": None, "store": False, "truncation": "disabled", "reasoning": None,
+            "metadata": self.req.metadata or {}, "user": self.req.user,
+            "usage": None if stats is None else self._usage(count, stats),
+        }
+        if stats is not None:
+            body["specctl"] = R.spec_summary(stats)
+        return body
+
+    def _usage(self, count: int, stats: dict) -> dict:
+        return {"input_tokens": self.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": R.cached_tokens({0: stats}, 1)},
+                "output_tokens": count, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": self.prompt_tokens + count}
+
+    async def collect(self, choices: Choices) -> web.Response:
+        pieces = []
+        async for _, event in choices.events():
+            pieces.append(event.delta)
+            if event.finish:
+                text, calls = "".join(pieces), None
+                if self.calls is not None:
+                    reader = self.calls()
+                    content, _ = reader.push(text)
+                    rest, _, calls = reader.finish()
+                    text = content + rest if calls else text
+                status = status_of(event.finish, calls)
+                output = [] if calls and not text.strip() else [message_item(_id("msg"), text, status)]
+                output += [call_item(_id("fc"), call, "completed") for call in calls or []]
+                return web.json_response(self.body(status, output, event.count, event.stats))
+        raise RuntimeError("a generation ended without its last event")  # Choices always ends with one
+
+    async def stream(self, request: web.Request, choices: Choices) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        sequence = 0
+
+        async def send(kind: str, **fields) -> None:
+            nonlocal sequence
+            await response.write(f"event: {kind}\n".encode() + R.sse({"type": kind, "sequence_number": sequence,
+                                                                       **fields}))
+            sequence += 1
+
+        await send("response.created", response=self.body("in_progress", []))
+        await send("response.in_progress", response=self.body("in_progress", []))
+        items = StreamedItems(send)
+        reader = self.calls() if self.calls is not None else None
+        try:
+            async for _, event in choices.events():
+                content, deltas = reader.push(event.delta) if reader is not None else (event.delta, [])
+                await items.add(content, deltas)
+                if event.finish:
+                    rest, deltas, calls = reader.finish() if reader is not None else ("", [], None)
+                    await items.add(rest, deltas)
+                    status = status_of(event.finish, calls)
+                    output = await items.close(status)
+                    await send(f"response.{status}", response=self.body(status, output, event.count, event.stats))
+        except RemoteError as exc:  # headers are gone: the failure travels in the stream, as OpenAI's does
+            error = {"code": "server_error", "message": remote_message(exc)}
+            await send("response.failed", response=self.body("failed", items.done, error=error))
+        await response.write_eof()
+        return response
+
+
+class StreamedItems:
+    """The output items of a streamed response, opened and closed as text and call deltas come:
+    the message while text comes (closed by the first call), each call until the next begins."""
+
+    def __init__(self, send: Callable[..., Awaitable[None]]) -> None:
+        self.send = send
+        self.done: list[dict] = []  # items closed, in output order
+        self.text: list[str] | None = None  # the open message's text
+        self.call: tuple[dict, list[str]] | None = None  # the open call's item and arguments
+        self.message_id = _id("msg")
+
+    async def add(self, content: str, deltas: list[dict]) -> None:
+        if content:
+            if self.text is None:
+                await self._open_message()
+            self.text.append(content)
+            await self.send("response.output_text.delta", **self._where(), delta=content, logprobs=[])
+        for delta in deltas:
+            if "id" in delta:  # a call begins: what was open before it ends
+                await self._close_open("completed")
+                item = call_item(_id("fc"), {"id": delta["id"], "function": {**delta["function"], "arguments": ""}},
+                                 "in_progress")
+                self.call = item, []
+                await self.send("response.output_item.added", output_index=len(self.done), item=item)
+            if delta["function"].get("arguments"):
+                item, arguments = self.call
+                arguments.append(delta["function"]["arguments"])
+                await self.send("response.function_call_arguments.delta", item_id=item["id"],
+                                output_index=len(self.done), delta=delta["function"]["arguments"])
+
+    async def close(self, status: str) -> list[dict]:
+        """Ends what is open (an empty message where nothing came) and returns every item."""
+        if not self.done and self.text is None and self.call is None:
+            await self._open_message()
+        await self._close_open(status)
+        return self.done
+
+    async def _open_message(self) -> None:
+        self.text = []
+        await self.send("response.output_item.added", output_index=len(self.done),
+                        item={**message_item(self.message_id, "", "in_progress"), "content": []})
+        await self.send("response.content_part.added", **self._where(), part=text_part(""))
+
+    async def _close_open(self, status: str) -> None:
+        index = len(self.done)
+        if self.text is not None:
+            text, self.text = "".join(self.text), None
+            await self.send("response.output_text.done", **self._where(index), text=text, logprobs=[])
+            await self.send("response.content_part.done", **self._where(index), part=text_part(text))
+            self.done.append(message_item(self.message_id, text, status))
+            await self.send("response.output_item.done", output_index=index, item=self.done[-1])
+        elif self.call is not None:
+            (item, arguments), self.call = self.call, None
+            item = {**item, "arguments": "".join(arguments), "status": "completed"}
+            await self.send("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                            arguments=item["arguments"], name=item["name"])
+            self.done.append(item)
+            await self.send("response.output_item.done", output_index=index, item=item)
+
+    def _where(self, index: int | None = None) -> dict:
+        return {"item_id": self.message_id, "output_index": len(self.done) if index is None else index,
+                "content_index": 0}
