@@ -342,6 +342,14 @@ def test_metrics_parse_and_counters_grow(cluster, client, tiny_dir):
     assert sum(s.value for s in per_pos) == accepted
     assert after["specctl:generation_tokens_total"] - before["specctl:generation_tokens_total"] == 16
     assert "specctl:spec_decode_num_accepted_tokens_per_pos" in families
+    # vLLM's latency histograms: one observation for the generation, each a positive time
+    for histogram in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
+        name = f"specctl:{histogram}"
+        assert after[f"{name}_count"] - before[f"{name}_count"] == 1, name
+        assert after[f"{name}_sum"] > before[f"{name}_sum"], name
+    ttft = after["specctl:time_to_first_token_seconds_sum"] - before["specctl:time_to_first_token_seconds_sum"]
+    e2e = after["specctl:e2e_request_latency_seconds_sum"] - before["specctl:e2e_request_latency_seconds_sum"]
+    assert ttft <= e2e  # the first token comes before the end
     for gauge in ("specctl:draft_load", "specctl:T_idle_ms", "specctl:T_wait_ms", "specctl:queue_depth",
                   "specctl:sessions", "specctl:tokens_per_s", "specctl:role_up"):
         assert gauge in families, gauge

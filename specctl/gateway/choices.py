@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator, NamedTuple
 
@@ -56,9 +57,10 @@ class Choices:
     """Owns the tasks of one request's generations (``async with``: none outlives it)."""
 
     def __init__(self, upstream: Upstream, metrics: GatewayMetrics, tokenizer, specs: list[ChoiceSpec],
-                 stop: list[str], include_stop: bool = False) -> None:
+                 stop: list[str], include_stop: bool = False, arrival: float | None = None) -> None:
         self.upstream, self.metrics, self.tokenizer, self.specs, self.stop = upstream, metrics, tokenizer, specs, stop
         self.include_stop = include_stop  # vLLM's include_stop_str_in_output
+        self.arrival = time.perf_counter() if arrival is None else arrival  # the request's, for the latencies
         self._queue: asyncio.Queue[tuple[int, Event | BaseException]] = asyncio.Queue()
         self._started: list[asyncio.Future] = []
         self._tasks: list[asyncio.Task] = []
@@ -124,9 +126,11 @@ class Choices:
             yield Event(spec.echo, None, {}, 0, prompt_logprobs(spec.prompt, first) if spec.params.prompt_logprobs
                         is not None and isinstance(first, Tokens) else [])
         text = IncrementalText(self.tokenizer, self.stop, self.include_stop)
-        event, count = first, 0
+        event, count, first_at = first, 0, None
         while True:
             if isinstance(event, Tokens):
+                if first_at is None and event.tokens:
+                    first_at = time.perf_counter()
                 count += len(event.tokens)
                 self.metrics.generation_tokens.inc(len(event.tokens))
                 delta = text.push(event.tokens)
@@ -135,11 +139,13 @@ class Choices:
                 if text.stopped:  # the rest is not wanted: stop the target, keep its stats for the counters
                     stats = await stream.cancel()
                     self.metrics.record_generation(stats)
+                    self.metrics.record_latency(self.arrival, first_at, time.perf_counter(), count)
                     yield Event(delta, "stop", stats, count, logprobs)
                     return
                 yield Event(delta, None, {}, count, logprobs)
             else:
                 self.metrics.record_generation(event.stats)
+                self.metrics.record_latency(self.arrival, first_at, time.perf_counter(), count)
                 yield Event(text.finish(), event.finish_reason, event.stats, count, [])
                 return
             event = await stream.next()

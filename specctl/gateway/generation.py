@@ -5,6 +5,7 @@ the target instances (gateway.choices) and answered whole or streamed (gateway.r
 from __future__ import annotations
 
 import asyncio
+import time
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +70,7 @@ class Generations:
         request answered as a response, gateway.responses_api), answered whole or streamed;
         counted in the metrics however it ends."""
         chat = endpoint != "completions"
+        arrival = time.perf_counter()
         status = "error"
         self.running += 1
         self.metrics.running.set(self.running)
@@ -100,7 +102,7 @@ class Generations:
                      else self._reply(req, chat, prompt_tokens, calls))
             try:
                 async with Choices(self.upstream, self.metrics, self.tokenizer, specs, stop,
-                                   req.include_stop_str_in_output) as choices:
+                                   req.include_stop_str_in_output, arrival) as choices:
                     response = await (reply.stream(request, choices) if req.stream else reply.collect(choices))
             except RemoteError as exc:
                 raise ApiError(REMOTE_STATUS.get(exc.code, 502), remote_message(exc),

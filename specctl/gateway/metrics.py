@@ -4,9 +4,15 @@ latest stats snapshot of every role."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 PREFIX = "specctl:"
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+               960.0, 1920.0, 7680.0)
 
 # stats key of a role's snapshot -> (gauge name, help)
 ROLE_GAUGES = {
@@ -84,6 +90,16 @@ class GatewayMetrics:
         self.prompt_tokens = Counter(f"{p}prompt_tokens", "prompt tokens processed", registry=r)
         self.generation_tokens = Counter(f"{p}generation_tokens", "tokens generated", registry=r)
         self.running = Gauge(f"{p}requests_running", "requests in flight through this gateway", registry=r)
+        # vLLM's latency histograms (its buckets), one observation a generation (a request's choice)
+        self.time_to_first_token = Histogram(
+            f"{p}time_to_first_token_seconds", "time from a request's arrival to a generation's first token",
+            buckets=TTFT_BUCKETS, registry=r)
+        self.time_per_output_token = Histogram(
+            f"{p}time_per_output_token_seconds", "a generation's time per token after its first",
+            buckets=TPOT_BUCKETS, registry=r)
+        self.e2e_latency = Histogram(f"{p}e2e_request_latency_seconds",
+                                     "time from a request's arrival to a generation's end", buckets=E2E_BUCKETS,
+                                     registry=r)
         self.role_up = Gauge(f"{p}role_up", "1 when the role answered the last poll", ["role", "address"], registry=r)
         self.role_gauges = {key: Gauge(f"{p}{name}", help_, ["role", "address"], registry=r)
                             for key, (name, help_) in ROLE_GAUGES.items()}
@@ -103,6 +119,15 @@ class GatewayMetrics:
         self.accepted.inc(stats.get("accepted", 0))
         for position, count in enumerate(stats.get("accepted_per_pos", [])):
             self.accepted_per_pos.labels(position=str(position)).inc(count)
+
+    def record_latency(self, arrival: float, first: float | None, end: float, tokens: int) -> None:
+        """A finished generation's latencies (time.perf_counter() seconds): first None when no
+        token came."""
+        if first is not None:
+            self.time_to_first_token.observe(first - arrival)
+            if tokens > 1:
+                self.time_per_output_token.observe((end - first) / (tokens - 1))
+        self.e2e_latency.observe(end - arrival)
 
     def record_role(self, role: str, address: str, up: bool, stats: dict) -> None:
         self.role_up.labels(role=role, address=address).set(1 if up else 0)
