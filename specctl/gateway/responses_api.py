@@ -93,8 +93,8 @@ def as_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         if not (messages and message is messages[-1]):  # else a call joined the assistant turn before it
             messages.append(message)
     return ChatCompletionRequest(
-        messages=messages, model=req.model, max_completion_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
-        stream=req.stream, seed=req.seed, top_k=req.top_k, user=req.user, response_format=_format(req),
+        messages=messages, model=req.model, max_completion_tokens=req.max_output_tokens, temperature=req.temperature,
+        top_p=req.top_p, stream=req.stream, seed=req.seed, top_k=req.top_k, user=req.user, response_format=_format(req),
         tools=_tools(req.tools), tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls)
 
 

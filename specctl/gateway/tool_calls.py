@@ -120,7 +120,8 @@ class StreamedCalls:
                 deltas.append(_delta(i, self.calls[i], ""))
             function = self.calls[i]["function"]
             arguments = _arguments(body[self._starts[i]:], closed)
-            if arguments is None or not arguments.startswith(function["arguments"]) or (closed and not _fits(body, arguments)):
+            if (arguments is None or not arguments.startswith(function["arguments"])
+                    or (closed and not _fits(body, arguments))):
                 self._broken = True
                 break
             if piece := arguments[len(function["arguments"]):]:
