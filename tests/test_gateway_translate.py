@@ -8,7 +8,7 @@ import pytest
 
 from specctl.engine.loader import load_model
 from specctl.gateway.api import ApiError, ChatCompletionRequest
-from specctl.gateway.translate import chat_template_options, truncated
+from specctl.gateway.translate import bad_words, chat_template_options, truncated
 from tests.test_gateway import post
 
 MESSAGES = [{"role": "user", "content": "Write a word."}, {"role": "assistant", "content": "Sure: hel"}]
@@ -86,3 +86,27 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens_and_counts_what_it_kept(cl
                                 "select a smaller truncation size.")):
         code, _, raw = post(base + "/v1/completions", {**body, "truncate_prompt_tokens": keep})
         assert code == 400 and json.loads(raw)["error"]["message"] == message
+
+
+def test_bad_words_are_barred_as_vllm_encodes_them_and_the_text_is_the_target_alones(cluster, tiny_dir):
+    from specctl.spec.rounds import generate
+    from specctl.spec.sampling import SamplingParams
+
+    model = load_model("tiny", tiny_dir["llama"], "fp32")
+    tok = model.tokenizer
+    prompt = list(range(40, 60))
+    free = generate(model.decoder, prompt, SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    # a pair of the free text's tokens that is a word of its own (it encodes back to that pair)
+    word = next(tok.decode(free[i:i + 2]) for i in range(len(free) - 1)
+                if tok.encode(tok.decode(free[i:i + 2]).lstrip(), add_special_tokens=False) == free[i:i + 2])
+    barred = bad_words([word], tok)
+    assert barred[0] == tuple(tok.encode(word.lstrip(), add_special_tokens=False))
+    with pytest.raises(ApiError, match="bad_words must not hold an empty word"):
+        bad_words([" "], tok)
+    reference = generate(model.decoder, prompt, SamplingParams(max_tokens=24, ignore_eos=True, bad_words=barred))[0]
+    assert reference != free
+    code, _, raw = post(cluster[1]["gateway"] + "/v1/completions", {
+        "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "bad_words": [word]})
+    assert code == 200, raw
+    text = json.loads(raw)["choices"][0]["text"]
+    assert text == tok.decode(reference) and word.lstrip() not in text

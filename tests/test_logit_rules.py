@@ -149,6 +149,9 @@ def _fields(params: SamplingParams) -> dict:
     ({"min_tokens": 20, "max_tokens": 10}, "min_tokens must be between 0 and max_tokens (10), got 20"),
     ({"logit_bias": ((3, 101.0),)}, "logit_bias maps token ids (>= 0) to values between -100 and 100, got 3: 101.0"),
     ({"logit_bias": tuple((i, 1.0) for i in range(1025))}, "logit_bias may bias at most 1024 tokens, got 1025"),
+    ({"bad_words": ((),)}, "bad_words are at most 64 token sequences of 1 to 32 token ids (>= 0)"),
+    ({"bad_words": ((3, -1),)}, "bad_words are at most 64 token sequences of 1 to 32 token ids (>= 0)"),
+    ({"bad_words": ((3,),) * 65}, "bad_words are at most 64 token sequences of 1 to 32 token ids (>= 0)"),
 ])
 def test_adjustments_out_of_range_are_refused(fields, message):
     with pytest.raises(InvalidSamplingParams) as refused:
@@ -187,3 +190,34 @@ def test_greedy_with_logit_bias_and_min_tokens_every_mode_equals_the_target_alon
         if "logit_bias" in rules:
             assert plain[1] not in alone
         assert generate(target, PROMPT, params, drafter)[0] == alone
+
+
+def test_bad_words_bar_a_words_last_token_where_the_text_ends_with_the_rest_of_it():
+    """vLLM's bad_words: a one-token word everywhere; a longer one's last token only in rows whose
+    text — the output so far (not the prompt), then the row's path — ends with the rest."""
+    params = SamplingParams(max_tokens=8, bad_words=((5,), (7, 8), (1, 2, 3)))
+    rules = LogitRules(params, [1, 2], set(), 20, torch.device("cpu"))
+    rows = rules.apply(torch.zeros(4, 20), [[], [7], [9, 1, 2], [2]])
+    barred = [sorted(torch.nonzero(torch.isinf(row)).flatten().tolist()) for row in rows]
+    assert barred == [[5], [5, 8], [3, 5], [5]]  # the prompt's [1, 2] does not count
+    rules.record([1])
+    assert torch.isinf(rules.apply(torch.zeros(1, 20), [[2]])[0, 3])  # the output's last token, then the path
+    guide = rules.guide(torch.device("cpu"))
+    guide.record([7])
+    assert rules.tail == [1] and guide.tail == [1, 7]  # the draft's copy keeps its own
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree", "ngram"])
+def test_greedy_with_bad_words_every_mode_equals_the_target_alone_and_never_writes_them(tiny, mode):
+    target = tiny["llama"]
+    plain = SamplingParams(max_tokens=24, ignore_eos=True)
+    free = generate(target, PROMPT, plain)[0]
+    words = ((free[3],), tuple(free[8:10]))  # a token the free text picks, and a pair it writes
+    params = SamplingParams(max_tokens=24, ignore_eos=True, bad_words=words)
+    drafter = {"chain": ModelChainDrafter(tiny["llama-draft"], 4),
+               "tree": ModelTreeDrafter(tiny["llama-draft"], 3, 2, 3), "ngram": NgramDrafter(3)}[mode]
+    alone = generate(target, PROMPT, params)[0]
+    output, stats, _ = generate(target, PROMPT, params, drafter)
+    assert output == alone != free and stats.drafts > 0
+    assert words[0][0] not in alone
+    assert all(alone[i:i + 2] != list(words[1]) for i in range(len(alone) - 1))

@@ -22,7 +22,7 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
   precedes it), the others with the target's log-probabilities from a pass of their own over
   the prompt (the generation's prefill is untouched: the output stays the target's own).
 - logit_bias, presence_penalty and frequency_penalty (OpenAI's), and vLLM's
-  repetition_penalty, min_tokens and min_p are part of the target's distribution, applied by
+  repetition_penalty, min_tokens, min_p and bad_words are part of the target's distribution, applied by
   verification (spec.logit_rules, spec.sampling), greedy included, as vLLM applies them.
 - chat tools are rendered by the model's chat template and the output parsed for calls
   (gateway.tools: vLLM's Hermes parser); tool_choice "none" renders none; "required" or a
@@ -135,6 +135,7 @@ class RequestFields(msgspec.Struct, kw_only=True):
     min_p: float | None = None
     min_tokens: int | None = None
     repetition_penalty: float | None = None
+    bad_words: list[str] | None = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None

@@ -27,7 +27,7 @@ from specctl.gateway.structured import structured_output
 from specctl.gateway.tool_calls import ForcedCalls, StreamedCalls
 from specctl.gateway.tools import forced_call, request_tools
 from specctl.gateway.translate import (
-    chat_messages, chat_template_options, completion_prompts, sampling_params, stop_strings, truncated,
+    bad_words, chat_messages, chat_template_options, completion_prompts, sampling_params, stop_strings, truncated,
 )
 from specctl.gateway.upstream import Upstream
 from specctl.verify.client import RemoteError
@@ -90,8 +90,9 @@ class Generations:
             one_call = chat and not req.parallel_tool_calls
             forced = forced_call(tools, req.tool_choice, parallel=not one_call)
             structured = structured_output(req, forced[1] if forced else None)
+            barred = bad_words(req.bad_words, self.tokenizer)
             specs = choice_specs(prompts, [sampling_params(req, len(p), self.config.context,
-                                                           self.config.default_max_tokens, structured)
+                                                           self.config.default_max_tokens, structured, barred)
                                            for p in prompts], req.n, self._echoes(req, prompts))
             self._check_room(len(specs))
             prompt_tokens = sum(map(len, prompts))

@@ -13,7 +13,7 @@ from specctl.gateway.api import (
     MAX_CHOICES, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, ApiError, ChatCompletionRequest, CompletionRequest, RequestFields,
     wanted_logprobs,
 )
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, SamplingParams
 
 
 def completion_prompts(prompt: str | list) -> list[str | list[int]]:
@@ -43,6 +43,26 @@ def truncated(prompts: list[list[int]], keep: int | None, context: int) -> list[
                             f"select a smaller truncation size.", param="truncate_prompt_tokens")
     keep = context if keep == -1 else keep
     return [p[-keep:] for p in prompts]
+
+
+def bad_words(words: list[str] | None, tokenizer: Any) -> tuple[tuple[int, ...], ...]:
+    """vLLM's bad_words as token sequences, as vLLM encodes them: each word as written (its
+    leading spaces dropped) and, where it tokenizes differently, after a space (a word in the
+    middle of a text)."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words or []:
+        if not word.strip():
+            raise ApiError(400, "bad_words must not hold an empty word", param="bad_words")
+        bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        sequences.append(bare)
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):  # vLLM's test for "a new word token"
+            sequences.append(spaced)
+    if len(sequences) > MAX_BAD_WORDS or any(len(s) > MAX_BAD_WORD_TOKENS for s in sequences):
+        raise ApiError(400, f"bad_words may bar at most {MAX_BAD_WORDS} token sequences (a word counts once or twice: "
+                            f"as written and after a space) of at most {MAX_BAD_WORD_TOKENS} tokens each",
+                       param="bad_words")
+    return tuple(sequences)
 
 
 def logit_bias(req: RequestFields) -> tuple[tuple[int, float], ...]:
@@ -119,10 +139,12 @@ def _arguments(arguments: str) -> Any:
 
 
 def sampling_params(req: RequestFields, prompt_tokens: int, context: int, default_max_tokens: int,
-                    structured: tuple[str, str] | None = None) -> SamplingParams:
+                    structured: tuple[str, str] | None = None,
+                    barred: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
     """Validated sampling parameters; a prompt that leaves no room is a 400 as in OpenAI. Stop
     token ids outside the vocabulary are refused by the target instance (a 400 too).
-    ``structured``: the request's grammar (gateway.structured), checked already."""
+    ``structured``: the request's grammar (gateway.structured), checked already; ``barred``: its
+    bad_words as token sequences (``bad_words``)."""
     if req.stop_token_ids and len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise ApiError(400, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(req.stop_token_ids)}",
                        param="stop_token_ids")
@@ -151,7 +173,7 @@ def sampling_params(req: RequestFields, prompt_tokens: int, context: int, defaul
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             min_p=req.min_p or 0.0, min_tokens=req.min_tokens or 0, logit_bias=logit_bias(req),
-            structured=structured,
+            structured=structured, bad_words=barred,
         )
     except SpecctlError as exc:  # the message starts with the parameter's name
         raise ApiError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None

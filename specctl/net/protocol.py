@@ -68,6 +68,7 @@ class OpenSession(msgspec.Struct, tag=True, frozen=True):
     min_p: float = 0.0
     min_tokens: int = 0  # of the whole output, ``generated`` included
     logit_bias: dict[int, float] = {}
+    bad_words: list[list[int]] = []
 
 
 class SessionOpened(msgspec.Struct, tag=True, frozen=True):
@@ -191,6 +192,7 @@ class Generate(msgspec.Struct, tag=True, frozen=True):
     logit_bias: dict[int, float] = {}
     structured_kind: str = ""  # spec.structured: "" = unconstrained, else its kind and text
     structured_spec: str = ""
+    bad_words: list[list[int]] = []  # vLLM's, as token sequences (spec.logit_rules)
 
 
 class Tokens(msgspec.Struct, tag=True, frozen=True):

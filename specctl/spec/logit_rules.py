@@ -1,5 +1,6 @@
 """What a request changes in the target's logits before temperature, top-k, top-p and min-p,
-in vLLM's order: ``logit_bias`` (added), ``min_tokens`` (the stop tokens barred until that
+in vLLM's order: vLLM's ``bad_words`` (a word's last token barred where the output ends with the
+rest of it), ``logit_bias`` (added), ``min_tokens`` (the stop tokens barred until that
 many tokens are out), then the penalties — transformers'/vLLM's ``repetition_penalty`` (over
 prompt and output) and OpenAI's ``presence_penalty`` and ``frequency_penalty`` (over the
 output). Greedy decoding takes the argmax of the result, as vLLM does. A grammar (structured
@@ -44,6 +45,10 @@ class LogitRules:
             self.bias = torch.zeros(vocab_size, dtype=torch.float32, device=device)
             ids, values = zip(*params.logit_bias)
             self.bias[torch.tensor(ids, device=device)] = torch.tensor(values, device=device)
+        self.bad_words = params.bad_words
+        # the output's last tokens a bad word's start may lie in (vLLM matches bad words over the output)
+        self.bad_reach = max((len(word) - 1 for word in self.bad_words), default=0)
+        self.tail: list[int] = []
         self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
         self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
         self.in_prompt[torch.tensor(prompt, dtype=torch.long, device=device)] = True
@@ -54,6 +59,7 @@ class LogitRules:
         guide = copy.copy(self)  # every field as is; then the state it changes or keeps on a device, its own
         guide.stop_ids, guide.counts, guide.in_prompt = (self.stop_ids.to(device), self.counts.to(device, copy=True),
                                                          self.in_prompt.to(device))
+        guide.tail = list(self.tail)
         guide.bias = None if self.bias is None else self.bias.to(device)
         guide.structure = None if self.structure is None else self.structure.guide(device)
         return guide
@@ -61,6 +67,8 @@ class LogitRules:
     def record(self, tokens: list[int]) -> None:
         """Output tokens committed."""
         self.produced += len(tokens)
+        if self.bad_reach:
+            self.tail = (self.tail + list(tokens))[-self.bad_reach:]
         if self.structure is not None:
             self.structure.record(tokens)
         if tokens:
@@ -75,6 +83,8 @@ class LogitRules:
         if self.structure is not None:
             allowed, ended = self.structure.allowed(paths)
             logits = logits.masked_fill(~allowed, float("-inf"))
+        if self.bad_words:
+            logits = self._bar_bad_words(logits, paths)
         if self.bias is not None:
             logits = logits + self.bias
         barred = [r for r, path in enumerate(paths) if self.produced + len(path) < self.min_tokens and not ended[r]]
@@ -97,6 +107,23 @@ class LogitRules:
         return logits
 
 
+    def _bar_bad_words(self, logits: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
+        """vLLM's bad_words: a word's last token barred in each row whose text (the output so far,
+        then the row's path) ends with the rest of the word; a one-token word everywhere."""
+        rows, tokens = [], []
+        for r, path in enumerate(paths):
+            text = self.tail + path
+            for word in self.bad_words:
+                start = len(text) - (len(word) - 1)
+                if start >= 0 and (len(word) == 1 or text[start:] == list(word[:-1])):
+                    rows.append(r)
+                    tokens.append(word[-1])
+        if not rows:
+            return logits
+        return logits.index_put((torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device)),
+                                torch.tensor(float("-inf"), device=logits.device))
+
+
 def draft_guide(rules: SamplingParams, prompt: list[int], output: list[int], *, tokenizer: Any, vocab_size: int,
                 stop_ids: set[int], device: torch.device) -> LogitRules | None:
     """The rules and grammar a draft server's session follows, built from the request's
@@ -106,6 +133,7 @@ def draft_guide(rules: SamplingParams, prompt: list[int], output: list[int], *, 
         structure = None if rules.structured is None else Structure(*rules.structured, tokenizer, vocab_size, stop_ids,
                                                                     device, strict=False)
         check_token_ids([token for token, _ in rules.logit_bias], vocab_size, "logit_bias token ids")
+        check_token_ids([token for word in rules.bad_words for token in word], vocab_size, "bad_words token ids")
         guide = LogitRules(rules, prompt, stop_ids, vocab_size, device, structure)
         guide.record(output)
         return guide

@@ -11,6 +11,8 @@ from specctl.errors import InvalidSamplingParams
 
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM and OpenAI allow
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
+MAX_BAD_WORDS = 64  # token sequences one request may bar (vLLM's bad_words, each with and without a space)
+MAX_BAD_WORD_TOKENS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +32,9 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens below min_p times the likeliest one's probability (after top-p); 0 = off
     min_tokens: int = 0  # the stop tokens (EOS, stop_token_ids) are barred until this many are out
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit), OpenAI's -100..100
+    # vLLM's bad_words as token sequences: a sequence's last token is barred where the output
+    # so far ends with the rest of it (spec.logit_rules)
+    bad_words: tuple[tuple[int, ...], ...] = ()
     # (kind, spec): the output constrained to a grammar (spec.structured: "json" + a JSON schema,
     # "regex", "choice" + a JSON list of strings, "grammar" + Lark/GBNF); None = unconstrained
     structured: tuple[str, str] | None = None
@@ -64,6 +69,11 @@ class SamplingParams:
             if not (isinstance(token, int) and token >= 0 and isinstance(bias, (int, float)) and -100 <= bias <= 100):
                 raise InvalidSamplingParams(f"logit_bias maps token ids (>= 0) to values between -100 and 100, got "
                                             f"{token!r}: {bias!r}")
+        if len(self.bad_words) > MAX_BAD_WORDS or not all(
+                isinstance(word, tuple) and 1 <= len(word) <= MAX_BAD_WORD_TOKENS
+                and all(isinstance(t, int) and t >= 0 for t in word) for word in self.bad_words):
+            raise InvalidSamplingParams(f"bad_words are at most {MAX_BAD_WORDS} token sequences of 1 to "
+                                        f"{MAX_BAD_WORD_TOKENS} token ids (>= 0)")
         if self.structured is not None:
             from specctl.spec.structured import KINDS, MAX_SPEC_CHARS
 
@@ -87,7 +97,8 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """Whether the target's logits are changed before sampling (spec.logit_rules, spec.structured)."""
-        return (bool(self.presence_penalty or self.frequency_penalty or self.min_tokens or self.logit_bias)
+        return (bool(self.presence_penalty or self.frequency_penalty or self.min_tokens or self.logit_bias
+                     or self.bad_words)
                 or self.repetition_penalty != 1.0 or self.structured is not None)
 
 

@@ -220,10 +220,12 @@ class TargetServer(ListeningServer):
                 raise BadRequest("logprobs are not available from a SpecPipe target: its stages send the verified "
                                  "tokens, not the logits")
             if params.adjusts_logits and self.specpipe is not None:
-                raise BadRequest("penalties, logit_bias, min_tokens and structured output are not available from a "
-                                 "SpecPipe target: its stages verify with the unadjusted distribution")
+                raise BadRequest("penalties, logit_bias, bad_words, min_tokens and structured output are not "
+                                 "available from a SpecPipe target: its stages verify with the unadjusted distribution")
             check_token_ids([token for token, _ in params.logit_bias], self.model.spec.vocab_size,
                             "logit_bias token ids")
+            check_token_ids([token for word in params.bad_words for token in word], self.model.spec.vocab_size,
+                            "bad_words token ids")
             check_token_ids(msg.prompt, self.model.spec.vocab_size)
             check_token_ids(msg.stop_token_ids, self.model.spec.vocab_size)
             if self.active > self.config.max_sessions:

@@ -15,7 +15,7 @@ def generate_message(req: int, prompt: list[int], params: SamplingParams) -> Gen
         prompt_logprobs=-1 if params.prompt_logprobs is None else params.prompt_logprobs,
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty, min_p=params.min_p, min_tokens=params.min_tokens,
-        logit_bias=dict(params.logit_bias),
+        logit_bias=dict(params.logit_bias), bad_words=[list(word) for word in params.bad_words],
         structured_kind=params.structured[0] if params.structured else "",
         structured_spec=params.structured[1] if params.structured else "",
     )
@@ -30,6 +30,6 @@ def sampling_params_of(msg: Generate) -> SamplingParams:
         prompt_logprobs=None if msg.prompt_logprobs < 0 else msg.prompt_logprobs,
         presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty, min_p=msg.min_p, min_tokens=msg.min_tokens,
-        logit_bias=tuple(sorted(msg.logit_bias.items())),
+        logit_bias=tuple(sorted(msg.logit_bias.items())), bad_words=tuple(map(tuple, msg.bad_words)),
         structured=(msg.structured_kind, msg.structured_spec) if msg.structured_kind else None,
     )
