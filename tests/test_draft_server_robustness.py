@@ -142,3 +142,25 @@ def test_thousand_open_close_cycles_leave_no_session_state(live):
     poll_until(lambda: server.server.active_sessions, lambda n: n == 0)
     assert most_open[0] <= 2  # a CLOSE is served before the next OPEN's cache exists
     assert _live_draft_states() == 0
+
+
+def test_a_closing_session_is_counted_until_its_kv_is_freed(tiny, monkeypatch):
+    """The stats feed is read on the event loop while CLOSE runs on the compute thread: a
+    snapshot taken while a session's state is being freed still counts it, so "no sessions"
+    means no KV held (a fresh-clone CI once saw sessions 0 beside 0.03 MB still held)."""
+    from specctl.draft.sessions import SessionTable
+    from specctl.engine.kv_cache import KVPool
+
+    table = SessionTable(ModelChainDrafter(tiny["llama-draft"], 3), KVPool(None), 320, 512)
+    table.open(1, OpenSession(0, [5, 6, 7], max_tokens=16))
+    table.propose_many([(1, [], [8])])
+    assert table.pool.used_bytes > 0
+    seen, close = [], DraftState.close
+
+    def closing(state):
+        seen.append(table.snapshot()["sessions"])  # the feed, read while the state is freed
+        close(state)
+
+    monkeypatch.setattr(DraftState, "close", closing)
+    table.close(1)
+    assert seen == [1] and table.snapshot()["sessions"] == 0 and table.pool.used_bytes == 0

@@ -201,11 +201,16 @@ class SessionTable:
         self.total_accepted += state.accepted - before[2]
 
     def close(self, tag: int) -> None:
-        state = self.states.pop(tag, None)
-        if self.speculation is not None:
-            self.speculation.drop(tag)
-        if state is not None:
-            state.close()
+        """Frees a session's state, then forgets it: the stats feed (read from the event loop
+        while this runs on the compute thread) never counts a session gone whose KV is held."""
+        state = self.states.get(tag)
+        try:
+            if self.speculation is not None:
+                self.speculation.drop(tag)
+            if state is not None:
+                state.close()
+        finally:
+            self.states.pop(tag, None)
 
     def snapshot(self) -> dict:
         per_session = {
