@@ -14,6 +14,7 @@ from aiohttp import web
 from specctl.gateway import responses as R
 from specctl.gateway.api import ApiError
 from specctl.gateway.choices import Choices
+from specctl.gateway.tool_calls import read_whole
 from specctl.verify.client import RemoteError
 
 
@@ -44,10 +45,9 @@ class Reply:
                 text, calls, finish = "".join(texts[index]), None, event.finish
                 if self.calls is not None:
                     reader = self.calls()
-                    content, _ = reader.push(text)
-                    rest, _, calls = reader.finish()
+                    content, calls = read_whole(reader, text)
                     if calls:  # content beside calls: None when there is none, as OpenAI's
-                        text, finish = (content + rest) if (content + rest).strip() else None, reader.finish_reason
+                        text, finish = content if content.strip() else None, reader.finish_reason
                 bodies.append(R.choice(self.chat, index, text, finish,
                                        self.logprobs(entries[index], 0) if self.logprobs else None, calls))
                 stats[index] = event.stats

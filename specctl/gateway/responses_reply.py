@@ -17,6 +17,7 @@ from aiohttp import web
 from specctl.gateway import responses as R
 from specctl.gateway.choices import Choices
 from specctl.gateway.respond import remote_message
+from specctl.gateway.tool_calls import read_whole
 from specctl.verify.client import RemoteError
 
 
@@ -87,10 +88,7 @@ class ResponsesReply:
             if event.finish:
                 text, calls = "".join(pieces), None
                 if self.calls is not None:
-                    reader = self.calls()
-                    content, _ = reader.push(text)
-                    rest, _, calls = reader.finish()
-                    text = content + rest if calls else text
+                    text, calls = read_whole(self.calls(), text)
                 status = status_of(event.finish, calls)
                 output = [] if calls and not text.strip() else [message_item(_id("msg"), text, status)]
                 output += [call_item(_id("fc"), call, "completed") for call in calls or []]

@@ -69,6 +69,7 @@ class StreamedCalls:
         self.max_calls = max_calls  # parallel_tool_calls false: 1 (the blocks after it are not read)
         self.text = ""
         self.sent = 0  # characters of content handed out
+        self.start = -1  # where the first <tool_call> begins (-1: not yet)
         self.calls: list[dict] = []  # the calls begun, as OpenAI's (arguments handed out so far)
         self._starts: list[int] = []  # where each begun call's arguments start in its block
         self._read_blocks = 0  # blocks read to their end
@@ -77,17 +78,17 @@ class StreamedCalls:
     def push(self, delta: str) -> tuple[str, list[dict]]:
         """(content to hand out, tool-call deltas to hand out)."""
         self.text += delta
-        start = self.text.find(OPEN)
-        upto = start if start >= 0 else len(self.text) - _held(self.text, OPEN)
+        if self.start < 0:  # the text handed out holds no tag's start: look from there
+            self.start = self.text.find(OPEN, self.sent)
+        upto = self.start if self.start >= 0 else len(self.text) - _held(self.text, OPEN)
         content = self.text[self.sent:upto] if upto > self.sent else ""
         self.sent = max(self.sent, upto)
-        return content, self._read(start, final=False) if start >= 0 else []
+        return content, self._read(self.start, final=False) if self.start >= 0 else []
 
     def finish(self) -> tuple[str, list[dict], list[dict] | None]:
         """(content not yet handed out, the last deltas, every call — None when the text holds
         a block that is no call: a whole answer keeps its text as content)."""
-        start = self.text.find(OPEN)
-        deltas = self._read(start, final=True) if start >= 0 else []
+        deltas = self._read(self.start, final=True) if self.start >= 0 else []
         if self.calls:
             return "", deltas, None if self._broken else self.calls
         rest, self.sent = self.text[self.sent:], len(self.text)
@@ -142,12 +143,18 @@ def _fits(body: str, arguments: str) -> bool:
         return False
 
 
+def read_whole(reader: "StreamedCalls | ForcedCalls", text: str) -> tuple[str, list[dict] | None]:
+    """A whole answer's text read by ``reader``: (its content — all of the text when it holds
+    no call —, the calls or None)."""
+    content, _ = reader.push(text)
+    rest, _, calls = reader.finish()
+    return (content + rest, calls) if calls else (text, None)
+
+
 def parse(text: str) -> tuple[str | None, list[dict]] | None:
     """A whole text's (content before the first call, None when there is none; the calls in
     OpenAI's shape) — or None when it holds no call, or a block that is none."""
-    reader = StreamedCalls()
-    content, _ = reader.push(text)
-    _, _, calls = reader.finish()
+    content, calls = read_whole(StreamedCalls(), text)
     if calls is None:
         return None
     return content if content.strip() else None, calls
