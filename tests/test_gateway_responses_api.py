@@ -71,8 +71,8 @@ def test_text_format_json_schema_holds_the_output_to_it(cluster, client, tiny_di
 
 @pytest.mark.parametrize("fields, param, message", [
     ({"previous_response_id": "resp_1"}, "previous_response_id",
-     "previous_response_id needs stored responses, which this gateway does not keep: send the whole conversation in "
-     "input"),
+     "Previous response with id 'resp_1' not found: it was not stored (store false), was deleted, or is older than "
+     "the last 256 this gateway keeps"),
     ({"background": True}, "background", "background responses are not served: leave background false"),
     ({"tools": [{"type": "web_search"}]}, "tools",
      'tools[0] must be a function tool {"type": "function", "name": ..., "parameters": {...}}: built-in tools are '
@@ -97,8 +97,72 @@ def test_what_is_not_served_is_refused_by_name(cluster, fields, param, message):
 
 
 def test_the_client_reads_a_refusal_as_its_error(client, tiny_dir):
-    with pytest.raises(openai.BadRequestError, match="previous_response_id needs stored responses"):
+    with pytest.raises(openai.BadRequestError, match="Previous response with id 'resp_1' not found") as refused:
         client.responses.create(model=str(tiny_dir["llama"]), input=QUESTION, previous_response_id="resp_1")
+    assert refused.value.code == "previous_response_not_found"
+
+
+def test_previous_response_id_continues_the_stored_conversation(cluster, client, tiny_dir):
+    model = str(tiny_dir["llama"])
+    fields = dict(model=model, max_output_tokens=6, temperature=0)
+    first = client.responses.create(input="My name is Ada.", instructions="Be brief.", **fields)
+    second = client.responses.create(input="What is my name?", previous_response_id=first.id, **fields)
+    chat = client.chat.completions.create(model=model, max_tokens=6, temperature=0, messages=[  # no instructions:
+        {"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "What is my name?"}])                            # they are not carried over
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert (first.store, second.store, second.previous_response_id) == (True, True, first.id)
+    streamed = list(client.responses.create(input="And again?", previous_response_id=second.id, stream=True,
+                                            **fields))
+    third = client.responses.retrieve(streamed[-1].response.id)  # a streamed response is stored too
+    assert third.output_text == streamed[-1].response.output_text and third.previous_response_id == second.id
+    again = client.chat.completions.create(model=model, max_tokens=6, temperature=0, messages=[
+        {"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "What is my name?"}, {"role": "assistant", "content": second.output_text},
+        {"role": "user", "content": "And again?"}])
+    assert third.output_text == again.choices[0].message.content
+
+
+def test_a_stored_response_is_retrieved_and_deleted_and_store_false_keeps_none(cluster, client, tiny_dir):
+    fields = dict(model=str(tiny_dir["llama"]), input=QUESTION, max_output_tokens=4, temperature=0)
+    kept = client.responses.create(**fields)
+    assert client.responses.retrieve(kept.id).model_dump() == kept.model_dump()
+    assert client.responses.delete(kept.id) is None  # the client reads OpenAI's deletion object as nothing
+    with pytest.raises(openai.NotFoundError, match=f"No response found with id '{kept.id}'") as missing:
+        client.responses.retrieve(kept.id)
+    assert missing.value.code == "response_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(kept.id)
+    with pytest.raises(openai.BadRequestError, match="not found"):
+        client.responses.create(**fields, previous_response_id=kept.id)
+    unkept = client.responses.create(**fields, store=False)
+    assert unkept.store is False and unkept.output_text == kept.output_text
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unkept.id)
+
+
+def test_the_store_keeps_the_last_n_used_and_none_at_zero():
+    from specctl.gateway.api import ApiError, ChatMessage
+    from specctl.gateway.response_store import ResponseStore, StoredResponse
+
+    def stored(rid):
+        return StoredResponse({"id": rid}, (ChatMessage(role="user", content=rid),))
+
+    store = ResponseStore(2)
+    for rid in ("a", "b"):
+        store.put(stored(rid))
+    assert store.history("a")[0].content == "a"  # used: "b" is now the least recently used
+    store.put(stored("c"))
+    assert (len(store), store.get("b"), store.read("c"), store.remove("a")) == (
+        2, None, {"id": "c"}, {"id": "a", "object": "response.deleted", "deleted": True})
+    none = ResponseStore(0)
+    none.put(stored("a"))
+    assert len(none) == 0 and none.history(None) == ()
+    with pytest.raises(ApiError, match=r"keeps none \(--responses-store 0\)"):
+        none.history("a")
+    with pytest.raises(ValueError, match="at least 0"):
+        ResponseStore(-1)
 
 
 def test_function_tools_and_earlier_calls_become_the_chat_request():
@@ -169,3 +233,14 @@ def test_a_forced_call_comes_back_as_a_function_call_item_streamed_or_not(tools_
     [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert "".join(deltas) == done.arguments == call.arguments and len(deltas) > 1
     assert events[-1].type == "response.completed" and events[-1].response.output[0].arguments == call.arguments
+    answered = client.responses.create(  # the call's output, continuing the stored response that made the call
+        model=model, previous_response_id=response.id, max_output_tokens=8, temperature=0, tools=[tool],
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    chat = client.chat.completions.create(model=model, max_tokens=8, temperature=0, tools=[
+        {"type": "function", "function": {k: tool[k] for k in ("name", "parameters")}}], messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}])
+    assert answered.usage.input_tokens == chat.usage.prompt_tokens
+    assert answered.output_text == (chat.choices[0].message.content or "")

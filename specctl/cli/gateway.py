@@ -12,6 +12,8 @@ from specctl.config import build_config
 from specctl.errors import ConfigError
 
 API_KEY_HELP = "require `Authorization: Bearer KEY` on /v1/* (or SPECCTL_API_KEY)"
+STORE_HELP = ("Responses API answers kept in memory for previous_response_id and GET /v1/responses/{id}: the last N "
+              "(0 keeps none)")
 
 
 def gateway(
@@ -23,13 +25,14 @@ def gateway(
     default_max_tokens: int = typer.Option(256, "--default-max-tokens", help="chat max_tokens when a request gives none"),
     max_body_kb: int = typer.Option(1024, "--max-body-kb", help="largest request body accepted (413 above)"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECCTL_API_KEY", help=API_KEY_HELP),
+    responses_store: int = typer.Option(256, "--responses-store", help=STORE_HELP),
     auth_token: Optional[str] = typer.Option(None, "--auth-token", envvar="SPECCTL_AUTH_TOKEN",
                                              help="auth token of the target instances"),
     tls_ca: Optional[str] = typer.Option(None, "--tls-ca", help="CA file: talk TLS to the target instances"),
     log_level: str = typer.Option("info", "--log-level", help="debug | info | warning"),
 ) -> None:
-    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models), /health, /metrics and
-    vLLM's /tokenize, /detokenize over target instances."""
+    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/responses, /v1/models), /health,
+    /metrics and vLLM's /tokenize, /detokenize over target instances."""
     from transformers import AutoConfig, AutoTokenizer
 
     from specctl.engine.loader import vocab_fingerprint
@@ -41,6 +44,8 @@ def gateway(
     from specctl.spec.factory import split_model_name
     from specctl.store import resolve_model
 
+    if responses_store < 0:
+        raise ConfigError(f"--responses-store must be >= 0 (0 keeps none), got {responses_store}")
     setup_logging(log_level)
     console = Console(stderr=True)
 
@@ -58,7 +63,7 @@ def gateway(
         context = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", 32768)
         server = Gateway(GatewayConfig(model_name=name, context=context, host=host, port=port,
                                        default_max_tokens=default_max_tokens, max_body_bytes=max_body_kb * 1024,
-                                       api_key=api_key), tokenizer, upstream, metrics)
+                                       api_key=api_key, responses_store=responses_store), tokenizer, upstream, metrics)
         await serve(server, lambda bound: console.print(
             f"gateway for [bold]{name}[/] on http://{host}:{bound}/v1 over {len(target)} target instance(s)"
             f"{' (API key required)' if api_key else ''}", soft_wrap=True))
@@ -83,6 +88,7 @@ def up(
     stages: int = typer.Option(1, help="pipeline stages per target instance (the target split by layers, each "
                                "stage a server on loopback)"),
     port: int = typer.Option(8000, help="gateway HTTP port (0 = any free port, printed at start)"),
+    responses_store: int = typer.Option(256, "--responses-store", help=STORE_HELP),
     mode: Optional[str] = typer.Option(None, help="chain | tree"),
     drafters: Optional[str] = typer.Option(None, help="several drafters instead of --draft: comma-separated model "
                                            "names, NAME@N and ngram; a draft server per model, every target routes "
@@ -102,7 +108,7 @@ def up(
 
     config = cluster_config(profile, draft, target, mode, dtype, draft_quant, threads, drafters)
     try:
-        plan = ClusterConfig(targets=targets, gateway_port=port, stages=stages)
+        plan = ClusterConfig(targets=targets, gateway_port=port, stages=stages, responses_store=responses_store)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     setup_logging(log_level)

@@ -33,12 +33,15 @@ class ClusterConfig:
     default_max_tokens: int = 256
     speculate: bool = True  # False: no draft server, the targets decode autoregressively (a baseline)
     stages: int = 1  # pipeline stages per target instance (each on loopback, with its own compute thread)
+    responses_store: int = 256  # the gateway's stored Responses API answers (gateway.response_store)
 
     def __post_init__(self) -> None:
         if not 1 <= self.targets <= 64:
             raise ValueError(f"targets must be in 1..64, got {self.targets}")
         if not 1 <= self.stages <= 64:
             raise ValueError(f"stages must be in 1..64, got {self.stages}")
+        if self.responses_store < 0:
+            raise ValueError(f"--responses-store must be >= 0 (0 keeps none), got {self.responses_store}")
 
 
 class EmbeddedCluster:
@@ -105,7 +108,8 @@ class EmbeddedCluster:
         upstream = Upstream([f"{host}:{p}" for p in target_ports], drafts, fingerprint=target.vocab_fingerprint,
                             metrics=metrics)
         self.gateway = Gateway(GatewayConfig(model_name=target.name, context=target.spec.max_position, host=host,
-                                             port=c.gateway_port, default_max_tokens=c.default_max_tokens),
+                                             port=c.gateway_port, default_max_tokens=c.default_max_tokens,
+                                             responses_store=c.responses_store),
                                target.tokenizer, upstream, metrics)
         gateway_port = await self.gateway.start()
         self.urls = {"gateway": f"http://{host}:{gateway_port}", "draft": drafts[0] if drafts else None,

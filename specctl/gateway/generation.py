@@ -21,7 +21,8 @@ from specctl.gateway.api import (
 from specctl.gateway.choices import Choices, choice_specs
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.gateway.respond import Reply, remote_message
-from specctl.gateway.responses_api import ResponsesRequest, as_chat
+from specctl.gateway.response_store import ResponseStore, StoredResponse
+from specctl.gateway.responses_api import ResponsesRequest, answer_turn, as_chat, input_messages
 from specctl.gateway.responses_reply import ResponsesReply
 from specctl.gateway.structured import structured_output
 from specctl.gateway.tool_calls import ForcedCalls, StreamedCalls
@@ -45,6 +46,7 @@ class Generations:
         self.config, self.tokenizer, self.upstream, self.metrics = config, tokenizer, upstream, metrics
         self._token_bytes = token_bytes_of(tokenizer)
         self.running = 0
+        self.responses = ResponseStore(config.responses_store)
 
     def check_model(self, model: str | None) -> None:
         if model and model != self.config.model_name:
@@ -79,7 +81,8 @@ class Generations:
             body = await request.read()
             if endpoint == "responses":
                 asked = parse_body(body, ResponsesRequest)
-                req = as_chat(asked)
+                history = self.responses.history(asked.previous_response_id)
+                req = as_chat(asked, history)
             else:
                 req = parse_body(body, ChatCompletionRequest if chat else CompletionRequest)
             refuse_unsupported(req)
@@ -99,8 +102,8 @@ class Generations:
             self.metrics.prompt_tokens.inc(prompt_tokens)
             calls = None if tools is None else (partial(ForcedCalls, forced[0]) if forced
                                                 else partial(StreamedCalls, 1 if one_call else None))
-            reply = (ResponsesReply(self.config.model_name, prompt_tokens, asked, calls) if endpoint == "responses"
-                     else self._reply(req, chat, prompt_tokens, calls))
+            reply = (ResponsesReply(self.config.model_name, prompt_tokens, asked, calls, self._keeper(asked, history))
+                     if endpoint == "responses" else self._reply(req, chat, prompt_tokens, calls))
             try:
                 async with Choices(self.upstream, self.metrics, self.tokenizer, specs, stop,
                                    req.include_stop_str_in_output, arrival) as choices:
@@ -120,6 +123,13 @@ class Generations:
             self.running -= 1
             self.metrics.running.set(self.running)
             self.metrics.requests.labels(endpoint=endpoint, status=status).inc()
+
+    def _keeper(self, asked: ResponsesRequest, history: tuple) -> Any:
+        """What stores a finished response with the conversation it ends (None: not stored)."""
+        if asked.store is False or self.responses.capacity == 0:
+            return None
+        asked_turns = (*history, *input_messages(asked))
+        return lambda body: self.responses.put(StoredResponse(body, (*asked_turns, answer_turn(body["output"]))))
 
     def _reply(self, req, chat: bool, prompt_tokens: int, calls) -> Reply:
         """A completion's or chat's answer: logprobs as asked, tool calls read back by ``calls``."""

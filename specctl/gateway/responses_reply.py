@@ -49,6 +49,7 @@ class ResponsesReply:
     prompt_tokens: int
     req: Any  # gateway.responses_api.ResponsesRequest
     calls: Callable[[], Any] | None = None  # a reader of the tool calls (gateway.tool_calls); None: no tools
+    keep: Callable[[dict], None] | None = None  # stores the finished response's body; None: not stored
     rid: str = field(default_factory=lambda: _id("resp"))
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -67,7 +68,8 @@ class ResponsesReply:
             "tool_choice": self.req.tool_choice if self.req.tool_choice is not None else "auto",
             "tools": self.req.tools or [],
             "text": {"format": msgspec.to_builtins(fmt) if fmt is not None else {"type": "text"}},
-            "previous_response_id": None, "store": False, "truncation": "disabled", "reasoning": None,
+            "previous_response_id": self.req.previous_response_id, "store": self.keep is not None,
+            "truncation": "disabled", "reasoning": None,
             "metadata": self.req.metadata or {}, "user": self.req.user,
             "usage": None if stats is None else self._usage(count, stats),
         }
@@ -81,6 +83,13 @@ class ResponsesReply:
                 "output_tokens": count, "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": self.prompt_tokens + count}
 
+    def _finished(self, status: str, output: list[dict], count: int, stats: dict) -> dict:
+        """The finished response's body, stored first when it is kept (a failed one is not)."""
+        body = self.body(status, output, count, stats)
+        if self.keep is not None:
+            self.keep(body)
+        return body
+
     async def collect(self, choices: Choices) -> web.Response:
         pieces = []
         async for _, event in choices.events():
@@ -92,7 +101,7 @@ class ResponsesReply:
                 status = status_of(event.finish, calls)
                 output = [] if calls and not text.strip() else [message_item(_id("msg"), text, status)]
                 output += [call_item(_id("fc"), call, "completed") for call in calls or []]
-                return web.json_response(self.body(status, output, event.count, event.stats))
+                return web.json_response(self._finished(status, output, event.count, event.stats))
         raise RuntimeError("a generation ended without its last event")  # Choices always ends with one
 
     async def stream(self, request: web.Request, choices: Choices) -> web.StreamResponse:
@@ -119,7 +128,8 @@ class ResponsesReply:
                     await items.add(rest, deltas)
                     status = status_of(event.finish, calls)
                     output = await items.close(status)
-                    await send(f"response.{status}", response=self.body(status, output, event.count, event.stats))
+                    body = self._finished(status, output, event.count, event.stats)
+                    await send(f"response.{status}", response=body)
         except RemoteError as exc:  # headers are gone: the failure travels in the stream, as OpenAI's does
             error = {"code": "server_error", "message": remote_message(exc)}
             await send("response.failed", response=self.body("failed", items.done, error=error))

@@ -39,12 +39,15 @@ class GatewayConfig:
     default_max_tokens: int = 256
     max_body_bytes: int = 1 << 20
     api_key: str | None = None
+    responses_store: int = 256  # Responses API answers kept for previous_response_id and GET (gateway.response_store)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.context < 2 or self.default_max_tokens < 1 or self.max_body_bytes < 1024:
             raise ValueError("context must be >= 2, default_max_tokens >= 1 and max_body_bytes >= 1024")
+        if self.responses_store < 0:
+            raise ValueError(f"responses_store must be >= 0 (0 keeps none), got {self.responses_store}")
 
 
 class Gateway:
@@ -66,6 +69,8 @@ class Gateway:
         app.add_routes([
             web.post("/v1/completions", self._completions), web.post("/v1/chat/completions", self._chat),
             web.post("/v1/responses", self._responses),
+            web.get("/v1/responses/{response_id}", self._stored_response),
+            web.delete("/v1/responses/{response_id}", self._delete_response),
             web.get("/v1/models", self._models), web.get("/v1/models/{model:.+}", self._model),
             web.get("/version", self._version), web.get("/health", self._health),
             web.get("/metrics", self._metrics), web.get("/v1/stats", self._stats),
@@ -150,6 +155,15 @@ class Gateway:
         if model != self.config.model_name:  # _check_model passes an empty name
             self._check_model(model or " ")
         return web.json_response(R.model_card(self.config.model_name, self.created, self.config.context))
+
+    async def _stored_response(self, request: web.Request) -> web.Response:
+        """OpenAI's GET /v1/responses/{id} (the client's responses.retrieve): a stored response."""
+        self._check_key(request)
+        return web.json_response(self.generations.responses.read(request.match_info["response_id"]))
+
+    async def _delete_response(self, request: web.Request) -> web.Response:
+        self._check_key(request)
+        return web.json_response(self.generations.responses.remove(request.match_info["response_id"]))
 
     async def _version(self, _request: web.Request) -> web.Response:
         """vLLM's GET /version: this gateway's specctl version."""
