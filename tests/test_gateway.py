@@ -350,6 +350,10 @@ def test_metrics_parse_and_counters_grow(cluster, client, tiny_dir):
     ttft = after["specctl:time_to_first_token_seconds_sum"] - before["specctl:time_to_first_token_seconds_sum"]
     e2e = after["specctl:e2e_request_latency_seconds_sum"] - before["specctl:e2e_request_latency_seconds_sum"]
     assert ttft <= e2e  # the first token comes before the end
+    with urllib.request.urlopen(base + "/v1/stats", timeout=30) as response:
+        gateway = json.loads(response.read())["gateway"]  # the monitor's latency line: the same generations
+    assert gateway["generations"] == min(100, after["specctl:e2e_request_latency_seconds_count"])
+    assert 0 < gateway["ttft_ms_p50"] <= gateway["ttft_ms_p90"] and 0 < gateway["e2e_ms_p50"] <= gateway["e2e_ms_p90"]
     for gauge in ("specctl:draft_load", "specctl:T_idle_ms", "specctl:T_wait_ms", "specctl:queue_depth",
                   "specctl:sessions", "specctl:tokens_per_s", "specctl:role_up"):
         assert gauge in families, gauge

@@ -246,6 +246,36 @@ def test_prefix_caches_show_their_hit_rate_in_80x24_once_asked():
     assert "prefix cache" not in text_of(dashboard(advance(MonitorState("x"), idle, 1.0), now=1.5))
 
 
+def test_the_gateway_line_shows_latency_percentiles_in_80x24():
+    from specctl.gateway.metrics import GatewayMetrics
+
+    metrics = GatewayMetrics()
+    assert metrics.latency_summary() == {"generations": 0, **{f"{n}_ms_p{p}": None for n in ("ttft", "tpot", "e2e")
+                                                              for p in (50, 90)}}
+    for i in range(10):  # first token after (i + 1) * 10 ms, then 4 more tokens 20 ms apart
+        metrics.record_latency(0.0, (i + 1) / 100, (i + 1) / 100 + 0.08, 5)
+    metrics.record_latency(0.0, None, 2.5, 0)  # a generation that gave no token: end to end only
+    summary = metrics.latency_summary()
+    assert summary["generations"] == 11
+    assert (summary["ttft_ms_p50"], summary["ttft_ms_p90"]) == pytest.approx((50.0, 90.0))  # nearest rank
+    assert (summary["tpot_ms_p50"], summary["tpot_ms_p90"]) == pytest.approx((20.0, 20.0))
+    assert (summary["e2e_ms_p50"], summary["e2e_ms_p90"]) == pytest.approx((140.0, 180.0))
+    data = {**feed(), "gateway": {"requests_running": 3, **summary}}
+    screen = text_of(dashboard(advance(MonitorState("http://gw:8000"), data, 1.0), now=1.5))
+    lines = screen.rstrip("\n").split("\n")
+    assert len(lines) <= 24 and max(len(line) for line in lines) <= 80
+    assert "gateway 3 running  TTFT 50/90ms  TPOT 20/20ms  e2e 140/180ms  (p50/p90)" in screen
+    for _ in range(100):
+        metrics.record_latency(0.0, 1.5, 12.0, 2)
+    assert metrics.latency_summary()["generations"] == 100  # the last 100 only
+    data["gateway"] = {"requests_running": 12, **metrics.latency_summary()}
+    screen = text_of(dashboard(advance(MonitorState("http://gw:8000"), data, 1.0), now=1.5))
+    assert "gateway 12 running  TTFT 1.5/1.5s  TPOT 10/10s  e2e 12/12s  (p50/p90)" in screen
+    idle = text_of(dashboard(advance(MonitorState("x"), {**feed(), "gateway": {"requests_running": 0,
+                                                                             "generations": 0}}, 1.0), now=1.5))
+    assert "gateway 0 running\n" in idle and "TTFT" not in idle
+
+
 def test_a_poll_that_cannot_connect_says_why_in_a_few_words():
     import aiohttp
     from aiohttp.client_reqrep import ConnectionKey

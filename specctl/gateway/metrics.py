@@ -4,9 +4,13 @@ latest stats snapshot of every role."""
 
 from __future__ import annotations
 
+import math
+from collections import deque
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 PREFIX = "specctl:"
+RECENT_GENERATIONS = 100  # the monitor's latency line: percentiles over the last this many generations
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
@@ -77,6 +81,11 @@ DRAFTER_GAUGES = {
 }
 
 
+def nearest_rank(ordered: list[float], percent: int) -> float | None:
+    """The percent-th percentile of sorted values by nearest rank (a value that was measured)."""
+    return ordered[max(0, math.ceil(percent / 100 * len(ordered)) - 1)] if ordered else None
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -100,6 +109,7 @@ class GatewayMetrics:
         self.e2e_latency = Histogram(f"{p}e2e_request_latency_seconds",
                                      "time from a request's arrival to a generation's end", buckets=E2E_BUCKETS,
                                      registry=r)
+        self.recent: deque[tuple[float | None, float | None, float]] = deque(maxlen=RECENT_GENERATIONS)
         self.role_up = Gauge(f"{p}role_up", "1 when the role answered the last poll", ["role", "address"], registry=r)
         self.role_gauges = {key: Gauge(f"{p}{name}", help_, ["role", "address"], registry=r)
                             for key, (name, help_) in ROLE_GAUGES.items()}
@@ -123,11 +133,25 @@ class GatewayMetrics:
     def record_latency(self, arrival: float, first: float | None, end: float, tokens: int) -> None:
         """A finished generation's latencies (time.perf_counter() seconds): first None when no
         token came."""
-        if first is not None:
-            self.time_to_first_token.observe(first - arrival)
-            if tokens > 1:
-                self.time_per_output_token.observe((end - first) / (tokens - 1))
+        ttft = None if first is None else first - arrival
+        tpot = (end - first) / (tokens - 1) if first is not None and tokens > 1 else None
+        if ttft is not None:
+            self.time_to_first_token.observe(ttft)
+        if tpot is not None:
+            self.time_per_output_token.observe(tpot)
         self.e2e_latency.observe(end - arrival)
+        self.recent.append((ttft, tpot, end - arrival))
+
+    def latency_summary(self) -> dict:
+        """The stats feed's latency figures (ms; None where no generation measured one): p50 and
+        p90 of time to first token, time per output token and end to end over the last
+        RECENT_GENERATIONS generations — what the histograms give Prometheus, for the monitor."""
+        summary: dict = {"generations": len(self.recent)}
+        for i, name in enumerate(("ttft", "tpot", "e2e")):
+            values = sorted(r[i] * 1000 for r in self.recent if r[i] is not None)
+            for p in (50, 90):
+                summary[f"{name}_ms_p{p}"] = nearest_rank(values, p)
+        return summary
 
     def record_role(self, role: str, address: str, up: bool, stats: dict) -> None:
         self.role_up.labels(role=role, address=address).set(1 if up else 0)

@@ -83,6 +83,28 @@ def prespec_rows(prespec: dict) -> list[tuple[str, str, str, str]]:
              f"skip {prespec.get('skipped', 0)} carry {prespec.get('jit_carried', 0)}")]
 
 
+def gateway_line(gateway: dict) -> Text:
+    """The gateway's requests in flight and its latencies, p50/p90 over its last generations
+    (gateway.metrics.RECENT_GENERATIONS): time to first token, time per output token, end to end."""
+    text = Text("gateway ", style="bold").append(f"{gateway.get('requests_running', 0)} running")
+    if gateway.get("generations"):
+        pairs = "  ".join(f"{label} {_pair(gateway.get(f'{name}_ms_p50'), gateway.get(f'{name}_ms_p90'))}"
+                          for label, name in (("TTFT", "ttft"), ("TPOT", "tpot"), ("e2e", "e2e")))
+        text.append(f"  {pairs}  (p50/p90)", style="cyan")
+    return text
+
+
+def _pair(p50: float | None, p90: float | None) -> str:
+    """Two latencies in ms with one unit: 50/90ms, or 0.8/2.5s once the larger is a second (whole
+    seconds from 10 s), so the line keeps to 80 columns."""
+    if p50 is None or p90 is None:
+        return "-"
+    if p90 < 1000:
+        return f"{p50:.0f}/{p90:.0f}ms"
+    digits = 1 if p90 < 10_000 else 0
+    return f"{p50 / 1000:.{digits}f}/{p90 / 1000:.{digits}f}s"
+
+
 def targets_table(targets: list[dict], state: MonitorState) -> Table:
     table = Table(expand=True, box=None, header_style="bold", pad_edge=False)
     for name, justify in (("target", "left"), ("state", "left"), ("sess", "right"), ("R_p", "right"),
@@ -151,6 +173,8 @@ def dashboard(state: MonitorState, now: float | None = None) -> RenderableType:
         return Group(*parts)
     feed = state.feed or {}
     targets = feed.get("targets", [])
+    if isinstance(feed.get("gateway"), dict):
+        parts.append(gateway_line(feed["gateway"]))
     for draft in feed.get("drafters", [])[:2]:
         parts.append(draft_panel(draft, targets, state))
     if targets:
