@@ -60,6 +60,26 @@ def test_a_streamed_response_comes_as_the_responses_events(cluster, client, tiny
     assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
 
 
+def test_included_logprobs_are_chats_whole_and_streamed(cluster, client, tiny_dir):
+    model = str(tiny_dir["llama"])
+    fields = dict(model=model, input=QUESTION, max_output_tokens=10, temperature=0, top_logprobs=2,
+                  include=["message.output_text.logprobs"])
+    response = client.responses.create(**fields)
+    chat = client.chat.completions.create(model=model, max_tokens=10, temperature=0, logprobs=True, top_logprobs=2,
+                                          messages=[{"role": "user", "content": QUESTION}])
+    [part] = response.output[0].content
+    assert [lp.model_dump() for lp in part.logprobs] == [lp.model_dump() for lp in chat.choices[0].logprobs.content]
+    assert len(part.logprobs) == response.usage.output_tokens and response.top_logprobs == 2
+    assert all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
+    events = list(client.responses.create(**fields, stream=True))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    [done] = [e for e in events if e.type == "response.output_text.done"]
+    whole = [lp.model_dump() for lp in part.logprobs]
+    assert [lp.model_dump() for lp in done.logprobs] == whole
+    assert streamed and [lp.model_dump() for lp in streamed] == whole[:len(streamed)]  # the rest (held back) with done
+    assert client.responses.create(**{**fields, "include": None}).output[0].content[0].logprobs == []
+
+
 def test_text_format_json_schema_holds_the_output_to_it(cluster, client, tiny_dir):
     schema = {"type": "object", "properties": {"colour": {"enum": ["red", "blue"]}}, "required": ["colour"],
               "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
@@ -89,6 +109,10 @@ def test_text_format_json_schema_holds_the_output_to_it(cluster, client, tiny_di
     ({"text": {"format": {"type": "grammar"}}}, "text.format",
      "text.format type must be 'text', 'json_object' or 'json_schema', got 'grammar'"),
     ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens must be at least 1, got 0"),
+    ({"include": ["message.output_text.logprobs", "reasoning.encrypted_content"]}, "include",
+     "include[1] 'reasoning.encrypted_content' is not served: only 'message.output_text.logprobs'"),
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs",
+     "top_logprobs must be between 0 and 20, got 21"),
 ])
 def test_what_is_not_served_is_refused_by_name(cluster, fields, param, message):
     code, _, raw = post(cluster[1]["gateway"] + "/v1/responses", {"input": QUESTION, **fields})

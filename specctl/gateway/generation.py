@@ -102,8 +102,8 @@ class Generations:
             self.metrics.prompt_tokens.inc(prompt_tokens)
             calls = None if tools is None else (partial(ForcedCalls, forced[0]) if forced
                                                 else partial(StreamedCalls, 1 if one_call else None))
-            reply = (ResponsesReply(self.config.model_name, prompt_tokens, asked, calls, self._keeper(asked, history))
-                     if endpoint == "responses" else self._reply(req, chat, prompt_tokens, calls))
+            reply = (self._responses_reply(asked, req, history, prompt_tokens, calls) if endpoint == "responses"
+                     else self._reply(req, chat, prompt_tokens, calls))
             try:
                 async with Choices(self.upstream, self.metrics, self.tokenizer, specs, stop,
                                    req.include_stop_str_in_output, arrival) as choices:
@@ -123,6 +123,14 @@ class Generations:
             self.running -= 1
             self.metrics.running.set(self.running)
             self.metrics.requests.labels(endpoint=endpoint, status=status).inc()
+
+    def _responses_reply(self, asked: ResponsesRequest, req: ChatCompletionRequest, history: tuple,
+                         prompt_tokens: int, calls) -> ResponsesReply:
+        """A response's answer: stored as asked, its text's logprobs as chat's ``content`` items."""
+        logprobs = ((lambda entries: self._logprobs(True, entries)["content"])
+                    if wanted_logprobs(req) is not None else None)
+        return ResponsesReply(self.config.model_name, prompt_tokens, asked, calls, self._keeper(asked, history),
+                              logprobs)
 
     def _keeper(self, asked: ResponsesRequest, history: tuple) -> Any:
         """What stores a finished response with the conversation it ends (None: not stored)."""

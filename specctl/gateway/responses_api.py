@@ -8,7 +8,9 @@ json_object / json_schema is structured output, as ``response_format`` is for ch
 
 Responses are kept (gateway.response_store, bounded) unless ``store`` is false, so
 ``previous_response_id`` continues a stored one: its conversation, then this input (its
-``instructions`` are not carried over, as OpenAI does). Choices made here: ``background`` is
+``instructions`` are not carried over, as OpenAI does). ``include:
+["message.output_text.logprobs"]`` (with ``top_logprobs``) gives the output text's tokens
+their log-probabilities, as chat's ``logprobs`` does. Choices made here: ``background`` is
 refused (a request is answered while its connection lasts); built-in tools (web search,
 files, ...), reasoning options and non-text input parts are refused by name rather than
 ignored."""
@@ -22,6 +24,7 @@ import msgspec
 from specctl.gateway.api import ApiError, CalledFunction, ChatCompletionRequest, ChatMessage, ResponseFormat, ToolCall
 
 ROLES = ("user", "system", "developer", "assistant")
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -72,6 +75,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
     seed: int | None = None  # vLLM's extensions, as on chat
     top_k: int | None = None
 
@@ -84,6 +89,10 @@ def as_chat(req: ResponsesRequest, history: tuple[ChatMessage, ...] = ()) -> Cha
         raise ApiError(400, "background responses are not served: leave background false", param="background")
     if req.reasoning:
         raise ApiError(400, "reasoning options are not served", param="reasoning")
+    for i, included in enumerate(req.include or []):
+        if included != LOGPROBS_INCLUDE:
+            raise ApiError(400, f"include[{i}] {included!r} is not served: only {LOGPROBS_INCLUDE!r}", param="include")
+    logprobs = LOGPROBS_INCLUDE in (req.include or [])
     if req.max_output_tokens is not None and req.max_output_tokens < 1:
         raise ApiError(400, f"max_output_tokens must be at least 1, got {req.max_output_tokens}",
                        param="max_output_tokens")
@@ -92,7 +101,8 @@ def as_chat(req: ResponsesRequest, history: tuple[ChatMessage, ...] = ()) -> Cha
     return ChatCompletionRequest(
         messages=messages, model=req.model, max_completion_tokens=req.max_output_tokens, temperature=req.temperature,
         top_p=req.top_p, stream=req.stream, seed=req.seed, top_k=req.top_k, user=req.user, response_format=_format(req),
-        tools=_tools(req.tools), tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls)
+        tools=_tools(req.tools), tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls,
+        logprobs=logprobs, top_logprobs=req.top_logprobs if logprobs else None)
 
 
 def input_messages(req: ResponsesRequest) -> list[ChatMessage]:

@@ -25,12 +25,13 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(text: str, logprobs: list[dict] | None = None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def message_item(item_id: str, text: str, status: str) -> dict:
-    return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": [text_part(text)]}
+def message_item(item_id: str, text: str, status: str, logprobs: list[dict] | None = None) -> dict:
+    return {"id": item_id, "type": "message", "status": status, "role": "assistant",
+            "content": [text_part(text, logprobs)]}
 
 
 def call_item(item_id: str, call: dict, status: str) -> dict:
@@ -50,6 +51,7 @@ class ResponsesReply:
     req: Any  # gateway.responses_api.ResponsesRequest
     calls: Callable[[], Any] | None = None  # a reader of the tool calls (gateway.tool_calls); None: no tools
     keep: Callable[[dict], None] | None = None  # stores the finished response's body; None: not stored
+    logprobs: Callable[[list], list[dict]] | None = None  # tokens' entries -> output_text logprobs; None: not asked
     rid: str = field(default_factory=lambda: _id("resp"))
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -68,7 +70,7 @@ class ResponsesReply:
             "tool_choice": self.req.tool_choice if self.req.tool_choice is not None else "auto",
             "tools": self.req.tools or [],
             "text": {"format": msgspec.to_builtins(fmt) if fmt is not None else {"type": "text"}},
-            "previous_response_id": self.req.previous_response_id, "store": self.keep is not None,
+            "top_logprobs": self.req.top_logprobs or 0, "previous_response_id": self.req.previous_response_id, "store": self.keep is not None,
             "truncation": "disabled", "reasoning": None,
             "metadata": self.req.metadata or {}, "user": self.req.user,
             "usage": None if stats is None else self._usage(count, stats),
@@ -91,15 +93,17 @@ class ResponsesReply:
         return body
 
     async def collect(self, choices: Choices) -> web.Response:
-        pieces = []
+        pieces, entries = [], []
         async for _, event in choices.events():
             pieces.append(event.delta)
+            entries.extend(event.logprobs)
             if event.finish:
                 text, calls = "".join(pieces), None
                 if self.calls is not None:
                     text, calls = read_whole(self.calls(), text)
                 status = status_of(event.finish, calls)
-                output = [] if calls and not text.strip() else [message_item(_id("msg"), text, status)]
+                logprobs = self.logprobs(entries) if self.logprobs is not None else None
+                output = [] if calls and not text.strip() else [message_item(_id("msg"), text, status, logprobs)]
                 output += [call_item(_id("fc"), call, "completed") for call in calls or []]
                 return web.json_response(self._finished(status, output, event.count, event.stats))
         raise RuntimeError("a generation ended without its last event")  # Choices always ends with one
@@ -122,7 +126,7 @@ class ResponsesReply:
         try:
             async for _, event in choices.events():
                 content, deltas = reader.push(event.delta) if reader is not None else (event.delta, [])
-                await items.add(content, deltas)
+                await items.add(content, deltas, self.logprobs(event.logprobs) if self.logprobs is not None else [])
                 if event.finish:
                     rest, deltas, calls = reader.finish() if reader is not None else ("", [], None)
                     await items.add(rest, deltas)
@@ -139,7 +143,10 @@ class ResponsesReply:
 
 class StreamedItems:
     """The output items of a streamed response, opened and closed as text and call deltas come:
-    the message while text comes (closed by the first call), each call until the next begins."""
+    the message while text comes (closed by the first call), each call until the next begins.
+    Tokens' logprobs go with the next text delta (a token whose text is held back waits for it);
+    the message's done events carry them all — up to the first call's: a whole answer with calls
+    lists every token's on its message, as chat's logprobs do."""
 
     def __init__(self, send: Callable[..., Awaitable[None]]) -> None:
         self.send = send
@@ -147,13 +154,19 @@ class StreamedItems:
         self.text: list[str] | None = None  # the open message's text
         self.call: tuple[dict, list[str]] | None = None  # the open call's item and arguments
         self.message_id = _id("msg")
+        self.logprobs: list[dict] = []  # the message's tokens' logprobs sent with its deltas
+        self.pending: list[dict] = []  # those of tokens whose text has not been sent yet
 
-    async def add(self, content: str, deltas: list[dict]) -> None:
+    async def add(self, content: str, deltas: list[dict], logprobs: list[dict] = ()) -> None:
+        if self.call is None:  # the tokens of a call's text are not the message's
+            self.pending.extend(logprobs)
         if content:
             if self.text is None:
                 await self._open_message()
             self.text.append(content)
-            await self.send("response.output_text.delta", **self._where(), delta=content, logprobs=[])
+            sent, self.pending = self.pending, []
+            self.logprobs.extend(sent)
+            await self.send("response.output_text.delta", **self._where(), delta=content, logprobs=sent)
         for delta in deltas:
             if "id" in delta:  # a call begins: what was open before it ends
                 await self._close_open("completed")
@@ -184,9 +197,10 @@ class StreamedItems:
         index = len(self.done)
         if self.text is not None:
             text, self.text = "".join(self.text), None
-            await self.send("response.output_text.done", **self._where(index), text=text, logprobs=[])
-            await self.send("response.content_part.done", **self._where(index), part=text_part(text))
-            self.done.append(message_item(self.message_id, text, status))
+            logprobs, self.pending = self.logprobs + self.pending, []
+            await self.send("response.output_text.done", **self._where(index), text=text, logprobs=logprobs)
+            await self.send("response.content_part.done", **self._where(index), part=text_part(text, logprobs))
+            self.done.append(message_item(self.message_id, text, status, logprobs))
             await self.send("response.output_item.done", output_index=index, item=self.done[-1])
         elif self.call is not None:
             (item, arguments), self.call = self.call, None
