@@ -53,6 +53,28 @@ def test_generate_with_a_choice_is_one_of_them_in_every_mode(tiny_dir):
     assert texts["chain"]["token_ids"] == texts["ar"]["token_ids"]
 
 
+def test_generate_bad_words_gives_the_target_alones_text_without_them(tiny_dir):
+    from specctl.engine import text
+    from specctl.engine.loader import load_model
+    from specctl.spec.rounds import generate
+    from specctl.spec.sampling import SamplingParams
+
+    model = load_model("tiny", tiny_dir["llama"], "fp32")
+    tok, ids = model.tokenizer, text.encode_user_text(model.tokenizer, "hello world", False)
+    free = generate(model.decoder, ids, SamplingParams(max_tokens=12), eos_token_ids=model.eos_token_ids)[0]
+    word = next(tok.decode(free[i:i + 2]) for i in range(len(free) - 1)  # a pair of tokens that is a word
+                if tok.encode(tok.decode(free[i:i + 2]).lstrip(), add_special_tokens=False) == free[i:i + 2])
+    barred = text.bad_word_sequences(tok, [word])
+    reference = generate(model.decoder, ids, SamplingParams(max_tokens=12, bad_words=barred),
+                         eos_token_ids=model.eos_token_ids)[0]
+    assert reference != free
+    proc = _generate(tiny_dir, "--mode", "chain", "--bad-words", word)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["token_ids"] == reference  # chain mode, the target alone's with the same bar
+    _assert_one_line_error(run("generate", "--prompt", "x", "--bad-words", " "),
+                           "--bad-words must not be empty: give a word")
+
+
 def _assert_one_line_error(proc, expected: str):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr

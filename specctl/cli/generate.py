@@ -54,6 +54,8 @@ def generate(
                                                "(repeat the flag)"),
     grammar: Optional[str] = typer.Option(None, "--grammar", help="constrain the output to this Lark or GBNF "
                                           "grammar (its text, or @FILE)"),
+    bad_words: Optional[list[str]] = typer.Option(None, "--bad-words", help="never write this word (vLLM's "
+                                                  "bad_words; repeat the flag)"),
     mode: Optional[str] = typer.Option(None, help="ar | chain | tree | ngram | multi (several drafters: --drafters)"),
     drafters: Optional[str] = typer.Option(None, help="mode multi: comma-separated drafters, routed per session and "
                                            "fused into one tree (model names, NAME@N, ngram)"),
@@ -75,9 +77,12 @@ def generate(
     """Generate text with speculative decoding in one process (draft and target together)."""
     # torch loads here, not when the CLI starts: --help and flag errors stay quick
     from specctl.spec.factory import apply_threads, load_pair, make_drafter, make_multi_drafter
+    from specctl.errors import ConfigError
     from specctl.spec.rounds import generate as run_generation
     from specctl.spec.sampling import SamplingParams
 
+    if bad_words and not all(word.strip() for word in bad_words):  # before the models load
+        raise ConfigError("--bad-words must not be empty: give a word")
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
                             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                             frequency_penalty=frequency_penalty, min_p=min_p,
@@ -89,10 +94,12 @@ def generate(
     apply_threads(config)
     console = Console(stderr=True)
     if remote:
-        return _generate_remote(remote, target, prompt, chat, params, as_json, auth_token, tls_ca, console)
+        return _generate_remote(remote, target, prompt, chat, params, bad_words, as_json, auth_token, tls_ca,
+                                console)
     target_model, draft_model = load_pair(config, console)
     drafter = (make_multi_drafter(config, target_model, console) if config.mode == "multi"
                else make_drafter(config, draft_model))
+    params = with_bad_words(params, bad_words, target_model.tokenizer)
     ids = text.encode_user_text(target_model.tokenizer, prompt, chat)
     streamer = None if as_json else TextStreamer(target_model.tokenizer)
     output: list[int] = []
@@ -148,7 +155,23 @@ def structured_flags(json_schema: str | None, json_object: bool, regex: str | No
     return asked[0] if asked else None
 
 
-def _generate_remote(remote, requested_target, prompt, chat, params, as_json, auth_token, tls_ca, console) -> None:
+def with_bad_words(params, words: list[str] | None, tokenizer):
+    """The sampling parameters with ``--bad-words`` encoded by the target's tokenizer (as the
+    gateway encodes a request's bad_words)."""
+    import dataclasses
+
+    from specctl.errors import BadRequest, ConfigError
+
+    if not words:
+        return params
+    try:
+        return dataclasses.replace(params, bad_words=text.bad_word_sequences(tokenizer, words))
+    except BadRequest as exc:
+        raise ConfigError(f"--bad-words: {exc}") from None
+
+
+def _generate_remote(remote, requested_target, prompt, chat, params, bad_words, as_json, auth_token, tls_ca,
+                     console) -> None:
     """Same output as local mode. The tokenizer is the one of the model the target instance
     says it serves (its handshake), never a local default: text encoded for another
     vocabulary would come back as fluent garbage."""
@@ -175,6 +198,7 @@ def _generate_remote(remote, requested_target, prompt, chat, params, as_json, au
     tokenizer = AutoTokenizer.from_pretrained(path)
     if welcome.fingerprint and vocab_fingerprint(tokenizer) != welcome.fingerprint:
         raise ConfigError(f"the local copy of {served!r} has another vocabulary than the one {remote} serves")
+    params = with_bad_words(params, bad_words, tokenizer)
     ids = text.encode_user_text(tokenizer, prompt, chat)
     streamer = None if as_json else TextStreamer(tokenizer)
     result = {}

@@ -75,6 +75,22 @@ class IncrementalText:
         return delta
 
 
+def bad_word_sequences(tokenizer: Any, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's bad_words as token sequences, as vLLM encodes them: each word as written (its
+    leading spaces dropped) and, where it tokenizes differently, after a space (a word in the
+    middle of a text). The sampling parameters check how many and how long."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        if not word.strip():
+            raise BadRequest("bad_words must not hold an empty word")
+        bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        sequences.append(bare)
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):  # vLLM's test for "a new word token"
+            sequences.append(spaced)
+    return tuple(sequences)
+
+
 def encode_user_text(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
     """One user prompt: wrapped in the chat template (one user turn) when ``chat``."""
     return encode_chat(tokenizer, [{"role": "user", "content": prompt}]) if chat else encode_prompt(tokenizer, prompt)

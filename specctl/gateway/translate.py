@@ -8,7 +8,8 @@ from typing import Any
 
 import msgspec
 
-from specctl.errors import SpecctlError
+from specctl.engine.text import bad_word_sequences
+from specctl.errors import BadRequest, SpecctlError
 from specctl.gateway.api import (
     MAX_CHOICES, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, ApiError, ChatCompletionRequest, CompletionRequest, RequestFields,
     wanted_logprobs,
@@ -46,23 +47,16 @@ def truncated(prompts: list[list[int]], keep: int | None, context: int) -> list[
 
 
 def bad_words(words: list[str] | None, tokenizer: Any) -> tuple[tuple[int, ...], ...]:
-    """vLLM's bad_words as token sequences, as vLLM encodes them: each word as written (its
-    leading spaces dropped) and, where it tokenizes differently, after a space (a word in the
-    middle of a text)."""
-    sequences: list[tuple[int, ...]] = []
-    for word in words or []:
-        if not word.strip():
-            raise ApiError(400, "bad_words must not hold an empty word", param="bad_words")
-        bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
-        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-        sequences.append(bare)
-        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):  # vLLM's test for "a new word token"
-            sequences.append(spaced)
+    """vLLM's bad_words as token sequences (engine.text.bad_word_sequences)."""
+    try:
+        sequences = bad_word_sequences(tokenizer, words or [])
+    except BadRequest as exc:
+        raise ApiError(400, str(exc), param="bad_words") from None
     if len(sequences) > MAX_BAD_WORDS or any(len(s) > MAX_BAD_WORD_TOKENS for s in sequences):
         raise ApiError(400, f"bad_words may bar at most {MAX_BAD_WORDS} token sequences (a word counts once or twice: "
                             f"as written and after a space) of at most {MAX_BAD_WORD_TOKENS} tokens each",
                        param="bad_words")
-    return tuple(sequences)
+    return sequences
 
 
 def logit_bias(req: RequestFields) -> tuple[tuple[int, float], ...]:
