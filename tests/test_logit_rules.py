@@ -138,6 +138,46 @@ def test_sampling_with_penalties_keeps_the_targets_penalized_distribution(small,
     assert_counts_match(counts, expected)
 
 
+def _barred_next_probs(decoder, output, params):
+    """vLLM's bad_words by their definition: a one-token word never; a longer word's last token
+    where the output ends with the rest of it."""
+    seq = SMALL_PROMPT + output
+    logits = decoder(torch.tensor(seq), torch.arange(len(seq)), decoder.new_cache(len(seq)))[-1].float().clone()
+    for word in params.bad_words:
+        if len(word) == 1 or output[len(output) - len(word) + 1:] == list(word[:-1]):
+            logits[word[-1]] = float("-inf")
+    return probs_from_logits(logits, params)
+
+
+@pytest.mark.slow  # as the penalties' chi-square above; greedy equality with bad_words stays in the default run
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_sampling_with_bad_words_keeps_the_targets_barred_distribution(small, mode):  # noqa: F811
+    target, draft = small
+    params = SamplingParams(temperature=1.0, max_tokens=3, bad_words=((3,), (5, 5), (2, 1)))  # likely ones
+
+    def joint(params: SamplingParams) -> torch.Tensor:  # P(token 2, token 3)
+        out = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+        p1 = _barred_next_probs(target, [], params)
+        for t1 in range(VOCAB):
+            p2 = _barred_next_probs(target, [t1], params)
+            for t2 in range(VOCAB):
+                out[t2] += float(p1[t1]) * float(p2[t2]) * _barred_next_probs(target, [t1, t2], params).double()
+        return out
+
+    expected = joint(params)
+    assert expected[3].sum() == expected[:, 3].sum() == expected[5, 5] == expected[2, 1] == 0
+    assert (expected - joint(SamplingParams(temperature=1.0, max_tokens=3))).abs().sum() > 0.6  # the bars matter
+    drafter = ModelChainDrafter(draft, 2) if mode == "chain" else ModelTreeDrafter(draft, 2, 2, 3)
+    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    accepted = 0
+    for seed in range(SAMPLES):
+        out, stats, _ = generate(target, SMALL_PROMPT, SamplingParams(**{**_fields(params), "seed": seed}), drafter)
+        counts[out[1], out[2]] += 1
+        accepted += stats.accepted > 0
+    assert accepted > 0
+    assert_counts_match(counts, expected)
+
+
 def _fields(params: SamplingParams) -> dict:
     return {name: getattr(params, name) for name in params.__slots__}
 
@@ -212,12 +252,13 @@ def test_greedy_with_bad_words_every_mode_equals_the_target_alone_and_never_writ
     target = tiny["llama"]
     plain = SamplingParams(max_tokens=24, ignore_eos=True)
     free = generate(target, PROMPT, plain)[0]
-    words = ((free[3],), tuple(free[8:10]))  # a token the free text picks, and a pair it writes
+    barred_one = generate(target, PROMPT, SamplingParams(max_tokens=24, ignore_eos=True, bad_words=((free[3],),)))[0]
+    words = ((free[3],), tuple(barred_one[8:10]))  # a token the free text picks, and a pair written without it
     params = SamplingParams(max_tokens=24, ignore_eos=True, bad_words=words)
     drafter = {"chain": ModelChainDrafter(tiny["llama-draft"], 4),
                "tree": ModelTreeDrafter(tiny["llama-draft"], 3, 2, 3), "ngram": NgramDrafter(3)}[mode]
     alone = generate(target, PROMPT, params)[0]
     output, stats, _ = generate(target, PROMPT, params, drafter)
-    assert output == alone != free and stats.drafts > 0
+    assert output == alone != free and alone != barred_one and stats.drafts > 0
     assert words[0][0] not in alone
     assert all(alone[i:i + 2] != list(words[1]) for i in range(len(alone) - 1))
