@@ -274,6 +274,14 @@ def test_the_gateway_line_shows_latency_percentiles_in_80x24():
     idle = text_of(dashboard(advance(MonitorState("x"), {**feed(), "gateway": {"requests_running": 0,
                                                                              "generations": 0}}, 1.0), now=1.5))
     assert "gateway 0 running\n" in idle and "TTFT" not in idle
+    data["gateway"].update(requests_running=4, requests_waiting=2)  # generations queued for a free session
+    screen = text_of(dashboard(advance(MonitorState("http://gw:8000"), data, 1.0), now=1.5))
+    assert "gateway 4 running, 2 waiting  TTFT 1.5/1.5s  TPOT 10/10s  e2e 12/12s  (p50/p90)" in screen
+    data["gateway"].update(ttft_ms_p50=123.0, ttft_ms_p90=456.0, tpot_ms_p50=11.0, tpot_ms_p90=999.0,
+                           requests_waiting=1024)
+    screen = text_of(dashboard(advance(MonitorState("http://gw:8000"), data, 1.0), now=1.5))
+    assert max(len(line) for line in screen.split("\n")) <= 80  # the legend left out
+    assert "gateway 4 running, 1024 waiting  TTFT 123/456ms  TPOT 11/999ms  e2e 12/12s\n" in screen
 
 
 def test_a_poll_that_cannot_connect_says_why_in_a_few_words():

@@ -12,6 +12,8 @@ from specctl.config import build_config
 from specctl.errors import ConfigError
 
 API_KEY_HELP = "require `Authorization: Bearer KEY` on /v1/* (or SPECCTL_API_KEY)"
+WAITING_HELP = "generations that may wait for a free session while every target instance is full (503 past it)"
+QUEUE_TIMEOUT_HELP = "seconds a generation may wait for a free session before a 503 (0: refuse at once)"
 STORE_HELP = ("Responses API answers kept in memory for previous_response_id and GET /v1/responses/{id}: the last N "
               "(0 keeps none)")
 
@@ -26,6 +28,8 @@ def gateway(
     max_body_kb: int = typer.Option(1024, "--max-body-kb", help="largest request body accepted (413 above)"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECCTL_API_KEY", help=API_KEY_HELP),
     responses_store: int = typer.Option(256, "--responses-store", help=STORE_HELP),
+    max_waiting: int = typer.Option(1024, "--max-waiting", help=WAITING_HELP),
+    queue_timeout: float = typer.Option(600.0, "--queue-timeout", help=QUEUE_TIMEOUT_HELP),
     auth_token: Optional[str] = typer.Option(None, "--auth-token", envvar="SPECCTL_AUTH_TOKEN",
                                              help="auth token of the target instances"),
     tls_ca: Optional[str] = typer.Option(None, "--tls-ca", help="CA file: talk TLS to the target instances"),
@@ -44,14 +48,16 @@ def gateway(
     from specctl.spec.factory import split_model_name
     from specctl.store import resolve_model
 
-    if responses_store < 0:
-        raise ConfigError(f"--responses-store must be >= 0 (0 keeps none), got {responses_store}")
+    if responses_store < 0 or max_waiting < 0 or queue_timeout < 0:
+        raise ConfigError(f"--responses-store, --max-waiting and --queue-timeout must be >= 0, got {responses_store}, "
+                          f"{max_waiting}, {queue_timeout:g}")
     setup_logging(log_level)
     console = Console(stderr=True)
 
     async def main() -> None:
         metrics = GatewayMetrics()
-        upstream = Upstream(target, drafter, auth_token=auth_token, ssl=client_context(tls_ca), metrics=metrics)
+        upstream = Upstream(target, drafter, auth_token=auth_token, ssl=client_context(tls_ca), metrics=metrics,
+                            max_waiting=max_waiting, queue_timeout_s=queue_timeout)
         await upstream.poll_once()
         name = model or next((t.welcome.model for t in upstream.targets if t.welcome), None)
         if name is None:
@@ -89,6 +95,8 @@ def up(
                                "stage a server on loopback)"),
     port: int = typer.Option(8000, help="gateway HTTP port (0 = any free port, printed at start)"),
     responses_store: int = typer.Option(256, "--responses-store", help=STORE_HELP),
+    max_waiting: int = typer.Option(1024, "--max-waiting", help=WAITING_HELP),
+    queue_timeout: float = typer.Option(600.0, "--queue-timeout", help=QUEUE_TIMEOUT_HELP),
     mode: Optional[str] = typer.Option(None, help="chain | tree"),
     drafters: Optional[str] = typer.Option(None, help="several drafters instead of --draft: comma-separated model "
                                            "names, NAME@N and ngram; a draft server per model, every target routes "
@@ -108,7 +116,8 @@ def up(
 
     config = cluster_config(profile, draft, target, mode, dtype, draft_quant, threads, drafters)
     try:
-        plan = ClusterConfig(targets=targets, gateway_port=port, stages=stages, responses_store=responses_store)
+        plan = ClusterConfig(targets=targets, gateway_port=port, stages=stages, responses_store=responses_store,
+                             max_waiting=max_waiting, queue_timeout_s=queue_timeout)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     setup_logging(log_level)

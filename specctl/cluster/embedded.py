@@ -34,14 +34,17 @@ class ClusterConfig:
     speculate: bool = True  # False: no draft server, the targets decode autoregressively (a baseline)
     stages: int = 1  # pipeline stages per target instance (each on loopback, with its own compute thread)
     responses_store: int = 256  # the gateway's stored Responses API answers (gateway.response_store)
+    max_waiting: int = 1024  # generations that may wait for a free session (gateway.waiting)
+    queue_timeout_s: float = 600.0  # how long each may wait
 
     def __post_init__(self) -> None:
         if not 1 <= self.targets <= 64:
             raise ValueError(f"targets must be in 1..64, got {self.targets}")
         if not 1 <= self.stages <= 64:
             raise ValueError(f"stages must be in 1..64, got {self.stages}")
-        if self.responses_store < 0:
-            raise ValueError(f"--responses-store must be >= 0 (0 keeps none), got {self.responses_store}")
+        if self.responses_store < 0 or self.max_waiting < 0 or self.queue_timeout_s < 0:
+            raise ValueError(f"--responses-store, --max-waiting and --queue-timeout must be >= 0, got "
+                             f"{self.responses_store}, {self.max_waiting}, {self.queue_timeout_s:g}")
 
 
 class EmbeddedCluster:
@@ -106,7 +109,7 @@ class EmbeddedCluster:
         host, c = self.cluster.host, self.cluster
         metrics = GatewayMetrics()
         upstream = Upstream([f"{host}:{p}" for p in target_ports], drafts, fingerprint=target.vocab_fingerprint,
-                            metrics=metrics)
+                            metrics=metrics, max_waiting=c.max_waiting, queue_timeout_s=c.queue_timeout_s)
         self.gateway = Gateway(GatewayConfig(model_name=target.name, context=target.spec.max_position, host=host,
                                              port=c.gateway_port, default_max_tokens=c.default_max_tokens,
                                              responses_store=c.responses_store),

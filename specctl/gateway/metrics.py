@@ -99,6 +99,8 @@ class GatewayMetrics:
         self.prompt_tokens = Counter(f"{p}prompt_tokens", "prompt tokens processed", registry=r)
         self.generation_tokens = Counter(f"{p}generation_tokens", "tokens generated", registry=r)
         self.running = Gauge(f"{p}requests_running", "requests in flight through this gateway", registry=r)
+        self.waiting = Gauge(f"{p}requests_waiting", "generations waiting for a free session (every target "
+                             "instance up at capacity)", registry=r)
         # vLLM's latency histograms (its buckets), one observation a generation (a request's choice)
         self.time_to_first_token = Histogram(
             f"{p}time_to_first_token_seconds", "time from a request's arrival to a generation's first token",

@@ -181,7 +181,8 @@ class Gateway:
         """The stats feed for the monitor: the latest snapshot of every role."""
         self._check_key(request)
         feed = {"time": time.time(), "model": self.config.model_name,
-                "gateway": {"requests_running": self.generations.running, **self.metrics.latency_summary()}}
+                "gateway": {"requests_running": self.generations.running, "requests_waiting": len(self.upstream.waiting),
+                            **self.metrics.latency_summary()}}
         feed.update(self.upstream.snapshot())
         return web.json_response(feed)
 

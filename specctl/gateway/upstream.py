@@ -20,6 +20,7 @@ from specctl.engine.prefix_cache import common_prefix
 from specctl.gateway.api import ApiError
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.gateway.routing import TargetView, pick_target
+from specctl.gateway.waiting import WaitingLine
 from specctl.net.protocol import Welcome
 from specctl.runtime.loop import parse_hostport
 from specctl.spec.sampling import SamplingParams
@@ -73,11 +74,14 @@ def _forget(prompts: collections.deque, tokens: np.ndarray) -> None:
 class Upstream:
     def __init__(self, targets: list[str], drafters: list[str] = (), fingerprint: str | None = None,
                  auth_token: str | None = None, ssl: ssl_module.SSLContext | None = None,
-                 metrics: GatewayMetrics | None = None, poll_interval_s: float = 0.5) -> None:
+                 metrics: GatewayMetrics | None = None, poll_interval_s: float = 0.5, max_waiting: int = 1024,
+                 queue_timeout_s: float = 600.0) -> None:
         self.targets = [RoleLink("target", *parse_hostport(t)) for t in targets]
         self.drafters = [RoleLink("draft", *parse_hostport(d)) for d in drafters]
         self.fingerprint, self.auth_token, self.ssl = fingerprint, auth_token, ssl
         self.metrics, self.poll_interval_s = metrics, poll_interval_s
+        # generations waiting for a session while every instance is at capacity (gateway.waiting)
+        self.waiting = WaitingLine(max_waiting, queue_timeout_s, recheck_s=poll_interval_s)
 
     async def _poll(self, link: RoleLink) -> None:
         try:
@@ -121,19 +125,22 @@ class Upstream:
     @asynccontextmanager
     async def stream(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[tuple[TargetStream, object]]:
         """(stream, first event) of a generation on the least-loaded instance. Failures before
-        the first token move on to the next instance; with none left the caller gets a 503."""
-        tried: set[int] = set()
+        the first token move on to the next instance; while every instance that is up is at
+        capacity the generation waits its turn (gateway.waiting); with none up, a 503."""
+        tried: set[int] = set()  # instances that failed this generation (down now)
+        full: set[int] = set()  # instances that said they were full (other clients' sessions) since the last wait
         tokens = np.asarray(prompt, dtype=np.int64)
+        deadline = await self._wait(None) if len(self.waiting) else None  # no one overtakes those waiting
         while True:
-            index = pick_target(self.views(tokens), frozenset(tried))
+            index = pick_target(self.views(tokens), frozenset(tried | full))
             if index is None:
-                down = all(not t.up for t in self.targets)
-                reasons = "; ".join(f"{t.address}: {t.error}" for t in self.targets if not t.up and t.error)
-                raise ApiError(503, f"no target instance is reachable{f' ({reasons})' if reasons else ''}; retry later"
-                               if down else
-                               "every target instance is at capacity; retry later",
-                               type="server_error", code="no_capacity", retry_after=1)
-            tried.add(index)
+                if not any(t.up for i, t in enumerate(self.targets) if i not in tried):
+                    reasons = "; ".join(f"{t.address}: {t.error}" for t in self.targets if not t.up and t.error)
+                    raise ApiError(503, f"no target instance is reachable{f' ({reasons})' if reasons else ''}; "
+                                        "retry later", type="server_error", code="no_capacity", retry_after=1)
+                deadline = await self._wait(deadline, front=deadline is not None)
+                full.clear()
+                continue
             link = self.targets[index]
             link.inflight += 1
             # Counted as prefilled from now: a request that starts the same way while this one's
@@ -148,10 +155,15 @@ class Upstream:
                 except RemoteError as exc:
                     if exc.code not in RETRYABLE:
                         raise
-                    if exc.code != "capacity":
+                    if exc.code == "capacity":
+                        full.add(index)
+                    else:
                         link.up, link.error = False, str(exc)
+                        tried.add(index)
                     log.warning("target %s: %s; trying another", link.address, exc)
                     continue
+                if deadline is not None:
+                    self.waiting.wake()  # its turn came and it has a slot: the next one may find one too
                 yield stream, first
                 return
             finally:
@@ -160,6 +172,17 @@ class Upstream:
                 if stream is not None:
                     stream.close()  # cancels it on the target unless it finished
                 link.inflight -= 1
+                self.waiting.wake()  # a session freed (or was never taken): the head of the line tries
+
+    async def _wait(self, deadline: float | None, front: bool = False) -> float:
+        """A turn in the waiting line, counted in the metrics while it waits."""
+        if self.metrics:
+            self.metrics.waiting.inc()
+        try:
+            return await self.waiting.wait(deadline, front)
+        finally:
+            if self.metrics:
+                self.metrics.waiting.dec()
 
     async def _connection(self, link: RoleLink) -> TargetConnection:
         """The instance's pooled connection, (re)made when there is none or it dropped."""

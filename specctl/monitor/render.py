@@ -84,13 +84,19 @@ def prespec_rows(prespec: dict) -> list[tuple[str, str, str, str]]:
 
 
 def gateway_line(gateway: dict) -> Text:
-    """The gateway's requests in flight and its latencies, p50/p90 over its last generations
-    (gateway.metrics.RECENT_GENERATIONS): time to first token, time per output token, end to end."""
-    text = Text("gateway ", style="bold").append(f"{gateway.get('requests_running', 0)} running")
+    """The gateway's requests in flight, the generations waiting for a free session, and its
+    latencies, p50/p90 over its last generations (gateway.metrics.RECENT_GENERATIONS): time to
+    first token, time per output token, end to end. The legend goes first when 80 columns
+    cannot hold it all."""
+    head = f"{gateway.get('requests_running', 0)} running"
+    if gateway.get("requests_waiting"):
+        head += f", {gateway['requests_waiting']} waiting"
+    text = Text("gateway ", style="bold").append(head, style="bold yellow" if gateway.get("requests_waiting") else "")
     if gateway.get("generations"):
         pairs = "  ".join(f"{label} {_pair(gateway.get(f'{name}_ms_p50'), gateway.get(f'{name}_ms_p90'))}"
                           for label, name in (("TTFT", "ttft"), ("TPOT", "tpot"), ("e2e", "e2e")))
-        text.append(f"  {pairs}  (p50/p90)", style="cyan")
+        tail = f"  {pairs}  (p50/p90)"
+        text.append(tail if len(text) + len(tail) <= 79 else f"  {pairs}", style="cyan")
     return text
 
 

@@ -1,0 +1,140 @@
+"""Generations that wait for a free session (gateway.waiting): first come first served, bounded
+in number and time, and — over a real cluster whose one target holds one session — requests
+past its capacity queue and get the same text as alone instead of a 503."""
+
+import asyncio
+import json
+import threading
+import urllib.request
+
+import pytest
+
+from specctl.cluster.embedded import ClusterConfig, ClusterThread
+from specctl.config import build_config
+from specctl.gateway.api import ApiError
+from specctl.gateway.waiting import WaitingLine
+from specctl.runtime.compute import SlowedLane
+from tests.conftest import poll_until
+from tests.test_gateway import PROMPT, post
+
+
+async def _waiter(line: WaitingLine, name: str, order: list, front: bool = False, deadline=None):
+    await line.wait(deadline, front)
+    order.append(name)
+
+
+async def test_turns_come_first_come_first_served_and_a_kept_place_goes_first():
+    line, order = WaitingLine(recheck_s=30), []
+    tasks = [asyncio.create_task(_waiter(line, name, order)) for name in "abc"]
+    await asyncio.sleep(0)
+    assert len(line) == 3
+    tasks.append(asyncio.create_task(_waiter(line, "kept", order, front=True, deadline=1e12)))
+    await asyncio.sleep(0)
+    for _ in range(4):
+        line.wake()
+        await asyncio.sleep(0)
+    await asyncio.gather(*tasks)
+    assert order == ["kept", "a", "b", "c"] and len(line) == 0
+
+
+async def test_the_line_is_bounded_in_number_and_in_time():
+    line = WaitingLine(max_waiting=1, timeout_s=0.05, recheck_s=0.01)
+    first = asyncio.create_task(line.wait(None))
+    await asyncio.sleep(0)
+    with pytest.raises(ApiError) as full:
+        await line.wait(None)
+    assert (full.value.status, full.value.code, full.value.retry_after, str(full.value)) == (
+        503, "no_capacity", 1, "every target instance is at capacity and 1 requests are already waiting "
+                               "(--max-waiting 1); retry later")
+    deadline = await first  # the head checks on its own every recheck_s: its turn to try
+    with pytest.raises(ApiError, match=r"^every target instance stayed at capacity for the 0.05 s this request may "
+                                       r"wait \(--queue-timeout\); retry later$"):
+        while True:  # found no slot each time: back at the front until the deadline
+            await line.wait(deadline, front=True)
+    assert len(line) == 0
+    with pytest.raises(ApiError, match="0 requests are already waiting"):
+        await WaitingLine(max_waiting=0).wait(None)  # --max-waiting 0: refused at once, as before the line
+    with pytest.raises(ValueError):
+        WaitingLine(recheck_s=0)
+
+
+async def test_one_that_gives_up_hands_its_turn_to_the_next():
+    line, order = WaitingLine(recheck_s=30), []
+    head = asyncio.create_task(_waiter(line, "head", order))
+    second = asyncio.create_task(_waiter(line, "second", order))
+    await asyncio.sleep(0)
+    line.wake()  # the head's turn, but its client goes away before it runs
+    head.cancel()
+    await asyncio.gather(head, return_exceptions=True)
+    await asyncio.wait_for(second, 1)
+    assert order == ["second"] and len(line) == 0
+
+
+@pytest.fixture(scope="module")
+def one_session(tiny_dir):
+    """One target instance of one session, autoregressive and slowed, behind the gateway."""
+    config = build_config(None, target=str(tiny_dir["llama"]), mode="ar", dtype="fp32", max_sessions=1)
+    thread = ClusterThread(config, ClusterConfig(targets=1, gateway_port=0, speculate=False))
+    urls = thread.start()
+    target = thread.cluster.targets[0]
+    target.verify_lane = SlowedLane(target.compute, 0.02, 0.0)  # a round as a slow device takes it
+    yield thread, urls
+    thread.stop()
+
+
+def _concurrently(url: str, bodies: list[dict]) -> list[tuple[int, dict]]:
+    results = [None] * len(bodies)
+
+    def send(i):
+        code, _, raw = post(url, bodies[i])
+        results[i] = code, json.loads(raw)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results
+
+
+def test_requests_past_capacity_wait_their_turn_and_get_the_same_text(one_session):
+    thread, urls = one_session
+    body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    code, _, raw = post(urls["gateway"] + "/v1/completions", body)
+    alone = json.loads(raw)["choices"][0]["text"]
+    seen = []
+    watcher = threading.Thread(target=lambda: seen.append(poll_until(
+        lambda: len(thread.cluster.gateway.upstream.waiting), lambda waiting: waiting >= 2, timeout=60,
+        interval=0.01)))
+    watcher.start()
+    results = _concurrently(urls["gateway"] + "/v1/completions", [body] * 3)
+    watcher.join()
+    assert code == 200 and [c for c, _ in results] == [200, 200, 200]
+    assert [r["choices"][0]["text"] for _, r in results] == [alone] * 3
+    assert seen == [2]  # two waited while the first ran
+    with urllib.request.urlopen(urls["gateway"] + "/v1/stats", timeout=30) as response:
+        assert json.loads(response.read())["gateway"]["requests_waiting"] == 0  # the line emptied
+    with urllib.request.urlopen(urls["gateway"] + "/metrics", timeout=30) as response:
+        assert "\nspecctl:requests_waiting 0.0\n" in response.read().decode()  # counted while they waited, then not
+
+
+def test_a_wait_past_the_queue_timeout_is_a_503_and_the_line_empties(one_session):
+    thread, urls = one_session
+    line = thread.cluster.gateway.upstream.waiting
+    line.timeout_s = 0.3
+    try:
+        long = {"prompt": PROMPT, "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+        short = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+        first = threading.Thread(target=post, args=(urls["gateway"] + "/v1/completions", long))
+        first.start()
+        poll_until(lambda: thread.cluster.gateway.upstream.targets[0].inflight, lambda n: n == 1, timeout=30)
+        code, headers, raw = post(urls["gateway"] + "/v1/completions", short)
+        assert (code, headers["Retry-After"]) == (503, "1")
+        assert json.loads(raw)["error"]["message"] == ("every target instance stayed at capacity for the 0.3 s this "
+                                                       "request may wait (--queue-timeout); retry later")
+        first.join(120)
+        assert len(line) == 0
+        code, _, _ = post(urls["gateway"] + "/v1/completions", short)
+        assert code == 200  # nothing stuck
+    finally:
+        line.timeout_s = 600.0
