@@ -37,6 +37,16 @@ def test_commands_change_the_state():
     assert command("/temp -1", state) == "temperature must be between 0 and 100"
     assert command("/reset", state) == "conversation cleared" and state.messages == []
     assert command("/frobnicate", state).startswith("unknown command /frobnicate")
+    assert command("/max 64", state) == "at most 64 tokens a reply" and state.max_tokens == 64
+    assert command("/max lots", state).startswith("usage: /max N (now 64)")
+    assert command("/max 0", state) == "/max must be at least 1" and state.max_tokens == 64
+    state.messages.append({"role": "user", "content": "hi"})
+    assert command("/system  Answer in French. ", state) == "system prompt: Answer in French."
+    assert state.request_messages() == [{"role": "system", "content": "Answer in French."},
+                                        {"role": "user", "content": "hi"}]
+    command("/reset", state)
+    assert state.request_messages() == [{"role": "system", "content": "Answer in French."}]  # kept by /reset
+    assert command("/system", state) == "no system prompt" and state.request_messages() == []
     with pytest.raises(Quit):
         command("/quit", state)
 
@@ -46,13 +56,18 @@ def test_repl_streams_the_targets_greedy_reply_and_keeps_the_conversation(gatewa
         model="", messages=[{"role": "user", "content": "hello"}], max_tokens=12, temperature=0).choices[0].message.content
     console = Console(record=True, width=200, file=open("/dev/null", "w"))
     state = ChatState(max_tokens=12)
-    lines = iter(["hello", "/temp 0.5", "and again", "/quit", "never read"])
+    lines = iter(["hello", "/temp 0.5", "and again", "/system Be terse.", "/temp 0", "/max 6", "third", "/quit",
+                  "never read"])
     repl(gateway, console, state, read=lambda: next(lines))
     out = console.export_text()
     assert f"assistant> {reference}" in out.replace("\n", "")
-    assert out.count(" tok/s, mean accepted length") == 2 and "tok/s, mean accepted length" in out
-    assert [m["role"] for m in state.messages] == ["user", "assistant", "user", "assistant"]
+    assert out.count(" tok/s, mean accepted length") == 3 and "tok/s, mean accepted length" in out
+    assert [m["role"] for m in state.messages] == ["user", "assistant"] * 3
     assert state.messages[1]["content"] == reference
+    third = openai.OpenAI(base_url=gateway + "/v1", api_key="x").chat.completions.create(  # the system prompt first
+        model="", messages=[{"role": "system", "content": "Be terse."}, *state.messages[:4],
+                            {"role": "user", "content": "third"}], max_tokens=6, temperature=0).choices[0].message
+    assert state.messages[5]["content"] == third.content
     assert next(lines) == "never read"
 
 

@@ -14,7 +14,8 @@ from rich.console import Console
 
 from specctl.errors import unreachable_reason
 
-HELP = "commands: /reset (forget the conversation), /temp T (sampling temperature), /stats, /quit; Ctrl-C stops a reply"
+HELP = ("commands: /reset (forget the conversation), /system TEXT (the system prompt; /system alone drops it), "
+        "/temp T (sampling temperature), /max N (most tokens a reply), /stats, /quit; Ctrl-C stops a reply")
 
 
 class Quit(Exception):
@@ -26,6 +27,10 @@ class ChatState:
     temperature: float = 0.0
     max_tokens: int = 256
     messages: list[dict] = field(default_factory=list)
+    system: str = ""  # the system prompt, sent before the conversation (kept by /reset)
+
+    def request_messages(self) -> list[dict]:
+        return ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
 
 
 def command(line: str, state: ChatState) -> str:
@@ -45,6 +50,18 @@ def command(line: str, state: ChatState) -> str:
             return "temperature must be between 0 and 100"
         state.temperature = value
         return f"temperature {value}"
+    if name == "/system":
+        state.system = arg.strip()
+        return f"system prompt: {state.system}" if state.system else "no system prompt"
+    if name == "/max":
+        try:
+            value = int(arg)
+        except ValueError:
+            return f"usage: /max N (now {state.max_tokens}): the most tokens a reply may have"
+        if value < 1:
+            return "/max must be at least 1"
+        state.max_tokens = value
+        return f"at most {value} tokens a reply"
     if name == "/help":
         return HELP
     return f"unknown command {name}; {HELP}"
@@ -64,7 +81,7 @@ def stat_line(usage: dict, spec: dict, first_s: float | None, last_s: float | No
 async def stream_reply(url: str, state: ChatState, on_text: Callable[[str], None],
                        api_key: str | None = None) -> tuple[str, dict, dict]:
     """One streamed chat completion: (text, usage, specctl stats). Errors raise RuntimeError."""
-    body = {"messages": state.messages, "temperature": state.temperature, "max_tokens": state.max_tokens,
+    body = {"messages": state.request_messages(), "temperature": state.temperature, "max_tokens": state.max_tokens,
             "stream": True, "stream_options": {"include_usage": True}}
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     text, usage, spec = [], {}, {}

@@ -12,7 +12,8 @@ from rich.console import Console
 def chat(
     gateway: Optional[str] = typer.Option(None, help="gateway URL (default: start an embedded cluster here)"),
     temperature: float = typer.Option(0.0, help="0 = greedy: exactly the target's own output; /temp changes it"),
-    max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="most tokens per reply"),
+    max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="most tokens per reply; /max changes it"),
+    system: str = typer.Option("", "--system", help="system prompt sent before the conversation; /system changes it"),
     draft: Optional[str] = typer.Option(None, help="embedded cluster: draft model"),
     target: Optional[str] = typer.Option(None, help="embedded cluster: target model"),
     mode: Optional[str] = typer.Option(None, help="embedded cluster: chain | tree"),
@@ -32,7 +33,7 @@ def chat(
     except Exception as exc:  # noqa: BLE001
         raise ConfigError(str(exc)) from None
     console = Console()
-    state = ChatState(temperature=temperature, max_tokens=max_tokens)
+    state = ChatState(temperature=temperature, max_tokens=max_tokens, system=system)
     if gateway:
         console.print(f"[dim]chatting with {gateway}[/]")
         repl(gateway, console, state, api_key)
