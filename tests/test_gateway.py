@@ -2,6 +2,7 @@
 gateway; tiny fp32 models, loopback TCP and HTTP), driven by the official openai client."""
 
 import asyncio
+import dataclasses
 import json
 import re
 import subprocess
@@ -88,6 +89,26 @@ def test_models_health_and_seeded_sampling(cluster, client, tiny_dir):
     runs = [client.completions.create(model=str(tiny_dir["llama"]), prompt=PROMPT, max_tokens=12, temperature=1.0,
                                       top_p=0.9, seed=1234, extra_body={"top_k": 50}).choices[0].text for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+def test_served_model_names_are_what_clients_give_and_answers_carry_the_first(cluster, client, tiny_dir):
+    config = cluster[0].cluster.gateway.config  # as `--served-model-name gpt-x --served-model-name alias` sets it
+    real = str(tiny_dir["llama"])
+    config.served_model_names = ("gpt-x", "alias")
+    try:
+        cards = client.models.list().data
+        assert [(c.id, c.model_extra["root"]) for c in cards] == [("gpt-x", real), ("alias", real)]
+        assert client.models.retrieve("alias").id == "alias"
+        reply = client.chat.completions.create(model="alias", max_tokens=4, temperature=0,
+                                               messages=[{"role": "user", "content": "hi"}])
+        assert reply.model == "gpt-x"
+        assert client.responses.create(model="alias", input="hi", max_output_tokens=4).model == "gpt-x"
+        with pytest.raises(openai.NotFoundError, match=r"This gateway serves `gpt-x`, `alias`\.$"):
+            client.completions.create(model=real, prompt="hi", max_tokens=2)  # only the served names, as vLLM
+    finally:
+        config.served_model_names = ()
+    with pytest.raises(ValueError, match="a served model name must not be empty"):
+        dataclasses.replace(config, served_model_names=(" ",))
 
 
 def test_stop_strings_cut_the_text_and_finish_with_stop(cluster, client, tiny_dir):

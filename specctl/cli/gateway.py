@@ -14,6 +14,8 @@ from specctl.errors import ConfigError
 API_KEY_HELP = "require `Authorization: Bearer KEY` on /v1/* (or SPECCTL_API_KEY)"
 WAITING_HELP = "generations that may wait for a free session while every target instance is full (503 past it)"
 QUEUE_TIMEOUT_HELP = "seconds a generation may wait for a free session before a 503 (0: refuse at once)"
+SERVED_HELP = ("a name clients may give as `model` (repeat for several; answers carry the first); default: the "
+               "target's name")
 STORE_HELP = ("Responses API answers kept in memory for previous_response_id and GET /v1/responses/{id}: the last N "
               "(0 keeps none)")
 
@@ -30,6 +32,7 @@ def gateway(
     responses_store: int = typer.Option(256, "--responses-store", help=STORE_HELP),
     max_waiting: int = typer.Option(1024, "--max-waiting", help=WAITING_HELP),
     queue_timeout: float = typer.Option(600.0, "--queue-timeout", help=QUEUE_TIMEOUT_HELP),
+    served_model_name: List[str] = typer.Option([], "--served-model-name", help=SERVED_HELP),
     auth_token: Optional[str] = typer.Option(None, "--auth-token", envvar="SPECCTL_AUTH_TOKEN",
                                              help="auth token of the target instances"),
     tls_ca: Optional[str] = typer.Option(None, "--tls-ca", help="CA file: talk TLS to the target instances"),
@@ -48,6 +51,8 @@ def gateway(
     from specctl.spec.factory import split_model_name
     from specctl.store import resolve_model
 
+    if any(not name.strip() for name in served_model_name):
+        raise ConfigError("--served-model-name must not be empty")
     if responses_store < 0 or max_waiting < 0 or queue_timeout < 0:
         raise ConfigError(f"--responses-store, --max-waiting and --queue-timeout must be >= 0, got {responses_store}, "
                           f"{max_waiting}, {queue_timeout:g}")
@@ -69,12 +74,17 @@ def gateway(
         context = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", 32768)
         server = Gateway(GatewayConfig(model_name=name, context=context, host=host, port=port,
                                        default_max_tokens=default_max_tokens, max_body_bytes=max_body_kb * 1024,
-                                       api_key=api_key, responses_store=responses_store), tokenizer, upstream, metrics)
+                                       api_key=api_key, responses_store=responses_store,
+                                       served_model_names=tuple(served_model_name)), tokenizer, upstream, metrics)
         await serve(server, lambda bound: console.print(
-            f"gateway for [bold]{name}[/] on http://{host}:{bound}/v1 over {len(target)} target instance(s)"
+            f"gateway for [bold]{name}[/]{served_as(served_model_name)} on http://{host}:{bound}/v1 over {len(target)} target instance(s)"
             f"{' (API key required)' if api_key else ''}", soft_wrap=True))
 
     run(main())
+
+
+def served_as(names: List[str]) -> str:
+    return f" as {', '.join(names)}" if names else ""
 
 
 def cluster_config(profile, draft, target, mode, dtype, draft_quant, threads, drafters=None):
@@ -97,6 +107,7 @@ def up(
     responses_store: int = typer.Option(256, "--responses-store", help=STORE_HELP),
     max_waiting: int = typer.Option(1024, "--max-waiting", help=WAITING_HELP),
     queue_timeout: float = typer.Option(600.0, "--queue-timeout", help=QUEUE_TIMEOUT_HELP),
+    served_model_name: List[str] = typer.Option([], "--served-model-name", help=SERVED_HELP),
     mode: Optional[str] = typer.Option(None, help="chain | tree"),
     drafters: Optional[str] = typer.Option(None, help="several drafters instead of --draft: comma-separated model "
                                            "names, NAME@N and ngram; a draft server per model, every target routes "
@@ -117,7 +128,8 @@ def up(
     config = cluster_config(profile, draft, target, mode, dtype, draft_quant, threads, drafters)
     try:
         plan = ClusterConfig(targets=targets, gateway_port=port, stages=stages, responses_store=responses_store,
-                             max_waiting=max_waiting, queue_timeout_s=queue_timeout)
+                             max_waiting=max_waiting, queue_timeout_s=queue_timeout,
+                             served_model_names=tuple(served_model_name))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     setup_logging(log_level)
@@ -131,7 +143,8 @@ def up(
             drafting = ", ".join(config.drafter_names) if config.mode == "multi" else config.draft
             console.print(f"[bold]specctl up[/]: {drafting} drafting for {targets} x {config.target} "
                           f"({config.mode}, d={config.depth}, {config.dtype})", soft_wrap=True)
-            console.print(f"  gateway  {urls['gateway']}/v1   (metrics {urls['gateway']}/metrics)", soft_wrap=True)
+            console.print(f"  gateway  {urls['gateway']}/v1{served_as(served_model_name)}   (metrics "
+                          f"{urls['gateway']}/metrics)", soft_wrap=True)
             for address in urls["drafts"]:
                 console.print(f"  draft    {address}", soft_wrap=True)
             for i, address in enumerate(urls["targets"]):

@@ -36,12 +36,15 @@ class ClusterConfig:
     responses_store: int = 256  # the gateway's stored Responses API answers (gateway.response_store)
     max_waiting: int = 1024  # generations that may wait for a free session (gateway.waiting)
     queue_timeout_s: float = 600.0  # how long each may wait
+    served_model_names: tuple[str, ...] = ()  # the gateway's names for the target (default: its own)
 
     def __post_init__(self) -> None:
         if not 1 <= self.targets <= 64:
             raise ValueError(f"targets must be in 1..64, got {self.targets}")
         if not 1 <= self.stages <= 64:
             raise ValueError(f"stages must be in 1..64, got {self.stages}")
+        if any(not name.strip() for name in self.served_model_names):
+            raise ValueError("--served-model-name must not be empty")
         if self.responses_store < 0 or self.max_waiting < 0 or self.queue_timeout_s < 0:
             raise ValueError(f"--responses-store, --max-waiting and --queue-timeout must be >= 0, got "
                              f"{self.responses_store}, {self.max_waiting}, {self.queue_timeout_s:g}")
@@ -112,7 +115,8 @@ class EmbeddedCluster:
                             metrics=metrics, max_waiting=c.max_waiting, queue_timeout_s=c.queue_timeout_s)
         self.gateway = Gateway(GatewayConfig(model_name=target.name, context=target.spec.max_position, host=host,
                                              port=c.gateway_port, default_max_tokens=c.default_max_tokens,
-                                             responses_store=c.responses_store),
+                                             responses_store=c.responses_store,
+                                             served_model_names=c.served_model_names),
                                target.tokenizer, upstream, metrics)
         gateway_port = await self.gateway.start()
         self.urls = {"gateway": f"http://{host}:{gateway_port}", "draft": drafts[0] if drafts else None,

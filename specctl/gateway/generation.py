@@ -49,8 +49,9 @@ class Generations:
         self.responses = ResponseStore(config.responses_store)
 
     def check_model(self, model: str | None) -> None:
-        if model and model != self.config.model_name:
-            raise ApiError(404, f"The model `{model}` does not exist. This gateway serves `{self.config.model_name}`.",
+        if model and model not in self.config.names:
+            raise ApiError(404, f"The model `{model}` does not exist. This gateway serves "
+                                f"{', '.join(f'`{name}`' for name in self.config.names)}.",
                            param="model", code="model_not_found")
 
     def encode(self, req: CompletionRequest | ChatCompletionRequest, tools: list[dict] | None) -> list[list[int]]:
@@ -129,7 +130,7 @@ class Generations:
         """A response's answer: stored as asked, its text's logprobs as chat's ``content`` items."""
         logprobs = ((lambda entries: self._logprobs(True, entries)["content"])
                     if wanted_logprobs(req) is not None else None)
-        return ResponsesReply(self.config.model_name, prompt_tokens, asked, calls, self._keeper(asked, history),
+        return ResponsesReply(self.config.names[0], prompt_tokens, asked, calls, self._keeper(asked, history),
                               logprobs)
 
     def _keeper(self, asked: ResponsesRequest, history: tuple) -> Any:
@@ -143,7 +144,7 @@ class Generations:
         """A completion's or chat's answer: logprobs as asked, tool calls read back by ``calls``."""
         logprobs = ((lambda entries, offset: self._logprobs(chat, entries, offset))
                     if wanted_logprobs(req) is not None else None)
-        return Reply(self.config.model_name, chat, prompt_tokens, logprobs, calls=calls,
+        return Reply(self.config.names[0], chat, prompt_tokens, logprobs, calls=calls,
                      include_usage=bool(req.stream_options and req.stream_options.include_usage), n=req.n)
 
     def _echoes(self, req, prompts: list[list[int]]) -> list[str] | None:

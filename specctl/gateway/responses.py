@@ -130,11 +130,12 @@ def sse(body: dict | str) -> bytes:
     return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n".encode()
 
 
-def model_card(model: str, created: int, context: int) -> dict:
-    """OpenAI's model object, with vLLM's root and max_model_len."""
-    return {"id": model, "object": "model", "created": created, "owned_by": "specctl", "root": model,
+def model_card(name: str, created: int, context: int, root: str | None = None) -> dict:
+    """OpenAI's model object, with vLLM's root (the model served under this name) and
+    max_model_len."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "specctl", "root": root or name,
             "max_model_len": context}
 
 
-def models_list(model: str, created: int, context: int) -> dict:
-    return {"object": "list", "data": [model_card(model, created, context)]}
+def models_list(names: tuple[str, ...], created: int, context: int, root: str) -> dict:
+    return {"object": "list", "data": [model_card(name, created, context, root) for name in names]}

@@ -40,12 +40,21 @@ class GatewayConfig:
     max_body_bytes: int = 1 << 20
     api_key: str | None = None
     responses_store: int = 256  # Responses API answers kept for previous_response_id and GET (gateway.response_store)
+    # vLLM's --served-model-name: the names requests may give; answers carry the first (default: model_name)
+    served_model_names: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The model names this gateway answers to; answers carry the first."""
+        return self.served_model_names or (self.model_name,)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.context < 2 or self.default_max_tokens < 1 or self.max_body_bytes < 1024:
             raise ValueError("context must be >= 2, default_max_tokens >= 1 and max_body_bytes >= 1024")
+        if any(not name.strip() for name in self.served_model_names):
+            raise ValueError("a served model name must not be empty")
         if self.responses_store < 0:
             raise ValueError(f"responses_store must be >= 0 (0 keeps none), got {self.responses_store}")
 
@@ -146,15 +155,16 @@ class Gateway:
 
     async def _models(self, request: web.Request) -> web.Response:
         self._check_key(request)
-        return web.json_response(R.models_list(self.config.model_name, self.created, self.config.context))
+        return web.json_response(R.models_list(self.config.names, self.created, self.config.context,
+                                               self.config.model_name))
 
     async def _model(self, request: web.Request) -> web.Response:
         """OpenAI's GET /v1/models/{model} (the client's models.retrieve)."""
         self._check_key(request)
         model = request.match_info["model"]
-        if model != self.config.model_name:  # _check_model passes an empty name
+        if model not in self.config.names:  # _check_model passes an empty name
             self._check_model(model or " ")
-        return web.json_response(R.model_card(self.config.model_name, self.created, self.config.context))
+        return web.json_response(R.model_card(model, self.created, self.config.context, self.config.model_name))
 
     async def _stored_response(self, request: web.Request) -> web.Response:
         """OpenAI's GET /v1/responses/{id} (the client's responses.retrieve): a stored response."""
