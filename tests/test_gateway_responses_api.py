@@ -160,6 +160,20 @@ def test_a_stored_response_is_retrieved_and_deleted_and_store_false_keeps_none(c
         client.responses.delete(kept.id)
     with pytest.raises(openai.BadRequestError, match="not found"):
         client.responses.create(**fields, previous_response_id=kept.id)
+    turns = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."},
+             {"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}]
+    talk = client.responses.create(**{**fields, "input": turns})
+    items = client.responses.input_items.list(talk.id).data  # OpenAI's default order: the latest first
+    assert [(i.role, i.content[0].text) for i in items] == [("user", QUESTION), ("assistant", "Hello."), ("user", "Hi.")]
+    assert all(i.type == "message" and i.id.startswith("msg_") and i.status == "completed" for i in items)
+    page = client.responses.input_items.list(talk.id, order="asc", limit=2)
+    assert [i.id for i in page.data] == [items[2].id, items[1].id] and page.has_more
+    assert [i.id for i in client.responses.input_items.list(talk.id, order="asc", after=items[1].id).data] == [
+        items[0].id]
+    with pytest.raises(openai.BadRequestError, match="limit must be an integer from 1 to 100, got '0'"):
+        client.responses.input_items.list(talk.id, limit=0)
+    with pytest.raises(openai.BadRequestError, match="order must be 'asc' or 'desc', got 'up'"):
+        client.responses.input_items.list(talk.id, extra_query={"order": "up"})
     unkept = client.responses.create(**fields, store=False)
     assert unkept.store is False and unkept.output_text == kept.output_text
     with pytest.raises(openai.NotFoundError):

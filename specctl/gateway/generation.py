@@ -22,7 +22,7 @@ from specctl.gateway.choices import Choices, choice_specs
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.gateway.respond import Reply, remote_message
 from specctl.gateway.response_store import ResponseStore, StoredResponse
-from specctl.gateway.responses_api import ResponsesRequest, answer_turn, as_chat, input_messages
+from specctl.gateway.responses_api import ResponsesRequest, answer_turn, as_chat, input_messages, input_records
 from specctl.gateway.responses_reply import ResponsesReply
 from specctl.gateway.structured import structured_output
 from specctl.gateway.tool_calls import ForcedCalls, StreamedCalls
@@ -137,8 +137,9 @@ class Generations:
         """What stores a finished response with the conversation it ends (None: not stored)."""
         if asked.store is False or self.responses.capacity == 0:
             return None
-        asked_turns = (*history, *input_messages(asked))
-        return lambda body: self.responses.put(StoredResponse(body, (*asked_turns, answer_turn(body["output"]))))
+        asked_turns, records = (*history, *input_messages(asked)), input_records(asked)
+        return lambda body: self.responses.put(StoredResponse(body, (*asked_turns, answer_turn(body["output"])),
+                                                              records))
 
     def _reply(self, req, chat: bool, prompt_tokens: int, calls) -> Reply:
         """A completion's or chat's answer: logprobs as asked, tool calls read back by ``calls``."""

@@ -1,5 +1,6 @@
 """Stored Responses API answers (gateway.responses_api): what ``previous_response_id``
-continues and ``GET`` / ``DELETE /v1/responses/{id}`` read and drop.
+continues, ``GET`` / ``DELETE /v1/responses/{id}`` read and drop, and ``GET
+/v1/responses/{id}/input_items`` pages through.
 
 Choice made here: OpenAI stores a response unless ``store`` is false; vLLM keeps them only
 behind an environment flag because its store grows without bound. This one is bounded — the
@@ -11,6 +12,7 @@ stored response keeps its body and its conversation as chat messages (without it
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from specctl.gateway.api import ApiError, ChatMessage
@@ -20,6 +22,7 @@ from specctl.gateway.api import ApiError, ChatMessage
 class StoredResponse:
     body: dict
     conversation: tuple[ChatMessage, ...]  # the input turns and the answer, as the next turn continues them
+    input_items: tuple[dict, ...] = ()  # this request's own input items (gateway.responses_api.input_records)
 
 
 class ResponseStore:
@@ -82,3 +85,29 @@ class ResponseStore:
         return ApiError(404, f"No response found with id {response_id!r}: it was not stored, was deleted, or is older "
                              f"than the last {self.capacity} this gateway keeps", param="response_id",
                         code="response_not_found")
+
+    def input_items(self, response_id: str, query: Mapping[str, str]) -> dict:
+        """GET /v1/responses/{id}/input_items: a page of the stored response's own input items
+        (OpenAI's ``order`` desc by default, ``limit`` 1-100, default 20, ``after`` an item id)."""
+        stored = self.get(response_id)
+        if stored is None:
+            raise self._missing(response_id)
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise ApiError(400, f"order must be 'asc' or 'desc', got {order!r}", param="order")
+        try:
+            limit = int(query.get("limit", "20"))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 100:
+            raise ApiError(400, f"limit must be an integer from 1 to 100, got {query.get('limit')!r}", param="limit")
+        items = list(stored.input_items if order == "asc" else reversed(stored.input_items))
+        after = query.get("after")
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise ApiError(400, f"after {after!r} is not an input item of {response_id!r}", param="after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}

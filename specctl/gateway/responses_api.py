@@ -17,6 +17,7 @@ ignored."""
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import msgspec
@@ -114,6 +115,23 @@ def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
         if not (messages and message is messages[-1]):  # else a call joined the assistant turn before it
             messages.append(message)
     return messages
+
+
+def input_records(req: ResponsesRequest) -> tuple[dict, ...]:
+    """The request's input items as a stored response lists them (GET .../input_items): each
+    with an id (the one given, else a new one) and status completed; text as input_text parts."""
+    items = [InputItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+    records = []
+    for item in items:
+        record = {k: v for k, v in msgspec.to_builtins(item).items() if v is not None}
+        if item.type == "message":
+            parts = item.content if isinstance(item.content, list) else [InputPart(type="input_text", text=item.content)]
+            record["content"] = [{"type": part.type, "text": part.text or ""} for part in parts]
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}.get(item.type, "item")
+        record.setdefault("id", f"{prefix}_{uuid.uuid4().hex}")
+        record["status"] = "completed"
+        records.append(record)
+    return tuple(records)
 
 
 def answer_turn(output: list[dict]) -> ChatMessage:

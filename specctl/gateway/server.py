@@ -80,6 +80,7 @@ class Gateway:
             web.post("/v1/responses", self._responses),
             web.get("/v1/responses/{response_id}", self._stored_response),
             web.delete("/v1/responses/{response_id}", self._delete_response),
+            web.get("/v1/responses/{response_id}/input_items", self._input_items),
             web.get("/v1/models", self._models), web.get("/v1/models/{model:.+}", self._model),
             web.get("/version", self._version), web.get("/health", self._health),
             web.get("/metrics", self._metrics), web.get("/v1/stats", self._stats),
@@ -174,6 +175,12 @@ class Gateway:
     async def _delete_response(self, request: web.Request) -> web.Response:
         self._check_key(request)
         return web.json_response(self.generations.responses.remove(request.match_info["response_id"]))
+
+    async def _input_items(self, request: web.Request) -> web.Response:
+        """OpenAI's GET /v1/responses/{id}/input_items (the client's responses.input_items.list)."""
+        self._check_key(request)
+        return web.json_response(self.generations.responses.input_items(request.match_info["response_id"],
+                                                                        request.query))
 
     async def _version(self, _request: web.Request) -> web.Response:
         """vLLM's GET /version: this gateway's specctl version."""
