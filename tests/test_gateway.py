@@ -56,6 +56,14 @@ def test_completions_equal_specctl_generate(cluster, client, tiny_dir):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == reference["text"]
     assert chunks[-1].usage.completion_tokens == len(reference["token_ids"])
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert all(c.usage is None for c in chunks[:-1])
+    running = list(client.completions.create(  # vLLM's continuous_usage_stats: the usage so far on every chunk
+        model=str(tiny_dir["llama"]), prompt=PROMPT, max_tokens=20, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in running]
+    assert counts == sorted(counts) and counts[-1] == counts[-2] == len(reference["token_ids"])
+    assert all(c.usage.prompt_tokens == full.usage.prompt_tokens for c in running) and counts[0] > 0
+    assert "".join(c.choices[0].text for c in running if c.choices) == reference["text"]
 
 
 def test_chat_completions_equal_specctl_generate_chat(cluster, client, tiny_dir):

@@ -76,6 +76,7 @@ class ApiError(SpecctlError):
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class ResponseFormat(msgspec.Struct):

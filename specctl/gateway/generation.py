@@ -145,8 +145,9 @@ class Generations:
         """A completion's or chat's answer: logprobs as asked, tool calls read back by ``calls``."""
         logprobs = ((lambda entries, offset: self._logprobs(chat, entries, offset))
                     if wanted_logprobs(req) is not None else None)
-        return Reply(self.config.names[0], chat, prompt_tokens, logprobs, calls=calls,
-                     include_usage=bool(req.stream_options and req.stream_options.include_usage), n=req.n)
+        usage = req.stream_options is not None and req.stream_options.include_usage
+        return Reply(self.config.names[0], chat, prompt_tokens, logprobs, calls=calls, include_usage=usage,
+                     continuous_usage=usage and req.stream_options.continuous_usage_stats, n=req.n)
 
     def _echoes(self, req, prompts: list[list[int]]) -> list[str] | None:
         """Each prompt's text as echo hands it back: as given, or decoded from its token ids."""

@@ -32,6 +32,7 @@ class Reply:
     logprobs: Callable[[list, int], dict] | None  # (entries, text offset) -> OpenAI's logprobs; None: not asked
     calls: Callable[[], Any] | None = None  # a reader of one choice's tool calls (gateway.tool_calls); None: no tools
     include_usage: bool = False  # streamed: a last chunk with the usage
+    continuous_usage: bool = False  # streamed: every chunk with the usage so far too (vLLM's continuous_usage_stats)
     n: int = 1  # choices per prompt (a prompt's cached tokens are counted once)
 
     async def collect(self, choices: Choices) -> web.Response:
@@ -62,7 +63,12 @@ class Reply:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
 
+        counts: dict[int, int] = {}  # each choice's completion tokens so far
+
         async def send(**fields) -> None:
+            if self.continuous_usage:
+                fields["extra"] = {**(fields.get("extra") or {}),
+                                   "usage": R.usage(self.prompt_tokens, sum(counts.values()))}
             await response.write(R.sse(R.chunk(rid, model, chat, created, **fields)))
 
         if chat:
@@ -73,6 +79,7 @@ class Reply:
         completion_tokens, stats = 0, {}
         try:
             async for index, event in choices.events():
+                counts[index] = event.count
                 delta, call_deltas = calls[index].push(event.delta) if calls else (event.delta, [])
                 if delta or (self.logprobs and event.logprobs):
                     logprobs = self.logprobs(event.logprobs, offsets.get(index, 0)) if self.logprobs else None
