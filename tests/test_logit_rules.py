@@ -113,20 +113,21 @@ def _penalized_next_probs(decoder, output, params):
     return probs_from_logits(reference_logits(logits, SMALL_PROMPT, output, params), params)
 
 
-# in --runslow (chain 40 s, tree 24 s on a slow 2-core machine; CI's second pass); greedy equality with penalties
-# in every mode stays in the default run
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_sampling_with_penalties_keeps_the_targets_penalized_distribution(small, mode):  # noqa: F811
-    target, draft = small
-    params = SamplingParams(temperature=1.0, max_tokens=3, presence_penalty=0.8, frequency_penalty=0.5,
-                            repetition_penalty=1.5)
-    expected = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)  # P(token 2, token 3)
-    p1 = _penalized_next_probs(target, [], params)
+def _joint(next_probs, target, params: SamplingParams) -> torch.Tensor:
+    """P(token 2, token 3) of the target alone under ``params``, from ``next_probs`` (the
+    adjusted next-token distribution by its definition), summed over token 1."""
+    out = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    p1 = next_probs(target, [], params)
     for t1 in range(VOCAB):
-        p2 = _penalized_next_probs(target, [t1], params)
+        p2 = next_probs(target, [t1], params)
         for t2 in range(VOCAB):
-            expected[t2] += float(p1[t1]) * float(p2[t2]) * _penalized_next_probs(target, [t1, t2], params).double()
+            out[t2] += float(p1[t1]) * float(p2[t2]) * next_probs(target, [t1, t2], params).double()
+    return out
+
+
+def _assert_sampled_pairs_match(models, mode: str, params: SamplingParams, expected: torch.Tensor) -> None:
+    """Tokens 2 and 3 of SAMPLES seeded speculative generations against ``expected`` (chi-square)."""
+    target, draft = models
     drafter = ModelChainDrafter(draft, 2) if mode == "chain" else ModelTreeDrafter(draft, 2, 2, 3)
     counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
     accepted = 0
@@ -136,6 +137,16 @@ def test_sampling_with_penalties_keeps_the_targets_penalized_distribution(small,
         accepted += stats.accepted > 0
     assert accepted > 0
     assert_counts_match(counts, expected)
+
+
+# in --runslow (chain 40 s, tree 24 s on a slow 2-core machine; CI's second pass); greedy equality with penalties
+# in every mode stays in the default run
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_sampling_with_penalties_keeps_the_targets_penalized_distribution(small, mode):  # noqa: F811
+    params = SamplingParams(temperature=1.0, max_tokens=3, presence_penalty=0.8, frequency_penalty=0.5,
+                            repetition_penalty=1.5)
+    _assert_sampled_pairs_match(small, mode, params, _joint(_penalized_next_probs, small[0], params))
 
 
 def _barred_next_probs(decoder, output, params):
@@ -152,30 +163,12 @@ def _barred_next_probs(decoder, output, params):
 @pytest.mark.slow  # as the penalties' chi-square above; greedy equality with bad_words stays in the default run
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_sampling_with_bad_words_keeps_the_targets_barred_distribution(small, mode):  # noqa: F811
-    target, draft = small
     params = SamplingParams(temperature=1.0, max_tokens=3, bad_words=((3,), (5, 5), (2, 1)))  # likely ones
-
-    def joint(params: SamplingParams) -> torch.Tensor:  # P(token 2, token 3)
-        out = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
-        p1 = _barred_next_probs(target, [], params)
-        for t1 in range(VOCAB):
-            p2 = _barred_next_probs(target, [t1], params)
-            for t2 in range(VOCAB):
-                out[t2] += float(p1[t1]) * float(p2[t2]) * _barred_next_probs(target, [t1, t2], params).double()
-        return out
-
-    expected = joint(params)
+    expected = _joint(_barred_next_probs, small[0], params)
     assert expected[3].sum() == expected[:, 3].sum() == expected[5, 5] == expected[2, 1] == 0
-    assert (expected - joint(SamplingParams(temperature=1.0, max_tokens=3))).abs().sum() > 0.6  # the bars matter
-    drafter = ModelChainDrafter(draft, 2) if mode == "chain" else ModelTreeDrafter(draft, 2, 2, 3)
-    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
-    accepted = 0
-    for seed in range(SAMPLES):
-        out, stats, _ = generate(target, SMALL_PROMPT, SamplingParams(**{**_fields(params), "seed": seed}), drafter)
-        counts[out[1], out[2]] += 1
-        accepted += stats.accepted > 0
-    assert accepted > 0
-    assert_counts_match(counts, expected)
+    free = _joint(_barred_next_probs, small[0], SamplingParams(temperature=1.0, max_tokens=3))
+    assert (expected - free).abs().sum() > 0.6  # the bars matter
+    _assert_sampled_pairs_match(small, mode, params, expected)
 
 
 def _fields(params: SamplingParams) -> dict:
