@@ -87,11 +87,12 @@ def served_as(names: List[str]) -> str:
     return f" as {', '.join(names)}" if names else ""
 
 
-def cluster_config(profile, draft, target, mode, dtype, draft_quant, threads, drafters=None):
+def cluster_config(profile, draft, target, mode, dtype, draft_quant, threads, drafters=None, max_sessions=None):
     if drafters is not None and mode not in (None, "multi"):
         raise ConfigError("--drafters routes among several drafters: leave --mode out")
     config = build_config(profile, draft=draft, target=target, mode="multi" if drafters is not None else mode,
-                          drafters=drafters, dtype=dtype, draft_quant=draft_quant, threads=threads)
+                          drafters=drafters, dtype=dtype, draft_quant=draft_quant, threads=threads,
+                          max_sessions=max_sessions)
     if config.mode not in ("chain", "tree", "multi"):
         raise ConfigError("the embedded cluster runs a draft server: --mode must be chain or tree")
     return config
@@ -108,6 +109,9 @@ def up(
     max_waiting: int = typer.Option(1024, "--max-waiting", help=WAITING_HELP),
     queue_timeout: float = typer.Option(600.0, "--queue-timeout", help=QUEUE_TIMEOUT_HELP),
     served_model_name: List[str] = typer.Option([], "--served-model-name", help=SERVED_HELP),
+    max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="most concurrent sessions a target "
+                                               "instance holds (vLLM's --max-num-seqs; the profile's by default); "
+                                               "past them requests wait (--max-waiting)"),
     mode: Optional[str] = typer.Option(None, help="chain | tree"),
     drafters: Optional[str] = typer.Option(None, help="several drafters instead of --draft: comma-separated model "
                                            "names, NAME@N and ngram; a draft server per model, every target routes "
@@ -125,7 +129,7 @@ def up(
     from specctl.runtime.loop import run_with_compute, setup_logging, wait_for_shutdown
     from specctl.spec.factory import apply_threads
 
-    config = cluster_config(profile, draft, target, mode, dtype, draft_quant, threads, drafters)
+    config = cluster_config(profile, draft, target, mode, dtype, draft_quant, threads, drafters, max_sessions)
     try:
         plan = ClusterConfig(targets=targets, gateway_port=port, stages=stages, responses_store=responses_store,
                              max_waiting=max_waiting, queue_timeout_s=queue_timeout,
