@@ -18,42 +18,58 @@ from tests.conftest import poll_until
 from tests.test_gateway import PROMPT, post
 
 
-async def _waiter(line: WaitingLine, name: str, order: list, front: bool = False, deadline=None):
-    await line.wait(deadline, front)
+async def _waiter(line: WaitingLine, name: str, order: list, ticket=None, priority: int = 0):
+    await line.wait(ticket or line.ticket(priority))
     order.append(name)
+
+
+async def _turns(line: WaitingLine, tasks: list) -> None:
+    await asyncio.sleep(0)
+    for _ in range(len(tasks)):
+        line.wake()
+        await asyncio.sleep(0)
+    await asyncio.gather(*tasks)
 
 
 async def test_turns_come_first_come_first_served_and_a_kept_place_goes_first():
     line, order = WaitingLine(recheck_s=30), []
+    kept = line.ticket()  # came first, had a turn without finding a slot, comes back
     tasks = [asyncio.create_task(_waiter(line, name, order)) for name in "abc"]
     await asyncio.sleep(0)
-    assert len(line) == 3
-    tasks.append(asyncio.create_task(_waiter(line, "kept", order, front=True, deadline=1e12)))
+    assert len(line) == 3 and line.ahead(0)
+    tasks.append(asyncio.create_task(_waiter(line, "kept", order, ticket=kept)))
+    await _turns(line, tasks)
+    assert order == ["kept", "a", "b", "c"] and len(line) == 0 and not line.ahead(0)
+
+
+async def test_with_priorities_lower_goes_first_then_arrival():
+    line, order = WaitingLine(recheck_s=30), []
+    tasks = [asyncio.create_task(_waiter(line, name, order, priority=p))
+             for name, p in (("late", 5), ("b", 0), ("urgent", -1), ("c", 0))]
     await asyncio.sleep(0)
-    for _ in range(4):
-        line.wake()
-        await asyncio.sleep(0)
-    await asyncio.gather(*tasks)
-    assert order == ["kept", "a", "b", "c"] and len(line) == 0
+    assert line.ahead(0) and line.ahead(-1) and not line.ahead(-2)  # a newcomer of -2 would overtake them all
+    await _turns(line, tasks)
+    assert order == ["urgent", "b", "c", "late"]
 
 
 async def test_the_line_is_bounded_in_number_and_in_time():
     line = WaitingLine(max_waiting=1, timeout_s=0.05, recheck_s=0.01)
-    first = asyncio.create_task(line.wait(None))
+    ticket = line.ticket()
+    first = asyncio.create_task(line.wait(ticket))
     await asyncio.sleep(0)
     with pytest.raises(ApiError) as full:
-        await line.wait(None)
+        line.ticket()
     assert (full.value.status, full.value.code, full.value.retry_after, str(full.value)) == (
         503, "no_capacity", 1, "every target instance is at capacity and 1 requests are already waiting "
                                "(--max-waiting 1); retry later")
-    deadline = await first  # the head checks on its own every recheck_s: its turn to try
+    await first  # the head checks on its own every recheck_s: its turn to try
     with pytest.raises(ApiError, match=r"^every target instance stayed at capacity for the 0.05 s this request may "
                                        r"wait \(--queue-timeout\); retry later$"):
-        while True:  # found no slot each time: back at the front until the deadline
-            await line.wait(deadline, front=True)
+        while True:  # found no slot each time: back at its place until the deadline
+            await line.wait(ticket)
     assert len(line) == 0
     with pytest.raises(ApiError, match="0 requests are already waiting"):
-        await WaitingLine(max_waiting=0).wait(None)  # --max-waiting 0: refused at once, as before the line
+        WaitingLine(max_waiting=0).ticket()  # --max-waiting 0: refused at once, as before the line
     with pytest.raises(ValueError):
         WaitingLine(recheck_s=0)
 
@@ -138,3 +154,36 @@ def test_a_wait_past_the_queue_timeout_is_a_503_and_the_line_empties(one_session
         assert code == 200  # nothing stuck
     finally:
         line.timeout_s = 600.0
+
+
+def test_priority_is_refused_unless_the_policy_is_priority(one_session):
+    thread, urls = one_session
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "priority": -5}
+    code, _, raw = post(urls["gateway"] + "/v1/completions", body)
+    assert code == 400 and json.loads(raw)["error"] == {
+        "message": "priority scheduling is not enabled: start the gateway with --scheduling-policy priority, or "
+                   "leave priority out", "type": "invalid_request_error", "param": "priority", "code": None}
+    config = thread.cluster.gateway.config
+    config.scheduling_policy = "priority"  # as --scheduling-policy priority sets it
+    try:
+        assert post(urls["gateway"] + "/v1/completions", body)[0] == 200
+        assert post(urls["gateway"] + "/v1/responses", {"input": "hi", "max_output_tokens": 2, "priority": 3})[0] == 200
+        upstream, done = thread.cluster.gateway.upstream, []
+
+        def send(name, priority, tokens=12):
+            code, _, _ = post(urls["gateway"] + "/v1/completions", {
+                "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "priority": priority})
+            done.append((name, code))
+
+        senders = [threading.Thread(target=send, args=("occupant", 0, 48))]
+        senders[0].start()
+        poll_until(lambda: upstream.targets[0].inflight, lambda n: n == 1, timeout=30, interval=0.01)
+        for name, priority in (("late", 5), ("urgent", -1)):  # the urgent one comes second and goes first
+            senders.append(threading.Thread(target=send, args=(name, priority)))
+            senders[-1].start()
+            poll_until(lambda: len(upstream.waiting), lambda n: n == len(senders) - 1, timeout=30, interval=0.01)
+        for sender in senders:
+            sender.join(120)
+        assert done == [("occupant", 200), ("urgent", 200), ("late", 200)]
+    finally:
+        config.scheduling_policy = "fcfs"

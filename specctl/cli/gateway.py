@@ -14,6 +14,8 @@ from specctl.errors import ConfigError
 API_KEY_HELP = "require `Authorization: Bearer KEY` on /v1/* (or SPECCTL_API_KEY)"
 WAITING_HELP = "generations that may wait for a free session while every target instance is full (503 past it)"
 QUEUE_TIMEOUT_HELP = "seconds a generation may wait for a free session before a 503 (0: refuse at once)"
+POLICY_HELP = ("fcfs: generations waiting for a session go first come first served; priority: by their request's "
+               "priority (lower first), then arrival (vLLM's --scheduling-policy)")
 SERVED_HELP = ("a name clients may give as `model` (repeat for several; answers carry the first); default: the "
                "target's name")
 STORE_HELP = ("Responses API answers kept in memory for previous_response_id and GET /v1/responses/{id}: the last N "
@@ -33,6 +35,7 @@ def gateway(
     max_waiting: int = typer.Option(1024, "--max-waiting", help=WAITING_HELP),
     queue_timeout: float = typer.Option(600.0, "--queue-timeout", help=QUEUE_TIMEOUT_HELP),
     served_model_name: List[str] = typer.Option([], "--served-model-name", help=SERVED_HELP),
+    scheduling_policy: str = typer.Option("fcfs", "--scheduling-policy", help=POLICY_HELP),
     auth_token: Optional[str] = typer.Option(None, "--auth-token", envvar="SPECCTL_AUTH_TOKEN",
                                              help="auth token of the target instances"),
     tls_ca: Optional[str] = typer.Option(None, "--tls-ca", help="CA file: talk TLS to the target instances"),
@@ -53,6 +56,8 @@ def gateway(
 
     if any(not name.strip() for name in served_model_name):
         raise ConfigError("--served-model-name must not be empty")
+    if scheduling_policy not in ("fcfs", "priority"):
+        raise ConfigError(f"--scheduling-policy must be fcfs or priority, got {scheduling_policy!r}")
     if responses_store < 0 or max_waiting < 0 or queue_timeout < 0:
         raise ConfigError(f"--responses-store, --max-waiting and --queue-timeout must be >= 0, got {responses_store}, "
                           f"{max_waiting}, {queue_timeout:g}")
@@ -75,7 +80,8 @@ def gateway(
         server = Gateway(GatewayConfig(model_name=name, context=context, host=host, port=port,
                                        default_max_tokens=default_max_tokens, max_body_bytes=max_body_kb * 1024,
                                        api_key=api_key, responses_store=responses_store,
-                                       served_model_names=tuple(served_model_name)), tokenizer, upstream, metrics)
+                                       served_model_names=tuple(served_model_name),
+                                       scheduling_policy=scheduling_policy), tokenizer, upstream, metrics)
         await serve(server, lambda bound: console.print(
             f"gateway for [bold]{name}[/]{served_as(served_model_name)} on http://{host}:{bound}/v1 over {len(target)} target instance(s)"
             f"{' (API key required)' if api_key else ''}", soft_wrap=True))
@@ -109,6 +115,7 @@ def up(
     max_waiting: int = typer.Option(1024, "--max-waiting", help=WAITING_HELP),
     queue_timeout: float = typer.Option(600.0, "--queue-timeout", help=QUEUE_TIMEOUT_HELP),
     served_model_name: List[str] = typer.Option([], "--served-model-name", help=SERVED_HELP),
+    scheduling_policy: str = typer.Option("fcfs", "--scheduling-policy", help=POLICY_HELP),
     max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="most concurrent sessions a target "
                                                "instance holds (vLLM's --max-num-seqs; the profile's by default); "
                                                "past them requests wait (--max-waiting)"),
@@ -133,7 +140,7 @@ def up(
     try:
         plan = ClusterConfig(targets=targets, gateway_port=port, stages=stages, responses_store=responses_store,
                              max_waiting=max_waiting, queue_timeout_s=queue_timeout,
-                             served_model_names=tuple(served_model_name))
+                             served_model_names=tuple(served_model_name), scheduling_policy=scheduling_policy)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     setup_logging(log_level)

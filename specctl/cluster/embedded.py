@@ -37,6 +37,7 @@ class ClusterConfig:
     max_waiting: int = 1024  # generations that may wait for a free session (gateway.waiting)
     queue_timeout_s: float = 600.0  # how long each may wait
     served_model_names: tuple[str, ...] = ()  # the gateway's names for the target (default: its own)
+    scheduling_policy: str = "fcfs"  # the gateway's waiting line: fcfs or priority
 
     def __post_init__(self) -> None:
         if not 1 <= self.targets <= 64:
@@ -45,6 +46,8 @@ class ClusterConfig:
             raise ValueError(f"stages must be in 1..64, got {self.stages}")
         if any(not name.strip() for name in self.served_model_names):
             raise ValueError("--served-model-name must not be empty")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if self.responses_store < 0 or self.max_waiting < 0 or self.queue_timeout_s < 0:
             raise ValueError(f"--responses-store, --max-waiting and --queue-timeout must be >= 0, got "
                              f"{self.responses_store}, {self.max_waiting}, {self.queue_timeout_s:g}")
@@ -116,7 +119,8 @@ class EmbeddedCluster:
         self.gateway = Gateway(GatewayConfig(model_name=target.name, context=target.spec.max_position, host=host,
                                              port=c.gateway_port, default_max_tokens=c.default_max_tokens,
                                              responses_store=c.responses_store,
-                                             served_model_names=c.served_model_names),
+                                             served_model_names=c.served_model_names,
+                                             scheduling_policy=c.scheduling_policy),
                                target.tokenizer, upstream, metrics)
         gateway_port = await self.gateway.start()
         self.urls = {"gateway": f"http://{host}:{gateway_port}", "draft": drafts[0] if drafts else None,

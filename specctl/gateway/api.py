@@ -132,6 +132,7 @@ class RequestFields(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None  # vLLM's extension
     include_stop_str_in_output: bool = False  # vLLM's extension: the stop string that ended the text ends it
     truncate_prompt_tokens: int | None = None  # vLLM's extension: keep the prompt's last k tokens (-1: the context)
+    priority: int = 0  # vLLM's extension: lower waits less for a session (--scheduling-policy priority)
     # vLLM's extensions that reshape or constrain sampling (gateway.structured)
     min_p: float | None = None
     min_tokens: int | None = None

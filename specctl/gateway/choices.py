@@ -57,10 +57,11 @@ class Choices:
     """Owns the tasks of one request's generations (``async with``: none outlives it)."""
 
     def __init__(self, upstream: Upstream, metrics: GatewayMetrics, tokenizer, specs: list[ChoiceSpec],
-                 stop: list[str], include_stop: bool = False, arrival: float | None = None) -> None:
+                 stop: list[str], include_stop: bool = False, arrival: float | None = None, priority: int = 0) -> None:
         self.upstream, self.metrics, self.tokenizer, self.specs, self.stop = upstream, metrics, tokenizer, specs, stop
         self.include_stop = include_stop  # vLLM's include_stop_str_in_output
         self.arrival = time.perf_counter() if arrival is None else arrival  # the request's, for the latencies
+        self.priority = priority  # its place among generations waiting for a session (gateway.waiting)
         self._queue: asyncio.Queue[tuple[int, Event | BaseException]] = asyncio.Queue()
         self._started: list[asyncio.Future] = []
         self._tasks: list[asyncio.Task] = []
@@ -97,7 +98,7 @@ class Choices:
     async def _run(self, k: int, spec: ChoiceSpec) -> None:
         started = self._started[k]
         try:
-            async with self.upstream.stream(spec.prompt, spec.params) as (stream, first):
+            async with self.upstream.stream(spec.prompt, spec.params, self.priority) as (stream, first):
                 started.set_result(None)
                 async for event in self._events(stream, first, spec):
                     await self._queue.put((k, event))

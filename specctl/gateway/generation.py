@@ -88,6 +88,9 @@ class Generations:
                 req = parse_body(body, ChatCompletionRequest if chat else CompletionRequest)
             refuse_unsupported(req)
             self.check_model(req.model)
+            if req.priority and self.config.scheduling_policy != "priority":
+                raise ApiError(400, "priority scheduling is not enabled: start the gateway with --scheduling-policy "
+                                    "priority, or leave priority out", param="priority")
             stop = stop_strings(req)
             tools = self.tools(req)
             prompts = truncated(self.encode(req, tools), req.truncate_prompt_tokens, self.config.context)
@@ -107,7 +110,7 @@ class Generations:
                      else self._reply(req, chat, prompt_tokens, calls))
             try:
                 async with Choices(self.upstream, self.metrics, self.tokenizer, specs, stop,
-                                   req.include_stop_str_in_output, arrival) as choices:
+                                   req.include_stop_str_in_output, arrival, req.priority) as choices:
                     response = await (reply.stream(request, choices) if req.stream else reply.collect(choices))
             except RemoteError as exc:
                 raise ApiError(REMOTE_STATUS.get(exc.code, 502), remote_message(exc),

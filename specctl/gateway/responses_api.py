@@ -80,6 +80,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     top_logprobs: int | None = None
     seed: int | None = None  # vLLM's extensions, as on chat
     top_k: int | None = None
+    priority: int = 0
 
 
 def as_chat(req: ResponsesRequest, history: tuple[ChatMessage, ...] = ()) -> ChatCompletionRequest:
@@ -103,7 +104,7 @@ def as_chat(req: ResponsesRequest, history: tuple[ChatMessage, ...] = ()) -> Cha
         messages=messages, model=req.model, max_completion_tokens=req.max_output_tokens, temperature=req.temperature,
         top_p=req.top_p, stream=req.stream, seed=req.seed, top_k=req.top_k, user=req.user, response_format=_format(req),
         tools=_tools(req.tools), tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls,
-        logprobs=logprobs, top_logprobs=req.top_logprobs if logprobs else None)
+        logprobs=logprobs, top_logprobs=req.top_logprobs if logprobs else None, priority=req.priority)
 
 
 def input_messages(req: ResponsesRequest) -> list[ChatMessage]:

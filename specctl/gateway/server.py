@@ -42,6 +42,7 @@ class GatewayConfig:
     responses_store: int = 256  # Responses API answers kept for previous_response_id and GET (gateway.response_store)
     # vLLM's --served-model-name: the names requests may give; answers carry the first (default: model_name)
     served_model_names: tuple[str, ...] = ()
+    scheduling_policy: str = "fcfs"  # vLLM's: "priority" orders waiting generations by their request's priority
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -53,6 +54,8 @@ class GatewayConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.context < 2 or self.default_max_tokens < 1 or self.max_body_bytes < 1024:
             raise ValueError("context must be >= 2, default_max_tokens >= 1 and max_body_bytes >= 1024")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if any(not name.strip() for name in self.served_model_names):
             raise ValueError("a served model name must not be empty")
         if self.responses_store < 0:

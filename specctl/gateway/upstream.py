@@ -20,7 +20,7 @@ from specctl.engine.prefix_cache import common_prefix
 from specctl.gateway.api import ApiError
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.gateway.routing import TargetView, pick_target
-from specctl.gateway.waiting import WaitingLine
+from specctl.gateway.waiting import Ticket, WaitingLine
 from specctl.net.protocol import Welcome
 from specctl.runtime.loop import parse_hostport
 from specctl.spec.sampling import SamplingParams
@@ -123,14 +123,19 @@ class Upstream:
         return [t.view(prompt) for t in self.targets]
 
     @asynccontextmanager
-    async def stream(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[tuple[TargetStream, object]]:
+    async def stream(self, prompt: list[int], params: SamplingParams,
+                     priority: int = 0) -> AsyncIterator[tuple[TargetStream, object]]:
         """(stream, first event) of a generation on the least-loaded instance. Failures before
         the first token move on to the next instance; while every instance that is up is at
-        capacity the generation waits its turn (gateway.waiting); with none up, a 503."""
+        capacity the generation waits its turn (gateway.waiting, by ``priority``); with none
+        up, a 503."""
         tried: set[int] = set()  # instances that failed this generation (down now)
         full: set[int] = set()  # instances that said they were full (other clients' sessions) since the last wait
         tokens = np.asarray(prompt, dtype=np.int64)
-        deadline = await self._wait(None) if len(self.waiting) else None  # no one overtakes those waiting
+        ticket: Ticket | None = None  # its place in the waiting line, once it has waited
+        if self.waiting.ahead(priority):  # no one overtakes those waiting before it
+            ticket = self.waiting.ticket(priority)
+            await self._wait(ticket)
         while True:
             index = pick_target(self.views(tokens), frozenset(tried | full))
             if index is None:
@@ -138,7 +143,8 @@ class Upstream:
                     reasons = "; ".join(f"{t.address}: {t.error}" for t in self.targets if not t.up and t.error)
                     raise ApiError(503, f"no target instance is reachable{f' ({reasons})' if reasons else ''}; "
                                         "retry later", type="server_error", code="no_capacity", retry_after=1)
-                deadline = await self._wait(deadline, front=deadline is not None)
+                ticket = ticket or self.waiting.ticket(priority)
+                await self._wait(ticket)
                 full.clear()
                 continue
             link = self.targets[index]
@@ -162,7 +168,7 @@ class Upstream:
                         tried.add(index)
                     log.warning("target %s: %s; trying another", link.address, exc)
                     continue
-                if deadline is not None:
+                if ticket is not None:
                     self.waiting.wake()  # its turn came and it has a slot: the next one may find one too
                 yield stream, first
                 return
@@ -174,12 +180,12 @@ class Upstream:
                 link.inflight -= 1
                 self.waiting.wake()  # a session freed (or was never taken): the head of the line tries
 
-    async def _wait(self, deadline: float | None, front: bool = False) -> float:
+    async def _wait(self, ticket: Ticket) -> None:
         """A turn in the waiting line, counted in the metrics while it waits."""
         if self.metrics:
             self.metrics.waiting.inc()
         try:
-            return await self.waiting.wait(deadline, front)
+            await self.waiting.wait(ticket)
         finally:
             if self.metrics:
                 self.metrics.waiting.dec()
