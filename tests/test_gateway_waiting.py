@@ -8,6 +8,7 @@ import threading
 import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
@@ -113,11 +114,19 @@ def _concurrently(url: str, bodies: list[dict]) -> list[tuple[int, dict]]:
     return results
 
 
+def _queue_time(exposition: str) -> tuple[float, float]:
+    """(count, sum) of the gateway's request_queue_time_seconds histogram."""
+    samples = {s.name: s.value for f in text_string_to_metric_families(exposition) for s in f.samples}
+    return (samples["specctl:request_queue_time_seconds_count"], samples["specctl:request_queue_time_seconds_sum"])
+
+
 def test_requests_past_capacity_wait_their_turn_and_get_the_same_text(one_session):
     thread, urls = one_session
     body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
     code, _, raw = post(urls["gateway"] + "/v1/completions", body)
     alone = json.loads(raw)["choices"][0]["text"]
+    with urllib.request.urlopen(urls["gateway"] + "/metrics", timeout=30) as response:
+        before = _queue_time(response.read().decode())
     seen = []
     watcher = threading.Thread(target=lambda: seen.append(poll_until(
         lambda: len(thread.cluster.gateway.upstream.waiting), lambda waiting: waiting >= 2, timeout=60,
@@ -131,7 +140,11 @@ def test_requests_past_capacity_wait_their_turn_and_get_the_same_text(one_sessio
     with urllib.request.urlopen(urls["gateway"] + "/v1/stats", timeout=30) as response:
         assert json.loads(response.read())["gateway"]["requests_waiting"] == 0  # the line emptied
     with urllib.request.urlopen(urls["gateway"] + "/metrics", timeout=30) as response:
-        assert "\nspecctl:requests_waiting 0.0\n" in response.read().decode()  # counted while they waited, then not
+        exposition = response.read().decode()
+    assert "\nspecctl:requests_waiting 0.0\n" in exposition  # counted while they waited, then not
+    queued = _queue_time(exposition)
+    assert queued[0] - before[0] == 3  # one observation a generation
+    assert queued[1] - before[1] > 0.1  # two waited while another ran
 
 
 def test_a_wait_past_the_queue_timeout_is_a_503_and_the_line_empties(one_session):

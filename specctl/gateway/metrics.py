@@ -111,6 +111,9 @@ class GatewayMetrics:
         self.e2e_latency = Histogram(f"{p}e2e_request_latency_seconds",
                                      "time from a request's arrival to a generation's end", buckets=E2E_BUCKETS,
                                      registry=r)
+        self.queue_time = Histogram(f"{p}request_queue_time_seconds",
+                                    "time a generation waited for a free session (gateway.waiting; 0 when one was "
+                                    "free)", buckets=E2E_BUCKETS, registry=r)
         self.recent: deque[tuple[float | None, float | None, float]] = deque(maxlen=RECENT_GENERATIONS)
         self.role_up = Gauge(f"{p}role_up", "1 when the role answered the last poll", ["role", "address"], registry=r)
         self.role_gauges = {key: Gauge(f"{p}{name}", help_, ["role", "address"], registry=r)

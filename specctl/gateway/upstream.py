@@ -132,6 +132,7 @@ class Upstream:
         tried: set[int] = set()  # instances that failed this generation (down now)
         full: set[int] = set()  # instances that said they were full (other clients' sessions) since the last wait
         tokens = np.asarray(prompt, dtype=np.int64)
+        entered = time.perf_counter()
         ticket: Ticket | None = None  # its place in the waiting line, once it has waited
         if self.waiting.ahead(priority):  # no one overtakes those waiting before it
             ticket = self.waiting.ticket(priority)
@@ -148,6 +149,7 @@ class Upstream:
                 full.clear()
                 continue
             link = self.targets[index]
+            picked = time.perf_counter()
             link.inflight += 1
             # Counted as prefilled from now: a request that starts the same way while this one's
             # prefill runs waits there for it and restores it (engine.prefill_gate) — a
@@ -170,6 +172,8 @@ class Upstream:
                     continue
                 if ticket is not None:
                     self.waiting.wake()  # its turn came and it has a slot: the next one may find one too
+                if self.metrics:
+                    self.metrics.queue_time.observe(picked - entered)
                 yield stream, first
                 return
             finally:
