@@ -75,6 +75,22 @@ def test_generate_bad_words_gives_the_target_alones_text_without_them(tiny_dir):
                            "--bad-words must not be empty: give a word")
 
 
+def test_bench_serve_measures_a_running_gateway(cluster, tmp_path):
+    from specctl.bench.processes import free_port
+
+    out = tmp_path / "serve.json"
+    proc = run("bench", "serve", "--gateway", cluster[1]["gateway"], "--concurrency", "1,2", "--max-tokens", "4",
+               "--requests-per-client", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["variant"], r["clients"], r["requests"], r["tokens"]) for r in rows] == [("gateway", 1, 1, 4),
+                                                                                       ("gateway", 2, 2, 8)]
+    assert all(r["tokens_per_s"] > 0 and r["ttft_p50_ms"] > 0 for r in rows)
+    assert "bench serve: the gateway at" in proc.stdout
+    _assert_one_line_error(run("bench", "serve", "--gateway", f"http://127.0.0.1:{free_port()}", "--concurrency", "1"),
+                           "cannot reach the gateway at")
+
+
 def _assert_one_line_error(proc, expected: str):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr

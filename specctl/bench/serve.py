@@ -104,6 +104,20 @@ async def run_serve_bench(config: Config, models: tuple[LoadedModel, LoadedModel
     return summarize(rows, settings)
 
 
+async def run_gateway_bench(url: str, prompts: list[BenchPrompt], settings: ServeBenchSettings,
+                            advance: Callable[[], None] = lambda: None) -> dict:
+    """The concurrency levels against a gateway that is already running (vLLM's ``bench serve
+    --base-url``): the one variant "gateway", whatever it serves; no baseline to compare with."""
+    await _one_warmup(url, prompts[0])
+    rows = []
+    for clients in settings.concurrency:
+        rows.append({"variant": "gateway", **await _level(url, prompts, clients, settings)})
+        advance()
+    for r in rows:
+        r.pop("texts")
+    return {"settings": {**dataclasses.asdict(settings), "variants": ["gateway"], "gateway": url}, "rows": rows}
+
+
 async def _one_warmup(url: str, prompt: BenchPrompt) -> None:
     async with aiohttp.ClientSession() as session:
         await _one(session, url, prompt, 4)

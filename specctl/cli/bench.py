@@ -12,12 +12,13 @@ from rich.table import Table
 
 from specctl.config import QUANTS, build_config
 from specctl.bench.render import (
-    render_local_kinds, render_local_table, render_serve_table, render_star_summary, render_star_table, table_console,
+    render_local_kinds, render_local_table, render_star_summary, render_star_table, table_console,
 )
 from specctl.cli.bench_drafters import drafters
 from specctl.cli.bench_kernels import kernels
 from specctl.cli.bench_pipeline import pipeline
 from specctl.cli.bench_prespec import prespec
+from specctl.cli.bench_serve import serve
 from specctl.errors import ConfigError
 
 app = typer.Typer(help="Benchmarks: ratios against baselines measured in the same run.", no_args_is_help=True)
@@ -207,70 +208,7 @@ def net(
         console.print(f"wrote {json_out}")
 
 
-@app.command("serve")
-def serve(
-    target: Optional[str] = typer.Option(None, help="target model (default: the profile's, qwen2.5-coder-1.5b)"),
-    draft: Optional[str] = typer.Option(None, help="draft model (default: qwen2.5-coder-0.5b)"),
-    mode: Optional[str] = typer.Option(None, help="chain | tree"),
-    depth: Optional[int] = typer.Option(None, help="proposal depth d"),
-    dtype: Optional[str] = typer.Option(None, help="fp32 | bf16 | fp16"),
-    draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="none | int8"),
-    concurrency: str = typer.Option("1,4", help="numbers of concurrent clients to measure"),
-    requests: int = typer.Option(2, "--requests-per-client", help="requests each client sends, one after another"),
-    max_tokens: int = typer.Option(64, "--max-tokens", "-n", help="new tokens per request (ignore_eos)"),
-    max_batch: int = typer.Option(8, "--max-batch", help="most sessions verified together in the batched variants"),
-    variants: str = typer.Option("ar,ar batched,spec,spec batched", help="comma-separated variants to run"),
-    threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
-    profile: Optional[str] = typer.Option(None, help="hardware profile"),
-    json_out: Optional[str] = typer.Option(None, "--json", help="write the report as JSON to this file"),
-) -> None:
-    """Concurrent streaming clients through the gateway: target alone vs speculation, one session
-    per forward vs batched verification, all in the same run."""
-    from specctl.bench.prompts import load_prompts
-    from specctl.bench.serve import VARIANTS, ServeBenchSettings, run_serve_bench
-    from specctl.runtime.compute import ComputeThread
-    from specctl.runtime.loop import run_with_compute
-    from specctl.spec.factory import apply_threads, load_pair
-
-    levels = int_list(concurrency, "--concurrency")
-    chosen = tuple(v.strip() for v in variants.split(",") if v.strip())
-    if not levels or levels[0] < 1 or levels[-1] > 64:
-        raise ConfigError("--concurrency must be between 1 and 64")
-    if not chosen or any(v not in VARIANTS for v in chosen):
-        raise ConfigError(f"--variants: choose from {', '.join(VARIANTS)}")
-    if requests < 1 or max_tokens < 1 or max_batch < 1:
-        raise ConfigError("--requests-per-client, --max-tokens and --max-batch must be at least 1")
-    config = build_config(profile, target=target, draft=draft, mode=mode, depth=depth, dtype=dtype,
-                          draft_quant=draft_quant, threads=threads, max_sessions=max(64, levels[-1]),
-                          prefix_cache_mb=0)
-    if config.mode not in ("chain", "tree"):
-        raise ConfigError("--mode must be chain or tree")
-    apply_threads(config)
-    console = Console(stderr=True)
-    models = load_pair(config, console)
-    settings = ServeBenchSettings(levels, max_tokens, requests, max_batch, chosen)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True) as progress:
-        task = progress.add_task("variants x concurrency levels", total=len(chosen) * len(levels))
-        holder: dict = {}
-
-        async def main(compute: ComputeThread) -> None:  # compute served from the main thread, as in `up`
-            holder["report"] = await run_serve_bench(config, models, load_prompts("builtin"), settings,
-                                                     lambda: progress.advance(task), compute)
-
-        run_with_compute(main, ComputeThread("cpu-compute", max_batch=max_batch, spawn=False))
-        report = holder["report"]
-    report["settings"].update(target=config.target, draft=config.draft, mode=config.mode, depth=config.depth,
-                              dtype=config.dtype, draft_quant=config.draft_quant)
-    title = (f"bench serve: {config.target} / {config.draft} ({config.mode} d={config.depth}, {config.dtype}), "
-             f"{requests} x {max_tokens} tokens per client")
-    table_console().print(render_serve_table(report, title))
-    if json_out:
-        with open(json_out, "w") as f:
-            json.dump(report, f, indent=2)
-        console.print(f"wrote {json_out}")
-
-
+app.command("serve")(serve)
 app.command("pipeline")(pipeline)
 app.command("prespec")(prespec)
 app.command("kernels")(kernels)
