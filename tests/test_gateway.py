@@ -119,6 +119,46 @@ def test_served_model_names_are_what_clients_give_and_answers_carry_the_first(cl
         dataclasses.replace(config, served_model_names=(" ",))
 
 
+def _http(method: str, url: str, headers: dict, body: dict | None = None) -> tuple[int, dict, bytes]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json",
+                                                                            **headers})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+def test_browser_origins_get_cors_headers_only_when_allowed(cluster):
+    base, config = cluster[1]["gateway"], cluster[0].cluster.gateway.config
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+    ask = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization, content-type"}
+    code, headers, _ = _http("OPTIONS", base + "/v1/chat/completions", ask)
+    assert code == 405 and "Access-Control-Allow-Origin" not in headers  # none allowed by default
+    code, headers, _ = _http("POST", base + "/v1/chat/completions", {"Origin": "http://localhost:3000"}, chat)
+    assert code == 200 and "Access-Control-Allow-Origin" not in headers
+    config.allowed_origins = ("http://localhost:3000",)  # as --allowed-origins http://localhost:3000 sets it
+    try:
+        code, headers, _ = _http("OPTIONS", base + "/v1/chat/completions", ask)
+        assert code == 204 and headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
+        assert headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+        assert "POST" in headers["Access-Control-Allow-Methods"]
+        code, headers, raw = _http("POST", base + "/v1/chat/completions", {"Origin": "http://localhost:3000"}, chat)
+        assert code == 200 and headers["Access-Control-Allow-Origin"] == "http://localhost:3000"  # a stream too
+        assert raw.endswith(b"data: [DONE]\n\n")
+        code, headers, _ = _http("POST", base + "/v1/chat/completions", {"Origin": "http://localhost:3000"}, {})
+        assert code == 400 and headers["Access-Control-Allow-Origin"] == "http://localhost:3000"  # errors too
+        code, headers, _ = _http("GET", base + "/v1/models", {"Origin": "http://evil.example"})
+        assert code == 200 and "Access-Control-Allow-Origin" not in headers
+        config.allowed_origins = ("*",)
+        assert _http("GET", base + "/v1/models", {"Origin": "http://evil.example"})[1][
+            "Access-Control-Allow-Origin"] == "*"
+    finally:
+        config.allowed_origins = ()
+
+
 def test_stop_strings_cut_the_text_and_finish_with_stop(cluster, client, tiny_dir):
     reference = client.completions.create(model=str(tiny_dir["llama"]), prompt=PROMPT, max_tokens=24, temperature=0,
                                           extra_body={"ignore_eos": True}).choices[0].text

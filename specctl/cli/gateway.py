@@ -14,6 +14,8 @@ from specctl.errors import ConfigError
 API_KEY_HELP = "require `Authorization: Bearer KEY` on /v1/* (or SPECCTL_API_KEY)"
 WAITING_HELP = "generations that may wait for a free session while every target instance is full (503 past it)"
 QUEUE_TIMEOUT_HELP = "seconds a generation may wait for a free session before a 503 (0: refuse at once)"
+ORIGINS_HELP = ("a browser origin answered with CORS headers, e.g. http://localhost:3000 (repeat; * for any); "
+                "default: none")
 POLICY_HELP = ("fcfs: generations waiting for a session go first come first served; priority: by their request's "
                "priority (lower first), then arrival (vLLM's --scheduling-policy)")
 SERVED_HELP = ("a name clients may give as `model` (repeat for several; answers carry the first); default: the "
@@ -36,6 +38,7 @@ def gateway(
     queue_timeout: float = typer.Option(600.0, "--queue-timeout", help=QUEUE_TIMEOUT_HELP),
     served_model_name: List[str] = typer.Option([], "--served-model-name", help=SERVED_HELP),
     scheduling_policy: str = typer.Option("fcfs", "--scheduling-policy", help=POLICY_HELP),
+    allowed_origins: List[str] = typer.Option([], "--allowed-origins", help=ORIGINS_HELP),
     auth_token: Optional[str] = typer.Option(None, "--auth-token", envvar="SPECCTL_AUTH_TOKEN",
                                              help="auth token of the target instances"),
     tls_ca: Optional[str] = typer.Option(None, "--tls-ca", help="CA file: talk TLS to the target instances"),
@@ -81,7 +84,8 @@ def gateway(
                                        default_max_tokens=default_max_tokens, max_body_bytes=max_body_kb * 1024,
                                        api_key=api_key, responses_store=responses_store,
                                        served_model_names=tuple(served_model_name),
-                                       scheduling_policy=scheduling_policy), tokenizer, upstream, metrics)
+                                       scheduling_policy=scheduling_policy, allowed_origins=tuple(allowed_origins)),
+                         tokenizer, upstream, metrics)
         await serve(server, lambda bound: console.print(
             f"gateway for [bold]{name}[/]{served_as(served_model_name)} on http://{host}:{bound}/v1 over {len(target)} target instance(s)"
             f"{' (API key required)' if api_key else ''}", soft_wrap=True))
@@ -116,6 +120,7 @@ def up(
     queue_timeout: float = typer.Option(600.0, "--queue-timeout", help=QUEUE_TIMEOUT_HELP),
     served_model_name: List[str] = typer.Option([], "--served-model-name", help=SERVED_HELP),
     scheduling_policy: str = typer.Option("fcfs", "--scheduling-policy", help=POLICY_HELP),
+    allowed_origins: List[str] = typer.Option([], "--allowed-origins", help=ORIGINS_HELP),
     max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="most concurrent sessions a target "
                                                "instance holds (vLLM's --max-num-seqs; the profile's by default); "
                                                "past them requests wait (--max-waiting)"),
@@ -140,7 +145,8 @@ def up(
     try:
         plan = ClusterConfig(targets=targets, gateway_port=port, stages=stages, responses_store=responses_store,
                              max_waiting=max_waiting, queue_timeout_s=queue_timeout,
-                             served_model_names=tuple(served_model_name), scheduling_policy=scheduling_policy)
+                             served_model_names=tuple(served_model_name), scheduling_policy=scheduling_policy,
+                             allowed_origins=tuple(allowed_origins))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     setup_logging(log_level)

@@ -38,6 +38,7 @@ class ClusterConfig:
     queue_timeout_s: float = 600.0  # how long each may wait
     served_model_names: tuple[str, ...] = ()  # the gateway's names for the target (default: its own)
     scheduling_policy: str = "fcfs"  # the gateway's waiting line: fcfs or priority
+    allowed_origins: tuple[str, ...] = ()  # browser origins the gateway answers with CORS headers
 
     def __post_init__(self) -> None:
         if not 1 <= self.targets <= 64:
@@ -120,7 +121,8 @@ class EmbeddedCluster:
                                              port=c.gateway_port, default_max_tokens=c.default_max_tokens,
                                              responses_store=c.responses_store,
                                              served_model_names=c.served_model_names,
-                                             scheduling_policy=c.scheduling_policy),
+                                             scheduling_policy=c.scheduling_policy,
+                                             allowed_origins=c.allowed_origins),
                                target.tokenizer, upstream, metrics)
         gateway_port = await self.gateway.start()
         self.urls = {"gateway": f"http://{host}:{gateway_port}", "draft": drafts[0] if drafts else None,

@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from specctl import __version__
 from specctl.errors import ConfigError
+from specctl.gateway import cors
 from specctl.gateway import responses as R
 from specctl.gateway.api import (
     ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, check_key, parse_body,
@@ -43,6 +44,7 @@ class GatewayConfig:
     # vLLM's --served-model-name: the names requests may give; answers carry the first (default: model_name)
     served_model_names: tuple[str, ...] = ()
     scheduling_policy: str = "fcfs"  # vLLM's: "priority" orders waiting generations by their request's priority
+    allowed_origins: tuple[str, ...] = ()  # browser origins answered with CORS headers (gateway.cors; "*": any)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -77,7 +79,8 @@ class Gateway:
     # --- lifecycle -----------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._errors])
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._preflight, self._errors])
+        app.on_response_prepare.append(self._allow_origin)
         app.add_routes([
             web.post("/v1/completions", self._completions), web.post("/v1/chat/completions", self._chat),
             web.post("/v1/responses", self._responses),
@@ -119,6 +122,13 @@ class Gateway:
             await self._runner.cleanup()
 
     # --- plumbing ------------------------------------------------------------------------
+
+    @web.middleware
+    async def _preflight(self, request: web.Request, handler) -> web.StreamResponse:
+        return cors.preflight(request, self.config.allowed_origins) or await handler(request)
+
+    async def _allow_origin(self, request: web.Request, response: web.StreamResponse) -> None:
+        cors.add_allow_origin(request, response, self.config.allowed_origins)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
