@@ -169,6 +169,26 @@ def test_a_wait_past_the_queue_timeout_is_a_503_and_the_line_empties(one_session
         line.timeout_s = 600.0
 
 
+def test_a_client_that_leaves_while_waiting_leaves_the_line(one_session):
+    thread, urls = one_session
+    upstream = thread.cluster.gateway.upstream
+    long = {"prompt": PROMPT, "max_tokens": 120, "temperature": 0, "ignore_eos": True}  # >= 2.4 s at 20 ms a round
+    result = []
+    first = threading.Thread(target=lambda: result.append(post(urls["gateway"] + "/v1/completions", long)[0]))
+    first.start()
+    poll_until(lambda: upstream.targets[0].inflight, lambda n: n == 1, timeout=30, interval=0.01)
+    request = urllib.request.Request(urls["gateway"] + "/v1/completions", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({**long, "max_tokens": 4}).encode())
+    with pytest.raises(OSError):  # the client gives up (a timeout) while its generation waits
+        urllib.request.urlopen(request, timeout=0.5)
+    poll_until(lambda: len(upstream.waiting), lambda n: n == 0, timeout=30, interval=0.01)
+    assert first.is_alive()  # it left the line by leaving, not by getting the session
+    first.join(120)
+    assert result == [200] and upstream.targets[0].inflight == 0
+    with urllib.request.urlopen(urls["gateway"] + "/metrics", timeout=30) as response:
+        assert "\nspecctl:requests_waiting 0.0\n" in response.read().decode()
+
+
 def test_priority_is_refused_unless_the_policy_is_priority(one_session):
     thread, urls = one_session
     body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "priority": -5}
