@@ -75,6 +75,7 @@ def test_generate_bad_words_gives_the_target_alones_text_without_them(tiny_dir):
                            "--bad-words must not be empty: give a word")
 
 
+@pytest.mark.slow  # a cluster and a subprocess, 24 s; bench serve's own variants run in the default pass
 def test_bench_serve_measures_a_running_gateway(cluster, tmp_path):
     from specctl.bench.processes import free_port
 
