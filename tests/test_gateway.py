@@ -675,6 +675,8 @@ def test_tokenize_and_detokenize_as_vllm_does(cluster, tiny_dir):
     code, _, raw = post(base + "/tokenize", {"prompt": PROMPT})
     ids = tokenizer.encode(PROMPT)
     assert code == 200 and json.loads(raw) == {"count": len(ids), "max_model_len": 512, "tokens": ids}
+    code, _, raw = post(base + "/tokenize", {"prompt": PROMPT, "return_token_strs": True})
+    assert json.loads(raw)["token_strs"] == tokenizer.convert_ids_to_tokens(ids)  # vLLM's return_token_strs
     # the ids a completion of that prompt is counted with
     code, _, raw = post(base + "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "temperature": 0})
     assert json.loads(raw)["usage"]["prompt_tokens"] == len(ids)

@@ -171,6 +171,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False  # vLLM's: each id's token as the vocabulary writes it, too
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

@@ -230,7 +230,10 @@ class Gateway:
                                         chat_template_kwargs=req.chat_template_kwargs) if chat
                   else CompletionRequest(prompt=req.prompt))
         [ids] = self.generations.encode(parsed, self.generations.tools(parsed))
-        return web.json_response({"count": len(ids), "max_model_len": self.config.context, "tokens": ids})
+        body = {"count": len(ids), "max_model_len": self.config.context, "tokens": ids}
+        if req.return_token_strs:
+            body["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
+        return web.json_response(body)
 
     async def _detokenize(self, request: web.Request) -> web.Response:
         self._check_key(request)
