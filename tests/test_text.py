@@ -1,7 +1,10 @@
 """Incremental decoding with stop strings (byte-level tiny tokenizer: one token per byte)."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from specctl.engine.detokenize import WINDOW, OutputDecoder
 from specctl.engine.text import IncrementalText, encode_chat
 from specctl.engine.tiny import make_byte_tokenizer
 from specctl.errors import BadRequest
@@ -89,3 +92,41 @@ def test_chat_template_options_reach_the_template_and_its_refusals_are_bad_reque
     assert text(shout=True) == "HI" and text() == "hi"  # chat_template_kwargs are the template's variables
     with pytest.raises(BadRequest, match="^the chat template cannot render these messages: no tools here$"):
         encode_chat(tok, messages, tools=[{"type": "function", "function": {"name": "f"}}])
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_the_output_decoder_is_the_whole_decode_at_every_step(tok, data):
+    """Byte tokens in any order (split characters, invalid sequences, the special token), pushed
+    in pieces of any size: each step's text is exactly decode(everything so far)."""
+    ids = data.draw(st.lists(st.integers(0, len(tok) - 1), max_size=80))
+    decoder, pushed = OutputDecoder(tok), 0
+    assert decoder.local
+    while pushed < len(ids):
+        size = data.draw(st.integers(1, 7))
+        full = decoder.push(ids[pushed:pushed + size])
+        pushed += size
+        assert full == tok.decode(ids[:pushed], skip_special_tokens=True)
+
+
+class CountingTokenizer:
+    """The tiny tokenizer, counting the tokens each decode is given."""
+
+    def __init__(self, inner, clean_up: bool = False):
+        self.inner, self.backend_tokenizer, self.clean_up_tokenization_spaces = inner, inner.backend_tokenizer, clean_up
+        self.lengths = []
+
+    def decode(self, ids, skip_special_tokens=False):
+        self.lengths.append(len(ids))
+        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_a_local_tokenizer_decodes_a_window_and_another_the_whole_output(tok):
+    ids = tok.encode("héllo wörld, " * 20, add_special_tokens=False)
+    for clean_up, most in ((False, WINDOW + 2), (True, len(ids))):  # the window, the new token and one held back
+        counting = CountingTokenizer(tok, clean_up)
+        decoder = OutputDecoder(counting)
+        assert decoder.local is not clean_up  # cleaning spaces around punctuation looks across tokens
+        for i in range(len(ids)):
+            full = decoder.push(ids[i:i + 1])
+        assert full == tok.decode(ids) and max(counting.lengths) == most

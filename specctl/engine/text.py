@@ -7,6 +7,7 @@ from typing import Any, Callable, Sequence
 
 from jinja2 import TemplateError
 
+from specctl.engine.detokenize import OutputDecoder
 from specctl.errors import BadRequest
 
 
@@ -43,18 +44,19 @@ class IncrementalText:
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
         self.include_stop = include_stop
-        self.tokens: list[int] = []
+        self.output = OutputDecoder(tokenizer)  # the whole output's text, decoded incrementally
+        self.full = ""  # the whole output's text so far
         self.text = ""  # everything handed out so far
         self.stopped = False
 
-    def _decoded(self) -> str:
-        return self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+    @property
+    def tokens(self) -> list[int]:
+        return self.output.tokens
 
     def push(self, tokens: Sequence[int]) -> str:
         if self.stopped:
             return ""
-        self.tokens.extend(tokens)
-        full = self._decoded()
+        full = self.full = self.output.push(tokens)
         hits = [(i, len(s)) for s in self.stop if (i := full.find(s, max(0, len(self.text) - len(s) + 1))) >= 0]
         if hits:
             self.stopped = True
@@ -67,7 +69,7 @@ class IncrementalText:
 
     def finish(self) -> str:
         """The held-back tail once the output is complete (no stop string came)."""
-        return "" if self.stopped else self._advance(self._decoded())
+        return "" if self.stopped else self._advance(self.full)
 
     def _advance(self, upto: str) -> str:
         delta = upto[len(self.text) :] if len(upto) > len(self.text) else ""
