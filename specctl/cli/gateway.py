@@ -22,6 +22,28 @@ SERVED_HELP = ("a name clients may give as `model` (repeat for several; answers 
                "target's name")
 STORE_HELP = ("Responses API answers kept in memory for previous_response_id and GET /v1/responses/{id}: the last N "
               "(0 keeps none)")
+# The serving options gateway and up share (the gateway's own, for up's embedded gateway).
+RESPONSES_STORE = typer.Option(256, "--responses-store", help=STORE_HELP)
+MAX_WAITING = typer.Option(1024, "--max-waiting", help=WAITING_HELP)
+QUEUE_TIMEOUT = typer.Option(600.0, "--queue-timeout", help=QUEUE_TIMEOUT_HELP)
+SERVED_MODEL_NAME = typer.Option([], "--served-model-name", help=SERVED_HELP)
+SCHEDULING_POLICY = typer.Option("fcfs", "--scheduling-policy", help=POLICY_HELP)
+ALLOWED_ORIGINS = typer.Option([], "--allowed-origins", help=ORIGINS_HELP)
+
+
+def serving_options(responses_store: int, max_waiting: int, queue_timeout: float, served_model_name: List[str],
+                    scheduling_policy: str, allowed_origins: List[str]) -> dict:
+    """The shared serving options, checked, as GatewayConfig and ClusterConfig name them."""
+    if any(not name.strip() for name in served_model_name):
+        raise ConfigError("--served-model-name must not be empty")
+    if scheduling_policy not in ("fcfs", "priority"):
+        raise ConfigError(f"--scheduling-policy must be fcfs or priority, got {scheduling_policy!r}")
+    if responses_store < 0 or max_waiting < 0 or queue_timeout < 0:
+        raise ConfigError(f"--responses-store, --max-waiting and --queue-timeout must be >= 0, got {responses_store}, "
+                          f"{max_waiting}, {queue_timeout:g}")
+    return {"responses_store": responses_store, "max_waiting": max_waiting, "queue_timeout_s": queue_timeout,
+            "served_model_names": tuple(served_model_name), "scheduling_policy": scheduling_policy,
+            "allowed_origins": tuple(allowed_origins)}
 
 
 def gateway(
@@ -33,12 +55,12 @@ def gateway(
     default_max_tokens: int = typer.Option(256, "--default-max-tokens", help="chat max_tokens when a request gives none"),
     max_body_kb: int = typer.Option(1024, "--max-body-kb", help="largest request body accepted (413 above)"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECCTL_API_KEY", help=API_KEY_HELP),
-    responses_store: int = typer.Option(256, "--responses-store", help=STORE_HELP),
-    max_waiting: int = typer.Option(1024, "--max-waiting", help=WAITING_HELP),
-    queue_timeout: float = typer.Option(600.0, "--queue-timeout", help=QUEUE_TIMEOUT_HELP),
-    served_model_name: List[str] = typer.Option([], "--served-model-name", help=SERVED_HELP),
-    scheduling_policy: str = typer.Option("fcfs", "--scheduling-policy", help=POLICY_HELP),
-    allowed_origins: List[str] = typer.Option([], "--allowed-origins", help=ORIGINS_HELP),
+    responses_store: int = RESPONSES_STORE,
+    max_waiting: int = MAX_WAITING,
+    queue_timeout: float = QUEUE_TIMEOUT,
+    served_model_name: List[str] = SERVED_MODEL_NAME,
+    scheduling_policy: str = SCHEDULING_POLICY,
+    allowed_origins: List[str] = ALLOWED_ORIGINS,
     auth_token: Optional[str] = typer.Option(None, "--auth-token", envvar="SPECCTL_AUTH_TOKEN",
                                              help="auth token of the target instances"),
     tls_ca: Optional[str] = typer.Option(None, "--tls-ca", help="CA file: talk TLS to the target instances"),
@@ -57,13 +79,8 @@ def gateway(
     from specctl.spec.factory import split_model_name
     from specctl.store import resolve_model
 
-    if any(not name.strip() for name in served_model_name):
-        raise ConfigError("--served-model-name must not be empty")
-    if scheduling_policy not in ("fcfs", "priority"):
-        raise ConfigError(f"--scheduling-policy must be fcfs or priority, got {scheduling_policy!r}")
-    if responses_store < 0 or max_waiting < 0 or queue_timeout < 0:
-        raise ConfigError(f"--responses-store, --max-waiting and --queue-timeout must be >= 0, got {responses_store}, "
-                          f"{max_waiting}, {queue_timeout:g}")
+    serving = serving_options(responses_store, max_waiting, queue_timeout, served_model_name, scheduling_policy,
+                              allowed_origins)
     setup_logging(log_level)
     console = Console(stderr=True)
 
@@ -71,6 +88,7 @@ def gateway(
         metrics = GatewayMetrics()
         upstream = Upstream(target, drafter, auth_token=auth_token, ssl=client_context(tls_ca), metrics=metrics,
                             max_waiting=max_waiting, queue_timeout_s=queue_timeout)
+        gateway_options = {k: v for k, v in serving.items() if k not in ("max_waiting", "queue_timeout_s")}
         await upstream.poll_once()
         name = model or next((t.welcome.model for t in upstream.targets if t.welcome), None)
         if name is None:
@@ -82,10 +100,7 @@ def gateway(
         context = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", 32768)
         server = Gateway(GatewayConfig(model_name=name, context=context, host=host, port=port,
                                        default_max_tokens=default_max_tokens, max_body_bytes=max_body_kb * 1024,
-                                       api_key=api_key, responses_store=responses_store,
-                                       served_model_names=tuple(served_model_name),
-                                       scheduling_policy=scheduling_policy, allowed_origins=tuple(allowed_origins)),
-                         tokenizer, upstream, metrics)
+                                       api_key=api_key, **gateway_options), tokenizer, upstream, metrics)
         await serve(server, lambda bound: console.print(
             f"gateway for [bold]{name}[/]{served_as(served_model_name)} on http://{host}:{bound}/v1 over {len(target)} target instance(s)"
             f"{' (API key required)' if api_key else ''}", soft_wrap=True))
@@ -115,12 +130,12 @@ def up(
     stages: int = typer.Option(1, help="pipeline stages per target instance (the target split by layers, each "
                                "stage a server on loopback)"),
     port: int = typer.Option(8000, help="gateway HTTP port (0 = any free port, printed at start)"),
-    responses_store: int = typer.Option(256, "--responses-store", help=STORE_HELP),
-    max_waiting: int = typer.Option(1024, "--max-waiting", help=WAITING_HELP),
-    queue_timeout: float = typer.Option(600.0, "--queue-timeout", help=QUEUE_TIMEOUT_HELP),
-    served_model_name: List[str] = typer.Option([], "--served-model-name", help=SERVED_HELP),
-    scheduling_policy: str = typer.Option("fcfs", "--scheduling-policy", help=POLICY_HELP),
-    allowed_origins: List[str] = typer.Option([], "--allowed-origins", help=ORIGINS_HELP),
+    responses_store: int = RESPONSES_STORE,
+    max_waiting: int = MAX_WAITING,
+    queue_timeout: float = QUEUE_TIMEOUT,
+    served_model_name: List[str] = SERVED_MODEL_NAME,
+    scheduling_policy: str = SCHEDULING_POLICY,
+    allowed_origins: List[str] = ALLOWED_ORIGINS,
     max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="most concurrent sessions a target "
                                                "instance holds (vLLM's --max-num-seqs; the profile's by default); "
                                                "past them requests wait (--max-waiting)"),
@@ -143,10 +158,9 @@ def up(
 
     config = cluster_config(profile, draft, target, mode, dtype, draft_quant, threads, drafters, max_sessions)
     try:
-        plan = ClusterConfig(targets=targets, gateway_port=port, stages=stages, responses_store=responses_store,
-                             max_waiting=max_waiting, queue_timeout_s=queue_timeout,
-                             served_model_names=tuple(served_model_name), scheduling_policy=scheduling_policy,
-                             allowed_origins=tuple(allowed_origins))
+        plan = ClusterConfig(targets=targets, gateway_port=port, stages=stages,
+                             **serving_options(responses_store, max_waiting, queue_timeout, served_model_name,
+                                               scheduling_policy, allowed_origins))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     setup_logging(log_level)
