@@ -33,14 +33,14 @@ ALLOWED_ORIGINS = typer.Option([], "--allowed-origins", help=ORIGINS_HELP)
 
 def serving_options(responses_store: int, max_waiting: int, queue_timeout: float, served_model_name: List[str],
                     scheduling_policy: str, allowed_origins: List[str]) -> dict:
-    """The shared serving options, checked, as GatewayConfig and ClusterConfig name them."""
-    if any(not name.strip() for name in served_model_name):
-        raise ConfigError("--served-model-name must not be empty")
-    if scheduling_policy not in ("fcfs", "priority"):
-        raise ConfigError(f"--scheduling-policy must be fcfs or priority, got {scheduling_policy!r}")
-    if responses_store < 0 or max_waiting < 0 or queue_timeout < 0:
-        raise ConfigError(f"--responses-store, --max-waiting and --queue-timeout must be >= 0, got {responses_store}, "
-                          f"{max_waiting}, {queue_timeout:g}")
+    """The shared serving options, checked (gateway.server.check_serving) before any model loads,
+    as GatewayConfig and ClusterConfig name them."""
+    from specctl.gateway.server import check_serving
+
+    try:
+        check_serving(responses_store, tuple(served_model_name), scheduling_policy, max_waiting, queue_timeout)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     return {"responses_store": responses_store, "max_waiting": max_waiting, "queue_timeout_s": queue_timeout,
             "served_model_names": tuple(served_model_name), "scheduling_policy": scheduling_policy,
             "allowed_origins": tuple(allowed_origins)}

@@ -15,7 +15,7 @@ from specctl.draft.server import DraftServer, DraftServerConfig
 from specctl.engine.loader import LoadedModel
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.runtime.compute import ComputeThread
-from specctl.gateway.server import Gateway, GatewayConfig
+from specctl.gateway.server import Gateway, GatewayConfig, check_serving
 from specctl.gateway.upstream import Upstream
 from specctl.pipeline.decoder import PipelineClient
 from specctl.pipeline.local import LocalPipeline
@@ -45,13 +45,8 @@ class ClusterConfig:
             raise ValueError(f"targets must be in 1..64, got {self.targets}")
         if not 1 <= self.stages <= 64:
             raise ValueError(f"stages must be in 1..64, got {self.stages}")
-        if any(not name.strip() for name in self.served_model_names):
-            raise ValueError("--served-model-name must not be empty")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}")
-        if self.responses_store < 0 or self.max_waiting < 0 or self.queue_timeout_s < 0:
-            raise ValueError(f"--responses-store, --max-waiting and --queue-timeout must be >= 0, got "
-                             f"{self.responses_store}, {self.max_waiting}, {self.queue_timeout_s:g}")
+        check_serving(self.responses_store, self.served_model_names, self.scheduling_policy, self.max_waiting,
+                      self.queue_timeout_s)
 
 
 class EmbeddedCluster:

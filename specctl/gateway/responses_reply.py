@@ -70,8 +70,8 @@ class ResponsesReply:
             "tool_choice": self.req.tool_choice if self.req.tool_choice is not None else "auto",
             "tools": self.req.tools or [],
             "text": {"format": msgspec.to_builtins(fmt) if fmt is not None else {"type": "text"}},
-            "top_logprobs": self.req.top_logprobs or 0, "previous_response_id": self.req.previous_response_id, "store": self.keep is not None,
-            "truncation": "disabled", "reasoning": None,
+            "top_logprobs": self.req.top_logprobs or 0, "previous_response_id": self.req.previous_response_id,
+            "store": self.keep is not None, "truncation": "disabled", "reasoning": None,
             "metadata": self.req.metadata or {}, "user": self.req.user,
             "usage": None if stats is None else self._usage(count, stats),
         }

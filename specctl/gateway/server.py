@@ -56,12 +56,20 @@ class GatewayConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.context < 2 or self.default_max_tokens < 1 or self.max_body_bytes < 1024:
             raise ValueError("context must be >= 2, default_max_tokens >= 1 and max_body_bytes >= 1024")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
-        if any(not name.strip() for name in self.served_model_names):
-            raise ValueError("a served model name must not be empty")
-        if self.responses_store < 0:
-            raise ValueError(f"responses_store must be >= 0 (0 keeps none), got {self.responses_store}")
+        check_serving(self.responses_store, self.served_model_names, self.scheduling_policy)
+
+
+def check_serving(responses_store: int = 0, served_model_names: tuple[str, ...] = (), scheduling_policy: str = "fcfs",
+                  max_waiting: int = 0, queue_timeout_s: float = 0.0) -> None:
+    """The serving options `gateway` and `up` take (the gateway's, its waiting line's), checked
+    once for the CLI, the embedded cluster and GatewayConfig: a ValueError naming the flag."""
+    if any(not name.strip() for name in served_model_names):
+        raise ValueError("a served model name must not be empty (--served-model-name)")
+    if scheduling_policy not in ("fcfs", "priority"):
+        raise ValueError(f"--scheduling-policy must be fcfs or priority, got {scheduling_policy!r}")
+    if min(responses_store, max_waiting, queue_timeout_s) < 0:
+        raise ValueError(f"--responses-store, --max-waiting and --queue-timeout must be >= 0, got {responses_store}, "
+                         f"{max_waiting}, {queue_timeout_s:g}")
 
 
 class Gateway:
@@ -211,8 +219,8 @@ class Gateway:
         """The stats feed for the monitor: the latest snapshot of every role."""
         self._check_key(request)
         feed = {"time": time.time(), "model": self.config.model_name,
-                "gateway": {"requests_running": self.generations.running, "requests_waiting": len(self.upstream.waiting),
-                            **self.metrics.latency_summary()}}
+                "gateway": {"requests_running": self.generations.running,
+                            "requests_waiting": len(self.upstream.waiting), **self.metrics.latency_summary()}}
         feed.update(self.upstream.snapshot())
         return web.json_response(feed)
 
