@@ -105,7 +105,8 @@ def test_echo_puts_the_prompt_first_with_its_logprobs_as_lm_eval_asks(cluster, t
     echoed = json.loads(post(base + "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
                                                         "echo": True})[2])
     assert echoed["choices"][0]["text"] == PROMPT + plain["choices"][0]["text"]
-    assert echoed["usage"] == plain["usage"]
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # not cached_tokens: the second hits the cache
+    assert [echoed["usage"][k] for k in counts] == [plain["usage"][k] for k in counts]
     # lm-eval's loglikelihood request: batched token ids, echo, logprobs 1, one token
     prompts = [json.loads(post(base + "/tokenize", {"prompt": p})[2])["tokens"] for p in (PROMPT, "Hello there")]
     code, _, raw = post(base + "/v1/completions", {"prompt": prompts, "max_tokens": 1, "temperature": 0, "echo": True,
@@ -136,3 +137,61 @@ def test_echo_puts_the_prompt_first_with_its_logprobs_as_lm_eval_asks(cluster, t
     assert sum((c["logprobs"]["token_logprobs"] for c in chunks if c["logprobs"]), []) == \
         whole["logprobs"]["token_logprobs"]
     assert sum((c["logprobs"]["text_offset"] for c in chunks if c["logprobs"]), []) == whole["logprobs"]["text_offset"]
+
+
+def _vllm_prompt_entry(row, token: int, alternatives: int) -> dict[int, int]:
+    """vLLM's prompt_logprobs entry as {token id: rank}: the token at its rank in the row, and the likeliest."""
+    order = row.argsort(descending=True).tolist()
+    return {token: order.index(token) + 1, **{order[j]: j + 1 for j in range(alternatives)}}
+
+
+def test_prompt_logprobs_list_each_prompt_token_with_its_rank_as_vllm_does(cluster, tiny_dir):
+    base = cluster[1]["gateway"]
+    prompts = [PROMPT, "Hello there"]
+    plain = json.loads(post(base + "/v1/completions", {"prompt": prompts, "max_tokens": 6, "temperature": 0})[2])
+    code, _, raw = post(base + "/v1/completions", {"prompt": prompts, "max_tokens": 6, "temperature": 0,
+                                                   "prompt_logprobs": 3})
+    assert code == 200, raw
+    answer = json.loads(raw)
+    assert [c["text"] for c in answer["choices"]] == [c["text"] for c in plain["choices"]]  # the output untouched
+    ranks = []
+    for prompt, choice in zip(prompts, answer["choices"]):
+        ids = json.loads(post(base + "/tokenize", {"prompt": prompt})[2])["tokens"]
+        scored = choice["prompt_logprobs"]
+        assert len(scored) == len(ids) and scored[0] is None  # nothing precedes the first token
+        whole = _target_logprobs(tiny_dir, ids[:1], ids[1:] + [0])  # row i: prompt token i + 1's distribution
+        for i, token in enumerate(ids[1:]):
+            entry = scored[i + 1]
+            assert next(iter(entry)) == str(token)  # the token first, as vLLM lists it
+            assert {int(k): v["rank"] for k, v in entry.items()} == _vllm_prompt_entry(whole[i], token, 3)
+            for key, item in entry.items():
+                assert item["logprob"] == pytest.approx(float(whole[i, int(key)]), abs=1e-4)
+                assert item["decoded_token"] == json.loads(post(base + "/detokenize", {"tokens": [int(key)]})[2])["prompt"]
+            ranks.append(entry[str(token)]["rank"])
+    assert max(ranks) > 3  # the tiny random model: some prompt tokens are not among the likeliest
+    # Chat: once beside the choices, for the prompt the template made; with echo's logprobs (completions) each
+    # listing keeps its own number of alternatives.
+    messages = [{"role": "user", "content": "Say hello"}]
+    chat_ids = json.loads(post(base + "/tokenize", {"messages": messages})[2])["tokens"]
+    code, _, raw = post(base + "/v1/chat/completions", {"messages": messages, "max_tokens": 4, "temperature": 0,
+                                                        "n": 2, "prompt_logprobs": 0})
+    assert code == 200, raw
+    chat = json.loads(raw)
+    assert len(chat["choices"]) == 2 and "prompt_logprobs" not in chat["choices"][0]
+    by_ids = json.loads(post(base + "/v1/completions", {"prompt": chat_ids, "max_tokens": 1, "temperature": 0,
+                                                        "echo": True, "logprobs": 1, "prompt_logprobs": 0})[2])
+    assert chat["prompt_logprobs"] == by_ids["choices"][0]["prompt_logprobs"]
+    assert all(len(entry) == 1 for entry in chat["prompt_logprobs"][1:])  # 0 alternatives: the token alone
+    echo_tops = by_ids["choices"][0]["logprobs"]["top_logprobs"][1:len(chat_ids)]
+    assert all(len(top) in (1, 2) for top in echo_tops)  # echo's logprobs 1: the token and the likeliest
+    assert [e for e in by_ids["choices"][0]["logprobs"]["token_logprobs"][1:len(chat_ids)]] == \
+        [next(iter(entry.values()))["logprob"] for entry in chat["prompt_logprobs"][1:]]
+    # asked for nothing: no field
+    assert "prompt_logprobs" not in plain["choices"][0] and "prompt_logprobs" not in plain
+    for body, message in (({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs are not available when stream "
+                                                                    "is true"),
+                          ({"prompt_logprobs": 21}, "prompt_logprobs must be between 0 and 20, got 21"),
+                          ({"prompt_logprobs": -1}, "prompt_logprobs must be between 0 and 20, got -1")):
+        code, _, raw = post(base + "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, **body})
+        error = json.loads(raw)["error"]
+        assert code == 400 and error["message"].startswith(message) and error["param"] == "prompt_logprobs", raw

@@ -84,7 +84,7 @@ def test_prompt_logprobs_on_cuda_match_a_whole_prompt_forward_and_leave_the_outp
     assert generate(target, prompt, SamplingParams(max_tokens=16, ignore_eos=True, prompt_logprobs=1))[0] == reference
     whole = target(torch.tensor(prompt), torch.arange(len(prompt)), target.new_cache(len(prompt)))[:-1].log_softmax(-1)
     assert len(scored) == len(prompt) - 1
-    for row, token, (lp, ids, _) in zip(whole, prompt[1:], scored):
+    for row, token, (lp, ids, _, _) in zip(whole, prompt[1:], scored):
         assert lp == pytest.approx(float(row[token]), abs=1e-3)  # chunked vs one forward: the last bits may differ
 
 

@@ -86,9 +86,13 @@ def test_prompt_logprobs_are_the_targets_and_leave_the_output_alone(tiny, monkey
     full = target(torch.tensor(PROMPT), torch.arange(len(PROMPT)), target.new_cache(len(PROMPT)))
     expected = full[:-1].float().log_softmax(-1)
     assert len(session.prompt_logprobs) == len(PROMPT) - 1
-    for row, token, (chosen, ids, values) in zip(expected, PROMPT[1:], session.prompt_logprobs):
+    ranks = []
+    for row, token, (chosen, ids, values, rank) in zip(expected, PROMPT[1:], session.prompt_logprobs):
         assert chosen == pytest.approx(float(row[token]), abs=1e-5)
         assert ids == row.topk(2).indices.tolist() and values == pytest.approx(row.topk(2).values.tolist(), abs=1e-5)
+        assert rank == row.argsort(descending=True).tolist().index(token) + 1  # vLLM's: 1 is the likeliest
+        ranks.append(rank)
+    assert max(ranks) > 2  # a random model's prompt: some tokens far down their rows (the rank is not the top-k's)
     assert decode(target, params).prompt_logprobs is None
     one = DecodeSession(target, PROMPT[:1], SamplingParams(max_tokens=2, prompt_logprobs=0), (), None, pool)
     assert one.prompt_logprobs == []  # nothing precedes the only token

@@ -111,9 +111,10 @@ async def test_penalties_and_prompt_logprobs_through_two_stages_are_the_whole_ta
         whole = DecodeSession(target.decoder, PROMPTS[1], params)
         split = await asyncio.to_thread(DecodeSession, staged.decoder, PROMPTS[1], params)
         assert len(split.prompt_logprobs) == len(PROMPTS[1]) - 1
-        for (lp, ids, values), (ref_lp, ref_ids, ref_values) in zip(split.prompt_logprobs, whole.prompt_logprobs):
-            assert ids == ref_ids and lp == pytest.approx(ref_lp, abs=1e-5) and values == pytest.approx(ref_values,
-                                                                                                      abs=1e-5)
+        for (lp, ids, values, rank), (ref_lp, ref_ids, ref_values, ref_rank) in zip(split.prompt_logprobs,
+                                                                                  whole.prompt_logprobs):
+            assert ids == ref_ids and rank == ref_rank
+            assert lp == pytest.approx(ref_lp, abs=1e-5) and values == pytest.approx(ref_values, abs=1e-5)
         whole.close()
         await asyncio.to_thread(split.close)
         await wait_until(lambda: all(s.pool.sessions == 0 and s.pool.used_bytes == 0 for s in pipeline.servers),

@@ -26,7 +26,7 @@ EXAMPLES = [
     p.Generate(1, [1, 2], 32, 0.0, 1.0, 0, None, [2]),
     p.Generate(2, [1], 8, 0.7, 0.9, 5, 3, [], True, 2, 1, 0.5, 0.25, 1.2, 0.05, 4, {7: -100.0, 9: 2.5}, "json",
                '{"type": "object"}'),
-    p.Tokens(2, [], prompt_logprobs=[-1.5], prompt_top_ids=[[3]], prompt_top_logprobs=[[-0.5]]),
+    p.Tokens(2, [], prompt_logprobs=[-1.5], prompt_top_ids=[[3]], prompt_top_logprobs=[[-0.5]], prompt_ranks=[4]),
     p.Tokens(1, [4, 5]),
     p.Done(1, "length", {"rounds": 3}),
     p.Cancel(1),

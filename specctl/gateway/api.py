@@ -21,6 +21,10 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
   its token ids); with logprobs its tokens are listed first, the first with null (nothing
   precedes it), the others with the target's log-probabilities from a pass of their own over
   the prompt (the generation's prefill is untouched: the output stays the target's own).
+- vLLM's prompt_logprobs k (completions and chat, 0-20) lists each prompt token's log-probability,
+  rank and k likeliest alternatives in vLLM's shape ({token id: {logprob, rank, decoded_token}},
+  null for the first token) from that same pass: per choice for completions, once beside the
+  choices for chat. Not with stream, as vLLM refuses it there.
 - logit_bias, presence_penalty and frequency_penalty (OpenAI's), and vLLM's
   repetition_penalty, min_tokens, min_p and bad_words are part of the target's distribution, applied by
   verification (spec.logit_rules, spec.sampling), greedy included, as vLLM applies them.
@@ -133,6 +137,7 @@ class RequestFields(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool = False  # vLLM's extension: the stop string that ended the text ends it
     truncate_prompt_tokens: int | None = None  # vLLM's extension: keep the prompt's last k tokens (-1: the context)
     priority: int = 0  # vLLM's extension: lower waits less for a session (--scheduling-policy priority)
+    prompt_logprobs: int | None = None  # vLLM's extension: the prompt's tokens' log-probabilities, k alternatives
     # vLLM's extensions that reshape or constrain sampling (gateway.structured)
     min_p: float | None = None
     min_tokens: int | None = None
@@ -220,6 +225,7 @@ def refuse_unsupported(req: RequestFields) -> None:
     if not 1 <= req.n <= MAX_CHOICES:
         raise ApiError(400, f"n must be between 1 and {MAX_CHOICES}, got {req.n}", param="n")
     wanted_logprobs(req)  # refuses values out of range
+    scored_prompt(req)
     if req.functions:
         raise ApiError(400, "functions are not supported: send them as tools", param="functions")
     if req.tools and not isinstance(req, ChatCompletionRequest):
@@ -251,3 +257,18 @@ def wanted_logprobs(req: RequestFields) -> int | None:
     if wanted is not None and not 0 <= wanted <= MAX_LOGPROBS:
         raise ApiError(400, f"{name} must be between 0 and {MAX_LOGPROBS}, got {wanted}", param=name)
     return wanted
+
+
+def scored_prompt(req: RequestFields) -> int | None:
+    """How many alternatives the scoring pass over the prompt lists (None: no pass): for vLLM's
+    prompt_logprobs and for an echoed prompt's logprobs, the more of the two."""
+    if req.prompt_logprobs is not None:
+        if not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
+            raise ApiError(400, f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {req.prompt_logprobs}",
+                           param="prompt_logprobs")
+        if req.stream:
+            raise ApiError(400, "prompt_logprobs are not available when stream is true (as in vLLM): ask without "
+                                "stream, or use echo with logprobs (completions), which streams",
+                           param="prompt_logprobs")
+    echoed = wanted_logprobs(req) if isinstance(req, CompletionRequest) and req.echo else None
+    return max((k for k in (req.prompt_logprobs, echoed) if k is not None), default=None)

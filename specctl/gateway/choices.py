@@ -34,6 +34,7 @@ class Event(NamedTuple):
     stats: dict  # the generation's statistics, on the last event
     count: int  # completion tokens so far
     logprobs: list  # R.TokenLogprob of this event's tokens (empty unless the request asked)
+    prompt: list | None = None  # the prompt's R.TokenLogprob, on a choice's first event (when the request asked)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,9 +124,12 @@ class Choices:
     async def _events(self, stream: TargetStream, first, spec: ChoiceSpec) -> AsyncIterator[Event]:
         """Text deltas (with their tokens' log-probabilities) as tokens arrive, the last with its
         finish_reason and the generation's stats; an echoed prompt first."""
-        if spec.echo is not None:
-            yield Event(spec.echo, None, {}, 0, prompt_logprobs(spec.prompt, first) if spec.params.prompt_logprobs
-                        is not None and isinstance(first, Tokens) else [])
+        scored = (prompt_logprobs(spec.prompt, first) if spec.params.prompt_logprobs is not None
+                  and isinstance(first, Tokens) else None)
+        if spec.echo is not None:  # with logprobs, its tokens listed as the output's are
+            yield Event(spec.echo, None, {}, 0, echoed(scored, spec.params.logprobs), scored)
+        elif scored is not None:
+            yield Event("", None, {}, 0, [], scored)
         text = IncrementalText(self.tokenizer, self.stop, self.include_stop)
         event, count, first_at = first, 0, None
         while True:
@@ -153,7 +157,16 @@ class Choices:
 
 
 def prompt_logprobs(prompt: list[int], first: Tokens) -> list[R.TokenLogprob]:
-    """An echoed prompt's tokens with their log-probabilities (sent with the first TOKENS); its
-    first token has none."""
+    """The prompt's tokens with their log-probabilities and ranks (sent with the first TOKENS);
+    its first token has none."""
     return [R.TokenLogprob(prompt[0], None, [], []),
-            *map(R.TokenLogprob, prompt[1:], first.prompt_logprobs, first.prompt_top_ids, first.prompt_top_logprobs)]
+            *map(R.TokenLogprob, prompt[1:], first.prompt_logprobs, first.prompt_top_ids, first.prompt_top_logprobs,
+                 first.prompt_ranks)]
+
+
+def echoed(scored: list[R.TokenLogprob] | None, alternatives: int | None) -> list[R.TokenLogprob]:
+    """An echoed prompt's entries in the output's logprobs: ``alternatives`` each (the scoring
+    pass may have listed more, for vLLM's prompt_logprobs); none when logprobs were not asked."""
+    if scored is None or alternatives is None:
+        return []
+    return [e._replace(top_ids=e.top_ids[:alternatives], top_logprobs=e.top_logprobs[:alternatives]) for e in scored]

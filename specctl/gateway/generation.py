@@ -149,8 +149,11 @@ class Generations:
         logprobs = ((lambda entries, offset: self._logprobs(chat, entries, offset))
                     if wanted_logprobs(req) is not None else None)
         usage = req.stream_options is not None and req.stream_options.include_usage
+        prompt_logprobs = (None if req.prompt_logprobs is None else
+                           partial(R.prompt_logprobs_body, alternatives=req.prompt_logprobs, token_text=self._token_text))
         return Reply(self.config.names[0], chat, prompt_tokens, logprobs, calls=calls, include_usage=usage,
-                     continuous_usage=usage and req.stream_options.continuous_usage_stats, n=req.n)
+                     continuous_usage=usage and req.stream_options.continuous_usage_stats, n=req.n,
+                     prompt_logprobs=prompt_logprobs)
 
     def _echoes(self, req, prompts: list[list[int]]) -> list[str] | None:
         """Each prompt's text as echo hands it back: as given, or decoded from its token ids."""

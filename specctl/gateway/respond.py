@@ -34,12 +34,16 @@ class Reply:
     include_usage: bool = False  # streamed: a last chunk with the usage
     continuous_usage: bool = False  # streamed: every chunk with the usage so far too (vLLM's continuous_usage_stats)
     n: int = 1  # choices per prompt (a prompt's cached tokens are counted once)
+    # entries -> vLLM's prompt_logprobs (a completion choice's; chat's at the top, its one prompt's); None: not asked
+    prompt_logprobs: Callable[[list], list] | None = None
 
     async def collect(self, choices: Choices) -> web.Response:
         texts: dict[int, list[str]] = {}
         entries: dict[int, list[R.TokenLogprob]] = {}
-        bodies, stats, completion_tokens = [], {}, 0
+        bodies, stats, completion_tokens, prompts = [], {}, 0, {}
         async for index, event in choices.events():
+            if event.prompt is not None:
+                prompts[index] = self.prompt_logprobs(event.prompt) if self.prompt_logprobs else None
             texts.setdefault(index, []).append(event.delta)
             entries.setdefault(index, []).extend(event.logprobs)
             if event.finish:
@@ -51,12 +55,16 @@ class Reply:
                         text, finish = content if content.strip() else None, reader.finish_reason
                 bodies.append(R.choice(self.chat, index, text, finish,
                                        self.logprobs(entries[index], 0) if self.logprobs else None, calls))
+                if self.prompt_logprobs and not self.chat:
+                    bodies[-1]["prompt_logprobs"] = prompts.get(index)
                 stats[index] = event.stats
                 completion_tokens += event.count
-        return web.json_response(R.full_response(R.new_id(self.chat), self.model, self.chat, bodies,
-                                                 self.prompt_tokens, completion_tokens,
-                                                 R.spec_summaries(list(stats.values())),
-                                                 cached=R.cached_tokens(stats, self.n)))
+        body = R.full_response(R.new_id(self.chat), self.model, self.chat, bodies, self.prompt_tokens,
+                               completion_tokens, R.spec_summaries(list(stats.values())),
+                               cached=R.cached_tokens(stats, self.n))
+        if self.prompt_logprobs and self.chat:  # vLLM's place for chat: one prompt, beside the choices
+            body["prompt_logprobs"] = prompts.get(min(prompts, default=0))
+        return web.json_response(body)
 
     async def stream(self, request: web.Request, choices: Choices) -> web.StreamResponse:
         rid, created, model, chat = R.new_id(self.chat), int(time.time()), self.model, self.chat

@@ -15,6 +15,10 @@ class TokenLogprob(NamedTuple):
     logprob: float | None  # None: an echoed prompt's first token (nothing precedes it)
     top_ids: list[int]
     top_logprobs: list[float]
+    rank: int | None = None  # a prompt token's rank in its row (vLLM's prompt_logprobs)
+
+
+LOWEST_LOGPROB = -9999.0  # what vLLM writes for -inf, which JSON cannot carry
 
 
 def new_id(chat: bool) -> str:
@@ -67,6 +71,20 @@ def logprobs_body(chat: bool, entries: list[TokenLogprob] | None, token_text: Ca
                              {text: e.logprob, **{token_text(t): lp for t, lp in zip(e.top_ids, e.top_logprobs)}}
                              for text, e in zip(texts, entries)],
             "text_offset": offsets}
+
+
+def prompt_logprobs_body(entries: list[TokenLogprob], alternatives: int,
+                         token_text: Callable[[int], str]) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token, None for the first (nothing precedes it), else
+    {token id: {logprob, rank, decoded_token}} for the token and its ``alternatives`` likeliest
+    (ranks 1, 2, ...; the token first, as vLLM lists it)."""
+    def item(token: int, logprob: float, rank: int | None) -> dict:
+        return {"logprob": max(logprob, LOWEST_LOGPROB), "rank": rank, "decoded_token": token_text(token)}
+    return [None if e.logprob is None else
+            {str(e.token): item(e.token, e.logprob, e.rank),
+             **{str(t): item(t, lp, rank) for rank, (t, lp) in
+                enumerate(zip(e.top_ids[:alternatives], e.top_logprobs[:alternatives]), 1)}}
+            for e in entries]
 
 
 def spec_summaries(stats: list[dict]) -> dict:

@@ -12,7 +12,7 @@ from specctl.engine.text import bad_word_sequences
 from specctl.errors import BadRequest, SpecctlError
 from specctl.gateway.api import (
     MAX_CHOICES, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, ApiError, ChatCompletionRequest, CompletionRequest, RequestFields,
-    wanted_logprobs,
+    scored_prompt, wanted_logprobs,
 )
 from specctl.spec.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, SamplingParams
 
@@ -163,7 +163,7 @@ def sampling_params(req: RequestFields, prompt_tokens: int, context: int, defaul
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=top_k, max_tokens=requested, seed=req.seed, ignore_eos=req.ignore_eos,
             stop_token_ids=tuple(req.stop_token_ids or ()), logprobs=wanted_logprobs(req),
-            prompt_logprobs=wanted_logprobs(req) if isinstance(req, CompletionRequest) and req.echo else None,
+            prompt_logprobs=scored_prompt(req),
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             min_p=req.min_p or 0.0, min_tokens=req.min_tokens or 0, logit_bias=logit_bias(req),

@@ -206,6 +206,7 @@ class Tokens(msgspec.Struct, tag=True, frozen=True):
     prompt_logprobs: list[float] = []
     prompt_top_ids: list[list[int]] = []
     prompt_top_logprobs: list[list[float]] = []
+    prompt_ranks: list[int] = []  # each prompt token's rank in its row (vLLM's prompt_logprobs show it)
 
 
 class Done(msgspec.Struct, tag=True, frozen=True):

@@ -16,7 +16,7 @@ from specctl.engine.model import Decoder
 from specctl.engine.tree import TokenTree
 from specctl.errors import BadRequest, PromptTooLong
 from specctl.spec.drafters import Proposal
-from specctl.spec.logprobs import TokenLogprob, score_prompt, token_logprobs
+from specctl.spec.logprobs import PromptLogprob, TokenLogprob, score_prompt, token_logprobs
 from specctl.spec.logit_rules import LogitRules
 from specctl.spec.sampling import SamplingParams, checked_token, probs_from_logits, sample, sample_tensor
 from specctl.spec.stats import GenerationStats
@@ -76,7 +76,7 @@ class DecodeSession:
         self.capacity = len(prompt) + params.max_tokens + max_nodes + 1
         # of the prompt's tokens after the first, when params.prompt_logprobs asks: a pass of its own,
         # its scratch KV freed before the session's is taken
-        self.prompt_logprobs: list[TokenLogprob] | None = (
+        self.prompt_logprobs: list[PromptLogprob] | None = (
             None if params.prompt_logprobs is None else score_prompt(target, prompt, params.prompt_logprobs, pool))
         self.cache = target.new_cache(self.capacity, pool)
         self.generator = torch.Generator().manual_seed(params.seed if params.seed is not None else int(time.time_ns()))

@@ -9,35 +9,44 @@ import torch
 from specctl.engine.kv_cache import KVPool
 
 TokenLogprob = tuple[float, list[int], list[float]]  # the token's log-probability; its alternatives' ids, theirs
+PromptLogprob = tuple[float, list[int], list[float], int]  # the same and the token's rank (1: the likeliest; vLLM's)
 PROMPT_CHUNK = 512  # prompt rows scored per forward: bounds the logits held at once (rows x vocabulary)
 
 
 def token_logprobs(rows: torch.Tensor, tokens: list[int], alternatives: int) -> list[TokenLogprob]:
     """Each token's log-probability under the target's raw distribution at its row (before
     temperature, top-k and top-p, as vLLM reports them), with the ``alternatives`` likeliest."""
-    logprobs = rows.float().log_softmax(-1)
-    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).view(-1, 1))[:, 0].tolist()
+    return _scored(rows.float().log_softmax(-1), tokens, alternatives)[0]
+
+
+def _scored(logprobs: torch.Tensor, tokens: list[int], alternatives: int) -> tuple[list[TokenLogprob], torch.Tensor]:
+    """Each token's entry from its row's log-probabilities, and the chosen ones as a column."""
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).view(-1, 1))
     if not alternatives:
-        return [(lp, [], []) for lp in chosen]
+        return [(lp, [], []) for lp in chosen[:, 0].tolist()], chosen
     values, ids = logprobs.topk(alternatives, dim=-1)
-    return list(zip(chosen, ids.tolist(), values.tolist()))
+    return list(zip(chosen[:, 0].tolist(), ids.tolist(), values.tolist())), chosen
 
 
-def score_prompt(target, prompt: list[int], alternatives: int, pool: KVPool | None = None) -> list[TokenLogprob]:
-    """The log-probability of each prompt token after the first, given those before it.
+def score_prompt(target, prompt: list[int], alternatives: int, pool: KVPool | None = None) -> list[PromptLogprob]:
+    """The log-probability of each prompt token after the first, given those before it, and its
+    rank in that row (vLLM's: how many tokens are at least as likely, itself included).
 
     A pass of its own over a scratch cache (freed at once), in chunks of PROMPT_CHUNK rows:
     the session's prefill stays the one forward that decoding with the target alone runs, so
     asking for the prompt's log-probabilities never changes a bit of the output. It costs
     that second pass over the prompt."""
     cache = target.new_cache(len(prompt), pool)
-    scored: list[TokenLogprob] = []
+    scored: list[PromptLogprob] = []
     try:
         for lo in range(0, len(prompt) - 1, PROMPT_CHUNK):  # the last row predicts the output, not the prompt
             hi = min(lo + PROMPT_CHUNK, len(prompt) - 1)
             logits = target(torch.tensor(prompt[lo:hi], dtype=torch.long), torch.arange(lo, hi), cache,
                             logits_at=torch.arange(hi - lo))
-            scored += token_logprobs(logits, prompt[lo + 1:hi + 1], alternatives)
+            logprobs = logits.float().log_softmax(-1)
+            entries, chosen = _scored(logprobs, prompt[lo + 1:hi + 1], alternatives)
+            ranks = (logprobs >= chosen).sum(-1).tolist()
+            scored += [(*entry, rank) for entry, rank in zip(entries, ranks)]
     finally:
         cache.release()
     return scored

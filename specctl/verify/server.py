@@ -270,9 +270,9 @@ class TargetServer(ListeningServer):
             return
         self.totals.new_tokens += len(tokens)
         own = session.logprobs[len(session.logprobs) - len(tokens):] if session.params.logprobs is not None else []
-        send(Tokens(req, tokens, *_columns(own), *_columns(prompt or [])))
+        send(Tokens(req, tokens, *_columns(own, 3), *_columns(prompt or [], 4)))
 
 
-def _columns(entries: list) -> tuple[list, list, list]:
-    """(log-probability, alternatives' ids, theirs) entries as the wire's three parallel lists."""
-    return tuple(map(list, zip(*entries))) if entries else ([], [], [])
+def _columns(entries: list, width: int) -> tuple[list, ...]:
+    """(log-probability, alternatives' ids, theirs[, rank]) entries as the wire's parallel lists."""
+    return tuple(map(list, zip(*entries))) if entries else ([],) * width
