@@ -164,3 +164,5 @@ def test_sampling_params_travel_whole_in_generate():
     for params in (every, SamplingParams()):
         sent = p.decode(p.encode(generate_message(1, [5, 6], params))[4:])
         assert sampling_params_of(sent) == params
+    assert p.decode(p.encode(generate_message(1, [5], every, "trace-7-1"))[4:]).request_id == "trace-7-1"
+    assert sent.request_id == ""  # none given: the target's log names the session by its number

@@ -39,6 +39,7 @@ class ClusterConfig:
     served_model_names: tuple[str, ...] = ()  # the gateway's names for the target (default: its own)
     scheduling_policy: str = "fcfs"  # the gateway's waiting line: fcfs or priority
     allowed_origins: tuple[str, ...] = ()  # browser origins the gateway answers with CORS headers
+    request_id_headers: bool = False  # every gateway answer carries X-Request-Id (vLLM's --enable-request-id-headers)
 
     def __post_init__(self) -> None:
         if not 1 <= self.targets <= 64:
@@ -117,7 +118,8 @@ class EmbeddedCluster:
                                              responses_store=c.responses_store,
                                              served_model_names=c.served_model_names,
                                              scheduling_policy=c.scheduling_policy,
-                                             allowed_origins=c.allowed_origins),
+                                             allowed_origins=c.allowed_origins,
+                                             request_id_headers=c.request_id_headers),
                                target.tokenizer, upstream, metrics)
         gateway_port = await self.gateway.start()
         self.urls = {"gateway": f"http://{host}:{gateway_port}", "draft": drafts[0] if drafts else None,

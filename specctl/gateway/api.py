@@ -138,6 +138,7 @@ class RequestFields(msgspec.Struct, kw_only=True):
     truncate_prompt_tokens: int | None = None  # vLLM's extension: keep the prompt's last k tokens (-1: the context)
     priority: int = 0  # vLLM's extension: lower waits less for a session (--scheduling-policy priority)
     prompt_logprobs: int | None = None  # vLLM's extension: the prompt's tokens' log-probabilities, k alternatives
+    request_id: str | None = None  # vLLM's extension: the answer's id (an X-Request-Id header wins; gateway.request_id)
     # vLLM's extensions that reshape or constrain sampling (gateway.structured)
     min_p: float | None = None
     min_tokens: int | None = None

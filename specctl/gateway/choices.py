@@ -58,11 +58,13 @@ class Choices:
     """Owns the tasks of one request's generations (``async with``: none outlives it)."""
 
     def __init__(self, upstream: Upstream, metrics: GatewayMetrics, tokenizer, specs: list[ChoiceSpec],
-                 stop: list[str], include_stop: bool = False, arrival: float | None = None, priority: int = 0) -> None:
+                 stop: list[str], include_stop: bool = False, arrival: float | None = None, priority: int = 0,
+                 request_id: str = "") -> None:
         self.upstream, self.metrics, self.tokenizer, self.specs, self.stop = upstream, metrics, tokenizer, specs, stop
         self.include_stop = include_stop  # vLLM's include_stop_str_in_output
         self.arrival = time.perf_counter() if arrival is None else arrival  # the request's, for the latencies
         self.priority = priority  # its place among generations waiting for a session (gateway.waiting)
+        self.request_id = request_id  # gateway.request_id: each generation goes as it, or "<id>-<index>" if several
         self._queue: asyncio.Queue[tuple[int, Event | BaseException]] = asyncio.Queue()
         self._started: list[asyncio.Future] = []
         self._tasks: list[asyncio.Task] = []
@@ -99,7 +101,8 @@ class Choices:
     async def _run(self, k: int, spec: ChoiceSpec) -> None:
         started = self._started[k]
         try:
-            async with self.upstream.stream(spec.prompt, spec.params, self.priority) as (stream, first):
+            name = self.request_id if len(self.specs) == 1 else f"{self.request_id}-{spec.index}"
+            async with self.upstream.stream(spec.prompt, spec.params, self.priority, name) as (stream, first):
                 started.set_result(None)
                 async for event in self._events(stream, first, spec):
                     await self._queue.put((k, event))

@@ -20,6 +20,7 @@ from specctl.gateway.api import (
 )
 from specctl.gateway.choices import Choices, choice_specs
 from specctl.gateway.metrics import GatewayMetrics
+from specctl.gateway.request_id import request_id
 from specctl.gateway.respond import Reply, remote_message
 from specctl.gateway.response_store import ResponseStore, StoredResponse
 from specctl.gateway.responses_api import ResponsesRequest, answer_turn, as_chat, input_messages, input_records
@@ -86,6 +87,7 @@ class Generations:
                 req = as_chat(asked, history)
             else:
                 req = parse_body(body, ChatCompletionRequest if chat else CompletionRequest)
+            rid = request_id(request, req.request_id)
             refuse_unsupported(req)
             self.check_model(req.model)
             if req.priority and self.config.scheduling_policy != "priority":
@@ -107,10 +109,10 @@ class Generations:
             calls = None if tools is None else (partial(ForcedCalls, forced[0]) if forced
                                                 else partial(StreamedCalls, 1 if one_call else None))
             reply = (self._responses_reply(asked, req, history, prompt_tokens, calls) if endpoint == "responses"
-                     else self._reply(req, chat, prompt_tokens, calls))
+                     else self._reply(req, chat, prompt_tokens, calls, rid))
             try:
                 async with Choices(self.upstream, self.metrics, self.tokenizer, specs, stop,
-                                   req.include_stop_str_in_output, arrival, req.priority) as choices:
+                                   req.include_stop_str_in_output, arrival, req.priority, rid) as choices:
                     response = await (reply.stream(request, choices) if req.stream else reply.collect(choices))
             except RemoteError as exc:
                 raise ApiError(REMOTE_STATUS.get(exc.code, 502), remote_message(exc),
@@ -144,7 +146,7 @@ class Generations:
         return lambda body: self.responses.put(StoredResponse(body, (*asked_turns, answer_turn(body["output"])),
                                                               records))
 
-    def _reply(self, req, chat: bool, prompt_tokens: int, calls) -> Reply:
+    def _reply(self, req, chat: bool, prompt_tokens: int, calls, rid: str) -> Reply:
         """A completion's or chat's answer: logprobs as asked, tool calls read back by ``calls``."""
         logprobs = ((lambda entries, offset: self._logprobs(chat, entries, offset))
                     if wanted_logprobs(req) is not None else None)
@@ -153,7 +155,7 @@ class Generations:
                            partial(R.prompt_logprobs_body, alternatives=req.prompt_logprobs, token_text=self._token_text))
         return Reply(self.config.names[0], chat, prompt_tokens, logprobs, calls=calls, include_usage=usage,
                      continuous_usage=usage and req.stream_options.continuous_usage_stats, n=req.n,
-                     prompt_logprobs=prompt_logprobs)
+                     prompt_logprobs=prompt_logprobs, request_id=rid)
 
     def _echoes(self, req, prompts: list[list[int]]) -> list[str] | None:
         """Each prompt's text as echo hands it back: as given, or decoded from its token ids."""

@@ -36,6 +36,7 @@ class Reply:
     n: int = 1  # choices per prompt (a prompt's cached tokens are counted once)
     # entries -> vLLM's prompt_logprobs (a completion choice's; chat's at the top, its one prompt's); None: not asked
     prompt_logprobs: Callable[[list], list] | None = None
+    request_id: str | None = None  # names the answer (gateway.request_id); None: a fresh id
 
     async def collect(self, choices: Choices) -> web.Response:
         texts: dict[int, list[str]] = {}
@@ -59,7 +60,7 @@ class Reply:
                     bodies[-1]["prompt_logprobs"] = prompts.get(index)
                 stats[index] = event.stats
                 completion_tokens += event.count
-        body = R.full_response(R.new_id(self.chat), self.model, self.chat, bodies, self.prompt_tokens,
+        body = R.full_response(R.new_id(self.chat, self.request_id), self.model, self.chat, bodies, self.prompt_tokens,
                                completion_tokens, R.spec_summaries(list(stats.values())),
                                cached=R.cached_tokens(stats, self.n))
         if self.prompt_logprobs and self.chat:  # vLLM's place for chat: one prompt, beside the choices
@@ -67,7 +68,7 @@ class Reply:
         return web.json_response(body)
 
     async def stream(self, request: web.Request, choices: Choices) -> web.StreamResponse:
-        rid, created, model, chat = R.new_id(self.chat), int(time.time()), self.model, self.chat
+        rid, created, model, chat = R.new_id(self.chat, self.request_id), int(time.time()), self.model, self.chat
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
 

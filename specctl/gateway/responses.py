@@ -21,8 +21,9 @@ class TokenLogprob(NamedTuple):
 LOWEST_LOGPROB = -9999.0  # what vLLM writes for -inf, which JSON cannot carry
 
 
-def new_id(chat: bool) -> str:
-    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+def new_id(chat: bool, request_id: str | None = None) -> str:
+    """An answer's id: the request's (gateway.request_id) or a fresh one, as OpenAI prefixes them."""
+    return f"{'chatcmpl' if chat else 'cmpl'}-{request_id or uuid.uuid4().hex[:24]}"
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:

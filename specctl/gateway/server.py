@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from specctl import __version__
 from specctl.errors import ConfigError
-from specctl.gateway import cors
+from specctl.gateway import cors, request_id
 from specctl.gateway import responses as R
 from specctl.gateway.api import (
     ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, check_key, parse_body,
@@ -45,6 +45,7 @@ class GatewayConfig:
     served_model_names: tuple[str, ...] = ()
     scheduling_policy: str = "fcfs"  # vLLM's: "priority" orders waiting generations by their request's priority
     allowed_origins: tuple[str, ...] = ()  # browser origins answered with CORS headers (gateway.cors; "*": any)
+    request_id_headers: bool = False  # vLLM's --enable-request-id-headers: X-Request-Id on every answer
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -89,6 +90,7 @@ class Gateway:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._preflight, self._errors])
         app.on_response_prepare.append(self._allow_origin)
+        app.on_response_prepare.append(self._add_request_id)
         app.add_routes([
             web.post("/v1/completions", self._completions), web.post("/v1/chat/completions", self._chat),
             web.post("/v1/responses", self._responses),
@@ -138,6 +140,10 @@ class Gateway:
     async def _allow_origin(self, request: web.Request, response: web.StreamResponse) -> None:
         cors.add_allow_origin(request, response, self.config.allowed_origins)
 
+    async def _add_request_id(self, request: web.Request, response: web.StreamResponse) -> None:
+        if self.config.request_id_headers:
+            request_id.add_header(request, response)
+
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
         """Every error leaves as an OpenAI-style JSON body; the gateway carries on."""
@@ -155,7 +161,7 @@ class Gateway:
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception as exc:  # noqa: BLE001
-            log.exception("request %s failed", request.path)
+            log.exception("request %s %s failed", request.path, request.get(request_id.KEY, ""))
             return web.json_response(ApiError(500, f"internal error: {exc}", type="server_error").body(), status=500)
 
     def _check_key(self, request: web.Request) -> None:

@@ -123,8 +123,8 @@ class Upstream:
         return [t.view(prompt) for t in self.targets]
 
     @asynccontextmanager
-    async def stream(self, prompt: list[int], params: SamplingParams,
-                     priority: int = 0) -> AsyncIterator[tuple[TargetStream, object]]:
+    async def stream(self, prompt: list[int], params: SamplingParams, priority: int = 0,
+                     request_id: str = "") -> AsyncIterator[tuple[TargetStream, object]]:
         """(stream, first event) of a generation on the least-loaded instance. Failures before
         the first token move on to the next instance; while every instance that is up is at
         capacity the generation waits its turn (gateway.waiting, by ``priority``); with none
@@ -158,7 +158,7 @@ class Upstream:
             stream, first = None, None
             try:
                 try:
-                    stream = (await self._connection(link)).generate(prompt, params)
+                    stream = (await self._connection(link)).generate(prompt, params, request_id)
                     first = await stream.next()
                 except RemoteError as exc:
                     if exc.code not in RETRYABLE:
@@ -168,7 +168,7 @@ class Upstream:
                     else:
                         link.up, link.error = False, str(exc)
                         tried.add(index)
-                    log.warning("target %s: %s; trying another", link.address, exc)
+                    log.warning("target %s: %s; trying another (request %s)", link.address, exc, request_id)
                     continue
                 if ticket is not None:
                     self.waiting.wake()  # its turn came and it has a slot: the next one may find one too

@@ -193,6 +193,7 @@ class Generate(msgspec.Struct, tag=True, frozen=True):
     structured_kind: str = ""  # spec.structured: "" = unconstrained, else its kind and text
     structured_spec: str = ""
     bad_words: list[list[int]] = []  # vLLM's, as token sequences (spec.logit_rules)
+    request_id: str = ""  # the gateway's request id (a choice's: "<id>-<index>"), named in the target's log lines
 
 
 class Tokens(msgspec.Struct, tag=True, frozen=True):

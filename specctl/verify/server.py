@@ -203,10 +203,10 @@ class TargetServer(ListeningServer):
                     self._done(session, msg.req, "cancelled", send)
                 raise
             except StageUnavailable as exc:  # a pipeline stage went away: this session cannot go on
-                log.warning("session %s ended: %s", msg.req, exc)
+                log.warning("session %s ended: %s", msg.request_id or msg.req, exc)
                 send(Error("unavailable", f"generation failed: {exc}", req=msg.req))
             except Exception as exc:  # noqa: BLE001 - the session ends with a clear error, the server carries on
-                log.exception("session %s failed", msg.req)
+                log.exception("session %s failed", msg.request_id or msg.req)
                 send(Error("internal", f"generation failed: {exc}", req=msg.req))
         finally:
             self.active -= 1

@@ -7,7 +7,7 @@ from specctl.net.protocol import Generate
 from specctl.spec.sampling import SamplingParams
 
 
-def generate_message(req: int, prompt: list[int], params: SamplingParams) -> Generate:
+def generate_message(req: int, prompt: list[int], params: SamplingParams, request_id: str = "") -> Generate:
     return Generate(
         req, prompt, params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed,
         list(params.stop_token_ids), params.ignore_eos,
@@ -18,6 +18,7 @@ def generate_message(req: int, prompt: list[int], params: SamplingParams) -> Gen
         logit_bias=dict(params.logit_bias), bad_words=[list(word) for word in params.bad_words],
         structured_kind=params.structured[0] if params.structured else "",
         structured_spec=params.structured[1] if params.structured else "",
+        request_id=request_id,
     )
 
 
