@@ -100,13 +100,14 @@ def test_the_output_decoder_is_the_whole_decode_at_every_step(tok, data):
     """Byte tokens in any order (split characters, invalid sequences, the special token), pushed
     in pieces of any size: each step's text is exactly decode(everything so far)."""
     ids = data.draw(st.lists(st.integers(0, len(tok) - 1), max_size=80))
-    decoder, pushed = OutputDecoder(tok), 0
+    skip = data.draw(st.booleans())  # vLLM's skip_special_tokens: the special tokens' text left out, or kept
+    decoder, pushed = OutputDecoder(tok, skip), 0
     assert decoder.local
     while pushed < len(ids):
         size = data.draw(st.integers(1, 7))
         full = decoder.push(ids[pushed:pushed + size])
         pushed += size
-        assert full == tok.decode(ids[:pushed], skip_special_tokens=True)
+        assert full == tok.decode(ids[:pushed], skip_special_tokens=skip)
 
 
 class CountingTokenizer:

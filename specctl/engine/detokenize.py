@@ -1,4 +1,4 @@
-"""The decoded text of a growing output, exactly ``tokenizer.decode(all, skip_special_tokens=True)``
+"""The decoded text of a growing output, exactly ``tokenizer.decode(all, skip_special_tokens=...)``
 at every step, without decoding the whole output again each time.
 
 Decoding the whole output on every round costs O(length) a round and O(length^2) a generation
@@ -30,8 +30,9 @@ def decodes_locally(tokenizer: Any) -> bool:
 
 
 class OutputDecoder:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens  # vLLM's: special tokens left out of the text (its default)
         self.local = decodes_locally(tokenizer)
         self.tokens: list[int] = []
         self.settled = 0  # tokens whose text is final: self.settled_text
@@ -54,4 +55,4 @@ class OutputDecoder:
         return full
 
     def _decode(self, tokens: Sequence[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return self.tokenizer.decode(tokens, skip_special_tokens=self.skip_special_tokens)

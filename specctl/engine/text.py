@@ -40,11 +40,12 @@ class IncrementalText:
     a stop string is ever handed out (the stop string itself is, last, with ``include_stop``:
     vLLM's include_stop_str_in_output); ``stopped`` turns true when one is found."""
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), include_stop: bool = False) -> None:
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), include_stop: bool = False,
+                 skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
         self.include_stop = include_stop
-        self.output = OutputDecoder(tokenizer)  # the whole output's text, decoded incrementally
+        self.output = OutputDecoder(tokenizer, skip_special_tokens)  # the whole output's text, decoded incrementally
         self.full = ""  # the whole output's text so far
         self.text = ""  # everything handed out so far
         self.stopped = False

@@ -11,7 +11,10 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
   the target's raw log-probabilities (before the logit rules, temperature, top-k, top-p,
   as vLLM reports them) of every completion token counted in usage, a stop string's last
   batch included;
-  a token's text is its own decoding (a piece of a multi-byte character shows as U+FFFD).
+  a token's text is its own decoding (a piece of a multi-byte character shows as U+FFFD);
+  vLLM's return_tokens_as_token_ids names each "token_id:<id>" instead (chat's bytes and
+  completions' text_offset stay the text's, where vLLM counts the names' lengths).
+- vLLM's skip_special_tokens (default true) false keeps special tokens' text in the output.
 - n choices per prompt and batched prompts (a list of strings or of token-id lists) run as
   that many generations at once (choice index = prompt index * n + j; with a seed, choice j
   samples with seed + j, as vLLM does); usage counts each prompt once. A request that asks
@@ -139,6 +142,8 @@ class RequestFields(msgspec.Struct, kw_only=True):
     priority: int = 0  # vLLM's extension: lower waits less for a session (--scheduling-policy priority)
     prompt_logprobs: int | None = None  # vLLM's extension: the prompt's tokens' log-probabilities, k alternatives
     request_id: str | None = None  # vLLM's extension: the answer's id (an X-Request-Id header wins; gateway.request_id)
+    skip_special_tokens: bool = True  # vLLM's extension: False keeps special tokens in the text
+    return_tokens_as_token_ids: bool = False  # vLLM's extension: logprobs name tokens "token_id:<id>"
     # vLLM's extensions that reshape or constrain sampling (gateway.structured)
     min_p: float | None = None
     min_tokens: int | None = None

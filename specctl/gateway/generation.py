@@ -112,7 +112,8 @@ class Generations:
                      else self._reply(req, chat, prompt_tokens, calls, rid))
             try:
                 async with Choices(self.upstream, self.metrics, self.tokenizer, specs, stop,
-                                   req.include_stop_str_in_output, arrival, req.priority, rid) as choices:
+                                   req.include_stop_str_in_output, arrival, req.priority, rid,
+                                   req.skip_special_tokens) as choices:
                     response = await (reply.stream(request, choices) if req.stream else reply.collect(choices))
             except RemoteError as exc:
                 raise ApiError(REMOTE_STATUS.get(exc.code, 502), remote_message(exc),
@@ -148,14 +149,15 @@ class Generations:
 
     def _reply(self, req, chat: bool, prompt_tokens: int, calls, rid: str) -> Reply:
         """A completion's or chat's answer: logprobs as asked, tool calls read back by ``calls``."""
-        logprobs = ((lambda entries, offset: self._logprobs(chat, entries, offset))
+        logprobs = ((lambda entries, offset: self._logprobs(chat, entries, offset, req.return_tokens_as_token_ids))
                     if wanted_logprobs(req) is not None else None)
         usage = req.stream_options is not None and req.stream_options.include_usage
         prompt_logprobs = (None if req.prompt_logprobs is None else
                            partial(R.prompt_logprobs_body, alternatives=req.prompt_logprobs, token_text=self._token_text))
         return Reply(self.config.names[0], chat, prompt_tokens, logprobs, calls=calls, include_usage=usage,
                      continuous_usage=usage and req.stream_options.continuous_usage_stats, n=req.n,
-                     prompt_logprobs=prompt_logprobs, request_id=rid)
+                     prompt_logprobs=prompt_logprobs, request_id=rid,
+                     text_length=lambda token: len(self._token_text(token)))
 
     def _echoes(self, req, prompts: list[list[int]]) -> list[str] | None:
         """Each prompt's text as echo hands it back: as given, or decoded from its token ids."""
@@ -179,8 +181,8 @@ class Generations:
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
 
-    def _logprobs(self, chat: bool, entries: list, offset: int = 0) -> dict | None:
-        return R.logprobs_body(chat, entries, self._token_text, offset, self._token_bytes)
+    def _logprobs(self, chat: bool, entries: list, offset: int = 0, as_ids: bool = False) -> dict | None:
+        return R.logprobs_body(chat, entries, self._token_text, offset, self._token_bytes, as_ids)
 
     def tools(self, req) -> list[dict] | None:
         if not isinstance(req, ChatCompletionRequest):

@@ -37,6 +37,7 @@ class Reply:
     # entries -> vLLM's prompt_logprobs (a completion choice's; chat's at the top, its one prompt's); None: not asked
     prompt_logprobs: Callable[[list], list] | None = None
     request_id: str | None = None  # names the answer (gateway.request_id); None: a fresh id
+    text_length: Callable[[int], int] | None = None  # a token id's text length (streamed completions' text_offset)
 
     async def collect(self, choices: Choices) -> web.Response:
         texts: dict[int, list[str]] = {}
@@ -93,7 +94,7 @@ class Reply:
                 if delta or (self.logprobs and event.logprobs):
                     logprobs = self.logprobs(event.logprobs, offsets.get(index, 0)) if self.logprobs else None
                     if logprobs and not chat and logprobs["tokens"]:  # the next chunk's tokens start after these
-                        offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+                        offsets[index] = logprobs["text_offset"][-1] + self.text_length(event.logprobs[-1].token)
                     await send(text=delta, logprobs=logprobs, index=index)
                 if call_deltas:
                     await send(tool_calls=call_deltas, index=index)

@@ -46,31 +46,34 @@ def spec_summary(stats: dict) -> dict:
 
 
 def logprobs_body(chat: bool, entries: list[TokenLogprob] | None, token_text: Callable[[int], str],
-                  offset: int = 0, token_bytes: Callable[[int], bytes] | None = None) -> dict | None:
+                  offset: int = 0, token_bytes: Callable[[int], bytes] | None = None, as_ids: bool = False) -> dict | None:
     """OpenAI's ``logprobs`` of a choice (None when not asked for). Chat: ``content``, a list of
     {token, logprob, bytes (the token's raw bytes: ``token_bytes``), top_logprobs}. Completions:
     the legacy parallel lists — tokens, token_logprobs, top_logprobs (the token and its
     alternatives, as vLLM lists them) and each token's text_offset from ``offset`` (the text
-    handed out before these tokens)."""
+    handed out before these tokens). ``as_ids`` (vLLM's return_tokens_as_token_ids) names each token
+    "token_id:<id>" (bytes and text offsets stay its text's)."""
     if entries is None:
         return None
+    name = (lambda token: f"token_id:{token}") if as_ids else token_text
     if chat:
         raw = token_bytes or (lambda token: token_text(token).encode())
 
         def item(token: int, logprob: float) -> dict:
-            return {"token": token_text(token), "logprob": logprob, "bytes": list(raw(token))}
+            return {"token": name(token), "logprob": logprob, "bytes": list(raw(token))}
         return {"content": [{**item(e.token, e.logprob),
                              "top_logprobs": [item(t, lp) for t, lp in zip(e.top_ids, e.top_logprobs)]}
                             for e in entries]}
     texts = [token_text(e.token) for e in entries]
+    names = [name(e.token) for e in entries] if as_ids else texts
     offsets = []
     for text in texts:
         offsets.append(offset)
         offset += len(text)
-    return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
+    return {"tokens": names, "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [None if e.logprob is None else  # an echoed prompt's first token
-                             {text: e.logprob, **{token_text(t): lp for t, lp in zip(e.top_ids, e.top_logprobs)}}
-                             for text, e in zip(texts, entries)],
+                             {named: e.logprob, **{name(t): lp for t, lp in zip(e.top_ids, e.top_logprobs)}}
+                             for named, e in zip(names, entries)],
             "text_offset": offsets}
 
 
