@@ -11,6 +11,7 @@ from aiohttp.test_utils import make_mocked_request
 
 from specctl.gateway.api import ApiError
 from specctl.gateway.request_id import KEY, add_header, request_id
+from specctl.spec.sampling import SamplingParams
 from specctl.verify.server import TargetServer
 from tests.test_gateway import PROMPT, _http
 
@@ -86,3 +87,29 @@ def test_the_id_names_the_answer_reaches_the_target_and_comes_back_when_asked(cl
         assert code == 400 and json.loads(raw)["error"]["param"] == "request_id"
     finally:
         config.request_id_headers = False
+
+
+def test_log_requests_writes_a_line_when_a_request_is_taken_and_one_when_it_ends(cluster, caplog):
+    from specctl.gateway import request_log
+
+    base, config = cluster[1]["gateway"], cluster[0].cluster.gateway.config
+    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "n": 2, "seed": 5}
+    with caplog.at_level("INFO", logger="specctl.gateway.requests"):
+        _http("POST", base + "/v1/completions", {"X-Request-Id": "quiet"}, body)
+        assert [r for r in caplog.records if "quiet" in r.getMessage()] == []  # off by default (vLLM's too)
+        config.log_requests = True  # as --enable-log-requests sets it
+        try:
+            code, _, _ = _http("POST", base + "/v1/completions", {"X-Request-Id": "trace-log"}, body)
+            _http("POST", base + "/v1/completions", {"X-Request-Id": "trace-bad"}, {**body, "max_tokens": 0})
+        finally:
+            config.log_requests = False
+    lines = [r.getMessage() for r in caplog.records if r.name == "specctl.gateway.requests"]
+    prompt_tokens = len(json.loads(_http("POST", base + "/tokenize", {}, {"prompt": PROMPT})[2])["tokens"])
+    assert code == 200 and lines[0] == (f"request trace-log received (completions): {prompt_tokens} prompt tokens, n=2, "
+                                        "stream=False, temperature=0.0, max_tokens=3, seed=5, ignore_eos=True")
+    assert re.fullmatch(r"request trace-log finished \(completions\): ok, 6 completion tokens, [0-9.]+ s", lines[1])
+    assert re.fullmatch(r"request trace-bad finished \(completions\): 400, 0 completion tokens, [0-9.]+ s", lines[2])
+    assert len(lines) == 3
+    long_grammar = request_log.asked(SamplingParams(structured=("regex", "a" * 200)))
+    assert long_grammar == ("temperature=0.0, max_tokens=128, structured="
+                            + repr(("regex", "a" * 200))[:request_log.LONGEST_VALUE] + "...")

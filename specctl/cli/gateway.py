@@ -29,12 +29,15 @@ QUEUE_TIMEOUT = typer.Option(600.0, "--queue-timeout", help=QUEUE_TIMEOUT_HELP)
 SERVED_MODEL_NAME = typer.Option([], "--served-model-name", help=SERVED_HELP)
 SCHEDULING_POLICY = typer.Option("fcfs", "--scheduling-policy", help=POLICY_HELP)
 ALLOWED_ORIGINS = typer.Option([], "--allowed-origins", help=ORIGINS_HELP)
+LOG_REQUESTS = typer.Option(False, "--enable-log-requests",
+                            help="log a line per generation request taken (id, parameters) and ended (vLLM's)")
 REQUEST_ID_HEADERS = typer.Option(False, "--enable-request-id-headers",
                                   help="every answer carries X-Request-Id: the client's, else a fresh one (vLLM's)")
 
 
 def serving_options(responses_store: int, max_waiting: int, queue_timeout: float, served_model_name: List[str],
-                    scheduling_policy: str, allowed_origins: List[str], request_id_headers: bool) -> dict:
+                    scheduling_policy: str, allowed_origins: List[str], request_id_headers: bool,
+                    log_requests: bool) -> dict:
     """The shared serving options, checked (gateway.server.check_serving) before any model loads,
     as GatewayConfig and ClusterConfig name them."""
     from specctl.gateway.server import check_serving
@@ -45,7 +48,8 @@ def serving_options(responses_store: int, max_waiting: int, queue_timeout: float
         raise ConfigError(str(exc)) from None
     return {"responses_store": responses_store, "max_waiting": max_waiting, "queue_timeout_s": queue_timeout,
             "served_model_names": tuple(served_model_name), "scheduling_policy": scheduling_policy,
-            "allowed_origins": tuple(allowed_origins), "request_id_headers": request_id_headers}
+            "allowed_origins": tuple(allowed_origins), "request_id_headers": request_id_headers,
+            "log_requests": log_requests}
 
 
 def gateway(
@@ -64,6 +68,7 @@ def gateway(
     scheduling_policy: str = SCHEDULING_POLICY,
     allowed_origins: List[str] = ALLOWED_ORIGINS,
     request_id_headers: bool = REQUEST_ID_HEADERS,
+    log_requests: bool = LOG_REQUESTS,
     auth_token: Optional[str] = typer.Option(None, "--auth-token", envvar="SPECCTL_AUTH_TOKEN",
                                              help="auth token of the target instances"),
     tls_ca: Optional[str] = typer.Option(None, "--tls-ca", help="CA file: talk TLS to the target instances"),
@@ -83,7 +88,7 @@ def gateway(
     from specctl.store import resolve_model
 
     serving = serving_options(responses_store, max_waiting, queue_timeout, served_model_name, scheduling_policy,
-                              allowed_origins, request_id_headers)
+                              allowed_origins, request_id_headers, log_requests)
     setup_logging(log_level)
     console = Console(stderr=True)
 
@@ -140,6 +145,7 @@ def up(
     scheduling_policy: str = SCHEDULING_POLICY,
     allowed_origins: List[str] = ALLOWED_ORIGINS,
     request_id_headers: bool = REQUEST_ID_HEADERS,
+    log_requests: bool = LOG_REQUESTS,
     max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="most concurrent sessions a target "
                                                "instance holds (vLLM's --max-num-seqs; the profile's by default); "
                                                "past them requests wait (--max-waiting)"),
@@ -164,7 +170,8 @@ def up(
     try:
         plan = ClusterConfig(targets=targets, gateway_port=port, stages=stages,
                              **serving_options(responses_store, max_waiting, queue_timeout, served_model_name,
-                                               scheduling_policy, allowed_origins, request_id_headers))
+                                               scheduling_policy, allowed_origins, request_id_headers,
+                                               log_requests))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     setup_logging(log_level)

@@ -40,6 +40,7 @@ class ClusterConfig:
     scheduling_policy: str = "fcfs"  # the gateway's waiting line: fcfs or priority
     allowed_origins: tuple[str, ...] = ()  # browser origins the gateway answers with CORS headers
     request_id_headers: bool = False  # every gateway answer carries X-Request-Id (vLLM's --enable-request-id-headers)
+    log_requests: bool = False  # the gateway logs each generation request taken and ended (--enable-log-requests)
 
     def __post_init__(self) -> None:
         if not 1 <= self.targets <= 64:
@@ -119,7 +120,8 @@ class EmbeddedCluster:
                                              served_model_names=c.served_model_names,
                                              scheduling_policy=c.scheduling_policy,
                                              allowed_origins=c.allowed_origins,
-                                             request_id_headers=c.request_id_headers),
+                                             request_id_headers=c.request_id_headers,
+                                             log_requests=c.log_requests),
                                target.tokenizer, upstream, metrics)
         gateway_port = await self.gateway.start()
         self.urls = {"gateway": f"http://{host}:{gateway_port}", "draft": drafts[0] if drafts else None,

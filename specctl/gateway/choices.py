@@ -67,6 +67,7 @@ class Choices:
         self.request_id = request_id  # gateway.request_id: each generation goes as it, or "<id>-<index>" if several
         self.skip_special_tokens = skip_special_tokens  # vLLM's: special tokens left out of the text
         self._queue: asyncio.Queue[tuple[int, Event | BaseException]] = asyncio.Queue()
+        self._counts: dict[int, int] = {}  # each choice's completion tokens handed on so far
         self._started: list[asyncio.Future] = []
         self._tasks: list[asyncio.Task] = []
 
@@ -115,6 +116,11 @@ class Choices:
             else:
                 await self._queue.put((k, exc))
 
+    @property
+    def completion_tokens(self) -> int:
+        """Completion tokens of every choice handed on so far (all of them once events() ended)."""
+        return sum(self._counts.values())
+
     async def events(self) -> AsyncIterator[tuple[int, Event]]:
         """(choice index, event) until every choice has finished; a choice's failure is raised."""
         running = len(self.specs)
@@ -123,6 +129,7 @@ class Choices:
             if isinstance(item, BaseException):
                 raise item
             running -= item.finish is not None
+            self._counts[k] = item.count
             yield self.specs[k].index, item
 
     async def _events(self, stream: TargetStream, first, spec: ChoiceSpec) -> AsyncIterator[Event]:

@@ -20,6 +20,7 @@ from specctl.gateway.api import (
 )
 from specctl.gateway.choices import Choices, choice_specs
 from specctl.gateway.metrics import GatewayMetrics
+from specctl.gateway import request_log
 from specctl.gateway.request_id import request_id
 from specctl.gateway.respond import Reply, remote_message
 from specctl.gateway.response_store import ResponseStore, StoredResponse
@@ -48,6 +49,8 @@ class Generations:
         self._token_bytes = token_bytes_of(tokenizer)
         self.running = 0
         self.responses = ResponseStore(config.responses_store)
+        if config.log_requests:
+            request_log.enable()
 
     def check_model(self, model: str | None) -> None:
         if model and model not in self.config.names:
@@ -75,7 +78,7 @@ class Generations:
         counted in the metrics however it ends."""
         chat = endpoint != "completions"
         arrival = time.perf_counter()
-        status = "error"
+        status, rid, choices = "error", None, None
         self.running += 1
         self.metrics.running.set(self.running)
         try:
@@ -104,6 +107,8 @@ class Generations:
                                                            self.config.default_max_tokens, structured, barred)
                                            for p in prompts], req.n, self._echoes(req, prompts))
             self._check_room(len(specs))
+            if self.config.log_requests:
+                request_log.received(rid, endpoint, list(map(len, prompts)), specs[0].params, req.n, req.stream)
             prompt_tokens = sum(map(len, prompts))
             self.metrics.prompt_tokens.inc(prompt_tokens)
             calls = None if tools is None else (partial(ForcedCalls, forced[0]) if forced
@@ -111,9 +116,9 @@ class Generations:
             reply = (self._responses_reply(asked, req, history, prompt_tokens, calls) if endpoint == "responses"
                      else self._reply(req, chat, prompt_tokens, calls, rid))
             try:
-                async with Choices(self.upstream, self.metrics, self.tokenizer, specs, stop,
-                                   req.include_stop_str_in_output, arrival, req.priority, rid,
-                                   req.skip_special_tokens) as choices:
+                choices = Choices(self.upstream, self.metrics, self.tokenizer, specs, stop,
+                                  req.include_stop_str_in_output, arrival, req.priority, rid, req.skip_special_tokens)
+                async with choices:
                     response = await (reply.stream(request, choices) if req.stream else reply.collect(choices))
             except RemoteError as exc:
                 raise ApiError(REMOTE_STATUS.get(exc.code, 502), remote_message(exc),
@@ -130,6 +135,9 @@ class Generations:
             self.running -= 1
             self.metrics.running.set(self.running)
             self.metrics.requests.labels(endpoint=endpoint, status=status).inc()
+            if self.config.log_requests and rid is not None:
+                request_log.finished(rid, endpoint, status, choices.completion_tokens if choices else 0,
+                                     time.perf_counter() - arrival)
 
     def _responses_reply(self, asked: ResponsesRequest, req: ChatCompletionRequest, history: tuple,
                          prompt_tokens: int, calls) -> ResponsesReply:

@@ -46,6 +46,7 @@ class GatewayConfig:
     scheduling_policy: str = "fcfs"  # vLLM's: "priority" orders waiting generations by their request's priority
     allowed_origins: tuple[str, ...] = ()  # browser origins answered with CORS headers (gateway.cors; "*": any)
     request_id_headers: bool = False  # vLLM's --enable-request-id-headers: X-Request-Id on every answer
+    log_requests: bool = False  # vLLM's --enable-log-requests: a line per generation request taken and ended
 
     @property
     def names(self) -> tuple[str, ...]:
