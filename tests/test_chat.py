@@ -10,7 +10,7 @@ import openai
 import pytest
 from rich.console import Console
 
-from specctl.chat.repl import ChatState, Quit, command, repl
+from specctl.chat.repl import ChatState, Quit, command, repl, retry_point
 from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
 
@@ -51,6 +51,39 @@ def test_commands_change_the_state():
         command("/quit", state)
 
 
+def test_undo_retry_save_and_load_keep_the_conversation_as_it_should_be(tmp_path):
+    state = ChatState(temperature=0.5, max_tokens=32, system="Be terse.")
+    exchange = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": "more"}, {"role": "assistant", "content": "sure"}]
+    state.messages.extend(exchange)
+    path = tmp_path / "talk.json"
+    assert command(f"/save {path}", state) == f"saved 4 messages to {path}"
+    assert command("/undo", state) == "dropped the last exchange (2 messages left)" and state.messages == exchange[:2]
+    state.messages.append({"role": "user", "content": "unanswered"})  # a reply that failed or was stopped empty
+    assert command("/undo", state) == "dropped the last exchange (2 messages left)" and state.messages == exchange[:2]
+    assert retry_point(state) and state.messages == exchange[:1]  # the last reply goes; the question is asked again
+    assert retry_point(state) and state.messages == exchange[:1]
+    assert command("/undo", state) == "dropped the last exchange (0 messages left)"
+    assert command("/undo", state) == "nothing to undo" and not retry_point(state)
+    fresh = ChatState()
+    assert command(f"/load {path}", fresh) == f"loaded 4 messages from {path}"
+    assert (fresh.messages, fresh.system, fresh.temperature, fresh.max_tokens) == (exchange, "Be terse.", 0.5, 32)
+    assert command("/save", fresh) == "usage: /save FILE (the conversation as JSON)"
+    assert command(f"/load {tmp_path / 'missing.json'}", fresh) == \
+        f"cannot load {tmp_path / 'missing.json'}: No such file or directory"
+    for text, reason in (("[1, 2]", 'not a saved conversation: no "messages" list'),
+                         ('{"messages": [{"role": "system", "content": "x"}]}',
+                          'message 0 must be {"role": "user" or "assistant", "content": text}'),
+                         ('{"messages": [], "temperature": "hot"}', '"temperature" must be a number between 0 and 100'),
+                         ('{"messages": [], "max_tokens": 0}', '"max_tokens" must be a whole number of at least 1'),
+                         ("{", "not JSON: ")):
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        answer = command(f"/load {bad}", fresh)
+        assert answer.startswith(f"cannot load {bad}: {reason}"), answer
+        assert fresh.messages == exchange  # a bad file changes nothing
+
+
 def test_repl_streams_the_targets_greedy_reply_and_keeps_the_conversation(gateway):
     reference = openai.OpenAI(base_url=gateway + "/v1", api_key="x").chat.completions.create(
         model="", messages=[{"role": "user", "content": "hello"}], max_tokens=12, temperature=0).choices[0].message.content
@@ -69,6 +102,25 @@ def test_repl_streams_the_targets_greedy_reply_and_keeps_the_conversation(gatewa
                             {"role": "user", "content": "third"}], max_tokens=6, temperature=0).choices[0].message
     assert state.messages[5]["content"] == third.content
     assert next(lines) == "never read"
+
+
+def test_retry_answers_the_last_message_again_and_a_loaded_conversation_goes_on(gateway, tmp_path):
+    client = openai.OpenAI(base_url=gateway + "/v1", api_key="x")
+    console = Console(record=True, width=200, file=open("/dev/null", "w"))
+    state = ChatState(max_tokens=8)
+    path = tmp_path / "talk.json"
+    lines = iter(["hello", "/temp 1", "/retry", "/temp 0", "/retry", f"/save {path}", "/undo", "/quit"])
+    repl(gateway, console, state, read=lambda: next(lines))
+    greedy = client.chat.completions.create(model="", messages=[{"role": "user", "content": "hello"}], max_tokens=8,
+                                            temperature=0).choices[0].message.content
+    assert state.messages == [] and console.export_text().count("tok/s, mean accepted length") == 3
+    loaded = ChatState()
+    lines = iter([f"/load {path}", "again", "/quit"])
+    repl(gateway, console, loaded, read=lambda: next(lines))
+    assert loaded.messages[:2] == [{"role": "user", "content": "hello"}, {"role": "assistant", "content": greedy}]
+    again = client.chat.completions.create(model="", messages=[*loaded.messages[:2], {"role": "user", "content": "again"}],
+                                           max_tokens=8, temperature=0).choices[0].message.content
+    assert loaded.messages[2:] == [{"role": "user", "content": "again"}, {"role": "assistant", "content": again}]
 
 
 def test_repl_reports_an_unreachable_gateway_and_carries_on():

@@ -12,10 +12,13 @@ from typing import Callable
 import aiohttp
 from rich.console import Console
 
+from specctl.chat import transcript
 from specctl.errors import unreachable_reason
 
-HELP = ("commands: /reset (forget the conversation), /system TEXT (the system prompt; /system alone drops it), "
-        "/temp T (sampling temperature), /max N (most tokens a reply), /stats, /quit; Ctrl-C stops a reply")
+HELP = ("commands: /reset (forget the conversation), /undo (drop the last exchange), /retry (answer the last "
+        "message again), /system TEXT (the system prompt; /system alone drops it), /temp T (sampling temperature), "
+        "/max N (most tokens a reply), /save FILE, /load FILE (the conversation as JSON), /stats, /quit; "
+        "Ctrl-C stops a reply")
 
 
 class Quit(Exception):
@@ -62,9 +65,39 @@ def command(line: str, state: ChatState) -> str:
             return "/max must be at least 1"
         state.max_tokens = value
         return f"at most {value} tokens a reply"
+    if name == "/undo":
+        asked = [i for i, message in enumerate(state.messages) if message["role"] == "user"]
+        if not asked:
+            return "nothing to undo"
+        del state.messages[asked[-1]:]
+        return f"dropped the last exchange ({len(state.messages)} messages left)"
+    if name in ("/save", "/load"):
+        return _file_command(name, arg.strip(), state)
     if name == "/help":
         return HELP
     return f"unknown command {name}; {HELP}"
+
+
+def _file_command(name: str, path: str, state: ChatState) -> str:
+    if not path:
+        return f"usage: {name} FILE (the conversation as JSON)"
+    try:
+        if name == "/save":
+            return f"saved {transcript.save(path, state)} messages to {path}"
+        saved = transcript.load(path)
+    except (OSError, transcript.TranscriptError) as exc:
+        return f"cannot {name[1:]} {path}: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}"
+    state.system, state.temperature, state.max_tokens = saved["system"], saved["temperature"], saved["max_tokens"]
+    state.messages[:] = saved["messages"]
+    return f"loaded {len(state.messages)} messages from {path}"
+
+
+def retry_point(state: ChatState) -> bool:
+    """Readies /retry: the last reply dropped so the last user message is answered again;
+    False when there is no user message to answer."""
+    if state.messages and state.messages[-1]["role"] == "assistant":
+        state.messages.pop()
+    return bool(state.messages) and state.messages[-1]["role"] == "user"
 
 
 def stat_line(usage: dict, spec: dict, first_s: float | None, last_s: float | None) -> str:
@@ -164,7 +197,12 @@ def repl(url: str, console: Console, state: ChatState | None = None, api_key: st
             continue
         if not line.strip():
             continue
-        if line.startswith("/"):
+        retry = line.strip() == "/retry"
+        if retry:
+            if not retry_point(state):
+                console.print("[dim]nothing to retry[/]")
+                continue
+        elif line.startswith("/"):
             if line.strip() == "/stats":
                 show_stats(url, console, api_key)
                 continue
@@ -173,32 +211,41 @@ def repl(url: str, console: Console, state: ChatState | None = None, api_key: st
             except Quit:
                 break
             continue
-        state.messages.append({"role": "user", "content": line})
-        console.print("[bold cyan]assistant>[/] ", end="")
-        started = time.perf_counter()
-        pieces: list[str] = []
-        first_s = last_s = None  # when the first and the latest text arrived
+        else:
+            state.messages.append({"role": "user", "content": line})
+        reply(url, console, state, api_key, replies, keep_on_error=retry)
 
-        def show(delta: str) -> None:
-            nonlocal first_s, last_s
-            last_s = time.perf_counter() - started
-            first_s = last_s if first_s is None else first_s
-            pieces.append(delta)
-            console.print(delta, end="", markup=False, highlight=False, soft_wrap=True)
 
-        try:
-            text, usage, spec = replies.run(stream_reply(url, state, show, api_key))
-        except KeyboardInterrupt:  # asyncio.run cancelled the stream: the gateway cancels the generation
-            state.messages.append({"role": "assistant", "content": "".join(pieces)})
-            console.print("\n[yellow](stopped)[/]")
-            continue
-        except (RuntimeError, aiohttp.ClientError, OSError) as exc:
+def reply(url: str, console: Console, state: ChatState, api_key: str | None, replies: Replies,
+          keep_on_error: bool = False) -> None:
+    """The reply to the conversation's last (user) message, streamed, then its statistic. On an
+    error that message is dropped (it can be sent again), unless ``keep_on_error`` (/retry)."""
+    console.print("[bold cyan]assistant>[/] ", end="")
+    started = time.perf_counter()
+    pieces: list[str] = []
+    first_s = last_s = None  # when the first and the latest text arrived
+
+    def show(delta: str) -> None:
+        nonlocal first_s, last_s
+        last_s = time.perf_counter() - started
+        first_s = last_s if first_s is None else first_s
+        pieces.append(delta)
+        console.print(delta, end="", markup=False, highlight=False, soft_wrap=True)
+
+    try:
+        text, usage, spec = replies.run(stream_reply(url, state, show, api_key))
+    except KeyboardInterrupt:  # asyncio.run cancelled the stream: the gateway cancels the generation
+        state.messages.append({"role": "assistant", "content": "".join(pieces)})
+        console.print("\n[yellow](stopped)[/]")
+        return
+    except (RuntimeError, aiohttp.ClientError, OSError) as exc:
+        if not keep_on_error:
             state.messages.pop()
-            console.print(f"\n[red]error: {failure_message(url, exc)}[/]", markup=True, highlight=False)
-            continue
-        state.messages.append({"role": "assistant", "content": text})
-        console.print()
-        console.print(f"[dim]{stat_line(usage, spec, first_s, last_s)}[/]")
+        console.print(f"\n[red]error: {failure_message(url, exc)}[/]", markup=True, highlight=False)
+        return
+    state.messages.append({"role": "assistant", "content": text})
+    console.print()
+    console.print(f"[dim]{stat_line(usage, spec, first_s, last_s)}[/]")
 
 
 def failure_message(url: str, exc: BaseException) -> str:
