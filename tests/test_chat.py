@@ -1,6 +1,7 @@
 """``specctl chat``: the REPL against a live gateway (in-process, tiny models), Ctrl-C
 driven through tmux, and the no-argument embedded cluster with the default pair (slow)."""
 
+import json
 import shutil
 import subprocess
 import sys
@@ -121,6 +122,28 @@ def test_retry_answers_the_last_message_again_and_a_loaded_conversation_goes_on(
     again = client.chat.completions.create(model="", messages=[*loaded.messages[:2], {"role": "user", "content": "again"}],
                                            max_tokens=8, temperature=0).choices[0].message.content
     assert loaded.messages[2:] == [{"role": "user", "content": "again"}, {"role": "assistant", "content": again}]
+
+
+def test_chat_load_goes_on_with_a_saved_conversation_and_flags_win_over_its_settings(tmp_path):
+    saved, out = tmp_path / "talk.json", tmp_path / "out.json"
+    conversation = {"system": "Be terse.", "temperature": 0.5, "max_tokens": 32,
+                    "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    saved.write_text(json.dumps(conversation))
+
+    def chat(*flags, lines=""):
+        return subprocess.run([sys.executable, "-m", "specctl", "chat", "--gateway", "http://127.0.0.1:9", *flags],
+                              input=lines, capture_output=True, text=True, timeout=120)
+
+    run = chat("--load", str(saved), "--temperature", "0.7", lines=f"/save {out}\n/quit\n")
+    assert run.returncode == 0, run.stderr
+    assert "2 messages loaded from" in run.stdout
+    assert json.loads(out.read_text()) == {**conversation, "temperature": 0.7}  # the flag given wins; the rest kept
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"messages": "no"}')
+    run = chat("--load", str(bad))
+    assert run.returncode != 0 and f'cannot load {bad}: not a saved conversation: no "messages" list' in run.stderr
+    run = chat("--load", str(tmp_path / "missing.json"))
+    assert run.returncode != 0 and "No such file or directory" in run.stderr
 
 
 def test_repl_reports_an_unreachable_gateway_and_carries_on():

@@ -11,9 +11,14 @@ from rich.console import Console
 
 def chat(
     gateway: Optional[str] = typer.Option(None, help="gateway URL (default: start an embedded cluster here)"),
-    temperature: float = typer.Option(0.0, help="0 = greedy: exactly the target's own output; /temp changes it"),
-    max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="most tokens per reply; /max changes it"),
-    system: str = typer.Option("", "--system", help="system prompt sent before the conversation; /system changes it"),
+    temperature: Optional[float] = typer.Option(None, help="0 (default) = greedy: exactly the target's own output; "
+                                                "/temp changes it"),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n", help="most tokens per reply (default 256); "
+                                             "/max changes it"),
+    system: Optional[str] = typer.Option(None, "--system", help="system prompt sent before the conversation; /system "
+                                         "changes it"),
+    load: Optional[str] = typer.Option(None, "--load", help="go on with a conversation /save wrote (its system prompt "
+                                       "and settings too, unless the flags above give them)"),
     draft: Optional[str] = typer.Option(None, help="embedded cluster: draft model"),
     target: Optional[str] = typer.Option(None, help="embedded cluster: target model"),
     mode: Optional[str] = typer.Option(None, help="embedded cluster: chain | tree"),
@@ -24,16 +29,28 @@ def chat(
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECCTL_API_KEY", help="the gateway's API key"),
 ) -> None:
     """Chat interactively; replies stream as the target accepts tokens."""
+    from specctl.chat import transcript
     from specctl.chat.repl import ChatState, Replies, repl
     from specctl.errors import ConfigError
     from specctl.spec.sampling import SamplingParams
 
+    state = ChatState()
+    if load:  # before any model loads: a bad file is a one-line error
+        try:
+            saved = transcript.load(load)
+        except (OSError, transcript.TranscriptError) as exc:
+            raise ConfigError(f"cannot load {load}: {getattr(exc, 'strerror', None) or exc}") from None
+        state = ChatState(**saved)
+    state.temperature = state.temperature if temperature is None else temperature
+    state.max_tokens = state.max_tokens if max_tokens is None else max_tokens
+    state.system = state.system if system is None else system
     try:
-        SamplingParams(temperature=temperature, max_tokens=max_tokens)
+        SamplingParams(temperature=state.temperature, max_tokens=state.max_tokens)
     except Exception as exc:  # noqa: BLE001
         raise ConfigError(str(exc)) from None
     console = Console()
-    state = ChatState(temperature=temperature, max_tokens=max_tokens, system=system)
+    if load:
+        console.print(f"[dim]{len(state.messages)} messages loaded from {load}[/]")
     if gateway:
         console.print(f"[dim]chatting with {gateway}[/]")
         repl(gateway, console, state, api_key)
@@ -54,7 +71,7 @@ def chat(
     # Torch runs fastest from the main thread: it serves compute, the REPL and the cluster's
     # asyncio loop run beside it, and Ctrl-C is forwarded to the reply being streamed.
     compute = ComputeThread("cpu-compute", max_batch=config.max_batch, spawn=False)
-    cluster = ClusterThread(config, ClusterConfig(targets=1, gateway_port=0, default_max_tokens=max_tokens),
+    cluster = ClusterThread(config, ClusterConfig(targets=1, gateway_port=0, default_max_tokens=state.max_tokens),
                             Console(stderr=True), compute=compute)
     replies = Replies()
 
