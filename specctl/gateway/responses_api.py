@@ -110,8 +110,7 @@ def as_chat(req: ResponsesRequest, history: tuple[ChatMessage, ...] = ()) -> Cha
 def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
     """The request's input as chat messages (consecutive function_call items one assistant turn)."""
     messages: list[ChatMessage] = []
-    items = [InputItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
-    for i, item in enumerate(items):
+    for i, item in enumerate(_items(req)):
         message = _message(i, item, messages[-1] if messages else None)
         if not (messages and message is messages[-1]):  # else a call joined the assistant turn before it
             messages.append(message)
@@ -121,12 +120,11 @@ def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
 def input_records(req: ResponsesRequest) -> tuple[dict, ...]:
     """The request's input items as a stored response lists them (GET .../input_items): each
     with an id (the one given, else a new one) and status completed; text as input_text parts."""
-    items = [InputItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
     records = []
-    for item in items:
+    for item in _items(req):
         record = {k: v for k, v in msgspec.to_builtins(item).items() if v is not None}
         if item.type == "message":
-            parts = item.content if isinstance(item.content, list) else [InputPart(type="input_text", text=item.content)]
+            parts = _parts(item)
             record["content"] = [{"type": part.type, "text": part.text or ""} for part in parts]
         prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}.get(item.type, "item")
         record.setdefault("id", f"{prefix}_{uuid.uuid4().hex}")
@@ -142,6 +140,16 @@ def answer_turn(output: list[dict]) -> ChatMessage:
     calls = [ToolCall(function=CalledFunction(name=item["name"], arguments=item["arguments"]), id=item["call_id"])
              for item in output if item["type"] == "function_call"]
     return ChatMessage(role="assistant", content=text if text or not calls else None, tool_calls=calls or None)
+
+
+def _items(req: ResponsesRequest) -> list[InputItem]:
+    """The input as items: a string is one user message."""
+    return [InputItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+
+
+def _parts(item: InputItem) -> list[InputPart]:
+    """A message item's content as parts: a string is one input_text part."""
+    return item.content if isinstance(item.content, list) else [InputPart(type="input_text", text=item.content)]
 
 
 def _message(i: int, item: InputItem, last: ChatMessage | None) -> ChatMessage:
@@ -162,7 +170,7 @@ def _message(i: int, item: InputItem, last: ChatMessage | None) -> ChatMessage:
     if item.type != "message" or item.role not in ROLES:
         raise ApiError(400, f"input[{i}] must be a message of role {', '.join(ROLES)}, a function_call or a "
                             f"function_call_output; got type {item.type!r}, role {item.role!r}", param="input")
-    parts = item.content if isinstance(item.content, list) else [InputPart(type="input_text", text=item.content)]
+    parts = _parts(item)
     if any(part.type not in TEXT_PARTS for part in parts):
         raise ApiError(400, f"input[{i}] holds a part that is not text: only input_text and output_text are served",
                        param="input")
