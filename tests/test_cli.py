@@ -75,6 +75,36 @@ def test_generate_bad_words_gives_the_target_alones_text_without_them(tiny_dir):
                            "--bad-words must not be empty: give a word")
 
 
+def test_generate_stop_ends_the_text_before_the_stop_string_and_the_generation_with_it(tiny_dir):
+    from specctl.engine import text
+    from specctl.engine.loader import load_model
+    from specctl.spec.rounds import generate
+    from specctl.spec.sampling import SamplingParams
+
+    model = load_model("tiny", tiny_dir["llama"], "fp32")
+    ids = text.encode_user_text(model.tokenizer, "hello world", False)
+    free = model.tokenizer.decode(generate(model.decoder, ids, SamplingParams(max_tokens=40),
+                                           eos_token_ids=model.eos_token_ids)[0], skip_special_tokens=True)
+    stop = free[len(free) // 3:][:3]  # several rounds in
+    proc = _generate(tiny_dir, "--mode", "chain", "--max-tokens", "40", "--stop", stop, "--stop", "never there")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["text"] == free[:free.index(stop)] and result["finish_reason"] == "stop"
+    assert len(result["token_ids"]) < 40  # the generation ended there, not at max_tokens
+    streamed = run("generate", "--target", str(tiny_dir["llama"]), "--draft", str(tiny_dir["llama-draft"]), "--prompt",
+                   "hello world", "--max-tokens", "40", "--dtype", "fp32", "--mode", "chain", "--stop", stop)
+    assert streamed.returncode == 0 and streamed.stdout == free[:free.index(stop)] + "\n", streamed.stderr
+    # the round loop's ``until``: asked after every emit, it ends the session as a stop
+    out, _, reason = generate(model.decoder, ids, SamplingParams(max_tokens=40, ignore_eos=True),
+                              until=lambda: True)
+    assert (len(out), reason) == (1, "stop")  # the prefill's token, then nothing more
+    _assert_one_line_error(run("generate", "--prompt", "x", "--stop", ""),
+                           "--stop must not be empty: give the text to stop before")
+    _assert_one_line_error(run("generate", "--prompt", "x", "--stop", "a", "--remote", "127.0.0.1:9"),
+                           "--stop is not served with --remote: send the request through a gateway, whose stop "
+                           "strings cancel the generation on its target")
+
+
 @pytest.mark.slow  # a cluster and a subprocess, 24 s; bench serve's own variants run in the default pass
 def test_bench_serve_measures_a_running_gateway(cluster, tmp_path):
     from specctl.bench.processes import free_port

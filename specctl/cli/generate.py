@@ -15,18 +15,29 @@ from specctl.engine import text
 
 
 class TextStreamer:
-    """Prints only the new, complete characters of the growing output."""
+    """Prints only the new, complete characters of the growing output (``out`` None: keeps
+    them), up to a stop string: ``stopped`` then turns true."""
 
-    def __init__(self, tokenizer, out=sys.stdout) -> None:
-        self.text, self.out, self.seen = text.IncrementalText(tokenizer), out, 0
+    def __init__(self, tokenizer, out=sys.stdout, stop: tuple[str, ...] = ()) -> None:
+        self.text, self.out, self.seen = text.IncrementalText(tokenizer, stop), out, 0
+
+    @property
+    def stopped(self) -> bool:
+        return self.text.stopped
 
     def update(self, tokens: list[int]) -> None:
-        self.out.write(self.text.push(tokens[self.seen :]))
-        self.out.flush()
+        delta = self.text.push(tokens[self.seen :])
         self.seen = len(tokens)
+        if self.out is not None:
+            self.out.write(delta)
+            self.out.flush()
 
-    def finish(self) -> None:
-        self.out.write(self.text.finish() + "\n")
+    def finish(self) -> str:
+        """The whole text handed out (cut before a stop string)."""
+        rest = self.text.finish()
+        if self.out is not None:
+            self.out.write(rest + "\n")
+        return self.text.text
 
 
 def generate(
@@ -56,6 +67,8 @@ def generate(
                                           "grammar (its text, or @FILE)"),
     bad_words: Optional[list[str]] = typer.Option(None, "--bad-words", help="never write this word (vLLM's "
                                                   "bad_words; repeat the flag)"),
+    stop: Optional[list[str]] = typer.Option(None, "--stop", help="end the output before this text (OpenAI's stop; "
+                                             "repeat the flag)"),
     mode: Optional[str] = typer.Option(None, help="ar | chain | tree | ngram | multi (several drafters: --drafters)"),
     drafters: Optional[str] = typer.Option(None, help="mode multi: comma-separated drafters, routed per session and "
                                            "fused into one tree (model names, NAME@N, ngram)"),
@@ -83,6 +96,11 @@ def generate(
 
     if bad_words and not all(word.strip() for word in bad_words):  # before the models load
         raise ConfigError("--bad-words must not be empty: give a word")
+    if stop and not all(stop):
+        raise ConfigError("--stop must not be empty: give the text to stop before")
+    if stop and remote:
+        raise ConfigError("--stop is not served with --remote: send the request through a gateway, whose stop "
+                          "strings cancel the generation on its target")
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
                             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                             frequency_penalty=frequency_penalty, min_p=min_p,
@@ -101,27 +119,26 @@ def generate(
                else make_drafter(config, draft_model))
     params = with_bad_words(params, bad_words, target_model.tokenizer)
     ids = text.encode_user_text(target_model.tokenizer, prompt, chat)
-    streamer = None if as_json else TextStreamer(target_model.tokenizer)
+    streamer = TextStreamer(target_model.tokenizer, None if as_json else sys.stdout, tuple(stop or ()))
     output: list[int] = []
 
     def on_tokens(tokens: list[int], _round) -> None:
         output.extend(tokens)
-        if streamer:
-            streamer.update(output)
+        streamer.update(output)
 
     output, stats, finish_reason = run_generation(target_model.decoder, ids, params, drafter,
                                                   eos_token_ids=target_model.eos_token_ids, on_tokens=on_tokens,
-                                                  tokenizer=target_model.tokenizer)
+                                                  tokenizer=target_model.tokenizer, until=lambda: streamer.stopped)
+    output_text = streamer.finish()
     if as_json:
         print(json.dumps({
             "mode": config.mode, "target": config.target, "draft": config.draft if draft_model else None,
-            "dtype": config.dtype, "token_ids": output,
-            "text": target_model.tokenizer.decode(output, skip_special_tokens=True),
+            "dtype": config.dtype, "token_ids": output,  # every token verified, those past a stop string too
+            "text": output_text,
             "finish_reason": finish_reason, "stats": stats.to_dict(),
             **({"drafters": drafter.snapshot()} if config.mode == "multi" else {}),
         }))
     else:
-        streamer.finish()
         console.print(
             f"[dim]{stats.new_tokens} tokens, {stats.tokens_per_s:.2f} tok/s, mode {config.mode}, "
             f"mean accepted length {stats.mean_accepted_length:.2f}, acceptance {stats.acceptance_rate:.0%}[/]"

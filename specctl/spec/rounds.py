@@ -159,13 +159,21 @@ def run_inline(coroutine) -> Any:
 def generate(target: Decoder, prompt: list[int], params: SamplingParams, drafter: Drafter | None = None, *,
              eos_token_ids: tuple[int, ...] = (), max_context: int | None = None, pool: KVPool | None = None,
              draft_pool: KVPool | None = None, on_tokens: Emit | None = None,
-             run_ahead: bool | None = None, tokenizer: Any = None) -> tuple[list[int], GenerationStats, str | None]:
+             run_ahead: bool | None = None, tokenizer: Any = None,
+             until: Callable[[], bool] | None = None) -> tuple[list[int], GenerationStats, str | None]:
     """Run a session to the end in this thread: (tokens, stats, finish_reason). ``run_ahead``:
     see ``DecodeSession`` (None: where ``decode.runs_ahead`` says); ``tokenizer``: the
-    target's, needed for structured output."""
+    target's, needed for structured output; ``until``: asked after each emit, True ends the
+    session with finish_reason "stop" (a stop string the caller found in the text)."""
     lane = InlineLane()
     speculator = LocalSpeculator(drafter or NoDrafter(), lane, draft_pool)
     session = DecodeSession(target, prompt, params, eos_token_ids, max_context, pool, speculator.max_nodes,
                             run_ahead, tokenizer)
-    run_inline(run_session(session, speculator, lane, on_tokens or (lambda tokens, result: None)))
+    def emit(tokens: list[int], result: RoundResult | None) -> None:
+        if on_tokens is not None:
+            on_tokens(tokens, result)
+        if until is not None and not session.finished and until():
+            session.finish_reason = "stop"
+
+    run_inline(run_session(session, speculator, lane, emit))
     return session.output, session.stats, session.finish_reason
