@@ -41,8 +41,8 @@ for i, token in enumerate(ids[1:]):
     tops_equal += tops == set(rows[i].topk(2).indices.tolist())
 print(f"prompt_logprobs: {len(scored)} entries for {len(ids)} prompt tokens, first {scored[0]}")
 print(f"  vs transformers fp32 (the gateway's target: the profile's dtype): max |logprob diff| "
-      f"{max(differences):.3f}, mean {sum(differences) / len(differences):.3f}; rank equal {ranks_equal}/{len(ids) - 1}; "
-      f"top-2 ids equal {tops_equal}/{len(ids) - 1}")
+      f"{max(differences):.3f}, mean {sum(differences) / len(differences):.3f}; "
+      f"rank equal {ranks_equal}/{len(ids) - 1}; top-2 ids equal {tops_equal}/{len(ids) - 1}")
 print("  e.g.", {k: (round(v["logprob"], 3), v["rank"], v["decoded_token"]) for k, v in scored[5].items()})
 answer, headers = post("/v1/chat/completions", {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4,
                                                 "temperature": 0}, {"X-Request-Id": "trace-42"})

@@ -70,6 +70,10 @@ def test_the_id_names_the_answer_reaches_the_target_and_comes_back_when_asked(cl
     code, _, raw = _http("POST", base + "/v1/chat/completions", {}, chat)
     assert code == 200 and json.loads(raw)["id"] == "chatcmpl-mine"
     assert sorted(seen[1:]) == ["mine-0", "mine-1"]  # a choice each
+    longest = "x" * 256  # with its choices' "-<index>" still a valid GENERATE for the target
+    code, _, raw = _http("POST", base + "/v1/chat/completions", {"X-Request-Id": longest}, chat)
+    assert code == 200 and json.loads(raw)["id"] == "chatcmpl-" + longest and sorted(seen[3:]) == [
+        longest + "-0", longest + "-1"]
     code, _, raw = _http("POST", base + "/v1/chat/completions", {}, {**chat, "stream": True, "n": 1})
     ids = {json.loads(line[6:])["id"] for line in raw.split(b"\n") if line.startswith(b"data: {")}
     assert ids == {"chatcmpl-mine"}

@@ -166,3 +166,15 @@ def test_sampling_params_travel_whole_in_generate():
         assert sampling_params_of(sent) == params
     assert p.decode(p.encode(generate_message(1, [5], every, "trace-7-1"))[4:]).request_id == "trace-7-1"
     assert sent.request_id == ""  # none given: the target's log names the session by its number
+
+
+def test_a_request_id_that_would_break_a_log_line_is_an_invalid_message():
+    from specctl.verify.wire_params import generate_message
+    from specctl.spec.sampling import SamplingParams
+
+    for bad in ("two\nlines", "x" * 321, "caf\u00e9"):
+        frame = p.encode(generate_message(1, [5], SamplingParams(), bad))
+        with pytest.raises(p.ProtocolError, match=r"^invalid message: .*request_id"):
+            p.decode(frame[4:])
+    longest = "x" * 256 + "-127"  # the gateway's longest id, a request's last choice
+    assert p.decode(p.encode(generate_message(1, [5], SamplingParams(), longest))[4:]).request_id == longest

@@ -7,7 +7,7 @@ with valid fields becomes a ProtocolError. Tensors travel as {dtype, shape, data
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Annotated, Union
 
 import msgspec
 import torch
@@ -172,6 +172,11 @@ class Reroot(msgspec.Struct, tag=True, frozen=True):
 
 # --- client <-> target -----------------------------------------------------------------
 
+# A gateway's request id (gateway.request_id) as the target logs it: one line, bounded ("" = none); the
+# gateway takes ids of up to 256 characters and names a request's choices "<id>-<index>" (index < 128).
+RequestId = Annotated[str, msgspec.Meta(max_length=320, pattern=r"^[\x21-\x7e]*$")]
+
+
 class Generate(msgspec.Struct, tag=True, frozen=True):
     req: int
     prompt: list[int]
@@ -193,7 +198,7 @@ class Generate(msgspec.Struct, tag=True, frozen=True):
     structured_kind: str = ""  # spec.structured: "" = unconstrained, else its kind and text
     structured_spec: str = ""
     bad_words: list[list[int]] = []  # vLLM's, as token sequences (spec.logit_rules)
-    request_id: str = ""  # the gateway's request id (a choice's: "<id>-<index>"), named in the target's log lines
+    request_id: RequestId = ""  # the gateway's request id (a choice's: "<id>-<index>"), named in the target's log lines
 
 
 class Tokens(msgspec.Struct, tag=True, frozen=True):
