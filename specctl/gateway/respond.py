@@ -42,10 +42,10 @@ class Reply:
     async def collect(self, choices: Choices) -> web.Response:
         texts: dict[int, list[str]] = {}
         entries: dict[int, list[R.TokenLogprob]] = {}
-        bodies, stats, completion_tokens, prompts = [], {}, 0, {}
+        bodies, stats, prompts = [], {}, {}
         async for index, event in choices.events():
-            if event.prompt is not None:
-                prompts[index] = self.prompt_logprobs(event.prompt) if self.prompt_logprobs else None
+            if event.prompt is not None and self.prompt_logprobs:
+                prompts[index] = self.prompt_logprobs(event.prompt)
             texts.setdefault(index, []).append(event.delta)
             entries.setdefault(index, []).extend(event.logprobs)
             if event.finish:
@@ -60,9 +60,8 @@ class Reply:
                 if self.prompt_logprobs and not self.chat:
                     bodies[-1]["prompt_logprobs"] = prompts.get(index)
                 stats[index] = event.stats
-                completion_tokens += event.count
         body = R.full_response(R.new_id(self.chat, self.request_id), self.model, self.chat, bodies, self.prompt_tokens,
-                               completion_tokens, R.spec_summaries(list(stats.values())),
+                               choices.completion_tokens, R.spec_summaries(list(stats.values())),
                                cached=R.cached_tokens(stats, self.n))
         if self.prompt_logprobs and self.chat:  # vLLM's place for chat: one prompt, beside the choices
             body["prompt_logprobs"] = prompts.get(min(prompts, default=0))
@@ -73,12 +72,10 @@ class Reply:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
 
-        counts: dict[int, int] = {}  # each choice's completion tokens so far
-
         async def send(**fields) -> None:
             if self.continuous_usage:
                 fields["extra"] = {**(fields.get("extra") or {}),
-                                   "usage": R.usage(self.prompt_tokens, sum(counts.values()))}
+                                   "usage": R.usage(self.prompt_tokens, choices.completion_tokens)}
             await response.write(R.sse(R.chunk(rid, model, chat, created, **fields)))
 
         if chat:
@@ -86,10 +83,9 @@ class Reply:
                 await send(role=True, index=spec.index)
         offsets: dict[int, int] = {}  # each choice's text handed out so far (completions' text_offset)
         calls = {spec.index: self.calls() for spec in choices.specs} if self.calls is not None else {}
-        completion_tokens, stats = 0, {}
+        stats = {}
         try:
             async for index, event in choices.events():
-                counts[index] = event.count
                 delta, call_deltas = calls[index].push(event.delta) if calls else (event.delta, [])
                 if delta or (self.logprobs and event.logprobs):
                     logprobs = self.logprobs(event.logprobs, offsets.get(index, 0)) if self.logprobs else None
@@ -108,12 +104,11 @@ class Reply:
                             await send(tool_calls=call_deltas, index=index)
                         if found:
                             finish = calls[index].finish_reason
-                    completion_tokens += event.count
                     stats[index] = event.stats
                     await send(finish_reason=finish, extra={"specctl": R.spec_summary(event.stats)}, index=index)
             if self.include_usage:
                 await response.write(R.sse(R.usage_chunk(rid, model, chat, created, self.prompt_tokens,
-                                                         completion_tokens, R.cached_tokens(stats, self.n))))
+                                                         choices.completion_tokens, R.cached_tokens(stats, self.n))))
         except RemoteError as exc:  # headers are gone: the error travels in the stream, as vLLM does
             await response.write(R.sse(ApiError(502, remote_message(exc), type="server_error").body()))
         await response.write(R.sse("[DONE]"))
