@@ -31,7 +31,7 @@ def _isolated_threads():
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> dict[str, Path]:
-    """Tiny random-weight checkpoints: two architectures plus a draft that disagrees."""
+    """Tiny random-weight checkpoints: three architectures, drafts that disagree."""
     root = tmp_path_factory.mktemp("tiny")
     return {
         "llama": make_tiny_model(root / "llama", "llama", seed=0),
@@ -39,6 +39,9 @@ def tiny_dir(tmp_path_factory) -> dict[str, Path]:
         "llama-draft": make_tiny_model(root / "llama-draft", "llama", seed=7, layers=2),
         "qwen2-draft": make_tiny_model(root / "qwen2-draft", "qwen2", seed=8, layers=2),
         "llama-other-vocab": make_tiny_model(root / "other-vocab", "llama", seed=3, vocab_size=384),
+        # Qwen3: per-head q/k norms, drawn away from ones so their weights count
+        "qwen3": make_tiny_model(root / "qwen3", "qwen3", seed=4, norm_std=0.3),
+        "qwen3-draft": make_tiny_model(root / "qwen3-draft", "qwen3", seed=5, layers=2, norm_std=0.3),
     }
 
 
@@ -46,7 +49,7 @@ def tiny_dir(tmp_path_factory) -> dict[str, Path]:
 def tiny(tiny_dir):
     """Loaded fp32 decoders: target, disagreeing draft, and the target's first 2 layers."""
     out = {}
-    for arch in ("llama", "qwen2"):
+    for arch in ("llama", "qwen2", "qwen3"):
         out[arch] = load_decoder(tiny_dir[arch])
         out[f"{arch}-draft"] = load_decoder(tiny_dir[f"{arch}-draft"])
         out[f"{arch}-self2"] = load_decoder(tiny_dir[arch], layer_range=(0, 2))

@@ -32,6 +32,15 @@ def test_known_shapes_and_the_limit():
     assert shape_config("qwen2.5-0.5b").intermediate_size == 4864
     with pytest.raises(ValueError, match="unknown model shape '3b'"):
         shape_config("3b")
+    from specctl.engine.spec import ModelSpec
+
+    for name, billions in (("0.6b", 0.596), ("1.7b", 1.72), ("qwen3-8b", 8.19)):  # the model cards' counts
+        spec = ModelSpec.from_hf(shape_config(name))
+        assert spec.arch == "qwen3" and spec.qk_norm and spec.head_dim == 128 and not spec.attention_bias
+        hidden, inner, heads, kv = spec.hidden_size, spec.intermediate_size, spec.num_heads, spec.num_kv_heads
+        layer = hidden * spec.head_dim * (2 * heads + 2 * kv) + 3 * hidden * inner
+        params = spec.num_layers * layer + spec.vocab_size * hidden * (1 if spec.tie_embeddings else 2)
+        assert params / 1e9 == pytest.approx(billions, abs=0.01), name
     assert bandwidth_limit_ms(2_000_000_000, 1000.0) == pytest.approx(2.0)
 
 

@@ -117,17 +117,17 @@ def test_the_switch_is_a_validated_config_field():
         Config(row_exact_attention="yes")
 
 
-def _target(tiny_dir, kind: str):
+def _target(tiny_dir, kind: str, arch: str = "llama"):
     if kind == "bf16":
-        return load_decoder(tiny_dir["llama"], dtype=torch.bfloat16)
-    return quantize_decoder(load_decoder(tiny_dir["llama"]), "int8")
+        return load_decoder(tiny_dir[arch], dtype=torch.bfloat16)
+    return quantize_decoder(load_decoder(tiny_dir[arch]), "int8")
 
 
-def _row_exact_target(tiny_dir, kind: str):
+def _row_exact_target(tiny_dir, kind: str, arch: str = "llama"):
     """The target as load_named(target=True) makes it; bf16 exactness needs this CPU's bf16
     matmuls to be row-independent, alone or with one-row products paired (the load-time
     probe), int8 has it by construction."""
-    target = _target(tiny_dir, kind)
+    target = _target(tiny_dir, kind, arch)
     min_rows = decoder_min_rows(target, "int8" if kind == "int8" else "none")
     if min_rows is None:
         pytest.skip(f"{kind} matmuls are not row-independent on this CPU: row-exact attention stays off here")
@@ -224,12 +224,12 @@ def test_verification_logits_equal_ar_step_logits_bit_for_bit(tiny_dir, kind):
     ar_cache.release()
 
 
-@pytest.mark.parametrize("kind", ["bf16", "int8"])
-def test_speculative_output_equals_the_target_alone_in_bf16_and_int8(tiny_dir, tiny, kind):
-    target = _row_exact_target(tiny_dir, kind)
+@pytest.mark.parametrize("kind, arch", [("bf16", "llama"), ("int8", "llama"), ("bf16", "qwen3")])
+def test_speculative_output_equals_the_target_alone_in_bf16_and_int8(tiny_dir, tiny, kind, arch):
+    target = _row_exact_target(tiny_dir, kind, arch)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    drafters = {"chain": ModelChainDrafter(tiny["llama-draft"], 4), "tree": ModelTreeDrafter(tiny["llama-draft"], 3, 2, 3),
-                "ngram": NgramDrafter(4)}
+    draft = tiny[f"{arch}-draft"]
+    drafters = {"chain": ModelChainDrafter(draft, 4), "tree": ModelTreeDrafter(draft, 3, 2, 3), "ngram": NgramDrafter(4)}
     for prompt in ([7, 8, 9, 10] * 5, list(range(30, 60))):
         reference, _, _ = generate(target, prompt, params)
         for name, drafter in drafters.items():

@@ -110,15 +110,26 @@ def test_a_masked_or_oversized_long_forward_stays_eager(static_pair):
     cache.release()
 
 
-def test_fused_pieces_equal_the_modules(tiny, tiny_dir):
-    fused = fuse_projections(load_decoder(tiny_dir["llama"])).use_static_steps()
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: the q/k norms inside the fused pieces
+def test_fused_pieces_equal_the_modules(tiny, tiny_dir, arch):
+    fused = fuse_projections(load_decoder(tiny_dir[arch])).use_static_steps()
     assert fused.static.pieces is not None and all(layer.fused for layer in fused.layers)
-    draft = fuse_projections(load_decoder(tiny_dir["llama-draft"])).use_static_steps()
+    draft = fuse_projections(load_decoder(tiny_dir[f"{arch}-draft"])).use_static_steps()
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     for prompt in PROMPTS:
-        reference = generate(tiny["llama"], prompt, params)[0]
+        reference = generate(tiny[arch], prompt, params)[0]
         assert generate(fused, prompt, params)[0] == reference
         assert generate(fused, prompt, params, ModelTreeDrafter(draft, 3, 2, 3))[0] == reference
+
+
+@pytest.mark.slow  # torch.compile (inductor) on the CPU: 37 s on a 2-core machine
+def test_compiled_pieces_with_qwen3_norms_equal_the_modules(tiny, tiny_dir):
+    """What a GPU runs (engine.static's compiled pieces), compiled here on the CPU: Qwen3's
+    per-head norms inside the compiled before-attention function."""
+    compiled = fuse_projections(load_decoder(tiny_dir["qwen3"])).use_static_steps(graphs=False, compile=True)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    for prompt in PROMPTS[:3]:
+        assert generate(compiled, prompt, params)[0] == generate(tiny["qwen3"], prompt, params)[0]
 
 
 def test_padding_rows_leave_the_cache_as_the_ragged_path_does(tiny, tiny_dir):

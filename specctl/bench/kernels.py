@@ -21,21 +21,32 @@ from specctl.engine.spec import ModelSpec
 
 # Architecture facts of real checkpoints (their config.json), for random-weight runs.
 SHAPES: dict[str, dict] = {
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+    "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    # Qwen3: head_dim 128 whatever the width, per-head q/k norms, no q/k/v biases
+    "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       tie_word_embeddings=True),
+    "qwen3-1.7b": dict(model_type="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       tie_word_embeddings=True),
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     tie_word_embeddings=False),
 }
-SHAPE_ALIASES = {"0.5b": "qwen2.5-0.5b", "1.5b": "qwen2.5-1.5b", "7b": "qwen2.5-7b"}
+SHAPE_ALIASES = {"0.5b": "qwen2.5-0.5b", "1.5b": "qwen2.5-1.5b", "7b": "qwen2.5-7b", "0.6b": "qwen3-0.6b",
+                 "1.7b": "qwen3-1.7b", "8b": "qwen3-8b"}
 VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 def shape_config(name: str):
     """A transformers config of a known model shape (by name or size, e.g. ``1.5b``), or of
     the checkpoint directory ``name`` (its config.json)."""
-    from transformers import AutoConfig, Qwen2Config
+    from transformers import AutoConfig
 
     if (Path(name) / "config.json").is_file():
         return AutoConfig.from_pretrained(name)
@@ -43,7 +54,7 @@ def shape_config(name: str):
     if key not in SHAPES:
         raise ValueError(f"unknown model shape {name!r}: one of {', '.join([*SHAPES, *SHAPE_ALIASES])} "
                          "or a checkpoint directory")
-    return Qwen2Config(max_position_embeddings=32768, rms_norm_eps=1e-6, **SHAPES[key])
+    return AutoConfig.for_model(max_position_embeddings=32768, rms_norm_eps=1e-6, **SHAPES[key])
 
 
 def random_decoder(config, dtype: torch.dtype, device: str, backend: str = "torch") -> Decoder:

@@ -14,8 +14,9 @@ from specctl.errors import ConfigError
 
 
 def kernels(
-    model: str = typer.Option("1.5b", help="with --random-weights a model shape (0.5b, 1.5b, 7b or qwen2.5-NB) or a "
-                              "checkpoint directory (its config.json), else a model name (specctl models list)"),
+    model: str = typer.Option("1.5b", help="with --random-weights a model shape (0.5b, 1.5b, 7b: qwen2.5-NB; 0.6b, "
+                              "1.7b, 8b: qwen3-NB) or a checkpoint directory (its config.json), else a model name "
+                              "(specctl models list)"),
     random_weights: bool = typer.Option(True, "--random-weights/--real-weights",
                                         help="random weights of the model's shape: no download, same timing"),
     device: str = typer.Option("cuda", help="cuda[:N] or cpu"),

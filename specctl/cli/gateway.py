@@ -79,6 +79,7 @@ def gateway(
     from transformers import AutoConfig, AutoTokenizer
 
     from specctl.engine.loader import vocab_fingerprint
+    from specctl.engine.spec import context_limit
     from specctl.gateway.metrics import GatewayMetrics
     from specctl.gateway.server import Gateway, GatewayConfig
     from specctl.gateway.upstream import Upstream
@@ -105,7 +106,7 @@ def gateway(
         path = resolve_model(split_model_name(name)[0], console)
         tokenizer = AutoTokenizer.from_pretrained(path)
         upstream.fingerprint = vocab_fingerprint(tokenizer)
-        context = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", 32768)
+        context = context_limit(AutoConfig.from_pretrained(path))
         server = Gateway(GatewayConfig(model_name=name, context=context, host=host, port=port,
                                        default_max_tokens=default_max_tokens, max_body_bytes=max_body_kb * 1024,
                                        api_key=api_key, **gateway_options), tokenizer, upstream, metrics)

@@ -69,6 +69,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(h * d, spec.hidden_size, bias=False)
         self.qkv_proj: nn.Module | None = None  # int8 models fuse q/k/v into one projection
         self.qkv_sizes = (h * d, kv * d, kv * d)
+        # Qwen3 normalises each head's queries and keys (over the head dim) before RoPE
+        self.q_norm = RMSNorm(d, spec.rms_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(d, spec.rms_eps) if spec.qk_norm else None
         self.attend = get_attention(backend)
         self.row_exact = False
 
@@ -85,8 +88,11 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, segments: "Segments", layer: int) -> torch.Tensor:
         b, n, _ = x.shape
         q, k, v = self.project(x)
-        q = q.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)
-        k = k.reshape(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = q.reshape(b, n, self.num_heads, self.head_dim)
+        k = k.reshape(b, n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.reshape(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if isinstance(segments, StaticSegment):
@@ -125,14 +131,20 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-def before_attention(h, qkv_weight, qkv_bias, cos, sin, heads: int, kv_heads: int, head_dim: int):
+def before_attention(h, qkv_weight, qkv_bias, cos, sin, heads: int, kv_heads: int, head_dim: int,
+                     q_norm_weight=None, k_norm_weight=None, eps: float = 0.0):
     """A static step's layer up to attention, on plain tensors (so one compiled function serves
-    every layer), from the normed input h: fused q/k/v projection, RoPE on q and k together.
+    every layer), from the normed input h: fused q/k/v projection, Qwen3's per-head q/k norms
+    where given, RoPE on q and k together.
     Returns q [1, H, M, D] and kv [2, Hkv, M, D] (keys and values, as the cache stores them)."""
     b, n, _ = h.shape
     qkv = F.linear(h, qkv_weight, qkv_bias)
     qk, v = qkv.split(((heads + kv_heads) * head_dim, kv_heads * head_dim), dim=-1)
-    qk = apply_rope(qk.reshape(b, n, heads + kv_heads, head_dim).transpose(1, 2), cos, sin)
+    qk = qk.reshape(b, n, heads + kv_heads, head_dim)
+    if q_norm_weight is not None:
+        q, k = qk.split((heads, kv_heads), dim=2)
+        qk = torch.cat((rms_norm(q, q_norm_weight, eps), rms_norm(k, k_norm_weight, eps)), dim=2)
+    qk = apply_rope(qk.transpose(1, 2), cos, sin)
     q, k = qk.split((heads, kv_heads), dim=1)
     return q, torch.stack((k[0], v.reshape(n, kv_heads, head_dim).transpose(0, 1)))
 
@@ -167,8 +179,9 @@ class DecoderLayer(nn.Module):
         torch.compile'd version), from x and its normed h; needs fused projections. Returns
         (x, h) for the next layer, h normed by ``next_norm`` (the next layer's, or the final one)."""
         attn, mlp = self.self_attn, self.mlp
+        norms = () if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
         q, kv = before(h, attn.qkv_proj.weight, attn.qkv_proj.bias, cos, sin, attn.num_heads, attn.num_kv_heads,
-                       attn.head_dim)
+                       attn.head_dim, *norms)
         out = segment.attend(layer, q, kv, attend)
         return after(x, out, attn.o_proj.weight, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps,
                      mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias,

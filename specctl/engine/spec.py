@@ -9,7 +9,7 @@ import torch
 
 from specctl.errors import BadRequest, UnsupportedArchitecture
 
-SUPPORTED = ("llama", "qwen2", "mistral")
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +27,7 @@ class ModelSpec:
     tie_embeddings: bool
     attention_bias: bool
     mlp_bias: bool
+    qk_norm: bool  # Qwen3: an RMSNorm over each head's queries and keys before RoPE
     hf_config: Any  # kept for RoPE parameters
 
     @classmethod
@@ -48,11 +49,12 @@ class ModelSpec:
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
             rms_eps=config.rms_norm_eps,
-            max_position=getattr(config, "max_position_embeddings", 32768),
+            max_position=context_limit(config),
             tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases; Llama has them when attention_bias is set.
+            # Qwen2 always has q/k/v biases; Llama and Qwen3 have them when attention_bias is set.
             attention_bias=arch == "qwen2" or bool(getattr(config, "attention_bias", False)),
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=arch == "qwen3",
             hf_config=config,
         )
 
@@ -71,6 +73,25 @@ class ModelSpec:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         return ROPE_INIT_FUNCTIONS[rope_type](self.hf_config, torch.device("cpu"))
+
+
+def sliding_window(config: Any) -> int | None:
+    """The attention window of a checkpoint whose layers slide (None: all full): Mistral's
+    ``sliding_window`` (every layer, where transformers has no ``layer_types``), Qwen2/Qwen3's
+    where ``layer_types`` names sliding layers (``use_sliding_window`` past ``max_window_layers``)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    slides = "sliding_attention" in layer_types if layer_types is not None else config.model_type == "mistral"
+    return window if slides and window else None
+
+
+def context_limit(config: Any) -> int:
+    """The longest context the engine decodes as the checkpoint does. Its attention is full:
+    up to a sliding window's length full and sliding attention are the same, past it they are
+    not, so a sliding checkpoint's context stops at its window."""
+    positions = getattr(config, "max_position_embeddings", 32768)
+    window = sliding_window(config)
+    return positions if window is None else min(positions, window)
 
 
 def check_token_ids(ids: list[int], vocab_size: int, what: str = "token ids") -> None:

@@ -34,7 +34,7 @@ def make_byte_tokenizer(vocab_size: int = TINY_VOCAB):
 
 
 def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, layers: int = 4, hidden: int = 64, **overrides):
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -54,17 +54,21 @@ def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, layers: int =
         return LlamaConfig(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
     if arch == "qwen2":
         return Qwen2Config(tie_word_embeddings=common.pop("tie_word_embeddings", True), **common)
+    if arch == "qwen3":  # Qwen3's config defaults head_dim to 128 whatever the width
+        common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
+        return Qwen3Config(tie_word_embeddings=common.pop("tie_word_embeddings", True), **common)
     raise ValueError(f"no tiny config for {arch!r}")
 
 
 def make_tiny_model(directory: Path | str, arch: str = "llama", seed: int = 0, init_std: float = 0.1,
-                    dtype: torch.dtype = torch.float32, **config) -> Path:
+                    dtype: torch.dtype = torch.float32, norm_std: float = 0.0, **config) -> Path:
     """Write a random-weight checkpoint (config.json, safetensors, tokenizer) to ``directory``,
     its weights stored in ``dtype`` (bf16, as the packaged models are stored, for the loaders
     that keep a checkpoint's dtype).
 
     ``init_std`` larger than the usual 0.02 gives peaked, varied next-token distributions, so
-    greedy decoding does not collapse into repeating one token."""
+    greedy decoding does not collapse into repeating one token. ``norm_std`` > 0 draws every
+    RMSNorm weight as 1 + N(0, norm_std) (they start at ones), so a test sees each norm's weight used."""
     from transformers import AutoModelForCausalLM
 
     directory = Path(directory)
@@ -72,6 +76,11 @@ def make_tiny_model(directory: Path | str, arch: str = "llama", seed: int = 0, i
     cfg.initializer_range = init_std
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if norm_std:
+        with torch.no_grad():
+            for name, weight in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    weight.add_(torch.randn_like(weight) * norm_std)
     model.to(dtype).save_pretrained(directory)
     if cfg.vocab_size >= TINY_VOCAB:  # smaller vocabularies are for token-level tests only
         make_byte_tokenizer(cfg.vocab_size).save_pretrained(directory)
