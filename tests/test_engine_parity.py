@@ -32,6 +32,23 @@ def test_tiny_parity_prefill_and_incremental(tiny_dir, arch):
     _check_parity(tiny_dir[arch], torch.randint(0, 300, (24,)), split=17)
 
 
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64, "rope_theta": 500000.0},  # Llama 3.1-3.3's
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "rope_theta": 10000.0},
+    {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+], ids=lambda rope: rope["rope_type"])
+def test_scaled_rope_checkpoints_load_and_match_transformers(tmp_path, rope):
+    """RoPE scaling (Llama 3.x's llama3, yarn with its attention factor, linear): these loaded
+    with a "Cannot copy out of meta tensor" until the frequencies were computed off the meta
+    device the decoder is built on; 160 tokens, past llama3's and yarn's original 64 and 128."""
+    from specctl.engine.tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "m", "llama", seed=1, rope_parameters=rope)
+    torch.manual_seed(0)
+    _check_parity(path, torch.randint(0, 300, (160,)), split=150)
+
+
 def test_qwen3_norms_each_head_s_queries_and_keys_with_its_checkpoint_weights(tiny_dir):
     """The tiny Qwen3's q/k norm weights are drawn away from ones, so the parity above needs them
     read and applied per head before RoPE; a Qwen3 config asks for them, the others do not."""

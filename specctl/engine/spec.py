@@ -72,7 +72,10 @@ class ModelSpec:
             return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        return ROPE_INIT_FUNCTIONS[rope_type](self.hf_config, torch.device("cpu"))
+        # on the CPU whatever device is current: a decoder is built under torch.device("meta"),
+        # where these functions' tensors would have no data to read
+        with torch.device("cpu"):
+            return ROPE_INIT_FUNCTIONS[rope_type](self.hf_config, torch.device("cpu"))
 
 
 def sliding_window(config: Any) -> int | None:
