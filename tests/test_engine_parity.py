@@ -49,6 +49,25 @@ def test_scaled_rope_checkpoints_load_and_match_transformers(tmp_path, rope):
     _check_parity(path, torch.randint(0, 300, (160,)), split=150)
 
 
+def test_longrope_decodes_as_transformers_up_to_its_original_context_and_stops_there(tmp_path):
+    """longrope's frequencies switch to the long factors once a sequence passes the original
+    context (transformers, one token past: logits differ); the engine's are fixed, so its
+    context is the original one."""
+    from specctl.engine.tiny import make_tiny_model
+
+    rope = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7], "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+    path = make_tiny_model(tmp_path / "m", "llama", seed=1, rope_parameters=rope)
+    torch.manual_seed(0)
+    _check_parity(path, torch.randint(0, 300, (64,)), split=50)
+    decoder = load_decoder(path)
+    assert decoder.spec.max_position == 64
+    ids = torch.randint(0, 300, (65,))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(ids[None]).logits[0]
+    assert _max_rel_diff(decoder(ids, torch.arange(65), decoder.new_cache(65)), ref) > 0.01
+
+
 def test_qwen3_norms_each_head_s_queries_and_keys_with_its_checkpoint_weights(tiny_dir):
     """The tiny Qwen3's q/k norm weights are drawn away from ones, so the parity above needs them
     read and applied per head before RoPE; a Qwen3 config asks for them, the others do not."""

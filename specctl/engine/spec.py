@@ -91,10 +91,18 @@ def sliding_window(config: Any) -> int | None:
 def context_limit(config: Any) -> int:
     """The longest context the engine decodes as the checkpoint does. Its attention is full:
     up to a sliding window's length full and sliding attention are the same, past it they are
-    not, so a sliding checkpoint's context stops at its window."""
+    not, so a sliding checkpoint's context stops at its window. Its RoPE frequencies are fixed:
+    longrope switches to its long factors past the original context, so it stops there."""
     positions = getattr(config, "max_position_embeddings", 32768)
     window = sliding_window(config)
-    return positions if window is None else min(positions, window)
+    if window is not None:
+        positions = min(positions, window)
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "longrope":
+        original = rope.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings",
+                                                                            None)
+        positions = min(positions, original or positions)
+    return positions
 
 
 def check_token_ids(ids: list[int], vocab_size: int, what: str = "token ids") -> None:
