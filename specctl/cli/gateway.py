@@ -33,23 +33,27 @@ LOG_REQUESTS = typer.Option(False, "--enable-log-requests",
                             help="log a line per generation request taken (id, parameters) and ended (vLLM's)")
 REQUEST_ID_HEADERS = typer.Option(False, "--enable-request-id-headers",
                                   help="every answer carries X-Request-Id: the client's, else a fresh one (vLLM's)")
+REASONING_PARSER = typer.Option(None, "--reasoning-parser",
+                                help="qwen3 | deepseek_r1: a chat answer's <think> part as message.reasoning, apart "
+                                     "from its content (vLLM's)")
 
 
 def serving_options(responses_store: int, max_waiting: int, queue_timeout: float, served_model_name: List[str],
                     scheduling_policy: str, allowed_origins: List[str], request_id_headers: bool,
-                    log_requests: bool) -> dict:
+                    log_requests: bool, reasoning_parser: str | None) -> dict:
     """The shared serving options, checked (gateway.server.check_serving) before any model loads,
     as GatewayConfig and ClusterConfig name them."""
     from specctl.gateway.server import check_serving
 
     try:
-        check_serving(responses_store, tuple(served_model_name), scheduling_policy, max_waiting, queue_timeout)
+        check_serving(responses_store, tuple(served_model_name), scheduling_policy, max_waiting, queue_timeout,
+                      reasoning_parser)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return {"responses_store": responses_store, "max_waiting": max_waiting, "queue_timeout_s": queue_timeout,
             "served_model_names": tuple(served_model_name), "scheduling_policy": scheduling_policy,
             "allowed_origins": tuple(allowed_origins), "request_id_headers": request_id_headers,
-            "log_requests": log_requests}
+            "log_requests": log_requests, "reasoning_parser": reasoning_parser}
 
 
 def gateway(
@@ -69,6 +73,7 @@ def gateway(
     allowed_origins: List[str] = ALLOWED_ORIGINS,
     request_id_headers: bool = REQUEST_ID_HEADERS,
     log_requests: bool = LOG_REQUESTS,
+    reasoning_parser: Optional[str] = REASONING_PARSER,
     auth_token: Optional[str] = typer.Option(None, "--auth-token", envvar="SPECCTL_AUTH_TOKEN",
                                              help="auth token of the target instances"),
     tls_ca: Optional[str] = typer.Option(None, "--tls-ca", help="CA file: talk TLS to the target instances"),
@@ -89,7 +94,7 @@ def gateway(
     from specctl.store import resolve_model
 
     serving = serving_options(responses_store, max_waiting, queue_timeout, served_model_name, scheduling_policy,
-                              allowed_origins, request_id_headers, log_requests)
+                              allowed_origins, request_id_headers, log_requests, reasoning_parser)
     setup_logging(log_level)
     console = Console(stderr=True)
 
@@ -147,6 +152,7 @@ def up(
     allowed_origins: List[str] = ALLOWED_ORIGINS,
     request_id_headers: bool = REQUEST_ID_HEADERS,
     log_requests: bool = LOG_REQUESTS,
+    reasoning_parser: Optional[str] = REASONING_PARSER,
     max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="most concurrent sessions a target "
                                                "instance holds (vLLM's --max-num-seqs; the profile's by default); "
                                                "past them requests wait (--max-waiting)"),
@@ -172,7 +178,7 @@ def up(
         plan = ClusterConfig(targets=targets, gateway_port=port, stages=stages,
                              **serving_options(responses_store, max_waiting, queue_timeout, served_model_name,
                                                scheduling_policy, allowed_origins, request_id_headers,
-                                               log_requests))
+                                               log_requests, reasoning_parser))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     setup_logging(log_level)

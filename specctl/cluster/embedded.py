@@ -41,6 +41,7 @@ class ClusterConfig:
     allowed_origins: tuple[str, ...] = ()  # browser origins the gateway answers with CORS headers
     request_id_headers: bool = False  # every gateway answer carries X-Request-Id (vLLM's --enable-request-id-headers)
     log_requests: bool = False  # the gateway logs each generation request taken and ended (--enable-log-requests)
+    reasoning_parser: str | None = None  # the gateway's chat answers' thinking apart (--reasoning-parser)
 
     def __post_init__(self) -> None:
         if not 1 <= self.targets <= 64:
@@ -48,7 +49,7 @@ class ClusterConfig:
         if not 1 <= self.stages <= 64:
             raise ValueError(f"stages must be in 1..64, got {self.stages}")
         check_serving(self.responses_store, self.served_model_names, self.scheduling_policy, self.max_waiting,
-                      self.queue_timeout_s)
+                      self.queue_timeout_s, self.reasoning_parser)
 
 
 class EmbeddedCluster:
@@ -121,7 +122,8 @@ class EmbeddedCluster:
                                              scheduling_policy=c.scheduling_policy,
                                              allowed_origins=c.allowed_origins,
                                              request_id_headers=c.request_id_headers,
-                                             log_requests=c.log_requests),
+                                             log_requests=c.log_requests,
+                                             reasoning_parser=c.reasoning_parser),
                                target.tokenizer, upstream, metrics)
         gateway_port = await self.gateway.start()
         self.urls = {"gateway": f"http://{host}:{gateway_port}", "draft": drafts[0] if drafts else None,

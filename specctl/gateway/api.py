@@ -39,6 +39,9 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
   (the last message left open for the model to continue; not with add_generation_prompt) and
   chat_template_kwargs (variables for the template, e.g. enable_thinking; not the names the
   gateway sets itself). /tokenize takes them too.
+- with ``--reasoning-parser`` a chat answer's thinking is its message's ``reasoning`` (and
+  ``reasoning_content``), apart from its content (gateway.reasoning); vLLM's include_reasoning
+  false leaves it out.
 - structured output — response_format json_object / json_schema, vLLM's guided_json,
   guided_regex, guided_choice, guided_grammar and structured_outputs — constrains the target's
   distribution to the grammar (spec.structured, llguidance as vLLM's guidance backend, JSON
@@ -171,6 +174,7 @@ class ChatCompletionRequest(RequestFields, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True  # vLLM's: false leaves the thinking out (with --reasoning-parser)
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

@@ -20,6 +20,7 @@ from specctl.gateway.api import (
 )
 from specctl.gateway.choices import Choices, choice_specs
 from specctl.gateway.metrics import GatewayMetrics
+from specctl.gateway.reasoning import thinks
 from specctl.gateway import request_log
 from specctl.gateway.request_id import request_id
 from specctl.gateway.respond import Reply, remote_message
@@ -162,10 +163,13 @@ class Generations:
         usage = req.stream_options is not None and req.stream_options.include_usage
         prompt_logprobs = (None if req.prompt_logprobs is None else
                            partial(R.prompt_logprobs_body, alternatives=req.prompt_logprobs, token_text=self._token_text))
+        parser = self.config.reasoning_parser if chat else None
         return Reply(self.config.names[0], chat, prompt_tokens, logprobs, calls=calls, include_usage=usage,
                      continuous_usage=usage and req.stream_options.continuous_usage_stats, n=req.n,
                      prompt_logprobs=prompt_logprobs, request_id=rid,
-                     text_length=lambda token: len(self._token_text(token)))
+                     text_length=lambda token: len(self._token_text(token)),
+                     thinking=None if parser is None else thinks(parser, req.chat_template_kwargs),
+                     include_reasoning=getattr(req, "include_reasoning", True))
 
     def _echoes(self, req, prompts: list[list[int]]) -> list[str] | None:
         """Each prompt's text as echo hands it back: as given, or decoded from its token ids."""

@@ -1,7 +1,8 @@
 """A request's choices become its answer: one JSON body (collected) or an SSE stream, with
-each choice's logprobs and, when the request gave tools, its text read for tool calls
-(gateway.tool_calls: the Hermes blocks of a free output, or a forced call's JSON; streamed, a
-call's name as soon as it is read and its arguments as they come)."""
+each choice's logprobs, with a reasoning parser its thinking apart (gateway.reasoning) and,
+when the request gave tools, its answer read for tool calls (gateway.tool_calls: the Hermes
+blocks of a free output, or a forced call's JSON; streamed, a call's name as soon as it is read
+and its arguments as they come)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from aiohttp import web
 from specctl.gateway import responses as R
 from specctl.gateway.api import ApiError
 from specctl.gateway.choices import Choices
+from specctl.gateway.reasoning import StreamedReasoning, split_reasoning
 from specctl.gateway.tool_calls import read_whole
 from specctl.verify.client import RemoteError
 
@@ -38,6 +40,8 @@ class Reply:
     prompt_logprobs: Callable[[list], list] | None = None
     request_id: str | None = None  # names the answer (gateway.request_id); None: a fresh id
     text_length: Callable[[int], int] | None = None  # a token id's text length (streamed completions' text_offset)
+    thinking: bool | None = None  # chat with a reasoning parser: whether the output starts in thought; None: no parser
+    include_reasoning: bool = True  # vLLM's include_reasoning: false leaves the thinking out
 
     async def collect(self, choices: Choices) -> web.Response:
         texts: dict[int, list[str]] = {}
@@ -49,14 +53,17 @@ class Reply:
             texts.setdefault(index, []).append(event.delta)
             entries.setdefault(index, []).extend(event.logprobs)
             if event.finish:
-                text, calls, finish = "".join(texts[index]), None, event.finish
-                if self.calls is not None:
+                text, calls, finish, thought = "".join(texts[index]), None, event.finish, ()
+                if self.thinking is not None:
+                    reasoning, text = split_reasoning(text, self.thinking)
+                    thought = (reasoning if self.include_reasoning else None,)
+                if self.calls is not None and text is not None:
                     reader = self.calls()
                     content, calls = read_whole(reader, text)
                     if calls:  # content beside calls: None when there is none, as OpenAI's
                         text, finish = content if content.strip() else None, reader.finish_reason
                 bodies.append(R.choice(self.chat, index, text, finish,
-                                       self.logprobs(entries[index], 0) if self.logprobs else None, calls))
+                                       self.logprobs(entries[index], 0) if self.logprobs else None, calls, thought))
                 if self.prompt_logprobs and not self.chat:
                     bodies[-1]["prompt_logprobs"] = prompts.get(index)
                 stats[index] = event.stats
@@ -83,12 +90,21 @@ class Reply:
                 await send(role=True, index=spec.index)
         offsets: dict[int, int] = {}  # each choice's text handed out so far (completions' text_offset)
         calls = {spec.index: self.calls() for spec in choices.specs} if self.calls is not None else {}
+        thoughts = ({spec.index: StreamedReasoning(self.thinking) for spec in choices.specs}
+                    if self.thinking is not None else {})
         stats = {}
         try:
             async for index, event in choices.events():
-                delta, call_deltas = calls[index].push(event.delta) if calls else (event.delta, [])
-                if delta or (self.logprobs and event.logprobs):
-                    logprobs = self.logprobs(event.logprobs, offsets.get(index, 0)) if self.logprobs else None
+                thought, text = thoughts[index].push(event.delta) if thoughts else ("", event.delta)
+                delta, call_deltas = calls[index].push(text) if calls else (text, [])
+                listed = False  # the event's logprobs sent with its thinking
+                if thought and self.include_reasoning:
+                    listed = bool(self.logprobs and event.logprobs)
+                    await send(reasoning=thought, logprobs=self.logprobs(event.logprobs, 0) if listed else None,
+                               index=index)
+                if delta or (self.logprobs and event.logprobs and not listed):
+                    logprobs = self.logprobs(event.logprobs, offsets.get(index, 0)) if self.logprobs and not listed \
+                        else None
                     if logprobs and not chat and logprobs["tokens"]:  # the next chunk's tokens start after these
                         offsets[index] = logprobs["text_offset"][-1] + self.text_length(event.logprobs[-1].token)
                     await send(text=delta, logprobs=logprobs, index=index)
@@ -96,6 +112,9 @@ class Reply:
                     await send(tool_calls=call_deltas, index=index)
                 if event.finish:
                     finish = event.finish
+                    thought = thoughts[index].finish() if thoughts else ""
+                    if thought and self.include_reasoning:
+                        await send(reasoning=thought, index=index)
                     if calls:
                         rest, call_deltas, found = calls[index].finish()
                         if rest:

@@ -105,9 +105,13 @@ def spec_summaries(stats: list[dict]) -> dict:
 
 
 def choice(chat: bool, index: int, text: str | None, finish_reason: str, logprobs: dict | None = None,
-           tool_calls: list[dict] | None = None) -> dict:
+           tool_calls: list[dict] | None = None, reasoning: tuple[str | None] = ()) -> dict:
+    """``reasoning``: () without a reasoning parser, else (the thinking,) — None where there is
+    none or it was left out — as vLLM's ``reasoning`` and its older name ``reasoning_content``."""
     if chat:
         message = {"role": "assistant", "content": text}
+        if reasoning:
+            message["reasoning"] = message["reasoning_content"] = reasoning[0]
         if tool_calls:
             message["tool_calls"] = tool_calls
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -125,11 +129,14 @@ def full_response(rid: str, model: str, chat: bool, choices: list[dict], prompt_
 
 def chunk(rid: str, model: str, chat: bool, created: int, text: str | None = None, finish_reason: str | None = None,
           role: bool = False, extra: dict | None = None, logprobs: dict | None = None, index: int = 0,
-          tool_calls: list[dict] | None = None) -> dict:
+          tool_calls: list[dict] | None = None, reasoning: str | None = None) -> dict:
     """One streamed chunk: a text delta (with its tokens' logprobs), the opening role (chat),
-    a choice's tool-call deltas (gateway.tool_calls) or the closing finish_reason."""
+    a piece of chat's thinking (gateway.reasoning), a choice's tool-call deltas
+    (gateway.tool_calls) or the closing finish_reason."""
     if chat:
         delta: dict = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+        if reasoning is not None:
+            delta = {"reasoning": reasoning, "reasoning_content": reasoning}
         if tool_calls:
             delta = {"tool_calls": tool_calls}
         one = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

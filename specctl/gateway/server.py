@@ -26,6 +26,7 @@ from specctl.gateway.api import (
 )
 from specctl.gateway.generation import Generations
 from specctl.gateway.metrics import GatewayMetrics
+from specctl.gateway.reasoning import check_parser
 from specctl.gateway.upstream import Upstream
 
 log = logging.getLogger("specctl.gateway")
@@ -47,6 +48,7 @@ class GatewayConfig:
     allowed_origins: tuple[str, ...] = ()  # browser origins answered with CORS headers (gateway.cors; "*": any)
     request_id_headers: bool = False  # vLLM's --enable-request-id-headers: X-Request-Id on every answer
     log_requests: bool = False  # vLLM's --enable-log-requests: a line per generation request taken and ended
+    reasoning_parser: str | None = None  # vLLM's --reasoning-parser: chat answers' thinking apart (gateway.reasoning)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -58,11 +60,12 @@ class GatewayConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.context < 2 or self.default_max_tokens < 1 or self.max_body_bytes < 1024:
             raise ValueError("context must be >= 2, default_max_tokens >= 1 and max_body_bytes >= 1024")
-        check_serving(self.responses_store, self.served_model_names, self.scheduling_policy)
+        check_serving(self.responses_store, self.served_model_names, self.scheduling_policy,
+                      reasoning_parser=self.reasoning_parser)
 
 
 def check_serving(responses_store: int = 0, served_model_names: tuple[str, ...] = (), scheduling_policy: str = "fcfs",
-                  max_waiting: int = 0, queue_timeout_s: float = 0.0) -> None:
+                  max_waiting: int = 0, queue_timeout_s: float = 0.0, reasoning_parser: str | None = None) -> None:
     """The serving options `gateway` and `up` take (the gateway's, its waiting line's), checked
     once for the CLI, the embedded cluster and GatewayConfig: a ValueError naming the flag."""
     if any(not name.strip() for name in served_model_names):
@@ -72,6 +75,7 @@ def check_serving(responses_store: int = 0, served_model_names: tuple[str, ...] 
     if min(responses_store, max_waiting, queue_timeout_s) < 0:
         raise ValueError(f"--responses-store, --max-waiting and --queue-timeout must be >= 0, got {responses_store}, "
                          f"{max_waiting}, {queue_timeout_s:g}")
+    check_parser(reasoning_parser)
 
 
 class Gateway:

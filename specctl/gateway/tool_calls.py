@@ -20,7 +20,7 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\S)')
 
 
-def _held(text: str, tag: str) -> int:
+def held_back(text: str, tag: str) -> int:
     """How many characters at the end of ``text`` may begin ``tag`` (held back until known)."""
     return max((k for k in range(1, len(tag)) if text.endswith(tag[:k])), default=0)
 
@@ -50,7 +50,7 @@ def _arguments(region: str, closed: bool) -> str | None:
     block's closing brace and the whitespace around it (and a tag maybe begun) held back.
     None: a closed block whose arguments are not the JSON of a call."""
     if not closed:
-        region = region[:len(region) - _held(region, CLOSE)]
+        region = region[:len(region) - held_back(region, CLOSE)]
     region = region.rstrip()
     if region.endswith("}"):
         region = region[:-1].rstrip()
@@ -80,7 +80,7 @@ class StreamedCalls:
         self.text += delta
         if self.start < 0:  # the text handed out holds no tag's start: look from there
             self.start = self.text.find(OPEN, self.sent)
-        upto = self.start if self.start >= 0 else len(self.text) - _held(self.text, OPEN)
+        upto = self.start if self.start >= 0 else len(self.text) - held_back(self.text, OPEN)
         content = self.text[self.sent:upto] if upto > self.sent else ""
         self.sent = max(self.sent, upto)
         return content, self._read(self.start, final=False) if self.start >= 0 else []

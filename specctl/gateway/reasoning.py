@@ -1,0 +1,73 @@
+"""vLLM's reasoning parsers (``--reasoning-parser qwen3 | deepseek_r1``): a chat choice's text
+split into the model's thinking, up to ``</think>``, and its answer after it — the message's
+``reasoning`` (and ``reasoning_content``, its older name, which clients still read) and its
+``content``. Only what is shown changes: the tokens, their logprobs and the stop rules are the
+target's output as generated.
+
+The output is in thought from its start when the chat template opened a ``<think>`` in the
+prompt (DeepSeek-R1, Qwen3 with thinking on: Qwen3's templates switch it with
+``chat_template_kwargs.enable_thinking``, on by default) — a ``<think>`` the model writes
+itself first is dropped; with thinking off the whole output is the answer. No ``</think>``
+(cut by max_tokens): all of it is thinking, as vLLM reads it. Streamed, a piece of text that
+may begin ``</think>`` is held back until it is known, so the pieces join into exactly the
+whole answer's two fields (tool calls are then read from the answer part alone)."""
+
+from __future__ import annotations
+
+from specctl.gateway.tool_calls import held_back
+
+PARSERS = ("qwen3", "deepseek_r1")
+START, END = "<think>", "</think>"
+
+
+def check_parser(name: str | None) -> None:
+    if name is not None and name not in PARSERS:
+        raise ValueError(f"--reasoning-parser must be one of {', '.join(PARSERS)}, got {name!r}")
+
+
+def thinks(parser: str, template_kwargs: dict | None) -> bool:
+    """Whether a request's output starts in thought."""
+    return parser == "deepseek_r1" or (template_kwargs or {}).get("enable_thinking", True) is not False
+
+
+class StreamedReasoning:
+    """A choice's text pushed as it comes: (reasoning, content) to hand out for each piece;
+    ``finish`` hands out what was held back, as reasoning."""
+
+    def __init__(self, thinking: bool) -> None:
+        self.state = "opening" if thinking else "answer"  # opening -> thinking -> answer
+        self.held = ""
+
+    def push(self, delta: str) -> tuple[str, str]:
+        if self.state == "answer":
+            return "", delta
+        text, self.held = self.held + delta, ""
+        if self.state == "opening":
+            opened = text.lstrip()
+            if opened.startswith(START):
+                text = opened[len(START):]
+            elif START.startswith(opened):  # whitespace, or a <think> begun: not known yet
+                self.held = text
+                return "", ""
+            self.state = "thinking"
+        reasoning, closed, content = text.partition(END)
+        if closed:
+            self.state = "answer"
+            return reasoning, content
+        keep = held_back(text, END)
+        self.held = text[len(text) - keep:]
+        return text[:len(text) - keep], ""
+
+    def finish(self) -> str:
+        rest, self.held = self.held, ""
+        return rest
+
+
+def split_reasoning(text: str, thinking: bool) -> tuple[str | None, str | None]:
+    """(reasoning, content) of a whole output, None where there is none: the streamed split
+    of it in one piece, so a whole answer and a stream's pieces always agree."""
+    if not thinking:
+        return None, text
+    parser = StreamedReasoning(thinking)
+    reasoning, content = parser.push(text)
+    return reasoning + parser.finish(), content or None

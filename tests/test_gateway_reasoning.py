@@ -1,0 +1,181 @@
+"""vLLM's reasoning parsers (gateway.reasoning, `--reasoning-parser`): a chat answer's thinking
+apart from its content, whole or streamed (the pieces join into the whole answer's fields), tool
+calls read from the content alone, include_reasoning and Qwen3's enable_thinking."""
+
+import json
+import shutil
+import urllib.request
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specctl.cluster.embedded import ClusterConfig, ClusterThread
+from specctl.config import build_config
+from specctl.gateway.reasoning import StreamedReasoning, check_parser, split_reasoning, thinks
+from tests.test_gateway import post
+from tests.test_gateway_tools import TEMPLATE, WEATHER
+
+
+@pytest.mark.parametrize("text, thinking, expected", [
+    ("<think>\nplan\n</think>\n\nanswer", True, ("\nplan\n", "\n\nanswer")),  # Qwen3 (2504) writes its <think>
+    ("plan</think>answer", True, ("plan", "answer")),  # R1 / Qwen3.5: the template opened it in the prompt
+    ("  <think>plan", True, ("plan", None)),  # cut by max_tokens: all thinking
+    ("plan", True, ("plan", None)),
+    ("<think></think>", True, ("", None)),
+    ("", True, ("", None)),
+    ("a <think> b</think>c", True, ("a <think> b", "c")),  # only a leading <think> opens
+    ("plan</think>x</think>y", True, ("plan", "x</think>y")),  # the first </think> ends it
+    ("<think>plan</think>answer", False, (None, "<think>plan</think>answer")),  # thinking off: all answer
+])
+def test_a_whole_output_splits_at_the_first_end_tag(text, thinking, expected):
+    assert split_reasoning(text, thinking) == expected
+
+
+def test_which_outputs_start_in_thought_and_the_parser_names():
+    assert thinks("qwen3", None) and thinks("qwen3", {"enable_thinking": True}) and thinks("qwen3", {"other": 1})
+    assert not thinks("qwen3", {"enable_thinking": False})
+    assert thinks("deepseek_r1", {"enable_thinking": False})  # R1's template always opens a <think>
+    check_parser(None)
+    check_parser("qwen3")
+    with pytest.raises(ValueError, match=r"^--reasoning-parser must be one of qwen3, deepseek_r1, got 'hermes'$"):
+        check_parser("hermes")
+
+
+PIECES = ["<think>", "</think>", "<", "</", "</th", "think>", ">", "/", " ", "\n", "a", "b", "<tool_call>"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(PIECES), max_size=12), st.lists(st.integers(0, 40), max_size=6), st.booleans())
+def test_streamed_pieces_join_into_the_whole_answers_fields(pieces, cuts, thinking):
+    text = "".join(pieces)
+    bounds = sorted({min(c, len(text)) for c in cuts})
+    chunks = [text[a:b] for a, b in zip([0, *bounds], [*bounds, len(text)])]
+    parser, reasoning, content = StreamedReasoning(thinking), [], []
+    for chunk in chunks:
+        thought, answer = parser.push(chunk)
+        reasoning.append(thought)
+        content.append(answer)
+    reasoning.append(parser.finish())
+    whole_reasoning, whole_content = split_reasoning(text, thinking)
+    assert "".join(reasoning) == (whole_reasoning or "") and "".join(content) == (whole_content or "")
+
+
+def test_an_end_tag_split_over_pieces_is_held_until_known():
+    parser = StreamedReasoning(True)
+    assert parser.push("<thi") == ("", "")
+    assert parser.push("nk>plan</th") == ("plan", "")
+    assert parser.push("ink>ans") == ("", "ans")
+    assert parser.push("wer</think>") == ("", "wer</think>")  # in the answer every tag is text
+    assert parser.finish() == ""
+    parser = StreamedReasoning(True)
+    assert parser.push("plan </") == ("plan ", "") and parser.push("b") == ("</b", "")
+
+
+@pytest.fixture(scope="module")
+def reasoning_cluster(tiny_dir, tmp_path_factory):
+    """The tiny model (with a template that renders tools) behind a gateway with --reasoning-parser qwen3."""
+    model = tmp_path_factory.mktemp("reasoning-model") / "llama"
+    shutil.copytree(tiny_dir["llama"], model)
+    config_path = model / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text())
+    tokenizer_config.pop("chat_template", None)
+    config_path.write_text(json.dumps(tokenizer_config))
+    (model / "chat_template.jinja").write_text(TEMPLATE)
+    config = build_config(None, target=str(model), draft=f"{model}@2", mode="chain", depth=3, dtype="fp32",
+                          draft_quant="none", max_sessions=4)
+    thread = ClusterThread(config, ClusterConfig(targets=1, gateway_port=0, reasoning_parser="qwen3"))
+    urls = thread.start()
+    yield thread, urls
+    thread.stop()
+
+
+def _chat(base: str, body: dict) -> dict:
+    code, _, raw = post(base + "/v1/chat/completions", body)
+    assert code == 200, raw
+    return json.loads(raw)
+
+
+def _streamed(base: str, body: dict) -> list[dict]:
+    request = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return [json.loads(line[6:])["choices"][0] for line in response if line.startswith(b"data: {")]
+
+
+def _joined(chunks: list[dict], field: str) -> str:
+    return "".join(c["delta"].get(field) or "" for c in chunks)
+
+
+# The grammar makes the tiny target write a thought and an answer (its own output under the grammar)
+THOUGHT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "temperature": 0,
+           "guided_regex": "<think>\nplan it</think>\n\nthe answer"}
+
+
+def test_thinking_comes_apart_from_the_answer_whole_and_streamed(reasoning_cluster):
+    base = reasoning_cluster[1]["gateway"]
+    message = _chat(base, THOUGHT)["choices"][0]["message"]
+    assert message["reasoning"] == message["reasoning_content"] == "\nplan it"
+    assert message["content"] == "\n\nthe answer"
+    chunks = _streamed(base, THOUGHT)
+    assert _joined(chunks, "reasoning") == _joined(chunks, "reasoning_content") == "\nplan it"
+    assert _joined(chunks, "content") == "\n\nthe answer"
+    assert not any(c["delta"].get("reasoning") and c["delta"].get("content") for c in chunks)  # one kind a chunk
+    assert chunks[-1]["finish_reason"] == "stop"
+    # logprobs still cover every token, the thinking's included
+    with_logprobs = _chat(base, {**THOUGHT, "logprobs": True})["choices"][0]["logprobs"]["content"]
+    assert "".join(entry["token"] for entry in with_logprobs) == "<think>\nplan it</think>\n\nthe answer"
+    streamed = [c["logprobs"]["content"] for c in _streamed(base, {**THOUGHT, "logprobs": True}) if c.get("logprobs")]
+    assert [entry["token"] for part in streamed for entry in part] == [entry["token"] for entry in with_logprobs]
+
+
+def test_include_reasoning_false_leaves_the_thinking_out_and_thinking_off_keeps_all_as_content(reasoning_cluster):
+    base = reasoning_cluster[1]["gateway"]
+    message = _chat(base, {**THOUGHT, "include_reasoning": False})["choices"][0]["message"]
+    assert message["reasoning"] is None and message["content"] == "\n\nthe answer"
+    chunks = _streamed(base, {**THOUGHT, "include_reasoning": False})
+    assert _joined(chunks, "reasoning") == "" and _joined(chunks, "content") == "\n\nthe answer"
+    off = {**THOUGHT, "chat_template_kwargs": {"enable_thinking": False}}
+    message = _chat(base, off)["choices"][0]["message"]
+    assert message["reasoning"] is None and message["content"] == "<think>\nplan it</think>\n\nthe answer"
+    assert _joined(_streamed(base, off), "content") == message["content"]
+
+
+def test_a_cut_thought_is_all_reasoning_and_completions_are_left_as_they_are(reasoning_cluster):
+    base = reasoning_cluster[1]["gateway"]
+    cut = _chat(base, {**THOUGHT, "max_tokens": 12})["choices"][0]  # a byte a token: "<think>\nplan"
+    assert cut["finish_reason"] == "length"
+    assert cut["message"]["reasoning"] == "\nplan" and cut["message"]["content"] is None
+    # cut inside the end tag: the held "</th" is thinking too, handed out when the choice ends
+    body = {**THOUGHT, "max_tokens": 19}
+    assert _chat(base, body)["choices"][0]["message"]["reasoning"] == "\nplan it</th"
+    chunks = _streamed(base, body)
+    assert _joined(chunks, "reasoning") == "\nplan it</th" and chunks[-1]["finish_reason"] == "length"
+    code, _, raw = post(base + "/v1/completions", {"prompt": "hi", "max_tokens": 40, "temperature": 0,
+                                                   "guided_regex": THOUGHT["guided_regex"]})
+    assert code == 200 and json.loads(raw)["choices"][0]["text"] == "<think>\nplan it</think>\n\nthe answer"
+
+
+def test_tool_calls_are_read_from_the_answer_after_the_thinking(reasoning_cluster):
+    base = reasoning_cluster[1]["gateway"]
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    body = {"messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER], "max_tokens": 120,
+            "temperature": 0, "guided_regex": "look it up</think>" + call.replace("{", "\\{").replace("}", "\\}")}
+    choice = _chat(base, body)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning"] == "look it up"
+    assert choice["message"]["content"] is None
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [
+        {"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
+    chunks = _streamed(base, body)
+    assert _joined(chunks, "reasoning") == "look it up" and _joined(chunks, "content") == ""
+    calls = [call for c in chunks for call in c["delta"].get("tool_calls") or []]
+    assert calls[0]["function"]["name"] == "get_weather"
+    assert "".join(c["function"]["arguments"] for c in calls) == '{"city": "Oslo"}'
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+
+
+def test_a_gateway_without_a_parser_answers_as_before_and_a_bad_parser_is_refused(cluster):
+    message = _chat(cluster[1]["gateway"], THOUGHT)["choices"][0]["message"]
+    assert "reasoning" not in message and message["content"] == "<think>\nplan it</think>\n\nthe answer"
+    with pytest.raises(ValueError, match=r"^--reasoning-parser must be one of qwen3, deepseek_r1, got 'r1'$"):
+        ClusterConfig(reasoning_parser="r1")
