@@ -179,3 +179,120 @@ def test_a_gateway_without_a_parser_answers_as_before_and_a_bad_parser_is_refuse
     assert "reasoning" not in message and message["content"] == "<think>\nplan it</think>\n\nthe answer"
     with pytest.raises(ValueError, match=r"^--reasoning-parser must be one of qwen3, deepseek_r1, got 'r1'$"):
         ClusterConfig(reasoning_parser="r1")
+
+
+async def test_streamed_response_items_put_the_thinking_first_and_close_it_when_the_answer_begins():
+    from specctl.gateway.responses_reply import StreamedItems
+    from specctl.gateway.tool_calls import StreamedCalls
+    from tests.test_gateway_tools import CALL
+
+    events = []
+
+    async def send(kind, **fields):
+        events.append((kind, fields))
+
+    text = "<think>plan it</think>Checking.\n" + CALL
+    items, thoughts, reader = StreamedItems(send), StreamedReasoning(True), StreamedCalls()
+    for i in range(0, len(text), 3):
+        thought, answer = thoughts.push(text[i:i + 3])
+        await items.think(thought)
+        await items.add(*reader.push(answer))
+    await items.think(thoughts.finish())
+    rest, deltas, _ = reader.finish()
+    await items.add(rest, deltas)
+    output = await items.close("completed")
+    assert [(item["type"], item["status"]) for item in output] == [
+        ("reasoning", "completed"), ("message", "completed"), ("function_call", "completed")]
+    assert output[0]["content"] == [{"type": "reasoning_text", "text": "plan it"}] and output[0]["summary"] == []
+    assert output[1]["content"][0]["text"] == "Checking.\n"
+    kinds = [kind for kind, _ in events]
+    assert kinds[:1] == ["response.output_item.added"] and events[0][1]["item"]["type"] == "reasoning"
+    first_done = kinds.index("response.reasoning_text.done")
+    assert set(kinds[1:first_done]) == {"response.reasoning_text.delta"}
+    assert "".join(f["delta"] for k, f in events if k == "response.reasoning_text.delta") == "plan it"
+    assert kinds[first_done + 1] == "response.output_item.done" and events[first_done + 1][1]["output_index"] == 0
+    assert events[first_done + 2][1]["output_index"] == 1  # the message comes next
+    cut, events[:] = StreamedItems(send), []  # thinking cut by max_output_tokens: no empty message after it
+    await cut.think("half a th")
+    assert [(i["type"], i["status"]) for i in await cut.close("incomplete")] == [("reasoning", "incomplete")]
+
+
+def test_a_response_s_thinking_is_its_reasoning_item_as_chat_s_reasoning(reasoning_cluster, tiny_dir):
+    """The Responses API over the same parser: the tiny model never closes a thought, so its whole
+    output is thinking (Qwen3's default: thinking on) — a reasoning item, no message."""
+    import openai
+    from transformers import AutoTokenizer
+
+    base = reasoning_cluster[1]["gateway"]
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    chat = _chat(base, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0})
+    thought = chat["choices"][0]["message"]["reasoning"]
+    assert thought and chat["choices"][0]["message"]["content"] is None
+    response = client.responses.create(model=model, input="hi", max_output_tokens=8, temperature=0)
+    [item] = response.output
+    assert (item.type, item.status, response.status) == ("reasoning", "incomplete", "incomplete")
+    assert item.content[0].text == thought and response.output_text == ""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir["llama"])
+    assert response.usage.output_tokens_details.reasoning_tokens == len(tokenizer.encode(thought)) == 8
+    events = list(client.responses.create(model=model, input="hi", max_output_tokens=8, temperature=0, stream=True))
+    kinds = [event.type for event in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-3:] == ["response.reasoning_text.done", "response.output_item.done", "response.incomplete"]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
+    assert events[-1].response.output[0].content[0].text == thought
+    # its output sent back as input: the reasoning item is the assistant's turn, its text left out
+    again = client.responses.create(model=model, max_output_tokens=4, temperature=0, input=[
+        {"role": "user", "content": "hi"}, *[i.model_dump(exclude_none=True) for i in response.output],
+        {"role": "user", "content": "and?"}])
+    plain = client.responses.create(model=model, max_output_tokens=4, temperature=0, input=[
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}, {"role": "user", "content": "and?"}])
+    assert again.usage.input_tokens == plain.usage.input_tokens and again.output_text == plain.output_text
+
+
+@pytest.mark.parametrize("items, turns", [
+    ([("user", "hi"), "reasoning", ("assistant", "yes"), ("user", "and?")], [("user", "hi"), ("assistant", "yes"),
+                                                                           ("user", "and?")]),
+    ([("user", "hi"), "reasoning", "reasoning", ("user", "and?")], [("user", "hi"), ("assistant", ""),
+                                                                    ("user", "and?")]),
+    ([("user", "hi"), "reasoning", "call", "call"], [("user", "hi"), ("assistant", None)]),
+    ([("user", "hi"), "reasoning", ("user", "and?")], [("user", "hi"), ("assistant", ""), ("user", "and?")]),
+])
+def test_a_reasoning_item_sent_back_is_the_assistant_turn_it_began(items, turns):
+    import msgspec
+
+    from specctl.gateway.responses_api import ResponsesRequest, as_chat
+
+    def item(spec):
+        if spec == "reasoning":
+            return {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "hmm"}]}
+        if spec == "call":
+            return {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}
+        return {"role": spec[0], "content": spec[1]}
+
+    request = msgspec.convert({"input": [item(spec) for spec in items]}, ResponsesRequest)
+    messages = as_chat(request).messages
+    assert [(m.role, m.content) for m in messages] == turns
+    if "call" in items:
+        assert len(messages[-1].tool_calls) == 2  # both calls in the one turn
+
+
+async def test_chat_shows_the_thinking_apart_and_keeps_it_out_of_the_reply(reasoning_cluster):
+    from specctl.chat.repl import ChatState, stream_reply
+
+    base = reasoning_cluster[1]["gateway"]
+    state = ChatState(max_tokens=8)
+    state.messages.append({"role": "user", "content": "hi"})
+    texts, thoughts = [], []
+    text, usage, _ = await stream_reply(base, state, texts.append, None, thoughts.append)
+    whole = _chat(base, {"messages": state.request_messages(), "max_tokens": 8, "temperature": 0})
+    assert "".join(thoughts) == whole["choices"][0]["message"]["reasoning"] and thoughts
+    assert text == "" and texts == [] and usage["completion_tokens"] == 8
+
+
+@pytest.mark.parametrize("command", [["chat"], ["up"], ["gateway", "--target", "127.0.0.1:1"]])
+def test_a_bad_reasoning_parser_is_one_line_before_anything_starts(command):
+    from tests.test_cli import _assert_one_line_error, run
+
+    _assert_one_line_error(run(*command, "--reasoning-parser", "r1"),
+                           "--reasoning-parser must be one of qwen3, deepseek_r1, got 'r1'")

@@ -99,9 +99,9 @@ def test_text_format_json_schema_holds_the_output_to_it(cluster, client, tiny_di
      'not served'),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input",
      "input[0] holds a part that is not text: only input_text and output_text are served"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input",
-     "input[0] must be a message of role user, system, developer, assistant, a function_call or a "
-     "function_call_output; got type 'reasoning', role None"),
+    ({"input": [{"type": "file_search_call", "queries": []}]}, "input",
+     "input[0] must be a message of role user, system, developer, assistant, a function_call, a "
+     "function_call_output or a reasoning item; got type 'file_search_call', role None"),
     ({"input": [{"type": "function_call_output", "output": "1"}]}, "input",
      "input[0] is a function_call_output without call_id and output"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input",

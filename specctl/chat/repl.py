@@ -112,8 +112,10 @@ def stat_line(usage: dict, spec: dict, first_s: float | None, last_s: float | No
 
 
 async def stream_reply(url: str, state: ChatState, on_text: Callable[[str], None],
-                       api_key: str | None = None) -> tuple[str, dict, dict]:
-    """One streamed chat completion: (text, usage, specctl stats). Errors raise RuntimeError."""
+                       api_key: str | None = None, on_thought: Callable[[str], None] | None = None
+                       ) -> tuple[str, dict, dict]:
+    """One streamed chat completion: (text, usage, specctl stats); the model's thinking, where
+    the gateway's reasoning parser sends it apart, to ``on_thought``. Errors raise RuntimeError."""
     body = {"messages": state.request_messages(), "temperature": state.temperature, "max_tokens": state.max_tokens,
             "stream": True, "stream_options": {"include_usage": True}}
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
@@ -136,6 +138,9 @@ async def stream_reply(url: str, state: ChatState, on_text: Callable[[str], None
                 usage = chunk.get("usage") or usage
                 spec = chunk.get("specctl") or spec
                 for choice in chunk.get("choices", []):
+                    thought = choice.get("delta", {}).get("reasoning")
+                    if thought and on_thought is not None:
+                        on_thought(thought)
                     delta = choice.get("delta", {}).get("content")
                     if delta:
                         text.append(delta)
@@ -225,15 +230,22 @@ def reply(url: str, console: Console, state: ChatState, api_key: str | None, rep
     pieces: list[str] = []
     first_s = last_s = None  # when the first and the latest text arrived
 
-    def show(delta: str) -> None:
+    def arrived() -> None:
         nonlocal first_s, last_s
         last_s = time.perf_counter() - started
         first_s = last_s if first_s is None else first_s
+
+    def show(delta: str) -> None:
+        arrived()
         pieces.append(delta)
         console.print(delta, end="", markup=False, highlight=False, soft_wrap=True)
 
+    def think(delta: str) -> None:  # shown dimmed, kept out of the conversation (templates drop past thinking)
+        arrived()
+        console.print(delta, end="", style="dim italic", markup=False, highlight=False, soft_wrap=True)
+
     try:
-        text, usage, spec = replies.run(stream_reply(url, state, show, api_key))
+        text, usage, spec = replies.run(stream_reply(url, state, show, api_key, think))
     except KeyboardInterrupt:  # asyncio.run cancelled the stream: the gateway cancels the generation
         state.messages.append({"role": "assistant", "content": "".join(pieces)})
         console.print("\n[yellow](stopped)[/]")

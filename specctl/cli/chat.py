@@ -27,6 +27,9 @@ def chat(
     threads: Optional[int] = typer.Option(None, help="embedded cluster: torch CPU threads"),
     profile: Optional[str] = typer.Option(None, help="embedded cluster: hardware profile"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECCTL_API_KEY", help="the gateway's API key"),
+    reasoning_parser: Optional[str] = typer.Option(None, "--reasoning-parser", help="embedded cluster: qwen3 | "
+                                                   "deepseek_r1, the model's thinking shown dimmed apart from its "
+                                                   "answer"),
 ) -> None:
     """Chat interactively; replies stream as the target accepts tokens."""
     from specctl.chat import transcript
@@ -34,6 +37,12 @@ def chat(
     from specctl.errors import ConfigError
     from specctl.spec.sampling import SamplingParams
 
+    from specctl.gateway.reasoning import check_parser
+
+    try:
+        check_parser(reasoning_parser)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     state = ChatState()
     if load:  # before any model loads: a bad file is a one-line error
         try:
@@ -71,7 +80,8 @@ def chat(
     # Torch runs fastest from the main thread: it serves compute, the REPL and the cluster's
     # asyncio loop run beside it, and Ctrl-C is forwarded to the reply being streamed.
     compute = ComputeThread("cpu-compute", max_batch=config.max_batch, spawn=False)
-    cluster = ClusterThread(config, ClusterConfig(targets=1, gateway_port=0, default_max_tokens=state.max_tokens),
+    cluster = ClusterThread(config, ClusterConfig(targets=1, gateway_port=0, default_max_tokens=state.max_tokens,
+                                                  reasoning_parser=reasoning_parser),
                             Console(stderr=True), compute=compute)
     replies = Replies()
 

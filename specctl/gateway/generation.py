@@ -145,8 +145,10 @@ class Generations:
         """A response's answer: stored as asked, its text's logprobs as chat's ``content`` items."""
         logprobs = ((lambda entries: self._logprobs(True, entries)["content"])
                     if wanted_logprobs(req) is not None else None)
+        parser = self.config.reasoning_parser
         return ResponsesReply(self.config.names[0], prompt_tokens, asked, calls, self._keeper(asked, history),
-                              logprobs)
+                              logprobs, None if parser is None else thinks(parser, req.chat_template_kwargs),
+                              lambda text: len(self.tokenizer.encode(text, add_special_tokens=False)))
 
     def _keeper(self, asked: ResponsesRequest, history: tuple) -> Any:
         """What stores a finished response with the conversation it ends (None: not stored)."""

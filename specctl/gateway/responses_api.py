@@ -1,6 +1,7 @@
 """OpenAI's Responses API (``POST /v1/responses``) over the chat path, as vLLM serves it: the
 request's ``instructions``, ``input`` items (messages, earlier ``function_call`` items and
-their ``function_call_output``) and function ``tools`` become a chat request, rendered by the
+their ``function_call_output``; reasoning items, as the assistant turn they began) and function
+``tools`` become a chat request, rendered by the
 chat template (gateway.translate) and read back for tool calls (gateway.tool_calls); the
 answer (gateway.responses_reply) is a response object whose output is the message and the
 ``function_call`` items — whole, or streamed as the Responses events. ``text.format``
@@ -108,12 +109,23 @@ def as_chat(req: ResponsesRequest, history: tuple[ChatMessage, ...] = ()) -> Cha
 
 
 def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
-    """The request's input as chat messages (consecutive function_call items one assistant turn)."""
+    """The request's input as chat messages (consecutive function_call items one assistant turn).
+    A reasoning item (an earlier answer's thinking) opens an assistant turn whose text is left out,
+    as chat templates leave earlier thinking out; the answer after it is that turn."""
     messages: list[ChatMessage] = []
+    thought: ChatMessage | None = None  # the turn a reasoning item opened, while nothing followed it
     for i, item in enumerate(_items(req)):
+        if item.type == "reasoning":
+            if thought is None:
+                thought = ChatMessage(role="assistant", content="")
+                messages.append(thought)
+            continue
         message = _message(i, item, messages[-1] if messages else None)
-        if not (messages and message is messages[-1]):  # else a call joined the assistant turn before it
+        if thought is not None and message.role == "assistant":
+            messages[-1] = message  # the answer of the turn its thinking opened
+        elif not (messages and message is messages[-1]):  # else a call joined the assistant turn before it
             messages.append(message)
+        thought = None
     return messages
 
 
@@ -126,7 +138,8 @@ def input_records(req: ResponsesRequest) -> tuple[dict, ...]:
         if item.type == "message":
             parts = _parts(item)
             record["content"] = [{"type": part.type, "text": part.text or ""} for part in parts]
-        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}.get(item.type, "item")
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}.get(
+            item.type, "item")
         record.setdefault("id", f"{prefix}_{uuid.uuid4().hex}")
         record["status"] = "completed"
         records.append(record)
@@ -168,8 +181,9 @@ def _message(i: int, item: InputItem, last: ChatMessage | None) -> ChatMessage:
             raise ApiError(400, f"input[{i}] is a function_call_output without call_id and output", param="input")
         return ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id)
     if item.type != "message" or item.role not in ROLES:
-        raise ApiError(400, f"input[{i}] must be a message of role {', '.join(ROLES)}, a function_call or a "
-                            f"function_call_output; got type {item.type!r}, role {item.role!r}", param="input")
+        raise ApiError(400, f"input[{i}] must be a message of role {', '.join(ROLES)}, a function_call, a "
+                            f"function_call_output or a reasoning item; got type {item.type!r}, role {item.role!r}",
+                       param="input")
     parts = _parts(item)
     if any(part.type not in TEXT_PARTS for part in parts):
         raise ApiError(400, f"input[{i}] holds a part that is not text: only input_text and output_text are served",

@@ -1,8 +1,10 @@
 """A Responses API answer (gateway.responses_api): the response object, whose output is the
-assistant's message and its ``function_call`` items, whole or streamed as the Responses events
-— response.created, response.in_progress, then per output item its ``added`` event, its text or
-arguments deltas and its ``done`` events, then response.completed (or response.incomplete when
-max_output_tokens cut it; response.failed when a target fails mid-stream)."""
+assistant's message and its ``function_call`` items — after a ``reasoning`` item with the
+thinking when the gateway has a reasoning parser (gateway.reasoning) —, whole or streamed as the
+Responses events — response.created, response.in_progress, then per output item its ``added``
+event, its text, thinking or arguments deltas and its ``done`` events, then response.completed
+(or response.incomplete when max_output_tokens cut it; response.failed when a target fails
+mid-stream)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from aiohttp import web
 
 from specctl.gateway import responses as R
 from specctl.gateway.choices import Choices
+from specctl.gateway.reasoning import StreamedReasoning, split_reasoning
 from specctl.gateway.respond import remote_message
 from specctl.gateway.tool_calls import read_whole
 from specctl.verify.client import RemoteError
@@ -32,6 +35,12 @@ def text_part(text: str, logprobs: list[dict] | None = None) -> dict:
 def message_item(item_id: str, text: str, status: str, logprobs: list[dict] | None = None) -> dict:
     return {"id": item_id, "type": "message", "status": status, "role": "assistant",
             "content": [text_part(text, logprobs)]}
+
+
+def reasoning_item(item_id: str, text: str, status: str) -> dict:
+    """The thinking as OpenAI's reasoning item: its text as one reasoning_text part, no summary."""
+    return {"id": item_id, "type": "reasoning", "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "encrypted_content": None}
 
 
 def call_item(item_id: str, call: dict, status: str) -> dict:
@@ -52,11 +61,13 @@ class ResponsesReply:
     calls: Callable[[], Any] | None = None  # a reader of the tool calls (gateway.tool_calls); None: no tools
     keep: Callable[[dict], None] | None = None  # stores the finished response's body; None: not stored
     logprobs: Callable[[list], list[dict]] | None = None  # tokens' entries -> output_text logprobs; None: not asked
+    thinking: bool | None = None  # with a reasoning parser: whether the output starts in thought; None: no parser
+    count_tokens: Callable[[str], int] = len  # a text's tokens (the thinking's, for usage's reasoning_tokens)
     rid: str = field(default_factory=lambda: _id("resp"))
     created: int = field(default_factory=lambda: int(time.time()))
 
     def body(self, status: str, output: list[dict], count: int = 0, stats: dict | None = None,
-             error: dict | None = None) -> dict:
+             error: dict | None = None, thought_tokens: int = 0) -> dict:
         """The response object (no usage while in progress)."""
         fmt = self.req.text.format if self.req.text is not None and self.req.text.format is not None else None
         body = {
@@ -73,21 +84,23 @@ class ResponsesReply:
             "top_logprobs": self.req.top_logprobs or 0, "previous_response_id": self.req.previous_response_id,
             "store": self.keep is not None, "truncation": "disabled", "reasoning": None,
             "metadata": self.req.metadata or {}, "user": self.req.user,
-            "usage": None if stats is None else self._usage(count, stats),
+            "usage": None if stats is None else self._usage(count, stats, thought_tokens),
         }
         if stats is not None:
             body["specctl"] = R.spec_summary(stats)
         return body
 
-    def _usage(self, count: int, stats: dict) -> dict:
+    def _usage(self, count: int, stats: dict, thought_tokens: int) -> dict:
         return {"input_tokens": self.prompt_tokens,
                 "input_tokens_details": {"cached_tokens": R.cached_tokens({0: stats}, 1)},
-                "output_tokens": count, "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens": count, "output_tokens_details": {"reasoning_tokens": thought_tokens},
                 "total_tokens": self.prompt_tokens + count}
 
     def _finished(self, status: str, output: list[dict], count: int, stats: dict) -> dict:
-        """The finished response's body, stored first when it is kept (a failed one is not)."""
-        body = self.body(status, output, count, stats)
+        """The finished response's body, stored first when it is kept (a failed one is not); its
+        reasoning tokens counted from the thinking's text, as the tokenizer encodes it."""
+        thought = "".join(part["text"] for item in output if item["type"] == "reasoning" for part in item["content"])
+        body = self.body(status, output, count, stats, thought_tokens=self.count_tokens(thought) if thought else 0)
         if self.keep is not None:
             self.keep(body)
         return body
@@ -98,12 +111,18 @@ class ResponsesReply:
             pieces.append(event.delta)
             entries.extend(event.logprobs)
             if event.finish:
-                text, calls = "".join(pieces), None
+                text, calls, thought = "".join(pieces), None, None
+                if self.thinking is not None:
+                    thought, text = split_reasoning(text, self.thinking)
+                    text = text or ""
                 if self.calls is not None:
                     text, calls = read_whole(self.calls(), text)
                 status = status_of(event.finish, calls)
                 logprobs = self.logprobs(entries) if self.logprobs is not None else None
-                output = [] if calls and not text.strip() else [message_item(_id("msg"), text, status, logprobs)]
+                # the thinking is complete once the answer (or a call) began, as a stream closes it then
+                output = [reasoning_item(_id("rs"), thought, "completed" if text or calls else status)] if thought else []
+                if not (calls and not text.strip()) and not (thought and not text):
+                    output.append(message_item(_id("msg"), text, status, logprobs))
                 output += [call_item(_id("fc"), call, "completed") for call in calls or []]
                 return web.json_response(self._finished(status, output, event.count, event.stats))
         raise RuntimeError("a generation ended without its last event")  # Choices always ends with one
@@ -123,11 +142,15 @@ class ResponsesReply:
         await send("response.in_progress", response=self.body("in_progress", []))
         items = StreamedItems(send)
         reader = self.calls() if self.calls is not None else None
+        thoughts = StreamedReasoning(self.thinking) if self.thinking is not None else None
         try:
             async for _, event in choices.events():
-                content, deltas = reader.push(event.delta) if reader is not None else (event.delta, [])
+                thought, text = thoughts.push(event.delta) if thoughts is not None else ("", event.delta)
+                await items.think(thought)
+                content, deltas = reader.push(text) if reader is not None else (text, [])
                 await items.add(content, deltas, self.logprobs(event.logprobs) if self.logprobs is not None else [])
                 if event.finish:
+                    await items.think(thoughts.finish() if thoughts is not None else "")
                     rest, deltas, calls = reader.finish() if reader is not None else ("", [], None)
                     await items.add(rest, deltas)
                     status = status_of(event.finish, calls)
@@ -142,8 +165,9 @@ class ResponsesReply:
 
 
 class StreamedItems:
-    """The output items of a streamed response, opened and closed as text and call deltas come:
-    the message while text comes (closed by the first call), each call until the next begins.
+    """The output items of a streamed response, opened and closed as thinking, text and call
+    deltas come: the reasoning item while thinking comes (closed by the answer's first text or
+    call), the message while text comes (closed by the first call), each call until the next begins.
     Tokens' logprobs go with the next text delta (a token whose text is held back waits for it);
     the message's done events carry them all — up to the first call's: a whole answer with calls
     lists every token's on its message, as chat's logprobs do."""
@@ -152,14 +176,29 @@ class StreamedItems:
         self.send = send
         self.done: list[dict] = []  # items closed, in output order
         self.text: list[str] | None = None  # the open message's text
+        self.thought: list[str] | None = None  # the open reasoning item's text
+        self.reasoning_id = _id("rs")
         self.call: tuple[dict, list[str]] | None = None  # the open call's item and arguments
         self.message_id = _id("msg")
         self.logprobs: list[dict] = []  # the message's tokens' logprobs sent with its deltas
         self.pending: list[dict] = []  # those of tokens whose text has not been sent yet
 
+    async def think(self, thought: str) -> None:
+        if not thought:
+            return
+        if self.thought is None:
+            self.thought = []
+            await self.send("response.output_item.added", output_index=len(self.done),
+                            item={**reasoning_item(self.reasoning_id, "", "in_progress"), "content": []})
+        self.thought.append(thought)
+        await self.send("response.reasoning_text.delta", item_id=self.reasoning_id, output_index=len(self.done),
+                        content_index=0, delta=thought)
+
     async def add(self, content: str, deltas: list[dict], logprobs: list[dict] = ()) -> None:
         if self.call is None:  # the tokens of a call's text are not the message's
             self.pending.extend(logprobs)
+        if self.thought is not None and (content or deltas):  # the answer begins: the thinking is complete
+            await self._close_open("completed")
         if content:
             if self.text is None:
                 await self._open_message()
@@ -182,7 +221,7 @@ class StreamedItems:
 
     async def close(self, status: str) -> list[dict]:
         """Ends what is open (an empty message where nothing came) and returns every item."""
-        if not self.done and self.text is None and self.call is None:
+        if not self.done and self.text is None and self.call is None and self.thought is None:
             await self._open_message()
         await self._close_open(status)
         return self.done
@@ -195,7 +234,13 @@ class StreamedItems:
 
     async def _close_open(self, status: str) -> None:
         index = len(self.done)
-        if self.text is not None:
+        if self.thought is not None:
+            text, self.thought = "".join(self.thought), None
+            await self.send("response.reasoning_text.done", item_id=self.reasoning_id, output_index=index,
+                            content_index=0, text=text)
+            self.done.append(reasoning_item(self.reasoning_id, text, status))
+            await self.send("response.output_item.done", output_index=index, item=self.done[-1])
+        elif self.text is not None:
             text, self.text = "".join(self.text), None
             logprobs, self.pending = self.logprobs + self.pending, []
             await self.send("response.output_text.done", **self._where(index), text=text, logprobs=logprobs)
