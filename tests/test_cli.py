@@ -100,9 +100,36 @@ def test_generate_stop_ends_the_text_before_the_stop_string_and_the_generation_w
     assert (len(out), reason) == (1, "stop")  # the prefill's token, then nothing more
     _assert_one_line_error(run("generate", "--prompt", "x", "--stop", ""),
                            "--stop must not be empty: give the text to stop before")
-    _assert_one_line_error(run("generate", "--prompt", "x", "--stop", "a", "--remote", "127.0.0.1:9"),
-                           "--stop is not served with --remote: send the request through a gateway, whose stop "
-                           "strings cancel the generation on its target")
+
+
+async def test_a_stop_string_cancels_a_remote_generation_on_its_target(cluster, tiny_dir):
+    """`generate --remote --stop`: the text is the target alone's cut before the stop string, and
+    the generation is cancelled there (its session freed) rather than run to max_tokens."""
+    import asyncio
+
+    from specctl.cli.generate import TextStreamer
+    from specctl.engine import text
+    from specctl.engine.loader import load_model
+    from specctl.spec.rounds import generate
+    from specctl.spec.sampling import SamplingParams
+    from specctl.verify.client import remote_generate, remote_stats
+
+    model = load_model("tiny", tiny_dir["llama"], "fp32")
+    ids = text.encode_user_text(model.tokenizer, "hello world", False)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    free = model.tokenizer.decode(generate(model.decoder, ids, params)[0], skip_special_tokens=True)
+    stop = free[len(free) // 3:][:3]
+    host, port = cluster[1]["targets"][0].rsplit(":", 1)
+    streamer = TextStreamer(model.tokenizer, None, (stop,))
+    tokens, reason, stats = await remote_generate(host, int(port), ids, params, streamer.update,
+                                                  until=lambda: streamer.stopped)
+    assert streamer.finish() == free[:free.index(stop)] and reason == "stop"
+    assert len(tokens) < 40 and stats["new_tokens"] == len(tokens)  # the statistics so far, from the cancel
+    for _ in range(50):  # the cancelled session is freed on the target
+        if (await remote_stats(host, int(port)))["sessions"] == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert (await remote_stats(host, int(port)))["sessions"] == 0
 
 
 @pytest.mark.slow  # a cluster and a subprocess, 24 s; bench serve's own variants run in the default pass
@@ -298,6 +325,12 @@ def test_remote_generation_uses_the_tokenizer_of_the_model_the_instance_serves(t
         remote_json, local_json = json.loads(remote.stdout), json.loads(local.stdout)
         assert remote_json["target"] == model
         assert remote_json["token_ids"] == local_json["token_ids"] and remote_json["text"] == local_json["text"]
+        stop = local_json["text"][4:6]  # --stop through the instance: the local text cut there
+        stopped = run("generate", "--remote", f"127.0.0.1:{port}", "-p", "hello world", "-n", "10", "--json", "--stop",
+                      stop)
+        assert stopped.returncode == 0, stopped.stderr
+        assert json.loads(stopped.stdout)["text"] == local_json["text"][:local_json["text"].index(stop)]
+        assert json.loads(stopped.stdout)["finish_reason"] == "stop"
         _assert_one_line_error(run("generate", "--remote", f"127.0.0.1:{port}", "--target", "qwen2.5-coder-1.5b",
                                    "-p", "x"), f"serves {model!r}, not 'qwen2.5-coder-1.5b'")
     finally:

@@ -98,9 +98,6 @@ def generate(
         raise ConfigError("--bad-words must not be empty: give a word")
     if stop and not all(stop):
         raise ConfigError("--stop must not be empty: give the text to stop before")
-    if stop and remote:
-        raise ConfigError("--stop is not served with --remote: send the request through a gateway, whose stop "
-                          "strings cancel the generation on its target")
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
                             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                             frequency_penalty=frequency_penalty, min_p=min_p,
@@ -113,7 +110,7 @@ def generate(
     console = Console(stderr=True)
     if remote:
         return _generate_remote(remote, target, prompt, chat, params, bad_words, as_json, auth_token, tls_ca,
-                                console)
+                                console, tuple(stop or ()))
     target_model, draft_model = load_pair(config, console)
     drafter = (make_multi_drafter(config, target_model, console) if config.mode == "multi"
                else make_drafter(config, draft_model))
@@ -188,10 +185,10 @@ def with_bad_words(params, words: list[str] | None, tokenizer):
 
 
 def _generate_remote(remote, requested_target, prompt, chat, params, bad_words, as_json, auth_token, tls_ca,
-                     console) -> None:
+                     console, stop: tuple[str, ...] = ()) -> None:
     """Same output as local mode. The tokenizer is the one of the model the target instance
     says it serves (its handshake), never a local default: text encoded for another
-    vocabulary would come back as fluent garbage."""
+    vocabulary would come back as fluent garbage. A stop string cancels the generation there."""
     import time
 
     from transformers import AutoTokenizer
@@ -217,22 +214,21 @@ def _generate_remote(remote, requested_target, prompt, chat, params, bad_words, 
         raise ConfigError(f"the local copy of {served!r} has another vocabulary than the one {remote} serves")
     params = with_bad_words(params, bad_words, tokenizer)
     ids = text.encode_user_text(tokenizer, prompt, chat)
-    streamer = None if as_json else TextStreamer(tokenizer)
+    streamer = TextStreamer(tokenizer, None if as_json else sys.stdout, stop)
     result = {}
 
     async def main() -> None:
         start = time.perf_counter()
-        result["out"] = await remote_generate(host, port, ids, params, streamer.update if streamer else None,
-                                              auth_token=auth_token, ssl=ssl)
+        result["out"] = await remote_generate(host, port, ids, params, streamer.update, auth_token=auth_token, ssl=ssl,
+                                              until=lambda: streamer.stopped)
         result["wall"] = time.perf_counter() - start
 
     run(main())
     tokens, finish_reason, stats = result["out"]
-    output_text = tokenizer.decode(tokens, skip_special_tokens=True)
+    output_text = streamer.finish()
     if as_json:
         print(json.dumps({"mode": "remote", "remote": remote, "target": served, "token_ids": tokens, "text": output_text,
                           "finish_reason": finish_reason, "stats": stats}))
     else:
-        streamer.finish()
         console.print(f"[dim]{len(tokens)} tokens in {result['wall']:.2f}s via {remote} ({served}), "
                       f"mean accepted length {stats.get('mean_accepted_length', 0):.2f}[/]")

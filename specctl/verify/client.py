@@ -176,14 +176,19 @@ async def remote_generate(
     on_tokens: Callable[[list[int]], None] | None = None,
     auth_token: str | None = None,
     ssl: ssl_module.SSLContext | None = None,
+    until: Callable[[], bool] | None = None,
 ) -> tuple[list[int], str, dict]:
-    """Returns (tokens, finish_reason, stats)."""
+    """Returns (tokens, finish_reason, stats). ``until`` (asked after each TOKENS, e.g. a stop
+    string seen) true: the generation is cancelled on the target, finish_reason "stop", and the
+    stats are those so far."""
     tokens: list[int] = []
     async with open_stream(host, port, prompt, params, auth_token=auth_token, ssl=ssl) as stream:
         while isinstance(event := await stream.next(), Tokens):
             tokens.extend(event.tokens)
             if on_tokens:
                 on_tokens(tokens)
+            if until is not None and until():
+                return tokens, "stop", await stream.cancel()
         return tokens, event.finish_reason, event.stats
 
 
