@@ -27,7 +27,7 @@ from specctl.gateway.respond import Reply, remote_message
 from specctl.gateway.response_store import ResponseStore, StoredResponse
 from specctl.gateway.responses_api import ResponsesRequest, answer_turn, as_chat, input_messages, input_records
 from specctl.gateway.responses_reply import ResponsesReply
-from specctl.gateway.structured import structured_output
+from specctl.gateway.structured import after_thinking, structured_output
 from specctl.gateway.tool_calls import ForcedCalls, StreamedCalls
 from specctl.gateway.tools import forced_call, request_tools
 from specctl.gateway.translate import (
@@ -102,7 +102,8 @@ class Generations:
             prompts = truncated(self.encode(req, tools), req.truncate_prompt_tokens, self.config.context)
             one_call = chat and not req.parallel_tool_calls
             forced = forced_call(tools, req.tool_choice, parallel=not one_call)
-            structured = structured_output(req, forced[1] if forced else None)
+            structured = after_thinking(structured_output(req, forced[1] if forced else None),
+                                        self.thinking(req) if chat else None)
             barred = bad_words(req.bad_words, self.tokenizer)
             specs = choice_specs(prompts, [sampling_params(req, len(p), self.config.context,
                                                            self.config.default_max_tokens, structured, barred)
@@ -145,9 +146,8 @@ class Generations:
         """A response's answer: stored as asked, its text's logprobs as chat's ``content`` items."""
         logprobs = ((lambda entries: self._logprobs(True, entries)["content"])
                     if wanted_logprobs(req) is not None else None)
-        parser = self.config.reasoning_parser
         return ResponsesReply(self.config.names[0], prompt_tokens, asked, calls, self._keeper(asked, history),
-                              logprobs, None if parser is None else thinks(parser, req.chat_template_kwargs),
+                              logprobs, self.thinking(req),
                               lambda text: len(self.tokenizer.encode(text, add_special_tokens=False)))
 
     def _keeper(self, asked: ResponsesRequest, history: tuple) -> Any:
@@ -165,13 +165,17 @@ class Generations:
         usage = req.stream_options is not None and req.stream_options.include_usage
         prompt_logprobs = (None if req.prompt_logprobs is None else
                            partial(R.prompt_logprobs_body, alternatives=req.prompt_logprobs, token_text=self._token_text))
-        parser = self.config.reasoning_parser if chat else None
         return Reply(self.config.names[0], chat, prompt_tokens, logprobs, calls=calls, include_usage=usage,
                      continuous_usage=usage and req.stream_options.continuous_usage_stats, n=req.n,
                      prompt_logprobs=prompt_logprobs, request_id=rid,
                      text_length=lambda token: len(self._token_text(token)),
-                     thinking=None if parser is None else thinks(parser, req.chat_template_kwargs),
+                     thinking=self.thinking(req) if chat else None,
                      include_reasoning=getattr(req, "include_reasoning", True))
+
+    def thinking(self, req) -> bool | None:
+        """With a reasoning parser, whether a chat request's output starts in thought (None: no parser)."""
+        parser = self.config.reasoning_parser
+        return None if parser is None else thinks(parser, req.chat_template_kwargs)
 
     def _echoes(self, req, prompts: list[list[int]]) -> list[str] | None:
         """Each prompt's text as echo hands it back: as given, or decoded from its token ids."""

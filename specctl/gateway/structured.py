@@ -60,6 +60,15 @@ def _asked(req: Any) -> list[tuple[str, tuple[str, str]]]:
     return asked
 
 
+def after_thinking(structured: tuple[str, str] | None, thinking: bool | None) -> tuple[str, str] | None:
+    """A constraint that starts after the thinking when the output starts in thought (a reasoning
+    parser's chat request): the thinking is free, the answer holds to the grammar, as vLLM does."""
+    if structured is None or not thinking:
+        return structured
+    kind, spec = structured
+    return "thinking", json.dumps({"kind": kind, "spec": spec})
+
+
 def structured_output(req: Any, forced_call: tuple[str, str] | None = None) -> tuple[str, str] | None:
     """The request's constraint as spec.structured takes it (None: the output is free), checked;
     ``forced_call``: the schema a forced tool call holds the output to (gateway.tools)."""

@@ -26,7 +26,11 @@ import torch
 
 from specctl.errors import BadRequest, InvalidSamplingParams
 
-KINDS = ("json", "regex", "choice", "grammar")  # what SamplingParams.structured's first item may say
+KINDS = ("json", "regex", "choice", "grammar", "thinking")  # what SamplingParams.structured's first item may say
+# A reasoning model's thinking (free text up to the first </think>, a leading <think> in it) and
+# whitespace before the grammar it answers in (llguidance's Lark; its rule "answer" refers to
+# the inner grammar by name)
+THINKING_LARK = 'start: think /[ \\t\\r\\n]*/ answer\nthink[suffix="</think>"]: /(.|\\n)*/\nanswer: @answer\n'
 MAX_SPEC_CHARS = 65536  # a schema, regex or grammar's text
 JSON_OBJECT = '{"type": "object"}'  # response_format json_object: any JSON object
 
@@ -35,11 +39,15 @@ _tokenizers_lock = threading.Lock()
 
 
 def grammar_text(kind: str, spec: str) -> str:
-    """The llguidance grammar for ``(kind, spec)``; InvalidSamplingParams names what is wrong."""
+    """The llguidance grammar for ``(kind, spec)``; InvalidSamplingParams names what is wrong.
+    ``thinking``: ``spec`` is {"kind": ..., "spec": ...}, a grammar that starts after a reasoning
+    model's thinking (vLLM's structured output with a reasoning parser)."""
     import llguidance
 
     try:
-        if kind == "json":
+        if kind == "thinking":
+            grammar = _after_thinking(spec)
+        elif kind == "json":
             json.loads(spec)  # llguidance takes a JSON text; say so here when it is not one
             grammar = llguidance.LLMatcher.grammar_from_json_schema(spec, defaults={"whitespace_flexible": True})
         elif kind == "choice":
@@ -57,6 +65,19 @@ def grammar_text(kind: str, spec: str) -> str:
     if error:
         raise InvalidSamplingParams(f"structured output ({kind}) is invalid: {_one_line(error)}")
     return grammar
+
+
+def _after_thinking(spec: str) -> str:
+    try:
+        inner = json.loads(spec)
+        kind, text = inner["kind"], inner["spec"]
+    except (ValueError, KeyError, TypeError):
+        raise InvalidSamplingParams('structured output (thinking) is {"kind": ..., "spec": ...}') from None
+    if kind == "thinking" or kind not in KINDS:
+        raise InvalidSamplingParams(f"structured output (thinking) holds one of {', '.join(KINDS[:-1])}, got {kind!r}")
+    grammars = json.loads(grammar_text(kind, text))["grammars"]
+    grammars[0]["name"] = "answer"
+    return json.dumps({"grammars": [{"name": "thinking", "lark_grammar": THINKING_LARK}, *grammars]})
 
 
 def _one_line(error: str) -> str:
