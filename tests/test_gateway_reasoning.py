@@ -3,10 +3,10 @@ apart from its content, whole or streamed (the pieces join into the whole answer
 calls read from the content alone, include_reasoning and Qwen3's enable_thinking."""
 
 import json
-import shutil
 import urllib.request
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -72,21 +72,56 @@ def test_an_end_tag_split_over_pieces_is_held_until_known():
     assert parser.push("plan </") == ("plan ", "") and parser.push("b") == ("</b", "")
 
 
+# The scripted model's lines: its next token is a function of its last one (layers that add
+# nothing, one-hot embeddings, an LM head that maps each token to its successor), so over the
+# real gateway it writes exactly these tokens. <think> and </think> are tokens of their own, as
+# in Qwen3's vocabulary; in the second line the end tag is text split over two tokens.
+THOUGHT_TOKENS = ["<think>", "\nplan it", "</think>", "\n\nthe answer"]
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+CALL_TOKENS = ["look it up", "</", "think>" + CALL]  # the second line: chosen when the first is barred
+THOUGHT_TEXT = "".join(THOUGHT_TOKENS)
+
+
+def scripted_model(directory):
+    """A tiny Llama whose greedy output after the chat prompt is THOUGHT_TOKENS then EOS, or,
+    with the first of them barred (logit_bias -100), CALL_TOKENS then EOS."""
+    from transformers import AutoModelForCausalLM
+
+    from specctl.engine.tiny import make_byte_tokenizer, tiny_config
+
+    tokenizer = make_byte_tokenizer()
+    tokenizer.add_tokens(THOUGHT_TOKENS + CALL_TOKENS)
+    tokenizer.chat_template = TEMPLATE
+    config = tiny_config("llama", vocab_size=len(tokenizer), tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(config)
+    line = [tokenizer.encode("\n")[0], *tokenizer.convert_tokens_to_ids(THOUGHT_TOKENS), config.eos_token_id]
+    other = [line[0], *tokenizer.convert_tokens_to_ids(CALL_TOKENS), config.eos_token_id]
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        head = model.lm_head.weight
+        head.zero_()
+        for basis, token in enumerate(sorted(set(line[:-1] + other[:-1]))):
+            model.model.embed_tokens.weight[token] = torch.nn.functional.one_hot(torch.tensor(basis), 64).float()
+        embed = model.model.embed_tokens.weight
+        for tokens, strength in ((line, 1.0), (other, 0.5)):
+            for before, after in zip(tokens, tokens[1:]):
+                head[after] += strength * embed[before]
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
 @pytest.fixture(scope="module")
-def reasoning_cluster(tiny_dir, tmp_path_factory):
-    """The tiny model (with a template that renders tools) behind a gateway with --reasoning-parser qwen3."""
-    model = tmp_path_factory.mktemp("reasoning-model") / "llama"
-    shutil.copytree(tiny_dir["llama"], model)
-    config_path = model / "tokenizer_config.json"
-    tokenizer_config = json.loads(config_path.read_text())
-    tokenizer_config.pop("chat_template", None)
-    config_path.write_text(json.dumps(tokenizer_config))
-    (model / "chat_template.jinja").write_text(TEMPLATE)
+def reasoning_cluster(tmp_path_factory):
+    """The scripted model (its template renders tools) behind a gateway with --reasoning-parser qwen3."""
+    model = scripted_model(tmp_path_factory.mktemp("reasoning-model") / "scripted")
     config = build_config(None, target=str(model), draft=f"{model}@2", mode="chain", depth=3, dtype="fp32",
                           draft_quant="none", max_sessions=4)
     thread = ClusterThread(config, ClusterConfig(targets=1, gateway_port=0, reasoning_parser="qwen3"))
     urls = thread.start()
-    yield thread, urls
+    yield thread, urls, model
     thread.stop()
 
 
@@ -107,9 +142,14 @@ def _joined(chunks: list[dict], field: str) -> str:
     return "".join(c["delta"].get(field) or "" for c in chunks)
 
 
-# The grammar makes the tiny target write a thought and an answer (its own output under the grammar)
-THOUGHT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "temperature": 0,
-           "guided_regex": "<think>\nplan it</think>\n\nthe answer"}
+THOUGHT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "temperature": 0}
+
+
+def test_the_scripted_model_writes_its_line(reasoning_cluster):
+    code, _, raw = post(reasoning_cluster[1]["gateway"] + "/v1/completions",
+                        {"prompt": "x\n", "max_tokens": 40, "temperature": 0})  # completions are not parsed
+    assert code == 200 and json.loads(raw)["choices"][0]["text"] == THOUGHT_TEXT
+    assert json.loads(raw)["choices"][0]["finish_reason"] == "stop"
 
 
 def test_thinking_comes_apart_from_the_answer_whole_and_streamed(reasoning_cluster):
@@ -124,9 +164,9 @@ def test_thinking_comes_apart_from_the_answer_whole_and_streamed(reasoning_clust
     assert chunks[-1]["finish_reason"] == "stop"
     # logprobs still cover every token, the thinking's included
     with_logprobs = _chat(base, {**THOUGHT, "logprobs": True})["choices"][0]["logprobs"]["content"]
-    assert "".join(entry["token"] for entry in with_logprobs) == "<think>\nplan it</think>\n\nthe answer"
+    assert [entry["token"] for entry in with_logprobs] == THOUGHT_TOKENS
     streamed = [c["logprobs"]["content"] for c in _streamed(base, {**THOUGHT, "logprobs": True}) if c.get("logprobs")]
-    assert [entry["token"] for part in streamed for entry in part] == [entry["token"] for entry in with_logprobs]
+    assert [entry["token"] for part in streamed for entry in part] == THOUGHT_TOKENS
 
 
 def test_include_reasoning_false_leaves_the_thinking_out_and_thinking_off_keeps_all_as_content(reasoning_cluster):
@@ -137,30 +177,30 @@ def test_include_reasoning_false_leaves_the_thinking_out_and_thinking_off_keeps_
     assert _joined(chunks, "reasoning") == "" and _joined(chunks, "content") == "\n\nthe answer"
     off = {**THOUGHT, "chat_template_kwargs": {"enable_thinking": False}}
     message = _chat(base, off)["choices"][0]["message"]
-    assert message["reasoning"] is None and message["content"] == "<think>\nplan it</think>\n\nthe answer"
+    assert message["reasoning"] is None and message["content"] == THOUGHT_TEXT
     assert _joined(_streamed(base, off), "content") == message["content"]
 
 
-def test_a_cut_thought_is_all_reasoning_and_completions_are_left_as_they_are(reasoning_cluster):
+def test_a_cut_thought_is_all_reasoning_its_held_tail_included(reasoning_cluster):
+    from transformers import AutoTokenizer
+
     base = reasoning_cluster[1]["gateway"]
-    cut = _chat(base, {**THOUGHT, "max_tokens": 12})["choices"][0]  # a byte a token: "<think>\nplan"
+    barred = AutoTokenizer.from_pretrained(reasoning_cluster[2]).convert_tokens_to_ids(THOUGHT_TOKENS[0])
+    body = {**THOUGHT, "max_tokens": 2, "logit_bias": {str(barred): -100}}  # the second line, cut inside "</think>"
+    cut = _chat(base, body)["choices"][0]
     assert cut["finish_reason"] == "length"
-    assert cut["message"]["reasoning"] == "\nplan" and cut["message"]["content"] is None
-    # cut inside the end tag: the held "</th" is thinking too, handed out when the choice ends
-    body = {**THOUGHT, "max_tokens": 19}
-    assert _chat(base, body)["choices"][0]["message"]["reasoning"] == "\nplan it</th"
-    chunks = _streamed(base, body)
-    assert _joined(chunks, "reasoning") == "\nplan it</th" and chunks[-1]["finish_reason"] == "length"
-    code, _, raw = post(base + "/v1/completions", {"prompt": "hi", "max_tokens": 40, "temperature": 0,
-                                                   "guided_regex": THOUGHT["guided_regex"]})
-    assert code == 200 and json.loads(raw)["choices"][0]["text"] == "<think>\nplan it</think>\n\nthe answer"
+    assert cut["message"]["reasoning"] == "look it up</" and cut["message"]["content"] is None
+    chunks = _streamed(base, body)  # the "</" held back, then handed out as thinking when the choice ends
+    assert _joined(chunks, "reasoning") == "look it up</" and chunks[-1]["finish_reason"] == "length"
 
 
 def test_tool_calls_are_read_from_the_answer_after_the_thinking(reasoning_cluster):
     base = reasoning_cluster[1]["gateway"]
-    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
-    body = {"messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER], "max_tokens": 120,
-            "temperature": 0, "guided_regex": "look it up</think>" + call.replace("{", "\\{").replace("}", "\\}")}
+    from transformers import AutoTokenizer
+
+    barred = AutoTokenizer.from_pretrained(reasoning_cluster[2]).convert_tokens_to_ids(THOUGHT_TOKENS[0])
+    body = {"messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER], "max_tokens": 40,
+            "temperature": 0, "logit_bias": {str(barred): -100}}
     choice = _chat(base, body)["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning"] == "look it up"
     assert choice["message"]["content"] is None
@@ -174,9 +214,23 @@ def test_tool_calls_are_read_from_the_answer_after_the_thinking(reasoning_cluste
     assert chunks[-1]["finish_reason"] == "tool_calls"
 
 
+def test_structured_output_starts_after_the_thinking(reasoning_cluster):
+    """The grammar holds the answer, not the thinking: the scripted thought goes through and its
+    answer is held to the regex; with thinking off the regex holds the output from its start."""
+    base = reasoning_cluster[1]["gateway"]
+    message = _chat(base, {**THOUGHT, "guided_regex": "\\s*the answer"})["choices"][0]["message"]
+    assert (message["reasoning"], message["content"]) == ("\nplan it", "\n\nthe answer")
+    held = _chat(base, {**THOUGHT, "guided_regex": "[a-z]+"})["choices"][0]["message"]
+    assert held["reasoning"] == "\nplan it" and held["content"].strip().isalpha()  # not the scripted answer
+    off = _chat(base, {**THOUGHT, "guided_regex": "[a-z]+", "chat_template_kwargs": {"enable_thinking": False}})
+    assert off["choices"][0]["message"]["content"].isalpha()
+
+
 def test_a_gateway_without_a_parser_answers_as_before_and_a_bad_parser_is_refused(cluster):
-    message = _chat(cluster[1]["gateway"], THOUGHT)["choices"][0]["message"]
-    assert "reasoning" not in message and message["content"] == "<think>\nplan it</think>\n\nthe answer"
+    code, _, raw = post(cluster[1]["gateway"] + "/v1/chat/completions",
+                        {**THOUGHT, "guided_regex": "<think>ab</think>cd"})
+    message = json.loads(raw)["choices"][0]["message"]
+    assert code == 200 and "reasoning" not in message and message["content"] == "<think>ab</think>cd"
     with pytest.raises(ValueError, match=r"^--reasoning-parser must be one of qwen3, deepseek_r1, got 'r1'$"):
         ClusterConfig(reasoning_parser="r1")
 
@@ -217,37 +271,44 @@ async def test_streamed_response_items_put_the_thinking_first_and_close_it_when_
     assert [(i["type"], i["status"]) for i in await cut.close("incomplete")] == [("reasoning", "incomplete")]
 
 
-def test_a_response_s_thinking_is_its_reasoning_item_as_chat_s_reasoning(reasoning_cluster, tiny_dir):
-    """The Responses API over the same parser: the tiny model never closes a thought, so its whole
-    output is thinking (Qwen3's default: thinking on) — a reasoning item, no message."""
+def test_a_response_s_thinking_is_its_reasoning_item_before_the_message(reasoning_cluster):
+    """The Responses API over the same parser: a reasoning item, then the message; cut while
+    thinking, the reasoning item alone (incomplete)."""
     import openai
     from transformers import AutoTokenizer
 
     base = reasoning_cluster[1]["gateway"]
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
-    chat = _chat(base, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0})
-    thought = chat["choices"][0]["message"]["reasoning"]
-    assert thought and chat["choices"][0]["message"]["content"] is None
-    response = client.responses.create(model=model, input="hi", max_output_tokens=8, temperature=0)
-    [item] = response.output
-    assert (item.type, item.status, response.status) == ("reasoning", "incomplete", "incomplete")
-    assert item.content[0].text == thought and response.output_text == ""
-    tokenizer = AutoTokenizer.from_pretrained(tiny_dir["llama"])
-    assert response.usage.output_tokens_details.reasoning_tokens == len(tokenizer.encode(thought)) == 8
-    events = list(client.responses.create(model=model, input="hi", max_output_tokens=8, temperature=0, stream=True))
+    response = client.responses.create(model=model, input="hi", max_output_tokens=40, temperature=0)
+    thought, answer = response.output
+    assert (thought.type, thought.status, answer.type, response.status) == ("reasoning", "completed", "message",
+                                                                             "completed")
+    assert thought.content[0].text == "\nplan it" and response.output_text == "\n\nthe answer"
+    tokenizer = AutoTokenizer.from_pretrained(reasoning_cluster[2])
+    assert response.usage.output_tokens_details.reasoning_tokens == len(tokenizer.encode("\nplan it")) == 1
+    events = list(client.responses.create(model=model, input="hi", max_output_tokens=40, temperature=0, stream=True))
     kinds = [event.type for event in events]
     assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
-    assert kinds[-3:] == ["response.reasoning_text.done", "response.output_item.done", "response.incomplete"]
-    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
-    assert events[-1].response.output[0].content[0].text == thought
+    done = kinds.index("response.reasoning_text.done")
+    assert kinds[done + 1:done + 3] == ["response.output_item.done", "response.output_item.added"]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "\nplan it"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "\n\nthe answer"
+    assert events[-1].type == "response.completed"
+    assert events[-1].response.model_dump()["output"] == [
+        {**item, "id": streamed["id"]} for item, streamed in zip(response.model_dump()["output"],
+                                                                 events[-1].response.model_dump()["output"])]
+    cut = client.responses.create(model=model, input="hi", max_output_tokens=2, temperature=0)
+    [item] = cut.output
+    assert (item.type, item.status, cut.status, item.content[0].text) == ("reasoning", "incomplete", "incomplete",
+                                                                         "\nplan it")
     # its output sent back as input: the reasoning item is the assistant's turn, its text left out
     again = client.responses.create(model=model, max_output_tokens=4, temperature=0, input=[
-        {"role": "user", "content": "hi"}, *[i.model_dump(exclude_none=True) for i in response.output],
+        {"role": "user", "content": "hi"}, *[i.model_dump(exclude_none=True) for i in cut.output],
         {"role": "user", "content": "and?"}])
     plain = client.responses.create(model=model, max_output_tokens=4, temperature=0, input=[
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}, {"role": "user", "content": "and?"}])
-    assert again.usage.input_tokens == plain.usage.input_tokens and again.output_text == plain.output_text
+    assert again.usage.input_tokens == plain.usage.input_tokens
 
 
 @pytest.mark.parametrize("items, turns", [
@@ -281,13 +342,12 @@ async def test_chat_shows_the_thinking_apart_and_keeps_it_out_of_the_reply(reaso
     from specctl.chat.repl import ChatState, stream_reply
 
     base = reasoning_cluster[1]["gateway"]
-    state = ChatState(max_tokens=8)
+    state = ChatState(max_tokens=40)
     state.messages.append({"role": "user", "content": "hi"})
     texts, thoughts = [], []
     text, usage, _ = await stream_reply(base, state, texts.append, None, thoughts.append)
-    whole = _chat(base, {"messages": state.request_messages(), "max_tokens": 8, "temperature": 0})
-    assert "".join(thoughts) == whole["choices"][0]["message"]["reasoning"] and thoughts
-    assert text == "" and texts == [] and usage["completion_tokens"] == 8
+    assert "".join(thoughts) == "\nplan it" and text == "".join(texts) == "\n\nthe answer"
+    assert usage["completion_tokens"] == len(THOUGHT_TOKENS)
 
 
 @pytest.mark.parametrize("command", [["chat"], ["up"], ["gateway", "--target", "127.0.0.1:1"]])

@@ -5,6 +5,7 @@ grammar does, and a bad grammar is a one-line error naming what is wrong."""
 
 import json
 import re
+import string
 
 import pytest
 import torch
@@ -162,14 +163,59 @@ def test_a_bad_grammar_is_refused_with_what_is_wrong(structured, message):
 
 
 @pytest.mark.parametrize("structured, message", [
-    (("yaml", "a: b"), "structured output is a kind (json, regex, choice, grammar) and its text, got ('yaml', 'a: b')"),
-    (("regex", " "), "structured output is a kind (json, regex, choice, grammar) and its text, got ('regex', ' ')"),
+    (("yaml", "a: b"), "structured output is a kind (json, regex, choice, grammar, thinking) and its text, got "
+                       "('yaml', 'a: b')"),
+    (("regex", " "), "structured output is a kind (json, regex, choice, grammar, thinking) and its text, got "
+                     "('regex', ' ')"),
     (("regex", "a" * 65537), "structured output's regex may have at most 65536 characters, got 65537"),
 ])
 def test_structured_params_out_of_shape_are_refused(structured, message):
     with pytest.raises(InvalidSamplingParams) as caught:
         SamplingParams(structured=structured)
     assert str(caught.value) == message
+
+
+@pytest.mark.parametrize("thinking_tokens", [False, True])
+def test_a_grammar_after_the_thinking_leaves_the_thinking_free_and_holds_the_answer(thinking_tokens):
+    """kind "thinking" (a reasoning parser's chat request): any text up to the first </think>
+    (a token of its own where the tokenizer has one, as Qwen3's does; else the text), whitespace,
+    then the request's grammar."""
+    tokenizer = make_byte_tokenizer()
+    if thinking_tokens:
+        tokenizer.add_tokens(["<think>", "</think>"])
+    end = "</think>"
+    structure = Structure("thinking", json.dumps({"kind": "regex", "spec": "ab+"}), tokenizer, len(tokenizer),
+                          {256}, torch.device("cpu"))
+
+    def allowed_after(text: str) -> torch.Tensor:
+        return structure.allowed([tokenizer.encode(text, add_special_tokens=False)])[0][0]
+
+    def token(text: str) -> int:
+        return tokenizer.encode(text, add_special_tokens=False)[0]
+
+    free = allowed_after("<think> {x: ab! ")  # thinking: free, every character (braces, the answer's letters...)
+    assert all(free[token(c)] for c in string.printable)
+    assert not allowed_after("<think>")[256]  # no end while thinking
+    after = allowed_after(f"<think>plan{end}\n")
+    assert after[token(" ")] and after[token("a")] and not after[token("b")] and not after[token("x")]
+    assert allowed_after(f"plan{end}ab")[256] and not allowed_after(f"plan{end}a")[256]
+    if thinking_tokens:  # the end tag spelt in bytes is thinking text, not the end
+        spelt = [token(c) for c in "plan</think>"]
+        assert structure.allowed([spelt])[0][0][token("x")]
+    rows, ended = structure.allowed([tokenizer.encode(f"plan{end}abb", add_special_tokens=False) + [256]])
+    assert ended == [True]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("regex", 'structured output (thinking) is {"kind": ..., "spec": ...}'),
+    (json.dumps({"kind": "thinking", "spec": "x"}), "structured output (thinking) holds one of json, regex, choice, "
+                                                    "grammar, got 'thinking'"),
+    (json.dumps({"kind": "regex", "spec": "(ab"}), "structured output (regex) is invalid: "),
+])
+def test_a_bad_grammar_after_the_thinking_is_refused(spec, message):
+    with pytest.raises(InvalidSamplingParams) as caught:
+        grammar_text("thinking", spec)
+    assert str(caught.value).startswith(message)
 
 
 def test_a_grammar_needs_an_end_token_and_the_tokenizer(tiny, byte_tokenizer):

@@ -11,7 +11,7 @@ from typing import Any
 
 from specctl.errors import InvalidSamplingParams
 from specctl.gateway.api import ApiError
-from specctl.spec.structured import JSON_OBJECT, KINDS, grammar_text
+from specctl.spec.structured import GRAMMARS, JSON_OBJECT, grammar_text
 
 
 def _spec(kind: str, value: Any, field: str) -> tuple[str, str]:
@@ -43,7 +43,7 @@ def _asked(req: Any) -> list[tuple[str, tuple[str, str]]]:
         else:
             raise ApiError(400, f"response_format type must be 'text', 'json_object' or 'json_schema', got "
                                 f"{fmt.type!r}", param="response_format")
-    for kind in KINDS:  # vLLM's guided_* and structured_outputs keys are spec.structured's kinds
+    for kind in GRAMMARS:  # vLLM's guided_* and structured_outputs keys are spec.structured's grammars
         value = getattr(req, f"guided_{kind}")
         if value is not None:
             asked.append((f"guided_{kind}", _spec(kind, value, f"guided_{kind}")))
@@ -52,7 +52,7 @@ def _asked(req: Any) -> list[tuple[str, tuple[str, str]]]:
             continue
         if key == "json_object":
             asked.append(("structured_outputs", ("json", JSON_OBJECT)))
-        elif key in KINDS:
+        elif key in GRAMMARS:
             asked.append(("structured_outputs", _spec(key, value, f"structured_outputs.{key}")))
         else:
             raise ApiError(400, f"structured_outputs.{key} is not supported: give one of json, regex, choice, "

@@ -26,11 +26,15 @@ import torch
 
 from specctl.errors import BadRequest, InvalidSamplingParams
 
-KINDS = ("json", "regex", "choice", "grammar", "thinking")  # what SamplingParams.structured's first item may say
-# A reasoning model's thinking (free text up to the first </think>, a leading <think> in it) and
-# whitespace before the grammar it answers in (llguidance's Lark; its rule "answer" refers to
-# the inner grammar by name)
+GRAMMARS = ("json", "regex", "choice", "grammar")  # the grammars a request may ask for (vLLM's guided_* fields)
+KINDS = (*GRAMMARS, "thinking")  # what SamplingParams.structured's first item may say: thinking wraps a grammar
+# A reasoning model's thinking and the whitespace before the grammar it answers in (llguidance's
+# Lark; the rule "answer" refers to the inner grammar by name): free text up to the first
+# </think>, as text; or, where the tokenizer has <think> and </think> as tokens of their own (Qwen3,
+# DeepSeek-R1: llguidance takes them as special tokens, which no text matches), up to that token.
 THINKING_LARK = 'start: think /[ \\t\\r\\n]*/ answer\nthink[suffix="</think>"]: /(.|\\n)*/\nanswer: @answer\n'
+THINKING_TOKENS_LARK = ('start: think /[ \\t\\r\\n]*/ answer\nthink: /(.|\\n)*/ (<think> /(.|\\n)*/)? </think>\n'
+                        'answer: @answer\n')
 MAX_SPEC_CHARS = 65536  # a schema, regex or grammar's text
 JSON_OBJECT = '{"type": "object"}'  # response_format json_object: any JSON object
 
@@ -38,15 +42,16 @@ _tokenizers: dict[int, tuple[Any, Any]] = {}  # id(HF tokenizer) -> (it, its LLT
 _tokenizers_lock = threading.Lock()
 
 
-def grammar_text(kind: str, spec: str) -> str:
+def grammar_text(kind: str, spec: str, thinking_tokens: bool = False) -> str:
     """The llguidance grammar for ``(kind, spec)``; InvalidSamplingParams names what is wrong.
     ``thinking``: ``spec`` is {"kind": ..., "spec": ...}, a grammar that starts after a reasoning
-    model's thinking (vLLM's structured output with a reasoning parser)."""
+    model's thinking (vLLM's structured output with a reasoning parser), ended by the </think>
+    token where ``thinking_tokens`` (the tokenizer has one), else by that text."""
     import llguidance
 
     try:
         if kind == "thinking":
-            grammar = _after_thinking(spec)
+            grammar = _after_thinking(spec, THINKING_TOKENS_LARK if thinking_tokens else THINKING_LARK)
         elif kind == "json":
             json.loads(spec)  # llguidance takes a JSON text; say so here when it is not one
             grammar = llguidance.LLMatcher.grammar_from_json_schema(spec, defaults={"whitespace_flexible": True})
@@ -67,17 +72,17 @@ def grammar_text(kind: str, spec: str) -> str:
     return grammar
 
 
-def _after_thinking(spec: str) -> str:
+def _after_thinking(spec: str, lark: str) -> str:
     try:
         inner = json.loads(spec)
         kind, text = inner["kind"], inner["spec"]
     except (ValueError, KeyError, TypeError):
         raise InvalidSamplingParams('structured output (thinking) is {"kind": ..., "spec": ...}') from None
-    if kind == "thinking" or kind not in KINDS:
-        raise InvalidSamplingParams(f"structured output (thinking) holds one of {', '.join(KINDS[:-1])}, got {kind!r}")
+    if kind not in GRAMMARS:
+        raise InvalidSamplingParams(f"structured output (thinking) holds one of {', '.join(GRAMMARS)}, got {kind!r}")
     grammars = json.loads(grammar_text(kind, text))["grammars"]
     grammars[0]["name"] = "answer"
-    return json.dumps({"grammars": [{"name": "thinking", "lark_grammar": THINKING_LARK}, *grammars]})
+    return json.dumps({"grammars": [{"name": "thinking", "lark_grammar": lark}, *grammars]})
 
 
 def _one_line(error: str) -> str:
@@ -119,7 +124,8 @@ class Structure:
             raise InvalidSamplingParams("structured output needs a stop token (EOS): it ends the output where the "
                                         "grammar does, so ignore_eos cannot be combined with it")
         tokens = ll_tokenizer(tokenizer, vocab_size)
-        self.matcher = llguidance.LLMatcher(tokens, grammar_text(kind, spec))
+        thinking_tokens = {"<think>", "</think>"} <= set(tokenizer.get_added_vocab())
+        self.matcher = llguidance.LLMatcher(tokens, grammar_text(kind, spec, thinking_tokens))
         if self.matcher.is_error():
             raise InvalidSamplingParams(f"structured output ({kind}) is invalid: {_one_line(self.matcher.get_error())}")
         self.end_token, self.vocab_size, self.device = tokens.eos_token, vocab_size, device
