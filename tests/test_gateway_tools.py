@@ -11,7 +11,7 @@ import pytest
 from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
 from specctl.gateway.api import ApiError, ChatCompletionRequest, parse_body
-from specctl.gateway.tool_calls import ForcedCalls, StreamedCalls, parse
+from specctl.gateway.tool_calls import ForcedCalls, JsonCalls, StreamedCalls, json_calls, parse, read_whole
 from specctl.gateway.tools import forced_call, request_tools
 from specctl.gateway.translate import chat_messages
 from tests.conftest import running_cluster
@@ -275,3 +275,81 @@ def test_what_tools_cannot_do_here_is_refused_by_name(plain_cluster, route, body
     code, _, raw = post(plain_cluster[1]["gateway"] + route, {**prompt, "max_tokens": 2, **body})
     assert code == 400 and json.loads(raw)["error"] == {"message": message, "type": "invalid_request_error",
                                                         "param": param, "code": None}
+
+
+@pytest.mark.parametrize("text, calls", [
+    ('{"name": "get_weather", "parameters": {"city": "Oslo"}}', [("get_weather", {"city": "Oslo"})]),
+    (' \n{"name": "a", "arguments": {}}; {"name": "b", "parameters": {"x": [1]}}', [("a", {}), ("b", {"x": [1]})]),
+    ('<|python_tag|>{"name": "a", "parameters": {}}', [("a", {})]),  # the tag kept (skip_special_tokens false)
+    ('{"name": "a", "parameters": {}} and then', None),  # text after a call: not calls, all content
+    ('{"name": "a"}', None),
+    ('{"name": "a", "parameters": {"x": ', None),  # cut by max_tokens
+    ("It is sunny.", None),
+])
+def test_llama3_json_calls_are_the_whole_output_or_none(text, calls):
+    found = json_calls(text)
+    assert (None if found is None else [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                                        for c in found]) == calls
+    content, read = read_whole(JsonCalls(), text)
+    assert (content, read) == (text, None) if calls is None else (content == "" and len(read) == len(calls))
+
+
+def test_llama3_json_streams_content_as_it_comes_and_holds_calls_to_the_end():
+    reader = JsonCalls()
+    assert reader.push(" ") == ("", []) and reader.push("It ") == (" It ", []) and reader.push("is.") == ("is.", [])
+    assert reader.finish() == ("", [], None)
+    reader = JsonCalls(max_calls=1)  # parallel_tool_calls false: the first call
+    text = '{"name": "a", "parameters": {"x": 1}};{"name": "b", "parameters": {}}'
+    assert all(reader.push(text[i:i + 5]) == ("", []) for i in range(0, len(text), 5))
+    rest, deltas, calls = reader.finish()
+    assert rest == "" and [c["function"]["name"] for c in calls] == ["a"]
+    assert deltas == [{"index": 0, "id": calls[0]["id"], "type": "function",
+                       "function": {"name": "a", "arguments": '{"x": 1}'}}]
+    broken = JsonCalls()
+    assert broken.push('{"name": ') == ("", []) and broken.finish() == ('{"name": ', [], None)  # held, then content
+
+
+@pytest.fixture(scope="module")
+def json_tools_cluster(tmp_path_factory):
+    """The scripted model (tests.test_gateway_reasoning) behind a gateway with --tool-call-parser llama3_json."""
+    from tests.test_gateway_reasoning import scripted_model
+
+    model = scripted_model(tmp_path_factory.mktemp("json-tools") / "scripted")
+    config = build_config(None, target=str(model), draft=f"{model}@2", mode="chain", depth=3, dtype="fp32",
+                          draft_quant="none", max_sessions=4)
+    thread = ClusterThread(config, ClusterConfig(targets=1, gateway_port=0, tool_call_parser="llama3_json"))
+    urls = thread.start()
+    yield thread, urls, model
+    thread.stop()
+
+
+def test_a_llama3_json_call_comes_back_as_the_call_streamed_or_not(json_tools_cluster):
+    from transformers import AutoTokenizer
+
+    from tests.test_gateway_reasoning import CALL_TOKENS, THOUGHT_TOKENS, _chat, _streamed
+
+    base, model = json_tools_cluster[1]["gateway"], json_tools_cluster[2]
+    ids = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids([THOUGHT_TOKENS[0], CALL_TOKENS[0]])
+    body = {"messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER], "max_tokens": 10,
+            "temperature": 0, "logit_bias": {str(i): -100 for i in ids}}  # the scripted model's JSON call
+    choice = _chat(base, body)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [
+        {"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
+    chunks = _streamed(base, body)
+    assert "".join(c["delta"].get("content") or "" for c in chunks) == ""
+    assert [c["function"] for d in chunks for c in d["delta"].get("tool_calls") or []] == [
+        {"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+    plain = _chat(base, {**body, "tools": None, "logit_bias": {}})["choices"][0]  # no tools: the text as it is
+    assert plain["message"]["content"] == "".join(THOUGHT_TOKENS) and "tool_calls" not in plain["message"]
+    with pytest.raises(ValueError, match=r"^--tool-call-parser must be one of hermes, llama3_json, got 'pythonic'$"):
+        ClusterConfig(tool_call_parser="pythonic")
+
+
+@pytest.mark.parametrize("command", [["up"], ["gateway", "--target", "127.0.0.1:1"]])
+def test_a_bad_tool_call_parser_is_one_line_before_anything_starts(command):
+    from tests.test_cli import _assert_one_line_error, run
+
+    _assert_one_line_error(run(*command, "--tool-call-parser", "pythonic", "--enable-auto-tool-choice"),
+                           "--tool-call-parser must be one of hermes, llama3_json, got 'pythonic'")

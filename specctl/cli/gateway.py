@@ -33,6 +33,11 @@ LOG_REQUESTS = typer.Option(False, "--enable-log-requests",
                             help="log a line per generation request taken (id, parameters) and ended (vLLM's)")
 REQUEST_ID_HEADERS = typer.Option(False, "--enable-request-id-headers",
                                   help="every answer carries X-Request-Id: the client's, else a fresh one (vLLM's)")
+TOOL_CALL_PARSER = typer.Option("hermes", "--tool-call-parser",
+                                help="hermes (<tool_call> blocks: Qwen2.5, Qwen3) | llama3_json (Llama 3.1-3.3's "
+                                     "JSON calls): how tool calls are read from the output (vLLM's)")
+AUTO_TOOL_CHOICE = typer.Option(False, "--enable-auto-tool-choice",
+                                help="taken for vLLM's command lines: tool_choice auto is always served")
 REASONING_PARSER = typer.Option(None, "--reasoning-parser",
                                 help="qwen3 | deepseek_r1: a chat answer's <think> part as message.reasoning, apart "
                                      "from its content (vLLM's)")
@@ -40,20 +45,20 @@ REASONING_PARSER = typer.Option(None, "--reasoning-parser",
 
 def serving_options(responses_store: int, max_waiting: int, queue_timeout: float, served_model_name: List[str],
                     scheduling_policy: str, allowed_origins: List[str], request_id_headers: bool,
-                    log_requests: bool, reasoning_parser: str | None) -> dict:
+                    log_requests: bool, reasoning_parser: str | None, tool_call_parser: str = "hermes") -> dict:
     """The shared serving options, checked (gateway.server.check_serving) before any model loads,
     as GatewayConfig and ClusterConfig name them."""
     from specctl.gateway.server import check_serving
 
     try:
         check_serving(responses_store, tuple(served_model_name), scheduling_policy, max_waiting, queue_timeout,
-                      reasoning_parser)
+                      reasoning_parser, tool_call_parser)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return {"responses_store": responses_store, "max_waiting": max_waiting, "queue_timeout_s": queue_timeout,
             "served_model_names": tuple(served_model_name), "scheduling_policy": scheduling_policy,
             "allowed_origins": tuple(allowed_origins), "request_id_headers": request_id_headers,
-            "log_requests": log_requests, "reasoning_parser": reasoning_parser}
+            "log_requests": log_requests, "reasoning_parser": reasoning_parser, "tool_call_parser": tool_call_parser}
 
 
 def gateway(
@@ -74,6 +79,8 @@ def gateway(
     request_id_headers: bool = REQUEST_ID_HEADERS,
     log_requests: bool = LOG_REQUESTS,
     reasoning_parser: Optional[str] = REASONING_PARSER,
+    tool_call_parser: str = TOOL_CALL_PARSER,
+    auto_tool_choice: bool = AUTO_TOOL_CHOICE,
     auth_token: Optional[str] = typer.Option(None, "--auth-token", envvar="SPECCTL_AUTH_TOKEN",
                                              help="auth token of the target instances"),
     tls_ca: Optional[str] = typer.Option(None, "--tls-ca", help="CA file: talk TLS to the target instances"),
@@ -94,7 +101,7 @@ def gateway(
     from specctl.store import resolve_model
 
     serving = serving_options(responses_store, max_waiting, queue_timeout, served_model_name, scheduling_policy,
-                              allowed_origins, request_id_headers, log_requests, reasoning_parser)
+                              allowed_origins, request_id_headers, log_requests, reasoning_parser, tool_call_parser)
     setup_logging(log_level)
     console = Console(stderr=True)
 
@@ -153,6 +160,8 @@ def up(
     request_id_headers: bool = REQUEST_ID_HEADERS,
     log_requests: bool = LOG_REQUESTS,
     reasoning_parser: Optional[str] = REASONING_PARSER,
+    tool_call_parser: str = TOOL_CALL_PARSER,
+    auto_tool_choice: bool = AUTO_TOOL_CHOICE,
     max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="most concurrent sessions a target "
                                                "instance holds (vLLM's --max-num-seqs; the profile's by default); "
                                                "past them requests wait (--max-waiting)"),
@@ -178,7 +187,7 @@ def up(
         plan = ClusterConfig(targets=targets, gateway_port=port, stages=stages,
                              **serving_options(responses_store, max_waiting, queue_timeout, served_model_name,
                                                scheduling_policy, allowed_origins, request_id_headers,
-                                               log_requests, reasoning_parser))
+                                               log_requests, reasoning_parser, tool_call_parser))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     setup_logging(log_level)

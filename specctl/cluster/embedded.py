@@ -42,6 +42,7 @@ class ClusterConfig:
     request_id_headers: bool = False  # every gateway answer carries X-Request-Id (vLLM's --enable-request-id-headers)
     log_requests: bool = False  # the gateway logs each generation request taken and ended (--enable-log-requests)
     reasoning_parser: str | None = None  # the gateway's chat answers' thinking apart (--reasoning-parser)
+    tool_call_parser: str = "hermes"  # how the gateway reads tool calls back (--tool-call-parser)
 
     def __post_init__(self) -> None:
         if not 1 <= self.targets <= 64:
@@ -49,7 +50,7 @@ class ClusterConfig:
         if not 1 <= self.stages <= 64:
             raise ValueError(f"stages must be in 1..64, got {self.stages}")
         check_serving(self.responses_store, self.served_model_names, self.scheduling_policy, self.max_waiting,
-                      self.queue_timeout_s, self.reasoning_parser)
+                      self.queue_timeout_s, self.reasoning_parser, self.tool_call_parser)
 
 
 class EmbeddedCluster:
@@ -123,7 +124,8 @@ class EmbeddedCluster:
                                              allowed_origins=c.allowed_origins,
                                              request_id_headers=c.request_id_headers,
                                              log_requests=c.log_requests,
-                                             reasoning_parser=c.reasoning_parser),
+                                             reasoning_parser=c.reasoning_parser,
+                                             tool_call_parser=c.tool_call_parser),
                                target.tokenizer, upstream, metrics)
         gateway_port = await self.gateway.start()
         self.urls = {"gateway": f"http://{host}:{gateway_port}", "draft": drafts[0] if drafts else None,

@@ -27,6 +27,7 @@ from specctl.gateway.api import (
 from specctl.gateway.generation import Generations
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.gateway.reasoning import check_parser
+from specctl.gateway.tool_calls import TOOL_PARSERS
 from specctl.gateway.upstream import Upstream
 
 log = logging.getLogger("specctl.gateway")
@@ -49,6 +50,7 @@ class GatewayConfig:
     request_id_headers: bool = False  # vLLM's --enable-request-id-headers: X-Request-Id on every answer
     log_requests: bool = False  # vLLM's --enable-log-requests: a line per generation request taken and ended
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser: chat answers' thinking apart (gateway.reasoning)
+    tool_call_parser: str = "hermes"  # vLLM's --tool-call-parser: how calls are read back (gateway.tool_calls)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -61,11 +63,12 @@ class GatewayConfig:
         if self.context < 2 or self.default_max_tokens < 1 or self.max_body_bytes < 1024:
             raise ValueError("context must be >= 2, default_max_tokens >= 1 and max_body_bytes >= 1024")
         check_serving(self.responses_store, self.served_model_names, self.scheduling_policy,
-                      reasoning_parser=self.reasoning_parser)
+                      reasoning_parser=self.reasoning_parser, tool_call_parser=self.tool_call_parser)
 
 
 def check_serving(responses_store: int = 0, served_model_names: tuple[str, ...] = (), scheduling_policy: str = "fcfs",
-                  max_waiting: int = 0, queue_timeout_s: float = 0.0, reasoning_parser: str | None = None) -> None:
+                  max_waiting: int = 0, queue_timeout_s: float = 0.0, reasoning_parser: str | None = None,
+                  tool_call_parser: str = "hermes") -> None:
     """The serving options `gateway` and `up` take (the gateway's, its waiting line's), checked
     once for the CLI, the embedded cluster and GatewayConfig: a ValueError naming the flag."""
     if any(not name.strip() for name in served_model_names):
@@ -76,6 +79,8 @@ def check_serving(responses_store: int = 0, served_model_names: tuple[str, ...] 
         raise ValueError(f"--responses-store, --max-waiting and --queue-timeout must be >= 0, got {responses_store}, "
                          f"{max_waiting}, {queue_timeout_s:g}")
     check_parser(reasoning_parser)
+    if tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, got {tool_call_parser!r}")
 
 
 class Gateway:

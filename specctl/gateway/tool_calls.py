@@ -190,3 +190,59 @@ class ForcedCalls:
         except (json.JSONDecodeError, TypeError, KeyError):
             return self.text, [], None
         return "", [_delta(i, call, call["function"]["arguments"]) for i, call in enumerate(calls)], calls
+
+
+PYTHON_TAG = "<|python_tag|>"
+TOOL_PARSERS = ("hermes", "llama3_json")  # vLLM's --tool-call-parser names: StreamedCalls, JsonCalls
+
+
+class JsonCalls:
+    """vLLM's ``llama3_json`` parser (Llama 3.1-3.3's JSON tool calls): an output that opens
+    with ``{`` (or ``<|python_tag|>``, when special tokens are kept) is its calls, one JSON
+    object ``{"name": ..., "parameters": {...}}`` each (``arguments`` taken too), several
+    separated by ``;`` — held back while it comes and handed out as calls when the choice ends;
+    one that does not parse is content then, as vLLM leaves it. Any other output is content as
+    it comes."""
+
+    finish_reason = "tool_calls"
+
+    def __init__(self, max_calls: int | None = None) -> None:
+        self.max_calls = max_calls
+        self.text = ""
+        self.calls_opened: bool | None = None  # None: not known yet (whitespace or a tag begun)
+
+    def push(self, delta: str) -> tuple[str, list[dict]]:
+        self.text += delta
+        if self.calls_opened is None:
+            opening = self.text.lstrip()
+            if not opening or PYTHON_TAG.startswith(opening):
+                return "", []
+            self.calls_opened = opening.startswith(("{", PYTHON_TAG))
+            return ("", []) if self.calls_opened else (self.text, [])
+        return ("", []) if self.calls_opened else (delta, [])
+
+    def finish(self) -> tuple[str, list[dict], list[dict] | None]:
+        calls = json_calls(self.text) if self.calls_opened else None
+        if calls is None:  # content: what was held back (all of it, or a tag begun), none if it went out
+            return ("" if self.calls_opened is False else self.text), [], None
+        calls = calls[:self.max_calls]
+        return "", [_delta(i, call, call["function"]["arguments"]) for i, call in enumerate(calls)], calls
+
+
+def json_calls(text: str) -> list[dict] | None:
+    """The calls a llama3_json output holds, or None when it is not one or more calls."""
+    body = text.strip().removeprefix(PYTHON_TAG).strip()
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while at < len(body):
+        try:
+            call, end = decoder.raw_decode(body, at)
+        except json.JSONDecodeError:
+            return None
+        arguments = call.get("parameters", call.get("arguments")) if isinstance(call, dict) else None
+        if not (isinstance(call.get("name") if isinstance(call, dict) else None, str) and isinstance(arguments, dict)):
+            return None
+        calls.append(_new_call(call["name"], json.dumps(arguments, ensure_ascii=False)))
+        at = end
+        while at < len(body) and body[at] in "; \t\r\n":
+            at += 1
+    return calls or None
