@@ -36,6 +36,10 @@ REQUEST_ID_HEADERS = typer.Option(False, "--enable-request-id-headers",
 TOOL_CALL_PARSER = typer.Option("hermes", "--tool-call-parser",
                                 help="hermes (<tool_call> blocks: Qwen2.5, Qwen3) | llama3_json (Llama 3.1-3.3's "
                                      "JSON calls): how tool calls are read from the output (vLLM's)")
+GENERATION_CONFIG = typer.Option("auto", "--generation-config",
+                                 help="auto: what a request leaves out (temperature, top_p, top_k, min_p, "
+                                      "repetition_penalty, max_tokens) takes the model's generation_config.json "
+                                      "recommendation; vllm: OpenAI's defaults; or a folder with that file (vLLM's)")
 AUTO_TOOL_CHOICE = typer.Option(False, "--enable-auto-tool-choice",
                                 help="taken for vLLM's command lines: tool_choice auto is always served")
 REASONING_PARSER = typer.Option(None, "--reasoning-parser",
@@ -45,20 +49,22 @@ REASONING_PARSER = typer.Option(None, "--reasoning-parser",
 
 def serving_options(responses_store: int, max_waiting: int, queue_timeout: float, served_model_name: List[str],
                     scheduling_policy: str, allowed_origins: List[str], request_id_headers: bool,
-                    log_requests: bool, reasoning_parser: str | None, tool_call_parser: str = "hermes") -> dict:
+                    log_requests: bool, reasoning_parser: str | None, tool_call_parser: str = "hermes",
+                    generation_config: str = "auto") -> dict:
     """The shared serving options, checked (gateway.server.check_serving) before any model loads,
     as GatewayConfig and ClusterConfig name them."""
     from specctl.gateway.server import check_serving
 
     try:
         check_serving(responses_store, tuple(served_model_name), scheduling_policy, max_waiting, queue_timeout,
-                      reasoning_parser, tool_call_parser)
+                      reasoning_parser, tool_call_parser, generation_config)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return {"responses_store": responses_store, "max_waiting": max_waiting, "queue_timeout_s": queue_timeout,
             "served_model_names": tuple(served_model_name), "scheduling_policy": scheduling_policy,
             "allowed_origins": tuple(allowed_origins), "request_id_headers": request_id_headers,
-            "log_requests": log_requests, "reasoning_parser": reasoning_parser, "tool_call_parser": tool_call_parser}
+            "log_requests": log_requests, "reasoning_parser": reasoning_parser, "tool_call_parser": tool_call_parser,
+            "generation_config": generation_config}
 
 
 def gateway(
@@ -81,6 +87,7 @@ def gateway(
     reasoning_parser: Optional[str] = REASONING_PARSER,
     tool_call_parser: str = TOOL_CALL_PARSER,
     auto_tool_choice: bool = AUTO_TOOL_CHOICE,
+    generation_config: str = GENERATION_CONFIG,
     auth_token: Optional[str] = typer.Option(None, "--auth-token", envvar="SPECCTL_AUTH_TOKEN",
                                              help="auth token of the target instances"),
     tls_ca: Optional[str] = typer.Option(None, "--tls-ca", help="CA file: talk TLS to the target instances"),
@@ -93,6 +100,7 @@ def gateway(
     from specctl.engine.loader import vocab_fingerprint
     from specctl.engine.spec import context_limit
     from specctl.gateway.metrics import GatewayMetrics
+    from specctl.gateway.sampling_defaults import describe, sampling_defaults
     from specctl.gateway.server import Gateway, GatewayConfig
     from specctl.gateway.upstream import Upstream
     from specctl.runtime.loop import run, serve, setup_logging
@@ -101,7 +109,8 @@ def gateway(
     from specctl.store import resolve_model
 
     serving = serving_options(responses_store, max_waiting, queue_timeout, served_model_name, scheduling_policy,
-                              allowed_origins, request_id_headers, log_requests, reasoning_parser, tool_call_parser)
+                              allowed_origins, request_id_headers, log_requests, reasoning_parser, tool_call_parser,
+                              generation_config)
     setup_logging(log_level)
     console = Console(stderr=True)
 
@@ -109,7 +118,8 @@ def gateway(
         metrics = GatewayMetrics()
         upstream = Upstream(target, drafter, auth_token=auth_token, ssl=client_context(tls_ca), metrics=metrics,
                             max_waiting=max_waiting, queue_timeout_s=queue_timeout)
-        gateway_options = {k: v for k, v in serving.items() if k not in ("max_waiting", "queue_timeout_s")}
+        gateway_options = {k: v for k, v in serving.items()
+                           if k not in ("max_waiting", "queue_timeout_s", "generation_config")}
         await upstream.poll_once()
         name = model or next((t.welcome.model for t in upstream.targets if t.welcome), None)
         if name is None:
@@ -119,9 +129,13 @@ def gateway(
         tokenizer = AutoTokenizer.from_pretrained(path)
         upstream.fingerprint = vocab_fingerprint(tokenizer)
         context = context_limit(AutoConfig.from_pretrained(path))
+        defaults = sampling_defaults(path, generation_config)
+        if defaults:
+            console.print(f"[dim]{describe(defaults)}[/]", soft_wrap=True)
         server = Gateway(GatewayConfig(model_name=name, context=context, host=host, port=port,
                                        default_max_tokens=default_max_tokens, max_body_bytes=max_body_kb * 1024,
-                                       api_key=api_key, **gateway_options), tokenizer, upstream, metrics)
+                                       api_key=api_key, sampling_defaults=tuple(defaults.items()), **gateway_options),
+                         tokenizer, upstream, metrics)
         await serve(server, lambda bound: console.print(
             f"gateway for [bold]{name}[/]{served_as(served_model_name)} on http://{host}:{bound}/v1 over {len(target)} target instance(s)"
             f"{' (API key required)' if api_key else ''}", soft_wrap=True))
@@ -162,6 +176,7 @@ def up(
     reasoning_parser: Optional[str] = REASONING_PARSER,
     tool_call_parser: str = TOOL_CALL_PARSER,
     auto_tool_choice: bool = AUTO_TOOL_CHOICE,
+    generation_config: str = GENERATION_CONFIG,
     max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="most concurrent sessions a target "
                                                "instance holds (vLLM's --max-num-seqs; the profile's by default); "
                                                "past them requests wait (--max-waiting)"),
@@ -187,7 +202,8 @@ def up(
         plan = ClusterConfig(targets=targets, gateway_port=port, stages=stages,
                              **serving_options(responses_store, max_waiting, queue_timeout, served_model_name,
                                                scheduling_policy, allowed_origins, request_id_headers,
-                                               log_requests, reasoning_parser, tool_call_parser))
+                                               log_requests, reasoning_parser, tool_call_parser,
+                                               generation_config))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     setup_logging(log_level)

@@ -15,6 +15,7 @@ from specctl.draft.server import DraftServer, DraftServerConfig
 from specctl.engine.loader import LoadedModel
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.runtime.compute import ComputeThread
+from specctl.gateway.sampling_defaults import describe, sampling_defaults
 from specctl.gateway.server import Gateway, GatewayConfig, check_serving
 from specctl.gateway.upstream import Upstream
 from specctl.pipeline.decoder import PipelineClient
@@ -43,6 +44,7 @@ class ClusterConfig:
     log_requests: bool = False  # the gateway logs each generation request taken and ended (--enable-log-requests)
     reasoning_parser: str | None = None  # the gateway's chat answers' thinking apart (--reasoning-parser)
     tool_call_parser: str = "hermes"  # how the gateway reads tool calls back (--tool-call-parser)
+    generation_config: str = "auto"  # where a request's missing sampling fields come from (--generation-config)
 
     def __post_init__(self) -> None:
         if not 1 <= self.targets <= 64:
@@ -50,7 +52,7 @@ class ClusterConfig:
         if not 1 <= self.stages <= 64:
             raise ValueError(f"stages must be in 1..64, got {self.stages}")
         check_serving(self.responses_store, self.served_model_names, self.scheduling_policy, self.max_waiting,
-                      self.queue_timeout_s, self.reasoning_parser, self.tool_call_parser)
+                      self.queue_timeout_s, self.reasoning_parser, self.tool_call_parser, self.generation_config)
 
 
 class EmbeddedCluster:
@@ -116,6 +118,9 @@ class EmbeddedCluster:
         metrics = GatewayMetrics()
         upstream = Upstream([f"{host}:{p}" for p in target_ports], drafts, fingerprint=target.vocab_fingerprint,
                             metrics=metrics, max_waiting=c.max_waiting, queue_timeout_s=c.queue_timeout_s)
+        defaults = sampling_defaults(target.path, c.generation_config)
+        if defaults:
+            self.console.print(f"[dim]{describe(defaults)}[/]", soft_wrap=True)
         self.gateway = Gateway(GatewayConfig(model_name=target.name, context=target.spec.max_position, host=host,
                                              port=c.gateway_port, default_max_tokens=c.default_max_tokens,
                                              responses_store=c.responses_store,
@@ -125,7 +130,8 @@ class EmbeddedCluster:
                                              request_id_headers=c.request_id_headers,
                                              log_requests=c.log_requests,
                                              reasoning_parser=c.reasoning_parser,
-                                             tool_call_parser=c.tool_call_parser),
+                                             tool_call_parser=c.tool_call_parser,
+                                             sampling_defaults=tuple(defaults.items())),
                                target.tokenizer, upstream, metrics)
         gateway_port = await self.gateway.start()
         self.urls = {"gateway": f"http://{host}:{gateway_port}", "draft": drafts[0] if drafts else None,

@@ -50,6 +50,7 @@ class Generations:
         self._token_bytes = token_bytes_of(tokenizer)
         self.running = 0
         self.responses = ResponseStore(config.responses_store)
+        self.defaults = dict(config.sampling_defaults)  # what a request leaves out (gateway.sampling_defaults)
         if config.log_requests:
             request_log.enable()
 
@@ -106,7 +107,8 @@ class Generations:
                                         self.thinking(req) if chat else None)
             barred = bad_words(req.bad_words, self.tokenizer)
             specs = choice_specs(prompts, [sampling_params(req, len(p), self.config.context,
-                                                           self.config.default_max_tokens, structured, barred)
+                                                           self.config.default_max_tokens, structured, barred,
+                                                           self.defaults)
                                            for p in prompts], req.n, self._echoes(req, prompts))
             self._check_room(len(specs))
             if self.config.log_requests:

@@ -27,6 +27,7 @@ from specctl.gateway.api import (
 from specctl.gateway.generation import Generations
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.gateway.reasoning import check_parser
+from specctl.gateway.sampling_defaults import check_source
 from specctl.gateway.tool_calls import TOOL_PARSERS
 from specctl.gateway.upstream import Upstream
 
@@ -51,6 +52,8 @@ class GatewayConfig:
     log_requests: bool = False  # vLLM's --enable-log-requests: a line per generation request taken and ended
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser: chat answers' thinking apart (gateway.reasoning)
     tool_call_parser: str = "hermes"  # vLLM's --tool-call-parser: how calls are read back (gateway.tool_calls)
+    # (name, value) pairs a request's missing sampling fields take (gateway.sampling_defaults); (): OpenAI's
+    sampling_defaults: tuple[tuple[str, float], ...] = ()
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -68,7 +71,7 @@ class GatewayConfig:
 
 def check_serving(responses_store: int = 0, served_model_names: tuple[str, ...] = (), scheduling_policy: str = "fcfs",
                   max_waiting: int = 0, queue_timeout_s: float = 0.0, reasoning_parser: str | None = None,
-                  tool_call_parser: str = "hermes") -> None:
+                  tool_call_parser: str = "hermes", generation_config: str = "auto") -> None:
     """The serving options `gateway` and `up` take (the gateway's, its waiting line's), checked
     once for the CLI, the embedded cluster and GatewayConfig: a ValueError naming the flag."""
     if any(not name.strip() for name in served_model_names):
@@ -81,6 +84,7 @@ def check_serving(responses_store: int = 0, served_model_names: tuple[str, ...] 
     check_parser(reasoning_parser)
     if tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, got {tool_call_parser!r}")
+    check_source(generation_config)
 
 
 class Gateway:

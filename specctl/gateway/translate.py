@@ -134,11 +134,13 @@ def _arguments(arguments: str) -> Any:
 
 def sampling_params(req: RequestFields, prompt_tokens: int, context: int, default_max_tokens: int,
                     structured: tuple[str, str] | None = None,
-                    barred: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
+                    barred: tuple[tuple[int, ...], ...] = (), defaults: dict | None = None) -> SamplingParams:
     """Validated sampling parameters; a prompt that leaves no room is a 400 as in OpenAI. Stop
     token ids outside the vocabulary are refused by the target instance (a 400 too).
     ``structured``: the request's grammar (gateway.structured), checked already; ``barred``: its
-    bad_words as token sequences (``bad_words``)."""
+    bad_words as token sequences (``bad_words``); ``defaults``: what the fields a request leaves
+    out take (gateway.sampling_defaults; OpenAI's where it says nothing)."""
+    defaults = defaults or {}
     if req.stop_token_ids and len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise ApiError(400, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(req.stop_token_ids)}",
                        param="stop_token_ids")
@@ -155,18 +157,24 @@ def sampling_params(req: RequestFields, prompt_tokens: int, context: int, defaul
                        param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
                        code="context_length_exceeded")
     if requested is None:
-        requested = min(16 if isinstance(req, CompletionRequest) else default_max_tokens, room)
-    top_k = req.top_k if req.top_k not in (None, -1) else 0
+        fallback = 16 if isinstance(req, CompletionRequest) else default_max_tokens
+        requested = min(defaults.get("max_tokens", fallback), room)
+    top_k = req.top_k if req.top_k is not None else defaults.get("top_k", 0)
+    top_k = 0 if top_k == -1 else top_k
+
+    def given(value, name: str, openai: float) -> float:
+        return value if value is not None else defaults.get(name, openai)
+
     try:
         return SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
+            temperature=given(req.temperature, "temperature", 1.0),
+            top_p=given(req.top_p, "top_p", 1.0),
             top_k=top_k, max_tokens=requested, seed=req.seed, ignore_eos=req.ignore_eos,
             stop_token_ids=tuple(req.stop_token_ids or ()), logprobs=wanted_logprobs(req),
             prompt_logprobs=scored_prompt(req),
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            min_p=req.min_p or 0.0, min_tokens=req.min_tokens or 0, logit_bias=logit_bias(req),
+            repetition_penalty=given(req.repetition_penalty, "repetition_penalty", 1.0),
+            min_p=given(req.min_p, "min_p", 0.0), min_tokens=req.min_tokens or 0, logit_bias=logit_bias(req),
             structured=structured, bad_words=barred,
         )
     except SpecctlError as exc:  # the message starts with the parameter's name
