@@ -116,16 +116,22 @@ def scripted_model(directory):
     return directory
 
 
-@pytest.fixture(scope="module")
-def reasoning_cluster(tmp_path_factory):
-    """The scripted model (its template renders tools) behind a gateway with --reasoning-parser qwen3."""
-    model = scripted_model(tmp_path_factory.mktemp("reasoning-model") / "scripted")
+def scripted_cluster(tmp_path_factory, name: str, **options):
+    """The scripted model behind one target instance and a gateway with ``options``
+    (ClusterConfig's): yields (thread, urls, the model's folder)."""
+    model = scripted_model(tmp_path_factory.mktemp(name) / "scripted")
     config = build_config(None, target=str(model), draft=f"{model}@2", mode="chain", depth=3, dtype="fp32",
                           draft_quant="none", max_sessions=4)
-    thread = ClusterThread(config, ClusterConfig(targets=1, gateway_port=0, reasoning_parser="qwen3"))
+    thread = ClusterThread(config, ClusterConfig(targets=1, gateway_port=0, **options))
     urls = thread.start()
     yield thread, urls, model
     thread.stop()
+
+
+@pytest.fixture(scope="module")
+def reasoning_cluster(tmp_path_factory):
+    """The scripted model (its template renders tools) behind a gateway with --reasoning-parser qwen3."""
+    yield from scripted_cluster(tmp_path_factory, "reasoning-model", reasoning_parser="qwen3")
 
 
 def _chat(base: str, body: dict) -> dict:

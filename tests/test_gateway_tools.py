@@ -312,15 +312,9 @@ def test_llama3_json_streams_content_as_it_comes_and_holds_calls_to_the_end():
 @pytest.fixture(scope="module")
 def json_tools_cluster(tmp_path_factory):
     """The scripted model (tests.test_gateway_reasoning) behind a gateway with --tool-call-parser llama3_json."""
-    from tests.test_gateway_reasoning import scripted_model
+    from tests.test_gateway_reasoning import scripted_cluster
 
-    model = scripted_model(tmp_path_factory.mktemp("json-tools") / "scripted")
-    config = build_config(None, target=str(model), draft=f"{model}@2", mode="chain", depth=3, dtype="fp32",
-                          draft_quant="none", max_sessions=4)
-    thread = ClusterThread(config, ClusterConfig(targets=1, gateway_port=0, tool_call_parser="llama3_json"))
-    urls = thread.start()
-    yield thread, urls, model
-    thread.stop()
+    yield from scripted_cluster(tmp_path_factory, "json-tools", tool_call_parser="llama3_json")
 
 
 def test_a_llama3_json_call_comes_back_as_the_call_streamed_or_not(json_tools_cluster):
