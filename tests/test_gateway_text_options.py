@@ -64,3 +64,34 @@ def test_logprobs_name_tokens_by_id_when_asked_with_the_same_values_and_offsets(
     ids = [int(entry["token"].split(":")[1]) for entry in content]
     assert json.loads(post(base + "/detokenize", {"tokens": ids})[2])["prompt"] == \
         by_id["choices"][0]["message"]["content"]
+
+
+def test_a_chat_template_given_at_start_renders_every_conversation(tiny_dir, tmp_path):
+    """vLLM's --chat-template: a file or the template itself, in place of the tokenizer's, for
+    chat, /tokenize and the tools check alike; one that does not compile is refused at start."""
+    from specctl.cluster.embedded import ClusterConfig, ClusterThread
+    from specctl.config import build_config
+    from specctl.gateway.chat_template import load_chat_template
+    from tests.test_cli import _assert_one_line_error, run
+
+    template = "{% for m in messages %}[{{ m.role }}: {{ m.content }}]{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    assert load_chat_template(str(tmp_path / "t.jinja")) == load_chat_template(template) == template
+    config = build_config(None, target=str(tiny_dir["llama"]), draft=f"{tiny_dir['llama']}@2", mode="chain", depth=3,
+                          dtype="fp32", draft_quant="none", max_sessions=4)
+    thread = ClusterThread(config, ClusterConfig(targets=1, gateway_port=0, chat_template=str(tmp_path / "t.jinja")))
+    base = thread.start()["gateway"]
+    try:
+        messages = [{"role": "user", "content": "hi"}]
+        tokenized = json.loads(post(base + "/tokenize", {"messages": messages, "return_token_strs": True})[2])
+        byte_text = "".join(tokenized["token_strs"])
+        assert byte_text == "[user:Ġhi]"  # the byte-level tokens of "[user: hi]"
+        chat = json.loads(post(base + "/v1/chat/completions", {"messages": messages, "max_tokens": 2})[2])
+        assert chat["usage"]["prompt_tokens"] == tokenized["count"]
+    finally:
+        thread.stop()
+    with pytest.raises(ValueError, match=r"^--chat-template 'no/such.jinja': no such file; give a template file or "
+                                         r"the template itself$"):
+        load_chat_template("no/such.jinja")
+    _assert_one_line_error(run("gateway", "--target", "127.0.0.1:1", "--chat-template", "{% for m in messages %}"),
+                           "--chat-template does not compile: Unexpected end of template.")

@@ -40,6 +40,9 @@ GENERATION_CONFIG = typer.Option("auto", "--generation-config",
                                  help="auto: what a request leaves out (temperature, top_p, top_k, min_p, "
                                       "repetition_penalty, max_tokens) takes the model's generation_config.json "
                                       "recommendation; vllm: OpenAI's defaults; or a folder with that file (vLLM's)")
+CHAT_TEMPLATE = typer.Option(None, "--chat-template",
+                             help="the chat template to render conversations with, a file or the template itself, "
+                                  "in place of the tokenizer's (vLLM's)")
 AUTO_TOOL_CHOICE = typer.Option(False, "--enable-auto-tool-choice",
                                 help="taken for vLLM's command lines: tool_choice auto is always served")
 REASONING_PARSER = typer.Option(None, "--reasoning-parser",
@@ -50,21 +53,21 @@ REASONING_PARSER = typer.Option(None, "--reasoning-parser",
 def serving_options(responses_store: int, max_waiting: int, queue_timeout: float, served_model_name: List[str],
                     scheduling_policy: str, allowed_origins: List[str], request_id_headers: bool,
                     log_requests: bool, reasoning_parser: str | None, tool_call_parser: str = "hermes",
-                    generation_config: str = "auto") -> dict:
+                    generation_config: str = "auto", chat_template: str | None = None) -> dict:
     """The shared serving options, checked (gateway.server.check_serving) before any model loads,
     as GatewayConfig and ClusterConfig name them."""
     from specctl.gateway.server import check_serving
 
     try:
         check_serving(responses_store, tuple(served_model_name), scheduling_policy, max_waiting, queue_timeout,
-                      reasoning_parser, tool_call_parser, generation_config)
+                      reasoning_parser, tool_call_parser, generation_config, chat_template)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return {"responses_store": responses_store, "max_waiting": max_waiting, "queue_timeout_s": queue_timeout,
             "served_model_names": tuple(served_model_name), "scheduling_policy": scheduling_policy,
             "allowed_origins": tuple(allowed_origins), "request_id_headers": request_id_headers,
             "log_requests": log_requests, "reasoning_parser": reasoning_parser, "tool_call_parser": tool_call_parser,
-            "generation_config": generation_config}
+            "generation_config": generation_config, "chat_template": chat_template}
 
 
 def gateway(
@@ -88,6 +91,7 @@ def gateway(
     tool_call_parser: str = TOOL_CALL_PARSER,
     auto_tool_choice: bool = AUTO_TOOL_CHOICE,
     generation_config: str = GENERATION_CONFIG,
+    chat_template: Optional[str] = CHAT_TEMPLATE,
     auth_token: Optional[str] = typer.Option(None, "--auth-token", envvar="SPECCTL_AUTH_TOKEN",
                                              help="auth token of the target instances"),
     tls_ca: Optional[str] = typer.Option(None, "--tls-ca", help="CA file: talk TLS to the target instances"),
@@ -100,6 +104,7 @@ def gateway(
     from specctl.engine.loader import vocab_fingerprint
     from specctl.engine.spec import context_limit
     from specctl.gateway.metrics import GatewayMetrics
+    from specctl.gateway.chat_template import load_chat_template
     from specctl.gateway.sampling_defaults import describe, sampling_defaults
     from specctl.gateway.server import Gateway, GatewayConfig
     from specctl.gateway.upstream import Upstream
@@ -110,7 +115,7 @@ def gateway(
 
     serving = serving_options(responses_store, max_waiting, queue_timeout, served_model_name, scheduling_policy,
                               allowed_origins, request_id_headers, log_requests, reasoning_parser, tool_call_parser,
-                              generation_config)
+                              generation_config, chat_template)
     setup_logging(log_level)
     console = Console(stderr=True)
 
@@ -119,7 +124,7 @@ def gateway(
         upstream = Upstream(target, drafter, auth_token=auth_token, ssl=client_context(tls_ca), metrics=metrics,
                             max_waiting=max_waiting, queue_timeout_s=queue_timeout)
         gateway_options = {k: v for k, v in serving.items()
-                           if k not in ("max_waiting", "queue_timeout_s", "generation_config")}
+                           if k not in ("max_waiting", "queue_timeout_s", "generation_config", "chat_template")}
         await upstream.poll_once()
         name = model or next((t.welcome.model for t in upstream.targets if t.welcome), None)
         if name is None:
@@ -127,6 +132,8 @@ def gateway(
             raise ConfigError(f"no target instance answered ({errors}); start them first or pass --model")
         path = resolve_model(split_model_name(name)[0], console)
         tokenizer = AutoTokenizer.from_pretrained(path)
+        if chat_template is not None:
+            tokenizer.chat_template = load_chat_template(chat_template)
         upstream.fingerprint = vocab_fingerprint(tokenizer)
         context = context_limit(AutoConfig.from_pretrained(path))
         defaults = sampling_defaults(path, generation_config)
@@ -177,6 +184,7 @@ def up(
     tool_call_parser: str = TOOL_CALL_PARSER,
     auto_tool_choice: bool = AUTO_TOOL_CHOICE,
     generation_config: str = GENERATION_CONFIG,
+    chat_template: Optional[str] = CHAT_TEMPLATE,
     max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="most concurrent sessions a target "
                                                "instance holds (vLLM's --max-num-seqs; the profile's by default); "
                                                "past them requests wait (--max-waiting)"),
@@ -203,7 +211,7 @@ def up(
                              **serving_options(responses_store, max_waiting, queue_timeout, served_model_name,
                                                scheduling_policy, allowed_origins, request_id_headers,
                                                log_requests, reasoning_parser, tool_call_parser,
-                                               generation_config))
+                                               generation_config, chat_template))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     setup_logging(log_level)

@@ -15,6 +15,7 @@ from specctl.draft.server import DraftServer, DraftServerConfig
 from specctl.engine.loader import LoadedModel
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.runtime.compute import ComputeThread
+from specctl.gateway.chat_template import load_chat_template
 from specctl.gateway.sampling_defaults import describe, sampling_defaults
 from specctl.gateway.server import Gateway, GatewayConfig, check_serving
 from specctl.gateway.upstream import Upstream
@@ -45,6 +46,7 @@ class ClusterConfig:
     reasoning_parser: str | None = None  # the gateway's chat answers' thinking apart (--reasoning-parser)
     tool_call_parser: str = "hermes"  # how the gateway reads tool calls back (--tool-call-parser)
     generation_config: str = "auto"  # where a request's missing sampling fields come from (--generation-config)
+    chat_template: str | None = None  # the gateway's chat template in place of the tokenizer's (--chat-template)
 
     def __post_init__(self) -> None:
         if not 1 <= self.targets <= 64:
@@ -52,7 +54,8 @@ class ClusterConfig:
         if not 1 <= self.stages <= 64:
             raise ValueError(f"stages must be in 1..64, got {self.stages}")
         check_serving(self.responses_store, self.served_model_names, self.scheduling_policy, self.max_waiting,
-                      self.queue_timeout_s, self.reasoning_parser, self.tool_call_parser, self.generation_config)
+                      self.queue_timeout_s, self.reasoning_parser, self.tool_call_parser, self.generation_config,
+                      self.chat_template)
 
 
 class EmbeddedCluster:
@@ -119,6 +122,8 @@ class EmbeddedCluster:
         upstream = Upstream([f"{host}:{p}" for p in target_ports], drafts, fingerprint=target.vocab_fingerprint,
                             metrics=metrics, max_waiting=c.max_waiting, queue_timeout_s=c.queue_timeout_s)
         defaults = sampling_defaults(target.path, c.generation_config)
+        if c.chat_template is not None:  # the gateway's tokenizer renders chats; the targets read token ids only
+            target.tokenizer.chat_template = load_chat_template(c.chat_template)
         if defaults:
             self.console.print(f"[dim]{describe(defaults)}[/]", soft_wrap=True)
         self.gateway = Gateway(GatewayConfig(model_name=target.name, context=target.spec.max_position, host=host,

@@ -26,6 +26,7 @@ from specctl.gateway.api import (
 )
 from specctl.gateway.generation import Generations
 from specctl.gateway.metrics import GatewayMetrics
+from specctl.gateway.chat_template import load_chat_template
 from specctl.gateway.reasoning import check_parser
 from specctl.gateway.sampling_defaults import check_source
 from specctl.gateway.tool_calls import TOOL_PARSERS
@@ -71,7 +72,8 @@ class GatewayConfig:
 
 def check_serving(responses_store: int = 0, served_model_names: tuple[str, ...] = (), scheduling_policy: str = "fcfs",
                   max_waiting: int = 0, queue_timeout_s: float = 0.0, reasoning_parser: str | None = None,
-                  tool_call_parser: str = "hermes", generation_config: str = "auto") -> None:
+                  tool_call_parser: str = "hermes", generation_config: str = "auto",
+                  chat_template: str | None = None) -> None:
     """The serving options `gateway` and `up` take (the gateway's, its waiting line's), checked
     once for the CLI, the embedded cluster and GatewayConfig: a ValueError naming the flag."""
     if any(not name.strip() for name in served_model_names):
@@ -85,6 +87,8 @@ def check_serving(responses_store: int = 0, served_model_names: tuple[str, ...] 
     if tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, got {tool_call_parser!r}")
     check_source(generation_config)
+    if chat_template is not None:
+        load_chat_template(chat_template)
 
 
 class Gateway:
