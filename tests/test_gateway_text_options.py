@@ -95,3 +95,29 @@ def test_a_chat_template_given_at_start_renders_every_conversation(tiny_dir, tmp
         load_chat_template("no/such.jinja")
     _assert_one_line_error(run("gateway", "--target", "127.0.0.1:1", "--chat-template", "{% for m in messages %}"),
                            "--chat-template does not compile: Unexpected end of template.")
+
+
+def test_max_model_len_caps_the_context_served(tiny_dir):
+    """vLLM's --max-model-len: the gateway serves a context below the model's (its 400s and
+    /v1/models say so); above the model's it is refused."""
+    from specctl.cluster.embedded import ClusterConfig, ClusterThread
+    from specctl.config import build_config
+    from specctl.errors import ConfigError
+
+    config = build_config(None, target=str(tiny_dir["llama"]), draft=f"{tiny_dir['llama']}@2", mode="chain", depth=3,
+                          dtype="fp32", draft_quant="none", max_sessions=4)
+    thread = ClusterThread(config, ClusterConfig(targets=1, gateway_port=0, max_model_len=40))
+    base = thread.start()["gateway"]
+    try:
+        card = json.loads(urllib.request.urlopen(base + "/v1/models", timeout=10).read())["data"][0]
+        assert card["max_model_len"] == 40
+        code, _, raw = post(base + "/v1/completions", {"prompt": [1] * 30, "max_tokens": 11})
+        assert code == 400 and json.loads(raw)["error"]["code"] == "context_length_exceeded"
+        assert json.loads(raw)["error"]["message"].startswith("This model's maximum context length is 40 tokens.")
+        code, _, _ = post(base + "/v1/completions", {"prompt": [1] * 30, "max_tokens": 10})
+        assert code == 200
+    finally:
+        thread.stop()
+    with pytest.raises(ConfigError, match=r"^--max-model-len must be between 2 and the model's context of 512 tokens, "
+                                          r"got 513$"):
+        ClusterThread(config, ClusterConfig(targets=1, gateway_port=0, max_model_len=513)).start()

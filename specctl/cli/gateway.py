@@ -43,6 +43,8 @@ GENERATION_CONFIG = typer.Option("auto", "--generation-config",
 CHAT_TEMPLATE = typer.Option(None, "--chat-template",
                              help="the chat template to render conversations with, a file or the template itself, "
                                   "in place of the tokenizer's (vLLM's)")
+MAX_MODEL_LEN = typer.Option(None, "--max-model-len",
+                             help="the longest context served (prompt and output), below the model's (vLLM's)")
 AUTO_TOOL_CHOICE = typer.Option(False, "--enable-auto-tool-choice",
                                 help="taken for vLLM's command lines: tool_choice auto is always served")
 REASONING_PARSER = typer.Option(None, "--reasoning-parser",
@@ -92,6 +94,7 @@ def gateway(
     auto_tool_choice: bool = AUTO_TOOL_CHOICE,
     generation_config: str = GENERATION_CONFIG,
     chat_template: Optional[str] = CHAT_TEMPLATE,
+    max_model_len: Optional[int] = MAX_MODEL_LEN,
     auth_token: Optional[str] = typer.Option(None, "--auth-token", envvar="SPECCTL_AUTH_TOKEN",
                                              help="auth token of the target instances"),
     tls_ca: Optional[str] = typer.Option(None, "--tls-ca", help="CA file: talk TLS to the target instances"),
@@ -106,7 +109,7 @@ def gateway(
     from specctl.gateway.metrics import GatewayMetrics
     from specctl.gateway.chat_template import load_chat_template
     from specctl.gateway.sampling_defaults import describe, sampling_defaults
-    from specctl.gateway.server import Gateway, GatewayConfig
+    from specctl.gateway.server import Gateway, GatewayConfig, served_context
     from specctl.gateway.upstream import Upstream
     from specctl.runtime.loop import run, serve, setup_logging
     from specctl.runtime.tls import client_context
@@ -135,7 +138,10 @@ def gateway(
         if chat_template is not None:
             tokenizer.chat_template = load_chat_template(chat_template)
         upstream.fingerprint = vocab_fingerprint(tokenizer)
-        context = context_limit(AutoConfig.from_pretrained(path))
+        try:
+            context = served_context(context_limit(AutoConfig.from_pretrained(path)), max_model_len)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         defaults = sampling_defaults(path, generation_config)
         if defaults:
             console.print(f"[dim]{describe(defaults)}[/]", soft_wrap=True)
@@ -185,6 +191,7 @@ def up(
     auto_tool_choice: bool = AUTO_TOOL_CHOICE,
     generation_config: str = GENERATION_CONFIG,
     chat_template: Optional[str] = CHAT_TEMPLATE,
+    max_model_len: Optional[int] = MAX_MODEL_LEN,
     max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="most concurrent sessions a target "
                                                "instance holds (vLLM's --max-num-seqs; the profile's by default); "
                                                "past them requests wait (--max-waiting)"),
@@ -207,7 +214,7 @@ def up(
 
     config = cluster_config(profile, draft, target, mode, dtype, draft_quant, threads, drafters, max_sessions)
     try:
-        plan = ClusterConfig(targets=targets, gateway_port=port, stages=stages,
+        plan = ClusterConfig(targets=targets, gateway_port=port, stages=stages, max_model_len=max_model_len,
                              **serving_options(responses_store, max_waiting, queue_timeout, served_model_name,
                                                scheduling_policy, allowed_origins, request_id_headers,
                                                log_requests, reasoning_parser, tool_call_parser,

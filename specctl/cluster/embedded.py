@@ -13,11 +13,12 @@ from rich.console import Console
 from specctl.config import Config
 from specctl.draft.server import DraftServer, DraftServerConfig
 from specctl.engine.loader import LoadedModel
+from specctl.errors import ConfigError
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.runtime.compute import ComputeThread
 from specctl.gateway.chat_template import load_chat_template
 from specctl.gateway.sampling_defaults import describe, sampling_defaults
-from specctl.gateway.server import Gateway, GatewayConfig, check_serving
+from specctl.gateway.server import Gateway, GatewayConfig, check_serving, served_context
 from specctl.gateway.upstream import Upstream
 from specctl.pipeline.decoder import PipelineClient
 from specctl.pipeline.local import LocalPipeline
@@ -47,6 +48,7 @@ class ClusterConfig:
     tool_call_parser: str = "hermes"  # how the gateway reads tool calls back (--tool-call-parser)
     generation_config: str = "auto"  # where a request's missing sampling fields come from (--generation-config)
     chat_template: str | None = None  # the gateway's chat template in place of the tokenizer's (--chat-template)
+    max_model_len: int | None = None  # the gateway's context below the model's (--max-model-len)
 
     def __post_init__(self) -> None:
         if not 1 <= self.targets <= 64:
@@ -126,7 +128,11 @@ class EmbeddedCluster:
             target.tokenizer.chat_template = load_chat_template(c.chat_template)
         if defaults:
             self.console.print(f"[dim]{describe(defaults)}[/]", soft_wrap=True)
-        self.gateway = Gateway(GatewayConfig(model_name=target.name, context=target.spec.max_position, host=host,
+        try:
+            context = served_context(target.spec.max_position, c.max_model_len)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        self.gateway = Gateway(GatewayConfig(model_name=target.name, context=context, host=host,
                                              port=c.gateway_port, default_max_tokens=c.default_max_tokens,
                                              responses_store=c.responses_store,
                                              served_model_names=c.served_model_names,

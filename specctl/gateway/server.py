@@ -70,6 +70,16 @@ class GatewayConfig:
                       reasoning_parser=self.reasoning_parser, tool_call_parser=self.tool_call_parser)
 
 
+def served_context(model_context: int, max_model_len: int | None) -> int:
+    """The context the gateway serves: the model's, or vLLM's --max-model-len below it (ValueError above)."""
+    if max_model_len is None:
+        return model_context
+    if not 2 <= max_model_len <= model_context:
+        raise ValueError(f"--max-model-len must be between 2 and the model's context of {model_context} tokens, got "
+                         f"{max_model_len}")
+    return max_model_len
+
+
 def check_serving(responses_store: int = 0, served_model_names: tuple[str, ...] = (), scheduling_policy: str = "fcfs",
                   max_waiting: int = 0, queue_timeout_s: float = 0.0, reasoning_parser: str | None = None,
                   tool_call_parser: str = "hermes", generation_config: str = "auto",
