@@ -88,6 +88,9 @@ def test_a_chat_template_given_at_start_renders_every_conversation(tiny_dir, tmp
         assert byte_text == "[user:Ġhi]"  # the byte-level tokens of "[user: hi]"
         chat = json.loads(post(base + "/v1/chat/completions", {"messages": messages, "max_tokens": 2})[2])
         assert chat["usage"]["prompt_tokens"] == tokenized["count"]
+        # the gateway renders with its own copy: the loaded model's tokenizer keeps its template
+        assert thread.cluster.gateway.tokenizer.chat_template == template
+        assert thread.cluster.targets[0].model.tokenizer.chat_template != template
     finally:
         thread.stop()
     with pytest.raises(ValueError, match=r"^--chat-template 'no/such.jinja': no such file; give a template file or "

@@ -5,6 +5,7 @@ over loopback TCP exactly as they do on separate machines (same code paths). Use
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 from dataclasses import dataclass
 
@@ -124,8 +125,10 @@ class EmbeddedCluster:
         upstream = Upstream([f"{host}:{p}" for p in target_ports], drafts, fingerprint=target.vocab_fingerprint,
                             metrics=metrics, max_waiting=c.max_waiting, queue_timeout_s=c.queue_timeout_s)
         defaults = sampling_defaults(target.path, c.generation_config)
-        if c.chat_template is not None:  # the gateway's tokenizer renders chats; the targets read token ids only
-            target.tokenizer.chat_template = load_chat_template(c.chat_template)
+        tokenizer = target.tokenizer
+        if c.chat_template is not None:  # the gateway's own copy: the loaded model may serve others (benchmarks)
+            tokenizer = copy.copy(tokenizer)
+            tokenizer.chat_template = load_chat_template(c.chat_template)
         if defaults:
             self.console.print(f"[dim]{describe(defaults)}[/]", soft_wrap=True)
         try:
@@ -143,7 +146,7 @@ class EmbeddedCluster:
                                              reasoning_parser=c.reasoning_parser,
                                              tool_call_parser=c.tool_call_parser,
                                              sampling_defaults=tuple(defaults.items())),
-                               target.tokenizer, upstream, metrics)
+                               tokenizer, upstream, metrics)
         gateway_port = await self.gateway.start()
         self.urls = {"gateway": f"http://{host}:{gateway_port}", "draft": drafts[0] if drafts else None,
                      "drafts": drafts, "targets": [f"{host}:{p}" for p in target_ports],
