@@ -29,9 +29,12 @@ def _isolated_threads():
     torch.set_num_threads(2)
 
 
+PARTIAL_ROTARY = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> dict[str, Path]:
-    """Tiny random-weight checkpoints: three architectures, drafts that disagree."""
+    """Tiny random-weight checkpoints: four architectures, drafts that disagree."""
     root = tmp_path_factory.mktemp("tiny")
     return {
         "llama": make_tiny_model(root / "llama", "llama", seed=0),
@@ -42,6 +45,9 @@ def tiny_dir(tmp_path_factory) -> dict[str, Path]:
         # Qwen3: per-head q/k norms, drawn away from ones so their weights count
         "qwen3": make_tiny_model(root / "qwen3", "qwen3", seed=4, norm_std=0.3),
         "qwen3-draft": make_tiny_model(root / "qwen3-draft", "qwen3", seed=5, layers=2, norm_std=0.3),
+        # Phi-3: fused qkv/gate_up tensors in the checkpoint; Phi-4-mini's partial rotary (3/4 of each head)
+        "phi3": make_tiny_model(root / "phi3", "phi3", seed=6, rope_parameters=PARTIAL_ROTARY),
+        "phi3-draft": make_tiny_model(root / "phi3-draft", "phi3", seed=9, layers=2, rope_parameters=PARTIAL_ROTARY),
     }
 
 
@@ -49,7 +55,7 @@ def tiny_dir(tmp_path_factory) -> dict[str, Path]:
 def tiny(tiny_dir):
     """Loaded fp32 decoders: target, disagreeing draft, and the target's first 2 layers."""
     out = {}
-    for arch in ("llama", "qwen2", "qwen3"):
+    for arch in ("llama", "qwen2", "qwen3", "phi3"):
         out[arch] = load_decoder(tiny_dir[arch])
         out[f"{arch}-draft"] = load_decoder(tiny_dir[f"{arch}-draft"])
         out[f"{arch}-self2"] = load_decoder(tiny_dir[arch], layer_range=(0, 2))

@@ -26,7 +26,7 @@ def _check_parity(path, ids: torch.Tensor, split: int):
     assert cache.length == ids.numel()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
 def test_tiny_parity_prefill_and_incremental(tiny_dir, arch):
     torch.manual_seed(0)
     _check_parity(tiny_dir[arch], torch.randint(0, 300, (24,)), split=17)
@@ -80,12 +80,37 @@ def test_qwen3_norms_each_head_s_queries_and_keys_with_its_checkpoint_weights(ti
     assert load_decoder(tiny_dir["qwen2"]).layers[0].self_attn.q_norm is None
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])
+def test_phi3_fused_checkpoint_tensors_split_into_the_layer_s_projections(tiny_dir, tmp_path):
+    """Phi-3 stores q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj`` (gate first):
+    the loader splits them into the projections every family's layer runs, rows in order.
+    Full rotary (Phi-3) as well as the fixture's partial one (Phi-4-mini) equal transformers."""
+    from safetensors import safe_open
+
+    from specctl.engine.tiny import make_tiny_model
+
+    decoder = load_decoder(tiny_dir["phi3"])
+    with safe_open(str(tiny_dir["phi3"] / "model.safetensors"), framework="pt") as f:
+        assert not any(".q_proj." in key or ".gate_proj." in key for key in f.keys())
+        qkv, gate_up = f.get_tensor("model.layers.1.self_attn.qkv_proj.weight"), f.get_tensor("model.layers.1.mlp.gate_up_proj.weight")
+    attn, mlp = decoder.layers[1].self_attn, decoder.layers[1].mlp
+    assert torch.equal(torch.cat((attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)), qkv)
+    assert torch.equal(torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight)), gate_up)
+    assert attn.q_proj.weight.shape == (64, 64) and attn.k_proj.weight.shape == (32, 64)
+    assert decoder.inv_freq.numel() == 6  # 0.75 of a 16-wide head, in pairs
+    torch.manual_seed(0)
+    _check_parity(make_tiny_model(tmp_path / "full", "phi3", seed=2), torch.randint(0, 300, (24,)), split=17)
+    # a pipeline stage reads only its own layers' fused tensors
+    stage = load_decoder(tiny_dir["phi3"], layer_range=(2, 4), embed=False, head=False)
+    assert torch.equal(stage.layers[0].mlp.up_proj.weight, load_decoder(tiny_dir["phi3"]).layers[2].mlp.up_proj.weight)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "phi3"])
 def test_a_sliding_window_caps_the_context_where_full_attention_still_equals_it(arch):
     """The engine's attention is full; up to a sliding window's length that is what the
     checkpoint computes, past it not, so a sliding checkpoint's context stops at its window.
     Qwen: layers past max_window_layers slide when use_sliding_window is set (the flag alone,
-    no such layer, changes nothing); Mistral: every layer, when sliding_window is set."""
+    no such layer, changes nothing); Mistral and Phi-3: every layer, when sliding_window is set
+    (Phi-3-mini-4k's is 2047)."""
     from transformers import MistralConfig
 
     from specctl.engine.spec import ModelSpec
@@ -97,7 +122,9 @@ def test_a_sliding_window_caps_the_context_where_full_attention_still_equals_it(
                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, **window)
         return tiny_config(arch, **window)
 
-    if arch == "mistral":
+    if arch == "phi3":
+        sliding, unused = tiny_config(arch, sliding_window=64), tiny_config(arch, sliding_window=None)
+    elif arch == "mistral":
         sliding, unused = config(sliding_window=64), config(sliding_window=None)
     else:
         sliding = config(use_sliding_window=True, sliding_window=64, max_window_layers=2)

@@ -277,20 +277,21 @@ def test_cuda_fp32_equals_cpu_fp32(tiny_dir, tiny):
 
 
 @pytest.mark.parametrize("compile", [False, True])
-def test_qwen3_on_cuda_graphs_equals_cpu_fp32_and_bf16_speculative_equals_bf16_ar(tiny_dir, tiny, compile):
-    """Qwen3's per-head q/k norms in the captured (and compiled) step."""
+@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
+def test_families_on_cuda_graphs_equal_cpu_fp32_and_bf16_speculative_equals_bf16_ar(tiny_dir, tiny, arch, compile):
+    """Qwen3's per-head q/k norms and Phi-3's partial rotary in the captured (and compiled) step."""
     def cuda(name, dtype):
         decoder = fuse_projections(load_decoder(tiny_dir[name], dtype, device="cuda"))
         return decoder.use_static_steps(graphs=True, compile=compile)
 
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    target = cuda("qwen3", torch.float32)
-    assert all(generate(target, p, params)[0] == generate(tiny["qwen3"], p, params)[0] for p in PROMPTS)
-    target, draft = cuda("qwen3", torch.bfloat16), cuda("qwen3-draft", torch.bfloat16)
+    target = cuda(arch, torch.float32)
+    assert all(generate(target, p, params)[0] == generate(tiny[arch], p, params)[0] for p in PROMPTS)
+    target, draft = cuda(arch, torch.bfloat16), cuda(f"{arch}-draft", torch.bfloat16)
     for prompt in PROMPTS:
         reference, _, _ = generate(target, prompt, params)
         for mode, drafter in _drafters(draft).items():
-            assert generate(target, prompt, params, drafter)[0] == reference, f"qwen3 bf16 {mode} diverged on {prompt}"
+            assert generate(target, prompt, params, drafter)[0] == reference, f"{arch} bf16 {mode} diverged on {prompt}"
 
 
 def test_bf16_speculative_equals_bf16_ar(tiny_dir):

@@ -110,7 +110,8 @@ def test_a_masked_or_oversized_long_forward_stays_eager(static_pair):
     cache.release()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: the q/k norms inside the fused pieces
+# qwen3: the q/k norms inside the fused pieces; phi3: partial rotary inside them
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
 def test_fused_pieces_equal_the_modules(tiny, tiny_dir, arch):
     fused = fuse_projections(load_decoder(tiny_dir[arch])).use_static_steps()
     assert fused.static.pieces is not None and all(layer.fused for layer in fused.layers)
@@ -123,13 +124,14 @@ def test_fused_pieces_equal_the_modules(tiny, tiny_dir, arch):
 
 
 @pytest.mark.slow  # torch.compile (inductor) on the CPU: 37 s on a 2-core machine
-def test_compiled_pieces_with_qwen3_norms_equal_the_modules(tiny, tiny_dir):
+@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
+def test_compiled_pieces_of_each_family_equal_the_modules(tiny, tiny_dir, arch):
     """What a GPU runs (engine.static's compiled pieces), compiled here on the CPU: Qwen3's
-    per-head norms inside the compiled before-attention function."""
-    compiled = fuse_projections(load_decoder(tiny_dir["qwen3"])).use_static_steps(graphs=False, compile=True)
+    per-head norms, Phi-3's partial rotary inside the compiled before-attention function."""
+    compiled = fuse_projections(load_decoder(tiny_dir[arch])).use_static_steps(graphs=False, compile=True)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     for prompt in PROMPTS[:3]:
-        assert generate(compiled, prompt, params)[0] == generate(tiny["qwen3"], prompt, params)[0]
+        assert generate(compiled, prompt, params)[0] == generate(tiny[arch], prompt, params)[0]
 
 
 def test_padding_rows_leave_the_cache_as_the_ragged_path_does(tiny, tiny_dir):

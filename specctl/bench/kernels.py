@@ -37,6 +37,15 @@ SHAPES: dict[str, dict] = {
     "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                      tie_word_embeddings=False),
+    # Phi-3-mini: full attention heads (no GQA), head dim 96; Phi-4-mini: GQA, a 200k vocabulary,
+    # RoPE on 3/4 of each head (their sliding window and longrope change no step's cost)
+    "phi3-mini": dict(model_type="phi3", hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=32, vocab_size=32064, tie_word_embeddings=False,
+                      pad_token_id=None, bos_token_id=None, eos_token_id=None),
+    "phi4-mini": dict(model_type="phi3", hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                      num_attention_heads=24, num_key_value_heads=8, vocab_size=200064, tie_word_embeddings=True,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
+                      pad_token_id=None, bos_token_id=None, eos_token_id=None),
 }
 SHAPE_ALIASES = {"0.5b": "qwen2.5-0.5b", "1.5b": "qwen2.5-1.5b", "7b": "qwen2.5-7b", "0.6b": "qwen3-0.6b",
                  "1.7b": "qwen3-1.7b", "8b": "qwen3-8b"}

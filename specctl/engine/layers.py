@@ -55,7 +55,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + rotate_half(x) * sin
+    """RoPE over the first cos.shape[-1] dims of each head; the rest pass unrotated (partial
+    rotary: Phi-4-mini's 0.75), as transformers' Phi-3 applies it."""
+    rotary = cos.shape[-1]
+    if rotary == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rotated, passed = x[..., :rotary], x[..., rotary:]
+    return torch.cat((rotated * cos + rotate_half(rotated) * sin, passed), dim=-1)
 
 
 class Attention(nn.Module):

@@ -95,11 +95,16 @@ def load_decoder(
     if spec.tie_embeddings and "lm_head.weight" in wanted:
         wanted.pop("lm_head.weight")
         wanted.setdefault("model.embed_tokens.weight", None)  # read once, used twice
+    fused = _fused_checkpoint_keys(wanted, spec)
     state: dict[str, torch.Tensor] = {}
     for file in _weight_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():
-                if key in wanted:
+                if key in fused:
+                    tensor = f.get_tensor(key) if dtype is None else f.get_tensor(key).to(dtype)
+                    names, sizes = fused[key]
+                    state.update(zip(names, (part.clone() for part in tensor.split(sizes))))
+                elif key in wanted:
                     tensor = f.get_tensor(key) if dtype is None else f.get_tensor(key).to(dtype)
                     if wanted[key] is not None:
                         state[wanted[key]] = tensor
@@ -112,6 +117,24 @@ def load_decoder(
     inv_freq, _ = spec.inv_freq()
     decoder.inv_freq = inv_freq
     return decoder.to(device).eval()
+
+
+def _fused_checkpoint_keys(wanted: dict[str, str | None], spec: ModelSpec) -> dict[str, tuple[list[str], list[int]]]:
+    """Checkpoint tensors that hold several of the decoder's projections (Phi-3 stores
+    ``qkv_proj`` and ``gate_up_proj``, gate first): key -> (decoder names, row counts), for
+    the layers the decoder wants. Split at load, so every family runs one layer code
+    (fuse_projections joins them again where a path wants them fused)."""
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    splits = {"qkv_proj": (("q_proj", "k_proj", "v_proj"), [q, kv, kv]),
+              "gate_up_proj": (("gate_proj", "up_proj"), [spec.intermediate_size] * 2)}
+    fused = {}
+    for key, name in wanted.items():
+        for whole, (projections, sizes) in splits.items():
+            first = f".{projections[0]}.weight"
+            if name is not None and key.endswith(first):
+                key_base, name_base = key.removesuffix(first), name.removesuffix(first)
+                fused[f"{key_base}.{whole}.weight"] = ([f"{name_base}.{p}.weight" for p in projections], sizes)
+    return fused
 
 
 def load_model(

@@ -9,7 +9,7 @@ import torch
 
 from specctl.errors import BadRequest, UnsupportedArchitecture
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +68,8 @@ class ModelSpec:
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type == "default":
             base = params.get("rope_theta", getattr(self.hf_config, "rope_theta", 10000.0))
-            dim = self.head_dim
+            # Phi-4-mini rotates the first 3/4 of each head only (apply_rope passes the rest)
+            dim = int(self.head_dim * params.get("partial_rotary_factor", 1.0))
             return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -79,12 +80,13 @@ class ModelSpec:
 
 
 def sliding_window(config: Any) -> int | None:
-    """The attention window of a checkpoint whose layers slide (None: all full): Mistral's
-    ``sliding_window`` (every layer, where transformers has no ``layer_types``), Qwen2/Qwen3's
-    where ``layer_types`` names sliding layers (``use_sliding_window`` past ``max_window_layers``)."""
+    """The attention window of a checkpoint whose layers slide (None: all full): Mistral's and
+    Phi-3's ``sliding_window`` (every layer, where transformers has no ``layer_types``; Phi-3-mini-4k
+    slides over 2047 tokens), Qwen2/Qwen3's where ``layer_types`` names sliding layers
+    (``use_sliding_window`` past ``max_window_layers``)."""
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
-    slides = "sliding_attention" in layer_types if layer_types is not None else config.model_type == "mistral"
+    slides = "sliding_attention" in layer_types if layer_types is not None else config.model_type in ("mistral", "phi3")
     return window if slides and window else None
 
 

@@ -34,7 +34,7 @@ def make_byte_tokenizer(vocab_size: int = TINY_VOCAB):
 
 
 def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, layers: int = 4, hidden: int = 64, **overrides):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -57,6 +57,8 @@ def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, layers: int =
     if arch == "qwen3":  # Qwen3's config defaults head_dim to 128 whatever the width
         common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
         return Qwen3Config(tie_word_embeddings=common.pop("tie_word_embeddings", True), **common)
+    if arch == "phi3":  # Phi-3's config defaults its special tokens to ids past a tiny vocabulary
+        return Phi3Config(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
     raise ValueError(f"no tiny config for {arch!r}")
 
 
