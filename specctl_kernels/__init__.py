@@ -8,13 +8,14 @@ or forced by the profile's ``attention_backend``."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable
 
 import torch
 
 from specctl_kernels import torch_backend
-from specctl_kernels.torch_backend import static_attention
+from specctl_kernels.torch_backend import eager_attention, static_attention
 
 BACKENDS = ("auto", "torch", "flashinfer")
 
@@ -37,9 +38,10 @@ log = logging.getLogger("specctl.kernels")
 
 
 def select_backend(requested: str, device: torch.device | str, dtype: torch.dtype | None = None,
-                   head_dim: int | None = None) -> str:
+                   head_dim: int | None = None, softcap: float | None = None) -> str:
     """Resolve ``auto`` to a concrete backend; refuse one that cannot run here. flashinfer has
-    kernels for fp16/bf16 and head dims 64/128/256 only: ``auto`` then falls back to torch."""
+    kernels for fp16/bf16 and head dims 64/128/256 only, and specctl calls it without a score
+    cap (``softcap``: Gemma 2's): ``auto`` then falls back to torch."""
     if requested not in BACKENDS:
         raise ValueError(f"unknown attention backend {requested!r}: one of {', '.join(BACKENDS)}")
     is_cuda = torch.device(device).type == "cuda"
@@ -48,6 +50,8 @@ def select_backend(requested: str, device: torch.device | str, dtype: torch.dtyp
         unsupported = f"{str(dtype).removeprefix('torch.')} (it has fp16/bf16 kernels only)"
     elif head_dim is not None and head_dim not in FLASHINFER_HEAD_DIMS:
         unsupported = f"head dim {head_dim} (it has {', '.join(map(str, FLASHINFER_HEAD_DIMS))})"
+    elif softcap is not None:
+        unsupported = "soft-capped attention scores (Gemma 2; specctl passes it no cap)"
     if requested == "auto":
         if not (is_cuda and flashinfer_available()):
             return "torch"
@@ -64,7 +68,13 @@ def select_backend(requested: str, device: torch.device | str, dtype: torch.dtyp
     return requested
 
 
-def get_attention(backend: str) -> AttentionFn:
+def get_attention(backend: str, scale: float | None = None, softcap: float | None = None) -> AttentionFn:
+    """``backend``'s attention; with a query ``scale`` (None: head_dim ** -0.5) or a score
+    ``softcap``, the eager attention that applies them (torch only)."""
+    if scale is not None or softcap is not None:
+        if backend != "torch":
+            raise ValueError(f"attention backend {backend!r} takes no score scale or cap: use 'torch'")
+        return functools.partial(torch_backend.eager_attention, scale=scale, softcap=softcap)
     if backend == "torch":
         return torch_backend.tree_attention
     if backend == "flashinfer":
@@ -158,5 +168,5 @@ def causal_mask(n: int, total: int, device: torch.device | str = "cpu") -> torch
     return cols <= rows + past
 
 
-__all__ = ["BACKENDS", "causal_mask", "flashinfer_available", "get_attention", "row_exact", "select_backend",
+__all__ = ["BACKENDS", "causal_mask", "eager_attention", "flashinfer_available", "get_attention", "row_exact", "select_backend",
            "static_attention", "tree_attention", "warm_up"]

@@ -30,11 +30,13 @@ def _isolated_threads():
 
 
 PARTIAL_ROTARY = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+# untied: with a tied random table the row of largest norm wins every step (one token repeated)
+GEMMA2_CAPS = {"attn_logit_softcapping": 1.0, "final_logit_softcapping": 4.0, "tie_word_embeddings": False}
 
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> dict[str, Path]:
-    """Tiny random-weight checkpoints: four architectures, drafts that disagree."""
+    """Tiny random-weight checkpoints: five architectures, drafts that disagree."""
     root = tmp_path_factory.mktemp("tiny")
     return {
         "llama": make_tiny_model(root / "llama", "llama", seed=0),
@@ -48,6 +50,11 @@ def tiny_dir(tmp_path_factory) -> dict[str, Path]:
         # Phi-3: fused qkv/gate_up tensors in the checkpoint; Phi-4-mini's partial rotary (3/4 of each head)
         "phi3": make_tiny_model(root / "phi3", "phi3", seed=6, rope_parameters=PARTIAL_ROTARY),
         "phi3-draft": make_tiny_model(root / "phi3-draft", "phi3", seed=9, layers=2, rope_parameters=PARTIAL_ROTARY),
+        # Gemma 2: (1 + w) norms drawn away from 0, four a layer, GELU, scaled embeddings, its own query
+        # scale, caps low enough that every one of them moves the logits (dropping any fails parity)
+        "gemma2": make_tiny_model(root / "gemma2", "gemma2", seed=10, norm_std=0.3, **GEMMA2_CAPS),
+        "gemma2-draft": make_tiny_model(root / "gemma2-draft", "gemma2", seed=11, layers=2, norm_std=0.3,
+                                        **GEMMA2_CAPS),
     }
 
 
@@ -55,7 +62,7 @@ def tiny_dir(tmp_path_factory) -> dict[str, Path]:
 def tiny(tiny_dir):
     """Loaded fp32 decoders: target, disagreeing draft, and the target's first 2 layers."""
     out = {}
-    for arch in ("llama", "qwen2", "qwen3", "phi3"):
+    for arch in ("llama", "qwen2", "qwen3", "phi3", "gemma2"):
         out[arch] = load_decoder(tiny_dir[arch])
         out[f"{arch}-draft"] = load_decoder(tiny_dir[f"{arch}-draft"])
         out[f"{arch}-self2"] = load_decoder(tiny_dir[arch], layer_range=(0, 2))

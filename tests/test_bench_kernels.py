@@ -41,11 +41,13 @@ def test_known_shapes_and_the_limit():
         layer = hidden * spec.head_dim * (2 * heads + 2 * kv) + 3 * hidden * inner
         params = spec.num_layers * layer + spec.vocab_size * hidden * (1 if spec.tie_embeddings else 2)
         assert params / 1e9 == pytest.approx(billions, abs=0.01), name
-    for name, billions, heads, head_dim in (("phi3-mini", 3.82, 32, 96), ("phi4-mini", 3.84, 24, 128)):
+    for name, arch, billions, heads, head_dim in (("phi3-mini", "phi3", 3.82, 32, 96), ("phi4-mini", "phi3", 3.84, 24, 128),
+                                                  ("gemma2-2b", "gemma2", 2.61, 8, 256),
+                                                  ("gemma2-9b", "gemma2", 9.24, 16, 256)):
         spec = ModelSpec.from_hf(shape_config(name))
         decoder = random_decoder(shape_config(name), torch.bfloat16, "meta")
         params = sum(p.numel() for p in decoder.parameters())  # a tied head shares the table: counted once
-        assert spec.arch == "phi3" and (spec.num_heads, spec.head_dim) == (heads, head_dim)
+        assert spec.arch == arch and (spec.num_heads, spec.head_dim) == (heads, head_dim)
         assert params / 1e9 == pytest.approx(billions, abs=0.01), name
     assert ModelSpec.from_hf(shape_config("phi4-mini")).inv_freq()[0].numel() == 48  # RoPE on 96 of 128 dims
     assert bandwidth_limit_ms(2_000_000_000, 1000.0) == pytest.approx(2.0)

@@ -26,7 +26,7 @@ def _check_parity(path, ids: torch.Tensor, split: int):
     assert cache.length == ids.numel()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2"])
 def test_tiny_parity_prefill_and_incremental(tiny_dir, arch):
     torch.manual_seed(0)
     _check_parity(tiny_dir[arch], torch.randint(0, 300, (24,)), split=17)
@@ -104,13 +104,41 @@ def test_phi3_fused_checkpoint_tensors_split_into_the_layer_s_projections(tiny_d
     assert torch.equal(stage.layers[0].mlp.up_proj.weight, load_decoder(tiny_dir["phi3"]).layers[2].mlp.up_proj.weight)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "phi3"])
+def test_gemma_1_decodes_as_transformers(tmp_path):
+    """Gemma 1 (CodeGemma too): GELU (its hidden_act), (1 + w) norms, scaled embeddings, tied
+    head; Gemma 2's sandwich norms, query scale and caps are its own (the fixture's parity)."""
+    from specctl.engine.tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "gemma", "gemma", seed=2, norm_std=0.3)
+    spec = load_decoder(path).spec
+    assert (spec.activation, spec.unit_offset_norms, spec.sandwich_norms) == ("gelu_pytorch_tanh", True, False)
+    assert spec.attn_scale is spec.attn_softcap is spec.logit_softcap is None and spec.embed_scale == 8.0
+    torch.manual_seed(0)
+    _check_parity(path, torch.randint(0, 300, (24,)), split=17)
+
+
+def test_gemma2_reads_each_of_its_departures_from_the_llama_layer(tiny_dir):
+    """What the fixture's parity rests on: every Gemma 2 fact read from its config, four norms a
+    layer stored as offsets from one, and its layers kept off the Llama-shaped fused pieces."""
+    from specctl.engine.layers import fuse_projections
+
+    decoder = load_decoder(tiny_dir["gemma2"])
+    spec, layer = decoder.spec, decoder.layers[0]
+    assert (spec.activation, spec.unit_offset_norms, spec.sandwich_norms) == ("gelu_pytorch_tanh", True, True)
+    assert (spec.attn_scale, spec.attn_softcap, spec.logit_softcap, spec.embed_scale) == (24**-0.5, 1.0, 4.0, 8.0)
+    assert layer.pre_feedforward_layernorm.unit_offset and decoder.norm.unit_offset
+    assert abs(float(layer.post_feedforward_layernorm.weight.detach().mean())) < 0.3  # offsets: around 0, not 1
+    assert not spec.llama_layers and not fuse_projections(decoder).layers[0].fused
+    assert load_decoder(tiny_dir["llama"]).spec.llama_layers
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "phi3", "gemma2"])
 def test_a_sliding_window_caps_the_context_where_full_attention_still_equals_it(arch):
     """The engine's attention is full; up to a sliding window's length that is what the
     checkpoint computes, past it not, so a sliding checkpoint's context stops at its window.
     Qwen: layers past max_window_layers slide when use_sliding_window is set (the flag alone,
     no such layer, changes nothing); Mistral and Phi-3: every layer, when sliding_window is set
-    (Phi-3-mini-4k's is 2047)."""
+    (Phi-3-mini-4k's is 2047); Gemma 2: the layers its layer_types names, every other one."""
     from transformers import MistralConfig
 
     from specctl.engine.spec import ModelSpec
@@ -124,6 +152,8 @@ def test_a_sliding_window_caps_the_context_where_full_attention_still_equals_it(
 
     if arch == "phi3":
         sliding, unused = tiny_config(arch, sliding_window=64), tiny_config(arch, sliding_window=None)
+    elif arch == "gemma2":  # every other layer slides (4096 tokens in the real ones: their context is capped there)
+        sliding, unused = tiny_config(arch, sliding_window=64), tiny_config(arch, sliding_window=64, layer_types=["full_attention"] * 4)
     elif arch == "mistral":
         sliding, unused = config(sliding_window=64), config(sliding_window=None)
     else:

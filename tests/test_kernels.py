@@ -5,7 +5,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specctl_kernels import causal_mask, flashinfer_available, select_backend, tree_attention, warm_up
+from specctl_kernels import (causal_mask, eager_attention, flashinfer_available, get_attention, select_backend,
+                             static_attention, tree_attention, warm_up)
+from specctl_kernels import torch_backend
 from specctl_kernels.flashinfer_backend import PackedMasks, pack_mask_bits, rows_per_call
 
 
@@ -31,6 +33,30 @@ def test_tree_mask_matches_naive_softmax_attention():
     q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
     mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 1]], dtype=torch.bool)
     torch.testing.assert_close(tree_attention(q, k, v, mask), _naive(q, k, v, mask), rtol=1e-5, atol=1e-6)
+
+
+def test_eager_attention_is_sdpa_s_without_scale_or_cap_and_caps_each_score_with_them():
+    """Gemma 2's attention (engine.layers picks it where a model scales or caps): with neither,
+    the SDPA reference's result for causal, tree and per-row batched masks; with them, the
+    naive softmax over cap * tanh(scale * q.k / cap)."""
+    torch.manual_seed(3)
+    q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+    tree = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 1]], dtype=torch.bool)
+    for mask in (None, tree, torch.stack((tree, causal_mask(3, 6)))):
+        torch.testing.assert_close(eager_attention(q, k, v, mask), tree_attention(q, k, v, mask), rtol=1e-5, atol=1e-6)
+    groups = 2
+    scores = q @ k.repeat_interleave(groups, 1).transpose(-1, -2) * 0.3
+    capped = (torch.tanh(scores / 2.0) * 2.0).masked_fill(~tree, float("-inf"))
+    expected = capped.softmax(-1) @ v.repeat_interleave(groups, 1)
+    torch.testing.assert_close(eager_attention(q, k, v, tree, scale=0.3, softcap=2.0), expected, rtol=1e-5, atol=1e-6)
+    assert get_attention("torch", 0.3, 2.0).keywords == {"scale": 0.3, "softcap": 2.0}
+    assert get_attention("torch") is torch_backend.tree_attention  # Llama's: SDPA, no partial
+    with pytest.raises(ValueError, match="attention backend 'flashinfer' takes no score scale or cap: use 'torch'"):
+        get_attention("flashinfer", None, 50.0)
+    # the static step's attention applies the same scale and cap
+    grouped_mask = tree.repeat(groups, 1)
+    torch.testing.assert_close(static_attention(q[:1], k[:1], v[:1], grouped_mask, scale=0.3, softcap=2.0),
+                               expected[:1], rtol=1e-5, atol=1e-6)
 
 
 def test_backend_selection_on_cpu():
@@ -74,6 +100,9 @@ def test_auto_backend_falls_back_to_torch_where_flashinfer_has_no_kernels(monkey
     assert select_backend("auto", "cuda", torch.bfloat16, 128) == "flashinfer"
     assert select_backend("auto", "cuda", torch.float16, 64) == "flashinfer"
     assert select_backend("auto", "cpu", torch.bfloat16, 128) == "torch"
+    assert select_backend("auto", "cuda", torch.bfloat16, 256, softcap=50.0) == "torch"  # Gemma 2: no cap passed it
+    with pytest.raises(ValueError, match=r"no kernels for soft-capped attention scores \(Gemma 2"):
+        select_backend("flashinfer", "cuda", torch.bfloat16, 256, softcap=50.0)
     with pytest.raises(ValueError, match="'flashinfer' has no kernels for float32 .* use attention_backend = 'auto'"):
         select_backend("flashinfer", "cuda", torch.float32, 128)
 

@@ -123,6 +123,21 @@ def test_fused_pieces_equal_the_modules(tiny, tiny_dir, arch):
         assert generate(fused, prompt, params, ModelTreeDrafter(draft, 3, 2, 3))[0] == reference
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_gemma2_static_steps_run_its_own_layers_and_equal_eager(tiny, tiny_dir, compile):
+    """Gemma 2's layers are not the Llama layer the fused pieces compute: its static steps run
+    the modules (compile asked or not: nothing to compile, no error), the static attention
+    with its query scale and score cap."""
+    target = fuse_projections(load_decoder(tiny_dir["gemma2"])).use_static_steps(graphs=False, compile=compile)
+    assert target.static.pieces is None
+    draft = fuse_projections(load_decoder(tiny_dir["gemma2-draft"])).use_static_steps()
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    for prompt in PROMPTS:
+        reference = generate(tiny["gemma2"], prompt, params)[0]
+        assert generate(target, prompt, params)[0] == reference
+        assert generate(target, prompt, params, ModelTreeDrafter(draft, 3, 2, 3))[0] == reference
+
+
 @pytest.mark.slow  # torch.compile (inductor) on the CPU: 37 s on a 2-core machine
 @pytest.mark.parametrize("arch", ["qwen3", "phi3"])
 def test_compiled_pieces_of_each_family_equal_the_modules(tiny, tiny_dir, arch):

@@ -46,6 +46,13 @@ SHAPES: dict[str, dict] = {
                       num_attention_heads=24, num_key_value_heads=8, vocab_size=200064, tie_word_embeddings=True,
                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
                       pad_token_id=None, bos_token_id=None, eos_token_id=None),
+    # Gemma 2: head dim 256, a 256k vocabulary (tied), sandwich norms, soft-capped scores (torch attention)
+    "gemma2-2b": dict(model_type="gemma2", hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=256000,
+                      tie_word_embeddings=True, query_pre_attn_scalar=256),
+    "gemma2-9b": dict(model_type="gemma2", hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+                      num_attention_heads=16, num_key_value_heads=8, head_dim=256, vocab_size=256000,
+                      tie_word_embeddings=True, query_pre_attn_scalar=256),
 }
 SHAPE_ALIASES = {"0.5b": "qwen2.5-0.5b", "1.5b": "qwen2.5-1.5b", "7b": "qwen2.5-7b", "0.6b": "qwen3-0.6b",
                  "1.7b": "qwen3-1.7b", "8b": "qwen3-8b"}

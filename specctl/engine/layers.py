@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -26,13 +27,23 @@ class Segments:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.unit_offset = unit_offset  # Gemma's: weights stored as offsets from 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.unit_offset:
+            return offset_rms_norm(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
+
+
+def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: scaled by 1 + weight in float32, then cast back (Llama casts first)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).to(x.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -78,7 +89,10 @@ class Attention(nn.Module):
         # Qwen3 normalises each head's queries and keys (over the head dim) before RoPE
         self.q_norm = RMSNorm(d, spec.rms_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(d, spec.rms_eps) if spec.qk_norm else None
-        self.attend = get_attention(backend)
+        self.attend = get_attention(backend, spec.attn_scale, spec.attn_softcap)
+        scaled = spec.attn_scale is not None or spec.attn_softcap is not None
+        self.static_attend = (functools.partial(static_attention, scale=spec.attn_scale, softcap=spec.attn_softcap)
+                              if scaled else static_attention)
         self.row_exact = False
 
     def use_row_exact(self) -> None:
@@ -102,7 +116,7 @@ class Attention(nn.Module):
         v = v.reshape(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if isinstance(segments, StaticSegment):
-            out = segments.attend(layer, q, torch.stack((k[0], v[0])))
+            out = segments.attend(layer, q, torch.stack((k[0], v[0])), self.static_attend)
         elif segments.paged is not None:
             for (start, end), cache in zip(segments.bounds, segments.caches):
                 cache.write(layer, k[:, :, start:end], v[:, :, start:end])
@@ -124,6 +138,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
+        # Llama's SiLU as F.silu (what the fused pieces call); another (Gemma's GELU) as transformers names it
+        if spec.activation == "silu":
+            self.act = F.silu
+        else:
+            from transformers.activations import ACT2FN
+
+            self.act = ACT2FN[spec.activation]
         self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
         self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
@@ -134,7 +155,7 @@ class MLP(nn.Module):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 def before_attention(h, qkv_weight, qkv_bias, cos, sin, heads: int, kv_heads: int, head_dim: int,
@@ -172,10 +193,19 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(spec, backend)
         self.mlp = MLP(spec)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_eps)
+        norm = functools.partial(RMSNorm, spec.hidden_size, spec.rms_eps, spec.unit_offset_norms)
+        self.input_layernorm = norm()
+        # Llama's: the MLP's input norm; Gemma 2's (sandwich): the attention output's norm
+        self.post_attention_layernorm = norm()
+        self.sandwich = spec.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+        self.llama_shaped = spec.llama_layers
 
     def forward(self, x, cos, sin, segments: "Segments", layer: int) -> torch.Tensor:
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, segments, layer))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -195,8 +225,10 @@ class DecoderLayer(nn.Module):
 
     @property
     def fused(self) -> bool:
-        """Both projections fused into plain nn.Linear layers (static_step can run)."""
-        return type(self.self_attn.qkv_proj) is nn.Linear and type(self.mlp.gate_up_proj) is nn.Linear
+        """A Llama-shaped layer with both projections fused into plain nn.Linear layers
+        (static_step's pieces compute it)."""
+        return (self.llama_shaped and type(self.self_attn.qkv_proj) is nn.Linear
+                and type(self.mlp.gate_up_proj) is nn.Linear)
 
 
 def fused_linear(linears: list[nn.Linear]) -> nn.Linear:

@@ -40,7 +40,7 @@ class Decoder(nn.Module):
         self.attention_backend = backend
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size) if embed else None
         self.layers = nn.ModuleList(DecoderLayer(spec, backend) for _ in range(last - first))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_eps) if head else None
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_eps, spec.unit_offset_norms) if head else None
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if head else None
         inv_freq, self.rope_scaling = spec.inv_freq()
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -227,18 +227,33 @@ class Decoder(nn.Module):
 
     def static_forward(self, ids: torch.Tensor, positions: torch.Tensor, segment: StaticSegment) -> torch.Tensor:
         """The padded step (engine.static): float32 logits of all M rows; the caller commits."""
-        x = self.embed_tokens(ids).unsqueeze(0)
+        x = self.embed(ids).unsqueeze(0)
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scaling, positions, x.dtype)
         pieces = self.static.pieces if self.static is not None else None
         if pieces is None:
             for i, layer in enumerate(self.layers):
                 x = layer(x, cos, sin, segment, i)
-            return self.lm_head(self.norm(x[0])).float()
+            return self.logits(self.norm(x[0]))
         h = self.layers[0].input_layernorm(x)
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for i, (layer, next_norm) in enumerate(zip(self.layers, norms)):
             x, h = layer.static_step(x, h, cos, sin, segment, i, next_norm, *pieces)
-        return self.lm_head(h[0]).float()
+        return self.logits(h[0])
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings, scaled where the model scales them (Gemma: by sqrt(hidden), in its dtype)."""
+        x = self.embed_tokens(ids)
+        if self.spec.embed_scale is not None:
+            # rounded to the model's dtype as transformers rounds it; a Python number, no tensor to move
+            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype).item()
+        return x
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits of normed hidden states h; soft-capped where the model caps them (Gemma 2)."""
+        logits = self.lm_head(h).float()
+        if self.spec.logit_softcap is not None:
+            logits = torch.tanh(logits / self.spec.logit_softcap) * self.spec.logit_softcap
+        return logits
 
     def _floored(self, compute: Callable[..., Out], *args) -> Out:
         """``compute(*args)``, taking at least the emulated step floor (0 = off: a plain call)."""
@@ -253,7 +268,7 @@ class Decoder(nn.Module):
 
     def _compute(self, inputs: torch.Tensor, positions: torch.Tensor, segments: Segments, logits_at) -> torch.Tensor:
         if self.embed_tokens is not None:
-            x = self.embed_tokens(inputs.to(self.device)).unsqueeze(0)
+            x = self.embed(inputs.to(self.device)).unsqueeze(0)
         else:
             x = inputs.to(self.device, self.dtype).unsqueeze(0)
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scaling, positions.to(self.device), x.dtype)
@@ -266,7 +281,7 @@ class Decoder(nn.Module):
             return x
         if logits_at is not None:
             x = x[logits_at.to(self.device)]
-        return self.lm_head(self.norm(x)).float()
+        return self.logits(self.norm(x))
 
 
 def ragged_bounds(lengths: list[int]) -> list[tuple[int, int]]:

@@ -9,7 +9,7 @@ import torch
 
 from specctl.errors import BadRequest, UnsupportedArchitecture
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +29,20 @@ class ModelSpec:
     mlp_bias: bool
     qk_norm: bool  # Qwen3: an RMSNorm over each head's queries and keys before RoPE
     hf_config: Any  # kept for RoPE parameters
+    # Gemma's departures from the Llama layer (defaults: Llama's)
+    activation: str = "silu"  # the MLP's gate activation (transformers' ACT2FN name)
+    unit_offset_norms: bool = False  # RMSNorm weights stored as offsets from 1, scaled in float32
+    embed_scale: float | None = None  # embeddings multiplied by this (sqrt(hidden), in the model's dtype)
+    sandwich_norms: bool = False  # Gemma 2: norms on the attention's and the MLP's outputs too
+    attn_scale: float | None = None  # query scaling; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    logit_softcap: float | None = None  # Gemma 2: the same on the final logits
+
+    @property
+    def llama_layers(self) -> bool:
+        """Layers as Llama's (the static step's fused pieces compute exactly these)."""
+        return not (self.unit_offset_norms or self.sandwich_norms or self.activation != "silu"
+                    or self.attn_scale is not None or self.attn_softcap is not None)
 
     @classmethod
     def from_hf(cls, config: Any) -> "ModelSpec":
@@ -56,6 +70,7 @@ class ModelSpec:
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             qk_norm=arch == "qwen3",
             hf_config=config,
+            **(_gemma(config) if arch.startswith("gemma") else {}),
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype, num_layers: int | None = None) -> int:
@@ -77,6 +92,21 @@ class ModelSpec:
         # where these functions' tensors would have no data to read
         with torch.device("cpu"):
             return ROPE_INIT_FUNCTIONS[rope_type](self.hf_config, torch.device("cpu"))
+
+
+def _gemma(config: Any) -> dict[str, Any]:
+    """Gemma's (1 and 2) layer facts, as transformers' modeling_gemma/gemma2 apply them."""
+    scalar = getattr(config, "query_pre_attn_scalar", None)
+    return dict(
+        # transformers reads Gemma 1's hidden_act, Gemma 2's hidden_activation (old Gemma 1 configs hold both)
+        activation=config.hidden_activation if config.model_type == "gemma2" else config.hidden_act,
+        unit_offset_norms=True,
+        embed_scale=config.hidden_size**0.5,
+        sandwich_norms=config.model_type == "gemma2",
+        attn_scale=None if scalar is None else scalar**-0.5,
+        attn_softcap=getattr(config, "attn_logit_softcapping", None),
+        logit_softcap=getattr(config, "final_logit_softcapping", None),
+    )
 
 
 def sliding_window(config: Any) -> int | None:

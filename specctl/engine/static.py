@@ -172,7 +172,9 @@ class StaticRunner:
         self.graphs = graphs and decoder.device.type == "cuda"
         # (before, attend, after): the per-layer functions a static step runs, None = the modules' forward
         self.pieces = None
-        if compile or all(layer.fused for layer in decoder.layers):
+        if not all(layer.llama_shaped for layer in decoder.layers):
+            compile = False  # the pieces compute the Llama layer; another (Gemma's) runs its modules
+        elif compile or all(layer.fused for layer in decoder.layers):
             from specctl.engine.layers import after_attention, before_attention
             from specctl_kernels import static_attention
 

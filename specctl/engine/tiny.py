@@ -34,7 +34,7 @@ def make_byte_tokenizer(vocab_size: int = TINY_VOCAB):
 
 
 def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, layers: int = 4, hidden: int = 64, **overrides):
-    from transformers import LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import Gemma2Config, GemmaConfig, LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -59,6 +59,12 @@ def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, layers: int =
         return Qwen3Config(tie_word_embeddings=common.pop("tie_word_embeddings", True), **common)
     if arch == "phi3":  # Phi-3's config defaults its special tokens to ids past a tiny vocabulary
         return Phi3Config(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
+    if arch in ("gemma", "gemma2"):  # Gemma's head_dim defaults to 256 and its special tokens sit past the vocabulary
+        common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
+        if arch == "gemma2":  # its query scalar defaults to 256; the 27B's is not its head dim either
+            common.setdefault("query_pre_attn_scalar", 24)
+        config = (Gemma2Config if arch == "gemma2" else GemmaConfig)
+        return config(tie_word_embeddings=common.pop("tie_word_embeddings", True), **common)
     raise ValueError(f"no tiny config for {arch!r}")
 
 
@@ -70,7 +76,8 @@ def make_tiny_model(directory: Path | str, arch: str = "llama", seed: int = 0, i
 
     ``init_std`` larger than the usual 0.02 gives peaked, varied next-token distributions, so
     greedy decoding does not collapse into repeating one token. ``norm_std`` > 0 draws every
-    RMSNorm weight as 1 + N(0, norm_std) (they start at ones), so a test sees each norm's weight used."""
+    RMSNorm weight as 1 + N(0, norm_std) (they start at ones; Gemma's, offsets from one, at zeros:
+    N(0, norm_std)), so a test sees each norm's weight used."""
     from transformers import AutoModelForCausalLM
 
     directory = Path(directory)
