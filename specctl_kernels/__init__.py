@@ -38,10 +38,10 @@ log = logging.getLogger("specctl.kernels")
 
 
 def select_backend(requested: str, device: torch.device | str, dtype: torch.dtype | None = None,
-                   head_dim: int | None = None, softcap: float | None = None) -> str:
+                   head_dim: int | None = None, softcap: float | None = None, window: int | None = None) -> str:
     """Resolve ``auto`` to a concrete backend; refuse one that cannot run here. flashinfer has
     kernels for fp16/bf16 and head dims 64/128/256 only, and specctl calls it without a score
-    cap (``softcap``: Gemma 2's): ``auto`` then falls back to torch."""
+    cap (``softcap``: Gemma 2's) or a sliding ``window``: ``auto`` then falls back to torch."""
     if requested not in BACKENDS:
         raise ValueError(f"unknown attention backend {requested!r}: one of {', '.join(BACKENDS)}")
     is_cuda = torch.device(device).type == "cuda"
@@ -52,6 +52,8 @@ def select_backend(requested: str, device: torch.device | str, dtype: torch.dtyp
         unsupported = f"head dim {head_dim} (it has {', '.join(map(str, FLASHINFER_HEAD_DIMS))})"
     elif softcap is not None:
         unsupported = "soft-capped attention scores (Gemma 2; specctl passes it no cap)"
+    elif window is not None:
+        unsupported = "sliding-window layers (specctl passes it no window)"
     if requested == "auto":
         if not (is_cuda and flashinfer_available()):
             return "torch"

@@ -132,62 +132,6 @@ def test_gemma2_reads_each_of_its_departures_from_the_llama_layer(tiny_dir):
     assert load_decoder(tiny_dir["llama"]).spec.llama_layers
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "phi3", "gemma2"])
-def test_a_sliding_window_caps_the_context_where_full_attention_still_equals_it(arch):
-    """The engine's attention is full; up to a sliding window's length that is what the
-    checkpoint computes, past it not, so a sliding checkpoint's context stops at its window.
-    Qwen: layers past max_window_layers slide when use_sliding_window is set (the flag alone,
-    no such layer, changes nothing); Mistral and Phi-3: every layer, when sliding_window is set
-    (Phi-3-mini-4k's is 2047); Gemma 2: the layers its layer_types names, every other one."""
-    from transformers import MistralConfig
-
-    from specctl.engine.spec import ModelSpec
-    from specctl.engine.tiny import tiny_config
-
-    def config(**window):
-        if arch == "mistral":
-            return MistralConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, **window)
-        return tiny_config(arch, **window)
-
-    if arch == "phi3":
-        sliding, unused = tiny_config(arch, sliding_window=64), tiny_config(arch, sliding_window=None)
-    elif arch == "gemma2":  # every other layer slides (4096 tokens in the real ones: their context is capped there)
-        sliding, unused = tiny_config(arch, sliding_window=64), tiny_config(arch, sliding_window=64, layer_types=["full_attention"] * 4)
-    elif arch == "mistral":
-        sliding, unused = config(sliding_window=64), config(sliding_window=None)
-    else:
-        sliding = config(use_sliding_window=True, sliding_window=64, max_window_layers=2)
-        assert sliding.layer_types == ["full_attention"] * 2 + ["sliding_attention"] * 2
-        unused = config(use_sliding_window=True, sliding_window=64, max_window_layers=4)
-    assert ModelSpec.from_hf(sliding).max_position == 64
-    assert ModelSpec.from_hf(unused).max_position == 512
-
-
-def test_a_prompt_past_the_window_is_refused_and_one_within_decodes_as_transformers_does(tmp_path):
-    """A Mistral checkpoint with a 24-token window: up to 24 tokens the engine's logits are
-    transformers' own (sliding mask included); past the window a clear PromptTooLong."""
-    from transformers import MistralConfig, MistralForCausalLM
-
-    from specctl.errors import PromptTooLong
-    from specctl.spec.decode import DecodeSession
-    from specctl.spec.sampling import SamplingParams
-
-    torch.manual_seed(0)
-    config = MistralConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                           sliding_window=24, initializer_range=0.1)
-    MistralForCausalLM(config).save_pretrained(tmp_path)
-    _check_parity(tmp_path, torch.randint(0, 300, (24,)), split=17)
-    decoder = load_decoder(tmp_path)
-    ids = torch.randint(0, 300, (25,))  # one token past the window, transformers' logits differ: why the cap
-    with torch.no_grad():
-        ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()(ids[None]).logits[0]
-    assert _max_rel_diff(decoder(ids, torch.arange(25), decoder.new_cache(25)), ref) > 0.01
-    with pytest.raises(PromptTooLong, match=r"^prompt of 20 tokens plus max_tokens 8 exceeds the context of 24 tokens"):
-        DecodeSession(decoder, list(range(20)), SamplingParams(max_tokens=8))
-
-
 @pytest.mark.slow  # 31 s on a slow 2-core machine; the tiny models' parity stays in the default run
 @needs_smollm
 def test_smollm2_parity():

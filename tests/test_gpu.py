@@ -494,3 +494,26 @@ async def test_prespec_draft_server_on_cuda_equals_the_target(tiny_dir, tree):
 
 async def test_pp_and_pp_chain_through_cuda_stages_equal_the_target(tiny_dir):
     await pipeline_chain_run(tiny_dir, "cuda")
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_sliding_windows_on_cuda_graphs_equal_cpu_fp32_and_bf16_speculative_equals_bf16_ar(tmp_path, compile):
+    """The window's second mask (engine.window) in captured steps past a 24-token window: a
+    Mistral through the fused (compiled) pieces, a Gemma 2 through its modules."""
+    from tests.test_window import _sliding
+
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    for arch in ("mistral", "gemma2"):
+        path, draft_path = _sliding(tmp_path / arch, arch, seed=3), _sliding(tmp_path / f"{arch}-d", arch, seed=4, layers=2)
+
+        def cuda(where, dtype):
+            return fuse_projections(load_decoder(where, dtype, device="cuda")).use_static_steps(graphs=True,
+                                                                                               compile=compile)
+
+        cpu, target = load_decoder(path), cuda(path, torch.float32)
+        assert all(generate(target, p, params)[0] == generate(cpu, p, params)[0] for p in PROMPTS)
+        target, draft = cuda(path, torch.bfloat16), cuda(draft_path, torch.bfloat16)
+        for prompt in PROMPTS:
+            reference, _, _ = generate(target, prompt, params)
+            for mode, drafter in _drafters(draft).items():
+                assert generate(target, prompt, params, drafter)[0] == reference, f"{arch} {mode} diverged on {prompt}"

@@ -12,6 +12,7 @@ from torch import nn
 from specctl.engine.kv_cache import KVCache
 from specctl.engine.spec import ModelSpec
 from specctl.engine.static import StaticSegment
+from specctl.engine.window import WindowCut
 from specctl_kernels import get_attention, row_exact, static_attention
 from specctl_kernels.paged import PlannedForward
 
@@ -24,6 +25,7 @@ class Segments:
     caches: list[KVCache]
     masks: list[torch.Tensor | None]
     paged: PlannedForward | None = None  # one batched attention call per layer over the KV arena
+    windows: list[WindowCut | None] | None = None  # per session, what its sliding layers see (engine.window)
 
 
 class RMSNorm(nn.Module):
@@ -76,8 +78,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: str) -> None:
+    def __init__(self, spec: ModelSpec, backend: str, window: int | None = None) -> None:
         super().__init__()
+        self.window = window  # a sliding layer's window (engine.window), None: it sees every key
         h, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
         self.q_proj = nn.Linear(spec.hidden_size, h * d, bias=spec.attention_bias)
@@ -116,22 +119,22 @@ class Attention(nn.Module):
         v = v.reshape(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if isinstance(segments, StaticSegment):
-            out = segments.attend(layer, q, torch.stack((k[0], v[0])), self.static_attend)
+            out = segments.attend(layer, q, torch.stack((k[0], v[0])), self.static_attend, self.window is not None)
         elif segments.paged is not None:
             for (start, end), cache in zip(segments.bounds, segments.caches):
                 cache.write(layer, k[:, :, start:end], v[:, :, start:end])
             out = segments.paged.attend(layer, q)
-        elif len(segments.caches) == 1:
-            keys, values = segments.caches[0].write(layer, k, v)
-            out = self.attend(q, keys, values, segments.masks[0])
         else:
             # Several sessions in one forward: the projections above ran once over all their
             # tokens (the weights are read once); attention runs per session on its own cache.
+            windows = segments.windows if self.window is not None and segments.windows else [None] * len(segments.caches)
             parts = []
-            for (start, end), cache, mask in zip(segments.bounds, segments.caches, segments.masks):
+            for (start, end), cache, mask, cut in zip(segments.bounds, segments.caches, segments.masks, windows):
                 keys, values = cache.write(layer, k[:, :, start:end], v[:, :, start:end])
+                if cut is not None:
+                    keys, values, mask = keys[:, :, cut.start:], values[:, :, cut.start:], cut.mask
                 parts.append(self.attend(q[:, :, start:end], keys, values, mask))
-            out = torch.cat(parts, dim=2)
+            out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
 
 
@@ -189,9 +192,9 @@ def after_attention(x, attn, o_weight, norm_weight, eps: float, gate_up_weight, 
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: str) -> None:
+    def __init__(self, spec: ModelSpec, backend: str, index: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(spec, backend)
+        self.self_attn = Attention(spec, backend, spec.layer_windows[index] if spec.layer_windows else None)
         self.mlp = MLP(spec)
         norm = functools.partial(RMSNorm, spec.hidden_size, spec.rms_eps, spec.unit_offset_norms)
         self.input_layernorm = norm()
@@ -218,7 +221,7 @@ class DecoderLayer(nn.Module):
         norms = () if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
         q, kv = before(h, attn.qkv_proj.weight, attn.qkv_proj.bias, cos, sin, attn.num_heads, attn.num_kv_heads,
                        attn.head_dim, *norms)
-        out = segment.attend(layer, q, kv, attend)
+        out = segment.attend(layer, q, kv, attend, attn.window is not None)
         return after(x, out, attn.o_proj.weight, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps,
                      mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias,
                      next_norm.weight)

@@ -79,7 +79,7 @@ def load_decoder(
 
     config = config or AutoConfig.from_pretrained(path)
     spec = ModelSpec.from_hf(config)
-    backend = select_backend(backend, device, dtype or torch.float32, spec.head_dim, spec.attn_softcap)
+    backend = select_backend(backend, device, dtype or torch.float32, spec.head_dim, spec.attn_softcap, spec.window)
     with torch.device("meta"):
         decoder = Decoder(spec, layer_range, embed, head, backend)
     first, last = decoder.layer_range

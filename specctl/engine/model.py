@@ -5,6 +5,7 @@ KV cache with an explicit (tree) attention mask."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from typing import Callable, TypeVar
 
@@ -17,6 +18,7 @@ from specctl.engine.layers import DecoderLayer, RMSNorm, Segments, rope_cos_sin
 from specctl.engine.prefix_cache import PrefixCache
 from specctl.engine.spec import ModelSpec
 from specctl.engine.static import CUDA_LOCK, StaticRunner, StaticSegment
+from specctl.engine.window import window_cut
 from specctl.runtime.compute import sleep_rest
 from specctl_kernels.paged import PagedAttention
 
@@ -39,7 +41,7 @@ class Decoder(nn.Module):
         self.spec, self.layer_range, self.has_embed, self.has_head = spec, (first, last), embed, head
         self.attention_backend = backend
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size) if embed else None
-        self.layers = nn.ModuleList(DecoderLayer(spec, backend) for _ in range(last - first))
+        self.layers = nn.ModuleList(DecoderLayer(spec, backend, index) for index in range(first, last))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_eps, spec.unit_offset_norms) if head else None
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if head else None
         inv_freq, self.rope_scaling = spec.inv_freq()
@@ -73,6 +75,9 @@ class Decoder(nn.Module):
         through ``attention`` (``flashinfer``; ``torch``: the reference, for tests; None: the
         arena without paged attention)."""
         s = self.spec
+        if attention is not None and (s.window is not None or not s.llama_layers):
+            raise ValueError("paged attention over the KV arena runs full, unscaled, uncapped attention: not this "
+                             "model's (sliding windows or Gemma's scores); its sessions attend eagerly")
         self.kv_arena = KVArena.for_budget(self.num_layers, s.num_kv_heads, s.head_dim, budget_bytes, self.dtype,
                                            self.device)
         self.paged = None if attention is None else PagedAttention(attention, self.kv_arena)
@@ -272,6 +277,10 @@ class Decoder(nn.Module):
         else:
             x = inputs.to(self.device, self.dtype).unsqueeze(0)
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scaling, positions.to(self.device), x.dtype)
+        if self.spec.window is not None and segments.paged is None:
+            segments = dataclasses.replace(segments, windows=[
+                window_cut(positions[lo:hi], cache.length + hi - lo, mask, self.spec.window)
+                for (lo, hi), cache, mask in zip(segments.bounds, segments.caches, segments.masks)])
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, segments, i)
         for (lo, hi), cache in zip(segments.bounds, segments.caches):

@@ -37,6 +37,13 @@ class ModelSpec:
     attn_scale: float | None = None  # query scaling; None: head_dim ** -0.5
     attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
     logit_softcap: float | None = None  # Gemma 2: the same on the final logits
+    # per layer: the sliding window it attends over (its last this-many positions), None = all
+    layer_windows: tuple[int | None, ...] = ()
+
+    @property
+    def window(self) -> int | None:
+        """The sliding window of the layers that slide (one value: from_hf refuses several)."""
+        return next((w for w in self.layer_windows if w is not None), None)
 
     @property
     def llama_layers(self) -> bool:
@@ -70,6 +77,7 @@ class ModelSpec:
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             qk_norm=arch == "qwen3",
             hf_config=config,
+            layer_windows=layer_windows(config),
             **(_gemma(config) if arch.startswith("gemma") else {}),
         )
 
@@ -109,26 +117,32 @@ def _gemma(config: Any) -> dict[str, Any]:
     )
 
 
-def sliding_window(config: Any) -> int | None:
-    """The attention window of a checkpoint whose layers slide (None: all full): Mistral's and
-    Phi-3's ``sliding_window`` (every layer, where transformers has no ``layer_types``; Phi-3-mini-4k
-    slides over 2047 tokens), Qwen2/Qwen3's where ``layer_types`` names sliding layers
-    (``use_sliding_window`` past ``max_window_layers``)."""
+def layer_windows(config: Any) -> tuple[int | None, ...]:
+    """Each layer's attention window (None: full), as transformers slides them: Mistral's and
+    Phi-3's ``sliding_window`` every layer (they have no ``layer_types``; Phi-3-mini-4k: 2047),
+    Qwen2/Qwen3's and Gemma 2's the layers ``layer_types`` names sliding (Qwen: past
+    ``max_window_layers`` when ``use_sliding_window``; Gemma 2: every other one)."""
     window = getattr(config, "sliding_window", None)
+    layers = config.num_hidden_layers
     layer_types = getattr(config, "layer_types", None)
-    slides = "sliding_attention" in layer_types if layer_types is not None else config.model_type in ("mistral", "phi3")
-    return window if slides and window else None
+    if not window:
+        return (None,) * layers
+    if layer_types is not None:
+        if len(set(layer_types) - {"full_attention", "sliding_attention"}):
+            raise UnsupportedArchitecture(f"layer types {sorted(set(layer_types))}: specctl's engine runs "
+                                          "full_attention and sliding_attention layers")
+        if len(layer_types) != layers:
+            raise UnsupportedArchitecture(f"layer_types names {len(layer_types)} layers, the model has {layers}")
+        return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+    return ((window,) if config.model_type in ("mistral", "phi3") else (None,)) * layers
 
 
 def context_limit(config: Any) -> int:
-    """The longest context the engine decodes as the checkpoint does. Its attention is full:
-    up to a sliding window's length full and sliding attention are the same, past it they are
-    not, so a sliding checkpoint's context stops at its window. Its RoPE frequencies are fixed:
-    longrope switches to its long factors past the original context, so it stops there."""
+    """The longest context the engine decodes as the checkpoint does. Its RoPE frequencies are
+    fixed: longrope switches to its long factors past the original context (transformers, for
+    the whole sequence), so its context stops there. (Sliding windows are the attention's:
+    engine.layers applies them, they cap nothing.)"""
     positions = getattr(config, "max_position_embeddings", 32768)
-    window = sliding_window(config)
-    if window is not None:
-        positions = min(positions, window)
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type") == "longrope":
         original = rope.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings",

@@ -21,6 +21,7 @@ import torch
 
 from specctl.engine.kv_cache import KVCache
 from specctl.engine.spares import SpareCaches
+from specctl.engine.window import window_rows
 from specctl_kernels import static_attention
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -57,12 +58,16 @@ class StaticSegment:
     cache: KVCache
     write_at: torch.Tensor  # [M] cache slot each row's K/V goes to
     mask: torch.Tensor  # [G*M, slots] bool: row (g, m) = mask of row m (queries grouped per KV head)
+    window_mask: torch.Tensor | None = None  # the same cut to the sliding window (sliding layers')
 
-    def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor, attention=static_attention) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor, attention=static_attention,
+               windowed: bool = False) -> torch.Tensor:
         """Write this step's keys and values kv [2, Hkv, M, D] into the layer's buffer (one
-        kernel), then attend with q [1, H, M, D] over all of it."""
+        kernel), then attend with q [1, H, M, D] over all of it (``windowed``: a sliding
+        layer, through the window's mask)."""
         self.cache.kv[layer, :, 0].index_copy_(2, self.write_at, kv)
-        return attention(q, self.cache.k[layer], self.cache.v[layer], self.mask)
+        mask = self.window_mask if windowed else self.mask
+        return attention(q, self.cache.k[layer], self.cache.v[layer], mask)
 
 
 def step_mask(size: int, n: int, length: int, slots: int, trash: int, mask: torch.Tensor | None) -> torch.Tensor:
@@ -102,6 +107,10 @@ class StepGraph:
         self.index = torch.zeros(3, size, dtype=torch.long, device=device)
         self.index[2] = cache.trash
         self.mask = step_mask(size, 0, 0, cache.slots, cache.trash, None).to(device)
+        # a model with sliding layers: their mask too, cut to the window (engine.window)
+        self.window = decoder.spec.window
+        self.host_window = torch.zeros_like(self.host_mask) if self.window is not None else None
+        self.window_mask = self.mask.clone() if self.window is not None else None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
         if pool is not None:
@@ -109,7 +118,8 @@ class StepGraph:
 
     def _body(self) -> torch.Tensor:
         groups = self.decoder.spec.num_heads // self.decoder.spec.num_kv_heads
-        segment = StaticSegment(self.cache, self.index[2], self.mask.repeat(groups, 1))
+        windowed = None if self.window_mask is None else self.window_mask.repeat(groups, 1)
+        segment = StaticSegment(self.cache, self.index[2], self.mask.repeat(groups, 1), windowed)
         return self.decoder.static_forward(self.index[0], self.index[1], segment)
 
     def _capture(self, pool, warm: bool) -> None:
@@ -143,6 +153,11 @@ class StepGraph:
         fill_step_mask(self.host_mask.numpy(), n, length, cache.trash, mask)
         self.index.copy_(self.host_index, non_blocking=True)
         self.mask.copy_(self.host_mask, non_blocking=True)
+        if self.window is not None:
+            window = self.host_window.numpy()
+            window[:] = self.host_mask.numpy()
+            window_rows(window, index[1, :n], self.window)
+            self.window_mask.copy_(self.host_window, non_blocking=True)
         if ids_on_device:
             self.index[0, :n].copy_(inputs)
         if self.sent is not None:
