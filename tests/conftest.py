@@ -32,11 +32,15 @@ def _isolated_threads():
 PARTIAL_ROTARY = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
 # untied: with a tied random table the row of largest norm wins every step (one token repeated)
 GEMMA2_CAPS = {"attn_logit_softcapping": 1.0, "final_logit_softcapping": 4.0, "tie_word_embeddings": False}
+GEMMA3 = {"sliding_window": 24, "tie_word_embeddings": False,
+          "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+          "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}
 
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> dict[str, Path]:
-    """Tiny random-weight checkpoints: five architectures, drafts that disagree."""
+    """Tiny random-weight checkpoints: six architectures, drafts that disagree."""
     root = tmp_path_factory.mktemp("tiny")
     return {
         "llama": make_tiny_model(root / "llama", "llama", seed=0),
@@ -55,6 +59,11 @@ def tiny_dir(tmp_path_factory) -> dict[str, Path]:
         "gemma2": make_tiny_model(root / "gemma2", "gemma2", seed=10, norm_std=0.3, **GEMMA2_CAPS),
         "gemma2-draft": make_tiny_model(root / "gemma2-draft", "gemma2", seed=11, layers=2, norm_std=0.3,
                                         **GEMMA2_CAPS),
+        # Gemma 3 (text): q/k norms, two RoPEs (sliding layers' base 10k, full layers' 1M scaled 8x),
+        # 24-token windows that the tests' prompts and outputs pass
+        "gemma3": make_tiny_model(root / "gemma3", "gemma3_text", seed=12, norm_std=0.3, **GEMMA3),
+        "gemma3-draft": make_tiny_model(root / "gemma3-draft", "gemma3_text", seed=13, layers=2, norm_std=0.3,
+                                        **{**GEMMA3, "layer_types": ["sliding_attention", "full_attention"]}),
     }
 
 
@@ -62,7 +71,7 @@ def tiny_dir(tmp_path_factory) -> dict[str, Path]:
 def tiny(tiny_dir):
     """Loaded fp32 decoders: target, disagreeing draft, and the target's first 2 layers."""
     out = {}
-    for arch in ("llama", "qwen2", "qwen3", "phi3", "gemma2"):
+    for arch in ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"):
         out[arch] = load_decoder(tiny_dir[arch])
         out[f"{arch}-draft"] = load_decoder(tiny_dir[f"{arch}-draft"])
         out[f"{arch}-self2"] = load_decoder(tiny_dir[arch], layer_range=(0, 2))

@@ -43,7 +43,9 @@ def test_known_shapes_and_the_limit():
         assert params / 1e9 == pytest.approx(billions, abs=0.01), name
     for name, arch, billions, heads, head_dim in (("phi3-mini", "phi3", 3.82, 32, 96), ("phi4-mini", "phi3", 3.84, 24, 128),
                                                   ("gemma2-2b", "gemma2", 2.61, 8, 256),
-                                                  ("gemma2-9b", "gemma2", 9.24, 16, 256)):
+                                                  ("gemma2-9b", "gemma2", 9.24, 16, 256),
+                                                  ("gemma3-270m", "gemma3_text", 0.268, 4, 256),
+                                                  ("gemma3-1b", "gemma3_text", 1.0, 4, 256)):
         spec = ModelSpec.from_hf(shape_config(name))
         decoder = random_decoder(shape_config(name), torch.bfloat16, "meta")
         params = sum(p.numel() for p in decoder.parameters())  # a tied head shares the table: counted once

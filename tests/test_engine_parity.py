@@ -5,6 +5,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specctl.engine.loader import load_decoder
+from specctl.engine.spec import ModelSpec
+from specctl.engine.tiny import tiny_config
+from specctl.errors import UnsupportedArchitecture
 from specctl.store import resolve_model
 from tests.conftest import needs_smollm
 
@@ -26,10 +29,30 @@ def _check_parity(path, ids: torch.Tensor, split: int):
     assert cache.length == ids.numel()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"])
 def test_tiny_parity_prefill_and_incremental(tiny_dir, arch):
     torch.manual_seed(0)
     _check_parity(tiny_dir[arch], torch.randint(0, 300, (24,)), split=17)
+
+
+def test_gemma3_rotates_sliding_layers_with_their_own_rope_and_norms_queries_and_keys(tiny_dir):
+    """Gemma 3 (text): 60 tokens, past its 24-token windows; sliding layers rotate with base
+    10k, full ones with 1M scaled 8x (linear); its q/k norms scale by 1 + w. Each of them
+    taken away moves the logits off transformers'."""
+    decoder = load_decoder(tiny_dir["gemma3"])
+    assert [layer.rotates_locally for layer in decoder.layers] == [True, True, False, True]
+    assert decoder.spec.layer_windows == (24, 24, None, 24) and decoder.spec.qk_norm
+    assert decoder.layers[0].self_attn.q_norm.unit_offset and not torch.equal(decoder.inv_freq, decoder.local_inv_freq)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (60,))
+    _check_parity(tiny_dir["gemma3"], ids, split=30)
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(tiny_dir["gemma3"], dtype=torch.float32).eval()(ids[None]).logits[0]
+    for layer in decoder.layers:
+        layer.rotates_locally = False
+    assert _max_rel_diff(decoder(ids, torch.arange(60), decoder.new_cache(60)), ref) > 0.01
+    with pytest.raises(UnsupportedArchitecture, match="an embedding model"):
+        ModelSpec.from_hf(tiny_config("gemma3_text", use_bidirectional_attention=True))
 
 
 @pytest.mark.parametrize("rope", [

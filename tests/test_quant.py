@@ -51,7 +51,7 @@ def _prefilled(decoder, prompt: list[int]):
     return cache
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"])
 def test_int8_decoder_sessions_batched_equal_alone_bitwise(tiny_dir, tiny, arch):
     decoder = quantize_decoder(load_decoder(tiny_dir[arch]), "int8")
     assert not any(isinstance(module, nn.Linear) for module in decoder.modules())
@@ -67,8 +67,9 @@ def test_int8_decoder_sessions_batched_equal_alone_bitwise(tiny_dir, tiny, arch)
     for one, many in zip(alone, together):
         assert torch.equal(many, one)
     full = tiny[arch](torch.tensor([40, 41, 42, 43, 44]), torch.arange(5), tiny[arch].new_cache(8))
-    # int8 against fp32: close, not equal (the tiny Qwen3's norm weights, drawn +-30 %, widen its error to ~7 %)
-    assert _relative_error(alone[2], full) < (0.1 if arch == "qwen3" else 0.05)
+    # int8 against fp32: close, not equal (the tiny Qwen3's and Gemma 3's q/k norm weights, drawn +-30 %, widen
+    # their error to ~6-7 %)
+    assert _relative_error(alone[2], full) < (0.1 if arch in ("qwen3", "gemma3") else 0.05)
 
 
 def test_int8_target_verifying_sessions_together_reproduces_its_own_output(tiny_dir, tiny):

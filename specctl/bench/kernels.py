@@ -53,6 +53,13 @@ SHAPES: dict[str, dict] = {
     "gemma2-9b": dict(model_type="gemma2", hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
                       num_attention_heads=16, num_key_value_heads=8, head_dim=256, vocab_size=256000,
                       tie_word_embeddings=True, query_pre_attn_scalar=256),
+    # Gemma 3 (text): one KV head of 256, a 262k vocabulary; 5 of 6 layers slide over 512 tokens
+    "gemma3-270m": dict(model_type="gemma3_text", hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                        num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
+                        tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=512),
+    "gemma3-1b": dict(model_type="gemma3_text", hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                      num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
+                      tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=512),
 }
 SHAPE_ALIASES = {"0.5b": "qwen2.5-0.5b", "1.5b": "qwen2.5-1.5b", "7b": "qwen2.5-7b", "0.6b": "qwen3-0.6b",
                  "1.7b": "qwen3-1.7b", "8b": "qwen3-8b"}
@@ -82,9 +89,8 @@ def random_decoder(config, dtype: torch.dtype, device: str, backend: str = "torc
         parameter.requires_grad_(False).normal_(0.0, 0.02)
     if spec.tie_embeddings:
         decoder.lm_head.weight = decoder.embed_tokens.weight
-    inv_freq, _ = spec.inv_freq()
-    decoder.inv_freq = inv_freq.to(device)
-    return decoder.eval()
+    decoder.reset_rope()
+    return decoder.to(device).eval()
 
 
 def weight_bytes_per_step(decoder: Decoder) -> int:

@@ -90,8 +90,8 @@ class Attention(nn.Module):
         self.qkv_proj: nn.Module | None = None  # int8 models fuse q/k/v into one projection
         self.qkv_sizes = (h * d, kv * d, kv * d)
         # Qwen3 normalises each head's queries and keys (over the head dim) before RoPE
-        self.q_norm = RMSNorm(d, spec.rms_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(d, spec.rms_eps) if spec.qk_norm else None
+        self.q_norm = RMSNorm(d, spec.rms_eps, spec.unit_offset_norms) if spec.qk_norm else None
+        self.k_norm = RMSNorm(d, spec.rms_eps, spec.unit_offset_norms) if spec.qk_norm else None
         self.attend = get_attention(backend, spec.attn_scale, spec.attn_softcap)
         scaled = spec.attn_scale is not None or spec.attn_softcap is not None
         self.static_attend = (functools.partial(static_attention, scale=spec.attn_scale, softcap=spec.attn_softcap)
@@ -204,6 +204,8 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
         self.llama_shaped = spec.llama_layers
+        # Gemma 3's sliding layers rotate with their own RoPE (Decoder._ropes)
+        self.rotates_locally = spec.local_rope and spec.hf_config.layer_types[index] == "sliding_attention"
 
     def forward(self, x, cos, sin, segments: "Segments", layer: int) -> torch.Tensor:
         if self.sandwich:

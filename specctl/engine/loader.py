@@ -114,8 +114,7 @@ def load_decoder(
     if missing:
         raise ModelNotFound(f"checkpoint {path} lacks tensors: {sorted(missing)[:5]}")
     decoder.load_state_dict(state, strict=True, assign=True)
-    inv_freq, _ = spec.inv_freq()
-    decoder.inv_freq = inv_freq
+    decoder.reset_rope()
     return decoder.to(device).eval()
 
 

@@ -46,6 +46,9 @@ class Decoder(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if head else None
         inv_freq, self.rope_scaling = spec.inv_freq()
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # Gemma 3: its sliding layers' own RoPE (None: every layer rotates with inv_freq)
+        local, self.local_rope_scaling = spec.inv_freq("sliding_attention") if spec.local_rope else (None, 1.0)
+        self.register_buffer("local_inv_freq", local, persistent=False)
         self.static: StaticRunner | None = None
         # Benchmarks only (`specctl draft --step-time-ms`): every forward (eager or static) takes at least this
         # long, its compute inside — a device whose step time does not grow with its rows, as a
@@ -121,7 +124,23 @@ class Decoder(nn.Module):
             part.norm, part.lm_head = self.norm, self.lm_head
         part.has_embed, part.has_head = embed, head
         part.inv_freq, part.rope_scaling = self.inv_freq, self.rope_scaling
+        part.local_inv_freq, part.local_rope_scaling = self.local_inv_freq, self.local_rope_scaling
         return part
+
+    def reset_rope(self) -> None:
+        """RoPE frequencies computed again, on the CPU (a decoder built on the meta device has
+        none to read), before the decoder moves to its device."""
+        self.inv_freq = self.spec.inv_freq()[0]
+        if self.spec.local_rope:
+            self.local_inv_freq = self.spec.inv_freq("sliding_attention")[0]
+
+    def _ropes(self, positions: torch.Tensor, dtype: torch.dtype):
+        """(cos, sin) of ``positions`` for each layer: one pair shared, or Gemma 3's two."""
+        full = rope_cos_sin(self.inv_freq, self.rope_scaling, positions, dtype)
+        if self.local_inv_freq is None:
+            return [full] * len(self.layers)
+        local = rope_cos_sin(self.local_inv_freq, self.local_rope_scaling, positions, dtype)
+        return [local if layer.rotates_locally else full for layer in self.layers]
 
     @property
     def num_layers(self) -> int:
@@ -233,12 +252,13 @@ class Decoder(nn.Module):
     def static_forward(self, ids: torch.Tensor, positions: torch.Tensor, segment: StaticSegment) -> torch.Tensor:
         """The padded step (engine.static): float32 logits of all M rows; the caller commits."""
         x = self.embed(ids).unsqueeze(0)
-        cos, sin = rope_cos_sin(self.inv_freq, self.rope_scaling, positions, x.dtype)
+        ropes = self._ropes(positions, x.dtype)
         pieces = self.static.pieces if self.static is not None else None
         if pieces is None:
-            for i, layer in enumerate(self.layers):
+            for i, (layer, (cos, sin)) in enumerate(zip(self.layers, ropes)):
                 x = layer(x, cos, sin, segment, i)
             return self.logits(self.norm(x[0]))
+        cos, sin = ropes[0]  # the fused pieces compute Llama-shaped layers: one RoPE
         h = self.layers[0].input_layernorm(x)
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for i, (layer, next_norm) in enumerate(zip(self.layers, norms)):
@@ -276,12 +296,12 @@ class Decoder(nn.Module):
             x = self.embed(inputs.to(self.device)).unsqueeze(0)
         else:
             x = inputs.to(self.device, self.dtype).unsqueeze(0)
-        cos, sin = rope_cos_sin(self.inv_freq, self.rope_scaling, positions.to(self.device), x.dtype)
+        ropes = self._ropes(positions.to(self.device), x.dtype)
         if self.spec.window is not None and segments.paged is None:
             segments = dataclasses.replace(segments, windows=[
                 window_cut(positions[lo:hi], cache.length + hi - lo, mask, self.spec.window)
                 for (lo, hi), cache, mask in zip(segments.bounds, segments.caches, segments.masks)])
-        for i, layer in enumerate(self.layers):
+        for i, (layer, (cos, sin)) in enumerate(zip(self.layers, ropes)):
             x = layer(x, cos, sin, segments, i)
         for (lo, hi), cache in zip(segments.bounds, segments.caches):
             cache.commit(hi - lo)

@@ -9,7 +9,7 @@ import torch
 
 from specctl.errors import BadRequest, UnsupportedArchitecture
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2")
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +54,13 @@ class ModelSpec:
     @classmethod
     def from_hf(cls, config: Any) -> "ModelSpec":
         arch = config.model_type
+        if arch == "gemma3":
+            raise UnsupportedArchitecture("a multimodal Gemma 3 checkpoint (Gemma3ForConditionalGeneration): specctl runs "
+                                          "the text-only Gemma3ForCausalLM (gemma-3-1b, gemma-3-270m); save its "
+                                          "language model as one")
+        if getattr(config, "use_bidirectional_attention", False):
+            raise UnsupportedArchitecture(f"{arch} with use_bidirectional_attention (an embedding model) does not "
+                                          "generate text")
         if arch not in SUPPORTED:
             raise UnsupportedArchitecture(
                 f"architecture {arch!r} is not supported by specctl's engine (supported: {', '.join(SUPPORTED)})"
@@ -75,7 +82,7 @@ class ModelSpec:
             # Qwen2 always has q/k/v biases; Llama and Qwen3 have them when attention_bias is set.
             attention_bias=arch == "qwen2" or bool(getattr(config, "attention_bias", False)),
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3_text"),
             hf_config=config,
             layer_windows=layer_windows(config),
             **(_gemma(config) if arch.startswith("gemma") else {}),
@@ -85,9 +92,20 @@ class ModelSpec:
         layers = self.num_layers if num_layers is None else num_layers
         return 2 * layers * self.num_kv_heads * self.head_dim * torch.tensor([], dtype=dtype).element_size()
 
-    def inv_freq(self) -> tuple[torch.Tensor, float]:
-        """RoPE inverse frequencies and attention scaling, as transformers computes them."""
+    @property
+    def local_rope(self) -> bool:
+        """Sliding layers rotate with RoPE parameters of their own (Gemma 3: base 10k, full
+        layers 1M and maybe scaled): ``inv_freq("sliding_attention")``."""
         params = getattr(self.hf_config, "rope_parameters", None) or {}
+        return "sliding_attention" in params
+
+    def inv_freq(self, layer_type: str = "full_attention") -> tuple[torch.Tensor, float]:
+        """RoPE inverse frequencies and attention scaling, as transformers computes them (for
+        ``layer_type``'s layers where the config has one RoPE per layer type)."""
+        params = getattr(self.hf_config, "rope_parameters", None) or {}
+        by_layer_type = {"layer_type": layer_type} if layer_type in params else {}
+        if by_layer_type:
+            params = params[layer_type]
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type == "default":
             base = params.get("rope_theta", getattr(self.hf_config, "rope_theta", 10000.0))
@@ -99,18 +117,18 @@ class ModelSpec:
         # on the CPU whatever device is current: a decoder is built under torch.device("meta"),
         # where these functions' tensors would have no data to read
         with torch.device("cpu"):
-            return ROPE_INIT_FUNCTIONS[rope_type](self.hf_config, torch.device("cpu"))
+            return ROPE_INIT_FUNCTIONS[rope_type](self.hf_config, torch.device("cpu"), **by_layer_type)
 
 
 def _gemma(config: Any) -> dict[str, Any]:
     """Gemma's (1 and 2) layer facts, as transformers' modeling_gemma/gemma2 apply them."""
     scalar = getattr(config, "query_pre_attn_scalar", None)
     return dict(
-        # transformers reads Gemma 1's hidden_act, Gemma 2's hidden_activation (old Gemma 1 configs hold both)
-        activation=config.hidden_activation if config.model_type == "gemma2" else config.hidden_act,
+        # transformers reads Gemma 1's hidden_act, Gemma 2/3's hidden_activation (old Gemma 1 configs hold both)
+        activation=config.hidden_act if config.model_type == "gemma" else config.hidden_activation,
         unit_offset_norms=True,
         embed_scale=config.hidden_size**0.5,
-        sandwich_norms=config.model_type == "gemma2",
+        sandwich_norms=config.model_type != "gemma",
         attn_scale=None if scalar is None else scalar**-0.5,
         attn_softcap=getattr(config, "attn_logit_softcapping", None),
         logit_softcap=getattr(config, "final_logit_softcapping", None),

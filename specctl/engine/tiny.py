@@ -34,7 +34,7 @@ def make_byte_tokenizer(vocab_size: int = TINY_VOCAB):
 
 
 def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, layers: int = 4, hidden: int = 64, **overrides):
-    from transformers import Gemma2Config, GemmaConfig, LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import Gemma2Config, Gemma3TextConfig, GemmaConfig, LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -59,11 +59,11 @@ def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, layers: int =
         return Qwen3Config(tie_word_embeddings=common.pop("tie_word_embeddings", True), **common)
     if arch == "phi3":  # Phi-3's config defaults its special tokens to ids past a tiny vocabulary
         return Phi3Config(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
-    if arch in ("gemma", "gemma2"):  # Gemma's head_dim defaults to 256 and its special tokens sit past the vocabulary
+    if arch in ("gemma", "gemma2", "gemma3_text"):  # head_dim defaults to 256, special tokens sit past the vocabulary
         common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
-        if arch == "gemma2":  # its query scalar defaults to 256; the 27B's is not its head dim either
+        if arch != "gemma":  # its query scalar defaults to 256; the 27B's is not its head dim either
             common.setdefault("query_pre_attn_scalar", 24)
-        config = (Gemma2Config if arch == "gemma2" else GemmaConfig)
+        config = {"gemma": GemmaConfig, "gemma2": Gemma2Config, "gemma3_text": Gemma3TextConfig}[arch]
         return config(tie_word_embeddings=common.pop("tie_word_embeddings", True), **common)
     raise ValueError(f"no tiny config for {arch!r}")
 
