@@ -11,7 +11,8 @@ import pytest
 from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
 from specctl.gateway.api import ApiError, ChatCompletionRequest, parse_body
-from specctl.gateway.tool_calls import ForcedCalls, JsonCalls, StreamedCalls, json_calls, parse, read_whole
+from specctl.gateway.held_calls import JsonCalls, PythonicCalls, json_calls, pythonic_calls
+from specctl.gateway.tool_calls import ForcedCalls, StreamedCalls, parse, read_whole
 from specctl.gateway.tools import forced_call, request_tools
 from specctl.gateway.translate import chat_messages
 from tests.conftest import running_cluster
@@ -309,6 +310,74 @@ def test_llama3_json_streams_content_as_it_comes_and_holds_calls_to_the_end():
     assert broken.push('{"name": ') == ("", []) and broken.finish() == ('{"name": ', [], None)  # held, then content
 
 
+@pytest.mark.parametrize("text, calls", [
+    ('[get_weather(city="Oslo")]', [("get_weather", {"city": "Oslo"})]),
+    ("[a(), b(x=[1, 2.5], flag=True, none=None, nested={'k': (1, 'v')})]",
+     [("a", {}), ("b", {"x": [1, 2.5], "flag": True, "none": None, "nested": {"k": [1, "v"]}})]),
+    ('<|python_start|>[a(x=-1)]<|python_end|>', [("a", {"x": -1})]),  # Llama 4's tags kept
+    (" \n[a(x='Oslo')] ", [("a", {"x": "Oslo"})]),
+    ("[a('Oslo')]", None),  # positional: not a call by name
+    ("[a(**kw)]", None),
+    ("[a(x=open('f'))]", None),  # not a literal: read, never evaluated
+    ("[a(x={1, 2})]", None),  # a set: no JSON
+    ("[obj.a(x=1)]", None),
+    ("[]", None),
+    ("[1, 2, 3]", None),
+    ("[a(x=1)] then", None),
+    ('[get_weather(city="Os', None),  # cut by max_tokens
+    ("Sunny.", None),
+])
+def test_pythonic_calls_are_a_list_of_keyword_calls_or_none(text, calls):
+    found = pythonic_calls(text)
+    assert (None if found is None else [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                                        for c in found]) == calls
+    content, read = read_whole(PythonicCalls(), text)
+    assert (content, read) == (text, None) if calls is None else (content == "" and len(read) == len(calls))
+
+
+def test_pythonic_streams_content_as_it_comes_and_holds_a_list_to_the_end():
+    reader = PythonicCalls()
+    assert reader.push("<|py") == ("", []) and reader.push("thon_start|>[a(x=1), b()]") == ("", [])
+    rest, deltas, calls = reader.finish()
+    assert rest == "" and [c["function"]["name"] for c in calls] == ["a", "b"] and len(deltas) == 2
+    reader = PythonicCalls(max_calls=1)
+    assert reader.push("[a(x=1), b()]") == ("", []) and [c["function"]["name"] for c in reader.finish()[2]] == ["a"]
+    reader = PythonicCalls()
+    assert reader.push("<b>") == ("<b>", []) and reader.push(" bold") == (" bold", []) and reader.finish() == ("", [], None)
+    broken = PythonicCalls()
+    assert broken.push("[not python") == ("", []) and broken.finish() == ("[not python", [], None)
+
+
+@pytest.fixture(scope="module")
+def pythonic_cluster(tmp_path_factory):
+    from tests.test_gateway_reasoning import scripted_cluster
+
+    yield from scripted_cluster(tmp_path_factory, "pythonic-tools", tool_call_parser="pythonic")
+
+
+def test_a_pythonic_call_comes_back_as_the_call_streamed_or_not(pythonic_cluster):
+    from transformers import AutoTokenizer
+
+    from tests.test_gateway_reasoning import CALL_TOKENS, JSON_CALL_TOKENS, THOUGHT_TOKENS, _chat, _streamed
+
+    base, model = pythonic_cluster[1]["gateway"], pythonic_cluster[2]
+    firsts = [THOUGHT_TOKENS[0], CALL_TOKENS[0], JSON_CALL_TOKENS[0]]
+    ids = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids(firsts)
+    body = {"messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER], "max_tokens": 10,
+            "temperature": 0, "logit_bias": {str(i): -100 for i in ids}}  # the scripted model's pythonic call
+    choice = _chat(base, body)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [
+        {"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
+    chunks = _streamed(base, body)
+    assert "".join(c["delta"].get("content") or "" for c in chunks) == ""
+    assert [c["function"] for d in chunks for c in d["delta"].get("tool_calls") or []] == [
+        {"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
+    # the hermes line read by the pythonic parser: content, as it is
+    hermes = _chat(base, {**body, "logit_bias": {str(ids[0]): -100}})["choices"][0]
+    assert hermes["message"]["content"] == "".join(CALL_TOKENS) and "tool_calls" not in hermes["message"]
+
+
 @pytest.fixture(scope="module")
 def json_tools_cluster(tmp_path_factory):
     """The scripted model (tests.test_gateway_reasoning) behind a gateway with --tool-call-parser llama3_json."""
@@ -337,13 +406,13 @@ def test_a_llama3_json_call_comes_back_as_the_call_streamed_or_not(json_tools_cl
     assert chunks[-1]["finish_reason"] == "tool_calls"
     plain = _chat(base, {**body, "tools": None, "logit_bias": {}})["choices"][0]  # no tools: the text as it is
     assert plain["message"]["content"] == "".join(THOUGHT_TOKENS) and "tool_calls" not in plain["message"]
-    with pytest.raises(ValueError, match=r"^--tool-call-parser must be one of hermes, llama3_json, got 'pythonic'$"):
-        ClusterConfig(tool_call_parser="pythonic")
+    with pytest.raises(ValueError, match=r"^--tool-call-parser must be one of hermes, llama3_json, pythonic, got 'mistral'$"):
+        ClusterConfig(tool_call_parser="mistral")
 
 
 @pytest.mark.parametrize("command", [["up"], ["gateway", "--target", "127.0.0.1:1"]])
 def test_a_bad_tool_call_parser_is_one_line_before_anything_starts(command):
     from tests.test_cli import _assert_one_line_error, run
 
-    _assert_one_line_error(run(*command, "--tool-call-parser", "pythonic", "--enable-auto-tool-choice"),
-                           "--tool-call-parser must be one of hermes, llama3_json, got 'pythonic'")
+    _assert_one_line_error(run(*command, "--tool-call-parser", "mistral", "--enable-auto-tool-choice"),
+                           "--tool-call-parser must be one of hermes, llama3_json, pythonic, got 'mistral'")

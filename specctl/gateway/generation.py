@@ -28,7 +28,8 @@ from specctl.gateway.response_store import ResponseStore, StoredResponse
 from specctl.gateway.responses_api import ResponsesRequest, answer_turn, as_chat, input_messages, input_records
 from specctl.gateway.responses_reply import ResponsesReply
 from specctl.gateway.structured import after_thinking, structured_output
-from specctl.gateway.tool_calls import ForcedCalls, JsonCalls, StreamedCalls
+from specctl.gateway.held_calls import TOOL_PARSERS
+from specctl.gateway.tool_calls import ForcedCalls
 from specctl.gateway.tools import forced_call, request_tools
 from specctl.gateway.translate import (
     bad_words, chat_messages, chat_template_options, completion_prompts, sampling_params, stop_strings, truncated,
@@ -115,7 +116,7 @@ class Generations:
                 request_log.received(rid, endpoint, list(map(len, prompts)), specs[0].params, req.n, req.stream)
             prompt_tokens = sum(map(len, prompts))
             self.metrics.prompt_tokens.inc(prompt_tokens)
-            reader = JsonCalls if self.config.tool_call_parser == "llama3_json" else StreamedCalls
+            reader = TOOL_PARSERS[self.config.tool_call_parser]
             calls = None if tools is None else (partial(ForcedCalls, forced[0]) if forced
                                                 else partial(reader, 1 if one_call else None))
             reply = (self._responses_reply(asked, req, history, prompt_tokens, calls) if endpoint == "responses"

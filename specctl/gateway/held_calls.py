@@ -1,0 +1,103 @@
+"""Tool-call formats read whole: an output that opens as calls is held while it comes and read
+when the choice ends — handed out as calls if it parses, as content if not (as vLLM leaves
+it); any other output is content as it comes. vLLM's ``llama3_json`` (Llama 3.1-3.3:
+``{"name": ..., "parameters": {...}}`` objects, ``;``-separated) and ``pythonic`` (Llama 3.2,
+Llama 4: a Python list of calls with keyword arguments, ``[get_weather(city="Oslo")]``).
+``TOOL_PARSERS`` names every ``--tool-call-parser`` with its reader."""
+
+from __future__ import annotations
+
+import ast
+import json
+from typing import Callable
+
+from specctl.gateway.tool_calls import StreamedCalls, _delta, _new_call
+
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's, before JSON calls (kept with skip_special_tokens false)
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's, around pythonic calls
+
+
+class HeldCalls:
+    """A choice's text read by a whole-output format: ``parse`` reads the calls (None: not
+    calls); an output whose first non-space text begins one of ``opens`` is held."""
+
+    finish_reason = "tool_calls"
+
+    def __init__(self, parse: Callable[[str], list[dict] | None], opens: tuple[str, ...],
+                 max_calls: int | None = None) -> None:
+        self.parse, self.opens, self.max_calls = parse, opens, max_calls
+        self.text = ""
+        self.calls_opened: bool | None = None  # None: not known yet (whitespace or a tag begun)
+
+    def push(self, delta: str) -> tuple[str, list[dict]]:
+        self.text += delta
+        if self.calls_opened is None:
+            opening = self.text.lstrip()
+            if not opening or any(tag.startswith(opening) for tag in self.opens if len(tag) > 1):
+                return "", []
+            self.calls_opened = opening.startswith(self.opens)
+            return ("", []) if self.calls_opened else (self.text, [])
+        return ("", []) if self.calls_opened else (delta, [])
+
+    def finish(self) -> tuple[str, list[dict], list[dict] | None]:
+        calls = self.parse(self.text) if self.calls_opened else None
+        if calls is None:  # content: what was held back (all of it, or a tag begun), none if it went out
+            return ("" if self.calls_opened is False else self.text), [], None
+        calls = calls[:self.max_calls]
+        return "", [_delta(i, call, call["function"]["arguments"]) for i, call in enumerate(calls)], calls
+
+
+def json_calls(text: str) -> list[dict] | None:
+    """The calls a llama3_json output holds, or None when it is not one or more calls."""
+    body = text.strip().removeprefix(PYTHON_TAG).strip()
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while at < len(body):
+        try:
+            call, end = decoder.raw_decode(body, at)
+        except json.JSONDecodeError:
+            return None
+        arguments = call.get("parameters", call.get("arguments")) if isinstance(call, dict) else None
+        if not (isinstance(call.get("name") if isinstance(call, dict) else None, str) and isinstance(arguments, dict)):
+            return None
+        calls.append(_new_call(call["name"], json.dumps(arguments, ensure_ascii=False)))
+        at = end
+        while at < len(body) and body[at] in "; \t\r\n":
+            at += 1
+    return calls or None
+
+
+def pythonic_calls(text: str) -> list[dict] | None:
+    """The calls a pythonic output holds — a list of ``name(key=literal, ...)`` — or None.
+    Arguments are Python literals (strings, numbers, True/False/None, lists, dicts, tuples),
+    read with ast.literal_eval, never evaluated; positional arguments are not calls."""
+    body = text.strip().removeprefix(PYTHON_START).removesuffix(PYTHON_END).strip()
+    try:
+        tree = ast.parse(body, mode="eval").body
+    except SyntaxError:
+        return None
+    if not (isinstance(tree, ast.List) and tree.elts):
+        return None
+    calls = []
+    for call in tree.elts:
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and not call.args
+                and all(keyword.arg is not None for keyword in call.keywords)):
+            return None
+        try:
+            arguments = {keyword.arg: ast.literal_eval(keyword.value) for keyword in call.keywords}
+            calls.append(_new_call(call.func.id, json.dumps(arguments, ensure_ascii=False)))
+        except (ValueError, TypeError, SyntaxError):  # not a literal, or not JSON (a set, bytes)
+            return None
+    return calls
+
+
+def JsonCalls(max_calls: int | None = None) -> HeldCalls:  # noqa: N802 - a reader class, as StreamedCalls
+    return HeldCalls(json_calls, ("{", PYTHON_TAG), max_calls)
+
+
+def PythonicCalls(max_calls: int | None = None) -> HeldCalls:  # noqa: N802
+    return HeldCalls(pythonic_calls, ("[", PYTHON_START), max_calls)
+
+
+# vLLM's --tool-call-parser names and their readers (each called with max_calls)
+TOOL_PARSERS: dict[str, Callable[..., object]] = {"hermes": StreamedCalls, "llama3_json": JsonCalls,
+                                                   "pythonic": PythonicCalls}
