@@ -40,9 +40,9 @@ GEMMA3 = {"sliding_window": 24, "tie_word_embeddings": False,
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> dict[str, Path]:
-    """Tiny random-weight checkpoints: six architectures, drafts that disagree."""
+    """Tiny random-weight checkpoints: eight architectures, drafts that disagree."""
     root = tmp_path_factory.mktemp("tiny")
-    return {
+    paths = {
         "llama": make_tiny_model(root / "llama", "llama", seed=0),
         "qwen2": make_tiny_model(root / "qwen2", "qwen2", seed=1),
         "llama-draft": make_tiny_model(root / "llama-draft", "llama", seed=7, layers=2),
@@ -64,14 +64,20 @@ def tiny_dir(tmp_path_factory) -> dict[str, Path]:
         "gemma3": make_tiny_model(root / "gemma3", "gemma3_text", seed=12, norm_std=0.3, **GEMMA3),
         "gemma3-draft": make_tiny_model(root / "gemma3-draft", "gemma3_text", seed=13, layers=2, norm_std=0.3,
                                         **{**GEMMA3, "layer_types": ["sliding_attention", "full_attention"]}),
+        # mixtures of experts: Qwen3-MoE (a dense Qwen3 drafts for it, as Qwen3-0.6B for Qwen3-30B-A3B;
+        # q/k norms too) and Mixtral (block_sparse_moe, w1/w3/w2 in its checkpoint)
+        "qwen3_moe": make_tiny_model(root / "qwen3_moe", "qwen3_moe", seed=14, norm_std=0.3, init_std=0.2),
+        "mixtral": make_tiny_model(root / "mixtral", "mixtral", seed=15),
+        "mixtral-draft": make_tiny_model(root / "mixtral-draft", "mixtral", seed=16, layers=2),
     }
+    return {**paths, "qwen3_moe-draft": paths["qwen3-draft"]}
 
 
 @pytest.fixture(scope="session")
 def tiny(tiny_dir):
     """Loaded fp32 decoders: target, disagreeing draft, and the target's first 2 layers."""
     out = {}
-    for arch in ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"):
+    for arch in ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral"):
         out[arch] = load_decoder(tiny_dir[arch])
         out[f"{arch}-draft"] = load_decoder(tiny_dir[f"{arch}-draft"])
         out[f"{arch}-self2"] = load_decoder(tiny_dir[arch], layer_range=(0, 2))

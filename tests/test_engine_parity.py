@@ -29,7 +29,7 @@ def _check_parity(path, ids: torch.Tensor, split: int):
     assert cache.length == ids.numel()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral"])
 def test_tiny_parity_prefill_and_incremental(tiny_dir, arch):
     torch.manual_seed(0)
     _check_parity(tiny_dir[arch], torch.randint(0, 300, (24,)), split=17)
@@ -125,6 +125,32 @@ def test_phi3_fused_checkpoint_tensors_split_into_the_layer_s_projections(tiny_d
     # a pipeline stage reads only its own layers' fused tensors
     stage = load_decoder(tiny_dir["phi3"], layer_range=(2, 4), embed=False, head=False)
     assert torch.equal(stage.layers[0].mlp.up_proj.weight, load_decoder(tiny_dir["phi3"]).layers[2].mlp.up_proj.weight)
+
+
+def test_experts_are_routed_per_token_and_read_from_each_checkpoint_s_names(tiny_dir, tmp_path):
+    """Qwen3-MoE's and Mixtral's sparse layers: every expert of the checkpoint loaded (Mixtral's
+    w1/w3/w2 under block_sparse_moe), tokens routed to several experts, each token's top 2;
+    Qwen3-MoE's dense layers (mlp_only_layers) and un-normalised weights match too."""
+    from safetensors import safe_open
+
+    from specctl.engine.moe import SparseMoE
+    from specctl.engine.tiny import make_tiny_model
+
+    mixtral = load_decoder(tiny_dir["mixtral"])
+    moe = mixtral.layers[1].mlp
+    assert isinstance(moe, SparseMoE) and len(moe.experts) == 4 and moe.normalize and moe.top_k == 2
+    with safe_open(str(tiny_dir["mixtral"] / "model.safetensors"), framework="pt") as f:
+        assert torch.equal(moe.experts[3].up_proj.weight, f.get_tensor("model.layers.1.block_sparse_moe.experts.3.w3.weight"))
+        assert torch.equal(moe.gate.weight, f.get_tensor("model.layers.1.block_sparse_moe.gate.weight"))
+    torch.manual_seed(0)
+    h = torch.randn(1, 32, 64)
+    chosen = torch.topk(moe.gate(h[0]), 2, dim=-1).indices
+    assert chosen.unique().numel() == 4  # the tiny router spreads tokens over every expert
+    path = make_tiny_model(tmp_path / "q", "qwen3_moe", seed=3, mlp_only_layers=[1], norm_topk_prob=False)
+    decoder = load_decoder(path)
+    assert decoder.spec.sparse_layers == (True, False, True, True) and not decoder.layers[0].mlp.normalize
+    assert not isinstance(decoder.layers[1].mlp, SparseMoE) and decoder.layers[1].mlp.gate_proj.weight.shape == (128, 64)
+    _check_parity(path, torch.randint(0, 300, (24,)), split=17)
 
 
 def test_gemma_1_decodes_as_transformers(tmp_path):

@@ -123,6 +123,20 @@ def test_fused_pieces_equal_the_modules(tiny, tiny_dir, arch):
         assert generate(fused, prompt, params, ModelTreeDrafter(draft, 3, 2, 3))[0] == reference
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_static_steps_of_a_mixture_of_experts_run_its_modules_and_equal_eager(tiny, tiny_dir, arch):
+    """Sparse layers through the padded static step (padding rows routed too, harmlessly); on
+    CUDA they are not captured (the router's expert choice is read on the host)."""
+    target = fuse_projections(load_decoder(tiny_dir[arch])).use_static_steps(graphs=True, compile=True)
+    assert target.static.pieces is None and not target.static.graphs
+    assert all(mlp.gate_up_proj is not None for mlp in target.layers[0].mlp.experts)  # experts fused each
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    for prompt in PROMPTS:
+        reference = generate(tiny[arch], prompt, params)[0]
+        assert generate(target, prompt, params)[0] == reference
+        assert generate(target, prompt, params, ModelTreeDrafter(tiny[f"{arch}-draft"], 3, 2, 3))[0] == reference
+
+
 @pytest.mark.parametrize("compile", [False, True])
 def test_gemma2_static_steps_run_its_own_layers_and_equal_eager(tiny, tiny_dir, compile):
     """Gemma 2's layers are not the Llama layer the fused pieces compute: its static steps run

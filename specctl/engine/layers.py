@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specctl.engine.kv_cache import KVCache
+from specctl.engine.moe import SparseMoE, mlps
 from specctl.engine.spec import ModelSpec
 from specctl.engine.static import StaticSegment
 from specctl.engine.window import WindowCut
@@ -139,8 +140,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, intermediate_size: int | None = None) -> None:
         super().__init__()
+        inner = intermediate_size or spec.intermediate_size
         # Llama's SiLU as F.silu (what the fused pieces call); another (Gemma's GELU) as transformers names it
         if spec.activation == "silu":
             self.act = F.silu
@@ -148,9 +150,9 @@ class MLP(nn.Module):
             from transformers.activations import ACT2FN
 
             self.act = ACT2FN[spec.activation]
-        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
-        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.gate_proj = nn.Linear(spec.hidden_size, inner, bias=spec.mlp_bias)
+        self.up_proj = nn.Linear(spec.hidden_size, inner, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(inner, spec.hidden_size, bias=spec.mlp_bias)
         self.gate_up_proj: nn.Module | None = None  # int8 models fuse gate/up into one projection
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -195,7 +197,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, backend: str, index: int = 0) -> None:
         super().__init__()
         self.self_attn = Attention(spec, backend, spec.layer_windows[index] if spec.layer_windows else None)
-        self.mlp = MLP(spec)
+        if spec.sparse_layers and spec.sparse_layers[index]:
+            self.mlp = SparseMoE(spec.hidden_size, spec.num_experts, spec.experts_per_token,
+                                 spec.normalize_expert_weights,
+                                 functools.partial(MLP, spec, spec.expert_intermediate_size))
+        else:
+            self.mlp = MLP(spec)
         norm = functools.partial(RMSNorm, spec.hidden_size, spec.rms_eps, spec.unit_offset_norms)
         self.input_layernorm = norm()
         # Llama's: the MLP's input norm; Gemma 2's (sandwich): the attention output's norm
@@ -233,7 +240,7 @@ class DecoderLayer(nn.Module):
         """A Llama-shaped layer with both projections fused into plain nn.Linear layers
         (static_step's pieces compute it)."""
         return (self.llama_shaped and type(self.self_attn.qkv_proj) is nn.Linear
-                and type(self.mlp.gate_up_proj) is nn.Linear)
+                and type(getattr(self.mlp, "gate_up_proj", None)) is nn.Linear)
 
 
 def fused_linear(linears: list[nn.Linear]) -> nn.Linear:
@@ -251,11 +258,12 @@ def fuse_projections(decoder: nn.Module) -> nn.Module:
     """q/k/v and gate/up read the same input: one GEMM each instead of three and two (on a GPU a
     decode step is launch- and tail-bound). In place; a layer already fused is left alone."""
     for layer in decoder.layers:
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
         if attn.qkv_proj is None:
             attn.qkv_proj = fused_linear([attn.q_proj, attn.k_proj, attn.v_proj])
             attn.q_proj = attn.k_proj = attn.v_proj = None
-        if mlp.gate_up_proj is None:
-            mlp.gate_up_proj = fused_linear([mlp.gate_proj, mlp.up_proj])
-            mlp.gate_proj = mlp.up_proj = None
+        for mlp in mlps(layer.mlp):  # a sparse layer's experts each
+            if mlp.gate_up_proj is None:
+                mlp.gate_up_proj = fused_linear([mlp.gate_proj, mlp.up_proj])
+                mlp.gate_proj = mlp.up_proj = None
     return decoder

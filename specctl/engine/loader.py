@@ -87,7 +87,7 @@ def load_decoder(
     for name in decoder.state_dict():
         if name.startswith("layers."):
             index, rest = name[len("layers.") :].split(".", 1)
-            wanted[f"model.layers.{int(index) + first}.{rest}"] = name
+            wanted[f"model.layers.{int(index) + first}.{checkpoint_name(spec, rest)}"] = name
         elif name == "lm_head.weight":
             wanted["lm_head.weight"] = name
         else:
@@ -116,6 +116,20 @@ def load_decoder(
     decoder.load_state_dict(state, strict=True, assign=True)
     decoder.reset_rope()
     return decoder.to(device).eval()
+
+
+MIXTRAL_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def checkpoint_name(spec: ModelSpec, name: str) -> str:
+    """A layer's tensor name as the checkpoint spells it: Mixtral's sparse MLP is
+    ``block_sparse_moe`` with experts' ``w1`` (gate), ``w3`` (up), ``w2`` (down)."""
+    if spec.arch != "mixtral" or not name.startswith("mlp."):
+        return name
+    parts = name.split(".")
+    if parts[1] == "experts":
+        parts[3] = MIXTRAL_EXPERT[parts[3]]
+    return ".".join(["block_sparse_moe", *parts[1:]])
 
 
 def _fused_checkpoint_keys(wanted: dict[str, str | None], spec: ModelSpec) -> dict[str, tuple[list[str], list[int]]]:

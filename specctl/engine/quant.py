@@ -33,6 +33,7 @@ from torch.nn import functional as F
 
 from specctl.config import QUANTS
 from specctl.engine.model import Decoder
+from specctl.engine.moe import SparseMoE, mlps
 from specctl.errors import ConfigError
 
 _PINNED_COLUMNS = 8  # +1, -1, then zeros: keeps the input width a multiple of 8 for fbgemm
@@ -115,13 +116,18 @@ def quantize_decoder(decoder: Decoder, mode: str) -> Decoder:
     if decoder.device.type != "cpu":
         raise ConfigError("int8 quantization runs on the CPU only; use --draft-quant none / --quant none on CUDA")
     for layer in decoder.layers:
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
         attn.qkv_proj = RowScaledInt8Linear([attn.q_proj, attn.k_proj, attn.v_proj])
         attn.q_proj = attn.k_proj = attn.v_proj = None
         attn.o_proj = RowScaledInt8Linear([attn.o_proj])
-        mlp.gate_up_proj = RowScaledInt8Linear([mlp.gate_proj, mlp.up_proj])
-        mlp.gate_proj = mlp.up_proj = None
-        mlp.down_proj = RowScaledInt8Linear([mlp.down_proj])
+        # a sparse layer's router too: a float one's scores differ in the last bits between a
+        # batch and a row alone (this CPU's fp32 products), and a token's experts with them
+        if isinstance(layer.mlp, SparseMoE):
+            layer.mlp.gate = RowScaledInt8Linear([layer.mlp.gate])
+        for mlp in mlps(layer.mlp):  # a sparse layer's experts each
+            mlp.gate_up_proj = RowScaledInt8Linear([mlp.gate_proj, mlp.up_proj])
+            mlp.gate_proj = mlp.up_proj = None
+            mlp.down_proj = RowScaledInt8Linear([mlp.down_proj])
     if decoder.lm_head is not None:
         decoder.lm_head = RowScaledInt8Linear([decoder.lm_head])
     embedding = decoder.embed_tokens

@@ -9,7 +9,7 @@ import torch
 
 from specctl.errors import BadRequest, UnsupportedArchitecture
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text")
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text", "qwen3_moe", "mixtral")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +39,12 @@ class ModelSpec:
     logit_softcap: float | None = None  # Gemma 2: the same on the final logits
     # per layer: the sliding window it attends over (its last this-many positions), None = all
     layer_windows: tuple[int | None, ...] = ()
+    # mixture of experts (Qwen3-MoE, Mixtral): per layer whether its MLP is sparse, and the experts
+    sparse_layers: tuple[bool, ...] = ()
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    normalize_expert_weights: bool = False  # the top-k router weights rescaled to sum to 1
 
     @property
     def window(self) -> int | None:
@@ -49,7 +55,7 @@ class ModelSpec:
     def llama_layers(self) -> bool:
         """Layers as Llama's (the static step's fused pieces compute exactly these)."""
         return not (self.unit_offset_norms or self.sandwich_norms or self.activation != "silu"
-                    or self.attn_scale is not None or self.attn_softcap is not None)
+                    or self.attn_scale is not None or self.attn_softcap is not None or any(self.sparse_layers))
 
     @classmethod
     def from_hf(cls, config: Any) -> "ModelSpec":
@@ -82,10 +88,11 @@ class ModelSpec:
             # Qwen2 always has q/k/v biases; Llama and Qwen3 have them when attention_bias is set.
             attention_bias=arch == "qwen2" or bool(getattr(config, "attention_bias", False)),
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            qk_norm=arch in ("qwen3", "gemma3_text"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3_text"),
             hf_config=config,
             layer_windows=layer_windows(config),
             **(_gemma(config) if arch.startswith("gemma") else {}),
+            **(_experts(config) if arch in ("qwen3_moe", "mixtral") else {}),
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype, num_layers: int | None = None) -> int:
@@ -133,6 +140,23 @@ def _gemma(config: Any) -> dict[str, Any]:
         attn_softcap=getattr(config, "attn_logit_softcapping", None),
         logit_softcap=getattr(config, "final_logit_softcapping", None),
     )
+
+
+def _experts(config: Any) -> dict[str, Any]:
+    """A mixture of experts' facts, as transformers' qwen3_moe / mixtral read them: Qwen3-MoE's
+    sparse layers are those not in ``mlp_only_layers`` every ``decoder_sparse_step``-th, each
+    expert ``moe_intermediate_size`` wide; Mixtral's every layer, its experts
+    ``intermediate_size`` wide, their weights always renormalised."""
+    layers = config.num_hidden_layers
+    if config.model_type == "mixtral":
+        return dict(sparse_layers=(True,) * layers, num_experts=config.num_local_experts,
+                    experts_per_token=config.num_experts_per_tok, expert_intermediate_size=config.intermediate_size,
+                    normalize_expert_weights=True)
+    step, dense = config.decoder_sparse_step, set(config.mlp_only_layers or ())
+    sparse = tuple(config.num_experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers))
+    return dict(sparse_layers=sparse, num_experts=config.num_experts, experts_per_token=config.num_experts_per_tok,
+                expert_intermediate_size=config.moe_intermediate_size,
+                normalize_expert_weights=bool(config.norm_topk_prob))
 
 
 def layer_windows(config: Any) -> tuple[int | None, ...]:

@@ -184,7 +184,8 @@ class StaticRunner:
 
     def __init__(self, decoder, graphs: bool, compile: bool = False) -> None:
         self.decoder = decoder
-        self.graphs = graphs and decoder.device.type == "cuda"
+        # a mixture of experts picks its experts on the host (a sync no graph can capture): padded, not captured
+        self.graphs = graphs and decoder.device.type == "cuda" and not any(decoder.spec.sparse_layers)
         # (before, attend, after): the per-layer functions a static step runs, None = the modules' forward
         self.pieces = None
         if not all(layer.llama_shaped for layer in decoder.layers):

@@ -34,7 +34,8 @@ def make_byte_tokenizer(vocab_size: int = TINY_VOCAB):
 
 
 def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, layers: int = 4, hidden: int = 64, **overrides):
-    from transformers import Gemma2Config, Gemma3TextConfig, GemmaConfig, LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, LlamaConfig, MixtralConfig, Phi3Config,
+                              Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
     common = dict(
         vocab_size=vocab_size,
@@ -57,6 +58,15 @@ def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, layers: int =
     if arch == "qwen3":  # Qwen3's config defaults head_dim to 128 whatever the width
         common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
         return Qwen3Config(tie_word_embeddings=common.pop("tie_word_embeddings", True), **common)
+    if arch == "qwen3_moe":  # 4 experts of 32, 2 a token, weights renormalised (Qwen3-30B-A3B's setting)
+        common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
+        common = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": hidden // 2,
+                  "norm_topk_prob": True, **common}
+        return Qwen3MoeConfig(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
+    if arch == "mixtral":  # 4 experts, 2 a token
+        common = {"num_local_experts": 4, "num_experts_per_tok": 2, **common}
+        common["intermediate_size"] = hidden // 2
+        return MixtralConfig(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
     if arch == "phi3":  # Phi-3's config defaults its special tokens to ids past a tiny vocabulary
         return Phi3Config(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
     if arch in ("gemma", "gemma2", "gemma3_text"):  # head_dim defaults to 256, special tokens sit past the vocabulary

@@ -1,0 +1,47 @@
+"""Sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks each token's top-k
+experts, whose outputs are summed with the router's weights, as transformers computes it.
+
+Each token's result depends on its own row only: every expert runs over the rows routed to it
+(a product whose rows are independent wherever the dense layers' are: engine.rows probes the
+experts too), and a token's expert outputs are added in expert order whatever else shares the
+forward. So a verification's rows get what AR decoding gets, as with a dense MLP."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden: int, num_experts: int, top_k: int, normalize: bool,
+                 expert: Callable[[], nn.Module]) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router (checkpoints call it gate)
+        self.experts = nn.ModuleList(expert() for _ in range(num_experts))
+        self.top_k, self.normalize = top_k, normalize  # normalize: the top-k weights rescaled to sum to 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])
+        logits = self.gate(h)
+        weights, chosen = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(logits.dtype)
+        out = torch.zeros_like(h)
+        for expert in chosen.unique().tolist():  # ascending: each token's experts add in one order
+            tokens, slots = torch.where(chosen == expert)
+            y = self.experts[expert](h[tokens]) * weights[tokens, slots, None]
+            out.index_add_(0, tokens, y.to(out.dtype))
+        return out.reshape(shape)
+
+
+def mlps(mlp: nn.Module) -> Iterator[nn.Module]:
+    """The dense MLPs of a layer's MLP: itself, or a sparse one's experts."""
+    if isinstance(mlp, SparseMoE):
+        yield from mlp.experts
+    else:
+        yield mlp
