@@ -24,6 +24,10 @@ def test_weight_bytes_count_a_tied_embedding_once_and_skip_an_untied_one():
     layers = sum(p.numel() for p in tied.layers.parameters()) * 4 + 64 * 4  # + the final norm
     assert weight_bytes_per_step(tied) == layers + embedding  # the LM head reads the shared table
     assert weight_bytes_per_step(untied) == layers + embedding  # the untied head; the table is looked up, not read
+    moe = random_decoder(tiny_config("qwen3_moe"), torch.float32, "cpu")
+    experts = sum(p.numel() * 4 for name, p in moe.named_parameters() if ".experts." in name)
+    rest = sum(p.numel() * 4 for name, p in moe.named_parameters() if ".experts." not in name and "embed" not in name)
+    assert weight_bytes_per_step(moe) == rest + experts // 2  # a token reads 2 of its 4 experts
 
 
 def test_known_shapes_and_the_limit():
@@ -45,12 +49,15 @@ def test_known_shapes_and_the_limit():
                                                   ("gemma2-2b", "gemma2", 2.61, 8, 256),
                                                   ("gemma2-9b", "gemma2", 9.24, 16, 256),
                                                   ("gemma3-270m", "gemma3_text", 0.268, 4, 256),
-                                                  ("gemma3-1b", "gemma3_text", 1.0, 4, 256)):
+                                                  ("gemma3-1b", "gemma3_text", 1.0, 4, 256),
+                                                  ("qwen3-30b-a3b", "qwen3_moe", 30.53, 32, 128)):
         spec = ModelSpec.from_hf(shape_config(name))
         decoder = random_decoder(shape_config(name), torch.bfloat16, "meta")
         params = sum(p.numel() for p in decoder.parameters())  # a tied head shares the table: counted once
         assert spec.arch == arch and (spec.num_heads, spec.head_dim) == (heads, head_dim)
         assert params / 1e9 == pytest.approx(billions, abs=0.01), name
+    active = weight_bytes_per_step(random_decoder(shape_config("qwen3-30b-a3b"), torch.bfloat16, "meta")) / 2
+    assert (active + 151936 * 2048) / 1e9 == pytest.approx(3.3, abs=0.06)  # the card's 3.3B active count the table
     assert ModelSpec.from_hf(shape_config("phi4-mini")).inv_freq()[0].numel() == 48  # RoPE on 96 of 128 dims
     assert bandwidth_limit_ms(2_000_000_000, 1000.0) == pytest.approx(2.0)
 

@@ -60,6 +60,11 @@ SHAPES: dict[str, dict] = {
     "gemma3-1b": dict(model_type="gemma3_text", hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
                       num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
                       tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=512),
+    # Qwen3-MoE: 128 experts of 768, 8 a token (3.3B of its 30.5B read a token)
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                          tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                          norm_topk_prob=True),
 }
 SHAPE_ALIASES = {"0.5b": "qwen2.5-0.5b", "1.5b": "qwen2.5-1.5b", "7b": "qwen2.5-7b", "0.6b": "qwen3-0.6b",
                  "1.7b": "qwen3-1.7b", "8b": "qwen3-8b"}
@@ -94,17 +99,20 @@ def random_decoder(config, dtype: torch.dtype, device: str, backend: str = "torc
 
 
 def weight_bytes_per_step(decoder: Decoder) -> int:
-    """Bytes of weights one step reads: every parameter once, except the embedding table, of
-    which a step reads a few rows (unless it is tied to the LM head, which reads it all)."""
-    seen, total = set(), 0
+    """Bytes of weights a one-token step reads: every parameter once, except the embedding
+    table, of which a step reads a few rows (unless it is tied to the LM head, which reads it
+    all), and a mixture of experts' experts, of which a token reads its top k."""
+    spec = decoder.spec
+    seen, total = set(), 0.0
     for name, parameter in decoder.named_parameters():
         if id(parameter) in seen:
             continue
         seen.add(id(parameter))
-        if name.startswith("embed_tokens.") and not decoder.spec.tie_embeddings:
+        if name.startswith("embed_tokens.") and not spec.tie_embeddings:
             continue
-        total += parameter.numel() * parameter.element_size()
-    return total
+        share = spec.experts_per_token / spec.num_experts if ".mlp.experts." in name else 1.0
+        total += parameter.numel() * parameter.element_size() * share
+    return round(total)
 
 
 def bandwidth_limit_ms(step_bytes: int, bandwidth_gbps: float) -> float:
