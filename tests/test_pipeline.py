@@ -451,3 +451,19 @@ async def test_a_session_checking_the_link_while_it_closes_reads_why_it_broke():
     finally:
         release.set()
         runner.cancel()
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3_moe"])
+async def test_a_split_target_of_another_family_outputs_exactly_the_whole_target(tiny_dir, arch):
+    """Per-layer facts travel with the stage's layer range: Gemma 3's windows (passed by these
+    prompts) and its sliding layers' own RoPE, Qwen3-MoE's sparse layers, on three stages."""
+    target = load_model("t", tiny_dir[arch], "fp32")
+    draft = load_model("d", tiny_dir[f"{arch}-draft"], "fp32")
+    async with LocalPipeline(target, 3) as pipeline:
+        params = SamplingParams(max_tokens=24, ignore_eos=True)
+        for mode in ("ar", "tree"):
+            for prompt in PROMPTS:
+                reference = generate(target.decoder, prompt, params, _drafter(mode, draft))[0]
+                tokens, _, _ = await asyncio.to_thread(generate, pipeline.staged.decoder, prompt, params,
+                                                       _drafter(mode, draft))
+                assert tokens == reference, (arch, mode, prompt)
