@@ -40,7 +40,7 @@ GEMMA3 = {"sliding_window": 24, "tie_word_embeddings": False,
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> dict[str, Path]:
-    """Tiny random-weight checkpoints: eight architectures, drafts that disagree."""
+    """Tiny random-weight checkpoints: nine architectures, drafts that disagree."""
     root = tmp_path_factory.mktemp("tiny")
     paths = {
         "llama": make_tiny_model(root / "llama", "llama", seed=0),
@@ -69,6 +69,9 @@ def tiny_dir(tmp_path_factory) -> dict[str, Path]:
         "qwen3_moe": make_tiny_model(root / "qwen3_moe", "qwen3_moe", seed=14, norm_std=0.3, init_std=0.2),
         "mixtral": make_tiny_model(root / "mixtral", "mixtral", seed=15),
         "mixtral-draft": make_tiny_model(root / "mixtral-draft", "mixtral", seed=16, layers=2),
+        # Granite: its embedding, attention, residual and logit scalars (tiny_config sets them away from 1)
+        "granite": make_tiny_model(root / "granite", "granite", seed=20),
+        "granite-draft": make_tiny_model(root / "granite-draft", "granite", seed=21, layers=2),
     }
     return {**paths, "qwen3_moe-draft": paths["qwen3-draft"]}
 
@@ -77,7 +80,7 @@ def tiny_dir(tmp_path_factory) -> dict[str, Path]:
 def tiny(tiny_dir):
     """Loaded fp32 decoders: target, disagreeing draft, and the target's first 2 layers."""
     out = {}
-    for arch in ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral"):
+    for arch in ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral", "granite"):
         out[arch] = load_decoder(tiny_dir[arch])
         out[f"{arch}-draft"] = load_decoder(tiny_dir[f"{arch}-draft"])
         out[f"{arch}-self2"] = load_decoder(tiny_dir[arch], layer_range=(0, 2))

@@ -29,7 +29,8 @@ def _check_parity(path, ids: torch.Tensor, split: int):
     assert cache.length == ids.numel()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral",
+                                  "granite"])
 def test_tiny_parity_prefill_and_incremental(tiny_dir, arch):
     torch.manual_seed(0)
     _check_parity(tiny_dir[arch], torch.randint(0, 300, (24,)), split=17)
@@ -151,6 +152,26 @@ def test_experts_are_routed_per_token_and_read_from_each_checkpoint_s_names(tiny
     assert decoder.spec.sparse_layers == (True, False, True, True) and not decoder.layers[0].mlp.normalize
     assert not isinstance(decoder.layers[1].mlp, SparseMoE) and decoder.layers[1].mlp.gate_proj.weight.shape == (128, 64)
     _check_parity(path, torch.randint(0, 300, (24,)), split=17)
+
+
+def test_granite_s_scalars_are_read_and_each_one_counts(tiny_dir):
+    """Granite: embeddings times 12, queries scaled 0.1, each branch times 0.22 before its
+    residual add, logits divided by 8 (the fixture's; Granite 3's own are of that order):
+    without any one of them the logits are not transformers'."""
+    decoder = load_decoder(tiny_dir["granite"])
+    spec = decoder.spec
+    assert (spec.embed_scale, spec.attn_scale, spec.residual_scale, spec.logit_divisor) == (12.0, 0.1, 0.22, 8.0)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (24,))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(tiny_dir["granite"], dtype=torch.float32).eval()(ids[None]).logits[0]
+    assert _max_rel_diff(decoder(ids, torch.arange(24), decoder.new_cache(24)), ref) <= 1e-4
+    for field in ("embed_scale", "residual_scale", "logit_divisor"):
+        changed = load_decoder(tiny_dir["granite"])
+        object.__setattr__(changed.spec, field, 1.0)
+        for layer in changed.layers:
+            layer.residual_scale = changed.spec.residual_scale
+        assert _max_rel_diff(changed(ids, torch.arange(24), changed.new_cache(24)), ref) > 0.01, field
 
 
 def test_gemma_1_decodes_as_transformers(tmp_path):

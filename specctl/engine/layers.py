@@ -211,6 +211,7 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
         self.llama_shaped = spec.llama_layers
+        self.residual_scale = spec.residual_scale  # Granite: each branch's output scaled before it is added
         # Gemma 3's sliding layers rotate with their own RoPE (Decoder._ropes)
         self.rotates_locally = spec.local_rope and spec.hf_config.layer_types[index] == "sliding_attention"
 
@@ -218,6 +219,9 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, segments, layer))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        if self.residual_scale is not None:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments, layer) * self.residual_scale
+            return x + self.mlp(self.post_attention_layernorm(x)) * self.residual_scale
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -266,9 +266,12 @@ class Decoder(nn.Module):
         return self.logits(h[0])
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings, scaled where the model scales them (Gemma: by sqrt(hidden), in its dtype)."""
+        """Token embeddings, scaled where the model scales them (Gemma: by sqrt(hidden) rounded to
+        its dtype, as transformers rounds it; Granite: by its embedding multiplier, a Python number)."""
         x = self.embed_tokens(ids)
-        if self.spec.embed_scale is not None:
+        if self.spec.arch == "granite":
+            x = x * self.spec.embed_scale
+        elif self.spec.embed_scale is not None:
             # rounded to the model's dtype as transformers rounds it; a Python number, no tensor to move
             x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype).item()
         return x
@@ -276,6 +279,8 @@ class Decoder(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """float32 logits of normed hidden states h; soft-capped where the model caps them (Gemma 2)."""
         logits = self.lm_head(h).float()
+        if self.spec.logit_divisor is not None:  # Granite
+            logits = logits / self.spec.logit_divisor
         if self.spec.logit_softcap is not None:
             logits = torch.tanh(logits / self.spec.logit_softcap) * self.spec.logit_softcap
         return logits

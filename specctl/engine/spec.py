@@ -9,7 +9,7 @@ import torch
 
 from specctl.errors import BadRequest, UnsupportedArchitecture
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text", "qwen3_moe", "mixtral")
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text", "qwen3_moe", "mixtral", "granite")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +37,9 @@ class ModelSpec:
     attn_scale: float | None = None  # query scaling; None: head_dim ** -0.5
     attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
     logit_softcap: float | None = None  # Gemma 2: the same on the final logits
+    # Granite's scalars: each sub-layer's output times this before the residual add; logits divided by that
+    residual_scale: float | None = None
+    logit_divisor: float | None = None
     # per layer: the sliding window it attends over (its last this-many positions), None = all
     layer_windows: tuple[int | None, ...] = ()
     # mixture of experts (Qwen3-MoE, Mixtral): per layer whether its MLP is sparse, and the experts
@@ -55,7 +58,8 @@ class ModelSpec:
     def llama_layers(self) -> bool:
         """Layers as Llama's (the static step's fused pieces compute exactly these)."""
         return not (self.unit_offset_norms or self.sandwich_norms or self.activation != "silu"
-                    or self.attn_scale is not None or self.attn_softcap is not None or any(self.sparse_layers))
+                    or self.attn_scale is not None or self.attn_softcap is not None or any(self.sparse_layers)
+                    or self.residual_scale is not None)
 
     @classmethod
     def from_hf(cls, config: Any) -> "ModelSpec":
@@ -93,6 +97,7 @@ class ModelSpec:
             layer_windows=layer_windows(config),
             **(_gemma(config) if arch.startswith("gemma") else {}),
             **(_experts(config) if arch in ("qwen3_moe", "mixtral") else {}),
+            **(_granite(config) if arch == "granite" else {}),
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype, num_layers: int | None = None) -> int:
@@ -140,6 +145,13 @@ def _gemma(config: Any) -> dict[str, Any]:
         attn_softcap=getattr(config, "attn_logit_softcapping", None),
         logit_softcap=getattr(config, "final_logit_softcapping", None),
     )
+
+
+def _granite(config: Any) -> dict[str, Any]:
+    """Granite's four scalars (transformers' modeling_granite): the embeddings' multiplier, the
+    attention's query scale, the residual branches' multiplier, the logits' divisor."""
+    return dict(embed_scale=config.embedding_multiplier, attn_scale=config.attention_multiplier,
+                residual_scale=config.residual_multiplier, logit_divisor=config.logits_scaling)
 
 
 def _experts(config: Any) -> dict[str, Any]:

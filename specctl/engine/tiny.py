@@ -34,8 +34,8 @@ def make_byte_tokenizer(vocab_size: int = TINY_VOCAB):
 
 
 def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, layers: int = 4, hidden: int = 64, **overrides):
-    from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, LlamaConfig, MixtralConfig, Phi3Config,
-                              Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+    from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, GraniteConfig, LlamaConfig, MixtralConfig,
+                              Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
     common = dict(
         vocab_size=vocab_size,
@@ -67,6 +67,10 @@ def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, layers: int =
         common = {"num_local_experts": 4, "num_experts_per_tok": 2, **common}
         common["intermediate_size"] = hidden // 2
         return MixtralConfig(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
+    if arch == "granite":  # scalars away from 1 (Granite 3's: 12, 0.0078125, 0.22, 8), so each of them counts
+        common = {"embedding_multiplier": 12.0, "attention_multiplier": 0.1, "residual_multiplier": 0.22,
+                  "logits_scaling": 8.0, **common}
+        return GraniteConfig(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
     if arch == "phi3":  # Phi-3's config defaults its special tokens to ids past a tiny vocabulary
         return Phi3Config(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
     if arch in ("gemma", "gemma2", "gemma3_text"):  # head_dim defaults to 256, special tokens sit past the vocabulary
