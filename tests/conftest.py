@@ -121,6 +121,21 @@ def verify_together_to_the_end(sessions, drafters) -> None:
         state.close()
 
 
+def verified_together_equal_alone(target, prompts, drafters, params) -> list:
+    """Prefilled sessions of ``prompts`` on ``target``, verified together to the end (one
+    drafter each), each output checked equal to the target alone's; returns the sessions."""
+    from specctl.spec.decode import DecodeSession
+    from specctl.spec.rounds import generate
+
+    sessions = [DecodeSession(target, p, params, max_nodes=d.max_nodes) for p, d in zip(prompts, drafters)]
+    for session in sessions:
+        session.prefill()
+    verify_together_to_the_end(sessions, drafters)
+    for prompt, session in zip(prompts, sessions):
+        assert session.output == generate(target, prompt, params)[0]
+    return sessions
+
+
 async def wait_until(predicate, timeout: float = 20.0, what: str = "condition") -> None:
     """Await a condition on state the test can see (polled), never a fixed sleep."""
     deadline = asyncio.get_running_loop().time() + timeout

@@ -7,6 +7,8 @@ import json
 import shutil
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
@@ -278,7 +280,7 @@ def test_what_tools_cannot_do_here_is_refused_by_name(plain_cluster, route, body
                                                         "param": param, "code": None}
 
 
-@pytest.mark.parametrize("text, calls", [
+LLAMA3_JSON = [
     ('{"name": "get_weather", "parameters": {"city": "Oslo"}}', [("get_weather", {"city": "Oslo"})]),
     (' \n{"name": "a", "arguments": {}}; {"name": "b", "parameters": {"x": [1]}}', [("a", {}), ("b", {"x": [1]})]),
     ('<|python_tag|>{"name": "a", "parameters": {}}', [("a", {})]),  # the tag kept (skip_special_tokens false)
@@ -286,13 +288,7 @@ def test_what_tools_cannot_do_here_is_refused_by_name(plain_cluster, route, body
     ('{"name": "a"}', None),
     ('{"name": "a", "parameters": {"x": ', None),  # cut by max_tokens
     ("It is sunny.", None),
-])
-def test_llama3_json_calls_are_the_whole_output_or_none(text, calls):
-    found = json_calls(text)
-    assert (None if found is None else [(c["function"]["name"], json.loads(c["function"]["arguments"]))
-                                        for c in found]) == calls
-    content, read = read_whole(JsonCalls(), text)
-    assert (content, read) == (text, None) if calls is None else (content == "" and len(read) == len(calls))
+]
 
 
 def test_llama3_json_streams_content_as_it_comes_and_holds_calls_to_the_end():
@@ -310,7 +306,7 @@ def test_llama3_json_streams_content_as_it_comes_and_holds_calls_to_the_end():
     assert broken.push('{"name": ') == ("", []) and broken.finish() == ('{"name": ', [], None)  # held, then content
 
 
-@pytest.mark.parametrize("text, calls", [
+PYTHONIC = [
     ('[get_weather(city="Oslo")]', [("get_weather", {"city": "Oslo"})]),
     ("[a(), b(x=[1, 2.5], flag=True, none=None, nested={'k': (1, 'v')})]",
      [("a", {}), ("b", {"x": [1, 2.5], "flag": True, "none": None, "nested": {"k": [1, "v"]}})]),
@@ -326,13 +322,37 @@ def test_llama3_json_streams_content_as_it_comes_and_holds_calls_to_the_end():
     ("[a(x=1)] then", None),
     ('[get_weather(city="Os', None),  # cut by max_tokens
     ("Sunny.", None),
-])
-def test_pythonic_calls_are_a_list_of_keyword_calls_or_none(text, calls):
-    found = pythonic_calls(text)
+]
+
+
+@pytest.mark.parametrize("read, reader, text, calls", [(json_calls, JsonCalls, *case) for case in LLAMA3_JSON]
+                         + [(pythonic_calls, PythonicCalls, *case) for case in PYTHONIC])
+def test_a_whole_output_format_s_calls_are_the_whole_output_or_none(read, reader, text, calls):
+    """llama3_json and pythonic: the calls an output holds, or none (then all of it is content)."""
+    found = read(text)
     assert (None if found is None else [(c["function"]["name"], json.loads(c["function"]["arguments"]))
                                         for c in found]) == calls
-    content, read = read_whole(PythonicCalls(), text)
+    content, read = read_whole(reader(), text)
     assert (content, read) == (text, None) if calls is None else (content == "" and len(read) == len(calls))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(list("[](){}=,'\"xa1. _*:;") + ["<|python_start|>", "True", "None", "lambda",
+                                                                 '"name"', '"parameters"']), max_size=40).map("".join))
+def test_a_whole_output_parser_reads_any_text_without_raising(text):
+    """What a model writes is arbitrary: the parsers answer calls or None, never an exception."""
+    for read in (pythonic_calls, json_calls):
+        calls = read(text)
+        assert calls is None or all(isinstance(json.loads(c["function"]["arguments"]), dict) for c in calls)
+
+
+def test_an_output_nested_past_json_s_depth_is_content_not_a_crash():
+    """Found by writing the property test above: json's decoder raised RecursionError on a model
+    output nested 100,000 deep (a 500 for the request); every reader now calls it no call."""
+    deep = '{"name": "a", "parameters": ' + "[" * 100_000
+    assert json_calls(deep) is None and pythonic_calls("[a(x=" + "[" * 100_000 + ")]") is None
+    assert parse(f"<tool_call>{deep}</tool_call>") is None
+    assert read_whole(ForcedCalls(None), "[" * 100_000) == ("[" * 100_000, None)
 
 
 def test_pythonic_streams_content_as_it_comes_and_holds_a_list_to_the_end():

@@ -9,11 +9,10 @@ from specctl.engine.loader import load_decoder
 from specctl.engine.quant import CompactEmbedding, RowScaledInt8Linear, quantize_decoder
 from specctl.engine.tiny import make_tiny_model
 from specctl.errors import ConfigError
-from specctl.spec.decode import DecodeSession
 from specctl.spec.rounds import generate
 from specctl.spec.drafters import ModelChainDrafter
 from specctl.spec.sampling import SamplingParams
-from tests.conftest import verify_together_to_the_end
+from tests.conftest import verified_together_equal_alone
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -78,13 +77,7 @@ def test_int8_target_verifying_sessions_together_reproduces_its_own_output(tiny_
     target = quantize_decoder(load_decoder(tiny_dir["llama"]), "int8")
     drafter = ModelChainDrafter(tiny["llama-draft"], 3)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
-    prompts = [[1, 2, 3, 4, 5], [9, 8], [300, 301, 302]]
-    sessions = [DecodeSession(target, p, params, max_nodes=drafter.max_nodes) for p in prompts]
-    for session in sessions:
-        session.prefill()
-    verify_together_to_the_end(sessions, [drafter] * len(sessions))
-    for prompt, session in zip(prompts, sessions):
-        assert session.output == generate(target, prompt, params)[0]
+    verified_together_equal_alone(target, [[1, 2, 3, 4, 5], [9, 8], [300, 301, 302]], [drafter] * 3, params)
 
 
 def test_quantize_modes(tiny_dir):

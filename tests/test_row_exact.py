@@ -240,17 +240,9 @@ def test_speculative_output_equals_the_target_alone_in_bf16_and_int8(tiny_dir, t
 
 def test_sessions_verified_together_in_bf16_each_equal_the_target_alone(tiny_dir, tiny):
     """The ragged many-session forward (a target instance's batch) is row-exact too."""
-    from specctl.spec.decode import DecodeSession
-    from tests.conftest import verify_together_to_the_end
+    from tests.conftest import verified_together_equal_alone
 
     target = _row_exact_target(tiny_dir, "bf16")
     chain, tree = ModelChainDrafter(tiny["llama-draft"], 4), ModelTreeDrafter(tiny["llama-draft"], 3, 2, 3)
     prompts = [[1, 2, 3, 4, 5], [9, 8], [40, 41, 42, 43, 44, 45, 46]]
-    params = SamplingParams(max_tokens=20, ignore_eos=True)
-    drafters = [chain, tree, chain]
-    sessions = [DecodeSession(target, p, params, max_nodes=d.max_nodes) for p, d in zip(prompts, drafters)]
-    for s in sessions:
-        s.prefill()
-    verify_together_to_the_end(sessions, drafters)
-    for prompt, session in zip(prompts, sessions):
-        assert session.output == generate(target, prompt, params)[0]
+    verified_together_equal_alone(target, prompts, [chain, tree, chain], SamplingParams(max_tokens=20, ignore_eos=True))

@@ -12,12 +12,11 @@ from specctl.engine.spec import ModelSpec, layer_windows
 from specctl.engine.tiny import make_tiny_model, tiny_config
 from specctl.engine.window import window_cut, window_rows
 from specctl.errors import UnsupportedArchitecture
-from specctl.spec.decode import DecodeSession
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.spec.rounds import generate
 from specctl.spec.sampling import SamplingParams
 from specctl_kernels import causal_mask
-from tests.conftest import GEMMA2_CAPS, verify_together_to_the_end
+from tests.conftest import GEMMA2_CAPS, verified_together_equal_alone
 
 WINDOW = 24
 
@@ -163,11 +162,5 @@ def test_bf16_row_exact_speculation_past_the_window_equals_bf16_ar(sliding):
 def test_sessions_verified_together_past_the_window_each_equal_the_target_alone(sliding):
     target, draft = sliding["target"], sliding["draft"]
     prompts = [list(range(1, 31)), [9, 8], [40, 41, 42, 43, 44] * 5]
-    params = SamplingParams(max_tokens=30, ignore_eos=True)
     drafters = [ModelChainDrafter(draft, 4), ModelTreeDrafter(draft, 3, 2, 3), ModelChainDrafter(draft, 4)]
-    sessions = [DecodeSession(target, p, params, max_nodes=d.max_nodes) for p, d in zip(prompts, drafters)]
-    for session in sessions:
-        session.prefill()
-    verify_together_to_the_end(sessions, drafters)
-    for prompt, session in zip(prompts, sessions):
-        assert session.output == generate(target, prompt, params)[0]
+    verified_together_equal_alone(target, prompts, drafters, SamplingParams(max_tokens=30, ignore_eos=True))

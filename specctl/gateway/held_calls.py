@@ -54,7 +54,7 @@ def json_calls(text: str) -> list[dict] | None:
     while at < len(body):
         try:
             call, end = decoder.raw_decode(body, at)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # RecursionError: nested past json's depth
             return None
         arguments = call.get("parameters", call.get("arguments")) if isinstance(call, dict) else None
         if not (isinstance(call.get("name") if isinstance(call, dict) else None, str) and isinstance(arguments, dict)):
@@ -73,7 +73,7 @@ def pythonic_calls(text: str) -> list[dict] | None:
     body = text.strip().removeprefix(PYTHON_START).removesuffix(PYTHON_END).strip()
     try:
         tree = ast.parse(body, mode="eval").body
-    except SyntaxError:
+    except (SyntaxError, RecursionError, MemoryError):  # MemoryError: CPython's parser on some deep nesting
         return None
     if not (isinstance(tree, ast.List) and tree.elts):
         return None
@@ -85,7 +85,7 @@ def pythonic_calls(text: str) -> list[dict] | None:
         try:
             arguments = {keyword.arg: ast.literal_eval(keyword.value) for keyword in call.keywords}
             calls.append(_new_call(call.func.id, json.dumps(arguments, ensure_ascii=False)))
-        except (ValueError, TypeError, SyntaxError):  # not a literal, or not JSON (a set, bytes)
+        except (ValueError, TypeError, SyntaxError, RecursionError):  # not a literal, not JSON (a set, bytes)
             return None
     return calls
 

@@ -38,7 +38,7 @@ def _delta(index: int, call: dict, arguments: str) -> dict:
 def _whole(body: str) -> dict | None:
     try:
         call = json.loads(body)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # RecursionError: a model's text nested past json's depth
         return None
     if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
         return None
@@ -139,7 +139,7 @@ def _fits(body: str, arguments: str) -> bool:
     whole = _whole(body)
     try:
         return whole is not None and json.loads(whole["function"]["arguments"]) == json.loads(arguments)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # RecursionError: a model's text nested past json's depth
         return False
 
 
@@ -187,6 +187,6 @@ class ForcedCalls:
             return "", self.push("")[1], [self.call]
         try:
             calls = [_new_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(self.text)]
-        except (json.JSONDecodeError, TypeError, KeyError):
+        except (json.JSONDecodeError, RecursionError, TypeError, KeyError):
             return self.text, [], None
         return "", [_delta(i, call, call["function"]["arguments"]) for i, call in enumerate(calls)], calls
