@@ -154,6 +154,27 @@ def test_experts_are_routed_per_token_and_read_from_each_checkpoint_s_names(tiny
     _check_parity(path, torch.randint(0, 300, (24,)), split=17)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_experts_saved_as_transformers_holds_them_load_as_the_hub_s_per_expert_ones(tiny_dir, tmp_path, arch):
+    """`models` converts a GGUF by saving the model's state dict, where transformers 5 holds a
+    layer's experts as 3-D stacks (and Mixtral's router under mlp): the same decoder, whole or
+    as a pipeline stage's layers."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir[arch], dtype=torch.float32)
+    state = {key: tensor.contiguous() for key, tensor in model.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state and state["model.layers.0.mlp.experts.gate_up_proj"].dim() == 3
+    shutil.copytree(tiny_dir[arch], tmp_path / "m")
+    save_file(state, str(tmp_path / "m" / "model.safetensors"), metadata={"format": "pt"})
+    hub, stacked = load_decoder(tiny_dir[arch]), load_decoder(tmp_path / "m")
+    assert hub.state_dict().keys() == stacked.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(hub.state_dict().values(), stacked.state_dict().values()))
+    stage = load_decoder(tmp_path / "m", layer_range=(2, 4), embed=False, head=False)
+    assert torch.equal(stage.layers[1].mlp.experts[2].up_proj.weight, hub.layers[3].mlp.experts[2].up_proj.weight)
+
+
 def test_granite_s_scalars_are_read_and_each_one_counts(tiny_dir):
     """Granite: embeddings times 12, queries scaled 0.1, each branch times 0.22 before its
     residual add, logits divided by 8 (the fixture's; Granite 3's own are of that order):

@@ -95,7 +95,7 @@ def load_decoder(
     if spec.tie_embeddings and "lm_head.weight" in wanted:
         wanted.pop("lm_head.weight")
         wanted.setdefault("model.embed_tokens.weight", None)  # read once, used twice
-    fused = _fused_checkpoint_keys(wanted, spec)
+    fused = {**_fused_checkpoint_keys(wanted, spec), **_expert_stacks(spec, first, last)}
     state: dict[str, torch.Tensor] = {}
     for file in _weight_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -103,7 +103,8 @@ def load_decoder(
                 if key in fused:
                     tensor = f.get_tensor(key) if dtype is None else f.get_tensor(key).to(dtype)
                     names, sizes = fused[key]
-                    state.update(zip(names, (part.clone() for part in tensor.split(sizes))))
+                    rows = tensor.reshape(-1, tensor.shape[-1])  # a 3-D expert stack: its experts' rows, in order
+                    state.update(zip(names, (part.clone() for part in rows.split(sizes))))
                 elif key in wanted:
                     tensor = f.get_tensor(key) if dtype is None else f.get_tensor(key).to(dtype)
                     if wanted[key] is not None:
@@ -148,6 +149,28 @@ def _fused_checkpoint_keys(wanted: dict[str, str | None], spec: ModelSpec) -> di
                 key_base, name_base = key.removesuffix(first), name.removesuffix(first)
                 fused[f"{key_base}.{whole}.weight"] = ([f"{name_base}.{p}.weight" for p in projections], sizes)
     return fused
+
+
+def _expert_stacks(spec: ModelSpec, first: int, last: int) -> dict[str, tuple[list[str], list[int]]]:
+    """A mixture of experts saved as transformers 5 holds it in memory (what `models` writes
+    when it converts a GGUF: the model's state dict): each sparse layer's experts as 3-D stacks
+    ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate, then up) and ``mlp.experts.down_proj``
+    [E, H, I], and Mixtral's router as ``mlp.gate`` — split into the per-expert modules, as
+    the Hub's per-expert checkpoints load directly."""
+    stacks = {}
+    inner, experts = spec.expert_intermediate_size, spec.num_experts
+    for index in range(first, last):
+        if not (spec.sparse_layers and spec.sparse_layers[index]):
+            continue
+        key, name = f"model.layers.{index}.mlp", f"layers.{index - first}.mlp"
+        stacks[f"{key}.experts.gate_up_proj"] = (
+            [f"{name}.experts.{e}.{p}.weight" for e in range(experts) for p in ("gate_proj", "up_proj")],
+            [inner] * 2 * experts)
+        stacks[f"{key}.experts.down_proj"] = ([f"{name}.experts.{e}.down_proj.weight" for e in range(experts)],
+                                              [spec.hidden_size] * experts)
+        if spec.arch == "mixtral":
+            stacks[f"{key}.gate.weight"] = ([f"{name}.gate.weight"], [experts])
+    return stacks
 
 
 def load_model(
