@@ -375,16 +375,18 @@ def pythonic_cluster(tmp_path_factory):
     yield from scripted_cluster(tmp_path_factory, "pythonic-tools", tool_call_parser="pythonic")
 
 
-def test_a_pythonic_call_comes_back_as_the_call_streamed_or_not(pythonic_cluster):
+def _whole_call_over_http(cluster, barred: list[str]) -> tuple[str, dict, list[int]]:
+    """The scripted model's line after ``barred`` first tokens (logit_bias -100) with the weather
+    tool, read by the cluster's parser: one get_weather call, whole and streamed, no content.
+    Returns (gateway URL, the request body, the barred ids)."""
     from transformers import AutoTokenizer
 
-    from tests.test_gateway_reasoning import CALL_TOKENS, JSON_CALL_TOKENS, THOUGHT_TOKENS, _chat, _streamed
+    from tests.test_gateway_reasoning import _chat, _streamed
 
-    base, model = pythonic_cluster[1]["gateway"], pythonic_cluster[2]
-    firsts = [THOUGHT_TOKENS[0], CALL_TOKENS[0], JSON_CALL_TOKENS[0]]
-    ids = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids(firsts)
+    base, model = cluster[1]["gateway"], cluster[2]
+    ids = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids(barred)
     body = {"messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER], "max_tokens": 10,
-            "temperature": 0, "logit_bias": {str(i): -100 for i in ids}}  # the scripted model's pythonic call
+            "temperature": 0, "logit_bias": {str(i): -100 for i in ids}}
     choice = _chat(base, body)["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     assert [c["function"] for c in choice["message"]["tool_calls"]] == [
@@ -393,6 +395,15 @@ def test_a_pythonic_call_comes_back_as_the_call_streamed_or_not(pythonic_cluster
     assert "".join(c["delta"].get("content") or "" for c in chunks) == ""
     assert [c["function"] for d in chunks for c in d["delta"].get("tool_calls") or []] == [
         {"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+    return base, body, ids
+
+
+def test_a_pythonic_call_comes_back_as_the_call_streamed_or_not(pythonic_cluster):
+    from tests.test_gateway_reasoning import CALL_TOKENS, JSON_CALL_TOKENS, THOUGHT_TOKENS, _chat
+
+    # the scripted model's fourth line: its pythonic call
+    base, body, ids = _whole_call_over_http(pythonic_cluster, [THOUGHT_TOKENS[0], CALL_TOKENS[0], JSON_CALL_TOKENS[0]])
     # the hermes line read by the pythonic parser: content, as it is
     hermes = _chat(base, {**body, "logit_bias": {str(ids[0]): -100}})["choices"][0]
     assert hermes["message"]["content"] == "".join(CALL_TOKENS) and "tool_calls" not in hermes["message"]
@@ -407,23 +418,10 @@ def json_tools_cluster(tmp_path_factory):
 
 
 def test_a_llama3_json_call_comes_back_as_the_call_streamed_or_not(json_tools_cluster):
-    from transformers import AutoTokenizer
+    from tests.test_gateway_reasoning import CALL_TOKENS, THOUGHT_TOKENS, _chat
 
-    from tests.test_gateway_reasoning import CALL_TOKENS, THOUGHT_TOKENS, _chat, _streamed
-
-    base, model = json_tools_cluster[1]["gateway"], json_tools_cluster[2]
-    ids = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids([THOUGHT_TOKENS[0], CALL_TOKENS[0]])
-    body = {"messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER], "max_tokens": 10,
-            "temperature": 0, "logit_bias": {str(i): -100 for i in ids}}  # the scripted model's JSON call
-    choice = _chat(base, body)["choices"][0]
-    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
-    assert [c["function"] for c in choice["message"]["tool_calls"]] == [
-        {"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
-    chunks = _streamed(base, body)
-    assert "".join(c["delta"].get("content") or "" for c in chunks) == ""
-    assert [c["function"] for d in chunks for c in d["delta"].get("tool_calls") or []] == [
-        {"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
-    assert chunks[-1]["finish_reason"] == "tool_calls"
+    # the scripted model's third line: its JSON call
+    base, body, _ = _whole_call_over_http(json_tools_cluster, [THOUGHT_TOKENS[0], CALL_TOKENS[0]])
     plain = _chat(base, {**body, "tools": None, "logit_bias": {}})["choices"][0]  # no tools: the text as it is
     assert plain["message"]["content"] == "".join(THOUGHT_TOKENS) and "tool_calls" not in plain["message"]
     with pytest.raises(ValueError, match=r"^--tool-call-parser must be one of hermes, llama3_json, pythonic, got 'mistral'$"):
