@@ -244,7 +244,7 @@ class DecoderLayer(nn.Module):
         """A Llama-shaped layer with both projections fused into plain nn.Linear layers
         (static_step's pieces compute it)."""
         return (self.llama_shaped and type(self.self_attn.qkv_proj) is nn.Linear
-                and type(getattr(self.mlp, "gate_up_proj", None)) is nn.Linear)
+                and type(self.mlp.gate_up_proj) is nn.Linear)  # llama_shaped: a dense MLP
 
 
 def fused_linear(linears: list[nn.Linear]) -> nn.Linear:

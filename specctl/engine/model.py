@@ -269,12 +269,10 @@ class Decoder(nn.Module):
         """Token embeddings, scaled where the model scales them (Gemma: by sqrt(hidden) rounded to
         its dtype, as transformers rounds it; Granite: by its embedding multiplier, a Python number)."""
         x = self.embed_tokens(ids)
-        if self.spec.arch == "granite":
-            x = x * self.spec.embed_scale
-        elif self.spec.embed_scale is not None:
-            # rounded to the model's dtype as transformers rounds it; a Python number, no tensor to move
-            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype).item()
-        return x
+        scale = self.spec.embed_scale
+        if scale is not None and self.spec.embed_scale_in_dtype:
+            scale = torch.tensor(scale, dtype=x.dtype).item()  # a Python number: no tensor to move
+        return x if scale is None else x * scale
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """float32 logits of normed hidden states h; soft-capped where the model caps them (Gemma 2)."""

@@ -32,7 +32,8 @@ class ModelSpec:
     # Gemma's departures from the Llama layer (defaults: Llama's)
     activation: str = "silu"  # the MLP's gate activation (transformers' ACT2FN name)
     unit_offset_norms: bool = False  # RMSNorm weights stored as offsets from 1, scaled in float32
-    embed_scale: float | None = None  # embeddings multiplied by this (sqrt(hidden), in the model's dtype)
+    embed_scale: float | None = None  # embeddings multiplied by this (Gemma: sqrt(hidden); Granite: its multiplier)
+    embed_scale_in_dtype: bool = False  # the scale rounded to the model's dtype first (Gemma's, as transformers does)
     sandwich_norms: bool = False  # Gemma 2: norms on the attention's and the MLP's outputs too
     attn_scale: float | None = None  # query scaling; None: head_dim ** -0.5
     attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
@@ -140,6 +141,7 @@ def _gemma(config: Any) -> dict[str, Any]:
         activation=config.hidden_act if config.model_type == "gemma" else config.hidden_activation,
         unit_offset_norms=True,
         embed_scale=config.hidden_size**0.5,
+        embed_scale_in_dtype=True,
         sandwich_norms=config.model_type != "gemma",
         attn_scale=None if scalar is None else scalar**-0.5,
         attn_softcap=getattr(config, "attn_logit_softcapping", None),

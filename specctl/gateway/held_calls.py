@@ -11,7 +11,7 @@ import ast
 import json
 from typing import Callable
 
-from specctl.gateway.tool_calls import StreamedCalls, _delta, _new_call
+from specctl.gateway.tool_calls import StreamedCalls, call_delta, new_call
 
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's, before JSON calls (kept with skip_special_tokens false)
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's, around pythonic calls
@@ -44,7 +44,7 @@ class HeldCalls:
         if calls is None:  # content: what was held back (all of it, or a tag begun), none if it went out
             return ("" if self.calls_opened is False else self.text), [], None
         calls = calls[:self.max_calls]
-        return "", [_delta(i, call, call["function"]["arguments"]) for i, call in enumerate(calls)], calls
+        return "", [call_delta(i, call, call["function"]["arguments"]) for i, call in enumerate(calls)], calls
 
 
 def json_calls(text: str) -> list[dict] | None:
@@ -59,7 +59,7 @@ def json_calls(text: str) -> list[dict] | None:
         arguments = call.get("parameters", call.get("arguments")) if isinstance(call, dict) else None
         if not (isinstance(call.get("name") if isinstance(call, dict) else None, str) and isinstance(arguments, dict)):
             return None
-        calls.append(_new_call(call["name"], json.dumps(arguments, ensure_ascii=False)))
+        calls.append(new_call(call["name"], json.dumps(arguments, ensure_ascii=False)))
         at = end
         while at < len(body) and body[at] in "; \t\r\n":
             at += 1
@@ -84,7 +84,7 @@ def pythonic_calls(text: str) -> list[dict] | None:
             return None
         try:
             arguments = {keyword.arg: ast.literal_eval(keyword.value) for keyword in call.keywords}
-            calls.append(_new_call(call.func.id, json.dumps(arguments, ensure_ascii=False)))
+            calls.append(new_call(call.func.id, json.dumps(arguments, ensure_ascii=False)))
         except (ValueError, TypeError, SyntaxError, RecursionError):  # not a literal, not JSON (a set, bytes)
             return None
     return calls

@@ -25,11 +25,11 @@ def held_back(text: str, tag: str) -> int:
     return max((k for k in range(1, len(tag)) if text.endswith(tag[:k])), default=0)
 
 
-def _new_call(name: str, arguments: str) -> dict:
+def new_call(name: str, arguments: str) -> dict:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def _delta(index: int, call: dict, arguments: str) -> dict:
+def call_delta(index: int, call: dict, arguments: str) -> dict:
     """A call's first delta in a stream: its id, type and name (a fresh dict: the call grows)."""
     return {"index": index, "id": call["id"], "type": "function",
             "function": {"name": call["function"]["name"], "arguments": arguments}}
@@ -42,7 +42,7 @@ def _whole(body: str) -> dict | None:
         return None
     if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
         return None
-    return _new_call(call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False))
+    return new_call(call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False))
 
 
 def _arguments(region: str, closed: bool) -> str | None:
@@ -113,12 +113,12 @@ class StreamedCalls:
                         break
                     self.calls.append(call)
                     self._starts.append(len(body))
-                    deltas.append(_delta(i, call, call["function"]["arguments"]))
+                    deltas.append(call_delta(i, call, call["function"]["arguments"]))
                     self._read_blocks = i + 1
                     continue
-                self.calls.append(_new_call(json.loads(header.group(1)), ""))
+                self.calls.append(new_call(json.loads(header.group(1)), ""))
                 self._starts.append(header.end())
-                deltas.append(_delta(i, self.calls[i], ""))
+                deltas.append(call_delta(i, self.calls[i], ""))
             function = self.calls[i]["function"]
             arguments = _arguments(body[self._starts[i]:], closed)
             if (arguments is None or not arguments.startswith(function["arguments"])
@@ -169,7 +169,7 @@ class ForcedCalls:
     def __init__(self, named: str | None) -> None:
         self.named, self.text = named, ""
         self.finish_reason = "stop" if named is not None else "tool_calls"
-        self.call = _new_call(named, "") if named is not None else None
+        self.call = new_call(named, "") if named is not None else None
         self._begun = False
 
     def push(self, delta: str) -> tuple[str, list[dict]]:
@@ -180,13 +180,13 @@ class ForcedCalls:
         if self._begun:
             return "", [{"index": 0, "function": {"arguments": delta}}]
         self._begun = True
-        return "", [_delta(0, self.call, delta)]
+        return "", [call_delta(0, self.call, delta)]
 
     def finish(self) -> tuple[str, list[dict], list[dict] | None]:
         if self.call is not None:
             return "", self.push("")[1], [self.call]
         try:
-            calls = [_new_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(self.text)]
+            calls = [new_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(self.text)]
         except (json.JSONDecodeError, RecursionError, TypeError, KeyError):
             return self.text, [], None
-        return "", [_delta(i, call, call["function"]["arguments"]) for i, call in enumerate(calls)], calls
+        return "", [call_delta(i, call, call["function"]["arguments"]) for i, call in enumerate(calls)], calls
