@@ -52,7 +52,7 @@ class ModelSpec:
 
     @property
     def window(self) -> int | None:
-        """The sliding window of the layers that slide (one value: from_hf refuses several)."""
+        """The sliding window of the layers that slide (one value: each is the config's sliding_window)."""
         return next((w for w in self.layer_windows if w is not None), None)
 
     @property
@@ -134,7 +134,7 @@ class ModelSpec:
 
 
 def _gemma(config: Any) -> dict[str, Any]:
-    """Gemma's (1 and 2) layer facts, as transformers' modeling_gemma/gemma2 apply them."""
+    """Gemma's (1, 2, 3) layer facts, as transformers' modeling_gemma/gemma2/gemma3 apply them."""
     scalar = getattr(config, "query_pre_attn_scalar", None)
     return dict(
         # transformers reads Gemma 1's hidden_act, Gemma 2/3's hidden_activation (old Gemma 1 configs hold both)
