@@ -40,7 +40,7 @@ GEMMA3 = {"sliding_window": 24, "tie_word_embeddings": False,
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> dict[str, Path]:
-    """Tiny random-weight checkpoints: nine architectures, drafts that disagree."""
+    """Tiny random-weight checkpoints: ten architectures, drafts that disagree."""
     root = tmp_path_factory.mktemp("tiny")
     paths = {
         "llama": make_tiny_model(root / "llama", "llama", seed=0),
@@ -67,20 +67,23 @@ def tiny_dir(tmp_path_factory) -> dict[str, Path]:
         # mixtures of experts: Qwen3-MoE (a dense Qwen3 drafts for it, as Qwen3-0.6B for Qwen3-30B-A3B;
         # q/k norms too) and Mixtral (block_sparse_moe, w1/w3/w2 in its checkpoint)
         "qwen3_moe": make_tiny_model(root / "qwen3_moe", "qwen3_moe", seed=14, norm_std=0.3, init_std=0.2),
+        # Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): q/k/v biases, a gated shared expert beside the routed
+        # ones, weights not renormalised; a dense Qwen2 drafts for it (as Qwen1.5-0.5B would)
+        "qwen2_moe": make_tiny_model(root / "qwen2_moe", "qwen2_moe", seed=17, init_std=0.2),
         "mixtral": make_tiny_model(root / "mixtral", "mixtral", seed=15),
         "mixtral-draft": make_tiny_model(root / "mixtral-draft", "mixtral", seed=16, layers=2),
         # Granite: its embedding, attention, residual and logit scalars (tiny_config sets them away from 1)
         "granite": make_tiny_model(root / "granite", "granite", seed=20),
         "granite-draft": make_tiny_model(root / "granite-draft", "granite", seed=21, layers=2),
     }
-    return {**paths, "qwen3_moe-draft": paths["qwen3-draft"]}
+    return {**paths, "qwen3_moe-draft": paths["qwen3-draft"], "qwen2_moe-draft": paths["qwen2-draft"]}
 
 
 @pytest.fixture(scope="session")
 def tiny(tiny_dir):
     """Loaded fp32 decoders: target, disagreeing draft, and the target's first 2 layers."""
     out = {}
-    for arch in ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral", "granite"):
+    for arch in ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe", "mixtral", "granite"):
         out[arch] = load_decoder(tiny_dir[arch])
         out[f"{arch}-draft"] = load_decoder(tiny_dir[f"{arch}-draft"])
         out[f"{arch}-self2"] = load_decoder(tiny_dir[arch], layer_range=(0, 2))

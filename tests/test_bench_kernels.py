@@ -50,7 +50,8 @@ def test_known_shapes_and_the_limit():
                                                   ("gemma2-9b", "gemma2", 9.24, 16, 256),
                                                   ("gemma3-270m", "gemma3_text", 0.268, 4, 256),
                                                   ("gemma3-1b", "gemma3_text", 1.0, 4, 256),
-                                                  ("qwen3-30b-a3b", "qwen3_moe", 30.53, 32, 128)):
+                                                  ("qwen3-30b-a3b", "qwen3_moe", 30.53, 32, 128),
+                                                  ("qwen1.5-moe-a2.7b", "qwen2_moe", 14.32, 16, 128)):
         spec = ModelSpec.from_hf(shape_config(name))
         decoder = random_decoder(shape_config(name), torch.bfloat16, "meta")
         params = sum(p.numel() for p in decoder.parameters())  # a tied head shares the table: counted once
@@ -58,6 +59,8 @@ def test_known_shapes_and_the_limit():
         assert params / 1e9 == pytest.approx(billions, abs=0.01), name
     active = weight_bytes_per_step(random_decoder(shape_config("qwen3-30b-a3b"), torch.bfloat16, "meta")) / 2
     assert (active + 151936 * 2048) / 1e9 == pytest.approx(3.3, abs=0.06)  # the card's 3.3B active count the table
+    active = weight_bytes_per_step(random_decoder(shape_config("qwen1.5-moe-a2.7b"), torch.bfloat16, "meta")) / 2
+    assert (active + 151936 * 2048) / 1e9 == pytest.approx(2.69, abs=0.01)  # the card's 2.7B: the shared expert whole
     assert ModelSpec.from_hf(shape_config("phi4-mini")).inv_freq()[0].numel() == 48  # RoPE on 96 of 128 dims
     assert bandwidth_limit_ms(2_000_000_000, 1000.0) == pytest.approx(2.0)
 

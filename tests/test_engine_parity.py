@@ -29,8 +29,8 @@ def _check_parity(path, ids: torch.Tensor, split: int):
     assert cache.length == ids.numel()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral",
-                                  "granite"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
+                                  "mixtral", "granite"])
 def test_tiny_parity_prefill_and_incremental(tiny_dir, arch):
     torch.manual_seed(0)
     _check_parity(tiny_dir[arch], torch.randint(0, 300, (24,)), split=17)
@@ -154,7 +154,34 @@ def test_experts_are_routed_per_token_and_read_from_each_checkpoint_s_names(tiny
     _check_parity(path, torch.randint(0, 300, (24,)), split=17)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_qwen2_moe_s_shared_expert_and_its_gate_count(tiny_dir):
+    """Qwen2-MoE: every sparse layer adds a shared expert, times sigmoid of its own gate, to the
+    routed experts' sum; q/k/v have biases. Without the shared expert, or with its gate taken
+    as 1, the logits are not transformers'."""
+    from safetensors import safe_open
+
+    decoder = load_decoder(tiny_dir["qwen2_moe"])
+    moe = decoder.layers[2].mlp
+    assert decoder.spec.shared_expert_intermediate_size == 64 and decoder.spec.attention_bias and not moe.normalize
+    with safe_open(str(tiny_dir["qwen2_moe"] / "model.safetensors"), framework="pt") as f:
+        assert torch.equal(moe.shared_expert.down_proj.weight, f.get_tensor("model.layers.2.mlp.shared_expert.down_proj.weight"))
+        assert torch.equal(moe.shared_expert_gate.weight, f.get_tensor("model.layers.2.mlp.shared_expert_gate.weight"))
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (24,))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(tiny_dir["qwen2_moe"], dtype=torch.float32).eval()(ids[None]).logits[0]
+    assert _max_rel_diff(decoder(ids, torch.arange(24), decoder.new_cache(24)), ref) <= 1e-4
+    gates = [layer.mlp.shared_expert_gate for layer in decoder.layers]
+    for layer in decoder.layers:  # the gate's sigmoid -> 1 (a large logit): the shared expert ungated
+        layer.mlp.shared_expert_gate = torch.nn.Linear(64, 1, bias=True).requires_grad_(False)
+        layer.mlp.shared_expert_gate.weight.zero_(), layer.mlp.shared_expert_gate.bias.fill_(50.0)
+    assert _max_rel_diff(decoder(ids, torch.arange(24), decoder.new_cache(24)), ref) > 0.01
+    for layer, gate in zip(decoder.layers, gates):
+        layer.mlp.shared_expert, layer.mlp.shared_expert_gate = None, None
+    assert _max_rel_diff(decoder(ids, torch.arange(24), decoder.new_cache(24)), ref) > 0.01
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral"])
 def test_experts_saved_as_transformers_holds_them_load_as_the_hub_s_per_expert_ones(tiny_dir, tmp_path, arch):
     """`models` converts a GGUF by saving the model's state dict, where transformers 5 holds a
     layer's experts as 3-D stacks (and Mixtral's router under mlp): the same decoder, whole or

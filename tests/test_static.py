@@ -123,7 +123,7 @@ def test_fused_pieces_equal_the_modules(tiny, tiny_dir, arch):
         assert generate(fused, prompt, params, ModelTreeDrafter(draft, 3, 2, 3))[0] == reference
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral"])
 def test_static_steps_of_a_mixture_of_experts_run_its_modules_and_equal_eager(tiny, tiny_dir, arch):
     """Sparse layers through the padded static step (padding rows routed too, harmlessly); on
     CUDA they are not captured (the router's expert choice is read on the host)."""

@@ -65,6 +65,11 @@ SHAPES: dict[str, dict] = {
                           num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
                           tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                           norm_topk_prob=True),
+    # Qwen1.5-MoE: 60 experts of 1408, 4 a token, and a shared expert of 5632 every token reads (2.7B of 14.3B)
+    "qwen1.5-moe-a2.7b": dict(model_type="qwen2_moe", hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
+                              num_attention_heads=16, num_key_value_heads=16, vocab_size=151936,
+                              tie_word_embeddings=False, num_experts=60, num_experts_per_tok=4,
+                              moe_intermediate_size=1408, shared_expert_intermediate_size=5632, norm_topk_prob=False),
 }
 SHAPE_ALIASES = {"0.5b": "qwen2.5-0.5b", "1.5b": "qwen2.5-1.5b", "7b": "qwen2.5-7b", "0.6b": "qwen3-0.6b",
                  "1.7b": "qwen3-1.7b", "8b": "qwen3-8b"}

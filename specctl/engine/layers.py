@@ -198,9 +198,11 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(spec, backend, spec.layer_windows[index] if spec.layer_windows else None)
         if spec.sparse_layers and spec.sparse_layers[index]:
+            shared = spec.shared_expert_intermediate_size
             self.mlp = SparseMoE(spec.hidden_size, spec.num_experts, spec.experts_per_token,
                                  spec.normalize_expert_weights,
-                                 functools.partial(MLP, spec, spec.expert_intermediate_size))
+                                 functools.partial(MLP, spec, spec.expert_intermediate_size),
+                                 functools.partial(MLP, spec, shared) if shared else None)
         else:
             self.mlp = MLP(spec)
         norm = functools.partial(RMSNorm, spec.hidden_size, spec.rms_eps, spec.unit_offset_norms)

@@ -1,5 +1,6 @@
-"""Sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks each token's top-k
-experts, whose outputs are summed with the router's weights, as transformers computes it.
+"""Sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral, Qwen2-MoE): a router picks each token's
+top-k experts, whose outputs are summed with the router's weights, as transformers computes it;
+Qwen2-MoE adds a shared expert every token runs, scaled by a sigmoid gate of its own.
 
 Each token's result depends on its own row only: every expert runs over the rows routed to it
 (a product whose rows are independent wherever the dense layers' are: engine.rows probes the
@@ -17,11 +18,14 @@ from torch import nn
 
 class SparseMoE(nn.Module):
     def __init__(self, hidden: int, num_experts: int, top_k: int, normalize: bool,
-                 expert: Callable[[], nn.Module]) -> None:
+                 expert: Callable[[], nn.Module], shared_expert: Callable[[], nn.Module] | None = None) -> None:
         super().__init__()
         self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router (checkpoints call it gate)
         self.experts = nn.ModuleList(expert() for _ in range(num_experts))
         self.top_k, self.normalize = top_k, normalize  # normalize: the top-k weights rescaled to sum to 1
+        # Qwen2-MoE: one more expert every token runs, its output times sigmoid(its gate)
+        self.shared_expert = None if shared_expert is None else shared_expert()
+        self.shared_expert_gate = None if shared_expert is None else nn.Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -36,12 +40,16 @@ class SparseMoE(nn.Module):
             tokens, slots = torch.where(chosen == expert)
             y = self.experts[expert](h[tokens]) * weights[tokens, slots, None]
             out.index_add_(0, tokens, y.to(out.dtype))
+        if self.shared_expert is not None:  # added after the routed experts, as transformers adds it
+            out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
         return out.reshape(shape)
 
 
 def mlps(mlp: nn.Module) -> Iterator[nn.Module]:
-    """The dense MLPs of a layer's MLP: itself, or a sparse one's experts."""
+    """The dense MLPs of a layer's MLP: itself, or a sparse one's experts (and shared expert)."""
     if isinstance(mlp, SparseMoE):
         yield from mlp.experts
+        if mlp.shared_expert is not None:
+            yield mlp.shared_expert
     else:
         yield mlp

@@ -124,6 +124,8 @@ def quantize_decoder(decoder: Decoder, mode: str) -> Decoder:
         # batch and a row alone (this CPU's fp32 products), and a token's experts with them
         if isinstance(layer.mlp, SparseMoE):
             layer.mlp.gate = RowScaledInt8Linear([layer.mlp.gate])
+            if layer.mlp.shared_expert_gate is not None:  # Qwen2-MoE's shared expert's gate, for the same reason
+                layer.mlp.shared_expert_gate = RowScaledInt8Linear([layer.mlp.shared_expert_gate])
         for mlp in mlps(layer.mlp):  # a sparse layer's experts each
             mlp.gate_up_proj = RowScaledInt8Linear([mlp.gate_proj, mlp.up_proj])
             mlp.gate_proj = mlp.up_proj = None

@@ -9,7 +9,8 @@ import torch
 
 from specctl.errors import BadRequest, UnsupportedArchitecture
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text", "qwen3_moe", "mixtral", "granite")
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text", "qwen2_moe", "qwen3_moe",
+             "mixtral", "granite")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,12 +44,13 @@ class ModelSpec:
     logit_divisor: float | None = None
     # per layer: the sliding window it attends over (its last this-many positions), None = all
     layer_windows: tuple[int | None, ...] = ()
-    # mixture of experts (Qwen3-MoE, Mixtral): per layer whether its MLP is sparse, and the experts
+    # mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral): per layer whether its MLP is sparse, and the experts
     sparse_layers: tuple[bool, ...] = ()
     num_experts: int = 0
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
     normalize_expert_weights: bool = False  # the top-k router weights rescaled to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a gated expert every token runs (0: none)
 
     @property
     def window(self) -> int | None:
@@ -90,14 +92,16 @@ class ModelSpec:
             rms_eps=config.rms_norm_eps,
             max_position=context_limit(config),
             tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases; Llama and Qwen3 have them when attention_bias is set.
-            attention_bias=arch == "qwen2" or bool(getattr(config, "attention_bias", False)),
+            # Qwen2 always has q/k/v biases, Qwen2-MoE when qkv_bias (its default); Llama and Qwen3 when
+            # attention_bias is set.
+            attention_bias=(arch == "qwen2" or bool(getattr(config, "attention_bias", False))
+                            or (arch == "qwen2_moe" and bool(config.qkv_bias))),
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3_text"),
             hf_config=config,
             layer_windows=layer_windows(config),
             **(_gemma(config) if arch.startswith("gemma") else {}),
-            **(_experts(config) if arch in ("qwen3_moe", "mixtral") else {}),
+            **(_experts(config) if arch in ("qwen2_moe", "qwen3_moe", "mixtral") else {}),
             **(_granite(config) if arch == "granite" else {}),
         )
 
@@ -157,9 +161,10 @@ def _granite(config: Any) -> dict[str, Any]:
 
 
 def _experts(config: Any) -> dict[str, Any]:
-    """A mixture of experts' facts, as transformers' qwen3_moe / mixtral read them: Qwen3-MoE's
-    sparse layers are those not in ``mlp_only_layers`` every ``decoder_sparse_step``-th, each
-    expert ``moe_intermediate_size`` wide; Mixtral's every layer, its experts
+    """A mixture of experts' facts, as transformers' qwen2_moe / qwen3_moe / mixtral read them:
+    Qwen2/3-MoE's sparse layers are those not in ``mlp_only_layers`` every
+    ``decoder_sparse_step``-th, each expert ``moe_intermediate_size`` wide, Qwen2-MoE's shared
+    expert ``shared_expert_intermediate_size``; Mixtral's every layer, its experts
     ``intermediate_size`` wide, their weights always renormalised."""
     layers = config.num_hidden_layers
     if config.model_type == "mixtral":
@@ -170,7 +175,8 @@ def _experts(config: Any) -> dict[str, Any]:
     sparse = tuple(config.num_experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers))
     return dict(sparse_layers=sparse, num_experts=config.num_experts, experts_per_token=config.num_experts_per_tok,
                 expert_intermediate_size=config.moe_intermediate_size,
-                normalize_expert_weights=bool(config.norm_topk_prob))
+                normalize_expert_weights=bool(config.norm_topk_prob),
+                shared_expert_intermediate_size=getattr(config, "shared_expert_intermediate_size", 0) or 0)
 
 
 def layer_windows(config: Any) -> tuple[int | None, ...]:

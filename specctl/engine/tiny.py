@@ -35,7 +35,7 @@ def make_byte_tokenizer(vocab_size: int = TINY_VOCAB):
 
 def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, layers: int = 4, hidden: int = 64, **overrides):
     from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, GraniteConfig, LlamaConfig, MixtralConfig,
-                              Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     common = dict(
         vocab_size=vocab_size,
@@ -63,6 +63,10 @@ def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, layers: int =
         common = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": hidden // 2,
                   "norm_topk_prob": True, **common}
         return Qwen3MoeConfig(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
+    if arch == "qwen2_moe":  # 4 experts of 32, 2 a token, not renormalised, a shared expert of 64 (Qwen1.5-MoE's)
+        common = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": hidden // 2,
+                  "shared_expert_intermediate_size": hidden, "norm_topk_prob": False, **common}
+        return Qwen2MoeConfig(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
     if arch == "mixtral":  # 4 experts, 2 a token
         common = {"num_local_experts": 4, "num_experts_per_tok": 2, **common}
         common["intermediate_size"] = hidden // 2
