@@ -214,6 +214,31 @@ def test_command_lists_show_each_summary_unbroken():
             assert "\n" not in info.short_help and info.short_help.endswith((".", ")")), info.short_help
 
 
+def test_every_help_text_shows_as_written():
+    """typer renders help through rich markup, which takes ``[word ...]`` for a style tag and
+    drops it (``--tool-call-parser``'s "[name(key=value), ...]" vanished): every command's and
+    option's help must read the same once rendered (brackets written ``\\[``)."""
+    import typer
+    from rich.text import Text
+
+    from specctl.cli import app
+
+    def walk(command, path):
+        yield path, command
+        for name, sub in getattr(command, "commands", {}).items():
+            yield from walk(sub, [*path, name])
+
+    commands = list(walk(typer.main.get_command(app), ["specctl"]))
+    assert len(commands) > 20
+    for path, command in commands:
+        for text in (command.help, *(getattr(param, "help", None) for param in command.params)):
+            if text:
+                assert Text.from_markup(text).plain == text.replace("\\[", "["), (path, text)
+    wide = subprocess.run([sys.executable, "-m", "specctl", "gateway", "--help"], capture_output=True, text=True,
+                          env={**os.environ, "COLUMNS": "400"}, timeout=60)
+    assert "pythonic (Llama 3.2, Llama 4: [name(key=value), ...]): how tool calls" in wide.stdout
+
+
 def test_bench_local_writes_json(tiny_dir, tmp_path):
     out = tmp_path / "bench.json"
     proc = run("bench", "local", "--target", str(tiny_dir["llama"]), "--draft", str(tiny_dir["llama-draft"]),
