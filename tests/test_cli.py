@@ -236,7 +236,7 @@ def test_every_help_text_shows_as_written():
                 assert Text.from_markup(text).plain == text.replace("\\[", "["), (path, text)
     wide = subprocess.run([sys.executable, "-m", "specctl", "gateway", "--help"], capture_output=True, text=True,
                           env={**os.environ, "COLUMNS": "400"}, timeout=60)
-    assert "pythonic (Llama 3.2, Llama 4: [name(key=value), ...]): how tool calls" in wide.stdout
+    assert "pythonic (Llama 3.2, Llama 4: [name(key=value), ...]) | mistral (content, then [TOOL_CALLS]" in wide.stdout
 
 
 def test_bench_local_writes_json(tiny_dir, tmp_path):

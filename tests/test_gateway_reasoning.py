@@ -81,19 +81,24 @@ CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_
 CALL_TOKENS = ["look it up", "</", "think>" + CALL]  # the second line: chosen when the first is barred
 JSON_CALL_TOKENS = ['{"name": "get_weather", ', '"parameters": {"city": "Oslo"}}']  # the third: both barred
 PYTHONIC_CALL_TOKENS = ["[get_weather(", 'city="Oslo")]']  # the fourth: the first three barred
+# the fifth, the first four barred: content, then Mistral's call after its [TOOL_CALLS], a special token
+MISTRAL_CALL_TOKENS = ["Checking. ", "[TOOL_CALLS]", 'get_weather[ARGS]{"city": "Oslo"}']
 THOUGHT_TEXT = "".join(THOUGHT_TOKENS)
 
 
 def scripted_model(directory):
     """A tiny Llama whose greedy output after the chat prompt is THOUGHT_TOKENS then EOS, or,
     with the first of them barred (logit_bias -100), CALL_TOKENS then EOS; with the first of
-    both barred, JSON_CALL_TOKENS then EOS; with the first of all three barred, PYTHONIC_CALL_TOKENS."""
-    from transformers import AutoModelForCausalLM
+    both barred, JSON_CALL_TOKENS then EOS; with the first of all three barred, PYTHONIC_CALL_TOKENS;
+    with the first of all four barred, MISTRAL_CALL_TOKENS (its tag a special token, as Mistral's)."""
+    from transformers import AddedToken, AutoModelForCausalLM
 
     from specctl.engine.tiny import make_byte_tokenizer, tiny_config
 
     tokenizer = make_byte_tokenizer()
-    tokenizer.add_tokens(THOUGHT_TOKENS + CALL_TOKENS + JSON_CALL_TOKENS + PYTHONIC_CALL_TOKENS)
+    tokenizer.add_tokens(THOUGHT_TOKENS + CALL_TOKENS + JSON_CALL_TOKENS + PYTHONIC_CALL_TOKENS
+                         + [MISTRAL_CALL_TOKENS[0], MISTRAL_CALL_TOKENS[2]])
+    tokenizer.add_tokens([AddedToken(MISTRAL_CALL_TOKENS[1], special=True)])
     tokenizer.chat_template = TEMPLATE
     config = tiny_config("llama", vocab_size=len(tokenizer), tie_word_embeddings=False)
     model = AutoModelForCausalLM.from_config(config)
@@ -101,16 +106,17 @@ def scripted_model(directory):
     other = [line[0], *tokenizer.convert_tokens_to_ids(CALL_TOKENS), config.eos_token_id]
     third = [line[0], *tokenizer.convert_tokens_to_ids(JSON_CALL_TOKENS), config.eos_token_id]
     fourth = [line[0], *tokenizer.convert_tokens_to_ids(PYTHONIC_CALL_TOKENS), config.eos_token_id]
+    fifth = [line[0], *tokenizer.convert_tokens_to_ids(MISTRAL_CALL_TOKENS), config.eos_token_id]
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
         head = model.lm_head.weight
         head.zero_()
-        for basis, token in enumerate(sorted(set(line[:-1] + other[:-1] + third[:-1] + fourth[:-1]))):
+        for basis, token in enumerate(sorted(set(line[:-1] + other[:-1] + third[:-1] + fourth[:-1] + fifth[:-1]))):
             model.model.embed_tokens.weight[token] = torch.nn.functional.one_hot(torch.tensor(basis), 64).float()
         embed = model.model.embed_tokens.weight
-        for tokens, strength in ((line, 1.0), (other, 0.5), (third, 0.25), (fourth, 0.125)):
+        for tokens, strength in ((line, 1.0), (other, 0.5), (third, 0.25), (fourth, 0.125), (fifth, 0.0625)):
             for before, after in zip(tokens, tokens[1:]):
                 head[after] += strength * embed[before]
     model.save_pretrained(directory)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
 from specctl.gateway.api import ApiError, ChatCompletionRequest, parse_body
-from specctl.gateway.held_calls import JsonCalls, PythonicCalls, json_calls, pythonic_calls
+from specctl.gateway.held_calls import JsonCalls, MistralCalls, PythonicCalls, json_calls, mistral_calls, pythonic_calls
 from specctl.gateway.tool_calls import ForcedCalls, StreamedCalls, parse, read_whole
 from specctl.gateway.tools import forced_call, request_tools
 from specctl.gateway.translate import chat_messages
@@ -338,10 +338,11 @@ def test_a_whole_output_format_s_calls_are_the_whole_output_or_none(read, reader
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.sampled_from(list("[](){}=,'\"xa1. _*:;") + ["<|python_start|>", "True", "None", "lambda",
-                                                                 '"name"', '"parameters"']), max_size=40).map("".join))
+                                                                 '"name"', '"parameters"', '"arguments"',
+                                                                 "[TOOL_CALLS]", "[ARGS]"]), max_size=40).map("".join))
 def test_a_whole_output_parser_reads_any_text_without_raising(text):
     """What a model writes is arbitrary: the parsers answer calls or None, never an exception."""
-    for read in (pythonic_calls, json_calls):
+    for read in (pythonic_calls, json_calls, mistral_calls):
         calls = read(text)
         assert calls is None or all(isinstance(json.loads(c["function"]["arguments"]), dict) for c in calls)
 
@@ -366,6 +367,83 @@ def test_pythonic_streams_content_as_it_comes_and_holds_a_list_to_the_end():
     assert reader.push("<b>") == ("<b>", []) and reader.push(" bold") == (" bold", []) and reader.finish() == ("", [], None)
     broken = PythonicCalls()
     assert broken.push("[not python") == ("", []) and broken.finish() == ("[not python", [], None)
+
+
+MISTRAL = [  # (the text after [TOOL_CALLS], the calls or None)
+    (' [{"name": "get_weather", "arguments": {"city": "Oslo"}}]', [("get_weather", {"city": "Oslo"})]),  # before v11
+    ('[{"name": "a", "arguments": {}}, {"name": "b"}]</s> more', [("a", {}), ("b", {})]),  # after the list: ignored
+    ('get_weather[ARGS]{"city": "Oslo"}', [("get_weather", {"city": "Oslo"})]),  # v11+, [ARGS] kept
+    ('a{"x": 1}[TOOL_CALLS]b[ARGS]{"y": [2]}', [("a", {"x": 1}), ("b", {"y": [2]})]),
+    ('[{"name": "a", "arguments": [1]}]', None),
+    ('[{"arguments": {}}]', None),
+    ("[]", None),
+    ('get_weather[ARGS]{"city": "Os', None),  # cut by max_tokens
+    ('a{"x": 1} and more', None),
+    ('a[ARGS][1, 2]', None),
+    ("I cannot call a tool.", None),
+    ("", None),
+]
+
+
+@pytest.mark.parametrize("text, calls", MISTRAL)
+def test_mistral_calls_follow_the_tag_in_either_tokenizer_s_shape(text, calls):
+    found = mistral_calls(text)
+    assert (None if found is None else [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                                        for c in found]) == calls
+    content, read = read_whole(MistralCalls(), "Let me see. [TOOL_CALLS]" + text)
+    if calls is None:
+        assert (content, read) == ("Let me see. [TOOL_CALLS]" + text, None)
+    else:  # the content before the tag stays; ids as Mistral's templates want them: 9 letters and digits
+        assert content == "Let me see. " and len(read) == len(calls)
+        assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in read)
+
+
+def test_mistral_streams_content_until_the_tag_and_holds_the_calls_to_the_end():
+    reader = MistralCalls()
+    assert reader.push("It is") == ("It is", []) and reader.push(" [TOOL") == (" ", [])  # a tag begun: held
+    assert reader.push("S] sunny") == ("[TOOLS] sunny", []) and reader.finish() == ("", [], None)
+    reader = MistralCalls(max_calls=1)  # parallel_tool_calls false: the first call
+    assert reader.push("[TOOL_CALLS]a{}") == ("", []) and reader.push("[TOOL_CALLS]b{}") == ("", [])
+    rest, deltas, calls = reader.finish()
+    assert rest == "" and [c["function"]["name"] for c in calls] == ["a"]
+    assert deltas == [{"index": 0, "id": calls[0]["id"], "type": "function", "function": {"name": "a", "arguments": "{}"}}]
+    broken = MistralCalls()
+    assert broken.push("ok [TOOL_CALLS]a{") == ("ok ", []) and broken.finish() == ("[TOOL_CALLS]a{", [], None)
+
+
+@pytest.fixture(scope="module")
+def mistral_cluster(tmp_path_factory):
+    from tests.test_gateway_reasoning import scripted_cluster
+
+    yield from scripted_cluster(tmp_path_factory, "mistral-tools", tool_call_parser="mistral")
+
+
+def test_a_mistral_call_comes_back_after_its_content_streamed_or_not(mistral_cluster):
+    """The scripted model's fifth line: "Checking. ", [TOOL_CALLS] (a special token, kept in the
+    text of a request with tools, as vLLM's mistral parser keeps it), then the v11 call."""
+    from transformers import AutoTokenizer
+
+    from tests.test_gateway_reasoning import (CALL_TOKENS, JSON_CALL_TOKENS, MISTRAL_CALL_TOKENS,
+                                              PYTHONIC_CALL_TOKENS, THOUGHT_TOKENS, _chat, _streamed)
+
+    base, model = mistral_cluster[1]["gateway"], mistral_cluster[2]
+    barred = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids(
+        [THOUGHT_TOKENS[0], CALL_TOKENS[0], JSON_CALL_TOKENS[0], PYTHONIC_CALL_TOKENS[0]])
+    body = {"messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER], "max_tokens": 10,
+            "temperature": 0, "logit_bias": {str(i): -100 for i in barred}}
+    choice = _chat(base, body)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Checking. "
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert len(call["id"]) == 9 and call["id"].isalnum()
+    chunks = _streamed(base, body)
+    assert "".join(c["delta"].get("content") or "" for c in chunks) == "Checking. "
+    deltas = [c for d in chunks for c in d["delta"].get("tool_calls") or []]
+    assert [c["function"] for c in deltas] == [{"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+    plain = _chat(base, {**body, "tools": None})["choices"][0]  # no tools: the tag is skipped as any special token
+    assert plain["message"]["content"] == MISTRAL_CALL_TOKENS[0] + MISTRAL_CALL_TOKENS[2] and plain["finish_reason"] == "stop"
+    assert "tool_calls" not in plain["message"]
 
 
 @pytest.fixture(scope="module")
@@ -424,13 +502,13 @@ def test_a_llama3_json_call_comes_back_as_the_call_streamed_or_not(json_tools_cl
     base, body, _ = _whole_call_over_http(json_tools_cluster, [THOUGHT_TOKENS[0], CALL_TOKENS[0]])
     plain = _chat(base, {**body, "tools": None, "logit_bias": {}})["choices"][0]  # no tools: the text as it is
     assert plain["message"]["content"] == "".join(THOUGHT_TOKENS) and "tool_calls" not in plain["message"]
-    with pytest.raises(ValueError, match=r"^--tool-call-parser must be one of hermes, llama3_json, pythonic, got 'mistral'$"):
-        ClusterConfig(tool_call_parser="mistral")
+    with pytest.raises(ValueError, match=r"^--tool-call-parser must be one of hermes, llama3_json, pythonic, mistral, got 'xlam'$"):
+        ClusterConfig(tool_call_parser="xlam")
 
 
 @pytest.mark.parametrize("command", [["up"], ["gateway", "--target", "127.0.0.1:1"]])
 def test_a_bad_tool_call_parser_is_one_line_before_anything_starts(command):
     from tests.test_cli import _assert_one_line_error, run
 
-    _assert_one_line_error(run(*command, "--tool-call-parser", "mistral", "--enable-auto-tool-choice"),
-                           "--tool-call-parser must be one of hermes, llama3_json, pythonic, got 'mistral'")
+    _assert_one_line_error(run(*command, "--tool-call-parser", "xlam", "--enable-auto-tool-choice"),
+                           "--tool-call-parser must be one of hermes, llama3_json, pythonic, mistral, got 'xlam'")

@@ -35,8 +35,10 @@ REQUEST_ID_HEADERS = typer.Option(False, "--enable-request-id-headers",
                                   help="every answer carries X-Request-Id: the client's, else a fresh one (vLLM's)")
 TOOL_CALL_PARSER = typer.Option("hermes", "--tool-call-parser",
                                 help="hermes (<tool_call> blocks: Qwen2.5, Qwen3) | llama3_json (Llama 3.1-3.3's "
-                                     "JSON calls) | pythonic (Llama 3.2, Llama 4: \\[name(key=value), ...]): how tool "
-                                     "calls are read from the output (vLLM's)")
+                                     "JSON calls) | pythonic (Llama 3.2, Llama 4: \\[name(key=value), ...]) | mistral "
+                                     "(content, then \\[TOOL_CALLS] and the calls; the tag is a special token, kept "
+                                     "in the text of a request with tools): how tool calls are read from the output "
+                                     "(vLLM's)")
 GENERATION_CONFIG = typer.Option("auto", "--generation-config",
                                  help="auto: what a request leaves out (temperature, top_p, top_k, min_p, "
                                       "repetition_penalty, max_tokens) takes the model's generation_config.json "

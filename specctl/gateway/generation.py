@@ -28,7 +28,7 @@ from specctl.gateway.response_store import ResponseStore, StoredResponse
 from specctl.gateway.responses_api import ResponsesRequest, answer_turn, as_chat, input_messages, input_records
 from specctl.gateway.responses_reply import ResponsesReply
 from specctl.gateway.structured import after_thinking, structured_output
-from specctl.gateway.held_calls import TOOL_PARSERS
+from specctl.gateway.held_calls import KEEPS_SPECIAL_TOKENS, TOOL_PARSERS
 from specctl.gateway.tool_calls import ForcedCalls
 from specctl.gateway.tools import forced_call, request_tools
 from specctl.gateway.translate import (
@@ -122,8 +122,12 @@ class Generations:
             reply = (self._responses_reply(asked, req, history, prompt_tokens, calls) if endpoint == "responses"
                      else self._reply(req, chat, prompt_tokens, calls, rid))
             try:
+                # a parser whose tags are special tokens reads them in the text (vLLM's mistral does the same)
+                keep_special = (tools is not None and not forced
+                                and self.config.tool_call_parser in KEEPS_SPECIAL_TOKENS)
                 choices = Choices(self.upstream, self.metrics, self.tokenizer, specs, stop,
-                                  req.include_stop_str_in_output, arrival, req.priority, rid, req.skip_special_tokens)
+                                  req.include_stop_str_in_output, arrival, req.priority, rid,
+                                  req.skip_special_tokens and not keep_special)
                 async with choices:
                     response = await (reply.stream(request, choices) if req.stream else reply.collect(choices))
             except RemoteError as exc:

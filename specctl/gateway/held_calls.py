@@ -2,16 +2,20 @@
 when the choice ends — handed out as calls if it parses, as content if not (as vLLM leaves
 it); any other output is content as it comes. vLLM's ``llama3_json`` (Llama 3.1-3.3:
 ``{"name": ..., "parameters": {...}}`` objects, ``;``-separated) and ``pythonic`` (Llama 3.2,
-Llama 4: a Python list of calls with keyword arguments, ``[get_weather(city="Oslo")]``).
-``TOOL_PARSERS`` names every ``--tool-call-parser`` with its reader."""
+Llama 4: a Python list of calls with keyword arguments, ``[get_weather(city="Oslo")]``); and
+``mistral``, whose calls follow content after a ``[TOOL_CALLS]`` token (the content streams, the
+calls are held). ``TOOL_PARSERS`` names every ``--tool-call-parser`` with its reader."""
 
 from __future__ import annotations
 
 import ast
 import json
+import random
+import re
+import string
 from typing import Callable
 
-from specctl.gateway.tool_calls import StreamedCalls, call_delta, new_call
+from specctl.gateway.tool_calls import StreamedCalls, call_delta, held_back, new_call
 
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's, before JSON calls (kept with skip_special_tokens false)
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's, around pythonic calls
@@ -90,6 +94,76 @@ def pythonic_calls(text: str) -> list[dict] | None:
     return calls
 
 
+TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"  # Mistral's control tokens (kept: skip_special_tokens false)
+# v11+ tokenizers' (Mistral Small 3.1+, Devstral, Magistral) call: its name, [ARGS] maybe, then a JSON object
+NAMED_CALL = re.compile(r"\s*([A-Za-z0-9_.\-]+)\s*(?:\[ARGS\])?\s*(?=\{)")
+
+
+class MistralCalls:
+    """A Mistral choice's text: content until its first ``[TOOL_CALLS]``, streamed (a tag begun
+    held back); from the tag on held, and read when the choice ends — the calls if it parses,
+    else content, tag and all. Call ids are 9 letters and digits: Mistral's chat templates
+    refuse any other id when a conversation brings the calls back."""
+
+    finish_reason = "tool_calls"
+
+    def __init__(self, max_calls: int | None = None) -> None:
+        self.max_calls = max_calls
+        self.text = ""
+        self.sent = 0  # characters of content handed out
+        self.start = -1  # where the first tag begins (-1: not yet)
+
+    def push(self, delta: str) -> tuple[str, list[dict]]:
+        self.text += delta
+        if self.start < 0:
+            self.start = self.text.find(TOOL_CALLS, max(0, self.sent - len(TOOL_CALLS)))
+        upto = self.start if self.start >= 0 else len(self.text) - held_back(self.text, TOOL_CALLS)
+        content = self.text[self.sent:upto] if upto > self.sent else ""
+        self.sent = max(self.sent, upto)
+        return content, []
+
+    def finish(self) -> tuple[str, list[dict], list[dict] | None]:
+        calls = mistral_calls(self.text[self.start + len(TOOL_CALLS):]) if self.start >= 0 else None
+        if calls is None:
+            rest, self.sent = self.text[self.sent:], len(self.text)
+            return rest, [], None
+        calls = calls[:self.max_calls]
+        for call in calls:
+            call["id"] = "".join(random.choices(string.ascii_letters + string.digits, k=9))
+        return "", [call_delta(i, call, call["function"]["arguments"]) for i, call in enumerate(calls)], calls
+
+
+def mistral_calls(body: str) -> list[dict] | None:
+    """The calls after a Mistral output's first ``[TOOL_CALLS]``, or None when they do not
+    parse: before v11 one JSON list of ``{"name", "arguments"}`` (text after it ignored, as vLLM
+    ignores it); from v11 on ``name[ARGS]{...}`` per call, each after its own tag."""
+    decoder = json.JSONDecoder()
+    stripped = body.strip()
+    if stripped.startswith("["):
+        try:
+            listed, _ = decoder.raw_decode(stripped)
+        except (json.JSONDecodeError, RecursionError):
+            return None
+        if not (isinstance(listed, list) and listed and all(
+                isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("arguments", {}), dict)
+                for c in listed)):
+            return None
+        return [new_call(c["name"], json.dumps(c.get("arguments", {}), ensure_ascii=False)) for c in listed]
+    calls = []
+    for part in body.split(TOOL_CALLS):
+        named = NAMED_CALL.match(part)
+        if named is None:
+            return None
+        try:
+            arguments, end = decoder.raw_decode(part, named.end())
+        except (json.JSONDecodeError, RecursionError):
+            return None
+        if not isinstance(arguments, dict) or part[end:].strip():
+            return None
+        calls.append(new_call(named.group(1), json.dumps(arguments, ensure_ascii=False)))
+    return calls
+
+
 def JsonCalls(max_calls: int | None = None) -> HeldCalls:  # noqa: N802 - a reader class, as StreamedCalls
     return HeldCalls(json_calls, ("{", PYTHON_TAG), max_calls)
 
@@ -100,4 +174,6 @@ def PythonicCalls(max_calls: int | None = None) -> HeldCalls:  # noqa: N802
 
 # vLLM's --tool-call-parser names and their readers (each called with max_calls)
 TOOL_PARSERS: dict[str, Callable[..., object]] = {"hermes": StreamedCalls, "llama3_json": JsonCalls,
-                                                   "pythonic": PythonicCalls}
+                                                   "pythonic": PythonicCalls, "mistral": MistralCalls}
+# parsers whose tags are special tokens: a request with tools keeps them in the text (as vLLM's mistral)
+KEEPS_SPECIAL_TOKENS = frozenset({"mistral"})
