@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
 from specctl.gateway.api import ApiError, ChatCompletionRequest, parse_body
-from specctl.gateway.held_calls import JsonCalls, MistralCalls, PythonicCalls, json_calls, mistral_calls, pythonic_calls
+from specctl.gateway.held_calls import (FunctoolsCalls, JsonCalls, MistralCalls, PythonicCalls, functools_calls,
+                                        json_calls, mistral_calls, pythonic_calls)
 from specctl.gateway.tool_calls import ForcedCalls, StreamedCalls, parse, read_whole
 from specctl.gateway.tools import forced_call, request_tools
 from specctl.gateway.translate import chat_messages
@@ -325,10 +326,24 @@ PYTHONIC = [
 ]
 
 
+FUNCTOOLS = [  # Phi-4-mini's
+    ('functools[{"name": "get_weather", "arguments": {"city": "Oslo"}}]', [("get_weather", {"city": "Oslo"})]),
+    (' functools[{"name": "a", "parameters": {"x": 1}}, {"name": "b"}]\n', [("a", {"x": 1}), ("b", {})]),
+    ('functools[{"name": "a", "arguments": "x"}]', None),
+    ('functools[{"arguments": {}}]', None),
+    ("functools[]", None),
+    ('functools[{"name": "a"}] then', None),
+    ('functools[{"name": "a", "argu', None),  # cut by max_tokens
+    ("fun times", None),
+]
+
+
 @pytest.mark.parametrize("read, reader, text, calls", [(json_calls, JsonCalls, *case) for case in LLAMA3_JSON]
-                         + [(pythonic_calls, PythonicCalls, *case) for case in PYTHONIC])
+                         + [(pythonic_calls, PythonicCalls, *case) for case in PYTHONIC]
+                         + [(functools_calls, FunctoolsCalls, *case) for case in FUNCTOOLS])
 def test_a_whole_output_format_s_calls_are_the_whole_output_or_none(read, reader, text, calls):
-    """llama3_json and pythonic: the calls an output holds, or none (then all of it is content)."""
+    """llama3_json, pythonic and phi4_mini_json: the calls an output holds, or none (then all of
+    it is content)."""
     found = read(text)
     assert (None if found is None else [(c["function"]["name"], json.loads(c["function"]["arguments"]))
                                         for c in found]) == calls
@@ -339,10 +354,11 @@ def test_a_whole_output_format_s_calls_are_the_whole_output_or_none(read, reader
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.sampled_from(list("[](){}=,'\"xa1. _*:;") + ["<|python_start|>", "True", "None", "lambda",
                                                                  '"name"', '"parameters"', '"arguments"',
-                                                                 "[TOOL_CALLS]", "[ARGS]"]), max_size=40).map("".join))
+                                                                 "[TOOL_CALLS]", "[ARGS]", "functools["]),
+                max_size=40).map("".join))
 def test_a_whole_output_parser_reads_any_text_without_raising(text):
     """What a model writes is arbitrary: the parsers answer calls or None, never an exception."""
-    for read in (pythonic_calls, json_calls, mistral_calls):
+    for read in (pythonic_calls, json_calls, mistral_calls, functools_calls):
         calls = read(text)
         assert calls is None or all(isinstance(json.loads(c["function"]["arguments"]), dict) for c in calls)
 
@@ -502,7 +518,7 @@ def test_a_llama3_json_call_comes_back_as_the_call_streamed_or_not(json_tools_cl
     base, body, _ = _whole_call_over_http(json_tools_cluster, [THOUGHT_TOKENS[0], CALL_TOKENS[0]])
     plain = _chat(base, {**body, "tools": None, "logit_bias": {}})["choices"][0]  # no tools: the text as it is
     assert plain["message"]["content"] == "".join(THOUGHT_TOKENS) and "tool_calls" not in plain["message"]
-    with pytest.raises(ValueError, match=r"^--tool-call-parser must be one of hermes, llama3_json, pythonic, mistral, got 'xlam'$"):
+    with pytest.raises(ValueError, match=r"^--tool-call-parser must be one of hermes, llama3_json, pythonic, mistral, phi4_mini_json, got 'xlam'$"):
         ClusterConfig(tool_call_parser="xlam")
 
 
@@ -511,4 +527,4 @@ def test_a_bad_tool_call_parser_is_one_line_before_anything_starts(command):
     from tests.test_cli import _assert_one_line_error, run
 
     _assert_one_line_error(run(*command, "--tool-call-parser", "xlam", "--enable-auto-tool-choice"),
-                           "--tool-call-parser must be one of hermes, llama3_json, pythonic, mistral, got 'xlam'")
+                           "--tool-call-parser must be one of hermes, llama3_json, pythonic, mistral, phi4_mini_json, got 'xlam'")

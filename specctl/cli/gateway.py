@@ -37,8 +37,8 @@ TOOL_CALL_PARSER = typer.Option("hermes", "--tool-call-parser",
                                 help="hermes (<tool_call> blocks: Qwen2.5, Qwen3) | llama3_json (Llama 3.1-3.3's "
                                      "JSON calls) | pythonic (Llama 3.2, Llama 4: \\[name(key=value), ...]) | mistral "
                                      "(content, then \\[TOOL_CALLS] and the calls; the tag is a special token, kept "
-                                     "in the text of a request with tools): how tool calls are read from the output "
-                                     "(vLLM's)")
+                                     "in the text of a request with tools) | phi4_mini_json (Phi-4-mini's "
+                                     "functools\\[...]): how tool calls are read from the output (vLLM's)")
 GENERATION_CONFIG = typer.Option("auto", "--generation-config",
                                  help="auto: what a request leaves out (temperature, top_p, top_k, min_p, "
                                       "repetition_penalty, max_tokens) takes the model's generation_config.json "

@@ -1,10 +1,11 @@
 """Tool-call formats read whole: an output that opens as calls is held while it comes and read
 when the choice ends — handed out as calls if it parses, as content if not (as vLLM leaves
 it); any other output is content as it comes. vLLM's ``llama3_json`` (Llama 3.1-3.3:
-``{"name": ..., "parameters": {...}}`` objects, ``;``-separated) and ``pythonic`` (Llama 3.2,
-Llama 4: a Python list of calls with keyword arguments, ``[get_weather(city="Oslo")]``); and
-``mistral``, whose calls follow content after a ``[TOOL_CALLS]`` token (the content streams, the
-calls are held). ``TOOL_PARSERS`` names every ``--tool-call-parser`` with its reader."""
+``{"name": ..., "parameters": {...}}`` objects, ``;``-separated), ``pythonic`` (Llama 3.2,
+Llama 4: a Python list of calls with keyword arguments, ``[get_weather(city="Oslo")]``) and
+``phi4_mini_json`` (Phi-4-mini: ``functools[{"name": ..., "arguments": {...}}]``); and
+``mistral``, whose calls follow content after a ``[TOOL_CALLS]`` token (the content streams,
+the calls are held). ``TOOL_PARSERS`` names every ``--tool-call-parser`` with its reader."""
 
 from __future__ import annotations
 
@@ -164,6 +165,25 @@ def mistral_calls(body: str) -> list[dict] | None:
     return calls
 
 
+def functools_calls(text: str) -> list[dict] | None:
+    """Phi-4-mini's calls, ``functools[{"name": ..., "arguments": {...}}, ...]`` (``parameters``
+    taken too, as vLLM's phi4_mini_json takes it), or None when the output is not that alone."""
+    body = text.strip()
+    if not body.startswith("functools["):
+        return None
+    try:
+        listed = json.loads(body.removeprefix("functools"))
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    if not (isinstance(listed, list) and listed and all(isinstance(c, dict) and isinstance(c.get("name"), str)
+                                                        for c in listed)):
+        return None
+    arguments = [c.get("arguments", c.get("parameters", {})) for c in listed]
+    if not all(isinstance(a, dict) for a in arguments):
+        return None
+    return [new_call(c["name"], json.dumps(a, ensure_ascii=False)) for c, a in zip(listed, arguments)]
+
+
 def JsonCalls(max_calls: int | None = None) -> HeldCalls:  # noqa: N802 - a reader class, as StreamedCalls
     return HeldCalls(json_calls, ("{", PYTHON_TAG), max_calls)
 
@@ -172,8 +192,13 @@ def PythonicCalls(max_calls: int | None = None) -> HeldCalls:  # noqa: N802
     return HeldCalls(pythonic_calls, ("[", PYTHON_START), max_calls)
 
 
+def FunctoolsCalls(max_calls: int | None = None) -> HeldCalls:  # noqa: N802
+    return HeldCalls(functools_calls, ("functools[",), max_calls)
+
+
 # vLLM's --tool-call-parser names and their readers (each called with max_calls)
 TOOL_PARSERS: dict[str, Callable[..., object]] = {"hermes": StreamedCalls, "llama3_json": JsonCalls,
-                                                   "pythonic": PythonicCalls, "mistral": MistralCalls}
+                                                   "pythonic": PythonicCalls, "mistral": MistralCalls,
+                                                   "phi4_mini_json": FunctoolsCalls}
 # parsers whose tags are special tokens: a request with tools keeps them in the text (as vLLM's mistral)
 KEEPS_SPECIAL_TOKENS = frozenset({"mistral"})
