@@ -202,6 +202,48 @@ def test_experts_saved_as_transformers_holds_them_load_as_the_hub_s_per_expert_o
     assert torch.equal(stage.layers[1].mlp.experts[2].up_proj.weight, hub.layers[3].mlp.experts[2].up_proj.weight)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "granite"])
+def test_attention_bias_gives_the_output_projection_its_bias_where_transformers_does(tmp_path, arch):
+    """Llama's layer (and Qwen3's, Gemma's, Granite's) with attention_bias: q/k/v and o_proj
+    have biases — found: o_proj's was left out, and the loader dropped the tensor without a
+    word (the logits 24-108 % off). The biases are drawn away from transformers' zeros."""
+    from specctl.engine.tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path / arch, arch, seed=5, attention_bias=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("proj.bias"):
+                parameter.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    decoder = load_decoder(path)
+    assert decoder.spec.output_bias and decoder.layers[0].self_attn.o_proj.bias is not None
+    assert not decoder.spec.llama_layers  # the fused static pieces take no o_proj bias
+    torch.manual_seed(0)
+    _check_parity(path, torch.randint(0, 300, (24,)), split=17)
+    assert not ModelSpec.from_hf(tiny_config("qwen2")).output_bias  # Qwen2's q/k/v biases only
+
+
+def test_a_checkpoint_tensor_the_decoder_would_not_use_is_refused_by_name(tiny_dir, tmp_path):
+    """A tensor of the loaded layers that the decoder has no place for means a variant it does
+    not run: refused, never dropped. Other layers' tensors (a pipeline stage's neighbours) and
+    old checkpoints' RoPE buffers are not the load's business."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny_dir["llama"], tmp_path / "m")
+    state = load_file(str(tmp_path / "m" / "model.safetensors"))
+    state["model.layers.1.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    state["model.layers.3.mlp.down_proj.bias"] = torch.zeros(64)
+    save_file(state, str(tmp_path / "m" / "model.safetensors"), metadata={"format": "pt"})
+    stage = load_decoder(tmp_path / "m", layer_range=(0, 2), embed=True, head=False)  # layer 3 is another stage's
+    assert stage.num_layers == 2
+    with pytest.raises(UnsupportedArchitecture, match=r"holds tensors specctl's llama decoder does not use: "
+                                                      r"\['model.layers.3.mlp.down_proj.bias'\] — a variant"):
+        load_decoder(tmp_path / "m")
+
+
 def test_granite_s_scalars_are_read_and_each_one_counts(tiny_dir):
     """Granite: embeddings times 12, queries scaled 0.1, each branch times 0.22 before its
     residual add, logits divided by 8 (the fixture's; Granite 3's own are of that order):

@@ -87,7 +87,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(spec.hidden_size, h * d, bias=spec.attention_bias)
         self.k_proj = nn.Linear(spec.hidden_size, kv * d, bias=spec.attention_bias)
         self.v_proj = nn.Linear(spec.hidden_size, kv * d, bias=spec.attention_bias)
-        self.o_proj = nn.Linear(h * d, spec.hidden_size, bias=False)
+        self.o_proj = nn.Linear(h * d, spec.hidden_size, bias=spec.output_bias)
         self.qkv_proj: nn.Module | None = None  # int8 models fuse q/k/v into one projection
         self.qkv_sizes = (h * d, kv * d, kv * d)
         # Qwen3 normalises each head's queries and keys (over the head dim) before RoPE

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from specctl.engine.model import Decoder
 from specctl.engine.spec import ModelSpec
-from specctl.errors import ModelNotFound, VocabMismatch
+from specctl.errors import ModelNotFound, UnsupportedArchitecture, VocabMismatch
 from specctl_kernels import select_backend
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -97,6 +97,7 @@ def load_decoder(
         wanted.setdefault("model.embed_tokens.weight", None)  # read once, used twice
     fused = {**_fused_checkpoint_keys(wanted, spec), **_expert_stacks(spec, first, last)}
     state: dict[str, torch.Tensor] = {}
+    unused: list[str] = []
     for file in _weight_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():
@@ -111,12 +112,29 @@ def load_decoder(
                         state[wanted[key]] = tensor
                     if key == "model.embed_tokens.weight" and spec.tie_embeddings and head:
                         state["lm_head.weight"] = tensor
+                elif _part_of(key, first, last, embed, head, spec.tie_embeddings):
+                    unused.append(key)
+    if unused:  # silently dropped, they would change the model's output (an o_proj bias, say)
+        raise UnsupportedArchitecture(
+            f"checkpoint {path} holds tensors specctl's {spec.arch} decoder does not use: {sorted(unused)[:5]} — a "
+            "variant of the architecture the engine does not run")
     missing = set(decoder.state_dict()) - set(state)
     if missing:
         raise ModelNotFound(f"checkpoint {path} lacks tensors: {sorted(missing)[:5]}")
     decoder.load_state_dict(state, strict=True, assign=True)
     decoder.reset_rope()
     return decoder.to(device).eval()
+
+
+def _part_of(key: str, first: int, last: int, embed: bool, head: bool, tied: bool) -> bool:
+    """Whether a checkpoint tensor belongs to the part of the model being loaded (its layers,
+    embeddings, final norm and head) — one the decoder must use. RoPE's inv_freq buffers, which
+    old checkpoints saved, are recomputed; a tied head saved anyway is the embedding table."""
+    if key.startswith("model.layers."):
+        index = key.split(".", 3)[2]
+        return index.isdigit() and first <= int(index) < last and not key.endswith("rotary_emb.inv_freq")
+    return ((embed and key.startswith("model.embed_tokens.")) or (head and key.startswith("model.norm."))
+            or (head and not tied and key.startswith("lm_head.")))
 
 
 MIXTRAL_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}

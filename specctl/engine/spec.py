@@ -30,6 +30,7 @@ class ModelSpec:
     mlp_bias: bool
     qk_norm: bool  # Qwen3: an RMSNorm over each head's queries and keys before RoPE
     hf_config: Any  # kept for RoPE parameters
+    output_bias: bool = False  # o_proj's bias: where attention_bias gives it one (Llama's; never Qwen2's, Mistral's)
     # Gemma's departures from the Llama layer (defaults: Llama's)
     activation: str = "silu"  # the MLP's gate activation (transformers' ACT2FN name)
     unit_offset_norms: bool = False  # RMSNorm weights stored as offsets from 1, scaled in float32
@@ -62,7 +63,7 @@ class ModelSpec:
         """Layers as Llama's (the static step's fused pieces compute exactly these)."""
         return not (self.unit_offset_norms or self.sandwich_norms or self.activation != "silu"
                     or self.attn_scale is not None or self.attn_softcap is not None or any(self.sparse_layers)
-                    or self.residual_scale is not None)
+                    or self.residual_scale is not None or self.output_bias)
 
     @classmethod
     def from_hf(cls, config: Any) -> "ModelSpec":
@@ -97,6 +98,9 @@ class ModelSpec:
             attention_bias=(arch == "qwen2" or bool(getattr(config, "attention_bias", False))
                             or (arch == "qwen2_moe" and bool(config.qkv_bias))),
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            # transformers gives o_proj attention_bias's bias in Llama's layer and those built on it
+            output_bias=(bool(getattr(config, "attention_bias", False))
+                         and arch not in ("qwen2", "qwen2_moe", "mistral", "phi3", "mixtral")),
             qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3_text"),
             hf_config=config,
             layer_windows=layer_windows(config),
