@@ -40,7 +40,7 @@ GEMMA3 = {"sliding_window": 24, "tie_word_embeddings": False,
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> dict[str, Path]:
-    """Tiny random-weight checkpoints: ten architectures, drafts that disagree."""
+    """Tiny random-weight checkpoints: twelve architectures, drafts that disagree."""
     root = tmp_path_factory.mktemp("tiny")
     paths = {
         "llama": make_tiny_model(root / "llama", "llama", seed=0),
@@ -72,6 +72,13 @@ def tiny_dir(tmp_path_factory) -> dict[str, Path]:
         "qwen2_moe": make_tiny_model(root / "qwen2_moe", "qwen2_moe", seed=17, init_std=0.2),
         "mixtral": make_tiny_model(root / "mixtral", "mixtral", seed=15),
         "mixtral-draft": make_tiny_model(root / "mixtral-draft", "mixtral", seed=16, layers=2),
+        # OLMo 2: norms after the sub-layers only, q/k normed across heads, float32 norms and RoPE; OLMo 3
+        # the same with 3 of 4 layers sliding over 24 tokens
+        "olmo2": make_tiny_model(root / "olmo2", "olmo2", seed=22, norm_std=0.3),
+        "olmo2-draft": make_tiny_model(root / "olmo2-draft", "olmo2", seed=23, layers=2, norm_std=0.3),
+        "olmo3": make_tiny_model(root / "olmo3", "olmo3", seed=24, norm_std=0.3, sliding_window=24),
+        "olmo3-draft": make_tiny_model(root / "olmo3-draft", "olmo3", seed=25, layers=2, norm_std=0.3,
+                                       sliding_window=24),
         # Granite: its embedding, attention, residual and logit scalars (tiny_config sets them away from 1)
         "granite": make_tiny_model(root / "granite", "granite", seed=20),
         "granite-draft": make_tiny_model(root / "granite-draft", "granite", seed=21, layers=2),
@@ -83,7 +90,8 @@ def tiny_dir(tmp_path_factory) -> dict[str, Path]:
 def tiny(tiny_dir):
     """Loaded fp32 decoders: target, disagreeing draft, and the target's first 2 layers."""
     out = {}
-    for arch in ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe", "mixtral", "granite"):
+    for arch in ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe", "mixtral", "granite",
+                 "olmo2", "olmo3"):
         out[arch] = load_decoder(tiny_dir[arch])
         out[f"{arch}-draft"] = load_decoder(tiny_dir[f"{arch}-draft"])
         out[f"{arch}-self2"] = load_decoder(tiny_dir[arch], layer_range=(0, 2))

@@ -30,7 +30,7 @@ def _check_parity(path, ids: torch.Tensor, split: int):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
-                                  "mixtral", "granite"])
+                                  "mixtral", "granite", "olmo2", "olmo3"])
 def test_tiny_parity_prefill_and_incremental(tiny_dir, arch):
     torch.manual_seed(0)
     _check_parity(tiny_dir[arch], torch.randint(0, 300, (24,)), split=17)
@@ -242,6 +242,33 @@ def test_a_checkpoint_tensor_the_decoder_would_not_use_is_refused_by_name(tiny_d
     with pytest.raises(UnsupportedArchitecture, match=r"holds tensors specctl's llama decoder does not use: "
                                                       r"\['model.layers.3.mlp.down_proj.bias'\] — a variant"):
         load_decoder(tmp_path / "m")
+
+
+@pytest.mark.parametrize("arch", ["olmo2", "olmo3"])
+def test_olmo_s_layer_equals_transformers_bitwise_in_bf16_and_each_departure_counts(tiny_dir, arch):
+    """OLMo 2/3: norms after the sub-layers only, q/k normed across all heads, norm weights applied
+    in float32 before the cast, RoPE in float32 — in bf16 the logits are transformers' to the
+    bit (OLMo 3 past its 24-token windows); rotating in bf16 instead moves them (measured 1.4 %),
+    and in fp32 the norm across heads taken per head does too."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (40,))
+    decoder = load_decoder(tiny_dir[arch], torch.bfloat16)
+    assert decoder.spec.post_norms and not hasattr(decoder.layers[0], "input_layernorm")
+    assert decoder.layers[0].self_attn.q_norm.weight.shape == (64,)  # 4 heads of 16
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(tiny_dir[arch], dtype=torch.bfloat16,
+                                                   attn_implementation="sdpa").eval()(ids[None]).logits[0]
+    assert torch.equal(decoder(ids, torch.arange(40), decoder.new_cache(40)), ref.float())
+    object.__setattr__(decoder.spec, "rope_in_float32", False)
+    assert _max_rel_diff(decoder(ids, torch.arange(40), decoder.new_cache(40)), ref.float()) > 0.005
+    fp32 = load_decoder(tiny_dir[arch])
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(tiny_dir[arch], dtype=torch.float32).eval()(ids[None]).logits[0]
+    for layer in fp32.layers:  # the same weights, normed per head
+        attn = layer.self_attn
+        attn.qk_norm_across_heads = False
+        attn.q_norm.weight.data, attn.k_norm.weight.data = attn.q_norm.weight[:16], attn.k_norm.weight[:16]
+    assert _max_rel_diff(fp32(ids, torch.arange(40), fp32.new_cache(40)), ref) > 0.01
 
 
 def test_granite_s_scalars_are_read_and_each_one_counts(tiny_dir):

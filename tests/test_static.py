@@ -138,16 +138,18 @@ def test_static_steps_of_a_mixture_of_experts_run_its_modules_and_equal_eager(ti
 
 
 @pytest.mark.parametrize("compile", [False, True])
-def test_gemma2_static_steps_run_its_own_layers_and_equal_eager(tiny, tiny_dir, compile):
-    """Gemma 2's layers are not the Llama layer the fused pieces compute: its static steps run
-    the modules (compile asked or not: nothing to compile, no error), the static attention
-    with its query scale and score cap."""
-    target = fuse_projections(load_decoder(tiny_dir["gemma2"])).use_static_steps(graphs=False, compile=compile)
+@pytest.mark.parametrize("arch", ["gemma2", "olmo3"])
+def test_static_steps_of_layers_not_llama_s_run_the_modules_and_equal_eager(tiny, tiny_dir, arch, compile):
+    """Gemma 2's and OLMo 3's layers are not the Llama layer the fused pieces compute: their
+    static steps run the modules (compile asked or not: nothing to compile, no error) — Gemma 2's
+    static attention with its query scale and score cap, OLMo's norms after the sub-layers and
+    RoPE in float32 (with the static step's window mask)."""
+    target = fuse_projections(load_decoder(tiny_dir[arch])).use_static_steps(graphs=False, compile=compile)
     assert target.static.pieces is None
-    draft = fuse_projections(load_decoder(tiny_dir["gemma2-draft"])).use_static_steps()
+    draft = fuse_projections(load_decoder(tiny_dir[f"{arch}-draft"])).use_static_steps()
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     for prompt in PROMPTS:
-        reference = generate(tiny["gemma2"], prompt, params)[0]
+        reference = generate(tiny[arch], prompt, params)[0]
         assert generate(target, prompt, params)[0] == reference
         assert generate(target, prompt, params, ModelTreeDrafter(draft, 3, 2, 3))[0] == reference
 

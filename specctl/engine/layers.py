@@ -30,23 +30,25 @@ class Segments:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False, scale_in_float32: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.unit_offset = unit_offset  # Gemma's: weights stored as offsets from 1
+        self.scale_in_float32 = scale_in_float32 or unit_offset  # Gemma's and OLMo's: scaled before the cast
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.unit_offset:
-            return offset_rms_norm(x, self.weight, self.eps)
+        if self.scale_in_float32:
+            return float_scaled_rms_norm(x, self.weight, self.eps, 1.0 if self.unit_offset else 0.0)
         return rms_norm(x, self.weight, self.eps)
 
 
-def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma's RMSNorm: scaled by 1 + weight in float32, then cast back (Llama casts first)."""
+def float_scaled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    """Gemma's RMSNorm (offset 1: scaled by 1 + weight) and OLMo's (offset 0): scaled in float32,
+    then cast back (Llama casts first)."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (h * (1.0 + weight.float())).to(x.dtype)
+    return (h * (offset + weight.float())).to(x.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -90,9 +92,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(h * d, spec.hidden_size, bias=spec.output_bias)
         self.qkv_proj: nn.Module | None = None  # int8 models fuse q/k/v into one projection
         self.qkv_sizes = (h * d, kv * d, kv * d)
-        # Qwen3 normalises each head's queries and keys (over the head dim) before RoPE
-        self.q_norm = RMSNorm(d, spec.rms_eps, spec.unit_offset_norms) if spec.qk_norm else None
-        self.k_norm = RMSNorm(d, spec.rms_eps, spec.unit_offset_norms) if spec.qk_norm else None
+        # Qwen3 normalises each head's queries and keys (over the head dim) before RoPE; OLMo all
+        # heads' together (over the whole projection)
+        self.qk_norm_across_heads = spec.qk_norm_across_heads
+        q_width, k_width = (h * d, kv * d) if spec.qk_norm_across_heads else (d, d)
+        self.q_norm = RMSNorm(q_width, spec.rms_eps, **spec.norm_style) if spec.qk_norm else None
+        self.k_norm = RMSNorm(k_width, spec.rms_eps, **spec.norm_style) if spec.qk_norm else None
         self.attend = get_attention(backend, spec.attn_scale, spec.attn_softcap)
         scaled = spec.attn_scale is not None or spec.attn_softcap is not None
         self.static_attend = (functools.partial(static_attention, scale=spec.attn_scale, softcap=spec.attn_softcap)
@@ -112,13 +117,16 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, segments: "Segments", layer: int) -> torch.Tensor:
         b, n, _ = x.shape
         q, k, v = self.project(x)
+        if self.qk_norm_across_heads:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(b, n, self.num_heads, self.head_dim)
         k = k.reshape(b, n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_across_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.reshape(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # cast back: OLMo rotates in float32 (its cos/sin are; Decoder._ropes), a no-op otherwise
+        q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
         if isinstance(segments, StaticSegment):
             out = segments.attend(layer, q, torch.stack((k[0], v[0])), self.static_attend, self.window is not None)
         elif segments.paged is not None:
@@ -205,19 +213,26 @@ class DecoderLayer(nn.Module):
                                  functools.partial(MLP, spec, shared) if shared else None)
         else:
             self.mlp = MLP(spec)
-        norm = functools.partial(RMSNorm, spec.hidden_size, spec.rms_eps, spec.unit_offset_norms)
-        self.input_layernorm = norm()
-        # Llama's: the MLP's input norm; Gemma 2's (sandwich): the attention output's norm
+        norm = functools.partial(RMSNorm, spec.hidden_size, spec.rms_eps, **spec.norm_style)
+        self.post_norms = spec.post_norms  # OLMo 2/3: the sub-layers' outputs normed, not their inputs
+        if not self.post_norms:
+            self.input_layernorm = norm()
+        # Llama's: the MLP's input norm; Gemma 2's (sandwich) and OLMo's: the attention output's norm
         self.post_attention_layernorm = norm()
         self.sandwich = spec.sandwich_norms
         if self.sandwich:
-            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+            self.pre_feedforward_layernorm = norm()
+        if self.sandwich or self.post_norms:
+            self.post_feedforward_layernorm = norm()
         self.llama_shaped = spec.llama_layers
         self.residual_scale = spec.residual_scale  # Granite: each branch's output scaled before it is added
         # Gemma 3's sliding layers rotate with their own RoPE (Decoder._ropes)
         self.rotates_locally = spec.local_rope and spec.hf_config.layer_types[index] == "sliding_attention"
 
     def forward(self, x, cos, sin, segments: "Segments", layer: int) -> torch.Tensor:
+        if self.post_norms:
+            x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, segments, layer))
+            return x + self.post_feedforward_layernorm(self.mlp(x))
         if self.sandwich:
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, segments, layer))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))

@@ -42,7 +42,7 @@ class Decoder(nn.Module):
         self.attention_backend = backend
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size) if embed else None
         self.layers = nn.ModuleList(DecoderLayer(spec, backend, index) for index in range(first, last))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_eps, spec.unit_offset_norms) if head else None
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_eps, **spec.norm_style) if head else None
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if head else None
         inv_freq, self.rope_scaling = spec.inv_freq()
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -135,7 +135,9 @@ class Decoder(nn.Module):
             self.local_inv_freq = self.spec.inv_freq("sliding_attention")[0]
 
     def _ropes(self, positions: torch.Tensor, dtype: torch.dtype):
-        """(cos, sin) of ``positions`` for each layer: one pair shared, or Gemma 3's two."""
+        """(cos, sin) of ``positions`` for each layer: one pair shared, or Gemma 3's two; in
+        float32 where the model rotates in float32 (OLMo)."""
+        dtype = torch.float32 if self.spec.rope_in_float32 else dtype
         full = rope_cos_sin(self.inv_freq, self.rope_scaling, positions, dtype)
         if self.local_inv_freq is None:
             return [full] * len(self.layers)
@@ -148,11 +150,11 @@ class Decoder(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.layers[0].input_layernorm.weight.dtype
+        return self.layers[0].post_attention_layernorm.weight.dtype  # a norm every layer has
 
     @property
     def device(self) -> torch.device:
-        return self.layers[0].input_layernorm.weight.device
+        return self.layers[0].post_attention_layernorm.weight.device
 
     @property
     def kv_slot_bytes(self) -> int:

@@ -10,7 +10,7 @@ import torch
 from specctl.errors import BadRequest, UnsupportedArchitecture
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text", "qwen2_moe", "qwen3_moe",
-             "mixtral", "granite")
+             "mixtral", "granite", "olmo2", "olmo3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +43,12 @@ class ModelSpec:
     # Granite's scalars: each sub-layer's output times this before the residual add; logits divided by that
     residual_scale: float | None = None
     logit_divisor: float | None = None
+    # OLMo 2/3's: norms on the sub-layers' outputs only (none on their inputs), q/k normed across
+    # heads, norms scaled in float32 before the cast, RoPE applied in float32
+    post_norms: bool = False
+    qk_norm_across_heads: bool = False
+    norm_scale_in_float32: bool = False
+    rope_in_float32: bool = False
     # per layer: the sliding window it attends over (its last this-many positions), None = all
     layer_windows: tuple[int | None, ...] = ()
     # mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral): per layer whether its MLP is sparse, and the experts
@@ -63,7 +69,13 @@ class ModelSpec:
         """Layers as Llama's (the static step's fused pieces compute exactly these)."""
         return not (self.unit_offset_norms or self.sandwich_norms or self.activation != "silu"
                     or self.attn_scale is not None or self.attn_softcap is not None or any(self.sparse_layers)
-                    or self.residual_scale is not None or self.output_bias)
+                    or self.residual_scale is not None or self.output_bias or self.post_norms
+                    or self.qk_norm_across_heads or self.norm_scale_in_float32 or self.rope_in_float32)
+
+    @property
+    def norm_style(self) -> dict[str, bool]:
+        """RMSNorm's keyword arguments for this model's norms (engine.layers.RMSNorm)."""
+        return {"unit_offset": self.unit_offset_norms, "scale_in_float32": self.norm_scale_in_float32}
 
     @classmethod
     def from_hf(cls, config: Any) -> "ModelSpec":
@@ -101,12 +113,14 @@ class ModelSpec:
             # transformers gives o_proj attention_bias's bias in Llama's layer and those built on it
             output_bias=(bool(getattr(config, "attention_bias", False))
                          and arch not in ("qwen2", "qwen2_moe", "mistral", "phi3", "mixtral")),
-            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3_text"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3"),
             hf_config=config,
             layer_windows=layer_windows(config),
             **(_gemma(config) if arch.startswith("gemma") else {}),
             **(_experts(config) if arch in ("qwen2_moe", "qwen3_moe", "mixtral") else {}),
             **(_granite(config) if arch == "granite" else {}),
+            **(dict(post_norms=True, qk_norm_across_heads=True, norm_scale_in_float32=True, rope_in_float32=True)
+               if arch in ("olmo2", "olmo3") else {}),
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype, num_layers: int | None = None) -> int:

@@ -35,7 +35,8 @@ def make_byte_tokenizer(vocab_size: int = TINY_VOCAB):
 
 def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, layers: int = 4, hidden: int = 64, **overrides):
     from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, GraniteConfig, LlamaConfig, MixtralConfig,
-                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
+                              Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                              Qwen3MoeConfig)
 
     common = dict(
         vocab_size=vocab_size,
@@ -75,6 +76,9 @@ def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, layers: int =
         common = {"embedding_multiplier": 12.0, "attention_multiplier": 0.1, "residual_multiplier": 0.22,
                   "logits_scaling": 8.0, **common}
         return GraniteConfig(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
+    if arch in ("olmo2", "olmo3"):  # OLMo 3: every 4th layer full, the others sliding (give sliding_window)
+        config = Olmo2Config if arch == "olmo2" else Olmo3Config
+        return config(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
     if arch == "phi3":  # Phi-3's config defaults its special tokens to ids past a tiny vocabulary
         return Phi3Config(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
     if arch in ("gemma", "gemma2", "gemma3_text"):  # head_dim defaults to 256, special tokens sit past the vocabulary
