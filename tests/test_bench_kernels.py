@@ -51,7 +51,9 @@ def test_known_shapes_and_the_limit():
                                                   ("gemma3-270m", "gemma3_text", 0.268, 4, 256),
                                                   ("gemma3-1b", "gemma3_text", 1.0, 4, 256),
                                                   ("qwen3-30b-a3b", "qwen3_moe", 30.53, 32, 128),
-                                                  ("qwen1.5-moe-a2.7b", "qwen2_moe", 14.32, 16, 128)):
+                                                  ("qwen1.5-moe-a2.7b", "qwen2_moe", 14.32, 16, 128),
+                                                  ("starcoder2-3b", "starcoder2", 3.03, 24, 128),
+                                                  ("starcoder2-7b", "starcoder2", 7.17, 36, 128)):
         spec = ModelSpec.from_hf(shape_config(name))
         decoder = random_decoder(shape_config(name), torch.bfloat16, "meta")
         params = sum(p.numel() for p in decoder.parameters())  # a tied head shares the table: counted once

@@ -30,7 +30,7 @@ def _check_parity(path, ids: torch.Tensor, split: int):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
-                                  "mixtral", "granite", "olmo2", "olmo3"])
+                                  "mixtral", "granite", "olmo2", "olmo3", "starcoder2"])
 def test_tiny_parity_prefill_and_incremental(tiny_dir, arch):
     torch.manual_seed(0)
     _check_parity(tiny_dir[arch], torch.randint(0, 300, (24,)), split=17)
@@ -209,13 +209,7 @@ def test_attention_bias_gives_the_output_projection_its_bias_where_transformers_
     word (the logits 24-108 % off). The biases are drawn away from transformers' zeros."""
     from specctl.engine.tiny import make_tiny_model
 
-    path = make_tiny_model(tmp_path / arch, arch, seed=5, attention_bias=True)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("proj.bias"):
-                parameter.normal_(0.0, 0.5)
-    model.save_pretrained(path)
+    path = make_tiny_model(tmp_path / arch, arch, seed=5, bias_std=0.5, attention_bias=True)
     decoder = load_decoder(path)
     assert decoder.spec.output_bias and decoder.layers[0].self_attn.o_proj.bias is not None
     assert not decoder.spec.llama_layers  # the fused static pieces take no o_proj bias
@@ -269,6 +263,27 @@ def test_olmo_s_layer_equals_transformers_bitwise_in_bf16_and_each_departure_cou
         attn.qk_norm_across_heads = False
         attn.q_norm.weight.data, attn.k_norm.weight.data = attn.q_norm.weight[:16], attn.k_norm.weight[:16]
     assert _max_rel_diff(fp32(ids, torch.arange(40), fp32.new_cache(40)), ref) > 0.01
+
+
+def test_starcoder2_s_layer_norms_plain_mlp_and_biases_equal_transformers_bitwise_in_bf16(tiny_dir):
+    """StarCoder2: LayerNorm with biases (its norm_epsilon), c_fc -> GELU-tanh -> c_proj, biases
+    on every projection, every layer sliding (24 tokens here): bf16 logits 60 tokens in equal
+    transformers' to the bit."""
+    from torch import nn
+
+    from specctl.engine.layers import PlainMLP
+
+    decoder = load_decoder(tiny_dir["starcoder2"], torch.bfloat16)
+    layer = decoder.layers[0]
+    assert isinstance(layer.input_layernorm, nn.LayerNorm) and isinstance(layer.mlp, PlainMLP)
+    assert layer.self_attn.o_proj.bias is not None and decoder.spec.layer_windows == (24,) * 4
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (60,))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(tiny_dir["starcoder2"], dtype=torch.bfloat16,
+                                                   attn_implementation="sdpa").eval()(ids[None]).logits[0]
+    assert torch.equal(decoder(ids, torch.arange(60), decoder.new_cache(60)), ref.float())
+    assert ModelSpec.from_hf(tiny_config("starcoder2", norm_epsilon=1e-3)).rms_eps == 1e-3
 
 
 def test_granite_s_scalars_are_read_and_each_one_counts(tiny_dir):

@@ -38,7 +38,7 @@ def _sliding(path, arch: str, seed: int = 0, layers: int = 4):
     extra = {"phi3": {}, "gemma2": {"norm_std": 0.3, **GEMMA2_CAPS},
              "qwen2": {"use_sliding_window": True, "max_window_layers": layers // 2},
              "qwen3": {"use_sliding_window": True, "max_window_layers": layers // 2, "norm_std": 0.3},
-             "olmo3": {"norm_std": 0.3}}[arch]
+             "olmo3": {"norm_std": 0.3}, "starcoder2": {"norm_std": 0.3, "bias_std": 0.3}}[arch]
     return make_tiny_model(path, arch, seed=seed, layers=layers, sliding_window=WINDOW, **extra)
 
 
@@ -58,6 +58,7 @@ def sliding(tmp_path_factory):
     ("qwen3", (None, None, 24, 24)),
     ("gemma2", (24, None, 24, None)),
     ("olmo3", (24, 24, 24, None)),
+    ("starcoder2", (24,) * 4),
 ])
 def test_sliding_layers_decode_as_transformers_past_the_window(tmp_path, arch, windows):
     """80 tokens over a 24-token window: a prefill of 30 then one token at a time, and the same

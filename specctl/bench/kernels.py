@@ -65,6 +65,13 @@ SHAPES: dict[str, dict] = {
                           num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
                           tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                           norm_topk_prob=True),
+    # StarCoder2: LayerNorms, a plain GELU MLP, biases everywhere, a 4k window over every layer
+    "starcoder2-3b": dict(model_type="starcoder2", hidden_size=3072, intermediate_size=12288, num_hidden_layers=30,
+                          num_attention_heads=24, num_key_value_heads=2, vocab_size=49152, tie_word_embeddings=True,
+                          sliding_window=4096, norm_epsilon=1e-5),
+    "starcoder2-7b": dict(model_type="starcoder2", hidden_size=4608, intermediate_size=18432, num_hidden_layers=32,
+                          num_attention_heads=36, num_key_value_heads=4, vocab_size=49152, tie_word_embeddings=True,
+                          sliding_window=4096, norm_epsilon=1e-5),
     # Qwen1.5-MoE: 60 experts of 1408, 4 a token, and a shared expert of 5632 every token reads (2.7B of 14.3B)
     "qwen1.5-moe-a2.7b": dict(model_type="qwen2_moe", hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
                               num_attention_heads=16, num_key_value_heads=16, vocab_size=151936,

@@ -43,6 +43,14 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+def make_norm(spec: ModelSpec, dim: int) -> nn.Module:
+    """A norm of the model's kind over ``dim`` features: RMSNorm (in its style), or StarCoder2's
+    LayerNorm with a bias."""
+    if spec.layer_norm:
+        return nn.LayerNorm(dim, eps=spec.rms_eps)
+    return RMSNorm(dim, spec.rms_eps, **spec.norm_style)
+
+
 def float_scaled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
     """Gemma's RMSNorm (offset 1: scaled by 1 + weight) and OLMo's (offset 0): scaled in float32,
     then cast back (Llama casts first)."""
@@ -171,6 +179,21 @@ class MLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
+class PlainMLP(nn.Module):
+    """StarCoder2's MLP: no gate, c_fc -> activation -> c_proj."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        self.act = ACT2FN[spec.activation]
+        self.c_fc = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
+        self.c_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
 def before_attention(h, qkv_weight, qkv_bias, cos, sin, heads: int, kv_heads: int, head_dim: int,
                      q_norm_weight=None, k_norm_weight=None, eps: float = 0.0):
     """A static step's layer up to attention, on plain tensors (so one compiled function serves
@@ -212,8 +235,8 @@ class DecoderLayer(nn.Module):
                                  functools.partial(MLP, spec, spec.expert_intermediate_size),
                                  functools.partial(MLP, spec, shared) if shared else None)
         else:
-            self.mlp = MLP(spec)
-        norm = functools.partial(RMSNorm, spec.hidden_size, spec.rms_eps, **spec.norm_style)
+            self.mlp = MLP(spec) if spec.gated_mlp else PlainMLP(spec)
+        norm = functools.partial(make_norm, spec, spec.hidden_size)
         self.post_norms = spec.post_norms  # OLMo 2/3: the sub-layers' outputs normed, not their inputs
         if not self.post_norms:
             self.input_layernorm = norm()
@@ -283,8 +306,8 @@ def fuse_projections(decoder: nn.Module) -> nn.Module:
         if attn.qkv_proj is None:
             attn.qkv_proj = fused_linear([attn.q_proj, attn.k_proj, attn.v_proj])
             attn.q_proj = attn.k_proj = attn.v_proj = None
-        for mlp in mlps(layer.mlp):  # a sparse layer's experts each
-            if mlp.gate_up_proj is None:
+        for mlp in mlps(layer.mlp):  # a sparse layer's experts each (a plain MLP has nothing to fuse)
+            if isinstance(mlp, MLP) and mlp.gate_up_proj is None:
                 mlp.gate_up_proj = fused_linear([mlp.gate_proj, mlp.up_proj])
                 mlp.gate_proj = mlp.up_proj = None
     return decoder

@@ -14,7 +14,7 @@ from torch import nn
 
 from specctl.engine.kv_arena import KVArena
 from specctl.engine.kv_cache import KVCache, KVPool, kv_slot_bytes
-from specctl.engine.layers import DecoderLayer, RMSNorm, Segments, rope_cos_sin
+from specctl.engine.layers import DecoderLayer, Segments, make_norm, rope_cos_sin
 from specctl.engine.prefix_cache import PrefixCache
 from specctl.engine.spec import ModelSpec
 from specctl.engine.static import CUDA_LOCK, StaticRunner, StaticSegment
@@ -42,7 +42,7 @@ class Decoder(nn.Module):
         self.attention_backend = backend
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size) if embed else None
         self.layers = nn.ModuleList(DecoderLayer(spec, backend, index) for index in range(first, last))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_eps, **spec.norm_style) if head else None
+        self.norm = make_norm(spec, spec.hidden_size) if head else None
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if head else None
         inv_freq, self.rope_scaling = spec.inv_freq()
         self.register_buffer("inv_freq", inv_freq, persistent=False)

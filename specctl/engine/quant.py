@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from specctl.config import QUANTS
+from specctl.engine.layers import PlainMLP
 from specctl.engine.model import Decoder
 from specctl.engine.moe import SparseMoE, mlps
 from specctl.errors import ConfigError
@@ -127,6 +128,9 @@ def quantize_decoder(decoder: Decoder, mode: str) -> Decoder:
             if layer.mlp.shared_expert_gate is not None:  # Qwen2-MoE's shared expert's gate, for the same reason
                 layer.mlp.shared_expert_gate = RowScaledInt8Linear([layer.mlp.shared_expert_gate])
         for mlp in mlps(layer.mlp):  # a sparse layer's experts each
+            if isinstance(mlp, PlainMLP):  # StarCoder2's: no gate
+                mlp.c_fc, mlp.c_proj = RowScaledInt8Linear([mlp.c_fc]), RowScaledInt8Linear([mlp.c_proj])
+                continue
             mlp.gate_up_proj = RowScaledInt8Linear([mlp.gate_proj, mlp.up_proj])
             mlp.gate_proj = mlp.up_proj = None
             mlp.down_proj = RowScaledInt8Linear([mlp.down_proj])

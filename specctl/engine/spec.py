@@ -10,7 +10,7 @@ import torch
 from specctl.errors import BadRequest, UnsupportedArchitecture
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text", "qwen2_moe", "qwen3_moe",
-             "mixtral", "granite", "olmo2", "olmo3")
+             "mixtral", "granite", "olmo2", "olmo3", "starcoder2")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +49,10 @@ class ModelSpec:
     qk_norm_across_heads: bool = False
     norm_scale_in_float32: bool = False
     rope_in_float32: bool = False
+    # StarCoder2's: LayerNorm (with biases) in place of RMSNorm, and an MLP that is not gated
+    # (c_fc -> activation -> c_proj)
+    layer_norm: bool = False
+    gated_mlp: bool = True
     # per layer: the sliding window it attends over (its last this-many positions), None = all
     layer_windows: tuple[int | None, ...] = ()
     # mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral): per layer whether its MLP is sparse, and the experts
@@ -70,7 +74,8 @@ class ModelSpec:
         return not (self.unit_offset_norms or self.sandwich_norms or self.activation != "silu"
                     or self.attn_scale is not None or self.attn_softcap is not None or any(self.sparse_layers)
                     or self.residual_scale is not None or self.output_bias or self.post_norms
-                    or self.qk_norm_across_heads or self.norm_scale_in_float32 or self.rope_in_float32)
+                    or self.qk_norm_across_heads or self.norm_scale_in_float32 or self.rope_in_float32
+                    or self.layer_norm or not self.gated_mlp)
 
     @property
     def norm_style(self) -> dict[str, bool]:
@@ -93,7 +98,7 @@ class ModelSpec:
             )
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return cls(
+        common = dict(
             arch=arch,
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
@@ -102,7 +107,7 @@ class ModelSpec:
             num_heads=heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
-            rms_eps=config.rms_norm_eps,
+            rms_eps=config.norm_epsilon if arch == "starcoder2" else config.rms_norm_eps,
             max_position=context_limit(config),
             tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases, Qwen2-MoE when qkv_bias (its default); Llama and Qwen3 when
@@ -116,12 +121,14 @@ class ModelSpec:
             qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3"),
             hf_config=config,
             layer_windows=layer_windows(config),
-            **(_gemma(config) if arch.startswith("gemma") else {}),
-            **(_experts(config) if arch in ("qwen2_moe", "qwen3_moe", "mixtral") else {}),
-            **(_granite(config) if arch == "granite" else {}),
-            **(dict(post_norms=True, qk_norm_across_heads=True, norm_scale_in_float32=True, rope_in_float32=True)
-               if arch in ("olmo2", "olmo3") else {}),
         )
+        family = {**(_gemma(config) if arch.startswith("gemma") else {}),
+                  **(_experts(config) if arch in ("qwen2_moe", "qwen3_moe", "mixtral") else {}),
+                  **(_granite(config) if arch == "granite" else {}),
+                  **(dict(post_norms=True, qk_norm_across_heads=True, norm_scale_in_float32=True, rope_in_float32=True)
+                     if arch in ("olmo2", "olmo3") else {}),
+                  **(_starcoder2(config) if arch == "starcoder2" else {})}
+        return cls(**{**common, **family})  # a family's own facts over the common reading
 
     def kv_bytes_per_token(self, dtype: torch.dtype, num_layers: int | None = None) -> int:
         layers = self.num_layers if num_layers is None else num_layers
@@ -171,6 +178,13 @@ def _gemma(config: Any) -> dict[str, Any]:
     )
 
 
+def _starcoder2(config: Any) -> dict[str, Any]:
+    """StarCoder2's layer (transformers' modeling_starcoder2): LayerNorm with biases, a plain
+    MLP (c_fc, GELU-tanh, c_proj), biases on every projection when ``use_bias``."""
+    return dict(layer_norm=True, gated_mlp=False, activation=config.hidden_act, attention_bias=config.use_bias,
+                mlp_bias=config.use_bias, output_bias=config.use_bias)
+
+
 def _granite(config: Any) -> dict[str, Any]:
     """Granite's four scalars (transformers' modeling_granite): the embeddings' multiplier, the
     attention's query scale, the residual branches' multiplier, the logits' divisor."""
@@ -198,8 +212,8 @@ def _experts(config: Any) -> dict[str, Any]:
 
 
 def layer_windows(config: Any) -> tuple[int | None, ...]:
-    """Each layer's attention window (None: full), as transformers slides them: Mistral's and
-    Phi-3's ``sliding_window`` every layer (they have no ``layer_types``; Phi-3-mini-4k: 2047),
+    """Each layer's attention window (None: full), as transformers slides them: Mistral's,
+    Phi-3's and StarCoder2's ``sliding_window`` every layer (they have no ``layer_types``; Phi-3-mini-4k: 2047),
     Qwen2/Qwen3's and Gemma 2's the layers ``layer_types`` names sliding (Qwen: past
     ``max_window_layers`` when ``use_sliding_window``; Gemma 2: every other one)."""
     window = getattr(config, "sliding_window", None)
@@ -214,7 +228,7 @@ def layer_windows(config: Any) -> tuple[int | None, ...]:
         if len(layer_types) != layers:
             raise UnsupportedArchitecture(f"layer_types names {len(layer_types)} layers, the model has {layers}")
         return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
-    return ((window,) if config.model_type in ("mistral", "phi3") else (None,)) * layers
+    return ((window,) if config.model_type in ("mistral", "phi3", "starcoder2") else (None,)) * layers
 
 
 def context_limit(config: Any) -> int:

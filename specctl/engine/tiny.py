@@ -36,7 +36,7 @@ def make_byte_tokenizer(vocab_size: int = TINY_VOCAB):
 def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, layers: int = 4, hidden: int = 64, **overrides):
     from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, GraniteConfig, LlamaConfig, MixtralConfig,
                               Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
-                              Qwen3MoeConfig)
+                              Qwen3MoeConfig, Starcoder2Config)
 
     common = dict(
         vocab_size=vocab_size,
@@ -79,6 +79,9 @@ def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, layers: int =
     if arch in ("olmo2", "olmo3"):  # OLMo 3: every 4th layer full, the others sliding (give sliding_window)
         config = Olmo2Config if arch == "olmo2" else Olmo3Config
         return config(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
+    if arch == "starcoder2":  # its LayerNorms' epsilon is norm_epsilon
+        common.setdefault("norm_epsilon", common.pop("rms_norm_eps"))
+        return Starcoder2Config(tie_word_embeddings=common.pop("tie_word_embeddings", True), **common)
     if arch == "phi3":  # Phi-3's config defaults its special tokens to ids past a tiny vocabulary
         return Phi3Config(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
     if arch in ("gemma", "gemma2", "gemma3_text"):  # head_dim defaults to 256, special tokens sit past the vocabulary
@@ -91,7 +94,8 @@ def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, layers: int =
 
 
 def make_tiny_model(directory: Path | str, arch: str = "llama", seed: int = 0, init_std: float = 0.1,
-                    dtype: torch.dtype = torch.float32, norm_std: float = 0.0, **config) -> Path:
+                    dtype: torch.dtype = torch.float32, norm_std: float = 0.0, bias_std: float = 0.0,
+                    **config) -> Path:
     """Write a random-weight checkpoint (config.json, safetensors, tokenizer) to ``directory``,
     its weights stored in ``dtype`` (bf16, as the packaged models are stored, for the loaders
     that keep a checkpoint's dtype).
@@ -99,7 +103,8 @@ def make_tiny_model(directory: Path | str, arch: str = "llama", seed: int = 0, i
     ``init_std`` larger than the usual 0.02 gives peaked, varied next-token distributions, so
     greedy decoding does not collapse into repeating one token. ``norm_std`` > 0 draws every
     RMSNorm weight as 1 + N(0, norm_std) (they start at ones; Gemma's, offsets from one, at zeros:
-    N(0, norm_std)), so a test sees each norm's weight used."""
+    N(0, norm_std)), so a test sees each norm's weight used; ``bias_std`` > 0 draws every bias
+    (transformers starts them at zeros) as N(0, bias_std)."""
     from transformers import AutoModelForCausalLM
 
     directory = Path(directory)
@@ -107,11 +112,12 @@ def make_tiny_model(directory: Path | str, arch: str = "llama", seed: int = 0, i
     cfg.initializer_range = init_std
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    if norm_std:
-        with torch.no_grad():
-            for name, weight in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    weight.add_(torch.randn_like(weight) * norm_std)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if norm_std and name.endswith("norm.weight"):
+                weight.add_(torch.randn_like(weight) * norm_std)
+            if bias_std and name.endswith(".bias"):
+                weight.normal_(0.0, bias_std)
     model.to(dtype).save_pretrained(directory)
     if cfg.vocab_size >= TINY_VOCAB:  # smaller vocabularies are for token-level tests only
         make_byte_tokenizer(cfg.vocab_size).save_pretrained(directory)
