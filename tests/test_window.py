@@ -38,7 +38,7 @@ def _sliding(path, arch: str, seed: int = 0, layers: int = 4):
     extra = {"phi3": {}, "gemma2": {"norm_std": 0.3, **GEMMA2_CAPS},
              "qwen2": {"use_sliding_window": True, "max_window_layers": layers // 2},
              "qwen3": {"use_sliding_window": True, "max_window_layers": layers // 2, "norm_std": 0.3},
-             "olmo3": {"norm_std": 0.3}, "starcoder2": {"norm_std": 0.3, "bias_std": 0.3}}[arch]
+             "olmo3": {"norm_std": 0.3}, "starcoder2": {"norm_std": 0.3, "bias_std": 0.1}}[arch]
     return make_tiny_model(path, arch, seed=seed, layers=layers, sliding_window=WINDOW, **extra)
 
 
