@@ -30,7 +30,7 @@ def _check_parity(path, ids: torch.Tensor, split: int):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
-                                  "mixtral", "granite", "olmo2", "olmo3", "starcoder2"])
+                                  "mixtral", "granite", "olmo2", "olmo3", "starcoder2", "smollm3"])
 def test_tiny_parity_prefill_and_incremental(tiny_dir, arch):
     torch.manual_seed(0)
     _check_parity(tiny_dir[arch], torch.randint(0, 300, (24,)), split=17)
@@ -284,6 +284,28 @@ def test_starcoder2_s_layer_norms_plain_mlp_and_biases_equal_transformers_bitwis
                                                    attn_implementation="sdpa").eval()(ids[None]).logits[0]
     assert torch.equal(decoder(ids, torch.arange(60), decoder.new_cache(60)), ref.float())
     assert ModelSpec.from_hf(tiny_config("starcoder2", norm_epsilon=1e-3)).rms_eps == 1e-3
+
+
+def test_smollm3_s_nope_layers_do_not_rotate_and_its_unused_window_stays_off(tiny_dir, tmp_path):
+    """SmolLM3: every 4th layer attends without RoPE (no_rope_layers); rotating it too moves the
+    logits (measured 21 %). Its config keeps a sliding_window that use_sliding_window turns on
+    (then its NoPE layers slide, as transformers builds layer_types) or leaves off."""
+    from specctl.engine.tiny import make_tiny_model
+
+    decoder = load_decoder(tiny_dir["smollm3"])
+    assert [layer.rotates for layer in decoder.layers] == [True, True, True, False]
+    assert not decoder.spec.llama_layers  # the fused pieces rotate every layer
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (40,))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(tiny_dir["smollm3"], dtype=torch.float32).eval()(ids[None]).logits[0]
+    for layer in decoder.layers:
+        layer.rotates = True
+    assert _max_rel_diff(decoder(ids, torch.arange(40), decoder.new_cache(40)), ref) > 0.05
+    assert ModelSpec.from_hf(tiny_config("smollm3", sliding_window=24)).layer_windows == (None,) * 4
+    path = make_tiny_model(tmp_path / "w", "smollm3", seed=3, init_std=0.2, use_sliding_window=True, sliding_window=24)
+    assert load_decoder(path).spec.layer_windows == (None, None, None, 24)
+    _check_parity(path, torch.randint(0, 300, (60,)), split=30)
 
 
 def test_granite_s_scalars_are_read_and_each_one_counts(tiny_dir):

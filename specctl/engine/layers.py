@@ -133,8 +133,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.reshape(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        # cast back: OLMo rotates in float32 (its cos/sin are; Decoder._ropes), a no-op otherwise
-        q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
+        if cos is not None:  # None: a NoPE layer (SmolLM3's every 4th)
+            # cast back: OLMo rotates in float32 (its cos/sin are; Decoder._ropes), a no-op otherwise
+            q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
         if isinstance(segments, StaticSegment):
             out = segments.attend(layer, q, torch.stack((k[0], v[0])), self.static_attend, self.window is not None)
         elif segments.paged is not None:
@@ -249,8 +250,9 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = norm()
         self.llama_shaped = spec.llama_layers
         self.residual_scale = spec.residual_scale  # Granite: each branch's output scaled before it is added
-        # Gemma 3's sliding layers rotate with their own RoPE (Decoder._ropes)
+        # Gemma 3's sliding layers rotate with their own RoPE (Decoder._ropes); SmolLM3's NoPE ones not at all
         self.rotates_locally = spec.local_rope and spec.hf_config.layer_types[index] == "sliding_attention"
+        self.rotates = spec.rope_layers[index] if spec.rope_layers else True
 
     def forward(self, x, cos, sin, segments: "Segments", layer: int) -> torch.Tensor:
         if self.post_norms:

@@ -136,13 +136,16 @@ class Decoder(nn.Module):
 
     def _ropes(self, positions: torch.Tensor, dtype: torch.dtype):
         """(cos, sin) of ``positions`` for each layer: one pair shared, or Gemma 3's two; in
-        float32 where the model rotates in float32 (OLMo)."""
+        float32 where the model rotates in float32 (OLMo); (None, None) for a layer that does not
+        rotate (SmolLM3's NoPE layers)."""
         dtype = torch.float32 if self.spec.rope_in_float32 else dtype
         full = rope_cos_sin(self.inv_freq, self.rope_scaling, positions, dtype)
-        if self.local_inv_freq is None:
+        local = (None if self.local_inv_freq is None
+                 else rope_cos_sin(self.local_inv_freq, self.local_rope_scaling, positions, dtype))
+        if local is None and all(layer.rotates for layer in self.layers):
             return [full] * len(self.layers)
-        local = rope_cos_sin(self.local_inv_freq, self.local_rope_scaling, positions, dtype)
-        return [local if layer.rotates_locally else full for layer in self.layers]
+        return [(None, None) if not layer.rotates else local if layer.rotates_locally else full
+                for layer in self.layers]
 
     @property
     def num_layers(self) -> int:

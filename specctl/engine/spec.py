@@ -10,7 +10,7 @@ import torch
 from specctl.errors import BadRequest, UnsupportedArchitecture
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text", "qwen2_moe", "qwen3_moe",
-             "mixtral", "granite", "olmo2", "olmo3", "starcoder2")
+             "mixtral", "granite", "olmo2", "olmo3", "starcoder2", "smollm3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +53,8 @@ class ModelSpec:
     # (c_fc -> activation -> c_proj)
     layer_norm: bool = False
     gated_mlp: bool = True
+    # per layer: whether it rotates its queries and keys (SmolLM3's NoPE layers do not); () = all do
+    rope_layers: tuple[bool, ...] = ()
     # per layer: the sliding window it attends over (its last this-many positions), None = all
     layer_windows: tuple[int | None, ...] = ()
     # mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral): per layer whether its MLP is sparse, and the experts
@@ -75,7 +77,7 @@ class ModelSpec:
                     or self.attn_scale is not None or self.attn_softcap is not None or any(self.sparse_layers)
                     or self.residual_scale is not None or self.output_bias or self.post_norms
                     or self.qk_norm_across_heads or self.norm_scale_in_float32 or self.rope_in_float32
-                    or self.layer_norm or not self.gated_mlp)
+                    or self.layer_norm or not self.gated_mlp or not all(self.rope_layers))
 
     @property
     def norm_style(self) -> dict[str, bool]:
@@ -127,7 +129,9 @@ class ModelSpec:
                   **(_granite(config) if arch == "granite" else {}),
                   **(dict(post_norms=True, qk_norm_across_heads=True, norm_scale_in_float32=True, rope_in_float32=True)
                      if arch in ("olmo2", "olmo3") else {}),
-                  **(_starcoder2(config) if arch == "starcoder2" else {})}
+                  **(_starcoder2(config) if arch == "starcoder2" else {}),
+                  # SmolLM3: no_rope_layers[i] is 1 where layer i rotates (every 4th does not)
+                  **(dict(rope_layers=tuple(map(bool, config.no_rope_layers))) if arch == "smollm3" else {})}
         return cls(**{**common, **family})  # a family's own facts over the common reading
 
     def kv_bytes_per_token(self, dtype: torch.dtype, num_layers: int | None = None) -> int:
@@ -217,6 +221,8 @@ def layer_windows(config: Any) -> tuple[int | None, ...]:
     Qwen2/Qwen3's and Gemma 2's the layers ``layer_types`` names sliding (Qwen: past
     ``max_window_layers`` when ``use_sliding_window``; Gemma 2: every other one)."""
     window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False:  # SmolLM3 keeps a window it does not use
+        window = None
     layers = config.num_hidden_layers
     layer_types = getattr(config, "layer_types", None)
     if not window:
