@@ -40,7 +40,7 @@ GEMMA3 = {"sliding_window": 24, "tie_word_embeddings": False,
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> dict[str, Path]:
-    """Tiny random-weight checkpoints: fourteen architectures, drafts that disagree."""
+    """Tiny random-weight checkpoints: fifteen architectures, drafts that disagree."""
     root = tmp_path_factory.mktemp("tiny")
     paths = {
         "llama": make_tiny_model(root / "llama", "llama", seed=0),
@@ -89,6 +89,11 @@ def tiny_dir(tmp_path_factory) -> dict[str, Path]:
         # SmolLM3: Llama's layer, its 4th layer without RoPE (NoPE)
         "smollm3": make_tiny_model(root / "smollm3", "smollm3", seed=28, init_std=0.2),
         "smollm3-draft": make_tiny_model(root / "smollm3-draft", "smollm3", seed=29, layers=2, init_std=0.2),
+        # GLM-4: four norms a layer under its own names, gate/up fused in the checkpoint, q/k/v biases, RoPE
+        # on half of each head with neighbouring dims paired
+        "glm4": make_tiny_model(root / "glm4", "glm4", seed=30, init_std=0.2, norm_std=0.3, bias_std=0.1),
+        "glm4-draft": make_tiny_model(root / "glm4-draft", "glm4", seed=31, layers=2, init_std=0.2, norm_std=0.3,
+                                      bias_std=0.1),
         # Granite: its embedding, attention, residual and logit scalars (tiny_config sets them away from 1)
         "granite": make_tiny_model(root / "granite", "granite", seed=20),
         "granite-draft": make_tiny_model(root / "granite-draft", "granite", seed=21, layers=2),
@@ -101,7 +106,7 @@ def tiny(tiny_dir):
     """Loaded fp32 decoders: target, disagreeing draft, and the target's first 2 layers."""
     out = {}
     for arch in ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe", "mixtral", "granite",
-                 "olmo2", "olmo3", "starcoder2", "smollm3"):
+                 "olmo2", "olmo3", "starcoder2", "smollm3", "glm4"):
         out[arch] = load_decoder(tiny_dir[arch])
         out[f"{arch}-draft"] = load_decoder(tiny_dir[f"{arch}-draft"])
         out[f"{arch}-self2"] = load_decoder(tiny_dir[arch], layer_range=(0, 2))

@@ -30,7 +30,7 @@ def _check_parity(path, ids: torch.Tensor, split: int):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
-                                  "mixtral", "granite", "olmo2", "olmo3", "starcoder2", "smollm3"])
+                                  "mixtral", "granite", "olmo2", "olmo3", "starcoder2", "smollm3", "glm4"])
 def test_tiny_parity_prefill_and_incremental(tiny_dir, arch):
     torch.manual_seed(0)
     _check_parity(tiny_dir[arch], torch.randint(0, 300, (24,)), split=17)
@@ -306,6 +306,37 @@ def test_smollm3_s_nope_layers_do_not_rotate_and_its_unused_window_stays_off(tin
     path = make_tiny_model(tmp_path / "w", "smollm3", seed=3, init_std=0.2, use_sliding_window=True, sliding_window=24)
     assert load_decoder(path).spec.layer_windows == (None, None, None, 24)
     _check_parity(path, torch.randint(0, 300, (60,)), split=30)
+
+
+def test_glm4_s_norm_names_fused_mlp_and_paired_rope_read_as_transformers_does(tiny_dir):
+    """GLM-4: its post_self_attn / post_attention / post_mlp norms are Gemma 2's after-attention,
+    before-MLP and after-MLP norms; gate/up stored fused; q/k/v biased, o_proj not; RoPE over
+    half of each head with neighbouring dims paired — bf16 logits equal transformers' to the bit,
+    and rotating the halves instead moves them."""
+    from safetensors import safe_open
+
+    decoder = load_decoder(tiny_dir["glm4"], torch.bfloat16)
+    layer = decoder.layers[1]
+    with safe_open(str(tiny_dir["glm4"] / "model.safetensors"), framework="pt") as f:
+        assert torch.equal(layer.pre_feedforward_layernorm.weight,
+                           f.get_tensor("model.layers.1.post_attention_layernorm.weight").bfloat16())
+        assert torch.equal(layer.post_attention_layernorm.weight,
+                           f.get_tensor("model.layers.1.post_self_attn_layernorm.weight").bfloat16())
+        assert torch.equal(layer.mlp.up_proj.weight, f.get_tensor("model.layers.1.mlp.gate_up_proj.weight")[128:].bfloat16())
+    assert layer.self_attn.q_proj.bias is not None and layer.self_attn.o_proj.bias is None
+    assert decoder.inv_freq.numel() == 4  # 8 of each head's 16 dims rotate
+    stage = load_decoder(tiny_dir["glm4"], torch.bfloat16, layer_range=(1, 3), embed=False, head=False)
+    assert torch.equal(stage.layers[0].post_feedforward_layernorm.weight, layer.post_feedforward_layernorm.weight)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (40,))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(tiny_dir["glm4"], dtype=torch.bfloat16,
+                                                   attn_implementation="sdpa").eval()(ids[None]).logits[0]
+    assert torch.equal(decoder(ids, torch.arange(40), decoder.new_cache(40)), ref.float())
+    object.__setattr__(decoder.spec, "rope_interleaved", False)
+    for layer in decoder.layers:
+        layer.self_attn.rope_interleaved = False
+    assert _max_rel_diff(decoder(ids, torch.arange(40), decoder.new_cache(40)), ref.float()) > 0.01
 
 
 def test_granite_s_scalars_are_read_and_each_one_counts(tiny_dir):

@@ -66,10 +66,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, scaling: float, positions: torch.Tensor, dtype: torch.dtype):
-    """cos/sin for positions [n], shaped [1, 1, n, D] to broadcast over [B, H, n, D]."""
+def rope_cos_sin(inv_freq: torch.Tensor, scaling: float, positions: torch.Tensor, dtype: torch.dtype,
+                 interleaved: bool = False):
+    """cos/sin for positions [n], shaped [1, 1, n, D] to broadcast over [B, H, n, D]; each
+    frequency twice in a row where neighbouring dims pair (GLM-4's layout), else its halves'."""
     freqs = positions.float().unsqueeze(-1) * inv_freq.unsqueeze(0)
-    emb = torch.cat((freqs, freqs), dim=-1)
+    emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * scaling).to(dtype)[None, None], (emb.sin() * scaling).to(dtype)[None, None]
 
 
@@ -78,14 +80,21 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """rotate_half for neighbouring pairs: (x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...)."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """RoPE over the first cos.shape[-1] dims of each head; the rest pass unrotated (partial
-    rotary: Phi-4-mini's 0.75), as transformers' Phi-3 applies it."""
+    rotary: Phi-4-mini's 0.75, GLM-4's 0.5), as transformers' Phi-3 applies it; ``interleaved``:
+    neighbouring dims rotate together (GLM-4), with cos/sin in that layout (rope_cos_sin)."""
+    rotate = rotate_pairs if interleaved else rotate_half
     rotary = cos.shape[-1]
     if rotary == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
+        return x * cos + rotate(x) * sin
     rotated, passed = x[..., :rotary], x[..., rotary:]
-    return torch.cat((rotated * cos + rotate_half(rotated) * sin, passed), dim=-1)
+    return torch.cat((rotated * cos + rotate(rotated) * sin, passed), dim=-1)
 
 
 class Attention(nn.Module):
@@ -103,6 +112,7 @@ class Attention(nn.Module):
         # Qwen3 normalises each head's queries and keys (over the head dim) before RoPE; OLMo all
         # heads' together (over the whole projection)
         self.qk_norm_across_heads = spec.qk_norm_across_heads
+        self.rope_interleaved = spec.rope_interleaved
         q_width, k_width = (h * d, kv * d) if spec.qk_norm_across_heads else (d, d)
         self.q_norm = RMSNorm(q_width, spec.rms_eps, **spec.norm_style) if spec.qk_norm else None
         self.k_norm = RMSNorm(k_width, spec.rms_eps, **spec.norm_style) if spec.qk_norm else None
@@ -135,7 +145,8 @@ class Attention(nn.Module):
         v = v.reshape(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if cos is not None:  # None: a NoPE layer (SmolLM3's every 4th)
             # cast back: OLMo rotates in float32 (its cos/sin are; Decoder._ropes), a no-op otherwise
-            q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
+            pairs = self.rope_interleaved
+            q, k = apply_rope(q, cos, sin, pairs).to(v.dtype), apply_rope(k, cos, sin, pairs).to(v.dtype)
         if isinstance(segments, StaticSegment):
             out = segments.attend(layer, q, torch.stack((k[0], v[0])), self.static_attend, self.window is not None)
         elif segments.paged is not None:

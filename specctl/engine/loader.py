@@ -140,9 +140,19 @@ def _part_of(key: str, first: int, last: int, embed: bool, head: bool, tied: boo
 MIXTRAL_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
+# GLM-4's names of Gemma 2's four norms: after attention, before and after the MLP
+GLM4_NORMS = {"post_attention_layernorm": "post_self_attn_layernorm",
+              "pre_feedforward_layernorm": "post_attention_layernorm",
+              "post_feedforward_layernorm": "post_mlp_layernorm"}
+
+
 def checkpoint_name(spec: ModelSpec, name: str) -> str:
     """A layer's tensor name as the checkpoint spells it: Mixtral's sparse MLP is
-    ``block_sparse_moe`` with experts' ``w1`` (gate), ``w3`` (up), ``w2`` (down)."""
+    ``block_sparse_moe`` with experts' ``w1`` (gate), ``w3`` (up), ``w2`` (down); GLM-4's norms
+    are named for where they sit (GLM4_NORMS)."""
+    if spec.arch == "glm4":
+        module, _, rest = name.partition(".")
+        return f"{GLM4_NORMS.get(module, module)}.{rest}"
     if spec.arch != "mixtral" or not name.startswith("mlp."):
         return name
     parts = name.split(".")

@@ -139,9 +139,10 @@ class Decoder(nn.Module):
         float32 where the model rotates in float32 (OLMo); (None, None) for a layer that does not
         rotate (SmolLM3's NoPE layers)."""
         dtype = torch.float32 if self.spec.rope_in_float32 else dtype
-        full = rope_cos_sin(self.inv_freq, self.rope_scaling, positions, dtype)
+        pairs = self.spec.rope_interleaved
+        full = rope_cos_sin(self.inv_freq, self.rope_scaling, positions, dtype, pairs)
         local = (None if self.local_inv_freq is None
-                 else rope_cos_sin(self.local_inv_freq, self.local_rope_scaling, positions, dtype))
+                 else rope_cos_sin(self.local_inv_freq, self.local_rope_scaling, positions, dtype, pairs))
         if local is None and all(layer.rotates for layer in self.layers):
             return [full] * len(self.layers)
         return [(None, None) if not layer.rotates else local if layer.rotates_locally else full

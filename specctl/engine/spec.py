@@ -10,7 +10,7 @@ import torch
 from specctl.errors import BadRequest, UnsupportedArchitecture
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text", "qwen2_moe", "qwen3_moe",
-             "mixtral", "granite", "olmo2", "olmo3", "starcoder2", "smollm3")
+             "mixtral", "granite", "olmo2", "olmo3", "starcoder2", "smollm3", "glm4")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +53,8 @@ class ModelSpec:
     # (c_fc -> activation -> c_proj)
     layer_norm: bool = False
     gated_mlp: bool = True
+    # GLM-4's RoPE pairs neighbouring dims (0-1, 2-3, ...), not the halves of the rotated part
+    rope_interleaved: bool = False
     # per layer: whether it rotates its queries and keys (SmolLM3's NoPE layers do not); () = all do
     rope_layers: tuple[bool, ...] = ()
     # per layer: the sliding window it attends over (its last this-many positions), None = all
@@ -77,7 +79,7 @@ class ModelSpec:
                     or self.attn_scale is not None or self.attn_softcap is not None or any(self.sparse_layers)
                     or self.residual_scale is not None or self.output_bias or self.post_norms
                     or self.qk_norm_across_heads or self.norm_scale_in_float32 or self.rope_in_float32
-                    or self.layer_norm or not self.gated_mlp or not all(self.rope_layers))
+                    or self.layer_norm or not self.gated_mlp or not all(self.rope_layers) or self.rope_interleaved)
 
     @property
     def norm_style(self) -> dict[str, bool]:
@@ -119,7 +121,7 @@ class ModelSpec:
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             # transformers gives o_proj attention_bias's bias in Llama's layer and those built on it
             output_bias=(bool(getattr(config, "attention_bias", False))
-                         and arch not in ("qwen2", "qwen2_moe", "mistral", "phi3", "mixtral")),
+                         and arch not in ("qwen2", "qwen2_moe", "mistral", "phi3", "mixtral", "glm4")),
             qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3"),
             hf_config=config,
             layer_windows=layer_windows(config),
@@ -130,6 +132,9 @@ class ModelSpec:
                   **(dict(post_norms=True, qk_norm_across_heads=True, norm_scale_in_float32=True, rope_in_float32=True)
                      if arch in ("olmo2", "olmo3") else {}),
                   **(_starcoder2(config) if arch == "starcoder2" else {}),
+                  # GLM-4: Gemma 2's four norms a layer (its own names: loader.checkpoint_name), plain
+                  # RMSNorms, RoPE on half of each head with neighbouring dims paired
+                  **(dict(sandwich_norms=True, rope_interleaved=True) if arch == "glm4" else {}),
                   # SmolLM3: no_rope_layers[i] is 1 where layer i rotates (every 4th does not)
                   **(dict(rope_layers=tuple(map(bool, config.no_rope_layers))) if arch == "smollm3" else {})}
         return cls(**{**common, **family})  # a family's own facts over the common reading
