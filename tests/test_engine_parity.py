@@ -30,7 +30,7 @@ def _check_parity(path, ids: torch.Tensor, split: int):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
-                                  "mixtral", "granite", "olmo2", "olmo3", "starcoder2", "smollm3", "glm4"])
+                                  "mixtral", "granite", "olmo2", "olmo3", "starcoder2", "smollm3", "glm4", "exaone4"])
 def test_tiny_parity_prefill_and_incremental(tiny_dir, arch):
     torch.manual_seed(0)
     _check_parity(tiny_dir[arch], torch.randint(0, 300, (24,)), split=17)
@@ -337,6 +337,28 @@ def test_glm4_s_norm_names_fused_mlp_and_paired_rope_read_as_transformers_does(t
     for layer in decoder.layers:
         layer.self_attn.rope_interleaved = False
     assert _max_rel_diff(decoder(ids, torch.arange(40), decoder.new_cache(40)), ref.float()) > 0.01
+
+
+def test_exaone4_s_hybrid_attention_equals_transformers_bitwise_in_bf16(tiny_dir, tmp_path):
+    """EXAONE 4.0: norms after the sub-layers (Llama's RMSNorm), per-head q/k norms; with a window,
+    3 of 4 layers slide with RoPE and every 4th attends to all without it — bf16 logits 60 tokens
+    in (past the 24-token window) equal transformers' to the bit. Without a window (the 1.2B's
+    config: every layer full) every layer rotates."""
+    from specctl.engine.tiny import make_tiny_model
+
+    decoder = load_decoder(tiny_dir["exaone4"], torch.bfloat16)
+    assert decoder.spec.layer_windows == (24, 24, 24, None) and decoder.spec.rope_layers == (True, True, True, False)
+    assert decoder.spec.post_norms and decoder.layers[0].self_attn.q_norm.weight.shape == (16,)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (60,))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(tiny_dir["exaone4"], dtype=torch.bfloat16,
+                                                   attn_implementation="sdpa").eval()(ids[None]).logits[0]
+    assert torch.equal(decoder(ids, torch.arange(60), decoder.new_cache(60)), ref.float())
+    path = make_tiny_model(tmp_path / "full", "exaone4", seed=3, init_std=0.2, sliding_window=None,
+                           layer_types=["full_attention"] * 4)  # transformers divides by zero without them
+    assert load_decoder(path).spec.rope_layers == (True,) * 4
+    _check_parity(path, ids, split=30)
 
 
 def test_granite_s_scalars_are_read_and_each_one_counts(tiny_dir):

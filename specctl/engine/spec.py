@@ -10,7 +10,7 @@ import torch
 from specctl.errors import BadRequest, UnsupportedArchitecture
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text", "qwen2_moe", "qwen3_moe",
-             "mixtral", "granite", "olmo2", "olmo3", "starcoder2", "smollm3", "glm4")
+             "mixtral", "granite", "olmo2", "olmo3", "starcoder2", "smollm3", "glm4", "exaone4")
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +122,7 @@ class ModelSpec:
             # transformers gives o_proj attention_bias's bias in Llama's layer and those built on it
             output_bias=(bool(getattr(config, "attention_bias", False))
                          and arch not in ("qwen2", "qwen2_moe", "mistral", "phi3", "mixtral", "glm4")),
-            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "exaone4"),
             hf_config=config,
             layer_windows=layer_windows(config),
         )
@@ -135,6 +135,7 @@ class ModelSpec:
                   # GLM-4: Gemma 2's four norms a layer (its own names: loader.checkpoint_name), plain
                   # RMSNorms, RoPE on half of each head with neighbouring dims paired
                   **(dict(sandwich_norms=True, rope_interleaved=True) if arch == "glm4" else {}),
+                  **(_exaone4(config) if arch == "exaone4" else {}),
                   # SmolLM3: no_rope_layers[i] is 1 where layer i rotates (every 4th does not)
                   **(dict(rope_layers=tuple(map(bool, config.no_rope_layers))) if arch == "smollm3" else {})}
         return cls(**{**common, **family})  # a family's own facts over the common reading
@@ -185,6 +186,15 @@ def _gemma(config: Any) -> dict[str, Any]:
         attn_softcap=getattr(config, "attn_logit_softcapping", None),
         logit_softcap=getattr(config, "final_logit_softcapping", None),
     )
+
+
+def _exaone4(config: Any) -> dict[str, Any]:
+    """EXAONE 4.0 (transformers' modeling_exaone4): OLMo's norms after the sub-layers (Llama's
+    RMSNorm, not OLMo's float32 scaling), Qwen3's per-head q/k norms; with a sliding window its
+    full-attention layers (every 4th) attend without RoPE."""
+    windowed = bool(getattr(config, "sliding_window", None))
+    return dict(post_norms=True,
+                rope_layers=tuple(not windowed or kind == "sliding_attention" for kind in config.layer_types))
 
 
 def _starcoder2(config: Any) -> dict[str, Any]:
