@@ -40,7 +40,7 @@ GEMMA3 = {"sliding_window": 24, "tie_word_embeddings": False,
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> dict[str, Path]:
-    """Tiny random-weight checkpoints: sixteen architectures, drafts that disagree."""
+    """Tiny random-weight checkpoints: seventeen architectures, drafts that disagree."""
     root = tmp_path_factory.mktemp("tiny")
     paths = {
         "llama": make_tiny_model(root / "llama", "llama", seed=0),
@@ -99,6 +99,11 @@ def tiny_dir(tmp_path_factory) -> dict[str, Path]:
         "exaone4": make_tiny_model(root / "exaone4", "exaone4", seed=32, init_std=0.2, norm_std=0.3, sliding_window=24),
         "exaone4-draft": make_tiny_model(root / "exaone4-draft", "exaone4", seed=33, layers=2, init_std=0.2,
                                          norm_std=0.3, sliding_window=24),
+        # Cohere 2: one centred LayerNorm a layer feeding attention and MLP in parallel, paired-dim RoPE on
+        # its sliding layers (24 tokens) only, scaled logits
+        "cohere2": make_tiny_model(root / "cohere2", "cohere2", seed=34, init_std=0.2, norm_std=0.3, sliding_window=24),
+        "cohere2-draft": make_tiny_model(root / "cohere2-draft", "cohere2", seed=35, layers=2, init_std=0.2,
+                                         norm_std=0.3, sliding_window=24),
         # Granite: its embedding, attention, residual and logit scalars (tiny_config sets them away from 1)
         "granite": make_tiny_model(root / "granite", "granite", seed=20),
         "granite-draft": make_tiny_model(root / "granite-draft", "granite", seed=21, layers=2),
@@ -111,7 +116,7 @@ def tiny(tiny_dir):
     """Loaded fp32 decoders: target, disagreeing draft, and the target's first 2 layers."""
     out = {}
     for arch in ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe", "mixtral", "granite",
-                 "olmo2", "olmo3", "starcoder2", "smollm3", "glm4", "exaone4"):
+                 "olmo2", "olmo3", "starcoder2", "smollm3", "glm4", "exaone4", "cohere2"):
         out[arch] = load_decoder(tiny_dir[arch])
         out[f"{arch}-draft"] = load_decoder(tiny_dir[f"{arch}-draft"])
         out[f"{arch}-self2"] = load_decoder(tiny_dir[arch], layer_range=(0, 2))

@@ -30,7 +30,8 @@ def _check_parity(path, ids: torch.Tensor, split: int):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
-                                  "mixtral", "granite", "olmo2", "olmo3", "starcoder2", "smollm3", "glm4", "exaone4"])
+                                  "mixtral", "granite", "olmo2", "olmo3", "starcoder2", "smollm3", "glm4", "exaone4",
+                                  "cohere2"])
 def test_tiny_parity_prefill_and_incremental(tiny_dir, arch):
     torch.manual_seed(0)
     _check_parity(tiny_dir[arch], torch.randint(0, 300, (24,)), split=17)
@@ -359,6 +360,34 @@ def test_exaone4_s_hybrid_attention_equals_transformers_bitwise_in_bf16(tiny_dir
                            layer_types=["full_attention"] * 4)  # transformers divides by zero without them
     assert load_decoder(path).spec.rope_layers == (True,) * 4
     _check_parity(path, ids, split=30)
+
+
+def test_cohere2_s_parallel_layer_equals_transformers_bitwise_in_bf16_and_each_departure_counts(tiny_dir):
+    """Cohere 2 (Command R7B): one LayerNorm a layer without bias (mean taken away, weight in
+    float32) feeding attention and MLP side by side; RoPE with neighbouring dims paired, q/k
+    rotated in float32, on the sliding layers only; logits times 1/16. bf16 logits 60 tokens in
+    equal transformers' to the bit; without the centring, or with the last layer rotating too,
+    the fp32 logits move."""
+    decoder = load_decoder(tiny_dir["cohere2"], torch.bfloat16)
+    layer = decoder.layers[0]
+    assert layer.parallel and not hasattr(layer, "post_attention_layernorm") and layer.input_layernorm.centered
+    assert decoder.spec.rope_layers == (True, True, True, False) and decoder.spec.logit_scale == 0.0625
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (60,))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(tiny_dir["cohere2"], dtype=torch.bfloat16,
+                                                   attn_implementation="sdpa").eval()(ids[None]).logits[0]
+    assert torch.equal(decoder(ids, torch.arange(60), decoder.new_cache(60)), ref.float())
+    fp32 = load_decoder(tiny_dir["cohere2"])
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(tiny_dir["cohere2"], dtype=torch.float32).eval()(ids[None]).logits[0]
+    assert _max_rel_diff(fp32(ids, torch.arange(60), fp32.new_cache(60)), ref) <= 1e-4
+    fp32.layers[3].rotates = True
+    assert _max_rel_diff(fp32(ids, torch.arange(60), fp32.new_cache(60)), ref) > 0.01
+    fp32.layers[3].rotates = False
+    for layer in fp32.layers:
+        layer.input_layernorm.centered = False
+    assert _max_rel_diff(fp32(ids, torch.arange(60), fp32.new_cache(60)), ref) > 0.01
 
 
 def test_granite_s_scalars_are_read_and_each_one_counts(tiny_dir):

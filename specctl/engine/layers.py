@@ -30,16 +30,19 @@ class Segments:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, unit_offset: bool = False, scale_in_float32: bool = False) -> None:
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False, scale_in_float32: bool = False,
+                 centered: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.unit_offset = unit_offset  # Gemma's: weights stored as offsets from 1
-        self.scale_in_float32 = scale_in_float32 or unit_offset  # Gemma's and OLMo's: scaled before the cast
+        self.centered = centered  # Cohere's LayerNorm without bias: the mean taken away first
+        # Gemma's, OLMo's and Cohere's: scaled before the cast
+        self.scale_in_float32 = scale_in_float32 or unit_offset or centered
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scale_in_float32:
-            return float_scaled_rms_norm(x, self.weight, self.eps, 1.0 if self.unit_offset else 0.0)
+            return float_scaled_rms_norm(x, self.weight, self.eps, 1.0 if self.unit_offset else 0.0, self.centered)
         return rms_norm(x, self.weight, self.eps)
 
 
@@ -51,10 +54,14 @@ def make_norm(spec: ModelSpec, dim: int) -> nn.Module:
     return RMSNorm(dim, spec.rms_eps, **spec.norm_style)
 
 
-def float_scaled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+def float_scaled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+                          centered: bool = False) -> torch.Tensor:
     """Gemma's RMSNorm (offset 1: scaled by 1 + weight) and OLMo's (offset 0): scaled in float32,
-    then cast back (Llama casts first)."""
+    then cast back (Llama casts first); ``centered``: Cohere's LayerNorm without bias (the mean
+    taken away before the variance)."""
     h = x.float()
+    if centered:
+        h = h - h.mean(-1, keepdim=True)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return (h * (offset + weight.float())).to(x.dtype)
 
@@ -113,6 +120,7 @@ class Attention(nn.Module):
         # heads' together (over the whole projection)
         self.qk_norm_across_heads = spec.qk_norm_across_heads
         self.rope_interleaved = spec.rope_interleaved
+        self.rotation_in_float32 = spec.rotation_in_float32
         q_width, k_width = (h * d, kv * d) if spec.qk_norm_across_heads else (d, d)
         self.q_norm = RMSNorm(q_width, spec.rms_eps, **spec.norm_style) if spec.qk_norm else None
         self.k_norm = RMSNorm(k_width, spec.rms_eps, **spec.norm_style) if spec.qk_norm else None
@@ -144,6 +152,8 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.reshape(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if cos is not None:  # None: a NoPE layer (SmolLM3's every 4th)
+            if self.rotation_in_float32:  # Cohere: q and k in float32, cos/sin as they are
+                q, k = q.float(), k.float()
             # cast back: OLMo rotates in float32 (its cos/sin are; Decoder._ropes), a no-op otherwise
             pairs = self.rope_interleaved
             q, k = apply_rope(q, cos, sin, pairs).to(v.dtype), apply_rope(k, cos, sin, pairs).to(v.dtype)
@@ -250,10 +260,12 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(spec) if spec.gated_mlp else PlainMLP(spec)
         norm = functools.partial(make_norm, spec, spec.hidden_size)
         self.post_norms = spec.post_norms  # OLMo 2/3: the sub-layers' outputs normed, not their inputs
+        self.parallel = spec.parallel_residual  # Cohere 2: one norm, attention and MLP side by side
         if not self.post_norms:
             self.input_layernorm = norm()
         # Llama's: the MLP's input norm; Gemma 2's (sandwich) and OLMo's: the attention output's norm
-        self.post_attention_layernorm = norm()
+        if not self.parallel:
+            self.post_attention_layernorm = norm()
         self.sandwich = spec.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = norm()
@@ -265,7 +277,15 @@ class DecoderLayer(nn.Module):
         self.rotates_locally = spec.local_rope and spec.hf_config.layer_types[index] == "sliding_attention"
         self.rotates = spec.rope_layers[index] if spec.rope_layers else True
 
+    @property
+    def first_norm(self) -> nn.Module:
+        """A norm every kind of layer has (its weight tells the decoder's dtype and device)."""
+        return self.post_attention_layernorm if self.post_norms else self.input_layernorm
+
     def forward(self, x, cos, sin, segments: "Segments", layer: int) -> torch.Tensor:
+        if self.parallel:
+            h = self.input_layernorm(x)
+            return x + self.self_attn(h, cos, sin, segments, layer) + self.mlp(h)
         if self.post_norms:
             x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, segments, layer))
             return x + self.post_feedforward_layernorm(self.mlp(x))

@@ -154,11 +154,11 @@ class Decoder(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.layers[0].post_attention_layernorm.weight.dtype  # a norm every layer has
+        return self.layers[0].first_norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.layers[0].post_attention_layernorm.weight.device
+        return self.layers[0].first_norm.weight.device
 
     @property
     def kv_slot_bytes(self) -> int:
@@ -285,6 +285,8 @@ class Decoder(nn.Module):
         logits = self.lm_head(h).float()
         if self.spec.logit_divisor is not None:  # Granite
             logits = logits / self.spec.logit_divisor
+        if self.spec.logit_scale is not None:  # Cohere
+            logits = logits * self.spec.logit_scale
         if self.spec.logit_softcap is not None:
             logits = torch.tanh(logits / self.spec.logit_softcap) * self.spec.logit_softcap
         return logits

@@ -10,7 +10,7 @@ import torch
 from specctl.errors import BadRequest, UnsupportedArchitecture
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text", "qwen2_moe", "qwen3_moe",
-             "mixtral", "granite", "olmo2", "olmo3", "starcoder2", "smollm3", "glm4", "exaone4")
+             "mixtral", "granite", "olmo2", "olmo3", "starcoder2", "smollm3", "glm4", "exaone4", "cohere2")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +53,15 @@ class ModelSpec:
     # (c_fc -> activation -> c_proj)
     layer_norm: bool = False
     gated_mlp: bool = True
-    # GLM-4's RoPE pairs neighbouring dims (0-1, 2-3, ...), not the halves of the rotated part
+    # GLM-4's and Cohere's RoPE pairs neighbouring dims (0-1, 2-3, ...), not the halves of the rotated part
     rope_interleaved: bool = False
+    # Cohere 2's: attention and MLP from one normed input, both added to the residual; LayerNorms
+    # without bias (mean taken away, weight in float32); q/k rotated in float32 (cos/sin in the
+    # model's dtype); logits times logit_scale
+    parallel_residual: bool = False
+    centered_norms: bool = False
+    rotation_in_float32: bool = False
+    logit_scale: float | None = None
     # per layer: whether it rotates its queries and keys (SmolLM3's NoPE layers do not); () = all do
     rope_layers: tuple[bool, ...] = ()
     # per layer: the sliding window it attends over (its last this-many positions), None = all
@@ -79,12 +86,14 @@ class ModelSpec:
                     or self.attn_scale is not None or self.attn_softcap is not None or any(self.sparse_layers)
                     or self.residual_scale is not None or self.output_bias or self.post_norms
                     or self.qk_norm_across_heads or self.norm_scale_in_float32 or self.rope_in_float32
-                    or self.layer_norm or not self.gated_mlp or not all(self.rope_layers) or self.rope_interleaved)
+                    or self.layer_norm or not self.gated_mlp or not all(self.rope_layers) or self.rope_interleaved
+                    or self.parallel_residual or self.centered_norms or self.rotation_in_float32)
 
     @property
     def norm_style(self) -> dict[str, bool]:
         """RMSNorm's keyword arguments for this model's norms (engine.layers.RMSNorm)."""
-        return {"unit_offset": self.unit_offset_norms, "scale_in_float32": self.norm_scale_in_float32}
+        return {"unit_offset": self.unit_offset_norms, "scale_in_float32": self.norm_scale_in_float32,
+                "centered": self.centered_norms}
 
     @classmethod
     def from_hf(cls, config: Any) -> "ModelSpec":
@@ -111,7 +120,7 @@ class ModelSpec:
             num_heads=heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
-            rms_eps=config.norm_epsilon if arch == "starcoder2" else config.rms_norm_eps,
+            rms_eps=getattr(config, {"starcoder2": "norm_epsilon", "cohere2": "layer_norm_eps"}.get(arch, "rms_norm_eps")),
             max_position=context_limit(config),
             tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases, Qwen2-MoE when qkv_bias (its default); Llama and Qwen3 when
@@ -136,6 +145,7 @@ class ModelSpec:
                   # RMSNorms, RoPE on half of each head with neighbouring dims paired
                   **(dict(sandwich_norms=True, rope_interleaved=True) if arch == "glm4" else {}),
                   **(_exaone4(config) if arch == "exaone4" else {}),
+                  **(_cohere2(config) if arch == "cohere2" else {}),
                   # SmolLM3: no_rope_layers[i] is 1 where layer i rotates (every 4th does not)
                   **(dict(rope_layers=tuple(map(bool, config.no_rope_layers))) if arch == "smollm3" else {})}
         return cls(**{**common, **family})  # a family's own facts over the common reading
@@ -186,6 +196,16 @@ def _gemma(config: Any) -> dict[str, Any]:
         attn_softcap=getattr(config, "attn_logit_softcapping", None),
         logit_softcap=getattr(config, "final_logit_softcapping", None),
     )
+
+
+def _cohere2(config: Any) -> dict[str, Any]:
+    """Cohere 2 (Command R7B; transformers' modeling_cohere2): one LayerNorm a layer (no bias)
+    feeding attention and MLP in parallel, RoPE with neighbouring dims paired on its sliding
+    layers only (the full ones, every 4th, attend without it), logits scaled."""
+    windowed = bool(getattr(config, "sliding_window", None))
+    return dict(parallel_residual=True, centered_norms=True, rope_interleaved=True, rotation_in_float32=True,
+                logit_scale=config.logit_scale,
+                rope_layers=tuple(windowed and kind == "sliding_attention" for kind in config.layer_types))
 
 
 def _exaone4(config: Any) -> dict[str, Any]:
