@@ -68,9 +68,9 @@ def test_int8_decoder_sessions_batched_equal_alone_bitwise(tiny_dir, tiny, arch)
         assert torch.equal(many, one)
     full = tiny[arch](torch.tensor([40, 41, 42, 43, 44]), torch.arange(5), tiny[arch].new_cache(8))
     # int8 against fp32: close, not equal (the tiny Qwen3's, Gemma 3's and OLMo 2's q/k norm weights, drawn +-30 %,
-    # widen their error to ~6-7 %; a tiny mixture of experts' near-even router sends some tokens to another expert
+    # widen their error to ~6-7 %, the tiny Cohere 2's larger weights (init 0.2) to 8 %; a tiny mixture of experts' near-even router sends some tokens to another expert
     # once its scores are int8: 10-13 %)
-    tolerance = {"qwen3": 0.1, "gemma3": 0.1, "olmo2": 0.1, "qwen2_moe": 0.15, "qwen3_moe": 0.15, "mixtral": 0.15}.get(arch, 0.05)
+    tolerance = {"qwen3": 0.1, "gemma3": 0.1, "olmo2": 0.1, "cohere2": 0.1, "qwen2_moe": 0.15, "qwen3_moe": 0.15, "mixtral": 0.15}.get(arch, 0.05)
     assert _relative_error(alone[2], full) < tolerance
 
 
