@@ -1,0 +1,336 @@
+"""Each family's departures from the Llama layer, read from its config and checkpoint as
+transformers reads them: each one checked to count (taken away, the logits move), and where the
+family's numerics allow, bf16 logits equal to transformers' to the bit."""
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from specctl.engine.layers import PlainMLP, fuse_projections
+from specctl.engine.loader import load_decoder
+from specctl.engine.moe import SparseMoE
+from specctl.engine.spec import ModelSpec
+from specctl.engine.tiny import make_tiny_model, tiny_config
+from specctl.errors import UnsupportedArchitecture
+from tests.test_engine_parity import _check_parity, _max_rel_diff
+
+
+def _bf16_equals_transformers(decoder, path, ids: torch.Tensor) -> torch.Tensor:
+    """Asserts the bf16 decoder's logits of ``ids`` (one prefill) equal transformers' bf16 SDPA
+    model's to the bit; returns transformers' (float32)."""
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
+                                                   attn_implementation="sdpa").eval()(ids[None]).logits[0].float()
+    assert torch.equal(decoder(ids, torch.arange(ids.numel()), decoder.new_cache(ids.numel())), ref)
+    return ref
+
+
+def test_gemma3_rotates_sliding_layers_with_their_own_rope_and_norms_queries_and_keys(tiny_dir):
+    """Gemma 3 (text): 60 tokens, past its 24-token windows; sliding layers rotate with base
+    10k, full ones with 1M scaled 8x (linear); its q/k norms scale by 1 + w. Each of them
+    taken away moves the logits off transformers'."""
+    decoder = load_decoder(tiny_dir["gemma3"])
+    assert [layer.rotates_locally for layer in decoder.layers] == [True, True, False, True]
+    assert decoder.spec.layer_windows == (24, 24, None, 24) and decoder.spec.qk_norm
+    assert decoder.layers[0].self_attn.q_norm.unit_offset and not torch.equal(decoder.inv_freq, decoder.local_inv_freq)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (60,))
+    _check_parity(tiny_dir["gemma3"], ids, split=30)
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(tiny_dir["gemma3"], dtype=torch.float32).eval()(ids[None]).logits[0]
+    for layer in decoder.layers:
+        layer.rotates_locally = False
+    assert _max_rel_diff(decoder(ids, torch.arange(60), decoder.new_cache(60)), ref) > 0.01
+    with pytest.raises(UnsupportedArchitecture, match="an embedding model"):
+        ModelSpec.from_hf(tiny_config("gemma3_text", use_bidirectional_attention=True))
+
+
+def test_qwen3_norms_each_head_s_queries_and_keys_with_its_checkpoint_weights(tiny_dir):
+    """The tiny Qwen3's q/k norm weights are drawn away from ones, so the parity above needs them
+    read and applied per head before RoPE; a Qwen3 config asks for them, the others do not."""
+    decoder = load_decoder(tiny_dir["qwen3"])
+    attn = decoder.layers[0].self_attn
+    assert attn.q_norm.weight.shape == attn.k_norm.weight.shape == (decoder.spec.head_dim,)
+    assert not torch.equal(attn.q_norm.weight, torch.ones_like(attn.q_norm.weight))
+    assert decoder.spec.qk_norm and not decoder.spec.attention_bias and attn.q_proj.bias is None
+    assert not load_decoder(tiny_dir["qwen2"]).spec.qk_norm
+    assert load_decoder(tiny_dir["qwen2"]).layers[0].self_attn.q_norm is None
+
+
+def test_phi3_fused_checkpoint_tensors_split_into_the_layer_s_projections(tiny_dir, tmp_path):
+    """Phi-3 stores q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj`` (gate first):
+    the loader splits them into the projections every family's layer runs, rows in order.
+    Full rotary (Phi-3) as well as the fixture's partial one (Phi-4-mini) equal transformers."""
+
+
+    decoder = load_decoder(tiny_dir["phi3"])
+    with safe_open(str(tiny_dir["phi3"] / "model.safetensors"), framework="pt") as f:
+        assert not any(".q_proj." in key or ".gate_proj." in key for key in f.keys())
+        qkv, gate_up = f.get_tensor("model.layers.1.self_attn.qkv_proj.weight"), f.get_tensor("model.layers.1.mlp.gate_up_proj.weight")
+    attn, mlp = decoder.layers[1].self_attn, decoder.layers[1].mlp
+    assert torch.equal(torch.cat((attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)), qkv)
+    assert torch.equal(torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight)), gate_up)
+    assert attn.q_proj.weight.shape == (64, 64) and attn.k_proj.weight.shape == (32, 64)
+    assert decoder.inv_freq.numel() == 6  # 0.75 of a 16-wide head, in pairs
+    torch.manual_seed(0)
+    _check_parity(make_tiny_model(tmp_path / "full", "phi3", seed=2), torch.randint(0, 300, (24,)), split=17)
+    # a pipeline stage reads only its own layers' fused tensors
+    stage = load_decoder(tiny_dir["phi3"], layer_range=(2, 4), embed=False, head=False)
+    assert torch.equal(stage.layers[0].mlp.up_proj.weight, load_decoder(tiny_dir["phi3"]).layers[2].mlp.up_proj.weight)
+
+
+def test_experts_are_routed_per_token_and_read_from_each_checkpoint_s_names(tiny_dir, tmp_path):
+    """Qwen3-MoE's and Mixtral's sparse layers: every expert of the checkpoint loaded (Mixtral's
+    w1/w3/w2 under block_sparse_moe), tokens routed to several experts, each token's top 2;
+    Qwen3-MoE's dense layers (mlp_only_layers) and un-normalised weights match too."""
+
+
+    mixtral = load_decoder(tiny_dir["mixtral"])
+    moe = mixtral.layers[1].mlp
+    assert isinstance(moe, SparseMoE) and len(moe.experts) == 4 and moe.normalize and moe.top_k == 2
+    with safe_open(str(tiny_dir["mixtral"] / "model.safetensors"), framework="pt") as f:
+        assert torch.equal(moe.experts[3].up_proj.weight, f.get_tensor("model.layers.1.block_sparse_moe.experts.3.w3.weight"))
+        assert torch.equal(moe.gate.weight, f.get_tensor("model.layers.1.block_sparse_moe.gate.weight"))
+    torch.manual_seed(0)
+    h = torch.randn(1, 32, 64)
+    chosen = torch.topk(moe.gate(h[0]), 2, dim=-1).indices
+    assert chosen.unique().numel() == 4  # the tiny router spreads tokens over every expert
+    path = make_tiny_model(tmp_path / "q", "qwen3_moe", seed=3, mlp_only_layers=[1], norm_topk_prob=False)
+    decoder = load_decoder(path)
+    assert decoder.spec.sparse_layers == (True, False, True, True) and not decoder.layers[0].mlp.normalize
+    assert not isinstance(decoder.layers[1].mlp, SparseMoE) and decoder.layers[1].mlp.gate_proj.weight.shape == (128, 64)
+    _check_parity(path, torch.randint(0, 300, (24,)), split=17)
+
+
+def test_qwen2_moe_s_shared_expert_and_its_gate_count(tiny_dir):
+    """Qwen2-MoE: every sparse layer adds a shared expert, times sigmoid of its own gate, to the
+    routed experts' sum; q/k/v have biases. Without the shared expert, or with its gate taken
+    as 1, the logits are not transformers'."""
+    decoder = load_decoder(tiny_dir["qwen2_moe"])
+    moe = decoder.layers[2].mlp
+    assert decoder.spec.shared_expert_intermediate_size == 64 and decoder.spec.attention_bias and not moe.normalize
+    with safe_open(str(tiny_dir["qwen2_moe"] / "model.safetensors"), framework="pt") as f:
+        assert torch.equal(moe.shared_expert.down_proj.weight, f.get_tensor("model.layers.2.mlp.shared_expert.down_proj.weight"))
+        assert torch.equal(moe.shared_expert_gate.weight, f.get_tensor("model.layers.2.mlp.shared_expert_gate.weight"))
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (24,))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(tiny_dir["qwen2_moe"], dtype=torch.float32).eval()(ids[None]).logits[0]
+    assert _max_rel_diff(decoder(ids, torch.arange(24), decoder.new_cache(24)), ref) <= 1e-4
+    gates = [layer.mlp.shared_expert_gate for layer in decoder.layers]
+    for layer in decoder.layers:  # the gate's sigmoid -> 1 (a large logit): the shared expert ungated
+        layer.mlp.shared_expert_gate = torch.nn.Linear(64, 1, bias=True).requires_grad_(False)
+        layer.mlp.shared_expert_gate.weight.zero_(), layer.mlp.shared_expert_gate.bias.fill_(50.0)
+    assert _max_rel_diff(decoder(ids, torch.arange(24), decoder.new_cache(24)), ref) > 0.01
+    for layer, gate in zip(decoder.layers, gates):
+        layer.mlp.shared_expert, layer.mlp.shared_expert_gate = None, None
+    assert _max_rel_diff(decoder(ids, torch.arange(24), decoder.new_cache(24)), ref) > 0.01
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral"])
+def test_experts_saved_as_transformers_holds_them_load_as_the_hub_s_per_expert_ones(tiny_dir, tmp_path, arch):
+    """`models` converts a GGUF by saving the model's state dict, where transformers 5 holds a
+    layer's experts as 3-D stacks (and Mixtral's router under mlp): the same decoder, whole or
+    as a pipeline stage's layers."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir[arch], dtype=torch.float32)
+    state = {key: tensor.contiguous() for key, tensor in model.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state and state["model.layers.0.mlp.experts.gate_up_proj"].dim() == 3
+    shutil.copytree(tiny_dir[arch], tmp_path / "m")
+    save_file(state, str(tmp_path / "m" / "model.safetensors"), metadata={"format": "pt"})
+    hub, stacked = load_decoder(tiny_dir[arch]), load_decoder(tmp_path / "m")
+    assert hub.state_dict().keys() == stacked.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(hub.state_dict().values(), stacked.state_dict().values()))
+    stage = load_decoder(tmp_path / "m", layer_range=(2, 4), embed=False, head=False)
+    assert torch.equal(stage.layers[1].mlp.experts[2].up_proj.weight, hub.layers[3].mlp.experts[2].up_proj.weight)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "granite"])
+def test_attention_bias_gives_the_output_projection_its_bias_where_transformers_does(tmp_path, arch):
+    """Llama's layer (and Qwen3's, Gemma's, Granite's) with attention_bias: q/k/v and o_proj
+    have biases — found: o_proj's was left out, and the loader dropped the tensor without a
+    word (the logits 24-108 % off). The biases are drawn away from transformers' zeros."""
+    path = make_tiny_model(tmp_path / arch, arch, seed=5, bias_std=0.5, attention_bias=True)
+    decoder = load_decoder(path)
+    assert decoder.spec.output_bias and decoder.layers[0].self_attn.o_proj.bias is not None
+    assert not decoder.spec.llama_layers  # the fused static pieces take no o_proj bias
+    torch.manual_seed(0)
+    _check_parity(path, torch.randint(0, 300, (24,)), split=17)
+    assert not ModelSpec.from_hf(tiny_config("qwen2")).output_bias  # Qwen2's q/k/v biases only
+
+
+@pytest.mark.parametrize("arch", ["olmo2", "olmo3"])
+def test_olmo_s_layer_equals_transformers_bitwise_in_bf16_and_each_departure_counts(tiny_dir, arch):
+    """OLMo 2/3: norms after the sub-layers only, q/k normed across all heads, norm weights applied
+    in float32 before the cast, RoPE in float32 — in bf16 the logits are transformers' to the
+    bit (OLMo 3 past its 24-token windows); rotating in bf16 instead moves them (measured 1.4 %),
+    and in fp32 the norm across heads taken per head does too."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (40,))
+    decoder = load_decoder(tiny_dir[arch], torch.bfloat16)
+    assert decoder.spec.post_norms and not hasattr(decoder.layers[0], "input_layernorm")
+    assert decoder.layers[0].self_attn.q_norm.weight.shape == (64,)  # 4 heads of 16
+    ref = _bf16_equals_transformers(decoder, tiny_dir[arch], ids)
+    object.__setattr__(decoder.spec, "rope_in_float32", False)
+    assert _max_rel_diff(decoder(ids, torch.arange(40), decoder.new_cache(40)), ref) > 0.005
+    fp32 = load_decoder(tiny_dir[arch])
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(tiny_dir[arch], dtype=torch.float32).eval()(ids[None]).logits[0]
+    for layer in fp32.layers:  # the same weights, normed per head
+        attn = layer.self_attn
+        attn.qk_norm_across_heads = False
+        attn.q_norm.weight.data, attn.k_norm.weight.data = attn.q_norm.weight[:16], attn.k_norm.weight[:16]
+    assert _max_rel_diff(fp32(ids, torch.arange(40), fp32.new_cache(40)), ref) > 0.01
+
+
+def test_starcoder2_s_layer_norms_plain_mlp_and_biases_equal_transformers_bitwise_in_bf16(tiny_dir):
+    """StarCoder2: LayerNorm with biases (its norm_epsilon), c_fc -> GELU-tanh -> c_proj, biases
+    on every projection, every layer sliding (24 tokens here): bf16 logits 60 tokens in equal
+    transformers' to the bit."""
+
+
+    decoder = load_decoder(tiny_dir["starcoder2"], torch.bfloat16)
+    layer = decoder.layers[0]
+    assert isinstance(layer.input_layernorm, nn.LayerNorm) and isinstance(layer.mlp, PlainMLP)
+    assert layer.self_attn.o_proj.bias is not None and decoder.spec.layer_windows == (24,) * 4
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (60,))
+    _bf16_equals_transformers(decoder, tiny_dir["starcoder2"], ids)
+    assert ModelSpec.from_hf(tiny_config("starcoder2", norm_epsilon=1e-3)).rms_eps == 1e-3
+
+
+def test_smollm3_s_nope_layers_do_not_rotate_and_its_unused_window_stays_off(tiny_dir, tmp_path):
+    """SmolLM3: every 4th layer attends without RoPE (no_rope_layers); rotating it too moves the
+    logits (measured 21 %). Its config keeps a sliding_window that use_sliding_window turns on
+    (then its NoPE layers slide, as transformers builds layer_types) or leaves off."""
+    decoder = load_decoder(tiny_dir["smollm3"])
+    assert [layer.rotates for layer in decoder.layers] == [True, True, True, False]
+    assert not decoder.spec.llama_layers  # the fused pieces rotate every layer
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (40,))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(tiny_dir["smollm3"], dtype=torch.float32).eval()(ids[None]).logits[0]
+    for layer in decoder.layers:
+        layer.rotates = True
+    assert _max_rel_diff(decoder(ids, torch.arange(40), decoder.new_cache(40)), ref) > 0.05
+    assert ModelSpec.from_hf(tiny_config("smollm3", sliding_window=24)).layer_windows == (None,) * 4
+    path = make_tiny_model(tmp_path / "w", "smollm3", seed=3, init_std=0.2, use_sliding_window=True, sliding_window=24)
+    assert load_decoder(path).spec.layer_windows == (None, None, None, 24)
+    _check_parity(path, torch.randint(0, 300, (60,)), split=30)
+
+
+def test_glm4_s_norm_names_fused_mlp_and_paired_rope_read_as_transformers_does(tiny_dir):
+    """GLM-4: its post_self_attn / post_attention / post_mlp norms are Gemma 2's after-attention,
+    before-MLP and after-MLP norms; gate/up stored fused; q/k/v biased, o_proj not; RoPE over
+    half of each head with neighbouring dims paired — bf16 logits equal transformers' to the bit,
+    and rotating the halves instead moves them."""
+    decoder = load_decoder(tiny_dir["glm4"], torch.bfloat16)
+    layer = decoder.layers[1]
+    with safe_open(str(tiny_dir["glm4"] / "model.safetensors"), framework="pt") as f:
+        assert torch.equal(layer.pre_feedforward_layernorm.weight,
+                           f.get_tensor("model.layers.1.post_attention_layernorm.weight").bfloat16())
+        assert torch.equal(layer.post_attention_layernorm.weight,
+                           f.get_tensor("model.layers.1.post_self_attn_layernorm.weight").bfloat16())
+        assert torch.equal(layer.mlp.up_proj.weight, f.get_tensor("model.layers.1.mlp.gate_up_proj.weight")[128:].bfloat16())
+    assert layer.self_attn.q_proj.bias is not None and layer.self_attn.o_proj.bias is None
+    assert decoder.inv_freq.numel() == 4  # 8 of each head's 16 dims rotate
+    stage = load_decoder(tiny_dir["glm4"], torch.bfloat16, layer_range=(1, 3), embed=False, head=False)
+    assert torch.equal(stage.layers[0].post_feedforward_layernorm.weight, layer.post_feedforward_layernorm.weight)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (40,))
+    ref = _bf16_equals_transformers(decoder, tiny_dir["glm4"], ids)
+    object.__setattr__(decoder.spec, "rope_interleaved", False)
+    for layer in decoder.layers:
+        layer.self_attn.rope_interleaved = False
+    assert _max_rel_diff(decoder(ids, torch.arange(40), decoder.new_cache(40)), ref) > 0.01
+
+
+def test_exaone4_s_hybrid_attention_equals_transformers_bitwise_in_bf16(tiny_dir, tmp_path):
+    """EXAONE 4.0: norms after the sub-layers (Llama's RMSNorm), per-head q/k norms; with a window,
+    3 of 4 layers slide with RoPE and every 4th attends to all without it — bf16 logits 60 tokens
+    in (past the 24-token window) equal transformers' to the bit. Without a window (the 1.2B's
+    config: every layer full) every layer rotates."""
+    decoder = load_decoder(tiny_dir["exaone4"], torch.bfloat16)
+    assert decoder.spec.layer_windows == (24, 24, 24, None) and decoder.spec.rope_layers == (True, True, True, False)
+    assert decoder.spec.post_norms and decoder.layers[0].self_attn.q_norm.weight.shape == (16,)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (60,))
+    _bf16_equals_transformers(decoder, tiny_dir["exaone4"], ids)
+    path = make_tiny_model(tmp_path / "full", "exaone4", seed=3, init_std=0.2, sliding_window=None,
+                           layer_types=["full_attention"] * 4)  # transformers divides by zero without them
+    assert load_decoder(path).spec.rope_layers == (True,) * 4
+    _check_parity(path, ids, split=30)
+
+
+def test_cohere2_s_parallel_layer_equals_transformers_bitwise_in_bf16_and_each_departure_counts(tiny_dir):
+    """Cohere 2 (Command R7B): one LayerNorm a layer without bias (mean taken away, weight in
+    float32) feeding attention and MLP side by side; RoPE with neighbouring dims paired, q/k
+    rotated in float32, on the sliding layers only; logits times 1/16. bf16 logits 60 tokens in
+    equal transformers' to the bit; without the centring, or with the last layer rotating too,
+    the fp32 logits move."""
+    decoder = load_decoder(tiny_dir["cohere2"], torch.bfloat16)
+    layer = decoder.layers[0]
+    assert layer.parallel and not hasattr(layer, "post_attention_layernorm") and layer.input_layernorm.centered
+    assert decoder.spec.rope_layers == (True, True, True, False) and decoder.spec.logit_scale == 0.0625
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (60,))
+    _bf16_equals_transformers(decoder, tiny_dir["cohere2"], ids)
+    fp32 = load_decoder(tiny_dir["cohere2"])
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(tiny_dir["cohere2"], dtype=torch.float32).eval()(ids[None]).logits[0]
+    assert _max_rel_diff(fp32(ids, torch.arange(60), fp32.new_cache(60)), ref) <= 1e-4
+    fp32.layers[3].rotates = True
+    assert _max_rel_diff(fp32(ids, torch.arange(60), fp32.new_cache(60)), ref) > 0.01
+    fp32.layers[3].rotates = False
+    for layer in fp32.layers:
+        layer.input_layernorm.centered = False
+    assert _max_rel_diff(fp32(ids, torch.arange(60), fp32.new_cache(60)), ref) > 0.01
+
+
+def test_granite_s_scalars_are_read_and_each_one_counts(tiny_dir):
+    """Granite: embeddings times 12, queries scaled 0.1, each branch times 0.22 before its
+    residual add, logits divided by 8 (the fixture's; Granite 3's own are of that order):
+    without any one of them the logits are not transformers'."""
+    decoder = load_decoder(tiny_dir["granite"])
+    spec = decoder.spec
+    assert (spec.embed_scale, spec.attn_scale, spec.residual_scale, spec.logit_divisor) == (12.0, 0.1, 0.22, 8.0)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (24,))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(tiny_dir["granite"], dtype=torch.float32).eval()(ids[None]).logits[0]
+    assert _max_rel_diff(decoder(ids, torch.arange(24), decoder.new_cache(24)), ref) <= 1e-4
+    for field in ("embed_scale", "residual_scale", "logit_divisor"):
+        changed = load_decoder(tiny_dir["granite"])
+        object.__setattr__(changed.spec, field, 1.0)
+        for layer in changed.layers:
+            layer.residual_scale = changed.spec.residual_scale
+        assert _max_rel_diff(changed(ids, torch.arange(24), changed.new_cache(24)), ref) > 0.01, field
+
+
+def test_gemma_1_decodes_as_transformers(tmp_path):
+    """Gemma 1 (CodeGemma too): GELU (its hidden_act), (1 + w) norms, scaled embeddings, tied
+    head; Gemma 2's sandwich norms, query scale and caps are its own (the fixture's parity)."""
+    path = make_tiny_model(tmp_path / "gemma", "gemma", seed=2, norm_std=0.3)
+    spec = load_decoder(path).spec
+    assert (spec.activation, spec.unit_offset_norms, spec.sandwich_norms) == ("gelu_pytorch_tanh", True, False)
+    assert spec.attn_scale is spec.attn_softcap is spec.logit_softcap is None and spec.embed_scale == 8.0
+    torch.manual_seed(0)
+    _check_parity(path, torch.randint(0, 300, (24,)), split=17)
+
+
+def test_gemma2_reads_each_of_its_departures_from_the_llama_layer(tiny_dir):
+    """What the fixture's parity rests on: every Gemma 2 fact read from its config, four norms a
+    layer stored as offsets from one, and its layers kept off the Llama-shaped fused pieces."""
+    decoder = load_decoder(tiny_dir["gemma2"])
+    spec, layer = decoder.spec, decoder.layers[0]
+    assert (spec.activation, spec.unit_offset_norms, spec.sandwich_norms) == ("gelu_pytorch_tanh", True, True)
+    assert (spec.attn_scale, spec.attn_softcap, spec.logit_softcap, spec.embed_scale) == (24**-0.5, 1.0, 4.0, 8.0)
+    assert layer.pre_feedforward_layernorm.unit_offset and decoder.norm.unit_offset
+    assert abs(float(layer.post_feedforward_layernorm.weight.detach().mean())) < 0.3  # offsets: around 0, not 1
+    assert not spec.llama_layers and not fuse_projections(decoder).layers[0].fused
+    assert load_decoder(tiny_dir["llama"]).spec.llama_layers
