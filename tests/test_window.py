@@ -6,9 +6,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
 
+from specctl.engine.families import layer_windows
 from specctl.engine.layers import fuse_projections
 from specctl.engine.loader import load_decoder
-from specctl.engine.spec import ModelSpec, layer_windows
+from specctl.engine.spec import ModelSpec
 from specctl.engine.tiny import make_tiny_model, tiny_config
 from specctl.engine.window import window_cut, window_rows
 from specctl.errors import UnsupportedArchitecture

@@ -108,7 +108,7 @@ def gateway(
     from transformers import AutoConfig, AutoTokenizer
 
     from specctl.engine.loader import vocab_fingerprint
-    from specctl.engine.spec import context_limit
+    from specctl.engine.families import context_limit
     from specctl.gateway.metrics import GatewayMetrics
     from specctl.gateway.chat_template import load_chat_template
     from specctl.gateway.sampling_defaults import describe, sampling_defaults

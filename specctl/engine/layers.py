@@ -11,6 +11,8 @@ from torch import nn
 
 from specctl.engine.kv_cache import KVCache
 from specctl.engine.moe import SparseMoE, mlps
+from specctl.engine.norms import RMSNorm, make_norm, rms_norm
+from specctl.engine.rope import apply_rope
 from specctl.engine.spec import ModelSpec
 from specctl.engine.static import StaticSegment
 from specctl.engine.window import WindowCut
@@ -27,81 +29,6 @@ class Segments:
     masks: list[torch.Tensor | None]
     paged: PlannedForward | None = None  # one batched attention call per layer over the KV arena
     windows: list[WindowCut | None] | None = None  # per session, what its sliding layers see (engine.window)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, unit_offset: bool = False, scale_in_float32: bool = False,
-                 centered: bool = False) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-        self.unit_offset = unit_offset  # Gemma's: weights stored as offsets from 1
-        self.centered = centered  # Cohere's LayerNorm without bias: the mean taken away first
-        # Gemma's, OLMo's and Cohere's: scaled before the cast
-        self.scale_in_float32 = scale_in_float32 or unit_offset or centered
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.scale_in_float32:
-            return float_scaled_rms_norm(x, self.weight, self.eps, 1.0 if self.unit_offset else 0.0, self.centered)
-        return rms_norm(x, self.weight, self.eps)
-
-
-def make_norm(spec: ModelSpec, dim: int) -> nn.Module:
-    """A norm of the model's kind over ``dim`` features: RMSNorm (in its style), or StarCoder2's
-    LayerNorm with a bias."""
-    if spec.layer_norm:
-        return nn.LayerNorm(dim, eps=spec.rms_eps)
-    return RMSNorm(dim, spec.rms_eps, **spec.norm_style)
-
-
-def float_scaled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
-                          centered: bool = False) -> torch.Tensor:
-    """Gemma's RMSNorm (offset 1: scaled by 1 + weight) and OLMo's (offset 0): scaled in float32,
-    then cast back (Llama casts first); ``centered``: Cohere's LayerNorm without bias (the mean
-    taken away before the variance)."""
-    h = x.float()
-    if centered:
-        h = h - h.mean(-1, keepdim=True)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (h * (offset + weight.float())).to(x.dtype)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm: normalised in float32, cast back, then scaled."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
-def rope_cos_sin(inv_freq: torch.Tensor, scaling: float, positions: torch.Tensor, dtype: torch.dtype,
-                 interleaved: bool = False):
-    """cos/sin for positions [n], shaped [1, 1, n, D] to broadcast over [B, H, n, D]; each
-    frequency twice in a row where neighbouring dims pair (GLM-4's layout), else its halves'."""
-    freqs = positions.float().unsqueeze(-1) * inv_freq.unsqueeze(0)
-    emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * scaling).to(dtype)[None, None], (emb.sin() * scaling).to(dtype)[None, None]
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
-    """rotate_half for neighbouring pairs: (x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...)."""
-    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """RoPE over the first cos.shape[-1] dims of each head; the rest pass unrotated (partial
-    rotary: Phi-4-mini's 0.75, GLM-4's 0.5), as transformers' Phi-3 applies it; ``interleaved``:
-    neighbouring dims rotate together (GLM-4), with cos/sin in that layout (rope_cos_sin)."""
-    rotate = rotate_pairs if interleaved else rotate_half
-    rotary = cos.shape[-1]
-    if rotary == x.shape[-1]:
-        return x * cos + rotate(x) * sin
-    rotated, passed = x[..., :rotary], x[..., rotary:]
-    return torch.cat((rotated * cos + rotate(rotated) * sin, passed), dim=-1)
 
 
 class Attention(nn.Module):

@@ -14,8 +14,10 @@ from torch import nn
 
 from specctl.engine.kv_arena import KVArena
 from specctl.engine.kv_cache import KVCache, KVPool, kv_slot_bytes
-from specctl.engine.layers import DecoderLayer, Segments, make_norm, rope_cos_sin
+from specctl.engine.layers import DecoderLayer, Segments
+from specctl.engine.norms import make_norm
 from specctl.engine.prefix_cache import PrefixCache
+from specctl.engine.rope import rope_cos_sin
 from specctl.engine.spec import ModelSpec
 from specctl.engine.static import CUDA_LOCK, StaticRunner, StaticSegment
 from specctl.engine.window import window_cut

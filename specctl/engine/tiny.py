@@ -34,10 +34,10 @@ def make_byte_tokenizer(vocab_size: int = TINY_VOCAB):
 
 
 def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, layers: int = 4, hidden: int = 64, **overrides):
-    from transformers import (Cohere2Config, Exaone4Config, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, GraniteConfig,
-                              LlamaConfig, MixtralConfig,
-                              Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
-                              Qwen3MoeConfig, SmolLM3Config, Starcoder2Config)
+    from transformers import (Cohere2Config, Exaone4Config, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config,
+                              GraniteConfig, LlamaConfig, MixtralConfig, Olmo2Config, Olmo3Config, Phi3Config,
+                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config,
+                              Starcoder2Config)
 
     common = dict(
         vocab_size=vocab_size,

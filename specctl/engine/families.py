@@ -1,0 +1,130 @@
+"""How each family's config maps onto ModelSpec's fields beyond the common reading
+(ModelSpec.from_hf): its layer's departures from Llama's, its windows, its context limit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specctl.errors import UnsupportedArchitecture
+
+
+def family_facts(config: Any) -> dict[str, Any]:
+    """ModelSpec fields the family of ``config`` sets (they override the common reading)."""
+    arch = config.model_type
+    return {**(_gemma(config) if arch.startswith("gemma") else {}),
+            **(_experts(config) if arch in ("qwen2_moe", "qwen3_moe", "mixtral") else {}),
+            **(_granite(config) if arch == "granite" else {}),
+            **(dict(post_norms=True, qk_norm_across_heads=True, norm_scale_in_float32=True, rope_in_float32=True)
+               if arch in ("olmo2", "olmo3") else {}),
+            **(_starcoder2(config) if arch == "starcoder2" else {}),
+            # GLM-4: Gemma 2's four norms a layer (its own names: loader.checkpoint_name), plain
+            # RMSNorms, RoPE on half of each head with neighbouring dims paired
+            **(dict(sandwich_norms=True, rope_interleaved=True) if arch == "glm4" else {}),
+            **(_exaone4(config) if arch == "exaone4" else {}),
+            **(_cohere2(config) if arch == "cohere2" else {}),
+            # SmolLM3: no_rope_layers[i] is 1 where layer i rotates (every 4th does not)
+            **(dict(rope_layers=tuple(map(bool, config.no_rope_layers))) if arch == "smollm3" else {})}
+
+
+def _gemma(config: Any) -> dict[str, Any]:
+    """Gemma's (1, 2, 3) layer facts, as transformers' modeling_gemma/gemma2/gemma3 apply them."""
+    scalar = getattr(config, "query_pre_attn_scalar", None)
+    return dict(
+        # transformers reads Gemma 1's hidden_act, Gemma 2/3's hidden_activation (old Gemma 1 configs hold both)
+        activation=config.hidden_act if config.model_type == "gemma" else config.hidden_activation,
+        unit_offset_norms=True,
+        embed_scale=config.hidden_size**0.5,
+        embed_scale_in_dtype=True,
+        sandwich_norms=config.model_type != "gemma",
+        attn_scale=None if scalar is None else scalar**-0.5,
+        attn_softcap=getattr(config, "attn_logit_softcapping", None),
+        logit_softcap=getattr(config, "final_logit_softcapping", None),
+    )
+
+
+def _cohere2(config: Any) -> dict[str, Any]:
+    """Cohere 2 (Command R7B; transformers' modeling_cohere2): one LayerNorm a layer (no bias)
+    feeding attention and MLP in parallel, RoPE with neighbouring dims paired on its sliding
+    layers only (the full ones, every 4th, attend without it), logits scaled."""
+    windowed = bool(getattr(config, "sliding_window", None))
+    return dict(parallel_residual=True, centered_norms=True, rope_interleaved=True, rotation_in_float32=True,
+                logit_scale=config.logit_scale,
+                rope_layers=tuple(windowed and kind == "sliding_attention" for kind in config.layer_types))
+
+
+def _exaone4(config: Any) -> dict[str, Any]:
+    """EXAONE 4.0 (transformers' modeling_exaone4): OLMo's norms after the sub-layers (Llama's
+    RMSNorm, not OLMo's float32 scaling), Qwen3's per-head q/k norms; with a sliding window its
+    full-attention layers (every 4th) attend without RoPE."""
+    windowed = bool(getattr(config, "sliding_window", None))
+    return dict(post_norms=True,
+                rope_layers=tuple(not windowed or kind == "sliding_attention" for kind in config.layer_types))
+
+
+def _starcoder2(config: Any) -> dict[str, Any]:
+    """StarCoder2's layer (transformers' modeling_starcoder2): LayerNorm with biases, a plain
+    MLP (c_fc, GELU-tanh, c_proj), biases on every projection when ``use_bias``."""
+    return dict(layer_norm=True, gated_mlp=False, activation=config.hidden_act, attention_bias=config.use_bias,
+                mlp_bias=config.use_bias, output_bias=config.use_bias)
+
+
+def _granite(config: Any) -> dict[str, Any]:
+    """Granite's four scalars (transformers' modeling_granite): the embeddings' multiplier, the
+    attention's query scale, the residual branches' multiplier, the logits' divisor."""
+    return dict(embed_scale=config.embedding_multiplier, attn_scale=config.attention_multiplier,
+                residual_scale=config.residual_multiplier, logit_divisor=config.logits_scaling)
+
+
+def _experts(config: Any) -> dict[str, Any]:
+    """A mixture of experts' facts, as transformers' qwen2_moe / qwen3_moe / mixtral read them:
+    Qwen2/3-MoE's sparse layers are those not in ``mlp_only_layers`` every
+    ``decoder_sparse_step``-th, each expert ``moe_intermediate_size`` wide, Qwen2-MoE's shared
+    expert ``shared_expert_intermediate_size``; Mixtral's every layer, its experts
+    ``intermediate_size`` wide, their weights always renormalised."""
+    layers = config.num_hidden_layers
+    if config.model_type == "mixtral":
+        return dict(sparse_layers=(True,) * layers, num_experts=config.num_local_experts,
+                    experts_per_token=config.num_experts_per_tok, expert_intermediate_size=config.intermediate_size,
+                    normalize_expert_weights=True)
+    step, dense = config.decoder_sparse_step, set(config.mlp_only_layers or ())
+    sparse = tuple(config.num_experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers))
+    return dict(sparse_layers=sparse, num_experts=config.num_experts, experts_per_token=config.num_experts_per_tok,
+                expert_intermediate_size=config.moe_intermediate_size,
+                normalize_expert_weights=bool(config.norm_topk_prob),
+                shared_expert_intermediate_size=getattr(config, "shared_expert_intermediate_size", 0) or 0)
+
+
+def layer_windows(config: Any) -> tuple[int | None, ...]:
+    """Each layer's attention window (None: full), as transformers slides them: Mistral's,
+    Phi-3's and StarCoder2's ``sliding_window`` every layer (they have no ``layer_types``; Phi-3-mini-4k: 2047),
+    Qwen2/Qwen3's and Gemma 2's the layers ``layer_types`` names sliding (Qwen: past
+    ``max_window_layers`` when ``use_sliding_window``; Gemma 2: every other one)."""
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False:  # SmolLM3 keeps a window it does not use
+        window = None
+    layers = config.num_hidden_layers
+    layer_types = getattr(config, "layer_types", None)
+    if not window:
+        return (None,) * layers
+    if layer_types is not None:
+        if len(set(layer_types) - {"full_attention", "sliding_attention"}):
+            raise UnsupportedArchitecture(f"layer types {sorted(set(layer_types))}: specctl's engine runs "
+                                          "full_attention and sliding_attention layers")
+        if len(layer_types) != layers:
+            raise UnsupportedArchitecture(f"layer_types names {len(layer_types)} layers, the model has {layers}")
+        return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+    return ((window,) if config.model_type in ("mistral", "phi3", "starcoder2") else (None,)) * layers
+
+
+def context_limit(config: Any) -> int:
+    """The longest context the engine decodes as the checkpoint does. Its RoPE frequencies are
+    fixed: longrope switches to its long factors past the original context (transformers, for
+    the whole sequence), so its context stops there. (Sliding windows are the attention's:
+    engine.layers applies them, they cap nothing.)"""
+    positions = getattr(config, "max_position_embeddings", 32768)
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "longrope":
+        original = rope.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings",
+                                                                            None)
+        positions = min(positions, original or positions)
+    return positions
