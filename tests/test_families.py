@@ -292,6 +292,36 @@ def test_cohere2_s_parallel_layer_equals_transformers_bitwise_in_bf16_and_each_d
     assert _max_rel_diff(fp32(ids, torch.arange(60), fp32.new_cache(60)), ref) > 0.01
 
 
+def test_command_r_plus_s_qk_norms_carry_a_weight_per_head_and_speculation_is_exact(tiny, tmp_path):
+    """Cohere (Command R, R+, Aya): Cohere 2's parallel layer, every layer rotating, and with
+    use_qk_norm a LayerNorm over each head's queries and keys whose weight is per head ([heads,
+    head_dim]). bf16 logits equal transformers' to the bit; one weight shared by the heads moves
+    the fp32 logits; chain and tree speculation write the target's own tokens."""
+    from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter
+    from specctl.spec.rounds import generate
+    from specctl.spec.sampling import SamplingParams
+
+    path = make_tiny_model(tmp_path / "r", "cohere", seed=36, init_std=0.2, norm_std=0.3, use_qk_norm=True)
+    decoder = load_decoder(path, torch.bfloat16)
+    assert decoder.layers[0].self_attn.q_norm.weight.shape == (4, 16) and decoder.spec.rope_layers == ()
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (40,))
+    _bf16_equals_transformers(decoder, path, ids)
+    fp32 = load_decoder(path)
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(ids[None]).logits[0]
+    assert _max_rel_diff(fp32(ids, torch.arange(40), fp32.new_cache(40)), ref) <= 1e-4
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    for prompt in ([7, 8, 9, 10] * 5, list(range(30, 60))):
+        reference = generate(fp32, prompt, params)[0]
+        for drafter in (ModelChainDrafter(tiny["cohere2-draft"], 4), ModelTreeDrafter(tiny["cohere2-draft"], 3, 2, 3)):
+            assert generate(fp32, prompt, params, drafter)[0] == reference
+    for layer in fp32.layers:
+        norm = layer.self_attn.q_norm
+        norm.weight.data = norm.weight[:1].expand_as(norm.weight).clone()
+    assert _max_rel_diff(fp32(ids, torch.arange(40), fp32.new_cache(40)), ref) > 0.01
+
+
 def test_granite_s_scalars_are_read_and_each_one_counts(tiny_dir):
     """Granite: embeddings times 12, queries scaled 0.1, each branch times 0.22 before its
     residual add, logits divided by 8 (the fixture's; Granite 3's own are of that order):

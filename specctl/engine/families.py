@@ -21,7 +21,7 @@ def family_facts(config: Any) -> dict[str, Any]:
             # RMSNorms, RoPE on half of each head with neighbouring dims paired
             **(dict(sandwich_norms=True, rope_interleaved=True) if arch == "glm4" else {}),
             **(_exaone4(config) if arch == "exaone4" else {}),
-            **(_cohere2(config) if arch == "cohere2" else {}),
+            **(_cohere(config) if arch in ("cohere", "cohere2") else {}),
             # SmolLM3: no_rope_layers[i] is 1 where layer i rotates (every 4th does not)
             **(dict(rope_layers=tuple(map(bool, config.no_rope_layers))) if arch == "smollm3" else {})}
 
@@ -42,14 +42,18 @@ def _gemma(config: Any) -> dict[str, Any]:
     )
 
 
-def _cohere2(config: Any) -> dict[str, Any]:
-    """Cohere 2 (Command R7B; transformers' modeling_cohere2): one LayerNorm a layer (no bias)
-    feeding attention and MLP in parallel, RoPE with neighbouring dims paired on its sliding
-    layers only (the full ones, every 4th, attend without it), logits scaled."""
+def _cohere(config: Any) -> dict[str, Any]:
+    """Cohere (Command R, R+, Aya; transformers' modeling_cohere) and Cohere 2 (Command R7B):
+    one LayerNorm a layer (no bias) feeding attention and MLP in parallel, RoPE with neighbouring
+    dims paired, q/k rotated in float32, logits scaled. Command R+'s q/k LayerNorms carry a
+    weight per head; Cohere 2 rotates on its sliding layers only (the full ones, every 4th,
+    attend without RoPE)."""
+    facts = dict(parallel_residual=True, centered_norms=True, rope_interleaved=True, rotation_in_float32=True,
+                 logit_scale=config.logit_scale)
+    if config.model_type == "cohere":
+        return {**facts, "qk_norm": bool(config.use_qk_norm), "qk_norm_weights_per_head": True}
     windowed = bool(getattr(config, "sliding_window", None))
-    return dict(parallel_residual=True, centered_norms=True, rope_interleaved=True, rotation_in_float32=True,
-                logit_scale=config.logit_scale,
-                rope_layers=tuple(windowed and kind == "sliding_attention" for kind in config.layer_types))
+    return {**facts, "rope_layers": tuple(windowed and kind == "sliding_attention" for kind in config.layer_types)}
 
 
 def _exaone4(config: Any) -> dict[str, Any]:

@@ -48,7 +48,8 @@ class Attention(nn.Module):
         self.qk_norm_across_heads = spec.qk_norm_across_heads
         self.rope_interleaved = spec.rope_interleaved
         self.rotation_in_float32 = spec.rotation_in_float32
-        q_width, k_width = (h * d, kv * d) if spec.qk_norm_across_heads else (d, d)
+        q_width, k_width = ((h * d, kv * d) if spec.qk_norm_across_heads
+                            else ((h, d), (kv, d)) if spec.qk_norm_weights_per_head else (d, d))
         self.q_norm = RMSNorm(q_width, spec.rms_eps, **spec.norm_style) if spec.qk_norm else None
         self.k_norm = RMSNorm(k_width, spec.rms_eps, **spec.norm_style) if spec.qk_norm else None
         self.attend = get_attention(backend, spec.attn_scale, spec.attn_softcap)

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, unit_offset: bool = False, scale_in_float32: bool = False,
+    def __init__(self, dim: int | tuple[int, int], eps: float, unit_offset: bool = False, scale_in_float32: bool = False,
                  centered: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))

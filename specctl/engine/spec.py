@@ -11,7 +11,8 @@ from specctl.engine.families import context_limit, family_facts, layer_windows
 from specctl.errors import BadRequest, UnsupportedArchitecture
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text", "qwen2_moe", "qwen3_moe",
-             "mixtral", "granite", "olmo2", "olmo3", "starcoder2", "smollm3", "glm4", "exaone4", "cohere2")
+             "mixtral", "granite", "olmo2", "olmo3", "starcoder2", "smollm3", "glm4", "exaone4", "cohere",
+             "cohere2")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,7 @@ class ModelSpec:
     # heads, norms scaled in float32 before the cast, RoPE applied in float32
     post_norms: bool = False
     qk_norm_across_heads: bool = False
+    qk_norm_weights_per_head: bool = False  # Command R+: q/k norms over each head, with each head's own weight
     norm_scale_in_float32: bool = False
     rope_in_float32: bool = False
     # StarCoder2's: LayerNorm (with biases) in place of RMSNorm, and an MLP that is not gated
@@ -121,7 +123,8 @@ class ModelSpec:
             num_heads=heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
-            rms_eps=getattr(config, {"starcoder2": "norm_epsilon", "cohere2": "layer_norm_eps"}.get(arch, "rms_norm_eps")),
+            rms_eps=getattr(config, {"starcoder2": "norm_epsilon", "cohere": "layer_norm_eps",
+                                     "cohere2": "layer_norm_eps"}.get(arch, "rms_norm_eps")),
             max_position=context_limit(config),
             tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases, Qwen2-MoE when qkv_bias (its default); Llama and Qwen3 when

@@ -34,7 +34,7 @@ def make_byte_tokenizer(vocab_size: int = TINY_VOCAB):
 
 
 def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, layers: int = 4, hidden: int = 64, **overrides):
-    from transformers import (Cohere2Config, Exaone4Config, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config,
+    from transformers import (Cohere2Config, CohereConfig, Exaone4Config, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config,
                               GraniteConfig, LlamaConfig, MixtralConfig, Olmo2Config, Olmo3Config, Phi3Config,
                               Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config,
                               Starcoder2Config)
@@ -80,9 +80,10 @@ def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, layers: int =
     if arch in ("olmo2", "olmo3"):  # OLMo 3: every 4th layer full, the others sliding (give sliding_window)
         config = Olmo2Config if arch == "olmo2" else Olmo3Config
         return config(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
-    if arch == "cohere2":  # its LayerNorms' epsilon is layer_norm_eps; 3 of 4 layers slide (give sliding_window)
+    if arch in ("cohere", "cohere2"):  # LayerNorms' epsilon: layer_norm_eps; Cohere 2: 3 of 4 layers slide
         common.setdefault("layer_norm_eps", common.pop("rms_norm_eps"))
-        return Cohere2Config(tie_word_embeddings=common.pop("tie_word_embeddings", True), **common)
+        config = CohereConfig if arch == "cohere" else Cohere2Config
+        return config(tie_word_embeddings=common.pop("tie_word_embeddings", True), **common)
     if arch == "exaone4":  # a window: 3 of 4 layers slide, every 4th attends to all without RoPE
         common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
         return Exaone4Config(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
