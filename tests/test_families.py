@@ -297,10 +297,6 @@ def test_command_r_plus_s_qk_norms_carry_a_weight_per_head_and_speculation_is_ex
     use_qk_norm a LayerNorm over each head's queries and keys whose weight is per head ([heads,
     head_dim]). bf16 logits equal transformers' to the bit; one weight shared by the heads moves
     the fp32 logits; chain and tree speculation write the target's own tokens."""
-    from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter
-    from specctl.spec.rounds import generate
-    from specctl.spec.sampling import SamplingParams
-
     path = make_tiny_model(tmp_path / "r", "cohere", seed=36, init_std=0.2, norm_std=0.3, use_qk_norm=True)
     decoder = load_decoder(path, torch.bfloat16)
     assert decoder.layers[0].self_attn.q_norm.weight.shape == (4, 16) and decoder.spec.rope_layers == ()
@@ -311,14 +307,64 @@ def test_command_r_plus_s_qk_norms_carry_a_weight_per_head_and_speculation_is_ex
     with torch.no_grad():
         ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(ids[None]).logits[0]
     assert _max_rel_diff(fp32(ids, torch.arange(40), fp32.new_cache(40)), ref) <= 1e-4
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
-    for prompt in ([7, 8, 9, 10] * 5, list(range(30, 60))):
-        reference = generate(fp32, prompt, params)[0]
-        for drafter in (ModelChainDrafter(tiny["cohere2-draft"], 4), ModelTreeDrafter(tiny["cohere2-draft"], 3, 2, 3)):
-            assert generate(fp32, prompt, params, drafter)[0] == reference
+    _speculation_is_exact(fp32, tiny["cohere2-draft"])
     for layer in fp32.layers:
         norm = layer.self_attn.q_norm
         norm.weight.data = norm.weight[:1].expand_as(norm.weight).clone()
+    assert _max_rel_diff(fp32(ids, torch.arange(40), fp32.new_cache(40)), ref) > 0.01
+
+
+def _speculation_is_exact(target, draft) -> None:
+    """Chain and tree speculation with ``draft`` write ``target``'s own greedy tokens."""
+    from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter
+    from specctl.spec.rounds import generate
+    from specctl.spec.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    for prompt in ([7, 8, 9, 10] * 5, list(range(30, 60))):
+        reference = generate(target, prompt, params)[0]
+        assert len(set(reference)) > 4  # not one token repeated: a comparison that can fail
+        for drafter in (ModelChainDrafter(draft, 4), ModelTreeDrafter(draft, 3, 2, 3)):
+            assert generate(target, prompt, params, drafter)[0] == reference
+
+
+def test_seed_oss_s_output_bias_follows_its_own_flag(tiny, tmp_path):
+    """Seed-OSS: Llama's layer with q/k/v biases (attention_bias) and o_proj's bias by
+    attention_out_bias; bf16 logits equal transformers' to the bit."""
+    path = make_tiny_model(tmp_path / "s", "seed_oss", seed=37, init_std=0.2, bias_std=0.1, attention_out_bias=True)
+    decoder = load_decoder(path, torch.bfloat16)
+    assert decoder.spec.output_bias and decoder.spec.attention_bias
+    assert not ModelSpec.from_hf(tiny_config("seed_oss")).output_bias  # its default: no o_proj bias
+    torch.manual_seed(0)
+    _bf16_equals_transformers(decoder, path, torch.randint(0, 300, (40,)))
+    _speculation_is_exact(load_decoder(path), tiny["llama-draft"])
+
+
+def test_hunyuan_norms_queries_and_keys_after_rope_with_its_ntk_alpha_base(tiny, tmp_path):
+    """Hunyuan (dense): per-head q/k norms (query/key_layernorm) applied after RoPE, whose base
+    is stretched by a fixed NTK alpha (its checkpoints call it "dynamic"). bf16 logits equal
+    transformers' to the bit; the norms before RoPE, or the plain base, move the fp32 logits."""
+    rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0, "factor": 1.0}
+    path = make_tiny_model(tmp_path / "h", "hunyuan_v1_dense", seed=38, init_std=0.2, norm_std=0.3, rope_parameters=rope)
+    decoder = load_decoder(path, torch.bfloat16)
+    assert decoder.spec.qk_norm_after_rope
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        assert torch.equal(decoder.layers[1].self_attn.k_norm.weight,
+                           f.get_tensor("model.layers.1.self_attn.key_layernorm.weight").bfloat16())
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (40,))
+    _bf16_equals_transformers(decoder, path, ids)
+    fp32 = load_decoder(path)
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(ids[None]).logits[0]
+    assert _max_rel_diff(fp32(ids, torch.arange(40), fp32.new_cache(40)), ref) <= 1e-4
+    _speculation_is_exact(fp32, tiny["llama-draft"])
+    for layer in fp32.layers:
+        layer.self_attn.qk_norm_after_rope = False
+    assert _max_rel_diff(fp32(ids, torch.arange(40), fp32.new_cache(40)), ref) > 0.01
+    for layer in fp32.layers:
+        layer.self_attn.qk_norm_after_rope = True
+    fp32.inv_freq = ModelSpec.from_hf(tiny_config("hunyuan_v1_dense")).inv_freq()[0]  # base 10k, no alpha
     assert _max_rel_diff(fp32(ids, torch.arange(40), fp32.new_cache(40)), ref) > 0.01
 
 

@@ -22,6 +22,9 @@ def family_facts(config: Any) -> dict[str, Any]:
             **(dict(sandwich_norms=True, rope_interleaved=True) if arch == "glm4" else {}),
             **(_exaone4(config) if arch == "exaone4" else {}),
             **(_cohere(config) if arch in ("cohere", "cohere2") else {}),
+            # Seed-OSS: o_proj's bias by a flag of its own; Hunyuan: q/k normed after RoPE
+            **(dict(output_bias=bool(config.attention_out_bias)) if arch == "seed_oss" else {}),
+            **(dict(qk_norm_after_rope=True) if arch == "hunyuan_v1_dense" else {}),
             # SmolLM3: no_rope_layers[i] is 1 where layer i rotates (every 4th does not)
             **(dict(rope_layers=tuple(map(bool, config.no_rope_layers))) if arch == "smollm3" else {})}
 

@@ -48,6 +48,7 @@ class Attention(nn.Module):
         self.qk_norm_across_heads = spec.qk_norm_across_heads
         self.rope_interleaved = spec.rope_interleaved
         self.rotation_in_float32 = spec.rotation_in_float32
+        self.qk_norm_after_rope = spec.qk_norm_after_rope
         q_width, k_width = ((h * d, kv * d) if spec.qk_norm_across_heads
                             else ((h, d), (kv, d)) if spec.qk_norm_weights_per_head else (d, d))
         self.q_norm = RMSNorm(q_width, spec.rms_eps, **spec.norm_style) if spec.qk_norm else None
@@ -75,7 +76,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(b, n, self.num_heads, self.head_dim)
         k = k.reshape(b, n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and not self.qk_norm_across_heads:
+        if self.q_norm is not None and not (self.qk_norm_across_heads or self.qk_norm_after_rope):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.reshape(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -85,6 +86,8 @@ class Attention(nn.Module):
             # cast back: OLMo rotates in float32 (its cos/sin are; Decoder._ropes), a no-op otherwise
             pairs = self.rope_interleaved
             q, k = apply_rope(q, cos, sin, pairs).to(v.dtype), apply_rope(k, cos, sin, pairs).to(v.dtype)
+        if self.qk_norm_after_rope:  # Hunyuan
+            q, k = self.q_norm(q), self.k_norm(k)
         if isinstance(segments, StaticSegment):
             out = segments.attend(layer, q, torch.stack((k[0], v[0])), self.static_attend, self.window is not None)
         elif segments.paged is not None:

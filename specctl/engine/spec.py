@@ -12,7 +12,7 @@ from specctl.errors import BadRequest, UnsupportedArchitecture
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text", "qwen2_moe", "qwen3_moe",
              "mixtral", "granite", "olmo2", "olmo3", "starcoder2", "smollm3", "glm4", "exaone4", "cohere",
-             "cohere2")
+             "cohere2", "seed_oss", "hunyuan_v1_dense")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +50,7 @@ class ModelSpec:
     post_norms: bool = False
     qk_norm_across_heads: bool = False
     qk_norm_weights_per_head: bool = False  # Command R+: q/k norms over each head, with each head's own weight
+    qk_norm_after_rope: bool = False  # Hunyuan: the per-head q/k norms applied to the rotated queries and keys
     norm_scale_in_float32: bool = False
     rope_in_float32: bool = False
     # StarCoder2's: LayerNorm (with biases) in place of RMSNorm, and an MLP that is not gated
@@ -135,7 +136,7 @@ class ModelSpec:
             # transformers gives o_proj attention_bias's bias in Llama's layer and those built on it
             output_bias=(bool(getattr(config, "attention_bias", False))
                          and arch not in ("qwen2", "qwen2_moe", "mistral", "phi3", "mixtral", "glm4")),
-            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "exaone4"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "exaone4", "hunyuan_v1_dense"),
             hf_config=config,
             layer_windows=layer_windows(config),
         )
@@ -160,8 +161,10 @@ class ModelSpec:
         if by_layer_type:
             params = params[layer_type]
         rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type == "default":
+        if rope_type == "default" or (rope_type == "dynamic" and params.get("alpha")):
             base = params.get("rope_theta", getattr(self.hf_config, "rope_theta", 10000.0))
+            if rope_type == "dynamic":  # Hunyuan's NTK alpha: a fixed stretch of the base, whatever the length
+                base = base * params["alpha"] ** (self.head_dim / (self.head_dim - 2))
             # Phi-4-mini rotates the first 3/4 of each head only (apply_rope passes the rest)
             dim = int(self.head_dim * params.get("partial_rotary_factor", 1.0))
             return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
