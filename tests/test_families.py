@@ -368,6 +368,24 @@ def test_hunyuan_norms_queries_and_keys_after_rope_with_its_ntk_alpha_base(tiny,
     assert _max_rel_diff(fp32(ids, torch.arange(40), fp32.new_cache(40)), ref) > 0.01
 
 
+def test_arcee_s_ungated_relu2_mlp_reads_up_and_down_proj(tiny, tmp_path):
+    """Arcee (AFM): Llama's attention with an MLP without gate, up_proj -> ReLU^2 -> down_proj
+    (the plain MLP StarCoder2 has, under Arcee's names); bf16 logits equal transformers' to the
+    bit; int8 quantizes both projections."""
+    from specctl.engine.quant import quantize_decoder
+
+    path = make_tiny_model(tmp_path / "a", "arcee", seed=39, init_std=0.2, norm_std=0.3)
+    decoder = load_decoder(path, torch.bfloat16)
+    assert isinstance(decoder.layers[0].mlp, PlainMLP) and decoder.spec.activation == "relu2"
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        assert torch.equal(decoder.layers[0].mlp.c_fc.weight, f.get_tensor("model.layers.0.mlp.up_proj.weight").bfloat16())
+    torch.manual_seed(0)
+    _bf16_equals_transformers(decoder, path, torch.randint(0, 300, (40,)))
+    _speculation_is_exact(load_decoder(path), tiny["llama-draft"])
+    quantized = quantize_decoder(load_decoder(path), "int8")
+    assert not any(type(module) is nn.Linear for module in quantized.modules())
+
+
 def test_granite_s_scalars_are_read_and_each_one_counts(tiny_dir):
     """Granite: embeddings times 12, queries scaled 0.1, each branch times 0.22 before its
     residual add, logits divided by 8 (the fixture's; Granite 3's own are of that order):

@@ -25,6 +25,8 @@ def family_facts(config: Any) -> dict[str, Any]:
             # Seed-OSS: o_proj's bias by a flag of its own; Hunyuan: q/k normed after RoPE
             **(dict(output_bias=bool(config.attention_out_bias)) if arch == "seed_oss" else {}),
             **(dict(qk_norm_after_rope=True) if arch == "hunyuan_v1_dense" else {}),
+            # Arcee (AFM): an MLP without gate, up -> ReLU^2 -> down (loader.checkpoint_name: up_proj, down_proj)
+            **(dict(gated_mlp=False, activation=config.hidden_act) if arch == "arcee" else {}),
             # SmolLM3: no_rope_layers[i] is 1 where layer i rotates (every 4th does not)
             **(dict(rope_layers=tuple(map(bool, config.no_rope_layers))) if arch == "smollm3" else {})}
 

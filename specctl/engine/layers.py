@@ -133,7 +133,8 @@ class MLP(nn.Module):
 
 
 class PlainMLP(nn.Module):
-    """StarCoder2's MLP: no gate, c_fc -> activation -> c_proj."""
+    """An MLP without gate, c_fc -> activation -> c_proj: StarCoder2's (GELU), Arcee's (ReLU^2,
+    its checkpoint's up_proj / down_proj)."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()

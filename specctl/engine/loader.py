@@ -149,10 +149,13 @@ GLM4_NORMS = {"post_attention_layernorm": "post_self_attn_layernorm",
 def checkpoint_name(spec: ModelSpec, name: str) -> str:
     """A layer's tensor name as the checkpoint spells it: Mixtral's sparse MLP is
     ``block_sparse_moe`` with experts' ``w1`` (gate), ``w3`` (up), ``w2`` (down); GLM-4's norms
-    are named for where they sit (GLM4_NORMS); Hunyuan's q/k norms are query/key_layernorm."""
+    are named for where they sit (GLM4_NORMS); Hunyuan's q/k norms are query/key_layernorm;
+    Arcee's plain MLP is up_proj, down_proj."""
     if spec.arch == "glm4":
         module, _, rest = name.partition(".")
         return f"{GLM4_NORMS.get(module, module)}.{rest}"
+    if spec.arch == "arcee":  # its plain MLP's projections
+        return name.replace("mlp.c_fc.", "mlp.up_proj.").replace("mlp.c_proj.", "mlp.down_proj.")
     if spec.arch == "hunyuan_v1_dense":  # its q/k norms
         return name.replace("self_attn.q_norm.", "self_attn.query_layernorm.").replace(
             "self_attn.k_norm.", "self_attn.key_layernorm.")

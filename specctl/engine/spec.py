@@ -12,7 +12,7 @@ from specctl.errors import BadRequest, UnsupportedArchitecture
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text", "qwen2_moe", "qwen3_moe",
              "mixtral", "granite", "olmo2", "olmo3", "starcoder2", "smollm3", "glm4", "exaone4", "cohere",
-             "cohere2", "seed_oss", "hunyuan_v1_dense")
+             "cohere2", "seed_oss", "hunyuan_v1_dense", "arcee")
 
 
 @dataclass(frozen=True, slots=True)

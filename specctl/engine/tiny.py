@@ -34,7 +34,7 @@ def make_byte_tokenizer(vocab_size: int = TINY_VOCAB):
 
 
 def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, layers: int = 4, hidden: int = 64, **overrides):
-    from transformers import (Cohere2Config, CohereConfig, Exaone4Config, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config,
+    from transformers import (ArceeConfig, Cohere2Config, CohereConfig, Exaone4Config, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config,
                               GraniteConfig, HunYuanDenseV1Config, LlamaConfig, MixtralConfig, Olmo2Config, Olmo3Config, Phi3Config,
                               Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SeedOssConfig,
                               SmolLM3Config, Starcoder2Config)
@@ -87,9 +87,9 @@ def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, layers: int =
     if arch == "exaone4":  # a window: 3 of 4 layers slide, every 4th attends to all without RoPE
         common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
         return Exaone4Config(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
-    if arch in ("seed_oss", "hunyuan_v1_dense"):  # head_dim defaults to 128
+    if arch in ("seed_oss", "hunyuan_v1_dense", "arcee"):  # head_dim defaults to 128 (Seed-OSS, Hunyuan)
         common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
-        config = SeedOssConfig if arch == "seed_oss" else HunYuanDenseV1Config
+        config = {"seed_oss": SeedOssConfig, "hunyuan_v1_dense": HunYuanDenseV1Config, "arcee": ArceeConfig}[arch]
         return config(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
     if arch == "glm4":  # head_dim defaults to 128, pad_token_id past a tiny vocabulary
         common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
