@@ -17,12 +17,13 @@ from specctl.errors import UnsupportedArchitecture
 from tests.test_engine_parity import _check_parity, _max_rel_diff
 
 
-def _bf16_equals_transformers(decoder, path, ids: torch.Tensor) -> torch.Tensor:
-    """Asserts the bf16 decoder's logits of ``ids`` (one prefill) equal transformers' bf16 SDPA
-    model's to the bit; returns transformers' (float32)."""
+def _bf16_equals_transformers(decoder, path, ids: torch.Tensor, attention: str = "sdpa") -> torch.Tensor:
+    """Asserts the bf16 decoder's logits of ``ids`` (one prefill) equal transformers' bf16 model's
+    (its ``attention`` implementation: SDPA, or eager where the decoder attends as eager does —
+    Gemma's own query scale) to the bit; returns transformers' (float32)."""
     with torch.no_grad():
         ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
-                                                   attn_implementation="sdpa").eval()(ids[None]).logits[0].float()
+                                                   attn_implementation=attention).eval()(ids[None]).logits[0].float()
     assert torch.equal(decoder(ids, torch.arange(ids.numel()), decoder.new_cache(ids.numel())), ref)
     return ref
 
@@ -384,6 +385,52 @@ def test_arcee_s_ungated_relu2_mlp_reads_up_and_down_proj(tiny, tmp_path):
     _speculation_is_exact(load_decoder(path), tiny["llama-draft"])
     quantized = quantize_decoder(load_decoder(path), "int8")
     assert not any(type(module) is nn.Linear for module in quantized.modules())
+
+
+def _multimodal_gemma3(directory, seed: int = 40):
+    """A tiny Gemma3ForConditionalGeneration (a SigLIP tower of one layer, a projector) around the
+    fixture's Gemma 3 text settings, saved as the Hub's 4B-27B checkpoints are (language_model.model.*)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    from specctl.engine.tiny import make_byte_tokenizer
+    from tests.conftest import GEMMA3
+
+    text = tiny_config("gemma3_text", **GEMMA3)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                          image_token_index=300, boi_token_index=301, eoi_token_index=302, initializer_range=0.2)
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():  # (1 + w) norms drawn away from 0, as the text fixture's
+        for name, weight in model.named_parameters():
+            if name.endswith("norm.weight") and "language_model" in name:
+                weight.add_(torch.randn_like(weight) * 0.3)
+    model.save_pretrained(directory)
+    make_byte_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def test_a_multimodal_gemma3_checkpoint_serves_its_language_model(tiny, tmp_path):
+    """Gemma 3 4B-27B ship only as Gemma3ForConditionalGeneration: the language model (its
+    text_config, its tensors under language_model.model.) is decoded as transformers decodes text
+    with that class — bf16 logits to the bit — the vision tower and projector are not loaded,
+    speculation with the 1B-sized draft is exact, and a pipeline stage reads only its layers."""
+    from specctl.engine.loader import load_model
+
+    path = _multimodal_gemma3(tmp_path / "mm")
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        assert "language_model.model.layers.0.mlp.up_proj.weight" in f.keys()
+        assert any(key.startswith("vision_tower.") for key in f.keys())
+    decoder = load_decoder(path, torch.bfloat16)
+    assert decoder.spec.arch == "gemma3_text" and decoder.spec.layer_windows == (24, 24, None, 24)
+    assert not any("vision" in name or "projector" in name for name in decoder.state_dict())
+    torch.manual_seed(0)
+    _bf16_equals_transformers(decoder, path, torch.randint(0, 300, (40,)), attention="eager")
+    _speculation_is_exact(load_decoder(path), tiny["gemma3-draft"])
+    stage = load_decoder(path, layer_range=(2, 4), embed=False, head=True)
+    assert torch.equal(stage.layers[0].mlp.up_proj.weight, load_decoder(path).layers[2].mlp.up_proj.weight)
+    assert load_model("mm", path, "fp32", num_layers=2).decoder.num_layers == 2  # NAME@2: its own first layers
 
 
 def test_granite_s_scalars_are_read_and_each_one_counts(tiny_dir):

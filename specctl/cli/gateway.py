@@ -108,7 +108,7 @@ def gateway(
     from transformers import AutoConfig, AutoTokenizer
 
     from specctl.engine.loader import vocab_fingerprint
-    from specctl.engine.families import context_limit
+    from specctl.engine.families import context_limit, text_config
     from specctl.gateway.metrics import GatewayMetrics
     from specctl.gateway.chat_template import load_chat_template
     from specctl.gateway.sampling_defaults import describe, sampling_defaults
@@ -142,7 +142,7 @@ def gateway(
             tokenizer.chat_template = load_chat_template(chat_template)
         upstream.fingerprint = vocab_fingerprint(tokenizer)
         try:
-            context = served_context(context_limit(AutoConfig.from_pretrained(path)), max_model_len)
+            context = served_context(context_limit(text_config(AutoConfig.from_pretrained(path))), max_model_len)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         defaults = sampling_defaults(path, generation_config)

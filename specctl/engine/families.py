@@ -3,9 +3,23 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from specctl.errors import UnsupportedArchitecture
+
+
+def text_config(config: Any) -> Any:
+    """The config of the decoder specctl runs: a multimodal Gemma 3 checkpoint's (4B, 12B, 27B:
+    Gemma3ForConditionalGeneration) ``text_config`` — its language model is Gemma3ForCausalLM's,
+    and text-only requests never reach its vision tower — else the config itself. The wrapper's
+    own tie_word_embeddings decides whether its head is the embedding table (transformers ties by
+    the outer config), so the copy returned carries it."""
+    if config.model_type != "gemma3":
+        return config
+    text = copy.copy(config.text_config)
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+    return text
 
 
 def family_facts(config: Any) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from specctl.engine.families import text_config
 from specctl.engine.model import Decoder
 from specctl.engine.spec import ModelSpec
 from specctl.errors import ModelNotFound, UnsupportedArchitecture, VocabMismatch
@@ -77,7 +78,7 @@ def load_decoder(
     the model next (int8 quantization: no fp32 copy of the whole model is ever held)."""
     from transformers import AutoConfig
 
-    config = config or AutoConfig.from_pretrained(path)
+    config = text_config(config or AutoConfig.from_pretrained(path))
     spec = ModelSpec.from_hf(config)
     backend = select_backend(backend, device, dtype or torch.float32, spec.head_dim, spec.attn_softcap, spec.window)
     with torch.device("meta"):
@@ -100,14 +101,15 @@ def load_decoder(
     unused: list[str] = []
     for file in _weight_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for key in f.keys():
+            for stored in f.keys():
+                key = language_model_key(stored)
                 if key in fused:
-                    tensor = f.get_tensor(key) if dtype is None else f.get_tensor(key).to(dtype)
+                    tensor = f.get_tensor(stored) if dtype is None else f.get_tensor(stored).to(dtype)
                     names, sizes = fused[key]
                     rows = tensor.reshape(-1, tensor.shape[-1])  # a 3-D expert stack: its experts' rows, in order
                     state.update(zip(names, (part.clone() for part in rows.split(sizes))))
                 elif key in wanted:
-                    tensor = f.get_tensor(key) if dtype is None else f.get_tensor(key).to(dtype)
+                    tensor = f.get_tensor(stored) if dtype is None else f.get_tensor(stored).to(dtype)
                     if wanted[key] is not None:
                         state[wanted[key]] = tensor
                     if key == "model.embed_tokens.weight" and spec.tie_embeddings and head:
@@ -124,6 +126,21 @@ def load_decoder(
     decoder.load_state_dict(state, strict=True, assign=True)
     decoder.reset_rope()
     return decoder.to(device).eval()
+
+
+# a multimodal checkpoint's language model, as the Hub stores it and as transformers 5 holds it in memory
+LANGUAGE_MODEL_PREFIXES = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
+                           "model.language_model.": "model."}
+
+
+def language_model_key(key: str) -> str:
+    """A checkpoint tensor's name as a text-only model names it: a multimodal Gemma 3's language
+    model is under ``language_model.model.`` (or ``model.language_model.``); its vision tower and
+    projector keep their names, which no text decoder wants."""
+    for prefix, text_prefix in LANGUAGE_MODEL_PREFIXES.items():
+        if key.startswith(prefix):
+            return text_prefix + key[len(prefix):]
+    return key
 
 
 def _part_of(key: str, first: int, last: int, embed: bool, head: bool, tied: bool) -> bool:
@@ -221,7 +238,7 @@ def load_model(
     "stored": the checkpoint's own (``load_decoder``'s None)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    config = AutoConfig.from_pretrained(path)
+    config = text_config(AutoConfig.from_pretrained(path))
     layer_range, embed, head = stage or (None, True, True)
     if num_layers is not None:
         if not 0 < num_layers <= config.num_hidden_layers:

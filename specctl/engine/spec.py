@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from specctl.engine.families import context_limit, family_facts, layer_windows
+from specctl.engine.families import context_limit, family_facts, layer_windows, text_config
 from specctl.errors import BadRequest, UnsupportedArchitecture
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text", "qwen2_moe", "qwen3_moe",
@@ -101,11 +101,8 @@ class ModelSpec:
 
     @classmethod
     def from_hf(cls, config: Any) -> "ModelSpec":
+        config = text_config(config)  # a multimodal Gemma 3's language model
         arch = config.model_type
-        if arch == "gemma3":
-            raise UnsupportedArchitecture("a multimodal Gemma 3 checkpoint (Gemma3ForConditionalGeneration): specctl runs "
-                                          "the text-only Gemma3ForCausalLM (gemma-3-1b, gemma-3-270m); save its "
-                                          "language model as one")
         if getattr(config, "use_bidirectional_attention", False):
             raise UnsupportedArchitecture(f"{arch} with use_bidirectional_attention (an embedding model) does not "
                                           "generate text")

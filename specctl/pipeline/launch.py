@@ -22,7 +22,9 @@ def model_layers(name: str, console: Console | None = None) -> int:
     from specctl.spec.factory import resolve_model, split_model_name
 
     base, _ = split_model_name(name)
-    return AutoConfig.from_pretrained(resolve_model(base, console)).num_hidden_layers
+    from specctl.engine.families import text_config
+
+    return text_config(AutoConfig.from_pretrained(resolve_model(base, console))).num_hidden_layers
 
 
 def stage_plan(config: Config, index: int, count: int, pipeline: str | None, layers: str | None,
