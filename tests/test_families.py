@@ -304,15 +304,21 @@ def test_command_r_plus_s_qk_norms_carry_a_weight_per_head_and_speculation_is_ex
     torch.manual_seed(0)
     ids = torch.randint(0, 300, (40,))
     _bf16_equals_transformers(decoder, path, ids)
-    fp32 = load_decoder(path)
-    with torch.no_grad():
-        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(ids[None]).logits[0]
-    assert _max_rel_diff(fp32(ids, torch.arange(40), fp32.new_cache(40)), ref) <= 1e-4
+    fp32, ref = _fp32_parity(path, ids)
     _speculation_is_exact(fp32, tiny["cohere2-draft"])
     for layer in fp32.layers:
         norm = layer.self_attn.q_norm
         norm.weight.data = norm.weight[:1].expand_as(norm.weight).clone()
     assert _max_rel_diff(fp32(ids, torch.arange(40), fp32.new_cache(40)), ref) > 0.01
+
+
+def _fp32_parity(path, ids: torch.Tensor):
+    """The fp32 decoder of ``path`` and transformers' fp32 logits of ``ids``, asserted within 1e-4."""
+    decoder = load_decoder(path)
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(ids[None]).logits[0]
+    assert _max_rel_diff(decoder(ids, torch.arange(ids.numel()), decoder.new_cache(ids.numel())), ref) <= 1e-4
+    return decoder, ref
 
 
 def _speculation_is_exact(target, draft) -> None:
@@ -355,10 +361,7 @@ def test_hunyuan_norms_queries_and_keys_after_rope_with_its_ntk_alpha_base(tiny,
     torch.manual_seed(0)
     ids = torch.randint(0, 300, (40,))
     _bf16_equals_transformers(decoder, path, ids)
-    fp32 = load_decoder(path)
-    with torch.no_grad():
-        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(ids[None]).logits[0]
-    assert _max_rel_diff(fp32(ids, torch.arange(40), fp32.new_cache(40)), ref) <= 1e-4
+    fp32, ref = _fp32_parity(path, ids)
     _speculation_is_exact(fp32, tiny["llama-draft"])
     for layer in fp32.layers:
         layer.self_attn.qk_norm_after_rope = False
