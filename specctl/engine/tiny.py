@@ -34,80 +34,62 @@ def make_byte_tokenizer(vocab_size: int = TINY_VOCAB):
 
 
 def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, layers: int = 4, hidden: int = 64, **overrides):
-    from transformers import (ArceeConfig, Cohere2Config, CohereConfig, Exaone4Config, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config,
-                              GraniteConfig, HunYuanDenseV1Config, LlamaConfig, MixtralConfig, Olmo2Config, Olmo3Config, Phi3Config,
-                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SeedOssConfig,
-                              SmolLM3Config, Starcoder2Config)
+    """A tiny transformers config of ``arch``: 4 heads (2 KV heads), head dim hidden / heads
+    (several configs default theirs to 128 or 256 whatever the width), the family's own settings
+    from ``_tiny_family``, then ``overrides``."""
+    import transformers
 
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=hidden * 2,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        eos_token_id=256,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
-    common.update(overrides)
-    if arch == "llama":
-        return LlamaConfig(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
-    if arch == "qwen2":
-        return Qwen2Config(tie_word_embeddings=common.pop("tie_word_embeddings", True), **common)
-    if arch == "qwen3":  # Qwen3's config defaults head_dim to 128 whatever the width
-        common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
-        return Qwen3Config(tie_word_embeddings=common.pop("tie_word_embeddings", True), **common)
-    if arch == "qwen3_moe":  # 4 experts of 32, 2 a token, weights renormalised (Qwen3-30B-A3B's setting)
-        common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
-        common = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": hidden // 2,
-                  "norm_topk_prob": True, **common}
-        return Qwen3MoeConfig(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
-    if arch == "qwen2_moe":  # 4 experts of 32, 2 a token, not renormalised, a shared expert of 64 (Qwen1.5-MoE's)
-        common = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": hidden // 2,
-                  "shared_expert_intermediate_size": hidden, "norm_topk_prob": False, **common}
-        return Qwen2MoeConfig(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
-    if arch == "mixtral":  # 4 experts, 2 a token
-        common = {"num_local_experts": 4, "num_experts_per_tok": 2, **common}
-        common["intermediate_size"] = hidden // 2
-        return MixtralConfig(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
-    if arch == "granite":  # scalars away from 1 (Granite 3's: 12, 0.0078125, 0.22, 8), so each of them counts
-        common = {"embedding_multiplier": 12.0, "attention_multiplier": 0.1, "residual_multiplier": 0.22,
-                  "logits_scaling": 8.0, **common}
-        return GraniteConfig(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
-    if arch in ("olmo2", "olmo3"):  # OLMo 3: every 4th layer full, the others sliding (give sliding_window)
-        config = Olmo2Config if arch == "olmo2" else Olmo3Config
-        return config(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
-    if arch in ("cohere", "cohere2"):  # LayerNorms' epsilon: layer_norm_eps; Cohere 2: 3 of 4 layers slide
-        common.setdefault("layer_norm_eps", common.pop("rms_norm_eps"))
-        config = CohereConfig if arch == "cohere" else Cohere2Config
-        return config(tie_word_embeddings=common.pop("tie_word_embeddings", True), **common)
-    if arch == "exaone4":  # a window: 3 of 4 layers slide, every 4th attends to all without RoPE
-        common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
-        return Exaone4Config(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
-    if arch in ("seed_oss", "hunyuan_v1_dense", "arcee"):  # head_dim defaults to 128 (Seed-OSS, Hunyuan)
-        common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
-        config = {"seed_oss": SeedOssConfig, "hunyuan_v1_dense": HunYuanDenseV1Config, "arcee": ArceeConfig}[arch]
-        return config(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
-    if arch == "glm4":  # head_dim defaults to 128, pad_token_id past a tiny vocabulary
-        common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
-        return Glm4Config(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
-    if arch == "smollm3":  # every 4th layer without RoPE (its default interval)
-        return SmolLM3Config(tie_word_embeddings=common.pop("tie_word_embeddings", True), **common)
-    if arch == "starcoder2":  # its LayerNorms' epsilon is norm_epsilon
-        common.setdefault("norm_epsilon", common.pop("rms_norm_eps"))
-        return Starcoder2Config(tie_word_embeddings=common.pop("tie_word_embeddings", True), **common)
-    if arch == "phi3":  # Phi-3's config defaults its special tokens to ids past a tiny vocabulary
-        return Phi3Config(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
-    if arch in ("gemma", "gemma2", "gemma3_text"):  # head_dim defaults to 256, special tokens sit past the vocabulary
-        common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
-        if arch != "gemma":  # its query scalar defaults to 256; the 27B's is not its head dim either
-            common.setdefault("query_pre_attn_scalar", 24)
-        config = {"gemma": GemmaConfig, "gemma2": Gemma2Config, "gemma3_text": Gemma3TextConfig}[arch]
-        return config(tie_word_embeddings=common.pop("tie_word_embeddings", True), **common)
-    raise ValueError(f"no tiny config for {arch!r}")
+    class_name, tied, settings, eps_name = _tiny_family(arch, hidden)
+    common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, eos_token_id=256, bos_token_id=None, pad_token_id=None,
+                  tie_word_embeddings=tied)
+    kwargs = {**common, **settings, **overrides}
+    kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
+    if eps_name != "rms_norm_eps":  # StarCoder2's and Cohere's LayerNorms name their epsilon otherwise
+        kwargs.setdefault(eps_name, kwargs.pop("rms_norm_eps"))
+    return getattr(transformers, class_name)(**kwargs)
+
+
+def _tiny_family(arch: str, hidden: int) -> tuple[str, bool, dict, str]:
+    """(config class, head tied by default, the family's tiny settings, its norm epsilon's name)."""
+    experts = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": hidden // 2}
+    families = {
+        "llama": ("LlamaConfig", False, {}),
+        "qwen2": ("Qwen2Config", True, {}),
+        "qwen3": ("Qwen3Config", True, {}),
+        # 4 experts of 32, 2 a token, weights renormalised (Qwen3-30B-A3B's setting)
+        "qwen3_moe": ("Qwen3MoeConfig", False, {**experts, "norm_topk_prob": True}),
+        # not renormalised, a shared expert of 64 (Qwen1.5-MoE's)
+        "qwen2_moe": ("Qwen2MoeConfig", False, {**experts, "shared_expert_intermediate_size": hidden,
+                                                 "norm_topk_prob": False}),
+        "mixtral": ("MixtralConfig", False, {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                             "intermediate_size": hidden // 2}),
+        # scalars away from 1 (Granite 3's: 12, 0.0078125, 0.22, 8), so each of them counts
+        "granite": ("GraniteConfig", False, {"embedding_multiplier": 12.0, "attention_multiplier": 0.1,
+                                             "residual_multiplier": 0.22, "logits_scaling": 8.0}),
+        "olmo2": ("Olmo2Config", False, {}),
+        "olmo3": ("Olmo3Config", False, {}),  # every 4th layer full, the others sliding (give sliding_window)
+        "cohere": ("CohereConfig", True, {}),
+        "cohere2": ("Cohere2Config", True, {}),  # 3 of 4 layers slide
+        "exaone4": ("Exaone4Config", False, {}),  # a window: 3 of 4 layers slide, every 4th global without RoPE
+        "seed_oss": ("SeedOssConfig", False, {}),
+        "hunyuan_v1_dense": ("HunYuanDenseV1Config", False, {}),
+        "arcee": ("ArceeConfig", False, {}),
+        "glm4": ("Glm4Config", False, {}),
+        "smollm3": ("SmolLM3Config", True, {}),  # every 4th layer without RoPE (its default interval)
+        "starcoder2": ("Starcoder2Config", True, {}),
+        "phi3": ("Phi3Config", False, {}),
+        "gemma": ("GemmaConfig", True, {}),
+        # their query scalar defaults to 256; the 27B's is not its head dim either
+        "gemma2": ("Gemma2Config", True, {"query_pre_attn_scalar": 24}),
+        "gemma3_text": ("Gemma3TextConfig", True, {"query_pre_attn_scalar": 24}),
+    }
+    if arch not in families:
+        raise ValueError(f"no tiny config for {arch!r}")
+    eps_name = {"starcoder2": "norm_epsilon", "cohere": "layer_norm_eps", "cohere2": "layer_norm_eps"}.get(
+        arch, "rms_norm_eps")
+    return (*families[arch], eps_name)
 
 
 def make_tiny_model(directory: Path | str, arch: str = "llama", seed: int = 0, init_std: float = 0.1,

@@ -16,7 +16,7 @@ import re
 import string
 from typing import Callable
 
-from specctl.gateway.tool_calls import StreamedCalls, call_delta, held_back, new_call
+from specctl.gateway.tool_calls import StreamedCalls, call_delta, content_before, new_call
 
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's, before JSON calls (kept with skip_special_tokens false)
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's, around pythonic calls
@@ -116,11 +116,7 @@ class MistralCalls:
 
     def push(self, delta: str) -> tuple[str, list[dict]]:
         self.text += delta
-        if self.start < 0:
-            self.start = self.text.find(TOOL_CALLS, max(0, self.sent - len(TOOL_CALLS)))
-        upto = self.start if self.start >= 0 else len(self.text) - held_back(self.text, TOOL_CALLS)
-        content = self.text[self.sent:upto] if upto > self.sent else ""
-        self.sent = max(self.sent, upto)
+        content, self.sent, self.start = content_before(self.text, self.sent, self.start, TOOL_CALLS)
         return content, []
 
     def finish(self) -> tuple[str, list[dict], list[dict] | None]:

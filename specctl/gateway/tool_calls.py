@@ -25,6 +25,17 @@ def held_back(text: str, tag: str) -> int:
     return max((k for k in range(1, len(tag)) if text.endswith(tag[:k])), default=0)
 
 
+def content_before(text: str, sent: int, start: int, tag: str) -> tuple[str, int, int]:
+    """A streamed text's content up to its first ``tag``: ``sent`` characters already handed out,
+    ``start`` where the tag begins (-1: not seen yet; the text handed out holds no tag's start, so
+    the search goes from there), a tag begun at the end held back. Returns (content to hand out
+    now, sent, start)."""
+    if start < 0:
+        start = text.find(tag, sent)
+    upto = start if start >= 0 else len(text) - held_back(text, tag)
+    return (text[sent:upto] if upto > sent else ""), max(sent, upto), start
+
+
 def new_call(name: str, arguments: str) -> dict:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
 
@@ -78,11 +89,7 @@ class StreamedCalls:
     def push(self, delta: str) -> tuple[str, list[dict]]:
         """(content to hand out, tool-call deltas to hand out)."""
         self.text += delta
-        if self.start < 0:  # the text handed out holds no tag's start: look from there
-            self.start = self.text.find(OPEN, self.sent)
-        upto = self.start if self.start >= 0 else len(self.text) - held_back(self.text, OPEN)
-        content = self.text[self.sent:upto] if upto > self.sent else ""
-        self.sent = max(self.sent, upto)
+        content, self.sent, self.start = content_before(self.text, self.sent, self.start, OPEN)
         return content, self._read(self.start, final=False) if self.start >= 0 else []
 
     def finish(self) -> tuple[str, list[dict], list[dict] | None]:
