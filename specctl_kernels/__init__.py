@@ -38,10 +38,12 @@ log = logging.getLogger("specctl.kernels")
 
 
 def select_backend(requested: str, device: torch.device | str, dtype: torch.dtype | None = None,
-                   head_dim: int | None = None, softcap: float | None = None, window: int | None = None) -> str:
+                   head_dim: int | None = None, softcap: float | None = None, window: int | None = None,
+                   sinks: bool = False) -> str:
     """Resolve ``auto`` to a concrete backend; refuse one that cannot run here. flashinfer has
     kernels for fp16/bf16 and head dims 64/128/256 only, and specctl calls it without a score
-    cap (``softcap``: Gemma 2's) or a sliding ``window``: ``auto`` then falls back to torch."""
+    cap (``softcap``: Gemma 2's), a sliding ``window`` or attention ``sinks`` (gpt-oss's): ``auto``
+    then falls back to torch."""
     if requested not in BACKENDS:
         raise ValueError(f"unknown attention backend {requested!r}: one of {', '.join(BACKENDS)}")
     is_cuda = torch.device(device).type == "cuda"
@@ -54,6 +56,8 @@ def select_backend(requested: str, device: torch.device | str, dtype: torch.dtyp
         unsupported = "soft-capped attention scores (Gemma 2; specctl passes it no cap)"
     elif window is not None:
         unsupported = "sliding-window layers (specctl passes it no window)"
+    elif sinks:
+        unsupported = "attention sinks (gpt-oss; specctl passes it none)"
     if requested == "auto":
         if not (is_cuda and flashinfer_available()):
             return "torch"
@@ -70,13 +74,15 @@ def select_backend(requested: str, device: torch.device | str, dtype: torch.dtyp
     return requested
 
 
-def get_attention(backend: str, scale: float | None = None, softcap: float | None = None) -> AttentionFn:
-    """``backend``'s attention; with a query ``scale`` (None: head_dim ** -0.5) or a score
-    ``softcap``, the eager attention that applies them (torch only)."""
-    if scale is not None or softcap is not None:
+def get_attention(backend: str, scale: float | None = None, softcap: float | None = None,
+                  sinks: torch.Tensor | None = None) -> AttentionFn:
+    """``backend``'s attention; with a query ``scale`` (None: head_dim ** -0.5), a score
+    ``softcap`` or attention ``sinks`` (a logit per head), the eager attention that applies them
+    (torch only)."""
+    if scale is not None or softcap is not None or sinks is not None:
         if backend != "torch":
-            raise ValueError(f"attention backend {backend!r} takes no score scale or cap: use 'torch'")
-        return functools.partial(torch_backend.eager_attention, scale=scale, softcap=softcap)
+            raise ValueError(f"attention backend {backend!r} takes no score scale, cap or sinks: use 'torch'")
+        return functools.partial(torch_backend.eager_attention, scale=scale, softcap=softcap, sinks=sinks)
     if backend == "torch":
         return torch_backend.tree_attention
     if backend == "flashinfer":

@@ -23,7 +23,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 
 
 def static_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grouped_mask: torch.Tensor,
-                     scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+                     scale: float | None = None, softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over a whole static KV buffer: q [1, H, M, D]; k, v [1, Hkv, S, D];
     grouped_mask [G*M, S] with G = H / Hkv (row g*M + m is query m's mask). The G query heads
     that share a KV head are stacked as rows of that head, so K/V are never copied.
@@ -34,23 +35,32 @@ def static_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grouped_
     matmuls take the inputs' dtype (as transformers' eager attention does: half-precision
     scores, float32 softmax, half-precision probabilities); float32 matmuls over the buffer
     took 29 us a layer there (compiled), these 9.5 (2026-11-25, 1.5B shape, 592 slots).
-    ``scale`` (None: D ** -0.5) and ``softcap``: as ``eager_attention``'s."""
+    ``scale`` (None: D ** -0.5), ``softcap`` and ``sinks``: as ``eager_attention``'s."""
     b, heads, m, d = q.shape
     kv_heads = k.shape[1]
     grouped = q.reshape(b, kv_heads, heads // kv_heads * m, d)
     scores = torch.matmul(grouped, k.transpose(-1, -2)).float() * (d**-0.5 if scale is None else scale)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    probs = scores.masked_fill(~grouped_mask, float("-inf")).softmax(-1).to(q.dtype)
+    scores = scores.masked_fill(~grouped_mask, float("-inf"))
+    if sinks is not None:  # row g*M + m of KV head j is query head j*G + g's
+        sink_rows = sinks.float().reshape(kv_heads, heads // kv_heads, 1).expand(-1, -1, m).reshape(1, kv_heads, -1, 1)
+        probs = torch.cat((scores, sink_rows.expand(b, -1, -1, -1)), dim=-1).softmax(-1)[..., :-1].to(q.dtype)
+    else:
+        probs = scores.softmax(-1).to(q.dtype)
     return torch.matmul(probs, v).reshape(b, heads, m, d)
 
 
 def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                    scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+                    scale: float | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``tree_attention`` for what SDPA cannot express: Gemma 2's soft-capped scores
-    (cap * tanh(scores / cap)) and its own query scaling. transformers' eager attention, step
-    for step (scores in the inputs' dtype, capped, masked, float32 softmax, probabilities back
-    in the inputs' dtype); the G query heads sharing a KV head are rows of one matmul."""
+    (cap * tanh(scores / cap)) and its own query scaling, gpt-oss's attention sinks. transformers'
+    eager attention, step for step (scores in the inputs' dtype, capped, masked, float32 softmax,
+    probabilities back in the inputs' dtype); the G query heads sharing a KV head are rows of one
+    matmul. ``sinks`` [H]: a logit per head joining each row's softmax as one more column, dropped
+    after it (attention a row may give to nothing) — gpt-oss's softmax, as transformers computes
+    it: the row's maximum taken away and the softmax in the inputs' dtype."""
     b, heads, n, d = q.shape
     kv_heads, total = k.shape[1], k.shape[2]
     if mask is None:
@@ -62,7 +72,14 @@ def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.reshape(b, kv_heads, heads // kv_heads, n, total)
     visible = (mask if mask.dim() == 3 else mask.unsqueeze(0))[:, None, None]  # [B|1, 1, 1, n, T]
-    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink_columns = sinks.to(scores.dtype).reshape(1, kv_heads, heads // kv_heads, 1, 1).expand(b, -1, -1, n, -1)
+        combined = torch.cat((scores, sink_columns), dim=-1)
+        combined = combined - combined.amax(-1, keepdim=True)
+        probs = combined.softmax(-1, dtype=combined.dtype)[..., :-1].to(q.dtype)
+    else:
+        probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs.reshape(b, kv_heads, heads // kv_heads * n, total), v).reshape(b, heads, n, d)
 
 

@@ -40,7 +40,7 @@ GEMMA3 = {"sliding_window": 24, "tie_word_embeddings": False,
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> dict[str, Path]:
-    """Tiny random-weight checkpoints: seventeen architectures, drafts that disagree."""
+    """Tiny random-weight checkpoints: eighteen architectures, drafts that disagree."""
     root = tmp_path_factory.mktemp("tiny")
     paths = {
         "llama": make_tiny_model(root / "llama", "llama", seed=0),
@@ -104,6 +104,12 @@ def tiny_dir(tmp_path_factory) -> dict[str, Path]:
         "cohere2": make_tiny_model(root / "cohere2", "cohere2", seed=34, init_std=0.2, norm_std=0.3, sliding_window=24),
         "cohere2-draft": make_tiny_model(root / "cohere2-draft", "cohere2", seed=35, layers=2, init_std=0.2,
                                          norm_std=0.3, sliding_window=24),
+        # gpt-oss: biases everywhere (its experts' too), a sink logit per head, clamped-SwiGLU experts routed
+        # by a softmax over the top-2 logits, sliding (24 tokens) and full layers alternating, YaRN RoPE
+        "gpt_oss": make_tiny_model(root / "gpt_oss", "gpt_oss", seed=40, init_std=0.2, norm_std=0.3, bias_std=0.1,
+                                   sliding_window=24),
+        "gpt_oss-draft": make_tiny_model(root / "gpt_oss-draft", "gpt_oss", seed=41, layers=2, init_std=0.2,
+                                         norm_std=0.3, bias_std=0.1, sliding_window=24),
         # Granite: its embedding, attention, residual and logit scalars (tiny_config sets them away from 1)
         "granite": make_tiny_model(root / "granite", "granite", seed=20),
         "granite-draft": make_tiny_model(root / "granite-draft", "granite", seed=21, layers=2),
@@ -116,7 +122,7 @@ def tiny(tiny_dir):
     """Loaded fp32 decoders: target, disagreeing draft, and the target's first 2 layers."""
     out = {}
     for arch in ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe", "mixtral", "granite",
-                 "olmo2", "olmo3", "starcoder2", "smollm3", "glm4", "exaone4", "cohere2"):
+                 "olmo2", "olmo3", "starcoder2", "smollm3", "glm4", "exaone4", "cohere2", "gpt_oss"):
         out[arch] = load_decoder(tiny_dir[arch])
         out[f"{arch}-draft"] = load_decoder(tiny_dir[f"{arch}-draft"])
         out[f"{arch}-self2"] = load_decoder(tiny_dir[arch], layer_range=(0, 2))

@@ -53,7 +53,9 @@ def test_known_shapes_and_the_limit():
                                                   ("qwen3-30b-a3b", "qwen3_moe", 30.53, 32, 128),
                                                   ("qwen1.5-moe-a2.7b", "qwen2_moe", 14.32, 16, 128),
                                                   ("starcoder2-3b", "starcoder2", 3.03, 24, 128),
-                                                  ("starcoder2-7b", "starcoder2", 7.17, 36, 128)):
+                                                  ("starcoder2-7b", "starcoder2", 7.17, 36, 128),
+                                                  ("gpt-oss-20b", "gpt_oss", 20.91, 64, 64),
+                                                  ("gpt-oss-120b", "gpt_oss", 116.83, 64, 64)):
         spec = ModelSpec.from_hf(shape_config(name))
         decoder = random_decoder(shape_config(name), torch.bfloat16, "meta")
         params = sum(p.numel() for p in decoder.parameters())  # a tied head shares the table: counted once
@@ -63,6 +65,9 @@ def test_known_shapes_and_the_limit():
     assert (active + 151936 * 2048) / 1e9 == pytest.approx(3.3, abs=0.06)  # the card's 3.3B active count the table
     active = weight_bytes_per_step(random_decoder(shape_config("qwen1.5-moe-a2.7b"), torch.bfloat16, "meta")) / 2
     assert (active + 151936 * 2048) / 1e9 == pytest.approx(2.69, abs=0.01)  # the card's 2.7B: the shared expert whole
+    for name, billions in (("gpt-oss-20b", 3.61), ("gpt-oss-120b", 5.13)):  # OpenAI's card: the head, not the table
+        active = weight_bytes_per_step(random_decoder(shape_config(name), torch.bfloat16, "meta")) / 2
+        assert active / 1e9 == pytest.approx(billions, abs=0.01), name
     assert ModelSpec.from_hf(shape_config("phi4-mini")).inv_freq()[0].numel() == 48  # RoPE on 96 of 128 dims
     assert bandwidth_limit_ms(2_000_000_000, 1000.0) == pytest.approx(2.0)
 

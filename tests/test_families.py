@@ -478,3 +478,104 @@ def test_gemma2_reads_each_of_its_departures_from_the_llama_layer(tiny_dir):
     assert abs(float(layer.post_feedforward_layernorm.weight.detach().mean())) < 0.3  # offsets: around 0, not 1
     assert not spec.llama_layers and not fuse_projections(decoder).layers[0].fused
     assert load_decoder(tiny_dir["llama"]).spec.llama_layers
+
+
+def test_gpt_oss_equals_transformers_bitwise_in_bf16_and_each_departure_counts(tiny, tiny_dir):
+    """gpt-oss: biases on q/k/v/o, a sink logit per head in each softmax, RMSNorms scaled in
+    float32, every layer a mixture of clamped-SwiGLU experts (gate and up interleaved, biases
+    added apart) routed by a softmax over the top-2 logits of a biased router, sliding (24) and
+    full layers alternating, YaRN RoPE. bf16 logits 60 tokens in (past the window) equal
+    transformers' to the bit; without the sinks, with gate/up read as halves, or with the
+    softmax over all experts, the fp32 logits move; a pipeline stage reads its own layers."""
+    path = tiny_dir["gpt_oss"]
+    decoder = load_decoder(path, torch.bfloat16)
+    spec, moe = decoder.spec, decoder.layers[1].mlp
+    assert spec.layer_windows == (24, None, 24, None) and spec.attention_sinks and spec.output_bias
+    assert spec.clamped_swiglu == (1.702, 7.0) and moe.softmax_over_chosen and moe.gate.bias is not None
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        stack = f.get_tensor("model.layers.1.mlp.experts.gate_up_proj")  # [E, H, 2I]: x @ W
+        assert torch.equal(moe.experts[2].gate_up_proj.weight, stack[2].T.bfloat16())
+        biases = f.get_tensor("model.layers.1.mlp.experts.down_proj_bias")
+        assert torch.equal(moe.experts[3].down_proj_bias, biases[3].bfloat16())
+        assert torch.equal(moe.gate.bias, f.get_tensor("model.layers.1.mlp.router.bias").bfloat16())
+        assert torch.equal(decoder.layers[0].self_attn.sinks, f.get_tensor("model.layers.0.self_attn.sinks").bfloat16())
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (60,))
+    _bf16_equals_transformers(decoder, path, ids, attention="eager")  # transformers runs gpt-oss's sinks eagerly
+    stage = load_decoder(path, layer_range=(1, 3), embed=False, head=False)
+    assert torch.equal(stage.layers[0].mlp.experts[1].gate_up_proj_bias,
+                       tiny["gpt_oss"].layers[1].mlp.experts[1].gate_up_proj_bias)
+    fp32, ref = _fp32_parity(path, ids)
+
+    def moved() -> bool:
+        return _max_rel_diff(fp32(ids, torch.arange(60), fp32.new_cache(60)), ref) > 0.01
+
+    sinks = [layer.self_attn.sinks for layer in fp32.layers]
+    for layer in fp32.layers:  # a sink of -inf takes nothing: plain softmax
+        layer.self_attn.sinks = nn.Parameter(torch.full_like(layer.self_attn.sinks, float("-inf")))
+    assert moved()
+    for layer, sink in zip(fp32.layers, sinks):
+        layer.self_attn.sinks = sink
+    assert not moved()
+    for layer in fp32.layers:
+        layer.mlp.softmax_over_chosen = False
+    assert moved()
+    for layer in fp32.layers:
+        layer.mlp.softmax_over_chosen = True
+        for expert in layer.mlp.experts:  # gate and up as halves: the interleaved columns regrouped
+            weight = expert.gate_up_proj.weight
+            weight.data = torch.cat((weight[0::2], weight[1::2]))
+    assert moved()
+
+
+def _mxfp4_checkpoint(source, directory):
+    """``source``'s gpt-oss checkpoint with its experts as the Hub stores them: MXFP4 (random
+    4-bit values and power-of-two scales per 32 inputs, ``_blocks`` / ``_scales``) and a
+    quantization_config saying so."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(source, directory)
+    draw = torch.Generator().manual_seed(0)
+    tensors = {}
+    with safe_open(str(source / "model.safetensors"), framework="pt") as f:
+        for key in f.keys():
+            tensor = f.get_tensor(key)
+            if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                experts, inputs, outputs = tensor.shape
+                tensors[f"{key}_blocks"] = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), generator=draw,
+                                                         dtype=torch.uint8)
+                tensors[f"{key}_scales"] = torch.randint(121, 126, (experts, outputs, inputs // 32), generator=draw,
+                                                         dtype=torch.uint8)
+            else:
+                tensors[key] = tensor
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def test_gpt_oss_mxfp4_experts_load_dequantized_as_transformers_loads_them(tiny_dir, tmp_path):
+    """The Hub's gpt-oss checkpoints store the experts in MXFP4: each byte two 4-bit values (low
+    nibble first), each 32 inputs a scale 2^(s - 127). They load dequantized to the model's dtype —
+    an expert's weights as that formula gives them, bf16 logits equal to transformers' (which
+    dequantizes them too on a CPU) to the bit; read as a stage, its own layers' stacks only."""
+    path = _mxfp4_checkpoint(tiny_dir["gpt_oss"], tmp_path / "mxfp4")
+    decoder = load_decoder(path, torch.bfloat16)
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        blocks, scales = f.get_tensor("model.layers.2.mlp.experts.down_proj_blocks")[1], f.get_tensor(
+            "model.layers.2.mlp.experts.down_proj_scales")[1]  # expert 1: [H, I / 32, 16], [H, I / 32]
+    values = torch.tensor(FP4_VALUES)[torch.stack((blocks & 15, blocks >> 4), dim=-1).long()].flatten(-2)
+    expected = (values * 2.0 ** (scales.float() - 127).unsqueeze(-1)).flatten(-2)  # [H, I]
+    assert torch.equal(decoder.layers[2].mlp.experts[1].down_proj.weight, expected.bfloat16())
+    torch.manual_seed(0)
+    _bf16_equals_transformers(decoder, path, torch.randint(0, 300, (40,)), attention="eager")
+    stage = load_decoder(path, torch.bfloat16, layer_range=(2, 4), embed=False, head=False)
+    assert torch.equal(stage.layers[0].mlp.experts[1].down_proj.weight, expected.bfloat16())

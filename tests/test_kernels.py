@@ -49,14 +49,37 @@ def test_eager_attention_is_sdpa_s_without_scale_or_cap_and_caps_each_score_with
     capped = (torch.tanh(scores / 2.0) * 2.0).masked_fill(~tree, float("-inf"))
     expected = capped.softmax(-1) @ v.repeat_interleave(groups, 1)
     torch.testing.assert_close(eager_attention(q, k, v, tree, scale=0.3, softcap=2.0), expected, rtol=1e-5, atol=1e-6)
-    assert get_attention("torch", 0.3, 2.0).keywords == {"scale": 0.3, "softcap": 2.0}
+    assert get_attention("torch", 0.3, 2.0).keywords == {"scale": 0.3, "softcap": 2.0, "sinks": None}
     assert get_attention("torch") is torch_backend.tree_attention  # Llama's: SDPA, no partial
-    with pytest.raises(ValueError, match="attention backend 'flashinfer' takes no score scale or cap: use 'torch'"):
+    with pytest.raises(ValueError, match="backend 'flashinfer' takes no score scale, cap or sinks: use 'torch'"):
         get_attention("flashinfer", None, 50.0)
     # the static step's attention applies the same scale and cap
     grouped_mask = tree.repeat(groups, 1)
     torch.testing.assert_close(static_attention(q[:1], k[:1], v[:1], grouped_mask, scale=0.3, softcap=2.0),
                                expected[:1], rtol=1e-5, atol=1e-6)
+
+
+def test_sinks_join_each_row_s_softmax_as_a_column_per_query_head_then_are_dropped():
+    """gpt-oss's attention sinks: a logit per query head, one more column in each row's softmax,
+    dropped after it (the weights of a row sum to less than 1). Eager (per-session) and static
+    attention give the naive softmax's result, query head h taking sink h under grouped KV heads;
+    sinks of -inf give plain attention back."""
+    torch.manual_seed(4)
+    q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    tree = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 1]], dtype=torch.bool)
+    scores = (q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 8**-0.5).masked_fill(~tree, float("-inf"))
+    combined = torch.cat((scores, sinks.reshape(1, 4, 1, 1).expand(2, 4, 3, 1)), dim=-1)
+    expected = combined.softmax(-1)[..., :-1] @ v.repeat_interleave(2, 1)
+    torch.testing.assert_close(eager_attention(q, k, v, tree, sinks=sinks), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(static_attention(q[:1], k[:1], v[:1], tree.repeat(2, 1), sinks=sinks), expected[:1],
+                               rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(eager_attention(q, k, v, tree), expected, atol=1e-3)
+    torch.testing.assert_close(eager_attention(q, k, v, tree, sinks=torch.full((4,), float("-inf"))),
+                               tree_attention(q, k, v, tree), rtol=1e-5, atol=1e-6)
+    assert select_backend("auto", "cpu", torch.bfloat16, 64, sinks=True) == "torch"
+    with pytest.raises(ValueError, match="takes no score scale, cap or sinks"):
+        get_attention("flashinfer", sinks=sinks)
 
 
 def test_backend_selection_on_cpu():

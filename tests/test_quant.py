@@ -51,7 +51,7 @@ def _prefilled(decoder, prompt: list[int]):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
-                                  "mixtral", "olmo2", "starcoder2", "cohere2"])
+                                  "mixtral", "olmo2", "starcoder2", "cohere2", "gpt_oss"])
 def test_int8_decoder_sessions_batched_equal_alone_bitwise(tiny_dir, tiny, arch):
     decoder = quantize_decoder(load_decoder(tiny_dir[arch]), "int8")
     assert not any(isinstance(module, nn.Linear) for module in decoder.modules())
@@ -69,8 +69,10 @@ def test_int8_decoder_sessions_batched_equal_alone_bitwise(tiny_dir, tiny, arch)
     full = tiny[arch](torch.tensor([40, 41, 42, 43, 44]), torch.arange(5), tiny[arch].new_cache(8))
     # int8 against fp32: close, not equal (the tiny Qwen3's, Gemma 3's and OLMo 2's q/k norm weights, drawn +-30 %,
     # widen their error to ~6-7 %, the tiny Cohere 2's larger weights (init 0.2) to 8 %; a tiny mixture of experts' near-even router sends some tokens to another expert
-    # once its scores are int8: 10-13 %)
-    tolerance = {"qwen3": 0.1, "gemma3": 0.1, "olmo2": 0.1, "cohere2": 0.1, "qwen2_moe": 0.15, "qwen3_moe": 0.15, "mixtral": 0.15}.get(arch, 0.05)
+    # once its scores are int8: 10-13 %; the tiny gpt-oss, init 0.2 with drawn norms and biases, 36 %: the same
+    # family drawn at init 0.1 gives 5-13 % (two seeds), at 0.15 26 %, the routes flipping with the weights' scale)
+    tolerance = {"qwen3": 0.1, "gemma3": 0.1, "olmo2": 0.1, "cohere2": 0.1, "qwen2_moe": 0.15, "qwen3_moe": 0.15,
+                 "mixtral": 0.15, "gpt_oss": 0.4}.get(arch, 0.05)
     assert _relative_error(alone[2], full) < tolerance
 
 

@@ -77,6 +77,16 @@ SHAPES: dict[str, dict] = {
                               num_attention_heads=16, num_key_value_heads=16, vocab_size=151936,
                               tie_word_embeddings=False, num_experts=60, num_experts_per_tok=4,
                               moe_intermediate_size=1408, shared_expert_intermediate_size=5632, norm_topk_prob=False),
+    # gpt-oss: 32 experts of 2880, 4 a token, every layer; a sink per head; 128-token windows on every other layer
+    # (the Hub's experts are MXFP4, dequantized at load: the step reads them in the model's dtype)
+    "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                        num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
+                        tie_word_embeddings=False, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+                        max_position_embeddings=131072, rms_norm_eps=1e-5),
+    "gpt-oss-120b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
+                         num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
+                         tie_word_embeddings=False, num_local_experts=128, num_experts_per_tok=4, sliding_window=128,
+                         max_position_embeddings=131072, rms_norm_eps=1e-5),
 }
 SHAPE_ALIASES = {"0.5b": "qwen2.5-0.5b", "1.5b": "qwen2.5-1.5b", "7b": "qwen2.5-7b", "0.6b": "qwen3-0.6b",
                  "1.7b": "qwen3-1.7b", "8b": "qwen3-8b"}
@@ -94,7 +104,7 @@ def shape_config(name: str):
     if key not in SHAPES:
         raise ValueError(f"unknown model shape {name!r}: one of {', '.join([*SHAPES, *SHAPE_ALIASES])} "
                          "or a checkpoint directory")
-    return AutoConfig.for_model(max_position_embeddings=32768, rms_norm_eps=1e-6, **SHAPES[key])
+    return AutoConfig.for_model(**{"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, **SHAPES[key]})
 
 
 def random_decoder(config, dtype: torch.dtype, device: str, backend: str = "torch") -> Decoder:

@@ -26,7 +26,8 @@ def family_facts(config: Any) -> dict[str, Any]:
     """ModelSpec fields the family of ``config`` sets (they override the common reading)."""
     arch = config.model_type
     return {**(_gemma(config) if arch.startswith("gemma") else {}),
-            **(_experts(config) if arch in ("qwen2_moe", "qwen3_moe", "mixtral") else {}),
+            **(_experts(config) if arch in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss") else {}),
+            **(_gpt_oss(config) if arch == "gpt_oss" else {}),
             **(_granite(config) if arch == "granite" else {}),
             **(dict(post_norms=True, qk_norm_across_heads=True, norm_scale_in_float32=True, rope_in_float32=True)
                if arch in ("olmo2", "olmo3") else {}),
@@ -84,6 +85,15 @@ def _exaone4(config: Any) -> dict[str, Any]:
                 rope_layers=tuple(not windowed or kind == "sliding_attention" for kind in config.layer_types))
 
 
+def _gpt_oss(config: Any) -> dict[str, Any]:
+    """gpt-oss (transformers' modeling_gpt_oss): Llama's layer with biases on every attention
+    projection, a sink logit per head, RMSNorms scaled in float32 before the cast, every layer a
+    mixture of clamped-SwiGLU experts whose router softmaxes its top-k logits (sliding and full
+    layers alternate: layer_windows; YaRN RoPE: ModelSpec.inv_freq)."""
+    return dict(attention_sinks=True, norm_scale_in_float32=True, softmax_over_chosen=True,
+                clamped_swiglu=(config.swiglu_alpha, config.swiglu_limit))
+
+
 def _starcoder2(config: Any) -> dict[str, Any]:
     """StarCoder2's layer (transformers' modeling_starcoder2): LayerNorm with biases, a plain
     MLP (c_fc, GELU-tanh, c_proj), biases on every projection when ``use_bias``."""
@@ -102,13 +112,14 @@ def _experts(config: Any) -> dict[str, Any]:
     """A mixture of experts' facts, as transformers' qwen2_moe / qwen3_moe / mixtral read them:
     Qwen2/3-MoE's sparse layers are those not in ``mlp_only_layers`` every
     ``decoder_sparse_step``-th, each expert ``moe_intermediate_size`` wide, Qwen2-MoE's shared
-    expert ``shared_expert_intermediate_size``; Mixtral's every layer, its experts
-    ``intermediate_size`` wide, their weights always renormalised."""
+    expert ``shared_expert_intermediate_size``; Mixtral's and gpt-oss's every layer, their experts
+    ``intermediate_size`` wide, Mixtral's weights always renormalised (gpt-oss's softmax is over
+    the chosen logits already)."""
     layers = config.num_hidden_layers
-    if config.model_type == "mixtral":
+    if config.model_type in ("mixtral", "gpt_oss"):
         return dict(sparse_layers=(True,) * layers, num_experts=config.num_local_experts,
                     experts_per_token=config.num_experts_per_tok, expert_intermediate_size=config.intermediate_size,
-                    normalize_expert_weights=True)
+                    normalize_expert_weights=config.model_type == "mixtral")
     step, dense = config.decoder_sparse_step, set(config.mlp_only_layers or ())
     sparse = tuple(config.num_experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers))
     return dict(sparse_layers=sparse, num_experts=config.num_experts, experts_per_token=config.num_experts_per_tok,

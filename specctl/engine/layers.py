@@ -10,13 +10,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from specctl.engine.kv_cache import KVCache
-from specctl.engine.moe import SparseMoE, mlps
+from specctl.engine.moe import ClampedSwiGLUExpert, SparseMoE, mlps
 from specctl.engine.norms import RMSNorm, make_norm, rms_norm
 from specctl.engine.rope import apply_rope
 from specctl.engine.spec import ModelSpec
 from specctl.engine.static import StaticSegment
 from specctl.engine.window import WindowCut
-from specctl_kernels import get_attention, row_exact, static_attention
+from specctl_kernels import eager_attention, get_attention, row_exact, static_attention
 from specctl_kernels.paged import PlannedForward
 
 
@@ -53,11 +53,25 @@ class Attention(nn.Module):
                             else ((h, d), (kv, d)) if spec.qk_norm_weights_per_head else (d, d))
         self.q_norm = RMSNorm(q_width, spec.rms_eps, **spec.norm_style) if spec.qk_norm else None
         self.k_norm = RMSNorm(k_width, spec.rms_eps, **spec.norm_style) if spec.qk_norm else None
-        self.attend = get_attention(backend, spec.attn_scale, spec.attn_softcap)
-        scaled = spec.attn_scale is not None or spec.attn_softcap is not None
-        self.static_attend = (functools.partial(static_attention, scale=spec.attn_scale, softcap=spec.attn_softcap)
-                              if scaled else static_attention)
+        self.scale, self.softcap = spec.attn_scale, spec.attn_softcap
+        # gpt-oss: a learned logit per head that joins each query's softmax (attention given to nothing)
+        self.sinks = nn.Parameter(torch.zeros(h)) if spec.attention_sinks else None
+        if self.sinks is not None:
+            get_attention(backend, sinks=self.sinks)  # refuses a backend that has no sinks
+            self.attend, self.static_attend = self._attend_with_sinks, self._static_attend_with_sinks
+        else:
+            self.attend = get_attention(backend, spec.attn_scale, spec.attn_softcap)
+            scaled = spec.attn_scale is not None or spec.attn_softcap is not None
+            self.static_attend = (functools.partial(static_attention, scale=spec.attn_scale, softcap=spec.attn_softcap)
+                                  if scaled else static_attention)
         self.row_exact = False
+
+    def _attend_with_sinks(self, q, k, v, mask):
+        # reads self.sinks at each call: the decoder is built on "meta" and its parameters assigned at load
+        return eager_attention(q, k, v, mask, self.scale, self.softcap, self.sinks)
+
+    def _static_attend_with_sinks(self, q, k, v, grouped_mask):
+        return static_attention(q, k, v, grouped_mask, self.scale, self.softcap, self.sinks)
 
     def use_row_exact(self) -> None:
         """Masked (verification) rows attend as one-token decode steps would (specctl_kernels.row_exact)."""
@@ -184,10 +198,12 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(spec, backend, spec.layer_windows[index] if spec.layer_windows else None)
         if spec.sparse_layers and spec.sparse_layers[index]:
             shared = spec.shared_expert_intermediate_size
+            expert = (functools.partial(ClampedSwiGLUExpert, spec.hidden_size, spec.expert_intermediate_size,
+                                        *spec.clamped_swiglu) if spec.clamped_swiglu
+                      else functools.partial(MLP, spec, spec.expert_intermediate_size))
             self.mlp = SparseMoE(spec.hidden_size, spec.num_experts, spec.experts_per_token,
-                                 spec.normalize_expert_weights,
-                                 functools.partial(MLP, spec, spec.expert_intermediate_size),
-                                 functools.partial(MLP, spec, shared) if shared else None)
+                                 spec.normalize_expert_weights, expert,
+                                 functools.partial(MLP, spec, shared) if shared else None, spec.softmax_over_chosen)
         else:
             self.mlp = MLP(spec) if spec.gated_mlp else PlainMLP(spec)
         norm = functools.partial(make_norm, spec, spec.hidden_size)

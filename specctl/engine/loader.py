@@ -80,7 +80,8 @@ def load_decoder(
 
     config = text_config(config or AutoConfig.from_pretrained(path))
     spec = ModelSpec.from_hf(config)
-    backend = select_backend(backend, device, dtype or torch.float32, spec.head_dim, spec.attn_softcap, spec.window)
+    backend = select_backend(backend, device, dtype or torch.float32, spec.head_dim, spec.attn_softcap, spec.window,
+                             spec.attention_sinks)
     with torch.device("meta"):
         decoder = Decoder(spec, layer_range, embed, head, backend)
     first, last = decoder.layer_range
@@ -97,17 +98,22 @@ def load_decoder(
         wanted.pop("lm_head.weight")
         wanted.setdefault("model.embed_tokens.weight", None)  # read once, used twice
     fused = {**_fused_checkpoint_keys(wanted, spec), **_expert_stacks(spec, first, last)}
+    shapes = {name: tensor.shape for name, tensor in decoder.state_dict().items()}
     state: dict[str, torch.Tensor] = {}
     unused: list[str] = []
+    packed: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4 stacks: their blocks and scales, until both are read
     for file in _weight_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for stored in f.keys():
                 key = language_model_key(stored)
-                if key in fused:
+                stack, _, part = key.rpartition("_")
+                if part in ("blocks", "scales") and stack in fused and fused[stack].transposed:
+                    packed.setdefault(stack, {})[part] = f.get_tensor(stored)
+                    if len(packed[stack]) == 2:
+                        state.update(fused[stack].parts(dequantize_mxfp4(**packed.pop(stack), dtype=dtype), shapes))
+                elif key in fused:
                     tensor = f.get_tensor(stored) if dtype is None else f.get_tensor(stored).to(dtype)
-                    names, sizes = fused[key]
-                    rows = tensor.reshape(-1, tensor.shape[-1])  # a 3-D expert stack: its experts' rows, in order
-                    state.update(zip(names, (part.clone() for part in rows.split(sizes))))
+                    state.update(fused[key].parts(tensor, shapes))
                 elif key in wanted:
                     tensor = f.get_tensor(stored) if dtype is None else f.get_tensor(stored).to(dtype)
                     if wanted[key] is not None:
@@ -167,12 +173,14 @@ def checkpoint_name(spec: ModelSpec, name: str) -> str:
     """A layer's tensor name as the checkpoint spells it: Mixtral's sparse MLP is
     ``block_sparse_moe`` with experts' ``w1`` (gate), ``w3`` (up), ``w2`` (down); GLM-4's norms
     are named for where they sit (GLM4_NORMS); Hunyuan's q/k norms are query/key_layernorm;
-    Arcee's plain MLP is up_proj, down_proj."""
+    Arcee's plain MLP is up_proj, down_proj; gpt-oss's router is router."""
     if spec.arch == "glm4":
         module, _, rest = name.partition(".")
         return f"{GLM4_NORMS.get(module, module)}.{rest}"
     if spec.arch == "arcee":  # its plain MLP's projections
         return name.replace("mlp.c_fc.", "mlp.up_proj.").replace("mlp.c_proj.", "mlp.down_proj.")
+    if spec.arch == "gpt_oss":  # its router (its experts: _gpt_oss_stacks)
+        return name.replace("mlp.gate.", "mlp.router.")
     if spec.arch == "hunyuan_v1_dense":  # its q/k norms
         return name.replace("self_attn.q_norm.", "self_attn.query_layernorm.").replace(
             "self_attn.k_norm.", "self_attn.key_layernorm.")
@@ -184,7 +192,32 @@ def checkpoint_name(spec: ModelSpec, name: str) -> str:
     return ".".join(["block_sparse_moe", *parts[1:]])
 
 
-def _fused_checkpoint_keys(wanted: dict[str, str | None], spec: ModelSpec) -> dict[str, tuple[list[str], list[int]]]:
+@dataclass(frozen=True, slots=True)
+class Split:
+    """A checkpoint tensor holding several of the decoder's tensors: their names, and how many
+    rows of it each takes (a 3-D stack: its experts' rows, in order; ``transposed``: stored as
+    x @ W multiplies, [E, in, out], so each expert's rows are its columns)."""
+
+    names: list[str]
+    sizes: list[int]
+    transposed: bool = False
+
+    def parts(self, tensor: torch.Tensor, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+        if self.transposed:
+            tensor = tensor.transpose(1, 2)
+        rows = tensor.reshape(-1, tensor.shape[-1])
+        return {name: part.reshape(shapes[name]).clone() for name, part in zip(self.names, rows.split(self.sizes))}
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """An MXFP4 expert stack (gpt-oss's Hub checkpoints: two 4-bit values a byte, a power-of-two
+    scale per 32) in ``dtype`` (None: bf16), as transformers dequantizes it: [E, in, out]."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    return convert_moe_packed_tensors(blocks, scales, dtype=dtype or torch.bfloat16)
+
+
+def _fused_checkpoint_keys(wanted: dict[str, str | None], spec: ModelSpec) -> dict[str, Split]:
     """Checkpoint tensors that hold several of the decoder's projections (Phi-3 stores
     ``qkv_proj`` and ``gate_up_proj``, gate first): key -> (decoder names, row counts), for
     the layers the decoder wants. Split at load, so every family runs one layer code
@@ -198,11 +231,11 @@ def _fused_checkpoint_keys(wanted: dict[str, str | None], spec: ModelSpec) -> di
             first = f".{projections[0]}.weight"
             if name is not None and key.endswith(first):
                 key_base, name_base = key.removesuffix(first), name.removesuffix(first)
-                fused[f"{key_base}.{whole}.weight"] = ([f"{name_base}.{p}.weight" for p in projections], sizes)
+                fused[f"{key_base}.{whole}.weight"] = Split([f"{name_base}.{p}.weight" for p in projections], sizes)
     return fused
 
 
-def _expert_stacks(spec: ModelSpec, first: int, last: int) -> dict[str, tuple[list[str], list[int]]]:
+def _expert_stacks(spec: ModelSpec, first: int, last: int) -> dict[str, Split]:
     """A mixture of experts saved as transformers 5 holds it in memory (what `models` writes
     when it converts a GGUF: the model's state dict): each sparse layer's experts as 3-D stacks
     ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate, then up) and ``mlp.experts.down_proj``
@@ -214,13 +247,30 @@ def _expert_stacks(spec: ModelSpec, first: int, last: int) -> dict[str, tuple[li
         if not (spec.sparse_layers and spec.sparse_layers[index]):
             continue
         key, name = f"model.layers.{index}.mlp", f"layers.{index - first}.mlp"
-        stacks[f"{key}.experts.gate_up_proj"] = (
+        if spec.arch == "gpt_oss":
+            stacks.update(_gpt_oss_stacks(spec, key, name))
+            continue
+        stacks[f"{key}.experts.gate_up_proj"] = Split(
             [f"{name}.experts.{e}.{p}.weight" for e in range(experts) for p in ("gate_proj", "up_proj")],
             [inner] * 2 * experts)
-        stacks[f"{key}.experts.down_proj"] = ([f"{name}.experts.{e}.down_proj.weight" for e in range(experts)],
-                                              [spec.hidden_size] * experts)
+        stacks[f"{key}.experts.down_proj"] = Split([f"{name}.experts.{e}.down_proj.weight" for e in range(experts)],
+                                                   [spec.hidden_size] * experts)
         if spec.arch == "mixtral":
-            stacks[f"{key}.gate.weight"] = ([f"{name}.gate.weight"], [experts])
+            stacks[f"{key}.gate.weight"] = Split([f"{name}.gate.weight"], [experts])
+    return stacks
+
+
+def _gpt_oss_stacks(spec: ModelSpec, key: str, name: str) -> dict[str, Split]:
+    """gpt-oss's experts as its checkpoints hold them: gate_up_proj [E, H, 2I] (gate and up
+    interleaved) and down_proj [E, I, H], transposed from nn.Linear's, as bf16 or as MXFP4
+    ``_blocks`` and ``_scales`` (the Hub's); their biases [E, 2I] and [E, H]."""
+    count = spec.num_experts
+    stacks = {}
+    for stack, rows in (("gate_up_proj", 2 * spec.expert_intermediate_size), ("down_proj", spec.hidden_size)):
+        stacks[f"{key}.experts.{stack}"] = Split([f"{name}.experts.{e}.{stack}.weight" for e in range(count)],
+                                                 [rows] * count, transposed=True)
+        stacks[f"{key}.experts.{stack}_bias"] = Split([f"{name}.experts.{e}.{stack}_bias" for e in range(count)],
+                                                      [1] * count)
     return stacks
 
 

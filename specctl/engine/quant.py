@@ -34,7 +34,7 @@ from torch.nn import functional as F
 from specctl.config import QUANTS
 from specctl.engine.layers import PlainMLP
 from specctl.engine.model import Decoder
-from specctl.engine.moe import SparseMoE, mlps
+from specctl.engine.moe import ClampedSwiGLUExpert, SparseMoE, mlps
 from specctl.errors import ConfigError
 
 _PINNED_COLUMNS = 8  # +1, -1, then zeros: keeps the input width a multiple of 8 for fbgemm
@@ -130,6 +130,10 @@ def quantize_decoder(decoder: Decoder, mode: str) -> Decoder:
         for mlp in mlps(layer.mlp):  # a sparse layer's experts each
             if isinstance(mlp, PlainMLP):  # StarCoder2's: no gate
                 mlp.c_fc, mlp.c_proj = RowScaledInt8Linear([mlp.c_fc]), RowScaledInt8Linear([mlp.c_proj])
+                continue
+            if isinstance(mlp, ClampedSwiGLUExpert):  # gpt-oss's: gate/up one projection already, biases beside
+                mlp.gate_up_proj = RowScaledInt8Linear([mlp.gate_up_proj])
+                mlp.down_proj = RowScaledInt8Linear([mlp.down_proj])
                 continue
             mlp.gate_up_proj = RowScaledInt8Linear([mlp.gate_proj, mlp.up_proj])
             mlp.gate_proj = mlp.up_proj = None

@@ -12,7 +12,7 @@ from specctl.errors import BadRequest, UnsupportedArchitecture
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text", "qwen2_moe", "qwen3_moe",
              "mixtral", "granite", "olmo2", "olmo3", "starcoder2", "smollm3", "glm4", "exaone4", "cohere",
-             "cohere2", "seed_oss", "hunyuan_v1_dense", "arcee")
+             "cohere2", "seed_oss", "hunyuan_v1_dense", "arcee", "gpt_oss")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +77,11 @@ class ModelSpec:
     expert_intermediate_size: int = 0
     normalize_expert_weights: bool = False  # the top-k router weights rescaled to sum to 1
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a gated expert every token runs (0: none)
+    # gpt-oss's: the router's top-k logits softmaxed among themselves (its router has a bias), and
+    # experts that are clamped SwiGLUs with biases: (alpha, limit); None: gated MLPs
+    softmax_over_chosen: bool = False
+    clamped_swiglu: tuple[float, float] | None = None
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in each query's softmax
 
     @property
     def window(self) -> int | None:
@@ -91,7 +96,8 @@ class ModelSpec:
                     or self.residual_scale is not None or self.output_bias or self.post_norms
                     or self.qk_norm_across_heads or self.norm_scale_in_float32 or self.rope_in_float32
                     or self.layer_norm or not self.gated_mlp or not all(self.rope_layers) or self.rope_interleaved
-                    or self.parallel_residual or self.centered_norms or self.rotation_in_float32)
+                    or self.parallel_residual or self.centered_norms or self.rotation_in_float32
+                    or self.attention_sinks)
 
     @property
     def norm_style(self) -> dict[str, bool]:

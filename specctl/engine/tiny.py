@@ -65,6 +65,14 @@ def _tiny_family(arch: str, hidden: int) -> tuple[str, bool, dict, str]:
                                                  "norm_topk_prob": False}),
         "mixtral": ("MixtralConfig", False, {"num_local_experts": 4, "num_experts_per_tok": 2,
                                              "intermediate_size": hidden // 2}),
+        # gpt-oss: 4 experts of 32, 2 a token; sliding and full layers alternate (give sliding_window);
+        # its YaRN RoPE (factor 32) over a 16-token original context
+        "gpt_oss": ("GptOssConfig", False, {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                            "intermediate_size": hidden // 2, "sliding_window": None,
+                                            "rope_parameters": {"rope_type": "yarn", "factor": 32.0,
+                                                                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                                "original_max_position_embeddings": 16,
+                                                                "rope_theta": 150000.0}}),
         # scalars away from 1 (Granite 3's: 12, 0.0078125, 0.22, 8), so each of them counts
         "granite": ("GraniteConfig", False, {"embedding_multiplier": 12.0, "attention_multiplier": 0.1,
                                              "residual_multiplier": 0.22, "logits_scaling": 8.0}),
@@ -115,7 +123,7 @@ def make_tiny_model(directory: Path | str, arch: str = "llama", seed: int = 0, i
         for name, weight in model.named_parameters():
             if norm_std and name.endswith("norm.weight"):
                 weight.add_(torch.randn_like(weight) * norm_std)
-            if bias_std and name.endswith(".bias"):
+            if bias_std and name.endswith((".bias", "_bias")):  # gpt-oss's experts' too
                 weight.normal_(0.0, bias_std)
     model.to(dtype).save_pretrained(directory)
     if cfg.vocab_size >= TINY_VOCAB:  # smaller vocabularies are for token-level tests only
