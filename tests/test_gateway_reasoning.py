@@ -38,7 +38,7 @@ def test_which_outputs_start_in_thought_and_the_parser_names():
     assert thinks("deepseek_r1", {"enable_thinking": False})  # R1's template always opens a <think>
     check_parser(None)
     check_parser("qwen3")
-    with pytest.raises(ValueError, match=r"^--reasoning-parser must be one of qwen3, deepseek_r1, got 'hermes'$"):
+    with pytest.raises(ValueError, match=r"^--reasoning-parser must be one of qwen3, deepseek_r1, openai_gptoss, got 'hermes'$"):
         check_parser("hermes")
 
 
@@ -83,6 +83,13 @@ JSON_CALL_TOKENS = ['{"name": "get_weather", ', '"parameters": {"city": "Oslo"}}
 PYTHONIC_CALL_TOKENS = ["[get_weather(", 'city="Oslo")]']  # the fourth: the first three barred
 # the fifth, the first four barred: content, then Mistral's call after its [TOOL_CALLS], a special token
 MISTRAL_CALL_TOKENS = ["Checking. ", "[TOOL_CALLS]", 'get_weather[ARGS]{"city": "Oslo"}']
+# the sixth and seventh, the first five (six) barred: gpt-oss's harmony messages, <|channel|> and <|end|>
+# special tokens as in its vocabulary — a thought, then the answer; a thought, then a call (<|call|>: EOS)
+HARMONY_TOKENS = ["<|channel|>", "analysis<|message|>", "Weather asked.", "<|end|>",
+                  "<|start|>assistant<|channel|>final<|message|>", "Sunny in Oslo."]
+HARMONY_CALL_TOKENS = ["<|channel|>analysis<|message|>Call the tool.<|end|>",
+                       "<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>",
+                       '{"city": "Oslo"}']
 THOUGHT_TEXT = "".join(THOUGHT_TOKENS)
 
 
@@ -90,15 +97,18 @@ def scripted_model(directory):
     """A tiny Llama whose greedy output after the chat prompt is THOUGHT_TOKENS then EOS, or,
     with the first of them barred (logit_bias -100), CALL_TOKENS then EOS; with the first of
     both barred, JSON_CALL_TOKENS then EOS; with the first of all three barred, PYTHONIC_CALL_TOKENS;
-    with the first of all four barred, MISTRAL_CALL_TOKENS (its tag a special token, as Mistral's)."""
+    with the first of all four barred, MISTRAL_CALL_TOKENS (its tag a special token, as Mistral's);
+    then HARMONY_TOKENS and HARMONY_CALL_TOKENS, each with the first of all before it barred."""
     from transformers import AddedToken, AutoModelForCausalLM
 
     from specctl.engine.tiny import make_byte_tokenizer, tiny_config
 
     tokenizer = make_byte_tokenizer()
     tokenizer.add_tokens(THOUGHT_TOKENS + CALL_TOKENS + JSON_CALL_TOKENS + PYTHONIC_CALL_TOKENS
-                         + [MISTRAL_CALL_TOKENS[0], MISTRAL_CALL_TOKENS[2]])
-    tokenizer.add_tokens([AddedToken(MISTRAL_CALL_TOKENS[1], special=True)])
+                         + [MISTRAL_CALL_TOKENS[0], MISTRAL_CALL_TOKENS[2]]
+                         + [HARMONY_TOKENS[i] for i in (1, 2, 4, 5)] + HARMONY_CALL_TOKENS)
+    tokenizer.add_tokens([AddedToken(token, special=True)
+                          for token in (MISTRAL_CALL_TOKENS[1], HARMONY_TOKENS[0], HARMONY_TOKENS[3])])
     tokenizer.chat_template = TEMPLATE
     config = tiny_config("llama", vocab_size=len(tokenizer), tie_word_embeddings=False)
     model = AutoModelForCausalLM.from_config(config)
@@ -107,16 +117,19 @@ def scripted_model(directory):
     third = [line[0], *tokenizer.convert_tokens_to_ids(JSON_CALL_TOKENS), config.eos_token_id]
     fourth = [line[0], *tokenizer.convert_tokens_to_ids(PYTHONIC_CALL_TOKENS), config.eos_token_id]
     fifth = [line[0], *tokenizer.convert_tokens_to_ids(MISTRAL_CALL_TOKENS), config.eos_token_id]
+    sixth = [line[0], *tokenizer.convert_tokens_to_ids(HARMONY_TOKENS), config.eos_token_id]
+    seventh = [line[0], *tokenizer.convert_tokens_to_ids(HARMONY_CALL_TOKENS), config.eos_token_id]
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
         head = model.lm_head.weight
         head.zero_()
-        for basis, token in enumerate(sorted(set(line[:-1] + other[:-1] + third[:-1] + fourth[:-1] + fifth[:-1]))):
+        lines = (line, other, third, fourth, fifth, sixth, seventh)
+        for basis, token in enumerate(sorted({token for tokens in lines for token in tokens[:-1]})):
             model.model.embed_tokens.weight[token] = torch.nn.functional.one_hot(torch.tensor(basis), 64).float()
         embed = model.model.embed_tokens.weight
-        for tokens, strength in ((line, 1.0), (other, 0.5), (third, 0.25), (fourth, 0.125), (fifth, 0.0625)):
+        for tokens, strength in zip(lines, (1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125, 0.015625)):
             for before, after in zip(tokens, tokens[1:]):
                 head[after] += strength * embed[before]
     model.save_pretrained(directory)
@@ -248,7 +261,7 @@ def test_a_gateway_without_a_parser_answers_as_before_and_a_bad_parser_is_refuse
                         {**THOUGHT, "guided_regex": "<think>ab</think>cd"})
     message = json.loads(raw)["choices"][0]["message"]
     assert code == 200 and "reasoning" not in message and message["content"] == "<think>ab</think>cd"
-    with pytest.raises(ValueError, match=r"^--reasoning-parser must be one of qwen3, deepseek_r1, got 'r1'$"):
+    with pytest.raises(ValueError, match=r"^--reasoning-parser must be one of qwen3, deepseek_r1, openai_gptoss, got 'r1'$"):
         ClusterConfig(reasoning_parser="r1")
 
 
@@ -372,4 +385,4 @@ def test_a_bad_reasoning_parser_is_one_line_before_anything_starts(command):
     from tests.test_cli import _assert_one_line_error, run
 
     _assert_one_line_error(run(*command, "--reasoning-parser", "r1"),
-                           "--reasoning-parser must be one of qwen3, deepseek_r1, got 'r1'")
+                           "--reasoning-parser must be one of qwen3, deepseek_r1, openai_gptoss, got 'r1'")

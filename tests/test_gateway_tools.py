@@ -518,7 +518,7 @@ def test_a_llama3_json_call_comes_back_as_the_call_streamed_or_not(json_tools_cl
     base, body, _ = _whole_call_over_http(json_tools_cluster, [THOUGHT_TOKENS[0], CALL_TOKENS[0]])
     plain = _chat(base, {**body, "tools": None, "logit_bias": {}})["choices"][0]  # no tools: the text as it is
     assert plain["message"]["content"] == "".join(THOUGHT_TOKENS) and "tool_calls" not in plain["message"]
-    with pytest.raises(ValueError, match=r"^--tool-call-parser must be one of hermes, llama3_json, pythonic, mistral, phi4_mini_json, got 'xlam'$"):
+    with pytest.raises(ValueError, match=r"^--tool-call-parser must be one of hermes, llama3_json, pythonic, mistral, phi4_mini_json, openai, got 'xlam'$"):
         ClusterConfig(tool_call_parser="xlam")
 
 
@@ -527,4 +527,4 @@ def test_a_bad_tool_call_parser_is_one_line_before_anything_starts(command):
     from tests.test_cli import _assert_one_line_error, run
 
     _assert_one_line_error(run(*command, "--tool-call-parser", "xlam", "--enable-auto-tool-choice"),
-                           "--tool-call-parser must be one of hermes, llama3_json, pythonic, mistral, phi4_mini_json, got 'xlam'")
+                           "--tool-call-parser must be one of hermes, llama3_json, pythonic, mistral, phi4_mini_json, openai, got 'xlam'")

@@ -28,8 +28,8 @@ def chat(
     profile: Optional[str] = typer.Option(None, help="embedded cluster: hardware profile"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECCTL_API_KEY", help="the gateway's API key"),
     reasoning_parser: Optional[str] = typer.Option(None, "--reasoning-parser", help="embedded cluster: qwen3 | "
-                                                   "deepseek_r1, the model's thinking shown dimmed apart from its "
-                                                   "answer"),
+                                                   "deepseek_r1 | openai_gptoss, the model's thinking shown dimmed "
+                                                   "apart from its answer"),
 ) -> None:
     """Chat interactively; replies stream as the target accepts tokens."""
     from specctl.chat import transcript

@@ -38,7 +38,9 @@ TOOL_CALL_PARSER = typer.Option("hermes", "--tool-call-parser",
                                      "JSON calls) | pythonic (Llama 3.2, Llama 4: \\[name(key=value), ...]) | mistral "
                                      "(content, then \\[TOOL_CALLS] and the calls; the tag is a special token, kept "
                                      "in the text of a request with tools) | phi4_mini_json (Phi-4-mini's "
-                                     "functools\\[...]): how tool calls are read from the output (vLLM's)")
+                                     "functools\\[...]) | openai (gpt-oss: messages to functions.NAME; with "
+                                     "--reasoning-parser openai_gptoss): how tool calls are read from the output "
+                                     "(vLLM's)")
 GENERATION_CONFIG = typer.Option("auto", "--generation-config",
                                  help="auto: what a request leaves out (temperature, top_p, top_k, min_p, "
                                       "repetition_penalty, max_tokens) takes the model's generation_config.json "
@@ -52,7 +54,8 @@ AUTO_TOOL_CHOICE = typer.Option(False, "--enable-auto-tool-choice",
                                 help="taken for vLLM's command lines: tool_choice auto is always served")
 REASONING_PARSER = typer.Option(None, "--reasoning-parser",
                                 help="qwen3 | deepseek_r1: a chat answer's <think> part as message.reasoning, apart "
-                                     "from its content (vLLM's)")
+                                     "from its content; openai_gptoss: gpt-oss's analysis channel as reasoning, its "
+                                     "final channel as content (vLLM's)")
 
 
 def serving_options(responses_store: int, max_waiting: int, queue_timeout: float, served_model_name: List[str],

@@ -20,7 +20,7 @@ from specctl.gateway.api import (
 )
 from specctl.gateway.choices import Choices, choice_specs
 from specctl.gateway.metrics import GatewayMetrics
-from specctl.gateway.reasoning import thinks
+from specctl.gateway.reasoning import KEEPS_SPECIAL_TOKENS as READS_SPECIAL_TOKENS, thinks
 from specctl.gateway import request_log
 from specctl.gateway.request_id import request_id
 from specctl.gateway.respond import Reply, remote_message
@@ -123,8 +123,9 @@ class Generations:
                      else self._reply(req, chat, prompt_tokens, calls, rid))
             try:
                 # a parser whose tags are special tokens reads them in the text (vLLM's mistral does the same)
-                keep_special = (tools is not None and not forced
-                                and self.config.tool_call_parser in KEEPS_SPECIAL_TOKENS)
+                keep_special = ((tools is not None and not forced
+                                 and self.config.tool_call_parser in KEEPS_SPECIAL_TOKENS)
+                                or (chat and self.config.reasoning_parser in READS_SPECIAL_TOKENS))
                 choices = Choices(self.upstream, self.metrics, self.tokenizer, specs, stop,
                                   req.include_stop_str_in_output, arrival, req.priority, rid,
                                   req.skip_special_tokens and not keep_special)

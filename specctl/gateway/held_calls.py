@@ -16,6 +16,7 @@ import re
 import string
 from typing import Callable
 
+from specctl.gateway.harmony import HarmonyCalls
 from specctl.gateway.tool_calls import StreamedCalls, call_delta, content_before, new_call
 
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's, before JSON calls (kept with skip_special_tokens false)
@@ -195,6 +196,6 @@ def FunctoolsCalls(max_calls: int | None = None) -> HeldCalls:  # noqa: N802
 # vLLM's --tool-call-parser names and their readers (each called with max_calls)
 TOOL_PARSERS: dict[str, Callable[..., object]] = {"hermes": StreamedCalls, "llama3_json": JsonCalls,
                                                    "pythonic": PythonicCalls, "mistral": MistralCalls,
-                                                   "phi4_mini_json": FunctoolsCalls}
+                                                   "phi4_mini_json": FunctoolsCalls, "openai": HarmonyCalls}
 # parsers whose tags are special tokens: a request with tools keeps them in the text (as vLLM's mistral)
-KEEPS_SPECIAL_TOKENS = frozenset({"mistral"})
+KEEPS_SPECIAL_TOKENS = frozenset({"mistral", "openai"})

@@ -1,4 +1,5 @@
-"""vLLM's reasoning parsers (``--reasoning-parser qwen3 | deepseek_r1``): a chat choice's text
+"""vLLM's reasoning parsers (``--reasoning-parser qwen3 | deepseek_r1 | openai_gptoss``, the last
+gpt-oss's harmony channels: gateway.harmony): a chat choice's text
 split into the model's thinking, up to ``</think>``, and its answer after it — the message's
 ``reasoning`` (and ``reasoning_content``, its older name, which clients still read) and its
 ``content``. Only what is shown changes: the tokens, their logprobs and the stop rules are the
@@ -14,10 +15,14 @@ whole answer's two fields (tool calls are then read from the answer part alone).
 
 from __future__ import annotations
 
+from specctl.gateway.harmony import StreamedHarmony, split_harmony
 from specctl.gateway.tool_calls import held_back
 
-PARSERS = ("qwen3", "deepseek_r1")
+PARSERS = ("qwen3", "deepseek_r1", "openai_gptoss")
 START, END = "<think>", "</think>"
+HARMONY = "harmony"  # thinks()'s answer for gpt-oss: its channels say what is thought, not a tag
+# parsers that read special tokens in the text (harmony's markers are): a chat request keeps them
+KEEPS_SPECIAL_TOKENS = frozenset({"openai_gptoss"})
 
 
 def check_parser(name: str | None) -> None:
@@ -25,9 +30,16 @@ def check_parser(name: str | None) -> None:
         raise ValueError(f"--reasoning-parser must be one of {', '.join(PARSERS)}, got {name!r}")
 
 
-def thinks(parser: str, template_kwargs: dict | None) -> bool:
-    """Whether a request's output starts in thought."""
+def thinks(parser: str, template_kwargs: dict | None) -> bool | str:
+    """Whether a request's output starts in thought; HARMONY for gpt-oss's channels."""
+    if parser == "openai_gptoss":
+        return HARMONY
     return parser == "deepseek_r1" or (template_kwargs or {}).get("enable_thinking", True) is not False
+
+
+def reasoning_reader(thinking: bool | str) -> "StreamedReasoning | StreamedHarmony":
+    """A streamed choice's reader for ``thinking`` (thinks()'s answer)."""
+    return StreamedHarmony() if thinking == HARMONY else StreamedReasoning(bool(thinking))
 
 
 class StreamedReasoning:
@@ -63,9 +75,11 @@ class StreamedReasoning:
         return rest
 
 
-def split_reasoning(text: str, thinking: bool) -> tuple[str | None, str | None]:
+def split_reasoning(text: str, thinking: bool | str) -> tuple[str | None, str | None]:
     """(reasoning, content) of a whole output, None where there is none: the streamed split
     of it in one piece, so a whole answer and a stream's pieces always agree."""
+    if thinking == HARMONY:
+        return split_harmony(text)
     if not thinking:
         return None, text
     parser = StreamedReasoning(thinking)

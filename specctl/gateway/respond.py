@@ -15,7 +15,7 @@ from aiohttp import web
 from specctl.gateway import responses as R
 from specctl.gateway.api import ApiError
 from specctl.gateway.choices import Choices
-from specctl.gateway.reasoning import StreamedReasoning, split_reasoning
+from specctl.gateway.reasoning import reasoning_reader, split_reasoning
 from specctl.gateway.tool_calls import read_whole
 from specctl.verify.client import RemoteError
 
@@ -90,7 +90,7 @@ class Reply:
                 await send(role=True, index=spec.index)
         offsets: dict[int, int] = {}  # each choice's text handed out so far (completions' text_offset)
         calls = {spec.index: self.calls() for spec in choices.specs} if self.calls is not None else {}
-        thoughts = ({spec.index: StreamedReasoning(self.thinking) for spec in choices.specs}
+        thoughts = ({spec.index: reasoning_reader(self.thinking) for spec in choices.specs}
                     if self.thinking is not None else {})
         stats = {}
         try:

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from specctl.gateway import responses as R
 from specctl.gateway.choices import Choices
-from specctl.gateway.reasoning import StreamedReasoning, split_reasoning
+from specctl.gateway.reasoning import reasoning_reader, split_reasoning
 from specctl.gateway.respond import remote_message
 from specctl.gateway.tool_calls import read_whole
 from specctl.verify.client import RemoteError
@@ -142,7 +142,7 @@ class ResponsesReply:
         await send("response.in_progress", response=self.body("in_progress", []))
         items = StreamedItems(send)
         reader = self.calls() if self.calls is not None else None
-        thoughts = StreamedReasoning(self.thinking) if self.thinking is not None else None
+        thoughts = reasoning_reader(self.thinking) if self.thinking is not None else None
         try:
             async for _, event in choices.events():
                 thought, text = thoughts.push(event.delta) if thoughts is not None else ("", event.delta)

@@ -96,6 +96,9 @@ def check_serving(responses_store: int = 0, served_model_names: tuple[str, ...] 
     check_parser(reasoning_parser)
     if tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, got {tool_call_parser!r}")
+    if tool_call_parser == "openai" and reasoning_parser != "openai_gptoss":
+        raise ValueError("--tool-call-parser openai reads the calls gpt-oss's harmony messages hold, which "
+                         "--reasoning-parser openai_gptoss takes apart: give both")
     check_source(generation_config)
     if chat_template is not None:
         load_chat_template(chat_template)
