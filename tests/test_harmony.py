@@ -3,7 +3,6 @@ analysis channel as the thinking and the final channel as the content, `--tool-c
 openai` reads messages to functions.NAME as calls — whole or streamed token by token (the pieces
 join into the whole answer's fields), and over HTTP with the markers as special tokens."""
 
-import json
 
 import pytest
 from hypothesis import given, settings
@@ -131,7 +130,55 @@ def test_a_harmony_answer_and_call_over_http_whole_and_streamed(harmony_cluster)
     assert [c["function"] for c in deltas] == [{"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
     assert _joined(chunks, "reasoning") == "Call the tool." and _joined(chunks, "content") == ""
     assert chunks[-1]["finish_reason"] == "tool_calls"
-    from tests.test_gateway import post
 
-    code, _, raw = post(base + "/v1/chat/completions", {**body, "response_format": {"type": "json_object"}})
-    assert code == 400 and "not served with --reasoning-parser openai_gptoss" in json.loads(raw)["error"]["message"]
+
+def _harmony_gpt_oss(directory, seed: int, layers: int):
+    """A tiny gpt-oss whose tokenizer has harmony's markers as special tokens and a chat template
+    that ends the prompt with <|start|>assistant, as gpt-oss's does."""
+    from transformers import AddedToken
+
+    from specctl.engine.tiny import make_byte_tokenizer, make_tiny_model
+    from tests.test_structured import HARMONY_MARKERS
+
+    path = make_tiny_model(directory, "gpt_oss", seed=seed, layers=layers, vocab_size=328, init_std=0.2,
+                           norm_std=0.3, bias_std=0.1, sliding_window=24)
+    tokenizer = make_byte_tokenizer()
+    tokenizer.add_tokens([AddedToken(marker, special=True) for marker in HARMONY_MARKERS])
+    tokenizer.chat_template = ("{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>"
+                               "{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_cluster(tmp_path_factory):
+    from specctl.cluster.embedded import ClusterConfig, ClusterThread
+    from specctl.config import build_config
+
+    root = tmp_path_factory.mktemp("gpt-oss-harmony")
+    target, draft = _harmony_gpt_oss(root / "target", 40, 4), _harmony_gpt_oss(root / "draft", 41, 2)
+    config = build_config(None, target=str(target), draft=str(draft), mode="chain", depth=3, dtype="fp32",
+                          draft_quant="none", max_sessions=4)
+    thread = ClusterThread(config, ClusterConfig(targets=1, gateway_port=0, reasoning_parser="openai_gptoss",
+                                                 tool_call_parser="openai"))
+    urls = thread.start()
+    yield urls["gateway"]
+    thread.stop()
+
+
+def test_structured_output_holds_gpt_oss_s_final_message_and_leaves_its_analysis_free(gpt_oss_cluster):
+    """A tiny gpt-oss behind the gateway with the harmony parsers: a guided_choice answer is its
+    final channel's message, held to the choice (the analysis channel barred by logit_bias on
+    "a", so the model goes straight to <|channel|>final); with "f" barred instead it opens an
+    analysis message and thinks freely (any text, not the choice's)."""
+    from specctl.engine.tiny import make_byte_tokenizer
+    from tests.test_gateway_reasoning import _chat
+
+    a, f = make_byte_tokenizer().convert_tokens_to_ids(["a", "f"])
+    body = {"messages": [{"role": "user", "content": "ok?"}], "max_tokens": 24, "temperature": 0,
+            "guided_choice": ["yes", "no"]}
+    choice = _chat(gpt_oss_cluster, {**body, "logit_bias": {str(a): -100}})["choices"][0]
+    assert choice["message"]["content"] in ("yes", "no") and choice["message"]["reasoning"] is None
+    assert choice["finish_reason"] == "stop"
+    thought = _chat(gpt_oss_cluster, {**body, "logit_bias": {str(f): -100}})["choices"][0]["message"]
+    assert len(thought["reasoning"]) > 3 and thought["content"] in (None, "yes", "no")

@@ -163,9 +163,9 @@ def test_a_bad_grammar_is_refused_with_what_is_wrong(structured, message):
 
 
 @pytest.mark.parametrize("structured, message", [
-    (("yaml", "a: b"), "structured output is a kind (json, regex, choice, grammar, thinking) and its text, got "
+    (("yaml", "a: b"), "structured output is a kind (json, regex, choice, grammar, thinking, harmony) and its text, got "
                        "('yaml', 'a: b')"),
-    (("regex", " "), "structured output is a kind (json, regex, choice, grammar, thinking) and its text, got "
+    (("regex", " "), "structured output is a kind (json, regex, choice, grammar, thinking, harmony) and its text, got "
                      "('regex', ' ')"),
     (("regex", "a" * 65537), "structured output's regex may have at most 65536 characters, got 65537"),
 ])
@@ -204,6 +204,48 @@ def test_a_grammar_after_the_thinking_leaves_the_thinking_free_and_holds_the_ans
         assert structure.allowed([spelt])[0][0][token("x")]
     rows, ended = structure.allowed([tokenizer.encode(f"plan{end}abb", add_special_tokens=False) + [256]])
     assert ended == [True]
+
+
+HARMONY_MARKERS = ["<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|return|>"]
+
+
+def test_a_grammar_in_harmony_holds_the_final_message_after_free_analysis_messages():
+    """kind "harmony" (gpt-oss with --reasoning-parser openai_gptoss): analysis messages with
+    free text, each ended by the <|end|> token, then <|channel|>final<|message|> and the request's
+    grammar, then the end token (<|return|>); the markers are the tokenizer's special tokens."""
+    from transformers import AddedToken
+
+    tokenizer = make_byte_tokenizer()
+    tokenizer.add_tokens([AddedToken(marker, special=True) for marker in HARMONY_MARKERS])
+    channel, message, end, start, stop = tokenizer.convert_tokens_to_ids(HARMONY_MARKERS)
+    structure = Structure("harmony", json.dumps({"kind": "regex", "spec": "ab+"}), tokenizer, len(tokenizer),
+                          {stop}, torch.device("cpu"))
+
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def allowed_after(text: str) -> torch.Tensor:
+        return structure.allowed([ids(text)])[0][0]
+
+    first = allowed_after("")
+    assert first[channel] and first.sum() == 1  # the output opens a message
+    thought = allowed_after("<|channel|>analysis<|message|>{x: ab! ")
+    assert thought[end] and all(thought[ids(c)[0]] for c in string.printable) and not thought[stop]
+    answer = allowed_after("<|channel|>analysis<|message|>plan<|end|><|start|>assistant<|channel|>final<|message|>")
+    assert answer[ids("a")[0]] and answer.sum() == 1
+    assert allowed_after("<|channel|>final<|message|>abb")[stop]
+    assert not allowed_after("<|channel|>final<|message|>a")[stop]
+    assert not allowed_after("<|channel|>")[ids("x")[0]]  # a channel of no message the grammar knows
+    rows, ended = structure.allowed([ids("<|channel|>final<|message|>ab") + [256]])  # llguidance's end: the EOS
+    assert ended == [True]
+    # a choice (llguidance gives its grammar as Lark text, not JSON: until 2026-11-29 a choice after
+    # the thinking, or in harmony, was refused with "Expecting value")
+    choice = json.dumps({"kind": "choice", "spec": json.dumps(["yes", "no"])})
+    for kind in ("harmony", "thinking"):
+        assert Structure(kind, choice, tokenizer, len(tokenizer), {stop}, torch.device("cpu"))
+    answer = Structure("harmony", choice, tokenizer, len(tokenizer), {stop}, torch.device("cpu")).allowed(
+        [ids("<|channel|>final<|message|>")])[0][0]
+    assert answer[ids("y")[0]] and answer[ids("n")[0]] and answer.sum() == 2
 
 
 @pytest.mark.parametrize("spec, message", [

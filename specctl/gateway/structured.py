@@ -63,16 +63,12 @@ def _asked(req: Any) -> list[tuple[str, tuple[str, str]]]:
 
 def after_thinking(structured: tuple[str, str] | None, thinking: bool | str | None) -> tuple[str, str] | None:
     """A constraint that starts after the thinking when the output starts in thought (a reasoning
-    parser's chat request): the thinking is free, the answer holds to the grammar, as vLLM does.
-    gpt-oss's harmony channels are not served with one yet (a 400 naming what to do)."""
+    parser's chat request): the thinking is free, the answer holds to the grammar, as vLLM does;
+    gpt-oss's (HARMONY): its analysis messages free, its final message held to the grammar."""
     if structured is None or not thinking:
         return structured
-    if thinking == HARMONY:
-        raise ApiError(400, "structured output (response_format, guided_*, a forced tool call) is not served with "
-                            "--reasoning-parser openai_gptoss yet: its answer is a harmony channel the grammar would "
-                            "have to start in; leave the constraint out, or start the gateway without that parser")
     kind, spec = structured
-    return "thinking", json.dumps({"kind": kind, "spec": spec})
+    return "harmony" if thinking == HARMONY else "thinking", json.dumps({"kind": kind, "spec": spec})
 
 
 def structured_output(req: Any, forced_call: tuple[str, str] | None = None) -> tuple[str, str] | None:

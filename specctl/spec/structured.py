@@ -27,7 +27,8 @@ import torch
 from specctl.errors import BadRequest, InvalidSamplingParams
 
 GRAMMARS = ("json", "regex", "choice", "grammar")  # the grammars a request may ask for (vLLM's guided_* fields)
-KINDS = (*GRAMMARS, "thinking")  # what SamplingParams.structured's first item may say: thinking wraps a grammar
+# what SamplingParams.structured's first item may say: thinking and harmony wrap a grammar
+KINDS = (*GRAMMARS, "thinking", "harmony")
 # A reasoning model's thinking and the whitespace before the grammar it answers in (llguidance's
 # Lark; the rule "answer" refers to the inner grammar by name): free text up to the first
 # </think>, as text; or, where the tokenizer has <think> and </think> as tokens of their own (Qwen3,
@@ -35,6 +36,11 @@ KINDS = (*GRAMMARS, "thinking")  # what SamplingParams.structured's first item m
 THINKING_LARK = 'start: think /[ \\t\\r\\n]*/ answer\nthink[suffix="</think>"]: /(.|\\n)*/\nanswer: @answer\n'
 THINKING_TOKENS_LARK = ('start: think /[ \\t\\r\\n]*/ answer\nthink: /(.|\\n)*/ (<think> /(.|\\n)*/)? </think>\n'
                         'answer: @answer\n')
+# gpt-oss's harmony output (gateway.harmony), the grammar holding its final channel's message: any
+# analysis messages first (free text ended by the <|end|> token), then <|channel|>final<|message|>
+# and the answer (llguidance takes the markers as the special tokens they are).
+HARMONY_LARK = ('start: (<|channel|> "analysis" <|message|> thought <|end|> <|start|> "assistant")* '
+                '<|channel|> "final" <|message|> answer\nthought: /(.|\\n)*/\nanswer: @answer\n')
 MAX_SPEC_CHARS = 65536  # a schema, regex or grammar's text
 JSON_OBJECT = '{"type": "object"}'  # response_format json_object: any JSON object
 
@@ -46,12 +52,15 @@ def grammar_text(kind: str, spec: str, thinking_tokens: bool = False) -> str:
     """The llguidance grammar for ``(kind, spec)``; InvalidSamplingParams names what is wrong.
     ``thinking``: ``spec`` is {"kind": ..., "spec": ...}, a grammar that starts after a reasoning
     model's thinking (vLLM's structured output with a reasoning parser), ended by the </think>
-    token where ``thinking_tokens`` (the tokenizer has one), else by that text."""
+    token where ``thinking_tokens`` (the tokenizer has one), else by that text; ``harmony``: the
+    same grammar as gpt-oss's final message, after its analysis messages."""
     import llguidance
 
     try:
         if kind == "thinking":
             grammar = _after_thinking(spec, THINKING_TOKENS_LARK if thinking_tokens else THINKING_LARK)
+        elif kind == "harmony":
+            grammar = _after_thinking(spec, HARMONY_LARK, kind)
         elif kind == "json":
             json.loads(spec)  # llguidance takes a JSON text; say so here when it is not one
             grammar = llguidance.LLMatcher.grammar_from_json_schema(spec, defaults={"whitespace_flexible": True})
@@ -72,15 +81,18 @@ def grammar_text(kind: str, spec: str, thinking_tokens: bool = False) -> str:
     return grammar
 
 
-def _after_thinking(spec: str, lark: str) -> str:
+def _after_thinking(spec: str, lark: str, outer: str = "thinking") -> str:
     try:
         inner = json.loads(spec)
         kind, text = inner["kind"], inner["spec"]
     except (ValueError, KeyError, TypeError):
-        raise InvalidSamplingParams('structured output (thinking) is {"kind": ..., "spec": ...}') from None
+        raise InvalidSamplingParams(f'structured output ({outer}) is {{"kind": ..., "spec": ...}}') from None
     if kind not in GRAMMARS:
-        raise InvalidSamplingParams(f"structured output (thinking) holds one of {', '.join(GRAMMARS)}, got {kind!r}")
-    grammars = json.loads(grammar_text(kind, text))["grammars"]
+        raise InvalidSamplingParams(f"structured output ({outer}) holds one of {', '.join(GRAMMARS)}, got {kind!r}")
+    inner_text = grammar_text(kind, text)
+    # llguidance's grammar_from gives some kinds (a choice) as Lark text, others as its JSON form
+    grammars = (json.loads(inner_text)["grammars"] if inner_text.lstrip().startswith("{")
+                else [{"lark_grammar": inner_text}])
     grammars[0]["name"] = "answer"
     return json.dumps({"grammars": [{"name": "thinking", "lark_grammar": lark}, *grammars]})
 
