@@ -40,7 +40,7 @@ GEMMA3 = {"sliding_window": 24, "tie_word_embeddings": False,
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> dict[str, Path]:
-    """Tiny random-weight checkpoints: eighteen architectures, drafts that disagree."""
+    """Tiny random-weight checkpoints: nineteen architectures, drafts that disagree."""
     root = tmp_path_factory.mktemp("tiny")
     paths = {
         "llama": make_tiny_model(root / "llama", "llama", seed=0),
@@ -110,6 +110,11 @@ def tiny_dir(tmp_path_factory) -> dict[str, Path]:
                                    sliding_window=24),
         "gpt_oss-draft": make_tiny_model(root / "gpt_oss-draft", "gpt_oss", seed=41, layers=2, init_std=0.2,
                                          norm_std=0.3, bias_std=0.1, sliding_window=24),
+        # GPT-NeoX (Pythia): LayerNorms and biases everywhere (drawn), q/k/v fused per head, RoPE on a quarter of
+        # each head, attention and MLP side by side from two norms
+        "gpt_neox": make_tiny_model(root / "gpt_neox", "gpt_neox", seed=42, init_std=0.2, norm_std=0.3, bias_std=0.1),
+        "gpt_neox-draft": make_tiny_model(root / "gpt_neox-draft", "gpt_neox", seed=43, layers=2, init_std=0.2,
+                                          norm_std=0.3, bias_std=0.1),
         # Granite: its embedding, attention, residual and logit scalars (tiny_config sets them away from 1)
         "granite": make_tiny_model(root / "granite", "granite", seed=20),
         "granite-draft": make_tiny_model(root / "granite-draft", "granite", seed=21, layers=2),
@@ -122,7 +127,8 @@ def tiny(tiny_dir):
     """Loaded fp32 decoders: target, disagreeing draft, and the target's first 2 layers."""
     out = {}
     for arch in ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe", "mixtral", "granite",
-                 "olmo2", "olmo3", "starcoder2", "smollm3", "glm4", "exaone4", "cohere2", "gpt_oss"):
+                 "olmo2", "olmo3", "starcoder2", "smollm3", "glm4", "exaone4", "cohere2", "gpt_oss",
+                 "gpt_neox"):
         out[arch] = load_decoder(tiny_dir[arch])
         out[f"{arch}-draft"] = load_decoder(tiny_dir[f"{arch}-draft"])
         out[f"{arch}-self2"] = load_decoder(tiny_dir[arch], layer_range=(0, 2))

@@ -54,6 +54,9 @@ def test_known_shapes_and_the_limit():
                                                   ("qwen1.5-moe-a2.7b", "qwen2_moe", 14.32, 16, 128),
                                                   ("starcoder2-3b", "starcoder2", 3.03, 24, 128),
                                                   ("starcoder2-7b", "starcoder2", 7.17, 36, 128),
+                                                  ("pythia-160m", "gpt_neox", 0.162, 12, 64),  # the paper's counts
+                                                  ("pythia-1.4b", "gpt_neox", 1.415, 16, 128),
+                                                  ("pythia-6.9b", "gpt_neox", 6.857, 32, 128),
                                                   ("gpt-oss-20b", "gpt_oss", 20.91, 64, 64),
                                                   ("gpt-oss-120b", "gpt_oss", 116.83, 64, 64)):
         spec = ModelSpec.from_hf(shape_config(name))

@@ -37,7 +37,7 @@ def _drafters(tiny, arch):
 @pytest.mark.parametrize("arch, seed", [(arch, seed) for arch in ("llama", "qwen2") for seed in (0, 1, 2)] + [("qwen3", 0), ("phi3", 0), ("gemma2", 0), ("gemma3", 0), ("qwen2_moe", 0), ("qwen3_moe", 0),
                                                           ("mixtral", 0), ("olmo2", 0), ("olmo3", 0),
                                                           ("starcoder2", 0), ("smollm3", 0), ("glm4", 0),
-                                                          ("exaone4", 0), ("cohere2", 0), ("gpt_oss", 0),
+                                                          ("exaone4", 0), ("cohere2", 0), ("gpt_oss", 0), ("gpt_neox", 0),
                                                           ("granite", 0)])
 def test_greedy_output_equals_target_alone(tiny, arch, seed):
     params = SamplingParams(max_tokens=32, ignore_eos=True)

@@ -579,3 +579,45 @@ def test_gpt_oss_mxfp4_experts_load_dequantized_as_transformers_loads_them(tiny_
     _bf16_equals_transformers(decoder, path, torch.randint(0, 300, (40,)), attention="eager")
     stage = load_decoder(path, torch.bfloat16, layer_range=(2, 4), embed=False, head=False)
     assert torch.equal(stage.layers[0].mlp.experts[1].down_proj.weight, expected.bfloat16())
+
+
+def test_gpt_neox_equals_transformers_bitwise_in_bf16_and_reads_its_fused_per_head_qkv(tiny, tiny_dir, tmp_path):
+    """GPT-NeoX (Pythia): q/k/v in one tensor laid out head by head (each head's q, k, v rows in
+    turn; biases too), LayerNorms and a plain GELU MLP with biases, RoPE over the first quarter of
+    each head, and attention and MLP side by side from two norms, added as (mlp + attn) + x.
+    bf16 logits equal transformers' to the bit; the MLP from the first norm moves the fp32 ones;
+    the sequential variant (use_parallel_residual false) matches too; the buffers old checkpoints
+    saved (a causal mask, masked_bias, inv_freq) are skipped, and embed_out is the head."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    path = tiny_dir["gpt_neox"]
+    decoder = load_decoder(path, torch.bfloat16)
+    attn = decoder.layers[1].self_attn
+    assert decoder.spec.parallel_two_norms and decoder.inv_freq.numel() == 2 and decoder.spec.num_kv_heads == 4
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        qkv = f.get_tensor("gpt_neox.layers.1.attention.query_key_value.weight").bfloat16().unflatten(0, (4, 3, 16))
+        bias = f.get_tensor("gpt_neox.layers.1.attention.query_key_value.bias").bfloat16().unflatten(0, (4, 3, 16))
+        assert torch.equal(attn.k_proj.weight[16:32], qkv[1, 1]) and torch.equal(attn.v_proj.bias[48:], bias[3, 2])
+        assert torch.equal(decoder.lm_head.weight, f.get_tensor("embed_out.weight").bfloat16())
+        tensors = {key: f.get_tensor(key) for key in f.keys()}
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (40,))
+    _bf16_equals_transformers(decoder, path, ids)
+    fp32, ref = _fp32_parity(path, ids)
+    for layer in fp32.layers:
+        layer.post_attention_layernorm = layer.input_layernorm
+    assert _max_rel_diff(fp32(ids, torch.arange(40), fp32.new_cache(40)), ref) > 0.01
+    old = tmp_path / "old"  # as Pythia's first checkpoints were saved: with the attention's buffers
+    shutil.copytree(path, old)
+    buffers = {f"gpt_neox.layers.{i}.attention.{name}": torch.zeros(2) for i in range(4)
+               for name in ("bias", "masked_bias", "rotary_emb.inv_freq")}
+    save_file({**tensors, **buffers}, str(old / "model.safetensors"), metadata={"format": "pt"})
+    assert torch.equal(load_decoder(old)(ids, torch.arange(40), fp32.new_cache(40)), tiny["gpt_neox"](
+        ids, torch.arange(40), tiny["gpt_neox"].new_cache(40)))
+    sequential = make_tiny_model(tmp_path / "seq", "gpt_neox", seed=44, init_std=0.2, norm_std=0.3, bias_std=0.1,
+                                 use_parallel_residual=False)
+    assert not load_decoder(sequential).spec.parallel_two_norms
+    _fp32_parity(sequential, ids)
+    _speculation_is_exact(load_decoder(sequential), tiny["gpt_neox-draft"])

@@ -51,7 +51,7 @@ def _prefilled(decoder, prompt: list[int]):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
-                                  "mixtral", "olmo2", "starcoder2", "cohere2", "gpt_oss"])
+                                  "mixtral", "olmo2", "starcoder2", "cohere2", "gpt_oss", "gpt_neox"])
 def test_int8_decoder_sessions_batched_equal_alone_bitwise(tiny_dir, tiny, arch):
     decoder = quantize_decoder(load_decoder(tiny_dir[arch]), "int8")
     assert not any(isinstance(module, nn.Linear) for module in decoder.modules())

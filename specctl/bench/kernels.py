@@ -77,6 +77,16 @@ SHAPES: dict[str, dict] = {
                               num_attention_heads=16, num_key_value_heads=16, vocab_size=151936,
                               tie_word_embeddings=False, num_experts=60, num_experts_per_tok=4,
                               moe_intermediate_size=1408, shared_expert_intermediate_size=5632, norm_topk_prob=False),
+    # Pythia (GPT-NeoX): LayerNorms, biases everywhere, every head its own KV, attention and MLP in parallel
+    "pythia-160m": dict(model_type="gpt_neox", hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                        num_attention_heads=12, vocab_size=50304, tie_word_embeddings=False,
+                        max_position_embeddings=2048, layer_norm_eps=1e-5),
+    "pythia-1.4b": dict(model_type="gpt_neox", hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
+                        num_attention_heads=16, vocab_size=50304, tie_word_embeddings=False,
+                        max_position_embeddings=2048, layer_norm_eps=1e-5),
+    "pythia-6.9b": dict(model_type="gpt_neox", hidden_size=4096, intermediate_size=16384, num_hidden_layers=32,
+                        num_attention_heads=32, vocab_size=50432, tie_word_embeddings=False,
+                        max_position_embeddings=2048, layer_norm_eps=1e-5),
     # gpt-oss: 32 experts of 2880, 4 a token, every layer; a sink per head; 128-token windows on every other layer
     # (the Hub's experts are MXFP4, dequantized at load: the step reads them in the model's dtype)
     "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,

@@ -28,6 +28,7 @@ def family_facts(config: Any) -> dict[str, Any]:
     return {**(_gemma(config) if arch.startswith("gemma") else {}),
             **(_experts(config) if arch in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss") else {}),
             **(_gpt_oss(config) if arch == "gpt_oss" else {}),
+            **(_gpt_neox(config) if arch == "gpt_neox" else {}),
             **(_granite(config) if arch == "granite" else {}),
             **(dict(post_norms=True, qk_norm_across_heads=True, norm_scale_in_float32=True, rope_in_float32=True)
                if arch in ("olmo2", "olmo3") else {}),
@@ -92,6 +93,16 @@ def _gpt_oss(config: Any) -> dict[str, Any]:
     layers alternate: layer_windows; YaRN RoPE: ModelSpec.inv_freq)."""
     return dict(attention_sinks=True, norm_scale_in_float32=True, softmax_over_chosen=True,
                 clamped_swiglu=(config.swiglu_alpha, config.swiglu_limit))
+
+
+def _gpt_neox(config: Any) -> dict[str, Any]:
+    """GPT-NeoX (Pythia, GPT-NeoX-20B; transformers' modeling_gpt_neox): LayerNorms with biases, a
+    plain GELU MLP with biases, biases on q/k/v (one fused tensor, per head) and the output
+    projection by attention_bias, RoPE over the first rotary_pct of each head (partial rotary),
+    and with use_parallel_residual attention and MLP side by side from two norms."""
+    return dict(layer_norm=True, gated_mlp=False, activation=config.hidden_act, mlp_bias=True,
+                attention_bias=config.attention_bias, output_bias=config.attention_bias,
+                parallel_two_norms=config.use_parallel_residual)
 
 
 def _starcoder2(config: Any) -> dict[str, Any]:

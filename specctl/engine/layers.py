@@ -209,6 +209,7 @@ class DecoderLayer(nn.Module):
         norm = functools.partial(make_norm, spec, spec.hidden_size)
         self.post_norms = spec.post_norms  # OLMo 2/3: the sub-layers' outputs normed, not their inputs
         self.parallel = spec.parallel_residual  # Cohere 2: one norm, attention and MLP side by side
+        self.parallel_two_norms = spec.parallel_two_norms  # GPT-NeoX: side by side from two norms
         if not self.post_norms:
             self.input_layernorm = norm()
         # Llama's: the MLP's input norm; Gemma 2's (sandwich) and OLMo's: the attention output's norm
@@ -234,6 +235,9 @@ class DecoderLayer(nn.Module):
         if self.parallel:
             h = self.input_layernorm(x)
             return x + self.self_attn(h, cos, sin, segments, layer) + self.mlp(h)
+        if self.parallel_two_norms:
+            attention = self.self_attn(self.input_layernorm(x), cos, sin, segments, layer)
+            return self.mlp(self.post_attention_layernorm(x)) + attention + x
         if self.post_norms:
             x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, segments, layer))
             return x + self.post_feedforward_layernorm(self.mlp(x))

@@ -105,7 +105,9 @@ def load_decoder(
     for file in _weight_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for stored in f.keys():
-                key = language_model_key(stored)
+                key = language_model_key(stored) if spec.arch != "gpt_neox" else neox_key(stored)
+                if key is None:  # a buffer old checkpoints saved (a causal mask, RoPE's frequencies)
+                    continue
                 stack, _, part = key.rpartition("_")
                 if part in ("blocks", "scales") and stack in fused and fused[stack].transposed:
                     packed.setdefault(stack, {})[part] = f.get_tensor(stored)
@@ -113,6 +115,8 @@ def load_decoder(
                         state.update(fused[stack].parts(dequantize_mxfp4(**packed.pop(stack), dtype=dtype), shapes))
                 elif key in fused:
                     tensor = f.get_tensor(stored) if dtype is None else f.get_tensor(stored).to(dtype)
+                    if spec.arch == "gpt_neox":  # its q/k/v rows per head: [q; k; v] of each head in turn
+                        tensor = tensor.unflatten(0, (spec.num_heads, 3, -1)).transpose(0, 1).flatten(0, 2)
                     state.update(fused[key].parts(tensor, shapes))
                 elif key in wanted:
                     tensor = f.get_tensor(stored) if dtype is None else f.get_tensor(stored).to(dtype)
@@ -146,6 +150,27 @@ def language_model_key(key: str) -> str:
     for prefix, text_prefix in LANGUAGE_MODEL_PREFIXES.items():
         if key.startswith(prefix):
             return text_prefix + key[len(prefix):]
+    return key
+
+
+# GPT-NeoX's names as the Llama-shaped decoder's (its q/k/v: one fused tensor, split as Phi-3's)
+NEOX_NAMES = {"attention.query_key_value.": "self_attn.qkv_proj.", "attention.dense.": "self_attn.o_proj.",
+              "mlp.dense_h_to_4h.": "mlp.c_fc.", "mlp.dense_4h_to_h.": "mlp.c_proj."}
+NEOX_BUFFERS = ("attention.bias", "attention.masked_bias", "attention.rotary_emb.inv_freq")
+
+
+def neox_key(key: str) -> str | None:
+    """A GPT-NeoX (Pythia) checkpoint tensor's name as the decoder's checkpoint names go
+    (``gpt_neox.embed_in`` the embedding, ``final_layer_norm`` the norm, ``embed_out`` the
+    head); None for the buffers old checkpoints saved with the weights."""
+    if key.endswith(NEOX_BUFFERS):
+        return None
+    if key.startswith("embed_out."):
+        return "lm_head." + key.removeprefix("embed_out.")
+    key = key.replace("gpt_neox.embed_in.", "model.embed_tokens.").replace("gpt_neox.final_layer_norm.", "model.norm.")
+    key = key.replace("gpt_neox.layers.", "model.layers.")
+    for name, ours in NEOX_NAMES.items():
+        key = key.replace(name, ours)
     return key
 
 
@@ -205,7 +230,7 @@ class Split:
     def parts(self, tensor: torch.Tensor, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
         if self.transposed:
             tensor = tensor.transpose(1, 2)
-        rows = tensor.reshape(-1, tensor.shape[-1])
+        rows = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() > 1 else tensor.unsqueeze(-1)  # a bias: its entries
         return {name: part.reshape(shapes[name]).clone() for name, part in zip(self.names, rows.split(self.sizes))}
 
 
@@ -228,10 +253,11 @@ def _fused_checkpoint_keys(wanted: dict[str, str | None], spec: ModelSpec) -> di
     fused = {}
     for key, name in wanted.items():
         for whole, (projections, sizes) in splits.items():
-            first = f".{projections[0]}.weight"
-            if name is not None and key.endswith(first):
-                key_base, name_base = key.removesuffix(first), name.removesuffix(first)
-                fused[f"{key_base}.{whole}.weight"] = Split([f"{name_base}.{p}.weight" for p in projections], sizes)
+            for part in ("weight", "bias"):  # GPT-NeoX's fused q/k/v has its biases fused too
+                first = f".{projections[0]}.{part}"
+                if name is not None and key.endswith(first):
+                    key_base, name_base = key.removesuffix(first), name.removesuffix(first)
+                    fused[f"{key_base}.{whole}.{part}"] = Split([f"{name_base}.{p}.{part}" for p in projections], sizes)
     return fused
 
 

@@ -12,7 +12,7 @@ from specctl.errors import BadRequest, UnsupportedArchitecture
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text", "qwen2_moe", "qwen3_moe",
              "mixtral", "granite", "olmo2", "olmo3", "starcoder2", "smollm3", "glm4", "exaone4", "cohere",
-             "cohere2", "seed_oss", "hunyuan_v1_dense", "arcee", "gpt_oss")
+             "cohere2", "seed_oss", "hunyuan_v1_dense", "arcee", "gpt_oss", "gpt_neox")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +63,9 @@ class ModelSpec:
     # without bias (mean taken away, weight in float32); q/k rotated in float32 (cos/sin in the
     # model's dtype); logits times logit_scale
     parallel_residual: bool = False
+    # GPT-NeoX's (Pythia's) parallel layer: attention from one LayerNorm, the MLP from another,
+    # added as (mlp + attention) + x, as transformers adds them
+    parallel_two_norms: bool = False
     centered_norms: bool = False
     rotation_in_float32: bool = False
     logit_scale: float | None = None
@@ -97,7 +100,7 @@ class ModelSpec:
                     or self.qk_norm_across_heads or self.norm_scale_in_float32 or self.rope_in_float32
                     or self.layer_norm or not self.gated_mlp or not all(self.rope_layers) or self.rope_interleaved
                     or self.parallel_residual or self.centered_norms or self.rotation_in_float32
-                    or self.attention_sinks)
+                    or self.attention_sinks or self.parallel_two_norms)
 
     @property
     def norm_style(self) -> dict[str, bool]:
@@ -127,8 +130,8 @@ class ModelSpec:
             num_heads=heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
-            rms_eps=getattr(config, {"starcoder2": "norm_epsilon", "cohere": "layer_norm_eps",
-                                     "cohere2": "layer_norm_eps"}.get(arch, "rms_norm_eps")),
+            rms_eps=getattr(config, {"starcoder2": "norm_epsilon", "cohere": "layer_norm_eps", "cohere2": "layer_norm_eps",
+                                     "gpt_neox": "layer_norm_eps"}.get(arch, "rms_norm_eps")),
             max_position=context_limit(config),
             tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases, Qwen2-MoE when qkv_bias (its default); Llama and Qwen3 when

@@ -48,6 +48,8 @@ def tiny_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, layers: int =
     kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
     if eps_name != "rms_norm_eps":  # StarCoder2's and Cohere's LayerNorms name their epsilon otherwise
         kwargs.setdefault(eps_name, kwargs.pop("rms_norm_eps"))
+    if arch == "gpt_neox":  # every head its own keys and values (its config has no num_key_value_heads)
+        kwargs.pop("num_key_value_heads")
     return getattr(transformers, class_name)(**kwargs)
 
 
@@ -87,6 +89,8 @@ def _tiny_family(arch: str, hidden: int) -> tuple[str, bool, dict, str]:
         "glm4": ("Glm4Config", False, {}),
         "smollm3": ("SmolLM3Config", True, {}),  # every 4th layer without RoPE (its default interval)
         "starcoder2": ("Starcoder2Config", True, {}),
+        # GPT-NeoX (Pythia): RoPE on a quarter of each head, attention and MLP in parallel (its defaults)
+        "gpt_neox": ("GPTNeoXConfig", False, {}),
         "phi3": ("Phi3Config", False, {}),
         "gemma": ("GemmaConfig", True, {}),
         # their query scalar defaults to 256; the 27B's is not its head dim either
@@ -95,8 +99,8 @@ def _tiny_family(arch: str, hidden: int) -> tuple[str, bool, dict, str]:
     }
     if arch not in families:
         raise ValueError(f"no tiny config for {arch!r}")
-    eps_name = {"starcoder2": "norm_epsilon", "cohere": "layer_norm_eps", "cohere2": "layer_norm_eps"}.get(
-        arch, "rms_norm_eps")
+    eps_name = {"starcoder2": "norm_epsilon", "cohere": "layer_norm_eps", "cohere2": "layer_norm_eps",
+                "gpt_neox": "layer_norm_eps"}.get(arch, "rms_norm_eps")
     return (*families[arch], eps_name)
 
 
