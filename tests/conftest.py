@@ -40,7 +40,7 @@ GEMMA3 = {"sliding_window": 24, "tie_word_embeddings": False,
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> dict[str, Path]:
-    """Tiny random-weight checkpoints: nineteen architectures, drafts that disagree."""
+    """Tiny random-weight checkpoints: twenty architectures, drafts that disagree."""
     root = tmp_path_factory.mktemp("tiny")
     paths = {
         "llama": make_tiny_model(root / "llama", "llama", seed=0),
@@ -115,6 +115,11 @@ def tiny_dir(tmp_path_factory) -> dict[str, Path]:
         "gpt_neox": make_tiny_model(root / "gpt_neox", "gpt_neox", seed=42, init_std=0.2, norm_std=0.3, bias_std=0.1),
         "gpt_neox-draft": make_tiny_model(root / "gpt_neox-draft", "gpt_neox", seed=43, layers=2, init_std=0.2,
                                           norm_std=0.3, bias_std=0.1),
+        # GLM-4.5: a dense first layer, then experts in 2 groups routed by sigmoid scores plus a drawn correction,
+        # renormalised and scaled, an ungated shared expert; q/k/v biases, RoPE on half of each head
+        "glm4_moe": make_tiny_model(root / "glm4_moe", "glm4_moe", seed=45, init_std=0.2, norm_std=0.3, bias_std=0.1),
+        "glm4_moe-draft": make_tiny_model(root / "glm4_moe-draft", "glm4_moe", seed=46, layers=2, init_std=0.2,
+                                          norm_std=0.3, bias_std=0.1),
         # Granite: its embedding, attention, residual and logit scalars (tiny_config sets them away from 1)
         "granite": make_tiny_model(root / "granite", "granite", seed=20),
         "granite-draft": make_tiny_model(root / "granite-draft", "granite", seed=21, layers=2),
@@ -128,7 +133,7 @@ def tiny(tiny_dir):
     out = {}
     for arch in ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe", "mixtral", "granite",
                  "olmo2", "olmo3", "starcoder2", "smollm3", "glm4", "exaone4", "cohere2", "gpt_oss",
-                 "gpt_neox"):
+                 "gpt_neox", "glm4_moe"):
         out[arch] = load_decoder(tiny_dir[arch])
         out[f"{arch}-draft"] = load_decoder(tiny_dir[f"{arch}-draft"])
         out[f"{arch}-self2"] = load_decoder(tiny_dir[arch], layer_range=(0, 2))

@@ -10,20 +10,21 @@ from transformers import AutoModelForCausalLM
 
 from specctl.engine.layers import PlainMLP, fuse_projections
 from specctl.engine.loader import load_decoder
-from specctl.engine.moe import SparseMoE
+from specctl.engine.moe import Routing, SparseMoE
 from specctl.engine.spec import ModelSpec
 from specctl.engine.tiny import make_tiny_model, tiny_config
 from specctl.errors import UnsupportedArchitecture
 from tests.test_engine_parity import _check_parity, _max_rel_diff
 
 
-def _bf16_equals_transformers(decoder, path, ids: torch.Tensor, attention: str = "sdpa") -> torch.Tensor:
+def _bf16_equals_transformers(decoder, path, ids: torch.Tensor, attention: str = "sdpa", **options) -> torch.Tensor:
     """Asserts the bf16 decoder's logits of ``ids`` (one prefill) equal transformers' bf16 model's
     (its ``attention`` implementation: SDPA, or eager where the decoder attends as eager does —
-    Gemma's own query scale) to the bit; returns transformers' (float32)."""
+    Gemma's own query scale; ``options``: from_pretrained's others) to the bit; returns
+    transformers' (float32)."""
     with torch.no_grad():
-        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
-                                                   attn_implementation=attention).eval()(ids[None]).logits[0].float()
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation=attention,
+                                                   **options).eval()(ids[None]).logits[0].float()
     assert torch.equal(decoder(ids, torch.arange(ids.numel()), decoder.new_cache(ids.numel())), ref)
     return ref
 
@@ -491,7 +492,7 @@ def test_gpt_oss_equals_transformers_bitwise_in_bf16_and_each_departure_counts(t
     decoder = load_decoder(path, torch.bfloat16)
     spec, moe = decoder.spec, decoder.layers[1].mlp
     assert spec.layer_windows == (24, None, 24, None) and spec.attention_sinks and spec.output_bias
-    assert spec.clamped_swiglu == (1.702, 7.0) and moe.softmax_over_chosen and moe.gate.bias is not None
+    assert spec.clamped_swiglu == (1.702, 7.0) and moe.routing.kind == "softmax_over_chosen" and moe.gate.bias is not None
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         stack = f.get_tensor("model.layers.1.mlp.experts.gate_up_proj")  # [E, H, 2I]: x @ W
         assert torch.equal(moe.experts[2].gate_up_proj.weight, stack[2].T.bfloat16())
@@ -518,10 +519,10 @@ def test_gpt_oss_equals_transformers_bitwise_in_bf16_and_each_departure_counts(t
         layer.self_attn.sinks = sink
     assert not moved()
     for layer in fp32.layers:
-        layer.mlp.softmax_over_chosen = False
+        layer.mlp.routing = Routing("softmax")
     assert moved()
     for layer in fp32.layers:
-        layer.mlp.softmax_over_chosen = True
+        layer.mlp.routing = Routing("softmax_over_chosen")
         for expert in layer.mlp.experts:  # gate and up as halves: the interleaved columns regrouped
             weight = expert.gate_up_proj.weight
             weight.data = torch.cat((weight[0::2], weight[1::2]))
@@ -621,3 +622,53 @@ def test_gpt_neox_equals_transformers_bitwise_in_bf16_and_reads_its_fused_per_he
     assert not load_decoder(sequential).spec.parallel_two_norms
     _fp32_parity(sequential, ids)
     _speculation_is_exact(load_decoder(sequential), tiny["gpt_neox-draft"])
+
+
+def test_glm4_moe_routes_by_corrected_sigmoid_scores_within_groups_as_transformers_does(tiny, tiny_dir):
+    """GLM-4.5 (glm4_moe): a dense first layer, then experts chosen by sigmoid scores plus a
+    per-expert correction (the score correction, a float32 buffer) among the best group's experts
+    only, weighed by the uncorrected scores renormalised and scaled (2.5), plus an ungated shared
+    expert; the router kept in float32 as transformers keeps it. bf16 logits equal transformers'
+    (its eager experts: its default grouped_mm kernel rounds otherwise) to the bit; the correction,
+    the groups, the scale and the shared expert each count; int8 leaves the router alone."""
+    from specctl.engine.moe import CorrectedRouter
+    from specctl.engine.quant import quantize_decoder
+
+    path = tiny_dir["glm4_moe"]
+    decoder = load_decoder(path, torch.bfloat16)
+    moe = decoder.layers[2].mlp
+    assert decoder.spec.sparse_layers == (False, True, True, True) and not isinstance(decoder.layers[0].mlp, SparseMoE)
+    assert moe.routing == Routing("sigmoid_grouped", True, 2, 1, 2.5) and moe.shared_expert_gate is None
+    assert moe.gate.weight.dtype == moe.gate.e_score_correction_bias.dtype == torch.float32
+    assert decoder.layers[1].self_attn.q_proj.bias is not None and decoder.layers[1].self_attn.o_proj.bias is None
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        correction = f.get_tensor("model.layers.2.mlp.gate.e_score_correction_bias")
+        assert torch.equal(moe.gate.e_score_correction_bias, correction) and correction.abs().min() > 0
+        assert torch.equal(moe.shared_expert.up_proj.weight, f.get_tensor("model.layers.2.mlp.shared_experts.up_proj.weight").bfloat16())
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (40,))
+    _bf16_equals_transformers(decoder, path, ids, experts_implementation="eager")
+    fp32, ref = _fp32_parity(path, ids)
+
+    def moved() -> bool:
+        return _max_rel_diff(fp32(ids, torch.arange(40), fp32.new_cache(40)), ref) > 0.01
+
+    sparse = [layer.mlp for layer in fp32.layers[1:]]
+    for mlp in sparse:
+        mlp.routing = Routing("sigmoid_grouped", True, 1, 1, 2.5)  # every group open
+    assert moved()
+    for mlp in sparse:
+        mlp.routing = Routing("sigmoid_grouped", True, 2, 1, 1.0)  # unscaled
+    assert moved()
+    for mlp in sparse:
+        mlp.routing = Routing("sigmoid_grouped", True, 2, 1, 2.5)
+        mlp.gate.e_score_correction_bias.mul_(50.0)  # the correction decides the experts, not the weights
+    assert moved()
+    for mlp in sparse:
+        mlp.gate.e_score_correction_bias.div_(50.0)
+    assert not moved()
+    for mlp in sparse:
+        mlp.shared_expert = None
+    assert moved()
+    quantized = quantize_decoder(load_decoder(path), "int8")
+    assert all(type(layer.mlp.gate) is CorrectedRouter for layer in quantized.layers[1:])

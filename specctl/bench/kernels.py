@@ -87,6 +87,13 @@ SHAPES: dict[str, dict] = {
     "pythia-6.9b": dict(model_type="gpt_neox", hidden_size=4096, intermediate_size=16384, num_hidden_layers=32,
                         num_attention_heads=32, vocab_size=50432, tie_word_embeddings=False,
                         max_position_embeddings=2048, layer_norm_eps=1e-5),
+    # GLM-4.5-Air: a dense first layer, then 128 experts of 1408, 8 a token, and a shared one; RoPE on half of each head
+    "glm-4.5-air": dict(model_type="glm4_moe", hidden_size=4096, intermediate_size=10944, num_hidden_layers=46,
+                        num_attention_heads=96, num_key_value_heads=8, head_dim=128, vocab_size=151552,
+                        tie_word_embeddings=False, num_local_experts=128, num_experts_per_tok=8,
+                        moe_intermediate_size=1408, first_k_dense_replace=1, n_shared_experts=1, n_group=1,
+                        topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True, attention_bias=True,
+                        max_position_embeddings=131072, rms_norm_eps=1e-5),
     # gpt-oss: 32 experts of 2880, 4 a token, every layer; a sink per head; 128-token windows on every other layer
     # (the Hub's experts are MXFP4, dequantized at load: the step reads them in the model's dtype)
     "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,

@@ -26,7 +26,7 @@ def family_facts(config: Any) -> dict[str, Any]:
     """ModelSpec fields the family of ``config`` sets (they override the common reading)."""
     arch = config.model_type
     return {**(_gemma(config) if arch.startswith("gemma") else {}),
-            **(_experts(config) if arch in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss") else {}),
+            **(_experts(config) if arch in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe") else {}),
             **(_gpt_oss(config) if arch == "gpt_oss" else {}),
             **(_gpt_neox(config) if arch == "gpt_neox" else {}),
             **(_granite(config) if arch == "granite" else {}),
@@ -91,7 +91,7 @@ def _gpt_oss(config: Any) -> dict[str, Any]:
     projection, a sink logit per head, RMSNorms scaled in float32 before the cast, every layer a
     mixture of clamped-SwiGLU experts whose router softmaxes its top-k logits (sliding and full
     layers alternate: layer_windows; YaRN RoPE: ModelSpec.inv_freq)."""
-    return dict(attention_sinks=True, norm_scale_in_float32=True, softmax_over_chosen=True,
+    return dict(attention_sinks=True, norm_scale_in_float32=True, routing="softmax_over_chosen",
                 clamped_swiglu=(config.swiglu_alpha, config.swiglu_limit))
 
 
@@ -125,12 +125,21 @@ def _experts(config: Any) -> dict[str, Any]:
     ``decoder_sparse_step``-th, each expert ``moe_intermediate_size`` wide, Qwen2-MoE's shared
     expert ``shared_expert_intermediate_size``; Mixtral's and gpt-oss's every layer, their experts
     ``intermediate_size`` wide, Mixtral's weights always renormalised (gpt-oss's softmax is over
-    the chosen logits already)."""
+    the chosen logits already); GLM-4.5's after ``first_k_dense_replace`` dense layers, with an
+    ungated shared expert and DeepSeek-V3's routing (engine.moe.Routing "sigmoid_grouped")."""
     layers = config.num_hidden_layers
     if config.model_type in ("mixtral", "gpt_oss"):
         return dict(sparse_layers=(True,) * layers, num_experts=config.num_local_experts,
                     experts_per_token=config.num_experts_per_tok, expert_intermediate_size=config.intermediate_size,
                     normalize_expert_weights=config.model_type == "mixtral")
+    if config.model_type == "glm4_moe":  # its first layers dense; DeepSeek-V3's sigmoid routing within groups
+        return dict(sparse_layers=tuple(i >= config.first_k_dense_replace for i in range(layers)),
+                    num_experts=config.num_local_experts, experts_per_token=config.num_experts_per_tok,
+                    expert_intermediate_size=config.moe_intermediate_size,
+                    normalize_expert_weights=bool(config.norm_topk_prob),
+                    shared_expert_intermediate_size=config.moe_intermediate_size * config.n_shared_experts,
+                    gated_shared_expert=False, routing="sigmoid_grouped",
+                    expert_groups=(config.n_group, config.topk_group), routed_scale=config.routed_scaling_factor)
     step, dense = config.decoder_sparse_step, set(config.mlp_only_layers or ())
     sparse = tuple(config.num_experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers))
     return dict(sparse_layers=sparse, num_experts=config.num_experts, experts_per_token=config.num_experts_per_tok,

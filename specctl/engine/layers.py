@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specctl.engine.kv_cache import KVCache
-from specctl.engine.moe import ClampedSwiGLUExpert, SparseMoE, mlps
+from specctl.engine.moe import ClampedSwiGLUExpert, Routing, SparseMoE, mlps
 from specctl.engine.norms import RMSNorm, make_norm, rms_norm
 from specctl.engine.rope import apply_rope
 from specctl.engine.spec import ModelSpec
@@ -201,9 +201,9 @@ class DecoderLayer(nn.Module):
             expert = (functools.partial(ClampedSwiGLUExpert, spec.hidden_size, spec.expert_intermediate_size,
                                         *spec.clamped_swiglu) if spec.clamped_swiglu
                       else functools.partial(MLP, spec, spec.expert_intermediate_size))
-            self.mlp = SparseMoE(spec.hidden_size, spec.num_experts, spec.experts_per_token,
-                                 spec.normalize_expert_weights, expert,
-                                 functools.partial(MLP, spec, shared) if shared else None, spec.softmax_over_chosen)
+            routing = Routing(spec.routing, spec.normalize_expert_weights, *spec.expert_groups, spec.routed_scale)
+            self.mlp = SparseMoE(spec.hidden_size, spec.num_experts, spec.experts_per_token, routing, expert,
+                                 functools.partial(MLP, spec, shared) if shared else None, spec.gated_shared_expert)
         else:
             self.mlp = MLP(spec) if spec.gated_mlp else PlainMLP(spec)
         norm = functools.partial(make_norm, spec, spec.hidden_size)

@@ -120,6 +120,8 @@ def load_decoder(
                     state.update(fused[key].parts(tensor, shapes))
                 elif key in wanted:
                     tensor = f.get_tensor(stored) if dtype is None else f.get_tensor(stored).to(dtype)
+                    if spec.routing == "sigmoid_grouped" and key.endswith(FLOAT32_ROUTER):  # as transformers keeps it
+                        tensor = f.get_tensor(stored).float()
                     if wanted[key] is not None:
                         state[wanted[key]] = tensor
                     if key == "model.embed_tokens.weight" and spec.tie_embeddings and head:
@@ -186,6 +188,7 @@ def _part_of(key: str, first: int, last: int, embed: bool, head: bool, tied: boo
 
 
 MIXTRAL_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+FLOAT32_ROUTER = (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")  # GLM-4.5's (engine.moe.CorrectedRouter)
 
 
 # GLM-4's names of Gemma 2's four norms: after attention, before and after the MLP
@@ -198,7 +201,8 @@ def checkpoint_name(spec: ModelSpec, name: str) -> str:
     """A layer's tensor name as the checkpoint spells it: Mixtral's sparse MLP is
     ``block_sparse_moe`` with experts' ``w1`` (gate), ``w3`` (up), ``w2`` (down); GLM-4's norms
     are named for where they sit (GLM4_NORMS); Hunyuan's q/k norms are query/key_layernorm;
-    Arcee's plain MLP is up_proj, down_proj; gpt-oss's router is router."""
+    Arcee's plain MLP is up_proj, down_proj; gpt-oss's router is router; GLM-4.5's shared expert
+    shared_experts."""
     if spec.arch == "glm4":
         module, _, rest = name.partition(".")
         return f"{GLM4_NORMS.get(module, module)}.{rest}"
@@ -206,6 +210,8 @@ def checkpoint_name(spec: ModelSpec, name: str) -> str:
         return name.replace("mlp.c_fc.", "mlp.up_proj.").replace("mlp.c_proj.", "mlp.down_proj.")
     if spec.arch == "gpt_oss":  # its router (its experts: _gpt_oss_stacks)
         return name.replace("mlp.gate.", "mlp.router.")
+    if spec.arch == "glm4_moe":  # its shared expert (ungated)
+        return name.replace("mlp.shared_expert.", "mlp.shared_experts.")
     if spec.arch == "hunyuan_v1_dense":  # its q/k norms
         return name.replace("self_attn.q_norm.", "self_attn.query_layernorm.").replace(
             "self_attn.k_norm.", "self_attn.key_layernorm.")

@@ -1,4 +1,4 @@
-"""Sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral, Qwen2-MoE, gpt-oss): a router picks each
+"""Sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral, Qwen2-MoE, gpt-oss, GLM-4.5): a router picks each
 token's top-k experts, whose outputs are summed with the router's weights, as transformers
 computes it; Qwen2-MoE adds a shared expert every token runs, scaled by a sigmoid gate of its
 own; gpt-oss's experts are clamped SwiGLUs with biases (ClampedSwiGLUExpert).
@@ -10,6 +10,7 @@ forward. So a verification's rows get what AR decoding gets, as with a dense MLP
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -17,40 +18,97 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class SparseMoE(nn.Module):
-    def __init__(self, hidden: int, num_experts: int, top_k: int, normalize: bool,
-                 expert: Callable[[], nn.Module], shared_expert: Callable[[], nn.Module] | None = None,
-                 softmax_over_chosen: bool = False) -> None:
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """How a router's scores pick a token's experts and weigh them, as each family's transformers
+    code does: ``softmax`` over all experts, then the top k (Qwen-MoE, Mixtral); ``softmax_over_chosen``:
+    the top-k logits, softmaxed among themselves (gpt-oss, whose router has a bias); ``sigmoid_grouped``
+    (GLM-4.5, DeepSeek-V3): sigmoid scores plus a learned correction choose the top k within the
+    ``top_groups`` best of ``groups`` expert groups, the uncorrected scores weigh them, times ``scale``."""
+
+    kind: str = "softmax"
+    normalize: bool = False  # the top-k weights rescaled to sum to 1
+    groups: int = 1
+    top_groups: int = 1
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("softmax", "softmax_over_chosen", "sigmoid_grouped"):
+            raise ValueError(f"unknown routing {self.kind!r}")
+
+
+class CorrectedRouter(nn.Module):
+    """GLM-4.5's and DeepSeek-V3's router: logits in float32 (transformers keeps its weight in
+    float32), with the per-expert score correction beside it. Computed in float64 and rounded, so a
+    token's scores do not depend on the rows beside it (a float32 product's last bits do, on a CPU:
+    engine.rows), and verification routes each token as a decode step does. Not an nn.Linear, so
+    row padding and int8 leave it as it is."""
+
+    def __init__(self, hidden: int, num_experts: int) -> None:
         super().__init__()
-        # the router (checkpoints call it gate; gpt-oss's, router, has a bias)
-        self.gate = nn.Linear(hidden, num_experts, bias=softmax_over_chosen)
-        self.experts = nn.ModuleList(expert() for _ in range(num_experts))
-        self.top_k, self.normalize = top_k, normalize  # normalize: the top-k weights rescaled to sum to 1
-        # gpt-oss: the top-k logits chosen first, their softmax (in the logits' dtype) the weights
-        self.softmax_over_chosen = softmax_over_chosen
-        # Qwen2-MoE: one more expert every token runs, its output times sigmoid(its gate)
-        self.shared_expert = None if shared_expert is None else shared_expert()
-        self.shared_expert_gate = None if shared_expert is None else nn.Linear(hidden, 1, bias=False)
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        h = x.reshape(-1, shape[-1])
-        logits = self.gate(h)
-        if self.softmax_over_chosen:
+        return F.linear(x.double(), self.weight.double()).float()
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden: int, num_experts: int, top_k: int, routing: Routing,
+                 expert: Callable[[], nn.Module], shared_expert: Callable[[], nn.Module] | None = None,
+                 gated_shared_expert: bool = True) -> None:
+        super().__init__()
+        self.routing, self.top_k = routing, top_k
+        # the router (checkpoints call it gate; gpt-oss's, router, has a bias)
+        self.gate = (CorrectedRouter(hidden, num_experts) if routing.kind == "sigmoid_grouped"
+                     else nn.Linear(hidden, num_experts, bias=routing.kind == "softmax_over_chosen"))
+        self.experts = nn.ModuleList(expert() for _ in range(num_experts))
+        # one more expert every token runs: Qwen2-MoE's times sigmoid(its gate), GLM-4.5's as it is
+        self.shared_expert = None if shared_expert is None else shared_expert()
+        self.shared_expert_gate = (nn.Linear(hidden, 1, bias=False) if shared_expert is not None and gated_shared_expert
+                                   else None)
+
+    @property
+    def normalize(self) -> bool:
+        return self.routing.normalize
+
+    def choose(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, chosen experts) of each row of h: [rows, top_k] each."""
+        routing, logits = self.routing, self.gate(h)
+        if routing.kind == "sigmoid_grouped":
+            scores = logits.sigmoid()
+            corrected = scores + self.gate.e_score_correction_bias
+            if routing.groups > 1:
+                grouped = corrected.unflatten(-1, (routing.groups, -1))
+                best = torch.topk(grouped.topk(2, dim=-1)[0].sum(-1), routing.top_groups, dim=-1, sorted=False)[1]
+                kept = torch.zeros_like(grouped[..., 0]).scatter_(1, best, 1).bool()
+                corrected = grouped.masked_fill(~kept[..., None], float("-inf")).flatten(-2)
+            chosen = torch.topk(corrected, self.top_k, dim=-1, sorted=False)[1]
+            weights = scores.gather(1, chosen)
+            if routing.normalize:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            return weights * routing.scale, chosen
+        if routing.kind == "softmax_over_chosen":
             top, chosen = torch.topk(logits, self.top_k, dim=-1)
             weights = F.softmax(top, dim=-1, dtype=top.dtype)
         else:
             weights, chosen = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
-        if self.normalize:
+        if routing.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(logits.dtype)
+        return weights.to(logits.dtype), chosen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])
+        weights, chosen = self.choose(h)
         out = torch.zeros_like(h)
         for expert in chosen.unique().tolist():  # ascending: each token's experts add in one order
             tokens, slots = torch.where(chosen == expert)
             y = self.experts[expert](h[tokens]) * weights[tokens, slots, None]
             out.index_add_(0, tokens, y.to(out.dtype))
         if self.shared_expert is not None:  # added after the routed experts, as transformers adds it
-            out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
+            shared = self.shared_expert(h)
+            out = out + (shared if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(h)) * shared)
         return out.reshape(shape)
 
 

@@ -34,7 +34,7 @@ from torch.nn import functional as F
 from specctl.config import QUANTS
 from specctl.engine.layers import PlainMLP
 from specctl.engine.model import Decoder
-from specctl.engine.moe import ClampedSwiGLUExpert, SparseMoE, mlps
+from specctl.engine.moe import ClampedSwiGLUExpert, CorrectedRouter, SparseMoE, mlps
 from specctl.errors import ConfigError
 
 _PINNED_COLUMNS = 8  # +1, -1, then zeros: keeps the input width a multiple of 8 for fbgemm
@@ -123,7 +123,8 @@ def quantize_decoder(decoder: Decoder, mode: str) -> Decoder:
         attn.o_proj = RowScaledInt8Linear([attn.o_proj])
         # a sparse layer's router too: a float one's scores differ in the last bits between a
         # batch and a row alone (this CPU's fp32 products), and a token's experts with them
-        if isinstance(layer.mlp, SparseMoE):
+        if isinstance(layer.mlp, SparseMoE) and not isinstance(layer.mlp.gate, CorrectedRouter):
+            # (GLM-4.5's router computes in float64: row-independent, and kept as transformers keeps it)
             layer.mlp.gate = RowScaledInt8Linear([layer.mlp.gate])
             if layer.mlp.shared_expert_gate is not None:  # Qwen2-MoE's shared expert's gate, for the same reason
                 layer.mlp.shared_expert_gate = RowScaledInt8Linear([layer.mlp.shared_expert_gate])

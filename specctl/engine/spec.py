@@ -12,7 +12,7 @@ from specctl.errors import BadRequest, UnsupportedArchitecture
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text", "qwen2_moe", "qwen3_moe",
              "mixtral", "granite", "olmo2", "olmo3", "starcoder2", "smollm3", "glm4", "exaone4", "cohere",
-             "cohere2", "seed_oss", "hunyuan_v1_dense", "arcee", "gpt_oss", "gpt_neox")
+             "cohere2", "seed_oss", "hunyuan_v1_dense", "arcee", "gpt_oss", "gpt_neox", "glm4_moe")
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,9 +80,13 @@ class ModelSpec:
     expert_intermediate_size: int = 0
     normalize_expert_weights: bool = False  # the top-k router weights rescaled to sum to 1
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a gated expert every token runs (0: none)
-    # gpt-oss's: the router's top-k logits softmaxed among themselves (its router has a bias), and
-    # experts that are clamped SwiGLUs with biases: (alpha, limit); None: gated MLPs
-    softmax_over_chosen: bool = False
+    gated_shared_expert: bool = True  # Qwen2-MoE's shared expert is gated; GLM-4.5's is not
+    # how the router's scores choose and weigh experts (engine.moe.Routing: softmax, softmax_over_chosen
+    # (gpt-oss), sigmoid_grouped (GLM-4.5)); its groups (groups, top groups) and the weights' scale
+    routing: str = "softmax"
+    expert_groups: tuple[int, int] = (1, 1)
+    routed_scale: float = 1.0
+    # gpt-oss's experts: clamped SwiGLUs with biases, (alpha, limit); None: gated MLPs
     clamped_swiglu: tuple[float, float] | None = None
     attention_sinks: bool = False  # gpt-oss: a learned logit per head in each query's softmax
 
@@ -141,8 +145,9 @@ class ModelSpec:
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             # transformers gives o_proj attention_bias's bias in Llama's layer and those built on it
             output_bias=(bool(getattr(config, "attention_bias", False))
-                         and arch not in ("qwen2", "qwen2_moe", "mistral", "phi3", "mixtral", "glm4")),
-            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "exaone4", "hunyuan_v1_dense"),
+                         and arch not in ("qwen2", "qwen2_moe", "mistral", "phi3", "mixtral", "glm4", "glm4_moe")),
+            qk_norm=(arch in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "exaone4", "hunyuan_v1_dense")
+                     or (arch == "glm4_moe" and bool(config.use_qk_norm))),
             hf_config=config,
             layer_windows=layer_windows(config),
         )

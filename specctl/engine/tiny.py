@@ -67,6 +67,12 @@ def _tiny_family(arch: str, hidden: int) -> tuple[str, bool, dict, str]:
                                                  "norm_topk_prob": False}),
         "mixtral": ("MixtralConfig", False, {"num_local_experts": 4, "num_experts_per_tok": 2,
                                              "intermediate_size": hidden // 2}),
+        # GLM-4.5: the first layer dense, then 4 experts of 32 in 2 groups (the best group's experts
+        # only), 2 a token, weights renormalised and scaled by 2.5, an ungated shared expert; q/k/v biases
+        "glm4_moe": ("Glm4MoeConfig", False, {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                              "moe_intermediate_size": hidden // 2, "first_k_dense_replace": 1,
+                                              "n_shared_experts": 1, "n_group": 2, "topk_group": 1,
+                                              "routed_scaling_factor": 2.5, "attention_bias": True}),
         # gpt-oss: 4 experts of 32, 2 a token; sliding and full layers alternate (give sliding_window);
         # its YaRN RoPE (factor 32) over a 16-token original context
         "gpt_oss": ("GptOssConfig", False, {"num_local_experts": 4, "num_experts_per_tok": 2,
@@ -124,10 +130,10 @@ def make_tiny_model(directory: Path | str, arch: str = "llama", seed: int = 0, i
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
-        for name, weight in model.named_parameters():
+        for name, weight in [*model.named_parameters(), *model.named_buffers()]:
             if norm_std and name.endswith("norm.weight"):
                 weight.add_(torch.randn_like(weight) * norm_std)
-            if bias_std and name.endswith((".bias", "_bias")):  # gpt-oss's experts' too
+            if bias_std and name.endswith((".bias", "_bias")):  # gpt-oss's experts', GLM-4.5's score correction
                 weight.normal_(0.0, bias_std)
     model.to(dtype).save_pretrained(directory)
     if cfg.vocab_size >= TINY_VOCAB:  # smaller vocabularies are for token-level tests only
