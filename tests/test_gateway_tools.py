@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
 from specctl.gateway.api import ApiError, ChatCompletionRequest, parse_body
-from specctl.gateway.held_calls import (FunctoolsCalls, JsonCalls, MistralCalls, PythonicCalls, functools_calls,
+from specctl.gateway.held_calls import (FunctoolsCalls, GlmCalls, JsonCalls, MistralCalls, PythonicCalls, functools_calls,
+                                         glm_calls,
                                         json_calls, mistral_calls, pythonic_calls)
 from specctl.gateway.tool_calls import ForcedCalls, StreamedCalls, parse, read_whole
 from specctl.gateway.tools import forced_call, request_tools
@@ -518,7 +519,7 @@ def test_a_llama3_json_call_comes_back_as_the_call_streamed_or_not(json_tools_cl
     base, body, _ = _whole_call_over_http(json_tools_cluster, [THOUGHT_TOKENS[0], CALL_TOKENS[0]])
     plain = _chat(base, {**body, "tools": None, "logit_bias": {}})["choices"][0]  # no tools: the text as it is
     assert plain["message"]["content"] == "".join(THOUGHT_TOKENS) and "tool_calls" not in plain["message"]
-    with pytest.raises(ValueError, match=r"^--tool-call-parser must be one of hermes, llama3_json, pythonic, mistral, phi4_mini_json, openai, got 'xlam'$"):
+    with pytest.raises(ValueError, match=r"^--tool-call-parser must be one of hermes, llama3_json, pythonic, mistral, phi4_mini_json, openai, glm45, got 'xlam'$"):
         ClusterConfig(tool_call_parser="xlam")
 
 
@@ -527,4 +528,36 @@ def test_a_bad_tool_call_parser_is_one_line_before_anything_starts(command):
     from tests.test_cli import _assert_one_line_error, run
 
     _assert_one_line_error(run(*command, "--tool-call-parser", "xlam", "--enable-auto-tool-choice"),
-                           "--tool-call-parser must be one of hermes, llama3_json, pythonic, mistral, phi4_mini_json, openai, got 'xlam'")
+                           "--tool-call-parser must be one of hermes, llama3_json, pythonic, mistral, phi4_mini_json, openai, glm45, got 'xlam'")
+
+
+GLM_CALL = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n<arg_key>days</arg_key>\n" \
+           "<arg_value>3</arg_value>\n</tool_call>"
+
+
+@pytest.mark.parametrize("text, calls", [
+    (GLM_CALL, [("get_weather", {"city": "Oslo", "days": 3})]),  # a JSON value is JSON, any other the text
+    (GLM_CALL + "\n" + GLM_CALL.replace("get_weather", "get_time"),
+     [("get_weather", {"city": "Oslo", "days": 3}), ("get_time", {"city": "Oslo", "days": 3})]),
+    ("<tool_call>now\n</tool_call>", [("now", {})]),  # no arguments
+    ('<tool_call>f\n<arg_key>q</arg_key><arg_value>{"a": [1, 2]}</arg_value></tool_call>', [("f", {"q": {"a": [1, 2]}})]),
+    ("<tool_call>f\n<arg_key>a</arg_key>", None),  # cut by max_tokens
+    ("<tool_call>\n</tool_call>", None),  # no name
+    (GLM_CALL + " and more", None),  # text after the calls
+    ('<tool_call>{"name": "f", "arguments": {}}</tool_call>', None),  # Hermes' shape, not GLM's
+])
+def test_glm45_calls_are_blocks_of_argument_pairs(text, calls):
+    found = glm_calls(text)
+    assert (None if found is None else [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                                        for c in found]) == calls
+
+
+def test_glm45_streams_content_until_the_first_block_and_holds_the_calls():
+    reader = GlmCalls()
+    assert reader.push("Checking.\n<tool") == ("Checking.\n", []) and reader.push("_call>get_weather\n") == ("", [])
+    assert reader.push(GLM_CALL.removeprefix("<tool_call>get_weather\n")) == ("", [])
+    rest, deltas, calls = reader.finish()
+    assert rest == "" and reader.finish_reason == "tool_calls" and calls[0]["id"].startswith("call_")
+    assert [d["function"] for d in deltas] == [{"name": "get_weather", "arguments": '{"city": "Oslo", "days": 3}'}]
+    broken = GlmCalls()
+    assert broken.push("ok <tool_call>f") == ("ok ", []) and broken.finish() == ("<tool_call>f", [], None)

@@ -39,8 +39,8 @@ TOOL_CALL_PARSER = typer.Option("hermes", "--tool-call-parser",
                                      "(content, then \\[TOOL_CALLS] and the calls; the tag is a special token, kept "
                                      "in the text of a request with tools) | phi4_mini_json (Phi-4-mini's "
                                      "functools\\[...]) | openai (gpt-oss: messages to functions.NAME; with "
-                                     "--reasoning-parser openai_gptoss): how tool calls are read from the output "
-                                     "(vLLM's)")
+                                     "--reasoning-parser openai_gptoss) | glm45 (GLM-4.5/4.6: <tool_call> blocks of "
+                                     "<arg_key>/<arg_value> pairs): how tool calls are read from the output (vLLM's)")
 GENERATION_CONFIG = typer.Option("auto", "--generation-config",
                                  help="auto: what a request leaves out (temperature, top_p, top_k, min_p, "
                                       "repetition_penalty, max_tokens) takes the model's generation_config.json "

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import re
 
-from specctl.gateway.tool_calls import call_delta, content_before, new_call
+from specctl.gateway.tool_calls import TaggedCalls, new_call
 
 CHANNEL, MESSAGE, END, CALL, RETURN = "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>"
 ENDS = (END, CALL, RETURN)  # what closes a message (<|call|> and <|return|> are EOS: in the text only past ignore_eos)
@@ -87,31 +87,11 @@ def split_harmony(text: str) -> tuple[str | None, str | None]:
     return reasoning or None, content or None
 
 
-class HarmonyCalls:
+def HarmonyCalls(max_calls: int | None = None) -> TaggedCalls:  # noqa: N802 - a reader class, as StreamedCalls
     """The ``openai`` tool-call reader: content until the first function-call message (as
     StreamedHarmony passes it on), streamed; from there held and read when the choice ends — each
     ``functions.NAME`` message a call, its body (a JSON object) the arguments; else content."""
-
-    finish_reason = "tool_calls"
-
-    def __init__(self, max_calls: int | None = None) -> None:
-        self.max_calls = max_calls
-        self.text = ""
-        self.sent = 0  # characters of content handed out
-        self.start = -1  # where the first call begins (-1: not yet)
-
-    def push(self, delta: str) -> tuple[str, list[dict]]:
-        self.text += delta
-        content, self.sent, self.start = content_before(self.text, self.sent, self.start, CHANNEL)
-        return content, []
-
-    def finish(self) -> tuple[str, list[dict], list[dict] | None]:
-        calls = harmony_calls(self.text[self.start:]) if self.start >= 0 else None
-        if calls is None:
-            rest, self.sent = self.text[self.sent:], len(self.text)
-            return rest, [], None
-        calls = calls[:self.max_calls]
-        return "", [call_delta(i, call, call["function"]["arguments"]) for i, call in enumerate(calls)], calls
+    return TaggedCalls(CHANNEL, harmony_calls, max_calls)
 
 
 def harmony_calls(text: str) -> list[dict] | None:

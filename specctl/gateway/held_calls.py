@@ -5,7 +5,9 @@ it); any other output is content as it comes. vLLM's ``llama3_json`` (Llama 3.1-
 Llama 4: a Python list of calls with keyword arguments, ``[get_weather(city="Oslo")]``) and
 ``phi4_mini_json`` (Phi-4-mini: ``functools[{"name": ..., "arguments": {...}}]``); and
 ``mistral``, whose calls follow content after a ``[TOOL_CALLS]`` token (the content streams,
-the calls are held). ``TOOL_PARSERS`` names every ``--tool-call-parser`` with its reader."""
+the calls are held), and ``glm45`` (GLM-4.5/4.6: ``<tool_call>`` blocks of ``<arg_key>`` /
+``<arg_value>`` pairs, held the same way). ``TOOL_PARSERS`` names every ``--tool-call-parser``
+with its reader (``openai``: gpt-oss's, gateway.harmony)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import string
 from typing import Callable
 
 from specctl.gateway.harmony import HarmonyCalls
-from specctl.gateway.tool_calls import StreamedCalls, call_delta, content_before, new_call
+from specctl.gateway.tool_calls import StreamedCalls, TaggedCalls, call_delta, new_call
 
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's, before JSON calls (kept with skip_special_tokens false)
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's, around pythonic calls
@@ -101,34 +103,12 @@ TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"  # Mistral's control tokens (kept: s
 NAMED_CALL = re.compile(r"\s*([A-Za-z0-9_.\-]+)\s*(?:\[ARGS\])?\s*(?=\{)")
 
 
-class MistralCalls:
-    """A Mistral choice's text: content until its first ``[TOOL_CALLS]``, streamed (a tag begun
-    held back); from the tag on held, and read when the choice ends — the calls if it parses,
-    else content, tag and all. Call ids are 9 letters and digits: Mistral's chat templates
-    refuse any other id when a conversation brings the calls back."""
-
-    finish_reason = "tool_calls"
-
-    def __init__(self, max_calls: int | None = None) -> None:
-        self.max_calls = max_calls
-        self.text = ""
-        self.sent = 0  # characters of content handed out
-        self.start = -1  # where the first tag begins (-1: not yet)
-
-    def push(self, delta: str) -> tuple[str, list[dict]]:
-        self.text += delta
-        content, self.sent, self.start = content_before(self.text, self.sent, self.start, TOOL_CALLS)
-        return content, []
-
-    def finish(self) -> tuple[str, list[dict], list[dict] | None]:
-        calls = mistral_calls(self.text[self.start + len(TOOL_CALLS):]) if self.start >= 0 else None
-        if calls is None:
-            rest, self.sent = self.text[self.sent:], len(self.text)
-            return rest, [], None
-        calls = calls[:self.max_calls]
-        for call in calls:
-            call["id"] = "".join(random.choices(string.ascii_letters + string.digits, k=9))
-        return "", [call_delta(i, call, call["function"]["arguments"]) for i, call in enumerate(calls)], calls
+def MistralCalls(max_calls: int | None = None) -> TaggedCalls:  # noqa: N802 - a reader class, as StreamedCalls
+    """A Mistral choice's text: content until its first ``[TOOL_CALLS]``, the calls after it
+    (mistral_calls); call ids of 9 letters and digits, the only ids Mistral's chat templates take
+    back when a conversation brings the calls back."""
+    return TaggedCalls(TOOL_CALLS, lambda text: mistral_calls(text[len(TOOL_CALLS):]), max_calls,
+                       lambda: "".join(random.choices(string.ascii_letters + string.digits, k=9)))
 
 
 def mistral_calls(body: str) -> list[dict] | None:
@@ -181,6 +161,44 @@ def functools_calls(text: str) -> list[dict] | None:
     return [new_call(c["name"], json.dumps(a, ensure_ascii=False)) for c, a in zip(listed, arguments)]
 
 
+GLM_CALL = re.compile(r"<tool_call>([^\n<]*?)\s*\n(.*?)</tool_call>\s*", re.DOTALL)
+GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>\s*", re.DOTALL)
+
+
+def GlmCalls(max_calls: int | None = None) -> TaggedCalls:  # noqa: N802
+    """GLM-4.5's (and 4.6's) calls: content until its first ``<tool_call>``, then its blocks (glm_calls)."""
+    return TaggedCalls("<tool_call>", glm_calls, max_calls)
+
+
+def glm_calls(text: str) -> list[dict] | None:
+    """GLM-4.5's ``<tool_call>NAME\n<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>``
+    blocks (as vLLM's glm45 parser reads them), or None when the text is not such blocks alone.
+    A value that is JSON (a number, true, an object, a list) is that JSON, any other the text; the
+    request's schema is not consulted, so a string parameter given "42" gets 42."""
+    calls, at = [], 0
+    while at < len(text):
+        block = GLM_CALL.match(text, at)
+        if block is None or not block.group(1).strip():
+            return None
+        body, arguments, where = block.group(2), {}, 0
+        while where < len(body.strip()):
+            pair = GLM_ARGUMENT.match(body, where)
+            if pair is None:
+                return None
+            arguments[pair.group(1).strip()] = _json_or_text(pair.group(2))
+            where = pair.end()
+        calls.append(new_call(block.group(1).strip(), json.dumps(arguments, ensure_ascii=False)))
+        at = block.end()
+    return calls or None
+
+
+def _json_or_text(value: str):
+    try:
+        return json.loads(value)
+    except (json.JSONDecodeError, RecursionError):
+        return value
+
+
 def JsonCalls(max_calls: int | None = None) -> HeldCalls:  # noqa: N802 - a reader class, as StreamedCalls
     return HeldCalls(json_calls, ("{", PYTHON_TAG), max_calls)
 
@@ -196,6 +214,7 @@ def FunctoolsCalls(max_calls: int | None = None) -> HeldCalls:  # noqa: N802
 # vLLM's --tool-call-parser names and their readers (each called with max_calls)
 TOOL_PARSERS: dict[str, Callable[..., object]] = {"hermes": StreamedCalls, "llama3_json": JsonCalls,
                                                    "pythonic": PythonicCalls, "mistral": MistralCalls,
-                                                   "phi4_mini_json": FunctoolsCalls, "openai": HarmonyCalls}
+                                                   "phi4_mini_json": FunctoolsCalls, "openai": HarmonyCalls,
+                                                   "glm45": GlmCalls}
 # parsers whose tags are special tokens: a request with tools keeps them in the text (as vLLM's mistral)
-KEEPS_SPECIAL_TOKENS = frozenset({"mistral", "openai"})
+KEEPS_SPECIAL_TOKENS = frozenset({"mistral", "openai", "glm45"})

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from typing import Callable
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # A block up to its arguments' first character, name first as the Hermes templates write
@@ -34,6 +35,38 @@ def content_before(text: str, sent: int, start: int, tag: str) -> tuple[str, int
         start = text.find(tag, sent)
     upto = start if start >= 0 else len(text) - held_back(text, tag)
     return (text[sent:upto] if upto > sent else ""), max(sent, upto), start
+
+
+class TaggedCalls:
+    """Calls that follow content after a tag (Mistral's ``[TOOL_CALLS]``, GLM-4.5's
+    ``<tool_call>``, gpt-oss's harmony ``<|channel|>``): the content until the first tag streams
+    (a tag begun held back); from the tag on the text is held and ``parse``d when the choice ends —
+    the calls (None: not calls, and all of it is content, tag and all). ``new_id``: an id of the
+    model's own shape (Mistral's templates take back 9 letters and digits only)."""
+
+    finish_reason = "tool_calls"
+
+    def __init__(self, tag: str, parse: Callable[[str], list[dict] | None], max_calls: int | None = None,
+                 new_id: Callable[[], str] | None = None) -> None:
+        self.tag, self.parse, self.max_calls, self.new_id = tag, parse, max_calls, new_id
+        self.text = ""
+        self.sent = 0  # characters of content handed out
+        self.start = -1  # where the first tag begins (-1: not yet)
+
+    def push(self, delta: str) -> tuple[str, list[dict]]:
+        self.text += delta
+        content, self.sent, self.start = content_before(self.text, self.sent, self.start, self.tag)
+        return content, []
+
+    def finish(self) -> tuple[str, list[dict], list[dict] | None]:
+        calls = self.parse(self.text[self.start:]) if self.start >= 0 else None
+        if calls is None:
+            rest, self.sent = self.text[self.sent:], len(self.text)
+            return rest, [], None
+        calls = calls[:self.max_calls]
+        for call in calls if self.new_id else ():
+            call["id"] = self.new_id()
+        return "", [call_delta(i, call, call["function"]["arguments"]) for i, call in enumerate(calls)], calls
 
 
 def new_call(name: str, arguments: str) -> dict:
