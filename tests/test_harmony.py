@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specctl.gateway.harmony import HarmonyCalls, StreamedHarmony, harmony_calls, split_harmony
+from specctl.gateway.harmony import HarmonyCalls, StreamedHarmony, harmony_calls, serving_parsers, split_harmony
 from specctl.gateway.reasoning import HARMONY, reasoning_reader, split_reasoning, thinks
 from specctl.gateway.server import check_serving
 from specctl.gateway.tool_calls import read_whole
@@ -78,6 +78,16 @@ def test_calls_are_held_and_read_when_the_choice_ends():
 def test_what_is_not_calls_alone_stays_content(text):
     assert harmony_calls(text) is None
     assert read_whole(HarmonyCalls(), "Hi. " + text) == ("Hi. " + text, None)
+
+
+def test_a_gpt_oss_model_is_read_as_harmony_unless_told_otherwise():
+    """As vLLM serves gpt-oss: the harmony readers stand in for no reasoning parser and the
+    default tool-call parser (hermes, which gpt-oss never writes); what is given is kept; other
+    models are untouched."""
+    assert serving_parsers("gpt_oss", None, "hermes") == ("openai_gptoss", "openai")
+    assert serving_parsers("gpt_oss", "openai_gptoss", "pythonic") == ("openai_gptoss", "pythonic")
+    assert serving_parsers("gpt_oss", "qwen3", "hermes") == ("qwen3", "hermes")
+    assert serving_parsers("qwen3", None, "hermes") == (None, "hermes")
 
 
 def test_the_openai_tool_parser_needs_the_harmony_reasoning_parser():
@@ -159,8 +169,7 @@ def gpt_oss_cluster(tmp_path_factory):
     target, draft = _harmony_gpt_oss(root / "target", 40, 4), _harmony_gpt_oss(root / "draft", 41, 2)
     config = build_config(None, target=str(target), draft=str(draft), mode="chain", depth=3, dtype="fp32",
                           draft_quant="none", max_sessions=4)
-    thread = ClusterThread(config, ClusterConfig(targets=1, gateway_port=0, reasoning_parser="openai_gptoss",
-                                                 tool_call_parser="openai"))
+    thread = ClusterThread(config, ClusterConfig(targets=1, gateway_port=0))  # a gpt-oss: harmony without asking
     urls = thread.start()
     yield urls["gateway"]
     thread.stop()

@@ -114,6 +114,7 @@ def gateway(
     from specctl.engine.families import context_limit, text_config
     from specctl.gateway.metrics import GatewayMetrics
     from specctl.gateway.chat_template import load_chat_template
+    from specctl.gateway.harmony import serving_parsers
     from specctl.gateway.sampling_defaults import describe, sampling_defaults
     from specctl.gateway.server import Gateway, GatewayConfig, served_context
     from specctl.gateway.upstream import Upstream
@@ -144,10 +145,16 @@ def gateway(
         if chat_template is not None:
             tokenizer.chat_template = load_chat_template(chat_template)
         upstream.fingerprint = vocab_fingerprint(tokenizer)
+        config = text_config(AutoConfig.from_pretrained(path))
         try:
-            context = served_context(context_limit(text_config(AutoConfig.from_pretrained(path))), max_model_len)
+            context = served_context(context_limit(config), max_model_len)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        parsers = serving_parsers(config.model_type, reasoning_parser, tool_call_parser)
+        if parsers != (reasoning_parser, tool_call_parser):
+            console.print(f"[dim]gpt-oss: harmony read as vLLM reads it (--reasoning-parser {parsers[0]} "
+                          f"--tool-call-parser {parsers[1]})[/]")
+        gateway_options["reasoning_parser"], gateway_options["tool_call_parser"] = parsers
         defaults = sampling_defaults(path, generation_config)
         if defaults:
             console.print(f"[dim]{describe(defaults)}[/]", soft_wrap=True)

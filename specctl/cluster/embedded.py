@@ -18,6 +18,7 @@ from specctl.errors import ConfigError
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.runtime.compute import ComputeThread
 from specctl.gateway.chat_template import load_chat_template
+from specctl.gateway.harmony import serving_parsers
 from specctl.gateway.sampling_defaults import describe, sampling_defaults
 from specctl.gateway.server import Gateway, GatewayConfig, check_serving, served_context
 from specctl.gateway.upstream import Upstream
@@ -143,8 +144,8 @@ class EmbeddedCluster:
                                              allowed_origins=c.allowed_origins,
                                              request_id_headers=c.request_id_headers,
                                              log_requests=c.log_requests,
-                                             reasoning_parser=c.reasoning_parser,
-                                             tool_call_parser=c.tool_call_parser,
+                                             **dict(zip(("reasoning_parser", "tool_call_parser"), serving_parsers(
+                                                 target.spec.arch, c.reasoning_parser, c.tool_call_parser))),
                                              sampling_defaults=tuple(defaults.items())),
                                tokenizer, upstream, metrics)
         gateway_port = await self.gateway.start()

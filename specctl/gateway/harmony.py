@@ -113,3 +113,14 @@ def harmony_calls(text: str) -> list[dict] | None:
         at = end + len(CALL) if text.startswith(CALL, end) else end
         at += len(text[at:]) - len(text[at:].lstrip())
     return calls or None
+
+
+def serving_parsers(model_type: str, reasoning_parser: str | None, tool_call_parser: str) -> tuple[str | None, str]:
+    """The parsers a gateway serves ``model_type`` with: a gpt-oss model's output is harmony, so as
+    vLLM reads it without being told, the harmony readers stand in for none given (no reasoning
+    parser; the tool-call parser's default, hermes, which gpt-oss never writes)."""
+    if model_type != "gpt_oss":
+        return reasoning_parser, tool_call_parser
+    return (reasoning_parser or "openai_gptoss",
+            "openai" if tool_call_parser == "hermes" and (reasoning_parser or "openai_gptoss") == "openai_gptoss"
+            else tool_call_parser)
