@@ -33,7 +33,7 @@ def family_facts(config: Any) -> dict[str, Any]:
             **(dict(post_norms=True, qk_norm_across_heads=True, norm_scale_in_float32=True, rope_in_float32=True)
                if arch in ("olmo2", "olmo3") else {}),
             **(_starcoder2(config) if arch == "starcoder2" else {}),
-            # GLM-4: Gemma 2's four norms a layer (its own names: loader.checkpoint_name), plain
+            # GLM-4: Gemma 2's four norms a layer (its own names: checkpoint.checkpoint_name), plain
             # RMSNorms, RoPE on half of each head with neighbouring dims paired
             **(dict(sandwich_norms=True, rope_interleaved=True) if arch == "glm4" else {}),
             **(_exaone4(config) if arch == "exaone4" else {}),
@@ -41,7 +41,7 @@ def family_facts(config: Any) -> dict[str, Any]:
             # Seed-OSS: o_proj's bias by a flag of its own; Hunyuan: q/k normed after RoPE
             **(dict(output_bias=bool(config.attention_out_bias)) if arch == "seed_oss" else {}),
             **(dict(qk_norm_after_rope=True) if arch == "hunyuan_v1_dense" else {}),
-            # Arcee (AFM): an MLP without gate, up -> ReLU^2 -> down (loader.checkpoint_name: up_proj, down_proj)
+            # Arcee (AFM): an MLP without gate, up -> ReLU^2 -> down (checkpoint.checkpoint_name: up_proj, down_proj)
             **(dict(gated_mlp=False, activation=config.hidden_act) if arch == "arcee" else {}),
             # SmolLM3: no_rope_layers[i] is 1 where layer i rotates (every 4th does not)
             **(dict(rope_layers=tuple(map(bool, config.no_rope_layers))) if arch == "smollm3" else {})}

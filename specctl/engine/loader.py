@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from specctl.engine.checkpoint import (FLOAT32_ROUTER, checkpoint_key, checkpoint_name, dequantize_mxfp4, expert_stacks,
+                                       fused_checkpoint_keys, fused_rows, part_of)
 from specctl.engine.families import text_config
 from specctl.engine.model import Decoder
 from specctl.engine.spec import ModelSpec
@@ -97,7 +99,7 @@ def load_decoder(
     if spec.tie_embeddings and "lm_head.weight" in wanted:
         wanted.pop("lm_head.weight")
         wanted.setdefault("model.embed_tokens.weight", None)  # read once, used twice
-    fused = {**_fused_checkpoint_keys(wanted, spec), **_expert_stacks(spec, first, last)}
+    fused = {**fused_checkpoint_keys(wanted, spec), **expert_stacks(spec, first, last)}
     shapes = {name: tensor.shape for name, tensor in decoder.state_dict().items()}
     state: dict[str, torch.Tensor] = {}
     unused: list[str] = []
@@ -105,7 +107,7 @@ def load_decoder(
     for file in _weight_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for stored in f.keys():
-                key = language_model_key(stored) if spec.arch != "gpt_neox" else neox_key(stored)
+                key = checkpoint_key(spec, stored)
                 if key is None:  # a buffer old checkpoints saved (a causal mask, RoPE's frequencies)
                     continue
                 stack, _, part = key.rpartition("_")
@@ -115,9 +117,7 @@ def load_decoder(
                         state.update(fused[stack].parts(dequantize_mxfp4(**packed.pop(stack), dtype=dtype), shapes))
                 elif key in fused:
                     tensor = f.get_tensor(stored) if dtype is None else f.get_tensor(stored).to(dtype)
-                    if spec.arch == "gpt_neox":  # its q/k/v rows per head: [q; k; v] of each head in turn
-                        tensor = tensor.unflatten(0, (spec.num_heads, 3, -1)).transpose(0, 1).flatten(0, 2)
-                    state.update(fused[key].parts(tensor, shapes))
+                    state.update(fused[key].parts(fused_rows(spec, tensor), shapes))
                 elif key in wanted:
                     tensor = f.get_tensor(stored) if dtype is None else f.get_tensor(stored).to(dtype)
                     if spec.routing == "sigmoid_grouped" and key.endswith(FLOAT32_ROUTER):  # as transformers keeps it
@@ -126,7 +126,7 @@ def load_decoder(
                         state[wanted[key]] = tensor
                     if key == "model.embed_tokens.weight" and spec.tie_embeddings and head:
                         state["lm_head.weight"] = tensor
-                elif _part_of(key, first, last, embed, head, spec.tie_embeddings):
+                elif part_of(key, first, last, embed, head, spec.tie_embeddings):
                     unused.append(key)
     if unused:  # silently dropped, they would change the model's output (an o_proj bias, say)
         raise UnsupportedArchitecture(
@@ -138,172 +138,6 @@ def load_decoder(
     decoder.load_state_dict(state, strict=True, assign=True)
     decoder.reset_rope()
     return decoder.to(device).eval()
-
-
-# a multimodal checkpoint's language model, as the Hub stores it and as transformers 5 holds it in memory
-LANGUAGE_MODEL_PREFIXES = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
-                           "model.language_model.": "model."}
-
-
-def language_model_key(key: str) -> str:
-    """A checkpoint tensor's name as a text-only model names it: a multimodal Gemma 3's language
-    model is under ``language_model.model.`` (or ``model.language_model.``); its vision tower and
-    projector keep their names, which no text decoder wants."""
-    for prefix, text_prefix in LANGUAGE_MODEL_PREFIXES.items():
-        if key.startswith(prefix):
-            return text_prefix + key[len(prefix):]
-    return key
-
-
-# GPT-NeoX's names as the Llama-shaped decoder's (its q/k/v: one fused tensor, split as Phi-3's)
-NEOX_NAMES = {"attention.query_key_value.": "self_attn.qkv_proj.", "attention.dense.": "self_attn.o_proj.",
-              "mlp.dense_h_to_4h.": "mlp.c_fc.", "mlp.dense_4h_to_h.": "mlp.c_proj."}
-NEOX_BUFFERS = ("attention.bias", "attention.masked_bias", "attention.rotary_emb.inv_freq")
-
-
-def neox_key(key: str) -> str | None:
-    """A GPT-NeoX (Pythia) checkpoint tensor's name as the decoder's checkpoint names go
-    (``gpt_neox.embed_in`` the embedding, ``final_layer_norm`` the norm, ``embed_out`` the
-    head); None for the buffers old checkpoints saved with the weights."""
-    if key.endswith(NEOX_BUFFERS):
-        return None
-    if key.startswith("embed_out."):
-        return "lm_head." + key.removeprefix("embed_out.")
-    key = key.replace("gpt_neox.embed_in.", "model.embed_tokens.").replace("gpt_neox.final_layer_norm.", "model.norm.")
-    key = key.replace("gpt_neox.layers.", "model.layers.")
-    for name, ours in NEOX_NAMES.items():
-        key = key.replace(name, ours)
-    return key
-
-
-def _part_of(key: str, first: int, last: int, embed: bool, head: bool, tied: bool) -> bool:
-    """Whether a checkpoint tensor belongs to the part of the model being loaded (its layers,
-    embeddings, final norm and head) — one the decoder must use. RoPE's inv_freq buffers, which
-    old checkpoints saved, are recomputed; a tied head saved anyway is the embedding table."""
-    if key.startswith("model.layers."):
-        index = key.split(".", 3)[2]
-        return index.isdigit() and first <= int(index) < last and not key.endswith("rotary_emb.inv_freq")
-    return ((embed and key.startswith("model.embed_tokens.")) or (head and key.startswith("model.norm."))
-            or (head and not tied and key.startswith("lm_head.")))
-
-
-MIXTRAL_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-FLOAT32_ROUTER = (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")  # GLM-4.5's (engine.moe.CorrectedRouter)
-
-
-# GLM-4's names of Gemma 2's four norms: after attention, before and after the MLP
-GLM4_NORMS = {"post_attention_layernorm": "post_self_attn_layernorm",
-              "pre_feedforward_layernorm": "post_attention_layernorm",
-              "post_feedforward_layernorm": "post_mlp_layernorm"}
-
-
-def checkpoint_name(spec: ModelSpec, name: str) -> str:
-    """A layer's tensor name as the checkpoint spells it: Mixtral's sparse MLP is
-    ``block_sparse_moe`` with experts' ``w1`` (gate), ``w3`` (up), ``w2`` (down); GLM-4's norms
-    are named for where they sit (GLM4_NORMS); Hunyuan's q/k norms are query/key_layernorm;
-    Arcee's plain MLP is up_proj, down_proj; gpt-oss's router is router; GLM-4.5's shared expert
-    shared_experts."""
-    if spec.arch == "glm4":
-        module, _, rest = name.partition(".")
-        return f"{GLM4_NORMS.get(module, module)}.{rest}"
-    if spec.arch == "arcee":  # its plain MLP's projections
-        return name.replace("mlp.c_fc.", "mlp.up_proj.").replace("mlp.c_proj.", "mlp.down_proj.")
-    if spec.arch == "gpt_oss":  # its router (its experts: _gpt_oss_stacks)
-        return name.replace("mlp.gate.", "mlp.router.")
-    if spec.arch == "glm4_moe":  # its shared expert (ungated)
-        return name.replace("mlp.shared_expert.", "mlp.shared_experts.")
-    if spec.arch == "hunyuan_v1_dense":  # its q/k norms
-        return name.replace("self_attn.q_norm.", "self_attn.query_layernorm.").replace(
-            "self_attn.k_norm.", "self_attn.key_layernorm.")
-    if spec.arch != "mixtral" or not name.startswith("mlp."):
-        return name
-    parts = name.split(".")
-    if parts[1] == "experts":
-        parts[3] = MIXTRAL_EXPERT[parts[3]]
-    return ".".join(["block_sparse_moe", *parts[1:]])
-
-
-@dataclass(frozen=True, slots=True)
-class Split:
-    """A checkpoint tensor holding several of the decoder's tensors: their names, and how many
-    rows of it each takes (a 3-D stack: its experts' rows, in order; ``transposed``: stored as
-    x @ W multiplies, [E, in, out], so each expert's rows are its columns)."""
-
-    names: list[str]
-    sizes: list[int]
-    transposed: bool = False
-
-    def parts(self, tensor: torch.Tensor, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
-        if self.transposed:
-            tensor = tensor.transpose(1, 2)
-        rows = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() > 1 else tensor.unsqueeze(-1)  # a bias: its entries
-        return {name: part.reshape(shapes[name]).clone() for name, part in zip(self.names, rows.split(self.sizes))}
-
-
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """An MXFP4 expert stack (gpt-oss's Hub checkpoints: two 4-bit values a byte, a power-of-two
-    scale per 32) in ``dtype`` (None: bf16), as transformers dequantizes it: [E, in, out]."""
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
-    return convert_moe_packed_tensors(blocks, scales, dtype=dtype or torch.bfloat16)
-
-
-def _fused_checkpoint_keys(wanted: dict[str, str | None], spec: ModelSpec) -> dict[str, Split]:
-    """Checkpoint tensors that hold several of the decoder's projections (Phi-3 stores
-    ``qkv_proj`` and ``gate_up_proj``, gate first): key -> (decoder names, row counts), for
-    the layers the decoder wants. Split at load, so every family runs one layer code
-    (fuse_projections joins them again where a path wants them fused)."""
-    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    splits = {"qkv_proj": (("q_proj", "k_proj", "v_proj"), [q, kv, kv]),
-              "gate_up_proj": (("gate_proj", "up_proj"), [spec.intermediate_size] * 2)}
-    fused = {}
-    for key, name in wanted.items():
-        for whole, (projections, sizes) in splits.items():
-            for part in ("weight", "bias"):  # GPT-NeoX's fused q/k/v has its biases fused too
-                first = f".{projections[0]}.{part}"
-                if name is not None and key.endswith(first):
-                    key_base, name_base = key.removesuffix(first), name.removesuffix(first)
-                    fused[f"{key_base}.{whole}.{part}"] = Split([f"{name_base}.{p}.{part}" for p in projections], sizes)
-    return fused
-
-
-def _expert_stacks(spec: ModelSpec, first: int, last: int) -> dict[str, Split]:
-    """A mixture of experts saved as transformers 5 holds it in memory (what `models` writes
-    when it converts a GGUF: the model's state dict): each sparse layer's experts as 3-D stacks
-    ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate, then up) and ``mlp.experts.down_proj``
-    [E, H, I], and Mixtral's router as ``mlp.gate`` — split into the per-expert modules, as
-    the Hub's per-expert checkpoints load directly."""
-    stacks = {}
-    inner, experts = spec.expert_intermediate_size, spec.num_experts
-    for index in range(first, last):
-        if not (spec.sparse_layers and spec.sparse_layers[index]):
-            continue
-        key, name = f"model.layers.{index}.mlp", f"layers.{index - first}.mlp"
-        if spec.arch == "gpt_oss":
-            stacks.update(_gpt_oss_stacks(spec, key, name))
-            continue
-        stacks[f"{key}.experts.gate_up_proj"] = Split(
-            [f"{name}.experts.{e}.{p}.weight" for e in range(experts) for p in ("gate_proj", "up_proj")],
-            [inner] * 2 * experts)
-        stacks[f"{key}.experts.down_proj"] = Split([f"{name}.experts.{e}.down_proj.weight" for e in range(experts)],
-                                                   [spec.hidden_size] * experts)
-        if spec.arch == "mixtral":
-            stacks[f"{key}.gate.weight"] = Split([f"{name}.gate.weight"], [experts])
-    return stacks
-
-
-def _gpt_oss_stacks(spec: ModelSpec, key: str, name: str) -> dict[str, Split]:
-    """gpt-oss's experts as its checkpoints hold them: gate_up_proj [E, H, 2I] (gate and up
-    interleaved) and down_proj [E, I, H], transposed from nn.Linear's, as bf16 or as MXFP4
-    ``_blocks`` and ``_scales`` (the Hub's); their biases [E, 2I] and [E, H]."""
-    count = spec.num_experts
-    stacks = {}
-    for stack, rows in (("gate_up_proj", 2 * spec.expert_intermediate_size), ("down_proj", spec.hidden_size)):
-        stacks[f"{key}.experts.{stack}"] = Split([f"{name}.experts.{e}.{stack}.weight" for e in range(count)],
-                                                 [rows] * count, transposed=True)
-        stacks[f"{key}.experts.{stack}_bias"] = Split([f"{name}.experts.{e}.{stack}_bias" for e in range(count)],
-                                                      [1] * count)
-    return stacks
 
 
 def load_model(
