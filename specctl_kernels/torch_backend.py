@@ -48,7 +48,7 @@ def static_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grouped_
         probs = torch.cat((scores, sink_rows.expand(b, -1, -1, -1)), dim=-1).softmax(-1)[..., :-1].to(q.dtype)
     else:
         probs = scores.softmax(-1).to(q.dtype)
-    return torch.matmul(probs, v).reshape(b, heads, m, d)
+    return torch.matmul(probs, v).reshape(b, heads, m, v.shape[-1])
 
 
 def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -80,7 +80,8 @@ def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
         probs = combined.softmax(-1, dtype=combined.dtype)[..., :-1].to(q.dtype)
     else:
         probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs.reshape(b, kv_heads, heads // kv_heads * n, total), v).reshape(b, heads, n, d)
+    out = torch.matmul(probs.reshape(b, kv_heads, heads // kv_heads * n, total), v)
+    return out.reshape(b, heads, n, v.shape[-1])  # the values' width (a latent attention's differs from the keys')
 
 
 def _tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -110,4 +111,4 @@ def _one_row_in_float32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> to
     kv_heads = k.shape[1]
     grouped = q.reshape(b, kv_heads, heads // kv_heads, d).float()
     scores = torch.matmul(grouped, k.float().transpose(-1, -2)) * d**-0.5
-    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype).reshape(b, heads, 1, d)
+    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype).reshape(b, heads, 1, v.shape[-1])

@@ -40,7 +40,7 @@ GEMMA3 = {"sliding_window": 24, "tie_word_embeddings": False,
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> dict[str, Path]:
-    """Tiny random-weight checkpoints: twenty architectures, drafts that disagree."""
+    """Tiny random-weight checkpoints: twenty-one architectures, drafts that disagree."""
     root = tmp_path_factory.mktemp("tiny")
     paths = {
         "llama": make_tiny_model(root / "llama", "llama", seed=0),
@@ -120,6 +120,12 @@ def tiny_dir(tmp_path_factory) -> dict[str, Path]:
         "glm4_moe": make_tiny_model(root / "glm4_moe", "glm4_moe", seed=45, init_std=0.2, norm_std=0.3, bias_std=0.1),
         "glm4_moe-draft": make_tiny_model(root / "glm4_moe-draft", "glm4_moe", seed=46, layers=2, init_std=0.2,
                                           norm_std=0.3, bias_std=0.1),
+        # DeepSeek-V3: latent attention (low-rank queries, keys and values from a latent, a shared rotated key
+        # part, values narrower than keys), GLM-4.5's routing
+        "deepseek_v3": make_tiny_model(root / "deepseek_v3", "deepseek_v3", seed=47, init_std=0.2, norm_std=0.3,
+                                       bias_std=0.1),
+        "deepseek_v3-draft": make_tiny_model(root / "deepseek_v3-draft", "deepseek_v3", seed=48, layers=2, init_std=0.2,
+                                             norm_std=0.3, bias_std=0.1),
         # Granite: its embedding, attention, residual and logit scalars (tiny_config sets them away from 1)
         "granite": make_tiny_model(root / "granite", "granite", seed=20),
         "granite-draft": make_tiny_model(root / "granite-draft", "granite", seed=21, layers=2),
@@ -133,7 +139,7 @@ def tiny(tiny_dir):
     out = {}
     for arch in ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe", "mixtral", "granite",
                  "olmo2", "olmo3", "starcoder2", "smollm3", "glm4", "exaone4", "cohere2", "gpt_oss",
-                 "gpt_neox", "glm4_moe"):
+                 "gpt_neox", "glm4_moe", "deepseek_v3"):
         out[arch] = load_decoder(tiny_dir[arch])
         out[f"{arch}-draft"] = load_decoder(tiny_dir[f"{arch}-draft"])
         out[f"{arch}-self2"] = load_decoder(tiny_dir[arch], layer_range=(0, 2))

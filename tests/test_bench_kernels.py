@@ -220,3 +220,14 @@ def test_report_rates_a_batch_against_its_sessions_one_at_a_time():
     assert [c.header for c in table.columns] == ["variant", "sessions", "tokens each", "how", "ms (min/med/max)",
                                                  "x sessions x one step"]
     assert table.row_count == 2
+
+
+@pytest.mark.slow  # 61 layers of 256 experts built on "meta": ~20 s
+def test_deepseek_v3_s_shape_has_the_card_s_671b_and_37b_a_token():
+    """DeepSeek-V3's latent attention and experts, built at the real shape (no weights): 671.03B
+    (the card's 671B, its multi-token-prediction layer apart); a token reads 36.63B of them plus
+    its embedding row (the card's 37B activated)."""
+    decoder = random_decoder(shape_config("deepseek-v3"), torch.bfloat16, "meta")
+    assert sum(p.numel() for p in decoder.parameters()) / 1e9 == pytest.approx(671.03, abs=0.01)
+    assert weight_bytes_per_step(decoder) / 2 / 1e9 == pytest.approx(36.63, abs=0.01)
+    assert decoder.spec.head_dim == 192 and decoder.spec.num_kv_heads == 128

@@ -2,6 +2,8 @@
 transformers reads them: each one checked to count (taken away, the logits move), and where the
 family's numerics allow, bf16 logits equal to transformers' to the bit."""
 
+import math
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -672,3 +674,35 @@ def test_glm4_moe_routes_by_corrected_sigmoid_scores_within_groups_as_transforme
     assert moved()
     quantized = quantize_decoder(load_decoder(path), "int8")
     assert all(type(layer.mlp.gate) is CorrectedRouter for layer in quantized.layers[1:])
+
+
+def test_deepseek_v3_s_latent_attention_equals_transformers_bitwise_in_bf16(tiny, tiny_dir, tmp_path):
+    """DeepSeek-V3 (Kimi K2, Moonlight): queries through a low-rank bottleneck, keys and values
+    from one compressed latent per token plus a rotated key part every head shares, RoPE on
+    neighbouring pairs put out as halves, values narrower (12) than keys (24): the cache holds
+    them expanded and padded, attention reads the values at their width. bf16 logits equal
+    transformers' (eager experts) to the bit; RoPE on halves instead moves the fp32 logits;
+    DeepSeek-V2-Lite's single q_proj and YaRN's mscale on the scores match too."""
+    path = tiny_dir["deepseek_v3"]
+    decoder = load_decoder(path, torch.bfloat16)
+    attn = decoder.layers[0].self_attn
+    assert decoder.spec.latent_attention == (32, 16, 16, 8, 12) and decoder.spec.head_dim == 24
+    assert attn.q_proj is None and attn.q_b_proj.weight.shape == (96, 32) and attn.kv_b_proj.weight.shape == (112, 16)
+    assert decoder.spec.routing == "sigmoid_grouped" and decoder.spec.sparse_layers == (False, True, True, True)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (40,))
+    _bf16_equals_transformers(decoder, path, ids, experts_implementation="eager")
+    fp32, ref = _fp32_parity(path, ids)
+    for layer in fp32.layers:
+        layer.self_attn.deinterleave = False
+    assert _max_rel_diff(fp32(ids, torch.arange(40), fp32.new_cache(40)), ref) > 0.01
+    lite = make_tiny_model(tmp_path / "lite", "deepseek_v3", seed=49, init_std=0.2, norm_std=0.3, q_lora_rank=None)
+    assert load_decoder(lite).layers[0].self_attn.q_proj.weight.shape == (96, 64)
+    _fp32_parity(lite, ids)
+    yarn = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 16, "beta_fast": 32.0,
+            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+    scaled = make_tiny_model(tmp_path / "yarn", "deepseek_v3", seed=50, init_std=0.2, rope_parameters=yarn,
+                             max_position_embeddings=640)
+    assert load_decoder(scaled).spec.attn_scale == pytest.approx(24**-0.5 * (0.1 * math.log(40.0) + 1.0) ** 2)
+    _fp32_parity(scaled, ids)
+    _speculation_is_exact(load_decoder(scaled), tiny["deepseek_v3-draft"])

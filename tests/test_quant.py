@@ -52,7 +52,7 @@ def _prefilled(decoder, prompt: list[int]):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
                                   "mixtral", "olmo2", "starcoder2", "cohere2", "gpt_oss", "gpt_neox",
-                                  "glm4_moe"])
+                                  "glm4_moe", "deepseek_v3"])
 def test_int8_decoder_sessions_batched_equal_alone_bitwise(tiny_dir, tiny, arch):
     decoder = quantize_decoder(load_decoder(tiny_dir[arch]), "int8")
     assert not any(isinstance(module, nn.Linear) for module in decoder.modules())
@@ -73,7 +73,8 @@ def test_int8_decoder_sessions_batched_equal_alone_bitwise(tiny_dir, tiny, arch)
     # once its scores are int8: 10-13 %; the tiny gpt-oss, init 0.2 with drawn norms and biases, 36 %: the same
     # family drawn at init 0.1 gives 5-13 % (two seeds), at 0.15 26 %, the routes flipping with the weights' scale)
     tolerance = {"qwen3": 0.1, "gemma3": 0.1, "olmo2": 0.1, "cohere2": 0.1, "qwen2_moe": 0.15, "qwen3_moe": 0.15,
-                 "mixtral": 0.15, "glm4_moe": 0.15, "gpt_oss": 0.4}.get(arch, 0.05)
+                 "mixtral": 0.15, "glm4_moe": 0.15, "deepseek_v3": 0.15,
+                 "gpt_oss": 0.4}.get(arch, 0.05)
     assert _relative_error(alone[2], full) < tolerance
 
 

@@ -94,6 +94,14 @@ SHAPES: dict[str, dict] = {
                         moe_intermediate_size=1408, first_k_dense_replace=1, n_shared_experts=1, n_group=1,
                         topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True, attention_bias=True,
                         max_position_embeddings=131072, rms_norm_eps=1e-5),
+    # DeepSeek-V3 / R1: latent attention (rank-1536 queries, a rank-512 latent for keys and values, 128 + 64
+    # dims a head), 3 dense layers, then 256 experts of 2048 in 8 groups (4 open), 8 a token, and a shared one
+    "deepseek-v3": dict(model_type="deepseek_v3", hidden_size=7168, intermediate_size=18432, num_hidden_layers=61,
+                        num_attention_heads=128, num_key_value_heads=128, vocab_size=129280,
+                        tie_word_embeddings=False, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                        qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8,
+                        moe_intermediate_size=2048, first_k_dense_replace=3, n_shared_experts=1, n_group=8,
+                        topk_group=4, routed_scaling_factor=2.5, max_position_embeddings=163840),
     # gpt-oss: 32 experts of 2880, 4 a token, every layer; a sink per head; 128-token windows on every other layer
     # (the Hub's experts are MXFP4, dequantized at load: the step reads them in the model's dtype)
     "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,

@@ -26,7 +26,9 @@ def family_facts(config: Any) -> dict[str, Any]:
     """ModelSpec fields the family of ``config`` sets (they override the common reading)."""
     arch = config.model_type
     return {**(_gemma(config) if arch.startswith("gemma") else {}),
-            **(_experts(config) if arch in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe") else {}),
+            **(_experts(config) if arch in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "deepseek_v3")
+               else {}),
+            **(_deepseek_v3(config) if arch == "deepseek_v3" else {}),
             **(_gpt_oss(config) if arch == "gpt_oss" else {}),
             **(_gpt_neox(config) if arch == "gpt_neox" else {}),
             **(_granite(config) if arch == "granite" else {}),
@@ -95,6 +97,23 @@ def _gpt_oss(config: Any) -> dict[str, Any]:
                 clamped_swiglu=(config.swiglu_alpha, config.swiglu_limit))
 
 
+def _deepseek_v3(config: Any) -> dict[str, Any]:
+    """DeepSeek-V3's multi-head latent attention (engine.latent): each head's query and key a part
+    without RoPE (qk_nope_head_dim) and a rotated one (qk_rope_head_dim), its values v_head_dim
+    wide; YaRN's mscale_all_dim scales the scores (mscale squared), as transformers does."""
+    import math
+
+    scale = None
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim") and rope["factor"] > 1:
+        mscale = 0.1 * rope["mscale_all_dim"] * math.log(rope["factor"]) + 1.0
+        scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5 * mscale * mscale
+    return dict(latent_attention=(config.q_lora_rank, config.kv_lora_rank, config.qk_nope_head_dim,
+                                  config.qk_rope_head_dim, config.v_head_dim),
+                head_dim=config.qk_nope_head_dim + config.qk_rope_head_dim, rope_dim=config.qk_rope_head_dim,
+                num_kv_heads=config.num_attention_heads, attn_scale=scale)
+
+
 def _gpt_neox(config: Any) -> dict[str, Any]:
     """GPT-NeoX (Pythia, GPT-NeoX-20B; transformers' modeling_gpt_neox): LayerNorms with biases, a
     plain GELU MLP with biases, biases on q/k/v (one fused tensor, per head) and the output
@@ -132,7 +151,7 @@ def _experts(config: Any) -> dict[str, Any]:
         return dict(sparse_layers=(True,) * layers, num_experts=config.num_local_experts,
                     experts_per_token=config.num_experts_per_tok, expert_intermediate_size=config.intermediate_size,
                     normalize_expert_weights=config.model_type == "mixtral")
-    if config.model_type == "glm4_moe":  # its first layers dense; DeepSeek-V3's sigmoid routing within groups
+    if config.model_type in ("glm4_moe", "deepseek_v3"):  # first layers dense; sigmoid routing within groups
         return dict(sparse_layers=tuple(i >= config.first_k_dense_replace for i in range(layers)),
                     num_experts=config.num_local_experts, experts_per_token=config.num_experts_per_tok,
                     expert_intermediate_size=config.moe_intermediate_size,

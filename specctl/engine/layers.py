@@ -85,6 +85,16 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, segments: "Segments", layer: int) -> torch.Tensor:
         b, n, _ = x.shape
+        out = self.attend_sessions(*self.rotated_qkv(x, cos, sin), segments, layer)
+        return self.o_proj(self.heads_out(out).transpose(1, 2).reshape(b, n, -1))
+
+    def heads_out(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention's output [B, H, n, D] as o_proj reads each head's (a latent attention's: its values' width)."""
+        return out
+
+    def rotated_qkv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, H, n, D], k and v [B, Hkv, n, D] of x [B, n, hidden]: projected, normed, rotated."""
+        b, n, _ = x.shape
         q, k, v = self.project(x)
         if self.qk_norm_across_heads:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -102,6 +112,10 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin, pairs).to(v.dtype), apply_rope(k, cos, sin, pairs).to(v.dtype)
         if self.qk_norm_after_rope:  # Hunyuan
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def attend_sessions(self, q, k, v, segments: "Segments", layer: int) -> torch.Tensor:
+        """The new keys and values written to each session's cache, and q's attention over it: [B, H, n, D]."""
         if isinstance(segments, StaticSegment):
             out = segments.attend(layer, q, torch.stack((k[0], v[0])), self.static_attend, self.window is not None)
         elif segments.paged is not None:
@@ -119,7 +133,7 @@ class Attention(nn.Module):
                     keys, values, mask = keys[:, :, cut.start:], values[:, :, cut.start:], cut.mask
                 parts.append(self.attend(q[:, :, start:end], keys, values, mask))
             out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-        return self.o_proj(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
+        return out
 
 
 class MLP(nn.Module):
@@ -195,7 +209,13 @@ def after_attention(x, attn, o_weight, norm_weight, eps: float, gate_up_weight, 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, backend: str, index: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(spec, backend, spec.layer_windows[index] if spec.layer_windows else None)
+        window = spec.layer_windows[index] if spec.layer_windows else None
+        if spec.latent_attention is not None:  # DeepSeek-V3's (its module builds on Attention: imported here)
+            from specctl.engine.latent import LatentAttention
+
+            self.self_attn = LatentAttention(spec, backend, window)
+        else:
+            self.self_attn = Attention(spec, backend, window)
         if spec.sparse_layers and spec.sparse_layers[index]:
             shared = spec.shared_expert_intermediate_size
             expert = (functools.partial(ClampedSwiGLUExpert, spec.hidden_size, spec.expert_intermediate_size,
@@ -288,7 +308,7 @@ def fuse_projections(decoder: nn.Module) -> nn.Module:
     decode step is launch- and tail-bound). In place; a layer already fused is left alone."""
     for layer in decoder.layers:
         attn = layer.self_attn
-        if attn.qkv_proj is None:
+        if attn.qkv_proj is None and attn.k_proj is not None:  # (a latent attention has no q/k/v to fuse)
             attn.qkv_proj = fused_linear([attn.q_proj, attn.k_proj, attn.v_proj])
             attn.q_proj = attn.k_proj = attn.v_proj = None
         for mlp in mlps(layer.mlp):  # a sparse layer's experts each (a plain MLP has nothing to fuse)

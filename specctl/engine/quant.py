@@ -118,9 +118,14 @@ def quantize_decoder(decoder: Decoder, mode: str) -> Decoder:
         raise ConfigError("int8 quantization runs on the CPU only; use --draft-quant none / --quant none on CUDA")
     for layer in decoder.layers:
         attn = layer.self_attn
-        attn.qkv_proj = RowScaledInt8Linear([attn.q_proj, attn.k_proj, attn.v_proj])
-        attn.q_proj = attn.k_proj = attn.v_proj = None
-        attn.o_proj = RowScaledInt8Linear([attn.o_proj])
+        if attn.k_proj is None:  # a latent attention (DeepSeek-V3): each of its projections
+            for name, child in list(attn.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(attn, name, RowScaledInt8Linear([child]))
+        else:
+            attn.qkv_proj = RowScaledInt8Linear([attn.q_proj, attn.k_proj, attn.v_proj])
+            attn.q_proj = attn.k_proj = attn.v_proj = None
+            attn.o_proj = RowScaledInt8Linear([attn.o_proj])
         # a sparse layer's router too: a float one's scores differ in the last bits between a
         # batch and a row alone (this CPU's fp32 products), and a token's experts with them
         if isinstance(layer.mlp, SparseMoE) and not isinstance(layer.mlp.gate, CorrectedRouter):

@@ -36,3 +36,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
         return x * cos + rotate(x) * sin
     rotated, passed = x[..., :rotary], x[..., rotary:]
     return torch.cat((rotated * cos + rotate(rotated) * sin, passed), dim=-1)
+
+
+def apply_rope_deinterleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's RoPE (rope_interleave): neighbouring dims pair, and the rotated pairs come out as
+    halves, [x0 cos - x1 sin, x2 cos - x3 sin, ..., x1 cos + x0 sin, ...] (transformers'
+    apply_rotary_pos_emb_interleave), with cos/sin in the halves layout (rope_cos_sin)."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[..., :half], sin[..., :half]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)

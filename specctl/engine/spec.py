@@ -12,7 +12,7 @@ from specctl.errors import BadRequest, UnsupportedArchitecture
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text", "qwen2_moe", "qwen3_moe",
              "mixtral", "granite", "olmo2", "olmo3", "starcoder2", "smollm3", "glm4", "exaone4", "cohere",
-             "cohere2", "seed_oss", "hunyuan_v1_dense", "arcee", "gpt_oss", "gpt_neox", "glm4_moe")
+             "cohere2", "seed_oss", "hunyuan_v1_dense", "arcee", "gpt_oss", "gpt_neox", "glm4_moe", "deepseek_v3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +89,10 @@ class ModelSpec:
     # gpt-oss's experts: clamped SwiGLUs with biases, (alpha, limit); None: gated MLPs
     clamped_swiglu: tuple[float, float] | None = None
     attention_sinks: bool = False  # gpt-oss: a learned logit per head in each query's softmax
+    # DeepSeek-V3's multi-head latent attention (engine.latent): (q_lora_rank or None, kv_lora_rank,
+    # qk_nope_head_dim, qk_rope_head_dim, v_head_dim); head_dim is then nope + rope (the cache's width)
+    latent_attention: tuple[int | None, int, int, int, int] | None = None
+    rope_dim: int | None = None  # the rotated width where it is not head_dim's (DeepSeek: qk_rope_head_dim)
 
     @property
     def window(self) -> int | None:
@@ -104,7 +108,7 @@ class ModelSpec:
                     or self.qk_norm_across_heads or self.norm_scale_in_float32 or self.rope_in_float32
                     or self.layer_norm or not self.gated_mlp or not all(self.rope_layers) or self.rope_interleaved
                     or self.parallel_residual or self.centered_norms or self.rotation_in_float32
-                    or self.attention_sinks or self.parallel_two_norms)
+                    or self.attention_sinks or self.parallel_two_norms or self.latent_attention is not None)
 
     @property
     def norm_style(self) -> dict[str, bool]:
@@ -177,7 +181,7 @@ class ModelSpec:
             if rope_type == "dynamic":  # Hunyuan's NTK alpha: a fixed stretch of the base, whatever the length
                 base = base * params["alpha"] ** (self.head_dim / (self.head_dim - 2))
             # Phi-4-mini rotates the first 3/4 of each head only (apply_rope passes the rest)
-            dim = int(self.head_dim * params.get("partial_rotary_factor", 1.0))
+            dim = int((self.rope_dim or self.head_dim) * params.get("partial_rotary_factor", 1.0))
             return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

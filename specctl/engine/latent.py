@@ -1,0 +1,63 @@
+"""Multi-head latent attention (DeepSeek-V3, Kimi K2, Moonlight; transformers' modeling_deepseek_v3):
+queries through a low-rank bottleneck (q_a_proj, its RMSNorm, q_b_proj; or one q_proj), keys
+and values from one compressed latent per token (kv_a_proj_with_mqa, its RMSNorm, kv_b_proj)
+plus a rotary key part every head shares; each head's query and key are a part without RoPE and
+a rotated part. The cache holds each token's keys and values expanded per head — what the
+engine's one attention path reads; a token's are computed once, by its own forward, as AR
+computes them — with the values zero-padded to the keys' width (their softmax weights are the
+keys'; attention reads them at their own width, a view)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specctl.engine.layers import Attention
+from specctl.engine.norms import RMSNorm
+from specctl.engine.rope import apply_rope, apply_rope_deinterleaved
+from specctl.engine.spec import ModelSpec
+
+
+class LatentAttention(Attention):
+    def __init__(self, spec: ModelSpec, backend: str, window: int | None = None) -> None:
+        super().__init__(spec, backend, window)
+        q_rank, kv_rank, self.nope_dim, self.rope_dim, self.value_dim = spec.latent_attention
+        h, hidden, bias = spec.num_heads, spec.hidden_size, spec.attention_bias
+        self.q_proj = self.k_proj = self.v_proj = None
+        if q_rank is None:
+            self.q_proj = nn.Linear(hidden, h * self.head_dim, bias=False)
+            self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+        else:
+            self.q_a_proj = nn.Linear(hidden, q_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(q_rank, spec.rms_eps)
+            self.q_b_proj = nn.Linear(q_rank, h * self.head_dim, bias=False)
+        self.kv_rank = kv_rank
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, kv_rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(kv_rank, spec.rms_eps)
+        self.kv_b_proj = nn.Linear(kv_rank, h * (self.nope_dim + self.value_dim), bias=False)
+        self.o_proj = nn.Linear(h * self.value_dim, hidden, bias=bias)
+        self.deinterleave = bool(getattr(spec.hf_config, "rope_interleave", True))
+        # attention reads the values' own width (a view of the padded cache): padded, a bf16 kernel
+        # rounds otherwise than transformers' over the values as they are
+        width, attend, static_attend = self.value_dim, self.attend, self.static_attend
+        self.attend = lambda q, k, v, mask: attend(q, k, v[..., :width], mask)
+        self.static_attend = lambda q, k, v, mask: static_attend(q, k, v[..., :width], mask)
+
+    def rotated_qkv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, n, _ = x.shape
+        h = self.num_heads
+        q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_pass, q_rot = q.view(b, n, h, self.head_dim).transpose(1, 2).split((self.nope_dim, self.rope_dim), dim=-1)
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split((self.kv_rank, self.rope_dim), dim=-1)
+        k_rot = k_rot.view(b, 1, n, self.rope_dim)
+        rotate = apply_rope_deinterleaved if self.deinterleave else apply_rope
+        q_rot, k_rot = rotate(q_rot, cos, sin), rotate(k_rot, cos, sin)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, n, h, -1).transpose(1, 2)
+        k_pass, v = kv.split((self.nope_dim, self.value_dim), dim=-1)
+        q = torch.cat((q_pass, q_rot), dim=-1)
+        k = torch.cat((k_pass, k_rot.expand(-1, h, -1, -1)), dim=-1)
+        return q, k, F.pad(v, (0, self.head_dim - self.value_dim))
+
+    def heads_out(self, out: torch.Tensor) -> torch.Tensor:
+        return out[..., : self.value_dim]  # (a no-op where attention read the values' width)
