@@ -125,6 +125,45 @@ class Split:
         return {name: part.reshape(shapes[name]).clone() for name, part in zip(self.names, rows.split(self.sizes))}
 
 
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def fp8_block_size(config) -> list[int] | None | bool:
+    """A fine-grained FP8 checkpoint's (DeepSeek-V3/R1's, Qwen3's -FP8, ...) block of weights per
+    scale ([128, 128]; None: one scale a tensor); False where the checkpoint is not FP8."""
+    quantization = getattr(config, "quantization_config", None) or {}
+    if not isinstance(quantization, dict):
+        quantization = quantization.to_dict()
+    if quantization.get("quant_method") != "fp8":
+        return False
+    return quantization.get("weight_block_size")
+
+
+def quantized_part(key: str, tensor: torch.Tensor, fused: dict, fp8: bool) -> tuple[str | None, str]:
+    """(the tensor it is a part of, which part) for a part of a quantized tensor — an MXFP4 stack's
+    ``_blocks`` / ``_scales``, an FP8 weight or its ``weight_scale_inv`` — else (None, "")."""
+    stack, _, part = key.rpartition("_")
+    if part in ("blocks", "scales") and stack in fused and fused[stack].transposed:
+        return stack, part
+    if fp8 and key.endswith(".weight_scale_inv"):
+        return key.removesuffix("_scale_inv"), "weight_scale_inv"
+    if fp8 and key.endswith(".weight") and tensor.dtype in FP8:
+        return key, "weight"
+    return None, ""
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: list[int] | None,
+                   dtype: torch.dtype | None) -> torch.Tensor:
+    """An FP8 weight [out, in] times its scale per block (``block`` rows x columns, the last
+    blocks maybe partial; None: one scale), in ``dtype`` (None: bf16), as transformers
+    dequantizes one at load: the product in float32, then cast."""
+    scale = scale_inv.float()
+    if block is not None:
+        rows, cols = weight.shape[-2:]
+        scale = scale.repeat_interleave(block[0], dim=-2)[..., :rows, :].repeat_interleave(block[1], dim=-1)[..., :cols]
+    return (weight.float() * scale).to(dtype or torch.bfloat16)
+
+
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """An MXFP4 expert stack (gpt-oss's Hub checkpoints: two 4-bit values a byte, a power-of-two
     scale per 32) in ``dtype`` (None: bf16), as transformers dequantizes it: [E, in, out]."""

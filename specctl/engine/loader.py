@@ -12,8 +12,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from specctl.engine.checkpoint import (FLOAT32_ROUTER, checkpoint_key, checkpoint_name, dequantize_mxfp4, expert_stacks,
-                                       fused_checkpoint_keys, fused_rows, part_of)
+from specctl.engine.checkpoint import (FLOAT32_ROUTER, checkpoint_key, checkpoint_name, dequantize_fp8, dequantize_mxfp4,
+                                       expert_stacks, fp8_block_size, fused_checkpoint_keys, fused_rows, part_of,
+                                       quantized_part)
 from specctl.engine.families import text_config
 from specctl.engine.model import Decoder
 from specctl.engine.spec import ModelSpec
@@ -56,6 +57,10 @@ def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
             f"with --draft (--draft {target.name}@N drafts with the target's own first N layers) or use --mode ngram, "
             "which needs no draft model"
         )
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return tensor if dtype is None else tensor.to(dtype)
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -103,31 +108,43 @@ def load_decoder(
     shapes = {name: tensor.shape for name, tensor in decoder.state_dict().items()}
     state: dict[str, torch.Tensor] = {}
     unused: list[str] = []
-    packed: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4 stacks: their blocks and scales, until both are read
+    fp8_block = fp8_block_size(config)
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # a quantized tensor's parts, until all of them are read
+
+    def place(key: str, tensor: torch.Tensor) -> None:
+        """A checkpoint tensor (its stored dtype) into the decoder's state, or noted as unused."""
+        if key in fused:
+            state.update(fused[key].parts(fused_rows(spec, _cast(tensor, dtype)), shapes))
+        elif key in wanted:
+            if spec.routing == "sigmoid_grouped" and key.endswith(FLOAT32_ROUTER):  # as transformers keeps it
+                tensor = tensor.float()
+            else:
+                tensor = _cast(tensor, dtype)
+            if wanted[key] is not None:
+                state[wanted[key]] = tensor
+            if key == "model.embed_tokens.weight" and spec.tie_embeddings and head:
+                state["lm_head.weight"] = tensor
+        elif part_of(key, first, last, embed, head, spec.tie_embeddings):
+            unused.append(key)
+
     for file in _weight_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for stored in f.keys():
                 key = checkpoint_key(spec, stored)
                 if key is None:  # a buffer old checkpoints saved (a causal mask, RoPE's frequencies)
                     continue
-                stack, _, part = key.rpartition("_")
-                if part in ("blocks", "scales") and stack in fused and fused[stack].transposed:
-                    packed.setdefault(stack, {})[part] = f.get_tensor(stored)
-                    if len(packed[stack]) == 2:
-                        state.update(fused[stack].parts(dequantize_mxfp4(**packed.pop(stack), dtype=dtype), shapes))
-                elif key in fused:
-                    tensor = f.get_tensor(stored) if dtype is None else f.get_tensor(stored).to(dtype)
-                    state.update(fused[key].parts(fused_rows(spec, tensor), shapes))
-                elif key in wanted:
-                    tensor = f.get_tensor(stored) if dtype is None else f.get_tensor(stored).to(dtype)
-                    if spec.routing == "sigmoid_grouped" and key.endswith(FLOAT32_ROUTER):  # as transformers keeps it
-                        tensor = f.get_tensor(stored).float()
-                    if wanted[key] is not None:
-                        state[wanted[key]] = tensor
-                    if key == "model.embed_tokens.weight" and spec.tie_embeddings and head:
-                        state["lm_head.weight"] = tensor
-                elif part_of(key, first, last, embed, head, spec.tie_embeddings):
-                    unused.append(key)
+                tensor = f.get_tensor(stored)
+                whole, part = quantized_part(key, tensor, fused, fp8_block is not False)
+                if whole is None:
+                    place(key, tensor)
+                    continue
+                pending.setdefault(whole, {})[part] = tensor
+                if len(pending[whole]) == 2:
+                    parts = pending.pop(whole)
+                    place(whole, dequantize_mxfp4(parts["blocks"], parts["scales"], dtype) if "blocks" in parts
+                          else dequantize_fp8(parts["weight"], parts["weight_scale_inv"], fp8_block, dtype))
+    if pending:
+        raise ModelNotFound(f"checkpoint {path}: quantized tensors without their other part: {sorted(pending)[:5]}")
     if unused:  # silently dropped, they would change the model's output (an o_proj bias, say)
         raise UnsupportedArchitecture(
             f"checkpoint {path} holds tensors specctl's {spec.arch} decoder does not use: {sorted(unused)[:5]} — a "
