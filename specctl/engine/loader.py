@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from specctl.engine.checkpoint import (FLOAT32_ROUTER, checkpoint_key, checkpoint_name, dequantize_fp8, dequantize_mxfp4,
-                                       expert_stacks, fp8_block_size, fused_checkpoint_keys, fused_rows, part_of,
-                                       quantized_part)
+from specctl.engine.checkpoint import (FLOAT32_ROUTER, checkpoint_key, checkpoint_name, dequantize_fp8,
+                                       dequantize_mxfp4, expert_stacks, fp8_block_size, fused_checkpoint_keys,
+                                       fused_rows, part_of, quantized_part)
 from specctl.engine.families import text_config
 from specctl.engine.model import Decoder
 from specctl.engine.spec import ModelSpec
