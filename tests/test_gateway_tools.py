@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
 from specctl.gateway.api import ApiError, ChatCompletionRequest, parse_body
+from specctl.gateway.harmony import harmony_calls
 from specctl.gateway.held_calls import (FunctoolsCalls, GlmCalls, JsonCalls, MistralCalls, PythonicCalls, functools_calls,
                                          glm_calls,
                                         json_calls, mistral_calls, pythonic_calls)
@@ -355,11 +356,14 @@ def test_a_whole_output_format_s_calls_are_the_whole_output_or_none(read, reader
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.sampled_from(list("[](){}=,'\"xa1. _*:;") + ["<|python_start|>", "True", "None", "lambda",
                                                                  '"name"', '"parameters"', '"arguments"',
-                                                                 "[TOOL_CALLS]", "[ARGS]", "functools["]),
+                                                                 "[TOOL_CALLS]", "[ARGS]", "functools[",
+                                                                 "<tool_call>", "</tool_call>", "\n", "<arg_key>",
+                                                                 "</arg_key>", "<arg_value>", "</arg_value>", "<|call|>",
+                                                                 "<|channel|>commentary to=functions.f<|message|>"]),
                 max_size=40).map("".join))
 def test_a_whole_output_parser_reads_any_text_without_raising(text):
     """What a model writes is arbitrary: the parsers answer calls or None, never an exception."""
-    for read in (pythonic_calls, json_calls, mistral_calls, functools_calls):
+    for read in (pythonic_calls, json_calls, mistral_calls, functools_calls, glm_calls, harmony_calls):
         calls = read(text)
         assert calls is None or all(isinstance(json.loads(c["function"]["arguments"]), dict) for c in calls)
 
@@ -370,6 +374,11 @@ def test_an_output_nested_past_json_s_depth_is_content_not_a_crash():
     deep = '{"name": "a", "parameters": ' + "[" * 100_000
     assert json_calls(deep) is None and pythonic_calls("[a(x=" + "[" * 100_000 + ")]") is None
     assert parse(f"<tool_call>{deep}</tool_call>") is None
+    assert harmony_calls("<|channel|>commentary to=functions.f<|message|>" + "[" * 100_000) is None
+    deep = "[" * 100_000
+    deep_value = json.loads(glm_calls(f"<tool_call>f\n<arg_key>a</arg_key><arg_value>{deep}</arg_value></tool_call>")[0]
+                            ["function"]["arguments"])
+    assert deep_value == {"a": deep}  # not JSON: the text
     assert read_whole(ForcedCalls(None), "[" * 100_000) == ("[" * 100_000, None)
 
 
