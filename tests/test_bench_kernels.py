@@ -58,6 +58,7 @@ def test_known_shapes_and_the_limit():
                                                   ("pythia-1.4b", "gpt_neox", 1.415, 16, 128),
                                                   ("pythia-6.9b", "gpt_neox", 6.857, 32, 128),
                                                   ("glm-4.5-air", "glm4_moe", 106.85, 96, 128),  # the card: 106B
+                                                  ("deepseek-v2-lite", "deepseek_v2", 15.71, 16, 192),  # card: 15.7B
                                                   ("gpt-oss-20b", "gpt_oss", 20.91, 64, 64),
                                                   ("gpt-oss-120b", "gpt_oss", 116.83, 64, 64)):
         spec = ModelSpec.from_hf(shape_config(name))

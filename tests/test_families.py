@@ -706,3 +706,28 @@ def test_deepseek_v3_s_latent_attention_equals_transformers_bitwise_in_bf16(tiny
     assert load_decoder(scaled).spec.attn_scale == pytest.approx(24**-0.5 * (0.1 * math.log(40.0) + 1.0) ** 2)
     _fp32_parity(scaled, ids)
     _speculation_is_exact(load_decoder(scaled), tiny["deepseek_v3-draft"])
+
+
+def test_deepseek_v2_routes_by_softmax_within_the_best_group_and_rotates_complex_pairs(tmp_path):
+    """DeepSeek-V2 / V2-Lite / Coder-V2-Lite: V3's latent attention with RoPE applied to neighbouring
+    pairs as complex numbers in float32 (left in place), and experts chosen by float32 softmax
+    scores within the best group (group_limited_greedy), weighed by those scores times 2, never
+    renormalised; the router kept float32, without V3's correction. bf16 logits equal
+    transformers' (eager experts) to the bit; every group open moves the fp32 logits; speculation
+    with its own first layers drafting is exact; int8 runs."""
+    from specctl.engine.quant import quantize_decoder
+
+    path = make_tiny_model(tmp_path / "v2", "deepseek_v2", seed=51, init_std=0.2, norm_std=0.3)
+    decoder = load_decoder(path, torch.bfloat16)
+    moe = decoder.layers[1].mlp
+    assert moe.routing == Routing("softmax_grouped", False, 2, 1, 2.0) and not hasattr(moe.gate, "e_score_correction_bias")
+    assert moe.gate.weight.dtype == torch.float32 and decoder.spec.rope_interleaved and decoder.spec.rope_in_float32
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (40,))
+    _bf16_equals_transformers(decoder, path, ids, experts_implementation="eager")
+    fp32, ref = _fp32_parity(path, ids)
+    for layer in fp32.layers[1:]:
+        layer.mlp.routing = Routing("softmax_grouped", False, 1, 1, 2.0)
+    assert _max_rel_diff(fp32(ids, torch.arange(40), fp32.new_cache(40)), ref) > 0.01
+    _speculation_is_exact(load_decoder(path), load_decoder(path, layer_range=(0, 2)))
+    assert quantize_decoder(load_decoder(path), "int8")(ids, torch.arange(40), fp32.new_cache(40)).isfinite().all()

@@ -102,6 +102,13 @@ SHAPES: dict[str, dict] = {
                         qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8,
                         moe_intermediate_size=2048, first_k_dense_replace=3, n_shared_experts=1, n_group=8,
                         topk_group=4, routed_scaling_factor=2.5, max_position_embeddings=163840),
+    # DeepSeek-V2-Lite (and Coder-V2-Lite): latent attention with one q_proj, 64 experts of 1408, 6 a token, 2 shared
+    "deepseek-v2-lite": dict(model_type="deepseek_v2", hidden_size=2048, intermediate_size=10944, num_hidden_layers=27,
+                             num_attention_heads=16, num_key_value_heads=16, vocab_size=102400,
+                             tie_word_embeddings=False, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+                             qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, num_experts_per_tok=6,
+                             moe_intermediate_size=1408, first_k_dense_replace=1, n_shared_experts=2,
+                             topk_method="greedy", routed_scaling_factor=1.0, max_position_embeddings=163840),
     # gpt-oss: 32 experts of 2880, 4 a token, every layer; a sink per head; 128-token windows on every other layer
     # (the Hub's experts are MXFP4, dequantized at load: the step reads them in the model's dtype)
     "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,

@@ -95,7 +95,7 @@ def checkpoint_name(spec: ModelSpec, name: str) -> str:
         return name.replace("mlp.c_fc.", "mlp.up_proj.").replace("mlp.c_proj.", "mlp.down_proj.")
     if spec.arch == "gpt_oss":  # its router (its experts: gpt_oss_stacks)
         return name.replace("mlp.gate.", "mlp.router.")
-    if spec.arch in ("glm4_moe", "deepseek_v3"):  # its shared expert (ungated)
+    if spec.arch in ("glm4_moe", "deepseek_v3", "deepseek_v2"):  # its shared expert (ungated)
         return name.replace("mlp.shared_expert.", "mlp.shared_experts.")
     if spec.arch == "hunyuan_v1_dense":  # its q/k norms
         return name.replace("self_attn.q_norm.", "self_attn.query_layernorm.").replace(

@@ -26,9 +26,9 @@ def family_facts(config: Any) -> dict[str, Any]:
     """ModelSpec fields the family of ``config`` sets (they override the common reading)."""
     arch = config.model_type
     return {**(_gemma(config) if arch.startswith("gemma") else {}),
-            **(_experts(config) if arch in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "deepseek_v3")
-               else {}),
-            **(_deepseek_v3(config) if arch == "deepseek_v3" else {}),
+            **(_experts(config) if arch in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "deepseek_v3",
+                                            "deepseek_v2") else {}),
+            **(_deepseek_v3(config) if arch in ("deepseek_v3", "deepseek_v2") else {}),
             **(_gpt_oss(config) if arch == "gpt_oss" else {}),
             **(_gpt_neox(config) if arch == "gpt_neox" else {}),
             **(_granite(config) if arch == "granite" else {}),
@@ -98,7 +98,7 @@ def _gpt_oss(config: Any) -> dict[str, Any]:
 
 
 def _deepseek_v3(config: Any) -> dict[str, Any]:
-    """DeepSeek-V3's multi-head latent attention (engine.latent): each head's query and key a part
+    """DeepSeek-V3's (and V2's) multi-head latent attention (engine.latent): each head's query and key a part
     without RoPE (qk_nope_head_dim) and a rotated one (qk_rope_head_dim), its values v_head_dim
     wide; YaRN's mscale_all_dim scales the scores (mscale squared), as transformers does."""
     import math
@@ -108,10 +108,13 @@ def _deepseek_v3(config: Any) -> dict[str, Any]:
     if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim") and rope["factor"] > 1:
         mscale = 0.1 * rope["mscale_all_dim"] * math.log(rope["factor"]) + 1.0
         scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5 * mscale * mscale
+    # DeepSeek-V2 rotates neighbouring pairs as complex numbers in float32 (cos/sin in float32,
+    # the pairs left interleaved); V3 de-interleaves them into halves (engine.latent)
+    v2 = config.model_type == "deepseek_v2"
     return dict(latent_attention=(config.q_lora_rank, config.kv_lora_rank, config.qk_nope_head_dim,
                                   config.qk_rope_head_dim, config.v_head_dim),
                 head_dim=config.qk_nope_head_dim + config.qk_rope_head_dim, rope_dim=config.qk_rope_head_dim,
-                num_kv_heads=config.num_attention_heads, attn_scale=scale)
+                num_kv_heads=config.num_attention_heads, attn_scale=scale, rope_interleaved=v2, rope_in_float32=v2)
 
 
 def _gpt_neox(config: Any) -> dict[str, Any]:
@@ -151,6 +154,15 @@ def _experts(config: Any) -> dict[str, Any]:
         return dict(sparse_layers=(True,) * layers, num_experts=config.num_local_experts,
                     experts_per_token=config.num_experts_per_tok, expert_intermediate_size=config.intermediate_size,
                     normalize_expert_weights=config.model_type == "mixtral")
+    if config.model_type == "deepseek_v2":  # softmax scores, top k (within the best groups: group_limited_greedy)
+        grouped = config.topk_method == "group_limited_greedy"
+        return dict(sparse_layers=tuple(i >= config.first_k_dense_replace for i in range(layers)),
+                    num_experts=config.n_routed_experts, experts_per_token=config.num_experts_per_tok,
+                    expert_intermediate_size=config.moe_intermediate_size,
+                    shared_expert_intermediate_size=config.moe_intermediate_size * config.n_shared_experts,
+                    gated_shared_expert=False, routing="softmax_grouped",
+                    expert_groups=(config.n_group, config.topk_group) if grouped else (1, 1),
+                    routed_scale=config.routed_scaling_factor)
     if config.model_type in ("glm4_moe", "deepseek_v3"):  # first layers dense; sigmoid routing within groups
         return dict(sparse_layers=tuple(i >= config.first_k_dense_replace for i in range(layers)),
                     num_experts=config.num_local_experts, experts_per_token=config.num_experts_per_tok,

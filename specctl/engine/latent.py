@@ -37,7 +37,10 @@ class LatentAttention(Attention):
         self.kv_a_layernorm = RMSNorm(kv_rank, spec.rms_eps)
         self.kv_b_proj = nn.Linear(kv_rank, h * (self.nope_dim + self.value_dim), bias=False)
         self.o_proj = nn.Linear(h * self.value_dim, hidden, bias=bias)
-        self.deinterleave = bool(getattr(spec.hf_config, "rope_interleave", True))
+        # V3: pairs rotated and put out as halves (rope_interleave, its default); V2: pairs rotated as
+        # complex numbers in float32 and left in place (spec.rope_interleaved: cos/sin in that layout)
+        self.deinterleave = not spec.rope_interleaved and bool(getattr(spec.hf_config, "rope_interleave", True))
+        self.pairs = spec.rope_interleaved
         # attention reads the values' own width (a view of the padded cache): padded, a bf16 kernel
         # rounds otherwise than transformers' over the values as they are
         width, attend, static_attend = self.value_dim, self.attend, self.static_attend
@@ -51,8 +54,11 @@ class LatentAttention(Attention):
         q_pass, q_rot = q.view(b, n, h, self.head_dim).transpose(1, 2).split((self.nope_dim, self.rope_dim), dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split((self.kv_rank, self.rope_dim), dim=-1)
         k_rot = k_rot.view(b, 1, n, self.rope_dim)
-        rotate = apply_rope_deinterleaved if self.deinterleave else apply_rope
-        q_rot, k_rot = rotate(q_rot, cos, sin), rotate(k_rot, cos, sin)
+        if self.pairs:
+            q_rot, k_rot = (apply_rope(t.float(), cos, sin, interleaved=True).to(x.dtype) for t in (q_rot, k_rot))
+        else:
+            rotate = apply_rope_deinterleaved if self.deinterleave else apply_rope
+            q_rot, k_rot = rotate(q_rot, cos, sin), rotate(k_rot, cos, sin)
         kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, n, h, -1).transpose(1, 2)
         k_pass, v = kv.split((self.nope_dim, self.value_dim), dim=-1)
         q = torch.cat((q_pass, q_rot), dim=-1)

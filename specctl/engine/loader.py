@@ -116,7 +116,7 @@ def load_decoder(
         if key in fused:
             state.update(fused[key].parts(fused_rows(spec, _cast(tensor, dtype)), shapes))
         elif key in wanted:
-            if spec.routing == "sigmoid_grouped" and key.endswith(FLOAT32_ROUTER):  # as transformers keeps it
+            if spec.routing in ("sigmoid_grouped", "softmax_grouped") and key.endswith(FLOAT32_ROUTER):  # as transformers
                 tensor = tensor.float()
             else:
                 tensor = _cast(tensor, dtype)

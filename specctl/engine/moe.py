@@ -24,7 +24,9 @@ class Routing:
     code does: ``softmax`` over all experts, then the top k (Qwen-MoE, Mixtral); ``softmax_over_chosen``:
     the top-k logits, softmaxed among themselves (gpt-oss, whose router has a bias); ``sigmoid_grouped``
     (GLM-4.5, DeepSeek-V3): sigmoid scores plus a learned correction choose the top k within the
-    ``top_groups`` best of ``groups`` expert groups, the uncorrected scores weigh them, times ``scale``."""
+    ``top_groups`` best of ``groups`` expert groups, the uncorrected scores weigh them, times ``scale``;
+    ``softmax_grouped`` (DeepSeek-V2): float32 softmax scores, the top k within the best groups (by
+    their best score), weighed by those scores times ``scale``, never renormalised."""
 
     kind: str = "softmax"
     normalize: bool = False  # the top-k weights rescaled to sum to 1
@@ -33,7 +35,7 @@ class Routing:
     scale: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("softmax", "softmax_over_chosen", "sigmoid_grouped"):
+        if self.kind not in ("softmax", "softmax_over_chosen", "sigmoid_grouped", "softmax_grouped"):
             raise ValueError(f"unknown routing {self.kind!r}")
 
 
@@ -44,10 +46,11 @@ class CorrectedRouter(nn.Module):
     engine.rows), and verification routes each token as a decode step does. Not an nn.Linear, so
     row padding and int8 leave it as it is."""
 
-    def __init__(self, hidden: int, num_experts: int) -> None:
+    def __init__(self, hidden: int, num_experts: int, corrected: bool = True) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
-        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
+        if corrected:  # (DeepSeek-V2's router has no correction: its float32 logits only)
+            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.double(), self.weight.double()).float()
@@ -60,7 +63,8 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.routing, self.top_k = routing, top_k
         # the router (checkpoints call it gate; gpt-oss's, router, has a bias)
-        self.gate = (CorrectedRouter(hidden, num_experts) if routing.kind == "sigmoid_grouped"
+        self.gate = (CorrectedRouter(hidden, num_experts, routing.kind == "sigmoid_grouped")
+                     if routing.kind in ("sigmoid_grouped", "softmax_grouped")
                      else nn.Linear(hidden, num_experts, bias=routing.kind == "softmax_over_chosen"))
         self.experts = nn.ModuleList(expert() for _ in range(num_experts))
         # one more expert every token runs: Qwen2-MoE's times sigmoid(its gate), GLM-4.5's as it is
@@ -87,6 +91,15 @@ class SparseMoE(nn.Module):
             weights = scores.gather(1, chosen)
             if routing.normalize:
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            return weights * routing.scale, chosen
+        if routing.kind == "softmax_grouped":
+            scores = logits.softmax(-1, dtype=torch.float32)
+            if routing.groups > 1:
+                grouped = scores.unflatten(-1, (routing.groups, -1))
+                best = torch.topk(grouped.amax(-1), routing.top_groups, dim=-1, sorted=False)[1]
+                kept = torch.zeros_like(grouped[..., 0]).scatter_(1, best, 1).bool()
+                scores = grouped.masked_fill(~kept[..., None], 0.0).flatten(-2)
+            weights, chosen = torch.topk(scores, self.top_k, dim=-1, sorted=False)
             return weights * routing.scale, chosen
         if routing.kind == "softmax_over_chosen":
             top, chosen = torch.topk(logits, self.top_k, dim=-1)

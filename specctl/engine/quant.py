@@ -118,7 +118,7 @@ def quantize_decoder(decoder: Decoder, mode: str) -> Decoder:
         raise ConfigError("int8 quantization runs on the CPU only; use --draft-quant none / --quant none on CUDA")
     for layer in decoder.layers:
         attn = layer.self_attn
-        if attn.k_proj is None:  # a latent attention (DeepSeek-V3): each of its projections
+        if attn.k_proj is None:  # a latent attention (DeepSeek-V3), or one fused already: each projection alone
             for name, child in list(attn.named_children()):
                 if type(child) is nn.Linear:
                     setattr(attn, name, RowScaledInt8Linear([child]))

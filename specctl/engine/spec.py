@@ -12,7 +12,8 @@ from specctl.errors import BadRequest, UnsupportedArchitecture
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text", "qwen2_moe", "qwen3_moe",
              "mixtral", "granite", "olmo2", "olmo3", "starcoder2", "smollm3", "glm4", "exaone4", "cohere",
-             "cohere2", "seed_oss", "hunyuan_v1_dense", "arcee", "gpt_oss", "gpt_neox", "glm4_moe", "deepseek_v3")
+             "cohere2", "seed_oss", "hunyuan_v1_dense", "arcee", "gpt_oss", "gpt_neox", "glm4_moe", "deepseek_v3",
+             "deepseek_v2")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +83,8 @@ class ModelSpec:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a gated expert every token runs (0: none)
     gated_shared_expert: bool = True  # Qwen2-MoE's shared expert is gated; GLM-4.5's is not
     # how the router's scores choose and weigh experts (engine.moe.Routing: softmax, softmax_over_chosen
-    # (gpt-oss), sigmoid_grouped (GLM-4.5)); its groups (groups, top groups) and the weights' scale
+    # (gpt-oss), sigmoid_grouped (GLM-4.5, DeepSeek-V3), softmax_grouped (DeepSeek-V2)); its groups
+    # (groups, top groups) and the weights' scale
     routing: str = "softmax"
     expert_groups: tuple[int, int] = (1, 1)
     routed_scale: float = 1.0

@@ -82,6 +82,14 @@ def _tiny_family(arch: str, hidden: int) -> tuple[str, bool, dict, str]:
                                                     "kv_lora_rank": 16, "qk_nope_head_dim": 16,
                                                     "qk_rope_head_dim": 8, "v_head_dim": 12,
                                                     "head_dim": 8, "num_key_value_heads": 4}),  # head_dim: the rotated part
+        # DeepSeek-V2: the same latent attention (RoPE as complex pairs), softmax routing within the best group
+        "deepseek_v2": ("DeepseekV2Config", False, {"n_routed_experts": 4, "num_experts_per_tok": 2,
+                                                    "moe_intermediate_size": hidden // 2, "first_k_dense_replace": 1,
+                                                    "n_shared_experts": 1, "topk_method": "group_limited_greedy",
+                                                    "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.0,
+                                                    "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
+                                                    "qk_rope_head_dim": 8, "v_head_dim": 12, "head_dim": 8,
+                                                    "num_key_value_heads": 4}),
         # gpt-oss: 4 experts of 32, 2 a token; sliding and full layers alternate (give sliding_window);
         # its YaRN RoPE (factor 32) over a 16-token original context
         "gpt_oss": ("GptOssConfig", False, {"num_local_experts": 4, "num_experts_per_tok": 2,
