@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 from specctl.errors import UnsupportedArchitecture
@@ -101,8 +102,6 @@ def _deepseek_v3(config: Any) -> dict[str, Any]:
     """DeepSeek-V3's (and V2's) multi-head latent attention (engine.latent): each head's query and key a part
     without RoPE (qk_nope_head_dim) and a rotated one (qk_rope_head_dim), its values v_head_dim
     wide; YaRN's mscale_all_dim scales the scores (mscale squared), as transformers does."""
-    import math
-
     scale = None
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim") and rope["factor"] > 1:

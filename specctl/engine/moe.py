@@ -81,24 +81,18 @@ class SparseMoE(nn.Module):
         routing, logits = self.routing, self.gate(h)
         if routing.kind == "sigmoid_grouped":
             scores = logits.sigmoid()
-            corrected = scores + self.gate.e_score_correction_bias
-            if routing.groups > 1:
-                grouped = corrected.unflatten(-1, (routing.groups, -1))
-                best = torch.topk(grouped.topk(2, dim=-1)[0].sum(-1), routing.top_groups, dim=-1, sorted=False)[1]
-                kept = torch.zeros_like(grouped[..., 0]).scatter_(1, best, 1).bool()
-                corrected = grouped.masked_fill(~kept[..., None], float("-inf")).flatten(-2)
+            # a group's score: its two best corrected scores' sum (DeepSeek-V3's)
+            corrected = _within_best_groups(scores + self.gate.e_score_correction_bias, routing,
+                                            lambda grouped: grouped.topk(2, dim=-1)[0].sum(-1), float("-inf"))
             chosen = torch.topk(corrected, self.top_k, dim=-1, sorted=False)[1]
             weights = scores.gather(1, chosen)
             if routing.normalize:
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
             return weights * routing.scale, chosen
         if routing.kind == "softmax_grouped":
-            scores = logits.softmax(-1, dtype=torch.float32)
-            if routing.groups > 1:
-                grouped = scores.unflatten(-1, (routing.groups, -1))
-                best = torch.topk(grouped.amax(-1), routing.top_groups, dim=-1, sorted=False)[1]
-                kept = torch.zeros_like(grouped[..., 0]).scatter_(1, best, 1).bool()
-                scores = grouped.masked_fill(~kept[..., None], 0.0).flatten(-2)
+            # a group's score: its best score (DeepSeek-V2's group_limited_greedy)
+            scores = _within_best_groups(logits.softmax(-1, dtype=torch.float32), routing,
+                                         lambda grouped: grouped.amax(-1), 0.0)
             weights, chosen = torch.topk(scores, self.top_k, dim=-1, sorted=False)
             return weights * routing.scale, chosen
         if routing.kind == "softmax_over_chosen":
@@ -123,6 +117,18 @@ class SparseMoE(nn.Module):
             shared = self.shared_expert(h)
             out = out + (shared if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(h)) * shared)
         return out.reshape(shape)
+
+
+def _within_best_groups(scores: torch.Tensor, routing: Routing, group_score: Callable[[torch.Tensor], torch.Tensor],
+                        fill: float) -> torch.Tensor:
+    """``scores`` [rows, experts] with the experts outside each row's ``routing.top_groups`` best
+    groups (by ``group_score`` of a group's scores) set to ``fill``, so the top k falls within them."""
+    if routing.groups == 1:
+        return scores
+    grouped = scores.unflatten(-1, (routing.groups, -1))
+    best = torch.topk(group_score(grouped), routing.top_groups, dim=-1, sorted=False)[1]
+    kept = torch.zeros_like(grouped[..., 0]).scatter_(1, best, 1).bool()
+    return grouped.masked_fill(~kept[..., None], fill).flatten(-2)
 
 
 def mlps(mlp: nn.Module) -> Iterator[nn.Module]:

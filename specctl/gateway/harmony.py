@@ -121,6 +121,5 @@ def serving_parsers(model_type: str, reasoning_parser: str | None, tool_call_par
     parser; the tool-call parser's default, hermes, which gpt-oss never writes)."""
     if model_type != "gpt_oss":
         return reasoning_parser, tool_call_parser
-    return (reasoning_parser or "openai_gptoss",
-            "openai" if tool_call_parser == "hermes" and (reasoning_parser or "openai_gptoss") == "openai_gptoss"
-            else tool_call_parser)
+    reasoning = reasoning_parser or "openai_gptoss"
+    return reasoning, "openai" if tool_call_parser == "hermes" and reasoning == "openai_gptoss" else tool_call_parser
