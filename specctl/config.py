@@ -44,6 +44,10 @@ class Config:
     # so other sessions' rounds run between them (vLLM's chunked prefill); 0 = whole; -1 = auto:
     # 2048 on CUDA, 512 on the CPU. Every session of the model chunks the same way (outputs agree)
     prefill_chunk: int = -1
+    # DeepSeek-V2/V3's multi-head latent attention: "latent" caches each token's compressed latent
+    # and rotated key (576 values a layer, vLLM's MLA; attention absorbs kv_b_proj), "expanded" its
+    # keys and values per head (85x the bytes for V3) with transformers' rounding to the bit
+    mla_cache: str = "latent"
     max_sessions: int = 64
     mode: str = "tree"
     depth: int = 4
@@ -66,6 +70,8 @@ class Config:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
             raise ConfigError(f"attention_backend must be auto, torch or flashinfer, got {self.attention_backend!r}")
+        if self.mla_cache not in ("latent", "expanded"):
+            raise ConfigError(f"mla_cache must be latent or expanded, got {self.mla_cache!r}")
         for name in ("cuda_graphs", "torch_compile", "row_exact_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -58,7 +58,7 @@ def test_known_shapes_and_the_limit():
                                                   ("pythia-1.4b", "gpt_neox", 1.415, 16, 128),
                                                   ("pythia-6.9b", "gpt_neox", 6.857, 32, 128),
                                                   ("glm-4.5-air", "glm4_moe", 106.85, 96, 128),  # the card: 106B
-                                                  ("deepseek-v2-lite", "deepseek_v2", 15.71, 16, 192),  # card: 15.7B
+                                                  ("deepseek-v2-lite", "deepseek_v2", 15.71, 16, 576),  # card: 15.7B; the latent cache's 512 + 64
                                                   ("gpt-oss-20b", "gpt_oss", 20.91, 64, 64),
                                                   ("gpt-oss-120b", "gpt_oss", 116.83, 64, 64)):
         spec = ModelSpec.from_hf(shape_config(name))
@@ -231,4 +231,5 @@ def test_deepseek_v3_s_shape_has_the_card_s_671b_and_37b_a_token():
     decoder = random_decoder(shape_config("deepseek-v3"), torch.bfloat16, "meta")
     assert sum(p.numel() for p in decoder.parameters()) / 1e9 == pytest.approx(671.03, abs=0.01)
     assert weight_bytes_per_step(decoder) / 2 / 1e9 == pytest.approx(36.63, abs=0.01)
-    assert decoder.spec.head_dim == 192 and decoder.spec.num_kv_heads == 128
+    assert decoder.spec.head_dim == 576 and decoder.spec.num_kv_heads == 1  # one latent + rotated key a token
+    assert decoder.spec.kv_bytes_per_token(torch.bfloat16) == 70_272

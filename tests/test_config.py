@@ -32,6 +32,7 @@ def test_every_shipped_profile_is_valid():
         ({"target_quant": "fp8"}, "target_quant must be one of none, int8, got 'fp8'"),
         ({"cuda_graphs": "yes"}, "cuda_graphs must be true or false, got 'yes'"),
         ({"torch_compile": 1}, "torch_compile must be true or false, got 1"),
+        ({"mla_cache": "compressed"}, "mla_cache must be latent or expanded, got 'compressed'"),
     ],
 )
 def test_bad_values_are_clear_errors(flags, message):

@@ -676,17 +676,20 @@ def test_glm4_moe_routes_by_corrected_sigmoid_scores_within_groups_as_transforme
     assert all(type(layer.mlp.gate) is CorrectedRouter for layer in quantized.layers[1:])
 
 
-def test_deepseek_v3_s_latent_attention_equals_transformers_bitwise_in_bf16(tiny, tiny_dir, tmp_path):
+def test_deepseek_v3_s_latent_attention_equals_transformers_bitwise_in_bf16_with_keys_and_values_expanded(
+        tiny, tiny_dir, tmp_path):
     """DeepSeek-V3 (Kimi K2, Moonlight): queries through a low-rank bottleneck, keys and values
     from one compressed latent per token plus a rotated key part every head shares, RoPE on
-    neighbouring pairs put out as halves, values narrower (12) than keys (24): the cache holds
-    them expanded and padded, attention reads the values at their width. bf16 logits equal
-    transformers' (eager experts) to the bit; RoPE on halves instead moves the fp32 logits;
-    DeepSeek-V2-Lite's single q_proj and YaRN's mscale on the scores match too."""
+    neighbouring pairs put out as halves, values narrower (12) than keys (24). With the cache
+    holding keys and values expanded and padded (``latent_cache=False``), attention reading the
+    values at their width, bf16 logits equal transformers' (eager experts) to the bit; RoPE on
+    halves instead moves the fp32 logits; DeepSeek-V2-Lite's single q_proj and YaRN's mscale on
+    the scores match too (fp32, the default latent cache)."""
     path = tiny_dir["deepseek_v3"]
-    decoder = load_decoder(path, torch.bfloat16)
+    decoder = load_decoder(path, torch.bfloat16, latent_cache=False)
     attn = decoder.layers[0].self_attn
     assert decoder.spec.latent_attention == (32, 16, 16, 8, 12) and decoder.spec.head_dim == 24
+    assert decoder.spec.num_kv_heads == 4 and decoder.spec.kv_planes == 2 and not attn.absorbed
     assert attn.q_proj is None and attn.q_b_proj.weight.shape == (96, 32) and attn.kv_b_proj.weight.shape == (112, 16)
     assert decoder.spec.routing == "sigmoid_grouped" and decoder.spec.sparse_layers == (False, True, True, True)
     torch.manual_seed(0)
@@ -706,6 +709,60 @@ def test_deepseek_v3_s_latent_attention_equals_transformers_bitwise_in_bf16(tiny
     assert load_decoder(scaled).spec.attn_scale == pytest.approx(24**-0.5 * (0.1 * math.log(40.0) + 1.0) ** 2)
     _fp32_parity(scaled, ids)
     _speculation_is_exact(load_decoder(scaled), tiny["deepseek_v3-draft"])
+    _speculation_is_exact(load_decoder(scaled, latent_cache=False), load_decoder(tiny_dir["deepseek_v3-draft"],
+                                                                                  latent_cache=False))
+
+
+def test_latent_cache_holds_one_vector_a_token_and_layer_and_attends_as_transformers_by_absorption(tiny_dir):
+    """The default latent cache (vLLM's MLA): a token's normed latent and rotated key part, one
+    plane both keys and values read — 16 + 8 values a layer against 4 heads x (24 + 24) expanded
+    (8x less); DeepSeek-V3's real shape: 70,272 bytes a token in bf16 (61 x 576 x 2) against
+    6.0 MB. Attention absorbs kv_b_proj (the scores keep the heads' own 24 ** -0.5): fp32 logits
+    within 1e-4 of transformers' prefilled and decoded step by step; bf16 near them, not their
+    bits; a forward after a verification's rejected rows dropped (gather) equals a fresh one."""
+    from specctl.bench.kernels import shape_config
+    from specctl.config import build_config
+    from specctl.spec.factory import load_named
+
+    path = tiny_dir["deepseek_v3"]
+    fp32 = load_decoder(path)
+    spec = fp32.spec
+    assert spec.latent_cache and spec.num_kv_heads == 1 and spec.head_dim == 24 and spec.kv_planes == 1
+    assert spec.attn_scale == pytest.approx(24**-0.5) and fp32.layers[0].self_attn.absorbed
+    expanded = load_decoder(path, latent_cache=False)
+    assert fp32.kv_slot_bytes * 8 == expanded.kv_slot_bytes == 4 * 2 * 4 * 24 * 4
+    cache = fp32.new_cache(40)
+    assert cache.kv.shape == (4, 1, 1, 1, 48, 24) and cache.shared and cache.k.data_ptr() == cache.v.data_ptr()
+    assert cache.nbytes == 48 * fp32.kv_slot_bytes
+    for layout, latent in (("latent", True), ("expanded", False)):  # the configuration's mla_cache
+        config = build_config("desktop", dtype="fp32", mla_cache=layout)
+        assert load_named(str(path), config).decoder.spec.latent_cache is latent
+    v3 = ModelSpec.from_hf(shape_config("deepseek-v3"))
+    assert v3.kv_bytes_per_token(torch.bfloat16) == 70_272 == 61 * 576 * 2
+    assert ModelSpec.from_hf(shape_config("deepseek-v3"), latent_cache=False).kv_bytes_per_token(torch.bfloat16) == (
+        61 * 2 * 128 * 192 * 2)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (40,))
+    _check_parity(path, ids, split=30)
+    with torch.no_grad():
+        fp32_ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(ids[None]).logits[0]
+    bf16 = load_decoder(path, torch.bfloat16)
+    logits = bf16(ids, torch.arange(40), bf16.new_cache(40))
+    ref = _bf16_equals_transformers(load_decoder(path, torch.bfloat16, latent_cache=False), path, ids,
+                                    experts_implementation="eager")
+    # (this random model is chaotic in bf16: transformers' own bf16 logits are 0.62 of the largest off its fp32)
+    assert not torch.equal(logits, ref) and _max_rel_diff(logits, fp32_ref) <= 1.25 * _max_rel_diff(ref, fp32_ref)
+    # 30 tokens, then a tree a -> (b, c), c -> d whose path a, c, d is kept (c and d move a slot
+    # back), then the step after them: as a fresh forward of the kept text
+    cache = fp32.new_cache(40)
+    fp32(ids[:30], torch.arange(30), cache)
+    tree = torch.ones(4, 34, dtype=torch.bool)
+    tree[:, 30:] = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    fp32(ids[30:34], torch.tensor([30, 31, 31, 32]), cache, tree)
+    cache.gather(list(range(30)) + [30, 32, 33])
+    after = fp32(ids[36:37], torch.tensor([33]), cache)
+    kept = torch.cat((ids[:31], ids[32:34], ids[36:37]))
+    assert _max_rel_diff(after, fp32(kept, torch.arange(34), fp32.new_cache(40))[-1:]) <= 1e-4
 
 
 def test_deepseek_v2_routes_by_softmax_within_the_best_group_and_rotates_complex_pairs(tmp_path):
@@ -713,12 +770,12 @@ def test_deepseek_v2_routes_by_softmax_within_the_best_group_and_rotates_complex
     pairs as complex numbers in float32 (left in place), and experts chosen by float32 softmax
     scores within the best group (group_limited_greedy), weighed by those scores times 2, never
     renormalised; the router kept float32, without V3's correction. bf16 logits equal
-    transformers' (eager experts) to the bit; every group open moves the fp32 logits; speculation
+    transformers' (eager experts) to the bit with keys and values expanded; every group open moves the fp32 logits; speculation
     with its own first layers drafting is exact; int8 runs."""
     from specctl.engine.quant import quantize_decoder
 
     path = make_tiny_model(tmp_path / "v2", "deepseek_v2", seed=51, init_std=0.2, norm_std=0.3)
-    decoder = load_decoder(path, torch.bfloat16)
+    decoder = load_decoder(path, torch.bfloat16, latent_cache=False)
     moe = decoder.layers[1].mlp
     assert moe.routing == Routing("softmax_grouped", False, 2, 1, 2.0) and not hasattr(moe.gate, "e_score_correction_bias")
     assert moe.gate.weight.dtype == torch.float32 and decoder.spec.rope_interleaved and decoder.spec.rope_in_float32

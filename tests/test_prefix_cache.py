@@ -268,3 +268,27 @@ def test_auto_keeps_a_cache_for_drafts_and_fp32_targets_only():
     assert build_config(None).prefix_cache_mb == -1
     with pytest.raises(ConfigError, match=r"prefix_cache_mb must be an integer in \[-1, 16777216\], got -2"):
         build_config(None, prefix_cache_mb=-2)
+
+
+def test_a_latent_cache_s_one_plane_is_stored_restored_and_held_in_an_arena(tiny, tiny_dir):
+    """DeepSeek-V3's latent cache (engine.latent: keys and values one plane): a stored prefix
+    keeps that plane once (half an expanded entry's bytes a slot), a restore into an arena range
+    (static steps over it, a tree verified and pruned in place) gives the target alone's output,
+    and the ranges and budget come back."""
+    from specctl.engine.loader import load_decoder
+
+    target = load_decoder(tiny_dir["deepseek_v3"]).use_kv_arena(1 << 20).use_static_steps(graphs=False)
+    target.use_prefix_cache(8 << 20)
+    assert target.kv_arena.buffer.shape[1] == 1 and target.kv_arena.slot_bytes == target.kv_slot_bytes
+    first = _prompt(80, 30)
+    output = generate(target, first, GREEDY)[0]
+    assert output == generate(tiny["deepseek_v3"], first, GREEDY)[0]
+    (entry,) = target.prefix_cache._entries.values()
+    length = len(entry.tokens)
+    assert entry.v is None and entry.nbytes == length * target.kv_slot_bytes + 8 * length
+    second = first + output + _prompt(81, 5)
+    again, stats, _ = generate(target, second, GREEDY, ModelTreeDrafter(tiny["deepseek_v3-draft"], 3, 2, 3))
+    assert stats.cached_prompt_tokens >= len(first) + len(output) - 1
+    assert again == generate(tiny["deepseek_v3"], second, GREEDY)[0]
+    target.static.spares.drop_all()
+    assert target.kv_arena.free_slots == target.kv_arena.slots

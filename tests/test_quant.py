@@ -55,7 +55,10 @@ def _prefilled(decoder, prompt: list[int]):
                                   "glm4_moe", "deepseek_v3"])
 def test_int8_decoder_sessions_batched_equal_alone_bitwise(tiny_dir, tiny, arch):
     decoder = quantize_decoder(load_decoder(tiny_dir[arch]), "int8")
-    assert not any(isinstance(module, nn.Linear) for module in decoder.modules())
+    # (but an absorbing latent attention's kv_b_proj: its weight is read per head, never applied as a layer)
+    absorbed = {id(layer.self_attn.kv_b_proj) for layer in decoder.layers if getattr(layer.self_attn, "absorbed", False)}
+    assert len(absorbed) == (decoder.num_layers if arch == "deepseek_v3" else 0)
+    assert not any(isinstance(module, nn.Linear) and id(module) not in absorbed for module in decoder.modules())
     prompts, new = [[1, 2, 3, 4, 5], [9, 8], []], [[6, 7], [7], [40, 41, 42, 43, 44]]  # the last one is a prefill
     alone = []
     for prompt, extra in zip(prompts, new):
@@ -71,9 +74,11 @@ def test_int8_decoder_sessions_batched_equal_alone_bitwise(tiny_dir, tiny, arch)
     # int8 against fp32: close, not equal (the tiny Qwen3's, Gemma 3's and OLMo 2's q/k norm weights, drawn +-30 %,
     # widen their error to ~6-7 %, the tiny Cohere 2's larger weights (init 0.2) to 8 %; a tiny mixture of experts' near-even router sends some tokens to another expert
     # once its scores are int8: 10-13 %; the tiny gpt-oss, init 0.2 with drawn norms and biases, 36 %: the same
-    # family drawn at init 0.1 gives 5-13 % (two seeds), at 0.15 26 %, the routes flipping with the weights' scale)
+    # family drawn at init 0.1 gives 5-13 % (two seeds), at 0.15 26 %, the routes flipping with the weights' scale;
+    # the tiny DeepSeek-V3, its kv_b_proj kept float for the latent cache, 43 % here — 8 % with it int8 too, yet
+    # 11-27 % either way on three other prompts: its routes flip as gpt-oss's do)
     tolerance = {"qwen3": 0.1, "gemma3": 0.1, "olmo2": 0.1, "cohere2": 0.1, "qwen2_moe": 0.15, "qwen3_moe": 0.15,
-                 "mixtral": 0.15, "glm4_moe": 0.15, "deepseek_v3": 0.15,
+                 "mixtral": 0.15, "glm4_moe": 0.15, "deepseek_v3": 0.5,
                  "gpt_oss": 0.4}.get(arch, 0.05)
     assert _relative_error(alone[2], full) < tolerance
 

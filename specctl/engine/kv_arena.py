@@ -27,13 +27,13 @@ class KVArena:
     """The arena and its free slot ranges (first fit, neighbours merged on free)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, slots: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", planes: int = 2) -> None:
         if slots < PAGE or slots % PAGE:
             raise ValueError(f"an arena holds a positive multiple of {PAGE} slots, not {slots}")
         # Zeroed: padded static steps attend over a session's whole range, masked (no NaNs allowed).
-        self.buffer = torch.zeros((num_layers, 2, num_kv_heads, slots, head_dim), dtype=dtype, device=device)
+        self.buffer = torch.zeros((num_layers, planes, num_kv_heads, slots, head_dim), dtype=dtype, device=device)
         self.slots, self.page = slots, PAGE
-        self.slot_bytes = kv_slot_bytes(num_layers, num_kv_heads, head_dim, dtype)
+        self.slot_bytes = kv_slot_bytes(num_layers, num_kv_heads, head_dim, dtype, planes)
         self._free: list[tuple[int, int]] = [(0, slots)]  # (start, size), sorted by start
         self._lock = threading.Lock()
         # Called, in turn, when no free range is large enough: each may give ranges back (a static
@@ -42,14 +42,14 @@ class KVArena:
 
     @classmethod
     def for_budget(cls, num_layers: int, num_kv_heads: int, head_dim: int, budget_bytes: int, dtype: torch.dtype,
-                   device: torch.device | str = "cpu") -> "KVArena":
+                   device: torch.device | str = "cpu", planes: int = 2) -> "KVArena":
         """The largest arena within ``budget_bytes``."""
-        slot_bytes = kv_slot_bytes(num_layers, num_kv_heads, head_dim, dtype)
+        slot_bytes = kv_slot_bytes(num_layers, num_kv_heads, head_dim, dtype, planes)
         slots = budget_bytes // slot_bytes // PAGE * PAGE
         if slots < PAGE:
             raise ValueError(f"a KV budget of {budget_bytes} bytes holds fewer than {PAGE} positions of this model "
                              f"({slot_bytes} bytes each); raise kv_budget_mb")
-        return cls(num_layers, num_kv_heads, head_dim, slots, dtype, device)
+        return cls(num_layers, num_kv_heads, head_dim, slots, dtype, device, planes)
 
     @property
     def free_slots(self) -> int:
@@ -102,7 +102,7 @@ class KVArena:
             self._free.insert(i, (start, slots))
 
     def view(self, start: int, slots: int) -> torch.Tensor:
-        """A range as a session's cache holds it: [layers, 2, 1, kv_heads, slots, head_dim]."""
+        """A range as a session's cache holds it: [layers, planes, 1, kv_heads, slots, head_dim]."""
         return self.buffer[:, :, :, start : start + slots].unsqueeze(2)
 
     def pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

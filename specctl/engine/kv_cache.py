@@ -17,9 +17,10 @@ if TYPE_CHECKING:
     from specctl.engine.kv_arena import KVArena
 
 
-def kv_slot_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes one cache position takes: a key and a value per layer and KV head."""
-    return 2 * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+def kv_slot_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, planes: int = 2) -> int:
+    """Bytes one cache position takes: a key and a value per layer and KV head (``planes`` 1:
+    one vector both read, a latent cache's)."""
+    return planes * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
 class KVPool:
@@ -50,6 +51,8 @@ class KVPool:
 
 class KVCache:
     """Keys and values of one session for a range of layers: [layers, 1, kv_heads, slots, head_dim].
+    With ``planes`` 1 (a latent cache: engine.latent) ``k`` and ``v`` are one tensor: a value is
+    the front of its key, written once.
 
     ``length`` positions are valid. ``slots`` = capacity + a trash slot, rounded up to 16
     or as given (padded static steps write their padding rows to ``trash`` and attend over
@@ -71,6 +74,7 @@ class KVCache:
         slots: int | None = None,
         spare: "KVCache | None" = None,
         arena: "KVArena | None" = None,
+        planes: int = 2,
     ) -> None:
         self.released = True  # until the reservation succeeds, there is nothing to give back
         self.recycle: Callable[[KVCache], bool] | None = None  # takes a released cache's buffer for reuse
@@ -78,7 +82,7 @@ class KVCache:
         if capacity + 1 > self.slots:
             raise ValueError(f"a cache of {self.slots} slots holds at most {self.slots - 1} positions, not {capacity}")
         self.trash = self.slots - 1
-        self.nbytes = self.slots * kv_slot_bytes(num_layers, num_kv_heads, head_dim, dtype)
+        self.nbytes = self.slots * kv_slot_bytes(num_layers, num_kv_heads, head_dim, dtype, planes)
         self.pool = pool
         self.arena, self.start = None, 0  # a range of a shared arena (engine.kv_arena), or a buffer of its own
         if pool is not None:
@@ -86,9 +90,9 @@ class KVCache:
         if spare is None:
             self.steps: dict = {}  # bucket -> engine.static.StepGraph (its CUDA graph bakes in kv's address)
             if arena is None:
-                # Keys and values in one buffer [layers, 2, 1, kv_heads, slots, head_dim]: a static
+                # Keys and values in one buffer [layers, planes, 1, kv_heads, slots, head_dim]: a static
                 # step writes both of a layer in one kernel (``k`` and ``v`` are views of it).
-                self.kv = torch.zeros((num_layers, 2, 1, num_kv_heads, self.slots, head_dim), dtype=dtype,
+                self.kv = torch.zeros((num_layers, planes, 1, num_kv_heads, self.slots, head_dim), dtype=dtype,
                                       device=device)
             else:
                 try:
@@ -108,7 +112,8 @@ class KVCache:
             spare.free_buffer()
             for step in self.steps.values():
                 step.cache = self
-        self.k, self.v = self.kv[:, 0], self.kv[:, 1]
+        self.shared = self.kv.shape[1] == 1  # one plane: the values are the keys (no second write or move)
+        self.k, self.v = self.kv[:, 0], self.kv[:, -1]
         self.capacity = capacity
         self.length = 0
         self.released = False
@@ -119,7 +124,8 @@ class KVCache:
         end = self.length + n
         self.check_room(n)
         self.k[layer, :, :, self.length : end] = k_new
-        self.v[layer, :, :, self.length : end] = v_new
+        if not self.shared:
+            self.v[layer, :, :, self.length : end] = v_new
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
     def check_room(self, n: int) -> None:
@@ -149,7 +155,8 @@ class KVCache:
             dst = torch.tensor(rows, dtype=torch.long, device=self.k.device) + start
             end = start + len(rows)
             self.k.index_copy_(3, dst, self.k[:, :, :, start:end].clone())
-            self.v.index_copy_(3, dst, self.v[:, :, :, start:end].clone())
+            if not self.shared:
+                self.v.index_copy_(3, dst, self.v[:, :, :, start:end].clone())
         self.length = start + n
 
     def truncate(self, length: int) -> None:
@@ -169,7 +176,8 @@ class KVCache:
             src = keep[prefix:].to(self.k.device)
             end = keep.numel()
             self.k[:, :, :, prefix:end] = self.k.index_select(3, src)
-            self.v[:, :, :, prefix:end] = self.v.index_select(3, src)
+            if not self.shared:
+                self.v[:, :, :, prefix:end] = self.v.index_select(3, src)
         self.length = keep.numel()
 
     def release(self) -> None:

@@ -79,14 +79,16 @@ def load_decoder(
     device: str = "cpu",
     backend: str = "torch",
     config: Any = None,
+    latent_cache: bool = True,
 ) -> Decoder:
     """``backend``: an attention backend or ``auto`` (chosen here, from device, dtype and
     head dim). ``dtype`` None keeps the checkpoint's own dtypes, for a caller that converts
-    the model next (int8 quantization: no fp32 copy of the whole model is ever held)."""
+    the model next (int8 quantization: no fp32 copy of the whole model is ever held).
+    ``latent_cache``: a latent-attention model's (DeepSeek-V2/V3) cache (ModelSpec.latent_cache)."""
     from transformers import AutoConfig
 
     config = text_config(config or AutoConfig.from_pretrained(path))
-    spec = ModelSpec.from_hf(config)
+    spec = ModelSpec.from_hf(config, latent_cache)
     backend = select_backend(backend, device, dtype or torch.float32, spec.head_dim, spec.attn_softcap, spec.window,
                              spec.attention_sinks)
     with torch.device("meta"):
@@ -165,6 +167,7 @@ def load_model(
     device: str = "cpu",
     backend: str = "torch",
     stage: tuple[tuple[int, int], bool, bool] | None = None,
+    latent_cache: bool = True,
 ) -> LoadedModel:
     """Full model (or its first ``num_layers`` layers + norm + head: an early-exit self-draft;
     or a pipeline stage: ``stage`` = (layer range, embedding?, norm + head?)). ``dtype``
@@ -178,7 +181,7 @@ def load_model(
             raise ModelNotFound(f"{name}: cannot take the first {num_layers} of {config.num_hidden_layers} layers")
         layer_range = (0, num_layers)
     decoder = load_decoder(path, None if dtype == "stored" else DTYPES[dtype], layer_range, embed, head,
-                           device=device, backend=backend, config=config)
+                           device=device, backend=backend, config=config, latent_cache=latent_cache)
     tokenizer = AutoTokenizer.from_pretrained(path)
     eos: set[int] = set()
     try:

@@ -84,7 +84,7 @@ class Decoder(nn.Module):
             raise ValueError("paged attention over the KV arena runs full, unscaled, uncapped attention: not this "
                              "model's (sliding windows or Gemma's scores); its sessions attend eagerly")
         self.kv_arena = KVArena.for_budget(self.num_layers, s.num_kv_heads, s.head_dim, budget_bytes, self.dtype,
-                                           self.device)
+                                           self.device, s.kv_planes)
         self.paged = None if attention is None else PagedAttention(attention, self.kv_arena)
         if self.static is not None:
             self.static.adopt_arena(self.kv_arena)
@@ -165,14 +165,14 @@ class Decoder(nn.Module):
     @property
     def kv_slot_bytes(self) -> int:
         """Bytes one position of a session's KV cache takes."""
-        return kv_slot_bytes(self.num_layers, self.spec.num_kv_heads, self.spec.head_dim, self.dtype)
+        return kv_slot_bytes(self.num_layers, self.spec.num_kv_heads, self.spec.head_dim, self.dtype, self.spec.kv_planes)
 
     def new_cache(self, capacity: int, pool: KVPool | None = None) -> KVCache:
         if self.static is not None:  # sized for reuse, with the steps captured over it
             return self.static.new_cache(capacity, pool)
         s = self.spec
         return KVCache(self.num_layers, s.num_kv_heads, s.head_dim, capacity, self.dtype, self.device, pool,
-                       arena=self.kv_arena)
+                       arena=self.kv_arena, planes=s.kv_planes)
 
     @torch.inference_mode()
     def forward(

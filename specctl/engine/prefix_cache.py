@@ -34,11 +34,11 @@ MIN_REUSE = 16  # positions: a shorter prefix is not worth the lookup and the co
 class _Entry:
     tokens: np.ndarray  # [L] int64: the text whose KV is kept
     k: torch.Tensor  # [layers, 1, kv_heads, L, head_dim]
-    v: torch.Tensor
+    v: torch.Tensor | None  # None: a latent cache's (its values are its keys)
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes + self.tokens.nbytes
+        return self.k.nbytes + (self.v.nbytes if self.v is not None else 0) + self.tokens.nbytes
 
 
 @dataclass(slots=True)
@@ -96,7 +96,8 @@ class PrefixCache:
             self.stats.hit_tokens += best_len
         cache.check_room(best_len)
         cache.k[:, :, :, :best_len].copy_(entry.k[:, :, :, :best_len])
-        cache.v[:, :, :, :best_len].copy_(entry.v[:, :, :, :best_len])
+        if entry.v is not None:
+            cache.v[:, :, :, :best_len].copy_(entry.v[:, :, :, :best_len])
         cache.commit(best_len)
         return best_len
 
@@ -125,7 +126,8 @@ class PrefixCache:
         if length < self.min_reuse:
             return
         tokens = np.asarray(text[:length], dtype=np.int64)
-        nbytes = 2 * cache.k[:, :, :, :length].numel() * cache.k.element_size() + tokens.nbytes
+        planes = 1 if cache.shared else 2
+        nbytes = planes * cache.k[:, :, :, :length].numel() * cache.k.element_size() + tokens.nbytes
         if nbytes > self.budget_bytes:
             return
         with self._lock:
@@ -139,7 +141,8 @@ class PrefixCache:
             while self._entries and self.used_bytes + nbytes > self.budget_bytes:
                 self._drop(next(iter(self._entries)))
                 self.stats.evicted += 1
-        entry = _Entry(tokens, cache.k[:, :, :, :length].clone(), cache.v[:, :, :, :length].clone())
+        entry = _Entry(tokens, cache.k[:, :, :, :length].clone(),
+                       None if cache.shared else cache.v[:, :, :, :length].clone())
         with self._lock:
             self._entries[self._next_key] = entry
             self._next_key += 1

@@ -120,7 +120,8 @@ def quantize_decoder(decoder: Decoder, mode: str) -> Decoder:
         attn = layer.self_attn
         if attn.k_proj is None:  # a latent attention (DeepSeek-V3), or one fused already: each projection alone
             for name, child in list(attn.named_children()):
-                if type(child) is nn.Linear:
+                # an absorbing latent attention reads kv_b_proj's weight per head: it stays as loaded
+                if type(child) is nn.Linear and not (name == "kv_b_proj" and getattr(attn, "absorbed", False)):
                     setattr(attn, name, RowScaledInt8Linear([child]))
         else:
             attn.qkv_proj = RowScaledInt8Linear([attn.q_proj, attn.k_proj, attn.v_proj])

@@ -94,6 +94,10 @@ class ModelSpec:
     # DeepSeek-V3's multi-head latent attention (engine.latent): (q_lora_rank or None, kv_lora_rank,
     # qk_nope_head_dim, qk_rope_head_dim, v_head_dim); head_dim is then nope + rope (the cache's width)
     latent_attention: tuple[int | None, int, int, int, int] | None = None
+    # with latent_attention: the cache holds each token's compressed latent and rotated key part
+    # (one "head" of kv_lora_rank + rope wide, keys and values one plane) and attention absorbs
+    # kv_b_proj into queries and outputs, as vLLM's MLA does; False: keys and values expanded per head
+    latent_cache: bool = False
     rope_dim: int | None = None  # the rotated width where it is not head_dim's (DeepSeek: qk_rope_head_dim)
 
     @property
@@ -119,7 +123,9 @@ class ModelSpec:
                 "centered": self.centered_norms}
 
     @classmethod
-    def from_hf(cls, config: Any) -> "ModelSpec":
+    def from_hf(cls, config: Any, latent_cache: bool = True) -> "ModelSpec":
+        """``latent_cache``: a latent-attention model (DeepSeek-V2/V3) caches its latents
+        (``ModelSpec.latent_cache``); False: keys and values expanded, transformers' rounding."""
         config = text_config(config)  # a multimodal Gemma 3's language model
         arch = config.model_type
         if getattr(config, "use_bidirectional_attention", False):
@@ -157,11 +163,22 @@ class ModelSpec:
             hf_config=config,
             layer_windows=layer_windows(config),
         )
-        return cls(**{**common, **family_facts(config)})  # a family's own facts over the common reading
+        facts = {**common, **family_facts(config)}  # a family's own facts over the common reading
+        if facts.get("latent_attention") is not None and latent_cache:
+            _, kv_rank, nope, rope, _ = facts["latent_attention"]
+            # one cached "head": the latent then the rotated key; the scores' scale stays the heads' own
+            facts.update(latent_cache=True, num_kv_heads=1, head_dim=kv_rank + rope,
+                         attn_scale=facts["attn_scale"] or (nope + rope) ** -0.5)
+        return cls(**facts)
+
+    @property
+    def kv_planes(self) -> int:
+        """Planes a cache slot holds: a key and a value (2), or one both read (a latent cache)."""
+        return 1 if self.latent_cache else 2
 
     def kv_bytes_per_token(self, dtype: torch.dtype, num_layers: int | None = None) -> int:
         layers = self.num_layers if num_layers is None else num_layers
-        return 2 * layers * self.num_kv_heads * self.head_dim * torch.tensor([], dtype=dtype).element_size()
+        return self.kv_planes * layers * self.num_kv_heads * self.head_dim * torch.tensor([], dtype=dtype).element_size()
 
     @property
     def local_rope(self) -> bool:

@@ -63,9 +63,10 @@ class StaticSegment:
     def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor, attention=static_attention,
                windowed: bool = False) -> torch.Tensor:
         """Write this step's keys and values kv [2, Hkv, M, D] into the layer's buffer (one
-        kernel), then attend with q [1, H, M, D] over all of it (``windowed``: a sliding
-        layer, through the window's mask)."""
-        self.cache.kv[layer, :, 0].index_copy_(2, self.write_at, kv)
+        kernel; a latent cache's one plane: the keys), then attend with q [1, H, M, D] over all
+        of it (``windowed``: a sliding layer, through the window's mask)."""
+        planes = self.cache.kv.shape[1]
+        self.cache.kv[layer, :, 0].index_copy_(2, self.write_at, kv[:planes])
         mask = self.window_mask if windowed else self.mask
         return attention(q, self.cache.k[layer], self.cache.v[layer], mask)
 
@@ -230,7 +231,8 @@ class StaticRunner:
         spec = self.decoder.spec
         try:
             cache = KVCache(self.decoder.num_layers, spec.num_kv_heads, spec.head_dim, capacity, self.decoder.dtype,
-                            self.decoder.device, pool, slots=slots, spare=spare, arena=self.decoder.kv_arena)
+                            self.decoder.device, pool, slots=slots, spare=spare, arena=self.decoder.kv_arena,
+                            planes=spec.kv_planes)
         except BaseException:
             if spare is not None and not self.spares.keep(spare):  # the budget refused the session: the buffer stays spare
                 spare.free_buffer()

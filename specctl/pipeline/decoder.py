@@ -162,7 +162,8 @@ class PipelineCache(KVCache):
 
     def __init__(self, decoder: Decoder, capacity: int, pool: KVPool | None, client: PipelineClient, sid: int) -> None:
         s = decoder.spec
-        super().__init__(decoder.num_layers, s.num_kv_heads, s.head_dim, capacity, decoder.dtype, decoder.device, pool)
+        super().__init__(decoder.num_layers, s.num_kv_heads, s.head_dim, capacity, decoder.dtype, decoder.device, pool,
+                         planes=s.kv_planes)
         self.client, self.sid, self.epoch = client, sid, client.epoch
         client._check(self.epoch)
         client.post(self.epoch, StageOpen(sid, capacity))

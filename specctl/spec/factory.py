@@ -48,7 +48,8 @@ def load_named(name: str, config: Config, console: Console | None = None, quant:
     with console.status(f"loading {name}{what} ({quant if quant != 'none' else config.dtype})"):
         # int8: loaded as stored (bf16), each linear widened only while it is quantized.
         model = load_model(name, path, "stored" if quant == "int8" else dtype, num_layers=layers,
-                           device=config.device, backend=config.attention_backend, stage=stage)
+                           device=config.device, backend=config.attention_backend, stage=stage,
+                           latent_cache=config.mla_cache == "latent")
         model.decoder = quantize_decoder(model.decoder, quant)
         if target and config.row_exact_attention and rows.candidate(config.device, dtype, quant):
             min_rows = rows.decoder_min_rows(model.decoder, quant)
