@@ -59,6 +59,8 @@ def test_known_shapes_and_the_limit():
                                                   ("pythia-6.9b", "gpt_neox", 6.857, 32, 128),
                                                   ("glm-4.5-air", "glm4_moe", 106.85, 96, 128),  # the card: 106B
                                                   ("deepseek-v2-lite", "deepseek_v2", 15.71, 16, 576),  # card: 15.7B; the latent cache's 512 + 64
+                                                  # the card's 109B counts its vision encoder (~0.8B)
+                                                  ("llama-4-scout", "llama4_text", 107.77, 40, 128),
                                                   ("gpt-oss-20b", "gpt_oss", 20.91, 64, 64),
                                                   ("gpt-oss-120b", "gpt_oss", 116.83, 64, 64)):
         spec = ModelSpec.from_hf(shape_config(name))
@@ -70,6 +72,9 @@ def test_known_shapes_and_the_limit():
     assert (active + 151936 * 2048) / 1e9 == pytest.approx(3.3, abs=0.06)  # the card's 3.3B active count the table
     active = weight_bytes_per_step(random_decoder(shape_config("qwen1.5-moe-a2.7b"), torch.bfloat16, "meta")) / 2
     assert (active + 151936 * 2048) / 1e9 == pytest.approx(2.69, abs=0.01)  # the card's 2.7B: the shared expert whole
+    # Llama 4 Scout: 16.14B read a token, and the embedding table's 1.03B make the card's 17B active
+    active = weight_bytes_per_step(random_decoder(shape_config("llama-4-scout"), torch.bfloat16, "meta")) / 2
+    assert (active + 202048 * 5120) / 1e9 == pytest.approx(17.17, abs=0.01)
     for name, billions in (("gpt-oss-20b", 3.61), ("gpt-oss-120b", 5.13)):  # OpenAI's card: the head, not the table
         active = weight_bytes_per_step(random_decoder(shape_config(name), torch.bfloat16, "meta")) / 2
         assert active / 1e9 == pytest.approx(billions, abs=0.01), name
@@ -233,3 +238,13 @@ def test_deepseek_v3_s_shape_has_the_card_s_671b_and_37b_a_token():
     assert weight_bytes_per_step(decoder) / 2 / 1e9 == pytest.approx(36.63, abs=0.01)
     assert decoder.spec.head_dim == 576 and decoder.spec.num_kv_heads == 1  # one latent + rotated key a token
     assert decoder.spec.kv_bytes_per_token(torch.bfloat16) == 70_272
+
+
+@pytest.mark.slow  # 24 layers of 128 experts built on "meta": ~8 s
+def test_llama4_maverick_s_shape_has_the_card_s_400b_and_17b_a_token():
+    """Llama 4 Maverick: mixtures of 128 experts on every other layer, 400.71B as text (the card's
+    400B with its vision encoder); a token reads 16.15B, 17.18B with its embedding row's table."""
+    decoder = random_decoder(shape_config("llama-4-maverick"), torch.bfloat16, "meta")
+    assert sum(p.numel() for p in decoder.parameters()) / 1e9 == pytest.approx(400.71, abs=0.01)
+    assert (weight_bytes_per_step(decoder) / 2 + 202048 * 5120) / 1e9 == pytest.approx(17.18, abs=0.01)
+    assert decoder.spec.sparse_layers[:4] == (False, True, False, True) and not decoder.spec.qk_l2_norm

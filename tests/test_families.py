@@ -2,6 +2,7 @@
 transformers reads them: each one checked to count (taken away, the logits move), and where the
 family's numerics allow, bf16 logits equal to transformers' to the bit."""
 
+import dataclasses
 import math
 
 import pytest
@@ -763,6 +764,89 @@ def test_latent_cache_holds_one_vector_a_token_and_layer_and_attends_as_transfor
     after = fp32(ids[36:37], torch.tensor([33]), cache)
     kept = torch.cat((ids[:31], ids[32:34], ids[36:37]))
     assert _max_rel_diff(after, fp32(kept, torch.arange(34), fp32.new_cache(40))[-1:]) <= 1e-4
+
+
+def test_llama4_chunks_attention_tunes_nope_queries_and_weighs_its_expert_s_input(tiny, tiny_dir):
+    """Llama 4 (Scout, Maverick; text): RoPE on pairs as complex numbers in float32 then q/k RMS-
+    normed without weight; RoPE layers attend within chunks of 16 positions, every 4th layer without
+    RoPE over everything, its queries scaled by log1p(floor((p + 1) / 8)) * 0.1 + 1; odd layers
+    route each token to its top expert, whose input the sigmoid of its logit weighs, beside a
+    shared expert (dense layers 128 wide, experts 32). 60 tokens (four chunks): fp32 within 1e-4 of
+    transformers' prefilled and step by step, bf16 to the bit; each departure taken away moves the
+    logits. A tree whose path crosses a chunk boundary in a slot past its position attends as AR."""
+    path = tiny_dir["llama4"]
+    decoder = load_decoder(path, torch.bfloat16)
+    spec = decoder.spec
+    assert spec.layer_windows == (16, 16, 16, None) and spec.chunked_attention and spec.rope_layers == (True,) * 3 + (False,)
+    assert spec.sparse_layers == (False, True, False, True) and spec.qk_l2_norm and spec.query_temperature == (0.1, 8)
+    assert spec.intermediate_size == 128 and spec.expert_intermediate_size == 32 and not spec.gated_shared_expert
+    moe = decoder.layers[1].mlp
+    assert isinstance(moe, SparseMoE) and moe.routing.kind == "sigmoid_on_input" and moe.top_k == 1
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (60,))
+    _bf16_equals_transformers(decoder, path, ids)
+    _check_parity(path, ids, split=40)
+    fp32, ref = _fp32_parity(path, ids)
+
+    def moved() -> bool:
+        return _max_rel_diff(fp32(ids, torch.arange(60), fp32.new_cache(60)), ref) > 0.01
+
+    fp32.spec = dataclasses.replace(spec, chunked_attention=False)  # windows of 16 instead of chunks
+    assert moved()
+    fp32.spec = dataclasses.replace(spec, query_temperature=None)
+    assert moved()
+    fp32.spec = spec
+    for layer in fp32.layers:
+        layer.self_attn.qk_l2_eps = None
+    assert moved()
+    fp32 = load_decoder(path)
+    for layer in fp32.layers[1::2]:
+        layer.mlp.routing = Routing("softmax_over_chosen")  # the expert's output weighed (by 1: its softmax of one)
+    assert moved()
+    # 14 tokens, then a tree: x1, x2 at 14; y (child of x2) at 15 in slot 16; z at 16 (a new chunk) in slot
+    # 17; w at 17: z and w must not see y (position 15, another chunk) though its slot is in theirs
+    fp32 = load_decoder(path)
+    cache = fp32.new_cache(32)
+    fp32(ids[:14], torch.arange(14), cache)
+    x1, x2, y, z, w = ids[20:25]
+    tree = torch.ones(5, 19, dtype=torch.bool)
+    tree[:, 14:] = torch.tensor([[1, 0, 0, 0, 0], [0, 1, 0, 0, 0], [0, 1, 1, 0, 0], [0, 1, 1, 1, 0],
+                                 [0, 1, 1, 1, 1]], dtype=torch.bool)
+    logits = fp32(torch.stack((x1, x2, y, z, w)), torch.tensor([14, 14, 15, 16, 17]), cache, tree)
+    path_text = torch.cat((ids[:14], torch.stack((x2, y, z, w))))
+    alone = fp32(path_text, torch.arange(18), fp32.new_cache(32))[14:]
+    assert _max_rel_diff(logits[1:], alone) <= 1e-5
+    _speculation_is_exact(tiny["llama4"], tiny["llama4-draft"])
+
+
+def test_a_multimodal_llama4_checkpoint_serves_its_language_model(tmp_path):
+    """Llama 4 ships as Llama4ForConditionalGeneration (text_config; the language model's tensors
+    under language_model.model.*, its experts as stacks): decoded as that class's language model
+    decodes text — bf16 logits to the bit (transformers 5.24's own text-only forward of the whole
+    class fails, so its language_model is the reference) — with no vision tensor loaded."""
+    from transformers import Llama4Config, Llama4ForConditionalGeneration, Llama4VisionConfig
+
+    from specctl.engine.tiny import make_byte_tokenizer
+
+    vision = Llama4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+                                projector_output_dim=64)
+    config = Llama4Config(text_config=tiny_config("llama4_text", initializer_range=0.2).to_dict(),
+                          vision_config=vision.to_dict(), image_token_index=300, boi_token_index=301,
+                          eoi_token_index=302)
+    torch.manual_seed(62)
+    Llama4ForConditionalGeneration(config).save_pretrained(tmp_path / "mm")
+    make_byte_tokenizer().save_pretrained(tmp_path / "mm")
+    with safe_open(str(tmp_path / "mm" / "model.safetensors"), framework="pt") as f:
+        assert "language_model.model.layers.1.feed_forward.experts.gate_up_proj" in f.keys()
+        assert any(key.startswith("vision_model.") for key in f.keys())
+    decoder = load_decoder(tmp_path / "mm", torch.bfloat16)
+    assert decoder.spec.arch == "llama4_text" and not any("vision" in name for name in decoder.state_dict())
+    ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(0))
+    whole = Llama4ForConditionalGeneration.from_pretrained(tmp_path / "mm", dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        ref = whole.language_model(input_ids=ids[None]).logits[0].float()
+    assert torch.equal(decoder(ids, torch.arange(40), decoder.new_cache(40)), ref)
 
 
 def test_deepseek_v2_routes_by_softmax_within_the_best_group_and_rotates_complex_pairs(tmp_path):

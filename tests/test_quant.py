@@ -52,7 +52,7 @@ def _prefilled(decoder, prompt: list[int]):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
                                   "mixtral", "olmo2", "starcoder2", "cohere2", "gpt_oss", "gpt_neox",
-                                  "glm4_moe", "deepseek_v3"])
+                                  "glm4_moe", "deepseek_v3", "llama4"])
 def test_int8_decoder_sessions_batched_equal_alone_bitwise(tiny_dir, tiny, arch):
     decoder = quantize_decoder(load_decoder(tiny_dir[arch]), "int8")
     # (but an absorbing latent attention's kv_b_proj: its weight is read per head, never applied as a layer)
@@ -78,7 +78,7 @@ def test_int8_decoder_sessions_batched_equal_alone_bitwise(tiny_dir, tiny, arch)
     # the tiny DeepSeek-V3, its kv_b_proj kept float for the latent cache, 43 % here — 8 % with it int8 too, yet
     # 11-27 % either way on three other prompts: its routes flip as gpt-oss's do)
     tolerance = {"qwen3": 0.1, "gemma3": 0.1, "olmo2": 0.1, "cohere2": 0.1, "qwen2_moe": 0.15, "qwen3_moe": 0.15,
-                 "mixtral": 0.15, "glm4_moe": 0.15, "deepseek_v3": 0.5,
+                 "mixtral": 0.15, "glm4_moe": 0.15, "llama4": 0.15, "deepseek_v3": 0.5,
                  "gpt_oss": 0.4}.get(arch, 0.05)
     assert _relative_error(alone[2], full) < tolerance
 

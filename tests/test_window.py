@@ -2,6 +2,7 @@
 that slides, and every mode's output equal to the target alone's there (fp32, bf16 row-exact,
 static steps, sessions verified together)."""
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
@@ -114,6 +115,29 @@ def test_a_cut_is_the_window_s_keys_a_view_for_a_decode_step_and_a_mask_for_seve
     full = causal_mask(3, 43).numpy().copy()
     window_rows(full, torch.arange(40, 43).numpy(), WINDOW)
     assert full[:, 17:].tolist() == chain.mask.tolist() and not full[:, :17].any()
+
+
+def test_a_chunk_cut_sees_its_own_chunk_by_the_keys_positions():
+    """Llama 4's chunks (16 here): a row at position p sees keys at p // 16 * 16 .. p. A decode
+    step at 40 reads slots 32.. (a view). A tree over 30 committed tokens: x1, x2 at 30 (slots 30,
+    31), y (x2's child) at 31 in slot 32, z (y's child) at 32 — a new chunk — in slot 33: z sees
+    itself only, not y, whose slot lies in z's chunk but whose position does not (a cut by slots
+    would show it); y sees the committed 16..29, x2 and itself. The static step's rows (over the
+    whole buffer, their write slots given) get the same."""
+    assert window_cut(torch.tensor([15]), 16, None, 16, chunked=True) is None  # the first chunk: all visible
+    step = window_cut(torch.tensor([40]), 41, None, 16, chunked=True)
+    assert step.start == 32 and step.mask is None
+    tree = torch.cat((torch.ones(4, 30, dtype=torch.bool),
+                      torch.tensor([[1, 0, 0, 0], [0, 1, 0, 0], [0, 1, 1, 0], [0, 1, 1, 1]]).bool()), 1)
+    positions = torch.tensor([30, 30, 31, 32])  # x1, x2, y, z
+    cut = window_cut(positions, 34, tree, 16, chunked=True)
+    assert cut.start == 16
+    visible = [(row.nonzero().flatten() + 16).tolist() for row in cut.mask]
+    assert visible == [list(range(16, 31)), [*range(16, 30), 31], [*range(16, 30), 31, 32], [33]]
+    full = np.zeros((4, 48), dtype=bool)
+    full[:, :34] = tree.numpy()
+    window_rows(full, positions.numpy(), 16, chunked=True, written=np.arange(30, 34))
+    assert [row.nonzero()[0].tolist() for row in full] == visible
 
 
 def _modes(draft):

@@ -119,6 +119,21 @@ SHAPES: dict[str, dict] = {
                          num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
                          tie_word_embeddings=False, num_local_experts=128, num_experts_per_tok=4, sliding_window=128,
                          max_position_embeddings=131072, rms_norm_eps=1e-5),
+    # Llama 4 Scout (17B active, 16 experts): every layer a mixture (the top expert + a shared one), dense MLPs
+    # 16384 wide elsewhere none; 3 of 4 layers in chunks of 8192 positions with q/k L2 norms, every 4th NoPE
+    "llama-4-scout": dict(model_type="llama4_text", hidden_size=5120, intermediate_size=8192,
+                          intermediate_size_mlp=16384, num_hidden_layers=48, num_attention_heads=40,
+                          num_key_value_heads=8, head_dim=128, vocab_size=202048, tie_word_embeddings=False,
+                          num_local_experts=16, num_experts_per_tok=1, interleave_moe_layer_step=1,
+                          attention_chunk_size=8192, use_qk_norm=True, rms_norm_eps=1e-5,
+                          max_position_embeddings=10485760),
+    # Llama 4 Maverick (17B active, 128 experts): mixtures on every other layer, dense ones 16384 wide, no q/k norms
+    "llama-4-maverick": dict(model_type="llama4_text", hidden_size=5120, intermediate_size=8192,
+                             intermediate_size_mlp=16384, num_hidden_layers=48, num_attention_heads=40,
+                             num_key_value_heads=8, head_dim=128, vocab_size=202048, tie_word_embeddings=False,
+                             num_local_experts=128, num_experts_per_tok=1, interleave_moe_layer_step=2,
+                             attention_chunk_size=8192, use_qk_norm=False, rms_norm_eps=1e-5,
+                             max_position_embeddings=1048576),
 }
 SHAPE_ALIASES = {"0.5b": "qwen2.5-0.5b", "1.5b": "qwen2.5-1.5b", "7b": "qwen2.5-7b", "0.6b": "qwen3-0.6b",
                  "1.7b": "qwen3-1.7b", "8b": "qwen3-8b"}

@@ -97,6 +97,8 @@ def checkpoint_name(spec: ModelSpec, name: str) -> str:
         return name.replace("mlp.gate.", "mlp.router.")
     if spec.arch in ("glm4_moe", "deepseek_v3", "deepseek_v2"):  # its shared expert (ungated)
         return name.replace("mlp.shared_expert.", "mlp.shared_experts.")
+    if spec.arch == "llama4_text":  # its MLP is feed_forward, its router router (its experts: expert_stacks)
+        return name.replace("mlp.gate.", "mlp.router.").replace("mlp.", "feed_forward.", 1)
     if spec.arch == "hunyuan_v1_dense":  # its q/k norms
         return name.replace("self_attn.q_norm.", "self_attn.query_layernorm.").replace(
             "self_attn.k_norm.", "self_attn.key_layernorm.")
@@ -205,6 +207,14 @@ def expert_stacks(spec: ModelSpec, first: int, last: int) -> dict[str, Split]:
         key, name = f"model.layers.{index}.mlp", f"layers.{index - first}.mlp"
         if spec.arch == "gpt_oss":
             stacks.update(gpt_oss_stacks(spec, key, name))
+            continue
+        if spec.arch == "llama4_text":  # stored as x @ W multiplies: gate_up [E, H, 2I] (gate, then up), down [E, I, H]
+            key = f"model.layers.{index}.feed_forward"
+            stacks[f"{key}.experts.gate_up_proj"] = Split(
+                [f"{name}.experts.{e}.{p}.weight" for e in range(experts) for p in ("gate_proj", "up_proj")],
+                [inner] * 2 * experts, transposed=True)
+            stacks[f"{key}.experts.down_proj"] = Split([f"{name}.experts.{e}.down_proj.weight" for e in range(experts)],
+                                                       [spec.hidden_size] * experts, transposed=True)
             continue
         stacks[f"{key}.experts.gate_up_proj"] = Split(
             [f"{name}.experts.{e}.{p}.weight" for e in range(experts) for p in ("gate_proj", "up_proj")],

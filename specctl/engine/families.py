@@ -12,11 +12,11 @@ from specctl.errors import UnsupportedArchitecture
 
 def text_config(config: Any) -> Any:
     """The config of the decoder specctl runs: a multimodal Gemma 3 checkpoint's (4B, 12B, 27B:
-    Gemma3ForConditionalGeneration) ``text_config`` — its language model is Gemma3ForCausalLM's,
+    Gemma3ForConditionalGeneration) or Llama 4's (Llama4ForConditionalGeneration) ``text_config`` — its language model is Gemma3ForCausalLM's,
     and text-only requests never reach its vision tower — else the config itself. The wrapper's
     own tie_word_embeddings decides whether its head is the embedding table (transformers ties by
     the outer config), so the copy returned carries it."""
-    if config.model_type != "gemma3":
+    if config.model_type not in ("gemma3", "llama4"):
         return config
     text = copy.copy(config.text_config)
     text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
@@ -30,6 +30,7 @@ def family_facts(config: Any) -> dict[str, Any]:
             **(_experts(config) if arch in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "deepseek_v3",
                                             "deepseek_v2") else {}),
             **(_deepseek_v3(config) if arch in ("deepseek_v3", "deepseek_v2") else {}),
+            **(_llama4(config) if arch == "llama4_text" else {}),
             **(_gpt_oss(config) if arch == "gpt_oss" else {}),
             **(_gpt_neox(config) if arch == "gpt_neox" else {}),
             **(_granite(config) if arch == "granite" else {}),
@@ -114,6 +115,29 @@ def _deepseek_v3(config: Any) -> dict[str, Any]:
                                   config.qk_rope_head_dim, config.v_head_dim),
                 head_dim=config.qk_nope_head_dim + config.qk_rope_head_dim, rope_dim=config.qk_rope_head_dim,
                 num_kv_heads=config.num_attention_heads, attn_scale=scale, rope_interleaved=v2, rope_in_float32=v2)
+
+
+def _llama4(config: Any) -> dict[str, Any]:
+    """Llama 4 (Scout, Maverick; transformers' modeling_llama4): RoPE on neighbouring pairs as
+    complex numbers in float32, then (use_qk_norm) queries and keys RMS-normed without weight;
+    every 4th layer (no_rope_layers 0) attends without RoPE over the whole context, its queries
+    temperature-tuned by position; the others within chunks of attention_chunk_size positions.
+    Its mixtures (moe_layers) route each token to its top expert, whose input — not output — is
+    weighed by the sigmoid of its logit, beside an ungated shared expert; dense layers are
+    intermediate_size_mlp wide."""
+    rotates = tuple(map(bool, config.no_rope_layers))
+    chunk = getattr(config, "attention_chunk_size", None)
+    chunked = tuple(chunk if kind == "chunked_attention" and chunk else None for kind in config.layer_types)
+    moe = set(config.moe_layers)
+    return dict(rope_layers=rotates, rope_interleaved=True, rope_in_float32=True, rotation_in_float32=True,
+                qk_l2_norm=bool(config.use_qk_norm), layer_windows=chunked, chunked_attention=any(chunked),
+                query_temperature=((config.attn_scale, config.floor_scale) if config.attn_temperature_tuning
+                                   else None),
+                intermediate_size=config.intermediate_size_mlp,
+                sparse_layers=tuple(i in moe for i in range(config.num_hidden_layers)),
+                num_experts=config.num_local_experts, experts_per_token=config.num_experts_per_tok,
+                expert_intermediate_size=config.intermediate_size, routing="sigmoid_on_input",
+                shared_expert_intermediate_size=config.intermediate_size, gated_shared_expert=False)
 
 
 def _gpt_neox(config: Any) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from torch import nn
 
 from specctl.engine.kv_cache import KVCache
 from specctl.engine.moe import ClampedSwiGLUExpert, Routing, SparseMoE, mlps
-from specctl.engine.norms import RMSNorm, make_norm, rms_norm
+from specctl.engine.norms import RMSNorm, make_norm, rms_norm, unit_rms_norm
 from specctl.engine.rope import apply_rope
 from specctl.engine.spec import ModelSpec
 from specctl.engine.static import StaticSegment
@@ -49,6 +49,7 @@ class Attention(nn.Module):
         self.rope_interleaved = spec.rope_interleaved
         self.rotation_in_float32 = spec.rotation_in_float32
         self.qk_norm_after_rope = spec.qk_norm_after_rope
+        self.qk_l2_eps = spec.rms_eps if spec.qk_l2_norm else None  # Llama 4: rotated q and k RMS-normed, no weight
         q_width, k_width = ((h * d, kv * d) if spec.qk_norm_across_heads
                             else ((h, d), (kv, d)) if spec.qk_norm_weights_per_head else (d, d))
         self.q_norm = RMSNorm(q_width, spec.rms_eps, **spec.norm_style) if spec.qk_norm else None
@@ -110,6 +111,10 @@ class Attention(nn.Module):
             # cast back: OLMo rotates in float32 (its cos/sin are; Decoder._ropes), a no-op otherwise
             pairs = self.rope_interleaved
             q, k = apply_rope(q, cos, sin, pairs).to(v.dtype), apply_rope(k, cos, sin, pairs).to(v.dtype)
+            if self.qk_l2_eps is not None:
+                q, k = unit_rms_norm(q, self.qk_l2_eps), unit_rms_norm(k, self.qk_l2_eps)
+        elif sin is not None:  # Llama 4's NoPE layer: its queries times their positions' temperatures
+            q = (q * sin[:, None]).to(v.dtype)
         if self.qk_norm_after_rope:  # Hunyuan
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v

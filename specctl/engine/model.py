@@ -139,7 +139,7 @@ class Decoder(nn.Module):
     def _ropes(self, positions: torch.Tensor, dtype: torch.dtype):
         """(cos, sin) of ``positions`` for each layer: one pair shared, or Gemma 3's two; in
         float32 where the model rotates in float32 (OLMo); (None, None) for a layer that does not
-        rotate (SmolLM3's NoPE layers)."""
+        rotate (SmolLM3's NoPE layers) — Llama 4's: (None, its queries' temperature scales)."""
         dtype = torch.float32 if self.spec.rope_in_float32 else dtype
         pairs = self.spec.rope_interleaved
         full = rope_cos_sin(self.inv_freq, self.rope_scaling, positions, dtype, pairs)
@@ -147,7 +147,12 @@ class Decoder(nn.Module):
                  else rope_cos_sin(self.local_inv_freq, self.local_rope_scaling, positions, dtype, pairs))
         if local is None and all(layer.rotates for layer in self.layers):
             return [full] * len(self.layers)
-        return [(None, None) if not layer.rotates else local if layer.rotates_locally else full
+        unrotated = (None, None)
+        if self.spec.query_temperature is not None:
+            # log1p(floor((p + 1) / floor_scale)) * scale + 1 in float32, as transformers tunes a NoPE layer's queries
+            scale, floor_scale = self.spec.query_temperature
+            unrotated = (None, torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * scale + 1.0)
+        return [unrotated if not layer.rotates else local if layer.rotates_locally else full
                 for layer in self.layers]
 
     @property
@@ -312,7 +317,7 @@ class Decoder(nn.Module):
         ropes = self._ropes(positions.to(self.device), x.dtype)
         if self.spec.window is not None and segments.paged is None:
             segments = dataclasses.replace(segments, windows=[
-                window_cut(positions[lo:hi], cache.length + hi - lo, mask, self.spec.window)
+                window_cut(positions[lo:hi], cache.length + hi - lo, mask, self.spec.window, self.spec.chunked_attention)
                 for (lo, hi), cache, mask in zip(segments.bounds, segments.caches, segments.masks)])
         for i, (layer, (cos, sin)) in enumerate(zip(self.layers, ropes)):
             x = layer(x, cos, sin, segments, i)

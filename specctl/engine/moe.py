@@ -1,4 +1,4 @@
-"""Sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral, Qwen2-MoE, gpt-oss, GLM-4.5): a router picks each
+"""Sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral, Qwen2-MoE, gpt-oss, GLM-4.5, Llama 4): a router picks each
 token's top-k experts, whose outputs are summed with the router's weights, as transformers
 computes it; Qwen2-MoE adds a shared expert every token runs, scaled by a sigmoid gate of its
 own; gpt-oss's experts are clamped SwiGLUs with biases (ClampedSwiGLUExpert).
@@ -26,7 +26,9 @@ class Routing:
     (GLM-4.5, DeepSeek-V3): sigmoid scores plus a learned correction choose the top k within the
     ``top_groups`` best of ``groups`` expert groups, the uncorrected scores weigh them, times ``scale``;
     ``softmax_grouped`` (DeepSeek-V2): float32 softmax scores, the top k within the best groups (by
-    their best score), weighed by those scores times ``scale``, never renormalised."""
+    their best score), weighed by those scores times ``scale``, never renormalised;
+    ``sigmoid_on_input`` (Llama 4): the top-k logits' float32 sigmoids, in the model's dtype, weigh
+    each expert's input rather than its output."""
 
     kind: str = "softmax"
     normalize: bool = False  # the top-k weights rescaled to sum to 1
@@ -35,7 +37,7 @@ class Routing:
     scale: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("softmax", "softmax_over_chosen", "sigmoid_grouped", "softmax_grouped"):
+        if self.kind not in ("softmax", "softmax_over_chosen", "sigmoid_grouped", "softmax_grouped", "sigmoid_on_input"):
             raise ValueError(f"unknown routing {self.kind!r}")
 
 
@@ -95,6 +97,9 @@ class SparseMoE(nn.Module):
                                          lambda grouped: grouped.amax(-1), 0.0)
             weights, chosen = torch.topk(scores, self.top_k, dim=-1, sorted=False)
             return weights * routing.scale, chosen
+        if routing.kind == "sigmoid_on_input":
+            top, chosen = torch.topk(logits, self.top_k, dim=-1)
+            return torch.sigmoid(top.float()).to(logits.dtype), chosen
         if routing.kind == "softmax_over_chosen":
             top, chosen = torch.topk(logits, self.top_k, dim=-1)
             weights = F.softmax(top, dim=-1, dtype=top.dtype)
@@ -111,7 +116,10 @@ class SparseMoE(nn.Module):
         out = torch.zeros_like(h)
         for expert in chosen.unique().tolist():  # ascending: each token's experts add in one order
             tokens, slots = torch.where(chosen == expert)
-            y = self.experts[expert](h[tokens]) * weights[tokens, slots, None]
+            if self.routing.kind == "sigmoid_on_input":  # Llama 4 weighs the expert's input
+                y = self.experts[expert](h[tokens] * weights[tokens, slots, None])
+            else:
+                y = self.experts[expert](h[tokens]) * weights[tokens, slots, None]
             out.index_add_(0, tokens, y.to(out.dtype))
         if self.shared_expert is not None:  # added after the routed experts, as transformers adds it
             shared = self.shared_expert(h)

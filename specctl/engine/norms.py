@@ -50,6 +50,12 @@ def float_scaled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, off
     return (h * (offset + weight.float())).to(x.dtype)
 
 
+def unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """An RMS norm without weight, in float32, cast back (Llama 4's L2 norm of queries and keys)."""
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm: normalised in float32, cast back, then scaled."""
     h = x.float()

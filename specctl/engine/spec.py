@@ -13,7 +13,7 @@ from specctl.errors import BadRequest, UnsupportedArchitecture
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text", "qwen2_moe", "qwen3_moe",
              "mixtral", "granite", "olmo2", "olmo3", "starcoder2", "smollm3", "glm4", "exaone4", "cohere",
              "cohere2", "seed_oss", "hunyuan_v1_dense", "arcee", "gpt_oss", "gpt_neox", "glm4_moe", "deepseek_v3",
-             "deepseek_v2")
+             "deepseek_v2", "llama4_text")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +74,14 @@ class ModelSpec:
     rope_layers: tuple[bool, ...] = ()
     # per layer: the sliding window it attends over (its last this-many positions), None = all
     layer_windows: tuple[int | None, ...] = ()
+    # Llama 4's: layer_windows are chunks — a query sees the keys of its own chunk of that many
+    # positions (p // C * C .. p), not its last C (engine.window)
+    chunked_attention: bool = False
+    # Llama 4's: queries and keys of the layers that rotate normed (RMS, no weight, in float32) after RoPE
+    qk_l2_norm: bool = False
+    # Llama 4's temperature tuning: a NoPE layer's queries times log1p(floor((p + 1) / floor_scale))
+    # * scale + 1 at position p; (scale, floor_scale), None: off
+    query_temperature: tuple[float, float] | None = None
     # mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral): per layer whether its MLP is sparse, and the experts
     sparse_layers: tuple[bool, ...] = ()
     num_experts: int = 0
@@ -114,7 +122,8 @@ class ModelSpec:
                     or self.qk_norm_across_heads or self.norm_scale_in_float32 or self.rope_in_float32
                     or self.layer_norm or not self.gated_mlp or not all(self.rope_layers) or self.rope_interleaved
                     or self.parallel_residual or self.centered_norms or self.rotation_in_float32
-                    or self.attention_sinks or self.parallel_two_norms or self.latent_attention is not None)
+                    or self.attention_sinks or self.parallel_two_norms or self.latent_attention is not None
+                    or self.qk_l2_norm or self.query_temperature is not None)
 
     @property
     def norm_style(self) -> dict[str, bool]:

@@ -157,7 +157,7 @@ class StepGraph:
         if self.window is not None:
             window = self.host_window.numpy()
             window[:] = self.host_mask.numpy()
-            window_rows(window, index[1, :n], self.window)
+            window_rows(window, index[1, :n], self.window, self.decoder.spec.chunked_attention, index[2, :n])
             self.window_mask.copy_(self.host_window, non_blocking=True)
         if ids_on_device:
             self.index[0, :n].copy_(inputs)

@@ -90,6 +90,14 @@ def _tiny_family(arch: str, hidden: int) -> tuple[str, bool, dict, str]:
                                                     "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
                                                     "qk_rope_head_dim": 8, "v_head_dim": 12, "head_dim": 8,
                                                     "num_key_value_heads": 4}),
+        # Llama 4: every other layer a mixture (4 experts of 32, the top one a token, a shared one), dense
+        # layers 128 wide; every 4th layer without RoPE (temperature-tuned from position 8 on), the others in
+        # chunks of 16 positions
+        "llama4_text": ("Llama4TextConfig", False, {"num_local_experts": 4, "num_experts_per_tok": 1,
+                                                    "intermediate_size": hidden // 2, "intermediate_size_mlp": 2 * hidden,
+                                                    "interleave_moe_layer_step": 2, "attention_chunk_size": 16,
+                                                    "floor_scale": 8, "attn_scale": 0.1, "moe_layers": None,
+                                                    "no_rope_layers": None, "layer_types": None}),
         # gpt-oss: 4 experts of 32, 2 a token; sliding and full layers alternate (give sliding_window);
         # its YaRN RoPE (factor 32) over a 16-token original context
         "gpt_oss": ("GptOssConfig", False, {"num_local_experts": 4, "num_experts_per_tok": 2,
