@@ -131,6 +131,10 @@ def tiny_dir(tmp_path_factory) -> dict[str, Path]:
         "llama4": make_tiny_model(root / "llama4", "llama4_text", seed=60, init_std=0.2, norm_std=0.3),
         "llama4-draft": make_tiny_model(root / "llama4-draft", "llama4_text", seed=61, layers=2, init_std=0.2,
                                         norm_std=0.3),
+        # Phi-2: one LayerNorm, attention and a plain MLP side by side, partial RoPE, biases (the head's too)
+        "phi": make_tiny_model(root / "phi", "phi", seed=80, init_std=0.2, norm_std=0.3, bias_std=0.1),
+        "phi-draft": make_tiny_model(root / "phi-draft", "phi", seed=81, layers=2, init_std=0.2, norm_std=0.3,
+                                     bias_std=0.1),
         # Granite: its embedding, attention, residual and logit scalars (tiny_config sets them away from 1)
         "granite": make_tiny_model(root / "granite", "granite", seed=20),
         "granite-draft": make_tiny_model(root / "granite-draft", "granite", seed=21, layers=2),
@@ -144,7 +148,7 @@ def tiny(tiny_dir):
     out = {}
     for arch in ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe", "mixtral", "granite",
                  "olmo2", "olmo3", "starcoder2", "smollm3", "glm4", "exaone4", "cohere2", "gpt_oss",
-                 "gpt_neox", "glm4_moe", "deepseek_v3", "llama4"):
+                 "gpt_neox", "glm4_moe", "deepseek_v3", "llama4", "phi"):
         out[arch] = load_decoder(tiny_dir[arch])
         out[f"{arch}-draft"] = load_decoder(tiny_dir[f"{arch}-draft"])
         out[f"{arch}-self2"] = load_decoder(tiny_dir[arch], layer_range=(0, 2))

@@ -59,6 +59,8 @@ def test_known_shapes_and_the_limit():
                                                   ("pythia-6.9b", "gpt_neox", 6.857, 32, 128),
                                                   ("glm-4.5-air", "glm4_moe", 106.85, 96, 128),  # the card: 106B
                                                   ("deepseek-v2-lite", "deepseek_v2", 15.71, 16, 576),  # card: 15.7B; the latent cache's 512 + 64
+                                                  ("phi-2", "phi", 2.78, 32, 80),  # 2,779,683,840: the Hub's
+                                                  ("phi-1.5", "phi", 1.42, 32, 64),  # 1,418,270,720
                                                   # the card's 109B counts its vision encoder (~0.8B)
                                                   ("llama-4-scout", "llama4_text", 107.77, 40, 128),
                                                   ("gpt-oss-20b", "gpt_oss", 20.91, 64, 64),

@@ -29,7 +29,7 @@ def _check_parity(path, ids: torch.Tensor, split: int):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
                                   "mixtral", "granite", "olmo2", "olmo3", "starcoder2", "smollm3", "glm4", "exaone4",
-                                  "cohere2", "gpt_oss", "gpt_neox", "glm4_moe", "deepseek_v3", "llama4"])
+                                  "cohere2", "gpt_oss", "gpt_neox", "glm4_moe", "deepseek_v3", "llama4", "phi"])
 def test_tiny_parity_prefill_and_incremental(tiny_dir, arch):
     torch.manual_seed(0)
     _check_parity(tiny_dir[arch], torch.randint(0, 300, (24,)), split=17)

@@ -849,6 +849,35 @@ def test_a_multimodal_llama4_checkpoint_serves_its_language_model(tmp_path):
     assert torch.equal(decoder(ids, torch.arange(40), decoder.new_cache(40)), ref)
 
 
+def test_phi2_s_parallel_layer_partial_rope_and_head_bias(tiny, tiny_dir):
+    """Phi-1/1.5/2: one LayerNorm feeding attention (biases on q/k/v and its output projection,
+    dense) and a plain gelu_new MLP (fc1, fc2) side by side, added as (attention + MLP) + x; RoPE
+    on the first 40 % of each head (6 of 16 dims: 3 frequencies); the final LayerNorm
+    (final_layernorm) and an LM head with a bias. bf16 logits equal transformers' to the bit;
+    without the head's bias the logits move; the other sum order rounds otherwise in bf16;
+    speculation is exact; per-head q/k LayerNorms are refused by name."""
+    path = tiny_dir["phi"]
+    decoder = load_decoder(path, torch.bfloat16)
+    spec = decoder.spec
+    assert spec.layer_norm and spec.parallel_residual and spec.parallel_branches_first and spec.head_bias
+    assert spec.output_bias and spec.attention_bias and not spec.gated_mlp and spec.activation == "gelu_new"
+    assert decoder.inv_freq.numel() == 3 and decoder.lm_head.bias is not None
+    assert isinstance(decoder.layers[0].mlp, PlainMLP) and decoder.layers[0].self_attn.o_proj.bias is not None
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (40,))
+    ref = _bf16_equals_transformers(decoder, path, ids)
+    for layer in decoder.layers:
+        layer.branches_first = False  # x + attention + MLP, Cohere's order
+    assert not torch.equal(decoder(ids, torch.arange(40), decoder.new_cache(40)), ref)
+    fp32, ref = _fp32_parity(path, ids)
+    with torch.no_grad():
+        fp32.lm_head.bias.zero_()
+    assert _max_rel_diff(fp32(ids, torch.arange(40), fp32.new_cache(40)), ref) > 0.01
+    _speculation_is_exact(tiny["phi"], tiny["phi-draft"])
+    with pytest.raises(UnsupportedArchitecture, match="phi with qk_layernorm"):
+        ModelSpec.from_hf(tiny_config("phi", qk_layernorm=True))
+
+
 def test_deepseek_v2_routes_by_softmax_within_the_best_group_and_rotates_complex_pairs(tmp_path):
     """DeepSeek-V2 / V2-Lite / Coder-V2-Lite: V3's latent attention with RoPE applied to neighbouring
     pairs as complex numbers in float32 (left in place), and experts chosen by float32 softmax

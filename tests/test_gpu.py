@@ -279,7 +279,7 @@ def test_cuda_fp32_equals_cpu_fp32(tiny_dir, tiny):
 @pytest.mark.parametrize("compile", [False, True])
 @pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe", "mixtral", "olmo3",
                                   "starcoder2", "smollm3", "glm4", "exaone4", "cohere2", "gpt_oss",
-                                  "gpt_neox", "glm4_moe", "deepseek_v3", "llama4"])
+                                  "gpt_neox", "glm4_moe", "deepseek_v3", "llama4", "phi"])
 def test_families_on_cuda_graphs_equal_cpu_fp32_and_bf16_speculative_equals_bf16_ar(tiny_dir, tiny, arch, compile):
     """Qwen3's per-head q/k norms and Phi-3's partial rotary in the captured (and compiled) step;
     Gemma 2's own layers (its modules, captured) with the static attention's scale and cap; Gemma 3's

@@ -52,7 +52,7 @@ def _prefilled(decoder, prompt: list[int]):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
                                   "mixtral", "olmo2", "starcoder2", "cohere2", "gpt_oss", "gpt_neox",
-                                  "glm4_moe", "deepseek_v3", "llama4"])
+                                  "glm4_moe", "deepseek_v3", "llama4", "phi"])
 def test_int8_decoder_sessions_batched_equal_alone_bitwise(tiny_dir, tiny, arch):
     decoder = quantize_decoder(load_decoder(tiny_dir[arch]), "int8")
     # (but an absorbing latent attention's kv_b_proj: its weight is read per head, never applied as a layer)

@@ -139,7 +139,7 @@ def test_static_steps_of_a_mixture_of_experts_run_its_modules_and_equal_eager(ti
 
 @pytest.mark.parametrize("compile", [False, True])
 @pytest.mark.parametrize("arch", ["gemma2", "olmo3", "starcoder2", "smollm3", "glm4", "exaone4", "cohere2",
-                                  "gpt_oss", "gpt_neox", "glm4_moe", "deepseek_v3", "llama4"])
+                                  "gpt_oss", "gpt_neox", "glm4_moe", "deepseek_v3", "llama4", "phi"])
 def test_static_steps_of_layers_not_llama_s_run_the_modules_and_equal_eager(tiny, tiny_dir, arch, compile):
     """Gemma 2's and OLMo 3's layers are not the Llama layer the fused pieces compute: their
     static steps run the modules (compile asked or not: nothing to compile, no error) — Gemma 2's

@@ -119,6 +119,13 @@ SHAPES: dict[str, dict] = {
                          num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
                          tie_word_embeddings=False, num_local_experts=128, num_experts_per_tok=4, sliding_window=128,
                          max_position_embeddings=131072, rms_norm_eps=1e-5),
+    # Phi-2 and Phi-1.5 (one tokenizer: a target and its draft): parallel attention and MLP, partial RoPE
+    "phi-2": dict(model_type="phi", hidden_size=2560, intermediate_size=10240, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, vocab_size=51200, tie_word_embeddings=False,
+                  partial_rotary_factor=0.4, hidden_act="gelu_new", max_position_embeddings=2048),
+    "phi-1.5": dict(model_type="phi", hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
+                    num_attention_heads=32, num_key_value_heads=32, vocab_size=51200, tie_word_embeddings=False,
+                    partial_rotary_factor=0.5, hidden_act="gelu_new", max_position_embeddings=2048),
     # Llama 4 Scout (17B active, 16 experts): every layer a mixture (the top expert + a shared one), dense MLPs
     # 16384 wide elsewhere none; 3 of 4 layers in chunks of 8192 positions with q/k L2 norms, every 4th NoPE
     "llama-4-scout": dict(model_type="llama4_text", hidden_size=5120, intermediate_size=8192,

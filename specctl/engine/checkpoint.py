@@ -35,6 +35,8 @@ NEOX_BUFFERS = ("attention.bias", "attention.masked_bias", "attention.rotary_emb
 
 def checkpoint_key(spec: ModelSpec, stored: str) -> str | None:
     """A stored tensor's name as the decoder's checkpoint names go (None: a buffer to skip)."""
+    if spec.arch == "phi":  # Phi-1/1.5/2's final norm
+        return stored.replace("model.final_layernorm.", "model.norm.")
     return neox_key(stored) if spec.arch == "gpt_neox" else language_model_key(stored)
 
 
@@ -97,6 +99,9 @@ def checkpoint_name(spec: ModelSpec, name: str) -> str:
         return name.replace("mlp.gate.", "mlp.router.")
     if spec.arch in ("glm4_moe", "deepseek_v3", "deepseek_v2"):  # its shared expert (ungated)
         return name.replace("mlp.shared_expert.", "mlp.shared_experts.")
+    if spec.arch == "phi":  # its output projection and plain MLP's names
+        return (name.replace("self_attn.o_proj.", "self_attn.dense.").replace("mlp.c_fc.", "mlp.fc1.")
+                .replace("mlp.c_proj.", "mlp.fc2."))
     if spec.arch == "llama4_text":  # its MLP is feed_forward, its router router (its experts: expert_stacks)
         return name.replace("mlp.gate.", "mlp.router.").replace("mlp.", "feed_forward.", 1)
     if spec.arch == "hunyuan_v1_dense":  # its q/k norms

@@ -31,6 +31,7 @@ def family_facts(config: Any) -> dict[str, Any]:
                                             "deepseek_v2") else {}),
             **(_deepseek_v3(config) if arch in ("deepseek_v3", "deepseek_v2") else {}),
             **(_llama4(config) if arch == "llama4_text" else {}),
+            **(_phi(config) if arch == "phi" else {}),
             **(_gpt_oss(config) if arch == "gpt_oss" else {}),
             **(_gpt_neox(config) if arch == "gpt_neox" else {}),
             **(_granite(config) if arch == "granite" else {}),
@@ -138,6 +139,18 @@ def _llama4(config: Any) -> dict[str, Any]:
                 num_experts=config.num_local_experts, experts_per_token=config.num_experts_per_tok,
                 expert_intermediate_size=config.intermediate_size, routing="sigmoid_on_input",
                 shared_expert_intermediate_size=config.intermediate_size, gated_shared_expert=False)
+
+
+def _phi(config: Any) -> dict[str, Any]:
+    """Phi-1, Phi-1.5, Phi-2 (transformers' modeling_phi): one LayerNorm (with bias) feeding
+    attention and a plain MLP (fc1 -> gelu_new -> fc2, biases) side by side, added as
+    (attention + MLP) + x; biases on q/k/v and on the output projection (dense); RoPE on the first
+    partial_rotary_factor of each head; the LM head has a bias. Its q/k LayerNorms (qk_layernorm,
+    no released checkpoint's) are refused."""
+    if getattr(config, "qk_layernorm", False):
+        raise UnsupportedArchitecture("phi with qk_layernorm (per-head q/k LayerNorms) is not run by specctl's engine")
+    return dict(layer_norm=True, gated_mlp=False, activation=config.hidden_act, mlp_bias=True, attention_bias=True,
+                output_bias=True, parallel_residual=True, parallel_branches_first=True, head_bias=True)
 
 
 def _gpt_neox(config: Any) -> dict[str, Any]:

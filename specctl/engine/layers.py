@@ -234,6 +234,7 @@ class DecoderLayer(nn.Module):
         norm = functools.partial(make_norm, spec, spec.hidden_size)
         self.post_norms = spec.post_norms  # OLMo 2/3: the sub-layers' outputs normed, not their inputs
         self.parallel = spec.parallel_residual  # Cohere 2: one norm, attention and MLP side by side
+        self.branches_first = spec.parallel_branches_first  # Phi: (attention + MLP) + x, not (x + attention) + MLP
         self.parallel_two_norms = spec.parallel_two_norms  # GPT-NeoX: side by side from two norms
         if not self.post_norms:
             self.input_layernorm = norm()
@@ -259,6 +260,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, segments: "Segments", layer: int) -> torch.Tensor:
         if self.parallel:
             h = self.input_layernorm(x)
+            if self.branches_first:
+                return self.self_attn(h, cos, sin, segments, layer) + self.mlp(h) + x
             return x + self.self_attn(h, cos, sin, segments, layer) + self.mlp(h)
         if self.parallel_two_norms:
             attention = self.self_attn(self.input_layernorm(x), cos, sin, segments, layer)

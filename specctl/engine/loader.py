@@ -99,8 +99,8 @@ def load_decoder(
         if name.startswith("layers."):
             index, rest = name[len("layers.") :].split(".", 1)
             wanted[f"model.layers.{int(index) + first}.{checkpoint_name(spec, rest)}"] = name
-        elif name == "lm_head.weight":
-            wanted["lm_head.weight"] = name
+        elif name in ("lm_head.weight", "lm_head.bias"):  # (Phi's head has a bias)
+            wanted[name] = name
         else:
             wanted[f"model.{name}"] = name
     if spec.tie_embeddings and "lm_head.weight" in wanted:

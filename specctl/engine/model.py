@@ -45,7 +45,7 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size) if embed else None
         self.layers = nn.ModuleList(DecoderLayer(spec, backend, index) for index in range(first, last))
         self.norm = make_norm(spec, spec.hidden_size) if head else None
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if head else None
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=spec.head_bias) if head else None
         inv_freq, self.rope_scaling = spec.inv_freq()
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         # Gemma 3: its sliding layers' own RoPE (None: every layer rotates with inv_freq)

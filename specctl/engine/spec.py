@@ -13,7 +13,7 @@ from specctl.errors import BadRequest, UnsupportedArchitecture
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text", "qwen2_moe", "qwen3_moe",
              "mixtral", "granite", "olmo2", "olmo3", "starcoder2", "smollm3", "glm4", "exaone4", "cohere",
              "cohere2", "seed_oss", "hunyuan_v1_dense", "arcee", "gpt_oss", "gpt_neox", "glm4_moe", "deepseek_v3",
-             "deepseek_v2", "llama4_text")
+             "deepseek_v2", "llama4_text", "phi")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +64,8 @@ class ModelSpec:
     # without bias (mean taken away, weight in float32); q/k rotated in float32 (cos/sin in the
     # model's dtype); logits times logit_scale
     parallel_residual: bool = False
+    parallel_branches_first: bool = False  # Phi-1/1.5/2's parallel layer adds (attention + MLP) + x
+    head_bias: bool = False  # Phi-1/1.5/2: the LM head has a bias
     # GPT-NeoX's (Pythia's) parallel layer: attention from one LayerNorm, the MLP from another,
     # added as (mlp + attention) + x, as transformers adds them
     parallel_two_norms: bool = False
@@ -156,7 +158,7 @@ class ModelSpec:
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
             rms_eps=getattr(config, {"starcoder2": "norm_epsilon", "cohere": "layer_norm_eps", "cohere2": "layer_norm_eps",
-                                     "gpt_neox": "layer_norm_eps"}.get(arch, "rms_norm_eps")),
+                                     "gpt_neox": "layer_norm_eps", "phi": "layer_norm_eps"}.get(arch, "rms_norm_eps")),
             max_position=context_limit(config),
             tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases, Qwen2-MoE when qkv_bias (its default); Llama and Qwen3 when

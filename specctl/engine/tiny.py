@@ -123,6 +123,8 @@ def _tiny_family(arch: str, hidden: int) -> tuple[str, bool, dict, str]:
         # GPT-NeoX (Pythia): RoPE on a quarter of each head, attention and MLP in parallel (its defaults)
         "gpt_neox": ("GPTNeoXConfig", False, {}),
         "phi3": ("Phi3Config", False, {}),
+        # Phi-2: RoPE on the first 40 % of each head (6 of 16 here), gelu_new, parallel branches, a head bias
+        "phi": ("PhiConfig", False, {"partial_rotary_factor": 0.4}),
         "gemma": ("GemmaConfig", True, {}),
         # their query scalar defaults to 256; the 27B's is not its head dim either
         "gemma2": ("Gemma2Config", True, {"query_pre_attn_scalar": 24}),
@@ -131,7 +133,7 @@ def _tiny_family(arch: str, hidden: int) -> tuple[str, bool, dict, str]:
     if arch not in families:
         raise ValueError(f"no tiny config for {arch!r}")
     eps_name = {"starcoder2": "norm_epsilon", "cohere": "layer_norm_eps", "cohere2": "layer_norm_eps",
-                "gpt_neox": "layer_norm_eps"}.get(arch, "rms_norm_eps")
+                "gpt_neox": "layer_norm_eps", "phi": "layer_norm_eps"}.get(arch, "rms_norm_eps")
     return (*families[arch], eps_name)
 
 
