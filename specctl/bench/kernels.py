@@ -20,6 +20,11 @@ from specctl.engine.model import Decoder
 from specctl.engine.spec import ModelSpec
 
 # Architecture facts of real checkpoints (their config.json), for random-weight runs.
+LLAMA4_SCOUT = dict(model_type="llama4_text", hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384,
+                    num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+                    vocab_size=202048, tie_word_embeddings=False, num_local_experts=16, num_experts_per_tok=1,
+                    interleave_moe_layer_step=1, attention_chunk_size=8192, use_qk_norm=True, rms_norm_eps=1e-5,
+                    max_position_embeddings=10485760)
 SHAPES: dict[str, dict] = {
     "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
@@ -126,21 +131,12 @@ SHAPES: dict[str, dict] = {
     "phi-1.5": dict(model_type="phi", hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
                     num_attention_heads=32, num_key_value_heads=32, vocab_size=51200, tie_word_embeddings=False,
                     partial_rotary_factor=0.5, hidden_act="gelu_new", max_position_embeddings=2048),
-    # Llama 4 Scout (17B active, 16 experts): every layer a mixture (the top expert + a shared one), dense MLPs
-    # 16384 wide elsewhere none; 3 of 4 layers in chunks of 8192 positions with q/k L2 norms, every 4th NoPE
-    "llama-4-scout": dict(model_type="llama4_text", hidden_size=5120, intermediate_size=8192,
-                          intermediate_size_mlp=16384, num_hidden_layers=48, num_attention_heads=40,
-                          num_key_value_heads=8, head_dim=128, vocab_size=202048, tie_word_embeddings=False,
-                          num_local_experts=16, num_experts_per_tok=1, interleave_moe_layer_step=1,
-                          attention_chunk_size=8192, use_qk_norm=True, rms_norm_eps=1e-5,
-                          max_position_embeddings=10485760),
-    # Llama 4 Maverick (17B active, 128 experts): mixtures on every other layer, dense ones 16384 wide, no q/k norms
-    "llama-4-maverick": dict(model_type="llama4_text", hidden_size=5120, intermediate_size=8192,
-                             intermediate_size_mlp=16384, num_hidden_layers=48, num_attention_heads=40,
-                             num_key_value_heads=8, head_dim=128, vocab_size=202048, tie_word_embeddings=False,
-                             num_local_experts=128, num_experts_per_tok=1, interleave_moe_layer_step=2,
-                             attention_chunk_size=8192, use_qk_norm=False, rms_norm_eps=1e-5,
-                             max_position_embeddings=1048576),
+    # Llama 4 Scout (17B active, 16 experts): every layer a mixture (the top expert + a shared one); 3 of 4
+    # layers in chunks of 8192 positions with q/k L2 norms, every 4th NoPE
+    "llama-4-scout": LLAMA4_SCOUT,
+    # Llama 4 Maverick (17B active, 128 experts): mixtures on every other layer, dense MLPs 16384 wide between
+    "llama-4-maverick": {**LLAMA4_SCOUT, "num_local_experts": 128, "interleave_moe_layer_step": 2,
+                         "use_qk_norm": False, "max_position_embeddings": 1048576},
 }
 SHAPE_ALIASES = {"0.5b": "qwen2.5-0.5b", "1.5b": "qwen2.5-1.5b", "7b": "qwen2.5-7b", "0.6b": "qwen3-0.6b",
                  "1.7b": "qwen3-1.7b", "8b": "qwen3-8b"}
