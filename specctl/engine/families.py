@@ -12,8 +12,9 @@ from specctl.errors import UnsupportedArchitecture
 
 def text_config(config: Any) -> Any:
     """The config of the decoder specctl runs: a multimodal Gemma 3 checkpoint's (4B, 12B, 27B:
-    Gemma3ForConditionalGeneration) or Llama 4's (Llama4ForConditionalGeneration) ``text_config`` — its language model is Gemma3ForCausalLM's,
-    and text-only requests never reach its vision tower — else the config itself. The wrapper's
+    Gemma3ForConditionalGeneration) or Llama 4's (Llama4ForConditionalGeneration)
+    ``text_config`` — its language model is the family's ForCausalLM (Gemma3ForCausalLM,
+    Llama4ForCausalLM), and text-only requests never reach its vision tower — else the config itself. The wrapper's
     own tie_word_embeddings decides whether its head is the embedding table (transformers ties by
     the outer config), so the copy returned carries it."""
     if config.model_type not in ("gemma3", "llama4"):

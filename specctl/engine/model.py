@@ -170,7 +170,8 @@ class Decoder(nn.Module):
     @property
     def kv_slot_bytes(self) -> int:
         """Bytes one position of a session's KV cache takes."""
-        return kv_slot_bytes(self.num_layers, self.spec.num_kv_heads, self.spec.head_dim, self.dtype, self.spec.kv_planes)
+        s = self.spec
+        return kv_slot_bytes(self.num_layers, s.num_kv_heads, s.head_dim, self.dtype, s.kv_planes)
 
     def new_cache(self, capacity: int, pool: KVPool | None = None) -> KVCache:
         if self.static is not None:  # sized for reuse, with the steps captured over it
@@ -316,8 +317,9 @@ class Decoder(nn.Module):
             x = inputs.to(self.device, self.dtype).unsqueeze(0)
         ropes = self._ropes(positions.to(self.device), x.dtype)
         if self.spec.window is not None and segments.paged is None:
+            window, chunked = self.spec.window, self.spec.chunked_attention
             segments = dataclasses.replace(segments, windows=[
-                window_cut(positions[lo:hi], cache.length + hi - lo, mask, self.spec.window, self.spec.chunked_attention)
+                window_cut(positions[lo:hi], cache.length + hi - lo, mask, window, chunked)
                 for (lo, hi), cache, mask in zip(segments.bounds, segments.caches, segments.masks)])
         for i, (layer, (cos, sin)) in enumerate(zip(self.layers, ropes)):
             x = layer(x, cos, sin, segments, i)

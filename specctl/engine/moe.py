@@ -18,6 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 
+ROUTINGS = ("softmax", "softmax_over_chosen", "sigmoid_grouped", "softmax_grouped", "sigmoid_on_input")
+
+
 @dataclass(frozen=True, slots=True)
 class Routing:
     """How a router's scores pick a token's experts and weigh them, as each family's transformers
@@ -37,7 +40,7 @@ class Routing:
     scale: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("softmax", "softmax_over_chosen", "sigmoid_grouped", "softmax_grouped", "sigmoid_on_input"):
+        if self.kind not in ROUTINGS:
             raise ValueError(f"unknown routing {self.kind!r}")
 
 

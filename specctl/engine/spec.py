@@ -189,7 +189,8 @@ class ModelSpec:
 
     def kv_bytes_per_token(self, dtype: torch.dtype, num_layers: int | None = None) -> int:
         layers = self.num_layers if num_layers is None else num_layers
-        return self.kv_planes * layers * self.num_kv_heads * self.head_dim * torch.tensor([], dtype=dtype).element_size()
+        width = self.kv_planes * self.num_kv_heads * self.head_dim  # values a layer caches a token
+        return layers * width * torch.tensor([], dtype=dtype).element_size()
 
     @property
     def local_rope(self) -> bool:

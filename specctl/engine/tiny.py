@@ -94,7 +94,8 @@ def _tiny_family(arch: str, hidden: int) -> tuple[str, bool, dict, str]:
         # layers 128 wide; every 4th layer without RoPE (temperature-tuned from position 8 on), the others in
         # chunks of 16 positions
         "llama4_text": ("Llama4TextConfig", False, {"num_local_experts": 4, "num_experts_per_tok": 1,
-                                                    "intermediate_size": hidden // 2, "intermediate_size_mlp": 2 * hidden,
+                                                    "intermediate_size": hidden // 2,
+                                                    "intermediate_size_mlp": 2 * hidden,
                                                     "interleave_moe_layer_step": 2, "attention_chunk_size": 16,
                                                     "floor_scale": 8, "attn_scale": 0.1, "moe_layers": None,
                                                     "no_rope_layers": None, "layer_types": None}),
