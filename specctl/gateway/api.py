@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 
@@ -213,12 +213,23 @@ def parse_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
         where = re.search(r"at `\$\.(\w+)", str(exc)) or re.search(r"missing required field `(\w+)`", str(exc))
         raise ApiError(400, f"invalid request: {exc}", param=where[1] if where else None) from None
     except msgspec.DecodeError as exc:
+        if "UTF-8" in str(exc):  # msgspec >= 0.23: "Invalid UTF-8 encoded string", without the byte
+            _not_utf8(body)
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
-    except UnicodeDecodeError as exc:  # a string that is not UTF-8 (msgspec raises it as is)
-        raise ApiError(400, f"the request body is not valid UTF-8 JSON: a string holds byte "
-                            f"0x{exc.object[exc.start]:02x}, which is not UTF-8") from None
+    except UnicodeDecodeError:  # a string that is not UTF-8 (msgspec < 0.23 raises it as is)
+        _not_utf8(body)
     _warn_unknown(body, kind)
     return req
+
+
+def _not_utf8(body: bytes) -> NoReturn:
+    """The 400 for a body whose strings are not UTF-8, naming the first byte that is not."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"the request body is not valid UTF-8 JSON: a string holds byte "
+                            f"0x{exc.object[exc.start]:02x}, which is not UTF-8") from None
+    raise ApiError(400, "the request body is not valid UTF-8 JSON")
 
 
 def _warn_unknown(body: bytes, kind: type[msgspec.Struct]) -> None:
