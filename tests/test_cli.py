@@ -132,6 +132,65 @@ async def test_a_stop_string_cancels_a_remote_generation_on_its_target(cluster, 
     assert (await remote_stats(host, int(port)))["sessions"] == 0
 
 
+def test_generate_logprobs_are_the_targets_for_output_and_prompt_in_vllms_shape(tiny_dir):
+    """`generate --json --logprobs 2 --prompt-logprobs 1` in chain mode: per output token the
+    target's log-probability (one forward over prompt + output says it) and its 2 likeliest, per
+    prompt token its own, its rank and the likeliest, the prompt's first None; the same tokens."""
+    import torch
+
+    from specctl.engine import text
+    from specctl.engine.loader import load_model
+
+    proc = _generate(tiny_dir, "--mode", "chain", "--logprobs", "2", "--prompt-logprobs", "1")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["token_ids"] == json.loads(_generate(tiny_dir, "--mode", "ar").stdout)["token_ids"]
+    model = load_model("tiny", tiny_dir["llama"], "fp32")
+    prompt = text.encode_user_text(model.tokenizer, "hello world", False)
+    whole = prompt + result["token_ids"]
+    logits = model.decoder(torch.tensor(whole[:-1]), torch.arange(len(whole) - 1), model.decoder.new_cache(len(whole)))
+    expected = logits.float().log_softmax(-1)
+    assert len(result["logprobs"]) == len(result["token_ids"]) == 12
+    assert len(result["prompt_logprobs"]) == len(prompt) and result["prompt_logprobs"][0] is None
+    for row, (token, entry) in enumerate(zip(whole[1:], result["prompt_logprobs"][1:] + result["logprobs"])):
+        alternatives = 1 if row < len(prompt) - 1 else 2
+        top = expected[row].topk(alternatives)
+        assert list(entry)[0] == str(token)  # the token first, then its alternatives (vLLM's order)
+        assert entry[str(token)]["logprob"] == pytest.approx(float(expected[row, token]), abs=1e-4)
+        assert entry[str(token)]["decoded_token"] == model.tokenizer.decode([token])
+        assert {int(t) for t in entry} == {token, *top.indices.tolist()}
+        if row < len(prompt) - 1:
+            assert entry[str(token)]["rank"] == int((expected[row] >= expected[row, token]).sum())
+        else:  # greedy: each output token is its row's likeliest
+            assert entry[str(token)]["rank"] == 1 and token == int(top.indices[0])
+
+
+async def test_remote_logprobs_are_the_same_as_a_local_runs(cluster, tiny_dir):
+    """`generate --remote --logprobs`: what the target instance's frames carry, collected, gives
+    the local session's entries (the same tokens, values within fp32 rounding)."""
+    from specctl.cli import logprob_report
+    from specctl.engine import text
+    from specctl.engine.loader import load_model
+    from specctl.spec.rounds import run_to_end
+    from specctl.spec.sampling import SamplingParams
+    from specctl.verify.client import remote_generate
+
+    model = load_model("tiny", tiny_dir["llama"], "fp32")
+    ids = text.encode_user_text(model.tokenizer, "hello world", False)
+    params = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    session = run_to_end(model.decoder, ids, params)
+    local = logprob_report.local_scores(ids, session.output, session.logprobs, session.prompt_logprobs)
+    host, port = cluster[1]["targets"][0].rsplit(":", 1)
+    remote = logprob_report.Scores(ids)
+    tokens, _, _ = await remote_generate(host, int(port), ids, params, on_scores=remote.add)
+    assert tokens == session.output
+    for mine, theirs in ((local.output, remote.output), (local.prompt_entries, remote.prompt_entries)):
+        assert len(mine) == len(theirs) > 1
+        for a, b in zip(mine, theirs):
+            assert (a.token, a.top_ids, a.rank) == (b.token, b.top_ids, b.rank)
+            assert [a.logprob, *a.top_logprobs] == pytest.approx([b.logprob, *b.top_logprobs], abs=1e-4)
+
+
 @pytest.mark.slow  # a cluster and a subprocess, 24 s; bench serve's own variants run in the default pass
 def test_bench_serve_measures_a_running_gateway(cluster, tmp_path):
     from specctl.bench.processes import free_port
@@ -186,6 +245,7 @@ def test_prompt_longer_than_context_error(tiny_dir):
         (["--regex", "(ab"], 'structured output (regex) is invalid: at 1(8): invalid regex "(ab" (in regex): regex '
                              'parse error: error: unclosed group'),
         (["--json-schema", "@/no/such/schema.json"], "cannot read /no/such/schema.json: No such file or directory"),
+        (["--logprobs", "21"], "logprobs must be between 0 and 20 (the alternatives listed beside each token), got 21"),
     ],
 )
 def test_bad_parameters_error(tiny_dir, flags, expected):

@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from specctl.cli import logprob_report
 from specctl.config import build_config
 from specctl.engine import text
 
@@ -69,6 +70,12 @@ def generate(
                                                   "bad_words; repeat the flag)"),
     stop: Optional[list[str]] = typer.Option(None, "--stop", help="end the output before this text (OpenAI's stop; "
                                              "repeat the flag)"),
+    logprobs: Optional[int] = typer.Option(None, "--logprobs", help="each output token's log-probability under the "
+                                           "target and its N likeliest alternatives (0-20; vLLM's logprobs): a "
+                                           "table after the text, or the JSON's logprobs"),
+    prompt_logprobs: Optional[int] = typer.Option(None, "--prompt-logprobs", help="the same for the prompt's tokens, "
+                                                  "with each one's rank (vLLM's prompt_logprobs; a second pass over "
+                                                  "the prompt)"),
     mode: Optional[str] = typer.Option(None, help="ar | chain | tree | ngram | multi (several drafters: --drafters)"),
     drafters: Optional[str] = typer.Option(None, help="mode multi: comma-separated drafters, routed per session and "
                                            "fused into one tree (model names, NAME@N, ngram)"),
@@ -91,7 +98,7 @@ def generate(
     # torch loads here, not when the CLI starts: --help and flag errors stay quick
     from specctl.spec.factory import apply_threads, load_pair, make_drafter, make_multi_drafter
     from specctl.errors import ConfigError
-    from specctl.spec.rounds import generate as run_generation
+    from specctl.spec.rounds import run_to_end
     from specctl.spec.sampling import SamplingParams
 
     if bad_words and not all(word.strip() for word in bad_words):  # before the models load
@@ -100,7 +107,8 @@ def generate(
         raise ConfigError("--stop must not be empty: give the text to stop before")
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
                             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                            frequency_penalty=frequency_penalty, min_p=min_p,
+                            frequency_penalty=frequency_penalty, min_p=min_p, logprobs=logprobs,
+                            prompt_logprobs=prompt_logprobs,
                             structured=structured_flags(json_schema, json_object, regex, choice, grammar))
     config = build_config(
         profile, target=target, draft=draft, mode=mode, drafters=drafters, depth=depth, draft_stop=draft_stop, width=width, topk=topk, dtype=dtype, threads=threads,
@@ -123,10 +131,11 @@ def generate(
         output.extend(tokens)
         streamer.update(output)
 
-    output, stats, finish_reason = run_generation(target_model.decoder, ids, params, drafter,
-                                                  eos_token_ids=target_model.eos_token_ids, on_tokens=on_tokens,
-                                                  tokenizer=target_model.tokenizer, until=lambda: streamer.stopped)
+    session = run_to_end(target_model.decoder, ids, params, drafter, eos_token_ids=target_model.eos_token_ids,
+                         on_tokens=on_tokens, tokenizer=target_model.tokenizer, until=lambda: streamer.stopped)
+    output, stats, finish_reason = session.output, session.stats, session.finish_reason
     output_text = streamer.finish()
+    scores = logprob_report.local_scores(ids, output, session.logprobs, session.prompt_logprobs)
     if as_json:
         print(json.dumps({
             "mode": config.mode, "target": config.target, "draft": config.draft if draft_model else None,
@@ -134,12 +143,27 @@ def generate(
             "text": output_text,
             "finish_reason": finish_reason, "stats": stats.to_dict(),
             **({"drafters": drafter.snapshot()} if config.mode == "multi" else {}),
+            **logprob_report.as_json(scores, logprobs, prompt_logprobs, token_text(target_model.tokenizer)),
         }))
     else:
+        print_logprobs(console, scores, params, token_text(target_model.tokenizer))
         console.print(
             f"[dim]{stats.new_tokens} tokens, {stats.tokens_per_s:.2f} tok/s, mode {config.mode}, "
             f"mean accepted length {stats.mean_accepted_length:.2f}, acceptance {stats.acceptance_rate:.0%}[/]"
         )
+
+
+def token_text(tokenizer):
+    """A token's own text (vLLM's decoded_token)."""
+    return lambda token: tokenizer.decode([token])
+
+
+def print_logprobs(console: Console, scores: logprob_report.Scores, params, token_text) -> None:
+    """The tables ``--prompt-logprobs`` and ``--logprobs`` ask for, after the text (on stderr, as the stats line)."""
+    if params.prompt_logprobs is not None and scores.prompt_entries is not None:
+        console.print(logprob_report.table("prompt logprobs", scores.prompt_entries, token_text))
+    if params.logprobs is not None:
+        console.print(logprob_report.table("logprobs", scores.output, token_text))
 
 
 def structured_flags(json_schema: str | None, json_object: bool, regex: str | None, choice: list[str] | None,
@@ -215,12 +239,13 @@ def _generate_remote(remote, requested_target, prompt, chat, params, bad_words, 
     params = with_bad_words(params, bad_words, tokenizer)
     ids = text.encode_user_text(tokenizer, prompt, chat)
     streamer = TextStreamer(tokenizer, None if as_json else sys.stdout, stop)
+    scores = logprob_report.Scores(ids)
     result = {}
 
     async def main() -> None:
         start = time.perf_counter()
         result["out"] = await remote_generate(host, port, ids, params, streamer.update, auth_token=auth_token, ssl=ssl,
-                                              until=lambda: streamer.stopped)
+                                              until=lambda: streamer.stopped, on_scores=scores.add)
         result["wall"] = time.perf_counter() - start
 
     run(main())
@@ -228,7 +253,10 @@ def _generate_remote(remote, requested_target, prompt, chat, params, bad_words, 
     output_text = streamer.finish()
     if as_json:
         print(json.dumps({"mode": "remote", "remote": remote, "target": served, "token_ids": tokens, "text": output_text,
-                          "finish_reason": finish_reason, "stats": stats}))
+                          "finish_reason": finish_reason, "stats": stats,
+                          **logprob_report.as_json(scores, params.logprobs, params.prompt_logprobs,
+                                                   token_text(tokenizer))}))
     else:
+        print_logprobs(console, scores, params, token_text(tokenizer))
         console.print(f"[dim]{len(tokens)} tokens in {result['wall']:.2f}s via {remote} ({served}), "
                       f"mean accepted length {stats.get('mean_accepted_length', 0):.2f}[/]")

@@ -156,15 +156,25 @@ def run_inline(coroutine) -> Any:
     raise RuntimeError("an inline round loop awaited something outside the InlineLane")
 
 
-def generate(target: Decoder, prompt: list[int], params: SamplingParams, drafter: Drafter | None = None, *,
-             eos_token_ids: tuple[int, ...] = (), max_context: int | None = None, pool: KVPool | None = None,
-             draft_pool: KVPool | None = None, on_tokens: Emit | None = None,
-             run_ahead: bool | None = None, tokenizer: Any = None,
-             until: Callable[[], bool] | None = None) -> tuple[list[int], GenerationStats, str | None]:
-    """Run a session to the end in this thread: (tokens, stats, finish_reason). ``run_ahead``:
-    see ``DecodeSession`` (None: where ``decode.runs_ahead`` says); ``tokenizer``: the
-    target's, needed for structured output; ``until``: asked after each emit, True ends the
-    session with finish_reason "stop" (a stop string the caller found in the text)."""
+def generate(target: Decoder, prompt: list[int], params: SamplingParams, drafter: Drafter | None = None,
+             **options: Any) -> tuple[list[int], GenerationStats, str | None]:
+    """Run a session to the end in this thread: (tokens, stats, finish_reason); ``options``:
+    ``run_to_end``'s."""
+    session = run_to_end(target, prompt, params, drafter, **options)
+    return session.output, session.stats, session.finish_reason
+
+
+def run_to_end(target: Decoder, prompt: list[int], params: SamplingParams, drafter: Drafter | None = None, *,
+               eos_token_ids: tuple[int, ...] = (), max_context: int | None = None, pool: KVPool | None = None,
+               draft_pool: KVPool | None = None, on_tokens: Emit | None = None,
+               run_ahead: bool | None = None, tokenizer: Any = None,
+               until: Callable[[], bool] | None = None) -> DecodeSession:
+    """Run a session to the end in this thread and hand it back finished (its output, stats,
+    finish_reason and, when ``params`` asked, logprobs and prompt_logprobs; its KV freed).
+    ``run_ahead``: see ``DecodeSession`` (None: where ``decode.runs_ahead`` says);
+    ``tokenizer``: the target's, needed for structured output; ``until``: asked after each
+    emit, True ends the session with finish_reason "stop" (a stop string the caller found in
+    the text)."""
     lane = InlineLane()
     speculator = LocalSpeculator(drafter or NoDrafter(), lane, draft_pool)
     session = DecodeSession(target, prompt, params, eos_token_ids, max_context, pool, speculator.max_nodes,
@@ -176,4 +186,4 @@ def generate(target: Decoder, prompt: list[int], params: SamplingParams, drafter
             session.finish_reason = "stop"
 
     run_inline(run_session(session, speculator, lane, emit))
-    return session.output, session.stats, session.finish_reason
+    return session

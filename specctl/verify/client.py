@@ -177,14 +177,18 @@ async def remote_generate(
     auth_token: str | None = None,
     ssl: ssl_module.SSLContext | None = None,
     until: Callable[[], bool] | None = None,
+    on_scores: Callable[[Tokens], None] | None = None,
 ) -> tuple[list[int], str, dict]:
     """Returns (tokens, finish_reason, stats). ``until`` (asked after each TOKENS, e.g. a stop
     string seen) true: the generation is cancelled on the target, finish_reason "stop", and the
-    stats are those so far."""
+    stats are those so far. ``on_scores``: given each TOKENS as it came (the log-probabilities
+    ``params`` asked for ride on them)."""
     tokens: list[int] = []
     async with open_stream(host, port, prompt, params, auth_token=auth_token, ssl=ssl) as stream:
         while isinstance(event := await stream.next(), Tokens):
             tokens.extend(event.tokens)
+            if on_scores:
+                on_scores(event)
             if on_tokens:
                 on_tokens(tokens)
             if until is not None and until():
