@@ -18,7 +18,7 @@ import tomllib
 from specctl.errors import ConfigError
 
 PROFILE_DIRS = (Path(__file__).resolve().parent.parent / "profiles", Path(__file__).resolve().parent / "profiles")
-MODES = ("ar", "chain", "tree", "ngram", "multi")
+MODES = ("ar", "chain", "tree", "ngram", "suffix", "multi")
 DTYPES = ("fp32", "bf16", "fp16")
 QUANTS = ("none", "int8")
 

@@ -17,7 +17,7 @@ def _generate(tiny_dir, *extra):
                "--prompt", "hello world", "--max-tokens", "12", "--dtype", "fp32", "--json", *extra)
 
 
-@pytest.mark.parametrize("modes", [("ar", "tree"), pytest.param(("ar", "chain", "ngram"), marks=pytest.mark.slow)])
+@pytest.mark.parametrize("modes", [("ar", "tree", "suffix"), pytest.param(("ar", "chain", "ngram"), marks=pytest.mark.slow)])
 def test_generate_json_is_identical_across_modes(tiny_dir, modes):
     results = {}
     for mode in modes:
@@ -238,7 +238,7 @@ def test_prompt_longer_than_context_error(tiny_dir):
         (["--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
         (["--top-k", "-2"], "top_k must be a non-negative integer (0 = off), got -2"),
         (["--max-tokens", "0"], "max_tokens must be a positive integer, got 0"),
-        (["--mode", "warp"], "mode must be one of ar, chain, tree, ngram, multi, got 'warp'"),
+        (["--mode", "warp"], "mode must be one of ar, chain, tree, ngram, suffix, multi, got 'warp'"),
         (["--repetition-penalty", "0"], "repetition_penalty must be in (0, 100] (1 = off), got 0.0"),
         (["--presence-penalty", "2.5"], "presence_penalty must be between -2 and 2, got 2.5"),
         (["--regex", "a+", "--json-object"], "give one of --json-schema, --json-object, --regex, --choice, --grammar"),

@@ -25,7 +25,7 @@ def test_every_shipped_profile_is_valid():
     [
         ({"depth": 0}, "depth must be an integer in [1, 64], got 0"),
         ({"dtype": "int3"}, "dtype must be one of fp32, bf16, fp16, got 'int3'"),
-        ({"mode": "magic"}, "mode must be one of ar, chain, tree, ngram, multi, got 'magic'"),
+        ({"mode": "magic"}, "mode must be one of ar, chain, tree, ngram, suffix, multi, got 'magic'"),
         ({"device": "tpu"}, "device must be 'cpu' or 'cuda[:N]', got 'tpu'"),
         ({"attention_backend": "triton"}, "attention_backend must be auto, torch or flashinfer, got 'triton'"),
         ({"draft_quant": "int4"}, "draft_quant must be one of none, int8, got 'int4'"),

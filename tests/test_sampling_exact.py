@@ -13,6 +13,7 @@ from specctl.engine.tiny import make_tiny_model
 from specctl.spec.rounds import generate
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.spec.sampling import SamplingParams, probs_from_logits
+from specctl.spec.suffix import SuffixDrafter
 
 VOCAB = 6
 PROMPT = [1, 4, 2]
@@ -63,11 +64,11 @@ def _exact_joint_of_tokens_3_and_4(target, params) -> torch.Tensor:
     return joint
 
 
-# One setting per mode in the default run; the other six (about 90 s) run with --runslow.
-DEFAULT_SETTINGS = {("chain", 0.7, 1.0), ("tree", 1.0, 0.85), ("ngram", 0.7, 1.0)}
+# One setting per mode in the default run; the other eight (about 120 s) run with --runslow.
+DEFAULT_SETTINGS = {("chain", 0.7, 1.0), ("tree", 1.0, 0.85), ("ngram", 0.7, 1.0), ("suffix", 1.0, 1.0)}
 SETTINGS = [pytest.param(mode, temperature, top_p,
                          marks=() if (mode, temperature, top_p) in DEFAULT_SETTINGS else pytest.mark.slow)
-            for mode in ("chain", "tree", "ngram") for temperature, top_p in ((0.7, 1.0), (1.0, 1.0), (1.0, 0.85))]
+            for mode in ("chain", "tree", "ngram", "suffix") for temperature, top_p in ((0.7, 1.0), (1.0, 1.0), (1.0, 0.85))]
 
 
 @pytest.mark.parametrize("mode, temperature, top_p", SETTINGS)
@@ -77,6 +78,9 @@ def test_speculative_sampling_matches_target_distribution(small, mode, temperatu
         "chain": ModelChainDrafter(draft, 2),
         "tree": ModelTreeDrafter(draft, 2, 2, 3),
         "ngram": NgramDrafter(2),
+        # its trees grow from the outputs of the earlier seeds' runs: proposals that never depend
+        # on this run's draws, verified as deterministic candidates
+        "suffix": SuffixDrafter(3),
     }[mode]
     _assert_target_distribution(target, drafter, temperature, top_p)
 

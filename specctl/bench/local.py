@@ -23,7 +23,7 @@ from specctl.spec.factory import make_drafter
 from specctl.spec.rounds import generate
 from specctl.spec.sampling import SamplingParams
 
-MODES = ("ar", "chain", "tree", "ngram", "hf-assisted")
+MODES = ("ar", "chain", "tree", "ngram", "suffix", "hf-assisted")
 Runner = Callable[[list[int]], tuple[list[int], object]]  # prompt ids -> (new tokens, GenerationStats or None)
 
 
@@ -88,7 +88,26 @@ class ModeResult:
 
 def engine_runner(mode: str, config: Config, target: LoadedModel, draft: LoadedModel | None, max_tokens: int,
                   warm_up: list[int]) -> Runner:
-    return drafter_runner(make_drafter(config.replace(mode=mode), draft), target, max_tokens, warm_up)
+    drafter = make_drafter(config.replace(mode=mode), draft)
+    run = drafter_runner(drafter, target, max_tokens, warm_up)
+    return run if mode != "suffix" else fresh_per_repeat(run, drafter)
+
+
+def fresh_per_repeat(run: Runner, drafter) -> Runner:
+    """Suffix decoding remembers every output it saw: within a repeat a prompt may draw on the
+    outputs of the prompts before it (as a server's later requests would), never on its own
+    output of an earlier repeat or the warm-up's — the memory is emptied when a prompt comes back."""
+    seen: set[tuple[int, ...]] = set()
+    drafter.forget()
+
+    def fresh(ids: list[int]):
+        if tuple(ids) in seen:
+            seen.clear()
+            drafter.forget()
+        seen.add(tuple(ids))
+        return run(ids)
+
+    return fresh
 
 
 def drafter_runner(drafter, target: LoadedModel, max_tokens: int, warm_up: list[int]) -> Runner:

@@ -51,7 +51,7 @@ def local(
     profile: Optional[str] = typer.Option(None, help="hardware profile"),
     json_out: Optional[str] = typer.Option(None, "--json", help="write the report as JSON to this file"),
 ) -> None:
-    """Compare ar, chain, tree, ngram and transformers' assisted generation on the same prompts."""
+    """Compare ar, chain, tree, ngram, suffix and transformers' assisted generation on the same prompts."""
     from specctl.bench.local import MODES, run_local_bench
     from specctl.bench.prompts import load_prompts
     from specctl.spec.factory import apply_threads, load_named

@@ -36,7 +36,7 @@ def draft(
     port: int = typer.Option(9000, help="TCP port to listen on (0 = any free port)"),
     host: str = typer.Option("127.0.0.1", help="address to bind (0.0.0.0 for every interface)"),
     model: Optional[str] = typer.Option(None, help="draft model (default: qwen2.5-coder-0.5b)"),
-    mode: Optional[str] = typer.Option(None, help="chain | tree | ngram: the proposals this server makes"),
+    mode: Optional[str] = typer.Option(None, help="chain | tree | ngram | suffix: the proposals this server makes (suffix: from every target's outputs)"),
     draft_stop: Optional[float] = typer.Option(None, "--draft-stop", help="adaptive depth: stop drafting once the draft's probability of its path is below this (0 = off)"),
     depth: Optional[int] = typer.Option(None, help="proposal depth d"),
     topk: Optional[int] = typer.Option(None, help="tree top-k"),
@@ -88,7 +88,7 @@ def draft(
                           max_sessions=max_sessions, max_batch=max_batch, dtype=dtype, threads=threads, draft_quant=draft_quant,
                           prefix_cache_mb=prefix_cache_mb, prefill_chunk=prefill_chunk)
     if config.mode == "ar":
-        raise ConfigError("a draft server proposes: --mode must be chain, tree or ngram")
+        raise ConfigError("a draft server proposes: --mode must be chain, tree, ngram or suffix")
     if step_time_ms < 0:
         raise ConfigError(f"--step-time-ms must be >= 0, got {step_time_ms:g}")
     speculation = prespec_config(prespec, prespec_budget, config.prespec_budget, saguaro_c, fallback, config.mode,

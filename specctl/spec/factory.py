@@ -15,6 +15,7 @@ from specctl.engine.model import Decoder
 from specctl.engine import rows
 from specctl.engine.quant import quantize_decoder
 from specctl.spec.drafters import Drafter, ModelChainDrafter, ModelTreeDrafter, NgramDrafter, NoDrafter
+from specctl.spec.suffix import SuffixDrafter
 from specctl.spec.multi import MultiDrafter
 from specctl.store import resolve_model
 from specctl_kernels import select_backend, warm_up
@@ -131,7 +132,7 @@ def load_draft_models(config: Config, target: LoadedModel, console: Console | No
     """The model drafters of ``config.drafters`` (every name but ngram), vocabularies checked."""
     models = {}
     for name in config.drafter_names:
-        if name != "ngram":
+        if name not in ("ngram", "suffix"):
             same = name == config.target and config.draft_quant == config.target_quant
             models[name] = target if same else load_named(name, config, console, config.draft_quant)
             check_same_vocab(target, models[name])
@@ -141,7 +142,8 @@ def load_draft_models(config: Config, target: LoadedModel, console: Console | No
 def load_drafters(config: Config, target: LoadedModel, console: Console | None = None) -> dict[str, Drafter]:
     """Every drafter of ``config.drafters`` (a model name, NAME@N, or ngram) as a chain of depth d."""
     models = load_draft_models(config, target, console)
-    return {name: NgramDrafter(config.depth) if name == "ngram"
+    lookups = {"ngram": NgramDrafter, "suffix": SuffixDrafter}
+    return {name: lookups[name](config.depth) if name in lookups
             else ModelChainDrafter(models[name].decoder, config.depth, config.draft_stop)
             for name in config.drafter_names}
 
@@ -156,6 +158,8 @@ def make_drafter(config: Config, draft: LoadedModel | None) -> Drafter:
         return NoDrafter()
     if config.mode == "ngram":
         return NgramDrafter(config.depth)
+    if config.mode == "suffix":
+        return SuffixDrafter(config.depth)
     if config.mode == "multi":
         raise ValueError("mode multi loads several drafters: use make_multi_drafter")
     assert draft is not None, "chain and tree modes need a draft model"

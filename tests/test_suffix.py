@@ -1,0 +1,104 @@
+"""Suffix decoding (spec.suffix): Arctic's draft from the continuations of the context's
+longest earlier matches, in the session's own text and every session's output; hand-checked
+trees, freed state, and the target's own output whatever it proposes."""
+
+import pytest
+
+from specctl.spec.rounds import generate, run_to_end
+from specctl.spec.sampling import SamplingParams
+from specctl.spec.suffix import SequenceIndex, SuffixDrafter, grow, proposal_tree, speculate
+
+OUTPUTS = [[9, 1, 2, 3, 4], [8, 1, 2, 3, 5], [7, 1, 2, 6]]
+
+
+def indexed(sequences):
+    index = SequenceIndex()
+    for number, sequence in enumerate(sequences):
+        index.extend(number, sequence)
+    return index
+
+
+def test_the_tree_takes_the_likeliest_nodes_first_with_arctics_counts():
+    """After (1, 2): 3 in two of three occurrences, 6 in one; after 3: 5 (the newer) and 4.
+    A node's probability is its share of its parent's occurrences times the parent's."""
+    found = indexed(OUTPUTS).occurrences((1, 2))
+    assert [end for _, end in found] == [2, 2, 2] and found[0][0] == OUTPUTS[2]  # the newest sequence first
+    third = 1 / 3
+    assert grow(found, 4, 0.1, tree=True) == ([3, 6, 5, 4], [-1, -1, 0, 0], [2 * third, third, third, third])
+    assert grow(found, 2, 0.1, tree=True) == ([3, 6], [-1, -1], [2 * third, third])
+    assert grow(found, 4, 0.1, tree=False) == ([3, 5], [-1, 0], [2 * third, third])  # a chain: the likeliest child
+    assert grow(found, 4, 0.4, tree=True) == ([3], [-1], [2 * third])  # under min_token_prob: left out
+
+
+def test_the_longest_match_wins_when_its_probabilities_sum_higher():
+    """Context (0, 1, 2) matches all three by 2 tokens: 2 nodes at most (m x factor). (9, 1, 2)
+    matches the first by 3: its run, 3 then 4, sums 2.0 and beats the 2-token match's 1.0."""
+    found = indexed(OUTPUTS).occurrences((1, 2))
+    assert speculate([0, 1, 2], found, 8) == ([3, 6], [-1, -1], [2 / 3, 1 / 3])
+    assert speculate([9, 1, 2], found, 8) == ([3, 4], [-1, 0], [1.0, 1.0])
+    assert speculate([9, 1, 2], found, 1) == ([3], [-1], [1.0])  # depth caps it
+    assert speculate([0, 1, 2], found, 8, max_spec_factor=2.0) == ([3, 6, 5, 4], [-1, -1, 0, 0],
+                                                                  [2 / 3, 1 / 3, 1 / 3, 1 / 3])
+    assert speculate([5, 5], found, 8) == ([], [], [])
+
+
+def test_a_best_first_draft_becomes_a_breadth_first_tree_with_probabilities_given_the_parent():
+    tree = proposal_tree(2, [3, 6, 5, 4], [-1, -1, 0, 0], [2 / 3, 1 / 3, 1 / 3, 1 / 3])
+    assert tree.tokens.tolist() == [2, 3, 6, 5, 4] and tree.parents.tolist() == [-1, 0, 0, 1, 1]
+    assert tree.probs.tolist() == pytest.approx([1.0, 2 / 3, 1 / 3, 0.5, 0.5])
+    deep = proposal_tree(7, [3, 4, 6], [-1, 0, -1], [0.9, 0.9, 0.1])  # a grandchild taken before an uncle
+    assert deep.tokens.tolist() == [7, 3, 6, 4] and deep.parents.tolist() == [-1, 0, 0, 1]
+
+
+def test_dropping_a_sequence_leaves_no_index_entry_of_it():
+    index = indexed(OUTPUTS)
+    index.drop(1)
+    assert 1 not in index.sequences
+    assert all(1 not in by_sequence for by_sequence in index.positions.values())
+    assert [end for _, end in index.occurrences((1, 2))] == [2, 2]
+    index.drop(0), index.drop(2)
+    assert index.sequences == {} and index.positions == {}
+
+
+def test_the_drafter_keeps_only_the_last_outputs_and_a_closed_session_frees_its_text():
+    drafter = SuffixDrafter(4, max_cached=3)
+    for number in range(1000):
+        session = drafter.open(64)
+        prompt = [number % 7, 1, 2]
+        session.propose(prompt + [number % 5], SamplingParams(), None)
+        session.propose(prompt + [number % 5, 3, 4], SamplingParams(), None)
+        session.close()
+        assert session.text.sequences == {} and session.text.positions == {}
+    assert list(drafter.outputs.sequences) == [997, 998, 999]
+    # each output is kept after its prompt's last token (KEY - 1 = 1 of them)
+    assert drafter.outputs.sequences[999] == [2, 4, 3, 4]
+    live = {number for by_sequence in drafter.outputs.positions.values() for number in by_sequence}
+    assert live == {997, 998, 999}
+    drafter.forget()
+    assert drafter.outputs.sequences == {}
+
+
+def test_a_session_draws_on_its_own_text_but_not_its_end():
+    drafter = SuffixDrafter(4)
+    session = drafter.open(64)
+    proposal = session.propose([5, 6, 7, 8, 5, 6], SamplingParams(), None).tree
+    assert proposal.tokens.tolist() == [6, 7, 8]  # after the earlier (5, 6): 7, 8 — the end itself is no occurrence
+    assert proposal.probs.tolist() == [1.0, 1.0, 1.0]  # (with it, each would be halved)
+    alone = drafter.open(64).propose([1, 2], SamplingParams(), None).tree
+    assert alone.tokens.tolist() == [2]  # nothing matches: the root alone, the round is plain AR
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "deepseek_v3"])
+def test_greedy_output_is_the_targets_and_a_repeated_request_is_drafted_from_the_first(tiny, arch):
+    """The second run of a prompt finds the first run's output: nearly every token is drafted
+    and accepted, and the output is the target alone's, as every other run's."""
+    target = tiny[arch]
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    drafter = SuffixDrafter(6)
+    prompts = [[3, 17, 42, 99, 5], [7, 8, 9, 10] * 6, [3, 17, 42, 99, 6]]
+    for prompt in prompts:
+        reference, _, _ = generate(target, prompt, params)
+        first = run_to_end(target, prompt, params, drafter)
+        again = run_to_end(target, prompt, params, drafter)
+        assert first.output == again.output == reference, prompt
+        assert again.stats.accepted >= max(24, first.stats.accepted), (first.stats.accepted, again.stats.accepted)
