@@ -60,7 +60,7 @@ class Config:
     target_quant: str = "none"  # none | int8 (CPU): the int8 model is then the target whose output is reproduced
     target: str = "qwen2.5-coder-1.5b"
     draft: str = "qwen2.5-coder-0.5b"
-    drafters: str = ""  # mode multi: comma-separated drafters (model names, NAME@N, ngram), routed and fused
+    drafters: str = ""  # mode multi: comma-separated drafters (model names, NAME@N, ngram, suffix), routed and fused
     profile: str = "desktop"
 
     def __post_init__(self) -> None:

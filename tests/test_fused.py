@@ -75,6 +75,32 @@ async def test_greedy_with_two_draft_servers_and_ngram_equals_the_target_alone(m
         await _stop(servers, links, target_server)
 
 
+async def test_local_suffix_decoding_draws_on_the_instances_earlier_outputs_and_frees_its_sessions(models):
+    """`verify --draft suffix`: no draft server; the second run of each prompt is drafted from the
+    first run's output (its text the target alone's), and the sessions' own texts are freed."""
+    from specctl.spec.suffix import SuffixDrafter
+
+    always = RoutingPolicy(tau=100.0, alpha=1.0, beta=1.0, plain_arm=False, by_rate=False)  # no timed choices
+    fusion = Fusion({}, suffix=SuffixDrafter(4), budget=8, policy=always)
+    target_server = TargetServer(models[0], TargetServerConfig(port=0), None, fusion=fusion)
+    port = await target_server.start()
+    try:
+        params = SamplingParams(max_tokens=24, ignore_eos=True)
+        first = await asyncio.gather(*(remote_generate("127.0.0.1", port, p, params) for p in PROMPTS))
+        accepted_before = target_server.snapshot()["drafters"]["suffix"]["accepted_tokens"]
+        again = await asyncio.gather(*(remote_generate("127.0.0.1", port, p, params) for p in PROMPTS))
+        for prompt, (tokens, _, _), (repeated, _, stats) in zip(PROMPTS, first, again):
+            assert tokens == repeated == local_reference(models, prompt, 24)
+            assert stats["accepted"] >= 12, stats  # of 23 after the prefill's token: most drafted
+        assert set(target_server.snapshot()["drafters"]) == {"suffix"}
+        assert target_server.snapshot()["drafters"]["suffix"]["accepted_tokens"] >= accepted_before + 12 * len(PROMPTS)
+        assert len(fusion.suffix.outputs.sequences) == 2 * len(PROMPTS)
+        await wait_until(lambda: target_server.active == 0)
+        assert target_server.pool.used_bytes == 0
+    finally:
+        await target_server.close()
+
+
 async def test_a_draft_server_killed_mid_run_changes_nothing(models):
     servers, links, target_server, port, fusion = await _start(models, RoutingPolicy(tau=100.0, alpha=1.0, beta=1.0),
                                                                deadline_s=0.5)

@@ -210,7 +210,7 @@ def up(
                                                "past them requests wait (--max-waiting)"),
     mode: Optional[str] = typer.Option(None, help="chain | tree"),
     drafters: Optional[str] = typer.Option(None, help="several drafters instead of --draft: comma-separated model "
-                                           "names, NAME@N and ngram; a draft server per model, every target routes "
+                                           "names, NAME@N, ngram and suffix; a draft server per model, every target routes "
                                            "among them and fuses their chains (CoSine)"),
     dtype: Optional[str] = typer.Option(None, help="fp32 | bf16 | fp16"),
     draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="none | int8"),

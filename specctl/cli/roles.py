@@ -54,8 +54,9 @@ def parse_stage(text: str) -> tuple[int, int]:
 def verify(
     model: Optional[str] = typer.Option(None, help="target model (default: qwen2.5-coder-1.5b)"),
     draft: Optional[list[str]] = typer.Option(None, "--draft", help="draft server HOST:PORT (none: autoregressive "
-                                              "only); stage 1 only. Repeat it, and add 'ngram' for the local n-gram "
-                                              "lookup, for several drafters routed and fused per session (CoSine)"),
+                                              "only); stage 1 only. Repeat it, and add 'ngram' (the local n-gram "
+                                              "lookup) or 'suffix' (local suffix decoding), for several drafters "
+                                              "routed and fused per session (CoSine)"),
     draft_deadline_ms: float = typer.Option(500.0, "--draft-deadline-ms", help="several drafters: one that has not "
                                             "answered by then is skipped for the round"),
     fusion_budget: int = typer.Option(16, "--fusion-budget", help="several drafters: most nodes of the fused tree"),
@@ -132,7 +133,8 @@ def verify(
         raise ConfigError(f"--draft goes to stage 1 only (this is stage {index}/{count})")
     if specpipe_draft and (index != 1 or count == 1 or draft):
         raise ConfigError("--specpipe-draft goes to stage 1 of a pipeline (--stage 1/n, n > 1), without --draft")
-    if specpipe and (index != 1 or count == 1 or specpipe_draft or len(draft or []) != 1 or draft == ["ngram"]):
+    if specpipe and (index != 1 or count == 1 or specpipe_draft or len(draft or []) != 1
+                     or draft[0] in ("ngram", "suffix")):
         raise ConfigError("--specpipe goes to stage 1 of a pipeline (--stage 1/n, n > 1) with one --draft HOST:PORT "
                           "(or use --specpipe-draft M for a draft in this process)")
     shape = _specpipe_shape(count, width, topk, spread, refill) if specpipe_draft or specpipe else None
@@ -231,8 +233,8 @@ def _serve_target(config, plan, console: Console, loaded, *, host: str, port: in
     from specctl.verify.draft_client import DraftClient
     from specctl.verify.server import TargetServer, TargetServerConfig
 
-    several = len(draft) > 1 or draft == ["ngram"]
-    addresses = {name: parse_hostport(name) for name in draft if name != "ngram"}
+    several = len(draft) > 1 or draft in (["ngram"], ["suffix"])  # a local drafter goes through Fusion too
+    addresses = {name: parse_hostport(name) for name in draft if name not in ("ngram", "suffix")}
     server_config = checked(TargetServerConfig, host=host, port=port, max_sessions=config.max_sessions,
                             kv_budget_bytes=config.kv_budget_bytes, auth_token=auth_token,
                             verify_delay_s=verify_delay_s, verify_floor_s=verify_floor_s, max_batch=config.max_batch,
@@ -262,10 +264,12 @@ def _serve_target(config, plan, console: Console, loaded, *, host: str, port: in
                               "without it and reconnecting in the background[/]")
         fusion = None
         if several:
+            from specctl.spec.suffix import SuffixDrafter
             from specctl.verify.fused import Fusion
 
             deadline_s, budget, policy = fusion_settings
             fusion = Fusion(clients, ngram_depth=config.depth if "ngram" in draft else 0, budget=budget,
+                            suffix=SuffixDrafter(config.depth) if "suffix" in draft else None,
                             deadline_s=deadline_s, policy=policy or RoutingPolicy())
         else:
             client = next(iter(clients.values()), None)

@@ -158,6 +158,7 @@ class EmbeddedCluster:
         """Several drafters: a draft server per model drafter, every target routing among them
         (and the local n-gram lookup when named) and fusing their chains."""
         from specctl.spec.drafters import ModelChainDrafter
+        from specctl.spec.suffix import SuffixDrafter
         from specctl.verify.fused import Fusion
 
         host, config = self.cluster.host, self.config
@@ -179,7 +180,8 @@ class EmbeddedCluster:
                 self.links.append(asyncio.create_task(clients[name].run(first)))
                 await first
             fusion = Fusion(clients, ngram_depth=config.depth if "ngram" in config.drafter_names else 0,
-                            budget=2 * config.depth)
+                            budget=2 * config.depth,
+                            suffix=SuffixDrafter(config.depth) if "suffix" in config.drafter_names else None)
             model, chain = await self._split(target)
             server = TargetServer(model, TargetServerConfig(host=host, port=0, max_sessions=config.max_sessions,
                                                             kv_budget_bytes=config.kv_budget_bytes,

@@ -1,5 +1,5 @@
-"""Several draft servers (and the local n-gram lookup) for one target instance (CoSine):
-``specctl verify --draft A --draft B [--draft ngram]``.
+"""Several draft servers (and the local n-gram lookup and suffix decoding) for one target
+instance (CoSine): ``specctl verify --draft A --draft B [--draft ngram] [--draft suffix]``.
 
 Per session, each round goes to the drafters ``spec.routing`` picks from their scores on
 this session; the chosen ones draft at once (each its own draft server), and their
@@ -15,7 +15,8 @@ draft greedily (``greedy_drafts``): the fused tree is verified by the rule for
 deterministic candidates, lossless at any temperature.
 
 A proposal carries the draft's confidence in each node (its probability, a byte each): it
-orders the fused tree's siblings; the n-gram lookup's count 1."""
+orders the fused tree's siblings; the n-gram lookup's count 1, suffix decoding's its own (the
+share of the occurrences continuing so; one memory of outputs for all the instance's sessions)."""
 
 from __future__ import annotations
 
@@ -32,10 +33,12 @@ from specctl.spec.rounds import Drafted
 from specctl.spec.routing import (NONE, DrafterStats, RoutingPolicy, RoutingScore, choose_drafters, next_drafter,
                                   rank_drafters)
 from specctl.spec.stats import FALLBACK_DRAFT_DOWN
+from specctl.spec.suffix import SuffixDrafter
 from specctl.verify.draft_client import DraftClient
 from specctl.verify.speculator import RemoteSpeculator
 
 NGRAM = "ngram"
+SUFFIX = "suffix"
 
 
 @dataclass(slots=True)
@@ -44,6 +47,7 @@ class Fusion:
 
     clients: dict[str, DraftClient]  # name (host:port) -> link; "ngram" is local and has none
     ngram_depth: int = 0  # > 0: the local n-gram lookup is one of the drafters
+    suffix: SuffixDrafter | None = None  # suffix decoding, local, one of the drafters (its memory shared)
     budget: int = 16  # fused tree nodes besides the root
     deadline_s: float = 0.5  # a drafter that has not answered by then is skipped for the round
     policy: RoutingPolicy = field(default_factory=RoutingPolicy)
@@ -58,7 +62,7 @@ class Fusion:
 
     @property
     def names(self) -> list[str]:
-        return [*self.clients, *([NGRAM] if self.ngram_depth else [])]
+        return [*self.clients, *([NGRAM] if self.ngram_depth else []), *([SUFFIX] if self.suffix else [])]
 
     def speculator(self, seed: int | None) -> "FusedSpeculator":
         return FusedSpeculator(self, seed)
@@ -93,6 +97,9 @@ class FusedSpeculator:
         if fusion.ngram_depth:
             self.links.append(_Link(NGRAM, None))
         self.ngram = NgramDrafter(fusion.ngram_depth) if fusion.ngram_depth else None
+        if fusion.suffix is not None:
+            self.links.append(_Link(SUFFIX, None))
+        self.suffix = fusion.suffix.open(0) if fusion.suffix is not None else None
         self.asked: list[tuple[_Link, Draft, list[int | None]]] = []  # (drafter, its draft, where it landed)
         self.rounds = self.accepted = 0
         self.gate = PaysGate(pooled=fusion.pooled_rounds if fusion.policy.pooled else None) \
@@ -167,8 +174,10 @@ class FusedSpeculator:
                 link.synced, link.path, link.outstanding = len(session.seq), [], False
                 tasks[i] = asyncio.ensure_future(link.remote.propose(session, outcome, self.fusion.deadline_s))
         for i in order:
-            if self.links[i].remote is None:
+            if self.links[i].name == NGRAM:
                 drafts[i] = Draft.chain(tokens := self.ngram.lookup(session.seq), [1.0] * len(tokens))
+            elif self.links[i].name == SUFFIX:
+                drafts[i] = Draft.of_tree(self.suffix.propose(session.seq, session.params, None).tree)
         if not tasks:
             return
         try:
@@ -201,6 +210,8 @@ class FusedSpeculator:
             link.outstanding, link.path = True, []
 
     def close(self) -> None:
+        if self.suffix is not None:
+            self.suffix.close()
         for link in self.links:
             if link.late is not None:
                 link.late.cancel()
