@@ -22,7 +22,7 @@ def test_the_tree_takes_the_likeliest_nodes_first_with_arctics_counts():
     """After (1, 2): 3 in two of three occurrences, 6 in one; after 3: 5 (the newer) and 4.
     A node's probability is its share of its parent's occurrences times the parent's."""
     found = indexed(OUTPUTS).occurrences((1, 2))
-    assert [end for _, end in found] == [2, 2, 2] and found[0][0] == OUTPUTS[2]  # the newest sequence first
+    assert [end for _, end in found] == [2, 2, 2] and found[0][0].tolist() == OUTPUTS[2]  # the latest written first
     third = 1 / 3
     assert grow(found, 4, 0.1, tree=True) == ([3, 6, 5, 4], [-1, -1, 0, 0], [2 * third, third, third, third])
     assert grow(found, 2, 0.1, tree=True) == ([3, 6], [-1, -1], [2 * third, third])
@@ -54,7 +54,7 @@ def test_dropping_a_sequence_leaves_no_index_entry_of_it():
     index = indexed(OUTPUTS)
     index.drop(1)
     assert 1 not in index.sequences
-    assert all(1 not in by_sequence for by_sequence in index.positions.values())
+    assert all(entry >> 32 != 1 for entries in index.positions.values() for entry in entries)
     assert [end for _, end in index.occurrences((1, 2))] == [2, 2]
     index.drop(0), index.drop(2)
     assert index.sequences == {} and index.positions == {}
@@ -71,8 +71,8 @@ def test_the_drafter_keeps_only_the_last_outputs_and_a_closed_session_frees_its_
         assert session.text.sequences == {} and session.text.positions == {}
     assert list(drafter.outputs.sequences) == [997, 998, 999]
     # each output is kept after its prompt's last token (KEY - 1 = 1 of them)
-    assert drafter.outputs.sequences[999] == [2, 4, 3, 4]
-    live = {number for by_sequence in drafter.outputs.positions.values() for number in by_sequence}
+    assert drafter.outputs.sequences[999].tolist() == [2, 4, 3, 4]
+    live = {entry >> 32 for entries in drafter.outputs.positions.values() for entry in entries}
     assert live == {997, 998, 999}
     drafter.forget()
     assert drafter.outputs.sequences == {}
