@@ -61,6 +61,13 @@ class Config:
     target: str = "qwen2.5-coder-1.5b"
     draft: str = "qwen2.5-coder-0.5b"
     drafters: str = ""  # mode multi: comma-separated drafters (model names, NAME@N, ngram, suffix), routed and fused
+    # suffix decoding (spec.suffix; vLLM's suffix_decoding_* options): a proposal holds at most
+    # min(depth, match length x max_spec_factor) nodes, none under min_token_prob; matches are
+    # measured up to max_depth tokens; the outputs of the last max_cached requests are remembered
+    suffix_max_spec_factor: float = 1.0
+    suffix_min_token_prob: float = 0.1
+    suffix_max_depth: int = 64
+    suffix_max_cached: int = 1000
     profile: str = "desktop"
 
     def __post_init__(self) -> None:
@@ -84,9 +91,16 @@ class Config:
             raise ConfigError("mode multi needs drafters, e.g. --drafters qwen2.5-coder-0.5b,ngram")
         if not isinstance(self.draft_stop, (int, float)) or isinstance(self.draft_stop, bool) or not 0.0 <= self.draft_stop < 1.0:
             raise ConfigError(f"draft_stop must be a number in [0, 1), got {self.draft_stop!r}")
+        for name, low, high in (("suffix_max_spec_factor", 0.0, 64.0), ("suffix_min_token_prob", 0.0, 1.0)):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not low <= value <= high \
+                    or (name == "suffix_max_spec_factor" and value == 0):
+                bounds = "(0, 64]" if name == "suffix_max_spec_factor" else "[0, 1]"
+                raise ConfigError(f"{name} must be a number in {bounds}, got {value!r}")
         for name, low, high in (
             ("threads", 0, 1024), ("kv_budget_mb", 1, 1 << 24), ("prefix_cache_mb", -1, 1 << 24), ("prefill_chunk", -1, 1 << 24), ("max_sessions", 1, 1 << 20),
             ("depth", 1, 64), ("topk", 1, 64), ("width", 1, 256), ("max_batch", 1, 4096), ("prespec_budget", 0, 4096),
+            ("suffix_max_depth", 2, 4096), ("suffix_max_cached", 0, 1 << 20),
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:

@@ -33,6 +33,10 @@ def test_every_shipped_profile_is_valid():
         ({"cuda_graphs": "yes"}, "cuda_graphs must be true or false, got 'yes'"),
         ({"torch_compile": 1}, "torch_compile must be true or false, got 1"),
         ({"mla_cache": "compressed"}, "mla_cache must be latent or expanded, got 'compressed'"),
+        ({"suffix_max_spec_factor": 0}, "suffix_max_spec_factor must be a number in (0, 64], got 0"),
+        ({"suffix_min_token_prob": 1.5}, "suffix_min_token_prob must be a number in [0, 1], got 1.5"),
+        ({"suffix_max_depth": 1}, "suffix_max_depth must be an integer in [2, 4096], got 1"),
+        ({"suffix_max_cached": -1}, "suffix_max_cached must be an integer in [0, 1048576], got -1"),
     ],
 )
 def test_bad_values_are_clear_errors(flags, message):

@@ -78,6 +78,19 @@ def test_the_drafter_keeps_only_the_last_outputs_and_a_closed_session_frees_its_
     assert drafter.outputs.sequences == {}
 
 
+def test_a_profiles_suffix_options_reach_the_drafter(tmp_path):
+    from specctl.config import build_config
+    from specctl.spec.factory import make_drafter
+
+    profile = tmp_path / "suffix.toml"
+    profile.write_text("mode = 'suffix'\ndepth = 12\nsuffix_max_spec_factor = 2.5\nsuffix_min_token_prob = 0.3\n"
+                       "suffix_max_depth = 32\nsuffix_max_cached = 7\n")
+    drafter = make_drafter(build_config(str(profile)), None)
+    assert isinstance(drafter, SuffixDrafter)
+    assert (drafter.depth, drafter.max_spec_factor, drafter.min_token_prob, drafter.max_depth, drafter.max_cached,
+            drafter.max_nodes) == (12, 2.5, 0.3, 32, 7, 13)
+
+
 def test_a_session_draws_on_its_own_text_but_not_its_end():
     drafter = SuffixDrafter(4)
     session = drafter.open(64)

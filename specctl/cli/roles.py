@@ -264,12 +264,12 @@ def _serve_target(config, plan, console: Console, loaded, *, host: str, port: in
                               "without it and reconnecting in the background[/]")
         fusion = None
         if several:
-            from specctl.spec.suffix import SuffixDrafter
+            from specctl.spec.factory import suffix_drafter
             from specctl.verify.fused import Fusion
 
             deadline_s, budget, policy = fusion_settings
             fusion = Fusion(clients, ngram_depth=config.depth if "ngram" in draft else 0, budget=budget,
-                            suffix=SuffixDrafter(config.depth) if "suffix" in draft else None,
+                            suffix=suffix_drafter(config) if "suffix" in draft else None,
                             deadline_s=deadline_s, policy=policy or RoutingPolicy())
         else:
             client = next(iter(clients.values()), None)

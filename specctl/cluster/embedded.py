@@ -24,7 +24,7 @@ from specctl.gateway.server import Gateway, GatewayConfig, check_serving, served
 from specctl.gateway.upstream import Upstream
 from specctl.pipeline.decoder import PipelineClient
 from specctl.pipeline.local import LocalPipeline
-from specctl.spec.factory import load_draft_models, load_pair, make_drafter
+from specctl.spec.factory import load_draft_models, load_pair, make_drafter, suffix_drafter
 from specctl.verify.draft_client import DraftClient
 from specctl.verify.server import TargetServer, TargetServerConfig
 
@@ -158,7 +158,6 @@ class EmbeddedCluster:
         """Several drafters: a draft server per model drafter, every target routing among them
         (and the local n-gram lookup when named) and fusing their chains."""
         from specctl.spec.drafters import ModelChainDrafter
-        from specctl.spec.suffix import SuffixDrafter
         from specctl.verify.fused import Fusion
 
         host, config = self.cluster.host, self.config
@@ -181,7 +180,7 @@ class EmbeddedCluster:
                 await first
             fusion = Fusion(clients, ngram_depth=config.depth if "ngram" in config.drafter_names else 0,
                             budget=2 * config.depth,
-                            suffix=SuffixDrafter(config.depth) if "suffix" in config.drafter_names else None)
+                            suffix=suffix_drafter(config) if "suffix" in config.drafter_names else None)
             model, chain = await self._split(target)
             server = TargetServer(model, TargetServerConfig(host=host, port=0, max_sessions=config.max_sessions,
                                                             kv_budget_bytes=config.kv_budget_bytes,

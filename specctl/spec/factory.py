@@ -142,10 +142,16 @@ def load_draft_models(config: Config, target: LoadedModel, console: Console | No
 def load_drafters(config: Config, target: LoadedModel, console: Console | None = None) -> dict[str, Drafter]:
     """Every drafter of ``config.drafters`` (a model name, NAME@N, or ngram) as a chain of depth d."""
     models = load_draft_models(config, target, console)
-    lookups = {"ngram": NgramDrafter, "suffix": SuffixDrafter}
-    return {name: lookups[name](config.depth) if name in lookups
+    lookups = {"ngram": lambda: NgramDrafter(config.depth), "suffix": lambda: suffix_drafter(config)}
+    return {name: lookups[name]() if name in lookups
             else ModelChainDrafter(models[name].decoder, config.depth, config.draft_stop)
             for name in config.drafter_names}
+
+
+def suffix_drafter(config: Config) -> SuffixDrafter:
+    """Suffix decoding with ``config``'s depth and suffix_* options."""
+    return SuffixDrafter(config.depth, max_depth=config.suffix_max_depth, max_spec_factor=config.suffix_max_spec_factor,
+                         min_token_prob=config.suffix_min_token_prob, max_cached=config.suffix_max_cached)
 
 
 def make_multi_drafter(config: Config, target: LoadedModel, console: Console | None = None) -> MultiDrafter:
@@ -159,7 +165,7 @@ def make_drafter(config: Config, draft: LoadedModel | None) -> Drafter:
     if config.mode == "ngram":
         return NgramDrafter(config.depth)
     if config.mode == "suffix":
-        return SuffixDrafter(config.depth)
+        return suffix_drafter(config)
     if config.mode == "multi":
         raise ValueError("mode multi loads several drafters: use make_multi_drafter")
     assert draft is not None, "chain and tree modes need a draft model"
