@@ -64,9 +64,14 @@ def test_gateway_over_a_three_stage_target_is_exact_and_a_dead_stage_gives_503(s
 
 
 def test_several_drafters_in_front_of_a_two_stage_target_are_exact(tiny_dir):
-    """`specctl up --drafters A,ngram --stages 2`: fused proposals verified through the stages."""
-    config = build_config(None, target=str(tiny_dir["llama"]), mode="multi",
-                          drafters=f"{tiny_dir['llama']}@2,ngram", depth=3, dtype="fp32", draft_quant="none")
+    """`specctl up --drafters A,ngram,suffix --stages 2`: fused proposals verified through the
+    stages. The model drafter stops where the profile says (draft_stop, as a lone draft does), and
+    a late drafter is waited for: every role shares the one compute thread (skipped at 0.5 s, a
+    CPU 0.5B never drafted and `up` ran at half the target alone's speed)."""
+    from specctl.cluster.embedded import EMBEDDED_DRAFT_DEADLINE_S
+
+    config = build_config(None, target=str(tiny_dir["llama"]), mode="multi", draft_stop=0.2,
+                          drafters=f"{tiny_dir['llama']}@2,ngram,suffix", depth=3, dtype="fp32", draft_quant="none")
     thread = ClusterThread(config, ClusterConfig(targets=1, gateway_port=0, stages=2))
     urls = thread.start()
     try:
@@ -77,6 +82,9 @@ def test_several_drafters_in_front_of_a_two_stage_target_are_exact(tiny_dir):
         assert status == 200 and json.loads(raw)["choices"][0]["text"] == reference["text"]
         target = thread.cluster.targets[0]
         assert sum(d["chosen_rounds"] for d in target.fusion.snapshot().values()) > 0
+        assert set(target.fusion.snapshot()) == {f"{tiny_dir['llama']}@2", "ngram", "suffix", "none"}
+        assert target.fusion.deadline_s == EMBEDDED_DRAFT_DEADLINE_S and target.fusion.suffix is not None
+        assert [server.table.drafter.stop for server in thread.cluster.draft_servers] == [0.2]
         assert thread.cluster.pipelines[0].servers[0].stats.forwards > 0  # stage 2 verified them
     finally:
         thread.stop()

@@ -28,6 +28,8 @@ from specctl.spec.factory import load_draft_models, load_pair, make_drafter, suf
 from specctl.verify.draft_client import DraftClient
 from specctl.verify.server import TargetServer, TargetServerConfig
 
+EMBEDDED_DRAFT_DEADLINE_S = 10.0  # several drafters in one process: see _start_multi
+
 
 @dataclass(slots=True)
 class ClusterConfig:
@@ -164,7 +166,7 @@ class EmbeddedCluster:
         models = await asyncio.to_thread(load_draft_models, config, target, self.console)
         draft_addresses = []
         for name, model in models.items():
-            server = DraftServer(model, ModelChainDrafter(model.decoder, config.depth), DraftServerConfig(
+            server = DraftServer(model, ModelChainDrafter(model.decoder, config.depth, config.draft_stop), DraftServerConfig(
                 host=host, port=0, max_sessions=config.max_sessions * self.cluster.targets, max_batch=config.max_batch,
                 kv_budget_bytes=config.kv_budget_bytes), compute=self.compute.lane(max_batch=config.max_batch))
             draft_addresses.append(f"{host}:{await server.start()}")
@@ -178,8 +180,11 @@ class EmbeddedCluster:
                 first = asyncio.get_running_loop().create_future()
                 self.links.append(asyncio.create_task(clients[name].run(first)))
                 await first
+            # every role here shares one compute thread: a drafter's proposal queues behind the
+            # target's rounds, and skipping it at a deadline frees nothing (its work still runs, and
+            # its next proposal has more text to catch up on); the deadline is for a hung drafter only
             fusion = Fusion(clients, ngram_depth=config.depth if "ngram" in config.drafter_names else 0,
-                            budget=2 * config.depth,
+                            budget=2 * config.depth, deadline_s=EMBEDDED_DRAFT_DEADLINE_S,
                             suffix=suffix_drafter(config) if "suffix" in config.drafter_names else None)
             model, chain = await self._split(target)
             server = TargetServer(model, TargetServerConfig(host=host, port=0, max_sessions=config.max_sessions,
