@@ -76,7 +76,8 @@ def generate(
     prompt_logprobs: Optional[int] = typer.Option(None, "--prompt-logprobs", help="the same for the prompt's tokens, "
                                                   "with each one's rank (vLLM's prompt_logprobs; a second pass over "
                                                   "the prompt)"),
-    mode: Optional[str] = typer.Option(None, help="ar | chain | tree | ngram | suffix | multi (several drafters: --drafters)"),
+    mode: Optional[str] = typer.Option(None, help="ar | chain | tree | ngram | suffix | multi (several drafters: "
+                                       "--drafters)"),
     drafters: Optional[str] = typer.Option(None, help="mode multi: comma-separated drafters, routed per session and "
                                            "fused into one tree (model names, NAME@N, ngram, suffix)"),
     draft_stop: Optional[float] = typer.Option(None, "--draft-stop", help="adaptive depth: stop drafting once the draft's probability of its path is below this (0 = off)"),

@@ -3,8 +3,9 @@ Inference's cache): a model-free drafter that proposes a token tree from the con
 of the context's longest earlier matches, in the session's own prompt and output and in the
 outputs of the other sessions this drafter served (a target instance's: its earlier and
 running requests; each output remembered after its prompt's last KEY - 1 tokens, so that a
-repeated prompt finds its first tokens). Agents, edits and repeated tasks rewrite what was written before; there
-it proposes long runs for nothing, and elsewhere nothing (then the round is plain AR).
+repeated prompt finds its first tokens). Agents, edits and repeated tasks rewrite what was
+written before; there it proposes long runs for nothing, and elsewhere little or nothing
+(with nothing, the round is plain AR).
 
 Arctic's rule, written here over an index of the sequences rather than its C++ suffix tree:
 for each match length m (the longest first), the occurrences whose preceding m tokens equal
@@ -171,7 +172,8 @@ class SuffixDrafter(Drafter):
             raise ValueError(f"suffix decoding needs depth >= 1, max_depth >= {KEY}, max_spec_factor > 0, "
                              f"min_token_prob in [0, 1] and max_cached >= 0")
         self.depth, self.tree, self.max_depth = depth, tree, max_depth
-        self.max_spec_factor, self.max_spec_offset, self.min_token_prob = max_spec_factor, max_spec_offset, min_token_prob
+        self.max_spec_factor, self.max_spec_offset = max_spec_factor, max_spec_offset
+        self.min_token_prob = min_token_prob
         self.max_cached = max_cached
         self.max_nodes = depth + 1
         self.outputs = SequenceIndex()  # every session's output, by session number (insertion order: FIFO)
