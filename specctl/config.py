@@ -19,6 +19,7 @@ from specctl.errors import ConfigError
 
 PROFILE_DIRS = (Path(__file__).resolve().parent.parent / "profiles", Path(__file__).resolve().parent / "profiles")
 MODES = ("ar", "chain", "tree", "ngram", "suffix", "multi")
+LOOKUP_DRAFTERS = ("ngram", "suffix")  # drafters without a model: they run where the target does
 DTYPES = ("fp32", "bf16", "fp16")
 QUANTS = ("none", "int8")
 

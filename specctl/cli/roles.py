@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from specctl.config import build_config
+from specctl.config import LOOKUP_DRAFTERS, build_config
 from specctl.errors import ConfigError
 from specctl.spec.routing import RoutingPolicy  # pure: no torch at start-up
 
@@ -134,7 +134,7 @@ def verify(
     if specpipe_draft and (index != 1 or count == 1 or draft):
         raise ConfigError("--specpipe-draft goes to stage 1 of a pipeline (--stage 1/n, n > 1), without --draft")
     if specpipe and (index != 1 or count == 1 or specpipe_draft or len(draft or []) != 1
-                     or draft[0] in ("ngram", "suffix")):
+                     or draft[0] in LOOKUP_DRAFTERS):
         raise ConfigError("--specpipe goes to stage 1 of a pipeline (--stage 1/n, n > 1) with one --draft HOST:PORT "
                           "(or use --specpipe-draft M for a draft in this process)")
     shape = _specpipe_shape(count, width, topk, spread, refill) if specpipe_draft or specpipe else None
@@ -233,8 +233,8 @@ def _serve_target(config, plan, console: Console, loaded, *, host: str, port: in
     from specctl.verify.draft_client import DraftClient
     from specctl.verify.server import TargetServer, TargetServerConfig
 
-    several = len(draft) > 1 or draft in (["ngram"], ["suffix"])  # a local drafter goes through Fusion too
-    addresses = {name: parse_hostport(name) for name in draft if name not in ("ngram", "suffix")}
+    several = len(draft) > 1 or draft[:1] in ([name] for name in LOOKUP_DRAFTERS)  # a lone local one: Fusion too
+    addresses = {name: parse_hostport(name) for name in draft if name not in LOOKUP_DRAFTERS}
     server_config = checked(TargetServerConfig, host=host, port=port, max_sessions=config.max_sessions,
                             kv_budget_bytes=config.kv_budget_bytes, auth_token=auth_token,
                             verify_delay_s=verify_delay_s, verify_floor_s=verify_floor_s, max_batch=config.max_batch,

@@ -166,7 +166,8 @@ class EmbeddedCluster:
         models = await asyncio.to_thread(load_draft_models, config, target, self.console)
         draft_addresses = []
         for name, model in models.items():
-            server = DraftServer(model, ModelChainDrafter(model.decoder, config.depth, config.draft_stop), DraftServerConfig(
+            drafter = ModelChainDrafter(model.decoder, config.depth, config.draft_stop)
+            server = DraftServer(model, drafter, DraftServerConfig(
                 host=host, port=0, max_sessions=config.max_sessions * self.cluster.targets, max_batch=config.max_batch,
                 kv_budget_bytes=config.kv_budget_bytes), compute=self.compute.lane(max_batch=config.max_batch))
             draft_addresses.append(f"{host}:{await server.start()}")

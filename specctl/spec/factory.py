@@ -8,7 +8,7 @@ import re
 import torch
 from rich.console import Console
 
-from specctl.config import Config
+from specctl.config import LOOKUP_DRAFTERS, Config
 from specctl.engine.loader import DTYPES, LoadedModel, check_same_vocab, load_model
 from specctl.engine.layers import fuse_projections
 from specctl.engine.model import Decoder
@@ -132,7 +132,7 @@ def load_draft_models(config: Config, target: LoadedModel, console: Console | No
     """The model drafters of ``config.drafters`` (every name but ngram), vocabularies checked."""
     models = {}
     for name in config.drafter_names:
-        if name not in ("ngram", "suffix"):
+        if name not in LOOKUP_DRAFTERS:
             same = name == config.target and config.draft_quant == config.target_quant
             models[name] = target if same else load_named(name, config, console, config.draft_quant)
             check_same_vocab(target, models[name])
