@@ -96,6 +96,10 @@ async def test_local_suffix_decoding_draws_on_the_instances_earlier_outputs_and_
         assert target_server.snapshot()["drafters"]["suffix"]["accepted_tokens"] >= accepted_before + 12 * len(PROMPTS)
         assert len(fusion.suffix.outputs.sequences) == 2 * len(PROMPTS)
         await wait_until(lambda: target_server.active == 0)
+        # each whole output remembered (after its prompt's last token), the last round's too
+        remembered = sorted(seq.tolist() for seq in fusion.suffix.outputs.sequences.values())
+        assert remembered == sorted([p[-1], *tokens] for p, (tokens, _, _) in [*zip(PROMPTS, first), *zip(PROMPTS, again)])
+        await wait_until(lambda: target_server.active == 0)
         assert target_server.pool.used_bytes == 0
     finally:
         await target_server.close()

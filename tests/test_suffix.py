@@ -115,3 +115,17 @@ def test_greedy_output_is_the_targets_and_a_repeated_request_is_drafted_from_the
         again = run_to_end(target, prompt, params, drafter)
         assert first.output == again.output == reference, prompt
         assert again.stats.accepted >= max(24, first.stats.accepted), (first.stats.accepted, again.stats.accepted)
+        # the whole output is remembered, the last round's tokens (which no proposal followed) too
+        assert drafter.outputs.sequences[max(drafter.outputs.sequences)].tolist() == prompt[-1:] + again.output
+
+
+def test_a_multi_drafter_s_suffix_session_learns_the_rounds_it_was_not_asked_in():
+    from specctl.spec.drafters import NgramDrafter
+    from specctl.spec.multi import MultiDrafter
+
+    suffix = SuffixDrafter(4)
+    session = MultiDrafter({"ngram": NgramDrafter(4), "suffix": suffix}, budget=8).open(64)
+    session.observe([9, 1, 2, 3])  # the prompt [9, 1, 2] and the prefill's token
+    session.observe([9, 1, 2, 3, 4, 5])  # rounds in which only the n-gram lookup drafted
+    session.close()
+    assert suffix.outputs.sequences[0].tolist() == [2, 3, 4, 5]  # the output after the prompt's last token

@@ -49,6 +49,10 @@ class DraftSession:
     def on_verified(self, path: list[int]) -> None:
         """``path``: accepted node indices of the last proposal (root excluded)."""
 
+    def observe(self, seq: list[int]) -> None:
+        """The session's text as it stands, between proposals or at its end (a drafter that
+        learns from text, suffix decoding, indexes it; a model drafter needs nothing)."""
+
     def close(self) -> None:
         """Free per-session state (KV cache)."""
 

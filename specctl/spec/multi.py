@@ -77,8 +77,13 @@ class _MultiSession(DraftSession):
     def mean_accepted(self) -> float:
         return self.accepted / self.rounds if self.rounds else 0.0
 
+    def observe(self, seq: list[int]) -> None:
+        for session in self.sessions:
+            session.observe(seq)
+
     def propose(self, seq, params, generator):
         owner, policy = self.owner, self.owner.policy
+        self.observe(seq)  # a drafter not asked this round (suffix decoding) still learns the text
         scores, up = [s.value for s in self.scores], [True] * len(self.sessions)
         lead = TOP
         if self.gate is not None:

@@ -82,9 +82,12 @@ class LocalSpeculator:
         self.drafter, self.lane, self.pool = drafter, lane, pool
         self.max_nodes = drafter.max_nodes
         self.state: DraftState | None = None
+        self.session: DecodeSession | None = None
 
     def begin(self, session: DecodeSession) -> None:
-        """Nothing yet: the draft session is opened on the compute side at the first round."""
+        """The draft session is opened on the compute side at the first round; the session is
+        kept so that its whole text reaches the draft at the end."""
+        self.session = session
 
     async def propose(self, session: DecodeSession) -> Drafted:
         started = time.perf_counter()
@@ -109,8 +112,16 @@ class LocalSpeculator:
 
     def close(self) -> None:
         if self.state is not None:
-            self.lane.submit_nowait(self.state.close)
+            # the last round's tokens, which no proposal followed (a drafter that learns from text keeps them)
+            self.lane.submit_nowait(_finish, self.state, list(self.session.seq))
             self.state = None
+
+
+def _finish(state: DraftState, text: list[int]) -> None:
+    try:
+        state.session.observe(text)
+    finally:
+        state.close()
 
 
 async def run_session(session: DecodeSession, speculator: Speculator, lane: Lane, emit: Emit,

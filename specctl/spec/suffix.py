@@ -212,15 +212,18 @@ class _SuffixSession(DraftSession):
         self.text = SequenceIndex()
         self.prompt_len: int | None = None
 
-    def propose(self, seq, params, generator):
-        drafter = self.drafter
-        if self.prompt_len is None:  # the first proposal follows the prefill's token
+    def observe(self, seq: list[int]) -> None:
+        if self.prompt_len is None:  # first seen after the prefill's token
             self.prompt_len = len(seq) - 1
         seen = len(self.text.sequences.get(0, []))
         self.text.extend(0, seq[seen:])
         # the output, after the prompt's last KEY - 1 tokens: a request that repeats the prompt's
         # end finds the output's first tokens
-        drafter.remember(self.number, seq[max(seen, self.prompt_len - KEY + 1, 0):])
+        self.drafter.remember(self.number, seq[max(seen, self.prompt_len - KEY + 1, 0):])
+
+    def propose(self, seq, params, generator):
+        drafter = self.drafter
+        self.observe(seq)
         key = tuple(seq[-KEY:])
         own = [(sequence, end) for sequence, end in self.text.occurrences(key) if end < len(seq) - 1]
         occurrences = (own + drafter.found(key, self.number))[:MAX_OCCURRENCES]

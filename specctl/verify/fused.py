@@ -100,12 +100,14 @@ class FusedSpeculator:
         if fusion.suffix is not None:
             self.links.append(_Link(SUFFIX, None))
         self.suffix = fusion.suffix.open(0) if fusion.suffix is not None else None
+        self.session: DecodeSession | None = None
         self.asked: list[tuple[_Link, Draft, list[int | None]]] = []  # (drafter, its draft, where it landed)
         self.rounds = self.accepted = 0
         self.gate = PaysGate(pooled=fusion.pooled_rounds if fusion.policy.pooled else None) \
             if fusion.policy.measures else None
 
     def begin(self, session: DecodeSession) -> None:
+        self.session = session
         for link in self.links:
             if link.remote is not None:
                 link.remote.begin(session)
@@ -115,6 +117,8 @@ class FusedSpeculator:
                                        and link.remote.client.connected.is_set())
 
     def _score_last_round(self, session: DecodeSession) -> None:
+        if self.suffix is not None:  # every round's text, asked this round or not
+            self.suffix.observe(session.seq)
         for link, draft, where in self.asked:
             link.path = own_path(session.last_path, where)
             link.score.add(*routing_outcome(draft, where, link.path))
@@ -211,6 +215,8 @@ class FusedSpeculator:
 
     def close(self) -> None:
         if self.suffix is not None:
+            if self.session is not None:
+                self.suffix.observe(self.session.seq)  # the last round's tokens, which no proposal followed
             self.suffix.close()
         for link in self.links:
             if link.late is not None:
