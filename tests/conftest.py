@@ -1,6 +1,12 @@
 import asyncio
+import contextlib
 import importlib.util
+import io
+import logging
+import subprocess
+import sys
 import time
+from unittest import mock
 from pathlib import Path
 
 import pytest
@@ -27,6 +33,26 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_threads():
     torch.set_num_threads(2)
+
+
+def run_here(*args: str) -> subprocess.CompletedProcess:
+    """``specctl ARGS`` in this process, for commands that stop at their flags before anything
+    loads: what a child process would print and its exit status, without its 2-3 s of imports.
+    (torch's thread count and logging's handlers, which a command may set, are put back.)"""
+    from specctl.cli import main
+
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    threads, handlers = torch.get_num_threads(), list(logging.getLogger().handlers)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+                mock.patch.object(sys, "argv", ["specctl", *args]):
+            main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        torch.set_num_threads(threads)
+        logging.getLogger().handlers[:] = handlers
+    return subprocess.CompletedProcess(["specctl", *args], code, out.getvalue(), err.getvalue())
 
 
 PARTIAL_ROTARY = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}

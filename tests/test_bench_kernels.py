@@ -14,6 +14,7 @@ from specctl.bench.kernel_profile import profile_steps, summarize_kernels
 from specctl.bench.render import render_kernel_batches_table, render_kernel_decode, render_kernel_profile, \
     render_kernels_table
 from specctl.engine.tiny import tiny_config
+from tests.conftest import run_here
 from tests.test_cli import _assert_one_line_error, run
 
 
@@ -200,12 +201,12 @@ def test_cli_times_a_checkpoint_shape_on_cpu(tiny_dir, tmp_path):
      "attention backend 'flashinfer' needs a CUDA device"),
 ])
 def test_cli_rejects_bad_flags(args, message):
-    _assert_one_line_error(run("bench", "kernels", *args), message)
+    _assert_one_line_error(run_here("bench", "kernels", *args), message)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_cli_without_cuda_says_to_use_the_cpu():
-    _assert_one_line_error(run("bench", "kernels"), "--device cuda: no CUDA device here; use --device cpu")
+    _assert_one_line_error(run_here("bench", "kernels"), "--device cuda: no CUDA device here; use --device cpu")
 
 
 def test_time_batches_times_both_ways_where_steps_replay_and_restores_the_choice():

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from tests.conftest import run_here
+
 
 def run(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "specctl", *args], capture_output=True, text=True, timeout=timeout)
@@ -216,7 +218,7 @@ def _assert_one_line_error(proc, expected: str):
 
 
 def test_unknown_model_error():
-    _assert_one_line_error(run("generate", "--target", "no-such-model", "--prompt", "x"), "unknown model 'no-such-model'")
+    _assert_one_line_error(run_here("generate", "--target", "no-such-model", "--prompt", "x"), "unknown model 'no-such-model'")
 
 
 def test_vocabulary_mismatch_error(tiny_dir):
@@ -249,11 +251,11 @@ def test_prompt_longer_than_context_error(tiny_dir):
     ],
 )
 def test_bad_parameters_error(tiny_dir, flags, expected):
-    _assert_one_line_error(run("generate", "--target", str(tiny_dir["llama"]), "--prompt", "x", *flags), expected)
+    _assert_one_line_error(run_here("generate", "--target", str(tiny_dir["llama"]), "--prompt", "x", *flags), expected)
 
 
 def test_help_explains_every_role_command():
-    proc = run("--help")
+    proc = run_here("--help")
     assert proc.returncode == 0
     for command in ("generate", "draft", "verify", "plan", "gateway", "up", "chat", "monitor", "models", "bench"):
         assert f"│ {command} " in proc.stdout, command
@@ -319,7 +321,7 @@ def test_bench_local_writes_json(tiny_dir, tmp_path):
 
 
 def test_bench_rejects_unknown_modes():
-    _assert_one_line_error(run("bench", "local", "--modes", "ar,teleport"), "unknown modes teleport")
+    _assert_one_line_error(run_here("bench", "local", "--modes", "ar,teleport"), "unknown modes teleport")
 
 
 def test_bench_serve_runs_every_variant_with_identical_texts(tiny_dir, tmp_path):
@@ -345,13 +347,13 @@ def test_bench_serve_runs_every_variant_with_identical_texts(tiny_dir, tmp_path)
     (["--sessions", "0"], "--sessions >= 1"),
 ])
 def test_bench_star_rejects_bad_flags_before_starting_anything(args, message):
-    result = run("bench", "star", *args)
+    result = run_here("bench", "star", *args)
     assert result.returncode != 0 and message in result.stdout + result.stderr
 
 
 @pytest.mark.parametrize("flag", ["--threads", "--repeats"])
 def test_bench_net_rejects_counts_below_one_before_loading_anything(flag):
-    _assert_one_line_error(run("bench", "net", flag, "0"), "--threads and --repeats must be >= 1")
+    _assert_one_line_error(run_here("bench", "net", flag, "0"), "--threads and --repeats must be >= 1")
 
 
 @pytest.mark.parametrize("args", [
@@ -359,7 +361,7 @@ def test_bench_net_rejects_counts_below_one_before_loading_anything(flag):
     ["plan", "--ts", "ten", "--tv", "1", "--beta", "0.5", "--depth", "4"],
 ])
 def test_usage_errors_print_the_usage_and_exit_2_without_a_traceback(args):
-    proc = run(*args, timeout=60)
+    proc = run_here(*args)
     assert proc.returncode == 2, proc.stderr
     assert "Usage: " in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
 
@@ -374,7 +376,7 @@ def test_plan_refuses_non_finite_and_non_positive_inputs(flags, message):
     base = {"--ts": "10", "--tv": "100", "--beta": "0.5", "--depth": "4"}
     given = dict(zip(flags[::2], flags[1::2]))
     args = [x for k, v in {**base, **given}.items() for x in (k, v)]
-    _assert_one_line_error(run("plan", *args, timeout=60), message)
+    _assert_one_line_error(run_here("plan", *args), message)
 
 
 def test_a_port_in_use_is_one_line_naming_it(tiny_dir):
@@ -428,7 +430,7 @@ def test_remote_generation_uses_the_tokenizer_of_the_model_the_instance_serves(t
     ("3/8", "--stage 3/8 needs --pipeline with 8 HOST:PORT addresses, one per stage in order (got 0)"),
 ])
 def test_stage_is_checked_before_anything_loads(stage, message):
-    _assert_one_line_error(run("verify", "--stage", stage, timeout=60), message)
+    _assert_one_line_error(run_here("verify", "--stage", stage), message)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -451,7 +453,7 @@ def test_stage_is_checked_before_anything_loads(stage, message):
      "--specpipe goes to stage 1 of a pipeline (--stage 1/n, n > 1) with one --draft HOST:PORT"),
 ])
 def test_pipeline_flags_are_checked_before_anything_loads(args, message):
-    _assert_one_line_error(run("verify", *args, timeout=60), message)
+    _assert_one_line_error(run_here("verify", *args), message)
 
 
 def test_a_gateway_with_no_reachable_target_says_so_in_one_lowercase_line():
@@ -518,12 +520,12 @@ def test_bench_pipeline_refuses_more_stages_than_layers(tiny_dir):
     (("--fallback", "jit"), "--prespec-budget, --saguaro-c, --fallback and --no-prespec-trials need --prespec"),
 ])
 def test_prespec_flags_are_checked_before_anything_loads(args, message):
-    _assert_one_line_error(run("draft", "--model", "no-such-model", *args, timeout=60), message)
+    _assert_one_line_error(run_here("draft", "--model", "no-such-model", *args), message)
 
 
 @pytest.mark.parametrize("command", [("verify", "--model", "no-such-model"), ("bench", "prespec")])
 def test_a_negative_emulated_verification_time_is_refused_before_anything_loads(command):
-    proc = run(*command, "--verify-time-ms", "-5", timeout=60)
+    proc = run_here(*command, "--verify-time-ms", "-5")
     message = ("--verify-delay-ms, --verify-time-ms and --stage-delay-ms must be >= 0" if command[0] == "verify"
                else "--verify-delay-ms, --verify-time-ms and --draft-step-ms must be >= 0")
     _assert_one_line_error(proc, message)
@@ -536,4 +538,4 @@ def test_a_negative_emulated_verification_time_is_refused_before_anything_loads(
     (("bench", "prespec", "--depth", "0"), "--depth, --max-tokens, --sessions and --repeats >= 1, --max-targets in [1, 32]"),
 ])
 def test_bad_emulation_and_bench_prespec_flags_are_refused_before_anything_loads(command, message):
-    _assert_one_line_error(run(*command, timeout=60), message)
+    _assert_one_line_error(run_here(*command), message)

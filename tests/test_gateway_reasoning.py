@@ -382,7 +382,8 @@ async def test_chat_shows_the_thinking_apart_and_keeps_it_out_of_the_reply(reaso
 
 @pytest.mark.parametrize("command", [["chat"], ["up"], ["gateway", "--target", "127.0.0.1:1"]])
 def test_a_bad_reasoning_parser_is_one_line_before_anything_starts(command):
-    from tests.test_cli import _assert_one_line_error, run
+    from tests.conftest import run_here
+    from tests.test_cli import _assert_one_line_error
 
-    _assert_one_line_error(run(*command, "--reasoning-parser", "r1"),
+    _assert_one_line_error(run_here(*command, "--reasoning-parser", "r1"),
                            "--reasoning-parser must be one of qwen3, deepseek_r1, openai_gptoss, got 'r1'")

@@ -72,9 +72,10 @@ def test_a_request_that_leaves_sampling_out_gets_the_recommendation_and_its_own_
 
 
 def test_a_bad_generation_config_is_refused_before_anything_starts():
-    from tests.test_cli import _assert_one_line_error, run
+    from tests.conftest import run_here
+    from tests.test_cli import _assert_one_line_error
 
     with pytest.raises(ValueError, match="--generation-config must be auto, vllm or a folder"):
         ClusterConfig(generation_config="/nowhere")
-    _assert_one_line_error(run("gateway", "--target", "127.0.0.1:1", "--generation-config", "/nowhere"),
+    _assert_one_line_error(run_here("gateway", "--target", "127.0.0.1:1", "--generation-config", "/nowhere"),
                            "--generation-config must be auto, vllm or a folder holding generation_config.json")

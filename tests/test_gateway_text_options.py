@@ -72,7 +72,8 @@ def test_a_chat_template_given_at_start_renders_every_conversation(tiny_dir, tmp
     from specctl.cluster.embedded import ClusterConfig, ClusterThread
     from specctl.config import build_config
     from specctl.gateway.chat_template import load_chat_template
-    from tests.test_cli import _assert_one_line_error, run
+    from tests.conftest import run_here
+    from tests.test_cli import _assert_one_line_error
 
     template = "{% for m in messages %}[{{ m.role }}: {{ m.content }}]{% endfor %}"
     (tmp_path / "t.jinja").write_text(template)
@@ -96,7 +97,7 @@ def test_a_chat_template_given_at_start_renders_every_conversation(tiny_dir, tmp
     with pytest.raises(ValueError, match=r"^--chat-template 'no/such.jinja': no such file; give a template file or "
                                          r"the template itself$"):
         load_chat_template("no/such.jinja")
-    _assert_one_line_error(run("gateway", "--target", "127.0.0.1:1", "--chat-template", "{% for m in messages %}"),
+    _assert_one_line_error(run_here("gateway", "--target", "127.0.0.1:1", "--chat-template", "{% for m in messages %}"),
                            "--chat-template does not compile: Unexpected end of template.")
 
 

@@ -534,9 +534,10 @@ def test_a_llama3_json_call_comes_back_as_the_call_streamed_or_not(json_tools_cl
 
 @pytest.mark.parametrize("command", [["up"], ["gateway", "--target", "127.0.0.1:1"]])
 def test_a_bad_tool_call_parser_is_one_line_before_anything_starts(command):
-    from tests.test_cli import _assert_one_line_error, run
+    from tests.conftest import run_here
+    from tests.test_cli import _assert_one_line_error
 
-    _assert_one_line_error(run(*command, "--tool-call-parser", "xlam", "--enable-auto-tool-choice"),
+    _assert_one_line_error(run_here(*command, "--tool-call-parser", "xlam", "--enable-auto-tool-choice"),
                            "--tool-call-parser must be one of hermes, llama3_json, pythonic, mistral, phi4_mini_json, openai, glm45, got 'xlam'")
 
 

@@ -236,9 +236,10 @@ def test_the_routing_ceiling_serves_each_class_with_its_fastest_arm():
 
 
 def test_bench_drafters_needs_two_drafters():
-    from tests.test_cli import _assert_one_line_error, run
+    from tests.conftest import run_here
+    from tests.test_cli import _assert_one_line_error
 
-    _assert_one_line_error(run("bench", "drafters", "--drafters", "ngram"), "--drafters needs at least two drafters")
+    _assert_one_line_error(run_here("bench", "drafters", "--drafters", "ngram"), "--drafters needs at least two drafters")
 
 
 def test_the_mixed_workload_has_four_classes():

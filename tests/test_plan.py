@@ -1,12 +1,11 @@
 """StarSD's analytical model against hand calculations."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from specctl.draft.plan import StarModel, admit, prespec_round_time
+from tests.conftest import run_here
 
 # t_s = 10 ms/token, d = 4 -> S = 40 ms; Z = t_c + t_v = 20 + 100 = 120 ms; β = 0.5
 MODEL = StarModel(t_s=0.010, t_v=0.100, t_c=0.020, beta=0.5, depth=4)
@@ -73,9 +72,8 @@ def test_prespec_round_refuses_impossible_inputs(args):
 
 
 def test_plan_command_json():
-    proc = subprocess.run([sys.executable, "-m", "specctl", "plan", "--ts", "10", "--tv", "100", "--tc", "20",
-                           "--beta", "0.5", "--depth", "4", "--standalone", "4.5", "--json"],
-                          capture_output=True, text=True, timeout=120)
+    proc = run_here("plan", "--ts", "10", "--tv", "100", "--tc", "20", "--beta", "0.5", "--depth", "4", "--standalone",
+                    "4.5", "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["N_full"] == 4 and report["N_max"] == 5
@@ -101,14 +99,12 @@ def test_specpipe_width_is_the_one_with_the_smallest_expected_time_between_token
 
 def test_plan_pipeline_command_json_and_its_errors():
     def plan(*args):
-        return subprocess.run([sys.executable, "-m", "specctl", "plan", "--pipeline", *args],
-                              capture_output=True, text=True, timeout=120)
+        return run_here("plan", "--pipeline", *args)
 
     proc = plan("--stages", "4", "--widths", "1,4", "--step-ms", "50,52", "--hit", "0.6,0.8", "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["best_width"] == 4
     bad = plan("--widths", "1,2", "--step-ms", "5", "--hit", "0.5,0.6")
     assert bad.returncode == 2 and "need one value per width (2, 1, 2 given)" in bad.stderr + bad.stdout
-    missing = subprocess.run([sys.executable, "-m", "specctl", "plan", "--ts", "10"], capture_output=True, text=True,
-                             timeout=120)
+    missing = run_here("plan", "--ts", "10")
     assert missing.returncode == 2 and "plan needs --ts, --tv, --beta and --depth" in missing.stderr + missing.stdout
