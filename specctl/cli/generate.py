@@ -46,6 +46,9 @@ def generate(
     target: Optional[str] = typer.Option(None, help="target model: packaged name, HF directory or .gguf"),
     draft: Optional[str] = typer.Option(None, help="draft model; NAME@N = the first N layers of NAME"),
     chat: bool = typer.Option(False, "--chat", help="wrap the prompt in the target's chat template"),
+    suffix: Optional[str] = typer.Option(None, "--suffix", help="fill in the middle: write the text between the "
+                                         "prompt and this text (a code model with FIM tokens, as Qwen2.5-Coder, "
+                                         "StarCoder2, DeepSeek-Coder; OpenAI's suffix)"),
     max_tokens: int = typer.Option(128, "--max-tokens", "-n", help="most new tokens"),
     temperature: float = typer.Option(0.0, help="0 = greedy (exactly the target's greedy output)"),
     top_p: float = typer.Option(1.0, "--top-p", help="nucleus sampling mass"),
@@ -106,6 +109,8 @@ def generate(
         raise ConfigError("--bad-words must not be empty: give a word")
     if stop and not all(stop):
         raise ConfigError("--stop must not be empty: give the text to stop before")
+    if suffix is not None and chat:
+        raise ConfigError("--suffix cannot go with --chat: an infill is a plain prompt in the model's FIM tokens")
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
                             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                             frequency_penalty=frequency_penalty, min_p=min_p, logprobs=logprobs,
@@ -119,12 +124,12 @@ def generate(
     console = Console(stderr=True)
     if remote:
         return _generate_remote(remote, target, prompt, chat, params, bad_words, as_json, auth_token, tls_ca,
-                                console, tuple(stop or ()))
+                                console, tuple(stop or ()), suffix)
     target_model, draft_model = load_pair(config, console)
     drafter = (make_multi_drafter(config, target_model, console) if config.mode == "multi"
                else make_drafter(config, draft_model))
     params = with_bad_words(params, bad_words, target_model.tokenizer)
-    ids = text.encode_user_text(target_model.tokenizer, prompt, chat)
+    ids, params = prompt_ids(target_model.tokenizer, prompt, chat, suffix, params)
     streamer = TextStreamer(target_model.tokenizer, None if as_json else sys.stdout, tuple(stop or ()))
     output: list[int] = []
 
@@ -152,6 +157,24 @@ def generate(
             f"[dim]{stats.new_tokens} tokens, {stats.tokens_per_s:.2f} tok/s, mode {config.mode}, "
             f"mean accepted length {stats.mean_accepted_length:.2f}, acceptance {stats.acceptance_rate:.0%}[/]"
         )
+
+
+def prompt_ids(tokenizer, prompt: str, chat: bool, suffix: str | None, params):
+    """The prompt's token ids, and the sampling parameters with an infill's end tokens among
+    their stop tokens when ``suffix`` asks for one (engine.fim)."""
+    import dataclasses
+
+    from specctl.engine.fim import encode_infill, infill_stops
+    from specctl.errors import BadRequest, ConfigError
+
+    if suffix is None:
+        return text.encode_user_text(tokenizer, prompt, chat), params
+    try:
+        ids = encode_infill(tokenizer, prompt, suffix)
+    except BadRequest as exc:
+        raise ConfigError(f"--suffix: {exc}") from None
+    ends = tuple(dict.fromkeys((*params.stop_token_ids, *infill_stops(tokenizer))))
+    return ids, dataclasses.replace(params, stop_token_ids=ends)
 
 
 def token_text(tokenizer):
@@ -210,7 +233,7 @@ def with_bad_words(params, words: list[str] | None, tokenizer):
 
 
 def _generate_remote(remote, requested_target, prompt, chat, params, bad_words, as_json, auth_token, tls_ca,
-                     console, stop: tuple[str, ...] = ()) -> None:
+                     console, stop: tuple[str, ...] = (), suffix: str | None = None) -> None:
     """Same output as local mode. The tokenizer is the one of the model the target instance
     says it serves (its handshake), never a local default: text encoded for another
     vocabulary would come back as fluent garbage. A stop string cancels the generation there."""
@@ -238,7 +261,7 @@ def _generate_remote(remote, requested_target, prompt, chat, params, bad_words, 
     if welcome.fingerprint and vocab_fingerprint(tokenizer) != welcome.fingerprint:
         raise ConfigError(f"the local copy of {served!r} has another vocabulary than the one {remote} serves")
     params = with_bad_words(params, bad_words, tokenizer)
-    ids = text.encode_user_text(tokenizer, prompt, chat)
+    ids, params = prompt_ids(tokenizer, prompt, chat, suffix, params)
     streamer = TextStreamer(tokenizer, None if as_json else sys.stdout, stop)
     scores = logprob_report.Scores(ids)
     result = {}

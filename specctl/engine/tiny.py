@@ -16,7 +16,9 @@ def make_byte_tokenizer(vocab_size: int = TINY_VOCAB):
 
     byte_vocab = {token: i for i, token in enumerate(pre_tokenizers.ByteLevel.alphabet())}
     byte_vocab = {tok: i for i, tok in enumerate(sorted(byte_vocab))}
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    # Qwen2.5-Coder's chat and fill-in-the-middle tokens (engine.fim)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
+                "<|fim_pad|>", "<|file_sep|>"]
     for s in specials:
         byte_vocab[s] = len(byte_vocab)
     for i in range(len(byte_vocab), vocab_size):

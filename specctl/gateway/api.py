@@ -47,8 +47,11 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
   distribution to the grammar (spec.structured, llguidance as vLLM's guidance backend, JSON
   with flexible whitespace); verification applies it, so every mode stays the target's own
   output under the grammar. One constraint a request; ignore_eos cannot go with one.
-- best_of other than n, suffix and legacy functions are refused with 400 rather than
-  silently ignored: they would change what the caller gets.
+- a completion's suffix asks for the text between the prompt and it (fill in the middle,
+  engine.fim): the prompt is built in the model's FIM tokens and their end tokens stop it; a
+  model without FIM tokens is a 400, as are echo and truncate_prompt_tokens with a suffix.
+- best_of other than n and legacy functions are refused with 400 rather than silently
+  ignored: they would change what the caller gets.
 - vLLM's stop_token_ids (at most MAX_STOP_TOKEN_IDS) end the generation as EOS does: the
   stop token is not part of the output (vLLM keeps a non-special one in its text). A stop
   string is not part of the text either unless vLLM's include_stop_str_in_output asks.
@@ -255,8 +258,12 @@ def refuse_unsupported(req: RequestFields) -> None:
         if req.best_of not in (None, req.n):
             raise ApiError(400, "best_of is not supported (only equal to n): every choice generated is returned",
                            param="best_of")
-        if req.suffix:
-            raise ApiError(400, "suffix is not supported", param="suffix")
+        if req.suffix is not None and req.echo:
+            raise ApiError(400, "echo cannot go with suffix: an infill's prompt is the prefix and the suffix "
+                                "around the answer, not text before it", param="echo")
+        if req.suffix is not None and req.truncate_prompt_tokens is not None:
+            raise ApiError(400, "truncate_prompt_tokens cannot go with suffix (it would cut the infill's markers): "
+                                "shorten the prompt", param="truncate_prompt_tokens")
 
 
 def wanted_logprobs(req: RequestFields) -> int | None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from specctl.engine.fim import encode_infill, infill_stops
 from specctl.engine.text import encode_chat, encode_prompt, token_bytes_of
 from specctl.errors import BadRequest
 from specctl.gateway import responses as R
@@ -68,7 +69,13 @@ class Generations:
             if isinstance(req, ChatCompletionRequest):
                 return [encode_chat(self.tokenizer, chat_messages(req), tools, chat_template_options(req))]
             prompts = completion_prompts(req.prompt)
-            ids = [encode_prompt(self.tokenizer, p) if isinstance(p, str) else p for p in prompts]
+            if req.suffix is not None:  # fill in the middle: the text between each prompt and the suffix
+                try:
+                    ids = [encode_infill(self.tokenizer, p, req.suffix) for p in prompts]
+                except BadRequest as exc:
+                    raise ApiError(400, str(exc), param="suffix") from None
+            else:
+                ids = [encode_prompt(self.tokenizer, p) if isinstance(p, str) else p for p in prompts]
         except BadRequest as exc:
             raise ApiError(400, str(exc)) from None
         if not all(ids):
@@ -107,9 +114,10 @@ class Generations:
             structured = after_thinking(structured_output(req, forced[1] if forced else None),
                                         self.thinking(req) if chat else None)
             barred = bad_words(req.bad_words, self.tokenizer)
+            ends = infill_stops(self.tokenizer) if getattr(req, "suffix", None) is not None else ()
             specs = choice_specs(prompts, [sampling_params(req, len(p), self.config.context,
                                                            self.config.default_max_tokens, structured, barred,
-                                                           self.defaults)
+                                                           self.defaults, ends)
                                            for p in prompts], req.n, self._echoes(req, prompts))
             self._check_room(len(specs))
             if self.config.log_requests:

@@ -134,12 +134,14 @@ def _arguments(arguments: str) -> Any:
 
 def sampling_params(req: RequestFields, prompt_tokens: int, context: int, default_max_tokens: int,
                     structured: tuple[str, str] | None = None,
-                    barred: tuple[tuple[int, ...], ...] = (), defaults: dict | None = None) -> SamplingParams:
+                    barred: tuple[tuple[int, ...], ...] = (), defaults: dict | None = None,
+                    ends: tuple[int, ...] = ()) -> SamplingParams:
     """Validated sampling parameters; a prompt that leaves no room is a 400 as in OpenAI. Stop
     token ids outside the vocabulary are refused by the target instance (a 400 too).
     ``structured``: the request's grammar (gateway.structured), checked already; ``barred``: its
     bad_words as token sequences (``bad_words``); ``defaults``: what the fields a request leaves
-    out take (gateway.sampling_defaults; OpenAI's where it says nothing)."""
+    out take (gateway.sampling_defaults; OpenAI's where it says nothing); ``ends``: stop token
+    ids the request implies besides its own (an infill's, engine.fim)."""
     defaults = defaults or {}
     if req.stop_token_ids and len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise ApiError(400, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(req.stop_token_ids)}",
@@ -170,7 +172,7 @@ def sampling_params(req: RequestFields, prompt_tokens: int, context: int, defaul
             temperature=given(req.temperature, "temperature", 1.0),
             top_p=given(req.top_p, "top_p", 1.0),
             top_k=top_k, max_tokens=requested, seed=req.seed, ignore_eos=req.ignore_eos,
-            stop_token_ids=tuple(req.stop_token_ids or ()), logprobs=wanted_logprobs(req),
+            stop_token_ids=tuple(dict.fromkeys((*(req.stop_token_ids or ()), *ends))), logprobs=wanted_logprobs(req),
             prompt_logprobs=scored_prompt(req),
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=given(req.repetition_penalty, "repetition_penalty", 1.0),

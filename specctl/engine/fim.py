@@ -1,0 +1,76 @@
+"""Fill-in-the-middle: a code model trained to infill writes the text between a prefix and a
+suffix when its prompt is prefix-suffix-middle in its own FIM tokens (OpenAI completions'
+``suffix``, DeepSeek's and Mistral's FIM APIs; llama.cpp's /infill builds the same prompt).
+
+The model says which FIM tokens it knows: its vocabulary holds one of the families below, as
+llama.cpp reads them from a GGUF's tokenizer.ggml.fim_* keys. The prompt is the tokenizer's
+usual start (BOS where it adds one), the prefix token, the prefix's ids, the suffix token, the
+suffix's ids and the middle token; the model's answer is the middle, which ends with its end of
+text or a FIM control token (file or repository separators, the padding token) — llama.cpp's
+end-of-generation set, stop tokens of the request. Nothing else changes: the output is the
+target's own continuation of that prompt, in every mode."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from specctl.errors import BadRequest
+
+# (prefix, suffix, middle, the tokens that end an infill besides the model's EOS)
+FAMILIES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
+    # Qwen2.5-Coder, Qwen3-Coder, CodeGemma
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>",
+     ("<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<|file_separator|>")),
+    # StarCoder, StarCoder2, Granite Code
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>", ("<|endoftext|>", "<fim_pad>", "<file_sep>", "<repo_name>")),
+    # SantaCoder
+    ("<fim-prefix>", "<fim-suffix>", "<fim-middle>", ("<|endoftext|>", "<fim-pad>")),
+    # DeepSeek-Coder
+    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>", ("<｜end▁of▁sentence｜>", "<|EOT|>")),
+    # CodeLlama
+    ("▁<PRE>", "▁<SUF>", "▁<MID>", ("▁<EOT>",)),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class FimTokens:
+    prefix: int
+    suffix: int
+    middle: int
+    stops: tuple[int, ...]  # the ids of the family's end tokens the vocabulary holds
+
+
+def fim_tokens(tokenizer: Any) -> FimTokens | None:
+    """The model's FIM tokens, or None when its vocabulary holds no family of them."""
+    vocab = tokenizer.get_vocab()
+    for prefix, suffix, middle, stops in FAMILIES:
+        if prefix in vocab and suffix in vocab and middle in vocab:
+            return FimTokens(vocab[prefix], vocab[suffix], vocab[middle],
+                             tuple(vocab[stop] for stop in stops if stop in vocab))
+    return None
+
+
+def require_fim(tokenizer: Any) -> FimTokens:
+    """The model's FIM tokens; a model without them is a BadRequest that says what would do."""
+    tokens = fim_tokens(tokenizer)
+    if tokens is None:
+        raise BadRequest("suffix needs a model trained to fill in the middle, whose vocabulary has FIM tokens "
+                         "(Qwen2.5-Coder, StarCoder2, DeepSeek-Coder, CodeLlama, CodeGemma); this one has none: "
+                         "leave suffix out")
+    return tokens
+
+
+def infill_stops(tokenizer: Any) -> tuple[int, ...]:
+    """The tokens that end an infill (stop tokens of the request, beside the model's EOS)."""
+    return require_fim(tokenizer).stops
+
+
+def encode_infill(tokenizer: Any, prefix: str | list[int], suffix: str) -> list[int]:
+    """The infilling prompt for the text between ``prefix`` (text, or token ids as given) and
+    ``suffix``, in the model's FIM tokens (raises BadRequest without them)."""
+    tokens = require_fim(tokenizer)
+    start = tokenizer.encode("")  # BOS where the tokenizer adds one (CodeLlama, DeepSeek-Coder)
+    before = tokenizer.encode(prefix, add_special_tokens=False) if isinstance(prefix, str) else list(prefix)
+    after = tokenizer.encode(suffix, add_special_tokens=False)
+    return [*start, tokens.prefix, *before, tokens.suffix, *after, tokens.middle]

@@ -1,0 +1,102 @@
+"""Fill in the middle (engine.fim): the prompt in the model's FIM tokens, their end tokens as
+stop tokens, a model without them refused; through `generate --suffix` and the gateway's
+completions ``suffix``, whose output is the target's own continuation of that prompt."""
+
+import json
+
+import pytest
+
+from specctl.engine.fim import FimTokens, encode_infill, fim_tokens, infill_stops
+from specctl.engine.tiny import make_byte_tokenizer
+from specctl.errors import BadRequest
+from tests.test_cli import _assert_one_line_error, run
+from tests.test_gateway import post
+
+PREFIX, SUFFIX = "def add(a, b):\n    ", "\n    return total\n"
+
+
+class _Vocab:
+    def __init__(self, tokens):
+        self.vocab = {token: i for i, token in enumerate(tokens)}
+
+    def get_vocab(self):
+        return self.vocab
+
+
+def test_each_family_s_tokens_are_found_with_the_end_tokens_its_vocabulary_holds():
+    deepseek = _Vocab(["a", "<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>", "<｜end▁of▁sentence｜>", "<|EOT|>"])
+    assert fim_tokens(deepseek) == FimTokens(1, 2, 3, (4, 5))
+    starcoder = _Vocab(["<|endoftext|>", "<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>"])
+    assert fim_tokens(starcoder) == FimTokens(1, 3, 2, (0, 4))
+    codellama = _Vocab(["<s>", "▁<PRE>", "▁<SUF>", "▁<MID>", "▁<EOT>"])
+    assert fim_tokens(codellama) == FimTokens(1, 2, 3, (4,))
+    assert fim_tokens(_Vocab(["<fim_prefix>", "<fim_suffix>"])) is None  # no middle token: no family
+
+
+def test_the_prompt_is_prefix_suffix_middle_in_the_model_s_tokens():
+    tokenizer = make_byte_tokenizer()
+    vocab = tokenizer.get_vocab()
+    fim = fim_tokens(tokenizer)
+    assert (fim.prefix, fim.suffix, fim.middle) == (vocab["<|fim_prefix|>"], vocab["<|fim_suffix|>"],
+                                                    vocab["<|fim_middle|>"])
+    assert infill_stops(tokenizer) == (vocab["<|endoftext|>"], vocab["<|fim_pad|>"], vocab["<|file_sep|>"])
+    ids = encode_infill(tokenizer, PREFIX, SUFFIX)
+    assert ids == [fim.prefix, *tokenizer.encode(PREFIX), fim.suffix, *tokenizer.encode(SUFFIX), fim.middle]
+    assert encode_infill(tokenizer, [5, 6], "") == [fim.prefix, 5, 6, fim.suffix, fim.middle]  # ids as given
+
+
+def test_a_model_without_fim_tokens_is_refused_with_what_would_do():
+    with pytest.raises(BadRequest, match=r"^suffix needs a model trained to fill in the middle, whose vocabulary has "
+                                         r"FIM tokens \(Qwen2.5-Coder, .*\); this one has none: leave suffix out$"):
+        encode_infill(_Vocab(["a", "b"]), "x", "y")
+
+
+def _infill(tiny_dir, mode, *extra):
+    proc = run("generate", "--target", str(tiny_dir["llama"]), "--draft", str(tiny_dir["llama-draft"]), "--mode", mode,
+               "--dtype", "fp32", "-p", PREFIX, "--suffix", SUFFIX, "-n", "16", "--json", *extra)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_generate_suffix_is_the_target_s_continuation_of_the_infill_prompt_in_every_mode(tiny_dir):
+    from specctl.engine.loader import load_model
+    from specctl.spec.rounds import generate
+    from specctl.spec.sampling import SamplingParams
+
+    model = load_model("llama", tiny_dir["llama"], "fp32")
+    ids = encode_infill(model.tokenizer, PREFIX, SUFFIX)
+    params = SamplingParams(max_tokens=16, stop_token_ids=infill_stops(model.tokenizer))
+    reference, _, _ = generate(model.decoder, ids, params, eos_token_ids=model.eos_token_ids)
+    plain, _, _ = generate(model.decoder, model.tokenizer.encode(PREFIX), params, eos_token_ids=model.eos_token_ids)
+    assert reference != plain  # the suffix counts
+    assert _infill(tiny_dir, "chain")["token_ids"] == reference
+    _assert_one_line_error(run("generate", "--target", str(tiny_dir["llama"]), "-p", "x", "--suffix", "y", "--chat"),
+                           "--suffix cannot go with --chat")
+
+
+def test_completions_with_a_suffix_equal_generate_suffix_and_end_at_fim_tokens(cluster, client, tiny_dir):
+    reference = _infill(tiny_dir, "ar")
+    model = str(tiny_dir["llama"])
+    infill = client.completions.create(model=model, prompt=PREFIX, suffix=SUFFIX, max_tokens=16, temperature=0)
+    assert infill.choices[0].text == reference["text"]
+    tokenizer = make_byte_tokenizer()
+    assert infill.usage.prompt_tokens == len(encode_infill(tokenizer, PREFIX, SUFFIX))
+    # a FIM end token made the likeliest: the infill ends at once, as at EOS
+    pad = tokenizer.get_vocab()["<|fim_pad|>"]
+    ended = client.completions.create(model=model, prompt=PREFIX, suffix=SUFFIX, max_tokens=16, temperature=0,
+                                      logit_bias={str(pad): 100})
+    assert (ended.choices[0].text, ended.choices[0].finish_reason, ended.usage.completion_tokens) == ("", "stop", 0)
+    plain = client.completions.create(model=model, prompt=PREFIX, max_tokens=16, temperature=0,
+                                      logit_bias={str(pad): 100})
+    assert plain.usage.completion_tokens == 16  # without a suffix the padding token is just a token
+
+
+@pytest.mark.parametrize("extra, param, message", [
+    ({"echo": True}, "echo", "echo cannot go with suffix"),
+    ({"truncate_prompt_tokens": 4}, "truncate_prompt_tokens", "truncate_prompt_tokens cannot go with suffix"),
+])
+def test_completions_refuse_what_cannot_go_with_a_suffix(cluster, tiny_dir, extra, param, message):
+    status, _, body = post(cluster[1]["gateway"] + "/v1/completions",
+                           {"prompt": PREFIX, "suffix": SUFFIX, "max_tokens": 4, **extra})
+    error = json.loads(body)["error"]
+    assert status == 400 and error["param"] == param and error["message"].startswith(message)
