@@ -89,6 +89,10 @@ def test_completions_with_a_suffix_equal_generate_suffix_and_end_at_fim_tokens(c
     plain = client.completions.create(model=model, prompt=PREFIX, max_tokens=16, temperature=0,
                                       logit_bias={str(pad): 100})
     assert plain.usage.completion_tokens == 16  # without a suffix the padding token is just a token
+    remote = run("generate", "--remote", cluster[1]["targets"][0], "-p", PREFIX, "--suffix", SUFFIX, "-n", "16",
+                 "--json")
+    assert remote.returncode == 0, remote.stderr
+    assert json.loads(remote.stdout)["token_ids"] == reference["token_ids"]
 
 
 @pytest.mark.parametrize("extra, param, message", [

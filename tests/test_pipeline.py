@@ -62,7 +62,7 @@ def _drafter(mode, draft):
             "tree": ModelTreeDrafter(draft.decoder, 4, 2, 3)}[mode]
 
 
-@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("stages", [2, pytest.param(3, marks=pytest.mark.slow), 4])  # 5-7 s each
 async def test_a_target_split_over_stages_outputs_exactly_the_whole_target_in_every_mode(models, stages):
     target, draft = models
     async with LocalPipeline(target, stages) as pipeline:

@@ -144,7 +144,7 @@ def test_the_refill_depth_is_checked_and_sizes_the_cached_tree():
         TreeShape(4, 2, refill=17)
 
 
-@pytest.mark.parametrize("width", [1, 3])
+@pytest.mark.parametrize("width", [1, pytest.param(3, marks=pytest.mark.slow)])  # 9 s each
 async def test_levels_left_dead_by_a_verification_are_dropped_by_the_stages_and_the_output_stays_exact(models, width):
     """With slow stages the levels of a flushed tree (or of a wholly pruned level) are still
     queued downstream when the verification happens: stage 1 declares them dead and the
