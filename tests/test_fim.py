@@ -104,3 +104,30 @@ def test_completions_refuse_what_cannot_go_with_a_suffix(cluster, tiny_dir, extr
                            {"prompt": PREFIX, "suffix": SUFFIX, "max_tokens": 4, **extra})
     error = json.loads(body)["error"]
     assert status == 400 and error["param"] == param and error["message"].startswith(message)
+
+
+def test_bench_prompts_with_a_suffix_are_infills_and_every_mode_stops_at_their_end_tokens(tiny_dir, tmp_path):
+    from specctl.bench.local import prompt_ids
+    from specctl.bench.prompts import BenchPrompt, load_prompts
+    from specctl.engine.loader import load_model
+    from specctl.errors import ConfigError
+
+    shipped = load_prompts("infill")
+    assert len(shipped) == 12 and all(p.suffix and not p.chat for p in shipped)
+    target = load_model("llama", tiny_dir["llama"], "fp32")
+    ids, ends = prompt_ids(target, [BenchPrompt(PREFIX, False, "code", SUFFIX)])
+    assert ids == [encode_infill(target.tokenizer, PREFIX, SUFFIX)]
+    assert ends == tuple(dict.fromkeys((*target.eos_token_ids, *infill_stops(target.tokenizer))))
+    assert prompt_ids(target, [BenchPrompt(PREFIX, False)])[1] == target.eos_token_ids  # no infill: EOS alone
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "x", "suffix": "y", "chat": True}) + "\n")
+    with pytest.raises(ConfigError, match=r'bad.jsonl:1: "suffix" is the text after an infill \(a string\), not with '
+                                          r'"chat"$'):
+        load_prompts(str(bad))
+    out = tmp_path / "infill.json"
+    proc = run("bench", "local", "--target", str(tiny_dir["llama"]), "--draft", str(tiny_dir["llama-draft"]),
+               "--max-tokens", "8", "--limit", "2", "--modes", "ar,chain,suffix,hf-assisted", "--dtype", "fp32",
+               "--prompts", "infill", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert all(result["outputs_equal_to_ar"] == 1.0 for result in report["modes"].values())  # transformers' too

@@ -18,6 +18,7 @@ from rich.progress import Progress
 from specctl.bench.prompts import BenchPrompt
 from specctl.config import Config
 from specctl.engine.loader import DTYPES, LoadedModel
+from specctl.engine.fim import encode_infill, infill_stops
 from specctl.engine.text import encode_user_text
 from specctl.spec.factory import make_drafter
 from specctl.spec.rounds import generate
@@ -87,9 +88,9 @@ class ModeResult:
 
 
 def engine_runner(mode: str, config: Config, target: LoadedModel, draft: LoadedModel | None, max_tokens: int,
-                  warm_up: list[int]) -> Runner:
+                  warm_up: list[int], ends: tuple[int, ...] | None = None) -> Runner:
     drafter = make_drafter(config.replace(mode=mode), draft)
-    run = drafter_runner(drafter, target, max_tokens, warm_up)
+    run = drafter_runner(drafter, target, max_tokens, warm_up, ends)
     return run if mode != "suffix" else fresh_per_repeat(run, drafter)
 
 
@@ -110,20 +111,23 @@ def fresh_per_repeat(run: Runner, drafter) -> Runner:
     return fresh
 
 
-def drafter_runner(drafter, target: LoadedModel, max_tokens: int, warm_up: list[int]) -> Runner:
-    """Greedy generation with ``drafter`` (None = the target alone), warmed up once."""
+def drafter_runner(drafter, target: LoadedModel, max_tokens: int, warm_up: list[int],
+                   ends: tuple[int, ...] | None = None) -> Runner:
+    """Greedy generation with ``drafter`` (None = the target alone), warmed up once; ``ends``:
+    the tokens that end a generation (the target's EOS unless given)."""
     params = SamplingParams(max_tokens=max_tokens)
     generate(target.decoder, warm_up, SamplingParams(max_tokens=4), drafter)
+    ends = target.eos_token_ids if ends is None else ends
 
     def run(ids: list[int]):
-        out, stats, _ = generate(target.decoder, ids, params, drafter, eos_token_ids=target.eos_token_ids)
+        out, stats, _ = generate(target.decoder, ids, params, drafter, eos_token_ids=ends)
         return out, stats
 
     return run
 
 
 def hf_assisted_runner(config: Config, target: LoadedModel, draft: LoadedModel, max_tokens: int,
-                       warm_up: list[int]) -> Runner:
+                       warm_up: list[int], ends: tuple[int, ...] | None = None) -> Runner:
     """transformers' own assisted generation with the same two checkpoints (its defaults:
     dynamic draft length and its confidence threshold)."""
     from transformers import AutoModelForCausalLM
@@ -137,14 +141,15 @@ def hf_assisted_runner(config: Config, target: LoadedModel, draft: LoadedModel, 
     if draft.spec.num_layers != hf_draft.config.num_hidden_layers:  # NAME@N self-drafts
         hf_draft.model.layers = hf_draft.model.layers[: draft.spec.num_layers]
         hf_draft.config.num_hidden_layers = draft.spec.num_layers
-    eos = list(target.eos_token_ids) or None
+    ends = target.eos_token_ids if ends is None else ends
+    eos = list(ends) or None
     kw = dict(do_sample=False, eos_token_id=eos, pad_token_id=eos[0] if eos else None)
 
     def run(ids: list[int], new: int = max_tokens):
         with torch.inference_mode():
             out = hf_target.generate(torch.tensor([ids]), assistant_model=hf_draft, max_new_tokens=new, **kw)
         tokens = out[0, len(ids):].tolist()
-        while tokens and tokens[-1] in target.eos_token_ids:  # we do not count the EOS either
+        while tokens and tokens[-1] in ends:  # we do not count the EOS either
             tokens.pop()
         return tokens, None
 
@@ -154,13 +159,13 @@ def hf_assisted_runner(config: Config, target: LoadedModel, draft: LoadedModel, 
 
 def run_local_bench(config: Config, target: LoadedModel, draft: LoadedModel | None, prompts: list[BenchPrompt],
                     modes: list[str], max_tokens: int, progress: Progress, repeats: int = 1) -> dict:
-    encoded = [encode_user_text(target.tokenizer, p.prompt, p.chat) for p in prompts]
+    encoded, ends = prompt_ids(target, prompts)
     warm_up = encoded[0][:8]
     runners: dict[str, Runner] = {}
     for mode in modes:
         progress.console.print(f"[dim]preparing {mode}[/]")
-        runners[mode] = (hf_assisted_runner(config, target, draft, max_tokens, warm_up) if mode == "hf-assisted"
-                         else engine_runner(mode, config, target, draft, max_tokens, warm_up))
+        runners[mode] = (hf_assisted_runner(config, target, draft, max_tokens, warm_up, ends) if mode == "hf-assisted"
+                         else engine_runner(mode, config, target, draft, max_tokens, warm_up, ends))
     return {
         "settings": {
             "target": config.target, "draft": config.draft, "dtype": config.dtype, "max_tokens": max_tokens,
@@ -170,6 +175,16 @@ def run_local_bench(config: Config, target: LoadedModel, draft: LoadedModel | No
         },
         "modes": measure(runners, encoded, [p.kind for p in prompts], progress, repeats),
     }
+
+
+def prompt_ids(target: LoadedModel, prompts: list[BenchPrompt]) -> tuple[list[list[int]], tuple[int, ...]]:
+    """The prompts' token ids, and the tokens that end a generation: the target's EOS, and an
+    infill's end tokens too when the set holds infills (every mode and baseline stops alike)."""
+    encoded = [encode_infill(target.tokenizer, p.prompt, p.suffix) if p.suffix is not None
+               else encode_user_text(target.tokenizer, p.prompt, p.chat) for p in prompts]
+    infills = any(p.suffix is not None for p in prompts)
+    ends = tuple(dict.fromkeys((*target.eos_token_ids, *(infill_stops(target.tokenizer) if infills else ()))))
+    return encoded, ends
 
 
 def measure(runners: dict[str, Runner], encoded: list[list[int]], kinds: list[str], progress: Progress,

@@ -1,5 +1,6 @@
-"""Benchmark prompt sets: the shipped mixes (code, prose, JSON, chat) or a JSON-lines file
-of ``{"prompt": "...", "chat": true|false, "kind": "..."}`` objects."""
+"""Benchmark prompt sets: the shipped mixes (code, prose, JSON, chat, infills) or a JSON-lines
+file of ``{"prompt": "...", "chat": true|false, "kind": "..."}`` objects; ``"suffix": "..."``
+makes a prompt an infill (fill in the middle, engine.fim: the prompt is the text before)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ class BenchPrompt:
     prompt: str
     chat: bool
     kind: str = "custom"
+    suffix: str | None = None  # an infill: the text after the answer
 
 
 def _parse(lines: list[str], source: str) -> list[BenchPrompt]:
@@ -29,7 +31,10 @@ def _parse(lines: list[str], source: str) -> list[BenchPrompt]:
             raise ConfigError(f"{source}:{number}: not JSON ({exc.msg})") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not isinstance(obj.get("chat", False), bool):
             raise ConfigError(f'{source}:{number}: expected {{"prompt": "...", "chat": true|false}}')
-        prompts.append(BenchPrompt(obj["prompt"], obj.get("chat", False), obj.get("kind", "custom")))
+        suffix = obj.get("suffix")
+        if suffix is not None and (not isinstance(suffix, str) or obj.get("chat", False)):
+            raise ConfigError(f'{source}:{number}: "suffix" is the text after an infill (a string), not with "chat"')
+        prompts.append(BenchPrompt(obj["prompt"], obj.get("chat", False), obj.get("kind", "custom"), suffix))
     if not prompts:
         raise ConfigError(f"{source}: no prompts")
     return prompts
@@ -41,8 +46,10 @@ def _parse(lines: list[str], source: str) -> list[BenchPrompt]:
 # prompts, 4 each of code, prose, repetition-heavy edits and summaries of given text: where
 # a model draft, an early exit and n-gram lookup each do best; written for bench drafters
 # before any measurement on them).
+# "infill" (12 code infills: a function's body, a loop's middle, a call's arguments, written
+# before any measurement on them) measures fill in the middle, the editor's code completion.
 SHIPPED = {"builtin": "data/builtin_prompts.jsonl", "heldout": "data/heldout_prompts.jsonl",
-           "mixed": "data/mixed_prompts.jsonl"}
+           "mixed": "data/mixed_prompts.jsonl", "infill": "data/infill_prompts.jsonl"}
 
 
 def load_prompts(source: str) -> list[BenchPrompt]:
@@ -51,5 +58,5 @@ def load_prompts(source: str) -> list[BenchPrompt]:
         return _parse(text.splitlines(), source)
     path = Path(source)
     if not path.is_file():
-        raise ConfigError(f"prompt file {source!r} not found (use builtin, heldout, mixed or a JSON-lines file)")
+        raise ConfigError(f"prompt file {source!r} not found (use builtin, heldout, mixed, infill or a JSON-lines file)")
     return _parse(path.read_text().splitlines(), source)

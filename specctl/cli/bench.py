@@ -36,7 +36,7 @@ def int_list(text: str, flag: str) -> tuple[int, ...]:
 def local(
     target: Optional[str] = typer.Option(None, help="target model (default: the profile's, qwen2.5-coder-1.5b)"),
     draft: Optional[str] = typer.Option(None, help="draft model (default: qwen2.5-coder-0.5b); NAME@N = first N layers"),
-    prompts: str = typer.Option("builtin", help="builtin (8 prompts), heldout (20 never tuned on) or a JSON-lines file of {\"prompt\", \"chat\", \"kind\"}"),
+    prompts: str = typer.Option("builtin", help="builtin (8 prompts), heldout (20 never tuned on), mixed (16: code, prose, edits, summaries), infill (12 code infills: fill in the middle) or a JSON-lines file of {\"prompt\", \"chat\", \"kind\", \"suffix\"}"),
     max_tokens: int = typer.Option(128, "--max-tokens", "-n", help="new tokens per prompt"),
     modes: str = typer.Option("ar,chain,tree,ngram,hf-assisted", help="comma-separated modes to compare"),
     dtype: Optional[str] = typer.Option(None, help="fp32 | bf16 | fp16"),
