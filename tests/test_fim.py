@@ -39,7 +39,8 @@ def test_the_prompt_is_prefix_suffix_middle_in_the_model_s_tokens():
     fim = fim_tokens(tokenizer)
     assert (fim.prefix, fim.suffix, fim.middle) == (vocab["<|fim_prefix|>"], vocab["<|fim_suffix|>"],
                                                     vocab["<|fim_middle|>"])
-    assert infill_stops(tokenizer) == (vocab["<|endoftext|>"], vocab["<|fim_pad|>"], vocab["<|file_sep|>"])
+    assert infill_stops(tokenizer) == (vocab["<|endoftext|>"], vocab["<|fim_pad|>"], vocab["<|file_sep|>"],
+                                       vocab["<|repo_name|>"])
     ids = encode_infill(tokenizer, PREFIX, SUFFIX)
     assert ids == [fim.prefix, *tokenizer.encode(PREFIX), fim.suffix, *tokenizer.encode(SUFFIX), fim.middle]
     assert encode_infill(tokenizer, [5, 6], "") == [fim.prefix, 5, 6, fim.suffix, fim.middle]  # ids as given
@@ -131,3 +132,82 @@ def test_bench_prompts_with_a_suffix_are_infills_and_every_mode_stops_at_their_e
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert all(result["outputs_equal_to_ar"] == 1.0 for result in report["modes"].values())  # transformers' too
+
+
+class _WithoutRepoTokens:
+    """A tokenizer whose vocabulary lacks the repository-level tokens."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def get_vocab(self):
+        return {k: v for k, v in self.tokenizer.get_vocab().items() if k not in ("<|repo_name|>", "<|file_sep|>")}
+
+    def encode(self, *args, **kwargs):
+        return self.tokenizer.encode(*args, **kwargs)
+
+
+def test_other_files_go_before_the_infill_in_the_repository_layout_or_after_separator_lines():
+    tokenizer = make_byte_tokenizer()
+    vocab, fim = tokenizer.get_vocab(), fim_tokens(tokenizer)
+    repo, sep = vocab["<|repo_name|>"], vocab["<|file_sep|>"]
+    files = [("util.py", "def helper():\n    pass\n"), ("main.py", "import util\n")]
+    ids = encode_infill(tokenizer, PREFIX, SUFFIX, "total = ", files)
+    encode = tokenizer.encode
+    assert ids == [repo, *encode("myproject\n"), sep, *encode("util.py\n"), *encode(files[0][1]),
+                   sep, *encode("main.py\n"), *encode(files[1][1]), sep, *encode("filename\n"),
+                   fim.prefix, *encode(PREFIX), fim.suffix, *encode(SUFFIX), fim.middle, *encode("total = ")]
+    plain = encode_infill(_WithoutRepoTokens(tokenizer), PREFIX, SUFFIX, "", files[:1])
+    assert plain == [*encode("\n\n--- snippet ---\n\n"), *encode(files[0][1]), fim.prefix, *encode(PREFIX),
+                     fim.suffix, *encode(SUFFIX), fim.middle]
+
+
+def test_an_infill_request_is_the_completion_it_amounts_to_with_llama_cpp_s_defaults():
+    from specctl.gateway.api import ApiError
+    from specctl.gateway.infill import InfillRequest, completion_request, llama_answer
+
+    tokenizer = make_byte_tokenizer()
+    req = completion_request(InfillRequest(input_prefix=PREFIX, input_suffix=SUFFIX), tokenizer, 512)
+    ids = encode_infill(tokenizer, PREFIX, SUFFIX)
+    assert (req.prompt, req.max_tokens, req.temperature, req.top_k, req.top_p, req.min_p, req.seed, req.stop) == (
+        ids, 512 - len(ids), 0.8, 40, 0.95, 0.05, None, None)
+    assert req.stop_token_ids == list(infill_stops(tokenizer))
+    given = completion_request(InfillRequest(input_prefix="a", n_predict=5, seed=3, stop=["\n\n"], temperature=0),
+                               tokenizer, 512)
+    assert (given.max_tokens, given.seed, given.stop, given.temperature) == (5, 3, ["\n\n"], 0)
+    for asked, param in ((InfillRequest(stream=True), "stream"), (InfillRequest(n_predict=0), "n_predict")):
+        with pytest.raises(ApiError) as refused:
+            completion_request(asked, tokenizer, 512)
+        assert (refused.value.status, refused.value.param) == (400, param)
+    with pytest.raises(ApiError, match="this one has none: this endpoint cannot serve it$"):
+        completion_request(InfillRequest(), _Vocab(["a"]), 512)
+    body = {"choices": [{"text": "x = 1", "finish_reason": "length"}], "usage": {"prompt_tokens": 9,
+                                                                                   "completion_tokens": 4}}
+    answer = llama_answer(body, 0.5, "m")
+    assert {k: answer[k] for k in ("content", "stop", "stop_type", "tokens_predicted", "tokens_evaluated")} == {
+        "content": "x = 1", "stop": True, "stop_type": "limit", "tokens_predicted": 4, "tokens_evaluated": 9}
+    assert answer["timings"]["predicted_per_second"] == 8.0
+
+
+def test_the_infill_endpoint_answers_as_llama_cpp_with_the_targets_infill(cluster, tiny_dir):
+    reference = _infill(tiny_dir, "ar")
+    url = cluster[1]["gateway"]
+    status, _, body = post(url + "/infill", {"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 16,
+                                             "temperature": 0, "n_indent": 4, "samplers": ["top_k", "infill"]})
+    answer = json.loads(body)
+    assert status == 200 and answer["content"] == reference["text"], body
+    tokenizer = make_byte_tokenizer()
+    assert answer["tokens_evaluated"] == len(encode_infill(tokenizer, PREFIX, SUFFIX))
+    assert answer["tokens_predicted"] == len(reference["token_ids"]) and answer["stop"] is True
+    # other files and the line's start: the same text as a completion of the prompt they lay out
+    files = [{"filename": "util.py", "text": "def helper():\n    pass\n"}]
+    status, _, body = post(url + "/infill", {"input_prefix": PREFIX, "input_suffix": SUFFIX, "prompt": "total",
+                                             "input_extra": files, "n_predict": 12, "temperature": 0})
+    ids = encode_infill(tokenizer, PREFIX, SUFFIX, "total", [("util.py", files[0]["text"])])
+    _, _, same = post(url + "/v1/completions", {"prompt": ids, "max_tokens": 12, "temperature": 0,
+                                                "stop_token_ids": list(infill_stops(tokenizer))})
+    assert status == 200 and json.loads(body)["content"] == json.loads(same)["choices"][0]["text"]
+    status, _, body = post(url + "/infill", {"input_prefix": PREFIX, "stream": True})
+    assert status == 400 and json.loads(body)["error"]["param"] == "stream"
+    status, _, body = post(url + "/infill", b"{not json")
+    assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"]

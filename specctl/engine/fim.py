@@ -33,12 +33,19 @@ FAMILIES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
 )
 
 
+# the repository-level tokens (Qwen2.5-Coder's and StarCoder2's): other files of the project
+# go before the infill as "<repo>name" then "<file_sep>path\ntext" each (llama.cpp's input_extra)
+REPO_TOKENS = (("<|repo_name|>", "<|file_sep|>"), ("<repo_name>", "<file_sep>"))
+
+
 @dataclass(frozen=True, slots=True)
 class FimTokens:
     prefix: int
     suffix: int
     middle: int
     stops: tuple[int, ...]  # the ids of the family's end tokens the vocabulary holds
+    repo: int | None = None  # the repository-name and file-separator tokens, where it has them
+    file_sep: int | None = None
 
 
 def fim_tokens(tokenizer: Any) -> FimTokens | None:
@@ -46,8 +53,10 @@ def fim_tokens(tokenizer: Any) -> FimTokens | None:
     vocab = tokenizer.get_vocab()
     for prefix, suffix, middle, stops in FAMILIES:
         if prefix in vocab and suffix in vocab and middle in vocab:
+            repo, file_sep = next(((vocab[r], vocab[f]) for r, f in REPO_TOKENS if r in vocab and f in vocab),
+                                  (None, None))
             return FimTokens(vocab[prefix], vocab[suffix], vocab[middle],
-                             tuple(vocab[stop] for stop in stops if stop in vocab))
+                             tuple(vocab[stop] for stop in stops if stop in vocab), repo, file_sep)
     return None
 
 
@@ -66,11 +75,27 @@ def infill_stops(tokenizer: Any) -> tuple[int, ...]:
     return require_fim(tokenizer).stops
 
 
-def encode_infill(tokenizer: Any, prefix: str | list[int], suffix: str) -> list[int]:
+def encode_infill(tokenizer: Any, prefix: str | list[int], suffix: str, middle: str = "",
+                  files: list[tuple[str, str]] = ()) -> list[int]:
     """The infilling prompt for the text between ``prefix`` (text, or token ids as given) and
-    ``suffix``, in the model's FIM tokens (raises BadRequest without them)."""
+    ``suffix``, in the model's FIM tokens (raises BadRequest without them). ``middle``: the
+    answer's start, already written (llama.cpp's prompt); ``files``: (path, text) of other files
+    of the project, before it all — in the repository-level layout where the model has its
+    tokens, else each after a plain separator line, as llama.cpp lays them out."""
     tokens = require_fim(tokenizer)
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
     start = tokenizer.encode("")  # BOS where the tokenizer adds one (CodeLlama, DeepSeek-Coder)
-    before = tokenizer.encode(prefix, add_special_tokens=False) if isinstance(prefix, str) else list(prefix)
-    after = tokenizer.encode(suffix, add_special_tokens=False)
-    return [*start, tokens.prefix, *before, tokens.suffix, *after, tokens.middle]
+    context: list[int] = []
+    if files and tokens.file_sep is not None:
+        context = [tokens.repo, *encode("myproject\n")]
+        for path, text in files:
+            context += [tokens.file_sep, *encode(f"{path}\n"), *encode(text)]
+        context += [tokens.file_sep, *encode("filename\n")]  # the file being edited (llama.cpp names it so)
+    else:
+        for _, text in files:
+            context += encode("\n\n--- snippet ---\n\n") + encode(text)
+    before = encode(prefix) if isinstance(prefix, str) else list(prefix)
+    return [*start, *context, tokens.prefix, *before, tokens.suffix, *encode(suffix), tokens.middle, *encode(middle)]

@@ -18,7 +18,7 @@ def make_byte_tokenizer(vocab_size: int = TINY_VOCAB):
     byte_vocab = {tok: i for i, tok in enumerate(sorted(byte_vocab))}
     # Qwen2.5-Coder's chat and fill-in-the-middle tokens (engine.fim)
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
-                "<|fim_pad|>", "<|file_sep|>"]
+                "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
     for s in specials:
         byte_vocab[s] = len(byte_vocab)
     for i in range(len(byte_vocab), vocab_size):

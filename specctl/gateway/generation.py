@@ -82,24 +82,27 @@ class Generations:
             raise ApiError(400, "the prompt is empty", param="prompt")
         return ids
 
-    async def serve(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+    async def serve(self, request: web.Request, endpoint: str,
+                    given: CompletionRequest | None = None) -> web.StreamResponse:
         """One generation request of ``endpoint`` ("completions", "chat", "responses": a chat
-        request answered as a response, gateway.responses_api), answered whole or streamed;
+        request answered as a response, gateway.responses_api; "infill": ``given``, the
+        completion request llama.cpp's /infill amounts to), answered whole or streamed;
         counted in the metrics however it ends."""
-        chat = endpoint != "completions"
+        chat = endpoint not in ("completions", "infill")
         arrival = time.perf_counter()
         status, rid, choices = "error", None, None
         self.running += 1
         self.metrics.running.set(self.running)
         try:
             check_key(request, self.config.api_key)
-            body = await request.read()
-            if endpoint == "responses":
-                asked = parse_body(body, ResponsesRequest)
+            if given is not None:
+                req = given
+            elif endpoint == "responses":
+                asked = parse_body(await request.read(), ResponsesRequest)
                 history = self.responses.history(asked.previous_response_id)
                 req = as_chat(asked, history)
             else:
-                req = parse_body(body, ChatCompletionRequest if chat else CompletionRequest)
+                req = parse_body(await request.read(), ChatCompletionRequest if chat else CompletionRequest)
             rid = request_id(request, req.request_id)
             refuse_unsupported(req)
             self.check_model(req.model)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import json
 import logging
 import os
 import time
@@ -25,6 +26,7 @@ from specctl.gateway.api import (
     ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, check_key, parse_body,
 )
 from specctl.gateway.generation import Generations
+from specctl.gateway.infill import InfillRequest, completion_request, llama_answer
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.gateway.chat_template import load_chat_template
 from specctl.gateway.reasoning import check_parser
@@ -132,6 +134,7 @@ class Gateway:
             web.get("/version", self._version), web.get("/health", self._health),
             web.get("/metrics", self._metrics), web.get("/v1/stats", self._stats),
             web.post("/tokenize", self._tokenize), web.post("/detokenize", self._detokenize),
+            web.post("/infill", self._infill),
         ])
         app.cleanup_ctx.append(self._poller)
         return app
@@ -209,6 +212,17 @@ class Gateway:
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
         return await self.generations.serve(request, "responses")
+
+    async def _infill(self, request: web.Request) -> web.Response:
+        """llama.cpp's /infill (gateway.infill): code completion for editor plugins."""
+        self._check_key(request)
+        asked = parse_body(await request.read(), InfillRequest)
+        self._check_model(asked.model)
+        given = completion_request(asked, self.generations.tokenizer, self.config.context)
+        started = time.perf_counter()
+        answer = await self.generations.serve(request, "infill", given)
+        return web.json_response(llama_answer(json.loads(answer.body), time.perf_counter() - started,
+                                              self.config.names[0]))
 
     # --- endpoints -----------------------------------------------------------------------
 
