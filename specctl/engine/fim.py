@@ -13,7 +13,7 @@ target's own continuation of that prompt, in every mode."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from specctl.errors import BadRequest
 
@@ -76,7 +76,7 @@ def infill_stops(tokenizer: Any) -> tuple[int, ...]:
 
 
 def encode_infill(tokenizer: Any, prefix: str | list[int], suffix: str, middle: str = "",
-                  files: list[tuple[str, str]] = ()) -> list[int]:
+                  files: Sequence[tuple[str, str]] = ()) -> list[int]:
     """The infilling prompt for the text between ``prefix`` (text, or token ids as given) and
     ``suffix``, in the model's FIM tokens (raises BadRequest without them). ``middle``: the
     answer's start, already written (llama.cpp's prompt); ``files``: (path, text) of other files
