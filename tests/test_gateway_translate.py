@@ -109,4 +109,5 @@ def test_bad_words_are_barred_as_vllm_encodes_them_and_the_text_is_the_target_al
         "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "bad_words": [word]})
     assert code == 200, raw
     text = json.loads(raw)["choices"][0]["text"]
-    assert text == tok.decode(reference) and word.lstrip() not in text
+    # special tokens (the tiny vocabulary's FIM tokens) are left out of the text, as vLLM leaves them
+    assert text == tok.decode(reference, skip_special_tokens=True) and word.lstrip() not in text
