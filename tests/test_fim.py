@@ -44,6 +44,8 @@ def test_the_prompt_is_prefix_suffix_middle_in_the_model_s_tokens():
     ids = encode_infill(tokenizer, PREFIX, SUFFIX)
     assert ids == [fim.prefix, *tokenizer.encode(PREFIX), fim.suffix, *tokenizer.encode(SUFFIX), fim.middle]
     assert encode_infill(tokenizer, [5, 6], "") == [fim.prefix, 5, 6, fim.suffix, fim.middle]  # ids as given
+    assert infill_stops(tokenizer, (7, vocab["<|fim_pad|>"])) == (7, vocab["<|fim_pad|>"], vocab["<|endoftext|>"],
+                                                                  vocab["<|file_sep|>"], vocab["<|repo_name|>"])
 
 
 def test_a_model_without_fim_tokens_is_refused_with_what_would_do():
@@ -118,7 +120,7 @@ def test_bench_prompts_with_a_suffix_are_infills_and_every_mode_stops_at_their_e
     target = load_model("llama", tiny_dir["llama"], "fp32")
     ids, ends = prompt_ids(target, [BenchPrompt(PREFIX, False, "code", SUFFIX)])
     assert ids == [encode_infill(target.tokenizer, PREFIX, SUFFIX)]
-    assert ends == tuple(dict.fromkeys((*target.eos_token_ids, *infill_stops(target.tokenizer))))
+    assert ends == tuple(dict.fromkeys((*target.eos_token_ids, *fim_tokens(target.tokenizer).stops)))
     assert prompt_ids(target, [BenchPrompt(PREFIX, False)])[1] == target.eos_token_ids  # no infill: EOS alone
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "x", "suffix": "y", "chat": True}) + "\n")

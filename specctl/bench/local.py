@@ -183,8 +183,7 @@ def prompt_ids(target: LoadedModel, prompts: list[BenchPrompt]) -> tuple[list[li
     encoded = [encode_infill(target.tokenizer, p.prompt, p.suffix) if p.suffix is not None
                else encode_user_text(target.tokenizer, p.prompt, p.chat) for p in prompts]
     infills = any(p.suffix is not None for p in prompts)
-    ends = tuple(dict.fromkeys((*target.eos_token_ids, *(infill_stops(target.tokenizer) if infills else ()))))
-    return encoded, ends
+    return encoded, infill_stops(target.tokenizer, target.eos_token_ids) if infills else target.eos_token_ids
 
 
 def measure(runners: dict[str, Runner], encoded: list[list[int]], kinds: list[str], progress: Progress,

@@ -173,8 +173,7 @@ def prompt_ids(tokenizer, prompt: str, chat: bool, suffix: str | None, params):
         ids = encode_infill(tokenizer, prompt, suffix)
     except BadRequest as exc:
         raise ConfigError(f"--suffix: {exc}") from None
-    ends = tuple(dict.fromkeys((*params.stop_token_ids, *infill_stops(tokenizer))))
-    return ids, dataclasses.replace(params, stop_token_ids=ends)
+    return ids, dataclasses.replace(params, stop_token_ids=infill_stops(tokenizer, params.stop_token_ids))
 
 
 def token_text(tokenizer):

@@ -70,9 +70,10 @@ def require_fim(tokenizer: Any) -> FimTokens:
     return tokens
 
 
-def infill_stops(tokenizer: Any) -> tuple[int, ...]:
-    """The tokens that end an infill (stop tokens of the request, beside the model's EOS)."""
-    return require_fim(tokenizer).stops
+def infill_stops(tokenizer: Any, beside: Sequence[int] = ()) -> tuple[int, ...]:
+    """The tokens that end an infill (stop tokens of the request, beside the model's EOS),
+    after ``beside`` (the request's own stop tokens, or the EOS), each once."""
+    return tuple(dict.fromkeys((*beside, *require_fim(tokenizer).stops)))
 
 
 def encode_infill(tokenizer: Any, prefix: str | list[int], suffix: str, middle: str = "",
