@@ -14,10 +14,11 @@ from specctl.engine.loader import load_model
 from specctl.errors import VocabMismatch
 from specctl.net.framing import read_message, write_message
 from specctl.net.handshake import AuthError, client_handshake
-from specctl.net.protocol import Cancel, Done, Error, Generate, OpenSession, Propose, SessionOpened, Stats, StatsRequest, Tokens, decode, encode
+from specctl.net.protocol import Cancel, CloseSession, Done, OpenLevels, Error, Generate, OpenSession, Propose, SessionOpened, Stats, StatsRequest, Tokens, decode, encode
 from specctl.spec.rounds import generate
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter
 from specctl.spec.sampling import SamplingParams
+from specctl.spec.suffix import SuffixDrafter
 from specctl.verify.client import remote_generate
 from specctl.verify.draft_client import DraftClient
 from specctl.verify.server import TargetServer, TargetServerConfig
@@ -35,7 +36,8 @@ def models(tiny_dir):
 
 async def start_star(models, drafter_kind="chain", auth_token=None, draft_ssl=None, client_ssl=None, port=0):
     target, draft = models
-    drafter = ModelChainDrafter(draft.decoder, 3) if drafter_kind == "chain" else ModelTreeDrafter(draft.decoder, 3, 2, 3)
+    drafter = {"chain": lambda: ModelChainDrafter(draft.decoder, 3), "tree": lambda: ModelTreeDrafter(draft.decoder, 3, 2, 3),
+               "suffix": lambda: SuffixDrafter(4)}[drafter_kind]()
     draft_server = DraftServer(draft, drafter, DraftServerConfig(port=port, auth_token=auth_token), draft_ssl)
     draft_port = await draft_server.start()
     client = DraftClient("127.0.0.1" if not client_ssl else "localhost", draft_port, model=target.name,
@@ -72,6 +74,38 @@ async def test_concurrent_sessions_over_tcp_equal_target_greedy(models, kind):
         assert draft_server.snapshot()["rounds"] > 0
         await wait_until(lambda: draft_server.table.states == {} and target_server.active == 0)
         assert draft_server.table.pool.used_bytes == 0 and target_server.pool.used_bytes == 0
+    finally:
+        await stop_star(draft_server, link, target_server)
+
+
+async def test_a_suffix_draft_server_remembers_every_output_whole_its_last_round_too(models, tiny_dir):
+    """`draft --mode suffix`: no draft weights (the model's vocabulary only); the star's outputs
+    are the memory; the last round's tokens, which no proposal followed, reach the draft server
+    with the session's close. SpecPipe's levels, which need a draft model, are refused."""
+    vocabulary = load_model("tiny-llama", tiny_dir["llama"], weights=False)
+    assert {p.device.type for p in vocabulary.decoder.parameters()} == {"meta"}
+    assert vocabulary.vocab_fingerprint == models[0].vocab_fingerprint
+    draft_server, draft_port, _, link, target_server, port = await start_star((models[0], vocabulary), "suffix")
+    try:
+        reader, writer = await _raw_target_connection(draft_port, vocabulary.vocab_fingerprint)
+        await write_message(writer, OpenLevels(1, [1, 2, 3], 2, 2, 16))
+        refused = await read_message(reader)
+        assert (refused.code, refused.req, refused.message) == (
+            "bad_request", 1, "this draft server drafts by suffix lookup and loaded no weights; SpecPipe's tree "
+                              "levels need a draft model: run it with --mode tree")
+        writer.close()
+        params = SamplingParams(max_tokens=24, ignore_eos=True)
+        first = []
+        for prompt in PROMPTS[:3]:
+            tokens, _, stats = await remote_generate("127.0.0.1", port, prompt, params)
+            first.append(stats["accepted"])
+            assert tokens == local_reference(models, prompt, 24)
+            await wait_until(lambda: draft_server.table.states == {})
+            remembered = draft_server.table.drafter.outputs.sequences
+            assert remembered[max(remembered)].tolist() == prompt[-1:] + tokens
+        again, _, stats = await remote_generate("127.0.0.1", port, PROMPTS[0], params)
+        assert again == local_reference(models, PROMPTS[0], 24)
+        assert stats["accepted"] >= first[0] + 12  # drafted from its first run's output
     finally:
         await stop_star(draft_server, link, target_server)
 
@@ -263,6 +297,13 @@ async def test_bad_frames_unknown_and_foreign_tags(models):
         # A still works.
         await write_message(a[1], Propose(opened.tag, [], [4]))
         assert (await read_message(a[0])).tag == opened.tag
+        # A close whose last tokens are not token ids closes all the same, with an error saying so.
+        await write_message(a[1], CloseSession(opened.tag, [3, 99999]))
+        closing = await read_message(a[0])
+        assert (closing.code, closing.tag, closing.message) == (
+            "bad_request", opened.tag,
+            "a closing session's tokens must be in [0, 320), got 3..99999; the session is closed without them")
+        await wait_until(lambda: server.table.states == {})
         a[1].close()
         await wait_until(lambda: server.table.states == {} and not server.connections)
     finally:

@@ -82,6 +82,30 @@ async def test_six_sessions_three_targets_then_draft_killed(star, tiny_dir):
     assert (await remote_stats("127.0.0.1", star["draft_port"]))["rounds"] > 0
 
 
+async def test_a_suffix_draft_server_process_drafts_a_repeated_request_from_the_first(tiny_dir):
+    """`specctl draft --mode suffix` (no draft weights) and a target: exact output, and the
+    second run of a prompt is drafted from the first's output, its last round included."""
+    draft_port, target_port = free_ports(2)
+    procs = []
+    try:
+        procs.append(spawn("draft", "--port", str(draft_port), "--model", str(tiny_dir["llama"]), "--mode", "suffix",
+                           "--depth", "4", "--log-level", "warning"))
+        wait_listening(procs[0], "draft server")
+        procs.append(spawn("verify", "--model", str(tiny_dir["llama"]), "--draft", f"127.0.0.1:{draft_port}",
+                           "--port", str(target_port), "--dtype", "fp32", "--threads", "1", "--log-level", "warning"))
+        wait_listening(procs[1], "target instance")
+        target = load_model("t", tiny_dir["llama"], "fp32")
+        params = SamplingParams(max_tokens=24, ignore_eos=True)
+        reference = generate(target.decoder, PROMPTS[0], params)[0]
+        first = await remote_generate("127.0.0.1", target_port, PROMPTS[0], params)
+        await poll_async(lambda: remote_stats("127.0.0.1", draft_port), lambda s: s["sessions"] == 0)
+        again = await remote_generate("127.0.0.1", target_port, PROMPTS[0], params)
+        assert first[0] == again[0] == reference
+        assert again[2]["accepted"] >= first[2]["accepted"] + 12, (first[2], again[2])
+    finally:
+        stop_processes(procs)
+
+
 def test_emulated_star_benchmarks_lower_the_targets_priority():
     from specctl.bench.star import StarBenchSettings
 

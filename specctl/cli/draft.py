@@ -36,7 +36,7 @@ def draft(
     port: int = typer.Option(9000, help="TCP port to listen on (0 = any free port)"),
     host: str = typer.Option("127.0.0.1", help="address to bind (0.0.0.0 for every interface)"),
     model: Optional[str] = typer.Option(None, help="draft model (default: qwen2.5-coder-0.5b)"),
-    mode: Optional[str] = typer.Option(None, help="chain | tree | ngram | suffix: the proposals this server makes (suffix: from every target's outputs)"),
+    mode: Optional[str] = typer.Option(None, help="chain | tree | ngram | suffix: the proposals this server makes (suffix: from every target's outputs; ngram and suffix load the model's vocabulary only, no weights)"),
     draft_stop: Optional[float] = typer.Option(None, "--draft-stop", help="adaptive depth: stop drafting once the draft's probability of its path is below this (0 = off)"),
     depth: Optional[int] = typer.Option(None, help="proposal depth d"),
     topk: Optional[int] = typer.Option(None, help="tree top-k"),
@@ -87,7 +87,7 @@ def draft(
     config = build_config(profile, draft=model, mode=mode, depth=depth, draft_stop=draft_stop, topk=topk, width=width,
                           max_sessions=max_sessions, max_batch=max_batch, dtype=dtype, threads=threads, draft_quant=draft_quant,
                           prefix_cache_mb=prefix_cache_mb, prefill_chunk=prefill_chunk)
-    if config.mode == "ar":
+    if config.mode not in ("chain", "tree", "ngram", "suffix"):  # ar proposes nothing; multi is a target's routing
         raise ConfigError("a draft server proposes: --mode must be chain, tree, ngram or suffix")
     if step_time_ms < 0:
         raise ConfigError(f"--step-time-ms must be >= 0, got {step_time_ms:g}")
@@ -98,7 +98,7 @@ def draft(
     from specctl.runtime.compute import ComputeThread
     from specctl.runtime.loop import run_with_compute, serve, setup_logging
     from specctl.runtime.tls import server_context
-    from specctl.spec.factory import apply_threads, load_named, make_drafter
+    from specctl.spec.factory import apply_threads, load_named, load_vocabulary, make_drafter, needs_draft_model
 
     ssl = server_context(tls_cert, tls_key)
     server_config = checked(DraftServerConfig, host=host, port=port, max_sessions=config.max_sessions,
@@ -109,13 +109,17 @@ def draft(
     setup_logging(log_level)
     apply_threads(config)
     console = Console(stderr=True)
-    loaded = load_named(config.draft, config, console, config.draft_quant)
+    if needs_draft_model(config.mode):
+        loaded = load_named(config.draft, config, console, config.draft_quant)
+    else:  # n-gram and suffix proposals come from text: the vocabulary is all they need of the model
+        loaded = load_vocabulary(config.draft, console)
     loaded.decoder.step_floor_s = step_time_ms / 1e3
     drafter = make_drafter(config, loaded)
 
     async def main(compute: ComputeThread) -> None:
         await serve(DraftServer(loaded, drafter, server_config, ssl, compute=compute.lane(max_batch=config.max_batch)), lambda bound: console.print(
-            f"draft server [bold]{config.draft}[/] ({config.mode}, d={config.depth}) listening on "
+            f"draft server [bold]{config.draft}[/] ({config.mode}, d={config.depth}"
+            f"{'' if needs_draft_model(config.mode) else ', no weights'}) listening on "
             f"{host}:{bound}{' (TLS)' if ssl else ''}{' (auth)' if auth_token else ''}"
             f"{f' (pre-speculation, budget {speculation.budget})' if speculation else ''}", soft_wrap=True))
 

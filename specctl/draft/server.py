@@ -22,7 +22,8 @@ from specctl.engine.kv_cache import KVPool
 from specctl.engine.loader import LoadedModel
 from specctl.engine.prefill_gate import prefill_gate, prefill_turn
 from specctl.engine.prefix_cache import prefix_cache_stats
-from specctl.errors import ConfigError, KVBudgetExceeded, SpecctlError
+from specctl.engine.spec import check_token_ids
+from specctl.errors import BadRequest, ConfigError, KVBudgetExceeded, SpecctlError
 from specctl.net.framing import read_message
 from specctl.net.handshake import server_handshake
 from specctl.net.protocol import (
@@ -151,14 +152,25 @@ class DraftServer(ListeningServer):
             elif isinstance(message, CloseSession):
                 if message.tag in conn.tags:
                     conn.tags.discard(message.tag)
-                    self.compute.submit_nowait(self._close_tag, message.tag)
+                    tail = self._closing_tail(conn, message)
+                    self.compute.submit_nowait(self._close_tag, message.tag, tail)
                 else:
                     self._refuse(conn, Error("unknown_tag", f"unknown session tag {message.tag}", tag=message.tag))
             else:
                 self._refuse(conn, Error("unexpected", f"a draft server does not handle {type(message).__name__}"))
 
-    def _close_tag(self, tag: int) -> None:
-        self.table.close(tag)
+    def _closing_tail(self, conn: Connection, message: CloseSession) -> list[int]:
+        """The closing session's last tokens, or none when they are not token ids (the session
+        closes all the same: what is refused is only text to learn from)."""
+        try:
+            check_token_ids(message.tokens, self.model.spec.vocab_size, "a closing session's tokens")
+        except BadRequest as exc:
+            self._refuse(conn, Error("bad_request", f"{exc}; the session is closed without them", tag=message.tag))
+            return []
+        return message.tokens
+
+    def _close_tag(self, tag: int, tail: list[int] = ()) -> None:
+        self.table.close(tag, tail)
         self.levels.close(tag)
 
     def _known(self, conn: Connection, tag: int) -> bool:
@@ -231,6 +243,11 @@ class DraftServer(ListeningServer):
         conn.send(error)
 
     def _open(self, conn: Connection, message: OpenSession | OpenLevels, group: asyncio.TaskGroup) -> None:
+        if isinstance(message, OpenLevels) and self.model.decoder.device.type == "meta":
+            conn.send(Error("bad_request", f"this draft server drafts by {self.table.drafter.name} lookup and loaded "
+                                           "no weights; SpecPipe's tree levels need a draft model: run it with "
+                                           "--mode tree", req=message.req))
+            return
         if self.active_sessions >= self.config.max_sessions:
             conn.send(Error("capacity", f"draft server full: {self.config.max_sessions} sessions open; retry later", req=message.req))
             return

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -200,15 +200,21 @@ class SessionTable:
         self.total_drafted += state.drafted - before[1]
         self.total_accepted += state.accepted - before[2]
 
-    def close(self, tag: int) -> None:
+    def close(self, tag: int, tail: Sequence[int] = ()) -> None:
         """Frees a session's state, then forgets it: the stats feed (read from the event loop
-        while this runs on the compute thread) never counts a session gone whose KV is held."""
+        while this runs on the compute thread) never counts a session gone whose KV is held.
+        ``tail``: the text committed after its last proposal, which its drafter may learn from
+        (up to the positions the session reserved)."""
         state = self.states.get(tag)
         try:
             if self.speculation is not None:
                 self.speculation.drop(tag)
             if state is not None:
-                state.close()
+                try:
+                    if tail and len(state.seq) + len(tail) <= state.capacity:
+                        state.session.observe(state.seq + list(tail))
+                finally:
+                    state.close()
         finally:
             self.states.pop(tag, None)
 

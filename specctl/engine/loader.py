@@ -168,10 +168,13 @@ def load_model(
     backend: str = "torch",
     stage: tuple[tuple[int, int], bool, bool] | None = None,
     latent_cache: bool = True,
+    weights: bool = True,
 ) -> LoadedModel:
     """Full model (or its first ``num_layers`` layers + norm + head: an early-exit self-draft;
     or a pipeline stage: ``stage`` = (layer range, embedding?, norm + head?)). ``dtype``
-    "stored": the checkpoint's own (``load_decoder``'s None)."""
+    "stored": the checkpoint's own (``load_decoder``'s None). ``weights`` False: the model's
+    shape on the meta device, its tokenizer and end tokens, and no weights read (what a draft
+    server of a lookup drafter needs of a model: its vocabulary)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     config = text_config(AutoConfig.from_pretrained(path))
@@ -180,8 +183,12 @@ def load_model(
         if not 0 < num_layers <= config.num_hidden_layers:
             raise ModelNotFound(f"{name}: cannot take the first {num_layers} of {config.num_hidden_layers} layers")
         layer_range = (0, num_layers)
-    decoder = load_decoder(path, None if dtype == "stored" else DTYPES[dtype], layer_range, embed, head,
-                           device=device, backend=backend, config=config, latent_cache=latent_cache)
+    if weights:
+        decoder = load_decoder(path, None if dtype == "stored" else DTYPES[dtype], layer_range, embed, head,
+                               device=device, backend=backend, config=config, latent_cache=latent_cache)
+    else:
+        with torch.device("meta"):
+            decoder = Decoder(ModelSpec.from_hf(config, latent_cache), layer_range, embed, head)
     tokenizer = AutoTokenizer.from_pretrained(path)
     eos: set[int] = set()
     try:

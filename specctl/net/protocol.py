@@ -128,7 +128,12 @@ class Proposal(msgspec.Struct, tag=True, frozen=True):
 
 
 class CloseSession(msgspec.Struct, tag=True, frozen=True):
+    """Free a draft session. ``tokens``: the text committed after the last Propose (the last
+    round's accepted tokens and bonus), which no proposal followed: a drafter that learns from
+    outputs (suffix decoding) remembers them; empty from older peers, which is only a loss of
+    what it could learn."""
     tag: int
+    tokens: list[int] = []
 
 
 # --- SpecPipe's stage 1 <-> draft: a tree grown one level per pipeline step ------------------

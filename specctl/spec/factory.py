@@ -72,6 +72,15 @@ def load_named(name: str, config: Config, console: Console | None = None, quant:
     return model
 
 
+def load_vocabulary(name: str, console: Console | None = None) -> LoadedModel:
+    """A model's tokenizer, end tokens and shape, no weights: a lookup drafter (n-gram, suffix
+    decoding) proposes from text alone, and its draft server needs only the vocabulary the
+    targets' must match."""
+    path = resolve_model(split_model_name(name)[0], console)
+    with (console or Console(stderr=True)).status(f"loading {name}'s vocabulary (no weights: it drafts by lookup)"):
+        return load_model(name, path, weights=False)
+
+
 AUTO_PREFIX_CACHE_MB = 512
 
 

@@ -174,10 +174,11 @@ class DraftClient:
             except (ConnectionError, RuntimeError):
                 pass  # the link is going: the next level request finds out
 
-    def close(self, handle: Handle | None) -> None:
+    def close(self, handle: Handle | None, tokens: list[int] | None = None) -> None:
+        """Fire and forget; ``tokens``: the text committed after the session's last proposal."""
         if handle is None or handle[0] != self.epoch or self._writer is None:
             return
         try:
-            self._writer.write(encode(CloseSession(handle[1])))
+            self._writer.write(encode(CloseSession(handle[1], tokens or [])))
         except (ConnectionError, RuntimeError):
             pass

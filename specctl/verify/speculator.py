@@ -65,11 +65,14 @@ class RemoteSpeculator:
         self._refused_epoch: int | None = None
         self._failures = 0
         self._failures_epoch: int | None = None
+        self.session: DecodeSession | None = None
+        self._told = 0  # committed tokens the draft session has been told of (its text after the last Propose)
 
     def _linked(self) -> bool:
         return self.client is not None and self.client.connected.is_set()
 
     def begin(self, session: DecodeSession) -> None:
+        self.session = session  # its last round reaches the draft at the close
         if self._linked():
             # A copy, taken now: the prefill appends to session.seq before the task may run.
             self._opening = asyncio.ensure_future(self._open(session, list(session.seq)))
@@ -126,8 +129,9 @@ class RemoteSpeculator:
             path, tokens = outcome
         else:
             path, tokens = session.last_path, session.last_committed
+        told = len(session.seq)  # taken now: a fused round may go on while this proposal is out
         reply = await self.client.propose(self.handle, path, tokens, timeout)
-        self._fresh = False
+        self._fresh, self._told = False, told
         waited = time.perf_counter() - started
         if reply is None:
             self.client.close(self.handle)
@@ -166,7 +170,9 @@ class RemoteSpeculator:
             self._opening.add_done_callback(self._close_opened)
             self._opening = None
         if self.handle is not None:
-            self.client.close(self.handle)
+            told, seq = self._told, self.session.seq if self.session is not None else []
+            # the rounds after its last proposal (a fresh session has read nothing: it learns nothing)
+            self.client.close(self.handle, seq[told:] if not self._fresh and told else None)
             self.handle = None
 
     def _close_opened(self, opening: asyncio.Future) -> None:
