@@ -89,6 +89,7 @@ def test_completions_with_a_suffix_equal_generate_suffix_and_end_at_fim_tokens(c
     ended = client.completions.create(model=model, prompt=PREFIX, suffix=SUFFIX, max_tokens=16, temperature=0,
                                       logit_bias={str(pad): 100})
     assert (ended.choices[0].text, ended.choices[0].finish_reason, ended.usage.completion_tokens) == ("", "stop", 0)
+    assert ended.choices[0].model_extra["stop_reason"] == pad  # vLLM's stop_reason: the token that ended it
     plain = client.completions.create(model=model, prompt=PREFIX, max_tokens=16, temperature=0,
                                       logit_bias={str(pad): 100})
     assert plain.usage.completion_tokens == 16  # without a suffix the padding token is just a token
@@ -166,29 +167,25 @@ def test_other_files_go_before_the_infill_in_the_repository_layout_or_after_sepa
 
 def test_an_infill_request_is_the_completion_it_amounts_to_with_llama_cpp_s_defaults():
     from specctl.gateway.api import ApiError
-    from specctl.gateway.infill import InfillRequest, completion_request, llama_answer
+    from specctl.gateway.infill import parse_infill
 
     tokenizer = make_byte_tokenizer()
-    req = completion_request(InfillRequest(input_prefix=PREFIX, input_suffix=SUFFIX), tokenizer, 512)
+
+    def parsed(body, vocabulary=tokenizer):
+        return parse_infill(json.dumps(body).encode(), vocabulary, 512, "m")
+
+    req, reply = parsed({"input_prefix": PREFIX, "input_suffix": SUFFIX})
     ids = encode_infill(tokenizer, PREFIX, SUFFIX)
     assert (req.prompt, req.max_tokens, req.temperature, req.top_k, req.top_p, req.min_p, req.seed, req.stop) == (
         ids, 512 - len(ids), 0.8, 40, 0.95, 0.05, None, None)
-    assert req.stop_token_ids == list(infill_stops(tokenizer))
-    given = completion_request(InfillRequest(input_prefix="a", n_predict=5, seed=3, stop=["\n\n"], temperature=0),
-                               tokenizer, 512)
+    assert req.stop_token_ids == list(infill_stops(tokenizer)) and reply.prompts == [ids] and not reply.listed
+    given, _ = parsed({"input_prefix": "a", "n_predict": 5, "seed": 3, "stop": ["\n\n"], "temperature": 0})
     assert (given.max_tokens, given.seed, given.stop, given.temperature) == (5, 3, ["\n\n"], 0)
-    for asked, param in ((InfillRequest(stream=True), "stream"), (InfillRequest(n_predict=0), "n_predict")):
-        with pytest.raises(ApiError) as refused:
-            completion_request(asked, tokenizer, 512)
-        assert (refused.value.status, refused.value.param) == (400, param)
+    with pytest.raises(ApiError) as refused:
+        parsed({"n_predict": 0})
+    assert (refused.value.status, refused.value.param) == (400, "n_predict")
     with pytest.raises(ApiError, match="this one has none: this endpoint cannot serve it$"):
-        completion_request(InfillRequest(), _Vocab(["a"]), 512)
-    body = {"choices": [{"text": "x = 1", "finish_reason": "length"}], "usage": {"prompt_tokens": 9,
-                                                                                   "completion_tokens": 4}}
-    answer = llama_answer(body, 0.5, "m")
-    assert {k: answer[k] for k in ("content", "stop", "stop_type", "tokens_predicted", "tokens_evaluated")} == {
-        "content": "x = 1", "stop": True, "stop_type": "limit", "tokens_predicted": 4, "tokens_evaluated": 9}
-    assert answer["timings"]["predicted_per_second"] == 8.0
+        parsed({}, _Vocab(["a"]))
 
 
 def test_the_infill_endpoint_answers_as_llama_cpp_with_the_targets_infill(cluster, tiny_dir):
@@ -209,7 +206,14 @@ def test_the_infill_endpoint_answers_as_llama_cpp_with_the_targets_infill(cluste
     _, _, same = post(url + "/v1/completions", {"prompt": ids, "max_tokens": 12, "temperature": 0,
                                                 "stop_token_ids": list(infill_stops(tokenizer))})
     assert status == 200 and json.loads(body)["content"] == json.loads(same)["choices"][0]["text"]
-    status, _, body = post(url + "/infill", {"input_prefix": PREFIX, "stream": True})
-    assert status == 400 and json.loads(body)["error"]["param"] == "stream"
+    # streamed as llama.cpp streams: the text as it comes, then the whole answer's fields with stop true
+    status, headers, body = post(url + "/infill", {"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 16,
+                                                   "temperature": 0, "stream": True})
+    events = [json.loads(line[6:]) for line in body.decode().splitlines() if line.startswith("data: ")]
+    assert status == 200 and headers["Content-Type"] == "text/event-stream"
+    assert "".join(e["content"] for e in events) == reference["text"]
+    assert [e["stop"] for e in events] == [False] * (len(events) - 1) + [True]
+    assert sum((e["tokens"] for e in events[:-1]), []) == reference["token_ids"]
+    assert (events[-1]["tokens_predicted"], events[-1]["stop_type"]) == (len(reference["token_ids"]), "limit")
     status, _, body = post(url + "/infill", b"{not json")
     assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"]

@@ -174,6 +174,12 @@ def test_stop_strings_cut_the_text_and_finish_with_stop(cluster, client, tiny_di
     _, after = _metrics(cluster[1]["gateway"])
     drafts = "specctl:spec_decode_num_drafts_total"
     assert after[drafts] - before[drafts] == rounds
+    # vLLM's stop_reason: the stop string that ended it (a decoy that never comes is not it); none at the length limit
+    assert client.completions.create(model=str(tiny_dir["llama"]), prompt=PROMPT, max_tokens=24, temperature=0,
+                                     stop=["\x00never", stop], extra_body={"ignore_eos": True}
+                                     ).choices[0].model_extra["stop_reason"] == stop
+    assert client.completions.create(model=str(tiny_dir["llama"]), prompt=PROMPT, max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].model_extra["stop_reason"] is None
 
 
 @pytest.mark.parametrize("body, status, needle", [
@@ -313,6 +319,7 @@ def test_include_stop_str_in_output_ends_the_text_with_the_stop_string_whole_and
     whole = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop],
                                       extra_body=body)
     assert whole.choices[0].text == wanted and whole.choices[0].finish_reason == "stop"
+    assert whole.choices[0].model_extra["stop_reason"] == stop
     chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop],
                                             stream=True, extra_body=body))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == wanted
@@ -327,6 +334,10 @@ def test_stop_token_ids_end_the_generation_before_the_stop_token(cluster, tiny_d
     choice, usage = json.loads(raw)["choices"][0], json.loads(raw)["usage"]
     assert code == 200 and choice["finish_reason"] == "stop" and usage["completion_tokens"] == k
     assert reference["text"].startswith(choice["text"])
+    assert choice["stop_reason"] == ids[k]  # vLLM's: the stop token id that ended it
+    chunks = [json.loads(line[6:]) for line in post(cluster[1]["gateway"] + "/v1/completions", {**body, "stream": True}
+                                                   )[2].decode().splitlines() if line.startswith("data: {")]
+    assert [(c["choices"][0]["finish_reason"], c["choices"][0]["stop_reason"]) for c in chunks][-1] == ("stop", ids[k])
     code, _, raw = post(cluster[1]["gateway"] + "/v1/completions", {**body, "stop_token_ids": [10**6]})
     assert code == 400 and "token ids must be in [0, " in json.loads(raw)["error"]["message"]
     code, _, raw = post(cluster[1]["gateway"] + "/v1/completions", {**body, "stop_token_ids": list(range(65))})
@@ -353,7 +364,7 @@ def test_an_unknown_field_is_ignored_and_named_once_in_the_log(caplog):
             req = api.parse_body(b'{"prompt": "x", "zz_flavour": "mint", "store": false}', api.CompletionRequest)
             assert req.prompt == "x"
     named = [r.getMessage() for r in caplog.records if "zz_flavour" in r.getMessage()]
-    assert named == ["ignoring request field(s) store, zz_flavour: not an OpenAI field this gateway serves"]
+    assert named == ["ignoring request field(s) store, zz_flavour: not a field this gateway serves on /v1/completions"]
     # Names are remembered up to a bound: a client inventing names cannot grow the gateway's memory.
     for i in range(api.MAX_WARNED_FIELDS + 10):
         api.parse_body(json.dumps({"prompt": "x", f"zz_{i}": 1}).encode(), api.CompletionRequest)

@@ -49,6 +49,7 @@ class IncrementalText:
         self.full = ""  # the whole output's text so far
         self.text = ""  # everything handed out so far
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text (vLLM's stop_reason)
 
     @property
     def tokens(self) -> list[int]:
@@ -58,10 +59,10 @@ class IncrementalText:
         if self.stopped:
             return ""
         full = self.full = self.output.push(tokens)
-        hits = [(i, len(s)) for s in self.stop if (i := full.find(s, max(0, len(self.text) - len(s) + 1))) >= 0]
+        hits = [(i, len(s), s) for s in self.stop if (i := full.find(s, max(0, len(self.text) - len(s) + 1))) >= 0]
         if hits:
             self.stopped = True
-            at, length = min(hits)  # the earliest; of two there, the shorter (it ended first)
+            at, length, self.matched = min(hits)  # the earliest; of two there, the shorter (it ended first)
             return self._advance(full[: at + length if self.include_stop else at])
         if full.endswith("\ufffd"):  # a multi-byte character is not complete yet
             return ""

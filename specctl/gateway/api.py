@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any, NoReturn
+from typing import Any, ClassVar, NoReturn
 
 import msgspec
 
@@ -163,6 +163,7 @@ class RequestFields(msgspec.Struct, kw_only=True):
 
 
 class CompletionRequest(RequestFields, kw_only=True):
+    endpoint: ClassVar[str] = "/v1/completions"  # named in the log of fields it ignores
     prompt: str | list[int | str | list[int]]  # text, token ids, or a batch of either
     echo: bool = False
     best_of: int | None = None
@@ -170,6 +171,7 @@ class CompletionRequest(RequestFields, kw_only=True):
 
 
 class ChatCompletionRequest(RequestFields, kw_only=True):
+    endpoint: ClassVar[str] = "/v1/chat/completions"  # named in the log of fields it ignores
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     parallel_tool_calls: bool = True  # False: the first call only (OpenAI's; as vLLM drops the others)
@@ -182,6 +184,7 @@ class ChatCompletionRequest(RequestFields, kw_only=True):
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
     """vLLM's /tokenize: a completion prompt or chat messages (as the endpoints encode them)."""
+    endpoint: ClassVar[str] = "/tokenize"
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -193,6 +196,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    endpoint: ClassVar[str] = "/detokenize"
     model: str | None = None
     tokens: list[int]
 
@@ -242,7 +246,8 @@ def _warn_unknown(body: bytes, kind: type[msgspec.Struct]) -> None:
     unknown = sorted(set(fields) - set(kind.__struct_fields__) - _warned_fields)[:room]
     if unknown:
         _warned_fields.update(unknown)
-        log.warning("ignoring request field(s) %s: not an OpenAI field this gateway serves", ", ".join(unknown))
+        log.warning("ignoring request field(s) %s: not a field this gateway serves on %s", ", ".join(unknown),
+                    getattr(kind, "endpoint", kind.__name__))
 
 
 def refuse_unsupported(req: RequestFields) -> None:

@@ -35,6 +35,9 @@ class Event(NamedTuple):
     count: int  # completion tokens so far
     logprobs: list  # R.TokenLogprob of this event's tokens (empty unless the request asked)
     prompt: list | None = None  # the prompt's R.TokenLogprob, on a choice's first event (when the request asked)
+    # vLLM's stop_reason, on the last event: the stop string or stop token id that ended it (None: EOS, length)
+    stop_reason: str | int | None = None
+    tokens: tuple[int, ...] = ()  # this event's token ids (llama.cpp's streamed ``tokens``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,15 +159,25 @@ class Choices:
                     stats = await stream.cancel()
                     self.metrics.record_generation(stats)
                     self.metrics.record_latency(self.arrival, first_at, time.perf_counter(), count)
-                    yield Event(delta, "stop", stats, count, logprobs)
+                    yield Event(delta, "stop", stats, count, logprobs, stop_reason=text.matched,
+                                tokens=tuple(event.tokens))
                     return
-                yield Event(delta, None, {}, count, logprobs)
+                yield Event(delta, None, {}, count, logprobs, tokens=tuple(event.tokens))
             else:
                 self.metrics.record_generation(event.stats)
                 self.metrics.record_latency(self.arrival, first_at, time.perf_counter(), count)
-                yield Event(text.finish(), event.finish_reason, event.stats, count, [])
+                yield Event(text.finish(), event.finish_reason, event.stats, count, [],
+                            stop_reason=self._stop_reason(event.stop_token, spec.params))
                 return
             event = await stream.next()
+
+
+    def _stop_reason(self, stop_token: int | None, params: SamplingParams) -> int | None:
+        """The stop token id that ended an output, as vLLM reports it: one of the request's
+        stop_token_ids (an infill's end tokens among them), None for the tokenizer's EOS."""
+        if stop_token is None or stop_token == getattr(self.tokenizer, "eos_token_id", None):
+            return None
+        return stop_token if stop_token in params.stop_token_ids else None
 
 
 def prompt_logprobs(prompt: list[int], first: Tokens) -> list[R.TokenLogprob]:

@@ -63,7 +63,8 @@ class Reply:
                     if calls:  # content beside calls: None when there is none, as OpenAI's
                         text, finish = content if content.strip() else None, reader.finish_reason
                 bodies.append(R.choice(self.chat, index, text, finish,
-                                       self.logprobs(entries[index], 0) if self.logprobs else None, calls, thought))
+                                       self.logprobs(entries[index], 0) if self.logprobs else None, calls, thought,
+                                       event.stop_reason))
                 if self.prompt_logprobs and not self.chat:
                     bodies[-1]["prompt_logprobs"] = prompts.get(index)
                 stats[index] = event.stats
@@ -124,7 +125,8 @@ class Reply:
                         if found:
                             finish = calls[index].finish_reason
                     stats[index] = event.stats
-                    await send(finish_reason=finish, extra={"specctl": R.spec_summary(event.stats)}, index=index)
+                    await send(finish_reason=finish, stop_reason=event.stop_reason,
+                               extra={"specctl": R.spec_summary(event.stats)}, index=index)
             if self.include_usage:
                 await response.write(R.sse(R.usage_chunk(rid, model, chat, created, self.prompt_tokens,
                                                          choices.completion_tokens, R.cached_tokens(stats, self.n))))

@@ -105,17 +105,21 @@ def spec_summaries(stats: list[dict]) -> dict:
 
 
 def choice(chat: bool, index: int, text: str | None, finish_reason: str, logprobs: dict | None = None,
-           tool_calls: list[dict] | None = None, reasoning: tuple[str | None] = ()) -> dict:
+           tool_calls: list[dict] | None = None, reasoning: tuple[str | None] = (),
+           stop_reason: str | int | None = None) -> dict:
     """``reasoning``: () without a reasoning parser, else (the thinking,) — None where there is
-    none or it was left out — as vLLM's ``reasoning`` and its older name ``reasoning_content``."""
+    none or it was left out — as vLLM's ``reasoning`` and its older name ``reasoning_content``;
+    ``stop_reason``: vLLM's, the stop string or stop token id that ended the output."""
     if chat:
         message = {"role": "assistant", "content": text}
         if reasoning:
             message["reasoning"] = message["reasoning_content"] = reasoning[0]
         if tool_calls:
             message["tool_calls"] = tool_calls
-        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
 
 
 def full_response(rid: str, model: str, chat: bool, choices: list[dict], prompt_tokens: int, completion_tokens: int,
@@ -129,7 +133,8 @@ def full_response(rid: str, model: str, chat: bool, choices: list[dict], prompt_
 
 def chunk(rid: str, model: str, chat: bool, created: int, text: str | None = None, finish_reason: str | None = None,
           role: bool = False, extra: dict | None = None, logprobs: dict | None = None, index: int = 0,
-          tool_calls: list[dict] | None = None, reasoning: str | None = None) -> dict:
+          tool_calls: list[dict] | None = None, reasoning: str | None = None,
+          stop_reason: str | int | None = None) -> dict:
     """One streamed chunk: a text delta (with its tokens' logprobs), the opening role (chat),
     a piece of chat's thinking (gateway.reasoning), a choice's tool-call deltas
     (gateway.tool_calls) or the closing finish_reason."""
@@ -142,6 +147,7 @@ def chunk(rid: str, model: str, chat: bool, created: int, text: str | None = Non
         one = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
         one = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+    one["stop_reason"] = stop_reason
     body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": model, "choices": [one]}
     body.update(extra or {})

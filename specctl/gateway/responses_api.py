@@ -19,7 +19,7 @@ ignored."""
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -60,6 +60,7 @@ class TextOptions(msgspec.Struct, kw_only=True):
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True):
+    endpoint: ClassVar[str] = "/v1/responses"  # named in the log of fields it ignores
     input: str | list[InputItem]
     model: str | None = None
     instructions: str | None = None

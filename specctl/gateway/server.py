@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import json
 import logging
 import os
 import time
@@ -26,7 +25,8 @@ from specctl.gateway.api import (
     ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, check_key, parse_body,
 )
 from specctl.gateway.generation import Generations
-from specctl.gateway.infill import InfillRequest, completion_request, llama_answer
+from specctl.gateway.infill import parse_infill
+from specctl.gateway.llama import parse_completion
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.gateway.chat_template import load_chat_template
 from specctl.gateway.reasoning import check_parser
@@ -135,6 +135,7 @@ class Gateway:
             web.get("/metrics", self._metrics), web.get("/v1/stats", self._stats),
             web.post("/tokenize", self._tokenize), web.post("/detokenize", self._detokenize),
             web.post("/infill", self._infill),
+            web.post("/completion", self._llama_completion), web.post("/completions", self._llama_completion),
         ])
         app.cleanup_ctx.append(self._poller)
         return app
@@ -213,16 +214,13 @@ class Gateway:
     async def _responses(self, request: web.Request) -> web.StreamResponse:
         return await self.generations.serve(request, "responses")
 
-    async def _infill(self, request: web.Request) -> web.Response:
+    async def _infill(self, request: web.Request) -> web.StreamResponse:
         """llama.cpp's /infill (gateway.infill): code completion for editor plugins."""
-        self._check_key(request)
-        asked = parse_body(await request.read(), InfillRequest)
-        self._check_model(asked.model)
-        given = completion_request(asked, self.generations.tokenizer, self.config.context)
-        started = time.perf_counter()
-        answer = await self.generations.serve(request, "infill", given)
-        return web.json_response(llama_answer(json.loads(answer.body), time.perf_counter() - started,
-                                              self.config.names[0]))
+        return await self.generations.serve(request, "infill", parse_infill)
+
+    async def _llama_completion(self, request: web.Request) -> web.StreamResponse:
+        """llama.cpp's /completion (gateway.llama)."""
+        return await self.generations.serve(request, "completion", parse_completion)
 
     # --- endpoints -----------------------------------------------------------------------
 

@@ -224,6 +224,7 @@ class Done(msgspec.Struct, tag=True, frozen=True):
     req: int
     finish_reason: str
     stats: dict
+    stop_token: int | None = None  # the EOS or stop token id that ended it (not in the output); None otherwise
 
 
 class Cancel(msgspec.Struct, tag=True, frozen=True):

@@ -82,6 +82,7 @@ class DecodeSession:
         self.generator = torch.Generator().manual_seed(params.seed if params.seed is not None else int(time.time_ns()))
         self.seq = list(prompt)
         self.output: list[int] = []
+        self.stop_token: int | None = None  # the EOS or stop token that ended the output (left out of it)
         self.finish_reason: str | None = None
         self.stats = GenerationStats(prompt_tokens=len(prompt))
         self.logprobs: list[TokenLogprob] = []  # of each output token, when params.logprobs asks for them
@@ -120,7 +121,7 @@ class DecodeSession:
         emitted = []
         for token in tokens:
             if token in self.stop_ids:
-                self.finish_reason = "stop"
+                self.finish_reason, self.stop_token = "stop", token
                 break
             self.seq.append(token)
             self.output.append(token)

@@ -260,7 +260,7 @@ class TargetServer(ListeningServer):
 
     def _done(self, session: DecodeSession, req: int, reason: str, send) -> None:
         # The round loop has set wall_s and queued the freeing of the session's state.
-        send(Done(req, reason, session.stats.to_dict()))
+        send(Done(req, reason, session.stats.to_dict(), session.stop_token))
 
     def _emit(self, session: DecodeSession, req: int, tokens: list[int], result: RoundResult | None, send) -> None:
         if result is not None:

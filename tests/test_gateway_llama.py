@@ -1,0 +1,119 @@
+"""llama.cpp's own completion API on the gateway (gateway.llama): POST /completion served as
+the OpenAI completion it amounts to — the same text as /v1/completions and `specctl
+generate` — in llama.cpp's answer shape, whole, as a list, or streamed; its prompt shapes,
+option mapping and refusals exactly."""
+
+import json
+
+import pytest
+
+from specctl.engine.tiny import make_byte_tokenizer
+from specctl.gateway.api import ApiError
+from specctl.gateway.llama import LlamaCompletionRequest, completion_request, llama_prompts, openai_bias
+from tests.test_gateway import PROMPT, post, specctl_generate
+
+
+def _events(body: bytes) -> list[dict]:
+    return [json.loads(line[6:]) for line in body.decode().splitlines() if line.startswith("data: ")]
+
+
+def test_prompts_come_as_text_ids_mixed_or_a_list_of_them():
+    tokenizer = make_byte_tokenizer()
+    text = tokenizer.encode("ab")
+    assert llama_prompts("ab", tokenizer) == ([text], False)
+    assert llama_prompts([5, 6], tokenizer) == ([[5, 6]], False)
+    assert llama_prompts([5, "ab", 6], tokenizer) == ([[5, *text, 6]], False)
+    assert llama_prompts(["ab", "ab"], tokenizer) == ([text, text], True)
+    assert llama_prompts([[5, "ab"], "ab"], tokenizer) == ([[5, *text], text], True)
+    for prompt, message in (([5, [6]], "a list of prompts holds strings or lists, not bare token ids"),
+                            ([], "the prompt is empty"), ("", "the prompt is empty"),
+                            (["x"] * 129, "at most 128 prompts a request, got 129")):
+        with pytest.raises(ApiError) as refused:
+            llama_prompts(prompt, tokenizer)
+        assert (refused.value.status, str(refused.value), refused.value.param) == (400, message, "prompt")
+
+
+def test_options_map_to_the_completion_with_llama_cpp_s_defaults_and_refusals():
+    req = completion_request(LlamaCompletionRequest(prompt="x"), [[1, 2, 3], [1]], 64)
+    assert (req.prompt, req.max_tokens, req.temperature, req.top_k, req.top_p, req.min_p, req.seed, req.stop,
+            req.repetition_penalty, req.stream) == ([[1, 2, 3], [1]], 61, 0.8, 40, 0.95, 0.05, None, None, 1.0, False)
+    asked = LlamaCompletionRequest(prompt="x", n_predict=7, seed=5, stop=["\n"], repeat_penalty=1.2, stream=True,
+                                   grammar='root ::= "a"', ignore_eos=True, model="m")
+    req = completion_request(asked, [[1]], 64)
+    assert (req.prompt, req.max_tokens, req.seed, req.stop, req.repetition_penalty, req.stream, req.guided_grammar,
+            req.ignore_eos, req.model) == ([1], 7, 5, ["\n"], 1.2, True, 'root ::= "a"', True, "m")
+    assert completion_request(LlamaCompletionRequest(prompt="x", json_schema={"type": "object"}), [[1]], 64
+                              ).guided_json == {"type": "object"}
+    for fields, message, param in (
+            ({"n_predict": 0}, "n_predict must be -1 (to the end of the context) or at least 1, got 0", "n_predict"),
+            ({"n_probs": 3}, "n_probs is not served on this endpoint: /v1/completions lists each token's "
+                             "alternatives with logprobs", "n_probs"),
+            ({"grammar": "root ::= \"a\"", "json_schema": {}}, "give grammar or json_schema, not both", "grammar")):
+        with pytest.raises(ApiError) as refused:
+            completion_request(LlamaCompletionRequest(prompt="x", **fields), [[1]], 64)
+        assert (refused.value.status, str(refused.value), refused.value.param) == (400, message, param)
+
+
+def test_logit_bias_comes_as_pairs_or_a_map_and_false_bans():
+    assert openai_bias([[5, 1.5], [7, False]]) == {"5": 1.5, "7": -100.0}
+    assert openai_bias({"9": 2, "3": False}) == {"9": 2.0, "3": -100.0}
+    assert openai_bias(None) is None and openai_bias([]) is None
+    for bias, message in (([["Hello", 1.0]], "logit_bias by text ('Hello') is not served here: give token ids "
+                                             "(POST /tokenize turns text into them)"),
+                          ([[5]], "logit_bias entries are [token id, bias or false]")):
+        with pytest.raises(ApiError) as refused:
+            openai_bias(bias)
+        assert (refused.value.status, str(refused.value)) == (400, message)
+
+
+def test_completion_is_the_targets_text_in_llama_cpp_s_shape_whole_listed_and_streamed(cluster, tiny_dir):
+    url = cluster[1]["gateway"]
+    reference = specctl_generate(tiny_dir, PROMPT, 20)
+    status, _, body = post(url + "/completion", {"prompt": PROMPT, "n_predict": 20, "temperature": 0,
+                                                 "return_tokens": True, "cache_prompt": True})
+    answer = json.loads(body)
+    assert status == 200 and (answer["content"], answer["tokens"]) == (reference["text"], reference["token_ids"])
+    assert (answer["stop"], answer["stop_type"], answer["stopping_word"], answer["tokens_predicted"],
+            answer["tokens_evaluated"]) == (True, "limit" if len(reference["token_ids"]) == 20 else "eos", "",
+                                            len(reference["token_ids"]), len(make_byte_tokenizer().encode(PROMPT)))
+    assert answer["generation_settings"]["n_predict"] == 20 and answer["timings"]["predicted_n"] == 20
+    # a stop word cuts the text and is named; /completions is the same endpoint
+    word = reference["text"][8:11]
+    status, _, body = post(url + "/completions", {"prompt": PROMPT, "n_predict": 20, "temperature": 0,
+                                                  "stop": [word]})
+    cut = json.loads(body)
+    assert (cut["content"], cut["stop_type"], cut["stopping_word"]) == (
+        reference["text"][: reference["text"].index(word)], "word", word)
+    # streamed: the text as it comes, the whole answer last, no [DONE]
+    status, headers, body = post(url + "/completion", {"prompt": PROMPT, "n_predict": 20, "temperature": 0,
+                                                       "stream": True})
+    events = _events(body)
+    assert status == 200 and headers["Content-Type"] == "text/event-stream" and b"[DONE]" not in body
+    assert "".join(e["content"] for e in events) == reference["text"]
+    assert sum((e["tokens"] for e in events[:-1]), []) == reference["token_ids"]
+    assert [e["stop"] for e in events] == [False] * (len(events) - 1) + [True]
+    assert events[-1]["tokens_predicted"] == len(reference["token_ids"])
+    # a list of prompts (text and token ids) is answered as a list, each as /v1/completions answers it alone
+    ids = [3, 17, 42, 99]
+    status, _, body = post(url + "/completion", {"prompt": [PROMPT, ids], "n_predict": 12, "temperature": 0})
+    listed = json.loads(body)
+    alone = [json.loads(post(url + "/v1/completions", {"prompt": p, "max_tokens": 12, "temperature": 0})[2])
+             for p in (PROMPT, ids)]
+    assert status == 200 and [a["index"] for a in listed] == [0, 1]
+    assert [a["content"] for a in listed] == [a["choices"][0]["text"] for a in alone]
+
+
+def test_a_gbnf_grammar_holds_the_output_and_bad_requests_are_400s(cluster):
+    url = cluster[1]["gateway"]
+    status, _, body = post(url + "/completion", {"prompt": PROMPT, "n_predict": 16, "temperature": 0,
+                                                 "grammar": 'root ::= "yes" | "no"'})
+    answer = json.loads(body)
+    assert status == 200 and answer["content"] in ("yes", "no") and answer["stop_type"] == "eos", body
+    for sent, message in ((b"{not json", "not valid JSON"), ({"n_predict": 4}, "missing required field `prompt`"),
+                          ({"prompt": "x", "n_probs": 2}, "n_probs is not served on this endpoint"),
+                          ({"prompt": "x", "grammar": "root ::= ("}, "structured output (grammar) is invalid"),
+                          ({"prompt": "x", "temperature": -1}, "temperature must be")):
+        status, _, body = post(url + "/completion", sent)
+        assert status == 400 and message in json.loads(body)["error"]["message"], body
+    status, _, body = post(url + "/completion", {"prompt": "x", "model": "nope"})
+    assert status == 404 and json.loads(body)["error"]["param"] == "model"
