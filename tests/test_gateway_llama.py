@@ -93,6 +93,7 @@ def test_completion_is_the_targets_text_in_llama_cpp_s_shape_whole_listed_and_st
     assert sum((e["tokens"] for e in events[:-1]), []) == reference["token_ids"]
     assert [e["stop"] for e in events] == [False] * (len(events) - 1) + [True]
     assert events[-1]["tokens_predicted"] == len(reference["token_ids"])
+    assert events[-1]["has_new_line"] == answer["has_new_line"] == ("\n" in reference["text"])
     # a list of prompts (text and token ids) is answered as a list, each as /v1/completions answers it alone
     ids = [3, 17, 42, 99]
     status, _, body = post(url + "/completion", {"prompt": [PROMPT, ids], "n_predict": 12, "temperature": 0})

@@ -167,25 +167,28 @@ class LlamaReply:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         first: dict[int, float] = {}
+        texts: dict[int, str] = {}
         try:
             async for index, event in choices.events():
                 if event.count:
                     first.setdefault(index, time.perf_counter())
+                texts[index] = texts.get(index, "") + event.delta
                 if event.delta or event.tokens:
                     await response.write(_event({"index": index, "content": event.delta,
                                                  "tokens": list(event.tokens), "stop": False, "id_slot": -1,
                                                  "tokens_predicted": event.count,
                                                  "tokens_evaluated": len(self.prompts[index])}))
                 if event.finish:
-                    await response.write(_event(self._final(index, "", [], event, first.get(index))))
+                    await response.write(_event(self._final(index, "", [], event, first.get(index), texts[index])))
         except RemoteError as exc:  # the headers are gone: the error travels in the stream, as llama.cpp's does
             await response.write(_event({"error": {"code": 502, "message": remote_message(exc),
                                                    "type": "server_error"}}))
         await response.write_eof()
         return response
 
-    def _final(self, index: int, content: str, tokens: list[int], event: Event, first_at: float | None) -> dict:
-        """A prompt's whole answer (streamed: its last event, ``content`` already sent)."""
+    def _final(self, index: int, content: str, tokens: list[int], event: Event, first_at: float | None,
+               whole: str | None = None) -> dict:
+        """A prompt's whole answer (streamed: its last event, ``content`` already sent, ``whole``)."""
         now, evaluated, predicted = time.perf_counter(), len(self.prompts[index]), event.count
         prompt_s = (first_at or now) - self.started
         predicted_s = now - first_at if first_at is not None else 0.0
@@ -194,7 +197,7 @@ class LlamaReply:
             "index": index, "content": content, "tokens": tokens if self.return_tokens else [], "id_slot": -1,
             "stop": True, "model": self.model, "tokens_predicted": predicted, "tokens_evaluated": evaluated,
             "tokens_cached": event.stats.get("cached_prompt_tokens", 0), "generation_settings": self.settings,
-            "has_new_line": "\n" in content, "truncated": False,
+            "has_new_line": "\n" in (content if whole is None else whole), "truncated": False,
             "stop_type": "limit" if event.finish == "length" else "word" if word else "eos", "stopping_word": word,
             "timings": {"prompt_n": evaluated, "prompt_ms": round(prompt_s * 1e3, 3),
                         "prompt_per_second": round(evaluated / prompt_s, 3) if prompt_s > 0 else None,
