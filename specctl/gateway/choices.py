@@ -38,6 +38,7 @@ class Event(NamedTuple):
     # vLLM's stop_reason, on the last event: the stop string or stop token id that ended it (None: EOS, length)
     stop_reason: str | int | None = None
     tokens: tuple[int, ...] = ()  # this event's token ids (llama.cpp's streamed ``tokens``)
+    stop_token: int | None = None  # the EOS or stop token that ended it, on the last event (SGLang's ``matched``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +168,7 @@ class Choices:
                 self.metrics.record_generation(event.stats)
                 self.metrics.record_latency(self.arrival, first_at, time.perf_counter(), count)
                 yield Event(text.finish(), event.finish_reason, event.stats, count, [],
-                            stop_reason=self._stop_reason(event.stop_token, spec.params))
+                            stop_reason=self._stop_reason(event.stop_token, spec.params), stop_token=event.stop_token)
                 return
             event = await stream.next()
 

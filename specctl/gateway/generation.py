@@ -21,6 +21,7 @@ from specctl.gateway.api import (
 )
 from specctl.gateway.choices import Choices, choice_specs
 from specctl.gateway.llama import LlamaReply
+from specctl.gateway.sglang import SglangReply
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.gateway.reasoning import KEEPS_SPECIAL_TOKENS as READS_SPECIAL_TOKENS, thinks
 from specctl.gateway import request_log
@@ -43,9 +44,9 @@ if TYPE_CHECKING:
     from specctl.gateway.server import GatewayConfig
 
 REMOTE_STATUS = {"bad_request": 400, "capacity": 503, "unavailable": 503}
-LLAMA_ENDPOINTS = ("completion", "infill")  # llama.cpp's own (gateway.llama)
-# (body, tokenizer, context, model name) -> the completion request a llama.cpp body amounts to, and its reply
-LlamaParser = Callable[[bytes, Any, int, str], tuple[CompletionRequest, LlamaReply]]
+NATIVE_ENDPOINTS = ("completion", "infill", "generate")  # llama.cpp's own (gateway.llama), SGLang's (gateway.sglang)
+# (body, tokenizer, context, model name) -> the completion request a native API's body amounts to, and its reply
+NativeParser = Callable[[bytes, Any, int, str], tuple[CompletionRequest, "LlamaReply | SglangReply"]]
 
 
 class Generations:
@@ -86,21 +87,22 @@ class Generations:
             raise ApiError(400, "the prompt is empty", param="prompt")
         return ids
 
-    async def serve(self, request: web.Request, endpoint: str, llama: LlamaParser | None = None) -> web.StreamResponse:
+    async def serve(self, request: web.Request, endpoint: str, native: NativeParser | None = None) -> web.StreamResponse:
         """One generation request of ``endpoint`` ("completions", "chat", "responses": a chat
-        request answered as a response, gateway.responses_api; "completion", "infill":
-        llama.cpp's, whose body ``llama`` reads as the completion request it amounts to and the
-        reply that answers it, gateway.llama), answered whole or streamed; counted in the
-        metrics however it ends."""
-        chat = endpoint not in ("completions", *LLAMA_ENDPOINTS)
+        request answered as a response, gateway.responses_api; "completion", "infill",
+        "generate": llama.cpp's and SGLang's, whose body ``native`` reads as the completion
+        request it amounts to and the reply that answers it, gateway.llama and gateway.sglang),
+        answered whole or streamed; counted in the metrics however it ends."""
+        chat = endpoint not in ("completions", *NATIVE_ENDPOINTS)
         arrival = time.perf_counter()
         status, rid, choices = "error", None, None
         self.running += 1
         self.metrics.running.set(self.running)
         try:
             check_key(request, self.config.api_key)
-            if llama is not None:
-                req, llama_reply = llama(await request.read(), self.tokenizer, self.config.context, self.config.names[0])
+            if native is not None:
+                req, native_reply = native(await request.read(), self.tokenizer, self.config.context,
+                                           self.config.names[0])
             elif endpoint == "responses":
                 asked = parse_body(await request.read(), ResponsesRequest)
                 history = self.responses.history(asked.previous_response_id)
@@ -135,7 +137,7 @@ class Generations:
             calls = None if tools is None else (partial(ForcedCalls, forced[0]) if forced
                                                 else partial(reader, 1 if one_call else None))
             reply = (self._responses_reply(asked, req, history, prompt_tokens, calls) if endpoint == "responses"
-                     else llama_reply if llama is not None else self._reply(req, chat, prompt_tokens, calls, rid))
+                     else native_reply if native is not None else self._reply(req, chat, prompt_tokens, calls, rid))
             try:
                 # a parser whose tags are special tokens reads them in the text (vLLM's mistral does the same)
                 keep_special = ((tools is not None and not forced

@@ -27,6 +27,7 @@ from specctl.gateway.api import (
 from specctl.gateway.generation import Generations
 from specctl.gateway.infill import parse_infill
 from specctl.gateway.llama import parse_completion
+from specctl.gateway.sglang import parse_generate
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.gateway.chat_template import load_chat_template
 from specctl.gateway.reasoning import check_parser
@@ -136,6 +137,7 @@ class Gateway:
             web.post("/tokenize", self._tokenize), web.post("/detokenize", self._detokenize),
             web.post("/infill", self._infill),
             web.post("/completion", self._llama_completion), web.post("/completions", self._llama_completion),
+            web.post("/generate", self._sglang_generate), web.get("/get_model_info", self._model_info),
         ])
         app.cleanup_ctx.append(self._poller)
         return app
@@ -251,6 +253,15 @@ class Gateway:
         self._check_key(request)
         return web.json_response(self.generations.responses.input_items(request.match_info["response_id"],
                                                                         request.query))
+
+    async def _sglang_generate(self, request: web.Request) -> web.StreamResponse:
+        """SGLang's /generate (gateway.sglang)."""
+        return await self.generations.serve(request, "generate", parse_generate)
+
+    async def _model_info(self, _request: web.Request) -> web.Response:
+        """SGLang's GET /get_model_info."""
+        return web.json_response({"model_path": self.config.names[0], "tokenizer_path": self.config.names[0],
+                                  "is_generation": True, "max_model_len": self.config.context})
 
     async def _version(self, _request: web.Request) -> web.Response:
         """vLLM's GET /version: this gateway's specctl version."""

@@ -1,0 +1,164 @@
+"""SGLang's native API, which its users script against: ``POST /generate`` and ``GET
+/get_model_info``.
+
+A /generate request (``text`` or ``input_ids``, one or a batch; ``sampling_params``) becomes
+the OpenAI completion it amounts to, with SGLang's defaults where it leaves fields out
+(``max_new_tokens`` 128, temperature 1, top-p 1, every token), and is answered in SGLang's
+shape: ``{"text", "output_ids", "meta_info"}`` — a list of them for a batch or ``n`` > 1 —
+with ``meta_info``'s ``finish_reason`` ({"type": "length", "length": n} or {"type": "stop",
+"matched": the stop string, or the EOS or stop token id}), token counts, ``e2e_latency`` and
+the speculation's figures as SGLang names them (``spec_verify_ct``, ``spec_accept_length``,
+...). Streamed, each event carries the text so far (SGLang's default, not increments) and
+the stream ends with ``data: [DONE]``. ``json_schema`` (a JSON text), ``regex`` and ``ebnf``
+hold the output as vLLM's guided_* do; ``no_stop_trim`` keeps the stop string;
+``return_logprob`` is refused (a 400 pointing at /v1/completions' logprobs)."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import msgspec
+from aiohttp import web
+
+from specctl.engine.text import encode_prompt
+from specctl.gateway.api import ApiError, CompletionRequest, parse_body
+from specctl.gateway.choices import Choices, Event
+from specctl.gateway.respond import remote_message
+from specctl.verify.client import RemoteError
+
+
+class SglangSampling(msgspec.Struct, kw_only=True):
+    """SGLang's sampling_params (the ones served; others are ignored)."""
+    max_new_tokens: int | None = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: every token
+    min_p: float = 0.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    n: int = 1
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    logit_bias: dict[str, float] | None = None
+    sampling_seed: int | None = None
+
+
+class GenerateRequest(msgspec.Struct, kw_only=True):
+    endpoint: ClassVar[str] = "/generate"  # named in the log of fields it ignores
+    text: str | list[str] | None = None
+    input_ids: list[int | list[int]] | None = None  # one prompt's ids, or a batch's
+    sampling_params: SglangSampling = msgspec.field(default_factory=SglangSampling)
+    stream: bool = False
+    rid: str | None = None
+    return_logprob: bool = False
+    model: str | None = None
+
+
+def parse_generate(body: bytes, tokenizer: Any, context: int, model: str) -> tuple[CompletionRequest, "SglangReply"]:
+    """A /generate body as the completion request it amounts to, and what answers it."""
+    started = time.perf_counter()
+    asked = parse_body(body, GenerateRequest)
+    if (asked.text is None) == (asked.input_ids is None):
+        raise ApiError(400, "give text or input_ids (one of them)", param="text")
+    if asked.return_logprob:
+        raise ApiError(400, "return_logprob is not served on /generate here: /v1/completions gives each token's "
+                            "logprobs", param="return_logprob")
+    given = asked.text if asked.text is not None else asked.input_ids
+    batch = isinstance(given, list) and bool(given) and isinstance(given[0], (str, list))
+    if batch and not all(isinstance(p, type(given[0])) for p in given) or (
+            not batch and isinstance(given, list) and not all(isinstance(p, int) for p in given)):
+        raise ApiError(400, "input_ids is one prompt's token ids or a list of them", param="input_ids")
+    prompts = [encode_prompt(tokenizer, p) if isinstance(p, str) else p for p in (given if batch else [given])]
+    if not all(prompts):
+        raise ApiError(400, "the prompt is empty", param="text" if asked.text is not None else "input_ids")
+    s = asked.sampling_params
+    try:
+        schema = None if s.json_schema is None else json.loads(s.json_schema)
+    except ValueError as exc:
+        raise ApiError(400, f"sampling_params.json_schema is not JSON: {exc}", param="sampling_params") from None
+    room = max(1, context - max(map(len, prompts)))  # max_new_tokens null: to the end of the context
+    req = CompletionRequest(
+        model=asked.model, prompt=prompts if batch else prompts[0],
+        max_tokens=room if s.max_new_tokens is None else s.max_new_tokens, temperature=s.temperature,
+        top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, stop=s.stop, stop_token_ids=s.stop_token_ids, n=s.n,
+        frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
+        repetition_penalty=s.repetition_penalty, min_tokens=s.min_new_tokens, guided_json=schema,
+        guided_regex=s.regex, guided_grammar=s.ebnf, ignore_eos=s.ignore_eos,
+        skip_special_tokens=s.skip_special_tokens, include_stop_str_in_output=s.no_stop_trim,
+        logit_bias=s.logit_bias, seed=s.sampling_seed, stream=asked.stream, request_id=asked.rid)
+    return req, SglangReply([len(p) for p in prompts], s.n, batch or s.n > 1, started)
+
+
+@dataclass(slots=True)
+class SglangReply:
+    """SGLang's answer from a request's choices: one output, a list of them, or server-sent
+    events of the text so far ending with ``[DONE]``."""
+    prompt_tokens: list[int]  # each prompt's length
+    n: int  # choices per prompt: choice index i * n + j is prompt i's
+    listed: bool  # a batch or n > 1: a list of outputs
+    started: float
+
+    async def collect(self, choices: Choices) -> web.Response:
+        outputs: dict[int, dict] = {}
+        async for index, event in choices.events():
+            output = outputs.setdefault(index, {"text": "", "output_ids": []})
+            output["text"] += event.delta
+            output["output_ids"] += event.tokens
+            if event.finish:
+                output["meta_info"] = self._meta(index, event, choices.request_id)
+        answer = [outputs[i] for i in sorted(outputs)]
+        return web.json_response(answer if self.listed else answer[0])
+
+    async def stream(self, request: web.Request, choices: Choices) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        outputs: dict[int, dict] = {}
+        try:
+            async for index, event in choices.events():
+                output = outputs.setdefault(index, {"index": index, "text": "", "output_ids": []})
+                output["text"] += event.delta
+                output["output_ids"] += event.tokens
+                if event.delta or event.tokens or event.finish:
+                    await response.write(_event({**output, "meta_info": self._meta(index, event, choices.request_id)}))
+        except RemoteError as exc:  # the headers are gone: the error travels in the stream
+            await response.write(_event({"error": {"message": remote_message(exc), "code": 502}}))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    def _meta(self, index: int, event: Event, request_id: str) -> dict:
+        """meta_info: finish_reason null until the last event, which has the generation's figures."""
+        meta = {"id": request_id if len(self.prompt_tokens) * self.n == 1 else f"{request_id}-{index}",
+                "finish_reason": None, "prompt_tokens": self.prompt_tokens[index // self.n],
+                "completion_tokens": event.count}
+        if not event.finish:
+            return meta
+        if event.finish == "length":
+            meta["finish_reason"] = {"type": "length", "length": event.count}
+        elif event.finish == "stop":
+            matched = event.stop_reason if isinstance(event.stop_reason, str) else event.stop_token
+            meta["finish_reason"] = {"type": "stop", "matched": matched}
+        else:
+            meta["finish_reason"] = {"type": "abort", "message": event.finish}
+        stats, drafts = event.stats, event.stats.get("drafts", 0)
+        return {**meta, "cached_tokens": stats.get("cached_prompt_tokens", 0),
+                "e2e_latency": round(time.perf_counter() - self.started, 6),
+                "spec_verify_ct": stats.get("rounds", 0), "spec_num_proposed_drafts": stats.get("drafted", 0),
+                "spec_num_correct_drafts": stats.get("accepted", 0),
+                "spec_accept_length": round(1 + stats.get("accepted", 0) / drafts, 4) if drafts else 0.0,
+                "spec_accept_rate": stats.get("acceptance_rate", 0.0)}
+
+
+def _event(body: dict) -> bytes:
+    return f"data: {json.dumps(body)}\n\n".encode()

@@ -1,0 +1,114 @@
+"""SGLang's native API on the gateway (gateway.sglang): POST /generate served as the OpenAI
+completion it amounts to — the same text as /v1/completions and `specctl generate` — in
+SGLang's shape (text, output_ids, meta_info with finish_reason's type and matched), one, a
+batch, n choices, or streamed (the text so far, then [DONE]); its mapping and refusals exactly."""
+
+import json
+
+import pytest
+
+from specctl.engine.tiny import make_byte_tokenizer
+from specctl.gateway.api import ApiError
+from specctl.gateway.sglang import parse_generate
+from tests.test_gateway import PROMPT, post, specctl_generate
+
+
+def _parsed(body: dict, context: int = 64):
+    return parse_generate(json.dumps(body).encode(), make_byte_tokenizer(), context, "m")
+
+
+def test_a_generate_request_is_the_completion_it_amounts_to_with_sglang_s_defaults():
+    tokenizer = make_byte_tokenizer()
+    req, reply = _parsed({"text": "ab"})
+    assert (req.prompt, req.max_tokens, req.temperature, req.top_p, req.top_k, req.min_p, req.n, req.stream) == (
+        tokenizer.encode("ab"), 128, 1.0, 1.0, -1, 0.0, 1, False)
+    assert (reply.prompt_tokens, reply.n, reply.listed) == ([2], 1, False)
+    req, reply = _parsed({"input_ids": [[5, 6, 7], [8]], "stream": True, "rid": "r1", "sampling_params": {
+        "max_new_tokens": None, "temperature": 0, "stop": "\n", "stop_token_ids": [9], "n": 2, "min_new_tokens": 3,
+        "regex": "[ab]+", "no_stop_trim": True, "sampling_seed": 4, "repetition_penalty": 1.1}})
+    assert (req.prompt, req.max_tokens, req.temperature, req.stop, req.stop_token_ids, req.n, req.min_tokens,
+            req.guided_regex, req.include_stop_str_in_output, req.seed, req.repetition_penalty, req.stream,
+            req.request_id) == ([[5, 6, 7], [8]], 61, 0, "\n", [9], 2, 3, "[ab]+", True, 4, 1.1, True, "r1")
+    assert (reply.prompt_tokens, reply.n, reply.listed) == ([3, 1], 2, True)
+    assert _parsed({"text": "x", "sampling_params": {"json_schema": '{"type": "object"}'}})[0].guided_json == {
+        "type": "object"}
+    for body, message, param in (
+            ({}, "give text or input_ids (one of them)", "text"),
+            ({"text": "x", "input_ids": [1]}, "give text or input_ids (one of them)", "text"),
+            ({"text": "x", "return_logprob": True}, "return_logprob is not served on /generate here: "
+                                                    "/v1/completions gives each token's logprobs", "return_logprob"),
+            ({"text": ""}, "the prompt is empty", "text"),
+            ({"input_ids": [1, [2]]}, "input_ids is one prompt's token ids or a list of them", "input_ids"),
+            ({"text": "x", "sampling_params": {"json_schema": "{"}},
+             "sampling_params.json_schema is not JSON: Expecting property name enclosed in double quotes: line 1 "
+             "column 2 (char 1)", "sampling_params")):
+        with pytest.raises(ApiError) as refused:
+            _parsed(body)
+        assert (refused.value.status, str(refused.value), refused.value.param) == (400, message, param)
+
+
+def test_generate_is_the_targets_text_in_sglang_s_shape_one_batched_and_streamed(cluster, tiny_dir):
+    url = cluster[1]["gateway"]
+    reference = specctl_generate(tiny_dir, PROMPT, 20)
+    status, _, body = post(url + "/generate", {"text": PROMPT, "rid": "req-7",
+                                               "sampling_params": {"max_new_tokens": 20, "temperature": 0}})
+    out = json.loads(body)
+    assert status == 200 and (out["text"], out["output_ids"]) == (reference["text"], reference["token_ids"])
+    meta = out["meta_info"]
+    n = len(reference["token_ids"])
+    assert (meta["id"], meta["prompt_tokens"], meta["completion_tokens"]) == (
+        "req-7", len(make_byte_tokenizer().encode(PROMPT)), n)
+    assert meta["finish_reason"] == ({"type": "length", "length": 20} if n == 20 else
+                                     {"type": "stop", "matched": make_byte_tokenizer().eos_token_id})
+    assert meta["spec_verify_ct"] >= 1 and meta["spec_accept_length"] >= 1.0
+    # a stop string is matched by name; a stop token id by its id
+    word = reference["text"][8:11]
+    status, _, body = post(url + "/generate", {"text": PROMPT, "sampling_params": {
+        "max_new_tokens": 20, "temperature": 0, "stop": word}})
+    cut = json.loads(body)
+    assert (cut["text"], cut["meta_info"]["finish_reason"]) == (
+        reference["text"][: reference["text"].index(word)], {"type": "stop", "matched": word})
+    token = reference["token_ids"][3]
+    k = reference["token_ids"].index(token)
+    status, _, body = post(url + "/generate", {"text": PROMPT, "sampling_params": {
+        "max_new_tokens": 20, "temperature": 0, "stop_token_ids": [token]}})
+    ended = json.loads(body)
+    assert (ended["output_ids"], ended["meta_info"]["finish_reason"]) == (
+        reference["token_ids"][:k], {"type": "stop", "matched": token})
+    # streamed: each event the text so far, the last with the finish, then [DONE]
+    status, headers, body = post(url + "/generate", {"text": PROMPT, "stream": True,
+                                                     "sampling_params": {"max_new_tokens": 20, "temperature": 0}})
+    lines = [line for line in body.decode().splitlines() if line.startswith("data: ")]
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    assert status == 200 and headers["Content-Type"] == "text/event-stream" and lines[-1] == "data: [DONE]"
+    assert all(b["text"].startswith(a["text"]) for a, b in zip(events, events[1:]))
+    assert (events[-1]["text"], events[-1]["output_ids"]) == (reference["text"], reference["token_ids"])
+    assert [e["meta_info"]["finish_reason"] is None for e in events] == [True] * (len(events) - 1) + [False]
+    # a batch (text, or token ids) and n choices: a list, each as /v1/completions answers it
+    status, _, body = post(url + "/generate", {"input_ids": [[3, 17, 42], [7, 8, 9, 10]],
+                                               "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+    batch = json.loads(body)
+    alone = [json.loads(post(url + "/v1/completions", {"prompt": p, "max_tokens": 8, "temperature": 0})[2])
+             for p in ([3, 17, 42], [7, 8, 9, 10])]
+    assert [b["text"] for b in batch] == [a["choices"][0]["text"] for a in alone]
+    assert [b["meta_info"]["prompt_tokens"] for b in batch] == [3, 4]
+    status, _, body = post(url + "/generate", {"text": PROMPT, "sampling_params": {
+        "max_new_tokens": 6, "temperature": 0, "n": 2}})
+    assert status == 200 and [o["text"] for o in json.loads(body)] == [reference["text"][:len(o["text"])]
+                                                                       for o in json.loads(body)]
+
+
+def test_bad_generate_requests_are_400s_and_model_info_names_the_model(cluster):
+    url = cluster[1]["gateway"]
+    for sent, message in ((b"{not json", "not valid JSON"), ({"sampling_params": {}}, "give text or input_ids"),
+                          ({"text": "x", "sampling_params": {"temperature": -1}}, "temperature must be"),
+                          ({"text": "x", "sampling_params": {"ebnf": "root ::= ("}},
+                           "structured output (grammar) is invalid"),
+                          ({"input_ids": [10 ** 7]}, "token ids must be in [0, ")):
+        status, _, body = post(url + "/generate", sent)
+        assert status == 400 and message in json.loads(body)["error"]["message"], body
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/get_model_info", timeout=30) as response:
+        info = json.loads(response.read())
+    assert info["is_generation"] is True and info["model_path"] and info["max_model_len"] > 0
