@@ -182,7 +182,7 @@ def test_an_infill_request_is_the_completion_it_amounts_to_with_llama_cpp_s_defa
     given, _ = parsed({"input_prefix": "a", "n_predict": 5, "seed": 3, "stop": ["\n\n"], "temperature": 0})
     assert (given.max_tokens, given.seed, given.stop, given.temperature) == (5, 3, ["\n\n"], 0)
     with pytest.raises(ApiError) as refused:
-        parsed({"n_predict": 0})
+        parsed({"n_predict": -2})
     assert (refused.value.status, refused.value.param) == (400, "n_predict")
     with pytest.raises(ApiError, match="this one has none: this endpoint cannot serve it$"):
         parsed({}, _Vocab(["a"]))
@@ -215,5 +215,20 @@ def test_the_infill_endpoint_answers_as_llama_cpp_with_the_targets_infill(cluste
     assert [e["stop"] for e in events] == [False] * (len(events) - 1) + [True]
     assert sum((e["tokens"] for e in events[:-1]), []) == reference["token_ids"]
     assert (events[-1]["tokens_predicted"], events[-1]["stop_type"]) == (len(reference["token_ids"]), "limit")
+    # llama.vim's two requests as it sends them: the extra context warmed (n_predict 0, no fields), then a FIM
+    ring = {"input_prefix": "", "input_suffix": "", "input_extra": files, "prompt": "", "n_predict": 0,
+            "temperature": 0.0, "stream": False, "samplers": [], "cache_prompt": True, "t_max_prompt_ms": 1,
+            "t_max_predict_ms": 1, "response_fields": [""]}
+    status, _, body = post(url + "/infill", ring)
+    assert (status, json.loads(body)) == (200, {})
+    fim = {"input_prefix": PREFIX, "input_suffix": SUFFIX, "input_extra": files, "prompt": "", "n_predict": 16,
+           "n_indent": 0, "top_k": 40, "top_p": 0.99, "stream": False, "samplers": ["top_k", "top_p", "infill"],
+           "cache_prompt": True, "t_max_prompt_ms": 500, "t_max_predict_ms": 1500,
+           "response_fields": ["content", "timings/prompt_n", "timings/prompt_ms", "timings/prompt_per_token_ms",
+                               "timings/prompt_per_second", "timings/predicted_n", "timings/predicted_ms",
+                               "timings/predicted_per_token_ms", "timings/predicted_per_second", "truncated",
+                               "tokens_cached"]}
+    status, _, body = post(url + "/infill", fim)
+    assert status == 200 and set(json.loads(body)) == set(fim["response_fields"]), body
     status, _, body = post(url + "/infill", b"{not json")
     assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"]

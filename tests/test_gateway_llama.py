@@ -10,6 +10,7 @@ import pytest
 from specctl.engine.tiny import make_byte_tokenizer
 from specctl.gateway.api import ApiError
 from specctl.gateway.llama import LlamaCompletionRequest, completion_request, llama_prompts, openai_bias
+from specctl.gateway.llama_reply import indent_cut, selected
 from tests.test_gateway import PROMPT, post, specctl_generate
 
 
@@ -45,7 +46,8 @@ def test_options_map_to_the_completion_with_llama_cpp_s_defaults_and_refusals():
     assert completion_request(LlamaCompletionRequest(prompt="x", json_schema={"type": "object"}), [[1]], 64
                               ).guided_json == {"type": "object"}
     for fields, message, param in (
-            ({"n_predict": 0}, "n_predict must be -1 (to the end of the context) or at least 1, got 0", "n_predict"),
+            ({"n_predict": -2}, "n_predict must be -1 (to the end of the context), 0 (evaluate the prompt only) or "
+                                "more, got -2", "n_predict"),
             ({"n_probs": 3}, "n_probs is not served on this endpoint: /v1/completions lists each token's "
                              "alternatives with logprobs", "n_probs"),
             ({"grammar": "root ::= \"a\"", "json_schema": {}}, "give grammar or json_schema, not both", "grammar")):
@@ -118,3 +120,43 @@ def test_a_gbnf_grammar_holds_the_output_and_bad_requests_are_400s(cluster):
         assert status == 400 and message in json.loads(body)["error"]["message"], body
     status, _, body = post(url + "/completion", {"prompt": "x", "model": "nope"})
     assert status == 404 and json.loads(body)["error"]["param"] == "model"
+
+
+def test_indent_cut_ends_at_the_first_later_line_indented_less_and_fields_are_selected_by_path():
+    assert indent_cut("x = 1\n    y = 2\n  z\n", 4) == 18  # "  z": cut where its content starts
+    assert indent_cut("x = 1\n    y = 2\n", 4) is None  # every later line indented enough
+    assert indent_cut("x\n\n    y", 4) == 2  # an empty line ends it too, as in llama.cpp
+    assert indent_cut("first line only, however indented", 8) is None
+    assert indent_cut("a\n\tb", 1) is None  # a tab counts one
+    body = {"content": "c", "timings": {"prompt_n": 3, "predicted_n": 4}, "stop": True}
+    assert selected(body, ["content", "timings/prompt_n", "timings/nope", "", "stop"]) == {
+        "content": "c", "timings/prompt_n": 3, "stop": True}
+    assert selected(body, None) is body and selected(body, [""]) == {}
+
+
+def test_editor_plugin_rules_n_indent_t_max_predict_ms_n_predict_0_and_response_fields(cluster):
+    url = cluster[1]["gateway"]
+    newline = str(make_byte_tokenizer().encode("\n")[0])
+    base = {"prompt": PROMPT, "n_predict": 32, "temperature": 0, "ignore_eos": True, "logit_bias": {newline: 4.0}}
+    reference = json.loads(post(url + "/completion", base)[2])["content"]
+    cut = indent_cut(reference, 4)
+    assert cut is not None, repr(reference)  # the newline bias makes later lines
+    indented = json.loads(post(url + "/completion", {**base, "n_indent": 4})[2])
+    assert (indented["content"], indented["stop_type"]) == (reference[:cut], "limit")
+    timed = json.loads(post(url + "/completion", {**base, "t_max_predict_ms": 0.001})[2])
+    assert reference.startswith(timed["content"]) and "\n" in timed["content"] and timed["stop_type"] == "limit"
+    assert len(timed["content"]) < len(reference)
+    # streamed, the rules cut the same text
+    events = _events(post(url + "/completion", {**base, "n_indent": 4, "stream": True})[2])
+    assert "".join(e["content"] for e in events) == reference[:cut] and events[-1]["stop_type"] == "limit"
+    # n_predict 0: the prompt evaluated (into the prefix cache), nothing handed out
+    prompt = PROMPT + " jumps over the lazy dog, again and again"
+    warmed = json.loads(post(url + "/completion", {"prompt": prompt, "n_predict": 0})[2])
+    assert (warmed["content"], warmed["tokens_predicted"], warmed["stop_type"]) == ("", 0, "limit")
+    again = json.loads(post(url + "/completion", {"prompt": prompt, "n_predict": 2, "temperature": 0})[2])
+    assert again["tokens_cached"] > 0
+    # response_fields: only those, "timings/..." under its path (llama.vim reads them so)
+    fields = ["content", "timings/prompt_n", "timings/predicted_n", "tokens_cached", ""]
+    trimmed = json.loads(post(url + "/completion", {**base, "n_predict": 4, "response_fields": fields})[2])
+    assert set(trimmed) == {"content", "timings/prompt_n", "timings/predicted_n", "tokens_cached"}
+    assert trimmed["timings/predicted_n"] == 4

@@ -20,7 +20,7 @@ from specctl.gateway.api import (
     wanted_logprobs,
 )
 from specctl.gateway.choices import Choices, choice_specs
-from specctl.gateway.llama import LlamaReply
+from specctl.gateway.llama_reply import LlamaReply
 from specctl.gateway.sglang import SglangReply
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.gateway.reasoning import KEEPS_SPECIAL_TOKENS as READS_SPECIAL_TOKENS, thinks

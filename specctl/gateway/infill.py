@@ -15,7 +15,8 @@ import msgspec
 from specctl.engine.fim import encode_infill, infill_stops
 from specctl.errors import BadRequest
 from specctl.gateway.api import ApiError, CompletionRequest, parse_body
-from specctl.gateway.llama import LlamaOptions, LlamaReply, completion_request, generation_settings
+from specctl.gateway.llama import LlamaOptions, completion_request, llama_reply
+from specctl.gateway.llama_reply import LlamaReply
 
 
 class ExtraFile(msgspec.Struct, kw_only=True):
@@ -49,5 +50,4 @@ def parse_infill(body: bytes, tokenizer: Any, context: int, model: str) -> tuple
     asked = parse_body(body, InfillRequest)
     ids, ends = infill_ids(asked, tokenizer)
     req = completion_request(asked, [ids], context, ends)
-    return req, LlamaReply(model, [ids], False, asked.return_tokens, generation_settings(req, asked, model, context),
-                           started)
+    return req, llama_reply(asked, req, [ids], False, model, context, started)

@@ -1,35 +1,29 @@
 """llama.cpp's own completion API, which its clients and editor plugins call: ``POST
-/completion`` (also ``/completions``) and the answer ``/infill`` shares (gateway.infill).
+/completion`` (also ``/completions``); ``/infill`` shares its options (gateway.infill).
 
 A request becomes the OpenAI completion it amounts to — its prompt as token ids, llama.cpp's
 sampling defaults where it leaves them out (temperature 0.8, top-k 40, top-p 0.95, min-p
-0.05), ``n_predict`` -1 (its default) to the end of the context — and is answered in
-llama.cpp's shape: ``content``, ``tokens``, ``stop``, ``stop_type`` (eos | limit | word),
-``stopping_word``, ``tokens_predicted``, ``tokens_evaluated``, ``tokens_cached``,
-``timings``; streamed, as its server-sent events (``content`` and ``tokens`` as they come,
-then the whole answer with ``stop: true``; no ``[DONE]``).
+0.05), ``n_predict`` -1 (its default) to the end of the context, 0 to evaluate the prompt
+into the prefix cache only — and is answered in llama.cpp's shape (gateway.llama_reply).
 
 The prompt may be text, token ids, or both mixed (``[12, 34, "text", 56]``; BOS where the
 prompt starts with text and the tokenizer adds one), or a list of such prompts, answered as
 a list. ``grammar`` (GBNF) and ``json_schema`` hold the output as vLLM's guided_grammar and
 guided_json do; ``repeat_penalty`` is vLLM's repetition_penalty (over the whole text, not
-llama.cpp's last ``repeat_last_n`` tokens); a ``logit_bias`` of ``false`` is -100."""
+llama.cpp's last ``repeat_last_n`` tokens); a ``logit_bias`` of ``false`` is -100. The
+editor plugins' ``n_indent``, ``t_max_predict_ms`` and ``response_fields`` are honoured as
+llama.cpp honours them."""
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import msgspec
-from aiohttp import web
 
 from specctl.engine.text import encode_prompt
 from specctl.gateway.api import MAX_CHOICES, ApiError, CompletionRequest, parse_body
-from specctl.gateway.choices import Choices, Event
-from specctl.gateway.respond import remote_message
-from specctl.verify.client import RemoteError
+from specctl.gateway.llama_reply import LlamaReply, Rules
 
 BANNED_BIAS = -100.0  # a logit_bias of false: OpenAI's lowest bias, which no token overcomes
 
@@ -55,6 +49,9 @@ class LlamaOptions(msgspec.Struct, kw_only=True):
     json_schema: dict[str, Any] | None = None
     n_probs: int = 0
     return_tokens: bool = False
+    n_indent: int = 0  # a later line indented less ends the text (code completion)
+    t_max_predict_ms: float = 0.0  # past this since the first token, the next newline ends the text (0: off)
+    response_fields: list[str] | None = None  # only these fields, "a/b" lifted out of "a" under that name
 
 
 class LlamaCompletionRequest(LlamaOptions, kw_only=True):
@@ -62,14 +59,23 @@ class LlamaCompletionRequest(LlamaOptions, kw_only=True):
     prompt: str | list[int | str | list[int | str]]
 
 
-def parse_completion(body: bytes, tokenizer: Any, context: int, model: str) -> tuple[CompletionRequest, "LlamaReply"]:
+def parse_completion(body: bytes, tokenizer: Any, context: int, model: str) -> tuple[CompletionRequest, LlamaReply]:
     """A /completion body as the completion request it amounts to, and what answers it."""
     started = time.perf_counter()
     asked = parse_body(body, LlamaCompletionRequest)
     prompts, listed = llama_prompts(asked.prompt, tokenizer)
     req = completion_request(asked, prompts, context)
-    return req, LlamaReply(model, prompts, listed, asked.return_tokens,
-                           generation_settings(req, asked, model, context), started)
+    return req, llama_reply(asked, req, prompts, listed, model, context, started)
+
+
+def llama_reply(asked: LlamaOptions, req: CompletionRequest, prompts: list[list[int]], listed: bool, model: str,
+                context: int, started: float) -> LlamaReply:
+    """The reply to ``asked``, served as ``req``."""
+    if asked.n_indent < 0 or asked.t_max_predict_ms < 0:
+        raise ApiError(400, "n_indent and t_max_predict_ms must be >= 0", param="n_indent")
+    rules = Rules(asked.n_indent, asked.t_max_predict_ms / 1e3, asked.n_predict == 0)
+    return LlamaReply(model, prompts, listed, asked.return_tokens, generation_settings(req, asked, model, context),
+                      started, rules, asked.response_fields)
 
 
 def llama_prompts(prompt: str | list, tokenizer: Any) -> tuple[list[list[int]], bool]:
@@ -101,9 +107,9 @@ def _mixed(pieces: list[int | str], tokenizer: Any) -> list[int]:
 def completion_request(asked: LlamaOptions, prompts: list[list[int]], context: int,
                        ends: tuple[int, ...] = ()) -> CompletionRequest:
     """The OpenAI completion request ``asked`` amounts to (``ends``: stop token ids it implies)."""
-    if asked.n_predict == 0 or asked.n_predict < -1:
-        raise ApiError(400, f"n_predict must be -1 (to the end of the context) or at least 1, got {asked.n_predict}",
-                       param="n_predict")
+    if asked.n_predict < -1:
+        raise ApiError(400, f"n_predict must be -1 (to the end of the context), 0 (evaluate the prompt only) or "
+                            f"more, got {asked.n_predict}", param="n_predict")
     if asked.n_probs:
         raise ApiError(400, "n_probs is not served on this endpoint: /v1/completions lists each token's "
                             "alternatives with logprobs", param="n_probs")
@@ -111,7 +117,9 @@ def completion_request(asked: LlamaOptions, prompts: list[list[int]], context: i
         raise ApiError(400, "give grammar or json_schema, not both", param="grammar")
     room = max(1, context - max(map(len, prompts)))  # a prompt past the context: the completion's own 400 says so
     return CompletionRequest(
-        model=asked.model, prompt=prompts if len(prompts) > 1 else prompts[0], max_tokens=room if asked.n_predict == -1 else asked.n_predict,
+        # n_predict 0: one token, not handed out — the prompt is evaluated into the target's prefix cache
+        model=asked.model, prompt=prompts if len(prompts) > 1 else prompts[0],
+        max_tokens=room if asked.n_predict == -1 else max(1, asked.n_predict),
         temperature=asked.temperature, top_k=asked.top_k, top_p=asked.top_p, min_p=asked.min_p,
         seed=None if asked.seed == -1 else asked.seed, stop=asked.stop or None, ignore_eos=asked.ignore_eos,
         stream=asked.stream,
@@ -137,76 +145,6 @@ def openai_bias(bias: list[list[Any]] | dict[str, Any] | None) -> dict[str, floa
     return found
 
 
-@dataclass(slots=True)
-class LlamaReply:
-    """A llama.cpp answer from a request's choices: one body, a list of them (a list of
-    prompts), or server-sent events."""
-    model: str
-    prompts: list[list[int]]
-    listed: bool  # the request gave a list of prompts
-    return_tokens: bool
-    settings: dict  # generation_settings: the options as served
-    started: float
-
-    async def collect(self, choices: Choices) -> web.Response:
-        texts: dict[int, list[str]] = {}
-        tokens: dict[int, list[int]] = {}
-        first: dict[int, float] = {}
-        bodies = {}
-        async for index, event in choices.events():
-            texts.setdefault(index, []).append(event.delta)
-            tokens.setdefault(index, []).extend(event.tokens)
-            if event.count:
-                first.setdefault(index, time.perf_counter())
-            if event.finish:
-                bodies[index] = self._final(index, "".join(texts[index]), tokens[index], event, first.get(index))
-        answer = [bodies[i] for i in sorted(bodies)]
-        return web.json_response(answer if self.listed else answer[0])
-
-    async def stream(self, request: web.Request, choices: Choices) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        first: dict[int, float] = {}
-        texts: dict[int, str] = {}
-        try:
-            async for index, event in choices.events():
-                if event.count:
-                    first.setdefault(index, time.perf_counter())
-                texts[index] = texts.get(index, "") + event.delta
-                if event.delta or event.tokens:
-                    await response.write(_event({"index": index, "content": event.delta,
-                                                 "tokens": list(event.tokens), "stop": False, "id_slot": -1,
-                                                 "tokens_predicted": event.count,
-                                                 "tokens_evaluated": len(self.prompts[index])}))
-                if event.finish:
-                    await response.write(_event(self._final(index, "", [], event, first.get(index), texts[index])))
-        except RemoteError as exc:  # the headers are gone: the error travels in the stream, as llama.cpp's does
-            await response.write(_event({"error": {"code": 502, "message": remote_message(exc),
-                                                   "type": "server_error"}}))
-        await response.write_eof()
-        return response
-
-    def _final(self, index: int, content: str, tokens: list[int], event: Event, first_at: float | None,
-               whole: str | None = None) -> dict:
-        """A prompt's whole answer (streamed: its last event, ``content`` already sent, ``whole``)."""
-        now, evaluated, predicted = time.perf_counter(), len(self.prompts[index]), event.count
-        prompt_s = (first_at or now) - self.started
-        predicted_s = now - first_at if first_at is not None else 0.0
-        word = event.stop_reason if isinstance(event.stop_reason, str) else ""
-        return {
-            "index": index, "content": content, "tokens": tokens if self.return_tokens else [], "id_slot": -1,
-            "stop": True, "model": self.model, "tokens_predicted": predicted, "tokens_evaluated": evaluated,
-            "tokens_cached": event.stats.get("cached_prompt_tokens", 0), "generation_settings": self.settings,
-            "has_new_line": "\n" in (content if whole is None else whole), "truncated": False,
-            "stop_type": "limit" if event.finish == "length" else "word" if word else "eos", "stopping_word": word,
-            "timings": {"prompt_n": evaluated, "prompt_ms": round(prompt_s * 1e3, 3),
-                        "prompt_per_second": round(evaluated / prompt_s, 3) if prompt_s > 0 else None,
-                        "predicted_n": predicted, "predicted_ms": round(predicted_s * 1e3, 3),
-                        "predicted_per_token_ms": round(predicted_s * 1e3 / predicted, 3) if predicted else None,
-                        "predicted_per_second": round(predicted / predicted_s, 3) if predicted_s > 0 else None},
-        }
-
-
 def generation_settings(req: CompletionRequest, asked: LlamaOptions, model: str, context: int) -> dict:
     """llama.cpp's generation_settings: the options as this request is served."""
     return {"n_ctx": context, "model": model, "n_predict": req.max_tokens, "temperature": req.temperature,
@@ -214,7 +152,3 @@ def generation_settings(req: CompletionRequest, asked: LlamaOptions, model: str,
             "ignore_eos": asked.ignore_eos, "presence_penalty": asked.presence_penalty,
             "frequency_penalty": asked.frequency_penalty, "repeat_penalty": asked.repeat_penalty,
             "stream": asked.stream, "speculative": True}
-
-
-def _event(body: dict) -> bytes:
-    return f"data: {json.dumps(body)}\n\n".encode()
