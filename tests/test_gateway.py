@@ -507,11 +507,16 @@ def test_a_request_s_choices_go_to_one_instance_which_prefills_their_prompt_once
     assert [c.text for c in reply.choices] == [specctl_generate(tiny_dir, prompt, 8)["text"]] * 2
 
 
-def test_client_disconnect_cancels_the_generation_everywhere(cluster, tiny_dir):
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True}),
+    ("/completion", {"prompt": PROMPT, "n_predict": 400, "temperature": 0, "stream": True, "ignore_eos": True}),
+    ("/generate", {"text": PROMPT, "stream": True, "sampling_params": {"max_new_tokens": 400, "temperature": 0,
+                                                                      "ignore_eos": True}}),
+], ids=["openai", "llama.cpp", "sglang"])
+def test_client_disconnect_cancels_the_generation_everywhere(cluster, tiny_dir, path, body):
     thread, urls = cluster
-    request = urllib.request.Request(urls["gateway"] + "/v1/completions", headers={"Content-Type": "application/json"},
-                                     data=json.dumps({"prompt": PROMPT, "max_tokens": 400, "temperature": 0,
-                                                      "stream": True, "ignore_eos": True}).encode())
+    request = urllib.request.Request(urls["gateway"] + path, headers={"Content-Type": "application/json"},
+                                     data=json.dumps(body).encode())
     response = urllib.request.urlopen(request, timeout=60)
     assert response.readline().startswith(b"data: ")
     busy = sum(t.active for t in thread.cluster.targets)

@@ -135,6 +135,8 @@ def test_indent_cut_ends_at_the_first_later_line_indented_less_and_fields_are_se
 
 
 def test_editor_plugin_rules_n_indent_t_max_predict_ms_n_predict_0_and_response_fields(cluster):
+    from tests.conftest import poll_until
+
     url = cluster[1]["gateway"]
     newline = str(make_byte_tokenizer().encode("\n")[0])
     base = {"prompt": PROMPT, "n_predict": 32, "temperature": 0, "ignore_eos": True, "logit_bias": {newline: 4.0}}
@@ -143,6 +145,9 @@ def test_editor_plugin_rules_n_indent_t_max_predict_ms_n_predict_0_and_response_
     assert cut is not None, repr(reference)  # the newline bias makes later lines
     indented = json.loads(post(url + "/completion", {**base, "n_indent": 4})[2])
     assert (indented["content"], indented["stop_type"]) == (reference[:cut], "limit")
+    long = json.loads(post(url + "/completion", {**base, "n_predict": 400, "n_indent": 4})[2])
+    assert long["content"] == reference[:cut]  # ended by the rule, not run to 400 tokens: nothing left running
+    poll_until(lambda: sum(t.active for t in cluster[0].cluster.targets), lambda active: active == 0, timeout=10)
     timed = json.loads(post(url + "/completion", {**base, "t_max_predict_ms": 0.001})[2])
     assert reference.startswith(timed["content"]) and "\n" in timed["content"] and timed["stop_type"] == "limit"
     assert len(timed["content"]) < len(reference)
