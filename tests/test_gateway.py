@@ -697,15 +697,16 @@ def test_tokenize_and_detokenize_as_vllm_does(cluster, tiny_dir):
     code, _, raw = post(base + "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "temperature": 0})
     assert json.loads(raw)["usage"]["prompt_tokens"] == len(ids)
     code, _, raw = post(base + "/detokenize", {"tokens": ids})
-    assert code == 200 and json.loads(raw) == {"prompt": tokenizer.decode(ids)}
+    assert code == 200 and json.loads(raw) == {"prompt": tokenizer.decode(ids), "content": tokenizer.decode(ids)}
     messages = [{"role": "user", "content": PROMPT}]
     code, _, raw = post(base + "/tokenize", {"messages": messages})
     chat_ids = json.loads(raw)["tokens"]
     code, _, raw = post(base + "/v1/chat/completions", {"messages": messages, "max_tokens": 1, "temperature": 0})
     assert json.loads(raw)["usage"]["prompt_tokens"] == len(chat_ids) > len(ids)
     for path, body, status, message in [
-        ("/tokenize", {}, 400, "give either prompt or messages"),
-        ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400, "give either prompt or messages"),
+        ("/tokenize", {}, 400, "give one of prompt, messages (vLLM's) or content (llama.cpp's)"),
+        ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400,
+         "give one of prompt, messages (vLLM's) or content (llama.cpp's)"),
         ("/tokenize", {"prompt": "x", "model": "gpt-4"}, 404, "The model `gpt-4` does not exist"),
         ("/detokenize", {"tokens": [len(tokenizer)]}, 400, f"token ids must be in [0, {len(tokenizer)})"),
         ("/detokenize", {"tokens": "abc"}, 400, "Expected `array`"),

@@ -165,3 +165,34 @@ def test_editor_plugin_rules_n_indent_t_max_predict_ms_n_predict_0_and_response_
     trimmed = json.loads(post(url + "/completion", {**base, "n_predict": 4, "response_fields": fields})[2])
     assert set(trimmed) == {"content", "timings/prompt_n", "timings/predicted_n", "tokens_cached"}
     assert trimmed["timings/predicted_n"] == 4
+
+
+def test_llama_cpp_s_tokenize_detokenize_apply_template_and_props(cluster, tiny_dir):
+    from transformers import AutoTokenizer
+
+    import urllib.request
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_dir["llama"]))
+    url = cluster[1]["gateway"]
+    ids = tokenizer.encode(PROMPT, add_special_tokens=False)
+    assert json.loads(post(url + "/tokenize", {"content": PROMPT})[2]) == {"tokens": ids}
+    pieces = json.loads(post(url + "/tokenize", {"content": PROMPT, "with_pieces": True})[2])["tokens"]
+    assert pieces == [{"id": i, "piece": tokenizer.decode([i])} for i in ids]
+    assert json.loads(post(url + "/detokenize", {"tokens": ids})[2])["content"] == tokenizer.decode(ids)
+    # apply-template renders what chat completions encode: completing that text is the chat's answer
+    messages = [{"role": "user", "content": PROMPT}]
+    status, _, body = post(url + "/apply-template", {"messages": messages})
+    prompt = json.loads(body)["prompt"]
+    assert status == 200 and prompt == tokenizer.apply_chat_template(messages, tokenize=False,
+                                                                     add_generation_prompt=True)
+    completed = json.loads(post(url + "/completion", {"prompt": prompt, "n_predict": 8, "temperature": 0})[2])
+    chat = json.loads(post(url + "/v1/chat/completions", {"messages": messages, "max_tokens": 8,
+                                                          "temperature": 0})[2])
+    assert completed["content"] == chat["choices"][0]["message"]["content"]
+    status, _, body = post(url + "/apply-template", {"messages": []})
+    assert status == 400 and json.loads(body)["error"]["message"] == "messages must not be empty"
+    with urllib.request.urlopen(url + "/props", timeout=30) as response:
+        props = json.loads(response.read())
+    assert props["default_generation_settings"]["n_ctx"] == 512 and props["total_slots"] == 32
+    assert props["default_generation_settings"]["params"]["temperature"] == 0.8
+    assert props["chat_template"] == tokenizer.chat_template

@@ -24,14 +24,19 @@ def encode_chat(tokenizer: Any, messages: Sequence[dict], tools: list[dict] | No
     template adds any special tokens itself, so the encoder must not add them again. A template
     that refuses the messages (its raise_exception, or a final message it cannot continue) is a
     BadRequest saying why."""
+    return tokenizer.encode(render_chat(tokenizer, messages, tools, options), add_special_tokens=False)
+
+
+def render_chat(tokenizer: Any, messages: Sequence[dict], tools: list[dict] | None = None,
+                options: dict[str, Any] | None = None) -> str:
+    """The text ``encode_chat`` encodes (llama.cpp's /apply-template answers it)."""
     if not getattr(tokenizer, "chat_template", None):
         raise BadRequest("this model has no chat template: use /v1/completions (or drop --chat)")
     options = {"add_generation_prompt": True, **(options or {})}
     try:
-        text = tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False, **options)
+        return tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False, **options)
     except (TemplateError, ValueError) as exc:
         raise BadRequest(f"the chat template cannot render these messages: {exc}") from None
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 class IncrementalText:

@@ -193,6 +193,10 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False  # vLLM's: each id's token as the vocabulary writes it, too
+    # llama.cpp's: ``content`` (answered in its shape, {"tokens"}), BOS only with add_special, ids with their pieces
+    content: str | None = None
+    add_special: bool = False
+    with_pieces: bool = False
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

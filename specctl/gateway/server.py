@@ -22,12 +22,13 @@ from specctl.errors import ConfigError
 from specctl.gateway import cors, request_id
 from specctl.gateway import responses as R
 from specctl.gateway.api import (
-    ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, check_key, parse_body,
+    ApiError, check_key,
 )
 from specctl.gateway.generation import Generations
 from specctl.gateway.infill import parse_infill
 from specctl.gateway.llama import parse_completion
 from specctl.gateway.sglang import parse_generate
+from specctl.gateway.text_routes import TextRoutes
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.gateway.chat_template import load_chat_template
 from specctl.gateway.reasoning import check_parser
@@ -134,10 +135,9 @@ class Gateway:
             web.get("/v1/models", self._models), web.get("/v1/models/{model:.+}", self._model),
             web.get("/version", self._version), web.get("/health", self._health),
             web.get("/metrics", self._metrics), web.get("/v1/stats", self._stats),
-            web.post("/tokenize", self._tokenize), web.post("/detokenize", self._detokenize),
             web.post("/infill", self._infill),
             web.post("/completion", self._llama_completion), web.post("/completions", self._llama_completion),
-            web.post("/generate", self._sglang_generate), web.get("/get_model_info", self._model_info),
+            web.post("/generate", self._sglang_generate), *TextRoutes(self).routes(),
         ])
         app.cleanup_ctx.append(self._poller)
         return app
@@ -258,11 +258,6 @@ class Gateway:
         """SGLang's /generate (gateway.sglang)."""
         return await self.generations.serve(request, "generate", parse_generate)
 
-    async def _model_info(self, _request: web.Request) -> web.Response:
-        """SGLang's GET /get_model_info."""
-        return web.json_response({"model_path": self.config.names[0], "tokenizer_path": self.config.names[0],
-                                  "is_generation": True, "max_model_len": self.config.context})
-
     async def _version(self, _request: web.Request) -> web.Response:
         """vLLM's GET /version: this gateway's specctl version."""
         return web.json_response({"version": __version__})
@@ -284,31 +279,3 @@ class Gateway:
         feed.update(self.upstream.snapshot())
         return web.json_response(feed)
 
-    async def _tokenize(self, request: web.Request) -> web.Response:
-        """vLLM's /tokenize: the ids a prompt (or chat messages) becomes, as generation encodes it."""
-        self._check_key(request)
-        req = parse_body(await request.read(), TokenizeRequest)
-        self._check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise ApiError(400, "give either prompt or messages", param="prompt")
-        chat = req.messages is not None
-        parsed = (ChatCompletionRequest(messages=req.messages, tools=req.tools,
-                                        add_generation_prompt=req.add_generation_prompt,
-                                        continue_final_message=req.continue_final_message,
-                                        chat_template_kwargs=req.chat_template_kwargs) if chat
-                  else CompletionRequest(prompt=req.prompt))
-        [ids] = self.generations.encode(parsed, self.generations.tools(parsed))
-        body = {"count": len(ids), "max_model_len": self.config.context, "tokens": ids}
-        if req.return_token_strs:
-            body["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
-        return web.json_response(body)
-
-    async def _detokenize(self, request: web.Request) -> web.Response:
-        self._check_key(request)
-        req = parse_body(await request.read(), DetokenizeRequest)
-        self._check_model(req.model)
-        vocab = len(self.tokenizer)
-        if req.tokens and (min(req.tokens) < 0 or max(req.tokens) >= vocab):
-            raise ApiError(400, f"token ids must be in [0, {vocab}), got {min(req.tokens)}..{max(req.tokens)}",
-                           param="tokens")
-        return web.json_response({"prompt": self.tokenizer.decode(req.tokens)})
