@@ -35,8 +35,9 @@ def test_a_generate_request_is_the_completion_it_amounts_to_with_sglang_s_defaul
     for body, message, param in (
             ({}, "give text or input_ids (one of them)", "text"),
             ({"text": "x", "input_ids": [1]}, "give text or input_ids (one of them)", "text"),
-            ({"text": "x", "return_logprob": True}, "return_logprob is not served on /generate here: "
-                                                    "/v1/completions gives each token's logprobs", "return_logprob"),
+            ({"text": "x", "return_logprob": True, "logprob_start_len": 0, "stream": True},
+             "the input's logprobs (logprob_start_len >= 0) are answered whole here: send stream false, or "
+             "logprob_start_len -1 for the output's alone", "logprob_start_len"),
             ({"text": ""}, "the prompt is empty", "text"),
             ({"input_ids": [1, [2]]}, "input_ids is one prompt's token ids or a list of them", "input_ids"),
             ({"text": "x", "sampling_params": {"json_schema": "{"}},
@@ -96,6 +97,32 @@ def test_generate_is_the_targets_text_in_sglang_s_shape_one_batched_and_streamed
         "max_new_tokens": 6, "temperature": 0, "n": 2}})
     assert status == 200 and [o["text"] for o in json.loads(body)] == [reference["text"][:len(o["text"])]
                                                                        for o in json.loads(body)]
+
+
+def test_return_logprob_gives_the_targets_logprobs_as_completions_do(cluster):
+    url = cluster[1]["gateway"]
+    body = {"text": PROMPT, "return_logprob": True, "top_logprobs_num": 3, "logprob_start_len": 0,
+            "return_text_in_logprobs": True, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+    meta = json.loads(post(url + "/generate", body)[2])["meta_info"]
+    openai = json.loads(post(url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                                                       "logprobs": 3, "prompt_logprobs": 3})[2])["choices"][0]
+    output = meta["output_token_logprobs"]
+    assert [lp for lp, _, _ in output] == openai["logprobs"]["token_logprobs"]
+    assert [text for _, _, text in output] == openai["logprobs"]["tokens"]
+    assert [sorted(lp for lp, _, _ in top) for top in meta["output_top_logprobs"]] == [
+        sorted(top.values()) for top in openai["logprobs"]["top_logprobs"]]
+    prompt = meta["input_token_logprobs"]
+    assert len(prompt) == meta["prompt_tokens"] and prompt[0][0] is None and meta["input_top_logprobs"][0] is None
+    assert [lp for lp, _, _ in prompt[1:]] == [  # vLLM's prompt_logprobs: {token id: {logprob, rank, ...}}
+        scored[str(token)]["logprob"] for scored, (_, token, _) in zip(openai["prompt_logprobs"][1:], prompt[1:])]
+    # from a later position only; without the input's, streamed, each event carries the output's so far
+    later = json.loads(post(url + "/generate", {**body, "logprob_start_len": 2})[2])["meta_info"]
+    assert later["input_token_logprobs"] == prompt[2:]
+    events = [json.loads(line[6:]) for line in post(url + "/generate", {**body, "logprob_start_len": -1,
+                                                                        "stream": True})[2].decode().splitlines()
+              if line.startswith("data: {")]
+    assert events[-1]["meta_info"]["output_token_logprobs"] == output
+    assert "input_token_logprobs" not in events[-1]["meta_info"]
 
 
 def test_bad_generate_requests_are_400s_and_model_info_names_the_model(cluster):

@@ -10,15 +10,19 @@ with ``meta_info``'s ``finish_reason`` ({"type": "length", "length": n} or {"typ
 the speculation's figures as SGLang names them (``spec_verify_ct``, ``spec_accept_length``,
 ...). Streamed, each event carries the text so far (SGLang's default, not increments) and
 the stream ends with ``data: [DONE]``. ``json_schema`` (a JSON text), ``regex`` and ``ebnf``
-hold the output as vLLM's guided_* do; ``no_stop_trim`` keeps the stop string;
-``return_logprob`` is refused (a 400 pointing at /v1/completions' logprobs)."""
+hold the output as vLLM's guided_* do; ``no_stop_trim`` keeps the stop string.
+``return_logprob`` gives the target's log-probabilities in meta_info (``output_token_logprobs``
+as ``[logprob, id, text]``, ``output_top_logprobs`` with ``top_logprobs_num`` alternatives,
+the input's from ``logprob_start_len``): lossless decoding makes them the target's own, of
+its raw distribution (before temperature, as vLLM reports them; SGLang's with
+SGLANG_RETURN_ORIGINAL_LOGPROB)."""
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
 
 import msgspec
 from aiohttp import web
@@ -62,6 +66,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     stream: bool = False
     rid: str | None = None
     return_logprob: bool = False
+    logprob_start_len: int = -1  # the prompt's logprobs from this position (-1: none)
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
     model: str | None = None
 
 
@@ -71,9 +78,10 @@ def parse_generate(body: bytes, tokenizer: Any, context: int, model: str) -> tup
     asked = parse_body(body, GenerateRequest)
     if (asked.text is None) == (asked.input_ids is None):
         raise ApiError(400, "give text or input_ids (one of them)", param="text")
-    if asked.return_logprob:
-        raise ApiError(400, "return_logprob is not served on /generate here: /v1/completions gives each token's "
-                            "logprobs", param="return_logprob")
+    scored = asked.return_logprob and asked.logprob_start_len >= 0
+    if scored and asked.stream:
+        raise ApiError(400, "the input's logprobs (logprob_start_len >= 0) are answered whole here: send stream "
+                            "false, or logprob_start_len -1 for the output's alone", param="logprob_start_len")
     given = asked.text if asked.text is not None else asked.input_ids
     batch = isinstance(given, list) and bool(given) and isinstance(given[0], (str, list))
     if batch and not all(isinstance(p, type(given[0])) for p in given) or (
@@ -96,8 +104,12 @@ def parse_generate(body: bytes, tokenizer: Any, context: int, model: str) -> tup
         repetition_penalty=s.repetition_penalty, min_tokens=s.min_new_tokens, guided_json=schema,
         guided_regex=s.regex, guided_grammar=s.ebnf, ignore_eos=s.ignore_eos,
         skip_special_tokens=s.skip_special_tokens, include_stop_str_in_output=s.no_stop_trim,
-        logit_bias=s.logit_bias, seed=s.sampling_seed, stream=asked.stream, request_id=asked.rid)
-    return req, SglangReply([len(p) for p in prompts], s.n, batch or s.n > 1, started)
+        logit_bias=s.logit_bias, seed=s.sampling_seed, stream=asked.stream, request_id=asked.rid,
+        logprobs=asked.top_logprobs_num if asked.return_logprob else None,
+        prompt_logprobs=asked.top_logprobs_num if scored else None)
+    text = (lambda token: tokenizer.decode([token])) if asked.return_text_in_logprobs else (lambda _token: None)
+    logprobs = Logprobs(asked.logprob_start_len if scored else None, text) if asked.return_logprob else None
+    return req, SglangReply([len(p) for p in prompts], s.n, batch or s.n > 1, started, logprobs)
 
 
 @dataclass(slots=True)
@@ -108,15 +120,18 @@ class SglangReply:
     n: int  # choices per prompt: choice index i * n + j is prompt i's
     listed: bool  # a batch or n > 1: a list of outputs
     started: float
+    logprobs: "Logprobs | None" = None  # return_logprob: the target's, in meta_info
 
     async def collect(self, choices: Choices) -> web.Response:
         outputs: dict[int, dict] = {}
+        scores: dict[int, Scores] = {}
         async for index, event in choices.events():
             output = outputs.setdefault(index, {"text": "", "output_ids": []})
             output["text"] += event.delta
             output["output_ids"] += event.tokens
+            scores.setdefault(index, Scores()).add(event)
             if event.finish:
-                output["meta_info"] = self._meta(index, event, choices.request_id)
+                output["meta_info"] = self._meta(index, event, choices.request_id, scores[index])
         answer = [outputs[i] for i in sorted(outputs)]
         return web.json_response(answer if self.listed else answer[0])
 
@@ -124,24 +139,30 @@ class SglangReply:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         outputs: dict[int, dict] = {}
+        scores: dict[int, Scores] = {}
         try:
             async for index, event in choices.events():
                 output = outputs.setdefault(index, {"index": index, "text": "", "output_ids": []})
                 output["text"] += event.delta
                 output["output_ids"] += event.tokens
+                scores.setdefault(index, Scores()).add(event)
                 if event.delta or event.tokens or event.finish:
-                    await response.write(_event({**output, "meta_info": self._meta(index, event, choices.request_id)}))
+                    meta = self._meta(index, event, choices.request_id, scores[index])
+                    await response.write(_event({**output, "meta_info": meta}))
         except RemoteError as exc:  # the headers are gone: the error travels in the stream
             await response.write(_event({"error": {"message": remote_message(exc), "code": 502}}))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
-    def _meta(self, index: int, event: Event, request_id: str) -> dict:
-        """meta_info: finish_reason null until the last event, which has the generation's figures."""
+    def _meta(self, index: int, event: Event, request_id: str, scores: "Scores") -> dict:
+        """meta_info: finish_reason null until the last event, which has the generation's figures;
+        the logprobs so far where asked."""
         meta = {"id": request_id if len(self.prompt_tokens) * self.n == 1 else f"{request_id}-{index}",
                 "finish_reason": None, "prompt_tokens": self.prompt_tokens[index // self.n],
                 "completion_tokens": event.count}
+        if self.logprobs is not None:
+            meta.update(self.logprobs.fields(scores))
         if not event.finish:
             return meta
         if event.finish == "length":
@@ -158,6 +179,40 @@ class SglangReply:
                 "spec_num_correct_drafts": stats.get("accepted", 0),
                 "spec_accept_length": round(1 + stats.get("accepted", 0) / drafts, 4) if drafts else 0.0,
                 "spec_accept_rate": stats.get("acceptance_rate", 0.0)}
+
+
+@dataclass(slots=True)
+class Scores:
+    """One output's logprob entries so far (R.TokenLogprob): the prompt's, then the output's."""
+    prompt: list = field(default_factory=list)
+    output: list = field(default_factory=list)
+
+    def add(self, event: Event) -> None:
+        self.prompt += event.prompt or []
+        self.output += event.logprobs
+
+
+@dataclass(frozen=True, slots=True)
+class Logprobs:
+    """SGLang's logprob fields: ``[logprob, token id, text or None]`` per token, the
+    alternatives likewise; the input's from ``start`` (None: not asked)."""
+    start: int | None
+    text: Callable[[int], str | None]
+
+    def fields(self, scores: Scores) -> dict:
+        body = {"output_token_logprobs": [self._entry(e.logprob, e.token) for e in scores.output],
+                "output_top_logprobs": [self._alternatives(e) for e in scores.output]}
+        if self.start is not None:
+            kept = scores.prompt[self.start:]
+            body["input_token_logprobs"] = [self._entry(e.logprob, e.token) for e in kept]
+            body["input_top_logprobs"] = [self._alternatives(e) if e.logprob is not None else None for e in kept]
+        return body
+
+    def _entry(self, logprob: float | None, token: int) -> list:
+        return [logprob, token, self.text(token)]
+
+    def _alternatives(self, entry) -> list:
+        return [self._entry(lp, token) for token, lp in zip(entry.top_ids, entry.top_logprobs)]
 
 
 def _event(body: dict) -> bytes:
