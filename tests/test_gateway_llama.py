@@ -48,8 +48,7 @@ def test_options_map_to_the_completion_with_llama_cpp_s_defaults_and_refusals():
     for fields, message, param in (
             ({"n_predict": -2}, "n_predict must be -1 (to the end of the context), 0 (evaluate the prompt only) or "
                                 "more, got -2", "n_predict"),
-            ({"n_probs": 3}, "n_probs is not served on this endpoint: /v1/completions lists each token's "
-                             "alternatives with logprobs", "n_probs"),
+            ({"n_probs": 21}, "n_probs must be between 0 and 20, got 21", "n_probs"),
             ({"grammar": "root ::= \"a\"", "json_schema": {}}, "give grammar or json_schema, not both", "grammar")):
         with pytest.raises(ApiError) as refused:
             completion_request(LlamaCompletionRequest(prompt="x", **fields), [[1]], 64)
@@ -113,7 +112,7 @@ def test_a_gbnf_grammar_holds_the_output_and_bad_requests_are_400s(cluster):
     answer = json.loads(body)
     assert status == 200 and answer["content"] in ("yes", "no") and answer["stop_type"] == "eos", body
     for sent, message in ((b"{not json", "not valid JSON"), ({"n_predict": 4}, "missing required field `prompt`"),
-                          ({"prompt": "x", "n_probs": 2}, "n_probs is not served on this endpoint"),
+                          ({"prompt": "x", "n_probs": -1}, "n_probs must be between 0 and 20, got -1"),
                           ({"prompt": "x", "grammar": "root ::= ("}, "structured output (grammar) is invalid"),
                           ({"prompt": "x", "temperature": -1}, "temperature must be")):
         status, _, body = post(url + "/completion", sent)
@@ -196,3 +195,23 @@ def test_llama_cpp_s_tokenize_detokenize_apply_template_and_props(cluster, tiny_
     assert props["default_generation_settings"]["n_ctx"] == 512 and props["total_slots"] == 32
     assert props["default_generation_settings"]["params"]["temperature"] == 0.8
     assert props["chat_template"] == tokenizer.chat_template
+
+
+def test_n_probs_lists_the_targets_alternatives_as_completions_logprobs_do(cluster):
+    import math
+
+    url = cluster[1]["gateway"]
+    body = {"prompt": PROMPT, "n_predict": 8, "temperature": 0, "n_probs": 3}
+    answer = json.loads(post(url + "/completion", body)[2])
+    openai = json.loads(post(url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                                                       "logprobs": 3})[2])["choices"][0]["logprobs"]
+    probabilities = answer["completion_probabilities"]
+    assert [p["logprob"] for p in probabilities] == openai["token_logprobs"]
+    assert [p["token"] for p in probabilities] == openai["tokens"]
+    assert [{t["token"]: t["logprob"] for t in p["top_logprobs"]} for p in probabilities] == openai["top_logprobs"]
+    assert all(p["bytes"] == list(p["token"].encode()) for p in probabilities)
+    as_probs = json.loads(post(url + "/completion", {**body, "post_sampling_probs": True})[2])
+    assert [p["prob"] for p in as_probs["completion_probabilities"]] == [math.exp(lp) for lp in
+                                                                         openai["token_logprobs"]]
+    events = _events(post(url + "/completion", {**body, "stream": True})[2])
+    assert sum((e.get("completion_probabilities", []) for e in events), []) == probabilities

@@ -50,4 +50,4 @@ def parse_infill(body: bytes, tokenizer: Any, context: int, model: str) -> tuple
     asked = parse_body(body, InfillRequest)
     ids, ends = infill_ids(asked, tokenizer)
     req = completion_request(asked, [ids], context, ends)
-    return req, llama_reply(asked, req, [ids], False, model, context, started)
+    return req, llama_reply(asked, req, [ids], False, model, context, started, tokenizer)

@@ -23,7 +23,8 @@ import msgspec
 
 from specctl.engine.text import encode_prompt
 from specctl.gateway.api import MAX_CHOICES, ApiError, CompletionRequest, parse_body
-from specctl.gateway.llama_reply import LlamaReply, Rules
+from specctl.gateway.llama_reply import LlamaReply, Probabilities, Rules
+from specctl.spec.sampling import MAX_LOGPROBS
 
 BANNED_BIAS = -100.0  # a logit_bias of false: OpenAI's lowest bias, which no token overcomes
 
@@ -47,7 +48,8 @@ class LlamaOptions(msgspec.Struct, kw_only=True):
     logit_bias: list[list[Any]] | dict[str, Any] | None = None
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
-    n_probs: int = 0
+    n_probs: int = 0  # each token's likeliest alternatives (completion_probabilities)
+    post_sampling_probs: bool = False  # probabilities rather than log-probabilities there
     return_tokens: bool = False
     n_indent: int = 0  # a later line indented less ends the text (code completion)
     t_max_predict_ms: float = 0.0  # past this since the first token, the next newline ends the text (0: off)
@@ -65,17 +67,18 @@ def parse_completion(body: bytes, tokenizer: Any, context: int, model: str) -> t
     asked = parse_body(body, LlamaCompletionRequest)
     prompts, listed = llama_prompts(asked.prompt, tokenizer)
     req = completion_request(asked, prompts, context)
-    return req, llama_reply(asked, req, prompts, listed, model, context, started)
+    return req, llama_reply(asked, req, prompts, listed, model, context, started, tokenizer)
 
 
 def llama_reply(asked: LlamaOptions, req: CompletionRequest, prompts: list[list[int]], listed: bool, model: str,
-                context: int, started: float) -> LlamaReply:
+                context: int, started: float, tokenizer: Any) -> LlamaReply:
     """The reply to ``asked``, served as ``req``."""
     if asked.n_indent < 0 or asked.t_max_predict_ms < 0:
         raise ApiError(400, "n_indent and t_max_predict_ms must be >= 0", param="n_indent")
     rules = Rules(asked.n_indent, asked.t_max_predict_ms / 1e3, asked.n_predict == 0)
+    probabilities = Probabilities(tokenizer, asked.post_sampling_probs) if asked.n_probs else None
     return LlamaReply(model, prompts, listed, asked.return_tokens, generation_settings(req, asked, model, context),
-                      started, rules, asked.response_fields)
+                      started, rules, asked.response_fields, probabilities)
 
 
 def llama_prompts(prompt: str | list, tokenizer: Any) -> tuple[list[list[int]], bool]:
@@ -110,9 +113,8 @@ def completion_request(asked: LlamaOptions, prompts: list[list[int]], context: i
     if asked.n_predict < -1:
         raise ApiError(400, f"n_predict must be -1 (to the end of the context), 0 (evaluate the prompt only) or "
                             f"more, got {asked.n_predict}", param="n_predict")
-    if asked.n_probs:
-        raise ApiError(400, "n_probs is not served on this endpoint: /v1/completions lists each token's "
-                            "alternatives with logprobs", param="n_probs")
+    if not 0 <= asked.n_probs <= MAX_LOGPROBS:
+        raise ApiError(400, f"n_probs must be between 0 and {MAX_LOGPROBS}, got {asked.n_probs}", param="n_probs")
     if asked.grammar is not None and asked.json_schema is not None:
         raise ApiError(400, "give grammar or json_schema, not both", param="grammar")
     room = max(1, context - max(map(len, prompts)))  # a prompt past the context: the completion's own 400 says so
@@ -125,7 +127,8 @@ def completion_request(asked: LlamaOptions, prompts: list[list[int]], context: i
         stream=asked.stream,
         presence_penalty=asked.presence_penalty, frequency_penalty=asked.frequency_penalty,
         repetition_penalty=asked.repeat_penalty, logit_bias=openai_bias(asked.logit_bias),
-        guided_grammar=asked.grammar, guided_json=asked.json_schema, stop_token_ids=list(ends) or None)
+        guided_grammar=asked.grammar, guided_json=asked.json_schema, stop_token_ids=list(ends) or None,
+        logprobs=asked.n_probs or None)
 
 
 def openai_bias(bias: list[list[Any]] | dict[str, Any] | None) -> dict[str, float] | None:

@@ -15,12 +15,16 @@ named, ``"timings/prompt_n"`` lifted out under that name, as llama.vim reads the
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 
+from specctl.engine.text import token_bytes_of
 from specctl.gateway.choices import Choices, Event
 from specctl.gateway.respond import remote_message
 from specctl.verify.client import RemoteError
@@ -33,11 +37,34 @@ class Rules:
     evaluate_only: bool = False  # n_predict 0
 
 
+class Probabilities:
+    """llama.cpp's completion_probabilities (n_probs): each token's id, text, bytes and
+    log-probability (its probability with post_sampling_probs), with its likeliest alternatives."""
+
+    def __init__(self, tokenizer: Any, as_probs: bool = False) -> None:
+        self.tokenizer, self.as_probs = tokenizer, as_probs
+        self.token_bytes = _token_bytes(tokenizer)
+
+    def entries(self, scored: list) -> list[dict]:
+        key, top = ("prob", "top_probs") if self.as_probs else ("logprob", "top_logprobs")
+        return [{**self._one(e.token, e.logprob, key),
+                 top: [self._one(i, lp, key) for i, lp in zip(e.top_ids, e.top_logprobs)]} for e in scored]
+
+    def _one(self, token: int, logprob: float, key: str) -> dict:
+        value = math.exp(logprob) if self.as_probs else logprob
+        return {"id": token, "token": self.tokenizer.decode([token]), key: value,
+                "bytes": list(self.token_bytes(token))}
+
+
+_token_bytes = functools.lru_cache(maxsize=8)(token_bytes_of)  # built once per tokenizer (it reads the vocabulary)
+
+
 @dataclass(slots=True)
 class Output:
     """One prompt's answer so far."""
     text: str = ""
     tokens: list[int] = field(default_factory=list)
+    scored: list = field(default_factory=list)  # its tokens' R.TokenLogprob (n_probs)
     first_at: float | None = None  # when its first token came
     cut: bool = False  # a rule ended it
     done: bool = False
@@ -84,6 +111,7 @@ class LlamaReply:
     started: float
     rules: Rules = Rules()
     response_fields: list[str] | None = None
+    probabilities: Probabilities | None = None  # n_probs asked
 
     async def collect(self, choices: Choices) -> web.Response:
         outputs: dict[int, Output] = {}
@@ -100,11 +128,16 @@ class LlamaReply:
         try:
             async for index, event, out, delta in self._events(choices, {}):
                 if delta or (event.tokens and not self.rules.evaluate_only):
-                    await response.write(_event({"index": index, "content": delta, "tokens": list(event.tokens),
-                                                 "stop": False, "id_slot": -1, "tokens_predicted": event.count,
-                                                 "tokens_evaluated": len(self.prompts[index])}))
+                    partial = {"index": index, "content": delta, "tokens": list(event.tokens), "stop": False,
+                               "id_slot": -1, "tokens_predicted": event.count,
+                               "tokens_evaluated": len(self.prompts[index])}
+                    if self.probabilities is not None:
+                        partial["completion_probabilities"] = self.probabilities.entries(event.logprobs)
+                    await response.write(_event(partial))
                 if out.done:
-                    await response.write(_event({**self._final(index, out, event), "content": "", "tokens": []}))
+                    final = {**self._final(index, out, event), "content": "", "tokens": []}
+                    final.pop("completion_probabilities", None)  # each partial event carried its tokens'
+                    await response.write(_event(final))
         except RemoteError as exc:  # the headers are gone: the error travels in the stream, as llama.cpp's does
             await response.write(_event({"error": {"code": 502, "message": remote_message(exc),
                                                    "type": "server_error"}}))
@@ -137,6 +170,7 @@ class LlamaReply:
         before = len(out.text)
         out.text += event.delta
         out.tokens += event.tokens
+        out.scored += event.logprobs
         cut = indent_cut(out.text, self.rules.n_indent) if self.rules.n_indent else None
         if cut is not None:
             out.text, out.cut = out.text[: max(cut, before)], True
@@ -152,7 +186,9 @@ class LlamaReply:
         prompt_s = (out.first_at or now) - self.started
         predicted_s = now - out.first_at if out.first_at is not None and predicted else 0.0
         word = event.stop_reason if isinstance(event.stop_reason, str) and not out.cut else ""
-        return {
+        probabilities = {} if self.probabilities is None else {
+            "completion_probabilities": self.probabilities.entries(out.scored)}
+        return {**probabilities,
             "index": index, "content": out.text, "tokens": out.tokens if self.return_tokens else [], "id_slot": -1,
             "stop": True, "model": self.model, "tokens_predicted": predicted, "tokens_evaluated": evaluated,
             "tokens_cached": event.stats.get("cached_prompt_tokens", 0), "generation_settings": self.settings,
