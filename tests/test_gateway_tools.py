@@ -294,19 +294,73 @@ LLAMA3_JSON = [
 ]
 
 
-def test_llama3_json_streams_content_as_it_comes_and_holds_calls_to_the_end():
+def test_llama3_json_streams_content_as_it_comes_and_each_call_s_name_then_its_arguments():
     reader = JsonCalls()
     assert reader.push(" ") == ("", []) and reader.push("It ") == (" It ", []) and reader.push("is.") == ("is.", [])
     assert reader.finish() == ("", [], None)
     reader = JsonCalls(max_calls=1)  # parallel_tool_calls false: the first call
     text = '{"name": "a", "parameters": {"x": 1}};{"name": "b", "parameters": {}}'
-    assert all(reader.push(text[i:i + 5]) == ("", []) for i in range(0, len(text), 5))
-    rest, deltas, calls = reader.finish()
-    assert rest == "" and [c["function"]["name"] for c in calls] == ["a"]
-    assert deltas == [{"index": 0, "id": calls[0]["id"], "type": "function",
-                       "function": {"name": "a", "arguments": '{"x": 1}'}}]
+    deltas = [d for i in range(0, len(text), 5) for d in _pushed(reader, text[i:i + 5])]
+    rest, last, calls = reader.finish()
+    assert rest == "" and last == [] and [c["function"]["name"] for c in calls] == ["a"]
+    assert deltas[0] == {"index": 0, "id": calls[0]["id"], "type": "function", "function": {"name": "a", "arguments": ""}}
+    assert "".join(d["function"]["arguments"] for d in deltas) == '{"x": 1}' == calls[0]["function"]["arguments"]
     broken = JsonCalls()
     assert broken.push('{"name": ') == ("", []) and broken.finish() == ('{"name": ', [], None)  # held, then content
+
+
+def _pushed(reader, piece: str) -> list[dict]:
+    content, deltas = reader.push(piece)
+    assert content == ""
+    return deltas
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 1000])
+def test_llama3_json_calls_streamed_in_any_pieces_join_into_the_whole_answer_s_calls(size):
+    """Each call's name as soon as it is read, its arguments as written: joined, the pieces are
+    the calls the whole text holds (vLLM's llama3_json streams them so)."""
+    text = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", "days": [1, {"a": "}"}]}}; '
+            '{"parameters": {"q": "x\\"y"}, "name": "search"};\n{"name": "c", "arguments": {}}')
+    reader = JsonCalls()
+    deltas = [d for i in range(0, len(text), size) for d in _pushed(reader, text[i:i + size])]
+    rest, last, calls = reader.finish()
+    deltas += last
+    assert rest == "" and calls == [dict(c, id=calls[i]["id"]) for i, c in enumerate(json_calls(text))]
+    for i, call in enumerate(calls):
+        mine = [d for d in deltas if d["index"] == i]
+        assert mine[0]["function"]["name"] == call["function"]["name"] and mine[0]["id"] == call["id"]
+        assert json.loads("".join(d["function"]["arguments"] for d in mine)) == json.loads(
+            call["function"]["arguments"])
+    # the name-first calls went out before their objects closed
+    first_args = next(i for i, d in enumerate(deltas) if d["index"] == 0 and d["function"]["arguments"])
+    assert size == 1000 or first_args < len([d for d in deltas if d["index"] == 0]) - 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(['{"name": "a", "parameters": ', '{"name": "b", "arguments": ', '{"parameters": ',
+                                 '"name": "c"', "{", "}", "[", "]", ",", ":", ";", " ", "\n", '"x"', '"\\""', "1",
+                                 "<|python_tag|>", '"}"', "and"]), max_size=30).map("".join),
+       st.integers(1, 9))
+def test_llama3_json_streamed_reads_any_text_as_the_whole_parser_does(text, size):
+    """Streamed in any pieces, the reader never raises, and its calls are the whole text's."""
+    reader = JsonCalls()
+    for i in range(0, len(text), size):
+        reader.push(text[i:i + size])
+    _, _, calls = reader.finish()
+    whole = json_calls(text)
+    assert (calls is None) == (whole is None)
+    if calls is not None:
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole]
+
+
+def test_a_llama3_json_call_already_streamed_stays_when_what_follows_is_not_a_call():
+    reader = JsonCalls()
+    deltas = _pushed(reader, '{"name": "a", "parameters": {"x": 1}}')
+    assert [d["function"]["name"] for d in deltas if "name" in d["function"]] == ["a"]
+    assert reader.push(" and then") == ("", [])
+    assert reader.finish()[2] is None  # not calls after all: a whole answer keeps its text as content
+    assert read_whole(JsonCalls(), '{"name": "a", "parameters": {"x": 1}} and then')[1] is None
 
 
 PYTHONIC = [
@@ -497,8 +551,9 @@ def _whole_call_over_http(cluster, barred: list[str]) -> tuple[str, dict, list[i
         {"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
     chunks = _streamed(base, body)
     assert "".join(c["delta"].get("content") or "" for c in chunks) == ""
-    assert [c["function"] for d in chunks for c in d["delta"].get("tool_calls") or []] == [
-        {"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
+    deltas = [c for d in chunks for c in d["delta"].get("tool_calls") or []]
+    assert [c["function"]["name"] for c in deltas if "name" in c["function"]] == ["get_weather"]
+    assert "".join(c["function"]["arguments"] for c in deltas) == '{"city": "Oslo"}'  # whole, or in pieces
     assert chunks[-1]["finish_reason"] == "tool_calls"
     return base, body, ids
 
@@ -528,6 +583,11 @@ def test_a_llama3_json_call_comes_back_as_the_call_streamed_or_not(json_tools_cl
     base, body, _ = _whole_call_over_http(json_tools_cluster, [THOUGHT_TOKENS[0], CALL_TOKENS[0]])
     plain = _chat(base, {**body, "tools": None, "logit_bias": {}})["choices"][0]  # no tools: the text as it is
     assert plain["message"]["content"] == "".join(THOUGHT_TOKENS) and "tool_calls" not in plain["message"]
+    # llama3_json streams: the call's name in one chunk, its arguments in later ones
+    from tests.test_gateway_reasoning import _streamed
+
+    deltas = [c for d in _streamed(base, body) for c in d["delta"].get("tool_calls") or []]
+    assert deltas[0]["function"] == {"name": "get_weather", "arguments": ""} and len(deltas) >= 2
     with pytest.raises(ValueError, match=r"^--tool-call-parser must be one of hermes, llama3_json, pythonic, mistral, phi4_mini_json, openai, glm45, got 'xlam'$"):
         ClusterConfig(tool_call_parser="xlam")
 

@@ -1,7 +1,8 @@
 """Tool-call formats read whole: an output that opens as calls is held while it comes and read
 when the choice ends — handed out as calls if it parses, as content if not (as vLLM leaves
 it); any other output is content as it comes. vLLM's ``llama3_json`` (Llama 3.1-3.3:
-``{"name": ..., "parameters": {...}}`` objects, ``;``-separated), ``pythonic`` (Llama 3.2,
+``{"name": ..., "parameters": {...}}`` objects, ``;``-separated; streamed call by call,
+gateway.json_calls, and read whole here by ``json_calls``), ``pythonic`` (Llama 3.2,
 Llama 4: a Python list of calls with keyword arguments, ``[get_weather(city="Oslo")]``) and
 ``phi4_mini_json`` (Phi-4-mini: ``functools[{"name": ..., "arguments": {...}}]``); and
 ``mistral``, whose calls follow content after a ``[TOOL_CALLS]`` token (the content streams,
@@ -19,9 +20,9 @@ import string
 from typing import Callable
 
 from specctl.gateway.harmony import HarmonyCalls
+from specctl.gateway.json_calls import PYTHON_TAG, StreamedJsonCalls
 from specctl.gateway.tool_calls import StreamedCalls, TaggedCalls, call_delta, new_call
 
-PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's, before JSON calls (kept with skip_special_tokens false)
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's, around pythonic calls
 
 
@@ -199,8 +200,9 @@ def _json_or_text(value: str):
         return value
 
 
-def JsonCalls(max_calls: int | None = None) -> HeldCalls:  # noqa: N802 - a reader class, as StreamedCalls
-    return HeldCalls(json_calls, ("{", PYTHON_TAG), max_calls)
+def JsonCalls(max_calls: int | None = None) -> StreamedJsonCalls:  # noqa: N802 - a reader class, as StreamedCalls
+    """llama3_json: streamed, each call's name then its arguments (gateway.json_calls)."""
+    return StreamedJsonCalls(max_calls)
 
 
 def PythonicCalls(max_calls: int | None = None) -> HeldCalls:  # noqa: N802

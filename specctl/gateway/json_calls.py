@@ -1,0 +1,145 @@
+"""Llama 3.1-3.3's tool calls (vLLM's ``llama3_json``) streamed as vLLM streams them: an
+output that opens with ``{`` (or ``<|python_tag|>``) is ``{"name": ..., "parameters": {...}}``
+objects separated by ``;``; each call's id and name go out as soon as its name is read, then
+its arguments as the model writes them — the model's own text, so the pieces join into the
+arguments a whole answer carries. An object in another shape (arguments before the name) is
+read whole when it closes. An output that turns out not to be calls before any call went out
+is content, all of it; a call already streamed when a later object turns out malformed or cut
+short stays streamed, with the target's finish_reason, as vLLM leaves it. Any other output is
+content as it comes."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from specctl.gateway.tool_calls import call_delta, new_call
+
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's, before JSON calls (kept with skip_special_tokens false)
+OPENS = ("{", PYTHON_TAG)
+# An object up to its arguments' first character, the name first as Llama's templates write calls
+HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:parameters|arguments)"\s*:\s*(?=\{)')
+SEPARATORS = "; \t\r\n"
+
+
+def json_end(text: str, start: int) -> int | None:
+    """Where the JSON object or list opening at ``start`` closes (the index after it), or None
+    while it is open: brackets counted outside strings."""
+    depth, in_string, escaped = 0, False, False
+    for at in range(start, len(text)):
+        char = text[at]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth -= 1
+            if depth == 0:
+                return at + 1
+    return None
+
+
+def whole_call(text: str) -> dict | None:
+    """One closed object as a call (``parameters`` or ``arguments``), or None when it is not one."""
+    try:
+        call = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):  # RecursionError: nested past json's depth
+        return None
+    arguments = call.get("parameters", call.get("arguments")) if isinstance(call, dict) else None
+    if not (isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(arguments, dict)):
+        return None
+    return new_call(call["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+class StreamedJsonCalls:
+    """A choice's text with tools, pushed as it comes (as tool_calls.StreamedCalls)."""
+
+    finish_reason = "tool_calls"
+
+    def __init__(self, max_calls: int | None = None) -> None:
+        self.max_calls = max_calls
+        self.text = ""
+        self.opened: bool | None = None  # calls (True), content (False), not known yet (None)
+        self.calls: list[dict] = []  # the calls begun, as OpenAI's (arguments handed out so far)
+        self._start = 0  # where the object being read starts in the text
+        self._arguments_at = 0  # where its arguments start, once its header is read
+        self._broken = False
+
+    def push(self, delta: str) -> tuple[str, list[dict]]:
+        """(content to hand out, tool-call deltas to hand out)."""
+        self.text += delta
+        if self.opened is None:
+            opening = self.text.lstrip()
+            if not opening or any(tag.startswith(opening) for tag in OPENS if len(tag) > 1):
+                return "", []
+            self.opened = opening.startswith(OPENS)
+            if not self.opened:
+                return self.text, []
+            self._start = len(self.text) - len(opening) + (len(PYTHON_TAG) if opening.startswith(PYTHON_TAG) else 0)
+            return "", self._read()
+        return ("", self._read()) if self.opened else (delta, [])
+
+    def finish(self) -> tuple[str, list[dict], list[dict] | None]:
+        """(content not yet handed out, the last deltas, every call — None when the text is not
+        calls after all)."""
+        deltas = self._read() if self.opened else []
+        if self.calls:
+            cut_short = self._arguments_at or (not self._full() and self.text[self._start:].strip(SEPARATORS))
+            return "", deltas, None if self._broken or cut_short else self.calls
+        return ("" if self.opened is False else self.text), [], None
+
+    def _full(self) -> bool:
+        """max_calls read (parallel_tool_calls false): the objects after them are not read."""
+        return self.max_calls is not None and len(self.calls) >= self.max_calls
+
+    def _read(self) -> list[dict]:
+        deltas: list[dict] = []
+        while not self._broken and (self._arguments_at or not self._full()):
+            while self._start < len(self.text) and self.text[self._start] in SEPARATORS:
+                self._start += 1
+            if self._start >= len(self.text):
+                break
+            if self.text[self._start] != "{":
+                self._broken = True
+                break
+            end = json_end(self.text, self._start)
+            index = len(self.calls) - (1 if self._arguments_at else 0)
+            if not self._arguments_at:  # the object's header: its name
+                header = HEADER.match(self.text, self._start)
+                if header is None:
+                    if end is None:
+                        break  # another shape: read whole once it closes
+                    call = whole_call(self.text[self._start:end])
+                    if call is None:
+                        self._broken = True
+                        break
+                    self.calls.append(call)
+                    deltas.append(call_delta(index, call, call["function"]["arguments"]))
+                    self._start = end
+                    continue
+                self.calls.append(new_call(json.loads(header.group(1)), ""))
+                self._arguments_at = header.end()
+                deltas.append(call_delta(index, self.calls[index], ""))
+            function = self.calls[index]["function"]
+            arguments_end = json_end(self.text, self._arguments_at)
+            arguments = self.text[self._arguments_at:arguments_end] if arguments_end else \
+                self.text[self._arguments_at:].rstrip()
+            if piece := arguments[len(function["arguments"]):]:
+                function["arguments"] = arguments
+                deltas.append({"index": index, "function": {"arguments": piece}})
+            if end is None:
+                break
+            whole = whole_call(self.text[self._start:end])
+            if (whole is None or whole["function"]["name"] != function["name"]
+                    or json.loads(whole["function"]["arguments"]) != json.loads(arguments)):
+                self._broken = True
+                break
+            self._start, self._arguments_at = end, 0
+        return deltas
