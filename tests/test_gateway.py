@@ -94,6 +94,14 @@ def test_models_health_and_seeded_sampling(cluster, client, tiny_dir):
         assert json.loads(response.read()) == {"version": __version__}
     with urllib.request.urlopen(cluster[1]["gateway"] + "/health", timeout=10) as response:
         assert json.loads(response.read()) == {"status": "ok", "targets_up": 2, "targets": 2}
+    # vLLM's /ping and /load, SGLang's /health_generate (a token generated now, its session freed after)
+    with urllib.request.urlopen(cluster[1]["gateway"] + "/ping", timeout=10) as response:
+        assert response.status == 200 and json.loads(response.read())["status"] == "ok"
+    with urllib.request.urlopen(cluster[1]["gateway"] + "/load", timeout=10) as response:
+        assert json.loads(response.read()) == {"server_load": 0}
+    with urllib.request.urlopen(cluster[1]["gateway"] + "/health_generate", timeout=60) as response:
+        assert response.status == 200 and json.loads(response.read()) == {"status": "ok"}
+    poll_until(lambda: sum(t.active for t in cluster[0].cluster.targets), lambda active: active == 0, timeout=10)
     runs = [client.completions.create(model=str(tiny_dir["llama"]), prompt=PROMPT, max_tokens=12, temperature=1.0,
                                       top_p=0.9, seed=1234, extra_body={"top_k": 50}).choices[0].text for _ in range(2)]
     assert runs[0] == runs[1]
@@ -573,6 +581,9 @@ async def test_no_reachable_target_is_503_with_retry_after_and_api_key_is_checke
                     assert body["error"]["code"] == "no_capacity"
             async with session.get(f"http://127.0.0.1:{port}/health") as response:
                 assert response.status == 503
+            async with session.get(f"http://127.0.0.1:{port}/health_generate") as response:
+                assert response.status == 503 and (await response.json())["error"].startswith(
+                    "no target instance is reachable")
     finally:
         await gateway.close()
 

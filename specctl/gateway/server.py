@@ -35,8 +35,13 @@ from specctl.gateway.reasoning import check_parser
 from specctl.gateway.sampling_defaults import check_source
 from specctl.gateway.held_calls import TOOL_PARSERS
 from specctl.gateway.upstream import Upstream
+from specctl.engine.text import encode_prompt
+from specctl.net.protocol import Done
+from specctl.spec.sampling import SamplingParams
+from specctl.verify.client import RemoteError
 
 log = logging.getLogger("specctl.gateway")
+HEALTH_GENERATE_TIMEOUT_S = 30.0  # /health_generate's token: a target stalled longer than this is unhealthy
 
 
 @dataclass(slots=True)
@@ -134,6 +139,8 @@ class Gateway:
             web.get("/v1/responses/{response_id}/input_items", self._input_items),
             web.get("/v1/models", self._models), web.get("/v1/models/{model:.+}", self._model),
             web.get("/version", self._version), web.get("/health", self._health),
+            web.get("/ping", self._health), web.post("/ping", self._health), web.get("/load", self._load),
+            web.get("/health_generate", self._health_generate),
             web.get("/metrics", self._metrics), web.get("/v1/stats", self._stats),
             web.post("/infill", self._infill),
             web.post("/completion", self._llama_completion), web.post("/completions", self._llama_completion),
@@ -266,6 +273,23 @@ class Gateway:
         up = sum(t.up for t in self.upstream.targets)
         return web.json_response({"status": "ok" if up else "unavailable", "targets_up": up,
                                   "targets": len(self.upstream.targets)}, status=200 if up else 503)
+
+    async def _load(self, _request: web.Request) -> web.Response:
+        """vLLM's GET /load: the generation requests in flight."""
+        return web.json_response({"server_load": self.generations.running})
+
+    async def _health_generate(self, _request: web.Request) -> web.Response:
+        """SGLang's GET /health_generate: healthy only if a target instance generates a token
+        now (/health asks whether one answers at all)."""
+        prompt, params = encode_prompt(self.tokenizer, "health") or [0], SamplingParams(max_tokens=1, ignore_eos=True)
+        try:
+            async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):
+                async with self.upstream.stream(prompt, params, 0, "health_generate") as (stream, first):
+                    while not isinstance(first, Done):
+                        first = await stream.next()
+        except (ApiError, RemoteError, TimeoutError) as exc:
+            return web.json_response({"status": "unavailable", "error": str(exc) or "no token in time"}, status=503)
+        return web.json_response({"status": "ok"})
 
     async def _metrics(self, _request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
