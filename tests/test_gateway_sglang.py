@@ -115,6 +115,13 @@ def test_return_logprob_gives_the_targets_logprobs_as_completions_do(cluster):
     assert len(prompt) == meta["prompt_tokens"] and prompt[0][0] is None and meta["input_top_logprobs"][0] is None
     assert [lp for lp, _, _ in prompt[1:]] == [  # vLLM's prompt_logprobs: {token id: {logprob, rank, ...}}
         scored[str(token)]["logprob"] for scored, (_, token, _) in zip(openai["prompt_logprobs"][1:], prompt[1:])]
+    # max_new_tokens 0: the prompt read only (scoring a text, as RL and eval code ask SGLang for)
+    scored = json.loads(post(url + "/generate", {**body, "sampling_params": {"max_new_tokens": 0}})[2])
+    assert (scored["text"], scored["output_ids"], scored["meta_info"]["completion_tokens"]) == ("", [], 0)
+    assert scored["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert scored["meta_info"]["input_token_logprobs"] == prompt and scored["meta_info"]["output_token_logprobs"] == []
+    status, _, refused = post(url + "/generate", {**body, "sampling_params": {"max_new_tokens": -1}})
+    assert status == 400 and json.loads(refused)["error"]["message"] == "max_new_tokens must be at least 0, got -1"
     # from a later position only; without the input's, streamed, each event carries the output's so far
     later = json.loads(post(url + "/generate", {**body, "logprob_start_len": 2})[2])["meta_info"]
     assert later["input_token_logprobs"] == prompt[2:]

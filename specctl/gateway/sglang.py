@@ -1,9 +1,10 @@
-"""SGLang's native API, which its users script against: ``POST /generate`` and ``GET
-/get_model_info``.
+"""SGLang's native API, which its users script against: ``POST /generate`` (its ``GET
+/get_model_info``: gateway.text_routes).
 
 A /generate request (``text`` or ``input_ids``, one or a batch; ``sampling_params``) becomes
 the OpenAI completion it amounts to, with SGLang's defaults where it leaves fields out
-(``max_new_tokens`` 128, temperature 1, top-p 1, every token), and is answered in SGLang's
+(``max_new_tokens`` 128, temperature 1, top-p 1, every token; ``max_new_tokens`` 0 reads the
+prompt only — its logprobs, the prefix cache), and is answered in SGLang's
 shape: ``{"text", "output_ids", "meta_info"}`` — a list of them for a batch or ``n`` > 1 —
 with ``meta_info``'s ``finish_reason`` ({"type": "length", "length": n} or {"type": "stop",
 "matched": the stop string, or the EOS or stop token id}), token counts, ``e2e_latency`` and
@@ -98,7 +99,7 @@ def parse_generate(body: bytes, tokenizer: Any, context: int, model: str) -> tup
     room = max(1, context - max(map(len, prompts)))  # max_new_tokens null: to the end of the context
     req = CompletionRequest(
         model=asked.model, prompt=prompts if batch else prompts[0],
-        max_tokens=room if s.max_new_tokens is None else s.max_new_tokens, temperature=s.temperature,
+        max_tokens=room if s.max_new_tokens is None else max(1, s.max_new_tokens), temperature=s.temperature,
         top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, stop=s.stop, stop_token_ids=s.stop_token_ids, n=s.n,
         frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
         repetition_penalty=s.repetition_penalty, min_tokens=s.min_new_tokens, guided_json=schema,
@@ -109,7 +110,10 @@ def parse_generate(body: bytes, tokenizer: Any, context: int, model: str) -> tup
         prompt_logprobs=asked.top_logprobs_num if scored else None)
     text = (lambda token: tokenizer.decode([token])) if asked.return_text_in_logprobs else (lambda _token: None)
     logprobs = Logprobs(asked.logprob_start_len if scored else None, text) if asked.return_logprob else None
-    return req, SglangReply([len(p) for p in prompts], s.n, batch or s.n > 1, started, logprobs)
+    if s.max_new_tokens is not None and s.max_new_tokens < 0:
+        raise ApiError(400, f"max_new_tokens must be at least 0, got {s.max_new_tokens}", param="sampling_params")
+    return req, SglangReply([len(p) for p in prompts], s.n, batch or s.n > 1, started, logprobs,
+                            s.max_new_tokens == 0)
 
 
 @dataclass(slots=True)
@@ -121,15 +125,14 @@ class SglangReply:
     listed: bool  # a batch or n > 1: a list of outputs
     started: float
     logprobs: "Logprobs | None" = None  # return_logprob: the target's, in meta_info
+    evaluate_only: bool = False  # max_new_tokens 0: the prompt read (its logprobs, the prefix cache), nothing out
 
     async def collect(self, choices: Choices) -> web.Response:
         outputs: dict[int, dict] = {}
         scores: dict[int, Scores] = {}
         async for index, event in choices.events():
             output = outputs.setdefault(index, {"text": "", "output_ids": []})
-            output["text"] += event.delta
-            output["output_ids"] += event.tokens
-            scores.setdefault(index, Scores()).add(event)
+            self._add(output, scores.setdefault(index, Scores()), event)
             if event.finish:
                 output["meta_info"] = self._meta(index, event, choices.request_id, scores[index])
         answer = [outputs[i] for i in sorted(outputs)]
@@ -143,10 +146,8 @@ class SglangReply:
         try:
             async for index, event in choices.events():
                 output = outputs.setdefault(index, {"index": index, "text": "", "output_ids": []})
-                output["text"] += event.delta
-                output["output_ids"] += event.tokens
-                scores.setdefault(index, Scores()).add(event)
-                if event.delta or event.tokens or event.finish:
+                self._add(output, scores.setdefault(index, Scores()), event)
+                if (event.delta or event.tokens) and not self.evaluate_only or event.finish:
                     meta = self._meta(index, event, choices.request_id, scores[index])
                     await response.write(_event({**output, "meta_info": meta}))
         except RemoteError as exc:  # the headers are gone: the error travels in the stream
@@ -155,18 +156,25 @@ class SglangReply:
         await response.write_eof()
         return response
 
+    def _add(self, output: dict, scores: "Scores", event: Event) -> None:
+        scores.prompt += event.prompt or []
+        if not self.evaluate_only:  # max_new_tokens 0: the one token run is not handed out
+            output["text"] += event.delta
+            output["output_ids"] += event.tokens
+            scores.output += event.logprobs
+
     def _meta(self, index: int, event: Event, request_id: str, scores: "Scores") -> dict:
         """meta_info: finish_reason null until the last event, which has the generation's figures;
         the logprobs so far where asked."""
         meta = {"id": request_id if len(self.prompt_tokens) * self.n == 1 else f"{request_id}-{index}",
                 "finish_reason": None, "prompt_tokens": self.prompt_tokens[index // self.n],
-                "completion_tokens": event.count}
+                "completion_tokens": 0 if self.evaluate_only else event.count}
         if self.logprobs is not None:
             meta.update(self.logprobs.fields(scores))
         if not event.finish:
             return meta
-        if event.finish == "length":
-            meta["finish_reason"] = {"type": "length", "length": event.count}
+        if event.finish == "length" or self.evaluate_only:
+            meta["finish_reason"] = {"type": "length", "length": meta["completion_tokens"]}
         elif event.finish == "stop":
             matched = event.stop_reason if isinstance(event.stop_reason, str) else event.stop_token
             meta["finish_reason"] = {"type": "stop", "matched": matched}
@@ -186,10 +194,6 @@ class Scores:
     """One output's logprob entries so far (R.TokenLogprob): the prompt's, then the output's."""
     prompt: list = field(default_factory=list)
     output: list = field(default_factory=list)
-
-    def add(self, event: Event) -> None:
-        self.prompt += event.prompt or []
-        self.output += event.logprobs
 
 
 @dataclass(frozen=True, slots=True)
