@@ -61,7 +61,9 @@ def test_logit_bias_comes_as_pairs_or_a_map_and_false_bans():
     assert openai_bias(None) is None and openai_bias([]) is None
     for bias, message in (([["Hello", 1.0]], "logit_bias by text ('Hello') is not served here: give token ids "
                                              "(POST /tokenize turns text into them)"),
-                          ([[5]], "logit_bias entries are [token id, bias or false]")):
+                          ([[5]], "logit_bias entries are [token id, bias or false]"),
+                          ([[5, None]], "a logit_bias is a number or false, got null"),
+                          ({"5": True}, "a logit_bias is a number or false, got true")):
         with pytest.raises(ApiError) as refused:
             openai_bias(bias)
         assert (refused.value.status, str(refused.value)) == (400, message)
@@ -215,3 +217,22 @@ def test_n_probs_lists_the_targets_alternatives_as_completions_logprobs_do(clust
                                                                          openai["token_logprobs"]]
     events = _events(post(url + "/completion", {**body, "stream": True})[2])
     assert sum((e.get("completion_probabilities", []) for e in events), []) == probabilities
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/completion", {"prompt": [[]]}), ("/completion", {"prompt": [[1, []]]}), ("/completion", {"prompt": [None]}),
+    ("/completion", {"prompt": "x", "logit_bias": [[1, None]]}), ("/completion", {"prompt": "x", "logit_bias": [[]]}),
+    ("/completion", {"prompt": "x", "logit_bias": {"a": 1}}), ("/completion", {"prompt": "x", "stop": "\n"}),
+    ("/completion", {"prompt": [-5]}), ("/completion", {"prompt": "x", "n_indent": -1}),
+    ("/completion", {"prompt": "x", "response_fields": "content"}), ("/completion", {"prompt": "x", "top_k": -7}),
+    ("/infill", {"input_extra": [{"text": 5}]}), ("/infill", {"input_prefix": None}),
+    ("/generate", {"text": []}), ("/generate", {"input_ids": []}), ("/generate", {"input_ids": [[]]}),
+    ("/generate", {"text": ["a", 1]}), ("/generate", {"text": "x", "sampling_params": {"n": 0}}),
+    ("/generate", {"text": "x", "sampling_params": {"stop_token_ids": [-1]}}),
+    ("/generate", {"text": "x", "sampling_params": 3}),
+    ("/generate", {"text": "x", "return_logprob": True, "top_logprobs_num": 99}),
+    ("/tokenize", {"content": 5}), ("/apply-template", {"messages": [{"role": "robot", "content": "x"}]}),
+])
+def test_malformed_native_requests_are_400s_naming_what_is_wrong(cluster, path, body):
+    status, _, raw = post(cluster[1]["gateway"] + path, body)
+    assert status == 400 and json.loads(raw)["error"]["message"], (status, raw)

@@ -16,6 +16,7 @@ llama.cpp honours them."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, ClassVar
 
@@ -141,6 +142,8 @@ def openai_bias(bias: list[list[Any]] | dict[str, Any] | None) -> dict[str, floa
         if len(pair) != 2 or isinstance(pair[1], str):
             raise ApiError(400, "logit_bias entries are [token id, bias or false]", param="logit_bias")
         token, value = pair
+        if value is True or not isinstance(value, (int, float)):
+            raise ApiError(400, f"a logit_bias is a number or false, got {json.dumps(value)}", param="logit_bias")
         if isinstance(token, str) and not token.strip().isdigit():
             raise ApiError(400, f"logit_bias by text ({token!r}) is not served here: give token ids (POST /tokenize "
                                 "turns text into them)", param="logit_bias")
