@@ -6,6 +6,7 @@ option mapping and refusals exactly."""
 import json
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from specctl.engine.tiny import make_byte_tokenizer
 from specctl.gateway.api import ApiError
@@ -236,3 +237,29 @@ def test_n_probs_lists_the_targets_alternatives_as_completions_logprobs_do(clust
 def test_malformed_native_requests_are_400s_naming_what_is_wrong(cluster, path, body):
     status, _, raw = post(cluster[1]["gateway"] + path, body)
     assert status == 400 and json.loads(raw)["error"]["message"], (status, raw)
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 300) | st.floats(allow_nan=False) | st.text(max_size=4),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+                     max_leaves=8)
+_FIELDS = ["prompt", "n_predict", "logit_bias", "stop", "n_probs", "grammar", "json_schema", "n_indent",
+           "t_max_predict_ms", "response_fields", "temperature", "input_prefix", "input_suffix", "input_extra", "text",
+           "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "seed"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(st.sampled_from(_FIELDS), _JSON, max_size=6))
+def test_any_native_body_is_read_or_refused_with_a_400_never_an_exception(body):
+    """What a client sends is arbitrary: each native endpoint's reader answers a request or a
+    400 (ApiError), never another exception (a 500)."""
+    from specctl.gateway.infill import parse_infill
+    from specctl.gateway.llama import parse_completion
+    from specctl.gateway.sglang import parse_generate
+
+    tokenizer = make_byte_tokenizer()
+    for parse, valid in ((parse_completion, {"prompt": "x"}), (parse_infill, {"input_prefix": "x"}),
+                         (parse_generate, {"text": "x"})):
+        try:
+            parse(json.dumps({**valid, **body}).encode(), tokenizer, 64, "m")
+        except ApiError as exc:
+            assert exc.status == 400 and str(exc)
