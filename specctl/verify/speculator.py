@@ -129,9 +129,10 @@ class RemoteSpeculator:
             path, tokens = outcome
         else:
             path, tokens = session.last_path, session.last_committed
-        told = len(session.seq)  # taken now: a fused round may go on while this proposal is out
+        # the draft reads this Propose whatever comes back (a session ended while it is out closes
+        # after it): its text is the session's now (a fused round may go on while it is out)
+        self._fresh, self._told = False, len(session.seq)
         reply = await self.client.propose(self.handle, path, tokens, timeout)
-        self._fresh, self._told = False, told
         waited = time.perf_counter() - started
         if reply is None:
             self.client.close(self.handle)
