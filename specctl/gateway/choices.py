@@ -172,7 +172,6 @@ class Choices:
                 return
             event = await stream.next()
 
-
     def _stop_reason(self, stop_token: int | None, params: SamplingParams) -> int | None:
         """The stop token id that ended an output, as vLLM reports it: one of the request's
         stop_token_ids (an infill's end tokens among them), None for the tokenizer's EOS."""
