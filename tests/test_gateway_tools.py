@@ -15,8 +15,8 @@ from specctl.config import build_config
 from specctl.gateway.api import ApiError, ChatCompletionRequest, parse_body
 from specctl.gateway.harmony import harmony_calls
 from specctl.gateway.held_calls import (FunctoolsCalls, GlmCalls, JsonCalls, MistralCalls, PythonicCalls, functools_calls,
-                                         glm_calls,
-                                        json_calls, mistral_calls, pythonic_calls)
+                                         glm_calls, json_calls, pythonic_calls)
+from specctl.gateway.mistral_calls import mistral_calls
 from specctl.gateway.tool_calls import ForcedCalls, StreamedCalls, parse, read_whole
 from specctl.gateway.tools import forced_call, request_tools
 from specctl.gateway.translate import chat_messages
@@ -478,17 +478,59 @@ def test_mistral_calls_follow_the_tag_in_either_tokenizer_s_shape(text, calls):
         assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in read)
 
 
-def test_mistral_streams_content_until_the_tag_and_holds_the_calls_to_the_end():
+def test_mistral_streams_content_until_the_tag_then_each_call_s_name_and_arguments():
     reader = MistralCalls()
     assert reader.push("It is") == ("It is", []) and reader.push(" [TOOL") == (" ", [])  # a tag begun: held
     assert reader.push("S] sunny") == ("[TOOLS] sunny", []) and reader.finish() == ("", [], None)
     reader = MistralCalls(max_calls=1)  # parallel_tool_calls false: the first call
-    assert reader.push("[TOOL_CALLS]a{}") == ("", []) and reader.push("[TOOL_CALLS]b{}") == ("", [])
+    content, deltas = reader.push("[TOOL_CALLS]a{")
+    assert content == "" and deltas == [{"index": 0, "id": reader.reader.calls[0]["id"], "type": "function",
+                                         "function": {"name": "a", "arguments": ""}},
+                                        {"index": 0, "function": {"arguments": "{"}}]
+    assert reader.push("}[TOOL_CALLS]b{}") == ("", [{"index": 0, "function": {"arguments": "}"}}])
     rest, deltas, calls = reader.finish()
-    assert rest == "" and [c["function"]["name"] for c in calls] == ["a"]
-    assert deltas == [{"index": 0, "id": calls[0]["id"], "type": "function", "function": {"name": "a", "arguments": "{}"}}]
+    assert (rest, deltas) == ("", []) and [c["function"]["name"] for c in calls] == ["a"]
     broken = MistralCalls()
-    assert broken.push("ok [TOOL_CALLS]a{") == ("ok ", []) and broken.finish() == ("[TOOL_CALLS]a{", [], None)
+    assert broken.push("ok [TOOL_CALLS]a") == ("ok ", []) and broken.finish() == ("[TOOL_CALLS]a", [], None)
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+@pytest.mark.parametrize("body", ['get_weather[ARGS]{"city": "Oslo", "n": [1, {"a": "}"}]}[TOOL_CALLS] b{"x": "[ARGS]"}',
+                                  ' [{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "b"},'
+                                  ' {"arguments": {"y": 2}, "name": "c"}] and then'])
+def test_mistral_calls_streamed_in_any_pieces_join_into_the_whole_answer_s(size, body):
+    """v11's named calls and the earlier list alike: the names first, the arguments as written."""
+    text = "Checking. [TOOL_CALLS]" + body
+    reader, content, deltas = MistralCalls(), "", []
+    for i in range(0, len(text), size):
+        piece, more = reader.push(text[i:i + size])
+        content, deltas = content + piece, deltas + more
+    rest, last, calls = reader.finish()
+    assert content + rest == "Checking. " and last == []
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in mistral_calls(body)]
+    for i, call in enumerate(calls):
+        mine = [d for d in deltas if d["index"] == i]
+        assert mine[0]["id"] == call["id"] and len(call["id"]) == 9 and call["id"].isalnum()
+        assert json.loads("".join(d["function"]["arguments"] for d in mine)) == json.loads(
+            call["function"]["arguments"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(["[TOOL_CALLS]", "[ARGS]", "a", "b", "{", "}", "[", "]", ",", ":", " ", '"x"', "1",
+                                 '{"name": "a", "arguments": ', '"name"', '"arguments"', "text"]),
+                max_size=25).map("".join), st.integers(1, 9))
+def test_mistral_streamed_reads_any_text_as_the_whole_parser_does(text, size):
+    reader = MistralCalls()
+    for i in range(0, len(text), size):
+        reader.push(text[i:i + size])
+    _, _, calls = reader.finish()
+    start = text.find("[TOOL_CALLS]")
+    whole = None if start < 0 else mistral_calls(text[start + len("[TOOL_CALLS]"):])
+    assert (calls is None) == (whole is None), (calls, whole)
+    if calls is not None:
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole]
 
 
 @pytest.fixture(scope="module")
@@ -518,8 +560,9 @@ def test_a_mistral_call_comes_back_after_its_content_streamed_or_not(mistral_clu
     assert len(call["id"]) == 9 and call["id"].isalnum()
     chunks = _streamed(base, body)
     assert "".join(c["delta"].get("content") or "" for c in chunks) == "Checking. "
-    deltas = [c for d in chunks for c in d["delta"].get("tool_calls") or []]
-    assert [c["function"] for c in deltas] == [{"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
+    deltas = [c for d in chunks for c in d["delta"].get("tool_calls") or []]  # the name, then the arguments
+    assert deltas[0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert "".join(c["function"]["arguments"] for c in deltas) == '{"city": "Oslo"}'
     assert chunks[-1]["finish_reason"] == "tool_calls"
     plain = _chat(base, {**body, "tools": None})["choices"][0]  # no tools: the tag is skipped as any special token
     assert plain["message"]["content"] == MISTRAL_CALL_TOKENS[0] + MISTRAL_CALL_TOKENS[2] and plain["finish_reason"] == "stop"

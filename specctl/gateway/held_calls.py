@@ -5,22 +5,20 @@ it); any other output is content as it comes. vLLM's ``llama3_json`` (Llama 3.1-
 gateway.json_calls, and read whole here by ``json_calls``), ``pythonic`` (Llama 3.2,
 Llama 4: a Python list of calls with keyword arguments, ``[get_weather(city="Oslo")]``) and
 ``phi4_mini_json`` (Phi-4-mini: ``functools[{"name": ..., "arguments": {...}}]``); and
-``mistral``, whose calls follow content after a ``[TOOL_CALLS]`` token (the content streams,
-the calls are held), and ``glm45`` (GLM-4.5/4.6: ``<tool_call>`` blocks of ``<arg_key>`` /
-``<arg_value>`` pairs, held the same way). ``TOOL_PARSERS`` names every ``--tool-call-parser``
+``glm45`` (GLM-4.5/4.6: ``<tool_call>`` blocks of ``<arg_key>`` / ``<arg_value>`` pairs after
+content, held the same way); ``mistral`` streams (gateway.mistral_calls). ``TOOL_PARSERS`` names every ``--tool-call-parser``
 with its reader (``openai``: gpt-oss's, gateway.harmony)."""
 
 from __future__ import annotations
 
 import ast
 import json
-import random
 import re
-import string
 from typing import Callable
 
 from specctl.gateway.harmony import HarmonyCalls
 from specctl.gateway.json_calls import PYTHON_TAG, StreamedJsonCalls
+from specctl.gateway.mistral_calls import MistralCalls
 from specctl.gateway.tool_calls import StreamedCalls, TaggedCalls, call_delta, new_call
 
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's, around pythonic calls
@@ -96,50 +94,6 @@ def pythonic_calls(text: str) -> list[dict] | None:
             calls.append(new_call(call.func.id, json.dumps(arguments, ensure_ascii=False)))
         except (ValueError, TypeError, SyntaxError, RecursionError):  # not a literal, not JSON (a set, bytes)
             return None
-    return calls
-
-
-TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"  # Mistral's control tokens (kept: skip_special_tokens false)
-# v11+ tokenizers' (Mistral Small 3.1+, Devstral, Magistral) call: its name, [ARGS] maybe, then a JSON object
-NAMED_CALL = re.compile(r"\s*([A-Za-z0-9_.\-]+)\s*(?:\[ARGS\])?\s*(?=\{)")
-
-
-def MistralCalls(max_calls: int | None = None) -> TaggedCalls:  # noqa: N802 - a reader class, as StreamedCalls
-    """A Mistral choice's text: content until its first ``[TOOL_CALLS]``, the calls after it
-    (mistral_calls); call ids of 9 letters and digits, the only ids Mistral's chat templates take
-    back when a conversation brings the calls back."""
-    return TaggedCalls(TOOL_CALLS, lambda text: mistral_calls(text[len(TOOL_CALLS):]), max_calls,
-                       lambda: "".join(random.choices(string.ascii_letters + string.digits, k=9)))
-
-
-def mistral_calls(body: str) -> list[dict] | None:
-    """The calls after a Mistral output's first ``[TOOL_CALLS]``, or None when they do not
-    parse: before v11 one JSON list of ``{"name", "arguments"}`` (text after it ignored, as vLLM
-    ignores it); from v11 on ``name[ARGS]{...}`` per call, each after its own tag."""
-    decoder = json.JSONDecoder()
-    stripped = body.strip()
-    if stripped.startswith("["):
-        try:
-            listed, _ = decoder.raw_decode(stripped)
-        except (json.JSONDecodeError, RecursionError):
-            return None
-        if not (isinstance(listed, list) and listed and all(
-                isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("arguments", {}), dict)
-                for c in listed)):
-            return None
-        return [new_call(c["name"], json.dumps(c.get("arguments", {}), ensure_ascii=False)) for c in listed]
-    calls = []
-    for part in body.split(TOOL_CALLS):
-        named = NAMED_CALL.match(part)
-        if named is None:
-            return None
-        try:
-            arguments, end = decoder.raw_decode(part, named.end())
-        except (json.JSONDecodeError, RecursionError):
-            return None
-        if not isinstance(arguments, dict) or part[end:].strip():
-            return None
-        calls.append(new_call(named.group(1), json.dumps(arguments, ensure_ascii=False)))
     return calls
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Callable
 
 from specctl.gateway.tool_calls import call_delta, new_call
 
@@ -58,6 +59,91 @@ def whole_call(text: str) -> dict | None:
     return new_call(call["name"], json.dumps(arguments, ensure_ascii=False))
 
 
+class ObjectCalls:
+    """Name-first JSON call objects read as they come from ``start`` of a growing text: each
+    call's id and name as soon as its name is read, its arguments as written; an object in
+    another shape read whole when it closes. ``separators`` may stand between objects; with a
+    ``closer`` (a list's ``]``) the objects end there and what follows is not read. ``parse``
+    reads one closed object as a call (None: it is none); ``new_id`` names the calls."""
+
+    def __init__(self, start: int, separators: str = SEPARATORS, closer: str | None = None,
+                 parse: Callable[[str], dict | None] | None = None, header: re.Pattern = HEADER,
+                 new_id: Callable[[], str] | None = None) -> None:
+        self.separators, self.closer, self.header, self.new_id = separators, closer, header, new_id
+        self.parse = parse or whole_call
+        self.calls: list[dict] = []  # the calls begun, as OpenAI's (arguments handed out so far)
+        self._start = start  # where the object being read starts in the text
+        self._arguments_at = 0  # where its arguments start, once its header is read
+        self.broken = False
+        self.closed = False  # the closer was read
+
+    def complete(self, text: str, max_calls: int | None) -> bool:
+        """Whether the calls read are all the text holds, none cut short and nothing else after."""
+        if self.broken or self._arguments_at or not self.calls:
+            return False
+        if self.closer is not None:  # a list: read to its end
+            return self.closed or self._full(max_calls)
+        return self._full(max_calls) or not text[self._start:].strip(self.separators)
+
+    def _full(self, max_calls: int | None) -> bool:
+        """max_calls read (parallel_tool_calls false): the objects after them are not read."""
+        return max_calls is not None and len(self.calls) >= max_calls
+
+    def _begin(self, call: dict) -> dict:
+        if self.new_id is not None:
+            call["id"] = self.new_id()
+        self.calls.append(call)
+        return call
+
+    def read(self, text: str, max_calls: int | None) -> list[dict]:
+        """The deltas the text read since the last call adds."""
+        deltas: list[dict] = []
+        while not (self.broken or self.closed) and (self._arguments_at or not self._full(max_calls)):
+            while self._start < len(text) and text[self._start] in self.separators:
+                self._start += 1
+            if self._start >= len(text):
+                break
+            if self.closer is not None and text[self._start] == self.closer and not self._arguments_at:
+                self.closed = True
+                break
+            if text[self._start] != "{":
+                self.broken = True
+                break
+            end = json_end(text, self._start)
+            index = len(self.calls) - (1 if self._arguments_at else 0)
+            if not self._arguments_at:  # the object's header: its name
+                header = self.header.match(text, self._start)
+                if header is None:
+                    if end is None:
+                        break  # another shape: read whole once it closes
+                    call = self.parse(text[self._start:end])
+                    if call is None:
+                        self.broken = True
+                        break
+                    self._begin(call)
+                    deltas.append(call_delta(index, call, call["function"]["arguments"]))
+                    self._start = end
+                    continue
+                self._begin(new_call(json.loads(header.group(1)), ""))
+                self._arguments_at = header.end()
+                deltas.append(call_delta(index, self.calls[index], ""))
+            function = self.calls[index]["function"]
+            arguments_end = json_end(text, self._arguments_at)
+            arguments = text[self._arguments_at:arguments_end] if arguments_end else text[self._arguments_at:].rstrip()
+            if piece := arguments[len(function["arguments"]):]:
+                function["arguments"] = arguments
+                deltas.append({"index": index, "function": {"arguments": piece}})
+            if end is None:
+                break
+            whole = self.parse(text[self._start:end])
+            if (whole is None or whole["function"]["name"] != function["name"]
+                    or json.loads(whole["function"]["arguments"]) != json.loads(arguments)):
+                self.broken = True
+                break
+            self._start, self._arguments_at = end, 0
+        return deltas
+
+
 class StreamedJsonCalls:
     """A choice's text with tools, pushed as it comes (as tool_calls.StreamedCalls)."""
 
@@ -67,10 +153,7 @@ class StreamedJsonCalls:
         self.max_calls = max_calls
         self.text = ""
         self.opened: bool | None = None  # calls (True), content (False), not known yet (None)
-        self.calls: list[dict] = []  # the calls begun, as OpenAI's (arguments handed out so far)
-        self._start = 0  # where the object being read starts in the text
-        self._arguments_at = 0  # where its arguments start, once its header is read
-        self._broken = False
+        self.objects: ObjectCalls | None = None
 
     def push(self, delta: str) -> tuple[str, list[dict]]:
         """(content to hand out, tool-call deltas to hand out)."""
@@ -82,64 +165,17 @@ class StreamedJsonCalls:
             self.opened = opening.startswith(OPENS)
             if not self.opened:
                 return self.text, []
-            self._start = len(self.text) - len(opening) + (len(PYTHON_TAG) if opening.startswith(PYTHON_TAG) else 0)
-            return "", self._read()
-        return ("", self._read()) if self.opened else (delta, [])
+            start = len(self.text) - len(opening) + (len(PYTHON_TAG) if opening.startswith(PYTHON_TAG) else 0)
+            self.objects = ObjectCalls(start)
+        return ("", self.objects.read(self.text, self.max_calls)) if self.opened else (delta, [])
 
     def finish(self) -> tuple[str, list[dict], list[dict] | None]:
         """(content not yet handed out, the last deltas, every call — None when the text is not
         calls after all)."""
-        deltas = self._read() if self.opened else []
-        if self.calls:
-            cut_short = self._arguments_at or (not self._full() and self.text[self._start:].strip(SEPARATORS))
-            return "", deltas, None if self._broken or cut_short else self.calls
-        return ("" if self.opened is False else self.text), [], None
-
-    def _full(self) -> bool:
-        """max_calls read (parallel_tool_calls false): the objects after them are not read."""
-        return self.max_calls is not None and len(self.calls) >= self.max_calls
-
-    def _read(self) -> list[dict]:
-        deltas: list[dict] = []
-        while not self._broken and (self._arguments_at or not self._full()):
-            while self._start < len(self.text) and self.text[self._start] in SEPARATORS:
-                self._start += 1
-            if self._start >= len(self.text):
-                break
-            if self.text[self._start] != "{":
-                self._broken = True
-                break
-            end = json_end(self.text, self._start)
-            index = len(self.calls) - (1 if self._arguments_at else 0)
-            if not self._arguments_at:  # the object's header: its name
-                header = HEADER.match(self.text, self._start)
-                if header is None:
-                    if end is None:
-                        break  # another shape: read whole once it closes
-                    call = whole_call(self.text[self._start:end])
-                    if call is None:
-                        self._broken = True
-                        break
-                    self.calls.append(call)
-                    deltas.append(call_delta(index, call, call["function"]["arguments"]))
-                    self._start = end
-                    continue
-                self.calls.append(new_call(json.loads(header.group(1)), ""))
-                self._arguments_at = header.end()
-                deltas.append(call_delta(index, self.calls[index], ""))
-            function = self.calls[index]["function"]
-            arguments_end = json_end(self.text, self._arguments_at)
-            arguments = self.text[self._arguments_at:arguments_end] if arguments_end else \
-                self.text[self._arguments_at:].rstrip()
-            if piece := arguments[len(function["arguments"]):]:
-                function["arguments"] = arguments
-                deltas.append({"index": index, "function": {"arguments": piece}})
-            if end is None:
-                break
-            whole = whole_call(self.text[self._start:end])
-            if (whole is None or whole["function"]["name"] != function["name"]
-                    or json.loads(whole["function"]["arguments"]) != json.loads(arguments)):
-                self._broken = True
-                break
-            self._start, self._arguments_at = end, 0
-        return deltas
+        if self.objects is None:
+            return ("" if self.opened is False else self.text), [], None
+        deltas = self.objects.read(self.text, self.max_calls)
+        if self.objects.calls:
+            complete = self.objects.complete(self.text, self.max_calls)
+            return "", deltas, self.objects.calls if complete else None
+        return self.text, [], None
