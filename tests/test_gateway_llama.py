@@ -64,6 +64,8 @@ def test_logit_bias_comes_as_pairs_or_a_map_and_false_bans():
                                              "(POST /tokenize turns text into them)"),
                           ([[5]], "logit_bias entries are [token id, bias or false]"),
                           ([[5, None]], "a logit_bias is a number or false, got null"),
+                          ([[None, False]], "a logit_bias token is a token id, got null"),
+                          ([[True, 1]], "a logit_bias token is a token id, got true"),
                           ({"5": True}, "a logit_bias is a number or false, got true")):
         with pytest.raises(ApiError) as refused:
             openai_bias(bias)

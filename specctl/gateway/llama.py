@@ -147,6 +147,8 @@ def openai_bias(bias: list[list[Any]] | dict[str, Any] | None) -> dict[str, floa
         if isinstance(token, str) and not token.strip().isdigit():
             raise ApiError(400, f"logit_bias by text ({token!r}) is not served here: give token ids (POST /tokenize "
                                 "turns text into them)", param="logit_bias")
+        if not isinstance(token, (int, str)) or isinstance(token, bool):
+            raise ApiError(400, f"a logit_bias token is a token id, got {json.dumps(token)}", param="logit_bias")
         found[str(int(token))] = BANNED_BIAS if value is False else float(value)
     return found
 
