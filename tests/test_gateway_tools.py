@@ -354,6 +354,25 @@ def test_llama3_json_streamed_reads_any_text_as_the_whole_parser_does(text, size
             (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole]
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(["functools[", '{"name": "a", "arguments": ', '{"name": "b", "parameters": ',
+                                 "{", "}", "[", "]", ",", ":", " ", '"x"', "1", '"name"', "then"]),
+                max_size=25).map("".join), st.integers(1, 9))
+def test_phi4_mini_json_streamed_reads_any_text_as_the_whole_parser_does(text, size):
+    reader = FunctoolsCalls()
+    deltas = []
+    for i in range(0, len(text), size):
+        deltas += reader.push(text[i:i + size])[1]
+    _, last, calls = reader.finish()
+    whole = functools_calls(text)
+    assert (calls is None) == (whole is None), (calls, whole)
+    if calls is not None:
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole]
+        assert json.loads("".join(d["function"]["arguments"] for d in deltas + last if d["index"] == 0)) == \
+            json.loads(calls[0]["function"]["arguments"])
+
+
 def test_a_llama3_json_call_already_streamed_stays_when_what_follows_is_not_a_call():
     reader = JsonCalls()
     deltas = _pushed(reader, '{"name": "a", "parameters": {"x": 1}}')

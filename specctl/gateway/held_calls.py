@@ -4,7 +4,8 @@ it); any other output is content as it comes. vLLM's ``llama3_json`` (Llama 3.1-
 ``{"name": ..., "parameters": {...}}`` objects, ``;``-separated; streamed call by call,
 gateway.json_calls, and read whole here by ``json_calls``), ``pythonic`` (Llama 3.2,
 Llama 4: a Python list of calls with keyword arguments, ``[get_weather(city="Oslo")]``) and
-``phi4_mini_json`` (Phi-4-mini: ``functools[{"name": ..., "arguments": {...}}]``); and
+``phi4_mini_json`` (Phi-4-mini: ``functools[{"name": ..., "arguments": {...}}]``; streamed,
+gateway.json_calls, read whole here by ``functools_calls``); and
 ``glm45`` (GLM-4.5/4.6: ``<tool_call>`` blocks of ``<arg_key>`` / ``<arg_value>`` pairs after
 content, held the same way); ``mistral`` streams (gateway.mistral_calls). ``TOOL_PARSERS`` names every ``--tool-call-parser``
 with its reader (``openai``: gpt-oss's, gateway.harmony)."""
@@ -17,7 +18,7 @@ import re
 from typing import Callable
 
 from specctl.gateway.harmony import HarmonyCalls
-from specctl.gateway.json_calls import PYTHON_TAG, StreamedJsonCalls
+from specctl.gateway.json_calls import PYTHON_TAG, StreamedFunctoolsCalls, StreamedJsonCalls
 from specctl.gateway.mistral_calls import MistralCalls
 from specctl.gateway.tool_calls import StreamedCalls, TaggedCalls, call_delta, new_call
 
@@ -163,8 +164,9 @@ def PythonicCalls(max_calls: int | None = None) -> HeldCalls:  # noqa: N802
     return HeldCalls(pythonic_calls, ("[", PYTHON_START), max_calls)
 
 
-def FunctoolsCalls(max_calls: int | None = None) -> HeldCalls:  # noqa: N802
-    return HeldCalls(functools_calls, ("functools[",), max_calls)
+def FunctoolsCalls(max_calls: int | None = None) -> StreamedFunctoolsCalls:  # noqa: N802
+    """phi4_mini_json: streamed as llama3_json (gateway.json_calls)."""
+    return StreamedFunctoolsCalls(max_calls)
 
 
 # vLLM's --tool-call-parser names and their readers (each called with max_calls)

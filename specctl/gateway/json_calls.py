@@ -1,4 +1,5 @@
-"""Llama 3.1-3.3's tool calls (vLLM's ``llama3_json``) streamed as vLLM streams them: an
+"""Llama 3.1-3.3's tool calls (vLLM's ``llama3_json``; Phi-4-mini's ``phi4_mini_json`` the same
+way) streamed as vLLM streams them: an
 output that opens with ``{`` (or ``<|python_tag|>``) is ``{"name": ..., "parameters": {...}}``
 objects separated by ``;``; each call's id and name go out as soon as its name is read, then
 its arguments as the model writes them — the model's own text, so the pieces join into the
@@ -84,6 +85,10 @@ class ObjectCalls:
         if self.closer is not None:  # a list: read to its end
             return self.closed or self._full(max_calls)
         return self._full(max_calls) or not text[self._start:].strip(self.separators)
+
+    def after(self, text: str) -> str:
+        """The text after the closer ("" while it is not read)."""
+        return text[self._start + 1:] if self.closed else ""
 
     def _full(self, max_calls: int | None) -> bool:
         """max_calls read (parallel_tool_calls false): the objects after them are not read."""
@@ -177,5 +182,55 @@ class StreamedJsonCalls:
         deltas = self.objects.read(self.text, self.max_calls)
         if self.objects.calls:
             complete = self.objects.complete(self.text, self.max_calls)
+            return "", deltas, self.objects.calls if complete else None
+        return self.text, [], None
+
+
+FUNCTOOLS = "functools["  # Phi-4-mini's calls: a JSON list after it
+
+
+def functools_call(text: str) -> dict | None:
+    """One object of Phi-4-mini's list as a call (``arguments``, else ``parameters``, else none)."""
+    try:
+        call = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    arguments = call.get("arguments", call.get("parameters", {})) if isinstance(call, dict) else None
+    if not (isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(arguments, dict)):
+        return None
+    return new_call(call["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+class StreamedFunctoolsCalls:
+    """Phi-4-mini's (vLLM's ``phi4_mini_json``): an output that opens with ``functools[`` is its
+    calls, streamed as llama3_json's are; the list must end the output (else it is content)."""
+
+    finish_reason = "tool_calls"
+
+    def __init__(self, max_calls: int | None = None) -> None:
+        self.max_calls = max_calls
+        self.text = ""
+        self.opened: bool | None = None
+        self.objects: ObjectCalls | None = None
+
+    def push(self, delta: str) -> tuple[str, list[dict]]:
+        self.text += delta
+        if self.opened is None:
+            opening = self.text.lstrip()
+            if not opening or (FUNCTOOLS.startswith(opening) and opening != FUNCTOOLS):
+                return "", []
+            self.opened = opening.startswith(FUNCTOOLS)
+            if not self.opened:
+                return self.text, []
+            self.objects = ObjectCalls(len(self.text) - len(opening) + len(FUNCTOOLS), ", \t\r\n", "]",
+                                       functools_call)
+        return ("", self.objects.read(self.text, self.max_calls)) if self.opened else (delta, [])
+
+    def finish(self) -> tuple[str, list[dict], list[dict] | None]:
+        if self.objects is None:
+            return ("" if self.opened is False else self.text), [], None
+        deltas = self.objects.read(self.text, self.max_calls)
+        if self.objects.calls:
+            complete = self.objects.complete(self.text, self.max_calls) and not self.objects.after(self.text).strip()
             return "", deltas, self.objects.calls if complete else None
         return self.text, [], None
