@@ -150,9 +150,11 @@ class ObjectCalls:
 
 
 class StreamedJsonCalls:
-    """A choice's text with tools, pushed as it comes (as tool_calls.StreamedCalls)."""
+    """A choice's text with tools, pushed as it comes (as tool_calls.StreamedCalls): an output
+    that opens with one of ``opens`` is calls, any other is content."""
 
     finish_reason = "tool_calls"
+    opens: tuple[str, ...] = OPENS
 
     def __init__(self, max_calls: int | None = None) -> None:
         self.max_calls = max_calls
@@ -165,13 +167,12 @@ class StreamedJsonCalls:
         self.text += delta
         if self.opened is None:
             opening = self.text.lstrip()
-            if not opening or any(tag.startswith(opening) for tag in OPENS if len(tag) > 1):
+            if not opening or any(tag.startswith(opening) for tag in self.opens if len(tag) > 1):
                 return "", []
-            self.opened = opening.startswith(OPENS)
+            self.opened = opening.startswith(self.opens)
             if not self.opened:
                 return self.text, []
-            start = len(self.text) - len(opening) + (len(PYTHON_TAG) if opening.startswith(PYTHON_TAG) else 0)
-            self.objects = ObjectCalls(start)
+            self.objects = self._objects(opening, len(self.text) - len(opening))
         return ("", self.objects.read(self.text, self.max_calls)) if self.opened else (delta, [])
 
     def finish(self) -> tuple[str, list[dict], list[dict] | None]:
@@ -181,9 +182,14 @@ class StreamedJsonCalls:
             return ("" if self.opened is False else self.text), [], None
         deltas = self.objects.read(self.text, self.max_calls)
         if self.objects.calls:
-            complete = self.objects.complete(self.text, self.max_calls)
-            return "", deltas, self.objects.calls if complete else None
+            return "", deltas, self.objects.calls if self._complete() else None
         return self.text, [], None
+
+    def _objects(self, opening: str, at: int) -> ObjectCalls:
+        return ObjectCalls(at + (len(PYTHON_TAG) if opening.startswith(PYTHON_TAG) else 0))
+
+    def _complete(self) -> bool:
+        return self.objects.complete(self.text, self.max_calls)
 
 
 FUNCTOOLS = "functools["  # Phi-4-mini's calls: a JSON list after it
@@ -201,36 +207,14 @@ def functools_call(text: str) -> dict | None:
     return new_call(call["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-class StreamedFunctoolsCalls:
+class StreamedFunctoolsCalls(StreamedJsonCalls):
     """Phi-4-mini's (vLLM's ``phi4_mini_json``): an output that opens with ``functools[`` is its
     calls, streamed as llama3_json's are; the list must end the output (else it is content)."""
 
-    finish_reason = "tool_calls"
+    opens = (FUNCTOOLS,)
 
-    def __init__(self, max_calls: int | None = None) -> None:
-        self.max_calls = max_calls
-        self.text = ""
-        self.opened: bool | None = None
-        self.objects: ObjectCalls | None = None
+    def _objects(self, opening: str, at: int) -> ObjectCalls:
+        return ObjectCalls(at + len(FUNCTOOLS), ", \t\r\n", "]", functools_call)
 
-    def push(self, delta: str) -> tuple[str, list[dict]]:
-        self.text += delta
-        if self.opened is None:
-            opening = self.text.lstrip()
-            if not opening or (FUNCTOOLS.startswith(opening) and opening != FUNCTOOLS):
-                return "", []
-            self.opened = opening.startswith(FUNCTOOLS)
-            if not self.opened:
-                return self.text, []
-            self.objects = ObjectCalls(len(self.text) - len(opening) + len(FUNCTOOLS), ", \t\r\n", "]",
-                                       functools_call)
-        return ("", self.objects.read(self.text, self.max_calls)) if self.opened else (delta, [])
-
-    def finish(self) -> tuple[str, list[dict], list[dict] | None]:
-        if self.objects is None:
-            return ("" if self.opened is False else self.text), [], None
-        deltas = self.objects.read(self.text, self.max_calls)
-        if self.objects.calls:
-            complete = self.objects.complete(self.text, self.max_calls) and not self.objects.after(self.text).strip()
-            return "", deltas, self.objects.calls if complete else None
-        return self.text, [], None
+    def _complete(self) -> bool:
+        return super()._complete() and not self.objects.after(self.text).strip()
