@@ -693,3 +693,16 @@ def test_glm45_streams_content_until_the_first_block_and_holds_the_calls():
     assert [d["function"] for d in deltas] == [{"name": "get_weather", "arguments": '{"city": "Oslo", "days": 3}'}]
     broken = GlmCalls()
     assert broken.push("ok <tool_call>f") == ("ok ", []) and broken.finish() == ("<tool_call>f", [], None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["{", "}", "[", "]", '"', "\\", "a", ",", " "]), max_size=30).map("".join))
+def test_the_json_end_scanner_fed_piece_by_piece_finds_what_one_scan_finds(text):
+    """The streamed readers' bracket counter keeps its place: fed growing prefixes it answers as a
+    scan of each whole prefix does, reading each character once."""
+    from specctl.gateway.json_calls import JsonEnd, json_end
+
+    body = "{" + text
+    scanner = JsonEnd(0)
+    for size in range(1, len(body) + 1):
+        assert scanner.find(body[:size]) == json_end(body[:size], 0)

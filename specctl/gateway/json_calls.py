@@ -24,28 +24,50 @@ HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:paramet
 SEPARATORS = "; \t\r\n"
 
 
+class JsonEnd:
+    """Where the JSON object or list opening at ``start`` of a growing text closes, brackets
+    counted outside strings; each character is read once however often it is asked (a long
+    argument streamed in small pieces stays linear)."""
+
+    def __init__(self, start: int) -> None:
+        self.start = self._at = start
+        self._depth, self._in_string, self._escaped = 0, False, False
+        self.end: int | None = None  # the index after the closing bracket, once read
+
+    def find(self, text: str) -> int | None:
+        if self.end is not None:
+            return self.end
+        for at in range(self._at, len(text)):
+            char = text[at]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif char == "\\":
+                    self._escaped = True
+                elif char == '"':
+                    self._in_string = False
+            elif char == '"':
+                self._in_string = True
+            elif char in "{[":
+                self._depth += 1
+            elif char in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self.end = at + 1
+                    return self.end
+        self._at = len(text)
+        return None
+
+
 def json_end(text: str, start: int) -> int | None:
     """Where the JSON object or list opening at ``start`` closes (the index after it), or None
-    while it is open: brackets counted outside strings."""
-    depth, in_string, escaped = 0, False, False
-    for at in range(start, len(text)):
-        char = text[at]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
-            elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "{[":
-            depth += 1
-        elif char in "}]":
-            depth -= 1
-            if depth == 0:
-                return at + 1
-    return None
+    while it is open."""
+    return JsonEnd(start).find(text)
+
+
+def ends_at(scanner: JsonEnd | None, start: int) -> JsonEnd:
+    """``scanner`` if it scans from ``start``, else a new one that does."""
+    return scanner if scanner is not None and scanner.start == start else JsonEnd(start)
 
 
 def whole_call(text: str) -> dict | None:
@@ -75,6 +97,8 @@ class ObjectCalls:
         self.calls: list[dict] = []  # the calls begun, as OpenAI's (arguments handed out so far)
         self._start = start  # where the object being read starts in the text
         self._arguments_at = 0  # where its arguments start, once its header is read
+        self._object_end: JsonEnd | None = None  # the object's and its arguments' ends, read as they come
+        self._arguments_end: JsonEnd | None = None
         self.broken = False
         self.closed = False  # the closer was read
 
@@ -114,7 +138,8 @@ class ObjectCalls:
             if text[self._start] != "{":
                 self.broken = True
                 break
-            end = json_end(text, self._start)
+            self._object_end = ends_at(self._object_end, self._start)
+            end = self._object_end.find(text)
             index = len(self.calls) - (1 if self._arguments_at else 0)
             if not self._arguments_at:  # the object's header: its name
                 header = self.header.match(text, self._start)
@@ -133,7 +158,8 @@ class ObjectCalls:
                 self._arguments_at = header.end()
                 deltas.append(call_delta(index, self.calls[index], ""))
             function = self.calls[index]["function"]
-            arguments_end = json_end(text, self._arguments_at)
+            self._arguments_end = ends_at(self._arguments_end, self._arguments_at)
+            arguments_end = self._arguments_end.find(text)
             arguments = text[self._arguments_at:arguments_end] if arguments_end else text[self._arguments_at:].rstrip()
             if piece := arguments[len(function["arguments"]):]:
                 function["arguments"] = arguments

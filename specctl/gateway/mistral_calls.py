@@ -14,7 +14,7 @@ import random
 import re
 import string
 
-from specctl.gateway.json_calls import ObjectCalls, json_end
+from specctl.gateway.json_calls import JsonEnd, ObjectCalls, ends_at
 from specctl.gateway.tool_calls import call_delta, content_before, new_call
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"  # Mistral's control tokens (kept: skip_special_tokens false)
@@ -75,6 +75,7 @@ class NamedCalls:
         self._at = start  # where the next name, or what follows the last call, starts
         self._arguments_at = 0  # where the call being read has its arguments
         self._after = False  # the last call's arguments closed: a tag (or the end) follows
+        self._arguments_end: JsonEnd | None = None  # their end, read as they come
         self.broken = False
 
     def complete(self, text: str, max_calls: int | None) -> bool:
@@ -106,7 +107,8 @@ class NamedCalls:
                 self._arguments_at = named.end()
                 deltas.append(call_delta(index, call, ""))
             function = self.calls[index]["function"]
-            end = json_end(text, self._arguments_at)
+            self._arguments_end = ends_at(self._arguments_end, self._arguments_at)
+            end = self._arguments_end.find(text)
             arguments = text[self._arguments_at:end] if end else text[self._arguments_at:].rstrip()
             if piece := arguments[len(function["arguments"]):]:
                 function["arguments"] = arguments
