@@ -20,7 +20,7 @@ from typing import Callable
 from specctl.gateway.harmony import HarmonyCalls
 from specctl.gateway.json_calls import PYTHON_TAG, StreamedFunctoolsCalls, StreamedJsonCalls
 from specctl.gateway.mistral_calls import MistralCalls
-from specctl.gateway.tool_calls import StreamedCalls, TaggedCalls, call_delta, new_call
+from specctl.gateway.tool_calls import StreamedCalls, TaggedCalls, call_delta, new_call, opens_calls
 
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's, around pythonic calls
 
@@ -40,11 +40,8 @@ class HeldCalls:
     def push(self, delta: str) -> tuple[str, list[dict]]:
         self.text += delta
         if self.calls_opened is None:
-            opening = self.text.lstrip()
-            if not opening or any(tag.startswith(opening) for tag in self.opens if len(tag) > 1):
-                return "", []
-            self.calls_opened = opening.startswith(self.opens)
-            return ("", []) if self.calls_opened else (self.text, [])
+            self.calls_opened = opens_calls(self.text, self.opens)
+            return ("", []) if self.calls_opened is not False else (self.text, [])
         return ("", []) if self.calls_opened else (delta, [])
 
     def finish(self) -> tuple[str, list[dict], list[dict] | None]:

@@ -15,7 +15,7 @@ import json
 import re
 from typing import Callable
 
-from specctl.gateway.tool_calls import call_delta, new_call
+from specctl.gateway.tool_calls import call_delta, new_call, opens_calls
 
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's, before JSON calls (kept with skip_special_tokens false)
 OPENS = ("{", PYTHON_TAG)
@@ -68,6 +68,18 @@ def json_end(text: str, start: int) -> int | None:
 def ends_at(scanner: JsonEnd | None, start: int) -> JsonEnd:
     """``scanner`` if it scans from ``start``, else a new one that does."""
     return scanner if scanner is not None and scanner.start == start else JsonEnd(start)
+
+
+def grow_arguments(text: str, at: int, scanner: JsonEnd, index: int, function: dict,
+                   deltas: list[dict]) -> tuple[str, int | None]:
+    """A streamed call's arguments as far as written from ``at`` (trailing whitespace held back
+    while they are open), the piece not handed out yet added to ``deltas``; (them, their end)."""
+    end = scanner.find(text)
+    arguments = text[at:end] if end else text[at:].rstrip()
+    if piece := arguments[len(function["arguments"]):]:
+        function["arguments"] = arguments
+        deltas.append({"index": index, "function": {"arguments": piece}})
+    return arguments, end
 
 
 def whole_call(text: str) -> dict | None:
@@ -159,11 +171,7 @@ class ObjectCalls:
                 deltas.append(call_delta(index, self.calls[index], ""))
             function = self.calls[index]["function"]
             self._arguments_end = ends_at(self._arguments_end, self._arguments_at)
-            arguments_end = self._arguments_end.find(text)
-            arguments = text[self._arguments_at:arguments_end] if arguments_end else text[self._arguments_at:].rstrip()
-            if piece := arguments[len(function["arguments"]):]:
-                function["arguments"] = arguments
-                deltas.append({"index": index, "function": {"arguments": piece}})
+            arguments, _ = grow_arguments(text, self._arguments_at, self._arguments_end, index, function, deltas)
             if end is None:
                 break
             whole = self.parse(text[self._start:end])
@@ -192,12 +200,10 @@ class StreamedJsonCalls:
         """(content to hand out, tool-call deltas to hand out)."""
         self.text += delta
         if self.opened is None:
-            opening = self.text.lstrip()
-            if not opening or any(tag.startswith(opening) for tag in self.opens if len(tag) > 1):
-                return "", []
-            self.opened = opening.startswith(self.opens)
+            self.opened = opens_calls(self.text, self.opens)
             if not self.opened:
-                return self.text, []
+                return ("", []) if self.opened is None else (self.text, [])
+            opening = self.text.lstrip()
             self.objects = self._objects(opening, len(self.text) - len(opening))
         return ("", self.objects.read(self.text, self.max_calls)) if self.opened else (delta, [])
 

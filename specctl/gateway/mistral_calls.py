@@ -14,7 +14,7 @@ import random
 import re
 import string
 
-from specctl.gateway.json_calls import JsonEnd, ObjectCalls, ends_at
+from specctl.gateway.json_calls import JsonEnd, ObjectCalls, ends_at, grow_arguments
 from specctl.gateway.tool_calls import call_delta, content_before, new_call
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"  # Mistral's control tokens (kept: skip_special_tokens false)
@@ -31,9 +31,13 @@ def mistral_id() -> str:
 def listed_call(text: str) -> dict | None:
     """One object of a pre-v11 list as a call (``arguments`` may be left out), or None."""
     try:
-        call = json.loads(text)
+        return listed_value(json.loads(text))
     except (json.JSONDecodeError, RecursionError):
         return None
+
+
+def listed_value(call: object) -> dict | None:
+    """A decoded list item as a call, or None when it is not one."""
     if not (isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(call.get("arguments", {}),
                                                                                          dict)):
         return None
@@ -50,7 +54,7 @@ def mistral_calls(body: str) -> list[dict] | None:
             listed, _ = decoder.raw_decode(stripped)
         except (json.JSONDecodeError, RecursionError):
             return None
-        calls = [listed_call(json.dumps(c)) for c in listed] if isinstance(listed, list) else [None]
+        calls = [listed_value(c) for c in listed] if isinstance(listed, list) else [None]
         return calls if calls and None not in calls else None
     calls = []
     for part in body.split(TOOL_CALLS):
@@ -106,13 +110,9 @@ class NamedCalls:
                 self.calls.append(call)
                 self._arguments_at = named.end()
                 deltas.append(call_delta(index, call, ""))
-            function = self.calls[index]["function"]
             self._arguments_end = ends_at(self._arguments_end, self._arguments_at)
-            end = self._arguments_end.find(text)
-            arguments = text[self._arguments_at:end] if end else text[self._arguments_at:].rstrip()
-            if piece := arguments[len(function["arguments"]):]:
-                function["arguments"] = arguments
-                deltas.append({"index": index, "function": {"arguments": piece}})
+            arguments, end = grow_arguments(text, self._arguments_at, self._arguments_end, index,
+                                            self.calls[index]["function"], deltas)
             if end is None:
                 break
             try:

@@ -21,6 +21,15 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\S)')
 
 
+def opens_calls(text: str, opens: tuple[str, ...]) -> bool | None:
+    """Whether an output whose format opens calls with one of ``opens`` is calls (None: not
+    known yet — only whitespace so far, or a tag begun)."""
+    opening = text.lstrip()
+    if not opening or any(tag.startswith(opening) for tag in opens if len(tag) > 1):
+        return None
+    return opening.startswith(opens)
+
+
 def held_back(text: str, tag: str) -> int:
     """How many characters at the end of ``text`` may begin ``tag`` (held back until known)."""
     return max((k for k in range(1, len(tag)) if text.endswith(tag[:k])), default=0)
