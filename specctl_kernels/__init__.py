@@ -107,11 +107,15 @@ def warm_up(backend: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
     return True
 
 
-def row_exact(attend: AttentionFn) -> AttentionFn:
+def row_exact(attend: AttentionFn, prefill: bool = False) -> AttentionFn:
     """``attend`` with every masked query row computed exactly as a one-token decode step
     computes it: ``attend`` of that row alone over just its visible keys, in cache order
     (for a chain the cache's first keys, a view; for a tree node the prefix, its ancestors
-    and itself, gathered). Unmasked calls (a prefill, a decode step) pass straight through.
+    and itself, gathered). Unmasked calls (a prefill, a decode step) pass straight through,
+    unless ``prefill``: then a prefill's rows too (each over the keys before it and its own),
+    so every position's keys and values are what AR decoding computes whatever computed
+    them — a prefill of the whole text, of a chunk after a restored prefix, decode steps or
+    verifications — which is what makes a restored prefix exact (engine.prefix_cache).
 
     Why: an attention kernel's result for one row depends, in the last bits, on how many
     rows share the call (CPU SDPA: 1 vs 7 query rows differ by ~4e-7). Where the linear
@@ -123,7 +127,9 @@ def row_exact(attend: AttentionFn) -> AttentionFn:
 
     def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         if mask is None:
-            return attend(q, k, v, None)
+            if not prefill or q.shape[2] == 1:
+                return attend(q, k, v, None)
+            mask = causal_mask(q.shape[2], k.shape[2], q.device)
         if mask.dim() == 3:
             if mask.shape[0] > 1:
                 return torch.cat([attend_rows(q[b : b + 1], k[b : b + 1], v[b : b + 1], mask[b])
@@ -154,6 +160,7 @@ def row_exact(attend: AttentionFn) -> AttentionFn:
             rows.append(attend(q[:, :, i : i + 1], keys, values, None))
         return torch.cat(rows, dim=2)
 
+    attend_rows.__wrapped__ = attend  # what it wraps, as functools.wraps records it
     return attend_rows
 
 

@@ -15,9 +15,10 @@ from specctl.spec.routing import RoutingPolicy  # pure: no torch at start-up
 
 AUTH_HELP = "shared auth token (or SPECCTL_AUTH_TOKEN); peers sign a nonce with it, it never crosses the wire"
 PREFIX_CACHE_HELP = ("MiB of finished sessions' KV kept for prompts that start the same way (a chat's next turn, "
-                     "a shared system prompt), so their prefill computes only the rest (default: 512 for an fp32 "
-                     "or int8 target, off for bf16/fp16, whose restored prefixes differ from a fresh prefill by "
-                     "rounding; 0 = off)")
+                     "a shared system prompt), so their prefill computes only the rest (default: 512 on the CPU, "
+                     "where a target computes every prompt row as a decode step would, so a restored prefix is "
+                     "bit-identical to a fresh prefill; off for a bf16/fp16 target on CUDA, whose restored "
+                     "prefixes differ from a fresh prefill by rounding; 0 = off)")
 
 
 def checked(config_class, **values):

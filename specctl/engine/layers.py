@@ -75,9 +75,10 @@ class Attention(nn.Module):
         return static_attention(q, k, v, grouped_mask, self.scale, self.softcap, self.sinks)
 
     def use_row_exact(self) -> None:
-        """Masked (verification) rows attend as one-token decode steps would (specctl_kernels.row_exact)."""
+        """Every row — a verification's, a prefill's — attends as a one-token decode step
+        would (specctl_kernels.row_exact)."""
         if not self.row_exact:
-            self.attend, self.row_exact = row_exact(self.attend), True
+            self.attend, self.row_exact = row_exact(self.attend, prefill=True), True
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.qkv_proj is not None:

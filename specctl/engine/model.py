@@ -99,8 +99,11 @@ class Decoder(nn.Module):
         return self
 
     def use_row_exact_attention(self) -> "Decoder":
-        """Verification rows attend exactly as AR decode steps do (specctl_kernels.row_exact):
-        a target whose linear layers are row-independent then verifies bit-identically to AR."""
+        """Verification and prefill rows attend exactly as AR decode steps do
+        (specctl_kernels.row_exact): a target whose linear layers are row-independent then
+        verifies bit-identically to AR, and every position's KV has the same bits however it
+        was computed — a whole prompt, chunks, a rest after a restored prefix — so its prefix
+        cache never changes an output (a prefill costs ~20 % more)."""
         for layer in self.layers:
             layer.self_attn.use_row_exact()
         return self

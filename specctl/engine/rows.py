@@ -29,6 +29,10 @@ PROBE_ROWS = 8  # rows checked in each product
 # Product sizes a verification forward has (a chain of d + 1 rows, a tree of up to 64 nodes):
 # every size up to 8, tails of the 4/8/16-row blocks, and the largest.
 PROBE_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 32, 64)
+# and a prefill's (a chunk of up to 512 rows on the CPU, any remainder after a restored prefix),
+# where prefills attend row by row (a target with a prefix cache): the layers' products only,
+# since a prefill takes logits at its last row alone
+PREFILL_PROBE_SIZES = (*PROBE_SIZES, 100, 512)
 PROBE_ELEMENTS = 1 << 16  # output elements compared a size (draws of PROBE_ROWS rows)
 PROBE_DRAWS_MAX = 64
 PAD_CANDIDATES = (1, 2, 3, 4, 8)  # the row counts products are padded to, tried in order
@@ -49,9 +53,9 @@ def padded_product(product: Callable[[torch.Tensor], torch.Tensor], x: torch.Ten
     return product(torch.cat([x, x[-1:].repeat(min_rows - rows, 1)]))[:rows]
 
 
-def linear_rows_independent(linear: nn.Linear, min_rows: int = 1) -> bool:
+def linear_rows_independent(linear: nn.Linear, min_rows: int = 1, sizes: tuple[int, ...] = PROBE_SIZES) -> bool:
     """One layer, probed: with products of fewer than ``min_rows`` rows padded to it, each of
-    the first rows of a product of every size in PROBE_SIZES equals that row's product alone.
+    the first rows of a product of every size in ``sizes`` equals that row's product alone.
     Every size, since a CPU's kernel blocks rows (in fours, eights, ...) and a tail block can
     take other code. Several random draws where the layer is narrow: another summation order
     changes a half-precision result only where the float32 sum lies near a rounding boundary,
@@ -60,10 +64,10 @@ def linear_rows_independent(linear: nn.Linear, min_rows: int = 1) -> bool:
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for _ in range(draws):
-            x = torch.randn(max(PROBE_SIZES), linear.in_features, generator=gen)
+            x = torch.randn(max(sizes), linear.in_features, generator=gen)
             x = x.to(linear.weight.device, linear.weight.dtype)
             alone = [padded_product(linear, x[i : i + 1], min_rows) for i in range(PROBE_ROWS)]
-            for size in PROBE_SIZES:
+            for size in sizes:
                 together = padded_product(linear, x[:size], min_rows)
                 if not all(torch.equal(together[i : i + 1], alone[i]) for i in range(min(size, PROBE_ROWS))):
                     return False
@@ -73,20 +77,21 @@ def linear_rows_independent(linear: nn.Linear, min_rows: int = 1) -> bool:
 def decoder_min_rows(decoder: nn.Module, quant: str) -> int | None:
     """The fewest rows the decoder's linear products must be padded to for each row to get the
     same bits in any product (1: as they are), or None (no count in PAD_CANDIDATES does).
-    Every distinct linear shape of the first layer and the LM head is probed (int8: exact by
-    construction)."""
+    Every distinct linear shape of the first layer (at a verification's and a prefill's
+    sizes) and the LM head (a verification's) is probed (int8: exact by construction)."""
     if quant == "int8":
         return 1
     layer = decoder.layers[0]
     linears = [m for m in (*layer.self_attn.modules(), *layer.mlp.modules()) if isinstance(m, nn.Linear)]
+    probes = [(linear, PREFILL_PROBE_SIZES)  # one a shape: k and v share one, ...
+              for linear in {tuple(linear.weight.shape): linear for linear in linears}.values()]
     if decoder.lm_head is not None:
-        linears.append(decoder.lm_head)
-    distinct = list({tuple(linear.weight.shape): linear for linear in linears}.values())  # k and v share a shape, ...
+        probes.append((decoder.lm_head, PROBE_SIZES))
     for min_rows in PAD_CANDIDATES:
-        if all(linear_rows_independent(linear, min_rows) for linear in distinct):
+        if all(linear_rows_independent(linear, min_rows, sizes) for linear, sizes in probes):
             return min_rows
     log.info("row-exact attention off: %s matmuls are not row-independent on this CPU, so speculative output "
-             "may differ from AR in the last bits", distinct[0].weight.dtype)
+             "may differ from AR in the last bits", probes[0][0].weight.dtype)
     return None
 
 

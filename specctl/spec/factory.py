@@ -63,7 +63,7 @@ def load_named(name: str, config: Config, console: Console | None = None, quant:
             if stage is None and config.cuda_graphs:
                 model.decoder.use_static_steps(graphs=True, compile=config.torch_compile)
         use_arena_for_flashinfer(model.decoder, config)
-        prefix_mb = prefix_cache_mb(config.prefix_cache_mb, dtype, target)
+        prefix_mb = prefix_cache_mb(config.prefix_cache_mb, dtype, target, model.decoder.row_exact)
         if stage is None and prefix_mb and model.decoder.prefix_cache is None:
             model.decoder.use_prefix_cache(prefix_mb << 20)
         if stage is None:
@@ -84,15 +84,17 @@ def load_vocabulary(name: str, console: Console | None = None) -> LoadedModel:
 AUTO_PREFIX_CACHE_MB = 512
 
 
-def prefix_cache_mb(configured: int, dtype: str, target: bool) -> int:
+def prefix_cache_mb(configured: int, dtype: str, target: bool, row_exact: bool = False) -> int:
     """The prefix cache a model gets (MiB; 0 = none). Auto (-1): a draft's always (it only
-    proposes: its KV never changes an output) and an fp32 target's (a restored prefix differs
-    from a fresh prefill by ~1e-5, as a verification's rows differ from AR's); none for a
-    bf16/fp16 target, whose restored prefixes differ from a fresh prefill by bf16 rounding and
-    so change some greedy outputs (measured: 2 of 4 chat turns) — there it is the user's choice."""
+    proposes: its KV never changes an output), an fp32 target's (a restored prefix differs
+    from a fresh prefill by ~1e-5, as a verification's rows differ from AR's) and a row-exact
+    target's (its prefills then attend row by row: a restored prefix is bit-identical to a
+    fresh prefill, Decoder.use_row_exact_attention); none for another bf16/fp16 target (a CUDA
+    one), whose restored prefixes differ from a fresh prefill by bf16 rounding and so change
+    some greedy outputs (measured: 2 of 4 chat turns) — there it is the user's choice."""
     if configured >= 0:
         return configured
-    return AUTO_PREFIX_CACHE_MB if not target or dtype == "fp32" else 0
+    return AUTO_PREFIX_CACHE_MB if not target or dtype == "fp32" or row_exact else 0
 
 
 AUTO_PREFILL_CHUNK = {"cuda": 2048, "cpu": 512}
