@@ -32,6 +32,8 @@ EXAMPLES = [
     p.Cancel(1),
     p.StatsRequest(),
     p.Stats("draft", {"load": 0.5}),
+    p.FlushCache(),
+    p.CacheFlushed("target", 3, 1 << 20),
     p.Error("unknown_tag", "unknown session tag 9", tag=9),
     p.Proposal(17, [5, 6], [-1, 0], confidences=b"\x80"),
     p.OpenLevels(4, [1, 2, 3], 4, 2, 200),

@@ -21,14 +21,14 @@ from specctl.draft.speculation import SpeculationCache
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.loader import LoadedModel
 from specctl.engine.prefill_gate import prefill_gate, prefill_turn
-from specctl.engine.prefix_cache import prefix_cache_stats
+from specctl.engine.prefix_cache import flush_prefix_cache, prefix_cache_stats
 from specctl.engine.spec import check_token_ids
 from specctl.errors import BadRequest, ConfigError, KVBudgetExceeded, SpecctlError
 from specctl.net.framing import read_message
 from specctl.net.handshake import server_handshake
 from specctl.net.protocol import (
-    CloseSession, Error, NextLevel, OpenLevels, OpenSession, Propose, ProtocolError, Reroot, SessionOpened, Stats,
-    StatsRequest,
+    CacheFlushed, CloseSession, Error, FlushCache, NextLevel, OpenLevels, OpenSession, Propose, ProtocolError, Reroot,
+    SessionOpened, Stats, StatsRequest,
 )
 from specctl.runtime.compute import ComputeLane, ComputeThread
 from specctl.runtime.listen import ListeningServer, MessageRate
@@ -130,8 +130,11 @@ class DraftServer(ListeningServer):
                 self.throttled += 1
             if isinstance(message, StatsRequest):
                 conn.send(Stats("draft", self.snapshot()))
+            elif isinstance(message, FlushCache):
+                conn.send(CacheFlushed("draft", *flush_prefix_cache(self.model.decoder)))
             elif conn.role != "target":
-                self._refuse(conn, Error("forbidden", f"a {conn.role} connection may only request stats"))
+                self._refuse(conn, Error("forbidden", f"a {conn.role} connection may only request stats "
+                                                      "or flush the prefix cache"))
             elif isinstance(message, (OpenSession, OpenLevels)):
                 self._open(conn, message, group)
             elif isinstance(message, NextLevel):

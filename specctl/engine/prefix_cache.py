@@ -152,16 +152,26 @@ class PrefixCache:
     def _drop(self, key: int) -> None:
         self.used_bytes -= self._entries.pop(key).nbytes
 
-    def clear(self) -> None:
+    def clear(self) -> tuple[int, int]:
+        """Drop every entry: (entries, bytes) dropped."""
         with self._lock:
+            dropped = len(self._entries), self.used_bytes
             self._entries.clear()
             self.used_bytes = 0
+        return dropped
 
     def snapshot(self) -> dict:
         """Stats for the stats feed and /metrics: counters, entries and bytes held."""
         with self._lock:
             return {**self.stats.to_dict(), "entries": len(self._entries), "bytes": self.used_bytes,
                     "budget_bytes": self.budget_bytes}
+
+
+def flush_prefix_cache(decoder) -> tuple[int, int]:
+    """A model's prefix cache emptied: (entries, bytes) dropped, (0, 0) without one. Entries
+    are copies, never a running session's cache, so it may run at any time."""
+    store = getattr(decoder, "prefix_cache", None)
+    return store.clear() if store is not None else (0, 0)
 
 
 def prefix_cache_stats(decoder) -> dict:

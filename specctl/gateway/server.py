@@ -28,6 +28,7 @@ from specctl.gateway.generation import Generations
 from specctl.gateway.infill import parse_infill
 from specctl.gateway.llama import parse_completion
 from specctl.gateway.sglang import parse_generate
+from specctl.gateway.cache_routes import cache_routes
 from specctl.gateway.text_routes import TextRoutes
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.gateway.chat_template import load_chat_template
@@ -145,6 +146,7 @@ class Gateway:
             web.post("/infill", self._infill),
             web.post("/completion", self._llama_completion), web.post("/completions", self._llama_completion),
             web.post("/generate", self._sglang_generate), *TextRoutes(self).routes(),
+            *cache_routes(self.upstream, self.config.api_key),
         ])
         app.cleanup_ctx.append(self._poller)
         return app

@@ -24,7 +24,7 @@ from specctl.gateway.waiting import Ticket, WaitingLine
 from specctl.net.protocol import Welcome
 from specctl.runtime.loop import parse_hostport
 from specctl.spec.sampling import SamplingParams
-from specctl.verify.client import RemoteError, TargetConnection, TargetStream, probe
+from specctl.verify.client import RemoteError, TargetConnection, TargetStream, flush_cache, probe
 
 log = logging.getLogger("specctl.gateway")
 
@@ -118,6 +118,20 @@ class Upstream:
         while True:
             await self.poll_once()
             await asyncio.sleep(self.poll_interval_s)
+
+    async def flush_caches(self) -> list[dict]:
+        """Every known role's prefix cache emptied — the target instances and the draft servers
+        they use: a line a role, with what it dropped or why it could not."""
+        async def flush(link: RoleLink) -> dict:
+            line = {"role": link.role, "address": link.address}
+            try:
+                done = await asyncio.wait_for(flush_cache(link.host, link.port, self.auth_token, self.ssl), 5.0)
+            except Exception as exc:  # noqa: BLE001 - down or refusing: said in its line, the others still flushed
+                return {**line, "error": str(exc) or type(exc).__name__}
+            link.prefilled.clear()  # routing's picture of what it holds
+            return {**line, "entries": done.entries, "freed_mb": round(done.freed_bytes / 2**20, 2)}
+
+        return list(await asyncio.gather(*(flush(link) for link in self.targets + self.drafters)))
 
     def views(self, prompt: np.ndarray | None = None) -> list[TargetView]:
         return [t.view(prompt) for t in self.targets]

@@ -97,13 +97,20 @@ class SparseProbs(msgspec.Struct, frozen=True):
         values, ids = rows.float().topk(max(support, 1), dim=-1)
         return cls(Tensor.from_torch(ids), Tensor.from_torch(values))
 
-    def to_dense(self, vocab_size: int) -> torch.Tensor:
+    def checked(self, vocab_size: int) -> int:
+        """The rows, once the ids and probabilities are found to be rows of one vocabulary
+        (ProtocolError if not). Small [rows, k] work: fine on the event loop's thread."""
         ids, probs = self.ids.to_torch(), self.probs.to_torch()
         if ids.dtype != torch.int64 or probs.dtype != torch.float32 or ids.dim() != 2 or ids.shape != probs.shape:
             raise ProtocolError("sparse probabilities need int64 ids and float32 probs of the same [rows, k] shape")
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
             raise ProtocolError(f"sparse probability ids must be in [0, {vocab_size})")
-        return torch.zeros(ids.shape[0], vocab_size).scatter_(1, ids, probs)
+        return ids.shape[0]
+
+    def to_dense(self, vocab_size: int) -> torch.Tensor:
+        """The dense [rows, vocab] rows: vocabulary-wide work, for the compute thread."""
+        self.checked(vocab_size)
+        return torch.zeros(self.ids.shape[0], vocab_size).scatter_(1, self.ids.to_torch(), self.probs.to_torch())
 
 
 class Proposal(msgspec.Struct, tag=True, frozen=True):
@@ -242,6 +249,17 @@ class Stats(msgspec.Struct, tag=True, frozen=True):
     stats: dict
 
 
+class FlushCache(msgspec.Struct, tag=True, frozen=True):
+    """Drop every entry of the role's prefix cache (vLLM's /reset_prefix_cache, SGLang's
+    /flush_cache); sessions running go on, and prompts after it prefill from scratch."""
+
+
+class CacheFlushed(msgspec.Struct, tag=True, frozen=True):
+    role: str
+    entries: int  # the texts dropped (0 for a role without a prefix cache)
+    freed_bytes: int
+
+
 class Error(msgspec.Struct, tag=True, frozen=True):
     code: str
     message: str
@@ -251,7 +269,7 @@ class Error(msgspec.Struct, tag=True, frozen=True):
 
 Message = Union[
     Challenge, Hello, Welcome, OpenSession, SessionOpened, Propose, Proposal, CloseSession,
-    Generate, Tokens, Done, Cancel, StatsRequest, Stats, Error,
+    Generate, Tokens, Done, Cancel, StatsRequest, Stats, FlushCache, CacheFlushed, Error,
     StageOpen, StageForward, StageKeep, StageClose, StageDrop, StageOutput,
     OpenLevels, NextLevel, Level, Reroot,
 ]

@@ -40,8 +40,8 @@ def verify(logits: torch.Tensor, proposal, params: SamplingParams, generator) ->
     if params.greedy:
         return accept_greedy(proposal.tree, logits)
     p = probs_from_logits(logits, params)
-    if proposal.draft_probs is not None:
-        return accept_chain_sampling(proposal.tree, proposal.draft_probs, p, generator)
+    if (q := proposal.draft_probs) is not None:
+        return accept_chain_sampling(proposal.tree, q() if callable(q) else q, p, generator)
     return accept_tree_sampling(proposal.tree, p, generator)
 
 

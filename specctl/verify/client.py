@@ -12,7 +12,9 @@ from typing import AsyncIterator, Callable
 from specctl.errors import SpecctlError
 from specctl.net.framing import read_message, write_message
 from specctl.net.handshake import client_handshake
-from specctl.net.protocol import Cancel, Done, Error, Stats, StatsRequest, Tokens, Welcome, encode
+from specctl.net.protocol import (
+    CacheFlushed, Cancel, Done, Error, FlushCache, Stats, StatsRequest, Tokens, Welcome, encode,
+)
 from specctl.spec.sampling import SamplingParams
 from specctl.verify.wire_params import generate_message
 
@@ -196,21 +198,36 @@ async def remote_generate(
         return tokens, event.finish_reason, event.stats
 
 
-async def probe(host: str, port: int, auth_token: str | None = None,
-                ssl: ssl_module.SSLContext | None = None) -> tuple[Welcome, dict]:
-    """Handshake as a monitor and ask for one stats snapshot: (who answered, its stats)."""
+async def _ask(host: str, port: int, request, answer: type, auth_token: str | None,
+               ssl: ssl_module.SSLContext | None) -> tuple[Welcome, object]:
+    """Handshake as a monitor, send one request, read its answer: (who answered, the answer)."""
     reader, writer = await _connect(host, port, ssl)
     try:
         welcome = await client_handshake(reader, writer, role="monitor", auth_token=auth_token)
-        await write_message(writer, StatsRequest())
+        await write_message(writer, request)
         reply = await read_message(reader)
-        if not isinstance(reply, Stats):
-            raise RemoteError("unexpected", f"expected Stats, got {type(reply).__name__}")
-        return welcome, reply.stats
+        if isinstance(reply, Error):
+            raise RemoteError(reply.code, reply.message)
+        if not isinstance(reply, answer):
+            raise RemoteError("unexpected", f"expected {answer.__name__}, got {type(reply).__name__}")
+        return welcome, reply
     except (asyncio.IncompleteReadError, ConnectionError) as exc:
         raise RemoteError("disconnected", f"{host}:{port} dropped the connection: {exc}") from None
     finally:
         writer.close()
+
+
+async def probe(host: str, port: int, auth_token: str | None = None,
+                ssl: ssl_module.SSLContext | None = None) -> tuple[Welcome, dict]:
+    """Ask any role for one stats snapshot: (who answered, its stats)."""
+    welcome, reply = await _ask(host, port, StatsRequest(), Stats, auth_token, ssl)
+    return welcome, reply.stats
+
+
+async def flush_cache(host: str, port: int, auth_token: str | None = None,
+                      ssl: ssl_module.SSLContext | None = None) -> CacheFlushed:
+    """Empty a target instance's or draft server's prefix cache: what it dropped."""
+    return (await _ask(host, port, FlushCache(), CacheFlushed, auth_token, ssl))[1]
 
 
 async def remote_stats(host: str, port: int, auth_token: str | None = None,

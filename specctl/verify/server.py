@@ -15,12 +15,14 @@ from dataclasses import dataclass
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.loader import LoadedModel
 from specctl.engine.prefill_gate import prefill_gate
-from specctl.engine.prefix_cache import prefix_cache_stats
+from specctl.engine.prefix_cache import flush_prefix_cache, prefix_cache_stats
 from specctl.engine.spec import check_token_ids
 from specctl.errors import BadRequest, KVBudgetExceeded, SpecctlError, StageUnavailable
 from specctl.net.framing import read_message
 from specctl.net.handshake import server_handshake
-from specctl.net.protocol import Cancel, Done, Error, Generate, ProtocolError, Stats, StatsRequest, Tokens, encode
+from specctl.net.protocol import (
+    CacheFlushed, Cancel, Done, Error, FlushCache, Generate, ProtocolError, Stats, StatsRequest, Tokens, encode,
+)
 from specctl.pipeline.decoder import PipelineClient
 from specctl.pipeline.microbatch import MicroBatchLane
 from specctl.pipeline.serve import SpecPipeDraft, serve_specpipe
@@ -179,6 +181,8 @@ class TargetServer(ListeningServer):
                     task.cancel(CLIENT_CANCEL)  # answered with DONE "cancelled" and the session's stats
             elif isinstance(message, StatsRequest):
                 send(Stats("target", self.snapshot()))
+            elif isinstance(message, FlushCache):
+                send(CacheFlushed("target", *flush_prefix_cache(self.model.decoder)))
             else:
                 refuse(Error("unexpected", f"a target instance does not handle {type(message).__name__}"))
 

@@ -1,0 +1,89 @@
+"""Flushing the prefix caches (gateway.cache_routes, FLUSH_CACHE): vLLM's /reset_prefix_cache
+and SGLang's /flush_cache empty every target instance's and draft server's cache, the next
+request prefills from scratch with the same text, and a role that cannot be reached is named."""
+
+import json
+import urllib.error
+import urllib.request
+
+
+from specctl.net.protocol import CacheFlushed
+from tests.test_gateway import specctl_generate
+
+
+def _flush(base: str, method: str = "POST", path: str = "/reset_prefix_cache", headers: dict | None = None):
+    request = urllib.request.Request(base + path, method=method, headers=headers or {},
+                                     data=b"" if method == "POST" else None)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_a_flush_empties_every_role_s_cache_and_the_next_request_prefills_it_again(cluster, client, tiny_dir):
+    base, model = cluster[1]["gateway"], str(tiny_dir["llama"])
+    prompt = "A long opening that the instance keeps in its prefix cache until it is flushed. " * 3
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0)
+    second = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
+    status, body = _flush(base)
+    assert status == 200 and body["flushed"] is True
+    by_role = {}
+    for line in body["roles"]:
+        by_role.setdefault(line["role"], []).append(line)
+    assert len(by_role["target"]) == 2 and len(by_role["draft"]) == 1
+    # the embedded cluster's instances share one model: one line dropped its texts, the other none left
+    assert sorted(line["entries"] > 0 for line in by_role["target"]) == [False, True]
+    assert by_role["draft"][0]["entries"] > 0 and by_role["draft"][0]["freed_mb"] > 0
+    third = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0)
+    assert third.usage.prompt_tokens_details.cached_tokens == 0
+    assert first.choices[0].text == second.choices[0].text == third.choices[0].text == \
+        specctl_generate(tiny_dir, prompt, 10)["text"]
+    # SGLang's name, either method: the third request's text goes, then nothing is left to drop
+    status, body = _flush(base, "GET", "/flush_cache")
+    assert status == 200 and sum(line["entries"] for line in body["roles"] if line["role"] == "target") > 0
+    status, body = _flush(base, "POST", "/flush_cache")
+    assert status == 200 and all(line["entries"] == 0 and line["freed_mb"] == 0 for line in body["roles"])
+
+
+def test_a_draft_server_flushes_for_a_monitor_connection_too(cluster):
+    """Any authenticated peer may flush (a monitor or the gateway's probe connection), as any
+    may read stats; the answer says what went."""
+    import asyncio
+
+    from specctl.verify.client import flush_cache
+
+    host, port = cluster[1]["draft"].rsplit(":", 1)
+    answer = asyncio.run(flush_cache(host, int(port)))
+    assert isinstance(answer, CacheFlushed) and answer.role == "draft" and answer.entries >= 0
+
+
+async def test_an_unreachable_role_is_named_with_a_503_and_the_api_key_is_checked(tiny_dir):
+    import aiohttp
+    from transformers import AutoTokenizer
+
+    from specctl.bench.processes import free_port
+    from specctl.gateway.metrics import GatewayMetrics
+    from specctl.gateway.server import Gateway, GatewayConfig
+    from specctl.gateway.upstream import Upstream
+
+    dead = f"127.0.0.1:{free_port()}"
+    gateway = Gateway(GatewayConfig(model_name="tiny", context=512, port=0, api_key="k3y"),
+                      AutoTokenizer.from_pretrained(tiny_dir["llama"]), Upstream([dead], poll_interval_s=0.1),
+                      GatewayMetrics())
+    port = await gateway.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            url = f"http://127.0.0.1:{port}/reset_prefix_cache"
+            async with session.post(url) as response:
+                assert response.status == 401
+            async with session.post(url, headers={"Authorization": "Bearer k3y"}) as response:
+                assert response.status == 503
+                body = await response.json()
+            assert body["flushed"] is False
+            [line] = body["roles"]
+            assert line["role"] == "target" and line["address"] == dead
+            assert line["error"].startswith(f"cannot reach {dead}")
+    finally:
+        await gateway.close()
