@@ -20,6 +20,8 @@ from rich.console import Console
 
 from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
+from specctl.runtime.compute import ComputeThread
+from specctl.runtime.loop import compute_in_main_thread
 
 CODE = '''
 import heapq
@@ -126,15 +128,24 @@ def main() -> None:
     for repeat in range(args.repeats):
         for label, mb in (("off", 0), ("on", 512)):  # alternated: the machine's drift falls on both
             config = build_config(None, dtype=args.dtype, prefix_cache_mb=mb)
-            cluster = ClusterThread(config, ClusterConfig(targets=1, gateway_port=0), Console(stderr=True))
-            urls = cluster.start()
-            try:
-                # warm-up on a text of its own (nothing the measured conversation could find in the cache)
-                converse(urls["gateway"], config.target, 4, "Be brief.", ["Say hi."])
-                picked = choices(urls["gateway"], config.target, 16)
-                cluster_turns = converse(urls["gateway"], config.target, args.max_tokens)
-            finally:
-                cluster.stop()
+            # compute served from the main thread, as `specctl up` and `chat` serve it
+            compute = ComputeThread("cpu-compute", max_batch=config.max_batch, spawn=False)
+            cluster = ClusterThread(config, ClusterConfig(targets=1, gateway_port=0), Console(stderr=True),
+                                    compute=compute)
+            measured: dict = {}
+
+            def talk() -> None:
+                urls = cluster.start()
+                try:
+                    # warm-up on a text of its own (nothing the measured conversation could find in the cache)
+                    converse(urls["gateway"], config.target, 4, "Be brief.", ["Say hi."])
+                    measured["picked"] = choices(urls["gateway"], config.target, 16)
+                    measured["turns"] = converse(urls["gateway"], config.target, args.max_tokens)
+                finally:
+                    cluster.stop()
+
+            compute_in_main_thread(talk, compute)
+            picked, cluster_turns = measured["picked"], measured["turns"]
             runs[label].append(cluster_turns)
             sampled[label].append(picked)
             console.print(f"repeat {repeat + 1} prefix cache {label}: TTFT "

@@ -44,6 +44,10 @@ def send_verifications(items: list[tuple[DecodeSession, Proposal]]) -> list:
     return results
 
 
+def _accept_rows(session, proposal, frame, start: int, rows: int):
+    return session.accept(proposal, frame.to_torch()[start : start + rows].float())
+
+
 class MicroBatchLane:
     """A lane for a pipelined target: "verify" batches go down the chain without holding the
     compute thread; everything else runs on the wrapped lane as usual."""
@@ -61,9 +65,11 @@ class MicroBatchLane:
         if isinstance(sent, BaseException):
             raise sent
         future, start, rows = sent
-        logits = (await asyncio.wrap_future(future)).to_torch().float()[start : start + rows]
+        frame = await asyncio.wrap_future(future)
         session, proposal = item
-        return await self.lane.run(session.accept, proposal, logits)
+        # the vocabulary-wide conversion on the compute thread too (DESIGN: only it runs torch's
+        # parallel ops; one here would keep an OpenMP pool alive that slows every later step)
+        return await self.lane.run(_accept_rows, session, proposal, frame, start, rows)
 
     def submit_nowait(self, fn: Callable[..., Any], *args: Any) -> None:
         self.lane.submit_nowait(fn, *args)
