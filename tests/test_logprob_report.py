@@ -19,18 +19,22 @@ def text(token: int) -> str:
 
 def test_frames_and_a_local_session_give_the_same_entries():
     """The first frame carries the prompt's scores (even with no token); the output's come per
-    frame. A token among its alternatives gets its rank there, else None (below those listed)."""
-    scores = logprob_report.Scores(PROMPT)
-    scores.add(Tokens(req=1, tokens=[], prompt_logprobs=[-1.0, -2.0], prompt_top_ids=[[6], [8]],
-                      prompt_top_logprobs=[[-1.0], [-0.5]], prompt_ranks=[1, 3]))
-    scores.add(Tokens(req=1, tokens=[8, 9], logprobs=[-0.1, -3.0], top_ids=[[8], [5]], top_logprobs=[[-0.1], [-0.2]]))
-    scores.add(Tokens(req=1, tokens=[5], logprobs=[-0.3], top_ids=[[5]], top_logprobs=[[-0.3]]))
-    local = logprob_report.local_scores(PROMPT, [8, 9, 5], [(-0.1, [8], [-0.1]), (-3.0, [5], [-0.2]),
-                                                            (-0.3, [5], [-0.3])],
+    frame, each token with its rank in its row — from a peer that sent none, its rank among its
+    alternatives where it is one, else None (below those listed)."""
+    scores, older = logprob_report.Scores(PROMPT), logprob_report.Scores(PROMPT)
+    for frames, ranks in ((scores, ([1, 4], [1])), (older, ([], []))):
+        frames.add(Tokens(req=1, tokens=[], prompt_logprobs=[-1.0, -2.0], prompt_top_ids=[[6], [8]],
+                          prompt_top_logprobs=[[-1.0], [-0.5]], prompt_ranks=[1, 3]))
+        frames.add(Tokens(req=1, tokens=[8, 9], logprobs=[-0.1, -3.0], top_ids=[[8], [5]],
+                          top_logprobs=[[-0.1], [-0.2]], ranks=ranks[0]))
+        frames.add(Tokens(req=1, tokens=[5], logprobs=[-0.3], top_ids=[[5]], top_logprobs=[[-0.3]], ranks=ranks[1]))
+    local = logprob_report.local_scores(PROMPT, [8, 9, 5], [(-0.1, [8], [-0.1], 1), (-3.0, [5], [-0.2], 4),
+                                                            (-0.3, [5], [-0.3], 1)],
                                         [(-1.0, [6], [-1.0], 1), (-2.0, [8], [-0.5], 3)])
     assert scores.output == local.output and scores.prompt_entries == local.prompt_entries
-    assert [entry.rank for entry in scores.output] == [1, None, 1]
-    body = logprob_report.as_json(scores, 1, 1, text)
+    assert [entry.rank for entry in scores.output] == [1, 4, 1]
+    assert [entry.rank for entry in older.output] == [1, None, 1]
+    body = logprob_report.as_json(older, 1, 1, text)
     assert body["prompt_logprobs"] == [
         None,
         {"6": {"logprob": -1.0, "rank": 1, "decoded_token": "b"}},
@@ -41,7 +45,7 @@ def test_frames_and_a_local_session_give_the_same_entries():
 
 
 def test_only_what_was_asked_for_is_in_the_json():
-    scores = logprob_report.local_scores(PROMPT, [8], [(-0.1, [], [])], None)
+    scores = logprob_report.local_scores(PROMPT, [8], [(-0.1, [], [], None)], None)
     assert logprob_report.as_json(scores, None, None, text) == {}
     assert logprob_report.as_json(scores, 0, None, text) == {
         "logprobs": [{"8": {"logprob": -0.1, "rank": None, "decoded_token": "d"}}]}
@@ -49,8 +53,9 @@ def test_only_what_was_asked_for_is_in_the_json():
 
 
 def test_the_table_has_a_row_a_token_with_its_probability_rank_and_alternatives():
-    scores = logprob_report.local_scores(PROMPT, [8, 9], [(math.log(0.5), [8, 9], [math.log(0.5), -1.5]),
-                                                          (-3.0, [5], [-0.2])], [(-1.0, [], [], 4), (-2.0, [], [], 2)])
+    scores = logprob_report.local_scores(PROMPT, [8, 9], [(math.log(0.5), [8, 9], [math.log(0.5), -1.5], 1),
+                                                          (-3.0, [5], [-0.2], None)],
+                                         [(-1.0, [], [], 4), (-2.0, [], [], 2)])
     console = Console(width=100, record=True, file=io.StringIO())
     console.print(logprob_report.table("logprobs", scores.output, text))
     console.print(logprob_report.table("prompt logprobs", scores.prompt_entries, text))

@@ -38,9 +38,9 @@ def test_greedy_logprobs_are_the_targets_whichever_drafter_proposed(tiny, drafte
     assert session.output == decode(target, SamplingParams(max_tokens=24, ignore_eos=True)).output
     expected = reference(target, session.output)
     assert len(session.logprobs) == len(session.output) == 24
-    for i, (token, (chosen, ids, values)) in enumerate(zip(session.output, session.logprobs)):
+    for i, (token, (chosen, ids, values, rank)) in enumerate(zip(session.output, session.logprobs)):
         assert chosen == pytest.approx(float(expected[i, token]), abs=1e-4)
-        assert ids[0] == token and len(ids) == len(values) == 3  # greedy: the token is the likeliest
+        assert ids[0] == token and len(ids) == len(values) == 3 and rank == 1  # greedy: the token is the likeliest
         assert values == pytest.approx(expected[i].topk(3).values.tolist(), abs=1e-4)
 
 
@@ -50,9 +50,13 @@ def test_sampled_logprobs_are_the_raw_distributions_and_a_stop_token_has_none(ti
     session = decode(target, params, ModelChainDrafter(tiny["qwen2-draft"], 3))
     expected = reference(target, session.output)
     # before temperature and top-k, as vLLM reports them; no alternatives asked for
-    assert [c for c, _, _ in session.logprobs] == pytest.approx(
+    assert [c for c, _, _, _ in session.logprobs] == pytest.approx(
         [float(expected[i, t]) for i, t in enumerate(session.output)], abs=1e-4)
-    assert all(ids == values == [] for _, ids, values in session.logprobs)
+    assert all(ids == values == [] for _, ids, values, _ in session.logprobs)
+    # each token's rank in its raw row, whether or not alternatives were asked for (vLLM's)
+    ranks = [rank for _, _, _, rank in session.logprobs]
+    assert ranks == [int((expected[i] >= expected[i, t]).sum()) for i, t in enumerate(session.output)]
+    assert max(ranks) > 1  # sampled at T 0.8 from a random model: some tokens below their row's likeliest
     stop = session.output[5]
     first = session.output.index(stop)
     stopped = decode(target, SamplingParams(temperature=0.8, top_k=20, max_tokens=20, seed=7, ignore_eos=True,

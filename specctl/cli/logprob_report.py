@@ -30,14 +30,16 @@ class Scores:
             self.prompt_entries = [TokenLogprob(self.prompt[0], None, [], []), *map(
                 TokenLogprob, self.prompt[1:], event.prompt_logprobs, event.prompt_top_ids,
                 event.prompt_top_logprobs, event.prompt_ranks)]
-        self.output += [output_entry(token, logprob, ids, values) for token, logprob, ids, values in
-                        zip(event.tokens, event.logprobs, event.top_ids, event.top_logprobs)]
+        self.output += [output_entry(*entry) for entry in
+                        zip(event.tokens, event.logprobs, event.top_ids, event.top_logprobs, event.output_ranks())]
 
 
-def output_entry(token: int, logprob: float, ids: list[int], values: list[float]) -> TokenLogprob:
-    """An output token's entry; its rank is known where it is among its alternatives (else None:
-    below the N listed — the target ships only those)."""
-    return TokenLogprob(token, logprob, ids, values, ids.index(token) + 1 if token in ids else None)
+def output_entry(token: int, logprob: float, ids: list[int], values: list[float], rank: int | None) -> TokenLogprob:
+    """An output token's entry; a rank not given is known where the token is among its
+    alternatives (a peer before ranks were sent), else None."""
+    if rank is None and token in ids:
+        rank = ids.index(token) + 1
+    return TokenLogprob(token, logprob, ids, values, rank)
 
 
 def local_scores(prompt: list[int], output: list[int], logprobs: list[tuple], prompt_logprobs: list[tuple] | None,

@@ -155,7 +155,7 @@ class Choices:
                 self.metrics.generation_tokens.inc(len(event.tokens))
                 delta = text.push(event.tokens)
                 logprobs = [R.TokenLogprob(*entry) for entry in zip(event.tokens, event.logprobs, event.top_ids,
-                                                                     event.top_logprobs)]
+                                                                     event.top_logprobs, event.output_ranks())]
                 if text.stopped:  # the rest is not wanted: stop the target, keep its stats for the counters
                     stats = await stream.cancel()
                     self.metrics.record_generation(stats)

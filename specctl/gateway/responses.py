@@ -15,7 +15,7 @@ class TokenLogprob(NamedTuple):
     logprob: float | None  # None: an echoed prompt's first token (nothing precedes it)
     top_ids: list[int]
     top_logprobs: list[float]
-    rank: int | None = None  # a prompt token's rank in its row (vLLM's prompt_logprobs)
+    rank: int | None = None  # its rank in its row (vLLM's); None where the target did not say
 
 
 LOWEST_LOGPROB = -9999.0  # what vLLM writes for -inf, which JSON cannot carry

@@ -225,6 +225,11 @@ class Tokens(msgspec.Struct, tag=True, frozen=True):
     prompt_top_ids: list[list[int]] = []
     prompt_top_logprobs: list[list[float]] = []
     prompt_ranks: list[int] = []  # each prompt token's rank in its row (vLLM's prompt_logprobs show it)
+    ranks: list[int] = []  # each output token's rank in its row, with its log-probability (empty from older peers)
+
+    def output_ranks(self) -> list[int | None]:
+        """Each output token's rank (None for each when the peer sent none)."""
+        return self.ranks or [None] * len(self.tokens)
 
 
 class Done(msgspec.Struct, tag=True, frozen=True):

@@ -8,24 +8,27 @@ import torch
 
 from specctl.engine.kv_cache import KVPool
 
-TokenLogprob = tuple[float, list[int], list[float]]  # the token's log-probability; its alternatives' ids, theirs
-PromptLogprob = tuple[float, list[int], list[float], int]  # the same and the token's rank (1: the likeliest; vLLM's)
+# the token's log-probability; its alternatives' ids, theirs; its rank in its row (1: the likeliest; vLLM's:
+# how many tokens are at least as likely, itself included)
+TokenLogprob = tuple[float, list[int], list[float], int]
+PromptLogprob = TokenLogprob
 PROMPT_CHUNK = 512  # prompt rows scored per forward: bounds the logits held at once (rows x vocabulary)
 
 
 def token_logprobs(rows: torch.Tensor, tokens: list[int], alternatives: int) -> list[TokenLogprob]:
     """Each token's log-probability under the target's raw distribution at its row (before
     temperature, top-k and top-p, as vLLM reports them), with the ``alternatives`` likeliest."""
-    return _scored(rows.float().log_softmax(-1), tokens, alternatives)[0]
+    return _scored(rows.float().log_softmax(-1), tokens, alternatives)
 
 
-def _scored(logprobs: torch.Tensor, tokens: list[int], alternatives: int) -> tuple[list[TokenLogprob], torch.Tensor]:
-    """Each token's entry from its row's log-probabilities, and the chosen ones as a column."""
+def _scored(logprobs: torch.Tensor, tokens: list[int], alternatives: int) -> list[TokenLogprob]:
+    """Each token's entry from its row's log-probabilities."""
     chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).view(-1, 1))
+    ranks = (logprobs >= chosen).sum(-1).tolist()
     if not alternatives:
-        return [(lp, [], []) for lp in chosen[:, 0].tolist()], chosen
+        return [(lp, [], [], rank) for lp, rank in zip(chosen[:, 0].tolist(), ranks)]
     values, ids = logprobs.topk(alternatives, dim=-1)
-    return list(zip(chosen[:, 0].tolist(), ids.tolist(), values.tolist())), chosen
+    return list(zip(chosen[:, 0].tolist(), ids.tolist(), values.tolist(), ranks))
 
 
 def score_prompt(target, prompt: list[int], alternatives: int, pool: KVPool | None = None) -> list[PromptLogprob]:
@@ -43,10 +46,7 @@ def score_prompt(target, prompt: list[int], alternatives: int, pool: KVPool | No
             hi = min(lo + PROMPT_CHUNK, len(prompt) - 1)
             logits = target(torch.tensor(prompt[lo:hi], dtype=torch.long), torch.arange(lo, hi), cache,
                             logits_at=torch.arange(hi - lo))
-            logprobs = logits.float().log_softmax(-1)
-            entries, chosen = _scored(logprobs, prompt[lo + 1:hi + 1], alternatives)
-            ranks = (logprobs >= chosen).sum(-1).tolist()
-            scored += [(*entry, rank) for entry, rank in zip(entries, ranks)]
+            scored += _scored(logits.float().log_softmax(-1), prompt[lo + 1:hi + 1], alternatives)
     finally:
         cache.release()
     return scored

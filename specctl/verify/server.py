@@ -274,7 +274,8 @@ class TargetServer(ListeningServer):
             return
         self.totals.new_tokens += len(tokens)
         own = session.logprobs[len(session.logprobs) - len(tokens):] if session.params.logprobs is not None else []
-        send(Tokens(req, tokens, *_columns(own, 3), *_columns(prompt or [], 4)))
+        logprobs, top_ids, top_logprobs, ranks = _columns(own, 4)
+        send(Tokens(req, tokens, logprobs, top_ids, top_logprobs, *_columns(prompt or [], 4), ranks=ranks))
 
 
 def _columns(entries: list, width: int) -> tuple[list, ...]:
