@@ -29,9 +29,9 @@ PROBE_ROWS = 8  # rows checked in each product
 # Product sizes a verification forward has (a chain of d + 1 rows, a tree of up to 64 nodes):
 # every size up to 8, tails of the 4/8/16-row blocks, and the largest.
 PROBE_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 32, 64)
-# and a prefill's (a chunk of up to 512 rows on the CPU, any remainder after a restored prefix),
-# where prefills attend row by row (a target with a prefix cache): the layers' products only,
-# since a prefill takes logits at its last row alone
+# and a prefill's (a chunk of up to 512 rows on the CPU, any remainder after a restored prefix:
+# a row-exact target's prefill rows must get the bits its decode steps get): the layers'
+# products only, since a prefill takes logits at its last row alone
 PREFILL_PROBE_SIZES = (*PROBE_SIZES, 100, 512)
 PROBE_ELEMENTS = 1 << 16  # output elements compared a size (draws of PROBE_ROWS rows)
 PROBE_DRAWS_MAX = 64
