@@ -29,6 +29,7 @@ from specctl.verify.client import RemoteError, TargetConnection, TargetStream, f
 log = logging.getLogger("specctl.gateway")
 
 RECENT_PROMPTS = 64  # per instance, for cache-aware routing (a lookup compares the prompt with each)
+ROLE_ANSWER_S = 5.0  # how long a role may take to answer a stats probe or a flush before it counts as down
 RETRYABLE = {"unreachable", "disconnected", "capacity", "unavailable"}  # nothing was generated yet: another instance may take it
 
 
@@ -85,7 +86,8 @@ class Upstream:
 
     async def _poll(self, link: RoleLink) -> None:
         try:
-            welcome, stats = await asyncio.wait_for(probe(link.host, link.port, self.auth_token, self.ssl), 5.0)
+            welcome, stats = await asyncio.wait_for(probe(link.host, link.port, self.auth_token, self.ssl),
+                                                    ROLE_ANSWER_S)
         except Exception as exc:  # noqa: BLE001 - unreachable, refused or misbehaving: shown as down, never fatal
             if link.up:
                 log.warning("%s %s is down: %s", link.role, link.address, exc)
@@ -125,7 +127,8 @@ class Upstream:
         async def flush(link: RoleLink) -> dict:
             line = {"role": link.role, "address": link.address}
             try:
-                done = await asyncio.wait_for(flush_cache(link.host, link.port, self.auth_token, self.ssl), 5.0)
+                done = await asyncio.wait_for(flush_cache(link.host, link.port, self.auth_token, self.ssl),
+                                              ROLE_ANSWER_S)
             except Exception as exc:  # noqa: BLE001 - down or refusing: said in its line, the others still flushed
                 return {**line, "error": str(exc) or type(exc).__name__}
             link.prefilled.clear()  # routing's picture of what it holds
