@@ -33,8 +33,10 @@ class TableSpeculator:
     """Stands for a target's link to a draft server: Propose -> lookup, then drafting on a miss;
     ``steps`` background steps run while the target verifies."""
 
-    def __init__(self, table: SessionTable, tag: int, steps: int, early: bool = False) -> None:
+    def __init__(self, table: SessionTable, tag: int, steps: int, early: bool = False,
+                 reproducible: bool = False) -> None:
         self.table, self.tag, self.steps, self.early = table, tag, steps, early
+        self.reproducible = reproducible  # as a target's draft client marks a seeded sampled request
         self.max_nodes = table.drafter.max_nodes
         self.opened = False
 
@@ -47,7 +49,8 @@ class TableSpeculator:
             self.table.open(self.tag, OpenSession(0, session.seq[: session.prompt_len], p.temperature, p.top_p, p.top_k,
                                                   seed=draft_seed(p.seed), max_tokens=p.max_tokens,
                                                   presence_penalty=p.presence_penalty,
-                                                  repetition_penalty=p.repetition_penalty))
+                                                  repetition_penalty=p.repetition_penalty,
+                                                  reproducible=self.reproducible))
             self.opened, path, tokens = True, [], session.seq[session.prompt_len:]
         else:
             path, tokens = session.last_path, session.last_committed
@@ -91,8 +94,8 @@ class ShortAnswers(SpeculationCache):
         return 1.0, 1.0
 
 
-def run(target, table, prompt, params, steps, tag=1, early=False):
-    speculator = TableSpeculator(table, tag, steps, early)
+def run(target, table, prompt, params, steps, tag=1, early=False, reproducible=False):
+    speculator = TableSpeculator(table, tag, steps, early, reproducible)
     session = DecodeSession(target, prompt, params, max_nodes=speculator.max_nodes)
     run_inline(run_session(session, speculator, InlineLane(), lambda tokens, result: None))
     return session.output, session.stats

@@ -55,7 +55,7 @@ class SessionTable:
         session = self.drafter.open(capacity, self.pool)
         generator = torch.Generator().manual_seed(msg.seed)
         self.states[tag] = DraftState(session, params, generator, list(msg.prompt), capacity, self.drafter.max_nodes,
-                                      self.vocab_size)
+                                      self.vocab_size, reproducible=msg.reproducible)
         if self.guide_of is not None and hasattr(session, "guide"):
             rules = _rules(msg)
             if rules is not None:
@@ -63,11 +63,12 @@ class SessionTable:
                 session.guide = self.guide_of(rules, list(msg.prompt[:split]), list(msg.prompt[split:]))
 
     def prompt_to_feed(self, tag: int) -> list[int] | None:
-        """The prompt ``prefill_step`` feeds in chunks before the first proposal, or None when
-        there is none (a lookup drafter, a prompt within a chunk, chunks off)."""
+        """The prompt ``prefill_step`` feeds in chunks before the first proposal, which the
+        prefill gate may share with sessions that start alike; None when there is none (a lookup
+        drafter, a prompt within a chunk, chunks off) or it restores nothing (a reproducible one)."""
         state = self.states.get(tag)
         session = getattr(state, "session", None)
-        if not isinstance(session, _ModelDraftSession) or state.rounds:
+        if not isinstance(session, _ModelDraftSession) or state.rounds or state.reproducible:
             return None
         chunk = session.decoder.prefill_chunk
         return state.seq if 0 < chunk < len(state.seq) else None
@@ -92,7 +93,7 @@ class SessionTable:
                 if state is None:
                     raise UnknownTag(tag)
                 before = state.rounds, state.drafted, state.accepted
-                if self.speculation is not None:  # learn from the outcome; no branch KV may stay
+                if self._speculates(state):  # learn from the outcome; no branch KV may stay
                     self.speculation.outcome_without_lookup(tag, path, tokens)
                 state.advance(path, tokens)
             except Exception as exc:  # noqa: BLE001 - reported to that request only
@@ -104,7 +105,7 @@ class SessionTable:
         if spec is not None:
             ready = self._fall_back(ready, results)
             for _, tag, state in ready:
-                state.session.reshape = spec.reshape_for(tag, state)
+                state.session.reshape = spec.reshape_for(tag, state) if self._speculates(state) else None
         started = time.perf_counter()
         proposals = draft_many([state for _, _, state in ready])
         if spec is not None and ready:
@@ -114,9 +115,14 @@ class SessionTable:
                 results[i] = proposal
                 continue
             results[i] = _message(tag, proposal)
-            if spec is not None:
+            if self._speculates(state):
                 spec.planned(tag, state, proposal)
         return results
+
+    def _speculates(self, state: DraftState | None) -> bool:
+        """Pre-speculation is on and may serve this session: never a reproducible one, whose
+        proposals would then depend on the leftover capacity (DraftState.reproducible)."""
+        return self.speculation is not None and not getattr(state, "reproducible", False)
 
     def _fall_back(self, ready: list, results: list) -> list:
         """The sessions whose outcome missed the speculation cache are drafted just in time with
@@ -141,17 +147,17 @@ class SessionTable:
 
     def lookup_many(self, requests: list[tuple[int, list[int], list[int]]]) -> list:
         """Answer Propose requests from the speculation cache: a Proposal message per hit, None
-        per miss (then ``propose_many`` serves it)."""
-        items = [(tag, self.states.get(tag), path, tokens) for tag, path, tokens in requests]
+        per miss (then ``propose_many`` serves it; always a reproducible session's)."""
+        asked = [(i, (tag, state, path, tokens)) for i, (tag, path, tokens) in enumerate(requests)
+                 if (state := self.states.get(tag)) is None or self._speculates(state)]
+        items = [item for _, item in asked]
         before = {tag: (s.rounds, s.drafted, s.accepted) for tag, s, _, _ in items if s is not None}
-        results = []
-        for (tag, state, _, _), proposal in zip(items, self.speculation.lookup_many(items)):
-            if proposal is None:
-                results.append(None)
-                continue
-            self._count(state, before[tag])
-            results.append(_message(tag, proposal))
-            self.speculation.planned(tag, state, proposal)
+        results: list = [None] * len(requests)
+        for (i, (tag, state, _, _)), proposal in zip(asked, self.speculation.lookup_many(items)):
+            if proposal is not None:
+                self._count(state, before[tag])
+                results[i] = _message(tag, proposal)
+                self.speculation.planned(tag, state, proposal)
         return results
 
     def early_answer(self, tag: int, path: list[int], tokens: list[int]) -> tuple[Proposal, Ticket] | None:

@@ -69,6 +69,8 @@ class OpenSession(msgspec.Struct, tag=True, frozen=True):
     min_tokens: int = 0  # of the whole output, ``generated`` included
     logit_bias: dict[int, float] = {}
     bad_words: list[list[int]] = []
+    # a seeded sampled request: drafted as a cold start alone would (DraftState.reproducible)
+    reproducible: bool = False
 
 
 class SessionOpened(msgspec.Struct, tag=True, frozen=True):

@@ -40,6 +40,17 @@ class DraftState:
     accepted: int = 0
     # (tokens or levels proposed, accepted) of its recent rounds: acceptance by position
     outcomes: collections.deque = field(default_factory=lambda: collections.deque(maxlen=256))
+    # A seeded sampled request's (SamplingParams.repeatable). Its sample depends on the draft's
+    # q through the acceptance test, and a bf16 draft's q changes in the last bits with how its
+    # KV was computed: a restored prefix (decode steps' bits, not a prefill's) or rows batched
+    # with other sessions (a one-row product takes another kernel). So such a session restores
+    # no cached prefix, is drafted on its own, and is never pre-speculated (draft.sessions):
+    # its seed repeats the text under any load, at the cost of those savings for it alone.
+    reproducible: bool = False
+
+    def __post_init__(self) -> None:
+        if self.reproducible and hasattr(self.session, "looked_up"):
+            self.session.looked_up = True  # its prompt is fed from the start, never restored
 
     def check_outcome(self, path: list[int], tokens: list[int]) -> None:
         """Refuse an outcome that is not one the last proposal could have had: BadRequest."""
@@ -98,13 +109,13 @@ class DraftState:
 
 def draft_many(states: list[DraftState]) -> list[Proposal | Exception]:
     """Draft for several sessions in one pass: chain sessions together and tree sessions
-    together (one forward per step or level for all of them), anything else one at a
-    time. One proposal or exception per state, in order."""
+    together (one forward per step or level for all of them), anything else and a
+    reproducible session one at a time. One proposal or exception per state, in order."""
     results: list[Proposal | Exception | None] = [None] * len(states)
     groups: dict = {}
-    for i, state in enumerate(states):
-        groups.setdefault(batch_kind(state.session), []).append(i)
-    for together, members in groups.items():
+    for i, state in enumerate(states):  # a reproducible session alone (DraftState.reproducible)
+        groups.setdefault((batch_kind(state.session), i if state.reproducible else None), []).append(i)
+    for (together, _), members in groups.items():
         batch = [states[i] for i in members]
         if together is None:
             proposals = [_propose_one(s) for s in batch]

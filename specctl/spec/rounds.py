@@ -100,7 +100,7 @@ class LocalSpeculator:
             capacity = draft_capacity(session.prompt_len, session.params.max_tokens, self.max_nodes)
             self.state = DraftState(self.drafter.open(capacity, self.pool), session.params, session.generator,
                                     session.seq[: session.prompt_len], capacity, self.max_nodes,
-                                    session.target.spec.vocab_size)
+                                    session.target.spec.vocab_size, reproducible=session.params.repeatable)
         self.state.advance(session.last_path, session.last_committed)
         if opening and session.rules is not None and hasattr(self.state.session, "guide"):
             # the draft follows the request's rules from here (the committed text is in the copy already)

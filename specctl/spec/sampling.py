@@ -95,6 +95,13 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def repeatable(self) -> bool:
+        """Seeded and sampled: the seed asks for the same text each time (a greedy text repeats
+        anyway). Its draft then computes every bit as a cold start alone would
+        (spec.draft_state.DraftState.reproducible)."""
+        return self.seed is not None and not self.greedy
+
+    @property
     def adjusts_logits(self) -> bool:
         """Whether the target's logits are changed before sampling (spec.logit_rules, spec.structured)."""
         return (bool(self.presence_penalty or self.frequency_penalty or self.min_tokens or self.logit_bias
