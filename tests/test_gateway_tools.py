@@ -14,8 +14,8 @@ from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
 from specctl.gateway.api import ApiError, ChatCompletionRequest, parse_body
 from specctl.gateway.harmony import harmony_calls
-from specctl.gateway.held_calls import (FunctoolsCalls, GlmCalls, JsonCalls, MistralCalls, PythonicCalls, functools_calls,
-                                         glm_calls, json_calls, pythonic_calls)
+from specctl.gateway.held_calls import FunctoolsCalls, GlmCalls, JsonCalls, MistralCalls, functools_calls, glm_calls, json_calls
+from specctl.gateway.pythonic_calls import StreamedPythonicCalls as PythonicCalls, pythonic_calls
 from specctl.gateway.mistral_calls import mistral_calls
 from specctl.gateway.tool_calls import ForcedCalls, StreamedCalls, parse, read_whole
 from specctl.gateway.tools import forced_call, request_tools
@@ -455,17 +455,84 @@ def test_an_output_nested_past_json_s_depth_is_content_not_a_crash():
     assert read_whole(ForcedCalls(None), "[" * 100_000) == ("[" * 100_000, None)
 
 
-def test_pythonic_streams_content_as_it_comes_and_holds_a_list_to_the_end():
+def _pushed(reader, pieces: list[str]) -> tuple[str, list[dict]]:
+    """(content, tool-call deltas) of pushing ``pieces`` one by one and finishing."""
+    content, deltas = "", []
+    for piece in pieces:
+        text, more = reader.push(piece)
+        content, deltas = content + text, deltas + more
+    rest, last, _ = reader.finish()
+    return content + rest, deltas + last
+
+
+def _joined(deltas: list[dict]) -> list[tuple[str, str]]:
+    """Each streamed call's (name, arguments): its pieces joined, as a client joins them."""
+    calls: dict[int, list[str]] = {}
+    for delta in deltas:
+        function = delta["function"]
+        call = calls.setdefault(delta["index"], [function.get("name", ""), ""])
+        call[1] += function["arguments"]
+    return [tuple(calls[i]) for i in sorted(calls)]
+
+
+def test_pythonic_calls_stream_each_name_at_its_parenthesis_and_its_arguments_at_its_close():
     reader = PythonicCalls()
-    assert reader.push("<|py") == ("", []) and reader.push("thon_start|>[a(x=1), b()]") == ("", [])
-    rest, deltas, calls = reader.finish()
-    assert rest == "" and [c["function"]["name"] for c in calls] == ["a", "b"] and len(deltas) == 2
+    assert reader.push("<|py") == ("", []) and reader.push("thon_start|>[get_") == ("", [])
+    _, [named] = reader.push("weather(")  # the name, at once, with an id
+    assert named["index"] == 0 and named["id"].startswith("call_")
+    assert named["function"] == {"name": "get_weather", "arguments": ""}
+    assert reader.push('city="Oslo (N)", days=') == ("", [])  # a bracket in a string does not close it
+    assert reader.push("[1, 2])") == ("", [{"index": 0, "function": {"arguments": '{"city": "Oslo (N)", "days": [1, 2]}'}}])
+    _, deltas = reader.push(", b()]<|python_end|>")
+    assert [d["function"] for d in deltas] == [{"name": "b", "arguments": ""}, {"arguments": "{}"}]
+    rest, last, calls = reader.finish()
+    assert (rest, last) == ("", []) and [c["function"]["name"] for c in calls] == ["get_weather", "b"]
+    # parallel_tool_calls false: the first call only, the rest not read
     reader = PythonicCalls(max_calls=1)
-    assert reader.push("[a(x=1), b()]") == ("", []) and [c["function"]["name"] for c in reader.finish()[2]] == ["a"]
+    assert [d["function"].get("name") for d in reader.push("[a(x=1), b()]")[1]] == ["a", None]
+    assert [c["function"]["name"] for c in reader.finish()[2]] == ["a"]
+    # content is content as it comes
     reader = PythonicCalls()
     assert reader.push("<b>") == ("<b>", []) and reader.push(" bold") == (" bold", []) and reader.finish() == ("", [], None)
+    # not calls before any went out: all of it is content
     broken = PythonicCalls()
     assert broken.push("[not python") == ("", []) and broken.finish() == ("[not python", [], None)
+    # a call streamed stays streamed when a later one is malformed or cut short: no calls whole
+    for tail in (", b('positional')]", ', b(x="cut', " b()]", ", b()] and more"):
+        reader = PythonicCalls()
+        content, deltas = _pushed(reader, ["[a(x=1)", tail])
+        assert content == "" and _joined(deltas)[0] == ("a", '{"x": 1}')
+        assert reader.finish()[2] is None
+
+
+TRIPLE = """[note(text='''it's "quoted" (twice)''', n=2)]"""
+
+
+@pytest.mark.parametrize("text", [case for case, calls in PYTHONIC if calls is not None] + [TRIPLE])
+@settings(max_examples=60, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=200), max_size=12))
+def test_pythonic_calls_cut_anywhere_stream_the_calls_of_the_whole_output(text, cuts):
+    """However the text arrives, the pieces join into the calls read whole (a quote, a triple
+    quote or the tag cut in two is waited for)."""
+    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    content, deltas = _pushed(PythonicCalls(), [text[a:b] for a, b in zip(bounds, bounds[1:])])
+    assert content == ""
+    assert _joined(deltas) == [(c["function"]["name"], c["function"]["arguments"]) for c in pythonic_calls(text)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(list("[](){}=,'\"xa1. _*:;\\") + ["<|python_start|>", "<|python_end|>", "True",
+                                                                 "'''", '"""', "\n", "b(", "x="]),
+                max_size=30).map("".join), st.integers(min_value=1, max_value=5))
+def test_streamed_pythonic_calls_never_raise_and_complete_only_as_the_whole_output_reads(text, piece):
+    reader = PythonicCalls()
+    content, deltas = _pushed(reader, [text[i:i + piece] for i in range(0, len(text), piece)])
+    calls = reader.finish()[2]
+    if calls is not None:
+        whole = pythonic_calls(text)
+        assert whole is not None and [c["function"] for c in calls] == [c["function"] for c in whole]
+        assert _joined(deltas) == [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    assert content in ("", text)
 
 
 MISTRAL = [  # (the text after [TOOL_CALLS], the calls or None)

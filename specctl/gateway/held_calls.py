@@ -1,18 +1,14 @@
-"""Tool-call formats read whole: an output that opens as calls is held while it comes and read
-when the choice ends — handed out as calls if it parses, as content if not (as vLLM leaves
-it); any other output is content as it comes. vLLM's ``llama3_json`` (Llama 3.1-3.3:
-``{"name": ..., "parameters": {...}}`` objects, ``;``-separated; streamed call by call,
-gateway.json_calls, and read whole here by ``json_calls``), ``pythonic`` (Llama 3.2,
-Llama 4: a Python list of calls with keyword arguments, ``[get_weather(city="Oslo")]``) and
-``phi4_mini_json`` (Phi-4-mini: ``functools[{"name": ..., "arguments": {...}}]``; streamed,
-gateway.json_calls, read whole here by ``functools_calls``); and
-``glm45`` (GLM-4.5/4.6: ``<tool_call>`` blocks of ``<arg_key>`` / ``<arg_value>`` pairs after
-content, held the same way); ``mistral`` streams (gateway.mistral_calls). ``TOOL_PARSERS`` names every ``--tool-call-parser``
-with its reader (``openai``: gpt-oss's, gateway.harmony)."""
+"""The ``--tool-call-parser`` names (``TOOL_PARSERS``) and their readers, with the formats read
+whole: ``glm45`` (GLM-4.5/4.6: ``<tool_call>`` blocks of ``<arg_key>`` / ``<arg_value>`` pairs
+after content; the content streams, the blocks are held and read when the choice ends), and
+the whole-output readers of llama3_json (``json_calls``) and phi4_mini_json
+(``functools_calls``), which stream (gateway.json_calls) and are read whole here to check
+them. ``pythonic`` (Llama 3.2, Llama 4) streams call by call (gateway.pythonic_calls),
+``mistral`` too (gateway.mistral_calls), ``hermes`` (gateway.tool_calls) and ``openai``
+(gpt-oss's, gateway.harmony) as they come."""
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 from typing import Callable
@@ -20,36 +16,8 @@ from typing import Callable
 from specctl.gateway.harmony import HarmonyCalls
 from specctl.gateway.json_calls import PYTHON_TAG, StreamedFunctoolsCalls, StreamedJsonCalls
 from specctl.gateway.mistral_calls import MistralCalls
-from specctl.gateway.tool_calls import StreamedCalls, TaggedCalls, call_delta, new_call, opens_calls
-
-PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's, around pythonic calls
-
-
-class HeldCalls:
-    """A choice's text read by a whole-output format: ``parse`` reads the calls (None: not
-    calls); an output whose first non-space text begins one of ``opens`` is held."""
-
-    finish_reason = "tool_calls"
-
-    def __init__(self, parse: Callable[[str], list[dict] | None], opens: tuple[str, ...],
-                 max_calls: int | None = None) -> None:
-        self.parse, self.opens, self.max_calls = parse, opens, max_calls
-        self.text = ""
-        self.calls_opened: bool | None = None  # None: not known yet (whitespace or a tag begun)
-
-    def push(self, delta: str) -> tuple[str, list[dict]]:
-        self.text += delta
-        if self.calls_opened is None:
-            self.calls_opened = opens_calls(self.text, self.opens)
-            return ("", []) if self.calls_opened is not False else (self.text, [])
-        return ("", []) if self.calls_opened else (delta, [])
-
-    def finish(self) -> tuple[str, list[dict], list[dict] | None]:
-        calls = self.parse(self.text) if self.calls_opened else None
-        if calls is None:  # content: what was held back (all of it, or a tag begun), none if it went out
-            return ("" if self.calls_opened is False else self.text), [], None
-        calls = calls[:self.max_calls]
-        return "", [call_delta(i, call, call["function"]["arguments"]) for i, call in enumerate(calls)], calls
+from specctl.gateway.pythonic_calls import StreamedPythonicCalls
+from specctl.gateway.tool_calls import StreamedCalls, TaggedCalls, new_call
 
 
 def json_calls(text: str) -> list[dict] | None:
@@ -69,30 +37,6 @@ def json_calls(text: str) -> list[dict] | None:
         while at < len(body) and body[at] in "; \t\r\n":
             at += 1
     return calls or None
-
-
-def pythonic_calls(text: str) -> list[dict] | None:
-    """The calls a pythonic output holds — a list of ``name(key=literal, ...)`` — or None.
-    Arguments are Python literals (strings, numbers, True/False/None, lists, dicts, tuples),
-    read with ast.literal_eval, never evaluated; positional arguments are not calls."""
-    body = text.strip().removeprefix(PYTHON_START).removesuffix(PYTHON_END).strip()
-    try:
-        tree = ast.parse(body, mode="eval").body
-    except (SyntaxError, RecursionError, MemoryError):  # MemoryError: CPython's parser on some deep nesting
-        return None
-    if not (isinstance(tree, ast.List) and tree.elts):
-        return None
-    calls = []
-    for call in tree.elts:
-        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and not call.args
-                and all(keyword.arg is not None for keyword in call.keywords)):
-            return None
-        try:
-            arguments = {keyword.arg: ast.literal_eval(keyword.value) for keyword in call.keywords}
-            calls.append(new_call(call.func.id, json.dumps(arguments, ensure_ascii=False)))
-        except (ValueError, TypeError, SyntaxError, RecursionError):  # not a literal, not JSON (a set, bytes)
-            return None
-    return calls
 
 
 def functools_calls(text: str) -> list[dict] | None:
@@ -157,10 +101,6 @@ def JsonCalls(max_calls: int | None = None) -> StreamedJsonCalls:  # noqa: N802 
     return StreamedJsonCalls(max_calls)
 
 
-def PythonicCalls(max_calls: int | None = None) -> HeldCalls:  # noqa: N802
-    return HeldCalls(pythonic_calls, ("[", PYTHON_START), max_calls)
-
-
 def FunctoolsCalls(max_calls: int | None = None) -> StreamedFunctoolsCalls:  # noqa: N802
     """phi4_mini_json: streamed as llama3_json (gateway.json_calls)."""
     return StreamedFunctoolsCalls(max_calls)
@@ -168,7 +108,7 @@ def FunctoolsCalls(max_calls: int | None = None) -> StreamedFunctoolsCalls:  # n
 
 # vLLM's --tool-call-parser names and their readers (each called with max_calls)
 TOOL_PARSERS: dict[str, Callable[..., object]] = {"hermes": StreamedCalls, "llama3_json": JsonCalls,
-                                                   "pythonic": PythonicCalls, "mistral": MistralCalls,
+                                                   "pythonic": StreamedPythonicCalls, "mistral": MistralCalls,
                                                    "phi4_mini_json": FunctoolsCalls, "openai": HarmonyCalls,
                                                    "glm45": GlmCalls}
 # parsers whose tags are special tokens: a request with tools keeps them in the text (as vLLM's mistral)
