@@ -14,7 +14,8 @@ from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
 from specctl.gateway.api import ApiError, ChatCompletionRequest, parse_body
 from specctl.gateway.harmony import harmony_calls
-from specctl.gateway.held_calls import FunctoolsCalls, GlmCalls, JsonCalls, MistralCalls, functools_calls, glm_calls, json_calls
+from specctl.gateway.glm_calls import StreamedGlmCalls as GlmCalls, glm_calls
+from specctl.gateway.tool_parsers import FunctoolsCalls, JsonCalls, MistralCalls, functools_calls, json_calls
 from specctl.gateway.pythonic_calls import StreamedPythonicCalls as PythonicCalls, pythonic_calls
 from specctl.gateway.mistral_calls import mistral_calls
 from specctl.gateway.tool_calls import ForcedCalls, StreamedCalls, parse, read_whole
@@ -455,7 +456,7 @@ def test_an_output_nested_past_json_s_depth_is_content_not_a_crash():
     assert read_whole(ForcedCalls(None), "[" * 100_000) == ("[" * 100_000, None)
 
 
-def _pushed(reader, pieces: list[str]) -> tuple[str, list[dict]]:
+def _streamed_in(reader, pieces: list[str]) -> tuple[str, list[dict]]:
     """(content, tool-call deltas) of pushing ``pieces`` one by one and finishing."""
     content, deltas = "", []
     for piece in pieces:
@@ -500,7 +501,7 @@ def test_pythonic_calls_stream_each_name_at_its_parenthesis_and_its_arguments_at
     # a call streamed stays streamed when a later one is malformed or cut short: no calls whole
     for tail in (", b('positional')]", ', b(x="cut', " b()]", ", b()] and more"):
         reader = PythonicCalls()
-        content, deltas = _pushed(reader, ["[a(x=1)", tail])
+        content, deltas = _streamed_in(reader, ["[a(x=1)", tail])
         assert content == "" and _joined(deltas)[0] == ("a", '{"x": 1}')
         assert reader.finish()[2] is None
 
@@ -515,7 +516,7 @@ def test_pythonic_calls_cut_anywhere_stream_the_calls_of_the_whole_output(text, 
     """However the text arrives, the pieces join into the calls read whole (a quote, a triple
     quote or the tag cut in two is waited for)."""
     bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
-    content, deltas = _pushed(PythonicCalls(), [text[a:b] for a, b in zip(bounds, bounds[1:])])
+    content, deltas = _streamed_in(PythonicCalls(), [text[a:b] for a, b in zip(bounds, bounds[1:])])
     assert content == ""
     assert _joined(deltas) == [(c["function"]["name"], c["function"]["arguments"]) for c in pythonic_calls(text)]
 
@@ -526,7 +527,7 @@ def test_pythonic_calls_cut_anywhere_stream_the_calls_of_the_whole_output(text, 
                 max_size=30).map("".join), st.integers(min_value=1, max_value=5))
 def test_streamed_pythonic_calls_never_raise_and_complete_only_as_the_whole_output_reads(text, piece):
     reader = PythonicCalls()
-    content, deltas = _pushed(reader, [text[i:i + piece] for i in range(0, len(text), piece)])
+    content, deltas = _streamed_in(reader, [text[i:i + piece] for i in range(0, len(text), piece)])
     calls = reader.finish()[2]
     if calls is not None:
         whole = pythonic_calls(text)
@@ -751,15 +752,53 @@ def test_glm45_calls_are_blocks_of_argument_pairs(text, calls):
                                         for c in found]) == calls
 
 
-def test_glm45_streams_content_until_the_first_block_and_holds_the_calls():
+def test_glm45_streams_content_until_the_first_block_then_each_name_and_its_arguments():
     reader = GlmCalls()
-    assert reader.push("Checking.\n<tool") == ("Checking.\n", []) and reader.push("_call>get_weather\n") == ("", [])
-    assert reader.push(GLM_CALL.removeprefix("<tool_call>get_weather\n")) == ("", [])
+    assert reader.push("Checking.\n<tool") == ("Checking.\n", []) and reader.push("_call>get_wea") == ("", [])
+    content, [named] = reader.push("ther\n<arg_key>city")  # the name once its line ends
+    assert content == "" and named["id"].startswith("call_")
+    assert named["function"] == {"name": "get_weather", "arguments": ""}
+    assert reader.push("</arg_key>\n<arg_value>Oslo</arg_value>\n<arg_key>days</arg_key>\n") == ("", [])
+    assert reader.push("<arg_value>3</arg_value>\n</tool_call>") == (
+        "", [{"index": 0, "function": {"arguments": '{"city": "Oslo", "days": 3}'}}])
     rest, deltas, calls = reader.finish()
-    assert rest == "" and reader.finish_reason == "tool_calls" and calls[0]["id"].startswith("call_")
-    assert [d["function"] for d in deltas] == [{"name": "get_weather", "arguments": '{"city": "Oslo", "days": 3}'}]
+    assert (rest, deltas) == ("", []) and reader.finish_reason == "tool_calls"
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    # not a block before any call went out: the text from the tag on is content, as it was
     broken = GlmCalls()
     assert broken.push("ok <tool_call>f") == ("ok ", []) and broken.finish() == ("<tool_call>f", [], None)
+    broken = GlmCalls()
+    assert broken.push("<tool_call></tool_call>") == ("", []) and broken.finish() == ("<tool_call></tool_call>", [], None)
+    # parallel_tool_calls false: the first block only
+    reader = GlmCalls(max_calls=1)
+    assert len(reader.push(GLM_CALL + "\n" + GLM_CALL)[1]) == 2 and len(reader.finish()[2]) == 1
+    # a call streamed stays when what follows is not a block: no calls whole
+    for tail in (" and more", "\n<tool_call>f\n<arg_key>a</arg_key>", "\n<tool_call>f\n<arg_value>1</arg_value></tool_call>"):
+        reader = GlmCalls()
+        content, deltas = _streamed_in(reader, [GLM_CALL, tail])
+        assert content == "" and _joined(deltas) == [("get_weather", '{"city": "Oslo", "days": 3}')] + (
+            [("f", "")] if "<tool_call>f" in tail else [])
+        assert reader.finish()[2] is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+                                 "\n", " ", "f", "x", "1", "<", "{}", "<tool", "_call>", "ok"]), max_size=24).map("".join),
+       st.integers(min_value=1, max_value=7))
+def test_streamed_glm45_calls_cut_anywhere_are_the_whole_output_s(text, piece):
+    """Any text in any pieces: the content and calls are those of reading it whole — content up
+    to the first tag, then the blocks' calls when they are the rest (else all of it content, or
+    the calls streamed so far and no whole ones)."""
+    reader = GlmCalls()
+    content, deltas = _streamed_in(reader, [text[i:i + piece] for i in range(0, len(text), piece)])
+    calls = reader.finish()[2]
+    tag = text.find("<tool_call>")
+    whole = glm_calls(text[tag:]) if tag >= 0 else None
+    if whole is not None:
+        assert content == text[:tag] and [c["function"] for c in calls] == [c["function"] for c in whole]
+        assert _joined(deltas) == [(c["function"]["name"], c["function"]["arguments"]) for c in whole]
+    else:
+        assert calls is None and (content == text or (deltas and content == text[:tag]))
 
 
 @settings(max_examples=200, deadline=None)

@@ -31,7 +31,7 @@ from specctl.gateway.response_store import ResponseStore, StoredResponse
 from specctl.gateway.responses_api import ResponsesRequest, answer_turn, as_chat, input_messages, input_records
 from specctl.gateway.responses_reply import ResponsesReply
 from specctl.gateway.structured import after_thinking, structured_output
-from specctl.gateway.held_calls import KEEPS_SPECIAL_TOKENS, TOOL_PARSERS
+from specctl.gateway.tool_parsers import KEEPS_SPECIAL_TOKENS, TOOL_PARSERS
 from specctl.gateway.tool_calls import ForcedCalls
 from specctl.gateway.tools import forced_call, request_tools
 from specctl.gateway.translate import (

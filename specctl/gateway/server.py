@@ -34,7 +34,7 @@ from specctl.gateway.metrics import GatewayMetrics
 from specctl.gateway.chat_template import load_chat_template
 from specctl.gateway.reasoning import check_parser
 from specctl.gateway.sampling_defaults import check_source
-from specctl.gateway.held_calls import TOOL_PARSERS
+from specctl.gateway.tool_parsers import TOOL_PARSERS
 from specctl.gateway.upstream import Upstream
 from specctl.engine.text import encode_prompt
 from specctl.net.protocol import Done

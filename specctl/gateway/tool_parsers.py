@@ -1,23 +1,21 @@
-"""The ``--tool-call-parser`` names (``TOOL_PARSERS``) and their readers, with the formats read
-whole: ``glm45`` (GLM-4.5/4.6: ``<tool_call>`` blocks of ``<arg_key>`` / ``<arg_value>`` pairs
-after content; the content streams, the blocks are held and read when the choice ends), and
-the whole-output readers of llama3_json (``json_calls``) and phi4_mini_json
-(``functools_calls``), which stream (gateway.json_calls) and are read whole here to check
-them. ``pythonic`` (Llama 3.2, Llama 4) streams call by call (gateway.pythonic_calls),
-``mistral`` too (gateway.mistral_calls), ``hermes`` (gateway.tool_calls) and ``openai``
-(gpt-oss's, gateway.harmony) as they come."""
+"""The ``--tool-call-parser`` names (``TOOL_PARSERS``) and their readers, every one streamed:
+``hermes`` (gateway.tool_calls), ``llama3_json`` and ``phi4_mini_json`` (gateway.json_calls),
+``pythonic`` (gateway.pythonic_calls), ``mistral`` (gateway.mistral_calls), ``glm45``
+(gateway.glm_calls) and ``openai`` (gpt-oss's, gateway.harmony); and the whole-output readers
+of llama3_json (``json_calls``) and phi4_mini_json (``functools_calls``), which property tests
+hold the streamed ones to."""
 
 from __future__ import annotations
 
 import json
-import re
 from typing import Callable
 
+from specctl.gateway.glm_calls import StreamedGlmCalls
 from specctl.gateway.harmony import HarmonyCalls
 from specctl.gateway.json_calls import PYTHON_TAG, StreamedFunctoolsCalls, StreamedJsonCalls
 from specctl.gateway.mistral_calls import MistralCalls
 from specctl.gateway.pythonic_calls import StreamedPythonicCalls
-from specctl.gateway.tool_calls import StreamedCalls, TaggedCalls, new_call
+from specctl.gateway.tool_calls import StreamedCalls, new_call
 
 
 def json_calls(text: str) -> list[dict] | None:
@@ -58,44 +56,6 @@ def functools_calls(text: str) -> list[dict] | None:
     return [new_call(c["name"], json.dumps(a, ensure_ascii=False)) for c, a in zip(listed, arguments)]
 
 
-GLM_CALL = re.compile(r"<tool_call>([^\n<]*?)\s*\n(.*?)</tool_call>\s*", re.DOTALL)
-GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>\s*", re.DOTALL)
-
-
-def GlmCalls(max_calls: int | None = None) -> TaggedCalls:  # noqa: N802
-    """GLM-4.5's (and 4.6's) calls: content until its first ``<tool_call>``, then its blocks (glm_calls)."""
-    return TaggedCalls("<tool_call>", glm_calls, max_calls)
-
-
-def glm_calls(text: str) -> list[dict] | None:
-    """GLM-4.5's ``<tool_call>NAME\n<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>``
-    blocks (as vLLM's glm45 parser reads them), or None when the text is not such blocks alone.
-    A value that is JSON (a number, true, an object, a list) is that JSON, any other the text; the
-    request's schema is not consulted, so a string parameter given "42" gets 42."""
-    calls, at = [], 0
-    while at < len(text):
-        block = GLM_CALL.match(text, at)
-        if block is None or not block.group(1).strip():
-            return None
-        body, arguments, where = block.group(2), {}, 0
-        while where < len(body.strip()):
-            pair = GLM_ARGUMENT.match(body, where)
-            if pair is None:
-                return None
-            arguments[pair.group(1).strip()] = _json_or_text(pair.group(2))
-            where = pair.end()
-        calls.append(new_call(block.group(1).strip(), json.dumps(arguments, ensure_ascii=False)))
-        at = block.end()
-    return calls or None
-
-
-def _json_or_text(value: str):
-    try:
-        return json.loads(value)
-    except (json.JSONDecodeError, RecursionError):
-        return value
-
-
 def JsonCalls(max_calls: int | None = None) -> StreamedJsonCalls:  # noqa: N802 - a reader class, as StreamedCalls
     """llama3_json: streamed, each call's name then its arguments (gateway.json_calls)."""
     return StreamedJsonCalls(max_calls)
@@ -110,6 +70,6 @@ def FunctoolsCalls(max_calls: int | None = None) -> StreamedFunctoolsCalls:  # n
 TOOL_PARSERS: dict[str, Callable[..., object]] = {"hermes": StreamedCalls, "llama3_json": JsonCalls,
                                                    "pythonic": StreamedPythonicCalls, "mistral": MistralCalls,
                                                    "phi4_mini_json": FunctoolsCalls, "openai": HarmonyCalls,
-                                                   "glm45": GlmCalls}
+                                                   "glm45": StreamedGlmCalls}
 # parsers whose tags are special tokens: a request with tools keeps them in the text (as vLLM's mistral)
 KEEPS_SPECIAL_TOKENS = frozenset({"mistral", "openai", "glm45"})

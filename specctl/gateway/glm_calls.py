@@ -1,0 +1,133 @@
+"""GLM-4.5's and 4.6's tool calls (vLLM's ``glm45``) streamed block by block: content streams
+until the first ``<tool_call>``; from there the output is ``<tool_call>NAME\n<arg_key>K</arg_key>
+<arg_value>V</arg_value>...</tool_call>`` blocks. Each call's id and name go out as soon as the
+name's line ends, its arguments (as JSON) once ``</tool_call>`` closes the block — a value is
+JSON only when the whole value is, so nothing of it can go out before. A block that is not one
+before any call went out makes the text from the tag on content, as a whole reading did; a
+call already streamed stays streamed when a later block turns out malformed or cut short, with
+the target's finish_reason, as vLLM leaves it (and as gateway.json_calls does)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from specctl.gateway.tool_calls import call_delta, content_before, new_call
+
+TAG, CLOSE = "<tool_call>", "</tool_call>"
+GLM_CALL = re.compile(r"<tool_call>([^\n<]*?)\s*\n(.*?)</tool_call>\s*", re.DOTALL)
+GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>\s*", re.DOTALL)
+GAP = " \t\r\n"
+
+
+def glm_calls(text: str) -> list[dict] | None:
+    """GLM-4.5's ``<tool_call>NAME\n<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>``
+    blocks (as vLLM's glm45 parser reads them), or None when the text is not such blocks alone.
+    A value that is JSON (a number, true, an object, a list) is that JSON, any other the text; the
+    request's schema is not consulted, so a string parameter given "42" gets 42."""
+    calls, at = [], 0
+    while at < len(text):
+        block = GLM_CALL.match(text, at)
+        if block is None or not block.group(1).strip():
+            return None
+        body, arguments, where = block.group(2), {}, 0
+        while where < len(body.strip()):
+            pair = GLM_ARGUMENT.match(body, where)
+            if pair is None:
+                return None
+            arguments[pair.group(1).strip()] = _json_or_text(pair.group(2))
+            where = pair.end()
+        calls.append(new_call(block.group(1).strip(), json.dumps(arguments, ensure_ascii=False)))
+        at = block.end()
+    return calls or None
+
+
+def _json_or_text(value: str):
+    try:
+        return json.loads(value)
+    except (json.JSONDecodeError, RecursionError):
+        return value
+
+
+class StreamedGlmCalls:
+    """A choice's text with tools, pushed as it comes (as tool_calls.StreamedCalls)."""
+
+    finish_reason = "tool_calls"
+
+    def __init__(self, max_calls: int | None = None) -> None:
+        self.max_calls = max_calls
+        self.text = ""
+        self.sent = 0  # characters of content handed out
+        self.start = -1  # where the first tag begins (-1: not yet)
+        self.calls: list[dict] = []  # the calls begun, as OpenAI's
+        self._at = 0  # where the next block (or the gap before it) starts
+        self._block: int | None = None  # where the block being read starts, once its name went out
+        self.broken = False
+
+    def push(self, delta: str) -> tuple[str, list[dict]]:
+        """(content to hand out, tool-call deltas to hand out)."""
+        self.text += delta
+        if self.start < 0:
+            content, self.sent, self.start = content_before(self.text, self.sent, self.start, TAG)
+            if self.start < 0:
+                return content, []
+            self._at = self.start
+            return content, self._read()
+        return "", self._read()
+
+    def finish(self) -> tuple[str, list[dict], list[dict] | None]:
+        """(content not yet handed out, the last deltas, every call — None when the text is not
+        calls after all)."""
+        deltas = self._read() if self.start >= 0 else []
+        if not self.calls:  # no tag, or nothing after it that is a call: content, tag and all
+            rest, self.sent = self.text[self.sent:], len(self.text)
+            return rest, [], None
+        complete = not self.broken and self._block is None and (self._full() or not self.text[self._at:].strip(GAP))
+        return "", deltas, self.calls if complete else None
+
+    def _full(self) -> bool:
+        """max_calls read (parallel_tool_calls false): the blocks after them are not read."""
+        return self.max_calls is not None and len(self.calls) >= self.max_calls and self._block is None
+
+    def _read(self) -> list[dict]:
+        """The deltas the text read since the last call adds."""
+        deltas: list[dict] = []
+        text = self.text
+        while not (self.broken or self._full()):
+            if self._block is None and not self._named(deltas):
+                break
+            close = text.find(CLOSE, self._block)
+            if close < 0:
+                break
+            end = close + len(CLOSE)
+            calls = glm_calls(text[self._block:end])
+            if calls is None or calls[0]["function"]["name"] != self.calls[-1]["function"]["name"]:
+                self.broken = True
+                break
+            arguments = calls[0]["function"]["arguments"]
+            self.calls[-1]["function"]["arguments"] = arguments
+            deltas.append({"index": len(self.calls) - 1, "function": {"arguments": arguments}})
+            self._at, self._block = end, None
+        return deltas
+
+    def _named(self, deltas: list[dict]) -> bool:
+        """Read the gap to the next block and its name's line (its delta added); False when there
+        is none to read now (not written yet, or not a block: then broken)."""
+        text, at = self.text, self._at
+        while at < len(text) and text[at] in GAP:
+            at += 1
+        rest = text[at:]
+        if not rest.startswith(TAG):
+            self.broken = not TAG.startswith(rest)  # a tag still coming is waited for
+            return False
+        line_end = text.find("\n", at + len(TAG))
+        name = text[at + len(TAG): line_end if line_end >= 0 else len(text)]
+        if "<" in name or (line_end >= 0 and not name.strip()):
+            self.broken = True
+            return False
+        if line_end < 0:
+            return False
+        self.calls.append(new_call(name.strip(), ""))
+        deltas.append(call_delta(len(self.calls) - 1, self.calls[-1], ""))
+        self._block = at
+        return True
