@@ -12,7 +12,7 @@ from specctl.engine.tiny import make_byte_tokenizer
 from specctl.gateway.api import ApiError
 from specctl.gateway.llama import LlamaCompletionRequest, completion_request, llama_prompts, openai_bias
 from specctl.gateway.llama_reply import indent_cut, selected
-from tests.test_gateway import PROMPT, post, specctl_generate
+from tests.test_gateway import PROMPT, post, specctl_generate, target_text
 
 
 def _events(body: bytes) -> list[dict]:
@@ -54,6 +54,43 @@ def test_options_map_to_the_completion_with_llama_cpp_s_defaults_and_refusals():
         with pytest.raises(ApiError) as refused:
             completion_request(LlamaCompletionRequest(prompt="x", **fields), [[1]], 64)
         assert (refused.value.status, str(refused.value), refused.value.param) == (400, message, param)
+
+
+def test_penalties_count_the_last_repeat_last_n_tokens_as_llama_cpp_s_do(cluster, tiny_dir):
+    """repeat_penalty, presence_penalty and frequency_penalty over the text's last repeat_last_n
+    tokens (64 unless given), the prompt's included: the target's own text with that window,
+    through the star (the draft follows the same window); 0 turns the penalties off, -1 counts
+    the whole text."""
+    from specctl.engine.loader import load_decoder
+    from specctl.spec.rounds import generate
+    from specctl.spec.sampling import SamplingParams
+
+    url = cluster[1]["gateway"]
+    ids = json.loads(post(url + "/tokenize", {"prompt": PROMPT})[2])["tokens"]
+    penalties = {"presence_penalty": 0.5, "frequency_penalty": 0.4, "repeat_penalty": 1.6}
+    target = load_decoder(tiny_dir["llama"])
+
+    def served(**options) -> dict:
+        status, _, body = post(url + "/completion", {"prompt": ids, "n_predict": 16, "temperature": 0,
+                                                     "ignore_eos": True, **penalties, **options})
+        assert status == 200, body
+        return json.loads(body)
+
+    def alone(window: int, on: bool = True) -> str:
+        params = SamplingParams(max_tokens=16, ignore_eos=True, penalty_last_n=window,
+                                **({"presence_penalty": 0.5, "frequency_penalty": 0.4, "repetition_penalty": 1.6}
+                                   if on else {}))
+        return target_text(tiny_dir, generate(target, ids, params)[0])
+
+    answer = served(repeat_last_n=4)
+    assert answer["content"] == alone(4) != alone(0)  # the window bites
+    assert answer["generation_settings"]["repeat_last_n"] == 4
+    assert served()["content"] == alone(64) and served()["generation_settings"]["repeat_last_n"] == 64
+    assert served(repeat_last_n=0)["content"] == alone(0, on=False)
+    assert served(repeat_last_n=-1)["content"] == alone(4096 * 64)  # past the context: the whole text
+    status, _, body = post(url + "/completion", {"prompt": ids, "repeat_last_n": -2})
+    assert status == 400 and json.loads(body)["error"]["message"] == (
+        "repeat_last_n must be -1 (the whole text), 0 (no penalties) or more, got -2")
 
 
 def test_logit_bias_comes_as_pairs_or_a_map_and_false_bans():

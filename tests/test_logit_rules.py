@@ -46,6 +46,42 @@ def test_penalized_rows_are_transformers_and_openais():
     assert not SamplingParams().adjusts_logits and SamplingParams(repetition_penalty=1.1).adjusts_logits
 
 
+def llama_cpp_penalized(logits: torch.Tensor, text: list[int], params: SamplingParams) -> torch.Tensor:
+    """One row as llama.cpp's penalties sampler leaves it: each token's count in the text's last
+    ``penalty_last_n`` tokens (the prompt's included); a counted token's logit divided by the
+    repeat penalty when positive, multiplied when not, then ``- count * freq - (count > 0) * present``."""
+    row = logits.float().clone()
+    window = text[-params.penalty_last_n:]
+    for token in set(window):
+        count = window.count(token)
+        row[token] = row[token] / params.repetition_penalty if row[token] > 0 else row[token] * params.repetition_penalty
+        row[token] -= count * params.frequency_penalty + params.presence_penalty
+    return row
+
+
+WINDOWED = SamplingParams(max_tokens=32, ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.4,
+                          repetition_penalty=1.6, penalty_last_n=4)
+
+
+def test_penalties_over_the_last_n_tokens_are_llama_cpp_s():
+    torch.manual_seed(2)
+    vocab, prompt, output = 50, [40, 7, 9, 3, 3], [7, 11]
+    rules = LogitRules(WINDOWED, prompt, set(), vocab, torch.device("cpu"))
+    rules.record(output[:1])
+    rules.record(output[1:])
+    logits = torch.randn(4, vocab) * 4
+    paths = [[], [3], [3, 3], [12, 13, 14, 15]]  # the last one's window is its own path alone
+    got = rules.apply(logits, paths)
+    for row, path in enumerate(paths):
+        torch.testing.assert_close(got[row], llama_cpp_penalized(logits[row], prompt + output + path, WINDOWED))
+    assert torch.equal(got[0, 9], logits[0, 9])  # a prompt token before the window is not penalized
+    # one in it counts for presence and frequency too (vLLM's count the output alone)
+    assert got[0, 3] < (logits[0, 3] / 1.6 if logits[0, 3] > 0 else logits[0, 3] * 1.6) - 1.2
+    guide = rules.guide(torch.device("cpu"))  # the draft's copy keeps its own window
+    guide.record([20])
+    assert rules.recent == [3, 3, 7, 11] and guide.recent == [3, 7, 11, 20]
+
+
 def test_logit_bias_then_min_tokens_then_penalties_as_vllm_orders_them():
     torch.manual_seed(1)
     vocab, stop = 40, {2, 5}
@@ -68,7 +104,8 @@ def test_logit_bias_then_min_tokens_then_penalties_as_vllm_orders_them():
 
 
 @pytest.mark.parametrize("mode, params", [(mode, params) for mode in ("chain", "tree", "ngram")
-                                          for params in (PENALIZED, STRONG) if (mode, params) != ("ngram", STRONG)])
+                                          for params in (PENALIZED, STRONG, WINDOWED)
+                                          if (mode, params) != ("ngram", STRONG)])
 def test_greedy_with_penalties_every_mode_equals_the_target_alone(tiny, mode, params):
     target = tiny["llama"]
     drafter = {"chain": ModelChainDrafter(tiny["llama-draft"], 4),
@@ -80,14 +117,23 @@ def test_greedy_with_penalties_every_mode_equals_the_target_alone(tiny, mode, pa
     assert alone != generate(target, PROMPT, SamplingParams(max_tokens=32, ignore_eos=True))[0]  # they bite
 
 
-@pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_the_draft_follows_the_penalties_so_more_is_accepted(tiny, mode, monkeypatch):
+def test_a_window_changes_what_the_penalties_count(tiny):
+    """llama.cpp's window is not vLLM's penalties: the same penalties over the last 4 tokens
+    give another text than over the whole prompt and output."""
+    import dataclasses
+
+    target = tiny["llama"]
+    assert generate(target, PROMPT, WINDOWED)[0] != generate(target, PROMPT, dataclasses.replace(WINDOWED, penalty_last_n=0))[0]
+
+
+@pytest.mark.parametrize("mode, params", [("chain", STRONG), ("tree", STRONG), ("chain", WINDOWED)])
+def test_the_draft_follows_the_penalties_so_more_is_accepted(tiny, mode, params, monkeypatch):
     """The target as its own draft: following the request's rules it proposes what the target
     picks (everything a chain proposes is accepted); drafting free, it misses where they bite."""
     drafter = {"chain": ModelChainDrafter(tiny["llama"], 4), "tree": ModelTreeDrafter(tiny["llama"], 3, 2, 3)}[mode]
-    guided, stats, _ = generate(tiny["llama"], PROMPT, STRONG, drafter)
+    guided, stats, _ = generate(tiny["llama"], PROMPT, params, drafter)
     monkeypatch.setattr(LogitRules, "guide", lambda self, device: None)  # the draft drafts free
-    free, free_stats, _ = generate(tiny["llama"], PROMPT, STRONG, drafter)
+    free, free_stats, _ = generate(tiny["llama"], PROMPT, params, drafter)
     assert guided == free
     assert stats.accepted > free_stats.accepted
     if mode == "chain":
@@ -185,6 +231,7 @@ def _fields(params: SamplingParams) -> dict:
     ({"bad_words": ((),)}, "bad_words are at most 64 token sequences of 1 to 32 token ids (>= 0)"),
     ({"bad_words": ((3, -1),)}, "bad_words are at most 64 token sequences of 1 to 32 token ids (>= 0)"),
     ({"bad_words": ((3,),) * 65}, "bad_words are at most 64 token sequences of 1 to 32 token ids (>= 0)"),
+    ({"penalty_last_n": -1}, "penalty_last_n must be an integer between 0 (vLLM's penalties) and 1048576, got -1"),
 ])
 def test_adjustments_out_of_range_are_refused(fields, message):
     with pytest.raises(InvalidSamplingParams) as refused:

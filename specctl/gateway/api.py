@@ -154,6 +154,10 @@ class RequestFields(msgspec.Struct, kw_only=True):
     min_p: float | None = None
     min_tokens: int | None = None
     repetition_penalty: float | None = None
+    # llama.cpp's, an extension: the penalties over the text's last n tokens, the prompt's included
+    # (-1: all of it; 0: no penalties); left out, vLLM's (repetition over prompt and output,
+    # presence and frequency over the output)
+    repeat_last_n: int | None = None
     bad_words: list[str] | None = None
     guided_json: Any = None
     guided_regex: Any = None

@@ -9,8 +9,9 @@ into the prefix cache only — and is answered in llama.cpp's shape (gateway.lla
 The prompt may be text, token ids, or both mixed (``[12, 34, "text", 56]``; BOS where the
 prompt starts with text and the tokenizer adds one), or a list of such prompts, answered as
 a list. ``grammar`` (GBNF) and ``json_schema`` hold the output as vLLM's guided_grammar and
-guided_json do; ``repeat_penalty`` is vLLM's repetition_penalty (over the whole text, not
-llama.cpp's last ``repeat_last_n`` tokens); a ``logit_bias`` of ``false`` is -100. The
+guided_json do; ``repeat_penalty``, ``presence_penalty`` and ``frequency_penalty`` count the text's last
+``repeat_last_n`` tokens (64 by default; -1 all of it, 0 no penalties), the prompt's included,
+as llama.cpp's penalties sampler does; a ``logit_bias`` of ``false`` is -100. The
 editor plugins' ``n_indent``, ``t_max_predict_ms`` and ``response_fields`` are honoured as
 llama.cpp honours them."""
 
@@ -46,6 +47,7 @@ class LlamaOptions(msgspec.Struct, kw_only=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repeat_penalty: float = 1.0
+    repeat_last_n: int = 64  # the penalties' window over the text's last tokens (-1: all; 0: no penalties)
     logit_bias: list[list[Any]] | dict[str, Any] | None = None
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
@@ -127,7 +129,8 @@ def completion_request(asked: LlamaOptions, prompts: list[list[int]], context: i
         seed=None if asked.seed == -1 else asked.seed, stop=asked.stop or None, ignore_eos=asked.ignore_eos,
         stream=asked.stream,
         presence_penalty=asked.presence_penalty, frequency_penalty=asked.frequency_penalty,
-        repetition_penalty=asked.repeat_penalty, logit_bias=openai_bias(asked.logit_bias),
+        repetition_penalty=asked.repeat_penalty, repeat_last_n=asked.repeat_last_n,
+        logit_bias=openai_bias(asked.logit_bias),
         guided_grammar=asked.grammar, guided_json=asked.json_schema, stop_token_ids=list(ends) or None,
         logprobs=asked.n_probs or None)
 
@@ -159,4 +162,5 @@ def generation_settings(req: CompletionRequest, asked: LlamaOptions, model: str,
             "top_k": req.top_k, "top_p": req.top_p, "min_p": req.min_p, "seed": asked.seed, "stop": asked.stop,
             "ignore_eos": asked.ignore_eos, "presence_penalty": asked.presence_penalty,
             "frequency_penalty": asked.frequency_penalty, "repeat_penalty": asked.repeat_penalty,
+            "repeat_last_n": asked.repeat_last_n,
             "stream": asked.stream, "speculative": True}

@@ -132,6 +132,17 @@ def _arguments(arguments: str) -> Any:
         raise ApiError(400, f"a tool call's arguments must be JSON, got {arguments!r}", param="messages") from None
 
 
+def penalty_window(repeat_last_n: int | None, context: int) -> tuple[int, bool]:
+    """llama.cpp's ``repeat_last_n`` as (SamplingParams.penalty_last_n, whether penalties apply):
+    left out, vLLM's penalties; -1 the whole text (the context's worth); 0 none at all."""
+    if repeat_last_n is None:
+        return 0, True
+    if repeat_last_n < -1:
+        raise ApiError(400, f"repeat_last_n must be -1 (the whole text), 0 (no penalties) or more, got {repeat_last_n}",
+                       param="repeat_last_n")
+    return (context if repeat_last_n == -1 else min(repeat_last_n, context)), repeat_last_n != 0
+
+
 def sampling_params(req: RequestFields, prompt_tokens: int, context: int, default_max_tokens: int,
                     structured: tuple[str, str] | None = None,
                     barred: tuple[tuple[int, ...], ...] = (), defaults: dict | None = None,
@@ -167,6 +178,8 @@ def sampling_params(req: RequestFields, prompt_tokens: int, context: int, defaul
     def given(value, name: str, openai: float) -> float:
         return value if value is not None else defaults.get(name, openai)
 
+    window, penalized = penalty_window(req.repeat_last_n, context)
+
     try:
         return SamplingParams(
             temperature=given(req.temperature, "temperature", 1.0),
@@ -174,8 +187,10 @@ def sampling_params(req: RequestFields, prompt_tokens: int, context: int, defaul
             top_k=top_k, max_tokens=requested, seed=req.seed, ignore_eos=req.ignore_eos,
             stop_token_ids=tuple(dict.fromkeys((*(req.stop_token_ids or ()), *ends))), logprobs=wanted_logprobs(req),
             prompt_logprobs=scored_prompt(req),
-            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=given(req.repetition_penalty, "repetition_penalty", 1.0),
+            presence_penalty=(req.presence_penalty or 0.0) * penalized,
+            frequency_penalty=(req.frequency_penalty or 0.0) * penalized,
+            repetition_penalty=given(req.repetition_penalty, "repetition_penalty", 1.0) if penalized else 1.0,
+            penalty_last_n=window,
             min_p=given(req.min_p, "min_p", 0.0), min_tokens=req.min_tokens or 0, logit_bias=logit_bias(req),
             structured=structured, bad_words=barred,
         )

@@ -3,7 +3,8 @@ in vLLM's order: vLLM's ``bad_words`` (a word's last token barred where the outp
 rest of it), ``logit_bias`` (added), ``min_tokens`` (the stop tokens barred until that
 many tokens are out), then the penalties — transformers'/vLLM's ``repetition_penalty`` (over
 prompt and output) and OpenAI's ``presence_penalty`` and ``frequency_penalty`` (over the
-output). Greedy decoding takes the argmax of the result, as vLLM does. A grammar (structured
+output); or, with ``penalty_last_n`` (llama.cpp's ``repeat_last_n``), all three over the
+text's last n tokens, the prompt's included, as llama.cpp's penalties sampler counts them. Greedy decoding takes the argmax of the result, as vLLM does. A grammar (structured
 output, spec.structured) masks the row first; where it has ended, min_tokens bars nothing
 (the grammar allows only the stop tokens there).
 
@@ -52,6 +53,8 @@ class LogitRules:
         self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
         self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
         self.in_prompt[torch.tensor(prompt, dtype=torch.long, device=device)] = True
+        self.window = params.penalty_last_n  # 0: vLLM's penalties; n: over the text's last n tokens
+        self.recent = list(prompt[-self.window:]) if self.window else []
 
     def guide(self, device: torch.device) -> "LogitRules":
         """A copy of this state for a draft on ``device`` (spec.batch_drafting adjusts its rows),
@@ -59,7 +62,7 @@ class LogitRules:
         guide = copy.copy(self)  # every field as is; then the state it changes or keeps on a device, its own
         guide.stop_ids, guide.counts, guide.in_prompt = (self.stop_ids.to(device), self.counts.to(device, copy=True),
                                                          self.in_prompt.to(device))
-        guide.tail = list(self.tail)
+        guide.tail, guide.recent = list(self.tail), list(self.recent)
         guide.bias = None if self.bias is None else self.bias.to(device)
         guide.structure = None if self.structure is None else self.structure.guide(device)
         return guide
@@ -69,6 +72,8 @@ class LogitRules:
         self.produced += len(tokens)
         if self.bad_reach:
             self.tail = (self.tail + list(tokens))[-self.bad_reach:]
+        if self.window:
+            self.recent = (self.recent + list(tokens))[-self.window:]
         if self.structure is not None:
             self.structure.record(tokens)
         if tokens:
@@ -93,19 +98,32 @@ class LogitRules:
             logits[torch.tensor(barred, device=logits.device).unsqueeze(1), self.stop_ids] = float("-inf")
         if self.repetition == 1.0 and not (self.frequency or self.presence):
             return logits
-        counts = self.counts.expand(logits.shape[0], -1).clone()
-        rows = [r for r, path in enumerate(paths) for _ in path]
-        if rows:
-            at = (torch.tensor(rows, device=counts.device), torch.tensor(sum(paths, []), device=counts.device))
-            counts.index_put_(at, torch.ones(len(rows), device=counts.device), accumulate=True)
+        counts = self._window_counts(logits, paths) if self.window else self._output_counts(logits, paths)
         if self.repetition != 1.0:
-            seen = self.in_prompt | (counts > 0)
+            seen = counts > 0 if self.window else self.in_prompt | (counts > 0)
             logits = torch.where(seen, torch.where(logits > 0, logits / self.repetition, logits * self.repetition),
                                  logits)
         if self.frequency or self.presence:
             logits = logits - self.frequency * counts - self.presence * (counts > 0).float()
         return logits
 
+    def _output_counts(self, logits: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
+        """[rows, vocab]: each token's count in the output up to each row (its path included)."""
+        counts = self.counts.expand(logits.shape[0], -1).clone()
+        rows = [r for r, path in enumerate(paths) for _ in path]
+        if rows:
+            at = (torch.tensor(rows, device=counts.device), torch.tensor(sum(paths, []), device=counts.device))
+            counts.index_put_(at, torch.ones(len(rows), device=counts.device), accumulate=True)
+        return counts
+
+    def _window_counts(self, logits: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
+        """[rows, vocab]: each token's count in the text's last ``window`` tokens up to each row."""
+        windows = [(self.recent + path)[-self.window:] for path in paths]
+        rows = torch.tensor([r for r, window in enumerate(windows) for _ in window], dtype=torch.long)
+        ids = torch.tensor(sum(windows, []), dtype=torch.long)
+        counts = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        return counts.index_put_((rows.to(logits.device), ids.to(logits.device)),
+                                 torch.ones(len(ids), device=logits.device), accumulate=True)
 
     def _bar_bad_words(self, logits: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
         """vLLM's bad_words: a word's last token barred in each row whose text (the output so far,

@@ -13,6 +13,7 @@ MAX_LOGPROBS = 20  # alternatives per token, as vLLM and OpenAI allow
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 MAX_BAD_WORDS = 64  # token sequences one request may bar (vLLM's bad_words, each with and without a space)
 MAX_BAD_WORD_TOKENS = 32
+MAX_PENALTY_LAST_N = 1 << 20  # tokens: past any context served
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +30,10 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's, over the output's tokens (spec.logit_rules)
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # transformers'/vLLM's, over prompt and output; 1 = off
+    # the penalties' window: 0 = vLLM's (repetition_penalty over prompt and output, presence and
+    # frequency over the output); n > 0 = llama.cpp's repeat_last_n (all three over the text's
+    # last n tokens, the prompt's included)
+    penalty_last_n: int = 0
     min_p: float = 0.0  # drop tokens below min_p times the likeliest one's probability (after top-p); 0 = off
     min_tokens: int = 0  # the stop tokens (EOS, stop_token_ids) are barred until this many are out
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit), OpenAI's -100..100
@@ -57,6 +62,9 @@ class SamplingParams:
         if not (isinstance(self.repetition_penalty, (int, float)) and 0.0 < self.repetition_penalty <= 100.0):
             raise InvalidSamplingParams(f"repetition_penalty must be in (0, 100] (1 = off), got "
                                         f"{self.repetition_penalty!r}")
+        if not (isinstance(self.penalty_last_n, int) and 0 <= self.penalty_last_n <= MAX_PENALTY_LAST_N):
+            raise InvalidSamplingParams(f"penalty_last_n must be an integer between 0 (vLLM's penalties) and "
+                                        f"{MAX_PENALTY_LAST_N}, got {self.penalty_last_n!r}")
         if not (isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p <= 1.0):
             raise InvalidSamplingParams(f"min_p must be between 0 and 1, got {self.min_p!r}")
         if not (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens):
