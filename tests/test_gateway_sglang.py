@@ -149,3 +149,41 @@ def test_bad_generate_requests_are_400s_and_model_info_names_the_model(cluster):
     with urllib.request.urlopen(url + "/get_model_info", timeout=30) as response:
         info = json.loads(response.read())
     assert info["is_generation"] is True and info["model_path"] and info["max_model_len"] > 0
+
+
+def test_recent_rate_is_the_tokens_a_second_over_the_last_polls():
+    from specctl.gateway.upstream import recent_rate
+
+    samples = [(0.0, 0), (5.0, 100), (10.0, 300), (12.0, 340)]
+    assert recent_rate(samples, now=12.0) == (340 - 100) / (12.0 - 5.0)  # the poll at 0 s is out of the 10 s
+    assert recent_rate(samples, now=30.0) == 0.0  # nothing in the last 10 s
+    assert recent_rate([(1.0, 5)], now=1.0) == 0.0  # one poll: no rate yet
+    assert recent_rate([(1.0, 50), (2.0, 3)], now=2.0) == 0.0  # a restarted instance counts from 0 again
+
+
+def test_server_info_gives_each_target_s_accept_length_as_sglang_s_bench_serving_reads_it(cluster):
+    """SGLang's GET /get_server_info (and /server_info): per target instance, internal_states with
+    the mean accepted length its stats report and its generation throughput over the last 10 s."""
+    import urllib.request
+
+    from tests.conftest import poll_until
+
+    url = cluster[1]["gateway"]
+    status, _, body = post(url + "/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 24,
+                                                                                  "temperature": 0}})
+    assert status == 200, body
+
+    def fetch(path: str) -> dict:
+        with urllib.request.urlopen(url + path, timeout=30) as response:
+            return json.loads(response.read())
+
+    info = poll_until(lambda: fetch("/get_server_info"),
+                      lambda got: any(state["last_gen_throughput"] > 0 for state in got["internal_states"]))
+    feed = {target["address"]: target for target in fetch("/v1/stats")["targets"]}
+    assert [state["address"] for state in info["internal_states"]] == list(feed)  # every instance, in order
+    served = [state for state in info["internal_states"] if state["last_gen_throughput"] > 0]
+    assert served and all(state["up"] for state in served)
+    for state in served:
+        assert state["avg_spec_accept_length"] == feed[state["address"]]["stats"]["mean_accepted_length"] >= 1.0
+    assert info["model_path"] == fetch("/get_model_info")["model_path"] and info["context_length"] > 0
+    assert [s["address"] for s in fetch("/server_info")["internal_states"]] == list(feed)

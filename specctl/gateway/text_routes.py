@@ -1,10 +1,11 @@
 """The gateway's endpoints that generate nothing: vLLM's /tokenize and /detokenize (which
 take llama.cpp's shapes too), llama.cpp's /apply-template and /props, SGLang's
-/get_model_info. Prompts and messages are encoded exactly as the generation endpoints
+/get_model_info and /get_server_info. Prompts and messages are encoded exactly as the generation endpoints
 encode them."""
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, ClassVar
 
 import msgspec
@@ -18,6 +19,7 @@ from specctl.gateway.api import (
     parse_body,
 )
 from specctl.gateway.translate import chat_messages, chat_template_options
+from specctl.gateway.upstream import recent_rate
 
 if TYPE_CHECKING:
     from specctl.gateway.server import Gateway
@@ -40,7 +42,8 @@ class TextRoutes:
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize),
                 web.post("/apply-template", self.apply_template), web.get("/props", self.props),
-                web.get("/get_model_info", self.model_info)]
+                web.get("/get_model_info", self.model_info), web.get("/get_server_info", self.server_info),
+                web.get("/server_info", self.server_info)]
 
     async def _parsed(self, request: web.Request, kind: type) -> object:
         check_key(request, self.config.api_key)
@@ -99,7 +102,8 @@ class TextRoutes:
         check_key(request, self.config.api_key)
         slots = sum(view.capacity for view in self.gateway.upstream.views() if view.up)
         params = {"n_predict": -1, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "seed": -1,
-                  "repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "stop": []}
+                  "repeat_penalty": 1.0, "repeat_last_n": 64, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                  "stop": []}
         return web.json_response({
             "default_generation_settings": {"n_ctx": self.config.context, "speculative": True, "params": params},
             "total_slots": slots, "model_path": self.config.names[0], "modalities": {"vision": False, "audio": False},
@@ -109,3 +113,21 @@ class TextRoutes:
         """SGLang's GET /get_model_info."""
         return web.json_response({"model_path": self.config.names[0], "tokenizer_path": self.config.names[0],
                                   "is_generation": True, "max_model_len": self.config.context})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        """SGLang's GET /get_server_info (and /server_info): the serving settings, and per target
+        instance its ``internal_states`` — the tokens a second it generated over the last 10 s
+        (``last_gen_throughput``) and its mean accepted length since it started
+        (``avg_spec_accept_length``: tokens a verification commits, the bonus included), which
+        SGLang's bench_serving prints as the accept length."""
+        check_key(request, self.config.api_key)
+        now = time.time()
+        states = [{"address": link.address, "up": link.up,
+                   "last_gen_throughput": round(recent_rate(link.generated, now), 3),
+                   "avg_spec_accept_length": link.stats.get("mean_accepted_length") if link.stats.get("rounds") else None,
+                   "num_running_reqs": link.stats.get("sessions", 0)}
+                  for link in self.gateway.upstream.targets]
+        return web.json_response({
+            "model_path": self.config.names[0], "tokenizer_path": self.config.names[0],
+            "served_model_name": self.config.names[0], "context_length": self.config.context,
+            "speculative_algorithm": "specctl", "version": __version__, "internal_states": states})

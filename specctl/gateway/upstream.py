@@ -12,7 +12,7 @@ import ssl as ssl_module
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 import numpy as np
 
@@ -29,6 +29,7 @@ from specctl.verify.client import RemoteError, TargetConnection, TargetStream, f
 log = logging.getLogger("specctl.gateway")
 
 RECENT_PROMPTS = 64  # per instance, for cache-aware routing (a lookup compares the prompt with each)
+RATE_SAMPLES, RATE_WINDOW_S = 64, 10.0  # polls kept; the span a recent throughput is measured over
 ROLE_ANSWER_S = 5.0  # how long a role may take to answer a stats probe or a flush before it counts as down
 RETRYABLE = {"unreachable", "disconnected", "capacity", "unavailable"}  # nothing was generated yet: another instance may take it
 
@@ -49,6 +50,8 @@ class RoleLink:
     # prompts of the requests it prefilled lately or is prefilling: what its prefix cache holds or
     # will hold (cache-aware routing)
     prefilled: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RECENT_PROMPTS))
+    # (time, tokens generated since it started) at its last polls: its recent throughput (recent_rate)
+    generated: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RATE_SAMPLES))
 
     @property
     def address(self) -> str:
@@ -62,6 +65,17 @@ class RoleLink:
     def snapshot(self) -> dict:
         return {"role": self.role, "address": self.address, "up": self.up, "error": self.error,
                 "seen_at": self.seen_at or None, "stats": self.stats}
+
+
+def recent_rate(samples: Sequence[tuple[float, float]], now: float,
+                window_s: float = RATE_WINDOW_S) -> float:
+    """Tokens a second over the last ``window_s`` seconds of (time, tokens so far) samples, oldest
+    first: from the oldest sample in the window to the newest (0.0 with fewer than two, or when
+    a restarted instance's count went back)."""
+    recent = [(t, n) for t, n in samples if now - t <= window_s]
+    if len(recent) < 2 or recent[-1][0] <= recent[0][0] or recent[-1][1] < recent[0][1]:
+        return 0.0
+    return (recent[-1][1] - recent[0][1]) / (recent[-1][0] - recent[0][0])
 
 
 def _forget(prompts: collections.deque, tokens: np.ndarray) -> None:
@@ -94,6 +108,8 @@ class Upstream:
             link.up, link.error = False, str(exc) or type(exc).__name__
             return
         link.welcome, link.stats, link.seen_at = welcome, stats, time.time()
+        if "tokens" in stats:
+            link.generated.append((link.seen_at, stats["tokens"]))
         if link.role == "target" and self.fingerprint and welcome.fingerprint != self.fingerprint:
             link.up, link.error = False, f"vocabulary differs from the gateway's tokenizer ({welcome.model})"
             return
