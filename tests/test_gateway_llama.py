@@ -46,11 +46,26 @@ def test_options_map_to_the_completion_with_llama_cpp_s_defaults_and_refusals():
             req.ignore_eos, req.model) == ([1], 7, 5, ["\n"], 1.2, True, 'root ::= "a"', True, "m")
     assert completion_request(LlamaCompletionRequest(prompt="x", json_schema={"type": "object"}), [[1]], 64
                               ).guided_json == {"type": "object"}
+    # the samplers not served, sent at their "off" values as llama.cpp's clients send them: served
+    completion_request(LlamaCompletionRequest(prompt="x", typical_p=1.0, mirostat=0, dry_multiplier=0.0,
+                                              xtc_probability=0.0, dynatemp_range=0.0, top_n_sigma=-1.0), [[1]], 64)
     for fields, message, param in (
             ({"n_predict": -2}, "n_predict must be -1 (to the end of the context), 0 (evaluate the prompt only) or "
                                 "more, got -2", "n_predict"),
             ({"n_probs": 21}, "n_probs must be between 0 and 20, got 21", "n_probs"),
-            ({"grammar": "root ::= \"a\"", "json_schema": {}}, "give grammar or json_schema, not both", "grammar")):
+            ({"grammar": "root ::= \"a\"", "json_schema": {}}, "give grammar or json_schema, not both", "grammar"),
+            ({"mirostat": 2}, "mirostat 2 asks for Mirostat, which specctl does not serve: leave it out (or 0); "
+                              "temperature, top_k, top_p, min_p, the penalties, logit_bias and grammars are served",
+             "mirostat"),
+            ({"typical_p": 0.9}, "typical_p 0.9 asks for locally typical sampling, which specctl does not serve: "
+                                 "leave it out (or 1.0); temperature, top_k, top_p, min_p, the penalties, logit_bias "
+                                 "and grammars are served", "typical_p"),
+            *((({name: value}, f"{name} {value} asks for {sampler}, which specctl does not serve: leave it out (or "
+                                 f"{off}); temperature, top_k, top_p, min_p, the penalties, logit_bias and grammars "
+                                 "are served", name))
+              for name, value, sampler, off in (("dry_multiplier", 0.8, "DRY", 0.0), ("xtc_probability", 0.5, "XTC", 0.0),
+                                                ("dynatemp_range", 0.3, "dynamic temperature", 0.0),
+                                                ("top_n_sigma", 1.5, "top-n-sigma", -1.0)))):
         with pytest.raises(ApiError) as refused:
             completion_request(LlamaCompletionRequest(prompt="x", **fields), [[1]], 64)
         assert (refused.value.status, str(refused.value), refused.value.param) == (400, message, param)

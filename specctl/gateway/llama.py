@@ -11,7 +11,9 @@ prompt starts with text and the tokenizer adds one), or a list of such prompts, 
 a list. ``grammar`` (GBNF) and ``json_schema`` hold the output as vLLM's guided_grammar and
 guided_json do; ``repeat_penalty``, ``presence_penalty`` and ``frequency_penalty`` count the text's last
 ``repeat_last_n`` tokens (64 by default; -1 all of it, 0 no penalties), the prompt's included,
-as llama.cpp's penalties sampler does; a ``logit_bias`` of ``false`` is -100. The
+as llama.cpp's penalties sampler does; a ``logit_bias`` of ``false`` is -100. Its samplers
+not served here (typical, Mirostat, DRY, XTC, dynamic temperature, top-n-sigma) are refused
+when set rather than ignored. The
 editor plugins' ``n_indent``, ``t_max_predict_ms`` and ``response_fields`` are honoured as
 llama.cpp honours them."""
 
@@ -29,6 +31,12 @@ from specctl.gateway.llama_reply import LlamaReply, Probabilities, Rules
 from specctl.spec.sampling import MAX_LOGPROBS
 
 BANNED_BIAS = -100.0  # a logit_bias of false: OpenAI's lowest bias, which no token overcomes
+# llama.cpp's samplers this gateway does not serve: (option, its "off" value, what it is). Set to
+# anything else, a request is refused rather than answered by other sampling than it asked for
+# (as best_of is on the OpenAI routes).
+UNSERVED_SAMPLERS = (("typical_p", 1.0, "locally typical sampling"), ("mirostat", 0, "Mirostat"),
+                     ("dry_multiplier", 0.0, "DRY"), ("xtc_probability", 0.0, "XTC"),
+                     ("dynatemp_range", 0.0, "dynamic temperature"), ("top_n_sigma", -1.0, "top-n-sigma"))
 
 
 class LlamaOptions(msgspec.Struct, kw_only=True):
@@ -57,6 +65,13 @@ class LlamaOptions(msgspec.Struct, kw_only=True):
     n_indent: int = 0  # a later line indented less ends the text (code completion)
     t_max_predict_ms: float = 0.0  # past this since the first token, the next newline ends the text (0: off)
     response_fields: list[str] | None = None  # only these fields, "a/b" lifted out of "a" under that name
+    # llama.cpp's samplers not served here, at their "off" values (refused when set: UNSERVED_SAMPLERS)
+    typical_p: float = 1.0
+    mirostat: int = 0
+    dry_multiplier: float = 0.0
+    xtc_probability: float = 0.0
+    dynatemp_range: float = 0.0
+    top_n_sigma: float = -1.0
 
 
 class LlamaCompletionRequest(LlamaOptions, kw_only=True):
@@ -120,6 +135,11 @@ def completion_request(asked: LlamaOptions, prompts: list[list[int]], context: i
         raise ApiError(400, f"n_probs must be between 0 and {MAX_LOGPROBS}, got {asked.n_probs}", param="n_probs")
     if asked.grammar is not None and asked.json_schema is not None:
         raise ApiError(400, "give grammar or json_schema, not both", param="grammar")
+    for name, off, sampler in UNSERVED_SAMPLERS:
+        if getattr(asked, name) != off:
+            raise ApiError(400, f"{name} {getattr(asked, name)} asks for {sampler}, which specctl does not serve: leave "
+                                f"it out (or {off}); temperature, top_k, top_p, min_p, the penalties, logit_bias and "
+                                "grammars are served", param=name)
     room = max(1, context - max(map(len, prompts)))  # a prompt past the context: the completion's own 400 says so
     return CompletionRequest(
         # n_predict 0: one token, not handed out — the prompt is evaluated into the target's prefix cache
