@@ -16,7 +16,7 @@ import time
 import torch
 
 from specctl.bench.kernels import random_decoder, shape_config, time_steps
-from specctl.engine.layers import fuse_projections
+from specctl.engine.fusion import fuse_projections
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.spec.rounds import generate
 from specctl.spec.sampling import SamplingParams

@@ -11,7 +11,8 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from specctl.engine.layers import PlainMLP, fuse_projections
+from specctl.engine.fusion import fuse_projections
+from specctl.engine.layers import PlainMLP
 from specctl.engine.loader import load_decoder
 from specctl.engine.moe import Routing, SparseMoE
 from specctl.engine.spec import ModelSpec

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specctl.draft.server import DraftServer, DraftServerConfig
-from specctl.engine.layers import fuse_projections
+from specctl.engine.fusion import fuse_projections
 from specctl.engine.loader import load_decoder, load_model
 from specctl.engine.tiny import make_tiny_model
 from specctl.engine.tree import TokenTree

@@ -6,7 +6,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specctl.engine.layers import fuse_projections
+from specctl.engine.fusion import fuse_projections
 from specctl.engine.loader import load_decoder
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.spares import SPARES_PER_SIZE

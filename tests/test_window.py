@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
 
 from specctl.engine.families import layer_windows
-from specctl.engine.layers import fuse_projections
+from specctl.engine.fusion import fuse_projections
 from specctl.engine.loader import load_decoder
 from specctl.engine.spec import ModelSpec
 from specctl.engine.tiny import make_tiny_model, tiny_config

@@ -45,15 +45,16 @@ def kernels(
     tokens/s and the fraction of the bandwidth limit (bytes a step reads / measured copy bandwidth)."""
     import torch
 
-    from specctl.bench.kernels import VERIFY_SIZES, kernels_report, measure_bandwidth_gbps, random_decoder, \
-        shape_config, time_batches, time_steps
+    from specctl.bench.kernel_report import kernels_report
+    from specctl.bench.kernels import VERIFY_SIZES, measure_bandwidth_gbps, random_decoder, shape_config, \
+        time_batches, time_steps
     from specctl.bench.kernel_decode import decode_rows, time_decode
     from specctl.bench.kernel_profile import profile_steps
     from specctl.bench.render import render_kernel_batches_table, render_kernel_decode, render_kernel_profile, \
         render_kernels_table, table_console
     from specctl.cli.bench import int_list
     from specctl.config import build_config
-    from specctl.engine.layers import fuse_projections
+    from specctl.engine.fusion import fuse_projections
     from specctl.engine.loader import DTYPES
     from specctl.engine.static import BUCKETS, SLOT_QUANTUM
     from specctl.spec.factory import load_named, warm_up_attention

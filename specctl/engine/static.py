@@ -196,7 +196,7 @@ class StaticRunner:
             from specctl_kernels import static_attention
 
             if not all(layer.fused for layer in decoder.layers):
-                raise ValueError("compiled static steps need fused projections (engine.layers.fuse_projections)")
+                raise ValueError("compiled static steps need fused projections (engine.fusion.fuse_projections)")
             self.pieces = (before_attention, static_attention, after_attention)
             if compile:
                 # One specialised compile per bucket (automatic dynamic shapes made slower

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from specctl.config import LOOKUP_DRAFTERS, Config
 from specctl.engine.loader import DTYPES, LoadedModel, check_same_vocab, load_model
-from specctl.engine.layers import fuse_projections
+from specctl.engine.fusion import fuse_projections
 from specctl.engine.model import Decoder
 from specctl.engine import rows
 from specctl.engine.quant import quantize_decoder
