@@ -88,14 +88,15 @@ def test_prompt_logprobs_on_cuda_match_a_whole_prompt_forward_and_leave_the_outp
         assert lp == pytest.approx(float(row[token]), abs=1e-3)  # chunked vs one forward: the last bits may differ
 
 
-@pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_logit_rules_on_cuda_every_mode_equals_ar_and_ar_does_not_run_ahead(cuda_pair, mode):
+@pytest.mark.parametrize("mode, window", [("chain", 0), ("tree", 0), ("chain", 4), ("tree", 4)])
+def test_logit_rules_on_cuda_every_mode_equals_ar_and_ar_does_not_run_ahead(cuda_pair, mode, window):
     """The rules' state (counts, bias, stop ids) lives on the device; AR with them reads each step
-    (no run-ahead)."""
+    (no run-ahead). ``window``: llama.cpp's penalties over the last 4 tokens (their counts built
+    on the device, row by row)."""
     target, draft = cuda_pair
     params = SamplingParams(max_tokens=32, ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.4,
                             repetition_penalty=1.6, min_tokens=8, stop_token_ids=(11,),
-                            logit_bias=((5, -100.0), (7, 2.0)))
+                            logit_bias=((5, -100.0), (7, 2.0)), penalty_last_n=window)
     for prompt in PROMPTS:
         reference, _, _ = generate(target, prompt, params)
         assert generate(target, prompt, params, _drafters(draft)[mode])[0] == reference, f"{mode} diverged on {prompt}"
