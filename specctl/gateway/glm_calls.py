@@ -62,6 +62,7 @@ class StreamedGlmCalls:
         self.calls: list[dict] = []  # the calls begun, as OpenAI's
         self._at = 0  # where the next block (or the gap before it) starts
         self._block: int | None = None  # where the block being read starts, once its name went out
+        self._close_from = 0  # where its ``</tool_call>`` is looked for next (each character read once)
         self.broken = False
 
     def push(self, delta: str) -> tuple[str, list[dict]]:
@@ -96,8 +97,9 @@ class StreamedGlmCalls:
         while not (self.broken or self._full()):
             if self._block is None and not self._named(deltas):
                 break
-            close = text.find(CLOSE, self._block)
+            close = text.find(CLOSE, max(self._block, self._close_from))
             if close < 0:
+                self._close_from = len(text) - len(CLOSE) + 1  # a tag begun at the end is read again
                 break
             end = close + len(CLOSE)
             calls = glm_calls(text[self._block:end])

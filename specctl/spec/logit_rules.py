@@ -3,10 +3,11 @@ in vLLM's order: vLLM's ``bad_words`` (a word's last token barred where the outp
 rest of it), ``logit_bias`` (added), ``min_tokens`` (the stop tokens barred until that
 many tokens are out), then the penalties — transformers'/vLLM's ``repetition_penalty`` (over
 prompt and output) and OpenAI's ``presence_penalty`` and ``frequency_penalty`` (over the
-output); or, with ``penalty_last_n`` (llama.cpp's ``repeat_last_n``), all three over the
-text's last n tokens, the prompt's included, as llama.cpp's penalties sampler counts them. Greedy decoding takes the argmax of the result, as vLLM does. A grammar (structured
-output, spec.structured) masks the row first; where it has ended, min_tokens bars nothing
-(the grammar allows only the stop tokens there).
+output); or, with ``penalty_last_n`` (llama.cpp's ``repeat_last_n``), all three over the text's
+last n tokens, the prompt's included, as llama.cpp's penalties sampler counts them. Greedy
+decoding takes the argmax of the result, as vLLM does. A grammar (structured output,
+spec.structured) masks the row first; where it has ended, min_tokens bars nothing (the grammar
+allows only the stop tokens there).
 
 They are part of the target's distribution, so verification applies them: a proposal node's
 row is adjusted for the text it follows (the committed text, then the node's own path), which
