@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 
-from specctl.gateway.tool_calls import call_delta, content_before, new_call
+from specctl.gateway.tool_calls import CallsAfterTag, call_delta, new_call
 
 TAG, CLOSE = "<tool_call>", "</tool_call>"
 GLM_CALL = re.compile(r"<tool_call>([^\n<]*?)\s*\n(.*?)</tool_call>\s*", re.DOTALL)
@@ -49,40 +49,25 @@ def _json_or_text(value: str):
         return value
 
 
-class StreamedGlmCalls:
+class StreamedGlmCalls(CallsAfterTag):
     """A choice's text with tools, pushed as it comes (as tool_calls.StreamedCalls)."""
 
-    finish_reason = "tool_calls"
+    tag = TAG
 
     def __init__(self, max_calls: int | None = None) -> None:
-        self.max_calls = max_calls
-        self.text = ""
-        self.sent = 0  # characters of content handed out
-        self.start = -1  # where the first tag begins (-1: not yet)
+        super().__init__(max_calls)
         self.calls: list[dict] = []  # the calls begun, as OpenAI's
-        self._at = 0  # where the next block (or the gap before it) starts
+        self._at = -1  # where the next block (or the gap before it) starts (-1: at the first tag)
         self._block: int | None = None  # where the block being read starts, once its name went out
         self._close_from = 0  # where its ``</tool_call>`` is looked for next (each character read once)
         self.broken = False
-
-    def push(self, delta: str) -> tuple[str, list[dict]]:
-        """(content to hand out, tool-call deltas to hand out)."""
-        self.text += delta
-        if self.start < 0:
-            content, self.sent, self.start = content_before(self.text, self.sent, self.start, TAG)
-            if self.start < 0:
-                return content, []
-            self._at = self.start
-            return content, self._read()
-        return "", self._read()
 
     def finish(self) -> tuple[str, list[dict], list[dict] | None]:
         """(content not yet handed out, the last deltas, every call — None when the text is not
         calls after all)."""
         deltas = self._read() if self.start >= 0 else []
         if not self.calls:  # no tag, or nothing after it that is a call: content, tag and all
-            rest, self.sent = self.text[self.sent:], len(self.text)
-            return rest, [], None
+            return self._all_content()
         complete = not self.broken and self._block is None and (self._full() or not self.text[self._at:].strip(GAP))
         return "", deltas, self.calls if complete else None
 
@@ -94,6 +79,7 @@ class StreamedGlmCalls:
         """The deltas the text read since the last call adds."""
         deltas: list[dict] = []
         text = self.text
+        self._at = max(self._at, self.start)
         while not (self.broken or self._full()):
             if self._block is None and not self._named(deltas):
                 break

@@ -15,7 +15,7 @@ import re
 import string
 
 from specctl.gateway.json_calls import JsonEnd, ObjectCalls, ends_at, grow_arguments
-from specctl.gateway.tool_calls import call_delta, content_before, new_call
+from specctl.gateway.tool_calls import CallsAfterTag, call_delta, new_call
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"  # Mistral's control tokens (kept: skip_special_tokens false)
 # v11+ tokenizers' (Mistral Small 3.1+, Devstral, Magistral) call: its name, [ARGS] maybe, then a JSON object
@@ -124,33 +124,22 @@ class NamedCalls:
         return deltas
 
 
-class MistralCalls:
+class MistralCalls(CallsAfterTag):
     """A Mistral choice's text with tools, pushed as it comes (as tool_calls.StreamedCalls)."""
 
-    finish_reason = "tool_calls"
+    tag = TOOL_CALLS
 
     def __init__(self, max_calls: int | None = None) -> None:
-        self.max_calls = max_calls
-        self.text = ""
-        self.sent = 0  # characters of content handed out
-        self.start = -1  # where the first tag begins (-1: not yet)
+        super().__init__(max_calls)
         self.reader: ObjectCalls | NamedCalls | None = None
 
-    def push(self, delta: str) -> tuple[str, list[dict]]:
-        self.text += delta
-        content, self.sent, self.start = content_before(self.text, self.sent, self.start, TOOL_CALLS)
-        return content, self._read()
-
     def finish(self) -> tuple[str, list[dict], list[dict] | None]:
-        deltas = self._read()
+        deltas = self._read() if self.start >= 0 else []
         if self.reader is not None and self.reader.calls:
             return "", deltas, self.reader.calls if self.reader.complete(self.text, self.max_calls) else None
-        rest, self.sent = self.text[self.sent:], len(self.text)  # not calls: the tag and all is content
-        return rest, [], None
+        return self._all_content()
 
     def _read(self) -> list[dict]:
-        if self.start < 0:
-            return []
         if self.reader is None:
             body_at = self.start + len(TOOL_CALLS)
             body = self.text[body_at:].lstrip()

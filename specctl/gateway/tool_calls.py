@@ -46,32 +46,53 @@ def content_before(text: str, sent: int, start: int, tag: str) -> tuple[str, int
     return (text[sent:upto] if upto > sent else ""), max(sent, upto), start
 
 
-class TaggedCalls:
+class CallsAfterTag:
+    """Content that streams until the first ``tag`` (a tag begun held back), then calls, which a
+    subclass's ``_read`` reads as they come (the deltas the text adds; called once the tag is seen)."""
+
+    finish_reason = "tool_calls"
+    tag: str
+
+    def __init__(self, max_calls: int | None = None) -> None:
+        self.max_calls = max_calls
+        self.text = ""
+        self.sent = 0  # characters of content handed out
+        self.start = -1  # where the first tag begins (-1: not yet)
+
+    def push(self, delta: str) -> tuple[str, list[dict]]:
+        """(content to hand out, tool-call deltas to hand out)."""
+        self.text += delta
+        content, self.sent, self.start = content_before(self.text, self.sent, self.start, self.tag)
+        return content, (self._read() if self.start >= 0 else [])
+
+    def _read(self) -> list[dict]:
+        raise NotImplementedError
+
+    def _all_content(self) -> tuple[str, list[dict], None]:
+        """finish's answer when the text holds no call: what was not handed out (the tag and all)."""
+        rest, self.sent = self.text[self.sent:], len(self.text)
+        return rest, [], None
+
+
+class TaggedCalls(CallsAfterTag):
     """Calls that follow content after a tag (Mistral's ``[TOOL_CALLS]``, GLM-4.5's
     ``<tool_call>``, gpt-oss's harmony ``<|channel|>``): the content until the first tag streams
     (a tag begun held back); from the tag on the text is held and ``parse``d when the choice ends —
     the calls (None: not calls, and all of it is content, tag and all). ``new_id``: an id of the
     model's own shape (Mistral's templates take back 9 letters and digits only)."""
 
-    finish_reason = "tool_calls"
-
     def __init__(self, tag: str, parse: Callable[[str], list[dict] | None], max_calls: int | None = None,
                  new_id: Callable[[], str] | None = None) -> None:
-        self.tag, self.parse, self.max_calls, self.new_id = tag, parse, max_calls, new_id
-        self.text = ""
-        self.sent = 0  # characters of content handed out
-        self.start = -1  # where the first tag begins (-1: not yet)
+        super().__init__(max_calls)
+        self.tag, self.parse, self.new_id = tag, parse, new_id
 
-    def push(self, delta: str) -> tuple[str, list[dict]]:
-        self.text += delta
-        content, self.sent, self.start = content_before(self.text, self.sent, self.start, self.tag)
-        return content, []
+    def _read(self) -> list[dict]:
+        return []  # held to the end
 
     def finish(self) -> tuple[str, list[dict], list[dict] | None]:
         calls = self.parse(self.text[self.start:]) if self.start >= 0 else None
         if calls is None:
-            rest, self.sent = self.text[self.sent:], len(self.text)
-            return rest, [], None
+            return self._all_content()
         calls = calls[:self.max_calls]
         for call in calls if self.new_id else ():
             call["id"] = self.new_id()
