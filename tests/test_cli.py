@@ -45,6 +45,9 @@ def test_generate_with_penalties_is_the_same_in_every_mode_and_differs_from_with
         outputs[mode] = json.loads(proc.stdout)["token_ids"]
     assert outputs["chain"] == outputs["ar"]
     assert outputs["ar"] != json.loads(_generate(tiny_dir, "--mode", "ar").stdout)["token_ids"]
+    # llama.cpp's window: the same penalties over the last 4 tokens, another text
+    windowed = json.loads(_generate(tiny_dir, "--mode", "chain", *penalties, "--repeat-last-n", "4").stdout)["token_ids"]
+    assert windowed != outputs["ar"]
 
 
 @pytest.mark.slow  # 2 processes, 13 s; structured output in every mode is tested in-process in the default run
@@ -243,6 +246,7 @@ def test_prompt_longer_than_context_error(tiny_dir):
         (["--mode", "warp"], "mode must be one of ar, chain, tree, ngram, suffix, multi, got 'warp'"),
         (["--repetition-penalty", "0"], "repetition_penalty must be in (0, 100] (1 = off), got 0.0"),
         (["--presence-penalty", "2.5"], "presence_penalty must be between -2 and 2, got 2.5"),
+        (["--repeat-last-n", "-3"], "penalty_last_n must be an integer between 0 (vLLM's penalties) and 1048576, got -3"),
         (["--regex", "a+", "--json-object"], "give one of --json-schema, --json-object, --regex, --choice, --grammar"),
         (["--regex", "(ab"], 'structured output (regex) is invalid: at 1(8): invalid regex "(ab" (in regex): regex '
                              'parse error: error: unclosed group'),

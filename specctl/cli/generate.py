@@ -61,6 +61,9 @@ def generate(
                                            "output (OpenAI's; -2..2)"),
     frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help="subtract per earlier occurrence in "
                                             "the output (OpenAI's; -2..2)"),
+    repeat_last_n: int = typer.Option(0, "--repeat-last-n", help="count the three penalties over the text's last N "
+                                      "tokens, the prompt's included, as llama.cpp does (0 = vLLM's: repetition over "
+                                      "prompt and output, presence and frequency over the output)"),
     json_schema: Optional[str] = typer.Option(None, "--json-schema", help="constrain the output to this JSON schema "
                                               "(its text, or @FILE)"),
     json_object: bool = typer.Option(False, "--json-object", help="constrain the output to a JSON object"),
@@ -114,7 +117,7 @@ def generate(
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
                             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                             frequency_penalty=frequency_penalty, min_p=min_p, logprobs=logprobs,
-                            prompt_logprobs=prompt_logprobs,
+                            prompt_logprobs=prompt_logprobs, penalty_last_n=repeat_last_n,
                             structured=structured_flags(json_schema, json_object, regex, choice, grammar))
     config = build_config(
         profile, target=target, draft=draft, mode=mode, drafters=drafters, depth=depth, draft_stop=draft_stop, width=width, topk=topk, dtype=dtype, threads=threads,
