@@ -103,9 +103,8 @@ def test_reproducible_sessions_are_drafted_alone_and_others_together(bf16_draft)
 
 
 async def test_the_target_s_draft_client_marks_a_seeded_sample_and_the_draft_server_keeps_it(tiny_dir):
-    """OpenSession.reproducible on the wire, set from the request (SamplingParams.repeatable),
-    and the draft server's session state made so; an older peer's frame (no field) opens an
-    ordinary session."""
+    """OpenSession.reproducible on the wire and the draft server's session state made so; an
+    older peer's frame (no field) opens an ordinary session. (Which requests ask: below.)"""
     from specctl.draft.server import DraftServer, DraftServerConfig
     from specctl.engine.loader import load_model
 
@@ -117,13 +116,24 @@ async def test_the_target_s_draft_client_marks_a_seeded_sample_and_the_draft_ser
     try:
         assert await first
         marks = []
-        for rules in (SEEDED, SamplingParams(temperature=0.9, seed=None), SamplingParams(seed=5)):
-            handle = await client.open(_prompt(1, 12), temperature=rules.temperature, top_p=1.0, top_k=0, seed=9,
-                                       max_tokens=8, rules=rules)
+        for reproducible in (True, False):
+            handle = await client.open(_prompt(1, 12), temperature=0.9, top_p=1.0, top_k=0, seed=9, max_tokens=8,
+                                       rules=SEEDED, reproducible=reproducible)
             marks.append(server.table.states[handle[1]].reproducible)
             client.close(handle)
-        assert marks == [True, False, False]
+        assert marks == [True, False]
     finally:
         link.cancel()
         await server.close()
     assert OpenSession(1, [1, 2]).reproducible is False
+
+
+def test_a_target_asks_for_a_reproducible_draft_for_a_seeded_sample_only_with_one_drafter():
+    """A seeded sampled request's draft session is reproducible; an unseeded or greedy one's is
+    not, nor one of several drafters' (greedy drafts whose routing follows measured times)."""
+    from specctl.verify.speculator import reproducible_draft
+
+    assert reproducible_draft(SEEDED, greedy_drafts=False)
+    assert not reproducible_draft(SamplingParams(temperature=0.9), greedy_drafts=False)
+    assert not reproducible_draft(SamplingParams(seed=5), greedy_drafts=False)
+    assert not reproducible_draft(SEEDED, greedy_drafts=True)

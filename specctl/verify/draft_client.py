@@ -129,17 +129,19 @@ class DraftClient:
         return reply
 
     async def open(self, prompt: list[int], *, temperature: float, top_p: float, top_k: int, seed: int,
-                   max_tokens: int, rules: SamplingParams | None = None, generated: int = 0) -> Handle | None:
+                   max_tokens: int, rules: SamplingParams | None = None, generated: int = 0,
+                   reproducible: bool = False) -> Handle | None:
         """(epoch, tag) of a new draft session, or None when the draft is unavailable. ``rules``: the
         request's parameters, whose logit rules, grammar and min_p the draft follows; ``generated``:
-        how many of the prompt's last tokens are output already."""
+        how many of the prompt's last tokens are output already; ``reproducible``: drafted as a
+        cold start alone would (OpenSession.reproducible: a seeded sample's)."""
         epoch, req = self.epoch, next(self._reqs)
         rules = rules or SamplingParams()
         kind, spec = rules.structured or ("", "")
         reply = await self._request(("req", req), OpenSession(
             req, prompt, temperature, top_p, top_k, seed, max_tokens, kind, spec, generated, rules.presence_penalty,
             rules.frequency_penalty, rules.repetition_penalty, rules.min_p, rules.min_tokens, dict(rules.logit_bias),
-            [list(word) for word in rules.bad_words], rules.repeatable, rules.penalty_last_n))
+            [list(word) for word in rules.bad_words], reproducible, rules.penalty_last_n))
         if isinstance(reply, SessionOpened) and epoch == self.epoch:
             return epoch, reply.tag
         return None

@@ -22,6 +22,7 @@ from specctl.net.protocol import Proposal as ProposalMsg, ProtocolError
 from specctl.spec.decode import DecodeSession
 from specctl.spec.drafters import Proposal
 from specctl.spec.rounds import Drafted
+from specctl.spec.sampling import SamplingParams
 from specctl.spec.stats import FALLBACK_BAD_PROPOSAL, FALLBACK_DRAFT_DOWN, FALLBACK_DRAFT_FAILED
 from specctl.verify.draft_client import DraftClient, Handle
 
@@ -40,6 +41,13 @@ def draft_seed(seed: int | None) -> int:
     numbers to pick its tokens, and the two correlated streams biased the output away from
     the target's distribution (Saguaro-reshaped chains of depth 2 failed a chi-square test)."""
     return random.Random(f"specctl-draft-{seed}").getrandbits(62) if seed is not None else random.getrandbits(62)
+
+
+def reproducible_draft(params: SamplingParams, greedy_drafts: bool) -> bool:
+    """Ask the draft to compute as a cold start alone would (OpenSession.reproducible)? For a
+    seeded sample, so that the seed repeats the text; not for one of several drafters (greedy
+    drafts, fusion), whose routing follows measured times: a seed cannot fix the text there."""
+    return params.repeatable and not greedy_drafts
 
 
 def proposal_from_message(msg: ProposalMsg, vocab_size: int) -> Proposal:
@@ -94,7 +102,8 @@ class RemoteSpeculator:
         temperature = 0.0 if self.greedy_drafts else params.temperature
         handle = await self.client.open(text, temperature=temperature, top_p=params.top_p,
                                         top_k=params.top_k, seed=self.seed, max_tokens=params.max_tokens - generated,
-                                        rules=params, generated=generated)
+                                        rules=params, generated=generated,
+                                        reproducible=reproducible_draft(params, self.greedy_drafts))
         # Refused on a live link: ask again only after a reconnect.
         self._refused_epoch = epoch if handle is None and self.client.epoch == epoch else None
         return handle
