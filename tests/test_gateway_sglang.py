@@ -151,6 +151,25 @@ def test_bad_generate_requests_are_400s_and_model_info_names_the_model(cluster):
     assert info["is_generation"] is True and info["model_path"] and info["max_model_len"] > 0
 
 
+@pytest.mark.parametrize("body, message, param", [
+    ({"text": "x", "image_data": "https://example.com/a.png"}, "image_data is not served here: specctl serves text "
+     "prompts: leave it out", "image_data"),
+    ({"input_embeds": [[0.1, 0.2]]}, "input_embeds is not served here: give text or input_ids", "input_embeds"),
+    ({"text": "x", "lora_path": "adapter"}, "lora_path is not served here: specctl serves the target's own weights, "
+     "no LoRA adapter", "lora_path"),
+    ({"text": "x", "custom_logit_processor": "{}"}, "custom_logit_processor is not served here: it would run code "
+     "sent with the request; leave it out", "custom_logit_processor"),
+    ({"text": "x", "sampling_params": {"stop_regex": "[0-9]+"}}, "sampling_params.stop_regex is not served here: "
+     "give stop strings (stop) or stop_token_ids", "sampling_params"),
+    ({"text": "x", "sampling_params": {"structural_tag": "{}"}}, "sampling_params.structural_tag is not served here: "
+     "give json_schema, regex or ebnf", "sampling_params"),
+])
+def test_what_specctl_does_not_serve_is_refused_never_answered_without_it(body, message, param):
+    with pytest.raises(ApiError) as refused:
+        _parsed(body)
+    assert (refused.value.status, str(refused.value), refused.value.param) == (400, message, param)
+
+
 def test_recent_rate_is_the_tokens_a_second_over_the_last_polls():
     from specctl.gateway.upstream import recent_rate
 

@@ -11,7 +11,10 @@ with ``meta_info``'s ``finish_reason`` ({"type": "length", "length": n} or {"typ
 the speculation's figures as SGLang names them (``spec_verify_ct``, ``spec_accept_length``,
 ...). Streamed, each event carries the text so far (SGLang's default, not increments) and
 the stream ends with ``data: [DONE]``. ``json_schema`` (a JSON text), ``regex`` and ``ebnf``
-hold the output as vLLM's guided_* do; ``no_stop_trim`` keeps the stop string.
+hold the output as vLLM's guided_* do; ``no_stop_trim`` keeps the stop string. What specctl
+does not serve — images, audio, video, input embeddings, LoRA adapters, custom logit
+processors, ``stop_regex``, ``structural_tag`` — is a 400 saying what to give instead, never
+answered as if it had not been asked.
 ``return_logprob`` gives the target's log-probabilities in meta_info (``output_token_logprobs``
 as ``[logprob, id, text]``, ``output_top_logprobs`` with ``top_logprobs_num`` alternatives,
 the input's from ``logprob_start_len``): lossless decoding makes them the target's own, of
@@ -57,6 +60,8 @@ class SglangSampling(msgspec.Struct, kw_only=True):
     no_stop_trim: bool = False
     logit_bias: dict[str, float] | None = None
     sampling_seed: int | None = None
+    stop_regex: Any = None  # refused (UNSERVED)
+    structural_tag: Any = None
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):
@@ -71,12 +76,41 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
     model: str | None = None
+    # refused when given (UNSERVED): each would change what the caller gets
+    image_data: Any = None
+    audio_data: Any = None
+    video_data: Any = None
+    input_embeds: Any = None
+    lora_path: Any = None
+    custom_logit_processor: Any = None
+
+
+# SGLang's fields that specctl does not serve, with what to do instead: a request that gives one
+# is refused, never answered as if it had not (an image left out, another stop rule)
+UNSERVED = (
+    ("image_data", "specctl serves text prompts: leave it out"),
+    ("audio_data", "specctl serves text prompts: leave it out"),
+    ("video_data", "specctl serves text prompts: leave it out"),
+    ("input_embeds", "give text or input_ids"),
+    ("lora_path", "specctl serves the target's own weights, no LoRA adapter"),
+    ("custom_logit_processor", "it would run code sent with the request; leave it out"),
+    ("sampling_params.stop_regex", "give stop strings (stop) or stop_token_ids"),
+    ("sampling_params.structural_tag", "give json_schema, regex or ebnf"),
+)
+
+
+def refuse_unserved(asked: "GenerateRequest") -> None:
+    for name, instead in UNSERVED:
+        where, _, field_name = name.rpartition(".")
+        if getattr(asked.sampling_params if where else asked, field_name) is not None:
+            raise ApiError(400, f"{name} is not served here: {instead}", param=name.split(".")[0])
 
 
 def parse_generate(body: bytes, tokenizer: Any, context: int, model: str) -> tuple[CompletionRequest, "SglangReply"]:
     """A /generate body as the completion request it amounts to, and what answers it."""
     started = time.perf_counter()
     asked = parse_body(body, GenerateRequest)
+    refuse_unserved(asked)
     if (asked.text is None) == (asked.input_ids is None):
         raise ApiError(400, "give text or input_ids (one of them)", param="text")
     scored = asked.return_logprob and asked.logprob_start_len >= 0
