@@ -770,6 +770,31 @@ def test_penalties_logit_bias_and_min_tokens_are_the_targets_own_through_the_gat
         "target instance: logit_bias token ids must be in [0, 320), got 99999..99999"
 
 
+def test_allowed_token_ids_hold_the_output_to_them_as_the_target_alone_does(cluster, tiny_dir):
+    """vLLM's allowed_token_ids through the star (the draft follows them too): the target alone's
+    text with them, every token one of them; an empty list and ids past the vocabulary are 400s."""
+    from specctl.engine.loader import load_decoder
+    from specctl.spec.rounds import generate
+    from specctl.spec.sampling import SamplingParams
+
+    base = cluster[1]["gateway"]
+    ids = json.loads(post(base + "/tokenize", {"prompt": PROMPT})[2])["tokens"]
+    allowed = list(range(60, 140, 2))
+    code, _, raw = post(base + "/v1/completions", {"prompt": ids, "max_tokens": 16, "temperature": 0,
+                                                   "ignore_eos": True, "allowed_token_ids": allowed,
+                                                   "return_tokens_as_token_ids": True, "logprobs": 0})
+    assert code == 200, raw
+    expected, _, _ = generate(load_decoder(tiny_dir["llama"]), ids, SamplingParams(
+        max_tokens=16, ignore_eos=True, allowed_token_ids=tuple(allowed)))
+    answer = json.loads(raw)["choices"][0]
+    assert answer["text"] == target_text(tiny_dir, expected) and set(expected) <= set(allowed)
+    assert [int(t.removeprefix("token_id:")) for t in answer["logprobs"]["tokens"]] == expected
+    for value, message in (([], "allowed_token_ids must not be empty: leave it out to allow every token"),
+                           ([5, 99999], "target instance: allowed_token_ids must be in [0, 320), got 5..99999")):
+        code, _, raw = post(base + "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "allowed_token_ids": value})
+        assert code == 400 and json.loads(raw)["error"]["message"] == message, raw
+
+
 def target_text(tiny_dir, tokens):
     from transformers import AutoTokenizer
 

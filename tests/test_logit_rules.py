@@ -3,6 +3,8 @@ frequency and repetition penalties) is part of the target's distribution: the ad
 are transformers' and OpenAI's, and every speculative mode produces what the target alone
 produces with them — token for token greedy, the same distribution sampled."""
 
+import dataclasses
+
 import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
@@ -12,6 +14,7 @@ from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDraf
 from specctl.spec.logit_rules import LogitRules
 from specctl.spec.rounds import generate
 from specctl.spec.sampling import SamplingParams, probs_from_logits
+from tests.conftest import mode_drafter
 from tests.test_sampling_exact import PROMPT as SMALL_PROMPT
 from tests.test_sampling_exact import SAMPLES, VOCAB, assert_counts_match, small  # noqa: F401 - the fixture
 
@@ -80,6 +83,33 @@ def test_penalties_over_the_last_n_tokens_are_llama_cpp_s():
     guide = rules.guide(torch.device("cpu"))  # the draft's copy keeps its own window
     guide.record([20])
     assert rules.recent == [3, 3, 7, 11] and guide.recent == [3, 7, 11, 20]
+
+
+def test_allowed_token_ids_bar_every_other_token_before_the_rest():
+    torch.manual_seed(3)
+    vocab = 30
+    params = SamplingParams(allowed_token_ids=(4, 9, 17), logit_bias=((9, 3.0), (5, 50.0)), repetition_penalty=1.5)
+    rules = LogitRules(params, [9, 1], set(), vocab, torch.device("cpu"))
+    logits = torch.randn(2, vocab) * 4
+    got = rules.apply(logits, [[], [4]])
+    assert torch.isinf(got[:, [t for t in range(vocab) if t not in (4, 9, 17)]]).all()  # 5's bias cannot lift it
+    for row, path in enumerate([[], [4]]):
+        biased = logits[row].clone()
+        biased[9] += 3.0
+        expected = reference_logits(biased, [9, 1], path, dataclasses.replace(params, logit_bias=()))
+        torch.testing.assert_close(got[row, [4, 9, 17]], expected[[4, 9, 17]])
+    assert params.adjusts_logits and rules.guide(torch.device("cpu")).allowed.tolist() == rules.allowed.tolist()
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree", "ngram"])
+def test_greedy_with_allowed_token_ids_every_mode_equals_the_target_alone_within_them(tiny, mode):
+    target = tiny["llama"]
+    allowed = tuple(range(40, 90, 3))
+    params = SamplingParams(max_tokens=24, ignore_eos=True, allowed_token_ids=allowed)
+    alone, _, _ = generate(target, PROMPT, params)
+    output, stats, _ = generate(target, PROMPT, params, mode_drafter(mode, tiny["llama-draft"]))
+    assert output == alone and set(alone) <= set(allowed)
+    assert alone != generate(target, PROMPT, SamplingParams(max_tokens=24, ignore_eos=True))[0]
 
 
 def test_logit_bias_then_min_tokens_then_penalties_as_vllm_orders_them():

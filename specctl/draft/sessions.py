@@ -259,7 +259,7 @@ def _rules(msg: OpenSession) -> SamplingParams | None:
         rules = SamplingParams(
             max_tokens=max(msg.max_tokens + msg.generated, msg.min_tokens, 1), presence_penalty=msg.presence_penalty,
             frequency_penalty=msg.frequency_penalty, repetition_penalty=msg.repetition_penalty,
-            penalty_last_n=msg.penalty_last_n,
+            penalty_last_n=msg.penalty_last_n, allowed_token_ids=tuple(msg.allowed_token_ids),
             min_tokens=msg.min_tokens, logit_bias=tuple(sorted(msg.logit_bias.items())),
             bad_words=tuple(map(tuple, msg.bad_words)), structured=(msg.structured_kind, msg.structured_spec) if msg.structured_kind else None)
     except SpecctlError:

@@ -159,6 +159,7 @@ class RequestFields(msgspec.Struct, kw_only=True):
     # presence and frequency over the output)
     repeat_last_n: int | None = None
     bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's extension: only these tokens may come
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None

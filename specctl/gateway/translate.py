@@ -70,6 +70,15 @@ def logit_bias(req: RequestFields) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs))
 
 
+def allowed_tokens(req: RequestFields) -> tuple[int, ...]:
+    """vLLM's allowed_token_ids (each once, in order); the target instance refuses ids past its
+    vocabulary. An empty list would leave no token to sample: refused."""
+    if req.allowed_token_ids is not None and not req.allowed_token_ids:
+        raise ApiError(400, "allowed_token_ids must not be empty: leave it out to allow every token",
+                       param="allowed_token_ids")
+    return tuple(dict.fromkeys(req.allowed_token_ids or ()))
+
+
 def stop_strings(req: RequestFields) -> list[str]:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
@@ -192,7 +201,7 @@ def sampling_params(req: RequestFields, prompt_tokens: int, context: int, defaul
             repetition_penalty=given(req.repetition_penalty, "repetition_penalty", 1.0) if penalized else 1.0,
             penalty_last_n=window,
             min_p=given(req.min_p, "min_p", 0.0), min_tokens=req.min_tokens or 0, logit_bias=logit_bias(req),
-            structured=structured, bad_words=barred,
+            structured=structured, bad_words=barred, allowed_token_ids=allowed_tokens(req),
         )
     except SpecctlError as exc:  # the message starts with the parameter's name
         raise ApiError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None

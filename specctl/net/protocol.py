@@ -72,6 +72,7 @@ class OpenSession(msgspec.Struct, tag=True, frozen=True):
     # a seeded sampled request: drafted as a cold start alone would (DraftState.reproducible)
     reproducible: bool = False
     penalty_last_n: int = 0  # the penalties' window (SamplingParams.penalty_last_n)
+    allowed_token_ids: list[int] = []  # vLLM's: only these may come (empty: any)
 
 
 class SessionOpened(msgspec.Struct, tag=True, frozen=True):
@@ -215,6 +216,7 @@ class Generate(msgspec.Struct, tag=True, frozen=True):
     bad_words: list[list[int]] = []  # vLLM's, as token sequences (spec.logit_rules)
     request_id: RequestId = ""  # the gateway's request id (a choice's: "<id>-<index>"), named in the target's log lines
     penalty_last_n: int = 0  # SamplingParams.penalty_last_n (0 from older peers: vLLM's penalties)
+    allowed_token_ids: list[int] = []  # vLLM's: only these may come (empty: any)
 
 
 class Tokens(msgspec.Struct, tag=True, frozen=True):

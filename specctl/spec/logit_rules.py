@@ -1,5 +1,5 @@
 """What a request changes in the target's logits before temperature, top-k, top-p and min-p,
-in vLLM's order: vLLM's ``bad_words`` (a word's last token barred where the output ends with the
+in vLLM's order: vLLM's ``allowed_token_ids`` (every other token barred), its ``bad_words`` (a word's last token barred where the output ends with the
 rest of it), ``logit_bias`` (added), ``min_tokens`` (the stop tokens barred until that
 many tokens are out), then the penalties — transformers'/vLLM's ``repetition_penalty`` (over
 prompt and output) and OpenAI's ``presence_penalty`` and ``frequency_penalty`` (over the
@@ -48,6 +48,10 @@ class LogitRules:
             ids, values = zip(*params.logit_bias)
             self.bias[torch.tensor(ids, device=device)] = torch.tensor(values, device=device)
         self.bad_words = params.bad_words
+        self.allowed = None  # vLLM's allowed_token_ids: True where a token may come
+        if params.allowed_token_ids:
+            self.allowed = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            self.allowed[torch.tensor(params.allowed_token_ids, dtype=torch.long, device=device)] = True
         # the output's last tokens a bad word's start may lie in (vLLM matches bad words over the output)
         self.bad_reach = max((len(word) - 1 for word in self.bad_words), default=0)
         self.tail: list[int] = []
@@ -65,6 +69,7 @@ class LogitRules:
                                                          self.in_prompt.to(device))
         guide.tail, guide.recent = list(self.tail), list(self.recent)
         guide.bias = None if self.bias is None else self.bias.to(device)
+        guide.allowed = None if self.allowed is None else self.allowed.to(device)
         guide.structure = None if self.structure is None else self.structure.guide(device)
         return guide
 
@@ -89,6 +94,8 @@ class LogitRules:
         if self.structure is not None:
             allowed, ended = self.structure.allowed(paths)
             logits = logits.masked_fill(~allowed, float("-inf"))
+        if self.allowed is not None:
+            logits = logits.masked_fill(~self.allowed, float("-inf"))
         if self.bad_words:
             logits = self._bar_bad_words(logits, paths)
         if self.bias is not None:
@@ -153,6 +160,7 @@ def draft_guide(rules: SamplingParams, prompt: list[int], output: list[int], *, 
                                                                     device, strict=False)
         check_token_ids([token for token, _ in rules.logit_bias], vocab_size, "logit_bias token ids")
         check_token_ids([token for word in rules.bad_words for token in word], vocab_size, "bad_words token ids")
+        check_token_ids(list(rules.allowed_token_ids), vocab_size, "allowed_token_ids")
         guide = LogitRules(rules, prompt, stop_ids, vocab_size, device, structure)
         guide.record(output)
         return guide

@@ -14,6 +14,7 @@ MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 MAX_BAD_WORDS = 64  # token sequences one request may bar (vLLM's bad_words, each with and without a space)
 MAX_BAD_WORD_TOKENS = 32
 MAX_PENALTY_LAST_N = 1 << 20  # tokens: past any context served
+MAX_ALLOWED_TOKENS = 1 << 18  # past any vocabulary served
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +44,8 @@ class SamplingParams:
     # (kind, spec): the output constrained to a grammar (spec.structured: "json" + a JSON schema,
     # "regex", "choice" + a JSON list of strings, "grammar" + Lark/GBNF); None = unconstrained
     structured: tuple[str, str] | None = None
+    # vLLM's allowed_token_ids: only these tokens may come (spec.logit_rules); () = any
+    allowed_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0):
@@ -82,6 +85,9 @@ class SamplingParams:
                 and all(isinstance(t, int) and t >= 0 for t in word) for word in self.bad_words):
             raise InvalidSamplingParams(f"bad_words are at most {MAX_BAD_WORDS} token sequences of 1 to "
                                         f"{MAX_BAD_WORD_TOKENS} token ids (>= 0)")
+        if len(self.allowed_token_ids) > MAX_ALLOWED_TOKENS or not all(
+                isinstance(t, int) and t >= 0 for t in self.allowed_token_ids):
+            raise InvalidSamplingParams(f"allowed_token_ids are at most {MAX_ALLOWED_TOKENS} token ids (>= 0)")
         if self.structured is not None:
             from specctl.spec.structured import KINDS, MAX_SPEC_CHARS
 
@@ -113,7 +119,7 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether the target's logits are changed before sampling (spec.logit_rules, spec.structured)."""
         return (bool(self.presence_penalty or self.frequency_penalty or self.min_tokens or self.logit_bias
-                     or self.bad_words)
+                     or self.bad_words or self.allowed_token_ids)
                 or self.repetition_penalty != 1.0 or self.structured is not None)
 
 

@@ -230,6 +230,7 @@ class TargetServer(ListeningServer):
                             "logit_bias token ids")
             check_token_ids([token for word in params.bad_words for token in word], self.model.spec.vocab_size,
                             "bad_words token ids")
+            check_token_ids(list(params.allowed_token_ids), self.model.spec.vocab_size, "allowed_token_ids")
             check_token_ids(msg.prompt, self.model.spec.vocab_size)
             check_token_ids(msg.stop_token_ids, self.model.spec.vocab_size)
             if self.active > self.config.max_sessions:
