@@ -111,3 +111,19 @@ def test_bad_words_are_barred_as_vllm_encodes_them_and_the_text_is_the_target_al
     text = json.loads(raw)["choices"][0]["text"]
     # special tokens (the tiny vocabulary's FIM tokens) are left out of the text, as vLLM leaves them
     assert text == tok.decode(reference, skip_special_tokens=True) and word.lstrip() not in text
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("use_beam_search", True, "beam search is not served: speculative decoding gives the target's own greedy or "
+                              "sampled text (n choices sample n texts)"),
+    ("prompt_embeds", "AAAA", "prompt_embeds are not served: give the prompt as text or token ids"),
+])
+def test_vllm_s_beam_search_and_prompt_embeds_are_refused_by_name(field, value, message):
+    from specctl.gateway.api import CompletionRequest, refuse_unsupported
+
+    for req in (CompletionRequest(prompt="x", **{field: value}),
+                ChatCompletionRequest(messages=[], **{field: value})):
+        with pytest.raises(ApiError) as refused:
+            refuse_unsupported(req)
+        assert (refused.value.status, str(refused.value), refused.value.param) == (400, message, field)
+    refuse_unsupported(CompletionRequest(prompt="x", use_beam_search=False))  # vLLM's default, as clients send it

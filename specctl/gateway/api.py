@@ -50,8 +50,8 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
 - a completion's suffix asks for the text between the prompt and it (fill in the middle,
   engine.fim): the prompt is built in the model's FIM tokens and their end tokens stop it; a
   model without FIM tokens is a 400, as are echo and truncate_prompt_tokens with a suffix.
-- best_of other than n and legacy functions are refused with 400 rather than silently
-  ignored: they would change what the caller gets.
+- best_of other than n, legacy functions, vLLM's use_beam_search and prompt_embeds are
+  refused with 400 rather than silently ignored: they would change what the caller gets.
 - vLLM's stop_token_ids (at most MAX_STOP_TOKEN_IDS) end the generation as EOS does: the
   stop token is not part of the output (vLLM keeps a non-special one in its text). A stop
   string is not part of the text either unless vLLM's include_stop_str_in_output asks.
@@ -160,6 +160,9 @@ class RequestFields(msgspec.Struct, kw_only=True):
     repeat_last_n: int | None = None
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's extension: only these tokens may come
+    # vLLM's extensions refused when asked (refuse_unsupported): another search, other inputs
+    use_beam_search: bool = False
+    prompt_embeds: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -266,6 +269,11 @@ def refuse_unsupported(req: RequestFields) -> None:
     scored_prompt(req)
     if req.functions:
         raise ApiError(400, "functions are not supported: send them as tools", param="functions")
+    if req.use_beam_search:
+        raise ApiError(400, "beam search is not served: speculative decoding gives the target's own greedy or "
+                            "sampled text (n choices sample n texts)", param="use_beam_search")
+    if req.prompt_embeds is not None:
+        raise ApiError(400, "prompt_embeds are not served: give the prompt as text or token ids", param="prompt_embeds")
     if req.tools and not isinstance(req, ChatCompletionRequest):
         raise ApiError(400, "tools are for chat completions", param="tools")
     if isinstance(req, CompletionRequest):
