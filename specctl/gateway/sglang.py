@@ -87,23 +87,27 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
 
 # SGLang's fields that specctl does not serve, with what to do instead: a request that gives one
 # is refused, never answered as if it had not (an image left out, another stop rule)
-UNSERVED = (
-    ("image_data", "specctl serves text prompts: leave it out"),
-    ("audio_data", "specctl serves text prompts: leave it out"),
-    ("video_data", "specctl serves text prompts: leave it out"),
-    ("input_embeds", "give text or input_ids"),
-    ("lora_path", "specctl serves the target's own weights, no LoRA adapter"),
-    ("custom_logit_processor", "it would run code sent with the request; leave it out"),
-    ("sampling_params.stop_regex", "give stop strings (stop) or stop_token_ids"),
-    ("sampling_params.structural_tag", "give json_schema, regex or ebnf"),
-)
+UNSERVED = {
+    "image_data": "specctl serves text prompts: leave it out",
+    "audio_data": "specctl serves text prompts: leave it out",
+    "video_data": "specctl serves text prompts: leave it out",
+    "input_embeds": "give text or input_ids",
+    "lora_path": "specctl serves the target's own weights, no LoRA adapter",
+    "custom_logit_processor": "it would run code sent with the request; leave it out",
+}
+UNSERVED_SAMPLING = {
+    "stop_regex": "give stop strings (stop) or stop_token_ids",
+    "structural_tag": "give json_schema, regex or ebnf",
+}
 
 
 def refuse_unserved(asked: "GenerateRequest") -> None:
-    for name, instead in UNSERVED:
-        where, _, field_name = name.rpartition(".")
-        if getattr(asked.sampling_params if where else asked, field_name) is not None:
-            raise ApiError(400, f"{name} is not served here: {instead}", param=name.split(".")[0])
+    for name, instead in UNSERVED.items():
+        if getattr(asked, name) is not None:
+            raise ApiError(400, f"{name} is not served here: {instead}", param=name)
+    for name, instead in UNSERVED_SAMPLING.items():
+        if getattr(asked.sampling_params, name) is not None:
+            raise ApiError(400, f"sampling_params.{name} is not served here: {instead}", param="sampling_params")
 
 
 def parse_generate(body: bytes, tokenizer: Any, context: int, model: str) -> tuple[CompletionRequest, "SglangReply"]:

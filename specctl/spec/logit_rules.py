@@ -150,6 +150,14 @@ class LogitRules:
                                 torch.tensor(float("-inf"), device=logits.device))
 
 
+def check_rule_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Refuse the rules' token ids past the vocabulary (BadRequest naming the field): logit_bias's,
+    bad_words' and allowed_token_ids'."""
+    check_token_ids([token for token, _ in params.logit_bias], vocab_size, "logit_bias token ids")
+    check_token_ids([token for word in params.bad_words for token in word], vocab_size, "bad_words token ids")
+    check_token_ids(list(params.allowed_token_ids), vocab_size, "allowed_token_ids")
+
+
 def draft_guide(rules: SamplingParams, prompt: list[int], output: list[int], *, tokenizer: Any, vocab_size: int,
                 stop_ids: set[int], device: torch.device) -> LogitRules | None:
     """The rules and grammar a draft server's session follows, built from the request's
@@ -158,9 +166,7 @@ def draft_guide(rules: SamplingParams, prompt: list[int], output: list[int], *, 
     try:
         structure = None if rules.structured is None else Structure(*rules.structured, tokenizer, vocab_size, stop_ids,
                                                                     device, strict=False)
-        check_token_ids([token for token, _ in rules.logit_bias], vocab_size, "logit_bias token ids")
-        check_token_ids([token for word in rules.bad_words for token in word], vocab_size, "bad_words token ids")
-        check_token_ids(list(rules.allowed_token_ids), vocab_size, "allowed_token_ids")
+        check_rule_token_ids(rules, vocab_size)
         guide = LogitRules(rules, prompt, stop_ids, vocab_size, device, structure)
         guide.record(output)
         return guide

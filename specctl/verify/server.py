@@ -17,6 +17,7 @@ from specctl.engine.loader import LoadedModel
 from specctl.engine.prefill_gate import prefill_gate
 from specctl.engine.prefix_cache import flush_prefix_cache, prefix_cache_stats
 from specctl.engine.spec import check_token_ids
+from specctl.spec.logit_rules import check_rule_token_ids
 from specctl.errors import BadRequest, KVBudgetExceeded, SpecctlError, StageUnavailable
 from specctl.net.framing import read_message
 from specctl.net.handshake import server_handshake
@@ -226,11 +227,7 @@ class TargetServer(ListeningServer):
             if params.adjusts_logits and self.specpipe is not None:
                 raise BadRequest("penalties, logit_bias, bad_words, min_tokens and structured output are not "
                                  "available from a SpecPipe target: its stages verify with the unadjusted distribution")
-            check_token_ids([token for token, _ in params.logit_bias], self.model.spec.vocab_size,
-                            "logit_bias token ids")
-            check_token_ids([token for word in params.bad_words for token in word], self.model.spec.vocab_size,
-                            "bad_words token ids")
-            check_token_ids(list(params.allowed_token_ids), self.model.spec.vocab_size, "allowed_token_ids")
+            check_rule_token_ids(params, self.model.spec.vocab_size)
             check_token_ids(msg.prompt, self.model.spec.vocab_size)
             check_token_ids(msg.stop_token_ids, self.model.spec.vocab_size)
             if self.active > self.config.max_sessions:
