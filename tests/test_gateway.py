@@ -358,7 +358,8 @@ def test_stop_token_ids_end_the_generation_before_the_stop_token(cluster, tiny_d
 
 
 def test_fields_at_their_no_op_values_are_served():
-    from specctl.gateway.api import CompletionRequest, parse_body, refuse_unsupported
+    from specctl.gateway.api import CompletionRequest, parse_body
+    from specctl.gateway.request_checks import refuse_unsupported
 
     body = {"prompt": "x", "logit_bias": {"42": 0}, "response_format": {"type": "text"},
             "tools": [], "tool_choice": "none", "min_p": 0.0, "min_tokens": 0, "repetition_penalty": 1.0,

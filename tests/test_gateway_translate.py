@@ -119,7 +119,8 @@ def test_bad_words_are_barred_as_vllm_encodes_them_and_the_text_is_the_target_al
     ("prompt_embeds", "AAAA", "prompt_embeds are not served: give the prompt as text or token ids"),
 ])
 def test_vllm_s_beam_search_and_prompt_embeds_are_refused_by_name(field, value, message):
-    from specctl.gateway.api import CompletionRequest, refuse_unsupported
+    from specctl.gateway.api import CompletionRequest
+    from specctl.gateway.request_checks import refuse_unsupported
 
     for req in (CompletionRequest(prompt="x", **{field: value}),
                 ChatCompletionRequest(messages=[], **{field: value})):

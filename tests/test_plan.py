@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from specctl.draft.plan import StarModel, admit, prespec_round_time
+from specctl.draft.connection import DraftServerConfig
+from specctl.draft.plan import StarModel, admit, open_refusal, prespec_round_time
 from tests.conftest import run_here
 
 # t_s = 10 ms/token, d = 4 -> S = 40 ms; Z = t_c + t_v = 20 + 100 = 120 ms; β = 0.5
@@ -36,6 +37,18 @@ def test_n_max_and_admission():
     assert MODEL.n_max(4.5) == 5 and MODEL.n_max(6.0) == 0 and MODEL.n_max(None) == 4
     assert admit(4, MODEL, 4.5) and not admit(5, MODEL, 4.5)
     assert admit(100, None, None)
+
+
+def test_open_refusal_checks_limits_then_admission():
+    config = DraftServerConfig(max_sessions=3, max_sessions_per_connection=2, admission_model=MODEL,
+                               standalone_tokens_per_s=4.5)
+    assert open_refusal(config, 0, 0, 4) is None  # the 5th target: N_max is 5
+    assert open_refusal(config, 0, 0, 5) == ("admission", "draft server at N_max: another target would run slower "
+                                                          "than standalone")
+    assert open_refusal(config, 2, 1, 5) is None  # a target already in keeps opening sessions
+    assert open_refusal(config, 2, 2, 0) == ("capacity", "at most 2 sessions per connection")
+    assert open_refusal(config, 3, 0, 0) == ("capacity", "draft server full: 3 sessions open; retry later")
+    assert open_refusal(DraftServerConfig(), 0, 0, 1000) is None  # no admission model: no N_max
 
 
 def test_invalid_model_is_refused():

@@ -21,6 +21,7 @@ w       = f/2 for N >= 2, 0 for N = 1                    a request waits out the
 from __future__ import annotations
 
 import math
+from typing import Any
 from dataclasses import dataclass
 
 
@@ -111,3 +112,17 @@ def admit(active_targets: int, model: StarModel | None, standalone_tokens_per_s:
     if model is None or standalone_tokens_per_s is None:
         return True
     return active_targets + 1 <= model.n_max(standalone_tokens_per_s)
+
+
+def open_refusal(config: Any, open_sessions: int, connection_sessions: int,
+                 other_targets: int) -> tuple[str, str] | None:
+    """Why a new session is refused — (error code, message) — or None to open it: the server's
+    and the connection's session limits, then, for a target's first session, StarSD's admission
+    rule (``other_targets``: instances with sessions open, this one left out)."""
+    if open_sessions >= config.max_sessions:
+        return "capacity", f"draft server full: {config.max_sessions} sessions open; retry later"
+    if connection_sessions >= config.max_sessions_per_connection:
+        return "capacity", f"at most {config.max_sessions_per_connection} sessions per connection"
+    if not connection_sessions and not admit(other_targets, config.admission_model, config.standalone_tokens_per_s):
+        return "admission", "draft server at N_max: another target would run slower than standalone"
+    return None

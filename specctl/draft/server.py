@@ -15,7 +15,7 @@ from functools import partial
 
 from specctl.draft.connection import Connection, DraftServerConfig
 from specctl.draft.levels import LevelTable
-from specctl.draft.plan import admit
+from specctl.draft.plan import open_refusal
 from specctl.draft.sessions import SessionTable, UnknownTag
 from specctl.draft.speculation import SpeculationCache
 from specctl.engine.kv_cache import KVPool
@@ -251,16 +251,10 @@ class DraftServer(ListeningServer):
                                            "no weights; SpecPipe's tree levels need a draft model: run it with "
                                            "--mode tree", req=message.req))
             return
-        if self.active_sessions >= self.config.max_sessions:
-            conn.send(Error("capacity", f"draft server full: {self.config.max_sessions} sessions open; retry later", req=message.req))
-            return
-        if len(conn.tags) >= self.config.max_sessions_per_connection:
-            limit = self.config.max_sessions_per_connection
-            conn.send(Error("capacity", f"at most {limit} sessions per connection", req=message.req))
-            return
-        targets = sum(1 for c in self.connections.values() if c.tags and c is not conn)
-        if not conn.tags and not admit(targets, self.config.admission_model, self.config.standalone_tokens_per_s):
-            conn.send(Error("admission", "draft server at N_max: another target would run slower than standalone", req=message.req))
+        other_targets = sum(1 for c in self.connections.values() if c.tags and c is not conn)
+        refusal = open_refusal(self.config, self.active_sessions, len(conn.tags), other_targets)
+        if refusal is not None:
+            conn.send(Error(*refusal, req=message.req))
             return
         tag = next(self._tags)
         conn.tags.add(tag)

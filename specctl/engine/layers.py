@@ -109,7 +109,7 @@ class Attention(nn.Module):
         if cos is not None:  # None: a NoPE layer (SmolLM3's every 4th)
             if self.rotation_in_float32:  # Cohere: q and k in float32, cos/sin as they are
                 q, k = q.float(), k.float()
-            # cast back: OLMo rotates in float32 (its cos/sin are; Decoder._ropes), a no-op otherwise
+            # cast back: OLMo rotates in float32 (its cos/sin are; rope.layer_ropes), a no-op otherwise
             pairs = self.rope_interleaved
             q, k = apply_rope(q, cos, sin, pairs).to(v.dtype), apply_rope(k, cos, sin, pairs).to(v.dtype)
             if self.qk_l2_eps is not None:
@@ -249,7 +249,7 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = norm()
         self.llama_shaped = spec.llama_layers
         self.residual_scale = spec.residual_scale  # Granite: each branch's output scaled before it is added
-        # Gemma 3's sliding layers rotate with their own RoPE (Decoder._ropes); SmolLM3's NoPE ones not at all
+        # Gemma 3's sliding layers rotate with their own RoPE (rope.layer_ropes); SmolLM3's NoPE ones not at all
         self.rotates_locally = spec.local_rope and spec.hf_config.layer_types[index] == "sliding_attention"
         self.rotates = spec.rope_layers[index] if spec.rope_layers else True
 

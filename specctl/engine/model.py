@@ -17,7 +17,7 @@ from specctl.engine.kv_cache import KVCache, KVPool, kv_slot_bytes
 from specctl.engine.layers import DecoderLayer, Segments
 from specctl.engine.norms import make_norm
 from specctl.engine.prefix_cache import PrefixCache
-from specctl.engine.rope import rope_cos_sin
+from specctl.engine.rope import layer_ropes
 from specctl.engine.spec import ModelSpec
 from specctl.engine.static import CUDA_LOCK, StaticRunner, StaticSegment
 from specctl.engine.window import window_cut
@@ -140,23 +140,8 @@ class Decoder(nn.Module):
             self.local_inv_freq = self.spec.inv_freq("sliding_attention")[0]
 
     def _ropes(self, positions: torch.Tensor, dtype: torch.dtype):
-        """(cos, sin) of ``positions`` for each layer: one pair shared, or Gemma 3's two; in
-        float32 where the model rotates in float32 (OLMo); (None, None) for a layer that does not
-        rotate (SmolLM3's NoPE layers) — Llama 4's: (None, its queries' temperature scales)."""
-        dtype = torch.float32 if self.spec.rope_in_float32 else dtype
-        pairs = self.spec.rope_interleaved
-        full = rope_cos_sin(self.inv_freq, self.rope_scaling, positions, dtype, pairs)
-        local = (None if self.local_inv_freq is None
-                 else rope_cos_sin(self.local_inv_freq, self.local_rope_scaling, positions, dtype, pairs))
-        if local is None and all(layer.rotates for layer in self.layers):
-            return [full] * len(self.layers)
-        unrotated = (None, None)
-        if self.spec.query_temperature is not None:
-            # log1p(floor((p + 1) / floor_scale)) * scale + 1 in float32, as transformers tunes a NoPE layer's queries
-            scale, floor_scale = self.spec.query_temperature
-            unrotated = (None, torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * scale + 1.0)
-        return [unrotated if not layer.rotates else local if layer.rotates_locally else full
-                for layer in self.layers]
+        local = None if self.local_inv_freq is None else (self.local_inv_freq, self.local_rope_scaling)
+        return layer_ropes(self.spec, self.layers, positions, dtype, (self.inv_freq, self.rope_scaling), local)
 
     @property
     def num_layers(self) -> int:

@@ -4,6 +4,8 @@ each head (partial rotary)."""
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 import torch
 
 
@@ -46,3 +48,23 @@ def apply_rope_deinterleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     cos, sin = cos[..., :half], sin[..., :half]
     even, odd = x[..., 0::2], x[..., 1::2]
     return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
+
+
+def layer_ropes(spec: Any, layers: Sequence[Any], positions: torch.Tensor, dtype: torch.dtype,
+                full: tuple[torch.Tensor, float], local: tuple[torch.Tensor, float] | None) -> list:
+    """(cos, sin) of ``positions`` for each of a decoder's ``layers``: one pair shared, or Gemma
+    3's two (``full`` and its sliding layers' ``local`` frequencies and scaling); in float32 where
+    the model rotates in float32 (OLMo); (None, None) for a layer that does not rotate
+    (SmolLM3's NoPE layers) — Llama 4's: (None, its queries' temperature scales)."""
+    dtype = torch.float32 if spec.rope_in_float32 else dtype
+    pairs = spec.rope_interleaved
+    full_pair = rope_cos_sin(*full, positions, dtype, pairs)
+    local_pair = None if local is None else rope_cos_sin(*local, positions, dtype, pairs)
+    if local_pair is None and all(layer.rotates for layer in layers):
+        return [full_pair] * len(layers)
+    unrotated = (None, None)
+    if spec.query_temperature is not None:
+        # log1p(floor((p + 1) / floor_scale)) * scale + 1 in float32, as transformers tunes a NoPE layer's queries
+        scale, floor_scale = spec.query_temperature
+        unrotated = (None, torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * scale + 1.0)
+    return [unrotated if not layer.rotates else local_pair if layer.rotates_locally else full_pair for layer in layers]

@@ -15,10 +15,8 @@ from specctl.engine.fim import encode_infill, infill_stops
 from specctl.engine.text import encode_chat, encode_prompt, token_bytes_of
 from specctl.errors import BadRequest
 from specctl.gateway import responses as R
-from specctl.gateway.api import (
-    MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, check_key, parse_body, refuse_unsupported,
-    wanted_logprobs,
-)
+from specctl.gateway.api import MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, check_key, parse_body
+from specctl.gateway.request_checks import refuse_unsupported, wanted_logprobs
 from specctl.gateway.choices import Choices, choice_specs
 from specctl.gateway.llama_reply import LlamaReply
 from specctl.gateway.sglang import SglangReply

@@ -12,8 +12,8 @@ from specctl.engine.text import bad_word_sequences
 from specctl.errors import BadRequest, SpecctlError
 from specctl.gateway.api import (
     MAX_CHOICES, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, ApiError, ChatCompletionRequest, CompletionRequest, RequestFields,
-    scored_prompt, wanted_logprobs,
 )
+from specctl.gateway.request_checks import scored_prompt, wanted_logprobs
 from specctl.spec.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, SamplingParams
 
 
