@@ -6,6 +6,7 @@ batch, n choices, or streamed (the text so far, then [DONE]); its mapping and re
 import json
 
 import pytest
+import regex
 
 from specctl.engine.tiny import make_byte_tokenizer
 from specctl.gateway.api import ApiError
@@ -159,8 +160,6 @@ def test_bad_generate_requests_are_400s_and_model_info_names_the_model(cluster):
      "no LoRA adapter", "lora_path"),
     ({"text": "x", "custom_logit_processor": "{}"}, "custom_logit_processor is not served here: it would run code "
      "sent with the request; leave it out", "custom_logit_processor"),
-    ({"text": "x", "sampling_params": {"stop_regex": "[0-9]+"}}, "sampling_params.stop_regex is not served here: "
-     "give stop strings (stop) or stop_token_ids", "sampling_params"),
     ({"text": "x", "sampling_params": {"structural_tag": "{}"}}, "sampling_params.structural_tag is not served here: "
      "give json_schema, regex or ebnf", "sampling_params"),
 ])
@@ -168,6 +167,36 @@ def test_what_specctl_does_not_serve_is_refused_never_answered_without_it(body, 
     with pytest.raises(ApiError) as refused:
         _parsed(body)
     assert (refused.value.status, str(refused.value), refused.value.param) == (400, message, param)
+
+
+def test_stop_regex_ends_the_text_with_its_first_match_on_generate_and_the_openai_routes(cluster, tiny_dir):
+    """SGLang's stop_regex: the target's text up to the end of the pattern's first match (the
+    match kept), matched naming the pattern — streamed or whole, /generate or /v1/completions
+    (vLLM's stop_reason); a bad pattern is a 400 naming it."""
+    from tests.test_stop_regex import reference
+
+    url = cluster[1]["gateway"]
+    text = specctl_generate(tiny_dir, PROMPT, 24)["text"]
+    piece = next(text[i : i + 2] for i in range(4, len(text) - 1) if "\ufffd" not in text[i : i + 2])
+    patterns = [regex.escape(piece), r"\d{3}"]
+    want, matched = reference(text, patterns)
+    assert matched is not None and len(want) < len(text)
+    out = json.loads(post(url + "/generate", {"text": PROMPT, "sampling_params": {
+        "max_new_tokens": 24, "temperature": 0, "stop_regex": patterns}})[2])
+    assert (out["text"], out["meta_info"]["finish_reason"]) == (want, {"type": "stop", "matched": matched})
+    _, _, body = post(url + "/generate", {"text": PROMPT, "stream": True, "sampling_params": {
+        "max_new_tokens": 24, "temperature": 0, "stop_regex": patterns}})
+    events = [json.loads(line[6:]) for line in body.decode().splitlines() if line.startswith("data: {")]
+    assert all(e["text"] == want[: len(e["text"])] for e in events) and events[-1]["text"] == want
+    choice = json.loads(post(url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 24, "temperature": 0,
+                                                       "stop_regex": patterns})[2])["choices"][0]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (want, "stop", matched)
+    for route, body in (("/generate", {"text": PROMPT, "sampling_params": {"stop_regex": "a("}}),
+                        ("/v1/completions", {"prompt": PROMPT, "stop_regex": ["a("]})):
+        status, _, refused = post(url + route, body)
+        error = json.loads(refused)["error"]
+        assert (status, error["message"], error["param"]) == (
+            400, "stop_regex 'a(' is not a valid regular expression: missing ) at position 2", "stop_regex")
 
 
 def test_recent_rate_is_the_tokens_a_second_over_the_last_polls():

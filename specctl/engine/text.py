@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import regex
 from jinja2 import TemplateError
 
 from specctl.engine.detokenize import OutputDecoder
+from specctl.engine.stop_regex import StopMatch, StopPatterns
 from specctl.errors import BadRequest
 
 
@@ -43,10 +45,12 @@ class IncrementalText:
     """Turns a growing list of token ids into text deltas. Holds back an incomplete UTF-8
     character and any tail that could be the start of a stop string, so that no text past
     a stop string is ever handed out (the stop string itself is, last, with ``include_stop``:
-    vLLM's include_stop_str_in_output); ``stopped`` turns true when one is found."""
+    vLLM's include_stop_str_in_output), nor text that may become a ``stop_regex`` pattern's
+    match (engine.stop_regex: the text ends with the match); ``stopped`` turns true when one
+    is found — of a stop string and a pattern, the one whose end comes first in the text."""
 
     def __init__(self, tokenizer: Any, stop: Sequence[str] = (), include_stop: bool = False,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, stop_regex: Sequence[regex.Pattern] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
         self.include_stop = include_stop
@@ -54,7 +58,8 @@ class IncrementalText:
         self.full = ""  # the whole output's text so far
         self.text = ""  # everything handed out so far
         self.stopped = False
-        self.matched: str | None = None  # the stop string that ended the text (vLLM's stop_reason)
+        self.matched: str | None = None  # the stop string or pattern that ended the text (vLLM's stop_reason)
+        self.patterns = StopPatterns(tuple(stop_regex)) if stop_regex else None
 
     @property
     def tokens(self) -> list[int]:
@@ -65,18 +70,31 @@ class IncrementalText:
             return ""
         full = self.full = self.output.push(tokens)
         hits = [(i, len(s), s) for s in self.stop if (i := full.find(s, max(0, len(self.text) - len(s) + 1))) >= 0]
-        if hits:
+        hit = min(hits, default=None)  # the earliest; of two there, the shorter (it ended first)
+        complete = len(full.rstrip("\ufffd"))  # a multi-byte character at the end is not complete yet
+        match = self.patterns.search(full, complete) if self.patterns is not None else None
+        if hit is not None and (match is None or hit[0] + hit[1] <= match.found_at):
             self.stopped = True
-            at, length, self.matched = min(hits)  # the earliest; of two there, the shorter (it ended first)
+            at, length, self.matched = hit
             return self._advance(full[: at + length if self.include_stop else at])
-        if full.endswith("\ufffd"):  # a multi-byte character is not complete yet
+        if match is not None:
+            return self._stop_at(match)
+        if complete < len(full):
             return ""
         hold = max((k for s in self.stop for k in range(1, len(s)) if full.endswith(s[:k])), default=0)
-        return self._advance(full[: len(full) - hold])
+        upto = len(full) - hold if self.patterns is None else min(len(full) - hold, self.patterns.hold_from)
+        return self._advance(full[:upto])
 
     def finish(self) -> str:
         """The held-back tail once the output is complete (no stop string came)."""
-        return "" if self.stopped else self._advance(self.full)
+        if self.stopped:
+            return ""
+        match = self.patterns.search(self.full, len(self.full)) if self.patterns is not None else None
+        return self._advance(self.full) if match is None else self._stop_at(match)
+
+    def _stop_at(self, match: StopMatch) -> str:
+        self.stopped, self.matched = True, match.pattern
+        return self._advance(self.full[: match.end])
 
     def _advance(self, upto: str) -> str:
         delta = upto[len(self.text) :] if len(upto) > len(self.text) else ""

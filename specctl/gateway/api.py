@@ -55,6 +55,8 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
 - vLLM's stop_token_ids (at most MAX_STOP_TOKEN_IDS) end the generation as EOS does: the
   stop token is not part of the output (vLLM keeps a non-special one in its text). A stop
   string is not part of the text either unless vLLM's include_stop_str_in_output asks.
+  SGLang's stop_regex (at most 4 patterns) ends the text where a pattern first matches, the
+  match kept (SGLang trims a stop string, not a pattern's match; engine.stop_regex).
 - vLLM's truncate_prompt_tokens k keeps each prompt's last k tokens (-1: as many as the
   context holds); usage counts what is kept, and echo gives back that.
 - Fields neither served nor refused (OpenAI's store, metadata, service_tier, ...) are
@@ -142,6 +144,7 @@ class RequestFields(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False  # vLLM's extension, handy for benchmarks
     user: str | None = None
     stop_token_ids: list[int] | None = None  # vLLM's extension
+    stop_regex: str | list[str] | None = None  # SGLang's extension: the text ends with a pattern's first match
     include_stop_str_in_output: bool = False  # vLLM's extension: the stop string that ended the text ends it
     truncate_prompt_tokens: int | None = None  # vLLM's extension: keep the prompt's last k tokens (-1: the context)
     priority: int = 0  # vLLM's extension: lower waits less for a session (--scheduling-policy priority)

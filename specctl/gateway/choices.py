@@ -63,13 +63,14 @@ class Choices:
 
     def __init__(self, upstream: Upstream, metrics: GatewayMetrics, tokenizer, specs: list[ChoiceSpec],
                  stop: list[str], include_stop: bool = False, arrival: float | None = None, priority: int = 0,
-                 request_id: str = "", skip_special_tokens: bool = True) -> None:
+                 request_id: str = "", skip_special_tokens: bool = True, stop_regex: tuple = ()) -> None:
         self.upstream, self.metrics, self.tokenizer, self.specs, self.stop = upstream, metrics, tokenizer, specs, stop
         self.include_stop = include_stop  # vLLM's include_stop_str_in_output
         self.arrival = time.perf_counter() if arrival is None else arrival  # the request's, for the latencies
         self.priority = priority  # its place among generations waiting for a session (gateway.waiting)
         self.request_id = request_id  # gateway.request_id: each generation goes as it, or "<id>-<index>" if several
         self.skip_special_tokens = skip_special_tokens  # vLLM's: special tokens left out of the text
+        self.stop_regex = stop_regex  # SGLang's, compiled (engine.stop_regex)
         self._queue: asyncio.Queue[tuple[int, Event | BaseException]] = asyncio.Queue()
         self._counts: dict[int, int] = {}  # each choice's completion tokens handed on so far
         self._started: list[asyncio.Future] = []
@@ -145,7 +146,7 @@ class Choices:
             yield Event(spec.echo, None, {}, 0, echoed(scored, spec.params.logprobs), scored)
         elif scored is not None:
             yield Event("", None, {}, 0, [], scored)
-        text = IncrementalText(self.tokenizer, self.stop, self.include_stop, self.skip_special_tokens)
+        text = IncrementalText(self.tokenizer, self.stop, self.include_stop, self.skip_special_tokens, self.stop_regex)
         event, count, first_at = first, 0, None
         while True:
             if isinstance(event, Tokens):

@@ -33,7 +33,8 @@ from specctl.gateway.tool_parsers import KEEPS_SPECIAL_TOKENS, TOOL_PARSERS
 from specctl.gateway.tool_calls import ForcedCalls
 from specctl.gateway.tools import forced_call, request_tools
 from specctl.gateway.translate import (
-    bad_words, chat_messages, chat_template_options, completion_prompts, sampling_params, stop_strings, truncated,
+    bad_words, chat_messages, chat_template_options, completion_prompts, sampling_params, stop_patterns, stop_strings,
+    truncated,
 )
 from specctl.gateway.upstream import Upstream
 from specctl.verify.client import RemoteError
@@ -113,7 +114,7 @@ class Generations:
             if req.priority and self.config.scheduling_policy != "priority":
                 raise ApiError(400, "priority scheduling is not enabled: start the gateway with --scheduling-policy "
                                     "priority, or leave priority out", param="priority")
-            stop = stop_strings(req)
+            stop, patterns = stop_strings(req), stop_patterns(req)
             tools = self.tools(req)
             prompts = truncated(self.encode(req, tools), req.truncate_prompt_tokens, self.config.context)
             one_call = chat and not req.parallel_tool_calls
@@ -143,7 +144,7 @@ class Generations:
                                 or (chat and self.config.reasoning_parser in READS_SPECIAL_TOKENS))
                 choices = Choices(self.upstream, self.metrics, self.tokenizer, specs, stop,
                                   req.include_stop_str_in_output, arrival, req.priority, rid,
-                                  req.skip_special_tokens and not keep_special)
+                                  req.skip_special_tokens and not keep_special, patterns)
                 async with choices:
                     response = await (reply.stream(request, choices) if req.stream else reply.collect(choices))
             except RemoteError as exc:

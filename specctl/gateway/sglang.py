@@ -11,9 +11,10 @@ with ``meta_info``'s ``finish_reason`` ({"type": "length", "length": n} or {"typ
 the speculation's figures as SGLang names them (``spec_verify_ct``, ``spec_accept_length``,
 ...). Streamed, each event carries the text so far (SGLang's default, not increments) and
 the stream ends with ``data: [DONE]``. ``json_schema`` (a JSON text), ``regex`` and ``ebnf``
-hold the output as vLLM's guided_* do; ``no_stop_trim`` keeps the stop string. What specctl
-does not serve — images, audio, video, input embeddings, LoRA adapters, custom logit
-processors, ``stop_regex``, ``structural_tag`` — is a 400 saying what to give instead, never
+hold the output as vLLM's guided_* do; ``no_stop_trim`` keeps the stop string;
+``stop_regex`` ends the text with its pattern's first match (engine.stop_regex; matched: the
+pattern). What specctl does not serve — images, audio, video, input embeddings, LoRA adapters,
+custom logit processors, ``structural_tag`` — is a 400 saying what to give instead, never
 answered as if it had not been asked.
 ``return_logprob`` gives the target's log-probabilities in meta_info (``output_token_logprobs``
 as ``[logprob, id, text]``, ``output_top_logprobs`` with ``top_logprobs_num`` alternatives,
@@ -60,7 +61,7 @@ class SglangSampling(msgspec.Struct, kw_only=True):
     no_stop_trim: bool = False
     logit_bias: dict[str, float] | None = None
     sampling_seed: int | None = None
-    stop_regex: Any = None  # refused (UNSERVED)
+    stop_regex: str | list[str] | None = None  # engine.stop_regex: the text ends with the match
     structural_tag: Any = None
 
 
@@ -96,7 +97,6 @@ UNSERVED = {
     "custom_logit_processor": "it would run code sent with the request; leave it out",
 }
 UNSERVED_SAMPLING = {
-    "stop_regex": "give stop strings (stop) or stop_token_ids",
     "structural_tag": "give json_schema, regex or ebnf",
 }
 
@@ -142,7 +142,7 @@ def parse_generate(body: bytes, tokenizer: Any, context: int, model: str) -> tup
         frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
         repetition_penalty=s.repetition_penalty, min_tokens=s.min_new_tokens, guided_json=schema,
         guided_regex=s.regex, guided_grammar=s.ebnf, ignore_eos=s.ignore_eos,
-        skip_special_tokens=s.skip_special_tokens, include_stop_str_in_output=s.no_stop_trim,
+        skip_special_tokens=s.skip_special_tokens, include_stop_str_in_output=s.no_stop_trim, stop_regex=s.stop_regex,
         logit_bias=s.logit_bias, seed=s.sampling_seed, stream=asked.stream, request_id=asked.rid,
         logprobs=asked.top_logprobs_num if asked.return_logprob else None,
         prompt_logprobs=asked.top_logprobs_num if scored else None)

@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 
+from specctl.engine.stop_regex import compile_stop_patterns
 from specctl.engine.text import bad_word_sequences
 from specctl.errors import BadRequest, SpecctlError
 from specctl.gateway.api import (
@@ -84,6 +85,14 @@ def stop_strings(req: RequestFields) -> list[str]:
     if len(stop) > MAX_STOP_STRINGS:
         raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
     return [s for s in stop if s]
+
+
+def stop_patterns(req: RequestFields) -> tuple:
+    """SGLang's stop_regex, compiled (engine.stop_regex); a 400 naming what is wrong with it."""
+    try:
+        return compile_stop_patterns(req.stop_regex)
+    except BadRequest as exc:
+        raise ApiError(400, str(exc), param="stop_regex") from None
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:
