@@ -164,3 +164,21 @@ def test_a_closing_session_is_counted_until_its_kv_is_freed(tiny, monkeypatch):
     monkeypatch.setattr(DraftState, "close", closing)
     table.close(1)
     assert seen == [1] and table.snapshot()["sessions"] == 0 and table.pool.used_bytes == 0
+
+
+def test_a_session_drafts_with_the_requests_sampler_order_and_a_bad_one_is_refused(tiny):
+    """OpenSession's sampler_order (llama.cpp's temperature last) is the draft session's own; an
+    order that does not name the four samplers once each fails the open, naming it."""
+    from specctl.draft.sessions import SessionTable
+    from specctl.engine.kv_cache import KVPool
+    from specctl.errors import InvalidSamplingParams
+
+    table = SessionTable(ModelChainDrafter(tiny["llama-draft"], 3), KVPool(None), 320, 512)
+    last = ["top_k", "top_p", "min_p", "temperature"]
+    table.open(1, OpenSession(0, [5, 6, 7], temperature=0.7, top_p=0.8, max_tokens=16, sampler_order=last))
+    assert table.states[1].params.sampler_order == tuple(last)
+    with pytest.raises(InvalidSamplingParams, match=r"^sampler_order names temperature, top_k, top_p, min_p once "):
+        table.open(2, OpenSession(1, [5, 6, 7], temperature=0.7, max_tokens=16, sampler_order=["top_k"]))
+    assert 2 not in table.states
+    table.close(1)
+    assert table.pool.used_bytes == 0

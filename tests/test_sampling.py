@@ -18,6 +18,8 @@ from specctl.spec.sampling import SamplingParams, probs_from_logits
         ({"top_k": -1}, "top_k must be a non-negative integer (0 = off), got -1"),
         ({"max_tokens": 0}, "max_tokens must be a positive integer, got 0"),
         ({"seed": -3}, "seed must be a non-negative integer, got -3"),
+        ({"sampler_order": ("top_k", "temperature")}, "sampler_order names temperature, top_k, top_p, min_p once each, "
+                                                      "in the order they apply, got ['top_k', 'temperature']"),
     ],
 )
 def test_bad_sampling_parameters_are_refused(kwargs, message):
@@ -45,6 +47,24 @@ def test_matches_transformers_warpers(temperature, top_k, top_p, min_p):
         ref = MinPLogitsWarper(min_p)(None, ref)
     ours = probs_from_logits(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p))
     torch.testing.assert_close(ours, ref.softmax(-1))
+
+
+def test_temperature_last_filters_the_unscaled_distribution_as_llama_cpp_does():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    first = SamplingParams(temperature=0.5, top_p=0.8)
+    last = SamplingParams(temperature=0.5, top_p=0.8, sampler_order=("top_k", "top_p", "min_p", "temperature"))
+    # scaled first, [4, 2, 0, -2]: tokens 1-3 hold 13.3 % <= 20 %, so top-p keeps token 0 alone
+    assert probs_from_logits(logits, first).tolist() == [1.0, 0.0, 0.0, 0.0]
+    # unscaled, tokens 2 and 3 hold 11.9 % (token 1 would make 35.6 %): 0 and 1 stay, then T = 0.5 on [2, 1]
+    torch.testing.assert_close(probs_from_logits(logits, last),
+                               torch.cat([(torch.tensor([2.0, 1.0]) / 0.5).softmax(-1), torch.zeros(2)]))
+    # min-p reads the probabilities where it stands: 0.3 x 0.644 keeps tokens 0 and 1 unscaled, token 0 alone scaled
+    assert (probs_from_logits(logits, SamplingParams(temperature=0.5, min_p=0.3, sampler_order=last.sampler_order))
+            > 0).tolist() == [True, True, False, False]
+    assert (probs_from_logits(logits, SamplingParams(temperature=0.5, min_p=0.3)) > 0).tolist() == [True] + [False] * 3
+    # greedy is the argmax in any order
+    assert probs_from_logits(logits, SamplingParams(top_p=0.5, sampler_order=last.sampler_order)).tolist() == [
+        1.0, 0.0, 0.0, 0.0]
 
 
 def test_sample_never_draws_a_token_without_mass_and_is_seeded():

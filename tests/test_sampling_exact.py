@@ -102,12 +102,24 @@ def test_min_p_keeps_the_target_distribution(small, mode):
     _assert_target_distribution(target, drafter, 1.0, 1.0, min_p=0.15)
 
 
-def _assert_target_distribution(target, drafter, temperature, top_p, min_p=0.0):
-    expected = _exact_joint_of_tokens_2_and_3(target, SamplingParams(temperature=temperature, top_p=top_p, min_p=min_p))
+@pytest.mark.parametrize("mode", ["chain", pytest.param("tree", marks=pytest.mark.slow)])
+def test_temperature_last_keeps_the_target_distribution(small, mode):
+    """llama.cpp's sampler order (top-p and min-p on the unscaled distribution, temperature
+    last): the target's p and a local draft's q both follow it."""
+    target, draft = small
+    drafter = ModelChainDrafter(draft, 2) if mode == "chain" else ModelTreeDrafter(draft, 2, 2, 3)
+    _assert_target_distribution(target, drafter, 0.7, 0.85, min_p=0.1,
+                                sampler_order=("top_k", "top_p", "min_p", "temperature"))
+
+
+def _assert_target_distribution(target, drafter, temperature, top_p, min_p=0.0, sampler_order=()):
+    expected = _exact_joint_of_tokens_2_and_3(target, SamplingParams(temperature=temperature, top_p=top_p, min_p=min_p,
+                                                                     sampler_order=sampler_order))
     counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
     rounds_with_acceptance = 0
     for seed in range(SAMPLES):
-        params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=3, seed=seed, min_p=min_p)
+        params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=3, seed=seed, min_p=min_p,
+                                sampler_order=sampler_order)
         out, stats, _ = generate(target, PROMPT, params, drafter)
         counts[out[1], out[2]] += 1
         rounds_with_acceptance += stats.accepted > 0

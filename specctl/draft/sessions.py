@@ -46,7 +46,7 @@ class SessionTable:
 
     def open(self, tag: int, msg: OpenSession) -> None:
         params = SamplingParams(temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, max_tokens=msg.max_tokens,
-                                min_p=msg.min_p)
+                                min_p=msg.min_p, sampler_order=tuple(msg.sampler_order))
         check_token_ids(msg.prompt, self.vocab_size)
         if not msg.prompt or len(msg.prompt) + msg.max_tokens > self.max_context:
             raise PromptTooLong(f"prompt of {len(msg.prompt)} tokens plus max_tokens {msg.max_tokens} does not fit the draft's context of {self.max_context}")

@@ -160,6 +160,9 @@ class RequestFields(msgspec.Struct, kw_only=True):
     # (-1: all of it; 0: no penalties); left out, vLLM's (repetition over prompt and output,
     # presence and frequency over the output)
     repeat_last_n: int | None = None
+    # llama.cpp's, an extension: which samplers run, in which order (gateway.llama_samplers); left
+    # out, vLLM's (temperature first)
+    samplers: list[str] | str | None = None
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's extension: only these tokens may come
     # vLLM's extensions refused when asked (refuse_unsupported): another search, other inputs

@@ -11,7 +11,8 @@ prompt starts with text and the tokenizer adds one), or a list of such prompts, 
 a list. ``grammar`` (GBNF) and ``json_schema`` hold the output as vLLM's guided_grammar and
 guided_json do; ``repeat_penalty``, ``presence_penalty`` and ``frequency_penalty`` count the text's last
 ``repeat_last_n`` tokens (64 by default; -1 all of it, 0 no penalties), the prompt's included,
-as llama.cpp's penalties sampler does; a ``logit_bias`` of ``false`` is -100. Its samplers
+as llama.cpp's penalties sampler does; ``samplers`` orders them as llama.cpp does, temperature
+last by default (gateway.llama_samplers); a ``logit_bias`` of ``false`` is -100. Its samplers
 not served here (typical, Mirostat, DRY, XTC, dynamic temperature, top-n-sigma) are refused
 when set rather than ignored. The
 editor plugins' ``n_indent``, ``t_max_predict_ms`` and ``response_fields`` are honoured as
@@ -28,6 +29,7 @@ import msgspec
 from specctl.engine.text import encode_prompt
 from specctl.gateway.api import MAX_CHOICES, ApiError, CompletionRequest, parse_body
 from specctl.gateway.llama_reply import LlamaReply, Probabilities, Rules
+from specctl.gateway.llama_samplers import DEFAULT_SAMPLERS, sampler_chain
 from specctl.spec.sampling import MAX_LOGPROBS
 
 BANNED_BIAS = -100.0  # a logit_bias of false: OpenAI's lowest bias, which no token overcomes
@@ -56,6 +58,8 @@ class LlamaOptions(msgspec.Struct, kw_only=True):
     frequency_penalty: float = 0.0
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64  # the penalties' window over the text's last tokens (-1: all; 0: no penalties)
+    # the order they apply in: temperature last (gateway.llama_samplers)
+    samplers: list[str] | str = msgspec.field(default_factory=lambda: list(DEFAULT_SAMPLERS))
     logit_bias: list[list[Any]] | dict[str, Any] | None = None
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
@@ -149,7 +153,7 @@ def completion_request(asked: LlamaOptions, prompts: list[list[int]], context: i
         seed=None if asked.seed == -1 else asked.seed, stop=asked.stop or None, ignore_eos=asked.ignore_eos,
         stream=asked.stream,
         presence_penalty=asked.presence_penalty, frequency_penalty=asked.frequency_penalty,
-        repetition_penalty=asked.repeat_penalty, repeat_last_n=asked.repeat_last_n,
+        repetition_penalty=asked.repeat_penalty, repeat_last_n=asked.repeat_last_n, samplers=asked.samplers,
         logit_bias=openai_bias(asked.logit_bias),
         guided_grammar=asked.grammar, guided_json=asked.json_schema, stop_token_ids=list(ends) or None,
         logprobs=asked.n_probs or None)
@@ -182,5 +186,5 @@ def generation_settings(req: CompletionRequest, asked: LlamaOptions, model: str,
             "top_k": req.top_k, "top_p": req.top_p, "min_p": req.min_p, "seed": asked.seed, "stop": asked.stop,
             "ignore_eos": asked.ignore_eos, "presence_penalty": asked.presence_penalty,
             "frequency_penalty": asked.frequency_penalty, "repeat_penalty": asked.repeat_penalty,
-            "repeat_last_n": asked.repeat_last_n,
+            "repeat_last_n": asked.repeat_last_n, "samplers": list(sampler_chain(asked.samplers).names),
             "stream": asked.stream, "speculative": True}

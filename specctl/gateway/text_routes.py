@@ -14,6 +14,7 @@ from aiohttp import web
 from specctl import __version__
 from specctl.engine.text import render_chat
 from specctl.errors import BadRequest
+from specctl.gateway.llama_samplers import DEFAULT_SAMPLERS
 from specctl.gateway.api import (
     ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, TokenizeRequest, check_key,
     parse_body,
@@ -103,7 +104,7 @@ class TextRoutes:
         slots = sum(view.capacity for view in self.gateway.upstream.views() if view.up)
         params = {"n_predict": -1, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "seed": -1,
                   "repeat_penalty": 1.0, "repeat_last_n": 64, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                  "stop": []}
+                  "stop": [], "samplers": list(DEFAULT_SAMPLERS)}
         return web.json_response({
             "default_generation_settings": {"n_ctx": self.config.context, "speculative": True, "params": params},
             "total_slots": slots, "model_path": self.config.names[0], "modalities": {"vision": False, "audio": False},

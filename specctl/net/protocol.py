@@ -73,6 +73,7 @@ class OpenSession(msgspec.Struct, tag=True, frozen=True):
     reproducible: bool = False
     penalty_last_n: int = 0  # the penalties' window (SamplingParams.penalty_last_n)
     allowed_token_ids: list[int] = []  # vLLM's: only these may come (empty: any)
+    sampler_order: list[str] = []  # SamplingParams.sampler_order (empty: temperature first)
 
 
 class SessionOpened(msgspec.Struct, tag=True, frozen=True):
@@ -217,6 +218,7 @@ class Generate(msgspec.Struct, tag=True, frozen=True):
     request_id: RequestId = ""  # the gateway's request id (a choice's: "<id>-<index>"), named in the target's log lines
     penalty_last_n: int = 0  # SamplingParams.penalty_last_n (0 from older peers: vLLM's penalties)
     allowed_token_ids: list[int] = []  # vLLM's: only these may come (empty: any)
+    sampler_order: list[str] = []  # SamplingParams.sampler_order (empty from older peers: temperature first)
 
 
 class Tokens(msgspec.Struct, tag=True, frozen=True):

@@ -15,6 +15,9 @@ MAX_BAD_WORDS = 64  # token sequences one request may bar (vLLM's bad_words, eac
 MAX_BAD_WORD_TOKENS = 32
 MAX_PENALTY_LAST_N = 1 << 20  # tokens: past any context served
 MAX_ALLOWED_TOKENS = 1 << 18  # past any vocabulary served
+# The order the distribution's samplers apply in: vLLM's and transformers' (temperature first);
+# llama.cpp applies temperature last (SamplingParams.sampler_order)
+SAMPLER_ORDER = ("temperature", "top_k", "top_p", "min_p")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +49,9 @@ class SamplingParams:
     structured: tuple[str, str] | None = None
     # vLLM's allowed_token_ids: only these tokens may come (spec.logit_rules); () = any
     allowed_token_ids: tuple[int, ...] = ()
+    # the order of temperature, top_k, top_p and min_p (each once); () = SAMPLER_ORDER. Where top_p
+    # or min_p comes before temperature it reads the unscaled distribution (llama.cpp's samplers)
+    sampler_order: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0):
@@ -88,6 +94,9 @@ class SamplingParams:
         if len(self.allowed_token_ids) > MAX_ALLOWED_TOKENS or not all(
                 isinstance(t, int) and t >= 0 for t in self.allowed_token_ids):
             raise InvalidSamplingParams(f"allowed_token_ids are at most {MAX_ALLOWED_TOKENS} token ids (>= 0)")
+        if self.sampler_order and sorted(self.sampler_order) != sorted(SAMPLER_ORDER):
+            raise InvalidSamplingParams(f"sampler_order names {', '.join(SAMPLER_ORDER)} once each, in the order they "
+                                        f"apply, got {list(self.sampler_order)!r:.120}")
         if self.structured is not None:
             from specctl.spec.structured import KINDS, MAX_SPEC_CHARS
 
@@ -124,24 +133,28 @@ class SamplingParams:
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p, then min-p (transformers' order and semantics);
-    float32 probabilities over the last dimension. Greedy gives a one-hot argmax distribution."""
+    """Temperature, top-k, top-p and min-p in the request's order (by default temperature, then
+    top-k, then top-p, then min-p: transformers' order and semantics; llama.cpp's puts
+    temperature last); float32 probabilities over the last dimension. Greedy gives a one-hot
+    argmax distribution (in any order: no sampler drops the likeliest token)."""
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, sorted_idx = logits.sort(dim=-1)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        remove = cum <= (1 - params.top_p)
-        remove[..., -1] = False  # always keep the most likely token
-        logits = logits.masked_fill(remove.scatter(-1, sorted_idx, remove), float("-inf"))
-    if params.min_p:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < params.min_p * probs.max(-1, keepdim=True).values, float("-inf"))
+    for sampler in params.sampler_order or SAMPLER_ORDER:
+        if sampler == "temperature":
+            logits = logits / params.temperature
+        elif sampler == "top_k" and params.top_k and params.top_k < logits.shape[-1]:
+            kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        elif sampler == "top_p" and params.top_p < 1.0:
+            sorted_logits, sorted_idx = logits.sort(dim=-1)
+            cum = sorted_logits.softmax(-1).cumsum(-1)
+            remove = cum <= (1 - params.top_p)
+            remove[..., -1] = False  # always keep the most likely token
+            logits = logits.masked_fill(remove.scatter(-1, sorted_idx, remove), float("-inf"))
+        elif sampler == "min_p" and params.min_p:
+            probs = logits.softmax(-1)
+            logits = logits.masked_fill(probs < params.min_p * probs.max(-1, keepdim=True).values, float("-inf"))
     return logits.softmax(-1)
 
 
