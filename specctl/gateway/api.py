@@ -57,6 +57,11 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
   string is not part of the text either unless vLLM's include_stop_str_in_output asks.
   SGLang's stop_regex (at most 4 patterns) ends the text where a pattern first matches, the
   match kept (SGLang trims a stop string, not a pattern's match; engine.stop_regex).
+- vLLM's return_token_ids adds the prompt's ids (a completion choice's prompt_token_ids; chat's
+  beside the choices) and each choice's token_ids: every token it generated, a stop string's
+  last batch and the EOS or stop token that ended it included (as vLLM's, whose text leaves
+  them out); streamed, the prompt's in a choice's (chat: the answer's) first chunk and each
+  chunk's new tokens. Left out unless asked (vLLM sends them as null).
 - vLLM's truncate_prompt_tokens k keeps each prompt's last k tokens (-1: as many as the
   context holds); usage counts what is kept, and echo gives back that.
 - Fields neither served nor refused (OpenAI's store, metadata, service_tier, ...) are
@@ -152,6 +157,7 @@ class RequestFields(msgspec.Struct, kw_only=True):
     request_id: str | None = None  # vLLM's extension: the answer's id (an X-Request-Id header wins; gateway.request_id)
     skip_special_tokens: bool = True  # vLLM's extension: False keeps special tokens in the text
     return_tokens_as_token_ids: bool = False  # vLLM's extension: logprobs name tokens "token_id:<id>"
+    return_token_ids: bool = False  # vLLM's extension: the prompt's and each choice's token ids beside the text
     # vLLM's extensions that reshape or constrain sampling (gateway.structured)
     min_p: float | None = None
     min_tokens: int | None = None

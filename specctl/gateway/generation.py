@@ -195,7 +195,7 @@ class Generations:
                      prompt_logprobs=prompt_logprobs, request_id=rid,
                      text_length=lambda token: len(self._token_text(token)),
                      thinking=self.thinking(req) if chat else None,
-                     include_reasoning=getattr(req, "include_reasoning", True))
+                     include_reasoning=getattr(req, "include_reasoning", True), token_ids=req.return_token_ids)
 
     def thinking(self, req) -> bool | None:
         """With a reasoning parser, whether a chat request's output starts in thought (None: no parser)."""

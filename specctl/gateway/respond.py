@@ -42,16 +42,19 @@ class Reply:
     text_length: Callable[[int], int] | None = None  # a token id's text length (streamed completions' text_offset)
     thinking: bool | None = None  # chat with a reasoning parser: whether the output starts in thought; None: no parser
     include_reasoning: bool = True  # vLLM's include_reasoning: false leaves the thinking out
+    token_ids: bool = False  # vLLM's return_token_ids: the prompt's and each choice's token ids too
 
     async def collect(self, choices: Choices) -> web.Response:
         texts: dict[int, list[str]] = {}
         entries: dict[int, list[R.TokenLogprob]] = {}
+        tokens: dict[int, list[int]] = {}
         bodies, stats, prompts = [], {}, {}
         async for index, event in choices.events():
             if event.prompt is not None and self.prompt_logprobs:
                 prompts[index] = self.prompt_logprobs(event.prompt)
             texts.setdefault(index, []).append(event.delta)
             entries.setdefault(index, []).extend(event.logprobs)
+            tokens.setdefault(index, []).extend(ended_tokens(event))
             if event.finish:
                 text, calls, finish, thought = "".join(texts[index]), None, event.finish, ()
                 if self.thinking is not None:
@@ -67,12 +70,18 @@ class Reply:
                                        event.stop_reason))
                 if self.prompt_logprobs and not self.chat:
                     bodies[-1]["prompt_logprobs"] = prompts.get(index)
+                if self.token_ids:
+                    if not self.chat:
+                        bodies[-1]["prompt_token_ids"] = prompt_ids(choices, index)
+                    bodies[-1]["token_ids"] = tokens[index]
                 stats[index] = event.stats
         body = R.full_response(R.new_id(self.chat, self.request_id), self.model, self.chat, bodies, self.prompt_tokens,
                                choices.completion_tokens, R.spec_summaries(list(stats.values())),
                                cached=R.cached_tokens(stats, self.n))
         if self.prompt_logprobs and self.chat:  # vLLM's place for chat: one prompt, beside the choices
             body["prompt_logprobs"] = prompts.get(min(prompts, default=0))
+        if self.token_ids and self.chat:
+            body["prompt_token_ids"] = choices.specs[0].prompt
         return web.json_response(body)
 
     async def stream(self, request: web.Request, choices: Choices) -> web.StreamResponse:
@@ -80,15 +89,24 @@ class Reply:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
 
+        unsent: dict[int, list[int]] = {}  # return_token_ids: each choice's tokens not yet in a chunk
+
         async def send(**fields) -> None:
             if self.continuous_usage:
                 fields["extra"] = {**(fields.get("extra") or {}),
                                    "usage": R.usage(self.prompt_tokens, choices.completion_tokens)}
-            await response.write(R.sse(R.chunk(rid, model, chat, created, **fields)))
+            body = R.chunk(rid, model, chat, created, **fields,
+                           token_ids=unsent.pop(fields["index"], []) if self.token_ids else None)
+            if self.token_ids and not chat and fields["index"] not in prompted:  # a choice's first chunk
+                prompted.add(fields["index"])
+                body["choices"][0]["prompt_token_ids"] = prompt_ids(choices, fields["index"])
+            await response.write(R.sse(body))
 
+        prompted: set[int] = set()
         if chat:
-            for spec in choices.specs:
-                await send(role=True, index=spec.index)
+            for k, spec in enumerate(choices.specs):
+                await send(role=True, index=spec.index,
+                           extra={"prompt_token_ids": spec.prompt} if self.token_ids and not k else None)
         offsets: dict[int, int] = {}  # each choice's text handed out so far (completions' text_offset)
         calls = {spec.index: self.calls() for spec in choices.specs} if self.calls is not None else {}
         thoughts = ({spec.index: reasoning_reader(self.thinking) for spec in choices.specs}
@@ -96,6 +114,7 @@ class Reply:
         stats = {}
         try:
             async for index, event in choices.events():
+                unsent.setdefault(index, []).extend(ended_tokens(event))  # sent with the event's first chunk
                 thought, text = thoughts[index].push(event.delta) if thoughts else ("", event.delta)
                 delta, call_deltas = calls[index].push(text) if calls else (text, [])
                 listed = False  # the event's logprobs sent with its thinking
@@ -135,3 +154,13 @@ class Reply:
         await response.write(R.sse("[DONE]"))
         await response.write_eof()
         return response
+
+
+def ended_tokens(event) -> list[int]:
+    """An event's token ids, with the EOS or stop token that ended its choice (vLLM's token_ids
+    hold it; the text and usage leave it out)."""
+    return [*event.tokens, *(() if event.stop_token is None else (event.stop_token,))]
+
+
+def prompt_ids(choices: Choices, index: int) -> list[int]:
+    return next(spec.prompt for spec in choices.specs if spec.index == index)

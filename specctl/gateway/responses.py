@@ -134,7 +134,7 @@ def full_response(rid: str, model: str, chat: bool, choices: list[dict], prompt_
 def chunk(rid: str, model: str, chat: bool, created: int, text: str | None = None, finish_reason: str | None = None,
           role: bool = False, extra: dict | None = None, logprobs: dict | None = None, index: int = 0,
           tool_calls: list[dict] | None = None, reasoning: str | None = None,
-          stop_reason: str | int | None = None) -> dict:
+          stop_reason: str | int | None = None, token_ids: list[int] | None = None) -> dict:
     """One streamed chunk: a text delta (with its tokens' logprobs), the opening role (chat),
     a piece of chat's thinking (gateway.reasoning), a choice's tool-call deltas
     (gateway.tool_calls) or the closing finish_reason."""
@@ -148,6 +148,8 @@ def chunk(rid: str, model: str, chat: bool, created: int, text: str | None = Non
     else:
         one = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
     one["stop_reason"] = stop_reason
+    if token_ids is not None:  # vLLM's return_token_ids: this chunk's new tokens
+        one["token_ids"] = token_ids
     body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": model, "choices": [one]}
     body.update(extra or {})
