@@ -225,8 +225,10 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 
 
 def check_key(request: Any, api_key: str | None) -> None:
-    """The gateway's --api-key, as OpenAI's clients send it (a 401 otherwise)."""
-    if api_key and request.headers.get("Authorization", "") != f"Bearer {api_key}":
+    """The gateway's --api-key, as OpenAI's clients send it or as Anthropic's do (``x-api-key``);
+    a 401 otherwise."""
+    if api_key and request.headers.get("Authorization", "") != f"Bearer {api_key}" and (
+            request.headers.get("x-api-key") != api_key):
         raise ApiError(401, "Incorrect API key provided: send `Authorization: Bearer <key>`", code="invalid_api_key")
 
 

@@ -15,6 +15,8 @@ from specctl.engine.fim import encode_infill, infill_stops
 from specctl.engine.text import encode_chat, encode_prompt, token_bytes_of
 from specctl.errors import BadRequest
 from specctl.gateway import responses as R
+from specctl.gateway.anthropic_api import MessagesRequest, as_chat as messages_as_chat, shows_thinking
+from specctl.gateway.anthropic_reply import AnthropicReply
 from specctl.gateway.api import MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, check_key, parse_body
 from specctl.gateway.request_checks import refuse_unsupported, wanted_logprobs
 from specctl.gateway.choices import Choices, choice_specs
@@ -106,6 +108,9 @@ class Generations:
                 asked = parse_body(await request.read(), ResponsesRequest)
                 history = self.responses.history(asked.previous_response_id)
                 req = as_chat(asked, history)
+            elif endpoint == "messages":  # Anthropic's (gateway.anthropic_api)
+                asked = parse_body(await request.read(), MessagesRequest)
+                req = messages_as_chat(asked)
             else:
                 req = parse_body(await request.read(), ChatCompletionRequest if chat else CompletionRequest)
             rid = request_id(request, req.request_id)
@@ -136,6 +141,9 @@ class Generations:
             calls = None if tools is None else (partial(ForcedCalls, forced[0]) if forced
                                                 else partial(reader, 1 if one_call else None))
             reply = (self._responses_reply(asked, req, history, prompt_tokens, calls) if endpoint == "responses"
+                     else AnthropicReply(self.config.names[0], prompt_tokens, calls, self.thinking(req),
+                                         shows_thinking(asked))
+                     if endpoint == "messages"
                      else native_reply if native is not None else self._reply(req, chat, prompt_tokens, calls, rid))
             try:
                 # a parser whose tags are special tokens reads them in the text (vLLM's mistral does the same)
@@ -226,6 +234,13 @@ class Generations:
 
     def _logprobs(self, chat: bool, entries: list, offset: int = 0, as_ids: bool = False) -> dict | None:
         return R.logprobs_body(chat, entries, self._token_text, offset, self._token_bytes, as_ids)
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        """Anthropic's POST /v1/messages/count_tokens: the prompt's tokens as /v1/messages renders it."""
+        check_key(request, self.config.api_key)
+        req = messages_as_chat(parse_body(await request.read(), MessagesRequest), count_only=True)
+        self.check_model(req.model)
+        return web.json_response({"input_tokens": len(self.encode(req, self.tools(req))[0])})
 
     def tools(self, req) -> list[dict] | None:
         if not isinstance(req, ChatCompletionRequest):

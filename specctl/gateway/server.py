@@ -21,6 +21,7 @@ from specctl import __version__
 from specctl.errors import ConfigError
 from specctl.gateway import cors, request_id
 from specctl.gateway import responses as R
+from specctl.gateway.anthropic_api import error_body as anthropic_error
 from specctl.gateway.api import (
     ApiError, check_key,
 )
@@ -135,6 +136,7 @@ class Gateway:
         app.add_routes([
             web.post("/v1/completions", self._completions), web.post("/v1/chat/completions", self._chat),
             web.post("/v1/responses", self._responses),
+            web.post("/v1/messages", self._messages), web.post("/v1/messages/count_tokens", self._count_tokens),
             web.get("/v1/responses/{response_id}", self._stored_response),
             web.delete("/v1/responses/{response_id}", self._delete_response),
             web.get("/v1/responses/{response_id}/input_items", self._input_items),
@@ -192,23 +194,25 @@ class Gateway:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
-        """Every error leaves as an OpenAI-style JSON body; the gateway carries on."""
+        """Every error leaves as an OpenAI-style JSON body (Anthropic's on its routes); the gateway
+        carries on."""
+        shape = anthropic_error if request.path.startswith("/v1/messages") else ApiError.body
         try:
             return await handler(request)
         except ApiError as exc:
             headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None
-            return web.json_response(exc.body(), status=exc.status, headers=headers)
+            return web.json_response(shape(exc), status=exc.status, headers=headers)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
             message = {413: f"request body too large (limit {self.config.max_body_bytes} bytes)",
                        404: f"no route {request.method} {request.path}"}.get(exc.status, exc.reason)
-            return web.json_response(ApiError(exc.status, message).body(), status=exc.status)
+            return web.json_response(shape(ApiError(exc.status, message)), status=exc.status)
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception as exc:  # noqa: BLE001
             log.exception("request %s %s failed", request.path, request.get(request_id.KEY, ""))
-            return web.json_response(ApiError(500, f"internal error: {exc}", type="server_error").body(), status=500)
+            return web.json_response(shape(ApiError(500, f"internal error: {exc}", type="server_error")), status=500)
 
     def _check_key(self, request: web.Request) -> None:
         check_key(request, self.config.api_key)
@@ -224,6 +228,13 @@ class Gateway:
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
         return await self.generations.serve(request, "responses")
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        """Anthropic's Messages API (gateway.anthropic_api)."""
+        return await self.generations.serve(request, "messages")
+
+    async def _count_tokens(self, request: web.Request) -> web.Response:
+        return await self.generations.count_tokens(request)
 
     async def _infill(self, request: web.Request) -> web.StreamResponse:
         """llama.cpp's /infill (gateway.infill): code completion for editor plugins."""

@@ -1,0 +1,202 @@
+"""Anthropic's Messages API on the gateway (gateway.anthropic_api, gateway.anthropic_reply),
+through Anthropic's own client: the same text as chat completions and `specctl generate
+--chat`, whole or streamed as Anthropic's events, stop reasons, token counts, tool_use blocks
+(a forced call, streamed as input_json_delta pieces), tool results fed back, errors in
+Anthropic's shape, the request mapping and its refusals exactly."""
+
+import json
+
+import anthropic
+import pytest
+
+from specctl.gateway.anthropic_api import MessagesRequest, as_chat, error_body
+from specctl.engine.tiny import make_byte_tokenizer
+from specctl.gateway.api import ApiError, check_key, parse_body
+from tests.test_gateway import post, specctl_generate
+from tests.test_gateway_tools import tools_cluster  # noqa: F401 - the fixture, a cluster of this module's own
+
+MESSAGES = [{"role": "user", "content": "Say hello"}]
+GREEDY = {"temperature": 0}  # Anthropic's newer clients no longer send sampling parameters
+WEATHER = {"name": "get_weather", "description": "today's weather", "input_schema": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+    "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}}
+
+
+def _client(cluster) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=cluster[1]["gateway"], api_key="unused", max_retries=0)
+
+
+def _parsed(body: dict, count_only: bool = False):
+    return as_chat(parse_body(json.dumps(body).encode(), MessagesRequest), count_only)
+
+
+def test_a_message_is_the_chat_answer_of_the_same_turns_whole_and_streamed(cluster, tiny_dir):
+    reference = specctl_generate(tiny_dir, "Say hello", 16, chat=True)
+    client, model = _client(cluster), str(tiny_dir["llama"])
+    message = client.messages.create(model=model, max_tokens=16, messages=MESSAGES, extra_body=GREEDY)
+    assert [block.type for block in message.content] == ["text"] and message.content[0].text == reference["text"]
+    assert message.role == "assistant" and message.id.startswith("msg_") and message.model == model
+    assert message.stop_reason == ("max_tokens" if len(reference["token_ids"]) == 16 else "end_turn")
+    assert (message.usage.input_tokens, message.usage.output_tokens) == (reference["stats"]["prompt_tokens"],
+                                                                        len(reference["token_ids"]))
+    with client.messages.stream(model=model, max_tokens=16, messages=MESSAGES, extra_body=GREEDY) as stream:
+        texts = list(stream.text_stream)
+        final = stream.get_final_message()
+    assert "".join(texts) == reference["text"] and len(texts) > 1
+    assert (final.content[0].text, final.stop_reason, final.usage.output_tokens) == (
+        reference["text"], message.stop_reason, message.usage.output_tokens)
+    counted = client.messages.count_tokens(model=model, messages=MESSAGES)
+    assert counted.input_tokens == message.usage.input_tokens
+    # a stop sequence: the text before it, named as the reason
+    word = reference["text"][5:8]
+    cut = client.messages.create(model=model, max_tokens=16, messages=MESSAGES, stop_sequences=[word],
+                                 extra_body=GREEDY)
+    assert (cut.content[0].text, cut.stop_reason, cut.stop_sequence) == (
+        reference["text"][: reference["text"].index(word)], "stop_sequence", word)
+
+
+def test_errors_come_in_anthropic_s_shape_through_its_client(cluster, tiny_dir):
+    client = _client(cluster)
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        client.messages.create(model="claude-opus-4", max_tokens=8, messages=MESSAGES)
+    assert missing.value.body["error"]["type"] == "not_found_error"
+    assert "The model `claude-opus-4` does not exist" in missing.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client.messages.create(model=str(tiny_dir["llama"]), max_tokens=8, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
+    assert refused.value.body == {"type": "error", "error": {"type": "invalid_request_error", "message": (
+        "messages[0].content[0]: a 'image' block is not served in a user message: give text, tool_use (assistant) "
+        "or tool_result (user) blocks")}}
+    status, _, body = post(cluster[1]["gateway"] + "/v1/messages", b"{not json")
+    assert status == 400 and json.loads(body)["type"] == "error"
+
+
+def test_a_forced_tool_call_comes_back_as_a_tool_use_block_whole_and_streamed(tools_cluster):  # noqa: F811
+    client = _client(tools_cluster)
+    model = client.models.list().data[0].id
+    asked = {"model": model, "max_tokens": 60, "extra_body": GREEDY, "tools": [WEATHER],
+             "tool_choice": {"type": "tool", "name": "get_weather"},
+             "messages": [{"role": "user", "content": "Weather in Paris?"}]}
+    message = client.messages.create(**asked)
+    [call] = [block for block in message.content if block.type == "tool_use"]
+    assert message.stop_reason == "tool_use" and call.name == "get_weather" and call.input["city"] in ("Paris", "Oslo")
+    assert all(block.type != "text" for block in message.content)
+    with client.messages.stream(**asked) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    pieces = [e.delta.partial_json for e in events if e.type == "content_block_delta"
+              and e.delta.type == "input_json_delta"]
+    assert len(pieces) > 1 and json.loads("".join(pieces)) == call.input  # the arguments as they come
+    assert [b.type for b in final.content] == ["tool_use"] and final.content[0].input == call.input
+    assert final.stop_reason == "tool_use"
+    # the call and its result fed back: the template renders them as chat's tool turns
+    follow = client.messages.create(**{**asked, "tool_choice": {"type": "none"}, "max_tokens": 4, "messages": [
+        *asked["messages"], {"role": "assistant", "content": [{"type": "tool_use", "id": call.id, "name": call.name,
+                                                                "input": call.input}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "sunny"}]}]})
+    as_chat_turns = [*asked["messages"], {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": json.dumps(call.input)}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": call.id}]
+    tokenized = json.loads(post(tools_cluster[1]["gateway"] + "/tokenize", {"messages": as_chat_turns})[2])
+    assert follow.usage.input_tokens == tokenized["count"] and "sunny" in make_byte_tokenizer().decode(
+        tokenized["tokens"])
+
+
+def test_the_request_maps_to_chat_turns_and_what_is_not_served_is_refused():
+    req = _parsed({"model": "m", "max_tokens": 9, "system": [{"type": "text", "text": "Be brief."}],
+                   "stop_sequences": ["\n"], "temperature": 0.5, "top_k": 4, "tools": [WEATHER],
+                   "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+                   "thinking": {"type": "enabled", "budget_tokens": 1024}, "metadata": {"user_id": "u"},
+                   "messages": [
+                       {"role": "user", "content": "Weather?"},
+                       {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "s"},
+                                                         {"type": "text", "text": "Let me look."},
+                                                         {"type": "tool_use", "id": "t1", "name": "get_weather",
+                                                          "input": {"city": "Oslo"}}]},
+                       {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                                     "content": [{"type": "text", "text": "rain"}]},
+                                                    {"type": "text", "text": "And tomorrow?",
+                                                     "cache_control": {"type": "ephemeral"}}]}]})
+    assert [(m.role, m.content, m.tool_call_id) for m in req.messages] == [
+        ("system", "Be brief.", None), ("user", "Weather?", None), ("assistant", "Let me look.", None),
+        ("tool", "rain", "t1"), ("user", "And tomorrow?", None)]
+    [call] = req.messages[2].tool_calls
+    assert (call.id, call.function.name, json.loads(call.function.arguments)) == ("t1", "get_weather", {"city": "Oslo"})
+    assert (req.max_completion_tokens, req.stop, req.temperature, req.top_k, req.tool_choice, req.parallel_tool_calls,
+            req.chat_template_kwargs) == (9, ["\n"], 0.5, 4, "required", False, {"enable_thinking": True})
+    assert req.tools == [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER["input_schema"],
+                                                           "description": "today's weather"}}]
+    assert _parsed({"messages": MESSAGES}, count_only=True).max_completion_tokens is None
+    for body, message, param in (
+            ({"messages": MESSAGES}, "max_tokens: a number of tokens of at least 1 is required, got None", "max_tokens"),
+            ({"max_tokens": 4, "messages": []}, "messages: at least one message is required", "messages"),
+            ({"max_tokens": 4, "messages": [{"role": "system", "content": "x"}]},
+             "messages[0].role must be 'user' or 'assistant', got 'system'", "messages"),
+            ({"max_tokens": 4, "messages": MESSAGES, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+             "tools[0] must be a client tool {\"name\": ..., \"input_schema\": {...}}: Anthropic's server tools are "
+             "not served", "tools"),
+            ({"max_tokens": 4, "messages": MESSAGES, "tool_choice": {"type": "some"}},
+             "tool_choice.type must be 'auto', 'any', 'tool' (with name) or 'none', got 'some'", "tool_choice"),
+            ({"max_tokens": 4, "messages": MESSAGES, "thinking": {"type": "always"}},
+             "thinking.type must be one of 'enabled', 'disabled', 'adaptive', 'between_tools', got 'always'", "thinking"),
+            ({"max_tokens": 4, "messages": MESSAGES, "output_config": {"format": {"type": "text"}}},
+             "output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}", "output_config"),
+            ({"max_tokens": 4, "messages": MESSAGES, "mcp_servers": [{"url": "https://x"}]},
+             "mcp_servers are not served: call the tools yourself and send tool_result blocks", "mcp_servers"),
+            ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "tool_result"}]}]},
+             "messages[0].content[0]: a tool_result block needs tool_use_id", "messages")):
+        with pytest.raises(ApiError) as refused:
+            _parsed(body)
+        assert (refused.value.status, str(refused.value), refused.value.param) == (400, message, param)
+
+
+def test_the_key_comes_as_x_api_key_or_bearer_and_errors_name_anthropic_s_types():
+    class Request:
+        def __init__(self, headers):
+            self.headers = headers
+
+    check_key(Request({"x-api-key": "k"}), "k")
+    check_key(Request({"Authorization": "Bearer k"}), "k")
+    with pytest.raises(ApiError) as refused:
+        check_key(Request({"x-api-key": "wrong"}), "k")
+    assert error_body(refused.value) == {"type": "error", "error": {
+        "type": "authentication_error", "message": "Incorrect API key provided: send `Authorization: Bearer <key>`"}}
+    assert error_body(ApiError(503, "busy"))["error"]["type"] == "overloaded_error"
+    assert error_body(ApiError(502, "target down"))["error"]["type"] == "api_error"
+
+
+def test_streamed_blocks_open_and_close_in_order_and_whitespace_opens_no_text_block():
+    import asyncio
+
+    from specctl.gateway.anthropic_reply import StreamedBlocks
+
+    def run(steps, show_thinking=True) -> list[tuple]:
+        sent = []
+
+        async def send(kind, **fields):
+            sent.append((kind, fields.get("index"), fields.get("content_block", fields.get("delta"))))
+
+        async def go():
+            blocks = StreamedBlocks(send, show_thinking)
+            for kind, *args in steps:
+                await (blocks.think(*args) if kind == "think" else blocks.add(*args))
+            await blocks.close()
+        asyncio.run(go())
+        return sent
+
+    call = {"index": 0, "id": "t1", "type": "function", "function": {"name": "f", "arguments": ""}}
+    assert run([("think", "hm"), ("add", "\n\n", []), ("add", "", [call]),
+                ("add", "", [{"index": 0, "function": {"arguments": '{"a": 1}'}}])]) == [
+        ("content_block_start", 0, {"type": "thinking", "thinking": "", "signature": ""}),
+        ("content_block_delta", 0, {"type": "thinking_delta", "thinking": "hm"}),
+        ("content_block_stop", 0, None),
+        ("content_block_start", 1, {"type": "tool_use", "id": "t1", "name": "f", "input": {}}),
+        ("content_block_delta", 1, {"type": "input_json_delta", "partial_json": '{"a": 1}'}),
+        ("content_block_stop", 1, None)]
+    assert run([("think", "hm"), ("add", "\n", []), ("add", "Hi", [])], show_thinking=False) == [
+        ("content_block_start", 0, {"type": "thinking", "thinking": "", "signature": ""}),
+        ("content_block_stop", 0, None),
+        ("content_block_start", 1, {"type": "text", "text": ""}),
+        ("content_block_delta", 1, {"type": "text_delta", "text": "\nHi"}),  # the whitespace goes with the text
+        ("content_block_stop", 1, None)]
+    assert run([]) == [("content_block_start", 0, {"type": "text", "text": ""}), ("content_block_stop", 0, None)]
