@@ -341,6 +341,30 @@ def test_a_response_s_thinking_is_its_reasoning_item_before_the_message(reasonin
     assert again.usage.input_tokens == plain.usage.input_tokens
 
 
+def test_an_anthropic_message_s_thinking_is_its_thinking_block_before_the_text(reasoning_cluster):
+    """Anthropic's Messages API over the same parser: a thinking block, then the text, whole and
+    streamed (thinking_delta, then text_delta); display "omitted" sends the block without its text."""
+    import anthropic
+
+    base = reasoning_cluster[1]["gateway"]
+    client = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)
+    model = json.loads(urllib.request.urlopen(base + "/v1/models", timeout=30).read())["data"][0]["id"]
+    asked = {"model": model, "max_tokens": 40, "messages": [{"role": "user", "content": "hi"}],
+             "extra_body": {"temperature": 0}}
+    message = client.messages.create(**asked)
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in message.content] == [
+        ("thinking", "\nplan it"), ("text", "\n\nthe answer")]
+    assert message.stop_reason == "end_turn"
+    with client.messages.stream(**asked) as stream:
+        events = list(stream)
+    deltas = [(e.index, e.delta.type) for e in events if e.type == "content_block_delta"]
+    assert sorted(set(deltas)) == [(0, "thinking_delta"), (1, "text_delta")] and deltas == sorted(deltas)
+    assert "".join(e.delta.thinking for e in events if e.type == "content_block_delta"
+                   and e.delta.type == "thinking_delta") == "\nplan it"
+    hidden = client.messages.create(**asked, thinking={"type": "adaptive", "display": "omitted"})
+    assert [(b.type, getattr(b, "thinking", None)) for b in hidden.content][0] == ("thinking", "")
+
+
 @pytest.mark.parametrize("items, turns", [
     ([("user", "hi"), "reasoning", ("assistant", "yes"), ("user", "and?")], [("user", "hi"), ("assistant", "yes"),
                                                                            ("user", "and?")]),

@@ -23,6 +23,8 @@ def test_names_aliases_and_letters_give_the_order_of_the_served_samplers():
                                                  "temperature"))
     assert sampler_chain([]).order == ("temperature", "top_k", "top_p", "min_p")  # all off but the order's shape
     assert not sampler_chain(["top_k"]).runs("temperature") and sampler_chain(["top_k"]).runs("top_k")
+    # llama.vim's list: the infill sampler accepted (not applied), temperature off
+    assert sampler_chain(["top_k", "top_p", "infill"]).order == ("top_k", "top_p", "temperature", "min_p")
 
 
 @pytest.mark.parametrize("samplers, message", [
@@ -30,8 +32,6 @@ def test_names_aliases_and_letters_give_the_order_of_the_served_samplers():
                         "top_n_sigma, top_k, typ_p, top_p, min_p, xtc, temperature (or their letters, e.g. \"kpmt\")"),
     ("kz", "samplers names 'z', which is not one of llama.cpp's samplers: give penalties, dry, top_n_sigma, top_k, "
            "typ_p, top_p, min_p, xtc, temperature (or their letters, e.g. \"kpmt\")"),
-    (["infill"], "the infill sampler is not served: POST /infill (or a completion's suffix) fills in the middle with "
-                 "the target's own distribution"),
     (["top_k", "top-k"], "samplers lists top_k twice: give each sampler once"),
     (["top_p", "penalties"], "samplers puts penalties after top_p: specctl applies the penalties (and logit_bias) "
                              "before the other samplers; list penalties first"),

@@ -8,9 +8,12 @@ extension, vLLM's order without it.
 
 As in llama.cpp, a sampler the list leaves out does not run: top-k, top-p, min-p off, no
 temperature (the distribution as it is, T = 1), no penalties. DRY, typical, XTC and
-top-n-sigma may be listed (their options are refused when set: gateway.llama), the infill
-sampler may not, and the penalties must come before the others (specctl applies them, with
-logit_bias, first). Unknown names and letters are refused rather than skipped."""
+top-n-sigma may be listed (their options are refused when set: gateway.llama). The infill
+sampler, which llama.cpp's editor plugins list (llama.vim: top_k, top_p, infill), is accepted
+and not applied: an infill here samples the target's own distribution and ends at the model's
+FIM end tokens (engine.fim) — refusing it would turn those plugins away. The penalties must come
+before the others (specctl applies them, with logit_bias, first). Unknown names and letters are
+refused rather than skipped."""
 
 from __future__ import annotations
 
@@ -48,9 +51,6 @@ def sampler_chain(samplers: list[str] | str) -> SamplerChain:
         if name is None:
             raise ApiError(400, f"samplers names {given!r}, which is not one of llama.cpp's samplers: give "
                                 f"{', '.join(DEFAULT_SAMPLERS)} (or their letters, e.g. \"kpmt\")", param="samplers")
-        if name == "infill":
-            raise ApiError(400, "the infill sampler is not served: POST /infill (or a completion's suffix) fills "
-                                "in the middle with the target's own distribution", param="samplers")
         if name in chain:
             raise ApiError(400, f"samplers lists {name} twice: give each sampler once", param="samplers")
         chain.append(name)
