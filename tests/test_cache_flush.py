@@ -87,3 +87,34 @@ async def test_an_unreachable_role_is_named_with_a_503_and_the_api_key_is_checke
             assert line["error"].startswith(f"cannot reach {dead}")
     finally:
         await gateway.close()
+
+
+def test_a_cache_salt_keeps_a_request_s_prefix_to_requests_of_the_same_salt(cluster, client, tiny_dir):
+    """vLLM's cache_salt through the gateway: the prompt another salt (or none) stored is not
+    reused, the same salt's is; every text is the target's own; an empty salt is a 400."""
+    model = str(tiny_dir["llama"])
+    prompt = "A salted opening that only one tenant's requests may reuse from the prefix cache. " * 3
+
+    def cached(salt: str | None) -> tuple[int, str]:
+        extra = {"cache_salt": salt} if salt is not None else {}
+        answer = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0, extra_body=extra)
+        return answer.usage.prompt_tokens_details.cached_tokens, answer.choices[0].text
+
+    first = cached("tenant-a")
+    assert first[0] == 0
+    assert cached("tenant-b") == (0, first[1]) and cached(None) == (0, first[1])
+    again = cached("tenant-a")
+    assert again[0] > 0 and again[1] == first[1] == specctl_generate(tiny_dir, prompt, 10)["text"]
+    status, body = _post(cluster[1]["gateway"] + "/v1/completions", {"prompt": prompt, "cache_salt": ""})
+    assert (status, body["error"]["param"]) == (400, "cache_salt")
+    assert body["error"]["message"] == ("cache_salt must be a non-empty string if given (vLLM's rule): leave it out to "
+                                        "share the prefix cache")
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())

@@ -42,6 +42,13 @@ async def test_a_prompt_waits_for_a_prefill_in_flight_that_starts_the_same_way(t
     assert done.is_set() and gate.in_flight == 0 and gate.sharer(PROMPT) is None
 
 
+async def test_a_prefill_of_another_salt_is_not_waited_for():
+    gate = PrefillGate(PrefixCache(64 << 20))
+    with gate.prefilling(PROMPT, "tenant-a"):
+        assert gate.sharer(PROMPT) is None and gate.sharer(PROMPT, "tenant-b") is None  # its KV would not serve them
+        assert gate.sharer(PROMPT, "tenant-a") is not None
+
+
 async def test_a_prompt_the_cache_holds_already_does_not_wait(tiny):
     prefixes = PrefixCache(64 << 20)
     _store(tiny["llama"], prefixes, PROMPT[:48])

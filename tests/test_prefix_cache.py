@@ -2,6 +2,8 @@
 finished one's text restores that text's KV and prefills only the rest — with the same
 output as a prefill of the whole prompt, in every mode, and a store that keeps to its budget."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -125,6 +127,31 @@ def test_sampled_output_with_a_restored_prefix_is_the_seeded_target_alone(cached
         assert again == generate(target, first, params, ModelChainDrafter(draft, 3))[0]
     finally:
         target.prefix_cache = prefixes
+
+
+def test_a_salted_session_reuses_only_its_own_salts_prefixes_target_and_draft(cached):
+    """vLLM's cache_salt: a prompt stored under one salt is restored by sessions of that salt
+    only (target and draft); an unsalted one shares the unsalted entries alone; the text is the
+    target's own either way."""
+    target, draft = cached
+    prompt = _prompt(30, 40)
+
+    def run(salt: str):
+        params = dataclasses.replace(GREEDY, cache_salt=salt)
+        hits = draft.prefix_cache.stats.hits
+        output, stats, _ = generate(target, prompt, params, ModelChainDrafter(draft, 3))
+        return output, stats.cached_prompt_tokens, draft.prefix_cache.stats.hits - hits
+
+    first = run("tenant-a")
+    assert first[1:] == (0, 0) and first[0] == _alone(target, prompt)
+    assert run("tenant-b") == (first[0], 0, 0)  # another salt: nothing restored, target or draft
+    assert run("") == (first[0], 0, 0)  # unsalted: nor here
+    again = run("tenant-a")
+    assert again[0] == first[0] and again[1] >= len(prompt) - 1 and again[2] == 1
+    assert target.prefix_cache.held(prompt, "tenant-a") >= len(prompt) - 1
+    assert target.prefix_cache.held(prompt, "tenant-c") == 0
+    with pytest.raises(Exception, match="cache_salt must be a string of at most 1024 characters"):
+        SamplingParams(cache_salt="x" * 1025)
 
 
 def test_short_prefixes_and_other_texts_are_not_reused(cached):

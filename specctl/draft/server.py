@@ -287,7 +287,7 @@ class DraftServer(ListeningServer):
         self.commits[tag] = asyncio.current_task()
         conn.send(SessionOpened(message.req, tag))
         try:
-            async with prefill_turn(self.prefill_gate, self.table.prompt_to_feed(tag)):
+            async with prefill_turn(self.prefill_gate, self.table.prompt_to_feed(tag), self.table.cache_salt(tag)):
                 while not await self.compute.run(self.table.prefill_step, tag):
                     pass
         except Exception:  # noqa: BLE001 - the first proposal's catch-up feeds what is missing

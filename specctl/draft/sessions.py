@@ -46,7 +46,7 @@ class SessionTable:
 
     def open(self, tag: int, msg: OpenSession) -> None:
         params = SamplingParams(temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, max_tokens=msg.max_tokens,
-                                min_p=msg.min_p, sampler_order=tuple(msg.sampler_order))
+                                min_p=msg.min_p, sampler_order=tuple(msg.sampler_order), cache_salt=msg.cache_salt)
         check_token_ids(msg.prompt, self.vocab_size)
         if not msg.prompt or len(msg.prompt) + msg.max_tokens > self.max_context:
             raise PromptTooLong(f"prompt of {len(msg.prompt)} tokens plus max_tokens {msg.max_tokens} does not fit the draft's context of {self.max_context}")
@@ -72,6 +72,10 @@ class SessionTable:
             return None
         chunk = session.decoder.prefill_chunk
         return state.seq if 0 < chunk < len(state.seq) else None
+
+    def cache_salt(self, tag: int) -> str:
+        """The session's prefix-cache namespace (the prefill gate shares prefills within it)."""
+        return getattr(getattr(getattr(self.states.get(tag), "session", None), "cache", None), "salt", "")
 
     def prefill_step(self, tag: int) -> bool:
         """A chunk of a new model-draft session's prompt into its cache (batch_drafting.prefill_step);

@@ -78,6 +78,9 @@ class KVCache:
     ) -> None:
         self.released = True  # until the reservation succeeds, there is nothing to give back
         self.recycle: Callable[[KVCache], bool] | None = None  # takes a released cache's buffer for reuse
+        # the prefix cache's namespace for this session (vLLM's cache_salt): it restores and stores
+        # only among caches of the same salt
+        self.salt = ""
         self.slots = spare.slots if spare is not None else slots or -(-(capacity + 1) // 16) * 16
         if capacity + 1 > self.slots:
             raise ValueError(f"a cache of {self.slots} slots holds at most {self.slots - 1} positions, not {capacity}")

@@ -36,51 +36,51 @@ class PrefillGate:
 
     def __init__(self, prefixes: PrefixCache) -> None:
         self.prefixes = prefixes
-        self._running: dict[int, tuple[np.ndarray, asyncio.Event, asyncio.AbstractEventLoop]] = {}
+        self._running: dict[int, tuple[np.ndarray, str, asyncio.Event, asyncio.AbstractEventLoop]] = {}
         self._keys = itertools.count()
         self.waits = 0  # prefills that waited for another (stats)
 
-    def sharer(self, prompt: list[int]) -> asyncio.Event | None:
-        """The end of the prefill in flight worth waiting for (see the module's doc), or None:
-        start now."""
+    def sharer(self, prompt: list[int], salt: str = "") -> asyncio.Event | None:
+        """The end of the prefill in flight worth waiting for (see the module's doc) — one of the
+        same salt (KVCache.salt): only its store would serve this one — or None: start now."""
         tokens = np.asarray(prompt[:-1], dtype=np.int64)
         best, best_len, loop = None, 0, asyncio.get_running_loop()
-        for running, done, owner in self._running.values():
-            if len(running) > 2 * len(prompt) or owner is not loop:  # it would outlast this one's, even interleaved
-                continue
+        for running, its_salt, done, owner in self._running.values():
+            if len(running) > 2 * len(prompt) or owner is not loop or its_salt != salt:
+                continue  # it would outlast this one's, even interleaved; or its KV is another salt's
             n = common_prefix(running, tokens)
             if n > best_len:
                 best, best_len = done, n
         if best is None:  # nothing in flight shares its start: no need to ask the cache
             return None
-        held = self.prefixes.held(prompt)
+        held = self.prefixes.held(prompt, salt)
         gain = best_len - held
         if gain < max(self.prefixes.min_reuse, (len(prompt) - held) / 2):
             return None
         return best
 
-    async def wait_turn(self, prompt: list[int]) -> None:
+    async def wait_turn(self, prompt: list[int], salt: str = "") -> None:
         """Wait while a prefill in flight is worth waiting for; at once when none is (and then
         without suspending, so an inline round loop may call it)."""
         waited = False
-        while (done := self.sharer(prompt)) is not None:
+        while (done := self.sharer(prompt, salt)) is not None:
             waited = True
             await done.wait()
         self.waits += waited
 
     @contextlib.asynccontextmanager
-    async def turn(self, prompt: list[int]) -> AsyncIterator[None]:
+    async def turn(self, prompt: list[int], salt: str = "") -> AsyncIterator[None]:
         """``wait_turn``, then the prompt in flight until the block (its prefill) ends."""
-        await self.wait_turn(prompt)
-        with self.prefilling(prompt):
+        await self.wait_turn(prompt, salt)
+        with self.prefilling(prompt, salt):
             yield
 
     @contextlib.contextmanager
-    def prefilling(self, prompt: list[int]) -> Iterator[None]:
+    def prefilling(self, prompt: list[int], salt: str = "") -> Iterator[None]:
         """Registers the prompt as in flight until the block ends, however it ends."""
         key = next(self._keys)
         done = asyncio.Event()
-        self._running[key] = (np.asarray(prompt, dtype=np.int64), done, asyncio.get_running_loop())
+        self._running[key] = (np.asarray(prompt, dtype=np.int64), salt, done, asyncio.get_running_loop())
         try:
             yield
         finally:
@@ -93,9 +93,10 @@ class PrefillGate:
         return len(self._running)
 
 
-def prefill_turn(gate: PrefillGate | None, prompt: list[int] | None) -> contextlib.AbstractAsyncContextManager:
-    """``gate.turn(prompt)``, or nothing to wait for when there is no gate or no prompt to prefill."""
-    return gate.turn(prompt) if gate is not None and prompt is not None else contextlib.nullcontext()
+def prefill_turn(gate: PrefillGate | None, prompt: list[int] | None,
+                 salt: str = "") -> contextlib.AbstractAsyncContextManager:
+    """``gate.turn(prompt, salt)``, or nothing to wait for when there is no gate or no prompt to prefill."""
+    return gate.turn(prompt, salt) if gate is not None and prompt is not None else contextlib.nullcontext()
 
 
 _gates: weakref.WeakKeyDictionary[PrefixCache, PrefillGate] = weakref.WeakKeyDictionary()

@@ -33,6 +33,7 @@ MIN_REUSE = 16  # positions: a shorter prefix is not worth the lookup and the co
 @dataclass(slots=True)
 class _Entry:
     tokens: np.ndarray  # [L] int64: the text whose KV is kept
+    salt: str  # the namespace it was stored in (KVCache.salt): only a cache of the same salt restores it
     k: torch.Tensor  # [layers, 1, kv_heads, L, head_dim]
     v: torch.Tensor | None  # None: a latent cache's (its values are its keys)
 
@@ -87,7 +88,7 @@ class PrefixCache:
         with self._lock:
             self.stats.queries += 1
             self.stats.query_tokens += len(prompt)
-            best, best_len = self._longest(prompt)
+            best, best_len = self._longest(prompt, cache.salt)
             if best is None:
                 return 0
             entry = self._entries[best]
@@ -101,18 +102,19 @@ class PrefixCache:
         cache.commit(best_len)
         return best_len
 
-    def held(self, prompt: list[int]) -> int:
-        """How many of the prompt's positions a restore would copy now (0: none); counts nothing."""
+    def held(self, prompt: list[int], salt: str = "") -> int:
+        """How many of the prompt's positions a restore into a cache salted ``salt`` would copy
+        now (0: none); counts nothing."""
         with self._lock:
-            return self._longest(prompt)[1]
+            return self._longest(prompt, salt)[1]
 
-    def _longest(self, prompt: list[int]) -> tuple[int | None, int]:
-        """(the entry sharing the longest start with all but the prompt's last token, how much),
-        or (None, 0) below ``min_reuse``; under the lock."""
+    def _longest(self, prompt: list[int], salt: str) -> tuple[int | None, int]:
+        """(the entry of ``salt`` sharing the longest start with all but the prompt's last token,
+        how much), or (None, 0) below ``min_reuse``; under the lock."""
         tokens = np.asarray(prompt[:-1], dtype=np.int64)
         best, best_len = None, 0
         for key, entry in self._entries.items():
-            n = common_prefix(entry.tokens, tokens)
+            n = common_prefix(entry.tokens, tokens) if entry.salt == salt else 0
             if n > best_len:
                 best, best_len = key, n
         return (best, best_len) if best_len >= self.min_reuse else (None, 0)
@@ -121,7 +123,7 @@ class PrefixCache:
         """Keep a copy of the KV of ``text``, which the cache's first positions hold (a
         finished session's committed text; positions past it, if any, are not kept). An entry
         that is a prefix of this one goes (this one serves whatever it served); a text that
-        an entry already holds is not kept twice."""
+        an entry already holds is not kept twice — both within the cache's salt."""
         length = min(len(text), cache.length)
         if length < self.min_reuse:
             return
@@ -132,6 +134,8 @@ class PrefixCache:
             return
         with self._lock:
             for key, entry in list(self._entries.items()):
+                if entry.salt != cache.salt:
+                    continue
                 shared = common_prefix(entry.tokens, tokens)
                 if shared == length:  # held already (the same text, or a longer one)
                     self._entries.move_to_end(key)
@@ -141,7 +145,7 @@ class PrefixCache:
             while self._entries and self.used_bytes + nbytes > self.budget_bytes:
                 self._drop(next(iter(self._entries)))
                 self.stats.evicted += 1
-        entry = _Entry(tokens, cache.k[:, :, :, :length].clone(),
+        entry = _Entry(tokens, cache.salt, cache.k[:, :, :, :length].clone(),
                        None if cache.shared else cache.v[:, :, :, :length].clone())
         with self._lock:
             self._entries[self._next_key] = entry

@@ -62,6 +62,9 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
   last batch and the EOS or stop token that ended it included (as vLLM's, whose text leaves
   them out); streamed, the prompt's in a choice's (chat: the answer's) first chunk and each
   chunk's new tokens. Left out unless asked (vLLM sends them as null).
+- vLLM's cache_salt keeps a request's prefix-cache entries apart: its KV is reused only by
+  requests of the same salt (target and draft), so tenants who do not share a salt cannot learn
+  from a faster first token that another sent the same text. An empty salt is a 400, as in vLLM.
 - vLLM's truncate_prompt_tokens k keeps each prompt's last k tokens (-1: as many as the
   context holds); usage counts what is kept, and echo gives back that.
 - Fields neither served nor refused (OpenAI's store, metadata, service_tier, ...) are
@@ -158,6 +161,7 @@ class RequestFields(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True  # vLLM's extension: False keeps special tokens in the text
     return_tokens_as_token_ids: bool = False  # vLLM's extension: logprobs name tokens "token_id:<id>"
     return_token_ids: bool = False  # vLLM's extension: the prompt's and each choice's token ids beside the text
+    cache_salt: str | None = None  # vLLM's extension: the prefix cache reuses KV only within the same salt
     # vLLM's extensions that reshape or constrain sampling (gateway.structured)
     min_p: float | None = None
     min_tokens: int | None = None

@@ -198,6 +198,9 @@ def sampling_params(req: RequestFields, prompt_tokens: int, context: int, defaul
         return value if value is not None else defaults.get(name, openai)
 
     window, penalized = penalty_window(req.repeat_last_n, context)
+    if req.cache_salt is not None and not req.cache_salt:
+        raise ApiError(400, "cache_salt must be a non-empty string if given (vLLM's rule): leave it out to share the "
+                            "prefix cache", param="cache_salt")
     chain = sampler_chain(req.samplers) if req.samplers is not None else None
     runs = chain.runs if chain is not None else (lambda _sampler: True)  # a sampler left out of the list is off
     penalized = penalized and runs("penalties")
@@ -217,7 +220,7 @@ def sampling_params(req: RequestFields, prompt_tokens: int, context: int, defaul
             penalty_last_n=window,
             min_p=given(req.min_p, "min_p", 0.0) if runs("min_p") else 0.0, min_tokens=req.min_tokens or 0,
             logit_bias=logit_bias(req), structured=structured, bad_words=barred, allowed_token_ids=allowed_tokens(req),
-            sampler_order=chain.order if chain is not None else (),
+            sampler_order=chain.order if chain is not None else (), cache_salt=req.cache_salt or "",
         )
     except SpecctlError as exc:  # the message starts with the parameter's name
         raise ApiError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None

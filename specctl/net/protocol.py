@@ -74,6 +74,7 @@ class OpenSession(msgspec.Struct, tag=True, frozen=True):
     penalty_last_n: int = 0  # the penalties' window (SamplingParams.penalty_last_n)
     allowed_token_ids: list[int] = []  # vLLM's: only these may come (empty: any)
     sampler_order: list[str] = []  # SamplingParams.sampler_order (empty: temperature first)
+    cache_salt: str = ""  # the session's prefix-cache namespace (SamplingParams.cache_salt)
 
 
 class SessionOpened(msgspec.Struct, tag=True, frozen=True):
@@ -219,6 +220,7 @@ class Generate(msgspec.Struct, tag=True, frozen=True):
     penalty_last_n: int = 0  # SamplingParams.penalty_last_n (0 from older peers: vLLM's penalties)
     allowed_token_ids: list[int] = []  # vLLM's: only these may come (empty: any)
     sampler_order: list[str] = []  # SamplingParams.sampler_order (empty from older peers: temperature first)
+    cache_salt: str = ""  # SamplingParams.cache_salt (the prefix cache's namespace)
 
 
 class Tokens(msgspec.Struct, tag=True, frozen=True):

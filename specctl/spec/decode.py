@@ -79,6 +79,7 @@ class DecodeSession:
         self.prompt_logprobs: list[PromptLogprob] | None = (
             None if params.prompt_logprobs is None else score_prompt(target, prompt, params.prompt_logprobs, pool))
         self.cache = target.new_cache(self.capacity, pool)
+        self.cache.salt = params.cache_salt  # its prefix cache's namespace (vLLM's cache_salt)
         self.generator = torch.Generator().manual_seed(params.seed if params.seed is not None else int(time.time_ns()))
         self.seq = list(prompt)
         self.output: list[int] = []

@@ -51,6 +51,11 @@ class DraftState:
     def __post_init__(self) -> None:
         if self.reproducible and hasattr(self.session, "looked_up"):
             self.session.looked_up = True  # its prompt is fed from the start, never restored
+        # the prefix cache's namespace of its model drafts' caches (vLLM's cache_salt; several
+        # drafters: each of theirs)
+        for one in getattr(self.session, "sessions", [self.session]):
+            if hasattr(one, "cache"):
+                one.cache.salt = self.params.cache_salt
 
     def check_outcome(self, path: list[int], tokens: list[int]) -> None:
         """Refuse an outcome that is not one the last proposal could have had: BadRequest."""

@@ -132,7 +132,7 @@ async def run_session(session: DecodeSession, speculator: Speculator, lane: Lane
     started = time.perf_counter()
     speculator.begin(session)
     try:
-        async with prefill_turn(gate, session.seq):
+        async with prefill_turn(gate, session.seq, session.cache.salt):
             # the prompt in chunks, each a job of its own: other sessions' rounds run between them
             while (first := await lane.run(session.prefill_step)) is None:
                 pass

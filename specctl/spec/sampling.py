@@ -15,6 +15,7 @@ MAX_BAD_WORDS = 64  # token sequences one request may bar (vLLM's bad_words, eac
 MAX_BAD_WORD_TOKENS = 32
 MAX_PENALTY_LAST_N = 1 << 20  # tokens: past any context served
 MAX_ALLOWED_TOKENS = 1 << 18  # past any vocabulary served
+MAX_CACHE_SALT = 1024  # characters (vLLM suggests 43: 256 random bits in base64)
 # The order the distribution's samplers apply in: vLLM's and transformers' (temperature first);
 # llama.cpp applies temperature last (SamplingParams.sampler_order)
 SAMPLER_ORDER = ("temperature", "top_k", "top_p", "min_p")
@@ -52,6 +53,9 @@ class SamplingParams:
     # the order of temperature, top_k, top_p and min_p (each once); () = SAMPLER_ORDER. Where top_p
     # or min_p comes before temperature it reads the unscaled distribution (llama.cpp's samplers)
     sampler_order: tuple[str, ...] = ()
+    # vLLM's cache_salt: the prefix cache reuses KV only among requests of the same salt (its
+    # namespace, KVCache.salt), target and draft; "" = the shared namespace
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0):
@@ -94,6 +98,8 @@ class SamplingParams:
         if len(self.allowed_token_ids) > MAX_ALLOWED_TOKENS or not all(
                 isinstance(t, int) and t >= 0 for t in self.allowed_token_ids):
             raise InvalidSamplingParams(f"allowed_token_ids are at most {MAX_ALLOWED_TOKENS} token ids (>= 0)")
+        if not (isinstance(self.cache_salt, str) and len(self.cache_salt) <= MAX_CACHE_SALT):
+            raise InvalidSamplingParams(f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters")
         if self.sampler_order and sorted(self.sampler_order) != sorted(SAMPLER_ORDER):
             raise InvalidSamplingParams(f"sampler_order names {', '.join(SAMPLER_ORDER)} once each, in the order they "
                                         f"apply, got {list(self.sampler_order)!r:.120}")
