@@ -91,13 +91,14 @@ odd_prompt = st.one_of(st.just([]), tokens, st.lists(st.integers(0, VOCAB - 1), 
 odd_float = st.sampled_from([-1.0, 0.0, 0.7, 1.5, 101.0, math.nan, math.inf])
 odd_int = st.integers(min_value=-5, max_value=100_000)
 path = st.lists(st.integers(min_value=-2, max_value=12), max_size=5)
+odd_salt = st.sampled_from(["", "tenant", "x" * 2000])
 odd_order = st.lists(st.sampled_from(["temperature", "top_k", "top_p", "min_p", "dry", ""]), max_size=5)
 
 draft_messages = st.lists(st.one_of(
     st.builds(Propose, tag=st.sampled_from(["own", 0, -1, 10**9]), path=path, tokens=tokens),
     st.builds(OpenSession, req=odd_int, prompt=odd_prompt, temperature=odd_float, top_p=odd_float, top_k=odd_int,
               seed=st.integers(0, 10), max_tokens=odd_int, reproducible=st.booleans(), penalty_last_n=odd_int,
-              repetition_penalty=odd_float, sampler_order=odd_order),
+              repetition_penalty=odd_float, sampler_order=odd_order, cache_salt=odd_salt),
     st.builds(CloseSession, tag=st.sampled_from(["own", 0, -7, 10**9])),
     st.just(StatsRequest()),
     st.builds(Generate, req=odd_int, prompt=tokens),  # not a draft server's message
@@ -106,7 +107,7 @@ draft_messages = st.lists(st.one_of(
 target_messages = st.lists(st.one_of(
     st.builds(Generate, req=st.integers(1, 4), prompt=odd_prompt, max_tokens=odd_int, temperature=odd_float,
               top_p=odd_float, top_k=odd_int, stop_token_ids=tokens, penalty_last_n=odd_int, seed=st.integers(0, 3),
-              repetition_penalty=odd_float, sampler_order=odd_order),
+              repetition_penalty=odd_float, sampler_order=odd_order, cache_salt=odd_salt),
     st.builds(Cancel, req=st.integers(-1, 6)),
     st.builds(Propose, tag=st.integers(0, 3), path=path, tokens=tokens),  # not a target's message
     st.just(StatsRequest()),
