@@ -19,9 +19,8 @@ from specctl.gateway import responses as R
 from specctl.gateway.api import ApiError
 from specctl.gateway.anthropic_api import error_body
 from specctl.gateway.choices import Choices, Event
-from specctl.gateway.reasoning import reasoning_reader, split_reasoning
-from specctl.gateway.respond import remote_message
-from specctl.gateway.tool_calls import read_whole
+from specctl.gateway.reasoning import reasoning_reader
+from specctl.gateway.respond import remote_message, whole_answer
 from specctl.verify.client import RemoteError
 
 
@@ -70,12 +69,7 @@ class AnthropicReply:
         async for _, event in choices.events():
             pieces.append(event.delta)
             if event.finish:
-                text, calls, thought = "".join(pieces), None, None
-                if self.thinking is not None:
-                    thought, text = split_reasoning(text, self.thinking)
-                    text = text or ""
-                if self.calls is not None:
-                    text, calls = read_whole(self.calls(), text)
+                thought, text, calls = whole_answer("".join(pieces), self.thinking, self.calls)
                 shown = thought if self.show_thinking else ""
                 content = [{"type": "thinking", "thinking": shown, "signature": ""}] if thought else []
                 if text.strip() or not (calls or thought):

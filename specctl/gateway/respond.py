@@ -164,3 +164,16 @@ def ended_tokens(event) -> list[int]:
 
 def prompt_ids(choices: Choices, index: int) -> list[int]:
     return next(spec.prompt for spec in choices.specs if spec.index == index)
+
+
+def whole_answer(text: str, thinking: bool | None, calls: Callable[[], Any] | None) -> tuple[str | None, str, list | None]:
+    """A finished choice's whole text as (its thinking, the answer's text, its tool calls): the
+    thinking apart with a reasoning parser (``thinking``: whether the output starts in thought),
+    the calls read back by a new ``calls`` reader when the request gave tools."""
+    thought = found = None
+    if thinking is not None:
+        thought, text = split_reasoning(text, thinking)
+        text = text or ""
+    if calls is not None:
+        text, found = read_whole(calls(), text)
+    return thought, text, found

@@ -18,9 +18,8 @@ from aiohttp import web
 
 from specctl.gateway import responses as R
 from specctl.gateway.choices import Choices
-from specctl.gateway.reasoning import reasoning_reader, split_reasoning
-from specctl.gateway.respond import remote_message
-from specctl.gateway.tool_calls import read_whole
+from specctl.gateway.reasoning import reasoning_reader
+from specctl.gateway.respond import remote_message, whole_answer
 from specctl.verify.client import RemoteError
 
 
@@ -111,12 +110,7 @@ class ResponsesReply:
             pieces.append(event.delta)
             entries.extend(event.logprobs)
             if event.finish:
-                text, calls, thought = "".join(pieces), None, None
-                if self.thinking is not None:
-                    thought, text = split_reasoning(text, self.thinking)
-                    text = text or ""
-                if self.calls is not None:
-                    text, calls = read_whole(self.calls(), text)
+                thought, text, calls = whole_answer("".join(pieces), self.thinking, self.calls)
                 status = status_of(event.finish, calls)
                 logprobs = self.logprobs(entries) if self.logprobs is not None else None
                 # the thinking is complete once the answer (or a call) began, as a stream closes it then
