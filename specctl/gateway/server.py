@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import logging
 import os
 import time
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from specctl import __version__
 from specctl.errors import ConfigError
 from specctl.gateway import cors, request_id
 from specctl.gateway import responses as R
-from specctl.gateway.anthropic_api import error_body as anthropic_error
+from specctl.gateway.errors import error_middleware
 from specctl.gateway.api import (
     ApiError, check_key,
 )
@@ -42,7 +41,6 @@ from specctl.net.protocol import Done
 from specctl.spec.sampling import SamplingParams
 from specctl.verify.client import RemoteError
 
-log = logging.getLogger("specctl.gateway")
 HEALTH_GENERATE_TIMEOUT_S = 30.0  # /health_generate's token: a target stalled longer than this is unhealthy
 
 
@@ -130,7 +128,7 @@ class Gateway:
     # --- lifecycle -----------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._preflight, self._errors])
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._preflight, error_middleware(self.config.max_body_bytes)])
         app.on_response_prepare.append(self._allow_origin)
         app.on_response_prepare.append(self._add_request_id)
         app.add_routes([
@@ -191,28 +189,6 @@ class Gateway:
     async def _add_request_id(self, request: web.Request, response: web.StreamResponse) -> None:
         if self.config.request_id_headers:
             request_id.add_header(request, response)
-
-    @web.middleware
-    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
-        """Every error leaves as an OpenAI-style JSON body (Anthropic's on its routes); the gateway
-        carries on."""
-        shape = anthropic_error if request.path.startswith("/v1/messages") else ApiError.body
-        try:
-            return await handler(request)
-        except ApiError as exc:
-            headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None
-            return web.json_response(shape(exc), status=exc.status, headers=headers)
-        except web.HTTPException as exc:
-            if exc.status < 400:
-                raise
-            message = {413: f"request body too large (limit {self.config.max_body_bytes} bytes)",
-                       404: f"no route {request.method} {request.path}"}.get(exc.status, exc.reason)
-            return web.json_response(shape(ApiError(exc.status, message)), status=exc.status)
-        except (asyncio.CancelledError, ConnectionResetError):
-            raise
-        except Exception as exc:  # noqa: BLE001
-            log.exception("request %s %s failed", request.path, request.get(request_id.KEY, ""))
-            return web.json_response(shape(ApiError(500, f"internal error: {exc}", type="server_error")), status=500)
 
     def _check_key(self, request: web.Request) -> None:
         check_key(request, self.config.api_key)
