@@ -75,7 +75,8 @@ class SessionTable:
 
     def cache_salt(self, tag: int) -> str:
         """The session's prefix-cache namespace (the prefill gate shares prefills within it)."""
-        return getattr(getattr(getattr(self.states.get(tag), "session", None), "cache", None), "salt", "")
+        state = self.states.get(tag)
+        return state.params.cache_salt if state is not None else ""
 
     def prefill_step(self, tag: int) -> bool:
         """A chunk of a new model-draft session's prompt into its cache (batch_drafting.prefill_step);

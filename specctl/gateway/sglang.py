@@ -87,7 +87,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
 
 
 # SGLang's fields that specctl does not serve, with what to do instead: a request that gives one
-# is refused, never answered as if it had not (an image left out, another stop rule)
+# is refused, never answered as if it had not (an image left out, another output format)
 UNSERVED = {
     "image_data": "specctl serves text prompts: leave it out",
     "audio_data": "specctl serves text prompts: leave it out",
