@@ -105,6 +105,9 @@ def test_a_cache_salt_keeps_a_request_s_prefix_to_requests_of_the_same_salt(clus
     assert cached("tenant-b") == (0, first[1]) and cached(None) == (0, first[1])
     again = cached("tenant-a")
     assert again[0] > 0 and again[1] == first[1] == specctl_generate(tiny_dir, prompt, 10)["text"]
+    # the gateway's routing picture holds the salt beside the prompt (gateway.upstream)
+    held = [salt for link in cluster[0].cluster.gateway.upstream.targets for salt, _ in link.prefilled]
+    assert {"tenant-a", "tenant-b", ""} <= set(held)
     status, body = _post(cluster[1]["gateway"] + "/v1/completions", {"prompt": prompt, "cache_salt": ""})
     assert (status, body["error"]["param"]) == (400, "cache_salt")
     assert body["error"]["message"] == ("cache_salt must be a non-empty string if given (vLLM's rule): leave it out to "

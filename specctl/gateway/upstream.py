@@ -47,8 +47,8 @@ class RoleLink:
     seen_at: float = 0.0
     connection: TargetConnection | None = None  # reused by every request to this instance
     connecting: asyncio.Lock = field(default_factory=asyncio.Lock)
-    # prompts of the requests it prefilled lately or is prefilling: what its prefix cache holds or
-    # will hold (cache-aware routing)
+    # (cache salt, prompt) of the requests it prefilled lately or is prefilling: what its prefix
+    # cache holds or will hold (cache-aware routing; a prefix is reused only within its salt)
     prefilled: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RECENT_PROMPTS))
     # (time, tokens generated since it started) at its last polls: its recent throughput (recent_rate)
     generated: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RATE_SAMPLES))
@@ -57,9 +57,10 @@ class RoleLink:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def view(self, prompt: np.ndarray | None = None) -> TargetView:
+    def view(self, prompt: np.ndarray | None = None, salt: str = "") -> TargetView:
         capacity = self.welcome.max_sessions if self.welcome else 0
-        match = max((common_prefix(done, prompt) for done in self.prefilled), default=0) if prompt is not None else 0
+        match = 0 if prompt is None else max(
+            (common_prefix(done, prompt) for held_salt, done in self.prefilled if held_salt == salt), default=0)
         return TargetView(self.up, self.inflight, capacity, int(self.stats.get("sessions", 0)), match)
 
     def snapshot(self) -> dict:
@@ -80,7 +81,7 @@ def recent_rate(samples: Sequence[tuple[float, float]], now: float,
 
 def _forget(prompts: collections.deque, tokens: np.ndarray) -> None:
     """Drop this request's record (the very array) of a prompt it did not get prefilled there."""
-    for i, held in enumerate(prompts):
+    for i, (_, held) in enumerate(prompts):
         if held is tokens:
             del prompts[i]
             return
@@ -152,8 +153,8 @@ class Upstream:
 
         return list(await asyncio.gather(*(flush(link) for link in self.targets + self.drafters)))
 
-    def views(self, prompt: np.ndarray | None = None) -> list[TargetView]:
-        return [t.view(prompt) for t in self.targets]
+    def views(self, prompt: np.ndarray | None = None, salt: str = "") -> list[TargetView]:
+        return [t.view(prompt, salt) for t in self.targets]
 
     @asynccontextmanager
     async def stream(self, prompt: list[int], params: SamplingParams, priority: int = 0,
@@ -171,7 +172,7 @@ class Upstream:
             ticket = self.waiting.ticket(priority)
             await self._wait(ticket)
         while True:
-            index = pick_target(self.views(tokens), frozenset(tried | full))
+            index = pick_target(self.views(tokens, params.cache_salt), frozenset(tried | full))
             if index is None:
                 if not any(t.up for i, t in enumerate(self.targets) if i not in tried):
                     reasons = "; ".join(f"{t.address}: {t.error}" for t in self.targets if not t.up and t.error)
@@ -187,7 +188,7 @@ class Upstream:
             # Counted as prefilled from now: a request that starts the same way while this one's
             # prefill runs waits there for it and restores it (engine.prefill_gate) — a
             # request's n choices, a burst over one system prompt.
-            link.prefilled.append(tokens)
+            link.prefilled.append((params.cache_salt, tokens))
             stream, first = None, None
             try:
                 try:
