@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -105,6 +106,67 @@ def test_generate_stop_ends_the_text_before_the_stop_string_and_the_generation_w
     assert (len(out), reason) == (1, "stop")  # the prefill's token, then nothing more
     _assert_one_line_error(run("generate", "--prompt", "x", "--stop", ""),
                            "--stop must not be empty: give the text to stop before")
+
+
+def test_generate_stop_regex_ends_the_text_with_the_first_match_and_the_generation_with_it(tiny_dir):
+    """SGLang's stop_regex as ``--stop-regex``: the target alone's text through the end of the
+    pattern's first match (the match kept), named as vLLM's stop_reason; bad patterns refused."""
+    from specctl.engine import text
+    from specctl.engine.loader import load_model
+    from specctl.spec.rounds import generate
+    from specctl.spec.sampling import SamplingParams
+
+    model = load_model("tiny", tiny_dir["llama"], "fp32")
+    ids = text.encode_user_text(model.tokenizer, "hello world", False)
+    free = model.tokenizer.decode(generate(model.decoder, ids, SamplingParams(max_tokens=40),
+                                           eos_token_ids=model.eos_token_ids)[0], skip_special_tokens=True)
+    pattern = re.escape(free[len(free) // 3:][:2]) + "."  # several rounds in
+    proc = run_here("generate", "--target", str(tiny_dir["llama"]), "--draft", str(tiny_dir["llama-draft"]), "--prompt",
+                    "hello world", "--max-tokens", "40", "--dtype", "fp32", "--json", "--mode", "chain",
+                    "--stop-regex", pattern, "--stop-regex", "never there")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["text"] == free[:re.search(pattern, free).end()]
+    assert (result["finish_reason"], result["stop_reason"]) == ("stop", pattern)
+    assert len(result["token_ids"]) < 40  # the generation ended there, not at max_tokens
+    _assert_one_line_error(run_here("generate", "--prompt", "x", "--stop-regex", "a*"),
+                           "--stop-regex: stop_regex 'a*' matches the empty text, so it would end every output")
+    _assert_one_line_error(run_here("generate", "--prompt", "x", "--stop-regex", "(ab"),
+                           "--stop-regex: stop_regex '(ab' is not a valid regular expression")
+
+
+def test_generate_samplers_applies_llama_cpp_s_order_and_turns_off_those_left_out(tiny_dir):
+    """``--samplers`` as llama.cpp's (names separated by ';', or letters): the seeded text of the
+    target alone sampled in that order — top-p on the unscaled distribution — which differs from
+    vLLM's order (the default); a sampler left out does not run."""
+    from specctl.engine import text
+    from specctl.engine.loader import load_model
+    from specctl.spec.rounds import generate
+    from specctl.spec.sampling import SamplingParams
+
+    model = load_model("tiny", tiny_dir["llama"], "fp32")
+    ids = text.encode_user_text(model.tokenizer, "hello world", False)
+    asked = dict(max_tokens=12, temperature=0.6, top_p=0.3, seed=3)
+
+    def alone(**params) -> list[int]:
+        return generate(model.decoder, ids, SamplingParams(**params), eos_token_ids=model.eos_token_ids)[0]
+
+    def cli(*flags) -> list[int]:
+        proc = run_here("generate", "--target", str(tiny_dir["llama"]), "--prompt", "hello world", "--mode", "ar",
+                        "--max-tokens", "12", "--dtype", "fp32", "--json", "--temperature", "0.6", "--top-p", "0.3",
+                        "--seed", "3", *flags)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)["token_ids"]
+
+    llama_order = ("top_k", "top_p", "min_p", "temperature")
+    ordered = alone(**asked, sampler_order=llama_order)
+    assert ordered != alone(**asked) == cli()  # vLLM's order unless asked
+    assert cli("--samplers", "kpmt") == cli("--samplers", "top_k;top_p;min_p;temperature") == ordered
+    # top-p left out: it does not run (the served samplers it leaves out go last, off)
+    assert cli("--samplers", "top_k,temperature") == alone(**{**asked, "top_p": 1.0},
+                                                       sampler_order=("top_k", "temperature", "top_p", "min_p"))
+    _assert_one_line_error(run_here("generate", "--prompt", "x", "--samplers", "kqt"),
+                           "--samplers: samplers names 'q', which is not one of llama.cpp's samplers")
 
 
 async def test_a_stop_string_cancels_a_remote_generation_on_its_target(cluster, tiny_dir):
@@ -252,6 +314,7 @@ def test_prompt_longer_than_context_error(tiny_dir):
                              'parse error: error: unclosed group'),
         (["--json-schema", "@/no/such/schema.json"], "cannot read /no/such/schema.json: No such file or directory"),
         (["--logprobs", "21"], "logprobs must be between 0 and 20 (the alternatives listed beside each token), got 21"),
+        (["--cache-salt", ""], "--cache-salt must not be empty: leave it out to share the prefix cache"),
     ],
 )
 def test_bad_parameters_error(tiny_dir, flags, expected):
@@ -422,6 +485,13 @@ def test_remote_generation_uses_the_tokenizer_of_the_model_the_instance_serves(t
         assert stopped.returncode == 0, stopped.stderr
         assert json.loads(stopped.stdout)["text"] == local_json["text"][:local_json["text"].index(stop)]
         assert json.loads(stopped.stdout)["finish_reason"] == "stop"
+        # --stop-regex through the instance (the streamer ends it there), a salted request the same text
+        pattern = re.escape(local_json["text"][4:6]) + "."
+        matched = run("generate", "--remote", f"127.0.0.1:{port}", "-p", "hello world", "-n", "10", "--json",
+                      "--stop-regex", pattern, "--cache-salt", "tenant-a")
+        assert matched.returncode == 0, matched.stderr
+        assert json.loads(matched.stdout)["text"] == local_json["text"][:re.search(pattern, local_json["text"]).end()]
+        assert json.loads(matched.stdout)["stop_reason"] == pattern
         _assert_one_line_error(run("generate", "--remote", f"127.0.0.1:{port}", "--target", "qwen2.5-coder-1.5b",
                                    "-p", "x"), f"serves {model!r}, not 'qwen2.5-coder-1.5b'")
     finally:

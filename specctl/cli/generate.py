@@ -11,16 +11,17 @@ import typer
 from rich.console import Console
 
 from specctl.cli import logprob_report
+from specctl.cli.sampling_flags import stop_patterns, structured_flags, with_bad_words, with_samplers
 from specctl.config import build_config
 from specctl.engine import text
 
 
 class TextStreamer:
     """Prints only the new, complete characters of the growing output (``out`` None: keeps
-    them), up to a stop string: ``stopped`` then turns true."""
+    them), up to a stop string or through a stop pattern's match: ``stopped`` then turns true."""
 
-    def __init__(self, tokenizer, out=sys.stdout, stop: tuple[str, ...] = ()) -> None:
-        self.text, self.out, self.seen = text.IncrementalText(tokenizer, stop), out, 0
+    def __init__(self, tokenizer, out=sys.stdout, stop: tuple[str, ...] = (), stop_regex: tuple = ()) -> None:
+        self.text, self.out, self.seen = text.IncrementalText(tokenizer, stop, stop_regex=stop_regex), out, 0
 
     @property
     def stopped(self) -> bool:
@@ -76,6 +77,14 @@ def generate(
                                                   "bad_words; repeat the flag)"),
     stop: Optional[list[str]] = typer.Option(None, "--stop", help="end the output before this text (OpenAI's stop; "
                                              "repeat the flag)"),
+    stop_regex: Optional[list[str]] = typer.Option(None, "--stop-regex", help="end the output with this regular "
+                                                   "expression's first match, the match kept (SGLang's stop_regex; "
+                                                   "repeat the flag)"),
+    samplers: Optional[str] = typer.Option(None, "--samplers", help="llama.cpp's sampler order: names separated by "
+                                           "';' (top_k;top_p;min_p;temperature) or their letters (kpmt); a sampler "
+                                           "left out does not run (default: temperature first, as vLLM)"),
+    cache_salt: Optional[str] = typer.Option(None, "--cache-salt", help="with --remote: reuse the instance's cached "
+                                             "prefixes only among requests with this salt (vLLM's cache_salt)"),
     logprobs: Optional[int] = typer.Option(None, "--logprobs", help="each output token's log-probability under the "
                                            "target and its N likeliest alternatives (0-20; vLLM's logprobs): a "
                                            "table after the text, or the JSON's logprobs"),
@@ -112,13 +121,18 @@ def generate(
         raise ConfigError("--bad-words must not be empty: give a word")
     if stop and not all(stop):
         raise ConfigError("--stop must not be empty: give the text to stop before")
+    if cache_salt is not None and not cache_salt:
+        raise ConfigError("--cache-salt must not be empty: leave it out to share the prefix cache")
+    patterns = stop_patterns(stop_regex)
     if suffix is not None and chat:
         raise ConfigError("--suffix cannot go with --chat: an infill is a plain prompt in the model's FIM tokens")
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
                             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                             frequency_penalty=frequency_penalty, min_p=min_p, logprobs=logprobs,
                             prompt_logprobs=prompt_logprobs, penalty_last_n=repeat_last_n,
-                            structured=structured_flags(json_schema, json_object, regex, choice, grammar))
+                            structured=structured_flags(json_schema, json_object, regex, choice, grammar),
+                            cache_salt=cache_salt or "")
+    params = with_samplers(params, samplers)
     config = build_config(
         profile, target=target, draft=draft, mode=mode, drafters=drafters, depth=depth, draft_stop=draft_stop, width=width, topk=topk, dtype=dtype, threads=threads,
         draft_quant=draft_quant, target_quant=target_quant,
@@ -127,13 +141,13 @@ def generate(
     console = Console(stderr=True)
     if remote:
         return _generate_remote(remote, target, prompt, chat, params, bad_words, as_json, auth_token, tls_ca,
-                                console, tuple(stop or ()), suffix)
+                                console, tuple(stop or ()), suffix, patterns)
     target_model, draft_model = load_pair(config, console)
     drafter = (make_multi_drafter(config, target_model, console) if config.mode == "multi"
                else make_drafter(config, draft_model))
     params = with_bad_words(params, bad_words, target_model.tokenizer)
     ids, params = prompt_ids(target_model.tokenizer, prompt, chat, suffix, params)
-    streamer = TextStreamer(target_model.tokenizer, None if as_json else sys.stdout, tuple(stop or ()))
+    streamer = TextStreamer(target_model.tokenizer, None if as_json else sys.stdout, tuple(stop or ()), patterns)
     output: list[int] = []
 
     def on_tokens(tokens: list[int], _round) -> None:
@@ -150,7 +164,7 @@ def generate(
             "mode": config.mode, "target": config.target, "draft": config.draft if draft_model else None,
             "dtype": config.dtype, "token_ids": output,  # every token verified, those past a stop string too
             "text": output_text,
-            "finish_reason": finish_reason, "stats": stats.to_dict(),
+            "finish_reason": finish_reason, "stop_reason": streamer.text.matched, "stats": stats.to_dict(),
             **({"drafters": drafter.snapshot()} if config.mode == "multi" else {}),
             **logprob_report.as_json(scores, logprobs, prompt_logprobs, token_text(target_model.tokenizer)),
         }))
@@ -192,50 +206,8 @@ def print_logprobs(console: Console, scores: logprob_report.Scores, params, toke
         console.print(logprob_report.table("logprobs", scores.output, token_text))
 
 
-def structured_flags(json_schema: str | None, json_object: bool, regex: str | None, choice: list[str] | None,
-                     grammar: str | None) -> tuple[str, str] | None:
-    """The one constraint the flags ask for, checked (spec.structured); None: the output is free."""
-    from pathlib import Path
-
-    from specctl.errors import ConfigError
-    from specctl.spec.structured import JSON_OBJECT, grammar_text
-
-    def text_of(value: str) -> str:  # @FILE: the file's text
-        if not value.startswith("@"):
-            return value
-        try:
-            return Path(value[1:]).read_text()
-        except OSError as exc:
-            raise ConfigError(f"cannot read {value[1:]}: {exc.strerror}") from None
-
-    asked = [structured for structured in (
-        ("json", text_of(json_schema)) if json_schema else None, ("json", JSON_OBJECT) if json_object else None,
-        ("regex", regex) if regex else None, ("choice", json.dumps(choice)) if choice else None,
-        ("grammar", text_of(grammar)) if grammar else None) if structured is not None]
-    if len(asked) > 1:
-        raise ConfigError("give one of --json-schema, --json-object, --regex, --choice, --grammar")
-    if asked:
-        grammar_text(*asked[0])  # InvalidSamplingParams says what is wrong
-    return asked[0] if asked else None
-
-
-def with_bad_words(params, words: list[str] | None, tokenizer):
-    """The sampling parameters with ``--bad-words`` encoded by the target's tokenizer (as the
-    gateway encodes a request's bad_words)."""
-    import dataclasses
-
-    from specctl.errors import BadRequest, ConfigError
-
-    if not words:
-        return params
-    try:
-        return dataclasses.replace(params, bad_words=text.bad_word_sequences(tokenizer, words))
-    except BadRequest as exc:
-        raise ConfigError(f"--bad-words: {exc}") from None
-
-
 def _generate_remote(remote, requested_target, prompt, chat, params, bad_words, as_json, auth_token, tls_ca,
-                     console, stop: tuple[str, ...] = (), suffix: str | None = None) -> None:
+                     console, stop: tuple[str, ...] = (), suffix: str | None = None, stop_regex: tuple = ()) -> None:
     """Same output as local mode. The tokenizer is the one of the model the target instance
     says it serves (its handshake), never a local default: text encoded for another
     vocabulary would come back as fluent garbage. A stop string cancels the generation there."""
@@ -264,7 +236,7 @@ def _generate_remote(remote, requested_target, prompt, chat, params, bad_words, 
         raise ConfigError(f"the local copy of {served!r} has another vocabulary than the one {remote} serves")
     params = with_bad_words(params, bad_words, tokenizer)
     ids, params = prompt_ids(tokenizer, prompt, chat, suffix, params)
-    streamer = TextStreamer(tokenizer, None if as_json else sys.stdout, stop)
+    streamer = TextStreamer(tokenizer, None if as_json else sys.stdout, stop, stop_regex)
     scores = logprob_report.Scores(ids)
     result = {}
 
@@ -279,7 +251,7 @@ def _generate_remote(remote, requested_target, prompt, chat, params, bad_words, 
     output_text = streamer.finish()
     if as_json:
         print(json.dumps({"mode": "remote", "remote": remote, "target": served, "token_ids": tokens, "text": output_text,
-                          "finish_reason": finish_reason, "stats": stats,
+                          "finish_reason": finish_reason, "stop_reason": streamer.text.matched, "stats": stats,
                           **logprob_report.as_json(scores, params.logprobs, params.prompt_logprobs,
                                                    token_text(tokenizer))}))
     else:

@@ -17,10 +17,11 @@ refused rather than skipped."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from specctl.gateway.api import ApiError
-from specctl.spec.sampling import SAMPLER_ORDER
+from specctl.spec.sampling import SAMPLER_ORDER, SamplingParams
 
 DEFAULT_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
 NAMES = {**{name: name for name in DEFAULT_SAMPLERS},
@@ -40,6 +41,20 @@ class SamplerChain:
 
     def runs(self, sampler: str) -> bool:
         return sampler in self.names
+
+    def applied(self, params: SamplingParams) -> SamplingParams:
+        """``params`` sampled by this chain: its order, and the samplers it leaves out off —
+        without the temperature sampler the distribution is unscaled (T = 1, llama.cpp's), but
+        0 stays greedy, as everywhere."""
+        penalties = self.runs("penalties")
+        return dataclasses.replace(
+            params, sampler_order=self.order,
+            temperature=params.temperature if self.runs("temperature") or params.temperature == 0 else 1.0,
+            top_p=params.top_p if self.runs("top_p") else 1.0, top_k=params.top_k if self.runs("top_k") else 0,
+            min_p=params.min_p if self.runs("min_p") else 0.0,
+            presence_penalty=params.presence_penalty if penalties else 0.0,
+            frequency_penalty=params.frequency_penalty if penalties else 0.0,
+            repetition_penalty=params.repetition_penalty if penalties else 1.0)
 
 
 def sampler_chain(samplers: list[str] | str) -> SamplerChain:

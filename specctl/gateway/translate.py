@@ -202,25 +202,21 @@ def sampling_params(req: RequestFields, prompt_tokens: int, context: int, defaul
         raise ApiError(400, "cache_salt must be a non-empty string if given (vLLM's rule): leave it out to share the "
                             "prefix cache", param="cache_salt")
     chain = sampler_chain(req.samplers) if req.samplers is not None else None
-    runs = chain.runs if chain is not None else (lambda _sampler: True)  # a sampler left out of the list is off
-    penalized = penalized and runs("penalties")
-    temperature = given(req.temperature, "temperature", 1.0)
-    # without the temperature sampler the distribution is unscaled (llama.cpp's); 0 stays greedy, as everywhere
-    temperature = temperature if runs("temperature") or temperature == 0 else 1.0
 
     try:
-        return SamplingParams(
-            temperature=temperature, top_p=given(req.top_p, "top_p", 1.0) if runs("top_p") else 1.0,
-            top_k=top_k if runs("top_k") else 0, max_tokens=requested, seed=req.seed, ignore_eos=req.ignore_eos,
+        params = SamplingParams(
+            temperature=given(req.temperature, "temperature", 1.0), top_p=given(req.top_p, "top_p", 1.0),
+            top_k=top_k, max_tokens=requested, seed=req.seed, ignore_eos=req.ignore_eos,
             stop_token_ids=tuple(dict.fromkeys((*(req.stop_token_ids or ()), *ends))), logprobs=wanted_logprobs(req),
             prompt_logprobs=scored_prompt(req),
             presence_penalty=(req.presence_penalty or 0.0) * penalized,
             frequency_penalty=(req.frequency_penalty or 0.0) * penalized,
             repetition_penalty=given(req.repetition_penalty, "repetition_penalty", 1.0) if penalized else 1.0,
             penalty_last_n=window,
-            min_p=given(req.min_p, "min_p", 0.0) if runs("min_p") else 0.0, min_tokens=req.min_tokens or 0,
+            min_p=given(req.min_p, "min_p", 0.0), min_tokens=req.min_tokens or 0,
             logit_bias=logit_bias(req), structured=structured, bad_words=barred, allowed_token_ids=allowed_tokens(req),
-            sampler_order=chain.order if chain is not None else (), cache_salt=req.cache_salt or "",
+            cache_salt=req.cache_salt or "",
         )
+        return chain.applied(params) if chain is not None else params  # a sampler left out of the list is off
     except SpecctlError as exc:  # the message starts with the parameter's name
         raise ApiError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
