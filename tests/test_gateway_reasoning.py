@@ -211,6 +211,55 @@ def test_include_reasoning_false_leaves_the_thinking_out_and_thinking_off_keeps_
     assert _joined(_streamed(base, off), "content") == message["content"]
 
 
+def test_reasoning_effort_is_the_template_s_variable_and_none_turns_thinking_off():
+    """OpenAI's reasoning_effort as vLLM passes it: the template's ``reasoning_effort``; ``none``
+    also sets Qwen3's enable_thinking false — unless chat_template_kwargs sets it."""
+    from specctl.gateway.api import ApiError, ChatCompletionRequest
+    from specctl.gateway.translate import chat_template_options, template_variables
+
+    def asked(**fields) -> dict:
+        return template_variables(ChatCompletionRequest(messages=[], **fields))
+
+    assert asked() == {} and asked(chat_template_kwargs={"x": 1}) == {"x": 1}
+    assert asked(reasoning_effort="low") == {"reasoning_effort": "low"}
+    assert asked(reasoning_effort="none") == {"reasoning_effort": "none", "enable_thinking": False}
+    assert asked(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}) == {
+        "reasoning_effort": "none", "enable_thinking": True}
+    assert chat_template_options(ChatCompletionRequest(messages=[], reasoning_effort="high")) == {
+        "reasoning_effort": "high", "add_generation_prompt": True, "continue_final_message": False}
+    with pytest.raises(ApiError, match="^reasoning_effort must be one of none, minimal, low, medium, high, xhigh, "
+                                       "got 'max'$") as refused:
+        asked(reasoning_effort="max")
+    assert (refused.value.status, refused.value.param) == (400, "reasoning_effort")
+
+
+def test_reasoning_effort_none_answers_without_thinking_in_chat_and_responses(reasoning_cluster):
+    """Through the gateway: effort none keeps the whole output as the answer (as enable_thinking
+    false), another effort thinks as by default; the Responses API's reasoning.effort the same,
+    echoed in the response; an unknown reasoning option is a 400."""
+    import openai
+
+    base = reasoning_cluster[1]["gateway"]
+    message = _chat(base, {**THOUGHT, "reasoning_effort": "none"})["choices"][0]["message"]
+    assert message["reasoning"] is None and message["content"] == THOUGHT_TEXT
+    message = _chat(base, {**THOUGHT, "reasoning_effort": "low"})["choices"][0]["message"]
+    assert message["reasoning"] == "\nplan it" and message["content"] == "\n\nthe answer"
+    code, _, raw = post(base + "/v1/chat/completions", {**THOUGHT, "reasoning_effort": "max"})
+    assert code == 400 and json.loads(raw)["error"]["param"] == "reasoning_effort"
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    plain = client.responses.create(model=model, input="hi", max_output_tokens=40, temperature=0,
+                                    reasoning={"effort": "none"})
+    assert [item.type for item in plain.output] == ["message"] and plain.output_text == THOUGHT_TEXT
+    assert plain.reasoning.effort == "none"
+    thought = client.responses.create(model=model, input="hi", max_output_tokens=40, temperature=0,
+                                      reasoning={"effort": "medium", "summary": "auto"})
+    assert [item.type for item in thought.output] == ["reasoning", "message"]
+    assert (thought.reasoning.effort, thought.reasoning.summary) == ("medium", "auto")
+    code, _, raw = post(base + "/v1/responses", {"input": "hi", "reasoning": {"effort": "low", "budget": 9}})
+    assert code == 400 and "budget" in json.loads(raw)["error"]["message"]
+
+
 def test_a_cut_thought_is_all_reasoning_its_held_tail_included(reasoning_cluster):
     from transformers import AutoTokenizer
 

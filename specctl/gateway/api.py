@@ -39,6 +39,10 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
   (the last message left open for the model to continue; not with add_generation_prompt) and
   chat_template_kwargs (variables for the template, e.g. enable_thinking; not the names the
   gateway sets itself). /tokenize takes them too.
+- OpenAI's reasoning_effort (none, minimal, low, medium, high, xhigh) is the template's
+  ``reasoning_effort`` variable, as vLLM passes it (gpt-oss's template reads it); ``none`` also
+  sets ``enable_thinking`` false, which Qwen3-style templates read, unless chat_template_kwargs
+  sets it. The Responses API's reasoning.effort is the same.
 - with ``--reasoning-parser`` a chat answer's thinking is its message's ``reasoning`` (and
   ``reasoning_content``), apart from its content (gateway.reasoning); vLLM's include_reasoning
   false leaves it out.
@@ -203,6 +207,7 @@ class ChatCompletionRequest(RequestFields, kw_only=True):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True  # vLLM's: false leaves the thinking out (with --reasoning-parser)
+    reasoning_effort: str | None = None  # OpenAI's: the template's reasoning_effort ("none": no thinking)
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

@@ -36,7 +36,7 @@ from specctl.gateway.tool_calls import ForcedCalls
 from specctl.gateway.tools import forced_call, request_tools
 from specctl.gateway.translate import (
     bad_words, chat_messages, chat_template_options, completion_prompts, sampling_params, stop_patterns, stop_strings,
-    truncated,
+    template_variables, truncated,
 )
 from specctl.gateway.upstream import Upstream
 from specctl.verify.client import RemoteError
@@ -208,7 +208,7 @@ class Generations:
     def thinking(self, req) -> bool | None:
         """With a reasoning parser, whether a chat request's output starts in thought (None: no parser)."""
         parser = self.config.reasoning_parser
-        return None if parser is None else thinks(parser, req.chat_template_kwargs)
+        return None if parser is None else thinks(parser, template_variables(req))
 
     def _echoes(self, req, prompts: list[list[int]]) -> list[str] | None:
         """Each prompt's text as echo hands it back: as given, or decoded from its token ids."""

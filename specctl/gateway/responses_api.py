@@ -13,8 +13,10 @@ Responses are kept (gateway.response_store, bounded) unless ``store`` is false, 
 ["message.output_text.logprobs"]`` (with ``top_logprobs``) gives the output text's tokens
 their log-probabilities, as chat's ``logprobs`` does. Choices made here: ``background`` is
 refused (a request is answered while its connection lasts); built-in tools (web search,
-files, ...), reasoning options and non-text input parts are refused by name rather than
-ignored."""
+files, ...) and non-text input parts are refused by name rather than ignored. ``reasoning``'s
+effort is chat's reasoning_effort (the template's variable; ``none``: no thinking); its summary
+is accepted and not written — the reasoning item carries the thinking's own text, its summary
+empty, as vLLM's."""
 
 from __future__ import annotations
 
@@ -59,6 +61,12 @@ class TextOptions(msgspec.Struct, kw_only=True):
     format: TextFormat | None = None
 
 
+class ReasoningOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    effort: str | None = None
+    summary: str | None = None  # auto | concise | detailed: accepted, not written (the item holds the thinking)
+    generate_summary: str | None = None  # its older name
+
+
 class ResponsesRequest(msgspec.Struct, kw_only=True):
     endpoint: ClassVar[str] = "/v1/responses"  # named in the log of fields it ignores
     input: str | list[InputItem]
@@ -72,7 +80,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool = True
-    reasoning: dict[str, Any] | None = None
+    reasoning: ReasoningOptions | None = None
     previous_response_id: str | None = None
     background: bool = False
     store: bool | None = None
@@ -91,8 +99,6 @@ def as_chat(req: ResponsesRequest, history: tuple[ChatMessage, ...] = ()) -> Cha
     (a 400 for what is not served)."""
     if req.background:
         raise ApiError(400, "background responses are not served: leave background false", param="background")
-    if req.reasoning:
-        raise ApiError(400, "reasoning options are not served", param="reasoning")
     for i, included in enumerate(req.include or []):
         if included != LOGPROBS_INCLUDE:
             raise ApiError(400, f"include[{i}] {included!r} is not served: only {LOGPROBS_INCLUDE!r}", param="include")
@@ -106,7 +112,8 @@ def as_chat(req: ResponsesRequest, history: tuple[ChatMessage, ...] = ()) -> Cha
         messages=messages, model=req.model, max_completion_tokens=req.max_output_tokens, temperature=req.temperature,
         top_p=req.top_p, stream=req.stream, seed=req.seed, top_k=req.top_k, user=req.user, response_format=_format(req),
         tools=_tools(req.tools), tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls,
-        logprobs=logprobs, top_logprobs=req.top_logprobs if logprobs else None, priority=req.priority)
+        logprobs=logprobs, top_logprobs=req.top_logprobs if logprobs else None, priority=req.priority,
+        reasoning_effort=req.reasoning.effort if req.reasoning is not None else None)
 
 
 def input_messages(req: ResponsesRequest) -> list[ChatMessage]:

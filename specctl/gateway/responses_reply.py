@@ -81,7 +81,8 @@ class ResponsesReply:
             "tools": self.req.tools or [],
             "text": {"format": msgspec.to_builtins(fmt) if fmt is not None else {"type": "text"}},
             "top_logprobs": self.req.top_logprobs or 0, "previous_response_id": self.req.previous_response_id,
-            "store": self.keep is not None, "truncation": "disabled", "reasoning": None,
+            "store": self.keep is not None, "truncation": "disabled",
+            "reasoning": msgspec.to_builtins(self.req.reasoning) if self.req.reasoning is not None else None,
             "metadata": self.req.metadata or {}, "user": self.req.user,
             "usage": None if stats is None else self._usage(count, stats, thought_tokens),
         }

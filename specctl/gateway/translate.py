@@ -127,19 +127,35 @@ TEMPLATE_RESERVED = frozenset({
 })
 
 
-def chat_template_options(req: ChatCompletionRequest) -> dict[str, Any]:
-    """vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs as the
-    chat template's keyword arguments (engine.text.encode_chat)."""
-    if req.add_generation_prompt and req.continue_final_message:
-        raise ApiError(400, "continue_final_message leaves the last message open for the model to continue; it "
-                            "cannot go with add_generation_prompt, which starts a new one: set that to false",
-                       param="continue_final_message")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's
+
+
+def template_variables(req: ChatCompletionRequest) -> dict[str, Any]:
+    """The chat template's own variables a request sets: chat_template_kwargs, and
+    reasoning_effort as vLLM passes it (``none`` also turns Qwen3-style ``enable_thinking``
+    off, unless chat_template_kwargs sets it)."""
     extra = req.chat_template_kwargs or {}
     for key in extra:
         if key in TEMPLATE_RESERVED or not key.isidentifier():
             raise ApiError(400, f"chat_template_kwargs cannot set {key!r}: the gateway sets it (or it is no "
                                 f"template variable); use the request's own field", param="chat_template_kwargs")
-    return {**extra, "add_generation_prompt": req.add_generation_prompt,
+    effort = getattr(req, "reasoning_effort", None)
+    if effort is None:
+        return extra
+    if effort not in REASONING_EFFORTS:
+        raise ApiError(400, f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+                       param="reasoning_effort")
+    return {"reasoning_effort": effort, **({"enable_thinking": False} if effort == "none" else {}), **extra}
+
+
+def chat_template_options(req: ChatCompletionRequest) -> dict[str, Any]:
+    """vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs (with
+    reasoning_effort) as the chat template's keyword arguments (engine.text.encode_chat)."""
+    if req.add_generation_prompt and req.continue_final_message:
+        raise ApiError(400, "continue_final_message leaves the last message open for the model to continue; it "
+                            "cannot go with add_generation_prompt, which starts a new one: set that to false",
+                       param="continue_final_message")
+    return {**template_variables(req), "add_generation_prompt": req.add_generation_prompt,
             "continue_final_message": req.continue_final_message}
 
 
