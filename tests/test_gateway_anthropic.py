@@ -5,6 +5,7 @@ through Anthropic's own client: the same text as chat completions and `specctl g
 Anthropic's shape, the request mapping and its refusals exactly."""
 
 import json
+import urllib.request
 
 import anthropic
 import pytest
@@ -45,6 +46,14 @@ def test_a_message_is_the_chat_answer_of_the_same_turns_whole_and_streamed(clust
     assert "".join(texts) == reference["text"] and len(texts) > 1
     assert (final.content[0].text, final.stop_reason, final.usage.output_tokens) == (
         reference["text"], message.stop_reason, message.usage.output_tokens)
+    # the events as Anthropic's stream sends them: message_start, a ping, the block, the message's end
+    request = urllib.request.Request(cluster[1]["gateway"] + "/v1/messages", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"model": model, "max_tokens": 16, "messages": MESSAGES,
+                                                      "stream": True, **GREEDY}).encode())
+    with urllib.request.urlopen(request, timeout=60) as response:
+        kinds = [line[7:].strip().decode() for line in response if line.startswith(b"event: ")]
+    assert kinds[:3] == ["message_start", "ping", "content_block_start"]
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     counted = client.messages.count_tokens(model=model, messages=MESSAGES)
     assert counted.input_tokens == message.usage.input_tokens
     # a stop sequence: the text before it, named as the reason

@@ -1,7 +1,8 @@
 """An Anthropic Messages answer (gateway.anthropic_api): a message whose content is a
 ``thinking`` block (with a reasoning parser), a ``text`` block and a ``tool_use`` block per call,
 with ``stop_reason`` end_turn, max_tokens, stop_sequence (and which) or tool_use — whole, or
-streamed as Anthropic's events: message_start, then per block content_block_start, its
+streamed as Anthropic's events: message_start, a ping (as Anthropic's stream sends one), then per
+block content_block_start, its
 text_delta / thinking_delta / input_json_delta events and content_block_stop, then
 message_delta (the stop reason and the output tokens) and message_stop; an ``error`` event when
 a target fails mid-stream."""
@@ -86,6 +87,7 @@ class AnthropicReply:
             await response.write(f"event: {kind}\n".encode() + R.sse({"type": kind, **fields}))
 
         await send("message_start", message=self.message([], (None, None), 0, None))
+        await send("ping")
         blocks = StreamedBlocks(send, self.show_thinking)
         reader = self.calls() if self.calls is not None else None
         thoughts = reasoning_reader(self.thinking) if self.thinking is not None else None
