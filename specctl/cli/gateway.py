@@ -107,9 +107,9 @@ def gateway(
     log_level: str = typer.Option("info", "--log-level", help="debug | info | warning"),
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/responses, /v1/models), /health,
-    /metrics and vLLM's /tokenize, /detokenize, /ping, /load over target instances; llama.cpp's
-    /completion, /infill, /props, /apply-template and SGLang's /generate, /get_model_info,
-    /health_generate too, for their clients."""
+    /metrics and vLLM's /tokenize, /detokenize, /ping, /load over target instances; Anthropic's
+    /v1/messages, llama.cpp's /completion, /infill, /props, /apply-template and SGLang's /generate,
+    /get_model_info, /health_generate too, for their clients."""
     from transformers import AutoConfig, AutoTokenizer
 
     from specctl.engine.loader import vocab_fingerprint
