@@ -66,3 +66,27 @@ def test_fixed_width_growth_keeps_best_cumulative_probability():
 def test_growth_skips_zero_probability_candidates():
     tree = TokenTree.root(0).grow(torch.tensor([0]), torch.tensor([[0.0, 1.0, 0.0]]), topk=3, width=3)
     assert tree.tokens.tolist() == [0, 1]
+
+
+@given(st.lists(st.integers(-1, 8), min_size=1, max_size=12), st.integers(0, 11))
+@settings(max_examples=200, deadline=None)
+def test_height_is_the_deepest_node_s_depth_however_the_tree_was_made(parent_picks, prune_at):
+    """``height`` (max_depth) is a Python int every constructor sets, so the event loop reads
+    a round's depth without a torch op; it must equal the depth tensor's maximum."""
+    from specctl.engine.tree import tree_depths
+
+    tree = TokenTree.root(0)
+    for pick in parent_picks:  # each new node under a node of the deepest level or the one above it
+        candidates = [i for i in range(len(tree)) if int(tree.depth[i]) >= tree.height - 1]
+        parent = candidates[pick % len(candidates)] if pick >= 0 else candidates[-1]
+        if int(tree.depth[parent]) < tree.height:  # BFS: a new level only under the deepest one
+            parent = candidates[-1]
+        tree = tree.append_layer(torch.tensor([parent]), torch.tensor([len(tree)]), torch.tensor([0.5]))
+        assert tree.height == int(tree.depth.max())
+    rebuilt = TokenTree.from_parents(tree.tokens.tolist(), tree.parents.tolist())
+    assert rebuilt.height == tree.height == max(tree_depths(tree.tokens.tolist(), tree.parents.tolist(),
+                                                            [1.0] * len(tree)))
+    sub, _ = tree.prune_to_subtree(prune_at % len(tree))
+    assert sub.height == int(sub.depth.max())
+    assert TokenTree.chain(3, [4] * len(parent_picks)).height == len(parent_picks) == TokenTree.chain(
+        3, [4] * len(parent_picks)).depth.max()

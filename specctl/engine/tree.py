@@ -25,6 +25,7 @@ class TokenTree:
     depth: torch.Tensor  # [n] long, 0 for the root
     mask: torch.Tensor  # [n, n] bool ancestor mask
     score: torch.Tensor  # [n] float: cumulative log draft probability from the root
+    height: int  # the deepest node's depth, as a Python int: readable on the event loop without a torch op
 
     @classmethod
     def root(cls, token: int) -> "TokenTree":
@@ -35,6 +36,7 @@ class TokenTree:
             depth=torch.zeros(1, dtype=torch.long),
             mask=torch.ones(1, 1, dtype=torch.bool),
             score=torch.zeros(1),
+            height=0,
         )
 
     @classmethod
@@ -52,6 +54,7 @@ class TokenTree:
             depth=torch.arange(n),
             mask=torch.ones(n, n, dtype=torch.bool).tril(),
             score=torch.from_numpy(np.add.accumulate(log_p.numpy())),  # sequential, as appended level by level
+            height=n - 1,
         )
 
     @classmethod
@@ -60,21 +63,11 @@ class TokenTree:
         verifier needs no draft probabilities: they default to 1)."""
         n = len(tokens)
         probs = [1.0] * n if probs is None else probs
-        if n == 0 or len(parents) != n or len(probs) != n:
-            raise ValueError(f"tokens, parents and probs must have the same non-zero length ({n}, {len(parents)}, {len(probs)})")
-        if parents[0] != -1:
-            raise ValueError("node 0 must be the root (parent -1)")
-        depth = [0] * n
+        depth = tree_depths(tokens, parents, probs)
         mask = torch.zeros(n, n, dtype=torch.bool)
         mask[0, 0] = True
         for i in range(1, n):
-            parent = parents[i]
-            if not 0 <= parent < i:
-                raise ValueError(f"node {i} has parent {parent}: parents must precede their children")
-            depth[i] = depth[parent] + 1
-            if depth[i] < depth[i - 1]:
-                raise ValueError("nodes are not in BFS order")
-            mask[i] = mask[parent]
+            mask[i] = mask[parents[i]]
             mask[i, i] = True
         p = torch.tensor(probs, dtype=torch.float32)
         par = torch.tensor(parents, dtype=torch.long)
@@ -87,6 +80,7 @@ class TokenTree:
             depth=torch.tensor(depth, dtype=torch.long),
             mask=mask,
             score=(mask.float() * log_p.unsqueeze(0)).sum(-1),
+            height=max(depth),
         )
 
     def __len__(self) -> int:
@@ -94,7 +88,7 @@ class TokenTree:
 
     @property
     def max_depth(self) -> int:
-        return int(self.depth.max())
+        return self.height
 
     def level(self, depth: int) -> torch.Tensor:
         return (self.depth == depth).nonzero().flatten()
@@ -120,6 +114,7 @@ class TokenTree:
             depth=torch.cat([self.depth, self.depth[parents] + 1]),
             mask=mask,
             score=torch.cat([self.score, self.score[parents] + probs.clamp_min(1e-30).log()]),
+            height=max(self.height, int(self.depth[parents].max()) + 1) if m else self.height,
         )
 
     def prune_to_subtree(self, node: int) -> tuple["TokenTree", torch.Tensor]:
@@ -136,6 +131,7 @@ class TokenTree:
             depth=self.depth[keep] - self.depth[node],
             mask=self.mask[keep][:, keep],
             score=self.score[keep] - self.score[node],
+            height=int(self.depth[keep].max() - self.depth[node]),
         )
         return tree, keep
 
@@ -161,3 +157,23 @@ class TokenTree:
         if order.numel() == 0:
             return self
         return self.append_layer(cand_parent[order], cand_tok[order], cand_p[order])
+
+
+def tree_depths(tokens: list[int], parents: list[int], probs: list[float]) -> list[int]:
+    """Each node's depth in a tree sent as (tokens, parents, probs), in plain Python (the event
+    loop checks a proposal with it before the compute thread builds its tensors); ValueError
+    unless it is a BFS-ordered tree rooted at node 0."""
+    n = len(tokens)
+    if n == 0 or len(parents) != n or len(probs) != n:
+        raise ValueError(f"tokens, parents and probs must have the same non-zero length ({n}, {len(parents)}, {len(probs)})")
+    if parents[0] != -1:
+        raise ValueError("node 0 must be the root (parent -1)")
+    depth = [0] * n
+    for i in range(1, n):
+        parent = parents[i]
+        if not 0 <= parent < i:
+            raise ValueError(f"node {i} has parent {parent}: parents must precede their children")
+        depth[i] = depth[parent] + 1
+        if depth[i] < depth[i - 1]:
+            raise ValueError("nodes are not in BFS order")
+    return depth

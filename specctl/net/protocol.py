@@ -105,11 +105,13 @@ class SparseProbs(msgspec.Struct, frozen=True):
 
     def checked(self, vocab_size: int) -> int:
         """The rows, once the ids and probabilities are found to be rows of one vocabulary
-        (ProtocolError if not). Small [rows, k] work: fine on the event loop's thread."""
-        ids, probs = self.ids.to_torch(), self.probs.to_torch()
-        if ids.dtype != torch.int64 or probs.dtype != torch.float32 or ids.dim() != 2 or ids.shape != probs.shape:
+        (ProtocolError if not). Small [rows, k] work in numpy: fine on the event loop's thread."""
+        if (self.ids.dtype, self.probs.dtype) != ("int64", "float32") or len(self.ids.shape) != 2 \
+                or self.ids.shape != self.probs.shape:
             raise ProtocolError("sparse probabilities need int64 ids and float32 probs of the same [rows, k] shape")
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        ids = self.ids.to_numpy()
+        self.probs.to_numpy()  # its bytes add up
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
             raise ProtocolError(f"sparse probability ids must be in [0, {vocab_size})")
         return ids.shape[0]
 

@@ -4,11 +4,16 @@ ProtocolError, never a crash."""
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import torch
 
 from specctl.errors import ProtocolError
 
 TENSOR_DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "bool")
+ITEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1}
+# numpy has no bfloat16: its bits travel and are read as int16
+NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.int16, "int64": np.int64,
+                "int32": np.int32, "bool": np.bool_}
 
 
 class Tensor(msgspec.Struct, frozen=True):
@@ -19,19 +24,24 @@ class Tensor(msgspec.Struct, frozen=True):
     @classmethod
     def from_torch(cls, t: torch.Tensor) -> "Tensor":
         t = t.detach().contiguous().cpu()
-        raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # numpy has no bfloat16: ship its bits
+        raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
         return cls(str(t.dtype).removeprefix("torch."), list(t.shape), raw.numpy().tobytes())
 
-    def to_torch(self) -> torch.Tensor:
-        dtype = getattr(torch, self.dtype, None)
-        if not isinstance(dtype, torch.dtype) or self.dtype not in TENSOR_DTYPES:
+    def to_numpy(self) -> np.ndarray:
+        """The values, read-only, checked in plain Python and numpy: what the event loop's thread
+        may look at (torch runs on the compute thread; a bfloat16 tensor comes as its int16 bits)."""
+        if self.dtype not in TENSOR_DTYPES:
             raise ProtocolError(f"unsupported tensor dtype {self.dtype!r}")
         count = 1
         for dim in self.shape:
             if dim < 0:
                 raise ProtocolError(f"negative tensor dimension in {self.shape}")
             count *= dim
-        item = torch.tensor([], dtype=dtype).element_size()
-        if count * item != len(self.data):
-            raise ProtocolError(f"tensor of shape {self.shape} and dtype {self.dtype} needs {count * item} bytes, got {len(self.data)}")
-        return torch.frombuffer(bytearray(self.data), dtype=dtype).reshape(self.shape) if count else torch.empty(self.shape, dtype=dtype)
+        if count * ITEM_BYTES[self.dtype] != len(self.data):
+            raise ProtocolError(f"tensor of shape {self.shape} and dtype {self.dtype} needs "
+                                f"{count * ITEM_BYTES[self.dtype]} bytes, got {len(self.data)}")
+        return np.frombuffer(self.data, dtype=NUMPY_DTYPES[self.dtype]).reshape(self.shape)
+
+    def to_torch(self) -> torch.Tensor:
+        values = torch.from_numpy(self.to_numpy().copy())  # a copy: frames' bytes are read-only
+        return values.view(torch.bfloat16) if self.dtype == "bfloat16" else values
