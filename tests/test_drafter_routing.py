@@ -74,18 +74,18 @@ def test_policy_is_checked():
 def test_fusion_merges_shared_prefixes_and_orders_siblings_by_confidence():
     tree, nodes = fuse_chains(7, [([1, 2, 3], [0.6, 0.5, 0.4]), ([1, 4], [0.9, 0.8]), ([5], [0.7])], budget=10)
     # root 7; level 1: 1 (conf max(0.6, 0.9)) before 5 (0.7); level 2 under 1: 4 (0.8) before 2 (0.5); then 3
-    assert tree.tokens.tolist() == [7, 1, 5, 4, 2, 3]
-    assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 4]
-    assert tree.probs.tolist() == pytest.approx([1.0, 0.9, 0.7, 0.8, 0.5, 0.4])
+    assert tree.tokens == [7, 1, 5, 4, 2, 3]
+    assert tree.parents == [-1, 0, 0, 1, 1, 4]
+    assert tree.probs == pytest.approx([1.0, 0.9, 0.7, 0.8, 0.5, 0.4])
     assert nodes == [[1, 4, 5], [1, 3], [2]]
 
 
 def test_fusion_respects_the_budget_best_chain_first():
     tree, nodes = fuse_chains(0, [([1, 2, 3], [0.9] * 3), ([1, 5, 6], [0.8] * 3)], budget=4)
-    assert len(tree) == 5 and tree.tokens.tolist() == [0, 1, 2, 5, 3]
+    assert len(tree) == 5 and tree.tokens == [0, 1, 2, 5, 3]
     assert nodes == [[1, 2, 4], [1, 3]]  # the second chain was cut after 5
     empty, none = fuse_chains(9, [([], [])], budget=3)
-    assert empty.tokens.tolist() == [9] and none == [[]]
+    assert empty.tokens == [9] and none == [[]]
     with pytest.raises(ValueError, match="budget must be >= 0"):
         fuse_chains(0, [], -1)
 
@@ -103,8 +103,8 @@ def test_fusion_merges_a_tree_with_a_chain_and_maps_each_drafts_nodes():
     chain = Draft.chain([2, 4, 9], [0.9, 0.8, 0.7])
     tree, (tree_where, chain_where) = fuse(7, [tree_draft, chain], budget=10)
     # level 1: 2 (max 0.3, 0.9) before 1 (0.6); level 2 under 2: 4 (0.8) then 5 (0.25); under 1: 3; then 9 under 4
-    assert tree.tokens.tolist() == [7, 2, 1, 4, 5, 3, 9]
-    assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 2, 3]
+    assert tree.tokens == [7, 2, 1, 4, 5, 3, 9]
+    assert tree.parents == [-1, 0, 0, 1, 1, 2, 3]
     assert tree_where == [2, 1, 5, 3, 4] and chain_where == [1, 3, 6]
     # the target accepts 2, 4, 9: the tree drafter's own nodes 2, 4; the chain's 1, 2, 3
     assert own_path([1, 3, 6], tree_where) == [2, 4] and own_path([1, 3, 6], chain_where) == [1, 2, 3]
@@ -118,7 +118,7 @@ def test_fusion_merges_a_tree_with_a_chain_and_maps_each_drafts_nodes():
 def test_fusion_cuts_a_trees_subtree_with_its_parent():
     tree_draft = Draft([1, 2, 3, 4], [0, 0, 1, 2], [0.9, 0.8, 0.7, 0.6])
     tree, (where,) = fuse(0, [tree_draft], budget=2)
-    assert tree.tokens.tolist() == [0, 1, 2] and where == [1, 2, None, None]
+    assert tree.tokens == [0, 1, 2] and where == [1, 2, None, None]
     assert routing_outcome(tree_draft, where, []) == ([0.9], 0)  # a cut node is not counted
     with pytest.raises(ValueError, match="parents must come before their children"):
         Draft([1, 2], [0, 2], [0.5, 0.5])

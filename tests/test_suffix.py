@@ -44,10 +44,10 @@ def test_the_longest_match_wins_when_its_probabilities_sum_higher():
 
 def test_a_best_first_draft_becomes_a_breadth_first_tree_with_probabilities_given_the_parent():
     tree = proposal_tree(2, [3, 6, 5, 4], [-1, -1, 0, 0], [2 / 3, 1 / 3, 1 / 3, 1 / 3])
-    assert tree.tokens.tolist() == [2, 3, 6, 5, 4] and tree.parents.tolist() == [-1, 0, 0, 1, 1]
-    assert tree.probs.tolist() == pytest.approx([1.0, 2 / 3, 1 / 3, 0.5, 0.5])
+    assert tree.tokens == [2, 3, 6, 5, 4] and tree.parents == [-1, 0, 0, 1, 1]
+    assert tree.probs == pytest.approx([1.0, 2 / 3, 1 / 3, 0.5, 0.5])
     deep = proposal_tree(7, [3, 4, 6], [-1, 0, -1], [0.9, 0.9, 0.1])  # a grandchild taken before an uncle
-    assert deep.tokens.tolist() == [7, 3, 6, 4] and deep.parents.tolist() == [-1, 0, 0, 1]
+    assert deep.tokens == [7, 3, 6, 4] and deep.parents == [-1, 0, 0, 1]
 
 
 def test_dropping_a_sequence_leaves_no_index_entry_of_it():

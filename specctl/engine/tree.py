@@ -7,7 +7,11 @@ Two structural operations, both pure (they return a new tree):
   copies each parent's row bottom-left (a child's ancestors are its parent's plus itself)
   and puts the identity bottom-right.
 - to-subtree pruning: re-root at node i, keeping the nodes whose row has M[:, i] set
-  (i and its descendants). The kept indices also prune the KV cache."""
+  (i and its descendants). The kept indices also prune the KV cache.
+
+A PlainTree is the same tree as Python lists: what the event loop's thread handles (a
+proposal off the wire, a fusion of drafts), checked there without a torch op; the compute
+thread, which owns every torch call, builds its TokenTree."""
 
 from __future__ import annotations
 
@@ -85,6 +89,9 @@ class TokenTree:
 
     def __len__(self) -> int:
         return self.tokens.numel()
+
+    def plain(self) -> "PlainTree":
+        return PlainTree(self.tokens.tolist(), self.parents.tolist(), self.probs.tolist(), self.height)
 
     @property
     def max_depth(self) -> int:
@@ -177,3 +184,37 @@ def tree_depths(tokens: list[int], parents: list[int], probs: list[float]) -> li
         if depth[i] < depth[i - 1]:
             raise ValueError("nodes are not in BFS order")
     return depth
+
+
+@dataclass(frozen=True, slots=True)
+class PlainTree:
+    """A TokenTree's tokens, parents and draft probabilities (node 0 the root, BFS order) as
+    Python lists, with its height."""
+    tokens: list[int]
+    parents: list[int]
+    probs: list[float]
+    height: int
+
+    @classmethod
+    def checked(cls, tokens: list[int], parents: list[int], probs: list[float] | None = None) -> "PlainTree":
+        """The tree, once found to be a BFS-ordered tree rooted at node 0 (ValueError if not)."""
+        probs = [1.0] * len(tokens) if probs is None else list(probs)
+        return cls(list(tokens), list(parents), probs, max(tree_depths(tokens, parents, probs)))
+
+    @classmethod
+    def root(cls, token: int) -> "PlainTree":
+        return cls([token], [-1], [1.0], 0)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def max_depth(self) -> int:
+        return self.height
+
+    def plain(self) -> "PlainTree":
+        return self
+
+    def built(self) -> TokenTree:
+        """Its tensors: on the compute thread."""
+        return TokenTree.from_parents(self.tokens, self.parents, self.probs)

@@ -18,12 +18,14 @@ from specctl.spec.drafters import Proposal
 
 def send_verifications(items: list[tuple[DecodeSession, Proposal]]) -> list:
     """On the compute thread: one micro-batch for every session that fits; per item
-    (future, first row, rows) or its exception."""
+    (future, first row, rows, the proposal with its tensors built) or its exception."""
     results: list = [None] * len(items)
     ready = []
+    built: dict[int, Proposal] = {}
     for i, (session, proposal) in enumerate(items):
         try:
-            ready.append((i, session, session.verify_inputs(proposal)))
+            built[i] = proposal.built()
+            ready.append((i, session, session.verify_inputs(built[i])))
         except Exception as exc:  # noqa: BLE001 - handed back to that session only
             results[i] = exc
     if not ready:
@@ -39,7 +41,7 @@ def send_verifications(items: list[tuple[DecodeSession, Proposal]]) -> list:
         return results
     start = 0
     for i, _, inputs in ready:
-        results[i] = (future, start, inputs[0].shape[0])
+        results[i] = (future, start, inputs[0].shape[0], built[i])
         start += inputs[0].shape[0]
     return results
 
@@ -64,9 +66,9 @@ class MicroBatchLane:
         sent = await self.lane.run_batched("verify-send", send_verifications, item)
         if isinstance(sent, BaseException):
             raise sent
-        future, start, rows = sent
+        future, start, rows, proposal = sent
         frame = await asyncio.wrap_future(future)
-        session, proposal = item
+        session = item[0]
         # the vocabulary-wide conversion on the compute thread too (DESIGN: only it runs torch's
         # parallel ops; one here would keep an OpenMP pool alive that slows every later step)
         return await self.lane.run(_accept_rows, session, proposal, frame, start, rows)

@@ -178,6 +178,7 @@ class DecodeSession:
     def apply(self, proposal: Proposal) -> list[int]:
         """Verify a proposal and commit what is accepted. ``last_path`` and
         ``last_committed`` then describe the outcome for the drafter."""
+        proposal = proposal.built()
         ahead = self.take_ahead(proposal)
         if ahead is not None:
             return self.accept(proposal, ahead)
@@ -285,6 +286,7 @@ def apply_many(items: list[tuple[DecodeSession, Proposal]]) -> list[list[int] | 
     ready = []
     for i, (session, proposal) in enumerate(items):
         try:
+            proposal = proposal.built()
             ahead = session.take_ahead(proposal)
             if ahead is not None:  # verified already, by the step it ran ahead
                 results[i] = session.accept(proposal, ahead)

@@ -12,6 +12,7 @@ model drafters keep exactly the KV of the accepted path.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -19,13 +20,15 @@ import torch
 
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.model import Decoder
-from specctl.engine.tree import TokenTree
+from specctl.engine.tree import PlainTree, TokenTree
 from specctl.spec.sampling import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
 class Proposal:
-    tree: TokenTree
+    # a plain tree where the event loop made the proposal (off the wire, fused): built() makes
+    # its tensors on the compute thread, before verification
+    tree: TokenTree | PlainTree
     # q for each chain position when the chain's tokens were sampled from it: [len(tree)-1, V], or
     # what makes it on the compute thread (a remote proposal's sparse rows: spec.decode.verify)
     draft_probs: torch.Tensor | Callable[[], torch.Tensor] | None = None
@@ -33,6 +36,10 @@ class Proposal:
     # chain's x_0..x_{d-1}), likeliest first: [fed + 1, RANKED] token ids (pre-speculation
     # guesses the bonus token among them)
     ranked: torch.Tensor | None = None
+
+    def built(self) -> "Proposal":
+        """This proposal with a TokenTree (on the compute thread: it makes tensors)."""
+        return self if isinstance(self.tree, TokenTree) else dataclasses.replace(self, tree=self.tree.built())
 
 
 RANKED = 16  # candidates a model drafter keeps per node it feeds

@@ -7,13 +7,15 @@ was cut is cut too).
 
 The tree is verified like any tree: greedy by following the target's argmax, sampled by
 the rule for deterministic candidates (recursive rejection with renormalisation), which is
-lossless for any candidates chosen without the target's randomness. No draft q is passed."""
+lossless for any candidates chosen without the target's randomness. No draft q is passed.
+Fusion runs in plain Python (a target instance fuses on its event loop): the tree comes back as
+a PlainTree, whose tensors the compute thread builds."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specctl.engine.tree import TokenTree
+from specctl.engine.tree import PlainTree, TokenTree
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,9 +32,9 @@ class Draft:
         return cls(list(tokens), list(range(len(tokens))), list(confidences))
 
     @classmethod
-    def of_tree(cls, tree: TokenTree, confidences: list[float] | None = None) -> "Draft":
-        return cls(tree.tokens[1:].tolist(), tree.parents[1:].tolist(),
-                   tree.probs[1:].tolist() if confidences is None else confidences)
+    def of_tree(cls, tree: TokenTree | PlainTree, confidences: list[float] | None = None) -> "Draft":
+        plain = tree.plain()
+        return cls(plain.tokens[1:], plain.parents[1:], plain.probs[1:] if confidences is None else confidences)
 
     def __post_init__(self) -> None:
         if not len(self.tokens) == len(self.parents) == len(self.confidences):
@@ -41,7 +43,7 @@ class Draft:
             raise ValueError("a draft's parents must come before their children")
 
 
-def fuse(root: int, drafts: list[Draft], budget: int) -> tuple[TokenTree, list[list[int | None]]]:
+def fuse(root: int, drafts: list[Draft], budget: int) -> tuple[PlainTree, list[list[int | None]]]:
     """Merge drafts into one BFS-ordered tree. Returns the tree and, per draft, the tree node
     each of its nodes landed on (None where the budget cut it)."""
     if budget < 0:
@@ -75,12 +77,12 @@ def fuse(root: int, drafts: list[Draft], budget: int) -> tuple[TokenTree, list[l
         order.extend(level)
         frontier = level
     index = {old: new for new, old in enumerate(order)}
-    tree = TokenTree.from_parents([tokens[n] for n in order], [-1] + [index[parents[n]] for n in order[1:]],
-                                  [confidence[n] for n in order])
+    tree = PlainTree.checked([tokens[n] for n in order], [-1] + [index[parents[n]] for n in order[1:]],
+                             [confidence[n] for n in order])
     return tree, [[None if n is None else index[n] for n in where] for where in placed]
 
 
-def fuse_chains(root: int, chains: list[tuple[list[int], list[float]]], budget: int) -> tuple[TokenTree, list[list[int]]]:
+def fuse_chains(root: int, chains: list[tuple[list[int], list[float]]], budget: int) -> tuple[PlainTree, list[list[int]]]:
     """``fuse`` for chains: per chain, the tree nodes of its kept tokens (a prefix of it)."""
     tree, placed = fuse(root, [Draft.chain(tokens, confidences) for tokens, confidences in chains], budget)
     return tree, [where[: where.index(None)] if None in where else where for where in placed]

@@ -110,7 +110,8 @@ class _MultiSession(DraftSession):
         if self.gate is not None and any(not owner.free[i] and i not in self.drafted for i in tried):
             self.gate.uncounted()  # a model drafter's first draft here: its prompt prefill is in this round
         self.drafted.update(tried)
-        tree, placed = fuse(seq[-1], drafts, owner.budget) if drafts else (TokenTree.root(seq[-1]), [])
+        plain, placed = fuse(seq[-1], drafts, owner.budget) if drafts else (None, [])
+        tree = plain.built() if plain is not None else TokenTree.root(seq[-1])  # on the compute thread
         self.asked = list(zip(asked, drafts, placed))
         for i, _, where in self.asked:
             owner.stats[owner.names[i]].fused(where)

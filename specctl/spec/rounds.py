@@ -20,7 +20,7 @@ from typing import Any, Callable, NamedTuple, Protocol
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.model import Decoder
 from specctl.engine.prefill_gate import PrefillGate, prefill_turn
-from specctl.engine.tree import TokenTree
+from specctl.engine.tree import PlainTree
 from specctl.spec.decode import DecodeSession, apply_many
 from specctl.spec.draft_state import DraftState, draft_capacity, draft_many
 from specctl.spec.drafters import Drafter, NoDrafter, Proposal
@@ -140,7 +140,7 @@ async def run_session(session: DecodeSession, speculator: Speculator, lane: Lane
         emit(first, None)
         while not session.finished:
             drafted = await speculator.propose(session)
-            proposal = drafted.proposal or Proposal(TokenTree.root(session.seq[-1]))
+            proposal = drafted.proposal or Proposal(PlainTree.root(session.seq[-1]))
             asked = time.perf_counter()
             # Rounds of sessions of this lane that are due together share one target forward.
             tokens = await lane.run_batched("verify", apply_many, (session, proposal))

@@ -28,7 +28,7 @@ import threading
 from array import array
 
 from specctl.engine.kv_cache import KVPool
-from specctl.engine.tree import TokenTree
+from specctl.engine.tree import PlainTree
 from specctl.spec.drafters import DraftSession, Drafter, Proposal
 
 KEY = 2  # tokens that find an occurrence: a match is at least this long
@@ -144,15 +144,15 @@ def speculate(context: list[int], occurrences: list[Occurrence], depth: int, *, 
     return best
 
 
-def proposal_tree(root: int, tokens: list[int], parents: list[int], probs: list[float]) -> TokenTree:
-    """A best-first draft as a breadth-first TokenTree (the order verification needs), each
+def proposal_tree(root: int, tokens: list[int], parents: list[int], probs: list[float]) -> PlainTree:
+    """A best-first draft as a breadth-first PlainTree (the order verification needs), each
     node's probability given its parent; siblings stay likeliest first."""
     depth = [0] * len(tokens)
     for i, parent in enumerate(parents):
         depth[i] = 1 if parent < 0 else depth[parent] + 1
     order = sorted(range(len(tokens)), key=lambda i: depth[i])
     place = {old: new + 1 for new, old in enumerate(order)}
-    return TokenTree.from_parents(
+    return PlainTree.checked(
         [root, *(tokens[i] for i in order)], [-1, *(0 if parents[i] < 0 else place[parents[i]] for i in order)],
         [1.0, *(probs[i] / (1.0 if parents[i] < 0 else probs[parents[i]]) for i in order)])
 
@@ -222,6 +222,10 @@ class _SuffixSession(DraftSession):
         self.drafter.remember(self.number, seq[max(seen, self.prompt_len - KEY + 1, 0):])
 
     def propose(self, seq, params, generator):
+        return Proposal(self.plain_draft(seq).built())
+
+    def plain_draft(self, seq: list[int]) -> PlainTree:
+        """The proposal's tree in plain Python (a target instance's fusion asks on its event loop)."""
         drafter = self.drafter
         self.observe(seq)
         key = tuple(seq[-KEY:])
@@ -230,7 +234,7 @@ class _SuffixSession(DraftSession):
         draft = speculate(seq, occurrences, drafter.depth, max_depth=drafter.max_depth,
                           max_spec_factor=drafter.max_spec_factor, max_spec_offset=drafter.max_spec_offset,
                           min_token_prob=drafter.min_token_prob, tree=drafter.tree)
-        return Proposal(proposal_tree(seq[-1], *draft))
+        return proposal_tree(seq[-1], *draft)
 
     def close(self) -> None:
         self.text = SequenceIndex()

@@ -181,7 +181,7 @@ class FusedSpeculator:
             if self.links[i].name == NGRAM:
                 drafts[i] = Draft.chain(tokens := self.ngram.lookup(session.seq), [1.0] * len(tokens))
             elif self.links[i].name == SUFFIX:
-                drafts[i] = Draft.of_tree(self.suffix.propose(session.seq, session.params, None).tree)
+                drafts[i] = Draft.of_tree(self.suffix.plain_draft(session.seq))
         if not tasks:
             return
         try:

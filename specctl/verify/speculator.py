@@ -17,7 +17,7 @@ import logging
 import random
 import time
 
-from specctl.engine.tree import TokenTree
+from specctl.engine.tree import PlainTree
 from specctl.net.protocol import Proposal as ProposalMsg, ProtocolError
 from specctl.spec.decode import DecodeSession
 from specctl.spec.drafters import Proposal
@@ -51,8 +51,10 @@ def reproducible_draft(params: SamplingParams, greedy_drafts: bool) -> bool:
 
 
 def proposal_from_message(msg: ProposalMsg, vocab_size: int) -> Proposal:
+    """The proposal a message carries, checked in plain Python and numpy: the event loop's
+    thread reads it, and the compute thread builds its tensors (Proposal.built)."""
     try:
-        tree = TokenTree.from_parents(msg.tokens, msg.parents, msg.unpacked_confidences())
+        tree = PlainTree.checked(msg.tokens, msg.parents, msg.unpacked_confidences())
     except ValueError as exc:
         raise ProtocolError(f"bad proposal tree: {exc}") from None
     if msg.draft_probs is None:
@@ -172,8 +174,7 @@ class RemoteSpeculator:
             log.warning("ignoring a bad proposal: %s", exc)
             return None
         tokens = proposal.tree.tokens
-        if (len(proposal.tree) > session.max_nodes or int(tokens[0]) != session.seq[-1]
-                or int(tokens.max()) >= vocab or int(tokens.min()) < 0):
+        if len(tokens) > session.max_nodes or tokens[0] != session.seq[-1] or max(tokens) >= vocab or min(tokens) < 0:
             log.warning("ignoring a proposal that does not fit the session")
             return None
         return proposal
