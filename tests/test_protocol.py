@@ -145,9 +145,10 @@ def test_a_proposal_carries_the_drafts_confidence_in_a_byte_per_node():
     message = Proposal(3, [7, 1, 2, 4], [-1, 0, 0, 1], confidences=Proposal.pack_confidences([0.9, 0.05, 1.0]))
     again = p.decode(p.encode(message)[4:])
     assert again.confidences == bytes([230, 13, 255])
-    tree = proposal_from_message(again, 16).tree
-    assert tree.probs.tolist() == pytest.approx([1.0, 230 / 255, 13 / 255, 1.0])
-    assert proposal_from_message(Proposal(3, [7, 1], [-1, 0]), 16).tree.probs.tolist() == [1.0, 1.0]  # none given
+    proposal = proposal_from_message(again, 16)
+    assert proposal.tree.probs == pytest.approx([1.0, 230 / 255, 13 / 255, 1.0])  # plain: the event loop's
+    assert proposal.built().tree.probs.tolist() == pytest.approx(proposal.tree.probs)  # the compute thread's tensors
+    assert proposal_from_message(Proposal(3, [7, 1], [-1, 0]), 16).tree.probs == [1.0, 1.0]  # none given
     with pytest.raises(p.ProtocolError, match="2 confidences for 1 drafted tokens"):
         proposal_from_message(Proposal(3, [7, 1], [-1, 0], confidences=b"\x01\x02"), 16)
 
