@@ -107,7 +107,7 @@ draft_messages = st.lists(st.one_of(
 target_messages = st.lists(st.one_of(
     st.builds(Generate, req=st.integers(1, 4), prompt=odd_prompt, max_tokens=odd_int, temperature=odd_float,
               top_p=odd_float, top_k=odd_int, stop_token_ids=tokens, penalty_last_n=odd_int, seed=st.integers(0, 3),
-              repetition_penalty=odd_float, sampler_order=odd_order, cache_salt=odd_salt),
+              repetition_penalty=odd_float, sampler_order=odd_order, cache_salt=odd_salt, prediction=tokens),
     st.builds(Cancel, req=st.integers(-1, 6)),
     st.builds(Propose, tag=st.integers(0, 3), path=path, tokens=tokens),  # not a target's message
     st.just(StatsRequest()),

@@ -112,19 +112,34 @@ def test_temperature_last_keeps_the_target_distribution(small, mode):
                                 sampler_order=("top_k", "top_p", "min_p", "temperature"))
 
 
-def _assert_target_distribution(target, drafter, temperature, top_p, min_p=0.0, sampler_order=()):
+def test_a_prediction_keeps_the_target_distribution(small):
+    """OpenAI's Predicted Outputs (spec.prediction): rounds drafted from the prediction (verified
+    as deterministic candidates) between rounds of a sampling chain draft, which is told the
+    tokens those rounds committed; the prediction holds the pairs of tokens 0-2 only, so after
+    tokens 3-5 the draft proposes."""
+    target, draft = small
+    prediction = tuple(t for a in range(3) for b in range(3) for t in (a, b))
+    runs = _assert_target_distribution(target, ModelChainDrafter(draft, 2), 1.0, 1.0, prediction=prediction)
+    assert any(stats.prediction_accepted for stats in runs)  # predicted tokens were taken
+    assert any(stats.accepted > stats.prediction_accepted for stats in runs)  # and the draft's, in other rounds
+
+
+def _assert_target_distribution(target, drafter, temperature, top_p, min_p=0.0, sampler_order=(),
+                                prediction=()) -> list:
     expected = _exact_joint_of_tokens_2_and_3(target, SamplingParams(temperature=temperature, top_p=top_p, min_p=min_p,
                                                                      sampler_order=sampler_order))
     counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
-    rounds_with_acceptance = 0
+    rounds_with_acceptance, runs = 0, []
     for seed in range(SAMPLES):
         params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=3, seed=seed, min_p=min_p,
-                                sampler_order=sampler_order)
+                                sampler_order=sampler_order, prediction=prediction)
         out, stats, _ = generate(target, PROMPT, params, drafter)
         counts[out[1], out[2]] += 1
         rounds_with_acceptance += stats.accepted > 0
+        runs.append(stats)
     assert rounds_with_acceptance > 0  # the acceptance path was exercised, not only the bonus
     assert_counts_match(counts, expected)
+    return runs
 
 
 def assert_counts_match(counts: torch.Tensor, expected: torch.Tensor) -> None:

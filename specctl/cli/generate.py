@@ -11,7 +11,9 @@ import typer
 from rich.console import Console
 
 from specctl.cli import logprob_report
-from specctl.cli.sampling_flags import stop_patterns, structured_flags, with_bad_words, with_samplers
+from specctl.cli.sampling_flags import (
+    stop_patterns, structured_flags, text_of, with_bad_words, with_prediction_text, with_samplers,
+)
 from specctl.config import build_config
 from specctl.engine import text
 
@@ -83,6 +85,9 @@ def generate(
     samplers: Optional[str] = typer.Option(None, "--samplers", help="llama.cpp's sampler order: names separated by "
                                            "';' (top_k;top_p;min_p;temperature) or their letters (kpmt); a sampler "
                                            "left out does not run (default: temperature first, as vLLM)"),
+    prediction: Optional[str] = typer.Option(None, "--prediction", help="text the output is expected to resemble "
+                                             "(its text, or @FILE; OpenAI's Predicted Outputs): drafted from where "
+                                             "the output follows it, the output still the target's own"),
     cache_salt: Optional[str] = typer.Option(None, "--cache-salt", help="with --remote: reuse the instance's cached "
                                              "prefixes only among requests with this salt (vLLM's cache_salt)"),
     logprobs: Optional[int] = typer.Option(None, "--logprobs", help="each output token's log-probability under the "
@@ -124,6 +129,8 @@ def generate(
     if cache_salt is not None and not cache_salt:
         raise ConfigError("--cache-salt must not be empty: leave it out to share the prefix cache")
     patterns = stop_patterns(stop_regex)
+    if prediction is not None:
+        text_of(prediction)  # an unreadable @FILE is an error before the models load
     if suffix is not None and chat:
         raise ConfigError("--suffix cannot go with --chat: an infill is a plain prompt in the model's FIM tokens")
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
@@ -141,11 +148,12 @@ def generate(
     console = Console(stderr=True)
     if remote:
         return _generate_remote(remote, target, prompt, chat, params, bad_words, as_json, auth_token, tls_ca,
-                                console, tuple(stop or ()), suffix, patterns)
+                                console, tuple(stop or ()), suffix, patterns, prediction)
     target_model, draft_model = load_pair(config, console)
     drafter = (make_multi_drafter(config, target_model, console) if config.mode == "multi"
                else make_drafter(config, draft_model))
-    params = with_bad_words(params, bad_words, target_model.tokenizer)
+    params = with_prediction_text(with_bad_words(params, bad_words, target_model.tokenizer), prediction,
+                                  target_model.tokenizer)
     ids, params = prompt_ids(target_model.tokenizer, prompt, chat, suffix, params)
     streamer = TextStreamer(target_model.tokenizer, None if as_json else sys.stdout, tuple(stop or ()), patterns)
     output: list[int] = []
@@ -170,9 +178,11 @@ def generate(
         }))
     else:
         print_logprobs(console, scores, params, token_text(target_model.tokenizer))
+        predicted = (f", prediction {stats.prediction_accepted} tokens accepted, {stats.prediction_rejected} rejected"
+                     if params.prediction else "")
         console.print(
             f"[dim]{stats.new_tokens} tokens, {stats.tokens_per_s:.2f} tok/s, mode {config.mode}, "
-            f"mean accepted length {stats.mean_accepted_length:.2f}, acceptance {stats.acceptance_rate:.0%}[/]"
+            f"mean accepted length {stats.mean_accepted_length:.2f}, acceptance {stats.acceptance_rate:.0%}{predicted}[/]"
         )
 
 
@@ -207,7 +217,8 @@ def print_logprobs(console: Console, scores: logprob_report.Scores, params, toke
 
 
 def _generate_remote(remote, requested_target, prompt, chat, params, bad_words, as_json, auth_token, tls_ca,
-                     console, stop: tuple[str, ...] = (), suffix: str | None = None, stop_regex: tuple = ()) -> None:
+                     console, stop: tuple[str, ...] = (), suffix: str | None = None, stop_regex: tuple = (),
+                     prediction: str | None = None) -> None:
     """Same output as local mode. The tokenizer is the one of the model the target instance
     says it serves (its handshake), never a local default: text encoded for another
     vocabulary would come back as fluent garbage. A stop string cancels the generation there."""
@@ -234,7 +245,7 @@ def _generate_remote(remote, requested_target, prompt, chat, params, bad_words, 
     tokenizer = AutoTokenizer.from_pretrained(path)
     if welcome.fingerprint and vocab_fingerprint(tokenizer) != welcome.fingerprint:
         raise ConfigError(f"the local copy of {served!r} has another vocabulary than the one {remote} serves")
-    params = with_bad_words(params, bad_words, tokenizer)
+    params = with_prediction_text(with_bad_words(params, bad_words, tokenizer), prediction, tokenizer)
     ids, params = prompt_ids(tokenizer, prompt, chat, suffix, params)
     streamer = TextStreamer(tokenizer, None if as_json else sys.stdout, stop, stop_regex)
     scores = logprob_report.Scores(ids)

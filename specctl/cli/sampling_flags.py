@@ -9,21 +9,25 @@ import json
 from specctl.engine import text
 
 
-def structured_flags(json_schema: str | None, json_object: bool, regex: str | None, choice: list[str] | None,
-                     grammar: str | None) -> tuple[str, str] | None:
-    """The one constraint the flags ask for, checked (spec.structured); None: the output is free."""
+def text_of(value: str) -> str:
+    """A flag's text, or with @FILE the file's."""
     from pathlib import Path
 
     from specctl.errors import ConfigError
-    from specctl.spec.structured import JSON_OBJECT, grammar_text
 
-    def text_of(value: str) -> str:  # @FILE: the file's text
-        if not value.startswith("@"):
-            return value
-        try:
-            return Path(value[1:]).read_text()
-        except OSError as exc:
-            raise ConfigError(f"cannot read {value[1:]}: {exc.strerror}") from None
+    if not value.startswith("@"):
+        return value
+    try:
+        return Path(value[1:]).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {value[1:]}: {exc.strerror}") from None
+
+
+def structured_flags(json_schema: str | None, json_object: bool, regex: str | None, choice: list[str] | None,
+                     grammar: str | None) -> tuple[str, str] | None:
+    """The one constraint the flags ask for, checked (spec.structured); None: the output is free."""
+    from specctl.errors import ConfigError
+    from specctl.spec.structured import JSON_OBJECT, grammar_text
 
     asked = [structured for structured in (
         ("json", text_of(json_schema)) if json_schema else None, ("json", JSON_OBJECT) if json_object else None,
@@ -49,6 +53,15 @@ def with_bad_words(params, words: list[str] | None, tokenizer):
         return dataclasses.replace(params, bad_words=text.bad_word_sequences(tokenizer, words))
     except BadRequest as exc:
         raise ConfigError(f"--bad-words: {exc}") from None
+
+
+def with_prediction_text(params, prediction: str | None, tokenizer):
+    """``--prediction`` (its text, or @FILE) as the token ids the target drafts from."""
+    import dataclasses
+
+    if prediction is None:
+        return params
+    return dataclasses.replace(params, prediction=tuple(tokenizer.encode(text_of(prediction), add_special_tokens=False)))
 
 
 def stop_patterns(patterns: list[str] | None):

@@ -69,6 +69,11 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
 - vLLM's cache_salt keeps a request's prefix-cache entries apart: its KV is reused only by
   requests of the same salt (target and draft), so tenants who do not share a salt cannot learn
   from a faster first token that another sent the same text. An empty salt is a 400, as in vLLM.
+- OpenAI's prediction (Predicted Outputs, on chat and, as an extension, completions) is text
+  the answer is expected to resemble: the target instance drafts from it where the output
+  follows it (spec.prediction), so the answer is still the target's own and only comes
+  faster; usage's completion_tokens_details counts the predicted tokens verification accepted
+  and rejected. Text parts only; longer than the context is a 400.
 - vLLM's truncate_prompt_tokens k keeps each prompt's last k tokens (-1: as many as the
   context holds); usage counts what is kept, and echo gives back that.
 - Fields neither served nor refused (OpenAI's store, metadata, service_tier, ...) are
@@ -113,6 +118,12 @@ class ResponseFormat(msgspec.Struct):
 class ContentPart(msgspec.Struct):
     type: str
     text: str = ""
+
+
+class Prediction(msgspec.Struct, kw_only=True):
+    """OpenAI's Predicted Outputs: ``{"type": "content", "content": text or text parts}``."""
+    type: str
+    content: str | list[ContentPart]
 
 
 class CalledFunction(msgspec.Struct):
@@ -166,6 +177,7 @@ class RequestFields(msgspec.Struct, kw_only=True):
     return_tokens_as_token_ids: bool = False  # vLLM's extension: logprobs name tokens "token_id:<id>"
     return_token_ids: bool = False  # vLLM's extension: the prompt's and each choice's token ids beside the text
     cache_salt: str | None = None  # vLLM's extension: the prefix cache reuses KV only within the same salt
+    prediction: Prediction | None = None  # OpenAI's Predicted Outputs: drafted from (spec.prediction)
     # vLLM's extensions that reshape or constrain sampling (gateway.structured)
     min_p: float | None = None
     min_tokens: int | None = None

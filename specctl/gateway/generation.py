@@ -36,7 +36,7 @@ from specctl.gateway.tool_calls import ForcedCalls
 from specctl.gateway.tools import forced_call, request_tools
 from specctl.gateway.translate import (
     bad_words, chat_messages, chat_template_options, completion_prompts, sampling_params, stop_patterns, stop_strings,
-    template_variables, truncated,
+    prediction_tokens, template_variables, truncated,
 )
 from specctl.gateway.upstream import Upstream
 from specctl.verify.client import RemoteError
@@ -128,9 +128,10 @@ class Generations:
                                         self.thinking(req) if chat else None)
             barred = bad_words(req.bad_words, self.tokenizer)
             ends = infill_stops(self.tokenizer) if getattr(req, "suffix", None) is not None else ()
+            predicted = prediction_tokens(req, self.tokenizer, self.config.context)
             specs = choice_specs(prompts, [sampling_params(req, len(p), self.config.context,
                                                            self.config.default_max_tokens, structured, barred,
-                                                           self.defaults, ends)
+                                                           self.defaults, ends, predicted)
                                            for p in prompts], req.n, self._echoes(req, prompts))
             self._check_room(len(specs))
             if self.config.log_requests:
@@ -203,7 +204,8 @@ class Generations:
                      prompt_logprobs=prompt_logprobs, request_id=rid,
                      text_length=lambda token: len(self._token_text(token)),
                      thinking=self.thinking(req) if chat else None,
-                     include_reasoning=getattr(req, "include_reasoning", True), token_ids=req.return_token_ids)
+                     include_reasoning=getattr(req, "include_reasoning", True), token_ids=req.return_token_ids,
+                     predicted=req.prediction is not None)
 
     def thinking(self, req) -> bool | None:
         """With a reasoning parser, whether a chat request's output starts in thought (None: no parser)."""

@@ -39,6 +39,13 @@ def cached_tokens(stats: dict[int, dict], n: int) -> int:
     return sum(s.get("cached_prompt_tokens", 0) for index, s in stats.items() if index % n == 0)
 
 
+def prediction_details(stats: dict[int, dict]) -> dict:
+    """OpenAI's completion_tokens_details for a request with a prediction: the predicted tokens
+    verification accepted and rejected, over every choice (spec.prediction)."""
+    return {"accepted_prediction_tokens": sum(s.get("prediction_accepted", 0) for s in stats.values()),
+            "rejected_prediction_tokens": sum(s.get("prediction_rejected", 0) for s in stats.values())}
+
+
 def spec_summary(stats: dict) -> dict:
     keys = ("rounds", "drafted", "accepted", "mean_accepted_length", "acceptance_rate", "tokens_per_s",
             "fallback_rounds")  # rounds run without a proposal (draft down, late, refused): slower, never different

@@ -61,6 +61,25 @@ def bad_words(words: list[str] | None, tokenizer: Any) -> tuple[tuple[int, ...],
     return sequences
 
 
+def prediction_tokens(req: RequestFields, tokenizer: Any, context: int) -> tuple[int, ...]:
+    """OpenAI's prediction as the token ids the target drafts from (spec.prediction)."""
+    if req.prediction is None:
+        return ()
+    if req.prediction.type != "content":
+        raise ApiError(400, f"prediction.type must be 'content', got {req.prediction.type!r}", param="prediction")
+    content = req.prediction.content
+    if not isinstance(content, str):
+        kinds = {part.type for part in content} - {"text"}
+        if kinds:
+            raise ApiError(400, f"prediction.content parts must be text, got {sorted(kinds)}", param="prediction")
+        content = "".join(part.text for part in content)
+    tokens = tuple(tokenizer.encode(content, add_special_tokens=False))
+    if len(tokens) > context:
+        raise ApiError(400, f"prediction is {len(tokens)} tokens, longer than the model's context ({context}): "
+                            "give the part of the answer you expect", param="prediction")
+    return tokens
+
+
 def logit_bias(req: RequestFields) -> tuple[tuple[int, float], ...]:
     """OpenAI's logit_bias (token ids as strings -> -100..100) as (id, bias) pairs; the target
     instance refuses ids past its vocabulary."""
@@ -181,13 +200,14 @@ def penalty_window(repeat_last_n: int | None, context: int) -> tuple[int, bool]:
 def sampling_params(req: RequestFields, prompt_tokens: int, context: int, default_max_tokens: int,
                     structured: tuple[str, str] | None = None,
                     barred: tuple[tuple[int, ...], ...] = (), defaults: dict | None = None,
-                    ends: tuple[int, ...] = ()) -> SamplingParams:
+                    ends: tuple[int, ...] = (), prediction: tuple[int, ...] = ()) -> SamplingParams:
     """Validated sampling parameters; a prompt that leaves no room is a 400 as in OpenAI. Stop
     token ids outside the vocabulary are refused by the target instance (a 400 too).
     ``structured``: the request's grammar (gateway.structured), checked already; ``barred``: its
     bad_words as token sequences (``bad_words``); ``defaults``: what the fields a request leaves
     out take (gateway.sampling_defaults; OpenAI's where it says nothing); ``ends``: stop token
-    ids the request implies besides its own (an infill's, engine.fim)."""
+    ids the request implies besides its own (an infill's, engine.fim); ``prediction``: its
+    prediction's token ids (``prediction_tokens``)."""
     defaults = defaults or {}
     if req.stop_token_ids and len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise ApiError(400, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(req.stop_token_ids)}",
@@ -231,7 +251,7 @@ def sampling_params(req: RequestFields, prompt_tokens: int, context: int, defaul
             penalty_last_n=window,
             min_p=given(req.min_p, "min_p", 0.0), min_tokens=req.min_tokens or 0,
             logit_bias=logit_bias(req), structured=structured, bad_words=barred, allowed_token_ids=allowed_tokens(req),
-            cache_salt=req.cache_salt or "",
+            cache_salt=req.cache_salt or "", prediction=prediction,
         )
         return chain.applied(params) if chain is not None else params  # a sampler left out of the list is off
     except SpecctlError as exc:  # the message starts with the parameter's name

@@ -223,6 +223,7 @@ class Generate(msgspec.Struct, tag=True, frozen=True):
     allowed_token_ids: list[int] = []  # vLLM's: only these may come (empty: any)
     sampler_order: list[str] = []  # SamplingParams.sampler_order (empty from older peers: temperature first)
     cache_salt: str = ""  # SamplingParams.cache_salt (the prefix cache's namespace)
+    prediction: list[int] = []  # SamplingParams.prediction (OpenAI's Predicted Outputs, drafted from here)
 
 
 class Tokens(msgspec.Struct, tag=True, frozen=True):

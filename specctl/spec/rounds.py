@@ -34,6 +34,7 @@ class Drafted(NamedTuple):
     proposal: Proposal | None  # None: verify the root alone this round
     draft_s: float
     fallback: str | None = None  # why there is no proposal although one was wanted
+    predicted: bool = False  # drafted from the request's prediction (spec.prediction)
 
 
 class Speculator(Protocol):
@@ -89,19 +90,21 @@ class LocalSpeculator:
         kept so that its whole text reaches the draft at the end."""
         self.session = session
 
-    async def propose(self, session: DecodeSession) -> Drafted:
+    async def propose(self, session: DecodeSession, outcome: tuple[list[int], list[int]] | None = None) -> Drafted:
+        """``outcome``: what to tell the draft about the rounds since its last proposal, instead
+        of the last round's path and tokens (rounds another speculator proposed in)."""
         started = time.perf_counter()
-        proposal = await self.lane.run(self._draft, session)
+        proposal = await self.lane.run(self._draft, session, outcome)
         return Drafted(proposal, time.perf_counter() - started)
 
-    def _draft(self, session: DecodeSession) -> Proposal:
+    def _draft(self, session: DecodeSession, outcome: tuple[list[int], list[int]] | None = None) -> Proposal:
         opening = self.state is None
         if opening:  # the text grows by appending: its first prompt_len tokens are the prompt
             capacity = draft_capacity(session.prompt_len, session.params.max_tokens, self.max_nodes)
             self.state = DraftState(self.drafter.open(capacity, self.pool), session.params, session.generator,
                                     session.seq[: session.prompt_len], capacity, self.max_nodes,
                                     session.target.spec.vocab_size, reproducible=session.params.repeatable)
-        self.state.advance(session.last_path, session.last_committed)
+        self.state.advance(*(outcome or (session.last_path, session.last_committed)))
         if opening and session.rules is not None and hasattr(self.state.session, "guide"):
             # the draft follows the request's rules from here (the committed text is in the copy already)
             self.state.session.guide = session.rules.guide(self.state.session.decoder.device)
@@ -146,7 +149,7 @@ async def run_session(session: DecodeSession, speculator: Speculator, lane: Lane
             tokens = await lane.run_batched("verify", apply_many, (session, proposal))
             tree = proposal.tree
             result = RoundResult(tree.max_depth, len(tree) - 1, len(session.last_path), len(tokens),
-                                 drafted.draft_s, time.perf_counter() - asked, drafted.fallback)
+                                 drafted.draft_s, time.perf_counter() - asked, drafted.fallback, drafted.predicted)
             session.stats.record(result)
             session.stats.wall_s = time.perf_counter() - started
             emit(tokens, result)
@@ -186,8 +189,10 @@ def run_to_end(target: Decoder, prompt: list[int], params: SamplingParams, draft
     ``tokenizer``: the target's, needed for structured output; ``until``: asked after each
     emit, True ends the session with finish_reason "stop" (a stop string the caller found in
     the text)."""
+    from specctl.spec.prediction import with_prediction
+
     lane = InlineLane()
-    speculator = LocalSpeculator(drafter or NoDrafter(), lane, draft_pool)
+    speculator = with_prediction(LocalSpeculator(drafter or NoDrafter(), lane, draft_pool), params)
     session = DecodeSession(target, prompt, params, eos_token_ids, max_context, pool, speculator.max_nodes,
                             run_ahead, tokenizer)
     def emit(tokens: list[int], result: RoundResult | None) -> None:

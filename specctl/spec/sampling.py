@@ -16,6 +16,7 @@ MAX_BAD_WORD_TOKENS = 32
 MAX_PENALTY_LAST_N = 1 << 20  # tokens: past any context served
 MAX_ALLOWED_TOKENS = 1 << 18  # past any vocabulary served
 MAX_CACHE_SALT = 1024  # characters (vLLM suggests 43: 256 random bits in base64)
+MAX_PREDICTION_TOKENS = 1 << 17  # past any context served
 # The order the distribution's samplers apply in: vLLM's and transformers' (temperature first);
 # llama.cpp applies temperature last (SamplingParams.sampler_order)
 SAMPLER_ORDER = ("temperature", "top_k", "top_p", "min_p")
@@ -56,6 +57,9 @@ class SamplingParams:
     # vLLM's cache_salt: the prefix cache reuses KV only among requests of the same salt (its
     # namespace, KVCache.salt), target and draft; "" = the shared namespace
     cache_salt: str = ""
+    # OpenAI's Predicted Outputs: token ids the output is expected to resemble; drafted from where
+    # the target runs (spec.prediction); () = none
+    prediction: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0):
@@ -98,6 +102,9 @@ class SamplingParams:
         if len(self.allowed_token_ids) > MAX_ALLOWED_TOKENS or not all(
                 isinstance(t, int) and t >= 0 for t in self.allowed_token_ids):
             raise InvalidSamplingParams(f"allowed_token_ids are at most {MAX_ALLOWED_TOKENS} token ids (>= 0)")
+        if len(self.prediction) > MAX_PREDICTION_TOKENS or not all(
+                isinstance(t, int) and t >= 0 for t in self.prediction):
+            raise InvalidSamplingParams(f"prediction is at most {MAX_PREDICTION_TOKENS} token ids (>= 0)")
         if not (isinstance(self.cache_salt, str) and len(self.cache_salt) <= MAX_CACHE_SALT):
             raise InvalidSamplingParams(f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters")
         if self.sampler_order and sorted(self.sampler_order) != sorted(SAMPLER_ORDER):

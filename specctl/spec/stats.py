@@ -25,6 +25,7 @@ class RoundResult:
     draft_s: float  # drafting here, or waiting for the draft server's proposal
     verify_s: float  # from handing the proposal to the target's compute to its outcome
     fallback: str | None = None  # why it ran autoregressively, when a draft was wanted
+    predicted: bool = False  # its draft came from the request's prediction (spec.prediction)
 
 
 @dataclass(slots=True)
@@ -39,6 +40,8 @@ class GenerationStats:
     tree_nodes: int = 0  # proposal nodes verified (root excluded)
     fallback_rounds: int = 0  # autoregressive rounds because the draft was down, failed or sent a bad proposal
     accepted_per_pos: list[int] = field(default_factory=list)  # how often position i was accepted
+    prediction_accepted: int = 0  # of the accepted draft tokens, those drafted from the request's prediction
+    prediction_rejected: int = 0  # tokens drafted from the prediction that verification rejected
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -73,6 +76,9 @@ class GenerationStats:
         self.drafted += result.depth
         self.tree_nodes += result.nodes
         self.accepted += result.accepted
+        if result.predicted:
+            self.prediction_accepted += result.accepted
+            self.prediction_rejected += result.nodes - result.accepted
         while len(self.accepted_per_pos) < result.depth:
             self.accepted_per_pos.append(0)
         for i in range(result.accepted):
@@ -91,6 +97,8 @@ class GenerationStats:
             "accepted": self.accepted,
             "tree_nodes": self.tree_nodes,
             "accepted_per_pos": list(self.accepted_per_pos),
+            "prediction_accepted": self.prediction_accepted,
+            "prediction_rejected": self.prediction_rejected,
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "acceptance_rate": round(self.acceptance_rate, 4),
             "tokens_per_s": round(self.tokens_per_s, 3),

@@ -116,21 +116,23 @@ class FusedSpeculator:
         return link.remote is None or (link.late is None and link.remote.client is not None
                                        and link.remote.client.connected.is_set())
 
-    def _score_last_round(self, session: DecodeSession) -> None:
+    def _score_last_round(self, session: DecodeSession, last_path: list[int]) -> None:
         if self.suffix is not None:  # every round's text, asked this round or not
             self.suffix.observe(session.seq)
         for link, draft, where in self.asked:
-            link.path = own_path(session.last_path, where)
+            link.path = own_path(last_path, where)
             link.score.add(*routing_outcome(draft, where, link.path))
             self.fusion.stats[link.name].accepted_tokens += len(link.path)
         if self.asked:
             self.rounds += 1
-            self.accepted += len(session.last_path)
+            self.accepted += len(last_path)
         self.asked = []
 
-    async def propose(self, session: DecodeSession) -> Drafted:
+    async def propose(self, session: DecodeSession, outcome: tuple[list[int], list[int]] | None = None) -> Drafted:
+        """``outcome``: (its last proposal's accepted path, the tokens since), when rounds another
+        speculator proposed in came between (each drafter is told its own catch-up anyway)."""
         started = time.perf_counter()
-        self._score_last_round(session)
+        self._score_last_round(session, session.last_path if outcome is None else outcome[0])
         stats, policy = self.fusion.stats, self.fusion.policy
         scores = [link.score.value for link in self.links]
         up, free = [self._up(link) for link in self.links], [link.remote is None for link in self.links]

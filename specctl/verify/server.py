@@ -30,6 +30,7 @@ from specctl.pipeline.serve import SpecPipeDraft, serve_specpipe
 from specctl.runtime.compute import ComputeLane, ComputeThread, SlowedLane
 from specctl.runtime.listen import ListenConfig, ListeningServer, MessageRate
 from specctl.spec.decode import DecodeSession
+from specctl.spec.prediction import PREDICTION_NODES, with_prediction
 from specctl.spec.rounds import run_session
 from specctl.spec.stats import GenerationStats, RoundResult
 from specctl.spec.structured import ll_tokenizer
@@ -198,8 +199,9 @@ class TargetServer(ListeningServer):
                 if self.specpipe is not None:
                     await serve_specpipe(session, self.specpipe, self.compute, emit)
                 else:
-                    speculator = (self.fusion.speculator(msg.seed) if self.fusion is not None
-                                  else RemoteSpeculator(self.draft, self.config.max_proposal_nodes, msg.seed))
+                    speculator = with_prediction(
+                        self.fusion.speculator(msg.seed) if self.fusion is not None
+                        else RemoteSpeculator(self.draft, self.config.max_proposal_nodes, msg.seed), session.params)
                     await run_session(session, speculator, self.verify_lane, emit, self.prefill_gate)
                 self.sessions_done += 1
                 self._done(session, msg.req, session.finish_reason or "stop", send)
@@ -231,13 +233,14 @@ class TargetServer(ListeningServer):
             check_rule_token_ids(params, self.model.spec.vocab_size)
             check_token_ids(msg.prompt, self.model.spec.vocab_size)
             check_token_ids(msg.stop_token_ids, self.model.spec.vocab_size)
+            check_token_ids(msg.prediction, self.model.spec.vocab_size)
             if self.active > self.config.max_sessions:
                 raise KVBudgetExceeded(f"target instance full: {self.config.max_sessions} sessions running; retry later")
             if params.structured is not None:  # built once, seconds: not on the compute thread other sessions use
                 await asyncio.to_thread(ll_tokenizer, self.model.tokenizer, self.model.spec.vocab_size)
             creating = asyncio.ensure_future(self.compute.run(
                 DecodeSession, self.model.decoder, msg.prompt, params, self.model.eos_token_ids, None, self.pool,
-                self.session_nodes, None, self.model.tokenizer,
+                self._session_nodes(params), None, self.model.tokenizer,
             ))
             return await asyncio.shield(creating)  # cancelled meanwhile: the session made is still closed
         except asyncio.CancelledError as exc:
@@ -255,6 +258,13 @@ class TargetServer(ListeningServer):
                 self.reject(f"request {msg.req}", f"bad_request: {exc}")
                 send(Error("bad_request", str(exc), req=msg.req))
             return None
+
+    def _session_nodes(self, params) -> int:
+        """The largest proposal a session verifies: a request's prediction is drafted from here
+        (spec.prediction) even with no draft server; SpecPipe ignores it (lossless either way)."""
+        if params.prediction and self.specpipe is None:
+            return max(self.session_nodes, PREDICTION_NODES)
+        return self.session_nodes
 
     def _close_orphan(self, creating: asyncio.Future) -> None:
         """A session whose request was cancelled while its KV cache was being set up."""

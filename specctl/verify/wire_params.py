@@ -20,7 +20,7 @@ def generate_message(req: int, prompt: list[int], params: SamplingParams, reques
         structured_spec=params.structured[1] if params.structured else "",
         request_id=request_id, penalty_last_n=params.penalty_last_n,
         allowed_token_ids=list(params.allowed_token_ids), sampler_order=list(params.sampler_order),
-        cache_salt=params.cache_salt,
+        cache_salt=params.cache_salt, prediction=list(params.prediction),
     )
 
 
@@ -36,5 +36,5 @@ def sampling_params_of(msg: Generate) -> SamplingParams:
         logit_bias=tuple(sorted(msg.logit_bias.items())), bad_words=tuple(map(tuple, msg.bad_words)),
         structured=(msg.structured_kind, msg.structured_spec) if msg.structured_kind else None,
         penalty_last_n=msg.penalty_last_n, allowed_token_ids=tuple(msg.allowed_token_ids),
-        sampler_order=tuple(msg.sampler_order), cache_salt=msg.cache_salt,
+        sampler_order=tuple(msg.sampler_order), cache_salt=msg.cache_salt, prediction=tuple(msg.prediction),
     )

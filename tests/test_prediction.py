@@ -1,0 +1,133 @@
+"""OpenAI's Predicted Outputs (spec.prediction): the lookup in the prediction, exactness in every
+mode whatever the prediction, the counts usage reports, through the gateway and the command
+line. (The sampled distribution with a prediction: tests/test_sampling_exact.py.)"""
+
+import json
+
+import pytest
+
+from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
+from specctl.spec.prediction import PREDICTED_DEPTH, PredictionLookup
+from specctl.spec.rounds import generate
+from specctl.spec.sampling import InvalidSamplingParams, SamplingParams
+from tests.conftest import run_here
+from tests.test_gateway import post, specctl_generate
+
+PROMPT = [1, 5, 9, 2, 7]
+
+
+def test_the_lookup_follows_the_longest_tail_and_resyncs_after_an_edit():
+    lookup = PredictionLookup([10, 11, 12, 13, 10, 11, 14, 15], depth=3)
+    assert lookup.next_tokens([99, 10, 11]) == [12, 13, 10]  # (10, 11) ends at 2 and 6: the first, nearest 0
+    assert lookup.anchor == (2, 3)
+    text = [99, 10, 11, 12, 13, 10]  # 12 and 13 accepted, 10 the bonus
+    assert lookup.next_tokens(text) == [11, 14, 15]  # the longest tail, (11, 12, 13, 10), ends at 5
+    text += [11, 99]  # the output leaves the prediction: no tail of it is there
+    assert lookup.next_tokens(text) == [] and lookup.anchor == (5, 6)
+    text += [10, 11]  # and comes back: (10, 11) ends at 2 and 6; 6 is nearest the 9 expected
+    assert lookup.next_tokens(text) == [14, 15]
+    assert PredictionLookup([10, 11]).next_tokens([5, 11]) == []  # nothing after the match
+    assert PredictionLookup([10, 11]).next_tokens([5, 6]) == []  # no match
+    assert PredictionLookup([10, 11, 12]).next_tokens([5, 10], min_n=2) == []  # one token is not enough here
+    assert PredictionLookup([7, 10, 11, 12]).next_tokens([7, 10], min_n=2) == [11, 12]
+
+
+def test_of_a_tail_that_repeats_the_match_nearest_where_the_output_is_expected_is_taken():
+    """Code repeats itself: the match ending nearest the last match's end plus the output's growth
+    since (a tie: the one ahead)."""
+    prediction = [1, 2, 3, 1, 2, 4, 1, 2, 5]  # (1, 2) ends at 2, 5 and 8
+    text = [9] * 8 + [1, 2]
+    for anchor, expected in (((0, None), [3]), ((6, 9), [5]), ((3, 9), [4]), ((2, 10), [3]), ((4, 10), [4])):
+        lookup = PredictionLookup(prediction, depth=1)
+        lookup.anchor = anchor
+        assert lookup.next_tokens(text) == expected, anchor
+    tied = PredictionLookup([1, 2, 7, 7, 1, 2, 8], depth=1)  # (1, 2) ends at 2 and 6, both 2 from 4
+    tied.anchor = (4, 10)
+    assert tied.next_tokens(text) == [8]
+
+
+def test_a_prediction_is_bounded_and_must_be_token_ids():
+    with pytest.raises(InvalidSamplingParams, match=r"^prediction is at most 131072 token ids \(>= 0\)$"):
+        SamplingParams(prediction=(1, -2))
+    with pytest.raises(InvalidSamplingParams, match="prediction is at most"):
+        SamplingParams(prediction=(0,) * 131073)
+
+
+@pytest.mark.parametrize("mode", ["ar", "chain", "tree", "ngram"])
+def test_greedy_output_is_the_target_alones_whatever_the_prediction(tiny, mode):
+    """The target's own output as the prediction (few rounds, nearly all of it accepted), the
+    same with an edit in the middle, and one that never matches: the same tokens every time;
+    the draft of the other rounds is told what the predicted rounds committed."""
+    target, draft = tiny["llama"], tiny["llama-draft"]
+    drafters = {"ar": lambda: None, "chain": lambda: ModelChainDrafter(draft, 4),
+                "tree": lambda: ModelTreeDrafter(draft, 3, 2, 3), "ngram": lambda: NgramDrafter(3)}
+    plain = SamplingParams(max_tokens=48, ignore_eos=True)
+    alone, alone_stats, _ = generate(target, PROMPT, plain)
+    edited = alone[:20] + [3, 3, 3] + alone[24:]
+    for prediction in (alone, edited, [0] * 5):
+        params = SamplingParams(max_tokens=48, ignore_eos=True, prediction=tuple(prediction))
+        output, stats, _ = generate(target, PROMPT, params, drafters[mode]())
+        assert output == alone, prediction
+        if prediction is alone:  # whole chains of it accepted: a round a PREDICTED_DEPTH + 1 tokens
+            assert stats.rounds <= -(-(len(alone) - 1) // (PREDICTED_DEPTH + 1)) + 1 < alone_stats.rounds
+            assert stats.prediction_accepted >= len(alone) - 1 - stats.rounds
+        if prediction == [0] * 5:  # token 0 never comes: nothing predicted
+            assert 0 not in alone and stats.prediction_accepted == stats.prediction_rejected == 0
+
+
+def test_a_chat_prediction_gives_the_same_answer_and_counts_its_tokens(cluster, tiny_dir):
+    """Through the gateway (the prediction travels to the target instance): the answer of the
+    same request without it, usage's completion_tokens_details, whole and streamed; bad
+    predictions are 400s."""
+    base = cluster[1]["gateway"]
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True}
+    code, _, raw = post(base + "/v1/chat/completions", body)
+    assert code == 200
+    plain = json.loads(raw)
+    answer = plain["choices"][0]["message"]["content"]
+    assert "completion_tokens_details" not in plain["usage"]  # only with a prediction
+    for content in (answer, [{"type": "text", "text": answer[:10]}, {"type": "text", "text": answer[10:]}]):
+        code, _, raw = post(base + "/v1/chat/completions", {**body, "prediction": {"type": "content",
+                                                                                   "content": content}})
+        assert code == 200, raw
+        predicted = json.loads(raw)
+        assert predicted["choices"][0]["message"]["content"] == answer
+        details = predicted["usage"]["completion_tokens_details"]
+        assert details["accepted_prediction_tokens"] > 0 and details["rejected_prediction_tokens"] >= 0
+        assert predicted["specctl"]["rounds"] < plain["specctl"]["rounds"]
+    import urllib.request
+
+    request = urllib.request.Request(base + "/v1/completions", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"prompt": "hello world", "max_tokens": 16, "temperature": 0,
+                                                      "stream": True, "stream_options": {"include_usage": True},
+                                                      "prediction": {"type": "content", "content": "x y z"}}).encode())
+    with urllib.request.urlopen(request, timeout=60) as response:
+        chunks = [json.loads(line[6:]) for line in response if line.startswith(b"data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == specctl_generate(
+        tiny_dir, "hello world", 16)["text"]
+    assert set(chunks[-1]["usage"]["completion_tokens_details"]) == {"accepted_prediction_tokens",
+                                                                     "rejected_prediction_tokens"}
+    for bad, message in (({"type": "file", "content": "x"}, "prediction.type must be 'content', got 'file'"),
+                         ({"type": "content", "content": [{"type": "image_url"}]},
+                          "prediction.content parts must be text, got ['image_url']")):
+        code, _, raw = post(base + "/v1/chat/completions", {**body, "prediction": bad})
+        assert code == 400 and json.loads(raw)["error"] == {"message": message, "type": "invalid_request_error",
+                                                             "param": "prediction", "code": None}
+
+
+def test_generate_prediction_flag_gives_the_same_tokens_in_fewer_rounds(tiny_dir, tmp_path):
+    def run(*flags) -> dict:
+        proc = run_here("generate", "--target", str(tiny_dir["llama"]), "--draft", str(tiny_dir["llama-draft"]),
+                        "--prompt", "hello world", "--max-tokens", "40", "--dtype", "fp32", "--json", "--mode",
+                        "chain", *flags)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+    plain = run()
+    (tmp_path / "prediction.txt").write_text(plain["text"])
+    predicted = run("--prediction", f"@{tmp_path / 'prediction.txt'}")
+    assert predicted["token_ids"] == plain["token_ids"]
+    assert predicted["stats"]["prediction_accepted"] > 0 and plain["stats"]["prediction_accepted"] == 0
+    proc = run_here("generate", "--prompt", "x", "--prediction", "@/no/such/file")
+    assert proc.returncode == 2 and "cannot read /no/such/file: No such file or directory" in proc.stderr
