@@ -387,6 +387,25 @@ def test_bench_local_writes_json(tiny_dir, tmp_path):
     assert "bench local" in proc.stdout and "by class of prompt" in proc.stdout
 
 
+def test_bench_local_runs_a_mode_with_each_prompt_s_prediction_beside_it_without(tiny_dir, tmp_path):
+    """MODE+prediction (spec.prediction) on the shipped edits, whose prompts carry their code
+    as the prediction: the target alone's outputs, one ratio per repeat."""
+    from specctl.bench.prompts import load_prompts
+
+    edits = load_prompts("edits")
+    assert len(edits) == 8 and all(p.chat and p.kind == "edit" and p.prediction in p.prompt for p in edits)
+    out = tmp_path / "bench.json"
+    proc = run_here("bench", "local", "--target", str(tiny_dir["llama"]), "--draft", str(tiny_dir["llama-draft"]),
+                    "--max-tokens", "12", "--limit", "2", "--modes", "ar,chain,chain+prediction,ar+prediction",
+                    "--dtype", "fp32", "--prompts", "edits", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert list(report["modes"]) == ["ar", "chain", "chain+prediction", "ar+prediction"]
+    assert all(result["outputs_equal_to_ar"] == 1.0 for result in report["modes"].values())
+    _assert_one_line_error(run_here("bench", "local", "--modes", "ar,hf-assisted+prediction"),
+                           "unknown modes hf-assisted+prediction")
+
+
 def test_bench_rejects_unknown_modes():
     _assert_one_line_error(run_here("bench", "local", "--modes", "ar,teleport"), "unknown modes teleport")
 

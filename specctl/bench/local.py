@@ -3,10 +3,15 @@ target alone (ar) and transformers' assisted generation (hf-assisted) as baselin
 
 The modes take turns prompt by prompt (the order rotates with the prompt and the repeat),
 so a slow minute of the machine falls on every mode alike; each repeat gives one ratio
-per mode, reported as min / median / max beside the ratio of the totals."""
+per mode, reported as min / median / max beside the ratio of the totals.
+
+``MODE+prediction`` (ar, chain, tree, ngram, suffix) runs MODE with each prompt's prediction
+(OpenAI's Predicted Outputs, spec.prediction; the "edits" prompts carry one), beside MODE
+without it."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -25,6 +30,12 @@ from specctl.spec.rounds import generate
 from specctl.spec.sampling import SamplingParams
 
 MODES = ("ar", "chain", "tree", "ngram", "suffix", "hf-assisted")
+PREDICTED = "+prediction"  # MODE+prediction: MODE with each prompt's prediction
+ENGINE_MODES = ("ar", "chain", "tree", "ngram", "suffix")
+
+
+def known_mode(mode: str) -> bool:
+    return mode in MODES or (mode.endswith(PREDICTED) and mode.removesuffix(PREDICTED) in ENGINE_MODES)
 Runner = Callable[[list[int]], tuple[list[int], object]]  # prompt ids -> (new tokens, GenerationStats or None)
 
 
@@ -88,10 +99,14 @@ class ModeResult:
 
 
 def engine_runner(mode: str, config: Config, target: LoadedModel, draft: LoadedModel | None, max_tokens: int,
-                  warm_up: list[int], ends: tuple[int, ...] | None = None) -> Runner:
-    drafter = make_drafter(config.replace(mode=mode), draft)
-    run = drafter_runner(drafter, target, max_tokens, warm_up, ends)
-    return run if mode != "suffix" else fresh_per_repeat(run, drafter)
+                  warm_up: list[int], ends: tuple[int, ...] | None = None,
+                  predictions: dict[tuple[int, ...], tuple[int, ...]] | None = None) -> Runner:
+    """``predictions``: prompt ids -> the prediction's ids, for a MODE+prediction mode."""
+    base = mode.removesuffix(PREDICTED)
+    drafter = make_drafter(config.replace(mode=base), draft)
+    run = drafter_runner(drafter, target, max_tokens, warm_up, ends,
+                         predictions if mode.endswith(PREDICTED) else None)
+    return run if base != "suffix" else fresh_per_repeat(run, drafter)
 
 
 def fresh_per_repeat(run: Runner, drafter) -> Runner:
@@ -112,15 +127,19 @@ def fresh_per_repeat(run: Runner, drafter) -> Runner:
 
 
 def drafter_runner(drafter, target: LoadedModel, max_tokens: int, warm_up: list[int],
-                   ends: tuple[int, ...] | None = None) -> Runner:
+                   ends: tuple[int, ...] | None = None,
+                   predictions: dict[tuple[int, ...], tuple[int, ...]] | None = None) -> Runner:
     """Greedy generation with ``drafter`` (None = the target alone), warmed up once; ``ends``:
-    the tokens that end a generation (the target's EOS unless given)."""
+    the tokens that end a generation (the target's EOS unless given); ``predictions``: each
+    prompt's prediction (spec.prediction)."""
     params = SamplingParams(max_tokens=max_tokens)
     generate(target.decoder, warm_up, SamplingParams(max_tokens=4), drafter)
     ends = target.eos_token_ids if ends is None else ends
 
     def run(ids: list[int]):
-        out, stats, _ = generate(target.decoder, ids, params, drafter, eos_token_ids=ends)
+        predicted = (predictions or {}).get(tuple(ids), ())
+        out, stats, _ = generate(target.decoder, ids, dataclasses.replace(params, prediction=predicted), drafter,
+                                 eos_token_ids=ends)
         return out, stats
 
     return run
@@ -160,12 +179,14 @@ def hf_assisted_runner(config: Config, target: LoadedModel, draft: LoadedModel, 
 def run_local_bench(config: Config, target: LoadedModel, draft: LoadedModel | None, prompts: list[BenchPrompt],
                     modes: list[str], max_tokens: int, progress: Progress, repeats: int = 1) -> dict:
     encoded, ends = prompt_ids(target, prompts)
+    predictions = {tuple(ids): tuple(target.tokenizer.encode(p.prediction, add_special_tokens=False))
+                   for ids, p in zip(encoded, prompts) if p.prediction}
     warm_up = encoded[0][:8]
     runners: dict[str, Runner] = {}
     for mode in modes:
         progress.console.print(f"[dim]preparing {mode}[/]")
         runners[mode] = (hf_assisted_runner(config, target, draft, max_tokens, warm_up, ends) if mode == "hf-assisted"
-                         else engine_runner(mode, config, target, draft, max_tokens, warm_up, ends))
+                         else engine_runner(mode, config, target, draft, max_tokens, warm_up, ends, predictions))
     return {
         "settings": {
             "target": config.target, "draft": config.draft, "dtype": config.dtype, "max_tokens": max_tokens,

@@ -18,6 +18,7 @@ class BenchPrompt:
     chat: bool
     kind: str = "custom"
     suffix: str | None = None  # an infill: the text after the answer
+    prediction: str | None = None  # what the answer is expected to resemble (OpenAI's Predicted Outputs)
 
 
 def _parse(lines: list[str], source: str) -> list[BenchPrompt]:
@@ -34,7 +35,11 @@ def _parse(lines: list[str], source: str) -> list[BenchPrompt]:
         suffix = obj.get("suffix")
         if suffix is not None and (not isinstance(suffix, str) or obj.get("chat", False)):
             raise ConfigError(f'{source}:{number}: "suffix" is the text after an infill (a string), not with "chat"')
-        prompts.append(BenchPrompt(obj["prompt"], obj.get("chat", False), obj.get("kind", "custom"), suffix))
+        prediction = obj.get("prediction")
+        if prediction is not None and not isinstance(prediction, str):
+            raise ConfigError(f'{source}:{number}: "prediction" is the text the answer is expected to resemble (a string)')
+        prompts.append(BenchPrompt(obj["prompt"], obj.get("chat", False), obj.get("kind", "custom"), suffix,
+                                   prediction))
     if not prompts:
         raise ConfigError(f"{source}: no prompts")
     return prompts
@@ -48,8 +53,12 @@ def _parse(lines: list[str], source: str) -> list[BenchPrompt]:
 # before any measurement on them).
 # "infill" (12 code infills: a function's body, a loop's middle, a call's arguments, written
 # before any measurement on them) measures fill in the middle, the editor's code completion.
+# "edits" (8 requests to change a given function, each with the function as its prediction —
+# OpenAI's Predicted Outputs; written before any measurement on them) measures the
+# MODE+prediction modes.
 SHIPPED = {"builtin": "data/builtin_prompts.jsonl", "heldout": "data/heldout_prompts.jsonl",
-           "mixed": "data/mixed_prompts.jsonl", "infill": "data/infill_prompts.jsonl"}
+           "mixed": "data/mixed_prompts.jsonl", "infill": "data/infill_prompts.jsonl",
+           "edits": "data/edit_prompts.jsonl"}
 
 
 def load_prompts(source: str) -> list[BenchPrompt]:
@@ -58,5 +67,6 @@ def load_prompts(source: str) -> list[BenchPrompt]:
         return _parse(text.splitlines(), source)
     path = Path(source)
     if not path.is_file():
-        raise ConfigError(f"prompt file {source!r} not found (use builtin, heldout, mixed, infill or a JSON-lines file)")
+        raise ConfigError(f"prompt file {source!r} not found (use builtin, heldout, mixed, infill, edits or a "
+                          "JSON-lines file)")
     return _parse(path.read_text().splitlines(), source)

@@ -36,9 +36,10 @@ def int_list(text: str, flag: str) -> tuple[int, ...]:
 def local(
     target: Optional[str] = typer.Option(None, help="target model (default: the profile's, qwen2.5-coder-1.5b)"),
     draft: Optional[str] = typer.Option(None, help="draft model (default: qwen2.5-coder-0.5b); NAME@N = first N layers"),
-    prompts: str = typer.Option("builtin", help="builtin (8 prompts), heldout (20 never tuned on), mixed (16: code, prose, edits, summaries), infill (12 code infills: fill in the middle) or a JSON-lines file of {\"prompt\", \"chat\", \"kind\", \"suffix\"}"),
+    prompts: str = typer.Option("builtin", help="builtin (8 prompts), heldout (20 never tuned on), mixed (16: code, prose, edits, summaries), infill (12 code infills: fill in the middle), edits (8 code edits with their predictions) or a JSON-lines file of {\"prompt\", \"chat\", \"kind\", \"suffix\", \"prediction\"}"),
     max_tokens: int = typer.Option(128, "--max-tokens", "-n", help="new tokens per prompt"),
-    modes: str = typer.Option("ar,chain,tree,ngram,hf-assisted", help="comma-separated modes to compare"),
+    modes: str = typer.Option("ar,chain,tree,ngram,hf-assisted", help="comma-separated modes to compare; "
+                              "MODE+prediction (e.g. chain+prediction) runs MODE with each prompt's prediction"),
     dtype: Optional[str] = typer.Option(None, help="fp32 | bf16 | fp16"),
     draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="none | int8: quantize the draft for chain/tree"),
     draft_stop: Optional[float] = typer.Option(None, "--draft-stop", help="adaptive depth: stop drafting once the draft's probability of its path is below this (0 = off)"),
@@ -52,14 +53,15 @@ def local(
     json_out: Optional[str] = typer.Option(None, "--json", help="write the report as JSON to this file"),
 ) -> None:
     """Compare ar, chain, tree, ngram, suffix and transformers' assisted generation on the same prompts."""
-    from specctl.bench.local import MODES, run_local_bench
+    from specctl.bench.local import MODES, PREDICTED, known_mode, run_local_bench
     from specctl.bench.prompts import load_prompts
     from specctl.spec.factory import apply_threads, load_named
 
     wanted = [m.strip() for m in modes.split(",") if m.strip()]
-    unknown = [m for m in wanted if m not in MODES]
+    unknown = [m for m in wanted if not known_mode(m)]
     if unknown or not wanted:
-        raise ConfigError(f"unknown modes {', '.join(unknown) or '(none)'}: choose from {', '.join(MODES)}")
+        raise ConfigError(f"unknown modes {', '.join(unknown) or '(none)'}: choose from {', '.join(MODES)} (MODE"
+                          f"{PREDICTED}: with each prompt's prediction)")
     if "ar" in wanted:  # the baseline runs first
         wanted = ["ar"] + [m for m in wanted if m != "ar"]
     if max_tokens < 1 or repeats < 1:
@@ -74,7 +76,7 @@ def local(
     console = Console(stderr=True)
     target_model = load_named(config.target, config, console, target=True)
     draft_model = None
-    if any(m in ("chain", "tree", "hf-assisted") for m in wanted):
+    if any(m.removesuffix(PREDICTED) in ("chain", "tree", "hf-assisted") for m in wanted):
         from specctl.engine.loader import check_same_vocab
 
         draft_model = load_named(config.draft, config, console, config.draft_quant)
