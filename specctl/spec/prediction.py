@@ -1,9 +1,9 @@
 """OpenAI's Predicted Outputs: a request's ``prediction`` — text the answer is expected to
 resemble, such as the file being edited — drafted from where the target runs. Each round the
-output's last tokens are looked up in the prediction (the longest n-gram, up to MAX_NGRAM,
-found at or after where the last match ended, else anywhere; two tokens at least once the output
-has two, since one token matches by chance too often) and the tokens after the match are
-proposed as a chain; the target verifies it as any draft, so the output is the target's
+output's last tokens are looked up in the prediction (the longest tail, up to MAX_NGRAM
+tokens — two at least once the output has two, since one token matches by chance too often —
+and of its matches the one ending nearest where the output is expected) and the tokens after
+the match are proposed as a chain; the target verifies it as any draft, so the output is the target's
 own — greedy token for token, sampled by the rule for deterministic candidates (a lookup
 draws nothing from the target's randomness). A round with no match goes to the session's
 usual speculator (a draft server, a drafter here), which is told every token committed since
