@@ -129,8 +129,7 @@ def generate(
     if cache_salt is not None and not cache_salt:
         raise ConfigError("--cache-salt must not be empty: leave it out to share the prefix cache")
     patterns = stop_patterns(stop_regex)
-    if prediction is not None:
-        text_of(prediction)  # an unreadable @FILE is an error before the models load
+    prediction = text_of(prediction) if prediction is not None else None  # read before the models load
     if suffix is not None and chat:
         raise ConfigError("--suffix cannot go with --chat: an infill is a plain prompt in the model's FIM tokens")
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,

@@ -56,12 +56,12 @@ def with_bad_words(params, words: list[str] | None, tokenizer):
 
 
 def with_prediction_text(params, prediction: str | None, tokenizer):
-    """``--prediction`` (its text, or @FILE) as the token ids the target drafts from."""
+    """``--prediction``'s text (read already) as the token ids the target drafts from."""
     import dataclasses
 
     if prediction is None:
         return params
-    return dataclasses.replace(params, prediction=tuple(tokenizer.encode(text_of(prediction), add_special_tokens=False)))
+    return dataclasses.replace(params, prediction=tuple(tokenizer.encode(prediction, add_special_tokens=False)))
 
 
 def stop_patterns(patterns: list[str] | None):

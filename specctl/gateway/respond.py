@@ -45,6 +45,10 @@ class Reply:
     token_ids: bool = False  # vLLM's return_token_ids: the prompt's and each choice's token ids too
     predicted: bool = False  # the request gave a prediction: usage counts its accepted and rejected tokens
 
+    def _predicted(self, stats: dict[int, dict]) -> dict | None:
+        """usage's completion_tokens_details when the request gave a prediction."""
+        return R.prediction_details(stats) if self.predicted else None
+
     async def collect(self, choices: Choices) -> web.Response:
         texts: dict[int, list[str]] = {}
         entries: dict[int, list[R.TokenLogprob]] = {}
@@ -78,9 +82,7 @@ class Reply:
                 stats[index] = event.stats
         body = R.full_response(R.new_id(self.chat, self.request_id), self.model, self.chat, bodies, self.prompt_tokens,
                                choices.completion_tokens, R.spec_summaries(list(stats.values())),
-                               cached=R.cached_tokens(stats, self.n))
-        if self.predicted:
-            body["usage"]["completion_tokens_details"] = R.prediction_details(stats)
+                               cached=R.cached_tokens(stats, self.n), predicted=self._predicted(stats))
         if self.prompt_logprobs and self.chat:  # vLLM's place for chat: one prompt, beside the choices
             body["prompt_logprobs"] = prompts.get(min(prompts, default=0))
         if self.token_ids and self.chat:
@@ -150,11 +152,9 @@ class Reply:
                     await send(finish_reason=finish, stop_reason=event.stop_reason,
                                extra={"specctl": R.spec_summary(event.stats)}, index=index)
             if self.include_usage:
-                last = R.usage_chunk(rid, model, chat, created, self.prompt_tokens, choices.completion_tokens,
-                                     R.cached_tokens(stats, self.n))
-                if self.predicted:
-                    last["usage"]["completion_tokens_details"] = R.prediction_details(stats)
-                await response.write(R.sse(last))
+                await response.write(R.sse(R.usage_chunk(rid, model, chat, created, self.prompt_tokens,
+                                                         choices.completion_tokens, R.cached_tokens(stats, self.n),
+                                                         self._predicted(stats))))
         except RemoteError as exc:  # headers are gone: the error travels in the stream, as vLLM does
             await response.write(R.sse(ApiError(502, remote_message(exc), type="server_error").body()))
         await response.write(R.sse("[DONE]"))

@@ -26,11 +26,15 @@ def new_id(chat: bool, request_id: str | None = None) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{request_id or uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    """OpenAI's usage; ``cached_tokens``: prompt tokens the targets' prefix caches served."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, predicted: dict | None = None) -> dict:
+    """OpenAI's usage; ``cached_tokens``: prompt tokens the targets' prefix caches served;
+    ``predicted``: a request's prediction's counts (``prediction_details``), when it gave one."""
+    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if predicted is not None:
+        body["completion_tokens_details"] = predicted
+    return body
 
 
 def cached_tokens(stats: dict[int, dict], n: int) -> int:
@@ -130,11 +134,11 @@ def choice(chat: bool, index: int, text: str | None, finish_reason: str, logprob
 
 
 def full_response(rid: str, model: str, chat: bool, choices: list[dict], prompt_tokens: int, completion_tokens: int,
-                  summary: dict, created: int | None = None, cached: int = 0) -> dict:
+                  summary: dict, created: int | None = None, cached: int = 0, predicted: dict | None = None) -> dict:
     return {
         "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created or int(time.time()),
         "model": model, "choices": sorted(choices, key=lambda c: c["index"]),
-        "usage": usage(prompt_tokens, completion_tokens, cached), "specctl": summary,
+        "usage": usage(prompt_tokens, completion_tokens, cached, predicted), "specctl": summary,
     }
 
 
@@ -164,10 +168,10 @@ def chunk(rid: str, model: str, chat: bool, created: int, text: str | None = Non
 
 
 def usage_chunk(rid: str, model: str, chat: bool, created: int, prompt_tokens: int, completion_tokens: int,
-                cached: int = 0) -> dict:
+                cached: int = 0, predicted: dict | None = None) -> dict:
     """The last chunk when stream_options.include_usage is set: no choices, only usage."""
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-            "model": model, "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached)}
+            "model": model, "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached, predicted)}
 
 
 def sse(body: dict | str) -> bytes:

@@ -9,9 +9,7 @@ import torch
 
 from specctl.errors import ProtocolError
 
-TENSOR_DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "bool")
-ITEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1}
-# numpy has no bfloat16: its bits travel and are read as int16
+# the dtypes a frame may carry, as numpy reads them (numpy has no bfloat16: its bits travel as int16)
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.int16, "int64": np.int64,
                 "int32": np.int32, "bool": np.bool_}
 
@@ -30,17 +28,18 @@ class Tensor(msgspec.Struct, frozen=True):
     def to_numpy(self) -> np.ndarray:
         """The values, read-only, checked in plain Python and numpy: what the event loop's thread
         may look at (torch runs on the compute thread; a bfloat16 tensor comes as its int16 bits)."""
-        if self.dtype not in TENSOR_DTYPES:
+        if self.dtype not in NUMPY_DTYPES:
             raise ProtocolError(f"unsupported tensor dtype {self.dtype!r}")
         count = 1
         for dim in self.shape:
             if dim < 0:
                 raise ProtocolError(f"negative tensor dimension in {self.shape}")
             count *= dim
-        if count * ITEM_BYTES[self.dtype] != len(self.data):
+        dtype = np.dtype(NUMPY_DTYPES[self.dtype])
+        if count * dtype.itemsize != len(self.data):
             raise ProtocolError(f"tensor of shape {self.shape} and dtype {self.dtype} needs "
-                                f"{count * ITEM_BYTES[self.dtype]} bytes, got {len(self.data)}")
-        return np.frombuffer(self.data, dtype=NUMPY_DTYPES[self.dtype]).reshape(self.shape)
+                                f"{count * dtype.itemsize} bytes, got {len(self.data)}")
+        return np.frombuffer(self.data, dtype=dtype).reshape(self.shape)
 
     def to_torch(self) -> torch.Tensor:
         values = torch.from_numpy(self.to_numpy().copy())  # a copy: frames' bytes are read-only
