@@ -7,8 +7,9 @@ import json
 import pytest
 
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
-from specctl.spec.prediction import PREDICTED_DEPTH, PredictionLookup
-from specctl.spec.rounds import generate
+from specctl.spec.prediction import (MAX_PREDICTED_DEPTH, MIN_PREDICTED_DEPTH, PREDICTED_DEPTH, PredictionLookup,
+                                     next_depth)
+from specctl.spec.rounds import generate, run_to_end
 from specctl.spec.sampling import InvalidSamplingParams, SamplingParams
 from tests.conftest import run_here
 from tests.test_gateway import post, specctl_generate
@@ -46,6 +47,50 @@ def test_of_a_tail_that_repeats_the_match_nearest_where_the_output_is_expected_i
     assert tied.next_tokens(text) == [8]
 
 
+def test_the_depth_doubles_while_whole_chains_are_accepted_and_falls_at_a_rejection():
+    assert (PREDICTED_DEPTH, MIN_PREDICTED_DEPTH, MAX_PREDICTED_DEPTH) == (15, 3, 63)  # depth + 1 fills a bucket
+    assert next_depth(15, 15, 15) == 31 and next_depth(31, 31, 31) == 63 and next_depth(63, 63, 63) == 63
+    assert next_depth(31, 20, 20) == 31  # the prediction ran out: nothing learned about going further
+    assert next_depth(63, 63, 40) == 40 and next_depth(31, 31, 1) == MIN_PREDICTED_DEPTH
+    assert next_depth(3, 3, 0) == 3
+
+
+def test_a_session_following_its_prediction_proposes_longer_chains_and_shorter_after_an_edit(tiny):
+    """The target's own output as the prediction: 15, 31, 63 tokens proposed; with an edit the
+    round that meets it falls to what it accepted, and chains grow again after."""
+    target = tiny["llama"]
+    plain = SamplingParams(max_tokens=160, ignore_eos=True)
+    alone, _, _ = generate(target, PROMPT, plain)
+
+    def predicted_rounds(prediction: list[int]) -> list[tuple[int, int]]:
+        rounds: list[tuple[int, int]] = []
+        params = SamplingParams(max_tokens=160, ignore_eos=True, prediction=tuple(prediction))
+        session = run_to_end(target, PROMPT, params, on_tokens=lambda tokens, result: rounds.append(
+            (result.nodes, result.accepted)) if result is not None and result.predicted else None)
+        assert session.output == alone
+        return rounds
+
+    assert predicted_rounds(alone)[:3] == [(15, 15), (31, 31), (63, 63)]
+    edited = predicted_rounds(alone[:40] + [0, 0, 0] + alone[43:])  # token 0 never comes
+    assert 0 not in alone
+    # 1 + 15 + 1 tokens before the edit, 23 accepted of the next 31; then 23 proposed, none
+    # accepted (a chance match), the least proposed, and longer chains once the output follows
+    assert edited[:5] == [(15, 15), (31, 23), (23, 0), (MIN_PREDICTED_DEPTH, 3), (7, 7)]
+    assert (31, 31) in edited[5:]
+
+
+def test_a_match_the_output_has_moved_past_is_not_taken_again():
+    """In a run of one token the same tail matches at the same place round after round: once the
+    text has grown, matches past the last one's end come first; one behind only when none is."""
+    lookup = PredictionLookup([5, 5, 5, 5, 0, 5, 5, 5, 5, 5, 5, 9], depth=2)
+    assert lookup.next_tokens([1, 5, 5, 5, 5]) == [0, 5] and lookup.anchor == (4, 5)
+    assert lookup.next_tokens([1, 5, 5, 5, 5, 5]) == [5, 5]  # 0 rejected: ends at 9 (4 is nearer, passed)
+    assert lookup.anchor == (9, 6)
+    repeating = PredictionLookup([1, 2, 3, 4], depth=2)
+    assert repeating.next_tokens([8, 1, 2]) == [3, 4]
+    assert repeating.next_tokens([8, 1, 2, 7, 1, 2]) == [3, 4]  # nothing past 2: the output repeats itself
+
+
 def test_a_prediction_is_bounded_and_must_be_token_ids():
     with pytest.raises(InvalidSamplingParams, match=r"^prediction is at most 131072 token ids \(>= 0\)$"):
         SamplingParams(prediction=(1, -2))
@@ -68,7 +113,7 @@ def test_greedy_output_is_the_target_alones_whatever_the_prediction(tiny, mode):
         params = SamplingParams(max_tokens=48, ignore_eos=True, prediction=tuple(prediction))
         output, stats, _ = generate(target, PROMPT, params, drafters[mode]())
         assert output == alone, prediction
-        if prediction is alone:  # whole chains of it accepted: a round a PREDICTED_DEPTH + 1 tokens
+        if prediction is alone:  # whole chains of it accepted: a first round of PREDICTED_DEPTH + 1 tokens
             assert stats.rounds <= -(-(len(alone) - 1) // (PREDICTED_DEPTH + 1)) + 1 < alone_stats.rounds
             assert stats.prediction_accepted >= len(alone) - 1 - stats.rounds
         if prediction == [0] * 5:  # token 0 never comes: nothing predicted

@@ -12,7 +12,12 @@ it last proposed, as a fused drafter is.
 The counts OpenAI reports: ``accepted_prediction_tokens`` are the predicted tokens
 verification accepted, ``rejected_prediction_tokens`` the predicted tokens it rejected
 (OpenAI's definition — prediction tokens not in the answer — needs an alignment of the two
-texts; these are what the target actually checked)."""
+texts; these are what the target actually checked).
+
+How far to propose adapts (``next_depth``): a round's whole predicted chain accepted doubles
+the next one's (up to MAX_PREDICTED_DEPTH: a long unchanged stretch is copied in few rounds),
+a rejection falls back to what was accepted (at least MIN_PREDICTED_DEPTH: at an edit the
+next match is often a chance one, and its rows would be verified for nothing)."""
 
 from __future__ import annotations
 
@@ -25,8 +30,20 @@ from specctl.spec.drafters import Proposal
 from specctl.spec.rounds import Drafted, Speculator
 
 MAX_NGRAM = 4  # the longest tail of the output looked up in the prediction
-PREDICTED_DEPTH = 16  # tokens proposed from the prediction a round
-PREDICTION_NODES = PREDICTED_DEPTH + 1  # the largest proposal a session with a prediction verifies (root included)
+# Tokens proposed from the prediction a round: depth + 1 (the root) fills a static step's size
+# bucket (engine.static) at each depth it takes.
+PREDICTED_DEPTH = 15  # a session's first predicted round
+MIN_PREDICTED_DEPTH = 3  # below this a CPU verifies hardly faster, a GPU no faster
+MAX_PREDICTED_DEPTH = 63
+PREDICTION_NODES = MAX_PREDICTED_DEPTH + 1  # the largest proposal a session with a prediction verifies (root included)
+
+
+def next_depth(depth: int, proposed: int, accepted: int) -> int:
+    """How many tokens the next predicted round proposes, after one that proposed ``proposed``
+    at ``depth`` and had ``accepted`` of them accepted."""
+    if accepted >= proposed:
+        return min(MAX_PREDICTED_DEPTH, 2 * depth + 1) if proposed == depth else depth
+    return max(MIN_PREDICTED_DEPTH, accepted)
 
 
 class PredictionLookup:
@@ -44,27 +61,37 @@ class PredictionLookup:
 
     def next_tokens(self, text: Sequence[int], min_n: int = 1) -> list[int]:
         """The prediction's tokens after the longest tail of ``text`` it holds (at most
-        ``depth``; [] when no tail of ``min_n`` tokens or more is in it with something after it)."""
+        ``depth``; [] when no tail of ``min_n`` tokens or more is in it with something after it).
+        A caller may change ``depth`` between calls."""
         end_then, length_then = self.anchor
         expected = end_then + (len(text) - length_then if length_then is not None else 0)
+        # Once the text has grown, a match ending at or before the last one's end would re-read
+        # what the output already followed — in a run of one token (or of a pattern) the same
+        # tail matches there round after round while the output has moved on. Matches past it
+        # are taken first; one behind only when none is (the output repeating itself).
+        past = end_then if length_then is not None and len(text) > length_then else -1
         for n in range(min(MAX_NGRAM, len(text)), min_n - 1, -1):
-            end = self._match_end(list(text[-n:]), expected)
+            tail = list(text[-n:])
+            end = self._match_end(tail, expected, past)
+            if end is None and past >= 0:
+                end = self._match_end(tail, expected, -1)
             if end is not None and end < len(self.prediction):
                 self.anchor = (end, len(text))
                 return self.prediction[end:end + self.depth]
         return []
 
-    def _match_end(self, tail: list[int], expected: int) -> int | None:
-        """The end of the match of ``tail`` nearest ``expected`` (the one at or after it on a
-        tie); None without a match."""
+    def _match_end(self, tail: list[int], expected: int, past: int) -> int | None:
+        """The end of the match of ``tail`` nearest ``expected`` of those ending after ``past``
+        (the one at or after ``expected`` on a tie); None without one."""
         n, positions = len(tail), self.where.get(tail[-1], [])
 
         def matches(p: int) -> bool:
             return p + 1 >= n and self.prediction[p + 1 - n:p + 1] == tail
 
-        at = bisect.bisect_left(positions, expected - 1)  # the first match ending at p + 1 >= expected
+        first = bisect.bisect_left(positions, past)  # the first position p with an end p + 1 > past
+        at = max(first, bisect.bisect_left(positions, expected - 1))  # ... and p + 1 >= expected
         ahead = next((p + 1 for p in positions[at:] if matches(p)), None)
-        behind = next((p + 1 for p in reversed(positions[:at]) if matches(p)), None)
+        behind = next((p + 1 for p in reversed(positions[first:at]) if matches(p)), None)
         if ahead is None or (behind is not None and expected - behind < ahead - expected):
             return behind
         return ahead
@@ -77,20 +104,27 @@ class PredictionSpeculator:
 
     def __init__(self, inner: Speculator, prediction: Sequence[int], depth: int = PREDICTED_DEPTH) -> None:
         self.inner, self.lookup = inner, PredictionLookup(prediction, depth)
-        self.max_nodes = max(inner.max_nodes, depth + 1)
+        self.max_nodes = max(inner.max_nodes, MAX_PREDICTED_DEPTH + 1)
         self.synced: int | None = None  # the text's length when the inner speculator last proposed
         self.inner_path: list[int] = []  # its last proposal's accepted path, while no newer one came
+        self.predicted: tuple[int, int] | None = None  # (the text's length, tokens proposed) of the last predicted round
 
     def begin(self, session) -> None:
         self.inner.begin(session)
 
     async def propose(self, session) -> Drafted:
         started = time.perf_counter()
-        if self.synced is not None and self.synced == len(session.seq) - len(session.last_committed):
+        before_last = len(session.seq) - len(session.last_committed)
+        if self.synced is not None and self.synced == before_last:
             self.inner_path = list(session.last_path)  # the last round was the inner speculator's
+        if self.predicted is not None and self.predicted[0] == before_last:
+            _, proposed = self.predicted
+            self.lookup.depth = next_depth(self.lookup.depth, proposed, len(session.last_path))
+        self.predicted = None
         shortest = 1 if len(session.seq) - session.prompt_len < 2 else 2
         tokens = self.lookup.next_tokens(session.seq, shortest)[: max(session.max_nodes - 1, 0)]
         if tokens:
+            self.predicted = (len(session.seq), len(tokens))
             return Drafted(Proposal(PlainTree.checked([session.seq[-1], *tokens], list(range(-1, len(tokens))))),
                            time.perf_counter() - started, predicted=True)
         synced = session.prompt_len if self.synced is None else self.synced
