@@ -394,6 +394,9 @@ def test_bench_local_runs_a_mode_with_each_prompt_s_prediction_beside_it_without
 
     edits = load_prompts("edits")
     assert len(edits) == 8 and all(p.chat and p.kind == "edit" and p.prediction in p.prompt for p in edits)
+    long_edits = load_prompts("long-edits")
+    assert len(long_edits) == 6 and all(p.chat and p.kind == "edit" and p.prediction in p.prompt
+                                        and p.prediction.count("\n") >= 40 for p in long_edits)
     out = tmp_path / "bench.json"
     proc = run_here("bench", "local", "--target", str(tiny_dir["llama"]), "--draft", str(tiny_dir["llama-draft"]),
                     "--max-tokens", "12", "--limit", "2", "--modes", "ar,chain,chain+prediction,ar+prediction",

@@ -55,10 +55,11 @@ def _parse(lines: list[str], source: str) -> list[BenchPrompt]:
 # before any measurement on them) measures fill in the middle, the editor's code completion.
 # "edits" (8 requests to change a given function, each with the function as its prediction —
 # OpenAI's Predicted Outputs; written before any measurement on them) measures the
-# MODE+prediction modes.
+# MODE+prediction modes; "long-edits" (6 such requests on 40-50 lines of code, written after the
+# predicted depth was made adaptive and before any measurement on them) measures long copies.
 SHIPPED = {"builtin": "data/builtin_prompts.jsonl", "heldout": "data/heldout_prompts.jsonl",
            "mixed": "data/mixed_prompts.jsonl", "infill": "data/infill_prompts.jsonl",
-           "edits": "data/edit_prompts.jsonl"}
+           "edits": "data/edit_prompts.jsonl", "long-edits": "data/long_edit_prompts.jsonl"}
 
 
 def load_prompts(source: str) -> list[BenchPrompt]:
@@ -67,6 +68,6 @@ def load_prompts(source: str) -> list[BenchPrompt]:
         return _parse(text.splitlines(), source)
     path = Path(source)
     if not path.is_file():
-        raise ConfigError(f"prompt file {source!r} not found (use builtin, heldout, mixed, infill, edits or a "
+        raise ConfigError(f"prompt file {source!r} not found (use builtin, heldout, mixed, infill, edits, long-edits or a "
                           "JSON-lines file)")
     return _parse(path.read_text().splitlines(), source)

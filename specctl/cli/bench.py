@@ -36,7 +36,7 @@ def int_list(text: str, flag: str) -> tuple[int, ...]:
 def local(
     target: Optional[str] = typer.Option(None, help="target model (default: the profile's, qwen2.5-coder-1.5b)"),
     draft: Optional[str] = typer.Option(None, help="draft model (default: qwen2.5-coder-0.5b); NAME@N = first N layers"),
-    prompts: str = typer.Option("builtin", help="builtin (8 prompts), heldout (20 never tuned on), mixed (16: code, prose, edits, summaries), infill (12 code infills: fill in the middle), edits (8 code edits with their predictions) or a JSON-lines file of {\"prompt\", \"chat\", \"kind\", \"suffix\", \"prediction\"}"),
+    prompts: str = typer.Option("builtin", help="builtin (8 prompts), heldout (20 never tuned on), mixed (16: code, prose, edits, summaries), infill (12 code infills: fill in the middle), edits (8 code edits with their predictions), long-edits (6 edits of 40-50 lines) or a JSON-lines file of {\"prompt\", \"chat\", \"kind\", \"suffix\", \"prediction\"}"),
     max_tokens: int = typer.Option(128, "--max-tokens", "-n", help="new tokens per prompt"),
     modes: str = typer.Option("ar,chain,tree,ngram,hf-assisted", help="comma-separated modes to compare; "
                               "MODE+prediction (e.g. chain+prediction) runs MODE with each prompt's prediction"),
