@@ -246,6 +246,17 @@ def test_prefix_caches_show_their_hit_rate_in_80x24_once_asked():
     assert "prefix cache" not in text_of(dashboard(advance(MonitorState("x"), idle, 1.0), now=1.5))
 
 
+def test_tokens_drafted_from_predictions_show_under_their_target_in_80x24():
+    data = feed(tokens=(100,), up=(True,))
+    assert "predicted" not in text_of(dashboard(advance(MonitorState("x"), data, 1.0), now=1.5))  # none yet
+    data["targets"][0]["stats"].update({"prediction_accepted": 1230, "prediction_rejected": 410})
+    screen = text_of(dashboard(advance(MonitorState("http://gw:8000"), data, 1.0), now=1.5))
+    lines = screen.rstrip("\n").split("\n")
+    assert len(lines) <= 24 and max(len(line) for line in lines) <= 80
+    row = next(line for line in lines if "predicted" in line)
+    assert row.split()[1:] == ["75%", "acc", "1230", "rej", "410"]
+
+
 def test_the_gateway_line_shows_latency_percentiles_in_80x24():
     from specctl.gateway.metrics import GatewayMetrics
 

@@ -7,12 +7,11 @@ import json
 import pytest
 
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
-from specctl.spec.prediction import (MAX_PREDICTED_DEPTH, MIN_PREDICTED_DEPTH, PREDICTED_DEPTH, PredictionLookup,
-                                     next_depth)
+from specctl.spec.prediction import MAX_PREDICTED_DEPTH, PREDICTED_DEPTH, PredictionLookup, next_depth
 from specctl.spec.rounds import generate, run_to_end
 from specctl.spec.sampling import InvalidSamplingParams, SamplingParams
 from tests.conftest import run_here
-from tests.test_gateway import post, specctl_generate
+from tests.test_gateway import _metrics, post, specctl_generate
 
 PROMPT = [1, 5, 9, 2, 7]
 
@@ -48,16 +47,17 @@ def test_of_a_tail_that_repeats_the_match_nearest_where_the_output_is_expected_i
 
 
 def test_the_depth_doubles_while_whole_chains_are_accepted_and_falls_at_a_rejection():
-    assert (PREDICTED_DEPTH, MIN_PREDICTED_DEPTH, MAX_PREDICTED_DEPTH) == (15, 3, 63)  # depth + 1 fills a bucket
+    assert (PREDICTED_DEPTH, MAX_PREDICTED_DEPTH) == (15, 63)  # depth + 1 fills a bucket
     assert next_depth(15, 15, 15) == 31 and next_depth(31, 31, 31) == 63 and next_depth(63, 63, 63) == 63
     assert next_depth(31, 20, 20) == 31  # the prediction ran out: nothing learned about going further
-    assert next_depth(63, 63, 40) == 40 and next_depth(31, 31, 1) == MIN_PREDICTED_DEPTH
-    assert next_depth(3, 3, 0) == 3
+    assert next_depth(63, 63, 40) == 40 and next_depth(31, 31, 1) == PREDICTED_DEPTH
+    assert next_depth(15, 15, 0) == 15
 
 
 def test_a_session_following_its_prediction_proposes_longer_chains_and_shorter_after_an_edit(tiny):
     """The target's own output as the prediction: 15, 31, 63 tokens proposed; with an edit the
-    round that meets it falls to what it accepted, and chains grow again after."""
+    round after the one that meets it proposes what that one accepted, and chains grow again
+    once the output follows the prediction."""
     target = tiny["llama"]
     plain = SamplingParams(max_tokens=160, ignore_eos=True)
     alone, _, _ = generate(target, PROMPT, plain)
@@ -73,10 +73,10 @@ def test_a_session_following_its_prediction_proposes_longer_chains_and_shorter_a
     assert predicted_rounds(alone)[:3] == [(15, 15), (31, 31), (63, 63)]
     edited = predicted_rounds(alone[:40] + [0, 0, 0] + alone[43:])  # token 0 never comes
     assert 0 not in alone
-    # 1 + 15 + 1 tokens before the edit, 23 accepted of the next 31; then 23 proposed, none
-    # accepted (a chance match), the least proposed, and longer chains once the output follows
-    assert edited[:5] == [(15, 15), (31, 23), (23, 0), (MIN_PREDICTED_DEPTH, 3), (7, 7)]
-    assert (31, 31) in edited[5:]
+    # 1 + 15 + 1 tokens before the edit, 23 accepted of the next 31; then the 23 accepted, and
+    # (once fewer are) PREDICTED_DEPTH until a whole chain is accepted again
+    assert edited[:5] == [(15, 15), (31, 23), (23, 0), (PREDICTED_DEPTH, 13), (PREDICTED_DEPTH, 0)]
+    assert edited[-3:] == [(15, 15), (31, 31), (41, 41)]  # 41: what was left of the prediction
 
 
 def test_a_match_the_output_has_moved_past_is_not_taken_again():
@@ -133,6 +133,7 @@ def test_a_chat_prediction_gives_the_same_answer_and_counts_its_tokens(cluster, 
     answer = plain["choices"][0]["message"]["content"]
     assert "completion_tokens_details" not in plain["usage"]  # only with a prediction
     for content in (answer, [{"type": "text", "text": answer[:10]}, {"type": "text", "text": answer[10:]}]):
+        _, before = _metrics(base)
         code, _, raw = post(base + "/v1/chat/completions", {**body, "prediction": {"type": "content",
                                                                                    "content": content}})
         assert code == 200, raw
@@ -141,6 +142,10 @@ def test_a_chat_prediction_gives_the_same_answer_and_counts_its_tokens(cluster, 
         details = predicted["usage"]["completion_tokens_details"]
         assert details["accepted_prediction_tokens"] > 0 and details["rejected_prediction_tokens"] >= 0
         assert predicted["specctl"]["rounds"] < plain["specctl"]["rounds"]
+        _, after = _metrics(base)  # /metrics counts them too
+        for kind in ("accepted", "rejected"):
+            name = f"specctl:prediction_{kind}_tokens_total"
+            assert after[name] - before[name] == details[f"{kind}_prediction_tokens"], name
     import urllib.request
 
     request = urllib.request.Request(base + "/v1/completions", headers={"Content-Type": "application/json"},

@@ -95,6 +95,10 @@ class GatewayMetrics:
         self.accepted = Counter(f"{p}spec_decode_num_accepted_tokens", "draft tokens accepted", registry=r)
         self.accepted_per_pos = Counter(f"{p}spec_decode_num_accepted_tokens_per_pos",
                                         "draft tokens accepted at each position", ["position"], registry=r)
+        self.prediction_accepted = Counter(f"{p}prediction_accepted_tokens", "tokens drafted from requests' "
+                                           "predictions (Predicted Outputs) that verification accepted", registry=r)
+        self.prediction_rejected = Counter(f"{p}prediction_rejected_tokens", "tokens drafted from requests' "
+                                           "predictions that verification rejected", registry=r)
         self.requests = Counter(f"{p}requests", "HTTP generation requests by outcome", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter(f"{p}prompt_tokens", "prompt tokens processed", registry=r)
         self.generation_tokens = Counter(f"{p}generation_tokens", "tokens generated", registry=r)
@@ -134,6 +138,8 @@ class GatewayMetrics:
         self.accepted.inc(stats.get("accepted", 0))
         for position, count in enumerate(stats.get("accepted_per_pos", [])):
             self.accepted_per_pos.labels(position=str(position)).inc(count)
+        self.prediction_accepted.inc(stats.get("prediction_accepted", 0))
+        self.prediction_rejected.inc(stats.get("prediction_rejected", 0))
 
     def record_latency(self, arrival: float, first: float | None, end: float, tokens: int) -> None:
         """A finished generation's latencies (time.perf_counter() seconds): first None when no

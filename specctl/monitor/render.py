@@ -133,6 +133,8 @@ def targets_table(targets: list[dict], state: MonitorState) -> Table:
             table.add_row(Text("  pipeline down", style="bold red"), "", "", "", "", "", "", "")
         if s.get("prefix_cache_query_tokens"):
             table.add_row(*prefix_cache_row(s))
+        if s.get("prediction_accepted") or s.get("prediction_rejected"):
+            table.add_row(*prediction_row(s))
         for stage in s.get("stages", []):
             table.add_row(*stage_row(stage))
         for name, drafter in (s.get("drafters") or {}).items():
@@ -159,6 +161,14 @@ def prefix_cache_row(s: dict) -> tuple:
     return (Text("  prefix cache", style="dim"), "", "", "", f"shared {s.get('shared_prefills', 0)}",
             f"hit {s.get('prefix_cache_hit_rate', 0):.0%}",
             f"{s.get('prefix_cache_entries', 0)} txt", f"{s.get('prefix_cache_mb', 0):.0f} MiB")
+
+
+def prediction_row(s: dict) -> tuple:
+    """A target's tokens drafted from requests' predictions (Predicted Outputs): the share
+    verification accepted, and how many it accepted and rejected."""
+    accepted, rejected = s.get("prediction_accepted", 0), s.get("prediction_rejected", 0)
+    return (Text("  predicted", style="dim"), "", "", "", "", f"{accepted / max(accepted + rejected, 1):.0%}",
+            f"acc {accepted}", f"rej {rejected}")
 
 
 def stage_row(stage: dict) -> tuple:

@@ -101,6 +101,7 @@ class TargetServer(ListeningServer):
             "proposal_wait_s": round(t.draft_s, 6),
             "acceptance_rate": round(t.acceptance_rate, 4),
             "mean_accepted_length": round(t.mean_accepted_length, 4),
+            "prediction_accepted": t.prediction_accepted, "prediction_rejected": t.prediction_rejected,
             "kv_used_mb": round(self.pool.used_bytes / 2**20, 2),
             "draft_connected": bool(self.draft and self.draft.connected.is_set()),
             "draft_reconnects": self.draft.reconnects if self.draft else 0,
