@@ -552,7 +552,8 @@ def test_stats_feed_has_every_role(cluster):
     assert [t["up"] for t in feed["targets"]] == [True, True]
     assert [d["address"] for d in feed["drafters"]] == [cluster[1]["draft"]]
     assert {"load", "T_idle_ms", "T_wait_ms", "t_s_ms", "R_q", "sessions"} <= set(feed["drafters"][0]["stats"])
-    assert {"R_p", "tokens_per_s", "acceptance_rate", "mean_accepted_length"} <= set(feed["targets"][0]["stats"])
+    assert {"R_p", "tokens_per_s", "acceptance_rate", "mean_accepted_length", "prediction_accepted",
+            "prediction_rejected"} <= set(feed["targets"][0]["stats"])  # the last two: the monitor's predicted row
 
 
 async def test_no_reachable_target_is_503_with_retry_after_and_api_key_is_checked(tiny_dir):
