@@ -5,9 +5,10 @@ line. (The sampled distribution with a prediction: tests/test_sampling_exact.py.
 import json
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
-from specctl.spec.prediction import MAX_PREDICTED_DEPTH, PREDICTED_DEPTH, PredictionLookup, next_depth
+from specctl.spec.prediction import MAX_NGRAM, MAX_PREDICTED_DEPTH, PREDICTED_DEPTH, NgramIndex, PredictionLookup, next_depth
 from specctl.spec.rounds import generate, run_to_end
 from specctl.spec.sampling import InvalidSamplingParams, SamplingParams
 from tests.conftest import run_here
@@ -89,6 +90,48 @@ def test_a_match_the_output_has_moved_past_is_not_taken_again():
     repeating = PredictionLookup([1, 2, 3, 4], depth=2)
     assert repeating.next_tokens([8, 1, 2]) == [3, 4]
     assert repeating.next_tokens([8, 1, 2, 7, 1, 2]) == [3, 4]  # nothing past 2: the output repeats itself
+
+
+def _nearest_end(prediction: list[int], tail: list[int], expected: int, past: int) -> int | None:
+    """The lookup's rule written out over every position: the reference the index must agree with."""
+    ends = [end for end in range(len(tail), len(prediction) + 1)
+            if prediction[end - len(tail):end] == tail and end > past]
+    ahead = min((end for end in ends if end >= expected), default=None)
+    behind = max((end for end in ends if end < expected), default=None)
+    if ahead is None or (behind is not None and expected - behind < ahead - expected):
+        return behind
+    return ahead
+
+
+@settings(max_examples=300, deadline=None)
+@given(prediction=st.lists(st.integers(0, 3), max_size=60), tail=st.lists(st.integers(0, 3), min_size=1, max_size=4),
+       expected=st.integers(0, 64), past=st.integers(-1, 64))
+def test_the_indexed_match_is_the_nearest_of_every_position(prediction, tail, expected, past):
+    assert PredictionLookup(prediction)._match_end(tail, expected, past) == _nearest_end(prediction, tail, expected, past)
+
+
+def test_the_index_finds_each_ngrams_ends_and_a_long_run_in_one_step():
+    index = NgramIndex([0, 7, 0, 7, 0])
+    assert index.ends([0]).tolist() == [1, 3, 5] and index.ends([0, 7]).tolist() == [2, 4]
+    assert index.ends([7, 0, 7, 0]).tolist() == [5] and index.ends([7, 7]).tolist() == [] and index.ends([9]).tolist() == []
+    assert NgramIndex([]).ends([1]).tolist() == []
+    run = PredictionLookup([5] * 131072)  # every position ends a [5, 5, 5]: the first candidate compared matches
+    compared = []
+    run.prediction = _Counting(run.prediction, compared)
+    assert run.next_tokens([1, 6, 5, 5, 5], min_n=2) == [5] * PREDICTED_DEPTH and len(compared) == 1
+
+
+class _Counting(list):
+    """A list that records the slices a lookup compares with a tail."""
+
+    def __init__(self, items, log: list) -> None:
+        super().__init__(items)
+        self.log = log
+
+    def __getitem__(self, item):
+        if isinstance(item, slice) and item.stop - item.start <= MAX_NGRAM:  # a tail's length: a comparison
+            self.log.append(item)
+        return super().__getitem__(item)
 
 
 def test_a_prediction_is_bounded_and_must_be_token_ids():
