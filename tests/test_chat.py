@@ -11,7 +11,9 @@ import openai
 import pytest
 from rich.console import Console
 
-from specctl.chat.repl import ChatState, Quit, command, repl, retry_point
+from specctl.chat import transcript
+from specctl.chat.commands import ChatState, Quit, command, retry_point
+from specctl.chat.repl import repl, stat_line
 from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
 
@@ -52,6 +54,36 @@ def test_commands_change_the_state():
         command("/quit", state)
 
 
+def test_effort_and_predict_set_what_the_next_request_sends(tmp_path):
+    state = ChatState(max_tokens=8)
+    state.messages.append({"role": "user", "content": "hi"})
+    assert "reasoning_effort" not in state.request_body() and "prediction" not in state.request_body()
+    assert command("/effort low", state) == "reasoning effort low" and state.request_body()["reasoning_effort"] == "low"
+    assert command("/effort lots", state) == "usage: /effort none|minimal|low|medium|high|xhigh|default (now low)"
+    assert command("/effort default", state) == "reasoning effort: the model's default"
+    assert state.reasoning_effort is None and "reasoning_effort" not in state.request_body()
+    source = tmp_path / "cache.py"
+    source.write_text("def get(key):\n    return CACHE[key]\n")
+    assert command(f"/predict {source}", state) == \
+        f"the next reply is predicted from {source} (36 characters; /predict alone drops it)"
+    assert state.request_body()["prediction"] == {"type": "content", "content": source.read_text()}
+    assert state.request_body()["messages"] == [{"role": "user", "content": "hi"}]
+    assert command("/predict", state) == "prediction dropped" and "prediction" not in state.request_body()
+    assert command("/predict", state) == "usage: /predict FILE (the next reply is expected to resemble it)"
+    assert command(f"/predict {tmp_path / 'gone.py'}", state) == \
+        f"cannot read {tmp_path / 'gone.py'}: No such file or directory" and state.prediction is None
+    binary = tmp_path / "blob.bin"
+    binary.write_bytes(b"\xff\xfe\x00")
+    assert command(f"/predict {binary}", state).startswith(f"cannot read {binary}: 'utf-8' codec can't decode")
+
+
+def test_the_stat_line_counts_a_predictions_tokens_only_when_one_was_sent():
+    usage = {"completion_tokens": 11}
+    assert stat_line(usage, {}, None, None) == "11 tokens, - tok/s, mean accepted length 0.00, acceptance 0%"
+    usage["completion_tokens_details"] = {"accepted_prediction_tokens": 9, "rejected_prediction_tokens": 2}
+    assert stat_line(usage, {}, None, None).endswith("acceptance 0%, prediction 9 accepted 2 rejected")
+
+
 def test_undo_retry_save_and_load_keep_the_conversation_as_it_should_be(tmp_path):
     state = ChatState(temperature=0.5, max_tokens=32, system="Be terse.")
     exchange = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
@@ -69,6 +101,10 @@ def test_undo_retry_save_and_load_keep_the_conversation_as_it_should_be(tmp_path
     fresh = ChatState()
     assert command(f"/load {path}", fresh) == f"loaded 4 messages from {path}"
     assert (fresh.messages, fresh.system, fresh.temperature, fresh.max_tokens) == (exchange, "Be terse.", 0.5, 32)
+    assert fresh.reasoning_effort is None
+    effortful = tmp_path / "effortful.json"
+    transcript.save(effortful, ChatState(messages=list(exchange), reasoning_effort="high"))
+    assert command(f"/load {effortful}", fresh).startswith("loaded 4") and fresh.reasoning_effort == "high"
     assert command("/save", fresh) == "usage: /save FILE (the conversation as JSON)"
     assert command(f"/load {tmp_path / 'missing.json'}", fresh) == \
         f"cannot load {tmp_path / 'missing.json'}: No such file or directory"
@@ -77,6 +113,8 @@ def test_undo_retry_save_and_load_keep_the_conversation_as_it_should_be(tmp_path
                           'message 0 must be {"role": "user" or "assistant", "content": text}'),
                          ('{"messages": [], "temperature": "hot"}', '"temperature" must be a number between 0 and 100'),
                          ('{"messages": [], "max_tokens": 0}', '"max_tokens" must be a whole number of at least 1'),
+                         ('{"messages": [], "reasoning_effort": "max"}',
+                          '"reasoning_effort" must be null or one of none, minimal, low, medium, high, xhigh'),
                          ("{", "not JSON: ")):
         bad = tmp_path / "bad.json"
         bad.write_text(text)
@@ -103,6 +141,22 @@ def test_repl_streams_the_targets_greedy_reply_and_keeps_the_conversation(gatewa
                             {"role": "user", "content": "third"}], max_tokens=6, temperature=0).choices[0].message
     assert state.messages[5]["content"] == third.content
     assert next(lines) == "never read"
+
+
+def test_a_predicted_reply_is_the_greedy_one_counts_its_tokens_and_the_prediction_is_used_once(gateway, tmp_path):
+    reference = openai.OpenAI(base_url=gateway + "/v1", api_key="x").chat.completions.create(
+        model="", messages=[{"role": "user", "content": "hello"}], max_tokens=16, temperature=0).choices[0].message.content
+    predicted = tmp_path / "reply.txt"
+    predicted.write_text(reference)
+    console = Console(record=True, width=200, file=open("/dev/null", "w"))
+    state = ChatState(max_tokens=16)
+    lines = iter(["/effort low", f"/predict {predicted}", "hello", "/undo", "hello", "/quit"])
+    repl(gateway, console, state, read=lambda: next(lines))
+    out = console.export_text()
+    assert out.replace("\n", "").count(f"assistant> {reference}".replace("\n", "")) == 2
+    assert state.messages == [{"role": "user", "content": "hello"}, {"role": "assistant", "content": reference}]
+    assert out.count(", prediction ") == 1 and ", prediction 0 accepted" not in out  # the second reply had none
+    assert state.prediction is None and state.reasoning_effort == "low"
 
 
 def test_retry_answers_the_last_message_again_and_a_loaded_conversation_goes_on(gateway, tmp_path):
@@ -134,10 +188,13 @@ def test_chat_load_goes_on_with_a_saved_conversation_and_flags_win_over_its_sett
         return subprocess.run([sys.executable, "-m", "specctl", "chat", "--gateway", "http://127.0.0.1:9", *flags],
                               input=lines, capture_output=True, text=True, timeout=120)
 
-    run = chat("--load", str(saved), "--temperature", "0.7", lines=f"/save {out}\n/quit\n")
+    run = chat("--load", str(saved), "--temperature", "0.7", "--reasoning-effort", "low", lines=f"/save {out}\n/quit\n")
     assert run.returncode == 0, run.stderr
     assert "2 messages loaded from" in run.stdout
-    assert json.loads(out.read_text()) == {**conversation, "temperature": 0.7}  # the flag given wins; the rest kept
+    assert json.loads(out.read_text()) == {**conversation, "temperature": 0.7, "reasoning_effort": "low"}  # flags win
+    run = chat("--reasoning-effort", "max")
+    assert run.returncode != 0
+    assert "--reasoning-effort must be one of none, minimal, low, medium, high, xhigh, not 'max'" in run.stderr
     bad = tmp_path / "bad.json"
     bad.write_text('{"messages": "no"}')
     run = chat("--load", str(bad))

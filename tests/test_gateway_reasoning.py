@@ -442,7 +442,8 @@ def test_a_reasoning_item_sent_back_is_the_assistant_turn_it_began(items, turns)
 
 
 async def test_chat_shows_the_thinking_apart_and_keeps_it_out_of_the_reply(reasoning_cluster):
-    from specctl.chat.repl import ChatState, stream_reply
+    from specctl.chat.commands import ChatState
+    from specctl.chat.repl import stream_reply
 
     base = reasoning_cluster[1]["gateway"]
     state = ChatState(max_tokens=40)

@@ -6,99 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import aiohttp
 from rich.console import Console
 
-from specctl.chat import transcript
+from specctl.chat.commands import HELP, ChatState, Quit, command, retry_point
 from specctl.errors import unreachable_reason
-
-HELP = ("commands: /reset (forget the conversation), /undo (drop the last exchange), /retry (answer the last "
-        "message again), /system TEXT (the system prompt; /system alone drops it), /temp T (sampling temperature), "
-        "/max N (most tokens a reply), /save FILE, /load FILE (the conversation as JSON), /stats, /quit; "
-        "Ctrl-C stops a reply")
-
-
-class Quit(Exception):
-    pass
-
-
-@dataclass(slots=True)
-class ChatState:
-    temperature: float = 0.0
-    max_tokens: int = 256
-    messages: list[dict] = field(default_factory=list)
-    system: str = ""  # the system prompt, sent before the conversation (kept by /reset)
-
-    def request_messages(self) -> list[dict]:
-        return ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
-
-
-def command(line: str, state: ChatState) -> str:
-    """Apply a /command to the state; returns what to tell the user."""
-    name, _, arg = line.strip().partition(" ")
-    if name in ("/quit", "/exit", "/q"):
-        raise Quit
-    if name == "/reset":
-        state.messages.clear()
-        return "conversation cleared"
-    if name == "/temp":
-        try:
-            value = float(arg)
-        except ValueError:
-            return f"usage: /temp T (now {state.temperature}); 0 = greedy, exactly the target's own output"
-        if not 0 <= value <= 100:
-            return "temperature must be between 0 and 100"
-        state.temperature = value
-        return f"temperature {value}"
-    if name == "/system":
-        state.system = arg.strip()
-        return f"system prompt: {state.system}" if state.system else "no system prompt"
-    if name == "/max":
-        try:
-            value = int(arg)
-        except ValueError:
-            return f"usage: /max N (now {state.max_tokens}): the most tokens a reply may have"
-        if value < 1:
-            return "/max must be at least 1"
-        state.max_tokens = value
-        return f"at most {value} tokens a reply"
-    if name == "/undo":
-        asked = [i for i, message in enumerate(state.messages) if message["role"] == "user"]
-        if not asked:
-            return "nothing to undo"
-        del state.messages[asked[-1]:]
-        return f"dropped the last exchange ({len(state.messages)} messages left)"
-    if name in ("/save", "/load"):
-        return _file_command(name, arg.strip(), state)
-    if name == "/help":
-        return HELP
-    return f"unknown command {name}; {HELP}"
-
-
-def _file_command(name: str, path: str, state: ChatState) -> str:
-    if not path:
-        return f"usage: {name} FILE (the conversation as JSON)"
-    try:
-        if name == "/save":
-            return f"saved {transcript.save(path, state)} messages to {path}"
-        saved = transcript.load(path)
-    except (OSError, transcript.TranscriptError) as exc:
-        return f"cannot {name[1:]} {path}: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}"
-    state.system, state.temperature, state.max_tokens = saved["system"], saved["temperature"], saved["max_tokens"]
-    state.messages[:] = saved["messages"]
-    return f"loaded {len(state.messages)} messages from {path}"
-
-
-def retry_point(state: ChatState) -> bool:
-    """Readies /retry: the last reply dropped so the last user message is answered again;
-    False when there is no user message to answer."""
-    if state.messages and state.messages[-1]["role"] == "assistant":
-        state.messages.pop()
-    return bool(state.messages) and state.messages[-1]["role"] == "user"
-
 
 def stat_line(usage: dict, spec: dict, first_s: float | None, last_s: float | None) -> str:
     """tokens/s counts from the first streamed text to the last, so the prompt's prefill
@@ -107,8 +21,12 @@ def stat_line(usage: dict, spec: dict, first_s: float | None, last_s: float | No
     decoding = (last_s - first_s) if first_s is not None and last_s is not None else 0.0
     rate = f"{(tokens - 1) / decoding:.1f} tok/s" if tokens > 1 and decoding > 0 else "- tok/s"
     first = f", first after {first_s:.1f}s" if first_s is not None else ""
+    predicted = usage.get("completion_tokens_details") or {}
+    prediction = (f", prediction {predicted['accepted_prediction_tokens']} accepted "
+                  f"{predicted.get('rejected_prediction_tokens', 0)} rejected"
+                  if "accepted_prediction_tokens" in predicted else "")
     return (f"{tokens} token{'' if tokens == 1 else 's'}{first}, {rate}, mean accepted length {spec.get('mean_accepted_length', 0):.2f}, "
-            f"acceptance {spec.get('acceptance_rate', 0):.0%}")
+            f"acceptance {spec.get('acceptance_rate', 0):.0%}{prediction}")
 
 
 async def stream_reply(url: str, state: ChatState, on_text: Callable[[str], None],
@@ -116,8 +34,7 @@ async def stream_reply(url: str, state: ChatState, on_text: Callable[[str], None
                        ) -> tuple[str, dict, dict]:
     """One streamed chat completion: (text, usage, specctl stats); the model's thinking, where
     the gateway's reasoning parser sends it apart, to ``on_thought``. Errors raise RuntimeError."""
-    body = {"messages": state.request_messages(), "temperature": state.temperature, "max_tokens": state.max_tokens,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = state.request_body()
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     text, usage, spec = [], {}, {}
     async with aiohttp.ClientSession() as session:
@@ -247,6 +164,7 @@ def reply(url: str, console: Console, state: ChatState, api_key: str | None, rep
     try:
         text, usage, spec = replies.run(stream_reply(url, state, show, api_key, think))
     except KeyboardInterrupt:  # asyncio.run cancelled the stream: the gateway cancels the generation
+        state.prediction = None
         state.messages.append({"role": "assistant", "content": "".join(pieces)})
         console.print("\n[yellow](stopped)[/]")
         return
@@ -254,7 +172,8 @@ def reply(url: str, console: Console, state: ChatState, api_key: str | None, rep
         if not keep_on_error:
             state.messages.pop()
         console.print(f"\n[red]error: {failure_message(url, exc)}[/]", markup=True, highlight=False)
-        return
+        return  # a /predict is kept for the message sent again
+    state.prediction = None  # one reply's
     state.messages.append({"role": "assistant", "content": text})
     console.print()
     console.print(f"[dim]{stat_line(usage, spec, first_s, last_s)}[/]")

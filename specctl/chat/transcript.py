@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from specctl.gateway.translate import REASONING_EFFORTS
+
 ROLES = ("user", "assistant")
 
 
@@ -19,13 +21,13 @@ class TranscriptError(ValueError):
 def save(path: str | Path, state: Any) -> int:
     """Writes ``state`` (a ChatState) to ``path``; returns the number of messages."""
     body = {"system": state.system, "temperature": state.temperature, "max_tokens": state.max_tokens,
-            "messages": state.messages}
+            "reasoning_effort": state.reasoning_effort, "messages": state.messages}
     Path(path).expanduser().write_text(json.dumps(body, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
     return len(state.messages)
 
 
 def load(path: str | Path) -> dict:
-    """The saved fields (system, temperature, max_tokens, messages), checked; a TranscriptError
+    """The saved fields (system, temperature, max_tokens, reasoning_effort, messages), checked; a TranscriptError
     (or OSError for a file that cannot be read) otherwise."""
     try:
         body = json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
@@ -45,5 +47,8 @@ def load(path: str | Path) -> dict:
         raise TranscriptError("\"temperature\" must be a number between 0 and 100")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise TranscriptError("\"max_tokens\" must be a whole number of at least 1")
-    return {"system": system, "temperature": float(temperature), "max_tokens": max_tokens,
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise TranscriptError(f"\"reasoning_effort\" must be null or one of {', '.join(REASONING_EFFORTS)}")
+    return {"system": system, "temperature": float(temperature), "max_tokens": max_tokens, "reasoning_effort": effort,
             "messages": [{"role": m["role"], "content": m["content"]} for m in body["messages"]]}

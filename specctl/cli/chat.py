@@ -17,6 +17,9 @@ def chat(
                                              "/max changes it"),
     system: Optional[str] = typer.Option(None, "--system", help="system prompt sent before the conversation; /system "
                                          "changes it"),
+    reasoning_effort: Optional[str] = typer.Option(None, "--reasoning-effort", help="none | minimal | low | medium | "
+                                                   "high | xhigh, sent as OpenAI's reasoning_effort (default: not "
+                                                   "sent, the model's own); /effort changes it"),
     load: Optional[str] = typer.Option(None, "--load", help="go on with a conversation /save wrote (its system prompt "
                                        "and settings too, unless the flags above give them)"),
     draft: Optional[str] = typer.Option(None, help="embedded cluster: draft model"),
@@ -33,16 +36,20 @@ def chat(
 ) -> None:
     """Chat interactively; replies stream as the target accepts tokens."""
     from specctl.chat import transcript
-    from specctl.chat.repl import ChatState, Replies, repl
+    from specctl.chat.commands import ChatState
+    from specctl.chat.repl import Replies, repl
     from specctl.errors import ConfigError
     from specctl.spec.sampling import SamplingParams
 
     from specctl.gateway.reasoning import check_parser
+    from specctl.gateway.translate import REASONING_EFFORTS
 
     try:
         check_parser(reasoning_parser)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if reasoning_effort is not None and reasoning_effort not in REASONING_EFFORTS:
+        raise ConfigError(f"--reasoning-effort must be one of {', '.join(REASONING_EFFORTS)}, not {reasoning_effort!r}")
     state = ChatState()
     if load:  # before any model loads: a bad file is a one-line error
         try:
@@ -53,6 +60,7 @@ def chat(
     state.temperature = state.temperature if temperature is None else temperature
     state.max_tokens = state.max_tokens if max_tokens is None else max_tokens
     state.system = state.system if system is None else system
+    state.reasoning_effort = state.reasoning_effort if reasoning_effort is None else reasoning_effort
     try:
         SamplingParams(temperature=state.temperature, max_tokens=state.max_tokens)
     except Exception as exc:  # noqa: BLE001
