@@ -3,6 +3,7 @@ greedy output equals the target alone, a draft server killed mid-run changes not
 sessions run, per-drafter stats, freed state."""
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -158,6 +159,22 @@ async def test_a_slow_draft_server_leads_only_the_rounds_that_measure_it(models,
             assert led[0] > led[1]
     finally:
         await _stop(servers, links, target_server)
+
+
+async def test_a_fused_round_with_predicted_rounds_after_it_is_not_measured():
+    """A request's prediction drafted the rounds between this round and the next the fusion
+    proposes (it passes their outcome): the time since is theirs too, so the gate leaves it out."""
+    speculator = Fusion({}, ngram_depth=3, budget=8).speculator(0)
+    session = SimpleNamespace(seq=[1, 2, 3, 1, 2], last_path=[], last_committed=[])
+    speculator.begin(session)
+    measured = lambda: sum(len(rounds) for rounds in speculator.gate.measured.values())  # noqa: E731
+    await speculator.propose(session)  # the session's first round: its prompt prefill, not measured
+    for committed, outcome in (([3], None), ([1], None), ([2, 3], ([], [2, 3])), ([1], None)):
+        session.seq += committed
+        session.last_committed = committed
+        await speculator.propose(session, outcome)
+    # ends: the first (unmeasured), two measured, the one predicted rounds followed (unmeasured)
+    assert measured() == 2
 
 
 def test_fusion_settings_are_checked():

@@ -158,6 +158,26 @@ def test_a_round_with_a_drafters_first_draft_is_not_measured():
     assert list(gate.measured[SPEC]) == [(3, 1.0)]
 
 
+def test_a_multi_drafter_round_with_predicted_rounds_after_it_is_not_measured(tiny):
+    """A request's prediction drafts the rounds between: the time from this round's asking to its
+    outcome is theirs too (spec.prediction tells the draft session ``rounds_between``)."""
+    clock = _FakeClock()
+    drafter = MultiDrafter({"self": _Costly(ModelChainDrafter(tiny["llama"], 4), clock, 0.05)}, clock=clock)
+    session = drafter.open(64)
+    try:
+        seq = [7, 8, 9, 10] * 3
+        for between in (False, False, True, False):
+            session.propose(seq, SamplingParams(), None)
+            if between:
+                session.rounds_between()
+            session.on_verified([])
+            seq = seq + [3]
+        # the first round holds the prompt prefill; of the other three the one with rounds between is left out
+        assert sum(len(rounds) for rounds in session.gate.measured.values()) == 2
+    finally:
+        session.close()
+
+
 def test_the_window_keeps_the_last_rounds_only():
     gate = PaysGate()
     for i in range(WINDOW + 3):

@@ -7,7 +7,7 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
+from specctl.spec.drafters import Drafter, DraftSession, ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.spec.prediction import MAX_NGRAM, MAX_PREDICTED_DEPTH, PREDICTED_DEPTH, NgramIndex, PredictionLookup, next_depth
 from specctl.spec.rounds import generate, run_to_end
 from specctl.spec.sampling import InvalidSamplingParams, SamplingParams
@@ -161,6 +161,52 @@ def test_greedy_output_is_the_target_alones_whatever_the_prediction(tiny, mode):
             assert stats.prediction_accepted >= len(alone) - 1 - stats.rounds
         if prediction == [0] * 5:  # token 0 never comes: nothing predicted
             assert 0 not in alone and stats.prediction_accepted == stats.prediction_rejected == 0
+
+
+class _Hearing(Drafter):
+    """A drafter that records, per outcome it is told, whether rounds came between (``rounds_between``)."""
+
+    def __init__(self, inner: Drafter) -> None:
+        self.inner, self.max_nodes, self.heard = inner, inner.max_nodes, []
+
+    def open(self, capacity, pool=None):
+        inner, heard = self.inner.open(capacity, pool), self.heard
+        between = []
+
+        class _Session(DraftSession):
+            def propose(self, seq, params, generator):
+                return inner.propose(seq, params, generator)
+
+            def rounds_between(self):
+                between.append(True)
+
+            def on_verified(self, path):
+                heard.append(bool(between))
+                between.clear()
+                inner.on_verified(path)
+
+            def close(self):
+                inner.close()
+
+        return _Session()
+
+
+def test_a_draft_is_told_when_predicted_rounds_came_between_its_proposal_and_its_outcome(tiny):
+    """So that a drafter timing its rounds (spec.pays) does not count the predicted rounds' time
+    as its own; after a round of its own nothing came between."""
+    target, draft = tiny["llama"], tiny["llama-draft"]
+    alone, _, _ = generate(target, PROMPT, SamplingParams(max_tokens=64, ignore_eos=True))
+    edited = alone[:12] + alone[40:]  # rounds go: predicted, the draft's, predicted again, ...
+    predicted: list[bool] = []
+    params = SamplingParams(max_tokens=64, ignore_eos=True, prediction=tuple(edited))
+    drafter = _Hearing(ModelChainDrafter(draft, 4))
+    session = run_to_end(target, PROMPT, params, drafter, on_tokens=lambda tokens, result: predicted.append(
+        result.predicted) if result is not None else None)
+    assert session.output == alone
+    # each of the draft's rounds but its last is told an outcome: whether the next of its rounds came after predicted ones
+    own = [i for i, by_prediction in enumerate(predicted) if not by_prediction]
+    expected = [later - earlier > 1 for earlier, later in zip(own, own[1:])]
+    assert drafter.heard == expected and True in expected and False in expected
 
 
 def test_a_chat_prediction_gives_the_same_answer_and_counts_its_tokens(cluster, tiny_dir):

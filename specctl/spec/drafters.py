@@ -57,6 +57,11 @@ class DraftSession:
     def on_verified(self, path: list[int]) -> None:
         """``path``: accepted node indices of the last proposal (root excluded)."""
 
+    def rounds_between(self) -> None:
+        """Rounds another speculator proposed in (a request's prediction) came between the last
+        proposal and the outcome about to be told: a drafter that times its rounds leaves that
+        one unmeasured."""
+
     def observe(self, seq: list[int]) -> None:
         """The session's text as it stands, between proposals or at its end (a drafter that
         learns from text, suffix decoding, indexes it; a model drafter needs nothing)."""

@@ -135,6 +135,10 @@ class _MultiSession(DraftSession):
         except Exception:  # noqa: BLE001 - a drafter that cannot even reset stays skipped until it can
             log.warning("drafter %s could not reset after a failure", self.owner.names[i])
 
+    def rounds_between(self) -> None:
+        if self.gate is not None:
+            self.gate.uncounted()  # the time since this round was asked for is the predicted rounds' too
+
     def on_verified(self, path):
         if self.gate is not None:
             self.gate.end(len(path) + 1, self.owner.clock())

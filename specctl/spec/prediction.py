@@ -163,7 +163,9 @@ class PredictionSpeculator:
             return Drafted(Proposal(PlainTree.checked([session.seq[-1], *tokens], list(range(-1, len(tokens))))),
                            time.perf_counter() - started, predicted=True)
         synced = session.prompt_len if self.synced is None else self.synced
-        outcome = (self.inner_path, session.seq[synced:])
+        # None after the inner speculator's own round: nothing came between (a drafter that times
+        # its rounds measures that one)
+        outcome = None if synced == before_last else (self.inner_path, session.seq[synced:])
         self.synced, self.inner_path = len(session.seq), []
         return await self.inner.propose(session, outcome)
 

@@ -104,6 +104,8 @@ class LocalSpeculator:
             self.state = DraftState(self.drafter.open(capacity, self.pool), session.params, session.generator,
                                     session.seq[: session.prompt_len], capacity, self.max_nodes,
                                     session.target.spec.vocab_size, reproducible=session.params.repeatable)
+        if outcome is not None and not opening:
+            self.state.session.rounds_between()
         self.state.advance(*(outcome or (session.last_path, session.last_committed)))
         if opening and session.rules is not None and hasattr(self.state.session, "guide"):
             # the draft follows the request's rules from here (the committed text is in the copy already)

@@ -138,6 +138,8 @@ class FusedSpeculator:
         up, free = [self._up(link) for link in self.links], [link.remote is None for link in self.links]
         lead = TOP
         if self.gate is not None:
+            if outcome is not None:  # predicted rounds came between: the time since is theirs too
+                self.gate.uncounted()
             self.gate.end(len(session.last_committed), started)
             ranked = rank_drafters(scores, up, free)
             lead = self.gate.begin(arms(ranked, policy.by_rate, policy.plain_arm), started,
