@@ -414,6 +414,43 @@ def test_an_anthropic_message_s_thinking_is_its_thinking_block_before_the_text(r
     assert [(b.type, getattr(b, "thinking", None)) for b in hidden.content][0] == ("thinking", "")
 
 
+def test_a_thinking_budget_ends_the_thought_at_its_token_count(reasoning_cluster):
+    """vLLM's thinking_token_budget: the scripted model's thought is "<think>", "\nplan it",
+    "</think>"; budget 0 forces </think> right after its <think>, 1 leaves it as written. Anthropic's
+    thinking.budget_tokens is the same budget."""
+    import anthropic
+
+    base = reasoning_cluster[1]["gateway"]
+    cut = _chat(base, {**THOUGHT, "thinking_token_budget": 0})["choices"][0]["message"]
+    assert (cut["reasoning"], cut["content"]) == ("", "\n\nthe answer")
+    chunks = _streamed(base, {**THOUGHT, "thinking_token_budget": 0})
+    assert (_joined(chunks, "reasoning"), _joined(chunks, "content")) == ("", "\n\nthe answer")
+    kept = _chat(base, {**THOUGHT, "thinking_token_budget": 1})["choices"][0]["message"]
+    assert (kept["reasoning"], kept["content"]) == ("\nplan it", "\n\nthe answer")
+    code, _, raw = post(base + "/v1/chat/completions", {**THOUGHT, "thinking_token_budget": -1})
+    assert code == 400 and json.loads(raw)["error"]["message"] == "thinking_token_budget must be >= 0, got -1"
+    client = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)
+    message = client.messages.create(model="", max_tokens=40, messages=[{"role": "user", "content": "hi"}],
+                                     thinking={"type": "enabled", "budget_tokens": 0}, extra_body={"temperature": 0})
+    assert [(b.type, b.text) for b in message.content] == [("text", "\n\nthe answer")]  # no thought left to show
+
+
+def test_a_thinking_budget_needs_a_parser_that_knows_where_a_thought_ends(tiny_dir):
+    from specctl.gateway.reasoning import marker_ids, thinking_budget
+    from specctl.engine.tiny import make_byte_tokenizer
+
+    tokenizer = make_byte_tokenizer()
+    assert thinking_budget(None, None, tokenizer) is None
+    with pytest.raises(ValueError, match=r"^thinking_token_budget needs to know where a thought ends: start the gateway "
+                                         r"with --reasoning-parser qwen3 or deepseek_r1$"):
+        thinking_budget(5, "openai_gptoss", tokenizer)
+    assert thinking_budget(5, None, tokenizer, required=False) is None  # Anthropic's budget_tokens: accepted
+    text = tuple(tokenizer.encode("</think>", add_special_tokens=False))  # no token of its own: its text's
+    assert thinking_budget(5, "qwen3", tokenizer) == (5, (marker_ids(tokenizer, "<think>"), text)) and len(text) > 1
+    tokenizer.add_tokens(["</think>"])
+    assert marker_ids(tokenizer, "</think>") == (tokenizer.convert_tokens_to_ids("</think>"),)
+
+
 @pytest.mark.parametrize("items, turns", [
     ([("user", "hi"), "reasoning", ("assistant", "yes"), ("user", "and?")], [("user", "hi"), ("assistant", "yes"),
                                                                            ("user", "and?")]),

@@ -163,7 +163,8 @@ def test_sampling_params_travel_whole_in_generate():
                            repetition_penalty=1.2, min_p=0.05, min_tokens=4, logit_bias=((7, -100.0), (9, 2.5)),
                            structured=("regex", "[ab]+"), bad_words=((3,), (8, 9)), penalty_last_n=64,
                            allowed_token_ids=(3, 9, 4), sampler_order=("top_k", "top_p", "min_p", "temperature"),
-                           cache_salt="tenant-7", prediction=(9, 8, 9))
+                           cache_salt="tenant-7", prediction=(9, 8, 9), thinking_budget=12,
+                           thinking_markers=((6,), (7, 1)))
     defaults = [name for name in SamplingParams.__slots__ if getattr(every, name) == getattr(SamplingParams(), name)]
     assert defaults == []  # the example sets every field: a new one must be added here
     for params in (every, SamplingParams()):

@@ -9,8 +9,11 @@ a reasoning parser), text and ``tool_use`` blocks — whole, or streamed as Anth
 
 Choices made here: ``thinking`` ``enabled`` / ``between_tools`` / ``disabled`` turn the chat
 template's ``enable_thinking`` on or off (Qwen3's), ``adaptive`` leaves the template's default;
-``budget_tokens`` bounds nothing but max_tokens does (accepted and not enforced, as llama.cpp
-accepts it), ``display: "omitted"`` sends thinking blocks without their text.
+``budget_tokens`` (with ``enabled``) is vLLM's ``thinking_token_budget``: the thinking is
+ended after that many tokens where the gateway's reasoning parser knows its end (qwen3,
+deepseek_r1; accepted and not enforced without one, as llama.cpp accepts it; Anthropic's floor
+of 1024 is not held: small models think briefly), ``display: "omitted"`` sends thinking blocks
+without their text.
 ``output_config.format`` (json_schema) holds the output to the schema, as response_format does
 for chat; its ``effort`` changes nothing. temperature, top_p and top_k — which Anthropic's
 newer clients no longer send — are taken as chat takes them (OpenAI's defaults when left out).
@@ -119,7 +122,8 @@ def as_chat(req: MessagesRequest, count_only: bool = False) -> ChatCompletionReq
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, stop=req.stop_sequences, stream=req.stream,
         seed=req.seed, tools=_tools(req.tools), tool_choice=choice, parallel_tool_calls=parallel,
         chat_template_kwargs=None if THINKING[thinking] is None else {"enable_thinking": THINKING[thinking]},
-        response_format=_format(req.output_config), priority=req.priority)
+        response_format=_format(req.output_config), priority=req.priority,
+        thinking_token_budget=req.thinking.budget_tokens if thinking == "enabled" else None)
 
 
 def shows_thinking(req: MessagesRequest) -> bool:

@@ -220,6 +220,9 @@ class ChatCompletionRequest(RequestFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True  # vLLM's: false leaves the thinking out (with --reasoning-parser)
     reasoning_effort: str | None = None  # OpenAI's: the template's reasoning_effort ("none": no thinking)
+    # vLLM's: a thought ended (its </think> forced) after this many tokens (spec.thinking_budget);
+    # needs --reasoning-parser qwen3 or deepseek_r1. Anthropic's thinking.budget_tokens comes here.
+    thinking_token_budget: int | None = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

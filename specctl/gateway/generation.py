@@ -23,7 +23,7 @@ from specctl.gateway.choices import Choices, choice_specs
 from specctl.gateway.llama_reply import LlamaReply
 from specctl.gateway.sglang import SglangReply
 from specctl.gateway.metrics import GatewayMetrics
-from specctl.gateway.reasoning import KEEPS_SPECIAL_TOKENS as READS_SPECIAL_TOKENS, thinks
+from specctl.gateway.reasoning import KEEPS_SPECIAL_TOKENS as READS_SPECIAL_TOKENS, thinking_budget, thinks
 from specctl.gateway import request_log
 from specctl.gateway.request_id import request_id
 from specctl.gateway.respond import Reply, remote_message
@@ -129,9 +129,10 @@ class Generations:
             barred = bad_words(req.bad_words, self.tokenizer)
             ends = infill_stops(self.tokenizer) if getattr(req, "suffix", None) is not None else ()
             predicted = prediction_tokens(req, self.tokenizer, self.config.context)
+            budget = self.thinking_budget(req, endpoint) if chat else None
             specs = choice_specs(prompts, [sampling_params(req, len(p), self.config.context,
                                                            self.config.default_max_tokens, structured, barred,
-                                                           self.defaults, ends, predicted)
+                                                           self.defaults, ends, predicted, budget)
                                            for p in prompts], req.n, self._echoes(req, prompts))
             self._check_room(len(specs))
             if self.config.log_requests:
@@ -211,6 +212,15 @@ class Generations:
         """With a reasoning parser, whether a chat request's output starts in thought (None: no parser)."""
         parser = self.config.reasoning_parser
         return None if parser is None else thinks(parser, template_variables(req))
+
+    def thinking_budget(self, req: ChatCompletionRequest, endpoint: str) -> tuple | None:
+        """The request's thinking budget (gateway.reasoning.thinking_budget); Anthropic's is
+        dropped where the parser cannot end a thought."""
+        try:
+            return thinking_budget(getattr(req, "thinking_token_budget", None), self.config.reasoning_parser,
+                                   self.tokenizer, required=endpoint != "messages")
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="thinking_token_budget") from None
 
     def _echoes(self, req, prompts: list[list[int]]) -> list[str] | None:
         """Each prompt's text as echo hands it back: as given, or decoded from its token ids."""

@@ -85,3 +85,26 @@ def split_reasoning(text: str, thinking: bool | str) -> tuple[str | None, str | 
     parser = StreamedReasoning(thinking)
     reasoning, content = parser.push(text)
     return reasoning + parser.finish(), content or None
+
+
+def thinking_budget(budget: int | None, parser: str | None, tokenizer,
+                    required: bool = True) -> tuple[int, tuple[tuple[int, ...], tuple[int, ...]]] | None:
+    """vLLM's thinking_token_budget as SamplingParams takes it — (budget, (<think>'s ids,
+    </think>'s ids)) — or None: none asked, or (not ``required``: Anthropic's budget_tokens) no
+    parser that knows where a thought ends."""
+    if budget is None:
+        return None
+    if budget < 0:
+        raise ValueError(f"thinking_token_budget must be >= 0, got {budget}")
+    if parser not in ("qwen3", "deepseek_r1"):
+        if not required:
+            return None
+        raise ValueError("thinking_token_budget needs to know where a thought ends: start the gateway with "
+                         "--reasoning-parser qwen3 or deepseek_r1")
+    return budget, (marker_ids(tokenizer, START), marker_ids(tokenizer, END))
+
+
+def marker_ids(tokenizer, marker: str) -> tuple[int, ...]:
+    """A marker's token ids: its own token where the vocabulary has one (Qwen3's, DeepSeek-R1's), else its text's."""
+    added = tokenizer.get_added_vocab()
+    return (added[marker],) if marker in added else tuple(tokenizer.encode(marker, add_special_tokens=False))

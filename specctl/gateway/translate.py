@@ -200,14 +200,16 @@ def penalty_window(repeat_last_n: int | None, context: int) -> tuple[int, bool]:
 def sampling_params(req: RequestFields, prompt_tokens: int, context: int, default_max_tokens: int,
                     structured: tuple[str, str] | None = None,
                     barred: tuple[tuple[int, ...], ...] = (), defaults: dict | None = None,
-                    ends: tuple[int, ...] = (), prediction: tuple[int, ...] = ()) -> SamplingParams:
+                    ends: tuple[int, ...] = (), prediction: tuple[int, ...] = (),
+                    thinking: tuple | None = None) -> SamplingParams:
     """Validated sampling parameters; a prompt that leaves no room is a 400 as in OpenAI. Stop
     token ids outside the vocabulary are refused by the target instance (a 400 too).
     ``structured``: the request's grammar (gateway.structured), checked already; ``barred``: its
     bad_words as token sequences (``bad_words``); ``defaults``: what the fields a request leaves
     out take (gateway.sampling_defaults; OpenAI's where it says nothing); ``ends``: stop token
     ids the request implies besides its own (an infill's, engine.fim); ``prediction``: its
-    prediction's token ids (``prediction_tokens``)."""
+    prediction's token ids (``prediction_tokens``); ``thinking``: its thinking budget
+    (gateway.reasoning.thinking_budget)."""
     defaults = defaults or {}
     if req.stop_token_ids and len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise ApiError(400, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(req.stop_token_ids)}",
@@ -252,6 +254,7 @@ def sampling_params(req: RequestFields, prompt_tokens: int, context: int, defaul
             min_p=given(req.min_p, "min_p", 0.0), min_tokens=req.min_tokens or 0,
             logit_bias=logit_bias(req), structured=structured, bad_words=barred, allowed_token_ids=allowed_tokens(req),
             cache_salt=req.cache_salt or "", prediction=prediction,
+            **({} if thinking is None else dict(zip(("thinking_budget", "thinking_markers"), thinking))),
         )
         return chain.applied(params) if chain is not None else params  # a sampler left out of the list is off
     except SpecctlError as exc:  # the message starts with the parameter's name

@@ -224,6 +224,9 @@ class Generate(msgspec.Struct, tag=True, frozen=True):
     sampler_order: list[str] = []  # SamplingParams.sampler_order (empty from older peers: temperature first)
     cache_salt: str = ""  # SamplingParams.cache_salt (the prefix cache's namespace)
     prediction: list[int] = []  # SamplingParams.prediction (OpenAI's Predicted Outputs, drafted from here)
+    thinking_budget: int = -1  # SamplingParams.thinking_budget (-1: none) and its markers
+    thinking_start: list[int] = []
+    thinking_end: list[int] = []
 
 
 class Tokens(msgspec.Struct, tag=True, frozen=True):

@@ -27,6 +27,7 @@ import torch
 from specctl.engine.spec import check_token_ids
 from specctl.spec.sampling import SamplingParams
 from specctl.spec.structured import Structure
+from specctl.spec.thinking_budget import ThinkingBudget
 
 log = logging.getLogger("specctl.draft")
 
@@ -60,6 +61,9 @@ class LogitRules:
         self.in_prompt[torch.tensor(prompt, dtype=torch.long, device=device)] = True
         self.window = params.penalty_last_n  # 0: vLLM's penalties; n: over the text's last n tokens
         self.recent = list(prompt[-self.window:]) if self.window else []
+        self.thinking = None if params.thinking_budget is None else ThinkingBudget(params.thinking_budget,
+                                                                                   *params.thinking_markers)
+        self.thought = None if self.thinking is None else self.thinking.of_prompt(prompt)
 
     def guide(self, device: torch.device) -> "LogitRules":
         """A copy of this state for a draft on ``device`` (spec.batch_drafting adjusts its rows),
@@ -82,13 +86,30 @@ class LogitRules:
             self.recent = (self.recent + list(tokens))[-self.window:]
         if self.structure is not None:
             self.structure.record(tokens)
+        if self.thinking is not None:
+            self.thought = self.thinking.after(self.thought, tokens)
         if tokens:
             self.counts.index_add_(0, torch.tensor(tokens, dtype=torch.long, device=self.counts.device),
                                    torch.ones(len(tokens), device=self.counts.device))
 
     def apply(self, logits: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
         """``logits`` [rows, vocab] adjusted; row r follows the output so far, then ``paths[r]``
-        (a proposal node's tokens past the committed text, its own included)."""
+        (a proposal node's tokens past the committed text, its own included). A thought past its
+        budget allows only its end's next token, whatever the other rules say (vLLM forces it last)."""
+        logits = self._adjusted(logits, paths)
+        if self.thinking is None:
+            return logits
+        forced = [(r, token) for r, path in enumerate(paths)
+                  if (token := self.thinking.forced(self.thinking.after(self.thought, path))) is not None]
+        if not forced:
+            return logits
+        rows = torch.tensor([r for r, _ in forced], device=logits.device)
+        logits = logits.clone()
+        logits[rows] = float("-inf")
+        logits[rows, torch.tensor([token for _, token in forced], device=logits.device)] = 0.0
+        return logits
+
+    def _adjusted(self, logits: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
         logits = logits.float()
         ended = [False] * len(paths)
         if self.structure is not None:

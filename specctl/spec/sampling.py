@@ -60,6 +60,10 @@ class SamplingParams:
     # OpenAI's Predicted Outputs: token ids the output is expected to resemble; drafted from where
     # the target runs (spec.prediction); () = none
     prediction: tuple[int, ...] = ()
+    # vLLM's thinking_token_budget: a thought is ended (its end marker forced) after this many
+    # tokens (spec.thinking_budget); None = unbounded. The markers: (<think>'s ids, </think>'s ids)
+    thinking_budget: int | None = None
+    thinking_markers: tuple[tuple[int, ...], tuple[int, ...]] = ()
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0):
@@ -105,6 +109,17 @@ class SamplingParams:
         if len(self.prediction) > MAX_PREDICTION_TOKENS or not all(
                 isinstance(t, int) and t >= 0 for t in self.prediction):
             raise InvalidSamplingParams(f"prediction is at most {MAX_PREDICTION_TOKENS} token ids (>= 0)")
+        if self.thinking_budget is not None:
+            from specctl.spec.thinking_budget import MAX_MARKER_TOKENS
+
+            if not (isinstance(self.thinking_budget, int) and 0 <= self.thinking_budget < 2**31):
+                raise InvalidSamplingParams(f"thinking_budget must be a non-negative integer, got "
+                                            f"{self.thinking_budget!r}")
+            if len(self.thinking_markers) != 2 or not all(
+                    isinstance(marker, tuple) and 1 <= len(marker) <= MAX_MARKER_TOKENS
+                    and all(isinstance(t, int) and t >= 0 for t in marker) for marker in self.thinking_markers):
+                raise InvalidSamplingParams(f"thinking_budget needs the thinking's start and end markers, each 1 to "
+                                            f"{MAX_MARKER_TOKENS} token ids (>= 0)")
         if not (isinstance(self.cache_salt, str) and len(self.cache_salt) <= MAX_CACHE_SALT):
             raise InvalidSamplingParams(f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters")
         if self.sampler_order and sorted(self.sampler_order) != sorted(SAMPLER_ORDER):
@@ -142,7 +157,7 @@ class SamplingParams:
         """Whether the target's logits are changed before sampling (spec.logit_rules, spec.structured)."""
         return (bool(self.presence_penalty or self.frequency_penalty or self.min_tokens or self.logit_bias
                      or self.bad_words or self.allowed_token_ids)
-                or self.repetition_penalty != 1.0 or self.structured is not None)
+                or self.repetition_penalty != 1.0 or self.structured is not None or self.thinking_budget is not None)
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -21,6 +21,9 @@ def generate_message(req: int, prompt: list[int], params: SamplingParams, reques
         request_id=request_id, penalty_last_n=params.penalty_last_n,
         allowed_token_ids=list(params.allowed_token_ids), sampler_order=list(params.sampler_order),
         cache_salt=params.cache_salt, prediction=list(params.prediction),
+        thinking_budget=-1 if params.thinking_budget is None else params.thinking_budget,
+        thinking_start=list(params.thinking_markers[0]) if params.thinking_markers else [],
+        thinking_end=list(params.thinking_markers[1]) if params.thinking_markers else [],
     )
 
 
@@ -37,4 +40,7 @@ def sampling_params_of(msg: Generate) -> SamplingParams:
         structured=(msg.structured_kind, msg.structured_spec) if msg.structured_kind else None,
         penalty_last_n=msg.penalty_last_n, allowed_token_ids=tuple(msg.allowed_token_ids),
         sampler_order=tuple(msg.sampler_order), cache_salt=msg.cache_salt, prediction=tuple(msg.prediction),
+        thinking_budget=None if msg.thinking_budget < 0 else msg.thinking_budget,
+        thinking_markers=((tuple(msg.thinking_start), tuple(msg.thinking_end))
+                          if msg.thinking_start or msg.thinking_end else ()),
     )

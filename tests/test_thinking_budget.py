@@ -1,0 +1,73 @@
+"""vLLM's thinking_token_budget (spec.thinking_budget): where a thought stands after a text, the
+token forced once it has used its budget, and the same tokens in every mode (the rule is the
+target's, applied to every proposal row)."""
+
+import pytest
+
+from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
+from specctl.spec.rounds import generate
+from specctl.spec.sampling import InvalidSamplingParams, SamplingParams
+from specctl.spec.thinking_budget import ThinkingBudget, Thought
+
+START, END = 50, 60  # the tiny models' <think> and </think> here: tokens like any other
+
+
+def test_a_thought_counts_its_tokens_from_its_start_and_ends_at_its_budget():
+    rule = ThinkingBudget(3, (START,), (END,))
+    assert rule.of_prompt([1, 2, 3]) == Thought(False, 0, (3,)) and rule.forced(rule.of_prompt([1, 2, 3])) is None
+    opened = rule.of_prompt([1, START, 9])  # a template that opened the thought: its tokens after <think> count
+    assert opened == Thought(True, 1, (9,)) and rule.forced(opened) is None
+    assert rule.forced(rule.after(opened, [4, 4])) == END  # 3 used: </think> next
+    assert rule.of_prompt([START, 9, END, 7]).thinking is False  # an earlier thought, ended
+    ended = rule.after(opened, [4, END, 4, 4, 4, 4])  # ended by itself within its budget: nothing forced after
+    assert ended == Thought(False, 0, (4,)) and rule.forced(ended) is None
+    again = rule.after(ended, [START, 1, 2])  # a later thought counts afresh
+    assert again.used == 2 and rule.forced(again) is None and rule.forced(rule.after(again, [3])) == END
+    assert rule.after(opened, [START]).used == 0  # a <think> inside a thought starts its count again
+
+
+def test_an_end_of_several_tokens_is_forced_token_by_token_and_budget_zero_ends_at_once():
+    rule = ThinkingBudget(0, (7, 8), (60, 61, 62))
+    state = rule.of_prompt([1, 7, 8])
+    assert rule.forced(state) == 60
+    state = rule.after(state, [60])
+    assert rule.forced(state) == 61
+    state = rule.after(state, [61])
+    assert rule.forced(state) == 62 and rule.after(state, [62]).thinking is False
+    with pytest.raises(ValueError, match="a thinking budget is >= 0 tokens, with start and end markers of 1 to 8"):
+        ThinkingBudget(-1, (7,), (8,))
+
+
+def test_sampling_params_check_the_budget_and_its_markers():
+    with pytest.raises(InvalidSamplingParams, match=r"^thinking_budget must be a non-negative integer, got -2$"):
+        SamplingParams(thinking_budget=-2, thinking_markers=((1,), (2,)))
+    with pytest.raises(InvalidSamplingParams, match=r"^thinking_budget needs the thinking's start and end markers"):
+        SamplingParams(thinking_budget=4)
+    assert SamplingParams(thinking_budget=0, thinking_markers=((1,), (2,))).adjusts_logits
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree", "ngram", "self", "prediction"])
+def test_every_mode_gives_the_target_alones_tokens_with_the_thought_cut_at_its_budget(tiny, mode):
+    target, draft = tiny["llama"], tiny["llama-draft"]
+    prompt = [1, 5, 9, 2, 7, START]  # the prompt opened a thought
+    free, _, _ = generate(target, prompt, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert END not in free[:4]
+    params = SamplingParams(max_tokens=24, ignore_eos=True, thinking_budget=3, thinking_markers=((START,), (END,)))
+    alone, _, _ = generate(target, prompt, params)
+    assert alone[:3] == free[:3] and alone[3] == END and alone != free
+    drafters = {"chain": lambda: ModelChainDrafter(draft, 4), "tree": lambda: ModelTreeDrafter(draft, 3, 2, 3),
+                "ngram": lambda: NgramDrafter(3), "self": lambda: ModelChainDrafter(target, 4),
+                "prediction": lambda: None}
+    if mode == "prediction":  # the unbudgeted output as the prediction: its 4th token is rejected
+        params = SamplingParams(max_tokens=24, ignore_eos=True, thinking_budget=3, thinking_markers=((START,), (END,)),
+                                prediction=tuple(free))
+    assert generate(target, prompt, params, drafters[mode]())[0] == alone
+
+
+def test_a_sampled_thought_is_cut_at_its_budget_too(tiny):
+    target, draft = tiny["llama"], tiny["llama-draft"]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, seed=5, thinking_budget=2,
+                            thinking_markers=((START,), (END,)))
+    for drafter in (None, ModelChainDrafter(draft, 4)):
+        output, _, _ = generate(target, [1, 5, START], params, drafter)
+        assert END in output and output.index(END) <= 2  # by itself within the budget, or forced
