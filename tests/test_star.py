@@ -481,5 +481,9 @@ async def test_the_draft_server_follows_the_requests_rules_and_grammar(models):
     assert table.states[4].session.guide is None
     table.open(5, OpenSession(5, [5, 9, 13], logit_bias={10**6: 1.0}))  # the target refuses it: the draft drafts free
     assert table.states[5].session.guide is None
-    for tag in range(1, 6):
+    # a thinking budget: the prompt opened a thought (<think> = 9 here) and 2 of its tokens are output already
+    table.open(6, OpenSession(6, [5, 9, 13, 14], generated=2, thinking_budget=2, thinking_start=[9], thinking_end=[10]))
+    thinking = table.states[6].session.guide
+    assert thinking.thought.thinking and thinking.thought.used == 2 and thinking.thinking.forced(thinking.thought) == 10
+    for tag in range(1, 7):
         table.close(tag)

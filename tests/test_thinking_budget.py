@@ -71,3 +71,35 @@ def test_a_sampled_thought_is_cut_at_its_budget_too(tiny):
     for drafter in (None, ModelChainDrafter(draft, 4)):
         output, _, _ = generate(target, [1, 5, START], params, drafter)
         assert END in output and output.index(END) <= 2  # by itself within the budget, or forced
+
+
+async def test_over_tcp_the_draft_server_follows_the_budget_and_the_tokens_are_the_target_alones(tiny_dir, monkeypatch):
+    """The budget travels in GENERATE to the target instance and in OPEN_SESSION to the draft
+    server, whose guide forces the same end (its proposals then agree at the cut)."""
+    from specctl.engine.loader import load_model
+    from specctl.verify.client import remote_generate
+    from tests.test_star import start_star, stop_star
+
+    models = (load_model("tiny-llama", tiny_dir["llama"], "fp32"),
+              load_model("tiny-llama@2", tiny_dir["llama"], "fp32", num_layers=2))
+    params = SamplingParams(max_tokens=20, ignore_eos=True, thinking_budget=4, thinking_markers=((START,), (END, 61)))
+    prompt = [1, 5, 9, START]
+    alone, _, _ = generate(models[0].decoder, prompt, params)
+    assert alone[4:6] == [END, 61]
+    draft_server, _, _, link, target_server, port = await start_star(models)
+    guides, opened = [], type(draft_server.table).open
+
+    def open_and_look(table, tag, message, *args, **kwargs):
+        result = opened(table, tag, message, *args, **kwargs)
+        guides.append(table.states[tag].session.guide)
+        return result
+
+    monkeypatch.setattr(type(draft_server.table), "open", open_and_look)
+    try:
+        tokens, _, _ = await remote_generate("127.0.0.1", port, prompt, params)
+        assert tokens == alone
+        (guide,) = guides
+        assert (guide.thinking.budget, guide.thinking.start, guide.thinking.end) == (4, (START,), (END, 61))
+        assert not guide.thought.thinking  # the prompt opened a thought; the draft saw it end at the cut
+    finally:
+        await stop_star(draft_server, link, target_server)

@@ -266,7 +266,9 @@ def _rules(msg: OpenSession) -> SamplingParams | None:
             frequency_penalty=msg.frequency_penalty, repetition_penalty=msg.repetition_penalty,
             penalty_last_n=msg.penalty_last_n, allowed_token_ids=tuple(msg.allowed_token_ids),
             min_tokens=msg.min_tokens, logit_bias=tuple(sorted(msg.logit_bias.items())),
-            bad_words=tuple(map(tuple, msg.bad_words)), structured=(msg.structured_kind, msg.structured_spec) if msg.structured_kind else None)
+            bad_words=tuple(map(tuple, msg.bad_words)), structured=(msg.structured_kind, msg.structured_spec) if msg.structured_kind else None,
+            thinking_budget=None if msg.thinking_budget < 0 else msg.thinking_budget,
+            thinking_markers=(tuple(msg.thinking_start), tuple(msg.thinking_end)) if msg.thinking_budget >= 0 else ())
     except SpecctlError:
         return None
     return rules if rules.adjusts_logits else None

@@ -75,6 +75,9 @@ class OpenSession(msgspec.Struct, tag=True, frozen=True):
     allowed_token_ids: list[int] = []  # vLLM's: only these may come (empty: any)
     sampler_order: list[str] = []  # SamplingParams.sampler_order (empty: temperature first)
     cache_salt: str = ""  # the session's prefix-cache namespace (SamplingParams.cache_salt)
+    thinking_budget: int = -1  # SamplingParams.thinking_budget (-1: none) and its markers
+    thinking_start: list[int] = []
+    thinking_end: list[int] = []
 
 
 class SessionOpened(msgspec.Struct, tag=True, frozen=True):

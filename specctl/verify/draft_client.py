@@ -142,7 +142,9 @@ class DraftClient:
             req, prompt, temperature, top_p, top_k, seed, max_tokens, kind, spec, generated, rules.presence_penalty,
             rules.frequency_penalty, rules.repetition_penalty, rules.min_p, rules.min_tokens, dict(rules.logit_bias),
             [list(word) for word in rules.bad_words], reproducible, rules.penalty_last_n,
-            list(rules.allowed_token_ids), list(rules.sampler_order), rules.cache_salt))
+            list(rules.allowed_token_ids), list(rules.sampler_order), rules.cache_salt,
+            -1 if rules.thinking_budget is None else rules.thinking_budget,
+            *((list(rules.thinking_markers[0]), list(rules.thinking_markers[1])) if rules.thinking_markers else ())))
         if isinstance(reply, SessionOpened) and epoch == self.epoch:
             return epoch, reply.tag
         return None
