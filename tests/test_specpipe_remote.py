@@ -177,10 +177,12 @@ async def test_logprobs_are_refused_by_a_specpipe_target_which_serves_on(models)
             await remote_generate("127.0.0.1", cluster.port, PROMPTS[0], SamplingParams(max_tokens=4, prompt_logprobs=0))
         for adjusted in (SamplingParams(max_tokens=4, repetition_penalty=1.2),
                          SamplingParams(max_tokens=4, structured=("regex", "[ab]+")),
-                         SamplingParams(max_tokens=4, allowed_token_ids=(3, 4))):
-            with pytest.raises(RemoteError, match="^penalties, logit_bias, bad_words, allowed_token_ids, min_tokens and "
-                                                  "structured output are not available from a SpecPipe target: its "
-                                                  "stages verify with the unadjusted distribution$"):
+                         SamplingParams(max_tokens=4, allowed_token_ids=(3, 4)),
+                         SamplingParams(max_tokens=4, thinking_budget=2, thinking_markers=((3,), (4,)))):
+            with pytest.raises(RemoteError, match="^penalties, logit_bias, bad_words, allowed_token_ids, min_tokens, "
+                                                  "structured output and thinking budgets are not available from a "
+                                                  "SpecPipe target: its stages verify with the unadjusted "
+                                                  "distribution$"):
                 await remote_generate("127.0.0.1", cluster.port, PROMPTS[0], adjusted)
         params = SamplingParams(max_tokens=8, ignore_eos=True)
         tokens, _, _ = await remote_generate("127.0.0.1", cluster.port, PROMPTS[0], params)

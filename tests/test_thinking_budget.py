@@ -103,3 +103,13 @@ async def test_over_tcp_the_draft_server_follows_the_budget_and_the_tokens_are_t
         assert not guide.thought.thinking  # the prompt opened a thought; the draft saw it end at the cut
     finally:
         await stop_star(draft_server, link, target_server)
+
+
+def test_markers_past_the_vocabulary_are_refused_by_name():
+    from specctl.errors import BadRequest
+    from specctl.spec.logit_rules import check_rule_token_ids
+
+    params = SamplingParams(thinking_budget=1, thinking_markers=((5,), (400, 3)))
+    with pytest.raises(BadRequest, match=r"^thinking_token_budget's markers must be in \[0, 384\), got 3\.\.400$"):
+        check_rule_token_ids(params, 384)
+    check_rule_token_ids(params, 401)

@@ -173,10 +173,12 @@ class LogitRules:
 
 def check_rule_token_ids(params: SamplingParams, vocab_size: int) -> None:
     """Refuse the rules' token ids past the vocabulary (BadRequest naming the field): logit_bias's,
-    bad_words' and allowed_token_ids'."""
+    bad_words', allowed_token_ids' and a thinking budget's markers'."""
     check_token_ids([token for token, _ in params.logit_bias], vocab_size, "logit_bias token ids")
     check_token_ids([token for word in params.bad_words for token in word], vocab_size, "bad_words token ids")
     check_token_ids(list(params.allowed_token_ids), vocab_size, "allowed_token_ids")
+    check_token_ids([token for marker in params.thinking_markers for token in marker], vocab_size,
+                    "thinking_token_budget's markers")
 
 
 def draft_guide(rules: SamplingParams, prompt: list[int], output: list[int], *, tokenizer: Any, vocab_size: int,

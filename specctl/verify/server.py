@@ -228,8 +228,8 @@ class TargetServer(ListeningServer):
                 raise BadRequest("logprobs are not available from a SpecPipe target: its stages send the verified "
                                  "tokens, not the logits")
             if params.adjusts_logits and self.specpipe is not None:
-                raise BadRequest("penalties, logit_bias, bad_words, allowed_token_ids, min_tokens and structured output "
-                                 "are not available from a SpecPipe target: its stages verify with the unadjusted "
+                raise BadRequest("penalties, logit_bias, bad_words, allowed_token_ids, min_tokens, structured output "
+                                 "and thinking budgets are not available from a SpecPipe target: its stages verify with the unadjusted "
                                  "distribution")
             check_rule_token_ids(params, self.model.spec.vocab_size)
             check_token_ids(msg.prompt, self.model.spec.vocab_size)
