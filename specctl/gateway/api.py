@@ -45,7 +45,8 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
   sets it. The Responses API's reasoning.effort is the same.
 - with ``--reasoning-parser`` a chat answer's thinking is its message's ``reasoning`` (and
   ``reasoning_content``), apart from its content (gateway.reasoning); vLLM's include_reasoning
-  false leaves it out.
+  false leaves it out, and its thinking_token_budget ends a thought after that many tokens
+  (spec.thinking_budget; qwen3 and deepseek_r1 parsers).
 - structured output — response_format json_object / json_schema, vLLM's guided_json,
   guided_regex, guided_choice, guided_grammar and structured_outputs — constrains the target's
   distribution to the grammar (spec.structured, llguidance as vLLM's guidance backend, JSON
