@@ -13,7 +13,7 @@ from rich.console import Console
 
 from specctl.chat import transcript
 from specctl.chat.commands import ChatState, Quit, command, retry_point
-from specctl.chat.repl import repl, stat_line
+from specctl.chat.repl import multiline, repl, stat_line
 from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
 
@@ -75,6 +75,27 @@ def test_effort_and_predict_set_what_the_next_request_sends(tmp_path):
     binary = tmp_path / "blob.bin"
     binary.write_bytes(b"\xff\xfe\x00")
     assert command(f"/predict {binary}", state).startswith(f"cannot read {binary}: 'utf-8' codec can't decode")
+
+
+def test_a_message_of_several_lines_goes_between_triple_quotes():
+    def typed(first, *rest):
+        more = iter(rest)
+        return multiline(first, lambda: next(more))
+
+    assert typed('"""', "def f(x):", "    return x", '"""') == "def f(x):\n    return x"
+    assert typed('  """one line"""') == "one line"
+    assert typed('"""first', 'last"""') == "first\nlast"
+    with pytest.raises(StopIteration):  # input that ends inside the message: the reader's end
+        typed('"""', "unfinished")
+
+
+def test_a_block_is_one_message_even_one_that_begins_with_a_slash(gateway):
+    console = Console(record=True, width=200, file=open("/dev/null", "w"))
+    state = ChatState(max_tokens=4)
+    lines = iter(['"""', "/reset is a command", "not here", '"""', "/quit"])
+    repl(gateway, console, state, read=lambda: next(lines))
+    assert state.messages[0] == {"role": "user", "content": "/reset is a command\nnot here"}
+    assert [m["role"] for m in state.messages] == ["user", "assistant"]
 
 
 def test_the_stat_line_counts_a_predictions_tokens_only_when_one_was_sent():

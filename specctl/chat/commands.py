@@ -14,7 +14,7 @@ HELP = ("commands: /reset (forget the conversation), /undo (drop the last exchan
         "/max N (most tokens a reply), /effort LEVEL (reasoning effort: none|minimal|low|medium|high|xhigh, "
         "default = the model's), /predict FILE (the next reply is expected to resemble FILE — an edit of it: "
         "drafted from, the answer unchanged), /save FILE, /load FILE (the conversation as JSON), /stats, /quit; "
-        "Ctrl-C stops a reply")
+        "a message of several lines between \"\"\" and \"\"\"; Ctrl-C stops a reply")
 
 
 class Quit(Exception):

@@ -12,6 +12,8 @@ import aiohttp
 from rich.console import Console
 
 from specctl.chat.commands import HELP, ChatState, Quit, command, retry_point
+
+MULTILINE = '"""'  # a message of several lines begins and ends with it (Ollama's REPL's)
 from specctl.errors import unreachable_reason
 
 def stat_line(usage: dict, spec: dict, first_s: float | None, last_s: float | None) -> str:
@@ -104,14 +106,21 @@ class Replies:
 
 
 def repl(url: str, console: Console, state: ChatState | None = None, api_key: str | None = None,
-         read: Callable[[], str] | None = None, replies: Replies | None = None) -> None:
+         read: Callable[[], str] | None = None, replies: Replies | None = None,
+         read_more: Callable[[], str] | None = None) -> None:
+    """``read``: the next line typed; ``read_more``: the next line of a message begun with \"\"\"
+    (``read`` when not given, a "..." prompt by default)."""
     state = state or ChatState()
     replies = replies or Replies()
+    read_more = read_more or read or (lambda: console.input("[dim]...[/] "))
     read = read or (lambda: console.input("[bold green]you>[/] "))
     console.print(f"[dim]{HELP}[/]")
     while True:
         try:
             line = read()
+            block = line.lstrip().startswith(MULTILINE)  # a message, whatever it begins with
+            if block:
+                line = multiline(line, read_more)
         except EOFError:
             break
         except KeyboardInterrupt:
@@ -119,12 +128,12 @@ def repl(url: str, console: Console, state: ChatState | None = None, api_key: st
             continue
         if not line.strip():
             continue
-        retry = line.strip() == "/retry"
+        retry = not block and line.strip() == "/retry"
         if retry:
             if not retry_point(state):
                 console.print("[dim]nothing to retry[/]")
                 continue
-        elif line.startswith("/"):
+        elif not block and line.startswith("/"):
             if line.strip() == "/stats":
                 show_stats(url, console, api_key)
                 continue
@@ -136,6 +145,16 @@ def repl(url: str, console: Console, state: ChatState | None = None, api_key: st
         else:
             state.messages.append({"role": "user", "content": line})
         reply(url, console, state, api_key, replies, keep_on_error=retry)
+
+
+def multiline(first: str, read_more: Callable[[], str]) -> str:
+    """A message typed over several lines between \"\"\" and \"\"\" (Ollama's REPL's rule): the lines
+    between, as typed; one line may hold both. EOFError when input ends before the closing quotes."""
+    lines = [first.lstrip()[len(MULTILINE):]]
+    while not lines[-1].rstrip().endswith(MULTILINE) or (len(lines) == 1 and not lines[0].strip()):
+        lines.append(read_more())
+    lines[-1] = lines[-1].rstrip()[:-len(MULTILINE)]
+    return "\n".join(lines).strip("\n")
 
 
 def reply(url: str, console: Console, state: ChatState, api_key: str | None, replies: Replies,
