@@ -3,6 +3,7 @@ token forced once it has used its budget, and the same tokens in every mode (the
 target's, applied to every proposal row)."""
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.spec.rounds import generate
@@ -24,6 +25,31 @@ def test_a_thought_counts_its_tokens_from_its_start_and_ends_at_its_budget():
     again = rule.after(ended, [START, 1, 2])  # a later thought counts afresh
     assert again.used == 2 and rule.forced(again) is None and rule.forced(rule.after(again, [3])) == END
     assert rule.after(opened, [START]).used == 0  # a <think> inside a thought starts its count again
+
+
+@settings(max_examples=300, deadline=None)
+@given(budget=st.integers(0, 6), prompt=st.lists(st.integers(0, 4), max_size=8),
+       wanted=st.lists(st.integers(0, 4), max_size=40))
+def test_no_thought_outlasts_its_budget_whatever_is_written(budget, prompt, wanted):
+    """Tokens 0..4, <think> = 3, </think> = 4: a text written token by token, each the one wanted
+    unless one is forced, never holds more than ``budget`` tokens between a <think> and its
+    </think> (or the text's end); a thought that reached its budget ends on the next token."""
+    rule = ThinkingBudget(budget, (3,), (4,))
+    state, text = rule.of_prompt(prompt), list(prompt)
+    for token in wanted:
+        forced = rule.forced(state)
+        token = token if forced is None else forced
+        text.append(token)
+        state = rule.after(state, [token])
+    inside, run = False, 0
+    for i, token in enumerate(text):
+        if inside and token == 4:
+            inside = False
+        elif token == 3:
+            inside, run = True, 0
+        elif inside:
+            run += 1
+            assert run <= budget or i < len(prompt), (text, i)  # a prompt's thought is the prompt's
 
 
 def test_an_end_of_several_tokens_is_forced_token_by_token_and_budget_zero_ends_at_once():
