@@ -427,6 +427,9 @@ def test_a_thinking_budget_ends_the_thought_at_its_token_count(reasoning_cluster
     assert (_joined(chunks, "reasoning"), _joined(chunks, "content")) == ("", "\n\nthe answer")
     kept = _chat(base, {**THOUGHT, "thinking_token_budget": 1})["choices"][0]["message"]
     assert (kept["reasoning"], kept["content"]) == ("\nplan it", "\n\nthe answer")
+    code, _, raw = post(base + "/v1/completions", {"prompt": "x\n", "max_tokens": 40, "temperature": 0,
+                                                   "thinking_token_budget": 0})  # a raw completion's too
+    assert code == 200 and json.loads(raw)["choices"][0]["text"] == "<think></think>\n\nthe answer"
     code, _, raw = post(base + "/v1/chat/completions", {**THOUGHT, "thinking_token_budget": -1})
     assert code == 400 and json.loads(raw)["error"]["message"] == "thinking_token_budget must be >= 0, got -1"
     client = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)

@@ -179,6 +179,9 @@ class RequestFields(msgspec.Struct, kw_only=True):
     return_token_ids: bool = False  # vLLM's extension: the prompt's and each choice's token ids beside the text
     cache_salt: str | None = None  # vLLM's extension: the prefix cache reuses KV only within the same salt
     prediction: Prediction | None = None  # OpenAI's Predicted Outputs: drafted from (spec.prediction)
+    # vLLM's: a thought ended (its </think> forced) after this many tokens (spec.thinking_budget);
+    # needs --reasoning-parser qwen3 or deepseek_r1. Anthropic's thinking.budget_tokens comes here.
+    thinking_token_budget: int | None = None
     # vLLM's extensions that reshape or constrain sampling (gateway.structured)
     min_p: float | None = None
     min_tokens: int | None = None
@@ -221,9 +224,6 @@ class ChatCompletionRequest(RequestFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True  # vLLM's: false leaves the thinking out (with --reasoning-parser)
     reasoning_effort: str | None = None  # OpenAI's: the template's reasoning_effort ("none": no thinking)
-    # vLLM's: a thought ended (its </think> forced) after this many tokens (spec.thinking_budget);
-    # needs --reasoning-parser qwen3 or deepseek_r1. Anthropic's thinking.budget_tokens comes here.
-    thinking_token_budget: int | None = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

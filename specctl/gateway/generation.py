@@ -129,7 +129,7 @@ class Generations:
             barred = bad_words(req.bad_words, self.tokenizer)
             ends = infill_stops(self.tokenizer) if getattr(req, "suffix", None) is not None else ()
             predicted = prediction_tokens(req, self.tokenizer, self.config.context)
-            budget = self.thinking_budget(req, endpoint) if chat else None
+            budget = self.thinking_budget(req, endpoint)
             specs = choice_specs(prompts, [sampling_params(req, len(p), self.config.context,
                                                            self.config.default_max_tokens, structured, barred,
                                                            self.defaults, ends, predicted, budget)
@@ -213,11 +213,11 @@ class Generations:
         parser = self.config.reasoning_parser
         return None if parser is None else thinks(parser, template_variables(req))
 
-    def thinking_budget(self, req: ChatCompletionRequest, endpoint: str) -> tuple | None:
-        """The request's thinking budget (gateway.reasoning.thinking_budget); Anthropic's is
-        dropped where the parser cannot end a thought."""
+    def thinking_budget(self, req: ChatCompletionRequest | CompletionRequest, endpoint: str) -> tuple | None:
+        """The request's thinking budget (gateway.reasoning.thinking_budget), chat's or a raw
+        completion's; Anthropic's is dropped where the parser cannot end a thought."""
         try:
-            return thinking_budget(getattr(req, "thinking_token_budget", None), self.config.reasoning_parser,
+            return thinking_budget(req.thinking_token_budget, self.config.reasoning_parser,
                                    self.tokenizer, required=endpoint != "messages")
         except ValueError as exc:
             raise ApiError(400, str(exc), param="thinking_token_budget") from None
