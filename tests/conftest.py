@@ -3,6 +3,7 @@ import contextlib
 import importlib.util
 import io
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -12,8 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from hypothesis import settings
+
 from specctl.engine.loader import load_decoder
 from specctl.engine.tiny import make_tiny_model
+
+# CI (.ci/run sets HYPOTHESIS_PROFILE=ci) draws the same examples every run, so what lands does not
+# hang on a lucky draw; a run here explores new ones (a failure prints the example to keep with @example).
+settings.register_profile("ci", derandomize=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 def pytest_addoption(parser):
