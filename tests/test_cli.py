@@ -516,6 +516,13 @@ def test_remote_generation_uses_the_tokenizer_of_the_model_the_instance_serves(t
         assert json.loads(matched.stdout)["stop_reason"] == pattern
         _assert_one_line_error(run("generate", "--remote", f"127.0.0.1:{port}", "--target", "qwen2.5-coder-1.5b",
                                    "-p", "x"), f"serves {model!r}, not 'qwen2.5-coder-1.5b'")
+        # a thinking budget travels with the request: the instance forces the same </think>
+        budgeted = [run("generate", *where, "-p", "why<think>", "-n", "12", "--json", "--thinking-budget", "2")
+                    for where in (("--remote", f"127.0.0.1:{port}"), ("--target", model, "--mode", "ar", "--dtype",
+                                                                         "fp32"))]
+        assert all(proc.returncode == 0 for proc in budgeted), [proc.stderr for proc in budgeted]
+        remote_ids, local_ids = (json.loads(proc.stdout)["token_ids"] for proc in budgeted)
+        assert remote_ids == local_ids and "</think>" in json.loads(budgeted[0].stdout)["text"]
     finally:
         stop_processes([proc])
 

@@ -139,3 +139,27 @@ def test_markers_past_the_vocabulary_are_refused_by_name():
     with pytest.raises(BadRequest, match=r"^thinking_token_budget's markers must be in \[0, 384\), got 3\.\.400$"):
         check_rule_token_ids(params, 384)
     check_rule_token_ids(params, 401)
+
+
+def test_generate_thinking_budget_forces_the_end_in_every_mode(tiny_dir):
+    """``specctl generate --thinking-budget N``: the tokenizer's markers (the tiny byte tokenizer has
+    none of its own: their text's tokens), the same tokens in AR and chain; a negative budget is refused
+    before anything loads."""
+    import json
+
+    from specctl.engine.tiny import make_byte_tokenizer
+    from tests.conftest import run_here
+
+    def run(*flags) -> dict:
+        proc = run_here("generate", "--target", str(tiny_dir["llama"]), "--draft", str(tiny_dir["llama-draft"]),
+                        "--prompt", "why<think>", "--max-tokens", "16", "--dtype", "fp32", "--json", *flags)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+    end = make_byte_tokenizer().encode("</think>", add_special_tokens=False)
+    cut = run("--mode", "ar", "--thinking-budget", "2")
+    assert cut["token_ids"][2:2 + len(end)] == end and "</think>" in cut["text"]  # after the thought's 2 tokens
+    assert run("--mode", "chain", "--thinking-budget", "2")["token_ids"] == cut["token_ids"]
+    assert run("--mode", "ar")["token_ids"][2:2 + len(end)] != end
+    proc = run_here("generate", "--prompt", "x", "--thinking-budget", "-1")
+    assert proc.returncode == 2 and "--thinking-budget must be 0 or more tokens, got -1" in proc.stderr

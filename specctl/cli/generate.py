@@ -13,6 +13,7 @@ from rich.console import Console
 from specctl.cli import logprob_report
 from specctl.cli.sampling_flags import (
     stop_patterns, structured_flags, text_of, with_bad_words, with_prediction_text, with_samplers,
+    with_thinking_budget,
 )
 from specctl.config import build_config
 from specctl.engine import text
@@ -88,6 +89,9 @@ def generate(
     prediction: Optional[str] = typer.Option(None, "--prediction", help="text the output is expected to resemble "
                                              "(its text, or @FILE; OpenAI's Predicted Outputs): drafted from where "
                                              "the output follows it, the output still the target's own"),
+    thinking_budget: Optional[int] = typer.Option(None, "--thinking-budget", help="end a reasoning model's thought "
+                                                  "(<think> ... </think>) after N tokens by forcing its </think> "
+                                                  "(vLLM's thinking_token_budget; 0 ends it at once)"),
     cache_salt: Optional[str] = typer.Option(None, "--cache-salt", help="with --remote: reuse the instance's cached "
                                              "prefixes only among requests with this salt (vLLM's cache_salt)"),
     logprobs: Optional[int] = typer.Option(None, "--logprobs", help="each output token's log-probability under the "
@@ -128,6 +132,8 @@ def generate(
         raise ConfigError("--stop must not be empty: give the text to stop before")
     if cache_salt is not None and not cache_salt:
         raise ConfigError("--cache-salt must not be empty: leave it out to share the prefix cache")
+    if thinking_budget is not None and thinking_budget < 0:
+        raise ConfigError(f"--thinking-budget must be 0 or more tokens, got {thinking_budget}")
     patterns = stop_patterns(stop_regex)
     prediction = text_of(prediction) if prediction is not None else None  # read before the models load
     if suffix is not None and chat:
@@ -147,12 +153,13 @@ def generate(
     console = Console(stderr=True)
     if remote:
         return _generate_remote(remote, target, prompt, chat, params, bad_words, as_json, auth_token, tls_ca,
-                                console, tuple(stop or ()), suffix, patterns, prediction)
+                                console, tuple(stop or ()), suffix, patterns, prediction, thinking_budget)
     target_model, draft_model = load_pair(config, console)
     drafter = (make_multi_drafter(config, target_model, console) if config.mode == "multi"
                else make_drafter(config, draft_model))
-    params = with_prediction_text(with_bad_words(params, bad_words, target_model.tokenizer), prediction,
-                                  target_model.tokenizer)
+    params = with_thinking_budget(with_prediction_text(with_bad_words(params, bad_words, target_model.tokenizer),
+                                                       prediction, target_model.tokenizer),
+                                  thinking_budget, target_model.tokenizer)
     ids, params = prompt_ids(target_model.tokenizer, prompt, chat, suffix, params)
     streamer = TextStreamer(target_model.tokenizer, None if as_json else sys.stdout, tuple(stop or ()), patterns)
     output: list[int] = []
@@ -217,7 +224,7 @@ def print_logprobs(console: Console, scores: logprob_report.Scores, params, toke
 
 def _generate_remote(remote, requested_target, prompt, chat, params, bad_words, as_json, auth_token, tls_ca,
                      console, stop: tuple[str, ...] = (), suffix: str | None = None, stop_regex: tuple = (),
-                     prediction: str | None = None) -> None:
+                     prediction: str | None = None, thinking_budget: int | None = None) -> None:
     """Same output as local mode. The tokenizer is the one of the model the target instance
     says it serves (its handshake), never a local default: text encoded for another
     vocabulary would come back as fluent garbage. A stop string cancels the generation there."""
@@ -244,7 +251,8 @@ def _generate_remote(remote, requested_target, prompt, chat, params, bad_words, 
     tokenizer = AutoTokenizer.from_pretrained(path)
     if welcome.fingerprint and vocab_fingerprint(tokenizer) != welcome.fingerprint:
         raise ConfigError(f"the local copy of {served!r} has another vocabulary than the one {remote} serves")
-    params = with_prediction_text(with_bad_words(params, bad_words, tokenizer), prediction, tokenizer)
+    params = with_thinking_budget(with_prediction_text(with_bad_words(params, bad_words, tokenizer), prediction,
+                                                       tokenizer), thinking_budget, tokenizer)
     ids, params = prompt_ids(tokenizer, prompt, chat, suffix, params)
     streamer = TextStreamer(tokenizer, None if as_json else sys.stdout, stop, stop_regex)
     scores = logprob_report.Scores(ids)

@@ -64,6 +64,19 @@ def with_prediction_text(params, prediction: str | None, tokenizer):
     return dataclasses.replace(params, prediction=tuple(tokenizer.encode(prediction, add_special_tokens=False)))
 
 
+def with_thinking_budget(params, budget: int | None, tokenizer):
+    """``--thinking-budget``: a thought ended after ``budget`` tokens (spec.thinking_budget), its
+    markers the tokenizer's <think> and </think> (their tokens, or their text's)."""
+    import dataclasses
+
+    from specctl.gateway.reasoning import END, START, marker_ids
+
+    if budget is None:
+        return params
+    return dataclasses.replace(params, thinking_budget=budget,
+                               thinking_markers=(marker_ids(tokenizer, START), marker_ids(tokenizer, END)))
+
+
 def stop_patterns(patterns: list[str] | None):
     """``--stop-regex`` compiled (engine.stop_regex: SGLang's stop_regex and its limits)."""
     from specctl.engine.stop_regex import compile_stop_patterns
