@@ -52,6 +52,15 @@ def test_no_thought_outlasts_its_budget_whatever_is_written(budget, prompt, want
             assert run <= budget or i < len(prompt), (text, i)  # a prompt's thought is the prompt's
 
 
+def test_a_text_markers_last_token_alone_is_no_marker():
+    """Markers of several tokens (a tokenizer without <think> tokens): a lone ">" later in the
+    prompt does not hide the thought a whole <think> opened before it."""
+    rule = ThinkingBudget(5, (1, 2, 9), (1, 3, 9))  # "<think>" and "</think>" sharing their first and last tokens
+    state = rule.of_prompt([7, 1, 2, 9, 4, 9, 4])  # <think>, then "a > b": 3 tokens in thought
+    assert state.thinking and state.used == 3
+    assert not rule.of_prompt([1, 2, 9, 4, 1, 3, 9, 4, 9]).thinking  # closed, then a lone ">"
+
+
 def test_an_end_of_several_tokens_is_forced_token_by_token_and_budget_zero_ends_at_once():
     rule = ThinkingBudget(0, (7, 8), (60, 61, 62))
     state = rule.of_prompt([1, 7, 8])

@@ -58,7 +58,12 @@ class ThinkingBudget:
         """The state at the output's start: the prompt's last marker says whether it is in a
         thought, and the tokens after an open one count (a template's ``<think>\\n``)."""
         ends = {self.start[-1], self.end[-1]}
-        last = next((i for i in range(len(prompt) - 1, -1, -1) if prompt[i] in ends), None)  # the last marker's end
+
+        def marker_ends_at(i: int) -> bool:  # a whole marker: a text marker's last token (">") comes alone too
+            return prompt[i] in ends and any(i + 1 >= len(m) and tuple(prompt[i + 1 - len(m):i + 1]) == m
+                                             for m in (self.start, self.end))
+
+        last = next((i for i in range(len(prompt) - 1, -1, -1) if marker_ends_at(i)), None)
         begin = len(prompt) - self.reach if last is None else last - self.reach + 1
         return self.after(Thought(), prompt[max(begin, 0):])
 
