@@ -242,6 +242,36 @@ async def test_specpipe_sampling_keeps_the_target_distribution(tmp_path):
         assert_counts_match(counts, expected)
 
 
+@pytest.mark.slow  # as the one above
+async def test_specpipe_sampling_with_penalties_keeps_the_targets_penalized_distribution(tmp_path):
+    """Tokens 2 and 3 with the presence, frequency and repetition penalties: each SpecPipe
+    step decides from the root's row adjusted after the committed text, as AR's does."""
+    from tests.test_logit_rules import _joint, _penalized_next_probs
+
+    kw = dict(vocab_size=VOCAB, layers=2, hidden=32, eos_token_id=None, init_std=0.3)
+    path = make_tiny_model(tmp_path / "t", "llama", seed=11, **kw)
+    decoder = load_decoder(path)
+    target = LoadedModel("t", path, decoder.spec, decoder, None, _fingerprint="six-tokens")
+    draft = load_decoder(make_tiny_model(tmp_path / "d", "llama", seed=12, **kw))
+    penalties = dict(temperature=1.0, max_tokens=3, presence_penalty=0.8, frequency_penalty=0.5, repetition_penalty=1.5)
+    expected = _joint(_penalized_next_probs, target.decoder, SamplingParams(**penalties))
+    free = _joint(_penalized_next_probs, target.decoder, SamplingParams(temperature=1.0, max_tokens=3))
+    assert (expected - free).abs().sum() > 0.2  # the penalties matter
+    async with LocalPipeline(target, 2) as pipeline:
+        def sample_all():
+            counts, hits = torch.zeros(VOCAB, VOCAB, dtype=torch.float64), 0
+            for seed in range(1200):
+                out, _, _, pipe = specpipe_generate(pipeline.staged.decoder, draft, SMALL_PROMPT,
+                                                    SamplingParams(**penalties, seed=seed), TreeShape(2, 2))
+                counts[out[1], out[2]] += 1
+                hits += pipe.hits
+            return counts, hits
+
+        counts, hits = await asyncio.to_thread(sample_all)
+        assert hits > 0
+        assert_counts_match(counts, expected)
+
+
 def test_a_level_is_the_likeliest_paths_or_every_nodes_likeliest_child_first():
     # (path probability, frontier row, token), top-2 per row, likeliest first: row 0 is a likely
     # node with two likely children, rows 1 and 2 unlikely ones.

@@ -6,6 +6,7 @@ requests refused with a clear error."""
 import asyncio
 
 import pytest
+import regex
 
 from specctl.draft.levels import LevelTable
 from specctl.draft.server import DraftServer, DraftServerConfig
@@ -164,26 +165,47 @@ async def test_level_requests_over_the_wire_for_unknown_sessions_get_an_error(mo
         await server.close()
 
 
-async def test_logprobs_are_refused_by_a_specpipe_target_which_serves_on(models):
-    from specctl.verify.client import RemoteError
+# Greedy requests whose logits a rule adjusts, and the log-probabilities asked for: stage 1
+# decides each token from the root's row after the committed text, as AR's step does.
+ADJUSTED = [
+    SamplingParams(max_tokens=16, ignore_eos=True, logprobs=2, prompt_logprobs=1),
+    SamplingParams(max_tokens=16, ignore_eos=True, repetition_penalty=1.6, presence_penalty=0.5,
+                   logit_bias=((7, 4.0), (9, -100.0)), logprobs=0),
+    SamplingParams(max_tokens=16, ignore_eos=True, allowed_token_ids=(3, 4, 17, 18, 40)),
+    SamplingParams(max_tokens=16, ignore_eos=True, bad_words=((3,), (5, 5)), min_tokens=4),
+    SamplingParams(max_tokens=16, ignore_eos=True, thinking_budget=3, thinking_markers=((20,), (21, 22))),
+    SamplingParams(max_tokens=16, structured=("regex", "[ab]{3}c")),  # ends by the grammar: "stop" before 16
+]
+
+
+@pytest.mark.parametrize("params", ADJUSTED, ids=["logprobs", "penalties+bias", "allowed", "bad-words", "thinking",
+                                                  "grammar"])
+async def test_logit_rules_and_logprobs_through_a_specpipe_target_are_the_whole_targets(models, params):
+    from specctl.spec.rounds import run_to_end
 
     target, _ = models
+    steps = []
     async with RemoteSpecPipe(models, 2, TreeShape(2, 2)) as cluster:
-        with pytest.raises(RemoteError, match="^logprobs are not available from a SpecPipe target: its stages send "
-                                              "the verified tokens, not the logits$") as refused:
-            await remote_generate("127.0.0.1", cluster.port, PROMPTS[0], SamplingParams(max_tokens=4, logprobs=1))
-        assert refused.value.code == "bad_request"
-        with pytest.raises(RemoteError, match="^logprobs are not available from a SpecPipe target"):  # the prompt's too
-            await remote_generate("127.0.0.1", cluster.port, PROMPTS[0], SamplingParams(max_tokens=4, prompt_logprobs=0))
-        for adjusted in (SamplingParams(max_tokens=4, repetition_penalty=1.2),
-                         SamplingParams(max_tokens=4, structured=("regex", "[ab]+")),
-                         SamplingParams(max_tokens=4, allowed_token_ids=(3, 4)),
-                         SamplingParams(max_tokens=4, thinking_budget=2, thinking_markers=((3,), (4,)))):
-            with pytest.raises(RemoteError, match="^penalties, logit_bias, bad_words, allowed_token_ids, min_tokens, "
-                                                  "structured output and thinking budgets are not available from a "
-                                                  "SpecPipe target: its stages verify with the unadjusted "
-                                                  "distribution$"):
-                await remote_generate("127.0.0.1", cluster.port, PROMPTS[0], adjusted)
-        params = SamplingParams(max_tokens=8, ignore_eos=True)
-        tokens, _, _ = await remote_generate("127.0.0.1", cluster.port, PROMPTS[0], params)
-        assert tokens == generate(target.decoder, PROMPTS[0], params)[0]
+        for prompt in ([20, 5, 9], PROMPTS[1]):  # the first opens a thought: its budget is counted from the prompt
+            reference = run_to_end(target.decoder, prompt, params, eos_token_ids=target.eos_token_ids,
+                                   tokenizer=target.tokenizer)
+            scores = []
+            steps.append(len(reference.output))  # a grammar that ends ends the output: no stop token decided
+            tokens, reason, _ = await remote_generate("127.0.0.1", cluster.port, prompt, params,
+                                                      on_scores=scores.append)
+            assert tokens == reference.output and reason == reference.finish_reason, prompt
+            if params.structured is not None:
+                assert reason == "stop" and regex.fullmatch("[ab]{3}c", target.tokenizer.decode(tokens)), tokens
+            else:
+                assert reason == "length"
+            got = [lp for event in scores for lp in event.logprobs]
+            assert got == pytest.approx([entry[0] for entry in reference.logprobs], abs=1e-4)
+            if params.logprobs:
+                assert [ids for event in scores for ids in event.top_ids] == [e[1] for e in reference.logprobs]
+            if params.prompt_logprobs is not None:
+                assert scores[0].prompt_logprobs == pytest.approx([e[0] for e in reference.prompt_logprobs], abs=1e-4)
+            if params.thinking_budget is not None and prompt[0] == 20:
+                # the thought's 2 prompt tokens and 1 more, then its end, forced
+                assert reference.output[1:3] == [21, 22] and 21 not in reference.output[:1]
+        served = await remote_stats("127.0.0.1", cluster.port)
+        assert served["specpipe_steps"] == sum(steps)

@@ -14,7 +14,11 @@ from specctl.engine.model import Decoder
 from specctl.pipeline.specpipe import PipeStats, SpecPipeRun
 from specctl.pipeline.token_source import DraftLevels, LevelSource, TreeShape, max_tree_nodes
 from specctl.spec.decode import DecodeSession
-from specctl.spec.rounds import Emit
+from specctl.spec.logprobs import TokenLogprob
+from specctl.spec.stats import RoundResult
+
+# (tokens, their round's result, their log-probability entries as taken when they were emitted)
+ScoredEmit = Callable[[list[int], RoundResult | None, list[TokenLogprob]], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,19 +51,24 @@ class SpecPipeDraft:
                 "specpipe_refills": t.refills, "specpipe_refill_tokens": t.refill_tokens}
 
 
-async def serve_specpipe(session: DecodeSession, spec: SpecPipeDraft, lane, emit: Emit) -> None:
+async def serve_specpipe(session: DecodeSession, spec: SpecPipeDraft, lane, emit: ScoredEmit) -> None:
     """Run ``session`` to the end with SpecPipe; its KV (every stage's) and the draft's are
-    freed however it ends. A cancelled request stops after the step in progress."""
+    freed however it ends. A cancelled request stops after the step in progress. ``emit`` is
+    called on the event loop with each token's log-probability entries taken on the compute
+    thread as it emitted them: the driver has decided more tokens by the time the loop runs."""
     loop = asyncio.get_running_loop()
     started = time.perf_counter()
     run, cancelled = None, False
+
+    def scores_of(tokens: list[int]) -> list:
+        return session.logprobs[len(session.logprobs) - len(tokens):] if session.params.logprobs is not None else []
 
     def drive() -> None:
         nonlocal run
         if cancelled:  # cancelled while queued
             return
         run = SpecPipeRun(session.target, session, spec.open_levels(session),
-                          lambda tokens, result: loop.call_soon_threadsafe(emit, tokens, result),
+                          lambda tokens, result: loop.call_soon_threadsafe(emit, tokens, result, scores_of(tokens)),
                           spec.shape.refill_depth(session.target.stages))
         run.stop = cancelled
         try:

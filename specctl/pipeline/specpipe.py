@@ -103,7 +103,10 @@ class SpecPipeRun:
     def run(self) -> None:
         session, cache = self.session, self.session.cache
         begun = time.perf_counter()
-        want = "argmax" if session.params.greedy else "logits"
+        # Whole rows when the token is not the plain argmax or when the request keeps its
+        # log-probabilities; the argmax alone (one int a row) otherwise.
+        params = session.params
+        want = "argmax" if params.greedy and session.rules is None and params.logprobs is None else "logits"
         # The first tree's root is the prompt's last token and the prefill is its level: the
         # draft's levels follow the prefill into the pipeline at once, so the pipeline is
         # already full when the first token comes out (no refill after it).
@@ -150,8 +153,9 @@ class SpecPipeRun:
             # through it while they hit (the next root's row is in the same output).
             while root in sent.level and not session.finished:
                 children = [c for c in (levels[1] if len(levels) > 1 else []) if tree.nodes[c].parent == root]
-                index, token = self._decide(output[sent.level.index(root)], [tree.nodes[c].token for c in children])
-                committed = session.commit([token])
+                row = output[sent.level.index(root)]
+                index, token = self._decide(row, [tree.nodes[c].token for c in children])
+                committed = session.commit([token], None if row.dim() == 0 else row[None])
                 self.stats.steps += 1
                 self.stats.refill_tokens += decided > 0
                 decided += 1
@@ -248,12 +252,18 @@ class SpecPipeRun:
             fid, [sid], [n], frames[0], [frames[1]], [logits_at], frames[2], want, [tag]))
 
     def _decide(self, row: torch.Tensor, children: list[int]) -> tuple[int | None, int]:
-        """The target's token after the root, and which child it is (None: none of them)."""
-        params = self.session.params
-        if params.greedy:
-            token = int(row) if row.dim() == 0 else int(row.argmax())
+        """The target's token after the root, and which child it is (None: none of them). The
+        root's row is the next token's after the committed text, as AR's step is: the request's
+        logit rules (penalties, grammar, thinking budget ...) adjust it as they adjust AR's."""
+        session = self.session
+        if row.dim() == 0:  # an argmax sent back
+            token = int(row)
             return (children.index(token) if token in children else None), token
-        return accept_at_node(children, probs_from_logits(row.float(), params), self.session.generator)
+        scored = session.scored_next(row[None].float())[0]
+        if session.params.greedy:
+            token = int(scored.argmax())
+            return (children.index(token) if token in children else None), token
+        return accept_at_node(children, probs_from_logits(scored, session.params), session.generator)
 
 
 def specpipe_generate(target: PipelineDecoder, draft: Decoder, prompt: list[int], params: SamplingParams,

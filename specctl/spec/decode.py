@@ -112,9 +112,15 @@ class DecodeSession:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def commit(self, tokens: list[int]) -> list[int]:
-        """Append verified tokens (up to a stop token or max_tokens); returns those emitted."""
-        return self._emit(tokens)
+    def commit(self, tokens: list[int], rows: torch.Tensor | None = None) -> list[int]:
+        """Append verified tokens (up to a stop token or max_tokens); returns those emitted.
+        ``rows``: the target's logits each was chosen from (for the request's logprobs)."""
+        return self._emit(tokens, rows)
+
+    def scored_next(self, logits: torch.Tensor) -> torch.Tensor:
+        """One row of the target's logits after the committed text, as the acceptance rule
+        reads it: adjusted by the request's logit rules when it has some."""
+        return self._scored(logits, None)
 
     def _emit(self, tokens: list[int], rows: torch.Tensor | None = None) -> list[int]:
         """Commit ``tokens`` up to a stop token or max_tokens; ``rows``: the target's logits each

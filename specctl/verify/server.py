@@ -18,7 +18,7 @@ from specctl.engine.prefill_gate import prefill_gate
 from specctl.engine.prefix_cache import flush_prefix_cache, prefix_cache_stats
 from specctl.engine.spec import check_token_ids
 from specctl.spec.logit_rules import check_rule_token_ids
-from specctl.errors import BadRequest, KVBudgetExceeded, SpecctlError, StageUnavailable
+from specctl.errors import KVBudgetExceeded, SpecctlError, StageUnavailable
 from specctl.net.framing import read_message
 from specctl.net.handshake import server_handshake
 from specctl.net.protocol import (
@@ -195,7 +195,8 @@ class TargetServer(ListeningServer):
             session = await self._create(msg, send)
             if session is None:
                 return
-            emit = lambda tokens, result: self._emit(session, msg.req, tokens, result, send)  # noqa: E731
+            emit = lambda tokens, result, scores=None: self._emit(session, msg.req, tokens, result, send,  # noqa: E731
+                                                                 scores)
             try:
                 if self.specpipe is not None:
                     await serve_specpipe(session, self.specpipe, self.compute, emit)
@@ -224,13 +225,6 @@ class TargetServer(ListeningServer):
         creating = None
         try:
             params = sampling_params_of(msg)
-            if (params.logprobs is not None or params.prompt_logprobs is not None) and self.specpipe is not None:
-                raise BadRequest("logprobs are not available from a SpecPipe target: its stages send the verified "
-                                 "tokens, not the logits")
-            if params.adjusts_logits and self.specpipe is not None:
-                raise BadRequest("penalties, logit_bias, bad_words, allowed_token_ids, min_tokens, structured output "
-                                 "and thinking budgets are not available from a SpecPipe target: its stages verify with the unadjusted "
-                                 "distribution")
             check_rule_token_ids(params, self.model.spec.vocab_size)
             check_token_ids(msg.prompt, self.model.spec.vocab_size)
             check_token_ids(msg.stop_token_ids, self.model.spec.vocab_size)
@@ -276,14 +270,18 @@ class TargetServer(ListeningServer):
         # The round loop has set wall_s and queued the freeing of the session's state.
         send(Done(req, reason, session.stats.to_dict(), session.stop_token))
 
-    def _emit(self, session: DecodeSession, req: int, tokens: list[int], result: RoundResult | None, send) -> None:
+    def _emit(self, session: DecodeSession, req: int, tokens: list[int], result: RoundResult | None, send,
+              scores: list | None = None) -> None:
+        """Send the tokens just emitted; ``scores``: their log-probability entries when taken as
+        they were emitted (SpecPipe's driver goes on meanwhile), else the session's last ones."""
         if result is not None:
             self.totals.record(result)
         prompt = session.prompt_logprobs if result is None else None  # the prefill's: the prompt's go with it
         if not tokens and prompt is None:
             return
         self.totals.new_tokens += len(tokens)
-        own = session.logprobs[len(session.logprobs) - len(tokens):] if session.params.logprobs is not None else []
+        own = scores if scores is not None else (
+            session.logprobs[len(session.logprobs) - len(tokens):] if session.params.logprobs is not None else [])
         logprobs, top_ids, top_logprobs, ranks = _columns(own, 4)
         send(Tokens(req, tokens, logprobs, top_ids, top_logprobs, *_columns(prompt or [], 4), ranks=ranks))
 
