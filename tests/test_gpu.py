@@ -522,3 +522,85 @@ def test_sliding_windows_on_cuda_graphs_equal_cpu_fp32_and_bf16_speculative_equa
             reference, _, _ = generate(target, prompt, params)
             for mode, drafter in _drafters(draft).items():
                 assert generate(target, prompt, params, drafter)[0] == reference, f"{arch} {mode} diverged on {prompt}"
+
+
+# --- sessions 58-61, untried on a GPU so far: each helper takes the device (tried on "cpu" here) ---
+
+def predicted_outputs_run(tiny_dir, device: str) -> None:
+    """Predicted Outputs: chains of 15, 31 and 63 predicted tokens (with the root each a static
+    step's size bucket on CUDA graphs) from the prediction's n-gram index, with the target alone
+    and beside a draft chain; an edit in the prediction rejects part of a chain. Greedy: the
+    target alone's tokens."""
+    load = _cuda if device == "cuda" else load_decoder
+    target, draft = load(tiny_dir["qwen2"]), load(tiny_dir["qwen2-draft"])
+    plain = SamplingParams(max_tokens=120, ignore_eos=True)
+    for prompt in PROMPTS[:2]:
+        alone = generate(target, prompt, plain)[0]
+        for prediction in (alone, alone[:30] + [3, 3, 3] + alone[33:]):
+            params = SamplingParams(max_tokens=120, ignore_eos=True, prediction=tuple(prediction))
+            for drafter in (None, ModelChainDrafter(draft, 4)):
+                sizes: list[int] = []
+                output = generate(target, prompt, params, drafter, on_tokens=lambda tokens, result: sizes.append(
+                    result.nodes) if result is not None and result.predicted else None)[0]
+                assert output == alone, (prompt, drafter)
+                assert 63 in sizes or prediction != alone, sizes  # the longest chain was verified
+    if device == "cuda":
+        assert target.static.replays > 0
+
+
+def thinking_budget_run(tiny_dir, device: str) -> None:
+    """A thought cut at its budget (the forced row built on the logits' device): every mode
+    gives the target alone's tokens, the end marker right after the budget; sampled too."""
+    load = _cuda if device == "cuda" else load_decoder
+    target, draft = load(tiny_dir["qwen2"]), load(tiny_dir["qwen2-draft"])
+    start, end = 20, 21
+    prompt = [1, 5, 9, 2, 7, start]
+    free = generate(target, prompt, SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    params = SamplingParams(max_tokens=24, ignore_eos=True, thinking_budget=3, thinking_markers=((start,), (end,)))
+    alone = generate(target, prompt, params)[0]
+    assert end in alone[:4] and (alone != free or end in free[:4])
+    for mode, drafter in _drafters(draft).items():
+        assert generate(target, prompt, params, drafter)[0] == alone, mode
+    sampled = SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, seed=5, thinking_budget=2,
+                             thinking_markers=((start,), (end,)))
+    for drafter in (None, ModelChainDrafter(draft, 4)):
+        output = generate(target, [1, 5, start], sampled, drafter)[0]
+        assert end in output[:3]
+
+
+async def specpipe_rules_run(tiny_dir, device: str) -> None:
+    """SpecPipe deciding from the root's logits row (not the last stage's argmax): penalties,
+    a logit bias and logprobs through 2 stages equal the whole target's."""
+    from specctl.pipeline.local import LocalPipeline
+    from specctl.pipeline.specpipe import SpecPipeRun
+    from specctl.pipeline.token_source import DraftLevels, TreeShape, max_tree_nodes
+    from specctl.spec.rounds import run_to_end
+
+    target = load_model("t", tiny_dir["llama"], "fp32", device=device)
+    draft = load_model("d", tiny_dir["llama"], "fp32", num_layers=2, device=device)
+    params = SamplingParams(max_tokens=24, ignore_eos=True, repetition_penalty=1.6, logit_bias=((7, 4.0),), logprobs=2)
+    shape = TreeShape(3, 2)
+    async with LocalPipeline(target, 2, delay_s=0.0) as pipeline:
+        for prompt in PROMPTS:
+            reference = run_to_end(target.decoder, prompt, params)
+            session = DecodeSession(pipeline.staged.decoder, prompt, params, (), None, None, max_tree_nodes(2, shape))
+            levels = DraftLevels.for_session(draft.decoder, shape, session)
+            try:
+                await asyncio.to_thread(SpecPipeRun(pipeline.staged.decoder, session, levels).run)
+                assert session.output == reference.output, prompt
+                assert [e[0] for e in session.logprobs] == pytest.approx([e[0] for e in reference.logprobs], abs=1e-4)
+            finally:
+                session.close()
+                levels.close()
+
+
+def test_predicted_outputs_on_cuda_graphs_equal_the_target(tiny_dir):
+    predicted_outputs_run(tiny_dir, "cuda")
+
+
+def test_thinking_budgets_on_cuda_every_mode_equal_the_target(tiny_dir):
+    thinking_budget_run(tiny_dir, "cuda")
+
+
+async def test_specpipe_with_logit_rules_through_cuda_stages_equals_the_target(tiny_dir):
+    await specpipe_rules_run(tiny_dir, "cuda")

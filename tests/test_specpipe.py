@@ -201,6 +201,36 @@ async def test_the_draft_levels_follow_the_prefill_so_the_pipeline_is_full_at_th
         await wait_until(lambda: all(s.pool.sessions == 0 for s in pipeline.servers), what="stage KV freed")
 
 
+async def test_the_draft_levels_follow_the_requests_logit_rules_and_the_tokens_stay_the_targets(models):
+    """With allowed_token_ids and a repetition penalty the target decides from its adjusted
+    row; the draft's levels follow the same rules after each node's path (the session's
+    rules, read): more hits than a draft drafting free, the same tokens either way."""
+    target, draft = models
+    allowed = tuple(range(40, 60))
+    params = SamplingParams(max_tokens=24, ignore_eos=True, allowed_token_ids=allowed, repetition_penalty=1.3)
+    shape = TreeShape(2, 2)
+    hits = {}
+    async with LocalPipeline(target, 2) as pipeline:
+        for guided in (True, False):
+            hits[guided] = 0
+            for prompt in PROMPTS:
+                session = DecodeSession(pipeline.staged.decoder, prompt, params, max_nodes=max_tree_nodes(2, shape))
+                levels = DraftLevels.for_session(draft.decoder, shape, session)
+                assert levels.guide is session.rules
+                if not guided:
+                    levels.guide = None
+                run = SpecPipeRun(pipeline.staged.decoder, session, levels)
+                try:
+                    await asyncio.to_thread(run.run)
+                    assert session.output == generate(target.decoder, prompt, params)[0], (prompt, guided)
+                    assert set(session.output) <= set(allowed)
+                finally:
+                    session.close()
+                    levels.close()
+                hits[guided] += run.stats.hits
+    assert hits[True] > hits[False], hits
+
+
 async def test_specpipe_stops_at_a_stop_token_like_the_target(models):
     target, draft = models
     async with LocalPipeline(target, 2) as pipeline:

@@ -13,6 +13,7 @@ from specctl.engine.kv_cache import KVPool
 from specctl.engine.model import Decoder
 from specctl.pipeline.live_tree import CacheMirror, SpecTree
 from specctl.spec.decode import DecodeSession
+from specctl.spec.logit_rules import LogitRules
 
 
 SPREADS = ("likeliest", "every-node")
@@ -71,6 +72,15 @@ def spread_level(candidates: list[Candidate], topk: int, width: int, spread: str
     return firsts + rest[: width - len(firsts)]
 
 
+def _path(tree: SpecTree, node_id: int) -> list[int]:
+    """The tokens from the root's child down to ``node_id`` (none for the root itself)."""
+    path = []
+    while tree.nodes[node_id].parent is not None:
+        path.append(tree.nodes[node_id].token)
+        node_id = tree.nodes[node_id].parent
+    return path[::-1]
+
+
 class LevelSource(Protocol):
     """Where SpecPipe's levels come from: a draft model here (DraftLevels) or on a draft server."""
     alive: bool
@@ -89,9 +99,11 @@ class DraftLevels:
     alive = True  # a local draft never goes away (a remote one may: stage 1 then decodes as plain PP)
 
     def __init__(self, draft: Decoder, shape: TreeShape, prefix: list[int], capacity: int,
-                 pool: KVPool | None = None) -> None:
-        """``prefix``: the committed text before the first tree's root (may be empty)."""
-        self.draft, self.shape = draft, shape
+                 pool: KVPool | None = None, guide: LogitRules | None = None) -> None:
+        """``prefix``: the committed text before the first tree's root (may be empty);
+        ``guide``: the session's logit rules, followed while drafting (read, never changed:
+        the session records its commits into them, on the same thread)."""
+        self.draft, self.shape, self.guide = draft, shape, guide
         self.cache = draft.new_cache(capacity, pool)
         if prefix:
             draft(torch.tensor(prefix), torch.arange(len(prefix)), self.cache, logits_at=torch.tensor([len(prefix) - 1]))
@@ -102,7 +114,7 @@ class DraftLevels:
     def for_session(cls, draft: Decoder, shape: TreeShape, session: DecodeSession,
                     pool: KVPool | None = None) -> "DraftLevels":
         capacity = level_capacity(session.prompt_len, session.params.max_tokens, session.target.stages, shape)
-        return cls(draft, shape, session.seq[: session.prompt_len - 1], capacity, pool)
+        return cls(draft, shape, session.seq[: session.prompt_len - 1], capacity, pool, session.rules)
 
     def start(self, token: int, position: int) -> None:
         """The first tree's root (the prompt's last token): the draft reads it with the first level."""
@@ -120,6 +132,9 @@ class DraftLevels:
         logits = self.draft(torch.tensor([n.token for n in nodes]), torch.tensor([n.pos for n in nodes]),
                             self.cache, mask=mask)
         self.mirror.append(frontier)
+        if self.guide is not None and logits.shape[-1] == self.guide.counts.shape[-1]:
+            # each frontier node's row after its path past the committed text (the tree's root)
+            logits = self.guide.apply(logits, [_path(tree, i) for i in frontier])
         probs, tokens = logits.float().softmax(-1).topk(self.shape.topk, dim=-1)
         candidates = [(nodes[r].score * float(probs[r, j]), r, int(tokens[r, j]))
                       for r in range(len(frontier)) for j in range(self.shape.topk)]
