@@ -132,9 +132,11 @@ class DraftLevels:
         logits = self.draft(torch.tensor([n.token for n in nodes]), torch.tensor([n.pos for n in nodes]),
                             self.cache, mask=mask)
         self.mirror.append(frontier)
-        if self.guide is not None and logits.shape[-1] == self.guide.counts.shape[-1]:
-            # each frontier node's row after its path past the committed text (the tree's root)
-            logits = self.guide.apply(logits, [_path(tree, i) for i in frontier])
+        guide = self.guide
+        if guide is not None and (logits.shape[-1], logits.device) == (guide.counts.shape[-1], guide.counts.device):
+            # each frontier node's row after its path past the committed text (the tree's root);
+            # a draft of another vocabulary width or on another device drafts free
+            logits = guide.apply(logits, [_path(tree, i) for i in frontier])
         probs, tokens = logits.float().softmax(-1).topk(self.shape.topk, dim=-1)
         candidates = [(nodes[r].score * float(probs[r, j]), r, int(tokens[r, j]))
                       for r in range(len(frontier)) for j in range(self.shape.topk)]
