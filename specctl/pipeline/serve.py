@@ -14,7 +14,7 @@ from specctl.engine.model import Decoder
 from specctl.pipeline.specpipe import PipeStats, SpecPipeRun
 from specctl.pipeline.token_source import DraftLevels, LevelSource, TreeShape, max_tree_nodes
 from specctl.spec.decode import DecodeSession
-from specctl.spec.logprobs import TokenLogprob
+from specctl.spec.logprobs import TokenLogprob, emitted_logprobs
 from specctl.spec.stats import RoundResult
 
 # (tokens, their round's result, their log-probability entries as taken when they were emitted)
@@ -60,15 +60,13 @@ async def serve_specpipe(session: DecodeSession, spec: SpecPipeDraft, lane, emit
     started = time.perf_counter()
     run, cancelled = None, False
 
-    def scores_of(tokens: list[int]) -> list:
-        return session.logprobs[len(session.logprobs) - len(tokens):] if session.params.logprobs is not None else []
-
     def drive() -> None:
         nonlocal run
         if cancelled:  # cancelled while queued
             return
         run = SpecPipeRun(session.target, session, spec.open_levels(session),
-                          lambda tokens, result: loop.call_soon_threadsafe(emit, tokens, result, scores_of(tokens)),
+                          lambda tokens, result: loop.call_soon_threadsafe(emit, tokens, result,
+                                                                           emitted_logprobs(session, len(tokens))),
                           spec.shape.refill_depth(session.target.stages))
         run.stop = cancelled
         try:

@@ -21,6 +21,12 @@ def token_logprobs(rows: torch.Tensor, tokens: list[int], alternatives: int) -> 
     return _scored(rows.float().log_softmax(-1), tokens, alternatives)
 
 
+def emitted_logprobs(session, count: int) -> list[TokenLogprob]:
+    """The entries of a DecodeSession's last ``count`` emitted tokens (none when its request did
+    not ask for log-probabilities)."""
+    return session.logprobs[len(session.logprobs) - count:] if session.params.logprobs is not None else []
+
+
 def _scored(logprobs: torch.Tensor, tokens: list[int], alternatives: int) -> list[TokenLogprob]:
     """Each token's entry from its row's log-probabilities."""
     chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).view(-1, 1))

@@ -30,6 +30,7 @@ from specctl.pipeline.serve import SpecPipeDraft, serve_specpipe
 from specctl.runtime.compute import ComputeLane, ComputeThread, SlowedLane
 from specctl.runtime.listen import ListenConfig, ListeningServer, MessageRate
 from specctl.spec.decode import DecodeSession
+from specctl.spec.logprobs import emitted_logprobs
 from specctl.spec.prediction import PREDICTION_NODES, with_prediction
 from specctl.spec.rounds import run_session
 from specctl.spec.stats import GenerationStats, RoundResult
@@ -280,8 +281,7 @@ class TargetServer(ListeningServer):
         if not tokens and prompt is None:
             return
         self.totals.new_tokens += len(tokens)
-        own = scores if scores is not None else (
-            session.logprobs[len(session.logprobs) - len(tokens):] if session.params.logprobs is not None else [])
+        own = scores if scores is not None else emitted_logprobs(session, len(tokens))
         logprobs, top_ids, top_logprobs, ranks = _columns(own, 4)
         send(Tokens(req, tokens, logprobs, top_ids, top_logprobs, *_columns(prompt or [], 4), ranks=ranks))
 
