@@ -59,7 +59,8 @@ def test_a_seeded_sample_is_a_cold_start_s_whatever_the_draft_cached_or_pre_spec
     assert run(target, cold, second, SEEDED, steps=0, tag=3, reproducible=True)[0] == again
     # a session not marked (an unseeded request's; seeded here so that the count is fixed) keeps
     # both savings: the same turn restores the draft's prefix and is answered from branches
-    cool = SamplingParams(temperature=0.2, max_tokens=20, ignore_eos=True, seed=5)  # outcomes the branches hold
+    # (not adaptive, every choice is the test's: misses drafted just in time, whatever the machine's speed)
+    cool = SamplingParams(temperature=0.2, max_tokens=20, ignore_eos=True, seed=1)  # outcomes the branches hold
     run(target, table, second, cool, steps=8, tag=4, reproducible=False)
     assert prefixes.stats.hits == hits + 1
     assert table.speculation.snapshot()["hits"] > 0

@@ -249,9 +249,12 @@ class SpeculationCache(PlanSizing):
                 step(own)
 
     def fallback_for(self, misses: list[tuple[int, DraftState]]) -> str:
-        """How to draft the sessions that just missed, together: "jit" or "ngram"."""
+        """How to draft the sessions that just missed, together: "jit" or "ngram" (``auto``: by the
+        measured times; just in time when not adaptive, as every timed choice here: tests decide)."""
         if self.config.fallback != "auto":
             return self.config.fallback
+        if not self.config.adaptive:
+            return "jit"
         returns = [self.history[tag].return_s for tag, _ in misses if self.history.get(tag) and self.history[tag].return_s]
         if not returns:
             return "jit"
