@@ -139,6 +139,39 @@ def test_level_table_refuses_what_does_not_fit_its_tree(models):
     assert not table.sessions and table.pool.sessions == 0
 
 
+def test_a_level_session_follows_its_requests_rules_from_the_first_root_on(models):
+    """OpenLevels carries the request's rules: the guide is built when the first root (the
+    prompt's last token) comes, counts each re-rooting's token as output, and goes with the
+    session; rules it cannot build (a grammar it cannot read) leave the levels free."""
+    from functools import partial
+
+    from specctl.spec.logit_rules import draft_guide
+
+    _, draft = models
+    guide_of = partial(draft_guide, tokenizer=draft.tokenizer, vocab_size=draft.spec.vocab_size,
+                       stop_ids=set(draft.eos_token_ids), device=draft.decoder.device)
+    table = LevelTable(draft.decoder, KVPool(None), draft.spec.vocab_size, draft.spec.max_position, guide_of)
+    allowed = [40, 41, 42, 43]
+    table.open(1, OpenLevels(0, [5, 9, 13], width=3, topk=2, capacity=64, allowed_token_ids=allowed,
+                             repetition_penalty=1.5))
+    assert table.sessions[1].levels.guide is None
+    table.reroot(Reroot(1, -1, -1, 2, 3))
+    guide = table.sessions[1].levels.guide
+    assert guide is not None and guide.produced == 0 and bool(guide.in_prompt[[5, 9, 13, 2]].all())
+    level = table.next_level(1, [0])
+    assert set(level.tokens) <= set(allowed) and len(level.tokens) == 2  # topk children of the root
+    table.reroot(Reroot(1, 0, level.nodes[0], level.tokens[0], 4))  # the draft's likeliest child verified
+    assert guide.produced == 1
+    assert set(table.next_level(1, [n for n in level.nodes if n in table.sessions[1].tree.nodes]).tokens) <= set(allowed)
+    table.open(2, OpenLevels(0, [5, 9], width=2, topk=2, capacity=64, structured_kind="json",
+                             structured_spec="{not json"))
+    table.reroot(Reroot(2, -1, -1, 7, 2))
+    assert table.sessions[2].levels.guide is None and len(table.next_level(2, [0]).tokens) == 2
+    table.close(1)
+    table.close(2)
+    assert not table.sessions and table.pool.sessions == 0
+
+
 async def test_level_requests_over_the_wire_for_unknown_sessions_get_an_error(models):
     target, draft = models
     server = DraftServer(draft, ModelChainDrafter(draft.decoder, 3), DraftServerConfig(port=0))
@@ -209,3 +242,9 @@ async def test_logit_rules_and_logprobs_through_a_specpipe_target_are_the_whole_
                 assert reference.output[1:3] == [21, 22] and 21 not in reference.output[:1]
         served = await remote_stats("127.0.0.1", cluster.port)
         assert served["specpipe_steps"] == sum(steps)
+        # The draft server's levels follow the request's rules as a draft in stage 1's process does
+        # (the session's own rules, read): the same trees, the same hits.
+        local = [await asyncio.to_thread(specpipe_generate, cluster.pipeline.staged.decoder, models[1].decoder, prompt,
+                                         params, TreeShape(2, 2), eos_token_ids=target.eos_token_ids,
+                                         tokenizer=target.tokenizer) for prompt in ([20, 5, 9], PROMPTS[1])]
+        assert served["specpipe_hits"] == sum(run[3].hits for run in local) > 0

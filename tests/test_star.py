@@ -460,8 +460,9 @@ async def test_the_draft_server_follows_the_requests_rules_and_grammar(models):
     server = DraftServer(draft, ModelChainDrafter(draft.decoder, 3), DraftServerConfig(port=0))
     table = server.table
     ab = draft.tokenizer.encode("ab")
-    table.open(1, OpenSession(1, [5, 9, 13, *ab], 0.7, 1.0, 0, 3, 20, "regex", "[a-c]+", 2, 0.5, 0.25, 1.3, 0.05, 4,
-                              {7: -5.0}))
+    table.open(1, OpenSession(1, [5, 9, 13, *ab], 0.7, 1.0, 0, 3, 20, 0.05, structured_kind="regex",
+                              structured_spec="[a-c]+", generated=2, presence_penalty=0.5, frequency_penalty=0.25,
+                              repetition_penalty=1.3, min_tokens=4, logit_bias={7: -5.0}))
     state = table.states[1]
     guide = state.session.guide
     assert isinstance(guide, LogitRules) and state.params.min_p == 0.05

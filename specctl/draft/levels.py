@@ -1,19 +1,24 @@
 """SpecPipe's tree levels drafted on the draft server for a remote stage 1 (``verify --stage
 1/n --draft H:P --specpipe``). Each session holds the draft's KV and the tree; stage 1
 mirrors the tree (both sides add the same nodes in the same order and re-root alike, so
-the node ids agree). Runs on the draft server's compute thread, in message order."""
+the node ids agree). The levels follow the request's logit rules and grammar as a local
+draft does (DraftLevels' guide), each re-rooting's token recorded as output. Runs on the
+draft server's compute thread, in message order."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.model import Decoder
+from specctl.draft.sessions import wire_rules
 from specctl.engine.spec import check_token_ids
 from specctl.errors import BadRequest
 from specctl.net.protocol import Level, OpenLevels, Reroot
 from specctl.pipeline.live_tree import SpecTree
 from specctl.pipeline.token_source import DraftLevels, TreeShape
+from specctl.spec.sampling import SamplingParams
 
 
 @dataclass(slots=True)
@@ -21,11 +26,17 @@ class LevelSession:
     levels: DraftLevels
     tree: SpecTree
     failed: str | None = None  # a re-rooting that did not fit the tree: the next level request says why
+    # the request's rules and prompt, until the first tree's root (a prompt token) comes to build the guide
+    rules: tuple[SamplingParams, list[int]] | None = None
 
 
 class LevelTable:
-    def __init__(self, draft: Decoder, pool: KVPool, vocab_size: int, max_position: int) -> None:
+    def __init__(self, draft: Decoder, pool: KVPool, vocab_size: int, max_position: int,
+                 guide_of: Callable[[SamplingParams, list[int], list[int]], Any] | None = None) -> None:
+        """``guide_of``: (request's rules, prompt, output) -> the logit rules a session's levels
+        follow (spec.logit_rules.draft_guide), or None when they cannot."""
         self.draft, self.pool, self.vocab_size, self.max_position = draft, pool, vocab_size, max_position
+        self.guide_of = guide_of
         self.sessions: dict[int, LevelSession] = {}
         self.levels_sent = 0
 
@@ -38,8 +49,9 @@ class LevelTable:
         if not len(msg.prompt) < msg.capacity <= self.max_position:
             raise BadRequest(f"a level session needs a capacity above its text's length, at most "
                              f"{self.max_position}: got {len(msg.prompt)} tokens, capacity {msg.capacity}")
+        rules = wire_rules(msg, msg.min_tokens) if self.guide_of is not None else None
         self.sessions[tag] = LevelSession(DraftLevels(self.draft, shape, list(msg.prompt), msg.capacity, self.pool),
-                                          SpecTree())
+                                          SpecTree(), rules=None if rules is None else (rules, list(msg.prompt)))
 
     def next_level(self, tag: int, frontier: list[int]) -> Level:
         session = self._session(tag)
@@ -63,8 +75,14 @@ class LevelTable:
         if not 0 <= msg.token < self.vocab_size or not 0 <= msg.position < session.levels.cache.capacity:
             session.failed = f"token {msg.token} at position {msg.position} is out of range"
             return
+        guide = session.levels.guide
         if msg.committed >= 0:
             session.levels.reroot(tree, msg.committed, None if msg.new_root < 0 else msg.new_root)
+            if guide is not None:
+                guide.record([msg.token])  # the verified token: output now
+        elif session.rules is not None:  # the first root, the prompt's last token
+            rules, prompt = session.rules
+            session.levels.guide, session.rules = self.guide_of(rules, prompt + [msg.token], []), None
         if msg.new_root < 0 or msg.committed < 0:
             session.tree = SpecTree()
             session.tree.add(msg.token, None, msg.position)

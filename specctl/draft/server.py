@@ -47,10 +47,11 @@ class DraftServer(ListeningServer):
         # Its own compute thread, or a lane of the device's thread when roles share a process.
         self.compute = compute or ComputeThread("draft-compute", max_batch=config.max_batch).lane(owns_thread=True)
         spec = model.spec
+        guide_of = partial(draft_guide, tokenizer=model.tokenizer, vocab_size=spec.vocab_size,
+                           stop_ids=set(model.eos_token_ids), device=model.decoder.device)
         self.table = SessionTable(drafter, KVPool(config.kv_budget_bytes), spec.vocab_size, spec.max_position,
-                                  guide_of=partial(draft_guide, tokenizer=model.tokenizer, vocab_size=spec.vocab_size,
-                                                   stop_ids=set(model.eos_token_ids), device=model.decoder.device))
-        self.levels = LevelTable(model.decoder, self.table.pool, spec.vocab_size, spec.max_position)  # SpecPipe
+                                  guide_of=guide_of)
+        self.levels = LevelTable(model.decoder, self.table.pool, spec.vocab_size, spec.max_position, guide_of)  # SpecPipe
         if config.prespec is not None:
             if drafter.name not in ("chain", "tree"):
                 raise ConfigError(f"pre-speculation drafts with the draft model: it needs --mode chain or tree, "

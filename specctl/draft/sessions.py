@@ -17,7 +17,7 @@ from specctl.draft.speculation import SpeculationCache
 from specctl.engine.kv_cache import KVPool
 from specctl.errors import PromptTooLong, SpecctlError
 from specctl.engine.spec import check_token_ids
-from specctl.net.protocol import OpenSession, Proposal, SparseProbs
+from specctl.net.protocol import DraftRules, OpenSession, Proposal, SparseProbs
 from specctl.spec.draft_state import DraftState, draft_capacity, draft_many
 from specctl.engine.tree import TokenTree
 from specctl.spec.batch_drafting import prefill_step
@@ -57,7 +57,7 @@ class SessionTable:
         self.states[tag] = DraftState(session, params, generator, list(msg.prompt), capacity, self.drafter.max_nodes,
                                       self.vocab_size, reproducible=msg.reproducible)
         if self.guide_of is not None and hasattr(session, "guide"):
-            rules = _rules(msg)
+            rules = wire_rules(msg, msg.max_tokens + msg.generated)
             if rules is not None:
                 split = len(msg.prompt) - msg.generated
                 session.guide = self.guide_of(rules, list(msg.prompt[:split]), list(msg.prompt[split:]))
@@ -256,13 +256,13 @@ def _message(tag: int, proposal: DraftProposal) -> Proposal:
                     Proposal.pack_confidences(tree.probs[1:].tolist()))
 
 
-def _rules(msg: OpenSession) -> SamplingParams | None:
-    """The request's logit rules and grammar as OpenSession carries them, or None when there are
-    none (or they do not hold together: the draft then drafts free, which the target's check of
-    the same request makes rare)."""
+def wire_rules(msg: DraftRules, max_tokens: int) -> SamplingParams | None:
+    """The request's logit rules and grammar as an opening message carries them, or None when
+    there are none (or they do not hold together: the draft then drafts free, which the
+    target's check of the same request makes rare)."""
     try:
         rules = SamplingParams(
-            max_tokens=max(msg.max_tokens + msg.generated, msg.min_tokens, 1), presence_penalty=msg.presence_penalty,
+            max_tokens=max(max_tokens, msg.min_tokens, 1), presence_penalty=msg.presence_penalty,
             frequency_penalty=msg.frequency_penalty, repetition_penalty=msg.repetition_penalty,
             penalty_last_n=msg.penalty_last_n, allowed_token_ids=tuple(msg.allowed_token_ids),
             min_tokens=msg.min_tokens, logit_bias=tuple(sorted(msg.logit_bias.items())),

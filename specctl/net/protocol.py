@@ -50,7 +50,26 @@ class Welcome(msgspec.Struct, tag=True, frozen=True):
 
 # --- target <-> draft ------------------------------------------------------------------
 
-class OpenSession(msgspec.Struct, tag=True, frozen=True):
+class DraftRules(msgspec.Struct, frozen=True, kw_only=True):
+    """A request's logit rules and grammar (spec.logit_rules), which the draft follows; both
+    opening messages carry them (keyword-only: each message's own fields come first)."""
+    structured_kind: str = ""  # "" = none
+    structured_spec: str = ""
+    generated: int = 0  # the prompt's last tokens that are output already (the rules count them as output)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0  # of the whole output, ``generated`` included
+    logit_bias: dict[int, float] = {}
+    bad_words: list[list[int]] = []
+    penalty_last_n: int = 0  # the penalties' window (SamplingParams.penalty_last_n)
+    allowed_token_ids: list[int] = []  # vLLM's: only these may come (empty: any)
+    thinking_budget: int = -1  # SamplingParams.thinking_budget (-1: none) and its markers
+    thinking_start: list[int] = []
+    thinking_end: list[int] = []
+
+
+class OpenSession(DraftRules, tag=True, frozen=True):
     req: int
     prompt: list[int]
     temperature: float = 0.0
@@ -58,26 +77,11 @@ class OpenSession(msgspec.Struct, tag=True, frozen=True):
     top_k: int = 0
     seed: int = 0
     max_tokens: int = 128
-    # the request's logit rules (spec.logit_rules) and grammar (spec.structured), which the draft follows
-    structured_kind: str = ""  # "" = none
-    structured_spec: str = ""
-    generated: int = 0  # the prompt's last tokens that are output already (the rules count them as output)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
     min_p: float = 0.0
-    min_tokens: int = 0  # of the whole output, ``generated`` included
-    logit_bias: dict[int, float] = {}
-    bad_words: list[list[int]] = []
     # a seeded sampled request: drafted as a cold start alone would (DraftState.reproducible)
     reproducible: bool = False
-    penalty_last_n: int = 0  # the penalties' window (SamplingParams.penalty_last_n)
-    allowed_token_ids: list[int] = []  # vLLM's: only these may come (empty: any)
     sampler_order: list[str] = []  # SamplingParams.sampler_order (empty: temperature first)
     cache_salt: str = ""  # the session's prefix-cache namespace (SamplingParams.cache_salt)
-    thinking_budget: int = -1  # SamplingParams.thinking_budget (-1: none) and its markers
-    thinking_start: list[int] = []
-    thinking_end: list[int] = []
 
 
 class SessionOpened(msgspec.Struct, tag=True, frozen=True):
@@ -158,9 +162,10 @@ class CloseSession(msgspec.Struct, tag=True, frozen=True):
 # The draft server keeps the session's tree; stage 1 mirrors it (the same node ids, as both
 # add the same nodes in the same order and re-root the same way).
 
-class OpenLevels(msgspec.Struct, tag=True, frozen=True):
+class OpenLevels(DraftRules, tag=True, frozen=True):
     """Open a tree-level session on ``prompt``, the text before the first tree's root (stage 1
-    sends the prompt but its last token, the root); answered by SessionOpened."""
+    sends the prompt but its last token, the root); answered by SessionOpened. The levels
+    follow the request's rules, counting each re-rooting's token as output."""
     req: int
     prompt: list[int]
     width: int  # nodes per level

@@ -26,7 +26,8 @@ class RemoteLevels:
         self.lost: str | None = None  # why the draft went away, once it did
         capacity = level_capacity(session.prompt_len, session.params.max_tokens, session.target.stages, shape)
         self.handle: Handle | None = self._call(client.open_levels(session.seq[: session.prompt_len - 1], shape.width,
-                                                                   shape.topk, capacity, shape.spread))
+                                                                   shape.topk, capacity, shape.spread,
+                                                                   session.params))
         if self.handle is None:
             self._lose(f"no level session ({client.last_error or 'the draft server refused or did not answer'})")
 

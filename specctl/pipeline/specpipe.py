@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -269,12 +270,13 @@ class SpecPipeRun:
 def specpipe_generate(target: PipelineDecoder, draft: Decoder, prompt: list[int], params: SamplingParams,
                       shape: TreeShape = TreeShape(), *, eos_token_ids: tuple[int, ...] = (),
                       max_context: int | None = None, pool: KVPool | None = None, draft_pool: KVPool | None = None,
-                      on_tokens: Emit | None = None,
+                      on_tokens: Emit | None = None, tokenizer: Any = None,
                       ) -> tuple[list[int], GenerationStats, str | None, PipeStats]:
-    """Run one session to the end with SpecPipe: (tokens, stats, finish_reason, pipeline stats)."""
+    """Run one session to the end with SpecPipe: (tokens, stats, finish_reason, pipeline stats);
+    ``tokenizer``: the target's, which a grammar needs."""
     started = time.perf_counter()
     session = DecodeSession(target, prompt, params, eos_token_ids, max_context, pool,
-                            max_tree_nodes(target.stages, shape))
+                            max_tree_nodes(target.stages, shape), tokenizer=tokenizer)
     source = None
     try:
         source = DraftLevels.for_session(draft, shape, session, draft_pool)

@@ -137,14 +137,9 @@ class DraftClient:
         cold start alone would (OpenSession.reproducible: a seeded sample's)."""
         epoch, req = self.epoch, next(self._reqs)
         rules = rules or SamplingParams()
-        kind, spec = rules.structured or ("", "")
         reply = await self._request(("req", req), OpenSession(
-            req, prompt, temperature, top_p, top_k, seed, max_tokens, kind, spec, generated, rules.presence_penalty,
-            rules.frequency_penalty, rules.repetition_penalty, rules.min_p, rules.min_tokens, dict(rules.logit_bias),
-            [list(word) for word in rules.bad_words], reproducible, rules.penalty_last_n,
-            list(rules.allowed_token_ids), list(rules.sampler_order), rules.cache_salt,
-            -1 if rules.thinking_budget is None else rules.thinking_budget,
-            *((list(rules.thinking_markers[0]), list(rules.thinking_markers[1])) if rules.thinking_markers else ())))
+            req, prompt, temperature, top_p, top_k, seed, max_tokens, rules.min_p, reproducible,
+            list(rules.sampler_order), rules.cache_salt, **draft_rules(rules, generated)))
         if isinstance(reply, SessionOpened) and epoch == self.epoch:
             return epoch, reply.tag
         return None
@@ -158,10 +153,12 @@ class DraftClient:
         return reply if isinstance(reply, Proposal) and epoch == self.epoch else None
 
     async def open_levels(self, prompt: list[int], width: int, topk: int, capacity: int,
-                          spread: str = "likeliest") -> Handle | None:
-        """A SpecPipe tree-level session (None when the draft is unavailable or refuses)."""
+                          spread: str = "likeliest", rules: SamplingParams | None = None) -> Handle | None:
+        """A SpecPipe tree-level session (None when the draft is unavailable or refuses);
+        ``rules``: the request's parameters, whose logit rules and grammar the levels follow."""
         epoch, req = self.epoch, next(self._reqs)
-        reply = await self._request(("req", req), OpenLevels(req, prompt, width, topk, capacity, spread))
+        reply = await self._request(("req", req), OpenLevels(req, prompt, width, topk, capacity, spread,
+                                                             **draft_rules(rules or SamplingParams())))
         return (epoch, reply.tag) if isinstance(reply, SessionOpened) and epoch == self.epoch else None
 
     async def next_level(self, handle: Handle, frontier: list[int]) -> Level | None:
@@ -187,3 +184,16 @@ class DraftClient:
             self._writer.write(encode(CloseSession(handle[1], tokens or [])))
         except (ConnectionError, RuntimeError):
             pass
+
+
+def draft_rules(rules: SamplingParams, generated: int = 0) -> dict:
+    """The request's logit rules and grammar as the opening messages carry them (protocol.DraftRules)."""
+    kind, spec = rules.structured or ("", "")
+    start, end = rules.thinking_markers or ((), ())
+    return dict(structured_kind=kind, structured_spec=spec, generated=generated,
+                presence_penalty=rules.presence_penalty, frequency_penalty=rules.frequency_penalty,
+                repetition_penalty=rules.repetition_penalty, min_tokens=rules.min_tokens,
+                logit_bias=dict(rules.logit_bias), bad_words=[list(word) for word in rules.bad_words],
+                penalty_last_n=rules.penalty_last_n, allowed_token_ids=list(rules.allowed_token_ids),
+                thinking_budget=-1 if rules.thinking_budget is None else rules.thinking_budget,
+                thinking_start=list(start), thinking_end=list(end))
