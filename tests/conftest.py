@@ -40,7 +40,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_threads():
-    torch.set_num_threads(2)
+    # one thread a worker when pytest-xdist runs one worker a core (the README's test command)
+    torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
 def run_here(*args: str) -> subprocess.CompletedProcess:
