@@ -163,6 +163,13 @@ def test_a_level_session_follows_its_requests_rules_from_the_first_root_on(model
     table.reroot(Reroot(1, 0, level.nodes[0], level.tokens[0], 4))  # the draft's likeliest child verified
     assert guide.produced == 1
     assert set(table.next_level(1, [n for n in level.nodes if n in table.sessions[1].tree.nodes]).tokens) <= set(allowed)
+    # a session opened after output (generated = 2): the root and the token before it count as output
+    table.open(3, OpenLevels(0, [5, 9, 13], width=2, topk=2, capacity=64, repetition_penalty=1.5, generated=2))
+    table.reroot(Reroot(3, -1, -1, 2, 3))
+    resumed = table.sessions[3].levels.guide
+    assert resumed.produced == 2 and resumed.counts[[13, 2]].tolist() == [1.0, 1.0]
+    assert bool(resumed.in_prompt[[5, 9]].all()) and not bool(resumed.in_prompt[[13, 2]].any())
+    table.close(3)
     table.open(2, OpenLevels(0, [5, 9], width=2, topk=2, capacity=64, structured_kind="json",
                              structured_spec="{not json"))
     table.reroot(Reroot(2, -1, -1, 7, 2))

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from specctl.draft.sessions import wire_rules
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.model import Decoder
-from specctl.draft.sessions import wire_rules
 from specctl.engine.spec import check_token_ids
 from specctl.errors import BadRequest
 from specctl.net.protocol import Level, OpenLevels, Reroot
@@ -26,8 +26,9 @@ class LevelSession:
     levels: DraftLevels
     tree: SpecTree
     failed: str | None = None  # a re-rooting that did not fit the tree: the next level request says why
-    # the request's rules and prompt, until the first tree's root (a prompt token) comes to build the guide
-    rules: tuple[SamplingParams, list[int]] | None = None
+    # the request's rules, text and how much of it is output (DraftRules.generated), until the
+    # first tree's root (the text's last token) comes to build the guide
+    rules: tuple[SamplingParams, list[int], int] | None = None
 
 
 class LevelTable:
@@ -51,7 +52,7 @@ class LevelTable:
                              f"{self.max_position}: got {len(msg.prompt)} tokens, capacity {msg.capacity}")
         rules = wire_rules(msg, msg.min_tokens) if self.guide_of is not None else None
         self.sessions[tag] = LevelSession(DraftLevels(self.draft, shape, list(msg.prompt), msg.capacity, self.pool),
-                                          SpecTree(), rules=None if rules is None else (rules, list(msg.prompt)))
+                                          SpecTree(), rules=None if rules is None else (rules, list(msg.prompt), msg.generated))
 
     def next_level(self, tag: int, frontier: list[int]) -> Level:
         session = self._session(tag)
@@ -80,9 +81,10 @@ class LevelTable:
             session.levels.reroot(tree, msg.committed, None if msg.new_root < 0 else msg.new_root)
             if guide is not None:
                 guide.record([msg.token])  # the verified token: output now
-        elif session.rules is not None:  # the first root, the prompt's last token
-            rules, prompt = session.rules
-            session.levels.guide, session.rules = self.guide_of(rules, prompt + [msg.token], []), None
+        elif session.rules is not None:  # the first root, the text's last token
+            rules, text, generated = session.rules
+            text, split = text + [msg.token], max(0, len(text) + 1 - generated)
+            session.levels.guide, session.rules = self.guide_of(rules, text[:split], text[split:]), None
         if msg.new_root < 0 or msg.committed < 0:
             session.tree = SpecTree()
             session.tree.add(msg.token, None, msg.position)
