@@ -2,13 +2,22 @@
 and SGLang's /flush_cache empty every target instance's and draft server's cache, the next
 request prefills from scratch with the same text, and a role that cannot be reached is named."""
 
+import asyncio
 import json
+import threading
 import urllib.error
 import urllib.request
 
+import pytest
 
+from specctl.draft.server import DraftServer, DraftServerConfig
+from specctl.engine.loader import load_model
 from specctl.net.protocol import CacheFlushed
+from specctl.spec.drafters import ModelChainDrafter
+from specctl.verify.client import flush_cache
+from specctl.verify.server import TargetServer, TargetServerConfig
 from tests.test_gateway import specctl_generate
+from tests.test_prefill_gate import _store
 
 
 def _flush(base: str, method: str = "POST", path: str = "/reset_prefix_cache", headers: dict | None = None):
@@ -47,13 +56,35 @@ def test_a_flush_empties_every_role_s_cache_and_the_next_request_prefills_it_aga
     assert status == 200 and all(line["entries"] == 0 and line["freed_mb"] == 0 for line in body["roles"])
 
 
+@pytest.mark.parametrize("role", ["target", "draft"])
+async def test_a_flush_waits_for_the_session_closes_queued_before_it(tiny_dir, role):
+    """A session answered DONE stores its text on the compute thread just after; a flush sent
+    once the reply is in must drop that text too (answered at once, it raced the store: the
+    third request of the test above found its prompt cached in a loaded CI run)."""
+    model = load_model("tiny-llama", tiny_dir["llama"], "fp32")
+    model.decoder.use_prefix_cache(64 << 20)
+    server = (TargetServer(model, TargetServerConfig(port=0), None) if role == "target" else
+              DraftServer(model, ModelChainDrafter(model.decoder, 3), DraftServerConfig(port=0)))
+    port = await server.start()
+    busy = threading.Event()
+    try:
+        server.compute.submit_nowait(busy.wait, 30)  # the compute thread in the middle of a round
+        server.compute.submit_nowait(_store, model.decoder, model.decoder.prefix_cache, list(range(5, 40)))  # a closed session's store
+        asking = asyncio.create_task(flush_cache("127.0.0.1", port))
+        await asyncio.sleep(0.3)
+        assert not asking.done()
+        busy.set()
+        answer = await asyncio.wait_for(asking, 30)
+        assert (answer.role, answer.entries) == (role, 1) and answer.freed_bytes > 0
+        assert model.decoder.prefix_cache.snapshot()["entries"] == 0
+    finally:
+        busy.set()
+        await server.close()
+
+
 def test_a_draft_server_flushes_for_a_monitor_connection_too(cluster):
     """Any authenticated peer may flush (a monitor or the gateway's probe connection), as any
     may read stats; the answer says what went."""
-    import asyncio
-
-    from specctl.verify.client import flush_cache
-
     host, port = cluster[1]["draft"].rsplit(":", 1)
     answer = asyncio.run(flush_cache(host, int(port)))
     assert isinstance(answer, CacheFlushed) and answer.role == "draft" and answer.entries >= 0

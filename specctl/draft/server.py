@@ -132,7 +132,7 @@ class DraftServer(ListeningServer):
             if isinstance(message, StatsRequest):
                 conn.send(Stats("draft", self.snapshot()))
             elif isinstance(message, FlushCache):
-                conn.send(CacheFlushed("draft", *flush_prefix_cache(self.model.decoder)))
+                group.create_task(self._flush(conn))
             elif conn.role != "target":
                 self._refuse(conn, Error("forbidden", f"a {conn.role} connection may only request stats "
                                                       "or flush the prefix cache"))
@@ -240,6 +240,10 @@ class DraftServer(ListeningServer):
         finally:
             if self.commits.get(tag) is asyncio.current_task():
                 del self.commits[tag]
+
+    async def _flush(self, conn: Connection) -> None:
+        # behind the closes already queued on the compute thread (each stores its session's text)
+        conn.send(CacheFlushed("draft", *await self.compute.run(flush_prefix_cache, self.model.decoder)))
 
     def _refuse(self, conn: Connection, error: Error) -> None:
         """Answer a bad or inconsistent request with an error to that peer only."""

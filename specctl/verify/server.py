@@ -186,9 +186,14 @@ class TargetServer(ListeningServer):
             elif isinstance(message, StatsRequest):
                 send(Stats("target", self.snapshot()))
             elif isinstance(message, FlushCache):
-                send(CacheFlushed("target", *flush_prefix_cache(self.model.decoder)))
+                group.create_task(self._flush(send))
             else:
                 refuse(Error("unexpected", f"a target instance does not handle {type(message).__name__}"))
+
+    async def _flush(self, send) -> None:
+        # On the compute thread, behind the session closes already queued: a session answered
+        # DONE stores its text there, so a flush sent after a reply leaves none of it behind.
+        send(CacheFlushed("target", *await self.compute.run(flush_prefix_cache, self.model.decoder)))
 
     async def _run_session(self, msg: Generate, send) -> None:
         self.active += 1  # taken before any await: two requests cannot both see the last free slot
