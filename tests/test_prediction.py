@@ -7,6 +7,7 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from specctl.gateway.responses import prediction_details
 from specctl.spec.drafters import Drafter, DraftSession, ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.spec.prediction import MAX_NGRAM, MAX_PREDICTED_DEPTH, PREDICTED_DEPTH, NgramIndex, PredictionLookup, next_depth
 from specctl.spec.rounds import generate, run_to_end
@@ -209,10 +210,40 @@ def test_a_draft_is_told_when_predicted_rounds_came_between_its_proposal_and_its
     assert drafter.heard == expected and True in expected and False in expected
 
 
+def _lcs(a: list[int], b: list[int]) -> int:
+    """The longest common subsequence's length by the textbook table (rapidfuzz computes it bit-parallel)."""
+    row = [0] * (len(b) + 1)
+    for x in a:
+        diagonal = 0
+        for j, y in enumerate(b, 1):
+            diagonal, row[j] = row[j], (diagonal + 1 if x == y else max(row[j], row[j - 1]))
+    return row[-1]
+
+
+def test_usage_counts_the_prediction_s_tokens_found_in_each_choice_and_the_rest():
+    details = lambda accepted, rejected: {"accepted_prediction_tokens": accepted,  # noqa: E731
+                                          "rejected_prediction_tokens": rejected}
+    assert prediction_details([1, 2, 3, 4, 5], [[1, 3, 5, 9], [2, 3]]) == details(5, 5)
+    assert prediction_details(list(range(10)), [[0, 1, 2]]) == details(3, 7)  # an answer cut short: its tail rejected
+    assert prediction_details([7, 7], [[7, 1, 7, 7]]) == details(2, 0)  # each predicted token found once at most
+    assert prediction_details([], [[1, 2]]) == details(0, 0)
+
+
+@given(st.lists(st.integers(0, 5), max_size=30), st.lists(st.lists(st.integers(0, 5), max_size=30), min_size=1,
+                                                           max_size=3))
+def test_usage_s_prediction_counts_are_the_longest_common_subsequence(prediction, outputs):
+    found = sum(_lcs(prediction, output) for output in outputs)
+    assert prediction_details(prediction, outputs) == {"accepted_prediction_tokens": found,
+                                                       "rejected_prediction_tokens": len(prediction) * len(outputs) - found}
+
+
 def test_a_chat_prediction_gives_the_same_answer_and_counts_its_tokens(cluster, tiny_dir):
     """Through the gateway (the prediction travels to the target instance): the answer of the
     same request without it, usage's completion_tokens_details, whole and streamed; bad
     predictions are 400s."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir["llama"])
     base = cluster[1]["gateway"]
     body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 24, "temperature": 0,
             "ignore_eos": True}
@@ -223,18 +254,20 @@ def test_a_chat_prediction_gives_the_same_answer_and_counts_its_tokens(cluster, 
     assert "completion_tokens_details" not in plain["usage"]  # only with a prediction
     for content in (answer, [{"type": "text", "text": answer[:10]}, {"type": "text", "text": answer[10:]}]):
         _, before = _metrics(base)
-        code, _, raw = post(base + "/v1/chat/completions", {**body, "prediction": {"type": "content",
-                                                                                   "content": content}})
+        code, _, raw = post(base + "/v1/chat/completions", {**body, "return_token_ids": True,
+                                                             "prediction": {"type": "content", "content": content}})
         assert code == 200, raw
         predicted = json.loads(raw)
         assert predicted["choices"][0]["message"]["content"] == answer
-        details = predicted["usage"]["completion_tokens_details"]
-        assert details["accepted_prediction_tokens"] > 0 and details["rejected_prediction_tokens"] >= 0
-        assert predicted["specctl"]["rounds"] < plain["specctl"]["rounds"]
-        _, after = _metrics(base)  # /metrics counts them too
-        for kind in ("accepted", "rejected"):
-            name = f"specctl:prediction_{kind}_tokens_total"
-            assert after[name] - before[name] == details[f"{kind}_prediction_tokens"], name
+        # usage as OpenAI defines it: the prediction's tokens found in the answer, and the rest
+        expected = tokenizer.encode(answer, add_special_tokens=False)  # both contents are the answer's text
+        found = _lcs(expected, predicted["choices"][0]["token_ids"])
+        assert predicted["usage"]["completion_tokens_details"] == {
+            "accepted_prediction_tokens": found, "rejected_prediction_tokens": len(expected) - found}
+        assert found > 0 and predicted["specctl"]["rounds"] < plain["specctl"]["rounds"]
+        _, after = _metrics(base)  # /metrics counts what verification took of the prediction and turned down
+        assert after["specctl:prediction_accepted_tokens_total"] > before["specctl:prediction_accepted_tokens_total"]
+        assert after["specctl:prediction_rejected_tokens_total"] >= before["specctl:prediction_rejected_tokens_total"]
     import urllib.request
 
     request = urllib.request.Request(base + "/v1/completions", headers={"Content-Type": "application/json"},

@@ -73,8 +73,9 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
 - OpenAI's prediction (Predicted Outputs, on chat and, as an extension, completions) is text
   the answer is expected to resemble: the target instance drafts from it where the output
   follows it (spec.prediction), so the answer is still the target's own and only comes
-  faster; usage's completion_tokens_details counts the predicted tokens verification accepted
-  and rejected. Text parts only; longer than the context is a 400.
+  faster; usage's completion_tokens_details counts the prediction's tokens found in the answer
+  (their longest common subsequence) and the rest, as OpenAI defines them. Text parts only;
+  longer than the context is a 400.
 - vLLM's truncate_prompt_tokens k keeps each prompt's last k tokens (-1: as many as the
   context holds); usage counts what is kept, and echo gives back that.
 - Fields neither served nor refused (OpenAI's store, metadata, service_tier, ...) are

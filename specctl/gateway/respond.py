@@ -45,14 +45,15 @@ class Reply:
     token_ids: bool = False  # vLLM's return_token_ids: the prompt's and each choice's token ids too
     predicted: bool = False  # the request gave a prediction: usage counts its accepted and rejected tokens
 
-    def _predicted(self, stats: dict[int, dict]) -> dict | None:
-        """usage's completion_tokens_details when the request gave a prediction."""
-        return R.prediction_details(stats) if self.predicted else None
+    def _predicted(self, choices: Choices, outputs: dict[int, list[int]]) -> dict | None:
+        """usage's completion_tokens_details when the request gave a prediction (every choice's)."""
+        return R.prediction_details(choices.specs[0].params.prediction, outputs.values()) if self.predicted else None
 
     async def collect(self, choices: Choices) -> web.Response:
         texts: dict[int, list[str]] = {}
         entries: dict[int, list[R.TokenLogprob]] = {}
         tokens: dict[int, list[int]] = {}
+        outputs: dict[int, list[int]] = {}  # usage's: without the EOS or stop token that ended a choice
         bodies, stats, prompts = [], {}, {}
         async for index, event in choices.events():
             if event.prompt is not None and self.prompt_logprobs:
@@ -60,6 +61,7 @@ class Reply:
             texts.setdefault(index, []).append(event.delta)
             entries.setdefault(index, []).extend(event.logprobs)
             tokens.setdefault(index, []).extend(ended_tokens(event))
+            outputs.setdefault(index, []).extend(event.tokens)
             if event.finish:
                 text, calls, finish, thought = "".join(texts[index]), None, event.finish, ()
                 if self.thinking is not None:
@@ -82,7 +84,7 @@ class Reply:
                 stats[index] = event.stats
         body = R.full_response(R.new_id(self.chat, self.request_id), self.model, self.chat, bodies, self.prompt_tokens,
                                choices.completion_tokens, R.spec_summaries(list(stats.values())),
-                               cached=R.cached_tokens(stats, self.n), predicted=self._predicted(stats))
+                               cached=R.cached_tokens(stats, self.n), predicted=self._predicted(choices, outputs))
         if self.prompt_logprobs and self.chat:  # vLLM's place for chat: one prompt, beside the choices
             body["prompt_logprobs"] = prompts.get(min(prompts, default=0))
         if self.token_ids and self.chat:
@@ -116,10 +118,11 @@ class Reply:
         calls = {spec.index: self.calls() for spec in choices.specs} if self.calls is not None else {}
         thoughts = ({spec.index: reasoning_reader(self.thinking) for spec in choices.specs}
                     if self.thinking is not None else {})
-        stats = {}
+        stats, outputs = {}, {}
         try:
             async for index, event in choices.events():
                 unsent.setdefault(index, []).extend(ended_tokens(event))  # sent with the event's first chunk
+                outputs.setdefault(index, []).extend(event.tokens)
                 thought, text = thoughts[index].push(event.delta) if thoughts else ("", event.delta)
                 delta, call_deltas = calls[index].push(text) if calls else (text, [])
                 listed = False  # the event's logprobs sent with its thinking
@@ -154,7 +157,7 @@ class Reply:
             if self.include_usage:
                 await response.write(R.sse(R.usage_chunk(rid, model, chat, created, self.prompt_tokens,
                                                          choices.completion_tokens, R.cached_tokens(stats, self.n),
-                                                         self._predicted(stats))))
+                                                         self._predicted(choices, outputs))))
         except RemoteError as exc:  # headers are gone: the error travels in the stream, as vLLM does
             await response.write(R.sse(ApiError(502, remote_message(exc), type="server_error").body()))
         await response.write(R.sse("[DONE]"))

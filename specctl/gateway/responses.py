@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Callable, NamedTuple
+from typing import Callable, Iterable, NamedTuple, Sequence
+
+from rapidfuzz.distance import LCSseq
 
 
 class TokenLogprob(NamedTuple):
@@ -43,11 +45,16 @@ def cached_tokens(stats: dict[int, dict], n: int) -> int:
     return sum(s.get("cached_prompt_tokens", 0) for index, s in stats.items() if index % n == 0)
 
 
-def prediction_details(stats: dict[int, dict]) -> dict:
-    """OpenAI's completion_tokens_details for a request with a prediction: the predicted tokens
-    verification accepted and rejected, over every choice (spec.prediction)."""
-    return {"accepted_prediction_tokens": sum(s.get("prediction_accepted", 0) for s in stats.values()),
-            "rejected_prediction_tokens": sum(s.get("prediction_rejected", 0) for s in stats.values())}
+def prediction_details(prediction: Sequence[int], outputs: Iterable[Sequence[int]]) -> dict:
+    """OpenAI's completion_tokens_details for a request with a prediction, as OpenAI defines them:
+    the prediction's tokens that appear in the completion — their longest common subsequence —
+    and the rest, summed over the choices. (What verification checked of the prediction is the
+    stats' prediction_accepted and prediction_rejected: spec.prediction.) rapidfuzz's LCS is
+    bit-parallel, len(prediction) x len(output) / 64 word operations: a 128k-token prediction
+    against 8k tokens of output about 10 ms."""
+    found = [LCSseq.similarity(prediction, output) for output in outputs]
+    return {"accepted_prediction_tokens": sum(found),
+            "rejected_prediction_tokens": sum(len(prediction) - n for n in found)}
 
 
 def spec_summary(stats: dict) -> dict:

@@ -9,10 +9,10 @@ draws nothing from the target's randomness). A round with no match goes to the s
 usual speculator (a draft server, a drafter here), which is told every token committed since
 it last proposed, as a fused drafter is.
 
-The counts OpenAI reports: ``accepted_prediction_tokens`` are the predicted tokens
-verification accepted, ``rejected_prediction_tokens`` the predicted tokens it rejected
-(OpenAI's definition — prediction tokens not in the answer — needs an alignment of the two
-texts; these are what the target actually checked).
+The stats count the predicted tokens verification accepted and those it rejected (what the
+target actually checked: the stats feed, /metrics). The usage OpenAI reports is another count
+— the prediction's tokens found in the answer and the rest — which the gateway aligns at the
+end (gateway.responses.prediction_details).
 
 How far to propose adapts (``next_depth``): a round's whole predicted chain accepted doubles
 the next one's (up to MAX_PREDICTED_DEPTH: a long unchanged stretch is copied in few rounds),
