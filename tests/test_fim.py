@@ -31,6 +31,27 @@ def test_each_family_s_tokens_are_found_with_the_end_tokens_its_vocabulary_holds
     codellama = _Vocab(["<s>", "▁<PRE>", "▁<SUF>", "▁<MID>", "▁<EOT>"])
     assert fim_tokens(codellama) == FimTokens(1, 2, 3, (4,))
     assert fim_tokens(_Vocab(["<fim_prefix>", "<fim_suffix>"])) is None  # no middle token: no family
+    # Codestral's (suffix first, no middle token), with or without the [MIDDLE] a Tekken vocabulary holds
+    assert fim_tokens(_Vocab(["<s>", "</s>", "[PREFIX]", "[SUFFIX]"])) == FimTokens(2, 3, None, (1,))
+    assert fim_tokens(_Vocab(["<s>", "</s>", "[SUFFIX]", "[MIDDLE]", "[PREFIX]"])) == FimTokens(4, 2, None, (1,))
+
+
+class _CharTokenizer(_Vocab):
+    """A Mistral-like tokenizer: BOS 0 first where special tokens are added, each character its own id."""
+
+    def encode(self, text, add_special_tokens=True):
+        return [0] * add_special_tokens + [100 + ord(char) for char in text]
+
+
+def test_codestral_s_prompt_is_the_suffix_then_the_prefix_which_the_middle_continues():
+    tokenizer = _CharTokenizer(["<s>", "</s>", "[PREFIX]", "[SUFFIX]"])
+    ids = lambda text: [100 + ord(char) for char in text]  # noqa: E731
+    # mistral-common's encode_fim: <s> [SUFFIX] suffix [PREFIX] prefix
+    assert encode_infill(tokenizer, "ab", "cd") == [0, 3, *ids("cd"), 2, *ids("ab")]
+    assert encode_infill(tokenizer, "ab", "cd", "x = ") == [0, 3, *ids("cd"), 2, *ids("ab"), *ids("x = ")]
+    assert encode_infill(tokenizer, [7, 8], "", files=[("lib.py", "z")]) == [  # other files before it all
+        0, *ids("\n\n--- snippet ---\n\n"), *ids("z"), 3, 2, 7, 8]
+    assert infill_stops(tokenizer, (9,)) == (9, 1)
 
 
 def test_the_prompt_is_prefix_suffix_middle_in_the_model_s_tokens():

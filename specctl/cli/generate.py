@@ -52,7 +52,7 @@ def generate(
     chat: bool = typer.Option(False, "--chat", help="wrap the prompt in the target's chat template"),
     suffix: Optional[str] = typer.Option(None, "--suffix", help="fill in the middle: write the text between the "
                                          "prompt and this text (a code model with FIM tokens, as Qwen2.5-Coder, "
-                                         "StarCoder2, DeepSeek-Coder; OpenAI's suffix)"),
+                                         "StarCoder2, DeepSeek-Coder, Codestral; OpenAI's suffix)"),
     max_tokens: int = typer.Option(128, "--max-tokens", "-n", help="most new tokens"),
     temperature: float = typer.Option(0.0, help="0 = greedy (exactly the target's greedy output)"),
     top_p: float = typer.Option(1.0, "--top-p", help="nucleus sampling mass"),

@@ -5,7 +5,10 @@ suffix when its prompt is prefix-suffix-middle in its own FIM tokens (OpenAI com
 The model says which FIM tokens it knows: its vocabulary holds one of the families below, as
 llama.cpp reads them from a GGUF's tokenizer.ggml.fim_* keys. The prompt is the tokenizer's
 usual start (BOS where it adds one), the prefix token, the prefix's ids, the suffix token, the
-suffix's ids and the middle token; the model's answer is the middle, which ends with its end of
+suffix's ids and the middle token — or, for Codestral's family (Mistral's tokenizers), suffix
+first: the suffix token, the suffix's ids, the prefix token and the prefix's ids, which the
+middle continues with no token of its own (mistral-common's ``encode_fim``). The model's answer
+is the middle, which ends with its end of
 text or a FIM control token (file or repository separators, the padding token) — llama.cpp's
 end-of-generation set, stop tokens of the request. Nothing else changes: the output is the
 target's own continuation of that prompt, in every mode."""
@@ -31,6 +34,9 @@ FAMILIES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     # CodeLlama
     ("▁<PRE>", "▁<SUF>", "▁<MID>", ("▁<EOT>",)),
 )
+# Suffix-prefix-middle families, (prefix, suffix, end tokens): Codestral, Mistral's v2/v3 and
+# Tekken tokenizers (their [MIDDLE], where the vocabulary has one, is not part of the prompt)
+SPM_FAMILIES: tuple[tuple[str, str, tuple[str, ...]], ...] = (("[PREFIX]", "[SUFFIX]", ("</s>",)),)
 
 
 # the repository-level tokens (Qwen2.5-Coder's and StarCoder2's): other files of the project
@@ -42,7 +48,7 @@ REPO_TOKENS = (("<|repo_name|>", "<|file_sep|>"), ("<repo_name>", "<file_sep>"))
 class FimTokens:
     prefix: int
     suffix: int
-    middle: int
+    middle: int | None  # None: a suffix-prefix-middle family, whose middle follows the prefix
     stops: tuple[int, ...]  # the ids of the family's end tokens the vocabulary holds
     repo: int | None = None  # the repository-name and file-separator tokens, where it has them
     file_sep: int | None = None
@@ -57,6 +63,9 @@ def fim_tokens(tokenizer: Any) -> FimTokens | None:
                                   (None, None))
             return FimTokens(vocab[prefix], vocab[suffix], vocab[middle],
                              tuple(vocab[stop] for stop in stops if stop in vocab), repo, file_sep)
+    for prefix, suffix, stops in SPM_FAMILIES:
+        if prefix in vocab and suffix in vocab:
+            return FimTokens(vocab[prefix], vocab[suffix], None, tuple(vocab[stop] for stop in stops if stop in vocab))
     return None
 
 
@@ -65,7 +74,7 @@ def require_fim(tokenizer: Any) -> FimTokens:
     tokens = fim_tokens(tokenizer)
     if tokens is None:
         raise BadRequest("suffix needs a model trained to fill in the middle, whose vocabulary has FIM tokens "
-                         "(Qwen2.5-Coder, StarCoder2, DeepSeek-Coder, CodeLlama, CodeGemma); this one has none: "
+                         "(Qwen2.5-Coder, StarCoder2, DeepSeek-Coder, CodeLlama, CodeGemma, Codestral); this one has none: "
                          "leave suffix out")
     return tokens
 
@@ -99,4 +108,6 @@ def encode_infill(tokenizer: Any, prefix: str | list[int], suffix: str, middle: 
         for _, text in files:
             context += encode("\n\n--- snippet ---\n\n") + encode(text)
     before = encode(prefix) if isinstance(prefix, str) else list(prefix)
+    if tokens.middle is None:
+        return [*start, *context, tokens.suffix, *encode(suffix), tokens.prefix, *before, *encode(middle)]
     return [*start, *context, tokens.prefix, *before, tokens.suffix, *encode(suffix), tokens.middle, *encode(middle)]
