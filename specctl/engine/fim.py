@@ -8,9 +8,8 @@ usual start (BOS where it adds one), the prefix token, the prefix's ids, the suf
 suffix's ids and the middle token — or, for Codestral's family (Mistral's tokenizers), suffix
 first: the suffix token, the suffix's ids, the prefix token and the prefix's ids, which the
 middle continues with no token of its own (mistral-common's ``encode_fim``). The model's answer
-is the middle, which ends with its end of
-text or a FIM control token (file or repository separators, the padding token) — llama.cpp's
-end-of-generation set, stop tokens of the request. Nothing else changes: the output is the
+is the middle, which ends with its end of text or a FIM control token (file or repository
+separators, the padding token) — llama.cpp's end-of-generation set, stop tokens of the request. Nothing else changes: the output is the
 target's own continuation of that prompt, in every mode."""
 
 from __future__ import annotations
