@@ -9,8 +9,8 @@ suffix's ids and the middle token — or, for Codestral's family (Mistral's toke
 first: the suffix token, the suffix's ids, the prefix token and the prefix's ids, which the
 middle continues with no token of its own (mistral-common's ``encode_fim``). The model's answer
 is the middle, which ends with its end of text or a FIM control token (file or repository
-separators, the padding token) — llama.cpp's end-of-generation set, stop tokens of the request. Nothing else changes: the output is the
-target's own continuation of that prompt, in every mode."""
+separators, the padding token) — llama.cpp's end-of-generation set, stop tokens of the request.
+Nothing else changes: the output is the target's own continuation of that prompt, in every mode."""
 
 from __future__ import annotations
 
