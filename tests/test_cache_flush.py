@@ -69,7 +69,8 @@ async def test_a_flush_waits_for_the_session_closes_queued_before_it(tiny_dir, r
     busy = threading.Event()
     try:
         server.compute.submit_nowait(busy.wait, 30)  # the compute thread in the middle of a round
-        server.compute.submit_nowait(_store, model.decoder, model.decoder.prefix_cache, list(range(5, 40)))  # a closed session's store
+        # a closed session's store, queued behind it
+        server.compute.submit_nowait(_store, model.decoder, model.decoder.prefix_cache, list(range(5, 40)))
         asking = asyncio.create_task(flush_cache("127.0.0.1", port))
         await asyncio.sleep(0.3)
         assert not asking.done()

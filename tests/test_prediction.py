@@ -233,8 +233,9 @@ def test_usage_counts_the_prediction_s_tokens_found_in_each_choice_and_the_rest(
                                                            max_size=3))
 def test_usage_s_prediction_counts_are_the_longest_common_subsequence(prediction, outputs):
     found = sum(_lcs(prediction, output) for output in outputs)
+    rejected = len(prediction) * len(outputs) - found
     assert prediction_details(prediction, outputs) == {"accepted_prediction_tokens": found,
-                                                       "rejected_prediction_tokens": len(prediction) * len(outputs) - found}
+                                                       "rejected_prediction_tokens": rejected}
 
 
 def test_a_chat_prediction_gives_the_same_answer_and_counts_its_tokens(cluster, tiny_dir):

@@ -51,8 +51,9 @@ class LevelTable:
             raise BadRequest(f"a level session needs a capacity above its text's length, at most "
                              f"{self.max_position}: got {len(msg.prompt)} tokens, capacity {msg.capacity}")
         rules = wire_rules(msg, msg.min_tokens) if self.guide_of is not None else None
-        self.sessions[tag] = LevelSession(DraftLevels(self.draft, shape, list(msg.prompt), msg.capacity, self.pool),
-                                          SpecTree(), rules=None if rules is None else (rules, list(msg.prompt), msg.generated))
+        text = list(msg.prompt)
+        self.sessions[tag] = LevelSession(DraftLevels(self.draft, shape, text, msg.capacity, self.pool), SpecTree(),
+                                          rules=None if rules is None else (rules, list(text), msg.generated))
 
     def next_level(self, tag: int, frontier: list[int]) -> Level:
         session = self._session(tag)

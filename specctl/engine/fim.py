@@ -73,8 +73,8 @@ def require_fim(tokenizer: Any) -> FimTokens:
     tokens = fim_tokens(tokenizer)
     if tokens is None:
         raise BadRequest("suffix needs a model trained to fill in the middle, whose vocabulary has FIM tokens "
-                         "(Qwen2.5-Coder, StarCoder2, DeepSeek-Coder, CodeLlama, CodeGemma, Codestral); this one has none: "
-                         "leave suffix out")
+                         "(Qwen2.5-Coder, StarCoder2, DeepSeek-Coder, CodeLlama, CodeGemma, Codestral); "
+                         "this one has none: leave suffix out")
     return tokens
 
 
