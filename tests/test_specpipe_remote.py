@@ -4,6 +4,7 @@ draft server gone mid-session (plain PP from then on, the same tokens), bad leve
 requests refused with a clear error."""
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 import regex
@@ -40,20 +41,26 @@ class RemoteSpecPipe:
     """A draft server, a target split over ``stages`` loopback stages and stage 1 serving
     SpecPipe with the draft server's levels."""
 
-    def __init__(self, models, stages: int, shape: TreeShape) -> None:
+    def __init__(self, models, stages: int, shape: TreeShape, draft_here: bool = False) -> None:
         self.models, self.stages, self.shape = models, stages, shape
+        self.draft_here = draft_here  # the draft in stage 1's process (--specpipe-draft), no draft server
 
     async def __aenter__(self) -> "RemoteSpecPipe":
         target, draft = self.models
-        self.draft = DraftServer(draft, ModelChainDrafter(draft.decoder, 3), DraftServerConfig(port=0))
-        draft_port = await self.draft.start()
         self.pipeline = LocalPipeline(target, self.stages)
         staged = await self.pipeline.start()
-        self.client = DraftClient("127.0.0.1", draft_port, model=target.name, fingerprint=target.vocab_fingerprint)
-        first = asyncio.get_running_loop().create_future()
-        self.link = asyncio.create_task(self.client.run(first))
-        assert await first
-        specpipe = SpecPipeDraft.remote(self.client, asyncio.get_running_loop(), self.shape, "draft server")
+        self.draft = self.client = self.link = None
+        if self.draft_here:
+            specpipe = SpecPipeDraft.local(draft.decoder, self.shape, "draft here", depth=3)
+        else:
+            self.draft = DraftServer(draft, ModelChainDrafter(draft.decoder, 3), DraftServerConfig(port=0))
+            draft_port = await self.draft.start()
+            self.client = DraftClient("127.0.0.1", draft_port, model=target.name,
+                                      fingerprint=target.vocab_fingerprint)
+            first = asyncio.get_running_loop().create_future()
+            self.link = asyncio.create_task(self.client.run(first))
+            assert await first
+            specpipe = SpecPipeDraft.remote(self.client, asyncio.get_running_loop(), self.shape, "draft server")
         self.target = TargetServer(staged, TargetServerConfig(port=0), self.client, pipeline=self.pipeline.client,
                                    specpipe=specpipe)
         self.port = await self.target.start()
@@ -61,10 +68,12 @@ class RemoteSpecPipe:
 
     async def __aexit__(self, *exc) -> None:
         await self.target.close()
-        self.link.cancel()
-        await asyncio.gather(self.link, return_exceptions=True)
+        if self.link is not None:
+            self.link.cancel()
+            await asyncio.gather(self.link, return_exceptions=True)
         await self.pipeline.close()
-        await self.draft.close()
+        if self.draft is not None:
+            await self.draft.close()
 
 
 @pytest.mark.parametrize("stages, width, spread", [(2, 3, "likeliest"), (3, 1, "likeliest"), (4, 4, "likeliest"),
@@ -107,6 +116,33 @@ async def test_the_draft_server_gone_mid_session_leaves_plain_pipelining_with_th
         # The next session starts without a draft (none is there) and is exact too.
         tokens, _, _ = await remote_generate("127.0.0.1", cluster.port, PROMPTS[0], params)
         assert tokens == generate(target.decoder, PROMPTS[0], params)[0]
+
+
+@pytest.mark.parametrize("draft_here", [False, True], ids=["draft-server", "draft-here"])
+async def test_a_request_with_a_prediction_takes_the_round_loop_exactly_and_the_next_one_specpipe(models, draft_here):
+    """A Predicted Output's stretches go through the stages as chains (the round loop), the
+    rest drafted by SpecPipe's draft as a chain; a request without one is SpecPipe's."""
+    target, _ = models
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    alone = generate(target.decoder, PROMPTS[1], params)[0]
+    prediction = tuple(alone[:24]) + (1, 2, 3)  # the first 24 tokens, then an edit: drafted rounds after it
+    async with RemoteSpecPipe(models, 3, TreeShape(3, 2), draft_here) as cluster:
+        tokens, reason, stats = await remote_generate("127.0.0.1", cluster.port, PROMPTS[1],
+                                                      replace(params, prediction=prediction))
+        assert tokens == alone and reason == "length"
+        assert stats["prediction_accepted"] >= 20  # whole predicted chains: few rounds for the first 24 tokens
+        assert stats["rounds"] < 60 and stats["accepted"] > stats["prediction_accepted"]  # the draft's rounds too
+        served = await remote_stats("127.0.0.1", cluster.port)
+        assert served["specpipe_steps"] == 0 and served["prediction_accepted"] == stats["prediction_accepted"]
+        if not draft_here:  # the rounds off the prediction were the draft server's proposals
+            assert cluster.draft.proposals_sent > 0 and cluster.draft.levels.levels_sent == 0
+        tokens, _, _ = await remote_generate("127.0.0.1", cluster.port, PROMPTS[1], params)
+        assert tokens == alone and (await remote_stats("127.0.0.1", cluster.port))["specpipe_steps"] == 60
+        await wait_until(lambda: all(s.pool.sessions == 0 for s in cluster.pipeline.servers), what="stage KV freed")
+        await wait_until(lambda: cluster.target.pool.used_bytes == 0, what="stage 1's KV (the draft's too) freed")
+        if not draft_here:
+            await wait_until(lambda: not cluster.draft.table.states and not cluster.draft.levels.sessions,
+                             what="the draft server's sessions freed")
 
 
 def test_level_table_refuses_what_does_not_fit_its_tree(models):

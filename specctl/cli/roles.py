@@ -167,7 +167,7 @@ def verify(
         stage_one = load_stage(config, plan, console)
         local_draft = load_named(specpipe_draft, config, console, config.draft_quant)
         check_same_vocab(stage_one, local_draft)
-        levels = SpecPipeDraft.local(local_draft.decoder, shape, specpipe_draft)
+        levels = SpecPipeDraft.local(local_draft.decoder, shape, specpipe_draft, config.depth, config.draft_stop)
     else:
         stage_one = load_stage(config, plan, console)
     if draft and len(draft) > 1 and (draft_deadline_ms <= 0 or fusion_budget < 1):

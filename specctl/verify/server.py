@@ -32,7 +32,7 @@ from specctl.runtime.listen import ListenConfig, ListeningServer, MessageRate
 from specctl.spec.decode import DecodeSession
 from specctl.spec.logprobs import emitted_logprobs
 from specctl.spec.prediction import PREDICTION_NODES, with_prediction
-from specctl.spec.rounds import run_session
+from specctl.spec.rounds import LocalSpeculator, Speculator, run_session
 from specctl.spec.stats import GenerationStats, RoundResult
 from specctl.spec.structured import ll_tokenizer
 from specctl.verify.draft_client import DraftClient
@@ -204,12 +204,10 @@ class TargetServer(ListeningServer):
             emit = lambda tokens, result, scores=None: self._emit(session, msg.req, tokens, result, send,  # noqa: E731
                                                                  scores)
             try:
-                if self.specpipe is not None:
+                if self.specpipe is not None and not session.params.prediction:
                     await serve_specpipe(session, self.specpipe, self.compute, emit)
                 else:
-                    speculator = with_prediction(
-                        self.fusion.speculator(msg.seed) if self.fusion is not None
-                        else RemoteSpeculator(self.draft, self.config.max_proposal_nodes, msg.seed), session.params)
+                    speculator = with_prediction(self._speculator(msg.seed), session.params)
                     await run_session(session, speculator, self.verify_lane, emit, self.prefill_gate)
                 self.sessions_done += 1
                 self._done(session, msg.req, session.finish_reason or "stop", send)
@@ -260,11 +258,22 @@ class TargetServer(ListeningServer):
                 send(Error("bad_request", str(exc), req=msg.req))
             return None
 
+    def _speculator(self, seed: int | None) -> Speculator:
+        """A round-loop session's drafter: the fused drafters, SpecPipe's draft in this process
+        as a chain, or the draft server (none connected: AR rounds)."""
+        if self.fusion is not None:
+            return self.fusion.speculator(seed)
+        if self.specpipe is not None and self.specpipe.chain is not None:
+            return LocalSpeculator(self.specpipe.chain, self.compute, self.pool)
+        return RemoteSpeculator(self.draft, self.config.max_proposal_nodes, seed)
+
     def _session_nodes(self, params) -> int:
         """The largest proposal a session verifies: a request's prediction is drafted from here
-        (spec.prediction) even with no draft server; SpecPipe ignores it (lossless either way)."""
-        if params.prediction and self.specpipe is None:
-            return max(self.session_nodes, PREDICTION_NODES)
+        (spec.prediction) even with no draft server — under SpecPipe too, whose sessions with a
+        prediction take the round loop (pipeline.serve)."""
+        if params.prediction:
+            rounds = self.config.max_proposal_nodes if self.specpipe is not None else self.session_nodes
+            return max(rounds, PREDICTION_NODES)
         return self.session_nodes
 
     def _close_orphan(self, creating: asyncio.Future) -> None:
