@@ -53,3 +53,31 @@ def test_the_table_shows_the_per_prompt_spread_under_the_ratio():
     console.print(render_pipeline_table(report))
     text = console.export_text()
     assert "2.00-4.00" in text and "0.25-0.50" in text and "per-prompt ratios'" in text
+
+
+def test_prediction_rows_are_set_against_specpipe_at_their_stage_count():
+    specpipe = _summarise(2, "specpipe", [[_specpipe_run(100), _specpipe_run(50)]])
+    predicted = _summarise(2, "pp+chain+prediction", [[_run(25, prediction_accepted=30),
+                                                       _run(50, prediction_accepted=4)]])
+    rows = [_summarise(2, "pp", [[_run(200), _run(200)]]), _summarise(2, "pp+chain", [[_run(100), _run(100)]]),
+            specpipe, predicted]
+    _add_predictions(rows)
+    assert predicted["prediction_accepted"] == 34 and "prediction_accepted" not in specpipe
+    assert predicted["vs_specpipe_per_prompt"] == {"min": 1.0, "median": 2.5, "max": 4.0}
+    assert predicted["vs_specpipe"] == round((1e3 / 37.5) / (1e3 / 75), 3) == 2.0 and "vs_specpipe" not in specpipe
+    report = {"settings": {"prompts": 2, "max_tokens": 8, "stage_delay_ms": 50.0, "repeats": 1}, "rows": rows}
+    from rich.console import Console
+    console = Console(width=240, record=True)
+    console.print(render_pipeline_table(report))
+    text = console.export_text()
+    assert "vs SpecPipe" in text and "1.00-4.00" in text and "SpecPipe would ignore it" in text
+
+
+def test_modes_add_the_prediction_row_only_for_prompts_that_carry_one():
+    from specctl.bench.pipeline import pipeline_modes
+    from specctl.pipeline.token_source import TreeShape
+
+    shape = TreeShape(4, 2, refill=0)
+    assert pipeline_modes(1, shape) == ("pp", "pp+chain")
+    assert pipeline_modes(1, shape, predicted=True) == ("pp", "pp+chain", "pp+chain+prediction")
+    assert pipeline_modes(2, shape, predicted=True) == ("pp", "pp+chain", "specpipe", "pp+chain+prediction")

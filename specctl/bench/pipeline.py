@@ -4,7 +4,10 @@ per-stage time standing for a device of its own) decoding with plain pipeline pa
 (one token per traversal), pipeline + chain speculation (the whole proposal as one
 micro-batch) and SpecPipe (one tree level per step; with and without the refill after a
 miss). Every output is checked against the target alone; SpecPipe's measured time between
-tokens is set beside the prediction E(T) (eq. 2 less the refill's saving, pipeline/plan.py)."""
+tokens is set beside the prediction E(T) (eq. 2 less the refill's saving, pipeline/plan.py).
+Prompts that carry a Predicted Output (``--prompts edits``) add PP + chain + prediction: the
+round loop a SpecPipe target runs such a request in (pipeline.serve), beside SpecPipe, which
+would ignore the prediction."""
 
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from specctl.spec.sampling import SamplingParams
 
 MODES = ("pp", "pp+chain", "specpipe")
 NO_REFILL = "specpipe r=0"  # SpecPipe with the missed token alone after a miss: the refill's same-run baseline
+PREDICTED = "pp+chain+prediction"  # the chain drafting where the prediction does not cover the output
 BATCH_MODES = ("pp+chain xS", "specpipe-db xS")  # S sessions at once: one micro-batch in flight, or several
 
 
@@ -70,22 +74,26 @@ class DelayedDecoder:
         return out
 
 
-def pipeline_modes(stages: int, shape: TreeShape) -> tuple[str, ...]:
+def pipeline_modes(stages: int, shape: TreeShape, predicted: bool = False) -> tuple[str, ...]:
     """The single-session modes measured at a stage count (SpecPipe without its refill too,
-    where the shape refills)."""
+    where the shape refills; with the prompts' predictions where they carry them)."""
+    with_prediction = (PREDICTED,) if predicted else ()
     if stages == 1:
-        return "pp", "pp+chain"
-    return MODES + ((NO_REFILL,) if shape.refill_depth(stages) else ())
+        return "pp", "pp+chain", *with_prediction
+    return MODES + ((NO_REFILL,) if shape.refill_depth(stages) else ()) + with_prediction
 
 
 def _run_one(mode: str, decoder, draft: Decoder, prompt: list[int], params: SamplingParams,
-             bench: PipelineBench) -> dict:
+             bench: PipelineBench, prediction: tuple[int, ...] = ()) -> dict:
     started = time.perf_counter()
     result: dict = {"hit_rate": None, "step_ms": None, "bubbles_per_token": None}
     if mode == "pp":
         tokens, stats, _ = generate(decoder, prompt, params)
-    elif mode == "pp+chain":
+    elif mode in ("pp+chain", PREDICTED):
+        if mode == PREDICTED:
+            params = replace(params, prediction=prediction)
         tokens, stats, _ = generate(decoder, prompt, params, ModelChainDrafter(draft, bench.depth))
+        result["prediction_accepted"] = stats.prediction_accepted
     else:
         shape = bench.shape if mode == "specpipe" else replace(bench.shape, refill=0)
         tokens, stats, _, pipe = specpipe_generate(decoder, draft, prompt, params, shape)
@@ -137,7 +145,11 @@ async def _run_batch(decoder, draft: Decoder, prompts: list[list[int]], params: 
 
 
 async def run_pipeline_bench(target: LoadedModel, draft: LoadedModel, prompts: list[list[int]], bench: PipelineBench,
-                             advance: Callable[[str], None] = lambda what: None) -> dict:
+                             advance: Callable[[str], None] = lambda what: None,
+                             predictions: list[tuple[int, ...]] | None = None) -> dict:
+    """``predictions``: each prompt's Predicted Output (token ids; () for none), for the
+    PP + chain + prediction rows."""
+    predictions = predictions or [()] * len(prompts)
     params = SamplingParams(max_tokens=bench.max_tokens, ignore_eos=True)
     references = [generate(target.decoder, prompt, params)[0] for prompt in prompts]
     rows = []
@@ -149,7 +161,7 @@ async def run_pipeline_bench(target: LoadedModel, draft: LoadedModel, prompts: l
             pipeline = StageProcesses(target, n, StageProcessSettings(bench.model, bench.dtype, bench.delay_s)) \
                 if bench.model else LocalPipeline(target, n, delay_s=bench.delay_s)
             decoder = (await pipeline.start()).decoder
-        modes = pipeline_modes(n, bench.shape)
+        modes = pipeline_modes(n, bench.shape, any(predictions))
         try:
             runs: dict[str, list[list[dict]]] = {mode: [[] for _ in range(bench.repeats)] for mode in modes}
             for repeat in range(bench.repeats):
@@ -157,7 +169,8 @@ async def run_pipeline_bench(target: LoadedModel, draft: LoadedModel, prompts: l
                     for mode in modes:  # interleaved: a slow moment of the machine hits every mode alike
                         single = mode.startswith("specpipe")
                         before = await pipeline.counters() if single else []
-                        result = await asyncio.to_thread(_run_one, mode, decoder, draft.decoder, prompt, params, bench)
+                        result = await asyncio.to_thread(_run_one, mode, decoder, draft.decoder, prompt, params, bench,
+                                                         predictions[i])
                         if single:
                             result["step_ms"] = slowest_step_ms(result.pop("stage1_step_ms"), before,
                                                                 await pipeline.counters(), bench.delay_s)
@@ -184,7 +197,7 @@ async def run_pipeline_bench(target: LoadedModel, draft: LoadedModel, prompts: l
                          "refill": bench.shape.refill,
                          "repeats": bench.repeats,
                          "stages_as": "processes" if bench.model else "threads of one process",
-                         "prompts": len(prompts)},
+                         "prompts": len(prompts), "predictions": sum(bool(p) for p in predictions)},
             "rows": rows}
 
 
@@ -198,6 +211,8 @@ def _summarise(stages: int, mode: str, per_repeat: list[list[dict]]) -> dict:
            "tokens_per_s": round(statistics.median(aggregate) if aggregate else 1e3 / statistics.median(tbt), 3),
            "same_as_target": sum(r.get("same_count", int(r["same"])) for r in flat),
            "runs": sum(r.get("sessions", 1) for r in flat)}
+    if mode == PREDICTED:
+        row["prediction_accepted"] = sum(r["prediction_accepted"] for r in flat)
     if not aggregate:  # one session per run: each prompt's time between tokens, its median over the repeats
         row["tbt_ms_per_prompt"] = [round(statistics.median(turn[i]["tbt_ms"] for turn in per_repeat), 2)
                                     for i in range(len(per_repeat[0]))]
@@ -228,6 +243,12 @@ def _add_predictions(rows: list[dict]) -> None:
         for key, baseline in (("vs_pp_per_prompt", pp), ("vs_pp_chain_per_prompt", chain)):
             if baseline and "tbt_ms_per_prompt" in row and "tbt_ms_per_prompt" in baseline:
                 row[key] = spread(per_prompt_ratios(baseline["tbt_ms_per_prompt"], row["tbt_ms_per_prompt"]), 3)
+        specpipe = by.get((row["stages"], "specpipe"))
+        if row["mode"] == PREDICTED and specpipe:  # what SpecPipe, ignoring the prediction, would have done
+            row["vs_specpipe"] = round(row["tokens_per_s"] / specpipe["tokens_per_s"], 3)
+            if "tbt_ms_per_prompt" in specpipe:
+                row["vs_specpipe_per_prompt"] = spread(per_prompt_ratios(specpipe["tbt_ms_per_prompt"],
+                                                                         row["tbt_ms_per_prompt"]), 3)
         if "hit_rate" in row:
             option = WidthOption(1, row["step_ms"], row["hit_rate"])  # the width is not used
             predicted = option.expected_tbt_ms(row["stages"], row["refill"])

@@ -101,17 +101,24 @@ def render_pipeline_table(report: dict) -> Table:
                         f"emulated per stage step, {s['repeats']} repeat(s); n stages, TBT = time between tokens "
                         "(median, min-max), tok/s = all sessions together, ratios of tok/s, hit = steps whose token "
                         "was in the tree / steps wasted on a pruned level per token")
-    for column in ("n", "mode", "TBT ms", "tok/s", "vs PP", "vs chain", "hit", "E(T) ms", "same"):
+    against_specpipe = any("vs_specpipe" in r for r in report["rows"])  # prompts with Predicted Outputs
+    columns = ("n", "mode", "TBT ms", "tok/s", "vs PP", "vs chain") + (("vs SpecPipe",) if against_specpipe else ())
+    for column in columns + ("hit", "E(T) ms", "same"):
         table.add_column(column, justify="left" if column == "mode" else "right")
     for r in report["rows"]:
         predicted = r.get("predicted_tbt_ms")
         prediction = "-" if predicted is None else f"{predicted:.0f} ({r['prediction_error']:.0%})"
         spread = "" if r["tbt_ms_min"] == r["tbt_ms_max"] else f" ({r['tbt_ms_min']:.0f}-{r['tbt_ms_max']:.0f})"
+        ratios = [ratio_cell(r["vs_pp"], r.get("vs_pp_per_prompt")),
+                  ratio_cell(r["vs_pp_chain"], r.get("vs_pp_chain_per_prompt"))]
+        if against_specpipe:
+            ratios.append(ratio_cell(r.get("vs_specpipe"), r.get("vs_specpipe_per_prompt")))
         table.add_row(str(r["stages"]), r["mode"], f"{r['tbt_ms']:.0f}{spread}", f"{r['tokens_per_s']:.2f}",
-                      ratio_cell(r["vs_pp"], r.get("vs_pp_per_prompt")),
-                      ratio_cell(r["vs_pp_chain"], r.get("vs_pp_chain_per_prompt")), hit_cell(r), prediction,
-                      f"{r['same_as_target']}/{r['runs']}")
+                      *ratios, hit_cell(r), prediction, f"{r['same_as_target']}/{r['runs']}")
     table.caption = "vs PP / vs chain: the ratio of the totals; below it the per-prompt ratios' min-max"
+    if against_specpipe:
+        table.caption += ("; pp+chain+prediction: the round loop a SpecPipe target runs a request with a "
+                          "Predicted Output in (SpecPipe would ignore it)")
     return table
 
 

@@ -23,7 +23,8 @@ def pipeline(
                                          "step, its real compute running inside it (a device per stage; this "
                                          "machine's cores are shared)"),
     max_tokens: int = typer.Option(48, "--max-tokens", "-n", help="new tokens per prompt"),
-    prompts: str = typer.Option("heldout", help="builtin, heldout or a JSON-lines file"),
+    prompts: str = typer.Option("heldout", help="builtin, heldout, edits, ... or a JSON-lines file; prompts with "
+                                "a prediction (edits, long-edits) add PP + chain + prediction rows"),
     limit: int = typer.Option(4, help="use only the first N prompts (0 = all)"),
     depth: int = typer.Option(4, help="PP+chain proposal depth"),
     width: int = typer.Option(4, help="SpecPipe level width w"),
@@ -44,6 +45,7 @@ def pipeline(
     """Time between tokens of plain PP, PP + chain speculation and SpecPipe at each stage
     count, outputs checked against the target alone, SpecPipe's E(T) prediction beside it."""
     from specctl.bench.pipeline import PipelineBench, pipeline_modes, run_pipeline_bench
+    from specctl.bench.local import prompt_ids
     from specctl.bench.prompts import load_prompts
     from specctl.bench.render import render_pipeline_table, table_console
     from specctl.cli.bench import int_list
@@ -70,18 +72,21 @@ def pipeline(
     if counts[-1] > target_model.spec.num_layers:
         raise ConfigError(f"{target} has {target_model.spec.num_layers} layers: at most that many stages")
     chosen = load_prompts(prompts)[: limit or None]
-    encoded = [target_model.tokenizer.encode(p.prompt) for p in chosen]
+    encoded, _ = prompt_ids(target_model, chosen)  # chat prompts in the target's chat template
+    predictions = [tuple(target_model.tokenizer.encode(p.prediction, add_special_tokens=False)) if p.prediction
+                   else () for p in chosen]
     if sessions < 0:
         raise ConfigError("--sessions must be >= 0")
     bench = PipelineBench(counts, max_tokens, stage_delay_ms / 1e3, depth, shape, repeats, sessions,
                           model=None if in_process else target, dtype=dtype)
-    total = sum(len(pipeline_modes(n, shape)) for n in counts) * len(encoded) * repeats
+    total = sum(len(pipeline_modes(n, shape, any(predictions))) for n in counts) * len(encoded) * repeats
     total += sum(2 for n in counts if n > 1) if sessions else 0
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("bench pipeline", total=total)
         report = asyncio.run(run_pipeline_bench(target_model, draft_model, encoded, bench,
-                                                lambda what: progress.update(task, advance=1, description=what)))
+                                                lambda what: progress.update(task, advance=1, description=what),
+                                                predictions))
     report["settings"].update(target=target, draft=draft, dtype=dtype)
     table_console().print(render_pipeline_table(report))
     if json_out:
