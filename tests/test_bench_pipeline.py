@@ -1,5 +1,7 @@
 """bench pipeline's summaries: pure functions of hand-made runs."""
 
+from rich.console import Console
+
 from specctl.bench.pipeline import _add_predictions, _summarise, per_prompt_ratios
 from specctl.bench.render import ratio_cell, render_pipeline_table
 from specctl.bench.spread import spread
@@ -44,14 +46,17 @@ def test_ratio_helpers():
     assert ratio_cell(1.234, {"min": 0.8, "median": 1.2, "max": 2.1}) == "1.23x\n0.80-2.10"
 
 
+def _table_text(rows: list[dict]) -> str:
+    report = {"settings": {"prompts": 2, "max_tokens": 8, "stage_delay_ms": 50.0, "repeats": 1}, "rows": rows}
+    console = Console(width=240, record=True)
+    console.print(render_pipeline_table(report))
+    return console.export_text()
+
+
 def test_the_table_shows_the_per_prompt_spread_under_the_ratio():
     rows = [_summarise(2, "pp", [[_run(200), _run(200)]]), _summarise(2, "pp+chain", [[_run(100), _run(50)]])]
     _add_predictions(rows)
-    report = {"settings": {"prompts": 2, "max_tokens": 8, "stage_delay_ms": 50.0, "repeats": 1}, "rows": rows}
-    from rich.console import Console
-    console = Console(width=200, record=True)
-    console.print(render_pipeline_table(report))
-    text = console.export_text()
+    text = _table_text(rows)
     assert "2.00-4.00" in text and "0.25-0.50" in text and "per-prompt ratios'" in text
 
 
@@ -65,11 +70,7 @@ def test_prediction_rows_are_set_against_specpipe_at_their_stage_count():
     assert predicted["prediction_accepted"] == 34 and "prediction_accepted" not in specpipe
     assert predicted["vs_specpipe_per_prompt"] == {"min": 1.0, "median": 2.5, "max": 4.0}
     assert predicted["vs_specpipe"] == round((1e3 / 37.5) / (1e3 / 75), 3) == 2.0 and "vs_specpipe" not in specpipe
-    report = {"settings": {"prompts": 2, "max_tokens": 8, "stage_delay_ms": 50.0, "repeats": 1}, "rows": rows}
-    from rich.console import Console
-    console = Console(width=240, record=True)
-    console.print(render_pipeline_table(report))
-    text = console.export_text()
+    text = _table_text(rows)
     assert "vs SpecPipe" in text and "1.00-4.00" in text and "SpecPipe would ignore it" in text
 
 
