@@ -604,3 +604,38 @@ def test_thinking_budgets_on_cuda_every_mode_equal_the_target(tiny_dir):
 
 async def test_specpipe_with_logit_rules_through_cuda_stages_equals_the_target(tiny_dir):
     await specpipe_rules_run(tiny_dir, "cuda")
+
+
+# --- session 64, untried on a GPU so far (tried on "cpu" here) ---
+
+async def specpipe_target_prediction_run(tiny_dir, device: str) -> None:
+    """A SpecPipe target (stage 1 of 2, its draft in this process) given a request with a
+    Predicted Output: the round loop through the stages (predicted chains, the rest a chain of
+    SpecPipe's draft) equals the whole target's tokens; the next request without one is SpecPipe's."""
+    from dataclasses import replace
+
+    from specctl.pipeline.local import LocalPipeline
+    from specctl.pipeline.serve import SpecPipeDraft
+    from specctl.pipeline.token_source import TreeShape
+    from specctl.verify.client import remote_stats
+
+    target = load_model("t", tiny_dir["llama"], "fp32", device=device)
+    draft = load_model("d", tiny_dir["llama"], "fp32", num_layers=2, device=device)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    alone = generate(target.decoder, PROMPTS[1], params)[0]
+    async with LocalPipeline(target, 2, delay_s=0.0) as pipeline:
+        server = TargetServer(pipeline.staged, TargetServerConfig(port=0), None, pipeline=pipeline.client,
+                              specpipe=SpecPipeDraft.local(draft.decoder, TreeShape(3, 2), "d", depth=3))
+        port = await server.start()
+        try:
+            tokens, _, stats = await remote_generate("127.0.0.1", port, PROMPTS[1],
+                                                     replace(params, prediction=tuple(alone[:16]) + (3, 3)))
+            assert tokens == alone and stats["prediction_accepted"] >= 12
+            tokens, _, _ = await remote_generate("127.0.0.1", port, PROMPTS[1], params)
+            assert tokens == alone and (await remote_stats("127.0.0.1", port))["specpipe_steps"] == 40
+        finally:
+            await server.close()
+
+
+async def test_a_specpipe_target_on_cuda_serves_a_predicted_output_exactly(tiny_dir):
+    await specpipe_target_prediction_run(tiny_dir, "cuda")
