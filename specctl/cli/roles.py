@@ -81,9 +81,11 @@ def verify(
                                          "(default: a balanced split)"),
     specpipe_draft: Optional[str] = typer.Option(None, "--specpipe-draft", help="stage 1 of n > 1: decode with "
                                                  "SpecPipe (one tree level per pipeline step), drafting with this "
-                                                 "model in this process (instead of --draft)"),
+                                                 "model in this process (instead of --draft); a request with a "
+                                                 "prediction takes chain rounds instead (--depth)"),
     specpipe: bool = typer.Option(False, "--specpipe", help="stage 1 of n > 1: decode with SpecPipe, the tree "
-                                  "levels drafted by the draft server at --draft (one; without it: plain PP)"),
+                                  "levels drafted by the draft server at --draft (one; without it: plain PP); a "
+                                  "request with a prediction takes rounds of the draft server's proposals instead"),
     width: int = typer.Option(4, "--width", help="SpecPipe: nodes per tree level"),
     topk: int = typer.Option(2, "--topk", help="SpecPipe: children considered per node"),
     spread: str = typer.Option("likeliest", "--spread", help="SpecPipe: a level's nodes are the w likeliest paths "
