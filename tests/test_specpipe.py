@@ -244,10 +244,12 @@ async def test_specpipe_stops_at_a_stop_token_like_the_target(models):
 
 
 @pytest.mark.slow
-async def test_specpipe_sampling_keeps_the_target_distribution(tmp_path):
+@pytest.mark.parametrize("prediction", [(), (1, 4, 2, 3, 5, 0, 1)], ids=["levels", "predicted-chain"])
+async def test_specpipe_sampling_keeps_the_target_distribution(tmp_path, prediction):
     """Tokens 3 and 4 (decided by SpecPipe steps: re-rootings, refills and decisions chained
-    through a refill's output) through 2 stages: chi-square against the target's exact joint
-    distribution on a 6-token vocabulary."""
+    through a refill's output; with a prediction, by its chain's nodes among the candidates)
+    through 2 stages: chi-square against the target's exact joint distribution on a 6-token
+    vocabulary."""
     kw = dict(vocab_size=VOCAB, layers=2, hidden=32, eos_token_id=None, init_std=0.3)
     path = make_tiny_model(tmp_path / "t", "llama", seed=11, **kw)
     decoder = load_decoder(path)  # no tokenizer for a 6-token vocabulary: the fingerprint is given
@@ -258,17 +260,18 @@ async def test_specpipe_sampling_keeps_the_target_distribution(tmp_path):
         expected = _exact_joint_of_tokens_3_and_4(target.decoder, SamplingParams(temperature=1.0))
 
         def sample_all():
-            counts, hits, chained = torch.zeros(VOCAB, VOCAB, dtype=torch.float64), 0, 0
+            counts, hits, chained, predicted = torch.zeros(VOCAB, VOCAB, dtype=torch.float64), 0, 0, 0
             for seed in range(1200):
-                params = SamplingParams(temperature=1.0, max_tokens=4, seed=seed)
+                params = SamplingParams(temperature=1.0, max_tokens=4, seed=seed, prediction=prediction)
                 out, _, _, pipe = specpipe_generate(staged.decoder, draft, SMALL_PROMPT, params,
                                                     TreeShape(2, 2))
                 counts[out[2], out[3]] += 1
                 hits, chained = hits + pipe.hits, chained + pipe.refill_tokens
-            return counts, hits, chained
+                predicted += pipe.predicted_accepted
+            return counts, hits, chained, predicted
 
-        counts, hits, chained = await asyncio.to_thread(sample_all)
-        assert hits > 0 and chained > 0
+        counts, hits, chained, predicted = await asyncio.to_thread(sample_all)
+        assert hits > 0 and chained > 0 and (predicted > 0) == bool(prediction)
         assert_counts_match(counts, expected)
 
 

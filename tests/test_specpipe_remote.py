@@ -16,7 +16,7 @@ from specctl.engine.loader import load_model
 from specctl.errors import BadRequest
 from specctl.net.framing import read_message, write_message
 from specctl.net.handshake import client_handshake
-from specctl.net.protocol import Error, Level, NextLevel, OpenLevels, Reroot, SessionOpened
+from specctl.net.protocol import Error, Graft, Level, NextLevel, OpenLevels, Reroot, SessionOpened
 from specctl.pipeline.local import LocalPipeline
 from specctl.pipeline.serve import SpecPipeDraft
 from specctl.pipeline.specpipe import specpipe_generate
@@ -167,6 +167,17 @@ def test_level_table_refuses_what_does_not_fit_its_tree(models):
     table.open(2, OpenLevels(0, [], width=2, topk=2, capacity=64))  # a one-token prompt: nothing before the root
     table.reroot(Reroot(2, -1, -1, 5, 0))
     assert table.next_level(2, [0]).nodes == [1, 2]
+    table.graft(Graft(2, 1, [7, 8]))  # a predicted chain under node 1: nodes 3 and 4, as stage 1 numbers them
+    level = table.next_level(2, [4])
+    assert level.nodes == [5, 6] and level.parents == [4, 4]
+    assert table.sessions[2].levels.mirror.order == [0, 1, 3, 4]  # the chain read with the frontier, node 1 first
+    table.open(3, OpenLevels(0, [5], width=2, topk=2, capacity=8))
+    table.reroot(Reroot(3, -1, -1, 2, 1))
+    table.graft(Graft(3, 0, [7] * 7))  # positions 2..8: past the capacity of 8
+    with pytest.raises(BadRequest, match="^a chain of 7 tokens under node 0: the tree does not hold the node, a token "
+                                         "is out of range, or it reaches past the session's capacity$"):
+        table.next_level(3, [0])
+    table.close(3)
     table.reroot(Reroot(1, 0, 42, 0, 4))  # a node it never had: the session says so on its next request
     with pytest.raises(BadRequest, match="re-rooting at 0 -> 42: nodes the tree does not hold"):
         table.next_level(1, [1, 2])

@@ -35,6 +35,8 @@ from specctl.spec.sampling import SamplingParams
 MODES = ("pp", "pp+chain", "specpipe")
 NO_REFILL = "specpipe r=0"  # SpecPipe with the missed token alone after a miss: the refill's same-run baseline
 PREDICTED = "pp+chain+prediction"  # the chain drafting where the prediction does not cover the output
+SPECPIPE_PREDICTED = "specpipe+prediction"  # the prediction grafted onto SpecPipe's tree (pipeline.predicted)
+PREDICTED_MODES = (PREDICTED, SPECPIPE_PREDICTED)
 BATCH_MODES = ("pp+chain xS", "specpipe-db xS")  # S sessions at once: one micro-batch in flight, or several
 
 
@@ -77,10 +79,9 @@ class DelayedDecoder:
 def pipeline_modes(stages: int, shape: TreeShape, predicted: bool = False) -> tuple[str, ...]:
     """The single-session modes measured at a stage count (SpecPipe without its refill too,
     where the shape refills; with the prompts' predictions where they carry them)."""
-    with_prediction = (PREDICTED,) if predicted else ()
     if stages == 1:
-        return "pp", "pp+chain", *with_prediction
-    return MODES + ((NO_REFILL,) if shape.refill_depth(stages) else ()) + with_prediction
+        return "pp", "pp+chain", *((PREDICTED,) if predicted else ())
+    return MODES + ((NO_REFILL,) if shape.refill_depth(stages) else ()) + (PREDICTED_MODES if predicted else ())
 
 
 def _run_one(mode: str, decoder, draft: Decoder, prompt: list[int], params: SamplingParams,
@@ -95,8 +96,11 @@ def _run_one(mode: str, decoder, draft: Decoder, prompt: list[int], params: Samp
         tokens, stats, _ = generate(decoder, prompt, params, ModelChainDrafter(draft, bench.depth))
         result["prediction_accepted"] = stats.prediction_accepted
     else:
-        shape = bench.shape if mode == "specpipe" else replace(bench.shape, refill=0)
+        shape = replace(bench.shape, refill=0) if mode == NO_REFILL else bench.shape
+        if mode == SPECPIPE_PREDICTED:
+            params = replace(params, prediction=prediction)
         tokens, stats, _, pipe = specpipe_generate(decoder, draft, prompt, params, shape)
+        result["prediction_accepted"] = stats.prediction_accepted
         result["refill"] = shape.refill_depth(decoder.stages)
         result["refill_tokens_per_token"] = pipe.refill_tokens / pipe.steps if pipe.steps else 0.0
         result["hit_rate"] = pipe.hits / pipe.steps if pipe.steps else 0.0
@@ -211,7 +215,7 @@ def _summarise(stages: int, mode: str, per_repeat: list[list[dict]]) -> dict:
            "tokens_per_s": round(statistics.median(aggregate) if aggregate else 1e3 / statistics.median(tbt), 3),
            "same_as_target": sum(r.get("same_count", int(r["same"])) for r in flat),
            "runs": sum(r.get("sessions", 1) for r in flat)}
-    if mode == PREDICTED:
+    if mode in PREDICTED_MODES:
         row["prediction_accepted"] = sum(r["prediction_accepted"] for r in flat)
     if not aggregate:  # one session per run: each prompt's time between tokens, its median over the repeats
         row["tbt_ms_per_prompt"] = [round(statistics.median(turn[i]["tbt_ms"] for turn in per_repeat), 2)
@@ -244,12 +248,12 @@ def _add_predictions(rows: list[dict]) -> None:
             if baseline and "tbt_ms_per_prompt" in row and "tbt_ms_per_prompt" in baseline:
                 row[key] = spread(per_prompt_ratios(baseline["tbt_ms_per_prompt"], row["tbt_ms_per_prompt"]), 3)
         specpipe = by.get((row["stages"], "specpipe"))
-        if row["mode"] == PREDICTED and specpipe:  # what SpecPipe, ignoring the prediction, would have done
+        if row["mode"] in PREDICTED_MODES and specpipe:  # against SpecPipe without the prediction
             row["vs_specpipe"] = round(row["tokens_per_s"] / specpipe["tokens_per_s"], 3)
             if "tbt_ms_per_prompt" in specpipe:
                 row["vs_specpipe_per_prompt"] = spread(per_prompt_ratios(specpipe["tbt_ms_per_prompt"],
                                                                          row["tbt_ms_per_prompt"]), 3)
-        if "hit_rate" in row:
+        if "hit_rate" in row and row["mode"] != SPECPIPE_PREDICTED:  # (eq. 2 knows no predicted chains)
             option = WidthOption(1, row["step_ms"], row["hit_rate"])  # the width is not used
             predicted = option.expected_tbt_ms(row["stages"], row["refill"])
             row["predicted_tbt_ms"] = round(predicted, 2)

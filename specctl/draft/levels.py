@@ -15,7 +15,7 @@ from specctl.engine.kv_cache import KVPool
 from specctl.engine.model import Decoder
 from specctl.engine.spec import check_token_ids
 from specctl.errors import BadRequest
-from specctl.net.protocol import Level, OpenLevels, Reroot
+from specctl.net.protocol import Graft, Level, OpenLevels, Reroot
 from specctl.pipeline.live_tree import SpecTree
 from specctl.pipeline.token_source import DraftLevels, TreeShape
 from specctl.spec.sampling import SamplingParams
@@ -65,6 +65,22 @@ class LevelTable:
         nodes = [session.tree.nodes[i] for i in ids]
         self.levels_sent += 1
         return Level(tag, ids, [n.token for n in nodes], [n.parent for n in nodes], [n.score for n in nodes])
+
+    def graft(self, msg: Graft) -> None:
+        """Hang a predicted chain in the session's tree as stage 1 did (the same ids, in the same
+        order); the draft reads its nodes with the next level under them."""
+        session = self._session(msg.tag)
+        if session.failed is not None:
+            return
+        parent = session.tree.nodes.get(msg.parent)
+        if parent is None or not msg.tokens or any(not 0 <= t < self.vocab_size for t in msg.tokens) \
+                or parent.pos + len(msg.tokens) >= session.levels.cache.capacity:
+            session.failed = (f"a chain of {len(msg.tokens)} tokens under node {msg.parent}: the tree does not hold "
+                              "the node, a token is out of range, or it reaches past the session's capacity")
+            return
+        at = msg.parent
+        for token in msg.tokens:
+            at = session.tree.add(token, at, session.tree.nodes[at].pos + 1, parent.score)
 
     def reroot(self, msg: Reroot) -> None:
         session = self._session(msg.tag)

@@ -27,8 +27,8 @@ from specctl.errors import BadRequest, ConfigError, KVBudgetExceeded, SpecctlErr
 from specctl.net.framing import read_message
 from specctl.net.handshake import server_handshake
 from specctl.net.protocol import (
-    CacheFlushed, CloseSession, Error, FlushCache, NextLevel, OpenLevels, OpenSession, Propose, ProtocolError, Reroot,
-    SessionOpened, Stats, StatsRequest,
+    CacheFlushed, CloseSession, Error, FlushCache, Graft, NextLevel, OpenLevels, OpenSession, Propose, ProtocolError,
+    Reroot, SessionOpened, Stats, StatsRequest,
 )
 from specctl.runtime.compute import ComputeLane, ComputeThread
 from specctl.runtime.listen import ListeningServer, MessageRate
@@ -142,9 +142,10 @@ class DraftServer(ListeningServer):
                 if self._known(conn, message.tag):
                     conn.inflight.add(message.tag)
                     group.create_task(self._next_level(conn, message))
-            elif isinstance(message, Reroot):
+            elif isinstance(message, (Reroot, Graft)):
                 if self._known(conn, message.tag):  # in order with the session's next level request
-                    self.compute.submit_nowait(self.levels.reroot, message)
+                    self.compute.submit_nowait(self.levels.reroot if isinstance(message, Reroot) else self.levels.graft,
+                                               message)
             elif isinstance(message, Propose):
                 if message.tag not in conn.tags:
                     self._refuse(conn, Error("unknown_tag", f"unknown session tag {message.tag}", tag=message.tag))

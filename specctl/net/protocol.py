@@ -198,6 +198,14 @@ class Reroot(msgspec.Struct, tag=True, frozen=True):
     position: int
 
 
+class Graft(msgspec.Struct, tag=True, frozen=True):
+    """Hang ``tokens`` (a request's prediction, pipeline.predicted) as a chain under node
+    ``parent``; the draft reads them with its next level under them."""
+    tag: int
+    parent: int
+    tokens: list[int]
+
+
 # --- client <-> target -----------------------------------------------------------------
 
 # A gateway's request id (gateway.request_id) as the target logs it: one line, bounded ("" = none); the
@@ -300,7 +308,7 @@ Message = Union[
     Challenge, Hello, Welcome, OpenSession, SessionOpened, Propose, Proposal, CloseSession,
     Generate, Tokens, Done, Cancel, StatsRequest, Stats, FlushCache, CacheFlushed, Error,
     StageOpen, StageForward, StageKeep, StageClose, StageDrop, StageOutput,
-    OpenLevels, NextLevel, Level, Reroot,
+    OpenLevels, NextLevel, Level, Reroot, Graft,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -44,6 +44,14 @@ class SpecTree:
         self.nodes = {i: n for i, n in self.nodes.items() if self.in_subtree(i, root)}
         self.nodes[root].parent = None
 
+    def path(self, node_id: int) -> list[int]:
+        """The tokens from the root's child down to ``node_id`` (none for the root itself)."""
+        tokens = []
+        while self.nodes[node_id].parent is not None:
+            tokens.append(self.nodes[node_id].token)
+            node_id = self.nodes[node_id].parent
+        return tokens[::-1]
+
     def children(self, node_id: int) -> list[int]:
         return [i for i, n in self.nodes.items() if n.parent == node_id]
 

@@ -24,7 +24,8 @@ class RemoteLevels:
                  session: DecodeSession, timeout_s: float = 30.0) -> None:
         self.client, self.loop, self.timeout_s = client, loop, timeout_s
         self.lost: str | None = None  # why the draft went away, once it did
-        capacity = level_capacity(session.prompt_len, session.params.max_tokens, session.target.stages, shape)
+        capacity = level_capacity(session.prompt_len, session.params.max_tokens, session.target.stages, shape,
+                                  bool(session.params.prediction))
         self.handle: Handle | None = self._call(client.open_levels(session.seq[: session.prompt_len - 1], shape.width,
                                                                    shape.topk, capacity, shape.spread,
                                                                    session.params))
@@ -55,6 +56,11 @@ class RemoteLevels:
             self._lose(f"the draft server's tree is out of step (node ids {level.nodes[:4]} != {ids[:4]})")
             return None
         return ids
+
+    def graft(self, tree: SpecTree, nodes: list[int]) -> None:
+        """The draft server hangs the same chain (its node ids follow: both trees add alike)."""
+        if self.alive:
+            self._soon(self.client.graft, self.handle, tree.nodes[nodes[0]].parent, [tree.nodes[n].token for n in nodes])
 
     def reroot(self, tree: SpecTree, committed: int, new_root: int | None, token: int, position: int) -> None:
         self._post(committed, -1 if new_root is None else new_root, token, position)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from specctl.engine.model import Decoder
 from specctl.pipeline.specpipe import PipeStats, SpecPipeRun
-from specctl.pipeline.token_source import DraftLevels, LevelSource, TreeShape, max_tree_nodes
+from specctl.pipeline.token_source import DraftLevels, LevelSource, TreeShape, max_tree_nodes, predicted_chain_nodes
 from specctl.spec.decode import DecodeSession
 from specctl.spec.drafters import Drafter, ModelChainDrafter
 from specctl.spec.logprobs import TokenLogprob, emitted_logprobs
@@ -51,9 +51,10 @@ class SpecPipeDraft:
 
         return cls(shape, name, lambda session: RemoteLevels(client, loop, shape, session))
 
-    def max_nodes(self, stages: int) -> int:
-        """The most tree nodes one session keeps cached: its KV is sized for them."""
-        return max_tree_nodes(stages, self.shape)
+    def max_nodes(self, stages: int, predicted: bool = False) -> int:
+        """The most tree nodes one session keeps cached (with a request's prediction, its
+        chains too): its KV is sized for them."""
+        return max_tree_nodes(stages, self.shape, predicted)
 
     def snapshot(self) -> dict:
         t = self.totals
@@ -76,10 +77,12 @@ async def serve_specpipe(session: DecodeSession, spec: SpecPipeDraft, lane, emit
         nonlocal run
         if cancelled:  # cancelled while queued
             return
+        stages = session.target.stages
         run = SpecPipeRun(session.target, session, spec.open_levels(session),
                           lambda tokens, result: loop.call_soon_threadsafe(emit, tokens, result,
                                                                            emitted_logprobs(session, len(tokens))),
-                          spec.shape.refill_depth(session.target.stages))
+                          spec.shape.refill_depth(stages),
+                          predicted_chain_nodes(stages) if session.params.prediction else 0)
         run.stop = cancelled
         try:
             run.run()

@@ -37,7 +37,8 @@ from specctl.engine.model import Decoder
 from specctl.net.protocol import StageForward, Tensor
 from specctl.pipeline.decoder import PipelineDecoder, wait_output
 from specctl.pipeline.live_tree import CacheMirror, SpecTree
-from specctl.pipeline.token_source import DraftLevels, LevelSource, TreeShape, max_tree_nodes
+from specctl.pipeline.predicted import PredictedChains
+from specctl.pipeline.token_source import DraftLevels, LevelSource, TreeShape, max_tree_nodes, predicted_chain_nodes
 from specctl.runtime.compute import sleep_rest
 from specctl.spec.decode import DecodeSession
 from specctl.spec.rounds import Emit
@@ -60,10 +61,12 @@ class PipeStats:
     rows_dropped: int = 0  # pruned rows of levels in flight that keep live ones, declared dead
     refills: int = 0  # misses refilled with levels under the verified token in its forward
     refill_tokens: int = 0  # tokens decided by a forward's output after its first (chained through a refill)
+    predicted: int = 0  # nodes of a request's predicted chains sent (pipeline.predicted)
+    predicted_accepted: int = 0  # of the chains' tokens, those the target accepted
 
     def add(self, other: "PipeStats") -> None:
         for name in ("steps", "hits", "flushes", "levels_sent", "stale_outputs", "bubbles", "stage1_s", "draft_lost",
-                     "levels_dropped", "rows_dropped", "refills", "refill_tokens"):
+                     "levels_dropped", "rows_dropped", "refills", "refill_tokens", "predicted", "predicted_accepted"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     @property
@@ -77,6 +80,7 @@ class PipeStats:
                 "stale_outputs": self.stale_outputs, "bubbles": self.bubbles, "hit_rate": round(self.hit_rate, 4),
                 "draft_lost": self.draft_lost, "levels_dropped": self.levels_dropped,
                 "rows_dropped": self.rows_dropped, "refills": self.refills, "refill_tokens": self.refill_tokens,
+                "predicted": self.predicted, "predicted_accepted": self.predicted_accepted,
                 "stage1_step_ms": round(1e3 * self.stage1_s / self.levels_sent, 3) if self.levels_sent else 0.0}
 
 
@@ -98,15 +102,20 @@ class SpecPipeRun:
     draft: LevelSource
     emit: Emit | None = None
     refill: int = 0  # levels drafted under the verified token after a miss, sent with it (TreeShape.refill)
+    # Nodes of the request's predicted chains the session may keep cached (its KV sized for
+    # them: token_source.max_tree_nodes(predicted=True)); 0: the prediction is not grafted.
+    chain_budget: int = 0
     stats: PipeStats = field(default_factory=PipeStats)
     stop: bool = False  # set from another thread: end after the current step (a cancelled request)
+    predicted: PredictedChains | None = None
 
     def run(self) -> None:
         session, cache = self.session, self.session.cache
         begun = time.perf_counter()
+        params = session.params
+        self.predicted = PredictedChains.of(params.prediction, self.chain_budget, session.prompt_len, params.max_tokens)
         # Whole rows when the token is not the plain argmax or when the request keeps its
         # log-probabilities; the argmax alone (one int a row) otherwise.
-        params = session.params
         want = "argmax" if params.greedy and session.rules is None and params.logprobs is None else "logits"
         # The first tree's root is the prompt's last token and the prefill is its level: the
         # draft's levels follow the prefill into the pipeline at once, so the pipeline is
@@ -164,6 +173,8 @@ class SpecPipeRun:
                 if children:
                     self.stats.hits += new_root is not None
                     self.stats.flushes += new_root is None
+                if self.predicted is not None:
+                    self.predicted.decided(children, new_root)
                 result = None
                 if first:  # the prompt's next token: reported as the prefill's, as the round loop does
                     session.stats.prefill_s, first = time.perf_counter() - begun, False
@@ -181,29 +192,52 @@ class SpecPipeRun:
                     tree_epoch += 1
                     tree, levels = SpecTree(), []
                     root = tree.add(token, None, len(session.seq) - 1)
+                    self._forget(None)
                     break
                 tree.reroot(new_root)
+                self._forget(tree)
                 root = new_root
                 levels = [[n for n in level if n in tree.nodes] for level in levels[1:]]
                 if [] in levels:  # a level wholly in pruned branches: the tree grows again from above it
                     levels = levels[: levels.index([])]
             self._declare_dead(in_flight, tree, tree_epoch)
+        if self.predicted is not None:  # as the round loop counts a prediction's tokens (spec.stats)
+            session.stats.prediction_accepted = self.stats.predicted_accepted = self.predicted.accepted
+            session.stats.prediction_rejected = self.predicted.rejected
+            self.stats.predicted = self.predicted.sent
+
+    def _forget(self, tree: SpecTree | None) -> None:
+        if self.predicted is not None:
+            self.predicted.forget(tree)
 
     def _next_levels(self, tree: SpecTree, levels: list[list[int]], root: int) -> list[list[int]] | None:
         """The next forward's levels: one more under the frontier; after a flush (no level
-        sent yet) the verified token with up to ``refill`` levels drafted under it. None: the
-        draft went away before it gave a level."""
+        sent yet) the verified token with up to ``refill`` levels drafted under it. Either
+        with the request's predicted chain grafted under the frontier (pipeline.predicted).
+        None: the draft went away before it gave a level."""
         if levels:
             level = self.draft.next_level(tree, levels[-1])
-            return None if level is None else [level]
+            if level is None:
+                return None
+            new_levels = [level]
+            self._graft(tree, levels[-1], new_levels)
+            return new_levels
         refill = [[root]]
         for _ in range(self.refill if self.draft.alive else 0):
             level = self.draft.next_level(tree, refill[-1])
             if level is None:  # gone meanwhile: the token goes with what was drafted (plain PP from then on)
                 break
             refill.append(level)
-        self.stats.refills += len(refill) > 1
-        return refill
+        under = refill[1:]
+        self._graft(tree, [root], under)  # without a draft too: the prediction needs none
+        self.stats.refills += len(under) > 0
+        return [[root], *under]
+
+    def _graft(self, tree: SpecTree, frontier: list[int], new_levels: list[list[int]]) -> None:
+        if self.predicted is not None:
+            added = self.predicted.graft(tree, self.session.seq, frontier, new_levels)
+            if added and self.draft.alive:
+                self.draft.graft(tree, added)
 
     def _declare_dead(self, in_flight: deque[_Sent], tree: SpecTree, tree_epoch: int) -> None:
         """Tell the other stages (control path) what the verification just pruned from the
@@ -275,12 +309,14 @@ def specpipe_generate(target: PipelineDecoder, draft: Decoder, prompt: list[int]
     """Run one session to the end with SpecPipe: (tokens, stats, finish_reason, pipeline stats);
     ``tokenizer``: the target's, which a grammar needs."""
     started = time.perf_counter()
+    predicted = bool(params.prediction)
     session = DecodeSession(target, prompt, params, eos_token_ids, max_context, pool,
-                            max_tree_nodes(target.stages, shape), tokenizer=tokenizer)
+                            max_tree_nodes(target.stages, shape, predicted), tokenizer=tokenizer)
     source = None
     try:
         source = DraftLevels.for_session(draft, shape, session, draft_pool)
-        run = SpecPipeRun(target, session, source, on_tokens, shape.refill_depth(target.stages))
+        run = SpecPipeRun(target, session, source, on_tokens, shape.refill_depth(target.stages),
+                          predicted_chain_nodes(target.stages) if predicted else 0)
         run.run()
     finally:
         session.stats.wall_s = time.perf_counter() - started

@@ -14,6 +14,7 @@ from specctl.engine.model import Decoder
 from specctl.pipeline.live_tree import CacheMirror, SpecTree
 from specctl.spec.decode import DecodeSession
 from specctl.spec.logit_rules import LogitRules
+from specctl.spec.prediction import PREDICTION_NODES
 
 
 SPREADS = ("likeliest", "every-node")
@@ -49,16 +50,24 @@ class TreeShape:
         return max(stages - 1, 0) if self.refill is None else self.refill
 
 
-def max_tree_nodes(stages: int, shape: TreeShape) -> int:
+def max_tree_nodes(stages: int, shape: TreeShape, predicted: bool = False) -> int:
     """The most tree nodes a session ever has cached: the root's level, a refill's levels and
-    up to one level per stage in flight (plus one being drafted), ``width`` nodes each."""
-    return (stages + 2 + shape.refill_depth(stages)) * shape.width + 1
+    up to one level per stage in flight (plus one being drafted), ``width`` nodes each; with a
+    request's prediction, its grafted chains too (``predicted_chain_nodes``)."""
+    nodes = (stages + 2 + shape.refill_depth(stages)) * shape.width + 1
+    return nodes + predicted_chain_nodes(stages) if predicted else nodes
 
 
-def level_capacity(prompt_len: int, max_tokens: int, stages: int, shape: TreeShape) -> int:
+def predicted_chain_nodes(stages: int) -> int:
+    """The most nodes of a request's predicted chains a SpecPipe session keeps cached at once
+    (pipeline.predicted): a full chain in every forward in flight."""
+    return stages * PREDICTION_NODES
+
+
+def level_capacity(prompt_len: int, max_tokens: int, stages: int, shape: TreeShape, predicted: bool = False) -> int:
     """KV positions a draft growing a session's tree may need: its text, the new tokens and
     the most tree nodes ever cached."""
-    return prompt_len + max_tokens + max_tree_nodes(stages, shape) + 2
+    return prompt_len + max_tokens + max_tree_nodes(stages, shape, predicted) + 2
 
 
 Candidate = tuple[float, int, int]  # (path probability, frontier row, token)
@@ -72,13 +81,17 @@ def spread_level(candidates: list[Candidate], topk: int, width: int, spread: str
     return firsts + rest[: width - len(firsts)]
 
 
-def _path(tree: SpecTree, node_id: int) -> list[int]:
-    """The tokens from the root's child down to ``node_id`` (none for the root itself)."""
-    path = []
-    while tree.nodes[node_id].parent is not None:
-        path.append(tree.nodes[node_id].token)
-        node_id = tree.nodes[node_id].parent
-    return path[::-1]
+def unread_ancestors(tree: SpecTree, mirror: CacheMirror, frontier: list[int]) -> list[int]:
+    """The frontier's ancestors a device has not read, parents first: the nodes of a chain
+    grafted under the frontier's level (a request's prediction, pipeline.predicted) — the
+    draft reads them with the frontier at its end. None in a tree grown only level by level."""
+    cached, unread = set(mirror.order), set()
+    for node_id in frontier:
+        parent = tree.nodes[node_id].parent
+        while parent is not None and parent not in cached and parent not in unread:
+            unread.add(parent)
+            parent = tree.nodes[parent].parent
+    return sorted(unread - set(frontier))  # ids grow as nodes are added: parents first
 
 
 class LevelSource(Protocol):
@@ -87,6 +100,7 @@ class LevelSource(Protocol):
 
     def start(self, token: int, position: int) -> None: ...
     def next_level(self, tree: SpecTree, frontier: list[int]) -> list[int] | None: ...
+    def graft(self, tree: SpecTree, nodes: list[int]) -> None: ...
     def reroot(self, tree: SpecTree, committed: int, new_root: int | None, token: int, position: int) -> None: ...
     def close(self) -> None: ...
 
@@ -113,7 +127,8 @@ class DraftLevels:
     @classmethod
     def for_session(cls, draft: Decoder, shape: TreeShape, session: DecodeSession,
                     pool: KVPool | None = None) -> "DraftLevels":
-        capacity = level_capacity(session.prompt_len, session.params.max_tokens, session.target.stages, shape)
+        capacity = level_capacity(session.prompt_len, session.params.max_tokens, session.target.stages, shape,
+                                  bool(session.params.prediction))
         return cls(draft, shape, session.seq[: session.prompt_len - 1], capacity, pool, session.rules)
 
     def start(self, token: int, position: int) -> None:
@@ -126,23 +141,29 @@ class DraftLevels:
             self.draft(torch.tensor(tokens), torch.tensor(positions), self.cache, logits_at=torch.tensor([0]))
             self.mirror.prefix += len(self.pending)
             self.pending = []
-        tail = self.mirror.level_mask(tree, frontier)
-        mask = torch.cat([torch.ones(len(frontier), self.mirror.prefix, dtype=torch.bool), tail], 1)
+        read = unread_ancestors(tree, self.mirror, frontier) + frontier
+        tail = self.mirror.level_mask(tree, read)
+        mask = torch.cat([torch.ones(len(read), self.mirror.prefix, dtype=torch.bool), tail], 1)
         nodes = [tree.nodes[i] for i in frontier]
-        logits = self.draft(torch.tensor([n.token for n in nodes]), torch.tensor([n.pos for n in nodes]),
-                            self.cache, mask=mask)
-        self.mirror.append(frontier)
+        logits = self.draft(torch.tensor([tree.nodes[i].token for i in read]),
+                            torch.tensor([tree.nodes[i].pos for i in read]), self.cache, mask=mask,
+                            logits_at=torch.arange(len(read) - len(frontier), len(read)))
+        self.mirror.append(read)
         guide = self.guide
         if guide is not None and (logits.shape[-1], logits.device) == (guide.counts.shape[-1], guide.counts.device):
             # each frontier node's row after its path past the committed text (the tree's root);
             # a draft of another vocabulary width or on another device drafts free
-            logits = guide.apply(logits, [_path(tree, i) for i in frontier])
+            logits = guide.apply(logits, [tree.path(i) for i in frontier])
         probs, tokens = logits.float().softmax(-1).topk(self.shape.topk, dim=-1)
         candidates = [(nodes[r].score * float(probs[r, j]), r, int(tokens[r, j]))
                       for r in range(len(frontier)) for j in range(self.shape.topk)]
         chosen = spread_level(candidates, self.shape.topk, self.shape.width, self.shape.spread)
         chosen.sort(key=lambda c: (c[1], -c[0]))  # by parent, likeliest child first (tried first)
         return [tree.add(token, frontier[r], nodes[r].pos + 1, score) for score, r, token in chosen]
+
+    def graft(self, tree: SpecTree, nodes: list[int]) -> None:
+        """A predicted chain was hung in ``tree`` (pipeline.predicted): its nodes are read with
+        the next level under them (``unread_ancestors``)."""
 
     def reroot(self, tree: SpecTree, committed: int, new_root: int | None, token: int = -1,
                position: int = -1) -> None:

@@ -14,8 +14,8 @@ import ssl as ssl_module
 from specctl.errors import VocabMismatch
 from specctl.net.framing import read_message
 from specctl.net.handshake import AuthError, open_peer
-from specctl.net.protocol import (CloseSession, Error, Level, NextLevel, OpenLevels, OpenSession, Proposal, Propose,
-                                  Reroot, SessionOpened, encode)
+from specctl.net.protocol import (CloseSession, Error, Graft, Level, NextLevel, OpenLevels, OpenSession, Proposal,
+                                  Propose, Reroot, SessionOpened, encode)
 from specctl.spec.sampling import SamplingParams
 
 log = logging.getLogger("specctl.verify.draft")
@@ -170,9 +170,16 @@ class DraftClient:
 
     def reroot(self, handle: Handle, committed: int, new_root: int, token: int, position: int) -> None:
         """Fire and forget, in order with the session's next level request."""
+        self._fire(handle, Reroot(handle[1], committed, new_root, token, position))
+
+    def graft(self, handle: Handle, parent: int, tokens: list[int]) -> None:
+        """A predicted chain hung under ``parent``; fire and forget, in order with the rest."""
+        self._fire(handle, Graft(handle[1], parent, tokens))
+
+    def _fire(self, handle: Handle, message) -> None:
         if handle[0] == self.epoch and self._writer is not None:
             try:
-                self._writer.write(encode(Reroot(handle[1], committed, new_root, token, position)))
+                self._writer.write(encode(message))
             except (ConnectionError, RuntimeError):
                 pass  # the link is going: the next level request finds out
 
