@@ -1,14 +1,16 @@
 """A request's Predicted Output grafted onto SpecPipe's tree (§3.3 with spec.prediction).
 
-Each forward stage 1 sends carries, besides the draft's level(s), the prediction's next
-tokens as a chain hung under the frontier node whose path the prediction continues (the
-last chain's end first, then the draft's likeliest path): one forward's output then decides
-the whole chain while it holds, where a level decides a token per stage step. The chain
-merges with the draft's nodes where they agree and hangs the rest below them; the draft
-reads the chain's nodes with its next level, which grows from the chain's end (so the tree
-bets on the prediction: the draft's other nodes of the chain's depth are leaves). After a
-miss the refill forward carries the chain from the verified token. The output is the
-target's all the same (a chain node is one more candidate the target accepts or not, by
+Each forward stage 1 sends carries the prediction's next tokens as a chain hung under the
+frontier node whose path the prediction continues (the last chain's end first, then the
+draft's likeliest path): one forward's output then decides the whole chain while it holds,
+where a level decides a token per stage step. Until a chain's token is accepted the forward
+carries the draft's level too and the chain merges with the draft's nodes where they agree
+(the tree bets on the prediction below them: the draft's next level grows from the chain's
+end); while the prediction holds (its last token decided was accepted) the forwards are
+chains alone and the draft reads nothing — it reads the text it missed when it drafts again,
+after the prediction's first miss, in one forward (as the round loop's drafter catches up).
+After a miss the refill forward carries the chain from the verified token. The output is
+the target's all the same (a chain node is one more candidate the target accepts or not, by
 argmax or by the rule for deterministic candidates).
 
 How far a chain reaches adapts as in the round loop (``spec.prediction.next_depth``), and
@@ -40,6 +42,7 @@ class PredictedChains:
     accepted: int = 0  # chain tokens the target accepted
     rejected: int = 0  # chain tokens it did not (a rejected node and the rest of its chain)
     sent: int = 0  # chain nodes sent (new nodes; those merged with the draft's are the draft's)
+    holding: bool = False  # the last chain node decided was accepted: the next chains go without the draft's levels
 
     @classmethod
     def of(cls, prediction: Sequence[int], budget: int, prompt_len: int, max_tokens: int) -> "PredictedChains | None":
@@ -91,7 +94,8 @@ class PredictedChains:
         if not ours:
             return
         chain, index = self.grafted[ours[0]]
-        if new_root in self.grafted and new_root == ours[0]:
+        self.holding = new_root == ours[0]
+        if self.holding:
             self.accepted += 1
             if index == chain.length - 1:
                 self.lookup.depth = next_depth(chain.depth, chain.length, chain.length)

@@ -216,6 +216,11 @@ class SpecPipeRun:
         with the request's predicted chain grafted under the frontier (pipeline.predicted).
         None: the draft went away before it gave a level."""
         if levels:
+            new_levels = []
+            if self.predicted is not None and self.predicted.holding:  # chains alone while the prediction holds
+                self._graft(tree, levels[-1], new_levels)
+                if new_levels:
+                    return new_levels
             level = self.draft.next_level(tree, levels[-1])
             if level is None:
                 return None
