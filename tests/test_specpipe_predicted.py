@@ -15,9 +15,10 @@ from specctl.engine.loader import load_model
 from specctl.pipeline.live_tree import CacheMirror, SpecTree
 from specctl.pipeline.local import LocalPipeline
 from specctl.pipeline.predicted import PredictedChains
-from specctl.pipeline.specpipe import specpipe_generate
+from specctl.pipeline.specpipe import SpecPipeRun, specpipe_generate
 from specctl.pipeline.token_source import (DraftLevels, TreeShape, max_tree_nodes, predicted_chain_nodes,
                                            unread_ancestors)
+from specctl.spec.decode import DecodeSession
 from specctl.spec.prediction import PREDICTED_DEPTH, PREDICTION_NODES
 from specctl.spec.rounds import generate
 from specctl.spec.sampling import SamplingParams
@@ -78,6 +79,7 @@ def test_a_decision_counts_the_chains_tokens_and_adapts_how_far_the_next_reaches
     chains.lookup.depth = 5  # the chain a..6 is a full-depth one (5 tokens)
     levels = [[a, b]]
     c, d, e, f = chains.graft(tree, SEQ, [root], levels)
+    assert chains.chain_ends([b, c, f]) == [f]  # the next forward continues the chain alone from there
     for parent, child in ((root, a), (a, c), (c, d), (d, e), (e, f)):
         chains.decided([child] + ([b] if parent == root else []), child)
     assert (chains.accepted, chains.rejected) == (5, 0) and chains.lookup.depth == 11  # doubled: 2 * 5 + 1
@@ -163,4 +165,39 @@ async def test_specpipe_with_a_prediction_is_exactly_the_target_in_far_fewer_for
             else:  # most tokens decided by chains: a fraction of the forwards
                 assert pipe.predicted_accepted >= (75 if prediction == tuple(alone) else 60)
                 assert pipe.levels_sent * 3 < plain.levels_sent
+        await wait_until(lambda: all(s.pool.sessions == 0 for s in pipeline.servers), what="stage KV freed")
+
+
+
+async def test_while_the_prediction_holds_the_forwards_are_chains_alone_and_the_draft_catches_up_after(models):
+    """A prediction that holds for 40 tokens, then none: the draft drafts a level with a chain's
+    first forward, none with the forwards that continue it, and when the prediction runs out it
+    reads the text it missed in one forward and drafts again; exact."""
+    target, draft = models
+    prompt = [7, 8, 9, 10, 7, 8, 9]
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    alone = generate(target.decoder, prompt, params)[0]
+    params = replace(params, prediction=tuple(alone[:40]))
+    shape = TreeShape(2, 2)
+    async with LocalPipeline(target, 3) as pipeline:
+        session = DecodeSession(pipeline.staged.decoder, prompt, params, max_nodes=max_tree_nodes(3, shape, True))
+        levels = DraftLevels.for_session(draft.decoder, shape, session)
+        run = SpecPipeRun(pipeline.staged.decoder, session, levels, None, shape.refill_depth(3), predicted_chain_nodes(3))
+        drafted = []  # (tokens decided, the draft's KV length) at each level it drafts
+        original = levels.next_level
+
+        def next_level(tree, frontier):
+            drafted.append((len(session.seq) - session.prompt_len, levels.cache.length))
+            return original(tree, frontier)
+        levels.next_level = next_level
+        await asyncio.to_thread(run.run)
+        assert session.output == alone and run.stats.predicted_accepted >= 38
+        holding = [at for at, _ in drafted if 2 <= at < 40]
+        # while the chains held, the draft drafted only where one reached the prediction's end;
+        # from then on, a level a forward again
+        assert len(holding) <= 2 and len(drafted) - len(holding) > 40
+        # it read a chain's text it had missed in one forward (its KV grew by more than a level)
+        assert max(b - a for (_, a), (_, b) in zip(drafted, drafted[1:])) > 10
+        session.close()
+        levels.close()
         await wait_until(lambda: all(s.pool.sessions == 0 for s in pipeline.servers), what="stage KV freed")

@@ -72,9 +72,9 @@ class LevelTable:
         session = self._session(msg.tag)
         if session.failed is not None:
             return
-        parent = session.tree.nodes.get(msg.parent)
+        parent, capacity = session.tree.nodes.get(msg.parent), session.levels.cache.capacity
         if parent is None or not msg.tokens or any(not 0 <= t < self.vocab_size for t in msg.tokens) \
-                or parent.pos + len(msg.tokens) >= session.levels.cache.capacity:
+                or max(parent.pos, len(session.tree.nodes)) + len(msg.tokens) >= capacity:
             session.failed = (f"a chain of {len(msg.tokens)} tokens under node {msg.parent}: the tree does not hold "
                               "the node, a token is out of range, or it reaches past the session's capacity")
             return

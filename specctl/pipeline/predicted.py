@@ -3,13 +3,12 @@
 Each forward stage 1 sends carries the prediction's next tokens as a chain hung under the
 frontier node whose path the prediction continues (the last chain's end first, then the
 draft's likeliest path): one forward's output then decides the whole chain while it holds,
-where a level decides a token per stage step. Until a chain's token is accepted the forward
-carries the draft's level too and the chain merges with the draft's nodes where they agree
-(the tree bets on the prediction below them: the draft's next level grows from the chain's
-end); while the prediction holds (its last token decided was accepted) the forwards are
-chains alone and the draft reads nothing — it reads the text it missed when it drafts again,
-after the prediction's first miss, in one forward (as the round loop's drafter catches up).
-After a miss the refill forward carries the chain from the verified token. The output is
+where a level decides a token per stage step. A chain's first forward carries the draft's
+level too, and the chain merges with the draft's nodes where they agree (the tree bets on the
+prediction below them); the forwards that continue it from its end are chains alone, and the
+draft reads nothing while they go on — it reads the text it missed when it drafts again (the
+prediction ended, or missed and the pipeline refills), in one forward, as the round loop's
+drafter catches up. After a miss the refill forward carries the chain from the verified token. The output is
 the target's all the same (a chain node is one more candidate the target accepts or not, by
 argmax or by the rule for deterministic candidates).
 
@@ -42,7 +41,6 @@ class PredictedChains:
     accepted: int = 0  # chain tokens the target accepted
     rejected: int = 0  # chain tokens it did not (a rejected node and the rest of its chain)
     sent: int = 0  # chain nodes sent (new nodes; those merged with the draft's are the draft's)
-    holding: bool = False  # the last chain node decided was accepted: the next chains go without the draft's levels
 
     @classmethod
     def of(cls, prediction: Sequence[int], budget: int, prompt_len: int, max_tokens: int) -> "PredictedChains | None":
@@ -86,6 +84,10 @@ class PredictedChains:
         self.sent += len(added)
         return added
 
+    def chain_ends(self, frontier: list[int]) -> list[int]:
+        """The frontier's nodes that end a chain: the next forward continues it alone."""
+        return [n for n in frontier if n in self.grafted and self.grafted[n][1] == self.grafted[n][0].length - 1]
+
     def decided(self, children: list[int], new_root: int | None) -> None:
         """A verification of the root whose ``children`` were candidates chose ``new_root``:
         count a chain's node accepted or rejected, and adapt how far the next chain reaches
@@ -94,8 +96,7 @@ class PredictedChains:
         if not ours:
             return
         chain, index = self.grafted[ours[0]]
-        self.holding = new_root == ours[0]
-        if self.holding:
+        if new_root == ours[0]:
             self.accepted += 1
             if index == chain.length - 1:
                 self.lookup.depth = next_depth(chain.depth, chain.length, chain.length)

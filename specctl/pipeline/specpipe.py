@@ -217,8 +217,8 @@ class SpecPipeRun:
         None: the draft went away before it gave a level."""
         if levels:
             new_levels = []
-            if self.predicted is not None and self.predicted.holding:  # chains alone while the prediction holds
-                self._graft(tree, levels[-1], new_levels)
+            if self.predicted is not None and (ends := self.predicted.chain_ends(levels[-1])):
+                self._graft(tree, ends, new_levels)  # a chain goes on alone from its end
                 if new_levels:
                     return new_levels
             level = self.draft.next_level(tree, levels[-1])
