@@ -64,14 +64,20 @@ def test_prediction_rows_are_set_against_specpipe_at_their_stage_count():
     specpipe = _summarise(2, "specpipe", [[_specpipe_run(100), _specpipe_run(50)]])
     predicted = _summarise(2, "pp+chain+prediction", [[_run(25, prediction_accepted=30),
                                                        _run(50, prediction_accepted=4)]])
+    grafted = _summarise(2, "specpipe+prediction", [[{**_specpipe_run(20), "prediction_accepted": 30},
+                                                     {**_specpipe_run(50), "prediction_accepted": 5}]])
     rows = [_summarise(2, "pp", [[_run(200), _run(200)]]), _summarise(2, "pp+chain", [[_run(100), _run(100)]]),
-            specpipe, predicted]
+            specpipe, predicted, grafted]
     _add_predictions(rows)
     assert predicted["prediction_accepted"] == 34 and "prediction_accepted" not in specpipe
     assert predicted["vs_specpipe_per_prompt"] == {"min": 1.0, "median": 2.5, "max": 4.0}
     assert predicted["vs_specpipe"] == round((1e3 / 37.5) / (1e3 / 75), 3) == 2.0 and "vs_specpipe" not in specpipe
+    assert grafted["prediction_accepted"] == 35 and grafted["vs_specpipe_per_prompt"]["max"] == 5.0
+    # SpecPipe's E(T) (eq. 2) knows no predicted chains: none beside that row
+    assert "predicted_tbt_ms" in specpipe and "predicted_tbt_ms" not in grafted and grafted["hit_rate"] == 0.5
     text = _table_text(rows)
-    assert "vs SpecPipe" in text and "1.00-4.00" in text and "SpecPipe would ignore it" in text
+    assert "vs SpecPipe" in text and "1.00-4.00" in text and "1.00-5.00" in text
+    assert "grafted onto SpecPipe's tree" in text
 
 
 def test_modes_add_the_prediction_row_only_for_prompts_that_carry_one():
@@ -81,4 +87,5 @@ def test_modes_add_the_prediction_row_only_for_prompts_that_carry_one():
     shape = TreeShape(4, 2, refill=0)
     assert pipeline_modes(1, shape) == ("pp", "pp+chain")
     assert pipeline_modes(1, shape, predicted=True) == ("pp", "pp+chain", "pp+chain+prediction")
-    assert pipeline_modes(2, shape, predicted=True) == ("pp", "pp+chain", "specpipe", "pp+chain+prediction")
+    assert pipeline_modes(2, shape, predicted=True) == ("pp", "pp+chain", "specpipe", "pp+chain+prediction",
+                                                         "specpipe+prediction")

@@ -610,8 +610,8 @@ async def test_specpipe_with_logit_rules_through_cuda_stages_equals_the_target(t
 
 async def specpipe_target_prediction_run(tiny_dir, device: str) -> None:
     """A SpecPipe target (stage 1 of 2, its draft in this process) given a request with a
-    Predicted Output: the round loop through the stages (predicted chains, the rest a chain of
-    SpecPipe's draft) equals the whole target's tokens; the next request without one is SpecPipe's."""
+    Predicted Output: its chains grafted onto the tree (session 65; the round loop in session
+    64) equal the whole target's tokens; so does the next request without one."""
     from dataclasses import replace
 
     from specctl.pipeline.local import LocalPipeline
@@ -625,14 +625,14 @@ async def specpipe_target_prediction_run(tiny_dir, device: str) -> None:
     alone = generate(target.decoder, PROMPTS[1], params)[0]
     async with LocalPipeline(target, 2, delay_s=0.0) as pipeline:
         server = TargetServer(pipeline.staged, TargetServerConfig(port=0), None, pipeline=pipeline.client,
-                              specpipe=SpecPipeDraft.local(draft.decoder, TreeShape(3, 2), "d", depth=3))
+                              specpipe=SpecPipeDraft.local(draft.decoder, TreeShape(3, 2), "d"))
         port = await server.start()
         try:
             tokens, _, stats = await remote_generate("127.0.0.1", port, PROMPTS[1],
                                                      replace(params, prediction=tuple(alone[:16]) + (3, 3)))
             assert tokens == alone and stats["prediction_accepted"] >= 12
             tokens, _, _ = await remote_generate("127.0.0.1", port, PROMPTS[1], params)
-            assert tokens == alone and (await remote_stats("127.0.0.1", port))["specpipe_steps"] == 40
+            assert tokens == alone and (await remote_stats("127.0.0.1", port))["specpipe_steps"] == 80
         finally:
             await server.close()
 

@@ -90,11 +90,11 @@ async def test_stage_one_serving_specpipe_is_exact_and_a_cancelled_request_frees
             tokens, reason, stats = await remote_generate("127.0.0.1", first_port, prompt, params)
             assert tokens == generate(target.decoder, prompt, params)[0] and reason == "length"
             assert stats["rounds"] == 39
-        # A request with a Predicted Output takes the round loop (the draft here drafting chains off it).
+        # A request with a Predicted Output: its chains grafted onto the tree.
         alone = generate(target.decoder, PROMPT, params)[0]
         tokens, _, stats = await remote_generate("127.0.0.1", first_port, PROMPT,
                                                  replace(params, prediction=tuple(alone[:20]) + (1, 2)))
-        assert tokens == alone and stats["prediction_accepted"] >= 16 and stats["rounds"] < 39
+        assert tokens == alone and stats["prediction_accepted"] >= 16
         # A client that goes away mid-stream: its session ends on stage 1 and on stage 2.
         started = asyncio.Event()
         running = asyncio.create_task(remote_generate("127.0.0.1", first_port, PROMPT,
@@ -106,7 +106,7 @@ async def test_stage_one_serving_specpipe_is_exact_and_a_cancelled_request_frees
                                  lambda s: s["sessions"] == 0 and s["kv_used_mb"] == 0 and s["stages"]
                                  and s["stages"][0]["sessions"] == 0)
         assert stats["stages"][0]["sessions_opened"] == stats["stages"][0]["sessions_closed"] == 4
-        assert stats["specpipe_steps"] >= 78 and stats["specpipe_hits"] + stats["specpipe_flushes"] <= stats["specpipe_steps"]
+        assert stats["specpipe_steps"] >= 118 and stats["specpipe_hits"] + stats["specpipe_flushes"] <= stats["specpipe_steps"]
     finally:
         stop_processes(procs)
 

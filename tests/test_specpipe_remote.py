@@ -51,7 +51,7 @@ class RemoteSpecPipe:
         staged = await self.pipeline.start()
         self.draft = self.client = self.link = None
         if self.draft_here:
-            specpipe = SpecPipeDraft.local(draft.decoder, self.shape, "draft here", depth=3)
+            specpipe = SpecPipeDraft.local(draft.decoder, self.shape, "draft here")
         else:
             self.draft = DraftServer(draft, ModelChainDrafter(draft.decoder, 3), DraftServerConfig(port=0))
             draft_port = await self.draft.start()
@@ -119,25 +119,30 @@ async def test_the_draft_server_gone_mid_session_leaves_plain_pipelining_with_th
 
 
 @pytest.mark.parametrize("draft_here", [False, True], ids=["draft-server", "draft-here"])
-async def test_a_request_with_a_prediction_takes_the_round_loop_exactly_and_the_next_one_specpipe(models, draft_here):
-    """A Predicted Output's stretches go through the stages as chains (the round loop), the
-    rest drafted by SpecPipe's draft as a chain; a request without one is SpecPipe's."""
-    target, _ = models
+async def test_a_requests_prediction_is_grafted_onto_the_tree_exactly_and_mirrored_on_the_draft_server(
+        models, draft_here):
+    """A Predicted Output's stretches go through the stages as chains grafted onto SpecPipe's
+    tree, the draft server hanging the same chains (Graft): the same hits as a draft in stage
+    1's process; the rest of the answer is SpecPipe's levels."""
+    target, draft = models
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     alone = generate(target.decoder, PROMPTS[1], params)[0]
-    prediction = tuple(alone[:24]) + (1, 2, 3)  # the first 24 tokens, then an edit: drafted rounds after it
+    prediction = tuple(alone[:24]) + (1, 2, 3)  # the first 24 tokens, then an edit: the draft's levels after it
+    predicted = replace(params, prediction=prediction)
     async with RemoteSpecPipe(models, 3, TreeShape(3, 2), draft_here) as cluster:
-        tokens, reason, stats = await remote_generate("127.0.0.1", cluster.port, PROMPTS[1],
-                                                      replace(params, prediction=prediction))
+        tokens, reason, stats = await remote_generate("127.0.0.1", cluster.port, PROMPTS[1], predicted)
         assert tokens == alone and reason == "length"
-        assert stats["prediction_accepted"] >= 20  # whole predicted chains: few rounds for the first 24 tokens
-        assert stats["rounds"] < 60 and stats["accepted"] > stats["prediction_accepted"]  # the draft's rounds too
+        assert stats["prediction_accepted"] >= 20 and stats["rounds"] == 59  # a decision a token, chains or levels
         served = await remote_stats("127.0.0.1", cluster.port)
-        assert served["specpipe_steps"] == 0 and served["prediction_accepted"] == stats["prediction_accepted"]
-        if not draft_here:  # the rounds off the prediction were the draft server's proposals
-            assert cluster.draft.proposals_sent > 0 and cluster.draft.levels.levels_sent == 0
+        assert served["specpipe_steps"] == 60 and served["prediction_accepted"] == stats["prediction_accepted"]
+        local = await asyncio.to_thread(specpipe_generate, cluster.pipeline.staged.decoder, draft.decoder, PROMPTS[1],
+                                        predicted, TreeShape(3, 2))
+        assert (served["specpipe_hits"], served["prediction_accepted"]) == (local[3].hits, local[3].predicted_accepted)
+        if not draft_here:  # the chains hung on the draft server's tree too, its levels grown under them
+            assert cluster.draft.levels.grafts > 0 and cluster.draft.levels.levels_sent > 0
+            assert cluster.draft.proposals_sent == 0
         tokens, _, _ = await remote_generate("127.0.0.1", cluster.port, PROMPTS[1], params)
-        assert tokens == alone and (await remote_stats("127.0.0.1", cluster.port))["specpipe_steps"] == 60
+        assert tokens == alone and (await remote_stats("127.0.0.1", cluster.port))["specpipe_steps"] == 120
         await wait_until(lambda: all(s.pool.sessions == 0 for s in cluster.pipeline.servers), what="stage KV freed")
         await wait_until(lambda: cluster.target.pool.used_bytes == 0, what="stage 1's KV (the draft's too) freed")
         if not draft_here:

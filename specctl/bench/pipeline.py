@@ -5,9 +5,9 @@ per-stage time standing for a device of its own) decoding with plain pipeline pa
 micro-batch) and SpecPipe (one tree level per step; with and without the refill after a
 miss). Every output is checked against the target alone; SpecPipe's measured time between
 tokens is set beside the prediction E(T) (eq. 2 less the refill's saving, pipeline/plan.py).
-Prompts that carry a Predicted Output (``--prompts edits``) add PP + chain + prediction: the
-round loop a SpecPipe target runs such a request in (pipeline.serve), beside SpecPipe, which
-would ignore the prediction."""
+Prompts that carry a Predicted Output (``--prompts edits``) add SpecPipe + prediction (its
+chains grafted onto the tree, what a SpecPipe target runs such a request in: pipeline.predicted)
+and PP + chain + prediction (the round loop with it), each set against SpecPipe without it."""
 
 from __future__ import annotations
 

@@ -117,8 +117,8 @@ def render_pipeline_table(report: dict) -> Table:
                       *ratios, hit_cell(r), prediction, f"{r['same_as_target']}/{r['runs']}")
     table.caption = "vs PP / vs chain: the ratio of the totals; below it the per-prompt ratios' min-max"
     if against_specpipe:
-        table.caption += ("; pp+chain+prediction: the round loop a SpecPipe target runs a request with a "
-                          "Predicted Output in (SpecPipe would ignore it)")
+        table.caption += ("; specpipe+prediction: a request's Predicted Output grafted onto SpecPipe's tree (what "
+                          "a SpecPipe target runs), pp+chain+prediction: the round loop with it")
     return table
 
 

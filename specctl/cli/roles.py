@@ -81,11 +81,11 @@ def verify(
                                          "(default: a balanced split)"),
     specpipe_draft: Optional[str] = typer.Option(None, "--specpipe-draft", help="stage 1 of n > 1: decode with "
                                                  "SpecPipe (one tree level per pipeline step), drafting with this "
-                                                 "model in this process (instead of --draft); a request with a "
-                                                 "prediction takes chain rounds instead (--depth)"),
+                                                 "model in this process (instead of --draft); a request's "
+                                                 "prediction is grafted onto the tree as chains"),
     specpipe: bool = typer.Option(False, "--specpipe", help="stage 1 of n > 1: decode with SpecPipe, the tree "
                                   "levels drafted by the draft server at --draft (one; without it: plain PP); a "
-                                  "request with a prediction takes rounds of the draft server's proposals instead"),
+                                  "request's prediction is grafted onto the tree as chains"),
     width: int = typer.Option(4, "--width", help="SpecPipe: nodes per tree level"),
     topk: int = typer.Option(2, "--topk", help="SpecPipe: children considered per node"),
     spread: str = typer.Option("likeliest", "--spread", help="SpecPipe: a level's nodes are the w likeliest paths "
@@ -169,7 +169,7 @@ def verify(
         stage_one = load_stage(config, plan, console)
         local_draft = load_named(specpipe_draft, config, console, config.draft_quant)
         check_same_vocab(stage_one, local_draft)
-        levels = SpecPipeDraft.local(local_draft.decoder, shape, specpipe_draft, config.depth, config.draft_stop)
+        levels = SpecPipeDraft.local(local_draft.decoder, shape, specpipe_draft)
     else:
         stage_one = load_stage(config, plan, console)
     if draft and len(draft) > 1 and (draft_deadline_ms <= 0 or fusion_budget < 1):

@@ -40,6 +40,7 @@ class LevelTable:
         self.guide_of = guide_of
         self.sessions: dict[int, LevelSession] = {}
         self.levels_sent = 0
+        self.grafts = 0  # predicted chains hung in a session's tree
 
     def open(self, tag: int, msg: OpenLevels) -> None:
         try:
@@ -78,6 +79,7 @@ class LevelTable:
             session.failed = (f"a chain of {len(msg.tokens)} tokens under node {msg.parent}: the tree does not hold "
                               "the node, a token is out of range, or it reaches past the session's capacity")
             return
+        self.grafts += 1
         at = msg.parent
         for token in msg.tokens:
             at = session.tree.add(token, at, session.tree.nodes[at].pos + 1, parent.score)
@@ -120,4 +122,4 @@ class LevelTable:
         return session
 
     def snapshot(self) -> dict:
-        return {"level_sessions": len(self.sessions), "levels_sent": self.levels_sent}
+        return {"level_sessions": len(self.sessions), "levels_sent": self.levels_sent, "level_grafts": self.grafts}

@@ -3,10 +3,9 @@ or ``--draft H:P --specpipe`` with the levels from a draft server): each session
 runs on the device's compute lane, one session at a time (SpecPipe's single-request mode:
 the pipeline is kept full by one session's tree levels).
 
-A request with a Predicted Output decodes in the round loop instead (verify.server): its
-predicted stretches go through the stages as one chain of up to 64 tokens, where SpecPipe
-commits a token or so per stage step; the rounds the prediction does not cover draft a chain
-with ``SpecPipeDraft.chain`` (the draft here) or the draft server's proposals."""
+A request's Predicted Output is grafted onto the session's tree (pipeline/predicted.py): its
+predicted stretches go through the stages as chains, where SpecPipe's levels commit a token or
+so per stage step; its KV holds the chains in flight (``max_nodes(stages, predicted=True)``)."""
 
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ from specctl.engine.model import Decoder
 from specctl.pipeline.specpipe import PipeStats, SpecPipeRun
 from specctl.pipeline.token_source import DraftLevels, LevelSource, TreeShape, max_tree_nodes, predicted_chain_nodes
 from specctl.spec.decode import DecodeSession
-from specctl.spec.drafters import Drafter, ModelChainDrafter
 from specctl.spec.logprobs import TokenLogprob, emitted_logprobs
 from specctl.spec.stats import RoundResult
 
@@ -33,16 +31,11 @@ class SpecPipeDraft:
     name: str  # the draft model's name or the draft server's address, for logs
     open_levels: Callable[[DecodeSession], LevelSource]  # a session's level source (on the compute thread)
     totals: PipeStats = field(default_factory=PipeStats)  # every session's steps, hits, flushes
-    # The draft here as a chain drafter, for the round loop's sessions (a request with a
-    # prediction); None: the levels come from a draft server, whose proposals those take.
-    chain: Drafter | None = None
 
     @classmethod
-    def local(cls, draft: Decoder, shape: TreeShape, name: str, depth: int = 4,
-              stop: float = 0.0) -> "SpecPipeDraft":
-        """Levels from ``draft`` in this process; ``depth``, ``stop``: its chain drafter's."""
-        return cls(shape, name, lambda session: DraftLevels.for_session(draft, shape, session),
-                   chain=ModelChainDrafter(draft, depth, stop))
+    def local(cls, draft: Decoder, shape: TreeShape, name: str) -> "SpecPipeDraft":
+        """Levels from ``draft`` in this process."""
+        return cls(shape, name, lambda session: DraftLevels.for_session(draft, shape, session))
 
     @classmethod
     def remote(cls, client, loop: asyncio.AbstractEventLoop, shape: TreeShape, name: str) -> "SpecPipeDraft":

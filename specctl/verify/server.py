@@ -32,7 +32,7 @@ from specctl.runtime.listen import ListenConfig, ListeningServer, MessageRate
 from specctl.spec.decode import DecodeSession
 from specctl.spec.logprobs import emitted_logprobs
 from specctl.spec.prediction import PREDICTION_NODES, with_prediction
-from specctl.spec.rounds import LocalSpeculator, Speculator, run_session
+from specctl.spec.rounds import Speculator, run_session
 from specctl.spec.stats import GenerationStats, RoundResult
 from specctl.spec.structured import ll_tokenizer
 from specctl.verify.draft_client import DraftClient
@@ -68,7 +68,7 @@ class TargetServer(ListeningServer):
         self.model, self.config, self.draft, self.ssl = model, config, draft, ssl
         self.fusion = fusion  # several drafters, routed and fused per session (instead of ``draft``)
         self.pipeline = pipeline  # stage 1 of a pipelined target: the link down the chain
-        self.specpipe = specpipe  # SpecPipe with a draft in this process, instead of the round loop
+        self.specpipe = specpipe  # SpecPipe (its draft here or on the draft server), instead of the round loop
         # A session's KV holds its largest proposal; under SpecPipe (stage 1 of a pipeline) its
         # whole tree in flight, a refill's levels included.
         # Without any draft every round is the root alone: one node (and sessions on CUDA
@@ -204,8 +204,10 @@ class TargetServer(ListeningServer):
             emit = lambda tokens, result, scores=None: self._emit(session, msg.req, tokens, result, send,  # noqa: E731
                                                                  scores)
             try:
-                if self.specpipe is not None and not session.params.prediction:
+                if self.specpipe is not None:  # a request's prediction grafted onto its tree (pipeline.predicted)
                     await serve_specpipe(session, self.specpipe, self.compute, emit)
+                    self.totals.prediction_accepted += session.stats.prediction_accepted
+                    self.totals.prediction_rejected += session.stats.prediction_rejected
                 else:
                     speculator = with_prediction(self._speculator(msg.seed), session.params)
                     await run_session(session, speculator, self.verify_lane, emit, self.prefill_gate)
@@ -259,22 +261,19 @@ class TargetServer(ListeningServer):
             return None
 
     def _speculator(self, seed: int | None) -> Speculator:
-        """A round-loop session's drafter: the fused drafters, SpecPipe's draft in this process
-        as a chain, or the draft server (none connected: AR rounds)."""
+        """A round-loop session's drafter: the fused drafters or the draft server (none
+        connected: AR rounds)."""
         if self.fusion is not None:
             return self.fusion.speculator(seed)
-        if self.specpipe is not None and self.specpipe.chain is not None:
-            return LocalSpeculator(self.specpipe.chain, self.compute, self.pool)
         return RemoteSpeculator(self.draft, self.config.max_proposal_nodes, seed)
 
     def _session_nodes(self, params) -> int:
-        """The largest proposal a session verifies: a request's prediction is drafted from here
-        (spec.prediction) even with no draft server — under SpecPipe too, whose sessions with a
-        prediction take the round loop (pipeline.serve)."""
-        if params.prediction:
-            rounds = self.config.max_proposal_nodes if self.specpipe is not None else self.session_nodes
-            return max(rounds, PREDICTION_NODES)
-        return self.session_nodes
+        """The largest proposal a session verifies (SpecPipe: the tree nodes it keeps cached): a
+        request's prediction is drafted from here (spec.prediction) even with no draft server;
+        under SpecPipe its chains are grafted onto the tree (pipeline.predicted)."""
+        if self.specpipe is not None:
+            return self.specpipe.max_nodes(self.model.decoder.stages, bool(params.prediction))
+        return max(self.session_nodes, PREDICTION_NODES) if params.prediction else self.session_nodes
 
     def _close_orphan(self, creating: asyncio.Future) -> None:
         """A session whose request was cancelled while its KV cache was being set up."""
