@@ -651,6 +651,18 @@ def test_a_pre_speculating_drafts_cache_is_exported_as_gauges():
     assert samples[("specctl:proposal_bytes_mean", (("address", "d:9000"), ("role", "draft")))] == 812.5
 
 
+def test_specpipes_predicted_chains_are_exported_as_gauges():
+    from specctl.gateway.metrics import GatewayMetrics
+
+    metrics = GatewayMetrics()
+    metrics.record_role("target", "t:9100", True, {"specpipe_predicted": 180, "specpipe_hit_rate": 0.9})
+    metrics.record_role("draft", "d:9000", True, {"level_grafts": 7, "levels_sent": 40})
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(metrics.exposition().decode()) for s in family.samples}
+    assert samples[("specctl:specpipe_predicted", (("address", "t:9100"), ("role", "target")))] == 180
+    assert samples[("specctl:specpipe_level_grafts", (("address", "d:9000"), ("role", "draft")))] == 7
+
+
 def test_a_targets_drafters_are_exported_as_gauges_by_drafter():
     from specctl.gateway.metrics import GatewayMetrics
 

@@ -54,7 +54,7 @@ class RemoteSpecPipe:
             specpipe = SpecPipeDraft.local(draft.decoder, self.shape, "draft here")
         else:
             self.draft = DraftServer(draft, ModelChainDrafter(draft.decoder, 3), DraftServerConfig(port=0))
-            draft_port = await self.draft.start()
+            self.draft_port = draft_port = await self.draft.start()
             self.client = DraftClient("127.0.0.1", draft_port, model=target.name,
                                       fingerprint=target.vocab_fingerprint)
             first = asyncio.get_running_loop().create_future()
@@ -138,8 +138,10 @@ async def test_a_requests_prediction_is_grafted_onto_the_tree_exactly_and_mirror
         local = await asyncio.to_thread(specpipe_generate, cluster.pipeline.staged.decoder, draft.decoder, PROMPTS[1],
                                         predicted, TreeShape(3, 2))
         assert (served["specpipe_hits"], served["prediction_accepted"]) == (local[3].hits, local[3].predicted_accepted)
+        assert served["specpipe_predicted"] == local[3].predicted > 0
         if not draft_here:  # the chains hung on the draft server's tree too, its levels grown under them
             assert cluster.draft.levels.grafts > 0 and cluster.draft.levels.levels_sent > 0
+            assert (await remote_stats("127.0.0.1", cluster.draft_port))["level_grafts"] == cluster.draft.levels.grafts
             assert cluster.draft.proposals_sent == 0
         tokens, _, _ = await remote_generate("127.0.0.1", cluster.port, PROMPTS[1], params)
         assert tokens == alone and (await remote_stats("127.0.0.1", cluster.port))["specpipe_steps"] == 120

@@ -38,6 +38,8 @@ ROLE_GAUGES = {
                                "first (several levels sent with the verified token after a miss)"),
     "levels_sent": ("specpipe_levels_sent", "SpecPipe tree levels a draft server drafted for remote stage 1s"),
     "level_sessions": ("specpipe_level_sessions", "SpecPipe tree-level sessions open on a draft server"),
+    "level_grafts": ("specpipe_level_grafts", "requests' predicted chains a draft server hung on SpecPipe trees"),
+    "specpipe_predicted": ("specpipe_predicted", "nodes of requests' predicted chains SpecPipe sent through the stages"),
     "proposal_bytes_mean": ("proposal_bytes_mean", "mean size of a draft server's Proposal frame (bytes)"),
     "background_delay_max_ms": ("background_delay_max_ms", "longest a request waited for background work (ms)"),
     "prefix_cache_hit_rate": ("prefix_cache_hit_rate", "share of prompt tokens a role's prefix cache served"),
