@@ -1,16 +1,16 @@
 """A request's Predicted Output grafted onto SpecPipe's tree (§3.3 with spec.prediction).
 
 Each forward stage 1 sends carries the prediction's next tokens as a chain hung under the
-frontier node whose path the prediction continues (the last chain's end first, then the
-draft's likeliest path): one forward's output then decides the whole chain while it holds,
-where a level decides a token per stage step. A chain's first forward carries the draft's
-level too, and the chain merges with the draft's nodes where they agree (the tree bets on the
-prediction below them); the forwards that continue it from its end are chains alone, and the
-draft reads nothing while they go on — it reads the text it missed when it drafts again (the
-prediction ended, or missed and the pipeline refills), in one forward, as the round loop's
-drafter catches up. After a miss the refill forward carries the chain from the verified token. The output is
-the target's all the same (a chain node is one more candidate the target accepts or not, by
-argmax or by the rule for deterministic candidates).
+frontier node whose path the prediction continues (a chain's node first, then the draft's
+likeliest path): one forward's output then decides the whole chain while it holds, where a
+level decides a token per stage step. A chain's first forward carries the draft's level too,
+and the chain merges with the draft's nodes where they agree (the tree bets on the prediction
+below them); the forwards that continue it from its end are chains alone, and the draft reads
+nothing while they go on — it reads the text it missed when it drafts again (the prediction
+ended, or missed and the pipeline refills), in one forward, as the round loop's drafter
+catches up. After a miss the refill forward carries the chain from the verified token. The
+output is the target's all the same (a chain node is one more candidate the target accepts
+or not, by argmax or by the rule for deterministic candidates).
 
 How far a chain reaches adapts as in the round loop (``spec.prediction.next_depth``), and
 the chains cached at once are bounded (``token_source.predicted_chain_nodes``: a session's
@@ -56,10 +56,11 @@ class PredictedChains:
         room = self.budget - sum(1 for node_id in self.grafted if node_id in tree.nodes)
         if room <= 0:
             return []
-        # the last chain's end first (the prediction goes on from there), then by the draft's score
+        # a chain's node first (the prediction goes on from there), then by the draft's score
         for parent in sorted(frontier, key=lambda n: (n not in self.grafted, -tree.nodes[n].score)):
             text = seq + tree.path(parent)
-            tokens = self.lookup.next_tokens(text, 1 if len(text) - self.prompt_len < 2 else 2)[:min(room, self.end - len(text))]
+            shortest = 1 if len(text) - self.prompt_len < 2 else 2  # as the round loop looks up (spec.prediction)
+            tokens = self.lookup.next_tokens(text, shortest)[:min(room, self.end - len(text))]
             if tokens:
                 break
         else:
@@ -108,4 +109,3 @@ class PredictedChains:
         """Drop what a re-rooting pruned from ``tree``; None: a flush dropped the whole tree
         (the next tree's ids start again)."""
         self.grafted = {} if tree is None else {n: c for n, c in self.grafted.items() if n in tree.nodes}
-

@@ -212,9 +212,9 @@ class SpecPipeRun:
 
     def _next_levels(self, tree: SpecTree, levels: list[list[int]], root: int) -> list[list[int]] | None:
         """The next forward's levels: one more under the frontier; after a flush (no level
-        sent yet) the verified token with up to ``refill`` levels drafted under it. Either
-        with the request's predicted chain grafted under the frontier (pipeline.predicted).
-        None: the draft went away before it gave a level."""
+        sent yet) the verified token with up to ``refill`` levels drafted under it. Both carry
+        the request's predicted chain where it continues the frontier (pipeline.predicted); a
+        chain's end is continued by a chain alone. None: the draft went away before it gave a level."""
         if levels:
             new_levels = []
             if self.predicted is not None and (ends := self.predicted.chain_ends(levels[-1])):
