@@ -78,7 +78,23 @@ def test_a_session_following_its_prediction_proposes_longer_chains_and_shorter_a
     # 1 + 15 + 1 tokens before the edit, 23 accepted of the next 31; then the 23 accepted, and
     # (once fewer are) PREDICTED_DEPTH until a whole chain is accepted again
     assert edited[:5] == [(15, 15), (31, 23), (23, 0), (PREDICTED_DEPTH, 13), (PREDICTED_DEPTH, 0)]
-    assert edited[-3:] == [(15, 15), (31, 31), (41, 41)]  # 41: what was left of the prediction
+    assert edited[-3:] == [(15, 15), (31, 31), (40, 40)]  # 40: what max_tokens left, less the bonus
+
+
+def test_a_predicted_chain_stops_where_max_tokens_does(tiny):
+    """A prediction longer than the answer may be: the last rounds propose no more than the
+    output still takes besides the bonus, so no row past max_tokens is verified and the stats
+    count only predicted tokens that are in the output."""
+    target = tiny["llama"]
+    alone, _, _ = generate(target, PROMPT, SamplingParams(max_tokens=160, ignore_eos=True))
+    rounds: list[tuple[int, int, int]] = []
+    params = SamplingParams(max_tokens=20, ignore_eos=True, prediction=tuple(alone))
+    session = run_to_end(target, PROMPT, params, on_tokens=lambda tokens, result: rounds.append(
+        (result.nodes, result.accepted, len(tokens))) if result is not None else None)
+    assert session.output == alone[:20]
+    # the prefill's token, 15 + its bonus, then 2 + its bonus: 20 (a chain of 15 before the fix)
+    assert rounds == [(15, 15, 16), (2, 2, 3)]
+    assert (session.stats.prediction_accepted, session.stats.prediction_rejected) == (17, 0)
 
 
 def test_a_match_the_output_has_moved_past_is_not_taken_again():

@@ -157,7 +157,10 @@ class PredictionSpeculator:
             self.lookup.depth = next_depth(self.lookup.depth, proposed, len(session.last_path))
         self.predicted = None
         shortest = 1 if len(session.seq) - session.prompt_len < 2 else 2
-        tokens = self.lookup.next_tokens(session.seq, shortest)[: max(session.max_nodes - 1, 0)]
+        # no more than the output still takes besides the round's bonus token: rows past
+        # max_tokens would be verified for nothing (one at the last token, which it may be)
+        room = max(session.params.max_tokens - len(session.output) - 1, 1)
+        tokens = self.lookup.next_tokens(session.seq, shortest)[: max(min(session.max_nodes - 1, room), 0)]
         if tokens:
             self.predicted = (len(session.seq), len(tokens))
             return Drafted(Proposal(PlainTree.checked([session.seq[-1], *tokens], list(range(-1, len(tokens))))),
