@@ -15,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specctl.engine.model import Decoder
-from specctl.pipeline.specpipe import PipeStats, SpecPipeRun
+from specctl.pipeline.pipe_stats import PipeStats
+from specctl.pipeline.specpipe import SpecPipeRun
 from specctl.pipeline.token_source import DraftLevels, LevelSource, TreeShape, max_tree_nodes, predicted_chain_nodes
 from specctl.spec.decode import DecodeSession
 from specctl.spec.logprobs import TokenLogprob, emitted_logprobs

@@ -37,6 +37,7 @@ from specctl.engine.model import Decoder
 from specctl.net.protocol import StageForward, Tensor
 from specctl.pipeline.decoder import PipelineDecoder, wait_output
 from specctl.pipeline.live_tree import CacheMirror, SpecTree
+from specctl.pipeline.pipe_stats import PipeStats
 from specctl.pipeline.predicted import PredictedChains
 from specctl.pipeline.token_source import DraftLevels, LevelSource, TreeShape, max_tree_nodes, predicted_chain_nodes
 from specctl.runtime.compute import sleep_rest
@@ -45,43 +46,6 @@ from specctl.spec.rounds import Emit
 from specctl.spec.sampling import SamplingParams, probs_from_logits
 from specctl.spec.stats import GenerationStats, RoundResult
 from specctl.spec.verify import accept_at_node
-
-
-@dataclass(slots=True)
-class PipeStats:
-    steps: int = 0  # verifications (one per level output that held the root)
-    hits: int = 0  # the verified token was one of the root's children
-    flushes: int = 0  # it was not, and the root had children: the pipeline refills
-    levels_sent: int = 0
-    stale_outputs: int = 0  # outputs of flushed trees, dropped on arrival
-    bubbles: int = 0  # outputs of the live tree with nothing to verify (their level was wholly pruned)
-    stage1_s: float = 0.0  # stage 1's time per level sent, summed: drafting it, then its own layers
-    draft_lost: int = 0  # sessions that went on without their (remote) draft
-    levels_dropped: int = 0  # levels in flight declared dead to the other stages (StageDrop)
-    rows_dropped: int = 0  # pruned rows of levels in flight that keep live ones, declared dead
-    refills: int = 0  # misses refilled with levels under the verified token in its forward
-    refill_tokens: int = 0  # tokens decided by a forward's output after its first (chained through a refill)
-    predicted: int = 0  # nodes of a request's predicted chains sent (pipeline.predicted)
-    predicted_accepted: int = 0  # of the chains' tokens, those the target accepted
-
-    def add(self, other: "PipeStats") -> None:
-        for name in ("steps", "hits", "flushes", "levels_sent", "stale_outputs", "bubbles", "stage1_s", "draft_lost",
-                     "levels_dropped", "rows_dropped", "refills", "refill_tokens", "predicted", "predicted_accepted"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
-    @property
-    def hit_rate(self) -> float:
-        """The share of steps whose verified token was in the tree: a root left without children
-        (its subtree not drafted, the draft gone) counts as a miss, as it costs one."""
-        return self.hits / self.steps if self.steps else 0.0
-
-    def to_dict(self) -> dict:
-        return {"steps": self.steps, "hits": self.hits, "flushes": self.flushes, "levels_sent": self.levels_sent,
-                "stale_outputs": self.stale_outputs, "bubbles": self.bubbles, "hit_rate": round(self.hit_rate, 4),
-                "draft_lost": self.draft_lost, "levels_dropped": self.levels_dropped,
-                "rows_dropped": self.rows_dropped, "refills": self.refills, "refill_tokens": self.refill_tokens,
-                "predicted": self.predicted, "predicted_accepted": self.predicted_accepted,
-                "stage1_step_ms": round(1e3 * self.stage1_s / self.levels_sent, 3) if self.levels_sent else 0.0}
 
 
 @dataclass(slots=True)
@@ -107,7 +71,7 @@ class SpecPipeRun:
     chain_budget: int = 0
     stats: PipeStats = field(default_factory=PipeStats)
     stop: bool = False  # set from another thread: end after the current step (a cancelled request)
-    predicted: PredictedChains | None = None
+    predicted: PredictedChains | None = field(default=None, init=False)  # set by run() from the request
 
     def run(self) -> None:
         session, cache = self.session, self.session.cache
