@@ -155,7 +155,8 @@ class DraftLevels:
             # a draft of another vocabulary width or on another device drafts free
             logits = guide.apply(logits, [tree.path(i) for i in frontier])
         probs, tokens = logits.float().softmax(-1).topk(self.shape.topk, dim=-1)
-        candidates = [(nodes[r].score * float(probs[r, j]), r, int(tokens[r, j]))
+        probs, tokens = probs.tolist(), tokens.tolist()  # one copy each off the draft's device, not one per item
+        candidates = [(nodes[r].score * probs[r][j], r, tokens[r][j])
                       for r in range(len(frontier)) for j in range(self.shape.topk)]
         chosen = spread_level(candidates, self.shape.topk, self.shape.width, self.shape.spread)
         chosen.sort(key=lambda c: (c[1], -c[0]))  # by parent, likeliest child first (tried first)

@@ -53,6 +53,8 @@ def accept_at_node(candidates: list[int], target_probs: torch.Tensor,
     probability p(x) of the current, renormalised p, else setting p(x) = 0. Returns (index
     of the accepted candidate, its token), or (None, a token drawn from what is left of p):
     either way the token is distributed exactly as p."""
+    # on the host: a few candidates' reads and writes, each a device sync on a GPU
+    target_probs = target_probs.to("cpu")
     p = target_probs.clone()
     for index, x in enumerate(candidates):
         total = float(p.sum())
@@ -87,10 +89,13 @@ def accept_chain_sampling(
     distribution node i+1 was sampled from); target_probs[i] = p at node i."""
     tokens = tree.tokens.tolist()
     draft_probs = draft_probs.to(target_probs.device)  # q may come from a draft on another device
+    # every node's p(x) and q(x) in one copy each off the device (a read per node syncs a GPU)
+    rows = torch.arange(len(tokens) - 1, device=target_probs.device)
+    chosen = torch.tensor(tokens[1:], dtype=torch.long, device=target_probs.device)
+    p_chosen, q_chosen = target_probs[rows, chosen].tolist(), draft_probs[rows, chosen].tolist()
     path: list[int] = []
     for i in range(len(tree) - 1):
-        x = tokens[i + 1]
-        p_x, q_x = float(target_probs[i, x]), float(draft_probs[i, x])
+        p_x, q_x = p_chosen[i], q_chosen[i]
         if q_x > 0 and uniform(generator) * q_x < p_x:
             path.append(i + 1)
             continue
