@@ -4,7 +4,7 @@ sessions in its stats feed (pipeline.serve) and reported by ``bench pipeline``."
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 
 @dataclass(slots=True)
@@ -25,9 +25,8 @@ class PipeStats:
     predicted_accepted: int = 0  # of the chains' tokens, those the target accepted
 
     def add(self, other: "PipeStats") -> None:
-        for name in ("steps", "hits", "flushes", "levels_sent", "stale_outputs", "bubbles", "stage1_s", "draft_lost",
-                     "levels_dropped", "rows_dropped", "refills", "refill_tokens", "predicted", "predicted_accepted"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for counter in fields(self):  # every counter, a new one too
+            setattr(self, counter.name, getattr(self, counter.name) + getattr(other, counter.name))
 
     @property
     def hit_rate(self) -> float:
@@ -36,9 +35,7 @@ class PipeStats:
         return self.hits / self.steps if self.steps else 0.0
 
     def to_dict(self) -> dict:
-        return {"steps": self.steps, "hits": self.hits, "flushes": self.flushes, "levels_sent": self.levels_sent,
-                "stale_outputs": self.stale_outputs, "bubbles": self.bubbles, "hit_rate": round(self.hit_rate, 4),
-                "draft_lost": self.draft_lost, "levels_dropped": self.levels_dropped,
-                "rows_dropped": self.rows_dropped, "refills": self.refills, "refill_tokens": self.refill_tokens,
-                "predicted": self.predicted, "predicted_accepted": self.predicted_accepted,
-                "stage1_step_ms": round(1e3 * self.stage1_s / self.levels_sent, 3) if self.levels_sent else 0.0}
+        """The counters, the hit rate and stage 1's time per level sent (for its seconds summed)."""
+        counts = {counter.name: getattr(self, counter.name) for counter in fields(self) if counter.name != "stage1_s"}
+        step_ms = round(1e3 * self.stage1_s / self.levels_sent, 3) if self.levels_sent else 0.0
+        return {**counts, "hit_rate": round(self.hit_rate, 4), "stage1_step_ms": step_ms}
