@@ -6,7 +6,7 @@ import torch
 from scipy.stats import chisquare
 
 from specctl.engine.tree import TokenTree
-from specctl.spec.verify import accept_chain_sampling, accept_greedy, accept_tree_sampling
+from specctl.spec.verify import accept_at_node, accept_chain_sampling, accept_greedy, accept_tree_sampling
 
 
 def _logits_with_argmax(argmax: list[int], vocab: int = 8) -> torch.Tensor:
@@ -68,6 +68,19 @@ def test_tree_sampling_preserves_the_target_distribution(children):
     target = torch.stack([P] * len(tree))
     samples = [_first_token(*accept_tree_sampling(tree, target, gen), tree) for _ in range(N)]
     _assert_distribution(samples, P)
+
+
+def test_a_node_tries_a_repeated_candidate_once_and_draws_the_rest_from_what_is_left():
+    gen = torch.Generator().manual_seed(3)
+    p = torch.tensor([0.5, 0.0, 0.5])
+    outcomes = {accept_at_node([0, 0], p, gen) for _ in range(200)}
+    assert outcomes == {(0, 0), (None, 2)}  # the second try of token 0 has p(0) = 0 after its rejection
+    assert {accept_at_node([0, 1], torch.tensor([0.0, 0.0, 1.0]), gen) for _ in range(20)} == {(None, 2)}
+
+
+def test_a_node_with_no_mass_says_so():
+    with pytest.raises(ValueError, match="cannot sample from a distribution with no mass"):
+        accept_at_node([0], torch.zeros(3), torch.Generator().manual_seed(0))
 
 
 def test_tree_sampling_never_accepts_a_zero_probability_child():

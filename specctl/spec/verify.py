@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from specctl.engine.tree import TokenTree
-from specctl.spec.sampling import sample, uniform
+from specctl.spec.sampling import sample, sample_tensor, uniform
 
 
 def _children_table(tree: TokenTree) -> list[list[int]]:
@@ -53,19 +53,26 @@ def accept_at_node(candidates: list[int], target_probs: torch.Tensor,
     probability p(x) of the current, renormalised p, else setting p(x) = 0. Returns (index
     of the accepted candidate, its token), or (None, a token drawn from what is left of p):
     either way the token is distributed exactly as p."""
-    # on the host: a few candidates' reads and writes, each a device sync on a GPU
-    target_probs = target_probs.to("cpu")
-    p = target_probs.clone()
+    # one copy off the device: the row's total and the candidates' p (not the whole row, and
+    # not a read per candidate: each a sync on a GPU); what is left of p is the total less
+    # the rejected candidates' mass
+    ids = torch.tensor(candidates, dtype=torch.long, device=target_probs.device)
+    total, *p_candidates = torch.cat([target_probs.sum().reshape(1), target_probs[ids]]).tolist()
+    rejected: set[int] = set()
     for index, x in enumerate(candidates):
-        total = float(p.sum())
         if total <= 0:
             break
-        if uniform(generator) * total < float(p[x]):
+        p_x = 0.0 if x in rejected else p_candidates[index]
+        if uniform(generator) * total < p_x:
             return index, x
-        p[x] = 0.0
-    if float(p.sum()) <= 0:  # numerically exhausted: fall back to the untouched p
-        p = target_probs
-    return None, sample(p, generator)
+        if x not in rejected:
+            rejected.add(x)
+            total -= p_x
+    left = target_probs.clone()
+    left[ids] = 0.0
+    token = int(sample_tensor(left, generator))
+    # numerically exhausted (every token with mass rejected): fall back to the untouched p
+    return None, token if token >= 0 else sample(target_probs, generator)
 
 
 def accept_tree_sampling(
