@@ -16,7 +16,8 @@ from specctl.engine.loader import load_model
 from specctl.errors import BadRequest
 from specctl.net.framing import read_message, write_message
 from specctl.net.handshake import client_handshake
-from specctl.net.protocol import Error, Graft, Level, NextLevel, OpenLevels, Reroot, SessionOpened
+from specctl.net.protocol import (Cancel, Done, Error, Generate, Graft, Level, NextLevel, OpenLevels, Reroot,
+                                   SessionOpened, Tokens)
 from specctl.pipeline.local import LocalPipeline
 from specctl.pipeline.serve import SpecPipeDraft
 from specctl.pipeline.specpipe import specpipe_generate
@@ -150,6 +151,30 @@ async def test_a_requests_prediction_is_grafted_onto_the_tree_exactly_and_mirror
         if not draft_here:
             await wait_until(lambda: not cluster.draft.table.states and not cluster.draft.levels.sessions,
                              what="the draft server's sessions freed")
+
+
+async def test_a_cancelled_predicted_session_counts_what_it_verified_in_the_servers_totals(models):
+    target, _ = models
+    alone = generate(target.decoder, PROMPTS[1], SamplingParams(max_tokens=300, ignore_eos=True))[0]
+    async with RemoteSpecPipe(models, 2, TreeShape(3, 2), draft_here=True) as cluster:
+        reader, writer = await asyncio.open_connection("127.0.0.1", cluster.port)
+        await client_handshake(reader, writer, role="client")
+        await write_message(writer, Generate(1, PROMPTS[1], 300, ignore_eos=True, prediction=alone))
+        tokens = (await read_message(reader)).tokens
+        while len(tokens) < 30:
+            tokens += (await read_message(reader)).tokens
+        await write_message(writer, Cancel(1))
+        while isinstance(reply := await read_message(reader), Tokens):
+            tokens += reply.tokens
+        assert isinstance(reply, Done) and reply.finish_reason == "cancelled" and tokens == alone[:len(tokens)]
+        assert reply.stats["prediction_accepted"] >= 29
+        writer.close()
+        await wait_until(lambda: cluster.target.pool.used_bytes == 0, what="stage 1's KV freed")
+        # the step in progress at the cancel ran on: the server counts it too, once its driver ended
+        served = await remote_stats("127.0.0.1", cluster.port)
+        piped = cluster.target.specpipe.totals
+        assert served["prediction_accepted"] == piped.predicted_accepted >= reply.stats["prediction_accepted"]
+        assert served["prediction_rejected"] == piped.predicted_rejected >= reply.stats["prediction_rejected"]
 
 
 def test_level_table_refuses_what_does_not_fit_its_tree(models):

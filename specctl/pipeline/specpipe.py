@@ -139,6 +139,7 @@ class SpecPipeRun:
                     self.stats.flushes += new_root is None
                 if self.predicted is not None:
                     self.predicted.decided(children, new_root)
+                    self._count_predicted(session)  # as each step goes: a cancelled request's reply has them
                 result = None
                 if first:  # the prompt's next token: reported as the prefill's, as the round loop does
                     session.stats.prefill_s, first = time.perf_counter() - begun, False
@@ -165,10 +166,14 @@ class SpecPipeRun:
                 if [] in levels:  # a level wholly in pruned branches: the tree grows again from above it
                     levels = levels[: levels.index([])]
             self._declare_dead(in_flight, tree, tree_epoch)
-        if self.predicted is not None:  # as the round loop counts a prediction's tokens (spec.stats)
-            session.stats.prediction_accepted = self.stats.predicted_accepted = self.predicted.accepted
-            session.stats.prediction_rejected = self.predicted.rejected
-            self.stats.predicted = self.predicted.sent
+        if self.predicted is not None:
+            self._count_predicted(session)
+
+    def _count_predicted(self, session: DecodeSession) -> None:
+        """The request's prediction counts, as the round loop's (spec.stats), and the run's."""
+        session.stats.prediction_accepted = self.stats.predicted_accepted = self.predicted.accepted
+        session.stats.prediction_rejected = self.stats.predicted_rejected = self.predicted.rejected
+        self.stats.predicted = self.predicted.sent
 
     def _forget(self, tree: SpecTree | None) -> None:
         if self.predicted is not None:

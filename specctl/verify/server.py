@@ -91,7 +91,7 @@ class TargetServer(ListeningServer):
         self.started = time.perf_counter()
 
     def snapshot(self) -> dict:
-        t = self.totals
+        t, piped = self.totals, self.specpipe.totals if self.specpipe is not None else None
         wall = max(time.perf_counter() - self.started, 1e-9)
         stats = {
             "model": self.model.name, "sessions": self.active, "sessions_done": self.sessions_done,
@@ -102,7 +102,9 @@ class TargetServer(ListeningServer):
             "proposal_wait_s": round(t.draft_s, 6),
             "acceptance_rate": round(t.acceptance_rate, 4),
             "mean_accepted_length": round(t.mean_accepted_length, 4),
-            "prediction_accepted": t.prediction_accepted, "prediction_rejected": t.prediction_rejected,
+            # a SpecPipe session's counted as its driver ends (cancelled or failed too: pipeline.serve)
+            "prediction_accepted": t.prediction_accepted + (piped.predicted_accepted if piped else 0),
+            "prediction_rejected": t.prediction_rejected + (piped.predicted_rejected if piped else 0),
             "kv_used_mb": round(self.pool.used_bytes / 2**20, 2),
             "draft_connected": bool(self.draft and self.draft.connected.is_set()),
             "draft_reconnects": self.draft.reconnects if self.draft else 0,
@@ -206,8 +208,6 @@ class TargetServer(ListeningServer):
             try:
                 if self.specpipe is not None:  # a request's prediction grafted onto its tree (pipeline.predicted)
                     await serve_specpipe(session, self.specpipe, self.compute, emit)
-                    self.totals.prediction_accepted += session.stats.prediction_accepted
-                    self.totals.prediction_rejected += session.stats.prediction_rejected
                 else:
                     speculator = with_prediction(self._speculator(msg.seed), session.params)
                     await run_session(session, speculator, self.verify_lane, emit, self.prefill_gate)
