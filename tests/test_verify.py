@@ -78,6 +78,16 @@ def test_a_node_tries_a_repeated_candidate_once_and_draws_the_rest_from_what_is_
     assert {accept_at_node([0, 1], torch.tensor([0.0, 0.0, 1.0]), gen) for _ in range(20)} == {(None, 2)}
 
 
+def test_a_chain_rejection_with_no_residual_draws_from_p():
+    # a proposed token q gave no mass (a remote draft's q is taken as sent): rejected, and with
+    # p == q the residual max(0, p - q) is empty, so the bonus comes from p itself
+    gen = torch.Generator().manual_seed(4)
+    p = torch.tensor([0.5, 0.5, 0.0])
+    tree = TokenTree.chain(0, [2])
+    outcomes = [accept_chain_sampling(tree, p[None], torch.stack([p, p]), gen) for _ in range(40)]
+    assert {(tuple(path), bonus) for path, bonus in outcomes} == {((), 0), ((), 1)}
+
+
 def test_a_node_with_no_mass_says_so():
     with pytest.raises(ValueError, match="cannot sample from a distribution with no mass"):
         accept_at_node([0], torch.zeros(3), torch.Generator().manual_seed(0))

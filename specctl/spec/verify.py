@@ -107,8 +107,7 @@ def accept_chain_sampling(
             path.append(i + 1)
             continue
         residual = (target_probs[i] - draft_probs[i]).clamp_min(0)
-        if float(residual.sum()) <= 0:
-            residual = target_probs[i]
-        return path, sample(residual, generator)
+        token = int(sample_tensor(residual, generator))  # one read: -1 when the residual has no mass
+        return path, token if token >= 0 else sample(target_probs[i], generator)
     last = len(tree) - 1
     return path, sample(target_probs[last], generator)
