@@ -204,7 +204,7 @@ needs_qwen = pytest.mark.skipif(
 def verify_together_to_the_end(sessions, drafters) -> None:
     """Run prefilled DecodeSessions to the end, verifying the live ones' rounds in one batched
     forward per round (as a target instance does), each round's proposal from its own drafter."""
-    from specctl.spec.decode import apply_many
+    from specctl.spec.batched_verify import apply_many
     from specctl.spec.draft_state import DraftState, draft_capacity, draft_many
 
     states = []

@@ -169,7 +169,8 @@ def test_batched_verification_equals_one_session_at_a_time(tiny):
     """Sessions of different lengths, chain and tree proposals and a proposal that does not
     fit: verified together they commit exactly what each commits alone, to the end."""
     from specctl.engine.tree import TokenTree
-    from specctl.spec.decode import DecodeSession, apply_many
+    from specctl.spec.batched_verify import apply_many
+    from specctl.spec.decode import DecodeSession
     from specctl.spec.rounds import generate
     from specctl.spec.drafters import ModelTreeDrafter, Proposal
 

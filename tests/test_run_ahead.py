@@ -10,7 +10,8 @@ import torch
 
 from specctl.engine.loader import load_decoder
 from specctl.engine.tree import TokenTree
-from specctl.spec.decode import DecodeSession, apply_many, runs_ahead
+from specctl.spec.batched_verify import apply_many
+from specctl.spec.decode import DecodeSession, runs_ahead
 from specctl.spec.drafters import NoDrafter, Proposal
 from specctl.spec.rounds import InlineLane, LocalSpeculator, run_inline, run_session
 from specctl.spec.sampling import SamplingParams

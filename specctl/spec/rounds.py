@@ -21,7 +21,8 @@ from specctl.engine.kv_cache import KVPool
 from specctl.engine.model import Decoder
 from specctl.engine.prefill_gate import PrefillGate, prefill_turn
 from specctl.engine.tree import PlainTree
-from specctl.spec.decode import DecodeSession, apply_many
+from specctl.spec.batched_verify import apply_many
+from specctl.spec.decode import DecodeSession
 from specctl.spec.draft_state import DraftState, draft_capacity, draft_many
 from specctl.spec.drafters import Drafter, NoDrafter, Proposal
 from specctl.spec.sampling import SamplingParams
