@@ -147,11 +147,7 @@ class DraftServer(ListeningServer):
                     self.compute.submit_nowait(self.levels.reroot if isinstance(message, Reroot) else self.levels.graft,
                                                message)
             elif isinstance(message, Propose):
-                if message.tag not in conn.tags:
-                    self._refuse(conn, Error("unknown_tag", f"unknown session tag {message.tag}", tag=message.tag))
-                elif message.tag in conn.inflight:
-                    self._refuse(conn, Error("busy", f"session {message.tag} already has a request in flight", tag=message.tag))
-                else:
+                if self._known(conn, message.tag):
                     conn.inflight.add(message.tag)
                     group.create_task(self._propose(conn, message, group))
             elif isinstance(message, CloseSession):
@@ -179,7 +175,7 @@ class DraftServer(ListeningServer):
         self.levels.close(tag)
 
     def _known(self, conn: Connection, tag: int) -> bool:
-        """A level request for an open session of this connection, with none in flight."""
+        """A request (a proposal, a level) for an open session of this connection, with none in flight."""
         if tag not in conn.tags:
             self._refuse(conn, Error("unknown_tag", f"unknown session tag {tag}", tag=tag))
         elif tag in conn.inflight:
