@@ -17,7 +17,7 @@ from specctl.engine.loader import load_model
 from specctl.net.framing import read_message, write_message
 from specctl.net.handshake import client_handshake
 from specctl.net.protocol import (
-    PROTOCOL_VERSION, CloseSession, Hello, OpenSession, Proposal, Propose, SessionOpened, Stats, StatsRequest, encode,
+    PROTOCOL_VERSION, CloseSession, Error, Hello, OpenSession, Proposal, Propose, SessionOpened, Stats, StatsRequest, encode,
 )
 from specctl.spec.draft_state import DraftState
 from specctl.spec.drafters import ModelChainDrafter
@@ -142,6 +142,33 @@ def test_thousand_open_close_cycles_leave_no_session_state(live):
     poll_until(lambda: server.server.active_sessions, lambda n: n == 0)
     assert most_open[0] <= 2  # a CLOSE is served before the next OPEN's cache exists
     assert _live_draft_states() == 0
+
+
+def test_a_second_proposal_request_while_one_is_in_flight_is_refused_and_the_first_answered(live):
+    server, loaded = live
+    gate = threading.Event()
+
+    async def twice() -> list:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        await client_handshake(reader, writer, role="target", fingerprint=loaded.vocab_fingerprint)
+        await write_message(writer, OpenSession(1, [1, 2, 3, 4], max_tokens=16))
+        opened = await read_message(reader)
+        server.server.compute.submit_nowait(gate.wait, 30)  # the first request waits on the compute thread
+        await write_message(writer, Propose(opened.tag, [], [5]))
+        await write_message(writer, Propose(opened.tag, [], [5]))
+        refused = await read_message(reader)
+        gate.set()
+        answered = await read_message(reader)
+        await write_message(writer, Propose(opened.tag + 1000, [], [5]))
+        unknown = await read_message(reader)
+        writer.close()
+        return [opened.tag, refused, answered, unknown]
+
+    tag, refused, answered, unknown = server.call(twice())
+    assert refused == Error("busy", f"session {tag} already has a request in flight", tag=tag)
+    assert isinstance(answered, Proposal) and answered.tag == tag
+    assert unknown == Error("unknown_tag", f"unknown session tag {tag + 1000}", tag=tag + 1000)
+    poll_until(lambda: server.server.active_sessions, lambda n: n == 0)
 
 
 def test_a_closing_session_is_counted_until_its_kv_is_freed(tiny, monkeypatch):
