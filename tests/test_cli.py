@@ -413,19 +413,28 @@ def test_bench_rejects_unknown_modes():
     _assert_one_line_error(run_here("bench", "local", "--modes", "ar,teleport"), "unknown modes teleport")
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--repeats", "0"], "--requests-per-client, --max-tokens, --max-batch and --repeats must be at least 1"),
+    (["--concurrency", "0"], "--concurrency must be between 1 and 64"),
+    (["--variants", "ar,warp"], "--variants: choose from ar, ar batched, spec, spec batched")])
+def test_bench_serve_refuses_bad_flags_before_loading_anything(args, message):
+    _assert_one_line_error(run_here("bench", "serve", *args), message)
+
+
 def test_bench_serve_runs_every_variant_with_identical_texts(tiny_dir, tmp_path):
     out = tmp_path / "serve.json"
     proc = run("bench", "serve", "--target", str(tiny_dir["llama"]), "--draft", f"{tiny_dir['llama']}@2", "--mode", "chain",
                "--depth", "3", "--dtype", "fp32", "--draft-quant", "none", "--concurrency", "1,3", "-n", "6",
-               "--requests-per-client", "1", "--json", str(out))
+               "--requests-per-client", "1", "--repeats", "2", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert [(r["variant"], r["clients"]) for r in report["rows"]] == [
         (v, c) for v in ("ar", "ar batched", "spec", "spec batched") for c in (1, 3)]
-    for row in report["rows"]:
-        assert row["same_as_ar"] == 1.0 and row["tokens"] == 6 * row["clients"]
-        assert row["vs ar"] is not None and row["vs ar batched"] is not None
-    assert "bench serve" in proc.stdout and "spec batched" in proc.stdout
+    for row in report["rows"]:  # over both repeats
+        assert row["same_as_ar"] == 1.0 and row["tokens"] == 2 * 6 * row["clients"]
+        assert len(row["tokens_per_s_per_repeat"]) == 2
+        assert row["vs ar per repeat"]["min"] <= row["vs ar per repeat"]["max"] and row["vs ar batched"] is not None
+    assert "bench serve" in proc.stdout and "spec batched" in proc.stdout and "2 repeats" in proc.stdout
 
 
 @pytest.mark.parametrize("args, message", [

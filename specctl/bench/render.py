@@ -83,9 +83,12 @@ def render_serve_table(report: dict, title: str) -> Table:
     for column in ("clients", "variant", "tokens/s", "vs ar", "vs ar batched", "TTFT p50", "latency p50", "same as ar"):
         table.add_column(column, justify="left" if column == "variant" else "right")
     for r in sorted(report["rows"], key=lambda r: (r["clients"], list(report["settings"]["variants"]).index(r["variant"]))):
-        table.add_row(str(r["clients"]), r["variant"], f"{r['tokens_per_s']:.2f}", fmt(r.get("vs ar"), "{:.2f}x"),
-                      fmt(r.get("vs ar batched"), "{:.2f}x"), f"{r['ttft_p50_ms']:.0f} ms", f"{r['latency_p50_ms']:.0f} ms",
-                      fmt(r.get("same_as_ar"), "{:.0%}"))
+        table.add_row(str(r["clients"]), r["variant"], f"{r['tokens_per_s']:.2f}",
+                      ratio_cell(r.get("vs ar"), r.get("vs ar per repeat")),
+                      ratio_cell(r.get("vs ar batched"), r.get("vs ar batched per repeat")),
+                      f"{r['ttft_p50_ms']:.0f} ms", f"{r['latency_p50_ms']:.0f} ms", fmt(r.get("same_as_ar"), "{:.0%}"))
+    if report["settings"].get("repeats", 1) > 1:
+        table.caption = "tokens/s and ratios: of the totals over the repeats; below a ratio its min-max over the repeats"
     return table
 
 

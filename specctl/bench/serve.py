@@ -1,7 +1,9 @@
 """``specctl bench serve``: the cluster as clients meet it — concurrent streaming requests
 through the gateway — for the target alone and with speculation, each verifying one
 session at a time or the due sessions of an instance together (batched verification).
-Every variant runs in the same process on the same loaded models, one after the other."""
+Every variant runs in the same process on the same loaded models, one after the other;
+with repeats the variants' order rotates each time, so a slow minute of the machine falls
+on each in turn, and the ratios come with their spread over the repeats."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Callable
 import aiohttp
 
 from specctl.bench.prompts import BenchPrompt
+from specctl.bench.spread import spread
 from specctl.cluster.embedded import ClusterConfig, EmbeddedCluster
 from specctl.config import Config
 from specctl.engine.loader import LoadedModel
@@ -33,6 +36,7 @@ class ServeBenchSettings:
     requests_per_client: int
     max_batch: int
     variants: tuple[str, ...] = tuple(VARIANTS)
+    repeats: int = 1
 
 
 async def _one(session: aiohttp.ClientSession, url: str, prompt: BenchPrompt, max_tokens: int) -> dict:
@@ -81,6 +85,7 @@ async def _level(url: str, prompts: list[BenchPrompt], clients: int, settings: S
         "ttft_p50_ms": round(1e3 * statistics.median(r["ttft_s"] for _, r in results), 1),
         "latency_p50_ms": round(1e3 * statistics.median(r["latency_s"] for _, r in results), 1),
         "texts": {str(which): r["text"] for which, r in results},
+        "ttfts_s": [r["ttft_s"] for _, r in results], "latencies_s": [r["latency_s"] for _, r in results],
     }
 
 
@@ -88,19 +93,22 @@ async def run_serve_bench(config: Config, models: tuple[LoadedModel, LoadedModel
                           settings: ServeBenchSettings, advance: Callable[[], None] = lambda: None,
                           compute: ComputeThread | None = None) -> dict:
     rows = []
-    for variant in settings.variants:
-        speculate, batched = VARIANTS[variant]
-        variant_config = dataclasses.replace(config, max_batch=settings.max_batch if batched else 1)
-        cluster = EmbeddedCluster(variant_config, ClusterConfig(targets=1, gateway_port=0, speculate=speculate), models=models,
-                                  compute=compute)
-        try:
-            urls = await cluster.start()
-            await _one_warmup(urls["gateway"], prompts[0])
-            for clients in settings.concurrency:
-                rows.append({"variant": variant, **await _level(urls["gateway"], prompts, clients, settings)})
-                advance()
-        finally:
-            await cluster.close()
+    for repeat in range(settings.repeats):
+        turn = repeat % len(settings.variants)
+        for variant in settings.variants[turn:] + settings.variants[:turn]:
+            speculate, batched = VARIANTS[variant]
+            variant_config = dataclasses.replace(config, max_batch=settings.max_batch if batched else 1)
+            cluster = EmbeddedCluster(variant_config, ClusterConfig(targets=1, gateway_port=0, speculate=speculate),
+                                      models=models, compute=compute)
+            try:
+                urls = await cluster.start()
+                await _one_warmup(urls["gateway"], prompts[0])
+                for clients in settings.concurrency:
+                    level = await _level(urls["gateway"], prompts, clients, settings)
+                    rows.append({"variant": variant, "repeat": repeat, **level})
+                    advance()
+            finally:
+                await cluster.close()
     return summarize(rows, settings)
 
 
@@ -110,12 +118,13 @@ async def run_gateway_bench(url: str, prompts: list[BenchPrompt], settings: Serv
     --base-url``): the one variant "gateway", whatever it serves; no baseline to compare with."""
     await _one_warmup(url, prompts[0])
     rows = []
-    for clients in settings.concurrency:
-        rows.append({"variant": "gateway", **await _level(url, prompts, clients, settings)})
-        advance()
-    for r in rows:
-        r.pop("texts")
-    return {"settings": {**dataclasses.asdict(settings), "variants": ["gateway"], "gateway": url}, "rows": rows}
+    for repeat in range(settings.repeats):
+        for clients in settings.concurrency:
+            rows.append({"variant": "gateway", "repeat": repeat, **await _level(url, prompts, clients, settings)})
+            advance()
+    report = summarize(rows, dataclasses.replace(settings, variants=("gateway",)))
+    report["settings"]["gateway"] = url
+    return report
 
 
 async def _one_warmup(url: str, prompt: BenchPrompt) -> None:
@@ -124,17 +133,44 @@ async def _one_warmup(url: str, prompt: BenchPrompt) -> None:
 
 
 def summarize(rows: list[dict], settings: ServeBenchSettings) -> dict:
-    """Ratios against the baselines of the same concurrency, and whether every variant
-    produced the same texts as the target alone."""
-    by = {(r["variant"], r["clients"]): r for r in rows}
+    """One row per variant and concurrency over its repeats: tokens/s of the totals, TTFT and
+    latency p50 over every request; its ratios against the baselines of the same concurrency
+    (the totals' ratio, and with repeats each repeat's own ratio's spread), and the share of
+    its texts the same as the target alone's in the same repeat."""
+    runs: dict[tuple[str, int], list[dict]] = {}
     for r in rows:
+        runs.setdefault((r["variant"], r["clients"]), []).append(r)
+    merged = {key: _merged(key, levels) for key, levels in runs.items()}
+    rates = {key: merged[key]["tokens"] / wall if (wall := sum(r["wall_s"] for r in levels)) else 0.0
+             for key, levels in runs.items()}
+    for (variant, clients), row in merged.items():
         for base in ("ar", "ar batched"):
-            ref = by.get((base, r["clients"]))
-            r[f"vs {base}"] = round(r["tokens_per_s"] / ref["tokens_per_s"], 3) if ref and ref["tokens_per_s"] else None
-        ref = by.get(("ar", r["clients"]))
-        if ref:
-            same = [r["texts"].get(k) == v for k, v in ref["texts"].items()]
-            r["same_as_ar"] = round(sum(same) / len(same), 3) if same else None
-    for r in rows:
-        r.pop("texts")
-    return {"settings": dataclasses.asdict(settings), "rows": rows}
+            ref = rates.get((base, clients))
+            row[f"vs {base}"] = round(rates[(variant, clients)] / ref, 3) if ref else None
+            if ref and settings.repeats > 1:
+                ratios = [mine["tokens_per_s"] / theirs["tokens_per_s"]
+                          for mine, theirs in zip(_by_repeat(runs[(variant, clients)]), _by_repeat(runs[(base, clients)]))
+                          if theirs["tokens_per_s"]]
+                row[f"vs {base} per repeat"] = spread(ratios, 3) if ratios else None
+        if (reference := runs.get(("ar", clients))) is not None:
+            ar_texts = {r["repeat"]: r["texts"] for r in reference}
+            same = [r["texts"].get(k) == v for r in runs[(variant, clients)] for k, v in ar_texts[r["repeat"]].items()]
+            row["same_as_ar"] = round(sum(same) / len(same), 3) if same else None
+    ordered = sorted(merged.values(), key=lambda r: (settings.variants.index(r["variant"]), r["clients"]))
+    return {"settings": dataclasses.asdict(settings), "rows": ordered}
+
+
+def _by_repeat(levels: list[dict]) -> list[dict]:
+    return sorted(levels, key=lambda r: r["repeat"])
+
+
+def _merged(key: tuple[str, int], levels: list[dict]) -> dict:
+    variant, clients = key
+    tokens, wall = sum(r["tokens"] for r in levels), sum(r["wall_s"] for r in levels)
+    row = {"variant": variant, "clients": clients, "requests": sum(r["requests"] for r in levels),
+           "tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 3) if wall else 0.0,
+           "ttft_p50_ms": round(1e3 * statistics.median(t for r in levels for t in r["ttfts_s"]), 1),
+           "latency_p50_ms": round(1e3 * statistics.median(t for r in levels for t in r["latencies_s"]), 1)}
+    if len(levels) > 1:
+        row["tokens_per_s_per_repeat"] = [r["tokens_per_s"] for r in _by_repeat(levels)]
+    return row

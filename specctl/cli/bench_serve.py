@@ -29,6 +29,9 @@ def serve(
     max_tokens: int = typer.Option(64, "--max-tokens", "-n", help="new tokens per request (ignore_eos)"),
     max_batch: int = typer.Option(8, "--max-batch", help="most sessions verified together in the batched variants"),
     variants: str = typer.Option("ar,ar batched,spec,spec batched", help="comma-separated variants to run"),
+    repeats: int = typer.Option(1, "--repeats", help="go over the variants (or, with --gateway, the levels) this "
+                                "many times, the variants' order rotating; ratios then show their min-max over "
+                                "the repeats"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
     profile: Optional[str] = typer.Option(None, help="hardware profile"),
     json_out: Optional[str] = typer.Option(None, "--json", help="write the report as JSON to this file"),
@@ -50,10 +53,10 @@ def serve(
         raise ConfigError("--concurrency must be between 1 and 64")
     if not chosen or any(v not in VARIANTS for v in chosen):
         raise ConfigError(f"--variants: choose from {', '.join(VARIANTS)}")
-    if requests < 1 or max_tokens < 1 or max_batch < 1:
-        raise ConfigError("--requests-per-client, --max-tokens and --max-batch must be at least 1")
+    if requests < 1 or max_tokens < 1 or max_batch < 1 or repeats < 1:
+        raise ConfigError("--requests-per-client, --max-tokens, --max-batch and --repeats must be at least 1")
     if gateway is not None:
-        return _serve_gateway(gateway.rstrip("/"), levels, max_tokens, requests, max_batch, json_out)
+        return _serve_gateway(gateway.rstrip("/"), levels, max_tokens, requests, max_batch, repeats, json_out)
     config = build_config(profile, target=target, draft=draft, mode=mode, depth=depth, dtype=dtype,
                           draft_quant=draft_quant, threads=threads, max_sessions=max(64, levels[-1]),
                           prefix_cache_mb=0)
@@ -62,8 +65,8 @@ def serve(
     apply_threads(config)
     console = Console(stderr=True)
     models = load_pair(config, console)
-    settings = ServeBenchSettings(levels, max_tokens, requests, max_batch, chosen)
-    with _progress(console, "variants x concurrency levels", len(chosen) * len(levels)) as advance:
+    settings = ServeBenchSettings(levels, max_tokens, requests, max_batch, chosen, repeats)
+    with _progress(console, "variants x concurrency levels x repeats", len(chosen) * len(levels) * repeats) as advance:
         holder: dict = {}
 
         async def main(compute: ComputeThread) -> None:  # compute served from the main thread, as in `up`
@@ -75,10 +78,14 @@ def serve(
     report["settings"].update(target=config.target, draft=config.draft, mode=config.mode, depth=config.depth,
                               dtype=config.dtype, draft_quant=config.draft_quant)
     _show(report, f"bench serve: {config.target} / {config.draft} ({config.mode} d={config.depth}, {config.dtype}), "
-                  f"{requests} x {max_tokens} tokens per client", json_out, console)
+                  f"{requests} x {max_tokens} tokens per client{_times(repeats)}", json_out, console)
 
 
-def _serve_gateway(url: str, levels: tuple[int, ...], max_tokens: int, requests: int, max_batch: int,
+def _times(repeats: int) -> str:
+    return f", {repeats} repeats" if repeats > 1 else ""
+
+
+def _serve_gateway(url: str, levels: tuple[int, ...], max_tokens: int, requests: int, max_batch: int, repeats: int,
                    json_out: str | None) -> None:
     import asyncio
 
@@ -89,15 +96,16 @@ def _serve_gateway(url: str, levels: tuple[int, ...], max_tokens: int, requests:
     from specctl.errors import unreachable_reason
 
     console = Console(stderr=True)
-    settings = ServeBenchSettings(levels, max_tokens, requests, max_batch, ("gateway",))
-    with _progress(console, "concurrency levels", len(levels)) as advance:
+    settings = ServeBenchSettings(levels, max_tokens, requests, max_batch, ("gateway",), repeats)
+    with _progress(console, "concurrency levels x repeats", len(levels) * repeats) as advance:
         try:
             report = asyncio.run(run_gateway_bench(url, load_prompts("builtin"), settings, advance))
         except (aiohttp.ClientError, OSError, RuntimeError) as exc:
             reason = unreachable_reason(exc)
             raise ConfigError(f"cannot reach the gateway at {url} ({reason}): start one or check --gateway" if reason
                               else f"the gateway at {url} failed: {exc}") from None
-    _show(report, f"bench serve: the gateway at {url}, {requests} x {max_tokens} tokens per client", json_out, console)
+    _show(report, f"bench serve: the gateway at {url}, {requests} x {max_tokens} tokens per client{_times(repeats)}",
+          json_out, console)
 
 
 @contextmanager
