@@ -23,7 +23,7 @@ class PipeStats:
     refill_tokens: int = 0  # tokens decided by a forward's output after its first (chained through a refill)
     predicted: int = 0  # nodes of a request's predicted chains sent (pipeline.predicted)
     predicted_accepted: int = 0  # of the chains' tokens, those the target accepted
-    predicted_rejected: int = 0  # chain tokens the target decided against (at most one a chain's node)
+    predicted_rejected: int = 0  # chain tokens it did not (a rejected node and the rest of its chain)
 
     def add(self, other: "PipeStats") -> None:
         for counter in fields(self):  # every counter, a new one too
