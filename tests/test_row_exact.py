@@ -96,6 +96,16 @@ def test_row_exact_is_a_candidate_only_where_linear_layers_can_be_row_independen
     assert candidate(device, dtype, quant) is expected
 
 
+def test_a_target_no_padding_makes_row_independent_is_said_in_a_warning(tiny_dir, monkeypatch, caplog):
+    monkeypatch.setattr(rows, "linear_rows_independent", lambda *args: False)  # as on an AMX Xeon in bf16
+    with caplog.at_level("WARNING", logger="specctl.engine"):
+        assert decoder_min_rows(_target(tiny_dir, "bf16"), "none") is None
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert caplog.records[0].getMessage() == (
+        "row-exact attention off: torch.bfloat16 matmuls are not row-independent on this CPU, so speculative "
+        "output may differ from AR's where its top logits nearly tie")
+
+
 def test_the_probe_finds_int8_row_independent_and_a_row_mixing_layer_not(tiny_dir):
     assert decoder_min_rows(_target(tiny_dir, "int8"), "int8") == 1
 
