@@ -159,7 +159,9 @@ async def test_a_cancelled_predicted_session_counts_what_it_verified_in_the_serv
     async with RemoteSpecPipe(models, 2, TreeShape(3, 2), draft_here=True) as cluster:
         reader, writer = await asyncio.open_connection("127.0.0.1", cluster.port)
         await client_handshake(reader, writer, role="client")
-        await write_message(writer, Generate(1, PROMPTS[1], 300, ignore_eos=True, prediction=alone))
+        # the prediction right for 60 tokens, then an edit: one token a step from there, so the
+        # CANCEL lands long before the 300th token
+        await write_message(writer, Generate(1, PROMPTS[1], 300, ignore_eos=True, prediction=alone[:60] + [1, 2, 3]))
         tokens = (await read_message(reader)).tokens
         while len(tokens) < 30:
             tokens += (await read_message(reader)).tokens
