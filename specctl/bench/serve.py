@@ -82,8 +82,6 @@ async def _level(url: str, prompts: list[BenchPrompt], clients: int, settings: S
     return {
         "clients": clients, "requests": len(results), "tokens": tokens, "wall_s": round(wall, 3),
         "tokens_per_s": round(tokens / wall, 3),
-        "ttft_p50_ms": round(1e3 * statistics.median(r["ttft_s"] for _, r in results), 1),
-        "latency_p50_ms": round(1e3 * statistics.median(r["latency_s"] for _, r in results), 1),
         "texts": {str(which): r["text"] for which, r in results},
         "ttfts_s": [r["ttft_s"] for _, r in results], "latencies_s": [r["latency_s"] for _, r in results],
     }
@@ -141,8 +139,7 @@ def summarize(rows: list[dict], settings: ServeBenchSettings) -> dict:
     for r in rows:
         runs.setdefault((r["variant"], r["clients"]), []).append(r)
     merged = {key: _merged(key, levels) for key, levels in runs.items()}
-    rates = {key: merged[key]["tokens"] / wall if (wall := sum(r["wall_s"] for r in levels)) else 0.0
-             for key, levels in runs.items()}
+    rates = {key: _rate(levels) for key, levels in runs.items()}  # unrounded, for the ratios
     for (variant, clients), row in merged.items():
         for base in ("ar", "ar batched"):
             ref = rates.get((base, clients))
@@ -164,11 +161,17 @@ def _by_repeat(levels: list[dict]) -> list[dict]:
     return sorted(levels, key=lambda r: r["repeat"])
 
 
+def _rate(levels: list[dict]) -> float:
+    """Tokens per second of the levels' totals."""
+    wall = sum(r["wall_s"] for r in levels)
+    return sum(r["tokens"] for r in levels) / wall if wall else 0.0
+
+
 def _merged(key: tuple[str, int], levels: list[dict]) -> dict:
     variant, clients = key
-    tokens, wall = sum(r["tokens"] for r in levels), sum(r["wall_s"] for r in levels)
     row = {"variant": variant, "clients": clients, "requests": sum(r["requests"] for r in levels),
-           "tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 3) if wall else 0.0,
+           "tokens": sum(r["tokens"] for r in levels), "wall_s": round(sum(r["wall_s"] for r in levels), 3),
+           "tokens_per_s": round(_rate(levels), 3),
            "ttft_p50_ms": round(1e3 * statistics.median(t for r in levels for t in r["ttfts_s"]), 1),
            "latency_p50_ms": round(1e3 * statistics.median(t for r in levels for t in r["latencies_s"]), 1)}
     if len(levels) > 1:
