@@ -119,3 +119,29 @@ async def test_qwen_target_split_over_four_stage_processes_is_exact_in_fp32():
             stop_processes([procs.pop()])
     finally:
         stop_processes(procs)
+
+
+@pytest.mark.slow
+@needs_qwen
+def test_qwen_pair_is_exact_in_bf16_as_a_target_is_loaded():
+    """bf16 as `specctl` loads a target (row-exact where the load-time probe finds padding and
+    block counts). Builtin prompts 3 and 4 meet near-ties: on an AMX Xeon, before products
+    were blocked (row-exact off there), chain left AR on both (prompt 3 at its 27th token,
+    top logits 18.125 / 18.125)."""
+    from specctl.bench.prompts import load_prompts
+    from specctl.config import Config
+    from specctl.engine.text import encode_user_text
+    from specctl.spec.factory import load_named
+
+    config = Config()
+    target = load_named("qwen2.5-coder-1.5b", config, target=True)
+    if not target.decoder.row_exact:
+        pytest.skip("bf16 matmuls are not row-independent on this CPU in any blocks: row-exact attention stays off")
+    draft = load_named("qwen2.5-coder-0.5b", config).decoder
+    params = SamplingParams(max_tokens=40)
+    for prompt in load_prompts("builtin")[3:5]:
+        ids = encode_user_text(target.tokenizer, prompt.prompt, prompt.chat)
+        reference, _, _ = generate(target.decoder, ids, params, eos_token_ids=target.eos_token_ids)
+        for drafter in (ModelChainDrafter(draft, 4), ModelTreeDrafter(draft, 4, 3, 4)):
+            out, _, _ = generate(target.decoder, ids, params, drafter, eos_token_ids=target.eos_token_ids)
+            assert out == reference, (drafter.name, prompt.prompt)

@@ -10,7 +10,7 @@ from specctl.engine.quant import quantize_decoder
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.engine import rows
 from specctl.engine.rows import (
-    PaddedRowLinear, candidate, decoder_min_rows, linear_rows_independent, pad_small_products,
+    PaddedRowLinear, candidate, decoder_row_blocks, linear_rows_independent, make_row_exact, pad_small_products,
 )
 from specctl.spec.rounds import generate
 from specctl.spec.sampling import SamplingParams
@@ -99,7 +99,7 @@ def test_row_exact_is_a_candidate_only_where_linear_layers_can_be_row_independen
 def test_a_target_no_padding_makes_row_independent_is_said_in_a_warning(tiny_dir, monkeypatch, caplog):
     monkeypatch.setattr(rows, "linear_rows_independent", lambda *args: False)  # as on an AMX Xeon in bf16
     with caplog.at_level("WARNING", logger="specctl.engine"):
-        assert decoder_min_rows(_target(tiny_dir, "bf16"), "none") is None
+        assert decoder_row_blocks(_target(tiny_dir, "bf16"), "none") is None
     assert [r.levelname for r in caplog.records] == ["WARNING"]
     assert caplog.records[0].getMessage() == (
         "row-exact attention off: torch.bfloat16 matmuls are not row-independent on this CPU, so speculative "
@@ -107,7 +107,7 @@ def test_a_target_no_padding_makes_row_independent_is_said_in_a_warning(tiny_dir
 
 
 def test_the_probe_finds_int8_row_independent_and_a_row_mixing_layer_not(tiny_dir):
-    assert decoder_min_rows(_target(tiny_dir, "int8"), "int8") == 1
+    assert decoder_row_blocks(_target(tiny_dir, "int8"), "int8") == (1, None)
 
     class Mixing(torch.nn.Linear):  # each row's output depends on the whole batch
         def forward(self, x):
@@ -135,15 +135,12 @@ def _target(tiny_dir, kind: str, arch: str = "llama"):
 
 def _row_exact_target(tiny_dir, kind: str, arch: str = "llama"):
     """The target as load_named(target=True) makes it; bf16 exactness needs this CPU's bf16
-    matmuls to be row-independent, alone or with one-row products paired (the load-time
-    probe), int8 has it by construction."""
+    matmuls to be row-independent, alone or with small products padded and large ones
+    blocked (the load-time probe), int8 has it by construction."""
     target = _target(tiny_dir, kind, arch)
-    min_rows = decoder_min_rows(target, "int8" if kind == "int8" else "none")
-    if min_rows is None:
+    if not make_row_exact(target, "int8" if kind == "int8" else "none"):
         pytest.skip(f"{kind} matmuls are not row-independent on this CPU: row-exact attention stays off here")
-    if min_rows > 1:
-        pad_small_products(target, min_rows)
-    return target.use_row_exact_attention()
+    return target
 
 
 class OneRowOff(torch.nn.Linear):
@@ -203,6 +200,58 @@ def test_padding_computes_small_products_padded_and_shares_the_weights(monkeypat
     two = model[0](x[:2])
     assert shapes[-1] == (3, 16) and torch.equal(two, linear(x[[0, 1, 1]], *weights[:2])[:2])
     assert torch.equal(model[0](x), linear(x, *weights[:2])) and shapes[-1] == (4, 16)
+
+
+class LargeProductsOff(torch.nn.Linear):
+    """A layer whose products of more than 32 rows take another kernel (an AMX Xeon's bf16), 1e-3 off."""
+
+    def forward(self, x):
+        return super().forward(x) + (1e-3 if x.numel() > 32 * x.shape[-1] else 0.0)
+
+
+def test_the_probe_sees_large_products_that_differ_and_blocks_mend_them():
+    layer = LargeProductsOff(16, 8)
+    sizes = rows.PREFILL_PROBE_SIZES
+    assert not any(linear_rows_independent(layer, n, sizes) for n in rows.PAD_CANDIDATES)
+    assert linear_rows_independent(layer, 2, sizes, max_rows=32) and linear_rows_independent(layer, 2, sizes, max_rows=8)
+    assert not linear_rows_independent(layer, 2, sizes, max_rows=64)
+
+
+def test_the_decoder_probe_tries_padding_alone_first_then_the_largest_blocks(tiny_dir, monkeypatch):
+    tried = []
+
+    def independent_in_blocks_of_16_from_two_rows(linear, min_rows, sizes, max_rows):
+        tried.append((min_rows, max_rows))
+        return min_rows >= 2 and max_rows is not None and max_rows <= 16
+
+    monkeypatch.setattr(rows, "linear_rows_independent", independent_in_blocks_of_16_from_two_rows)
+    assert decoder_row_blocks(_target(tiny_dir, "bf16"), "none") == (2, 16)
+    assert list(dict.fromkeys(tried)) == [(1, None), (2, None), (3, None), (4, None), (8, None), (1, 32), (2, 32),
+                                         (3, 32), (4, 32), (8, 32), (1, 16), (2, 16)]
+
+
+def test_blocked_products_are_computed_in_blocks_the_last_padded(monkeypatch):
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8))
+    weight, bias = model[0].weight, model[0].bias
+    pad_small_products(model, 2, 32)
+    assert (model[0].min_rows, model[0].max_rows) == (2, 32)
+    linear, shapes = torch.nn.functional.linear, []
+    monkeypatch.setattr(rows.F, "linear", lambda x, w, b=None: shapes.append(x.shape[0]) or linear(x, w, b))
+    x = torch.randn(65, 16)
+    out = model[0](x.reshape(5, 13, 16))
+    assert shapes == [32, 32, 2] and out.shape == (5, 13, 8)
+    blocks = [linear(x[:32], weight, bias), linear(x[32:64], weight, bias), linear(x[[64, 64]], weight, bias)[:1]]
+    assert torch.equal(out.reshape(65, 8), torch.cat(blocks))
+    shapes.clear()
+    assert torch.equal(model[0](x[:32]), linear(x[:32], weight, bias)) and shapes == [32]
+    assert torch.equal(model[0](x[:1]), linear(x[[0, 0]], weight, bias)[:1]) and shapes == [32, 2]
+
+
+def test_a_row_exact_target_keeps_its_decoder_as_it_was_where_no_counts_do(tiny_dir, monkeypatch):
+    monkeypatch.setattr(rows, "linear_rows_independent", lambda *args: False)
+    target = _target(tiny_dir, "bf16")
+    assert make_row_exact(target, "none") is False and not target.row_exact
+    assert not any(isinstance(m, PaddedRowLinear) for m in target.modules())
 
 
 @pytest.mark.parametrize("kind", ["bf16", "int8"])

@@ -174,12 +174,8 @@ def test_bf16_row_exact_speculation_past_the_window_equals_bf16_ar(sliding):
     from specctl.engine import rows
 
     target = load_decoder(sliding["target_dir"], dtype=torch.bfloat16)
-    min_rows = rows.decoder_min_rows(target, "none")
-    if min_rows is None:
+    if not rows.make_row_exact(target, "none"):
         pytest.skip("bf16 matmuls are not row-independent on this CPU: row-exact attention stays off here")
-    if min_rows > 1:
-        rows.pad_small_products(target, min_rows)
-    target.use_row_exact_attention()
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     for prompt in ([7, 8, 9, 10] * 8, list(range(30, 50))):
         reference, _, _ = generate(target, prompt, params)

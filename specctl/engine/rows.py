@@ -9,9 +9,12 @@ and another from some count on, whose rows all agree wherever they stand: on a C
 AVX-512-BF16 (an AMD EPYC, torch 2.13) one row differs from two or more in most products, and
 one and two rows differ from three or more in about 1 output element in 10^5 (2026-11-27: a
 v_proj row of a tiny model, found by probing many draws; a single draw of 8 rows had missed
-it; an AMX Xeon failed a bit-exact test the same way). Such a layer is made
-row-independent by computing every product of fewer rows than that count padded to it, the
-last row repeated (``PaddedRowLinear``). Since it depends on the CPU's kernels, the count is
+it). Such a layer is made row-independent by computing every product of fewer rows than that
+count padded to it, the last row repeated (``PaddedRowLinear``). On an AMX Xeon (torch 2.13,
+2026-12-04) products of up to 32 rows agree (the down projection's from two rows on) and
+larger ones take another kernel, about 1 element in 10^3 apart, so no padding suffices there:
+products of more rows are computed in blocks of 32 (a prefill's 512 rows about 2.7x slower,
+a verification's up to 32 rows as fast). Since it depends on the CPU's kernels, the counts are
 probed on the model's own layers at load time rather than assumed."""
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ PREFILL_PROBE_SIZES = (*PROBE_SIZES, 100, 512)
 PROBE_ELEMENTS = 1 << 16  # output elements compared a size (draws of PROBE_ROWS rows)
 PROBE_DRAWS_MAX = 64
 PAD_CANDIDATES = (1, 2, 3, 4, 8)  # the row counts products are padded to, tried in order
+# the row counts larger products are computed in blocks of, tried in order after none (a block
+# costs a weight read, so the fewest blocks first)
+BLOCK_CANDIDATES = (None, 32, 16, 8)
 
 
 def candidate(device: str, dtype: str, quant: str) -> bool:
@@ -43,19 +49,25 @@ def candidate(device: str, dtype: str, quant: str) -> bool:
     return device == "cpu" and (quant == "int8" or dtype in ("bf16", "fp16"))
 
 
-def padded_product(product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, min_rows: int) -> torch.Tensor:
-    """``product`` of x [rows, in], fewer than ``min_rows`` rows computed padded to
-    ``min_rows``, the last row repeated (contiguous rows: a stride-0 view may take another
-    kernel)."""
+def padded_product(product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, min_rows: int,
+                   max_rows: int | None = None) -> torch.Tensor:
+    """``product`` of x [rows, in], more than ``max_rows`` rows computed in blocks of
+    ``max_rows``, and fewer than ``min_rows`` rows (a last block too) padded to ``min_rows``,
+    the last row repeated (contiguous rows: a stride-0 view may take another kernel)."""
     rows = x.shape[0]
+    if max_rows is not None and rows > max_rows:
+        return torch.cat([padded_product(product, x[start : start + max_rows], min_rows)
+                          for start in range(0, rows, max_rows)])
     if rows >= min_rows:
         return product(x)
     return product(torch.cat([x, x[-1:].repeat(min_rows - rows, 1)]))[:rows]
 
 
-def linear_rows_independent(linear: nn.Linear, min_rows: int = 1, sizes: tuple[int, ...] = PROBE_SIZES) -> bool:
-    """One layer, probed: with products of fewer than ``min_rows`` rows padded to it, each of
-    the first rows of a product of every size in ``sizes`` equals that row's product alone.
+def linear_rows_independent(linear: nn.Linear, min_rows: int = 1, sizes: tuple[int, ...] = PROBE_SIZES,
+                            max_rows: int | None = None) -> bool:
+    """One layer, probed: with products of fewer than ``min_rows`` rows padded to it (and of
+    more than ``max_rows`` computed in blocks), each of the first rows of a product of every
+    size in ``sizes`` equals that row's product alone.
     Every size, since a CPU's kernel blocks rows (in fours, eights, ...) and a tail block can
     take other code. Several random draws where the layer is narrow: another summation order
     changes a half-precision result only where the float32 sum lies near a rounding boundary,
@@ -68,28 +80,33 @@ def linear_rows_independent(linear: nn.Linear, min_rows: int = 1, sizes: tuple[i
             x = x.to(linear.weight.device, linear.weight.dtype)
             alone = [padded_product(linear, x[i : i + 1], min_rows) for i in range(PROBE_ROWS)]
             for size in sizes:
-                together = padded_product(linear, x[:size], min_rows)
+                together = padded_product(linear, x[:size], min_rows, max_rows)
                 if not all(torch.equal(together[i : i + 1], alone[i]) for i in range(min(size, PROBE_ROWS))):
                     return False
     return True
 
 
-def decoder_min_rows(decoder: nn.Module, quant: str) -> int | None:
-    """The fewest rows the decoder's linear products must be padded to for each row to get the
-    same bits in any product (1: as they are), or None (no count in PAD_CANDIDATES does).
-    Every distinct linear shape of the first layer (at a verification's and a prefill's
-    sizes) and the LM head (a verification's) is probed (int8: exact by construction)."""
+def decoder_row_blocks(decoder: nn.Module, quant: str) -> tuple[int, int | None] | None:
+    """(min_rows, max_rows): the fewest rows the decoder's linear products must be padded to,
+    and the most they may have before they are computed in blocks (None: any), for each row
+    to get the same bits in any product ((1, None): as they are); None where no pair of
+    PAD_CANDIDATES and BLOCK_CANDIDATES does. Every distinct linear shape of the first layer
+    (at a verification's and a prefill's sizes) and the LM head (a verification's) is probed
+    (int8: exact by construction)."""
     if quant == "int8":
-        return 1
+        return 1, None
     layer = decoder.layers[0]
     linears = [m for m in (*layer.self_attn.modules(), *layer.mlp.modules()) if isinstance(m, nn.Linear)]
     probes = [(linear, PREFILL_PROBE_SIZES)  # one a shape: k and v share one, ...
               for linear in {tuple(linear.weight.shape): linear for linear in linears}.values()]
     if decoder.lm_head is not None:
         probes.append((decoder.lm_head, PROBE_SIZES))
-    for min_rows in PAD_CANDIDATES:
-        if all(linear_rows_independent(linear, min_rows, sizes) for linear, sizes in probes):
-            return min_rows
+    for max_rows in BLOCK_CANDIDATES:
+        for min_rows in PAD_CANDIDATES:
+            if max_rows is not None and min_rows > max_rows:
+                continue
+            if all(linear_rows_independent(linear, min_rows, sizes, max_rows) for linear, sizes in probes):
+                return min_rows, max_rows
     # a warning, seen by every command: the output may then leave AR's at a near-tie
     log.warning("row-exact attention off: %s matmuls are not row-independent on this CPU, so speculative output "
                 "may differ from AR's where its top logits nearly tie", probes[0][0].weight.dtype)
@@ -98,32 +115,46 @@ def decoder_min_rows(decoder: nn.Module, quant: str) -> int | None:
 
 class PaddedRowLinear(nn.Linear):
     """A linear layer whose products of fewer than ``min_rows`` rows are computed padded to it,
-    so a decode step's row (and a short verification's) gets the bits a longer verification
-    forward gives it."""
+    and of more than ``max_rows`` in blocks, so a decode step's row (and a short
+    verification's) gets the bits a longer verification forward gives it."""
 
     min_rows: int = 2
+    max_rows: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows >= self.min_rows:
+        if rows >= self.min_rows and (self.max_rows is None or rows <= self.max_rows):
             return F.linear(x, self.weight, self.bias)
-        return padded_product(self._product, x.reshape(rows, -1), self.min_rows).reshape(*x.shape[:-1], -1)
+        flat = x.reshape(rows, -1)
+        return padded_product(self._product, flat, self.min_rows, self.max_rows).reshape(*x.shape[:-1], -1)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
 
-def pad_small_products(decoder: nn.Module, min_rows: int) -> nn.Module:
+def pad_small_products(decoder: nn.Module, min_rows: int, max_rows: int | None = None) -> nn.Module:
     """Every plain nn.Linear of the decoder (layers and LM head) becomes a PaddedRowLinear of
-    ``min_rows`` sharing its parameters (tied embeddings stay tied). In place."""
+    ``min_rows`` and ``max_rows`` sharing its parameters (tied embeddings stay tied). In place."""
     for parent in list(decoder.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
                 with torch.device("meta"):
                     padded = PaddedRowLinear(child.in_features, child.out_features, bias=child.bias is not None)
-                padded.min_rows = min_rows
+                padded.min_rows, padded.max_rows = min_rows, max_rows
                 padded.weight = child.weight
                 if child.bias is not None:
                     padded.bias = child.bias
                 setattr(parent, name, padded)
     return decoder
+
+
+def make_row_exact(decoder: nn.Module, quant: str) -> bool:
+    """Probe the decoder's products (decoder_row_blocks), pad and block them as the probe
+    found, and make its attention row-exact; False (and nothing changed) where no counts do."""
+    blocks = decoder_row_blocks(decoder, quant)
+    if blocks is None:
+        return False
+    if blocks != (1, None):
+        pad_small_products(decoder, *blocks)
+    decoder.use_row_exact_attention()
+    return True

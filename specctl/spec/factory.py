@@ -53,11 +53,7 @@ def load_named(name: str, config: Config, console: Console | None = None, quant:
                            latent_cache=config.mla_cache == "latent")
         model.decoder = quantize_decoder(model.decoder, quant)
         if target and config.row_exact_attention and rows.candidate(config.device, dtype, quant):
-            min_rows = rows.decoder_min_rows(model.decoder, quant)
-            if min_rows is not None and min_rows > 1:
-                rows.pad_small_products(model.decoder, min_rows)
-            if min_rows is not None:
-                model.decoder.use_row_exact_attention()
+            rows.make_row_exact(model.decoder, quant)
         if model.decoder.device.type == "cuda":
             fuse_projections(model.decoder)
             if stage is None and config.cuda_graphs:
