@@ -11,10 +11,10 @@ one and two rows differ from three or more in about 1 output element in 10^5 (20
 v_proj row of a tiny model, found by probing many draws; a single draw of 8 rows had missed
 it). Such a layer is made row-independent by computing every product of fewer rows than that
 count padded to it, the last row repeated (``PaddedRowLinear``). On an AMX Xeon (torch 2.13,
-2026-12-04) products of up to 32 rows agree (the down projection's from two rows on) and
-larger ones take another kernel, about 1 element in 10^3 apart, so no padding suffices there:
-products of more rows are computed in blocks of 32 (a prefill's 512 rows about 2.7x slower,
-a verification's up to 32 rows as fast). Since it depends on the CPU's kernels, the counts are
+2026-12-03) products of up to 32 rows agree (the down projection's from two rows on) and
+larger ones take another kernel, about 1 element in 10^4 apart, so no padding suffices there:
+products of more rows are computed in blocks of 32 (a prefill's 512-row products about 2.7x
+slower, a verification's of up to 32 rows as fast). Since it depends on the CPU's kernels, the counts are
 probed on the model's own layers at load time rather than assumed."""
 
 from __future__ import annotations
