@@ -444,7 +444,8 @@ def test_bench_serve_runs_every_variant_with_identical_texts(tiny_dir, tmp_path)
     (["--targets", "1,x"], "--targets must be comma-separated integers, got '1,x'"),
     (["--max-batch", "0,4"], "--max-batch values must be >= 1"),
     (["--target-quant", "int4"], "--target-quant must be one of none, int8, got 'int4'"),
-    (["--sessions", "0"], "--sessions >= 1"),
+    (["--sessions", "0"], "--sessions and --repeats >= 1"),
+    (["--repeats", "0"], "--sessions and --repeats >= 1"),
 ])
 def test_bench_star_rejects_bad_flags_before_starting_anything(args, message):
     result = run_here("bench", "star", *args)

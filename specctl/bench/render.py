@@ -53,12 +53,15 @@ def render_star_table(report: dict) -> Table:
     label = (f" (emulated: +{s['verify_delay_ms']:.0f} ms per verification, targets at nice "
              f"{s.get('target_niceness', 0)})") if s["emulated"] else ""
     table = Table(title=f"bench star: {s['draft']} -> {s['target']}, d={s['depth']}{label}")
+    repeats = s.get("repeats", 1) > 1
+    if repeats:
+        table.add_column("repeat", justify="right")
     for column in ("batch", "N", "O", "O model", "O_i", "t_s", "T_wait", "T_idle", "R_q", "R_p", "load", "load model",
                    "regime"):
         table.add_column(column, justify="right")
     for r in report["rows"]:
         batch = f"{r['max_batch']} ({r['mean_batch']:.1f})" if "mean_batch" in r else "-"
-        table.add_row(batch, str(r["N"]), f"{r['O']:.2f}", f"{r['model_O']:.2f}", f"{r['O_i']:.2f}", f"{r['t_s_ms']:.0f}",
+        table.add_row(*([str(r["repeat"] + 1)] if repeats else []), batch, str(r["N"]), f"{r['O']:.2f}", f"{r['model_O']:.2f}", f"{r['O_i']:.2f}", f"{r['t_s_ms']:.0f}",
                       f"{r['T_wait_ms']:.0f}", f"{r['T_idle_ms']:.0f}", f"{r['R_q']:.2f}", f"{r['R_p']:.2f}",
                       f"{r['load']:.0%}", f"{r['model_load']:.0%}", "full" if r["regime"] == "fully loaded" else "under")
     table.caption = ("batch: the draft's batching limit (mean requests per forward); O, O_i: tokens/s; t_s, T_wait, "
@@ -75,6 +78,11 @@ def render_star_summary(summary: dict) -> str:
         lines.append(f"batched drafting (max batch {summary['batched_max_batch']}) at N={summary['batched_N']}: "
                      f"{summary['batched_O']:.2f} tok/s = {summary['batched_gain']:.2f}x one-at-a-time at "
                      f"N={summary['reference_N']} ({summary['reference_O']:.2f} tok/s); {summary['batched_round_gain']:.2f}x in draft rounds/s")
+    if "spread" in summary:
+        figures = "; ".join(f"{name} {low:.2f} / {middle:.2f} / {high:.2f}" for name, (low, middle, high) in
+                            ((name, values.values()) for name, values in summary["spread"].items()))
+        which = "the repeat of the median batched gain" if "batched_gain" in summary else "the first repeat"
+        lines.append(f"over {summary['repeats']} repeats (the lines above: {which}), min / median / max: {figures}")
     return "\n".join(lines)
 
 

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from specctl.bench.processes import free_ports, spawn_role, stop_processes, wait_listening
+from specctl.bench.spread import spread
 from specctl.draft.plan import StarModel
 from specctl.errors import SpecctlError
 from specctl.spec.sampling import SamplingParams
@@ -52,6 +53,7 @@ class StarBenchSettings:
     draft_args: tuple[str, ...] = ()  # more flags for the draft server (bench prespec: --prespec ...)
     verify_time_ms: float = 0.0  # every verification takes at least this long, its compute included
     draft_step_ms: float = 0.0  # every draft forward takes at least this long (a device whose rows are ~free)
+    repeats: int = 1  # sweeps over N with the same processes; the summary gives each figure's spread
 
     @property
     def emulated(self) -> bool:
@@ -192,7 +194,9 @@ def _sweeps(s: StarBenchSettings, prompts: list[list[int]], progress=None) -> li
     all alive at once, and each N is measured for every limit back to back. This machine's
     speed drifts by 10-25% over a run, so rows that are compared are taken a minute apart,
     not a whole sweep apart. N_full (as estimated from the first limit's rows after each N)
-    is measured too when the list lacks it, since the scaling figures are read there."""
+    is measured too when the list lacks it, since the scaling figures are read there. With
+    repeats, the sweeps run again over the same N (N_full included) with the same processes;
+    each row says its repeat and is fitted with its own repeat's rows."""
     rows: dict[int, list[dict]] = {limit: [] for limit in s.max_batches}
     with contextlib.ExitStack() as stack:
         clusters = [stack.enter_context(StarCluster(s, limit)) for limit in s.max_batches]
@@ -202,24 +206,31 @@ def _sweeps(s: StarBenchSettings, prompts: list[list[int]], progress=None) -> li
             # loading the models, before anything is measured.
             for cluster in clusters:
                 await _workload(cluster, len(cluster.target_ports), prompts, 1)
-            pending, added = list(s.targets), False
-            while pending:
-                n = pending.pop(0)
-                for cluster in clusters:
-                    rows[cluster.max_batch].append(await _measure(cluster, n, prompts))
-                    if progress:
-                        progress()
-                first = rows[s.max_batches[0]]
-                predict(first, s.depth)
-                n_full = first[0]["N_full"]
-                if not added and n_full in range(n + 1, max(s.targets)) and n_full not in pending:
-                    pending, added = sorted(pending + [n_full]), True
-                    if progress:
-                        progress(added=len(clusters))
+            counts, added = list(s.targets), False
+            for repeat in range(s.repeats):
+                pending, measured = list(counts), []
+                while pending:
+                    n = pending.pop(0)
+                    measured.append(n)
+                    for cluster in clusters:
+                        rows[cluster.max_batch].append({**await _measure(cluster, n, prompts), "repeat": repeat})
+                        if progress:
+                            progress()
+                    if repeat:
+                        continue
+                    first = rows[s.max_batches[0]]
+                    predict(first, s.depth)
+                    n_full = first[0]["N_full"]
+                    if not added and n_full in range(n + 1, max(s.targets)) and n_full not in pending:
+                        pending, added = sorted(pending + [n_full]), True
+                        if progress:
+                            progress(added=len(clusters) * s.repeats)
+                counts = measured
 
         asyncio.run(all_n())
     for limit_rows in rows.values():
-        predict(limit_rows, s.depth)
+        for repeat in range(s.repeats):
+            predict([row for row in limit_rows if row["repeat"] == repeat], s.depth)
     return [row for limit in s.max_batches for row in rows[limit]]
 
 
@@ -250,13 +261,37 @@ def summarize(rows: list[dict]) -> dict:
     return summary
 
 
+# the figures whose spread over repeats the summary gives
+SPREAD_KEYS = ("batched_gain", "batched_round_gain", "reference_O", "batched_O", "max_model_error_past_fit")
+
+
+def summarize_repeats(summaries: list[dict]) -> dict:
+    """One summary over the repeats' own (pure): the repeat of the median batched gain (the
+    lower median: a measured repeat, its figures consistent with one another; the first
+    repeat where no N reached N_full), with the min / median / max over the repeats of each
+    SPREAD_KEYS figure every repeat has. One repeat: its summary as it is."""
+    if len(summaries) == 1:
+        return summaries[0]
+    if all("batched_gain" in one for one in summaries):
+        middle = dict(sorted(summaries, key=lambda one: one["batched_gain"])[(len(summaries) - 1) // 2])
+    else:
+        middle = dict(summaries[0])
+    middle["repeats"] = len(summaries)
+    middle["spread"] = {name: spread([one[name] for one in summaries], 4) for name in SPREAD_KEYS
+                        if all(one.get(name) is not None for one in summaries)}
+    return middle
+
+
 def run_star_bench(s: StarBenchSettings, prompts: list[list[int]], progress=None) -> dict:
     rows = _sweeps(s, prompts, progress)
+    summary = summarize_repeats([summarize([row for row in rows if row["repeat"] == repeat])
+                                 for repeat in range(s.repeats)])
     return {
         "settings": {"draft": s.draft, "target": s.target, "targets": list(s.targets), "depth": s.depth,
                      "max_tokens": s.max_tokens, "sessions": s.sessions, "verify_delay_ms": s.verify_delay_ms, "dtype": s.dtype, "mode": s.mode,
                      "max_batches": list(s.max_batches), "draft_quant": s.draft_quant, "target_quant": s.target_quant,
-                     "verify_time_ms": s.verify_time_ms, "emulated": s.emulated, "target_niceness": s.target_niceness},
+                     "verify_time_ms": s.verify_time_ms, "emulated": s.emulated, "target_niceness": s.target_niceness,
+                     "repeats": s.repeats},
         "rows": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()} for row in rows],
-        "summary": {k: (round(v, 4) if isinstance(v, float) else v) for k, v in summarize(rows).items()},
+        "summary": {k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()},
     }

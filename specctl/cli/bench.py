@@ -107,6 +107,8 @@ def star(
     draft_quant: str = typer.Option("int8", "--draft-quant", help="none | int8"),
     target_quant: str = typer.Option("none", "--target-quant",
                                      help="none | int8: int8 targets cost a quarter of the CPU (emulated runs share cores)"),
+    repeats: int = typer.Option(1, help="sweeps over N with the same processes (the scaling figures' "
+                                "min/median/max reported)"),
     json_out: Optional[str] = typer.Option(None, "--json", help="write the report as JSON to this file"),
 ) -> None:
     """One draft server, N target processes on loopback: StarSD's Table 1 next to the model's prediction,
@@ -126,19 +128,19 @@ def star(
     for name, value in (("--draft-quant", draft_quant), ("--target-quant", target_quant)):
         if value not in QUANTS:
             raise ConfigError(f"{name} must be one of {', '.join(QUANTS)}, got {value!r}")
-    if verify_delay_ms < 0 or depth < 1 or max_tokens < 1 or sessions < 1:
-        raise ConfigError("--verify-delay-ms must be >= 0, --depth, --max-tokens and --sessions >= 1")
+    if verify_delay_ms < 0 or depth < 1 or max_tokens < 1 or sessions < 1 or repeats < 1:
+        raise ConfigError("--verify-delay-ms must be >= 0, --depth, --max-tokens, --sessions and --repeats >= 1")
     console = Console(stderr=True)
     path = resolve_model(split_model_name(target)[0], console)
     resolve_model(split_model_name(draft)[0], console)
     tok = AutoTokenizer.from_pretrained(path)
     prompts = [tok.encode(p.prompt) for p in load_prompts("builtin")]
     settings = StarBenchSettings(draft, target, counts, depth, max_tokens, verify_delay_ms, dtype, max_batches=batches, sessions=sessions,
-                                 draft_quant=draft_quant, target_quant=target_quant)
+                                 draft_quant=draft_quant, target_quant=target_quant, repeats=repeats)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task(f"{len(batches)} interleaved sweeps, each 1 draft + {counts[-1]} target processes",
-                                 total=len(counts) * len(batches))
+                                 total=len(counts) * len(batches) * repeats)
         def advance(added: int = 0) -> None:  # a sweep adds N_full when --targets lacks it
             if added:
                 progress.update(task, total=progress.tasks[0].total + added)
