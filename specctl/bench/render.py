@@ -61,7 +61,8 @@ def render_star_table(report: dict) -> Table:
         table.add_column(column, justify="right")
     for r in report["rows"]:
         batch = f"{r['max_batch']} ({r['mean_batch']:.1f})" if "mean_batch" in r else "-"
-        table.add_row(*([str(r["repeat"] + 1)] if repeats else []), batch, str(r["N"]), f"{r['O']:.2f}", f"{r['model_O']:.2f}", f"{r['O_i']:.2f}", f"{r['t_s_ms']:.0f}",
+        table.add_row(*([str(r["repeat"] + 1)] if repeats else []), batch, str(r["N"]), f"{r['O']:.2f}",
+                      f"{r['model_O']:.2f}", f"{r['O_i']:.2f}", f"{r['t_s_ms']:.0f}",
                       f"{r['T_wait_ms']:.0f}", f"{r['T_idle_ms']:.0f}", f"{r['R_q']:.2f}", f"{r['R_p']:.2f}",
                       f"{r['load']:.0%}", f"{r['model_load']:.0%}", "full" if r["regime"] == "fully loaded" else "under")
     table.caption = ("batch: the draft's batching limit (mean requests per forward); O, O_i: tokens/s; t_s, T_wait, "
