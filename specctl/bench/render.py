@@ -80,8 +80,8 @@ def render_star_summary(summary: dict) -> str:
                      f"{summary['batched_O']:.2f} tok/s = {summary['batched_gain']:.2f}x one-at-a-time at "
                      f"N={summary['reference_N']} ({summary['reference_O']:.2f} tok/s); {summary['batched_round_gain']:.2f}x in draft rounds/s")
     if "spread" in summary:
-        figures = "; ".join(f"{name} {low:.2f} / {middle:.2f} / {high:.2f}" for name, (low, middle, high) in
-                            ((name, values.values()) for name, values in summary["spread"].items()))
+        figures = "; ".join(f"{name} {v['min']:.2f} / {v['median']:.2f} / {v['max']:.2f}"
+                            for name, v in summary["spread"].items())
         which = "the repeat of the median batched gain" if "batched_gain" in summary else "the first repeat"
         lines.append(f"over {summary['repeats']} repeats (the lines above: {which}), min / median / max: {figures}")
     return "\n".join(lines)
