@@ -123,9 +123,9 @@ class PaddedRowLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows >= self.min_rows and (self.max_rows is None or rows <= self.max_rows):
-            return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, -1)
+        if rows >= self.min_rows and (self.max_rows is None or rows <= self.max_rows):
+            return self._product(flat).reshape(*x.shape[:-1], -1)
         return padded_product(self._product, flat, self.min_rows, self.max_rows).reshape(*x.shape[:-1], -1)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
@@ -134,10 +134,13 @@ class PaddedRowLinear(nn.Linear):
 
 def pad_small_products(decoder: nn.Module, min_rows: int, max_rows: int | None = None) -> nn.Module:
     """Every plain nn.Linear of the decoder (layers and LM head) becomes a PaddedRowLinear of
-    ``min_rows`` and ``max_rows`` sharing its parameters (tied embeddings stay tied). In place."""
+    ``min_rows`` and ``max_rows`` sharing its parameters (tied embeddings stay tied), and every
+    PaddedRowLinear already there (engine.packed's) takes them. In place."""
     for parent in list(decoder.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
+            if isinstance(child, PaddedRowLinear):
+                child.min_rows, child.max_rows = min_rows, max_rows
+            elif type(child) is nn.Linear:
                 with torch.device("meta"):
                     padded = PaddedRowLinear(child.in_features, child.out_features, bias=child.bias is not None)
                 padded.min_rows, padded.max_rows = min_rows, max_rows

@@ -12,7 +12,7 @@ from specctl.config import LOOKUP_DRAFTERS, Config
 from specctl.engine.loader import DTYPES, LoadedModel, check_same_vocab, load_model
 from specctl.engine.fusion import fuse_projections
 from specctl.engine.model import Decoder
-from specctl.engine import rows
+from specctl.engine import packed, rows
 from specctl.engine.quant import quantize_decoder
 from specctl.spec.drafters import Drafter, ModelChainDrafter, ModelTreeDrafter, NgramDrafter, NoDrafter
 from specctl.spec.suffix import SuffixDrafter
@@ -52,6 +52,8 @@ def load_named(name: str, config: Config, console: Console | None = None, quant:
                            device=config.device, backend=config.attention_backend, stage=stage,
                            latent_cache=config.mla_cache == "latent")
         model.decoder = quantize_decoder(model.decoder, quant)
+        if config.packed_weights and packed.candidate(config.device, dtype, quant):
+            packed.pack_linears(model.decoder)  # before the row probe, which probes these products
         if target and config.row_exact_attention and rows.candidate(config.device, dtype, quant):
             rows.make_row_exact(model.decoder, quant)
         if model.decoder.device.type == "cuda":
