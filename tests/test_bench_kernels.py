@@ -14,6 +14,7 @@ from specctl.bench.kernel_decode import READS_EACH, RUNS_AHEAD, DecodeTiming, de
 from specctl.bench.kernel_profile import profile_steps, summarize_kernels
 from specctl.bench.render import render_kernel_batches_table, render_kernel_decode, render_kernel_profile, \
     render_kernels_table
+from specctl.engine import packed
 from specctl.engine.tiny import tiny_config
 from tests.conftest import run_here
 from tests.test_cli import _assert_one_line_error, run
@@ -26,6 +27,10 @@ def test_weight_bytes_count_a_tied_embedding_once_and_skip_an_untied_one():
     layers = sum(p.numel() for p in tied.layers.parameters()) * 4 + 64 * 4  # + the final norm
     assert weight_bytes_per_step(tied) == layers + embedding  # the LM head reads the shared table
     assert weight_bytes_per_step(untied) == layers + embedding  # the untied head; the table is looked up, not read
+    if packed.candidate("cpu", "bf16", "none"):  # a packed head is a copy of the table: counted once, as the head
+        packed_tied = random_decoder(tiny_config("qwen2", tie_word_embeddings=True), torch.bfloat16, "cpu")
+        packed.pack_linears(packed_tied)
+        assert weight_bytes_per_step(packed_tied) == (layers + embedding) // 2
     moe = random_decoder(tiny_config("qwen3_moe"), torch.float32, "cpu")
     experts = sum(p.numel() * 4 for name, p in moe.named_parameters() if ".experts." in name)
     rest = sum(p.numel() * 4 for name, p in moe.named_parameters() if ".experts." not in name and "embed" not in name)

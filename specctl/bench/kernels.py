@@ -172,15 +172,16 @@ def random_decoder(config, dtype: torch.dtype, device: str, backend: str = "torc
 
 def weight_bytes_per_step(decoder: Decoder) -> int:
     """Bytes of weights a one-token step reads: every parameter once, except the embedding
-    table, of which a step reads a few rows (unless it is tied to the LM head, which reads it
-    all), and a mixture of experts' experts, of which a token reads its top k."""
+    table, of which a step reads a few rows (unless the LM head reads it all: tied, unpacked),
+    and a mixture of experts' experts, of which a token reads its top k."""
     spec = decoder.spec
+    head_weight = getattr(decoder.lm_head, "weight", None)
     seen, total = set(), 0.0
     for name, parameter in decoder.named_parameters():
         if id(parameter) in seen:
             continue
         seen.add(id(parameter))
-        if name.startswith("embed_tokens.") and not spec.tie_embeddings:
+        if name.startswith("embed_tokens.") and parameter is not head_weight:
             continue
         share = spec.experts_per_token / spec.num_experts if ".mlp.experts." in name else 1.0
         total += parameter.numel() * parameter.element_size() * share

@@ -39,6 +39,9 @@ def kernels(
     decode: int = typer.Option(0, help="also time greedy AR generations of this many tokens with the fastest variant: "
                                "ms a token with the round loop's host work, reading each token back and (CUDA "
                                "graphs) running the next step ahead (0: off)"),
+    packed_weights: bool = typer.Option(True, "--packed-weights/--no-packed-weights",
+                                        help="CPU bf16: linear weights reordered once for oneDNN, as specctl loads "
+                                        "models (config packed_weights); off: plain F.linear"),
     json_out: Optional[str] = typer.Option(None, "--json", help="write the report as JSON to this file"),
 ) -> None:
     """One model's step times on one device: an AR step, verification of up to 64 tokens, their
@@ -54,6 +57,7 @@ def kernels(
         render_kernels_table, table_console
     from specctl.cli.bench import int_list
     from specctl.config import build_config
+    from specctl.engine import packed
     from specctl.engine.fusion import fuse_projections
     from specctl.engine.loader import DTYPES
     from specctl.engine.static import BUCKETS, SLOT_QUANTUM
@@ -92,9 +96,11 @@ def kernels(
                 decoder = random_decoder(shape_config(model), DTYPES[dtype], device, attention)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
+            if packed_weights and packed.candidate(device, dtype, "none"):
+                packed.pack_linears(decoder)
         else:
             config = build_config(None, target=model, device=device, dtype=dtype, cuda_graphs=False,
-                                  attention_backend=attention, prefix_cache_mb=0)
+                                  attention_backend=attention, prefix_cache_mb=0, packed_weights=packed_weights)
             decoder = load_named(model, config, console).decoder
         if decoder.device.type == "cuda":
             fuse_projections(decoder)
@@ -126,7 +132,7 @@ def kernels(
                 batches[name] = time_batches(decoder, context, batch_sizes, tokens_each, repeats,
                                              lambda: progress.advance(task))
     settings = {"dtype": dtype, "context": context, "repeats": repeats, "random_weights": random_weights,
-                "attention": attention}
+                "attention": attention, "packed_weights": packed_weights and packed.candidate(device, dtype, "none")}
     report = kernels_report(model, decoder, timings, bandwidth, context, settings, batches)
     fastest = list(variants)[-1]  # set up last: the decoder runs it now
     if decode:
