@@ -3,14 +3,16 @@
 ``F.linear`` on a bf16 CPU tensor calls oneDNN, which reorders the weight into its blocked
 layout on every call: for a decode step, whose products are one row each, that reorder is a
 good part of the step. vLLM's CPU backend and llama.cpp's repacked CPU buffers reorder once;
-so does this. Measured here (torch 2.13, an AMX Xeon, 2 threads, the Qwen 1.5B's shape with
-random weights, 512 tokens cached): an AR step 195 -> 155 ms, a verification of 8 tokens
-194 -> 165 ms (docs/results/packed-weights-2026-12-04.txt). fp32 one-row products got slower
-(MKL's matrix-vector kernel is already fast) and fp16's barely moved, so only bf16 packs.
+so does this. Measured here (torch 2.13, an AMX Xeon, 2 threads, the Qwen 1.5B, 512 tokens
+cached): an AR step 203 -> 159 ms, a verification of 8 tokens 204 -> 167 ms, a 512-token
+row-exact prefill 3.6 -> 2.7 s (docs/results/packed-weights-2026-12-04.txt). fp32 one-row
+products got slower (MKL's matrix-vector kernel is already fast) and fp16's barely moved, so
+only bf16 packs.
 
 A packed weight is an opaque oneDNN tensor (``is_mkldnn``): only ``_linear_pointwise`` reads
-it, ``to_dense()`` gives the weight back. A tied LM head packs a copy of the embedding table
-(the embedding still looks rows up in its own): the Qwen pair's 0.47 + 0.27 GB more."""
+it, ``to_dense()`` gives the weight back. Packed weights are the process's own memory (the
+unpacked ones stay mapped from the checkpoint), and a tied LM head packs a copy of the
+embedding table, which still looks rows up in its own (the 1.5B's: 0.47 GB)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from torch import nn
 
 from specctl.engine.rows import PaddedRowLinear
 
-# the batch size oneDNN chooses the packed layout for: a decode step's one row
+# the rows oneDNN chooses the packed layout for: the row probe's blocks (packed for one row,
+# the 1.5B's down projection gave products of more than 8 rows other bits)
 PACKED_FOR_ROWS = 32
 # linears whose weight is read as a tensor too (latent attention's absorbed up-projection)
 READ_AS_TENSORS = ("kv_b_proj",)
