@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -100,6 +101,17 @@ def _tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), enable_gqa=q.shape[1] != k.shape[1])
 
 
+# A half-precision query row on the CPU attends over its keys padded with zeros to a multiple
+# of this many, the padding masked: a row's bits then depend only on its keys, not on how many
+# rows share the matmuls (measured: CPU float32 matmuls give a row the same bits in a product of
+# 6 or 384 rows, but a softmax or a product over 300 keys and over 320 round apart).
+ROW_BUCKET = 64
+
+
+def row_bucket(keys: int) -> int:
+    return -(-keys // ROW_BUCKET) * ROW_BUCKET
+
+
 def _one_row_in_float32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """One query row of a half-precision model on the CPU (a decode step; each row of a
     row-exact verification): float32 matmuls over float32 copies of the keys and values.
@@ -107,8 +119,43 @@ def _one_row_in_float32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> to
     0.29-1.08 ms against 0.07-0.14, docs/results/one-row-float32-attention-2026-11-26.txt)
     and is no closer to a float32 reference. The G query
     heads sharing a KV head are rows of one matmul, so nothing is repeated."""
-    b, heads, _, d = q.shape
-    kv_heads = k.shape[1]
-    grouped = q.reshape(b, kv_heads, heads // kv_heads, d).float()
-    scores = torch.matmul(grouped, k.float().transpose(-1, -2)) * d**-0.5
-    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype).reshape(b, heads, 1, v.shape[-1])
+    return rows_over_leading_keys(q, k, v, [k.shape[2]])
+
+
+def rows_over_leading_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: list[int]) -> torch.Tensor:
+    """Query rows q [B, H, n, D] of a half-precision model on the CPU, row r over the first
+    visible[r] keys of k, v [B, Hkv, T, D] in float32, each row with the bits it gets alone
+    (every visible count in one ROW_BUCKET: the keys are padded to it). A decode step is one
+    such row; a prefill's or a chain verification's rows of one bucket are one call
+    (``specctl_kernels.row_exact``), where each took a call of its own."""
+    b, heads, n, d = q.shape
+    kv_heads, longest = k.shape[1], max(visible)
+    padded = row_bucket(longest)
+    keys = k.new_zeros(b, kv_heads, padded, d, dtype=torch.float32)
+    values = v.new_zeros(b, kv_heads, padded, v.shape[-1], dtype=torch.float32)
+    keys[:, :, :longest], values[:, :, :longest] = k[:, :, :longest], v[:, :, :longest]
+    grouped = q.reshape(b, kv_heads, heads // kv_heads * n, d).float()  # row g*n + r: head g's row r
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)) * d**-0.5
+    hidden = torch.arange(padded, device=q.device) >= torch.tensor(visible, device=q.device).unsqueeze(1)  # [n, padded]
+    scores = scores.view(b, kv_heads, heads // kv_heads, n, padded).masked_fill(hidden, float("-inf"))
+    probs = scores.softmax(-1).view(b, kv_heads, -1, padded)
+    return torch.matmul(probs, values).to(q.dtype).reshape(b, heads, n, v.shape[-1])
+
+
+
+@functools.cache
+def batched_rows_agree(groups: int, head_dim: int, value_dim: int, dtype: torch.dtype) -> bool:
+    """Probed once per shape: rows_over_leading_keys gives each of 1-64 rows over 1-3
+    buckets of keys the bits it gets alone, as this CPU's float32 matmuls did where measured
+    (else row_exact keeps a call per row)."""
+    gen = torch.Generator().manual_seed(0)
+    for rows, keys in ((2, 64), (7, 192), (33, 128), (64, 192)):  # every row's keys in the last bucket
+        q = torch.randn(1, groups, rows, head_dim, generator=gen).to(dtype)
+        k = torch.randn(1, 1, keys, head_dim, generator=gen).to(dtype)
+        v = torch.randn(1, 1, keys, value_dim, generator=gen).to(dtype)
+        visible = [keys - (r * 37) % ROW_BUCKET for r in range(rows)]
+        together = rows_over_leading_keys(q, k, v, visible)
+        for r in range(rows):
+            if not torch.equal(together[:, :, r : r + 1], rows_over_leading_keys(q[:, :, r : r + 1], k, v, [visible[r]])):
+                return False
+    return True

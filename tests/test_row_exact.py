@@ -312,3 +312,47 @@ def test_sessions_verified_together_in_bf16_each_equal_the_target_alone(tiny_dir
     chain, tree = ModelChainDrafter(tiny["llama-draft"], 4), ModelTreeDrafter(tiny["llama-draft"], 3, 2, 3)
     prompts = [[1, 2, 3, 4, 5], [9, 8], [40, 41, 42, 43, 44, 45, 46]]
     verified_together_equal_alone(target, prompts, [chain, tree, chain], SamplingParams(max_tokens=20, ignore_eos=True))
+
+
+@pytest.mark.parametrize("agree", [True, False])
+def test_half_precision_rows_of_one_key_bucket_share_a_call_with_each_row_as_a_decode_step_computes_it(monkeypatch, agree):
+    """A bf16 prefill of 130 rows after 20 cached keys (rows in 3 buckets of 64 keys) and a
+    chain: each row equals the one-token call over the keys before it — batched by bucket
+    where this CPU's probe agrees, a call a row where it does not (monkeypatched)."""
+    from specctl_kernels import torch_backend
+
+    batched_calls = []
+    original = torch_backend.rows_over_leading_keys
+    monkeypatch.setattr(torch_backend, "rows_over_leading_keys",
+                        lambda q, k, v, visible: batched_calls.append(len(visible)) or original(q, k, v, visible))
+    monkeypatch.setattr(torch_backend, "batched_rows_agree", lambda *shape: agree)
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(1, HEADS, 130, DIM, generator=gen).bfloat16()
+    k, v = (torch.randn(1, KV_HEADS, 150, DIM, generator=gen).bfloat16() for _ in range(2))
+    out = row_exact(tree_attention, prefill=True)(q, k, v, None)
+    rows_seen = list(batched_calls)
+    batched_calls.clear()
+    for i in range(130):
+        alone = tree_attention(q[:, :, i : i + 1], k[:, :, : 21 + i], v[:, :, : 21 + i], None)
+        assert torch.equal(out[:, :, i : i + 1], alone), i
+    assert batched_calls == [1] * 130  # a decode step is one row of its own bucket
+    # keys 21..64 | 65..128 | 129..150: one call a bucket, or one a row
+    assert rows_seen == ([44, 64, 22] if agree else [1] * 130)
+
+
+def test_a_tree_nodes_rows_keep_a_call_each_beside_the_batched_chain_rows():
+    q, k, v = (t.bfloat16() for t in _qkv(7, 70 + 7, seed=5))
+    parents = [-1, 0, 0, 1, 2, 2, 4]
+    out = row_exact(tree_attention)(q, k, v, _tree_mask(parents, 70))
+    for node, path in enumerate([[0], [0, 1], [0, 2], [0, 1, 3], [0, 2, 4], [0, 2, 5], [0, 2, 4, 6]]):
+        index = torch.tensor(list(range(70)) + [70 + p for p in path])
+        alone = tree_attention(q[:, :, node : node + 1], k[:, :, index], v[:, :, index], None)
+        assert torch.equal(out[:, :, node : node + 1], alone), node
+
+
+def test_the_batched_rows_probe_agrees_here_for_grouped_query_shapes():
+    """Where measured (AMD EPYC, AMX Xeon; torch 2.13) a float32 matmul gives a row the same
+    bits among 6 or 384 rows; a CPU where it does not keeps a call a row (the test above)."""
+    from specctl_kernels.torch_backend import batched_rows_agree
+
+    assert batched_rows_agree(6, 128, 128, torch.bfloat16)
