@@ -1,7 +1,8 @@
 """What packed linear weights (engine.packed, config packed_weights) change for a CPU bf16
 target as specctl loads it (row-exact, probed): the load, the probe's counts, a cold prefill
 of 128 / 512 / 1,024 random tokens (then one token) and 33 greedy AR tokens after 64, each
-three times, packed and unpacked in one process.
+three times, packed and unpacked in one process, then packed without row-exact attention
+(what exactness costs).
 
     python examples/packed_weights_cost.py [--model qwen2.5-coder-1.5b] [--runs 3]
 """
@@ -47,12 +48,15 @@ def main() -> None:
         return probed["counts"]
 
     rows.decoder_row_blocks = recorded
-    for packed_weights in (True, False):
+    for packed_weights, row_exact in ((True, True), (False, True), (True, False)):
+        probed.update(counts=None, seconds=0.0)
         start = time.perf_counter()
-        decoder = load_named(args.model, Config(dtype="bf16", packed_weights=packed_weights), target=True).decoder
+        config = Config(dtype="bf16", packed_weights=packed_weights, row_exact_attention=row_exact)
+        decoder = load_named(args.model, config, target=True).decoder
         load = time.perf_counter() - start
-        print(f"packed_weights={packed_weights}: loaded in {load:.1f} s, probe {probed['counts']} in "
-              f"{probed['seconds']:.1f} s, {type(decoder.layers[0].mlp.down_proj).__name__}", flush=True)
+        print(f"packed_weights={packed_weights} row_exact_attention={row_exact}: loaded in {load:.1f} s, probe "
+              f"{probed['counts']} in {probed['seconds']:.1f} s, {type(decoder.layers[0].mlp.down_proj).__name__}",
+              flush=True)
         for tokens in (128, 512, 1024):
             times = sorted(prefill_seconds(decoder, tokens, run) for run in range(args.runs))
             print(f"  cold prefill {tokens:>5} tokens + 1: " + " ".join(f"{t:.2f}" for t in times) + " s", flush=True)
