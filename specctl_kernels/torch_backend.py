@@ -142,11 +142,10 @@ def rows_over_leading_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vi
     return torch.matmul(probs, values).to(q.dtype).reshape(b, heads, n, v.shape[-1])
 
 
-
 @functools.cache
 def batched_rows_agree(groups: int, head_dim: int, value_dim: int, dtype: torch.dtype) -> bool:
-    """Probed once per shape: rows_over_leading_keys gives each of 1-64 rows over 1-3
-    buckets of keys the bits it gets alone, as this CPU's float32 matmuls did where measured
+    """Probed once per shape: rows_over_leading_keys gives each of 2-64 rows whose keys end in
+    one bucket the bits the row gets alone, as this CPU's float32 matmuls did where measured
     (else row_exact keeps a call per row)."""
     gen = torch.Generator().manual_seed(0)
     for rows, keys in ((2, 64), (7, 192), (33, 128), (64, 192)):  # every row's keys in the last bucket
