@@ -35,7 +35,7 @@ class Config:
     # and linear products are padded or blocked as the load-time probe finds (engine.rows), so
     # speculative output is bit-identical to AR and a restored prefix to a fresh prefill
     # (specctl_kernels.row_exact); false: one call a forward and plain products, a little faster
-    # (a prefill ~3x faster on an AMX Xeon)
+    # (a 512-token prefill ~1.9x faster on an AMX Xeon)
     row_exact_attention: bool = True
     # CPU models in bf16: linear weights reordered once at load for oneDNN (engine.packed; an AR
     # step ~20 % faster on an AMX Xeon); false: plain F.linear, which reorders them every call
