@@ -107,9 +107,6 @@ def warm_up(backend: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
     return True
 
 
-HALF = (torch.bfloat16, torch.float16)
-
-
 def row_exact(attend: AttentionFn, prefill: bool = False) -> AttentionFn:
     """``attend`` with every masked query row computed exactly as a one-token decode step
     computes it: ``attend`` of that row alone over just its visible keys, in cache order
@@ -161,7 +158,7 @@ def row_exact(attend: AttentionFn, prefill: bool = False) -> AttentionFn:
             k_rows[:, :, :shared], v_rows[:, :, :shared] = k[:, :, :shared], v[:, :, :shared]
         rows: list[torch.Tensor | None] = [None] * q.shape[2]
         runs: dict[int, list[int]] = {}  # rows reading the cache's first keys, by key bucket
-        if batchable and not q.is_cuda and q.dtype in HALF and torch_backend.batched_rows_agree(
+        if batchable and torch_backend.rows_in_float32(q) and torch_backend.batched_rows_agree(
                 q.shape[1] // k.shape[1], q.shape[-1], v.shape[-1], q.dtype):
             for i, count in enumerate(visible):
                 if leading[i] == count:

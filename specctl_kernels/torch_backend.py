@@ -89,7 +89,7 @@ def _tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     n, total = q.shape[2], k.shape[2]
     if mask is None:
         if n == 1:
-            if not q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+            if rows_in_float32(q):
                 return _one_row_in_float32(q, k, v)
             # One new token sees everything cached: no mask needed, fastest SDPA path.
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
@@ -106,6 +106,11 @@ def _tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 # rows share the matmuls (measured: CPU float32 matmuls give a row the same bits in a product of
 # 6 or 384 rows, but a softmax or a product over 300 keys and over 320 round apart).
 ROW_BUCKET = 64
+
+
+def rows_in_float32(q: torch.Tensor) -> bool:
+    """Whether q's one-row calls are rows_over_leading_keys: half precision on the CPU."""
+    return not q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
 
 
 def row_bucket(keys: int) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specctl.engine.rows import PaddedRowLinear
+from specctl.engine.rows import PaddedRowLinear, plain_linears
 
 # the rows oneDNN chooses the packed layout for: the row probe's blocks (packed for one row,
 # the 1.5B's down projection gave products of more than 8 rows other bits)
@@ -61,10 +61,8 @@ def pack_linears(decoder: nn.Module) -> int:
     """Every plain nn.Linear of the decoder (layers and LM head) packed, in place; returns how
     many. Before the row probe, which then probes the packed products."""
     count = 0
-    for parent in list(decoder.modules()):
-        for name, child in list(parent.named_children()):
-            if (type(child) is nn.Linear and name not in READ_AS_TENSORS and child.weight.dtype == torch.bfloat16
-                    and child.weight.device.type == "cpu"):
-                setattr(parent, name, pack(child))
-                count += 1
+    for parent, name, child in plain_linears(decoder):
+        if name not in READ_AS_TENSORS and child.weight.dtype == torch.bfloat16 and child.weight.device.type == "cpu":
+            setattr(parent, name, pack(child))
+            count += 1
     return count

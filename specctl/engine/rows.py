@@ -132,22 +132,28 @@ class PaddedRowLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+def plain_linears(decoder: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, name, layer) of every plain nn.Linear of the decoder (layers and LM head), to
+    replace in place (``setattr(parent, name, ...)``)."""
+    return [(parent, name, child) for parent in decoder.modules() for name, child in parent.named_children()
+            if type(child) is nn.Linear]
+
+
 def pad_small_products(decoder: nn.Module, min_rows: int, max_rows: int | None = None) -> nn.Module:
     """Every plain nn.Linear of the decoder (layers and LM head) becomes a PaddedRowLinear of
     ``min_rows`` and ``max_rows`` sharing its parameters (tied embeddings stay tied), and every
     PaddedRowLinear already there (engine.packed's) takes them. In place."""
-    for parent in list(decoder.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, PaddedRowLinear):
-                child.min_rows, child.max_rows = min_rows, max_rows
-            elif type(child) is nn.Linear:
-                with torch.device("meta"):
-                    padded = PaddedRowLinear(child.in_features, child.out_features, bias=child.bias is not None)
-                padded.min_rows, padded.max_rows = min_rows, max_rows
-                padded.weight = child.weight
-                if child.bias is not None:
-                    padded.bias = child.bias
-                setattr(parent, name, padded)
+    for layer in decoder.modules():
+        if isinstance(layer, PaddedRowLinear):
+            layer.min_rows, layer.max_rows = min_rows, max_rows
+    for parent, name, child in plain_linears(decoder):
+        with torch.device("meta"):
+            padded = PaddedRowLinear(child.in_features, child.out_features, bias=child.bias is not None)
+        padded.min_rows, padded.max_rows = min_rows, max_rows
+        padded.weight = child.weight
+        if child.bias is not None:
+            padded.bias = child.bias
+        setattr(parent, name, padded)
     return decoder
 
 
