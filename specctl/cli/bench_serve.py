@@ -23,7 +23,7 @@ def serve(
     mode: Optional[str] = typer.Option(None, help="chain | tree"),
     depth: Optional[int] = typer.Option(None, help="proposal depth d"),
     dtype: Optional[str] = typer.Option(None, help="fp32 | bf16 | fp16"),
-    draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="none | int8"),
+    draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="none | int8 | int4"),
     concurrency: str = typer.Option("1,4", help="numbers of concurrent clients to measure"),
     requests: int = typer.Option(2, "--requests-per-client", help="requests each client sends, one after another"),
     max_tokens: int = typer.Option(64, "--max-tokens", "-n", help="new tokens per request (ignore_eos)"),
@@ -44,7 +44,7 @@ def serve(
     from specctl.bench.serve import VARIANTS, ServeBenchSettings, run_serve_bench
     from specctl.cli.bench import int_list
     from specctl.runtime.compute import ComputeThread
-    from specctl.runtime.loop import run_with_compute
+    from specctl.runtime.loop import run_job_with_compute
     from specctl.spec.factory import apply_threads, load_pair
 
     levels = int_list(concurrency, "--concurrency")
@@ -73,7 +73,7 @@ def serve(
             holder["report"] = await run_serve_bench(config, models, load_prompts("builtin"), settings, advance,
                                                      compute)
 
-        run_with_compute(main, ComputeThread("cpu-compute", max_batch=max_batch, spawn=False))
+        run_job_with_compute(main, ComputeThread("cpu-compute", max_batch=max_batch, spawn=False))
         report = holder["report"]
     report["settings"].update(target=config.target, draft=config.draft, mode=config.mode, depth=config.depth,
                               dtype=config.dtype, draft_quant=config.draft_quant)

@@ -101,6 +101,36 @@ def run_with_compute(main: Callable[[ComputeThread], Awaitable], compute: Comput
     compute_in_main_thread(lambda: run(main(compute)), compute)
 
 
+def run_job_with_compute(main: Callable[[ComputeThread], Awaitable], compute: ComputeThread) -> None:
+    """A batch job's async main (a benchmark), its compute served from the main thread. Ctrl-C
+    or SIGTERM cancel it — its ``finally`` blocks close what it started — and then raise
+    KeyboardInterrupt here (click prints "Aborted!", exit 1). A server awaits the signal
+    (``wait_for_shutdown``); a job never does, so the handler alone left it running."""
+    interrupted = threading.Event()
+    running: list[tuple[asyncio.AbstractEventLoop, asyncio.Task]] = []
+
+    async def cancellable() -> None:
+        running.append((asyncio.get_running_loop(), asyncio.current_task()))
+        if interrupted.is_set():  # the signal came before the loop started
+            raise asyncio.CancelledError
+        await main(compute)
+
+    def cancel() -> None:
+        interrupted.set()
+        for loop, task in running:
+            try:
+                loop.call_soon_threadsafe(task.cancel)
+            except RuntimeError:  # the loop has closed: the job ended on its own
+                pass
+
+    try:
+        compute_in_main_thread(lambda: run(cancellable()), compute, on_signal=cancel)
+    except asyncio.CancelledError:
+        if interrupted.is_set():
+            raise KeyboardInterrupt from None
+        raise
+
+
 def run(main: Awaitable) -> None:
     try:
         import uvloop
