@@ -58,3 +58,28 @@ def test_a_job_that_ends_returns_and_one_that_fails_raises_its_error():
 
     with pytest.raises(ValueError, match="no prompts"):
         run_job_with_compute(fails, ComputeThread("test-compute", spawn=False))
+
+
+def test_a_job_cancelled_while_its_compute_runs_leaves_the_compute_loop_serving():
+    """The job's loop closes while the compute thread still runs its last call: the result has no
+    one to go to and is dropped (it once raised "Event loop is closed" out of the compute loop)."""
+    computing, release = threading.Event(), threading.Event()
+
+    def slow() -> int:
+        computing.set()
+        assert release.wait(10)
+        return 1
+
+    async def job(compute: ComputeThread) -> None:
+        await compute.lane().run(slow)
+
+    def interrupt_then_release() -> None:
+        assert computing.wait(10)
+        os.kill(os.getpid(), signal.SIGINT)
+        threading.Timer(0.5, release.set).start()  # after the cancelled job's loop has closed
+
+    sender = threading.Thread(target=interrupt_then_release)
+    sender.start()
+    with pytest.raises(KeyboardInterrupt):
+        run_job_with_compute(job, ComputeThread("test-compute", spawn=False))
+    sender.join()

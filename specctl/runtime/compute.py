@@ -238,7 +238,10 @@ class ComputeThread:
             stats.passes += 1
             for job, (result, error) in zip(batch, outcomes):
                 if job.future is not None:
-                    job.loop.call_soon_threadsafe(_resolve, job.future, result, error)
+                    try:
+                        job.loop.call_soon_threadsafe(_resolve, job.future, result, error)
+                    except RuntimeError:  # its loop has closed (a cancelled job ended meanwhile): no one waits
+                        pass
 
 
 def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

@@ -104,7 +104,7 @@ def run_with_compute(main: Callable[[ComputeThread], Awaitable], compute: Comput
 def run_job_with_compute(main: Callable[[ComputeThread], Awaitable], compute: ComputeThread) -> None:
     """A batch job's async main (a benchmark), its compute served from the main thread. Ctrl-C
     or SIGTERM cancel it — its ``finally`` blocks close what it started — and then raise
-    KeyboardInterrupt here (click prints "Aborted!", exit 1). A server awaits the signal
+    KeyboardInterrupt here (typer exits 130). A server awaits the signal
     (``wait_for_shutdown``); a job never does, so the handler alone left it running."""
     interrupted = threading.Event()
     running: list[tuple[asyncio.AbstractEventLoop, asyncio.Task]] = []
