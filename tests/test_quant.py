@@ -90,6 +90,33 @@ def test_int8_target_verifying_sessions_together_reproduces_its_own_output(tiny_
     verified_together_equal_alone(target, [[1, 2, 3, 4, 5], [9, 8], [300, 301, 302]], [drafter] * 3, params)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2_moe", "deepseek_v3"])  # fused, routed, latent
+def test_products_quantized_in_parallel_give_the_model_one_worker_gives(tiny_dir, monkeypatch, arch):
+    import specctl.engine.quant as quant
+
+    pools = []
+
+    class RecordedPool(quant.ThreadPoolExecutor):
+        def __init__(self, max_workers: int) -> None:
+            pools.append(max_workers)
+            super().__init__(max_workers)
+
+    monkeypatch.setattr(quant, "ThreadPoolExecutor", RecordedPool)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)  # workers: min(QUANTIZE_WORKERS, torch's threads)
+    try:
+        parallel = quantize_decoder(load_decoder(tiny_dir[arch]), "int8")
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setattr(quant, "QUANTIZE_WORKERS", 1)
+    serial = quantize_decoder(load_decoder(tiny_dir[arch]), "int8")
+    assert pools == [4, 1]
+    assert [name for name, _ in parallel.named_modules()] == [name for name, _ in serial.named_modules()]
+    ids = torch.tensor([3, 14, 15, 92, 65])
+    logits = [model(ids, torch.arange(5), model.new_cache(8), logits_at=torch.arange(5)) for model in (parallel, serial)]
+    assert torch.equal(logits[0], logits[1])
+
+
 def test_quantize_modes(tiny_dir):
     decoder = load_decoder(tiny_dir["llama"])
     assert quantize_decoder(decoder, "none") is decoder

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -37,6 +38,7 @@ from specctl.engine.model import Decoder
 from specctl.engine.moe import ClampedSwiGLUExpert, CorrectedRouter, SparseMoE, mlps
 from specctl.errors import ConfigError
 
+QUANTIZE_WORKERS = 4  # at most: each holds one fp32 copy of a product's weight while it quantizes
 _PINNED_COLUMNS = 8  # +1, -1, then zeros: keeps the input width a multiple of 8 for fbgemm
 
 
@@ -116,37 +118,44 @@ def quantize_decoder(decoder: Decoder, mode: str) -> Decoder:
         raise ConfigError(f"quantization must be one of {', '.join(QUANTS)}, got {mode!r}")
     if decoder.device.type != "cpu":
         raise ConfigError("int8 quantization runs on the CPU only; use --draft-quant none / --quant none on CUDA")
+    plan: list[tuple[nn.Module, str, list[nn.Linear]]] = []  # (parent, attribute, the linears it fuses)
     for layer in decoder.layers:
         attn = layer.self_attn
         if attn.k_proj is None:  # a latent attention (DeepSeek-V3), or one fused already: each projection alone
             for name, child in list(attn.named_children()):
                 # an absorbing latent attention reads kv_b_proj's weight per head: it stays as loaded
                 if type(child) is nn.Linear and not (name == "kv_b_proj" and getattr(attn, "absorbed", False)):
-                    setattr(attn, name, RowScaledInt8Linear([child]))
+                    plan.append((attn, name, [child]))
         else:
-            attn.qkv_proj = RowScaledInt8Linear([attn.q_proj, attn.k_proj, attn.v_proj])
+            plan.append((attn, "qkv_proj", [attn.q_proj, attn.k_proj, attn.v_proj]))
             attn.q_proj = attn.k_proj = attn.v_proj = None
-            attn.o_proj = RowScaledInt8Linear([attn.o_proj])
+            plan.append((attn, "o_proj", [attn.o_proj]))
         # a sparse layer's router too: a float one's scores differ in the last bits between a
         # batch and a row alone (this CPU's fp32 products), and a token's experts with them
         if isinstance(layer.mlp, SparseMoE) and not isinstance(layer.mlp.gate, CorrectedRouter):
             # (GLM-4.5's router computes in float64: row-independent, and kept as transformers keeps it)
-            layer.mlp.gate = RowScaledInt8Linear([layer.mlp.gate])
+            plan.append((layer.mlp, "gate", [layer.mlp.gate]))
             if layer.mlp.shared_expert_gate is not None:  # Qwen2-MoE's shared expert's gate, for the same reason
-                layer.mlp.shared_expert_gate = RowScaledInt8Linear([layer.mlp.shared_expert_gate])
+                plan.append((layer.mlp, "shared_expert_gate", [layer.mlp.shared_expert_gate]))
         for mlp in mlps(layer.mlp):  # a sparse layer's experts each
             if isinstance(mlp, PlainMLP):  # StarCoder2's: no gate
-                mlp.c_fc, mlp.c_proj = RowScaledInt8Linear([mlp.c_fc]), RowScaledInt8Linear([mlp.c_proj])
+                plan += [(mlp, "c_fc", [mlp.c_fc]), (mlp, "c_proj", [mlp.c_proj])]
                 continue
             if isinstance(mlp, ClampedSwiGLUExpert):  # gpt-oss's: gate/up one projection already, biases beside
-                mlp.gate_up_proj = RowScaledInt8Linear([mlp.gate_up_proj])
-                mlp.down_proj = RowScaledInt8Linear([mlp.down_proj])
+                plan += [(mlp, "gate_up_proj", [mlp.gate_up_proj]), (mlp, "down_proj", [mlp.down_proj])]
                 continue
-            mlp.gate_up_proj = RowScaledInt8Linear([mlp.gate_proj, mlp.up_proj])
+            plan += [(mlp, "gate_up_proj", [mlp.gate_proj, mlp.up_proj]), (mlp, "down_proj", [mlp.down_proj])]
             mlp.gate_proj = mlp.up_proj = None
-            mlp.down_proj = RowScaledInt8Linear([mlp.down_proj])
     if decoder.lm_head is not None:
-        decoder.lm_head = RowScaledInt8Linear([decoder.lm_head])
+        plan.append((decoder, "lm_head", [decoder.lm_head]))
+    # Quantizing and fbgemm's packing are mostly single-threaded: products in parallel (the
+    # 0.5B draft's 97, loaded after the 1.5B target, 6.8-9.5 -> 5.4-5.9 s on 2 cores); each
+    # product is built alone, so the model is the same bit for bit with any number of workers.
+    with ThreadPoolExecutor(max(1, min(QUANTIZE_WORKERS, torch.get_num_threads()))) as pool:
+        futures = [(parent, name, pool.submit(RowScaledInt8Linear, linears)) for parent, name, linears in plan]
+        plan.clear()  # each float weight freed once its product is built and replaces it
+        for parent, name, future in futures:
+            setattr(parent, name, future.result())
     embedding = decoder.embed_tokens
     decoder.embed_tokens = None  # kept out of the widening below
     decoder.float()  # norms (and anything not quantized) compute in fp32, as before
