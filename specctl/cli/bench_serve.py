@@ -23,7 +23,7 @@ def serve(
     mode: Optional[str] = typer.Option(None, help="chain | tree"),
     depth: Optional[int] = typer.Option(None, help="proposal depth d"),
     dtype: Optional[str] = typer.Option(None, help="fp32 | bf16 | fp16"),
-    draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="none | int8 | int4"),
+    draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="none | int8"),
     concurrency: str = typer.Option("1,4", help="numbers of concurrent clients to measure"),
     requests: int = typer.Option(2, "--requests-per-client", help="requests each client sends, one after another"),
     max_tokens: int = typer.Option(64, "--max-tokens", "-n", help="new tokens per request (ignore_eos)"),
