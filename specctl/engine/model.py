@@ -42,7 +42,11 @@ class Decoder(nn.Module):
             raise ValueError(f"layer range [{first}, {last}) outside the model's {spec.num_layers} layers")
         self.spec, self.layer_range, self.has_embed, self.has_head = spec, (first, last), embed, head
         self.attention_backend = backend
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size) if embed else None
+        # the table uninitialised (weights are loaded into a decoder, or drawn by bench kernels): a random
+        # init on the meta device runs through torch's Python refs, whose first use imports torch._dynamo,
+        # about a second of every model load
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size,
+                                         _weight=torch.empty(spec.vocab_size, spec.hidden_size)) if embed else None
         self.layers = nn.ModuleList(DecoderLayer(spec, backend, index) for index in range(first, last))
         self.norm = make_norm(spec, spec.hidden_size) if head else None
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=spec.head_bias) if head else None

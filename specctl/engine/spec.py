@@ -201,7 +201,13 @@ class ModelSpec:
 
     def inv_freq(self, layer_type: str = "full_attention") -> tuple[torch.Tensor, float]:
         """RoPE inverse frequencies and attention scaling, as transformers computes them (for
-        ``layer_type``'s layers where the config has one RoPE per layer type)."""
+        ``layer_type``'s layers where the config has one RoPE per layer type), on the CPU whatever
+        device is current: a decoder is built under torch.device("meta"), where they would have no
+        data to read and where any op's first run imports torch._dynamo (a second of each load)."""
+        with torch.device("cpu"):
+            return self._inv_freq(layer_type)
+
+    def _inv_freq(self, layer_type: str) -> tuple[torch.Tensor, float]:
         params = getattr(self.hf_config, "rope_parameters", None) or {}
         by_layer_type = {"layer_type": layer_type} if layer_type in params else {}
         if by_layer_type:
@@ -216,10 +222,7 @@ class ModelSpec:
             return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        # on the CPU whatever device is current: a decoder is built under torch.device("meta"),
-        # where these functions' tensors would have no data to read
-        with torch.device("cpu"):
-            return ROPE_INIT_FUNCTIONS[rope_type](self.hf_config, torch.device("cpu"), **by_layer_type)
+        return ROPE_INIT_FUNCTIONS[rope_type](self.hf_config, torch.device("cpu"), **by_layer_type)
 
 
 def check_token_ids(ids: list[int], vocab_size: int, what: str = "token ids") -> None:
