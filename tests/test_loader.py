@@ -1,12 +1,15 @@
 """What loading a model costs beyond reading its weights."""
 
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
 from specctl.engine.loader import load_model
+from specctl.engine.tokenizers import KEPT, load_tokenizer, tokenizer_key, vocab_fingerprint
 
 LOADS_WITHOUT_DYNAMO = """
 import json, sys
@@ -44,3 +47,61 @@ def test_the_embedding_holds_the_checkpoints_rows_and_rope_is_on_the_cpu(tiny_di
     assert model.decoder.inv_freq.device.type == "cpu" and torch.isfinite(model.decoder.inv_freq).all()
     skeleton = load_model("tiny", tiny_dir["qwen2"], weights=False)
     assert skeleton.decoder.embed_tokens.weight.is_meta
+
+
+def _copy_tokenizer_dir(source: Path, to: Path) -> Path:
+    """``source`` without its weights: its tokenizer's files and config."""
+    to.mkdir()
+    for file in source.iterdir():
+        if not file.name.endswith(".safetensors"):
+            shutil.copy(file, to / file.name)
+    return to
+
+
+def test_models_with_the_same_tokenizer_files_share_one_tokenizer(tiny_dir):
+    """A draft and its target of one family (different weights, layers and configs) get one
+    tokenizer object, parsed once; a different vocabulary gets its own."""
+    target, draft = load_model("t", tiny_dir["qwen2"]), load_model("d", tiny_dir["qwen2-draft"])
+    assert tokenizer_key(tiny_dir["qwen2"]) == tokenizer_key(tiny_dir["qwen2-draft"])
+    assert draft.tokenizer is target.tokenizer
+    other = load_model("o", tiny_dir["llama-other-vocab"])
+    assert other.tokenizer is not target.tokenizer and len(other.tokenizer) != len(target.tokenizer)
+
+
+def test_a_changed_tokenizer_file_or_model_type_changes_the_key(tiny_dir, tmp_path):
+    """Any tokenizer file edited (a chat template) is another tokenizer; so is another model
+    type's config (AutoTokenizer may pick its class by it); weights and the rest of the config
+    are not the tokenizer's."""
+    base = tokenizer_key(tiny_dir["qwen2"])
+    edited = _copy_tokenizer_dir(tiny_dir["qwen2"], tmp_path / "edited")
+    (edited / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    assert tokenizer_key(edited) != base
+    retyped = _copy_tokenizer_dir(tiny_dir["qwen2"], tmp_path / "retyped")
+    config = json.loads((retyped / "config.json").read_text())
+    (retyped / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    assert tokenizer_key(retyped) != base
+    resized = _copy_tokenizer_dir(tiny_dir["qwen2"], tmp_path / "resized")
+    (resized / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    (resized / "model.safetensors").write_bytes(b"not the tokenizer's")
+    assert tokenizer_key(resized) == base
+
+
+def test_at_most_kept_tokenizers_are_held_and_the_oldest_goes_first(tiny_dir):
+    """Loading more distinct tokenizers than KEPT drops the least recently used: loaded again,
+    it is a new object; the most recent is still shared."""
+    families = ["llama", "qwen2", "qwen3", "phi3", "gemma2", "olmo2"]
+    assert len(families) > KEPT and len({tokenizer_key(tiny_dir[f]) for f in families}) == len(families)
+    first = load_tokenizer(tiny_dir[families[0]])
+    for family in families[1:]:
+        last = load_tokenizer(tiny_dir[family])
+    assert load_tokenizer(tiny_dir[families[-1]]) is last
+    assert load_tokenizer(tiny_dir[families[0]]) is not first
+
+
+def test_the_vocabulary_fingerprint_is_hashed_once_per_tokenizer(tiny_dir, monkeypatch):
+    tokenizer = load_model("t", tiny_dir["qwen3"]).tokenizer
+    expected = vocab_fingerprint(tokenizer)
+    reads = []
+    monkeypatch.setattr(tokenizer, "get_vocab", lambda: reads.append(1) or {})
+    assert vocab_fingerprint(tokenizer) == expected and reads == []
+    assert load_model("d", tiny_dir["qwen3-draft"]).vocab_fingerprint == expected and reads == []

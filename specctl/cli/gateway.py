@@ -112,7 +112,7 @@ def gateway(
     /get_model_info, /health_generate too, for their clients."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from specctl.engine.loader import vocab_fingerprint
+    from specctl.engine.tokenizers import vocab_fingerprint
     from specctl.engine.families import context_limit, text_config
     from specctl.gateway.metrics import GatewayMetrics
     from specctl.gateway.chat_template import load_chat_template

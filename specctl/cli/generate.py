@@ -232,7 +232,7 @@ def _generate_remote(remote, requested_target, prompt, chat, params, bad_words, 
 
     from transformers import AutoTokenizer
 
-    from specctl.engine.loader import vocab_fingerprint
+    from specctl.engine.tokenizers import vocab_fingerprint
     from specctl.errors import ConfigError
     from specctl.runtime.loop import parse_hostport, run
     from specctl.runtime.tls import client_context

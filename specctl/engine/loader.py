@@ -3,8 +3,6 @@ tensors of the requested layer range (pipeline stages load only their own weight
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +16,7 @@ from specctl.engine.checkpoint import (FLOAT32_ROUTER, checkpoint_key, checkpoin
 from specctl.engine.families import text_config
 from specctl.engine.model import Decoder
 from specctl.engine.spec import ModelSpec
+from specctl.engine.tokenizers import load_tokenizer, vocab_fingerprint
 from specctl.errors import ModelNotFound, UnsupportedArchitecture, VocabMismatch
 from specctl_kernels import select_backend
 
@@ -41,11 +40,6 @@ class LoadedModel:
         if self._fingerprint is None:
             self._fingerprint = vocab_fingerprint(self.tokenizer)
         return self._fingerprint
-
-
-def vocab_fingerprint(tokenizer: Any) -> str:
-    items = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
 
 
 def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
@@ -175,7 +169,7 @@ def load_model(
     "stored": the checkpoint's own (``load_decoder``'s None). ``weights`` False: the model's
     shape on the meta device, its tokenizer and end tokens, and no weights read (what a draft
     server of a lookup drafter needs of a model: its vocabulary)."""
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, GenerationConfig
 
     config = text_config(AutoConfig.from_pretrained(path))
     layer_range, embed, head = stage or (None, True, True)
@@ -189,7 +183,7 @@ def load_model(
     else:
         with torch.device("meta"):
             decoder = Decoder(ModelSpec.from_hf(config, latent_cache), layer_range, embed, head)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)  # shared with a model of the same tokenizer files
     eos: set[int] = set()
     try:
         gen_eos = GenerationConfig.from_pretrained(path).eos_token_id
