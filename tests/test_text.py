@@ -131,3 +131,31 @@ def test_a_local_tokenizer_decodes_a_window_and_another_the_whole_output(tok):
         for i in range(len(ids)):
             full = decoder.push(ids[i:i + 1])
         assert full == tok.decode(ids) and max(counting.lengths) == most
+
+
+def _word_tokenizer(decoder):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({"▁héllo": 0, "▁world": 1, "<unk>": 2}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoder
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def test_token_bytes_read_byte_level_pieces_through_the_byte_table_and_others_as_utf8(tok):
+    """Byte-level BPE: a token's characters mapped back to its bytes (half a UTF-8 character
+    is the byte it is, not U+FFFD's three); a decoder sequence holding ByteLevel counts as one;
+    a Metaspace tokenizer (SentencePiece's way) gives the UTF-8 of each token's text."""
+    from tokenizers import decoders
+
+    from specctl.engine.text import token_bytes_of
+
+    half = tok.convert_tokens_to_ids(tok.convert_ids_to_tokens(tok.encode("é"))[0])
+    assert token_bytes_of(tok)(half) == "é".encode()[:1]
+    sequence = make_byte_tokenizer()
+    sequence.backend_tokenizer.decoder = decoders.Sequence([decoders.Replace("x", "x"), decoders.ByteLevel()])
+    assert token_bytes_of(sequence)(half) == "é".encode()[:1]
+    words = _word_tokenizer(decoders.Metaspace())
+    assert [token_bytes_of(words)(i) for i in (0, 1)] == ["héllo".encode(), "world".encode()]
+    assert token_bytes_of(_word_tokenizer(None))(1) == "▁world".encode()
