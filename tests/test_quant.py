@@ -91,15 +91,19 @@ def test_int8_target_verifying_sessions_together_reproduces_its_own_output(tiny_
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2_moe", "deepseek_v3"])  # fused, routed, latent
-def test_products_quantized_in_parallel_give_the_model_one_worker_gives(tiny_dir, monkeypatch, arch):
+def test_products_quantized_in_parallel_largest_first_give_the_model_one_worker_gives(tiny_dir, monkeypatch, arch):
     import specctl.engine.quant as quant
 
-    pools = []
+    pools, submitted = [], []
 
     class RecordedPool(quant.ThreadPoolExecutor):
         def __init__(self, max_workers: int) -> None:
             pools.append(max_workers)
             super().__init__(max_workers)
+
+        def submit(self, fn, linears):
+            submitted.append(sum(linear.weight.numel() for linear in linears))
+            return super().submit(fn, linears)
 
     monkeypatch.setattr(quant, "ThreadPoolExecutor", RecordedPool)
     threads = torch.get_num_threads()
@@ -111,6 +115,9 @@ def test_products_quantized_in_parallel_give_the_model_one_worker_gives(tiny_dir
     monkeypatch.setattr(quant, "QUANTIZE_WORKERS", 1)
     serial = quantize_decoder(load_decoder(tiny_dir[arch]), "int8")
     assert pools == [4, 1]
+    # the largest products first (a head started last would run alone at the end)
+    first = submitted[: len(submitted) // 2]
+    assert first == sorted(first, reverse=True) and first[0] > first[-1]
     assert [name for name, _ in parallel.named_modules()] == [name for name, _ in serial.named_modules()]
     ids = torch.tensor([3, 14, 15, 92, 65])
     logits = [model(ids, torch.arange(5), model.new_cache(8), logits_at=torch.arange(5)) for model in (parallel, serial)]
