@@ -26,10 +26,10 @@ _loaded: OrderedDict[str, Any] = OrderedDict()
 _fingerprints: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
-def tokenizer_key(path: Path) -> str:
+def tokenizer_key(path: Path | str) -> str:
     """A digest of everything AutoTokenizer reads in ``path``: equal for two directories whose
     tokenizers are the same."""
-    digest = hashlib.sha256()
+    path, digest = Path(path), hashlib.sha256()
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
@@ -41,7 +41,7 @@ def tokenizer_key(path: Path) -> str:
     return digest.hexdigest()
 
 
-def load_tokenizer(path: Path) -> Any:
+def load_tokenizer(path: Path | str) -> Any:
     """``path``'s tokenizer (transformers' AutoTokenizer), the same object for directories with
     the same tokenizer files."""
     from transformers import AutoTokenizer
