@@ -8,12 +8,14 @@ session (local) or the target instance's TOKENS frames (``--remote``) gave."""
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from rich.table import Table
 
 from specctl.gateway.responses import TokenLogprob, prompt_logprobs_body
-from specctl.net.protocol import Tokens
+
+if TYPE_CHECKING:  # the wire protocol imports torch: `specctl --help` should not wait for it
+    from specctl.net.protocol import Tokens
 
 
 class Scores:
