@@ -19,7 +19,7 @@ from specctl.engine.loader import load_decoder, load_model
 from specctl.engine.tiny import make_tiny_model
 from specctl.spec.decode import generate
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 from specctl.store import resolve_model
 
 PROMPTS = [

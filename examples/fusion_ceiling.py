@@ -32,8 +32,8 @@ from specctl.config import build_config
 from specctl.engine.text import encode_user_text
 from specctl.spec.drafters import NgramDrafter
 from specctl.spec.factory import apply_threads, load_named
+from specctl.spec.params import SamplingParams
 from specctl.spec.rounds import generate
-from specctl.spec.sampling import SamplingParams
 
 
 def accepted_run(proposal: list[int], truth: list[int]) -> int:

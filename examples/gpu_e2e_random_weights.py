@@ -18,8 +18,8 @@ import torch
 from specctl.bench.kernels import random_decoder, shape_config, time_steps
 from specctl.engine.fusion import fuse_projections
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
+from specctl.spec.params import SamplingParams
 from specctl.spec.rounds import generate
-from specctl.spec.sampling import SamplingParams
 
 OUT = os.environ.get("OUT", "/tmp")
 torch.manual_seed(0)

@@ -17,8 +17,8 @@ import torch
 from specctl.config import Config
 from specctl.engine import rows
 from specctl.spec.factory import load_named
+from specctl.spec.params import SamplingParams
 from specctl.spec.rounds import generate
-from specctl.spec.sampling import SamplingParams
 
 
 def prefill_seconds(decoder, tokens: int, seed: int) -> float:

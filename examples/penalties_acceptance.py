@@ -17,8 +17,8 @@ from specctl.config import build_config
 from specctl.engine.text import encode_prompt
 from specctl.spec.factory import apply_threads, load_pair, make_drafter
 from specctl.spec.logit_rules import LogitRules
+from specctl.spec.params import SamplingParams
 from specctl.spec.rounds import generate
-from specctl.spec.sampling import SamplingParams
 
 SETTINGS = (("none", {}), ("rep 1.1", {"repetition_penalty": 1.1}),
             ("rep 1.3 + presence 0.5", {"repetition_penalty": 1.3, "presence_penalty": 0.5}))

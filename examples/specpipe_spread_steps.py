@@ -20,7 +20,7 @@ from specctl.pipeline.local import LocalPipeline
 from specctl.pipeline.specpipe import specpipe_generate
 from specctl.pipeline.token_source import TreeShape
 from specctl.spec.factory import apply_threads, load_named
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 
 DTYPE = __import__("os").environ.get("DTYPE", "bf16")
 prompts_name, width, topk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])

@@ -16,8 +16,8 @@ import time
 from specctl.config import build_config
 from specctl.engine.text import encode_chat
 from specctl.spec.factory import apply_threads, load_pair, make_drafter
+from specctl.spec.params import SamplingParams
 from specctl.spec.rounds import generate
-from specctl.spec.sampling import SamplingParams
 from specctl.spec.structured import Structure
 
 

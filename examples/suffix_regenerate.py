@@ -21,7 +21,7 @@ from specctl.engine.text import encode_user_text
 from specctl.spec.factory import apply_threads, load_pair
 from specctl.spec.drafters import NgramDrafter, NoDrafter
 from specctl.spec.rounds import generate
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 from specctl.spec.suffix import SuffixDrafter
 
 

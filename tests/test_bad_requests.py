@@ -21,7 +21,7 @@ from specctl.net.protocol import (
 )
 from specctl.spec.drafters import ModelChainDrafter
 from specctl.spec.rounds import generate
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 from specctl.verify.client import remote_generate
 from specctl.verify.draft_client import DraftClient
 from specctl.verify.server import TargetServer, TargetServerConfig

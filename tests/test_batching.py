@@ -11,7 +11,7 @@ import torch
 from specctl.runtime.compute import ComputeThread, SlowedLane
 from specctl.spec.batch_drafting import propose_chains
 from specctl.spec.drafters import ModelChainDrafter
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 from specctl.verify.server import TargetServerConfig
 from tests.conftest import verify_together_to_the_end, wait_until
 

@@ -15,7 +15,7 @@ from specctl.spec.drafters import ModelChainDrafter, NoDrafter
 from specctl.spec.factory import prefill_chunk
 from tests.conftest import mode_drafter
 from specctl.spec.rounds import LocalSpeculator, generate, run_session
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 

@@ -62,8 +62,8 @@ def test_generate_with_a_choice_is_one_of_them_in_every_mode(tiny_dir):
 def test_generate_bad_words_gives_the_target_alones_text_without_them(tiny_dir):
     from specctl.engine import text
     from specctl.engine.loader import load_model
+    from specctl.spec.params import SamplingParams
     from specctl.spec.rounds import generate
-    from specctl.spec.sampling import SamplingParams
 
     model = load_model("tiny", tiny_dir["llama"], "fp32")
     tok, ids = model.tokenizer, text.encode_user_text(model.tokenizer, "hello world", False)
@@ -84,8 +84,8 @@ def test_generate_bad_words_gives_the_target_alones_text_without_them(tiny_dir):
 def test_generate_stop_ends_the_text_before_the_stop_string_and_the_generation_with_it(tiny_dir):
     from specctl.engine import text
     from specctl.engine.loader import load_model
+    from specctl.spec.params import SamplingParams
     from specctl.spec.rounds import generate
-    from specctl.spec.sampling import SamplingParams
 
     model = load_model("tiny", tiny_dir["llama"], "fp32")
     ids = text.encode_user_text(model.tokenizer, "hello world", False)
@@ -113,8 +113,8 @@ def test_generate_stop_regex_ends_the_text_with_the_first_match_and_the_generati
     pattern's first match (the match kept), named as vLLM's stop_reason; bad patterns refused."""
     from specctl.engine import text
     from specctl.engine.loader import load_model
+    from specctl.spec.params import SamplingParams
     from specctl.spec.rounds import generate
-    from specctl.spec.sampling import SamplingParams
 
     model = load_model("tiny", tiny_dir["llama"], "fp32")
     ids = text.encode_user_text(model.tokenizer, "hello world", False)
@@ -141,8 +141,8 @@ def test_generate_samplers_applies_llama_cpp_s_order_and_turns_off_those_left_ou
     vLLM's order (the default); a sampler left out does not run."""
     from specctl.engine import text
     from specctl.engine.loader import load_model
+    from specctl.spec.params import SamplingParams
     from specctl.spec.rounds import generate
-    from specctl.spec.sampling import SamplingParams
 
     model = load_model("tiny", tiny_dir["llama"], "fp32")
     ids = text.encode_user_text(model.tokenizer, "hello world", False)
@@ -177,8 +177,8 @@ async def test_a_stop_string_cancels_a_remote_generation_on_its_target(cluster, 
     from specctl.cli.generate import TextStreamer
     from specctl.engine import text
     from specctl.engine.loader import load_model
+    from specctl.spec.params import SamplingParams
     from specctl.spec.rounds import generate
-    from specctl.spec.sampling import SamplingParams
     from specctl.verify.client import remote_generate, remote_stats
 
     model = load_model("tiny", tiny_dir["llama"], "fp32")
@@ -238,8 +238,8 @@ async def test_remote_logprobs_are_the_same_as_a_local_runs(cluster, tiny_dir):
     from specctl.cli import logprob_report
     from specctl.engine import text
     from specctl.engine.loader import load_model
+    from specctl.spec.params import SamplingParams
     from specctl.spec.rounds import run_to_end
-    from specctl.spec.sampling import SamplingParams
     from specctl.verify.client import remote_generate
 
     model = load_model("tiny", tiny_dir["llama"], "fp32")
@@ -497,7 +497,12 @@ def test_a_port_in_use_is_one_line_naming_it(tiny_dir):
 def test_remote_generation_uses_the_tokenizer_of_the_model_the_instance_serves(tiny_dir):
     """Against a target that is not the default model: the text equals the local run of that
     model, and a --target that contradicts the instance is refused in one line."""
-    from specctl.bench.processes import free_port, spawn_role, stop_processes, wait_listening
+    from specctl.bench.processes import (
+        free_port,
+        spawn_role,
+        stop_processes,
+        wait_listening,
+    )
 
     model = str(tiny_dir["llama-other-vocab"])
     port = free_port()
@@ -656,11 +661,13 @@ def test_bad_emulation_and_bench_prespec_flags_are_refused_before_anything_loads
     _assert_one_line_error(run_here(*command), message)
 
 
-def test_the_cli_and_its_help_import_no_torch():
+def test_the_cli_its_help_and_the_monitor_import_no_torch():
     """`specctl --help` (and any command's) answers without importing torch or transformers
-    (1.6 -> 0.4 s here): the commands import them when they run."""
+    (1.6 -> 0.4 s here): the commands import them when they run. The monitor (its feeds read
+    wire frames and HTTP) needs neither: it starts in half a second, not 1.5."""
     probe = ("import sys; from specctl.cli import app; "
-             "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
+             "import specctl.monitor.source, specctl.monitor.render, specctl.monitor.view; "
+             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert (result.returncode, result.stdout.strip()) == (0, "[]"), result.stderr[-2000:]
     shown = subprocess.run([sys.executable, "-m", "specctl", "bench", "local", "--help"], capture_output=True,

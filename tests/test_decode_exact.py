@@ -8,7 +8,7 @@ from specctl.errors import KVBudgetExceeded, PromptTooLong
 from specctl.spec.decode import DecodeSession
 from specctl.spec.rounds import InlineLane, LocalSpeculator, generate, run_inline, run_session
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 
 
 def _prompts(seed: int, count: int) -> list[list[int]]:

@@ -6,7 +6,7 @@ import pytest
 from specctl.errors import BadRequest
 from specctl.spec.draft_state import DraftState, draft_capacity, draft_many
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, Proposal
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 
 import torch
 

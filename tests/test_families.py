@@ -329,8 +329,8 @@ def _fp32_parity(path, ids: torch.Tensor):
 def _speculation_is_exact(target, draft) -> None:
     """Chain and tree speculation with ``draft`` write ``target``'s own greedy tokens."""
     from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter
+    from specctl.spec.params import SamplingParams
     from specctl.spec.rounds import generate
-    from specctl.spec.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     for prompt in ([7, 8, 9, 10] * 5, list(range(30, 60))):
@@ -398,7 +398,11 @@ def test_arcee_s_ungated_relu2_mlp_reads_up_and_down_proj(tiny, tmp_path):
 def _multimodal_gemma3(directory, seed: int = 40):
     """A tiny Gemma3ForConditionalGeneration (a SigLIP tower of one layer, a projector) around the
     fixture's Gemma 3 text settings, saved as the Hub's 4B-27B checkpoints are (language_model.model.*)."""
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        SiglipVisionConfig,
+    )
 
     from specctl.engine.tiny import make_byte_tokenizer
     from tests.conftest import GEMMA3
@@ -825,7 +829,11 @@ def test_a_multimodal_llama4_checkpoint_serves_its_language_model(tmp_path):
     under language_model.model.*, its experts as stacks): decoded as that class's language model
     decodes text — bf16 logits to the bit (transformers 5.24's own text-only forward of the whole
     class fails, so its language_model is the reference) — with no vision tensor loaded."""
-    from transformers import Llama4Config, Llama4ForConditionalGeneration, Llama4VisionConfig
+    from transformers import (
+        Llama4Config,
+        Llama4ForConditionalGeneration,
+        Llama4VisionConfig,
+    )
 
     from specctl.engine.tiny import make_byte_tokenizer
 

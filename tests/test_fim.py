@@ -84,8 +84,8 @@ def _infill(tiny_dir, mode, *extra):
 
 def test_generate_suffix_is_the_target_s_continuation_of_the_infill_prompt_in_every_mode(tiny_dir):
     from specctl.engine.loader import load_model
+    from specctl.spec.params import SamplingParams
     from specctl.spec.rounds import generate
-    from specctl.spec.sampling import SamplingParams
 
     model = load_model("llama", tiny_dir["llama"], "fp32")
     ids = encode_infill(model.tokenizer, PREFIX, SUFFIX)

@@ -10,9 +10,9 @@ import pytest
 from specctl.draft.server import DraftServer, DraftServerConfig
 from specctl.engine.loader import load_model
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter
+from specctl.spec.params import SamplingParams
 from specctl.spec.pays import SPEC_FIRST, probe_after
 from specctl.spec.routing import RoutingPolicy
-from specctl.spec.sampling import SamplingParams
 from specctl.verify.client import remote_generate
 from specctl.verify.draft_client import DraftClient
 from specctl.verify.fused import Fusion
@@ -188,7 +188,12 @@ def test_fusion_settings_are_checked():
 def test_verify_with_two_drafts_from_the_command_line_equals_the_target_alone(tiny_dir, routing):
     import json
 
-    from specctl.bench.processes import free_ports, spawn_role, stop_processes, wait_listening
+    from specctl.bench.processes import (
+        free_ports,
+        spawn_role,
+        stop_processes,
+        wait_listening,
+    )
     from tests.test_cli import run
 
     draft_port, target_port = free_ports(2)

@@ -745,8 +745,8 @@ def test_tokenize_and_detokenize_as_vllm_does(cluster, tiny_dir):
 
 def test_penalties_logit_bias_and_min_tokens_are_the_targets_own_through_the_gateway(cluster, tiny_dir):
     from specctl.engine.loader import load_decoder
+    from specctl.spec.params import SamplingParams
     from specctl.spec.rounds import generate
-    from specctl.spec.sampling import SamplingParams
 
     base = cluster[1]["gateway"]
     ids = json.loads(post(base + "/tokenize", {"prompt": PROMPT})[2])["tokens"]
@@ -788,8 +788,8 @@ def test_allowed_token_ids_hold_the_output_to_them_as_the_target_alone_does(clus
     """vLLM's allowed_token_ids through the star (the draft follows them too): the target alone's
     text with them, every token one of them; an empty list and ids past the vocabulary are 400s."""
     from specctl.engine.loader import load_decoder
+    from specctl.spec.params import SamplingParams
     from specctl.spec.rounds import generate
-    from specctl.spec.sampling import SamplingParams
 
     base = cluster[1]["gateway"]
     ids = json.loads(post(base + "/tokenize", {"prompt": PROMPT})[2])["tokens"]

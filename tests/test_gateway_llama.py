@@ -6,11 +6,17 @@ option mapping and refusals exactly."""
 import json
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specctl.engine.tiny import make_byte_tokenizer
 from specctl.gateway.api import ApiError
-from specctl.gateway.llama import LlamaCompletionRequest, completion_request, llama_prompts, openai_bias
+from specctl.gateway.llama import (
+    LlamaCompletionRequest,
+    completion_request,
+    llama_prompts,
+    openai_bias,
+)
 from specctl.gateway.llama_reply import indent_cut, selected
 from tests.test_gateway import PROMPT, post, specctl_generate, target_text
 
@@ -77,8 +83,8 @@ def test_penalties_count_the_last_repeat_last_n_tokens_as_llama_cpp_s_do(cluster
     through the star (the draft follows the same window); 0 turns the penalties off, -1 counts
     the whole text."""
     from specctl.engine.loader import load_decoder
+    from specctl.spec.params import SamplingParams
     from specctl.spec.rounds import generate
-    from specctl.spec.sampling import SamplingParams
 
     url = cluster[1]["gateway"]
     ids = json.loads(post(url + "/tokenize", {"prompt": PROMPT})[2])["tokens"]
@@ -224,9 +230,9 @@ def test_editor_plugin_rules_n_indent_t_max_predict_ms_n_predict_0_and_response_
 
 
 def test_llama_cpp_s_tokenize_detokenize_apply_template_and_props(cluster, tiny_dir):
-    from transformers import AutoTokenizer
-
     import urllib.request
+
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_dir["llama"]))
     url = cluster[1]["gateway"]

@@ -11,7 +11,7 @@ from aiohttp.test_utils import make_mocked_request
 
 from specctl.gateway.api import ApiError
 from specctl.gateway.request_id import KEY, add_header, request_id
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 from specctl.verify.server import TargetServer
 from tests.test_gateway import PROMPT, _http
 

@@ -89,8 +89,8 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens_and_counts_what_it_kept(cl
 
 
 def test_bad_words_are_barred_as_vllm_encodes_them_and_the_text_is_the_target_alones(cluster, tiny_dir):
+    from specctl.spec.params import SamplingParams
     from specctl.spec.rounds import generate
-    from specctl.spec.sampling import SamplingParams
 
     model = load_model("tiny", tiny_dir["llama"], "fp32")
     tok = model.tokenizer

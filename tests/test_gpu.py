@@ -16,8 +16,9 @@ from specctl.engine.tiny import make_tiny_model
 from specctl.engine.tree import TokenTree
 from specctl.spec.decode import DecodeSession
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
+from specctl.spec.params import SamplingParams
 from specctl.spec.rounds import generate
-from specctl.spec.sampling import SamplingParams, sample
+from specctl.spec.sampling import sample
 from specctl.verify.client import remote_generate
 from specctl.verify.draft_client import DraftClient
 from specctl.verify.server import TargetServer, TargetServerConfig
@@ -46,8 +47,8 @@ def cuda_pair(tiny_dir):
 @pytest.mark.parametrize("mode", ["ar", "chain", "tree"])
 def test_logprobs_on_cuda_are_the_same_in_every_mode_and_running_ahead(cuda_pair, mode):
     """Each token's log-probability and alternatives, read from device logits (graphs, run-ahead in ar)."""
-    from specctl.spec.rounds import InlineLane, LocalSpeculator, run_inline, run_session
     from specctl.spec.drafters import NoDrafter
+    from specctl.spec.rounds import InlineLane, LocalSpeculator, run_inline, run_session
 
     target, draft = cuda_pair
     params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2)

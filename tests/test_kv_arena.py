@@ -12,8 +12,8 @@ from specctl.engine.kv_cache import KVCache, KVPool
 from specctl.engine.loader import load_decoder
 from specctl.errors import KVBudgetExceeded
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
+from specctl.spec.params import SamplingParams
 from specctl.spec.rounds import generate
-from specctl.spec.sampling import SamplingParams
 from specctl_kernels import causal_mask, tree_attention
 from specctl_kernels.paged import PagedAttention, paged_reference, plan_pages
 

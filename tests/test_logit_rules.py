@@ -12,8 +12,9 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 from specctl.errors import InvalidSamplingParams
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.spec.logit_rules import LogitRules
+from specctl.spec.params import SamplingParams
 from specctl.spec.rounds import generate
-from specctl.spec.sampling import SamplingParams, probs_from_logits
+from specctl.spec.sampling import probs_from_logits
 from tests.conftest import mode_drafter
 from tests.test_sampling_exact import PROMPT as SMALL_PROMPT
 from tests.test_sampling_exact import SAMPLES, VOCAB, assert_counts_match, small  # noqa: F401 - the fixture

@@ -8,7 +8,7 @@ from specctl.errors import InvalidSamplingParams
 from specctl.spec.decode import DecodeSession
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter, NoDrafter
 from specctl.spec.rounds import InlineLane, LocalSpeculator, run_inline, run_session
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 
 PROMPT = [3, 17, 42, 99, 5, 8, 13]
 

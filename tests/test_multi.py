@@ -8,7 +8,7 @@ from specctl.spec.drafters import Drafter, DraftSession, ModelChainDrafter, Mode
 from specctl.spec.multi import GREEDY, MultiDrafter
 from specctl.spec.rounds import generate
 from specctl.spec.routing import RoutingPolicy
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 from tests.test_sampling_exact import _assert_target_distribution, small  # noqa: F401 - the fixture
 
 PROMPTS = [[5, 9, 13, 2], [7, 8, 9, 10] * 6, list(range(30, 70)), [100]]

@@ -1,7 +1,7 @@
 """The n-gram (prompt lookup) drafter's proposals, exactly."""
 
 from specctl.spec.drafters import NgramDrafter
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 
 
 def test_the_latest_occurrence_with_a_full_continuation_is_proposed():

@@ -13,8 +13,8 @@ from specctl.engine.rows import PaddedRowLinear, make_row_exact, pad_small_produ
 from specctl.errors import ConfigError
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter
 from specctl.spec.factory import load_named
+from specctl.spec.params import SamplingParams
 from specctl.spec.rounds import generate
-from specctl.spec.sampling import SamplingParams
 
 needs_packing = pytest.mark.skipif(not packed.candidate("cpu", "bf16", "none"),
                                    reason="this CPU's oneDNN has no native bf16 kernels: nothing packs")

@@ -8,7 +8,7 @@ from specctl.spec.pays import (PLAIN, PROBE_EVERY, SPEC_FIRST, TOP, WINDOW, Pays
                               as_seen)
 from specctl.spec.rounds import generate
 from specctl.spec.routing import NONE, RoutingPolicy
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 
 SPEC = 0  # a drafter's arm
 

@@ -18,7 +18,7 @@ from specctl.pipeline.split import balanced_split, parse_layers, plan_stage
 from specctl.pipeline.worker import StageStats, StageWorker, keep_positions, rows_to_compute, split_keep
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.spec.rounds import generate
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 from tests.conftest import wait_until
 
 PROMPTS = [[5, 9, 13, 2], [7, 8, 9, 10, 7, 8, 9], [42, 43, 44, 45, 46]]

@@ -12,7 +12,7 @@ import pytest
 from specctl.bench.processes import free_ports, spawn_role, stop_processes, wait_listening
 from specctl.engine.loader import load_model
 from specctl.spec.rounds import generate
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 from specctl.verify.client import RemoteError, remote_generate, remote_stats
 from tests.conftest import poll_async
 

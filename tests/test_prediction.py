@@ -11,7 +11,8 @@ from specctl.gateway.responses import prediction_details
 from specctl.spec.drafters import Drafter, DraftSession, ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.spec.prediction import MAX_NGRAM, MAX_PREDICTED_DEPTH, PREDICTED_DEPTH, NgramIndex, PredictionLookup, next_depth
 from specctl.spec.rounds import generate, run_to_end
-from specctl.spec.sampling import InvalidSamplingParams, SamplingParams
+from specctl.errors import InvalidSamplingParams
+from specctl.spec.params import SamplingParams
 from tests.conftest import run_here
 from tests.test_gateway import _metrics, post, specctl_generate
 

@@ -12,8 +12,8 @@ from specctl.engine.loader import load_model
 from specctl.engine.prefill_gate import PrefillGate, prefill_gate
 from specctl.engine.prefix_cache import PrefixCache
 from specctl.spec.drafters import ModelChainDrafter
+from specctl.spec.params import SamplingParams
 from specctl.spec.rounds import generate
-from specctl.spec.sampling import SamplingParams
 from specctl.verify.client import remote_generate
 from specctl.verify.draft_client import DraftClient
 from specctl.verify.server import TargetServer, TargetServerConfig

@@ -13,7 +13,7 @@ from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDraf
 from specctl.spec.decode import DecodeSession
 from tests.conftest import mode_drafter
 from specctl.spec.rounds import generate
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 

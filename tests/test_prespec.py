@@ -22,7 +22,7 @@ from specctl.spec.decode import DecodeSession
 from specctl.spec.drafters import RANKED, ModelChainDrafter, ModelTreeDrafter, Proposal
 from specctl.spec.logit_rules import draft_guide
 from specctl.spec.rounds import Drafted, InlineLane, generate, run_inline, run_session
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 from specctl.verify.speculator import draft_seed, proposal_from_message
 from tests.test_sampling_exact import PROMPT, SAMPLES, VOCAB, _exact_joint_of_tokens_3_and_4, assert_counts_match
 

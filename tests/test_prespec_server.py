@@ -11,7 +11,8 @@ from specctl.draft.speculation import PrespecConfig
 from specctl.engine.loader import load_model
 from specctl.errors import ConfigError
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
-from specctl.spec.sampling import DRAFT_SUPPORT, SamplingParams
+from specctl.spec.params import SamplingParams
+from specctl.spec.sampling import DRAFT_SUPPORT
 from specctl.verify.client import remote_generate
 from specctl.verify.draft_client import DraftClient
 from specctl.verify.server import TargetServer, TargetServerConfig

@@ -157,7 +157,7 @@ def test_a_proposal_carries_the_drafts_confidence_in_a_byte_per_node():
 
 def test_sampling_params_travel_whole_in_generate():
     """Every SamplingParams field reaches the target instance as the client set it."""
-    from specctl.spec.sampling import SamplingParams
+    from specctl.spec.params import SamplingParams
     from specctl.verify.wire_params import generate_message, sampling_params_of
 
     every = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_tokens=9, seed=3, stop_token_ids=(4, 2),
@@ -178,7 +178,7 @@ def test_sampling_params_travel_whole_in_generate():
 
 def test_a_request_id_that_would_break_a_log_line_is_an_invalid_message():
     from specctl.verify.wire_params import generate_message
-    from specctl.spec.sampling import SamplingParams
+    from specctl.spec.params import SamplingParams
 
     for bad in ("two\nlines", "x" * 321, "caf\u00e9"):
         frame = p.encode(generate_message(1, [5], SamplingParams(), bad))

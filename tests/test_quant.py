@@ -11,7 +11,7 @@ from specctl.engine.tiny import make_tiny_model
 from specctl.errors import ConfigError
 from specctl.spec.rounds import generate
 from specctl.spec.drafters import ModelChainDrafter
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 from tests.conftest import verified_together_equal_alone
 
 

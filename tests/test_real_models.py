@@ -5,7 +5,7 @@ import pytest
 from specctl.engine.loader import load_model
 from specctl.spec.rounds import generate
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 from specctl.store import resolve_model
 from tests.conftest import needs_qwen, needs_smollm
 

@@ -14,7 +14,7 @@ from specctl.engine.loader import load_decoder
 from specctl.net.protocol import OpenSession
 from specctl.spec.draft_state import DraftState, draft_capacity, draft_many
 from specctl.spec.drafters import ModelChainDrafter
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 from specctl.verify.draft_client import DraftClient
 from tests.test_prespec import TREE, make_table, run
 from tests.test_row_exact import _row_exact_target

@@ -11,7 +11,7 @@ from specctl.draft.server import DraftServer, DraftServerConfig
 from specctl.engine.loader import load_model
 from specctl.spec.drafters import DraftSession, Drafter, ModelChainDrafter
 from specctl.spec.rounds import generate
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 from specctl.verify.client import remote_generate
 from specctl.verify.draft_client import DraftClient
 from specctl.verify.server import TargetServer, TargetServerConfig

@@ -13,7 +13,7 @@ from specctl.engine.rows import (
     PaddedRowLinear, candidate, decoder_row_blocks, linear_rows_independent, make_row_exact, pad_small_products,
 )
 from specctl.spec.rounds import generate
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 from specctl_kernels import row_exact, tree_attention
 
 HEADS, KV_HEADS, DIM = 6, 2, 16

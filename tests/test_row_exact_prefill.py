@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from specctl.spec.factory import prefix_cache_mb
+from specctl.spec.params import SamplingParams
 from specctl.spec.rounds import generate
-from specctl.spec.sampling import SamplingParams
 from specctl_kernels import row_exact, tree_attention
 from tests.conftest import mode_drafter
 from tests.test_row_exact import _qkv, _row_exact_target

@@ -13,8 +13,8 @@ from specctl.engine.tree import TokenTree
 from specctl.spec.batched_verify import apply_many
 from specctl.spec.decode import DecodeSession, runs_ahead
 from specctl.spec.drafters import NoDrafter, Proposal
+from specctl.spec.params import SamplingParams
 from specctl.spec.rounds import InlineLane, LocalSpeculator, run_inline, run_session
-from specctl.spec.sampling import SamplingParams
 
 PROMPT = [5, 9, 14, 3, 77, 120, 8]
 

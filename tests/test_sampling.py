@@ -5,7 +5,8 @@ from transformers.generation.logits_process import (
 )
 
 from specctl.errors import InvalidSamplingParams
-from specctl.spec.sampling import SamplingParams, probs_from_logits
+from specctl.spec.params import SamplingParams
+from specctl.spec.sampling import probs_from_logits
 
 
 @pytest.mark.parametrize(

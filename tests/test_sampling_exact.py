@@ -12,7 +12,8 @@ from specctl.engine.loader import load_decoder
 from specctl.engine.tiny import make_tiny_model
 from specctl.spec.rounds import generate
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
-from specctl.spec.sampling import SamplingParams, probs_from_logits
+from specctl.spec.params import SamplingParams
+from specctl.spec.sampling import probs_from_logits
 from specctl.spec.suffix import SuffixDrafter
 
 VOCAB = 6

@@ -16,7 +16,7 @@ from specctl.pipeline.specpipe import SpecPipeRun, specpipe_generate
 from specctl.pipeline.token_source import DraftLevels, TreeShape, max_tree_nodes, spread_level
 from specctl.spec.decode import DecodeSession
 from specctl.spec.rounds import generate
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 from specctl.spec.verify import accept_at_node
 from tests.conftest import wait_until
 from tests.test_sampling_exact import (PROMPT as SMALL_PROMPT, VOCAB, _exact_joint_of_tokens_3_and_4,

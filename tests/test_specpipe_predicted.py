@@ -21,7 +21,7 @@ from specctl.pipeline.token_source import (DraftLevels, TreeShape, max_tree_node
 from specctl.spec.decode import DecodeSession
 from specctl.spec.prediction import PREDICTED_DEPTH, PREDICTION_NODES
 from specctl.spec.rounds import generate
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 from tests.conftest import wait_until
 
 SEQ = [1, 2, 3, 4, 9]  # the committed text; its last token is the tree's root

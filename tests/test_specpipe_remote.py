@@ -24,7 +24,7 @@ from specctl.pipeline.specpipe import specpipe_generate
 from specctl.pipeline.token_source import TreeShape
 from specctl.spec.drafters import ModelChainDrafter
 from specctl.spec.rounds import generate
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 from specctl.verify.client import remote_generate, remote_stats
 from specctl.verify.draft_client import DraftClient
 from specctl.verify.server import TargetServer, TargetServerConfig

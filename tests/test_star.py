@@ -17,7 +17,7 @@ from specctl.net.handshake import AuthError, client_handshake
 from specctl.net.protocol import Cancel, CloseSession, Done, OpenLevels, Error, Generate, OpenSession, Propose, SessionOpened, Stats, StatsRequest, Tokens, decode, encode
 from specctl.spec.rounds import generate
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 from specctl.spec.suffix import SuffixDrafter
 from specctl.verify.client import remote_generate
 from specctl.verify.draft_client import DraftClient

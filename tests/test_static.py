@@ -14,7 +14,7 @@ from specctl.engine.static import BUCKETS, SLOT_QUANTUM, StepGraph, bucket_for, 
 from specctl.errors import KVBudgetExceeded
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.spec.rounds import generate
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 
 PROMPTS = [[1, 2, 3], list(range(30, 70)), [7, 8, 9, 10] * 6, list(range(100, 190))]  # the last: prefill > 64
 

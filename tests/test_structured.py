@@ -15,8 +15,9 @@ from transformers import PreTrainedTokenizerFast
 from specctl.engine.tiny import make_byte_tokenizer
 from specctl.errors import BadRequest, InvalidSamplingParams
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
+from specctl.spec.params import SamplingParams
 from specctl.spec.rounds import generate
-from specctl.spec.sampling import SamplingParams, probs_from_logits
+from specctl.spec.sampling import probs_from_logits
 from specctl.spec.structured import Structure, grammar_text, ll_tokenizer
 from tests.test_sampling_exact import VOCAB, assert_counts_match, small  # noqa: F401 - the fixture
 

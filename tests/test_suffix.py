@@ -5,7 +5,7 @@ trees, freed state, and the target's own output whatever it proposes."""
 import pytest
 
 from specctl.spec.rounds import generate, run_to_end
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 from specctl.spec.suffix import SequenceIndex, SuffixDrafter, grow, proposal_tree, speculate
 
 OUTPUTS = [[9, 1, 2, 3, 4], [8, 1, 2, 3, 5], [7, 1, 2, 6]]

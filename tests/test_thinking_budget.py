@@ -7,7 +7,8 @@ from hypothesis import given, settings, strategies as st
 
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.spec.rounds import generate
-from specctl.spec.sampling import InvalidSamplingParams, SamplingParams
+from specctl.errors import InvalidSamplingParams
+from specctl.spec.params import SamplingParams
 from specctl.spec.thinking_budget import ThinkingBudget, Thought
 
 START, END = 50, 60  # the tiny models' <think> and </think> here: tokens like any other

@@ -15,8 +15,8 @@ from specctl.engine.tiny import make_tiny_model, tiny_config
 from specctl.engine.window import window_cut, window_rows
 from specctl.errors import UnsupportedArchitecture
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
+from specctl.spec.params import SamplingParams
 from specctl.spec.rounds import generate
-from specctl.spec.sampling import SamplingParams
 from specctl_kernels import causal_mask
 from tests.conftest import GEMMA2_CAPS, verified_together_equal_alone
 

@@ -17,8 +17,8 @@ import torch
 
 from specctl.engine.model import Decoder
 from specctl.spec.decode import runs_ahead
+from specctl.spec.params import SamplingParams
 from specctl.spec.rounds import generate
-from specctl.spec.sampling import SamplingParams
 
 READS_EACH, RUNS_AHEAD = "reads each token", "runs ahead"
 

@@ -27,7 +27,7 @@ from specctl.engine.fim import encode_infill, infill_stops
 from specctl.engine.text import encode_user_text
 from specctl.spec.factory import make_drafter
 from specctl.spec.rounds import generate
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 
 MODES = ("ar", "chain", "tree", "ngram", "suffix", "hf-assisted")
 PREDICTED = "+prediction"  # MODE+prediction: MODE with each prompt's prediction

@@ -18,7 +18,7 @@ from specctl.net.framing import read_message, write_message
 from specctl.net.protocol import Proposal, Propose
 from specctl.spec.rounds import generate
 from specctl.spec.drafters import ModelChainDrafter
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 from specctl.verify.client import probe, remote_generate
 
 

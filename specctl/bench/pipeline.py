@@ -29,8 +29,8 @@ from specctl.pipeline.token_source import TreeShape
 from specctl.runtime.compute import ComputeThread, sleep_rest
 from specctl.spec.decode import DecodeSession
 from specctl.spec.drafters import ModelChainDrafter
+from specctl.spec.params import SamplingParams
 from specctl.spec.rounds import LocalSpeculator, generate, run_session
-from specctl.spec.sampling import SamplingParams
 
 MODES = ("pp", "pp+chain", "specpipe")
 NO_REFILL = "specpipe r=0"  # SpecPipe with the missed token alone after a miss: the refill's same-run baseline

@@ -23,7 +23,7 @@ from specctl.bench.processes import free_ports, spawn_role, stop_processes, wait
 from specctl.bench.spread import spread
 from specctl.draft.plan import StarModel
 from specctl.errors import SpecctlError
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 from specctl.verify.client import remote_generate, remote_stats
 
 

@@ -39,7 +39,7 @@ def chat(
     from specctl.chat.commands import ChatState
     from specctl.chat.repl import Replies, repl
     from specctl.errors import ConfigError
-    from specctl.spec.sampling import SamplingParams
+    from specctl.spec.params import SamplingParams
 
     from specctl.gateway.reasoning import check_parser
     from specctl.gateway.translate import REASONING_EFFORTS

@@ -124,7 +124,7 @@ def generate(
     from specctl.spec.factory import apply_threads, load_pair, make_drafter, make_multi_drafter
     from specctl.errors import ConfigError
     from specctl.spec.rounds import run_to_end
-    from specctl.spec.sampling import SamplingParams
+    from specctl.spec.params import SamplingParams
 
     if bad_words and not all(word.strip() for word in bad_words):  # before the models load
         raise ConfigError("--bad-words must not be empty: give a word")

@@ -18,7 +18,7 @@ from specctl.errors import BadRequest
 from specctl.net.protocol import Graft, Level, OpenLevels, Reroot
 from specctl.pipeline.live_tree import SpecTree
 from specctl.pipeline.token_source import DraftLevels, TreeShape
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 
 
 @dataclass(slots=True)

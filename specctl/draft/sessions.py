@@ -22,7 +22,7 @@ from specctl.spec.draft_state import DraftState, draft_capacity, draft_many
 from specctl.engine.tree import TokenTree
 from specctl.spec.batch_drafting import prefill_step
 from specctl.spec.drafters import Drafter, NgramDrafter, Proposal as DraftProposal, _ModelDraftSession
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 
 
 class UnknownTag(Exception):

@@ -23,7 +23,7 @@ from specctl.gateway import responses as R
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.gateway.upstream import Upstream
 from specctl.net.protocol import Tokens
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 from specctl.verify.client import TargetStream
 
 

@@ -30,7 +30,7 @@ from specctl.engine.text import encode_prompt
 from specctl.gateway.api import MAX_CHOICES, ApiError, CompletionRequest, parse_body
 from specctl.gateway.llama_reply import LlamaReply, Probabilities, Rules
 from specctl.gateway.llama_samplers import DEFAULT_SAMPLERS, sampler_chain
-from specctl.spec.sampling import MAX_LOGPROBS
+from specctl.spec.params import MAX_LOGPROBS
 
 BANNED_BIAS = -100.0  # a logit_bias of false: OpenAI's lowest bias, which no token overcomes
 # llama.cpp's samplers this gateway does not serve: (option, its "off" value, what it is). Set to

@@ -21,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from specctl.gateway.api import ApiError
-from specctl.spec.sampling import SAMPLER_ORDER, SamplingParams
+from specctl.spec.params import SAMPLER_ORDER, SamplingParams
 
 DEFAULT_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
 NAMES = {**{name: name for name in DEFAULT_SAMPLERS},

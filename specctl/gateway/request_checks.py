@@ -5,7 +5,7 @@ the bodies, gateway.translate puts a checked one in the engine's terms)."""
 from __future__ import annotations
 
 from specctl.gateway.api import MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, RequestFields
-from specctl.spec.sampling import MAX_LOGPROBS
+from specctl.spec.params import MAX_LOGPROBS
 
 
 def refuse_unsupported(req: RequestFields) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 
 log = logging.getLogger("specctl.gateway.requests")
 LONGEST_VALUE = 80  # characters of one parameter's value on the line (a grammar can be long)

@@ -38,7 +38,7 @@ from specctl.gateway.tool_parsers import TOOL_PARSERS
 from specctl.gateway.upstream import Upstream
 from specctl.engine.text import encode_prompt
 from specctl.net.protocol import Done
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 from specctl.verify.client import RemoteError
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0  # /health_generate's token: a target stalled longer than this is unhealthy

@@ -16,7 +16,7 @@ from specctl.gateway.api import (
 )
 from specctl.gateway.llama_samplers import sampler_chain
 from specctl.gateway.request_checks import scored_prompt, wanted_logprobs
-from specctl.spec.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, SamplingParams
+from specctl.spec.params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, SamplingParams
 
 
 def completion_prompts(prompt: str | list) -> list[str | list[int]]:

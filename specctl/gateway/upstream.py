@@ -23,7 +23,7 @@ from specctl.gateway.routing import TargetView, pick_target
 from specctl.gateway.waiting import Ticket, WaitingLine
 from specctl.net.protocol import Welcome
 from specctl.runtime.loop import parse_hostport
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 from specctl.verify.client import RemoteError, TargetConnection, TargetStream, flush_cache, probe
 
 log = logging.getLogger("specctl.gateway")

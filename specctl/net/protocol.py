@@ -7,14 +7,16 @@ with valid fields becomes a ProtocolError. Tensors travel as {dtype, shape, data
 
 from __future__ import annotations
 
-from typing import Annotated, Union
+from typing import TYPE_CHECKING, Annotated, Union
 
 import msgspec
-import torch
 
 from specctl.errors import ProtocolError
 from specctl.net.stage_messages import StageClose, StageDrop, StageForward, StageKeep, StageOpen, StageOutput
 from specctl.net.tensor import Tensor
+
+if TYPE_CHECKING:  # imported where used (net.tensor says why)
+    import torch
 
 PROTOCOL_VERSION = 4  # 2: sparse q in Proposal, no per-node probs; 3: pipeline stage messages, bf16 tensors;
 # 4: SpecPipe tree levels from a draft server
@@ -124,6 +126,8 @@ class SparseProbs(msgspec.Struct, frozen=True):
 
     def to_dense(self, vocab_size: int) -> torch.Tensor:
         """The dense [rows, vocab] rows: vocabulary-wide work, for the compute thread."""
+        import torch
+
         self.checked(vocab_size)
         return torch.zeros(self.ids.shape[0], vocab_size).scatter_(1, self.ids.to_torch(), self.probs.to_torch())
 

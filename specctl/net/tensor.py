@@ -1,13 +1,18 @@
 """A tensor as it travels in a frame: {dtype, shape, data}; one that does not add up is a
-ProtocolError, never a crash."""
+ProtocolError, never a crash. torch is imported where a tensor is made or read, not with the
+module: the monitor and `specctl --help` read frames without it (a second)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
 import numpy as np
-import torch
 
 from specctl.errors import ProtocolError
+
+if TYPE_CHECKING:
+    import torch
 
 # the dtypes a frame may carry, as numpy reads them (numpy has no bfloat16: its bits travel as int16)
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.int16, "int64": np.int64,
@@ -21,6 +26,8 @@ class Tensor(msgspec.Struct, frozen=True):
 
     @classmethod
     def from_torch(cls, t: torch.Tensor) -> "Tensor":
+        import torch
+
         t = t.detach().contiguous().cpu()
         raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
         return cls(str(t.dtype).removeprefix("torch."), list(t.shape), raw.numpy().tobytes())
@@ -42,5 +49,7 @@ class Tensor(msgspec.Struct, frozen=True):
         return np.frombuffer(self.data, dtype=dtype).reshape(self.shape)
 
     def to_torch(self) -> torch.Tensor:
+        import torch
+
         values = torch.from_numpy(self.to_numpy().copy())  # a copy: frames' bytes are read-only
         return values.view(torch.bfloat16) if self.dtype == "bfloat16" else values

@@ -43,7 +43,8 @@ from specctl.pipeline.token_source import DraftLevels, LevelSource, TreeShape, m
 from specctl.runtime.compute import sleep_rest
 from specctl.spec.decode import DecodeSession
 from specctl.spec.rounds import Emit
-from specctl.spec.sampling import SamplingParams, probs_from_logits
+from specctl.spec.params import SamplingParams
+from specctl.spec.sampling import probs_from_logits
 from specctl.spec.stats import GenerationStats, RoundResult
 from specctl.spec.verify import accept_at_node
 

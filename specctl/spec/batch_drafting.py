@@ -10,9 +10,8 @@ from specctl.engine.tree import TokenTree
 from specctl.spec.drafters import (
     DraftSession, Proposal, _ChainSession, _ModelDraftSession, _TreeSession, ranked_candidates, tree_score_params,
 )
-from specctl.spec.sampling import (
-    DRAFT_SUPPORT, SamplingParams, checked_token, keep_top, probs_from_logits, sample_tensor,
-)
+from specctl.spec.params import SamplingParams
+from specctl.spec.sampling import DRAFT_SUPPORT, checked_token, keep_top, probs_from_logits, sample_tensor
 
 
 def catch_up_many(sessions: list[_ModelDraftSession], seqs: list[list[int]]) -> list[torch.Tensor]:

@@ -18,7 +18,8 @@ from specctl.errors import BadRequest, PromptTooLong
 from specctl.spec.drafters import Proposal
 from specctl.spec.logprobs import PromptLogprob, TokenLogprob, score_prompt, token_logprobs
 from specctl.spec.logit_rules import LogitRules
-from specctl.spec.sampling import SamplingParams, checked_token, probs_from_logits, sample, sample_tensor
+from specctl.spec.params import SamplingParams
+from specctl.spec.sampling import checked_token, probs_from_logits, sample, sample_tensor
 from specctl.spec.stats import GenerationStats
 from specctl.spec.structured import Structure
 from specctl.spec.verify import accept_chain_sampling, accept_greedy, accept_tree_sampling

@@ -16,7 +16,7 @@ from specctl.engine.tree import TokenTree
 from specctl.errors import BadRequest
 from specctl.spec.batch_drafting import batch_kind
 from specctl.spec.drafters import DraftSession, Proposal
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 
 
 def draft_capacity(prompt_tokens: int, max_tokens: int, max_nodes: int) -> int:

@@ -21,7 +21,7 @@ import torch
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.model import Decoder
 from specctl.engine.tree import PlainTree, TokenTree
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

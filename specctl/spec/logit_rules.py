@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from specctl.engine.spec import check_token_ids
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 from specctl.spec.structured import Structure
 from specctl.spec.thinking_budget import ThinkingBudget
 

@@ -20,7 +20,8 @@ from specctl.spec.fusion import Draft, fuse, own_path, routing_outcome
 from specctl.spec.pays import PLAIN, TOP, PaysGate, arms
 from specctl.spec.routing import (NONE, DrafterStats, RoutingPolicy, RoutingScore, choose_drafters, next_drafter,
                                   rank_drafters)
-from specctl.spec.sampling import SamplingParams, uniform
+from specctl.spec.params import SamplingParams
+from specctl.spec.sampling import uniform
 
 log = logging.getLogger("specctl.multi")
 GREEDY = SamplingParams(temperature=0.0)

@@ -25,7 +25,7 @@ from specctl.spec.batched_verify import apply_many
 from specctl.spec.decode import DecodeSession
 from specctl.spec.draft_state import DraftState, draft_capacity, draft_many
 from specctl.spec.drafters import Drafter, NoDrafter, Proposal
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 from specctl.spec.stats import GenerationStats, RoundResult
 
 Emit = Callable[[list[int], RoundResult | None], None]  # (tokens, None for the prefill's first token)

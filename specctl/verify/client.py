@@ -15,7 +15,7 @@ from specctl.net.handshake import client_handshake
 from specctl.net.protocol import (
     CacheFlushed, Cancel, Done, Error, FlushCache, Stats, StatsRequest, Tokens, Welcome, encode,
 )
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 from specctl.verify.wire_params import generate_message
 
 

@@ -16,7 +16,7 @@ from specctl.net.framing import read_message
 from specctl.net.handshake import AuthError, open_peer
 from specctl.net.protocol import (CloseSession, Error, Graft, Level, NextLevel, OpenLevels, OpenSession, Proposal,
                                   Propose, Reroot, SessionOpened, encode)
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 
 log = logging.getLogger("specctl.verify.draft")
 Handle = tuple[int, int]  # (connection epoch, tag) of a draft session

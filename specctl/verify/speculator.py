@@ -22,7 +22,7 @@ from specctl.net.protocol import Proposal as ProposalMsg, ProtocolError
 from specctl.spec.decode import DecodeSession
 from specctl.spec.drafters import Proposal
 from specctl.spec.rounds import Drafted
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 from specctl.spec.stats import FALLBACK_BAD_PROPOSAL, FALLBACK_DRAFT_DOWN, FALLBACK_DRAFT_FAILED
 from specctl.verify.draft_client import DraftClient, Handle
 

@@ -4,7 +4,7 @@ place: a field added to SamplingParams either travels or fails the round-trip te
 from __future__ import annotations
 
 from specctl.net.protocol import Generate
-from specctl.spec.sampling import SamplingParams
+from specctl.spec.params import SamplingParams
 
 
 def generate_message(req: int, prompt: list[int], params: SamplingParams, request_id: str = "") -> Generate:
