@@ -165,6 +165,62 @@ async def test_lanes_share_one_thread_but_not_batches_or_stats():
         thread.stop()
 
 
+@pytest.mark.parametrize("shared", [False, True])
+async def test_a_thread_roles_share_waits_for_a_pass_s_follow_ups_and_serves_them_with_the_queued(shared):
+    """Two sessions' proposals in one pass; their verifications reach the queue 20 and 30 ms
+    later (the loop hands them over), after a third session's. Work-conserving, the third is
+    served alone and the two fall out of step with it; a thread roles share
+    (share_between_roles) waits for the pass's two follow-ups and serves all three at once."""
+    thread = ComputeThread("test", max_batch=8)
+    if shared:
+        thread.share_between_roles(0.5)  # ends once the two follow-ups are in, long before
+    draft, target = thread.lane(), thread.lane()
+    calls = []
+
+    def batch_fn(items):
+        calls.append(list(items))
+        return list(items)
+
+    async def session(name: str, late_s: float) -> str:
+        await draft.run_batched("propose", batch_fn, name)
+        await asyncio.sleep(late_s)
+        return await target.run_batched("verify", batch_fn, name)
+
+    gate, busy = threading.Event(), threading.Event()
+    try:
+        blocker = asyncio.ensure_future(target.run(lambda: busy.set() or gate.wait()))
+        await asyncio.to_thread(busy.wait)
+        sessions = [asyncio.ensure_future(session("a", 0.02)), asyncio.ensure_future(session("b", 0.03))]
+        await wait_until(lambda: thread.queue_depth == 2, what="two proposals queued")
+        third = asyncio.ensure_future(target.run_batched("verify", batch_fn, "c"))
+        await wait_until(lambda: thread.queue_depth == 3, what="a third session's verification queued")
+        gate.set()
+        await blocker
+        assert await asyncio.gather(*sessions, third) == ["a", "b", "c"]
+        assert calls[0] == ["a", "b"]
+        if shared:
+            assert calls[1:] == [["c", "a", "b"]]
+        else:
+            assert calls[1] == ["c"] and sum(calls[2:], []) == ["a", "b"]
+    finally:
+        thread.stop()
+
+
+async def test_a_pass_that_causes_no_follow_up_delays_the_next_job_only_by_the_wait():
+    """A job answered with nothing to follow (a session's close): the thread waits out its
+    wait once, then serves what comes; stop() ends it while it waits."""
+    thread = ComputeThread("test", max_batch=8)
+    thread.share_between_roles(0.05)
+    lane = thread.lane()
+    try:
+        assert await lane.run(lambda: "closed") == "closed"
+        assert await lane.run_batched("k", lambda items: [i * 2 for i in items], 21) == 42
+        assert lane.stats.jobs == 2 and lane.stats.passes == 2
+    finally:
+        thread.stop()
+    assert not thread._thread.is_alive()
+
+
 def test_batched_verification_equals_one_session_at_a_time(tiny):
     """Sessions of different lengths, chain and tree proposals and a proposal that does not
     fit: verified together they commit exactly what each commits alone, to the end."""

@@ -86,6 +86,7 @@ class EmbeddedCluster:
             raise ValueError("the embedded cluster runs a draft server: mode must be chain or tree (or multi)")
         # One compute thread for the device, a lane per role (DESIGN: one compute thread per device).
         self.compute = self._given_compute or ComputeThread("cpu-compute", max_batch=self.config.max_batch)
+        self.compute.share_between_roles()  # its roles answer each other: their sessions kept in step
         # The models load on it too: a second thread that ran torch keeps an OpenMP pool alive,
         # and with more pool threads than cores every small op afterwards sleeps and wakes its
         # workers (measured: a 0.5B decode step 74.5 -> 100 ms after a load in a worker thread)

@@ -19,6 +19,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
+# How long a thread that roles share waits after a pass for the jobs its results cause (its
+# follow-ups: a verification after a proposal, the next proposal after a verification).
+# Loopback and the event loop bring them within a millisecond or two; a job that causes none
+# costs this wait once.
+FOLLOW_UPS_WAIT_S = 0.005
+
 
 @dataclass(slots=True)
 class ComputeStats:
@@ -129,7 +135,11 @@ class ComputeThread:
 
     def __init__(self, name: str = "compute", max_batch: int = 1, spawn: bool = True) -> None:
         self.max_batch = max_batch
+        # > 0 where roles share the thread (an embedded cluster: share_between_roles)
+        self.follow_ups_s = 0.0
         self._jobs: deque[_Job | None] = deque()
+        self._arrivals = 0
+        self._follow_ups: tuple[float, int] | None = None
         self._ready = threading.Condition()
         self._background: list[tuple[ComputeLane, Callable[[], bool]]] = []
         self._background_due = False
@@ -137,6 +147,16 @@ class ComputeThread:
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True) if spawn else None
         if self._thread is not None:
             self._thread.start()
+
+    def share_between_roles(self, wait_s: float = FOLLOW_UPS_WAIT_S) -> None:
+        """Roles in this process submit each other's next jobs (a draft server and the target
+        instances it drafts for, over loopback). After a pass the thread then waits up to
+        ``wait_s`` for as many new jobs as the pass answered before it takes the next batch, so
+        sessions answered together are served together: taking the first follow-up at once
+        (work-conserving) split four sessions into groups that alternated on the thread and
+        never merged (a draft forward and a verification of two sessions each, twice a round,
+        against one of four: bench serve at 4 clients 16.5 -> 19.8-20.1 tok/s)."""
+        self.follow_ups_s = wait_s
 
     def serve_here(self) -> None:
         """Serve jobs in the calling thread until ``stop()``."""
@@ -149,6 +169,7 @@ class ComputeThread:
     def _put(self, job: _Job | None) -> None:
         with self._ready:
             self._jobs.append(job)
+            self._arrivals += 1
             self._ready.notify()
 
     @property
@@ -172,6 +193,11 @@ class ComputeThread:
     def _take(self) -> list[_Job] | None:
         """The next batch of jobs; [] = no job queued, background work is due; None = stop."""
         with self._ready:
+            if self._follow_ups is not None:  # the last pass's follow-ups, expected (share_between_roles)
+                deadline, count = self._follow_ups
+                self._follow_ups = None
+                while self._arrivals < count and (left := deadline - time.perf_counter()) > 0:
+                    self._ready.wait(left)
             while not self._jobs:
                 if self._background_due and self._background:
                     return []
@@ -232,6 +258,10 @@ class ComputeThread:
             except BaseException as exc:  # delivered to every awaiting coroutine
                 outcomes = [(None, exc)] * len(batch)
             lane.last_end = time.perf_counter()
+            if self.follow_ups_s:
+                with self._ready:
+                    self._follow_ups = (lane.last_end + self.follow_ups_s,
+                                        self._arrivals + sum(job.future is not None for job in batch))
             stats.busy_s += lane.last_end - start
             stats.cpu_s += time.thread_time() - cpu_start
             stats.jobs += len(batch)
