@@ -151,8 +151,8 @@ def quantize_decoder(decoder: Decoder, mode: str) -> Decoder:
     # Quantizing and fbgemm's packing are mostly single-threaded: products in parallel (the
     # 0.5B draft's 97, loaded after the 1.5B target, 6.8-9.5 -> 5.4-5.9 s on 2 cores), the
     # largest first (its head alone is 40 % of the work: started last, it ran alone at the
-    # end; 4.5-4.9 -> 3.3-3.6 s); each product is built alone, so the model is the same bit for bit with any number
-    # of workers in any order.
+    # end; 4.5-4.9 -> 3.3-3.6 s); each product is built alone, so the model is the same bit
+    # for bit with any number of workers in any order.
     largest_first = sorted(range(len(plan)), key=lambda i: -sum(linear.weight.numel() for linear in plan[i][2]))
     with ThreadPoolExecutor(max(1, min(QUANTIZE_WORKERS, torch.get_num_threads()))) as pool:
         products = {i: pool.submit(RowScaledInt8Linear, plan[i][2]) for i in largest_first}
