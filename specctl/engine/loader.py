@@ -148,8 +148,7 @@ def load_decoder(
     missing = set(decoder.state_dict()) - set(state)
     if missing:
         raise ModelNotFound(f"checkpoint {path} lacks tensors: {sorted(missing)[:5]}")
-    decoder.load_state_dict(state, strict=True, assign=True)
-    decoder.reset_rope()
+    decoder.load_state_dict(state, strict=True, assign=True)  # RoPE's buffers: computed on the CPU at build
     return decoder.to(device).eval()
 
 

@@ -137,8 +137,9 @@ class Decoder(nn.Module):
         return part
 
     def reset_rope(self) -> None:
-        """RoPE frequencies computed again, on the CPU (a decoder built on the meta device has
-        none to read), before the decoder moves to its device."""
+        """RoPE frequencies computed again in float32 on the CPU, before the decoder moves to its
+        device: after a cast of the whole decoder (``.to(dtype)`` casts buffers too, as bench
+        kernels' random decoder does). A decoder is built with them so (spec.inv_freq)."""
         self.inv_freq = self.spec.inv_freq()[0]
         if self.spec.local_rope:
             self.local_inv_freq = self.spec.inv_freq("sliding_attention")[0]
