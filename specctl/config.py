@@ -56,6 +56,10 @@ class Config:
     # keys and values per head (85x the bytes for V3) with transformers' rounding to the bit
     mla_cache: str = "latent"
     max_sessions: int = 64
+    # a target instance speculates while it runs at most this many sessions; past it, its rounds
+    # verify the root alone (plain decoding) until the load falls (vLLM's
+    # speculative_disable_by_batch_size; spec.turns); 0 = always speculate
+    spec_max_sessions: int = 0
     mode: str = "tree"
     depth: int = 4
     topk: int = 3
@@ -106,6 +110,7 @@ class Config:
                 raise ConfigError(f"{name} must be a number in {bounds}, got {value!r}")
         for name, low, high in (
             ("threads", 0, 1024), ("kv_budget_mb", 1, 1 << 24), ("prefix_cache_mb", -1, 1 << 24), ("prefill_chunk", -1, 1 << 24), ("max_sessions", 1, 1 << 20),
+            ("spec_max_sessions", 0, 1 << 20),
             ("depth", 1, 64), ("topk", 1, 64), ("width", 1, 256), ("max_batch", 1, 4096), ("prespec_budget", 0, 4096),
             ("suffix_max_depth", 2, 4096), ("suffix_max_cached", 0, 1 << 20),
         ):

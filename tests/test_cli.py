@@ -416,7 +416,11 @@ def test_bench_rejects_unknown_modes():
 @pytest.mark.parametrize("args, message", [
     (["--repeats", "0"], "--requests-per-client, --max-tokens, --max-batch and --repeats must be at least 1"),
     (["--concurrency", "0"], "--concurrency must be between 1 and 64"),
-    (["--variants", "ar,warp"], "--variants: choose from ar, ar batched, spec, spec batched")])
+    (["--variants", "ar,warp"], "--variants: choose from ar, ar batched, spec, spec batched, spec by load"),
+    (["--variants", "ar,spec by load"], "the 'spec by load' variant needs --spec-max-sessions N (N >= 1; the profile "
+                                        "gives none)"),
+    (["--variants", "spec by load", "--spec-max-sessions", "-1"],
+     "spec_max_sessions must be an integer in [0, 1048576], got -1")])
 def test_bench_serve_refuses_bad_flags_before_loading_anything(args, message):
     _assert_one_line_error(run_here("bench", "serve", *args), message)
 
@@ -425,11 +429,13 @@ def test_bench_serve_runs_every_variant_with_identical_texts(tiny_dir, tmp_path)
     out = tmp_path / "serve.json"
     proc = run("bench", "serve", "--target", str(tiny_dir["llama"]), "--draft", f"{tiny_dir['llama']}@2", "--mode", "chain",
                "--depth", "3", "--dtype", "fp32", "--draft-quant", "none", "--concurrency", "1,3", "-n", "6",
-               "--requests-per-client", "1", "--repeats", "2", "--json", str(out))
+               "--requests-per-client", "1", "--repeats", "2", "--json", str(out), "--spec-max-sessions", "2",
+               "--variants", "ar,ar batched,spec,spec batched,spec by load")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert [(r["variant"], r["clients"]) for r in report["rows"]] == [
-        (v, c) for v in ("ar", "ar batched", "spec", "spec batched") for c in (1, 3)]
+        (v, c) for v in ("ar", "ar batched", "spec", "spec batched", "spec by load") for c in (1, 3)]
+    assert report["settings"]["spec_max_sessions"] == 2
     for row in report["rows"]:  # over both repeats
         assert row["same_as_ar"] == 1.0 and row["tokens"] == 2 * 6 * row["clients"]
         assert len(row["tokens_per_s_per_repeat"]) == 2

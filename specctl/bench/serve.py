@@ -26,7 +26,9 @@ from specctl.runtime.compute import ComputeThread
 
 VARIANTS = {  # name -> (speculate, batched verification)
     "ar": (False, False), "ar batched": (False, True), "spec": (True, False), "spec batched": (True, True),
+    "spec by load": (True, True),  # plain rounds while a target runs more than spec_max_sessions sessions
 }
+BY_LOAD = "spec by load"
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,8 +37,9 @@ class ServeBenchSettings:
     max_tokens: int
     requests_per_client: int
     max_batch: int
-    variants: tuple[str, ...] = tuple(VARIANTS)
+    variants: tuple[str, ...] = ("ar", "ar batched", "spec", "spec batched")
     repeats: int = 1
+    spec_max_sessions: int = 0  # the "spec by load" variant's (the others always speculate or never)
 
 
 async def _one(session: aiohttp.ClientSession, url: str, prompt: BenchPrompt, max_tokens: int) -> dict:
@@ -95,7 +98,9 @@ async def run_serve_bench(config: Config, models: tuple[LoadedModel, LoadedModel
         turn = repeat % len(settings.variants)
         for variant in settings.variants[turn:] + settings.variants[:turn]:
             speculate, batched = VARIANTS[variant]
-            variant_config = dataclasses.replace(config, max_batch=settings.max_batch if batched else 1)
+            variant_config = dataclasses.replace(config, max_batch=settings.max_batch if batched else 1,
+                                                 spec_max_sessions=settings.spec_max_sessions
+                                                 if variant == BY_LOAD else 0)
             cluster = EmbeddedCluster(variant_config, ClusterConfig(targets=1, gateway_port=0, speculate=speculate),
                                       models=models, compute=compute)
             try:

@@ -111,7 +111,8 @@ class EmbeddedCluster:
             model, chain = await self._split(target)
             server = TargetServer(model, TargetServerConfig(host=host, port=0, max_sessions=self.config.max_sessions,
                                                             kv_budget_bytes=self.config.kv_budget_bytes,
-                                                            max_batch=self.config.max_batch), client,
+                                                            max_batch=self.config.max_batch,
+                                                            spec_max_sessions=self.config.spec_max_sessions), client,
                                   compute=self.compute.lane(max_batch=self.config.max_batch), pipeline=chain)
             target_ports.append(await server.start())
             self.targets.append(server)
@@ -194,7 +195,8 @@ class EmbeddedCluster:
             model, chain = await self._split(target)
             server = TargetServer(model, TargetServerConfig(host=host, port=0, max_sessions=config.max_sessions,
                                                             kv_budget_bytes=config.kv_budget_bytes,
-                                                            max_batch=config.max_batch), None,
+                                                            max_batch=config.max_batch,
+                                                            spec_max_sessions=config.spec_max_sessions), None,
                                   compute=self.compute.lane(max_batch=config.max_batch), pipeline=chain,
                                   fusion=fusion)
             target_ports.append(await server.start())

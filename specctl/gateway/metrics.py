@@ -29,6 +29,8 @@ ROLE_GAUGES = {
     "tokens_per_s": ("tokens_per_s", "tokens per second since start"),
     "R_q": ("R_q", "draft rounds per second"),
     "R_p": ("R_p", "verification rounds per second"),
+    "load_rounds": ("load_rounds", "a target's plain rounds by choice: it ran more sessions than its "
+                    "spec_max_sessions (spec.turns)"),
     "specpipe_flushes": ("specpipe_flushes", "SpecPipe steps whose verified token was not in the tree (a refill)"),
     "specpipe_hit_rate": ("specpipe_hit_rate", "share of SpecPipe steps whose verified token was in the tree"),
     "specpipe_draft_lost": ("specpipe_draft_lost", "SpecPipe sessions that went on without their draft (plain PP)"),

@@ -59,7 +59,8 @@ def prediction_details(prediction: Sequence[int], outputs: Iterable[Sequence[int
 
 def spec_summary(stats: dict) -> dict:
     keys = ("rounds", "drafted", "accepted", "mean_accepted_length", "acceptance_rate", "tokens_per_s",
-            "fallback_rounds")  # rounds run without a proposal (draft down, late, refused): slower, never different
+            "fallback_rounds", "load_rounds")  # rounds run without a proposal (draft down, late, refused; the
+    # instance loaded past where speculation pays): slower, never different
     return {key: stats[key] for key in keys if key in stats}
 
 

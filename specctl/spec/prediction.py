@@ -31,6 +31,7 @@ import numpy as np
 from specctl.engine.tree import PlainTree
 from specctl.spec.drafters import Proposal
 from specctl.spec.rounds import Drafted, Speculator
+from specctl.spec.turns import InnerTurns
 
 MAX_NGRAM = 4  # the longest tail of the output looked up in the prediction
 # Tokens proposed from the prediction a round: depth + 1 (the root) fills a static step's size
@@ -140,8 +141,7 @@ class PredictionSpeculator:
     def __init__(self, inner: Speculator, prediction: Sequence[int], depth: int = PREDICTED_DEPTH) -> None:
         self.inner, self.lookup = inner, PredictionLookup(prediction, depth)
         self.max_nodes = max(inner.max_nodes, MAX_PREDICTED_DEPTH + 1)
-        self.synced: int | None = None  # the text's length when the inner speculator last proposed
-        self.inner_path: list[int] = []  # its last proposal's accepted path, while no newer one came
+        self.turns = InnerTurns()
         self.predicted: tuple[int, int] | None = None  # (the text's length, tokens proposed) of the last predicted round
 
     def begin(self, session) -> None:
@@ -150,8 +150,7 @@ class PredictionSpeculator:
     async def propose(self, session) -> Drafted:
         started = time.perf_counter()
         before_last = len(session.seq) - len(session.last_committed)
-        if self.synced is not None and self.synced == before_last:
-            self.inner_path = list(session.last_path)  # the last round was the inner speculator's
+        self.turns.round_ended(session.last_path)
         if self.predicted is not None and self.predicted[0] == before_last:
             _, proposed = self.predicted
             self.lookup.depth = next_depth(self.lookup.depth, proposed, len(session.last_path))
@@ -165,12 +164,9 @@ class PredictionSpeculator:
             self.predicted = (len(session.seq), len(tokens))
             return Drafted(Proposal(PlainTree.checked([session.seq[-1], *tokens], list(range(-1, len(tokens))))),
                            time.perf_counter() - started, predicted=True)
-        synced = session.prompt_len if self.synced is None else self.synced
-        # None after the inner speculator's own round: nothing came between (a drafter that times
-        # its rounds measures that one)
-        outcome = None if synced == before_last else (self.inner_path, session.seq[synced:])
-        self.synced, self.inner_path = len(session.seq), []
-        return await self.inner.propose(session, outcome)
+        # no outcome after the inner speculator's own round: nothing came between (a drafter that
+        # times its rounds measures that one)
+        return await self.inner.propose(session, self.turns.outcome(session))
 
     def close(self) -> None:
         self.inner.close()

@@ -36,6 +36,7 @@ class Drafted(NamedTuple):
     draft_s: float
     fallback: str | None = None  # why there is no proposal although one was wanted
     predicted: bool = False  # drafted from the request's prediction (spec.prediction)
+    by_load: bool = False  # a plain round because the instance is loaded past where speculation pays (spec.turns)
 
 
 class Speculator(Protocol):
@@ -152,7 +153,8 @@ async def run_session(session: DecodeSession, speculator: Speculator, lane: Lane
             tokens = await lane.run_batched("verify", apply_many, (session, proposal))
             tree = proposal.tree
             result = RoundResult(tree.max_depth, len(tree) - 1, len(session.last_path), len(tokens),
-                                 drafted.draft_s, time.perf_counter() - asked, drafted.fallback, drafted.predicted)
+                                 drafted.draft_s, time.perf_counter() - asked, drafted.fallback, drafted.predicted,
+                                 drafted.by_load)
             session.stats.record(result)
             session.stats.wall_s = time.perf_counter() - started
             emit(tokens, result)

@@ -26,6 +26,7 @@ class RoundResult:
     verify_s: float  # from handing the proposal to the target's compute to its outcome
     fallback: str | None = None  # why it ran autoregressively, when a draft was wanted
     predicted: bool = False  # its draft came from the request's prediction (spec.prediction)
+    by_load: bool = False  # plain by choice: the instance ran more sessions than speculation pays for (spec.turns)
 
 
 @dataclass(slots=True)
@@ -39,6 +40,7 @@ class GenerationStats:
     accepted: int = 0  # draft tokens accepted, summed over drafts
     tree_nodes: int = 0  # proposal nodes verified (root excluded)
     fallback_rounds: int = 0  # autoregressive rounds because the draft was down, failed or sent a bad proposal
+    load_rounds: int = 0  # autoregressive rounds because the instance was loaded past its spec_max_sessions
     accepted_per_pos: list[int] = field(default_factory=list)  # how often position i was accepted
     prediction_accepted: int = 0  # of the accepted draft tokens, those drafted from the request's prediction
     prediction_rejected: int = 0  # tokens drafted from the prediction that verification rejected
@@ -70,6 +72,7 @@ class GenerationStats:
         self.verify_s += result.verify_s
         if result.fallback is not None:
             self.fallback_rounds += 1
+        self.load_rounds += result.by_load
         if result.depth == 0:
             return
         self.drafts += 1
@@ -93,6 +96,7 @@ class GenerationStats:
             "drafts": self.drafts,
             "ar_rounds": self.ar_rounds,
             "fallback_rounds": self.fallback_rounds,
+            "load_rounds": self.load_rounds,
             "drafted": self.drafted,
             "accepted": self.accepted,
             "tree_nodes": self.tree_nodes,

@@ -33,6 +33,7 @@ from specctl.spec.decode import DecodeSession
 from specctl.spec.logprobs import emitted_logprobs
 from specctl.spec.prediction import PREDICTION_NODES, with_prediction
 from specctl.spec.rounds import Speculator, run_session
+from specctl.spec.turns import by_load
 from specctl.spec.stats import GenerationStats, RoundResult
 from specctl.spec.structured import ll_tokenizer
 from specctl.verify.draft_client import DraftClient
@@ -53,11 +54,15 @@ class TargetServerConfig(ListenConfig):
     verify_floor_s: float = 0.0  # emulate a target device: a verification takes at least this long (bench prespec)
     max_proposal_nodes: int = MAX_PROPOSAL_NODES  # larger proposals from a draft server are ignored (AR round)
     max_batch: int = 8  # most sessions verified together in one target forward
+    # speculate while the instance runs at most this many sessions; past it, plain rounds (spec.turns); 0 = always
+    spec_max_sessions: int = 0
 
     def __post_init__(self) -> None:
         ListenConfig.__post_init__(self)
         if self.verify_delay_s < 0 or self.verify_floor_s < 0 or self.max_proposal_nodes < 1 or self.max_batch < 1:
             raise ValueError("verify_delay_s and verify_floor_s must be >= 0, max_proposal_nodes and max_batch >= 1")
+        if self.spec_max_sessions < 0:
+            raise ValueError(f"spec_max_sessions must be >= 0 (0: always speculate), got {self.spec_max_sessions}")
 
 
 class TargetServer(ListeningServer):
@@ -99,6 +104,7 @@ class TargetServer(ListeningServer):
             "drafts": t.drafts, "drafted": t.drafted, "accepted": t.accepted,
             "tokens_per_s": round(t.new_tokens / wall, 3), "ar_rounds": t.ar_rounds,
             "fallback_rounds": t.fallback_rounds,
+            "load_rounds": t.load_rounds, "spec_max_sessions": self.config.spec_max_sessions,
             "proposal_wait_s": round(t.draft_s, 6),
             "acceptance_rate": round(t.acceptance_rate, 4),
             "mean_accepted_length": round(t.mean_accepted_length, 4),
@@ -262,10 +268,14 @@ class TargetServer(ListeningServer):
 
     def _speculator(self, seed: int | None) -> Speculator:
         """A round-loop session's drafter: the fused drafters or the draft server (none
-        connected: AR rounds)."""
+        connected: AR rounds), sitting rounds out while the instance runs more than
+        spec_max_sessions sessions."""
         if self.fusion is not None:
-            return self.fusion.speculator(seed)
-        return RemoteSpeculator(self.draft, self.config.max_proposal_nodes, seed)
+            speculator = self.fusion.speculator(seed)
+        else:
+            speculator = RemoteSpeculator(self.draft, self.config.max_proposal_nodes, seed)
+        limit = self.config.spec_max_sessions
+        return by_load(speculator, (lambda: self.active > limit) if limit else None)
 
     def _session_nodes(self, params) -> int:
         """The largest proposal a session verifies (SpecPipe: the tree nodes it keeps cached): a

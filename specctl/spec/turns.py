@@ -1,0 +1,72 @@
+"""Rounds a session's speculator sits out, and what it is told when it is asked again.
+
+Two wrappers answer some rounds themselves and leave the others to an inner speculator (a
+draft server, a drafter here, the fused drafters): the request's prediction
+(``spec.prediction``), and the instance's load (``SpeculationByLoad``: plain rounds while a
+target runs more sessions than speculation pays for). When asked again the inner speculator
+is told, in one outcome, its last proposal's accepted path and every token committed since
+it last proposed (``InnerTurns``), as a fused drafter that sat rounds out is."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from specctl.spec.rounds import Drafted, Speculator
+
+Outcome = tuple[list[int], list[int]]  # (the last proposal's accepted path, the tokens committed since)
+
+
+class InnerTurns:
+    """Where the inner speculator stands: the text's length when it last proposed and that
+    proposal's accepted path."""
+
+    __slots__ = ("synced", "path", "asked_last")
+
+    def __init__(self) -> None:
+        self.synced: int | None = None  # None: not asked yet (it stands at the prompt's end)
+        self.path: list[int] = []
+        self.asked_last = False  # the round the wrapper was last asked for was the inner speculator's
+
+    def round_ended(self, path: list[int]) -> None:
+        """The accepted path of the round the wrapper was last asked for."""
+        if self.asked_last:
+            self.path, self.asked_last = list(path), False
+
+    def outcome(self, session) -> Outcome | None:
+        """What to tell the inner speculator, asked now: None when the last round was its own
+        (nothing came between)."""
+        synced = session.prompt_len if self.synced is None else self.synced
+        before_last = len(session.seq) - len(session.last_committed)
+        told = None if synced == before_last else (self.path, session.seq[synced:])
+        self.synced, self.path, self.asked_last = len(session.seq), [], True
+        return told
+
+
+class SpeculationByLoad:
+    """Plain rounds while ``loaded()`` says the instance runs more sessions than speculation
+    pays for there (vLLM's ``speculative_disable_by_batch_size``, asked every round rather than
+    once a request: a session speculates again once the load falls). A plain round verifies
+    the root alone: slower for that session, never different."""
+
+    def __init__(self, inner: Speculator, loaded: Callable[[], bool]) -> None:
+        self.inner, self.loaded = inner, loaded
+        self.max_nodes = inner.max_nodes
+        self.turns = InnerTurns()
+
+    def begin(self, session) -> None:
+        self.inner.begin(session)
+
+    async def propose(self, session, outcome: Outcome | None = None) -> Drafted:
+        """``outcome``: from a wrapper outside this one (the prediction), whose rounds came between."""
+        self.turns.round_ended(session.last_path if outcome is None else outcome[0])
+        if self.loaded():
+            return Drafted(None, 0.0, by_load=True)
+        return await self.inner.propose(session, self.turns.outcome(session))
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def by_load(speculator: Speculator, loaded: Callable[[], bool] | None) -> Speculator:
+    """``speculator``, sitting rounds out while ``loaded()`` (None: never)."""
+    return speculator if loaded is None else SpeculationByLoad(speculator, loaded)

@@ -1,0 +1,164 @@
+"""Rounds a speculator sits out (spec.turns): plain rounds while a target instance runs more
+sessions than spec_max_sessions, exact whatever the load does, with the draft told every
+token committed meanwhile; the catch-up's bookkeeping; the stats; through a real draft
+server and target instance."""
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from specctl.config import Config
+from specctl.errors import ConfigError
+from specctl.spec.decode import DecodeSession
+from specctl.spec.drafters import Drafter, DraftSession, ModelChainDrafter
+from specctl.spec.params import SamplingParams
+from specctl.spec.prediction import with_prediction
+from specctl.spec.rounds import InlineLane, LocalSpeculator, generate, run_inline, run_session
+from specctl.spec.turns import InnerTurns, SpeculationByLoad, by_load
+from specctl.verify.client import remote_generate
+from specctl.verify.server import TargetServerConfig
+from tests.test_rounds import _drained, _reference, _star, _stop, models  # noqa: F401 - models: a fixture
+
+PROMPT = [1, 5, 9, 2, 7]
+
+
+def _session(seq, prompt_len, last_committed, last_path=()):
+    return SimpleNamespace(seq=list(seq), prompt_len=prompt_len, last_committed=list(last_committed),
+                           last_path=list(last_path))
+
+
+def test_the_inner_speculator_hears_nothing_after_its_own_round_and_everything_after_sitting_out():
+    turns = InnerTurns()
+    # after the prefill (prompt of 3, first token 7): nothing came between
+    assert turns.outcome(_session([1, 2, 3, 7], 3, [7])) is None
+    turns.round_ended([0, 1])  # its proposal: two nodes accepted, then the bonus
+    assert turns.outcome(_session([1, 2, 3, 7, 8, 9, 4], 3, [8, 9, 4], [0, 1])) is None  # its own round again
+    turns.round_ended([0])  # ... one node accepted of its next proposal
+    turns.round_ended([])  # a round it sat out (the wrapper answered): its path is not the inner's
+    told = turns.outcome(_session([1, 2, 3, 7, 8, 9, 4, 5, 6, 11], 3, [11]))
+    assert told == ([0], [5, 6, 11])  # its proposal's accepted path, then every token since it proposed at 7 tokens
+    turns.round_ended([2])
+    # a round another wrapper answered came between (the prediction's): told that round's tokens too
+    assert turns.outcome(_session([1, 2, 3, 7, 8, 9, 4, 5, 6, 11, 12, 13], 3, [13])) == ([2], [12, 13])
+
+
+def test_a_speculator_that_never_proposed_hears_the_whole_output_since_the_prompt():
+    turns = InnerTurns()
+    turns.round_ended([])  # not asked yet: nothing of its own
+    assert turns.outcome(_session([1, 2, 3, 7, 8, 9], 3, [9])) == ([], [7, 8, 9])
+
+
+class _Recording(Drafter):
+    """A real drafter whose sessions record the text they are asked to draft from."""
+
+    def __init__(self, inner: Drafter) -> None:
+        self.inner, self.max_nodes, self.texts = inner, inner.max_nodes, []
+
+    def open(self, capacity, pool=None):
+        inner, texts = self.inner.open(capacity, pool), self.texts
+
+        class _Session(DraftSession):
+            def propose(self, seq, params, generator):
+                texts.append(list(seq))
+                return inner.propose(seq, params, generator)
+
+            def on_verified(self, path):
+                inner.on_verified(path)
+
+            def rounds_between(self):
+                pass
+
+            def close(self):
+                inner.close()
+
+        return _Session()
+
+
+def _run_by_load(target, draft, params, loads):
+    """Greedy rounds with a chain draft, loaded per round as ``loads`` says (then not);
+    (the session, the drafter, each round's result)."""
+    lane, pattern = InlineLane(), iter(loads)
+    drafter = _Recording(ModelChainDrafter(draft, 4))
+    speculator = with_prediction(SpeculationByLoad(LocalSpeculator(drafter, lane), lambda: next(pattern, False)),
+                                 params)
+    session = DecodeSession(target, PROMPT, params, max_nodes=speculator.max_nodes)
+    results = []
+    run_inline(run_session(session, speculator, lane, lambda tokens, result: results.append(result)))
+    return session, drafter, [r for r in results if r is not None]
+
+
+@pytest.mark.parametrize("loads", [
+    [True] * 6,  # loaded from the start: the draft's first proposal comes after six plain rounds
+    [False, False, True, True, True, False, True, False, False, True, True],
+    [False, True] * 12,
+])
+def test_plain_rounds_by_load_keep_the_output_and_the_draft_learns_every_token(tiny, loads):
+    target, draft = tiny["llama"], tiny["llama-draft"]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    alone = generate(target, PROMPT, params)[0]
+    session, drafter, results = _run_by_load(target, draft, params, loads)
+    assert session.output == alone
+    shed = [r.by_load for r in results]
+    assert shed[:len(loads)] == loads[:len(shed)] and not any(shed[len(loads):])
+    assert all(r.depth == 0 and r.nodes == 0 for r in results if r.by_load)
+    assert session.stats.load_rounds == sum(shed) and session.stats.fallback_rounds == 0
+    assert session.stats.to_dict()["load_rounds"] == sum(shed)
+    # the draft drafts from the session's own text every time (a token missed in a catch-up would not be a prefix)
+    assert drafter.texts and all(text == session.seq[:len(text)] for text in drafter.texts)
+    assert len(drafter.texts) == len(results) - sum(shed)
+
+
+def test_plain_rounds_by_load_between_predicted_rounds_keep_the_output(tiny):
+    target, draft = tiny["llama"], tiny["llama-draft"]
+    alone = generate(target, PROMPT, SamplingParams(max_tokens=64, ignore_eos=True))[0]
+    edited = alone[:12] + alone[40:]  # predicted rounds, the draft's (or plain ones by load), predicted again
+    params = SamplingParams(max_tokens=64, ignore_eos=True, prediction=tuple(edited))
+    session, drafter, results = _run_by_load(target, draft, params, [False, True, True, False, True] * 8)
+    assert session.output == alone
+    assert any(r.predicted for r in results) and any(r.by_load for r in results)
+    assert drafter.texts and all(text == session.seq[:len(text)] for text in drafter.texts)
+
+
+def test_no_limit_leaves_the_speculator_as_it_is():
+    inner = SimpleNamespace(max_nodes=5)
+    assert by_load(inner, None) is inner
+    wrapped = by_load(inner, lambda: True)
+    assert isinstance(wrapped, SpeculationByLoad) and wrapped.max_nodes == 5
+
+
+def test_spec_max_sessions_is_checked():
+    assert Config(spec_max_sessions=3).spec_max_sessions == 3
+    with pytest.raises(ConfigError, match=r"spec_max_sessions must be an integer in \[0, 1048576\], got -1"):
+        Config(spec_max_sessions=-1)
+    with pytest.raises(ValueError, match=r"spec_max_sessions must be >= 0 \(0: always speculate\), got -1"):
+        TargetServerConfig(spec_max_sessions=-1)
+
+
+async def _two_sessions(models, spec_max_sessions):  # noqa: F811 - models: the fixture's value
+    draft_server, link, target_server, port = await _star(models, ModelChainDrafter(models[1].decoder, 4))
+    target_server.config.spec_max_sessions = spec_max_sessions
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompts = [[5, 9, 13, 2], [7, 8, 9, 10, 7, 8, 9]]
+    try:
+        results = await asyncio.gather(*(remote_generate("127.0.0.1", port, p, params) for p in prompts))
+        await _drained(draft_server, target_server)
+        return [r[0] for r in results], [r[2] for r in results], target_server.snapshot(), \
+            [_reference(models, p, params) for p in prompts]
+    finally:
+        await _stop(draft_server, link, target_server)
+
+
+@pytest.mark.asyncio
+async def test_a_target_past_its_spec_max_sessions_runs_plain_rounds_and_frees_every_draft_session(models):  # noqa: F811
+    outputs, stats, snapshot, references = await _two_sessions(models, 1)
+    assert outputs == references
+    assert sum(s["load_rounds"] for s in stats) > 0 and snapshot["load_rounds"] == sum(s["load_rounds"] for s in stats)
+    assert snapshot["spec_max_sessions"] == 1 and all(s["fallback_rounds"] == 0 for s in stats)
+
+
+@pytest.mark.asyncio
+async def test_a_target_within_its_spec_max_sessions_speculates_every_round(models):  # noqa: F811
+    outputs, stats, snapshot, references = await _two_sessions(models, 2)
+    assert outputs == references
+    assert snapshot["load_rounds"] == 0 and all(s["drafts"] == s["rounds"] for s in stats)
