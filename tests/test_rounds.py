@@ -51,7 +51,7 @@ class FailingEveryThirdDrafter(Drafter):
         return _Session()
 
 
-async def _star(models, drafter, timeout_s=30.0):
+async def _star(models, drafter, timeout_s=30.0, **target_options):
     target, draft = models
     draft_server = DraftServer(draft, drafter, DraftServerConfig(port=0))
     draft_port = await draft_server.start()
@@ -60,7 +60,7 @@ async def _star(models, drafter, timeout_s=30.0):
     first = asyncio.get_running_loop().create_future()
     link = asyncio.create_task(client.run(first))
     assert await first
-    target_server = TargetServer(target, TargetServerConfig(port=0), client)
+    target_server = TargetServer(target, TargetServerConfig(port=0, **target_options), client)
     return draft_server, link, target_server, await target_server.start()
 
 

@@ -15,7 +15,7 @@ from specctl.spec.drafters import Drafter, DraftSession, ModelChainDrafter
 from specctl.spec.params import SamplingParams
 from specctl.spec.prediction import with_prediction
 from specctl.spec.rounds import InlineLane, LocalSpeculator, generate, run_inline, run_session
-from specctl.spec.turns import InnerTurns, SpeculationByLoad, by_load
+from specctl.spec.turns import InnerTurns, LoadHold, SpeculationByLoad, by_load
 from specctl.verify.client import remote_generate
 from specctl.verify.server import TargetServerConfig
 from tests.test_rounds import _drained, _reference, _star, _stop, models  # noqa: F401 - models: a fixture
@@ -120,6 +120,21 @@ def test_plain_rounds_by_load_between_predicted_rounds_keep_the_output(tiny):
     assert drafter.texts and all(text == session.seq[:len(text)] for text in drafter.texts)
 
 
+def test_an_instance_stays_loaded_for_the_hold_after_it_last_ran_past_its_limit():
+    now = [0.0]
+    hold = LoadHold(3, hold_s=1.0, clock=lambda: now[0])
+    assert hold(3) is False  # at the limit: speculation pays
+    assert hold(4) is True
+    now[0] = 0.5
+    assert hold(3) is True  # a dip (a client between two requests): still loaded
+    now[0] = 1.2
+    assert hold(4) is True  # loaded again: the hold runs from here
+    now[0] = 2.1
+    assert hold(2) is True
+    now[0] = 2.3
+    assert hold(2) is False  # a second without more than 3 sessions: speculating again
+
+
 def test_no_limit_leaves_the_speculator_as_it_is():
     inner = SimpleNamespace(max_nodes=5)
     assert by_load(inner, None) is inner
@@ -136,8 +151,8 @@ def test_spec_max_sessions_is_checked():
 
 
 async def _two_sessions(models, spec_max_sessions):  # noqa: F811 - models: the fixture's value
-    draft_server, link, target_server, port = await _star(models, ModelChainDrafter(models[1].decoder, 4))
-    target_server.config.spec_max_sessions = spec_max_sessions
+    draft_server, link, target_server, port = await _star(models, ModelChainDrafter(models[1].decoder, 4),
+                                                          spec_max_sessions=spec_max_sessions)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     prompts = [[5, 9, 13, 2], [7, 8, 9, 10, 7, 8, 9]]
     try:

@@ -10,6 +10,7 @@ from rich.console import Console
 
 from specctl.config import build_config
 from specctl.errors import ConfigError
+from specctl.cli.roles import SPEC_MAX_SESSIONS_HELP
 
 API_KEY_HELP = "require `Authorization: Bearer KEY` on /v1/* (or SPECCTL_API_KEY)"
 WAITING_HELP = "generations that may wait for a free session while every target instance is full (503 past it)"
@@ -175,12 +176,13 @@ def served_as(names: List[str]) -> str:
     return f" as {', '.join(names)}" if names else ""
 
 
-def cluster_config(profile, draft, target, mode, dtype, draft_quant, threads, drafters=None, max_sessions=None):
+def cluster_config(profile, draft, target, mode, dtype, draft_quant, threads, drafters=None, max_sessions=None,
+                   spec_max_sessions=None):
     if drafters is not None and mode not in (None, "multi"):
         raise ConfigError("--drafters routes among several drafters: leave --mode out")
     config = build_config(profile, draft=draft, target=target, mode="multi" if drafters is not None else mode,
                           drafters=drafters, dtype=dtype, draft_quant=draft_quant, threads=threads,
-                          max_sessions=max_sessions)
+                          max_sessions=max_sessions, spec_max_sessions=spec_max_sessions)
     if config.mode not in ("chain", "tree", "multi"):
         raise ConfigError("the embedded cluster runs a draft server: --mode must be chain or tree")
     return config
@@ -210,6 +212,7 @@ def up(
     max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="most concurrent sessions a target "
                                                "instance holds (vLLM's --max-num-seqs; the profile's by default); "
                                                "past them requests wait (--max-waiting)"),
+    spec_max_sessions: Optional[int] = typer.Option(None, "--spec-max-sessions", help=SPEC_MAX_SESSIONS_HELP),
     mode: Optional[str] = typer.Option(None, help="chain | tree"),
     drafters: Optional[str] = typer.Option(None, help="several drafters instead of --draft: comma-separated model "
                                            "names, NAME@N, ngram and suffix; a draft server per model, every target routes "
@@ -227,7 +230,8 @@ def up(
     from specctl.runtime.loop import run_with_compute, setup_logging, wait_for_shutdown
     from specctl.spec.factory import apply_threads
 
-    config = cluster_config(profile, draft, target, mode, dtype, draft_quant, threads, drafters, max_sessions)
+    config = cluster_config(profile, draft, target, mode, dtype, draft_quant, threads, drafters, max_sessions,
+                            spec_max_sessions)
     try:
         plan = ClusterConfig(targets=targets, gateway_port=port, stages=stages, max_model_len=max_model_len,
                              **serving_options(responses_store, max_waiting, queue_timeout, served_model_name,

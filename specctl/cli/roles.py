@@ -20,6 +20,10 @@ PREFIX_CACHE_HELP = ("MiB of finished sessions' KV kept for prompts that start t
                      "bit-identical to a fresh prefill; off for a bf16/fp16 target on CUDA, whose restored "
                      "prefixes differ from a fresh prefill by rounding; 0 = off)")
 
+SPEC_MAX_SESSIONS_HELP = ("speculate while a target instance runs at most this many sessions; past them its rounds "
+                          "verify the root alone (plain decoding, the same output) until the load falls, as vLLM's "
+                          "speculative_disable_by_batch_size (default: the profile's; 0 = always speculate)")
+
 
 def checked(config_class, **values):
     """A server config from flags; its own validation becomes a one-line user error."""
@@ -95,6 +99,7 @@ def verify(
                                          "tokens at once (default: stages - 1; 0 = the token alone)"),
     max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="most concurrent sessions"),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="most sessions verified in one target forward"),
+    spec_max_sessions: Optional[int] = typer.Option(None, "--spec-max-sessions", help=SPEC_MAX_SESSIONS_HELP),
     prefix_cache_mb: Optional[int] = typer.Option(None, "--prefix-cache-mb", help=PREFIX_CACHE_HELP),
     prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help="a prompt's prefill runs in jobs of "
                                                 "this many tokens, so running sessions keep decoding between them "
@@ -143,7 +148,7 @@ def verify(
     shape = _specpipe_shape(count, width, topk, spread, refill) if specpipe_draft or specpipe else None
     config = build_config(profile, target=model, max_sessions=max_sessions, max_batch=max_batch, dtype=dtype,
                           threads=threads, target_quant=quant, prefix_cache_mb=prefix_cache_mb,
-                          prefill_chunk=prefill_chunk)
+                          prefill_chunk=prefill_chunk, spec_max_sessions=spec_max_sessions)
     # torch loads only once the flags are known to be good: a mistake is reported at once
     from specctl.pipeline.launch import load_stage, stage_plan
     from specctl.spec.factory import apply_threads
@@ -241,7 +246,7 @@ def _serve_target(config, plan, console: Console, loaded, *, host: str, port: in
     server_config = checked(TargetServerConfig, host=host, port=port, max_sessions=config.max_sessions,
                             kv_budget_bytes=config.kv_budget_bytes, auth_token=auth_token,
                             verify_delay_s=verify_delay_s, verify_floor_s=verify_floor_s, max_batch=config.max_batch,
-                            max_messages_per_s=max_messages_per_s)
+                            max_messages_per_s=max_messages_per_s, spec_max_sessions=config.spec_max_sessions)
     chain = None
     if plan.next is not None:
         loaded, chain = pipelined_target(loaded, plan.next, stages=plan.count, auth_token=auth_token, ssl=ssl_client)

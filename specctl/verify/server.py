@@ -33,7 +33,7 @@ from specctl.spec.decode import DecodeSession
 from specctl.spec.logprobs import emitted_logprobs
 from specctl.spec.prediction import PREDICTION_NODES, with_prediction
 from specctl.spec.rounds import Speculator, run_session
-from specctl.spec.turns import by_load
+from specctl.spec.turns import LoadHold, by_load
 from specctl.spec.stats import GenerationStats, RoundResult
 from specctl.spec.structured import ll_tokenizer
 from specctl.verify.draft_client import DraftClient
@@ -91,6 +91,7 @@ class TargetServer(ListeningServer):
         self.pool = KVPool(config.kv_budget_bytes)
         self.prefill_gate = prefill_gate(model.decoder)  # sessions that start alike prefill their start once
         self.active = 0
+        self.load_hold = LoadHold(config.spec_max_sessions) if config.spec_max_sessions else None
         self.sessions_done = 0
         self.totals = GenerationStats()  # every round of every session, one recorder
         self.started = time.perf_counter()
@@ -274,8 +275,7 @@ class TargetServer(ListeningServer):
             speculator = self.fusion.speculator(seed)
         else:
             speculator = RemoteSpeculator(self.draft, self.config.max_proposal_nodes, seed)
-        limit = self.config.spec_max_sessions
-        return by_load(speculator, (lambda: self.active > limit) if limit else None)
+        return by_load(speculator, (lambda: self.load_hold(self.active)) if self.load_hold is not None else None)
 
     def _session_nodes(self, params) -> int:
         """The largest proposal a session verifies (SpecPipe: the tree nodes it keeps cached): a
