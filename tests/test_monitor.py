@@ -229,6 +229,17 @@ def test_a_target_with_several_drafters_shows_a_row_per_drafter_in_80x24():
     assert "└ none" in screen and "plain" in screen and "33r" in screen  # the rounds decoded plainly
 
 
+def test_a_target_loaded_past_its_spec_max_sessions_shows_its_plain_rounds_in_the_draft_column():
+    data = feed(tokens=(100,), up=(True,))
+    data["targets"][0]["stats"].update(draft_connected=True, spec_held=True, spec_max_sessions=3)
+    screen = text_of(dashboard(advance(MonitorState("http://gw:8000"), data, 1.0), now=1.5))
+    lines = screen.rstrip("\n").split("\n")
+    assert len(lines) <= 24 and max(len(line) for line in lines) <= 80
+    assert "off>3" in screen
+    data["targets"][0]["stats"]["spec_held"] = False
+    assert "off>3" not in text_of(dashboard(advance(MonitorState("http://gw:8000"), data, 1.0), now=1.5))
+
+
 def test_prefix_caches_show_their_hit_rate_in_80x24_once_asked():
     cache = {"prefix_cache_hit_rate": 0.734, "prefix_cache_hit_tokens": 734, "prefix_cache_query_tokens": 1000,
              "prefix_cache_entries": 12, "prefix_cache_mb": 37.4, "shared_prefills": 4}

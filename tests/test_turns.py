@@ -15,7 +15,7 @@ from specctl.spec.drafters import Drafter, DraftSession, ModelChainDrafter
 from specctl.spec.params import SamplingParams
 from specctl.spec.prediction import with_prediction
 from specctl.spec.rounds import InlineLane, LocalSpeculator, generate, run_inline, run_session
-from specctl.spec.turns import InnerTurns, LoadHold, SpeculationByLoad, by_load
+from specctl.spec.turns import InnerTurns, LoadHold, SpeculationByLoad
 from specctl.verify.client import remote_generate
 from specctl.verify.server import TargetServerConfig
 from tests.test_rounds import _drained, _reference, _star, _stop, models  # noqa: F401 - models: a fixture
@@ -124,7 +124,7 @@ def test_an_instance_stays_loaded_for_the_hold_after_it_last_ran_past_its_limit(
     now = [0.0]
     hold = LoadHold(3, hold_s=1.0, clock=lambda: now[0])
     assert hold(3) is False  # at the limit: speculation pays
-    assert hold(4) is True
+    assert hold(4) is True and hold.held() is True
     now[0] = 0.5
     assert hold(3) is True  # a dip (a client between two requests): still loaded
     now[0] = 1.2
@@ -132,14 +132,7 @@ def test_an_instance_stays_loaded_for_the_hold_after_it_last_ran_past_its_limit(
     now[0] = 2.1
     assert hold(2) is True
     now[0] = 2.3
-    assert hold(2) is False  # a second without more than 3 sessions: speculating again
-
-
-def test_no_limit_leaves_the_speculator_as_it_is():
-    inner = SimpleNamespace(max_nodes=5)
-    assert by_load(inner, None) is inner
-    wrapped = by_load(inner, lambda: True)
-    assert isinstance(wrapped, SpeculationByLoad) and wrapped.max_nodes == 5
+    assert hold(2) is False and hold.held() is False  # a second without more than 3 sessions: speculating again
 
 
 def test_spec_max_sessions_is_checked():
@@ -165,6 +158,26 @@ async def _two_sessions(models, spec_max_sessions):  # noqa: F811 - models: the 
 
 
 @pytest.mark.asyncio
+async def test_a_seeded_sample_speculates_whatever_the_load_so_its_seed_repeats_the_text(models):  # noqa: F811
+    """A plain round draws other random numbers than a speculative one: shedding a seeded
+    sample's rounds by load would make its text depend on the other requests."""
+    draft_server, link, target_server, port = await _star(models, ModelChainDrafter(models[1].decoder, 4),
+                                                          spec_max_sessions=1)
+    greedy = SamplingParams(max_tokens=40, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8, seed=5)
+    try:
+        (_, _, greedy_stats), (loaded_text, _, seeded_stats) = await asyncio.gather(
+            remote_generate("127.0.0.1", port, [5, 9, 13, 2], greedy),
+            remote_generate("127.0.0.1", port, [7, 8, 9, 10, 7, 8, 9], seeded))
+        alone_text, _, _ = await remote_generate("127.0.0.1", port, [7, 8, 9, 10, 7, 8, 9], seeded)
+        await _drained(draft_server, target_server)
+    finally:
+        await _stop(draft_server, link, target_server)
+    assert greedy_stats["load_rounds"] > 0 and seeded_stats["load_rounds"] == 0
+    assert seeded_stats["drafts"] == seeded_stats["rounds"] and loaded_text == alone_text
+
+
+@pytest.mark.asyncio
 async def test_a_target_past_its_spec_max_sessions_runs_plain_rounds_and_frees_every_draft_session(models):  # noqa: F811
     outputs, stats, snapshot, references = await _two_sessions(models, 1)
     assert outputs == references
@@ -177,3 +190,4 @@ async def test_a_target_within_its_spec_max_sessions_speculates_every_round(mode
     outputs, stats, snapshot, references = await _two_sessions(models, 2)
     assert outputs == references
     assert snapshot["load_rounds"] == 0 and all(s["drafts"] == s["rounds"] for s in stats)
+    assert snapshot["spec_held"] is False

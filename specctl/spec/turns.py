@@ -74,11 +74,6 @@ class SpeculationByLoad:
         self.inner.close()
 
 
-def by_load(speculator: Speculator, loaded: Callable[[], bool] | None) -> Speculator:
-    """``speculator``, sitting rounds out while ``loaded()`` (None: never)."""
-    return speculator if loaded is None else SpeculationByLoad(speculator, loaded)
-
-
 class LoadHold:
     """Whether an instance running ``active`` sessions is loaded past ``limit``: it is, and for
     ``hold_s`` after it last was (one per instance, asked by every session's round)."""
@@ -88,7 +83,10 @@ class LoadHold:
         self.until = float("-inf")
 
     def __call__(self, active: int) -> bool:
-        now = self.clock()
         if active > self.limit:
-            self.until = now + self.hold_s
-        return now < self.until
+            self.until = self.clock() + self.hold_s
+        return self.held()
+
+    def held(self) -> bool:
+        """Loaded now, as the rounds last found (the stats feed's ``spec_held``)."""
+        return self.clock() < self.until

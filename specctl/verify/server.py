@@ -33,7 +33,7 @@ from specctl.spec.decode import DecodeSession
 from specctl.spec.logprobs import emitted_logprobs
 from specctl.spec.prediction import PREDICTION_NODES, with_prediction
 from specctl.spec.rounds import Speculator, run_session
-from specctl.spec.turns import LoadHold, by_load
+from specctl.spec.turns import LoadHold, SpeculationByLoad
 from specctl.spec.stats import GenerationStats, RoundResult
 from specctl.spec.structured import ll_tokenizer
 from specctl.verify.draft_client import DraftClient
@@ -106,6 +106,7 @@ class TargetServer(ListeningServer):
             "tokens_per_s": round(t.new_tokens / wall, 3), "ar_rounds": t.ar_rounds,
             "fallback_rounds": t.fallback_rounds,
             "load_rounds": t.load_rounds, "spec_max_sessions": self.config.spec_max_sessions,
+            "spec_held": self.load_hold is not None and self.load_hold.held(),  # plain rounds by load now
             "proposal_wait_s": round(t.draft_s, 6),
             "acceptance_rate": round(t.acceptance_rate, 4),
             "mean_accepted_length": round(t.mean_accepted_length, 4),
@@ -216,7 +217,7 @@ class TargetServer(ListeningServer):
                 if self.specpipe is not None:  # a request's prediction grafted onto its tree (pipeline.predicted)
                     await serve_specpipe(session, self.specpipe, self.compute, emit)
                 else:
-                    speculator = with_prediction(self._speculator(msg.seed), session.params)
+                    speculator = with_prediction(self._speculator(msg.seed, session.params), session.params)
                     await run_session(session, speculator, self.verify_lane, emit, self.prefill_gate)
                 self.sessions_done += 1
                 self._done(session, msg.req, session.finish_reason or "stop", send)
@@ -267,15 +268,18 @@ class TargetServer(ListeningServer):
                 send(Error("bad_request", str(exc), req=msg.req))
             return None
 
-    def _speculator(self, seed: int | None) -> Speculator:
+    def _speculator(self, seed: int | None, params) -> Speculator:
         """A round-loop session's drafter: the fused drafters or the draft server (none
         connected: AR rounds), sitting rounds out while the instance runs more than
-        spec_max_sessions sessions."""
+        spec_max_sessions sessions — unless a seed asks for the same text whatever the load (a
+        plain round draws other random numbers than a speculative one)."""
         if self.fusion is not None:
             speculator = self.fusion.speculator(seed)
         else:
             speculator = RemoteSpeculator(self.draft, self.config.max_proposal_nodes, seed)
-        return by_load(speculator, (lambda: self.load_hold(self.active)) if self.load_hold is not None else None)
+        if self.load_hold is None or params.repeatable:
+            return speculator
+        return SpeculationByLoad(speculator, lambda: self.load_hold(self.active))
 
     def _session_nodes(self, params) -> int:
         """The largest proposal a session verifies (SpecPipe: the tree nodes it keeps cached): a
