@@ -60,6 +60,10 @@ class Config:
     # verify the root alone (plain decoding) until the load falls (vLLM's
     # speculative_disable_by_batch_size; spec.turns); 0 = always speculate
     spec_max_sessions: int = 0
+    # at most this deep a proposal while the instance runs that many sessions or more, as
+    # SESSIONS:DEPTH pairs ("4:4,6:2"; SmartSpec's shorter proposals in larger batches; chain
+    # drafts); "" = the drafter's depth at any load
+    spec_depth_by_load: str = ""
     mode: str = "tree"
     depth: int = 4
     topk: int = 3
@@ -102,6 +106,7 @@ class Config:
             raise ConfigError("mode multi needs drafters, e.g. --drafters qwen2.5-coder-0.5b,ngram")
         if not isinstance(self.draft_stop, (int, float)) or isinstance(self.draft_stop, bool) or not 0.0 <= self.draft_stop < 1.0:
             raise ConfigError(f"draft_stop must be a number in [0, 1), got {self.draft_stop!r}")
+        self.depth_schedule  # noqa: B018 - checked here: a bad value is a ConfigError at start
         for name, low, high in (("suffix_max_spec_factor", 0.0, 64.0), ("suffix_min_token_prob", 0.0, 1.0)):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not low <= value <= high \
@@ -119,6 +124,11 @@ class Config:
                 raise ConfigError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
 
     @property
+    def depth_schedule(self) -> tuple[tuple[int, int], ...]:
+        """spec_depth_by_load as (sessions, depth) pairs, sessions ascending."""
+        return parse_depth_schedule(self.spec_depth_by_load)
+
+    @property
     def drafter_names(self) -> list[str]:
         return [name.strip() for name in str(self.drafters).split(",") if name.strip()]
 
@@ -128,6 +138,23 @@ class Config:
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)
+
+
+def parse_depth_schedule(text: str) -> tuple[tuple[int, int], ...]:
+    """"4:4,6:2" -> ((4, 4), (6, 2)); ConfigError unless SESSIONS:DEPTH pairs of positive
+    integers with the sessions ascending."""
+    pairs = []
+    try:
+        for part in filter(None, (p.strip() for p in str(text).split(","))):
+            sessions, depth = (int(x) for x in part.split(":"))
+            pairs.append((sessions, depth))
+        ok = all(s >= 1 and 1 <= d <= 64 for s, d in pairs) and all(a[0] < b[0] for a, b in zip(pairs, pairs[1:]))
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"spec_depth_by_load must be SESSIONS:DEPTH pairs (depth 1-64), the sessions ascending, "
+                          f"e.g. 4:4,6:2; got {text!r}")
+    return tuple(pairs)
 
 
 def detect_profile() -> str:

@@ -417,8 +417,11 @@ def test_bench_rejects_unknown_modes():
     (["--repeats", "0"], "--requests-per-client, --max-tokens, --max-batch and --repeats must be at least 1"),
     (["--concurrency", "0"], "--concurrency must be between 1 and 64"),
     (["--variants", "ar,warp"], "--variants: choose from ar, ar batched, spec, spec batched, spec by load"),
-    (["--variants", "ar,spec by load"], "the 'spec by load' variant needs --spec-max-sessions N (N >= 1; the profile "
-                                        "gives none)"),
+    (["--variants", "ar,spec by load", "--profile", "server"],
+     "the 'spec by load' variant needs --spec-max-sessions N (N >= 1) or --spec-depth-by-load SESSIONS:DEPTH (the "
+     "profile gives neither)"),
+    (["--variants", "spec by load", "--spec-depth-by-load", "4:4,3:2"],
+     "spec_depth_by_load must be SESSIONS:DEPTH pairs (depth 1-64), the sessions ascending, e.g. 4:4,6:2; got '4:4,3:2'"),
     (["--variants", "spec by load", "--spec-max-sessions", "-1"],
      "spec_max_sessions must be an integer in [0, 1048576], got -1")])
 def test_bench_serve_refuses_bad_flags_before_loading_anything(args, message):

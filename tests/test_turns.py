@@ -8,14 +8,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from specctl.config import Config
+from specctl.config import Config, parse_depth_schedule
 from specctl.errors import ConfigError
 from specctl.spec.decode import DecodeSession
 from specctl.spec.drafters import Drafter, DraftSession, ModelChainDrafter
 from specctl.spec.params import SamplingParams
 from specctl.spec.prediction import with_prediction
 from specctl.spec.rounds import InlineLane, LocalSpeculator, generate, run_inline, run_session
-from specctl.spec.turns import InnerTurns, LoadHold, SpeculationByLoad
+from specctl.spec.turns import InnerTurns, LoadHold, SpeculationByLoad, depth_for_load
 from specctl.verify.client import remote_generate
 from specctl.verify.server import TargetServerConfig
 from tests.test_rounds import _drained, _reference, _star, _stop, models  # noqa: F401 - models: a fixture
@@ -59,6 +59,14 @@ class _Recording(Drafter):
         inner, texts = self.inner.open(capacity, pool), self.texts
 
         class _Session(DraftSession):
+            @property
+            def depth_cap(self):
+                return inner.depth_cap
+
+            @depth_cap.setter
+            def depth_cap(self, value):  # the round's cap reaches the chain session
+                inner.depth_cap = value
+
             def propose(self, seq, params, generator):
                 texts.append(list(seq))
                 return inner.propose(seq, params, generator)
@@ -76,12 +84,17 @@ class _Recording(Drafter):
 
 
 def _run_by_load(target, draft, params, loads):
-    """Greedy rounds with a chain draft, loaded per round as ``loads`` says (then not);
-    (the session, the drafter, each round's result)."""
+    """Greedy rounds with a chain draft, each round planned as ``loads`` says (True: a plain
+    round, False: any depth, an int: at most that deep; then any depth); (the session, the
+    drafter, each round's result)."""
     lane, pattern = InlineLane(), iter(loads)
     drafter = _Recording(ModelChainDrafter(draft, 4))
-    speculator = with_prediction(SpeculationByLoad(LocalSpeculator(drafter, lane), lambda: next(pattern, False)),
-                                 params)
+
+    def plan():
+        load = next(pattern, False)
+        return None if load is True else int(load)
+
+    speculator = with_prediction(SpeculationByLoad(LocalSpeculator(drafter, lane), plan), params)
     session = DecodeSession(target, PROMPT, params, max_nodes=speculator.max_nodes)
     results = []
     run_inline(run_session(session, speculator, lane, lambda tokens, result: results.append(result)))
@@ -107,6 +120,45 @@ def test_plain_rounds_by_load_keep_the_output_and_the_draft_learns_every_token(t
     # the draft drafts from the session's own text every time (a token missed in a catch-up would not be a prefix)
     assert drafter.texts and all(text == session.seq[:len(text)] for text in drafter.texts)
     assert len(drafter.texts) == len(results) - sum(shed)
+
+
+def test_chains_capped_by_load_are_the_uncapped_chains_prefixes_and_keep_the_output(tiny):
+    target, draft = tiny["llama"], tiny["llama-draft"]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    alone = generate(target, PROMPT, params)[0]
+    caps = [2, 1, 3, 0, 2, 2, 1, 0, 0, 1] * 3  # 0: the drafter's own depth, 4
+    session, drafter, results = _run_by_load(target, draft, params, caps)
+    assert session.output == alone and session.stats.load_rounds == 0
+    assert [r.depth <= (c or 4) for r, c in zip(results, caps)] == [True] * min(len(results), len(caps))
+    assert any(r.depth == 4 for r, c in zip(results, caps) if c == 0)
+    assert all(text == session.seq[:len(text)] for text in drafter.texts)
+
+
+def test_a_capped_chain_in_a_batch_stops_at_its_cap_and_the_others_draft_on(tiny):
+    from specctl.spec.batch_drafting import propose_chains
+
+    draft = tiny["llama-draft"]
+    greedy = SamplingParams(max_tokens=8)
+    drafter = ModelChainDrafter(draft, 4)
+    texts = [[1, 5, 9, 2, 7], [3, 4, 5, 6]]
+    full = [propose_chains([drafter.open(64)], [text], [greedy], [None])[0].tree.tokens for text in texts]
+    sessions = [drafter.open(64), drafter.open(64)]
+    sessions[0].depth_cap = 2
+    capped, uncapped = propose_chains(sessions, texts, [greedy, greedy], [None, None])
+    assert list(capped.tree.tokens) == list(full[0][:3]) and list(uncapped.tree.tokens) == list(full[1])
+    assert sessions[0].cache.length == len(texts[0]) + 1  # the text and the first drafted token (the second unfed)
+
+
+def test_the_depth_for_a_load_is_the_largest_threshold_reached():
+    schedule = ((4, 4), (6, 2))
+    assert [depth_for_load(n, schedule) for n in (1, 3, 4, 5, 6, 9)] == [0, 0, 4, 4, 2, 2]
+    assert depth_for_load(9, ()) == 0
+    assert parse_depth_schedule(" 4:4, 6:2 ") == schedule and parse_depth_schedule("") == ()
+    for bad in ("4", "4:0", "0:3", "6:2,4:4", "4:4,4:2", "a:b", "4:65"):
+        with pytest.raises(ConfigError, match="spec_depth_by_load must be SESSIONS:DEPTH pairs"):
+            parse_depth_schedule(bad)
+    with pytest.raises(ConfigError, match="got '4:x'"):
+        Config(spec_depth_by_load="4:x")
 
 
 def test_plain_rounds_by_load_between_predicted_rounds_keep_the_output(tiny):
@@ -143,9 +195,9 @@ def test_spec_max_sessions_is_checked():
         TargetServerConfig(spec_max_sessions=-1)
 
 
-async def _two_sessions(models, spec_max_sessions):  # noqa: F811 - models: the fixture's value
+async def _two_sessions(models, spec_max_sessions, **options):  # noqa: F811 - models: the fixture's value
     draft_server, link, target_server, port = await _star(models, ModelChainDrafter(models[1].decoder, 4),
-                                                          spec_max_sessions=spec_max_sessions)
+                                                          spec_max_sessions=spec_max_sessions, **options)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     prompts = [[5, 9, 13, 2], [7, 8, 9, 10, 7, 8, 9]]
     try:
@@ -191,3 +243,13 @@ async def test_a_target_within_its_spec_max_sessions_speculates_every_round(mode
     assert outputs == references
     assert snapshot["load_rounds"] == 0 and all(s["drafts"] == s["rounds"] for s in stats)
     assert snapshot["spec_held"] is False
+
+
+@pytest.mark.asyncio
+async def test_a_target_asks_its_draft_server_for_shorter_chains_as_its_load_grows(models):  # noqa: F811
+    outputs, stats, snapshot, references = await _two_sessions(models, 0, spec_depth_by_load=((1, 3), (2, 1)))
+    assert outputs == references and snapshot["load_rounds"] == 0
+    assert all(s["drafts"] == s["rounds"] and max(s["accepted_per_pos"] + [0]) for s in stats)
+    # chains of 1 while both ran, of at most 3 once one had finished; never the draft's 4
+    assert all(len(s["accepted_per_pos"]) <= 3 for s in stats) and all(s["drafted"] <= 3 * s["drafts"] for s in stats)
+    assert any(s["drafted"] < 2 * s["drafts"] for s in stats)

@@ -26,7 +26,8 @@ from specctl.runtime.compute import ComputeThread
 
 VARIANTS = {  # name -> (speculate, batched verification)
     "ar": (False, False), "ar batched": (False, True), "spec": (True, False), "spec batched": (True, True),
-    "spec by load": (True, True),  # plain rounds while a target runs more than spec_max_sessions sessions
+    # plain rounds while a target runs more than spec_max_sessions sessions, shorter chains by spec_depth_by_load
+    "spec by load": (True, True),
 }
 BY_LOAD = "spec by load"
 
@@ -40,6 +41,7 @@ class ServeBenchSettings:
     variants: tuple[str, ...] = ("ar", "ar batched", "spec", "spec batched")
     repeats: int = 1
     spec_max_sessions: int = 0  # the "spec by load" variant's (the others always speculate or never)
+    spec_depth_by_load: str = ""  # the "spec by load" variant's (the others draft at the profile's depth)
 
 
 async def _one(session: aiohttp.ClientSession, url: str, prompt: BenchPrompt, max_tokens: int) -> dict:
@@ -98,9 +100,10 @@ async def run_serve_bench(config: Config, models: tuple[LoadedModel, LoadedModel
         turn = repeat % len(settings.variants)
         for variant in settings.variants[turn:] + settings.variants[:turn]:
             speculate, batched = VARIANTS[variant]
+            by_load = variant == BY_LOAD
             variant_config = dataclasses.replace(config, max_batch=settings.max_batch if batched else 1,
-                                                 spec_max_sessions=settings.spec_max_sessions
-                                                 if variant == BY_LOAD else 0)
+                                                 spec_max_sessions=settings.spec_max_sessions if by_load else 0,
+                                                 spec_depth_by_load=settings.spec_depth_by_load if by_load else "")
             cluster = EmbeddedCluster(variant_config, ClusterConfig(targets=1, gateway_port=0, speculate=speculate),
                                       models=models, compute=compute)
             try:

@@ -29,10 +29,13 @@ def serve(
     max_tokens: int = typer.Option(64, "--max-tokens", "-n", help="new tokens per request (ignore_eos)"),
     max_batch: int = typer.Option(8, "--max-batch", help="most sessions verified together in the batched variants"),
     variants: str = typer.Option("ar,ar batched,spec,spec batched", help="comma-separated variants to run (also "
-                                 "'spec by load': batched, plain rounds past --spec-max-sessions sessions)"),
+                                 "'spec by load': batched, plain rounds past --spec-max-sessions sessions and "
+                                 "shorter chains by --spec-depth-by-load)"),
     spec_max_sessions: Optional[int] = typer.Option(None, "--spec-max-sessions", help="the 'spec by load' variant "
                                                     "speculates while a target runs at most this many sessions "
                                                     "(default: the profile's)"),
+    spec_depth_by_load: Optional[str] = typer.Option(None, "--spec-depth-by-load", help="the 'spec by load' "
+                                                     "variant's SESSIONS:DEPTH,... (default: the profile's)"),
     repeats: int = typer.Option(1, "--repeats", help="go over the variants (or, with --gateway, the levels) this "
                                 "many times, the variants' order rotating; ratios then show their min-max over "
                                 "the repeats"),
@@ -63,15 +66,18 @@ def serve(
         return _serve_gateway(gateway.rstrip("/"), levels, max_tokens, requests, max_batch, repeats, json_out)
     config = build_config(profile, target=target, draft=draft, mode=mode, depth=depth, dtype=dtype,
                           draft_quant=draft_quant, threads=threads, max_sessions=max(64, levels[-1]),
-                          prefix_cache_mb=0, spec_max_sessions=spec_max_sessions)
+                          prefix_cache_mb=0, spec_max_sessions=spec_max_sessions,
+                          spec_depth_by_load=spec_depth_by_load)
     if config.mode not in ("chain", "tree"):
         raise ConfigError("--mode must be chain or tree")
-    if BY_LOAD in chosen and not config.spec_max_sessions:
-        raise ConfigError(f"the '{BY_LOAD}' variant needs --spec-max-sessions N (N >= 1; the profile gives none)")
+    if BY_LOAD in chosen and not config.spec_max_sessions and not config.depth_schedule:
+        raise ConfigError(f"the '{BY_LOAD}' variant needs --spec-max-sessions N (N >= 1) or --spec-depth-by-load "
+                          f"SESSIONS:DEPTH (the profile gives neither)")
     apply_threads(config)
     console = Console(stderr=True)
     models = load_pair(config, console)
-    settings = ServeBenchSettings(levels, max_tokens, requests, max_batch, chosen, repeats, config.spec_max_sessions)
+    settings = ServeBenchSettings(levels, max_tokens, requests, max_batch, chosen, repeats, config.spec_max_sessions,
+                                  config.spec_depth_by_load)
     with _progress(console, "variants x concurrency levels x repeats", len(chosen) * len(levels) * repeats) as advance:
         holder: dict = {}
 

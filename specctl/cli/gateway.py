@@ -10,7 +10,7 @@ from rich.console import Console
 
 from specctl.config import build_config
 from specctl.errors import ConfigError
-from specctl.cli.roles import SPEC_MAX_SESSIONS_HELP
+from specctl.cli.roles import SPEC_DEPTH_HELP, SPEC_MAX_SESSIONS_HELP
 
 API_KEY_HELP = "require `Authorization: Bearer KEY` on /v1/* (or SPECCTL_API_KEY)"
 WAITING_HELP = "generations that may wait for a free session while every target instance is full (503 past it)"
@@ -177,12 +177,13 @@ def served_as(names: List[str]) -> str:
 
 
 def cluster_config(profile, draft, target, mode, dtype, draft_quant, threads, drafters=None, max_sessions=None,
-                   spec_max_sessions=None):
+                   spec_max_sessions=None, spec_depth_by_load=None):
     if drafters is not None and mode not in (None, "multi"):
         raise ConfigError("--drafters routes among several drafters: leave --mode out")
     config = build_config(profile, draft=draft, target=target, mode="multi" if drafters is not None else mode,
                           drafters=drafters, dtype=dtype, draft_quant=draft_quant, threads=threads,
-                          max_sessions=max_sessions, spec_max_sessions=spec_max_sessions)
+                          max_sessions=max_sessions, spec_max_sessions=spec_max_sessions,
+                          spec_depth_by_load=spec_depth_by_load)
     if config.mode not in ("chain", "tree", "multi"):
         raise ConfigError("the embedded cluster runs a draft server: --mode must be chain or tree")
     return config
@@ -213,6 +214,7 @@ def up(
                                                "instance holds (vLLM's --max-num-seqs; the profile's by default); "
                                                "past them requests wait (--max-waiting)"),
     spec_max_sessions: Optional[int] = typer.Option(None, "--spec-max-sessions", help=SPEC_MAX_SESSIONS_HELP),
+    spec_depth_by_load: Optional[str] = typer.Option(None, "--spec-depth-by-load", help=SPEC_DEPTH_HELP),
     mode: Optional[str] = typer.Option(None, help="chain | tree"),
     drafters: Optional[str] = typer.Option(None, help="several drafters instead of --draft: comma-separated model "
                                            "names, NAME@N, ngram and suffix; a draft server per model, every target routes "
@@ -231,7 +233,7 @@ def up(
     from specctl.spec.factory import apply_threads
 
     config = cluster_config(profile, draft, target, mode, dtype, draft_quant, threads, drafters, max_sessions,
-                            spec_max_sessions)
+                            spec_max_sessions, spec_depth_by_load)
     try:
         plan = ClusterConfig(targets=targets, gateway_port=port, stages=stages, max_model_len=max_model_len,
                              **serving_options(responses_store, max_waiting, queue_timeout, served_model_name,

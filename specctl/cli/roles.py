@@ -24,6 +24,10 @@ SPEC_MAX_SESSIONS_HELP = ("speculate while a target instance runs at most this m
                           "verify the root alone (plain decoding, the same output) until the load falls, as vLLM's "
                           "speculative_disable_by_batch_size (default: the profile's; 0 = always speculate)")
 
+SPEC_DEPTH_HELP = ("SESSIONS:DEPTH,...: while a target instance runs that many sessions or more, its draft's "
+                   "chains are at most that deep (e.g. 4:4,6:2: shorter proposals as the batch grows, as SmartSpec; "
+                   "default: the profile's; '' = the draft's depth at any load)")
+
 
 def checked(config_class, **values):
     """A server config from flags; its own validation becomes a one-line user error."""
@@ -100,6 +104,7 @@ def verify(
     max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="most concurrent sessions"),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="most sessions verified in one target forward"),
     spec_max_sessions: Optional[int] = typer.Option(None, "--spec-max-sessions", help=SPEC_MAX_SESSIONS_HELP),
+    spec_depth_by_load: Optional[str] = typer.Option(None, "--spec-depth-by-load", help=SPEC_DEPTH_HELP),
     prefix_cache_mb: Optional[int] = typer.Option(None, "--prefix-cache-mb", help=PREFIX_CACHE_HELP),
     prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help="a prompt's prefill runs in jobs of "
                                                 "this many tokens, so running sessions keep decoding between them "
@@ -148,7 +153,8 @@ def verify(
     shape = _specpipe_shape(count, width, topk, spread, refill) if specpipe_draft or specpipe else None
     config = build_config(profile, target=model, max_sessions=max_sessions, max_batch=max_batch, dtype=dtype,
                           threads=threads, target_quant=quant, prefix_cache_mb=prefix_cache_mb,
-                          prefill_chunk=prefill_chunk, spec_max_sessions=spec_max_sessions)
+                          prefill_chunk=prefill_chunk, spec_max_sessions=spec_max_sessions,
+                          spec_depth_by_load=spec_depth_by_load)
     # torch loads only once the flags are known to be good: a mistake is reported at once
     from specctl.pipeline.launch import load_stage, stage_plan
     from specctl.spec.factory import apply_threads
@@ -246,7 +252,8 @@ def _serve_target(config, plan, console: Console, loaded, *, host: str, port: in
     server_config = checked(TargetServerConfig, host=host, port=port, max_sessions=config.max_sessions,
                             kv_budget_bytes=config.kv_budget_bytes, auth_token=auth_token,
                             verify_delay_s=verify_delay_s, verify_floor_s=verify_floor_s, max_batch=config.max_batch,
-                            max_messages_per_s=max_messages_per_s, spec_max_sessions=config.spec_max_sessions)
+                            max_messages_per_s=max_messages_per_s, spec_max_sessions=config.spec_max_sessions,
+                            spec_depth_by_load=config.depth_schedule)
     chain = None
     if plan.next is not None:
         loaded, chain = pipelined_target(loaded, plan.next, stages=plan.count, auth_token=auth_token, ssl=ssl_client)

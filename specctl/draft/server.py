@@ -313,7 +313,7 @@ class DraftServer(ListeningServer):
                 proposal = await self.compute.run_batched("lookup", self.table.lookup_many, request)
                 if proposal is not None:
                     return proposal
-            return await self.compute.run_batched("propose", self.table.propose_many, request)
+            return await self.compute.run_batched("propose", self.table.propose_many, (*request, message.max_depth))
 
         proposal = await self._answer(conn, message.tag, draft(), "drafting")
         if proposal is not None:

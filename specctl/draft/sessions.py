@@ -87,12 +87,13 @@ class SessionTable:
             return True
         return prefill_step(session, state.seq)
 
-    def propose_many(self, requests: list[tuple[int, list[int], list[int]]]) -> list:
-        """Serve many Propose requests in one pass (``draft_many``): one Proposal message or
-        exception each. An outcome that does not fit its session is refused before drafting."""
+    def propose_many(self, requests: list[tuple[int, list[int], list[int], int]]) -> list:
+        """Serve many Propose requests (tag, path, tokens, max_depth) in one pass
+        (``draft_many``): one Proposal message or exception each. An outcome that does not fit
+        its session is refused before drafting."""
         results: list = [None] * len(requests)
         ready: list[tuple[int, int, DraftState]] = []
-        for i, (tag, path, tokens) in enumerate(requests):
+        for i, (tag, path, tokens, *max_depth) in enumerate(requests):
             try:
                 state = self.states.get(tag)
                 if state is None:
@@ -101,6 +102,7 @@ class SessionTable:
                 if self._speculates(state):  # learn from the outcome; no branch KV may stay
                     self.speculation.outcome_without_lookup(tag, path, tokens)
                 state.advance(path, tokens)
+                state.cap_depth(max_depth[0] if max_depth else 0)
             except Exception as exc:  # noqa: BLE001 - reported to that request only
                 results[i] = exc
                 continue

@@ -68,6 +68,7 @@ def propose_chains(sessions: list[_ChainSession], seqs: list[list[int]], params:
     below ``stop`` (greedy chains are scored by the draft's softmax at T = 1); the
     proposal's length never affects what is accepted, only what drafting costs."""
     decoder, depth, stop = sessions[0].decoder, sessions[0].depth, sessions[0].stop
+    caps = [min(s.depth_cap or depth, depth) for s in sessions]  # the target's load may ask for shorter chains
     caches = [s.cache for s in sessions]
     logits = catch_up_many(sessions, seqs)
     # Greedy chains with no adaptive depth decide nothing on the host between steps: each
@@ -75,7 +76,7 @@ def propose_chains(sessions: list[_ChainSession], seqs: list[list[int]], params:
     # On a GPU the host then prepares step i + 1 while the device runs step i (issue 11: a
     # read-back per step left the device idle for the host's part of every step).
     guides = [s.guide for s in sessions]  # the request's rules need each step's token on the host
-    read_once = not stop and all(p.greedy for p in params) and not any(guides)
+    read_once = not stop and all(p.greedy for p in params) and not any(guides) and min(caps) == depth
     picks: list[list[torch.Tensor]] = [[] for _ in sessions]  # per step: [token, its probability], on the device
     last: list[torch.Tensor] = [torch.empty(0)] * len(sessions)  # each session's last token [1], on the device
     dists: list[list[torch.Tensor | None]] = [[] for _ in sessions]
@@ -83,7 +84,7 @@ def propose_chains(sessions: list[_ChainSession], seqs: list[list[int]], params:
     drafted: list[list[tuple[int, float]]] = [[] for _ in sessions]  # (token, probability) read back per step
     reach = [1.0] * len(sessions)
     live = list(range(len(sessions)))
-    for i in range(depth):
+    for i in range(max(caps)):
         for rows, b in zip(logits, live):
             if guides[b] is not None:
                 rows = guides[b].apply(rows[:1], [[x for x, _ in drafted[b]]])
@@ -110,7 +111,7 @@ def propose_chains(sessions: list[_ChainSession], seqs: list[list[int]], params:
                 x, p_x = picks[b][-1].tolist()
                 drafted[b].append((checked_token(int(x)), p_x))
                 reach[b] *= p_x
-        live = [b for b in live if reach[b] >= stop]
+        live = [b for b in live if reach[b] >= stop and i + 1 < caps[b]]
         if not live:
             break
         if i + 1 < depth:

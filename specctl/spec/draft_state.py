@@ -99,6 +99,12 @@ class DraftState:
         if guide is not None:
             guide.record(tokens)
 
+    def cap_depth(self, max_depth: int) -> None:
+        """The next proposal at most ``max_depth`` tokens deep (0: the drafter's own depth): the
+        target's load (spec.turns). Chains only; other drafters draft as they would."""
+        if hasattr(self.session, "depth_cap"):
+            self.session.depth_cap = max_depth
+
     def proposed(self, proposal: Proposal) -> Proposal:
         self.last_tree = proposal.tree
         return proposal

@@ -121,6 +121,7 @@ class _ChainSession(_ModelDraftSession):
     def __init__(self, decoder: Decoder, capacity: int, pool: KVPool | None, depth: int, stop: float) -> None:
         super().__init__(decoder, capacity, pool)
         self.depth, self.stop = depth, stop
+        self.depth_cap = 0  # the next proposal at most this deep (0: depth), as the target's load asks
         self.committed = 0
         # (position, q) -> the q to sample from instead (Saguaro sampling); None = q itself
         self.reshape: Callable[[int, torch.Tensor], torch.Tensor] | None = None

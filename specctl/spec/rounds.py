@@ -47,7 +47,9 @@ class Speculator(Protocol):
 
     async def propose(self, session: DecodeSession) -> Drafted:
         """The next proposal, given the last round's outcome in ``session.last_path`` /
-        ``session.last_committed`` (or the prefill's first token)."""
+        ``session.last_committed`` (or the prefill's first token). The speculators a wrapper
+        may ask (spec.prediction, spec.turns) also take ``outcome`` (the rounds they sat out)
+        and ``max_depth`` (0: their own depth)."""
 
     def close(self) -> None:
         """Free the draft side's state for this session (called once, however the session ends)."""
@@ -92,14 +94,17 @@ class LocalSpeculator:
         kept so that its whole text reaches the draft at the end."""
         self.session = session
 
-    async def propose(self, session: DecodeSession, outcome: tuple[list[int], list[int]] | None = None) -> Drafted:
+    async def propose(self, session: DecodeSession, outcome: tuple[list[int], list[int]] | None = None,
+                      max_depth: int = 0) -> Drafted:
         """``outcome``: what to tell the draft about the rounds since its last proposal, instead
-        of the last round's path and tokens (rounds another speculator proposed in)."""
+        of the last round's path and tokens (rounds another speculator proposed in);
+        ``max_depth``: a chain at most that deep (0: the drafter's own depth)."""
         started = time.perf_counter()
-        proposal = await self.lane.run(self._draft, session, outcome)
+        proposal = await self.lane.run(self._draft, session, outcome, max_depth)
         return Drafted(proposal, time.perf_counter() - started)
 
-    def _draft(self, session: DecodeSession, outcome: tuple[list[int], list[int]] | None = None) -> Proposal:
+    def _draft(self, session: DecodeSession, outcome: tuple[list[int], list[int]] | None = None,
+               max_depth: int = 0) -> Proposal:
         opening = self.state is None
         if opening:  # the text grows by appending: its first prompt_len tokens are the prompt
             capacity = draft_capacity(session.prompt_len, session.params.max_tokens, self.max_nodes)
@@ -112,6 +117,7 @@ class LocalSpeculator:
         if opening and session.rules is not None and hasattr(self.state.session, "guide"):
             # the draft follows the request's rules from here (the committed text is in the copy already)
             self.state.session.guide = session.rules.guide(self.state.session.decoder.device)
+        self.state.cap_depth(max_depth)
         result = draft_many([self.state])[0]
         if isinstance(result, Exception):
             raise result

@@ -50,13 +50,16 @@ class InnerTurns:
 
 
 class SpeculationByLoad:
-    """Plain rounds while ``loaded()`` says the instance runs more sessions than speculation
-    pays for there (vLLM's ``speculative_disable_by_batch_size``, asked every round rather than
-    once a request: a session speculates again once the load falls). A plain round verifies
-    the root alone: slower for that session, never different."""
+    """Each round as ``plan()`` says from the instance's load: None, a plain round (past
+    spec_max_sessions: vLLM's ``speculative_disable_by_batch_size``, asked every round rather
+    than once a request, so a session speculates again once the load falls); else a proposal
+    at most that many tokens deep (0: the drafter's own depth; spec_depth_by_load, as
+    SmartSpec shortens proposals as the batch grows). A plain round verifies the root alone
+    and a shorter chain accepts what it holds: slower or faster for that session, never
+    different."""
 
-    def __init__(self, inner: Speculator, loaded: Callable[[], bool]) -> None:
-        self.inner, self.loaded = inner, loaded
+    def __init__(self, inner: Speculator, plan: Callable[[], int | None]) -> None:
+        self.inner, self.plan = inner, plan
         self.max_nodes = inner.max_nodes
         self.turns = InnerTurns()
 
@@ -66,12 +69,24 @@ class SpeculationByLoad:
     async def propose(self, session, outcome: Outcome | None = None) -> Drafted:
         """``outcome``: from a wrapper outside this one (the prediction), whose rounds came between."""
         self.turns.round_ended(session.last_path if outcome is None else outcome[0])
-        if self.loaded():
+        max_depth = self.plan()
+        if max_depth is None:
             return Drafted(None, 0.0, by_load=True)
-        return await self.inner.propose(session, self.turns.outcome(session))
+        return await self.inner.propose(session, self.turns.outcome(session), max_depth=max_depth)
 
     def close(self) -> None:
         self.inner.close()
+
+
+def depth_for_load(active: int, schedule: tuple[tuple[int, int], ...]) -> int:
+    """The deepest proposal an instance running ``active`` sessions asks for: the depth of the
+    schedule's largest session count at or below ``active`` ((sessions, depth) pairs, counts
+    ascending); 0 (the drafter's own) below the first."""
+    depth = 0
+    for sessions, capped in schedule:
+        if active >= sessions:
+            depth = capped
+    return depth
 
 
 class LoadHold:

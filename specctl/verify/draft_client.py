@@ -145,11 +145,11 @@ class DraftClient:
         return None
 
     async def propose(self, handle: Handle, path: list[int], tokens: list[int],
-                      timeout_s: float | None = None) -> Proposal | None:
+                      timeout_s: float | None = None, max_depth: int = 0) -> Proposal | None:
         epoch, tag = handle
         if epoch != self.epoch:
             return None
-        reply = await self._request(("tag", tag), Propose(tag, path, tokens), timeout_s)
+        reply = await self._request(("tag", tag), Propose(tag, path, tokens, max_depth), timeout_s)
         return reply if isinstance(reply, Proposal) and epoch == self.epoch else None
 
     async def open_levels(self, prompt: list[int], width: int, topk: int, capacity: int,

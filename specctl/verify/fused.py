@@ -103,6 +103,7 @@ class FusedSpeculator:
         self.session: DecodeSession | None = None
         self.asked: list[tuple[_Link, Draft, list[int | None]]] = []  # (drafter, its draft, where it landed)
         self.rounds = self.accepted = 0
+        self.max_depth = 0  # this round's, for the draft servers (spec.turns)
         self.gate = PaysGate(pooled=fusion.pooled_rounds if fusion.policy.pooled else None) \
             if fusion.policy.measures else None
 
@@ -128,10 +129,13 @@ class FusedSpeculator:
             self.accepted += len(last_path)
         self.asked = []
 
-    async def propose(self, session: DecodeSession, outcome: tuple[list[int], list[int]] | None = None) -> Drafted:
+    async def propose(self, session: DecodeSession, outcome: tuple[list[int], list[int]] | None = None,
+                      max_depth: int = 0) -> Drafted:
         """``outcome``: (its last proposal's accepted path, the tokens since), when rounds another
-        speculator proposed in came between (each drafter is told its own catch-up anyway)."""
+        speculator proposed in came between (each drafter is told its own catch-up anyway);
+        ``max_depth``: passed to the draft servers (0: their own depth)."""
         started = time.perf_counter()
+        self.max_depth = max_depth
         self._score_last_round(session, session.last_path if outcome is None else outcome[0])
         stats, policy = self.fusion.stats, self.fusion.policy
         scores = [link.score.value for link in self.links]
@@ -180,7 +184,8 @@ class FusedSpeculator:
             if link.remote is not None:
                 outcome = (link.path if link.outstanding else [], session.seq[link.synced:])
                 link.synced, link.path, link.outstanding = len(session.seq), [], False
-                tasks[i] = asyncio.ensure_future(link.remote.propose(session, outcome, self.fusion.deadline_s))
+                tasks[i] = asyncio.ensure_future(link.remote.propose(session, outcome, self.fusion.deadline_s,
+                                                                     self.max_depth))
         for i in order:
             if self.links[i].name == NGRAM:
                 drafts[i] = Draft.chain(tokens := self.ngram.lookup(session.seq), [1.0] * len(tokens))

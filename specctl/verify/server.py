@@ -33,7 +33,7 @@ from specctl.spec.decode import DecodeSession
 from specctl.spec.logprobs import emitted_logprobs
 from specctl.spec.prediction import PREDICTION_NODES, with_prediction
 from specctl.spec.rounds import Speculator, run_session
-from specctl.spec.turns import LoadHold, SpeculationByLoad
+from specctl.spec.turns import LoadHold, SpeculationByLoad, depth_for_load
 from specctl.spec.stats import GenerationStats, RoundResult
 from specctl.spec.structured import ll_tokenizer
 from specctl.verify.draft_client import DraftClient
@@ -56,6 +56,7 @@ class TargetServerConfig(ListenConfig):
     max_batch: int = 8  # most sessions verified together in one target forward
     # speculate while the instance runs at most this many sessions; past it, plain rounds (spec.turns); 0 = always
     spec_max_sessions: int = 0
+    spec_depth_by_load: tuple[tuple[int, int], ...] = ()  # (sessions, the deepest proposal from then on)
 
     def __post_init__(self) -> None:
         ListenConfig.__post_init__(self)
@@ -277,9 +278,15 @@ class TargetServer(ListeningServer):
             speculator = self.fusion.speculator(seed)
         else:
             speculator = RemoteSpeculator(self.draft, self.config.max_proposal_nodes, seed)
-        if self.load_hold is None or params.repeatable:
+        if (self.load_hold is None and not self.config.spec_depth_by_load) or params.repeatable:
             return speculator
-        return SpeculationByLoad(speculator, lambda: self.load_hold(self.active))
+        return SpeculationByLoad(speculator, self._round_plan)
+
+    def _round_plan(self) -> int | None:
+        """A round by the instance's load: None, plain; else the deepest proposal (0: any)."""
+        if self.load_hold is not None and self.load_hold(self.active):
+            return None
+        return depth_for_load(self.active, self.config.spec_depth_by_load)
 
     def _session_nodes(self, params) -> int:
         """The largest proposal a session verifies (SpecPipe: the tree nodes it keeps cached): a

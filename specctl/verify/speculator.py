@@ -120,10 +120,11 @@ class RemoteSpeculator:
         return self.handle is None or self._fresh
 
     async def propose(self, session: DecodeSession, outcome: tuple[list[int], list[int]] | None = None,
-                      timeout_s: float | None = None) -> Drafted:
+                      timeout_s: float | None = None, max_depth: int = 0) -> Drafted:
         """``outcome``: what to tell the draft about the rounds since its last proposal,
         instead of the last round's path and tokens (a draft that other drafters were fused
-        with, or that sat rounds out); ``timeout_s``: a deadline shorter than the client's."""
+        with, or that sat rounds out); ``timeout_s``: a deadline shorter than the client's;
+        ``max_depth``: a chain at most that deep (0: the draft's own depth)."""
         if self.client is None:  # no draft server configured: autoregressive by choice, not a fallback
             return Drafted(None, 0.0)
         started = time.perf_counter()
@@ -149,7 +150,7 @@ class RemoteSpeculator:
         # the draft reads this Propose whatever comes back (a session ended while it is out closes
         # after it): its text is the session's now (a fused round may go on while it is out)
         self._fresh, self._told = False, len(session.seq)
-        reply = await self.client.propose(self.handle, path, tokens, timeout)
+        reply = await self.client.propose(self.handle, path, tokens, timeout, max_depth)
         waited = time.perf_counter() - started
         if reply is None:
             self.client.close(self.handle)
