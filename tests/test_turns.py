@@ -147,6 +147,11 @@ def test_a_capped_chain_in_a_batch_stops_at_its_cap_and_the_others_draft_on(tiny
     capped, uncapped = propose_chains(sessions, texts, [greedy, greedy], [None, None])
     assert list(capped.tree.tokens) == list(full[0][:3]) and list(uncapped.tree.tokens) == list(full[1])
     assert sessions[0].cache.length == len(texts[0]) + 1  # the text and the first drafted token (the second unfed)
+    both = [drafter.open(64), drafter.open(64)]
+    for session in both:
+        session.depth_cap = 3  # one cap for the batch: its chains read back once, at the end
+    assert [list(p.tree.tokens) for p in propose_chains(both, texts, [greedy, greedy], [None, None])] == \
+        [list(tokens[:4]) for tokens in full]
 
 
 def test_the_depth_for_a_load_is_the_largest_threshold_reached():

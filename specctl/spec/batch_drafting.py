@@ -76,7 +76,7 @@ def propose_chains(sessions: list[_ChainSession], seqs: list[list[int]], params:
     # On a GPU the host then prepares step i + 1 while the device runs step i (issue 11: a
     # read-back per step left the device idle for the host's part of every step).
     guides = [s.guide for s in sessions]  # the request's rules need each step's token on the host
-    read_once = not stop and all(p.greedy for p in params) and not any(guides) and min(caps) == depth
+    read_once = not stop and all(p.greedy for p in params) and not any(guides) and len(set(caps)) == 1
     picks: list[list[torch.Tensor]] = [[] for _ in sessions]  # per step: [token, its probability], on the device
     last: list[torch.Tensor] = [torch.empty(0)] * len(sessions)  # each session's last token [1], on the device
     dists: list[list[torch.Tensor | None]] = [[] for _ in sessions]
@@ -118,7 +118,7 @@ def propose_chains(sessions: list[_ChainSession], seqs: list[list[int]], params:
             one = torch.tensor([0])
             logits = decoder.forward_many([last[b] for b in live], [torch.tensor([len(seqs[b]) + i]) for b in live],
                                           [caches[b] for b in live], [None] * len(live), [one] * len(live))
-    if read_once:  # every session drafted all d steps: one read-back of all chains
+    if read_once:  # every session drafted all its steps, as many as the others: one read-back of all chains
         read = torch.stack([torch.stack(steps) for steps in picks]).tolist()
         drafted = [[(checked_token(int(x)), p_x) for x, p_x in steps] for steps in read]
     proposals = []

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.loader import LoadedModel
 from specctl.engine.prefill_gate import prefill_gate
-from specctl.engine.prefix_cache import flush_prefix_cache, prefix_cache_stats
+from specctl.engine.prefix_cache import flush_prefix_cache
 from specctl.engine.spec import check_token_ids
 from specctl.spec.logit_rules import check_rule_token_ids
 from specctl.errors import KVBudgetExceeded, SpecctlError, StageUnavailable
@@ -39,6 +39,7 @@ from specctl.spec.structured import ll_tokenizer
 from specctl.verify.draft_client import DraftClient
 from specctl.verify.fused import Fusion
 from specctl.verify.speculator import RemoteSpeculator
+from specctl.verify.target_stats import target_snapshot
 from specctl.verify.wire_params import sampling_params_of
 
 log = logging.getLogger("specctl.verify")
@@ -98,44 +99,7 @@ class TargetServer(ListeningServer):
         self.started = time.perf_counter()
 
     def snapshot(self) -> dict:
-        t, piped = self.totals, self.specpipe.totals if self.specpipe is not None else None
-        wall = max(time.perf_counter() - self.started, 1e-9)
-        stats = {
-            "model": self.model.name, "sessions": self.active, "sessions_done": self.sessions_done,
-            "rounds": t.rounds, "R_p": round(t.rounds / wall, 3), "tokens": t.new_tokens,
-            "drafts": t.drafts, "drafted": t.drafted, "accepted": t.accepted,
-            "tokens_per_s": round(t.new_tokens / wall, 3), "ar_rounds": t.ar_rounds,
-            "fallback_rounds": t.fallback_rounds,
-            "load_rounds": t.load_rounds, "spec_max_sessions": self.config.spec_max_sessions,
-            "spec_held": self.load_hold is not None and self.load_hold.held(),  # plain rounds by load now
-            "proposal_wait_s": round(t.draft_s, 6),
-            "acceptance_rate": round(t.acceptance_rate, 4),
-            "mean_accepted_length": round(t.mean_accepted_length, 4),
-            # a SpecPipe session's counted as its driver ends (cancelled or failed too: pipeline.serve)
-            "prediction_accepted": t.prediction_accepted + (piped.predicted_accepted if piped else 0),
-            "prediction_rejected": t.prediction_rejected + (piped.predicted_rejected if piped else 0),
-            "kv_used_mb": round(self.pool.used_bytes / 2**20, 2),
-            "draft_connected": bool(self.draft and self.draft.connected.is_set()),
-            "draft_reconnects": self.draft.reconnects if self.draft else 0,
-            "draft_address": f"{self.draft.host}:{self.draft.port}" if self.draft else None,
-            "max_sessions": self.config.max_sessions, "throttled": self.throttled,
-            "rejected_requests": self.rejected_requests,
-            **prefix_cache_stats(self.model.decoder),
-        }
-        if self.prefill_gate is not None:
-            stats["shared_prefills"] = self.prefill_gate.waits
-        if self.pipeline is not None:
-            stats.update({"pipeline_connected": self.pipeline.connected.is_set(),
-                          "pipeline_rebuilds": self.pipeline.reconnects, "pipeline_error": self.pipeline.last_error,
-                          "pipeline_most_in_flight": self.pipeline.most_in_flight,
-                          "stages": self.pipeline.refresh_stats()})
-        if self.specpipe is not None:
-            stats.update(self.specpipe.snapshot())
-        if self.fusion is not None:
-            stats["drafters"] = self.fusion.snapshot()
-            stats["draft_connected"] = any(d["connected"] for d in stats["drafters"].values())
-        stats.update(self.compute.stats.snapshot(self.compute.queue_depth))
-        return stats
+        return target_snapshot(self)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._live.track(writer)
@@ -271,9 +235,10 @@ class TargetServer(ListeningServer):
 
     def _speculator(self, seed: int | None, params) -> Speculator:
         """A round-loop session's drafter: the fused drafters or the draft server (none
-        connected: AR rounds), sitting rounds out while the instance runs more than
-        spec_max_sessions sessions — unless a seed asks for the same text whatever the load (a
-        plain round draws other random numbers than a speculative one)."""
+        connected: AR rounds), planned by the instance's load (plain rounds past
+        spec_max_sessions, shorter chains by spec_depth_by_load) — unless a seed asks for the
+        same text whatever the load (a plain round or a shorter chain draws other random
+        numbers)."""
         if self.fusion is not None:
             speculator = self.fusion.speculator(seed)
         else:
