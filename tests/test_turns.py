@@ -154,6 +154,23 @@ def test_a_capped_chain_in_a_batch_stops_at_its_cap_and_the_others_draft_on(tiny
         [list(tokens[:4]) for tokens in full]
 
 
+def test_a_negative_max_depth_is_refused_and_the_rest_of_its_batch_is_drafted(tiny):
+    from specctl.draft.sessions import SessionTable
+    from specctl.engine.kv_cache import KVPool
+    from specctl.errors import BadRequest
+    from specctl.net.protocol import OpenSession, Proposal as ProposalMsg
+
+    draft = tiny["llama-draft"]
+    table = SessionTable(ModelChainDrafter(draft, 4), KVPool(None), draft.spec.vocab_size, draft.spec.max_position)
+    for tag, prompt in ((1, [5, 6, 7]), (2, [9, 3, 4, 1])):
+        table.open(tag, OpenSession(0, prompt, max_tokens=16))
+    bad, good = table.propose_many([(1, [], [8], -1), (2, [], [8], 2)])
+    assert isinstance(bad, BadRequest) and str(bad) == "max_depth must be >= 0 (0: the draft's own depth), got -1"
+    assert isinstance(good, ProposalMsg) and len(good.tokens) == 3  # the root and a chain of 2
+    assert table.states[1].seq == [5, 6, 7] and table.states[1].last_tree is None  # the outcome was not applied
+    assert isinstance(table.propose_many([(1, [], [8])])[0], ProposalMsg)  # and the session goes on
+
+
 def test_the_depth_for_a_load_is_the_largest_threshold_reached():
     schedule = ((4, 4), (6, 2))
     assert [depth_for_load(n, schedule) for n in (1, 3, 4, 5, 6, 9)] == [0, 0, 4, 4, 2, 2]

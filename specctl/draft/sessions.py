@@ -99,10 +99,10 @@ class SessionTable:
                 if state is None:
                     raise UnknownTag(tag)
                 before = state.rounds, state.drafted, state.accepted
+                state.cap_depth(max_depth[0] if max_depth else 0)  # a bad one refused before the outcome is applied
                 if self._speculates(state):  # learn from the outcome; no branch KV may stay
                     self.speculation.outcome_without_lookup(tag, path, tokens)
                 state.advance(path, tokens)
-                state.cap_depth(max_depth[0] if max_depth else 0)
             except Exception as exc:  # noqa: BLE001 - reported to that request only
                 results[i] = exc
                 continue
