@@ -3,7 +3,8 @@
 Two wrappers answer some rounds themselves and leave the others to an inner speculator (a
 draft server, a drafter here, the fused drafters): the request's prediction
 (``spec.prediction``), and the instance's load (``SpeculationByLoad``: plain rounds while a
-target runs more sessions than speculation pays for). When asked again the inner speculator
+target runs more sessions than speculation pays for, shorter chains as its batch grows). When
+asked again the inner speculator
 is told, in one outcome, its last proposal's accepted path and every token committed since
 it last proposed (``InnerTurns``), as a fused drafter that sat rounds out is."""
 
