@@ -420,6 +420,8 @@ def test_bench_rejects_unknown_modes():
     (["--variants", "ar,spec by load", "--profile", "server"],
      "the 'spec by load' variant needs --spec-max-sessions N (N >= 1) or --spec-depth-by-load SESSIONS:DEPTH (the "
      "profile gives neither)"),
+    (["--prompts", "no-such-prompts.jsonl"], "prompt file 'no-such-prompts.jsonl' not found (use builtin, heldout, "
+                                             "mixed, infill, edits, long-edits or a JSON-lines file)"),
     (["--variants", "spec by load", "--spec-depth-by-load", "4:4,3:2"],
      "spec_depth_by_load must be SESSIONS:DEPTH pairs (depth 1-64), the sessions ascending, e.g. 4:4,6:2; got '4:4,3:2'"),
     (["--variants", "spec by load", "--spec-max-sessions", "-1"],

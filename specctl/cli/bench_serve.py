@@ -25,6 +25,9 @@ def serve(
     dtype: Optional[str] = typer.Option(None, help="fp32 | bf16 | fp16"),
     draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="none | int8"),
     concurrency: str = typer.Option("1,4", help="numbers of concurrent clients to measure"),
+    prompts: str = typer.Option("builtin", "--prompts", help="builtin (8 prompts), heldout (20 never tuned on), mixed "
+                                "(16: code, prose, edits, summaries) or a JSON-lines file; client i sends prompt i, "
+                                "i + 1, ... in turn"),
     requests: int = typer.Option(2, "--requests-per-client", help="requests each client sends, one after another"),
     max_tokens: int = typer.Option(64, "--max-tokens", "-n", help="new tokens per request (ignore_eos)"),
     max_batch: int = typer.Option(8, "--max-batch", help="most sessions verified together in the batched variants"),
@@ -62,8 +65,10 @@ def serve(
         raise ConfigError(f"--variants: choose from {', '.join(VARIANTS)}")
     if requests < 1 or max_tokens < 1 or max_batch < 1 or repeats < 1:
         raise ConfigError("--requests-per-client, --max-tokens, --max-batch and --repeats must be at least 1")
+    bench_prompts = load_prompts(prompts)  # a bad file is a one-line error before anything loads
     if gateway is not None:
-        return _serve_gateway(gateway.rstrip("/"), levels, max_tokens, requests, max_batch, repeats, json_out)
+        return _serve_gateway(gateway.rstrip("/"), levels, max_tokens, requests, max_batch, repeats, json_out,
+                              bench_prompts, prompts)
     config = build_config(profile, target=target, draft=draft, mode=mode, depth=depth, dtype=dtype,
                           draft_quant=draft_quant, threads=threads, max_sessions=max(64, levels[-1]),
                           prefix_cache_mb=0, spec_max_sessions=spec_max_sessions,
@@ -82,7 +87,7 @@ def serve(
         holder: dict = {}
 
         async def main(compute: ComputeThread) -> None:  # compute served from the main thread, as in `up`
-            holder["report"] = await run_serve_bench(config, models, load_prompts("builtin"), settings, advance,
+            holder["report"] = await run_serve_bench(config, models, bench_prompts, settings, advance,
                                                      compute)
 
         try:
@@ -92,22 +97,25 @@ def serve(
             raise
         report = holder["report"]
     report["settings"].update(target=config.target, draft=config.draft, mode=config.mode, depth=config.depth,
-                              dtype=config.dtype, draft_quant=config.draft_quant)
+                              dtype=config.dtype, draft_quant=config.draft_quant, prompts=prompts)
     _show(report, f"bench serve: {config.target} / {config.draft} ({config.mode} d={config.depth}, {config.dtype}), "
-                  f"{requests} x {max_tokens} tokens per client{_times(repeats)}", json_out, console)
+                  f"{requests} x {max_tokens} tokens per client{_of(prompts)}{_times(repeats)}", json_out, console)
 
 
 def _times(repeats: int) -> str:
     return f", {repeats} repeats" if repeats > 1 else ""
 
 
+def _of(prompts: str) -> str:
+    return "" if prompts == "builtin" else f", {prompts} prompts"
+
+
 def _serve_gateway(url: str, levels: tuple[int, ...], max_tokens: int, requests: int, max_batch: int, repeats: int,
-                   json_out: str | None) -> None:
+                   json_out: str | None, bench_prompts: list, prompts: str) -> None:
     import asyncio
 
     import aiohttp
 
-    from specctl.bench.prompts import load_prompts
     from specctl.bench.serve import ServeBenchSettings, run_gateway_bench
     from specctl.errors import unreachable_reason
 
@@ -115,13 +123,14 @@ def _serve_gateway(url: str, levels: tuple[int, ...], max_tokens: int, requests:
     settings = ServeBenchSettings(levels, max_tokens, requests, max_batch, ("gateway",), repeats)
     with _progress(console, "concurrency levels x repeats", len(levels) * repeats) as advance:
         try:
-            report = asyncio.run(run_gateway_bench(url, load_prompts("builtin"), settings, advance))
+            report = asyncio.run(run_gateway_bench(url, bench_prompts, settings, advance))
         except (aiohttp.ClientError, OSError, RuntimeError) as exc:
             reason = unreachable_reason(exc)
             raise ConfigError(f"cannot reach the gateway at {url} ({reason}): start one or check --gateway" if reason
                               else f"the gateway at {url} failed: {exc}") from None
-    _show(report, f"bench serve: the gateway at {url}, {requests} x {max_tokens} tokens per client{_times(repeats)}",
-          json_out, console)
+    report["settings"]["prompts"] = prompts
+    _show(report, f"bench serve: the gateway at {url}, {requests} x {max_tokens} tokens per client{_of(prompts)}"
+                  f"{_times(repeats)}", json_out, console)
 
 
 @contextmanager
