@@ -26,8 +26,8 @@ def serve(
     draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="none | int8"),
     concurrency: str = typer.Option("1,4", help="numbers of concurrent clients to measure"),
     prompts: str = typer.Option("builtin", "--prompts", help="builtin (8 prompts), heldout (20 never tuned on), mixed "
-                                "(16: code, prose, edits, summaries) or a JSON-lines file; client i sends prompt i, "
-                                "i + 1, ... in turn"),
+                                "(16: code, prose, edits, summaries) or a JSON-lines file; client i sends prompts iR, "
+                                "iR + 1, ... (R: --requests-per-client)"),
     requests: int = typer.Option(2, "--requests-per-client", help="requests each client sends, one after another"),
     max_tokens: int = typer.Option(64, "--max-tokens", "-n", help="new tokens per request (ignore_eos)"),
     max_batch: int = typer.Option(8, "--max-batch", help="most sessions verified together in the batched variants"),
