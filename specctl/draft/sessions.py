@@ -87,10 +87,10 @@ class SessionTable:
             return True
         return prefill_step(session, state.seq)
 
-    def propose_many(self, requests: list[tuple[int, list[int], list[int], int]]) -> list:
-        """Serve many Propose requests (tag, path, tokens, max_depth) in one pass
-        (``draft_many``): one Proposal message or exception each. An outcome that does not fit
-        its session is refused before drafting."""
+    def propose_many(self, requests: list[tuple]) -> list:
+        """Serve many Propose requests (tag, path, tokens[, max_depth: 0 when left out]) in one
+        pass (``draft_many``): one Proposal message or exception each. An outcome that does not
+        fit its session is refused before drafting."""
         results: list = [None] * len(requests)
         ready: list[tuple[int, int, DraftState]] = []
         for i, (tag, path, tokens, *max_depth) in enumerate(requests):

@@ -103,7 +103,6 @@ class FusedSpeculator:
         self.session: DecodeSession | None = None
         self.asked: list[tuple[_Link, Draft, list[int | None]]] = []  # (drafter, its draft, where it landed)
         self.rounds = self.accepted = 0
-        self.max_depth = 0  # this round's, for the draft servers (spec.turns)
         self.gate = PaysGate(pooled=fusion.pooled_rounds if fusion.policy.pooled else None) \
             if fusion.policy.measures else None
 
@@ -135,7 +134,6 @@ class FusedSpeculator:
         speculator proposed in came between (each drafter is told its own catch-up anyway);
         ``max_depth``: passed to the draft servers (0: their own depth)."""
         started = time.perf_counter()
-        self.max_depth = max_depth
         self._score_last_round(session, session.last_path if outcome is None else outcome[0])
         stats, policy = self.fusion.stats, self.fusion.policy
         scores = [link.score.value for link in self.links]
@@ -162,7 +160,7 @@ class FusedSpeculator:
             if self.gate is not None and any(self.links[i].remote is not None and not self.links[i].synced
                                              for i in order):
                 self.gate.uncounted()  # a draft server's first draft for this session: its prompt prefill
-            await self._ask(session, order, drafts)
+            await self._ask(session, order, drafts, max_depth)
             # nothing proposed (no n-gram match, drafters late or failed): the next-ranked one has a go
             following = None if any(d.tokens for d in drafts.values()) else next_drafter(scores, up, asked, free)
             order = [] if following is None else [following]
@@ -174,7 +172,7 @@ class FusedSpeculator:
             stats[link.name].fused(where)
         return Drafted(Proposal(tree), time.perf_counter() - started)
 
-    async def _ask(self, session: DecodeSession, order: list[int], drafts: dict[int, Draft]) -> None:
+    async def _ask(self, session: DecodeSession, order: list[int], drafts: dict[int, Draft], max_depth: int = 0) -> None:
         """Ask the drafters in ``order`` at once; their proposals land in ``drafts`` (a drafter
         late past the deadline or failing is skipped for this round)."""
         stats = self.fusion.stats
@@ -185,7 +183,7 @@ class FusedSpeculator:
                 outcome = (link.path if link.outstanding else [], session.seq[link.synced:])
                 link.synced, link.path, link.outstanding = len(session.seq), [], False
                 tasks[i] = asyncio.ensure_future(link.remote.propose(session, outcome, self.fusion.deadline_s,
-                                                                     self.max_depth))
+                                                                     max_depth))
         for i in order:
             if self.links[i].name == NGRAM:
                 drafts[i] = Draft.chain(tokens := self.ngram.lookup(session.seq), [1.0] * len(tokens))
