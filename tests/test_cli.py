@@ -387,6 +387,34 @@ def test_bench_local_writes_json(tiny_dir, tmp_path):
     assert "bench local" in proc.stdout and "by class of prompt" in proc.stdout
 
 
+def test_a_benchmark_stopped_by_ctrl_c_says_it_wrote_no_report(tiny_dir, tmp_path):
+    """typer turns Ctrl-C into a silent exit 130; every bench command says why it stopped."""
+    import signal
+
+    from specctl.cli.bench import app as bench_app
+
+    assert all(hasattr(info.callback, "__wrapped__") for info in bench_app.registered_commands)
+    out = tmp_path / "bench.json"
+    proc = subprocess.Popen([sys.executable, "-m", "specctl", "bench", "local", "--target", str(tiny_dir["llama"]),
+                             "--draft", str(tiny_dir["llama-draft"]), "--max-tokens", "64", "--repeats", "50",
+                             "--modes", "ar,chain", "--dtype", "fp32", "--json", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = ""
+        while "preparing" not in seen:
+            line = proc.stderr.readline()
+            assert line, seen
+            seen += line
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert err.strip().splitlines()[-1] == \
+        "interrupted: no report written (the models and processes it started are closed)"
+    assert not out.exists()
+
+
 def test_bench_local_runs_a_mode_with_each_prompt_s_prediction_beside_it_without(tiny_dir, tmp_path):
     """MODE+prediction (spec.prediction) on the shipped edits, whose prompts carry their code
     as the prediction: the target alone's outputs, one ratio per repeat."""

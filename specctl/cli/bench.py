@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
-from typing import Optional
+import sys
+from typing import Callable, Optional
 
 import typer
 from rich.console import Console
@@ -217,3 +219,21 @@ app.command("pipeline")(pipeline)
 app.command("prespec")(prespec)
 app.command("kernels")(kernels)
 app.command("drafters")(drafters)
+
+
+def says_when_interrupted(command: Callable) -> Callable:
+    """A benchmark stopped by Ctrl-C or SIGTERM says so and that it wrote no report (typer
+    turns the KeyboardInterrupt into a silent exit 130, which reads like a crash or a hang).
+    What it started is closed by then: its own ``finally`` blocks ran on the way out."""
+    @functools.wraps(command)
+    def noted(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except KeyboardInterrupt:
+            print("interrupted: no report written (the models and processes it started are closed)", file=sys.stderr)
+            raise
+    return noted
+
+
+for _info in app.registered_commands:
+    _info.callback = says_when_interrupted(_info.callback)

@@ -90,11 +90,7 @@ def serve(
             holder["report"] = await run_serve_bench(config, models, bench_prompts, settings, advance,
                                                      compute)
 
-        try:
-            run_job_with_compute(main, ComputeThread("cpu-compute", max_batch=max_batch, spawn=False))
-        except KeyboardInterrupt:
-            console.print("interrupted: the clusters the benchmark started are closed; no report written")
-            raise
+        run_job_with_compute(main, ComputeThread("cpu-compute", max_batch=max_batch, spawn=False))
         report = holder["report"]
     report["settings"].update(target=config.target, draft=config.draft, mode=config.mode, depth=config.depth,
                               dtype=config.dtype, draft_quant=config.draft_quant, prompts=prompts)
