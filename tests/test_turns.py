@@ -11,7 +11,7 @@ import pytest
 from specctl.config import Config, parse_depth_schedule
 from specctl.errors import ConfigError
 from specctl.spec.decode import DecodeSession
-from specctl.spec.drafters import Drafter, DraftSession, ModelChainDrafter
+from specctl.spec.drafters import Drafter, DraftSession, ModelChainDrafter, ModelTreeDrafter
 from specctl.spec.params import SamplingParams
 from specctl.spec.prediction import with_prediction
 from specctl.spec.rounds import InlineLane, LocalSpeculator, generate, run_inline, run_session
@@ -83,12 +83,12 @@ class _Recording(Drafter):
         return _Session()
 
 
-def _run_by_load(target, draft, params, loads):
-    """Greedy rounds with a chain draft, each round planned as ``loads`` says (True: a plain
-    round, False: any depth, an int: at most that deep; then any depth); (the session, the
-    drafter, each round's result)."""
+def _run_by_load(target, draft, params, loads, tree=False):
+    """Greedy rounds with a chain (or tree) draft 4 deep, each round planned as ``loads`` says
+    (True: a plain round, False: any depth, an int: at most that deep; then any depth); (the
+    session, the drafter, each round's result)."""
     lane, pattern = InlineLane(), iter(loads)
-    drafter = _Recording(ModelChainDrafter(draft, 4))
+    drafter = _Recording(ModelTreeDrafter(draft, 4, 2, 3) if tree else ModelChainDrafter(draft, 4))
 
     def plan():
         load = next(pattern, False)
@@ -122,12 +122,13 @@ def test_plain_rounds_by_load_keep_the_output_and_the_draft_learns_every_token(t
     assert len(drafter.texts) == len(results) - sum(shed)
 
 
-def test_chains_capped_by_load_are_the_uncapped_chains_prefixes_and_keep_the_output(tiny):
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_proposals_capped_by_load_keep_the_output_and_never_pass_their_cap(tiny, tree):
     target, draft = tiny["llama"], tiny["llama-draft"]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     alone = generate(target, PROMPT, params)[0]
     caps = [2, 1, 3, 0, 2, 2, 1, 0, 0, 1] * 3  # 0: the drafter's own depth, 4
-    session, drafter, results = _run_by_load(target, draft, params, caps)
+    session, drafter, results = _run_by_load(target, draft, params, caps, tree)
     assert session.output == alone and session.stats.load_rounds == 0
     assert [r.depth <= (c or 4) for r, c in zip(results, caps)] == [True] * min(len(results), len(caps))
     assert any(r.depth == 4 for r, c in zip(results, caps) if c == 0)
@@ -152,6 +153,26 @@ def test_a_capped_chain_in_a_batch_stops_at_its_cap_and_the_others_draft_on(tiny
         session.depth_cap = 3  # one cap for the batch: its chains read back once, at the end
     assert [list(p.tree.tokens) for p in propose_chains(both, texts, [greedy, greedy], [None, None])] == \
         [list(tokens[:4]) for tokens in full]
+
+
+def test_a_capped_tree_in_a_batch_is_the_uncapped_tree_s_first_levels_and_the_others_grow_on(tiny):
+    from specctl.spec.batch_drafting import propose_trees
+
+    draft = tiny["llama-draft"]
+    greedy = SamplingParams(max_tokens=8)
+    drafter = ModelTreeDrafter(draft, 4, 2, 3)
+    texts = [[1, 5, 9, 2, 7], [3, 4, 5, 6]]
+    full = [propose_trees([drafter.open(64)], [text], [greedy], [None])[0].tree for text in texts]
+    assert [int(tree.max_depth) for tree in full] == [4, 4]
+    sessions = [drafter.open(64), drafter.open(64)]
+    sessions[0].depth_cap = 2
+    capped, uncapped = (p.tree for p in propose_trees(sessions, texts, [greedy, greedy], [None, None]))
+    shallow = int((full[0].depth <= 2).sum())  # levels are appended in order: the first two are a prefix
+    assert int(capped.max_depth) == 2 and list(capped.tokens) == list(full[0].tokens[:shallow])
+    assert list(capped.parents) == list(full[0].parents[:shallow])
+    assert list(uncapped.tokens) == list(full[1].tokens) and list(uncapped.parents) == list(full[1].parents)
+    # the capped tree's KV holds the text and its first level, fed to grow the second
+    assert sessions[0].cache.length == len(texts[0]) + int((full[0].depth == 1).sum())
 
 
 def test_a_negative_max_depth_is_refused_and_the_rest_of_its_batch_is_drafted(tiny):
@@ -217,9 +238,10 @@ def test_spec_max_sessions_is_checked():
         TargetServerConfig(spec_max_sessions=-1)
 
 
-async def _two_sessions(models, spec_max_sessions, **options):  # noqa: F811 - models: the fixture's value
-    draft_server, link, target_server, port = await _star(models, ModelChainDrafter(models[1].decoder, 4),
-                                                          spec_max_sessions=spec_max_sessions, **options)
+async def _two_sessions(models, spec_max_sessions, tree=False, **options):  # noqa: F811 - models: the fixture's value
+    drafter = ModelTreeDrafter(models[1].decoder, 4, 2, 3) if tree else ModelChainDrafter(models[1].decoder, 4)
+    draft_server, link, target_server, port = await _star(models, drafter, spec_max_sessions=spec_max_sessions,
+                                                          **options)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     prompts = [[5, 9, 13, 2], [7, 8, 9, 10, 7, 8, 9]]
     try:
@@ -268,10 +290,11 @@ async def test_a_target_within_its_spec_max_sessions_speculates_every_round(mode
 
 
 @pytest.mark.asyncio
-async def test_a_target_asks_its_draft_server_for_shorter_chains_as_its_load_grows(models):  # noqa: F811
-    outputs, stats, snapshot, references = await _two_sessions(models, 0, spec_depth_by_load=((1, 3), (2, 1)))
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+async def test_a_target_asks_its_draft_server_for_shorter_proposals_as_its_load_grows(models, tree):  # noqa: F811
+    outputs, stats, snapshot, references = await _two_sessions(models, 0, tree, spec_depth_by_load=((1, 3), (2, 1)))
     assert outputs == references and snapshot["load_rounds"] == 0
     assert all(s["drafts"] == s["rounds"] and max(s["accepted_per_pos"] + [0]) for s in stats)
-    # chains of 1 while both ran, of at most 3 once one had finished; never the draft's 4
+    # proposals 1 deep while both ran, at most 3 once one had finished; never the draft's 4
     assert all(len(s["accepted_per_pos"]) <= 3 for s in stats) and all(s["drafted"] <= 3 * s["drafts"] for s in stats)
     assert any(s["drafted"] < 2 * s["drafts"] for s in stats)

@@ -25,7 +25,7 @@ SPEC_MAX_SESSIONS_HELP = ("speculate while a target instance runs at most this m
                           "speculative_disable_by_batch_size (default: the profile's; 0 = always speculate)")
 
 SPEC_DEPTH_HELP = ("SESSIONS:DEPTH,...: while a target instance runs that many sessions or more, its draft's "
-                   "chains are at most that deep (e.g. 4:4,6:2: shorter proposals as the batch grows, as SmartSpec; "
+                   "chains and trees are at most that deep (e.g. 4:4,6:2: shorter proposals as the batch grows, as SmartSpec; "
                    "default: the profile's; '' = the draft's depth at any load)")
 
 

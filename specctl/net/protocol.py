@@ -93,7 +93,7 @@ class SessionOpened(msgspec.Struct, tag=True, frozen=True):
 
 class Propose(msgspec.Struct, tag=True, frozen=True):
     """The outcome of the last round (accepted node indices) and the tokens it committed
-    (accepted + bonus); the draft answers with the next proposal, a chain at most
+    (accepted + bonus); the draft answers with the next proposal, a chain or tree at most
     ``max_depth`` tokens deep (0: the draft's own depth; the target's load, spec.turns)."""
     tag: int
     path: list[int]

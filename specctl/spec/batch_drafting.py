@@ -136,6 +136,7 @@ def propose_trees(sessions: list[_TreeSession], seqs: list[list[int]], params: l
     Greedy drafting scores candidates by the draft's softmax (T = 1); sampling by the
     request's own processed distribution."""
     decoder, shape = sessions[0].decoder, sessions[0].shape
+    caps = [min(s.depth_cap or shape.depth, shape.depth) for s in sessions]  # the target's load may ask for shallower trees
     score = [tree_score_params(p) for p in params]
     for session in sessions:
         session.fed = 0
@@ -150,7 +151,8 @@ def propose_trees(sessions: list[_TreeSession], seqs: list[list[int]], params: l
     reached = lambda tree, level: float(tree.score[tree.level(level)].max().exp()) if tree.level(level).numel() else 0.0  # noqa: E731
     stopped = {b for b, tree in enumerate(trees) if shape.stop and reached(tree, 1) < shape.stop}
     for level in range(2, shape.depth + 1):
-        live = [b for b, tree in enumerate(trees) if b not in stopped and tree.level(level - 1).numel()]
+        live = [b for b, tree in enumerate(trees)
+                if b not in stopped and level <= caps[b] and tree.level(level - 1).numel()]
         if not live:
             break
         frontiers = {b: trees[b].level(level - 1) for b in live}

@@ -167,6 +167,7 @@ class _TreeSession(_ModelDraftSession):
     def __init__(self, decoder: Decoder, capacity: int, pool: KVPool | None, shape: ModelTreeDrafter) -> None:
         super().__init__(decoder, capacity, pool)
         self.shape = shape
+        self.depth_cap = 0  # the next proposal at most this deep (0: the shape's depth), as the target's load asks
         self.committed = 0
         self.fed = 0  # tree nodes 1..fed are in the cache at positions committed + (node - 1)
 

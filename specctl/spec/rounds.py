@@ -98,7 +98,7 @@ class LocalSpeculator:
                       max_depth: int = 0) -> Drafted:
         """``outcome``: what to tell the draft about the rounds since its last proposal, instead
         of the last round's path and tokens (rounds another speculator proposed in);
-        ``max_depth``: a chain at most that deep (0: the drafter's own depth)."""
+        ``max_depth``: a chain or tree at most that deep (0: the drafter's own depth)."""
         started = time.perf_counter()
         proposal = await self.lane.run(self._draft, session, outcome, max_depth)
         return Drafted(proposal, time.perf_counter() - started)

@@ -124,7 +124,7 @@ class RemoteSpeculator:
         """``outcome``: what to tell the draft about the rounds since its last proposal,
         instead of the last round's path and tokens (a draft that other drafters were fused
         with, or that sat rounds out); ``timeout_s``: a deadline shorter than the client's;
-        ``max_depth``: a chain at most that deep (0: the draft's own depth)."""
+        ``max_depth``: a chain or tree at most that deep (0: the draft's own depth)."""
         if self.client is None:  # no draft server configured: autoregressive by choice, not a fallback
             return Drafted(None, 0.0)
         started = time.perf_counter()
