@@ -62,7 +62,8 @@ class Config:
     spec_max_sessions: int = 0
     # at most this deep a proposal while the instance runs that many sessions or more, as
     # SESSIONS:DEPTH pairs ("4:4,6:2"; SmartSpec's shorter proposals in larger batches; chain
-    # drafts); "" = the drafter's depth at any load
+    # and tree drafts); "auto" = learnt per load from the instance's own rounds (depths and plain
+    # rounds, spec.depth_tuning); "" = the drafter's depth at any load
     spec_depth_by_load: str = ""
     mode: str = "tree"
     depth: int = 4
@@ -125,8 +126,19 @@ class Config:
 
     @property
     def depth_schedule(self) -> tuple[tuple[int, int], ...]:
-        """spec_depth_by_load as (sessions, depth) pairs, sessions ascending."""
-        return parse_depth_schedule(self.spec_depth_by_load)
+        """spec_depth_by_load as (sessions, depth) pairs, sessions ascending (none for "auto")."""
+        return () if self.depth_auto else parse_depth_schedule(self.spec_depth_by_load)
+
+    @property
+    def load_plan(self) -> dict[str, Any]:
+        """A target instance's options for planning rounds by its load (verify.server.TargetServerConfig)."""
+        return {"spec_max_sessions": self.spec_max_sessions, "spec_depth_by_load": self.depth_schedule,
+                "spec_depth_auto": self.depth_auto}
+
+    @property
+    def depth_auto(self) -> bool:
+        """spec_depth_by_load is "auto": each load's depth learnt from the instance's rounds."""
+        return str(self.spec_depth_by_load).strip() == AUTO_DEPTH
 
     @property
     def drafter_names(self) -> list[str]:
@@ -138,6 +150,9 @@ class Config:
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)
+
+
+AUTO_DEPTH = "auto"
 
 
 def parse_depth_schedule(text: str) -> tuple[tuple[int, int], ...]:
@@ -153,7 +168,7 @@ def parse_depth_schedule(text: str) -> tuple[tuple[int, int], ...]:
         ok = False
     if not ok:
         raise ConfigError(f"spec_depth_by_load must be SESSIONS:DEPTH pairs (depth 1-64), the sessions ascending, "
-                          f"e.g. 4:4,6:2; got {text!r}")
+                          f"e.g. 4:4,6:2, or auto; got {text!r}")
     return tuple(pairs)
 
 

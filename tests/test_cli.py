@@ -451,7 +451,7 @@ def test_bench_rejects_unknown_modes():
     (["--prompts", "no-such-prompts.jsonl"], "prompt file 'no-such-prompts.jsonl' not found (use builtin, heldout, "
                                              "mixed, infill, edits, long-edits or a JSON-lines file)"),
     (["--variants", "spec by load", "--spec-depth-by-load", "4:4,3:2"],
-     "spec_depth_by_load must be SESSIONS:DEPTH pairs (depth 1-64), the sessions ascending, e.g. 4:4,6:2; got '4:4,3:2'"),
+     "spec_depth_by_load must be SESSIONS:DEPTH pairs (depth 1-64), the sessions ascending, e.g. 4:4,6:2, or auto; got '4:4,3:2'"),
     (["--variants", "spec by load", "--spec-max-sessions", "-1"],
      "spec_max_sessions must be an integer in [0, 1048576], got -1")])
 def test_bench_serve_refuses_bad_flags_before_loading_anything(args, message):
@@ -463,11 +463,11 @@ def test_bench_serve_runs_every_variant_with_identical_texts(tiny_dir, tmp_path)
     proc = run("bench", "serve", "--target", str(tiny_dir["llama"]), "--draft", f"{tiny_dir['llama']}@2", "--mode", "chain",
                "--depth", "3", "--dtype", "fp32", "--draft-quant", "none", "--concurrency", "1,3", "-n", "6",
                "--requests-per-client", "1", "--repeats", "2", "--json", str(out), "--spec-max-sessions", "2",
-               "--variants", "ar,ar batched,spec,spec batched,spec by load")
+               "--variants", "ar,ar batched,spec,spec batched,spec by load,spec auto")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert [(r["variant"], r["clients"]) for r in report["rows"]] == [
-        (v, c) for v in ("ar", "ar batched", "spec", "spec batched", "spec by load") for c in (1, 3)]
+        (v, c) for v in ("ar", "ar batched", "spec", "spec batched", "spec by load", "spec auto") for c in (1, 3)]
     assert report["settings"]["spec_max_sessions"] == 2
     for row in report["rows"]:  # over both repeats
         assert row["same_as_ar"] == 1.0 and row["tokens"] == 2 * 6 * row["clients"]

@@ -240,6 +240,17 @@ def test_a_target_loaded_past_its_spec_max_sessions_shows_its_plain_rounds_in_th
     assert "off>3" not in text_of(dashboard(advance(MonitorState("http://gw:8000"), data, 1.0), now=1.5))
 
 
+@pytest.mark.parametrize("now, shown", [("plain", "auto:off"), ("4", "auto:4"), ("own", "auto:own")])
+def test_a_target_learning_its_depth_by_load_shows_the_depth_it_runs_now(now, shown):
+    data = feed(tokens=(100,), up=(True,))
+    data["targets"][0]["stats"].update(draft_connected=True, spec_depth_now=now, spec_depth_load=4)
+    screen = text_of(dashboard(advance(MonitorState("http://gw:8000"), data, 1.0), now=1.5))
+    assert max(len(line) for line in screen.rstrip("\n").split("\n")) <= 80
+    assert shown in screen
+    data["targets"][0]["stats"]["draft_connected"] = False  # no draft: every round is plain, whatever was learnt
+    assert "auto:" not in text_of(dashboard(advance(MonitorState("http://gw:8000"), data, 1.0), now=1.5))
+
+
 def test_prefix_caches_show_their_hit_rate_in_80x24_once_asked():
     cache = {"prefix_cache_hit_rate": 0.734, "prefix_cache_hit_tokens": 734, "prefix_cache_query_tokens": 1000,
              "prefix_cache_entries": 12, "prefix_cache_mb": 37.4, "shared_prefills": 4}

@@ -20,7 +20,7 @@ import aiohttp
 from specctl.bench.prompts import BenchPrompt
 from specctl.bench.spread import spread
 from specctl.cluster.embedded import ClusterConfig, EmbeddedCluster
-from specctl.config import Config
+from specctl.config import AUTO_DEPTH, Config
 from specctl.engine.loader import LoadedModel
 from specctl.runtime.compute import ComputeThread
 
@@ -28,8 +28,10 @@ VARIANTS = {  # name -> (speculate, batched verification)
     "ar": (False, False), "ar batched": (False, True), "spec": (True, False), "spec batched": (True, True),
     # plain rounds while a target runs more than spec_max_sessions sessions, shorter chains by spec_depth_by_load
     "spec by load": (True, True),
+    # each load's depth, or plain rounds, learnt by the target from its own rounds (spec_depth_by_load "auto")
+    "spec auto": (True, True),
 }
-BY_LOAD = "spec by load"
+BY_LOAD, AUTO = "spec by load", "spec auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,9 +103,10 @@ async def run_serve_bench(config: Config, models: tuple[LoadedModel, LoadedModel
         for variant in settings.variants[turn:] + settings.variants[:turn]:
             speculate, batched = VARIANTS[variant]
             by_load = variant == BY_LOAD
+            depths = settings.spec_depth_by_load if by_load else AUTO_DEPTH if variant == AUTO else ""
             variant_config = dataclasses.replace(config, max_batch=settings.max_batch if batched else 1,
                                                  spec_max_sessions=settings.spec_max_sessions if by_load else 0,
-                                                 spec_depth_by_load=settings.spec_depth_by_load if by_load else "")
+                                                 spec_depth_by_load=depths)
             cluster = EmbeddedCluster(variant_config, ClusterConfig(targets=1, gateway_port=0, speculate=speculate),
                                       models=models, compute=compute)
             try:

@@ -33,7 +33,8 @@ def serve(
     max_batch: int = typer.Option(8, "--max-batch", help="most sessions verified together in the batched variants"),
     variants: str = typer.Option("ar,ar batched,spec,spec batched", help="comma-separated variants to run (also "
                                  "'spec by load': batched, plain rounds past --spec-max-sessions sessions and "
-                                 "shorter chains by --spec-depth-by-load)"),
+                                 "shorter proposals by --spec-depth-by-load; 'spec auto': batched, each load's "
+                                 "depth or plain rounds learnt by the target from its own rounds)"),
     spec_max_sessions: Optional[int] = typer.Option(None, "--spec-max-sessions", help="the 'spec by load' variant "
                                                     "speculates while a target runs at most this many sessions "
                                                     "(default: the profile's)"),
@@ -75,7 +76,7 @@ def serve(
                           spec_depth_by_load=spec_depth_by_load)
     if config.mode not in ("chain", "tree"):
         raise ConfigError("--mode must be chain or tree")
-    if BY_LOAD in chosen and not config.spec_max_sessions and not config.depth_schedule:
+    if BY_LOAD in chosen and not config.spec_max_sessions and not config.depth_schedule and not config.depth_auto:
         raise ConfigError(f"the '{BY_LOAD}' variant needs --spec-max-sessions N (N >= 1) or --spec-depth-by-load "
                           f"SESSIONS:DEPTH (the profile gives neither)")
     apply_threads(config)

@@ -25,8 +25,9 @@ SPEC_MAX_SESSIONS_HELP = ("speculate while a target instance runs at most this m
                           "speculative_disable_by_batch_size (default: the profile's; 0 = always speculate)")
 
 SPEC_DEPTH_HELP = ("SESSIONS:DEPTH,...: while a target instance runs that many sessions or more, its draft's "
-                   "chains and trees are at most that deep (e.g. 4:4,6:2: shorter proposals as the batch grows, as SmartSpec; "
-                   "default: the profile's; '' = the draft's depth at any load)")
+                   "chains and trees are at most that deep (e.g. 4:4,6:2: shorter proposals as the batch grows, as "
+                   "SmartSpec); auto: each load's depth, or plain rounds, learnt from the instance's own rounds; "
+                   "default: the profile's; '' = the draft's depth at any load")
 
 
 def checked(config_class, **values):
@@ -252,8 +253,7 @@ def _serve_target(config, plan, console: Console, loaded, *, host: str, port: in
     server_config = checked(TargetServerConfig, host=host, port=port, max_sessions=config.max_sessions,
                             kv_budget_bytes=config.kv_budget_bytes, auth_token=auth_token,
                             verify_delay_s=verify_delay_s, verify_floor_s=verify_floor_s, max_batch=config.max_batch,
-                            max_messages_per_s=max_messages_per_s, spec_max_sessions=config.spec_max_sessions,
-                            spec_depth_by_load=config.depth_schedule)
+                            max_messages_per_s=max_messages_per_s, **config.load_plan)
     chain = None
     if plan.next is not None:
         loaded, chain = pipelined_target(loaded, plan.next, stages=plan.count, auth_token=auth_token, ssl=ssl_client)

@@ -112,8 +112,7 @@ class EmbeddedCluster:
             server = TargetServer(model, TargetServerConfig(host=host, port=0, max_sessions=self.config.max_sessions,
                                                             kv_budget_bytes=self.config.kv_budget_bytes,
                                                             max_batch=self.config.max_batch,
-                                                            spec_max_sessions=self.config.spec_max_sessions,
-                                                            spec_depth_by_load=self.config.depth_schedule), client,
+                                                            **self.config.load_plan), client,
                                   compute=self.compute.lane(max_batch=self.config.max_batch), pipeline=chain)
             target_ports.append(await server.start())
             self.targets.append(server)
@@ -197,8 +196,7 @@ class EmbeddedCluster:
             server = TargetServer(model, TargetServerConfig(host=host, port=0, max_sessions=config.max_sessions,
                                                             kv_budget_bytes=config.kv_budget_bytes,
                                                             max_batch=config.max_batch,
-                                                            spec_max_sessions=config.spec_max_sessions,
-                                                            spec_depth_by_load=config.depth_schedule), None,
+                                                            **config.load_plan), None,
                                   compute=self.compute.lane(max_batch=config.max_batch), pipeline=chain,
                                   fusion=fusion)
             target_ports.append(await server.start())

@@ -31,6 +31,8 @@ ROLE_GAUGES = {
     "R_p": ("R_p", "verification rounds per second"),
     "load_rounds": ("load_rounds", "a target's plain rounds by choice: it ran more sessions than its "
                     "spec_max_sessions (spec.turns)"),
+    "spec_depth_cap": ("spec_depth_cap", "the deepest proposal a target's load pays for now, learnt from its rounds "
+                       "(spec_depth_by_load auto): 0 the draft's own depth, -1 plain rounds"),
     "specpipe_flushes": ("specpipe_flushes", "SpecPipe steps whose verified token was not in the tree (a refill)"),
     "specpipe_hit_rate": ("specpipe_hit_rate", "share of SpecPipe steps whose verified token was in the tree"),
     "specpipe_draft_lost": ("specpipe_draft_lost", "SpecPipe sessions that went on without their draft (plain PP)"),

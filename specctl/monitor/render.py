@@ -124,6 +124,9 @@ def targets_table(targets: list[dict], state: MonitorState) -> Table:
         draft = "ok" if s.get("draft_connected") else Text("AR", style="yellow")
         if s.get("spec_held") and s.get("draft_connected"):  # loaded past spec_max_sessions: plain rounds
             draft = Text(f"off>{s.get('spec_max_sessions')}", style="yellow")
+        elif "spec_depth_now" in s and s.get("draft_connected"):  # the depth its load pays for, learnt
+            now = s["spec_depth_now"]
+            draft = Text("auto:off", style="yellow") if now == "plain" else f"auto:{now}"
         table.add_row(t.get("address", "?"), Text("up", style="green"), str(s.get("sessions", 0)),
                       f"{s.get('R_p', 0):.1f}", f"{s.get('tokens_per_s', 0):.1f}", f"{s.get('acceptance_rate', 0):.0%}",
                       f"{s.get('mean_accepted_length', 0):.2f}", draft)

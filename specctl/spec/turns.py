@@ -59,10 +59,14 @@ class SpeculationByLoad:
     and a shorter chain accepts what it holds: slower or faster for that session, never
     different."""
 
-    def __init__(self, inner: Speculator, plan: Callable[[], int | None]) -> None:
-        self.inner, self.plan = inner, plan
+    def __init__(self, inner: Speculator, plan: Callable[[], int | None], tuner=None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        """``tuner``: a spec.depth_tuning.DepthTuner choosing the rounds ``plan`` leaves to
+        speculation (spec_depth_by_load "auto"), told what each of them committed and took."""
+        self.inner, self.plan, self.tuner, self.clock = inner, plan, tuner, clock
         self.max_nodes = inner.max_nodes
         self.turns = InnerTurns()
+        self.ticket, self.started = None, 0.0  # the tuner's round in flight and when it was asked for
 
     def begin(self, session) -> None:
         self.inner.begin(session)
@@ -70,7 +74,13 @@ class SpeculationByLoad:
     async def propose(self, session, outcome: Outcome | None = None) -> Drafted:
         """``outcome``: from a wrapper outside this one (the prediction), whose rounds came between."""
         self.turns.round_ended(session.last_path if outcome is None else outcome[0])
+        now, last, self.ticket = self.clock(), self.ticket, None
+        if last is not None and outcome is None:  # (rounds between: the last tokens are not its own)
+            self.tuner.ended(last, len(session.last_committed), now - self.started)
         max_depth = self.plan()
+        if max_depth is not None and self.tuner is not None:
+            max_depth, self.ticket = self.tuner.plan(last if outcome is None else None)
+            self.started = now
         if max_depth is None:
             return Drafted(None, 0.0, by_load=True)
         return await self.inner.propose(session, self.turns.outcome(session), max_depth=max_depth)

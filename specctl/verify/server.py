@@ -33,6 +33,7 @@ from specctl.spec.decode import DecodeSession
 from specctl.spec.logprobs import emitted_logprobs
 from specctl.spec.prediction import PREDICTION_NODES, with_prediction
 from specctl.spec.rounds import Speculator, run_session
+from specctl.spec.depth_tuning import DepthTuner
 from specctl.spec.turns import LoadHold, SpeculationByLoad, depth_for_load
 from specctl.spec.stats import GenerationStats, RoundResult
 from specctl.spec.structured import ll_tokenizer
@@ -58,6 +59,7 @@ class TargetServerConfig(ListenConfig):
     # speculate while the instance runs at most this many sessions; past it, plain rounds (spec.turns); 0 = always
     spec_max_sessions: int = 0
     spec_depth_by_load: tuple[tuple[int, int], ...] = ()  # (sessions, the deepest proposal from then on)
+    spec_depth_auto: bool = False  # each load's depth (or plain rounds) learnt from the rounds (spec.depth_tuning)
 
     def __post_init__(self) -> None:
         ListenConfig.__post_init__(self)
@@ -94,6 +96,7 @@ class TargetServer(ListeningServer):
         self.prefill_gate = prefill_gate(model.decoder)  # sessions that start alike prefill their start once
         self.active = 0
         self.load_hold = LoadHold(config.spec_max_sessions) if config.spec_max_sessions else None
+        self.depth_tuner = DepthTuner(lambda: self.active) if config.spec_depth_auto else None
         self.sessions_done = 0
         self.totals = GenerationStats()  # every round of every session, one recorder
         self.started = time.perf_counter()
@@ -236,16 +239,17 @@ class TargetServer(ListeningServer):
     def _speculator(self, seed: int | None, params) -> Speculator:
         """A round-loop session's drafter: the fused drafters or the draft server (none
         connected: AR rounds), planned by the instance's load (plain rounds past
-        spec_max_sessions, shorter chains by spec_depth_by_load) — unless a seed asks for the
+        spec_max_sessions, shorter proposals by spec_depth_by_load, fixed or learnt) — unless a seed asks for the
         same text whatever the load (a plain round or a shorter chain draws other random
         numbers)."""
         if self.fusion is not None:
             speculator = self.fusion.speculator(seed)
         else:
             speculator = RemoteSpeculator(self.draft, self.config.max_proposal_nodes, seed)
-        if (self.load_hold is None and not self.config.spec_depth_by_load) or params.repeatable:
+        if (self.load_hold is None and not self.config.spec_depth_by_load and self.depth_tuner is None) \
+                or params.repeatable:
             return speculator
-        return SpeculationByLoad(speculator, self._round_plan)
+        return SpeculationByLoad(speculator, self._round_plan, self.depth_tuner)
 
     def _round_plan(self) -> int | None:
         """A round by the instance's load: None, plain; else the deepest proposal (0: any)."""

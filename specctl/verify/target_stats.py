@@ -21,6 +21,7 @@ def target_snapshot(server) -> dict:
         "fallback_rounds": t.fallback_rounds,
         "load_rounds": t.load_rounds, "spec_max_sessions": server.config.spec_max_sessions,
         "spec_held": server.load_hold is not None and server.load_hold.held(),  # plain rounds by load now
+        **(server.depth_tuner.snapshot() if server.depth_tuner is not None else {}),
         "proposal_wait_s": round(t.draft_s, 6),
         "acceptance_rate": round(t.acceptance_rate, 4),
         "mean_accepted_length": round(t.mean_accepted_length, 4),

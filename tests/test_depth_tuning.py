@@ -1,0 +1,165 @@
+"""spec.depth_tuning: each load's proposal depth, or plain rounds, learnt from the instance's own
+rounds — the epochs, which rounds are measured, the arms tried and kept, the load's hold — and
+through the round loop and a real draft server and target instance, exact whatever it chooses."""
+
+import asyncio
+
+import pytest
+
+from specctl.config import Config
+from specctl.spec.decode import DecodeSession
+from specctl.spec.depth_tuning import DepthTuner, PeakLoad, Ticket
+from specctl.spec.drafters import ModelChainDrafter
+from specctl.spec.params import SamplingParams
+from specctl.spec.pays import PLAIN
+from specctl.spec.rounds import InlineLane, LocalSpeculator, generate, run_inline, run_session
+from specctl.spec.turns import SpeculationByLoad
+from specctl.verify.client import remote_generate
+from tests.test_rounds import _drained, _reference, _star, _stop, models  # noqa: F401 - models: a fixture
+from tests.test_turns import PROMPT, _Recording
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _drive(tuner, sessions, tokens_by_arm, rounds):
+    """``rounds`` rounds of each of ``sessions`` sessions in turn, each committing
+    ``tokens_by_arm[arm]`` tokens in one second, as SpeculationByLoad reports them; the arm of
+    each round."""
+    last, arms = [None] * sessions, []
+    for _ in range(rounds):
+        for s in range(sessions):
+            if last[s] is not None:
+                tuner.ended(last[s][1], tokens_by_arm[last[s][0]], 1.0)
+            depth, ticket = tuner.plan(last[s][1] if last[s] else None)
+            arm = PLAIN if depth is None else depth
+            last[s] = (arm, ticket)
+            arms.append((ticket.epoch, arm))
+    return arms
+
+
+def _epochs(arms):
+    """The arm of each epoch, in order (and that an epoch ran one arm throughout)."""
+    by_epoch = {}
+    for epoch, arm in arms:
+        assert by_epoch.setdefault(epoch, arm) == arm
+    return list(by_epoch.values())
+
+
+def test_the_tuner_tries_every_arm_then_keeps_the_fastest_and_probes_the_runner_up():
+    load = [2]
+    tuner = DepthTuner(lambda: load[0], clock=_Clock())
+    epochs = _epochs(_drive(tuner, 2, {0: 2, 4: 3, 2: 2.5, PLAIN: 1}, 4 * 60))
+    # the drafter's own depth twice, every other arm once, then the fastest (chains of at most 4)
+    assert epochs[:7] == [0, 0, 4, 2, PLAIN, 4, 4]
+    assert epochs[7] == 2  # after two epochs on the fastest, the runner-up (one epoch measured) again
+    assert epochs.count(4) > 0.6 * len(epochs) and epochs[-1] == 4
+    assert tuner.snapshot()["spec_depth_now"] == "4" and tuner.snapshot()["spec_depth_load"] == 2
+    assert tuner.snapshot()["spec_depth_rates"] == {"own": 2.0, "4": 3.0, "2": 2.5, "plain": 1.0}
+
+
+def test_plain_rounds_win_where_speculation_costs_more_than_it_commits():
+    tuner = DepthTuner(lambda: 3, clock=_Clock())
+    epochs = _epochs(_drive(tuner, 3, {0: 1.2, 4: 1.4, 2: 1.5, PLAIN: 2.0}, 4 * 40))
+    assert epochs[:6] == [0, 0, 4, 2, PLAIN, PLAIN] and tuner.snapshot()["spec_depth_now"] == "plain"
+
+
+def test_a_session_s_first_round_of_an_epoch_and_a_stale_round_are_not_measured():
+    tuner = DepthTuner(lambda: 1, clock=_Clock())
+    depth, first = tuner.plan(None)
+    assert depth == 0 and first == Ticket(1, False)  # a new session's first round: its prefill, its catch-up
+    tuner.ended(first, 9, 1.0)
+    _, second = tuner.plan(first)
+    assert second == Ticket(1, True) and tuner.rounds == 0
+    tuner.ended(second, 3, 1.0)
+    assert (tuner.tokens, tuner.seconds, tuner.rounds) == (3, 1.0, 1)
+    tuner.ended(Ticket(0, True), 5, 1.0)  # a round of another epoch
+    assert (tuner.tokens, tuner.rounds) == (3, 1)
+
+
+def test_a_new_load_starts_on_the_arm_the_nearest_measured_load_found_fastest():
+    load = [4]
+    tuner = DepthTuner(lambda: load[0], clock=_Clock(), hold_s=0.0)
+    _drive(tuner, 4, {0: 1, 4: 2, 2: 3, PLAIN: 1.5}, 4 * 12)
+    assert tuner.snapshot()["spec_depth_now"] == "2"
+    assert tuner.order(6) == [2, 4, PLAIN, 0] and tuner.order(4) == [0, 4, 2, PLAIN]  # its own: next_arm rates them
+    load[0] = 6
+    assert tuner.plan(None)[0] == 2 and tuner.level == 6
+
+
+def test_the_load_holds_its_peak_through_a_gap_shorter_than_the_hold():
+    clock = _Clock()
+    peak = PeakLoad(1.0, clock)
+    assert peak(4) == 4
+    clock.now = 0.3
+    assert peak(3) == 4  # a client between two requests
+    clock.now = 0.9
+    assert peak(4) == 4 and peak(5) == 5  # more at once
+    clock.now = 1.85
+    assert peak(3) == 5
+    clock.now = 1.9
+    assert peak(3) == 3  # a second at fewer: the load fell
+
+
+def test_a_load_s_partial_epoch_counts_when_every_session_had_a_measured_round():
+    load, clock = [2], _Clock()
+    tuner = DepthTuner(lambda: load[0], clock=clock, hold_s=0.5)
+    _drive(tuner, 2, {0: 2, 4: 3, 2: 2.5, PLAIN: 1}, 3)  # 2 measured rounds of 6 in the first epoch
+    load[0], clock.now = 1, 1.0
+    tuner.plan(None)
+    assert [len(e) for e in tuner.measured[2].values()] == [1] and tuner.level == 1 and tuner.epoch == 2
+    load[0], clock.now = 2, 2.0
+    tuner.plan(None)  # nothing measured at load 1: nothing kept
+    assert 1 not in tuner.measured and tuner.level == 2
+
+
+def test_depth_by_load_auto_is_a_configuration():
+    config = Config(spec_depth_by_load="auto")
+    assert config.depth_auto and config.depth_schedule == ()
+    assert config.load_plan == {"spec_max_sessions": 0, "spec_depth_by_load": (), "spec_depth_auto": True}
+    assert Config(spec_depth_by_load="3:4").load_plan["spec_depth_auto"] is False
+
+
+@pytest.mark.parametrize("sessions", [1, 3])
+def test_rounds_planned_by_the_tuner_keep_the_output_and_the_draft_learns_every_token(tiny, sessions):
+    """Whatever arm the tuner takes each epoch (the load says ``sessions``: epochs of
+    (EPOCH_ROUNDS + 1) x sessions rounds of this one session), the target's own text."""
+    target, draft = tiny["llama"], tiny["llama-draft"]
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    alone = generate(target, PROMPT, params)[0]
+    lane, drafter = InlineLane(), _Recording(ModelChainDrafter(draft, 6))
+    tuner = DepthTuner(lambda: sessions)
+    speculator = SpeculationByLoad(LocalSpeculator(drafter, lane), lambda: 0, tuner)
+    session = DecodeSession(target, PROMPT, params, max_nodes=speculator.max_nodes)
+    results = []
+    run_inline(run_session(session, speculator, lane, lambda tokens, result: results.append(result)))
+    results = [r for r in results if r is not None]
+    assert session.output == alone
+    assert tuner.epoch >= 2 and session.stats.load_rounds == sum(r.by_load for r in results)
+    assert all(text == session.seq[:len(text)] for text in drafter.texts)
+    if sessions == 1:  # epochs of 4 rounds: the own depth twice, then chains of at most 4, 2, then plain rounds
+        assert max(r.depth for r in results[:8]) <= 6 and all(r.depth <= 4 for r in results[8:12])
+        assert all(r.depth <= 2 for r in results[12:16]) and all(r.by_load for r in results[16:20])
+
+
+@pytest.mark.asyncio
+async def test_a_target_learning_its_depth_by_load_serves_the_target_s_text_and_frees_its_sessions(models):  # noqa: F811
+    draft_server, link, target_server, port = await _star(models, ModelChainDrafter(models[1].decoder, 4),
+                                                          spec_depth_auto=True)
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    prompts = [[5, 9, 13, 2], [7, 8, 9, 10, 7, 8, 9], [3, 3, 4, 5]]
+    try:
+        results = await asyncio.gather(*(remote_generate("127.0.0.1", port, p, params) for p in prompts))
+        await _drained(draft_server, target_server)
+        snapshot = target_server.snapshot()
+    finally:
+        await _stop(draft_server, link, target_server)
+    assert [r[0] for r in results] == [_reference(models, p, params) for p in prompts]
+    assert snapshot["spec_depth_epochs"] >= 1 and snapshot["spec_depth_now"] in ("own", "4", "2", "plain")
+    assert snapshot["spec_depth_cap"] in (0, 4, 2, PLAIN)
+    assert snapshot["load_rounds"] == sum(r[2]["load_rounds"] for r in results)
