@@ -8,7 +8,7 @@ import pytest
 
 from specctl.config import Config
 from specctl.spec.decode import DecodeSession
-from specctl.spec.depth_tuning import DepthTuner, PeakLoad, Ticket
+from specctl.spec.depth_tuning import DepthTuner, PeakLoad, Ticket, acceptance, expected_tokens
 from specctl.spec.drafters import ModelChainDrafter
 from specctl.spec.params import SamplingParams
 from specctl.spec.pays import PLAIN
@@ -27,15 +27,19 @@ class _Clock:
         return self.now
 
 
-def _drive(tuner, sessions, tokens_by_arm, rounds):
-    """``rounds`` rounds of each of ``sessions`` sessions in turn, each committing
-    ``tokens_by_arm[arm]`` tokens in one second, as SpeculationByLoad reports them; the arm of
-    each round."""
+DRAFTED = {0: 6, 4: 4, 2: 2, PLAIN: 0}  # the drafter's own depth: 6
+
+
+def _drive(tuner, sessions, seconds_by_arm, rounds, accept_all=False):
+    """``rounds`` rounds of each of ``sessions`` sessions in turn, each taking
+    ``seconds_by_arm[arm]`` and accepting none of its proposal (or all of it), as
+    SpeculationByLoad reports them; each round's (epoch, arm)."""
     last, arms = [None] * sessions, []
     for _ in range(rounds):
         for s in range(sessions):
             if last[s] is not None:
-                tuner.ended(last[s][1], tokens_by_arm[last[s][0]], 1.0)
+                drafted = DRAFTED[last[s][0]]
+                tuner.ended(last[s][1], seconds_by_arm[last[s][0]], drafted, drafted if accept_all else 0)
             depth, ticket = tuner.plan(last[s][1] if last[s] else None)
             arm = PLAIN if depth is None else depth
             last[s] = (arm, ticket)
@@ -54,38 +58,63 @@ def _epochs(arms):
 def test_the_tuner_tries_every_arm_then_keeps_the_fastest_and_probes_the_runner_up():
     load = [2]
     tuner = DepthTuner(lambda: load[0], clock=_Clock())
-    epochs = _epochs(_drive(tuner, 2, {0: 2, 4: 3, 2: 2.5, PLAIN: 1}, 4 * 60))
+    epochs = _epochs(_drive(tuner, 2, {0: 1 / 2, 4: 1 / 3, 2: 1 / 2.5, PLAIN: 1.0}, 4 * 60))
     # the drafter's own depth twice, every other arm once, then the fastest (chains of at most 4)
     assert epochs[:7] == [0, 0, 4, 2, PLAIN, 4, 4]
     assert epochs[7] == 2  # after two epochs on the fastest, the runner-up (one epoch measured) again
     assert epochs.count(4) > 0.6 * len(epochs) and epochs[-1] == 4
     assert tuner.snapshot()["spec_depth_now"] == "4" and tuner.snapshot()["spec_depth_load"] == 2
+    # nothing accepted: every round commits its bonus alone, and the rate is one over the round time
     assert tuner.snapshot()["spec_depth_rates"] == {"own": 2.0, "4": 3.0, "2": 2.5, "plain": 1.0}
+    assert tuner.snapshot()["spec_depth_acceptance"] == [0.0]
 
 
 def test_plain_rounds_win_where_speculation_costs_more_than_it_commits():
     tuner = DepthTuner(lambda: 3, clock=_Clock())
-    epochs = _epochs(_drive(tuner, 3, {0: 1.2, 4: 1.4, 2: 1.5, PLAIN: 2.0}, 4 * 40))
-    assert epochs[:6] == [0, 0, 4, 2, PLAIN, PLAIN] and tuner.snapshot()["spec_depth_now"] == "plain"
+    epochs = _epochs(_drive(tuner, 3, {0: 1 / 1.2, 4: 1 / 1.4, 2: 1 / 1.5, PLAIN: 0.5}, 4 * 40))
+    # after two depths, a round time fitted to them rates plain rounds best: tried, kept, then the runner-up once
+    assert epochs[:6] == [0, 0, 4, PLAIN, PLAIN, 2] and tuner.snapshot()["spec_depth_now"] == "plain"
+
+
+def test_a_draft_accepted_often_keeps_its_own_depth_though_its_rounds_take_longest():
+    tuner = DepthTuner(lambda: 2, clock=_Clock())
+    # all accepted: a round commits its depth and the bonus, 7 / 1.0 s beats 5 / 0.8, 3 / 0.6 and 1 / 0.3
+    epochs = _epochs(_drive(tuner, 2, {0: 1.0, 4: 0.8, 2: 0.6, PLAIN: 0.3}, 4 * 30, accept_all=True))
+    # the fit through the own depth and 4 rules out 2 and plain rounds: never tried
+    assert epochs[:6] == [0, 0, 4, 0, 0, 4] and set(epochs) == {0, 4} and epochs.count(0) > 0.6 * len(epochs)
+    assert tuner.snapshot()["spec_depth_rates"] == {"own": 7.0, "4": 6.25}
+    assert {arm: round(r[0][1], 3) for arm, r in tuner.predicted(2).items()} == {2: 0.6, PLAIN: 0.4}
+
+
+def test_the_acceptance_model():
+    assert acceptance([]) == []
+    # position 1: 3 reached, 2 accepted; 2: 2 reached, both; 3: 2 reached (the third round drafted 2), 1 accepted
+    assert acceptance([(2, 4), (4, 4), (0, 2)]) == [2 / 3, 1.0, 0.5, 1.0]
+    assert expected_tokens([], 6) == 1.0 and expected_tokens([0.0], 6) == 1.0
+    assert expected_tokens([0.5, 0.5], 2) == 1.75 and expected_tokens([1.0, 0.5], 3) == 1 + 1 + 0.5 + 0.25
+    assert expected_tokens([0.5], 1.5) == pytest.approx(1 + 0.5 + 0.5 * 0.25)  # half of the second position
 
 
 def test_a_session_s_first_round_of_an_epoch_and_a_stale_round_are_not_measured():
     tuner = DepthTuner(lambda: 1, clock=_Clock())
     depth, first = tuner.plan(None)
     assert depth == 0 and first == Ticket(1, False)  # a new session's first round: its prefill, its catch-up
-    tuner.ended(first, 9, 1.0)
+    tuner.ended(first, 9.0, 6, 2)
     _, second = tuner.plan(first)
     assert second == Ticket(1, True) and tuner.rounds == 0
-    tuner.ended(second, 3, 1.0)
-    assert (tuner.tokens, tuner.seconds, tuner.rounds) == (3, 1.0, 1)
-    tuner.ended(Ticket(0, True), 5, 1.0)  # a round of another epoch
-    assert (tuner.tokens, tuner.rounds) == (3, 1)
+    tuner.ended(second, 1.0, 6, 6)
+    assert (tuner.rounds, tuner.seconds, tuner.drafted) == (1, 1.0, 6)
+    tuner.ended(Ticket(0, True), 5.0, 4, 1)  # a round of another epoch
+    assert (tuner.rounds, tuner.seconds, tuner.drafted) == (1, 1.0, 6)
+    # every speculative round tells the acceptance rate: 9 accepted, 2 rounds stopped short
+    assert list(tuner.accepted) == [(2, 6), (6, 6), (1, 4)]
+    assert tuner.snapshot()["spec_depth_acceptance"] == [1.0, 0.667, 0.5, 1.0, 1.0, 1.0]
 
 
 def test_a_new_load_starts_on_the_arm_the_nearest_measured_load_found_fastest():
     load = [4]
     tuner = DepthTuner(lambda: load[0], clock=_Clock(), hold_s=0.0)
-    _drive(tuner, 4, {0: 1, 4: 2, 2: 3, PLAIN: 1.5}, 4 * 12)
+    _drive(tuner, 4, {0: 1.0, 4: 0.5, 2: 1 / 3, PLAIN: 1 / 1.5}, 4 * 12)
     assert tuner.snapshot()["spec_depth_now"] == "2"
     assert tuner.order(6) == [2, 4, PLAIN, 0] and tuner.order(4) == [0, 4, 2, PLAIN]  # its own: next_arm rates them
     load[0] = 6
@@ -109,7 +138,7 @@ def test_the_load_holds_its_peak_through_a_gap_shorter_than_the_hold():
 def test_a_load_s_partial_epoch_counts_when_every_session_had_a_measured_round():
     load, clock = [2], _Clock()
     tuner = DepthTuner(lambda: load[0], clock=clock, hold_s=0.5)
-    _drive(tuner, 2, {0: 2, 4: 3, 2: 2.5, PLAIN: 1}, 3)  # 2 measured rounds of 6 in the first epoch
+    _drive(tuner, 2, {0: 0.5, 4: 1 / 3, 2: 0.4, PLAIN: 1.0}, 3)  # 2 measured rounds of 6 in the first epoch
     load[0], clock.now = 1, 1.0
     tuner.plan(None)
     assert [len(e) for e in tuner.measured[2].values()] == [1] and tuner.level == 1 and tuner.epoch == 2

@@ -66,7 +66,7 @@ class SpeculationByLoad:
         self.inner, self.plan, self.tuner, self.clock = inner, plan, tuner, clock
         self.max_nodes = inner.max_nodes
         self.turns = InnerTurns()
-        self.ticket, self.started = None, 0.0  # the tuner's round in flight and when it was asked for
+        self.ticket, self.started, self.drafted = None, 0.0, 0  # the tuner's round in flight: when, how deep
 
     def begin(self, session) -> None:
         self.inner.begin(session)
@@ -75,15 +75,18 @@ class SpeculationByLoad:
         """``outcome``: from a wrapper outside this one (the prediction), whose rounds came between."""
         self.turns.round_ended(session.last_path if outcome is None else outcome[0])
         now, last, self.ticket = self.clock(), self.ticket, None
-        if last is not None and outcome is None:  # (rounds between: the last tokens are not its own)
-            self.tuner.ended(last, len(session.last_committed), now - self.started)
+        if last is not None and outcome is None:  # (rounds between: the last path is not its own)
+            self.tuner.ended(last, now - self.started, self.drafted, len(session.last_path))
         max_depth = self.plan()
         if max_depth is not None and self.tuner is not None:
             max_depth, self.ticket = self.tuner.plan(last if outcome is None else None)
-            self.started = now
+            self.started, self.drafted = now, 0
         if max_depth is None:
             return Drafted(None, 0.0, by_load=True)
-        return await self.inner.propose(session, self.turns.outcome(session), max_depth=max_depth)
+        drafted = await self.inner.propose(session, self.turns.outcome(session), max_depth=max_depth)
+        if drafted.proposal is not None:
+            self.drafted = int(drafted.proposal.tree.max_depth)
+        return drafted
 
     def close(self) -> None:
         self.inner.close()
