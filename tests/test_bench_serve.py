@@ -38,3 +38,17 @@ def test_one_repeat_has_no_spread_and_a_differing_text_counts_against_the_varian
     assert (spec2["vs ar"], spec2["vs ar batched"], spec2["same_as_ar"]) == (4.0, 2.0, 0.5)
     assert "vs ar per repeat" not in spec2 and "tokens_per_s_per_repeat" not in spec2 and "texts" not in spec2
     assert report["settings"]["repeats"] == 1
+
+
+def test_without_ar_the_texts_are_checked_against_batched_ar_and_the_table_says_so():
+    from specctl.bench.render import render_serve_table
+
+    settings = ServeBenchSettings((2,), 8, 1, 4, ("ar batched", "spec auto"))
+    rows = [_level("ar batched", 2, 0, 16, 1.0, ["a", "b"]), _level("spec auto", 2, 0, 16, 0.8, ["a", "x"])]
+    report = summarize(rows, settings)
+    batched, auto = report["rows"]
+    assert (auto["same_as_ar"], auto["same_as_ar_of"], auto["vs ar"], auto["vs ar batched"]) == \
+        (0.5, "ar batched", None, 1.25)
+    assert render_serve_table(report, "t").caption == "same as ar: the texts of ar batched (ar not run)"
+    alone = summarize([_level("spec", 2, 0, 16, 0.8, ["a", "x"])], ServeBenchSettings((2,), 8, 1, 4, ("spec",)))
+    assert "same_as_ar" not in alone["rows"][0]  # no baseline run: nothing to compare with

@@ -96,8 +96,12 @@ def render_serve_table(report: dict, title: str) -> Table:
                       ratio_cell(r.get("vs ar"), r.get("vs ar per repeat")),
                       ratio_cell(r.get("vs ar batched"), r.get("vs ar batched per repeat")),
                       f"{r['ttft_p50_ms']:.0f} ms", f"{r['latency_p50_ms']:.0f} ms", fmt(r.get("same_as_ar"), "{:.0%}"))
+    captions = []
     if report["settings"].get("repeats", 1) > 1:
-        table.caption = "tokens/s and ratios: of the totals over the repeats; below a ratio its min-max over the repeats"
+        captions.append("tokens/s and ratios: of the totals over the repeats; below a ratio its min-max over the repeats")
+    if any(r.get("same_as_ar_of") == "ar batched" for r in report["rows"]):
+        captions.append("same as ar: the texts of ar batched (ar not run)")
+    table.caption = "; ".join(captions) or None
     return table
 
 

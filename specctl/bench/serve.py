@@ -145,7 +145,7 @@ def summarize(rows: list[dict], settings: ServeBenchSettings) -> dict:
     """One row per variant and concurrency over its repeats: tokens/s of the totals, TTFT and
     latency p50 over every request; its ratios against the baselines of the same concurrency
     (the totals' ratio, and with repeats each repeat's own ratio's spread), and the share of
-    its texts the same as the target alone's in the same repeat."""
+    its texts the same as the target alone's in the same repeat (ar's, else ar batched's)."""
     runs: dict[tuple[str, int], list[dict]] = {}
     for r in rows:
         runs.setdefault((r["variant"], r["clients"]), []).append(r)
@@ -160,7 +160,10 @@ def summarize(rows: list[dict], settings: ServeBenchSettings) -> dict:
                           for mine, theirs in zip(_by_repeat(runs[(variant, clients)]), _by_repeat(runs[(base, clients)]))
                           if theirs["tokens_per_s"]]
                 row[f"vs {base} per repeat"] = spread(ratios, 3) if ratios else None
-        if (reference := runs.get(("ar", clients))) is not None:
+        # the target alone's texts: ar's, or batched ar's where ar was not run (the same texts, tested)
+        reference = runs.get(("ar", clients)) or runs.get(("ar batched", clients))
+        if reference is not None:
+            row["same_as_ar_of"] = reference[0]["variant"]
             ar_texts = {r["repeat"]: r["texts"] for r in reference}
             same = [r["texts"].get(k) == v for r in runs[(variant, clients)] for k, v in ar_texts[r["repeat"]].items()]
             row["same_as_ar"] = round(sum(same) / len(same), 3) if same else None
