@@ -6,29 +6,33 @@ draft runs elsewhere a draft step costs the target nothing, on a GPU a wider bat
 nothing more, and on other prompts the draft is accepted more or less often. SmartSpec chooses
 each batch's proposal length by a goodput estimate; so does the instance, from its own rounds.
 It holds one *arm* — a proposal depth (0: the drafter's own, then at most 4, at most 2) or
-plain rounds — for an *epoch* of EPOCH_ROUNDS measured rounds a session, and keeps each arm's
-mean round time and drafted depth at each load. An arm's rate is the tokens a round of it
+plain rounds — for an *epoch* (EPOCH_ROUNDS rounds a session, not counting each session's
+first, which was batched with the last arm's rounds; and MIN_EPOCH_S at least: a prefill
+stalls every round for a while, and a short epoch of plain rounds that met one was rated at
+half its speed). An arm's round time at a load is its epochs' session-seconds (the sessions
+it ran times the wall time) over the rounds of it that ended in them: a mean of each round's
+own time left out the rounds still running as an epoch ended — the slowest, 10 % short of the
+mean at 8 clients — and the prefills between rounds. Its rate is the tokens one of its rounds
 commits, expected from the acceptance of every recent speculative round (any arm, any load:
-what the draft guesses right does not depend on the load), over its round time: the committed
-tokens of an epoch vary with the text far more than its times do (a rate measured by epochs'
-tokens swung 5.6-10.5 tokens/s for one arm at one load, bench serve at 4 clients), and one
-acceptance for all arms compares them on the same text. The acceptance at each position is the
-share of the rounds that reached it and accepted it (``acceptance``): one geometric rate fitted
-to all rounds overrated the caps (0.9 a token, where chains capped at 4 accepted 2.3 of 4). At
-one load the rate is proportional to the instance's tokens per second. At each load
-(the most sessions it ran in the last LOAD_HOLD_S, so that a client's gap between two requests
-is not a new load) it takes the fastest arm (``spec.pays.next_arm``, by epochs: the first arm
-twice, then each other it has no rate for, then the fastest and now and then the runner-up
-again); once two depths are measured at a load, the others are rated by a round time fitted
-to them (``predicted``), so it tries the arms the fit does not rule out. A session's first round of an epoch is not
-measured: it was batched with rounds of the last arm, and after plain rounds its draft
-catches up on them. A load met for the first time starts on the arm the nearest load already
-measured found fastest. Every arm is lossless: slower or faster, never different."""
+what the draft guesses right does not depend on the load), over that time: an epoch's
+committed tokens vary with the text far more than its times do (5.6-10.5 tokens/s a session
+for one arm at one load, bench serve at 4 clients), and one acceptance compares every arm on
+the same text. The acceptance at each position is the share of the rounds that reached it and
+accepted it (``acceptance``; one geometric rate fitted to all rounds overrated the caps: 0.9 a
+token, where chains capped at 4 accepted 2.3 of 4). At one load the rate is proportional to
+the instance's tokens per second. At each load (the most sessions it ran in the last
+LOAD_HOLD_S, so that a client's gap between two requests is not a new load) it takes the
+fastest arm after trying each (``spec.pays.next_arm``, by epochs: the first arm twice, every
+other once, then the fastest, and now and then the runner-up again); a load met for the first
+time starts on the arm the nearest load measured found fastest. Every arm is tried rather than
+rated by a round time fitted to the depth (SmartSpec's cost model): a plain round costs far
+less than a line through speculative rounds says (no draft at all), and at 8 clients on 2 CPU
+cores a round of depth 2 took half what the line through depths 4-9 gave. Every arm is
+lossless: slower or faster, never different."""
 
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections import deque
 from typing import Callable, NamedTuple
@@ -39,6 +43,7 @@ from specctl.spec.turns import LOAD_HOLD_S
 log = logging.getLogger("specctl.verify.depth")
 LADDER = (0, 4, 2)  # proposal depths tried (0: the drafter's own), then plain rounds
 EPOCH_ROUNDS = 3  # measured rounds a session per epoch
+MIN_EPOCH_S = 2.0  # and at least this long
 ACCEPTANCE_ROUNDS = 256  # the recent speculative rounds the acceptance rate is taken over
 
 
@@ -105,11 +110,11 @@ class DepthTuner:
     """One per target instance, asked by every session's round (spec.turns.SpeculationByLoad)."""
 
     def __init__(self, load: Callable[[], int], clock: Callable[[], float] = time.monotonic,
-                 hold_s: float = LOAD_HOLD_S) -> None:
+                 hold_s: float = LOAD_HOLD_S, min_epoch_s: float = MIN_EPOCH_S) -> None:
         """``load``: the sessions the instance runs now. (The draft's own depth is not known
         here — a draft server elsewhere chose it — so a cap at or above it is tried too: one
         wasted epoch or so a load.)"""
-        self.load = load
+        self.load, self.clock, self.min_epoch_s = load, clock, min_epoch_s
         self.arms = [*LADDER, PLAIN]
         self.peak = PeakLoad(hold_s, clock)
         # load -> arm -> its last WINDOW epochs (rounds, seconds, drafted tokens)
@@ -117,38 +122,47 @@ class DepthTuner:
         self.accepted: deque = deque(maxlen=ACCEPTANCE_ROUNDS)  # (accepted, drafted) of speculative rounds
         self.level: int | None = None  # the load of the epoch in progress
         self.arm, self.streak, self.epoch = self.arms[0], 0, 0
-        self.rounds, self.seconds, self.drafted = 0, 0.0, 0  # the epoch's measured rounds
+        # the epoch's rounds: measured, ended (its tickets'), their drafted tokens, and the
+        # session-seconds since it began (sessions times wall time, summed as the load changes)
+        self.rounds, self.ended_rounds, self.drafted, self.seconds = 0, 0, 0, 0.0
+        self.active, self.since = 0, clock()
+        self.started = self.since  # when the epoch began
 
     def plan(self, last: Ticket | None) -> tuple[int | None, Ticket]:
         """A session's next round: None for a plain round, else its deepest proposal (0: the
         drafter's own), and its ticket; ``last``: the session's previous round's ticket."""
-        level = self.peak(self.load())
+        now, active = self.clock(), self.load()
+        self.seconds += self.active * (now - self.since)
+        self.active, self.since = active, now
+        level = self.peak(active)
         if level != self.level:
             self._end_epoch(keep=self.level is not None and self.rounds >= self.level)
             self.level, self.streak = level, 0
             self._next_arm()
-        elif self.rounds >= EPOCH_ROUNDS * max(level, 1):
+        elif self.rounds >= EPOCH_ROUNDS * max(level, 1) and now - self.started >= self.min_epoch_s:
             self._end_epoch(keep=True)
             self._next_arm()
         measured = last is not None and last.epoch == self.epoch
         return (None if self.arm == PLAIN else self.arm), Ticket(self.epoch, measured)
 
-    def ended(self, ticket: Ticket, seconds: float, drafted: int, accepted: int) -> None:
-        """The round of ``ticket`` took ``seconds`` (from asking for its proposal to asking for
-        the next) and accepted ``accepted`` of the ``drafted`` tokens deep proposal."""
+    def ended(self, ticket: Ticket, drafted: int, accepted: int) -> None:
+        """The round of ``ticket`` accepted ``accepted`` of its ``drafted`` tokens deep proposal."""
         if drafted > 0:
             self.accepted.append((accepted, drafted))
-        if ticket.measured and ticket.epoch == self.epoch:
-            self.rounds, self.seconds, self.drafted = self.rounds + 1, self.seconds + seconds, self.drafted + drafted
+        if ticket.epoch == self.epoch:
+            self.rounds += ticket.measured
+            self.ended_rounds, self.drafted = self.ended_rounds + 1, self.drafted + drafted
 
     def _end_epoch(self, keep: bool) -> None:
-        if keep and self.seconds > 0:
+        """Keep the epoch's rounds (ended in it), session-seconds and drafted tokens for its arm
+        at its load (``keep``), and begin the next."""
+        if keep and self.seconds > 0 and self.ended_rounds:
             arms = self.measured.setdefault(self.level, {})
-            arms.setdefault(self.arm, deque(maxlen=WINDOW)).append((self.rounds, self.seconds, self.drafted))
+            arms.setdefault(self.arm, deque(maxlen=WINDOW)).append((self.ended_rounds, self.seconds, self.drafted))
             log.debug("load %d, depth %s: %.0f ms a round, %.1f drafted", self.level, arm_name(self.arm),
-                      1000 * self.seconds / self.rounds, self.drafted / self.rounds)
-        self.rounds, self.seconds, self.drafted = 0, 0.0, 0
-        self.epoch += 1
+                      1000 * self.seconds / self.ended_rounds, self.drafted / self.ended_rounds)
+        self.rounds, self.ended_rounds, self.drafted, self.seconds = 0, 0, 0, 0.0
+        self.epoch, self.started = self.epoch + 1, self.since
 
     def rated(self, level: int) -> dict[int, list[tuple[float, float]]]:
         """Each arm measured at ``level``: its epochs as (expected tokens, seconds) of its mean
@@ -160,33 +174,9 @@ class DepthTuner:
             rated[arm] = [(expected_tokens(by_position, depth) if arm != PLAIN else 1.0, seconds)] * len(epochs)
         return rated
 
-    def predicted(self, level: int) -> dict[int, list[tuple[float, float]]]:
-        """The arms not measured at ``level``, rated by a round time fitted to those that are:
-        linear in the drafted depth (a draft step and a verified row a token: SmartSpec's cost
-        model), once two depths are measured there. So a load tries the arms the fit does not
-        rule out (``next_arm`` probes the runner-up), not every arm. A cap drafts as deep as
-        the drafter drafted under no cap, at any load, where that is shallower."""
-        points = [mean_round(epochs) for epochs in self.measured.get(level, {}).values()]
-        if len({depth for depth, _ in points}) < 2:
-            return {}
-        slope, intercept = statistics.linear_regression([d for d, _ in points], [s for _, s in points])
-        if slope <= 0 or intercept <= 0:  # noise: no fit to trust
-            return {}
-        own = [epoch for arms in self.measured.values() for epoch in arms.get(0, ())]
-        own_depth = mean_round(own)[0] if own else None
-        by_position, predicted = acceptance(self.accepted), {}
-        for arm in self.arms:
-            if arm in self.measured.get(level, {}) or (arm == 0 and own_depth is None):
-                continue
-            depth = 0.0 if arm == PLAIN else own_depth if arm == 0 else min(arm, own_depth or arm)
-            tokens = 1.0 if arm == PLAIN else expected_tokens(by_position, depth)
-            predicted[arm] = [(tokens, intercept + slope * depth)]
-        return predicted
-
     def _next_arm(self) -> None:
         measured = self.rated(self.level)
-        arm = next_arm(measured, self.order(self.level), self.arm if self.streak else None, self.streak,
-                       self.predicted(self.level))
+        arm = next_arm(measured, self.order(self.level), self.arm if self.streak else None, self.streak)
         self.streak = self.streak + 1 if arm == self.arm else 1
         self.arm = arm
 

@@ -59,14 +59,13 @@ class SpeculationByLoad:
     and a shorter chain accepts what it holds: slower or faster for that session, never
     different."""
 
-    def __init__(self, inner: Speculator, plan: Callable[[], int | None], tuner=None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, inner: Speculator, plan: Callable[[], int | None], tuner=None) -> None:
         """``tuner``: a spec.depth_tuning.DepthTuner choosing the rounds ``plan`` leaves to
-        speculation (spec_depth_by_load "auto"), told what each of them committed and took."""
-        self.inner, self.plan, self.tuner, self.clock = inner, plan, tuner, clock
+        speculation (spec_depth_by_load "auto"), told how deep each drafted and what it accepted."""
+        self.inner, self.plan, self.tuner = inner, plan, tuner
         self.max_nodes = inner.max_nodes
         self.turns = InnerTurns()
-        self.ticket, self.started, self.drafted = None, 0.0, 0  # the tuner's round in flight: when, how deep
+        self.ticket, self.drafted = None, 0  # the tuner's round in flight and how deep it drafted
 
     def begin(self, session) -> None:
         self.inner.begin(session)
@@ -74,13 +73,13 @@ class SpeculationByLoad:
     async def propose(self, session, outcome: Outcome | None = None) -> Drafted:
         """``outcome``: from a wrapper outside this one (the prediction), whose rounds came between."""
         self.turns.round_ended(session.last_path if outcome is None else outcome[0])
-        now, last, self.ticket = self.clock(), self.ticket, None
+        last, self.ticket = self.ticket, None
         if last is not None and outcome is None:  # (rounds between: the last path is not its own)
-            self.tuner.ended(last, now - self.started, self.drafted, len(session.last_path))
+            self.tuner.ended(last, self.drafted, len(session.last_path))
         max_depth = self.plan()
         if max_depth is not None and self.tuner is not None:
             max_depth, self.ticket = self.tuner.plan(last if outcome is None else None)
-            self.started, self.drafted = now, 0
+            self.drafted = 0
         if max_depth is None:
             return Drafted(None, 0.0, by_load=True)
         drafted = await self.inner.propose(session, self.turns.outcome(session), max_depth=max_depth)
