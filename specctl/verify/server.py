@@ -30,10 +30,10 @@ from specctl.pipeline.serve import SpecPipeDraft, serve_specpipe
 from specctl.runtime.compute import ComputeLane, ComputeThread, SlowedLane
 from specctl.runtime.listen import ListenConfig, ListeningServer, MessageRate
 from specctl.spec.decode import DecodeSession
+from specctl.spec.depth_tuning import DepthTuner
 from specctl.spec.logprobs import emitted_logprobs
 from specctl.spec.prediction import PREDICTION_NODES, with_prediction
 from specctl.spec.rounds import Speculator, run_session
-from specctl.spec.depth_tuning import DepthTuner
 from specctl.spec.turns import LoadHold, SpeculationByLoad, depth_for_load
 from specctl.spec.stats import GenerationStats, RoundResult
 from specctl.spec.structured import ll_tokenizer
@@ -239,9 +239,9 @@ class TargetServer(ListeningServer):
     def _speculator(self, seed: int | None, params) -> Speculator:
         """A round-loop session's drafter: the fused drafters or the draft server (none
         connected: AR rounds), planned by the instance's load (plain rounds past
-        spec_max_sessions, shorter proposals by spec_depth_by_load, fixed or learnt) — unless a seed asks for the
-        same text whatever the load (a plain round or a shorter chain draws other random
-        numbers)."""
+        spec_max_sessions, shorter proposals by spec_depth_by_load, fixed or learnt) — unless a
+        seed asks for the same text whatever the load (a plain round or a shorter chain draws
+        other random numbers)."""
         if self.fusion is not None:
             speculator = self.fusion.speculator(seed)
         else:
