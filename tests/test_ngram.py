@@ -31,3 +31,15 @@ def test_a_session_proposes_the_lookup_as_a_chain_under_the_last_token():
     proposal = session.propose([1, 2, 3, 1, 2], SamplingParams(), None)
     assert proposal.tree.tokens.tolist() == [2, 3, 1, 2]
     assert proposal.tree.parents.tolist() == [-1, 0, 1, 2]
+
+
+def test_a_capped_session_looks_up_at_most_its_cap_and_may_find_a_later_occurrence():
+    # "1 2" at 5 is followed by two tokens before the end: too few for 3, enough for a cap of 2
+    seq = [1, 2, 3, 4, 5, 1, 2, 1, 2]
+    drafter = NgramDrafter(3, max_ngram=2)
+    assert drafter.lookup(seq) == [3, 4, 5] and drafter.lookup(seq, 2) == [1, 2]
+    session = NgramDrafter(3, max_ngram=2).open(64)
+    session.depth_cap = 2
+    assert session.propose(seq, SamplingParams(), None).tree.tokens.tolist() == [2, 1, 2]
+    session.depth_cap = 0
+    assert session.propose(seq, SamplingParams(), None).tree.tokens.tolist() == [2, 3, 4, 5]

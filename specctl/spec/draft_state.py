@@ -101,7 +101,8 @@ class DraftState:
 
     def cap_depth(self, max_depth: int) -> None:
         """The next proposal at most ``max_depth`` tokens deep (0: the drafter's own depth): the
-        target's load (spec.turns). Model chains and trees; other drafters draft as they would."""
+        target's load (spec.turns). Model chains and trees, n-gram lookups; the others draft as
+        they would."""
         if max_depth < 0:
             raise BadRequest(f"max_depth must be >= 0 (0: the draft's own depth), got {max_depth}")
         if hasattr(self.session, "depth_cap"):

@@ -198,14 +198,16 @@ class NgramDrafter(Drafter):
         self.depth, self.max_ngram, self.min_ngram = depth, max_ngram, min_ngram
         self.max_nodes = depth + 1
 
-    def lookup(self, seq: list[int]) -> list[int]:
+    def lookup(self, seq: list[int], depth: int = 0) -> list[int]:
+        """``depth``: at most this many tokens (0: the drafter's depth)."""
+        depth = min(depth or self.depth, self.depth)
         n_seq = len(seq)
         for n in range(min(self.max_ngram, n_seq - 1), self.min_ngram - 1, -1):
             pattern, longest = seq[n_seq - n :], []
             for start in range(n_seq - n - 1, -1, -1):
                 if seq[start : start + n] == pattern:
-                    follow = seq[start + n : start + n + self.depth]
-                    if len(follow) == self.depth:
+                    follow = seq[start + n : start + n + depth]
+                    if len(follow) == depth:
                         return follow
                     if len(follow) > len(longest):
                         longest = follow
@@ -217,7 +219,9 @@ class NgramDrafter(Drafter):
         drafter = self
 
         class _Session(DraftSession):
+            depth_cap = 0  # the next proposal at most this deep (0: the drafter's depth), as the target's load asks
+
             def propose(self, seq, params, generator):
-                return Proposal(TokenTree.chain(seq[-1], drafter.lookup(seq)))
+                return Proposal(TokenTree.chain(seq[-1], drafter.lookup(seq, self.depth_cap)))
 
         return _Session()
