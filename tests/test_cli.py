@@ -398,7 +398,9 @@ def test_a_benchmark_stopped_by_ctrl_c_says_it_wrote_no_report(tiny_dir, tmp_pat
     proc = subprocess.Popen([sys.executable, "-m", "specctl", "bench", "local", "--target", str(tiny_dir["llama"]),
                              "--draft", str(tiny_dir["llama-draft"]), "--max-tokens", "64", "--repeats", "50",
                              "--modes", "ar,chain", "--dtype", "fp32", "--json", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # a shell's background job (CI run with &) ignores SIGINT, and so would the child
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         seen = ""
         while "preparing" not in seen:
