@@ -212,3 +212,14 @@ def test_verify_with_two_drafts_from_the_command_line_equals_the_target_alone(ti
         assert json.loads(remote.stdout)["token_ids"] == json.loads(local.stdout)["token_ids"]
     finally:
         stop_processes(procs)
+
+
+async def test_a_fused_n_gram_lookup_keeps_to_the_round_s_max_depth():
+    """The target's load asks for shorter proposals: the n-gram lookup looks for at most that many."""
+    speculator = Fusion({}, ngram_depth=3, budget=8).speculator(0)
+    session = SimpleNamespace(seq=[1, 2, 3, 4, 5, 1, 2, 1, 2], last_path=[], last_committed=[])
+    speculator.begin(session)
+    full = await speculator.propose(session)
+    assert list(full.proposal.tree.tokens) == [2, 3, 4, 5]
+    capped = await speculator.propose(session, ([], []), max_depth=2)  # (nothing committed between)
+    assert list(capped.proposal.tree.tokens) == [2, 1, 2]

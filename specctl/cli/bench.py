@@ -222,9 +222,10 @@ app.command("drafters")(drafters)
 
 
 def says_when_interrupted(command: Callable) -> Callable:
-    """A benchmark stopped by Ctrl-C or SIGTERM says so and that it wrote no report (typer
-    turns the KeyboardInterrupt into a silent exit 130, which reads like a crash or a hang).
-    What it started is closed by then: its own ``finally`` blocks ran on the way out."""
+    """A benchmark stopped by Ctrl-C (or SIGTERM, for those run by ``run_job_with_compute``)
+    says so and that it wrote no report (typer turns the KeyboardInterrupt into a silent exit
+    130, which reads like a crash or a hang). What it started is closed by then: its own
+    ``finally`` blocks ran on the way out."""
     @functools.wraps(command)
     def noted(*args, **kwargs):
         try:

@@ -195,4 +195,4 @@ class DepthTuner:
         rates = {arm_name(arm): round(rate(epochs), 3) for arm, epochs in self.rated(self.level).items()}
         return {"spec_depth_now": arm_name(self.arm), "spec_depth_cap": self.arm, "spec_depth_load": self.level or 0,
                 "spec_depth_rates": rates, "spec_depth_epochs": self.epoch,
-                "spec_depth_acceptance": [round(rate, 3) for rate in acceptance(self.accepted)]}
+                "spec_depth_acceptance": [round(share, 3) for share in acceptance(self.accepted)]}

@@ -11,9 +11,12 @@ it last proposed (``InnerTurns``), as a fused drafter that sat rounds out is."""
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from specctl.spec.rounds import Drafted, Speculator
+
+if TYPE_CHECKING:  # it imports this module
+    from specctl.spec.depth_tuning import DepthTuner
 
 Outcome = tuple[list[int], list[int]]  # (the last proposal's accepted path, the tokens committed since)
 # How long an instance counts as loaded after it last ran more sessions than its limit. A client's
@@ -59,7 +62,7 @@ class SpeculationByLoad:
     and a shorter chain accepts what it holds: slower or faster for that session, never
     different."""
 
-    def __init__(self, inner: Speculator, plan: Callable[[], int | None], tuner=None) -> None:
+    def __init__(self, inner: Speculator, plan: Callable[[], int | None], tuner: "DepthTuner | None" = None) -> None:
         """``tuner``: a spec.depth_tuning.DepthTuner choosing the rounds ``plan`` leaves to
         speculation (spec_depth_by_load "auto"), told how deep each drafted and what it accepted."""
         self.inner, self.plan, self.tuner = inner, plan, tuner

@@ -172,7 +172,8 @@ class FusedSpeculator:
             stats[link.name].fused(where)
         return Drafted(Proposal(tree), time.perf_counter() - started)
 
-    async def _ask(self, session: DecodeSession, order: list[int], drafts: dict[int, Draft], max_depth: int = 0) -> None:
+    async def _ask(self, session: DecodeSession, order: list[int], drafts: dict[int, Draft],
+                   max_depth: int = 0) -> None:
         """Ask the drafters in ``order`` at once; their proposals land in ``drafts`` (a drafter
         late past the deadline or failing is skipped for this round)."""
         stats = self.fusion.stats
@@ -186,7 +187,7 @@ class FusedSpeculator:
                                                                      max_depth))
         for i in order:
             if self.links[i].name == NGRAM:
-                drafts[i] = Draft.chain(tokens := self.ngram.lookup(session.seq), [1.0] * len(tokens))
+                drafts[i] = Draft.chain(tokens := self.ngram.lookup(session.seq, max_depth), [1.0] * len(tokens))
             elif self.links[i].name == SUFFIX:
                 drafts[i] = Draft.of_tree(self.suffix.plain_draft(session.seq))
         if not tasks:
