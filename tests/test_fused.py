@@ -9,6 +9,7 @@ import pytest
 
 from specctl.draft.server import DraftServer, DraftServerConfig
 from specctl.engine.loader import load_model
+from specctl.spec.suffix import SuffixDrafter
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter
 from specctl.spec.params import SamplingParams
 from specctl.spec.pays import SPEC_FIRST, probe_after
@@ -223,3 +224,14 @@ async def test_a_fused_n_gram_lookup_keeps_to_the_round_s_max_depth():
     assert list(full.proposal.tree.tokens) == [2, 3, 4, 5]
     capped = await speculator.propose(session, ([], []), max_depth=2)  # (nothing committed between)
     assert list(capped.proposal.tree.tokens) == [2, 1, 2]
+
+
+async def test_a_fused_suffix_draft_keeps_to_the_round_s_max_depth():
+    """As the n-gram lookup: the local suffix decoding drafts at most the round's cap deep."""
+    speculator = Fusion({}, suffix=SuffixDrafter(8, max_spec_factor=4.0), budget=8).speculator(0)
+    session = SimpleNamespace(seq=[5, 6, 7, 8, 9, 10, 11, 5, 6], last_path=[], last_committed=[])
+    speculator.begin(session)
+    full = await speculator.propose(session)
+    assert list(full.proposal.tree.tokens) == [6, 7, 8, 9, 10, 11, 5, 6]
+    capped = await speculator.propose(session, ([], []), max_depth=2)
+    assert list(capped.proposal.tree.tokens) == [6, 7, 8]

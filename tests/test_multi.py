@@ -6,7 +6,9 @@ import pytest
 from specctl.engine.kv_cache import KVPool
 from specctl.spec.drafters import Drafter, DraftSession, ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.spec.multi import GREEDY, MultiDrafter
-from specctl.spec.rounds import generate
+from specctl.spec.decode import DecodeSession
+from specctl.spec.rounds import InlineLane, LocalSpeculator, generate, run_inline, run_session
+from specctl.spec.turns import SpeculationByLoad
 from specctl.spec.routing import RoutingPolicy
 from specctl.spec.params import SamplingParams
 from tests.test_sampling_exact import _assert_target_distribution, small  # noqa: F401 - the fixture
@@ -60,6 +62,31 @@ def test_greedy_with_three_drafters_equals_the_target_alone(tiny, arch):
     assert sum(s["chosen_rounds"] for s in snapshot.values()) > 0
     assert all(s["failures"] == 0 for s in snapshot.values())
     assert sum(s["accepted_tokens"] for s in snapshot.values()) > 0
+
+
+def test_a_cap_reaches_every_drafter_and_the_output_stays_the_targets(tiny):
+    """The target's load caps a several-drafter session's proposals: each of its drafters keeps
+    to the cap (their fused tree too), and the output is the target alone's."""
+    from specctl.spec.draft_state import DraftState
+
+    target, params = tiny["llama"], SamplingParams(max_tokens=30, ignore_eos=True)
+    drafter = _multi(tiny, "llama", budget=12)
+    for prompt in PROMPTS:
+        session = drafter.open(len(prompt) + 64)
+        state = DraftState(session, params, None, list(prompt) + [7], len(prompt) + 64, drafter.max_nodes,
+                           target.spec.vocab_size)
+        state.cap_depth(2)
+        assert session.depth_cap == 2 and all(s.depth_cap == 2 for s in session.sessions)
+        assert session.propose(state.seq, params, None).tree.max_depth <= 2
+        session.close()
+    for prompt in PROMPTS[:2]:  # a round loop planning every round at most 2 deep
+        lane, results = InlineLane(), []
+        speculator = SpeculationByLoad(LocalSpeculator(drafter, lane), lambda: 2)
+        session = DecodeSession(target, prompt, params, max_nodes=speculator.max_nodes)
+        run_inline(run_session(session, speculator, lane, lambda tokens, result: results.append(result)))
+        assert session.output == generate(target, prompt, params)[0]
+        drafted = [r.depth for r in results if r is not None]
+        assert max(drafted) == 2 and all(depth <= 2 for depth in drafted)
 
 
 def test_always_fusing_every_drafter_is_exact_and_credits_each(tiny):

@@ -34,9 +34,10 @@ class TableSpeculator:
     ``steps`` background steps run while the target verifies."""
 
     def __init__(self, table: SessionTable, tag: int, steps: int, early: bool = False,
-                 reproducible: bool = False) -> None:
+                 reproducible: bool = False, caps: tuple[int, ...] = (0,)) -> None:
         self.table, self.tag, self.steps, self.early = table, tag, steps, early
         self.reproducible = reproducible  # as a target's draft client marks a seeded sampled request
+        self.caps, self.rounds, self.cut_hits = caps, 0, 0  # round r asks for at most caps[r % len] (0: any)
         self.max_nodes = table.drafter.max_nodes
         self.opened = False
 
@@ -54,8 +55,11 @@ class TableSpeculator:
             self.opened, path, tokens = True, [], session.seq[session.prompt_len:]
         else:
             path, tokens = session.last_path, session.last_committed
-        request = (self.tag, path, tokens)
-        early = self.table.early_answer(self.tag, path, tokens) if self.early else None
+        cap, last_cap = (self.caps[(self.rounds - back) % len(self.caps)] or self.table.drafter.depth for back in (0, 1))
+        self.rounds += 1
+        hits = self.table.speculation.stats.hits
+        request = (self.tag, path, tokens, cap)
+        early = self.table.early_answer(self.tag, path, tokens, cap) if self.early else None
         if early is not None:  # as the server does: answered from what was published, then committed
             message, ticket = early
             [error] = self.table.commit_many([ticket])
@@ -65,9 +69,12 @@ class TableSpeculator:
             message = self.table.lookup_many([request])[0] or self.table.propose_many([request])[0]
         if isinstance(message, Exception):
             raise message
+        proposal = proposal_from_message(message, session.target.spec.vocab_size)
+        assert proposal.tree.max_depth <= cap
+        self.cut_hits += self.table.speculation.stats.hits > hits and cap < last_cap  # a branch planned deeper
         for _ in range(self.steps):
             self.table.speculation.step()
-        return Drafted(proposal_from_message(message, session.target.spec.vocab_size), 0.0)
+        return Drafted(proposal, 0.0)
 
     def close(self) -> None:
         self.table.close(self.tag)
@@ -94,8 +101,8 @@ class ShortAnswers(SpeculationCache):
         return 1.0, 1.0
 
 
-def run(target, table, prompt, params, steps, tag=1, early=False, reproducible=False):
-    speculator = TableSpeculator(table, tag, steps, early, reproducible)
+def run(target, table, prompt, params, steps, tag=1, early=False, reproducible=False, speculator=None):
+    speculator = speculator or TableSpeculator(table, tag, steps, early, reproducible)
     session = DecodeSession(target, prompt, params, max_nodes=speculator.max_nodes)
     run_inline(run_session(session, speculator, InlineLane(), lambda tokens, result: None))
     return session.output, session.stats
@@ -144,7 +151,7 @@ class CheckedTable(SessionTable):
     short = False
 
     def _check(self, requests, results):
-        for (tag, _, _), message in zip(requests, results):
+        for (tag, _, _, *cap), message in zip(requests, results):
             if message is None or isinstance(message, Exception):
                 continue
             state = self.states[tag]
@@ -155,6 +162,7 @@ class CheckedTable(SessionTable):
             assert torch.allclose(cache.k[:, :, :, :kept], fresh.k[:, :, :, :kept], atol=1e-4)
             if cache.length >= n:  # drafted by the model (an n-gram backup proposal leaves the KV alone)
                 reference = self.drafter.open(n + self.drafter.max_nodes + 8)
+                reference.depth_cap = cap[0] if cap else 0  # the target's cap, as the request asked
                 if state.session.guide is not None:  # following the request's rules from the same text
                     reference.guide = state.session.guide.guide(state.session.decoder.device)
                 expected = reference.propose(state.seq, SamplingParams(), None).tree
@@ -163,6 +171,8 @@ class CheckedTable(SessionTable):
                     tokens, parents = tokens[: len(message.tokens)], parents[: len(message.tokens)]
                     self.shortened += 1
                 assert (message.tokens, message.parents) == (tokens, parents)
+                if len(tokens) == len(expected.tokens):  # the KV's length too: text + the nodes fed
+                    assert cache.length == reference.cache.length
                 if hasattr(reference, "fed"):  # a tree session knows which of its nodes the KV holds
                     if len(tokens) == len(expected.tokens):
                         assert (state.session.fed, cache.length) == (reference.fed, reference.cache.length)
@@ -182,15 +192,15 @@ class CheckedTable(SessionTable):
         self._check(requests, results)
         return results
 
-    def early_answer(self, tag, path, tokens):
-        early = super().early_answer(tag, path, tokens)
+    def early_answer(self, tag, path, tokens, max_depth=0):
+        early = super().early_answer(tag, path, tokens, max_depth)
         if early is not None:
             self.sent = early[0]
         return early
 
     def commit_many(self, tickets):
         results = super().commit_many(tickets)
-        self._check([(t.tag, t.path, t.tokens) for t in tickets], [self.sent] * len(tickets))
+        self._check([(t.tag, t.path, t.tokens, t.max_depth) for t in tickets], [self.sent] * len(tickets))
         return results
 
 
@@ -265,6 +275,27 @@ def test_partly_drafted_hits_answered_at_once_keep_the_output_and_the_kv_exact(t
     assert snap["short_answers"] == snap["partial_hits"] > 0 and table.shortened == snap["short_answers"]
     # finished branches from the event loop's copy, when on; partial ones on the compute thread
     assert snap["early_answers"] == (snap["hits"] - snap["partial_hits"] if early else 0)
+    assert table.states == {} and table.speculation.plans == {} and table.pool.used_bytes == 0
+
+
+@pytest.mark.parametrize("tree, early", [(None, False), (None, True), (TREE, False), (TREE, True)])
+def test_hits_keep_to_the_depth_the_target_asks_for_now(tiny, tree, early):
+    """A target whose load changes asks for shallower proposals than the branches planned for
+    its last one were drafted to: a hit answers with the branch's first levels (its KV cut to
+    the nodes they feed, as drafting them just in time leaves it, and the next round planned
+    from them); a branch planned shallower than the next cap answers with what it has. Every
+    proposal within its round's cap, the output the target alone's, every state freed."""
+    target, draft = tiny["llama"], tiny["llama-self2"]
+    table = make_table(draft, depth=4, budget=6, tree=tree, table_class=CheckedTable)
+    table.checked, table.shortened, table.short = 0, 0, True
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    cut_hits = 0
+    for tag, prompt in enumerate(PROMPTS, 1):
+        speculator = TableSpeculator(table, tag, 8, early, caps=(0, 2, 1, 3, 0, 3, 2))
+        assert run(target, table, prompt, params, 8, speculator=speculator)[0] == generate(target, prompt, params)[0]
+        cut_hits += speculator.cut_hits
+    snap = table.speculation.snapshot()
+    assert table.checked > 20 and snap["hits"] > 0 and cut_hits > 0 and table.shortened > 0
     assert table.states == {} and table.speculation.plans == {} and table.pool.used_bytes == 0
 
 

@@ -30,6 +30,30 @@ def test_the_tree_takes_the_likeliest_nodes_first_with_arctics_counts():
     assert grow(found, 4, 0.4, tree=True) == ([3], [-1], [2 * third])  # under min_token_prob: left out
 
 
+def test_a_level_cap_spends_the_budget_on_the_levels_it_keeps():
+    """The target's load asks for at most one level: the budget goes to the first level's
+    likeliest nodes (3 and 6), not below them; a chain stops at the cap."""
+    found = indexed(OUTPUTS).occurrences((1, 2))
+    third = 1 / 3
+    assert grow(found, 4, 0.1, tree=True, max_levels=1) == ([3, 6], [-1, -1], [2 * third, third])
+    assert grow(found, 4, 0.1, tree=True, max_levels=2) == ([3, 6, 5, 4], [-1, -1, 0, 0], [2 * third] + [third] * 3)
+    assert grow(found, 4, 0.1, tree=False, max_levels=1) == ([3], [-1], [2 * third])
+    assert speculate([9, 1, 2], found, 8, max_levels=1) == ([3], [-1], [1.0])
+
+
+def test_a_session_keeps_to_the_cap_the_target_asks_for():
+    """A suffix session's proposal at most its cap deep (set as DraftState.cap_depth sets it),
+    and as deep as before once the cap is lifted."""
+    session = SuffixDrafter(8, max_spec_factor=4.0).open(64)  # a 2-token match may draft 8
+    text = [5, 6, 7, 8, 9, 10, 11, 5, 6]
+    assert session.propose(text, SamplingParams(), None).tree.tokens.tolist() == [6, 7, 8, 9, 10, 11, 5, 6]
+    session.depth_cap = 2
+    assert session.propose(text, SamplingParams(), None).tree.tokens.tolist() == [6, 7, 8]
+    session.depth_cap = 0
+    assert session.propose(text, SamplingParams(), None).tree.max_depth == 7
+    assert session.plain_draft(text, 3).tokens == [6, 7, 8, 9]  # a fused target's suffix link asks so
+
+
 def test_the_longest_match_wins_when_its_probabilities_sum_higher():
     """Context (0, 1, 2) matches all three by 2 tokens: 2 nodes at most (m x factor). (9, 1, 2)
     matches the first by 3: its run, 3 then 4, sums 2.0 and beats the 2-token match's 1.0."""

@@ -58,6 +58,7 @@ class Ticket:
     drafted: int
     plan: Plan
     answered_at: float
+    max_depth: int = 0  # the target's cap, which the answer kept to
 
 
 def publish(plan: Plan) -> Published:
@@ -108,4 +109,4 @@ def commit(spec, state: DraftState, ticket: Ticket) -> Proposal:
     stats.branches_used += 1
     adopt(plan, ticket.key)
     state.advance(ticket.path, ticket.tokens, kv_done=True)
-    return state.proposed(proposal_of(plan))
+    return state.proposed_within_cap(proposal_of(plan))

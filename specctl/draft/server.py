@@ -211,7 +211,7 @@ class DraftServer(ListeningServer):
         if self.table.speculation is None:
             return False
         try:
-            early = self.table.early_answer(message.tag, message.path, message.tokens)
+            early = self.table.early_answer(message.tag, message.path, message.tokens, message.max_depth)
         except Exception:  # noqa: BLE001 - the compute thread's path serves it instead
             log.exception("answering session %s early failed", message.tag)
             return False
@@ -310,7 +310,7 @@ class DraftServer(ListeningServer):
             # A hit answers at once, whatever else misses; a session with nothing planned skips
             # the lookup (a stale answer is safe: drafting drops any plan it finds).
             if self.table.speculation is not None and message.tag in self.table.speculation.plans:
-                proposal = await self.compute.run_batched("lookup", self.table.lookup_many, request)
+                proposal = await self.compute.run_batched("lookup", self.table.lookup_many, (*request, message.max_depth))
                 if proposal is not None:
                     return proposal
             return await self.compute.run_batched("propose", self.table.propose_many, (*request, message.max_depth))

@@ -21,7 +21,7 @@ from specctl.net.protocol import DraftRules, OpenSession, Proposal, SparseProbs
 from specctl.spec.draft_state import DraftState, draft_capacity, draft_many
 from specctl.engine.tree import TokenTree
 from specctl.spec.batch_drafting import prefill_step
-from specctl.spec.drafters import Drafter, NgramDrafter, Proposal as DraftProposal, _ModelDraftSession
+from specctl.spec.drafters import Drafter, NgramDrafter, Proposal as DraftProposal, _ModelDraftSession, first_levels
 from specctl.spec.params import SamplingParams
 
 
@@ -145,18 +145,21 @@ class SessionTable:
         spec.stats.fallback_ngram += len(missed)
         backup = NgramDrafter(spec.depth)
         for i, tag, state in missed:
-            proposal = DraftProposal(TokenTree.chain(state.seq[-1], backup.lookup(state.seq)))
+            proposal = DraftProposal(TokenTree.chain(state.seq[-1],
+                                                     backup.lookup(state.seq, getattr(state.session, "depth_cap", 0))))
             state.session.holds_text_only()  # none of this proposal's nodes is in the draft's KV
             results[i] = _message(tag, state.proposed(proposal))
             spec.planned(tag, state, proposal, backup=True)
         backed = {tag for _, tag, _ in missed}
         return [item for item in ready if item[1] not in backed]
 
-    def lookup_many(self, requests: list[tuple[int, list[int], list[int]]]) -> list:
-        """Answer Propose requests from the speculation cache: a Proposal message per hit, None
-        per miss (then ``propose_many`` serves it; always a reproducible session's)."""
-        asked = [(i, (tag, state, path, tokens)) for i, (tag, path, tokens) in enumerate(requests)
-                 if (state := self.states.get(tag)) is None or self._speculates(state)]
+    def lookup_many(self, requests: list[tuple]) -> list:
+        """Answer Propose requests (tag, path, tokens[, max_depth]) from the speculation cache: a
+        Proposal message per hit, cut to its max_depth; None per miss (then ``propose_many``
+        serves it; always a reproducible session's, and one with a bad max_depth, refused there)."""
+        asked = [(i, (tag, state, path, tokens)) for i, (tag, path, tokens, *max_depth) in enumerate(requests)
+                 if (state := self.states.get(tag)) is None
+                 or (self._speculates(state) and _capped(state, max_depth[0] if max_depth else 0))]
         items = [item for _, item in asked]
         before = {tag: (s.rounds, s.drafted, s.accepted) for tag, s, _, _ in items if s is not None}
         results: list = [None] * len(requests)
@@ -167,13 +170,15 @@ class SessionTable:
                 self.speculation.planned(tag, state, proposal)
         return results
 
-    def early_answer(self, tag: int, path: list[int], tokens: list[int]) -> tuple[Proposal, Ticket] | None:
-        """On the event loop: the Proposal message for this outcome from a published branch,
-        and the ticket the compute thread commits it with (``commit_many``); None: go through
-        the compute thread (a miss, a branch not far enough, a bad outcome to report)."""
+    def early_answer(self, tag: int, path: list[int], tokens: list[int],
+                     max_depth: int = 0) -> tuple[Proposal, Ticket] | None:
+        """On the event loop: the Proposal message for this outcome from a published branch (its
+        first ``max_depth`` levels), and the ticket the compute thread commits it with
+        (``commit_many``); None: go through the compute thread (a miss, a branch not far enough,
+        a bad outcome or max_depth to report)."""
         spec, state = self.speculation, self.states.get(tag)
         published = spec.published.get(tag) if spec is not None and state is not None else None
-        if published is None:
+        if published is None or max_depth < 0:
             return None
         try:
             state.check_outcome(path, tokens)
@@ -183,8 +188,9 @@ class SessionTable:
         if picked is None:
             return None
         key, branch = picked
-        message = _message(tag, proposal_for(branch, state.params.greedy))
-        return message, Ticket(tag, list(path), list(tokens), key, branch.drafted, published.plan, time.perf_counter())
+        message = _message(tag, first_levels(proposal_for(branch, state.params.greedy), max_depth))
+        return message, Ticket(tag, list(path), list(tokens), key, branch.drafted, published.plan, time.perf_counter(),
+                               max_depth)
 
     def commit_many(self, tickets: list[Ticket]) -> list:
         """On the compute thread: make each answered branch its session's and plan the next
@@ -198,6 +204,7 @@ class SessionTable:
                 continue
             before = state.rounds, state.drafted, state.accepted
             try:
+                state.cap_depth(ticket.max_depth)  # what the answer sent kept to
                 proposal = commit(self.speculation, state, ticket)
             except Exception as exc:  # noqa: BLE001 - reported to that request only
                 self.close(ticket.tag)
@@ -274,3 +281,12 @@ def wire_rules(msg: DraftRules, max_tokens: int) -> SamplingParams | None:
     except SpecctlError:
         return None
     return rules if rules.adjusts_logits else None
+
+
+def _capped(state: DraftState, max_depth: int) -> bool:
+    """The session's next proposal kept to ``max_depth`` (the target's load); False for a bad one."""
+    try:
+        state.cap_depth(max_depth)
+    except SpecctlError:
+        return False
+    return True

@@ -81,7 +81,8 @@ class SpeculationCache(PlanSizing):
             discard(old)
         if backup or proposal.ranked is None or not self._pays(history):
             return
-        plan = make_plan(state, proposal, self._fanout_tree(tag, state, proposal), self.depth,
+        cap = getattr(state.session, "depth_cap", 0)  # branches no deeper than the target asks for now
+        plan = make_plan(state, proposal, self._fanout_tree(tag, state, proposal), min(cap or self.depth, self.depth),
                          self.reshape_for(tag, state))
         if plan is not None:
             self.plans[tag] = plan
@@ -178,7 +179,7 @@ class SpeculationCache(PlanSizing):
             adopted.append((i, tag, state, plan))
         self._finish([plan for _, _, _, plan in adopted])
         for i, tag, state, plan in adopted:
-            results[i] = state.proposed(proposal_of(plan))
+            results[i] = state.proposed_within_cap(proposal_of(plan))  # the target's cap may have come since
         return results
 
     def _answers_now(self, tag: int, state: DraftState, branch: Branch, plan: Plan) -> bool:

@@ -124,6 +124,14 @@ class TokenTree:
             height=max(self.height, int(self.depth[parents].max()) + 1) if m else self.height,
         )
 
+    def first_levels(self, depth: int) -> "TokenTree":
+        """The nodes at most ``depth`` deep: a prefix, since nodes are in BFS order."""
+        if depth >= self.height:
+            return self
+        n = int((self.depth <= depth).sum())
+        return TokenTree(self.tokens[:n], self.parents[:n], self.probs[:n], self.depth[:n], self.mask[:n, :n],
+                         self.score[:n], depth)
+
     def prune_to_subtree(self, node: int) -> tuple["TokenTree", torch.Tensor]:
         """Re-root at ``node``; returns the subtree and the kept (old) indices in BFS order."""
         keep = self.mask[:, node].nonzero().flatten()

@@ -15,7 +15,7 @@ from specctl.engine.spec import check_token_ids
 from specctl.engine.tree import TokenTree
 from specctl.errors import BadRequest
 from specctl.spec.batch_drafting import batch_kind
-from specctl.spec.drafters import DraftSession, Proposal
+from specctl.spec.drafters import DraftSession, Proposal, first_levels
 from specctl.spec.params import SamplingParams
 
 
@@ -101,8 +101,8 @@ class DraftState:
 
     def cap_depth(self, max_depth: int) -> None:
         """The next proposal at most ``max_depth`` tokens deep (0: the drafter's own depth): the
-        target's load (spec.turns). Model chains and trees, n-gram lookups; the others draft as
-        they would."""
+        target's load (spec.turns). Model chains and trees, n-gram and suffix lookups, several
+        drafters (each of theirs)."""
         if max_depth < 0:
             raise BadRequest(f"max_depth must be >= 0 (0: the draft's own depth), got {max_depth}")
         if hasattr(self.session, "depth_cap"):
@@ -111,6 +111,19 @@ class DraftState:
     def proposed(self, proposal: Proposal) -> Proposal:
         self.last_tree = proposal.tree
         return proposal
+
+    def proposed_within_cap(self, proposal: Proposal) -> Proposal:
+        """``proposed`` for a proposal drafted before the target's last cap (a pre-speculated
+        branch): cut to the cap, the KV kept to the nodes the cut proposal feeds (the text and
+        the nodes above its last level), as a proposal drafted at that depth leaves it."""
+        cut = first_levels(proposal, getattr(self.session, "depth_cap", 0))
+        if cut is not proposal:
+            fed = int((cut.tree.depth < cut.tree.max_depth).sum()) - 1  # nodes 1..fed sit after the text
+            cache = self.session.cache
+            cache.truncate(min(cache.length, len(self.seq) + fed))
+            if hasattr(self.session, "fed"):  # a tree session's record of its nodes' KV
+                self.session.fed = min(self.session.fed, fed)
+        return self.proposed(cut)
 
     def close(self) -> None:
         session = self.session

@@ -45,6 +45,22 @@ class Proposal:
 RANKED = 16  # candidates a model drafter keeps per node it feeds
 
 
+def first_levels(proposal: Proposal, depth: int) -> Proposal:
+    """The proposal's first ``depth`` levels (0: all of it): a proposal drafted deeper than
+    the target now asks for (a pre-speculated branch) answers with its prefix, which is
+    verified as losslessly. Its q and ranked rows follow: the ranked ones of the nodes above
+    the last level kept, which a proposal of that depth would have fed."""
+    tree = proposal.tree
+    if not depth or tree.max_depth <= depth:
+        return proposal
+    if not isinstance(tree, TokenTree) or callable(proposal.draft_probs):
+        raise TypeError("first_levels cuts a drafted proposal (a TokenTree, its q a tensor)")
+    cut = tree.first_levels(depth)
+    above = int((tree.depth < depth).sum())
+    q, ranked = proposal.draft_probs, proposal.ranked
+    return Proposal(cut, None if q is None else q[: len(cut) - 1], None if ranked is None else ranked[:above])
+
+
 def ranked_candidates(logits: torch.Tensor) -> torch.Tensor:
     """The draft's RANKED likeliest tokens after each row of ``logits``, likeliest first."""
     return logits.topk(min(RANKED, logits.shape[-1]), dim=-1).indices

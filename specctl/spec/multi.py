@@ -75,6 +75,18 @@ class _MultiSession(DraftSession):
         self.drafted: set[int] = set()  # the drafters that have drafted in this session (their prompt prefill done)
 
     @property
+    def depth_cap(self) -> int:
+        """Its drafters' cap (0: their own depths), as the target's load asks: fusing their
+        drafts never makes a tree deeper than the deepest of them."""
+        return next((s.depth_cap for s in self.sessions if hasattr(s, "depth_cap")), 0)
+
+    @depth_cap.setter
+    def depth_cap(self, levels: int) -> None:
+        for session in self.sessions:
+            if hasattr(session, "depth_cap"):
+                session.depth_cap = levels
+
+    @property
     def mean_accepted(self) -> float:
         return self.accepted / self.rounds if self.rounds else 0.0
 

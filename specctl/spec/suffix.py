@@ -90,13 +90,13 @@ def match_length(context: list[int], sequence: array, end: int, limit: int) -> i
     return length
 
 
-def grow(occurrences: list[Occurrence], max_nodes: int, min_token_prob: float, tree: bool,
+def grow(occurrences: list[Occurrence], max_nodes: int, min_token_prob: float, tree: bool, max_levels: int = 0,
          ) -> tuple[list[int], list[int], list[float]]:
     """The draft the occurrences continue into, best-first (Arctic's priority queue): (tokens,
     parents (-1: the root), probabilities from the root); a node is taken when it is the likeliest
-    left, so the budget goes to the likeliest nodes wherever they hang. A chain (``tree``
-    False) follows the likeliest child only. Children of equal counts: the one continuing the
-    latest written occurrence first."""
+    left, so the budget goes to the likeliest nodes wherever they hang, down to ``max_levels``
+    (0: any depth). A chain (``tree`` False) follows the likeliest child only. Children of equal
+    counts: the one continuing the latest written occurrence first."""
     tokens: list[int] = []
     parents: list[int] = []
     probs: list[float] = []
@@ -109,6 +109,8 @@ def grow(occurrences: list[Occurrence], max_nodes: int, min_token_prob: float, t
             parents.append(parent)
             probs.append(-negative)
             parent, offset = len(tokens) - 1, offset + 1
+        if max_levels and offset > max_levels:  # its children would be deeper than asked
+            continue
         children: dict[int, list[Occurrence]] = {}
         for sequence, end in here:
             if end + offset < len(sequence):
@@ -124,10 +126,11 @@ def grow(occurrences: list[Occurrence], max_nodes: int, min_token_prob: float, t
 
 def speculate(context: list[int], occurrences: list[Occurrence], depth: int, *, max_depth: int = 64,
               max_spec_factor: float = 1.0, max_spec_offset: float = 0.0, min_token_prob: float = 0.1,
-              tree: bool = True) -> tuple[list[int], list[int], list[float]]:
+              tree: bool = True, max_levels: int = 0) -> tuple[list[int], list[int], list[float]]:
     """Arctic's choice among match lengths: for each (the longest first), the draft of the
-    occurrences matching at least that long, capped at min(depth, m x factor + offset) nodes;
-    the one whose probabilities sum highest (the longer match on a tie)."""
+    occurrences matching at least that long, capped at min(depth, m x factor + offset) nodes
+    and ``max_levels`` levels (0: any); the one whose probabilities sum highest (the longer
+    match on a tie)."""
     matched = sorted(((match_length(context, sequence, end, max_depth), (sequence, end))
                       for sequence, end in occurrences), key=lambda item: -item[0])
     best: tuple[list[int], list[int], list[float]] = ([], [], [])
@@ -138,7 +141,7 @@ def speculate(context: list[int], occurrences: list[Occurrence], depth: int, *, 
         budget = min(depth, int(length * max_spec_factor + max_spec_offset + 1e-6))
         if budget <= best_score:  # no draft of this length can sum higher
             continue
-        draft = grow([occurrence for _, occurrence in matched[:cut + 1]], budget, min_token_prob, tree)
+        draft = grow([occurrence for _, occurrence in matched[:cut + 1]], budget, min_token_prob, tree, max_levels)
         if sum(draft[2]) > best_score:
             best, best_score = draft, sum(draft[2])
     return best
@@ -211,6 +214,7 @@ class _SuffixSession(DraftSession):
         self.drafter, self.number = drafter, number
         self.text = SequenceIndex()
         self.prompt_len: int | None = None
+        self.depth_cap = 0  # the next proposal at most this many levels (0: any), as the target's load asks
 
     def observe(self, seq: list[int]) -> None:
         if self.prompt_len is None:  # first seen after the prefill's token
@@ -222,10 +226,11 @@ class _SuffixSession(DraftSession):
         self.drafter.remember(self.number, seq[max(seen, self.prompt_len - KEY + 1, 0):])
 
     def propose(self, seq, params, generator):
-        return Proposal(self.plain_draft(seq).built())
+        return Proposal(self.plain_draft(seq, self.depth_cap).built())
 
-    def plain_draft(self, seq: list[int]) -> PlainTree:
-        """The proposal's tree in plain Python (a target instance's fusion asks on its event loop)."""
+    def plain_draft(self, seq: list[int], max_levels: int = 0) -> PlainTree:
+        """The proposal's tree in plain Python (a target instance's fusion asks on its event
+        loop), at most ``max_levels`` deep (0: as deep as its node budget goes)."""
         drafter = self.drafter
         self.observe(seq)
         key = tuple(seq[-KEY:])
@@ -233,7 +238,7 @@ class _SuffixSession(DraftSession):
         occurrences = (own + drafter.found(key, self.number))[:MAX_OCCURRENCES]
         draft = speculate(seq, occurrences, drafter.depth, max_depth=drafter.max_depth,
                           max_spec_factor=drafter.max_spec_factor, max_spec_offset=drafter.max_spec_offset,
-                          min_token_prob=drafter.min_token_prob, tree=drafter.tree)
+                          min_token_prob=drafter.min_token_prob, tree=drafter.tree, max_levels=max_levels)
         return proposal_tree(seq[-1], *draft)
 
     def close(self) -> None:

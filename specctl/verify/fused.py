@@ -189,7 +189,7 @@ class FusedSpeculator:
             if self.links[i].name == NGRAM:
                 drafts[i] = Draft.chain(tokens := self.ngram.lookup(session.seq, max_depth), [1.0] * len(tokens))
             elif self.links[i].name == SUFFIX:
-                drafts[i] = Draft.of_tree(self.suffix.plain_draft(session.seq))
+                drafts[i] = Draft.of_tree(self.suffix.plain_draft(session.seq, max_depth))
         if not tasks:
             return
         try:
