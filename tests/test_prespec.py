@@ -463,27 +463,31 @@ def small(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("saguaro_c, fallback, tree, depth, stop", [
-    (1.0, "jit", None, 1, 0.0), (0.1, "jit", None, 1, 0.0), (0.1, "ngram", None, 1, 0.0), (1.0, "jit", TREE, 1, 0.0),
-    (1.0, "ngram", TREE, 1, 0.0), (0.5, "jit", None, 2, 0.5)])
-def test_sampling_keeps_the_target_distribution(small, saguaro_c, fallback, tree, depth, stop):
+@pytest.mark.parametrize("saguaro_c, fallback, tree, depth, stop, caps", [
+    (1.0, "jit", None, 1, 0.0, (0,)), (0.1, "jit", None, 1, 0.0, (0,)), (0.1, "ngram", None, 1, 0.0, (0,)),
+    (1.0, "jit", TREE, 1, 0.0, (0,)), (1.0, "ngram", TREE, 1, 0.0, (0,)), (0.5, "jit", None, 2, 0.5, (0,)),
+    (0.5, "jit", None, 3, 0.0, (0, 1, 2))])
+def test_sampling_keeps_the_target_distribution(small, saguaro_c, fallback, tree, depth, stop, caps):
     """Depth 1, budget 6 (3 of the 5 possible bonuses per position): tokens 3 and 4 come from rounds whose
     proposals were mostly pre-speculated (Saguaro-sampled when C < 1), the rest from misses. A tree's
     candidates are the draft's top-k, not sampled: Saguaro's C has nothing to reshape there. Depth 2 with
-    adaptive depth: sampled branches stop where drafting would (after one token when q of it is < 0.5)."""
+    adaptive depth: sampled branches stop where drafting would (after one token when q of it is < 0.5).
+    Depth 3 with the target's cap changing each round: sampled branches cut to their first tokens, q too."""
     target, draft = small
     params = SamplingParams(temperature=1.0)
     expected = _exact_joint_of_tokens_3_and_4(target, params)
     table = make_table(draft, depth=depth, budget=6, saguaro_c=saguaro_c, fallback=fallback, tree=tree, stop=stop)
     counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
-    drafts = drafted = 0
+    drafts = drafted = cut_hits = 0
     for seed in range(SAMPLES):
+        speculator = TableSpeculator(table, seed + 1, 3, caps=caps)
         out, stats = run(target, table, PROMPT, SamplingParams(temperature=1.0, max_tokens=4, seed=seed), steps=3,
-                         tag=seed + 1)
+                         speculator=speculator)
         counts[out[2], out[3]] += 1
-        drafts, drafted = drafts + stats.drafts, drafted + stats.drafted
+        drafts, drafted, cut_hits = drafts + stats.drafts, drafted + stats.drafted, cut_hits + speculator.cut_hits
     snap = table.speculation.snapshot()
     assert snap["hits"] > 100 and snap["misses"] > 100  # both paths were exercised
+    assert (cut_hits > 20) == (caps != (0,))  # hits answered with a branch planned deeper than asked
     if stop and tree is None:  # proposals stopped short of the depth (branches as drafting: see the CheckedTable test)
         assert drafted < depth * drafts
     assert_counts_match(counts, expected)

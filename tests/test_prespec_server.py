@@ -25,7 +25,8 @@ def models(tiny_dir):
     return load_model("tiny-llama", tiny_dir["llama"], "fp32"), load_model("tiny-llama@2", tiny_dir["llama"], "fp32", num_layers=2)
 
 
-async def start(models, prespec: PrespecConfig, verify_delay_s: float, targets: int = 2, tree: bool = False):
+async def start(models, prespec: PrespecConfig, verify_delay_s: float, targets: int = 2, tree: bool = False,
+                **target_options):
     target, draft = models
     drafter = ModelTreeDrafter(draft.decoder, 3, 2, 3) if tree else ModelChainDrafter(draft.decoder, 3)
     draft_server = DraftServer(draft, drafter, DraftServerConfig(port=0, prespec=prespec))
@@ -36,7 +37,7 @@ async def start(models, prespec: PrespecConfig, verify_delay_s: float, targets: 
         first = asyncio.get_running_loop().create_future()
         links.append(asyncio.create_task(client.run(first)))
         assert await first
-        server = TargetServer(target, TargetServerConfig(port=0, verify_delay_s=verify_delay_s), client)
+        server = TargetServer(target, TargetServerConfig(port=0, verify_delay_s=verify_delay_s, **target_options), client)
         servers.append(server)
         ports.append(await server.start())
     return draft_server, links, servers, ports
@@ -76,6 +77,26 @@ async def test_greedy_sessions_equal_the_target_with_prespec_over_tcp(models, fa
         spec = draft_server.table.speculation
         assert spec.plans == {} and spec.history == {} and spec.published == {} and draft_server.commits == {}
         assert draft_server.table.pool.used_bytes == 0
+    finally:
+        await stop(draft_server, links, servers)
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+async def test_pre_speculated_answers_keep_to_the_depth_the_target_s_load_asks_for(models, tree):
+    """A target whose schedule asks for proposals at most 2 deep alone and 1 deep with two
+    sessions (spec_depth_by_load), from a draft 3 deep pre-speculating: hits, early answers
+    included, come no deeper than the round asked; the output is the target alone's."""
+    draft_server, links, servers, ports = await start(models, PrespecConfig(budget=6, adaptive=False), 0.02,
+                                                      targets=1, tree=tree, spec_depth_by_load=((1, 2), (2, 1)))
+    try:
+        params = SamplingParams(max_tokens=24, ignore_eos=True)
+        results = await asyncio.gather(*(remote_generate("127.0.0.1", ports[0], p, params) for p in PROMPTS[:2]))
+        for prompt, (tokens, _, stats) in zip(PROMPTS, results):
+            assert tokens == local_reference(models, prompt, 24)
+            assert stats["drafts"] > 0 and stats["drafted"] <= 2 * stats["drafts"] and len(stats["accepted_per_pos"]) <= 2
+        assert draft_server.snapshot()["prespec"]["hits"] > 0
+        await wait_until(lambda: draft_server.table.states == {} and servers[0].active == 0)
+        assert draft_server.table.speculation.plans == {} and draft_server.table.pool.used_bytes == 0
     finally:
         await stop(draft_server, links, servers)
 
