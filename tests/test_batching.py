@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 
-from specctl.runtime.compute import ComputeThread, SlowedLane
+from specctl.runtime.compute import ComputeThread
+from specctl.runtime.emulation import SlowedLane
 from specctl.spec.batch_drafting import propose_chains
 from specctl.spec.drafters import ModelChainDrafter
 from specctl.spec.params import SamplingParams

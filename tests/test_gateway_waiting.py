@@ -14,7 +14,7 @@ from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
 from specctl.gateway.api import ApiError
 from specctl.gateway.waiting import WaitingLine
-from specctl.runtime.compute import SlowedLane
+from specctl.runtime.emulation import SlowedLane
 from tests.conftest import poll_until
 from tests.test_gateway import PROMPT, post
 

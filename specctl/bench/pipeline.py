@@ -26,7 +26,8 @@ from specctl.pipeline.microbatch import MicroBatchLane
 from specctl.pipeline.plan import WidthOption
 from specctl.pipeline.specpipe import specpipe_generate
 from specctl.pipeline.token_source import TreeShape
-from specctl.runtime.compute import ComputeThread, sleep_rest
+from specctl.runtime.compute import ComputeThread
+from specctl.runtime.emulation import sleep_rest
 from specctl.spec.decode import DecodeSession
 from specctl.spec.drafters import ModelChainDrafter
 from specctl.spec.params import SamplingParams

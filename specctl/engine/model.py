@@ -21,7 +21,7 @@ from specctl.engine.rope import layer_ropes
 from specctl.engine.spec import ModelSpec
 from specctl.engine.static import CUDA_LOCK, StaticRunner, StaticSegment
 from specctl.engine.window import window_cut
-from specctl.runtime.compute import sleep_rest
+from specctl.runtime.emulation import sleep_rest
 from specctl_kernels.paged import PagedAttention
 
 Out = TypeVar("Out")

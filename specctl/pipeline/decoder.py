@@ -26,7 +26,7 @@ from specctl.net.protocol import (Error, Message, StageClose, StageDrop, StageFo
                                   StageOutput, Stats, StatsRequest, Tensor)
 from specctl.pipeline.link import StageLink
 from specctl.pipeline.worker import split_keep
-from specctl.runtime.compute import sleep_rest
+from specctl.runtime.emulation import sleep_rest
 
 log = logging.getLogger("specctl.pipeline")
 FORWARD_TIMEOUT_S = 600.0  # a stage that neither answers nor drops the link (a long prompt on a slow box)

@@ -40,7 +40,7 @@ from specctl.pipeline.live_tree import CacheMirror, SpecTree
 from specctl.pipeline.pipe_stats import PipeStats
 from specctl.pipeline.predicted import PredictedChains
 from specctl.pipeline.token_source import DraftLevels, LevelSource, TreeShape, max_tree_nodes, predicted_chain_nodes
-from specctl.runtime.compute import sleep_rest
+from specctl.runtime.emulation import sleep_rest
 from specctl.spec.decode import DecodeSession
 from specctl.spec.rounds import Emit
 from specctl.spec.params import SamplingParams

@@ -197,7 +197,7 @@ class StageServer(ListeningServer):
                         started = time.perf_counter()
                         out = await self.compute.run(worker.forward, message, dead)
                         rest = self.config.delay_s - (time.perf_counter() - started)
-                        if rest > 0:  # emulated device time, the real compute inside it (runtime/compute.sleep_rest)
+                        if rest > 0:  # emulated device time, the real compute inside it (runtime/emulation.sleep_rest)
                             await asyncio.sleep(rest)
                 except Exception as exc:  # noqa: BLE001 - that micro-batch fails, the chain goes on
                     self.reject("stage upstream", f"forward {message.fid}: {exc}")

@@ -27,7 +27,8 @@ from specctl.net.protocol import (
 from specctl.pipeline.decoder import PipelineClient
 from specctl.pipeline.microbatch import MicroBatchLane
 from specctl.pipeline.serve import SpecPipeDraft, serve_specpipe
-from specctl.runtime.compute import ComputeLane, ComputeThread, SlowedLane
+from specctl.runtime.compute import ComputeLane, ComputeThread
+from specctl.runtime.emulation import SlowedLane
 from specctl.runtime.listen import ListenConfig, ListeningServer, MessageRate
 from specctl.spec.decode import DecodeSession
 from specctl.spec.depth_tuning import DepthTuner
