@@ -387,8 +387,10 @@ def test_bench_local_writes_json(tiny_dir, tmp_path):
     assert "bench local" in proc.stdout and "by class of prompt" in proc.stdout
 
 
-def test_a_benchmark_stopped_by_ctrl_c_says_it_wrote_no_report(tiny_dir, tmp_path):
-    """typer turns Ctrl-C into a silent exit 130; every bench command says why it stopped."""
+@pytest.mark.parametrize("stop, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_benchmark_stopped_by_ctrl_c_or_kill_says_it_wrote_no_report(tiny_dir, tmp_path, stop, code):
+    """typer turns Ctrl-C into a silent exit 130, SIGTERM killed at once; every bench command
+    says why it stopped."""
     import signal
 
     from specctl.cli.bench import app as bench_app
@@ -407,11 +409,11 @@ def test_a_benchmark_stopped_by_ctrl_c_says_it_wrote_no_report(tiny_dir, tmp_pat
             line = proc.stderr.readline()
             assert line, seen
             seen += line
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(getattr(signal, stop))
         _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    assert proc.returncode == 130
+    assert proc.returncode == code
     assert err.strip().splitlines()[-1] == \
         "interrupted: no report written (the models and processes it started are closed)"
     assert not out.exists()

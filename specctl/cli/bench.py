@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import json
+import signal
 import sys
+import threading
 from typing import Callable, Optional
 
 import typer
@@ -222,17 +224,32 @@ app.command("drafters")(drafters)
 
 
 def says_when_interrupted(command: Callable) -> Callable:
-    """A benchmark stopped by Ctrl-C (or SIGTERM, for those run by ``run_job_with_compute``)
-    says so and that it wrote no report (typer turns the KeyboardInterrupt into a silent exit
-    130, which reads like a crash or a hang). What it started is closed by then: its own
-    ``finally`` blocks ran on the way out."""
+    """A benchmark stopped by Ctrl-C or SIGTERM (``kill``; a shell's background job ignores
+    Ctrl-C) says so and that it wrote no report (typer turns a KeyboardInterrupt into a silent
+    exit 130, and SIGTERM's default kills at once, which reads like a crash or a hang). What it
+    started is closed by then: its own ``finally`` blocks ran on the way out. Exit 130 for
+    Ctrl-C, 143 for SIGTERM, as a shell reports them."""
     @functools.wraps(command)
     def noted(*args, **kwargs):
+        terminated = []
+
+        def interrupt(signum, frame):
+            terminated.append(signum)
+            raise KeyboardInterrupt
+
+        # an event loop's own handlers (run_job_with_compute) take SIGTERM while it runs
+        previous = signal.signal(signal.SIGTERM, interrupt) \
+            if threading.current_thread() is threading.main_thread() else None
         try:
             return command(*args, **kwargs)
         except KeyboardInterrupt:
             print("interrupted: no report written (the models and processes it started are closed)", file=sys.stderr)
+            if terminated:
+                raise SystemExit(128 + signal.SIGTERM) from None
             raise
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
     return noted
 
 
