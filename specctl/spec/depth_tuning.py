@@ -24,8 +24,12 @@ the instance's tokens per second. At each load (the most sessions it ran in the 
 LOAD_HOLD_S, so that a client's gap between two requests is not a new load) it takes the
 fastest arm after trying each (``spec.pays.next_arm``, by epochs: the first arm twice, every
 other once, then the fastest, and now and then the runner-up again); a load met for the first
-time starts on the arm the nearest load measured found fastest. Every arm is tried rather than
-rated by a round time fitted to the depth (SmartSpec's cost model): a plain round costs far
+time starts on the arm the nearest load measured found fastest, and tries only that arm and
+the next one toward the load's side (``toward``: shallower for more sessions, deeper for fewer,
+as SmartSpec's goodput says the best depth falls with the batch): trying every arm at every load
+could take most of a one-minute run at 4 clients (loads 1-4, five epochs of 2 s or more each).
+Arms are tried rather than rated by a round time fitted to the depth (SmartSpec's cost model): a
+plain round costs far
 less than a line through speculative rounds says (no draft at all), and at 8 clients on 2 CPU
 cores a round of depth 2 took half what the line through depths 4-9 gave. Every arm is
 lossless: slower or faster, never different."""
@@ -80,6 +84,13 @@ def mean_round(epochs) -> tuple[float, float]:
     return sum(d for _, _, d in epochs) / rounds, sum(s for _, s, _ in epochs) / rounds
 
 
+def toward(ladder: list[int], best: int, more_sessions: bool) -> list[int]:
+    """``best`` and the arm after it on the ``ladder`` (deepest first, plain rounds last) toward
+    the load's side: the next shallower for more sessions, the next deeper for fewer."""
+    at = ladder.index(best) + (1 if more_sessions else -1)
+    return [best, *([ladder[at]] if 0 <= at < len(ladder) else [])]
+
+
 class Ticket(NamedTuple):
     """A round's place in the tuner's epochs: measured unless it is its session's first of the epoch."""
 
@@ -119,6 +130,7 @@ class DepthTuner:
         self.peak = PeakLoad(hold_s, clock)
         # load -> arm -> its last WINDOW epochs (rounds, seconds, drafted tokens)
         self.measured: dict[int, dict[int, deque]] = {}
+        self.candidates: dict[int, list[int]] = {}  # load -> the arms it tries, best-ranked first (``order``)
         self.accepted: deque = deque(maxlen=ACCEPTANCE_ROUNDS)  # (accepted, drafted) of speculative rounds
         self.level: int | None = None  # the load of the epoch in progress
         self.arm, self.streak, self.epoch = self.arms[0], 0, 0
@@ -181,13 +193,20 @@ class DepthTuner:
         self.arm = arm
 
     def order(self, level: int) -> list[int]:
-        """The arms best first, as the nearest load measured so far rates them (the ladder's
-        order before any; a load's own rates take over once it has them, in ``next_arm``)."""
-        known = [other for other, arms in self.measured.items() if arms and other != level]
-        if level in self.measured or not known:
-            return list(self.arms)
-        nearest = self.rated(min(known, key=lambda other: (abs(other - level), other)))
-        return sorted(self.arms, key=lambda arm: (arm not in nearest, -rate(nearest.get(arm, ()))))
+        """The arms a load tries, best-ranked first, chosen when it is first met: every arm in the
+        ladder's order for the first load; for a later one the arm the nearest load measured found
+        fastest and the next toward this load's side (``toward``). Its own rates rank them once it
+        has them (``next_arm``)."""
+        if level not in self.candidates:
+            known = [other for other, arms in self.measured.items() if arms and other != level]
+            if not known:
+                self.candidates[level] = list(self.arms)
+            else:
+                near = min(known, key=lambda other: (abs(other - level), other))
+                rated = self.rated(near)
+                best = max(rated, key=lambda arm: (rate(rated[arm]), -self.arms.index(arm)))
+                self.candidates[level] = toward(self.arms, best, level > near)
+        return self.candidates[level]
 
     def snapshot(self) -> dict:
         """The stats feed's: the arm now, its load, and each arm's rate at that load (expected
