@@ -740,6 +740,9 @@ GLM_CALL = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</ar
     (GLM_CALL + "\n" + GLM_CALL.replace("get_weather", "get_time"),
      [("get_weather", {"city": "Oslo", "days": 3}), ("get_time", {"city": "Oslo", "days": 3})]),
     ("<tool_call>now\n</tool_call>", [("now", {})]),  # no arguments
+    # a key given twice: written twice, read as JSON readers read it (the last)
+    ("<tool_call>f\n<arg_key>a</arg_key><arg_value>1</arg_value><arg_key>a</arg_key><arg_value>2</arg_value></tool_call>",
+     [("f", {"a": 2})]),
     ('<tool_call>f\n<arg_key>q</arg_key><arg_value>{"a": [1, 2]}</arg_value></tool_call>', [("f", {"q": {"a": [1, 2]}})]),
     ("<tool_call>f\n<arg_key>a</arg_key>", None),  # cut by max_tokens
     ("<tool_call>\n</tool_call>", None),  # no name
@@ -758,9 +761,12 @@ def test_glm45_streams_content_until_the_first_block_then_each_name_and_its_argu
     content, [named] = reader.push("ther\n<arg_key>city")  # the name once its line ends
     assert content == "" and named["id"].startswith("call_")
     assert named["function"] == {"name": "get_weather", "arguments": ""}
-    assert reader.push("</arg_key>\n<arg_value>Oslo</arg_value>\n<arg_key>days</arg_key>\n") == ("", [])
+    assert reader.push("</arg_key>\n<arg_value>Os") == ("", [])  # a value goes out whole
+    assert reader.push("lo</arg_value>\n<arg_key>days</arg_key>\n") == (  # each argument once its value ends
+        "", [{"index": 0, "function": {"arguments": '{"city": "Oslo"'}}])
     assert reader.push("<arg_value>3</arg_value>\n</tool_call>") == (
-        "", [{"index": 0, "function": {"arguments": '{"city": "Oslo", "days": 3}'}}])
+        "", [{"index": 0, "function": {"arguments": ', "days": 3}'}}])
+    assert reader.calls[0]["function"]["arguments"] == '{"city": "Oslo", "days": 3}'
     rest, deltas, calls = reader.finish()
     assert (rest, deltas) == ("", []) and reader.finish_reason == "tool_calls"
     assert [c["function"]["name"] for c in calls] == ["get_weather"]

@@ -1,11 +1,14 @@
 """GLM-4.5's and 4.6's tool calls (vLLM's ``glm45``) streamed block by block: content streams
 until the first ``<tool_call>``; from there the output is ``<tool_call>NAME\n<arg_key>K</arg_key>
 <arg_value>V</arg_value>...</tool_call>`` blocks. Each call's id and name go out as soon as the
-name's line ends, its arguments (as JSON) once ``</tool_call>`` closes the block — a value is
-JSON only when the whole value is, so nothing of it can go out before. A block that is not one
-before any call went out makes the text from the tag on content, as a whole reading did; a
-call already streamed stays streamed when a later block turns out malformed or cut short, with
-the target's finish_reason, as vLLM leaves it (and as gateway.json_calls does)."""
+name's line ends, its arguments (a JSON object) pair by pair as each ``</arg_value>`` closes one
+(``{"K": V`` then ``, "K": V``, and ``}`` when ``</tool_call>`` closes the block) — a value is
+JSON only when the whole value is, so nothing of a value can go out before its end. The pieces
+join into the arguments a whole answer carries (pairs in the order written, a repeated key
+written again: JSON readers keep the last, as a dict would). A block that is not one before
+any call went out makes the text from the tag on content, as a whole reading did; a call
+already streamed stays streamed when a later block turns out malformed or cut short, with the
+target's finish_reason, as vLLM leaves it (and as gateway.json_calls does)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from specctl.gateway.tool_calls import CallsAfterTag, call_delta, new_call
 TAG, CLOSE = "<tool_call>", "</tool_call>"
 GLM_CALL = re.compile(r"<tool_call>([^\n<]*?)\s*\n(.*?)</tool_call>\s*", re.DOTALL)
 GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>\s*", re.DOTALL)
+GLM_HEAD = re.compile(r"<tool_call>([^\n<]*?)\s*\n", re.DOTALL)  # a block's name line, as GLM_CALL reads it
 GAP = " \t\r\n"
 
 
@@ -30,16 +34,36 @@ def glm_calls(text: str) -> list[dict] | None:
         block = GLM_CALL.match(text, at)
         if block is None or not block.group(1).strip():
             return None
-        body, arguments, where = block.group(2), {}, 0
+        body, pairs, where = block.group(2), [], 0
         while where < len(body.strip()):
             pair = GLM_ARGUMENT.match(body, where)
             if pair is None:
                 return None
-            arguments[pair.group(1).strip()] = _json_or_text(pair.group(2))
+            pairs.append(_pair(pair))
             where = pair.end()
-        calls.append(new_call(block.group(1).strip(), json.dumps(arguments, ensure_ascii=False)))
+        calls.append(new_call(block.group(1).strip(), "{" + ", ".join(pairs) + "}"))
         at = block.end()
     return calls or None
+
+
+def _pair(match: re.Match) -> str:
+    """One argument as its JSON object writes it: ``"K": V``."""
+    key, value = match.group(1).strip(), _json_or_text(match.group(2))
+    return f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
+
+
+def written_pairs(block: str) -> list[str]:
+    """The arguments of a block not closed yet (``<tool_call>NAME\n...``) whose ``</arg_value>``
+    came, as ``glm_calls`` will read them once it closes (if it reads it at all): none before the
+    blank run after the name has ended, which decides where the pairs begin."""
+    head = GLM_HEAD.match(block)
+    if head is None or not block[head.end():].strip():  # more blank lines may come
+        return []
+    body, pairs, where = block[head.end():], [], 0
+    while (pair := GLM_ARGUMENT.match(body, where)) is not None:
+        pairs.append(_pair(pair))
+        where = pair.end()
+    return pairs
 
 
 def _json_or_text(value: str):
@@ -60,6 +84,7 @@ class StreamedGlmCalls(CallsAfterTag):
         self._at = -1  # where the next block (or the gap before it) starts (-1: at the first tag)
         self._block: int | None = None  # where the block being read starts, once its name went out
         self._close_from = 0  # where its ``</tool_call>`` is looked for next (each character read once)
+        self._pairs = 0  # its arguments streamed so far
         self.broken = False
 
     def finish(self) -> tuple[str, list[dict], list[dict] | None]:
@@ -86,17 +111,33 @@ class StreamedGlmCalls(CallsAfterTag):
             close = text.find(CLOSE, max(self._block, self._close_from))
             if close < 0:
                 self._close_from = len(text) - len(CLOSE) + 1  # a tag begun at the end is read again
+                self._stream_pairs(deltas, text[self._block:])
                 break
             end = close + len(CLOSE)
             calls = glm_calls(text[self._block:end])
             if calls is None or calls[0]["function"]["name"] != self.calls[-1]["function"]["name"]:
                 self.broken = True
                 break
-            arguments = calls[0]["function"]["arguments"]
-            self.calls[-1]["function"]["arguments"] = arguments
-            deltas.append({"index": len(self.calls) - 1, "function": {"arguments": arguments}})
-            self._at, self._block = end, None
+            arguments, streamed = calls[0]["function"]["arguments"], self.calls[-1]["function"]["arguments"]
+            if not arguments.startswith(streamed):  # never, as written_pairs reads: the pieces out stay
+                self.broken = True
+                break
+            self._add(deltas, arguments[len(streamed):])
+            self._at, self._block, self._pairs = end, None, 0
         return deltas
+
+    def _stream_pairs(self, deltas: list[dict], block: str) -> None:
+        """The arguments of the open block whose values have ended, not streamed yet."""
+        pairs = written_pairs(block)
+        for pair in pairs[self._pairs:]:
+            self._add(deltas, ("{" if not self._pairs else ", ") + pair)
+            self._pairs += 1
+
+    def _add(self, deltas: list[dict], piece: str) -> None:
+        """``piece`` of the last call's arguments, out (and kept, to join into them)."""
+        if piece:
+            self.calls[-1]["function"]["arguments"] += piece
+            deltas.append({"index": len(self.calls) - 1, "function": {"arguments": piece}})
 
     def _named(self, deltas: list[dict]) -> bool:
         """Read the gap to the next block and its name's line (its delta added); False when there
