@@ -149,6 +149,10 @@ def test_a_later_load_tries_only_the_nearest_load_s_best_and_the_next_arm_toward
     load[0] = 1
     _drive(tuner, 1, {0: 1 / 4, 4: 1 / 3.5, 2: 1 / 2.5, PLAIN: 1 / 1.2}, 4 * 12)
     assert set(tuner.measured[1]) == {4, 0} and tuner.snapshot()["spec_depth_now"] == "own"
+    report = tuner.report()  # a benchmark's record: every epoch each arm ran at each load, its rate there
+    assert list(report) == ["1", "2", "5"] and list(report["5"]) == ["4", "2"] and list(report["1"]) == ["own", "4"]
+    assert sum(arm["epochs"] for arm in report["5"].values()) == sum(len(e) for e in tuner.measured[5].values())
+    assert report["5"]["2"]["rate"] > report["5"]["4"]["rate"] > 0
 
 
 def test_the_load_holds_its_peak_through_a_gap_shorter_than_the_hold():

@@ -476,14 +476,17 @@ def _joined(deltas: list[dict]) -> list[tuple[str, str]]:
     return [tuple(calls[i]) for i in sorted(calls)]
 
 
-def test_pythonic_calls_stream_each_name_at_its_parenthesis_and_its_arguments_at_its_close():
+def test_pythonic_calls_stream_each_name_at_its_parenthesis_and_each_argument_at_its_comma():
     reader = PythonicCalls()
     assert reader.push("<|py") == ("", []) and reader.push("thon_start|>[get_") == ("", [])
     _, [named] = reader.push("weather(")  # the name, at once, with an id
     assert named["index"] == 0 and named["id"].startswith("call_")
     assert named["function"] == {"name": "get_weather", "arguments": ""}
-    assert reader.push('city="Oslo (N)", days=') == ("", [])  # a bracket in a string does not close it
-    assert reader.push("[1, 2])") == ("", [{"index": 0, "function": {"arguments": '{"city": "Oslo (N)", "days": [1, 2]}'}}])
+    assert reader.push('city="Oslo (N)"') == ("", [])  # a bracket in a string does not close it; a value goes out whole
+    assert reader.push(", days=") == ("", [{"index": 0, "function": {"arguments": '{"city": "Oslo (N)"'}}])
+    assert reader.push("[1, 2") == ("", [])  # a comma inside the value's brackets ends no argument
+    assert reader.push("])") == ("", [{"index": 0, "function": {"arguments": ', "days": [1, 2]}'}}])
+    assert reader.calls[0]["function"]["arguments"] == '{"city": "Oslo (N)", "days": [1, 2]}'
     _, deltas = reader.push(", b()]<|python_end|>")
     assert [d["function"] for d in deltas] == [{"name": "b", "arguments": ""}, {"arguments": "{}"}]
     rest, last, calls = reader.finish()

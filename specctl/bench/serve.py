@@ -114,6 +114,9 @@ async def run_serve_bench(config: Config, models: tuple[LoadedModel, LoadedModel
                 await _one_warmup(urls["gateway"], prompts[0])
                 for clients in settings.concurrency:
                     level = await _level(urls["gateway"], prompts, clients, settings)
+                    tuner = cluster.targets[0].depth_tuner if cluster.targets else None
+                    if tuner is not None:  # what it learnt by the end of this level (and the levels before)
+                        level["depth_tuner"] = tuner.report()
                     rows.append({"variant": variant, "repeat": repeat, **level})
                     advance()
             finally:
@@ -190,4 +193,6 @@ def _merged(key: tuple[str, int], levels: list[dict]) -> dict:
            "latency_p50_ms": round(1e3 * statistics.median(t for r in levels for t in r["latencies_s"]), 1)}
     if len(levels) > 1:
         row["tokens_per_s_per_repeat"] = [r["tokens_per_s"] for r in _by_repeat(levels)]
+    if any("depth_tuner" in r for r in levels):  # spec auto: each repeat's tuner, load by load
+        row["depth_tuner_per_repeat"] = [r.get("depth_tuner") for r in _by_repeat(levels)]
     return row

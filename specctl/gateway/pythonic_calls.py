@@ -2,8 +2,11 @@
 output that opens with ``[`` (or Llama 4's ``<|python_start|>``) is a Python list of calls with
 keyword arguments, ``[get_weather(city="Oslo"), ...]``. Each call's id and name go out as soon
 as ``name(`` is read, its arguments (Python literals turned into JSON, read with
-ast.literal_eval, never evaluated) once its ``)`` closes it — JSON cannot be streamed from a
-Python literal half written. An output that turns out not to be calls before any call went out
+ast.literal_eval, never evaluated) argument by argument — ``{"city": "Oslo"`` once the comma
+after it is read outside brackets and strings, ``, "days": 3`` for the next, ``}`` once its ``)``
+closes the call: JSON cannot be streamed from a Python literal half written, and each piece is
+the call's first arguments read as a whole call (``f(city="Oslo")``), which the whole call's
+JSON begins with (Python refuses a keyword given twice). An output that turns out not to be calls before any call went out
 is content, all of it; a call already streamed stays streamed when a later one turns out
 malformed or cut short, with the target's finish_reason, as vLLM leaves it (and as
 gateway.json_calls does)."""
@@ -66,6 +69,7 @@ class CallEnd:
         self._quote = ""  # the open string's quote ('"', "'", '\"\"\"' or "'''"), "" outside one
         self._escaped = False
         self.end: int | None = None  # the index after the closing ``)``, once read
+        self.commas: list[int] = []  # the commas between its arguments (inside its brackets only)
 
     def find(self, text: str) -> int | None:
         at = self._at
@@ -92,6 +96,8 @@ class CallEnd:
                 self._depth -= 1
                 if self._depth == 0:
                     self.end = at + 1
+            elif char == "," and self._depth == 1:
+                self.commas.append(at)
             at += 1
         self._at = at
         return self.end
@@ -113,6 +119,7 @@ class StreamedPythonicCalls:
         self._start = 0  # where the call being read starts
         self._end: CallEnd | None = None  # the call being read, while its ``)`` is not
         self._after_call = False  # a call closed last: a comma or the closer comes next
+        self._commas_read = 0  # of the call being read: the commas its streamed arguments were read up to
         self.broken = self.closed = False
 
     def push(self, delta: str) -> tuple[str, list[dict]]:
@@ -157,17 +164,39 @@ class StreamedPythonicCalls:
             if self._end is None and not self._call_begun(deltas):
                 break
             end = self._end.find(self.text)
+            self._stream_arguments(deltas)
             if end is None:
                 break
             call = one_call(self.text[self._start:end])
             if call is None or call["function"]["name"] != self.calls[-1]["function"]["name"]:
                 self.broken = True
                 break
-            arguments = call["function"]["arguments"]
-            self.calls[-1]["function"]["arguments"] = arguments
-            deltas.append({"index": len(self.calls) - 1, "function": {"arguments": arguments}})
-            self._at, self._end, self._after_call = end, None, True
+            arguments, streamed = call["function"]["arguments"], self.calls[-1]["function"]["arguments"]
+            if not arguments.startswith(streamed):  # never (see the module's docstring): the pieces out stay
+                self.broken = True
+                break
+            self._add(deltas, arguments[len(streamed):])
+            self._at, self._end, self._after_call, self._commas_read = end, None, True, 0
         return deltas
+
+    def _stream_arguments(self, deltas: list[dict]) -> None:
+        """The call's arguments up to its last comma read, not streamed yet: its JSON as the call
+        cut there reads, less the closing brace (nothing while that cut is not a call: a positional
+        argument, a value that is no literal — the whole call then decides)."""
+        commas = self._end.commas
+        if len(commas) <= self._commas_read:
+            return
+        self._commas_read = len(commas)
+        cut = one_call(self.text[self._start:commas[-1]] + ")")
+        streamed = self.calls[-1]["function"]["arguments"]
+        if cut is not None and cut["function"]["arguments"].startswith(streamed):
+            self._add(deltas, cut["function"]["arguments"][len(streamed):-1])
+
+    def _add(self, deltas: list[dict], piece: str) -> None:
+        """``piece`` of the last call's arguments, out (and kept, to join into them)."""
+        if piece:
+            self.calls[-1]["function"]["arguments"] += piece
+            deltas.append({"index": len(self.calls) - 1, "function": {"arguments": piece}})
 
     def _list_opened(self) -> bool:
         """Read past ``[`` (after Llama 4's tag, if it is there); False while it is not written."""

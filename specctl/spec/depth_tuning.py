@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Callable, NamedTuple
 
 from specctl.spec.pays import PLAIN, WINDOW, next_arm, rate
@@ -131,6 +131,7 @@ class DepthTuner:
         # load -> arm -> its last WINDOW epochs (rounds, seconds, drafted tokens)
         self.measured: dict[int, dict[int, deque]] = {}
         self.candidates: dict[int, list[int]] = {}  # load -> the arms it tries, best-ranked first (``order``)
+        self.epochs_kept: dict[int, Counter] = {}  # load -> arm -> epochs measured, all of them (``report``)
         self.accepted: deque = deque(maxlen=ACCEPTANCE_ROUNDS)  # (accepted, drafted) of speculative rounds
         self.level: int | None = None  # the load of the epoch in progress
         self.arm, self.streak, self.epoch = self.arms[0], 0, 0
@@ -171,6 +172,7 @@ class DepthTuner:
         if keep and self.seconds > 0 and self.ended_rounds:
             arms = self.measured.setdefault(self.level, {})
             arms.setdefault(self.arm, deque(maxlen=WINDOW)).append((self.ended_rounds, self.seconds, self.drafted))
+            self.epochs_kept.setdefault(self.level, Counter())[self.arm] += 1
             log.debug("load %d, depth %s: %.0f ms a round, %.1f drafted", self.level, arm_name(self.arm),
                       1000 * self.seconds / self.ended_rounds, self.drafted / self.ended_rounds)
         self.rounds, self.ended_rounds, self.drafted, self.seconds = 0, 0, 0, 0.0
@@ -207,6 +209,13 @@ class DepthTuner:
                 best = max(rated, key=lambda arm: (rate(rated[arm]), -self.arms.index(arm)))
                 self.candidates[level] = toward(self.arms, best, level > near)
         return self.candidates[level]
+
+    def report(self) -> dict:
+        """What it learnt, load by load (a benchmark's record): each arm's epochs measured and its
+        rate (expected tokens a second a session, over its last epochs there)."""
+        return {str(level): {arm_name(arm): {"epochs": count, "rate": round(rate(self.rated(level).get(arm, ())), 3)}
+                             for arm, count in sorted(counts.items(), key=lambda item: self.arms.index(item[0]))}
+                for level, counts in sorted(self.epochs_kept.items())}
 
     def snapshot(self) -> dict:
         """The stats feed's: the arm now, its load, and each arm's rate at that load (expected
