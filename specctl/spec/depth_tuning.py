@@ -9,10 +9,11 @@ It holds one *arm* — a proposal depth (0: the drafter's own, then at most 4, a
 plain rounds — for an *epoch* (EPOCH_ROUNDS rounds a session, not counting each session's
 first, which was batched with the last arm's rounds; and MIN_EPOCH_S at least: a prefill
 stalls every round for a while, and a short epoch of plain rounds that met one was rated at
-half its speed). An arm's round time at a load is its epochs' session-seconds (the sessions
-it ran times the wall time) over the rounds of it that ended in them: a mean of each round's
-own time left out the rounds still running as an epoch ended — the slowest, 10 % short of the
-mean at 8 clients — and the prefills between rounds. Its rate is the tokens one of its rounds
+half its speed). An epoch's round time is its session-seconds (the sessions it ran times the
+wall time) over the rounds that ended in it: a mean of each round's own time left out the
+rounds still running as an epoch ended — the slowest, 10 % short of the mean at 8 clients —
+and the prefills between rounds. An arm's round time at a load is the median of its epochs'
+(an epoch that met a burst of prefills does not outweigh the others). Its rate is the tokens one of its rounds
 commits, expected from the acceptance of every recent speculative round (any arm, any load:
 what the draft guesses right does not depend on the load), over that time: an epoch's
 committed tokens vary with the text far more than its times do (5.6-10.5 tokens/s a session
@@ -22,8 +23,8 @@ accepted it (``acceptance``; one geometric rate fitted to all rounds overrated t
 token, where chains capped at 4 accepted 2.3 of 4). At one load the rate is proportional to
 the instance's tokens per second. At each load (the most sessions it ran in the last
 LOAD_HOLD_S, so that a client's gap between two requests is not a new load) it takes the
-fastest arm after trying each (``spec.pays.next_arm``, by epochs: the first arm twice, every
-other once, then the fastest, and now and then the runner-up again); a load met for the first
+fastest arm after trying each (``next_epoch_arm``: the first arm twice, every other once, then
+the fastest, and now and then the arm measured least again); a load met for the first
 time starts on the arm the nearest load measured found fastest, and tries only that arm and
 the next one toward the load's side (``toward``: shallower for more sessions, deeper for fewer,
 as SmartSpec's goodput says the best depth falls with the batch): trying every arm at every load
@@ -37,11 +38,12 @@ lossless: slower or faster, never different."""
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections import Counter, deque
-from typing import Callable, NamedTuple
+from typing import Callable, Mapping, NamedTuple, Sequence
 
-from specctl.spec.pays import PLAIN, WINDOW, next_arm, rate
+from specctl.spec.pays import PLAIN, SPEC_FIRST, WINDOW, probe_after, rate
 from specctl.spec.turns import LOAD_HOLD_S
 
 log = logging.getLogger("specctl.verify.depth")
@@ -78,10 +80,31 @@ def expected_tokens(by_position: list[float], depth: float) -> float:
     return tokens
 
 
-def mean_round(epochs) -> tuple[float, float]:
-    """(drafted depth, seconds) of a mean round over (rounds, seconds, drafted) epochs."""
+def typical_round(epochs) -> tuple[float, float]:
+    """(drafted depth, seconds) of an arm's round over its (rounds, seconds, drafted) epochs: the
+    mean depth, and the median of its epochs' round times — one epoch that met prefills (three
+    times as long, at 8 clients) must not outweigh the others, as it did in their sum."""
     rounds = sum(r for r, _, _ in epochs)
-    return sum(d for _, _, d in epochs) / rounds, sum(s for _, s, _ in epochs) / rounds
+    return sum(d for _, _, d in epochs) / rounds, statistics.median(s / r for r, s, _ in epochs)
+
+
+def next_epoch_arm(measured: Mapping[int, Sequence], order: Sequence[int], current: int | None, streak: int) -> int:
+    """The next epoch's arm (pure): ``spec.pays.next_arm`` (the first arm SPEC_FIRST times, every
+    other once, then the fastest) but a probe goes to the arm with the fewest epochs measured
+    (of equals the faster), not always the runner-up: one epoch's rate swings with the prefills
+    it met (at 8 clients an epoch is 2-3 s, and a new request's prefill comes every 2-3 s), so an
+    arm rated low on one epoch must be tried again. Probing the runner-up alone never did: at 8
+    clients chains of at most 2, the tuned schedule's arm there, were rated on one epoch at half
+    plain rounds' rate and never tried again."""
+    top = order[0]
+    if len(order) == 1 or len(measured.get(top, ())) < SPEC_FIRST:
+        return top
+    untried = next((arm for arm in order if not measured.get(arm)), None)
+    if untried is not None:
+        return untried
+    best = max(order, key=lambda arm: (rate(measured[arm]), -order.index(arm)))
+    probe = min((arm for arm in order if arm != best), key=lambda arm: (len(measured[arm]), -rate(measured[arm])))
+    return probe if current == best and streak >= probe_after(len(measured[probe])) else best
 
 
 def toward(ladder: list[int], best: int, more_sessions: bool) -> list[int]:
@@ -184,13 +207,13 @@ class DepthTuner:
         by_position = acceptance(self.accepted)
         rated = {}
         for arm, epochs in self.measured.get(level, {}).items():
-            depth, seconds = mean_round(epochs)
+            depth, seconds = typical_round(epochs)
             rated[arm] = [(expected_tokens(by_position, depth) if arm != PLAIN else 1.0, seconds)] * len(epochs)
         return rated
 
     def _next_arm(self) -> None:
         measured = self.rated(self.level)
-        arm = next_arm(measured, self.order(self.level), self.arm if self.streak else None, self.streak)
+        arm = next_epoch_arm(measured, self.order(self.level), self.arm if self.streak else None, self.streak)
         self.streak = self.streak + 1 if arm == self.arm else 1
         self.arm = arm
 
