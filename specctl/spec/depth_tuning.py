@@ -13,8 +13,8 @@ half its speed). An epoch's round time is its session-seconds (the sessions it r
 wall time) over the rounds that ended in it: a mean of each round's own time left out the
 rounds still running as an epoch ended — the slowest, 10 % short of the mean at 8 clients —
 and the prefills between rounds. An arm's round time at a load is the median of its epochs'
-(an epoch that met a burst of prefills does not outweigh the others). Its rate is the tokens one of its rounds
-commits, expected from the acceptance of every recent speculative round (any arm, any load:
+(an epoch that met a burst of prefills does not outweigh the others). Its rate is the tokens
+one of its rounds commits, expected from the acceptance of every recent speculative round (any arm, any load:
 what the draft guesses right does not depend on the load), over that time: an epoch's
 committed tokens vary with the text far more than its times do (5.6-10.5 tokens/s a session
 for one arm at one load, bench serve at 4 clients), and one acceptance compares every arm on
@@ -31,9 +31,8 @@ for fewer, as SmartSpec's goodput says the best depth falls with the batch): try
 every load could take most of a one-minute run at 4 clients (loads 1-4, five epochs of 2 s or
 more each). Only the next arm on that side was measured to miss: at 8 clients after 4, load 4's
 best (the draft's own depth, on one noisy epoch each of the others) left load 8 trying own and 4,
-never 2 nor plain rounds (0.85x batched plain decoding in that repeat).
-Arms are tried rather than rated by a round time fitted to the depth (SmartSpec's cost model): a
-plain round costs far
+never 2 nor plain rounds (0.85x batched plain decoding in that repeat). Arms are tried rather
+than rated by a round time fitted to the depth (SmartSpec's cost model): a plain round costs far
 less than a line through speculative rounds says (no draft at all), and at 8 clients on 2 CPU
 cores a round of depth 2 took half what the line through depths 4-9 gave. Every arm is
 lossless: slower or faster, never different."""
@@ -205,8 +204,8 @@ class DepthTuner:
         self.epoch, self.started = self.epoch + 1, self.since
 
     def rated(self, level: int) -> dict[int, list[tuple[float, float]]]:
-        """Each arm measured at ``level``: its epochs as (expected tokens, seconds) of its mean
-        round, as many as it has epochs (``next_arm`` reads their count)."""
+        """Each arm measured at ``level``: its epochs as (expected tokens, seconds) of its typical
+        round, as many as it has epochs (``next_epoch_arm`` reads their count)."""
         by_position = acceptance(self.accepted)
         rated = {}
         for arm, epochs in self.measured.get(level, {}).items():
@@ -223,8 +222,8 @@ class DepthTuner:
     def order(self, level: int) -> list[int]:
         """The arms a load tries, best-ranked first, chosen when it is first met: every arm in the
         ladder's order for the first load; for a later one the arm the nearest load measured found
-        fastest and the next toward this load's side (``toward``). Its own rates rank them once it
-        has them (``next_arm``)."""
+        fastest and those past it on this load's side (``toward``). Its own rates rank them once it
+        has them (``next_epoch_arm``)."""
         if level not in self.candidates:
             known = [other for other, arms in self.measured.items() if arms and other != level]
             if not known:
