@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 
-from specctl.gateway.tool_calls import CallsAfterTag, call_delta, new_call
+from specctl.gateway.tool_calls import CallsAfterTag, call_delta, more_arguments, new_call
 
 TAG, CLOSE = "<tool_call>", "</tool_call>"
 GLM_CALL = re.compile(r"<tool_call>([^\n<]*?)\s*\n(.*?)</tool_call>\s*", re.DOTALL)
@@ -122,7 +122,7 @@ class StreamedGlmCalls(CallsAfterTag):
             if not arguments.startswith(streamed):  # never, as written_pairs reads: the pieces out stay
                 self.broken = True
                 break
-            self._add(deltas, arguments[len(streamed):])
+            more_arguments(self.calls, deltas, arguments[len(streamed):])
             self._at, self._block, self._pairs = end, None, 0
         return deltas
 
@@ -130,14 +130,9 @@ class StreamedGlmCalls(CallsAfterTag):
         """The arguments of the open block whose values have ended, not streamed yet."""
         pairs = written_pairs(block)
         for pair in pairs[self._pairs:]:
-            self._add(deltas, ("{" if not self._pairs else ", ") + pair)
+            more_arguments(self.calls, deltas, ("{" if not self._pairs else ", ") + pair)
             self._pairs += 1
 
-    def _add(self, deltas: list[dict], piece: str) -> None:
-        """``piece`` of the last call's arguments, out (and kept, to join into them)."""
-        if piece:
-            self.calls[-1]["function"]["arguments"] += piece
-            deltas.append({"index": len(self.calls) - 1, "function": {"arguments": piece}})
 
     def _named(self, deltas: list[dict]) -> bool:
         """Read the gap to the next block and its name's line (its delta added); False when there

@@ -17,7 +17,7 @@ import ast
 import json
 import re
 
-from specctl.gateway.tool_calls import call_delta, new_call, opens_calls
+from specctl.gateway.tool_calls import call_delta, more_arguments, new_call, opens_calls
 
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's, around pythonic calls
 OPENS = ("[", PYTHON_START)
@@ -175,7 +175,7 @@ class StreamedPythonicCalls:
             if not arguments.startswith(streamed):  # never (see the module's docstring): the pieces out stay
                 self.broken = True
                 break
-            self._add(deltas, arguments[len(streamed):])
+            more_arguments(self.calls, deltas, arguments[len(streamed):])
             self._at, self._end, self._after_call, self._commas_read = end, None, True, 0
         return deltas
 
@@ -190,13 +190,8 @@ class StreamedPythonicCalls:
         cut = one_call(self.text[self._start:commas[-1]] + ")")
         streamed = self.calls[-1]["function"]["arguments"]
         if cut is not None and cut["function"]["arguments"].startswith(streamed):
-            self._add(deltas, cut["function"]["arguments"][len(streamed):-1])
+            more_arguments(self.calls, deltas, cut["function"]["arguments"][len(streamed):-1])
 
-    def _add(self, deltas: list[dict], piece: str) -> None:
-        """``piece`` of the last call's arguments, out (and kept, to join into them)."""
-        if piece:
-            self.calls[-1]["function"]["arguments"] += piece
-            deltas.append({"index": len(self.calls) - 1, "function": {"arguments": piece}})
 
     def _list_opened(self) -> bool:
         """Read past ``[`` (after Llama 4's tag, if it is there); False while it is not written."""

@@ -109,6 +109,14 @@ def call_delta(index: int, call: dict, arguments: str) -> dict:
             "function": {"name": call["function"]["name"], "arguments": arguments}}
 
 
+def more_arguments(calls: list[dict], deltas: list[dict], piece: str) -> None:
+    """``piece`` of the last call's arguments: kept on the call (the pieces join into them) and
+    added to the deltas to hand out (nothing for an empty piece)."""
+    if piece:
+        calls[-1]["function"]["arguments"] += piece
+        deltas.append({"index": len(calls) - 1, "function": {"arguments": piece}})
+
+
 def _whole(body: str) -> dict | None:
     try:
         call = json.loads(body)
