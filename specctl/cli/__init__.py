@@ -7,7 +7,7 @@ import sys
 
 import typer
 
-from specctl.cli import bench, chat, draft, gateway, generate, models, monitor, plan, roles
+from specctl.cli import bench, chat, draft, gateway, generate, models, monitor, plan, verify
 from specctl.errors import SpecctlError
 
 app = typer.Typer(
@@ -22,7 +22,7 @@ app.add_typer(models.app, name="models")
 app.add_typer(bench.app, name="bench")
 app.command("generate")(generate.generate)
 app.command("draft")(draft.draft)
-app.command("verify")(roles.verify)
+app.command("verify")(verify.verify)
 app.command("plan")(plan.plan)
 app.command("gateway")(gateway.gateway)
 app.command("up")(gateway.up)
