@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from specctl.bench.kernels import random_decoder, shape_config, time_steps
+from specctl.bench.kernels import time_steps
+from specctl.bench.shapes import random_decoder, shape_config
 from specctl.engine.fusion import fuse_projections
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.spec.params import SamplingParams

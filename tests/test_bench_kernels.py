@@ -7,9 +7,9 @@ import torch
 
 from specctl.bench.kernel_report import kernels_report
 from specctl.bench.kernels import (
-    ONE_EAGER, REPLAY_EACH, BatchTiming, StepTiming, bandwidth_limit_ms, random_decoder, shape_config, time_batches,
-    time_steps, weight_bytes_per_step,
+    ONE_EAGER, REPLAY_EACH, BatchTiming, StepTiming, bandwidth_limit_ms, time_batches, time_steps, weight_bytes_per_step,
 )
+from specctl.bench.shapes import random_decoder, shape_config
 from specctl.bench.kernel_decode import READS_EACH, RUNS_AHEAD, DecodeTiming, decode_rows, time_decode
 from specctl.bench.kernel_profile import profile_steps, summarize_kernels
 from specctl.bench.render import render_kernel_batches_table, render_kernel_decode, render_kernel_profile, \

@@ -726,7 +726,7 @@ def test_latent_cache_holds_one_vector_a_token_and_layer_and_attends_as_transfor
     6.0 MB. Attention absorbs kv_b_proj (the scores keep the heads' own 24 ** -0.5): fp32 logits
     within 1e-4 of transformers' prefilled and decoded step by step; bf16 near them, not their
     bits; a forward after a verification's rejected rows dropped (gather) equals a fresh one."""
-    from specctl.bench.kernels import shape_config
+    from specctl.bench.shapes import shape_config
     from specctl.config import build_config
     from specctl.spec.factory import load_named
 

@@ -49,8 +49,8 @@ def kernels(
     import torch
 
     from specctl.bench.kernel_report import kernels_report
-    from specctl.bench.kernels import VERIFY_SIZES, measure_bandwidth_gbps, random_decoder, shape_config, \
-        time_batches, time_steps
+    from specctl.bench.kernels import VERIFY_SIZES, measure_bandwidth_gbps, time_batches, time_steps
+    from specctl.bench.shapes import random_decoder, shape_config
     from specctl.bench.kernel_decode import decode_rows, time_decode
     from specctl.bench.kernel_profile import profile_steps
     from specctl.bench.render import render_kernel_batches_table, render_kernel_decode, render_kernel_profile, \
