@@ -30,12 +30,17 @@ class _Clock:
 DRAFTED = {0: 6, 4: 4, 2: 2, PLAIN: 0}  # the drafter's own depth: 6
 
 
-def _drive(tuner, sessions, seconds_by_arm, rounds, accept_all=False):
+def _drive(tuner, sessions, seconds_by_arm, rounds, accept_all=False, prefills=()):
     """``rounds`` rounds of each of ``sessions`` sessions in turn (on the tuner's fake clock),
     each taking ``seconds_by_arm[arm]`` (the sessions' rounds side by side) and accepting none
-    of its proposal (or all of it), as SpeculationByLoad reports them; each round's (epoch, arm)."""
-    last, arms = [None] * sessions, []
-    for _ in range(rounds):
+    of its proposal (or all of it), as SpeculationByLoad reports them; each round's (epoch, arm).
+    ``prefills``: (round, seconds): before that round a prompt's prefill held every session up
+    that long, and was told."""
+    last, arms, prefills = [None] * sessions, [], dict(prefills)
+    for index in range(rounds):
+        if index in prefills:
+            tuner.clock.now += prefills[index]
+            tuner.stalled(prefills[index])
         for s in range(sessions):
             if last[s] is not None:
                 drafted = DRAFTED[last[s][0]]
@@ -118,6 +123,17 @@ def test_a_draft_accepted_often_keeps_its_own_depth_though_its_rounds_take_longe
     rates = tuner.snapshot()["spec_depth_rates"]
     assert {arm: rates[arm] / rates["plain"] for arm in rates} == \
         pytest.approx({"own": 7 / 1.0 * 0.3, "4": 5 / 0.8 * 0.3, "2": 3 / 0.6 * 0.3, "plain": 1}, rel=0.01)
+
+
+def test_a_prompt_s_prefill_is_left_out_of_the_epoch_it_held_up():
+    """Every arm's rounds take as long; prefills (each as long as six rounds) fall in the drafter's
+    own depth's epochs: left out, every arm is rated alike, and the own depth is kept as the first
+    ranked of equals. Counted, the own depth was rated slowest and not kept."""
+    tuner = DepthTuner(lambda: 2, clock=_Clock(), min_epoch_s=0.0)
+    epochs = _epochs(_drive(tuner, 2, {0: 0.5, 4: 0.5, 2: 0.5, PLAIN: 0.5}, 120, prefills=[(1, 3.0), (5, 3.0)]))
+    assert epochs[:6] == [0, 0, 4, 2, PLAIN, 0] and epochs.count(0) > 0.6 * len(epochs)  # (the others probed now and then)
+    assert len(set(tuner.snapshot()["spec_depth_rates"].values())) == 1  # one token a round, 0.5 s
+    assert tuner.snapshot()["spec_depth_prefill_s"] == 6.0
 
 
 def test_an_epoch_lasts_its_rounds_and_at_least_min_epoch_s():
@@ -238,6 +254,9 @@ def test_rounds_planned_by_the_tuner_keep_the_output_and_the_draft_learns_every_
     results = [r for r in results if r is not None]
     assert session.output == alone
     assert tuner.epoch >= 2 and session.stats.load_rounds == sum(r.by_load for r in results)
+    # the prompt's prefill, timed on the compute thread, told the tuner once
+    assert 0 < session.stats.prefill_compute_s <= session.stats.prefill_s
+    assert tuner.stalled_s == session.stats.prefill_compute_s
     assert all(text == session.seq[:len(text)] for text in drafter.texts)
     if sessions == 1:  # epochs of 4 rounds: the own depth twice, then chains of at most 4, 2, then plain rounds
         assert max(r.depth for r in results[:8]) <= 6 and all(r.depth <= 4 for r in results[8:12])

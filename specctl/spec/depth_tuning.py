@@ -12,7 +12,11 @@ stalls every round for a while, and a short epoch of plain rounds that met one w
 half its speed). An epoch's round time is its session-seconds (the sessions it ran times the
 wall time) over the rounds that ended in it: a mean of each round's own time left out the
 rounds still running as an epoch ended — the slowest, 10 % short of the mean at 8 clients —
-and the prefills between rounds. An arm's round time at a load is the median of its epochs'
+and the prefills between rounds — less each prompt's prefill (``stalled``): its compute held up
+every session's rounds whatever the arm (at 8 clients on 2 CPU cores a 1.5B target's prefill
+costs about a batched round, and a new request comes about every third round, so an epoch of
+3 rounds a session met one or none: its rate swung by a third with it), and what every arm
+pays alike does not rank them. An arm's round time at a load is the median of its epochs'
 (an epoch that met a burst of prefills does not outweigh the others). Its rate is the tokens
 one of its rounds commits, expected from the acceptance of every recent speculative round (any arm, any load:
 what the draft guesses right does not depend on the load), over that time: an epoch's
@@ -165,13 +169,12 @@ class DepthTuner:
         self.rounds, self.ended_rounds, self.drafted, self.seconds = 0, 0, 0, 0.0
         self.active, self.since = 0, clock()
         self.started = self.since  # when the epoch began
+        self.stalled_s = 0.0  # prefill compute left out of the epochs, all of it (``report``)
 
     def plan(self, last: Ticket | None) -> tuple[int | None, Ticket]:
         """A session's next round: None for a plain round, else its deepest proposal (0: the
         drafter's own), and its ticket; ``last``: the session's previous round's ticket."""
-        now, active = self.clock(), self.load()
-        self.seconds += self.active * (now - self.since)
-        self.active, self.since = active, now
+        now, active = self._accrue()
         level = self.peak(active)
         if level != self.level:
             self._end_epoch(keep=self.level is not None and self.rounds >= self.level)
@@ -190,6 +193,21 @@ class DepthTuner:
         if ticket.epoch == self.epoch:
             self.rounds += ticket.measured
             self.ended_rounds, self.drafted = self.ended_rounds + 1, self.drafted + drafted
+
+    def stalled(self, seconds: float) -> None:
+        """A prompt's prefill just took ``seconds`` of the instance's compute, which every session
+        running waited out (its own included): the epoch's session-seconds lose them."""
+        _, active = self._accrue()
+        self.seconds = max(0.0, self.seconds - active * seconds)
+        self.stalled_s += seconds
+
+    def _accrue(self) -> tuple[float, int]:
+        """The epoch's session-seconds up to now (the sessions running times the wall time since
+        the last call); the time now and the sessions running now."""
+        now, active = self.clock(), self.load()
+        self.seconds += self.active * (now - self.since)
+        self.active, self.since = active, now
+        return now, active
 
     def _end_epoch(self, keep: bool) -> None:
         """Keep the epoch's rounds (ended in it), session-seconds and drafted tokens for its arm
@@ -248,4 +266,5 @@ class DepthTuner:
         rates = {arm_name(arm): round(rate(epochs), 3) for arm, epochs in self.rated(self.level).items()}
         return {"spec_depth_now": arm_name(self.arm), "spec_depth_cap": self.arm, "spec_depth_load": self.level or 0,
                 "spec_depth_rates": rates, "spec_depth_epochs": self.epoch,
+                "spec_depth_prefill_s": round(self.stalled_s, 3),
                 "spec_depth_acceptance": [round(share, 3) for share in acceptance(self.accepted)]}

@@ -147,8 +147,11 @@ async def run_session(session: DecodeSession, speculator: Speculator, lane: Lane
     try:
         async with prefill_turn(gate, session.seq, session.cache.salt):
             # the prompt in chunks, each a job of its own: other sessions' rounds run between them
-            while (first := await lane.run(session.prefill_step)) is None:
-                pass
+            while True:
+                first, spent = await lane.run(_timed, session.prefill_step)
+                session.stats.prefill_compute_s += spent
+                if first is not None:
+                    break
         session.stats.prefill_s = time.perf_counter() - started
         emit(first, None)
         while not session.finished:
@@ -168,6 +171,12 @@ async def run_session(session: DecodeSession, speculator: Speculator, lane: Lane
         session.stats.wall_s = time.perf_counter() - started
         speculator.close()
         lane.submit_nowait(session.close)
+
+
+def _timed(step: Callable[[], Any]) -> tuple[Any, float]:
+    """``step()`` and the seconds it took, measured where it runs (not its wait in the queue)."""
+    started = time.perf_counter()
+    return step(), time.perf_counter() - started
 
 
 def run_inline(coroutine) -> Any:

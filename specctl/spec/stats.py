@@ -45,6 +45,7 @@ class GenerationStats:
     prediction_accepted: int = 0  # of the accepted draft tokens, those drafted from the request's prediction
     prediction_rejected: int = 0  # tokens drafted from the prediction that verification rejected
     prefill_s: float = 0.0
+    prefill_compute_s: float = 0.0  # of it, the prefill's jobs on the compute thread (other sessions waited)
     draft_s: float = 0.0
     verify_s: float = 0.0
     wall_s: float = 0.0

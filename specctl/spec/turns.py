@@ -69,6 +69,7 @@ class SpeculationByLoad:
         self.max_nodes = inner.max_nodes
         self.turns = InnerTurns()
         self.ticket, self.drafted = None, 0  # the tuner's round in flight and how deep it drafted
+        self.prefill_told = False
 
     def begin(self, session) -> None:
         self.inner.begin(session)
@@ -76,6 +77,9 @@ class SpeculationByLoad:
     async def propose(self, session, outcome: Outcome | None = None) -> Drafted:
         """``outcome``: from a wrapper outside this one (the prediction), whose rounds came between."""
         self.turns.round_ended(session.last_path if outcome is None else outcome[0])
+        if self.tuner is not None and not self.prefill_told:  # its prompt's prefill held up every round
+            self.tuner.stalled(session.stats.prefill_compute_s)
+            self.prefill_told = True
         last, self.ticket = self.ticket, None
         if last is not None and outcome is None:  # (rounds between: the last path is not its own)
             self.tuner.ended(last, self.drafted, len(session.last_path))
