@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from specctl.config import Config
+from specctl.cluster.embedded import ClusterConfig, ClusterThread
+from specctl.config import Config, build_config
 from specctl.spec.decode import DecodeSession
 from specctl.spec.depth_tuning import DepthTuner, PeakLoad, Ticket, acceptance, expected_tokens
 from specctl.spec.drafters import ModelChainDrafter
@@ -71,9 +72,9 @@ def test_the_tuner_tries_every_arm_then_keeps_the_fastest_and_probes_the_runner_
     load = [2]
     tuner = DepthTuner(lambda: load[0], clock=_Clock(), min_epoch_s=0.0)
     epochs = _epochs(_drive(tuner, 2, {0: 1 / 2, 4: 1 / 3, 2: 1 / 2.5, PLAIN: 1.0}, 4 * 60))
-    # the drafter's own depth twice, every other arm once, then the fastest (chains of at most 4)
-    assert epochs[:7] == [0, 0, 4, 2, PLAIN, 4, 4]
-    assert epochs[7] == 2  # after two epochs on the fastest, the runner-up (one epoch measured) again
+    # every arm once, the drafter's own depth first, then the fastest (chains of at most 4)
+    assert epochs[:6] == [0, 4, 2, PLAIN, 4, 4]
+    assert epochs[6] == 2  # after two epochs on the fastest, an arm of one epoch measured (of those, the fastest)
     assert epochs.count(4) > 0.6 * len(epochs) and epochs[-1] == 4
     assert tuner.snapshot()["spec_depth_now"] == "4" and tuner.snapshot()["spec_depth_load"] == 2
     # nothing accepted: every round commits its bonus alone, and the rate is one over the round time (each
@@ -104,14 +105,14 @@ def test_an_arm_rated_low_on_one_unlucky_epoch_is_tried_again_and_kept_when_fast
     runner-up (the drafter's own depth here) never tried them again."""
     tuner = DepthTuner(lambda: 2, clock=_Clock(), min_epoch_s=0.0)
     epochs = _epochs(_drive(tuner, 2, _SlowAtFirst({0: 1 / 2, 4: 1 / 3, 2: 1 / 4, PLAIN: 1.0}, slow=10), 4 * 60))
-    assert epochs[:5] == [0, 0, 4, 2, PLAIN] and epochs[5] == 4  # 2 rated on its slow epoch: 4 fastest for now
+    assert epochs[:4] == [0, 4, 2, PLAIN] and epochs[4] == 4  # 2 rated on its slow epoch: 4 fastest for now
     assert _fastest(tuner) == "2" and epochs.count(2) > 0.5 * len(epochs) and epochs[-1] == 2
 
 
 def test_plain_rounds_win_where_speculation_costs_more_than_it_commits():
     tuner = DepthTuner(lambda: 3, clock=_Clock(), min_epoch_s=0.0)
     epochs = _epochs(_drive(tuner, 3, {0: 1 / 1.2, 4: 1 / 1.4, 2: 1 / 1.5, PLAIN: 0.5}, 4 * 40))
-    assert epochs[:6] == [0, 0, 4, 2, PLAIN, PLAIN] and tuner.snapshot()["spec_depth_now"] == "plain"
+    assert epochs[:5] == [0, 4, 2, PLAIN, PLAIN] and tuner.snapshot()["spec_depth_now"] == "plain"
     assert epochs.count(PLAIN) > 0.6 * len(epochs)
 
 
@@ -119,7 +120,7 @@ def test_a_draft_accepted_often_keeps_its_own_depth_though_its_rounds_take_longe
     tuner = DepthTuner(lambda: 2, clock=_Clock(), min_epoch_s=0.0)
     # all accepted: a round commits its depth and the bonus, 7 / 1.0 s beats 5 / 0.8, 3 / 0.6 and 1 / 0.3
     epochs = _epochs(_drive(tuner, 2, {0: 1.0, 4: 0.8, 2: 0.6, PLAIN: 0.3}, 4 * 30, accept_all=True))
-    assert epochs[:6] == [0, 0, 4, 2, PLAIN, 0] and epochs.count(0) > 0.6 * len(epochs)
+    assert epochs[:5] == [0, 4, 2, PLAIN, 0] and epochs.count(0) > 0.6 * len(epochs)
     rates = tuner.snapshot()["spec_depth_rates"]
     assert {arm: rates[arm] / rates["plain"] for arm in rates} == \
         pytest.approx({"own": 7 / 1.0 * 0.3, "4": 5 / 0.8 * 0.3, "2": 3 / 0.6 * 0.3, "plain": 1}, rel=0.01)
@@ -131,7 +132,7 @@ def test_a_prompt_s_prefill_is_left_out_of_the_epoch_it_held_up():
     ranked of equals. Counted, the own depth was rated slowest and not kept."""
     tuner = DepthTuner(lambda: 2, clock=_Clock(), min_epoch_s=0.0)
     epochs = _epochs(_drive(tuner, 2, {0: 0.5, 4: 0.5, 2: 0.5, PLAIN: 0.5}, 120, prefills=[(1, 3.0), (5, 3.0)]))
-    assert epochs[:6] == [0, 0, 4, 2, PLAIN, 0] and epochs.count(0) > 0.6 * len(epochs)  # (the others probed now and then)
+    assert epochs[:5] == [0, 4, 2, PLAIN, 0] and epochs.count(0) > 0.6 * len(epochs)  # (the others probed now and then)
     assert len(set(tuner.snapshot()["spec_depth_rates"].values())) == 1  # one token a round, 0.5 s
     assert tuner.snapshot()["spec_depth_prefill_s"] == 6.0
 
@@ -231,6 +232,22 @@ def test_a_load_s_partial_epoch_counts_when_every_session_had_a_measured_round()
     assert 1 not in tuner.measured and tuner.level == 2
 
 
+def test_in_one_process_a_draft_server_s_prefills_reach_every_target_s_tuner(tiny_dir):
+    """The one-process cluster runs every role on one compute thread: a draft server's prompt
+    prefill holds up each target's rounds, so each target's tuner is told of it."""
+    config = build_config(None, target=str(tiny_dir["llama"]), draft=f"{tiny_dir['llama']}@2", mode="chain", depth=3,
+                          dtype="fp32", draft_quant="none", spec_depth_by_load="auto")
+    thread = ClusterThread(config, ClusterConfig(targets=2, gateway_port=0))
+    thread.start()
+    try:
+        cluster = thread.cluster
+        tuners = [target.depth_tuner for target in cluster.targets]
+        assert len(tuners) == 2 and all(tuners)
+        assert cluster.draft_server.prefill_listeners == [tuner.stalled for tuner in tuners]
+    finally:
+        thread.stop()
+
+
 def test_depth_by_load_auto_is_a_configuration():
     config = Config(spec_depth_by_load="auto")
     assert config.depth_auto and config.depth_schedule == ()
@@ -258,9 +275,10 @@ def test_rounds_planned_by_the_tuner_keep_the_output_and_the_draft_learns_every_
     assert 0 < session.stats.prefill_compute_s <= session.stats.prefill_s
     assert tuner.stalled_s == session.stats.prefill_compute_s
     assert all(text == session.seq[:len(text)] for text in drafter.texts)
-    if sessions == 1:  # epochs of 4 rounds: the own depth twice, then chains of at most 4, 2, then plain rounds
-        assert max(r.depth for r in results[:8]) <= 6 and all(r.depth <= 4 for r in results[8:12])
-        assert all(r.depth <= 2 for r in results[12:16]) and all(r.by_load for r in results[16:20])
+    if sessions == 1:  # epochs of 4 rounds: the own depth, then chains of at most 4, 2, then plain rounds
+        assert max(r.depth for r in results[:4]) > 4 and all(r.depth <= 4 for r in results[4:8])
+        assert all(r.depth <= 2 for r in results[8:12]) and all(r.by_load for r in results[12:16])
+        assert not any(r.by_load for r in results[:12])
 
 
 @pytest.mark.asyncio
@@ -269,12 +287,18 @@ async def test_a_target_learning_its_depth_by_load_serves_the_target_s_text_and_
                                                           spec_depth_auto=True)
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     prompts = [[5, 9, 13, 2], [7, 8, 9, 10, 7, 8, 9], [3, 3, 4, 5]]
+    told = []  # the draft's prompts prefilled 3 tokens a job: 0:3 | 0:3, 3:6 | 0:3 (the rest with the first proposal)
+    draft_server.prefill_listeners.append(told.append)
+    chunk, models[1].decoder.prefill_chunk = models[1].decoder.prefill_chunk, 3
     try:
         results = await asyncio.gather(*(remote_generate("127.0.0.1", port, p, params) for p in prompts))
         await _drained(draft_server, target_server)
         snapshot = target_server.snapshot()
     finally:
+        models[1].decoder.prefill_chunk = chunk
         await _stop(draft_server, link, target_server)
+    assert len(told) == 4 and all(seconds > 0 for seconds in told)
+    assert snapshot["spec_depth_prefill_s"] > 0  # the target's own prefills, one job each
     assert [r[0] for r in results] == [_reference(models, p, params) for p in prompts]
     assert snapshot["spec_depth_epochs"] >= 1 and snapshot["spec_depth_now"] in ("own", "4", "2", "plain")
     assert snapshot["spec_depth_cap"] in (0, 4, 2, PLAIN)

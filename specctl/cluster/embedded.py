@@ -116,7 +116,15 @@ class EmbeddedCluster:
                                   compute=self.compute.lane(max_batch=self.config.max_batch), pipeline=chain)
             target_ports.append(await server.start())
             self.targets.append(server)
+        self._share_prefills()
         return await self._start_gateway(target, target_ports, [f"{host}:{draft_port}"] if draft_port else [])
+
+    def _share_prefills(self) -> None:
+        """Every role here runs on one compute thread: a draft server's prompt prefill holds up the
+        targets' rounds as their own prefills do, so their auto depth tuners leave it out too."""
+        tuners = [server.depth_tuner for server in self.targets if server.depth_tuner is not None]
+        for draft in filter(None, [self.draft_server, *self.draft_servers]):
+            draft.prefill_listeners.extend(tuner.stalled for tuner in tuners)
 
     async def _split(self, target: LoadedModel) -> tuple[LoadedModel, PipelineClient | None]:
         """A target instance's model: the whole target, or stage 1 of its own loopback pipeline."""
@@ -201,6 +209,7 @@ class EmbeddedCluster:
                                   fusion=fusion)
             target_ports.append(await server.start())
             self.targets.append(server)
+        self._share_prefills()
         return await self._start_gateway(target, target_ports, draft_addresses)
 
     async def close(self) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 import logging
 import time
 from functools import partial
@@ -30,7 +30,7 @@ from specctl.net.protocol import (
     CacheFlushed, CloseSession, Error, FlushCache, Graft, NextLevel, OpenLevels, OpenSession, Propose, ProtocolError,
     Reroot, SessionOpened, Stats, StatsRequest,
 )
-from specctl.runtime.compute import ComputeLane, ComputeThread
+from specctl.runtime.compute import ComputeLane, ComputeThread, timed
 from specctl.runtime.listen import ListeningServer, MessageRate
 from specctl.spec.drafters import Drafter
 from specctl.spec.logit_rules import draft_guide
@@ -63,6 +63,9 @@ class DraftServer(ListeningServer):
         self.connections: dict[int, Connection] = {}
         self.commits: dict[int, asyncio.Task] = {}  # early answers being made their session's KV, by tag
         self.prefill_gate = prefill_gate(model.decoder)  # sessions that start alike feed their start once
+        # told the seconds of each prompt prefill job: where targets share this compute thread
+        # (the one-process cluster) it held up their rounds too (spec.depth_tuning.DepthTuner.stalled)
+        self.prefill_listeners: list[Callable[[float], None]] = []
         self._ids = itertools.count(1)
         self._tags = itertools.count(1)
         self.started = time.time()
@@ -290,8 +293,12 @@ class DraftServer(ListeningServer):
         conn.send(SessionOpened(message.req, tag))
         try:
             async with prefill_turn(self.prefill_gate, self.table.prompt_to_feed(tag), self.table.cache_salt(tag)):
-                while not await self.compute.run(self.table.prefill_step, tag):
-                    pass
+                while True:
+                    done, spent = await self.compute.run(timed, self.table.prefill_step, tag)
+                    for listener in self.prefill_listeners:
+                        listener(spent)
+                    if done:
+                        break
         except Exception:  # noqa: BLE001 - the first proposal's catch-up feeds what is missing
             log.exception("prefilling draft session %s failed", tag)
         finally:

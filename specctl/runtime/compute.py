@@ -274,6 +274,12 @@ class ComputeThread:
                         pass
 
 
+def timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    """``fn(*args)`` and the seconds it took, measured where it runs (a job: not its wait in the queue)."""
+    started = time.perf_counter()
+    return fn(*args), time.perf_counter() - started
+
+
 def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
     if future.cancelled():
         return

@@ -27,7 +27,7 @@ accepted it (``acceptance``; one geometric rate fitted to all rounds overrated t
 token, where chains capped at 4 accepted 2.3 of 4). At one load the rate is proportional to
 the instance's tokens per second. At each load (the most sessions it ran in the last
 LOAD_HOLD_S, so that a client's gap between two requests is not a new load) it takes the
-fastest arm after trying each (``next_epoch_arm``: the first arm twice, every other once, then
+fastest arm after trying each (``next_epoch_arm``: every arm once, then
 the fastest, and now and then the arm measured least again); a load met for the first
 time starts on the arm the nearest load measured found fastest, and tries only that arm and
 those past it on the load's side (``toward``: the shallower ones for more sessions, the deeper
@@ -49,7 +49,7 @@ import time
 from collections import Counter, deque
 from typing import Callable, Mapping, NamedTuple, Sequence
 
-from specctl.spec.pays import PLAIN, SPEC_FIRST, WINDOW, probe_after, rate
+from specctl.spec.pays import PLAIN, WINDOW, probe_after, rate
 from specctl.spec.turns import LOAD_HOLD_S
 
 log = logging.getLogger("specctl.verify.depth")
@@ -95,15 +95,17 @@ def typical_round(epochs) -> tuple[float, float]:
 
 
 def next_epoch_arm(measured: Mapping[int, Sequence], order: Sequence[int], current: int | None, streak: int) -> int:
-    """The next epoch's arm (pure): ``spec.pays.next_arm`` (the first arm SPEC_FIRST times, every
-    other once, then the fastest) but a probe goes to the arm with the fewest epochs measured
+    """The next epoch's arm (pure): as ``spec.pays.next_arm``, every arm once, then the fastest —
+    but the first arm once, not SPEC_FIRST times (an epoch is many rounds; at the first load met
+    the first arm is the draft's own depth, which at 4 clients took 1.0-1.4 s a round and so its
+    two epochs 13 s of a one-minute run, at 0.6-0.7 of the best arm's rate) — and a probe goes to the arm with the fewest epochs measured
     (of equals the faster), not always the runner-up: one epoch's rate swings with the prefills
     it met (at 8 clients an epoch is 2-3 s, and a new request's prefill comes every 2-3 s), so an
     arm rated low on one epoch must be tried again. Probing the runner-up alone never did: at 8
     clients chains of at most 2, the tuned schedule's arm there, were rated on one epoch at half
     plain rounds' rate and never tried again."""
     top = order[0]
-    if len(order) == 1 or len(measured.get(top, ())) < SPEC_FIRST:
+    if len(order) == 1 or not measured.get(top):
         return top
     untried = next((arm for arm in order if not measured.get(arm)), None)
     if untried is not None:

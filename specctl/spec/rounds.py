@@ -21,6 +21,7 @@ from specctl.engine.kv_cache import KVPool
 from specctl.engine.model import Decoder
 from specctl.engine.prefill_gate import PrefillGate, prefill_turn
 from specctl.engine.tree import PlainTree
+from specctl.runtime.compute import timed
 from specctl.spec.batched_verify import apply_many
 from specctl.spec.decode import DecodeSession
 from specctl.spec.draft_state import DraftState, draft_capacity, draft_many
@@ -148,7 +149,7 @@ async def run_session(session: DecodeSession, speculator: Speculator, lane: Lane
         async with prefill_turn(gate, session.seq, session.cache.salt):
             # the prompt in chunks, each a job of its own: other sessions' rounds run between them
             while True:
-                first, spent = await lane.run(_timed, session.prefill_step)
+                first, spent = await lane.run(timed, session.prefill_step)
                 session.stats.prefill_compute_s += spent
                 if first is not None:
                     break
@@ -171,12 +172,6 @@ async def run_session(session: DecodeSession, speculator: Speculator, lane: Lane
         session.stats.wall_s = time.perf_counter() - started
         speculator.close()
         lane.submit_nowait(session.close)
-
-
-def _timed(step: Callable[[], Any]) -> tuple[Any, float]:
-    """``step()`` and the seconds it took, measured where it runs (not its wait in the queue)."""
-    started = time.perf_counter()
-    return step(), time.perf_counter() - started
 
 
 def run_inline(coroutine) -> Any:
