@@ -14,6 +14,7 @@ import time
 from functools import partial
 
 from specctl.draft.connection import Connection, DraftServerConfig
+from specctl.draft.draft_stats import draft_snapshot
 from specctl.draft.levels import LevelTable
 from specctl.draft.plan import open_refusal
 from specctl.draft.sessions import SessionTable, UnknownTag
@@ -21,7 +22,7 @@ from specctl.draft.speculation import SpeculationCache
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.loader import LoadedModel
 from specctl.engine.prefill_gate import prefill_gate, prefill_turn
-from specctl.engine.prefix_cache import flush_prefix_cache, prefix_cache_stats
+from specctl.engine.prefix_cache import flush_prefix_cache
 from specctl.engine.spec import check_token_ids
 from specctl.errors import BadRequest, ConfigError, KVBudgetExceeded, SpecctlError
 from specctl.net.framing import read_message
@@ -75,20 +76,7 @@ class DraftServer(ListeningServer):
         return sum(len(c.tags) for c in self.connections.values())
 
     def snapshot(self) -> dict:
-        stats = {"model": self.model.name, "connections": len(self.connections),
-                 "targets": sum(c.role == "target" for c in self.connections.values()),
-                 "uptime_s": round(time.time() - self.started, 1), "throttled": self.throttled,
-                 "rejected_requests": self.rejected_requests, **prefix_cache_stats(self.model.decoder)}
-        stats.update(self.compute.stats.snapshot(self.compute.queue_depth))
-        stats.update(self.table.snapshot())
-        stats.update(self.levels.snapshot())
-        if self.prefill_gate is not None:
-            stats["shared_prefills"] = self.prefill_gate.waits
-        stats["R_q"] = stats.pop("jobs_per_s")
-        stats["proposal_bytes_mean"] = round(self.proposal_bytes / self.proposals_sent, 1) if self.proposals_sent else 0.0
-        if "prespec" in stats:  # the share of the draft's idle time pre-speculation put to use
-            stats["prespec"]["leftover_used"] = round(stats["background_s"] / stats["idle_s"], 4) if stats["idle_s"] else 0.0
-        return stats
+        return draft_snapshot(self)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._live.track(writer)

@@ -11,12 +11,13 @@ first, which was batched with the last arm's rounds; and MIN_EPOCH_S at least: a
 stalls every round for a while, and a short epoch of plain rounds that met one was rated at
 half its speed). An epoch's round time is its session-seconds (the sessions it ran times the
 wall time) over the rounds that ended in it: a mean of each round's own time left out the
-rounds still running as an epoch ended — the slowest, 10 % short of the mean at 8 clients —
-and the prefills between rounds — less each prompt's prefill (``stalled``): its compute held up
-every session's rounds whatever the arm (at 8 clients on 2 CPU cores a 1.5B target's prefill
-costs about a batched round, and a new request comes about every third round, so an epoch of
-3 rounds a session met one or none: its rate swung by a third with it), and what every arm
-pays alike does not rank them. An arm's round time at a load is the median of its epochs'
+rounds still running as an epoch ended (the slowest, 10 % short of the mean at 8 clients) and
+the time between rounds. Each prompt's prefill comes off those session-seconds (``stalled``:
+its compute times the sessions running; a draft server's too where it shares the compute
+thread): it held up every arm's rounds alike, so it does not rank them, and at 8 clients on 2
+CPU cores a 1.5B target's prefill costs about a batched round while a new request comes about
+every third round, so an epoch of 3 rounds a session met one or none and its rate swung by a
+third with it. An arm's round time at a load is the median of its epochs'
 (an epoch that met a burst of prefills does not outweigh the others). Its rate is the tokens
 one of its rounds commits, expected from the acceptance of every recent speculative round (any arm, any load:
 what the draft guesses right does not depend on the load), over that time: an epoch's
@@ -95,15 +96,15 @@ def typical_round(epochs) -> tuple[float, float]:
 
 
 def next_epoch_arm(measured: Mapping[int, Sequence], order: Sequence[int], current: int | None, streak: int) -> int:
-    """The next epoch's arm (pure): as ``spec.pays.next_arm``, every arm once, then the fastest —
+    """The next epoch's arm (pure): as ``spec.pays.next_arm``, every arm once, then the fastest,
     but the first arm once, not SPEC_FIRST times (an epoch is many rounds; at the first load met
-    the first arm is the draft's own depth, which at 4 clients took 1.0-1.4 s a round and so its
-    two epochs 13 s of a one-minute run, at 0.6-0.7 of the best arm's rate) — and a probe goes to the arm with the fewest epochs measured
-    (of equals the faster), not always the runner-up: one epoch's rate swings with the prefills
-    it met (at 8 clients an epoch is 2-3 s, and a new request's prefill comes every 2-3 s), so an
-    arm rated low on one epoch must be tried again. Probing the runner-up alone never did: at 8
-    clients chains of at most 2, the tuned schedule's arm there, were rated on one epoch at half
-    plain rounds' rate and never tried again."""
+    the first arm is the draft's own depth, which at 4 clients took 1.0-1.4 s a round, so its two
+    epochs took 13 s of a one-minute run at 0.6-0.7 of the best arm's rate); and a probe goes to
+    the arm with the fewest epochs measured (of equals the faster), not always the runner-up: an
+    epoch's rate swung with the prefills it met (before they were left out, ``stalled``) and
+    swings with the text, so an arm rated low on one epoch must be tried again. Probing the
+    runner-up alone never did: at 8 clients chains of at most 2, the tuned schedule's arm there,
+    were rated on one epoch at half plain rounds' rate and never tried again."""
     top = order[0]
     if len(order) == 1 or not measured.get(top):
         return top
