@@ -51,8 +51,11 @@ def test_without_ar_the_texts_are_checked_against_batched_ar_and_the_table_says_
         (0.5, "ar batched", None, 1.25)
     assert render_serve_table(report, "t").caption == "same as ar: the texts of ar batched (ar not run)"
     learnt = {"2": {"own": {"epochs": 2, "rate": 3.1}, "plain": {"epochs": 1, "rate": 2.0}}}
+    epochs = [{"load": 2, "arm": "own", "round_ms": 310.0, "drafted": 5.5, "ended_s": 2.1}]
     tuned = summarize([_level("ar batched", 2, 0, 16, 1.0, ["a", "b"]),
-                       {**_level("spec auto", 2, 0, 16, 0.8, ["a", "b"]), "depth_tuner": learnt}], settings)
+                       {**_level("spec auto", 2, 0, 16, 0.8, ["a", "b"]), "depth_tuner": learnt,
+                        "depth_tuner_epochs": epochs}], settings)
     assert tuned["rows"][1]["depth_tuner_per_repeat"] == [learnt] and "depth_tuner_per_repeat" not in tuned["rows"][0]
+    assert tuned["rows"][1]["depth_tuner_epochs_per_repeat"] == [epochs]
     alone = summarize([_level("spec", 2, 0, 16, 0.8, ["a", "x"])], ServeBenchSettings((2,), 8, 1, 4, ("spec",)))
     assert "same_as_ar" not in alone["rows"][0]  # no baseline run: nothing to compare with

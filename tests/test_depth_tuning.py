@@ -3,6 +3,7 @@ rounds — the epochs, which rounds are measured, the arms tried and kept, the l
 through the round loop and a real draft server and target instance, exact whatever it chooses."""
 
 import asyncio
+import itertools
 
 import pytest
 
@@ -202,6 +203,14 @@ def test_a_later_load_tries_only_the_nearest_load_s_best_and_the_arms_on_its_sid
     assert list(report["1"]) == ["own", "4"]
     assert sum(arm["epochs"] for arm in report["5"].values()) == sum(len(e) for e in tuner.measured[5].values())
     assert report["5"]["2"]["rate"] > report["5"]["4"]["rate"] > 0
+    log = tuner.epoch_log()  # the same epochs, in order
+    assert len(log) == sum(arm["epochs"] for arms in report.values() for arm in arms.values())
+    assert [load for load, _ in itertools.groupby(entry["load"] for entry in log)] == [2, 5, 1]
+    assert [entry["ended_s"] for entry in log] == sorted(entry["ended_s"] for entry in log)
+    assert next(entry["arm"] for entry in log if entry["load"] == 5) == "4"  # load 2's best first
+    at_2 = {arm: [e["round_ms"] for e in log if e["load"] == 2 and e["arm"] == arm] for arm in ("own", "4", "plain")}
+    assert min(at_2["plain"]) > min(at_2["own"]) > max(at_2["4"]) > 0  # rounds of 1 s, 1/2 s, 1/3 s
+    assert {entry["drafted"] for entry in log if entry["arm"] == "4"} == {4.0}
 
 
 def test_the_load_holds_its_peak_through_a_gap_shorter_than_the_hold():

@@ -116,7 +116,7 @@ async def run_serve_bench(config: Config, models: tuple[LoadedModel, LoadedModel
                     level = await _level(urls["gateway"], prompts, clients, settings)
                     tuner = cluster.targets[0].depth_tuner if cluster.targets else None
                     if tuner is not None:  # what it learnt by the end of this level (and the levels before)
-                        level["depth_tuner"] = tuner.report()
+                        level["depth_tuner"], level["depth_tuner_epochs"] = tuner.report(), tuner.epoch_log()
                     rows.append({"variant": variant, "repeat": repeat, **level})
                     advance()
             finally:
@@ -195,4 +195,5 @@ def _merged(key: tuple[str, int], levels: list[dict]) -> dict:
         row["tokens_per_s_per_repeat"] = [r["tokens_per_s"] for r in _by_repeat(levels)]
     if any("depth_tuner" in r for r in levels):  # spec auto: each repeat's tuner, load by load
         row["depth_tuner_per_repeat"] = [r.get("depth_tuner") for r in _by_repeat(levels)]
+        row["depth_tuner_epochs_per_repeat"] = [r.get("depth_tuner_epochs") for r in _by_repeat(levels)]
     return row

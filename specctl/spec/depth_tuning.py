@@ -58,6 +58,7 @@ LADDER = (0, 4, 2)  # proposal depths tried (0: the drafter's own), then plain r
 EPOCH_ROUNDS = 3  # measured rounds a session per epoch
 MIN_EPOCH_S = 2.0  # and at least this long
 ACCEPTANCE_ROUNDS = 256  # the recent speculative rounds the acceptance rate is taken over
+EPOCHS_LOGGED = 1024  # the last epochs kept in order (``epoch_log``)
 
 
 def acceptance(rounds) -> list[float]:
@@ -164,6 +165,7 @@ class DepthTuner:
         self.measured: dict[int, dict[int, deque]] = {}
         self.candidates: dict[int, list[int]] = {}  # load -> the arms it tries, best-ranked first (``order``)
         self.epochs_kept: dict[int, Counter] = {}  # load -> arm -> epochs measured, all of them (``report``)
+        self.kept_in_order: deque = deque(maxlen=EPOCHS_LOGGED)  # (``epoch_log``)
         self.accepted: deque = deque(maxlen=ACCEPTANCE_ROUNDS)  # (accepted, drafted) of speculative rounds
         self.level: int | None = None  # the load of the epoch in progress
         self.arm, self.streak, self.epoch = self.arms[0], 0, 0
@@ -171,7 +173,7 @@ class DepthTuner:
         # session-seconds since it began (sessions times wall time, summed as the load changes)
         self.rounds, self.ended_rounds, self.drafted, self.seconds = 0, 0, 0, 0.0
         self.active, self.since = 0, clock()
-        self.started = self.since  # when the epoch began
+        self.started = self.born = self.since  # when the epoch began; when the tuner did
         self.stalled_s = 0.0  # prefill compute left out of the epochs, all of it (``report``)
 
     def plan(self, last: Ticket | None) -> tuple[int | None, Ticket]:
@@ -219,8 +221,11 @@ class DepthTuner:
             arms = self.measured.setdefault(self.level, {})
             arms.setdefault(self.arm, deque(maxlen=WINDOW)).append((self.ended_rounds, self.seconds, self.drafted))
             self.epochs_kept.setdefault(self.level, Counter())[self.arm] += 1
-            log.debug("load %d, depth %s: %.0f ms a round, %.1f drafted", self.level, arm_name(self.arm),
-                      1000 * self.seconds / self.ended_rounds, self.drafted / self.ended_rounds)
+            round_ms, drafted = 1000 * self.seconds / self.ended_rounds, self.drafted / self.ended_rounds
+            self.kept_in_order.append({"load": self.level, "arm": arm_name(self.arm), "round_ms": round(round_ms, 1),
+                                       "drafted": round(drafted, 2), "ended_s": round(self.since - self.born, 2)})
+            log.debug("load %d, depth %s: %.0f ms a round, %.1f drafted", self.level, arm_name(self.arm), round_ms,
+                      drafted)
         self.rounds, self.ended_rounds, self.drafted, self.seconds = 0, 0, 0, 0.0
         self.epoch, self.started = self.epoch + 1, self.since
 
@@ -262,6 +267,12 @@ class DepthTuner:
         return {str(level): {arm_name(arm): {"epochs": count, "rate": round(rate(self.rated(level).get(arm, ())), 3)}
                              for arm, count in sorted(counts.items(), key=lambda item: self.arms.index(item[0]))}
                 for level, counts in sorted(self.epochs_kept.items())}
+
+    def epoch_log(self) -> list[dict]:
+        """The epochs kept, in order (the last EPOCHS_LOGGED; a benchmark's record, and what the
+        debug log says): each one's load, arm, round time (its session-seconds over its rounds,
+        prefills left out), mean drafted depth and when it ended (seconds since the tuner began)."""
+        return list(self.kept_in_order)
 
     def snapshot(self) -> dict:
         """The stats feed's: the arm now, its load, and each arm's rate at that load (expected
