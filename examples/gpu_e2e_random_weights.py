@@ -18,6 +18,7 @@ import torch
 from specctl.bench.kernels import time_steps
 from specctl.bench.shapes import random_decoder, shape_config
 from specctl.engine.fusion import fuse_projections
+from specctl.engine.parts import decoder_part
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.spec.params import SamplingParams
 from specctl.spec.rounds import generate
@@ -53,7 +54,7 @@ def main():
     draft = build("0.5b").use_static_steps(graphs=True, compile=True)
     exits = {}
     for n in (2, 4):
-        exits[n] = target.part((0, n), embed=True, head=True).use_static_steps(graphs=True, compile=True)
+        exits[n] = decoder_part(target, (0, n), embed=True, head=True).use_static_steps(graphs=True, compile=True)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 150000, (length,), generator=gen).tolist() for length in (40, 200, 90, 400)]
     params = SamplingParams(max_tokens=n_tokens, ignore_eos=True)

@@ -8,6 +8,7 @@ import socket
 import pytest
 
 from specctl.engine.loader import load_model
+from specctl.engine.parts import decoder_part
 from specctl.errors import ConfigError, StageUnavailable
 from specctl.net.framing import read_message
 from specctl.net.handshake import client_handshake
@@ -359,10 +360,10 @@ async def test_a_stage_whose_layers_do_not_follow_the_previous_stage_is_refused(
     from specctl.pipeline.stage import StageServer, StageServerConfig
 
     target, _ = models
-    last = dataclasses.replace(target, decoder=target.decoder.part((3, 4), False, True))
+    last = dataclasses.replace(target, decoder=decoder_part(target.decoder, (3, 4), False, True))
     server = StageServer(last, StageServerConfig(port=0, index=2, count=2))
     port = await server.start()
-    first = dataclasses.replace(target, decoder=target.decoder.part((0, 2), True, False))  # layer 2 is missing
+    first = dataclasses.replace(target, decoder=decoder_part(target.decoder, (0, 2), True, False))  # layer 2 is missing
     _, client = pipelined_target(first, ("127.0.0.1", port), stages=2)
     connected = asyncio.get_running_loop().create_future()
     link = asyncio.create_task(client.run(connected))

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from specctl.engine.parts import decoder_part
 from specctl.engine.prefix_cache import MIN_REUSE, PrefixCache, common_prefix
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.spec.decode import DecodeSession
@@ -245,7 +246,7 @@ def test_restore_needs_an_empty_cache_and_a_positive_budget(tiny):
 
 
 def test_a_pipeline_stage_has_no_prefix_cache(tiny):
-    part = tiny["llama"].part((0, 1), embed=True, head=False)
+    part = decoder_part(tiny["llama"], (0, 1), embed=True, head=False)
     with pytest.raises(ValueError, match="a prefix cache needs a full model"):
         part.use_prefix_cache(1 << 20)
 

@@ -13,6 +13,7 @@ import time
 
 from specctl.bench.processes import free_ports, spawn_role, stop_processes, wait_listening
 from specctl.engine.loader import LoadedModel
+from specctl.engine.parts import decoder_part
 from specctl.errors import SpecctlError
 from specctl.pipeline.decoder import PipelineClient
 from specctl.pipeline.launch import pipelined_target
@@ -55,7 +56,7 @@ class StageProcesses:
                 self.procs.append(proc)
                 await asyncio.to_thread(wait_listening, proc, f"stage {index}/{self.stages}")
             first = balanced_split(self.model.spec.num_layers, self.stages)[0]
-            stage_one = dataclasses.replace(self.model, decoder=self.model.decoder.part(first, True, False))
+            stage_one = dataclasses.replace(self.model, decoder=decoder_part(self.model.decoder, first, True, False))
             target, self.client = pipelined_target(stage_one, (self.host, ports[1]), stages=self.stages,
                                                    delay_s=s.delay_s)
             linked = asyncio.get_running_loop().create_future()

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 from typing import Callable, TypeVar
 
 import torch
 from torch import nn
 
+from specctl.engine.ends import head_logits, scaled_embedding
 from specctl.engine.kv_arena import KVArena
 from specctl.engine.kv_cache import KVCache, KVPool, kv_slot_bytes
 from specctl.engine.layers import DecoderLayer, Segments
@@ -21,7 +21,7 @@ from specctl.engine.rope import layer_ropes
 from specctl.engine.spec import ModelSpec
 from specctl.engine.static import CUDA_LOCK, StaticRunner, StaticSegment
 from specctl.engine.window import window_cut
-from specctl.runtime.emulation import sleep_rest
+from specctl.runtime.emulation import floored
 from specctl_kernels.paged import PagedAttention
 
 Out = TypeVar("Out")
@@ -115,26 +115,6 @@ class Decoder(nn.Module):
     @property
     def row_exact(self) -> bool:
         return all(layer.self_attn.row_exact for layer in self.layers)
-
-    def part(self, layer_range: tuple[int, int], embed: bool, head: bool) -> "Decoder":
-        """Layers [a, b) of this decoder, with its embedding and/or norm + head, sharing the
-        weights (no copy): a pipeline stage run in this process."""
-        first, last = layer_range
-        own_first, own_last = self.layer_range
-        if not own_first <= first < last <= own_last or (embed and self.embed_tokens is None) or (head and self.lm_head is None):
-            raise ValueError(f"decoder with layers {own_first}:{own_last} has no part {first}:{last}"
-                             f"{' with the embedding' if embed else ''}{' with the head' if head else ''}")
-        with torch.device("meta"):
-            part = Decoder(self.spec, layer_range, embed=False, head=False)
-        part.layers = nn.ModuleList(list(self.layers)[first - own_first : last - own_first])
-        if embed:
-            part.embed_tokens = self.embed_tokens
-        if head:
-            part.norm, part.lm_head = self.norm, self.lm_head
-        part.has_embed, part.has_head = embed, head
-        part.inv_freq, part.rope_scaling = self.inv_freq, self.rope_scaling
-        part.local_inv_freq, part.local_rope_scaling = self.local_inv_freq, self.local_rope_scaling
-        return part
 
     def reset_rope(self) -> None:
         """RoPE frequencies computed again in float32 on the CPU, before the decoder moves to its
@@ -273,35 +253,13 @@ class Decoder(nn.Module):
         return self.logits(h[0])
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings, scaled where the model scales them (Gemma: by sqrt(hidden) rounded to
-        its dtype, as transformers rounds it; Granite: by its embedding multiplier, a Python number)."""
-        x = self.embed_tokens(ids)
-        scale = self.spec.embed_scale
-        if scale is not None and self.spec.embed_scale_in_dtype:
-            scale = torch.tensor(scale, dtype=x.dtype).item()  # a Python number: no tensor to move
-        return x if scale is None else x * scale
+        return scaled_embedding(self.spec, self.embed_tokens, ids)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """float32 logits of normed hidden states h; soft-capped where the model caps them (Gemma 2)."""
-        logits = self.lm_head(h).float()
-        if self.spec.logit_divisor is not None:  # Granite
-            logits = logits / self.spec.logit_divisor
-        if self.spec.logit_scale is not None:  # Cohere
-            logits = logits * self.spec.logit_scale
-        if self.spec.logit_softcap is not None:
-            logits = torch.tanh(logits / self.spec.logit_softcap) * self.spec.logit_softcap
-        return logits
+        return head_logits(self.spec, self.lm_head, h)
 
     def _floored(self, compute: Callable[..., Out], *args) -> Out:
-        """``compute(*args)``, taking at least the emulated step floor (0 = off: a plain call)."""
-        if not self.step_floor_s:
-            return compute(*args)
-        started = time.perf_counter()
-        out = compute(*args)
-        if self.device.type == "cuda":  # the floor counts the device's work, not its launch
-            torch.cuda.synchronize(self.device)
-        sleep_rest(started, self.step_floor_s)
-        return out
+        return floored(self.step_floor_s, self.device, compute, *args)
 
     def _compute(self, inputs: torch.Tensor, positions: torch.Tensor, segments: Segments, logits_at) -> torch.Tensor:
         if self.embed_tokens is not None:

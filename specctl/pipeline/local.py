@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 
 from specctl.engine.loader import LoadedModel
+from specctl.engine.parts import decoder_part
 from specctl.pipeline.decoder import PipelineClient
 from specctl.pipeline.launch import pipelined_target
 from specctl.pipeline.split import balanced_split
@@ -35,7 +36,7 @@ class LocalPipeline:
         await self.close()
 
     def stage_model(self, index: int) -> LoadedModel:
-        part = self.model.decoder.part(self.ranges[index - 1], index == 1, index == self.stages)
+        part = decoder_part(self.model.decoder, self.ranges[index - 1], index == 1, index == self.stages)
         return dataclasses.replace(self.model, decoder=part)
 
     async def start(self) -> LoadedModel:

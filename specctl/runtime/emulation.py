@@ -19,6 +19,22 @@ def sleep_rest(started: float, delay_s: float) -> None:
         time.sleep(rest)
 
 
+def floored(floor_s: float, device, compute: Callable[..., Any], *args: Any) -> Any:
+    """``compute(*args)`` taking at least ``floor_s`` (``draft --step-time-ms``: a device whose step
+    time does not grow with its rows, as a GPU's does not up to tens of rows; 0 = off, a plain
+    call); on CUDA the floor counts the device's work, not its launch."""
+    if not floor_s:
+        return compute(*args)
+    started = time.perf_counter()
+    out = compute(*args)
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+    sleep_rest(started, floor_s)
+    return out
+
+
 class SlowedLane:
     """A lane whose batched work (verification) waits ``delay_s`` before it is queued, and
     then takes at least ``floor_s`` from its submission, its compute included: stands for a
