@@ -174,7 +174,7 @@ class DepthTuner:
         self.rounds, self.ended_rounds, self.drafted, self.seconds = 0, 0, 0, 0.0
         self.active, self.since = 0, clock()
         self.started = self.born = self.since  # when the epoch began; when the tuner did
-        self.stalled_s = 0.0  # prefill compute left out of the epochs, all of it (``report``)
+        self.stalled_s = 0.0  # prefill compute left out of the epochs, all of it (``snapshot``)
 
     def plan(self, last: Ticket | None) -> tuple[int | None, Ticket]:
         """A session's next round: None for a plain round, else its deepest proposal (0: the
