@@ -28,7 +28,7 @@ def floored(floor_s: float, device, compute: Callable[..., Any], *args: Any) -> 
     started = time.perf_counter()
     out = compute(*args)
     if device.type == "cuda":
-        import torch
+        import torch  # here: this module, as runtime/compute.py, loads without torch
 
         torch.cuda.synchronize(device)
     sleep_rest(started, floor_s)
