@@ -74,7 +74,8 @@ class StarCluster:
     def __enter__(self) -> "StarCluster":
         s = self.settings
         # no prefix cache: every repeat prefills its prompts, as the first did (the rounds are what is measured)
-        common = ("--dtype", s.dtype, "--threads", str(s.threads), "--log-level", "warning", "--prefix-cache-mb", "0")
+        common = ("--dtype", s.dtype, "--threads", str(s.threads), "--log-level", "warning", "--prefix-cache-mb", "0",
+                  *(() if s.passive_omp else ("--omp-wait", "spin")))  # spin: the caller's policy, not auto's sleep
         env = {"threads": s.threads, "passive_omp": s.passive_omp}
         try:
             self.procs.append(spawn_role("draft", "--port", str(self.draft_port), "--model", s.draft, "--mode", s.mode,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 from typing import Optional
 
 import typer
@@ -10,6 +13,7 @@ from rich.console import Console
 from specctl.cli.roles import AUTH_HELP, admission_model, checked
 from specctl.config import build_config
 from specctl.errors import ConfigError
+from specctl.runtime.omp_wait import OMP_WAIT_HELP, apply_omp_wait
 
 DEFAULT_PRESPEC_BUDGET = 8
 
@@ -51,6 +55,8 @@ def draft(
     dtype: Optional[str] = typer.Option(None, help="fp32 | bf16 | fp16"),
     draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="none | int8 (CPU)"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
+    omp_wait: str = typer.Option("auto", "--omp-wait", help=OMP_WAIT_HELP + " (a draft server bound to a loopback "
+                                 "--host serves targets on this host)"),
     profile: Optional[str] = typer.Option(None, help="hardware profile"),
     max_messages_per_s: float = typer.Option(5000.0, "--max-messages-per-s", help="per-peer rate limit (0 = off)"),
     admission_plan: Optional[str] = typer.Option(
@@ -84,6 +90,8 @@ def draft(
     With --prespec, the outcomes of every proposal out for verification are guessed (the
     accepted path ends at some node, then the bonus) and drafted ahead, only while no real request waits; a hit is
     answered at once, a miss as before. Output stays exactly the target's."""
+    # first: libgomp reads it once, when torch loads it (build_config's profile detection does)
+    omp_line = apply_omp_wait(omp_wait, [host], os.environ, "torch" in sys.modules)
     config = build_config(profile, draft=model, mode=mode, depth=depth, draft_stop=draft_stop, topk=topk, width=width,
                           max_sessions=max_sessions, max_batch=max_batch, dtype=dtype, threads=threads, draft_quant=draft_quant,
                           prefix_cache_mb=prefix_cache_mb, prefill_chunk=prefill_chunk)
@@ -107,6 +115,8 @@ def draft(
                             standalone_tokens_per_s=standalone, max_messages_per_s=max_messages_per_s,
                             prespec=speculation)
     setup_logging(log_level)
+    if omp_line:
+        logging.getLogger("specctl.draft").info(omp_line)
     apply_threads(config)
     console = Console(stderr=True)
     if needs_draft_model(config.mode):

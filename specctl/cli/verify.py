@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import sys
 from typing import Optional
 
 import typer
@@ -13,6 +16,7 @@ from specctl.cli.roles import (
 )
 from specctl.config import LOOKUP_DRAFTERS, build_config
 from specctl.errors import ConfigError
+from specctl.runtime.omp_wait import OMP_WAIT_HELP, apply_omp_wait
 from specctl.spec.routing import RoutingPolicy  # pure: no torch at start-up
 
 
@@ -22,6 +26,12 @@ def parse_stage(text: str) -> tuple[int, int]:
     if not sep or not index.strip().isdigit() or not count.strip().isdigit() or not 1 <= int(index) <= int(count):
         raise ConfigError(f"--stage must be i/n with 1 <= i <= n (e.g. 1/1 or 3/8), got {text!r}")
     return int(index), int(count)
+
+
+def peer_hosts(drafts: list[str], stages: list[tuple[str, int]], index: int) -> list[str]:
+    """The addresses of a target's (or stage's) peers: its draft servers and the other stages."""
+    return ([address for address in drafts if address not in LOOKUP_DRAFTERS]
+            + [host for number, (host, _) in enumerate(stages, 1) if number != index])
 
 
 def verify(
@@ -76,6 +86,8 @@ def verify(
     dtype: Optional[str] = typer.Option(None, help="fp32 | bf16 | fp16"),
     quant: Optional[str] = typer.Option(None, "--quant", help="none | int8 (CPU): serve the int8 model as the target"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads"),
+    omp_wait: str = typer.Option("auto", "--omp-wait", help=OMP_WAIT_HELP + " (peers: the draft servers and the "
+                                 "other stages)"),
     profile: Optional[str] = typer.Option(None, help="hardware profile"),
     verify_delay_ms: float = typer.Option(0.0, "--verify-delay-ms", help="add a delay to every verification (emulation)"),
     verify_time_ms: float = typer.Option(0.0, "--verify-time-ms", help="every verification takes at least this long, "
@@ -105,7 +117,7 @@ def verify(
         raise ConfigError("--verify-delay-ms, --verify-time-ms and --stage-delay-ms must be >= 0")
     if pipeline and count == 1:
         raise ConfigError("--pipeline needs --stage i/n with n > 1")
-    parse_pipeline(pipeline, index, count)
+    stages = parse_pipeline(pipeline, index, count)
     if draft and index > 1:
         raise ConfigError(f"--draft goes to stage 1 only (this is stage {index}/{count})")
     if specpipe_draft and (index != 1 or count == 1 or draft):
@@ -114,6 +126,8 @@ def verify(
                      or draft[0] in LOOKUP_DRAFTERS):
         raise ConfigError("--specpipe goes to stage 1 of a pipeline (--stage 1/n, n > 1) with one --draft HOST:PORT "
                           "(or use --specpipe-draft M for a draft in this process)")
+    # before build_config: libgomp reads it once, when torch loads it (the profile's detection does)
+    omp_line = apply_omp_wait(omp_wait, peer_hosts(draft or [], stages, index), os.environ, "torch" in sys.modules)
     shape = _specpipe_shape(count, width, topk, spread, refill) if specpipe_draft or specpipe else None
     config = build_config(profile, target=model, max_sessions=max_sessions, max_batch=max_batch, dtype=dtype,
                           threads=threads, target_quant=quant, prefix_cache_mb=prefix_cache_mb,
@@ -130,6 +144,8 @@ def verify(
     port = 9100 if port is None else port
     ssl_server, ssl_client = server_context(tls_cert, tls_key), client_context(tls_ca)
     setup_logging(log_level)
+    if omp_line:
+        logging.getLogger("specctl.verify").info(omp_line)
     apply_threads(config)
     if index > 1:
         _serve_stage(config, plan, console, host=host, port=port, auth_token=auth_token, ssl_server=ssl_server,
