@@ -4,8 +4,6 @@ test can inspect their state): exactness, faults, isolation, auth and TLS."""
 import asyncio
 import logging
 import threading
-import datetime
-import ipaddress
 
 import pytest
 
@@ -22,7 +20,7 @@ from specctl.spec.suffix import SuffixDrafter
 from specctl.verify.client import remote_generate
 from specctl.verify.draft_client import DraftClient
 from specctl.verify.server import TargetServer, TargetServerConfig
-from tests.conftest import wait_until
+from tests.conftest import self_signed_cert, wait_until
 
 PROMPTS = [[5, 9, 13, 2], [7, 8, 9, 10, 7, 8, 9], [100], [42, 43, 44, 45, 46], [1, 2, 3, 1, 2, 3], [250, 3, 77]]
 
@@ -332,34 +330,10 @@ async def test_wrong_auth_and_vocab_mismatch_are_refused(models, tiny_dir):
         await server.close()
 
 
-def _self_signed(tmp_path):
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return str(cert_path), str(key_path)
-
-
 async def test_tls_between_target_and_draft(models, tmp_path):
     from specctl.runtime.tls import client_context, server_context
 
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed_cert(tmp_path)
     draft_server, _, client, link, target_server, port = await start_star(
         models, draft_ssl=server_context(cert, key), client_ssl=client_context(cert))
     try:

@@ -19,6 +19,7 @@ def monitor(
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECCTL_API_KEY", help="the gateway's API key"),
     auth_token: Optional[str] = typer.Option(None, "--auth-token", envvar="SPECCTL_AUTH_TOKEN",
                                              help="auth token of the roles probed directly"),
+    tls_ca: Optional[str] = typer.Option(None, "--tls-ca", help="CA file: talk TLS to the roles probed directly"),
 ) -> None:
     """Watch draft load, queueing, idle time and acceptance live; roles that go away show as down."""
     import aiohttp
@@ -29,12 +30,16 @@ def monitor(
     from specctl.monitor.source import gateway_feed, roles_feed
     from specctl.monitor.view import MonitorState, advance, poll_error
     from specctl.runtime.loop import run, wait_for_shutdown
+    from specctl.runtime.tls import client_context
 
     if interval < 0.05:
         raise ConfigError("--interval must be at least 0.05 seconds")
     direct = bool(draft or target)
     if direct and gateway:
         raise ConfigError("give either --gateway or --draft/--target, not both")
+    if tls_ca and not direct:
+        raise ConfigError("--tls-ca is for the roles probed directly (--draft/--target); a gateway is reached by its URL")
+    ssl = client_context(tls_ca)
     url = gateway or "http://127.0.0.1:8000"
     source = ", ".join(draft + target) if direct else url
     console = Console()
@@ -42,7 +47,7 @@ def monitor(
 
     async def poll(session: aiohttp.ClientSession) -> None:
         try:
-            feed = await (roles_feed(draft, target, auth_token) if direct else gateway_feed(session, url, api_key))
+            feed = await (roles_feed(draft, target, auth_token, ssl) if direct else gateway_feed(session, url, api_key))
             current[0] = advance(current[0], feed, time.time())
         except Exception as exc:  # noqa: BLE001 - the gateway being away is something to show, not to die of
             current[0] = advance(current[0], None, time.time(), poll_error(url if not direct else source, exc))

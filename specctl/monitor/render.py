@@ -43,7 +43,8 @@ def header(state: MonitorState, now: float) -> Text:
 def draft_panel(draft: dict, targets: list[dict], state: MonitorState) -> Panel:
     address = draft.get("address", "?")
     if not draft.get("up"):
-        return Panel(Text(f"down: {draft.get('error') or 'no answer'}"[:74], style="red"),
+        # two lines at most: what went wrong and what to do (a TLS or auth hint) fit in them
+        return Panel(Text(f"down: {draft.get('error') or 'no answer'}"[:148], style="red"),
                      title=f"draft {address}", border_style="red")
     s = shown(draft, state)
     regime = star_regime(s, [shown(t, state) for t in targets if t.get("up")])

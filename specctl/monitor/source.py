@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import ssl as ssl_module
 import time
 
 import aiohttp
@@ -19,19 +20,26 @@ async def gateway_feed(session: aiohttp.ClientSession, url: str, api_key: str | 
         return await r.json()
 
 
-async def _role(role: str, address: str, auth_token: str | None) -> dict:
+PROBE_TIMEOUT_S = 3.0
+
+
+async def _role(role: str, address: str, auth_token: str | None, ssl: ssl_module.SSLContext | None) -> dict:
     host, port = parse_hostport(address)
     try:
-        welcome, stats = await asyncio.wait_for(probe(host, port, auth_token), 3.0)
+        welcome, stats = await asyncio.wait_for(probe(host, port, auth_token, ssl), PROBE_TIMEOUT_S)
     except Exception as exc:  # noqa: BLE001 - a role that does not answer is shown as down
-        return {"role": role, "address": address, "up": False, "error": str(exc) or type(exc).__name__, "stats": {}}
+        error = str(exc) or type(exc).__name__
+        if type(exc) is TimeoutError:  # wait_for's own: a role serving TLS never answers plain TCP
+            error = f"no answer within {PROBE_TIMEOUT_S:g} s{'' if ssl else ' (serving TLS? pass --tls-ca)'}"
+        return {"role": role, "address": address, "up": False, "error": error, "stats": {}}
     return {"role": role, "address": address, "up": True, "error": "", "stats": stats, "model": welcome.model,
             "seen_at": time.time()}
 
 
-async def roles_feed(drafters: list[str], targets: list[str], auth_token: str | None = None) -> dict:
-    parts = await asyncio.gather(*(_role("draft", d, auth_token) for d in drafters),
-                                 *(_role("target", t, auth_token) for t in targets))
+async def roles_feed(drafters: list[str], targets: list[str], auth_token: str | None = None,
+                     ssl: ssl_module.SSLContext | None = None) -> dict:
+    parts = await asyncio.gather(*(_role("draft", d, auth_token, ssl) for d in drafters),
+                                 *(_role("target", t, auth_token, ssl) for t in targets))
     drafts, targs = list(parts[: len(drafters)]), list(parts[len(drafters) :])
     model = next((p.get("model") for p in targs + drafts if p.get("up")), None)
     return {"time": time.time(), "model": model, "drafters": drafts, "targets": targs}

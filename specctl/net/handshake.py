@@ -11,6 +11,7 @@ from typing import Awaitable, Callable
 from specctl.errors import SpecctlError, StageUnavailable, VocabMismatch
 from specctl.net.framing import new_nonce, read_message, sign, verify_signature, write_message
 from specctl.net.protocol import PROTOCOL_VERSION, Challenge, Error, Hello, ProtocolError, Welcome
+from specctl.runtime.tls import tls_failure
 
 HANDSHAKE_TIMEOUT_S = 10.0
 
@@ -21,6 +22,23 @@ class AuthError(SpecctlError):
 
 class HandshakeRefused(SpecctlError):
     """The server refused the handshake (version, role or capacity)."""
+
+
+class HandshakeTimeout(SpecctlError, TimeoutError):
+    """The server sent no handshake in time: not a specctl role, or one serving TLS to a client
+    speaking plain TCP (a TimeoutError still, for the callers that retry on one)."""
+
+
+class TLSFailed(SpecctlError, ConnectionError):
+    """TLS could not be set up (a ConnectionError still, for the callers that reconnect)."""
+
+
+async def _handshake_message(reader: asyncio.StreamReader, what: str):
+    try:
+        return await asyncio.wait_for(read_message(reader, max_bytes=64 << 10), HANDSHAKE_TIMEOUT_S)
+    except TimeoutError:
+        raise HandshakeTimeout(f"no {what} from the server within {HANDSHAKE_TIMEOUT_S:g} s: is it a specctl role, "
+                               "and does it serve TLS (then pass --tls-ca CA)?") from None
 
 
 async def server_handshake(
@@ -81,12 +99,12 @@ async def client_handshake(
     auth_token: str | None = None,
     layers: list[int] | None = None,
 ) -> Welcome:
-    challenge = await asyncio.wait_for(read_message(reader, max_bytes=64 << 10), HANDSHAKE_TIMEOUT_S)
+    challenge = await _handshake_message(reader, "handshake")
     if not isinstance(challenge, Challenge):
         raise ProtocolError(f"expected Challenge, got {type(challenge).__name__}")
     auth = sign(auth_token, challenge.nonce) if auth_token else b""
     await write_message(writer, Hello(PROTOCOL_VERSION, role, fingerprint, model, auth, layers or []))
-    reply = await asyncio.wait_for(read_message(reader, max_bytes=64 << 10), HANDSHAKE_TIMEOUT_S)
+    reply = await _handshake_message(reader, "answer to its handshake")
     if isinstance(reply, Error):
         raise {"auth": AuthError, "vocab_mismatch": VocabMismatch, "unavailable": StageUnavailable}.get(
             reply.code, HandshakeRefused)(reply.message)
@@ -100,7 +118,10 @@ async def open_peer(host: str, port: int, *, role: str, model: str = "", fingerp
                     layers: list[int] | None = None) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Welcome]:
     """Connect (TLS when ``ssl`` is given) and shake hands as ``role``; the connection is
     closed again when the handshake fails."""
-    reader, writer = await asyncio.open_connection(host, port, ssl=ssl, server_hostname=host if ssl else None)
+    try:
+        reader, writer = await asyncio.open_connection(host, port, ssl=ssl, server_hostname=host if ssl else None)
+    except ssl_module.SSLError as exc:
+        raise TLSFailed(tls_failure(host, port, exc)) from None
     try:
         welcome = await client_handshake(reader, writer, role=role, model=model, fingerprint=fingerprint,
                                          auth_token=auth_token, layers=layers)

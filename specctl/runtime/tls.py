@@ -20,6 +20,15 @@ def server_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:
     return context
 
 
+def tls_failure(host: str, port: int, exc: ssl.SSLError) -> str:
+    """What a failed TLS connection means for the one who asked for it (--tls-ca)."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return (f"TLS with {host}:{port} failed: its certificate does not verify against --tls-ca "
+                f"({exc.verify_message})")
+    return (f"TLS with {host}:{port} failed ({exc.reason or exc}): does it serve TLS (--tls-cert)? "
+            "For a server without TLS drop --tls-ca")
+
+
 def client_context(ca: str | None) -> ssl.SSLContext | None:
     if not ca:
         return None

@@ -15,6 +15,7 @@ from specctl.net.handshake import client_handshake
 from specctl.net.protocol import (
     CacheFlushed, Cancel, Done, Error, FlushCache, Stats, StatsRequest, Tokens, Welcome, encode,
 )
+from specctl.runtime.tls import tls_failure
 from specctl.spec.params import SamplingParams
 from specctl.verify.wire_params import generate_message
 
@@ -30,6 +31,8 @@ class RemoteError(SpecctlError):
 async def _connect(host: str, port: int, ssl: ssl_module.SSLContext | None):
     try:
         return await asyncio.open_connection(host, port, ssl=ssl, server_hostname=host if ssl else None)
+    except ssl_module.SSLError as exc:
+        raise RemoteError("unreachable", tls_failure(host, port, exc)) from None
     except OSError as exc:
         raise RemoteError("unreachable", f"cannot reach {host}:{port}: {exc.strerror or exc}") from None
 
