@@ -1,7 +1,7 @@
 """The proposal depth a target instance's load pays for, learnt from its own rounds
 (``spec_depth_by_load = "auto"``).
 
-A fixed schedule ("3:4,6:2") holds for the machine and prompts it was measured on: where the
+A fixed schedule (the desktop profile's "3:2") holds for the machine and prompts it was measured on: where the
 draft runs elsewhere a draft step costs the target nothing, on a GPU a wider batch costs almost
 nothing more, and on other prompts the draft is accepted more or less often. SmartSpec chooses
 each batch's proposal length by a goodput estimate; so does the instance, from its own rounds.
