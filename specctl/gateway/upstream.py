@@ -17,6 +17,7 @@ from typing import AsyncIterator, Sequence
 import numpy as np
 
 from specctl.engine.prefix_cache import common_prefix
+from specctl.errors import ConfigError
 from specctl.gateway.api import ApiError
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.gateway.routing import TargetView, pick_target
@@ -79,6 +80,21 @@ def recent_rate(samples: Sequence[tuple[float, float]], now: float,
     return (recent[-1][1] - recent[0][1]) / (recent[-1][0] - recent[0][0])
 
 
+def draft_servers(stats: dict) -> list[str]:
+    """The draft servers a target instance's stats name: its one draft, or those of its
+    several drafters (``verify --draft A --draft B --draft ngram``: the local lookups are not servers)."""
+    named = [stats.get("draft_address"), *stats.get("drafters", {})]
+    return [name for name in named if name and _is_hostport(name)]
+
+
+def _is_hostport(name: str) -> bool:
+    try:
+        parse_hostport(name)
+    except ConfigError:
+        return False
+    return True
+
+
 def _forget(prompts: collections.deque, tokens: np.ndarray) -> None:
     """Drop this request's record (the very array) of a prompt it did not get prefilled there."""
     for i, (_, held) in enumerate(prompts):
@@ -119,12 +135,12 @@ class Upstream:
         link.up, link.error = True, ""
 
     def _discover_drafters(self) -> None:
-        known = {d.address for d in self.drafters}
+        known = {(d.host, d.port) for d in self.drafters}
         for target in self.targets:
-            address = target.stats.get("draft_address")
-            if address and address not in known:
-                self.drafters.append(RoleLink("draft", *parse_hostport(address)))
-                known.add(address)
+            for host, port in map(parse_hostport, draft_servers(target.stats)):
+                if (host, port) not in known:
+                    self.drafters.append(RoleLink("draft", host, port))
+                    known.add((host, port))
 
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._poll(link) for link in self.targets + self.drafters))
