@@ -680,8 +680,9 @@ def test_a_targets_drafters_are_exported_as_gauges_by_drafter():
 
 @pytest.mark.parametrize("n", [1, 3])
 def test_a_target_that_dies_mid_stream_ends_the_stream_with_its_error_then_503(tiny_dir, n):
-    """kill a target instance mid-stream: the stream ends with an error event naming it (once,
-    whatever the choices) and [DONE]; the gateway then answers 503 with Retry-After, and carries on."""
+    """kill the only target instance mid-stream: none can go on from the output so far, so the
+    stream ends with an error event naming it (once, whatever the choices) and [DONE]; the
+    gateway then answers 503 with Retry-After, and carries on."""
     import dataclasses
 
     config = build_config(None, target=str(tiny_dir["llama"]), mode="ar", dtype="fp32", max_sessions=4)
@@ -700,7 +701,8 @@ def test_a_target_that_dies_mid_stream_ends_the_stream_with_its_error_then_503(t
         data = [line.decode().removeprefix("data: ").strip() for line in events if line.startswith(b"data: ")]
         assert data[-1] == "[DONE]"
         error = json.loads(data[-2])["error"]
-        assert re.fullmatch(r"target instance 127\.0\.0\.1:\d+ closed the connection mid-stream", error["message"])
+        assert re.fullmatch(r"target instance 127\.0\.0\.1:\d+ closed the connection mid-stream; going on from "
+                            r"its \d+ tokens: no other instance is up", error["message"])
         assert error["type"] == "server_error"
         assert all("choices" in json.loads(d) for d in data[:-2])
         poll_until(lambda: thread.cluster.gateway.running, lambda running: running == 0, timeout=10)

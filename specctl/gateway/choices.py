@@ -6,7 +6,10 @@ layout: prompt i's j-th choice has index i * n + j).
 
 A request is one unit: it starts once every choice has its first token (so a choice that
 cannot start — no capacity, a bad prompt — fails the request with its HTTP error before any
-response is sent), and a choice that fails later ends them all. Leaving the ``async with``
+response is sent), and a choice that fails later ends them all. A choice whose instance is
+lost mid-stream goes on from its output so far on another instance (Generate.resumed): the
+client sees one unbroken output, the target's own, since what follows a text does not depend
+on which instance computed it (a seeded sample's rest draws other numbers). Leaving the ``async with``
 (the response done, or the client gone) cancels what still runs; each generation's stream
 then cancels it on its target."""
 
@@ -14,17 +17,20 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, NamedTuple
 
 from specctl.engine.text import IncrementalText
 from specctl.gateway import responses as R
 from specctl.gateway.metrics import GatewayMetrics
-from specctl.gateway.upstream import Upstream
+from specctl.gateway.upstream import LOST, Upstream
 from specctl.net.protocol import Tokens
 from specctl.spec.params import SamplingParams
-from specctl.verify.client import TargetStream
+from specctl.verify.client import RemoteError, TargetStream
+
+log = logging.getLogger("specctl.gateway")
 
 
 class Event(NamedTuple):
@@ -47,6 +53,15 @@ class ChoiceSpec:
     prompt: list[int]
     params: SamplingParams
     echo: str | None = None  # the prompt's text, handed out before the generation's (completions' echo)
+
+
+@dataclass(slots=True)
+class Progress:
+    """A choice's output so far, across the instances it ran on."""
+    text: IncrementalText
+    tokens: list[int] = field(default_factory=list)  # its output token ids handed on
+    first_at: float | None = None  # when its first token came
+    resumes: int = 0  # instances lost under it
 
 
 def choice_specs(prompts: list[list[int]], params: list[SamplingParams], n: int,
@@ -107,15 +122,37 @@ class Choices:
 
     async def _run(self, k: int, spec: ChoiceSpec) -> None:
         started = self._started[k]
+        progress = Progress(IncrementalText(self.tokenizer, self.stop, self.include_stop, self.skip_special_tokens,
+                                            self.stop_regex))
         try:
             name = self.request_id if len(self.specs) == 1 else f"{self.request_id}-{spec.index}"
-            async with self.upstream.stream(spec.prompt, spec.params, self.priority, name) as (stream, first):
-                started.set_result(None)
-                async for event in self._events(stream, first, spec):
-                    await self._queue.put((k, event))
+            while True:
+                # a resumed generation: its prompt's scores went out with the first instance's first event
+                params = dataclasses.replace(spec.params, prompt_logprobs=None) if progress.resumes else spec.params
+                try:
+                    async with self.upstream.stream(spec.prompt, params, self.priority, name,
+                                                    tuple(progress.tokens)) as (stream, first):
+                        if not started.done():
+                            started.set_result(None)
+                        async for event in self._events(stream, first, spec, progress):
+                            await self._queue.put((k, event))
+                    return
+                except RemoteError as exc:
+                    if not started.done() or exc.code not in LOST or progress.resumes >= len(self.upstream.targets):
+                        raise
+                    lost = exc
+                if len(progress.tokens) >= spec.params.max_tokens:  # all of it came, only its DONE was lost
+                    await self._queue.put((k, Event(progress.text.finish(), "length", {}, len(progress.tokens), [])))
+                    return
+                progress.resumes += 1
+                log.warning("request %s: %s; going on from its %d tokens on another instance", name, lost,
+                            len(progress.tokens))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - handed to the request, which ends with it
+            if progress.resumes and not isinstance(exc, RemoteError):  # none could take it over
+                cause = "no other instance is up" if getattr(exc, "status", None) == 503 else f"failed: {exc}"
+                exc = RemoteError(lost.code, f"{lost}; going on from its {len(progress.tokens)} tokens: {cause}")
             if not started.done():
                 started.set_exception(exc)
             else:
@@ -137,22 +174,23 @@ class Choices:
             self._counts[k] = item.count
             yield self.specs[k].index, item
 
-    async def _events(self, stream: TargetStream, first, spec: ChoiceSpec) -> AsyncIterator[Event]:
+    async def _events(self, stream: TargetStream, first, spec: ChoiceSpec, progress: Progress) -> AsyncIterator[Event]:
         """Text deltas (with their tokens' log-probabilities) as tokens arrive, the last with its
-        finish_reason and the generation's stats; an echoed prompt first."""
-        scored = (prompt_logprobs(spec.prompt, first) if spec.params.prompt_logprobs is not None
-                  and isinstance(first, Tokens) else None)
-        if spec.echo is not None:  # with logprobs, its tokens listed as the output's are
-            yield Event(spec.echo, None, {}, 0, echoed(scored, spec.params.logprobs), scored)
-        elif scored is not None:
-            yield Event("", None, {}, 0, [], scored)
-        text = IncrementalText(self.tokenizer, self.stop, self.include_stop, self.skip_special_tokens, self.stop_regex)
-        event, count, first_at = first, 0, None
+        finish_reason and the generation's stats; an echoed prompt first (on the first instance)."""
+        if not progress.resumes:
+            scored = (prompt_logprobs(spec.prompt, first) if spec.params.prompt_logprobs is not None
+                      and isinstance(first, Tokens) else None)
+            if spec.echo is not None:  # with logprobs, its tokens listed as the output's are
+                yield Event(spec.echo, None, {}, 0, echoed(scored, spec.params.logprobs), scored)
+            elif scored is not None:
+                yield Event("", None, {}, 0, [], scored)
+        text, event = progress.text, first
         while True:
             if isinstance(event, Tokens):
-                if first_at is None and event.tokens:
-                    first_at = time.perf_counter()
-                count += len(event.tokens)
+                if progress.first_at is None and event.tokens:
+                    progress.first_at = time.perf_counter()
+                progress.tokens += event.tokens
+                count, first_at = len(progress.tokens), progress.first_at
                 self.metrics.generation_tokens.inc(len(event.tokens))
                 delta = text.push(event.tokens)
                 logprobs = [R.TokenLogprob(*entry) for entry in zip(event.tokens, event.logprobs, event.top_ids,
@@ -166,6 +204,7 @@ class Choices:
                     return
                 yield Event(delta, None, {}, count, logprobs, tokens=tuple(event.tokens))
             else:
+                count, first_at = len(progress.tokens), progress.first_at
                 self.metrics.record_generation(event.stats)
                 self.metrics.record_latency(self.arrival, first_at, time.perf_counter(), count)
                 yield Event(text.finish(), event.finish_reason, event.stats, count, [],

@@ -32,6 +32,7 @@ log = logging.getLogger("specctl.gateway")
 RECENT_PROMPTS = 64  # per instance, for cache-aware routing (a lookup compares the prompt with each)
 RATE_SAMPLES, RATE_WINDOW_S = 64, 10.0  # polls kept; the span a recent throughput is measured over
 ROLE_ANSWER_S = 5.0  # how long a role may take to answer a stats probe or a flush before it counts as down
+LOST = {"disconnected", "unavailable"}  # an instance gone (or its pipeline broken) mid-stream
 RETRYABLE = {"unreachable", "disconnected", "capacity", "unavailable"}  # nothing was generated yet: another instance may take it
 
 
@@ -174,14 +175,15 @@ class Upstream:
 
     @asynccontextmanager
     async def stream(self, prompt: list[int], params: SamplingParams, priority: int = 0,
-                     request_id: str = "") -> AsyncIterator[tuple[TargetStream, object]]:
+                     request_id: str = "", resumed: tuple[int, ...] = ()) -> AsyncIterator[tuple[TargetStream, object]]:
         """(stream, first event) of a generation on the least-loaded instance. Failures before
         the first token move on to the next instance; while every instance that is up is at
         capacity the generation waits its turn (gateway.waiting, by ``priority``); with none
-        up, a 503."""
+        up, a 503. ``resumed``: the output a lost instance already sent (gateway.choices goes
+        on from it); an instance lost mid-stream is marked down."""
         tried: set[int] = set()  # instances that failed this generation (down now)
         full: set[int] = set()  # instances that said they were full (other clients' sessions) since the last wait
-        tokens = np.asarray(prompt, dtype=np.int64)
+        tokens = np.asarray([*prompt, *resumed], dtype=np.int64)  # the text the instance prefills
         entered = time.perf_counter()
         ticket: Ticket | None = None  # its place in the waiting line, once it has waited
         if self.waiting.ahead(priority):  # no one overtakes those waiting before it
@@ -208,7 +210,7 @@ class Upstream:
             stream, first = None, None
             try:
                 try:
-                    stream = (await self._connection(link)).generate(prompt, params, request_id)
+                    stream = (await self._connection(link)).generate(prompt, params, request_id, resumed)
                     first = await stream.next()
                 except RemoteError as exc:
                     if exc.code not in RETRYABLE:
@@ -224,7 +226,12 @@ class Upstream:
                     self.waiting.wake()  # its turn came and it has a slot: the next one may find one too
                 if self.metrics:
                     self.metrics.queue_time.observe(picked - entered)
-                yield stream, first
+                try:
+                    yield stream, first
+                except RemoteError as exc:
+                    if exc.code in LOST:  # until the poller finds it up again
+                        link.up, link.error = False, str(exc)
+                    raise
                 return
             finally:
                 if first is None:  # it never started there

@@ -43,6 +43,9 @@ class Generate(msgspec.Struct, tag=True, frozen=True):
     thinking_budget: int = -1  # SamplingParams.thinking_budget (-1: none) and its markers
     thinking_start: list[int] = []
     thinking_end: list[int] = []
+    # output another instance already sent (the gateway resuming a generation whose instance was
+    # lost): prefilled after the prompt, counted as output (max_tokens, the logit rules), not sent again
+    resumed: list[int] = []
 
 
 class Tokens(msgspec.Struct, tag=True, frozen=True):

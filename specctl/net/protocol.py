@@ -20,8 +20,9 @@ from specctl.net.tensor import Tensor
 if TYPE_CHECKING:  # imported where used (net.tensor says why)
     import torch
 
-PROTOCOL_VERSION = 4  # 2: sparse q in Proposal, no per-node probs; 3: pipeline stage messages, bf16 tensors;
-# 4: SpecPipe tree levels from a draft server
+PROTOCOL_VERSION = 5  # 2: sparse q in Proposal, no per-node probs; 3: pipeline stage messages, bf16 tensors;
+# 4: SpecPipe tree levels from a draft server; 5: GENERATE's resumed output (an older target would
+# ignore it and repeat that output)
 MAX_FRAME_BYTES = 16 << 20
 
 

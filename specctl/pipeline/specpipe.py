@@ -78,7 +78,8 @@ class SpecPipeRun:
         session, cache = self.session, self.session.cache
         begun = time.perf_counter()
         params = session.params
-        self.predicted = PredictedChains.of(params.prediction, self.chain_budget, session.prompt_len, params.max_tokens)
+        self.predicted = PredictedChains.of(params.prediction, self.chain_budget, session.prompt_len,
+                                            params.max_tokens - session.resumed)
         # Whole rows when the token is not the plain argmax or when the request keeps its
         # log-probabilities; the argmax alone (one int a row) otherwise.
         want = "argmax" if params.greedy and session.rules is None and params.logprobs is None else "logits"
@@ -279,14 +280,14 @@ class SpecPipeRun:
 def specpipe_generate(target: PipelineDecoder, draft: Decoder, prompt: list[int], params: SamplingParams,
                       shape: TreeShape = TreeShape(), *, eos_token_ids: tuple[int, ...] = (),
                       max_context: int | None = None, pool: KVPool | None = None, draft_pool: KVPool | None = None,
-                      on_tokens: Emit | None = None, tokenizer: Any = None,
+                      on_tokens: Emit | None = None, tokenizer: Any = None, resumed: tuple[int, ...] = (),
                       ) -> tuple[list[int], GenerationStats, str | None, PipeStats]:
     """Run one session to the end with SpecPipe: (tokens, stats, finish_reason, pipeline stats);
-    ``tokenizer``: the target's, which a grammar needs."""
+    ``tokenizer``: the target's, which a grammar needs; ``resumed``: ``DecodeSession``'s."""
     started = time.perf_counter()
     predicted = bool(params.prediction)
     session = DecodeSession(target, prompt, params, eos_token_ids, max_context, pool,
-                            max_tree_nodes(target.stages, shape, predicted), tokenizer=tokenizer)
+                            max_tree_nodes(target.stages, shape, predicted), tokenizer=tokenizer, resumed=resumed)
     source = None
     try:
         source = DraftLevels.for_session(draft, shape, session, draft_pool)

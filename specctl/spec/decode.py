@@ -61,7 +61,11 @@ class DecodeSession:
         max_nodes: int = 1,
         run_ahead: bool | None = None,
         tokenizer: Any = None,
+        resumed: list[int] | tuple[int, ...] = (),
     ) -> None:
+        """``resumed``: output another instance already sent for this generation (one lost
+        mid-stream, taken over here): prefilled after the prompt and counted as output by
+        max_tokens and the logit rules, never emitted again."""
         if not prompt:
             raise PromptTooLong("the prompt is empty: give at least one token")
         limit = max_context or target.spec.max_position
@@ -70,8 +74,13 @@ class DecodeSession:
                 f"prompt of {len(prompt)} tokens plus max_tokens {params.max_tokens} exceeds the context "
                 f"of {limit} tokens; shorten the prompt or lower max_tokens"
             )
+        if len(resumed) >= params.max_tokens:
+            raise BadRequest(f"a resumed generation's {len(resumed)} tokens leave none of max_tokens "
+                             f"{params.max_tokens} to generate")
         self.target, self.params = target, params
-        self.prompt_len = len(prompt)
+        # the text before the first round, prefilled: the prompt and a resumed generation's output
+        self.prompt_len = len(prompt) + len(resumed)
+        self.resumed = len(resumed)
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         self.max_nodes = max_nodes  # the largest tree a round may verify (root included)
         self.capacity = len(prompt) + params.max_tokens + max_nodes + 1
@@ -82,8 +91,8 @@ class DecodeSession:
         self.cache = target.new_cache(self.capacity, pool)
         self.cache.salt = params.cache_salt  # its prefix cache's namespace (vLLM's cache_salt)
         self.generator = torch.Generator().manual_seed(params.seed if params.seed is not None else int(time.time_ns()))
-        self.seq = list(prompt)
-        self.output: list[int] = []
+        self.seq = [*prompt, *resumed]
+        self.output: list[int] = list(resumed)
         self.stop_token: int | None = None  # the EOS or stop token that ended the output (left out of it)
         self.finish_reason: str | None = None
         self.stats = GenerationStats(prompt_tokens=len(prompt))
@@ -97,6 +106,8 @@ class DecodeSession:
                      Structure(*params.structured, tokenizer, target.spec.vocab_size, self.stop_ids, target.device))
         self.rules = (LogitRules(params, prompt, self.stop_ids, target.spec.vocab_size, target.device, structure)
                       if params.adjusts_logits else None)  # None: nothing to compute
+        if self.rules is not None and resumed:
+            self.rules.record(list(resumed))  # penalties, min_tokens, the grammar, a thought: where they stood
         # Run ahead (AR): the next step is launched with its token still on the device,
         # and the token read back while that step runs. ``ahead`` holds that step's logits: the
         # next root's verification, already in the cache. None (auto): see runs_ahead.
@@ -137,7 +148,7 @@ class DecodeSession:
             if len(self.output) >= self.params.max_tokens:
                 self.finish_reason = "length"
                 break
-        self.stats.new_tokens = len(self.output)
+        self.stats.new_tokens = len(self.output) - self.resumed
         if self.rules is not None:
             self.rules.record(emitted)
             structure = self.rules.structure

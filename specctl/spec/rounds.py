@@ -197,19 +197,20 @@ def run_to_end(target: Decoder, prompt: list[int], params: SamplingParams, draft
                eos_token_ids: tuple[int, ...] = (), max_context: int | None = None, pool: KVPool | None = None,
                draft_pool: KVPool | None = None, on_tokens: Emit | None = None,
                run_ahead: bool | None = None, tokenizer: Any = None,
-               until: Callable[[], bool] | None = None) -> DecodeSession:
+               until: Callable[[], bool] | None = None, resumed: tuple[int, ...] = ()) -> DecodeSession:
     """Run a session to the end in this thread and hand it back finished (its output, stats,
     finish_reason and, when ``params`` asked, logprobs and prompt_logprobs; its KV freed).
     ``run_ahead``: see ``DecodeSession`` (None: where ``decode.runs_ahead`` says);
     ``tokenizer``: the target's, needed for structured output; ``until``: asked after each
     emit, True ends the session with finish_reason "stop" (a stop string the caller found in
-    the text)."""
+    the text); ``resumed``: output already sent (``DecodeSession``'s), which ``on_tokens`` is not given."""
     from specctl.spec.prediction import with_prediction
 
     lane = InlineLane()
     speculator = with_prediction(LocalSpeculator(drafter or NoDrafter(), lane, draft_pool), params)
     session = DecodeSession(target, prompt, params, eos_token_ids, max_context, pool, speculator.max_nodes,
-                            run_ahead, tokenizer)
+                            run_ahead, tokenizer, resumed)
+
     def emit(tokens: list[int], result: RoundResult | None) -> None:
         if on_tokens is not None:
             on_tokens(tokens, result)

@@ -79,14 +79,16 @@ class TargetConnection:
         finally:
             self.close()
 
-    def generate(self, prompt: list[int], params: SamplingParams, request_id: str = "") -> "TargetStream":
-        """Start a generation on this connection (``request_id``: names it in the target's log)."""
+    def generate(self, prompt: list[int], params: SamplingParams, request_id: str = "",
+                 resumed: list[int] | tuple[int, ...] = ()) -> "TargetStream":
+        """Start a generation on this connection (``request_id``: names it in the target's log;
+        ``resumed``: the output a lost instance already sent, which this one goes on from)."""
         if self.closed or self._writer is None:
             raise RemoteError("disconnected", f"the connection to {self.host}:{self.port} is closed")
         req = next(self._reqs)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[req] = queue
-        self._send(generate_message(req, prompt, params, request_id))
+        self._send(generate_message(req, prompt, params, request_id, resumed))
         return TargetStream(self, req, queue)
 
     def _send(self, message) -> None:

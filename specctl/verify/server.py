@@ -212,13 +212,14 @@ class TargetServer(ListeningServer):
             check_token_ids(msg.prompt, self.model.spec.vocab_size)
             check_token_ids(msg.stop_token_ids, self.model.spec.vocab_size)
             check_token_ids(msg.prediction, self.model.spec.vocab_size)
+            check_token_ids(msg.resumed, self.model.spec.vocab_size, "resumed output token ids")
             if self.active > self.config.max_sessions:
                 raise KVBudgetExceeded(f"target instance full: {self.config.max_sessions} sessions running; retry later")
             if params.structured is not None:  # built once, seconds: not on the compute thread other sessions use
                 await asyncio.to_thread(ll_tokenizer, self.model.tokenizer, self.model.spec.vocab_size)
             creating = asyncio.ensure_future(self.compute.run(
                 DecodeSession, self.model.decoder, msg.prompt, params, self.model.eos_token_ids, None, self.pool,
-                self._session_nodes(params), None, self.model.tokenizer,
+                self._session_nodes(params), None, self.model.tokenizer, msg.resumed,
             ))
             return await asyncio.shield(creating)  # cancelled meanwhile: the session made is still closed
         except asyncio.CancelledError as exc:

@@ -97,7 +97,7 @@ class RemoteSpeculator:
         """Start opening a draft session from ``text`` (the draft's first proposal then
         reads what the target committed after it)."""
         self._opened_at, self._fresh = len(text), True
-        return self._opened(session.params, text, len(text) - session.prompt_len)
+        return self._opened(session.params, text, len(text) - session.prompt_len + session.resumed)
 
     async def _opened(self, params, text: list[int], generated: int) -> Handle | None:
         epoch = self.client.epoch

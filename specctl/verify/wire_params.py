@@ -7,7 +7,9 @@ from specctl.net.protocol import Generate
 from specctl.spec.params import SamplingParams
 
 
-def generate_message(req: int, prompt: list[int], params: SamplingParams, request_id: str = "") -> Generate:
+def generate_message(req: int, prompt: list[int], params: SamplingParams, request_id: str = "",
+                     resumed: list[int] | tuple[int, ...] = ()) -> Generate:
+    """``resumed``: the output a lost instance already sent (Generate.resumed)."""
     return Generate(
         req, prompt, params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed,
         list(params.stop_token_ids), params.ignore_eos,
@@ -24,6 +26,7 @@ def generate_message(req: int, prompt: list[int], params: SamplingParams, reques
         thinking_budget=-1 if params.thinking_budget is None else params.thinking_budget,
         thinking_start=list(params.thinking_markers[0]) if params.thinking_markers else [],
         thinking_end=list(params.thinking_markers[1]) if params.thinking_markers else [],
+        resumed=list(resumed),
     )
 
 

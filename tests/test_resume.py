@@ -1,0 +1,151 @@
+"""A generation resumed from the output a lost instance already sent (DecodeSession's
+``resumed``, GENERATE's, the gateway's failover mid-stream): what follows is what the
+uninterrupted generation gives — token for token greedy, in every mode, with the logit
+rules, a grammar and a thinking budget counting the resumed output as output — and the
+resumed tokens are never sent again."""
+
+import asyncio
+import dataclasses
+import json
+import threading
+import urllib.request
+
+import pytest
+
+from specctl.cluster.embedded import ClusterConfig, ClusterThread
+from specctl.config import build_config
+from specctl.errors import BadRequest
+from specctl.spec.params import SamplingParams
+from specctl.spec.rounds import generate
+from tests.conftest import mode_drafter, poll_until
+from tests.test_gateway import PROMPT as TEXT_PROMPT, post
+from tests.test_logit_rules import PENALIZED, PROMPT
+from tests.test_structured import CONSTRAINTS, EOS, byte_tokenizer  # noqa: F401 - the fixture
+
+PLAIN = SamplingParams(max_tokens=32, ignore_eos=True)
+
+
+@pytest.mark.parametrize("params", [PLAIN, PENALIZED], ids=["plain", "penalized"])
+@pytest.mark.parametrize("mode", ["ar", "chain", "tree", "ngram"])
+def test_a_resumed_generation_goes_on_as_the_uninterrupted_one(tiny, mode, params):
+    target = tiny["llama"]
+    whole, _, reason = generate(target, PROMPT, params)
+    for cut in (1, 9, 31):
+        sent = []
+        output, stats, resumed_reason = generate(target, PROMPT, params, mode_drafter(mode, tiny["llama-draft"]),
+                                                 on_tokens=lambda tokens, _result: sent.extend(tokens),
+                                                 resumed=tuple(whole[:cut]))
+        assert output == whole and resumed_reason == reason == "length"
+        assert sent == whole[cut:]  # the resumed tokens are not sent again
+        assert stats.new_tokens == len(whole) - cut and stats.prompt_tokens == len(PROMPT)
+
+
+def test_the_penalties_count_the_resumed_output(tiny):
+    """Resumed as if it were prompt, the penalties would read another text: the rules must
+    have recorded it as output (the case above then tells the two apart)."""
+    target = tiny["llama"]
+    whole = generate(target, PROMPT, PENALIZED)[0]
+    as_prompt = generate(target, PROMPT + whole[:9], dataclasses.replace(PENALIZED, max_tokens=23))[0]
+    assert whole[:9] + as_prompt != whole
+
+
+@pytest.mark.parametrize("kind", ["json", "regex"])
+def test_a_grammar_goes_on_from_the_resumed_output(tiny, byte_tokenizer, kind):  # noqa: F811
+    target = tiny["llama"]
+    params = SamplingParams(max_tokens=40, structured=CONSTRAINTS[kind])
+    prompt = byte_tokenizer.encode("answer: ")
+    whole, _, reason = generate(target, prompt, params, eos_token_ids=(EOS,), tokenizer=byte_tokenizer)
+    assert reason == "stop" and len(whole) > 4
+    output, _, resumed_reason = generate(target, prompt, params, mode_drafter("chain", tiny["llama-draft"]),
+                                         eos_token_ids=(EOS,), tokenizer=byte_tokenizer, resumed=tuple(whole[:4]))
+    assert output == whole and resumed_reason == "stop"
+
+
+def test_a_thinking_budget_counts_the_resumed_thought(tiny):
+    start, end = 250, 251
+    prompt = [1, 5, 9, 2, 7, start]  # the prompt opened a thought
+    params = SamplingParams(max_tokens=24, ignore_eos=True, thinking_budget=3, thinking_markers=((start,), (end,)))
+    whole = generate(tiny["llama"], prompt, params)[0]
+    assert whole[3] == end
+    assert generate(tiny["llama"], prompt, params, resumed=tuple(whole[:2]))[0] == whole
+
+
+def test_a_resumed_output_that_leaves_nothing_to_generate_is_refused(tiny):
+    with pytest.raises(BadRequest, match=r"^a resumed generation's 32 tokens leave none of max_tokens 32 to generate$"):
+        generate(tiny["llama"], PROMPT, PLAIN, resumed=tuple(range(32)))
+
+
+def _lose_a_serving_target(thread: ClusterThread, before: list[int]) -> int:
+    """Close a target instance that is streaming tokens (more than ``before``, its tokens
+    before the request); its index."""
+    def serving():
+        return [i for i, t in enumerate(thread.cluster.targets) if t.active and t.totals.new_tokens > before[i]]
+    index = poll_until(serving, bool, timeout=30)[0]
+    asyncio.run_coroutine_threadsafe(thread.cluster.targets[index].close(), thread.loop).result(30)
+    return index
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_target_lost_mid_generation_is_taken_over_by_another_with_the_same_output(tiny_dir, stream):
+    """Two target instances behind the gateway and a draft server; the one streaming a
+    request's two choices is closed mid-stream: the other goes on from their output so far, and
+    the client gets the same text as from an uninterrupted generation, each token once."""
+    config = build_config(None, target=str(tiny_dir["llama"]), draft=str(tiny_dir["llama-draft"]), mode="chain",
+                          dtype="fp32", max_sessions=4)
+    thread = ClusterThread(config, ClusterConfig(targets=2, gateway_port=0))
+    urls = thread.start()
+    try:
+        url = urls["gateway"] + "/v1/completions"
+        body = {"prompt": TEXT_PROMPT, "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+        code, _, raw = post(url, body)
+        assert code == 200
+        reference = json.loads(raw)["choices"][0]["text"]
+        for target in thread.cluster.targets:  # rounds a slow device takes: the loss comes mid-stream
+            target.config = dataclasses.replace(target.config, verify_delay_s=0.03)
+        before = [target.totals.new_tokens for target in thread.cluster.targets]
+        request = urllib.request.Request(url, data=json.dumps({**body, "n": 2, "stream": stream}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        if stream:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                lines = [response.readline()]
+                lost = _lose_a_serving_target(thread, before)
+                lines += [line for line in response if line.strip()]
+            data = [line.decode().removeprefix("data: ").strip() for line in lines if line.startswith(b"data: ")]
+            assert data[-1] == "[DONE]"
+            chunks = [json.loads(d) for d in data[:-1]]
+            assert all("error" not in c for c in chunks)
+            texts = ["".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i) for i in (0, 1)]
+        else:
+            answer = {}
+            waiting = threading.Thread(target=lambda: answer.update(zip(("code", "raw"), post(url, request.data)[::2])))
+            waiting.start()
+            lost = _lose_a_serving_target(thread, before)
+            waiting.join(120)
+            assert answer["code"] == 200, answer["raw"][:300]
+            choices = sorted(json.loads(answer["raw"])["choices"], key=lambda c: c["index"])
+            texts = [c["text"] for c in choices]
+            assert json.loads(answer["raw"])["usage"]["completion_tokens"] == 240
+        assert texts == [reference, reference]
+        assert not thread.cluster.gateway.upstream.targets[lost].up
+    finally:
+        thread.stop()
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+async def test_specpipe_goes_on_from_a_resumed_output_as_the_uninterrupted_target(tiny_dir, stages):
+    """A pipelined target's SpecPipe run prefills the resumed output with the prompt and
+    drafts its first tree from there."""
+    from specctl.engine.loader import load_model
+    from specctl.pipeline.local import LocalPipeline
+    from specctl.pipeline.specpipe import specpipe_generate
+    from specctl.pipeline.token_source import TreeShape
+
+    target = load_model("t", tiny_dir["llama"], "fp32")
+    draft = load_model("d", tiny_dir["llama"], "fp32", num_layers=2)
+    whole = generate(target.decoder, PROMPT, PENALIZED)[0]
+    async with LocalPipeline(target, stages) as pipeline:
+        for cut in (1, 12):
+            tokens, stats, reason, _pipe = await asyncio.to_thread(
+                specpipe_generate, pipeline.staged.decoder, draft.decoder, PROMPT, PENALIZED, TreeShape(3, 2),
+                resumed=tuple(whole[:cut]))
+            assert tokens == whole and reason == "length" and stats.new_tokens == len(whole) - cut
