@@ -11,6 +11,7 @@ import threading
 import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
@@ -127,6 +128,10 @@ def test_a_target_lost_mid_generation_is_taken_over_by_another_with_the_same_out
             assert json.loads(answer["raw"])["usage"]["completion_tokens"] == 240
         assert texts == [reference, reference]
         assert not thread.cluster.gateway.upstream.targets[lost].up
+        with urllib.request.urlopen(urls["gateway"] + "/metrics", timeout=10) as response:
+            samples = {s.name: s.value for family in text_string_to_metric_families(response.read().decode())
+                       for s in family.samples}
+        assert samples["specctl:resumed_generations_total"] in (1, 2)  # the lost instance's choices
     finally:
         thread.stop()
 

@@ -145,6 +145,7 @@ class Choices:
                     await self._queue.put((k, Event(progress.text.finish(), "length", {}, len(progress.tokens), [])))
                     return
                 progress.resumes += 1
+                self.metrics.resumed_generations.inc()
                 log.warning("request %s: %s; going on from its %d tokens on another instance", name, lost,
                             len(progress.tokens))
         except asyncio.CancelledError:

@@ -108,6 +108,8 @@ class GatewayMetrics:
         self.requests = Counter(f"{p}requests", "HTTP generation requests by outcome", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter(f"{p}prompt_tokens", "prompt tokens processed", registry=r)
         self.generation_tokens = Counter(f"{p}generation_tokens", "tokens generated", registry=r)
+        self.resumed_generations = Counter(f"{p}resumed_generations", "generations another target instance went "
+                                           "on with after theirs was lost mid-stream", registry=r)
         self.running = Gauge(f"{p}requests_running", "requests in flight through this gateway", registry=r)
         self.waiting = Gauge(f"{p}requests_waiting", "generations waiting for a free session (every target "
                              "instance up at capacity)", registry=r)
