@@ -172,7 +172,8 @@ class DecodeSession:
         prefixes = getattr(self.target, "prefix_cache", None)  # a pipeline's target has none
         if self.prefilled is None:  # the first chunk: a cached start of the prompt is restored
             self.prefilled = prefixes.restore(self.seq, self.cache) if prefixes is not None else 0
-            self.stats.cached_prompt_tokens = self.prefilled
+            # of the prompt's (a resumed output restored too is no prompt token of the request's)
+            self.stats.cached_prompt_tokens = min(self.prefilled, self.prompt_len - self.resumed)
         start, chunk = self.prefilled, getattr(self.target, "prefill_chunk", 0)
         end = len(self.seq) if chunk <= 0 else min(len(self.seq), start + chunk)
         logits = self.target(torch.tensor(self.seq[start:end], dtype=torch.long), torch.arange(start, end), self.cache,
