@@ -310,6 +310,10 @@ def test_the_gateway_line_shows_latency_percentiles_in_80x24():
     data["gateway"].update(requests_running=4, requests_waiting=2)  # generations queued for a free session
     screen = text_of(dashboard(advance(MonitorState("http://gw:8000"), data, 1.0), now=1.5))
     assert "gateway 4 running, 2 waiting  TTFT 1.5/1.5s  TPOT 10/10s  e2e 12/12s  (p50/p90)" in screen
+    data["gateway"].update(resumed_generations=3)  # taken over from a lost target instance
+    screen = text_of(dashboard(advance(MonitorState("http://gw:8000"), data, 1.0), now=1.5))
+    assert "gateway 4 running, 2 waiting, 3 resumed  TTFT 1.5/1.5s  TPOT 10/10s  e2e 12/12s\n" in screen
+    data["gateway"].pop("resumed_generations")
     data["gateway"].update(ttft_ms_p50=123.0, ttft_ms_p90=456.0, tpot_ms_p50=11.0, tpot_ms_p90=999.0,
                            requests_waiting=1024)
     screen = text_of(dashboard(advance(MonitorState("http://gw:8000"), data, 1.0), now=1.5))

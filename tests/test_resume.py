@@ -135,6 +135,8 @@ def test_a_target_lost_mid_generation_is_taken_over_by_another_with_the_same_out
             samples = {s.name: s.value for family in text_string_to_metric_families(response.read().decode())
                        for s in family.samples}
         assert samples["specctl:resumed_generations_total"] in (1, 2)  # the lost instance's choices
+        with urllib.request.urlopen(urls["gateway"] + "/v1/stats", timeout=10) as response:
+            assert json.load(response)["gateway"]["resumed_generations"] == samples["specctl:resumed_generations_total"]
     finally:
         thread.stop()
 

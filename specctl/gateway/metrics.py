@@ -161,6 +161,10 @@ class GatewayMetrics:
         self.e2e_latency.observe(end - arrival)
         self.recent.append((ttft, tpot, end - arrival))
 
+    def resumed_count(self) -> int:
+        """Generations another instance went on with so far (the stats feed's)."""
+        return int(self.registry.get_sample_value(f"{PREFIX}resumed_generations_total") or 0)
+
     def latency_summary(self) -> dict:
         """The stats feed's latency figures (ms; None where no generation measured one): p50 and
         p90 of time to first token, time per output token and end to end over the last

@@ -288,7 +288,8 @@ class Gateway:
         self._check_key(request)
         feed = {"time": time.time(), "model": self.config.model_name,
                 "gateway": {"requests_running": self.generations.running,
-                            "requests_waiting": len(self.upstream.waiting), **self.metrics.latency_summary()}}
+                            "requests_waiting": len(self.upstream.waiting),
+                            "resumed_generations": self.metrics.resumed_count(), **self.metrics.latency_summary()}}
         feed.update(self.upstream.snapshot())
         return web.json_response(feed)
 

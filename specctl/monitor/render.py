@@ -85,13 +85,15 @@ def prespec_rows(prespec: dict) -> list[tuple[str, str, str, str]]:
 
 
 def gateway_line(gateway: dict) -> Text:
-    """The gateway's requests in flight, the generations waiting for a free session, and its
-    latencies, p50/p90 over its last generations (gateway.metrics.RECENT_GENERATIONS): time to
+    """The gateway's requests in flight, the generations waiting for a free session, those
+    another target instance went on with after theirs was lost, and its latencies, p50/p90 over its last generations (gateway.metrics.RECENT_GENERATIONS): time to
     first token, time per output token, end to end. The legend goes first when 80 columns
     cannot hold it all."""
     head = f"{gateway.get('requests_running', 0)} running"
     if gateway.get("requests_waiting"):
         head += f", {gateway['requests_waiting']} waiting"
+    if gateway.get("resumed_generations"):
+        head += f", {gateway['resumed_generations']} resumed"
     text = Text("gateway ", style="bold").append(head, style="bold yellow" if gateway.get("requests_waiting") else "")
     if gateway.get("generations"):
         pairs = "  ".join(f"{label} {_pair(gateway.get(f'{name}_ms_p50'), gateway.get(f'{name}_ms_p90'))}"
