@@ -1,11 +1,14 @@
 """--omp-wait: idle OpenMP workers sleep when a peer role shares this host (runtime/omp_wait.py)."""
 
+import ipaddress
+import socket
+
 import pytest
 
 from specctl.bench.processes import free_port, spawn_role, stop_processes, wait_listening
 from specctl.cli.verify import peer_hosts
 from specctl.errors import ConfigError
-from specctl.runtime.omp_wait import apply_omp_wait, omp_wait_policy, on_this_host
+from specctl.runtime.omp_wait import apply_omp_wait, is_loopback, omp_wait_policy, on_this_host
 from tests.conftest import run_here
 
 
@@ -15,6 +18,27 @@ from tests.conftest import run_here
 ])
 def test_on_this_host_is_a_loopback_address(address, local):
     assert on_this_host(address) is local
+    assert is_loopback(address) is local
+
+
+def own_address() -> str | None:
+    """An address of this host's that is not loopback (the one a datagram out would leave by)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("198.51.100.7", 9))  # no packet is sent: it only picks the interface
+        except OSError:
+            return None
+        return probe.getsockname()[0]
+
+
+def test_this_hosts_own_address_and_name_are_on_this_host():
+    assert on_this_host(f"{socket.gethostname()}:9000")
+    address = own_address()
+    if address is None or ipaddress.ip_address(address).is_loopback:
+        pytest.skip("this host has no route out, so no address but loopback to find")
+    assert on_this_host(f"{address}:9000") and not is_loopback(f"{address}:9000")
+    others = [f"{a}:9000" for a in ("198.51.100.7", "203.0.113.9") if a != address]
+    assert not any(map(on_this_host, others))
 
 
 def test_auto_sleeps_only_with_a_peer_on_this_host():

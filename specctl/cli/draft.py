@@ -13,7 +13,7 @@ from rich.console import Console
 from specctl.cli.roles import AUTH_HELP, admission_model, checked
 from specctl.config import build_config
 from specctl.errors import ConfigError
-from specctl.runtime.omp_wait import OMP_WAIT_HELP, apply_omp_wait
+from specctl.runtime.omp_wait import OMP_WAIT_HELP, apply_omp_wait, is_loopback
 
 DEFAULT_PRESPEC_BUDGET = 8
 
@@ -91,7 +91,8 @@ def draft(
     accepted path ends at some node, then the bonus) and drafted ahead, only while no real request waits; a hit is
     answered at once, a miss as before. Output stays exactly the target's."""
     # first: libgomp reads it once, when torch loads it (build_config's profile detection does)
-    omp_line = apply_omp_wait(omp_wait, [host], os.environ, "torch" in sys.modules)
+    # bound to loopback, its targets are on this host (its own address bound says nothing of theirs)
+    omp_line = apply_omp_wait(omp_wait, [host] if is_loopback(host) else [], os.environ, "torch" in sys.modules)
     config = build_config(profile, draft=model, mode=mode, depth=depth, draft_stop=draft_stop, topk=topk, width=width,
                           max_sessions=max_sessions, max_batch=max_batch, dtype=dtype, threads=threads, draft_quant=draft_quant,
                           prefix_cache_mb=prefix_cache_mb, prefill_chunk=prefill_chunk)

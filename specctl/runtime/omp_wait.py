@@ -8,7 +8,8 @@ Measured on 2 cores (2026-12-04; a 0.5B draft server and a 1.5B target on loopba
 greedy requests through the gateway): three at once took 15-20 s with spinning workers and
 6.6 s with sleeping ones, one alone 2.9 s against 3.7 s; a two-stage pipeline with its draft,
 three at once 31 s against 7.5 s. A server role serves requests at once, so ``auto`` lets the
-workers sleep when a peer role is on this host (a loopback address), as the benchmarks' own
+workers sleep when a peer role is on this host (a loopback address, one of this host's own
+addresses, or its host name), as the benchmarks' own
 processes do (bench/processes.py). ``spin`` is libgomp's default (spin a while, then sleep),
 not OMP_WAIT_POLICY=ACTIVE, whose workers spin for seconds after every op, idle or not.
 libgomp reads the policy once, when torch loads it: it is set before torch is imported, and a
@@ -17,6 +18,7 @@ policy the environment already gives is left alone."""
 from __future__ import annotations
 
 import ipaddress
+import socket
 from collections.abc import Iterable, MutableMapping
 
 from specctl.errors import ConfigError
@@ -24,23 +26,49 @@ from specctl.errors import ConfigError
 OMP_WAIT_CHOICES = ("auto", "spin", "sleep")
 OMP_WAIT_HELP = ("idle OpenMP workers: sleep (OMP_WAIT_POLICY=PASSIVE: for roles that share this host's cores with "
                  "another busy process), spin (libgomp's default: they spin a while first, the lowest latency for a "
-                 "role alone on its cores), or auto (sleep when a peer role is on this host, a loopback address; "
-                 "else spin); OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment win")
+                 "role alone on its cores), or auto (sleep when a peer role is on this host: a loopback address, one "
+                 "of this host's addresses or its name; else spin); OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment win")
 
 
-def on_this_host(address: str) -> bool:
-    """Whether HOST:PORT (or a bare host) names a loopback address."""
+def _host(address: str) -> str:
+    """HOST of HOST:PORT, [V6]:PORT or a bare host."""
     host = address.strip()
     if host.startswith("["):  # [::1]:9000
-        host = host[1:].partition("]")[0]
-    elif host.count(":") == 1:
-        host = host.partition(":")[0]
+        return host[1:].partition("]")[0]
+    return host.partition(":")[0] if host.count(":") == 1 else host
+
+
+def is_loopback(address: str) -> bool:
+    """Whether HOST:PORT (or a bare host) names a loopback address (a server bound there has
+    its peers on this host)."""
+    host = _host(address)
     if host.lower() == "localhost":
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def on_this_host(address: str) -> bool:
+    """Whether HOST:PORT (or a bare host) is this host: a loopback address, an address of one of
+    its interfaces (one a socket can bind), or its host name. Other names are not resolved: a
+    role must not wait on DNS as it starts."""
+    host = _host(address)
+    if is_loopback(host) or host.lower() == socket.gethostname().lower():
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if ip.is_unspecified or ip.is_multicast:  # 0.0.0.0 is every interface, no peer's address
+        return False
+    with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((str(ip), 0))
+        except OSError:
+            return False
+    return True
 
 
 def omp_wait_policy(choice: str, peers: Iterable[str]) -> str | None:
