@@ -1,7 +1,11 @@
 """The gateway's picture of the roles behind it (gateway/upstream.py): which draft servers it
 watches, found in its target instances' stats."""
 
+import asyncio
+
+from specctl.gateway import upstream as upstream_module
 from specctl.gateway.upstream import Upstream, draft_servers
+from specctl.net.protocol import Welcome
 
 
 def test_the_draft_servers_a_target_names_one_or_several_not_the_local_lookups():
@@ -22,3 +26,28 @@ def test_the_gateway_watches_every_draft_server_its_targets_name_once():
     upstream._discover_drafters()  # every poll: nothing is added twice
     assert [(d.role, d.address) for d in upstream.drafters] == [("draft", "127.0.0.1:9000"),
                                                                  ("draft", "127.0.0.1:9001")]
+
+
+def test_a_pipelined_target_whose_chain_is_broken_is_down_until_it_is_whole(monkeypatch, caplog):
+    """Stage 1 answers the poll while its chain to the other stages is broken: it would refuse
+    every request (after a round trip each), so it is down, saying why, until the chain is whole."""
+    answers = {"pipeline_connected": False, "pipeline_error": "[Errno 111] Connection refused"}
+
+    async def probe(host, port, auth_token, ssl):
+        return Welcome(5, "target", "m", "f", 4), dict(answers)
+
+    monkeypatch.setattr(upstream_module, "probe", probe)
+    upstream = Upstream(["127.0.0.1:1", "127.0.0.1:2"])
+    link = upstream.targets[0]
+    asyncio.run(upstream._poll(link))
+    asyncio.run(upstream._poll(link))
+    assert not link.up and link.error == "its pipeline is down ([Errno 111] Connection refused)"
+    # said once, on the first poll (a role never up is down from the start), not at every poll
+    assert [r.getMessage() for r in caplog.records] == [
+        "target 127.0.0.1:1 is down: its pipeline is down ([Errno 111] Connection refused)"]
+    answers.update(pipeline_connected=True, pipeline_error=None)
+    asyncio.run(upstream._poll(link))
+    assert link.up and link.error == ""
+    answers.pop("pipeline_connected")  # a target of one stage says nothing of a pipeline
+    asyncio.run(upstream._poll(link))
+    assert link.up

@@ -121,9 +121,7 @@ class Upstream:
             welcome, stats = await asyncio.wait_for(probe(link.host, link.port, self.auth_token, self.ssl),
                                                     ROLE_ANSWER_S)
         except Exception as exc:  # noqa: BLE001 - unreachable, refused or misbehaving: shown as down, never fatal
-            if link.up:
-                log.warning("%s %s is down: %s", link.role, link.address, exc)
-            link.up, link.error = False, str(exc) or type(exc).__name__
+            self._down(link, str(exc) or type(exc).__name__)
             return
         link.welcome, link.stats, link.seen_at = welcome, stats, time.time()
         if "tokens" in stats:
@@ -131,9 +129,19 @@ class Upstream:
         if link.role == "target" and self.fingerprint and welcome.fingerprint != self.fingerprint:
             link.up, link.error = False, f"vocabulary differs from the gateway's tokenizer ({welcome.model})"
             return
+        if stats.get("pipeline_connected") is False:  # stage 1 answers, but its chain is broken: it would refuse
+            self._down(link, f"its pipeline is down ({stats.get('pipeline_error') or 'reconnecting'})")
+            return
         if not link.up:
             log.info("%s %s is up (%s)", link.role, link.address, welcome.model)
         link.up, link.error = True, ""
+
+    @staticmethod
+    def _down(link: RoleLink, error: str) -> None:
+        """The role is down; said in the log when it was up, or on the first poll (never up yet)."""
+        if link.up or not link.error:
+            log.warning("%s %s is down: %s", link.role, link.address, error)
+        link.up, link.error = False, error
 
     def _discover_drafters(self) -> None:
         known = {(d.host, d.port) for d in self.drafters}
