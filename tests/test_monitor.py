@@ -71,6 +71,14 @@ def test_dashboard_fits_80x24_and_shows_down_roles():
     assert "T_idle 1.5ms" in screen and "T_wait 3.2ms" in screen and "queue 2" in screen
     assert screen.count(" up ") == 2 and "down" in screen
     assert "tokens/s   90.0" in screen
+    feed_down = feed((150, 140, 100), (True, True, False))
+    feed_down["targets"][2]["error"] = "its pipeline is down ([Errno 111] Connection refused)"
+    screen_down = text_of(dashboard(advance(state, feed_down, 3.0), now=3.5))
+    reason = f"{feed_down['targets'][2]['address']} down: its pipeline is down ([Errno 111] Connection refused)"
+    assert reason in screen_down.split("\n")  # its own line, below the table
+    feed_down["targets"][2]["error"] = "x" * 200
+    lines = text_of(dashboard(advance(state, feed_down, 3.0), now=3.5)).rstrip("\n").split("\n")
+    assert max(len(line) for line in lines) <= 80 and any(line.endswith("x…") for line in lines)
     assert dashboard(state, now=2.5) is not dashboard(state, now=2.5)  # fresh renderables ...
     assert text_of(dashboard(state, now=2.5)) == screen  # ... of the same picture
 

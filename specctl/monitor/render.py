@@ -150,6 +150,13 @@ def targets_table(targets: list[dict], state: MonitorState) -> Table:
     return table
 
 
+def down_reasons(targets: list[dict]) -> list[Text]:
+    """Why each target instance that is down is (below the table: a reason is too long for a
+    cell), cut to the 80 columns."""
+    lines = (f"{t.get('address', '?')} down: {t['error']}" for t in targets if not t.get("up") and t.get("error"))
+    return [Text(line if len(line) <= 79 else line[:78] + "…", style="red") for line in lines]
+
+
 def drafter_row(name: str, drafter: dict) -> tuple:
     """One drafter of a target with several: rounds routed to it, tokens accepted, its score
     ("none": the rounds its sessions decoded plainly, where that measured faster)."""
@@ -203,6 +210,7 @@ def dashboard(state: MonitorState, now: float | None = None) -> RenderableType:
         parts.append(draft_panel(draft, targets, state))
     if targets:
         parts.append(targets_table(targets[:8], state))
+        parts += down_reasons(targets[:8])
         if len(targets) > 8:
             parts.append(Text(f"… and {len(targets) - 8} more target instances", style="dim"))
     elif not state.error:
