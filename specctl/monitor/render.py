@@ -86,9 +86,9 @@ def prespec_rows(prespec: dict) -> list[tuple[str, str, str, str]]:
 
 def gateway_line(gateway: dict) -> Text:
     """The gateway's requests in flight, the generations waiting for a free session, those
-    another target instance went on with after theirs was lost, and its latencies, p50/p90 over its last generations (gateway.metrics.RECENT_GENERATIONS): time to
-    first token, time per output token, end to end. The legend goes first when 80 columns
-    cannot hold it all."""
+    another target instance went on with after theirs was lost, and its latencies, p50/p90
+    over its last generations (gateway.metrics.RECENT_GENERATIONS): time to first token, time
+    per output token, end to end. The legend goes first when 80 columns cannot hold it all."""
     head = f"{gateway.get('requests_running', 0)} running"
     if gateway.get("requests_waiting"):
         head += f", {gateway['requests_waiting']} waiting"

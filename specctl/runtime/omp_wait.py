@@ -9,8 +9,7 @@ greedy requests through the gateway): three at once took 15-20 s with spinning w
 6.6 s with sleeping ones, one alone 2.9 s against 3.7 s; a two-stage pipeline with its draft,
 three at once 31 s against 7.5 s. A server role serves requests at once, so ``auto`` lets the
 workers sleep when a peer role is on this host (a loopback address, one of this host's own
-addresses, or its host name), as the benchmarks' own
-processes do (bench/processes.py). ``spin`` is libgomp's default (spin a while, then sleep),
+addresses, or its host name), as the benchmarks' own processes do (bench/processes.py). ``spin`` is libgomp's default (spin a while, then sleep),
 not OMP_WAIT_POLICY=ACTIVE, whose workers spin for seconds after every op, idle or not.
 libgomp reads the policy once, when torch loads it: it is set before torch is imported, and a
 policy the environment already gives is left alone."""
@@ -27,7 +26,8 @@ OMP_WAIT_CHOICES = ("auto", "spin", "sleep")
 OMP_WAIT_HELP = ("idle OpenMP workers: sleep (OMP_WAIT_POLICY=PASSIVE: for roles that share this host's cores with "
                  "another busy process), spin (libgomp's default: they spin a while first, the lowest latency for a "
                  "role alone on its cores), or auto (sleep when a peer role is on this host: a loopback address, one "
-                 "of this host's addresses or its name; else spin); OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment win")
+                 "of this host's addresses or its name; else spin); OMP_WAIT_POLICY or GOMP_SPINCOUNT in the "
+                 "environment win")
 
 
 def _host(address: str) -> str:
