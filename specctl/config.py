@@ -24,6 +24,16 @@ DTYPES = ("fp32", "bf16", "fp16")
 QUANTS = ("none", "int8")
 
 
+def repeated(names: list) -> Any:
+    """The first item that comes twice in ``names`` (None: each once)."""
+    seen = set()
+    for name in names:
+        if name in seen:
+            return name
+        seen.add(name)
+    return None
+
+
 @dataclass(slots=True)
 class Config:
     device: str = "cpu"
@@ -105,6 +115,8 @@ class Config:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.mode == "multi" and not self.drafter_names:
             raise ConfigError("mode multi needs drafters, e.g. --drafters qwen2.5-coder-0.5b,ngram")
+        if (twice := repeated(self.drafter_names)) is not None:
+            raise ConfigError(f"drafters names {twice} twice: each drafter once")
         if not isinstance(self.draft_stop, (int, float)) or isinstance(self.draft_stop, bool) or not 0.0 <= self.draft_stop < 1.0:
             raise ConfigError(f"draft_stop must be a number in [0, 1), got {self.draft_stop!r}")
         self.depth_schedule  # noqa: B018 - checked here: a bad value is a ConfigError at start

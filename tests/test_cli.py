@@ -601,6 +601,8 @@ def test_stage_is_checked_before_anything_loads(stage, message):
     (("--stage", "2/3", "--pipeline", "a:1,b:2"), "--stage 2/3 needs --pipeline with 3 HOST:PORT addresses"),
     (("--stage", "1/1", "--pipeline", "a:1"), "--pipeline needs --stage i/n with n > 1"),
     (("--stage", "2/2", "--pipeline", "a:1,b:2", "--draft", "c:3"), "--draft goes to stage 1 only (this is stage 2/2)"),
+    (("--draft", "c:3", "--draft", "ngram", "--draft", "c:03"), "--draft names c:3 twice: each drafter once"),
+    (("--draft", "ngram", "--draft", "ngram"), "--draft names ngram twice: each drafter once"),
     (("--stage", "1/12", "--pipeline", ",".join(f"a:{p}" for p in range(1, 13)), "--specpipe-draft", "m", "--width",
       "16"), "SpecPipe over 12 stages at --width 16 keeps up to 401 tree nodes per session; the most is 320: lower "
              "--width or --refill"),

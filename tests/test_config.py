@@ -37,6 +37,7 @@ def test_every_shipped_profile_is_valid():
         ({"suffix_min_token_prob": 1.5}, "suffix_min_token_prob must be a number in [0, 1], got 1.5"),
         ({"suffix_max_depth": 1}, "suffix_max_depth must be an integer in [2, 4096], got 1"),
         ({"suffix_max_cached": -1}, "suffix_max_cached must be an integer in [0, 1048576], got -1"),
+        ({"mode": "multi", "drafters": "ngram, m@2,ngram"}, "drafters names ngram twice: each drafter once"),
     ],
 )
 def test_bad_values_are_clear_errors(flags, message):

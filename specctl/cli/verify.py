@@ -14,7 +14,7 @@ from rich.console import Console
 from specctl.cli.roles import (
     AUTH_HELP, PREFIX_CACHE_HELP, SPEC_DEPTH_HELP, SPEC_MAX_SESSIONS_HELP, checked,
 )
-from specctl.config import LOOKUP_DRAFTERS, build_config
+from specctl.config import LOOKUP_DRAFTERS, build_config, repeated
 from specctl.errors import ConfigError
 from specctl.runtime.omp_wait import OMP_WAIT_HELP, apply_omp_wait
 from specctl.spec.routing import RoutingPolicy  # pure: no torch at start-up
@@ -120,6 +120,9 @@ def verify(
     stages = parse_pipeline(pipeline, index, count)
     if draft and index > 1:
         raise ConfigError(f"--draft goes to stage 1 only (this is stage {index}/{count})")
+    named = [name if name in LOOKUP_DRAFTERS else "%s:%d" % parse_hostport(name) for name in draft or []]
+    if (twice := repeated(named)) is not None:
+        raise ConfigError(f"--draft names {twice} twice: each drafter once")
     if specpipe_draft and (index != 1 or count == 1 or draft):
         raise ConfigError("--specpipe-draft goes to stage 1 of a pipeline (--stage 1/n, n > 1), without --draft")
     if specpipe and (index != 1 or count == 1 or specpipe_draft or len(draft or []) != 1
