@@ -603,6 +603,7 @@ def test_stage_is_checked_before_anything_loads(stage, message):
     (("--stage", "2/2", "--pipeline", "a:1,b:2", "--draft", "c:3"), "--draft goes to stage 1 only (this is stage 2/2)"),
     (("--draft", "c:3", "--draft", "ngram", "--draft", "c:03"), "--draft names c:3 twice: each drafter once"),
     (("--draft", "ngram", "--draft", "ngram"), "--draft names ngram twice: each drafter once"),
+    (("--stage", "1/3", "--pipeline", "a:1,b:2,a:01"), "--pipeline names a:1 twice: each stage listens at its own address"),
     (("--stage", "1/12", "--pipeline", ",".join(f"a:{p}" for p in range(1, 13)), "--specpipe-draft", "m", "--width",
       "16"), "SpecPipe over 12 stages at --width 16 keeps up to 401 tree nodes per session; the most is 320: lower "
              "--width or --refill"),
@@ -619,6 +620,11 @@ def test_stage_is_checked_before_anything_loads(stage, message):
 ])
 def test_pipeline_flags_are_checked_before_anything_loads(args, message):
     _assert_one_line_error(run_here("verify", *args), message)
+
+
+def test_a_gateway_given_one_target_twice_says_so_before_it_polls():
+    _assert_one_line_error(run_here("gateway", "--target", "127.0.0.1:1", "--target", "127.0.0.1:1"),
+                           "--target names 127.0.0.1:1 twice: each instance once")
 
 
 def test_a_gateway_with_no_reachable_target_says_so_in_one_lowercase_line():

@@ -3,7 +3,10 @@ watches, found in its target instances' stats."""
 
 import asyncio
 
+import pytest
+
 from specctl.gateway import upstream as upstream_module
+from specctl.errors import ConfigError
 from specctl.gateway.upstream import Upstream, draft_servers
 from specctl.net.protocol import Welcome
 
@@ -51,3 +54,10 @@ def test_a_pipelined_target_whose_chain_is_broken_is_down_until_it_is_whole(monk
     answers.pop("pipeline_connected")  # a target of one stage says nothing of a pipeline
     asyncio.run(upstream._poll(link))
     assert link.up
+
+
+def test_an_instance_named_twice_is_refused():
+    with pytest.raises(ConfigError, match=r"^--target names 127\.0\.0\.1:1 twice: each instance once$"):
+        Upstream(["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:01"])
+    with pytest.raises(ConfigError, match=r"^--drafter names d:9 twice: each instance once$"):
+        Upstream(["127.0.0.1:1"], drafters=["d:9", "d:9"])

@@ -17,6 +17,7 @@ from typing import AsyncIterator, Sequence
 import numpy as np
 
 from specctl.engine.prefix_cache import common_prefix
+from specctl.config import repeated
 from specctl.errors import ConfigError
 from specctl.gateway.api import ApiError
 from specctl.gateway.metrics import GatewayMetrics
@@ -111,6 +112,9 @@ class Upstream:
                  queue_timeout_s: float = 600.0) -> None:
         self.targets = [RoleLink("target", *parse_hostport(t)) for t in targets]
         self.drafters = [RoleLink("draft", *parse_hostport(d)) for d in drafters]
+        for flag, links in (("--target", self.targets), ("--drafter", self.drafters)):
+            if (twice := repeated([link.address for link in links])) is not None:  # one instance counted twice
+                raise ConfigError(f"{flag} names {twice} twice: each instance once")
         self.fingerprint, self.auth_token, self.ssl = fingerprint, auth_token, ssl
         self.metrics, self.poll_interval_s = metrics, poll_interval_s
         # generations waiting for a session while every instance is at capacity (gateway.waiting)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specctl.config import repeated
 from specctl.errors import ConfigError
 from specctl.runtime.loop import parse_hostport
 
@@ -40,6 +41,8 @@ def parse_pipeline(pipeline: str | None, index: int, count: int) -> list[tuple[s
     if count > 1 and len(addresses) != count:
         raise ConfigError(f"--stage {index}/{count} needs --pipeline with {count} HOST:PORT addresses, one per stage "
                           f"in order (got {len(addresses)})")
+    if (twice := repeated(addresses)) is not None:  # a stage would connect to itself, or two stages share a port
+        raise ConfigError("--pipeline names %s:%d twice: each stage listens at its own address" % twice)
     return addresses
 
 
