@@ -724,3 +724,24 @@ def test_the_cli_its_help_and_the_monitor_import_no_torch():
     shown = subprocess.run([sys.executable, "-m", "specctl", "bench", "local", "--help"], capture_output=True,
                            text=True, timeout=60)
     assert shown.returncode == 0 and "--prompts" in shown.stdout
+
+
+@pytest.mark.parametrize("given, url", [
+    ("http://127.0.0.1:8000/", "http://127.0.0.1:8000"), ("127.0.0.1:8000", "http://127.0.0.1:8000"),
+    ("https://gw.example/api/", "https://gw.example/api"), ("gw", "http://gw"), ("[::1]:8000", "http://[::1]:8000"),
+])
+def test_a_gateway_url_is_http_and_host_port_alone_means_http(given, url):
+    from specctl.cli.roles import gateway_url
+
+    assert gateway_url(given) == url
+
+
+@pytest.mark.parametrize("given", ["http://", "ftp://gw", "http://gw:99999", "http://gw:0", "http://gw:port"])
+def test_a_gateway_url_that_names_no_gateway_is_a_one_line_error(given):
+    from specctl.cli.roles import gateway_url
+    from specctl.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        gateway_url(given)
+    assert str(err.value) == f"--gateway must be a gateway's URL, e.g. http://127.0.0.1:8000, got {given!r}"
+    _assert_one_line_error(run_here("monitor", "--once", "--gateway", given), str(err.value))

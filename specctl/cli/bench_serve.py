@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from specctl.bench.render import render_serve_table, table_console
+from specctl.cli.roles import gateway_url
 from specctl.config import build_config
 from specctl.errors import ConfigError
 
@@ -68,7 +69,7 @@ def serve(
         raise ConfigError("--requests-per-client, --max-tokens, --max-batch and --repeats must be at least 1")
     bench_prompts = load_prompts(prompts)  # a bad file is a one-line error before anything loads
     if gateway is not None:
-        return _serve_gateway(gateway.rstrip("/"), levels, max_tokens, requests, max_batch, repeats, json_out,
+        return _serve_gateway(gateway_url(gateway), levels, max_tokens, requests, max_batch, repeats, json_out,
                               bench_prompts, prompts)
     config = build_config(profile, target=target, draft=draft, mode=mode, depth=depth, dtype=dtype,
                           draft_quant=draft_quant, threads=threads, max_sessions=max(64, levels[-1]),

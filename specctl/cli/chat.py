@@ -69,6 +69,9 @@ def chat(
     if load:
         console.print(f"[dim]{len(state.messages)} messages loaded from {load}[/]")
     if gateway:
+        from specctl.cli.roles import gateway_url
+
+        gateway = gateway_url(gateway)
         console.print(f"[dim]chatting with {gateway}[/]")
         repl(gateway, console, state, api_key)
         return

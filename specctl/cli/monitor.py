@@ -9,6 +9,8 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 
+from specctl.cli.roles import gateway_url
+
 
 def monitor(
     gateway: Optional[str] = typer.Option(None, help="gateway URL whose /v1/stats feed to show (default http://127.0.0.1:8000)"),
@@ -40,7 +42,7 @@ def monitor(
     if tls_ca and not direct:
         raise ConfigError("--tls-ca is for the roles probed directly (--draft/--target); a gateway is reached by its URL")
     ssl = client_context(tls_ca)
-    url = gateway or "http://127.0.0.1:8000"
+    url = gateway_url(gateway) if gateway else "http://127.0.0.1:8000"
     source = ", ".join(draft + target) if direct else url
     console = Console()
     current = [MonitorState(source)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import urllib.parse
+
 from specctl.errors import ConfigError
 
 AUTH_HELP = "shared auth token (or SPECCTL_AUTH_TOKEN); peers sign a nonce with it, it never crosses the wire"
@@ -19,6 +21,22 @@ SPEC_DEPTH_HELP = ("SESSIONS:DEPTH,...: while a target instance runs that many s
                    "chains and trees are at most that deep (e.g. 4:4,6:2: shorter proposals as the batch grows, as "
                    "SmartSpec); auto: each load's depth, or plain rounds, learnt from the instance's own rounds; "
                    "default: the profile's; '' = the draft's depth at any load")
+
+
+def gateway_url(url: str, flag: str = "--gateway") -> str:
+    """A gateway's base URL: http(s)://HOST[:PORT] (HOST:PORT alone means http://), without a
+    trailing slash; anything else is a one-line error before anything connects."""
+    text = url.strip()
+    if "://" not in text:
+        text = f"http://{text}"
+    parts = urllib.parse.urlsplit(text)
+    try:
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError:
+        port_ok = False
+    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
+        raise ConfigError(f"{flag} must be a gateway's URL, e.g. http://127.0.0.1:8000, got {url!r}")
+    return text.rstrip("/")
 
 
 def checked(config_class, **values):
