@@ -159,3 +159,47 @@ async def test_specpipe_goes_on_from_a_resumed_output_as_the_uninterrupted_targe
                 specpipe_generate, pipeline.staged.decoder, draft.decoder, PROMPT, PENALIZED, TreeShape(3, 2),
                 resumed=tuple(whole[:cut]))
             assert tokens == whole and reason == "length" and stats.new_tokens == len(whole) - cut
+
+
+def test_concurrent_requests_on_a_lost_target_all_go_on_elsewhere_with_their_own_text(tiny_dir):
+    """Six streamed requests spread over two instances; one instance is closed under them:
+    every request ends with its uninterrupted text, whichever instance finished it."""
+    config = build_config(None, target=str(tiny_dir["llama"]), draft=str(tiny_dir["llama-draft"]), mode="chain",
+                          dtype="fp32", max_sessions=8)
+    thread = ClusterThread(config, ClusterConfig(targets=2, gateway_port=0))
+    urls = thread.start()
+    try:
+        url = urls["gateway"] + "/v1/completions"
+        prompts = [f"{TEXT_PROMPT} {word}" for word in ("one", "two", "three", "four", "five", "six")]
+        bodies = [{"prompt": p, "max_tokens": 80, "temperature": 0, "ignore_eos": True} for p in prompts]
+        references = []
+        for body in bodies:
+            code, _, raw = post(url, body)
+            assert code == 200
+            references.append(json.loads(raw)["choices"][0]["text"])
+        for target in thread.cluster.targets:
+            target.config = dataclasses.replace(target.config, verify_delay_s=0.03)
+        before = [target.totals.new_tokens for target in thread.cluster.targets]
+        texts: list = [None] * len(bodies)
+
+        def stream(i: int) -> None:
+            request = urllib.request.Request(url, data=json.dumps({**bodies[i], "stream": True}).encode(),
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=120) as response:
+                chunks = [json.loads(line[6:]) for line in response
+                          if line.startswith(b"data: ") and line.strip() != b"data: [DONE]"]
+            texts[i] = "".join(c["choices"][0]["text"] if "choices" in c else f"<{c['error']['message']}>"
+                               for c in chunks)
+
+        clients = [threading.Thread(target=stream, args=(i,)) for i in range(len(bodies))]
+        for client in clients:
+            client.start()
+        poll_until(lambda: [t.active for t in thread.cluster.targets], lambda active: all(active), timeout=30)
+        lost = _lose_a_serving_target(thread, before)
+        for client in clients:
+            client.join(120)
+        assert texts == references
+        assert thread.cluster.gateway.metrics.resumed_count() >= 1
+        assert not thread.cluster.gateway.upstream.targets[lost].up
+    finally:
+        thread.stop()
