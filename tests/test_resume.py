@@ -203,3 +203,60 @@ def test_concurrent_requests_on_a_lost_target_all_go_on_elsewhere_with_their_own
         assert not thread.cluster.gateway.upstream.targets[lost].up
     finally:
         thread.stop()
+
+
+def _status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status
+    except OSError:
+        return 0
+
+
+@pytest.mark.slow  # processes, and 10 s of silence to wait out (~35 s); the unit case is tests/test_upstream.py
+def test_a_hung_target_process_is_given_up_and_its_stream_goes_on_elsewhere(tiny_dir):
+    """Two target processes and a gateway process; the one streaming a request is stopped
+    (SIGSTOP: its connections stay open, nothing comes): once its polls have gone unanswered
+    for STALLED_AFTER_S the gateway gives it up and the other goes on, the same text; resumed
+    (SIGCONT), the stopped one frees the session it held."""
+    import os
+    import signal
+    import time
+
+    from specctl.bench.processes import free_ports, spawn_role, stop_processes, wait_listening
+    from specctl.verify.client import remote_stats
+
+    ports = free_ports(3)
+    targets = [spawn_role("verify", "--model", str(tiny_dir["llama"]), "--dtype", "fp32", "--port", str(port),
+                          "--verify-delay-ms", "30") for port in ports[:2]]
+    procs = list(targets)
+    try:
+        for proc in targets:
+            wait_listening(proc, "target")
+        procs.append(spawn_role("gateway", *(arg for port in ports[:2] for arg in ("--target", f"127.0.0.1:{port}")),
+                                "--port", str(ports[2])))
+        url = f"http://127.0.0.1:{ports[2]}"
+        poll_until(lambda: _status(url + "/health"), lambda status: status == 200, timeout=60)
+        body = {"prompt": TEXT_PROMPT, "max_tokens": 160, "temperature": 0, "ignore_eos": True}
+        reference = json.loads(post(url + "/v1/completions", body)[2])["choices"][0]["text"]
+        request = urllib.request.Request(url + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            lines = [response.readline()]
+            serving = [asyncio.run(remote_stats("127.0.0.1", port))["sessions"] for port in ports[:2]]
+            hung = targets[serving.index(1)]
+            hung.send_signal(signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            lines += [line for line in response if line.strip()]
+        waited = time.monotonic() - stopped_at
+        chunks = [json.loads(line[6:]) for line in lines if line.startswith(b"data: ") and b"[DONE]" not in line]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == reference
+        assert 10 <= waited < 60  # given up after STALLED_AFTER_S of silence, not at once, not never
+        hung.send_signal(signal.SIGCONT)
+        port = ports[targets.index(hung)]
+        poll_until(lambda: asyncio.run(remote_stats("127.0.0.1", port))["sessions"], lambda n: n == 0, timeout=30)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+        stop_processes(procs)

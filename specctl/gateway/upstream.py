@@ -33,6 +33,9 @@ log = logging.getLogger("specctl.gateway")
 RECENT_PROMPTS = 64  # per instance, for cache-aware routing (a lookup compares the prompt with each)
 RATE_SAMPLES, RATE_WINDOW_S = 64, 10.0  # polls kept; the span a recent throughput is measured over
 ROLE_ANSWER_S = 5.0  # how long a role may take to answer a stats probe or a flush before it counts as down
+# an instance silent this long (its polls unanswered: a hung process or box, a network that drops
+# without a reset) is lost: its streams go on elsewhere rather than wait for it
+STALLED_AFTER_S = 10.0
 LOST = {"disconnected", "unavailable"}  # an instance gone (or its pipeline broken) mid-stream
 RETRYABLE = {"unreachable", "disconnected", "capacity", "unavailable"}  # nothing was generated yet: another instance may take it
 
@@ -48,6 +51,7 @@ class RoleLink:
     inflight: int = 0
     error: str = ""
     seen_at: float = 0.0
+    silent_since: float | None = None  # monotonic start of the first of the polls it has not answered since
     connection: TargetConnection | None = None  # reused by every request to this instance
     connecting: asyncio.Lock = field(default_factory=asyncio.Lock)
     # (cache salt, prompt) of the requests it prefilled lately or is prefilling: what its prefix
@@ -121,12 +125,16 @@ class Upstream:
         self.waiting = WaitingLine(max_waiting, queue_timeout_s, recheck_s=poll_interval_s)
 
     async def _poll(self, link: RoleLink) -> None:
+        asked = time.monotonic()
         try:
             welcome, stats = await asyncio.wait_for(probe(link.host, link.port, self.auth_token, self.ssl),
                                                     ROLE_ANSWER_S)
         except Exception as exc:  # noqa: BLE001 - unreachable, refused or misbehaving: shown as down, never fatal
             self._down(link, str(exc) or type(exc).__name__)
+            link.silent_since = link.silent_since or asked
+            self._drop_if_stalled(link)
             return
+        link.silent_since = None
         link.welcome, link.stats, link.seen_at = welcome, stats, time.time()
         if "tokens" in stats:
             link.generated.append((link.seen_at, stats["tokens"]))
@@ -146,6 +154,19 @@ class Upstream:
         if link.up or not link.error:
             log.warning("%s %s is down: %s", link.role, link.address, error)
         link.up, link.error = False, error
+
+    @staticmethod
+    def _drop_if_stalled(link: RoleLink) -> None:
+        """Close the connection of an instance silent for STALLED_AFTER_S: the generations on it
+        end as lost (gateway.choices goes on with them elsewhere), and the instance, once it
+        answers again, frees their sessions as it finds the connection closed."""
+        silent = time.monotonic() - (link.silent_since or time.monotonic())
+        if link.connection is None or link.connection.closed or silent < STALLED_AFTER_S:
+            return
+        reason = f"target instance {link.address} stopped answering ({link.error}) for {silent:.0f} s mid-stream"
+        log.warning("%s; its generations go on elsewhere", reason)
+        link.connection.close(reason)
+        link.connection = None
 
     def _discover_drafters(self) -> None:
         known = {(d.host, d.port) for d in self.drafters}

@@ -47,6 +47,7 @@ class TargetConnection:
         self.host, self.port, self.role, self.auth_token, self.ssl = host, port, role, auth_token, ssl
         self.welcome: Welcome | None = None
         self.closed = False
+        self.lost_reason: str | None = None  # why the caller closed it under its streams (close's reason)
         self._streams: dict[int, asyncio.Queue] = {}
         self._reqs = itertools.count(1)
         self._writer: asyncio.StreamWriter | None = None
@@ -100,10 +101,12 @@ class TargetConnection:
     def _forget(self, req: int) -> None:
         self._streams.pop(req, None)
 
-    def close(self) -> None:
+    def close(self, reason: str | None = None) -> None:
+        """``reason``: why its streams end (their RemoteError says it; default: the instance
+        closed the connection)."""
         if self.closed:
             return
-        self.closed = True
+        self.closed, self.lost_reason = True, reason
         for queue in self._streams.values():
             queue.put_nowait(None)  # None: the connection is gone
         if self._writer is not None:
@@ -130,7 +133,8 @@ class TargetStream:
         if message is None:
             self.finished = True
             c = self.connection
-            raise RemoteError("disconnected", f"target instance {c.host}:{c.port} closed the connection mid-stream")
+            raise RemoteError("disconnected", c.lost_reason
+                              or f"target instance {c.host}:{c.port} closed the connection mid-stream")
         if isinstance(message, Error):
             self.finished = True
             raise RemoteError(message.code, message.message)
