@@ -66,8 +66,9 @@ def test_an_instance_named_twice_is_refused():
 def test_an_instance_silent_past_the_stall_limit_loses_its_streams_with_why(monkeypatch):
     """A target that stops answering (a hung process or box, a link that drops without a reset)
     keeps its TCP connection: its streams would wait for ever. Once its polls have gone
-    unanswered for STALLED_AFTER_S the gateway closes that connection, and each stream ends as
-    lost (gateway.choices then goes on with it elsewhere), saying why."""
+    unanswered for STALLED_AFTER_S, and another instance is up, the gateway closes that
+    connection, and each stream ends as lost (gateway.choices then goes on with it there),
+    saying why."""
     from specctl.verify.client import RemoteError, TargetConnection, TargetStream
 
     async def probe(host, port, auth_token, ssl):
@@ -75,8 +76,8 @@ def test_an_instance_silent_past_the_stall_limit_loses_its_streams_with_why(monk
 
     async def main():
         monkeypatch.setattr(upstream_module, "probe", probe)
-        upstream = Upstream(["127.0.0.1:1"])
-        link = upstream.targets[0]
+        upstream = Upstream(["127.0.0.1:1", "127.0.0.1:2"])
+        link, other = upstream.targets
         link.up = True
         link.connection = TargetConnection("127.0.0.1", 1, "gateway")  # a stream on it, waiting
         queue = asyncio.Queue()
@@ -85,6 +86,9 @@ def test_an_instance_silent_past_the_stall_limit_loses_its_streams_with_why(monk
         assert not link.up and link.connection is not None and link.silent_since is not None
         link.silent_since -= upstream_module.STALLED_AFTER_S  # as if it had been silent that long
         connection = link.connection
+        await upstream._poll(link)
+        assert link.connection is connection and not connection.closed  # no other instance up: its streams wait
+        other.up = True
         await upstream._poll(link)
         assert link.connection is None and connection.closed
         with pytest.raises(RemoteError, match=r"^target instance 127\.0\.0\.1:1 stopped answering \(TimeoutError\) "

@@ -155,13 +155,14 @@ class Upstream:
             log.warning("%s %s is down: %s", link.role, link.address, error)
         link.up, link.error = False, error
 
-    @staticmethod
-    def _drop_if_stalled(link: RoleLink) -> None:
-        """Close the connection of an instance silent for STALLED_AFTER_S: the generations on it
-        end as lost (gateway.choices goes on with them elsewhere), and the instance, once it
-        answers again, frees their sessions as it finds the connection closed."""
+    def _drop_if_stalled(self, link: RoleLink) -> None:
+        """Close the connection of an instance silent for STALLED_AFTER_S while another is up:
+        the generations on it end as lost (gateway.choices goes on with them there), and the
+        instance, once it answers again, frees their sessions as it finds the connection closed.
+        With no other instance up they wait for it: slow beats failed."""
         silent = time.monotonic() - (link.silent_since or time.monotonic())
-        if link.connection is None or link.connection.closed or silent < STALLED_AFTER_S:
+        if link.connection is None or link.connection.closed or silent < STALLED_AFTER_S \
+                or not any(other.up for other in self.targets if other is not link):
             return
         reason = f"target instance {link.address} stopped answering ({link.error}) for {silent:.0f} s mid-stream"
         log.warning("%s; its generations go on elsewhere", reason)
