@@ -258,6 +258,40 @@ async def test_an_opener_cancelled_as_its_reply_arrives_closes_the_session():
     assert Recorder.frames[1].tag == 77
 
 
+async def test_a_draft_server_that_stops_answering_is_dropped_and_the_client_reconnects(caplog):
+    """A hung draft server keeps its connection open: a proposal past the client's timeout
+    drops the link (every session then decodes autoregressively at once, no session waits the
+    timeout out again) and the client reconnects; a caller's shorter deadline (a fused round's)
+    drops nothing."""
+    from specctl.net.handshake import server_handshake
+    from specctl.net.protocol import Propose
+
+    async def silent(reader, writer):  # shakes hands, then reads and never answers
+        await server_handshake(reader, writer, role="draft", model="m", fingerprint="f", max_sessions=4,
+                               auth_token=None, accept_roles={"target": True})
+        while await reader.read(1 << 16):
+            pass
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    client = DraftClient("127.0.0.1", server.sockets[0].getsockname()[1], model="m", fingerprint="f", timeout_s=0.3)
+    running = asyncio.create_task(client.run())
+    try:
+        await wait_until(lambda: client.epoch == 1 and client.connected.is_set(), what="connected")
+        assert await client._request(("tag", 5), Propose(5, [], [1]), timeout_s=0.1) is None  # a fused deadline
+        assert client.epoch == 1 and client._writer is not None
+        assert await client._request(("tag", 6), Propose(6, [], [1])) is None  # the client's own timeout
+        assert client._writer is None  # at once: the next request does not wait
+        assert await asyncio.wait_for(client._request(("tag", 7), Propose(7, [], [1])), 0.05) is None
+        await wait_until(lambda: client.epoch == 2 and client.connected.is_set(), what="reconnected")
+        assert "the draft server at 127.0.0.1:%d gave no answer within 0.3 s; dropping the link" % client.port \
+            in caplog.text
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        server.close()
+
+
 async def _raw_target_connection(port, fingerprint, auth=None):
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     await client_handshake(reader, writer, role="target", fingerprint=fingerprint, auth_token=auth)

@@ -77,6 +77,15 @@ class DraftClient:
             backoff = min(backoff * 2, 5.0)
             self.reconnects += 1
 
+    def _give_up(self, why: str) -> None:
+        """A server that stops answering (a hung process or box) keeps its connection open, and
+        every session would wait out the timeout again at each round: close it, so sessions
+        decode autoregressively at once (no writer: every request None) while ``run`` reconnects."""
+        if self._writer is not None:
+            log.warning("the draft server at %s:%d gave %s; dropping the link", self.host, self.port, why)
+            self._writer.close()  # the read loop ends; run() drops the link and reconnects
+            self._writer = None  # meanwhile every request is None at once
+
     def _drop_link(self) -> None:
         self.connected.clear()
         if self._writer is not None:
@@ -115,7 +124,11 @@ class DraftClient:
         try:
             self._writer.write(encode(message))
             reply = await asyncio.wait_for(future, timeout_s or self.timeout_s)
-        except (ConnectionError, asyncio.TimeoutError):
+        except ConnectionError:
+            return None
+        except asyncio.TimeoutError:
+            if (timeout_s or self.timeout_s) >= self.timeout_s:  # not a caller's shorter deadline (fused rounds)
+                self._give_up(f"no answer within {timeout_s or self.timeout_s:g} s")
             return None
         finally:
             self._pending.pop(key, None)
