@@ -454,6 +454,50 @@ async def test_a_session_checking_the_link_while_it_closes_reads_why_it_broke():
         runner.cancel()
 
 
+async def test_a_chain_that_leaves_a_forward_unanswered_is_dropped_and_rebuilt(monkeypatch, caplog):
+    """A hung stage keeps the chain's connections open: past FORWARD_TIMEOUT_S the session ends
+    (StageUnavailable) and the chain is dropped, so later sessions do not each wait as long; it
+    is rebuilt once the stages answer."""
+    from specctl.pipeline import decoder as decoder_module
+    from specctl.pipeline.decoder import PipelineClient
+
+    monkeypatch.setattr(decoder_module, "FORWARD_TIMEOUT_S", 0.2)
+    links = []
+
+    class SilentLink:  # takes every frame, answers none
+        address = "127.0.0.1:1"
+
+        def __init__(self, on_reply):
+            self.closed, self.error, self.posted = asyncio.Event(), None, []
+            links.append(self)
+
+        async def connect(self):
+            pass
+
+        def post(self, message):
+            self.posted.append(message)
+
+        def _shut(self):
+            self.closed.set()
+
+        async def close(self):
+            self._shut()
+
+    client = PipelineClient(SilentLink)
+    first = asyncio.get_running_loop().create_future()
+    runner = asyncio.create_task(client.run(first))
+    try:
+        assert await first
+        with pytest.raises(StageUnavailable, match=r"^the pipeline did not answer within 0s$"):
+            await asyncio.to_thread(client.forward, client.epoch, lambda fid: ("forward", fid))
+        assert links[0].posted == [("forward", 1)]
+        await wait_until(lambda: client.epoch == 2 and client.connected.is_set(), what="the chain rebuilt")
+        assert links[0].closed.is_set() and links[0].error == "no answer within 0 s"
+        assert "the pipeline at 127.0.0.1:1 left a forward unanswered for 0 s; dropping the chain" in caplog.text
+    finally:
+        runner.cancel()
+
+
 @pytest.mark.parametrize("arch", ["gemma3", "qwen3_moe"])
 async def test_a_split_target_of_another_family_outputs_exactly_the_whole_target(tiny_dir, arch):
     """Per-layer facts travel with the stage's layer range: Gemma 3's windows (passed by these

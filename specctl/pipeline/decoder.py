@@ -136,7 +136,22 @@ class PipelineClient:
 
     def forward(self, epoch: int, make: Callable[[int], StageForward]) -> torch.Tensor:
         """From the compute thread: send a micro-batch down the chain, wait for its logits."""
-        return wait_output(self.submit(epoch, make))
+        return wait_output(self.submit(epoch, make), self)
+
+    def stalled(self) -> None:
+        """From any thread: a forward went unanswered for FORWARD_TIMEOUT_S. A hung stage keeps
+        the chain's connections open, so every session after would wait as long: the link is
+        dropped (its sessions end, ``run`` rebuilds the chain once the stages answer)."""
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._drop_stalled)
+
+    def _drop_stalled(self) -> None:
+        link = self.link
+        if link is not None and not link.closed.is_set():
+            log.warning("the pipeline at %s left a forward unanswered for %.0f s; dropping the chain", link.address,
+                        FORWARD_TIMEOUT_S)
+            link.error = f"no answer within {FORWARD_TIMEOUT_S:.0f} s"
+            link._shut()
 
     def _send_forward(self, epoch: int, make: Callable[[int], StageForward], future) -> None:
         try:
@@ -150,10 +165,14 @@ class PipelineClient:
         self.link.post(make(fid))
 
 
-def wait_output(future: concurrent.futures.Future) -> torch.Tensor:
+def wait_output(future: concurrent.futures.Future, client: PipelineClient | None = None) -> torch.Tensor:
+    """The micro-batch's output; past FORWARD_TIMEOUT_S the session ends (StageUnavailable) and
+    ``client``'s chain is dropped as hung."""
     try:
         return future.result(FORWARD_TIMEOUT_S).to_torch()
     except concurrent.futures.TimeoutError:
+        if client is not None:
+            client.stalled()
         raise StageUnavailable(f"the pipeline did not answer within {FORWARD_TIMEOUT_S:.0f}s") from None
 
 
@@ -220,7 +239,7 @@ class PipelineDecoder:
     def forward_many(self, inputs: list[torch.Tensor], positions: list[torch.Tensor], caches: list[PipelineCache],
                      masks: list[torch.Tensor | None], logits_at: list[torch.Tensor]) -> list[torch.Tensor]:
         future = self.send_many(inputs, positions, caches, masks, logits_at)
-        return list(wait_output(future).float().split([a.numel() for a in logits_at]))
+        return list(wait_output(future, self.client).float().split([a.numel() for a in logits_at]))
 
     def send_many(self, inputs: list[torch.Tensor], positions: list[torch.Tensor], caches: list[PipelineCache],
                   masks: list[torch.Tensor | None], logits_at: list[torch.Tensor]) -> concurrent.futures.Future:
