@@ -5,6 +5,7 @@ rules, a grammar and a thinking budget counting the resumed output as output —
 resumed tokens are never sent again."""
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import threading
@@ -76,6 +77,27 @@ def test_a_resumed_output_that_leaves_nothing_to_generate_is_refused(tiny):
         generate(tiny["llama"], PROMPT, PLAIN, resumed=tuple(range(32)))
 
 
+@contextlib.contextmanager
+def two_targets(tiny_dir, max_sessions: int):
+    """(thread, urls) of two target instances, a chain draft server and a gateway in this process."""
+    config = build_config(None, target=str(tiny_dir["llama"]), draft=str(tiny_dir["llama-draft"]), mode="chain",
+                          dtype="fp32", max_sessions=max_sessions)
+    thread = ClusterThread(config, ClusterConfig(targets=2, gateway_port=0))
+    urls = thread.start()
+    try:
+        yield thread, urls
+    finally:
+        thread.stop()
+
+
+def slowed(thread: ClusterThread) -> list[int]:
+    """Rounds as a slow device takes them from now, so that a loss comes mid-stream; each
+    target's tokens so far."""
+    for target in thread.cluster.targets:
+        target.config = dataclasses.replace(target.config, verify_delay_s=0.03)
+    return [target.totals.new_tokens for target in thread.cluster.targets]
+
+
 def _lose_a_serving_target(thread: ClusterThread, before: list[int]) -> int:
     """Close a target instance that is streaming tokens (more than ``before``, its tokens
     before the request); its index."""
@@ -91,19 +113,13 @@ def test_a_target_lost_mid_generation_is_taken_over_by_another_with_the_same_out
     """Two target instances behind the gateway and a draft server; the one streaming a
     request's two choices is closed mid-stream: the other goes on from their output so far, and
     the client gets the same text as from an uninterrupted generation, each token once."""
-    config = build_config(None, target=str(tiny_dir["llama"]), draft=str(tiny_dir["llama-draft"]), mode="chain",
-                          dtype="fp32", max_sessions=4)
-    thread = ClusterThread(config, ClusterConfig(targets=2, gateway_port=0))
-    urls = thread.start()
-    try:
+    with two_targets(tiny_dir, 4) as (thread, urls):
         url = urls["gateway"] + "/v1/completions"
         body = {"prompt": TEXT_PROMPT, "max_tokens": 120, "temperature": 0, "ignore_eos": True}
         code, _, raw = post(url, body)
         assert code == 200
         reference = json.loads(raw)["choices"][0]["text"]
-        for target in thread.cluster.targets:  # rounds a slow device takes: the loss comes mid-stream
-            target.config = dataclasses.replace(target.config, verify_delay_s=0.03)
-        before = [target.totals.new_tokens for target in thread.cluster.targets]
+        before = slowed(thread)
         request = urllib.request.Request(url, data=json.dumps({**body, "n": 2, "stream": stream}).encode(),
                                          headers={"Content-Type": "application/json"})
         if stream:
@@ -137,8 +153,6 @@ def test_a_target_lost_mid_generation_is_taken_over_by_another_with_the_same_out
         assert samples["specctl:resumed_generations_total"] in (1, 2)  # the lost instance's choices
         with urllib.request.urlopen(urls["gateway"] + "/v1/stats", timeout=10) as response:
             assert json.load(response)["gateway"]["resumed_generations"] == samples["specctl:resumed_generations_total"]
-    finally:
-        thread.stop()
 
 
 @pytest.mark.parametrize("stages", [2, 3])
@@ -164,11 +178,7 @@ async def test_specpipe_goes_on_from_a_resumed_output_as_the_uninterrupted_targe
 def test_concurrent_requests_on_a_lost_target_all_go_on_elsewhere_with_their_own_text(tiny_dir):
     """Six streamed requests spread over two instances; one instance is closed under them:
     every request ends with its uninterrupted text, whichever instance finished it."""
-    config = build_config(None, target=str(tiny_dir["llama"]), draft=str(tiny_dir["llama-draft"]), mode="chain",
-                          dtype="fp32", max_sessions=8)
-    thread = ClusterThread(config, ClusterConfig(targets=2, gateway_port=0))
-    urls = thread.start()
-    try:
+    with two_targets(tiny_dir, 8) as (thread, urls):
         url = urls["gateway"] + "/v1/completions"
         prompts = [f"{TEXT_PROMPT} {word}" for word in ("one", "two", "three", "four", "five", "six")]
         bodies = [{"prompt": p, "max_tokens": 80, "temperature": 0, "ignore_eos": True} for p in prompts]
@@ -177,9 +187,7 @@ def test_concurrent_requests_on_a_lost_target_all_go_on_elsewhere_with_their_own
             code, _, raw = post(url, body)
             assert code == 200
             references.append(json.loads(raw)["choices"][0]["text"])
-        for target in thread.cluster.targets:
-            target.config = dataclasses.replace(target.config, verify_delay_s=0.03)
-        before = [target.totals.new_tokens for target in thread.cluster.targets]
+        before = slowed(thread)
         texts: list = [None] * len(bodies)
 
         def stream(i: int) -> None:
@@ -201,8 +209,6 @@ def test_concurrent_requests_on_a_lost_target_all_go_on_elsewhere_with_their_own
         assert texts == references
         assert thread.cluster.gateway.metrics.resumed_count() >= 1
         assert not thread.cluster.gateway.upstream.targets[lost].up
-    finally:
-        thread.stop()
 
 
 def _status(url: str) -> int:
