@@ -266,3 +266,49 @@ def test_a_hung_target_process_is_given_up_and_its_stream_goes_on_elsewhere(tiny
             if proc.poll() is None:
                 os.kill(proc.pid, signal.SIGCONT)
         stop_processes(procs)
+
+
+class _ScriptedUpstream:
+    """Instances that each send what their script says: TOKENS, DONE, or a loss (RemoteError)."""
+
+    def __init__(self, *scripts):
+        self.targets, self.scripts, self.resumed = [object(), object()], list(scripts), []
+
+    @contextlib.asynccontextmanager
+    async def stream(self, prompt, params, priority, name, resumed=()):
+        self.resumed.append(resumed)
+        events = iter(self.scripts.pop(0))
+
+        class Stream:
+            async def next(self):
+                event = next(events)
+                if isinstance(event, Exception):
+                    raise event
+                return event
+
+        stream = Stream()
+        yield stream, await stream.next()
+
+
+@pytest.mark.parametrize("max_tokens", [3, 5])
+async def test_a_choice_goes_on_from_its_tokens_and_one_whose_done_alone_was_lost_ends_by_length(max_tokens):
+    from specctl.engine.tiny import make_byte_tokenizer
+    from specctl.gateway.choices import Choices, ChoiceSpec
+    from specctl.gateway.metrics import GatewayMetrics
+    from specctl.net.protocol import Done, Tokens
+    from specctl.verify.client import RemoteError
+
+    lost = RemoteError("disconnected", "target instance a:1 closed the connection mid-stream")
+    upstream = _ScriptedUpstream([Tokens(1, [104, 105]), Tokens(1, [33]), lost],
+                                 [Tokens(2, [33, 33]), Done(2, "length", {"rounds": 1})])
+    spec = ChoiceSpec(0, [1, 2], SamplingParams(max_tokens=max_tokens))
+    tokenizer = make_byte_tokenizer()
+    async with Choices(upstream, GatewayMetrics(), tokenizer, [spec], []) as choices:
+        events = [event async for _, event in choices.events()]
+    text = "".join(event.delta for event in events)
+    if max_tokens == 3:  # all three came before the loss: nothing to go on with
+        assert upstream.resumed == [()] and text == tokenizer.decode([104, 105, 33])
+        assert events[-1].finish == "length" and events[-1].count == 3 and events[-1].stats == {}
+    else:
+        assert upstream.resumed == [(), (104, 105, 33)] and text == tokenizer.decode([104, 105, 33, 33, 33])
+        assert events[-1].finish == "length" and events[-1].count == 5 and events[-1].stats == {"rounds": 1}
