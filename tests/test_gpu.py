@@ -159,6 +159,20 @@ def test_a_restored_prefix_on_cuda_graphs_keeps_the_target_alone_output(tiny_dir
 
 
 @pytest.mark.parametrize("mode", ["ar", "chain", "tree"])
+def test_a_resumed_generation_on_cuda_graphs_goes_on_as_the_uninterrupted_one(cuda_pair, mode):
+    """A generation taken over from another instance (DecodeSession's ``resumed``): its output
+    so far prefilled after the prompt into a CUDA-graph cache, the rules' device state advanced
+    through it; fp32 output equal to the uninterrupted run's."""
+    target, draft = cuda_pair
+    drafter = {"ar": None, **_drafters(draft)}[mode]
+    params = SamplingParams(max_tokens=32, ignore_eos=True, presence_penalty=0.5, repetition_penalty=1.3)
+    whole = generate(target, PROMPTS[1], params)[0]
+    for cut in (1, 13):
+        output, stats, _ = generate(target, PROMPTS[1], params, drafter, resumed=tuple(whole[:cut]))
+        assert output == whole and stats.new_tokens == len(whole) - cut
+
+
+@pytest.mark.parametrize("mode", ["ar", "chain", "tree"])
 def test_a_chunked_prefill_on_cuda_graphs_keeps_the_whole_prefill_s_output(cuda_pair, mode):
     """Chunked prefill on CUDA (spec.decode.prefill_step): a 70-token prompt prefilled 16 tokens
     a job into a cache whose steps are CUDA graphs; fp32 output equal to a whole prefill's (AR)."""
