@@ -16,8 +16,8 @@ from specctl.runtime.tls import client_context, server_context
 from specctl.verify.client import RemoteError, remote_stats
 from tests.conftest import run_here, self_signed_cert
 
-NO_HANDSHAKE = ("no handshake from the server within 0.2 s: is it a specctl role, and does it serve TLS "
-                "(then pass --tls-ca CA)?")
+NO_HANDSHAKE = ("no handshake from the server within 0.2 s: is it a specctl role, running (not stopped or swamped), "
+                "and does it serve TLS (then pass --tls-ca CA)?")
 
 
 async def _server(ssl=None, challenge: bool = False):

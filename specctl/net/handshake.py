@@ -38,7 +38,8 @@ async def _handshake_message(reader: asyncio.StreamReader, what: str):
         return await asyncio.wait_for(read_message(reader, max_bytes=64 << 10), HANDSHAKE_TIMEOUT_S)
     except TimeoutError:
         raise HandshakeTimeout(f"no {what} from the server within {HANDSHAKE_TIMEOUT_S:g} s: is it a specctl role, "
-                               "and does it serve TLS (then pass --tls-ca CA)?") from None
+                               "running (not stopped or swamped), and does it serve TLS (then pass --tls-ca CA)?"
+                               ) from None
 
 
 async def server_handshake(
