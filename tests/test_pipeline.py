@@ -477,11 +477,12 @@ async def test_a_chain_that_leaves_a_forward_unanswered_is_dropped_and_rebuilt(m
         def post(self, message):
             self.posted.append(message)
 
-        def _shut(self):
+        def give_up(self, error):
+            self.error = error
             self.closed.set()
 
         async def close(self):
-            self._shut()
+            self.closed.set()
 
     client = PipelineClient(SilentLink)
     first = asyncio.get_running_loop().create_future()

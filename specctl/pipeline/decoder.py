@@ -150,8 +150,7 @@ class PipelineClient:
         if link is not None and not link.closed.is_set():
             log.warning("the pipeline at %s left a forward unanswered for %.0f s; dropping the chain", link.address,
                         FORWARD_TIMEOUT_S)
-            link.error = f"no answer within {FORWARD_TIMEOUT_S:.0f} s"
-            link._shut()
+            link.give_up(f"no answer within {FORWARD_TIMEOUT_S:.0f} s")
 
     def _send_forward(self, epoch: int, make: Callable[[int], StageForward], future) -> None:
         try:

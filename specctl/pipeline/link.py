@@ -63,6 +63,11 @@ class StageLink:
         finally:
             self._shut()
 
+    def give_up(self, error: str) -> None:
+        """Close it from this side (a peer that stopped answering), ``error`` saying why."""
+        self.error = error
+        self._shut()
+
     def _shut(self) -> None:
         if self._writer is not None:
             self._writer.close()
