@@ -261,8 +261,8 @@ async def test_an_opener_cancelled_as_its_reply_arrives_closes_the_session():
 async def test_a_draft_server_that_stops_answering_is_dropped_and_the_client_reconnects(caplog):
     """A hung draft server keeps its connection open: a proposal past the client's timeout
     drops the link (every session then decodes autoregressively at once, no session waits the
-    timeout out again) and the client reconnects; a caller's shorter deadline (a fused round's)
-    drops nothing."""
+    timeout out again) and the client reconnects; a caller's own deadline (a fused round's shorter
+    one, a first proposal's longer one) drops nothing."""
     from specctl.net.handshake import server_handshake
     from specctl.net.protocol import Propose
 
@@ -279,6 +279,8 @@ async def test_a_draft_server_that_stops_answering_is_dropped_and_the_client_rec
     try:
         await wait_until(lambda: client.epoch == 1 and client.connected.is_set(), what="connected")
         assert await client._request(("tag", 5), Propose(5, [], [1]), timeout_s=0.1) is None  # a fused deadline
+        # a first proposal's longer deadline (its prompt's prefill may queue behind other sessions')
+        assert await client._request(("tag", 4), Propose(4, [], [1]), timeout_s=0.5) is None
         assert client.epoch == 1 and client._writer is not None
         assert await client._request(("tag", 6), Propose(6, [], [1])) is None  # the client's own timeout
         assert client._writer is None  # at once: the next request does not wait
