@@ -200,7 +200,7 @@ def test_stop_regex_ends_the_text_with_its_first_match_on_generate_and_the_opena
 
 
 def test_recent_rate_is_the_tokens_a_second_over_the_last_polls():
-    from specctl.gateway.upstream import recent_rate
+    from specctl.gateway.role_stats import recent_rate
 
     samples = [(0.0, 0), (5.0, 100), (10.0, 300), (12.0, 340)]
     assert recent_rate(samples, now=12.0) == (340 - 100) / (12.0 - 5.0)  # the poll at 0 s is out of the 10 s

@@ -7,7 +7,8 @@ import pytest
 
 from specctl.gateway import upstream as upstream_module
 from specctl.errors import ConfigError
-from specctl.gateway.upstream import Upstream, draft_servers
+from specctl.gateway.role_stats import draft_servers
+from specctl.gateway.upstream import Upstream
 from specctl.net.protocol import Welcome
 
 

@@ -20,7 +20,7 @@ from specctl.gateway.api import (
     parse_body,
 )
 from specctl.gateway.translate import chat_messages, chat_template_options
-from specctl.gateway.upstream import recent_rate
+from specctl.gateway.role_stats import recent_rate
 
 if TYPE_CHECKING:
     from specctl.gateway.server import Gateway

@@ -12,7 +12,7 @@ import ssl as ssl_module
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator
 
 import numpy as np
 
@@ -21,6 +21,7 @@ from specctl.config import repeated
 from specctl.errors import ConfigError
 from specctl.gateway.api import ApiError
 from specctl.gateway.metrics import GatewayMetrics
+from specctl.gateway.role_stats import draft_servers
 from specctl.gateway.routing import TargetView, pick_target
 from specctl.gateway.waiting import Ticket, WaitingLine
 from specctl.net.protocol import Welcome
@@ -31,7 +32,7 @@ from specctl.verify.client import RemoteError, TargetConnection, TargetStream, f
 log = logging.getLogger("specctl.gateway")
 
 RECENT_PROMPTS = 64  # per instance, for cache-aware routing (a lookup compares the prompt with each)
-RATE_SAMPLES, RATE_WINDOW_S = 64, 10.0  # polls kept; the span a recent throughput is measured over
+RATE_SAMPLES = 64  # polls kept (gateway.role_stats.recent_rate measures over them)
 ROLE_ANSWER_S = 5.0  # how long a role may take to answer a stats probe or a flush before it counts as down
 # an instance silent this long (its polls unanswered: a hung process or box, a network that drops
 # without a reset) is lost: its streams go on elsewhere rather than wait for it
@@ -73,32 +74,6 @@ class RoleLink:
     def snapshot(self) -> dict:
         return {"role": self.role, "address": self.address, "up": self.up, "error": self.error,
                 "seen_at": self.seen_at or None, "stats": self.stats}
-
-
-def recent_rate(samples: Sequence[tuple[float, float]], now: float,
-                window_s: float = RATE_WINDOW_S) -> float:
-    """Tokens a second over the last ``window_s`` seconds of (time, tokens so far) samples, oldest
-    first: from the oldest sample in the window to the newest (0.0 with fewer than two, or when
-    a restarted instance's count went back)."""
-    recent = [(t, n) for t, n in samples if now - t <= window_s]
-    if len(recent) < 2 or recent[-1][0] <= recent[0][0] or recent[-1][1] < recent[0][1]:
-        return 0.0
-    return (recent[-1][1] - recent[0][1]) / (recent[-1][0] - recent[0][0])
-
-
-def draft_servers(stats: dict) -> list[str]:
-    """The draft servers a target instance's stats name: its one draft, or those of its
-    several drafters (``verify --draft A --draft B --draft ngram``: the local lookups are not servers)."""
-    named = [stats.get("draft_address"), *stats.get("drafters", {})]
-    return [name for name in named if name and _is_hostport(name)]
-
-
-def _is_hostport(name: str) -> bool:
-    try:
-        parse_hostport(name)
-    except ConfigError:
-        return False
-    return True
 
 
 def _forget(prompts: collections.deque, tokens: np.ndarray) -> None:
