@@ -12,7 +12,7 @@ from specctl.engine.parts import decoder_part
 from specctl.errors import ConfigError, StageUnavailable
 from specctl.net.framing import read_message
 from specctl.net.handshake import client_handshake
-from specctl.net.protocol import (Error, ProtocolError, StageDrop, StageForward, StageKeep, StageOpen, StageOutput, Tensor,
+from specctl.net.protocol import (StatsRequest, Error, ProtocolError, StageDrop, StageForward, StageKeep, StageOpen, StageOutput, Tensor,
                                    decode, encode)
 from specctl.pipeline.local import LocalPipeline
 from specctl.pipeline.split import balanced_split, parse_layers, plan_stage
@@ -434,6 +434,9 @@ async def test_a_session_checking_the_link_while_it_closes_reads_why_it_broke():
         async def connect(self):
             pass
 
+        def post(self, message):
+            pass
+
         async def close(self):
             closing.set()
             await release.wait()
@@ -452,6 +455,42 @@ async def test_a_session_checking_the_link_while_it_closes_reads_why_it_broke():
     finally:
         release.set()
         runner.cancel()
+
+
+async def test_a_chain_whose_last_stage_stops_answering_is_dropped_and_a_long_forward_is_not(models, monkeypatch,
+                                                                                              caplog):
+    """A stopped stage keeps its connections open. Every stage answers the heartbeat's stats
+    request on its event loop, beside the compute: a chain whose stage 3 reads nothing more
+    (its upstream connection paused, as a SIGSTOPped process) is dropped after
+    STAGE_SILENCE_S, naming stage 3, its session ends, and the chain rebuilt serves the exact
+    output; forwards far longer than the silence (emulated device time) are no hang."""
+    from specctl.pipeline import decoder as decoder_module
+
+    monkeypatch.setattr(decoder_module, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(decoder_module, "STAGE_SILENCE_S", 0.4)
+    monkeypatch.setattr(decoder_module, "FORWARD_TIMEOUT_S", 20.0)  # the old bound, out of this test's way
+    target, _ = models
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    reference = generate(target.decoder, PROMPTS[1], params)[0]
+    async with LocalPipeline(target, 3, delay_s=1.0) as pipeline:  # each forward: 1 s > the silence
+        staged = pipeline.staged
+        short = SamplingParams(max_tokens=2, ignore_eos=True)
+        assert (await asyncio.to_thread(generate, staged.decoder, PROMPTS[1], short))[0] == reference[:2]
+        assert pipeline.client.reconnects == 0
+        staged.decoder.delay_s = 0.0
+        for server in pipeline.servers:
+            server.config.delay_s = 0.0
+        last = pipeline.servers[-1]
+        for writer in list(last._live._tasks.values()):  # stage 3 stops reading: nothing more comes
+            writer.transport.pause_reading()
+        with pytest.raises(StageUnavailable, match=r"^the pipeline chain broke \(stage 3 has not answered for 0\.4 s: "
+                                                   r"stopped or hung\): the session cannot go on; retry$"):
+            await asyncio.to_thread(generate, staged.decoder, PROMPTS[1], params)
+        assert "pipeline stage 3 has not answered for 0.4 s: dropping the chain" in caplog.text
+        await wait_until(lambda: pipeline.client.connected.is_set() and pipeline.client.reconnects == 1,
+                         what="the chain rebuilt")
+        assert (await asyncio.to_thread(generate, staged.decoder, PROMPTS[1], params))[0] == reference
+        await wait_until(lambda: pipeline.servers[0].pool.sessions == 0, what="stage 2 freed the dropped chain")
 
 
 async def test_a_chain_that_leaves_a_forward_unanswered_is_dropped_and_rebuilt(monkeypatch, caplog):
@@ -491,7 +530,7 @@ async def test_a_chain_that_leaves_a_forward_unanswered_is_dropped_and_rebuilt(m
         assert await first
         with pytest.raises(StageUnavailable, match=r"^the pipeline did not answer within 0s$"):
             await asyncio.to_thread(client.forward, client.epoch, lambda fid: ("forward", fid))
-        assert links[0].posted == [("forward", 1)]
+        assert [message for message in links[0].posted if message != StatsRequest()] == [("forward", 1)]
         await wait_until(lambda: client.epoch == 2 and client.connected.is_set(), what="the chain rebuilt")
         assert links[0].closed.is_set() and links[0].error == "no answer within 0 s"
         assert "the pipeline at 127.0.0.1:1 left a forward unanswered for 0 s; dropping the chain" in caplog.text

@@ -30,6 +30,11 @@ from specctl.runtime.emulation import sleep_rest
 
 log = logging.getLogger("specctl.pipeline")
 FORWARD_TIMEOUT_S = 600.0  # a stage that neither answers nor drops the link (a long prompt on a slow box)
+# Every stage answers a StatsRequest on its event loop, beside its compute: a chain whose last
+# stage says nothing (no stats, no output) for STAGE_SILENCE_S is hung (a stopped process keeps
+# its connections open), however long a forward takes; asked every HEARTBEAT_S.
+HEARTBEAT_S = 2.0
+STAGE_SILENCE_S = 30.0
 
 
 class PipelineClient:
@@ -45,6 +50,8 @@ class PipelineClient:
         self.reconnects = 0
         self.stage_stats: dict[str, dict] = {}  # "i/n" -> that stage's latest stats
         self.most_in_flight = 0  # the most micro-batches ever in the chain at once
+        self._silent_since: float | None = None  # asked the chain since then, and the last stage said nothing
+        self._heard: dict[int, float] = {}  # stage index -> when its stats last came (this chain)
         self._pending: dict[int, concurrent.futures.Future] = {}
         self._fids = itertools.count(1)
 
@@ -72,9 +79,11 @@ class PipelineClient:
             self.connected.set()
             if first_connected is not None and not first_connected.done():
                 first_connected.set_result(True)
+            heartbeat = asyncio.create_task(self._heartbeat(link))
             try:
                 await link.closed.wait()
             finally:
+                heartbeat.cancel()
                 # The reason first: a session checking the link while it closes below must read
                 # why (it once read "not connected yet" in that window).
                 self.last_error = link.error or "closed"
@@ -90,10 +99,33 @@ class PipelineClient:
             self.link.post(StatsRequest())
         return [self.stage_stats[key] for key in sorted(self.stage_stats, key=lambda k: int(k.split("/")[0]))]
 
+    async def _heartbeat(self, link: StageLink) -> None:
+        """Ask every stage for its stats each HEARTBEAT_S; give the chain up once its last stage
+        has been silent for STAGE_SILENCE_S, naming the first stage that stopped answering."""
+        self._silent_since, self._heard = None, {}
+        while not link.closed.is_set():
+            now = time.monotonic()
+            if self._silent_since is None:
+                self._silent_since = now
+            elif now - self._silent_since > STAGE_SILENCE_S:
+                quiet = next(i for i in itertools.count(2) if self._heard.get(i, 0.0) < self._silent_since)
+                log.warning("pipeline stage %d has not answered for %g s: dropping the chain", quiet, STAGE_SILENCE_S)
+                link.give_up(f"stage {quiet} has not answered for {STAGE_SILENCE_S:g} s: stopped or hung")
+                return
+            link.post(StatsRequest())
+            await asyncio.sleep(HEARTBEAT_S)
+
     def _on_reply(self, message: Message) -> None:
         if isinstance(message, Stats):
-            self.stage_stats[str(message.stats.get("stage"))] = message.stats
+            key = str(message.stats.get("stage"))
+            self.stage_stats[key] = message.stats
+            index, _, count = key.partition("/")
+            if index.isdigit():
+                self._heard[int(index)] = time.monotonic()
+                if index == count:  # the last stage answered: every link between is alive
+                    self._silent_since = None
         elif isinstance(message, StageOutput):
+            self._silent_since = None  # outputs come from the last stage
             future = self._pending.pop(message.fid, None)
             if future is not None:
                 future.set_result(message.logits)
