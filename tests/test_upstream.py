@@ -57,6 +57,23 @@ def test_a_pipelined_target_whose_chain_is_broken_is_down_until_it_is_whole(monk
     assert link.up
 
 
+def test_a_target_of_another_vocabulary_is_down_and_said_once(monkeypatch, caplog):
+    """An instance started with another model would detokenize wrong: it never serves, and the
+    log says so once (it used to be marked down without a word)."""
+    async def probe(host, port, auth_token, ssl):
+        return Welcome(5, "target", "other-model", "other-fingerprint", 4), {}
+
+    monkeypatch.setattr(upstream_module, "probe", probe)
+    upstream = Upstream(["127.0.0.1:1"], fingerprint="gateway-fingerprint")
+    link = upstream.targets[0]
+    asyncio.run(upstream._poll(link))
+    asyncio.run(upstream._poll(link))
+    why = ("it serves other-model, whose vocabulary differs from the gateway's tokenizer: every --target must serve "
+           "the model the gateway was started for")
+    assert not link.up and link.error == why
+    assert [r.getMessage() for r in caplog.records] == [f"target 127.0.0.1:1 is down: {why}"]
+
+
 def test_an_instance_named_twice_is_refused():
     with pytest.raises(ConfigError, match=r"^--target names 127\.0\.0\.1:1 twice: each instance once$"):
         Upstream(["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:01"])

@@ -114,7 +114,8 @@ class Upstream:
         if "tokens" in stats:
             link.generated.append((link.seen_at, stats["tokens"]))
         if link.role == "target" and self.fingerprint and welcome.fingerprint != self.fingerprint:
-            link.up, link.error = False, f"vocabulary differs from the gateway's tokenizer ({welcome.model})"
+            self._down(link, f"it serves {welcome.model}, whose vocabulary differs from the gateway's tokenizer: "
+                             "every --target must serve the model the gateway was started for")
             return
         if stats.get("pipeline_connected") is False:  # stage 1 answers, but its chain is broken: it would refuse
             self._down(link, f"its pipeline is down ({stats.get('pipeline_error') or 'reconnecting'})")
