@@ -132,6 +132,11 @@ def test_a_target_lost_mid_generation_is_taken_over_by_another_with_the_same_out
             chunks = [json.loads(d) for d in data[:-1]]
             assert all("error" not in c for c in chunks)
             texts = ["".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i) for i in (0, 1)]
+            # each choice's last chunk: its stats, saying whether (and from where) it was resumed
+            summaries = [c["specctl"] for c in chunks if "specctl" in c]
+            assert len(summaries) == 2
+            resumes = sum(summary.get("resumes", 0) for summary in summaries)
+            assert all(0 < summary["resumed_tokens"] < 120 for summary in summaries if "resumes" in summary)
         else:
             answer = {}
             waiting = threading.Thread(target=lambda: answer.update(zip(("code", "raw"), post(url, request.data)[::2])))
@@ -142,6 +147,7 @@ def test_a_target_lost_mid_generation_is_taken_over_by_another_with_the_same_out
             choices = sorted(json.loads(answer["raw"])["choices"], key=lambda c: c["index"])
             texts = [c["text"] for c in choices]
             usage = json.loads(answer["raw"])["usage"]
+            resumes = json.loads(answer["raw"])["specctl"]["resumes"]
             assert usage["completion_tokens"] == 240
             # the other instance's prefix cache held the reference's prompt and output: of the prompt's only
             assert usage["prompt_tokens_details"]["cached_tokens"] <= usage["prompt_tokens"]
@@ -151,6 +157,7 @@ def test_a_target_lost_mid_generation_is_taken_over_by_another_with_the_same_out
             samples = {s.name: s.value for family in text_string_to_metric_families(response.read().decode())
                        for s in family.samples}
         assert samples["specctl:resumed_generations_total"] in (1, 2)  # the lost instance's choices
+        assert resumes == samples["specctl:resumed_generations_total"]
         with urllib.request.urlopen(urls["gateway"] + "/v1/stats", timeout=10) as response:
             assert json.load(response)["gateway"]["resumed_generations"] == samples["specctl:resumed_generations_total"]
 
@@ -311,4 +318,5 @@ async def test_a_choice_goes_on_from_its_tokens_and_one_whose_done_alone_was_los
         assert events[-1].finish == "length" and events[-1].count == 3 and events[-1].stats == {}
     else:
         assert upstream.resumed == [(), (104, 105, 33)] and text == tokenizer.decode([104, 105, 33, 33, 33])
-        assert events[-1].finish == "length" and events[-1].count == 5 and events[-1].stats == {"rounds": 1}
+        assert events[-1].finish == "length" and events[-1].count == 5
+        assert events[-1].stats == {"rounds": 1, "resumes": 1, "resumed_tokens": 3}  # the rounds: after the resume

@@ -62,6 +62,11 @@ class Progress:
     tokens: list[int] = field(default_factory=list)  # its output token ids handed on
     first_at: float | None = None  # when its first token came
     resumes: int = 0  # instances lost under it
+    resumed_tokens: int = 0  # the output the last instance was handed to go on from
+
+    def stats(self, stats: dict) -> dict:
+        """An instance's stats of the choice, saying when they cover only what followed a resume."""
+        return {**stats, "resumes": self.resumes, "resumed_tokens": self.resumed_tokens} if self.resumes else stats
 
 
 def choice_specs(prompts: list[list[int]], params: list[SamplingParams], n: int,
@@ -144,7 +149,7 @@ class Choices:
                 if len(progress.tokens) >= spec.params.max_tokens:  # all of it came, only its DONE was lost
                     await self._queue.put((k, Event(progress.text.finish(), "length", {}, len(progress.tokens), [])))
                     return
-                progress.resumes += 1
+                progress.resumes, progress.resumed_tokens = progress.resumes + 1, len(progress.tokens)
                 self.metrics.resumed_generations.inc()
                 log.warning("request %s: %s; going on from its %d tokens on another instance", name, lost,
                             len(progress.tokens))
@@ -197,7 +202,7 @@ class Choices:
                 logprobs = [R.TokenLogprob(*entry) for entry in zip(event.tokens, event.logprobs, event.top_ids,
                                                                      event.top_logprobs, event.output_ranks())]
                 if text.stopped:  # the rest is not wanted: stop the target, keep its stats for the counters
-                    stats = await stream.cancel()
+                    stats = progress.stats(await stream.cancel())
                     self.metrics.record_generation(stats)
                     self.metrics.record_latency(self.arrival, first_at, time.perf_counter(), count)
                     yield Event(delta, "stop", stats, count, logprobs, stop_reason=text.matched,
@@ -208,7 +213,7 @@ class Choices:
                 count, first_at = len(progress.tokens), progress.first_at
                 self.metrics.record_generation(event.stats)
                 self.metrics.record_latency(self.arrival, first_at, time.perf_counter(), count)
-                yield Event(text.finish(), event.finish_reason, event.stats, count, [],
+                yield Event(text.finish(), event.finish_reason, progress.stats(event.stats), count, [],
                             stop_reason=self._stop_reason(event.stop_token, spec.params), stop_token=event.stop_token)
                 return
             event = await stream.next()

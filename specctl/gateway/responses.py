@@ -59,8 +59,9 @@ def prediction_details(prediction: Sequence[int], outputs: Iterable[Sequence[int
 
 def spec_summary(stats: dict) -> dict:
     keys = ("rounds", "drafted", "accepted", "mean_accepted_length", "acceptance_rate", "tokens_per_s",
-            "fallback_rounds", "load_rounds")  # rounds run without a proposal (draft down, late, refused; the
-    # instance loaded past where speculation pays): slower, never different
+            "fallback_rounds", "load_rounds",  # rounds run without a proposal (draft down, late, refused; the
+            # instance loaded past where speculation pays): slower, never different
+            "resumes", "resumed_tokens")  # instances lost under it; the rest are the last one's, from resumed_tokens
     return {key: stats[key] for key in keys if key in stats}
 
 
@@ -117,10 +118,12 @@ def spec_summaries(stats: list[dict]) -> dict:
         return spec_summary(stats[0])
     total = {key: sum(s.get(key, 0) for s in stats) for key in ("rounds", "drafts", "drafted", "accepted", "new_tokens")}
     wall_s = max((s.get("wall_ms", 0.0) for s in stats), default=0.0) / 1e3
+    resumes = sum(s.get("resumes", 0) for s in stats)
     return {"rounds": total["rounds"], "drafted": total["drafted"], "accepted": total["accepted"],
             "mean_accepted_length": round(1 + total["accepted"] / total["drafts"], 4) if total["drafts"] else 0.0,
             "acceptance_rate": round(total["accepted"] / total["drafted"], 4) if total["drafted"] else 0.0,
-            "tokens_per_s": round(total["new_tokens"] / wall_s, 3) if wall_s > 0 else 0.0}
+            "tokens_per_s": round(total["new_tokens"] / wall_s, 3) if wall_s > 0 else 0.0,
+            **({"resumes": resumes} if resumes else {})}
 
 
 def choice(chat: bool, index: int, text: str | None, finish_reason: str, logprobs: dict | None = None,
