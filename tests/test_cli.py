@@ -603,6 +603,9 @@ def test_stage_is_checked_before_anything_loads(stage, message):
     (("--stage", "2/2", "--pipeline", "a:1,b:2", "--draft", "c:3"), "--draft goes to stage 1 only (this is stage 2/2)"),
     (("--draft", "c:3", "--draft", "ngram", "--draft", "c:03"), "--draft names c:3 twice: each drafter once"),
     (("--draft", "ngram", "--draft", "ngram"), "--draft names ngram twice: each drafter once"),
+    (("--draft", "c:3", "--draft-timeout", "0"), "--draft-timeout must be > 0 seconds, got 0"),
+    (("--draft", "c:3", "--draft", "ngram", "--draft-deadline-ms", "-1"),
+     "--draft-deadline-ms must be > 0 and --fusion-budget >= 1"),
     (("--stage", "1/3", "--pipeline", "a:1,b:2,a:01"), "--pipeline names a:1 twice: each stage listens at its own address"),
     (("--stage", "1/12", "--pipeline", ",".join(f"a:{p}" for p in range(1, 13)), "--specpipe-draft", "m", "--width",
       "16"), "SpecPipe over 12 stages at --width 16 keeps up to 401 tree nodes per session; the most is 320: lower "

@@ -288,6 +288,9 @@ async def test_a_draft_server_that_stops_answering_is_dropped_and_the_client_rec
         await wait_until(lambda: client.epoch == 2 and client.connected.is_set(), what="reconnected")
         assert "the draft server at 127.0.0.1:%d gave no answer within 0.3 s; dropping the link" % client.port \
             in caplog.text
+        # the loss says why it was dropped (the read loop ended on the closed link: not the reason)
+        assert ("lost the draft server at 127.0.0.1:%d (no answer within 0.3 s); decoding autoregressively and "
+                "reconnecting" % client.port) in caplog.text
     finally:
         running.cancel()
         await asyncio.gather(running, return_exceptions=True)

@@ -42,6 +42,9 @@ def verify(
                                               "routed and fused per session (CoSine)"),
     draft_deadline_ms: float = typer.Option(500.0, "--draft-deadline-ms", help="several drafters: one that has not "
                                             "answered by then is skipped for the round"),
+    draft_timeout: float = typer.Option(30.0, "--draft-timeout", help="seconds a draft server may take to answer "
+                                        "before it counts as hung: its link is dropped, sessions decode "
+                                        "autoregressively meanwhile (a first proposal waits longer, by its prompt)"),
     fusion_budget: int = typer.Option(16, "--fusion-budget", help="several drafters: most nodes of the fused tree"),
     plain_rounds: bool = typer.Option(True, "--plain-rounds/--no-plain-rounds", help="several drafters: a session "
                                       "routes to no drafter (plain decoding) while its plain rounds commit tokens "
@@ -120,6 +123,10 @@ def verify(
     stages = parse_pipeline(pipeline, index, count)
     if draft and index > 1:
         raise ConfigError(f"--draft goes to stage 1 only (this is stage {index}/{count})")
+    if draft and len(draft) > 1 and (draft_deadline_ms <= 0 or fusion_budget < 1):
+        raise ConfigError("--draft-deadline-ms must be > 0 and --fusion-budget >= 1")
+    if not draft_timeout > 0:
+        raise ConfigError(f"--draft-timeout must be > 0 seconds, got {draft_timeout:g}")
     named = [name if name in LOOKUP_DRAFTERS else "%s:%d" % parse_hostport(name) for name in draft or []]
     if (twice := repeated(named)) is not None:
         raise ConfigError(f"--draft names {twice} twice: each drafter once")
@@ -166,8 +173,6 @@ def verify(
         levels = SpecPipeDraft.local(local_draft.decoder, shape, specpipe_draft)
     else:
         stage_one = load_stage(config, plan, console)
-    if draft and len(draft) > 1 and (draft_deadline_ms <= 0 or fusion_budget < 1):
-        raise ConfigError("--draft-deadline-ms must be > 0 and --fusion-budget >= 1")
     _serve_target(config, plan, console, stage_one, host=host, port=port, draft=list(draft or []),
                   fusion_settings=(draft_deadline_ms / 1e3, fusion_budget,
                                    RoutingPolicy(plain_arm=plain_rounds, by_rate=lead_by_rate,
@@ -175,7 +180,7 @@ def verify(
                   auth_token=auth_token, ssl_server=ssl_server, ssl_client=ssl_client,
                   verify_delay_s=verify_delay_ms / 1e3, verify_floor_s=verify_time_ms / 1e3,
                   max_messages_per_s=max_messages_per_s, specpipe=levels,
-                  remote_specpipe=shape if specpipe else None)
+                  remote_specpipe=shape if specpipe else None, draft_timeout_s=draft_timeout)
 
 
 def _specpipe_shape(stages: int, width: int, topk: int, spread: str, refill: int | None = None):
@@ -223,6 +228,7 @@ def _serve_target(config, plan, console: Console, loaded, *, host: str, port: in
                   ssl_server, ssl_client, verify_delay_s: float, max_messages_per_s: float, specpipe=None,
                   verify_floor_s: float = 0.0,
                   remote_specpipe=None,  # a TreeShape: SpecPipe with the levels from the draft server
+                  draft_timeout_s: float = 30.0,
                   fusion_settings: tuple[float, int, RoutingPolicy | None] = (0.5, 16, None)) -> None:
     from specctl.pipeline.launch import pipelined_target
     from specctl.runtime.compute import ComputeThread
@@ -253,7 +259,7 @@ def _serve_target(config, plan, console: Console, loaded, *, host: str, port: in
         clients = {}
         for name, address in addresses.items():
             clients[name] = DraftClient(*address, model=loaded.name, fingerprint=loaded.vocab_fingerprint,
-                                        auth_token=auth_token, ssl=ssl_client)
+                                        auth_token=auth_token, ssl=ssl_client, timeout_s=draft_timeout_s)
             first = asyncio.get_running_loop().create_future()
             links.append(asyncio.create_task(clients[name].run(first)))
             if not await first:  # a refusal (vocabulary, auth) raises here and stops start-up

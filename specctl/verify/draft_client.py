@@ -35,6 +35,7 @@ class DraftClient:
         self._pending: dict[tuple[str, int], asyncio.Future] = {}
         self._reqs = itertools.count(1)
         self.reconnects = 0
+        self._given_up: str | None = None  # why this side dropped the link, while run() has not said it
 
     async def connect_once(self) -> None:
         reader, writer, _ = await open_peer(self.host, self.port, role="target", model=self.model,
@@ -65,10 +66,12 @@ class DraftClient:
                     return
                 log.error("draft server refused us: %s", exc)
             except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001
+                # the link dropped here (a hung server) ends the read loop with an IncompleteReadError: say why
+                given_up, self._given_up = self._given_up, None
                 if self.connected.is_set():  # once per loss, not per reconnection attempt
                     log.warning("lost the draft server at %s:%d (%s); decoding autoregressively and reconnecting",
-                                self.host, self.port, type(exc).__name__)
-                self.last_error = f"{type(exc).__name__}: {exc}"
+                                self.host, self.port, given_up or type(exc).__name__)
+                self.last_error = given_up or f"{type(exc).__name__}: {exc}"
                 if first_connected is not None and not first_connected.done():
                     first_connected.set_result(False)  # not fatal: decode autoregressively meanwhile
             finally:
@@ -83,6 +86,7 @@ class DraftClient:
         decode autoregressively at once (no writer: every request None) while ``run`` reconnects."""
         if self._writer is not None:
             log.warning("the draft server at %s:%d gave %s; dropping the link", self.host, self.port, why)
+            self._given_up = why
             self._writer.close()  # the read loop ends; run() drops the link and reconnects
             self._writer = None  # meanwhile every request is None at once
 
