@@ -10,6 +10,7 @@ from typing import Awaitable, Callable
 
 from specctl.errors import SpecctlError, StageUnavailable, VocabMismatch
 from specctl.net.framing import new_nonce, read_message, sign, verify_signature, write_message
+from specctl.net.keepalive import keep_alive
 from specctl.net.protocol import PROTOCOL_VERSION, Challenge, Error, Hello, ProtocolError, Welcome
 from specctl.runtime.tls import tls_failure
 
@@ -123,6 +124,7 @@ async def open_peer(host: str, port: int, *, role: str, model: str = "", fingerp
         reader, writer = await asyncio.open_connection(host, port, ssl=ssl, server_hostname=host if ssl else None)
     except ssl_module.SSLError as exc:
         raise TLSFailed(tls_failure(host, port, exc)) from None
+    keep_alive(writer)
     try:
         welcome = await client_handshake(reader, writer, role=role, model=model, fingerprint=fingerprint,
                                          auth_token=auth_token, layers=layers)

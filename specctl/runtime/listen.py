@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from aiolimiter import AsyncLimiter
 
 from specctl.errors import ConfigError
+from specctl.net.keepalive import keep_alive
 from specctl.net.protocol import MAX_FRAME_BYTES
 
 log = logging.getLogger("specctl.listen")
@@ -105,7 +106,7 @@ class ListeningServer:
 
     async def start(self) -> int:
         try:
-            self._server = await asyncio.start_server(self._handle, self.config.host, self.config.port, ssl=self.ssl)
+            self._server = await asyncio.start_server(self._accepted, self.config.host, self.config.port, ssl=self.ssl)
         except OSError as exc:
             reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
             raise ConfigError(f"cannot listen on {self.config.host}:{self.config.port}: {reason}"
@@ -121,6 +122,10 @@ class ListeningServer:
         if self._server is not None:
             await self._server.wait_closed()
         self.compute.stop()
+
+    async def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        keep_alive(writer)  # a peer that drops off without a FIN is found, and its state freed
+        await self._handle(reader, writer)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         raise NotImplementedError

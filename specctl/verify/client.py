@@ -12,6 +12,7 @@ from typing import AsyncIterator, Callable
 from specctl.errors import SpecctlError
 from specctl.net.framing import read_message, write_message
 from specctl.net.handshake import client_handshake
+from specctl.net.keepalive import keep_alive
 from specctl.net.protocol import (
     CacheFlushed, Cancel, Done, Error, FlushCache, Stats, StatsRequest, Tokens, Welcome, encode,
 )
@@ -30,11 +31,13 @@ class RemoteError(SpecctlError):
 
 async def _connect(host: str, port: int, ssl: ssl_module.SSLContext | None):
     try:
-        return await asyncio.open_connection(host, port, ssl=ssl, server_hostname=host if ssl else None)
+        reader, writer = await asyncio.open_connection(host, port, ssl=ssl, server_hostname=host if ssl else None)
     except ssl_module.SSLError as exc:
         raise RemoteError("unreachable", tls_failure(host, port, exc)) from None
     except OSError as exc:
         raise RemoteError("unreachable", f"cannot reach {host}:{port}: {exc.strerror or exc}") from None
+    keep_alive(writer)
+    return reader, writer
 
 
 class TargetConnection:
