@@ -8,7 +8,7 @@ import pytest
 from specctl.bench.processes import free_port, spawn_role, stop_processes, wait_listening
 from specctl.cli.verify import peer_hosts
 from specctl.errors import ConfigError
-from specctl.runtime.omp_wait import apply_omp_wait, is_loopback, omp_wait_policy, on_this_host
+from specctl.runtime.omp_wait import apply_omp_wait, is_loopback, omp_wait_policy, on_this_host, spinning_next_to
 from tests.conftest import run_here
 
 
@@ -108,3 +108,44 @@ def test_a_draft_server_on_loopback_sets_it_before_torch_loads(tiny_dir, monkeyp
         stop_processes([proc])
     assert ("idle OpenMP workers sleep: a peer role is on this host (127.0.0.1), so the processes would spin on "
             "each other's cores; --omp-wait spin keeps them spinning") in log
+
+
+def test_a_spinning_draft_server_is_told_of_a_target_on_its_own_host():
+    said = spinning_next_to(("127.0.0.1", 50123))
+    assert said == ("a target instance connected from this host (127.0.0.1) while this draft server's idle OpenMP "
+                    "workers spin (--omp-wait auto spins when bound to all interfaces): the two processes spin on "
+                    "each other's cores; restart the draft server with --omp-wait sleep")
+    assert spinning_next_to(("10.255.255.1", 50123)) is None  # a target on another box: spinning is right
+    assert spinning_next_to(None) is None and spinning_next_to("") is None  # no address (a socket of no family)
+
+
+def test_a_draft_server_on_every_interface_spins_and_says_so_when_a_target_comes_from_its_host(tiny_dir, monkeypatch):
+    """Bound to 0.0.0.0, auto cannot know where its targets run and keeps libgomp's spinning; the
+    first target that connects from this host has the draft server log what to do, once."""
+    import asyncio
+
+    from specctl.engine.loader import load_model
+    from specctl.net.handshake import open_peer
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    fingerprint = load_model("tiny@2", tiny_dir["llama"], "fp32", num_layers=2).vocab_fingerprint
+    port = free_port()
+    proc = spawn_role("draft", "--host", "0.0.0.0", "--port", str(port), "--model", f"{tiny_dir['llama']}@2", "--mode",
+                      "chain", "--dtype", "fp32", "--threads", "1", passive_omp=False)
+
+    async def connect_twice():
+        for _ in range(2):
+            _, writer, _ = await open_peer("127.0.0.1", port, role="target", model="m", fingerprint=fingerprint)
+            writer.close()
+            await asyncio.sleep(0.3)
+
+    try:
+        wait_listening(proc, "draft server", timeout=120)
+        asyncio.run(connect_twice())
+        log = "".join(proc.log_tail)
+    finally:
+        stop_processes([proc])
+    assert "idle OpenMP workers sleep" not in log
+    assert log.count("a target instance connected from this host (127.0.0.1) while this draft server's idle OpenMP "
+                     "workers spin") == 1

@@ -128,7 +128,12 @@ def draft(
     drafter = make_drafter(config, loaded)
 
     async def main(compute: ComputeThread) -> None:
-        await serve(DraftServer(loaded, drafter, server_config, ssl, compute=compute.lane(max_batch=config.max_batch)), lambda bound: console.print(
+        server = DraftServer(loaded, drafter, server_config, ssl, compute=compute.lane(max_batch=config.max_batch))
+        # auto, bound to all interfaces, its workers spinning as the environment did not say otherwise
+        server.spinning_for_remote_targets = (omp_wait == "auto" and omp_line is None and not is_loopback(host)
+                                              and needs_draft_model(config.mode)
+                                              and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ))
+        await serve(server, lambda bound: console.print(
             f"draft server [bold]{config.draft}[/] ({config.mode}, d={config.depth}"
             f"{'' if needs_draft_model(config.mode) else ', no weights'}) listening on "
             f"{host}:{bound}{' (TLS)' if ssl else ''}{' (auth)' if auth_token else ''}"

@@ -6,7 +6,6 @@ another. Per-tag state is freed on CloseSession or when its connection drops."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 from collections.abc import Awaitable, Callable
 import logging
@@ -16,31 +15,31 @@ from functools import partial
 from specctl.draft.connection import Connection, DraftServerConfig
 from specctl.draft.draft_stats import draft_snapshot
 from specctl.draft.levels import LevelTable
-from specctl.draft.plan import open_refusal
+from specctl.draft.opening import SessionOpening
 from specctl.draft.sessions import SessionTable, UnknownTag
 from specctl.draft.speculation import SpeculationCache
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.loader import LoadedModel
-from specctl.engine.prefill_gate import prefill_gate, prefill_turn
+from specctl.engine.prefill_gate import prefill_gate
 from specctl.engine.prefix_cache import flush_prefix_cache
 from specctl.engine.spec import check_token_ids
-from specctl.errors import BadRequest, ConfigError, KVBudgetExceeded, SpecctlError
+from specctl.errors import BadRequest, ConfigError, SpecctlError
 from specctl.net.framing import read_message
 from specctl.net.handshake import server_handshake
 from specctl.net.protocol import (
     CacheFlushed, CloseSession, Error, FlushCache, Graft, NextLevel, OpenLevels, OpenSession, Propose, ProtocolError,
-    Reroot, SessionOpened, Stats, StatsRequest,
+    Reroot, Stats, StatsRequest,
 )
-from specctl.runtime.compute import ComputeLane, ComputeThread, timed
+from specctl.runtime.compute import ComputeLane, ComputeThread
 from specctl.runtime.listen import ListeningServer, MessageRate
+from specctl.runtime.omp_wait import spinning_next_to
 from specctl.spec.drafters import Drafter
 from specctl.spec.logit_rules import draft_guide
-from specctl.spec.structured import ll_tokenizer
 
 log = logging.getLogger("specctl.draft")
 
 
-class DraftServer(ListeningServer):
+class DraftServer(SessionOpening, ListeningServer):
     def __init__(self, model: LoadedModel, drafter: Drafter, config: DraftServerConfig, ssl=None,
                  compute: ComputeLane | None = None) -> None:
         super().__init__()
@@ -70,6 +69,9 @@ class DraftServer(ListeningServer):
         self._ids = itertools.count(1)
         self._tags = itertools.count(1)
         self.started = time.time()
+        # --omp-wait auto left the workers spinning (bound to all interfaces, it could not tell
+        # where its targets run): the first target from this host is told to the log
+        self.spinning_for_remote_targets = False
 
     @property
     def active_sessions(self) -> int:
@@ -89,6 +91,10 @@ class DraftServer(ListeningServer):
                 accept_roles={"target": True, "monitor": False, "gateway": False},
             )
             conn = Connection(next(self._ids), peer, hello.role, writer)
+            if self.spinning_for_remote_targets and hello.role == "target":
+                if (warning := spinning_next_to(writer.get_extra_info("peername"))) is not None:
+                    log.warning(warning)
+                    self.spinning_for_remote_targets = False  # said once
             self.connections[conn.id] = conn
             async with asyncio.TaskGroup() as group:
                 group.create_task(self._write_loop(conn.outgoing, writer))
@@ -237,61 +243,6 @@ class DraftServer(ListeningServer):
         """Answer a bad or inconsistent request with an error to that peer only."""
         self.reject(conn.peer, f"{error.code}: {error.message}")
         conn.send(error)
-
-    def _open(self, conn: Connection, message: OpenSession | OpenLevels, group: asyncio.TaskGroup) -> None:
-        if isinstance(message, OpenLevels) and self.model.decoder.device.type == "meta":
-            conn.send(Error("bad_request", f"this draft server drafts by {self.table.drafter.name} lookup and loaded "
-                                           "no weights; SpecPipe's tree levels need a draft model: run it with "
-                                           "--mode tree", req=message.req))
-            return
-        other_targets = sum(1 for c in self.connections.values() if c.tags and c is not conn)
-        refusal = open_refusal(self.config, self.active_sessions, len(conn.tags), other_targets)
-        if refusal is not None:
-            conn.send(Error(*refusal, req=message.req))
-            return
-        tag = next(self._tags)
-        conn.tags.add(tag)
-        group.create_task(self._open_on_compute(conn, tag, message))
-
-    async def _open_on_compute(self, conn: Connection, tag: int, message: OpenSession | OpenLevels) -> None:
-        try:
-            if getattr(message, "structured_kind", ""):  # built once, seconds: not on the compute thread
-                with contextlib.suppress(Exception):  # a tokenizer it cannot read: _guide says so, drafting goes on
-                    await asyncio.to_thread(ll_tokenizer, self.model.tokenizer, self.model.spec.vocab_size)
-            await self.compute.run(self.levels.open if isinstance(message, OpenLevels) else self.table.open, tag,
-                                   message)
-        except KVBudgetExceeded as exc:
-            conn.tags.discard(tag)
-            conn.send(Error("capacity", str(exc), req=message.req))
-            return
-        except SpecctlError as exc:
-            conn.tags.discard(tag)
-            self._refuse(conn, Error("bad_request", str(exc), req=message.req))
-            return
-        except Exception as exc:  # noqa: BLE001
-            conn.tags.discard(tag)
-            conn.send(Error("internal", f"could not open a draft session: {exc}", req=message.req))
-            return
-        if isinstance(message, OpenLevels):
-            conn.send(SessionOpened(message.req, tag))
-            return
-        # The prompt's KV in chunks, each a job of its own (other sessions draft between them);
-        # the session's first Propose waits for it, as for an early answer's commit.
-        self.commits[tag] = asyncio.current_task()
-        conn.send(SessionOpened(message.req, tag))
-        try:
-            async with prefill_turn(self.prefill_gate, self.table.prompt_to_feed(tag), self.table.cache_salt(tag)):
-                while True:
-                    done, spent = await self.compute.run(timed, self.table.prefill_step, tag)
-                    for listener in self.prefill_listeners:
-                        listener(spent)
-                    if done:
-                        break
-        except Exception:  # noqa: BLE001 - the first proposal's catch-up feeds what is missing
-            log.exception("prefilling draft session %s failed", tag)
-        finally:
-            if self.commits.get(tag) is asyncio.current_task():
-                del self.commits[tag]
 
     async def _propose(self, conn: Connection, message: Propose, group: asyncio.TaskGroup) -> None:
         commit = self.commits.get(message.tag)

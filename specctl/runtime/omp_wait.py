@@ -81,6 +81,18 @@ def omp_wait_policy(choice: str, peers: Iterable[str]) -> str | None:
     return "PASSIVE" if choice == "sleep" else None
 
 
+def spinning_next_to(peername: object) -> str | None:
+    """What to tell a draft server whose workers spin (``auto`` bound to all interfaces cannot
+    tell where its targets run) when a target connects from ``peername`` (a socket's): None
+    unless that is this host."""
+    host = peername[0] if isinstance(peername, tuple) and peername else ""
+    if not host or not on_this_host(str(host)):
+        return None
+    return (f"a target instance connected from this host ({host}) while this draft server's idle OpenMP workers "
+            "spin (--omp-wait auto spins when bound to all interfaces): the two processes spin on each other's "
+            "cores; restart the draft server with --omp-wait sleep")
+
+
 def apply_omp_wait(choice: str, peers: Iterable[str], environ: MutableMapping[str, str],
                    torch_loaded: bool) -> str | None:
     """Set OMP_WAIT_POLICY in ``environ`` as :func:`omp_wait_policy` decides; what it did, as a
