@@ -38,14 +38,22 @@ def test_a_message_is_the_chat_answer_of_the_same_turns_whole_and_streamed(clust
     assert [block.type for block in message.content] == ["text"] and message.content[0].text == reference["text"]
     assert message.role == "assistant" and message.id.startswith("msg_") and message.model == model
     assert message.stop_reason == ("max_tokens" if len(reference["token_ids"]) == 16 else "end_turn")
-    assert (message.usage.input_tokens, message.usage.output_tokens) == (reference["stats"]["prompt_tokens"],
-                                                                        len(reference["token_ids"]))
+    prompt_tokens = reference["stats"]["prompt_tokens"]
+    # Anthropic's input_tokens: the prompt's tokens not read from the cache
+    assert (message.usage.input_tokens + message.usage.cache_read_input_tokens, message.usage.output_tokens) == (
+        prompt_tokens, len(reference["token_ids"]))
+    again = client.messages.create(model=model, max_tokens=16, messages=MESSAGES, extra_body=GREEDY)
+    assert again.usage.cache_read_input_tokens > 0  # the same turns again: their prompt came from the cache
+    assert again.usage.input_tokens == prompt_tokens - again.usage.cache_read_input_tokens
     with client.messages.stream(model=model, max_tokens=16, messages=MESSAGES, extra_body=GREEDY) as stream:
         texts = list(stream.text_stream)
         final = stream.get_final_message()
     assert "".join(texts) == reference["text"] and len(texts) > 1
     assert (final.content[0].text, final.stop_reason, final.usage.output_tokens) == (
         reference["text"], message.stop_reason, message.usage.output_tokens)
+    # message_start could not know the cache's share; message_delta's usage says it
+    assert final.usage.cache_read_input_tokens > 0
+    assert final.usage.input_tokens == prompt_tokens - final.usage.cache_read_input_tokens
     # the events as Anthropic's stream sends them: message_start, a ping, the block, the message's end
     request = urllib.request.Request(cluster[1]["gateway"] + "/v1/messages", headers={"Content-Type": "application/json"},
                                      data=json.dumps({"model": model, "max_tokens": 16, "messages": MESSAGES,
@@ -55,7 +63,7 @@ def test_a_message_is_the_chat_answer_of_the_same_turns_whole_and_streamed(clust
     assert kinds[:3] == ["message_start", "ping", "content_block_start"]
     assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     counted = client.messages.count_tokens(model=model, messages=MESSAGES)
-    assert counted.input_tokens == message.usage.input_tokens
+    assert counted.input_tokens == prompt_tokens  # all of the prompt
     # a stop sequence: the text before it, named as the reason
     word = reference["text"][5:8]
     cut = client.messages.create(model=model, max_tokens=16, messages=MESSAGES, stop_sequences=[word],

@@ -54,13 +54,18 @@ class AnthropicReply:
     show_thinking: bool = True  # False: thinking blocks without their text (thinking.display "omitted")
     message_id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
 
+    def usage(self, count: int, stats: dict | None) -> dict:
+        """Anthropic's usage: its input_tokens are the prompt's tokens not read from the cache
+        (the prompt is input_tokens + cache_read_input_tokens + cache_creation_input_tokens)."""
+        cached = R.cached_tokens({0: stats}, 1) if stats else 0
+        return {"input_tokens": self.prompt_tokens - cached, "output_tokens": count,
+                "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
     def message(self, content: list[dict], stop: tuple[str | None, str | None], count: int,
                 stats: dict | None) -> dict:
         body = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
                 "content": content, "stop_reason": stop[0], "stop_sequence": stop[1],
-                "usage": {"input_tokens": self.prompt_tokens, "output_tokens": count,
-                          "cache_read_input_tokens": R.cached_tokens({0: stats}, 1) if stats else 0,
-                          "cache_creation_input_tokens": 0}}
+                "usage": self.usage(count, stats)}
         if stats:
             body["specctl"] = R.spec_summary(stats)
         return body
@@ -103,7 +108,7 @@ class AnthropicReply:
                     await blocks.close()
                     stop_reason, stop_sequence = stop_of(event, calls)
                     await send("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                               usage={"output_tokens": event.count})
+                               usage=self.usage(event.count, event.stats))  # the cache's share known now
                     await send("message_stop")
         except RemoteError as exc:  # headers are gone: the failure travels in the stream, as Anthropic's does
             await send("error", error=error_body(ApiError(502, remote_message(exc)))["error"])
