@@ -258,13 +258,17 @@ async def test_an_opener_cancelled_as_its_reply_arrives_closes_the_session():
     assert Recorder.frames[1].tag == 77
 
 
-async def test_a_draft_server_that_stops_answering_is_dropped_and_the_client_reconnects(caplog):
-    """A hung draft server keeps its connection open: a proposal past the client's timeout
-    drops the link (every session then decodes autoregressively at once, no session waits the
-    timeout out again) and the client reconnects; a caller's own deadline (a fused round's shorter
-    one, a first proposal's longer one) drops nothing."""
+async def test_a_draft_server_that_stops_answering_is_dropped_and_the_client_reconnects(caplog, monkeypatch):
+    """A hung draft server keeps its connection open: a proposal past the client's timeout, when
+    a stats request gets no answer either, drops the link (every session then decodes
+    autoregressively at once, no session waits the timeout out again) and the client
+    reconnects; a caller's own deadline (a fused round's shorter one, a first proposal's longer
+    one) drops nothing."""
     from specctl.net.handshake import server_handshake
     from specctl.net.protocol import Propose
+    from specctl.verify import draft_client as draft_client_module
+
+    monkeypatch.setattr(draft_client_module, "PROBE_S", 0.2)
 
     async def silent(reader, writer):  # shakes hands, then reads and never answers
         await server_handshake(reader, writer, role="draft", model="m", fingerprint="f", max_sessions=4,
@@ -291,6 +295,47 @@ async def test_a_draft_server_that_stops_answering_is_dropped_and_the_client_rec
         # the loss says why it was dropped (the read loop ended on the closed link: not the reason)
         assert ("lost the draft server at 127.0.0.1:%d (no answer within 0.3 s); decoding autoregressively and "
                 "reconnecting" % client.port) in caplog.text
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        server.close()
+
+
+async def test_a_draft_server_that_is_slow_but_answers_keeps_its_link(caplog):
+    """A draft server swamped with long prompts leaves a proposal past the client's timeout but
+    still answers (a stats request, on its event loop): that session's round goes without a
+    proposal, and the link, with every other session's draft state, is kept."""
+    from specctl.net.framing import read_message
+    from specctl.net.handshake import server_handshake
+    from specctl.net.protocol import Propose, Stats, StatsRequest, encode
+
+    asked = []
+
+    async def swamped(reader, writer):  # answers stats at once, proposals never
+        await server_handshake(reader, writer, role="draft", model="m", fingerprint="f", max_sessions=4,
+                               auth_token=None, accept_roles={"target": True})
+        try:
+            while True:
+                message = await read_message(reader)
+                asked.append(type(message).__name__)
+                if isinstance(message, StatsRequest):
+                    writer.write(encode(Stats("draft", {})))
+        except asyncio.IncompleteReadError:
+            writer.close()
+
+    caplog.set_level(logging.INFO, logger="specctl.verify.draft")
+    server = await asyncio.start_server(swamped, "127.0.0.1", 0)
+    client = DraftClient("127.0.0.1", server.sockets[0].getsockname()[1], model="m", fingerprint="f", timeout_s=0.3)
+    running = asyncio.create_task(client.run())
+    try:
+        await wait_until(lambda: client.epoch == 1 and client.connected.is_set(), what="connected")
+        late = await asyncio.gather(*(client._request(("tag", tag), Propose(tag, [], [1])) for tag in (1, 2, 3)))
+        assert late == [None, None, None]  # those rounds go without a proposal
+        assert client.epoch == 1 and client._writer is not None  # the link stays
+        assert asked == ["Propose", "Propose", "Propose", "StatsRequest"]  # one probe for the three
+        assert ("the draft server at 127.0.0.1:%d is slow (a request past 0.3 s) but answers: keeping the link"
+                % client.port) in caplog.text
+        assert "dropping the link" not in caplog.text
     finally:
         running.cancel()
         await asyncio.gather(running, return_exceptions=True)

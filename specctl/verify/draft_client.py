@@ -15,11 +15,15 @@ from specctl.errors import VocabMismatch
 from specctl.net.framing import read_message
 from specctl.net.handshake import AuthError, open_peer
 from specctl.net.protocol import (CloseSession, Error, Graft, Level, NextLevel, OpenLevels, OpenSession, Proposal,
-                                  Propose, Reroot, SessionOpened, encode)
+                                  Propose, Reroot, SessionOpened, StatsRequest, encode)
 from specctl.spec.params import SamplingParams
 
 log = logging.getLogger("specctl.verify.draft")
 Handle = tuple[int, int]  # (connection epoch, tag) of a draft session
+# A request past the client's timeout drops the link only if the server says nothing at all: a
+# stats request (answered on its event loop, beside the compute) gets nothing back within
+# PROBE_S. A server swamped with long prompts still answers: it is slow, not hung.
+PROBE_S = 2.0
 
 
 class DraftClient:
@@ -36,6 +40,8 @@ class DraftClient:
         self._reqs = itertools.count(1)
         self.reconnects = 0
         self._given_up: str | None = None  # why this side dropped the link, while run() has not said it
+        self._heard = asyncio.Event()  # set by every frame that comes
+        self._probe: asyncio.Task | None = None  # the one liveness probe in flight
 
     async def connect_once(self) -> None:
         reader, writer, _ = await open_peer(self.host, self.port, role="target", model=self.model,
@@ -90,6 +96,26 @@ class DraftClient:
             self._writer.close()  # the read loop ends; run() drops the link and reconnects
             self._writer = None  # meanwhile every request is None at once
 
+    async def _answers(self) -> bool:
+        """Whether the server answers at all (one probe shared by every session that asks)."""
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.create_task(self._probe_once())
+        return await asyncio.shield(self._probe)
+
+    async def _probe_once(self) -> bool:
+        writer = self._writer
+        if writer is None:
+            return True  # dropped already: nothing to give up
+        self._heard.clear()
+        writer.write(encode(StatsRequest()))
+        try:
+            await asyncio.wait_for(self._heard.wait(), PROBE_S)
+        except asyncio.TimeoutError:
+            return False
+        log.info("the draft server at %s:%d is slow (a request past %g s) but answers: keeping the link", self.host,
+                 self.port, self.timeout_s)
+        return True
+
     def _drop_link(self) -> None:
         self.connected.clear()
         if self._writer is not None:
@@ -103,6 +129,7 @@ class DraftClient:
     async def _read_loop(self) -> None:
         while True:
             message = await read_message(self._reader)
+            self._heard.set()
             if isinstance(message, SessionOpened):
                 key = ("req", message.req)
             elif isinstance(message, (Proposal, Level)):
@@ -134,7 +161,7 @@ class DraftClient:
             # Only past the client's own timeout: a caller's deadline is its own business — a fused
             # round's shorter one, or a first proposal's longer one that waits for its prompt's
             # prefill, which other sessions' long prompts can delay past it on a loaded server.
-            if timeout_s is None:
+            if timeout_s is None and not await self._answers():
                 self._give_up(f"no answer within {self.timeout_s:g} s")
             return None
         finally:
