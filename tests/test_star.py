@@ -290,11 +290,11 @@ async def test_a_draft_server_that_stops_answering_is_dropped_and_the_client_rec
         assert client._writer is None  # at once: the next request does not wait
         assert await asyncio.wait_for(client._request(("tag", 7), Propose(7, [], [1])), 0.05) is None
         await wait_until(lambda: client.epoch == 2 and client.connected.is_set(), what="reconnected")
-        assert "the draft server at 127.0.0.1:%d gave no answer within 0.3 s; dropping the link" % client.port \
-            in caplog.text
+        assert ("the draft server at 127.0.0.1:%d gave no answer within 0.3 s, nor to a stats request within 0.2 s; "
+                "dropping the link" % client.port) in caplog.text
         # the loss says why it was dropped (the read loop ended on the closed link: not the reason)
-        assert ("lost the draft server at 127.0.0.1:%d (no answer within 0.3 s); decoding autoregressively and "
-                "reconnecting" % client.port) in caplog.text
+        assert ("lost the draft server at 127.0.0.1:%d (no answer within 0.3 s, nor to a stats request within 0.2 s); "
+                "decoding autoregressively and reconnecting" % client.port) in caplog.text
     finally:
         running.cancel()
         await asyncio.gather(running, return_exceptions=True)

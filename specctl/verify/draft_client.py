@@ -162,7 +162,7 @@ class DraftClient:
             # round's shorter one, or a first proposal's longer one that waits for its prompt's
             # prefill, which other sessions' long prompts can delay past it on a loaded server.
             if timeout_s is None and not await self._answers():
-                self._give_up(f"no answer within {self.timeout_s:g} s")
+                self._give_up(f"no answer within {self.timeout_s:g} s, nor to a stats request within {PROBE_S:g} s")
             return None
         finally:
             self._pending.pop(key, None)
