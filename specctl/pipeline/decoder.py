@@ -29,7 +29,9 @@ from specctl.pipeline.worker import split_keep
 from specctl.runtime.emulation import sleep_rest
 
 log = logging.getLogger("specctl.pipeline")
-FORWARD_TIMEOUT_S = 600.0  # a stage that neither answers nor drops the link (a long prompt on a slow box)
+# A session's forward unanswered this long ends that session only: the heartbeat below, not a
+# forward's own time (a long prompt on a slow box), tells whether the chain is hung.
+FORWARD_TIMEOUT_S = 600.0
 # Every stage answers a StatsRequest on its event loop, beside its compute: a chain whose last
 # stage says nothing (no stats, no output) for STAGE_SILENCE_S is hung (a stopped process keeps
 # its connections open), however long a forward takes; asked every HEARTBEAT_S.
@@ -168,21 +170,7 @@ class PipelineClient:
 
     def forward(self, epoch: int, make: Callable[[int], StageForward]) -> torch.Tensor:
         """From the compute thread: send a micro-batch down the chain, wait for its logits."""
-        return wait_output(self.submit(epoch, make), self)
-
-    def stalled(self) -> None:
-        """From any thread: a forward went unanswered for FORWARD_TIMEOUT_S. A hung stage keeps
-        the chain's connections open, so every session after would wait as long: the link is
-        dropped (its sessions end, ``run`` rebuilds the chain once the stages answer)."""
-        if self.loop is not None and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self._drop_stalled)
-
-    def _drop_stalled(self) -> None:
-        link = self.link
-        if link is not None and not link.closed.is_set():
-            log.warning("the pipeline at %s left a forward unanswered for %.0f s; dropping the chain", link.address,
-                        FORWARD_TIMEOUT_S)
-            link.give_up(f"no answer within {FORWARD_TIMEOUT_S:.0f} s")
+        return wait_output(self.submit(epoch, make))
 
     def _send_forward(self, epoch: int, make: Callable[[int], StageForward], future) -> None:
         try:
@@ -196,15 +184,14 @@ class PipelineClient:
         self.link.post(make(fid))
 
 
-def wait_output(future: concurrent.futures.Future, client: PipelineClient | None = None) -> torch.Tensor:
-    """The micro-batch's output; past FORWARD_TIMEOUT_S the session ends (StageUnavailable) and
-    ``client``'s chain is dropped as hung."""
+def wait_output(future: concurrent.futures.Future) -> torch.Tensor:
+    """The micro-batch's output; past FORWARD_TIMEOUT_S its session ends (StageUnavailable),
+    the chain's other sessions going on (a hung chain is the heartbeat's to drop)."""
     try:
         return future.result(FORWARD_TIMEOUT_S).to_torch()
     except concurrent.futures.TimeoutError:
-        if client is not None:
-            client.stalled()
-        raise StageUnavailable(f"the pipeline did not answer within {FORWARD_TIMEOUT_S:.0f}s") from None
+        raise StageUnavailable(f"the pipeline did not answer this session's forward within {FORWARD_TIMEOUT_S:g} s "
+                               "while its stages answer; retry") from None
 
 
 class PipelineCache(KVCache):
@@ -270,7 +257,7 @@ class PipelineDecoder:
     def forward_many(self, inputs: list[torch.Tensor], positions: list[torch.Tensor], caches: list[PipelineCache],
                      masks: list[torch.Tensor | None], logits_at: list[torch.Tensor]) -> list[torch.Tensor]:
         future = self.send_many(inputs, positions, caches, masks, logits_at)
-        return list(wait_output(future, self.client).float().split([a.numel() for a in logits_at]))
+        return list(wait_output(future).float().split([a.numel() for a in logits_at]))
 
     def send_many(self, inputs: list[torch.Tensor], positions: list[torch.Tensor], caches: list[PipelineCache],
                   masks: list[torch.Tensor | None], logits_at: list[torch.Tensor]) -> concurrent.futures.Future:
