@@ -162,6 +162,68 @@ async def test_a_slow_draft_server_leads_only_the_rounds_that_measure_it(models,
         await _stop(servers, links, target_server)
 
 
+async def test_a_draft_server_always_past_the_deadline_sits_rounds_out(models, caplog):
+    """A drafter slower than the deadline held every round it joined until the deadline, for
+    nothing: late three rounds in a row, it sits out BENCH_S (said once in the log), the output
+    unchanged; the stats say so."""
+    from specctl.verify import fused as fused_module
+
+    always_both = RoutingPolicy(alpha=1.0, beta=1.0, free_riders=False, plain_arm=False, by_rate=False)
+    servers, links, target_server, port, fusion = await _start(models, always_both, deadline_s=0.1, ngram_depth=0)
+    slow_name, fast_name = fusion.clients
+    slow, propose = fusion.clients[slow_name], fusion.clients[slow_name].propose
+
+    async def slowed(*args, **kwargs):  # always 0.25 s: past the 0.1 s deadline
+        await asyncio.sleep(0.25)
+        return await propose(*args, **kwargs)
+
+    slow.propose = slowed
+    try:
+        params = SamplingParams(max_tokens=40, ignore_eos=True)
+        sessions = 0
+        # each session asks it in its first round at least; benched for the instance, not the session
+        while not fusion.benched(slow_name) and sessions < 10:
+            prompt = PROMPTS[sessions % len(PROMPTS)]
+            tokens, reason, _ = await remote_generate("127.0.0.1", port, prompt, params)
+            assert tokens == local_reference(models, prompt, 40) and reason == "length"
+            sessions += 1
+        before = target_server.snapshot()["drafters"]
+        tokens, _, _ = await remote_generate("127.0.0.1", port, PROMPTS[0], params)  # without it
+        assert tokens == local_reference(models, PROMPTS[0], 40)
+        stats = target_server.snapshot()["drafters"]
+        assert stats[fast_name]["chosen_rounds"] > before[fast_name]["chosen_rounds"]  # the other one drafted
+        assert stats[slow_name]["failures"] == fused_module.LATE_IN_A_ROW
+        assert stats[slow_name]["benched"] is True and stats[fast_name]["benched"] is False
+        said = [r.getMessage() for r in caplog.records if "sits out" in r.getMessage()]
+        assert said == [f"draft server {slow_name} answered past the 100 ms deadline 3 rounds in a row: it sits out, "
+                        "tried again every 30 s (raise --draft-deadline-ms if it is merely slow)"]
+    finally:
+        await _stop(servers, links, target_server)
+
+
+def test_a_benched_draft_server_is_tried_again_and_back_at_its_first_answer_in_time(monkeypatch):
+    from specctl.verify import fused as fused_module
+
+    clock = [100.0]
+    monkeypatch.setattr(fused_module.time, "monotonic", lambda: clock[0])
+    fusion = Fusion({})
+    for _ in range(2):
+        fusion.answered("a:1", late=True)
+    assert not fusion.benched("a:1")  # two in a row: a hiccup
+    fusion.answered("a:1", late=False)
+    for _ in range(3):
+        fusion.answered("a:1", late=True)
+    assert fusion.benched("a:1")
+    clock[0] += fused_module.BENCH_S + 1
+    assert not fusion.benched("a:1")  # its trial round
+    fusion.answered("a:1", late=True)  # late again: straight back out
+    assert fusion.benched("a:1")
+    clock[0] += fused_module.BENCH_S + 1
+    fusion.answered("a:1", late=False)  # in time: back for good
+    fusion.answered("a:1", late=True)
+    assert not fusion.benched("a:1")
+
+
 async def test_a_fused_round_with_predicted_rounds_after_it_is_not_measured():
     """A request's prediction drafted the rounds between this round and the next the fusion
     proposes (it passes their outcome): the time since is theirs too, so the gate leaves it out."""

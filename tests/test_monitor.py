@@ -226,6 +226,8 @@ def test_a_target_with_several_drafters_shows_a_row_per_drafter_in_80x24():
                           "connected": True},
                 "10.0.0.2:9000": {"chosen_rounds": 7, "accepted_tokens": 3, "failures": 9, "mean_score": 0.1,
                                   "connected": False},
+                "10.0.0.3:9000": {"chosen_rounds": 0, "accepted_tokens": 0, "failures": 3, "mean_score": None,
+                                  "connected": True, "benched": True},
                 "none": {"chosen_rounds": 33, "accepted_tokens": 0, "failures": 0, "mean_score": None, "connected": True}}
     data = feed(tokens=(100,), up=(True,))
     data["targets"][0]["stats"]["drafters"] = drafters
@@ -235,6 +237,8 @@ def test_a_target_with_several_drafters_shows_a_row_per_drafter_in_80x24():
     assert "└ 10.0.0.1:9000" in screen and "120r" in screen and "acc 310" in screen and "m 0.64" in screen
     assert "└ ngram" in screen and "fail 9" in screen and "down" in screen
     assert "└ none" in screen and "plain" in screen and "33r" in screen  # the rounds decoded plainly
+    benched = next(line for line in lines if "└ 10.0.0.3:9000" in line)
+    assert "late" in benched and "fail 3" in benched  # past the deadline round after round: sitting out
 
 
 def test_a_target_loaded_past_its_spec_max_sessions_shows_its_plain_rounds_in_the_draft_column():

@@ -163,6 +163,8 @@ def drafter_row(name: str, drafter: dict) -> tuple:
     score = drafter.get("mean_score")
     if name == NONE:
         state = Text("plain", style="dim")
+    elif drafter.get("benched") and drafter.get("connected", True):  # late round after round: sitting out
+        state = Text("late", style="yellow")
     else:
         state = Text("ok", style="green") if drafter.get("connected", True) else Text("down", style="bold red")
     return (Text(f"  └ {name}"[:28], style="dim"), state, "", f"{drafter.get('chosen_rounds', 0)}r", "",

@@ -21,6 +21,7 @@ share of the occurrences continuing so; one memory of outputs for all the instan
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -39,6 +40,11 @@ from specctl.verify.speculator import RemoteSpeculator
 
 NGRAM = "ngram"
 SUFFIX = "suffix"
+# A draft server past the deadline this many rounds in a row (any sessions') sits rounds out for
+# BENCH_S: asked anyway, it would hold every round it joins until the deadline for nothing.
+LATE_IN_A_ROW = 3
+BENCH_S = 30.0
+log = logging.getLogger("specctl.verify.draft")
 
 
 @dataclass(slots=True)
@@ -53,6 +59,8 @@ class Fusion:
     policy: RoutingPolicy = field(default_factory=RoutingPolicy)
     stats: dict[str, DrafterStats] = field(default_factory=dict)
     pooled_rounds: dict = field(default_factory=dict)  # arm -> the last rounds the sessions measured (spec.pays)
+    late_in_a_row: dict[str, int] = field(default_factory=dict)  # draft server -> its rounds past the deadline
+    benched_until: dict[str, float] = field(default_factory=dict)  # draft server -> when it is asked again
 
     def __post_init__(self) -> None:
         for name in self.names + ([NONE] if self.policy.plain_arm else []):
@@ -64,6 +72,19 @@ class Fusion:
     def names(self) -> list[str]:
         return [*self.clients, *([NGRAM] if self.ngram_depth else []), *([SUFFIX] if self.suffix else [])]
 
+    def answered(self, name: str, late: bool) -> None:
+        """A draft server's answer to a round, in time or past the deadline."""
+        streak = self.late_in_a_row[name] = self.late_in_a_row.get(name, 0) + 1 if late else 0
+        if streak >= LATE_IN_A_ROW:
+            self.benched_until[name] = time.monotonic() + BENCH_S
+            if streak == LATE_IN_A_ROW:  # said once; it is tried again every BENCH_S while late
+                log.warning("draft server %s answered past the %g ms deadline %d rounds in a row: it sits out, tried "
+                            "again every %g s (raise --draft-deadline-ms if it is merely slow)", name,
+                            1e3 * self.deadline_s, streak, BENCH_S)
+
+    def benched(self, name: str) -> bool:
+        return self.benched_until.get(name, 0.0) > time.monotonic()
+
     def speculator(self, seed: int | None) -> "FusedSpeculator":
         return FusedSpeculator(self, seed)
 
@@ -72,7 +93,8 @@ class Fusion:
         for name in self.stats:
             client = self.clients.get(name)
             out[name] = {**self.stats[name].snapshot(),
-                         "connected": True if client is None else client.connected.is_set()}
+                         "connected": True if client is None else client.connected.is_set(),
+                         "benched": self.benched(name)}
         return out
 
 
@@ -114,7 +136,7 @@ class FusedSpeculator:
 
     def _up(self, link: _Link) -> bool:
         return link.remote is None or (link.late is None and link.remote.client is not None
-                                       and link.remote.client.connected.is_set())
+                                       and link.remote.client.connected.is_set() and not self.fusion.benched(link.name))
 
     def _score_last_round(self, session: DecodeSession, last_path: list[int]) -> None:
         if self.suffix is not None:  # every round's text, asked this round or not
@@ -204,7 +226,9 @@ class FusedSpeculator:
                 link.late = task
                 task.add_done_callback(lambda _task, link=link: self._landed(link))
                 stats[link.name].failures += 1
+                self.fusion.answered(link.name, late=True)
                 continue
+            self.fusion.answered(link.name, late=False)
             drafted = task.result()
             proposal = drafted.proposal
             if proposal is None:
