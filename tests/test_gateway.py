@@ -668,14 +668,20 @@ def test_a_targets_drafters_are_exported_as_gauges_by_drafter():
 
     metrics = GatewayMetrics()
     metrics.record_role("target", "t:9100", True, {"drafters": {
-        "d:9000": {"chosen_rounds": 12, "accepted_tokens": 30, "failures": 1, "mean_score": 0.5, "connected": True},
-        "ngram": {"chosen_rounds": 3, "accepted_tokens": 4, "failures": 0, "mean_score": None, "connected": True}}})
+        "d:9000": {"chosen_rounds": 12, "accepted_tokens": 30, "failures": 1, "mean_score": 0.5, "connected": True,
+                   "benched": False},
+        "d:9001": {"chosen_rounds": 0, "accepted_tokens": 0, "failures": 3, "mean_score": None, "connected": True,
+                   "benched": True},
+        "ngram": {"chosen_rounds": 3, "accepted_tokens": 4, "failures": 0, "mean_score": None, "connected": True,
+                  "benched": False}}})
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(metrics.exposition().decode()) for s in family.samples}
     assert samples[("specctl:drafter_chosen_rounds", (("address", "t:9100"), ("drafter", "d:9000")))] == 12
     assert samples[("specctl:drafter_accepted_tokens", (("address", "t:9100"), ("drafter", "ngram")))] == 4
     assert samples[("specctl:drafter_mean_score", (("address", "t:9100"), ("drafter", "d:9000")))] == 0.5
     assert ("specctl:drafter_mean_score", (("address", "t:9100"), ("drafter", "ngram"))) not in samples
+    assert samples[("specctl:drafter_benched", (("address", "t:9100"), ("drafter", "d:9001")))] == 1
+    assert samples[("specctl:drafter_benched", (("address", "t:9100"), ("drafter", "d:9000")))] == 0
 
 
 @pytest.mark.parametrize("n", [1, 3])

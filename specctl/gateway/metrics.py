@@ -84,6 +84,7 @@ DRAFTER_GAUGES = {
     "accepted_tokens": ("drafter_accepted_tokens", "a drafter's tokens the target accepted"),
     "failures": ("drafter_failures", "rounds a drafter was skipped: down, failed or past the deadline"),
     "mean_score": ("drafter_mean_score", "a drafter's mean routing score over finished sessions"),
+    "benched": ("drafter_benched", "1 while a draft server sits rounds out, past the deadline round after round"),
 }
 
 
