@@ -102,9 +102,11 @@ async def test_stage_one_serving_specpipe_is_exact_and_a_cancelled_request_frees
                                                       lambda t: started.set()))
         await started.wait()
         running.cancel()
+        # the stages' stats are the last ones their heartbeat or a poll asked for (up to 2 s old):
+        # wait for ones that have seen the four sessions open and close
         stats = await poll_async(lambda: remote_stats("127.0.0.1", first_port),
                                  lambda s: s["sessions"] == 0 and s["kv_used_mb"] == 0 and s["stages"]
-                                 and s["stages"][0]["sessions"] == 0)
+                                 and s["stages"][0]["sessions"] == 0 and s["stages"][0]["sessions_closed"] >= 4)
         assert stats["stages"][0]["sessions_opened"] == stats["stages"][0]["sessions_closed"] == 4
         assert stats["specpipe_steps"] >= 118 and stats["specpipe_hits"] + stats["specpipe_flushes"] <= stats["specpipe_steps"]
     finally:
