@@ -36,6 +36,21 @@ def test_generate_json_is_identical_across_modes(tiny_dir, modes):
                                         "tokens_per_s", "draft_ms", "verify_ms"}
 
 
+def test_the_prompt_may_be_the_argument_given_once(tiny_dir):
+    by_option = _generate(tiny_dir, "--mode", "ar")
+    assert by_option.returncode == 0, by_option.stderr
+    by_argument = run("generate", "hello world", "--target", str(tiny_dir["llama"]), "--draft",
+                      str(tiny_dir["llama-draft"]), "--max-tokens", "12", "--dtype", "fp32", "--json", "--mode", "ar")
+    assert by_argument.returncode == 0, by_argument.stderr
+    assert json.loads(by_argument.stdout)["token_ids"] == json.loads(by_option.stdout)["token_ids"]
+    for args, why in ((("x", "-p", "y"), "given twice, as the argument and as --prompt/-p: give it once"),
+                      (("--max-tokens", "3"), 'none given: specctl generate "TEXT" (or --prompt/-p TEXT)')):
+        proc = run_here("generate", *args)  # a usage error: the usage, then why; exit 2
+        assert proc.returncode == 2 and "generate [OPTIONS] [PROMPT]" in proc.stderr  # in-process: argv[0] is pytest
+        assert "Invalid value for PROMPT: " + why in " ".join(re.sub(r"[│╭╮╰╯─]", " ", proc.stderr).split())
+        assert "Traceback" not in proc.stderr + proc.stdout
+
+
 @pytest.mark.slow  # 3 processes, 22 s; penalties in every mode are tested in-process in the default run
 def test_generate_with_penalties_is_the_same_in_every_mode_and_differs_from_without(tiny_dir):
     penalties = ("--repetition-penalty", "1.6", "--presence-penalty", "0.5", "--frequency-penalty", "0.4")

@@ -46,7 +46,9 @@ class TextStreamer:
 
 
 def generate(
-    prompt: str = typer.Option(..., "--prompt", "-p", help="the prompt text"),
+    prompt_text: Optional[str] = typer.Argument(None, metavar="PROMPT", show_default=False,
+                                                help="the prompt text (or --prompt/-p)"),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="the prompt text"),
     target: Optional[str] = typer.Option(None, help="target model: packaged name, HF directory or .gguf"),
     draft: Optional[str] = typer.Option(None, help="draft model; NAME@N = the first N layers of NAME"),
     chat: bool = typer.Option(False, "--chat", help="wrap the prompt in the target's chat template"),
@@ -126,6 +128,7 @@ def generate(
     from specctl.spec.rounds import run_to_end
     from specctl.spec.params import SamplingParams
 
+    prompt = one_prompt(prompt_text, prompt)
     if bad_words and not all(word.strip() for word in bad_words):  # before the models load
         raise ConfigError("--bad-words must not be empty: give a word")
     if stop and not all(stop):
@@ -190,6 +193,16 @@ def generate(
             f"[dim]{stats.new_tokens} tokens, {stats.tokens_per_s:.2f} tok/s, mode {config.mode}, "
             f"mean accepted length {stats.mean_accepted_length:.2f}, acceptance {stats.acceptance_rate:.0%}{predicted}[/]"
         )
+
+
+def one_prompt(argument: str | None, option: str | None) -> str:
+    """The prompt, given as the argument (as ``llm "..."`` or ``ollama run M "..."`` take it) or
+    as -p (llama.cpp's), once; a usage error otherwise (printed with the usage, exit 2)."""
+    if argument is not None and option is not None:
+        raise typer.BadParameter("given twice, as the argument and as --prompt/-p: give it once", param_hint="PROMPT")
+    if argument is None and option is None:
+        raise typer.BadParameter('none given: specctl generate "TEXT" (or --prompt/-p TEXT)', param_hint="PROMPT")
+    return argument if argument is not None else option
 
 
 def prompt_ids(tokenizer, prompt: str, chat: bool, suffix: str | None, params):
