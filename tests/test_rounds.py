@@ -12,6 +12,7 @@ from specctl.engine.loader import load_model
 from specctl.spec.drafters import DraftSession, Drafter, ModelChainDrafter
 from specctl.spec.rounds import generate
 from specctl.spec.params import SamplingParams
+from specctl.spec.stats import counted_draft
 from specctl.verify.client import remote_generate
 from specctl.verify.draft_client import DraftClient
 from specctl.verify.server import TargetServer, TargetServerConfig
@@ -131,6 +132,27 @@ def test_autoregressive_rounds_are_rounds_but_not_drafts(tiny):
     _, stats, _ = generate(tiny["llama"], [1, 2, 3], params, ModelChainDrafter(tiny["llama-draft"], 3))
     assert stats.rounds == stats.drafts > 0 and stats.ar_rounds == 0 and stats.drafted == 3 * stats.drafts
     assert stats.to_dict()["fallback_rounds"] == 0
+
+
+def test_draft_tokens_past_the_end_are_neither_drafted_nor_accepted(tiny):
+    # the target drafting for itself: every draft token is accepted, and max_tokens cuts the round
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    tokens, stats, _ = generate(tiny["llama"], [1, 2, 3], params, ModelChainDrafter(tiny["llama"], 4))
+    assert len(tokens) == 2
+    assert (stats.rounds, stats.drafts, stats.drafted, stats.accepted, stats.accepted_per_pos) == (1, 1, 1, 1, [1])
+    assert (stats.mean_accepted_length, stats.acceptance_rate) == (2.0, 1.0)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    _, stats, _ = generate(tiny["llama"], [1, 2, 3], params, ModelChainDrafter(tiny["llama"], 4))
+    assert (stats.drafted, stats.accepted, stats.accepted_per_pos) == (3, 3, [1, 1, 1])
+
+
+def test_counted_draft_cuts_only_inside_the_accepted_tokens():
+    assert counted_draft(0, 0, 1) == (0, 0)  # autoregressive
+    assert counted_draft(4, 2, 3) == (4, 2)  # accepted + bonus: nothing cut
+    assert counted_draft(4, 4, 5) == (4, 4)
+    assert counted_draft(4, 2, 2) == (2, 2)  # the bonus cut: position 3's rejection decided nothing
+    assert counted_draft(4, 4, 1) == (1, 1)
+    assert counted_draft(4, 3, 0) == (1, 0)  # a stop string took all: still a draft round
 
 
 async def test_a_target_without_a_draft_server_is_autoregressive_by_choice_not_by_fallback(models):

@@ -27,7 +27,7 @@ from specctl.spec.decode import DecodeSession
 from specctl.spec.draft_state import DraftState, draft_capacity, draft_many
 from specctl.spec.drafters import Drafter, NoDrafter, Proposal
 from specctl.spec.params import SamplingParams
-from specctl.spec.stats import GenerationStats, RoundResult
+from specctl.spec.stats import GenerationStats, RoundResult, counted_draft
 
 Emit = Callable[[list[int], RoundResult | None], None]  # (tokens, None for the prefill's first token)
 
@@ -162,9 +162,9 @@ async def run_session(session: DecodeSession, speculator: Speculator, lane: Lane
             # Rounds of sessions of this lane that are due together share one target forward.
             tokens = await lane.run_batched("verify", apply_many, (session, proposal))
             tree = proposal.tree
-            result = RoundResult(tree.max_depth, len(tree) - 1, len(session.last_path), len(tokens),
-                                 drafted.draft_s, time.perf_counter() - asked, drafted.fallback, drafted.predicted,
-                                 drafted.by_load)
+            depth, accepted = counted_draft(tree.max_depth, len(session.last_path), len(tokens))
+            result = RoundResult(depth, len(tree) - 1, accepted, len(tokens), drafted.draft_s,
+                                 time.perf_counter() - asked, drafted.fallback, drafted.predicted, drafted.by_load)
             session.stats.record(result)
             session.stats.wall_s = time.perf_counter() - started
             emit(tokens, result)

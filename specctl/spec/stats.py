@@ -29,6 +29,16 @@ class RoundResult:
     by_load: bool = False  # plain by choice: the instance ran more sessions than speculation pays for (spec.turns)
 
 
+def counted_draft(depth: int, accepted: int, committed: int) -> tuple[int, int]:
+    """(drafted, accepted) as the stats count a round of ``depth`` draft tokens, ``accepted``
+    of them, ``committed`` emitted. When an end (EOS, a stop string, max_tokens) cut the round
+    inside its accepted tokens, the positions past the cut decided nothing: counting them made
+    a one-token reply read 4 tokens a round."""
+    if depth == 0 or committed > accepted:
+        return depth, accepted
+    return max(committed, 1), committed
+
+
 @dataclass(slots=True)
 class GenerationStats:
     prompt_tokens: int = 0
