@@ -496,6 +496,8 @@ async def test_a_chain_whose_last_stage_stops_answering_is_dropped_and_a_long_fo
 async def test_a_forward_left_unanswered_ends_its_session_alone_while_the_stages_answer(monkeypatch):
     """Past FORWARD_TIMEOUT_S a session's forward ends that session (StageUnavailable); a chain
     whose stages answer the heartbeat is no hung one, so it is kept for the other sessions."""
+    import torch
+
     from specctl.net.protocol import Stats
     from specctl.pipeline import decoder as decoder_module
     from specctl.pipeline.decoder import PipelineClient
@@ -539,6 +541,12 @@ async def test_a_forward_left_unanswered_ends_its_session_alone_while_the_stages
         await asyncio.sleep(0.3)  # past the silence: the stages answered all along
         assert client.epoch == 1 and client.connected.is_set() and not links[0].closed.is_set()
         assert len(links) == 1 and links[0].posted.count(StatsRequest()) > 5
+        assert client._pending == {}  # the given-up forward is not kept for an output that never comes
+        late = client.submit(client.epoch, lambda fid: ("forward", fid))
+        await asyncio.sleep(0.05)
+        late.cancel()
+        client._on_reply(StageOutput(2, Tensor.from_torch(torch.zeros(1))))  # answered as it was given up
+        assert late.cancelled() and client._pending == {}
     finally:
         runner.cancel()
 

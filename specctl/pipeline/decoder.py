@@ -115,6 +115,8 @@ class PipelineClient:
                 link.give_up(f"stage {quiet} has not answered for {STAGE_SILENCE_S:g} s: stopped or hung")
                 return
             link.post(StatsRequest())
+            # forwards whose sessions gave up waiting: their outputs, if they ever come, go nowhere
+            self._pending = {fid: future for fid, future in self._pending.items() if not future.cancelled()}
             await asyncio.sleep(HEARTBEAT_S)
 
     def _on_reply(self, message: Message) -> None:
@@ -130,11 +132,11 @@ class PipelineClient:
             self._silent_since = None  # outputs come from the last stage
             future = self._pending.pop(message.fid, None)
             if future is not None:
-                future.set_result(message.logits)
+                _settle(future, future.set_result, message.logits)
         elif isinstance(message, Error):
             future = self._pending.pop(message.req, None) if message.req is not None else None
             if future is not None:
-                future.set_exception(StageUnavailable(message.message))
+                _settle(future, future.set_exception, StageUnavailable(message.message))
             else:
                 self.last_error = message.message
 
@@ -184,12 +186,20 @@ class PipelineClient:
         self.link.post(make(fid))
 
 
+def _settle(future: concurrent.futures.Future, settle: Callable, value) -> None:
+    try:
+        settle(value)
+    except concurrent.futures.InvalidStateError:  # its session gave up waiting (wait_output) just now
+        pass
+
+
 def wait_output(future: concurrent.futures.Future) -> torch.Tensor:
     """The micro-batch's output; past FORWARD_TIMEOUT_S its session ends (StageUnavailable),
     the chain's other sessions going on (a hung chain is the heartbeat's to drop)."""
     try:
         return future.result(FORWARD_TIMEOUT_S).to_torch()
     except concurrent.futures.TimeoutError:
+        future.cancel()  # the heartbeat takes it out of the pending table
         raise StageUnavailable(f"the pipeline did not answer this session's forward within {FORWARD_TIMEOUT_S:g} s "
                                "while its stages answer; retry") from None
 
