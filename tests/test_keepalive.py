@@ -63,6 +63,42 @@ async def test_both_ends_of_a_role_connection_probe_an_idle_peer():
         await server.close()
 
 
+async def test_the_gateway_probes_an_idle_http_client(tiny_dir):
+    """A client whose box went off without a FIN: its queued or running request would wait for
+    the queue timeout or the stream's end; the probes reset the connection, which cancels it."""
+    import aiohttp
+    from aiohttp import web
+    from transformers import AutoTokenizer
+
+    from specctl.bench.processes import free_port
+    from specctl.gateway.metrics import GatewayMetrics
+    from specctl.gateway.server import Gateway, GatewayConfig
+    from specctl.gateway.upstream import Upstream
+
+    async def probe(request: web.Request) -> web.Response:  # what the gateway's end of this connection has
+        return web.json_response(list(keepalive_of(request.transport)))
+
+    metrics = GatewayMetrics()
+    gateway = Gateway(GatewayConfig(model_name="tiny", context=512, port=0),
+                      AutoTokenizer.from_pretrained(tiny_dir["llama"]),
+                      Upstream([f"127.0.0.1:{free_port()}"], metrics=metrics, poll_interval_s=0.1), metrics)
+    make_app = gateway.app
+
+    def with_probe() -> web.Application:
+        app = make_app()
+        app.router.add_get("/probe", probe)
+        return app
+
+    gateway.app = with_probe
+    port = await gateway.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{port}/probe") as response:
+                assert tuple(await response.json()) == EXPECTED
+    finally:
+        await gateway.close()
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="Linux's names of the options")
 def test_an_unconnected_socket_starts_without_keepalive():
     """What the settings change: a fresh socket has none (so the test above cannot pass by default)."""

@@ -37,6 +37,7 @@ from specctl.gateway.sampling_defaults import check_source
 from specctl.gateway.tool_parsers import TOOL_PARSERS
 from specctl.gateway.upstream import Upstream
 from specctl.engine.text import encode_prompt
+from specctl.net.keepalive import keep_alive
 from specctl.net.protocol import Done
 from specctl.spec.params import SamplingParams
 from specctl.verify.client import RemoteError
@@ -181,6 +182,7 @@ class Gateway:
 
     @web.middleware
     async def _preflight(self, request: web.Request, handler) -> web.StreamResponse:
+        keep_alive(request.transport)  # a client gone without a FIN: its request is cancelled in about a minute
         return cors.preflight(request, self.config.allowed_origins) or await handler(request)
 
     async def _allow_origin(self, request: web.Request, response: web.StreamResponse) -> None:

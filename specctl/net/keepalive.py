@@ -2,7 +2,7 @@
 network drops, sends no FIN: an idle connection to it would look alive for ever (Linux's own
 keepalive, where on, waits two hours), and whatever the other side keeps for it (a target's
 draft sessions on the draft server, a gateway's sessions on a target, a chain's KV on the
-stages) would never be freed. With these settings the kernel probes a connection idle for
+stages, an HTTP client's request queued or running at the gateway) would never be freed. With these settings the kernel probes a connection idle for
 30 s every 10 s and resets it after 3 unanswered probes (about a minute), so the usual
 disconnect path frees it. A stopped process (SIGSTOP) still has its kernel answer the probes:
 it is not taken for dead (it may resume); the roles' own timeouts deal with hangs."""
@@ -17,9 +17,10 @@ KEEPALIVE_INTERVAL_S = 10
 KEEPALIVE_PROBES = 3
 
 
-def keep_alive(writer: asyncio.StreamWriter) -> None:
-    """Turn keepalive on for the connection's TCP socket (nothing for other transports)."""
-    sock = writer.get_extra_info("socket")
+def keep_alive(connection: asyncio.StreamWriter | asyncio.BaseTransport | None) -> None:
+    """Turn keepalive on for the connection's TCP socket (nothing for other transports, or
+    for a connection already gone)."""
+    sock = connection.get_extra_info("socket") if connection is not None else None
     if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
         return
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
