@@ -72,9 +72,9 @@ def test_dashboard_fits_80x24_and_shows_down_roles():
     assert screen.count(" up ") == 2 and "down" in screen
     assert "tokens/s   90.0" in screen
     feed_down = feed((150, 140, 100), (True, True, False))
-    feed_down["targets"][2]["error"] = "its pipeline is down ([Errno 111] Connection refused)"
+    feed_down["targets"][2]["error"] = "its pipeline is down (stage 10.0.0.5:9101: timed out)"
     screen_down = text_of(dashboard(advance(state, feed_down, 3.0), now=3.5))
-    reason = f"{feed_down['targets'][2]['address']} down: its pipeline is down ([Errno 111] Connection refused)"
+    reason = f"{feed_down['targets'][2]['address']} down: its pipeline is down (stage 10.0.0.5:9101: timed out)"
     assert reason in screen_down.split("\n")  # its own line, below the table
     feed_down["targets"][2]["error"] = "x" * 200
     lines = text_of(dashboard(advance(state, feed_down, 3.0), now=3.5)).rstrip("\n").split("\n")

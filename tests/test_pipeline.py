@@ -493,6 +493,26 @@ async def test_a_chain_whose_last_stage_stops_answering_is_dropped_and_a_long_fo
         await wait_until(lambda: pipeline.servers[0].pool.sessions == 0, what="stage 2 freed the dropped chain")
 
 
+async def test_a_missing_next_stage_is_named_with_its_address_and_why():
+    from specctl.bench.processes import free_port
+    from specctl.pipeline.decoder import PipelineClient
+    from specctl.pipeline.link import StageLink
+
+    port = free_port()  # nothing listens there
+    client = PipelineClient(lambda on_reply: StageLink("127.0.0.1", port, model="m", fingerprint="f",
+                                                       on_reply=on_reply))
+    first = asyncio.get_running_loop().create_future()
+    runner = asyncio.create_task(client.run(first))
+    try:
+        assert await first is False
+        assert client.last_error == f"stage 127.0.0.1:{port}: connection refused"
+        with pytest.raises(StageUnavailable, match=rf"^the pipeline is down \(stage 127\.0\.0\.1:"
+                                                   rf"{port}: connection refused\); retry later$"):
+            client._check(client.epoch)
+    finally:
+        runner.cancel()
+
+
 async def test_a_forward_left_unanswered_ends_its_session_alone_while_the_stages_answer(monkeypatch):
     """Past FORWARD_TIMEOUT_S a session's forward ends that session (StageUnavailable); a chain
     whose stages answer the heartbeat is no hung one, so it is kept for the other sessions."""

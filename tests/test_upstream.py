@@ -35,7 +35,7 @@ def test_the_gateway_watches_every_draft_server_its_targets_name_once():
 def test_a_pipelined_target_whose_chain_is_broken_is_down_until_it_is_whole(monkeypatch, caplog):
     """Stage 1 answers the poll while its chain to the other stages is broken: it would refuse
     every request (after a round trip each), so it is down, saying why, until the chain is whole."""
-    answers = {"pipeline_connected": False, "pipeline_error": "[Errno 111] Connection refused"}
+    answers = {"pipeline_connected": False, "pipeline_error": "stage 127.0.0.1:9111: connection refused"}
 
     async def probe(host, port, auth_token, ssl):
         return Welcome(5, "target", "m", "f", 4), dict(answers)
@@ -45,10 +45,10 @@ def test_a_pipelined_target_whose_chain_is_broken_is_down_until_it_is_whole(monk
     link = upstream.targets[0]
     asyncio.run(upstream._poll(link))
     asyncio.run(upstream._poll(link))
-    assert not link.up and link.error == "its pipeline is down ([Errno 111] Connection refused)"
+    assert not link.up and link.error == "its pipeline is down (stage 127.0.0.1:9111: connection refused)"
     # said once, on the first poll (a role never up is down from the start), not at every poll
     assert [r.getMessage() for r in caplog.records] == [
-        "target 127.0.0.1:1 is down: its pipeline is down ([Errno 111] Connection refused)"]
+        "target 127.0.0.1:1 is down: its pipeline is down (stage 127.0.0.1:9111: connection refused)"]
     answers.update(pipeline_connected=True, pipeline_error=None)
     asyncio.run(upstream._poll(link))
     assert link.up and link.error == ""

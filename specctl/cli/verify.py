@@ -219,7 +219,8 @@ def _serve_stage(config, plan, console: Console, *, host: str, port: int, auth_t
         await serve(StageServer(loaded, stage_config, ssl_server, ssl_client, compute=compute.lane()),
                     lambda bound: console.print(
                         f"pipeline stage {plan.index}/{plan.count} of [bold]{config.target}[/] (layers {first}:{last}) "
-                        f"listening on {host}:{bound}{' (TLS)' if ssl_server else ''}, {then}", soft_wrap=True))
+                        f"listening on {host}:{bound}{' (TLS)' if ssl_server else ''}{' (auth)' if auth_token else ''}, "
+                        f"{then}", soft_wrap=True))
 
     run_with_compute(main, ComputeThread(f"stage{plan.index}-compute", spawn=False))
 
@@ -287,7 +288,8 @@ def _serve_target(config, plan, console: Console, loaded, *, host: str, port: in
                                      pipeline=chain, specpipe=specpipe, fusion=fusion),
                         lambda bound: console.print(
                             f"target instance [bold]{config.target}[/]{stages} listening on {host}:{bound}"
-                            f"{' (TLS)' if ssl_server else ''}, draft {', '.join(draft) or 'none'}"
+                            f"{' (TLS)' if ssl_server else ''}{' (auth)' if auth_token else ''}, "
+                            f"draft {', '.join(draft) or 'none'}"
                             f"{' (routed and fused)' if several else ''}", soft_wrap=True))
         finally:
             for link in links:

@@ -151,14 +151,15 @@ class Choices:
                     return
                 progress.resumes, progress.resumed_tokens = progress.resumes + 1, len(progress.tokens)
                 self.metrics.resumed_generations.inc()
-                log.warning("request %s: %s; going on from its %d tokens on another instance", name, lost,
-                            len(progress.tokens))
+                log.warning("request %s: %s; going on from its %d tokens on another instance if one is up", name,
+                            lost, len(progress.tokens))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - handed to the request, which ends with it
             if progress.resumes and not isinstance(exc, RemoteError):  # none could take it over
                 cause = "no other instance is up" if getattr(exc, "status", None) == 503 else f"failed: {exc}"
                 exc = RemoteError(lost.code, f"{lost}; going on from its {len(progress.tokens)} tokens: {cause}")
+                log.warning("request %s: could not go on: %s", name, cause)
             if not started.done():
                 started.set_exception(exc)
             else:

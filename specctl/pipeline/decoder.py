@@ -66,7 +66,8 @@ class PipelineClient:
             try:
                 await link.connect()
             except Exception as exc:  # noqa: BLE001 - retried; the message says which stage is missing
-                self.last_error = str(exc) or type(exc).__name__
+                self.last_error = (f"stage {link.address}: {exc.strerror.lower()}"
+                                   if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__)
                 if first_connected is not None and not first_connected.done():
                     first_connected.set_result(False)
                 await asyncio.sleep(backoff)
