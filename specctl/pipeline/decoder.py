@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import os
 import time
 from typing import Callable
 
@@ -66,8 +67,9 @@ class PipelineClient:
             try:
                 await link.connect()
             except Exception as exc:  # noqa: BLE001 - retried; the message says which stage is missing
-                self.last_error = (f"stage {link.address}: {exc.strerror.lower()}"
-                                   if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__)
+                # errno's own words: asyncio's loop says "Connect call failed (...)", uvloop the errno's
+                self.last_error = (f"stage {link.address}: {os.strerror(exc.errno).lower()}"
+                                   if isinstance(exc, OSError) and exc.errno else str(exc) or type(exc).__name__)
                 if first_connected is not None and not first_connected.done():
                     first_connected.set_result(False)
                 await asyncio.sleep(backoff)
