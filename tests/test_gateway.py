@@ -685,7 +685,7 @@ def test_a_targets_drafters_are_exported_as_gauges_by_drafter():
 
 
 @pytest.mark.parametrize("n", [1, 3])
-def test_a_target_that_dies_mid_stream_ends_the_stream_with_its_error_then_503(tiny_dir, n):
+def test_a_target_that_dies_mid_stream_ends_the_stream_with_its_error_then_503(tiny_dir, n, caplog):
     """kill the only target instance mid-stream: none can go on from the output so far, so the
     stream ends with an error event naming it (once, whatever the choices) and [DONE]; the
     gateway then answers 503 with Retry-After, and carries on."""
@@ -711,6 +711,11 @@ def test_a_target_that_dies_mid_stream_ends_the_stream_with_its_error_then_503(t
                             r"its \d+ tokens: no other instance is up", error["message"])
         assert error["type"] == "server_error"
         assert all("choices" in json.loads(d) for d in data[:-2])
+        said = [r.getMessage() for r in caplog.records if r.name == "specctl.gateway"]
+        down = [line for line in said if " is down: " in line]  # once, whatever the choices
+        assert len(down) == 1 and re.fullmatch(r"target 127\.0\.0\.1:\d+ is down: target instance 127\.0\.0\.1:\d+ "
+                                               r"closed the connection mid-stream", down[0]), said
+        assert sum(line.endswith(": could not go on: no other instance is up") for line in said) == n, said
         poll_until(lambda: thread.cluster.gateway.running, lambda running: running == 0, timeout=10)
         code, headers, raw = post(urls["gateway"] + "/v1/completions", {"prompt": PROMPT, "max_tokens": 4})
         assert code == 503 and headers["Retry-After"] == "1"

@@ -240,7 +240,7 @@ class Upstream:
                     yield stream, first
                 except RemoteError as exc:
                     if exc.code in LOST:  # until the poller finds it up again
-                        link.up, link.error = False, str(exc)
+                        self._down(link, str(exc))
                     raise
                 return
             finally:
