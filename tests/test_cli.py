@@ -336,6 +336,12 @@ def test_bad_parameters_error(tiny_dir, flags, expected):
     _assert_one_line_error(run_here("generate", "--target", str(tiny_dir["llama"]), "--prompt", "x", *flags), expected)
 
 
+@pytest.mark.parametrize("mode", ["ar", "multi", "warp"])
+def test_a_draft_server_of_a_mode_that_proposes_nothing_is_refused_in_its_own_words(mode):
+    _assert_one_line_error(run_here("draft", "--mode", mode, "--port", "0"),
+                           f"a draft server proposes: --mode must be chain, tree, ngram or suffix, got '{mode}'")
+
+
 def test_help_explains_every_role_command():
     proc = run_here("--help")
     assert proc.returncode == 0

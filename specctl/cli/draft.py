@@ -15,6 +15,8 @@ from specctl.config import build_config
 from specctl.errors import ConfigError
 from specctl.runtime.omp_wait import OMP_WAIT_HELP, apply_omp_wait, is_loopback
 
+SERVER_MODES = ("chain", "tree", "ngram", "suffix")  # ar proposes nothing; multi is a target's routing
+
 DEFAULT_PRESPEC_BUDGET = 8
 
 
@@ -93,11 +95,13 @@ def draft(
     # first: libgomp reads it once, when torch loads it (build_config's profile detection does)
     # bound to loopback, its targets are on this host (its own address bound says nothing of theirs)
     omp_line = apply_omp_wait(omp_wait, [host] if is_loopback(host) else [], os.environ, "torch" in sys.modules)
+    if mode is not None and mode not in SERVER_MODES:  # before the config's own checks, which speak of targets' flags
+        raise ConfigError(f"a draft server proposes: --mode must be chain, tree, ngram or suffix, got {mode!r}")
     config = build_config(profile, draft=model, mode=mode, depth=depth, draft_stop=draft_stop, topk=topk, width=width,
                           max_sessions=max_sessions, max_batch=max_batch, dtype=dtype, threads=threads, draft_quant=draft_quant,
                           prefix_cache_mb=prefix_cache_mb, prefill_chunk=prefill_chunk)
-    if config.mode not in ("chain", "tree", "ngram", "suffix"):  # ar proposes nothing; multi is a target's routing
-        raise ConfigError("a draft server proposes: --mode must be chain, tree, ngram or suffix")
+    if config.mode not in SERVER_MODES:
+        raise ConfigError(f"a draft server proposes: --mode must be chain, tree, ngram or suffix, got {config.mode!r}")
     if step_time_ms < 0:
         raise ConfigError(f"--step-time-ms must be >= 0, got {step_time_ms:g}")
     speculation = prespec_config(prespec, prespec_budget, config.prespec_budget, saguaro_c, fallback, config.mode,
