@@ -13,7 +13,7 @@ from rich.console import Console
 
 from specctl.chat import transcript
 from specctl.chat.commands import ChatState, Quit, command, retry_point
-from specctl.chat.repl import multiline, repl, stat_line
+from specctl.chat.repl import greeting, multiline, repl, stat_line
 from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
 
@@ -232,6 +232,37 @@ def test_repl_reports_an_unreachable_gateway_and_carries_on():
     assert ("error: cannot reach the gateway at http://127.0.0.1:9 (connection refused): start one "
             "(`specctl up` or `specctl gateway`), or leave out --gateway to chat with an embedded cluster"
             in console.export_text().replace("\n", "")) and state.messages == []
+
+
+def test_the_chat_starts_by_naming_the_gateways_model_or_why_it_does_not_answer(gateway):
+    model = openai.OpenAI(base_url=gateway + "/v1", api_key="x").models.list().data[0].id
+    assert greeting(gateway) == f"[dim]chatting with {gateway} (model {model})[/]"
+    assert greeting("http://127.0.0.1:9") == (
+        "[yellow]cannot reach the gateway at http://127.0.0.1:9 (connection refused): start one (`specctl up` or "
+        "`specctl gateway`), or leave out --gateway to chat with an embedded cluster; messages go out once it answers[/]")
+
+
+async def test_the_chat_says_at_once_that_the_gateway_refused_its_api_key(tiny_dir):
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from specctl.bench.processes import free_port
+    from specctl.gateway.metrics import GatewayMetrics
+    from specctl.gateway.server import Gateway, GatewayConfig
+    from specctl.gateway.upstream import Upstream
+
+    metrics = GatewayMetrics()
+    server = Gateway(GatewayConfig(model_name="tiny", context=512, port=0, api_key="k3y"),
+                     AutoTokenizer.from_pretrained(tiny_dir["llama"]),
+                     Upstream([f"127.0.0.1:{free_port()}"], metrics=metrics, poll_interval_s=0.1), metrics)
+    url = f"http://127.0.0.1:{await server.start()}"
+    try:
+        assert await asyncio.to_thread(greeting, url, "wrong") == (
+            f"[yellow]the gateway at {url}: it refused the API key: pass --api-key (or set SPECCTL_API_KEY)[/]")
+        assert await asyncio.to_thread(greeting, url, "k3y") == f"[dim]chatting with {url} (model tiny)[/]"
+    finally:
+        await server.close()
 
 
 def tmux(*args):

@@ -207,6 +207,36 @@ def failure_message(url: str, exc: BaseException) -> str:
     return str(exc)
 
 
+GREETING_TIMEOUT_S = 5.0
+
+
+async def served_model(url: str, api_key: str | None = None) -> str:
+    """The model the gateway serves (the first of its /v1/models)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url.rstrip("/") + "/v1/models", headers=headers,
+                               timeout=aiohttp.ClientTimeout(total=GREETING_TIMEOUT_S)) as response:
+            if response.status == 401:
+                raise PermissionError("it refused the API key: pass --api-key (or set SPECCTL_API_KEY)")
+            response.raise_for_status()
+            return (await response.json())["data"][0]["id"]
+
+
+def greeting(url: str, api_key: str | None = None) -> str:
+    """The line a chat with a gateway starts with: the model it serves, or why it does not
+    answer. The chat starts either way (a gateway may come up later; /save and /load work
+    without one), but a user should not find out only after typing a message."""
+    try:
+        return f"[dim]chatting with {url} (model {asyncio.run(served_model(url, api_key))})[/]"
+    except PermissionError as exc:
+        return f"[yellow]the gateway at {url}: {exc}[/]"
+    except asyncio.TimeoutError:
+        why = f"the gateway at {url} gave no answer within {GREETING_TIMEOUT_S:g} s"
+    except Exception as exc:  # noqa: BLE001 - said, and the chat goes on
+        why = failure_message(url, exc) or type(exc).__name__
+    return f"[yellow]{why}; messages go out once it answers[/]"
+
+
 def show_stats(url: str, console: Console, api_key: str | None = None) -> None:
     from specctl.monitor.render import dashboard
     from specctl.monitor.view import MonitorState, advance

@@ -69,10 +69,11 @@ def chat(
     if load:
         console.print(f"[dim]{len(state.messages)} messages loaded from {load}[/]")
     if gateway:
+        from specctl.chat.repl import greeting
         from specctl.cli.roles import gateway_url
 
         gateway = gateway_url(gateway)
-        console.print(f"[dim]chatting with {gateway}[/]")
+        console.print(greeting(gateway, api_key))
         repl(gateway, console, state, api_key)
         return
     import logging
