@@ -582,7 +582,7 @@ async def test_no_reachable_target_is_503_with_retry_after_and_api_key_is_checke
                     assert response.headers["Retry-After"] == "1"
                     body = await response.json()
                     assert re.fullmatch(r"no target instance is reachable \(127\.0\.0\.1:\d+: cannot reach "
-                                        r"127\.0\.0\.1:\d+: .*\); retry later", body["error"]["message"])
+                                        r"127\.0\.0\.1:\d+: connection refused\); retry later", body["error"]["message"])
                     assert body["error"]["code"] == "no_capacity"
             async with session.get(f"http://127.0.0.1:{port}/health") as response:
                 assert response.status == 503
