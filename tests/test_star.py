@@ -488,6 +488,39 @@ async def test_starsd_admission_refuses_a_target_beyond_n_max_which_then_runs_au
         await draft_server.close()
 
 
+async def test_a_session_refused_by_a_full_draft_server_drafts_once_it_has_room(models, monkeypatch, caplog):
+    """The draft server's one session is taken: the second session runs autoregressively, asks
+    again every REOPEN_AFTER_S, and drafts once the first has ended (it ran AR to its end);
+    both outputs exactly the target's, and no warning per refusal."""
+    from specctl.verify import speculator as speculator_module
+
+    monkeypatch.setattr(speculator_module, "REOPEN_AFTER_S", 0.1)
+    target, draft = models
+    draft_server = DraftServer(draft, ModelChainDrafter(draft.decoder, 3), DraftServerConfig(port=0, max_sessions=1))
+    draft_port = await draft_server.start()
+    client = DraftClient("127.0.0.1", draft_port, model=target.name, fingerprint=target.vocab_fingerprint)
+    first = asyncio.get_running_loop().create_future()
+    link = asyncio.create_task(client.run(first))
+    server = TargetServer(target, TargetServerConfig(port=0, verify_delay_s=0.01), client)
+    try:
+        assert await first
+        port = await server.start()
+        started = asyncio.Event()
+        holder = asyncio.create_task(remote_generate("127.0.0.1", port, PROMPTS[0], SamplingParams(
+            max_tokens=12, ignore_eos=True), lambda t: started.set()))
+        await started.wait()
+        tokens, _, stats = await remote_generate("127.0.0.1", port, PROMPTS[1],
+                                                 SamplingParams(max_tokens=150, ignore_eos=True))
+        assert tokens == local_reference(models, PROMPTS[1], 150)
+        assert stats["fallback_rounds"] > 0 and stats["drafts"] > 0  # refused first, drafting later
+        assert (await holder)[0] == local_reference(models, PROMPTS[0], 12)
+        assert not [r for r in caplog.records if r.levelname == "WARNING" and "capacity" in r.getMessage()]
+    finally:
+        link.cancel()
+        await server.close()
+        await draft_server.close()
+
+
 async def test_a_flooding_peer_is_slowed_down_not_dropped(models):
     """The per-peer rate limit: 60 stats requests at once against a limit of 20/s all get
     their answer; the server counts the ones that had to wait."""

@@ -18,6 +18,10 @@ from specctl.net.protocol import (CloseSession, Error, Graft, Level, NextLevel, 
                                   Propose, Reroot, SessionOpened, StatsRequest, encode)
 from specctl.spec.params import SamplingParams
 
+# A session refused for these is asked for again after REOPEN_AFTER_S: the server's sessions
+# end, and other targets' (StarSD admission); any other refusal holds until a reconnect.
+TRANSIENT_REFUSALS = frozenset({"capacity", "admission"})
+REOPEN_AFTER_S = 1.0
 log = logging.getLogger("specctl.verify.draft")
 Handle = tuple[int, int]  # (connection epoch, tag) of a draft session
 # A request past the client's timeout drops the link only if the server says nothing at all: a
@@ -136,7 +140,9 @@ class DraftClient:
                 key = ("tag", message.tag)
             elif isinstance(message, Error):
                 key = ("req", message.req) if message.req is not None else ("tag", message.tag)
-                log.warning("draft server error %s: %s", message.code, message.message)
+                # a full server is no fault (the session drafts once it has room): not a warning per session
+                log.log(logging.DEBUG if message.code in TRANSIENT_REFUSALS else logging.WARNING,
+                        "draft server error %s: %s", message.code, message.message)
             else:
                 continue
             future = self._pending.pop(key, None)
@@ -177,8 +183,9 @@ class DraftClient:
 
     async def open(self, prompt: list[int], *, temperature: float, top_p: float, top_k: int, seed: int,
                    max_tokens: int, rules: SamplingParams | None = None, generated: int = 0,
-                   reproducible: bool = False) -> Handle | None:
-        """(epoch, tag) of a new draft session, or None when the draft is unavailable. ``rules``: the
+                   reproducible: bool = False) -> Handle | Error | None:
+        """(epoch, tag) of a new draft session; the server's Error when it refused the session; None
+        when the draft is unavailable (no link, no answer in time). ``rules``: the
         request's parameters, whose logit rules, grammar and min_p the draft follows; ``generated``:
         how many of the prompt's last tokens are output already; ``reproducible``: drafted as a
         cold start alone would (OpenSession.reproducible: a seeded sample's)."""
@@ -189,7 +196,7 @@ class DraftClient:
             list(rules.sampler_order), rules.cache_salt, **draft_rules(rules, generated)))
         if isinstance(reply, SessionOpened) and epoch == self.epoch:
             return epoch, reply.tag
-        return None
+        return reply if isinstance(reply, Error) else None
 
     async def propose(self, handle: Handle, path: list[int], tokens: list[int],
                       timeout_s: float | None = None, max_depth: int = 0) -> Proposal | None:

@@ -2,8 +2,9 @@
 loop. It owns the session's draft-session lifecycle, in one place:
 
 - open it while the target runs the prefill, from the text committed so far;
-- a draft server that refused the session (capacity, StarSD admission) is asked again
-  only after the link reconnects; meanwhile rounds run autoregressively;
+- a draft server that refused the session because it was full (capacity, StarSD
+  admission) is asked again every REOPEN_AFTER_S, for any other refusal or no answer only
+  after the link reconnects; meanwhile rounds run autoregressively;
 - a Propose that fails (an error from the draft server, or no answer in time) leaves the
   draft session in an unknown state: it is closed at once and a new one opened next
   round (after three failures in a row, only after a reconnect);
@@ -14,17 +15,18 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import random
 import time
 
 from specctl.engine.tree import PlainTree
-from specctl.net.protocol import Proposal as ProposalMsg, ProtocolError
+from specctl.net.protocol import Error, Proposal as ProposalMsg, ProtocolError
 from specctl.spec.decode import DecodeSession
 from specctl.spec.drafters import Proposal
 from specctl.spec.rounds import Drafted
 from specctl.spec.params import SamplingParams
 from specctl.spec.stats import FALLBACK_BAD_PROPOSAL, FALLBACK_DRAFT_DOWN, FALLBACK_DRAFT_FAILED
-from specctl.verify.draft_client import DraftClient, Handle
+from specctl.verify.draft_client import REOPEN_AFTER_S, TRANSIENT_REFUSALS, DraftClient, Handle
 
 log = logging.getLogger("specctl.verify")
 MAX_FAILURES_IN_A_ROW = 3
@@ -78,7 +80,7 @@ class RemoteSpeculator:
         self._opening: asyncio.Future | None = None
         self._opened_at = 0  # committed tokens the draft session was opened with
         self._fresh = True  # no proposal yet from this draft session
-        self._refused_epoch: int | None = None
+        self._refused: tuple[int, float] | None = None  # (link epoch, when to ask again) after a refusal
         self._failures = 0
         self._failures_epoch: int | None = None
         self.session: DecodeSession | None = None
@@ -102,16 +104,20 @@ class RemoteSpeculator:
     async def _opened(self, params, text: list[int], generated: int) -> Handle | None:
         epoch = self.client.epoch
         temperature = 0.0 if self.greedy_drafts else params.temperature
-        handle = await self.client.open(text, temperature=temperature, top_p=params.top_p,
-                                        top_k=params.top_k, seed=self.seed, max_tokens=params.max_tokens - generated,
-                                        rules=params, generated=generated,
-                                        reproducible=reproducible_draft(params, self.greedy_drafts))
-        # Refused on a live link: ask again only after a reconnect.
-        self._refused_epoch = epoch if handle is None and self.client.epoch == epoch else None
-        return handle
+        reply = await self.client.open(text, temperature=temperature, top_p=params.top_p,
+                                       top_k=params.top_k, seed=self.seed, max_tokens=params.max_tokens - generated,
+                                       rules=params, generated=generated,
+                                       reproducible=reproducible_draft(params, self.greedy_drafts))
+        self._refused = None
+        if not isinstance(reply, tuple) and self.client.epoch == epoch:  # refused on a live link
+            transient = isinstance(reply, Error) and reply.code in TRANSIENT_REFUSALS
+            self._refused = (epoch, time.monotonic() + REOPEN_AFTER_S if transient else math.inf)
+        return reply if isinstance(reply, tuple) else None
 
     def _may_reopen(self) -> bool:
-        return (self._linked() and self._refused_epoch != self.client.epoch
+        return (self._linked()
+                and (self._refused is None or self._refused[0] != self.client.epoch
+                     or time.monotonic() >= self._refused[1])
                 and (self._failures < MAX_FAILURES_IN_A_ROW or self._failures_epoch != self.client.epoch))
 
     @property
