@@ -521,6 +521,19 @@ async def test_a_session_refused_by_a_full_draft_server_drafts_once_it_has_room(
         await draft_server.close()
 
 
+async def test_an_unreachable_draft_server_is_said_in_plain_words(models):
+    from specctl.bench.processes import free_port
+
+    target, _ = models
+    client = DraftClient("127.0.0.1", free_port(), model=target.name, fingerprint=target.vocab_fingerprint)
+    first = asyncio.get_running_loop().create_future()
+    link = asyncio.create_task(client.run(first))
+    try:
+        assert await first is False and client.last_error == "connection refused"  # was "ConnectionRefusedError: [Errno 111] ..."
+    finally:
+        link.cancel()
+
+
 async def test_a_flooding_peer_is_slowed_down_not_dropped(models):
     """The per-peer rate limit: 60 stats requests at once against a limit of 20/s all get
     their answer; the server counts the ones that had to wait."""

@@ -11,7 +11,7 @@ import itertools
 import logging
 import ssl as ssl_module
 
-from specctl.errors import VocabMismatch
+from specctl.errors import VocabMismatch, unreachable_reason
 from specctl.net.framing import read_message
 from specctl.net.handshake import AuthError, open_peer
 from specctl.net.protocol import (CloseSession, Error, Graft, Level, NextLevel, OpenLevels, OpenSession, Proposal,
@@ -81,7 +81,7 @@ class DraftClient:
                 if self.connected.is_set():  # once per loss, not per reconnection attempt
                     log.warning("lost the draft server at %s:%d (%s); decoding autoregressively and reconnecting",
                                 self.host, self.port, given_up or type(exc).__name__)
-                self.last_error = given_up or f"{type(exc).__name__}: {exc}"
+                self.last_error = given_up or unreachable_reason(exc) or f"{type(exc).__name__}: {exc}"
                 if first_connected is not None and not first_connected.done():
                     first_connected.set_result(False)  # not fatal: decode autoregressively meanwhile
             finally:
