@@ -3,7 +3,9 @@ test can inspect their state): exactness, faults, isolation, auth and TLS."""
 
 import asyncio
 import logging
+import re
 import threading
+import time
 
 import pytest
 
@@ -516,6 +518,51 @@ async def test_a_session_refused_by_a_full_draft_server_drafts_once_it_has_room(
         assert (await holder)[0] == local_reference(models, PROMPTS[0], 12)
         assert not [r for r in caplog.records if r.levelname == "WARNING" and "capacity" in r.getMessage()]
     finally:
+        link.cancel()
+        await server.close()
+        await draft_server.close()
+
+
+async def test_a_full_draft_server_closes_a_silent_targets_connection_and_its_sessions_go_to_the_others(
+        models, monkeypatch, caplog):
+    """A stopped target process keeps its connection and sessions: once the server is full, a
+    target that has sent nothing for STALE_TARGET_S is disconnected, and the asking target's
+    session (refused, asked again) drafts; a live target's heartbeat keeps it from that."""
+    from specctl.draft import opening
+    from specctl.verify import draft_client as draft_client_module, speculator as speculator_module
+
+    monkeypatch.setattr(opening, "STALE_TARGET_S", 0.6)
+    monkeypatch.setattr(draft_client_module, "HEARTBEAT_S", 0.1)
+    monkeypatch.setattr(speculator_module, "REOPEN_AFTER_S", 0.1)
+    target, draft = models
+    draft_server = DraftServer(draft, ModelChainDrafter(draft.decoder, 3), DraftServerConfig(port=0, max_sessions=1))
+    draft_port = await draft_server.start()
+    reader, writer = await asyncio.open_connection("127.0.0.1", draft_port)  # a target that then stops
+    await client_handshake(reader, writer, role="target", model=target.name, fingerprint=target.vocab_fingerprint)
+    await write_message(writer, OpenSession(1, [1, 2, 3], max_tokens=16))
+    assert isinstance(await asyncio.wait_for(read_message(reader), 10), SessionOpened)
+    client = DraftClient("127.0.0.1", draft_port, model=target.name, fingerprint=target.vocab_fingerprint)
+    first = asyncio.get_running_loop().create_future()
+    link = asyncio.create_task(client.run(first))
+    server = TargetServer(target, TargetServerConfig(port=0, verify_delay_s=0.01), client)
+    try:
+        assert await first
+        port = await server.start()
+        await asyncio.sleep(1.0)  # the live target's heartbeats: it is never the silent one
+        live = [c for c in draft_server.connections.values() if not c.tags]
+        assert len(live) == 1 and time.monotonic() - live[0].heard_at < 0.5
+        tokens, _, stats = await remote_generate("127.0.0.1", port, PROMPTS[1],
+                                                 SamplingParams(max_tokens=150, ignore_eos=True))
+        assert tokens == local_reference(models, PROMPTS[1], 150)
+        assert stats["fallback_rounds"] > 0 and stats["drafts"] > 0  # refused first, drafting once the room was freed
+        with pytest.raises((asyncio.IncompleteReadError, ConnectionError)):
+            await asyncio.wait_for(read_message(reader), 5)  # the silent target's connection was closed
+        said = [r.getMessage() for r in caplog.records if r.name == "specctl.draft" and r.levelname == "WARNING"]
+        assert len(said) == 1 and re.fullmatch(
+            r"target \S+ holds 1 session but has sent nothing for \d+ s while the server is full: closing its "
+            r"connection \(a stopped or hung process; it reconnects if it resumes\)", said[0]), said
+    finally:
+        writer.close()
         link.cancel()
         await server.close()
         await draft_server.close()

@@ -5,6 +5,7 @@ block another."""
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from specctl.draft.plan import StarModel
@@ -36,6 +37,7 @@ class Connection:
     outgoing: asyncio.Queue = field(default_factory=asyncio.Queue)
     tags: set[int] = field(default_factory=set)
     inflight: set[int] = field(default_factory=set)
+    heard_at: float = field(default_factory=time.monotonic)  # its last frame (a live target's heartbeat at least)
 
     def send(self, message) -> int:
         """Queue one message; its frame's size in bytes."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 from specctl.draft.connection import Connection
 from specctl.draft.plan import open_refusal
@@ -17,6 +18,7 @@ from specctl.runtime.compute import timed
 from specctl.spec.structured import ll_tokenizer
 
 log = logging.getLogger("specctl.draft")
+STALE_TARGET_S = 30.0  # three missed heartbeats (verify.draft_client.HEARTBEAT_S)
 
 
 class SessionOpening:
@@ -32,11 +34,29 @@ class SessionOpening:
         other_targets = sum(1 for c in self.connections.values() if c.tags and c is not conn)
         refusal = open_refusal(self.config, self.active_sessions, len(conn.tags), other_targets)
         if refusal is not None:
+            if self.active_sessions >= self.config.max_sessions:
+                self._close_silent_targets(conn)  # room for the retry (a second later), if a hung target held it
             conn.send(Error(*refusal, req=message.req))
             return
         tag = next(self._tags)
         conn.tags.add(tag)
         group.create_task(self._open_on_compute(conn, tag, message))
+
+    def _close_silent_targets(self, asking: Connection) -> None:
+        """Close the connections of targets that hold sessions but have sent nothing for
+        STALE_TARGET_S (a live target's heartbeat comes every verify.draft_client.HEARTBEAT_S):
+        a stopped or hung process keeps its connection open, and its sessions would keep the
+        server full for ever. Only when the server is full: closing frees them by the usual
+        disconnect path, and a target that resumes reconnects and opens them again."""
+        now = time.monotonic()
+        for other in list(self.connections.values()):
+            if other is asking or not other.tags or now - other.heard_at < STALE_TARGET_S:
+                continue
+            log.warning("target %s holds %d session%s but has sent nothing for %.0f s while the server is full: "
+                        "closing its connection (a stopped or hung process; it reconnects if it resumes)",
+                        other.peer, len(other.tags), "" if len(other.tags) == 1 else "s", now - other.heard_at)
+            other.heard_at = now  # said once, while it closes
+            other.writer.transport.abort()  # now: a TLS close would wait for the hung peer's answer
 
     async def _open_on_compute(self, conn: Connection, tag: int, message: OpenSession | OpenLevels) -> None:
         try:

@@ -31,7 +31,7 @@ from specctl.net.protocol import (
     Reroot, Stats, StatsRequest,
 )
 from specctl.runtime.compute import ComputeLane, ComputeThread
-from specctl.runtime.listen import ListeningServer, MessageRate
+from specctl.runtime.listen import ListeningServer, MessageRate, peer_name
 from specctl.runtime.omp_wait import spinning_next_to
 from specctl.spec.drafters import Drafter
 from specctl.spec.logit_rules import draft_guide
@@ -82,7 +82,7 @@ class DraftServer(SessionOpening, ListeningServer):
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._live.track(writer)
-        peer = str(writer.get_extra_info("peername"))
+        peer = peer_name(writer)
         conn: Connection | None = None
         try:
             hello = await server_handshake(
@@ -124,6 +124,7 @@ class DraftServer(SessionOpening, ListeningServer):
                 return
             except asyncio.IncompleteReadError:
                 return
+            conn.heard_at = time.monotonic()
             if await rate.admit():
                 self.throttled += 1
             if isinstance(message, StatsRequest):

@@ -27,7 +27,7 @@ from specctl.net.protocol import (Error, ProtocolError, StageClose, StageDrop, S
 from specctl.pipeline.link import STAGE_FRAME_BYTES, StageLink
 from specctl.pipeline.worker import StageStats, StageWorker
 from specctl.runtime.compute import ComputeLane, ComputeThread
-from specctl.runtime.listen import ListenConfig, ListeningServer
+from specctl.runtime.listen import ListenConfig, ListeningServer, peer_name
 
 log = logging.getLogger("specctl.pipeline")
 WORK_QUEUE_FRAMES = 256  # frames read ahead of the compute: enough for every level in flight, bounded memory
@@ -76,7 +76,7 @@ class StageServer(ListeningServer):
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._live.track(writer)
-        peer = str(writer.get_extra_info("peername"))
+        peer = peer_name(writer)
         outgoing: asyncio.Queue = asyncio.Queue()
         send = lambda message: outgoing.put_nowait(encode(message))  # noqa: E731
         link: StageLink | None = None

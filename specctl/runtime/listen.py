@@ -18,6 +18,15 @@ from specctl.net.protocol import MAX_FRAME_BYTES
 log = logging.getLogger("specctl.listen")
 
 
+def peer_name(writer: asyncio.StreamWriter) -> str:
+    """The connection's peer as HOST:PORT ([HOST]:PORT for IPv6), as the log lines name roles."""
+    peer = writer.get_extra_info("peername")
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        host = f"[{peer[0]}]" if ":" in str(peer[0]) else peer[0]
+        return f"{host}:{peer[1]}"
+    return str(peer)
+
+
 @dataclass(slots=True)
 class ListenConfig:
     host: str = "127.0.0.1"

@@ -28,6 +28,10 @@ Handle = tuple[int, int]  # (connection epoch, tag) of a draft session
 # stats request (answered on its event loop, beside the compute) gets nothing back within
 # PROBE_S. A server swamped with long prompts still answers: it is slow, not hung.
 PROBE_S = 2.0
+# A live target says something at least this often, sessions or not: a draft server that is
+# full may close a target connection silent for three of these (draft.opening.STALE_TARGET_S),
+# which is what a stopped or hung target process leaves behind.
+HEARTBEAT_S = 10.0
 
 
 class DraftClient:
@@ -68,7 +72,11 @@ class DraftClient:
                     log.info("reconnected to the draft server at %s:%d; speculating again", self.host, self.port)
                 backoff = 0.2
                 self.last_error = None
-                await self._read_loop()
+                heartbeat = asyncio.create_task(self._heartbeat(self._writer))
+                try:
+                    await self._read_loop()
+                finally:
+                    heartbeat.cancel()
             except (VocabMismatch, AuthError) as exc:
                 self.last_error = str(exc)
                 if first_connected is not None and not first_connected.done():
@@ -99,6 +107,14 @@ class DraftClient:
             self._given_up = why
             self._writer.close()  # the read loop ends; run() drops the link and reconnects
             self._writer = None  # meanwhile every request is None at once
+
+    @staticmethod
+    async def _heartbeat(writer: asyncio.StreamWriter) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            if writer.is_closing():
+                return
+            writer.write(encode(StatsRequest()))
 
     async def _answers(self) -> bool:
         """Whether the server answers at all (one probe shared by every session that asks)."""

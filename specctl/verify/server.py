@@ -29,7 +29,7 @@ from specctl.pipeline.microbatch import MicroBatchLane
 from specctl.pipeline.serve import SpecPipeDraft, serve_specpipe
 from specctl.runtime.compute import ComputeLane, ComputeThread
 from specctl.runtime.emulation import SlowedLane
-from specctl.runtime.listen import ListenConfig, ListeningServer, MessageRate
+from specctl.runtime.listen import ListenConfig, ListeningServer, MessageRate, peer_name
 from specctl.spec.decode import DecodeSession
 from specctl.spec.depth_tuning import DepthTuner
 from specctl.spec.logprobs import emitted_logprobs
@@ -107,7 +107,7 @@ class TargetServer(ListeningServer):
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._live.track(writer)
-        peer = str(writer.get_extra_info("peername"))
+        peer = peer_name(writer)
         outgoing: asyncio.Queue = asyncio.Queue()
         tasks: dict[int, asyncio.Task] = {}
         try:
