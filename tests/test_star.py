@@ -568,6 +568,23 @@ async def test_a_full_draft_server_closes_a_silent_targets_connection_and_its_se
         await draft_server.close()
 
 
+async def test_a_draft_server_that_closes_the_link_is_said_to_have_closed_it(models, caplog):
+    target, draft = models
+    draft_server = DraftServer(draft, ModelChainDrafter(draft.decoder, 3), DraftServerConfig(port=0))
+    client = DraftClient("127.0.0.1", await draft_server.start(), model=target.name,
+                         fingerprint=target.vocab_fingerprint)
+    first = asyncio.get_running_loop().create_future()
+    link = asyncio.create_task(client.run(first))
+    try:
+        assert await first
+        await draft_server.close()
+        await wait_until(lambda: not client.connected.is_set(), what="the loss")
+        assert (f"lost the draft server at 127.0.0.1:{client.port} (it closed the connection); decoding "
+                "autoregressively and reconnecting") in caplog.text  # it said "IncompleteReadError"
+    finally:
+        link.cancel()
+
+
 async def test_an_unreachable_draft_server_is_said_in_plain_words(models):
     from specctl.bench.processes import free_port
 

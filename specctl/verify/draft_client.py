@@ -86,10 +86,12 @@ class DraftClient:
             except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001
                 # the link dropped here (a hung server) ends the read loop with an IncompleteReadError: say why
                 given_up, self._given_up = self._given_up, None
+                why = given_up or ("it closed the connection" if isinstance(exc, asyncio.IncompleteReadError)
+                                   else unreachable_reason(exc) or f"{type(exc).__name__}: {exc}")
                 if self.connected.is_set():  # once per loss, not per reconnection attempt
                     log.warning("lost the draft server at %s:%d (%s); decoding autoregressively and reconnecting",
-                                self.host, self.port, given_up or type(exc).__name__)
-                self.last_error = given_up or unreachable_reason(exc) or f"{type(exc).__name__}: {exc}"
+                                self.host, self.port, why)
+                self.last_error = why
                 if first_connected is not None and not first_connected.done():
                     first_connected.set_result(False)  # not fatal: decode autoregressively meanwhile
             finally:
