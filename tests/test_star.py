@@ -34,18 +34,20 @@ def models(tiny_dir):
     return target, draft
 
 
-async def start_star(models, drafter_kind="chain", auth_token=None, draft_ssl=None, client_ssl=None, port=0):
+async def start_star(models, drafter_kind="chain", auth_token=None, draft_ssl=None, client_ssl=None, port=0,
+                     max_sessions=64, verify_delay_s=0.0):
     target, draft = models
     drafter = {"chain": lambda: ModelChainDrafter(draft.decoder, 3), "tree": lambda: ModelTreeDrafter(draft.decoder, 3, 2, 3),
                "suffix": lambda: SuffixDrafter(4)}[drafter_kind]()
-    draft_server = DraftServer(draft, drafter, DraftServerConfig(port=port, auth_token=auth_token), draft_ssl)
+    draft_server = DraftServer(draft, drafter, DraftServerConfig(port=port, auth_token=auth_token,
+                                                                 max_sessions=max_sessions), draft_ssl)
     draft_port = await draft_server.start()
     client = DraftClient("127.0.0.1" if not client_ssl else "localhost", draft_port, model=target.name,
                          fingerprint=target.vocab_fingerprint, auth_token=auth_token, ssl=client_ssl)
     first = asyncio.get_running_loop().create_future()
     link = asyncio.create_task(client.run(first))
     assert await first
-    target_server = TargetServer(target, TargetServerConfig(port=0), client)
+    target_server = TargetServer(target, TargetServerConfig(port=0, verify_delay_s=verify_delay_s), client)
     target_port = await target_server.start()
     return draft_server, draft_port, client, link, target_server, target_port
 
@@ -497,16 +499,8 @@ async def test_a_session_refused_by_a_full_draft_server_drafts_once_it_has_room(
     from specctl.verify import speculator as speculator_module
 
     monkeypatch.setattr(speculator_module, "REOPEN_AFTER_S", 0.1)
-    target, draft = models
-    draft_server = DraftServer(draft, ModelChainDrafter(draft.decoder, 3), DraftServerConfig(port=0, max_sessions=1))
-    draft_port = await draft_server.start()
-    client = DraftClient("127.0.0.1", draft_port, model=target.name, fingerprint=target.vocab_fingerprint)
-    first = asyncio.get_running_loop().create_future()
-    link = asyncio.create_task(client.run(first))
-    server = TargetServer(target, TargetServerConfig(port=0, verify_delay_s=0.01), client)
+    draft_server, _, _, link, server, port = await start_star(models, max_sessions=1, verify_delay_s=0.01)
     try:
-        assert await first
-        port = await server.start()
         started = asyncio.Event()
         holder = asyncio.create_task(remote_generate("127.0.0.1", port, PROMPTS[0], SamplingParams(
             max_tokens=12, ignore_eos=True), lambda t: started.set()))
@@ -518,9 +512,7 @@ async def test_a_session_refused_by_a_full_draft_server_drafts_once_it_has_room(
         assert (await holder)[0] == local_reference(models, PROMPTS[0], 12)
         assert not [r for r in caplog.records if r.levelname == "WARNING" and "capacity" in r.getMessage()]
     finally:
-        link.cancel()
-        await server.close()
-        await draft_server.close()
+        await stop_star(draft_server, link, server)
 
 
 async def test_a_full_draft_server_closes_a_silent_targets_connection_and_its_sessions_go_to_the_others(
@@ -534,20 +526,13 @@ async def test_a_full_draft_server_closes_a_silent_targets_connection_and_its_se
     monkeypatch.setattr(opening, "STALE_TARGET_S", 0.6)
     monkeypatch.setattr(draft_client_module, "HEARTBEAT_S", 0.1)
     monkeypatch.setattr(speculator_module, "REOPEN_AFTER_S", 0.1)
-    target, draft = models
-    draft_server = DraftServer(draft, ModelChainDrafter(draft.decoder, 3), DraftServerConfig(port=0, max_sessions=1))
-    draft_port = await draft_server.start()
+    target = models[0]
+    draft_server, draft_port, _, link, server, port = await start_star(models, max_sessions=1, verify_delay_s=0.01)
     reader, writer = await asyncio.open_connection("127.0.0.1", draft_port)  # a target that then stops
-    await client_handshake(reader, writer, role="target", model=target.name, fingerprint=target.vocab_fingerprint)
-    await write_message(writer, OpenSession(1, [1, 2, 3], max_tokens=16))
-    assert isinstance(await asyncio.wait_for(read_message(reader), 10), SessionOpened)
-    client = DraftClient("127.0.0.1", draft_port, model=target.name, fingerprint=target.vocab_fingerprint)
-    first = asyncio.get_running_loop().create_future()
-    link = asyncio.create_task(client.run(first))
-    server = TargetServer(target, TargetServerConfig(port=0, verify_delay_s=0.01), client)
     try:
-        assert await first
-        port = await server.start()
+        await client_handshake(reader, writer, role="target", model=target.name, fingerprint=target.vocab_fingerprint)
+        await write_message(writer, OpenSession(1, [1, 2, 3], max_tokens=16))
+        assert isinstance(await asyncio.wait_for(read_message(reader), 10), SessionOpened)
         await asyncio.sleep(1.0)  # the live target's heartbeats: it is never the silent one
         live = [c for c in draft_server.connections.values() if not c.tags]
         assert len(live) == 1 and time.monotonic() - live[0].heard_at < 0.5
@@ -563,9 +548,7 @@ async def test_a_full_draft_server_closes_a_silent_targets_connection_and_its_se
             r"connection \(a stopped or hung process; it reconnects if it resumes\)", said[0]), said
     finally:
         writer.close()
-        link.cancel()
-        await server.close()
-        await draft_server.close()
+        await stop_star(draft_server, link, server)
 
 
 async def test_a_draft_server_that_closes_the_link_is_said_to_have_closed_it(models, caplog):

@@ -14,7 +14,6 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
-import os
 import time
 from typing import Callable
 
@@ -22,7 +21,7 @@ import torch
 
 from specctl.engine.kv_cache import KVCache, KVPool
 from specctl.engine.model import Decoder, ragged_bounds
-from specctl.errors import StageUnavailable
+from specctl.errors import StageUnavailable, unreachable_reason
 from specctl.net.protocol import (Error, Message, StageClose, StageDrop, StageForward, StageKeep, StageOpen,
                                   StageOutput, Stats, StatsRequest, Tensor)
 from specctl.pipeline.link import StageLink
@@ -67,9 +66,9 @@ class PipelineClient:
             try:
                 await link.connect()
             except Exception as exc:  # noqa: BLE001 - retried; the message says which stage is missing
-                # errno's own words: asyncio's loop says "Connect call failed (...)", uvloop the errno's
-                self.last_error = (f"stage {link.address}: {os.strerror(exc.errno).lower()}"
-                                   if isinstance(exc, OSError) and exc.errno else str(exc) or type(exc).__name__)
+                # in the words the other roles use: asyncio's loop says "Connect call failed (...)"
+                reason = (unreachable_reason(exc) or (exc.strerror or "").lower()) if isinstance(exc, OSError) else ""
+                self.last_error = f"stage {link.address}: {reason}" if reason else str(exc) or type(exc).__name__
                 if first_connected is not None and not first_connected.done():
                     first_connected.set_result(False)
                 await asyncio.sleep(backoff)
