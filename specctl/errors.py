@@ -69,5 +69,15 @@ def unreachable_reason(exc: BaseException) -> str | None:
     return os.strerror(exc.errno).lower() if exc.errno else (str(exc) or type(exc).__name__)
 
 
+def connection_failure(exc: BaseException) -> str:
+    """Why a connection could not be made or went away, in the words every role's logs use:
+    unreachable_reason's, else an OSError's own (lower case), else the exception's text or name."""
+    if reason := unreachable_reason(exc):
+        return reason
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror.lower()
+    return str(exc) or type(exc).__name__
+
+
 class ProtocolError(SpecctlError):
     """A malformed, oversized or unexpected frame: the connection that sent it is closed."""

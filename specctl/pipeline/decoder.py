@@ -21,7 +21,7 @@ import torch
 
 from specctl.engine.kv_cache import KVCache, KVPool
 from specctl.engine.model import Decoder, ragged_bounds
-from specctl.errors import StageUnavailable, unreachable_reason
+from specctl.errors import StageUnavailable, connection_failure
 from specctl.net.protocol import (Error, Message, StageClose, StageDrop, StageForward, StageKeep, StageOpen,
                                   StageOutput, Stats, StatsRequest, Tensor)
 from specctl.pipeline.link import StageLink
@@ -66,9 +66,8 @@ class PipelineClient:
             try:
                 await link.connect()
             except Exception as exc:  # noqa: BLE001 - retried; the message says which stage is missing
-                # in the words the other roles use: asyncio's loop says "Connect call failed (...)"
-                reason = (unreachable_reason(exc) or (exc.strerror or "").lower()) if isinstance(exc, OSError) else ""
-                self.last_error = f"stage {link.address}: {reason}" if reason else str(exc) or type(exc).__name__
+                self.last_error = (f"stage {link.address}: {connection_failure(exc)}" if isinstance(exc, OSError)
+                                   else str(exc) or type(exc).__name__)
                 if first_connected is not None and not first_connected.done():
                     first_connected.set_result(False)
                 await asyncio.sleep(backoff)

@@ -9,7 +9,7 @@ import ssl as ssl_module
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Callable
 
-from specctl.errors import SpecctlError, unreachable_reason
+from specctl.errors import SpecctlError, connection_failure
 from specctl.net.framing import read_message, write_message
 from specctl.net.handshake import client_handshake
 from specctl.net.keepalive import keep_alive
@@ -35,8 +35,7 @@ async def _connect(host: str, port: int, ssl: ssl_module.SSLContext | None):
     except ssl_module.SSLError as exc:
         raise RemoteError("unreachable", tls_failure(host, port, exc)) from None
     except OSError as exc:
-        reason = unreachable_reason(exc) or exc.strerror or str(exc) or type(exc).__name__
-        raise RemoteError("unreachable", f"cannot reach {host}:{port}: {reason}") from None
+        raise RemoteError("unreachable", f"cannot reach {host}:{port}: {connection_failure(exc)}") from None
     keep_alive(writer)
     return reader, writer
 

@@ -11,7 +11,7 @@ import itertools
 import logging
 import ssl as ssl_module
 
-from specctl.errors import VocabMismatch, unreachable_reason
+from specctl.errors import VocabMismatch, connection_failure
 from specctl.net.framing import read_message
 from specctl.net.handshake import AuthError, open_peer
 from specctl.net.protocol import (CloseSession, Error, Graft, Level, NextLevel, OpenLevels, OpenSession, Proposal,
@@ -87,7 +87,7 @@ class DraftClient:
                 # the link dropped here (a hung server) ends the read loop with an IncompleteReadError: say why
                 given_up, self._given_up = self._given_up, None
                 why = given_up or ("it closed the connection" if isinstance(exc, asyncio.IncompleteReadError)
-                                   else unreachable_reason(exc) or f"{type(exc).__name__}: {exc}")
+                                   else connection_failure(exc))
                 if self.connected.is_set():  # once per loss, not per reconnection attempt
                     log.warning("lost the draft server at %s:%d (%s); decoding autoregressively and reconnecting",
                                 self.host, self.port, why)
