@@ -21,7 +21,7 @@ def test_the_report_has_every_counter_the_hit_rate_and_stage_1s_time_per_level()
                        predicted_rejected=3)
     report = stats.to_dict()
     assert report == {"steps": 8, "hits": 6, "flushes": 2, "levels_sent": 4, "stale_outputs": 0, "bubbles": 0,
-                      "draft_lost": 0, "levels_dropped": 0, "rows_dropped": 0, "refills": 0, "refill_tokens": 0,
+                      "draft_lost": 0, "draft_reopened": 0, "levels_dropped": 0, "rows_dropped": 0, "refills": 0, "refill_tokens": 0,
                       "predicted": 63, "predicted_accepted": 60, "predicted_rejected": 3, "hit_rate": 0.75,
                       "stage1_step_ms": 308.625}
     assert stats.hit_rate == pytest.approx(0.75)

@@ -4,6 +4,7 @@ draft server gone mid-session (plain PP from then on, the same tokens), bad leve
 requests refused with a clear error."""
 
 import asyncio
+import logging
 from dataclasses import replace
 
 import pytest
@@ -42,20 +43,21 @@ class RemoteSpecPipe:
     """A draft server, a target split over ``stages`` loopback stages and stage 1 serving
     SpecPipe with the draft server's levels."""
 
-    def __init__(self, models, stages: int, shape: TreeShape, draft_here: bool = False) -> None:
-        self.models, self.stages, self.shape = models, stages, shape
+    def __init__(self, models, stages: int, shape: TreeShape, draft_here: bool = False, max_sessions: int = 16,
+                 delay_s: float = 0.0) -> None:
+        self.models, self.stages, self.shape, self.delay_s = models, stages, shape, delay_s  # delay_s: each stage's
         self.draft_here = draft_here  # the draft in stage 1's process (--specpipe-draft), no draft server
+        self.max_sessions = max_sessions  # the draft server's
 
     async def __aenter__(self) -> "RemoteSpecPipe":
         target, draft = self.models
-        self.pipeline = LocalPipeline(target, self.stages)
+        self.pipeline = LocalPipeline(target, self.stages, delay_s=self.delay_s)
         staged = await self.pipeline.start()
         self.draft = self.client = self.link = None
         if self.draft_here:
             specpipe = SpecPipeDraft.local(draft.decoder, self.shape, "draft here")
         else:
-            self.draft = DraftServer(draft, ModelChainDrafter(draft.decoder, 3), DraftServerConfig(port=0))
-            self.draft_port = draft_port = await self.draft.start()
+            self.draft_port = draft_port = await self.start_draft(0)
             self.client = DraftClient("127.0.0.1", draft_port, model=target.name,
                                       fingerprint=target.vocab_fingerprint)
             first = asyncio.get_running_loop().create_future()
@@ -66,6 +68,13 @@ class RemoteSpecPipe:
                                    specpipe=specpipe)
         self.port = await self.target.start()
         return self
+
+    async def start_draft(self, port: int) -> int:
+        """A draft server on ``port`` (0: any), as ``self.draft``."""
+        draft = self.models[1]
+        self.draft = DraftServer(draft, ModelChainDrafter(draft.decoder, 3),
+                                 DraftServerConfig(port=port, max_sessions=self.max_sessions))
+        return await self.draft.start()
 
     async def __aexit__(self, *exc) -> None:
         await self.target.close()
@@ -117,6 +126,111 @@ async def test_the_draft_server_gone_mid_session_leaves_plain_pipelining_with_th
         # The next session starts without a draft (none is there) and is exact too.
         tokens, _, _ = await remote_generate("127.0.0.1", cluster.port, PROMPTS[0], params)
         assert tokens == generate(target.decoder, PROMPTS[0], params)[0]
+
+
+async def generate_until(port: int, prompt: list[int], max_tokens: int, condition) -> list[int]:
+    """A greedy session's tokens, cancelled once ``condition()`` holds (checked as they come)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    await client_handshake(reader, writer, role="client")
+    await write_message(writer, Generate(1, prompt, max_tokens, ignore_eos=True))
+    tokens, cancelled = [], False
+    while isinstance(reply := await read_message(reader), Tokens):
+        tokens += reply.tokens
+        if not cancelled and condition():
+            await write_message(writer, Cancel(1))
+            cancelled = True
+    writer.close()
+    assert isinstance(reply, Done) and reply.finish_reason == "cancelled", reply
+    return tokens
+
+
+async def test_a_session_a_full_draft_server_refused_drafts_levels_once_there_is_room(models, monkeypatch, caplog):
+    """A refusal for room (another target's session fills the server) leaves plain PP for a
+    while, not for the session's life: at a flush past REOPEN_AFTER_S stage 1 asks again, and
+    the levels come once the other session ends. No warning: a full server is no fault."""
+    monkeypatch.setattr("specctl.pipeline.remote_levels.REOPEN_AFTER_S", 0.05)
+    target, _ = models
+    async with RemoteSpecPipe(models, 2, TreeShape(2, 2), max_sessions=1) as cluster:
+        holder = await cluster.client.open([3, 4, 5], temperature=0.0, top_p=1.0, top_k=0, seed=0, max_tokens=8)
+        assert isinstance(holder, tuple)  # another session has the server's one place
+        caplog.set_level(logging.DEBUG, logger="specctl")
+
+        def room_then_levels() -> bool:
+            if cluster.draft.table.states:
+                cluster.client.close(holder)  # the other session ends
+            return cluster.draft.levels.levels_sent >= 30
+
+        prompt = PROMPTS[1]
+        tokens = await generate_until(cluster.port, prompt, 480, room_then_levels)
+        assert len(tokens) < 480
+        assert tokens == generate(target.decoder, prompt, SamplingParams(max_tokens=len(tokens), ignore_eos=True))[0]
+        await wait_until(lambda: cluster.target.pool.used_bytes == 0, what="the cancelled session's driver ended")
+        served = await remote_stats("127.0.0.1", cluster.port)
+        assert (served["specpipe_draft_lost"], served["specpipe_draft_reopened"]) == (1, 1)
+        assert served["specpipe_hits"] > 0
+        went = [r for r in caplog.records if "SpecPipe's draft went away" in r.getMessage()]
+        assert [r.levelno for r in went] == [logging.DEBUG] and "draft server full: 1 sessions open" in went[0].getMessage()
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        await wait_until(lambda: not cluster.draft.levels.sessions, what="the level session freed")
+
+
+async def test_a_draft_server_back_on_its_port_drafts_levels_for_a_session_running_without_it(models, caplog):
+    """The draft server goes away mid-session and comes back: the link reconnects and the
+    session, plain PP meanwhile, opens a level session on the new server at its next flush."""
+    target, _ = models
+    # 480 steps of at least 4 ms a stage: seconds, for a reconnection that takes a fraction of one
+    async with RemoteSpecPipe(models, 2, TreeShape(2, 2), delay_s=0.004) as cluster:
+        caplog.set_level(logging.INFO, logger="specctl")
+        phase, port = ["first"], cluster.draft_port
+
+        def restart_then_levels() -> bool:
+            if phase[0] == "first" and cluster.draft.levels.levels_sent >= 3:
+                phase[0] = "closing"
+                asyncio.ensure_future(restart())
+            return phase[0] == "back" and cluster.draft.levels.levels_sent >= 3
+
+        async def restart() -> None:
+            await cluster.draft.close()
+            await wait_until(lambda: not cluster.client.connected.is_set(), what="the link lost")
+            await cluster.start_draft(port)
+            phase[0] = "back"
+
+        prompt = PROMPTS[0]
+        tokens = await generate_until(cluster.port, prompt, 480, restart_then_levels)
+        assert len(tokens) < 480
+        assert tokens == generate(target.decoder, prompt, SamplingParams(max_tokens=len(tokens), ignore_eos=True))[0]
+        await wait_until(lambda: cluster.target.pool.used_bytes == 0, what="the cancelled session's driver ended")
+        served = await remote_stats("127.0.0.1", cluster.port)
+        assert (served["specpipe_draft_lost"], served["specpipe_draft_reopened"]) == (1, 1)
+        back = [r.getMessage() for r in caplog.records if "SpecPipe's draft is back" in r.getMessage()]
+        assert len(back) == 1 and "(was: no level from the draft server" in back[0]
+        await wait_until(lambda: not cluster.draft.levels.sessions, what="the new server's level session freed")
+
+
+async def test_a_resumed_sessions_levels_count_its_resumed_tokens_as_output(models):
+    """A generation resumed on a SpecPipe target (GENERATE's resumed output): the draft
+    server's level guide counts those tokens as output, as stage 1's session does, so a
+    presence penalty (output only) shapes its levels as a draft here shapes them: the same hits."""
+    from specctl.verify.client import TargetConnection
+
+    target, draft = models
+    params = SamplingParams(max_tokens=40, ignore_eos=True, presence_penalty=1.5)
+    whole = generate(target.decoder, PROMPTS[1], params)[0]
+    async with RemoteSpecPipe(models, 2, TreeShape(3, 2)) as cluster:
+        connection = await TargetConnection("127.0.0.1", cluster.port).connect()
+        try:
+            stream = connection.generate(PROMPTS[1], params, resumed=whole[:12])
+            tokens = []
+            while not isinstance(event := await stream.next(), Done):
+                tokens += event.tokens
+        finally:
+            connection.close()
+        assert tokens == whole[12:]
+        local = await asyncio.to_thread(specpipe_generate, cluster.pipeline.staged.decoder, draft.decoder, PROMPTS[1],
+                                        params, TreeShape(3, 2), resumed=tuple(whole[:12]))
+        assert local[0] == whole
+        served = await remote_stats("127.0.0.1", cluster.port)
+        assert served["specpipe_steps"] == 28 and served["specpipe_hits"] == local[3].hits
 
 
 @pytest.mark.parametrize("draft_here", [False, True], ids=["draft-server", "draft-here"])

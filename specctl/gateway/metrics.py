@@ -35,7 +35,10 @@ ROLE_GAUGES = {
                        "(spec_depth_by_load auto): 0 the draft's own depth, -1 plain rounds"),
     "specpipe_flushes": ("specpipe_flushes", "SpecPipe steps whose verified token was not in the tree (a refill)"),
     "specpipe_hit_rate": ("specpipe_hit_rate", "share of SpecPipe steps whose verified token was in the tree"),
-    "specpipe_draft_lost": ("specpipe_draft_lost", "SpecPipe sessions that went on without their draft (plain PP)"),
+    "specpipe_draft_lost": ("specpipe_draft_lost", "SpecPipe sessions that went on without their draft (plain PP) "
+                                                   "for a while"),
+    "specpipe_draft_reopened": ("specpipe_draft_reopened", "SpecPipe level sessions opened again after the draft "
+                                                           "went away"),
     "specpipe_levels_dropped": ("specpipe_levels_dropped",
                                 "SpecPipe levels in flight that verifications left dead (dropped by the stages)"),
     "specpipe_refill_tokens": ("specpipe_refill_tokens", "SpecPipe tokens decided by a refill's output after its "

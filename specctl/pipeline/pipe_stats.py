@@ -16,7 +16,8 @@ class PipeStats:
     stale_outputs: int = 0  # outputs of flushed trees, dropped on arrival
     bubbles: int = 0  # outputs of the live tree with nothing to verify (their level was wholly pruned)
     stage1_s: float = 0.0  # stage 1's time per level sent, summed: drafting it, then its own layers
-    draft_lost: int = 0  # sessions that went on without their (remote) draft
+    draft_lost: int = 0  # sessions that went on without their (remote) draft for a while
+    draft_reopened: int = 0  # level sessions opened again after the draft went away (room again, link back)
     levels_dropped: int = 0  # levels in flight declared dead to the other stages (StageDrop)
     rows_dropped: int = 0  # pruned rows of levels in flight that keep live ones, declared dead
     refills: int = 0  # misses refilled with levels under the verified token in its forward

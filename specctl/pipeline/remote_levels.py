@@ -1,20 +1,25 @@
 """SpecPipe's levels from a draft server (``verify --stage 1/n --draft H:P --specpipe``):
 stage 1's driver, on its compute thread, asks the draft server for each level over the
 target's draft link and mirrors the tree the server grows. When the draft goes away (no
-reply, a refusal, a tree out of step) the source is dead from then on and stage 1 goes on
-as plain pipeline parallelism: slower, the same tokens."""
+reply, a refusal, a tree out of step) stage 1 goes on as plain pipeline parallelism: slower,
+the same tokens. It asks for a level session again at a flush (the tree is the verified
+token alone then): a second after a refusal for room (a full draft server, StarSD's
+admission), once the link is back after a lost link, never for anything else on that link."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import logging
+import math
+import time
 from collections.abc import Coroutine
 
 from specctl.pipeline.live_tree import SpecTree
 from specctl.pipeline.token_source import TreeShape, level_capacity
 from specctl.spec.decode import DecodeSession
-from specctl.verify.draft_client import DraftClient, Handle
+from specctl.net.protocol import Error
+from specctl.verify.draft_client import REOPEN_AFTER_S, TRANSIENT_REFUSALS, DraftClient, Handle
 
 log = logging.getLogger("specctl.pipeline")
 
@@ -22,15 +27,49 @@ log = logging.getLogger("specctl.pipeline")
 class RemoteLevels:
     def __init__(self, client: DraftClient, loop: asyncio.AbstractEventLoop, shape: TreeShape,
                  session: DecodeSession, timeout_s: float = 30.0) -> None:
-        self.client, self.loop, self.timeout_s = client, loop, timeout_s
-        self.lost: str | None = None  # why the draft went away, once it did
+        self.client, self.loop, self.timeout_s, self.shape, self.session = client, loop, timeout_s, shape, session
+        self.lost: str | None = None  # why the draft went away, while it is away
+        self._retry: tuple[int, float] = (client.epoch, math.inf)  # (link epoch, when to ask again) while away
+        self._quiet = False  # the draft is away for want of room (a debug line, not a warning)
+        self.handle: Handle | None = None
+        self._open(session.seq[: session.prompt_len - 1])
+
+    def _open(self, text: list[int]) -> bool:
+        """Open a level session whose text is ``text`` (the tree's root comes with ``start``)."""
+        session, shape, epoch = self.session, self.shape, self.client.epoch
+        # the text and the tokens still to come: the same capacity however much is output
         capacity = level_capacity(session.prompt_len, session.params.max_tokens, session.target.stages, shape,
                                   bool(session.params.prediction))
-        self.handle: Handle | None = self._call(client.open_levels(session.seq[: session.prompt_len - 1], shape.width,
-                                                                   shape.topk, capacity, shape.spread,
-                                                                   session.params))
-        if self.handle is None:
-            self._lose(f"no level session ({client.last_error or 'the draft server refused or did not answer'})")
+        generated = len(text) + 1 - session.prompt_len + session.resumed  # the root counts: it is output
+        reply = self._call(self.client.open_levels(text, shape.width, shape.topk, capacity, shape.spread,
+                                                   session.params, generated))
+        if isinstance(reply, tuple):
+            self.handle = reply
+            return True
+        transient = isinstance(reply, Error) and reply.code in TRANSIENT_REFUSALS
+        self._retry = (epoch, time.monotonic() + REOPEN_AFTER_S if transient else math.inf)
+        why = reply.message if isinstance(reply, Error) else (self.client.last_error or "the draft server did not answer")
+        self._lose(f"no level session ({why})", quiet=transient)
+        return False
+
+    def revive(self, seq: list[int]) -> bool:
+        """At a flush (the tree is ``seq``'s last token alone): open a level session again if
+        the draft went away and may be back; True when it is."""
+        if self.alive or not self.client.connected.is_set():
+            return False
+        epoch, when = self._retry
+        if epoch == self.client.epoch and time.monotonic() < when:
+            return False
+        if self.handle is not None and self.handle[0] == self.client.epoch:
+            self.close()  # a session that went out of step: the server frees it
+        self.handle, was_quiet = None, self._quiet
+        if not self._open(seq[:-1]):
+            return False
+        log.log(logging.DEBUG if was_quiet else logging.INFO,
+                "SpecPipe's draft is back (was: %s): drafting levels again", self.lost)
+        self.lost, self._quiet = None, False
+        self.start(seq[-1], len(seq) - 1)  # alive again: sent
+        return True
 
     @property
     def alive(self) -> bool:
@@ -44,15 +83,18 @@ class RemoteLevels:
             return None
         level = self._call(self.client.next_level(self.handle, frontier))
         if level is None:
+            self._retry = (self.handle[0], math.inf)  # a lost link: once it is back
             self._lose(f"no level from the draft server ({self.client.last_error or 'no answer or a refusal'})")
             return None
         sizes = {len(level.nodes), len(level.tokens), len(level.parents), len(level.scores)}
         if len(sizes) != 1 or not level.nodes or any(parent not in frontier for parent in level.parents):
+            self._retry = (self.handle[0], math.inf)  # never again on this link
             self._lose("the draft server's level does not extend the frontier")
             return None
         ids = [tree.add(token, parent, tree.nodes[parent].pos + 1, score)
                for token, parent, score in zip(level.tokens, level.parents, level.scores)]
         if ids != level.nodes:  # never sent: the unsent nodes are pruned with their tree
+            self._retry = (self.handle[0], math.inf)
             self._lose(f"the draft server's tree is out of step (node ids {level.nodes[:4]} != {ids[:4]})")
             return None
         return ids
@@ -86,7 +128,8 @@ class RemoteLevels:
         except (concurrent.futures.TimeoutError, RuntimeError, ConnectionError):
             return None
 
-    def _lose(self, why: str) -> None:
+    def _lose(self, why: str, quiet: bool = False) -> None:
         if self.lost is None:
-            log.warning("SpecPipe's draft went away (%s): decoding as plain pipeline parallelism", why)
-            self.lost = why
+            log.log(logging.DEBUG if quiet else logging.WARNING,
+                    "SpecPipe's draft went away (%s): decoding as plain pipeline parallelism", why)
+            self.lost, self._quiet = why, quiet

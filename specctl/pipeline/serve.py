@@ -54,7 +54,8 @@ class SpecPipeDraft:
         t = self.totals
         return {"specpipe_steps": t.steps, "specpipe_hits": t.hits, "specpipe_flushes": t.flushes,
                 "specpipe_hit_rate": round(t.hit_rate, 4), "specpipe_width": self.shape.width,
-                "specpipe_draft_lost": t.draft_lost, "specpipe_levels_dropped": t.levels_dropped,
+                "specpipe_draft_lost": t.draft_lost, "specpipe_draft_reopened": t.draft_reopened,
+                "specpipe_levels_dropped": t.levels_dropped,
                 "specpipe_refills": t.refills, "specpipe_refill_tokens": t.refill_tokens,
                 "specpipe_predicted": t.predicted}
 

@@ -112,7 +112,7 @@ class SpecPipeRun:
                 self.stats.stage1_s += time.perf_counter() - started
                 levels.extend(new_levels)
                 self.stats.levels_sent += 1
-            self.stats.draft_lost = int(not self.draft.alive)
+            self.stats.draft_lost |= not self.draft.alive
             assert in_flight, "a live tree's levels are always in flight"
             sent = in_flight.popleft()
             started = time.perf_counter()
@@ -199,6 +199,8 @@ class SpecPipeRun:
             self._graft(tree, levels[-1], new_levels)
             return new_levels
         refill = [[root]]
+        if not self.draft.alive and self.draft.revive(self.session.seq):  # the tree is the verified token alone
+            self.stats.draft_reopened += 1
         for _ in range(self.refill if self.draft.alive else 0):
             level = self.draft.next_level(tree, refill[-1])
             if level is None:  # gone meanwhile: the token goes with what was drafted (plain PP from then on)

@@ -102,6 +102,7 @@ class LevelSource(Protocol):
     def next_level(self, tree: SpecTree, frontier: list[int]) -> list[int] | None: ...
     def graft(self, tree: SpecTree, nodes: list[int]) -> None: ...
     def reroot(self, tree: SpecTree, committed: int, new_root: int | None, token: int, position: int) -> None: ...
+    def revive(self, seq: list[int]) -> bool: ...  # a draft that went away, back at a flush: True when it is
     def close(self) -> None: ...
 
 
@@ -175,6 +176,9 @@ class DraftLevels:
         else:  # verified before the draft read it (nothing under it read either): read it next time
             node = tree.nodes[committed]
             self.pending.append((node.token, node.pos))
+
+    def revive(self, seq: list[int]) -> bool:
+        return False  # never went away
 
     def close(self) -> None:
         self.cache.release()

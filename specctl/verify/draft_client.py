@@ -225,13 +225,17 @@ class DraftClient:
         return reply if isinstance(reply, Proposal) and epoch == self.epoch else None
 
     async def open_levels(self, prompt: list[int], width: int, topk: int, capacity: int,
-                          spread: str = "likeliest", rules: SamplingParams | None = None) -> Handle | None:
-        """A SpecPipe tree-level session (None when the draft is unavailable or refuses);
-        ``rules``: the request's parameters, whose logit rules and grammar the levels follow."""
+                          spread: str = "likeliest", rules: SamplingParams | None = None,
+                          generated: int = 0) -> Handle | Error | None:
+        """A SpecPipe tree-level session; the server's Error when it refused; None when the draft
+        is unavailable. ``rules``: the request's parameters, whose logit rules and grammar the
+        levels follow; ``generated``: how many of the text's last tokens, with the root, are output."""
         epoch, req = self.epoch, next(self._reqs)
         reply = await self._request(("req", req), OpenLevels(req, prompt, width, topk, capacity, spread,
-                                                             **draft_rules(rules or SamplingParams())))
-        return (epoch, reply.tag) if isinstance(reply, SessionOpened) and epoch == self.epoch else None
+                                                             **draft_rules(rules or SamplingParams(), generated)))
+        if isinstance(reply, SessionOpened) and epoch == self.epoch:
+            return epoch, reply.tag
+        return reply if isinstance(reply, Error) else None
 
     async def next_level(self, handle: Handle, frontier: list[int]) -> Level | None:
         epoch, tag = handle
