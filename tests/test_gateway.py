@@ -64,6 +64,25 @@ def test_completions_equal_specctl_generate(cluster, client, tiny_dir):
     assert counts == sorted(counts) and counts[-1] == counts[-2] == len(reference["token_ids"])
     assert all(c.usage.prompt_tokens == full.usage.prompt_tokens for c in running) and counts[0] > 0
     assert "".join(c.choices[0].text for c in running if c.choices) == reference["text"]
+    # several choices: each chunk's usage is its own choice's (its prompt, its tokens so far), as
+    # vLLM's; the last chunk's is the request's
+    prompts = [PROMPT, PROMPT + " and then some more words"]
+    whole = client.completions.create(model=str(tiny_dir["llama"]), prompt=prompts, max_tokens=12, temperature=0, n=2)
+    running = list(client.completions.create(
+        model=str(tiny_dir["llama"]), prompt=prompts, max_tokens=12, temperature=0, n=2, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    lengths = [client.completions.create(model=str(tiny_dir["llama"]), prompt=p, max_tokens=1).usage.prompt_tokens
+               for p in prompts]
+    assert lengths[0] < lengths[1]
+    seen: dict[int, list[int]] = {}
+    for c in running[:-1]:
+        index = c.choices[0].index  # prompt_idx * n + i, as vLLM's
+        seen.setdefault(index, []).append(c.usage.completion_tokens)
+        assert c.usage.prompt_tokens == lengths[index // 2]
+        assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+    assert sorted(seen) == [0, 1, 2, 3] and all(counts == sorted(counts) and counts[-1] == 12 for counts in seen.values())
+    assert running[-1].usage.completion_tokens == whole.usage.completion_tokens == 48
+    assert running[-1].usage.prompt_tokens == whole.usage.prompt_tokens == sum(lengths)  # a prompt once, as vLLM
 
 
 def test_chat_completions_equal_specctl_generate_chat(cluster, client, tiny_dir):

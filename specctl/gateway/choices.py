@@ -170,6 +170,12 @@ class Choices:
         """Completion tokens of every choice handed on so far (all of them once events() ended)."""
         return sum(self._counts.values())
 
+    def usage_of(self, index: int) -> tuple[int, int]:
+        """(prompt tokens, completion tokens handed on so far) of the choice ``index``: a
+        streamed chunk's usage under vLLM's continuous_usage_stats is its own choice's."""
+        k = next(k for k, spec in enumerate(self.specs) if spec.index == index)
+        return len(self.specs[k].prompt), self._counts.get(k, 0)
+
     async def events(self) -> AsyncIterator[tuple[int, Event]]:
         """(choice index, event) until every choice has finished; a choice's failure is raised."""
         running = len(self.specs)

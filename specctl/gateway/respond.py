@@ -99,9 +99,8 @@ class Reply:
         unsent: dict[int, list[int]] = {}  # return_token_ids: each choice's tokens not yet in a chunk
 
         async def send(**fields) -> None:
-            if self.continuous_usage:
-                fields["extra"] = {**(fields.get("extra") or {}),
-                                   "usage": R.usage(self.prompt_tokens, choices.completion_tokens)}
+            if self.continuous_usage:  # the chunk's choice's, as vLLM's (the last chunk has the request's)
+                fields["extra"] = {**(fields.get("extra") or {}), "usage": R.usage(*choices.usage_of(fields["index"]))}
             body = R.chunk(rid, model, chat, created, **fields,
                            token_ids=unsent.pop(fields["index"], []) if self.token_ids else None)
             if self.token_ids and not chat and fields["index"] not in prompted:  # a choice's first chunk
