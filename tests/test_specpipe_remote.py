@@ -128,6 +128,17 @@ async def test_the_draft_server_gone_mid_session_leaves_plain_pipelining_with_th
         assert tokens == generate(target.decoder, PROMPTS[0], params)[0]
 
 
+async def exact_until(cluster: RemoteSpecPipe, prompt: list[int], condition) -> dict:
+    """A greedy session on ``cluster`` of up to 480 tokens, cancelled once ``condition()`` holds
+    (checked as tokens come): its tokens are the whole target's; returns stage 1's stats after it."""
+    tokens = await generate_until(cluster.port, prompt, 480, condition)
+    assert len(tokens) < 480
+    assert tokens == generate(cluster.models[0].decoder, prompt, SamplingParams(max_tokens=len(tokens),
+                                                                                 ignore_eos=True))[0]
+    await wait_until(lambda: cluster.target.pool.used_bytes == 0, what="the cancelled session's driver ended")
+    return await remote_stats("127.0.0.1", cluster.port)
+
+
 async def generate_until(port: int, prompt: list[int], max_tokens: int, condition) -> list[int]:
     """A greedy session's tokens, cancelled once ``condition()`` holds (checked as they come)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -149,7 +160,6 @@ async def test_a_session_a_full_draft_server_refused_drafts_levels_once_there_is
     while, not for the session's life: at a flush past REOPEN_AFTER_S stage 1 asks again, and
     the levels come once the other session ends. No warning: a full server is no fault."""
     monkeypatch.setattr("specctl.pipeline.remote_levels.REOPEN_AFTER_S", 0.05)
-    target, _ = models
     async with RemoteSpecPipe(models, 2, TreeShape(2, 2), max_sessions=1) as cluster:
         holder = await cluster.client.open([3, 4, 5], temperature=0.0, top_p=1.0, top_k=0, seed=0, max_tokens=8)
         assert isinstance(holder, tuple)  # another session has the server's one place
@@ -160,12 +170,7 @@ async def test_a_session_a_full_draft_server_refused_drafts_levels_once_there_is
                 cluster.client.close(holder)  # the other session ends
             return cluster.draft.levels.levels_sent >= 30
 
-        prompt = PROMPTS[1]
-        tokens = await generate_until(cluster.port, prompt, 480, room_then_levels)
-        assert len(tokens) < 480
-        assert tokens == generate(target.decoder, prompt, SamplingParams(max_tokens=len(tokens), ignore_eos=True))[0]
-        await wait_until(lambda: cluster.target.pool.used_bytes == 0, what="the cancelled session's driver ended")
-        served = await remote_stats("127.0.0.1", cluster.port)
+        served = await exact_until(cluster, PROMPTS[1], room_then_levels)
         assert (served["specpipe_draft_lost"], served["specpipe_draft_reopened"]) == (1, 1)
         assert served["specpipe_hits"] > 0
         went = [r for r in caplog.records if "SpecPipe's draft went away" in r.getMessage()]
@@ -177,7 +182,6 @@ async def test_a_session_a_full_draft_server_refused_drafts_levels_once_there_is
 async def test_a_draft_server_back_on_its_port_drafts_levels_for_a_session_running_without_it(models, caplog):
     """The draft server goes away mid-session and comes back: the link reconnects and the
     session, plain PP meanwhile, opens a level session on the new server at its next flush."""
-    target, _ = models
     # 480 steps of at least 4 ms a stage: seconds, for a reconnection that takes a fraction of one
     async with RemoteSpecPipe(models, 2, TreeShape(2, 2), delay_s=0.004) as cluster:
         caplog.set_level(logging.INFO, logger="specctl")
@@ -195,12 +199,7 @@ async def test_a_draft_server_back_on_its_port_drafts_levels_for_a_session_runni
             await cluster.start_draft(port)
             phase[0] = "back"
 
-        prompt = PROMPTS[0]
-        tokens = await generate_until(cluster.port, prompt, 480, restart_then_levels)
-        assert len(tokens) < 480
-        assert tokens == generate(target.decoder, prompt, SamplingParams(max_tokens=len(tokens), ignore_eos=True))[0]
-        await wait_until(lambda: cluster.target.pool.used_bytes == 0, what="the cancelled session's driver ended")
-        served = await remote_stats("127.0.0.1", cluster.port)
+        served = await exact_until(cluster, PROMPTS[0], restart_then_levels)
         assert (served["specpipe_draft_lost"], served["specpipe_draft_reopened"]) == (1, 1)
         back = [r.getMessage() for r in caplog.records if "SpecPipe's draft is back" in r.getMessage()]
         assert len(back) == 1 and "(was: no level from the draft server" in back[0]
