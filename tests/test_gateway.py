@@ -355,6 +355,31 @@ def test_include_stop_str_in_output_ends_the_text_with_the_stop_string_whole_and
     assert "".join(c.choices[0].text for c in chunks if c.choices) == wanted
 
 
+@pytest.mark.parametrize("route", ["/v1/completions", "/completion", "/generate"])
+def test_many_stop_strings_are_served_as_vllm_llama_cpp_and_sglang_serve_them_within_bounds(client, cluster, tiny_dir,
+                                                                                           route):
+    """Their servers take any number of stop strings (a llama.cpp front end sends one per chat
+    turn marker); 64 strings of 4,096 characters in all bound each token's check of them."""
+    reference = client.completions.create(model=str(tiny_dir["llama"]), prompt=PROMPT, max_tokens=24, temperature=0,
+                                          extra_body={"ignore_eos": True}).choices[0].text
+    stop = reference[len(reference) // 2:][:3]
+    stops = [f"<never {i}>" for i in range(63)] + [stop]
+    body = {"/v1/completions": {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True},
+            "/completion": {"prompt": PROMPT, "n_predict": 24, "temperature": 0, "ignore_eos": True},
+            "/generate": {"text": PROMPT, "sampling_params": {"max_new_tokens": 24, "temperature": 0,
+                                                              "ignore_eos": True}}}[route]
+    with_stops = (lambda stop: {**body, "sampling_params": {**body["sampling_params"], "stop": stop}}
+                  if route == "/generate" else {**body, "stop": stop})
+    code, _, raw = post(cluster[1]["gateway"] + route, with_stops(stops))
+    answer = json.loads(raw)
+    text = answer.get("content", answer.get("text")) if route != "/v1/completions" else answer["choices"][0]["text"]
+    assert code == 200 and text == reference[: reference.index(stop)], answer
+    for stops, message in ((stops + ["x"], "at most 64 stop strings, got 65"),
+                           (["y" * 4000, "z" * 97], "stop strings may hold 4,096 characters in all, got 4,097")):
+        code, _, raw = post(cluster[1]["gateway"] + route, with_stops(stops))
+        assert code == 400 and json.loads(raw)["error"]["message"] == message
+
+
 def test_stop_token_ids_end_the_generation_before_the_stop_token(cluster, tiny_dir):
     reference = specctl_generate(tiny_dir, PROMPT, 20)
     ids = reference["token_ids"]

@@ -94,6 +94,28 @@ def test_chat_template_options_reach_the_template_and_its_refusals_are_bad_reque
         encode_chat(tok, messages, tools=[{"type": "function", "function": {"name": "f"}}])
 
 
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_what_is_held_back_is_the_longest_tail_that_could_begin_a_stop_string(tok, data):
+    """Texts over a small alphabet (so tails often begin stop strings), stop strings of it
+    pushed a byte at a time: each step hands out exactly the text up to the longest tail
+    that is a proper prefix of some stop string, until one is found (none of it handed out)."""
+    alphabet = st.sampled_from("abc")
+    stops = data.draw(st.lists(st.text(alphabet, min_size=1, max_size=6), min_size=1, max_size=4))
+    whole = data.draw(st.text(alphabet, max_size=40))
+    text, handed = IncrementalText(tok, stops), ""
+    for n, token in enumerate(tok.encode(whole, add_special_tokens=False), 1):
+        handed += text.push([token])
+        seen = whole[:n]
+        found = [seen.find(stop) for stop in stops if stop in seen]
+        if found:
+            assert text.stopped and handed == seen[: min(found)]
+            return
+        hold = max((k for stop in stops for k in range(1, len(stop)) if seen.endswith(stop[:k])), default=0)
+        assert handed == seen[: n - hold], (stops, seen)
+    assert not text.stopped and handed + text.finish() == whole
+
+
 @settings(max_examples=200, deadline=None)
 @given(data=st.data())
 def test_the_output_decoder_is_the_whole_decode_at_every_step(tok, data):

@@ -53,6 +53,14 @@ class IncrementalText:
                  skip_special_tokens: bool = True, stop_regex: Sequence[regex.Pattern] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
+        # the proper prefixes a held-back tail may be, by their last character, longest first:
+        # a token's check reads only those ending as the text does
+        self._prefixes: dict[str, list[tuple[int, str]]] = {}
+        for s in self.stop:
+            for k in range(1, len(s)):
+                self._prefixes.setdefault(s[k - 1], []).append((k, s))
+        for ends in self._prefixes.values():
+            ends.sort(key=lambda end: -end[0])
         self.include_stop = include_stop
         self.output = OutputDecoder(tokenizer, skip_special_tokens)  # the whole output's text, decoded incrementally
         self.full = ""  # the whole output's text so far
@@ -81,7 +89,7 @@ class IncrementalText:
             return self._stop_at(match)
         if complete < len(full):
             return ""
-        hold = max((k for s in self.stop for k in range(1, len(s)) if full.endswith(s[:k])), default=0)
+        hold = next((k for k, s in self._prefixes.get(full[-1:], ()) if full.endswith(s[:k])), 0)
         upto = len(full) - hold if self.patterns is None else min(len(full) - hold, self.patterns.hold_from)
         return self._advance(full[:upto])
 

@@ -91,7 +91,10 @@ import msgspec
 
 from specctl.errors import SpecctlError
 
-MAX_STOP_STRINGS = 4
+# vLLM, llama.cpp and SGLang take any number of stop strings; these bounds keep each token's
+# check of them (engine.text, on the gateway's event loop) short whatever a request sends.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 4096  # every stop string's characters together
 MAX_STOP_TOKEN_IDS = 64
 MAX_CHOICES = 128  # generations one request may ask for (n times its prompts); the instances' sessions bound it too
 log = logging.getLogger("specctl.gateway")

@@ -12,7 +12,7 @@ from specctl.engine.stop_regex import compile_stop_patterns
 from specctl.engine.text import bad_word_sequences
 from specctl.errors import BadRequest, SpecctlError
 from specctl.gateway.api import (
-    MAX_CHOICES, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, ApiError, ChatCompletionRequest, CompletionRequest, RequestFields,
+    MAX_CHOICES, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, ApiError, ChatCompletionRequest, CompletionRequest, RequestFields,
 )
 from specctl.gateway.llama_samplers import sampler_chain
 from specctl.gateway.request_checks import scored_prompt, wanted_logprobs
@@ -104,6 +104,8 @@ def stop_strings(req: RequestFields) -> list[str]:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
         raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
+    if (chars := sum(map(len, stop))) > MAX_STOP_CHARS:
+        raise ApiError(400, f"stop strings may hold {MAX_STOP_CHARS:,} characters in all, got {chars:,}", param="stop")
     return [s for s in stop if s]
 
 
