@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -59,8 +60,24 @@ class Generations:
         self.running = 0
         self.responses = ResponseStore(config.responses_store)
         self.defaults = dict(config.sampling_defaults)  # what a request leaves out (gateway.sampling_defaults)
+        # Encoding a request (its chat template, its prompts) off the event loop, where every
+        # stream is read: a megabyte prompt takes most of a second to tokenize, and the
+        # tokenizer's Rust half lets the loop run meanwhile (vLLM's API server does the same).
+        # One thread: the requests' encodings never overlap (the loop only decodes).
+        self._encoding: ThreadPoolExecutor | None = None  # started with the first request, ended by close()
         if config.log_requests:
             request_log.enable()
+
+    async def off_loop(self, fn: Callable, *args: Any) -> Any:
+        """``fn(*args)`` on the encoding thread (a request's tokenization), its error raised here."""
+        if self._encoding is None:
+            self._encoding = ThreadPoolExecutor(1, thread_name_prefix="gateway-encode")
+        return await asyncio.get_running_loop().run_in_executor(self._encoding, partial(fn, *args))
+
+    def close(self) -> None:
+        if self._encoding is not None:
+            self._encoding.shutdown(wait=False, cancel_futures=True)
+            self._encoding = None
 
     def check_model(self, model: str | None) -> None:
         if model and model not in self.config.names:
@@ -102,8 +119,8 @@ class Generations:
         try:
             check_key(request, self.config.api_key)
             if native is not None:
-                req, native_reply = native(await request.read(), self.tokenizer, self.config.context,
-                                           self.config.names[0])
+                req, native_reply = await self.off_loop(native, await request.read(), self.tokenizer,
+                                                        self.config.context, self.config.names[0])
             elif endpoint == "responses":
                 asked = parse_body(await request.read(), ResponsesRequest)
                 history = self.responses.history(asked.previous_response_id)
@@ -120,20 +137,8 @@ class Generations:
                 raise ApiError(400, "priority scheduling is not enabled: start the gateway with --scheduling-policy "
                                     "priority, or leave priority out", param="priority")
             stop, patterns = stop_strings(req), stop_patterns(req)
-            tools = self.tools(req)
-            prompts = truncated(self.encode(req, tools), req.truncate_prompt_tokens, self.config.context)
+            tools, prompts, forced, specs = await self.off_loop(self._prepare, req, chat, endpoint)
             one_call = chat and not req.parallel_tool_calls
-            forced = forced_call(tools, req.tool_choice, parallel=not one_call)
-            structured = after_thinking(structured_output(req, forced[1] if forced else None),
-                                        self.thinking(req) if chat else None)
-            barred = bad_words(req.bad_words, self.tokenizer)
-            ends = infill_stops(self.tokenizer) if getattr(req, "suffix", None) is not None else ()
-            predicted = prediction_tokens(req, self.tokenizer, self.config.context)
-            budget = self.thinking_budget(req, endpoint)
-            specs = choice_specs(prompts, [sampling_params(req, len(p), self.config.context,
-                                                           self.config.default_max_tokens, structured, barred,
-                                                           self.defaults, ends, predicted, budget)
-                                           for p in prompts], req.n, self._echoes(req, prompts))
             self._check_room(len(specs))
             if self.config.log_requests:
                 request_log.received(rid, endpoint, list(map(len, prompts)), specs[0].params, req.n, req.stream)
@@ -175,6 +180,23 @@ class Generations:
             if self.config.log_requests and rid is not None:
                 request_log.finished(rid, endpoint, status, choices.completion_tokens if choices else 0,
                                      time.perf_counter() - arrival)
+
+    def _prepare(self, req, chat: bool, endpoint: str) -> tuple:
+        """A request's encoding (on the encoding thread): (its tools, its prompts' token ids, its
+        forced call, its choices)."""
+        tools = self.tools(req)
+        prompts = truncated(self.encode(req, tools), req.truncate_prompt_tokens, self.config.context)
+        forced = forced_call(tools, req.tool_choice, parallel=not (chat and not req.parallel_tool_calls))
+        structured = after_thinking(structured_output(req, forced[1] if forced else None),
+                                    self.thinking(req) if chat else None)
+        barred = bad_words(req.bad_words, self.tokenizer)
+        ends = infill_stops(self.tokenizer) if getattr(req, "suffix", None) is not None else ()
+        predicted = prediction_tokens(req, self.tokenizer, self.config.context)
+        budget = self.thinking_budget(req, endpoint)
+        specs = choice_specs(prompts, [sampling_params(req, len(p), self.config.context, self.config.default_max_tokens,
+                                                       structured, barred, self.defaults, ends, predicted, budget)
+                                       for p in prompts], req.n, self._echoes(req, prompts))
+        return tools, prompts, forced, specs
 
     def _responses_reply(self, asked: ResponsesRequest, req: ChatCompletionRequest, history: tuple,
                          prompt_tokens: int, calls) -> ResponsesReply:
@@ -252,7 +274,8 @@ class Generations:
         check_key(request, self.config.api_key)
         req = messages_as_chat(parse_body(await request.read(), MessagesRequest), count_only=True)
         self.check_model(req.model)
-        return web.json_response({"input_tokens": len(self.encode(req, self.tools(req))[0])})
+        [ids] = await self.off_loop(lambda: self.encode(req, self.tools(req)))
+        return web.json_response({"input_tokens": len(ids)})
 
     def tools(self, req) -> list[dict] | None:
         if not isinstance(req, ChatCompletionRequest):

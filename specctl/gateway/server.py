@@ -159,6 +159,7 @@ class Gateway:
         with contextlib.suppress(asyncio.CancelledError):
             await task
         self.upstream.close()
+        self.generations.close()
 
     async def start(self) -> int:
         await self.upstream.poll_once()  # know the instances' capacities before the first request

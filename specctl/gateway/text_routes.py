@@ -59,7 +59,8 @@ class TextRoutes:
         if sum(given is not None for given in (req.prompt, req.messages, req.content)) != 1:
             raise ApiError(400, "give one of prompt, messages (vLLM's) or content (llama.cpp's)", param="prompt")
         if req.content is not None:
-            ids = self.tokenizer.encode(req.content, add_special_tokens=req.add_special)
+            ids = await self.generations.off_loop(lambda: self.tokenizer.encode(req.content,
+                                                                                add_special_tokens=req.add_special))
             pieces = [{"id": i, "piece": self.tokenizer.decode([i])} for i in ids] if req.with_pieces else ids
             return web.json_response({"tokens": pieces})
         chat = req.messages is not None
@@ -68,7 +69,7 @@ class TextRoutes:
                                         continue_final_message=req.continue_final_message,
                                         chat_template_kwargs=req.chat_template_kwargs) if chat
                   else CompletionRequest(prompt=req.prompt))
-        [ids] = self.generations.encode(parsed, self.generations.tools(parsed))
+        [ids] = await self.generations.off_loop(lambda: self.generations.encode(parsed, self.generations.tools(parsed)))
         body = {"count": len(ids), "max_model_len": self.config.context, "tokens": ids}
         if req.return_token_strs:
             body["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
@@ -81,7 +82,7 @@ class TextRoutes:
         if req.tokens and (min(req.tokens) < 0 or max(req.tokens) >= vocab):
             raise ApiError(400, f"token ids must be in [0, {vocab}), got {min(req.tokens)}..{max(req.tokens)}",
                            param="tokens")
-        text = self.tokenizer.decode(req.tokens)
+        text = await self.generations.off_loop(self.tokenizer.decode, req.tokens)
         return web.json_response({"prompt": text, "content": text})
 
     async def apply_template(self, request: web.Request) -> web.Response:

@@ -1,0 +1,58 @@
+"""A request's encoding (its chat template, its prompts' tokenization) runs on the gateway's
+encoding thread, off the event loop every stream is read on: a megabyte prompt takes most of
+a second to tokenize, which would stall every other request's tokens meanwhile."""
+
+import json
+import threading
+
+import pytest
+
+from specctl.cluster.embedded import ClusterConfig, ClusterThread
+from specctl.config import build_config
+from specctl.gateway import generation
+from tests.test_gateway import PROMPT, post
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_dir):
+    config = build_config(None, target=str(tiny_dir["llama"]), mode="ar", dtype="fp32")
+    thread = ClusterThread(config, ClusterConfig(targets=1, gateway_port=0, speculate=False))
+    urls = thread.start()
+    yield thread, urls["gateway"]
+    thread.stop()
+
+
+def test_every_endpoint_encodes_its_prompts_on_the_encoding_thread(gateway, monkeypatch):
+    thread, url = gateway
+    seen: list[str] = []
+
+    def recorded(encode):
+        def wrapper(*args, **kwargs):
+            seen.append(threading.current_thread().name)
+            return encode(*args, **kwargs)
+        return wrapper
+
+    tokenizer = thread.cluster.gateway.generations.tokenizer
+    monkeypatch.setattr(generation, "encode_chat", recorded(generation.encode_chat))
+    monkeypatch.setattr(tokenizer, "encode", recorded(tokenizer.encode))  # every prompt's, llama.cpp's and SGLang's too
+    model = thread.cluster.gateway.config.names[0]
+    chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2}
+    for route, body in [("/v1/completions", {"prompt": PROMPT, "max_tokens": 2}), ("/v1/chat/completions", chat),
+                        ("/v1/messages", {**chat, "model": model}), ("/v1/messages/count_tokens", {**chat, "model": model}),
+                        ("/tokenize", {"prompt": PROMPT}), ("/tokenize", {"messages": chat["messages"]}),
+                        ("/tokenize", {"content": PROMPT}), ("/completion", {"prompt": PROMPT, "n_predict": 2}),
+                        ("/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 2}})]:
+        seen.clear()
+        code, _, raw = post(url + route, body)
+        assert code == 200 and seen and set(seen) == {"gateway-encode_0"}, (route, seen, raw)
+
+
+def test_an_encoding_error_is_the_requests_400_and_the_next_request_is_served(gateway):
+    _, url = gateway
+    code, _, raw = post(url + "/v1/completions", {"prompt": "", "max_tokens": 2})
+    assert code == 400 and json.loads(raw)["error"]["message"] == "the prompt is empty"
+    code, _, raw = post(url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                                                        "tool_choice": {"type": "function", "function": {"name": "f"}}})
+    assert code == 400 and json.loads(raw)["error"]["param"] == "tool_choice"
+    code, _, raw = post(url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
+    assert code == 200 and json.loads(raw)["usage"]["completion_tokens"] == 2
