@@ -314,18 +314,21 @@ def test_sessions_verified_together_in_bf16_each_equal_the_target_alone(tiny_dir
     verified_together_equal_alone(target, prompts, [chain, tree, chain], SamplingParams(max_tokens=20, ignore_eos=True))
 
 
-@pytest.mark.parametrize("agree", [True, False])
-def test_half_precision_rows_of_one_key_bucket_share_a_call_with_each_row_as_a_decode_step_computes_it(monkeypatch, agree):
+@pytest.mark.parametrize("probe", ["this-cpu", "disagrees"])
+def test_half_precision_rows_of_one_key_bucket_share_a_call_with_each_row_as_a_decode_step_computes_it(monkeypatch, probe):
     """A bf16 prefill of 130 rows after 20 cached keys (rows in 3 buckets of 64 keys) and a
     chain: each row equals the one-token call over the keys before it — batched by bucket
-    where this CPU's probe agrees, a call a row where it does not (monkeypatched)."""
+    where this CPU's probe agrees (measured on AMD EPYC and AMX Xeon hosts), a call a row where
+    it does not (as on another EPYC host of 2026-12-05, and as monkeypatched)."""
     from specctl_kernels import torch_backend
 
+    agree = probe == "this-cpu" and torch_backend.batched_rows_agree(HEADS // KV_HEADS, DIM, DIM, torch.bfloat16)
     batched_calls = []
     original = torch_backend.rows_over_leading_keys
     monkeypatch.setattr(torch_backend, "rows_over_leading_keys",
                         lambda q, k, v, visible: batched_calls.append(len(visible)) or original(q, k, v, visible))
-    monkeypatch.setattr(torch_backend, "batched_rows_agree", lambda *shape: agree)
+    if probe == "disagrees":
+        monkeypatch.setattr(torch_backend, "batched_rows_agree", lambda *shape: False)
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(1, HEADS, 130, DIM, generator=gen).bfloat16()
     k, v = (torch.randn(1, KV_HEADS, 150, DIM, generator=gen).bfloat16() for _ in range(2))
@@ -350,9 +353,23 @@ def test_a_tree_nodes_rows_keep_a_call_each_beside_the_batched_chain_rows():
         assert torch.equal(out[:, :, node : node + 1], alone), node
 
 
-def test_the_batched_rows_probe_agrees_here_for_grouped_query_shapes():
-    """Where measured (AMD EPYC, AMX Xeon; torch 2.13) a float32 matmul gives a row the same
-    bits among 6 or 384 rows; a CPU where it does not keeps a call a row (the test above)."""
-    from specctl_kernels.torch_backend import batched_rows_agree
+def test_where_the_batched_rows_probe_agrees_rows_of_counts_it_did_not_try_agree_too():
+    """The probe tries four row counts and decides for every count of its shape: where it
+    agrees, rows of counts it did not try must get their lone bits together too. (It agreed on
+    AMD EPYC and AMX Xeon hosts with torch 2.13; on another EPYC host of 2026-12-05 it does
+    not, and row_exact keeps a call a row there: nothing to check.)"""
+    from specctl_kernels.torch_backend import ROW_BUCKET, batched_rows_agree, rows_over_leading_keys
 
-    assert batched_rows_agree(6, 128, 128, torch.bfloat16)
+    if not batched_rows_agree(6, 128, 128, torch.bfloat16):
+        pytest.skip("this CPU gives a row other bits among many rows: row_exact keeps a call a row here")
+    gen = torch.Generator().manual_seed(11)
+    differs = []
+    for count, keys in ((5, 128), (20, 192), (48, 64)):
+        q = torch.randn(1, 6, count, 128, generator=gen).bfloat16()
+        k, v = (torch.randn(1, 1, keys, 128, generator=gen).bfloat16() for _ in range(2))
+        visible = [keys - (r * 29) % ROW_BUCKET for r in range(count)]
+        together = rows_over_leading_keys(q, k, v, visible)
+        differs += [not torch.equal(together[:, :, r : r + 1], rows_over_leading_keys(q[:, :, r : r + 1], k, v,
+                                                                                     [visible[r]]))
+                    for r in range(count)]
+    assert not any(differs)

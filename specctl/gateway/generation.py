@@ -137,8 +137,8 @@ class Generations:
                 raise ApiError(400, "priority scheduling is not enabled: start the gateway with --scheduling-policy "
                                     "priority, or leave priority out", param="priority")
             stop, patterns = stop_strings(req), stop_patterns(req)
-            tools, prompts, forced, specs = await self.off_loop(self._prepare, req, chat, endpoint)
             one_call = chat and not req.parallel_tool_calls
+            tools, prompts, forced, specs = await self.off_loop(self._prepare, req, chat, endpoint, one_call)
             self._check_room(len(specs))
             if self.config.log_requests:
                 request_log.received(rid, endpoint, list(map(len, prompts)), specs[0].params, req.n, req.stream)
@@ -181,12 +181,12 @@ class Generations:
                 request_log.finished(rid, endpoint, status, choices.completion_tokens if choices else 0,
                                      time.perf_counter() - arrival)
 
-    def _prepare(self, req, chat: bool, endpoint: str) -> tuple:
+    def _prepare(self, req, chat: bool, endpoint: str, one_call: bool) -> tuple:
         """A request's encoding (on the encoding thread): (its tools, its prompts' token ids, its
-        forced call, its choices)."""
+        forced call, its choices); ``one_call``: parallel_tool_calls false."""
         tools = self.tools(req)
         prompts = truncated(self.encode(req, tools), req.truncate_prompt_tokens, self.config.context)
-        forced = forced_call(tools, req.tool_choice, parallel=not (chat and not req.parallel_tool_calls))
+        forced = forced_call(tools, req.tool_choice, parallel=not one_call)
         structured = after_thinking(structured_output(req, forced[1] if forced else None),
                                     self.thinking(req) if chat else None)
         barred = bad_words(req.bad_words, self.tokenizer)

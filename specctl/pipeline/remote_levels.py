@@ -60,9 +60,7 @@ class RemoteLevels:
         epoch, when = self._retry
         if epoch == self.client.epoch and time.monotonic() < when:
             return False
-        if self.handle is not None and self.handle[0] == self.client.epoch:
-            self.close()  # a session that went out of step: the server frees it
-        self.handle, was_quiet = None, self._quiet
+        self.handle, was_quiet = None, self._quiet  # an earlier link's session went with it
         if not self._open(seq[:-1]):
             return False
         log.log(logging.DEBUG if was_quiet else logging.INFO,
