@@ -56,3 +56,17 @@ def test_an_encoding_error_is_the_requests_400_and_the_next_request_is_served(ga
     assert code == 400 and json.loads(raw)["error"]["param"] == "tool_choice"
     code, _, raw = post(url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
     assert code == 200 and json.loads(raw)["usage"]["completion_tokens"] == 2
+
+
+def test_logprobs_name_tokens_from_a_cache_of_their_texts_with_the_same_answer(gateway):
+    """A token's text, as logprobs and prompt_logprobs name it, is decoded once and read back
+    after (a long prompt's 20 alternatives a token would decode the same ids again and again)."""
+    thread, url = gateway
+    texts = thread.cluster.gateway.generations._token_text
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 5, "echo": True, "prompt_logprobs": 5}
+    first = json.loads(post(url + "/v1/completions", body)[2])
+    decoded = texts.cache_info().misses
+    second = json.loads(post(url + "/v1/completions", body)[2])
+    assert texts.cache_info().misses == decoded and texts.cache_info().hits > 0  # every name read back
+    assert second["choices"][0]["logprobs"] == first["choices"][0]["logprobs"]
+    assert second["choices"][0]["prompt_logprobs"] == first["choices"][0]["prompt_logprobs"]
