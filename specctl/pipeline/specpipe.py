@@ -203,7 +203,7 @@ class SpecPipeRun:
             self.stats.draft_reopened += 1
         for _ in range(self.refill if self.draft.alive else 0):
             level = self.draft.next_level(tree, refill[-1])
-            if level is None:  # gone meanwhile: the token goes with what was drafted (plain PP from then on)
+            if level is None:  # gone meanwhile: the token goes with what was drafted (plain PP until it is back)
                 break
             refill.append(level)
         under = refill[1:]
