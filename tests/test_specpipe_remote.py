@@ -159,7 +159,7 @@ async def test_a_session_a_full_draft_server_refused_drafts_levels_once_there_is
     """A refusal for room (another target's session fills the server) leaves plain PP for a
     while, not for the session's life: at a flush past REOPEN_AFTER_S stage 1 asks again, and
     the levels come once the other session ends. No warning: a full server is no fault."""
-    monkeypatch.setattr("specctl.pipeline.remote_levels.REOPEN_AFTER_S", 0.05)
+    monkeypatch.setattr("specctl.verify.draft_client.REOPEN_AFTER_S", 0.05)
     async with RemoteSpecPipe(models, 2, TreeShape(2, 2), max_sessions=1) as cluster:
         holder = await cluster.client.open([3, 4, 5], temperature=0.0, top_p=1.0, top_k=0, seed=0, max_tokens=8)
         assert isinstance(holder, tuple)  # another session has the server's one place

@@ -496,9 +496,9 @@ async def test_a_session_refused_by_a_full_draft_server_drafts_once_it_has_room(
     """The draft server's one session is taken: the second session runs autoregressively, asks
     again every REOPEN_AFTER_S, and drafts once the first has ended (it ran AR to its end);
     both outputs exactly the target's, and no warning per refusal."""
-    from specctl.verify import speculator as speculator_module
+    from specctl.verify import draft_client as draft_client_module
 
-    monkeypatch.setattr(speculator_module, "REOPEN_AFTER_S", 0.1)
+    monkeypatch.setattr(draft_client_module, "REOPEN_AFTER_S", 0.1)
     draft_server, _, _, link, server, port = await start_star(models, max_sessions=1, verify_delay_s=0.01)
     try:
         started = asyncio.Event()
@@ -521,11 +521,11 @@ async def test_a_full_draft_server_closes_a_silent_targets_connection_and_its_se
     target that has sent nothing for STALE_TARGET_S is disconnected, and the asking target's
     session (refused, asked again) drafts; a live target's heartbeat keeps it from that."""
     from specctl.draft import opening
-    from specctl.verify import draft_client as draft_client_module, speculator as speculator_module
+    from specctl.verify import draft_client as draft_client_module
 
     monkeypatch.setattr(opening, "STALE_TARGET_S", 0.6)
     monkeypatch.setattr(draft_client_module, "HEARTBEAT_S", 0.1)
-    monkeypatch.setattr(speculator_module, "REOPEN_AFTER_S", 0.1)
+    monkeypatch.setattr(draft_client_module, "REOPEN_AFTER_S", 0.1)
     target = models[0]
     draft_server, draft_port, _, link, server, port = await start_star(models, max_sessions=1, verify_delay_s=0.01)
     reader, writer = await asyncio.open_connection("127.0.0.1", draft_port)  # a target that then stops

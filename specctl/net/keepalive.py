@@ -4,8 +4,9 @@ keepalive, where on, waits two hours), and whatever the other side keeps for it 
 draft sessions on the draft server, a gateway's sessions on a target, a chain's KV on the
 stages, an HTTP client's request queued or running at the gateway) would never be freed.
 With these settings the kernel probes a connection idle for 30 s every 10 s and resets it
-after 3 unanswered probes (about a minute), so the usual disconnect path frees it. A stopped process (SIGSTOP) still has its kernel answer the probes:
-it is not taken for dead (it may resume); the roles' own timeouts deal with hangs."""
+after 3 unanswered probes (about a minute), so the usual disconnect path frees it. A stopped
+process (SIGSTOP) still has its kernel answer the probes: it is not taken for dead (it may
+resume); the roles' own timeouts deal with hangs."""
 
 from __future__ import annotations
 

@@ -12,14 +12,13 @@ import asyncio
 import concurrent.futures
 import logging
 import math
-import time
 from collections.abc import Coroutine
 
 from specctl.pipeline.live_tree import SpecTree
 from specctl.pipeline.token_source import TreeShape, level_capacity
 from specctl.spec.decode import DecodeSession
 from specctl.net.protocol import Error
-from specctl.verify.draft_client import REOPEN_AFTER_S, TRANSIENT_REFUSALS, DraftClient, Handle
+from specctl.verify.draft_client import DraftClient, Handle, Refusal, may_ask_again, refusal
 
 log = logging.getLogger("specctl.pipeline")
 
@@ -29,7 +28,7 @@ class RemoteLevels:
                  session: DecodeSession, timeout_s: float = 30.0) -> None:
         self.client, self.loop, self.timeout_s, self.shape, self.session = client, loop, timeout_s, shape, session
         self.lost: str | None = None  # why the draft went away, while it is away
-        self._retry: tuple[int, float] = (client.epoch, math.inf)  # (link epoch, when to ask again) while away
+        self._retry: Refusal = (client.epoch, math.inf)  # while away: when to ask again
         self._quiet = False  # the draft is away for want of room (a debug line, not a warning)
         self.handle: Handle | None = None
         self._open(session.seq[: session.prompt_len - 1])
@@ -46,10 +45,9 @@ class RemoteLevels:
         if isinstance(reply, tuple):
             self.handle = reply
             return True
-        transient = isinstance(reply, Error) and reply.code in TRANSIENT_REFUSALS
-        self._retry = (epoch, time.monotonic() + REOPEN_AFTER_S if transient else math.inf)
+        self._retry = refusal(reply, epoch)
         why = reply.message if isinstance(reply, Error) else (self.client.last_error or "the draft server did not answer")
-        self._lose(f"no level session ({why})", quiet=transient)
+        self._lose(f"no level session ({why})", quiet=self._retry[1] < math.inf)  # for room: no fault
         return False
 
     def revive(self, seq: list[int]) -> bool:
@@ -57,8 +55,7 @@ class RemoteLevels:
         the draft went away and may be back; True when it is."""
         if self.alive or not self.client.connected.is_set():
             return False
-        epoch, when = self._retry
-        if epoch == self.client.epoch and time.monotonic() < when:
+        if not may_ask_again(self._retry, self.client.epoch):
             return False
         self.handle, was_quiet = None, self._quiet  # an earlier link's session went with it
         if not self._open(seq[:-1]):
@@ -81,19 +78,16 @@ class RemoteLevels:
             return None
         level = self._call(self.client.next_level(self.handle, frontier))
         if level is None:
-            self._retry = (self.handle[0], math.inf)  # a lost link: once it is back
-            self._lose(f"no level from the draft server ({self.client.last_error or 'no answer or a refusal'})")
+            self._lose_session(f"no level from the draft server ({self.client.last_error or 'no answer or a refusal'})")
             return None
         sizes = {len(level.nodes), len(level.tokens), len(level.parents), len(level.scores)}
         if len(sizes) != 1 or not level.nodes or any(parent not in frontier for parent in level.parents):
-            self._retry = (self.handle[0], math.inf)  # never again on this link
-            self._lose("the draft server's level does not extend the frontier")
+            self._lose_session("the draft server's level does not extend the frontier")
             return None
         ids = [tree.add(token, parent, tree.nodes[parent].pos + 1, score)
                for token, parent, score in zip(level.tokens, level.parents, level.scores)]
         if ids != level.nodes:  # never sent: the unsent nodes are pruned with their tree
-            self._retry = (self.handle[0], math.inf)
-            self._lose(f"the draft server's tree is out of step (node ids {level.nodes[:4]} != {ids[:4]})")
+            self._lose_session(f"the draft server's tree is out of step (node ids {level.nodes[:4]} != {ids[:4]})")
             return None
         return ids
 
@@ -125,6 +119,11 @@ class RemoteLevels:
             return asyncio.run_coroutine_threadsafe(coro, self.loop).result(self.timeout_s + 5)
         except (concurrent.futures.TimeoutError, RuntimeError, ConnectionError):
             return None
+
+    def _lose_session(self, why: str) -> None:
+        """The open level session failed: asked for again once the link is back (a lost link), never on this one."""
+        self._retry = (self.handle[0], math.inf)
+        self._lose(why)
 
     def _lose(self, why: str, quiet: bool = False) -> None:
         if self.lost is None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import ssl as ssl_module
+import time
 
 from specctl.errors import VocabMismatch, connection_failure
 from specctl.net.framing import read_message
@@ -22,6 +24,7 @@ from specctl.spec.params import SamplingParams
 # end, and other targets' (StarSD admission); any other refusal holds until a reconnect.
 TRANSIENT_REFUSALS = frozenset({"capacity", "admission"})
 REOPEN_AFTER_S = 1.0
+Refusal = tuple[int, float]  # (link epoch, when to ask for a session again: inf = not on that link)
 log = logging.getLogger("specctl.verify.draft")
 Handle = tuple[int, int]  # (connection epoch, tag) of a draft session
 # A request past the client's timeout drops the link only if the server says nothing at all: a
@@ -212,6 +215,10 @@ class DraftClient:
         reply = await self._request(("req", req), OpenSession(
             req, prompt, temperature, top_p, top_k, seed, max_tokens, rules.min_p, reproducible,
             list(rules.sampler_order), rules.cache_salt, **draft_rules(rules, generated)))
+        return self._opened(reply, epoch)
+
+    def _opened(self, reply, epoch: int) -> Handle | Error | None:
+        """An open's outcome: the session's handle (on a link still up), the server's refusal, or None."""
         if isinstance(reply, SessionOpened) and epoch == self.epoch:
             return epoch, reply.tag
         return reply if isinstance(reply, Error) else None
@@ -233,9 +240,7 @@ class DraftClient:
         epoch, req = self.epoch, next(self._reqs)
         reply = await self._request(("req", req), OpenLevels(req, prompt, width, topk, capacity, spread,
                                                              **draft_rules(rules or SamplingParams(), generated)))
-        if isinstance(reply, SessionOpened) and epoch == self.epoch:
-            return epoch, reply.tag
-        return reply if isinstance(reply, Error) else None
+        return self._opened(reply, epoch)
 
     async def next_level(self, handle: Handle, frontier: list[int]) -> Level | None:
         epoch, tag = handle
@@ -267,6 +272,18 @@ class DraftClient:
             self._writer.write(encode(CloseSession(handle[1], tokens or [])))
         except (ConnectionError, RuntimeError):
             pass
+
+
+def refusal(reply: Error | None, epoch: int) -> Refusal:
+    """When to ask again after an open on link ``epoch`` got ``reply`` instead of a session:
+    REOPEN_AFTER_S after a refusal for room, never on that link otherwise (pure but the clock)."""
+    transient = isinstance(reply, Error) and reply.code in TRANSIENT_REFUSALS
+    return epoch, time.monotonic() + REOPEN_AFTER_S if transient else math.inf
+
+
+def may_ask_again(refused: Refusal | None, epoch: int) -> bool:
+    """Whether a session refused as ``refused`` may be asked for now, on link ``epoch``."""
+    return refused is None or refused[0] != epoch or time.monotonic() >= refused[1]
 
 
 def draft_rules(rules: SamplingParams, generated: int = 0) -> dict:

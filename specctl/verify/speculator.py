@@ -15,18 +15,17 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
 import random
 import time
 
 from specctl.engine.tree import PlainTree
-from specctl.net.protocol import Error, Proposal as ProposalMsg, ProtocolError
+from specctl.net.protocol import Proposal as ProposalMsg, ProtocolError
 from specctl.spec.decode import DecodeSession
 from specctl.spec.drafters import Proposal
 from specctl.spec.rounds import Drafted
 from specctl.spec.params import SamplingParams
 from specctl.spec.stats import FALLBACK_BAD_PROPOSAL, FALLBACK_DRAFT_DOWN, FALLBACK_DRAFT_FAILED
-from specctl.verify.draft_client import REOPEN_AFTER_S, TRANSIENT_REFUSALS, DraftClient, Handle
+from specctl.verify.draft_client import DraftClient, Handle, Refusal, may_ask_again, refusal
 
 log = logging.getLogger("specctl.verify")
 MAX_FAILURES_IN_A_ROW = 3
@@ -80,7 +79,7 @@ class RemoteSpeculator:
         self._opening: asyncio.Future | None = None
         self._opened_at = 0  # committed tokens the draft session was opened with
         self._fresh = True  # no proposal yet from this draft session
-        self._refused: tuple[int, float] | None = None  # (link epoch, when to ask again) after a refusal
+        self._refused: Refusal | None = None  # after a refusal: when to ask again
         self._failures = 0
         self._failures_epoch: int | None = None
         self.session: DecodeSession | None = None
@@ -110,14 +109,11 @@ class RemoteSpeculator:
                                        reproducible=reproducible_draft(params, self.greedy_drafts))
         self._refused = None
         if not isinstance(reply, tuple) and self.client.epoch == epoch:  # refused on a live link
-            transient = isinstance(reply, Error) and reply.code in TRANSIENT_REFUSALS
-            self._refused = (epoch, time.monotonic() + REOPEN_AFTER_S if transient else math.inf)
+            self._refused = refusal(reply, epoch)
         return reply if isinstance(reply, tuple) else None
 
     def _may_reopen(self) -> bool:
-        return (self._linked()
-                and (self._refused is None or self._refused[0] != self.client.epoch
-                     or time.monotonic() >= self._refused[1])
+        return (self._linked() and may_ask_again(self._refused, self.client.epoch)
                 and (self._failures < MAX_FAILURES_IN_A_ROW or self._failures_epoch != self.client.epoch))
 
     @property
