@@ -139,6 +139,36 @@ def test_echo_puts_the_prompt_first_with_its_logprobs_as_lm_eval_asks(cluster, t
     assert sum((c["logprobs"]["text_offset"] for c in chunks if c["logprobs"]), []) == whole["logprobs"]["text_offset"]
 
 
+def test_echo_with_max_tokens_0_is_the_prompt_alone_scored_as_vllm_answers_it(cluster, tiny_dir):
+    base = cluster[1]["gateway"]
+    prompts = [json.loads(post(base + "/tokenize", {"prompt": p})[2])["tokens"] for p in (PROMPT, "Hello there")]
+    scored = json.loads(post(base + "/v1/completions", {"prompt": prompts, "max_tokens": 1, "temperature": 0,
+                                                        "echo": True, "logprobs": 2})[2])
+    code, _, raw = post(base + "/v1/completions", {"prompt": prompts, "max_tokens": 0, "temperature": 0,
+                                                   "echo": True, "logprobs": 2})
+    assert code == 200, raw
+    answer = json.loads(raw)
+    for ids, one, alone in zip(prompts, scored["choices"], answer["choices"]):
+        # the prompt's own entries, the token the target generated left out
+        assert alone["finish_reason"] == "length"
+        assert alone["text"] == json.loads(post(base + "/detokenize", {"tokens": ids})[2])["prompt"]
+        assert {k: v[:len(ids)] for k, v in one["logprobs"].items()} == alone["logprobs"]
+        assert len(alone["logprobs"]["tokens"]) == len(ids)
+    assert answer["usage"]["completion_tokens"] == 0
+    assert answer["usage"]["prompt_tokens"] == sum(map(len, prompts))
+    # streamed: the prompt, then the finish with nothing more; without logprobs the text alone
+    request = urllib.request.Request(base + "/v1/completions", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"prompt": PROMPT, "max_tokens": 0, "echo": True,
+                                                      "stream": True}).encode())
+    with urllib.request.urlopen(request, timeout=60) as response:
+        chunks = [json.loads(line[6:])["choices"][0] for line in response if line.startswith(b"data: {")]
+    assert [(c["text"], c["finish_reason"]) for c in chunks] == [(PROMPT, None), ("", "length")]
+    # max_tokens 0 without echo asks for nothing at all: refused, as vLLM does
+    code, _, raw = post(base + "/v1/completions", {"prompt": PROMPT, "max_tokens": 0})
+    assert (code, json.loads(raw)["error"]["message"]) == (400, "max_tokens must be at least 1, got 0")
+    assert _wait_idle(cluster[0]) == (0, 0)
+
+
 def _vllm_prompt_entry(row, token: int, alternatives: int) -> dict[int, int]:
     """vLLM's prompt_logprobs entry as {token id: rank}: the token at its rank in the row, and the likeliest."""
     order = row.argsort(descending=True).tolist()

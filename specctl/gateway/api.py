@@ -24,6 +24,9 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
   its token ids); with logprobs its tokens are listed first, the first with null (nothing
   precedes it), the others with the target's log-probabilities from a pass of their own over
   the prompt (the generation's prefill is untouched: the output stays the target's own).
+  max_tokens 0 with echo is the prompt alone (OpenAI's legacy API, vLLM; lm-eval scores this
+  way): the target generates one token, as vLLM does, which the answer leaves out (finish
+  "length", 0 completion tokens).
 - vLLM's prompt_logprobs k (completions and chat, 0-20) lists each prompt token's log-probability,
   rank and k likeliest alternatives in vLLM's shape ({token id: {logprob, rank, decoded_token}},
   null for the first token) from that same pass: per choice for completions, once beside the

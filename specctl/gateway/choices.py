@@ -53,6 +53,7 @@ class ChoiceSpec:
     prompt: list[int]
     params: SamplingParams
     echo: str | None = None  # the prompt's text, handed out before the generation's (completions' echo)
+    echo_only: bool = False  # echo with max_tokens 0: the prompt (and its scores) alone, the token generated left out
 
 
 @dataclass(slots=True)
@@ -70,11 +71,11 @@ class Progress:
 
 
 def choice_specs(prompts: list[list[int]], params: list[SamplingParams], n: int,
-                 echoes: list[str] | None = None) -> list[ChoiceSpec]:
+                 echoes: list[str] | None = None, echo_only: bool = False) -> list[ChoiceSpec]:
     """Prompt i's j-th choice: index i * n + j; with a seed, seed + j (as vLLM seeds a request's
     choices: reproducible, and not n copies of one sample)."""
     return [ChoiceSpec(i * n + j, prompt, p if p.seed is None or not j else dataclasses.replace(p, seed=p.seed + j),
-                       echoes[i] if echoes else None)
+                       echoes[i] if echoes else None, echo_only)
             for i, (prompt, p) in enumerate(zip(prompts, params)) for j in range(n)]
 
 
@@ -197,6 +198,11 @@ class Choices:
                 yield Event(spec.echo, None, {}, 0, echoed(scored, spec.params.logprobs), scored)
             elif scored is not None:
                 yield Event("", None, {}, 0, [], scored)
+            if spec.echo_only:  # the prompt was all it asked for: the target's token is not wanted
+                stats = progress.stats(await stream.cancel())
+                self.metrics.record_generation(stats)
+                yield Event("", "length", stats, 0, [])
+                return
         text, event = progress.text, first
         while True:
             if isinstance(event, Tokens):

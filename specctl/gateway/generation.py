@@ -199,7 +199,8 @@ class Generations:
         budget = self.thinking_budget(req, endpoint)
         specs = choice_specs(prompts, [sampling_params(req, len(p), self.config.context, self.config.default_max_tokens,
                                                        structured, barred, self.defaults, ends, predicted, budget)
-                                       for p in prompts], req.n, self._echoes(req, prompts))
+                                       for p in prompts], req.n, self._echoes(req, prompts),
+                             echo_only=getattr(req, "echo", False) and req.max_tokens == 0)
         return tools, prompts, forced, specs
 
     def _responses_reply(self, asked: ResponsesRequest, req: ChatCompletionRequest, history: tuple,

@@ -220,7 +220,11 @@ def sampling_params(req: RequestFields, prompt_tokens: int, context: int, defaul
     name = ("max_completion_tokens" if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None
             else "max_tokens")
     requested = getattr(req, name)
-    if requested is not None and requested < 1:
+    if requested == 0 and isinstance(req, CompletionRequest) and req.echo:
+        # the prompt alone, scored (OpenAI's legacy completions, vLLM: lm-eval's loglikelihood asks
+        # this way): the target is asked for one token, which the answer leaves out (choices.echo_only)
+        requested = 1
+    elif requested is not None and requested < 1:
         raise ApiError(400, f"{name} must be at least 1, got {requested}", param=name)
     if room < 1 or (requested is not None and requested > room):
         raise ApiError(400, f"This model's maximum context length is {context} tokens. However, you requested "
