@@ -88,6 +88,38 @@ def test_errors_come_in_anthropic_s_shape_through_its_client(cluster, tiny_dir):
     assert status == 400 and json.loads(body)["type"] == "error"
 
 
+def test_a_last_assistant_message_is_the_answer_s_beginning_which_it_goes_on_from(cluster, tiny_dir):
+    """Anthropic's prefill: the answer continues the last assistant turn (vLLM's
+    continue_final_message) and holds only what follows it."""
+    client, model, base = _client(cluster), str(tiny_dir["llama"]), cluster[1]["gateway"]
+    turns = [*MESSAGES, {"role": "assistant", "content": "Well,"}]
+    continued = json.loads(post(base + "/v1/chat/completions", {
+        "messages": turns, "max_tokens": 12, "add_generation_prompt": False, "continue_final_message": True,
+        **GREEDY})[2])["choices"][0]["message"]["content"]
+    anew = json.loads(post(base + "/v1/chat/completions", {"messages": turns, "max_tokens": 12, **GREEDY})[2])
+    message = client.messages.create(model=model, max_tokens=12, messages=turns, extra_body=GREEDY)
+    assert message.content[0].text == continued != anew["choices"][0]["message"]["content"]
+    with client.messages.stream(model=model, max_tokens=12, messages=turns, extra_body=GREEDY) as stream:
+        assert "".join(stream.text_stream) == continued
+    prompt = json.loads(post(base + "/tokenize", {"messages": turns, "add_generation_prompt": False,
+                                                  "continue_final_message": True})[2])["count"]
+    assert client.messages.count_tokens(model=model, messages=turns).input_tokens == prompt
+    assert prompt < anew["usage"]["prompt_tokens"]  # the turn left open: no end of turn, no new turn begun
+
+
+def test_only_a_last_assistant_turn_of_text_is_continued():
+    def options(messages):
+        req = _parsed({"max_tokens": 4, "messages": messages})
+        return req.add_generation_prompt, req.continue_final_message
+
+    assert options(MESSAGES) == (True, False)
+    assert options([*MESSAGES, {"role": "assistant", "content": [{"type": "text", "text": "Hi"}]}]) == (False, True)
+    assert options([*MESSAGES, {"role": "assistant", "content": ""}]) == (True, False)
+    assert options([*MESSAGES, {"role": "assistant", "content": [  # a call awaits its result: a new turn
+        {"type": "text", "text": "Let me look."}, {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]) == (
+        True, False)
+
+
 def test_a_forced_tool_call_comes_back_as_a_tool_use_block_whole_and_streamed(tools_cluster):  # noqa: F811
     client = _client(tools_cluster)
     model = client.models.list().data[0].id

@@ -36,6 +36,10 @@ def test_which_outputs_start_in_thought_and_the_parser_names():
     assert thinks("qwen3", None) and thinks("qwen3", {"enable_thinking": True}) and thinks("qwen3", {"other": 1})
     assert not thinks("qwen3", {"enable_thinking": False})
     assert thinks("deepseek_r1", {"enable_thinking": False})  # R1's template always opens a <think>
+    # a continued final message: in thought only where its text left one open
+    assert not thinks("qwen3", None, "The answer is") and not thinks("deepseek_r1", None, "")
+    assert thinks("qwen3", {"enable_thinking": False}, "<think>hm") and thinks("qwen3", None, "<think>a</think><think>b")
+    assert not thinks("deepseek_r1", None, "<think>a</think> b")
     check_parser(None)
     check_parser("qwen3")
     with pytest.raises(ValueError, match=r"^--reasoning-parser must be one of qwen3, deepseek_r1, openai_gptoss, got 'hermes'$"):

@@ -17,6 +17,9 @@ without their text.
 ``output_config.format`` (json_schema) holds the output to the schema, as response_format does
 for chat; its ``effort`` changes nothing. temperature, top_p and top_k — which Anthropic's
 newer clients no longer send — are taken as chat takes them (OpenAI's defaults when left out).
+A last assistant message of text is the answer's beginning (Anthropic's prefill): the answer
+goes on from it (vLLM's continue_final_message) and holds only what follows; its trailing
+whitespace is kept, where Anthropic refuses it.
 ``cache_control`` marks are accepted and change nothing (prefix caching is automatic);
 images, documents, built-in (server) tools and MCP servers are refused by name. The API key comes as ``x-api-key`` or as a
 Bearer token; errors are Anthropic's ``{"type": "error", "error": {"type", "message"}}``."""
@@ -116,8 +119,11 @@ def as_chat(req: MessagesRequest, count_only: bool = False) -> ChatCompletionReq
     if thinking not in THINKING:
         raise ApiError(400, f"thinking.type must be one of {', '.join(repr(kind) for kind in THINKING if kind)}, got {thinking!r}",
                        param="thinking")
+    turns = [turn for i, message in enumerate(req.messages) for turn in _turns(i, message)]
+    # a last assistant turn of text is the answer's start, which the answer goes on from (Anthropic's prefill)
+    prefill = turns[-1].role == "assistant" and bool(turns[-1].content) and not turns[-1].tool_calls
     return ChatCompletionRequest(
-        messages=[*system, *(turn for i, message in enumerate(req.messages) for turn in _turns(i, message))],
+        messages=[*system, *turns], add_generation_prompt=not prefill, continue_final_message=prefill,
         model=req.model, max_completion_tokens=req.max_tokens if not count_only else None,
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, stop=req.stop_sequences, stream=req.stream,
         seed=req.seed, tools=_tools(req.tools), tool_choice=choice, parallel_tool_calls=parallel,

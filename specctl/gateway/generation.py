@@ -238,7 +238,10 @@ class Generations:
     def thinking(self, req) -> bool | None:
         """With a reasoning parser, whether a chat request's output starts in thought (None: no parser)."""
         parser = self.config.reasoning_parser
-        return None if parser is None else thinks(parser, template_variables(req))
+        if parser is None:
+            return None
+        continued = chat_messages(req)[-1]["content"] if req.continue_final_message else None
+        return thinks(parser, template_variables(req), continued)
 
     def thinking_budget(self, req: ChatCompletionRequest | CompletionRequest, endpoint: str) -> tuple | None:
         """The request's thinking budget (gateway.reasoning.thinking_budget), chat's or a raw

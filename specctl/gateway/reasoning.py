@@ -30,10 +30,14 @@ def check_parser(name: str | None) -> None:
         raise ValueError(f"--reasoning-parser must be one of {', '.join(PARSERS)}, got {name!r}")
 
 
-def thinks(parser: str, template_kwargs: dict | None) -> bool | str:
-    """Whether a request's output starts in thought; HARMONY for gpt-oss's channels."""
+def thinks(parser: str, template_kwargs: dict | None, continued: str | None = None) -> bool | str:
+    """Whether a request's output starts in thought; HARMONY for gpt-oss's channels.
+    ``continued``: the text of a final message the output goes on from (continue_final_message,
+    Anthropic's prefill), in thought only where that text left a thought open."""
     if parser == "openai_gptoss":
         return HARMONY
+    if continued is not None:
+        return START in continued and END not in continued[continued.rfind(START):]
     return parser == "deepseek_r1" or (template_kwargs or {}).get("enable_thinking", True) is not False
 
 
