@@ -12,7 +12,7 @@ import pytest
 from rich.console import Console
 
 from specctl.chat import transcript
-from specctl.chat.commands import ChatState, Quit, command, retry_point
+from specctl.chat.commands import HELP, ChatState, Quit, command, retry_point
 from specctl.chat.repl import greeting, multiline, repl, stat_line
 from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
@@ -39,6 +39,9 @@ def test_commands_change_the_state():
     assert command("/temp hot", state).startswith("usage: /temp T")
     assert command("/temp -1", state) == "temperature must be between 0 and 100"
     assert command("/reset", state) == "conversation cleared" and state.messages == []
+    state.messages.append({"role": "user", "content": "hi"})
+    assert command("/clear", state) == "conversation cleared" and state.messages == []  # Ollama's name
+    assert command("/?", state) == command("/help", state) == HELP
     assert command("/frobnicate", state).startswith("unknown command /frobnicate")
     assert command("/max 64", state) == "at most 64 tokens a reply" and state.max_tokens == 64
     assert command("/max lots", state).startswith("usage: /max N (now 64)")
@@ -50,8 +53,9 @@ def test_commands_change_the_state():
     command("/reset", state)
     assert state.request_messages() == [{"role": "system", "content": "Answer in French."}]  # kept by /reset
     assert command("/system", state) == "no system prompt" and state.request_messages() == []
-    with pytest.raises(Quit):
-        command("/quit", state)
+    for name in ("/quit", "/exit", "/q", "/bye"):
+        with pytest.raises(Quit):
+            command(name, state)
 
 
 def test_effort_and_predict_set_what_the_next_request_sends(tmp_path):

@@ -9,11 +9,11 @@ from pathlib import Path
 from specctl.chat import transcript
 from specctl.gateway.translate import REASONING_EFFORTS
 
-HELP = ("commands: /reset (forget the conversation), /undo (drop the last exchange), /retry (answer the last "
+HELP = ("commands: /reset or /clear (forget the conversation), /undo (drop the last exchange), /retry (answer the last "
         "message again), /system TEXT (the system prompt; /system alone drops it), /temp T (sampling temperature), "
         "/max N (most tokens a reply), /effort LEVEL (reasoning effort: none|minimal|low|medium|high|xhigh, "
         "default = the model's), /predict FILE (the next reply is expected to resemble FILE — an edit of it: "
-        "drafted from, the answer unchanged), /save FILE, /load FILE (the conversation as JSON), /stats, /quit; "
+        "drafted from, the answer unchanged), /save FILE, /load FILE (the conversation as JSON), /stats, /quit (or /bye); "
         "a message of several lines between \"\"\" and \"\"\"; Ctrl-C stops a reply")
 
 
@@ -47,9 +47,10 @@ class ChatState:
 def command(line: str, state: ChatState) -> str:
     """Apply a /command to the state; returns what to tell the user."""
     name, _, arg = line.strip().partition(" ")
-    if name in ("/quit", "/exit", "/q"):
+    # Ollama's and llama.cpp's names too, which users of those type out of habit
+    if name in ("/quit", "/exit", "/q", "/bye"):
         raise Quit
-    if name == "/reset":
+    if name in ("/reset", "/clear"):
         state.messages.clear()
         return "conversation cleared"
     if name == "/temp":
@@ -85,7 +86,7 @@ def command(line: str, state: ChatState) -> str:
         return f"dropped the last exchange ({len(state.messages)} messages left)"
     if name in ("/save", "/load"):
         return _file_command(name, arg.strip(), state)
-    if name == "/help":
+    if name in ("/help", "/?"):
         return HELP
     return f"unknown command {name}; {HELP}"
 
