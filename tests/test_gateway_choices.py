@@ -56,6 +56,26 @@ def test_batched_prompts_give_n_choices_each_in_prompt_order(cluster, client, ti
     assert [c.text for c in by_ids.choices] == [a.choices[0].text for a in alone]
 
 
+def test_a_batch_larger_than_the_instances_hold_runs_in_turns_each_as_alone(cluster, client, tiny_dir):
+    """lm-eval sends its batch_size prompts in one request: past the 32 sessions of the two
+    instances, choices wait for a free one (vLLM queues them too)."""
+    model = str(tiny_dir["llama"])
+    prompts = [f"{PROMPT} {i}" for i in range(36)]
+    answers = [client.completions.create(model=model, prompt=p, max_tokens=5, temperature=0) for p in prompts]
+    alone = [a.choices[0].text for a in answers]
+    assert len(prompts) * 2 > sum(t.config.max_sessions for t in cluster[0].cluster.targets)
+    batch = client.completions.create(model=model, prompt=prompts, max_tokens=5, temperature=0, n=2)
+    assert [(c.index, c.text) for c in batch.choices] == [(2 * i + j, alone[i]) for i in range(36) for j in range(2)]
+    assert batch.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in answers)
+    stream = client.completions.create(model=model, prompt=prompts, max_tokens=5, temperature=0, stream=True)
+    texts = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert [texts[i] for i in range(36)] == alone
+    assert _wait_idle(cluster[0]) == (0, 0)
+
+
 def test_streamed_choices_carry_their_index_and_rebuild_each_text(cluster, client, tiny_dir):
     model = str(tiny_dir["llama"])
     full = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Count"}], max_tokens=12,

@@ -17,9 +17,9 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
 - vLLM's skip_special_tokens (default true) false keeps special tokens' text in the output.
 - n choices per prompt and batched prompts (a list of strings or of token-id lists) run as
   that many generations at once (choice index = prompt index * n + j; with a seed, choice j
-  samples with seed + j, as vLLM does); usage counts each prompt once. A request that asks
-  for more generations than the instances hold at once is refused (400), one they cannot
-  start now is a 503 like any other.
+  samples with seed + j, as vLLM does); usage counts each prompt once. Generations past the
+  instances' sessions wait for a free one (gateway.waiting), so a batch larger than they hold
+  runs in turns, as vLLM queues one.
 - echo (completions) puts the prompt before each choice's text (as given, or decoded from
   its token ids); with logprobs its tokens are listed first, the first with null (nothing
   precedes it), the others with the target's log-probabilities from a pass of their own over
@@ -99,7 +99,7 @@ from specctl.errors import SpecctlError
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 4096  # every stop string's characters together
 MAX_STOP_TOKEN_IDS = 64
-MAX_CHOICES = 128  # generations one request may ask for (n times its prompts); the instances' sessions bound it too
+MAX_CHOICES = 128  # generations one request may ask for (n times its prompts)
 log = logging.getLogger("specctl.gateway")
 
 

@@ -260,16 +260,12 @@ class Generations:
                 for p, ids in zip(completion_prompts(req.prompt), prompts)]
 
     def _check_room(self, generations: int) -> None:
-        """A request's choices run at once: more than the instances that are up can ever hold
-        at once is refused (fewer, but busy now, is the usual 503 to retry)."""
+        """At most MAX_CHOICES generations a request. More than the instances hold at once run
+        in turns, as vLLM queues a batch (lm-eval sends its batch_size prompts in one request):
+        those past the sessions wait in the line (gateway.waiting) for the ones before them."""
         if generations > MAX_CHOICES:
             raise ApiError(400, f"this request asks for {generations} generations (n times the prompts); at most "
                                 f"{MAX_CHOICES}", param="n")
-        room = sum(view.capacity for view in self.upstream.views() if view.up)
-        if room and generations > room:
-            raise ApiError(400, f"this request asks for {generations} generations at once (n times the prompts) but "
-                                f"the target instances hold {room} sessions in all: lower n or send fewer prompts",
-                           param="n")
 
     def _logprobs(self, chat: bool, entries: list, offset: int = 0, as_ids: bool = False) -> dict | None:
         return R.logprobs_body(chat, entries, self._token_text, offset, self._token_bytes, as_ids)
