@@ -6,10 +6,12 @@ import json
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
-from specctl.gateway import generation
+from specctl.gateway import generation, respond, responses
 from tests.test_gateway import PROMPT, post
 
 
@@ -70,3 +72,44 @@ def test_logprobs_name_tokens_from_a_cache_of_their_texts_with_the_same_answer(g
     assert texts.cache_info().misses == decoded and texts.cache_info().hits > 0  # every name read back
     assert second["choices"][0]["logprobs"] == first["choices"][0]["logprobs"]
     assert second["choices"][0]["prompt_logprobs"] == first["choices"][0]["prompt_logprobs"]
+
+
+def test_a_whole_answer_is_built_and_serialised_off_the_event_loop(gateway, monkeypatch):
+    """A long prompt's prompt_logprobs with 20 alternatives each is tens of MB of JSON: built
+    on the loop it would stall every stream for seconds."""
+    _, url = gateway
+    seen: list[str] = []
+
+    def recorded(build):
+        def wrapper(*args, **kwargs):
+            seen.append(threading.current_thread().name)
+            return build(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(responses, "prompt_logprobs_body", recorded(responses.prompt_logprobs_body))
+    monkeypatch.setattr(responses, "full_response", recorded(responses.full_response))
+    for route, body in [("/v1/completions", {"prompt": [PROMPT, "Hello"], "max_tokens": 2, "prompt_logprobs": 20,
+                                             "echo": True, "logprobs": 5}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2,
+                                                  "prompt_logprobs": 3, "logprobs": True, "top_logprobs": 2})]:
+        seen.clear()
+        code, headers, raw = post(url + route, body)
+        assert code == 200 and headers["Content-Type"] == "application/json; charset=utf-8"
+        answer = json.loads(raw)
+        assert all(choice["logprobs"] for choice in answer["choices"])
+        assert len(seen) == len(answer["choices"]) + 1 if route == "/v1/completions" else len(seen) == 2
+        assert seen and "specctl-cluster" not in seen, (route, seen)  # a worker thread's, not the loop's
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=9) | st.dictionaries(st.text(), inner, max_size=4), max_leaves=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(json_values)
+def test_json_in_pieces_is_the_json_of_the_whole(value):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(respond, "JSON_PIECE", 2)  # lists past 2 items go a piece at a time
+        assert json.loads(respond.json_in_pieces(value)) == value
+    assert json.loads(respond.json_in_pieces(value)) == value
