@@ -182,6 +182,12 @@ class Reply:
         return response
 
 
+async def json_answer(body: Any) -> web.Response:
+    """A whole answer's JSON, serialised off the event loop (json_in_pieces)."""
+    return web.Response(body=await asyncio.to_thread(json_in_pieces, body), content_type="application/json",
+                        charset="utf-8")
+
+
 def json_in_pieces(value: Any) -> bytes:
     """``value``'s JSON, each long list encoded a piece at a time: an encoder holds the GIL
     until it returns, and a piece is milliseconds where tens of MB at once (a long prompt's

@@ -35,7 +35,7 @@ from aiohttp import web
 from specctl.engine.text import encode_prompt
 from specctl.gateway.api import ApiError, CompletionRequest, parse_body
 from specctl.gateway.choices import Choices, Event
-from specctl.gateway.respond import remote_message
+from specctl.gateway.respond import json_answer, remote_message
 from specctl.verify.client import RemoteError
 
 
@@ -174,7 +174,7 @@ class SglangReply:
             if event.finish:
                 output["meta_info"] = self._meta(index, event, choices.request_id, scores[index])
         answer = [outputs[i] for i in sorted(outputs)]
-        return web.json_response(answer if self.listed else answer[0])
+        return await json_answer(answer if self.listed else answer[0])
 
     async def stream(self, request: web.Request, choices: Choices) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
