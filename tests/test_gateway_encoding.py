@@ -4,6 +4,7 @@ a second to tokenize, which would stall every other request's tokens meanwhile."
 
 import json
 import threading
+import urllib.request
 
 import pytest
 from hypothesis import given, settings
@@ -116,3 +117,32 @@ def test_json_in_pieces_is_the_json_of_the_whole(value):
         patch.setattr(respond, "JSON_PIECE", 2)  # lists past 2 items go a piece at a time
         assert json.loads(respond.json_in_pieces(value)) == value
     assert json.loads(respond.json_in_pieces(value)) == value
+
+
+def test_a_streamed_echo_s_long_logprobs_are_built_and_serialised_off_the_event_loop(gateway, monkeypatch):
+    _, url = gateway
+    seen: list[tuple[str, str]] = []
+
+    def recorded(name, build):
+        def wrapper(*args, **kwargs):
+            seen.append((name, threading.current_thread().name))
+            return build(*args, **kwargs)
+        return wrapper
+
+    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 2, "stream": True}
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        short = [json.loads(line[6:]) for line in response if line.startswith(b"data: {")]
+    monkeypatch.setattr(respond, "JSON_PIECE", 3)  # the prompt's tokens are more: its chunk is a long one
+    monkeypatch.setattr(responses, "logprobs_body", recorded("logprobs", responses.logprobs_body))
+    monkeypatch.setattr(respond, "json_in_pieces", recorded("json", respond.json_in_pieces))
+    with urllib.request.urlopen(request, timeout=60) as response:
+        long = [json.loads(line[6:]) for line in response if line.startswith(b"data: {")]
+    def kept(chunks):  # what a chunk says, not its id, time or speed
+        return [{k: v for k, v in c.items() if k not in ("id", "created", "specctl")} for c in chunks]
+    assert kept(short) == kept(long)  # the same chunks either way
+    first = long[0]["choices"][0]["logprobs"]["tokens"]
+    assert len(first) > 3 and [name for name, _ in seen] == ["logprobs", "json"] + ["logprobs"] * (len(seen) - 2)
+    assert "specctl-cluster" not in {thread for _, thread in seen[:2]}  # the echo's chunk: a worker's
+    assert {thread for _, thread in seen[2:]} == {"specctl-cluster"}  # a token's chunk: on the loop, as before

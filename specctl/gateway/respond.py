@@ -116,7 +116,7 @@ class Reply:
 
         unsent: dict[int, list[int]] = {}  # return_token_ids: each choice's tokens not yet in a chunk
 
-        async def send(**fields) -> None:
+        async def send(big: bool = False, **fields) -> None:
             if self.continuous_usage:  # the chunk's choice's, as vLLM's (the last chunk has the request's)
                 fields["extra"] = {**(fields.get("extra") or {}), "usage": R.usage(*choices.usage_of(fields["index"]))}
             body = R.chunk(rid, model, chat, created, **fields,
@@ -124,7 +124,8 @@ class Reply:
             if self.token_ids and not chat and fields["index"] not in prompted:  # a choice's first chunk
                 prompted.add(fields["index"])
                 body["choices"][0]["prompt_token_ids"] = prompt_ids(choices, fields["index"])
-            await response.write(R.sse(body))
+            await response.write(b"data: " + await asyncio.to_thread(json_in_pieces, body) + b"\n\n" if big
+                                 else R.sse(body))
 
         prompted: set[int] = set()
         if chat:
@@ -148,11 +149,15 @@ class Reply:
                     await send(reasoning=thought, logprobs=self.logprobs(event.logprobs, 0) if listed else None,
                                index=index)
                 if delta or (self.logprobs and event.logprobs and not listed):
-                    logprobs = self.logprobs(event.logprobs, offsets.get(index, 0)) if self.logprobs and not listed \
-                        else None
+                    # an echoed prompt's logprobs are the one long list a chunk may hold: off the loop
+                    big = len(event.logprobs) > JSON_PIECE
+                    logprobs = None
+                    if self.logprobs and not listed:
+                        logprobs = (await asyncio.to_thread(self.logprobs, event.logprobs, offsets.get(index, 0))
+                                    if big else self.logprobs(event.logprobs, offsets.get(index, 0)))
                     if logprobs and not chat and logprobs["tokens"]:  # the next chunk's tokens start after these
                         offsets[index] = logprobs["text_offset"][-1] + self.text_length(event.logprobs[-1].token)
-                    await send(text=delta, logprobs=logprobs, index=index)
+                    await send(big, text=delta, logprobs=logprobs, index=index)
                 if call_deltas:
                     await send(tool_calls=call_deltas, index=index)
                 if event.finish:
