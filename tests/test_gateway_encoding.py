@@ -25,19 +25,21 @@ def gateway(tiny_dir):
     thread.stop()
 
 
+def on_thread(seen: list, fn, name: str | None = None):
+    """``fn``, noting in ``seen`` the thread each call runs on (with ``name``: (name, thread))."""
+    def wrapper(*args, **kwargs):
+        thread = threading.current_thread().name
+        seen.append(thread if name is None else (name, thread))
+        return fn(*args, **kwargs)
+    return wrapper
+
+
 def test_every_endpoint_encodes_its_prompts_on_the_encoding_thread(gateway, monkeypatch):
     thread, url = gateway
     seen: list[str] = []
-
-    def recorded(encode):
-        def wrapper(*args, **kwargs):
-            seen.append(threading.current_thread().name)
-            return encode(*args, **kwargs)
-        return wrapper
-
     tokenizer = thread.cluster.gateway.generations.tokenizer
-    monkeypatch.setattr(generation, "encode_chat", recorded(generation.encode_chat))
-    monkeypatch.setattr(tokenizer, "encode", recorded(tokenizer.encode))  # every prompt's, llama.cpp's and SGLang's too
+    monkeypatch.setattr(generation, "encode_chat", on_thread(seen, generation.encode_chat))
+    monkeypatch.setattr(tokenizer, "encode", on_thread(seen, tokenizer.encode))  # every prompt's, llama.cpp's and SGLang's too
     model = thread.cluster.gateway.config.names[0]
     chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2}
     for route, body in [("/v1/completions", {"prompt": PROMPT, "max_tokens": 2}), ("/v1/chat/completions", chat),
@@ -80,16 +82,9 @@ def test_a_whole_answer_is_built_and_serialised_off_the_event_loop(gateway, monk
     on the loop it would stall every stream for seconds."""
     _, url = gateway
     seen: list[str] = []
-
-    def recorded(build):
-        def wrapper(*args, **kwargs):
-            seen.append(threading.current_thread().name)
-            return build(*args, **kwargs)
-        return wrapper
-
-    monkeypatch.setattr(responses, "prompt_logprobs_body", recorded(responses.prompt_logprobs_body))
-    monkeypatch.setattr(responses, "full_response", recorded(responses.full_response))
-    monkeypatch.setattr(respond, "json_in_pieces", recorded(respond.json_in_pieces))
+    monkeypatch.setattr(responses, "prompt_logprobs_body", on_thread(seen, responses.prompt_logprobs_body))
+    monkeypatch.setattr(responses, "full_response", on_thread(seen, responses.full_response))
+    monkeypatch.setattr(respond, "json_in_pieces", on_thread(seen, respond.json_in_pieces))
     for route, body, built in [
             ("/v1/completions", {"prompt": [PROMPT, "Hello"], "max_tokens": 2, "prompt_logprobs": 20, "echo": True,
                                  "logprobs": 5}, 4),  # two prompt_logprobs, the response, its JSON
@@ -122,21 +117,14 @@ def test_json_in_pieces_is_the_json_of_the_whole(value):
 def test_a_streamed_echo_s_long_logprobs_are_built_and_serialised_off_the_event_loop(gateway, monkeypatch):
     _, url = gateway
     seen: list[tuple[str, str]] = []
-
-    def recorded(name, build):
-        def wrapper(*args, **kwargs):
-            seen.append((name, threading.current_thread().name))
-            return build(*args, **kwargs)
-        return wrapper
-
     body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 2, "stream": True}
     request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as response:
         short = [json.loads(line[6:]) for line in response if line.startswith(b"data: {")]
     monkeypatch.setattr(respond, "JSON_PIECE", 3)  # the prompt's tokens are more: its chunk is a long one
-    monkeypatch.setattr(responses, "logprobs_body", recorded("logprobs", responses.logprobs_body))
-    monkeypatch.setattr(respond, "json_in_pieces", recorded("json", respond.json_in_pieces))
+    monkeypatch.setattr(responses, "logprobs_body", on_thread(seen, responses.logprobs_body, "logprobs"))
+    monkeypatch.setattr(respond, "json_in_pieces", on_thread(seen, respond.json_in_pieces, "json"))
     with urllib.request.urlopen(request, timeout=60) as response:
         long = [json.loads(line[6:]) for line in response if line.startswith(b"data: {")]
     def kept(chunks):  # what a chunk says, not its id, time or speed
