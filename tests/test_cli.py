@@ -347,6 +347,20 @@ def test_help_explains_every_role_command():
     assert proc.returncode == 0
     for command in ("generate", "draft", "verify", "plan", "gateway", "up", "chat", "monitor", "models", "bench"):
         assert f"│ {command} " in proc.stdout, command
+    assert "--version" in proc.stdout
+
+
+def test_version_names_specctl_and_the_libraries_a_bug_report_needs():
+    import platform
+    from importlib import metadata
+
+    import specctl
+
+    for flag in ("--version", "-V"):
+        proc = run_here(flag)
+        assert (proc.returncode, proc.stdout) == (0, (
+            f"specctl {specctl.__version__} (Python {platform.python_version()}, torch {metadata.version('torch')}, "
+            f"transformers {metadata.version('transformers')})\n"))
 
 
 def test_command_lists_show_each_summary_unbroken():

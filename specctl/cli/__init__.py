@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import inspect
+import platform
 import sys
+from importlib import metadata
 
 import typer
+
+import specctl
 
 from specctl.cli import bench, chat, draft, gateway, generate, models, monitor, plan, verify
 from specctl.errors import SpecctlError
@@ -18,6 +22,32 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+
+
+def version_line() -> str:
+    """specctl's version with the libraries a bug report needs (read without importing them)."""
+    def installed(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+    return (f"specctl {specctl.__version__} (Python {platform.python_version()}, torch {installed('torch')}, "
+            f"transformers {installed('transformers')})")
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        print(version_line())
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", "-V", callback=_print_version, is_eager=True,
+                                          help="print the version (with Python's, torch's and transformers') and "
+                                               "exit")) -> None:
+    pass
+
+
 app.add_typer(models.app, name="models")
 app.add_typer(bench.app, name="bench")
 app.command("generate")(generate.generate)
