@@ -8,6 +8,7 @@ import urllib.request
 
 import pytest
 
+from specctl.gateway.choices import nth_seed
 from tests.conftest import poll_until
 from tests.test_gateway import PROMPT, _target_logprobs, post, specctl_generate
 
@@ -41,6 +42,20 @@ def test_n_choices_are_n_generations_each_as_a_request_of_its_own(cluster, clien
     assert chat.choices[0].message.content == chat.choices[1].message.content == \
         specctl_generate(tiny_dir, "Say hello", 8, chat=True)["text"]
     assert _wait_idle(cluster[0]) == (0, 0)
+
+
+def test_a_seed_is_any_64_bit_integer_and_the_choices_seeds_wrap_around(cluster, client, tiny_dir):
+    """As vLLM takes a seed (negative ones too); choice j of the last seed samples with the first."""
+    assert (nth_seed(5, 2), nth_seed(2**63 - 1, 1), nth_seed(-2**63, 3)) == (7, -2**63, -2**63 + 3)
+    model = str(tiny_dir["llama"])
+
+    def sampled(seed: int, n: int = 1) -> list[str]:
+        answer = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=seed, n=n,
+                                           extra_body={"ignore_eos": True})
+        return [choice.text for choice in answer.choices]
+
+    assert sampled(-5) == sampled(-5) != sampled(5)
+    assert sampled(2**63 - 1, n=2) == sampled(2**63 - 1) + sampled(-2**63)
 
 
 def test_batched_prompts_give_n_choices_each_in_prompt_order(cluster, client, tiny_dir):

@@ -18,7 +18,10 @@ from specctl.spec.sampling import probs_from_logits
         ({"min_p": 1.5}, "min_p must be between 0 and 1, got 1.5"),
         ({"top_k": -1}, "top_k must be a non-negative integer (0 = off), got -1"),
         ({"max_tokens": 0}, "max_tokens must be a positive integer, got 0"),
-        ({"seed": -3}, "seed must be a non-negative integer, got -3"),
+        ({"seed": 2**63}, "seed must be an integer from -9223372036854775808 to 9223372036854775807, got "
+                          "9223372036854775808"),
+        ({"seed": -2**63 - 1}, "seed must be an integer from -9223372036854775808 to 9223372036854775807, got "
+                               "-9223372036854775809"),
         ({"sampler_order": ("top_k", "temperature")}, "sampler_order names temperature, top_k, top_p, min_p once each, "
                                                       "in the order they apply, got ['top_k', 'temperature']"),
     ],

@@ -74,9 +74,15 @@ def choice_specs(prompts: list[list[int]], params: list[SamplingParams], n: int,
                  echoes: list[str] | None = None, echo_only: bool = False) -> list[ChoiceSpec]:
     """Prompt i's j-th choice: index i * n + j; with a seed, seed + j (as vLLM seeds a request's
     choices: reproducible, and not n copies of one sample)."""
-    return [ChoiceSpec(i * n + j, prompt, p if p.seed is None or not j else dataclasses.replace(p, seed=p.seed + j),
+    return [ChoiceSpec(i * n + j, prompt,
+                       p if p.seed is None or not j else dataclasses.replace(p, seed=nth_seed(p.seed, j)),
                        echoes[i] if echoes else None, echo_only)
             for i, (prompt, p) in enumerate(zip(prompts, params)) for j in range(n)]
+
+
+def nth_seed(seed: int, j: int) -> int:
+    """seed + j, wrapped around the 64-bit integers a seed is (the last seed's next is the first)."""
+    return (seed + j + 2**63) % 2**64 - 2**63
 
 
 class Choices:

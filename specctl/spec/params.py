@@ -73,8 +73,9 @@ class SamplingParams:
             raise InvalidSamplingParams(f"top_k must be a non-negative integer (0 = off), got {self.top_k!r}")
         if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
             raise InvalidSamplingParams(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
-            raise InvalidSamplingParams(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and -2**63 <= self.seed < 2**63):
+            # a 64-bit integer, as vLLM takes it (torch's generators take a negative one as its two's complement)
+            raise InvalidSamplingParams(f"seed must be an integer from {-2**63} to {2**63 - 1}, got {self.seed!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and -2.0 <= value <= 2.0):
