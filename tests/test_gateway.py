@@ -394,7 +394,7 @@ def test_stop_token_ids_end_the_generation_before_the_stop_token(cluster, tiny_d
                                                    )[2].decode().splitlines() if line.startswith("data: {")]
     assert [(c["choices"][0]["finish_reason"], c["choices"][0]["stop_reason"]) for c in chunks][-1] == ("stop", ids[k])
     code, _, raw = post(cluster[1]["gateway"] + "/v1/completions", {**body, "stop_token_ids": [10**6]})
-    assert code == 400 and "token ids must be in [0, " in json.loads(raw)["error"]["message"]
+    assert code == 400 and "target instance: stop_token_ids must be in [0, " in json.loads(raw)["error"]["message"]
     code, _, raw = post(cluster[1]["gateway"] + "/v1/completions", {**body, "stop_token_ids": list(range(65))})
     assert code == 400 and json.loads(raw)["error"] == {"message": "at most 64 stop_token_ids, got 65",
                                                         "type": "invalid_request_error", "param": "stop_token_ids",

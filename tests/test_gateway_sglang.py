@@ -142,7 +142,7 @@ def test_bad_generate_requests_are_400s_and_model_info_names_the_model(cluster):
                           ({"text": "x", "sampling_params": {"temperature": -1}}, "temperature must be"),
                           ({"text": "x", "sampling_params": {"ebnf": "root ::= ("}},
                            "structured output (grammar) is invalid"),
-                          ({"input_ids": [10 ** 7]}, "token ids must be in [0, ")):
+                          ({"input_ids": [10 ** 7]}, "target instance: prompt token ids must be in [0, ")):
         status, _, body = post(url + "/generate", sent)
         assert status == 400 and message in json.loads(body)["error"]["message"], body
     import urllib.request

@@ -209,9 +209,9 @@ class TargetServer(ListeningServer):
         try:
             params = sampling_params_of(msg)
             check_rule_token_ids(params, self.model.spec.vocab_size)
-            check_token_ids(msg.prompt, self.model.spec.vocab_size)
-            check_token_ids(msg.stop_token_ids, self.model.spec.vocab_size)
-            check_token_ids(msg.prediction, self.model.spec.vocab_size)
+            check_token_ids(msg.prompt, self.model.spec.vocab_size, "prompt token ids")
+            check_token_ids(msg.stop_token_ids, self.model.spec.vocab_size, "stop_token_ids")
+            check_token_ids(msg.prediction, self.model.spec.vocab_size, "prediction token ids")
             check_token_ids(msg.resumed, self.model.spec.vocab_size, "resumed output token ids")
             if self.active > self.config.max_sessions:
                 raise KVBudgetExceeded(f"target instance full: {self.config.max_sessions} sessions running; retry later")
