@@ -36,8 +36,8 @@ from specctl.gateway.tool_parsers import KEEPS_SPECIAL_TOKENS, TOOL_PARSERS
 from specctl.gateway.tool_calls import ForcedCalls
 from specctl.gateway.tools import forced_call, request_tools
 from specctl.gateway.translate import (
-    bad_words, chat_messages, chat_template_options, completion_prompts, sampling_params, stop_patterns, stop_strings,
-    prediction_tokens, template_variables, truncated,
+    bad_words, chat_messages, chat_template_options, completion_prompts, message_text, prediction_tokens, prompt_only,
+    sampling_params, stop_patterns, stop_strings, template_variables, truncated,
 )
 from specctl.gateway.upstream import Upstream
 from specctl.verify.client import RemoteError
@@ -143,7 +143,7 @@ class Generations:
             stop, patterns = stop_strings(req), stop_patterns(req)
             one_call = chat and not req.parallel_tool_calls
             tools, prompts, forced, specs = await self.off_loop(self._prepare, req, chat, endpoint, one_call)
-            self._check_room(len(specs))
+            self._check_count(len(specs))
             if self.config.log_requests:
                 request_log.received(rid, endpoint, list(map(len, prompts)), specs[0].params, req.n, req.stream)
             prompt_tokens = sum(map(len, prompts))
@@ -200,7 +200,7 @@ class Generations:
         specs = choice_specs(prompts, [sampling_params(req, len(p), self.config.context, self.config.default_max_tokens,
                                                        structured, barred, self.defaults, ends, predicted, budget)
                                        for p in prompts], req.n, self._echoes(req, prompts),
-                             echo_only=getattr(req, "echo", False) and req.max_tokens == 0)
+                             echo_only=prompt_only(req))
         return tools, prompts, forced, specs
 
     def _responses_reply(self, asked: ResponsesRequest, req: ChatCompletionRequest, history: tuple,
@@ -240,7 +240,7 @@ class Generations:
         parser = self.config.reasoning_parser
         if parser is None:
             return None
-        continued = chat_messages(req)[-1]["content"] if req.continue_final_message else None
+        continued = message_text(req.messages[-1]) if req.continue_final_message and req.messages else None
         return thinks(parser, template_variables(req), continued)
 
     def thinking_budget(self, req: ChatCompletionRequest | CompletionRequest, endpoint: str) -> tuple | None:
@@ -259,7 +259,7 @@ class Generations:
         return [p if isinstance(p, str) and req.truncate_prompt_tokens is None else self.tokenizer.decode(ids)
                 for p, ids in zip(completion_prompts(req.prompt), prompts)]
 
-    def _check_room(self, generations: int) -> None:
+    def _check_count(self, generations: int) -> None:
         """At most MAX_CHOICES generations a request. More than the instances hold at once run
         in turns, as vLLM queues a batch (lm-eval sends its batch_size prompts in one request):
         those past the sessions wait in the line (gateway.waiting) for the ones before them."""

@@ -120,7 +120,7 @@ class LlamaReply:
             if out.done:
                 bodies[index] = selected(self._final(index, out, event), self.response_fields)
         answer = [bodies[i] for i in sorted(bodies)]
-        return await json_answer(answer if self.listed else answer[0])
+        return await json_answer(lambda: answer if self.listed else answer[0])
 
     async def stream(self, request: web.Request, choices: Choices) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 import msgspec
@@ -61,13 +62,10 @@ class Reply:
             events.setdefault(index, []).append(event)
             if event.finish:
                 ended.append(index)
-        # Built and serialised off the event loop every stream is read on: a long prompt's
-        # prompt_logprobs with 20 alternatives each is tens of MB of JSON (1.9 s at 32k tokens).
-        return web.Response(body=await asyncio.to_thread(self._whole, choices, events, ended),
-                            content_type="application/json", charset="utf-8")
+        return await json_answer(partial(self._whole, choices, events, ended))
 
-    def _whole(self, choices: Choices, events: dict[int, list], ended: list[int]) -> bytes:
-        """The whole answer's JSON from each choice's events."""
+    def _whole(self, choices: Choices, events: dict[int, list], ended: list[int]) -> dict:
+        """The whole answer from each choice's events."""
         texts: dict[int, list[str]] = {}
         entries: dict[int, list[R.TokenLogprob]] = {}
         tokens: dict[int, list[int]] = {}
@@ -107,7 +105,7 @@ class Reply:
             body["prompt_logprobs"] = prompts.get(min(prompts, default=0))
         if self.token_ids and self.chat:
             body["prompt_token_ids"] = choices.specs[0].prompt
-        return json_in_pieces(body)
+        return body
 
     async def stream(self, request: web.Request, choices: Choices) -> web.StreamResponse:
         rid, created, model, chat = R.new_id(self.chat, self.request_id), int(time.time()), self.model, self.chat
@@ -187,9 +185,11 @@ class Reply:
         return response
 
 
-async def json_answer(body: Any) -> web.Response:
-    """A whole answer's JSON, serialised off the event loop (json_in_pieces)."""
-    return web.Response(body=await asyncio.to_thread(json_in_pieces, body), content_type="application/json",
+async def json_answer(build: Callable[[], Any]) -> web.Response:
+    """A whole answer: ``build()``'s JSON, built and serialised off the event loop every stream
+    is read on (a long prompt's prompt_logprobs with 20 alternatives each is tens of MB of
+    JSON: 1.9 s at 32k tokens), each long list a piece at a time (json_in_pieces)."""
+    return web.Response(body=await asyncio.to_thread(lambda: json_in_pieces(build())), content_type="application/json",
                         charset="utf-8")
 
 

@@ -174,7 +174,7 @@ class SglangReply:
             if event.finish:
                 output["meta_info"] = self._meta(index, event, choices.request_id, scores[index])
         answer = [outputs[i] for i in sorted(outputs)]
-        return await json_answer(answer if self.listed else answer[0])
+        return await json_answer(lambda: answer if self.listed else answer[0])
 
     async def stream(self, request: web.Request, choices: Choices) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})

@@ -12,7 +12,8 @@ from specctl.engine.stop_regex import compile_stop_patterns
 from specctl.engine.text import bad_word_sequences
 from specctl.errors import BadRequest, SpecctlError
 from specctl.gateway.api import (
-    MAX_CHOICES, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, ApiError, ChatCompletionRequest, CompletionRequest, RequestFields,
+    MAX_CHOICES, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, ApiError, ChatCompletionRequest, ChatMessage,
+    CompletionRequest, RequestFields,
 )
 from specctl.gateway.llama_samplers import sampler_chain
 from specctl.gateway.request_checks import scored_prompt, wanted_logprobs
@@ -117,6 +118,22 @@ def stop_patterns(req: RequestFields) -> tuple:
         raise ApiError(400, str(exc), param="stop_regex") from None
 
 
+def message_text(message: ChatMessage) -> str:
+    """A chat message's text: its content, or its text parts joined (other parts are a 400)."""
+    content = message.content
+    if isinstance(content, list):
+        if any(part.type != "text" for part in content):
+            raise ApiError(400, "only text content parts are supported", param="messages")
+        content = "".join(part.text for part in content)
+    return content or ""
+
+
+def prompt_only(req: RequestFields) -> bool:
+    """echo with max_tokens 0: the prompt alone, scored (OpenAI's legacy completions, vLLM; lm-eval
+    asks this way): the target is asked for one token, which the answer leaves out (choices)."""
+    return isinstance(req, CompletionRequest) and req.echo and req.max_tokens == 0
+
+
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     if not req.messages:
         raise ApiError(400, "messages must not be empty", param="messages")
@@ -124,12 +141,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     for message in req.messages:
         if message.role not in ("system", "user", "assistant", "developer", "tool"):
             raise ApiError(400, f"unknown message role {message.role!r}", param="messages")
-        content = message.content
-        if isinstance(content, list):
-            if any(part.type != "text" for part in content):
-                raise ApiError(400, "only text content parts are supported", param="messages")
-            content = "".join(part.text for part in content)
-        turn = {"role": "system" if message.role == "developer" else message.role, "content": content or ""}
+        turn = {"role": "system" if message.role == "developer" else message.role, "content": message_text(message)}
         if message.tool_calls:
             turn["tool_calls"] = [{"type": "function", "function": {"name": call.function.name,
                                                                     "arguments": _arguments(call.function.arguments)}}
@@ -220,9 +232,7 @@ def sampling_params(req: RequestFields, prompt_tokens: int, context: int, defaul
     name = ("max_completion_tokens" if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None
             else "max_tokens")
     requested = getattr(req, name)
-    if requested == 0 and isinstance(req, CompletionRequest) and req.echo:
-        # the prompt alone, scored (OpenAI's legacy completions, vLLM: lm-eval's loglikelihood asks
-        # this way): the target is asked for one token, which the answer leaves out (choices.echo_only)
+    if prompt_only(req):
         requested = 1
     elif requested is not None and requested < 1:
         raise ApiError(400, f"{name} must be at least 1, got {requested}", param=name)
