@@ -5,6 +5,7 @@ through Anthropic's own client: the same text as chat completions and `specctl g
 Anthropic's shape, the request mapping and its refusals exactly."""
 
 import json
+import re
 import urllib.request
 
 import anthropic
@@ -137,6 +138,7 @@ def test_a_forced_tool_call_comes_back_as_a_tool_use_block_whole_and_streamed(to
               and e.delta.type == "input_json_delta"]
     assert len(pieces) > 1 and json.loads("".join(pieces)) == call.input  # the arguments as they come
     assert [b.type for b in final.content] == ["tool_use"] and final.content[0].input == call.input
+    assert re.fullmatch("toolu_[0-9a-f]{24}", call.id) and re.fullmatch("toolu_[0-9a-f]{24}", final.content[0].id)
     assert final.stop_reason == "tool_use"
     # the call and its result fed back: the template renders them as chat's tool turns
     follow = client.messages.create(**{**asked, "tool_choice": {"type": "none"}, "max_tokens": 4, "messages": [
@@ -233,13 +235,13 @@ def test_streamed_blocks_open_and_close_in_order_and_whitespace_opens_no_text_bl
         asyncio.run(go())
         return sent
 
-    call = {"index": 0, "id": "t1", "type": "function", "function": {"name": "f", "arguments": ""}}
+    call = {"index": 0, "id": "call_t1", "type": "function", "function": {"name": "f", "arguments": ""}}
     assert run([("think", "hm"), ("add", "\n\n", []), ("add", "", [call]),
                 ("add", "", [{"index": 0, "function": {"arguments": '{"a": 1}'}}])]) == [
         ("content_block_start", 0, {"type": "thinking", "thinking": "", "signature": ""}),
         ("content_block_delta", 0, {"type": "thinking_delta", "thinking": "hm"}),
         ("content_block_stop", 0, None),
-        ("content_block_start", 1, {"type": "tool_use", "id": "t1", "name": "f", "input": {}}),
+        ("content_block_start", 1, {"type": "tool_use", "id": "toolu_t1", "name": "f", "input": {}}),
         ("content_block_delta", 1, {"type": "input_json_delta", "partial_json": '{"a": 1}'}),
         ("content_block_stop", 1, None)]
     assert run([("think", "hm"), ("add", "\n", []), ("add", "Hi", [])], show_thinking=False) == [

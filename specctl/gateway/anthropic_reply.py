@@ -36,13 +36,19 @@ def stop_of(event: Event, calls: list | None) -> tuple[str, str | None]:
     return "end_turn", None
 
 
+def tool_use_id(call_id: str) -> str:
+    """A chat call's id as Anthropic spells a tool_use block's (``toolu_`` where chat has ``call_``):
+    clients and logs that check the prefix see Anthropic's."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
 def tool_use(call: dict) -> dict:
     """A chat tool call (gateway.tool_calls) as a tool_use block, its arguments as the object."""
     try:
         arguments = json.loads(call["function"]["arguments"] or "{}")
     except ValueError:  # a reader hands out JSON arguments; kept whole if one did not
         arguments = {"arguments": call["function"]["arguments"]}
-    return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": arguments}
+    return {"type": "tool_use", "id": tool_use_id(call["id"]), "name": call["function"]["name"], "input": arguments}
 
 
 @dataclass(slots=True)
@@ -145,8 +151,8 @@ class StreamedBlocks:
             await self._delta({"type": "text_delta", "text": text})
         for delta in deltas:
             if "id" in delta:  # a call begins
-                await self._start({"type": "tool_use", "id": delta["id"], "name": delta["function"]["name"],
-                                   "input": {}})
+                await self._start({"type": "tool_use", "id": tool_use_id(delta["id"]),
+                                   "name": delta["function"]["name"], "input": {}})
             if delta["function"].get("arguments"):
                 await self._delta({"type": "input_json_delta", "partial_json": delta["function"]["arguments"]})
 
