@@ -117,6 +117,28 @@ def test_a_call_cut_short_or_malformed_stays_streamed_but_a_whole_answer_keeps_t
     assert joined([d for push in pushes for d in push])[0]["function"]["name"] == "f"
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(["<tool_call>", "</tool_call>", "<tool", "_call>", '{"name": "f", "arguments": ',
+                                 '{"arguments": {}, "name": "h"}', "{", "}", " ", "\n", '"a"', ":", "1", ",", "x", '"',
+                                 "\\", "ok "]), max_size=24).map("".join),
+       st.integers(min_value=1, max_value=7), st.sampled_from([None, 1]))
+def test_streamed_hermes_calls_cut_anywhere_are_the_whole_output_s(text, piece, max_calls):
+    """Any text in any pieces: the content and calls are those of reading it in one piece, and
+    the streamed pieces join into each call's arguments (or, when the whole text is no calls,
+    all of it is content, or the calls streamed so far stay with no whole ones)."""
+    reader = StreamedCalls(max_calls)
+    content, deltas = _streamed_in(reader, [text[i:i + piece] for i in range(0, len(text), piece)])
+    calls = reader.finish()[2]
+    whole_reader = StreamedCalls(max_calls)
+    whole_content, _ = _streamed_in(whole_reader, [text])
+    whole = whole_reader.finish()[2]
+    if whole is not None:
+        assert content == whole_content and [c["function"] for c in calls] == [c["function"] for c in whole]
+        assert _joined(deltas) == [(c["function"]["name"], c["function"]["arguments"]) for c in whole]
+    else:
+        assert calls is None and (content == text or (deltas and content == text[:text.find("<tool_call>")]))
+
+
 def test_parallel_tool_calls_false_keeps_the_first_call_streamed_or_whole():
     two = CALL + "\n" + CALL.replace("Paris", "Oslo") + "\n<tool_call>{broken"
     content, pushes, calls = streamed(StreamedCalls(max_calls=1), two, 3)
@@ -782,7 +804,8 @@ def test_glm45_streams_content_until_the_first_block_then_each_name_and_its_argu
     reader = GlmCalls(max_calls=1)
     assert len(reader.push(GLM_CALL + "\n" + GLM_CALL)[1]) == 2 and len(reader.finish()[2]) == 1
     # a call streamed stays when what follows is not a block: no calls whole
-    for tail in (" and more", "\n<tool_call>f\n<arg_key>a</arg_key>", "\n<tool_call>f\n<arg_value>1</arg_value></tool_call>"):
+    for tail in (" and more", "\n<tool_call>f\n<arg_key>a</arg_key>", "\n<tool_call>f\n<arg_value>1</arg_value></tool_call>",
+                 "\n<tool_call>f\n <arg_key>a</arg_key><arg_value>1</arg_value>"):  # pairs begin at the line's start
         reader = GlmCalls()
         content, deltas = _streamed_in(reader, [GLM_CALL, tail])
         assert content == "" and _joined(deltas) == [("get_weather", '{"city": "Oslo", "days": 3}')] + (

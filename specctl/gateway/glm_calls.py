@@ -22,6 +22,8 @@ GLM_CALL = re.compile(r"<tool_call>([^\n<]*?)\s*\n(.*?)</tool_call>\s*", re.DOTA
 GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>\s*", re.DOTALL)
 GLM_HEAD = re.compile(r"<tool_call>([^\n<]*?)\s*\n", re.DOTALL)  # a block's name line, as GLM_CALL reads it
 GAP = " \t\r\n"
+VALUE_CLOSE = "</arg_value>"
+SPACE = re.compile(r"\s*")
 
 
 def glm_calls(text: str) -> list[dict] | None:
@@ -52,20 +54,6 @@ def _pair(match: re.Match) -> str:
     return f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
 
 
-def written_pairs(block: str) -> list[str]:
-    """The arguments of a block not closed yet (``<tool_call>NAME\n...``) whose ``</arg_value>``
-    came, as ``glm_calls`` will read them once it closes (if it reads it at all): none before the
-    blank run after the name has ended, which decides where the pairs begin."""
-    head = GLM_HEAD.match(block)
-    if head is None or not block[head.end():].strip():  # more blank lines may come
-        return []
-    body, pairs, where = block[head.end():], [], 0
-    while (pair := GLM_ARGUMENT.match(body, where)) is not None:
-        pairs.append(_pair(pair))
-        where = pair.end()
-    return pairs
-
-
 def _json_or_text(value: str):
     try:
         return json.loads(value)
@@ -85,6 +73,8 @@ class StreamedGlmCalls(CallsAfterTag):
         self._block: int | None = None  # where the block being read starts, once its name went out
         self._close_from = 0  # where its ``</tool_call>`` is looked for next (each character read once)
         self._pairs = 0  # its arguments streamed so far
+        self._pair_at: int | None = None  # where its next argument starts, once its pairs begin
+        self._value_from = 0  # where the next </arg_value> is looked for (each character read once)
         self.broken = False
 
     def finish(self) -> tuple[str, list[dict], list[dict] | None]:
@@ -111,7 +101,7 @@ class StreamedGlmCalls(CallsAfterTag):
             close = text.find(CLOSE, max(self._block, self._close_from))
             if close < 0:
                 self._close_from = len(text) - len(CLOSE) + 1  # a tag begun at the end is read again
-                self._stream_pairs(deltas, text[self._block:])
+                self._stream_pairs(deltas)
                 break
             end = close + len(CLOSE)
             calls = glm_calls(text[self._block:end])
@@ -123,15 +113,31 @@ class StreamedGlmCalls(CallsAfterTag):
                 self.broken = True
                 break
             more_arguments(self.calls, deltas, arguments[len(streamed):])
-            self._at, self._block, self._pairs = end, None, 0
+            self._at, self._block, self._pairs, self._pair_at = end, None, 0, None
         return deltas
 
-    def _stream_pairs(self, deltas: list[dict], block: str) -> None:
-        """The arguments of the open block whose values have ended, not streamed yet."""
-        pairs = written_pairs(block)
-        for pair in pairs[self._pairs:]:
-            more_arguments(self.calls, deltas, ("{" if not self._pairs else ", ") + pair)
-            self._pairs += 1
+    def _stream_pairs(self, deltas: list[dict]) -> None:
+        """The open block's arguments whose values have ended, not streamed yet, as ``glm_calls``
+        will read them once it closes (if it reads it at all): none before the blank run after
+        the name has ended, which decides where the pairs begin. A pair can only be read once a
+        new ``</arg_value>`` came, so each is looked for once (a long value stays linear)."""
+        text = self.text
+        if self._pair_at is None:
+            head = GLM_HEAD.match(text, self._block)
+            if head is None or not text[head.end():].strip():  # more blank lines may come
+                return
+            self._pair_at = self._value_from = head.end()
+        while (close := text.find(VALUE_CLOSE, self._value_from)) >= 0:
+            self._value_from = close + len(VALUE_CLOSE)
+            # after a pair, the whitespace glm_calls skips may have grown; the first starts at the head's end
+            at = SPACE.match(text, self._pair_at).end() if self._pairs else self._pair_at
+            pair = GLM_ARGUMENT.match(text, at)
+            if pair is not None:
+                more_arguments(self.calls, deltas, ("{" if not self._pairs else ", ") + _pair(pair))
+                self._pairs += 1
+                self._pair_at = pair.end()
+                self._value_from = max(self._value_from, pair.end(2) + len(VALUE_CLOSE))
+        self._value_from = max(self._value_from, len(text) - len(VALUE_CLOSE) + 1)  # a tag begun is read again
 
 
     def _named(self, deltas: list[dict]) -> bool:

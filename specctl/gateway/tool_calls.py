@@ -30,9 +30,10 @@ def opens_calls(text: str, opens: tuple[str, ...]) -> bool | None:
     return opening.startswith(opens)
 
 
-def held_back(text: str, tag: str) -> int:
-    """How many characters at the end of ``text`` may begin ``tag`` (held back until known)."""
-    return max((k for k in range(1, len(tag)) if text.endswith(tag[:k])), default=0)
+def held_back(text: str, tag: str, start: int = 0, end: int | None = None) -> int:
+    """How many characters at the end of ``text`` (or of ``text[start:end]``) may begin ``tag``
+    (held back until known)."""
+    return max((k for k in range(1, len(tag)) if text.endswith(tag[:k], start, end)), default=0)
 
 
 def content_before(text: str, sent: int, start: int, tag: str) -> tuple[str, int, int]:
@@ -127,18 +128,24 @@ def _whole(body: str) -> dict | None:
     return new_call(call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False))
 
 
-def _arguments(region: str, closed: bool) -> str | None:
-    """A header's block after ``"arguments":``, as far as it is surely the arguments: the
-    block's closing brace and the whitespace around it (and a tag maybe begun) held back.
-    None: a closed block whose arguments are not the JSON of a call."""
-    if not closed:
-        region = region[:len(region) - held_back(region, CLOSE)]
-    region = region.rstrip()
-    if region.endswith("}"):
-        region = region[:-1].rstrip()
-    elif closed:
-        return None
-    return region
+def _arguments_end(text: str, start: int, end: int, closed: bool) -> int | None:
+    """Where a header's arguments, from ``start`` of a block's body ending at ``end``, end as far
+    as they are surely the arguments: the block's closing brace and the whitespace around it (and
+    a tag maybe begun, closing this block or opening the next) held back. None: a closed block whose arguments are not the JSON of a call.
+    Read from the end, so a long argument streamed in small pieces stays linear."""
+    if not closed:  # a tag begun: this block's end, or the next block's start (which ends this one)
+        end -= max(held_back(text, CLOSE, start, end), held_back(text, OPEN, start, end))
+    end = _space_before(text, start, end)
+    if end > start and text[end - 1] == "}":
+        return _space_before(text, start, end - 1)
+    return None if closed else end
+
+
+def _space_before(text: str, start: int, end: int) -> int:
+    """``end`` moved back over whitespace (``str.rstrip``'s), not past ``start``."""
+    while end > start and text[end - 1].isspace():
+        end -= 1
+    return end
 
 
 class StreamedCalls:
@@ -153,63 +160,86 @@ class StreamedCalls:
         self.sent = 0  # characters of content handed out
         self.start = -1  # where the first <tool_call> begins (-1: not yet)
         self.calls: list[dict] = []  # the calls begun, as OpenAI's (arguments handed out so far)
-        self._starts: list[int] = []  # where each begun call's arguments start in its block
+        self._starts: list[int] = []  # where each begun call's arguments start in the text
         self._read_blocks = 0  # blocks read to their end
+        self._block_at: int | None = None  # where the block being read starts (None: its tag not seen)
+        self._open_from = self._close_from = 0  # where the next tags are looked for (each character read once)
         self._broken = False  # a block that is no call: nothing after it is read
 
     def push(self, delta: str) -> tuple[str, list[dict]]:
         """(content to hand out, tool-call deltas to hand out)."""
         self.text += delta
         content, self.sent, self.start = content_before(self.text, self.sent, self.start, OPEN)
-        return content, self._read(self.start, final=False) if self.start >= 0 else []
+        return content, self._read(final=False) if self.start >= 0 else []
 
     def finish(self) -> tuple[str, list[dict], list[dict] | None]:
         """(content not yet handed out, the last deltas, every call — None when the text holds
         a block that is no call: a whole answer keeps its text as content)."""
-        deltas = self._read(self.start, final=True) if self.start >= 0 else []
+        deltas = self._read(final=True) if self.start >= 0 else []
         if self.calls:
             return "", deltas, None if self._broken else self.calls
         rest, self.sent = self.text[self.sent:], len(self.text)
         return rest, [], None
 
-    def _read(self, start: int, final: bool) -> list[dict]:
+    def _read(self, final: bool) -> list[dict]:
+        """The deltas the text read since the last call adds: blocks run from a <tool_call> to the
+        next (a block's body up to its </tool_call>), at most max_calls of them."""
         deltas: list[dict] = []
-        blocks = self.text[start + len(OPEN):].split(OPEN)[:self.max_calls]
-        for i in range(self._read_blocks, len(blocks)):
-            if self._broken:
-                break
-            closed = final or i < len(blocks) - 1 or CLOSE in blocks[i]
-            body = blocks[i].split(CLOSE, 1)[0]  # the last block may end without its tag
+        text = self.text
+        while not self._broken and (self.max_calls is None or self._read_blocks < self.max_calls):
+            if self._block_at is None:  # the next block's tag not seen yet
+                tag = text.find(OPEN, self._open_from)
+                if tag < 0:
+                    self._open_from = max(self._open_from, len(text) - len(OPEN) + 1)
+                    break
+                self._block_at = self._open_from = self._close_from = tag + len(OPEN)
+            i, at = self._read_blocks, self._block_at
+            next_open = text.find(OPEN, self._open_from)
+            if next_open < 0:
+                self._open_from = max(at, len(text) - len(OPEN) + 1)  # a tag begun at the end is read again
+            block_end = next_open if next_open >= 0 else len(text)
+            close = text.find(CLOSE, self._close_from, block_end)
+            if close < 0:
+                self._close_from = max(at, block_end - len(CLOSE) + 1)
+            # a block is closed by its tag, or by the next block's when that one is read too
+            closed = final or close >= 0 or (next_open >= 0 and (self.max_calls is None or i + 1 < self.max_calls))
+            body_end = close if close >= 0 else block_end  # the last block may end without its tag
             if i == len(self.calls):  # not begun
-                header = HEADER.match(body)
+                header = HEADER.match(text, at, body_end)
                 if header is None:
                     if not closed:
                         break
-                    call = _whole(body)
+                    call = _whole(text[at:body_end])
                     if call is None:
                         self._broken = True
                         break
                     self.calls.append(call)
-                    self._starts.append(len(body))
+                    self._starts.append(body_end)
                     deltas.append(call_delta(i, call, call["function"]["arguments"]))
-                    self._read_blocks = i + 1
+                    self._next_block(next_open)
                     continue
                 self.calls.append(new_call(json.loads(header.group(1)), ""))
                 self._starts.append(header.end())
                 deltas.append(call_delta(i, self.calls[i], ""))
-            function = self.calls[i]["function"]
-            arguments = _arguments(body[self._starts[i]:], closed)
-            if (arguments is None or not arguments.startswith(function["arguments"])
-                    or (closed and not _fits(body, arguments))):
+            function, start = self.calls[i]["function"], self._starts[i]
+            end, sent = _arguments_end(text, start, body_end, closed), start + len(function["arguments"])
+            if end is None or end < sent or (closed and not _fits(text[at:body_end], text[start:end])):
                 self._broken = True
                 break
-            if piece := arguments[len(function["arguments"]):]:
-                function["arguments"] = arguments
+            if piece := text[sent:end]:
+                function["arguments"] += piece
                 deltas.append({"index": i, "function": {"arguments": piece}})
             if not closed:
                 break
-            self._read_blocks = i + 1
+            self._next_block(next_open)
         return deltas
+
+    def _next_block(self, tag: int) -> None:
+        """The block read to its end: the next starts after ``tag`` (-1: not seen yet)."""
+        self._read_blocks += 1
+        self._block_at = None
+        if tag >= 0:
+            self._block_at = self._open_from = self._close_from = tag + len(OPEN)
 
 
 def _fits(body: str, arguments: str) -> bool:
