@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
-from specctl.gateway import generation, respond, responses
+from specctl.gateway import generation, respond, responses, responses_reply
 from tests.test_gateway import PROMPT, post
 
 
@@ -85,11 +85,15 @@ def test_a_whole_answer_is_built_and_serialised_off_the_event_loop(gateway, monk
     monkeypatch.setattr(responses, "prompt_logprobs_body", on_thread(seen, responses.prompt_logprobs_body))
     monkeypatch.setattr(responses, "full_response", on_thread(seen, responses.full_response))
     monkeypatch.setattr(respond, "json_in_pieces", on_thread(seen, respond.json_in_pieces))
+    monkeypatch.setattr(responses, "logprobs_body", on_thread(seen, responses.logprobs_body))
+    monkeypatch.setattr(responses_reply, "json_in_pieces", on_thread(seen, respond.json_in_pieces))
     for route, body, built in [
             ("/v1/completions", {"prompt": [PROMPT, "Hello"], "max_tokens": 2, "prompt_logprobs": 20, "echo": True,
-                                 "logprobs": 5}, 4),  # two prompt_logprobs, the response, its JSON
+                                 "logprobs": 5}, 6),  # two prompt_logprobs, two logprobs, the response, its JSON
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2,
-                                      "prompt_logprobs": 3, "logprobs": True, "top_logprobs": 2}, 3),
+                                      "prompt_logprobs": 3, "logprobs": True, "top_logprobs": 2}, 4),
+            ("/v1/responses", {"input": PROMPT, "max_output_tokens": 2, "top_logprobs": 2,
+                               "include": ["message.output_text.logprobs"]}, 2),  # its logprobs, its JSON
             ("/completion", {"prompt": PROMPT, "n_predict": 2, "n_probs": 5}, 1),
             ("/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 2}, "return_logprob": True,
                            "logprob_start_len": 0, "top_logprobs_num": 5}, 1)]:
@@ -134,3 +138,29 @@ def test_a_streamed_echo_s_long_logprobs_are_built_and_serialised_off_the_event_
     assert len(first) > 3 and [name for name, _ in seen] == ["logprobs", "json"] + ["logprobs"] * (len(seen) - 2)
     assert "specctl-cluster" not in {thread for _, thread in seen[:2]}  # the echo's chunk: a worker's
     assert {thread for _, thread in seen[2:]} == {"specctl-cluster"}  # a token's chunk: on the loop, as before
+
+
+def test_a_streamed_response_s_events_with_every_token_s_logprobs_are_serialised_off_the_event_loop(gateway,
+                                                                                                      monkeypatch):
+    """With logprobs asked, a stream's done and completed events carry every token's: serialised
+    on a worker thread; its deltas, a token's own, on the loop as before."""
+    _, url = gateway
+    seen: list[tuple[str, str]] = []
+    body = {"input": PROMPT, "max_output_tokens": 3, "temperature": 0, "top_logprobs": 2, "stream": True,
+            "include": ["message.output_text.logprobs"]}
+    request = urllib.request.Request(url + "/v1/responses", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    monkeypatch.setattr(responses_reply, "json_in_pieces", on_thread(seen, respond.json_in_pieces, "json"))
+    with urllib.request.urlopen(request, timeout=60) as response:
+        events = [json.loads(line[6:]) for line in response if line.startswith(b"data: {")]
+    whole = [e["type"] for e in events if e["type"].endswith((".done", ".completed", ".incomplete"))]
+    assert events[-1]["type"] in ("response.completed", "response.incomplete") and len(whole) >= 4
+    assert len(seen) == len(whole) and "specctl-cluster" not in {thread for _, thread in seen}
+    [done] = [e for e in events if e["type"] == "response.output_text.done"]
+    assert len(done["logprobs"]) == events[-1]["response"]["usage"]["output_tokens"]
+    assert events[-1]["response"]["output"][-1]["content"][0]["logprobs"] == done["logprobs"]
+    seen.clear()
+    request.data = json.dumps({**body, "include": None}).encode()
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert sum(1 for line in response if line.startswith(b"data: {")) == len(events)
+    assert seen == []  # no logprobs asked: every event as before

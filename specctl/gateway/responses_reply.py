@@ -8,6 +8,7 @@ mid-stream)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -19,12 +20,16 @@ from aiohttp import web
 from specctl.gateway import responses as R
 from specctl.gateway.choices import Choices
 from specctl.gateway.reasoning import reasoning_reader
-from specctl.gateway.respond import remote_message, whole_answer
+from specctl.gateway.respond import json_answer, json_in_pieces, remote_message, whole_answer
 from specctl.verify.client import RemoteError
 
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
+
+
+# a stream's events that carry the whole message so far (with logprobs asked, every token's)
+WHOLE_EVENTS = (".done", ".completed", ".incomplete")
 
 
 def text_part(text: str, logprobs: list[dict] | None = None) -> dict:
@@ -111,16 +116,24 @@ class ResponsesReply:
             pieces.append(event.delta)
             entries.extend(event.logprobs)
             if event.finish:
-                thought, text, calls = whole_answer("".join(pieces), self.thinking, self.calls)
-                status = status_of(event.finish, calls)
-                logprobs = self.logprobs(entries) if self.logprobs is not None else None
-                # the thinking is complete once the answer (or a call) began, as a stream closes it then
-                output = [reasoning_item(_id("rs"), thought, "completed" if text or calls else status)] if thought else []
-                if not (calls and not text.strip()) and not (thought and not text):
-                    output.append(message_item(_id("msg"), text, status, logprobs))
-                output += [call_item(_id("fc"), call, "completed") for call in calls or []]
-                return web.json_response(self._finished(status, output, event.count, event.stats))
+                # read back and built off the event loop, as every whole answer (respond.json_answer:
+                # a long output's top_logprobs are MBs); stored on the loop, which reads the store
+                status, output = await asyncio.to_thread(self._output, "".join(pieces), entries, event.finish)
+                body = self._finished(status, output, event.count, event.stats)
+                return await json_answer(lambda: body)
         raise RuntimeError("a generation ended without its last event")  # Choices always ends with one
+
+    def _output(self, whole: str, entries: list, finish: str) -> tuple[str, list[dict]]:
+        """A finished output's (status, output items)."""
+        thought, text, calls = whole_answer(whole, self.thinking, self.calls)
+        status = status_of(finish, calls)
+        logprobs = self.logprobs(entries) if self.logprobs is not None else None
+        # the thinking is complete once the answer (or a call) began, as a stream closes it then
+        output = [reasoning_item(_id("rs"), thought, "completed" if text or calls else status)] if thought else []
+        if not (calls and not text.strip()) and not (thought and not text):
+            output.append(message_item(_id("msg"), text, status, logprobs))
+        output += [call_item(_id("fc"), call, "completed") for call in calls or []]
+        return status, output
 
     async def stream(self, request: web.Request, choices: Choices) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -129,9 +142,13 @@ class ResponsesReply:
 
         async def send(kind: str, **fields) -> None:
             nonlocal sequence
-            await response.write(f"event: {kind}\n".encode() + R.sse({"type": kind, "sequence_number": sequence,
-                                                                       **fields}))
+            event = {"type": kind, "sequence_number": sequence, **fields}
             sequence += 1
+            if self.logprobs is not None and kind.endswith(WHOLE_EVENTS):  # every token's logprobs: off the loop
+                await response.write(f"event: {kind}\ndata: ".encode() + await asyncio.to_thread(json_in_pieces, event)
+                                     + b"\n\n")
+            else:
+                await response.write(f"event: {kind}\n".encode() + R.sse(event))
 
         await send("response.created", response=self.body("in_progress", []))
         await send("response.in_progress", response=self.body("in_progress", []))
