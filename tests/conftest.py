@@ -308,7 +308,8 @@ def running_cluster(tiny_dir):
 
     config = build_config(None, target=str(tiny_dir["llama"]), draft=f"{tiny_dir['llama']}@2", mode="chain", depth=3,
                           dtype="fp32", draft_quant="none", max_sessions=16)
-    thread = ClusterThread(config, ClusterConfig(targets=2, gateway_port=0))
+    # a 1 MiB body limit (64 MiB by default), so that a test's 2 MiB body is refused
+    thread = ClusterThread(config, ClusterConfig(targets=2, gateway_port=0, max_body_bytes=1 << 20))
     urls = thread.start()
     yield thread, urls
     thread.stop()

@@ -783,3 +783,18 @@ def test_a_gateway_url_that_names_no_gateway_is_a_one_line_error(given):
         gateway_url(given)
     assert str(err.value) == f"--gateway must be a gateway's URL, e.g. http://127.0.0.1:8000, got {given!r}"
     _assert_one_line_error(run_here("monitor", "--once", "--gateway", given), str(err.value))
+
+
+@pytest.mark.parametrize("command, message", [
+    (["up"], "the largest request body must be at least 1 KiB (--max-body-kb), got 0 bytes"),
+    (["gateway", "--target", "127.0.0.1:1"], "--max-body-kb must be at least 1, got 0")])
+def test_a_body_limit_under_1_kib_is_one_line_before_anything_starts(command, message):
+    _assert_one_line_error(run_here(*command, "--max-body-kb", "0"), message)
+
+
+def test_the_gateway_reads_bodies_up_to_64_mib_by_default_as_up_does():
+    """vLLM takes any body; a batch of 128 long prompts (lm-eval's) is a few MiB."""
+    from specctl.cluster.embedded import ClusterConfig
+    from specctl.gateway.server import GatewayConfig
+
+    assert GatewayConfig(model_name="m", context=8).max_body_bytes == ClusterConfig().max_body_bytes == 64 << 20

@@ -226,7 +226,8 @@ def test_stop_strings_cut_the_text_and_finish_with_stop(cluster, client, tiny_di
     ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens must be at least 1"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "The model `gpt-4` does not exist"),
     ({"prompt": "word " * 600, "max_tokens": 8}, 400, "maximum context length is 512 tokens"),
-    ({"prompt": "x" * (2 << 20)}, 413, "request body too large"),
+    ({"prompt": "x" * (2 << 20)}, 413, "request body too large (limit 1048576 bytes): send fewer prompts a request, "
+                                       "or start the gateway with a larger --max-body-kb"),
 ])
 def test_errors_are_openai_style_and_the_gateway_carries_on(cluster, client, tiny_dir, body, status, needle):
     code, _headers, raw = post(cluster[1]["gateway"] + "/v1/completions", body)

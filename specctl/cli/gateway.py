@@ -59,6 +59,9 @@ REASONING_PARSER = typer.Option(None, "--reasoning-parser",
                                      "final channel as content (vLLM's)")
 
 
+MAX_BODY_KB = typer.Option(64 * 1024, "--max-body-kb", help="largest request body accepted, in KiB (413 above)")
+
+
 def serving_options(responses_store: int, max_waiting: int, queue_timeout: float, served_model_name: List[str],
                     scheduling_policy: str, allowed_origins: List[str], request_id_headers: bool,
                     log_requests: bool, reasoning_parser: str | None, tool_call_parser: str = "hermes",
@@ -86,7 +89,7 @@ def gateway(
     host: str = typer.Option("127.0.0.1", help="address to bind (0.0.0.0 for every interface)"),
     model: Optional[str] = typer.Option(None, help="model whose tokenizer to use (default: what the targets serve)"),
     default_max_tokens: int = typer.Option(256, "--default-max-tokens", help="chat max_tokens when a request gives none"),
-    max_body_kb: int = typer.Option(1024, "--max-body-kb", help="largest request body accepted (413 above)"),
+    max_body_kb: int = MAX_BODY_KB,
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECCTL_API_KEY", help=API_KEY_HELP),
     responses_store: int = RESPONSES_STORE,
     max_waiting: int = MAX_WAITING,
@@ -129,6 +132,8 @@ def gateway(
     serving = serving_options(responses_store, max_waiting, queue_timeout, served_model_name, scheduling_policy,
                               allowed_origins, request_id_headers, log_requests, reasoning_parser, tool_call_parser,
                               generation_config, chat_template)
+    if max_body_kb < 1:
+        raise ConfigError(f"--max-body-kb must be at least 1, got {max_body_kb}")
     setup_logging(log_level)
     console = Console(stderr=True)
 
@@ -210,6 +215,7 @@ def up(
     generation_config: str = GENERATION_CONFIG,
     chat_template: Optional[str] = CHAT_TEMPLATE,
     max_model_len: Optional[int] = MAX_MODEL_LEN,
+    max_body_kb: int = MAX_BODY_KB,
     max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="most concurrent sessions a target "
                                                "instance holds (vLLM's --max-num-seqs; the profile's by default); "
                                                "past them requests wait (--max-waiting)"),
@@ -236,6 +242,7 @@ def up(
                             spec_max_sessions, spec_depth_by_load)
     try:
         plan = ClusterConfig(targets=targets, gateway_port=port, stages=stages, max_model_len=max_model_len,
+                             max_body_bytes=max_body_kb * 1024,
                              **serving_options(responses_store, max_waiting, queue_timeout, served_model_name,
                                                scheduling_policy, allowed_origins, request_id_headers,
                                                log_requests, reasoning_parser, tool_call_parser,

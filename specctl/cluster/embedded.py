@@ -20,7 +20,7 @@ from specctl.runtime.compute import ComputeThread
 from specctl.gateway.chat_template import load_chat_template
 from specctl.gateway.harmony import serving_parsers
 from specctl.gateway.sampling_defaults import describe, sampling_defaults
-from specctl.gateway.server import Gateway, GatewayConfig, check_serving, served_context
+from specctl.gateway.server import MAX_BODY_BYTES, Gateway, GatewayConfig, check_serving, served_context
 from specctl.gateway.upstream import Upstream
 from specctl.pipeline.decoder import PipelineClient
 from specctl.pipeline.local import LocalPipeline
@@ -53,12 +53,15 @@ class ClusterConfig:
     generation_config: str = "auto"  # where a request's missing sampling fields come from (--generation-config)
     chat_template: str | None = None  # the gateway's chat template in place of the tokenizer's (--chat-template)
     max_model_len: int | None = None  # the gateway's context below the model's (--max-model-len)
+    max_body_bytes: int = MAX_BODY_BYTES  # the largest request body the gateway reads (--max-body-kb)
 
     def __post_init__(self) -> None:
         if not 1 <= self.targets <= 64:
             raise ValueError(f"targets must be in 1..64, got {self.targets}")
         if not 1 <= self.stages <= 64:
             raise ValueError(f"stages must be in 1..64, got {self.stages}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"the largest request body must be at least 1 KiB (--max-body-kb), got {self.max_body_bytes} bytes")
         check_serving(self.responses_store, self.served_model_names, self.scheduling_policy, self.max_waiting,
                       self.queue_timeout_s, self.reasoning_parser, self.tool_call_parser, self.generation_config,
                       self.chat_template)
@@ -153,6 +156,7 @@ class EmbeddedCluster:
             raise ConfigError(str(exc)) from None
         self.gateway = Gateway(GatewayConfig(model_name=target.name, context=context, host=host,
                                              port=c.gateway_port, default_max_tokens=c.default_max_tokens,
+                                             max_body_bytes=c.max_body_bytes,
                                              responses_store=c.responses_store,
                                              served_model_names=c.served_model_names,
                                              scheduling_policy=c.scheduling_policy,

@@ -30,7 +30,8 @@ def error_middleware(max_body_bytes: int) -> Callable[[web.Request, Handler], Aw
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            message = {413: f"request body too large (limit {max_body_bytes} bytes)",
+            message = {413: f"request body too large (limit {max_body_bytes} bytes): send fewer prompts a request, "
+                            "or start the gateway with a larger --max-body-kb",
                        404: f"no route {request.method} {request.path}"}.get(exc.status, exc.reason)
             return web.json_response(shape(ApiError(exc.status, message)), status=exc.status)
         except (asyncio.CancelledError, ConnectionResetError):

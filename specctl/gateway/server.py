@@ -45,6 +45,8 @@ from specctl.verify.client import RemoteError
 HEALTH_GENERATE_TIMEOUT_S = 30.0  # /health_generate's token: a target stalled longer than this is unhealthy
 
 
+MAX_BODY_BYTES = 64 << 20  # the largest request body the gateway reads (413 past it; --max-body-kb)
+
 @dataclass(slots=True)
 class GatewayConfig:
     model_name: str
@@ -52,7 +54,8 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     default_max_tokens: int = 256
-    max_body_bytes: int = 1 << 20
+    # vLLM takes any body: this only refuses absurd ones (a batch of 128 long prompts is a few MiB)
+    max_body_bytes: int = MAX_BODY_BYTES
     api_key: str | None = None
     responses_store: int = 256  # Responses API answers kept for previous_response_id and GET (gateway.response_store)
     # vLLM's --served-model-name: the names requests may give; answers carry the first (default: model_name)
