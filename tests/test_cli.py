@@ -792,9 +792,9 @@ def test_a_body_limit_under_1_kib_is_one_line_before_anything_starts(command, me
     _assert_one_line_error(run_here(*command, "--max-body-kb", "0"), message)
 
 
-def test_the_gateway_reads_bodies_up_to_64_mib_by_default_as_up_does():
+def test_the_gateway_reads_bodies_up_to_16_mib_by_default_as_up_does():
     """vLLM takes any body; a batch of 128 long prompts (lm-eval's) is a few MiB."""
     from specctl.cluster.embedded import ClusterConfig
     from specctl.gateway.server import GatewayConfig
 
-    assert GatewayConfig(model_name="m", context=8).max_body_bytes == ClusterConfig().max_body_bytes == 64 << 20
+    assert GatewayConfig(model_name="m", context=8).max_body_bytes == ClusterConfig().max_body_bytes == 16 << 20

@@ -3,6 +3,7 @@ encoding thread, off the event loop every stream is read on: a megabyte prompt t
 a second to tokenize, which would stall every other request's tokens meanwhile."""
 
 import json
+import re
 import threading
 import urllib.request
 
@@ -38,7 +39,7 @@ def test_every_endpoint_encodes_its_prompts_on_the_encoding_thread(gateway, monk
     thread, url = gateway
     seen: list[str] = []
     tokenizer = thread.cluster.gateway.generations.tokenizer
-    monkeypatch.setattr(generation, "encode_chat", on_thread(seen, generation.encode_chat))
+    monkeypatch.setattr(generation, "render_chat", on_thread(seen, generation.render_chat))
     monkeypatch.setattr(tokenizer, "encode", on_thread(seen, tokenizer.encode))  # every prompt's, llama.cpp's and SGLang's too
     model = thread.cluster.gateway.config.names[0]
     chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2}
@@ -50,6 +51,42 @@ def test_every_endpoint_encodes_its_prompts_on_the_encoding_thread(gateway, monk
         seen.clear()
         code, _, raw = post(url + route, body)
         assert code == 200 and seen and set(seen) == {"gateway-encode_0"}, (route, seen, raw)
+
+
+def test_a_prompt_too_long_for_the_context_however_it_tokenizes_is_refused_before_it_is_tokenized(gateway,
+                                                                                                   monkeypatch):
+    """The tiny model's context is 512 tokens and its longest token 14 characters: a text past
+    7,168 characters cannot fit, and tokenizing it first (0.7 KB and 3 us a token) is what a huge
+    prompt would cost the gateway only to be refused after."""
+    thread, url = gateway
+    tokenizer = thread.cluster.gateway.generations.tokenizer
+    seen: list[str] = []
+    monkeypatch.setattr(tokenizer, "encode", on_thread(seen, tokenizer.encode))
+    model = thread.cluster.gateway.config.names[0]
+    over = "a" * (512 * 14 + 1)
+    n = len(over)
+    for route, body, param, chars in [
+            ("/v1/completions", {"prompt": ["hi", over], "max_tokens": 2}, "prompt", n),
+            ("/v1/completions", {"prompt": "def f(", "suffix": over, "max_tokens": 2}, "prompt", n + 6),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": over}]}, "messages", None),
+            ("/v1/responses", {"input": over}, "messages", None),
+            ("/v1/messages", {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": over}]},
+             None, None),  # Anthropic's error shape names no param
+            ("/tokenize", {"prompt": over}, "prompt", n), ("/tokenize", {"content": over}, "content", n),
+            ("/completion", {"prompt": [1, over[:4000], over[:4000]], "n_predict": 2}, "prompt", 8000),
+            ("/infill", {"input_prefix": over[:4000], "input_suffix": over[:4000]}, "input_prefix", 8000),
+            ("/generate", {"text": over}, "text", n)]:
+        seen.clear()
+        code, _, raw = post(url + route, body)
+        error = json.loads(raw)["error"]
+        assert code == 400 and seen == [], (route, seen, raw)  # nothing tokenized
+        said = re.fullmatch(r"This model's maximum context length is 512 tokens\. However, the prompt is (\d+) "
+                            r"characters: more than 512 tokens however it is split \(a token of this model is at most "
+                            r"14 characters\)\. Please reduce the length of the prompt\.", error["message"])
+        assert said and int(said.group(1)) == (chars or int(said.group(1))) > 512 * 14, (route, raw)  # chat: templated
+        assert error.get("param") == param and error.get("code", "context_length_exceeded") == "context_length_exceeded"
+    code, _, raw = post(url + "/v1/completions", {"prompt": over[:-1], "max_tokens": 2})  # may fit: tokenized
+    assert code == 400 and seen and "you requested 7170 tokens (7168 in the messages/prompt" in raw.decode()
 
 
 def test_an_encoding_error_is_the_requests_400_and_the_next_request_is_served(gateway):

@@ -28,16 +28,16 @@ def _events(body: bytes) -> list[dict]:
 def test_prompts_come_as_text_ids_mixed_or_a_list_of_them():
     tokenizer = make_byte_tokenizer()
     text = tokenizer.encode("ab")
-    assert llama_prompts("ab", tokenizer) == ([text], False)
-    assert llama_prompts([5, 6], tokenizer) == ([[5, 6]], False)
-    assert llama_prompts([5, "ab", 6], tokenizer) == ([[5, *text, 6]], False)
-    assert llama_prompts(["ab", "ab"], tokenizer) == ([text, text], True)
-    assert llama_prompts([[5, "ab"], "ab"], tokenizer) == ([[5, *text], text], True)
+    assert llama_prompts("ab", tokenizer, 64) == ([text], False)
+    assert llama_prompts([5, 6], tokenizer, 64) == ([[5, 6]], False)
+    assert llama_prompts([5, "ab", 6], tokenizer, 64) == ([[5, *text, 6]], False)
+    assert llama_prompts(["ab", "ab"], tokenizer, 64) == ([text, text], True)
+    assert llama_prompts([[5, "ab"], "ab"], tokenizer, 64) == ([[5, *text], text], True)
     for prompt, message in (([5, [6]], "a list of prompts holds strings or lists, not bare token ids"),
                             ([], "the prompt is empty"), ("", "the prompt is empty"),
                             (["x"] * 129, "at most 128 prompts a request, got 129")):
         with pytest.raises(ApiError) as refused:
-            llama_prompts(prompt, tokenizer)
+            llama_prompts(prompt, tokenizer, 64)
         assert (refused.value.status, str(refused.value), refused.value.param) == (400, message, "prompt")
 
 

@@ -59,7 +59,7 @@ REASONING_PARSER = typer.Option(None, "--reasoning-parser",
                                      "final channel as content (vLLM's)")
 
 
-MAX_BODY_KB = typer.Option(64 * 1024, "--max-body-kb", help="largest request body accepted, in KiB (413 above)")
+MAX_BODY_KB = typer.Option(16 * 1024, "--max-body-kb", help="largest request body accepted, in KiB (413 above)")
 
 
 def serving_options(responses_store: int, max_waiting: int, queue_timeout: float, served_model_name: List[str],

@@ -3,6 +3,7 @@ incremental decoding of a growing output with OpenAI-style stop strings."""
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, Callable, Sequence
 
 import regex
@@ -39,6 +40,14 @@ def render_chat(tokenizer: Any, messages: Sequence[dict], tools: list[dict] | No
         return tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False, **options)
     except (TemplateError, ValueError) as exc:
         raise BadRequest(f"the chat template cannot render these messages: {exc}") from None
+
+
+@lru_cache(maxsize=8)
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token of ``tokenizer`` can stand for: its vocabulary's longest
+    entry (a byte-level entry is a character a byte, a byte-fallback entry such as <0xE2> longer
+    than its byte, an added token its own text), so a text longer than context x this cannot fit."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
 
 
 class IncrementalText:

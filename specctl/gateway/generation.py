@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any, Callable
 from aiohttp import web
 
 from specctl.engine.fim import encode_infill, infill_stops
-from specctl.engine.text import encode_chat, encode_prompt, token_bytes_of
+from specctl.engine.text import encode_prompt, render_chat, token_bytes_of
 from specctl.errors import BadRequest
 from specctl.gateway import responses as R
 from specctl.gateway.anthropic_api import MessagesRequest, as_chat as messages_as_chat, shows_thinking
 from specctl.gateway.anthropic_reply import AnthropicReply
 from specctl.gateway.api import MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, check_key, parse_body
-from specctl.gateway.request_checks import refuse_unsupported, wanted_logprobs
+from specctl.gateway.request_checks import check_prompt_chars, refuse_unsupported, wanted_logprobs
 from specctl.gateway.choices import Choices, choice_specs
 from specctl.gateway.llama_reply import LlamaReply
 from specctl.gateway.sglang import SglangReply
@@ -93,9 +93,15 @@ class Generations:
         """The request's prompts as token ids: chat messages (with the tools the model is told
         of), or a completion prompt (text, token ids, or a batch of either)."""
         try:
-            if isinstance(req, ChatCompletionRequest):
-                return [encode_chat(self.tokenizer, chat_messages(req), tools, chat_template_options(req))]
+            if isinstance(req, ChatCompletionRequest):  # engine.text.encode_chat, its text checked first
+                text = render_chat(self.tokenizer, chat_messages(req), tools, chat_template_options(req))
+                check_prompt_chars(len(text), self.tokenizer, self.config.context, "messages")
+                return [self.tokenizer.encode(text, add_special_tokens=False)]
             prompts = completion_prompts(req.prompt)
+            for p in prompts:
+                if isinstance(p, str) or req.suffix is not None:
+                    chars = (len(p) if isinstance(p, str) else 0) + len(req.suffix or "")
+                    check_prompt_chars(chars, self.tokenizer, self.config.context)
             if req.suffix is not None:  # fill in the middle: the text between each prompt and the suffix
                 try:
                     ids = [encode_infill(self.tokenizer, p, req.suffix) for p in prompts]

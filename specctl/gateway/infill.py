@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from specctl.engine.fim import encode_infill, infill_stops
+from specctl.gateway.request_checks import check_prompt_chars
 from specctl.errors import BadRequest
 from specctl.gateway.api import ApiError, CompletionRequest, parse_body
 from specctl.gateway.llama import LlamaOptions, completion_request, llama_reply
@@ -48,6 +49,8 @@ def parse_infill(body: bytes, tokenizer: Any, context: int, model: str) -> tuple
     """An /infill body as the completion request it amounts to, and what answers it."""
     started = time.perf_counter()
     asked = parse_body(body, InfillRequest)
+    texts = [asked.input_prefix, asked.input_suffix, asked.prompt, *(e.filename + e.text for e in asked.input_extra)]
+    check_prompt_chars(sum(map(len, texts)), tokenizer, context, "input_prefix")
     ids, ends = infill_ids(asked, tokenizer)
     req = completion_request(asked, [ids], context, ends)
     return req, llama_reply(asked, req, [ids], False, model, context, started, tokenizer)

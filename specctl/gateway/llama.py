@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from specctl.engine.text import encode_prompt
+from specctl.gateway.request_checks import check_prompt_chars
 from specctl.gateway.api import MAX_CHOICES, ApiError, CompletionRequest, parse_body
 from specctl.gateway.llama_reply import LlamaReply, Probabilities, Rules
 from specctl.gateway.llama_samplers import DEFAULT_SAMPLERS, sampler_chain
@@ -87,7 +88,7 @@ def parse_completion(body: bytes, tokenizer: Any, context: int, model: str) -> t
     """A /completion body as the completion request it amounts to, and what answers it."""
     started = time.perf_counter()
     asked = parse_body(body, LlamaCompletionRequest)
-    prompts, listed = llama_prompts(asked.prompt, tokenizer)
+    prompts, listed = llama_prompts(asked.prompt, tokenizer, context)
     req = completion_request(asked, prompts, context)
     return req, llama_reply(asked, req, prompts, listed, model, context, started, tokenizer)
 
@@ -103,21 +104,22 @@ def llama_reply(asked: LlamaOptions, req: CompletionRequest, prompts: list[list[
                       started, rules, asked.response_fields, probabilities)
 
 
-def llama_prompts(prompt: str | list, tokenizer: Any) -> tuple[list[list[int]], bool]:
+def llama_prompts(prompt: str | list, tokenizer: Any, context: int) -> tuple[list[list[int]], bool]:
     """The prompts as token ids, and whether they came as a list of prompts (answered as a list)."""
     if isinstance(prompt, str):
-        return [_mixed([prompt], tokenizer)], False
+        return [_mixed([prompt], tokenizer, context)], False
     if prompt and (all(isinstance(p, str) for p in prompt) or any(isinstance(p, list) for p in prompt)):
         if any(isinstance(p, int) for p in prompt):
             raise ApiError(400, "a list of prompts holds strings or lists, not bare token ids", param="prompt")
         if len(prompt) > MAX_CHOICES:
             raise ApiError(400, f"at most {MAX_CHOICES} prompts a request, got {len(prompt)}", param="prompt")
-        return [_mixed([p] if isinstance(p, str) else p, tokenizer) for p in prompt], True
-    return [_mixed(prompt, tokenizer)], False
+        return [_mixed([p] if isinstance(p, str) else p, tokenizer, context) for p in prompt], True
+    return [_mixed(prompt, tokenizer, context)], False
 
 
-def _mixed(pieces: list[int | str], tokenizer: Any) -> list[int]:
+def _mixed(pieces: list[int | str], tokenizer: Any, context: int) -> list[int]:
     """Token ids and text pieces, as llama.cpp joins them: BOS only before a leading text."""
+    check_prompt_chars(sum(len(piece) for piece in pieces if isinstance(piece, str)), tokenizer, context)
     ids: list[int] = []
     for i, piece in enumerate(pieces):
         if isinstance(piece, str):

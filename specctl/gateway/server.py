@@ -45,7 +45,7 @@ from specctl.verify.client import RemoteError
 HEALTH_GENERATE_TIMEOUT_S = 30.0  # /health_generate's token: a target stalled longer than this is unhealthy
 
 
-MAX_BODY_BYTES = 64 << 20  # the largest request body the gateway reads (413 past it; --max-body-kb)
+MAX_BODY_BYTES = 16 << 20  # the largest request body the gateway reads (413 past it; --max-body-kb)
 
 @dataclass(slots=True)
 class GatewayConfig:
@@ -54,7 +54,8 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     default_max_tokens: int = 256
-    # vLLM takes any body: this only refuses absurd ones (a batch of 128 long prompts is a few MiB)
+    # vLLM takes any body; this admits a batch of 128 long prompts (a few MiB, as lm-eval sends) and
+    # bounds what one request's text costs to tokenize (about 0.7 KB and 3 us a token)
     max_body_bytes: int = MAX_BODY_BYTES
     api_key: str | None = None
     responses_store: int = 256  # Responses API answers kept for previous_response_id and GET (gateway.response_store)

@@ -33,6 +33,7 @@ import msgspec
 from aiohttp import web
 
 from specctl.engine.text import encode_prompt
+from specctl.gateway.request_checks import check_prompt_chars
 from specctl.gateway.api import ApiError, CompletionRequest, parse_body
 from specctl.gateway.choices import Choices, Event
 from specctl.gateway.respond import json_answer, remote_message
@@ -126,6 +127,9 @@ def parse_generate(body: bytes, tokenizer: Any, context: int, model: str) -> tup
     if batch and not all(isinstance(p, type(given[0])) for p in given) or (
             not batch and isinstance(given, list) and not all(isinstance(p, int) for p in given)):
         raise ApiError(400, "input_ids is one prompt's token ids or a list of them", param="input_ids")
+    for p in given if batch else [given]:
+        if isinstance(p, str):
+            check_prompt_chars(len(p), tokenizer, context, "text")
     prompts = [encode_prompt(tokenizer, p) if isinstance(p, str) else p for p in (given if batch else [given])]
     if not all(prompts):
         raise ApiError(400, "the prompt is empty", param="text" if asked.text is not None else "input_ids")

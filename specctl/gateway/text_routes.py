@@ -19,6 +19,7 @@ from specctl.gateway.api import (
     ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, TokenizeRequest, check_key,
     parse_body,
 )
+from specctl.gateway.request_checks import check_prompt_chars
 from specctl.gateway.translate import chat_messages, chat_template_options
 from specctl.gateway.role_stats import recent_rate
 
@@ -59,6 +60,7 @@ class TextRoutes:
         if sum(given is not None for given in (req.prompt, req.messages, req.content)) != 1:
             raise ApiError(400, "give one of prompt, messages (vLLM's) or content (llama.cpp's)", param="prompt")
         if req.content is not None:
+            check_prompt_chars(len(req.content), self.tokenizer, self.config.context, "content")
             ids = await self.generations.off_loop(lambda: self.tokenizer.encode(req.content,
                                                                                 add_special_tokens=req.add_special))
             pieces = [{"id": i, "piece": self.tokenizer.decode([i])} for i in ids] if req.with_pieces else ids
