@@ -300,7 +300,13 @@ def test_a_chat_prediction_gives_the_same_answer_and_counts_its_tokens(cluster, 
                                                                      "rejected_prediction_tokens"}
     for bad, message in (({"type": "file", "content": "x"}, "prediction.type must be 'content', got 'file'"),
                          ({"type": "content", "content": [{"type": "image_url"}]},
-                          "prediction.content parts must be text, got ['image_url']")):
+                          "prediction.content parts must be text, got ['image_url']"),
+                         ({"type": "content", "content": "x" * 600},  # the byte tokenizer: a token a character
+                          "prediction is 600 tokens, longer than the model's context (512): give the part of the "
+                          "answer you expect"),
+                         ({"type": "content", "content": "x" * (512 * 14 + 1)},  # refused before it is tokenized
+                          "prediction is 7169 characters, longer than the model's context (512 tokens) however it "
+                          "is split: give the part of the answer you expect")):
         code, _, raw = post(base + "/v1/chat/completions", {**body, "prediction": bad})
         assert code == 400 and json.loads(raw)["error"] == {"message": message, "type": "invalid_request_error",
                                                              "param": "prediction", "code": None}

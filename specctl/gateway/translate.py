@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 
 from specctl.engine.stop_regex import compile_stop_patterns
-from specctl.engine.text import bad_word_sequences
+from specctl.engine.text import bad_word_sequences, longest_token_chars
 from specctl.errors import BadRequest, SpecctlError
 from specctl.gateway.api import (
     MAX_CHOICES, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, ApiError, ChatCompletionRequest, ChatMessage,
@@ -74,6 +74,9 @@ def prediction_tokens(req: RequestFields, tokenizer: Any, context: int) -> tuple
         if kinds:
             raise ApiError(400, f"prediction.content parts must be text, got {sorted(kinds)}", param="prediction")
         content = "".join(part.text for part in content)
+    if len(content) > context * longest_token_chars(tokenizer):  # cannot fit: not worth tokenizing
+        raise ApiError(400, f"prediction is {len(content)} characters, longer than the model's context ({context} "
+                            "tokens) however it is split: give the part of the answer you expect", param="prediction")
     tokens = tuple(tokenizer.encode(content, add_special_tokens=False))
     if len(tokens) > context:
         raise ApiError(400, f"prediction is {len(tokens)} tokens, longer than the model's context ({context}): "
