@@ -101,3 +101,18 @@ def test_a_bad_constraint_is_refused_with_its_field(cluster, body, param, messag
         code, _, raw = post(cluster[1]["gateway"] + route, {**base, "max_tokens": 2, **body})
         assert code == 400 and json.loads(raw)["error"] == {"message": message, "type": "invalid_request_error",
                                                             "param": param, "code": None}
+
+
+def test_a_grammar_that_asks_for_an_added_token_as_text_is_a_400_that_says_how_to_write_it(cluster):
+    """The tiny tokenizer reads "<|fim_prefix|>" as its added token 259, which a grammar's quoted
+    text cannot be (llguidance offered it, then refused it: a 502 with the matcher's state)."""
+    base = cluster[1]["gateway"]
+    body = {"prompt": "x", "max_tokens": 4, "guided_grammar": 'start: "<|fim_prefix|>"'}
+    code, _, raw = post(base + "/v1/completions", body)
+    assert code == 400 and json.loads(raw)["error"] == {
+        "message": "target instance: generation failed: structured output cannot go on: its grammar asks here for "
+                   "text that this model writes only as an added token, which a grammar takes as a token, not as "
+                   "text (<|fim_prefix|> <[259]>): write it as <[id]> in a Lark grammar",
+        "type": "invalid_request_error", "param": None, "code": None}
+    code, _, raw = post(base + "/v1/completions", {**body, "guided_grammar": "start: <[259]>"})
+    assert code == 200 and json.loads(raw)["choices"][0]["finish_reason"] == "stop"

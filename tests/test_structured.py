@@ -274,3 +274,30 @@ def test_a_grammar_needs_an_end_token_and_the_tokenizer(tiny, byte_tokenizer):
     assert byte_tokenizer.decode(output) == "ab" and reason == "stop"
     with pytest.raises(BadRequest, match="^structured output needs the model's fast tokenizer: Only fast tokenizers"):
         ll_tokenizer(object(), 320)  # llguidance reads fast tokenizers only: a clean error, not a crash of the session
+
+
+def test_a_grammar_literal_the_tokenizer_reads_as_an_added_token_is_never_offered_then_refused():
+    """llguidance's mask offers a quoted literal as the added token the tokenizer reads it as,
+    which consuming then refuses (a special token is no text): the row leaves such a token out,
+    and where nothing else could be written the target's session ends with an error that says
+    how to write the token; a draft's guide drafts free there."""
+    tokenizer = make_byte_tokenizer()
+    tokenizer.add_tokens(["<tool_call>"])
+    call = tokenizer.convert_tokens_to_ids("<tool_call>")
+    x, less = (tokenizer.encode(c, add_special_tokens=False)[0] for c in "x<")
+    either = Structure("grammar", 'start: "x" ("<tool_call>" | "y")', tokenizer, len(tokenizer), {EOS},
+                       torch.device("cpu"))
+    assert less in either.allowed([[x]])[0][0].nonzero().flatten().tolist()  # not forced: the text, byte by byte
+    after = Structure("grammar", 'start: "x<tool_call>"', tokenizer, len(tokenizer), {EOS}, torch.device("cpu"))
+    with pytest.raises(InvalidSamplingParams, match=f"not as text \\(<tool_call> <\\[{call}\\]>\\)"):
+        after.allowed([[x]])  # forced bytes: the mask offers the token alone
+    as_token = Structure("grammar", f'start: <[{call}]> "y"', tokenizer, len(tokenizer), {EOS}, torch.device("cpu"))
+    assert as_token.allowed([[]])[0][0].nonzero().flatten().tolist() == [call]  # as a token it is written
+    only = Structure("grammar", 'start: "<tool_call>"', tokenizer, len(tokenizer), {EOS}, torch.device("cpu"))
+    assert bool(only.guide(torch.device("cpu")).allowed([[]])[0].all())  # a guide: free
+    with pytest.raises(InvalidSamplingParams) as refused:
+        only.allowed([[]])
+    assert str(refused.value) == (
+        f"structured output cannot go on: its grammar asks here for text that this model writes only as an added "
+        f"token, which a grammar takes as a token, not as text (<tool_call> <[{call}]>): write it as <[id]> in a "
+        f"Lark grammar")

@@ -142,6 +142,11 @@ class Structure:
             raise InvalidSamplingParams(f"structured output ({kind}) is invalid: {_one_line(self.matcher.get_error())}")
         self.end_token, self.vocab_size, self.device = tokens.eos_token, vocab_size, device
         self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long)
+        # the added tokens (special or not) a mask may allow though the matcher refuses them (below)
+        self.added_ids = torch.tensor(sorted(i for i in set(tokenizer.get_added_vocab().values())
+                                             if i < vocab_size and i not in stop_ids and i != self.end_token),
+                                      dtype=torch.long)
+        self.tokenizer = tokenizer
         self.strict = strict  # the target's: a token outside the grammar is a bug; a draft's guide is lenient
         self.lost = False  # a guide given tokens outside the grammar: it constrains nothing more
 
@@ -179,9 +184,29 @@ class Structure:
                 continue
             row = _bits(self.matcher.compute_bitmask(), self.vocab_size)
             ended[r] = self.matcher.is_stopped()
+            self._drop_refused_added(row, ended[r])
             self.matcher.rollback(len(path))
             may_end = bool(row[self.end_token])
             row[self.end_token] = False
             row[self.stop_ids] = may_end  # every stop token ends the output as EOS does
             rows[r] = row
         return rows.to(self.device, non_blocking=True), ended
+
+    def _drop_refused_added(self, row: torch.Tensor, ended: bool) -> None:
+        """An added token the mask allows but the matcher refuses is taken out of ``row`` (at the
+        matcher's state): llguidance's mask can offer a grammar literal's text as the added token
+        the tokenizer reads it as (a quoted "<tool_call>" with Qwen's), which consuming then refuses
+        as a special token. Left with nothing to write, the target cannot go on: a clear error."""
+        offered = self.added_ids[row[self.added_ids]].tolist()
+        refused = [token for token in offered if not self.matcher.validate_tokens([token])]
+        if not refused:
+            return
+        row[refused] = False
+        if not self.strict and not row.any():  # a draft's guide: drafting goes on free
+            row[:] = True
+        elif not ended and not row.any():
+            names = ", ".join(f"{self.tokenizer.convert_ids_to_tokens(t)} <[{t}]>" for t in refused)
+            raise InvalidSamplingParams(
+                f"structured output cannot go on: its grammar asks here for text that this model writes only as an "
+                f"added token, which a grammar takes as a token, not as text ({names}): write it as <[id]> in a "
+                f"Lark grammar")

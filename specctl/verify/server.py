@@ -18,7 +18,7 @@ from specctl.engine.prefill_gate import prefill_gate
 from specctl.engine.prefix_cache import flush_prefix_cache
 from specctl.engine.spec import check_token_ids
 from specctl.spec.logit_rules import check_rule_token_ids
-from specctl.errors import KVBudgetExceeded, SpecctlError, StageUnavailable
+from specctl.errors import BadRequest, InvalidSamplingParams, KVBudgetExceeded, SpecctlError, StageUnavailable
 from specctl.net.framing import read_message
 from specctl.net.handshake import server_handshake
 from specctl.net.protocol import (
@@ -197,6 +197,9 @@ class TargetServer(ListeningServer):
             except StageUnavailable as exc:  # a pipeline stage went away: this session cannot go on
                 log.warning("session %s ended: %s", msg.request_id or msg.req, exc)
                 send(Error("unavailable", f"generation failed: {exc}", req=msg.req))
+            except (BadRequest, InvalidSamplingParams) as exc:  # what the request asked cannot go on: its error
+                log.warning("session %s ended: %s", msg.request_id or msg.req, exc)
+                send(Error("bad_request", f"generation failed: {exc}", req=msg.req))
             except Exception as exc:  # noqa: BLE001 - the session ends with a clear error, the server carries on
                 log.exception("session %s failed", msg.request_id or msg.req)
                 send(Error("internal", f"generation failed: {exc}", req=msg.req))
