@@ -124,7 +124,7 @@ def test_only_a_last_assistant_turn_of_text_is_continued():
 def test_a_forced_tool_call_comes_back_as_a_tool_use_block_whole_and_streamed(tools_cluster):  # noqa: F811
     client = _client(tools_cluster)
     model = client.models.list().data[0].id
-    asked = {"model": model, "max_tokens": 60, "extra_body": GREEDY, "tools": [WEATHER],
+    asked = {"model": model, "max_tokens": 100, "extra_body": GREEDY, "tools": [WEATHER],
              "tool_choice": {"type": "tool", "name": "get_weather"},
              "messages": [{"role": "user", "content": "Weather in Paris?"}]}
     message = client.messages.create(**asked)

@@ -263,7 +263,7 @@ def test_a_forced_call_comes_back_as_a_function_call_item_streamed_or_not(tools_
     tool = {"type": "function", "name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
         "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}}
-    fields = dict(model=model, input="Weather in Paris?", tools=[tool], max_output_tokens=60, temperature=0,
+    fields = dict(model=model, input="Weather in Paris?", tools=[tool], max_output_tokens=100, temperature=0,
                   tool_choice={"type": "function", "name": "get_weather"})
     response = client.responses.create(**fields)
     [call] = response.output  # a forced call: no text

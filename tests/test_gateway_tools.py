@@ -12,13 +12,14 @@ from hypothesis import strategies as st
 
 from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
+from specctl.engine.tiny import make_byte_tokenizer
 from specctl.gateway.api import ApiError, ChatCompletionRequest, parse_body
 from specctl.gateway.harmony import harmony_calls
 from specctl.gateway.glm_calls import StreamedGlmCalls as GlmCalls, glm_calls
 from specctl.gateway.tool_parsers import FunctoolsCalls, JsonCalls, MistralCalls, functools_calls, json_calls
 from specctl.gateway.pythonic_calls import StreamedPythonicCalls as PythonicCalls, pythonic_calls
 from specctl.gateway.mistral_calls import mistral_calls
-from specctl.gateway.tool_calls import ForcedCalls, StreamedCalls, parse, read_whole
+from specctl.gateway.tool_calls import ForcedCalls, StreamedCalls, call_chunks, parse, read_whole
 from specctl.gateway.tools import forced_call, request_tools
 from specctl.gateway.translate import chat_messages
 from tests.conftest import running_cluster
@@ -144,13 +145,15 @@ def test_parallel_tool_calls_false_keeps_the_first_call_streamed_or_whole():
     content, pushes, calls = streamed(StreamedCalls(max_calls=1), two, 3)
     assert content == "" and [c["function"]["arguments"] for c in calls] == ['{"city": "Paris"}']
     assert [{**c, "id": ""} for c in joined([d for push in pushes for d in push])] == [{**calls[0], "id": ""}]
-    _, (_, schema) = forced_call([WEATHER], "required", parallel=False)
-    assert json.loads(schema)["maxItems"] == 1 and "maxItems" not in json.loads(forced_call([WEATHER], "required")[1][1])
+    schema = forced_call([WEATHER], "required", parallel=False).structured[1]
+    assert json.loads(schema)["maxItems"] == 1 and "maxItems" not in json.loads(
+        forced_call([WEATHER], "required").structured[1])
 
 
 def test_a_forced_call_is_held_to_its_schema_and_read_back_as_the_call():
-    named, structured = forced_call([WEATHER], {"type": "function", "function": {"name": "get_weather"}})
-    assert (named, structured) == ("get_weather", ("json", json.dumps(WEATHER["function"]["parameters"])))
+    named, structured, native = forced_call([WEATHER], {"type": "function", "function": {"name": "get_weather"}})
+    assert (named, structured, native) == ("get_weather", ("json", json.dumps(WEATHER["function"]["parameters"])),
+                                           False)  # vLLM's: the arguments alone
     reader = ForcedCalls(named)
     (content, first), (more, second) = reader.push('{"city": '), reader.push('"Oslo"}')
     rest, last, calls = reader.finish()
@@ -159,7 +162,7 @@ def test_a_forced_call_is_held_to_its_schema_and_read_back_as_the_call():
     assert first == [{"index": 0, "id": calls[0]["id"], "type": "function",
                       "function": {"name": "get_weather", "arguments": '{"city": '}}]
     assert reader.finish_reason == "stop"  # OpenAI's for a named call
-    named, (kind, schema) = forced_call([WEATHER], "required")
+    named, (kind, schema), _ = forced_call([WEATHER], "required")
     assert named is None and json.loads(schema)["items"]["anyOf"][0]["properties"]["name"] == {"const": "get_weather"}
     reader = ForcedCalls(None)
     assert reader.push('[{"name": "get_weather", "parameters": {"city": "Rome"}}, {"name": "get_weather", '
@@ -173,6 +176,37 @@ def test_a_forced_call_is_held_to_its_schema_and_read_back_as_the_call():
     assert forced_call([WEATHER], "auto") is None and forced_call(None, None) is None
     with pytest.raises(ApiError, match="tool_choice names 'get_time', which is not among the tools"):
         forced_call([WEATHER], {"type": "function", "function": {"name": "get_time"}})
+
+
+def test_a_named_call_with_the_hermes_parser_is_held_to_the_model_s_own_call_format():
+    """The named function's call as the template writes one, its tags the tokenizer's added tokens
+    where it has them (a grammar's quoted text cannot be an added token); "required" keeps vLLM's
+    JSON list; the hermes reader reads the call back with a named call's finish_reason."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    schema = json.dumps(WEATHER["function"]["parameters"])
+    byte_level = make_byte_tokenizer()  # its tags are text
+    assert forced_call([WEATHER], named, parser="hermes", tokenizer=byte_level) == (
+        "get_weather", ("grammar", 'start: "<tool_call>" "\\n{\\"name\\": \\"get_weather\\", \\"arguments\\": " '
+                                   'arguments "}\\n" "</tool_call>"\narguments: %json ' + schema + "\n"), True)
+    tagged = make_byte_tokenizer()
+    tagged.add_tokens(["<tool_call>", "</tool_call>"])
+    opened, closed = tagged.convert_tokens_to_ids(["<tool_call>", "</tool_call>"])
+    grammar = forced_call([WEATHER], named, parser="hermes", tokenizer=tagged).structured[1]
+    assert grammar.startswith(f"start: <[{opened}]> ") and f" <[{closed}]>\n" in grammar
+    assert forced_call([WEATHER], "required", parser="hermes", tokenizer=tagged) == forced_call([WEATHER], "required")
+    assert forced_call([WEATHER], named, parser="llama3_json", tokenizer=tagged) == forced_call([WEATHER], named)
+    reader = StreamedCalls(1, "stop")  # generation's reader of such a call
+    content, calls = read_whole(reader, CALL)
+    assert content == "" and calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert reader.finish_reason == "stop"
+
+
+def test_a_push_s_call_deltas_go_out_in_chunks_that_hold_one_entry_a_call():
+    first = {"index": 0, "id": "call_a", "type": "function", "function": {"name": "f", "arguments": ""}}
+    piece, other = {"index": 0, "function": {"arguments": "{"}}, {"index": 1, "function": {"arguments": "}"}}
+    assert call_chunks([first, piece, other, {"index": 1, "function": {"arguments": "x"}}]) == [
+        [first], [piece, other], [{"index": 1, "function": {"arguments": "x"}}]]
+    assert call_chunks([]) == [] and call_chunks([piece, other]) == [[piece, other]]
 
 
 def test_tools_are_checked_and_go_through_the_template_with_earlier_calls_as_objects(tiny_dir):
@@ -257,7 +291,7 @@ def test_a_forced_call_comes_back_as_the_call_streamed_or_not(tools_cluster):
     assert answer["finish_reason"] == "length" and "tool_calls" not in answer["message"]
     assert answer["message"]["content"].startswith("[")
     finish = "stop"  # OpenAI's for a named call
-    body = {**body, "tool_choice": named, "max_tokens": 60}
+    body = {**body, "tool_choice": named, "max_tokens": 100}  # the call's tags and name are 45 tokens here
     code, _, raw = post(base + "/v1/chat/completions", body)
     assert code == 200, raw
     answer = json.loads(raw)["choices"][0]
@@ -265,8 +299,15 @@ def test_a_forced_call_comes_back_as_the_call_streamed_or_not(tools_cluster):
     [call] = answer["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather"
     assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Oslo")
+    written = make_byte_tokenizer().decode(json.loads(post(base + "/v1/chat/completions", {
+        **body, "return_token_ids": True})[2])["choices"][0]["token_ids"])  # the model's own call format
+    assert written == ('<tool_call>\n{"name": "get_weather", "arguments": ' + call["function"]["arguments"]
+                       + "}\n</tool_call><|endoftext|>")  # token_ids hold the EOS that ended it (vLLM's)
     code, _, raw = post(base + "/v1/chat/completions", {**body, "stream": True})
     chunks = [json.loads(line[6:]) for line in raw.split(b"\n\n") if line.startswith(b"data: {")]
+    for c in chunks:  # one entry a call in a chunk, as OpenAI streams
+        indexes = [d["index"] for d in c["choices"][0]["delta"].get("tool_calls", [])]
+        assert len(indexes) == len(set(indexes))
     deltas = [d for c in chunks for d in c["choices"][0]["delta"].get("tool_calls", [])]
     assert [c["function"] for c in joined(deltas)] == [call["function"]]
     assert len(deltas) > 2 and deltas[0]["function"]["name"] == "get_weather"  # the arguments as they come

@@ -145,3 +145,35 @@ def test_qwen_pair_is_exact_in_bf16_as_a_target_is_loaded():
         for drafter in (ModelChainDrafter(draft, 4), ModelTreeDrafter(draft, 4, 3, 4)):
             out, _, _ = generate(target.decoder, ids, params, drafter, eos_token_ids=target.eos_token_ids)
             assert out == reference, (drafter.name, prompt.prompt)
+
+
+@pytest.mark.slow
+@needs_qwen
+def test_a_named_call_held_to_qwens_own_format_fills_a_name_parameter_with_the_name_asked_for():
+    """Held to the bare arguments (vLLM's way), Qwen2.5-Coder-1.5B, primed by its template to
+    write a call's name first, wrote {"name": "add_contact", ..., "name1": "Alice Smith"}; held
+    to its own <tool_call> format (gateway.tools) it writes the contact's name."""
+    import json
+
+    import openai
+
+    from specctl.cluster.embedded import ClusterConfig, ClusterThread
+    from specctl.config import build_config
+
+    config = build_config(None, target="qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b", mode="chain", depth=4)
+    thread = ClusterThread(config, ClusterConfig(targets=1, gateway_port=0))
+    urls = thread.start()
+    try:
+        client = openai.OpenAI(base_url=urls["gateway"] + "/v1", api_key="unused", max_retries=0)
+        tool = {"type": "function", "function": {"name": "add_contact", "description": "Add a contact", "parameters": {
+            "type": "object", "properties": {"name": {"type": "string"}, "email": {"type": "string"}},
+            "required": ["name", "email"]}}}
+        answer = client.chat.completions.create(
+            model="qwen2.5-coder-1.5b", messages=[{"role": "user", "content": "Add Alice Smith, alice@example.com"}],
+            tools=[tool], tool_choice={"type": "function", "function": {"name": "add_contact"}}, temperature=0,
+            max_tokens=80)
+        [call] = answer.choices[0].message.tool_calls
+        assert answer.choices[0].finish_reason == "stop" and call.function.name == "add_contact"
+        assert json.loads(call.function.arguments) == {"name": "Alice Smith", "email": "alice@example.com"}
+    finally:
+        thread.stop()

@@ -155,8 +155,10 @@ class Generations:
             prompt_tokens = sum(map(len, prompts))
             self.metrics.prompt_tokens.inc(prompt_tokens)
             reader = TOOL_PARSERS[self.config.tool_call_parser]
-            calls = None if tools is None else (partial(ForcedCalls, forced[0]) if forced
-                                                else partial(reader, 1 if one_call else None))
+            calls = None if tools is None else (
+                partial(ForcedCalls, forced.named) if forced and not forced.native
+                else partial(reader, 1, "stop") if forced  # a named call in the model's own format (hermes)
+                else partial(reader, 1 if one_call else None))
             reply = (self._responses_reply(asked, req, history, prompt_tokens, calls) if endpoint == "responses"
                      else AnthropicReply(self.config.names[0], prompt_tokens, calls, self.thinking(req),
                                          shows_thinking(asked))
@@ -196,8 +198,8 @@ class Generations:
         forced call, its choices); ``one_call``: parallel_tool_calls false."""
         tools = self.tools(req)
         prompts = truncated(self.encode(req, tools), req.truncate_prompt_tokens, self.config.context)
-        forced = forced_call(tools, req.tool_choice, parallel=not one_call)
-        structured = after_thinking(structured_output(req, forced[1] if forced else None),
+        forced = forced_call(tools, req.tool_choice, not one_call, self.config.tool_call_parser, self.tokenizer)
+        structured = after_thinking(structured_output(req, forced.structured if forced else None),
                                     self.thinking(req) if chat else None)
         barred = bad_words(req.bad_words, self.tokenizer)
         ends = infill_stops(self.tokenizer) if getattr(req, "suffix", None) is not None else ()

@@ -19,7 +19,7 @@ from specctl.gateway import responses as R
 from specctl.gateway.api import ApiError
 from specctl.gateway.choices import Choices
 from specctl.gateway.reasoning import reasoning_reader, split_reasoning
-from specctl.gateway.tool_calls import read_whole
+from specctl.gateway.tool_calls import call_chunks, read_whole
 from specctl.verify.client import RemoteError
 
 
@@ -156,8 +156,8 @@ class Reply:
                     if logprobs and not chat and logprobs["tokens"]:  # the next chunk's tokens start after these
                         offsets[index] = logprobs["text_offset"][-1] + self.text_length(event.logprobs[-1].token)
                     await send(big, text=delta, logprobs=logprobs, index=index)
-                if call_deltas:
-                    await send(tool_calls=call_deltas, index=index)
+                for chunk in call_chunks(call_deltas):
+                    await send(tool_calls=chunk, index=index)
                 if event.finish:
                     finish = event.finish
                     thought = thoughts[index].finish() if thoughts else ""
@@ -167,8 +167,8 @@ class Reply:
                         rest, call_deltas, found = calls[index].finish()
                         if rest:
                             await send(text=rest, index=index)
-                        if call_deltas:
-                            await send(tool_calls=call_deltas, index=index)
+                        for chunk in call_chunks(call_deltas):
+                            await send(tool_calls=chunk, index=index)
                         if found:
                             finish = calls[index].finish_reason
                     stats[index] = event.stats

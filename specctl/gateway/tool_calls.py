@@ -110,6 +110,20 @@ def call_delta(index: int, call: dict, arguments: str) -> dict:
             "function": {"name": call["function"]["name"], "arguments": arguments}}
 
 
+def call_chunks(deltas: list[dict]) -> list[list[dict]]:
+    """A push's tool-call deltas as the chunks to send, none holding two entries of one call, as
+    OpenAI streams them (a call's id and name, then its arguments): a reader hands out a call's
+    first delta and its arguments' first piece together when one push reads both (a speculative
+    round's tokens often do), and clients that read a chunk's entries by index (instructor's
+    partial objects) kept one of the two."""
+    chunks: list[list[dict]] = []
+    for delta in deltas:
+        if not chunks or any(sent["index"] == delta["index"] for sent in chunks[-1]):
+            chunks.append([])
+        chunks[-1].append(delta)
+    return chunks
+
+
 def more_arguments(calls: list[dict], deltas: list[dict], piece: str) -> None:
     """``piece`` of the last call's arguments: kept on the call (the pieces join into them) and
     added to the deltas to hand out (nothing for an empty piece)."""
@@ -152,10 +166,9 @@ class StreamedCalls:
     """A choice's text with tools, pushed as it comes: the content and the calls' deltas to
     hand out; ``finish`` reads what is left once the choice ended."""
 
-    finish_reason = "tool_calls"
-
-    def __init__(self, max_calls: int | None = None) -> None:
+    def __init__(self, max_calls: int | None = None, finish_reason: str = "tool_calls") -> None:
         self.max_calls = max_calls  # parallel_tool_calls false: 1 (the blocks after it are not read)
+        self.finish_reason = finish_reason  # a forced named call's: "stop", OpenAI's (gateway.tools)
         self.text = ""
         self.sent = 0  # characters of content handed out
         self.start = -1  # where the first <tool_call> begins (-1: not yet)
