@@ -61,7 +61,8 @@ class ClusterConfig:
         if not 1 <= self.stages <= 64:
             raise ValueError(f"stages must be in 1..64, got {self.stages}")
         if self.max_body_bytes < 1024:
-            raise ValueError(f"the largest request body must be at least 1 KiB (--max-body-kb), got {self.max_body_bytes} bytes")
+            raise ValueError(f"the largest request body must be at least 1 KiB (--max-body-kb), "
+                             f"got {self.max_body_bytes} bytes")
         check_serving(self.responses_store, self.served_model_names, self.scheduling_policy, self.max_waiting,
                       self.queue_timeout_s, self.reasoning_parser, self.tool_call_parser, self.generation_config,
                       self.chat_template)

@@ -13,10 +13,10 @@ from typing import Any, ClassVar
 import msgspec
 
 from specctl.engine.fim import encode_infill, infill_stops
-from specctl.gateway.request_checks import check_prompt_chars
 from specctl.errors import BadRequest
 from specctl.gateway.api import ApiError, CompletionRequest, parse_body
 from specctl.gateway.llama import LlamaOptions, completion_request, llama_reply
+from specctl.gateway.request_checks import check_prompt_chars
 from specctl.gateway.llama_reply import LlamaReply
 
 

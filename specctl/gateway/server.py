@@ -47,6 +47,7 @@ HEALTH_GENERATE_TIMEOUT_S = 30.0  # /health_generate's token: a target stalled l
 
 MAX_BODY_BYTES = 16 << 20  # the largest request body the gateway reads (413 past it; --max-body-kb)
 
+
 @dataclass(slots=True)
 class GatewayConfig:
     model_name: str
