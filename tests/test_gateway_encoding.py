@@ -117,7 +117,8 @@ def test_logprobs_name_tokens_from_a_cache_of_their_texts_with_the_same_answer(g
 def test_a_whole_answer_is_built_and_serialised_off_the_event_loop(gateway, monkeypatch):
     """A long prompt's prompt_logprobs with 20 alternatives each is tens of MB of JSON: built
     on the loop it would stall every stream for seconds."""
-    _, url = gateway
+    thread, url = gateway
+    model = thread.cluster.gateway.config.names[0]
     seen: list[str] = []
     monkeypatch.setattr(responses, "prompt_logprobs_body", on_thread(seen, responses.prompt_logprobs_body))
     monkeypatch.setattr(responses, "full_response", on_thread(seen, responses.full_response))
@@ -131,6 +132,8 @@ def test_a_whole_answer_is_built_and_serialised_off_the_event_loop(gateway, monk
                                       "prompt_logprobs": 3, "logprobs": True, "top_logprobs": 2}, 4),
             ("/v1/responses", {"input": PROMPT, "max_output_tokens": 2, "top_logprobs": 2,
                                "include": ["message.output_text.logprobs"]}, 2),  # its logprobs, its JSON
+            ("/v1/messages", {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": PROMPT}]},
+             1),  # its JSON
             ("/completion", {"prompt": PROMPT, "n_predict": 2, "n_probs": 5}, 1),
             ("/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 2}, "return_logprob": True,
                            "logprob_start_len": 0, "top_logprobs_num": 5}, 1)]:

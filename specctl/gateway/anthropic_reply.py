@@ -21,7 +21,7 @@ from specctl.gateway.api import ApiError
 from specctl.gateway.anthropic_api import error_body
 from specctl.gateway.choices import Choices, Event
 from specctl.gateway.reasoning import reasoning_reader
-from specctl.gateway.respond import remote_message, whole_answer
+from specctl.gateway.respond import json_answer, remote_message, whole_answer
 from specctl.verify.client import RemoteError
 
 
@@ -80,15 +80,19 @@ class AnthropicReply:
         pieces = []
         async for _, event in choices.events():
             pieces.append(event.delta)
-            if event.finish:
-                thought, text, calls = whole_answer("".join(pieces), self.thinking, self.calls)
-                shown = thought if self.show_thinking else ""
-                content = [{"type": "thinking", "thinking": shown, "signature": ""}] if thought else []
-                if text.strip() or not (calls or thought):
-                    content.append({"type": "text", "text": text})
-                content += [tool_use(call) for call in calls or []]
-                return web.json_response(self.message(content, stop_of(event, calls), event.count, event.stats))
+            if event.finish:  # read back, built and serialised off the event loop, as every whole answer
+                return await json_answer(lambda: self._whole("".join(pieces), event))
         raise RuntimeError("a generation ended without its last event")  # Choices always ends with one
+
+    def _whole(self, output: str, event: Event) -> dict:
+        """A finished output's message: its thinking, text and tool_use blocks."""
+        thought, text, calls = whole_answer(output, self.thinking, self.calls)
+        shown = thought if self.show_thinking else ""
+        content = [{"type": "thinking", "thinking": shown, "signature": ""}] if thought else []
+        if text.strip() or not (calls or thought):
+            content.append({"type": "text", "text": text})
+        content += [tool_use(call) for call in calls or []]
+        return self.message(content, stop_of(event, calls), event.count, event.stats)
 
     async def stream(self, request: web.Request, choices: Choices) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
