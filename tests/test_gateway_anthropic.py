@@ -162,15 +162,15 @@ def test_the_request_maps_to_chat_turns_and_what_is_not_served_is_refused():
                        {"role": "user", "content": "Weather?"},
                        {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "s"},
                                                          {"type": "text", "text": "Let me look."},
-                                                         {"type": "tool_use", "id": "t1", "name": "get_weather",
+                                                         {"type": "tool_use", "id": "toolu_t1", "name": "get_weather",
                                                           "input": {"city": "Oslo"}}]},
-                       {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                       {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_t1",
                                                      "content": [{"type": "text", "text": "rain"}]},
                                                     {"type": "text", "text": "And tomorrow?",
                                                      "cache_control": {"type": "ephemeral"}}]}]})
     assert [(m.role, m.content, m.tool_call_id) for m in req.messages] == [
         ("system", "Be brief.", None), ("user", "Weather?", None), ("assistant", "Let me look.", None),
-        ("tool", "rain", "t1"), ("user", "And tomorrow?", None)]
+        ("tool", "rain", "t1"), ("user", "And tomorrow?", None)]  # ids as the model wrote them (toolu_ taken off)
     [call] = req.messages[2].tool_calls
     assert (call.id, call.function.name, json.loads(call.function.arguments)) == ("t1", "get_weather", {"city": "Oslo"})
     assert (req.max_completion_tokens, req.stop, req.temperature, req.top_k, req.tool_choice, req.parallel_tool_calls,

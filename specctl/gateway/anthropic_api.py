@@ -147,6 +147,13 @@ def _format(config: OutputConfig | None) -> ResponseFormat | None:
     return ResponseFormat(type="json_schema", json_schema={"name": "output", "schema": config.format.schema})
 
 
+def chat_call_id(tool_use_id: str) -> str:
+    """A tool_use block's id as the chat template gets it back: without the ``toolu_`` that
+    anthropic_reply.tool_use_id put before the model's own (a Mistral template takes back its 9
+    letters and digits only)."""
+    return tool_use_id.removeprefix("toolu_")
+
+
 def _turns(i: int, message: Message) -> list[ChatMessage]:
     """One Anthropic message as chat messages: a user turn's tool_result blocks become tool
     messages (before its text), an assistant turn's tool_use blocks its tool calls."""
@@ -163,12 +170,13 @@ def _turns(i: int, message: Message) -> list[ChatMessage]:
             if not block.id or not block.name:
                 raise ApiError(400, f"{where}: a tool_use block needs id and name", param="messages")
             arguments = json.dumps(block.input if block.input is not None else {}, ensure_ascii=False)
-            calls.append(ToolCall(function=CalledFunction(name=block.name, arguments=arguments), id=block.id))
+            calls.append(ToolCall(function=CalledFunction(name=block.name, arguments=arguments),
+                                  id=chat_call_id(block.id)))
         elif block.type == "tool_result" and message.role == "user":
             if not block.tool_use_id:
                 raise ApiError(400, f"{where}: a tool_result block needs tool_use_id", param="messages")
             results.append(ChatMessage(role="tool", content=_text(block.content, where) if block.content else "",
-                                       tool_call_id=block.tool_use_id))
+                                       tool_call_id=chat_call_id(block.tool_use_id)))
         elif block.type in ("thinking", "redacted_thinking") and message.role == "assistant":
             continue  # an earlier answer's thinking: chat templates leave it out
         else:

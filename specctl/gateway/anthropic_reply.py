@@ -38,7 +38,7 @@ def stop_of(event: Event, calls: list | None) -> tuple[str, str | None]:
 
 def tool_use_id(call_id: str) -> str:
     """A chat call's id as Anthropic spells a tool_use block's (``toolu_`` where chat has ``call_``):
-    clients and logs that check the prefix see Anthropic's."""
+    clients and logs that check the prefix see Anthropic's (anthropic_api.chat_call_id takes it off)."""
     return "toolu_" + call_id.removeprefix("call_")
 
 
