@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
-from specctl.gateway import generation, respond, responses, responses_reply
+from specctl.gateway import generation, respond, responses
 from tests.test_gateway import PROMPT, post
 
 
@@ -124,7 +124,6 @@ def test_a_whole_answer_is_built_and_serialised_off_the_event_loop(gateway, monk
     monkeypatch.setattr(responses, "full_response", on_thread(seen, responses.full_response))
     monkeypatch.setattr(respond, "json_in_pieces", on_thread(seen, respond.json_in_pieces))
     monkeypatch.setattr(responses, "logprobs_body", on_thread(seen, responses.logprobs_body))
-    monkeypatch.setattr(responses_reply, "json_in_pieces", on_thread(seen, respond.json_in_pieces))
     for route, body, built in [
             ("/v1/completions", {"prompt": [PROMPT, "Hello"], "max_tokens": 2, "prompt_logprobs": 20, "echo": True,
                                  "logprobs": 5}, 6),  # two prompt_logprobs, two logprobs, the response, its JSON
@@ -190,7 +189,7 @@ def test_a_streamed_response_s_events_with_every_token_s_logprobs_are_serialised
             "include": ["message.output_text.logprobs"]}
     request = urllib.request.Request(url + "/v1/responses", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
-    monkeypatch.setattr(responses_reply, "json_in_pieces", on_thread(seen, respond.json_in_pieces, "json"))
+    monkeypatch.setattr(respond, "json_in_pieces", on_thread(seen, respond.json_in_pieces, "json"))
     with urllib.request.urlopen(request, timeout=60) as response:
         events = [json.loads(line[6:]) for line in response if line.startswith(b"data: {")]
     whole = [e["type"] for e in events if e["type"].endswith((".done", ".completed", ".incomplete"))]

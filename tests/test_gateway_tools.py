@@ -19,7 +19,8 @@ from specctl.gateway.glm_calls import StreamedGlmCalls as GlmCalls, glm_calls
 from specctl.gateway.tool_parsers import FunctoolsCalls, JsonCalls, MistralCalls, functools_calls, json_calls
 from specctl.gateway.pythonic_calls import StreamedPythonicCalls as PythonicCalls, pythonic_calls
 from specctl.gateway.mistral_calls import mistral_calls
-from specctl.gateway.tool_calls import ForcedCalls, StreamedCalls, call_chunks, parse, read_whole
+from specctl.gateway.respond import call_chunks
+from specctl.gateway.tool_calls import ForcedCalls, StreamedCalls, parse, read_whole
 from specctl.gateway.tools import forced_call, request_tools
 from specctl.gateway.translate import chat_messages
 from tests.conftest import running_cluster

@@ -33,7 +33,7 @@ from specctl.gateway.responses_api import ResponsesRequest, answer_turn, as_chat
 from specctl.gateway.responses_reply import ResponsesReply
 from specctl.gateway.structured import after_thinking, structured_output
 from specctl.gateway.tool_parsers import KEEPS_SPECIAL_TOKENS, TOOL_PARSERS
-from specctl.gateway.tool_calls import ForcedCalls
+from specctl.gateway.tool_calls import ForcedCalls, StreamedCalls
 from specctl.gateway.tools import forced_call, request_tools
 from specctl.gateway.translate import (
     bad_words, chat_messages, chat_template_options, completion_prompts, message_text, prediction_tokens, prompt_only,
@@ -98,10 +98,9 @@ class Generations:
                 check_prompt_chars(len(text), self.tokenizer, self.config.context, "messages")
                 return [self.tokenizer.encode(text, add_special_tokens=False)]
             prompts = completion_prompts(req.prompt)
-            for p in prompts:
-                if isinstance(p, str) or req.suffix is not None:
-                    chars = (len(p) if isinstance(p, str) else 0) + len(req.suffix or "")
-                    check_prompt_chars(chars, self.tokenizer, self.config.context)
+            for p in prompts:  # a prompt's text (and an infill's suffix): token ids are not tokenized
+                chars = (len(p) if isinstance(p, str) else 0) + len(req.suffix or "")
+                check_prompt_chars(chars, self.tokenizer, self.config.context)
             if req.suffix is not None:  # fill in the middle: the text between each prompt and the suffix
                 try:
                     ids = [encode_infill(self.tokenizer, p, req.suffix) for p in prompts]
@@ -157,7 +156,7 @@ class Generations:
             reader = TOOL_PARSERS[self.config.tool_call_parser]
             calls = None if tools is None else (
                 partial(ForcedCalls, forced.named) if forced and not forced.native
-                else partial(reader, 1, "stop") if forced  # a named call in the model's own format (hermes)
+                else partial(StreamedCalls, 1, "stop") if forced  # a named call in hermes' own format
                 else partial(reader, 1 if one_call else None))
             reply = (self._responses_reply(asked, req, history, prompt_tokens, calls) if endpoint == "responses"
                      else AnthropicReply(self.config.names[0], prompt_tokens, calls, self.thinking(req),

@@ -19,7 +19,7 @@ from specctl.gateway import responses as R
 from specctl.gateway.api import ApiError
 from specctl.gateway.choices import Choices
 from specctl.gateway.reasoning import reasoning_reader, split_reasoning
-from specctl.gateway.tool_calls import call_chunks, read_whole
+from specctl.gateway.tool_calls import read_whole
 from specctl.verify.client import RemoteError
 
 
@@ -122,8 +122,7 @@ class Reply:
             if self.token_ids and not chat and fields["index"] not in prompted:  # a choice's first chunk
                 prompted.add(fields["index"])
                 body["choices"][0]["prompt_token_ids"] = prompt_ids(choices, fields["index"])
-            await response.write(b"data: " + await asyncio.to_thread(json_in_pieces, body) + b"\n\n" if big
-                                 else R.sse(body))
+            await response.write(await sse_off_loop(body) if big else R.sse(body))
 
         prompted: set[int] = set()
         if chat:
@@ -193,6 +192,12 @@ async def json_answer(build: Callable[[], Any]) -> web.Response:
                         charset="utf-8")
 
 
+async def sse_off_loop(body: Any) -> bytes:
+    """R.sse's event, its JSON built on a worker thread (json_in_pieces): a body that lists
+    every token's logprobs."""
+    return b"data: " + await asyncio.to_thread(json_in_pieces, body) + b"\n\n"
+
+
 def json_in_pieces(value: Any) -> bytes:
     """``value``'s JSON, each long list encoded a piece at a time: an encoder holds the GIL
     until it returns, and a piece is milliseconds where tens of MB at once (a long prompt's
@@ -233,3 +238,17 @@ def whole_answer(text: str, thinking: bool | None, calls: Callable[[], Any] | No
     if calls is not None:
         text, found = read_whole(calls(), text)
     return thought, text, found
+
+
+def call_chunks(deltas: list[dict]) -> list[list[dict]]:
+    """A push's tool-call deltas as the chunks to send, none holding two entries of one call, as
+    OpenAI streams them (a call's id and name, then its arguments): a reader hands out a call's
+    first delta and its arguments' first piece together when one push reads both (a speculative
+    round's tokens often do), and clients that read a chunk's entries by index (instructor's
+    partial objects) kept one of the two."""
+    chunks: list[list[dict]] = []
+    for delta in deltas:
+        if not chunks or any(sent["index"] == delta["index"] for sent in chunks[-1]):
+            chunks.append([])
+        chunks[-1].append(delta)
+    return chunks

@@ -20,7 +20,7 @@ from aiohttp import web
 from specctl.gateway import responses as R
 from specctl.gateway.choices import Choices
 from specctl.gateway.reasoning import reasoning_reader
-from specctl.gateway.respond import json_answer, json_in_pieces, remote_message, whole_answer
+from specctl.gateway.respond import json_answer, remote_message, sse_off_loop, whole_answer
 from specctl.verify.client import RemoteError
 
 
@@ -145,8 +145,7 @@ class ResponsesReply:
             event = {"type": kind, "sequence_number": sequence, **fields}
             sequence += 1
             if self.logprobs is not None and kind.endswith(WHOLE_EVENTS):  # every token's logprobs: off the loop
-                await response.write(f"event: {kind}\ndata: ".encode() + await asyncio.to_thread(json_in_pieces, event)
-                                     + b"\n\n")
+                await response.write(f"event: {kind}\n".encode() + await sse_off_loop(event))
             else:
                 await response.write(f"event: {kind}\n".encode() + R.sse(event))
 

@@ -55,9 +55,7 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     default_max_tokens: int = 256
-    # vLLM takes any body; this admits a batch of 128 long prompts (a few MiB, as lm-eval sends) and
-    # bounds what one request's text costs to tokenize (about 0.7 KB and 3 us a token)
-    max_body_bytes: int = MAX_BODY_BYTES
+    max_body_bytes: int = MAX_BODY_BYTES  # lm-eval's 128 long prompts fit; bounds what a body costs to tokenize
     api_key: str | None = None
     responses_store: int = 256  # Responses API answers kept for previous_response_id and GET (gateway.response_store)
     # vLLM's --served-model-name: the names requests may give; answers carry the first (default: model_name)

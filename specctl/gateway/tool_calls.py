@@ -110,20 +110,6 @@ def call_delta(index: int, call: dict, arguments: str) -> dict:
             "function": {"name": call["function"]["name"], "arguments": arguments}}
 
 
-def call_chunks(deltas: list[dict]) -> list[list[dict]]:
-    """A push's tool-call deltas as the chunks to send, none holding two entries of one call, as
-    OpenAI streams them (a call's id and name, then its arguments): a reader hands out a call's
-    first delta and its arguments' first piece together when one push reads both (a speculative
-    round's tokens often do), and clients that read a chunk's entries by index (instructor's
-    partial objects) kept one of the two."""
-    chunks: list[list[dict]] = []
-    for delta in deltas:
-        if not chunks or any(sent["index"] == delta["index"] for sent in chunks[-1]):
-            chunks.append([])
-        chunks[-1].append(delta)
-    return chunks
-
-
 def more_arguments(calls: list[dict], deltas: list[dict], piece: str) -> None:
     """``piece`` of the last call's arguments: kept on the call (the pieces join into them) and
     added to the deltas to hand out (nothing for an empty piece)."""
