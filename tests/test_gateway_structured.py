@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from specctl.gateway.api import ChatCompletionRequest, CompletionRequest, parse_body
+from specctl.engine.tiny import make_byte_tokenizer
+from specctl.gateway.api import ApiError, ChatCompletionRequest, CompletionRequest, parse_body
 from specctl.gateway.structured import structured_output
 from specctl.spec.structured import JSON_OBJECT
 from tests.test_gateway import PROMPT, post
@@ -92,7 +93,8 @@ def test_chat_with_a_json_schema_answers_that_schema_in_every_sampled_choice(clu
     ({"guided_regex": "a+", "response_format": {"type": "json_object"}}, "guided_regex",
      "one structured output a request, got 2 (response_format, guided_regex)"),
     ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs",
-     "structured_outputs.xml is not supported: give one of json, regex, choice, grammar, json_object"),
+     "structured_outputs.xml is not supported: give one of json, regex, choice, grammar, json_object (and "
+     "whitespace_pattern or disable_any_whitespace for JSON)"),
     ({"guided_regex": "a+", "ignore_eos": True}, "ignore_eos",
      "guided_regex cannot be combined with ignore_eos: the output ends where the grammar does, with EOS"),
 ])
@@ -116,3 +118,50 @@ def test_a_grammar_that_asks_for_an_added_token_as_text_is_a_400_that_says_how_t
         "type": "invalid_request_error", "param": None, "code": None}
     code, _, raw = post(base + "/v1/completions", {**body, "guided_grammar": "start: <[259]>"})
     assert code == 200 and json.loads(raw)["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("body, expected", [
+    ({"structured_outputs": {"json_object": True, "disable_any_whitespace": True}},
+     ("json", '{"type": "object", "x-guidance": {"whitespace_flexible": false}}')),
+    ({"structured_outputs": {"json": {"type": "object", "x-guidance": {"whitespace_flexible": False, "lenient": True}},
+                             "whitespace_pattern": "\n*"}},
+     ("json", '{"type": "object", "x-guidance": {"lenient": true, "whitespace_pattern": "\\n*"}}')),
+    ({"response_format": {"type": "json_object"}, "guided_whitespace_pattern": " ?"},
+     ("json", '{"type": "object", "x-guidance": {"whitespace_pattern": " ?"}}')),
+    ({"guided_regex": "a+", "structured_outputs": {"disable_fallback": True}}, ("regex", "a+")),
+])
+def test_the_whitespace_a_request_asks_for_goes_into_its_schema(body, expected):
+    assert structured_output(parse_body(json.dumps({**CHAT, **body}).encode(), ChatCompletionRequest)) == expected
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"guided_regex": "a+", "structured_outputs": {"disable_any_whitespace": True}}, "disable_any_whitespace",
+     "disable_any_whitespace applies to a JSON schema object only"),
+    ({"guided_json": {"type": "object"}, "guided_whitespace_pattern": 3}, "guided_whitespace_pattern",
+     "guided_whitespace_pattern must be a regular expression (a string)"),
+    ({"structured_outputs": {"json_object": True, "whitespace_pattern": " ", "disable_any_whitespace": True}},
+     "whitespace_pattern", "give one of whitespace_pattern, disable_any_whitespace, not both"),
+    ({"guided_json": {"type": "object"}, "guided_whitespace_pattern": "(ab"}, "guided_json",
+     "structured output (json) is invalid: regex parse error: error: unclosed group"),
+])
+def test_a_bad_whitespace_request_is_refused_with_its_field(body, param, message):
+    with pytest.raises(ApiError) as caught:
+        structured_output(parse_body(json.dumps({**CHAT, **body}).encode(), ChatCompletionRequest))
+    assert (caught.value.param, str(caught.value)) == (param, message)
+
+
+def test_a_model_pulled_to_line_breaks_cannot_pad_json_with_them(cluster):
+    """logit_bias pulls the tiny model to "\\n" (which a JSON string cannot hold): with any
+    whitespace allowed it wrote `{` and line breaks till max_tokens; bounded, it goes on with JSON."""
+    newline = make_byte_tokenizer().encode("\n")[0]
+    base = {**CHAT, "max_tokens": 40, "temperature": 0, "logit_bias": {str(newline): 100}}
+    texts = {}
+    for name, extra in (("bounded", {"response_format": {"type": "json_object"}}),
+                        ("compact", {"structured_outputs": {"json_object": True, "disable_any_whitespace": True}}),
+                        ("asked", {"structured_outputs": {"json_object": True, "whitespace_pattern": "\n*"}})):
+        code, _, raw = post(cluster[1]["gateway"] + "/v1/chat/completions", {**base, **extra})
+        assert code == 200, raw
+        texts[name] = json.loads(raw)["choices"][0]["message"]["content"]
+    assert texts["bounded"].startswith("{\n\n") and "\n\n\n" not in texts["bounded"]
+    assert texts["compact"].startswith("{") and "\n" not in texts["compact"]
+    assert texts["asked"] == "{" + "\n" * 39

@@ -18,7 +18,8 @@ from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDraf
 from specctl.spec.params import SamplingParams
 from specctl.spec.rounds import generate
 from specctl.spec.sampling import probs_from_logits
-from specctl.spec.structured import Structure, grammar_text, ll_tokenizer
+from specctl.engine.tiny import TINY_VOCAB as VOCAB_TINY
+from specctl.spec.structured import JSON_OBJECT, JSON_WHITESPACE, Structure, bounded_whitespace, grammar_text, ll_tokenizer
 from tests.test_sampling_exact import VOCAB, assert_counts_match, small  # noqa: F401 - the fixture
 
 EOS = 256  # the tiny models' end token
@@ -161,6 +162,35 @@ def test_a_bad_grammar_is_refused_with_what_is_wrong(structured, message):
     with pytest.raises(InvalidSamplingParams) as caught:
         grammar_text(*structured)
     assert str(caught.value).startswith(message) and "\n" not in str(caught.value)
+
+
+def _takes(grammar: str, text: str, tokenizer) -> bool:
+    """Whether ``grammar`` takes the whole of ``text`` and may end there."""
+    import llguidance
+
+    matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer, VOCAB_TINY), grammar)
+    ids = tokenizer.encode(text)
+    return matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids) and matcher.is_accepting()
+
+
+def test_json_whitespace_is_bounded_unless_the_schema_says_its_own(byte_tokenizer):
+    """Pretty-printed JSON is taken (line breaks and indents up to 40), a run past the bound is not:
+    with any whitespace allowed a model that wants what the grammar refuses writes blanks till
+    max_tokens. A schema's own whitespace in x-guidance is kept; a Lark grammar's %json is bounded too."""
+    any_object = grammar_text("json", JSON_OBJECT)
+    taken = ['{"a":1}', '{ "a" : 1 , "b" : [ 1 , 2 ] }', '{\n  "a": 1,\n  "b": {\n    "c": [\n      2\n    ]\n  }\n}',
+             '{"a": 1,\r\n\r\n' + " " * 40 + '"b": "x   \\n   y"}', '{"a":\t1}']
+    refused = ['{"a":   1}', '{"a": 1,\n' + " " * 41 + '"b": 2}', '{"a": 1,\n\n\n"b": 2}', ' {"a": 1}', '{"a": 1}\n']
+    assert [_takes(any_object, text, byte_tokenizer) for text in taken + refused] == [True] * 5 + [False] * 5
+    assert bounded_whitespace({"type": "object"}) == {"type": "object",
+                                                      "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
+    compact = json.dumps({"type": "object", "x-guidance": {"whitespace_flexible": False}})
+    assert bounded_whitespace(json.loads(compact)) == json.loads(compact)
+    assert not _takes(grammar_text("json", compact), '{\n"a": 1}', byte_tokenizer)
+    assert not _takes(grammar_text("json", json.dumps({"x-guidance": {"lenient": True}})), '{\n\n\n}',
+                      byte_tokenizer)  # a schema's other options keep the bound
+    lark = grammar_text("grammar", f"start: \"<\" %json {json.dumps(bounded_whitespace({'type': 'array'}))} \">\"")
+    assert _takes(lark, "<[\n  1\n]>", byte_tokenizer) and not _takes(lark, "<[   1]>", byte_tokenizer)
 
 
 @pytest.mark.parametrize("structured, message", [

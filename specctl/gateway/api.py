@@ -209,6 +209,7 @@ class RequestFields(msgspec.Struct, kw_only=True):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    guided_whitespace_pattern: Any = None
     structured_outputs: dict[str, Any] | None = None
 
 

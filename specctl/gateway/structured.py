@@ -2,7 +2,10 @@
 OpenAI's ``response_format`` (``json_object``, ``json_schema``) and vLLM's ``guided_json``,
 ``guided_regex``, ``guided_choice``, ``guided_grammar`` and ``structured_outputs`` ({json,
 regex, choice, grammar, json_object}). One constraint a request; the grammar is checked
-here, so a bad one is a 400 naming its field before any instance is asked."""
+here, so a bad one is a 400 naming its field before any instance is asked. JSON's whitespace
+is spec.structured's JSON_WHITESPACE unless the request asks for other (vLLM's
+``structured_outputs.whitespace_pattern`` / ``disable_any_whitespace``, ``guided_whitespace_pattern``),
+written into the schema as llguidance's ``x-guidance``."""
 
 from __future__ import annotations
 
@@ -12,7 +15,9 @@ from typing import Any
 from specctl.errors import InvalidSamplingParams
 from specctl.gateway.api import ApiError
 from specctl.gateway.reasoning import HARMONY
-from specctl.spec.structured import GRAMMARS, JSON_OBJECT, grammar_text
+from specctl.spec.structured import GRAMMARS, JSON_OBJECT, WHITESPACE_OPTIONS, grammar_text
+
+WHITESPACE_KEYS = ("whitespace_pattern", "disable_any_whitespace")  # structured_outputs' keys for JSON's whitespace
 
 
 def _spec(kind: str, value: Any, field: str) -> tuple[str, str]:
@@ -49,16 +54,44 @@ def _asked(req: Any) -> list[tuple[str, tuple[str, str]]]:
         if value is not None:
             asked.append((f"guided_{kind}", _spec(kind, value, f"guided_{kind}")))
     for key, value in (req.structured_outputs or {}).items():
-        if value is None or value is False:
-            continue
+        if value is None or value is False or key in WHITESPACE_KEYS or key == "disable_fallback":
+            continue  # disable_fallback: there is one backend, no other to fall back to
         if key == "json_object":
             asked.append(("structured_outputs", ("json", JSON_OBJECT)))
         elif key in GRAMMARS:
             asked.append(("structured_outputs", _spec(key, value, f"structured_outputs.{key}")))
         else:
             raise ApiError(400, f"structured_outputs.{key} is not supported: give one of json, regex, choice, "
-                                "grammar, json_object", param="structured_outputs")
+                                "grammar, json_object (and whitespace_pattern or disable_any_whitespace for "
+                                "JSON)", param="structured_outputs")
     return asked
+
+
+def _whitespace(req: Any, structured: tuple[str, str]) -> tuple[str, str]:
+    """A JSON constraint with the whitespace the request asks for (llguidance's x-guidance in its
+    schema; none asked: the schema as it is, spec.structured bounds it)."""
+    options = req.structured_outputs or {}
+    asked = {key: options[key] for key in WHITESPACE_KEYS if options.get(key) not in (None, False)}
+    if req.guided_whitespace_pattern is not None:
+        asked["guided_whitespace_pattern"] = req.guided_whitespace_pattern
+    if not asked:
+        return structured
+    field = next(iter(asked))
+    if len(asked) > 1:
+        raise ApiError(400, f"give one of {', '.join(asked)}, not both", param=field)
+    kind, text = structured
+    schema = json.loads(text) if kind == "json" else None
+    if not isinstance(schema, dict):
+        raise ApiError(400, f"{field} applies to a JSON schema object only", param=field)
+    value = asked[field]
+    if field == "disable_any_whitespace":
+        guidance = {"whitespace_flexible": False}  # llguidance's compact separators, vLLM's meaning
+    elif isinstance(value, str):
+        guidance = {"whitespace_pattern": value}
+    else:
+        raise ApiError(400, f"{field} must be a regular expression (a string)", param=field)
+    held = {key: value for key, value in (schema.get("x-guidance") or {}).items() if key not in WHITESPACE_OPTIONS}
+    return kind, json.dumps({**schema, "x-guidance": {**held, **guidance}})
 
 
 def after_thinking(structured: tuple[str, str] | None, thinking: bool | str | None) -> tuple[str, str] | None:
@@ -80,7 +113,7 @@ def structured_output(req: Any, forced_call: tuple[str, str] | None = None) -> t
     if len(asked) > 1:
         raise ApiError(400, f"one structured output a request, got {len(asked)} ({', '.join(f for f, _ in asked)})",
                        param=asked[1][0])
-    field, structured = asked[0]
+    field, structured = asked[0][0], _whitespace(req, asked[0][1])
     if req.ignore_eos and not req.stop_token_ids:
         raise ApiError(400, f"{field} cannot be combined with ignore_eos: the output ends where the grammar does, "
                             "with EOS", param="ignore_eos")
