@@ -24,9 +24,8 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
   its token ids); with logprobs its tokens are listed first, the first with null (nothing
   precedes it), the others with the target's log-probabilities from a pass of their own over
   the prompt (the generation's prefill is untouched: the output stays the target's own).
-  max_tokens 0 with echo is the prompt alone (OpenAI's legacy API, vLLM; lm-eval scores this
-  way): the target generates one token, as vLLM does, which the answer leaves out (finish
-  "length", 0 completion tokens).
+  max_tokens 0 with echo is the prompt alone (OpenAI's legacy API, vLLM; lm-eval scores this way):
+  the target generates one token, as vLLM does, left out of the answer (finish "length", 0 tokens).
 - vLLM's prompt_logprobs k (completions and chat, 0-20) lists each prompt token's log-probability,
   rank and k likeliest alternatives in vLLM's shape ({token id: {logprob, rank, decoded_token}},
   null for the first token) from that same pass: per choice for completions, once beside the
@@ -50,16 +49,15 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
   ``reasoning_content``), apart from its content (gateway.reasoning); vLLM's include_reasoning
   false leaves it out, and its thinking_token_budget ends a thought after that many tokens
   (spec.thinking_budget; qwen3 and deepseek_r1 parsers).
-- structured output — response_format json_object / json_schema, vLLM's guided_json,
-  guided_regex, guided_choice, guided_grammar and structured_outputs — constrains the target's
-  distribution to the grammar (spec.structured, llguidance as vLLM's guidance backend, JSON
-  with flexible whitespace); verification applies it, so every mode stays the target's own
-  output under the grammar. One constraint a request; ignore_eos cannot go with one.
+- structured output (response_format, vLLM's guided_* and structured_outputs; gateway.structured)
+  constrains the target's distribution to the grammar (spec.structured: llguidance, as vLLM's
+  guidance backend; JSON's whitespace bounded); verification applies it, so every mode stays
+  the target's own output under it. One constraint a request; ignore_eos cannot go with one.
 - a completion's suffix asks for the text between the prompt and it (fill in the middle,
   engine.fim): the prompt is built in the model's FIM tokens and their end tokens stop it; a
   model without FIM tokens is a 400, as are echo and truncate_prompt_tokens with a suffix.
-- best_of other than n, legacy functions, vLLM's use_beam_search and prompt_embeds are
-  refused with 400 rather than silently ignored: they would change what the caller gets.
+- best_of other than n, legacy functions, vLLM's use_beam_search and prompt_embeds are a 400
+  rather than silently ignored: they would change what the caller gets.
 - vLLM's stop_token_ids (at most MAX_STOP_TOKEN_IDS) end the generation as EOS does: the
   stop token is not part of the output (vLLM keeps a non-special one in its text). A stop
   string is not part of the text either unless vLLM's include_stop_str_in_output asks.
