@@ -5,6 +5,7 @@ import asyncio
 import dataclasses
 import json
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
+from specctl.gateway.choices import Choices
 from tests.conftest import poll_until
 
 PROMPT = "The quick brown fox"
@@ -496,6 +498,50 @@ def test_metrics_parse_and_counters_grow(cluster, client, tiny_dir):
         assert gauge in families, gauge
     roles = {s.labels["role"] for s in families["specctl:role_up"].samples if s.value == 1}
     assert roles == {"draft", "target"}
+
+
+def _requests_by_status(base: str) -> dict[str, float]:
+    return {s.labels["status"]: s.value for s in _metrics(base)[0]["specctl:requests"].samples
+            if s.name.endswith("_total") and s.labels["endpoint"] == "completions"}
+
+
+def _stream_and_leave(base: str, body: dict, until: bytes) -> bytes:
+    """A streamed request read over a raw socket until ``until`` comes, then the connection
+    closed at once (as httpx-based clients close a stream once they read [DONE])."""
+    host, port = base.removeprefix("http://").split(":")
+    data = json.dumps({**body, "stream": True}).encode()
+    with socket.create_connection((host, int(port)), timeout=60) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(data) + data)
+        received = b""
+        while until not in received:
+            received += conn.recv(65536) or pytest.fail(f"closed before {until!r}: {received!r}")
+    return received
+
+
+def test_a_client_that_leaves_after_done_was_served_one_that_leaves_before_was_not(cluster, tiny_dir, monkeypatch):
+    """The requests counter's status: a client that closes the connection on reading [DONE] got
+    the whole answer ("ok"; it was "cancelled": the close cancelled the handler while it ended
+    the stream, as it often did behind real instances); one that leaves after its first chunk is
+    "cancelled". The gateway's ending is slowed here so that the close always comes first."""
+    ending = Choices.__aexit__
+
+    async def slow_ending(self, *exc_info):
+        await asyncio.sleep(0.5)
+        await ending(self, *exc_info)
+
+    monkeypatch.setattr(Choices, "__aexit__", slow_ending)  # the cluster runs in this process
+    base = cluster[1]["gateway"]
+    body = {"model": str(tiny_dir["llama"]), "prompt": PROMPT, "temperature": 0, "ignore_eos": True}
+    before = _requests_by_status(base)
+    _stream_and_leave(base, {**body, "max_tokens": 4}, b"data: [DONE]")
+    poll_until(lambda: _requests_by_status(base), lambda after: sum(after.values()) > sum(before.values()))
+    after = _requests_by_status(base)
+    assert (after.get("ok", 0) - before.get("ok", 0), after.get("cancelled", 0) - before.get("cancelled", 0)) == (1, 0)
+    _stream_and_leave(base, {**body, "max_tokens": 200}, b"data: {")
+    poll_until(lambda: _requests_by_status(base), lambda later: sum(later.values()) > sum(after.values()))
+    later = _requests_by_status(base)
+    assert (later.get("ok", 0) - after.get("ok", 0), later.get("cancelled", 0) - after.get("cancelled", 0)) == (0, 1)
 
 
 def test_a_repeated_prompt_is_served_from_one_targets_prefix_cache_with_the_same_text(cluster, client, tiny_dir):

@@ -102,6 +102,7 @@ class Choices:
         self._counts: dict[int, int] = {}  # each choice's completion tokens handed on so far
         self._started: list[asyncio.Future] = []
         self._tasks: list[asyncio.Task] = []
+        self.finished = False  # every choice's last event handed on: the answer is whole, whoever reads it
 
     async def __aenter__(self) -> "Choices":
         loop = asyncio.get_running_loop()
@@ -192,6 +193,7 @@ class Choices:
                 raise item
             running -= item.finish is not None
             self._counts[k] = item.count
+            self.finished = not running
             yield self.specs[k].index, item
 
     async def _events(self, stream: TargetStream, first, spec: ChoiceSpec, progress: Progress) -> AsyncIterator[Event]:

@@ -178,8 +178,8 @@ class Generations:
                                type="invalid_request_error" if exc.code == "bad_request" else "server_error") from None
             status = "ok"
             return response
-        except asyncio.CancelledError:
-            status = "cancelled"
+        except asyncio.CancelledError:  # the client left; after the whole answer (a client that closes on
+            status = "ok" if choices is not None and choices.finished else "cancelled"  # [DONE]) it is served
             raise
         except ApiError as exc:
             status = str(exc.status)
