@@ -211,6 +211,34 @@ def test_a_push_s_call_deltas_go_out_in_chunks_that_hold_one_entry_a_call():
     assert call_chunks([]) == [] and call_chunks([piece, other]) == [[piece, other]]
 
 
+def test_one_tool_is_one_prompt_whichever_api_carried_it_in_whichever_key_order():
+    """vLLM's order (name, description, parameters, then the rest as sent) and no nulls: the
+    chat template renders each tool's JSON, so pydantic-ai's output tool sent by chat (with
+    "strict") and by the Responses API (its own key order) gave different prompts and outputs
+    (Rome's population 2873568 against 4893000)."""
+    import msgspec
+
+    from specctl.gateway.anthropic_api import MessagesRequest, as_chat as anthropic_chat
+    from specctl.gateway.responses_api import ResponsesRequest, as_chat as responses_chat
+
+    schema = WEATHER["function"]["parameters"]
+    expected = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                                 "parameters": schema, "strict": True}}
+    shuffled = {"type": "function", "function": {"strict": True, "parameters": schema, "name": "get_weather",
+                                                 "description": "Weather of a city", "title": None}}
+    as_responses = msgspec.convert({"input": "x", "tools": [
+        {"name": "get_weather", "parameters": schema, "strict": True, "type": "function",
+         "description": "Weather of a city"}]}, ResponsesRequest)
+    for tools in ([shuffled], responses_chat(as_responses).tools):
+        rendered = request_tools(tools, "auto", TEMPLATE)
+        assert rendered == [expected] and list(rendered[0]["function"]) == list(expected["function"])
+    as_anthropic = msgspec.convert({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
+                                    "tools": [{"input_schema": schema, "name": "get_weather",
+                                               "description": "Weather of a city"}]}, MessagesRequest)
+    rendered = request_tools(anthropic_chat(as_anthropic).tools, "auto", TEMPLATE)[0]["function"]
+    assert list(rendered) == ["name", "description", "parameters"]  # an Anthropic tool has no strict
+
+
 def test_tools_are_checked_and_go_through_the_template_with_earlier_calls_as_objects(tiny_dir):
     from transformers import AutoTokenizer
 

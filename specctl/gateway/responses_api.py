@@ -200,7 +200,7 @@ def _message(i: int, item: InputItem, last: ChatMessage | None) -> ChatMessage:
 
 
 def _tools(tools: list[Any] | None) -> list[dict] | None:
-    """The Responses API's function tools ({type, name, description, parameters}) as chat's."""
+    """The Responses API's function tools ({type, name, description, parameters, strict}) as chat's."""
     if not tools:
         return None
     out = []
@@ -208,8 +208,7 @@ def _tools(tools: list[Any] | None) -> list[dict] | None:
         if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(tool.get("name"), str)):
             raise ApiError(400, f"tools[{i}] must be a function tool {{\"type\": \"function\", \"name\": ..., "
                                 f"\"parameters\": {{...}}}}: built-in tools are not served", param="tools")
-        function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
-        out.append({"type": "function", "function": function})
+        out.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
     return out
 
 

@@ -28,6 +28,8 @@ from specctl.gateway.api import ApiError
 from specctl.gateway.tool_calls import CLOSE, OPEN
 from specctl.spec.structured import bounded_whitespace
 
+FUNCTION_FIELDS = ("name", "description", "parameters")  # vLLM's FunctionDefinition, in its order
+
 
 class Forced(NamedTuple):
     """A forced call: the function named (None: "required"), the constraint on the output, and
@@ -48,11 +50,19 @@ def request_tools(tools: list[Any] | None, tool_choice: Any, chat_template: str 
                 and isinstance(function.get("name"), str) and function["name"]):
             raise ApiError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
                                 "\"parameters\": {...}}}}", param="tools")
-        specs.append({"type": "function", "function": function})
+        specs.append({"type": "function", "function": _as_vllm_renders(function)})
     if "tools" not in (chat_template or ""):
         raise ApiError(400, "this model's chat template does not render tools, so it cannot be told of them: send "
                             "the request without tools", param="tools")
     return specs
+
+
+def _as_vllm_renders(function: dict) -> dict:
+    """A function as vLLM hands it to the template (its model's fields name, description and
+    parameters first, then any other, such as strict, as sent), without null values: one tool is
+    one prompt whichever API carried it (chat, Responses, Anthropic) in whichever key order."""
+    first = {key: function[key] for key in FUNCTION_FIELDS if function.get(key) is not None}
+    return first | {key: value for key, value in function.items() if key not in first and value is not None}
 
 
 def forced_call(tools: list[dict] | None, tool_choice: Any, parallel: bool = True, parser: str = "",
