@@ -129,6 +129,9 @@ def test_a_grammar_that_asks_for_an_added_token_as_text_is_a_400_that_says_how_t
     ({"response_format": {"type": "json_object"}, "guided_whitespace_pattern": " ?"},
      ("json", '{"type": "object", "x-guidance": {"whitespace_pattern": " ?"}}')),
     ({"guided_regex": "a+", "structured_outputs": {"disable_fallback": True}}, ("regex", "a+")),
+    ({"guided_json": {"x-guidance": "lenient"}, "guided_whitespace_pattern": " ?"},
+     ("json", '{"x-guidance": {"whitespace_pattern": " ?"}}')),  # its x-guidance, not a dict, replaced
+    ({"structured_outputs": {"disable_any_whitespace": False}}, None),
 ])
 def test_the_whitespace_a_request_asks_for_goes_into_its_schema(body, expected):
     assert structured_output(parse_body(json.dumps({**CHAT, **body}).encode(), ChatCompletionRequest)) == expected
@@ -141,6 +144,8 @@ def test_the_whitespace_a_request_asks_for_goes_into_its_schema(body, expected):
      "guided_whitespace_pattern must be a regular expression (a string)"),
     ({"structured_outputs": {"json_object": True, "whitespace_pattern": " ", "disable_any_whitespace": True}},
      "whitespace_pattern", "give one of whitespace_pattern, disable_any_whitespace, not both"),
+    ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern",
+     "guided_whitespace_pattern applies to a JSON schema object only"),
     ({"guided_json": {"type": "object"}, "guided_whitespace_pattern": "(ab"}, "guided_json",
      "structured output (json) is invalid: regex parse error: error: unclosed group"),
 ])

@@ -67,9 +67,9 @@ def _asked(req: Any) -> list[tuple[str, tuple[str, str]]]:
     return asked
 
 
-def _whitespace(req: Any, structured: tuple[str, str]) -> tuple[str, str]:
+def _whitespace(req: Any, structured: tuple[str, str] | None) -> tuple[str, str] | None:
     """A JSON constraint with the whitespace the request asks for (llguidance's x-guidance in its
-    schema; none asked: the schema as it is, spec.structured bounds it)."""
+    schema; none asked: the constraint as it is, spec.structured bounds JSON's)."""
     options = req.structured_outputs or {}
     asked = {key: options[key] for key in WHITESPACE_KEYS if options.get(key) not in (None, False)}
     if req.guided_whitespace_pattern is not None:
@@ -79,19 +79,18 @@ def _whitespace(req: Any, structured: tuple[str, str]) -> tuple[str, str]:
     field = next(iter(asked))
     if len(asked) > 1:
         raise ApiError(400, f"give one of {', '.join(asked)}, not both", param=field)
-    kind, text = structured
-    schema = json.loads(text) if kind == "json" else None
+    schema = json.loads(structured[1]) if structured is not None and structured[0] == "json" else None
     if not isinstance(schema, dict):
         raise ApiError(400, f"{field} applies to a JSON schema object only", param=field)
-    value = asked[field]
     if field == "disable_any_whitespace":
         guidance = {"whitespace_flexible": False}  # llguidance's compact separators, vLLM's meaning
-    elif isinstance(value, str):
-        guidance = {"whitespace_pattern": value}
+    elif isinstance(asked[field], str):
+        guidance = {"whitespace_pattern": asked[field]}
     else:
         raise ApiError(400, f"{field} must be a regular expression (a string)", param=field)
-    held = {key: value for key, value in (schema.get("x-guidance") or {}).items() if key not in WHITESPACE_OPTIONS}
-    return kind, json.dumps({**schema, "x-guidance": {**held, **guidance}})
+    own = schema.get("x-guidance")
+    held = {key: own[key] for key in own if key not in WHITESPACE_OPTIONS} if isinstance(own, dict) else {}
+    return "json", json.dumps({**schema, "x-guidance": {**held, **guidance}})
 
 
 def after_thinking(structured: tuple[str, str] | None, thinking: bool | str | None) -> tuple[str, str] | None:
@@ -109,7 +108,7 @@ def structured_output(req: Any, forced_call: tuple[str, str] | None = None) -> t
     ``forced_call``: the schema a forced tool call holds the output to (gateway.tools)."""
     asked = _asked(req) + ([("tool_choice", forced_call)] if forced_call else [])
     if not asked:
-        return None
+        return _whitespace(req, None)  # None, or a 400 for whitespace asked of no JSON
     if len(asked) > 1:
         raise ApiError(400, f"one structured output a request, got {len(asked)} ({', '.join(f for f, _ in asked)})",
                        param=asked[1][0])
