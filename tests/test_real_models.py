@@ -149,10 +149,12 @@ def test_qwen_pair_is_exact_in_bf16_as_a_target_is_loaded():
 
 @pytest.mark.slow
 @needs_qwen
-def test_a_named_call_held_to_qwens_own_format_fills_a_name_parameter_with_the_name_asked_for():
+def test_qwens_calls_come_back_as_calls_forced_or_written_as_a_json_block():
     """Held to the bare arguments (vLLM's way), Qwen2.5-Coder-1.5B, primed by its template to
     write a call's name first, wrote {"name": "add_contact", ..., "name1": "Alice Smith"}; held
-    to its own <tool_call> format (gateway.tools) it writes the contact's name."""
+    to its own <tool_call> format (gateway.tools) it writes the contact's name. Left to itself
+    it writes its call as a ```json block (gateway.fenced_calls), which comes back as the call,
+    streamed or whole."""
     import json
 
     import openai
@@ -175,5 +177,18 @@ def test_a_named_call_held_to_qwens_own_format_fills_a_name_parameter_with_the_n
         [call] = answer.choices[0].message.tool_calls
         assert answer.choices[0].finish_reason == "stop" and call.function.name == "add_contact"
         assert json.loads(call.function.arguments) == {"name": "Alice Smith", "email": "alice@example.com"}
+        weather = {"type": "function", "function": {"name": "get_weather", "description": "Get a city's weather",
+                                                    "parameters": {"type": "object", "properties": {
+                                                        "city": {"type": "string"}}, "required": ["city"]}}}
+        asked = dict(model="qwen2.5-coder-1.5b", messages=[{"role": "user", "content": "What's the weather in Paris?"}],
+                     tools=[tool, weather], temperature=0, max_tokens=80)
+        answer = client.chat.completions.create(**asked)
+        [call] = answer.choices[0].message.tool_calls
+        assert answer.choices[0].finish_reason == "tool_calls" and answer.choices[0].message.content is None
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] == "Paris"
+        chunks = list(client.chat.completions.create(**asked, stream=True))
+        pieces = [c.function.arguments for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []]
+        assert "".join(pieces) == call.function.arguments and len(pieces) > 2
+        assert not any(chunk.choices[0].delta.content for chunk in chunks)
     finally:
         thread.stop()

@@ -32,7 +32,7 @@ from specctl.gateway.response_store import ResponseStore, StoredResponse
 from specctl.gateway.responses_api import ResponsesRequest, answer_turn, as_chat, input_messages, input_records
 from specctl.gateway.responses_reply import ResponsesReply
 from specctl.gateway.structured import after_thinking, structured_output
-from specctl.gateway.tool_parsers import KEEPS_SPECIAL_TOKENS, TOOL_PARSERS
+from specctl.gateway.tool_parsers import KEEPS_SPECIAL_TOKENS, READS_TOOL_NAMES, TOOL_PARSERS
 from specctl.gateway.tool_calls import ForcedCalls, StreamedCalls
 from specctl.gateway.tools import forced_call, request_tools
 from specctl.gateway.translate import (
@@ -153,11 +153,14 @@ class Generations:
                 request_log.received(rid, endpoint, list(map(len, prompts)), specs[0].params, req.n, req.stream)
             prompt_tokens = sum(map(len, prompts))
             self.metrics.prompt_tokens.inc(prompt_tokens)
-            reader = TOOL_PARSERS[self.config.tool_call_parser]
+            parser = self.config.tool_call_parser
             calls = None if tools is None else (
                 partial(ForcedCalls, forced.named) if forced and not forced.native
                 else partial(StreamedCalls, 1, "stop") if forced  # a named call in hermes' own format
-                else partial(reader, 1 if one_call else None))
+                else partial(TOOL_PARSERS[parser], 1 if one_call else None)
+                if parser not in READS_TOOL_NAMES
+                else partial(TOOL_PARSERS[parser], 1 if one_call else None,
+                             tool_names=frozenset(tool["function"]["name"] for tool in tools)))
             reply = (self._responses_reply(asked, req, history, prompt_tokens, calls) if endpoint == "responses"
                      else AnthropicReply(self.config.names[0], prompt_tokens, calls, self.thinking(req),
                                          shows_thinking(asked))

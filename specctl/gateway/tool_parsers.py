@@ -1,5 +1,5 @@
 """The ``--tool-call-parser`` names (``TOOL_PARSERS``) and their readers, every one streamed:
-``hermes`` (gateway.tool_calls), ``llama3_json`` and ``phi4_mini_json`` (gateway.json_calls),
+``hermes`` (gateway.fenced_calls: gateway.tool_calls' blocks, or a markdown JSON block), ``llama3_json`` and ``phi4_mini_json`` (gateway.json_calls),
 ``pythonic`` (gateway.pythonic_calls), ``mistral`` (gateway.mistral_calls), ``glm45``
 (gateway.glm_calls) and ``openai`` (gpt-oss's, gateway.harmony); and the whole-output readers
 of llama3_json (``json_calls``) and phi4_mini_json (``functools_calls``), which property tests
@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 from typing import Callable
 
+from specctl.gateway.fenced_calls import HermesCalls
 from specctl.gateway.glm_calls import StreamedGlmCalls
 from specctl.gateway.harmony import HarmonyCalls
 from specctl.gateway.json_calls import PYTHON_TAG, StreamedFunctoolsCalls, StreamedJsonCalls
 from specctl.gateway.mistral_calls import MistralCalls
 from specctl.gateway.pythonic_calls import StreamedPythonicCalls
-from specctl.gateway.tool_calls import StreamedCalls, new_call
+from specctl.gateway.tool_calls import new_call
 
 
 def json_calls(text: str) -> list[dict] | None:
@@ -67,9 +68,11 @@ def FunctoolsCalls(max_calls: int | None = None) -> StreamedFunctoolsCalls:  # n
 
 
 # vLLM's --tool-call-parser names and their readers (each called with max_calls)
-TOOL_PARSERS: dict[str, Callable[..., object]] = {"hermes": StreamedCalls, "llama3_json": JsonCalls,
+TOOL_PARSERS: dict[str, Callable[..., object]] = {"hermes": HermesCalls, "llama3_json": JsonCalls,
                                                    "pythonic": StreamedPythonicCalls, "mistral": MistralCalls,
                                                    "phi4_mini_json": FunctoolsCalls, "openai": HarmonyCalls,
                                                    "glm45": StreamedGlmCalls}
 # parsers whose tags are special tokens: a request with tools keeps them in the text (as vLLM's mistral)
 KEEPS_SPECIAL_TOKENS = frozenset({"mistral", "openai", "glm45"})
+# parsers whose readers are told the request's tool names (``tool_names``)
+READS_TOOL_NAMES = frozenset({"hermes"})
