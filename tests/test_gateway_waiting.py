@@ -189,6 +189,68 @@ def test_a_client_that_leaves_while_waiting_leaves_the_line(one_session):
         assert "\nspecctl:requests_waiting 0.0\n" in response.read().decode()
 
 
+def _events(response) -> list:
+    """A stream's events, [DONE] as the string."""
+    lines = [line.decode().removeprefix("data: ").strip() for line in response if line.startswith(b"data: ")]
+    return [line if line == "[DONE]" else json.loads(line) for line in lines]
+
+
+def test_a_streamed_batch_past_the_sessions_streams_its_first_choice_while_the_rest_wait(one_session):
+    """As vLLM streams the choices it runs while the others queue (the stream began only once
+    the last choice started, after the first two had ended); each text is then what a request
+    alone gets."""
+    thread, urls = one_session
+    upstream = thread.cluster.gateway.upstream
+    body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True}  # >= 0.48 s at 20 ms a round
+    alone = json.loads(post(urls["gateway"] + "/v1/completions", body)[2])["choices"][0]["text"]
+    request = urllib.request.Request(urls["gateway"] + "/v1/completions", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({**body, "n": 3, "stream": True}).encode())
+    with urllib.request.urlopen(request, timeout=60) as response:
+        first = response.readline()
+        waiting = len(upstream.waiting)
+        events = _events(response)
+    assert first.startswith(b"data: ") and json.loads(first[6:])["choices"][0]["index"] == 0
+    assert waiting == 2  # choices 1 and 2 wait their turn for the one session
+    texts = {}
+    for event in [json.loads(first[6:])] + events[:-1]:
+        for choice in event["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert texts == {0: alone, 1: alone, 2: alone} and events[-1] == "[DONE]"
+    assert len(upstream.waiting) == 0 and upstream.targets[0].inflight == 0
+
+
+def test_a_choice_that_waits_past_the_queue_timeout_ends_its_request_streamed_or_not(one_session):
+    """A choice still waiting when its siblings' stream began ends it with the 503 it met,
+    in the stream (headers are gone), and frees its running siblings; whole, the request's 503."""
+    thread, urls = one_session
+    upstream = thread.cluster.gateway.upstream
+    upstream.waiting.timeout_s = 0.3
+    body = {"prompt": PROMPT, "max_tokens": 60, "temperature": 0, "ignore_eos": True, "n": 2}  # >= 1.2 s
+    message = "every target instance stayed at capacity for the 0.3 s this request may wait (--queue-timeout); retry later"
+    try:
+        request = urllib.request.Request(urls["gateway"] + "/v1/completions", data=json.dumps(
+            {**body, "stream": True}).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            events = _events(response)
+        assert events[-2:] == [{"error": {"message": message, "type": "server_error", "param": None,
+                                          "code": "no_capacity"}}, "[DONE]"]
+        assert {choice["index"] for event in events[:-2] for choice in event["choices"]} == {0}
+        poll_until(lambda: upstream.targets[0].inflight, lambda n: n == 0, timeout=30, interval=0.01)
+        code, headers, raw = post(urls["gateway"] + "/v1/completions", body)
+        assert (code, headers["Retry-After"], json.loads(raw)["error"]["message"]) == (503, "1", message)
+        assert len(upstream.waiting) == 0
+        poll_until(lambda: upstream.targets[0].inflight, lambda n: n == 0, timeout=30, interval=0.01)
+        # SGLang's /generate, a batch of two streamed: its error event
+        code, _, raw = post(urls["gateway"] + "/generate", {"text": [PROMPT, PROMPT], "stream": True, "sampling_params": {
+            "max_new_tokens": 60, "temperature": 0, "ignore_eos": True}})
+        lines = [line.removeprefix("data: ") for line in raw.decode().splitlines() if line.startswith("data: ")]
+        assert code == 200 and lines[-1] == "[DONE]"
+        assert json.loads(lines[-2]) == {"error": {"message": message, "code": 503}}
+        poll_until(lambda: upstream.targets[0].inflight, lambda n: n == 0, timeout=30, interval=0.01)
+    finally:
+        upstream.waiting.timeout_s = 600.0
+
+
 def test_priority_is_refused_unless_the_policy_is_priority(one_session):
     thread, urls = one_session
     body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "priority": -5}

@@ -4,9 +4,12 @@ prefilling it, within the balance), all running at once; their events merged int
 stream in the order they arrive, each tagged with its choice's index (OpenAI's and vLLM's
 layout: prompt i's j-th choice has index i * n + j).
 
-A request is one unit: it starts once every choice has its first token (so a choice that
-cannot start — no capacity, a bad prompt — fails the request with its HTTP error before any
-response is sent), and a choice that fails later ends them all. A choice whose instance is
+A request is one unit: it starts once every choice has its first token or waits its turn for a
+session (gateway.waiting), and one of them has started — so a choice that cannot start (a bad
+prompt, no instance up, a full waiting line) fails the request with its HTTP error before any
+response is sent, while a batch larger than the instances hold streams its first choices as
+they come, as vLLM's queued ones do — and a choice that fails later (one that waited included)
+ends them all. A choice whose instance is
 lost mid-stream goes on from its output so far on another instance (Generate.resumed): the
 client sees one unbroken output, the target's own, since what follows a text does not depend
 on which instance computed it (a seeded sample's rest draws other numbers). Leaving the ``async with``
@@ -20,6 +23,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import AsyncIterator, NamedTuple
 
 from specctl.engine.text import IncrementalText
@@ -101,29 +105,45 @@ class Choices:
         self._queue: asyncio.Queue[tuple[int, Event | BaseException]] = asyncio.Queue()
         self._counts: dict[int, int] = {}  # each choice's completion tokens handed on so far
         self._started: list[asyncio.Future] = []
+        self._waiting: list[bool] = []  # each choice waiting its turn for a session
+        self._moved = asyncio.Event()  # a choice started, waits or failed to start
+        self._entered = False  # the request started: a choice's failure goes to the events
         self._tasks: list[asyncio.Task] = []
         self.finished = False  # every choice's last event handed on: the answer is whole, whoever reads it
 
     async def __aenter__(self) -> "Choices":
         loop = asyncio.get_running_loop()
         self._started = [loop.create_future() for _ in self.specs]
+        self._waiting = [False] * len(self.specs)
         self._tasks = [asyncio.create_task(self._run(k, spec)) for k, spec in enumerate(self.specs)]
         try:
             await self._wait_started()
         except BaseException:
             await self._stop()
             raise
+        self._entered = True
         return self
 
     async def __aexit__(self, *exc_info) -> None:
         await self._stop()
 
     async def _wait_started(self) -> None:
-        pending = set(self._started)
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
-            for future in done:
-                future.result()  # the first choice that could not start fails the request
+        """Until every choice started or waits its turn, one of them started (a request whose
+        every choice waits keeps waiting: its timeout is a 503 still); the first choice that
+        could not start fails the request."""
+        while True:
+            for future in self._started:
+                if future.done():
+                    future.result()
+            started = [future.done() for future in self._started]
+            if any(started) and all(s or waits for s, waits in zip(started, self._waiting)):
+                return
+            self._moved.clear()
+            await self._moved.wait()
+
+    def _waits(self, k: int) -> None:
+        self._waiting[k] = True
+        self._moved.set()
 
     async def _stop(self) -> None:
         for task in self._tasks:
@@ -143,10 +163,11 @@ class Choices:
                 # a resumed generation: its prompt's scores went out with the first instance's first event
                 params = dataclasses.replace(spec.params, prompt_logprobs=None) if progress.resumes else spec.params
                 try:
-                    async with self.upstream.stream(spec.prompt, params, self.priority, name,
-                                                    tuple(progress.tokens)) as (stream, first):
+                    async with self.upstream.stream(spec.prompt, params, self.priority, name, tuple(progress.tokens),
+                                                    partial(self._waits, k)) as (stream, first):
                         if not started.done():
                             started.set_result(None)
+                            self._moved.set()
                         async for event in self._events(stream, first, spec, progress):
                             await self._queue.put((k, event))
                     return
@@ -168,8 +189,9 @@ class Choices:
                 cause = "no other instance is up" if getattr(exc, "status", None) == 503 else f"failed: {exc}"
                 exc = RemoteError(lost.code, f"{lost}; going on from its {len(progress.tokens)} tokens: {cause}")
                 log.warning("request %s: could not go on: %s", name, cause)
-            if not started.done():
+            if not (started.done() or self._entered):
                 started.set_exception(exc)
+                self._moved.set()
             else:
                 await self._queue.put((k, exc))
 

@@ -177,8 +177,10 @@ class Reply:
                 await response.write(R.sse(R.usage_chunk(rid, model, chat, created, self.prompt_tokens,
                                                          choices.completion_tokens, R.cached_tokens(stats, self.n),
                                                          self._predicted(choices, outputs))))
-        except RemoteError as exc:  # headers are gone: the error travels in the stream, as vLLM does
-            await response.write(R.sse(ApiError(502, remote_message(exc), type="server_error").body()))
+        except (RemoteError, ApiError) as exc:  # headers are gone: the error travels in the stream, as vLLM's
+            # (an ApiError: a choice that waited its turn found none, gateway.choices)
+            error = exc if isinstance(exc, ApiError) else ApiError(502, remote_message(exc), type="server_error")
+            await response.write(R.sse(error.body()))
         await response.write(R.sse("[DONE]"))
         await response.write_eof()
         return response

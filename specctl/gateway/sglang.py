@@ -192,8 +192,9 @@ class SglangReply:
                 if (event.delta or event.tokens) and not self.evaluate_only or event.finish:
                     meta = self._meta(index, event, choices.request_id, scores[index])
                     await response.write(_event({**output, "meta_info": meta}))
-        except RemoteError as exc:  # the headers are gone: the error travels in the stream
-            await response.write(_event({"error": {"message": remote_message(exc), "code": 502}}))
+        except (RemoteError, ApiError) as exc:  # the headers are gone: the error travels in the stream
+            status, message = (exc.status, str(exc)) if isinstance(exc, ApiError) else (502, remote_message(exc))
+            await response.write(_event({"error": {"message": message, "code": status}}))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

@@ -12,7 +12,7 @@ import ssl as ssl_module
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import numpy as np
 
@@ -184,20 +184,22 @@ class Upstream:
         return [t.view(prompt, salt) for t in self.targets]
 
     @asynccontextmanager
-    async def stream(self, prompt: list[int], params: SamplingParams, priority: int = 0,
-                     request_id: str = "", resumed: tuple[int, ...] = ()) -> AsyncIterator[tuple[TargetStream, object]]:
+    async def stream(self, prompt: list[int], params: SamplingParams, priority: int = 0, request_id: str = "",
+                     resumed: tuple[int, ...] = (), waits: Callable[[], None] | None = None
+                     ) -> AsyncIterator[tuple[TargetStream, object]]:
         """(stream, first event) of a generation on the least-loaded instance. Failures before
         the first token move on to the next instance; while every instance that is up is at
         capacity the generation waits its turn (gateway.waiting, by ``priority``); with none
         up, a 503. ``resumed``: the output a lost instance already sent (gateway.choices goes
-        on from it); an instance lost mid-stream is marked down."""
+        on from it); an instance lost mid-stream is marked down. ``waits`` is called when the
+        generation takes its place in the waiting line."""
         tried: set[int] = set()  # instances that failed this generation (down now)
         full: set[int] = set()  # instances that said they were full (other clients' sessions) since the last wait
         tokens = np.asarray([*prompt, *resumed], dtype=np.int64)  # the text the instance prefills
         entered = time.perf_counter()
         ticket: Ticket | None = None  # its place in the waiting line, once it has waited
         if self.waiting.ahead(priority):  # no one overtakes those waiting before it
-            ticket = self.waiting.ticket(priority)
+            ticket = self._ticket(priority, waits)
             await self._wait(ticket)
         while True:
             index = pick_target(self.views(tokens, params.cache_salt), frozenset(tried | full))
@@ -206,7 +208,7 @@ class Upstream:
                     reasons = "; ".join(f"{t.address}: {t.error}" for t in self.targets if not t.up and t.error)
                     raise ApiError(503, f"no target instance is reachable{f' ({reasons})' if reasons else ''}; "
                                         "retry later", type="server_error", code="no_capacity", retry_after=1)
-                ticket = ticket or self.waiting.ticket(priority)
+                ticket = ticket or self._ticket(priority, waits)
                 await self._wait(ticket)
                 full.clear()
                 continue
@@ -250,6 +252,12 @@ class Upstream:
                     stream.close()  # cancels it on the target unless it finished
                 link.inflight -= 1
                 self.waiting.wake()  # a session freed (or was never taken): the head of the line tries
+
+    def _ticket(self, priority: int, waits: Callable[[], None] | None) -> Ticket:
+        ticket = self.waiting.ticket(priority)
+        if waits is not None:
+            waits()
+        return ticket
 
     async def _wait(self, ticket: Ticket) -> None:
         """A turn in the waiting line, counted in the metrics while it waits."""
