@@ -22,7 +22,7 @@ from specctl.gateway.mistral_calls import mistral_calls
 from specctl.gateway.respond import call_chunks
 from specctl.gateway.tool_calls import ForcedCalls, StreamedCalls, parse, read_whole
 from specctl.gateway.tools import forced_call, request_tools
-from specctl.spec.structured import bounded_whitespace
+from specctl.spec.json_schema import served_schema
 from specctl.gateway.translate import chat_messages
 from tests.conftest import running_cluster
 from tests.test_gateway import post
@@ -185,7 +185,7 @@ def test_a_named_call_with_the_hermes_parser_is_held_to_the_model_s_own_call_for
     where it has them (a grammar's quoted text cannot be an added token); "required" keeps vLLM's
     JSON list; the hermes reader reads the call back with a named call's finish_reason."""
     named = {"type": "function", "function": {"name": "get_weather"}}
-    schema = json.dumps(bounded_whitespace(WEATHER["function"]["parameters"]))  # as a json constraint's
+    schema = json.dumps(served_schema(WEATHER["function"]["parameters"]))  # as a json constraint's
     byte_level = make_byte_tokenizer()  # its tags are text
     assert forced_call([WEATHER], named, parser="hermes", tokenizer=byte_level) == (
         "get_weather", ("grammar", 'start: "<tool_call>" "\\n{\\"name\\": \\"get_weather\\", \\"arguments\\": " '

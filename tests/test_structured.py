@@ -19,7 +19,8 @@ from specctl.spec.params import SamplingParams
 from specctl.spec.rounds import generate
 from specctl.spec.sampling import probs_from_logits
 from specctl.engine.tiny import TINY_VOCAB as VOCAB_TINY
-from specctl.spec.structured import JSON_OBJECT, JSON_WHITESPACE, Structure, bounded_whitespace, grammar_text, ll_tokenizer
+from specctl.spec.json_schema import JSON_WHITESPACE, bounded_whitespace
+from specctl.spec.structured import JSON_OBJECT, Structure, grammar_text, ll_tokenizer
 from tests.test_sampling_exact import VOCAB, assert_counts_match, small  # noqa: F401 - the fixture
 
 EOS = 256  # the tiny models' end token

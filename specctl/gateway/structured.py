@@ -3,7 +3,7 @@ OpenAI's ``response_format`` (``json_object``, ``json_schema``) and vLLM's ``gui
 ``guided_regex``, ``guided_choice``, ``guided_grammar`` and ``structured_outputs`` ({json,
 regex, choice, grammar, json_object}). One constraint a request; the grammar is checked
 here, so a bad one is a 400 naming its field before any instance is asked. JSON's whitespace
-is spec.structured's JSON_WHITESPACE unless the request asks for other (vLLM's
+is spec.json_schema's JSON_WHITESPACE unless the request asks for other (vLLM's
 ``structured_outputs.whitespace_pattern`` / ``disable_any_whitespace``, ``guided_whitespace_pattern``),
 written into the schema as llguidance's ``x-guidance``."""
 
@@ -15,7 +15,8 @@ from typing import Any
 from specctl.errors import InvalidSamplingParams
 from specctl.gateway.api import ApiError
 from specctl.gateway.reasoning import HARMONY
-from specctl.spec.structured import GRAMMARS, JSON_OBJECT, WHITESPACE_OPTIONS, grammar_text
+from specctl.spec.json_schema import WHITESPACE_OPTIONS
+from specctl.spec.structured import GRAMMARS, JSON_OBJECT, grammar_text
 
 WHITESPACE_KEYS = ("whitespace_pattern", "disable_any_whitespace")  # structured_outputs' keys for JSON's whitespace
 

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 from specctl.gateway.api import ApiError
 from specctl.gateway.tool_calls import CLOSE, OPEN
-from specctl.spec.structured import bounded_whitespace
+from specctl.spec.json_schema import served_schema
 
 FUNCTION_FIELDS = ("name", "description", "parameters")  # vLLM's FunctionDefinition, in its order
 
@@ -103,4 +103,4 @@ def hermes_call(name: str, schema: dict, tokenizer: Any) -> str:
     head, tail = '\n{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": ', "}\n"
     literal = partial(json.dumps, ensure_ascii=False)  # a Lark string is written as a JSON string
     return (f"start: {open_tag} {literal(head)} arguments {literal(tail)} {close_tag}\n"
-            f"arguments: %json {literal(bounded_whitespace(schema))}\n")
+            f"arguments: %json {literal(served_schema(schema))}\n")

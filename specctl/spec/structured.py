@@ -1,7 +1,8 @@
 """Structured output: the target's distribution constrained to a grammar (a JSON schema, a
 regex, a choice of strings, a Lark/GBNF grammar), as vLLM's ``guidance`` backend serves it
-with llguidance — the same library and grammars; JSON's whitespace bounded as llama.cpp bounds it
-(JSON_WHITESPACE), where vLLM allows any.
+with llguidance — the same library and grammars; a JSON schema's whitespace bounded as
+llama.cpp bounds it, where vLLM allows any, and its objects closed as vLLM's default backend
+closes them (spec.json_schema).
 
 The grammar is part of the target's distribution, so verification applies it: a proposal
 node's row keeps only the tokens the grammar allows after the committed text and the node's
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from specctl.errors import BadRequest, InvalidSamplingParams
+from specctl.spec.json_schema import served_schema
 
 GRAMMARS = ("json", "regex", "choice", "grammar")  # the grammars a request may ask for (vLLM's guided_* fields)
 # what SamplingParams.structured's first item may say: thinking and harmony wrap a grammar
@@ -44,13 +46,6 @@ HARMONY_LARK = ('start: (<|channel|> "analysis" <|message|> thought <|end|> <|st
                 '<|channel|> "final" <|message|> answer\nthought: /(.|\\n)*/\nanswer: @answer\n')
 MAX_SPEC_CHARS = 65536  # a schema, regex or grammar's text
 JSON_OBJECT = '{"type": "object"}'  # response_format json_object: any JSON object
-# The whitespace between JSON's tokens: up to two blanks, or one or two line breaks and an indent
-# of up to 40 (llama.cpp's json-schema grammars allow a blank, or line breaks and an indent of 20).
-# With any whitespace allowed (llguidance's whitespace_flexible, vLLM's default) a model that wants
-# what the grammar refuses writes blanks till max_tokens: Qwen2.5-Coder-1.5B, asked for a
-# json_object about Paris, wrote `"population": 2,` and 256 tokens of spaces (it meant 2,141,000).
-JSON_WHITESPACE = r"[ \t]{0,2}((\r?\n){1,2}[ \t]{0,40})?"
-WHITESPACE_OPTIONS = ("whitespace_flexible", "whitespace_pattern", "item_separator", "key_separator")  # x-guidance's
 
 _tokenizers: dict[int, tuple[Any, Any]] = {}  # id(HF tokenizer) -> (it, its LLTokenizer): built once (~2 s)
 _tokenizers_lock = threading.Lock()
@@ -70,7 +65,7 @@ def grammar_text(kind: str, spec: str, thinking_tokens: bool = False) -> str:
         elif kind == "harmony":
             grammar = _after_thinking(spec, HARMONY_LARK, kind)
         elif kind == "json":
-            schema = bounded_whitespace(json.loads(spec))  # llguidance takes a JSON text: say here it is not one
+            schema = served_schema(json.loads(spec))  # llguidance takes a JSON text: say here it is not one
             grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
         elif kind == "choice":
             choices = json.loads(spec)
@@ -87,16 +82,6 @@ def grammar_text(kind: str, spec: str, thinking_tokens: bool = False) -> str:
     if error:
         raise InvalidSamplingParams(f"structured output ({kind}) is invalid: {_one_line(error)}")
     return grammar
-
-
-def bounded_whitespace(schema: Any) -> Any:
-    """A JSON schema with JSON_WHITESPACE in its ``x-guidance``, unless it says its own whitespace
-    there (llguidance takes each key of its defaults the schema leaves out, so a schema's
-    whitespace_flexible false would otherwise go with this pattern)."""
-    guidance = schema.get("x-guidance", {}) if isinstance(schema, dict) else None
-    if not isinstance(guidance, dict) or any(key in guidance for key in WHITESPACE_OPTIONS):
-        return schema
-    return {**schema, "x-guidance": {**guidance, "whitespace_pattern": JSON_WHITESPACE}}
 
 
 def _after_thinking(spec: str, lark: str, outer: str = "thinking") -> str:
