@@ -31,6 +31,10 @@ def test_an_object_that_names_its_properties_takes_no_others_in_the_grammar():
     assert _takes(typed, '{"name": "P", "country": "F", "people": 2}', tokenizer)
     assert not _takes(typed, '{"name": "P", "country": "F", "people": "2"}', tokenizer)
     assert _takes(grammar_text("json", '{"type": "object"}'), '{"any": [1]}', tokenizer)  # names none: any
+    pair = {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}]}
+    assert _takes(grammar_text("json", json.dumps(pair)), '[1, "a"]', tokenizer)
+    assert not _takes(grammar_text("json", json.dumps(pair)), '[1, "a", 2]', tokenizer)
+    assert _takes(grammar_text("json", json.dumps({**pair, "items": True})), '[1, "a", 2]', tokenizer)
 
 
 def test_every_object_schema_inside_is_closed_and_data_and_allof_parts_are_left_as_they_are():
@@ -50,7 +54,8 @@ def test_every_object_schema_inside_is_closed_and_data_and_allof_parts_are_left_
     shut = {**item, "additionalProperties": False}
     props = closed["properties"]
     assert closed["additionalProperties"] is False and closed["$defs"]["thing"] == shut
-    assert props["items"]["items"] == shut and props["pair"]["prefixItems"] == [shut, {"anyOf": [shut, {"type": "null"}]}]
+    assert props["items"]["items"] == shut and props["pair"] == {
+        "type": "array", "prefixItems": [shut, {"anyOf": [shut, {"type": "null"}]}], "items": False}
     assert props["properties"] == {"type": "object", "properties": {"properties": {"type": "string"}},
                                    "additionalProperties": False}
     assert props["ref"] == {"$ref": "#/$defs/thing"}

@@ -46,7 +46,8 @@ def bounded_whitespace(schema: Any) -> Any:
 
 def closed_objects(schema: Any, close: bool = True) -> Any:
     """``schema`` with ``additionalProperties: false`` in every object schema that names
-    properties and says nothing of others. The parts of an ``allOf`` are left open (each part
+    properties and says nothing of others (and ``items: false`` in every tuple, ``prefixItems``
+    that says nothing of more items). The parts of an ``allOf`` are left open (each part
     judges the whole object, so closed parts naming different properties would refuse every
     object), their own subschemas closed."""
     if not isinstance(schema, dict):
@@ -68,4 +69,6 @@ def closed_objects(schema: Any, close: bool = True) -> Any:
     names = "properties" in closed or "patternProperties" in closed
     if close and names and "additionalProperties" not in closed and "unevaluatedProperties" not in closed:
         closed["additionalProperties"] = False
+    if close and "prefixItems" in closed and "items" not in closed and "unevaluatedItems" not in closed:
+        closed["items"] = False  # a tuple takes no items past those it names (xgrammar's strict mode too)
     return closed
