@@ -282,7 +282,7 @@ class _ScriptedUpstream:
         self.targets, self.scripts, self.resumed = [object(), object()], list(scripts), []
 
     @contextlib.asynccontextmanager
-    async def stream(self, prompt, params, priority, name, resumed=()):
+    async def stream(self, prompt, params, priority, name, resumed=(), waits=None):
         self.resumed.append(resumed)
         events = iter(self.scripts.pop(0))
 

@@ -34,9 +34,9 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
   repetition_penalty, min_tokens, min_p and bad_words are part of the target's distribution, applied by
   verification (spec.logit_rules, spec.sampling), greedy included, as vLLM applies them.
 - chat tools are rendered by the model's chat template and the output parsed for calls
-  (gateway.tools: vLLM's Hermes parser); tool_choice "none" renders none; "required" or a
-  named function forces a call by structured output, as vLLM forces one; parallel_tool_calls
-  false keeps the first call ("required": a list of one).
+  (gateway.tools: vLLM's Hermes parser, and a ```json call block as llama.cpp reads one);
+  tool_choice "none" renders none; "required" or a named function forces a call by structured
+  output, as vLLM forces one; parallel_tool_calls false keeps the first call ("required": one).
 - vLLM's chat-template fields: add_generation_prompt (default true), continue_final_message
   (the last message left open for the model to continue; not with add_generation_prompt) and
   chat_template_kwargs (variables for the template, e.g. enable_thinking; not the names the
@@ -51,8 +51,8 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
   (spec.thinking_budget; qwen3 and deepseek_r1 parsers).
 - structured output (response_format, vLLM's guided_* and structured_outputs; gateway.structured)
   constrains the target's distribution to the grammar (spec.structured: llguidance, as vLLM's
-  guidance backend; JSON's whitespace bounded); verification applies it, so every mode stays
-  the target's own output under it. One constraint a request; ignore_eos cannot go with one.
+  guidance backend; JSON's whitespace bounded, its objects closed); verification applies it,
+  so every mode stays the target's own output under it. One constraint a request; ignore_eos cannot go with one.
 - a completion's suffix asks for the text between the prompt and it (fill in the middle,
   engine.fim): the prompt is built in the model's FIM tokens and their end tokens stop it; a
   model without FIM tokens is a 400, as are echo and truncate_prompt_tokens with a suffix.
