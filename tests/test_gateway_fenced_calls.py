@@ -97,7 +97,7 @@ def test_tool_call_blocks_read_as_the_hermes_reader_reads_them():
     assert read_whole(HermesCalls(tool_names=NAMES), text)[0] == "Let me check. "
 
 
-@pytest.mark.parametrize("name, start", [("get_weather", 8), ("get\\u005ftime", 8), ("other", -1), ("\\ud800", -1)])
+@pytest.mark.parametrize("name, start", [("get_weather", 8), ("get\\u005ftime", 8), ("other", -1), ("\\x41", -1)])
 def test_a_block_is_known_a_call_by_its_first_name(name, start):
     assert block_start('```json\n  {"name": "' + name + '"', NAMES) == start
     assert block_start("```json\n  {", NAMES) is None and block_start("", NAMES) is None

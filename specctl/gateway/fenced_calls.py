@@ -26,7 +26,7 @@ from specctl.gateway.tool_calls import StreamedCalls
 
 FENCE, CLOSER = "```", "`"
 # A call block up to its first object's name (regex's partial matching says when a text can still
-# become one); group 1 is the name's JSON string, and the block's body starts at group 2
+# become one): the block's body starts where group 1 (empty) stands; group 2 is the name's JSON string
 BLOCK = regex.compile(r'\s*```(?:json)?[ \t]*\r?\n()\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
 
 
@@ -40,7 +40,7 @@ def block_start(text: str, tool_names: frozenset[str]) -> int | None:
         return None
     try:
         name = json.loads(opening.group(2))
-    except json.JSONDecodeError:  # a lone surrogate escape and the like: no tool's name
+    except json.JSONDecodeError:  # an escape JSON does not know ("\x"): no tool's name
         return -1
     return opening.start(1) if name in tool_names else -1
 
