@@ -149,12 +149,14 @@ def test_qwen_pair_is_exact_in_bf16_as_a_target_is_loaded():
 
 @pytest.mark.slow
 @needs_qwen
-def test_qwens_calls_come_back_as_calls_forced_or_written_as_a_json_block():
+def test_qwen_through_the_gateway_calls_tools_forced_or_on_its_own_and_keeps_to_a_schema():
     """Held to the bare arguments (vLLM's way), Qwen2.5-Coder-1.5B, primed by its template to
     write a call's name first, wrote {"name": "add_contact", ..., "name1": "Alice Smith"}; held
     to its own <tool_call> format (gateway.tools) it writes the contact's name. Left to itself
     it writes its call as a ```json block (gateway.fenced_calls), which comes back as the call,
-    streamed or whole."""
+    streamed or whole. Asked for a schema's object about Paris (llm --schema 'name, country'), it
+    added five keys and a history that ran to max_tokens while objects were open to any property
+    (spec.json_schema closes them)."""
     import json
 
     import openai
@@ -190,5 +192,12 @@ def test_qwens_calls_come_back_as_calls_forced_or_written_as_a_json_block():
         pieces = [c.function.arguments for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []]
         assert "".join(pieces) == call.function.arguments and len(pieces) > 2
         assert not any(chunk.choices[0].delta.content for chunk in chunks)
+        city = {"type": "object", "properties": {"name": {"type": "string"}, "country": {"type": "string"}},
+                "required": ["name", "country"]}
+        answer = client.chat.completions.create(
+            model="qwen2.5-coder-1.5b", messages=[{"role": "user", "content": "Paris"}], temperature=0, max_tokens=200,
+            response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": city}})
+        assert answer.choices[0].finish_reason == "stop"
+        assert json.loads(answer.choices[0].message.content) == {"name": "Paris", "country": "France"}
     finally:
         thread.stop()
