@@ -154,13 +154,12 @@ class Generations:
             prompt_tokens = sum(map(len, prompts))
             self.metrics.prompt_tokens.inc(prompt_tokens)
             parser = self.config.tool_call_parser
+            named = ({"tool_names": frozenset(tool["function"]["name"] for tool in tools)}
+                     if tools is not None and parser in READS_TOOL_NAMES else {})
             calls = None if tools is None else (
                 partial(ForcedCalls, forced.named) if forced and not forced.native
                 else partial(StreamedCalls, 1, "stop") if forced  # a named call in hermes' own format
-                else partial(TOOL_PARSERS[parser], 1 if one_call else None)
-                if parser not in READS_TOOL_NAMES
-                else partial(TOOL_PARSERS[parser], 1 if one_call else None,
-                             tool_names=frozenset(tool["function"]["name"] for tool in tools)))
+                else partial(TOOL_PARSERS[parser], 1 if one_call else None, **named))
             reply = (self._responses_reply(asked, req, history, prompt_tokens, calls) if endpoint == "responses"
                      else AnthropicReply(self.config.names[0], prompt_tokens, calls, self.thinking(req),
                                          shows_thinking(asked))

@@ -1,9 +1,10 @@
 """The ``--tool-call-parser`` names (``TOOL_PARSERS``) and their readers, every one streamed:
-``hermes`` (gateway.fenced_calls: gateway.tool_calls' blocks, or a markdown JSON block), ``llama3_json`` and ``phi4_mini_json`` (gateway.json_calls),
-``pythonic`` (gateway.pythonic_calls), ``mistral`` (gateway.mistral_calls), ``glm45``
-(gateway.glm_calls) and ``openai`` (gpt-oss's, gateway.harmony); and the whole-output readers
-of llama3_json (``json_calls``) and phi4_mini_json (``functools_calls``), which property tests
-hold the streamed ones to."""
+``hermes`` (gateway.fenced_calls: gateway.tool_calls' blocks, or a markdown JSON block),
+``llama3_json`` and ``phi4_mini_json`` (gateway.json_calls), ``pythonic``
+(gateway.pythonic_calls), ``mistral`` (gateway.mistral_calls), ``glm45`` (gateway.glm_calls) and
+``openai`` (gpt-oss's, gateway.harmony); and the whole-output readers of llama3_json
+(``json_calls``) and phi4_mini_json (``functools_calls``), which property tests hold the
+streamed ones to."""
 
 from __future__ import annotations
 
