@@ -46,6 +46,8 @@ def test_every_object_schema_inside_is_closed_and_data_and_allof_parts_are_left_
         "ref": {"$ref": "#/$defs/thing"},
         "open": {**item, "additionalProperties": True}, "rest": {**item, "unevaluatedProperties": False},
         "both": {"allOf": [item, {"properties": {"m": item}}]},
+        "cond": {**item, "if": item, "then": {"properties": {"m": item}}, "not": item,
+                 "dependentSchemas": {"n": {"properties": {"k": item}}}},
         "data": {"enum": [{"properties": {}}], "default": {"properties": {}}},
     }, "$defs": {"thing": item}}
     asked = copy.deepcopy(schema)
@@ -62,6 +64,8 @@ def test_every_object_schema_inside_is_closed_and_data_and_allof_parts_are_left_
     assert props["open"] == {**item, "additionalProperties": True}
     assert props["rest"] == {**item, "unevaluatedProperties": False}
     assert props["both"] == {"allOf": [item, {"properties": {"m": shut}}]}  # parts open, their insides closed
+    assert props["cond"] == {**shut, "if": item, "then": {"properties": {"m": shut}}, "not": item,
+                             "dependentSchemas": {"n": {"properties": {"k": shut}}}}
     assert props["data"] == {"enum": [{"properties": {}}], "default": {"properties": {}}}
     assert closed_objects(True) is True and closed_objects([1]) == [1]
 

@@ -22,10 +22,14 @@ JSON_WHITESPACE = r"[ \t]{0,2}((\r?\n){1,2}[ \t]{0,40})?"
 WHITESPACE_OPTIONS = ("whitespace_flexible", "whitespace_pattern", "item_separator", "key_separator")  # x-guidance's
 # Where a schema holds other schemas: maps of them, lists of them, and one (or, for items in
 # older drafts, a list). Other keys (enum, const, default, examples) hold data, left as it is.
-SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 SCHEMA_ONES = ("items", "additionalItems", "additionalProperties", "unevaluatedProperties", "unevaluatedItems",
-               "not", "if", "then", "else", "contains", "propertyNames")
+               "contains", "propertyNames")
+# Schemas that judge the same object beside the one holding them (a part of a conjunction, a
+# condition, a negation): closed, they would refuse what the others name — left open, their
+# insides closed. anyOf's and oneOf's branches are each the whole object, so they are closed.
+IN_PLACE_LISTS, IN_PLACE_ONES, IN_PLACE_MAPS = ("allOf",), ("not", "if", "then", "else"), ("dependentSchemas",)
 
 
 def served_schema(schema: Any) -> Any:
@@ -47,9 +51,9 @@ def bounded_whitespace(schema: Any) -> Any:
 def closed_objects(schema: Any, close: bool = True) -> Any:
     """``schema`` with ``additionalProperties: false`` in every object schema that names
     properties and says nothing of others (and ``items: false`` in every tuple, ``prefixItems``
-    that says nothing of more items). The parts of an ``allOf`` are left open (each part
-    judges the whole object, so closed parts naming different properties would refuse every
-    object), their own subschemas closed."""
+    that says nothing of more items). Schemas that judge the object beside the one holding them
+    (``allOf``'s parts, ``not``, ``if``/``then``/``else``, ``dependentSchemas``) are left open,
+    their own subschemas closed. ``close``: whether ``schema`` itself is closed."""
     if not isinstance(schema, dict):
         return schema
     closed = dict(schema)
@@ -59,8 +63,15 @@ def closed_objects(schema: Any, close: bool = True) -> Any:
     for key in SCHEMA_LISTS:
         if isinstance(closed.get(key), list):
             closed[key] = [closed_objects(sub) for sub in closed[key]]
-    if isinstance(closed.get("allOf"), list):
-        closed["allOf"] = [closed_objects(sub, close=False) for sub in closed["allOf"]]
+    for key in IN_PLACE_LISTS:
+        if isinstance(closed.get(key), list):
+            closed[key] = [closed_objects(sub, close=False) for sub in closed[key]]
+    for key in IN_PLACE_ONES:
+        if isinstance(closed.get(key), dict):
+            closed[key] = closed_objects(closed[key], close=False)
+    for key in IN_PLACE_MAPS:
+        if isinstance(closed.get(key), dict):
+            closed[key] = {name: closed_objects(sub, close=False) for name, sub in closed[key].items()}
     for key in SCHEMA_ONES:
         if isinstance(closed.get(key), list):
             closed[key] = [closed_objects(sub) for sub in closed[key]]
