@@ -70,7 +70,7 @@ def _asked(req: Any) -> list[tuple[str, tuple[str, str]]]:
 
 def _whitespace(req: Any, structured: tuple[str, str] | None) -> tuple[str, str] | None:
     """A JSON constraint with the whitespace the request asks for (llguidance's x-guidance in its
-    schema; none asked: the constraint as it is, spec.structured bounds JSON's)."""
+    schema; none asked: the constraint as it is, spec.json_schema bounds JSON's)."""
     options = req.structured_outputs or {}
     asked = {key: options[key] for key in WHITESPACE_KEYS if options.get(key) not in (None, False)}
     if req.guided_whitespace_pattern is not None:

@@ -20,16 +20,18 @@ from typing import Any
 
 JSON_WHITESPACE = r"[ \t]{0,2}((\r?\n){1,2}[ \t]{0,40})?"
 WHITESPACE_OPTIONS = ("whitespace_flexible", "whitespace_pattern", "item_separator", "key_separator")  # x-guidance's
-# Where a schema holds other schemas: maps of them, lists of them, and one (or, for items in
-# older drafts, a list). Other keys (enum, const, default, examples) hold data, left as it is.
-SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
-SCHEMA_ONES = ("items", "additionalItems", "additionalProperties", "unevaluatedProperties", "unevaluatedItems",
-               "contains", "propertyNames")
-# Schemas that judge the same object beside the one holding them (a part of a conjunction, a
-# condition, a negation): closed, they would refuse what the others name — left open, their
-# insides closed. anyOf's and oneOf's branches are each the whole object, so they are closed.
-IN_PLACE_LISTS, IN_PLACE_ONES, IN_PLACE_MAPS = ("allOf",), ("not", "if", "then", "else"), ("dependentSchemas",)
+# Where a schema holds other schemas — key: (a map of them by name, whether they are closed);
+# otherwise one schema or a list of them. Other keys (enum, const, default, examples) hold data,
+# left as it is. Those not closed judge the same object beside the schema holding them (a part
+# of a conjunction, a condition, a negation): closed, they would refuse what the others name, so
+# they stay open, their insides closed. anyOf's and oneOf's branches are each the whole object.
+SUBSCHEMAS = {
+    **dict.fromkeys(("properties", "patternProperties", "$defs", "definitions"), (True, True)),
+    "dependentSchemas": (True, False),
+    **dict.fromkeys(("anyOf", "oneOf", "prefixItems", "items", "additionalItems", "additionalProperties",
+                     "unevaluatedProperties", "unevaluatedItems", "contains", "propertyNames"), (False, True)),
+    **dict.fromkeys(("allOf", "not", "if", "then", "else"), (False, False)),
+}
 
 
 def served_schema(schema: Any) -> Any:
@@ -57,26 +59,14 @@ def closed_objects(schema: Any, close: bool = True) -> Any:
     if not isinstance(schema, dict):
         return schema
     closed = dict(schema)
-    for key in SCHEMA_MAPS:
-        if isinstance(closed.get(key), dict):
-            closed[key] = {name: closed_objects(sub) for name, sub in closed[key].items()}
-    for key in SCHEMA_LISTS:
-        if isinstance(closed.get(key), list):
-            closed[key] = [closed_objects(sub) for sub in closed[key]]
-    for key in IN_PLACE_LISTS:
-        if isinstance(closed.get(key), list):
-            closed[key] = [closed_objects(sub, close=False) for sub in closed[key]]
-    for key in IN_PLACE_ONES:
-        if isinstance(closed.get(key), dict):
-            closed[key] = closed_objects(closed[key], close=False)
-    for key in IN_PLACE_MAPS:
-        if isinstance(closed.get(key), dict):
-            closed[key] = {name: closed_objects(sub, close=False) for name, sub in closed[key].items()}
-    for key in SCHEMA_ONES:
-        if isinstance(closed.get(key), list):
-            closed[key] = [closed_objects(sub) for sub in closed[key]]
-        elif isinstance(closed.get(key), dict):
-            closed[key] = closed_objects(closed[key])
+    for key, (by_name, close_them) in SUBSCHEMAS.items():
+        held = closed.get(key)
+        if by_name and isinstance(held, dict):
+            closed[key] = {name: closed_objects(sub, close_them) for name, sub in held.items()}
+        elif isinstance(held, list):
+            closed[key] = [closed_objects(sub, close_them) for sub in held]
+        elif isinstance(held, dict):
+            closed[key] = closed_objects(held, close_them)
     names = "properties" in closed or "patternProperties" in closed
     if close and names and "additionalProperties" not in closed and "unevaluatedProperties" not in closed:
         closed["additionalProperties"] = False
