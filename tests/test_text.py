@@ -53,6 +53,15 @@ def test_the_earliest_of_several_stop_strings_wins(tok):
     assert "".join(feed(text, ids, step=5)) == "one "
 
 
+def test_a_stop_string_that_ends_first_wins_over_one_that_started_before_it(tok):
+    """"baa" holds "a" (ending at 2) inside "baa" (ending at 3): a token at a time stops at "a",
+    and so does a round that brings "aa" at once."""
+    ids = tok.encode("baa", add_special_tokens=False)
+    for pieces in ([ids[:1], ids[1:2]], [ids[:1], ids[1:]], [ids]):
+        text = IncrementalText(tok, ["baa", "a"])
+        assert "".join(text.push(piece) for piece in pieces) == "b" and text.matched == "a" and text.stop_tokens == 2
+
+
 def test_include_stop_hands_out_the_stop_string_last(tok):
     ids = tok.encode("abc STOP def", add_special_tokens=False)
     text = IncrementalText(tok, ["STOP"], include_stop=True)
@@ -92,6 +101,48 @@ def test_chat_template_options_reach_the_template_and_its_refusals_are_bad_reque
     assert text(shout=True) == "HI" and text() == "hi"  # chat_template_kwargs are the template's variables
     with pytest.raises(BadRequest, match="^the chat template cannot render these messages: no tools here$"):
         encode_chat(tok, messages, tools=[{"type": "function", "function": {"name": "f"}}])
+
+
+def test_a_stop_counts_the_tokens_up_to_the_one_that_completed_it_not_a_rounds_rest(tok):
+    ids = tok.encode("abc STOP def", add_special_tokens=False)
+    text = IncrementalText(tok, ["STOP"])
+    text.push(ids[:3])
+    assert text.stop_tokens is None
+    text.push(ids[3:])  # one push holding the stop and the tokens after it
+    assert text.stopped and text.stop_tokens == len("abc STOP") and len(text.tokens) == len(ids)
+
+
+def test_a_stop_ending_in_a_split_character_counts_its_last_byte(tok):
+    ids = tok.encode("ab€cd", add_special_tokens=False)  # € is three byte tokens
+    text = IncrementalText(tok, ["b€"], include_stop=True)
+    assert text.push(ids) == "ab€" and text.stop_tokens == 1 + 1 + 3
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_a_stop_counts_as_many_tokens_whatever_pieces_they_came_in(tok, data):
+    """A token at a time (a target alone) and pieces of any size (speculative rounds) stop after
+    the same token, whether a stop string or a stop pattern ends the text."""
+    import regex
+    whole = data.draw(st.text(st.sampled_from("ab€"), max_size=30))
+    stops = data.draw(st.lists(st.text(st.sampled_from("ab€"), min_size=1, max_size=3), max_size=2))
+    patterns = data.draw(st.sampled_from([(), (regex.compile("b+a"),), (regex.compile("€b"),)]))
+    ids = tok.encode(whole, add_special_tokens=False)
+
+    def stopped_after(sizes):
+        text, at = IncrementalText(tok, stops, stop_regex=patterns), 0
+        for size in sizes:
+            if text.stopped or at >= len(ids):
+                break
+            text.push(ids[at : at + size])
+            at += size
+        if not text.stopped:
+            text.finish()
+        return text.stop_tokens, text.text
+
+    one_at_a_time = stopped_after([1] * len(ids))
+    sizes = data.draw(st.lists(st.integers(1, 8), min_size=len(ids), max_size=len(ids)))
+    assert stopped_after(sizes) == one_at_a_time
 
 
 @settings(max_examples=300, deadline=None)

@@ -54,5 +54,9 @@ class OutputDecoder:
             self.settled, self.settled_text = len(self.tokens), full
         return full
 
+    def text_of(self, count: int) -> str:
+        """The text of the output's first ``count`` tokens (decoded whole: for a rare question)."""
+        return self._decode(self.tokens[:count])
+
     def _decode(self, tokens: Sequence[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=self.skip_special_tokens)

@@ -56,7 +56,8 @@ class IncrementalText:
     a stop string is ever handed out (the stop string itself is, last, with ``include_stop``:
     vLLM's include_stop_str_in_output), nor text that may become a ``stop_regex`` pattern's
     match (engine.stop_regex: the text ends with the match); ``stopped`` turns true when one
-    is found — of a stop string and a pattern, the one whose end comes first in the text."""
+    is found — of stop strings and patterns, the one whose end comes first in the text (as a
+    target making a token at a time meets them), and ``stop_tokens`` counts the tokens to it."""
 
     def __init__(self, tokenizer: Any, stop: Sequence[str] = (), include_stop: bool = False,
                  skip_special_tokens: bool = True, stop_regex: Sequence[regex.Pattern] = ()) -> None:
@@ -76,6 +77,9 @@ class IncrementalText:
         self.text = ""  # everything handed out so far
         self.stopped = False
         self.matched: str | None = None  # the stop string or pattern that ended the text (vLLM's stop_reason)
+        # once stopped: the output's tokens up to the one that completed the stop, those a target
+        # making a token at a time would have made (a round's tokens past it are not the output's)
+        self.stop_tokens: int | None = None
         self.patterns = StopPatterns(tuple(stop_regex)) if stop_regex else None
 
     @property
@@ -87,12 +91,14 @@ class IncrementalText:
             return ""
         full = self.full = self.output.push(tokens)
         hits = [(i, len(s), s) for s in self.stop if (i := full.find(s, max(0, len(self.text) - len(s) + 1))) >= 0]
-        hit = min(hits, default=None)  # the earliest; of two there, the shorter (it ended first)
+        # the one that ended first, as a token at a time would find it; of two ending together, the longer
+        hit = min(hits, key=lambda h: (h[0] + h[1], h[0]), default=None)
         complete = len(full.rstrip("\ufffd"))  # a multi-byte character at the end is not complete yet
         match = self.patterns.search(full, complete) if self.patterns is not None else None
         if hit is not None and (match is None or hit[0] + hit[1] <= match.found_at):
             self.stopped = True
             at, length, self.matched = hit
+            self.stop_tokens = self._tokens_through(at + length)
             return self._advance(full[: at + length if self.include_stop else at])
         if match is not None:
             return self._stop_at(match)
@@ -111,7 +117,16 @@ class IncrementalText:
 
     def _stop_at(self, match: StopMatch) -> str:
         self.stopped, self.matched = True, match.pattern
+        self.stop_tokens = self._tokens_through(match.found_at)
         return self._advance(self.full[: match.end])
+
+    def _tokens_through(self, reach: int) -> int:
+        """The fewest of the output's tokens whose text holds its first ``reach`` characters
+        (whole: a character split over tokens is there with its last byte)."""
+        want, count = self.full[:reach], len(self.tokens)
+        while count > 0 and self.output.text_of(count - 1).startswith(want):
+            count -= 1
+        return count
 
     def _advance(self, upto: str) -> str:
         delta = upto[len(self.text) :] if len(upto) > len(self.text) else ""

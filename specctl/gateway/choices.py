@@ -239,19 +239,23 @@ class Choices:
                 if progress.first_at is None and event.tokens:
                     progress.first_at = time.perf_counter()
                 progress.tokens += event.tokens
-                count, first_at = len(progress.tokens), progress.first_at
                 self.metrics.generation_tokens.inc(len(event.tokens))
                 delta = text.push(event.tokens)
                 logprobs = [R.TokenLogprob(*entry) for entry in zip(event.tokens, event.logprobs, event.top_ids,
                                                                      event.top_logprobs, event.output_ranks())]
+                tokens = tuple(event.tokens)
+                if text.stopped:  # a round's tokens past the stop are not the output's (nor its count, logprobs)
+                    kept = len(tokens) - (len(progress.tokens) - text.stop_tokens)
+                    del progress.tokens[text.stop_tokens:]
+                    tokens, logprobs = tokens[:kept], logprobs[:kept]
+                count, first_at = len(progress.tokens), progress.first_at
                 if text.stopped:  # the rest is not wanted: stop the target, keep its stats for the counters
                     stats = progress.stats(await stream.cancel())
                     self.metrics.record_generation(stats)
                     self.metrics.record_latency(self.arrival, first_at, time.perf_counter(), count)
-                    yield Event(delta, "stop", stats, count, logprobs, stop_reason=text.matched,
-                                tokens=tuple(event.tokens))
+                    yield Event(delta, "stop", stats, count, logprobs, stop_reason=text.matched, tokens=tokens)
                     return
-                yield Event(delta, None, {}, count, logprobs, tokens=tuple(event.tokens))
+                yield Event(delta, None, {}, count, logprobs, tokens=tokens)
             else:
                 count, first_at = len(progress.tokens), progress.first_at
                 self.metrics.record_generation(event.stats)
