@@ -104,14 +104,20 @@ def test_generate_stop_ends_the_text_before_the_stop_string_and_the_generation_w
 
     model = load_model("tiny", tiny_dir["llama"], "fp32")
     ids = text.encode_user_text(model.tokenizer, "hello world", False)
-    free = model.tokenizer.decode(generate(model.decoder, ids, SamplingParams(max_tokens=40),
-                                           eos_token_ids=model.eos_token_ids)[0], skip_special_tokens=True)
+    free_ids = generate(model.decoder, ids, SamplingParams(max_tokens=40), eos_token_ids=model.eos_token_ids)[0]
+    free = model.tokenizer.decode(free_ids, skip_special_tokens=True)
     stop = free[len(free) // 3:][:3]  # several rounds in
-    proc = _generate(tiny_dir, "--mode", "chain", "--max-tokens", "40", "--stop", stop, "--stop", "never there")
+    # the target alone's tokens up to the one that completed the stop (a round's rest is not the output's)
+    through = next(n for n in range(len(free_ids) + 1)
+                   if stop in model.tokenizer.decode(free_ids[:n], skip_special_tokens=True))
+    # its own draft, drafting its whole depth: rounds of six tokens, the stop among them
+    proc = run("generate", "--target", str(tiny_dir["llama"]), "--draft", str(tiny_dir["llama"]), "--prompt",
+               "hello world", "--dtype", "fp32", "--json", "--mode", "chain", "--depth", "5", "--draft-stop", "0",
+               "--max-tokens", "40", "--stop", stop, "--stop", "never there")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert result["text"] == free[:free.index(stop)] and result["finish_reason"] == "stop"
-    assert len(result["token_ids"]) < 40  # the generation ended there, not at max_tokens
+    assert result["token_ids"] == free_ids[:through] and result["stats"]["new_tokens"] > through  # a round went past
     streamed = run("generate", "--target", str(tiny_dir["llama"]), "--draft", str(tiny_dir["llama-draft"]), "--prompt",
                    "hello world", "--max-tokens", "40", "--dtype", "fp32", "--mode", "chain", "--stop", stop)
     assert streamed.returncode == 0 and streamed.stdout == free[:free.index(stop)] + "\n", streamed.stderr

@@ -37,6 +37,10 @@ class TextStreamer:
             self.out.write(delta)
             self.out.flush()
 
+    def kept(self, tokens: list[int]) -> list[int]:
+        """The output's tokens up to the one that completed a stop (a round's rest is not the output's)."""
+        return tokens if self.text.stop_tokens is None else tokens[: self.text.stop_tokens]
+
     def finish(self) -> str:
         """The whole text handed out (cut before a stop string)."""
         rest = self.text.finish()
@@ -175,11 +179,12 @@ def generate(
                          on_tokens=on_tokens, tokenizer=target_model.tokenizer, until=lambda: streamer.stopped)
     output, stats, finish_reason = session.output, session.stats, session.finish_reason
     output_text = streamer.finish()
+    output = streamer.kept(output)
     scores = logprob_report.local_scores(ids, output, session.logprobs, session.prompt_logprobs)
     if as_json:
         print(json.dumps({
             "mode": config.mode, "target": config.target, "draft": config.draft if draft_model else None,
-            "dtype": config.dtype, "token_ids": output,  # every token verified, those past a stop string too
+            "dtype": config.dtype, "token_ids": output,
             "text": output_text,
             "finish_reason": finish_reason, "stop_reason": streamer.text.matched, "stats": stats.to_dict(),
             **({"drafters": drafter.snapshot()} if config.mode == "multi" else {}),
@@ -280,6 +285,8 @@ def _generate_remote(remote, requested_target, prompt, chat, params, bad_words, 
     run(main())
     tokens, finish_reason, stats = result["out"]
     output_text = streamer.finish()
+    tokens = streamer.kept(tokens)
+    scores.output = scores.output[: len(tokens)]
     if as_json:
         print(json.dumps({"mode": "remote", "remote": remote, "target": served, "token_ids": tokens, "text": output_text,
                           "finish_reason": finish_reason, "stop_reason": streamer.text.matched, "stats": stats,
