@@ -174,8 +174,13 @@ async def test_cancel_ends_the_session_with_its_stats_and_the_connection_carries
         assert isinstance(reply, Done) and reply.req == 1 and reply.finish_reason == "cancelled"
         assert reply.stats["rounds"] >= 1 and reply.stats["drafted"] >= reply.stats["accepted"]
         await wait_until(lambda: target_server.active == 0 and draft_server.table.states == {})
+        rejected = target_server.rejected_requests
         await write_message(writer, Cancel(1))  # nothing runs under that id any more
         assert await read_message(reader) == Error("unknown_request", "no running request 1", req=1)
+        assert target_server.rejected_requests == rejected  # it ended: a CANCEL crossing its DONE is no fault
+        await write_message(writer, Cancel(99))  # one that never ran is
+        assert await read_message(reader) == Error("unknown_request", "no running request 99", req=99)
+        assert target_server.rejected_requests == rejected + 1
         await write_message(writer, Generate(2, [1, 2, 3], 6, ignore_eos=True))
         tokens = []
         while isinstance(reply := await read_message(reader), Tokens):
@@ -639,3 +644,22 @@ async def test_the_draft_server_follows_the_requests_rules_and_grammar(models):
     assert thinking.thought.thinking and thinking.thought.used == 2 and thinking.thinking.forced(thinking.thought) == 10
     for tag in range(1, 7):
         table.close(tag)
+
+
+async def test_a_draft_error_nobody_waits_for_is_no_warning_and_one_awaited_is(caplog):
+    """A session closed while its request to the draft server was out gets the answer
+    "unknown tag" after it left: nothing to warn about. An awaited request's error is handed to
+    its waiter and logged as a warning."""
+    client = DraftClient("127.0.0.1", 1, model="m", fingerprint="f")
+    waiting = asyncio.get_running_loop().create_future()
+    client._pending[("tag", 6)] = waiting
+    client._reader = asyncio.StreamReader()
+    client._reader.feed_data(encode(Error("unknown_tag", "unknown session tag 5", tag=5))
+                             + encode(Error("unknown_tag", "unknown session tag 6", tag=6)))
+    client._reader.feed_eof()
+    with caplog.at_level(logging.DEBUG, logger="specctl.verify"), pytest.raises(asyncio.IncompleteReadError):
+        await client._read_loop()
+    assert waiting.result() == Error("unknown_tag", "unknown session tag 6", tag=6)
+    levels = {r.getMessage(): r.levelno for r in caplog.records if r.getMessage().startswith("draft server error")}
+    assert levels == {"draft server error unknown_tag: unknown session tag 5": logging.DEBUG,
+                      "draft server error unknown_tag: unknown session tag 6": logging.WARNING}

@@ -161,9 +161,10 @@ class DraftClient:
                 key = ("tag", message.tag)
             elif isinstance(message, Error):
                 key = ("req", message.req) if message.req is not None else ("tag", message.tag)
-                # a full server is no fault (the session drafts once it has room): not a warning per session
-                log.log(logging.DEBUG if message.code in TRANSIENT_REFUSALS else logging.WARNING,
-                        "draft server error %s: %s", message.code, message.message)
+                # a full server is no fault (the session drafts once it has room): not a warning per
+                # session; nor an answer nobody waits for (a session closed while its request was out)
+                log.log(logging.DEBUG if message.code in TRANSIENT_REFUSALS or key not in self._pending
+                        else logging.WARNING, "draft server error %s: %s", message.code, message.message)
             else:
                 continue
             future = self._pending.pop(key, None)

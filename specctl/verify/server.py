@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 
 from dataclasses import dataclass
 
@@ -46,6 +47,7 @@ from specctl.verify.wire_params import sampling_params_of
 
 log = logging.getLogger("specctl.verify")
 CLIENT_CANCEL = "cancelled by the client"  # the reason a CANCEL message gives the session task
+ENDED_KEPT = 256  # a connection's ended request ids remembered, for a CANCEL that crossed a DONE
 
 
 MAX_PROPOSAL_NODES = 128  # also bounds a SpecPipe session's cached tree
@@ -139,6 +141,14 @@ class TargetServer(ListeningServer):
             send(error)
 
         rate = MessageRate(self.config.max_messages_per_s)
+        # requests of this connection that ended lately: a CANCEL for one crossed its DONE (a
+        # stop string found as the generation ended), which is no fault to count or log
+        ended: deque[int] = deque(maxlen=ENDED_KEPT)
+
+        def forget(req: int) -> None:
+            tasks.pop(req, None)
+            ended.append(req)
+
         while True:
             try:
                 message = await read_message(reader, self.config.max_frame_bytes)
@@ -155,11 +165,15 @@ class TargetServer(ListeningServer):
                     continue
                 task = group.create_task(self._run_session(message, send))
                 tasks[message.req] = task
-                task.add_done_callback(lambda _t, req=message.req: tasks.pop(req, None))
+                task.add_done_callback(lambda _t, req=message.req: forget(req))
             elif isinstance(message, Cancel):
                 task = tasks.get(message.req)
                 if task is None:
-                    refuse(Error("unknown_request", f"no running request {message.req}", req=message.req))
+                    error = Error("unknown_request", f"no running request {message.req}", req=message.req)
+                    if message.req in ended:
+                        send(error)
+                    else:
+                        refuse(error)
                 else:
                     task.cancel(CLIENT_CANCEL)  # answered with DONE "cancelled" and the session's stats
             elif isinstance(message, StatsRequest):
