@@ -181,8 +181,10 @@ def test_the_request_maps_to_chat_turns_and_what_is_not_served_is_refused():
     for body, message, param in (
             ({"messages": MESSAGES}, "max_tokens: a number of tokens of at least 1 is required, got None", "max_tokens"),
             ({"max_tokens": 4, "messages": []}, "messages: at least one message is required", "messages"),
-            ({"max_tokens": 4, "messages": [{"role": "system", "content": "x"}]},
-             "messages[0].role must be 'user' or 'assistant', got 'system'", "messages"),
+            ({"max_tokens": 4, "messages": [{"role": "tool", "content": "x"}]},
+             "messages[0].role must be 'user', 'assistant' or 'system', got 'tool'", "messages"),
+            ({"max_tokens": 4, "messages": [{"role": "system", "content": [{"type": "image"}]}]},
+             "messages[0].content: only text blocks are served here", "messages"),
             ({"max_tokens": 4, "messages": MESSAGES, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
              "tools[0] must be a client tool {\"name\": ..., \"input_schema\": {...}}: Anthropic's server tools are "
              "not served", "tools"),
@@ -199,6 +201,18 @@ def test_the_request_maps_to_chat_turns_and_what_is_not_served_is_refused():
         with pytest.raises(ApiError) as refused:
             _parsed(body)
         assert (refused.value.status, str(refused.value), refused.value.param) == (400, message, param)
+
+
+def test_a_system_message_among_the_turns_stays_where_it_stands():
+    """Claude Code (beta mid-conversation-system) sends one after its first user message."""
+    req = _parsed({"max_tokens": 4, "system": [{"type": "text", "text": "Be brief."}], "messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "system", "content": [{"type": "text", "text": "Agents: "}, {"type": "text", "text": "none."}]},
+        {"role": "assistant", "content": "Hello."}, {"role": "system", "content": "Now in French."},
+        {"role": "user", "content": "Bye"}]})
+    assert [(m.role, m.content) for m in req.messages] == [
+        ("system", "Be brief."), ("user", "Hi"), ("system", "Agents: none."), ("assistant", "Hello."),
+        ("system", "Now in French."), ("user", "Bye")]
 
 
 def test_the_key_comes_as_x_api_key_or_bearer_and_errors_name_anthropic_s_types():

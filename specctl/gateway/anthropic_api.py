@@ -2,7 +2,8 @@
 chat path, as vLLM and llama.cpp serve it, so Anthropic's SDKs and tools written for them
 (Claude Code's ANTHROPIC_BASE_URL among them) can run on the target's output: ``system``,
 ``messages`` (text, ``tool_use`` and ``tool_result`` blocks; an assistant turn's ``thinking``
-blocks left out, as chat templates leave earlier thinking out), ``tools`` (``input_schema``)
+blocks left out, as chat templates leave earlier thinking out; system messages among them, as
+the beta mid-conversation-system sends them, rendered where they stand), ``tools`` (``input_schema``)
 and ``tool_choice`` become a chat request, rendered by the chat template and read back for
 tool calls; the answer (gateway.anthropic_reply) is a message whose content is thinking (with
 a reasoning parser), text and ``tool_use`` blocks — whole, or streamed as Anthropic's events.
@@ -156,9 +157,12 @@ def chat_call_id(tool_use_id: str) -> str:
 
 def _turns(i: int, message: Message) -> list[ChatMessage]:
     """One Anthropic message as chat messages: a user turn's tool_result blocks become tool
-    messages (before its text), an assistant turn's tool_use blocks its tool calls."""
+    messages (before its text), an assistant turn's tool_use blocks its tool calls; a system
+    message between them (Claude Code sends one, under the beta mid-conversation-system) stays one."""
+    if message.role == "system":
+        return [ChatMessage(role="system", content=_text(message.content, f"messages[{i}].content"))]
     if message.role not in ("user", "assistant"):
-        raise ApiError(400, f"messages[{i}].role must be 'user' or 'assistant', got {message.role!r}",
+        raise ApiError(400, f"messages[{i}].role must be 'user', 'assistant' or 'system', got {message.role!r}",
                        param="messages")
     blocks = [Block(type="text", text=message.content)] if isinstance(message.content, str) else message.content
     texts, calls, results = [], [], []
