@@ -89,6 +89,25 @@ def test_errors_come_in_anthropic_s_shape_through_its_client(cluster, tiny_dir):
     assert status == 400 and json.loads(body)["type"] == "error"
 
 
+def test_a_max_tokens_past_the_context_is_cut_to_the_room_the_prompt_leaves(cluster, tiny_dir):
+    """As llama.cpp serves Claude Code (32,000 tokens asked on every request) on a small context;
+    chat keeps vLLM's 400, and a prompt that leaves no room is the 400 here too."""
+    client, model = _client(cluster), str(tiny_dir["llama"])
+    status, _, body = post(cluster[1]["gateway"] + "/v1/messages", {  # (Anthropic's client asks to stream this)
+        "model": model, "max_tokens": 32000, "messages": MESSAGES, "ignore_eos": True, **GREEDY})
+    message = json.loads(body)
+    assert status == 200, message
+    usage = message["usage"]
+    room = 512 - usage["input_tokens"] - usage["cache_read_input_tokens"]  # the cluster's context: 512
+    assert (message["stop_reason"], usage["output_tokens"]) == ("max_tokens", room)
+    status, _, body = post(cluster[1]["gateway"] + "/v1/chat/completions",
+                           {"model": model, "max_tokens": 32000, "messages": MESSAGES})
+    assert status == 400 and "maximum context length is 512 tokens" in json.loads(body)["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client.messages.create(model=model, max_tokens=8, messages=[{"role": "user", "content": "word " * 600}])
+    assert "maximum context length is 512 tokens" in refused.value.body["error"]["message"]
+
+
 def test_a_last_assistant_message_is_the_answer_s_beginning_which_it_goes_on_from(cluster, tiny_dir):
     """Anthropic's prefill: the answer continues the last assistant turn (vLLM's
     continue_final_message) and holds only what follows it."""

@@ -21,9 +21,11 @@ newer clients no longer send — are taken as chat takes them (OpenAI's defaults
 A last assistant message of text is the answer's beginning (Anthropic's prefill): the answer
 goes on from it (vLLM's continue_final_message) and holds only what follows; its trailing
 whitespace is kept, where Anthropic refuses it.
+A max_tokens past the room the prompt leaves in the context is cut to that room (llama.cpp's
+way; vLLM's 400 would end every Claude Code request, which asks for 32,000 tokens).
 ``cache_control`` marks are accepted and change nothing (prefix caching is automatic);
-images, documents, built-in (server) tools and MCP servers are refused by name. The API key comes as ``x-api-key`` or as a
-Bearer token; errors are Anthropic's ``{"type": "error", "error": {"type", "message"}}``."""
+images, documents, built-in (server) tools and MCP servers are refused by name. The API key
+comes as ``x-api-key`` or as a Bearer token; errors are Anthropic's ``{"type": "error", "error": {"type", "message"}}``."""
 
 from __future__ import annotations
 
@@ -131,6 +133,17 @@ def as_chat(req: MessagesRequest, count_only: bool = False) -> ChatCompletionReq
         chat_template_kwargs=None if THINKING[thinking] is None else {"enable_thinking": THINKING[thinking]},
         response_format=_format(req.output_config), priority=req.priority,
         thinking_token_budget=req.thinking.budget_tokens if thinking == "enabled" else None)
+
+
+def within_context(req: ChatCompletionRequest, prompt_tokens: int, context: int) -> ChatCompletionRequest:
+    """A message's max_tokens cut to the room its prompt leaves in the context (llama.cpp's way):
+    Anthropic's clients are written for 200k-token windows (Claude Code asks for 32,000 tokens
+    on every request), which vLLM's 400 for a max_tokens past the room would end at once. A
+    prompt that leaves no room is still the 400."""
+    room = context - prompt_tokens
+    if req.max_completion_tokens is None or not 0 < room < req.max_completion_tokens:
+        return req
+    return msgspec.structs.replace(req, max_completion_tokens=room)
 
 
 def shows_thinking(req: MessagesRequest) -> bool:

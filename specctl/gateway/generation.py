@@ -16,7 +16,7 @@ from specctl.engine.fim import encode_infill, infill_stops
 from specctl.engine.text import encode_prompt, render_chat, token_bytes_of
 from specctl.errors import BadRequest
 from specctl.gateway import responses as R
-from specctl.gateway.anthropic_api import MessagesRequest, as_chat as messages_as_chat, shows_thinking
+from specctl.gateway.anthropic_api import MessagesRequest, as_chat as messages_as_chat, shows_thinking, within_context
 from specctl.gateway.anthropic_reply import AnthropicReply
 from specctl.gateway.api import MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, check_key, parse_body
 from specctl.gateway.request_checks import check_prompt_chars, refuse_unsupported, wanted_logprobs
@@ -199,6 +199,8 @@ class Generations:
         forced call, its choices); ``one_call``: parallel_tool_calls false."""
         tools = self.tools(req)
         prompts = truncated(self.encode(req, tools), req.truncate_prompt_tokens, self.config.context)
+        if endpoint == "messages":
+            req = within_context(req, len(prompts[0]), self.config.context)
         forced = forced_call(tools, req.tool_choice, not one_call, self.config.tool_call_parser, self.tokenizer)
         structured = after_thinking(structured_output(req, forced.structured if forced else None),
                                     self.thinking(req) if chat else None)
