@@ -11,7 +11,9 @@ import torch
 from specctl.engine.parts import decoder_part
 from specctl.engine.prefix_cache import MIN_REUSE, PrefixCache, common_prefix
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
+from specctl.spec.batch_drafting import prefill_step
 from specctl.spec.decode import DecodeSession
+from specctl.spec.draft_state import DraftState
 from tests.conftest import mode_drafter
 from specctl.spec.rounds import generate
 from specctl.spec.params import SamplingParams
@@ -175,6 +177,29 @@ def test_a_failed_session_keeps_its_prompt_and_nothing_after_it(cached):
     longer = prompt + _prompt(11, 6)
     output, stats, _ = generate(target, longer, GREEDY)
     assert stats.cached_prompt_tokens == len(prompt) and output == _alone(target, longer)
+
+
+def test_a_session_given_up_mid_prefill_keeps_its_chunks_for_its_retry(cached):
+    """A client that gives up on a long prompt (and retries it) finds the chunks computed so
+    far, target and draft: the retry prefills only the rest, with the same output."""
+    target, draft = cached
+    prompt = _prompt(12, 70)
+    target.prefill_chunk = draft.prefill_chunk = 16
+    try:
+        given_up = DecodeSession(target, prompt, GREEDY)
+        assert given_up.prefill_step() is None and given_up.prefill_step() is None  # 32 of 70 positions
+        given_up.close()
+        drafting = DraftState(ModelChainDrafter(draft, 4).open(128), GREEDY, torch.Generator(), list(prompt), 128, 5,
+                              256)
+        assert not prefill_step(drafting.session, drafting.seq)  # 16 of them, more than a chunk left
+        drafting.close()
+        assert [len(entry.tokens) for entry in target.prefix_cache._entries.values()] == [32]
+        assert [len(entry.tokens) for entry in draft.prefix_cache._entries.values()] == [16]
+        output, stats, _ = generate(target, prompt, GREEDY, ModelChainDrafter(draft, 4))
+        assert stats.cached_prompt_tokens == 32 and output == _alone(target, prompt)
+        assert draft.prefix_cache.stats.hit_tokens == 16
+    finally:
+        target.prefill_chunk = draft.prefill_chunk = 0
 
 
 class _FailingDrafter(NgramDrafter):

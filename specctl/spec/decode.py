@@ -285,7 +285,12 @@ class DecodeSession:
 
     def close(self) -> None:
         prefixes = getattr(self.target, "prefix_cache", None)
-        if prefixes is not None and self.finished and not self.cache.released:
-            # the committed text's KV (a failed or cancelled session's cache may hold a forward's leftovers)
-            prefixes.store(self.seq, self.cache)
+        if prefixes is not None and not self.cache.released:
+            if self.finished:
+                # the committed text's KV (a failed or cancelled session's cache may hold a forward's leftovers)
+                prefixes.store(self.seq, self.cache)
+            elif self.prefilled:
+                # cancelled mid-prefill (a client that gave up on a long prompt): its chunks so far,
+                # so that its retry goes on from them rather than from the start
+                prefixes.store(self.seq[: self.prefilled], self.cache)
         self.cache.release()

@@ -128,7 +128,9 @@ class DraftState:
     def close(self) -> None:
         session = self.session
         prefixes = getattr(getattr(session, "decoder", None), "prefix_cache", None)
-        committed = getattr(session, "committed", 0)  # the cache's first positions hold seq[:committed]
+        # the cache's first positions hold seq[:committed]; before the first proposal, the prompt's
+        # chunks fed so far (kept for a retry of a request given up mid-prefill)
+        committed = getattr(session, "committed", 0) or getattr(getattr(session, "cache", None), "length", 0)
         if prefixes is not None and committed and not session.cache.released:
             prefixes.store(self.seq[:committed], session.cache)
         session.close()
