@@ -54,7 +54,7 @@ class Config:
     kv_budget_mb: int = 4096
     # finished sessions' KV kept for new prompts that start the same way (a chat's next turn, a
     # shared system prompt): vLLM's and SGLang's automatic prefix caching, by copy; 0 = off;
-    # -1 = auto: 512 MiB for drafts and fp32 targets, off for a bf16/fp16 target (a restored
+    # -1 = auto: 1024 MiB for drafts and fp32 targets, off for a bf16/fp16 target (a restored
     # prefix differs from a fresh prefill by bf16 rounding, which changes some greedy outputs)
     prefix_cache_mb: int = -1
     # a target's prompt prefill runs in chunks of this many tokens, each a compute job of its own,

@@ -315,8 +315,8 @@ def test_auto_keeps_a_cache_for_drafts_and_fp32_targets_only():
     from specctl.errors import ConfigError
     from specctl.spec.factory import prefix_cache_mb
 
-    assert [prefix_cache_mb(-1, dtype, True) for dtype in ("fp32", "bf16", "fp16")] == [512, 0, 0]
-    assert [prefix_cache_mb(-1, dtype, False) for dtype in ("fp32", "bf16", "fp16")] == [512, 512, 512]
+    assert [prefix_cache_mb(-1, dtype, True) for dtype in ("fp32", "bf16", "fp16")] == [1024, 0, 0]
+    assert [prefix_cache_mb(-1, dtype, False) for dtype in ("fp32", "bf16", "fp16")] == [1024, 1024, 1024]
     assert prefix_cache_mb(64, "bf16", True) == 64 and prefix_cache_mb(0, "fp32", False) == 0  # as configured
     assert build_config(None).prefix_cache_mb == -1
     with pytest.raises(ConfigError, match=r"prefix_cache_mb must be an integer in \[-1, 16777216\], got -2"):

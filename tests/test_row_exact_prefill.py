@@ -100,6 +100,6 @@ def test_a_bf16_target_s_sampled_outputs_are_a_cold_start_s(tiny_dir, tiny):
 
 
 def test_auto_keeps_a_cache_for_a_row_exact_target_in_any_dtype():
-    assert [prefix_cache_mb(-1, dtype, True, row_exact=True) for dtype in ("fp32", "bf16", "fp16")] == [512] * 3
+    assert [prefix_cache_mb(-1, dtype, True, row_exact=True) for dtype in ("fp32", "bf16", "fp16")] == [1024] * 3
     assert [prefix_cache_mb(-1, dtype, True, row_exact=False) for dtype in ("bf16", "fp16")] == [0, 0]  # a CUDA target
     assert prefix_cache_mb(0, "bf16", True, row_exact=True) == 0  # as configured

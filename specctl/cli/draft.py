@@ -49,7 +49,7 @@ def draft(
     width: Optional[int] = typer.Option(None, help="tree width w"),
     max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="most open sessions (admission)"),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="most requests served per compute pass"),
-    prefix_cache_mb: Optional[int] = typer.Option(None, "--prefix-cache-mb", help="MiB of finished sessions' KV kept for prompts that start the same way, so the draft's prefill computes only the rest (default 512; 0 = off; lossless either way: the draft only proposes)"),
+    prefix_cache_mb: Optional[int] = typer.Option(None, "--prefix-cache-mb", help="MiB of finished sessions' KV kept for prompts that start the same way, so the draft's prefill computes only the rest (default 1024; 0 = off; lossless either way: the draft only proposes)"),
     prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help="a new session's prompt is fed in jobs "
                                                 "of this many tokens before its first proposal, so other sessions' "
                                                 "drafting goes on between them (default 512 on the CPU, 2048 on CUDA; "

@@ -8,7 +8,7 @@ from specctl.errors import ConfigError
 
 AUTH_HELP = "shared auth token (or SPECCTL_AUTH_TOKEN); peers sign a nonce with it, it never crosses the wire"
 PREFIX_CACHE_HELP = ("MiB of finished sessions' KV kept for prompts that start the same way (a chat's next turn, "
-                     "a shared system prompt), so their prefill computes only the rest (default: 512 on the CPU, "
+                     "a shared system prompt), so their prefill computes only the rest (default: 1024 on the CPU, "
                      "where a target computes every prompt row as a decode step would, so a restored prefix is "
                      "bit-identical to a fresh prefill; off for a bf16/fp16 target on CUDA, whose restored "
                      "prefixes differ from a fresh prefill by rounding; 0 = off)")
