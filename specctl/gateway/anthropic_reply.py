@@ -17,6 +17,7 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 
 from specctl.gateway import responses as R
+from specctl.gateway.keepalive import event_stream
 from specctl.gateway.api import ApiError
 from specctl.gateway.anthropic_api import error_body
 from specctl.gateway.choices import Choices, Event
@@ -95,8 +96,7 @@ class AnthropicReply:
         return self.message(content, stop_of(event, calls), event.count, event.stats)
 
     async def stream(self, request: web.Request, choices: Choices) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
+        response = await event_stream(request)
 
         async def send(kind: str, **fields) -> None:
             await response.write(f"event: {kind}\n".encode() + R.sse({"type": kind, **fields}))

@@ -18,6 +18,7 @@ from specctl.errors import BadRequest
 from specctl.gateway import responses as R
 from specctl.gateway.anthropic_api import MessagesRequest, as_chat as messages_as_chat, shows_thinking, within_context
 from specctl.gateway.anthropic_reply import AnthropicReply
+from specctl.gateway.keepalive import started
 from specctl.gateway.api import MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, check_key, parse_body
 from specctl.gateway.request_checks import check_prompt_chars, refuse_unsupported, wanted_logprobs
 from specctl.gateway.choices import Choices, choice_specs
@@ -173,7 +174,7 @@ class Generations:
                 choices = Choices(self.upstream, self.metrics, self.tokenizer, specs, stop,
                                   req.include_stop_str_in_output, arrival, req.priority, rid,
                                   req.skip_special_tokens and not keep_special, patterns)
-                async with choices:
+                async with started(choices, request if req.stream else None):
                     response = await (reply.stream(request, choices) if req.stream else reply.collect(choices))
             except RemoteError as exc:
                 raise ApiError(REMOTE_STATUS.get(exc.code, 502), remote_message(exc),

@@ -25,6 +25,7 @@ from typing import Any
 from aiohttp import web
 
 from specctl.engine.text import token_bytes_of
+from specctl.gateway.keepalive import event_stream
 from specctl.gateway.choices import Choices, Event
 from specctl.gateway.respond import json_answer, remote_message
 from specctl.verify.client import RemoteError
@@ -123,8 +124,7 @@ class LlamaReply:
         return await json_answer(lambda: answer if self.listed else answer[0])
 
     async def stream(self, request: web.Request, choices: Choices) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
+        response = await event_stream(request)
         try:
             async for index, event, out, delta in self._events(choices, {}):
                 if delta or (event.tokens and not self.rules.evaluate_only):

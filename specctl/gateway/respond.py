@@ -16,6 +16,7 @@ import msgspec
 from aiohttp import web
 
 from specctl.gateway import responses as R
+from specctl.gateway.keepalive import event_stream
 from specctl.gateway.api import ApiError
 from specctl.gateway.choices import Choices
 from specctl.gateway.reasoning import reasoning_reader, split_reasoning
@@ -109,8 +110,7 @@ class Reply:
 
     async def stream(self, request: web.Request, choices: Choices) -> web.StreamResponse:
         rid, created, model, chat = R.new_id(self.chat, self.request_id), int(time.time()), self.model, self.chat
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
+        response = await event_stream(request)
 
         unsent: dict[int, list[int]] = {}  # return_token_ids: each choice's tokens not yet in a chunk
 

@@ -18,6 +18,7 @@ import msgspec
 from aiohttp import web
 
 from specctl.gateway import responses as R
+from specctl.gateway.keepalive import event_stream
 from specctl.gateway.choices import Choices
 from specctl.gateway.reasoning import reasoning_reader
 from specctl.gateway.respond import json_answer, remote_message, sse_off_loop, whole_answer
@@ -136,8 +137,7 @@ class ResponsesReply:
         return status, output
 
     async def stream(self, request: web.Request, choices: Choices) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
+        response = await event_stream(request)
         sequence = 0
 
         async def send(kind: str, **fields) -> None:

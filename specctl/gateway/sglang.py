@@ -33,6 +33,7 @@ import msgspec
 from aiohttp import web
 
 from specctl.engine.text import encode_prompt
+from specctl.gateway.keepalive import event_stream
 from specctl.gateway.request_checks import check_prompt_chars
 from specctl.gateway.api import ApiError, CompletionRequest, parse_body
 from specctl.gateway.choices import Choices, Event
@@ -181,8 +182,7 @@ class SglangReply:
         return await json_answer(lambda: answer if self.listed else answer[0])
 
     async def stream(self, request: web.Request, choices: Choices) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
+        response = await event_stream(request)
         outputs: dict[int, dict] = {}
         scores: dict[int, Scores] = {}
         try:

@@ -1,0 +1,68 @@
+"""Streams whose first token is long in coming: their headers, then an SSE comment every few
+seconds, while a long prompt is prefilled.
+
+A streamed request's reply begins with its first token, so that a failure before it (no
+instance free in time, a prompt the target refuses) is still an HTTP status. But a long
+prompt on a CPU target takes minutes to prefill (Claude Code's 19k-token prompt on the 1.5B
+target, 2 cores: over ten), and clients give up on a response whose headers do not come:
+Node's fetch after 300 s (undici's headersTimeout), where Claude Code then sent the same
+request again — and again, never served. So a stream that has not started after
+``HEADERS_AFTER_S`` gets its headers and an SSE comment (which every SSE reader skips) every
+``KEEPALIVE_S``, as Anthropic's stream sends pings; a failure after that travels in the stream,
+in its endpoint's shape (gateway.errors)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import AsyncIterator
+
+from aiohttp import web
+
+from specctl.gateway.choices import Choices
+
+HEADERS_AFTER_S = 10.0
+KEEPALIVE_S = 10.0
+# the request's key of the stream opened while it waited (a typed key where aiohttp has them, as request_id's)
+OPENED = web.RequestKey("opened_stream", web.StreamResponse) if hasattr(web, "RequestKey") else "opened_stream"
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+COMMENT = b": waiting for the first token (the prompt is being prefilled)\n\n"
+
+
+async def event_stream(request: web.Request) -> web.StreamResponse:
+    """The request's event stream: the one opened while it waited for its first token, or a new one."""
+    response = request.get(OPENED)
+    if response is None:
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+    return response
+
+
+def opened_stream(request: web.Request) -> web.StreamResponse | None:
+    """The stream opened while the request waited (its headers are gone), if one was."""
+    return request.get(OPENED)
+
+
+@contextlib.asynccontextmanager
+async def started(choices: Choices, request: web.Request | None) -> AsyncIterator[Choices]:
+    """``async with choices``; for a stream (``request`` given) whose start takes longer than
+    HEADERS_AFTER_S, the headers and a comment every KEEPALIVE_S until it starts."""
+    entering = asyncio.ensure_future(choices.__aenter__())
+    try:
+        if request is not None:
+            done, _ = await asyncio.wait({entering}, timeout=HEADERS_AFTER_S)
+            while not done:
+                response = await event_stream(request)
+                request[OPENED] = response
+                await response.write(COMMENT)
+                done, _ = await asyncio.wait({entering}, timeout=KEEPALIVE_S)
+        await entering
+    except BaseException:
+        entering.cancel()  # the client left while it waited: the choices stop themselves
+        with contextlib.suppress(BaseException):
+            await entering
+        raise
+    try:
+        yield choices
+    finally:
+        await choices.__aexit__(None, None, None)
