@@ -25,7 +25,8 @@ A max_tokens past the room the prompt leaves in the context is cut to that room 
 way; vLLM's 400 would end every Claude Code request, which asks for 32,000 tokens).
 ``cache_control`` marks are accepted and change nothing (prefix caching is automatic);
 images, documents, built-in (server) tools and MCP servers are refused by name. The API key
-comes as ``x-api-key`` or as a Bearer token; errors are Anthropic's ``{"type": "error", "error": {"type", "message"}}``."""
+comes as ``x-api-key`` or as a Bearer token; errors are Anthropic's
+``{"type": "error", "error": {"type", "message"}}``."""
 
 from __future__ import annotations
 

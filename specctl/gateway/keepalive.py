@@ -1,5 +1,5 @@
 """Streams whose first token is long in coming: their headers, then an SSE comment every few
-seconds, while a long prompt is prefilled.
+seconds, while a long prompt is prefilled (or the request waits its turn for a session).
 
 A streamed request's reply begins with its first token, so that a failure before it (no
 instance free in time, a prompt the target refuses) is still an HTTP status. But a long
@@ -26,7 +26,7 @@ KEEPALIVE_S = 10.0
 # the request's key of the stream opened while it waited (a typed key where aiohttp has them, as request_id's)
 OPENED = web.RequestKey("opened_stream", web.StreamResponse) if hasattr(web, "RequestKey") else "opened_stream"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-COMMENT = b": waiting for the first token (the prompt is being prefilled)\n\n"
+COMMENT = b": waiting for the first token\n\n"  # (a long prefill, or a turn for a session)
 
 
 async def event_stream(request: web.Request) -> web.StreamResponse:
