@@ -55,12 +55,19 @@ def test_a_stream_that_waits_gets_its_headers_and_comments_then_the_same_text(on
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == alone and events[-1] == "[DONE]"
 
 
-@pytest.mark.parametrize("path, body, last", [
-    ("/v1/completions", BODY, [b'data: {"error": {"message": "MESSAGE", "type": "server_error", "param": null, '
-                               b'"code": "no_capacity"}}', b"data: [DONE]"]),
-    ("/v1/messages", {"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]},
+PING = b'event: ping\ndata: {"type": "ping"}'
+
+
+@pytest.mark.parametrize("path, body, opening, beat, last", [
+    ("/v1/completions", BODY, 0, keepalive.COMMENT.strip(),
+     [b'data: {"error": {"message": "MESSAGE", "type": "server_error", "param": null, "code": "no_capacity"}}',
+      b"data: [DONE]"]),
+    # Anthropic's: message_start first (its clients want it before any other event), then pings, which
+    # Claude Code's watchdog counts as events
+    ("/v1/messages", {"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}, 1, PING,
      [b'event: error\ndata: {"type": "error", "error": {"type": "overloaded_error", "message": "MESSAGE"}}'])])
-def test_a_failure_after_the_headers_is_the_stream_s_last_event(one_session, quick, path, body, last):  # noqa: F811
+def test_a_failure_after_the_headers_is_the_stream_s_last_event(one_session, quick, path, body, opening, beat,  # noqa: F811
+                                                               last):
     thread, urls = one_session
     upstream = thread.cluster.gateway.upstream
     timeout_s, upstream.waiting.timeout_s = upstream.waiting.timeout_s, 0.5
@@ -72,6 +79,24 @@ def test_a_failure_after_the_headers_is_the_stream_s_last_event(one_session, qui
         upstream.waiting.timeout_s = timeout_s
     message = ("every target instance stayed at capacity for the 0.5 s this request may wait (--queue-timeout); "
                "retry later").encode()
-    waited, ended = lines[: -len(last)], lines[-len(last):]
-    assert waited and set(waited) == {keepalive.COMMENT.strip()}
+    if opening:
+        start = json.loads(lines[0].split(b"data: ")[1])
+        assert lines[0].startswith(b"event: message_start\n") and start["message"]["content"] == []
+    waited, ended = lines[opening: -len(last)], lines[-len(last):]
+    assert waited and set(waited) == {beat}
     assert ended == [line.replace(b"MESSAGE", message) for line in last]
+
+
+def test_a_message_stream_that_waits_opens_once_and_goes_on_as_one_that_did_not(one_session, quick):  # noqa: F811
+    _, urls = one_session
+    url = urls["gateway"]
+    body = {"max_tokens": 12, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]}
+    alone = json.loads(post(url + "/v1/messages", body)[2])["content"][0]["text"]
+    runner = _occupied(url)
+    _, lines = _stream(url, "/v1/messages", body)
+    runner.join()
+    kinds = [line.split(b"\n")[0].removeprefix(b"event: ").decode() for line in lines]
+    assert kinds.count("message_start") == 1 and kinds[0] == "message_start" and kinds.count("ping") >= 3
+    texts = [json.loads(line.split(b"data: ")[1])["delta"]["text"] for line in lines
+             if line.startswith(b"event: content_block_delta")]
+    assert "".join(texts) == alone and kinds[-1] == "message_stop"

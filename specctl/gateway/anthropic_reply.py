@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, ClassVar
 
 from aiohttp import web
 
@@ -60,6 +60,7 @@ class AnthropicReply:
     thinking: bool | None = None  # with a reasoning parser: whether the output starts in thought; None: no parser
     show_thinking: bool = True  # False: thinking blocks without their text (thinking.display "omitted")
     message_id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
+    opened: bool = False  # message_start sent
 
     def usage(self, count: int, stats: dict | None) -> dict:
         """Anthropic's usage: its input_tokens are the prompt's tokens not read from the cache
@@ -95,14 +96,26 @@ class AnthropicReply:
         content += [tool_use(call) for call in calls or []]
         return self.message(content, stop_of(event, calls), event.count, event.stats)
 
+    # what a stream waiting for its first token sends every few seconds (gateway.keepalive):
+    # Anthropic's ping, which its clients' watchdogs count (Claude Code's ends a stream with
+    # no event for 300 s), after the message_start that must come first
+    KEEPALIVE: ClassVar[bytes] = b"event: ping\n" + R.sse({"type": "ping"})
+
+    async def open(self, response: web.StreamResponse) -> None:
+        """The stream's opening: message_start and a ping, once (early, for a stream that waits)."""
+        if not self.opened:
+            self.opened = True
+            await response.write(b"event: message_start\n"
+                                 + R.sse({"type": "message_start", "message": self.message([], (None, None), 0, None)})
+                                 + self.KEEPALIVE)
+
     async def stream(self, request: web.Request, choices: Choices) -> web.StreamResponse:
         response = await event_stream(request)
 
         async def send(kind: str, **fields) -> None:
             await response.write(f"event: {kind}\n".encode() + R.sse({"type": kind, **fields}))
 
-        await send("message_start", message=self.message([], (None, None), 0, None))
-        await send("ping")
+        await self.open(response)
         blocks = StreamedBlocks(send, self.show_thinking)
         reader = self.calls() if self.calls is not None else None
         thoughts = reasoning_reader(self.thinking) if self.thinking is not None else None

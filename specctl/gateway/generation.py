@@ -174,7 +174,7 @@ class Generations:
                 choices = Choices(self.upstream, self.metrics, self.tokenizer, specs, stop,
                                   req.include_stop_str_in_output, arrival, req.priority, rid,
                                   req.skip_special_tokens and not keep_special, patterns)
-                async with started(choices, request if req.stream else None):
+                async with started(choices, request if req.stream else None, reply):
                     response = await (reply.stream(request, choices) if req.stream else reply.collect(choices))
             except RemoteError as exc:
                 raise ApiError(REMOTE_STATUS.get(exc.code, 502), remote_message(exc),

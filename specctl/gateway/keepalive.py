@@ -8,8 +8,9 @@ target, 2 cores: over ten), and clients give up on a response whose headers do n
 Node's fetch after 300 s (undici's headersTimeout), where Claude Code then sent the same
 request again — and again, never served. So a stream that has not started after
 ``HEADERS_AFTER_S`` gets its headers and an SSE comment (which every SSE reader skips) every
-``KEEPALIVE_S``, as Anthropic's stream sends pings; a failure after that travels in the stream,
-in its endpoint's shape (gateway.errors)."""
+``KEEPALIVE_S`` (Anthropic's stream: its message_start, then a ping event every
+``KEEPALIVE_S``, since Claude Code's watchdog also ends a stream with no event for 300 s); a
+failure after that travels in the stream, in its endpoint's shape (gateway.errors)."""
 
 from __future__ import annotations
 
@@ -44,17 +45,21 @@ def opened_stream(request: web.Request) -> web.StreamResponse | None:
 
 
 @contextlib.asynccontextmanager
-async def started(choices: Choices, request: web.Request | None) -> AsyncIterator[Choices]:
+async def started(choices: Choices, request: web.Request | None, reply: object = None) -> AsyncIterator[Choices]:
     """``async with choices``; for a stream (``request`` given) whose start takes longer than
-    HEADERS_AFTER_S, the headers and a comment every KEEPALIVE_S until it starts."""
+    HEADERS_AFTER_S, the headers and a keep-alive every KEEPALIVE_S until it starts: a comment,
+    or the ``reply``'s own (its ``KEEPALIVE``, after its ``open(response)`` where it has one:
+    Anthropic's ping after message_start)."""
     entering = asyncio.ensure_future(choices.__aenter__())
     try:
         if request is not None:
             done, _ = await asyncio.wait({entering}, timeout=HEADERS_AFTER_S)
             while not done:
-                response = await event_stream(request)
-                request[OPENED] = response
-                await response.write(COMMENT)
+                if (response := request.get(OPENED)) is None:
+                    response = request[OPENED] = await event_stream(request)
+                    if hasattr(reply, "open"):
+                        await reply.open(response)
+                await response.write(getattr(reply, "KEEPALIVE", COMMENT))
                 done, _ = await asyncio.wait({entering}, timeout=KEEPALIVE_S)
         await entering
     except BaseException:
