@@ -4,7 +4,7 @@ seconds, while a long prompt is prefilled (or the request waits its turn for a s
 A streamed request's reply begins with its first token, so that a failure before it (no
 instance free in time, a prompt the target refuses) is still an HTTP status. But a long
 prompt on a CPU target takes minutes to prefill (Claude Code's 19k-token prompt on the 1.5B
-target, 2 cores: 3,072 tokens in the first 6 minutes), and clients give up on a response
+target, 2 cores: 3,072 tokens in the first 5 minutes), and clients give up on a response
 whose headers or events do not come: Node's fetch after 300 s (undici's headersTimeout),
 Claude Code's watchdog after 300 s without an event, where it then sent the same request
 again — and again, never served. So a stream that has not started after
