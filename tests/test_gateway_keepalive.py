@@ -100,3 +100,23 @@ def test_a_message_stream_that_waits_opens_once_and_goes_on_as_one_that_did_not(
     texts = [json.loads(line.split(b"data: ")[1])["delta"]["text"] for line in lines
              if line.startswith(b"event: content_block_delta")]
     assert "".join(texts) == alone and kinds[-1] == "message_stop"
+
+
+def test_a_response_stream_that_could_not_start_after_its_headers_fails_in_its_own_events(one_session, quick):  # noqa: F811
+    """The Responses API's stream: after the comments, response.created and response.failed with
+    the error, as it ends a stream whose generation failed mid-way."""
+    thread, urls = one_session
+    upstream = thread.cluster.gateway.upstream
+    timeout_s, upstream.waiting.timeout_s = upstream.waiting.timeout_s, 0.5
+    try:
+        runner = _occupied(urls["gateway"])
+        _, lines = _stream(urls["gateway"], "/v1/responses", {"input": "Hi", "max_output_tokens": 8})
+        runner.join()
+    finally:
+        upstream.waiting.timeout_s = timeout_s
+    waited = [line for line in lines if line.startswith(b":")]
+    events = [json.loads(line.split(b"data: ")[1]) for line in lines if not line.startswith(b":")]
+    assert waited and lines[: len(waited)] == waited  # the comments first
+    assert [event["type"] for event in events] == ["response.created", "response.in_progress", "response.failed"]
+    assert events[-1]["response"]["error"] == {"code": "no_capacity", "message": (
+        "every target instance stayed at capacity for the 0.5 s this request may wait (--queue-timeout); retry later")}

@@ -133,8 +133,9 @@ class AnthropicReply:
                     await send("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                                usage=self.usage(event.count, event.stats))  # the cache's share known now
                     await send("message_stop")
-        except RemoteError as exc:  # headers are gone: the failure travels in the stream, as Anthropic's does
-            await send("error", error=error_body(ApiError(502, remote_message(exc)))["error"])
+        except (RemoteError, ApiError) as exc:  # headers are gone: the failure travels in the stream, as Anthropic's
+            error = exc if isinstance(exc, ApiError) else ApiError(502, remote_message(exc))
+            await send("error", error=error_body(error)["error"])
         await response.write_eof()
         return response
 

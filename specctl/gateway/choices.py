@@ -124,6 +124,12 @@ class Choices:
         self._entered = True
         return self
 
+    def failed(self, exc: BaseException) -> None:
+        """Entered after all, though it could not start (its stream opened while it waited,
+        gateway.keepalive): ``events()`` raises ``exc``, which the reply sends in its shape."""
+        self._entered = True
+        self._queue.put_nowait((0, exc))
+
     async def __aexit__(self, *exc_info) -> None:
         await self._stop()
 

@@ -1,7 +1,6 @@
 """How the gateway's errors leave: every failure of a request becomes a JSON error body with its
-HTTP status — OpenAI's shape, Anthropic's on its routes (gateway.anthropic_api); a stream's
-whose headers went while it waited for its first token (gateway.keepalive), as its last
-event — and the gateway carries on; an unexpected one is logged with its request id."""
+HTTP status — OpenAI's shape, Anthropic's on its routes (gateway.anthropic_api) — and the
+gateway carries on; an unexpected one is logged with its request id."""
 
 from __future__ import annotations
 
@@ -14,8 +13,6 @@ from aiohttp import web
 from specctl.gateway import request_id
 from specctl.gateway.anthropic_api import error_body as anthropic_error
 from specctl.gateway.api import ApiError
-from specctl.gateway.keepalive import opened_stream
-from specctl.gateway.responses import sse
 
 log = logging.getLogger("specctl.gateway")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -28,13 +25,6 @@ def error_middleware(max_body_bytes: int) -> Callable[[web.Request, Handler], Aw
         try:
             return await handler(request)
         except ApiError as exc:
-            opened = opened_stream(request)
-            if opened is not None:  # its headers went while it waited (gateway.keepalive): the error is an event
-                anthropic = shape is anthropic_error
-                await opened.write((b"event: error\n" if anthropic else b"") + sse(shape(exc))
-                                   + (b"" if anthropic else sse("[DONE]")))
-                await opened.write_eof()
-                return opened
             headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None
             return web.json_response(shape(exc), status=exc.status, headers=headers)
         except web.HTTPException as exc:

@@ -11,7 +11,8 @@ again — and again, never served. So a stream that has not started after
 ``HEADERS_AFTER_S`` gets its headers and an SSE comment (which every SSE reader skips) every
 ``KEEPALIVE_S`` (Anthropic's stream: its message_start, then a ping event every
 ``KEEPALIVE_S``, since Claude Code's watchdog also ends a stream with no event for 300 s); a
-failure after that travels in the stream, in its endpoint's shape (gateway.errors)."""
+failure to start after that is the choices' first event, which the reply sends in its own
+shape, as it sends a failure mid-stream."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ from typing import AsyncIterator
 
 from aiohttp import web
 
+from specctl.gateway.api import ApiError
 from specctl.gateway.choices import Choices
+from specctl.verify.client import RemoteError
 
 HEADERS_AFTER_S = 10.0
 KEEPALIVE_S = 10.0
@@ -38,11 +41,6 @@ async def event_stream(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
     return response
-
-
-def opened_stream(request: web.Request) -> web.StreamResponse | None:
-    """The stream opened while the request waited (its headers are gone), if one was."""
-    return request.get(OPENED)
 
 
 @contextlib.asynccontextmanager
@@ -63,11 +61,13 @@ async def started(choices: Choices, request: web.Request | None, reply: object =
                 await response.write(getattr(reply, "KEEPALIVE", COMMENT))
                 done, _ = await asyncio.wait({entering}, timeout=KEEPALIVE_S)
         await entering
-    except BaseException:
+    except BaseException as exc:
         entering.cancel()  # the client left while it waited: the choices stop themselves
         with contextlib.suppress(BaseException):
             await entering
-        raise
+        if not (isinstance(exc, (ApiError, RemoteError)) and request is not None and request.get(OPENED)):
+            raise
+        choices.failed(exc)  # its headers are gone: the reply sends the failure as its stream's last event
     try:
         yield choices
     finally:

@@ -25,6 +25,7 @@ from typing import Any
 from aiohttp import web
 
 from specctl.engine.text import token_bytes_of
+from specctl.gateway.api import ApiError
 from specctl.gateway.keepalive import event_stream
 from specctl.gateway.choices import Choices, Event
 from specctl.gateway.respond import json_answer, remote_message
@@ -138,9 +139,9 @@ class LlamaReply:
                     final = {**self._final(index, out, event), "content": "", "tokens": []}
                     final.pop("completion_probabilities", None)  # each partial event carried its tokens'
                     await response.write(_event(final))
-        except RemoteError as exc:  # the headers are gone: the error travels in the stream, as llama.cpp's does
-            await response.write(_event({"error": {"code": 502, "message": remote_message(exc),
-                                                   "type": "server_error"}}))
+        except (RemoteError, ApiError) as exc:  # headers are gone: the error travels in the stream, as llama.cpp's
+            status, message = (exc.status, str(exc)) if isinstance(exc, ApiError) else (502, remote_message(exc))
+            await response.write(_event({"error": {"code": status, "message": message, "type": "server_error"}}))
         await response.write_eof()
         return response
 

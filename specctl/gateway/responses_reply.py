@@ -18,6 +18,7 @@ import msgspec
 from aiohttp import web
 
 from specctl.gateway import responses as R
+from specctl.gateway.api import ApiError
 from specctl.gateway.keepalive import event_stream
 from specctl.gateway.choices import Choices
 from specctl.gateway.reasoning import reasoning_reader
@@ -168,8 +169,9 @@ class ResponsesReply:
                     output = await items.close(status)
                     body = self._finished(status, output, event.count, event.stats)
                     await send(f"response.{status}", response=body)
-        except RemoteError as exc:  # headers are gone: the failure travels in the stream, as OpenAI's does
-            error = {"code": "server_error", "message": remote_message(exc)}
+        except (RemoteError, ApiError) as exc:  # headers are gone: the failure travels in the stream, as OpenAI's
+            error = ({"code": exc.code or "server_error", "message": str(exc)} if isinstance(exc, ApiError)
+                     else {"code": "server_error", "message": remote_message(exc)})
             await send("response.failed", response=self.body("failed", items.done, error=error))
         await response.write_eof()
         return response
