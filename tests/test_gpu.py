@@ -468,7 +468,7 @@ def several_drafters_run(tiny_dir, device: str) -> None:
     the distribution there, not the text)."""
     from specctl.spec.multi import MultiDrafter
 
-    load = _cuda if device == "cuda" else load_decoder
+    load = _cuda if device == "cuda" else (lambda path: load_decoder(path, torch.float32, device=device))
     target, draft = load(tiny_dir["qwen2"]), load(tiny_dir["qwen2-draft"])
 
     def multi() -> MultiDrafter:
@@ -546,7 +546,7 @@ def predicted_outputs_run(tiny_dir, device: str) -> None:
     step's size bucket on CUDA graphs) from the prediction's n-gram index, with the target alone
     and beside a draft chain; an edit in the prediction rejects part of a chain. Greedy: the
     target alone's tokens."""
-    load = _cuda if device == "cuda" else load_decoder
+    load = _cuda if device == "cuda" else (lambda path: load_decoder(path, torch.float32, device=device))
     target, draft = load(tiny_dir["qwen2"]), load(tiny_dir["qwen2-draft"])
     plain = SamplingParams(max_tokens=120, ignore_eos=True)
     for prompt in PROMPTS[:2]:
@@ -566,7 +566,7 @@ def predicted_outputs_run(tiny_dir, device: str) -> None:
 def thinking_budget_run(tiny_dir, device: str) -> None:
     """A thought cut at its budget (the forced row built on the logits' device): every mode
     gives the target alone's tokens, the end marker right after the budget; sampled too."""
-    load = _cuda if device == "cuda" else load_decoder
+    load = _cuda if device == "cuda" else (lambda path: load_decoder(path, torch.float32, device=device))
     target, draft = load(tiny_dir["qwen2"]), load(tiny_dir["qwen2-draft"])
     start, end = 20, 21
     prompt = [1, 5, 9, 2, 7, start]

@@ -171,10 +171,6 @@ class PipelineClient:
         self.loop.call_soon_threadsafe(self._send_forward, epoch, make, future)
         return future
 
-    def forward(self, epoch: int, make: Callable[[int], StageForward]) -> torch.Tensor:
-        """From the compute thread: send a micro-batch down the chain, wait for its logits."""
-        return wait_output(self.submit(epoch, make))
-
     def _send_forward(self, epoch: int, make: Callable[[int], StageForward], future) -> None:
         try:
             self._check(epoch)
@@ -194,11 +190,12 @@ def _settle(future: concurrent.futures.Future, settle: Callable, value) -> None:
         pass
 
 
-def wait_output(future: concurrent.futures.Future) -> torch.Tensor:
-    """The micro-batch's output; past FORWARD_TIMEOUT_S its session ends (StageUnavailable),
-    the chain's other sessions going on (a hung chain is the heartbeat's to drop)."""
+def wait_output(future: concurrent.futures.Future, device: torch.device) -> torch.Tensor:
+    """The micro-batch's output, on stage 1's ``device`` (where its sessions' logit rules and
+    samplers are, as a whole model's logits would be); past FORWARD_TIMEOUT_S its session ends
+    (StageUnavailable), the chain's other sessions going on (a hung chain is the heartbeat's to drop)."""
     try:
-        return future.result(FORWARD_TIMEOUT_S).to_torch()
+        return future.result(FORWARD_TIMEOUT_S).to_torch().to(device)
     except concurrent.futures.TimeoutError:
         future.cancel()  # the heartbeat takes it out of the pending table
         raise StageUnavailable(f"the pipeline did not answer this session's forward within {FORWARD_TIMEOUT_S:g} s "
@@ -268,7 +265,7 @@ class PipelineDecoder:
     def forward_many(self, inputs: list[torch.Tensor], positions: list[torch.Tensor], caches: list[PipelineCache],
                      masks: list[torch.Tensor | None], logits_at: list[torch.Tensor]) -> list[torch.Tensor]:
         future = self.send_many(inputs, positions, caches, masks, logits_at)
-        return list(wait_output(future).float().split([a.numel() for a in logits_at]))
+        return list(wait_output(future, self.device).float().split([a.numel() for a in logits_at]))
 
     def send_many(self, inputs: list[torch.Tensor], positions: list[torch.Tensor], caches: list[PipelineCache],
                   masks: list[torch.Tensor | None], logits_at: list[torch.Tensor]) -> concurrent.futures.Future:

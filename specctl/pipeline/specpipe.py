@@ -116,7 +116,7 @@ class SpecPipeRun:
             assert in_flight, "a live tree's levels are always in flight"
             sent = in_flight.popleft()
             started = time.perf_counter()
-            output = wait_output(sent.future)
+            output = wait_output(sent.future, self.target.device)
             wait_s += time.perf_counter() - started
             if sent.tree_epoch != tree_epoch or root not in sent.level:
                 self.stats.stale_outputs += sent.tree_epoch != tree_epoch
