@@ -485,13 +485,13 @@ def several_drafters_run(tiny_dir, device: str) -> None:
     assert len(tokens) == 40 and reason == "length"
 
 
-async def pipeline_chain_run(tiny_dir, device: str) -> None:
+async def pipeline_chain_run(tiny_dir, device: str, params: SamplingParams | None = None) -> None:
     """Plain PP and PP + chain speculation through 3 stages on the device: the target's tokens."""
     from specctl.pipeline.local import LocalPipeline
 
     target = load_model("t", tiny_dir["llama"], "fp32", device=device)
     draft = load_model("d", tiny_dir["llama-draft"], "fp32", device=device)
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    params = params or SamplingParams(max_tokens=24, ignore_eos=True)
     async with LocalPipeline(target, 3, delay_s=0.0) as pipeline:
         for prompt in PROMPTS:
             reference = generate(target.decoder, prompt, params)[0]

@@ -150,6 +150,18 @@ def test_families_on_the_device_equal_the_cpu(tiny_dir, device, arch):
         assert generate(target, prompt, params, ModelChainDrafter(_on(tiny_dir[draft], device, True), 3))[0] == reference
 
 
+@pytest.mark.parametrize("mode", ["ar", "chain", "tree"])
+def test_sessions_over_a_kv_arena_with_paged_attention_on_the_device_equal_the_target_alone(tiny_dir, device, mode):
+    """The arena (one buffer for every session) and the paged attention's page table on the device."""
+    target = _on(tiny_dir["qwen2"], device, False).use_kv_arena(1 << 20, attention="torch")
+    draft = _on(tiny_dir["qwen2-draft"], device, False).use_kv_arena(1 << 20, attention="torch")
+    plain = _on(tiny_dir["qwen2"], device, False)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    for prompt in PROMPTS:
+        assert generate(target, prompt, params, _drafter(mode, draft))[0] == generate(plain, prompt, params)[0]
+    assert target.paged.plans > 0 and target.kv_arena.free_slots == target.kv_arena.slots
+
+
 def test_tree_growth_and_sampling_take_device_probabilities(device):
     probs = torch.tensor([[0.1, 0.6, 0.3, 0.0]], device=device)
     tree = TokenTree.root(3).grow(torch.tensor([0]), probs, topk=2, width=2)
@@ -177,6 +189,10 @@ def test_several_drafters_and_predicted_outputs_on_the_device_equal_the_target(t
 
 
 async def test_pp_specpipe_and_a_specpipe_target_through_device_stages_equal_the_target(tiny_dir, device):
+    """Stage outputs come back over TCP to the host: the logits go to stage 1's device, where
+    the session's rules are (penalties and a bias failed here before they did)."""
     await test_gpu.pipeline_chain_run(tiny_dir, device)
+    await test_gpu.pipeline_chain_run(tiny_dir, device, SamplingParams(max_tokens=24, ignore_eos=True,
+                                                                      repetition_penalty=1.6, logit_bias=((7, 4.0),)))
     await test_gpu.specpipe_rules_run(tiny_dir, device)
     await test_gpu.specpipe_target_prediction_run(tiny_dir, device)
