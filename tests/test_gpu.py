@@ -63,8 +63,9 @@ def test_logprobs_on_cuda_are_the_same_in_every_mode_and_running_ahead(cuda_pair
     reference = logprobs(NoDrafter())  # runs ahead: one node a round on graphs
     output, got = logprobs(_drafters(draft)[mode] if mode != "ar" else NoDrafter())
     assert output == reference[0] and len(got) == 24
-    for (lp, ids, values), (ref_lp, ref_ids, ref_values) in zip(got, reference[1]):
-        assert ids == ref_ids and lp == pytest.approx(ref_lp, abs=1e-4) and values == pytest.approx(ref_values, abs=1e-4)
+    for (lp, ids, values, rank), (ref_lp, ref_ids, ref_values, ref_rank) in zip(got, reference[1], strict=True):
+        assert (ids, rank) == (ref_ids, ref_rank) and lp == pytest.approx(ref_lp, abs=1e-4)
+        assert values == pytest.approx(ref_values, abs=1e-4)
 
 
 def test_prompt_logprobs_on_cuda_match_a_whole_prompt_forward_and_leave_the_output_alone(cuda_pair):
@@ -400,10 +401,10 @@ def test_tree_growth_and_sampling_take_cuda_probabilities():
     assert 3 not in draws and set(draws) <= {0, 1, 2}
 
 
-async def star_run(tiny_dir, device: str, tree: bool, prespec=None) -> None:
+async def star_run(tiny_dir, device: str, tree: bool, prespec=None, **target_options) -> None:
     """A draft server and a target instance over TCP on the device (static steps on CUDA),
-    pre-speculating with ``prespec``: greedy equal to the target alone, a sampled session
-    completes."""
+    pre-speculating with ``prespec``, the target configured with ``target_options`` too:
+    greedy equal to the target alone, a sampled session completes."""
     target = load_model("tiny-llama", tiny_dir["llama"], "fp32", device=device)
     draft = load_model("tiny-llama@2", tiny_dir["llama"], "fp32", num_layers=2, device=device)
     if device == "cuda":
@@ -417,7 +418,8 @@ async def star_run(tiny_dir, device: str, tree: bool, prespec=None) -> None:
     link = asyncio.create_task(client.run(first))
     assert await first
     # A verification a little slower than drafting leaves the draft time to pre-speculate.
-    target_server = TargetServer(target, TargetServerConfig(port=0, verify_delay_s=0.02 if prespec else 0.0), client)
+    target_server = TargetServer(target, TargetServerConfig(port=0, verify_delay_s=0.02 if prespec else 0.0,
+                                                            **target_options), client)
     port = await target_server.start()
     try:
         greedy = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -524,7 +526,8 @@ def test_sliding_windows_on_cuda_graphs_equal_cpu_fp32_and_bf16_speculative_equa
 
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     for arch in ("mistral", "gemma2"):
-        path, draft_path = _sliding(tmp_path / arch, arch, seed=3), _sliding(tmp_path / f"{arch}-d", arch, seed=4, layers=2)
+        path = _sliding(tmp_path / arch, arch, seed=3)
+        draft_path = _sliding(tmp_path / f"{arch}-d", arch, seed=4, layers=2)
 
         def cuda(where, dtype):
             return fuse_projections(load_decoder(where, dtype, device="cuda")).use_static_steps(graphs=True,

@@ -147,7 +147,8 @@ def test_families_on_the_device_equal_the_cpu(tiny_dir, device, arch):
     for prompt in PROMPTS[:2]:
         reference = generate(cpu, prompt, params)[0]
         assert generate(target, prompt, params)[0] == reference
-        assert generate(target, prompt, params, ModelChainDrafter(_on(tiny_dir[draft], device, True), 3))[0] == reference
+        drafter = ModelChainDrafter(_on(tiny_dir[draft], device, True), 3)
+        assert generate(target, prompt, params, drafter)[0] == reference
 
 
 @pytest.mark.parametrize("mode", ["ar", "chain", "tree"])
@@ -176,11 +177,20 @@ async def test_the_star_on_the_device_equals_the_target(tiny_dir, device, tree):
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-async def test_a_prespec_draft_server_on_the_device_equals_the_target(tiny_dir, device, tree):
+async def test_the_star_capped_by_load_on_the_device_equals_the_target(tiny_dir, device, tree):
+    """Five sessions at once past a schedule's first step: proposals cut to 2 levels per session."""
+    await test_gpu.star_run(tiny_dir, device, tree, spec_depth_by_load=((2, 2),))
+
+
+@pytest.mark.parametrize("caps", [(), ((1, 2),)], ids=["uncapped", "capped"])
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+async def test_a_prespec_draft_server_on_the_device_equals_the_target(tiny_dir, device, tree, caps):
+    """Branches batched with the tree mask, hits' KV made the session's, Saguaro C < 1; capped: a
+    hit deeper than the target's cap cut to its first levels (and its KV to the nodes they feed)."""
     from specctl.draft.prespec_config import PrespecConfig
 
     await test_gpu.star_run(tiny_dir, device, tree, PrespecConfig(budget=6, saguaro_c=0.5, fallback="jit",
-                                                                  adaptive=False))
+                                                                  adaptive=False), spec_depth_by_load=caps)
 
 
 def test_several_drafters_and_predicted_outputs_on_the_device_equal_the_target(tiny_dir, device):
