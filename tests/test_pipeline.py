@@ -556,7 +556,8 @@ async def test_a_forward_left_unanswered_ends_its_session_alone_while_the_stages
         assert await first
         with pytest.raises(StageUnavailable, match=r"^the pipeline did not answer this session's forward within "
                                                    r"0\.2 s while its stages answer; retry$"):
-            await asyncio.to_thread(client.forward, client.epoch, lambda fid: ("forward", fid))
+            await asyncio.to_thread(lambda: decoder_module.wait_output(
+                client.submit(client.epoch, lambda fid: ("forward", fid)), torch.device("cpu")))
         assert [message for message in links[0].posted if message != StatsRequest()] == [("forward", 1)]
         await asyncio.sleep(0.3)  # past the silence: the stages answered all along
         assert client.epoch == 1 and client.connected.is_set() and not links[0].closed.is_set()
