@@ -401,10 +401,12 @@ def test_tree_growth_and_sampling_take_cuda_probabilities():
     assert 3 not in draws and set(draws) <= {0, 1, 2}
 
 
-async def star_run(tiny_dir, device: str, tree: bool, prespec=None, **target_options) -> None:
+async def star_run(tiny_dir, device: str, tree: bool, prespec=None, rules: dict | None = None,
+                   **target_options) -> None:
     """A draft server and a target instance over TCP on the device (static steps on CUDA),
-    pre-speculating with ``prespec``, the target configured with ``target_options`` too:
-    greedy equal to the target alone, a sampled session completes."""
+    pre-speculating with ``prespec``, the target configured with ``target_options`` too, every
+    request with the sampling ``rules`` (penalties, a bias ...) too: greedy equal to the target
+    alone, a sampled session completes."""
     target = load_model("tiny-llama", tiny_dir["llama"], "fp32", device=device)
     draft = load_model("tiny-llama@2", tiny_dir["llama"], "fp32", num_layers=2, device=device)
     if device == "cuda":
@@ -422,8 +424,8 @@ async def star_run(tiny_dir, device: str, tree: bool, prespec=None, **target_opt
                                                             **target_options), client)
     port = await target_server.start()
     try:
-        greedy = SamplingParams(max_tokens=24, ignore_eos=True)
-        sampled = SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=3)
+        greedy = SamplingParams(max_tokens=24, ignore_eos=True, **(rules or {}))
+        sampled = SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=3, **(rules or {}))
         results = await asyncio.gather(*(remote_generate("127.0.0.1", port, p, greedy) for p in PROMPTS),
                                        remote_generate("127.0.0.1", port, PROMPTS[0], sampled))
         for prompt, (tokens, _, _) in zip(PROMPTS, results):

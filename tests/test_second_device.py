@@ -4,6 +4,8 @@ device's fails as on CUDA). fp32 outputs equal the CPU's token for token; the te
 CUDA itself (graphs, flashinfer, events, bf16 kernels) stay in test_gpu.py."""
 
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -86,8 +88,15 @@ def test_logit_rules_structure_and_logprobs_on_the_device_equal_the_target_alone
                         penalty_last_n=4, logprobs=2, prompt_logprobs=1), {}),
         (SamplingParams(max_tokens=30, structured=("regex", r"[a-c]{2,5}-\d{3}")),
          {"eos_token_ids": (256,), "tokenizer": tokenizer}),
+        (SamplingParams(max_tokens=30, structured=("choice", '["north", "south", "east"]')),
+         {"eos_token_ids": (256,), "tokenizer": tokenizer}),
         (SamplingParams(max_tokens=16, ignore_eos=True, thinking_budget=2, thinking_markers=((20,), (21,))), {}),
     ]
+    sampled = SamplingParams(max_tokens=30, temperature=0.9, seed=4, structured=("choice", '["north", "south"]'))
+    for seed in range(3):
+        output = run_to_end(target, PROMPTS[0], replace(sampled, seed=seed), _drafter(mode, draft),
+                            eos_token_ids=(256,), tokenizer=tokenizer).output
+        assert tokenizer.decode(output) in ("north", "south")
     for params, options in cases:
         for prompt in PROMPTS[:2]:
             alone = run_to_end(target, prompt + [20], params, **options)
@@ -174,6 +183,13 @@ def test_tree_growth_and_sampling_take_device_probabilities(device):
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 async def test_the_star_on_the_device_equals_the_target(tiny_dir, device, tree):
     await test_gpu.star_run(tiny_dir, device, tree)
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+async def test_the_star_with_logit_rules_on_the_device_equals_the_target(tiny_dir, device, tree):
+    """Five sessions verified in batches, each with its rules' state on the device."""
+    await test_gpu.star_run(tiny_dir, device, tree, rules={"repetition_penalty": 1.5, "presence_penalty": 0.4,
+                                                            "logit_bias": ((7, 3.0),), "min_tokens": 4})
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
