@@ -22,7 +22,7 @@ from specctl.gateway.api import ApiError
 from specctl.gateway.anthropic_api import error_body
 from specctl.gateway.choices import Choices, Event
 from specctl.gateway.reasoning import reasoning_reader
-from specctl.gateway.respond import json_answer, remote_message, whole_answer
+from specctl.gateway.respond import json_answer, stream_failure, whole_answer
 from specctl.verify.client import RemoteError
 
 
@@ -134,8 +134,7 @@ class AnthropicReply:
                                usage=self.usage(event.count, event.stats))  # the cache's share known now
                     await send("message_stop")
         except (RemoteError, ApiError) as exc:  # headers are gone: the failure travels in the stream, as Anthropic's
-            error = exc if isinstance(exc, ApiError) else ApiError(502, remote_message(exc))
-            await send("error", error=error_body(error)["error"])
+            await send("error", error=error_body(stream_failure(exc))["error"])
         await response.write_eof()
         return response
 

@@ -28,7 +28,7 @@ from specctl.engine.text import token_bytes_of
 from specctl.gateway.api import ApiError
 from specctl.gateway.keepalive import event_stream
 from specctl.gateway.choices import Choices, Event
-from specctl.gateway.respond import json_answer, remote_message
+from specctl.gateway.respond import json_answer, stream_failure
 from specctl.verify.client import RemoteError
 
 
@@ -140,8 +140,9 @@ class LlamaReply:
                     final.pop("completion_probabilities", None)  # each partial event carried its tokens'
                     await response.write(_event(final))
         except (RemoteError, ApiError) as exc:  # headers are gone: the error travels in the stream, as llama.cpp's
-            status, message = (exc.status, str(exc)) if isinstance(exc, ApiError) else (502, remote_message(exc))
-            await response.write(_event({"error": {"code": status, "message": message, "type": "server_error"}}))
+            error = stream_failure(exc)
+            await response.write(_event({"error": {"code": error.status, "message": str(error),
+                                                   "type": "server_error"}}))
         await response.write_eof()
         return response
 

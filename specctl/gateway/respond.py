@@ -33,6 +33,13 @@ def remote_message(exc: RemoteError) -> str:
     return message if message.startswith("target instance") else f"target instance: {message}"
 
 
+def stream_failure(exc: RemoteError | ApiError) -> ApiError:
+    """A failure after a stream's headers, which each reply sends in its own shape: an ApiError
+    as it is (a choice that waited its turn found none, gateway.choices; a stream that could not
+    start after its keep-alive headers, gateway.keepalive), a target's error as a 502."""
+    return exc if isinstance(exc, ApiError) else ApiError(502, remote_message(exc), type="server_error")
+
+
 @dataclass(slots=True)
 class Reply:
     model: str
@@ -178,9 +185,7 @@ class Reply:
                                                          choices.completion_tokens, R.cached_tokens(stats, self.n),
                                                          self._predicted(choices, outputs))))
         except (RemoteError, ApiError) as exc:  # headers are gone: the error travels in the stream, as vLLM's
-            # (an ApiError: a choice that waited its turn found none, gateway.choices)
-            error = exc if isinstance(exc, ApiError) else ApiError(502, remote_message(exc), type="server_error")
-            await response.write(R.sse(error.body()))
+            await response.write(R.sse(stream_failure(exc).body()))
         await response.write(R.sse("[DONE]"))
         await response.write_eof()
         return response

@@ -22,7 +22,7 @@ from specctl.gateway.api import ApiError
 from specctl.gateway.keepalive import event_stream
 from specctl.gateway.choices import Choices
 from specctl.gateway.reasoning import reasoning_reader
-from specctl.gateway.respond import json_answer, remote_message, sse_off_loop, whole_answer
+from specctl.gateway.respond import json_answer, sse_off_loop, stream_failure, whole_answer
 from specctl.verify.client import RemoteError
 
 
@@ -170,8 +170,8 @@ class ResponsesReply:
                     body = self._finished(status, output, event.count, event.stats)
                     await send(f"response.{status}", response=body)
         except (RemoteError, ApiError) as exc:  # headers are gone: the failure travels in the stream, as OpenAI's
-            error = ({"code": exc.code or "server_error", "message": str(exc)} if isinstance(exc, ApiError)
-                     else {"code": "server_error", "message": remote_message(exc)})
+            failure = stream_failure(exc)
+            error = {"code": failure.code or "server_error", "message": str(failure)}
             await send("response.failed", response=self.body("failed", items.done, error=error))
         await response.write_eof()
         return response

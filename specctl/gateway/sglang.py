@@ -37,7 +37,7 @@ from specctl.gateway.keepalive import event_stream
 from specctl.gateway.request_checks import check_prompt_chars
 from specctl.gateway.api import ApiError, CompletionRequest, parse_body
 from specctl.gateway.choices import Choices, Event
-from specctl.gateway.respond import json_answer, remote_message
+from specctl.gateway.respond import json_answer, stream_failure
 from specctl.verify.client import RemoteError
 
 
@@ -193,8 +193,8 @@ class SglangReply:
                     meta = self._meta(index, event, choices.request_id, scores[index])
                     await response.write(_event({**output, "meta_info": meta}))
         except (RemoteError, ApiError) as exc:  # the headers are gone: the error travels in the stream
-            status, message = (exc.status, str(exc)) if isinstance(exc, ApiError) else (502, remote_message(exc))
-            await response.write(_event({"error": {"message": message, "code": status}}))
+            error = stream_failure(exc)
+            await response.write(_event({"error": {"message": str(error), "code": error.status}}))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
