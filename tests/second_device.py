@@ -70,7 +70,7 @@ def _run(func, args, kwargs):
     if on_device and any(isinstance(x, torch.Generator) and x.device.type == "cpu" for x in (*args, *kwargs.values())):
         raise DeviceMismatch(f"{func}: Expected a '{DEVICE.type}' device type for generator but found 'cpu'")
     if name.startswith(INDEXING):
-        on_cpu = [t for t in on_cpu if t.dtype not in (torch.long, torch.int, torch.bool)]
+        on_cpu = [t for t in on_cpu if t is args[0] or t.dtype not in (torch.long, torch.int, torch.bool)]
     if on_device and on_cpu and not name.startswith(CROSSING):
         raise DeviceMismatch(f"{func}: Expected all tensors to be on the same device, but found at least two "
                              f"devices, {DEVICE} and cpu! (cpu tensors of shapes {[tuple(t.shape) for t in on_cpu]})")

@@ -35,6 +35,11 @@ def _cuda(path, dtype=torch.float32, graphs=True, layers=None, backend="torch"):
     return decoder.use_static_steps(graphs) if graphs else decoder
 
 
+def _loader(device: str):
+    """A decoder loader for the device: static steps on CUDA graphs there, plain fp32 elsewhere."""
+    return _cuda if device == "cuda" else (lambda path: load_decoder(path, torch.float32, device=device))
+
+
 def _drafters(draft):
     return {"chain": ModelChainDrafter(draft, 4), "tree": ModelTreeDrafter(draft, 3, 2, 3), "ngram": NgramDrafter(4)}
 
@@ -472,7 +477,7 @@ def several_drafters_run(tiny_dir, device: str) -> None:
     the distribution there, not the text)."""
     from specctl.spec.multi import MultiDrafter
 
-    load = _cuda if device == "cuda" else (lambda path: load_decoder(path, torch.float32, device=device))
+    load = _loader(device)
     target, draft = load(tiny_dir["qwen2"]), load(tiny_dir["qwen2-draft"])
 
     def multi() -> MultiDrafter:
@@ -551,7 +556,7 @@ def predicted_outputs_run(tiny_dir, device: str) -> None:
     step's size bucket on CUDA graphs) from the prediction's n-gram index, with the target alone
     and beside a draft chain; an edit in the prediction rejects part of a chain. Greedy: the
     target alone's tokens."""
-    load = _cuda if device == "cuda" else (lambda path: load_decoder(path, torch.float32, device=device))
+    load = _loader(device)
     target, draft = load(tiny_dir["qwen2"]), load(tiny_dir["qwen2-draft"])
     plain = SamplingParams(max_tokens=120, ignore_eos=True)
     for prompt in PROMPTS[:2]:
@@ -571,7 +576,7 @@ def predicted_outputs_run(tiny_dir, device: str) -> None:
 def thinking_budget_run(tiny_dir, device: str) -> None:
     """A thought cut at its budget (the forced row built on the logits' device): every mode
     gives the target alone's tokens, the end marker right after the budget; sampled too."""
-    load = _cuda if device == "cuda" else (lambda path: load_decoder(path, torch.float32, device=device))
+    load = _loader(device)
     target, draft = load(tiny_dir["qwen2"]), load(tiny_dir["qwen2-draft"])
     start, end = 20, 21
     prompt = [1, 5, 9, 2, 7, start]
