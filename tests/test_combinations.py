@@ -5,6 +5,8 @@ together, in every mode — alone, verified in one batch with other requests' op
 instance verifies the star's sessions), and restored from the prefix cache. The output must be
 the target alone's with the same options, token for token, and end for the same reason."""
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -164,9 +166,8 @@ def test_a_seeded_sample_with_drawn_options_repeats_its_text_whatever_the_caches
     text, _, _ = generate(target, first, SamplingParams(max_tokens=12, ignore_eos=True), _drafter(mode, draft))
     turn = first + text + _prompt(data, 1, 10)
     options = _options(data, _plain(target, turn))
-    params = SamplingParams(**{field: getattr(options, field) for field in options.__slots__}
-                            | {"temperature": data.draw(st.sampled_from([0.5, 1.0, 1.5])),
-                               "top_p": data.draw(st.sampled_from([1.0, 0.9])), "seed": data.draw(st.integers(0, 99))})
+    params = dataclasses.replace(options, temperature=data.draw(st.sampled_from([0.5, 1.0, 1.5])),
+                                 top_p=data.draw(st.sampled_from([1.0, 0.9])), seed=data.draw(st.integers(0, 99)))
     restored = generate(target, turn, params, _drafter(mode, draft))
     caches = target.prefix_cache, draft.prefix_cache
     target.prefix_cache = draft.prefix_cache = None

@@ -7,6 +7,7 @@ second time over both servers' cached prefixes) repeats its text. Then both serv
 session and no KV."""
 
 import asyncio
+import dataclasses
 
 import pytest
 from hypothesis import given
@@ -60,8 +61,8 @@ def test_requests_with_drawn_options_through_a_pre_speculating_star_equal_the_ta
     assert asyncio.run(_run_all(port, requests)) == expected
 
     prompt, options = requests[0]
-    seeded = SamplingParams(**{field: getattr(options, field) for field in options.__slots__}
-                            | {"temperature": data.draw(st.sampled_from([0.6, 1.2])), "seed": data.draw(st.integers(0, 9))})
+    seeded = dataclasses.replace(options, temperature=data.draw(st.sampled_from([0.6, 1.2])),
+                                 seed=data.draw(st.integers(0, 9)))
     first, again = asyncio.run(_run_all(port, [(prompt, seeded)])), asyncio.run(_run_all(port, [(prompt, seeded)]))
     assert first == again
 
