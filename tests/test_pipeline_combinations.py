@@ -1,0 +1,72 @@
+"""A request's options drawn together by hypothesis (tests/test_combinations.py) through a
+target split over 3 pipeline stages (TCP between them): plain PP, PP with every drafter, and
+SpecPipe's tree levels — each output the whole target's alone, token for token, with the same
+log-probabilities."""
+
+import asyncio
+import threading
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from specctl.engine.loader import load_model
+from specctl.pipeline.local import LocalPipeline
+from specctl.pipeline.specpipe import SpecPipeRun
+from specctl.pipeline.token_source import DraftLevels, TreeShape, max_tree_nodes
+from specctl.spec.decode import DecodeSession
+from specctl.spec.rounds import run_to_end
+from tests.test_combinations import MODES, SETTINGS, _drafter, _options, _plain, _prompt
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_dir):
+    """(the whole target, stage 1 of it over 3 stages): the stages' servers on a loop of their
+    own thread, so that a test drives stage 1 as a target in this one."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    target = load_model("t", tiny_dir["llama"], "fp32")
+    stages = LocalPipeline(target, 3)
+    try:
+        staged = asyncio.run_coroutine_threadsafe(stages.start(), loop).result(120)
+        yield target.decoder, staged.decoder
+    finally:
+        asyncio.run_coroutine_threadsafe(stages.close(), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def _same(session, reference) -> None:
+    assert (session.output, session.finish_reason) == (reference.output, reference.finish_reason), session.params
+    assert [(ids, rank) for _, ids, _, rank in session.logprobs] == [(ids, rank) for _, ids, _, rank in
+                                                                     reference.logprobs]
+    assert [x for chosen, _, values, _ in session.logprobs for x in (chosen, *values)] == pytest.approx(
+        [x for chosen, _, values, _ in reference.logprobs for x in (chosen, *values)], abs=1e-4)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_drawn_options_through_pipeline_stages_in_every_mode_equal_the_whole_target(pipeline, tiny, data):
+    target, staged = pipeline
+    prompt = _prompt(data)
+    params = _options(data, _plain(target, prompt))
+    mode = data.draw(st.sampled_from(MODES))
+    _same(run_to_end(staged, prompt, params, _drafter(mode, tiny["llama-draft"])), run_to_end(target, prompt, params))
+
+
+@SETTINGS
+@given(data=st.data())
+def test_drawn_options_through_specpipe_s_tree_levels_equal_the_whole_target(pipeline, tiny, data):
+    target, staged = pipeline
+    prompt = _prompt(data)
+    params = _options(data, _plain(target, prompt))
+    shape = TreeShape(data.draw(st.integers(1, 3)), data.draw(st.integers(1, 2)))
+    session = DecodeSession(staged, prompt, params, (), None, None, max_tree_nodes(3, shape))
+    levels = DraftLevels.for_session(tiny["llama-self2"], shape, session)
+    try:
+        SpecPipeRun(staged, session, levels).run()
+        _same(session, run_to_end(target, prompt, params))
+    finally:
+        session.close()
+        levels.close()
