@@ -46,6 +46,11 @@ class BadRequest(SpecctlError):
     """A well-formed request with invalid content (token ids outside the vocabulary, ...)."""
 
 
+class NoTokenAllowed(BadRequest):
+    """The request's own rules (allowed_token_ids, bad_words, min_tokens, a grammar) bar every
+    token where the target must write its next one."""
+
+
 class StageUnavailable(SpecctlError):
     """A pipeline stage is unreachable, failed, or restarted: the sessions that ran through
     it cannot go on (their KV there is gone); new sessions work once the chain is whole."""

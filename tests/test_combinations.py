@@ -9,9 +9,10 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from specctl.errors import NoTokenAllowed
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.spec.multi import MultiDrafter
 from specctl.spec.params import SamplingParams
@@ -83,6 +84,15 @@ def _options(data, plain: list[int]) -> SamplingParams:
     return SamplingParams(**fields)
 
 
+def _run(*args, **options):
+    """``run_to_end``'s session, or the message of the NoTokenAllowed it ended with where the
+    options bar every token (the same in every mode)."""
+    try:
+        return run_to_end(*args, **options)
+    except NoTokenAllowed as exc:
+        return str(exc)
+
+
 def _plain(target, prompt: list[int]) -> list[int]:
     return generate(target, prompt, SamplingParams(max_tokens=24, ignore_eos=True))[0]
 
@@ -94,9 +104,12 @@ def test_every_mode_with_drawn_options_equals_the_target_alone(tiny, arch, data)
     target, draft = tiny[arch], tiny[f"{arch}-draft"]
     prompt = _prompt(data)
     params = _options(data, _plain(target, prompt))
-    reference = run_to_end(target, prompt, params)
+    reference = _run(target, prompt, params)
     mode = data.draw(st.sampled_from(MODES))
-    session = run_to_end(target, prompt, params, _drafter(mode, draft))
+    session = _run(target, prompt, params, _drafter(mode, draft))
+    if isinstance(reference, str):
+        assert session == reference, f"{mode} with {params}"
+        return
     assert (session.output, session.finish_reason) == (reference.output, reference.finish_reason), \
         f"{mode} with {params}"
     # the target's raw log-probabilities, whichever drafter proposed the tokens
@@ -116,14 +129,15 @@ def test_a_batch_of_requests_with_their_own_options_verified_together_equals_eac
     count = data.draw(st.integers(2, 4))
     prompts = [_prompt(data) for _ in range(count)]
     params = [_options(data, _plain(target, prompt)) for prompt in prompts]
+    references = [_run(target, prompt, options) for prompt, options in zip(prompts, params)]
+    assume(not any(isinstance(reference, str) for reference in references))  # each ends with its tokens
     drafters = [_drafter(data.draw(st.sampled_from(("chain", "tree", "ngram"))), draft) for _ in prompts]
     sessions = [DecodeSession(target, p, q, max_nodes=d.max_nodes) for p, q, d in zip(prompts, params, drafters)]
     for session in sessions:
         session.prefill()
     verify_together_to_the_end(sessions, drafters)
-    for prompt, options, session in zip(prompts, params, sessions):
-        reference, _, reason = generate(target, prompt, options)
-        assert (session.output, session.finish_reason) == (reference, reason), f"{options}"
+    for options, session, reference in zip(params, sessions, references):
+        assert (session.output, session.finish_reason) == (reference.output, reference.finish_reason), f"{options}"
 
 
 @pytest.fixture
@@ -147,12 +161,15 @@ def test_a_next_turn_restored_from_the_prefix_cache_with_drawn_options_equals_th
     try:
         plain = _plain(target, turn)
         params = _options(data, plain)
-        reference, _, reason = generate(target, turn, params)
+        reference = _run(target, turn, params)
     finally:
         target.prefix_cache = caches
-    output, stats, got_reason = generate(target, turn, params, _drafter(data.draw(st.sampled_from(MODES)), draft))
-    assert stats.cached_prompt_tokens >= len(first)
-    assert (output, got_reason) == (reference, reason), f"{params}"
+    session = _run(target, turn, params, _drafter(data.draw(st.sampled_from(MODES)), draft))
+    if isinstance(reference, str):
+        assert session == reference
+        return
+    assert session.stats.cached_prompt_tokens >= len(first)
+    assert (session.output, session.finish_reason) == (reference.output, reference.finish_reason), f"{params}"
 
 
 @SETTINGS
@@ -168,12 +185,67 @@ def test_a_seeded_sample_with_drawn_options_repeats_its_text_whatever_the_caches
     options = _options(data, _plain(target, turn))
     params = dataclasses.replace(options, temperature=data.draw(st.sampled_from([0.5, 1.0, 1.5])),
                                  top_p=data.draw(st.sampled_from([1.0, 0.9])), seed=data.draw(st.integers(0, 99)))
-    restored = generate(target, turn, params, _drafter(mode, draft))
+    restored = _run(target, turn, params, _drafter(mode, draft))
     caches = target.prefix_cache, draft.prefix_cache
     target.prefix_cache = draft.prefix_cache = None
     try:
-        fresh = generate(target, turn, params, _drafter(mode, draft))
+        fresh = _run(target, turn, params, _drafter(mode, draft))
     finally:
         target.prefix_cache, draft.prefix_cache = caches
-    assert restored[1].cached_prompt_tokens >= len(first) and fresh[1].cached_prompt_tokens == 0
-    assert (restored[0], restored[2]) == (fresh[0], fresh[2]), f"{mode} with {params}"
+    if isinstance(fresh, str):
+        assert restored == fresh
+        return
+    assert restored.stats.cached_prompt_tokens >= len(first) and fresh.stats.cached_prompt_tokens == 0
+    assert (restored.output, restored.finish_reason) == (fresh.output, fresh.finish_reason), f"{mode} with {params}"
+
+
+@st.composite
+def _grammars(draw) -> tuple[str, str, object]:
+    """A drawn constraint: (kind, spec, what a whole text must satisfy)."""
+    import json
+    import re
+
+    kind = draw(st.sampled_from(["regex", "choice", "json"]))
+    if kind == "regex":
+        parts = draw(st.lists(st.sampled_from(["[a-c]", r"\d", "x", "-", "[ab]?", "(yes|no)", " "]), min_size=1,
+                              max_size=4))
+        quantified = [part + draw(st.sampled_from(["", "{1,3}", "+", "*"])) if not part.endswith("?") else part
+                      for part in parts]
+        pattern = "".join(quantified)
+        return kind, pattern, lambda text: re.fullmatch(pattern, text) is not None
+    if kind == "choice":
+        choices = draw(st.lists(st.text("abcxyz -", min_size=1, max_size=6), min_size=1, max_size=4, unique=True))
+        return kind, json.dumps(choices), lambda text: text in choices
+    properties = {}
+    for name in draw(st.lists(st.sampled_from(["ok", "n", "tag"]), min_size=1, max_size=3, unique=True)):
+        properties[name] = {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 999},
+                            "tag": {"enum": ["a", "bc", "d e"]}}[name]
+    schema = {"type": "object", "properties": properties, "required": sorted(properties),
+              "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
+    return kind, json.dumps(schema), lambda text: set(json.loads(text)) == set(properties)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_a_drawn_grammar_with_drawn_options_every_mode_equals_the_target_alone_and_ends_on_the_grammar(tiny, data):
+    from specctl.engine.tiny import make_byte_tokenizer
+
+    tokenizer, eos = make_byte_tokenizer(), 256
+    target, draft = tiny["llama"], tiny["llama-draft"]
+    kind, spec, holds = data.draw(_grammars())
+    prompt = tokenizer.encode(data.draw(st.sampled_from(["answer: ", "x", "{", "JSON please\n"])))
+    options = _options(data, _plain(target, prompt))
+    params = dataclasses.replace(options, structured=(kind, spec), max_tokens=max(options.max_tokens, 16),
+                                 ignore_eos=False)
+    run = {"eos_token_ids": (eos,), "tokenizer": tokenizer}
+    reference = _run(target, prompt, params, **run)
+    mode = data.draw(st.sampled_from(MODES))
+    session = _run(target, prompt, params, _drafter(mode, draft), **run)
+    if isinstance(reference, str):  # the options and the grammar bar every token somewhere
+        assert session == reference, f"{mode} with {params}"
+        return
+    assert (session.output, session.finish_reason) == (reference.output, reference.finish_reason), \
+        f"{mode} with {params}"
+    text = tokenizer.decode([t for t in session.output if t != eos])
+    if session.finish_reason == "stop" and not params.stop_token_ids and params.thinking_budget is None:
+        assert holds(text), (spec, text)

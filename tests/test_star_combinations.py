@@ -15,10 +15,9 @@ from hypothesis import strategies as st
 
 from specctl.bench.processes import free_ports, spawn_role, stop_processes, wait_listening
 from specctl.spec.params import SamplingParams
-from specctl.spec.rounds import generate
-from specctl.verify.client import remote_generate, remote_stats
+from specctl.verify.client import RemoteError, remote_generate, remote_stats
 from tests.conftest import poll_async
-from tests.test_combinations import SETTINGS, _options, _plain, _prompt
+from tests.test_combinations import SETTINGS, _options, _plain, _prompt, _run
 
 COMMON = ("--dtype", "fp32", "--threads", "1", "--log-level", "warning", "--prefix-cache-mb", "16",
           "--prefill-chunk", "16")
@@ -42,9 +41,11 @@ def star(tiny_dir):
         stop_processes(procs)
 
 
-async def _run_all(port: int, requests: list[tuple[list[int], SamplingParams]]) -> list[tuple[list[int], str]]:
-    results = await asyncio.gather(*(remote_generate("127.0.0.1", port, prompt, params) for prompt, params in requests))
-    return [(tokens, reason) for tokens, reason, _ in results]
+async def _run_all(port: int, requests: list[tuple[list[int], SamplingParams]]) -> list[tuple[list[int], str] | str]:
+    """Each request's (tokens, finish_reason), or the message of the error it ended with."""
+    results = await asyncio.gather(*(remote_generate("127.0.0.1", port, prompt, params) for prompt, params in requests),
+                                   return_exceptions=True)
+    return [str(result) if isinstance(result, RemoteError) else result[:2] for result in results]
 
 
 @pytest.mark.slow  # processes and TCP: about a minute
@@ -57,7 +58,8 @@ def test_requests_with_drawn_options_through_a_pre_speculating_star_equal_the_ta
     for _ in range(data.draw(st.integers(1, 3))):
         prompt = _prompt(data)
         requests.append((prompt, _options(data, _plain(target, prompt))))
-    expected = [(output, reason) for output, _, reason in (generate(target, p, q) for p, q in requests)]
+    expected = [f"generation failed: {session}" if isinstance(session, str) else
+                (session.output, session.finish_reason) for session in (_run(target, p, q) for p, q in requests)]
     assert asyncio.run(_run_all(port, requests)) == expected
 
     prompt, options = requests[0]

@@ -198,14 +198,22 @@ def test_json_whitespace_is_bounded_unless_the_schema_says_its_own(byte_tokenize
 @pytest.mark.parametrize("structured, message", [
     (("yaml", "a: b"), "structured output is a kind (json, regex, choice, grammar, thinking, harmony) and its text, got "
                        "('yaml', 'a: b')"),
-    (("regex", " "), "structured output is a kind (json, regex, choice, grammar, thinking, harmony) and its text, got "
-                     "('regex', ' ')"),
+    (("regex", ""), "structured output is a kind (json, regex, choice, grammar, thinking, harmony) and its text, got "
+                    "('regex', '')"),
     (("regex", "a" * 65537), "structured output's regex may have at most 65536 characters, got 65537"),
 ])
 def test_structured_params_out_of_shape_are_refused(structured, message):
     with pytest.raises(InvalidSamplingParams) as caught:
         SamplingParams(structured=structured)
     assert str(caught.value) == message
+
+
+def test_a_regex_of_whitespace_alone_is_a_regex(tiny, byte_tokenizer):
+    """(found by tests/test_combinations.py: " " was refused as no text at all)"""
+    params = SamplingParams(max_tokens=8, structured=("regex", " +"))
+    output, _, reason = generate(tiny["llama"], byte_tokenizer.encode("x"), params, eos_token_ids=(EOS,),
+                                 tokenizer=byte_tokenizer)
+    assert set(byte_tokenizer.decode(output)) == {" "}
 
 
 @pytest.mark.parametrize("thinking_tokens", [False, True])
@@ -333,3 +341,22 @@ def test_a_grammar_literal_the_tokenizer_reads_as_an_added_token_is_never_offere
         f"structured output cannot go on: its grammar asks here for text that this model writes only as an added "
         f"token, which a grammar takes as a token, not as text (<tool_call> <[{call}]>): write it as <[id]> in a "
         f"Lark grammar")
+
+
+@pytest.mark.parametrize("allowed", [(), tuple(range(64, 67))])
+def test_an_ended_grammar_ends_every_mode_alike_with_the_end_token(tiny, byte_tokenizer, allowed):
+    """Whether a round computed the row after the grammar's end (speculation) or not (the target
+    alone ends at once): the same output and the same stop token (vLLM's token_ids hold it) — also
+    where allowed_token_ids leave that row empty (found by tests/test_combinations.py: speculation
+    took token 0 there and the grammar refused it)."""
+    from specctl.spec.rounds import run_to_end
+
+    params = SamplingParams(max_tokens=16, structured=("regex", "[a-c]{1,3}"), allowed_token_ids=allowed)
+    prompt = byte_tokenizer.encode("answer: ")
+    ends = set()
+    for drafter in (None, ModelChainDrafter(tiny["llama-draft"], 4), ModelChainDrafter(tiny["llama"], 5),
+                    ModelTreeDrafter(tiny["llama-draft"], 3, 2, 3)):
+        session = run_to_end(tiny["llama"], prompt, params, drafter, eos_token_ids=(EOS,), tokenizer=byte_tokenizer)
+        ends.add((tuple(session.output), session.finish_reason, session.stop_token))
+    [(output, reason, stop)] = ends
+    assert re.fullmatch("[a-c]{1,3}", byte_tokenizer.decode(output)) and (reason, stop) == ("stop", EOS)

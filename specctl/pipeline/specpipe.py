@@ -131,7 +131,7 @@ class SpecPipeRun:
                 children = [c for c in (levels[1] if len(levels) > 1 else []) if tree.nodes[c].parent == root]
                 row = output[sent.level.index(root)]
                 index, token = self._decide(row, [tree.nodes[c].token for c in children])
-                committed = session.commit([token], None if row.dim() == 0 else row[None])
+                committed = session.commit([token], *((None, None) if row.dim() == 0 else (row[None], [0])))
                 self.stats.steps += 1
                 self.stats.refill_tokens += decided > 0
                 decided += 1

@@ -14,7 +14,7 @@ import torch
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.model import Decoder
 from specctl.engine.tree import TokenTree
-from specctl.errors import BadRequest, PromptTooLong
+from specctl.errors import BadRequest, NoTokenAllowed, PromptTooLong
 from specctl.spec.drafters import Proposal
 from specctl.spec.logprobs import PromptLogprob, TokenLogprob, score_prompt, token_logprobs
 from specctl.spec.logit_rules import LogitRules
@@ -124,21 +124,32 @@ class DecodeSession:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def commit(self, tokens: list[int], rows: torch.Tensor | None = None) -> list[int]:
+    def commit(self, tokens: list[int], rows: torch.Tensor | None = None, at: list[int] | None = None) -> list[int]:
         """Append verified tokens (up to a stop token or max_tokens); returns those emitted.
-        ``rows``: the target's logits each was chosen from (for the request's logprobs)."""
-        return self._emit(tokens, rows)
+        ``rows``, ``at``: as ``_emit``'s."""
+        return self._emit(tokens, rows, at)
 
     def scored_next(self, logits: torch.Tensor) -> torch.Tensor:
         """One row of the target's logits after the committed text, as the acceptance rule
         reads it: adjusted by the request's logit rules when it has some."""
         return self._scored(logits, None)
 
-    def _emit(self, tokens: list[int], rows: torch.Tensor | None = None) -> list[int]:
+    def _emit(self, tokens: list[int], rows: torch.Tensor | None = None, at: list[int] | None = None) -> list[int]:
         """Commit ``tokens`` up to a stop token or max_tokens; ``rows``: the target's logits each
-        token was chosen from (their log-probabilities are kept when the request asks)."""
+        token was chosen from (their log-probabilities are kept when the request asks); ``at``:
+        the rows of the last rules' ``apply`` each was chosen at. A token taken where the rules
+        left none (the target alone would take it there too) ends the session: NoTokenAllowed."""
         emitted = []
-        for token in tokens:
+        barred = self.rules.barred_at(at) if self.rules is not None and self.rules.can_bar and at else []
+        ended = [self.rules.ended[r] for r in at] if self.rules is not None and self.rules.structure and at else []
+        for i, token in enumerate(tokens):
+            if i < len(ended) and ended[i]:  # the grammar ended before this token: the target alone ends there
+                self._grammar_ended()
+                break
+            if i < len(barred) and barred[i]:
+                raise NoTokenAllowed(f"no token is left to write after {len(self.output)} of output: the request's "
+                                     "allowed_token_ids, bad_words, min_tokens, grammar and thinking budget together "
+                                     "bar every one; loosen them")
             if token in self.stop_ids:
                 self.finish_reason, self.stop_token = "stop", token
                 break
@@ -153,10 +164,17 @@ class DecodeSession:
             self.rules.record(emitted)
             structure = self.rules.structure
             if structure is not None and structure.finished and self.finish_reason is None:
-                self.finish_reason = "stop"  # only a stop token is left: the target alone would take it next
+                self._grammar_ended()
         if rows is not None and emitted and self.params.logprobs is not None:
             self.logprobs += token_logprobs(rows[: len(emitted)], emitted, self.params.logprobs)
         return emitted
+
+    def _grammar_ended(self) -> None:
+        """Only a stop token is left: the output ends as with the model's end token, which the
+        target would write next (vLLM's token_ids hold it) — in every mode, whether the round
+        that ended the grammar computed that row or not."""
+        end = self.rules.structure.end_token
+        self.finish_reason, self.stop_token = "stop", end if end in self.stop_ids else None
 
     def prefill(self) -> list[int]:
         """The whole prompt's prefill (its chunks one after the other); the first tokens emitted."""
@@ -192,7 +210,7 @@ class DecodeSession:
             first = (int(scored[0].argmax()) if self.params.greedy
                      else sample(probs_from_logits(scored, self.params)[0], self.generator))  # [1, vocab], as a round's
         self.last_committed = [first]
-        return self._settle_ahead(self._emit([first], logits[-1:]))
+        return self._settle_ahead(self._emit([first], logits[-1:], None if self.run_ahead else [0]))
 
     def apply(self, proposal: Proposal) -> list[int]:
         """Verify a proposal and commit what is accepted. ``last_path`` and
@@ -266,14 +284,14 @@ class DecodeSession:
             else:
                 bonus = verify(self._scored(logits, tree), proposal, self.params, self.generator)[1]
             self.last_path, self.last_committed = [], [bonus]
-            return self._settle_ahead(self._emit(self.last_committed, logits[:1]))
+            return self._settle_ahead(self._emit(self.last_committed, logits[:1], None if self.run_ahead else [0]))
         path, bonus = verify(self._scored(logits, tree), proposal, self.params, self.generator)
         self.cache.gather(torch.cat([torch.arange(prefix), prefix + torch.tensor([0, *path], dtype=torch.long)]))
         self.last_path = path
         self.last_committed = [int(t) for t in tree.tokens[path].tolist()] + [bonus]
         # token i of the path was chosen at its parent's row (the root's, then the path's), the bonus at the last one's
         rows = logits[torch.tensor([0, *path], device=logits.device)] if self.params.logprobs is not None else None
-        return self._emit(self.last_committed, rows)
+        return self._emit(self.last_committed, rows, [0, *path])
 
     def _scored(self, logits: torch.Tensor, tree: TokenTree | None) -> torch.Tensor:
         """The logits the acceptance rule reads: the target's, adjusted when the request asks

@@ -64,6 +64,12 @@ class LogitRules:
         self.thinking = None if params.thinking_budget is None else ThinkingBudget(params.thinking_budget,
                                                                                    *params.thinking_markers)
         self.thought = None if self.thinking is None else self.thinking.of_prompt(prompt)
+        # whether they may leave a row without a token (the others only add finite values)
+        self.can_bar = (self.allowed is not None or bool(self.bad_words) or structure is not None
+                        or bool(self.min_tokens and stop_ids))
+        self.barred: torch.Tensor | None = None  # [rows] of the last apply: True where no token was left
+        self.ended: list[bool] = []  # of the last apply's rows: where the grammar had ended (only a stop token left)
+        self.grammar_rows: torch.Tensor | None = None  # of the last apply's rows: the tokens the grammar allowed
 
     def guide(self, device: torch.device) -> "LogitRules":
         """A copy of this state for a draft on ``device`` (spec.batch_drafting adjusts its rows),
@@ -96,7 +102,18 @@ class LogitRules:
         """``logits`` [rows, vocab] adjusted; row r follows the output so far, then ``paths[r]``
         (a proposal node's tokens past the committed text, its own included). A thought past its
         budget allows only its end's next token, whatever the other rules say (vLLM forces it last)."""
-        logits = self._adjusted(logits, paths)
+        logits = self._thought_ended(self._adjusted(logits, paths), paths)
+        # the rows left without a token (barred_at), found with the logits rather than read back now
+        self.barred = logits.amax(-1) == float("-inf") if self.can_bar else None
+        return logits
+
+    def barred_at(self, rows: list[int]) -> list[bool]:
+        """Whether each of ``rows`` of the last ``apply`` was left without a token (one read)."""
+        if self.barred is None:
+            return [False] * len(rows)
+        return self.barred[torch.tensor(rows, device=self.barred.device)].tolist()
+
+    def _thought_ended(self, logits: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
         if self.thinking is None:
             return logits
         forced = [(r, token) for r, path in enumerate(paths)
@@ -107,13 +124,16 @@ class LogitRules:
         logits = logits.clone()
         logits[rows] = float("-inf")
         logits[rows, torch.tensor([token for _, token in forced], device=logits.device)] = 0.0
+        if self.structure is not None:  # a grammar over the whole text refuses the end it refuses: no token then
+            logits[rows] = logits[rows].masked_fill(~self.grammar_rows[rows], float("-inf"))
         return logits
 
     def _adjusted(self, logits: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
         logits = logits.float()
-        ended = [False] * len(paths)
+        ended = self.ended = [False] * len(paths)
         if self.structure is not None:
             allowed, ended = self.structure.allowed(paths)
+            self.ended, self.grammar_rows = ended, allowed
             logits = logits.masked_fill(~allowed, float("-inf"))
         if self.allowed is not None:
             logits = logits.masked_fill(~self.allowed, float("-inf"))

@@ -129,7 +129,7 @@ class SamplingParams:
             from specctl.spec.structured import KINDS, MAX_SPEC_CHARS
 
             kind, spec = self.structured if len(self.structured) == 2 else (None, None)
-            if kind not in KINDS or not isinstance(spec, str) or not spec.strip():
+            if kind not in KINDS or not isinstance(spec, str) or not spec:
                 raise InvalidSamplingParams(f"structured output is a kind ({', '.join(KINDS)}) and its text, got "
                                             f"{self.structured!r:.80}")
             if len(spec) > MAX_SPEC_CHARS:
