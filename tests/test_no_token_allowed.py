@@ -12,6 +12,7 @@ import torch
 
 from specctl.engine.kv_cache import KVPool
 from specctl.errors import BadRequest, NoTokenAllowed
+from specctl.spec.logit_rules import LogitRules
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.spec.multi import MultiDrafter
 from specctl.spec.params import SamplingParams
@@ -34,12 +35,15 @@ def _drafters(tiny):
             "multi": MultiDrafter({"draft": ModelChainDrafter(draft, 3), "ngram": NgramDrafter(3)})}
 
 
-def test_an_empty_row_draws_token_0_as_its_argmax_reads_it_and_other_rows_are_untouched():
-    logits = torch.tensor([[0.0, 1.0, 2.0], [float("-inf")] * 3])
-    probs = probs_from_logits(logits, SamplingParams(temperature=0.7))
-    assert probs[1].tolist() == [1.0, 0.0, 0.0] and not probs.isnan().any()
-    alone = probs_from_logits(logits[:1], SamplingParams(temperature=0.7))
-    assert probs[0].tolist() == pytest.approx(alone[0].tolist())
+def test_a_barred_row_takes_token_0_as_its_argmax_would_and_other_rows_are_untouched():
+    rules = LogitRules(SamplingParams(allowed_token_ids=(1, 2), bad_words=((1,), (3, 2))), [4], set(), 5,
+                       torch.device("cpu"))
+    logits = torch.tensor([[0.5, 1.0, 2.0, 3.0, 4.0]] * 2)
+    adjusted = rules.apply(logits, [[], [3]])  # after 3, both allowed tokens are barred
+    assert adjusted.tolist() == [[float("-inf"), float("-inf"), 2.0, float("-inf"), float("-inf")],
+                                 [0.0] + [float("-inf")] * 4]
+    assert rules.barred_at([1, 0]) == [True, False] and logits[1, 0] == 0.5  # the caller's logits untouched
+    assert probs_from_logits(adjusted, SamplingParams(temperature=0.7))[1].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
 
 
 @pytest.mark.parametrize("mode", ["ar", "chain", "tree", "ngram", "multi"])
@@ -87,11 +91,14 @@ def test_a_thought_s_forced_end_that_the_grammar_refuses_ends_before_any_output(
 def test_a_draft_row_barred_where_the_target_never_goes_costs_nothing(tiny, temperature, monkeypatch):
     """The bias keeps the target on 6, so its rows always hold a token; a tree's second child (5)
     leads the draft into rows with none."""
-    from specctl.spec import sampling
+    empty_rows, apply = [], LogitRules.apply
 
-    empty_rows, fill = [], sampling.without_empty_rows
-    monkeypatch.setattr(sampling, "without_empty_rows", lambda probs, logits: (
-        empty_rows.append(int((logits.amax(-1) == float("-inf")).sum())), fill(probs, logits))[1])
+    def counted(rules, logits, paths):
+        adjusted = apply(rules, logits, paths)
+        empty_rows.append(int(rules.barred.sum()))
+        return adjusted
+
+    monkeypatch.setattr(LogitRules, "apply", counted)
     params = SamplingParams(temperature=temperature, seed=4, logit_bias=((6, 6.0),), **CORNERED)
     alone = generate(tiny["llama"], PROMPT, params)[0]
     assert set(alone) == {6}

@@ -103,9 +103,16 @@ class LogitRules:
         (a proposal node's tokens past the committed text, its own included). A thought past its
         budget allows only its end's next token, whatever the other rules say (vLLM forces it last)."""
         logits = self._thought_ended(self._adjusted(logits, paths), paths)
-        # the rows left without a token (barred_at), found with the logits rather than read back now
-        self.barred = logits.amax(-1) == float("-inf") if self.can_bar else None
-        return logits
+        if not self.can_bar:
+            self.barred = None
+            return logits
+        # a row left without a token (every logit -inf) takes token 0, as its argmax would: every
+        # mode and the draft then take the same token rather than draw from NaNs, and the target's
+        # session refuses to commit it (barred_at; found with the logits rather than read back now)
+        self.barred = logits.amax(-1) == float("-inf")
+        zeros = torch.zeros(len(paths), dtype=torch.long, device=logits.device)
+        return logits.index_put((torch.arange(len(paths), device=logits.device), zeros),
+                                torch.where(self.barred, 0.0, logits[:, 0]))
 
     def barred_at(self, rows: list[int]) -> list[bool]:
         """Whether each of ``rows`` of the last ``apply`` was left without a token (one read)."""

@@ -31,18 +31,7 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         elif sampler == "min_p" and params.min_p:
             probs = logits.softmax(-1)
             logits = logits.masked_fill(probs < params.min_p * probs.max(-1, keepdim=True).values, float("-inf"))
-    return without_empty_rows(logits.softmax(-1), logits)
-
-
-def without_empty_rows(probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """``probs`` with a row its logits left without a token (all -inf: a request's rules barred
-    every one; softmax gives NaN) on token 0, as argmax reads such a row: every mode and the
-    draft then draw the same token rather than fail, and the target's session refuses to
-    commit it (DecodeSession.refuse_barred)."""
-    empty = logits.amax(-1, keepdim=True) == float("-inf")
-    first = torch.zeros(probs.shape[-1], dtype=probs.dtype, device=probs.device)
-    first[0] = 1.0
-    return torch.where(empty, first, probs)
+    return logits.softmax(-1)
 
 
 # A sampled draft draws from its top DRAFT_SUPPORT tokens only (renormalised). Verification
