@@ -110,10 +110,15 @@ def test_every_mode_with_drawn_options_equals_the_target_alone(tiny, arch, data)
     if isinstance(reference, str):
         assert session == reference, f"{mode} with {params}"
         return
+    assert_same_session(session, reference, mode)
+
+
+def assert_same_session(session, reference, mode: str = "") -> None:
+    """The same tokens, end and raw log-probabilities (whichever drafter proposed the tokens)."""
     assert (session.output, session.finish_reason) == (reference.output, reference.finish_reason), \
-        f"{mode} with {params}"
-    # the target's raw log-probabilities, whichever drafter proposed the tokens
-    assert len(session.logprobs) == len(reference.logprobs) == (0 if params.logprobs is None else len(session.output))
+        f"{mode} with {session.params}"
+    assert len(session.logprobs) == len(reference.logprobs) == (
+        0 if session.params.logprobs is None else len(session.output))
     for (chosen, ids, values, rank), (chosen_alone, ids_alone, values_alone, rank_alone) in zip(
             session.logprobs, reference.logprobs):
         assert (ids, rank) == (ids_alone, rank_alone)

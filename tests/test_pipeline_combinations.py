@@ -16,7 +16,7 @@ from specctl.pipeline.specpipe import SpecPipeRun
 from specctl.pipeline.token_source import DraftLevels, TreeShape, max_tree_nodes
 from specctl.spec.decode import DecodeSession
 from specctl.errors import NoTokenAllowed
-from tests.test_combinations import MODES, SETTINGS, _drafter, _options, _plain, _prompt, _run
+from tests.test_combinations import MODES, SETTINGS, _drafter, _options, _plain, _prompt, _run, assert_same_session
 
 
 @pytest.fixture(scope="module")
@@ -37,34 +37,29 @@ def pipeline(tiny_dir):
         thread.join(10)
 
 
-def _same(session, reference) -> None:
-    assert (session.output, session.finish_reason) == (reference.output, reference.finish_reason), session.params
-    assert [(ids, rank) for _, ids, _, rank in session.logprobs] == [(ids, rank) for _, ids, _, rank in
-                                                                     reference.logprobs]
-    assert [x for chosen, _, values, _ in session.logprobs for x in (chosen, *values)] == pytest.approx(
-        [x for chosen, _, values, _ in reference.logprobs for x in (chosen, *values)], abs=1e-4)
+def _drawn(pipeline, data) -> tuple:
+    """(the whole target, stage 1, a drawn prompt, drawn options for it)."""
+    target, staged = pipeline
+    prompt = _prompt(data)
+    return target, staged, prompt, _options(data, _plain(target, prompt))
 
 
 @SETTINGS
 @given(data=st.data())
 def test_drawn_options_through_pipeline_stages_in_every_mode_equal_the_whole_target(pipeline, tiny, data):
-    target, staged = pipeline
-    prompt = _prompt(data)
-    params = _options(data, _plain(target, prompt))
+    target, staged, prompt, params = _drawn(pipeline, data)
     mode = data.draw(st.sampled_from(MODES))
     reference, session = _run(target, prompt, params), _run(staged, prompt, params, _drafter(mode, tiny["llama-draft"]))
     if isinstance(reference, str):  # the options bar every token somewhere: the same error
         assert session == reference
     else:
-        _same(session, reference)
+        assert_same_session(session, reference)
 
 
 @SETTINGS
 @given(data=st.data())
 def test_drawn_options_through_specpipe_s_tree_levels_equal_the_whole_target(pipeline, tiny, data):
-    target, staged = pipeline
-    prompt = _prompt(data)
-    params = _options(data, _plain(target, prompt))
+    target, staged, prompt, params = _drawn(pipeline, data)
     shape = TreeShape(data.draw(st.integers(1, 3)), data.draw(st.integers(1, 2)))
     session = DecodeSession(staged, prompt, params, (), None, None, max_tree_nodes(3, shape))
     levels = DraftLevels.for_session(tiny["llama-self2"], shape, session)
@@ -76,7 +71,7 @@ def test_drawn_options_through_specpipe_s_tree_levels_equal_the_whole_target(pip
             assert str(caught.value) == reference
         else:
             SpecPipeRun(staged, session, levels).run()
-            _same(session, reference)
+            assert_same_session(session, reference)
     finally:
         session.close()
         levels.close()
