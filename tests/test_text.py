@@ -76,6 +76,19 @@ def test_include_stop_keeps_the_earliest_stop_string_and_the_shorter_where_two_s
     assert "".join(feed(IncrementalText(tok, ["two t", "two"], include_stop=True), ids, step=13)) == "one two"
 
 
+def test_a_character_still_arriving_is_no_stop_string_but_a_replacement_left_in_the_text_is(tok):
+    """(found by tests/test_gateway_combinations.py: a stop string "\ufffd" ended an answer whose
+    first token was half of "ի", which the text never held)"""
+    arriving = IncrementalText(tok, stop=["\ufffd"])
+    first, second = tok.encode("ի")
+    assert (arriving.push([first]), arriving.stopped) == ("", False)
+    assert (arriving.push([second]), arriving.stopped) == ("ի", False)
+    orphan = IncrementalText(tok, stop=["\ufffd"])  # a lone continuation byte stays a replacement character
+    assert (orphan.push([second]), orphan.push(tok.encode("ab")), orphan.stopped) == ("", "", True)
+    left = IncrementalText(tok, stop=["\ufffd"])  # ... also where the output ends on it
+    assert (left.push(tok.encode("a") + [first]), left.finish(), left.stopped, left.stop_tokens) == ("", "a", True, 2)
+
+
 def test_a_held_back_prefix_is_released_when_it_does_not_become_a_stop(tok):
     ids = tok.encode("ab", add_special_tokens=False)
     text = IncrementalText(tok, ["bc"])

@@ -90,16 +90,12 @@ class IncrementalText:
         if self.stopped:
             return ""
         full = self.full = self.output.push(tokens)
-        hits = [(i, len(s), s) for s in self.stop if (i := full.find(s, max(0, len(self.text) - len(s) + 1))) >= 0]
-        # the one that ended first, as a token at a time would find it; of two ending together, the longer
-        hit = min(hits, key=lambda h: (h[0] + h[1], h[0]), default=None)
         complete = len(full.rstrip("\ufffd"))  # a multi-byte character at the end is not complete yet
+        # (nor is a stop string met in it: its bytes may still make another character)
+        hit = self._first_stop(full, complete)
         match = self.patterns.search(full, complete) if self.patterns is not None else None
         if hit is not None and (match is None or hit[0] + hit[1] <= match.found_at):
-            self.stopped = True
-            at, length, self.matched = hit
-            self.stop_tokens = self._tokens_through(at + length)
-            return self._advance(full[: at + length if self.include_stop else at])
+            return self._stop_with(hit)
         if match is not None:
             return self._stop_at(match)
         if complete < len(full):
@@ -109,11 +105,27 @@ class IncrementalText:
         return self._advance(full[:upto])
 
     def finish(self) -> str:
-        """The held-back tail once the output is complete (no stop string came)."""
+        """The held-back tail once the output is complete (a stop string in an unfinished
+        character at the end, which the output leaves so, still counts)."""
         if self.stopped:
             return ""
+        hit = self._first_stop(self.full, len(self.full))
         match = self.patterns.search(self.full, len(self.full)) if self.patterns is not None else None
+        if hit is not None and (match is None or hit[0] + hit[1] <= match.found_at):
+            return self._stop_with(hit)
         return self._advance(self.full) if match is None else self._stop_at(match)
+
+    def _first_stop(self, full: str, end: int) -> tuple[int, int, str] | None:
+        """(where, length, which) of the stop string that ends first in ``full[:end]`` past what
+        was handed out, as a token at a time would find it; of two ending together, the longer."""
+        hits = [(i, len(s), s) for s in self.stop if (i := full.find(s, max(0, len(self.text) - len(s) + 1), end)) >= 0]
+        return min(hits, key=lambda h: (h[0] + h[1], h[0]), default=None)
+
+    def _stop_with(self, hit: tuple[int, int, str]) -> str:
+        self.stopped = True
+        at, length, self.matched = hit
+        self.stop_tokens = self._tokens_through(at + length)
+        return self._advance(self.full[: at + length if self.include_stop else at])
 
     def _stop_at(self, match: StopMatch) -> str:
         self.stopped, self.matched = True, match.pattern
