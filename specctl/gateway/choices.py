@@ -266,7 +266,13 @@ class Choices:
                 count, first_at = len(progress.tokens), progress.first_at
                 self.metrics.record_generation(event.stats)
                 self.metrics.record_latency(self.arrival, first_at, time.perf_counter(), count)
-                yield Event(text.finish(), event.finish_reason, progress.stats(event.stats), count, [],
+                delta = text.finish()
+                if text.stopped:  # a stop the output's last, unfinished character held: the output ends at it
+                    del progress.tokens[text.stop_tokens:]
+                    yield Event(delta, "stop", progress.stats(event.stats), len(progress.tokens), [],
+                                stop_reason=text.matched)
+                    return
+                yield Event(delta, event.finish_reason, progress.stats(event.stats), count, [],
                             stop_reason=self._stop_reason(event.stop_token, spec.params), stop_token=event.stop_token)
                 return
             event = await stream.next()
