@@ -320,3 +320,24 @@ async def test_a_choice_goes_on_from_its_tokens_and_one_whose_done_alone_was_los
         assert upstream.resumed == [(), (104, 105, 33)] and text == tokenizer.decode([104, 105, 33, 33, 33])
         assert events[-1].finish == "length" and events[-1].count == 5
         assert events[-1].stats == {"rounds": 1, "resumes": 1, "resumed_tokens": 3}  # the rounds: after the resume
+
+
+async def test_a_choice_whose_done_alone_was_lost_still_ends_at_a_stop_its_last_unfinished_character_holds():
+    from specctl.engine.tiny import make_byte_tokenizer
+    from specctl.gateway.choices import Choices, ChoiceSpec
+    from specctl.gateway.metrics import GatewayMetrics
+    from specctl.net.protocol import Tokens
+    from specctl.verify.client import RemoteError
+
+    lost = RemoteError("disconnected", "target instance a:1 closed the connection mid-stream")
+    tokenizer = make_byte_tokenizer()
+    unfinished = tokenizer.encode("hi\u20ac", add_special_tokens=False)[:3]  # "hi" and the euro sign's first byte
+    assert tokenizer.decode(unfinished) == "hi\ufffd"
+    upstream = _ScriptedUpstream([Tokens(1, unfinished), lost])
+    spec = ChoiceSpec(0, [1, 2], SamplingParams(max_tokens=3))
+    async with Choices(upstream, GatewayMetrics(), tokenizer, [spec], ["\ufffd"]) as choices:
+        events = [event async for _, event in choices.events()]
+    assert upstream.resumed == [()]  # all three came: nothing to go on with
+    assert "".join(event.delta for event in events) == "hi"
+    # the count: up to the token that completed the stop (as a stop met mid-stream counts it)
+    assert (events[-1].finish, events[-1].count, events[-1].stop_reason) == ("stop", 3, "\ufffd")

@@ -92,12 +92,9 @@ class IncrementalText:
         full = self.full = self.output.push(tokens)
         complete = len(full.rstrip("\ufffd"))  # a multi-byte character at the end is not complete yet
         # (nor is a stop string met in it: its bytes may still make another character)
-        hit = self._first_stop(full, complete)
-        match = self.patterns.search(full, complete) if self.patterns is not None else None
-        if hit is not None and (match is None or hit[0] + hit[1] <= match.found_at):
-            return self._stop_with(hit)
-        if match is not None:
-            return self._stop_at(match)
+        ended = self._first_end(complete)
+        if ended is not None:
+            return ended
         if complete < len(full):
             return ""
         hold = next((k for k, s in self._prefixes.get(full[-1:], ()) if full.endswith(s[:k])), 0)
@@ -109,11 +106,18 @@ class IncrementalText:
         character at the end, which the output leaves so, still counts)."""
         if self.stopped:
             return ""
-        hit = self._first_stop(self.full, len(self.full))
-        match = self.patterns.search(self.full, len(self.full)) if self.patterns is not None else None
+        ended = self._first_end(len(self.full))
+        return self._advance(self.full) if ended is None else ended
+
+    def _first_end(self, end: int) -> str | None:
+        """Stops at the stop string or pattern met first in the text's first ``end`` characters
+        (a stop string ending where a pattern's match is found wins) and returns the delta;
+        None if neither is there."""
+        hit = self._first_stop(self.full, end)
+        match = self.patterns.search(self.full, end) if self.patterns is not None else None
         if hit is not None and (match is None or hit[0] + hit[1] <= match.found_at):
             return self._stop_with(hit)
-        return self._advance(self.full) if match is None else self._stop_at(match)
+        return None if match is None else self._stop_at(match)
 
     def _first_stop(self, full: str, end: int) -> tuple[int, int, str] | None:
         """(where, length, which) of the stop string that ends first in ``full[:end]`` past what

@@ -182,7 +182,7 @@ class Choices:
                         raise
                     lost = exc
                 if len(progress.tokens) >= spec.params.max_tokens:  # all of it came, only its DONE was lost
-                    await self._queue.put((k, Event(progress.text.finish(), "length", {}, len(progress.tokens), [])))
+                    await self._queue.put((k, self._last(progress, {}, "length", None, spec.params)))
                     return
                 progress.resumes, progress.resumed_tokens = progress.resumes + 1, len(progress.tokens)
                 self.metrics.resumed_generations.inc()
@@ -263,19 +263,24 @@ class Choices:
                     return
                 yield Event(delta, None, {}, count, logprobs, tokens=tokens)
             else:
-                count, first_at = len(progress.tokens), progress.first_at
                 self.metrics.record_generation(event.stats)
-                self.metrics.record_latency(self.arrival, first_at, time.perf_counter(), count)
-                delta = text.finish()
-                if text.stopped:  # a stop the output's last, unfinished character held: the output ends at it
-                    del progress.tokens[text.stop_tokens:]
-                    yield Event(delta, "stop", progress.stats(event.stats), len(progress.tokens), [],
-                                stop_reason=text.matched)
-                    return
-                yield Event(delta, event.finish_reason, progress.stats(event.stats), count, [],
-                            stop_reason=self._stop_reason(event.stop_token, spec.params), stop_token=event.stop_token)
+                last = self._last(progress, progress.stats(event.stats), event.finish_reason, event.stop_token,
+                                  spec.params)
+                self.metrics.record_latency(self.arrival, progress.first_at, time.perf_counter(), last.count)
+                yield last
                 return
             event = await stream.next()
+
+    def _last(self, progress: Progress, stats: dict, finish_reason: str | None, stop_token: int | None,
+              params: SamplingParams) -> Event:
+        """A choice's last event once its generation is done: the text's rest — cut at a stop
+        its last, unfinished character held (the output ends there, as a stop)."""
+        delta = progress.text.finish()
+        if progress.text.stopped:
+            del progress.tokens[progress.text.stop_tokens:]
+            return Event(delta, "stop", stats, len(progress.tokens), [], stop_reason=progress.text.matched)
+        return Event(delta, finish_reason, stats, len(progress.tokens), [],
+                     stop_reason=self._stop_reason(stop_token, params), stop_token=stop_token)
 
     def _stop_reason(self, stop_token: int | None, params: SamplingParams) -> int | None:
         """The stop token id that ended an output, as vLLM reports it: one of the request's
