@@ -1,0 +1,60 @@
+"""A proposal's rows, adjusted by a request's drawn options all at once (LogitRules.apply over
+every node of a tree), are the rows the target alone computes one token at a time along each
+node's path: exactly, not only their argmax — what sampled verification reads. No model: drawn
+logits, prompts, outputs and trees."""
+
+import dataclasses
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specctl.spec.logit_rules import LogitRules
+from tests.test_combinations import VOCAB, _options
+
+SETTINGS = settings(max_examples=200, deadline=None, derandomize=True)
+
+
+def _tree_paths(data, tokens: list[int]) -> list[list[int]]:
+    """A drawn tree's node paths past the committed text (the root's empty), tokens drawn
+    mostly from ``tokens`` so that penalties, bad words and markers meet them."""
+    paths = [[]]
+    for _ in range(data.draw(st.integers(0, 12))):
+        parent = paths[data.draw(st.integers(0, len(paths) - 1))]
+        paths.append(parent + [data.draw(st.sampled_from(tokens) | st.integers(0, VOCAB - 1))])
+    return paths
+
+
+def _rules(params, prompt: list[int], stop_ids: set[int]) -> LogitRules:
+    return LogitRules(params, prompt, stop_ids, VOCAB, torch.device("cpu"))
+
+
+@SETTINGS
+@given(data=st.data())
+def test_every_nodes_row_of_a_drawn_tree_is_the_target_alones_row_after_its_path(data):
+    seed = data.draw(st.integers(0, 2**16))
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, VOCAB, (data.draw(st.integers(1, 20)),), generator=generator).tolist()
+    text = torch.randint(0, VOCAB, (24,), generator=generator).tolist()
+    params = _options(data, text)
+    if data.draw(st.booleans()):  # a thought's budget over a drawn output, with its end's markers in it
+        params = dataclasses.replace(params, thinking_budget=data.draw(st.integers(0, 4)),
+                                     thinking_markers=((text[0],), tuple(text[1:data.draw(st.integers(2, 3))])))
+    stop_ids = set(data.draw(st.lists(st.sampled_from(text), max_size=2))) | set(params.stop_token_ids)
+    committed = text[: data.draw(st.integers(0, 10))]
+    paths = _tree_paths(data, text)
+    logits = torch.randn(len(paths), VOCAB, generator=generator) * 4
+
+    rules = _rules(params, prompt, stop_ids)
+    for token in committed:  # the session's output so far, a token a round
+        rules.record([token])
+    rows = rules.apply(logits, paths)
+    barred = rules.barred.tolist() if rules.barred is not None else [False] * len(paths)
+
+    for r, path in enumerate(paths):
+        alone = _rules(params, prompt, stop_ids)
+        for token in committed + path:
+            alone.record([token])
+        row = alone.apply(logits[r : r + 1], [[]])
+        assert torch.equal(rows[r : r + 1], row), f"node {r} (path {path}) with {params}"
+        assert barred[r] == (alone.barred is not None and bool(alone.barred[0]))
