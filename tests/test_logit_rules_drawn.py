@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specctl.spec.logit_rules import LogitRules
+from specctl.spec.sampling import probs_from_logits
 from tests.test_combinations import VOCAB, _options
 
 SETTINGS = settings(max_examples=200, deadline=None, derandomize=True)
@@ -25,6 +26,14 @@ def _tree_paths(data, tokens: list[int]) -> list[list[int]]:
     return paths
 
 
+def _samplers():
+    """Greedy, or temperature with top-k, top-p and min-p in a drawn order."""
+    return st.one_of(st.just({}), st.fixed_dictionaries({
+        "temperature": st.sampled_from([0.3, 1.0, 1.7]), "top_k": st.sampled_from([0, 1, 5, 40]),
+        "top_p": st.sampled_from([1.0, 0.95, 0.5]), "min_p": st.sampled_from([0.0, 0.05, 0.3]),
+        "sampler_order": st.sampled_from([(), ("top_k", "top_p", "min_p", "temperature")])}))
+
+
 def _rules(params, prompt: list[int], stop_ids: set[int]) -> LogitRules:
     return LogitRules(params, prompt, stop_ids, VOCAB, torch.device("cpu"))
 
@@ -36,7 +45,7 @@ def test_every_nodes_row_of_a_drawn_tree_is_the_target_alones_row_after_its_path
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, VOCAB, (data.draw(st.integers(1, 20)),), generator=generator).tolist()
     text = torch.randint(0, VOCAB, (24,), generator=generator).tolist()
-    params = _options(data, text)
+    params = dataclasses.replace(_options(data, text), **data.draw(_samplers()))
     if data.draw(st.booleans()):  # a thought's budget over a drawn output, with its end's markers in it
         params = dataclasses.replace(params, thinking_budget=data.draw(st.integers(0, 4)),
                                      thinking_markers=((text[0],), tuple(text[1:data.draw(st.integers(2, 3))])))
@@ -57,4 +66,6 @@ def test_every_nodes_row_of_a_drawn_tree_is_the_target_alones_row_after_its_path
             alone.record([token])
         row = alone.apply(logits[r : r + 1], [[]])
         assert torch.equal(rows[r : r + 1], row), f"node {r} (path {path}) with {params}"
+        # and the distribution sampled verification draws from at the node: the same
+        assert torch.equal(probs_from_logits(rows, params)[r : r + 1], probs_from_logits(row, params))
         assert barred[r] == (alone.barred is not None and bool(alone.barred[0]))

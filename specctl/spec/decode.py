@@ -22,7 +22,7 @@ from specctl.spec.params import SamplingParams
 from specctl.spec.sampling import checked_token, probs_from_logits, sample, sample_tensor
 from specctl.spec.stats import GenerationStats
 from specctl.spec.structured import Structure
-from specctl.spec.verify import accept_chain_sampling, accept_greedy, accept_tree_sampling
+from specctl.spec.verify import accept_proposal
 
 
 def runs_ahead(params: SamplingParams, max_nodes: int, target: Decoder) -> bool:
@@ -34,16 +34,6 @@ def runs_ahead(params: SamplingParams, max_nodes: int, target: Decoder) -> bool:
     request adjusts the logits (spec.logit_rules): the next token's rules need this one."""
     static = getattr(target, "static", None)  # a pipeline of stages has none
     return max_nodes == 1 and static is not None and static.graphs and not params.adjusts_logits
-
-
-def verify(logits: torch.Tensor, proposal, params: SamplingParams, generator) -> tuple[list[int], int]:
-    """Pick the acceptance rule that keeps this proposal lossless."""
-    if params.greedy:
-        return accept_greedy(proposal.tree, logits)
-    p = probs_from_logits(logits, params)
-    if (q := proposal.draft_probs) is not None:
-        return accept_chain_sampling(proposal.tree, q() if callable(q) else q, p, generator)
-    return accept_tree_sampling(proposal.tree, p, generator)
 
 
 class DecodeSession:
@@ -282,10 +272,10 @@ class DecodeSession:
             if self.run_ahead:
                 bonus = self._read_running_ahead(logits)
             else:
-                bonus = verify(self._scored(logits, tree), proposal, self.params, self.generator)[1]
+                bonus = accept_proposal(self._scored(logits, tree), proposal, self.params, self.generator)[1]
             self.last_path, self.last_committed = [], [bonus]
             return self._settle_ahead(self._emit(self.last_committed, logits[:1], None if self.run_ahead else [0]))
-        path, bonus = verify(self._scored(logits, tree), proposal, self.params, self.generator)
+        path, bonus = accept_proposal(self._scored(logits, tree), proposal, self.params, self.generator)
         self.cache.gather(torch.cat([torch.arange(prefix), prefix + torch.tensor([0, *path], dtype=torch.long)]))
         self.last_path = path
         self.last_committed = [int(t) for t in tree.tokens[path].tolist()] + [bonus]

@@ -30,7 +30,7 @@ class Proposal:
     # its tensors on the compute thread, before verification
     tree: TokenTree | PlainTree
     # q for each chain position when the chain's tokens were sampled from it: [len(tree)-1, V], or
-    # what makes it on the compute thread (a remote proposal's sparse rows: spec.decode.verify)
+    # what makes it on the compute thread (a remote proposal's sparse rows: spec.verify.accept_proposal)
     draft_probs: torch.Tensor | Callable[[], torch.Tensor] | None = None
     # The draft's candidates after each node in its KV (every node but the last level: a
     # chain's x_0..x_{d-1}), likeliest first: [fed + 1, RANKED] token ids (pre-speculation

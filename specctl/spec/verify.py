@@ -23,7 +23,20 @@ from __future__ import annotations
 import torch
 
 from specctl.engine.tree import TokenTree
-from specctl.spec.sampling import sample, sample_tensor, uniform
+from specctl.spec.params import SamplingParams
+from specctl.spec.sampling import probs_from_logits, sample, sample_tensor, uniform
+
+
+def accept_proposal(logits: torch.Tensor, proposal, params: SamplingParams, generator) -> tuple[list[int], int]:
+    """The acceptance rule that keeps this proposal (a spec.drafters.Proposal) lossless:
+    greedy; a chain sampled from the draft's q (its rows, or what makes them); deterministic
+    candidates."""
+    if params.greedy:
+        return accept_greedy(proposal.tree, logits)
+    p = probs_from_logits(logits, params)
+    if (q := proposal.draft_probs) is not None:
+        return accept_chain_sampling(proposal.tree, q() if callable(q) else q, p, generator)
+    return accept_tree_sampling(proposal.tree, p, generator)
 
 
 def _children_table(tree: TokenTree) -> list[list[int]]:
