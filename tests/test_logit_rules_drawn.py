@@ -69,3 +69,59 @@ def test_every_nodes_row_of_a_drawn_tree_is_the_target_alones_row_after_its_path
         # and the distribution sampled verification draws from at the node: the same
         assert torch.equal(probs_from_logits(rows, params)[r : r + 1], probs_from_logits(row, params))
         assert barred[r] == (alone.barred is not None and bool(alone.barred[0]))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_with_a_drawn_grammar_every_reachable_nodes_row_is_the_target_alones_after_its_path(data):
+    from specctl.engine.tiny import make_byte_tokenizer
+    from specctl.spec.structured import Structure
+    from tests.test_combinations import _grammars
+
+    tokenizer, eos, vocab = make_byte_tokenizer(), 256, 320  # the tiny models' vocabulary
+    kind, spec, _ = data.draw(_grammars())
+    generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    prompt = tokenizer.encode("answer: ")
+    params = dataclasses.replace(_options(data, tokenizer.encode('{"ok": true, "n": 12} yes-a1')),
+                                 structured=(kind, spec), ignore_eos=False)
+    stop_ids = {eos} | set(params.stop_token_ids)
+
+    def rules() -> LogitRules:
+        return LogitRules(params, prompt, stop_ids, vocab, torch.device("cpu"),
+                          Structure(kind, spec, tokenizer, vocab, stop_ids, torch.device("cpu")))
+
+    session = rules()
+
+    def allowed_after(path: list[int]) -> list[int]:
+        """The tokens the session's rules allow after ``path`` (none where they bar every one:
+        the session ends there with NoTokenAllowed)."""
+        allowed = session.apply(torch.zeros(1, vocab), [path])[0] > float("-inf")
+        return [] if session.barred is not None and session.barred[0] else allowed.nonzero().flatten().tolist()
+
+    committed: list[int] = []
+    for _ in range(data.draw(st.integers(0, 6))):  # an output so far the grammar allows
+        choices = [t for t in allowed_after([]) if t not in stop_ids]
+        if not choices:
+            break
+        committed.append(data.draw(st.sampled_from(choices)))
+        session.record(committed[-1:])
+    # a tree whose nodes each follow a token its parent's row allows (a node off the grammar is
+    # never reached: refused at its parent's row), or now and then one it refuses
+    paths, reachable = [[]], [True]
+    for _ in range(data.draw(st.integers(0, 10))):
+        parent = data.draw(st.integers(0, len(paths) - 1))
+        choices = allowed_after(paths[parent]) if reachable[parent] else []
+        refused = not choices or data.draw(st.integers(0, 9)) == 0
+        paths.append(paths[parent] + [data.draw(st.integers(0, vocab - 1) if refused else st.sampled_from(choices))])
+        reachable.append(reachable[parent] and not refused and paths[parent][-1:] != [eos])
+    logits = torch.randn(len(paths), vocab, generator=generator) * 4
+    rows = session.apply(logits, paths)
+
+    for r, path in enumerate(paths):
+        if not reachable[r] or any(t in stop_ids for t in path):  # the target alone never computes it
+            continue
+        alone = rules()
+        for token in committed + path:
+            alone.record([token])
+        assert torch.equal(rows[r : r + 1], alone.apply(logits[r : r + 1], [[]])), f"node {r} (path {path})"
+        assert session.ended[r] == alone.ended[0]
