@@ -96,6 +96,8 @@ class _MultiSession(DraftSession):
 
     def propose(self, seq, params, generator):
         owner, policy = self.owner, self.owner.policy
+        if params.repeatable:  # a seeded sample: no round chosen by measured times, so the seed repeats its text
+            self.gate = None
         self.observe(seq)  # a drafter not asked this round (suffix decoding) still learns the text
         scores, up = [s.value for s in self.scores], [True] * len(self.sessions)
         lead = TOP

@@ -47,7 +47,7 @@ def draft_seed(seed: int | None) -> int:
 def reproducible_draft(params: SamplingParams, greedy_drafts: bool) -> bool:
     """Ask the draft to compute as a cold start alone would (OpenSession.reproducible)? For a
     seeded sample, so that the seed repeats the text; not for one of several drafters (greedy
-    drafts, fusion), whose routing follows measured times: a seed cannot fix the text there."""
+    drafts, fusion), whose drafters a round's deadline skips: a seed cannot fix the text there."""
     return params.repeatable and not greedy_drafts
 
 
