@@ -4,6 +4,7 @@ family's numerics allow, bf16 logits equal to transformers' to the bit."""
 
 import dataclasses
 import math
+import types
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from specctl.engine.families import _gpt_oss
 from specctl.engine.fusion import fuse_projections
 from specctl.engine.layers import PlainMLP
 from specctl.engine.loader import load_decoder
@@ -569,6 +571,16 @@ def _mxfp4_checkpoint(source, directory):
 
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def test_a_gpt_oss_config_without_its_swiglu_values_reads_those_older_transformers_hard_coded():
+    """transformers 5.17 (a lent H100's) has no swiglu_alpha on GptOssConfig: 103 GPU tests
+    errored loading the tiny gpt-oss (2026-12-06); its GptOssExperts used 1.702 and 7.0."""
+    config = tiny_config("gpt_oss")
+    config.swiglu_alpha, config.swiglu_limit = 1.5, 9.0
+    assert ModelSpec.from_hf(config).clamped_swiglu == (1.5, 9.0)
+    assert _gpt_oss(types.SimpleNamespace(swiglu_limit=9.0))["clamped_swiglu"] == (1.702, 9.0)
+    assert _gpt_oss(types.SimpleNamespace())["clamped_swiglu"] == (1.702, 7.0)
 
 
 def test_gpt_oss_mxfp4_experts_load_dequantized_as_transformers_loads_them(tiny_dir, tmp_path):

@@ -10,7 +10,8 @@ from specctl.engine.fusion import fuse_projections
 from specctl.engine.loader import load_decoder
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.spares import SPARES_PER_SIZE
-from specctl.engine.static import BUCKETS, SLOT_QUANTUM, StepGraph, bucket_for, step_mask
+from specctl.engine.static import BUCKETS, COMPILES_A_RUNNER, SLOT_QUANTUM, StepGraph, bucket_for, step_mask
+from specctl.engine.tiny import make_tiny_model
 from specctl.errors import KVBudgetExceeded
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter
 from specctl.spec.rounds import generate
@@ -193,12 +194,49 @@ def test_padding_rows_leave_the_cache_as_the_ragged_path_does(tiny, tiny_dir):
     assert static_cache.steps == {} and static_cache.kv.numel() == 0 and target.static.spares.by_slots[SLOT_QUANTUM] == []
 
 
-def test_a_step_that_does_not_fit_runs_on_the_ragged_path(static_pair):
+def test_a_step_that_does_not_fit_runs_on_the_ragged_path(tiny, static_pair):
+    """90 rows with a mask (a large tree's verification): no bucket holds them and no chunks can
+    (chunks are causal), so they run eagerly; a causal forward of 90 runs as steps of 64 and 32
+    (it passed on the CPU only because earlier tests had left those steps on the reused buffer;
+    on an H100, run alone, it failed: the test predated chunked prefills)."""
     target, _ = static_pair
     cache = target.new_cache(100)
     steps = dict(cache.steps)  # those of earlier sessions on this buffer
-    target(torch.arange(90), torch.arange(90), cache)  # 90 tokens: no bucket
+    mask = torch.ones(90, 90, dtype=torch.bool).tril()
+    logits = target(torch.arange(90), torch.arange(90), cache, mask=mask)
     assert cache.steps == steps and cache.length == 90
+    plain = tiny["qwen2"]
+    torch.testing.assert_close(logits, plain(torch.arange(90), torch.arange(90), plain.new_cache(100)), rtol=1e-4,
+                               atol=1e-4)
+    cache.release()
+    chunked = target.new_cache(1200)  # a KV size no other test uses: no steps left on it
+    assert chunked.steps == {}
+    target(torch.arange(90), torch.arange(90), chunked)
+    assert sorted(chunked.steps) == [32, 64] and chunked.length == 90
+
+
+def test_each_compiled_runner_makes_room_for_its_own_compiles(tiny_dir):
+    config = torch._dynamo.config
+    before = (config.recompile_limit, config.accumulated_recompile_limit)
+    load_decoder(tiny_dir["llama"]).use_static_steps(compile=False)
+    assert (config.recompile_limit, config.accumulated_recompile_limit) == before
+    fuse_projections(load_decoder(tiny_dir["llama"])).use_static_steps(compile=True)  # nothing compiled yet
+    fuse_projections(load_decoder(tiny_dir["qwen2"])).use_static_steps(compile=True)
+    assert config.recompile_limit >= max(before[0], COMPILES_A_RUNNER) + 2 * COMPILES_A_RUNNER
+    assert config.accumulated_recompile_limit >= before[1] + 6 * COMPILES_A_RUNNER
+
+
+@pytest.mark.slow
+def test_five_model_shapes_compiled_at_every_bucket_in_one_process(tmp_path):
+    """Each shape compiles a piece once a bucket, all against one limit per function: with a
+    fixed limit of 28 the fifth shape failed its step (Dynamo recompile limit exceeded, an H100)."""
+    for i, hidden in enumerate((32, 48, 64, 80, 96)):
+        path = make_tiny_model(tmp_path / str(hidden), "llama", seed=i, hidden=hidden)
+        decoder = fuse_projections(load_decoder(path)).use_static_steps(compile=True)
+        for n in BUCKETS:
+            cache = decoder.new_cache(100)
+            assert decoder(torch.arange(n), torch.arange(n), cache).shape == (n, decoder.spec.vocab_size)
+            cache.release()
 
 
 def test_static_steps_need_a_full_model(tiny_dir):

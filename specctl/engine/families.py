@@ -98,7 +98,8 @@ def _gpt_oss(config: Any) -> dict[str, Any]:
     mixture of clamped-SwiGLU experts whose router softmaxes its top-k logits (sliding and full
     layers alternate: layer_windows; YaRN RoPE: ModelSpec.inv_freq)."""
     return dict(attention_sinks=True, norm_scale_in_float32=True, routing="softmax_over_chosen",
-                clamped_swiglu=(config.swiglu_alpha, config.swiglu_limit))
+                # older transformers' configs lack them: its GptOssExperts hard-coded these values
+                clamped_swiglu=(getattr(config, "swiglu_alpha", 1.702), getattr(config, "swiglu_limit", 7.0)))
 
 
 def _deepseek_v3(config: Any) -> dict[str, Any]:

@@ -179,6 +179,18 @@ class StepGraph:
         return out[torch.tensor(rows, device=out.device)]
 
 
+COMPILES_A_RUNNER = 2 * len(BUCKETS)  # a model shape's compiles of one piece: one a bucket, with room to spare
+
+
+def make_room_for_compiles() -> None:
+    """Raise torch's recompile limits by a runner's share: every model shape compiles each piece
+    once a bucket against one limit per function, and with fullgraph=True a limit met fails the
+    step (a fixed 28 failed a process's fifth model shape on an H100, 2026-12-06)."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, COMPILES_A_RUNNER) + COMPILES_A_RUNNER
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 256) + 3 * COMPILES_A_RUNNER
+
+
 class StaticRunner:
     """Runs a full decoder's small steps padded (and, on CUDA with ``graphs``, as CUDA
     graphs), one StepGraph per (cache, bucket), kept on the cache so it goes with it."""
@@ -202,7 +214,7 @@ class StaticRunner:
                 # One specialised compile per bucket (automatic dynamic shapes made slower
                 # kernels on an H100); attention's KV length differs between sessions, so it
                 # gets one compile with symbolic sizes.
-                torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(BUCKETS))
+                make_room_for_compiles()
                 self.pieces = (torch.compile(before_attention, fullgraph=True, dynamic=False),
                                torch.compile(static_attention, fullgraph=True, dynamic=True),
                                torch.compile(after_attention, fullgraph=True, dynamic=False))
