@@ -7,7 +7,8 @@
 # device returns at most 8 files). Wheels the device lacks travel in .whl (`bash
 # examples/gpu_wheels.sh --flashinfer` fetches them here). Run it with
 #   device run: command "bash examples/gpu_session.sh", carry [".whl"], timeout_s 570
-# (2026-11-27, session 37: 464 s). `bash examples/gpu_session.sh flashinfer` runs flashinfer's
+# (2026-11-27, session 37: 464 s; 2026-12-06, session 89: 379 s before the departure probes).
+# `bash examples/gpu_session.sh flashinfer` runs flashinfer's
 # tests alone. flashinfer is installed in a folder of its own used by its steps only (installed,
 # `auto` would pick it for the benchmarks' bf16 shapes).
 set -o pipefail
@@ -41,4 +42,10 @@ echo "== flashinfer kernels t=$SECONDS"
 with_flashinfer timeout "$(left 90)" python3 -m specctl bench kernels --model 1.5b --dtype bf16 --attention flashinfer \
   --no-graphs --sizes 1,4,16 --repeats 5 --sessions 4,16 --json "$G/kernels-1.5b-flashinfer.json" 2>&1 \
   | tee "$G/kernels-1.5b-flashinfer.log" | tail -20
+echo "== bf16 departures t=$SECONDS"
+# 2026-12-06: gpt-oss's bf16 chain departed from AR on CUDA (tests/test_gpu.py BF16_DEPARTS_ON_CUDA); and would
+# one step shape for every forward (ONE_BUCKET) make a 1.5B's speculative rows AR's bits, at what AR cost?
+timeout "$(left 40)" python3 examples/gpu_moe_departure.py gpt_oss 2>&1 | grep -v -i warn | tee "$G/moe-departure.log"
+ONE_BUCKET=1 VARIANTS=graphs+compile timeout "$(left 80)" python3 examples/gpu_bf16_departure.py 128 2>&1 \
+  | grep -e prompt -e "==" | tee "$G/one-bucket-departure.log"
 echo "== done t=$SECONDS"

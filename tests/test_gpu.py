@@ -298,6 +298,12 @@ def test_cuda_fp32_equals_cpu_fp32(tiny_dir, tiny):
     assert same == len(PROMPTS)
 
 
+# bf16 bit-equality with AR is not claimed on CUDA (README): kernels are chosen by shape. The tiny
+# families keep it but these, which an H100 found departing; examples/gpu_moe_departure.py looks for why.
+BF16_DEPARTS_ON_CUDA = {"gpt_oss": "its bf16 chain left AR at token 8 of [5, 9, 13, 2] on an H100, 2026-12-06, "
+                                   "compiled or not (fp32 equal to the CPU's)"}
+
+
 @pytest.mark.parametrize("compile", [False, True])
 @pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe", "mixtral", "olmo3",
                                   "starcoder2", "smollm3", "glm4", "exaone4", "cohere2", "gpt_oss",
@@ -318,6 +324,8 @@ def test_families_on_cuda_graphs_equal_cpu_fp32_and_bf16_speculative_equals_bf16
     for prompt in PROMPTS:
         reference, _, _ = generate(target, prompt, params)
         for mode, drafter in _drafters(draft).items():
+            if generate(target, prompt, params, drafter)[0] != reference and arch in BF16_DEPARTS_ON_CUDA:
+                pytest.xfail(f"{arch} bf16 {mode} diverged on {prompt}: {BF16_DEPARTS_ON_CUDA[arch]}")
             assert generate(target, prompt, params, drafter)[0] == reference, f"{arch} bf16 {mode} diverged on {prompt}"
 
 
