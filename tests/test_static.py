@@ -10,7 +10,8 @@ from specctl.engine.fusion import fuse_projections
 from specctl.engine.loader import load_decoder
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.spares import SPARES_PER_SIZE
-from specctl.engine.static import BUCKETS, COMPILES_A_RUNNER, SLOT_QUANTUM, StepGraph, bucket_for, step_mask
+from specctl.engine.static import BUCKETS, COMPILES_A_RUNNER, SLOT_QUANTUM, bucket_for
+from specctl.engine.static_step import StepGraph, step_mask
 from specctl.engine.tiny import make_tiny_model
 from specctl.errors import KVBudgetExceeded
 from specctl.spec.drafters import ModelChainDrafter, ModelTreeDrafter, NgramDrafter

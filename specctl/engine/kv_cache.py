@@ -91,7 +91,7 @@ class KVCache:
         if pool is not None:
             pool.reserve(self.nbytes)
         if spare is None:
-            self.steps: dict = {}  # bucket -> engine.static.StepGraph (its CUDA graph bakes in kv's address)
+            self.steps: dict = {}  # bucket -> engine.static_step.StepGraph (its CUDA graph bakes in kv's address)
             if arena is None:
                 # Keys and values in one buffer [layers, planes, 1, kv_heads, slots, head_dim]: a static
                 # step writes both of a layer in one kernel (``k`` and ``v`` are views of it).

@@ -14,7 +14,7 @@ from specctl.engine.moe import ClampedSwiGLUExpert, Routing, SparseMoE
 from specctl.engine.norms import RMSNorm, make_norm, rms_norm, unit_rms_norm
 from specctl.engine.rope import apply_rope
 from specctl.engine.spec import ModelSpec
-from specctl.engine.static import StaticSegment
+from specctl.engine.static_step import StaticSegment
 from specctl.engine.window import WindowCut
 from specctl_kernels import eager_attention, get_attention, row_exact, static_attention
 from specctl_kernels.paged import PlannedForward

@@ -19,7 +19,8 @@ from specctl.engine.norms import make_norm
 from specctl.engine.prefix_cache import PrefixCache
 from specctl.engine.rope import layer_ropes
 from specctl.engine.spec import ModelSpec
-from specctl.engine.static import CUDA_LOCK, StaticRunner, StaticSegment
+from specctl.engine.static import CUDA_LOCK, StaticRunner
+from specctl.engine.static_step import StaticSegment
 from specctl.engine.window import window_cut
 from specctl.runtime.emulation import floored
 from specctl_kernels.paged import PagedAttention
