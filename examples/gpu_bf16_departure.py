@@ -9,7 +9,7 @@ Random weights of the Qwen2.5 1.5B shape, as examples/gpu_e2e_random_weights.py 
    written the same bits?
 Each on static steps with CUDA graphs and compiled layers (the e2e's), with graphs alone, and
 eagerly. Usage: python examples/gpu_bf16_departure.py [TOKENS] (VARIANTS=eager DEVICE=cpu SHAPE=0.5b for a
-check on the CPU)"""
+check on the CPU; MIN_BUCKET / ONE_BUCKET: see below)"""
 import os
 import sys
 import time
@@ -28,10 +28,14 @@ from specctl.spec.drafters import ModelChainDrafter, NgramDrafter
 from specctl.spec.rounds import generate
 
 DEVICE, SHAPE = os.environ.get("DEVICE", "cuda"), os.environ.get("SHAPE", "1.5b")
-if os.environ.get("ONE_BUCKET"):  # every static step padded to the largest bucket: one shape for every forward
+# MIN_BUCKET=N: every static step padded to at least N rows (64, or ONE_BUCKET=1: one shape for
+# every forward; 16: a decode step shaped as a verification of up to 16 tokens)
+MIN_BUCKET = 64 if os.environ.get("ONE_BUCKET") else int(os.environ.get("MIN_BUCKET", "0"))
+if MIN_BUCKET:
     import specctl.engine.static as static_steps
 
-    static_steps.bucket_for = lambda n: static_steps.BUCKETS[-1] if n <= static_steps.BUCKETS[-1] else None
+    static_steps.bucket_for = lambda n: next((size for size in static_steps.BUCKETS if size >= max(n, MIN_BUCKET)), None)
+    print(f"static steps padded to at least {MIN_BUCKET} rows", flush=True)
 
 
 def build(static: str):

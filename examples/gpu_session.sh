@@ -46,6 +46,8 @@ echo "== bf16 departures t=$SECONDS"
 # 2026-12-06: gpt-oss's bf16 chain departed from AR on CUDA (tests/test_gpu.py BF16_DEPARTS_ON_CUDA); and would
 # one step shape for every forward (ONE_BUCKET) make a 1.5B's speculative rows AR's bits, at what AR cost?
 timeout "$(left 40)" python3 examples/gpu_moe_departure.py gpt_oss 2>&1 | grep -v -i warn | tee "$G/moe-departure.log"
-ONE_BUCKET=1 VARIANTS=graphs+compile timeout "$(left 80)" python3 examples/gpu_bf16_departure.py 128 2>&1 \
-  | grep -e prompt -e "==" | tee "$G/one-bucket-departure.log"
+for rows in 64 16; do
+  MIN_BUCKET=$rows VARIANTS=graphs+compile timeout "$(left 70)" python3 examples/gpu_bf16_departure.py 128 2>&1 \
+    | grep -e prompt -e "==" -e padded | tee "$G/min-bucket-$rows-departure.log"
+done
 echo "== done t=$SECONDS"
