@@ -3,16 +3,16 @@
 # session has 15 minutes of device time): flashinfer's checks first (its kernels JIT-compile on
 # first use, 17-37 s each), then the GPU tests, the kernel benchmark of both Qwen shapes with
 # profiles, the end-to-end run and flashinfer's eager/paged timings. Each step gets what is left
-# of DEADLINE seconds (default 520), so the logs always come back: packed as $OUT/gpu.tgz (the
+# of DEADLINE seconds (default 550), so the logs always come back: packed as $OUT/gpu.tgz (the
 # device returns at most 8 files). Wheels the device lacks travel in .whl (`bash
 # examples/gpu_wheels.sh --flashinfer` fetches them here). Run it with
-#   device run: command "bash examples/gpu_session.sh", carry [".whl"], timeout_s 570
+#   device run: command "bash examples/gpu_session.sh", carry [".whl"], timeout_s 580
 # (2026-11-27, session 37: 464 s; 2026-12-06, session 89: 379 s before the departure probes).
 # `bash examples/gpu_session.sh flashinfer` runs flashinfer's
 # tests alone. flashinfer is installed in a folder of its own used by its steps only (installed,
 # `auto` would pick it for the benchmarks' bf16 shapes).
 set -o pipefail
-FINAL=${OUT:-/tmp/gpu-session}; G=/tmp/gpu-session-logs; mkdir -p "$G" "$FINAL"; DEADLINE=${DEADLINE:-520}
+FINAL=${OUT:-/tmp/gpu-session}; G=/tmp/gpu-session-logs; mkdir -p "$G" "$FINAL"; DEADLINE=${DEADLINE:-550}
 left() { local l=$((DEADLINE - SECONDS)); [ $l -gt $1 ] && echo $1 || echo $((l > 1 ? l : 1)); }
 trap 'tar czf "$FINAL/gpu.tgz" -C "$G" .' EXIT
 base_wheels=$(ls .whl/*.whl | grep -v -e flashinfer -e tvm_ffi)
