@@ -30,7 +30,7 @@ def models(tiny_dir):
     return target, drafts
 
 
-async def _start(models, policy=None, deadline_s=2.0, modes=("chain", "chain"), ngram_depth=3):
+async def _start(models, policy=None, deadline_s=2.0, modes=("chain", "chain"), ngram_depth=3, suffix=None):
     target, drafts = models
     servers, clients, links = [], {}, []
     for draft, mode in zip(drafts, modes):
@@ -43,7 +43,8 @@ async def _start(models, policy=None, deadline_s=2.0, modes=("chain", "chain"), 
         assert await first
         servers.append(server)
         clients[f"127.0.0.1:{port}"] = client
-    fusion = Fusion(clients, ngram_depth=ngram_depth, budget=8, deadline_s=deadline_s, policy=policy or RoutingPolicy())
+    fusion = Fusion(clients, ngram_depth=ngram_depth, budget=8, deadline_s=deadline_s, policy=policy or RoutingPolicy(),
+                    suffix=suffix)
     target_server = TargetServer(target, TargetServerConfig(port=0), None, fusion=fusion)
     port = await target_server.start()
     return servers, links, target_server, port, fusion
@@ -105,6 +106,34 @@ async def test_local_suffix_decoding_draws_on_the_instances_earlier_outputs_and_
         assert target_server.pool.used_bytes == 0
     finally:
         await target_server.close()
+
+
+async def test_a_seeded_sample_repeats_its_text_whatever_other_requests_left_and_the_deadline(models):
+    """Two draft servers, the n-gram lookup and suffix decoding behind one target, and a deadline no
+    draft server meets: other requests fill suffix decoding's memory and bench the draft servers,
+    yet a seeded sample repeats its text — it waits for the draft servers (none late for it, none
+    benched for it), leaves suffix decoding out and has no measured-times gate. (Before 2026-12-06
+    its rounds followed the memory and the deadline: the text changed.)"""
+    servers, links, target_server, port, fusion = await _start(models, deadline_s=1e-4, suffix=SuffixDrafter(4))
+    try:
+        seeded = SamplingParams(max_tokens=24, temperature=1.0, seed=7, ignore_eos=True)
+        greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+        first = await remote_generate("127.0.0.1", port, PROMPTS[1], seeded)
+        await asyncio.gather(*(remote_generate("127.0.0.1", port, p, params)
+                               for p in PROMPTS for params in (greedy, SamplingParams(max_tokens=24, temperature=1.0))))
+        assert all(fusion.benched(name) for name in fusion.clients)  # late for the unseeded, three rounds in a row
+        assert len(fusion.suffix.outputs.sequences) > 1
+        before = target_server.snapshot()["drafters"]
+        again = await remote_generate("127.0.0.1", port, PROMPTS[1], seeded)
+        after = target_server.snapshot()["drafters"]
+        assert again[0] == first[0] and again[1] == "length"
+        assert sum(after[name]["chosen_rounds"] - before[name]["chosen_rounds"] for name in fusion.clients) > 0
+        assert all(after[name]["failures"] == before[name]["failures"] for name in fusion.clients)
+        assert after["suffix"]["chosen_rounds"] == before["suffix"]["chosen_rounds"]
+        await wait_until(lambda: all(s.table.states == {} for s in servers) and target_server.active == 0)
+        assert target_server.pool.used_bytes == 0
+    finally:
+        await _stop(servers, links, target_server)
 
 
 async def test_a_draft_server_killed_mid_run_changes_nothing(models):
@@ -228,7 +257,7 @@ async def test_a_fused_round_with_predicted_rounds_after_it_is_not_measured():
     """A request's prediction drafted the rounds between this round and the next the fusion
     proposes (it passes their outcome): the time since is theirs too, so the gate leaves it out."""
     speculator = Fusion({}, ngram_depth=3, budget=8).speculator(0)
-    session = SimpleNamespace(seq=[1, 2, 3, 1, 2], last_path=[], last_committed=[])
+    session = SimpleNamespace(params=SamplingParams(), seq=[1, 2, 3, 1, 2], last_path=[], last_committed=[])
     speculator.begin(session)
     measured = lambda: sum(len(rounds) for rounds in speculator.gate.measured.values())  # noqa: E731
     await speculator.propose(session)  # the session's first round: its prompt prefill, not measured
@@ -280,7 +309,8 @@ def test_verify_with_two_drafts_from_the_command_line_equals_the_target_alone(ti
 async def test_a_fused_n_gram_lookup_keeps_to_the_round_s_max_depth():
     """The target's load asks for shorter proposals: the n-gram lookup looks for at most that many."""
     speculator = Fusion({}, ngram_depth=3, budget=8).speculator(0)
-    session = SimpleNamespace(seq=[1, 2, 3, 4, 5, 1, 2, 1, 2], last_path=[], last_committed=[])
+    session = SimpleNamespace(params=SamplingParams(),
+                              seq=[1, 2, 3, 4, 5, 1, 2, 1, 2], last_path=[], last_committed=[])
     speculator.begin(session)
     full = await speculator.propose(session)
     assert list(full.proposal.tree.tokens) == [2, 3, 4, 5]
@@ -291,7 +321,8 @@ async def test_a_fused_n_gram_lookup_keeps_to_the_round_s_max_depth():
 async def test_a_fused_suffix_draft_keeps_to_the_round_s_max_depth():
     """As the n-gram lookup: the local suffix decoding drafts at most the round's cap deep."""
     speculator = Fusion({}, suffix=SuffixDrafter(8, max_spec_factor=4.0), budget=8).speculator(0)
-    session = SimpleNamespace(seq=[5, 6, 7, 8, 9, 10, 11, 5, 6], last_path=[], last_committed=[])
+    session = SimpleNamespace(params=SamplingParams(),
+                              seq=[5, 6, 7, 8, 9, 10, 11, 5, 6], last_path=[], last_committed=[])
     speculator.begin(session)
     full = await speculator.propose(session)
     assert list(full.proposal.tree.tokens) == [6, 7, 8, 9, 10, 11, 5, 6]

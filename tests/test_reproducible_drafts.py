@@ -129,12 +129,11 @@ async def test_the_target_s_draft_client_marks_a_seeded_sample_and_the_draft_ser
     assert OpenSession(1, [1, 2]).reproducible is False
 
 
-def test_a_target_asks_for_a_reproducible_draft_for_a_seeded_sample_only_with_one_drafter():
-    """A seeded sampled request's draft session is reproducible; an unseeded or greedy one's is
-    not, nor one of several drafters' (greedy drafts whose routing follows measured times)."""
+def test_a_target_asks_for_a_reproducible_draft_for_a_seeded_sample_only():
+    """A seeded sampled request's draft session is reproducible (one of several drafters' too,
+    since 2026-12-06: verify.fused repeats a seeded sample's text); an unseeded or greedy one's is not."""
     from specctl.verify.speculator import reproducible_draft
 
-    assert reproducible_draft(SEEDED, greedy_drafts=False)
-    assert not reproducible_draft(SamplingParams(temperature=0.9), greedy_drafts=False)
-    assert not reproducible_draft(SamplingParams(seed=5), greedy_drafts=False)
-    assert not reproducible_draft(SEEDED, greedy_drafts=True)
+    assert reproducible_draft(SEEDED)
+    assert not reproducible_draft(SamplingParams(temperature=0.9))
+    assert not reproducible_draft(SamplingParams(seed=5))

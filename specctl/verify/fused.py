@@ -114,8 +114,8 @@ class FusedSpeculator:
         self.fusion = fusion
         self.max_nodes = 1 + fusion.budget
         self.rng = random.Random(seed)
-        self.links = [_Link(name, RemoteSpeculator(client, self.max_nodes, self.rng.getrandbits(62), greedy_drafts=True))
-                      for name, client in fusion.clients.items()]
+        self.links = [_Link(name, RemoteSpeculator(client, self.max_nodes, self.rng.getrandbits(62),
+                                                   greedy_drafts=True)) for name, client in fusion.clients.items()]
         if fusion.ngram_depth:
             self.links.append(_Link(NGRAM, None))
         self.ngram = NgramDrafter(fusion.ngram_depth) if fusion.ngram_depth else None
@@ -134,9 +134,15 @@ class FusedSpeculator:
             if link.remote is not None:
                 link.remote.begin(session)
 
-    def _up(self, link: _Link) -> bool:
+    def _up(self, link: _Link, repeatable: bool) -> bool:
+        """Whether ``link`` may draft this round. A seeded sample's rounds follow its own text
+        and seed alone: no suffix decoding (its memory is every session's), no draft server
+        benched by other sessions' late answers."""
+        if link.name == SUFFIX:
+            return not repeatable
         return link.remote is None or (link.late is None and link.remote.client is not None
-                                       and link.remote.client.connected.is_set() and not self.fusion.benched(link.name))
+                                       and link.remote.client.connected.is_set()
+                                       and (repeatable or not self.fusion.benched(link.name)))
 
     def _score_last_round(self, session: DecodeSession, last_path: list[int]) -> None:
         if self.suffix is not None:  # every round's text, asked this round or not
@@ -158,8 +164,11 @@ class FusedSpeculator:
         started = time.perf_counter()
         self._score_last_round(session, session.last_path if outcome is None else outcome[0])
         stats, policy = self.fusion.stats, self.fusion.policy
+        repeatable = session.params.repeatable
+        if repeatable:  # a seeded sample: no round chosen by measured times, so the seed repeats its text
+            self.gate = None
         scores = [link.score.value for link in self.links]
-        up, free = [self._up(link) for link in self.links], [link.remote is None for link in self.links]
+        up, free = [self._up(link, repeatable) for link in self.links], [link.remote is None for link in self.links]
         lead = TOP
         if self.gate is not None:
             if outcome is not None:  # predicted rounds came between: the time since is theirs too
@@ -197,16 +206,18 @@ class FusedSpeculator:
     async def _ask(self, session: DecodeSession, order: list[int], drafts: dict[int, Draft],
                    max_depth: int = 0) -> None:
         """Ask the drafters in ``order`` at once; their proposals land in ``drafts`` (a drafter
-        late past the deadline or failing is skipped for this round)."""
+        late past the deadline or failing is skipped for this round). A seeded sample has no
+        deadline (which drafters answer in time would change its text): it waits for each, up to
+        the link's own timeout."""
         stats = self.fusion.stats
+        deadline = None if session.params.repeatable else self.fusion.deadline_s
         tasks = {}
         for i in order:
             link = self.links[i]
             if link.remote is not None:
                 outcome = (link.path if link.outstanding else [], session.seq[link.synced:])
                 link.synced, link.path, link.outstanding = len(session.seq), [], False
-                tasks[i] = asyncio.ensure_future(link.remote.propose(session, outcome, self.fusion.deadline_s,
-                                                                     max_depth))
+                tasks[i] = asyncio.ensure_future(link.remote.propose(session, outcome, deadline, max_depth))
         for i in order:
             if self.links[i].name == NGRAM:
                 drafts[i] = Draft.chain(tokens := self.ngram.lookup(session.seq, max_depth), [1.0] * len(tokens))
@@ -215,7 +226,7 @@ class FusedSpeculator:
         if not tasks:
             return
         try:
-            done, pending = await asyncio.wait(tasks.values(), timeout=self.fusion.deadline_s)
+            done, pending = await asyncio.wait(tasks.values(), timeout=deadline)
         except asyncio.CancelledError:  # the session ended meanwhile: its proposals are nobody's
             for task in tasks.values():
                 task.cancel()
@@ -228,7 +239,8 @@ class FusedSpeculator:
                 stats[link.name].failures += 1
                 self.fusion.answered(link.name, late=True)
                 continue
-            self.fusion.answered(link.name, late=False)
+            if deadline is not None:  # in time for a deadline (a seeded sample's answers set none)
+                self.fusion.answered(link.name, late=False)
             drafted = task.result()
             proposal = drafted.proposal
             if proposal is None:

@@ -44,11 +44,12 @@ def draft_seed(seed: int | None) -> int:
     return random.Random(f"specctl-draft-{seed}").getrandbits(62) if seed is not None else random.getrandbits(62)
 
 
-def reproducible_draft(params: SamplingParams, greedy_drafts: bool) -> bool:
+def reproducible_draft(params: SamplingParams) -> bool:
     """Ask the draft to compute as a cold start alone would (OpenSession.reproducible)? For a
-    seeded sample, so that the seed repeats the text; not for one of several drafters (greedy
-    drafts, fusion), whose drafters a round's deadline skips: a seed cannot fix the text there."""
-    return params.repeatable and not greedy_drafts
+    seeded sample, so that the seed repeats the text — one of several drafters' too (greedy
+    drafts: a near-tie computed in another batch would turn a drafted token, and the fused tree
+    with it, and so the draws that follow)."""
+    return params.repeatable
 
 
 def proposal_from_message(msg: ProposalMsg, vocab_size: int) -> Proposal:
@@ -106,7 +107,7 @@ class RemoteSpeculator:
         reply = await self.client.open(text, temperature=temperature, top_p=params.top_p,
                                        top_k=params.top_k, seed=self.seed, max_tokens=params.max_tokens - generated,
                                        rules=params, generated=generated,
-                                       reproducible=reproducible_draft(params, self.greedy_drafts))
+                                       reproducible=reproducible_draft(params))
         self._refused = None
         if not isinstance(reply, tuple) and self.client.epoch == epoch:  # refused on a live link
             self._refused = refusal(reply, epoch)
