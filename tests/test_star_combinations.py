@@ -3,7 +3,7 @@ star as separate processes: a pre-speculating tree draft server and a target ins
 with prefix caches and chunked prefills. A few requests at a time, so the target verifies them
 in one batch with their own rules and the draft server drafts them together (the rules followed
 by the draft too): each greedy output is the target alone's; a seeded sample sent twice (the
-second time over both servers' cached prefixes) repeats its text. Then both servers hold no
+second time over both servers' cached prefixes, beside other sampled requests) repeats its text. Then both servers hold no
 session and no KV."""
 
 import asyncio
@@ -48,12 +48,10 @@ async def _run_all(port: int, requests: list[tuple[list[int], SamplingParams]]) 
     return [str(result) if isinstance(result, RemoteError) else result[:2] for result in results]
 
 
-@pytest.mark.slow  # processes and TCP: about a minute
-@SETTINGS
-@given(data=st.data())
-def test_requests_with_drawn_options_through_a_pre_speculating_star_equal_the_target_alone(star, tiny, data):
-    _, port = star
-    target = tiny["llama"]
+def check_drawn_requests(port: int, target, data) -> None:
+    """1-3 requests of drawn options at once: each ends as the target alone ends it; then the first
+    one's prompt and options as a seeded sample, sent again beside sampled requests of the other
+    prompts (the servers' caches, batches and memories moved meanwhile), repeats its text."""
     requests = []
     for _ in range(data.draw(st.integers(1, 3))):
         prompt = _prompt(data)
@@ -65,20 +63,32 @@ def test_requests_with_drawn_options_through_a_pre_speculating_star_equal_the_ta
     prompt, options = requests[0]
     seeded = dataclasses.replace(options, temperature=data.draw(st.sampled_from([0.6, 1.2])),
                                  seed=data.draw(st.integers(0, 9)))
-    first, again = asyncio.run(_run_all(port, [(prompt, seeded)])), asyncio.run(_run_all(port, [(prompt, seeded)]))
-    assert first == again
+    first = asyncio.run(_run_all(port, [(prompt, seeded)]))
+    others = [(p, SamplingParams(max_tokens=12, temperature=1.0)) for p, _ in requests]
+    assert asyncio.run(_run_all(port, [(prompt, seeded), *others]))[:1] == first
+
+
+@pytest.mark.slow  # processes and TCP: about a minute
+@SETTINGS
+@given(data=st.data())
+def test_requests_with_drawn_options_through_a_pre_speculating_star_equal_the_target_alone(star, tiny, data):
+    check_drawn_requests(star[1], tiny["llama"], data)
+
+
+def check_nothing_held(draft_ports: list[int], target_port: int) -> list[dict]:
+    """Every server ends with no session and no KV, each draft server having drafted; the draft
+    servers' stats."""
+    async def idle(port: int) -> dict:
+        return await poll_async(lambda: remote_stats("127.0.0.1", port), lambda s: s["sessions"] == 0)
+
+    drafts = [asyncio.run(idle(port)) for port in draft_ports]
+    assert all(draft["kv_used_mb"] == 0 and draft["rounds"] > 0 for draft in drafts)
+    assert asyncio.run(idle(target_port))["kv_used_mb"] == 0
+    return drafts
 
 
 @pytest.mark.slow
 def test_the_star_holds_nothing_after_the_drawn_requests(star):
     """Run after the drawn requests (the module's order): every session closed, its KV freed."""
     draft_port, target_port = star
-
-    async def check():
-        draft = await poll_async(lambda: remote_stats("127.0.0.1", draft_port), lambda s: s["sessions"] == 0)
-        target = await poll_async(lambda: remote_stats("127.0.0.1", target_port), lambda s: s["sessions"] == 0)
-        return draft, target
-
-    draft, target = asyncio.run(check())
-    assert draft["kv_used_mb"] == 0 and draft["rounds"] > 0 and draft["prespec"]["steps"] > 0
-    assert target["kv_used_mb"] == 0
+    assert check_nothing_held([draft_port], target_port)[0]["prespec"]["steps"] > 0
