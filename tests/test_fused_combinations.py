@@ -1,9 +1,9 @@
 """A request's options drawn together by hypothesis (tests/test_combinations.py), through a target
 instance with several drafters as separate processes: two draft servers (a chain and a tree,
-one pre-speculating), the n-gram lookup and suffix decoding, fused each round, under a round
-deadline the slower draft server misses now and then. A few requests at a time: each greedy
+one pre-speculating), the n-gram lookup and suffix decoding, fused each round, under an 8 ms
+round deadline (a draft server late for it sits that round out, unless the request is seeded). A few requests at a time: each greedy
 output is the target alone's; a seeded sample sent again, after other requests have filled
-suffix decoding's memory and moved the deadline's choices, repeats its text. Then every server
+suffix decoding's memory, repeats its text. Then every server
 holds no session and no KV."""
 
 import pytest
