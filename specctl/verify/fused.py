@@ -130,6 +130,8 @@ class FusedSpeculator:
 
     def begin(self, session: DecodeSession) -> None:
         self.session = session
+        if session.params.repeatable:  # a seeded sample: no round chosen by measured times (the seed repeats its text)
+            self.gate = None
         for link in self.links:
             if link.remote is not None:
                 link.remote.begin(session)
@@ -165,8 +167,6 @@ class FusedSpeculator:
         self._score_last_round(session, session.last_path if outcome is None else outcome[0])
         stats, policy = self.fusion.stats, self.fusion.policy
         repeatable = session.params.repeatable
-        if repeatable:  # a seeded sample: no round chosen by measured times, so the seed repeats its text
-            self.gate = None
         scores = [link.score.value for link in self.links]
         up, free = [self._up(link, repeatable) for link in self.links], [link.remote is None for link in self.links]
         lead = TOP
