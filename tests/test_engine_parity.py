@@ -15,7 +15,8 @@ def _max_rel_diff(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _check_parity(path, ids: torch.Tensor, split: int):
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # eager: the reference math whatever transformers' default (5.17's SDPA drops Gemma 2's soft-capping)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
     decoder = load_decoder(path)
