@@ -11,8 +11,6 @@ import logging
 import time
 from collections import deque
 
-from dataclasses import dataclass
-
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.loader import LoadedModel
 from specctl.engine.prefill_gate import prefill_gate
@@ -30,7 +28,7 @@ from specctl.pipeline.microbatch import MicroBatchLane
 from specctl.pipeline.serve import SpecPipeDraft, serve_specpipe
 from specctl.runtime.compute import ComputeLane, ComputeThread
 from specctl.runtime.emulation import SlowedLane
-from specctl.runtime.listen import ListenConfig, ListeningServer, MessageRate, peer_name
+from specctl.runtime.listen import ListeningServer, MessageRate, peer_name
 from specctl.spec.decode import DecodeSession
 from specctl.spec.depth_tuning import DepthTuner
 from specctl.spec.logprobs import emitted_logprobs
@@ -39,6 +37,7 @@ from specctl.spec.rounds import Speculator, run_session
 from specctl.spec.turns import LoadHold, SpeculationByLoad, depth_for_load
 from specctl.spec.stats import GenerationStats, RoundResult
 from specctl.spec.structured import ll_tokenizer
+from specctl.verify.config import TargetServerConfig
 from specctl.verify.draft_client import DraftClient
 from specctl.verify.fused import Fusion
 from specctl.verify.speculator import RemoteSpeculator
@@ -48,28 +47,6 @@ from specctl.verify.wire_params import sampling_params_of
 log = logging.getLogger("specctl.verify")
 CLIENT_CANCEL = "cancelled by the client"  # the reason a CANCEL message gives the session task
 ENDED_KEPT = 256  # a connection's ended request ids remembered, for a CANCEL that crossed a DONE
-
-
-MAX_PROPOSAL_NODES = 128  # also bounds a SpecPipe session's cached tree
-
-
-@dataclass(slots=True)
-class TargetServerConfig(ListenConfig):
-    verify_delay_s: float = 0.0  # emulate a slower target (bench star), never in production
-    verify_floor_s: float = 0.0  # emulate a target device: a verification takes at least this long (bench prespec)
-    max_proposal_nodes: int = MAX_PROPOSAL_NODES  # larger proposals from a draft server are ignored (AR round)
-    max_batch: int = 8  # most sessions verified together in one target forward
-    # speculate while the instance runs at most this many sessions; past it, plain rounds (spec.turns); 0 = always
-    spec_max_sessions: int = 0
-    spec_depth_by_load: tuple[tuple[int, int], ...] = ()  # (sessions, the deepest proposal from then on)
-    spec_depth_auto: bool = False  # each load's depth (or plain rounds) learnt from the rounds (spec.depth_tuning)
-
-    def __post_init__(self) -> None:
-        ListenConfig.__post_init__(self)
-        if self.verify_delay_s < 0 or self.verify_floor_s < 0 or self.max_proposal_nodes < 1 or self.max_batch < 1:
-            raise ValueError("verify_delay_s and verify_floor_s must be >= 0, max_proposal_nodes and max_batch >= 1")
-        if self.spec_max_sessions < 0:
-            raise ValueError(f"spec_max_sessions must be >= 0 (0: always speculate), got {self.spec_max_sessions}")
 
 
 class TargetServer(ListeningServer):
