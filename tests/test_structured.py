@@ -216,6 +216,25 @@ def test_a_regex_of_whitespace_alone_is_a_regex(tiny, byte_tokenizer):
     assert set(byte_tokenizer.decode(output)) == {" "}
 
 
+@pytest.mark.parametrize("digit", ["\u0663", "\U0001ccf6"], ids=["arabic-indic-3", "outlined-6"])
+def test_a_regex_s_digits_are_unicode_s_and_a_json_schema_pattern_s_ascii(byte_tokenizer, digit):
+    """\\d as Python 3 and the Rust regex crate read it in a regex (vLLM's guidance backend), as
+    ECMA-262 does in a JSON schema's pattern (found by tests/test_combinations.py: U+1CCF6, a digit
+    of Unicode 16 that Python 3.11's re does not know)."""
+    import llguidance
+
+    ll = ll_tokenizer(byte_tokenizer, VOCAB_TINY)
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "string", "pattern": "^\\d+$"}},
+                         "required": ["a"]})
+
+    def takes(kind: str, spec: str, text: str) -> bool:
+        ids = byte_tokenizer.encode(text)
+        return llguidance.LLMatcher(ll, grammar_text(kind, spec)).validate_tokens(ids) == len(ids)
+
+    assert takes("regex", r"\d+", "1" + digit) and takes("regex", r"\d+", "17")
+    assert not takes("json", schema, '{"a": "1' + digit) and takes("json", schema, '{"a": "17')
+
+
 @pytest.mark.parametrize("thinking_tokens", [False, True])
 def test_a_grammar_after_the_thinking_leaves_the_thinking_free_and_holds_the_answer(thinking_tokens):
     """kind "thinking" (a reasoning parser's chat request): any text up to the first </think>
