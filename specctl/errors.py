@@ -26,6 +26,10 @@ class UnsupportedArchitecture(SpecctlError):
     """A checkpoint whose architecture specctl's engine does not implement."""
 
 
+class CheckpointUnreadable(SpecctlError):
+    """A checkpoint whose config.json transformers cannot read (broken, or another release's)."""
+
+
 class VocabMismatch(SpecctlError):
     """Draft and target do not share a vocabulary, so draft tokens mean nothing to the target."""
 

@@ -6,9 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from specctl.engine.loader import load_model
+from specctl.errors import CheckpointUnreadable, UnsupportedArchitecture
 from specctl.engine.tokenizers import KEPT, load_tokenizer, tokenizer_key, vocab_fingerprint
 
 LOADS_WITHOUT_DYNAMO = """
@@ -105,3 +107,40 @@ def test_the_vocabulary_fingerprint_is_hashed_once_per_tokenizer(tiny_dir, monke
     monkeypatch.setattr(tokenizer, "get_vocab", lambda: reads.append(1) or {})
     assert vocab_fingerprint(tokenizer) == expected and reads == []
     assert load_model("d", tiny_dir["qwen3-draft"]).vocab_fingerprint == expected and reads == []
+
+
+def _with_config(tiny_dir, tmp_path, edit) -> Path:
+    """A copy of the tiny Llama whose config.json ``edit`` rewrites (a dict in, a text out)."""
+    path = tmp_path / "model"
+    shutil.copytree(tiny_dir["llama"], path)
+    config = path / "config.json"
+    config.write_text(edit(json.loads(config.read_text())))
+    return path
+
+
+@pytest.mark.parametrize("edit, error, message", [
+    (lambda config: "{not json", CheckpointUnreadable,
+     "{path}: transformers {version} cannot read its config.json (OSError: It looks like the config file at "
+     "'{path}/config.json' is not a valid JSON file.); fix the file, or use the transformers release that wrote it"),
+    (lambda config: json.dumps({**config, "model_type": "foo_bar"}), UnsupportedArchitecture,
+     "{path}: transformers {version} does not know model type 'foo_bar'; a newer transformers may (pip install -U "
+     "transformers), or pick a checkpoint of a supported family"),
+    # what transformers 5.17 met in a config 5.0 wrote for OLMo 3 (a RoPE base where it wants a dict)
+    (lambda config: json.dumps({**config, "rope_parameters": 10000.0}), CheckpointUnreadable, None),
+], ids=["not-json", "unknown-model-type", "another-release-s-shape"])
+def test_a_config_transformers_cannot_read_is_one_line_that_says_what_to_do(tiny_dir, tmp_path, edit, error,
+                                                                          message):
+    import transformers
+
+    path = _with_config(tiny_dir, tmp_path, edit)
+    for load in (lambda: load_model("tiny", path), lambda: load_model("tiny", path, weights=False)):
+        with pytest.raises(error) as caught:
+            load()
+        said = str(caught.value)
+        assert "\n" not in said and len(said) < 600
+        if message is not None:
+            assert said == message.format(path=path, version=transformers.__version__)
+        else:
+            assert said.startswith(f"{path}: transformers {transformers.__version__} cannot read its config.json "
+                                   "(StrictDataclassFieldValidationError: Validation error for field 'rope_parameters'")
+            assert said.endswith("...); fix the file, or use the transformers release that wrote it")

@@ -114,10 +114,10 @@ def gateway(
     /metrics and vLLM's /tokenize, /detokenize, /ping, /load over target instances; Anthropic's
     /v1/messages, llama.cpp's /completion, /infill, /props, /apply-template and SGLang's /generate,
     /get_model_info, /health_generate too, for their clients."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from specctl.engine.tokenizers import vocab_fingerprint
-    from specctl.engine.families import context_limit, text_config
+    from specctl.engine.families import context_limit, read_text_config
     from specctl.gateway.metrics import GatewayMetrics
     from specctl.gateway.chat_template import load_chat_template
     from specctl.gateway.harmony import serving_parsers
@@ -153,7 +153,7 @@ def gateway(
         if chat_template is not None:
             tokenizer.chat_template = load_chat_template(chat_template)
         upstream.fingerprint = vocab_fingerprint(tokenizer)
-        config = text_config(AutoConfig.from_pretrained(path))
+        config = read_text_config(path)
         try:
             context = served_context(context_limit(config), max_model_len)
         except ValueError as exc:

@@ -5,9 +5,40 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from typing import Any
 
-from specctl.errors import UnsupportedArchitecture
+from specctl.errors import CheckpointUnreadable, UnsupportedArchitecture
+
+
+def read_text_config(path: Any) -> Any:
+    """The text config of the checkpoint at ``path`` (text_config), with what transformers could
+    not read said in one line: a model type this transformers does not know, a config.json that
+    is not JSON, or one another transformers release wrote in a shape this one rejects."""
+    import transformers
+    from transformers import AutoConfig
+
+    try:
+        return text_config(AutoConfig.from_pretrained(path))
+    except ValueError as exc:
+        unknown = re.search(r"model type `([^`]*)` but Transformers does not recognize", str(exc))
+        if unknown is None:
+            raise _unreadable(path, exc) from None
+        raise UnsupportedArchitecture(
+            f"{path}: transformers {transformers.__version__} does not know model type {unknown[1]!r}; a newer "
+            "transformers may (pip install -U transformers), or pick a checkpoint of a supported family") from None
+    except Exception as exc:  # anything else transformers (or huggingface_hub's validation) raises on a config
+        raise _unreadable(path, exc) from None
+
+
+def _unreadable(path: Any, exc: Exception) -> CheckpointUnreadable:
+    import transformers
+
+    said = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    said = said if len(said) <= 300 else said[:297] + "..."
+    return CheckpointUnreadable(
+        f"{path}: transformers {transformers.__version__} cannot read its config.json ({type(exc).__name__}: "
+        f"{said}); fix the file, or use the transformers release that wrote it")
 
 
 def text_config(config: Any) -> Any:

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from specctl.engine.checkpoint import (FLOAT32_ROUTER, checkpoint_key, checkpoint_name, dequantize_fp8,
                                        dequantize_mxfp4, expert_stacks, fp8_block_size, fused_checkpoint_keys,
                                        fused_rows, part_of, quantized_part)
-from specctl.engine.families import text_config
+from specctl.engine.families import read_text_config, text_config
 from specctl.engine.model import Decoder
 from specctl.engine.spec import ModelSpec
 from specctl.engine.tokenizers import load_tokenizer, vocab_fingerprint
@@ -79,9 +79,7 @@ def load_decoder(
     head dim). ``dtype`` None keeps the checkpoint's own dtypes, for a caller that converts
     the model next (int8 quantization: no fp32 copy of the whole model is ever held).
     ``latent_cache``: a latent-attention model's (DeepSeek-V2/V3) cache (ModelSpec.latent_cache)."""
-    from transformers import AutoConfig
-
-    config = text_config(config or AutoConfig.from_pretrained(path))
+    config = read_text_config(path) if config is None else text_config(config)
     spec = ModelSpec.from_hf(config, latent_cache)
     backend = select_backend(backend, device, dtype or torch.float32, spec.head_dim, spec.attn_softcap, spec.window,
                              spec.attention_sinks)
@@ -168,9 +166,9 @@ def load_model(
     "stored": the checkpoint's own (``load_decoder``'s None). ``weights`` False: the model's
     shape on the meta device, its tokenizer and end tokens, and no weights read (what a draft
     server of a lookup drafter needs of a model: its vocabulary)."""
-    from transformers import AutoConfig, GenerationConfig
+    from transformers import GenerationConfig
 
-    config = text_config(AutoConfig.from_pretrained(path))
+    config = read_text_config(path)
     layer_range, embed, head = stage or (None, True, True)
     if num_layers is not None:
         if not 0 < num_layers <= config.num_hidden_layers:

@@ -17,14 +17,11 @@ from specctl.pipeline.split import StagePlan, plan_stage
 
 def model_layers(name: str, console: Console | None = None) -> int:
     """The target's number of layers, read from its config only (no weights)."""
-    from transformers import AutoConfig
-
+    from specctl.engine.families import read_text_config
     from specctl.spec.factory import resolve_model, split_model_name
 
     base, _ = split_model_name(name)
-    from specctl.engine.families import text_config
-
-    return text_config(AutoConfig.from_pretrained(resolve_model(base, console))).num_hidden_layers
+    return read_text_config(resolve_model(base, console)).num_hidden_layers
 
 
 def stage_plan(config: Config, index: int, count: int, pipeline: str | None, layers: str | None,
