@@ -62,3 +62,21 @@ def test_assembly_concatenates_parts_in_order(fake_chunks, tmp_path):
     out = tmp_path / "out.gguf"
     assert _assemble(part_paths(model), out, None) == fake_chunks
     assert out.read_bytes() == b"GGUF-part-one-and-part-two"
+
+
+def test_a_gguf_file_transformers_cannot_read_is_one_line_and_leaves_no_model(tmp_path, monkeypatch):
+    import transformers
+
+    from specctl.errors import CheckpointUnreadable
+    from specctl.store.store import is_converted, model_home
+
+    monkeypatch.setenv("SPECCTL_HOME", str(tmp_path / "home"))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    with pytest.raises(CheckpointUnreadable) as caught:
+        resolve_model(str(bad))
+    assert str(caught.value) == (
+        f"{bad}: transformers {transformers.__version__} cannot convert this GGUF file (ValueError: {bad} does "
+        "not start with the GGUF magic bytes, so it is not a GGUF file.); check the file is whole, and that "
+        "transformers reads its architecture and quantization")
+    assert not any(is_converted(path) for path in model_home().iterdir() if path.is_dir())

@@ -23,22 +23,25 @@ def read_text_config(path: Any) -> Any:
     except ValueError as exc:
         unknown = re.search(r"model type `([^`]*)` but Transformers does not recognize", str(exc))
         if unknown is None:
-            raise _unreadable(path, exc) from None
+            raise checkpoint_unreadable(path, exc) from None
         raise UnsupportedArchitecture(
             f"{path}: transformers {transformers.__version__} does not know model type {unknown[1]!r}; a newer "
             "transformers may (pip install -U transformers), or pick a checkpoint of a supported family") from None
     except Exception as exc:  # anything else transformers (or huggingface_hub's validation) raises on a config
-        raise _unreadable(path, exc) from None
+        raise checkpoint_unreadable(path, exc) from None
 
 
-def _unreadable(path: Any, exc: Exception) -> CheckpointUnreadable:
+def checkpoint_unreadable(path: Any, exc: Exception, what: str = "read its config.json",
+                          advice: str = "fix the file, or use the transformers release that wrote it",
+                          ) -> CheckpointUnreadable:
+    """What transformers raised on a checkpoint, as one line of at most ~300 characters of its own."""
     import transformers
 
     said = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
     said = said if len(said) <= 300 else said[:297] + "..."
     return CheckpointUnreadable(
-        f"{path}: transformers {transformers.__version__} cannot read its config.json ({type(exc).__name__}: "
-        f"{said}); fix the file, or use the transformers release that wrote it")
+        f"{path}: transformers {transformers.__version__} cannot {what} ({type(exc).__name__}: "
+        f"{said}); {advice}")
 
 
 def text_config(config: Any) -> Any:

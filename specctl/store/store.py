@@ -20,6 +20,7 @@ from filelock import FileLock
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
+from specctl.engine.families import checkpoint_unreadable
 from specctl.errors import ChecksumMismatch, ModelNotFound, ModelPackageMissing
 from specctl.store.registry import PACKAGED_MODELS, PackagedModel
 
@@ -142,9 +143,13 @@ def _convert_gguf(gguf: Path, target: Path, source: dict, console: Console | Non
     with console.status(f"converting {name} to safetensors (once; dequantizing takes a minute)"), \
             mock.patch.dict(os.environ, TQDM_DISABLE="1"):
         hf_logging.disable_progress_bar()
-        config = AutoConfig.from_pretrained(folder, gguf_file=name)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        try:
+            config = AutoConfig.from_pretrained(folder, gguf_file=name)
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        except Exception as exc:  # not a GGUF file, an architecture or quantization transformers cannot read
+            raise checkpoint_unreadable(gguf, exc, "convert this GGUF file", "check the file is whole, and that "
+                                        "transformers reads its architecture and quantization") from None
         state = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
         if getattr(config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)  # tied: safetensors refuses shared storage
