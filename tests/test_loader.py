@@ -144,3 +144,38 @@ def test_a_config_transformers_cannot_read_is_one_line_that_says_what_to_do(tiny
             assert said.startswith(f"{path}: transformers {transformers.__version__} cannot read its config.json "
                                    "(StrictDataclassFieldValidationError: Validation error for field 'rope_parameters'")
             assert said.endswith("...); fix the file, or use the transformers release that wrote it")
+
+
+def test_damaged_weights_a_missing_tokenizer_and_another_model_s_config_are_one_line_each(tiny_dir, tmp_path):
+    import safetensors
+    import transformers
+
+    cut = tmp_path / "cut"
+    shutil.copytree(tiny_dir["llama"], cut)
+    weights = cut / "model.safetensors"
+    with open(weights, "r+b") as f:  # an interrupted copy
+        f.truncate(weights.stat().st_size // 2)
+    with pytest.raises(CheckpointUnreadable) as caught:
+        load_model("tiny", cut)
+    assert str(caught.value) == (
+        f"{weights}: safetensors {safetensors.__version__} cannot read its tensors (SafetensorError: Error while "
+        "deserializing header: incomplete metadata, file not fully covered); the file is damaged or incomplete: "
+        "copy, download or convert it again")
+
+    untokenized = tmp_path / "untokenized"
+    shutil.copytree(tiny_dir["llama"], untokenized, ignore=shutil.ignore_patterns("tokenizer*"))
+    with pytest.raises(CheckpointUnreadable) as caught:
+        load_model("tiny", untokenized)
+    said = str(caught.value)
+    assert said.startswith(f"{untokenized}: transformers {transformers.__version__} cannot load its tokenizer "
+                           "(ValueError: Couldn't instantiate the backend tokenizer")
+    assert said.endswith("); the checkpoint needs its tokenizer files (tokenizer.json; or tokenizer.model with "
+                         "sentencepiece installed)") and "\n" not in said
+
+    wider = _with_config(tiny_dir, tmp_path, lambda config: json.dumps({**config, "hidden_size": 128}))
+    with pytest.raises(CheckpointUnreadable) as caught:
+        load_model("tiny", wider)
+    assert str(caught.value).startswith(
+        f"checkpoint {wider}: its weights do not fit its config.json: lm_head.weight (320, 64) (the config: "
+        "(320, 128)), embed_tokens.weight (320, 64) (the config: (320, 128)), ")
+    assert str(caught.value).endswith(" — a config.json of another model beside these weights?")

@@ -114,9 +114,8 @@ def gateway(
     /metrics and vLLM's /tokenize, /detokenize, /ping, /load over target instances; Anthropic's
     /v1/messages, llama.cpp's /completion, /infill, /props, /apply-template and SGLang's /generate,
     /get_model_info, /health_generate too, for their clients."""
-    from transformers import AutoTokenizer
 
-    from specctl.engine.tokenizers import vocab_fingerprint
+    from specctl.engine.tokenizers import read_tokenizer, vocab_fingerprint
     from specctl.engine.families import context_limit, read_text_config
     from specctl.gateway.metrics import GatewayMetrics
     from specctl.gateway.chat_template import load_chat_template
@@ -149,7 +148,7 @@ def gateway(
             errors = "; ".join(f"{t.address}: {t.error}" for t in upstream.targets)
             raise ConfigError(f"no target instance answered ({errors}); start them first or pass --model")
         path = resolve_model(split_model_name(name)[0], console)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = read_tokenizer(path)  # its own: the chat template may change below
         if chat_template is not None:
             tokenizer.chat_template = load_chat_template(chat_template)
         upstream.fingerprint = vocab_fingerprint(tokenizer)

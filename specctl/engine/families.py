@@ -33,14 +33,15 @@ def read_text_config(path: Any) -> Any:
 
 def checkpoint_unreadable(path: Any, exc: Exception, what: str = "read its config.json",
                           advice: str = "fix the file, or use the transformers release that wrote it",
-                          ) -> CheckpointUnreadable:
-    """What transformers raised on a checkpoint, as one line of at most ~300 characters of its own."""
+                          reader: str | None = None) -> CheckpointUnreadable:
+    """What ``reader`` (transformers) raised on a checkpoint, as one line (at most ~300 characters of its own)."""
     import transformers
 
+    reader = reader or f"transformers {transformers.__version__}"
     said = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
     said = said if len(said) <= 300 else said[:297] + "..."
     return CheckpointUnreadable(
-        f"{path}: transformers {transformers.__version__} cannot {what} ({type(exc).__name__}: "
+        f"{path}: {reader} cannot {what} ({type(exc).__name__}: "
         f"{said}); {advice}")
 
 

@@ -7,17 +7,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import safetensors
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from specctl.engine.checkpoint import (FLOAT32_ROUTER, checkpoint_key, checkpoint_name, dequantize_fp8,
                                        dequantize_mxfp4, expert_stacks, fp8_block_size, fused_checkpoint_keys,
                                        fused_rows, part_of, quantized_part)
-from specctl.engine.families import read_text_config, text_config
+from specctl.engine.families import checkpoint_unreadable, read_text_config, text_config
 from specctl.engine.model import Decoder
 from specctl.engine.spec import ModelSpec
 from specctl.engine.tokenizers import load_tokenizer, vocab_fingerprint
-from specctl.errors import ModelNotFound, UnsupportedArchitecture, VocabMismatch
+from specctl.errors import CheckpointUnreadable, ModelNotFound, UnsupportedArchitecture, VocabMismatch
 from specctl_kernels import select_backend
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -122,7 +123,13 @@ def load_decoder(
             unused.append(key)
 
     for file in _weight_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        try:
+            tensors = safe_open(str(file), framework="pt", device="cpu")
+        except SafetensorError as exc:  # a file cut short (an interrupted copy), or not safetensors at all
+            raise checkpoint_unreadable(file, exc, "read its tensors", "the file is damaged or incomplete: copy, "
+                                        "download or convert it again", f"safetensors {safetensors.__version__}"
+                                        ) from None
+        with tensors as f:
             for stored in f.keys():
                 key = checkpoint_key(spec, stored)
                 if key is None:  # a buffer old checkpoints saved (a causal mask, RoPE's frequencies)
@@ -146,6 +153,11 @@ def load_decoder(
     missing = set(decoder.state_dict()) - set(state)
     if missing:
         raise ModelNotFound(f"checkpoint {path} lacks tensors: {sorted(missing)[:5]}")
+    misfits = [f"{name} {tuple(tensor.shape)} (the config: {tuple(shapes[name])})" for name, tensor in state.items()
+               if name in shapes and tensor.shape != shapes[name]]
+    if misfits:
+        raise CheckpointUnreadable(f"checkpoint {path}: its weights do not fit its config.json: {', '.join(misfits[:3])}"
+                                   " — a config.json of another model beside these weights?")
     decoder.load_state_dict(state, strict=True, assign=True)  # RoPE's buffers: computed on the CPU at build
     return decoder.to(device).eval()
 

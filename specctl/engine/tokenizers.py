@@ -44,18 +44,29 @@ def tokenizer_key(path: Path | str) -> str:
 def load_tokenizer(path: Path | str) -> Any:
     """``path``'s tokenizer (transformers' AutoTokenizer), the same object for directories with
     the same tokenizer files."""
-    from transformers import AutoTokenizer
-
     key = tokenizer_key(path)
     with _lock:  # held while loading: a second caller of the same key waits and shares
         if key in _loaded:
             _loaded.move_to_end(key)
             return _loaded[key]
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = read_tokenizer(path)
         _loaded[key] = tokenizer
         while len(_loaded) > KEPT:
             _loaded.popitem(last=False)
         return tokenizer
+
+
+def read_tokenizer(path: Path | str) -> Any:
+    """A fresh AutoTokenizer of ``path``; what transformers could not load said in one line."""
+    from transformers import AutoTokenizer
+
+    from specctl.engine.families import checkpoint_unreadable
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # missing or broken tokenizer files, a slow tokenizer without its library
+        raise checkpoint_unreadable(path, exc, "load its tokenizer", "the checkpoint needs its tokenizer files "
+                                    "(tokenizer.json; or tokenizer.model with sentencepiece installed)") from None
 
 
 def vocab_fingerprint(tokenizer: Any) -> str:
