@@ -156,8 +156,8 @@ def load_decoder(
     misfits = [f"{name} {tuple(tensor.shape)} (the config: {tuple(shapes[name])})" for name, tensor in state.items()
                if name in shapes and tensor.shape != shapes[name]]
     if misfits:
-        raise CheckpointUnreadable(f"checkpoint {path}: its weights do not fit its config.json: {', '.join(misfits[:3])}"
-                                   " — a config.json of another model beside these weights?")
+        raise CheckpointUnreadable(f"checkpoint {path}: its weights do not fit its config.json: "
+                                   f"{', '.join(misfits[:3])} — a config.json of another model beside these weights?")
     decoder.load_state_dict(state, strict=True, assign=True)  # RoPE's buffers: computed on the CPU at build
     return decoder.to(device).eval()
 
