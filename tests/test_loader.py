@@ -179,3 +179,19 @@ def test_damaged_weights_a_missing_tokenizer_and_another_model_s_config_are_one_
         f"checkpoint {wider}: its weights do not fit its config.json: lm_head.weight (320, 64) (the config: "
         "(320, 128)), embed_tokens.weight (320, 64) (the config: (320, 128)), ")
     assert str(caught.value).endswith(" — a config.json of another model beside these weights?")
+
+
+def test_a_checkpoint_of_pickled_weights_says_how_to_make_safetensors(tiny_dir, tmp_path):
+    from specctl.errors import ModelNotFound
+
+    pickled = tmp_path / "pickled"
+    shutil.copytree(tiny_dir["llama"], pickled, ignore=shutil.ignore_patterns("*.safetensors"))
+    with pytest.raises(ModelNotFound) as caught:
+        load_model("tiny", pickled)
+    assert str(caught.value) == f"no .safetensors weights in {pickled}"
+    (pickled / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ModelNotFound) as caught:
+        load_model("tiny", pickled)
+    assert str(caught.value) == (
+        f"no .safetensors weights in {pickled} (only pytorch_model.bin: specctl reads no pickled weights; save the "
+        "model again with transformers' save_pretrained, which writes safetensors)")

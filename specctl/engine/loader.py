@@ -61,7 +61,10 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 def _weight_files(path: Path) -> list[Path]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ModelNotFound(f"no .safetensors weights in {path}")
+        pickled = sorted(p.name for p in path.glob("*.bin"))[:1]
+        raise ModelNotFound(f"no .safetensors weights in {path}" + (
+            f" (only {pickled[0]}: specctl reads no pickled weights; save the model again with transformers' "
+            "save_pretrained, which writes safetensors)" if pickled else ""))
     return files
 
 
