@@ -27,7 +27,8 @@ class UnsupportedArchitecture(SpecctlError):
 
 
 class CheckpointUnreadable(SpecctlError):
-    """A checkpoint whose config.json transformers cannot read (broken, or another release's)."""
+    """A checkpoint the libraries cannot read: its config.json (broken, or another release's), its
+    tokenizer files, a .gguf file, weights cut short or not of its config's shapes."""
 
 
 class VocabMismatch(SpecctlError):
