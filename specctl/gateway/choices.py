@@ -228,10 +228,10 @@ class Choices:
         """Text deltas (with their tokens' log-probabilities) as tokens arrive, the last with its
         finish_reason and the generation's stats; an echoed prompt first (on the first instance)."""
         if not progress.resumes:
-            scored = (prompt_logprobs(spec.prompt, first) if spec.params.prompt_logprobs is not None
+            scored = (R.prompt_logprobs(spec.prompt, first) if spec.params.prompt_logprobs is not None
                       and isinstance(first, Tokens) else None)
             if spec.echo is not None:  # with logprobs, its tokens listed as the output's are
-                yield Event(spec.echo, None, {}, 0, echoed(scored, spec.params.logprobs), scored)
+                yield Event(spec.echo, None, {}, 0, R.echoed(scored, spec.params.logprobs), scored)
             elif scored is not None:
                 yield Event("", None, {}, 0, [], scored)
             if spec.echo_only:  # the prompt was all it asked for: the target's token is not wanted
@@ -288,19 +288,3 @@ class Choices:
         if stop_token is None or stop_token == getattr(self.tokenizer, "eos_token_id", None):
             return None
         return stop_token if stop_token in params.stop_token_ids else None
-
-
-def prompt_logprobs(prompt: list[int], first: Tokens) -> list[R.TokenLogprob]:
-    """The prompt's tokens with their log-probabilities and ranks (sent with the first TOKENS);
-    its first token has none."""
-    return [R.TokenLogprob(prompt[0], None, [], []),
-            *map(R.TokenLogprob, prompt[1:], first.prompt_logprobs, first.prompt_top_ids, first.prompt_top_logprobs,
-                 first.prompt_ranks)]
-
-
-def echoed(scored: list[R.TokenLogprob] | None, alternatives: int | None) -> list[R.TokenLogprob]:
-    """An echoed prompt's entries in the output's logprobs: ``alternatives`` each (the scoring
-    pass may have listed more, for vLLM's prompt_logprobs); none when logprobs were not asked."""
-    if scored is None or alternatives is None:
-        return []
-    return [e._replace(top_ids=e.top_ids[:alternatives], top_logprobs=e.top_logprobs[:alternatives]) for e in scored]

@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Callable, Iterable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple, Sequence
 
 from rapidfuzz.distance import LCSseq
+
+if TYPE_CHECKING:
+    from specctl.net.protocol import Tokens
 
 
 class TokenLogprob(NamedTuple):
@@ -21,6 +24,22 @@ class TokenLogprob(NamedTuple):
 
 
 LOWEST_LOGPROB = -9999.0  # what vLLM writes for -inf, which JSON cannot carry
+
+
+def prompt_logprobs(prompt: list[int], first: Tokens) -> list[TokenLogprob]:
+    """The prompt's tokens with their log-probabilities and ranks (sent with the first TOKENS);
+    its first token has none."""
+    return [TokenLogprob(prompt[0], None, [], []),
+            *map(TokenLogprob, prompt[1:], first.prompt_logprobs, first.prompt_top_ids, first.prompt_top_logprobs,
+                 first.prompt_ranks)]
+
+
+def echoed(scored: list[TokenLogprob] | None, alternatives: int | None) -> list[TokenLogprob]:
+    """An echoed prompt's entries in the output's logprobs: ``alternatives`` each (the scoring
+    pass may have listed more, for vLLM's prompt_logprobs); none when logprobs were not asked."""
+    if scored is None or alternatives is None:
+        return []
+    return [e._replace(top_ids=e.top_ids[:alternatives], top_logprobs=e.top_logprobs[:alternatives]) for e in scored]
 
 
 def new_id(chat: bool, request_id: str | None = None) -> str:
