@@ -405,7 +405,8 @@ def test_stop_token_ids_end_the_generation_before_the_stop_token(cluster, tiny_d
 
 
 def test_fields_at_their_no_op_values_are_served():
-    from specctl.gateway.api import CompletionRequest, parse_body
+    from specctl.gateway.api import CompletionRequest
+    from specctl.gateway.request_body import parse_body
     from specctl.gateway.request_checks import refuse_unsupported
 
     body = {"prompt": "x", "logit_bias": {"42": 0}, "response_format": {"type": "text"},
@@ -415,19 +416,20 @@ def test_fields_at_their_no_op_values_are_served():
 
 
 def test_an_unknown_field_is_ignored_and_named_once_in_the_log(caplog):
-    from specctl.gateway import api
+    from specctl.gateway import request_body
+    from specctl.gateway.api import CompletionRequest
 
-    api._warned_fields.difference_update({"zz_flavour", "store"})
+    request_body._warned_fields.difference_update({"zz_flavour", "store"})
     with caplog.at_level("WARNING", logger="specctl.gateway"):
         for _ in range(3):
-            req = api.parse_body(b'{"prompt": "x", "zz_flavour": "mint", "store": false}', api.CompletionRequest)
+            req = request_body.parse_body(b'{"prompt": "x", "zz_flavour": "mint", "store": false}', CompletionRequest)
             assert req.prompt == "x"
     named = [r.getMessage() for r in caplog.records if "zz_flavour" in r.getMessage()]
     assert named == ["ignoring request field(s) store, zz_flavour: not a field this gateway serves on /v1/completions"]
     # Names are remembered up to a bound: a client inventing names cannot grow the gateway's memory.
-    for i in range(api.MAX_WARNED_FIELDS + 10):
-        api.parse_body(json.dumps({"prompt": "x", f"zz_{i}": 1}).encode(), api.CompletionRequest)
-    assert len(api._warned_fields) == api.MAX_WARNED_FIELDS
+    for i in range(request_body.MAX_WARNED_FIELDS + 10):
+        request_body.parse_body(json.dumps({"prompt": "x", f"zz_{i}": 1}).encode(), CompletionRequest)
+    assert len(request_body._warned_fields) == request_body.MAX_WARNED_FIELDS
 
 
 def test_sixteen_concurrent_streams_all_end_with_done(cluster):

@@ -13,7 +13,8 @@ import pytest
 
 from specctl.gateway.anthropic_api import MessagesRequest, as_chat, error_body
 from specctl.engine.tiny import make_byte_tokenizer
-from specctl.gateway.api import ApiError, check_key, parse_body
+from specctl.gateway.api import ApiError
+from specctl.gateway.request_body import check_key, parse_body
 from tests.test_gateway import post, specctl_generate
 from tests.test_gateway_tools import tools_cluster  # noqa: F401 - the fixture, a cluster of this module's own
 

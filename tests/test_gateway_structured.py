@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from specctl.engine.tiny import make_byte_tokenizer
-from specctl.gateway.api import ApiError, ChatCompletionRequest, CompletionRequest, parse_body
+from specctl.gateway.api import ApiError, ChatCompletionRequest, CompletionRequest
+from specctl.gateway.request_body import parse_body
 from specctl.gateway.structured import structured_output
 from specctl.spec.structured import JSON_OBJECT
 from tests.test_gateway import PROMPT, post

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
 from specctl.engine.tiny import make_byte_tokenizer
-from specctl.gateway.api import ApiError, ChatCompletionRequest, parse_body
+from specctl.gateway.api import ApiError, ChatCompletionRequest
+from specctl.gateway.request_body import parse_body
 from specctl.gateway.harmony import harmony_calls
 from specctl.gateway.glm_calls import StreamedGlmCalls as GlmCalls, glm_calls
 from specctl.gateway.tool_parsers import FunctoolsCalls, JsonCalls, MistralCalls, functools_calls, json_calls

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from specctl.gateway.api import check_key
+from specctl.gateway.request_body import check_key
 from specctl.gateway.upstream import Upstream
 
 

@@ -19,7 +19,8 @@ from specctl.gateway import responses as R
 from specctl.gateway.anthropic_api import MessagesRequest, as_chat as messages_as_chat, shows_thinking, within_context
 from specctl.gateway.anthropic_reply import AnthropicReply
 from specctl.gateway.keepalive import started
-from specctl.gateway.api import MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, check_key, parse_body
+from specctl.gateway.api import MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest
+from specctl.gateway.request_body import check_key, parse_body
 from specctl.gateway.request_checks import check_prompt_chars, refuse_unsupported, wanted_logprobs
 from specctl.gateway.choices import Choices, choice_specs
 from specctl.gateway.llama_reply import LlamaReply

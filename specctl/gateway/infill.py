@@ -14,7 +14,8 @@ import msgspec
 
 from specctl.engine.fim import encode_infill, infill_stops
 from specctl.errors import BadRequest
-from specctl.gateway.api import ApiError, CompletionRequest, parse_body
+from specctl.gateway.api import ApiError, CompletionRequest
+from specctl.gateway.request_body import parse_body
 from specctl.gateway.llama import LlamaOptions, completion_request, llama_reply
 from specctl.gateway.request_checks import check_prompt_chars
 from specctl.gateway.llama_reply import LlamaReply

@@ -28,7 +28,8 @@ import msgspec
 
 from specctl.engine.text import encode_prompt
 from specctl.gateway.request_checks import check_prompt_chars
-from specctl.gateway.api import MAX_CHOICES, ApiError, CompletionRequest, parse_body
+from specctl.gateway.api import MAX_CHOICES, ApiError, CompletionRequest
+from specctl.gateway.request_body import parse_body
 from specctl.gateway.llama_reply import LlamaReply, Probabilities, Rules
 from specctl.gateway.llama_samplers import DEFAULT_SAMPLERS, sampler_chain
 from specctl.spec.params import MAX_LOGPROBS

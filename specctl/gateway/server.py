@@ -21,9 +21,8 @@ from specctl.errors import ConfigError
 from specctl.gateway import cors, request_id
 from specctl.gateway import responses as R
 from specctl.gateway.errors import error_middleware
-from specctl.gateway.api import (
-    ApiError, check_key,
-)
+from specctl.gateway.api import ApiError
+from specctl.gateway.request_body import check_key
 from specctl.gateway.generation import Generations
 from specctl.gateway.infill import parse_infill
 from specctl.gateway.llama import parse_completion

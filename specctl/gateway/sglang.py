@@ -35,7 +35,8 @@ from aiohttp import web
 from specctl.engine.text import encode_prompt
 from specctl.gateway.keepalive import event_stream
 from specctl.gateway.request_checks import check_prompt_chars
-from specctl.gateway.api import ApiError, CompletionRequest, parse_body
+from specctl.gateway.api import ApiError, CompletionRequest
+from specctl.gateway.request_body import parse_body
 from specctl.gateway.choices import Choices, Event
 from specctl.gateway.respond import json_answer, stream_failure
 from specctl.verify.client import RemoteError

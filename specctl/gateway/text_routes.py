@@ -16,9 +16,9 @@ from specctl.engine.text import render_chat
 from specctl.errors import BadRequest
 from specctl.gateway.llama_samplers import DEFAULT_SAMPLERS
 from specctl.gateway.api import (
-    ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, TokenizeRequest, check_key,
-    parse_body,
+    ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, TokenizeRequest,
 )
+from specctl.gateway.request_body import check_key, parse_body
 from specctl.gateway.request_checks import check_prompt_chars
 from specctl.gateway.translate import chat_messages, chat_template_options
 from specctl.gateway.role_stats import recent_rate
