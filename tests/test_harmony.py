@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from specctl.gateway.harmony import HarmonyCalls, StreamedHarmony, harmony_calls, serving_parsers, split_harmony
 from specctl.gateway.reasoning import HARMONY, reasoning_reader, split_reasoning, thinks
-from specctl.gateway.server import check_serving
+from specctl.gateway.config import check_serving
 from specctl.gateway.tool_calls import read_whole
 
 THOUGHT = "<|channel|>analysis<|message|>The user asks about weather.<|end|>"

@@ -66,9 +66,9 @@ def serving_options(responses_store: int, max_waiting: int, queue_timeout: float
                     scheduling_policy: str, allowed_origins: List[str], request_id_headers: bool,
                     log_requests: bool, reasoning_parser: str | None, tool_call_parser: str = "hermes",
                     generation_config: str = "auto", chat_template: str | None = None) -> dict:
-    """The shared serving options, checked (gateway.server.check_serving) before any model loads,
+    """The shared serving options, checked (gateway.config.check_serving) before any model loads,
     as GatewayConfig and ClusterConfig name them."""
-    from specctl.gateway.server import check_serving
+    from specctl.gateway.config import check_serving
 
     try:
         check_serving(responses_store, tuple(served_model_name), scheduling_policy, max_waiting, queue_timeout,
@@ -121,7 +121,8 @@ def gateway(
     from specctl.gateway.chat_template import load_chat_template
     from specctl.gateway.harmony import serving_parsers
     from specctl.gateway.sampling_defaults import describe, sampling_defaults
-    from specctl.gateway.server import Gateway, GatewayConfig, served_context
+    from specctl.gateway.config import GatewayConfig, served_context
+    from specctl.gateway.server import Gateway
     from specctl.gateway.upstream import Upstream
     from specctl.runtime.loop import run, serve, setup_logging
     from specctl.runtime.tls import client_context

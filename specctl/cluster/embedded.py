@@ -20,7 +20,8 @@ from specctl.runtime.compute import ComputeThread
 from specctl.gateway.chat_template import load_chat_template
 from specctl.gateway.harmony import serving_parsers
 from specctl.gateway.sampling_defaults import describe, sampling_defaults
-from specctl.gateway.server import MAX_BODY_BYTES, Gateway, GatewayConfig, check_serving, served_context
+from specctl.gateway.config import MAX_BODY_BYTES, GatewayConfig, check_serving, served_context
+from specctl.gateway.server import Gateway
 from specctl.gateway.upstream import Upstream
 from specctl.pipeline.decoder import PipelineClient
 from specctl.pipeline.local import LocalPipeline

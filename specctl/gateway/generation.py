@@ -45,7 +45,7 @@ from specctl.gateway.upstream import Upstream
 from specctl.verify.client import RemoteError
 
 if TYPE_CHECKING:
-    from specctl.gateway.server import GatewayConfig
+    from specctl.gateway.config import GatewayConfig
 
 REMOTE_STATUS = {"bad_request": 400, "capacity": 503, "unavailable": 503}
 NATIVE_ENDPOINTS = ("completion", "infill", "generate")  # llama.cpp's own (gateway.llama), SGLang's (gateway.sglang)
