@@ -20,9 +20,8 @@ from __future__ import annotations
 import collections
 import time
 
-from specctl.draft.fanout import (
-    answer_now, carry_is_cheap, choose_fallback, step_time_fit,
-)
+from specctl.draft.fallback import MissFallback
+from specctl.draft.fanout import answer_now, carry_is_cheap, step_time_fit
 from specctl.draft.prespec_config import FALLBACKS, PrespecConfig  # noqa: F401 - re-exported
 from specctl.draft.early import Published, publish
 from specctl.draft.history import History, PrespecStats
@@ -39,7 +38,7 @@ def _end_node(path: list[int]) -> int:
     return path[-1] if path else 0
 
 
-class SpeculationCache(PlanSizing):
+class SpeculationCache(PlanSizing, MissFallback):
     def __init__(self, config: PrespecConfig, depth: int, wake=lambda: None, shape: ModelTreeDrafter | None = None) -> None:
         """``shape``: the tree drafter whose trees the branches are; None: chains."""
         self.config, self.depth, self.wake, self.shape = config, depth, wake, shape
@@ -248,28 +247,6 @@ class SpeculationCache(PlanSizing):
                 self._advance(own + carried)
             else:
                 step(own)
-
-    def fallback_for(self, misses: list[tuple[int, DraftState]]) -> str:
-        """How to draft the sessions that just missed, together: "jit" or "ngram" (``auto``: by the
-        measured times; just in time when not adaptive, as every timed choice here: tests decide)."""
-        if self.config.fallback != "auto":
-            return self.config.fallback
-        if not self.config.adaptive:
-            return "jit"
-        returns = [self.history[tag].return_s for tag, _ in misses if self.history.get(tag) and self.history[tag].return_s]
-        if not returns:
-            return "jit"
-        primary = sum(1 + s.accepted / s.rounds if s.rounds else 1.0 for _, s in misses) / len(misses)
-        backup = sum(self.history[tag].backup_length for tag, _ in misses) / len(misses)
-        known = sorted(self.step_s, key=lambda m: abs(m - len(misses)))
-        step_s = self.step_s[known[0]] if known else 0.0
-        return choose_fallback(len(misses), step_s, self.depth, sum(returns) / len(returns), primary, backup)
-
-    def drafted(self, sessions: int, seconds: float) -> None:
-        """A just-in-time pass drafted ``sessions`` chains in ``seconds``."""
-        per_token = seconds / self.depth
-        old = self.step_s.get(sessions)
-        self.step_s[sessions] = per_token if old is None else 0.8 * old + 0.2 * per_token
 
     def _budget_now(self) -> float:
         """Mean budget the open plans were given (what fits the measured times)."""

@@ -74,7 +74,7 @@ class StaticRunner:
         if not all(layer.llama_shaped for layer in decoder.layers):
             compile = False  # the pieces compute the Llama layer; another (Gemma's) runs its modules
         elif compile or all(layer.fused for layer in decoder.layers):
-            from specctl.engine.layers import after_attention, before_attention
+            from specctl.engine.static_layer import after_attention, before_attention
             from specctl_kernels import static_attention
 
             if not all(layer.fused for layer in decoder.layers):

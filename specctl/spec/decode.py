@@ -19,24 +19,14 @@ from specctl.spec.drafters import Proposal
 from specctl.spec.logprobs import PromptLogprob, TokenLogprob, score_prompt, token_logprobs
 from specctl.spec.logit_rules import LogitRules
 from specctl.spec.params import SamplingParams
-from specctl.spec.sampling import checked_token, probs_from_logits, sample, sample_tensor
+from specctl.spec.run_ahead import RunningAhead, runs_ahead
+from specctl.spec.sampling import probs_from_logits, sample
 from specctl.spec.stats import GenerationStats
 from specctl.spec.structured import Structure
 from specctl.spec.verify import accept_proposal
 
 
-def runs_ahead(params: SamplingParams, max_nodes: int, target: Decoder) -> bool:
-    """Whether a session runs the target's next step before reading its token back: decoding
-    with the target alone (every proposal the root: ``max_nodes`` 1) on CUDA graphs, greedy or
-    sampled, where the host's part of a round (~0.4 ms beside a 2.4 ms 1.5B step on an H100)
-    can overlap the device's. Elsewhere a step launched early only waits (the CPU computes as
-    it launches) or is wasted (a proposal of several nodes re-verifies the root). Not when the
-    request adjusts the logits (spec.logit_rules): the next token's rules need this one."""
-    static = getattr(target, "static", None)  # a pipeline of stages has none
-    return max_nodes == 1 and static is not None and static.graphs and not params.adjusts_logits
-
-
-class DecodeSession:
+class DecodeSession(RunningAhead):
     """The target side of one session: its KV cache, committed text and output. Rounds are
     driven by ``spec.rounds.run_session``; this class verifies and accepts."""
 
@@ -211,47 +201,6 @@ class DecodeSession:
             return self.accept(proposal, ahead)
         tokens, positions, mask = self.verify_inputs(proposal)
         return self.accept(proposal, self.target(tokens, positions, self.cache, mask=mask))
-
-    def take_ahead(self, proposal: Proposal) -> torch.Tensor | None:
-        """The logits of the step run ahead, if this proposal is the root alone (they are its
-        verification); for a larger proposal that step's KV is dropped and the tree verified."""
-        ahead, self.ahead = self.ahead, None
-        if ahead is None:
-            return None
-        if len(proposal.tree) == 1 and proposal.tree.tokens[0] == self.seq[-1]:
-            return ahead
-        self.cache.truncate(len(self.seq) - 1)
-        return None
-
-    def _read_running_ahead(self, logits: torch.Tensor) -> int:
-        """The token of the last row of ``logits`` (its argmax, or drawn as ``sample`` draws it:
-        one uniform of the session's generator, the CDF inverted on the device): sent to the
-        host, the next step launched with it on the device (unless the token ends the session by
-        length), then read."""
-        if self.params.greedy:
-            token = logits[-1].argmax(-1, keepdim=True)  # [1], on the device
-        else:
-            # over a [1, vocab] row, as a verification of the root alone computes it: the same bits
-            token = sample_tensor(probs_from_logits(logits[-1:], self.params)[0], self.generator).reshape(1)
-        self._token_host.copy_(token, non_blocking=self._token_read is not None)
-        if self._token_read is not None:
-            self._token_read.record()  # before the next step in the stream: reading waits for the copy only
-        if len(self.output) + 1 < self.params.max_tokens:
-            position = torch.tensor([len(self.seq)])  # where the token will stand once committed
-            # (-1, a distribution with no mass, fails below: the step must not index with it)
-            fed = token if self.params.greedy else token.clamp(min=0)
-            self.ahead = self.target(fed, position, self.cache)
-            self.steps_ahead += 1
-        if self._token_read is not None:
-            self._token_read.synchronize()
-        return checked_token(int(self._token_host[0]))
-
-    def _settle_ahead(self, emitted: list[int]) -> list[int]:
-        """A session that has finished (a stop token) drops the step run ahead and its KV."""
-        if self.finished and self.ahead is not None:
-            self.ahead = None
-            self.cache.truncate(self.cache.length - 1)  # its KV is the last position
-        return emitted
 
     def verify_inputs(self, proposal: Proposal) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The target forward that verifies a proposal: tree tokens, their positions
