@@ -36,6 +36,7 @@ from specctl.engine.kv_cache import KVPool
 from specctl.engine.model import Decoder
 from specctl.net.protocol import StageForward, Tensor
 from specctl.pipeline.decoder import PipelineDecoder, wait_output
+from specctl.pipeline.in_flight import SentLevel, pruned_in_flight
 from specctl.pipeline.live_tree import CacheMirror, SpecTree
 from specctl.pipeline.pipe_stats import PipeStats
 from specctl.pipeline.predicted import PredictedChains
@@ -47,16 +48,6 @@ from specctl.spec.params import SamplingParams
 from specctl.spec.sampling import probs_from_logits
 from specctl.spec.stats import GenerationStats, RoundResult
 from specctl.spec.verify import accept_at_node
-
-
-@dataclass(slots=True)
-class _Sent:
-    future: object
-    level: list[int]
-    tree_epoch: int
-    tag: int  # this session's id of the forward, for StageDrop
-    dead: bool = False  # declared dead to the other stages
-    dead_rows: set[int] = field(default_factory=set)  # rows declared dead while others live
 
 
 @dataclass(slots=True)
@@ -91,7 +82,7 @@ class SpecPipeRun:
         root = tree.add(session.seq[-1], None, last)
         self.draft.start(session.seq[-1], last)
         prompt = torch.tensor(session.seq[: session.prompt_len])
-        in_flight = deque([_Sent(self._forward(prompt, torch.arange(len(prompt)), None, [len(prompt) - 1], want,
+        in_flight = deque([SentLevel(self._forward(prompt, torch.arange(len(prompt)), None, [len(prompt) - 1], want,
                                                begun, tag=0), [root], 0, 0)])
         mirror.append([root])
         self.stats.levels_sent = 1
@@ -108,7 +99,7 @@ class SpecPipeRun:
                 draft_s += time.perf_counter() - started
                 tag = self.stats.levels_sent
                 forward = [node for level in new_levels for node in level]
-                in_flight.append(_Sent(self._send(tree, mirror, forward, want, started, tag), forward, tree_epoch, tag))
+                in_flight.append(SentLevel(self._send(tree, mirror, forward, want, started, tag), forward, tree_epoch, tag))
                 self.stats.stage1_s += time.perf_counter() - started
                 levels.extend(new_levels)
                 self.stats.levels_sent += 1
@@ -217,26 +208,10 @@ class SpecPipeRun:
             if added and self.draft.alive:
                 self.draft.graft(tree, added)
 
-    def _declare_dead(self, in_flight: deque[_Sent], tree: SpecTree, tree_epoch: int) -> None:
+    def _declare_dead(self, in_flight: deque[SentLevel], tree: SpecTree, tree_epoch: int) -> None:
         """Tell the other stages (control path) what the verification just pruned from the
-        levels in flight: a level with no live row is passed on uncomputed, the others skip
-        their newly dead rows."""
-        tags, rows = [], []
-        for sent in in_flight:
-            if sent.dead:
-                continue
-            gone = [] if sent.tree_epoch != tree_epoch else [
-                i for i, node in enumerate(sent.level) if node not in tree.nodes and i not in sent.dead_rows]
-            if sent.tree_epoch != tree_epoch or len(gone) + len(sent.dead_rows) == len(sent.level):
-                sent.dead = True
-                tags.append(sent.tag)
-                rows.append([])
-                self.stats.levels_dropped += 1
-            elif gone:
-                sent.dead_rows.update(gone)
-                tags.append(sent.tag)
-                rows.append(gone)
-                self.stats.rows_dropped += len(gone)
+        levels in flight (pipeline.in_flight)."""
+        tags, rows = pruned_in_flight(in_flight, tree, tree_epoch, self.stats)
         if tags:
             self.session.cache.drop(tags, rows)
 
