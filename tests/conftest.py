@@ -293,6 +293,21 @@ async def wait_until(predicate, timeout: float = 20.0, what: str = "condition") 
         await asyncio.sleep(0.01)
 
 
+def logprobs_close(expected, tolerance: float = 1e-4):
+    """``expected`` (nested JSON: lists, dicts, numbers) with every float compared within ``tolerance``.
+
+    Two requests' fp32 logprobs agree only to ~1e-6: the target scores a token in verifications
+    of different widths (the proposal length follows measured step times) or over a restored
+    prefix, and a matmul's rounding follows its shape. The tokens themselves are exact."""
+    if isinstance(expected, float):
+        return pytest.approx(expected, abs=tolerance)
+    if isinstance(expected, dict):
+        return {key: logprobs_close(value, tolerance) for key, value in expected.items()}
+    if isinstance(expected, (list, tuple)):
+        return [logprobs_close(value, tolerance) for value in expected]
+    return expected
+
+
 def poll_until(probe, predicate, timeout: float = 20.0, interval: float = 0.2):
     """Call ``probe`` until ``predicate(result)`` holds; returns that result."""
     deadline = time.time() + timeout

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
 from specctl.gateway.choices import Choices
-from tests.conftest import poll_until
+from tests.conftest import logprobs_close, poll_until
 
 PROMPT = "The quick brown fox"
 
@@ -269,8 +269,8 @@ def _target_logprobs(tiny_dir, prompt_ids, output_ids):
 
 def test_logprobs_are_the_targets_in_both_api_shapes_streamed_or_not(cluster, tiny_dir):
     base = cluster[1]["gateway"]
-    # the prompt's KV stored first: every request below restores it, so their values agree to the bit
-    # (an fp32 target's restored prefix differs from a fresh prefill by ~1e-7)
+    # the prompt's KV stored first: every request below restores it (an fp32 target's restored prefix differs
+    # from a fresh prefill by ~1e-7); their logprobs still agree only to ~1e-6, rounded by verification widths
     post(base + "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "temperature": 0})
     reference = specctl_generate(tiny_dir, PROMPT, 12)
     prompt_ids = json.loads(post(base + "/tokenize", {"prompt": PROMPT})[2])["tokens"]
@@ -294,7 +294,7 @@ def test_logprobs_are_the_targets_in_both_api_shapes_streamed_or_not(cluster, ti
     with urllib.request.urlopen(request, timeout=60) as response:
         chunks = [json.loads(line[6:]) for line in response if line.startswith(b"data: {")]
     streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
-    assert sum((s["token_logprobs"] for s in streamed), []) == logprobs["token_logprobs"]
+    assert sum((s["token_logprobs"] for s in streamed), []) == logprobs_close(logprobs["token_logprobs"])
     assert sum((s["text_offset"] for s in streamed), []) == logprobs["text_offset"]
     # chat: logprobs true and top_logprobs n
     messages = [{"role": "user", "content": PROMPT}]

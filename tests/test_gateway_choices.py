@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 
 from specctl.gateway.choices import nth_seed
-from tests.conftest import poll_until
+from tests.conftest import logprobs_close, poll_until
 from tests.test_gateway import PROMPT, _target_logprobs, post, specctl_generate
 
 
@@ -170,7 +170,7 @@ def test_echo_puts_the_prompt_first_with_its_logprobs_as_lm_eval_asks(cluster, t
     assert chunks[0]["text"] == PROMPT and chunks[0]["logprobs"]["token_logprobs"][0] is None
     assert "".join(c["text"] for c in chunks) == whole["text"]
     assert sum((c["logprobs"]["token_logprobs"] for c in chunks if c["logprobs"]), []) == \
-        whole["logprobs"]["token_logprobs"]
+        logprobs_close(whole["logprobs"]["token_logprobs"])
     assert sum((c["logprobs"]["text_offset"] for c in chunks if c["logprobs"]), []) == whole["logprobs"]["text_offset"]
 
 
@@ -245,12 +245,12 @@ def test_prompt_logprobs_list_each_prompt_token_with_its_rank_as_vllm_does(clust
     assert len(chat["choices"]) == 2 and "prompt_logprobs" not in chat["choices"][0]
     by_ids = json.loads(post(base + "/v1/completions", {"prompt": chat_ids, "max_tokens": 1, "temperature": 0,
                                                         "echo": True, "logprobs": 1, "prompt_logprobs": 0})[2])
-    assert chat["prompt_logprobs"] == by_ids["choices"][0]["prompt_logprobs"]
+    assert chat["prompt_logprobs"] == logprobs_close(by_ids["choices"][0]["prompt_logprobs"])
     assert all(len(entry) == 1 for entry in chat["prompt_logprobs"][1:])  # 0 alternatives: the token alone
     echo_tops = by_ids["choices"][0]["logprobs"]["top_logprobs"][1:len(chat_ids)]
     assert all(len(top) in (1, 2) for top in echo_tops)  # echo's logprobs 1: the token and the likeliest
     assert [e for e in by_ids["choices"][0]["logprobs"]["token_logprobs"][1:len(chat_ids)]] == \
-        [next(iter(entry.values()))["logprob"] for entry in chat["prompt_logprobs"][1:]]
+        logprobs_close([next(iter(entry.values()))["logprob"] for entry in chat["prompt_logprobs"][1:]])
     # asked for nothing: no field
     assert "prompt_logprobs" not in plain["choices"][0] and "prompt_logprobs" not in plain
     for body, message in (({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs are not available when stream "

@@ -18,6 +18,7 @@ from specctl.gateway.llama import (
     openai_bias,
 )
 from specctl.gateway.llama_reply import indent_cut, selected
+from tests.conftest import logprobs_close
 from tests.test_gateway import PROMPT, post, specctl_generate, target_text
 
 
@@ -264,17 +265,18 @@ def test_n_probs_lists_the_targets_alternatives_as_completions_logprobs_do(clust
     import math
 
     url = cluster[1]["gateway"]
-    # the prompt's KV stored first: every request below restores it, so their values agree to the bit
-    # (an fp32 target's restored prefix differs from a fresh prefill by ~1e-7)
+    # the prompt's KV stored first: every request below restores it (an fp32 target's restored prefix differs
+    # from a fresh prefill by ~1e-7); their logprobs still agree only to ~1e-6, rounded by verification widths
     post(url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "temperature": 0})
     body = {"prompt": PROMPT, "n_predict": 8, "temperature": 0, "n_probs": 3}
     answer = json.loads(post(url + "/completion", body)[2])
     openai = json.loads(post(url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
                                                        "logprobs": 3})[2])["choices"][0]["logprobs"]
     probabilities = answer["completion_probabilities"]
-    assert [p["logprob"] for p in probabilities] == openai["token_logprobs"]
+    assert [p["logprob"] for p in probabilities] == logprobs_close(openai["token_logprobs"])
     assert [p["token"] for p in probabilities] == openai["tokens"]
-    assert [{t["token"]: t["logprob"] for t in p["top_logprobs"]} for p in probabilities] == openai["top_logprobs"]
+    assert [{t["token"]: t["logprob"] for t in p["top_logprobs"]} for p in probabilities] == \
+        logprobs_close(openai["top_logprobs"])
     assert all(p["bytes"] == list(p["token"].encode()) for p in probabilities)
     as_probs = json.loads(post(url + "/completion", {**body, "post_sampling_probs": True})[2])
     assert [p["prob"] for p in as_probs["completion_probabilities"]] == [math.exp(lp) for lp in

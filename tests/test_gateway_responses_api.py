@@ -12,6 +12,7 @@ from specctl.gateway.responses_api import ResponsesRequest, as_chat
 from specctl.gateway.responses_reply import StreamedItems
 from specctl.gateway.tool_calls import StreamedCalls, parse
 from specctl.gateway.translate import chat_messages
+from tests.conftest import logprobs_close
 from tests.test_gateway import post
 from tests.test_gateway_tools import CALL, WEATHER, tools_cluster  # noqa: F401 (a fixture)
 
@@ -72,15 +73,17 @@ def test_included_logprobs_are_chats_whole_and_streamed(cluster, client, tiny_di
     response = client.responses.create(**fields)
     chat = client.chat.completions.create(**asked)
     [part] = response.output[0].content
-    assert [lp.model_dump() for lp in part.logprobs] == [lp.model_dump() for lp in chat.choices[0].logprobs.content]
+    assert [lp.model_dump() for lp in part.logprobs] == \
+        logprobs_close([lp.model_dump() for lp in chat.choices[0].logprobs.content])
     assert len(part.logprobs) == response.usage.output_tokens and response.top_logprobs == 2
     assert all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
     events = list(client.responses.create(**fields, stream=True))
     streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
     [done] = [e for e in events if e.type == "response.output_text.done"]
     whole = [lp.model_dump() for lp in part.logprobs]
-    assert [lp.model_dump() for lp in done.logprobs] == whole
-    assert streamed and [lp.model_dump() for lp in streamed] == whole[:len(streamed)]  # the rest (held back) with done
+    assert [lp.model_dump() for lp in done.logprobs] == logprobs_close(whole)
+    # the rest (held back) comes with done
+    assert streamed and [lp.model_dump() for lp in streamed] == logprobs_close(whole[:len(streamed)])
     assert client.responses.create(**{**fields, "include": None}).output[0].content[0].logprobs == []
 
 
