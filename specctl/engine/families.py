@@ -20,15 +20,13 @@ def read_text_config(path: Any) -> Any:
 
     try:
         return text_config(AutoConfig.from_pretrained(path))
-    except ValueError as exc:
+    except Exception as exc:  # anything transformers (or huggingface_hub's validation) raises on a config
         unknown = re.search(r"model type `([^`]*)` but Transformers does not recognize", str(exc))
-        if unknown is None:
+        if not isinstance(exc, ValueError) or unknown is None:
             raise checkpoint_unreadable(path, exc) from None
         raise UnsupportedArchitecture(
             f"{path}: transformers {transformers.__version__} does not know model type {unknown[1]!r}; a newer "
             "transformers may (pip install -U transformers), or pick a checkpoint of a supported family") from None
-    except Exception as exc:  # anything else transformers (or huggingface_hub's validation) raises on a config
-        raise checkpoint_unreadable(path, exc) from None
 
 
 def checkpoint_unreadable(path: Any, exc: Exception, what: str = "read its config.json",
