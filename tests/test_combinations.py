@@ -115,8 +115,7 @@ def test_every_mode_with_drawn_options_equals_the_target_alone(tiny, arch, data)
 
 def assert_same_session(session, reference, mode: str = "") -> None:
     """The same tokens, end and raw log-probabilities (whichever drafter proposed the tokens)."""
-    assert (session.output, session.finish_reason) == (reference.output, reference.finish_reason), \
-        f"{mode} with {session.params}"
+    assert_same_output(session, reference, f"{mode} with {session.params}")
     assert len(session.logprobs) == len(reference.logprobs) == (
         0 if session.params.logprobs is None else len(session.output))
     for (chosen, ids, values, rank), (chosen_alone, ids_alone, values_alone, rank_alone) in zip(
@@ -124,6 +123,59 @@ def assert_same_session(session, reference, mode: str = "") -> None:
         assert (ids, rank) == (ids_alone, rank_alone)
         assert [chosen, *values] == pytest.approx([chosen_alone, *values_alone], abs=1e-4)
 
+
+# A target's fp32 logits scored in another shape (a verification's width, a restored prefix) differ
+# by ~1e-6 from the target alone's: where two tokens tie that closely either is its greedy choice.
+TIE = 1e-4
+
+
+def assert_same_output(session, reference, note: str = "", **run) -> None:
+    """The same tokens and end as the target alone's, or hypothesis rejects the example where the
+    two first part at a tie (``parted_at_a_tie``): such an example decides nothing."""
+    same = (session.output, session.finish_reason) == (reference.output, reference.finish_reason)
+    assume(same or not parted_at_a_tie(session, reference, **run))
+    assert same, note
+
+
+def parted_at_a_tie(session, reference, **run) -> bool:
+    """Whether the outputs first part at two tokens both within TIE of the top of the target's
+    logits there, adjusted by the request's rules (``run``: the sessions' eos ids and tokenizer)."""
+    parted = next((i for i, (a, b) in enumerate(zip(session.output, reference.output)) if a != b), None)
+    if parted is None:  # one ends before the other: no tie decides that
+        return False
+    from specctl.spec.decode import DecodeSession
+
+    target, before = reference.target, reference.output[:parted]
+    prompt = reference.seq[:reference.prompt_len]
+    text = prompt + before
+    with torch.no_grad():
+        logits = target(torch.tensor(text), torch.arange(len(text)), target.new_cache(len(text)))[-1:]
+    scorer = DecodeSession(target, prompt, reference.params, resumed=before, **run)
+    try:
+        scores = scorer.scored_next(logits)[0]
+    finally:
+        scorer.close()
+    pair = scores[[session.output[parted], reference.output[parted]]]
+    return float(scores.max() - pair.min()) < TIE
+
+
+def test_a_parting_at_a_tie_is_told_from_a_real_one(tiny):
+    """Found by an unseeded run: after this text the target's two likeliest tokens (263, 256)
+    are 5e-7 apart, and a restored prefix took the other one."""
+    from types import SimpleNamespace
+
+    target = tiny["llama"]
+    def drawn(seed: int, length: int) -> list[int]:  # as _prompt draws one
+        return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+    first = drawn(11, 11)
+    turn = first + generate(target, first, SamplingParams(max_tokens=12, ignore_eos=True))[0] + drawn(7885, 6)
+    reference = run_to_end(target, turn, SamplingParams(max_tokens=1, ignore_eos=True))
+    assert reference.output in ([263], [256])
+    [other] = {263, 256} - set(reference.output)
+    assert parted_at_a_tie(SimpleNamespace(output=[other]), reference)
+    assert not parted_at_a_tie(SimpleNamespace(output=[105]), reference)  # the third, 0.11 below
+    assert not parted_at_a_tie(SimpleNamespace(output=[*reference.output, 5]), reference)  # never parted
 
 @SETTINGS
 @given(data=st.data())
@@ -142,7 +194,7 @@ def test_a_batch_of_requests_with_their_own_options_verified_together_equals_eac
         session.prefill()
     verify_together_to_the_end(sessions, drafters)
     for options, session, reference in zip(params, sessions, references):
-        assert (session.output, session.finish_reason) == (reference.output, reference.finish_reason), f"{options}"
+        assert_same_output(session, reference, f"{options}")
 
 
 @pytest.fixture
@@ -174,7 +226,7 @@ def test_a_next_turn_restored_from_the_prefix_cache_with_drawn_options_equals_th
         assert session == reference
         return
     assert session.stats.cached_prompt_tokens >= len(first)
-    assert (session.output, session.finish_reason) == (reference.output, reference.finish_reason), f"{params}"
+    assert_same_output(session, reference, f"{params}")
 
 
 @SETTINGS
@@ -251,8 +303,7 @@ def test_a_drawn_grammar_with_drawn_options_every_mode_equals_the_target_alone_a
     if isinstance(reference, str):  # the options and the grammar bar every token somewhere
         assert session == reference, f"{mode} with {params}"
         return
-    assert (session.output, session.finish_reason) == (reference.output, reference.finish_reason), \
-        f"{mode} with {params}"
+    assert_same_output(session, reference, f"{mode} with {params}", **run)
     text = tokenizer.decode([t for t in session.output if t != eos])
     if session.finish_reason == "stop" and not params.stop_token_ids and params.thinking_budget is None:
         assert holds(text), (spec, text)
