@@ -113,6 +113,11 @@ def test_every_mode_with_drawn_options_equals_the_target_alone(tiny, arch, data)
     assert_same_session(session, reference, mode)
 
 
+# A target's fp32 logits scored in another shape (a verification's width, a restored prefix) differ
+# by ~1e-6 from the target alone's: where two tokens tie that closely either is its greedy choice.
+TIE = 1e-4
+
+
 def assert_same_session(session, reference, mode: str = "") -> None:
     """The same tokens, end and raw log-probabilities (whichever drafter proposed the tokens)."""
     assert_same_output(session, reference, f"{mode} with {session.params}")
@@ -128,11 +133,6 @@ def assert_same_session(session, reference, mode: str = "") -> None:
         for token in ours.keys() ^ theirs.keys():  # listed by one only: tied at the listing's edge
             edge = min(theirs.values()) if token in ours else min(ours.values())
             assert abs(ours.get(token, theirs.get(token)) - edge) < TIE, (ids, ids_alone)
-
-
-# A target's fp32 logits scored in another shape (a verification's width, a restored prefix) differ
-# by ~1e-6 from the target alone's: where two tokens tie that closely either is its greedy choice.
-TIE = 1e-4
 
 
 def assert_same_output(session, reference, note: str = "", **run) -> None:
@@ -171,6 +171,7 @@ def test_a_parting_at_a_tie_is_told_from_a_real_one(tiny):
     from types import SimpleNamespace
 
     target = tiny["llama"]
+
     def drawn(seed: int, length: int) -> list[int]:  # as _prompt draws one
         return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -182,6 +183,7 @@ def test_a_parting_at_a_tie_is_told_from_a_real_one(tiny):
     assert parted_at_a_tie(SimpleNamespace(output=[other]), reference)
     assert not parted_at_a_tie(SimpleNamespace(output=[105]), reference)  # the third, 0.11 below
     assert not parted_at_a_tie(SimpleNamespace(output=[*reference.output, 5]), reference)  # never parted
+
 
 @SETTINGS
 @given(data=st.data())
