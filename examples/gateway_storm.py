@@ -1,8 +1,9 @@
 """Storm a running gateway with mixed requests — whole and streamed, sampled and greedy, n
-choices, logprobs with echo, forced tool calls, clients that leave mid-stream and malformed
-bodies (each must be a 400 with an error) — then check that every session was freed (the
-gateway's and the roles' session gauges back at 0) and that greedy answers are what they were
-before. Kill or restart a draft server or a target while it runs to see what clients meet.
+choices, logprobs with echo, forced tool calls, Anthropic's Messages and the Responses API,
+clients that leave mid-stream and malformed bodies (each must be a 400 with an error) — then
+check that every session was freed (the gateway's and the roles' session gauges back at 0) and
+that greedy answers are what they were before. Kill or restart a draft server or a target while
+it runs to see what clients meet.
 
     specctl up --port 8000 &
     python examples/gateway_storm.py http://127.0.0.1:8000 --rounds 3 --concurrency 24
@@ -27,7 +28,7 @@ BAD_BODIES = [b"{", b'{"prompt": 5}', b'{"prompt": "x", "max_tokens": -1}', b'{"
               b'{"messages": []}', b"\xff\xfe"]
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
-KINDS = ("plain", "stream", "leave", "chat", "bad", "n2", "sampled", "logprobs", "tools")
+KINDS = ("plain", "stream", "leave", "chat", "bad", "n2", "sampled", "logprobs", "tools", "messages", "responses")
 
 
 async def post(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
@@ -56,7 +57,12 @@ async def streamed(session: aiohttp.ClientSession, url: str, prompt: str, leave_
                 return
 
 
-async def one(session: aiohttp.ClientSession, url: str, number: int) -> tuple[str, str]:
+async def served_model(session: aiohttp.ClientSession, url: str) -> str:
+    async with session.get(url + "/v1/models") as reply:
+        return (await reply.json())["data"][0]["id"]  # Anthropic's API names the model it asks for
+
+
+async def one(session: aiohttp.ClientSession, url: str, number: int, model: str) -> tuple[str, str]:
     draw = random.Random(number)
     kind, prompt = draw.choice(KINDS), draw.choice(PROMPTS)
     chat = [{"role": "user", "content": prompt}]
@@ -90,6 +96,15 @@ async def one(session: aiohttp.ClientSession, url: str, number: int) -> tuple[st
                 "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": WEATHER,
                 "tool_choice": "required", "max_tokens": 40})
             json.loads(answer["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"])
+        elif kind == "messages":
+            body = {"model": model, "max_tokens": 12, "messages": chat, "stream": draw.random() < 0.5}
+            async with session.post(url + "/v1/messages", json=body) as reply:
+                text = await reply.text()
+                assert reply.status == 200, (reply.status, text)
+                assert ("message_stop" in text) if body["stream"] else json.loads(text)["content"], text
+        elif kind == "responses":
+            answer = await post(session, url + "/v1/responses", {"input": prompt, "max_output_tokens": 12})
+            assert answer["status"] in ("completed", "incomplete") and answer["output"], answer
         return kind, "ok"
     except Exception as exc:  # a report, not a crash: every request's outcome is listed
         return kind, f"FAIL {exc!r}"
@@ -105,10 +120,12 @@ async def open_sessions(session: aiohttp.ClientSession, url: str) -> dict[str, f
 async def storm(url: str, rounds: int, concurrency: int) -> bool:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         before = {prompt: await greedy(session, url, prompt) for prompt in PROMPTS[:3]}
+        model = await served_model(session, url)
         failed = 0
         for number in range(rounds):
             start = time.perf_counter()
-            results = await asyncio.gather(*(one(session, url, number * 1000 + i) for i in range(concurrency)))
+            results = await asyncio.gather(*(one(session, url, number * 1000 + i, model)
+                                                   for i in range(concurrency)))
             bad = [result for result in results if result[1] != "ok"]
             failed += len(bad)
             print(f"round {number}: {len(results)} requests in {time.perf_counter() - start:.1f} s, "
