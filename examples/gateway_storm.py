@@ -124,8 +124,8 @@ async def storm(url: str, rounds: int, concurrency: int) -> bool:
         failed = 0
         for number in range(rounds):
             start = time.perf_counter()
-            results = await asyncio.gather(*(one(session, url, number * 1000 + i, model)
-                                                   for i in range(concurrency)))
+            requests = (one(session, url, number * 1000 + i, model) for i in range(concurrency))
+            results = await asyncio.gather(*requests)
             bad = [result for result in results if result[1] != "ok"]
             failed += len(bad)
             print(f"round {number}: {len(results)} requests in {time.perf_counter() - start:.1f} s, "
