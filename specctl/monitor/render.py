@@ -71,16 +71,18 @@ def draft_panel(draft: dict, targets: list[dict], state: MonitorState) -> Panel:
 
 
 def prespec_rows(prespec: dict) -> list[tuple[str, str, str, str]]:
-    """Pre-speculation on the draft server: cache hits, branches used of drafted, idle time put
-    to use, how misses were drafted; then how hits were answered (still being drafted, with the
-    tokens drafted so far, from the event loop), the rounds not pre-speculated and the misses
-    drafted in forwards that carried the other plans."""
-    return [(f"prespec hit [bold]{prespec.get('hit_rate', 0):.0%}[/] ({prespec.get('ready_rate', 0):.0%} ready)",
+    """Pre-speculation on the draft server: cache hits and the share of outcomes whose next
+    proposal was drafted ahead, branches used of drafted, idle time put to use; then how hits
+    were answered (still being drafted, with the tokens drafted so far, from the event loop),
+    how misses were drafted, the rounds not pre-speculated and the misses drafted in forwards
+    that carried the other plans. Short cells: beside the prefix cache's row and a long T_wait
+    four columns have about 18 characters each in 80."""
+    return [(f"prespec hit [bold]{prespec.get('hit_rate', 0):.0%}[/]", f"{prespec.get('ready_rate', 0):.0%} ready",
              f"branches {prespec.get('branches_used', 0)}/{prespec.get('branches_drafted', 0)}",
-             f"leftover {prespec.get('leftover_used', 0):.0%}",
-             f"miss jit {prespec.get('fallback_jit', 0)} ng {prespec.get('fallback_ngram', 0)}"),
+             f"leftover {prespec.get('leftover_used', 0):.0%}"),
             (f"hits {prespec.get('hits', 0)} partial {prespec.get('partial_hits', 0)}",
-             f"short {prespec.get('short_answers', 0)}", f"early {prespec.get('early_answers', 0)}",
+             f"short {prespec.get('short_answers', 0)} early {prespec.get('early_answers', 0)}",
+             f"miss jit {prespec.get('fallback_jit', 0)} ng {prespec.get('fallback_ngram', 0)}",
              f"skip {prespec.get('skipped', 0)} carry {prespec.get('jit_carried', 0)}")]
 
 
