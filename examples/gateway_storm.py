@@ -147,7 +147,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=24, help="requests sent together each round")
     args = parser.parse_args()
-    ok = asyncio.run(storm(args.url.rstrip("/"), args.rounds, args.concurrency))
+    try:
+        ok = asyncio.run(storm(args.url.rstrip("/"), args.rounds, args.concurrency))
+    except (aiohttp.ClientError, AssertionError) as exc:  # the greedy answers before or after the storm
+        sys.exit(f"storm: could not take the greedy answers from {args.url}: {exc}")
     print("storm:", "ok" if ok else "PROBLEM")
     sys.exit(0 if ok else 1)
 
