@@ -127,7 +127,9 @@ def row_exact(attend: AttentionFn, prefill: bool = False) -> AttentionFn:
     for torch attention in half precision on the CPU, where a one-row call is
     ``torch_backend.rows_over_leading_keys``: there the rows over a leading run of keys in one
     64-key bucket (a prefill's, a chain's) share a call, each with its bits alone where this
-    CPU's probe (``batched_rows_agree``) says so (a 512-token prefill of the 1.5B 2.7 -> 1.9 s)."""
+    CPU's probe (``batched_rows_agree``) says so (a 512-token prefill of the 1.5B 2.7 -> 1.9 s);
+    where it does not, each row keeps a call but all of them read one float32 copy of the keys
+    (``shared_floats_agree``; a 1,500-token prefill of the 1.5B 25-26 -> 19 s on such a host)."""
 
     # torch attention's one-row calls in half precision on the CPU are rows_over_leading_keys,
     # so the rows over a leading run of keys in one bucket can share a call
@@ -168,8 +170,18 @@ def row_exact(attend: AttentionFn, prefill: bool = False) -> AttentionFn:
             together = torch_backend.rows_over_leading_keys(q.index_select(2, index), k, v, [visible[i] for i in batch])
             for j, i in enumerate(batch):
                 rows[i] = together[:, :, j : j + 1]
+        # The other rows over the cache's first keys (a prefill's where the probe above said
+        # no): over keys made float32 once for all of them, where this CPU's probe agrees.
+        lone = [count for count, run, row in zip(visible, leading, rows) if run == count and row is None]
+        floats = None
+        if lone and batchable and torch_backend.rows_in_float32(q) and torch_backend.shared_floats_agree(
+                q.shape[1] // k.shape[1], q.shape[-1], v.shape[-1], q.dtype):
+            floats = torch_backend.floats_of(k, v, max(lone))
         for i, count in enumerate(visible):
             if rows[i] is not None:
+                continue
+            if leading[i] == count and floats is not None:
+                rows[i] = torch_backend.rows_over_leading_keys(q[:, :, i : i + 1], k, v, [count], floats)
                 continue
             if leading[i] == count:  # the cache's first keys: a view, as AR reads them
                 keys, values = k[:, :, :count], v[:, :, :count]

@@ -127,24 +127,55 @@ def _one_row_in_float32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> to
     return rows_over_leading_keys(q, k, v, [k.shape[2]])
 
 
-def rows_over_leading_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: list[int]) -> torch.Tensor:
+def floats_of(k: torch.Tensor, v: torch.Tensor, longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``longest`` keys and values of k, v [B, Hkv, T, D] in float32, zero-padded to
+    their ROW_BUCKET: what a row over them reads."""
+    padded = row_bucket(longest)
+    keys = k.new_zeros(k.shape[0], k.shape[1], padded, k.shape[-1], dtype=torch.float32)
+    values = v.new_zeros(v.shape[0], v.shape[1], padded, v.shape[-1], dtype=torch.float32)
+    keys[:, :, :longest], values[:, :, :longest] = k[:, :, :longest], v[:, :, :longest]
+    return keys, values
+
+
+def rows_over_leading_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: list[int],
+                           floats: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Query rows q [B, H, n, D] of a half-precision model on the CPU, row r over the first
     visible[r] keys of k, v [B, Hkv, T, D] in float32, each row with the bits it gets alone
     (every visible count in one ROW_BUCKET: the keys are padded to it). A decode step is one
     such row; a prefill's or a chain verification's rows of one bucket are one call
-    (``specctl_kernels.row_exact``), where each took a call of its own."""
+    (``specctl_kernels.row_exact``), where each took a call of its own. ``floats``: k and v
+    made float32 once for many calls (``floats_of`` over at least the longest row): a row's
+    bucket is then padded with the keys after its own rather than zeros — masked, so its bits
+    are the same where this CPU's probe (``shared_floats_agree``) says so — and the per-row
+    calls of a long prefill no longer copy the keys before them each (1.6-3.4x faster over
+    1,000-8,000 keys, measured 2026-12-07)."""
     b, heads, n, d = q.shape
     kv_heads, longest = k.shape[1], max(visible)
     padded = row_bucket(longest)
-    keys = k.new_zeros(b, kv_heads, padded, d, dtype=torch.float32)
-    values = v.new_zeros(b, kv_heads, padded, v.shape[-1], dtype=torch.float32)
-    keys[:, :, :longest], values[:, :, :longest] = k[:, :, :longest], v[:, :, :longest]
+    keys, values = floats_of(k, v, longest) if floats is None else floats
+    keys, values = keys[:, :, :padded], values[:, :, :padded]
     grouped = q.reshape(b, kv_heads, heads // kv_heads * n, d).float()  # row g*n + r: head g's row r
     scores = torch.matmul(grouped, keys.transpose(-1, -2)) * d**-0.5
     hidden = torch.arange(padded, device=q.device) >= torch.tensor(visible, device=q.device).unsqueeze(1)  # [n, padded]
     scores = scores.view(b, kv_heads, heads // kv_heads, n, padded).masked_fill(hidden, float("-inf"))
     probs = scores.softmax(-1).view(b, kv_heads, -1, padded)
     return torch.matmul(probs, values).to(q.dtype).reshape(b, heads, n, v.shape[-1])
+
+
+@functools.cache
+def shared_floats_agree(groups: int, head_dim: int, value_dim: int, dtype: torch.dtype) -> bool:
+    """Probed once per shape: a row over keys made float32 once for many rows (a view into
+    longer buffers, its bucket padded with later keys) gets the bits of its own call, as this
+    CPU's float32 matmuls gave where measured (else each row copies the keys before it)."""
+    gen = torch.Generator().manual_seed(1)
+    for keys, total in ((1, 64), (64, 200), (150, 150), (300, 1000), (1000, 1100)):
+        q = torch.randn(1, groups, 1, head_dim, generator=gen).to(dtype)
+        k = torch.randn(1, 1, total, head_dim, generator=gen).to(dtype)
+        v = torch.randn(1, 1, total, value_dim, generator=gen).to(dtype)
+        alone = rows_over_leading_keys(q, k[:, :, :keys], v[:, :, :keys], [keys])
+        if not torch.equal(alone, rows_over_leading_keys(q, k, v, [keys], floats_of(k, v, total))):
+            return False
+    return True
 
 
 @functools.cache

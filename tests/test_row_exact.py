@@ -314,33 +314,57 @@ def test_sessions_verified_together_in_bf16_each_equal_the_target_alone(tiny_dir
     verified_together_equal_alone(target, prompts, [chain, tree, chain], SamplingParams(max_tokens=20, ignore_eos=True))
 
 
+@pytest.mark.parametrize("shared", ["this-cpu", "disagrees"])
 @pytest.mark.parametrize("probe", ["this-cpu", "disagrees"])
-def test_half_precision_rows_of_one_key_bucket_share_a_call_with_each_row_as_a_decode_step_computes_it(monkeypatch, probe):
+def test_half_precision_rows_of_one_key_bucket_share_a_call_with_each_row_as_a_decode_step_computes_it(
+        monkeypatch, probe, shared):
     """A bf16 prefill of 130 rows after 20 cached keys (rows in 3 buckets of 64 keys) and a
     chain: each row equals the one-token call over the keys before it — batched by bucket
     where this CPU's probe agrees (measured on AMD EPYC and AMX Xeon hosts), a call a row where
-    it does not (as on another EPYC host of 2026-12-05, and as monkeypatched)."""
+    it does not (as on another EPYC host of 2026-12-05, and as monkeypatched); a call a row
+    reads keys made float32 once for all rows where the second probe agrees (as on that host)."""
     from specctl_kernels import torch_backend
 
-    agree = probe == "this-cpu" and torch_backend.batched_rows_agree(HEADS // KV_HEADS, DIM, DIM, torch.bfloat16)
-    batched_calls = []
+    shape = (HEADS // KV_HEADS, DIM, DIM, torch.bfloat16)
+    agree = probe == "this-cpu" and torch_backend.batched_rows_agree(*shape)
+    share = shared == "this-cpu" and torch_backend.shared_floats_agree(*shape)  # probed before the count below
+    calls = []
     original = torch_backend.rows_over_leading_keys
     monkeypatch.setattr(torch_backend, "rows_over_leading_keys",
-                        lambda q, k, v, visible: batched_calls.append(len(visible)) or original(q, k, v, visible))
+                        lambda q, k, v, visible, floats=None: calls.append((len(visible), floats is not None))
+                        or original(q, k, v, visible, floats))
     if probe == "disagrees":
         monkeypatch.setattr(torch_backend, "batched_rows_agree", lambda *shape: False)
+    if shared == "disagrees":
+        monkeypatch.setattr(torch_backend, "shared_floats_agree", lambda *shape: False)
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(1, HEADS, 130, DIM, generator=gen).bfloat16()
     k, v = (torch.randn(1, KV_HEADS, 150, DIM, generator=gen).bfloat16() for _ in range(2))
     out = row_exact(tree_attention, prefill=True)(q, k, v, None)
-    rows_seen = list(batched_calls)
-    batched_calls.clear()
+    rows_seen = list(calls)
+    calls.clear()
     for i in range(130):
         alone = tree_attention(q[:, :, i : i + 1], k[:, :, : 21 + i], v[:, :, : 21 + i], None)
         assert torch.equal(out[:, :, i : i + 1], alone), i
-    assert batched_calls == [1] * 130  # a decode step is one row of its own bucket
+    assert calls == [(1, False)] * 130  # a decode step is one row of its own bucket, its keys its own
     # keys 21..64 | 65..128 | 129..150: one call a bucket, or one a row
-    assert rows_seen == ([44, 64, 22] if agree else [1] * 130)
+    assert rows_seen == ([(44, False), (64, False), (22, False)] if agree else [(1, share)] * 130)
+
+
+def test_where_the_shared_floats_probe_agrees_rows_over_keys_made_float32_once_agree_at_lengths_it_did_not_try():
+    """The probe tries five key counts; where it agrees, rows over one float32 copy of longer
+    keys must get their lone bits at other counts too (a long prefill's rows: 1,000-3,000 keys)."""
+    from specctl_kernels.torch_backend import floats_of, rows_over_leading_keys, shared_floats_agree
+
+    if not shared_floats_agree(6, 128, 128, torch.bfloat16):
+        pytest.skip("this CPU gives a row over shared float32 keys other bits: each row copies its keys")
+    gen = torch.Generator().manual_seed(12)
+    k, v = (torch.randn(1, 2, 3100, 128, generator=gen).bfloat16() for _ in range(2))
+    floats = floats_of(k, v, 3100)
+    for count in (7, 65, 513, 1999, 3000, 3100):
+        q = torch.randn(1, 12, 1, 128, generator=gen).bfloat16()
+        alone = rows_over_leading_keys(q, k[:, :, :count], v[:, :, :count], [count])
+        assert torch.equal(rows_over_leading_keys(q, k, v, [count], floats), alone), count
 
 
 def test_a_tree_nodes_rows_keep_a_call_each_beside_the_batched_chain_rows():
