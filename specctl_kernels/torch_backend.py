@@ -169,9 +169,9 @@ def shared_floats_agree(groups: int, head_dim: int, value_dim: int, dtype: torch
     CPU's float32 matmuls gave where measured (else each row copies the keys before it)."""
     gen = torch.Generator().manual_seed(1)
     for keys, total in ((1, 64), (64, 200), (150, 150), (300, 1000), (1000, 1100)):
-        q = torch.randn(1, groups, 1, head_dim, generator=gen).to(dtype)
-        k = torch.randn(1, 1, total, head_dim, generator=gen).to(dtype)
-        v = torch.randn(1, 1, total, value_dim, generator=gen).to(dtype)
+        q = torch.randn(1, 2 * groups, 1, head_dim, generator=gen).to(dtype)  # two KV heads: their buffers' stride
+        k = torch.randn(1, 2, total, head_dim, generator=gen).to(dtype)
+        v = torch.randn(1, 2, total, value_dim, generator=gen).to(dtype)
         alone = rows_over_leading_keys(q, k[:, :, :keys], v[:, :, :keys], [keys])
         if not torch.equal(alone, rows_over_leading_keys(q, k, v, [keys], floats_of(k, v, total))):
             return False
