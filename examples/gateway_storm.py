@@ -149,8 +149,8 @@ def main() -> None:
     args = parser.parse_args()
     try:
         ok = asyncio.run(storm(args.url.rstrip("/"), args.rounds, args.concurrency))
-    except (aiohttp.ClientError, AssertionError) as exc:  # the greedy answers before or after the storm
-        sys.exit(f"storm: could not take the greedy answers from {args.url}: {exc}")
+    except (aiohttp.ClientError, AssertionError) as exc:  # outside the rounds: greedy answers, /v1/models, /metrics
+        sys.exit(f"storm: {args.url} did not answer as expected outside the rounds: {exc}")
     print("storm:", "ok" if ok else "PROBLEM")
     sys.exit(0 if ok else 1)
 

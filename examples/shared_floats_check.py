@@ -36,7 +36,8 @@ def main() -> None:
     spec = target.decoder.spec
     shape = (spec.num_heads // spec.num_kv_heads, spec.head_dim, spec.head_dim, torch.bfloat16)
     print(f"prompt {len(prompt)} tokens, prefill chunk {target.decoder.prefill_chunk}, batched rows agree "
-          f"{torch_backend.batched_rows_agree(*shape)}, shared floats agree {torch_backend.shared_floats_agree(*shape)}")
+          f"{torch_backend.batched_rows_agree(*shape)}, "
+          f"shared floats agree {torch_backend.shared_floats_agree(*shape)}")
     probe = torch_backend.shared_floats_agree
     params = SamplingParams(max_tokens=4, prompt_logprobs=1, logprobs=1)
     results: dict[str, tuple] = {}

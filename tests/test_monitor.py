@@ -213,7 +213,8 @@ def test_a_pre_speculating_draft_shows_its_cache_in_80x24():
     screen = text_of(dashboard(state, now=1.5))
     lines = screen.rstrip("\n").split("\n")
     assert len(lines) <= 24 and max(len(line) for line in lines) <= 80
-    assert "prespec hit 62%" in screen and "41% ready" in screen and "branches 31/400" in screen and "leftover 45%" in screen
+    assert "prespec hit 62%" in screen and "41% ready" in screen
+    assert "branches 31/400" in screen and "leftover 45%" in screen
     assert "miss jit 12 ng 7" in screen and "carry 5" in screen
     assert "hits 40 partial 22" in screen and "short 15" in screen and "early 9" in screen and "skip 3" in screen
     assert "prespec" not in text_of(dashboard(advance(MonitorState("x"), feed(), 1.0), now=1.5))
@@ -222,8 +223,8 @@ def test_a_pre_speculating_draft_shows_its_cache_in_80x24():
 def test_a_pre_speculating_draft_keeps_each_cell_on_one_line_beside_a_prefix_cache():
     # Seen live (2026-12-07): with the prefix cache row and a long T_wait, "(40% ready)" wrapped
     # onto a line of its own.
-    prespec = {"hit_rate": 0.43, "ready_rate": 0.40, "branches_used": 29, "branches_drafted": 244, "leftover_used": 0.14,
-               "fallback_jit": 28, "jit_carried": 1, "fallback_ngram": 10, "hits": 29, "partial_hits": 10,
+    prespec = {"hit_rate": 0.43, "ready_rate": 0.40, "branches_used": 29, "branches_drafted": 244,
+               "leftover_used": 0.14, "fallback_jit": 28, "jit_carried": 1, "fallback_ngram": 10, "hits": 29, "partial_hits": 10,
                "short_answers": 5, "early_answers": 17, "skipped": 35}
     stats = {**DRAFT["stats"], "T_wait_ms": 1436.6, "T_idle_ms": 703.0, "prefix_cache_query_tokens": 900,
              "prefix_cache_hit_rate": 0.44, "prefix_cache_entries": 16, "prefix_cache_mb": 18.0, "shared_prefills": 0,
