@@ -367,6 +367,34 @@ def test_where_the_shared_floats_probe_agrees_rows_over_keys_made_float32_once_a
         assert torch.equal(rows_over_leading_keys(q, k, v, [count], floats), alone), count
 
 
+def test_float_copies_zero_their_padding_though_fresh_memory_holds_nans():
+    """floats_of takes uninitialised memory and zeroes only the padding past the keys; with
+    torch filling fresh memory with NaN, a row over 70 keys (padded to 128) must still get
+    finite bits equal to a float32 reference (a NaN left in the padding makes 0 x NaN)."""
+    from specctl_kernels.torch_backend import floats_of, rows_over_leading_keys
+
+    gen = torch.Generator().manual_seed(13)
+    q = torch.randn(1, 12, 1, 128, generator=gen).bfloat16()
+    k, v = (torch.randn(1, 2, 70, 128, generator=gen).bfloat16() for _ in range(2))
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        assert torch.isnan(torch.empty(4)).all()  # the setting this test relies on
+        keys, values = floats_of(k, v, 70)
+        out = rows_over_leading_keys(q, k, v, [70])
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+    assert keys.shape[2] == values.shape[2] == 128
+    assert torch.equal(keys[:, :, 70:], torch.zeros(1, 2, 58, 128)) and torch.equal(values[:, :, 70:], keys[:, :, 70:])
+    assert torch.equal(keys[:, :, :70], k.float()) and torch.equal(values[:, :, :70], v.float())
+    reference = torch.softmax(q.float().view(2, 6, 128) @ k.float()[0].transpose(-1, -2) * 128**-0.5, -1) @ v.float()[0]
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float().view(2, 6, 128), reference, rtol=1e-2, atol=1e-2)
+
+
 def test_a_tree_nodes_rows_keep_a_call_each_beside_the_batched_chain_rows():
     q, k, v = (t.bfloat16() for t in _qkv(7, 70 + 7, seed=5))
     parents = [-1, 0, 0, 1, 2, 2, 4]
