@@ -30,6 +30,7 @@ EXAMPLES = [
                '{"type": "object"}'),
     p.Tokens(2, [], prompt_logprobs=[-1.5], prompt_top_ids=[[3]], prompt_top_logprobs=[[-0.5]], prompt_ranks=[4]),
     p.Tokens(1, [4, 5]),
+    p.PromptProgress(1, 40, 16, 24, 812.5),
     p.Done(1, "length", {"rounds": 3}),
     p.Cancel(1),
     p.StatsRequest(),
@@ -166,7 +167,7 @@ def test_sampling_params_travel_whole_in_generate():
                            structured=("regex", "[ab]+"), bad_words=((3,), (8, 9)), penalty_last_n=64,
                            allowed_token_ids=(3, 9, 4), sampler_order=("top_k", "top_p", "min_p", "temperature"),
                            cache_salt="tenant-7", prediction=(9, 8, 9), thinking_budget=12,
-                           thinking_markers=((6,), (7, 1)))
+                           thinking_markers=((6,), (7, 1)), prompt_progress=True)
     defaults = [name for name in SamplingParams.__slots__ if getattr(every, name) == getattr(SamplingParams(), name)]
     assert defaults == []  # the example sets every field: a new one must be added here
     for params in (every, SamplingParams()):

@@ -35,8 +35,9 @@ class ChatState:
 
     def request_body(self) -> dict:
         """The chat completion request for the conversation as it stands (streamed, with usage)."""
+        # return_progress: llama.cpp's (a long prompt's prefill shows as it goes); vLLM and SGLang ignore it
         body = {"messages": self.request_messages(), "temperature": self.temperature, "max_tokens": self.max_tokens,
-                "stream": True, "stream_options": {"include_usage": True}}
+                "stream": True, "stream_options": {"include_usage": True}, "return_progress": True}
         if self.reasoning_effort is not None:
             body["reasoning_effort"] = self.reasoning_effort
         if self.prediction is not None:

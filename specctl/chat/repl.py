@@ -32,10 +32,11 @@ def stat_line(usage: dict, spec: dict, first_s: float | None, last_s: float | No
 
 
 async def stream_reply(url: str, state: ChatState, on_text: Callable[[str], None],
-                       api_key: str | None = None, on_thought: Callable[[str], None] | None = None
-                       ) -> tuple[str, dict, dict]:
+                       api_key: str | None = None, on_thought: Callable[[str], None] | None = None,
+                       on_progress: Callable[[dict], None] | None = None) -> tuple[str, dict, dict]:
     """One streamed chat completion: (text, usage, specctl stats); the model's thinking, where
-    the gateway's reasoning parser sends it apart, to ``on_thought``. Errors raise RuntimeError."""
+    the gateway's reasoning parser sends it apart, to ``on_thought``; how far the prompt is
+    read (its prompt_progress) to ``on_progress``. Errors raise RuntimeError."""
     body = state.request_body()
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     text, usage, spec = [], {}, {}
@@ -56,6 +57,8 @@ async def stream_reply(url: str, state: ChatState, on_text: Callable[[str], None
                     raise RuntimeError(chunk["error"]["message"])
                 usage = chunk.get("usage") or usage
                 spec = chunk.get("specctl") or spec
+                if "prompt_progress" in chunk and on_progress is not None:
+                    on_progress(chunk["prompt_progress"])
                 for choice in chunk.get("choices", []):
                     thought = choice.get("delta", {}).get("reasoning")
                     if thought and on_thought is not None:
@@ -157,17 +160,44 @@ def multiline(first: str, read_more: Callable[[], str]) -> str:
     return "\n".join(lines).strip("\n")
 
 
+def reading_line(progress: dict | None, elapsed_s: float) -> str:
+    """The status shown until a reply's first text: how far the gateway has read the prompt
+    (its last prompt_progress), or that the reply is awaited."""
+    if not progress or not progress.get("total"):
+        return f"waiting for the reply ({elapsed_s:.0f} s)"
+    total, done = progress["total"], progress.get("processed", 0)
+    cached = f", {progress['cache']:,} from the cache" if progress.get("cache") else ""
+    return f"reading the prompt: {done:,} of {total:,} tokens{cached} ({done / total:.0%}, {elapsed_s:.0f} s)"
+
+
 def reply(url: str, console: Console, state: ChatState, api_key: str | None, replies: Replies,
           keep_on_error: bool = False) -> None:
     """The reply to the conversation's last (user) message, streamed, then its statistic. On an
-    error that message is dropped (it can be sent again), unless ``keep_on_error`` (/retry)."""
-    console.print("[bold cyan]assistant>[/] ", end="")
+    error that message is dropped (it can be sent again), unless ``keep_on_error`` (/retry). On
+    a terminal a status line says how far the prompt is read until the first text comes."""
     started = time.perf_counter()
     pieces: list[str] = []
     first_s = last_s = None  # when the first and the latest text arrived
+    status = console.status(reading_line(None, 0)) if console.is_terminal else None
+    if status is not None:
+        status.start()
+    else:
+        console.print("[bold cyan]assistant>[/] ", end="")
+
+    def begin() -> None:  # the status gives way to the reply, once
+        nonlocal status
+        if status is not None:
+            status.stop()
+            status = None
+            console.print("[bold cyan]assistant>[/] ", end="")
+
+    def progressed(progress: dict) -> None:
+        if status is not None:
+            status.update(reading_line(progress, time.perf_counter() - started))
 
     def arrived() -> None:
         nonlocal first_s, last_s
+        begin()
         last_s = time.perf_counter() - started
         first_s = last_s if first_s is None else first_s
 
@@ -181,7 +211,10 @@ def reply(url: str, console: Console, state: ChatState, api_key: str | None, rep
         console.print(delta, end="", style="dim italic", markup=False, highlight=False, soft_wrap=True)
 
     try:
-        text, usage, spec = replies.run(stream_reply(url, state, show, api_key, think))
+        try:
+            text, usage, spec = replies.run(stream_reply(url, state, show, api_key, think, progressed))
+        finally:
+            begin()
     except KeyboardInterrupt:  # asyncio.run cancelled the stream: the gateway cancels the generation
         state.prediction = None
         state.messages.append({"role": "assistant", "content": "".join(pieces)})

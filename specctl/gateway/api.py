@@ -79,6 +79,11 @@ Choices where OpenAI and the servers differ (written down, as users will ask):
   longer than the context is a 400.
 - vLLM's truncate_prompt_tokens k keeps each prompt's last k tokens (-1: as many as the
   context holds); usage counts what is kept, and echo gives back that.
+- llama.cpp's return_progress (streamed requests; ignored otherwise, as llama.cpp does) sends,
+  after each chunk of a prompt the target prefills, a chunk with an empty delta and
+  ``prompt_progress``: total, cache (restored from the prefix cache), processed (in the cache
+  now, the restored included) and time_ms (since its prefill began) — the last with processed
+  equal to total, before the first token. A SpecPipe target sends none.
 - Fields neither served nor refused (OpenAI's store, metadata, service_tier, ...) are
   ignored, as vLLM ignores them, with one warning a field name in the gateway's log."""
 
@@ -157,6 +162,8 @@ class RequestFields(msgspec.Struct, kw_only=True):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # llama.cpp's extension: a stream's chunks say how far the prompt is read before the first token
+    return_progress: bool = False
     n: int = 1
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

@@ -30,7 +30,7 @@ from specctl.engine.text import IncrementalText
 from specctl.gateway import responses as R
 from specctl.gateway.metrics import GatewayMetrics
 from specctl.gateway.upstream import LOST, Upstream
-from specctl.net.protocol import Tokens
+from specctl.net.protocol import PromptProgress, Tokens
 from specctl.spec.params import SamplingParams
 from specctl.verify.client import RemoteError, TargetStream
 
@@ -49,6 +49,9 @@ class Event(NamedTuple):
     stop_reason: str | int | None = None
     tokens: tuple[int, ...] = ()  # this event's token ids (llama.cpp's streamed ``tokens``)
     stop_token: int | None = None  # the EOS or stop token that ended it, on the last event (SGLang's ``matched``)
+    # llama.cpp's prompt_progress (total, cache, processed, time_ms) after a chunk of the prompt, when the
+    # request asked (SamplingParams.prompt_progress): an event of its own, before the first token's
+    prompt_progress: dict | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,8 +169,10 @@ class Choices:
         try:
             name = self.request_id if len(self.specs) == 1 else f"{self.request_id}-{spec.index}"
             while True:
-                # a resumed generation: its prompt's scores went out with the first instance's first event
-                params = dataclasses.replace(spec.params, prompt_logprobs=None) if progress.resumes else spec.params
+                # a resumed generation: its prompt's scores (and how far it was read) went out with the
+                # first instance's first events
+                params = (dataclasses.replace(spec.params, prompt_logprobs=None, prompt_progress=False)
+                          if progress.resumes else spec.params)
                 try:
                     async with self.upstream.stream(spec.prompt, params, self.priority, name, tuple(progress.tokens),
                                                     partial(self._waits, k)) as (stream, first):
@@ -226,7 +231,12 @@ class Choices:
 
     async def _events(self, stream: TargetStream, first, spec: ChoiceSpec, progress: Progress) -> AsyncIterator[Event]:
         """Text deltas (with their tokens' log-probabilities) as tokens arrive, the last with its
-        finish_reason and the generation's stats; an echoed prompt first (on the first instance)."""
+        finish_reason and the generation's stats; an echoed prompt first (on the first instance),
+        after how far the prompt was read (when asked: PROMPT_PROGRESS until the first TOKENS)."""
+        while isinstance(first, PromptProgress):
+            yield Event("", None, {}, 0, [], prompt_progress={"total": first.total, "cache": first.cache,
+                                                              "processed": first.processed, "time_ms": first.time_ms})
+            first = await stream.next()
         if not progress.resumes:
             scored = (R.prompt_logprobs(spec.prompt, first) if spec.params.prompt_logprobs is not None
                       and isinstance(first, Tokens) else None)

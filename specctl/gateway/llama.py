@@ -55,6 +55,7 @@ class LlamaOptions(msgspec.Struct, kw_only=True):
     seed: int = -1  # -1: a random one
     stop: list[str] = []
     stream: bool = False
+    return_progress: bool = False  # streamed: prompt_progress events while the prompt is read
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -154,7 +155,7 @@ def completion_request(asked: LlamaOptions, prompts: list[list[int]], context: i
         max_tokens=room if asked.n_predict == -1 else max(1, asked.n_predict),
         temperature=asked.temperature, top_k=asked.top_k, top_p=asked.top_p, min_p=asked.min_p,
         seed=None if asked.seed == -1 else asked.seed, stop=asked.stop or None, ignore_eos=asked.ignore_eos,
-        stream=asked.stream,
+        stream=asked.stream, return_progress=asked.return_progress,
         presence_penalty=asked.presence_penalty, frequency_penalty=asked.frequency_penalty,
         repetition_penalty=asked.repeat_penalty, repeat_last_n=asked.repeat_last_n, samplers=asked.samplers,
         logit_bias=openai_bias(asked.logit_bias),

@@ -128,6 +128,12 @@ class LlamaReply:
         response = await event_stream(request)
         try:
             async for index, event, out, delta in self._events(choices, {}):
+                if event.prompt_progress is not None:  # llama.cpp's: an empty partial event beside it
+                    await response.write(_event({"index": index, "content": "", "tokens": [], "stop": False,
+                                                 "id_slot": -1, "tokens_predicted": 0,
+                                                 "tokens_evaluated": len(self.prompts[index]),
+                                                 "prompt_progress": event.prompt_progress}))
+                    continue
                 if delta or (event.tokens and not self.rules.evaluate_only):
                     partial = {"index": index, "content": delta, "tokens": list(event.tokens), "stop": False,
                                "id_slot": -1, "tokens_predicted": event.count,

@@ -143,6 +143,9 @@ class Reply:
         stats, outputs = {}, {}
         try:
             async for index, event in choices.events():
+                if event.prompt_progress is not None:  # llama.cpp's shape: an empty delta beside it
+                    await send(index=index, extra={"prompt_progress": event.prompt_progress})
+                    continue
                 unsent.setdefault(index, []).extend(ended_tokens(event))  # sent with the event's first chunk
                 outputs.setdefault(index, []).extend(event.tokens)
                 thought, text = thoughts[index].push(event.delta) if thoughts else ("", event.delta)

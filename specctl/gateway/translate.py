@@ -272,7 +272,7 @@ def sampling_params(req: RequestFields, prompt_tokens: int, context: int, defaul
             penalty_last_n=window,
             min_p=given(req.min_p, "min_p", 0.0), min_tokens=req.min_tokens or 0,
             logit_bias=logit_bias(req), structured=structured, bad_words=barred, allowed_token_ids=allowed_tokens(req),
-            cache_salt=req.cache_salt or "", prediction=prediction,
+            cache_salt=req.cache_salt or "", prediction=prediction, prompt_progress=req.stream and req.return_progress,
             **({} if thinking is None else dict(zip(("thinking_budget", "thinking_markers"), thinking))),
         )
         return chain.applied(params) if chain is not None else params  # a sampler left out of the list is off

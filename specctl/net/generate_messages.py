@@ -46,6 +46,7 @@ class Generate(msgspec.Struct, tag=True, frozen=True):
     # output another instance already sent (the gateway resuming a generation whose instance was
     # lost): prefilled after the prompt, counted as output (max_tokens, the logit rules), not sent again
     resumed: list[int] = []
+    return_progress: bool = False  # SamplingParams.prompt_progress: PROMPT_PROGRESS after each prefill chunk
 
 
 class Tokens(msgspec.Struct, tag=True, frozen=True):
@@ -65,6 +66,17 @@ class Tokens(msgspec.Struct, tag=True, frozen=True):
     def output_ranks(self) -> list[int | None]:
         """Each output token's rank (None for each when the peer sent none)."""
         return self.ranks or [None] * len(self.tokens)
+
+
+class PromptProgress(msgspec.Struct, tag=True, frozen=True):
+    """How far a generation's prompt is prefilled, sent after each chunk of it when the
+    request asked (llama.cpp's prompt_progress): ``processed`` of ``total`` positions are in,
+    ``cache`` of them restored from the prefix cache, ``time_ms`` since the prefill began."""
+    req: int
+    total: int
+    cache: int
+    processed: int
+    time_ms: float
 
 
 class Done(msgspec.Struct, tag=True, frozen=True):

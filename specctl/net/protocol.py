@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Union
 import msgspec
 
 from specctl.errors import ProtocolError
-from specctl.net.generate_messages import Cancel, Done, Generate, Tokens
+from specctl.net.generate_messages import Cancel, Done, Generate, PromptProgress, Tokens
 from specctl.net.stage_messages import StageClose, StageDrop, StageForward, StageKeep, StageOpen, StageOutput
 from specctl.net.tensor import Tensor
 
@@ -246,7 +246,7 @@ class Error(msgspec.Struct, tag=True, frozen=True):
 
 Message = Union[
     Challenge, Hello, Welcome, OpenSession, SessionOpened, Propose, Proposal, CloseSession,
-    Generate, Tokens, Done, Cancel, StatsRequest, Stats, FlushCache, CacheFlushed, Error,
+    Generate, Tokens, PromptProgress, Done, Cancel, StatsRequest, Stats, FlushCache, CacheFlushed, Error,
     StageOpen, StageForward, StageKeep, StageClose, StageDrop, StageOutput,
     OpenLevels, NextLevel, Level, Reroot, Graft,
 ]

@@ -63,6 +63,9 @@ class SamplingParams:
     # tokens (spec.thinking_budget); None = unbounded. The markers: (<think>'s ids, </think>'s ids)
     thinking_budget: int | None = None
     thinking_markers: tuple[tuple[int, ...], tuple[int, ...]] = ()
+    # llama.cpp's return_progress: the target reports the prompt's prefill as it goes, chunk by
+    # chunk (net PromptProgress), before the first token; it changes nothing of the output
+    prompt_progress: bool = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0):
@@ -120,6 +123,8 @@ class SamplingParams:
                     and all(isinstance(t, int) and t >= 0 for t in marker) for marker in self.thinking_markers):
                 raise InvalidSamplingParams(f"thinking_budget needs the thinking's start and end markers, each 1 to "
                                             f"{MAX_MARKER_TOKENS} token ids (>= 0)")
+        if not isinstance(self.prompt_progress, bool):
+            raise InvalidSamplingParams(f"prompt_progress must be true or false, got {self.prompt_progress!r}")
         if not (isinstance(self.cache_salt, str) and len(self.cache_salt) <= MAX_CACHE_SALT):
             raise InvalidSamplingParams(f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters")
         if self.sampler_order and sorted(self.sampler_order) != sorted(SAMPLER_ORDER):

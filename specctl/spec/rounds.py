@@ -139,10 +139,11 @@ def _finish(state: DraftState, text: list[int]) -> None:
 
 
 async def run_session(session: DecodeSession, speculator: Speculator, lane: Lane, emit: Emit,
-                      gate: PrefillGate | None = None) -> None:
+                      gate: PrefillGate | None = None, prefilled: Callable[[], None] | None = None) -> None:
     """Prefill, then rounds until the session finishes. However it ends (finished, failed,
     cancelled), the session's KV cache and its draft-side state are freed. ``gate``: the
-    server's (engine.prefill_gate), so sessions that start alike prefill their start once."""
+    server's (engine.prefill_gate), so sessions that start alike prefill their start once;
+    ``prefilled``: called after each chunk of the prompt (the last too, before its first token)."""
     started = time.perf_counter()
     speculator.begin(session)
     try:
@@ -151,6 +152,8 @@ async def run_session(session: DecodeSession, speculator: Speculator, lane: Lane
             while True:
                 first, spent = await lane.run(timed, session.prefill_step)
                 session.stats.prefill_compute_s += spent
+                if prefilled is not None:
+                    prefilled()
                 if first is not None:
                     break
         session.stats.prefill_s = time.perf_counter() - started

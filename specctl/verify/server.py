@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from typing import Callable
 
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.loader import LoadedModel
@@ -21,7 +22,8 @@ from specctl.errors import BadRequest, InvalidSamplingParams, KVBudgetExceeded, 
 from specctl.net.framing import read_message
 from specctl.net.handshake import server_handshake
 from specctl.net.protocol import (
-    CacheFlushed, Cancel, Done, Error, FlushCache, Generate, ProtocolError, Stats, StatsRequest, Tokens, encode,
+    CacheFlushed, Cancel, Done, Error, FlushCache, Generate, PromptProgress, ProtocolError, Stats, StatsRequest, Tokens,
+    encode,
 )
 from specctl.pipeline.decoder import PipelineClient
 from specctl.pipeline.microbatch import MicroBatchLane
@@ -178,7 +180,8 @@ class TargetServer(ListeningServer):
                     await serve_specpipe(session, self.specpipe, self.compute, emit)
                 else:
                     speculator = with_prediction(self._speculator(msg.seed, session.params), session.params)
-                    await run_session(session, speculator, self.verify_lane, emit, self.prefill_gate)
+                    await run_session(session, speculator, self.verify_lane, emit, self.prefill_gate,
+                                      prompt_progress(session, msg.req, send) if msg.return_progress else None)
                 self.sessions_done += 1
                 self._done(session, msg.req, session.finish_reason or "stop", send)
             except asyncio.CancelledError as exc:
@@ -283,6 +286,17 @@ class TargetServer(ListeningServer):
         own = scores if scores is not None else emitted_logprobs(session, len(tokens))
         logprobs, top_ids, top_logprobs, ranks = _columns(own, 4)
         send(Tokens(req, tokens, logprobs, top_ids, top_logprobs, *_columns(prompt or [], 4), ranks=ranks))
+
+
+def prompt_progress(session: DecodeSession, req: int, send) -> Callable[[], None]:
+    """What sends PROMPT_PROGRESS after each chunk of ``session``'s prompt (llama.cpp's
+    prompt_progress: its total, what the prefix cache restored, what is in, the time since)."""
+    began = time.perf_counter()
+
+    def sent() -> None:
+        send(PromptProgress(req, session.prompt_len, session.stats.cached_prompt_tokens, session.prefilled,
+                            round((time.perf_counter() - began) * 1e3, 3)))
+    return sent
 
 
 def _columns(entries: list, width: int) -> tuple[list, ...]:

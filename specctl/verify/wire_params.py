@@ -26,7 +26,7 @@ def generate_message(req: int, prompt: list[int], params: SamplingParams, reques
         thinking_budget=-1 if params.thinking_budget is None else params.thinking_budget,
         thinking_start=list(params.thinking_markers[0]) if params.thinking_markers else [],
         thinking_end=list(params.thinking_markers[1]) if params.thinking_markers else [],
-        resumed=list(resumed),
+        resumed=list(resumed), return_progress=params.prompt_progress,
     )
 
 
@@ -46,4 +46,5 @@ def sampling_params_of(msg: Generate) -> SamplingParams:
         thinking_budget=None if msg.thinking_budget < 0 else msg.thinking_budget,
         thinking_markers=((tuple(msg.thinking_start), tuple(msg.thinking_end))
                           if msg.thinking_start or msg.thinking_end else ()),
+        prompt_progress=msg.return_progress,
     )

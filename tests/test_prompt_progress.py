@@ -1,0 +1,140 @@
+"""llama.cpp's return_progress: a streamed request that asks is told, after each chunk of its
+prompt the target prefills, how far the prompt is read (net PromptProgress, prompt_progress in
+the stream) — in OpenAI's chat and completions and llama.cpp's /completion, over a real
+cluster (tiny fp32 models, loopback TCP and HTTP) whose targets prefill 8 tokens a chunk; the
+text is the one the same request gets without it, and `specctl chat` shows it while it waits."""
+
+import asyncio
+import json
+
+import pytest
+
+from specctl.chat.commands import ChatState
+from specctl.chat.repl import reading_line, stream_reply
+from specctl.net.protocol import Done, PromptProgress, Tokens
+from specctl.spec.params import SamplingParams
+from specctl.verify.client import TargetConnection
+from tests.conftest import running_cluster
+from tests.test_gateway import post
+
+CHUNK = 8
+
+
+@pytest.fixture(scope="module")
+def chunked_cluster(tiny_dir):
+    for thread, urls in running_cluster(tiny_dir):
+        for server in thread.cluster.targets:
+            server.model.decoder.prefill_chunk = CHUNK
+        yield thread, urls
+
+
+def _events(raw: bytes) -> list[dict]:
+    return [json.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: {")]
+
+
+def _text(choice: dict) -> str:
+    return choice.get("delta", {}).get("content") or choice.get("text") or ""
+
+
+def _check_steps(progress: list[dict], total: int) -> None:
+    """Chunk by chunk from what the prefix cache restored, the last with the whole prompt."""
+    cache = progress[0]["cache"]
+    assert [p["total"] for p in progress] == [total] * len(progress)
+    assert [p["cache"] for p in progress] == [cache] * len(progress)
+    assert [p["processed"] for p in progress] == [*range(cache + CHUNK, total, CHUNK), total]
+    times = [p["time_ms"] for p in progress]
+    assert times == sorted(times) and times[0] >= 0
+
+
+def test_a_target_sends_the_prefill_s_progress_before_the_first_token_only_when_asked(chunked_cluster):
+    host, port = chunked_cluster[1]["targets"][0].rsplit(":", 1)
+    prompt = [(7 * i + 3) % 200 + 1 for i in range(29)]
+
+    async def run(asked: bool) -> list:
+        connection = await TargetConnection(host, int(port)).connect()
+        try:
+            stream = connection.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True, prompt_progress=asked))
+            messages = [await stream.next()]
+            while not isinstance(messages[-1], Done):
+                messages.append(await stream.next())
+            return messages
+        finally:
+            connection.close()
+
+    asked = asyncio.run(run(True))
+    progress = [m for m in asked if isinstance(m, PromptProgress)]
+    first_tokens = next(i for i, m in enumerate(asked) if isinstance(m, Tokens))
+    assert progress == asked[:first_tokens] and progress[0].cache == 0
+    _check_steps([{"total": p.total, "cache": p.cache, "processed": p.processed, "time_ms": p.time_ms}
+                  for p in progress], 29)
+    plain = asyncio.run(run(False))
+    assert not any(isinstance(m, PromptProgress) for m in plain)
+    tokens = lambda messages: [t for m in messages if isinstance(m, Tokens) for t in m.tokens]  # noqa: E731
+    assert tokens(asked) == tokens(plain) and len(tokens(plain)) == 4
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_a_stream_that_asks_gets_prompt_progress_chunks_then_the_same_text(chunked_cluster, route):
+    base = chunked_cluster[1]["gateway"]
+    text = "Progress " + route + " " + " ".join(f"w{i}" for i in range(30))  # its own: nothing cached of it
+    body = ({"messages": [{"role": "user", "content": text}]} if route == "chat" else {"prompt": text})
+    body |= {"max_tokens": 6, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    url = base + ("/v1/chat/completions" if route == "chat" else "/v1/completions")
+    status, _, raw = post(url, {**body, "return_progress": True})
+    assert status == 200
+    events = _events(raw)
+    progress = [e for e in events if "prompt_progress" in e]
+    usage = events[-1]["usage"]
+    _check_steps([e["prompt_progress"] for e in progress], usage["prompt_tokens"])
+    first_text = next(i for i, e in enumerate(events) if e["choices"] and _text(e["choices"][0]))
+    assert all(events.index(e) < first_text for e in progress)
+    for e in progress:  # llama.cpp's shape: an empty delta beside it
+        choice = e["choices"][0]
+        assert (choice["delta"] == {} if route == "chat" else choice["text"] == "") and choice["finish_reason"] is None
+    status, _, plain = post(url, body)
+    pieces = lambda evs: "".join(_text(e["choices"][0]) for e in evs if e["choices"])  # noqa: E731
+    assert status == 200 and not any("prompt_progress" in e for e in _events(plain))
+    assert pieces(events) == pieces(_events(plain)) and pieces(events)
+    whole_status, _, whole = post(url, {**body, "stream": False, "stream_options": None, "return_progress": True})
+    assert whole_status == 200 and "prompt_progress" not in json.loads(whole)  # streams only, as llama.cpp's
+
+
+def test_llama_cpp_s_completion_streams_prompt_progress_events(chunked_cluster):
+    base = chunked_cluster[1]["gateway"]
+    body = {"prompt": "llama progress " + " ".join(f"v{i}" for i in range(30)), "n_predict": 4, "temperature": 0,
+            "stream": True}
+    status, _, raw = post(base + "/completion", {**body, "return_progress": True})
+    assert status == 200
+    events = _events(raw)
+    progress = [e for e in events if "prompt_progress" in e]
+    assert progress and all(e["content"] == "" and e["tokens"] == [] and not e["stop"] for e in progress)
+    _check_steps([e["prompt_progress"] for e in progress], progress[0]["tokens_evaluated"])
+    _, _, plain = post(base + "/completion", body)
+    text = lambda evs: "".join(e.get("content", "") for e in evs)  # noqa: E731
+    assert text(events) == text(_events(plain)) and not any("prompt_progress" in e for e in _events(plain))
+
+
+def test_return_progress_must_be_a_boolean(chunked_cluster):
+    base = chunked_cluster[1]["gateway"]
+    status, _, raw = post(base + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                         "stream": True, "return_progress": "yes"})
+    assert status == 400 and "return_progress" in json.loads(raw)["error"]["message"]
+
+
+def test_the_chat_client_asks_for_progress_and_hands_each_to_its_status(chunked_cluster):
+    base = chunked_cluster[1]["gateway"]
+    state = ChatState(max_tokens=4)
+    state.messages.append({"role": "user", "content": "chat progress " + " ".join(f"u{i}" for i in range(30))})
+    assert state.request_body()["return_progress"] is True
+    seen: list[dict] = []
+    text, usage, _ = asyncio.run(stream_reply(base, state, lambda delta: None, on_progress=seen.append))
+    _check_steps(seen, usage["prompt_tokens"])
+    assert text
+
+
+def test_the_status_line_says_how_far_the_prompt_is_read():
+    assert reading_line(None, 3.4) == "waiting for the reply (3 s)"
+    assert reading_line({"total": 3245, "cache": 0, "processed": 1024, "time_ms": 9000.0}, 9.2) == (
+        "reading the prompt: 1,024 of 3,245 tokens (32%, 9 s)")
+    assert reading_line({"total": 2000, "cache": 1500, "processed": 1500, "time_ms": 10.0}, 0.4) == (
+        "reading the prompt: 1,500 of 2,000 tokens, 1,500 from the cache (75%, 0 s)")
