@@ -10,7 +10,7 @@ import json
 import pytest
 
 from specctl.chat.commands import ChatState
-from specctl.chat.repl import reading_line, stream_reply
+from specctl.chat.repl import Reading, reading_line, stream_reply
 from specctl.net.protocol import Done, PromptProgress, Tokens
 from specctl.spec.params import SamplingParams
 from specctl.verify.client import TargetConnection
@@ -134,6 +134,11 @@ def test_the_chat_client_asks_for_progress_and_hands_each_to_its_status(chunked_
 
 def test_the_status_line_says_how_far_the_prompt_is_read():
     assert reading_line(None, 3.4) == "waiting for the reply (3 s)"
+    reading = Reading()  # the status's text, its seconds counted at each refresh
+    reading.started -= 61
+    assert reading.__rich__() == "waiting for the reply (61 s)"
+    reading.progress = {"total": 100, "cache": 0, "processed": 50, "time_ms": 1.0}
+    assert reading.__rich__() == "reading the prompt: 50 of 100 tokens (50%, 61 s)"
     assert reading_line({"total": 3245, "cache": 0, "processed": 1024, "time_ms": 9000.0}, 9.2) == (
         "reading the prompt: 1,024 of 3,245 tokens (32%, 9 s)")
     assert reading_line({"total": 2000, "cache": 1500, "processed": 1500, "time_ms": 10.0}, 0.4) == (

@@ -170,6 +170,17 @@ def reading_line(progress: dict | None, elapsed_s: float) -> str:
     return f"reading the prompt: {done:,} of {total:,} tokens{cached} ({done / total:.0%}, {elapsed_s:.0f} s)"
 
 
+class Reading:
+    """The status line's text, rendered afresh at each refresh: its seconds count on between
+    two prompt_progress chunks (a 512-token chunk of the 1.5B target is seconds on a CPU)."""
+
+    def __init__(self) -> None:
+        self.started, self.progress = time.perf_counter(), None
+
+    def __rich__(self) -> str:
+        return reading_line(self.progress, time.perf_counter() - self.started)
+
+
 def reply(url: str, console: Console, state: ChatState, api_key: str | None, replies: Replies,
           keep_on_error: bool = False) -> None:
     """The reply to the conversation's last (user) message, streamed, then its statistic. On an
@@ -178,7 +189,8 @@ def reply(url: str, console: Console, state: ChatState, api_key: str | None, rep
     started = time.perf_counter()
     pieces: list[str] = []
     first_s = last_s = None  # when the first and the latest text arrived
-    status = console.status(reading_line(None, 0)) if console.is_terminal else None
+    reading = Reading()
+    status = console.status(reading) if console.is_terminal else None
     if status is not None:
         status.start()
     else:
@@ -192,8 +204,7 @@ def reply(url: str, console: Console, state: ChatState, api_key: str | None, rep
             console.print("[bold cyan]assistant>[/] ", end="")
 
     def progressed(progress: dict) -> None:
-        if status is not None:
-            status.update(reading_line(progress, time.perf_counter() - started))
+        reading.progress = progress
 
     def arrived() -> None:
         nonlocal first_s, last_s
