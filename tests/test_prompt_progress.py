@@ -2,12 +2,19 @@
 prompt the target prefills, how far the prompt is read (net PromptProgress, prompt_progress in
 the stream) — in OpenAI's chat and completions and llama.cpp's /completion, over a real
 cluster (tiny fp32 models, loopback TCP and HTTP) whose targets prefill 8 tokens a chunk; the
-text is the one the same request gets without it, and `specctl chat` shows it while it waits."""
+text is the one the same request gets without it, and `specctl chat` shows it while it waits;
+`specctl generate` shows a bar of the same chunks and notes what the prompt took."""
 
 import asyncio
+import io
 import json
 
 import pytest
+from rich.console import Console
+
+from specctl.cli.prompt_reading import prompt_bar, prompt_note
+from specctl.spec.rounds import run_to_end
+from specctl.spec.stats import GenerationStats
 
 from specctl.chat.commands import ChatState
 from specctl.chat.repl import Reading, reading_line, stream_reply
@@ -143,3 +150,36 @@ def test_the_status_line_says_how_far_the_prompt_is_read():
         "reading the prompt: 1,024 of 3,245 tokens (32%, 9 s)")
     assert reading_line({"total": 2000, "cache": 1500, "processed": 1500, "time_ms": 10.0}, 0.4) == (
         "reading the prompt: 1,500 of 2,000 tokens, 1,500 from the cache (75%, 0 s)")
+
+
+def test_generate_s_bar_follows_each_chunk_and_is_gone_before_the_first_token(tiny):
+    target = tiny["llama"]
+    prompt = [(5 * i + 1) % 200 + 1 for i in range(37)]
+    seen: list[tuple[int, bool]] = []
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=100)
+    target.prefill_chunk = CHUNK
+    try:
+        with prompt_bar(console, len(prompt)) as prefilled:
+            def noted(session):
+                prefilled(session)
+                seen.append((session.prefilled, prefilled.showing))
+
+            session = run_to_end(target, prompt, SamplingParams(max_tokens=3, ignore_eos=True), prefilled=noted,
+                                 on_tokens=lambda tokens, result: seen.append((-1, prefilled.showing)))
+    finally:
+        target.prefill_chunk = 0
+    assert seen[:5] == [(8, True), (16, True), (24, True), (32, True), (37, False)]  # stopped with the last chunk
+    assert all(entry == (-1, False) for entry in seen[5:]) and len(session.output) == 3
+    assert "reading the prompt" in out.getvalue()
+    plain = Console(file=io.StringIO(), force_terminal=False)
+    with prompt_bar(plain, 37) as prefilled:  # piped: nothing drawn, the callback takes the session and does nothing
+        prefilled(session)
+        assert not prefilled.showing
+    assert plain.file.getvalue() == ""
+
+
+def test_the_statistic_notes_a_prompt_that_took_a_second_or_more():
+    stats = GenerationStats(prompt_tokens=3245, new_tokens=64, prefill_s=42.66, wall_s=67.28)
+    assert prompt_note(stats) == " (prompt 3,245 tokens read in 42.7 s; 2.60 tok/s after it)"
+    assert prompt_note(GenerationStats(prompt_tokens=20, new_tokens=64, prefill_s=0.4, wall_s=6.0)) == ""

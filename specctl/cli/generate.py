@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 
 from specctl.cli import logprob_report
+from specctl.cli.prompt_reading import prompt_bar, prompt_note
 from specctl.cli.sampling_flags import (
     stop_patterns, structured_flags, text_of, with_bad_words, with_prediction_text, with_samplers,
     with_thinking_budget,
@@ -175,8 +176,10 @@ def generate(
         output.extend(tokens)
         streamer.update(output)
 
-    session = run_to_end(target_model.decoder, ids, params, drafter, eos_token_ids=target_model.eos_token_ids,
-                         on_tokens=on_tokens, tokenizer=target_model.tokenizer, until=lambda: streamer.stopped)
+    with prompt_bar(console, len(ids)) as prefilled:
+        session = run_to_end(target_model.decoder, ids, params, drafter, eos_token_ids=target_model.eos_token_ids,
+                             on_tokens=on_tokens, tokenizer=target_model.tokenizer, until=lambda: streamer.stopped,
+                             prefilled=prefilled)
     output, stats, finish_reason = session.output, session.stats, session.finish_reason
     output_text = streamer.finish()
     output = streamer.kept(output)
@@ -196,7 +199,8 @@ def generate(
                      if params.prediction else "")
         console.print(
             f"[dim]{stats.new_tokens} tokens, {stats.tokens_per_s:.2f} tok/s, mode {config.mode}, "
-            f"mean accepted length {stats.mean_accepted_length:.2f}, acceptance {stats.acceptance_rate:.0%}{predicted}[/]"
+            f"mean accepted length {stats.mean_accepted_length:.2f}, acceptance {stats.acceptance_rate:.0%}{predicted}"
+            f"{prompt_note(stats)}[/]"
         )
 
 

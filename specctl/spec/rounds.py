@@ -200,13 +200,15 @@ def run_to_end(target: Decoder, prompt: list[int], params: SamplingParams, draft
                eos_token_ids: tuple[int, ...] = (), max_context: int | None = None, pool: KVPool | None = None,
                draft_pool: KVPool | None = None, on_tokens: Emit | None = None,
                run_ahead: bool | None = None, tokenizer: Any = None,
-               until: Callable[[], bool] | None = None, resumed: tuple[int, ...] = ()) -> DecodeSession:
+               until: Callable[[], bool] | None = None, resumed: tuple[int, ...] = (),
+               prefilled: Callable[[DecodeSession], None] | None = None) -> DecodeSession:
     """Run a session to the end in this thread and hand it back finished (its output, stats,
     finish_reason and, when ``params`` asked, logprobs and prompt_logprobs; its KV freed).
     ``run_ahead``: see ``DecodeSession`` (None: where ``decode.runs_ahead`` says);
     ``tokenizer``: the target's, needed for structured output; ``until``: asked after each
     emit, True ends the session with finish_reason "stop" (a stop string the caller found in
-    the text); ``resumed``: output already sent (``DecodeSession``'s), which ``on_tokens`` is not given."""
+    the text); ``resumed``: output already sent (``DecodeSession``'s), which ``on_tokens`` is not given;
+    ``prefilled``: given the session after each chunk of its prompt (run_session's)."""
     from specctl.spec.prediction import with_prediction
 
     lane = InlineLane()
@@ -220,5 +222,6 @@ def run_to_end(target: Decoder, prompt: list[int], params: SamplingParams, draft
         if until is not None and not session.finished and until():
             session.finish_reason = "stop"
 
-    run_inline(run_session(session, speculator, lane, emit))
+    run_inline(run_session(session, speculator, lane, emit,
+                           prefilled=None if prefilled is None else lambda: prefilled(session)))
     return session
