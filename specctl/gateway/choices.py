@@ -4,7 +4,8 @@ prefilling it, within the balance), all running at once; their events merged int
 stream in the order they arrive, each tagged with its choice's index (OpenAI's and vLLM's
 layout: prompt i's j-th choice has index i * n + j).
 
-A request is one unit: it starts once every choice has its first token or waits its turn for a
+A request is one unit: it starts once every choice has its first token (or, when the request
+asked for return_progress, its first word of how far its prompt is read) or waits its turn for a
 session (gateway.waiting), and one of them has started — so a choice that cannot start (a bad
 prompt, no instance up, a full waiting line) fails the request with its HTTP error before any
 response is sent, while a batch larger than the instances hold streams its first choices as
