@@ -20,7 +20,7 @@ from specctl.chat.commands import ChatState
 from specctl.chat.repl import Reading, reading_line, stream_reply
 from specctl.net.protocol import Done, PromptProgress, Tokens
 from specctl.spec.params import SamplingParams
-from specctl.verify.client import TargetConnection
+from specctl.verify.client import TargetConnection, remote_generate
 from tests.conftest import running_cluster
 from tests.test_gateway import post
 
@@ -78,6 +78,17 @@ def test_a_target_sends_the_prefill_s_progress_before_the_first_token_only_when_
     assert not any(isinstance(m, PromptProgress) for m in plain)
     tokens = lambda messages: [t for m in messages if isinstance(m, Tokens) for t in m.tokens]  # noqa: E731
     assert tokens(asked) == tokens(plain) and len(tokens(plain)) == 4
+
+
+def test_generate_remote_is_handed_each_progress_and_writes_the_same_tokens(chunked_cluster):
+    host, port = chunked_cluster[1]["targets"][1].rsplit(":", 1)
+    prompt = [(11 * i + 5) % 200 + 1 for i in range(21)]
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    seen: list[PromptProgress] = []
+    tokens, reason, _ = asyncio.run(remote_generate(host, int(port), prompt, params, on_progress=seen.append))
+    _check_steps([{"total": p.total, "cache": p.cache, "processed": p.processed, "time_ms": p.time_ms}
+                  for p in seen], 21)
+    assert (tokens, reason) == asyncio.run(remote_generate(host, int(port), prompt, params))[:2] and len(tokens) == 5
 
 
 @pytest.mark.parametrize("route", ["chat", "completions"])

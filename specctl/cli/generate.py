@@ -280,13 +280,15 @@ def _generate_remote(remote, requested_target, prompt, chat, params, bad_words, 
     scores = logprob_report.Scores(ids)
     result = {}
 
-    async def main() -> None:
+    async def main(bar) -> None:
         start = time.perf_counter()
         result["out"] = await remote_generate(host, port, ids, params, streamer.update, auth_token=auth_token, ssl=ssl,
-                                              until=lambda: streamer.stopped, on_scores=scores.add)
+                                              until=lambda: streamer.stopped, on_scores=scores.add,
+                                              on_progress=(lambda p: bar.at(p.processed, p.total)) if bar.bar else None)
         result["wall"] = time.perf_counter() - start
 
-    run(main())
+    with prompt_bar(console, len(ids)) as bar:
+        run(main(bar))
     tokens, finish_reason, stats = result["out"]
     output_text = streamer.finish()
     tokens = streamer.kept(tokens)

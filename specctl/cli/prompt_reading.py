@@ -28,10 +28,14 @@ class PromptBar:
         return self.bar is not None and self.bar.live.is_started
 
     def __call__(self, session: DecodeSession) -> None:
+        self.at(session.prefilled, session.prompt_len)
+
+    def at(self, processed: int, total: int) -> None:
+        """``processed`` of the prompt's ``total`` tokens are in (a remote target's PROMPT_PROGRESS)."""
         if self.bar is None:
             return
-        self.bar.update(self.task, completed=session.prefilled)
-        if session.prefilled >= session.prompt_len:
+        self.bar.update(self.task, completed=processed, total=total)
+        if processed >= total:
             self.bar.stop()
 
 

@@ -4,6 +4,7 @@ probe (handshake + stats) that works against any role."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import ssl as ssl_module
 from contextlib import asynccontextmanager
@@ -14,7 +15,7 @@ from specctl.net.framing import read_message, write_message
 from specctl.net.handshake import client_handshake
 from specctl.net.keepalive import keep_alive
 from specctl.net.protocol import (
-    CacheFlushed, Cancel, Done, Error, FlushCache, Stats, StatsRequest, Tokens, Welcome, encode,
+    CacheFlushed, Cancel, Done, Error, FlushCache, PromptProgress, Stats, StatsRequest, Tokens, Welcome, encode,
 )
 from specctl.runtime.tls import tls_failure
 from specctl.spec.params import SamplingParams
@@ -130,8 +131,9 @@ class TargetStream:
     def welcome(self) -> Welcome | None:
         return self.connection.welcome
 
-    async def next(self) -> Tokens | Done:
-        """The next TOKENS or the final DONE; an ERROR or a lost connection raises RemoteError."""
+    async def next(self) -> Tokens | PromptProgress | Done:
+        """The next TOKENS (or PROMPT_PROGRESS, when the generation asked) or the final DONE; an
+        ERROR or a lost connection raises RemoteError."""
         message = await self._queue.get()
         if message is None:
             self.finished = True
@@ -192,14 +194,21 @@ async def remote_generate(
     ssl: ssl_module.SSLContext | None = None,
     until: Callable[[], bool] | None = None,
     on_scores: Callable[[Tokens], None] | None = None,
+    on_progress: Callable[[PromptProgress], None] | None = None,
 ) -> tuple[list[int], str, dict]:
     """Returns (tokens, finish_reason, stats). ``until`` (asked after each TOKENS, e.g. a stop
     string seen) true: the generation is cancelled on the target, finish_reason "stop", and the
     stats are those so far. ``on_scores``: given each TOKENS as it came (the log-probabilities
-    ``params`` asked for ride on them)."""
+    ``params`` asked for ride on them); ``on_progress``: asks the target how far the prompt is
+    read and is given each PROMPT_PROGRESS."""
     tokens: list[int] = []
+    if on_progress is not None:
+        params = dataclasses.replace(params, prompt_progress=True)
     async with open_stream(host, port, prompt, params, auth_token=auth_token, ssl=ssl) as stream:
-        while isinstance(event := await stream.next(), Tokens):
+        while isinstance(event := await stream.next(), (Tokens, PromptProgress)):
+            if isinstance(event, PromptProgress):
+                on_progress(event)
+                continue
             tokens.extend(event.tokens)
             if on_scores:
                 on_scores(event)
