@@ -364,3 +364,16 @@ def test_a_poll_that_cannot_connect_says_why_in_a_few_words():
     screen = text_of(dashboard(advance(MonitorState("http://127.0.0.1:1"), None, 1.0,
                                        poll_error("http://127.0.0.1:1", refused)), now=1.0))
     assert "DOWN: cannot reach http://127.0.0.1:1 (connection refused)" in screen
+
+
+def test_a_target_reading_long_prompts_shows_how_many_and_the_tokens_left_on_one_line():
+    data = feed(tokens=(100,), up=(True,))
+    data["targets"][0]["stats"].update(prefill_sessions=2, prefill_tokens_left=24733, prefix_cache_query_tokens=900,
+                                       prefix_cache_hit_rate=0.44, prefix_cache_entries=16, prefix_cache_mb=18.0)
+    screen = text_of(dashboard(advance(MonitorState("http://gw:8000"), data, 1.0), now=1.5))
+    lines = screen.rstrip("\n").split("\n")
+    row = next(line for line in lines if "reading prompts" in line)
+    assert row.split() == ["reading", "prompts", "2", "24,733", "tok", "left"]
+    assert max(len(line) for line in lines) <= 80
+    data["targets"][0]["stats"]["prefill_sessions"] = 0  # none: no row
+    assert "reading prompts" not in text_of(dashboard(advance(MonitorState("http://gw:8000"), data, 1.0), now=1.5))

@@ -8,6 +8,7 @@ text is the one the same request gets without it, and `specctl chat` shows it wh
 import asyncio
 import io
 import json
+import urllib.request
 
 import pytest
 from rich.console import Console
@@ -20,7 +21,8 @@ from specctl.chat.commands import ChatState
 from specctl.chat.repl import Reading, reading_line, stream_reply
 from specctl.net.protocol import Done, PromptProgress, Tokens
 from specctl.spec.params import SamplingParams
-from specctl.verify.client import TargetConnection, remote_generate
+from specctl.verify.client import TargetConnection, probe, remote_generate
+from specctl.verify.prefills import Prefills
 from tests.conftest import running_cluster
 from tests.test_gateway import post
 
@@ -194,3 +196,39 @@ def test_the_statistic_notes_a_prompt_that_took_a_second_or_more():
     stats = GenerationStats(prompt_tokens=3245, new_tokens=64, prefill_s=42.66, wall_s=67.28)
     assert prompt_note(stats) == " (prompt 3,245 tokens read in 42.7 s; 2.60 tok/s after it)"
     assert prompt_note(GenerationStats(prompt_tokens=20, new_tokens=64, prefill_s=0.4, wall_s=6.0)) == ""
+
+
+class _Reading:  # what Prefills reads of a DecodeSession
+    def __init__(self, prompt_len: int, prefilled: int | None = None) -> None:
+        self.prompt_len, self.prefilled, self.stats = prompt_len, prefilled, GenerationStats(cached_prompt_tokens=4)
+
+
+def test_a_target_counts_the_prompts_it_reads_and_the_tokens_left_until_each_is_in_or_ends():
+    prefills, sent = Prefills(), []
+    long, short = _Reading(3000), _Reading(40)
+    long_done = prefills.watch(long, 1, sent.append)
+    prefills.watch(short, 2)  # did not ask: counted, told nothing
+    assert prefills.snapshot() == {"prefill_sessions": 2, "prefill_tokens_left": 3040}
+    long.prefilled = 512
+    long_done()
+    assert prefills.snapshot() == {"prefill_sessions": 2, "prefill_tokens_left": 2528}
+    assert [(m.req, m.total, m.cache, m.processed) for m in sent] == [(1, 3000, 4, 512)]
+    long.prefilled = 3000
+    long_done()  # its last chunk: no longer counted
+    assert prefills.snapshot() == {"prefill_sessions": 1, "prefill_tokens_left": 40} and sent[-1].processed == 3000
+    prefills.done(short)  # cancelled before its first chunk
+    assert prefills.snapshot() == {"prefill_sessions": 0, "prefill_tokens_left": 0}
+
+
+def test_a_target_s_stats_count_no_prompt_reading_once_its_sessions_are_done(chunked_cluster):
+    address = chunked_cluster[1]["targets"][0]
+    host, port = address.rsplit(":", 1)
+    asyncio.run(remote_generate(host, int(port), list(range(1, 40)), SamplingParams(max_tokens=2, ignore_eos=True)))
+    stats = asyncio.run(probe(host, int(port)))[1]
+    assert stats["prefill_sessions"] == 0 and stats["prefill_tokens_left"] == 0
+    assert chunked_cluster[0].cluster.targets[0].prefills.sessions == {}
+    with urllib.request.urlopen(chunked_cluster[1]["gateway"] + "/metrics", timeout=30) as response:
+        metrics = response.read().decode()
+    gauges = [line for line in metrics.split("\n") if line.startswith(("specctl:prefill_sessions{",
+                                                                        "specctl:prefill_tokens_left{"))]
+    assert len(gauges) == 4 and all(line.endswith(" 0.0") for line in gauges)  # two targets, two gauges each

@@ -26,6 +26,8 @@ ROLE_GAUGES = {
     "t_s_ms": ("t_s_ms", "mean compute time per request (ms)"),
     "queue_depth": ("queue_depth", "requests waiting for the compute thread"),
     "sessions": ("sessions", "open sessions"),
+    "prefill_sessions": ("prefill_sessions", "a target's sessions still reading their prompt"),
+    "prefill_tokens_left": ("prefill_tokens_left", "prompt tokens a target has still to read (its sessions')"),
     "tokens_per_s": ("tokens_per_s", "tokens per second since start"),
     "R_q": ("R_q", "draft rounds per second"),
     "R_p": ("R_p", "verification rounds per second"),

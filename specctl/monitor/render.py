@@ -141,6 +141,8 @@ def targets_table(targets: list[dict], state: MonitorState) -> Table:
                           f"rf +{s.get('specpipe_refill_tokens', 0)}")
         if "pipeline_connected" in s and not s["pipeline_connected"]:
             table.add_row(Text("  pipeline down", style="bold red"), "", "", "", "", "", "", "")
+        if s.get("prefill_sessions"):
+            table.add_row(*prefill_row(s))
         if s.get("prefix_cache_query_tokens"):
             table.add_row(*prefix_cache_row(s))
         if s.get("prediction_accepted") or s.get("prediction_rejected"):
@@ -172,6 +174,13 @@ def drafter_row(name: str, drafter: dict) -> tuple:
     return (Text(f"  └ {name}"[:28], style="dim"), state, "", f"{drafter.get('chosen_rounds', 0)}r", "",
             f"acc {drafter.get('accepted_tokens', 0)}", "-" if score is None else f"m {score:.2f}",
             f"fail {drafter.get('failures', 0)}")
+
+
+def prefill_row(s: dict) -> tuple:
+    """A target's sessions still reading their prompt and the tokens they have left (a long
+    prompt holds the compute thread for seconds to minutes on a CPU)."""
+    return (Text("  reading prompts", style="dim"), "", str(s.get("prefill_sessions", 0)), "", "", "",
+            f"{s.get('prefill_tokens_left', 0):,}", "tok left")
 
 
 def prefix_cache_row(s: dict) -> tuple:

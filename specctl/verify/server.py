@@ -10,7 +10,6 @@ import asyncio
 import logging
 import time
 from collections import deque
-from typing import Callable
 
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.loader import LoadedModel
@@ -22,8 +21,7 @@ from specctl.errors import BadRequest, InvalidSamplingParams, KVBudgetExceeded, 
 from specctl.net.framing import read_message
 from specctl.net.handshake import server_handshake
 from specctl.net.protocol import (
-    CacheFlushed, Cancel, Done, Error, FlushCache, Generate, PromptProgress, ProtocolError, Stats, StatsRequest, Tokens,
-    encode,
+    CacheFlushed, Cancel, Done, Error, FlushCache, Generate, ProtocolError, Stats, StatsRequest, Tokens, encode,
 )
 from specctl.pipeline.decoder import PipelineClient
 from specctl.pipeline.microbatch import MicroBatchLane
@@ -41,6 +39,7 @@ from specctl.spec.stats import GenerationStats, RoundResult
 from specctl.spec.structured import ll_tokenizer
 from specctl.verify.config import TargetServerConfig
 from specctl.verify.draft_client import DraftClient
+from specctl.verify.prefills import Prefills
 from specctl.verify.fused import Fusion
 from specctl.verify.speculator import RemoteSpeculator
 from specctl.verify.target_stats import target_snapshot
@@ -77,6 +76,7 @@ class TargetServer(ListeningServer):
         self.pool = KVPool(config.kv_budget_bytes)
         self.prefill_gate = prefill_gate(model.decoder)  # sessions that start alike prefill their start once
         self.active = 0
+        self.prefills = Prefills()  # the prompts being read (stats; PROMPT_PROGRESS where asked)
         self.load_hold = LoadHold(config.spec_max_sessions) if config.spec_max_sessions else None
         self.depth_tuner = DepthTuner(lambda: self.active) if config.spec_depth_auto else None
         self.sessions_done = 0
@@ -181,7 +181,7 @@ class TargetServer(ListeningServer):
                 else:
                     speculator = with_prediction(self._speculator(msg.seed, session.params), session.params)
                     await run_session(session, speculator, self.verify_lane, emit, self.prefill_gate,
-                                      prompt_progress(session, msg.req, send) if msg.return_progress else None)
+                                      self.prefills.watch(session, msg.req, send if msg.return_progress else None))
                 self.sessions_done += 1
                 self._done(session, msg.req, session.finish_reason or "stop", send)
             except asyncio.CancelledError as exc:
@@ -197,6 +197,8 @@ class TargetServer(ListeningServer):
             except Exception as exc:  # noqa: BLE001 - the session ends with a clear error, the server carries on
                 log.exception("session %s failed", msg.request_id or msg.req)
                 send(Error("internal", f"generation failed: {exc}", req=msg.req))
+            finally:
+                self.prefills.done(session)
         finally:
             self.active -= 1
 
@@ -286,17 +288,6 @@ class TargetServer(ListeningServer):
         own = scores if scores is not None else emitted_logprobs(session, len(tokens))
         logprobs, top_ids, top_logprobs, ranks = _columns(own, 4)
         send(Tokens(req, tokens, logprobs, top_ids, top_logprobs, *_columns(prompt or [], 4), ranks=ranks))
-
-
-def prompt_progress(session: DecodeSession, req: int, send) -> Callable[[], None]:
-    """What sends PROMPT_PROGRESS after each chunk of ``session``'s prompt (llama.cpp's
-    prompt_progress: its total, what the prefix cache restored, what is in, the time since)."""
-    began = time.perf_counter()
-
-    def sent() -> None:
-        send(PromptProgress(req, session.prompt_len, session.stats.cached_prompt_tokens, session.prefilled,
-                            round((time.perf_counter() - began) * 1e3, 3)))
-    return sent
 
 
 def _columns(entries: list, width: int) -> tuple[list, ...]:

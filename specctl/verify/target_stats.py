@@ -35,6 +35,7 @@ def target_snapshot(server) -> dict:
         "max_sessions": server.config.max_sessions, "throttled": server.throttled,
         "rejected_requests": server.rejected_requests,
         **prefix_cache_stats(server.model.decoder),
+        **server.prefills.snapshot(),
     }
     if server.prefill_gate is not None:
         stats["shared_prefills"] = server.prefill_gate.waits
