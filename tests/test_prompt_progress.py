@@ -23,7 +23,7 @@ from specctl.net.protocol import Done, PromptProgress, Tokens
 from specctl.spec.params import SamplingParams
 from specctl.verify.client import TargetConnection, probe, remote_generate
 from specctl.verify.prefills import Prefills
-from tests.conftest import running_cluster
+from tests.conftest import poll_until, running_cluster
 from tests.test_gateway import post
 
 CHUNK = 8
@@ -227,8 +227,12 @@ def test_a_target_s_stats_count_no_prompt_reading_once_its_sessions_are_done(chu
     stats = asyncio.run(probe(host, int(port)))[1]
     assert stats["prefill_sessions"] == 0 and stats["prefill_tokens_left"] == 0
     assert chunked_cluster[0].cluster.targets[0].prefills.sessions == {}
-    with urllib.request.urlopen(chunked_cluster[1]["gateway"] + "/metrics", timeout=30) as response:
-        metrics = response.read().decode()
-    gauges = [line for line in metrics.split("\n") if line.startswith(("specctl:prefill_sessions{",
-                                                                        "specctl:prefill_tokens_left{"))]
-    assert len(gauges) == 4 and all(line.endswith(" 0.0") for line in gauges)  # two targets, two gauges each
+
+    def gauges() -> list[str]:
+        with urllib.request.urlopen(chunked_cluster[1]["gateway"] + "/metrics", timeout=30) as response:
+            metrics = response.read().decode()
+        return [line for line in metrics.split("\n")
+                if line.startswith(("specctl:prefill_sessions{", "specctl:prefill_tokens_left{"))]
+
+    # two targets, two gauges each; the gateway's poller may still hold a snapshot taken mid-prefill
+    poll_until(gauges, lambda lines: len(lines) == 4 and all(line.endswith(" 0.0") for line in lines), 30)
