@@ -251,6 +251,9 @@ def test_bad_chat_bodies_and_unknown_routes(cluster):
     assert code == 400 and json.loads(raw)["error"]["param"] == "messages"
     code, _, raw = post(base + "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]})
     assert code == 400 and "unknown message role 'wizard'" in json.loads(raw)["error"]["message"]
+    code, _, raw = post(base + "/v1/chat/completions", {"messages": [{"role": "user"}]})
+    assert (code, json.loads(raw)["error"]["message"]) == (400, "messages[0] (user) has no content: a user message "
+                                                                "needs content")
     code, _, raw = post(base + "/v1/nothing", {})
     assert code == 404 and json.loads(raw)["error"]["message"] == "no route POST /v1/nothing"
     error = json.loads(post(base + "/v1/completions", {"prompt": "x", "max_tokens": 4, "temperature": 0})[2])

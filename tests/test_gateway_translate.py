@@ -4,11 +4,12 @@ truncate_prompt_tokens, and what is refused by name."""
 
 import json
 
+import msgspec
 import pytest
 
 from specctl.engine.loader import load_model
 from specctl.gateway.api import ApiError, ChatCompletionRequest
-from specctl.gateway.translate import bad_words, chat_template_options, truncated
+from specctl.gateway.translate import bad_words, chat_messages, chat_template_options, truncated
 from tests.test_gateway import post
 
 MESSAGES = [{"role": "user", "content": "Write a word."}, {"role": "assistant", "content": "Sure: hel"}]
@@ -128,3 +129,28 @@ def test_vllm_s_beam_search_and_prompt_embeds_are_refused_by_name(field, value, 
             refuse_unsupported(req)
         assert (refused.value.status, str(refused.value), refused.value.param) == (400, message, field)
     refuse_unsupported(CompletionRequest(prompt="x", use_beam_search=False))  # vLLM's default, as clients send it
+
+
+@pytest.mark.parametrize("messages, message, param", [
+    ([{"role": "user"}], "messages[0] (user) has no content: a user message needs content", "messages[0].content"),
+    ([{"role": "system", "content": "be brief"}, {"role": "user", "content": None}],
+     "messages[1] (user) has no content: a user message needs content", "messages[1].content"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant"}],
+     "messages[1] (assistant) has no content: an assistant message needs content or tool_calls", "messages[1].content"),
+    ([{"role": "tool", "tool_call_id": "c1"}], "messages[0] (tool) has no content: a tool message needs content",
+     "messages[0].content"),
+])
+def test_a_message_without_content_is_refused_by_its_place_as_openai_does(messages, message, param):
+    with pytest.raises(ApiError) as caught:
+        chat_messages(msgspec.convert({"messages": messages}, ChatCompletionRequest))
+    assert (caught.value.status, str(caught.value), caught.value.param) == (400, message, param)
+
+
+def test_an_assistant_turn_that_called_tools_may_leave_its_content_out():
+    req = msgspec.convert({"messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "w", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]}, ChatCompletionRequest)
+    turns = chat_messages(req)
+    assert [turn["content"] for turn in turns] == ["weather?", "", "sunny"]
+    assert turns[1]["tool_calls"] == [{"type": "function", "function": {"name": "w", "arguments": {}}}]

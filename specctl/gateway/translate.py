@@ -141,9 +141,15 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     if not req.messages:
         raise ApiError(400, "messages must not be empty", param="messages")
     out = []
-    for message in req.messages:
+    for i, message in enumerate(req.messages):
         if message.role not in ("system", "user", "assistant", "developer", "tool"):
             raise ApiError(400, f"unknown message role {message.role!r}", param="messages")
+        if message.content is None and not (message.role == "assistant" and message.tool_calls):
+            # OpenAI's rule (vLLM would read an empty text): only an assistant turn that called tools may leave it out
+            needs = "an assistant message needs content or tool_calls" if message.role == "assistant" else \
+                f"a {message.role} message needs content"
+            raise ApiError(400, f"messages[{i}] ({message.role}) has no content: {needs}",
+                           param=f"messages[{i}].content")
         turn = {"role": "system" if message.role == "developer" else message.role, "content": message_text(message)}
         if message.tool_calls:
             turn["tool_calls"] = [{"type": "function", "function": {"name": call.function.name,
