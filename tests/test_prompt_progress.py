@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 from rich.console import Console
 
-from specctl.cli.prompt_reading import prompt_bar, prompt_note
+from specctl.cli.prompt_reading import prompt_bar, prompt_note, remote_statistic
 from specctl.spec.rounds import run_to_end
 from specctl.spec.stats import GenerationStats
 
@@ -236,3 +236,12 @@ def test_a_target_s_stats_count_no_prompt_reading_once_its_sessions_are_done(chu
 
     # two targets, two gauges each; the gateway's poller may still hold a snapshot taken mid-prefill
     poll_until(gauges, lambda lines: len(lines) == 4 and all(line.endswith(" 0.0") for line in lines), 30)
+
+
+def test_generate_remote_s_statistic_notes_the_prompt_the_target_read_for_a_second_or_more():
+    stats = {"prompt_tokens": 1403, "prefill_ms": 19000.0, "mean_accepted_length": 6.0}
+    assert remote_statistic(12, 19.89, "127.0.0.1:41055", "qwen2.5-coder-1.5b", stats) == (
+        "12 tokens in 19.89s via 127.0.0.1:41055 (qwen2.5-coder-1.5b), mean accepted length 6.00 "
+        "(prompt 1,403 tokens read in 19.0 s; 13.48 tok/s after it)")
+    quick = {**stats, "prefill_ms": 120.0}
+    assert remote_statistic(12, 2.0, "h:1", "m", quick) == "12 tokens in 2.00s via h:1 (m), mean accepted length 6.00"

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 
 from specctl.cli import logprob_report
-from specctl.cli.prompt_reading import prompt_bar, prompt_note
+from specctl.cli.prompt_reading import prompt_bar, prompt_note, remote_statistic
 from specctl.cli.sampling_flags import (
     stop_patterns, structured_flags, text_of, with_bad_words, with_prediction_text, with_samplers,
     with_thinking_budget,
@@ -300,5 +300,5 @@ def _generate_remote(remote, requested_target, prompt, chat, params, bad_words, 
                                                    token_text(tokenizer))}))
     else:
         print_logprobs(console, scores, params, token_text(tokenizer))
-        console.print(f"[dim]{len(tokens)} tokens in {result['wall']:.2f}s via {remote} ({served}), "
-                      f"mean accepted length {stats.get('mean_accepted_length', 0):.2f}[/]")
+        console.print(f"[dim]{remote_statistic(len(tokens), result['wall'], remote, served, stats)}[/]")
+

@@ -10,9 +10,10 @@ from typing import TYPE_CHECKING, Iterator
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from specctl.spec.stats import GenerationStats  # no torch: `specctl --help` must not import it
+
 if TYPE_CHECKING:  # annotations only: `specctl --help` must not import torch
     from specctl.spec.decode import DecodeSession
-    from specctl.spec.stats import GenerationStats
 
 
 class PromptBar:
@@ -59,3 +60,12 @@ def prompt_note(stats: GenerationStats) -> str:
     after = stats.wall_s - stats.prefill_s
     rate = f"; {stats.new_tokens / after:.2f} tok/s after it" if after > 0 and stats.new_tokens else ""
     return f" (prompt {stats.prompt_tokens:,} tokens read in {stats.prefill_s:.1f} s{rate})"
+
+
+def remote_statistic(count: int, wall_s: float, remote: str, served: str, stats: dict) -> str:
+    """``generate --remote``'s closing line: the target's stats (GenerationStats.to_dict), with
+    the prompt's note when the target took a second or more to read it."""
+    read = GenerationStats(prompt_tokens=stats.get("prompt_tokens", 0), new_tokens=count,
+                           prefill_s=stats.get("prefill_ms", 0.0) / 1e3, wall_s=wall_s)
+    return (f"{count} tokens in {wall_s:.2f}s via {remote} ({served}), "
+            f"mean accepted length {stats.get('mean_accepted_length', 0):.2f}{prompt_note(read)}")
