@@ -1,6 +1,7 @@
 """``specctl chat``: the REPL against a live gateway (in-process, tiny models), Ctrl-C
 driven through tmux, and the no-argument embedded cluster with the default pair (slow)."""
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -267,6 +268,74 @@ async def test_the_chat_says_at_once_that_the_gateway_refused_its_api_key(tiny_d
         assert await asyncio.to_thread(greeting, url, "k3y") == f"[dim]chatting with {url} (model tiny)[/]"
     finally:
         await server.close()
+
+
+@contextlib.asynccontextmanager
+async def chat_completions_at(handler):
+    """Another OpenAI-compatible server: ``handler`` answers POST /v1/chat/completions; yields its URL."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_gateway_that_refuses_return_progress_is_asked_again_without_it_and_no_more():
+    """OpenAI's API refuses fields it does not know with a 400 naming them; the chat asks
+    once more without llama.cpp's return_progress and leaves it out from then on."""
+    from aiohttp import web
+
+    from specctl.chat.repl import stream_reply
+
+    bodies = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        bodies.append(body)
+        if "return_progress" in body:
+            return web.json_response({"error": {"message": "Unrecognized request argument supplied: return_progress",
+                                                "type": "invalid_request_error", "param": None, "code": None}},
+                                     status=400)
+        reply = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await reply.prepare(request)
+        for chunk in ({"choices": [{"index": 0, "delta": {"content": "Hi"}}]},
+                      {"choices": [], "usage": {"completion_tokens": 1}}):
+            await reply.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await reply.write(b"data: [DONE]\n\n")
+        return reply
+
+    state = ChatState(messages=[{"role": "user", "content": "hello"}])
+    async with chat_completions_at(completions) as url:
+        assert await stream_reply(url, state, lambda _: None) == ("Hi", {"completion_tokens": 1}, {})
+        assert await stream_reply(url, state, lambda _: None) == ("Hi", {"completion_tokens": 1}, {})
+        assert ["return_progress" in body for body in bodies] == [True, False, False]
+        assert state.ask_progress is False
+
+
+async def test_other_refusals_are_not_asked_again():
+    from aiohttp import web
+
+    from specctl.chat.repl import stream_reply
+
+    asked = []
+
+    async def completions(request: web.Request) -> web.Response:
+        asked.append(await request.json())
+        return web.json_response({"error": {"message": "messages[0] (user) has no content: a user message needs "
+                                                      "content"}}, status=400)
+
+    state = ChatState(messages=[{"role": "user", "content": "hello"}])
+    async with chat_completions_at(completions) as url:
+        with pytest.raises(RuntimeError, match=r"^gateway answered 400: messages\[0\] \(user\) has no content"):
+            await stream_reply(url, state, lambda _: None)
+        assert len(asked) == 1 and state.ask_progress is True
 
 
 def tmux(*args):

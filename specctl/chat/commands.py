@@ -29,6 +29,8 @@ class ChatState:
     system: str = ""  # the system prompt, sent before the conversation (kept by /reset)
     reasoning_effort: str | None = None  # OpenAI's reasoning_effort; None: not sent (the template's default)
     prediction: str | None = None  # the next reply's Predicted Output (/predict), sent once
+    # llama.cpp's return_progress asked for; False once a gateway refused it (OpenAI's refuses unknown fields)
+    ask_progress: bool = True
 
     def request_messages(self) -> list[dict]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
@@ -37,7 +39,9 @@ class ChatState:
         """The chat completion request for the conversation as it stands (streamed, with usage)."""
         # return_progress: llama.cpp's (a long prompt's prefill shows as it goes); vLLM and SGLang ignore it
         body = {"messages": self.request_messages(), "temperature": self.temperature, "max_tokens": self.max_tokens,
-                "stream": True, "stream_options": {"include_usage": True}, "return_progress": True}
+                "stream": True, "stream_options": {"include_usage": True}}
+        if self.ask_progress:
+            body["return_progress"] = True
         if self.reasoning_effort is not None:
             body["reasoning_effort"] = self.reasoning_effort
         if self.prediction is not None:

@@ -36,18 +36,26 @@ async def stream_reply(url: str, state: ChatState, on_text: Callable[[str], None
                        on_progress: Callable[[dict], None] | None = None) -> tuple[str, dict, dict]:
     """One streamed chat completion: (text, usage, specctl stats); the model's thinking, where
     the gateway's reasoning parser sends it apart, to ``on_thought``; how far the prompt is
-    read (its prompt_progress) to ``on_progress``. Errors raise RuntimeError."""
-    body = state.request_body()
+    read (its prompt_progress) to ``on_progress``. Errors raise RuntimeError. A gateway that
+    refuses return_progress by name (a 400, as OpenAI's refuses fields it does not know) is
+    asked again without it, and the state stops asking."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     text, usage, spec = [], {}, {}
     async with aiohttp.ClientSession() as session:
-        async with session.post(url.rstrip("/") + "/v1/chat/completions", json=body, headers=headers) as response:
-            if response.status != 200:
-                try:
-                    message = (await response.json())["error"]["message"]
-                except Exception:  # noqa: BLE001
-                    message = await response.text()
+        while True:
+            response = await session.post(url.rstrip("/") + "/v1/chat/completions", json=state.request_body(),
+                                          headers=headers)
+            if response.status == 200:
+                break
+            try:
+                message = (await response.json())["error"]["message"]
+            except Exception:  # noqa: BLE001
+                message = await response.text()
+            response.release()
+            if not (response.status == 400 and state.ask_progress and "return_progress" in message):
                 raise RuntimeError(f"gateway answered {response.status}: {message}")
+            state.ask_progress = False
+        async with response:
             async for raw in response.content:
                 line = raw.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
