@@ -235,6 +235,41 @@ async def test_a_resumed_sessions_levels_count_its_resumed_tokens_as_output(mode
         assert served["specpipe_steps"] == 28 and served["specpipe_hits"] == local[3].hits
 
 
+async def test_a_specpipe_target_says_once_that_the_prompt_is_read_before_its_first_token_when_asked(models):
+    """llama.cpp's return_progress on a SpecPipe target: the prompt goes through the stages in
+    one forward, so one PROMPT_PROGRESS (the whole prompt) comes before the first TOKENS; the
+    tokens are the same as unasked, and the prompt is counted in the target's prefill stats only
+    while it is read."""
+    from specctl.net.protocol import PromptProgress
+    from specctl.verify.client import TargetConnection
+
+    target, _ = models
+    prompt = [(7 * i + 3) % 200 + 1 for i in range(29)]
+    async with RemoteSpecPipe(models, 2, TreeShape(2, 2)) as cluster:
+        connection = await TargetConnection("127.0.0.1", cluster.port).connect()
+        try:
+            runs = {}
+            for asked in (True, False):
+                stream = connection.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True,
+                                                                    prompt_progress=asked))
+                runs[asked] = [await stream.next()]
+                while not isinstance(runs[asked][-1], Done):
+                    runs[asked].append(await stream.next())
+        finally:
+            connection.close()
+        asked, plain = runs[True], runs[False]
+        assert isinstance(asked[0], PromptProgress) and isinstance(asked[1], Tokens)
+        assert (asked[0].total, asked[0].cache, asked[0].processed) == (29, 0, 29) and asked[0].time_ms > 0
+        assert [type(m) for m in asked[1:]] == [type(m) for m in asked[1:] if not isinstance(m, PromptProgress)]
+        assert not any(isinstance(m, PromptProgress) for m in plain)
+        tokens = lambda messages: [t for m in messages if isinstance(m, Tokens) for t in m.tokens]  # noqa: E731
+        assert tokens(asked) == tokens(plain) == generate(target.decoder, prompt, SamplingParams(
+            max_tokens=12, ignore_eos=True))[0]
+        served = await remote_stats("127.0.0.1", cluster.port)
+        assert (served["prefill_sessions"], served["prefill_tokens_left"]) == (0, 0)
+        assert cluster.target.prefills.sessions == {}
+
+
 @pytest.mark.parametrize("draft_here", [False, True], ids=["draft-server", "draft-here"])
 async def test_a_requests_prediction_is_grafted_onto_the_tree_exactly_and_mirrored_on_the_draft_server(
         models, draft_here):

@@ -60,11 +60,14 @@ class SpecPipeDraft:
                 "specpipe_predicted": t.predicted}
 
 
-async def serve_specpipe(session: DecodeSession, spec: SpecPipeDraft, lane, emit: ScoredEmit) -> None:
+async def serve_specpipe(session: DecodeSession, spec: SpecPipeDraft, lane, emit: ScoredEmit,
+                         prefilled: Callable[[], None] | None = None) -> None:
     """Run ``session`` to the end with SpecPipe; its KV (every stage's) and the draft's are
     freed however it ends. A cancelled request stops after the step in progress. ``emit`` is
     called on the event loop with each token's log-probability entries taken on the compute
-    thread as it emitted them: the driver has decided more tokens by the time the loop runs."""
+    thread as it emitted them: the driver has decided more tokens by the time the loop runs.
+    ``prefilled``: called on the event loop once the prompt is in (one forward through the
+    stages: one call), before the first token's ``emit``."""
     loop = asyncio.get_running_loop()
     started = time.perf_counter()
     run, cancelled = None, False
@@ -80,6 +83,8 @@ async def serve_specpipe(session: DecodeSession, spec: SpecPipeDraft, lane, emit
                           spec.shape.refill_depth(stages),
                           predicted_chain_nodes(stages) if session.params.prediction else 0)
         run.stop = cancelled
+        if prefilled is not None:
+            run.prefilled = lambda: loop.call_soon_threadsafe(prefilled)  # in order: before the first emit
         try:
             run.run()
         finally:  # before the reply ends: a client reading the stats next sees this session in them

@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -63,6 +63,7 @@ class SpecPipeRun:
     chain_budget: int = 0
     stats: PipeStats = field(default_factory=PipeStats)
     stop: bool = False  # set from another thread: end after the current step (a cancelled request)
+    prefilled: Callable[[], None] | None = None  # called once the prompt is in (its one forward), before its token
     predicted: PredictedChains | None = field(default=None, init=False)  # set by run() from the request
 
     def run(self) -> None:
@@ -136,6 +137,9 @@ class SpecPipeRun:
                 result = None
                 if first:  # the prompt's next token: reported as the prefill's, as the round loop does
                     session.stats.prefill_s, first = time.perf_counter() - begun, False
+                    session.prefilled = session.prompt_len
+                    if self.prefilled is not None:
+                        self.prefilled()
                 else:
                     result = RoundResult(1 if children else 0, len(children), int(new_root is not None),
                                          len(committed), draft_s, wait_s)

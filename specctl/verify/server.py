@@ -176,12 +176,12 @@ class TargetServer(ListeningServer):
             emit = lambda tokens, result, scores=None: self._emit(session, msg.req, tokens, result, send,  # noqa: E731
                                                                  scores)
             try:
+                prefilled = self.prefills.watch(session, msg.req, send if msg.return_progress else None)
                 if self.specpipe is not None:  # a request's prediction grafted onto its tree (pipeline.predicted)
-                    await serve_specpipe(session, self.specpipe, self.compute, emit)
+                    await serve_specpipe(session, self.specpipe, self.compute, emit, prefilled)
                 else:
                     speculator = with_prediction(self._speculator(msg.seed, session.params), session.params)
-                    await run_session(session, speculator, self.verify_lane, emit, self.prefill_gate,
-                                      self.prefills.watch(session, msg.req, send if msg.return_progress else None))
+                    await run_session(session, speculator, self.verify_lane, emit, self.prefill_gate, prefilled)
                 self.sessions_done += 1
                 self._done(session, msg.req, session.finish_reason or "stop", send)
             except asyncio.CancelledError as exc:
