@@ -3,11 +3,14 @@
 prefill's output in every mode, and the chunk size resolved from the configuration."""
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
 from specctl.config import ConfigError, build_config
+from specctl.engine.prefill_jobs import GRAIN, job_rows, key_cost
 from specctl.runtime.compute import ComputeThread
 from specctl.spec.batch_drafting import prefill_step
 from specctl.spec.decode import DecodeSession
@@ -167,3 +170,66 @@ def test_the_chunk_size_resolves_by_device_and_is_validated():
     assert build_config(None, prefill_chunk=256).prefill_chunk == 256
     with pytest.raises(ConfigError, match="prefill_chunk"):
         build_config(None, prefill_chunk=-2)
+
+
+QWEN_1_5B = SimpleNamespace(num_heads=12, num_kv_heads=2, head_dim=128, hidden_size=1536, intermediate_size=8960,
+                            gated_mlp=True)
+
+
+def test_deeper_jobs_of_the_default_target_hold_fewer_tokens_as_its_row_by_row_attention_costs_more():
+    """The 1.5B bf16 target row by row on the CPU (its measured 3e-4 a key against a row's
+    linear layers): 512 tokens at the start, 144 at 8,192, 64 at 25,000; CUDA's attention
+    costs its flops only, so its 2,048-token jobs shrink far less."""
+    w = key_cost(QWEN_1_5B, "cpu", row_exact=True)
+    assert w == pytest.approx(2.95e-4, rel=0.01)
+    assert [job_rows(512, start, w) for start in (0, 2048, 8192, 25_000)] == [512, 320, 144, 64]
+    assert key_cost(QWEN_1_5B, "cpu", row_exact=False) == pytest.approx(w * 2.0 / 4.5)
+    cuda = key_cost(QWEN_1_5B, "cuda", row_exact=False)
+    assert cuda == pytest.approx(w / 4.5) and [job_rows(2048, s, cuda) for s in (0, 32_000)] == [2048, 688]
+
+
+@given(chunk=st.integers(1, 4096), start=st.integers(0, 200_000), w=st.floats(0, 0.1))
+def test_a_job_costs_at_most_the_first_job_and_deeper_jobs_are_never_larger(chunk, start, w):
+    rows = job_rows(chunk, start, w)
+    cost = lambda t, at: t + w * (t * at + t * t / 2)  # noqa: E731
+    assert 1 <= rows <= chunk and (rows == chunk or rows % GRAIN == 0)
+    assert rows == min(chunk, GRAIN) or cost(rows, start) <= cost(chunk, 0) * (1 + 1e-9)
+    assert job_rows(chunk, start + 1000, w) <= rows
+    assert job_rows(0, start, w) == 0 and job_rows(chunk, start, 0.0) == chunk
+
+
+def test_a_session_s_jobs_shrink_as_the_key_cost_says_and_give_the_whole_prefill_s_output(chunked):
+    target, draft = chunked
+    target.prefill_chunk, target.prefill_key_cost = 64, 0.01
+    try:
+        prompt = _prompt(11, 200)
+        session = DecodeSession(target, prompt, GREEDY)
+        steps = []
+        while session.prefill_step() is None:
+            steps.append(session.prefilled)
+        session.close()
+        assert steps == [64, 96, 128, 160, 176, 192]  # 64 tokens, then 32 from position 64, 16 from 160
+        assert generate(target, prompt, GREEDY, ModelChainDrafter(draft, 4))[0] == _whole(target, prompt)
+    finally:
+        target.prefill_key_cost = 0.0
+
+
+def test_a_draft_session_s_jobs_shrink_too_and_leave_at_most_a_job_to_its_first_proposal(tiny):
+    draft = tiny["llama-draft"]
+    draft.prefill_chunk, draft.prefill_key_cost = 64, 0.01
+    try:
+        drafter = ModelChainDrafter(draft, 4)
+        prompt = _prompt(12, 200)
+        session = drafter.open(256)
+        steps = []
+        while not prefill_step(session, prompt):
+            steps.append(session.cache.length)
+        # as the target's jobs; left to the first proposal's catch-up: the last job (16 tokens from 192)
+        assert steps == [64, 96, 128, 160, 176] and session.cache.length == 192
+        proposal = session.propose(prompt, GREEDY, None)
+        fresh = drafter.open(256)
+        assert proposal.tree.tokens.tolist() == fresh.propose(prompt, GREEDY, None).tree.tokens.tolist()
+        session.close()
+        fresh.close()
+    finally:
+        draft.prefill_chunk, draft.prefill_key_cost = 0, 0.0

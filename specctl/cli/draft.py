@@ -52,7 +52,8 @@ def draft(
     prefix_cache_mb: Optional[int] = typer.Option(None, "--prefix-cache-mb", help="MiB of finished sessions' KV kept for prompts that start the same way, so the draft's prefill computes only the rest (default 1024; 0 = off; lossless either way: the draft only proposes)"),
     prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help="a new session's prompt is fed in jobs "
                                                 "of this many tokens before its first proposal, so other sessions' "
-                                                "drafting goes on between them (default 512 on the CPU, 2048 on CUDA; "
+                                                "drafting goes on between them; deeper in a long prompt a job holds "
+                                                "fewer, costing about as much (default 512 on the CPU, 2048 on CUDA; "
                                                 "0 = with the first proposal, whole)"),
     dtype: Optional[str] = typer.Option(None, help="fp32 | bf16 | fp16"),
     draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="none | int8 (CPU)"),

@@ -84,7 +84,8 @@ def verify(
     spec_depth_by_load: Optional[str] = typer.Option(None, "--spec-depth-by-load", help=SPEC_DEPTH_HELP),
     prefix_cache_mb: Optional[int] = typer.Option(None, "--prefix-cache-mb", help=PREFIX_CACHE_HELP),
     prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help="a prompt's prefill runs in jobs of "
-                                                "this many tokens, so running sessions keep decoding between them "
+                                                "this many tokens, so running sessions keep decoding between them; "
+                                                "deeper in a long prompt a job holds fewer, costing about as much "
                                                 "(default 512 on the CPU, 2048 on CUDA; 0 = the whole prompt at once)"),
     dtype: Optional[str] = typer.Option(None, help="fp32 | bf16 | fp16"),
     quant: Optional[str] = typer.Option(None, "--quant", help="none | int8 (CPU): serve the int8 model as the target"),

@@ -65,6 +65,7 @@ class Decoder(nn.Module):
         self.paged: PagedAttention | None = None  # batched attention over the arena (use_kv_arena)
         self.prefix_cache: PrefixCache | None = None  # finished sessions' KV, reused by new ones (use_prefix_cache)
         self.prefill_chunk = 0  # a session's prompt prefill in jobs of this many tokens (0 = one job; Config)
+        self.prefill_key_cost = 0.0  # deeper jobs hold fewer tokens by this (engine.prefill_jobs; 0: all alike)
 
     def use_static_steps(self, graphs: bool = True, compile: bool = False) -> "Decoder":
         """Run single-session steps of up to 64 tokens padded to a size bucket over the whole

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from specctl.engine.prefill_jobs import next_job_end
 from specctl.engine.tree import TokenTree
 from specctl.spec.drafters import (
     DraftSession, Proposal, _ChainSession, _ModelDraftSession, _TreeSession, ranked_candidates, tree_score_params,
@@ -36,8 +37,8 @@ def catch_up_many(sessions: list[_ModelDraftSession], seqs: list[list[int]]) -> 
 
 
 def prefill_step(session: _ModelDraftSession, seq: list[int]) -> bool:
-    """Feed a new session's cache the text's next ``prefill_chunk`` tokens, before its first
-    proposal, as a job of its own, until at most a chunk is left: the first proposal's catch-up,
+    """Feed a new session's cache the text's next job of tokens (engine.prefill_jobs), before its
+    first proposal, as a job of its own, until at most a job is left: the first proposal's catch-up,
     batched with other sessions' proposals, then feeds no more than that (a long prompt does
     not hold up their drafting). True once that is so (at once when chunk is 0 or the text short)."""
     chunk = session.decoder.prefill_chunk
@@ -48,12 +49,12 @@ def prefill_step(session: _ModelDraftSession, seq: list[int]) -> bool:
         session.looked_up = True
         prefixes.restore(seq, session.cache)
     start = session.cache.length
-    if len(seq) - start <= chunk:
+    end = next_job_end(session.decoder, start, len(seq))
+    if end == len(seq):  # at most a job left: the first proposal's catch-up feeds it
         return True
-    end = start + chunk
     session.decoder(torch.tensor(seq[start:end], dtype=torch.long), torch.arange(start, end), session.cache,
-                    logits_at=torch.tensor([chunk - 1]))
-    if len(seq) - end > chunk:
+                    logits_at=torch.tensor([end - start - 1]))
+    if next_job_end(session.decoder, end, len(seq)) < len(seq):
         return False
     if prefixes is not None:  # what is fed so far, for sessions waiting to start the same way (engine.prefill_gate)
         prefixes.store(seq, session.cache)

@@ -13,6 +13,7 @@ import torch
 
 from specctl.engine.kv_cache import KVPool
 from specctl.engine.model import Decoder
+from specctl.engine.prefill_jobs import next_job_end
 from specctl.engine.tree import TokenTree
 from specctl.errors import BadRequest, NoTokenAllowed, PromptTooLong
 from specctl.spec.drafters import Proposal
@@ -163,8 +164,9 @@ class DecodeSession(RunningAhead):
         return first
 
     def prefill_step(self) -> list[int] | None:
-        """The prompt's next ``target.prefill_chunk`` positions (0: all of them) into the cache:
-        the first tokens emitted once the prompt is in, None while some are left. Run as jobs of
+        """The prompt's next job of positions (engine.prefill_jobs: ``target.prefill_chunk`` at the
+        start, fewer deeper in a long prompt; 0: all of them) into the cache: the first tokens
+        emitted once the prompt is in, None while some are left. Run as jobs of
         their own, other sessions' rounds run between them (vLLM's chunked prefill); the chunks
         depend on the prompt only, so every session of the target, every mode, computes alike."""
         prefixes = getattr(self.target, "prefix_cache", None)  # a pipeline's target has none
@@ -172,8 +174,8 @@ class DecodeSession(RunningAhead):
             self.prefilled = prefixes.restore(self.seq, self.cache) if prefixes is not None else 0
             # of the prompt's (a resumed output restored too is no prompt token of the request's)
             self.stats.cached_prompt_tokens = min(self.prefilled, self.prompt_len - self.resumed)
-        start, chunk = self.prefilled, getattr(self.target, "prefill_chunk", 0)
-        end = len(self.seq) if chunk <= 0 else min(len(self.seq), start + chunk)
+        start = self.prefilled
+        end = next_job_end(self.target, start, len(self.seq))
         logits = self.target(torch.tensor(self.seq[start:end], dtype=torch.long), torch.arange(start, end), self.cache,
                              logits_at=torch.tensor([end - start - 1]))
         self.prefilled = end

@@ -14,6 +14,7 @@ from specctl.engine.fusion import fuse_projections
 from specctl.engine.model import Decoder
 from specctl.engine import packed, rows
 from specctl.engine.quant import quantize_decoder
+from specctl.engine.prefill_jobs import key_cost
 from specctl.spec.drafters import Drafter, ModelChainDrafter, ModelTreeDrafter, NgramDrafter, NoDrafter
 from specctl.spec.suffix import SuffixDrafter
 from specctl.spec.multi import MultiDrafter
@@ -66,6 +67,8 @@ def load_named(name: str, config: Config, console: Console | None = None, quant:
             model.decoder.use_prefix_cache(prefix_mb << 20)
         if stage is None:
             model.decoder.prefill_chunk = prefill_chunk(config.prefill_chunk, model.decoder.device)
+            model.decoder.prefill_key_cost = key_cost(model.decoder.spec, model.decoder.device.type,
+                                                      model.decoder.row_exact)
     warm_up_attention(model.decoder, console)
     return model
 
