@@ -179,18 +179,20 @@ def test_a_resumed_generation_on_cuda_graphs_goes_on_as_the_uninterrupted_one(cu
 
 
 @pytest.mark.parametrize("mode", ["ar", "chain", "tree"])
-def test_a_chunked_prefill_on_cuda_graphs_keeps_the_whole_prefill_s_output(cuda_pair, mode):
+@pytest.mark.parametrize("chunk, key_cost", [(16, 0.0), (32, 0.05)], ids=["even-jobs", "shrinking-jobs"])
+def test_a_chunked_prefill_on_cuda_graphs_keeps_the_whole_prefill_s_output(cuda_pair, mode, chunk, key_cost):
     """Chunked prefill on CUDA (spec.decode.prefill_step): a 70-token prompt prefilled 16 tokens
-    a job into a cache whose steps are CUDA graphs; fp32 output equal to a whole prefill's (AR)."""
+    a job, or 32 then 16 (engine.prefill_jobs), into a cache whose steps are CUDA graphs; fp32
+    output equal to a whole prefill's (AR)."""
     target, draft = cuda_pair
     drafter = {"ar": None, **_drafters(draft)}[mode]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     whole = generate(target, PROMPTS[3], params)[0]
-    target.prefill_chunk = 16
+    target.prefill_chunk, target.prefill_key_cost = chunk, key_cost
     try:
         assert generate(target, PROMPTS[3], params, drafter)[0] == whole
     finally:
-        target.prefill_chunk = 0
+        target.prefill_chunk, target.prefill_key_cost = 0, 0.0
 
 
 def test_ar_runs_ahead_on_cuda_graphs_and_equals_reading_each_step(cuda_pair):
