@@ -301,4 +301,3 @@ def _generate_remote(remote, requested_target, prompt, chat, params, bad_words, 
     else:
         print_logprobs(console, scores, params, token_text(tokenizer))
         console.print(f"[dim]{remote_statistic(len(tokens), result['wall'], remote, served, stats)}[/]")
-
