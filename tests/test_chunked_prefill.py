@@ -194,7 +194,7 @@ def test_a_job_costs_at_most_the_first_job_and_deeper_jobs_are_never_larger(chun
     cost = lambda t, at: t + w * (t * at + t * t / 2)  # noqa: E731
     assert 1 <= rows <= chunk and (rows == chunk or rows % GRAIN == 0)
     assert rows == min(chunk, GRAIN) or cost(rows, start) <= cost(chunk, 0) * (1 + 1e-9)
-    assert job_rows(chunk, start + 1000, w) <= rows
+    assert job_rows(chunk, start + 1000, w) <= rows and job_rows(chunk, 0, w) == chunk
     assert job_rows(0, start, w) == 0 and job_rows(chunk, start, 0.0) == chunk
 
 

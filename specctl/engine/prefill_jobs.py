@@ -43,8 +43,10 @@ def job_rows(chunk: int, start: int, key_cost: float) -> int:
     budget = chunk + key_cost * chunk * chunk / 2
     # t rows from ``start`` cost t + w·(t·start + t²/2): the positive root of w/2·t² + b·t = budget
     b = 1 + key_cost * start
-    rows = int(2 * budget / (b + math.sqrt(b * b + 2 * key_cost * budget)))  # the stable form of the root
-    return max(min(chunk, rows // GRAIN * GRAIN), min(chunk, GRAIN))
+    rows = 2 * budget / (b + math.sqrt(b * b + 2 * key_cost * budget))  # the stable form of the root
+    if rows + 1e-6 >= chunk:  # the start (the root is chunk itself, but for the floats' last bits)
+        return chunk
+    return max(int(rows) // GRAIN * GRAIN, min(chunk, GRAIN))
 
 
 def next_job_end(decoder, start: int, end: int) -> int:
