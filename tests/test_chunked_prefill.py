@@ -173,7 +173,8 @@ def test_the_chunk_size_resolves_by_device_and_is_validated():
 
 
 QWEN_1_5B = SimpleNamespace(num_heads=12, num_kv_heads=2, head_dim=128, hidden_size=1536, intermediate_size=8960,
-                            gated_mlp=True)
+                            gated_mlp=True, num_experts=0, experts_per_token=0, expert_intermediate_size=0,
+                            shared_expert_intermediate_size=0)
 
 
 def test_deeper_jobs_of_the_default_target_hold_fewer_tokens_as_its_row_by_row_attention_costs_more():
@@ -186,6 +187,10 @@ def test_deeper_jobs_of_the_default_target_hold_fewer_tokens_as_its_row_by_row_a
     assert key_cost(QWEN_1_5B, "cpu", row_exact=False) == pytest.approx(w * 2.0 / 4.5)
     cuda = key_cost(QWEN_1_5B, "cuda", row_exact=False)
     assert cuda == pytest.approx(w / 4.5) and [job_rows(2048, s, cuda) for s in (0, 32_000)] == [2048, 688]
+    # a mixture of experts: the width its tokens run (8 experts of 1,120 = the dense 8,960 above)
+    experts = SimpleNamespace(**{**vars(QWEN_1_5B), "intermediate_size": 0, "num_experts": 64,
+                                 "experts_per_token": 8, "expert_intermediate_size": 1120})
+    assert key_cost(experts, "cpu", row_exact=True) == pytest.approx(w)
 
 
 @given(chunk=st.integers(1, 4096), start=st.integers(0, 200_000), w=st.floats(0, 0.1))
@@ -233,3 +238,17 @@ def test_a_draft_session_s_jobs_shrink_too_and_leave_at_most_a_job_to_its_first_
         fresh.close()
     finally:
         draft.prefill_chunk, draft.prefill_key_cost = 0, 0.0
+
+
+def test_every_family_s_spec_gives_a_key_cost_whose_jobs_shrink(tiny_dir):
+    """Every decoder family the tests build (dense, mixtures of experts, latent attention...):
+    a positive cost, its first job the whole chunk and a job at 100,000 smaller."""
+    from transformers import AutoConfig
+
+    from specctl.engine.spec import ModelSpec
+
+    for name, path in tiny_dir.items():
+        spec = ModelSpec.from_hf(AutoConfig.from_pretrained(path))
+        for device, row_exact in (("cpu", True), ("cpu", False), ("cuda", False)):
+            w = key_cost(spec, device, row_exact)
+            assert w > 0 and job_rows(512, 0, w) == 512 and job_rows(512, 100_000, w) < 512, (name, device)

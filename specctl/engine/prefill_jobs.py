@@ -29,7 +29,9 @@ def key_cost(spec: ModelSpec, device_type: str, row_exact: bool) -> float:
     times the attention's measured slowdown on this path)."""
     attention = 4 * spec.num_heads * spec.head_dim  # q·k and p·v, per key
     projections = spec.head_dim * (2 * spec.num_heads + 2 * spec.num_kv_heads)  # q, k, v, o
-    linear = 2 * spec.hidden_size * (projections + (3 if spec.gated_mlp else 2) * spec.intermediate_size)
+    inner = (spec.experts_per_token * spec.expert_intermediate_size + spec.shared_expert_intermediate_size
+             if spec.num_experts else spec.intermediate_size or 0)  # the MLP's width a token runs
+    linear = 2 * spec.hidden_size * (projections + (3 if spec.gated_mlp else 2) * inner)
     slowdown = ATTENTION_SLOWDOWN["row_exact"] if row_exact else ATTENTION_SLOWDOWN.get(device_type, 1.0)
     return slowdown * attention / linear
 
