@@ -252,3 +252,13 @@ def test_every_family_s_spec_gives_a_key_cost_whose_jobs_shrink(tiny_dir):
         for device, row_exact in (("cpu", True), ("cpu", False), ("cuda", False)):
             w = key_cost(spec, device, row_exact)
             assert w > 0 and job_rows(512, 0, w) == 512 and job_rows(512, 100_000, w) < 512, (name, device)
+
+
+def test_a_loaded_model_gets_its_chunk_and_key_cost_and_a_pipeline_stage_neither(tiny_dir):
+    from specctl.spec.factory import load_named
+
+    config = build_config(None, target=str(tiny_dir["llama"]), dtype="fp32")
+    model = load_named(str(tiny_dir["llama"]), config, target=True).decoder
+    assert model.prefill_chunk == 512 and model.prefill_key_cost == key_cost(model.spec, "cpu", model.row_exact) > 0
+    stage = load_named(str(tiny_dir["llama"]), config, stage=((0, 1), True, False), target=True).decoder
+    assert (stage.prefill_chunk, stage.prefill_key_cost) == (0, 0.0)
