@@ -92,7 +92,8 @@ def main() -> None:
             urls = cluster.start()
             try:
                 if fixed:  # every job of ``chunk`` tokens, as before 2026-12-07
-                    for decoder in (cluster.cluster.targets[0].model.decoder, cluster.cluster.draft_server.model.decoder):
+                    embedded = cluster.cluster
+                    for decoder in (embedded.targets[0].model.decoder, embedded.draft_server.model.decoder):
                         decoder.prefill_key_cost = 0.0
                 openai.OpenAI(base_url=urls["gateway"] + "/v1", api_key="unused").completions.create(
                     model=config.target, prompt="Hello", max_tokens=4, temperature=0)  # warm-up
@@ -100,7 +101,8 @@ def main() -> None:
             finally:
                 cluster.stop()
             runs[name(chunk, fixed)].append(run)
-            console.print(f"repeat {repeat + 1} prefill_chunk {name(chunk, fixed)}: longest gap {run['max_gap_s']:.2f}s, "
+            console.print(f"repeat {repeat + 1} prefill_chunk {name(chunk, fixed)}: "
+                          f"longest gap {run['max_gap_s']:.2f}s, "
                           f"{run['tokens_during_long']} pieces of text streamed meanwhile, long request "
                           f"{run['long_latency_s']:.2f}s ({run['long_prompt_tokens']} prompt tokens)")
     console.print(f"\n{args.dtype}, the default pair, embedded cluster; min / median / max over {args.repeats} runs")

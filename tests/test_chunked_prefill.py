@@ -142,25 +142,29 @@ async def test_a_long_prompt_lets_a_running_session_take_rounds_between_its_chun
     assert arriving.output == _whole(target, _prompt(9, 64), SamplingParams(max_tokens=4, ignore_eos=True))
 
 
-def test_a_draft_session_is_prefilled_in_chunks_and_proposes_as_one_fed_whole(tiny):
+# left for the first proposal's catch-up: at most a job (it reads the last token's logits); with a key
+# cost the jobs shrink as the target's do (64 tokens, then 32 from position 64, 16 from 160)
+@pytest.mark.parametrize("chunk, key_cost, length, steps, left_at", [
+    (8, 0.0, 37, [8, 16, 24], 32), (64, 0.01, 200, [64, 96, 128, 160, 176], 192)], ids=["even", "shrinking"])
+def test_a_draft_session_is_prefilled_in_jobs_and_proposes_as_one_fed_whole(tiny, chunk, key_cost, length, steps,
+                                                                             left_at):
     draft = tiny["llama-draft"]
-    draft.prefill_chunk = 8
+    draft.prefill_chunk, draft.prefill_key_cost = chunk, key_cost
     try:
         drafter = ModelChainDrafter(draft, 4)
-        prompt = _prompt(10, 37)
-        session = drafter.open(64)
-        steps = []
+        prompt = _prompt(10, length)
+        session = drafter.open(256)
+        fed = []
         while not prefill_step(session, prompt):
-            steps.append(session.cache.length)
-        # left for the first proposal's catch-up: at most a chunk (it reads the last token's logits)
-        assert steps == [8, 16, 24] and session.cache.length == 32
+            fed.append(session.cache.length)
+        assert fed == steps and session.cache.length == left_at
         proposal = session.propose(prompt, GREEDY, None)
-        fresh = drafter.open(64)
+        fresh = drafter.open(256)
         assert proposal.tree.tokens.tolist() == fresh.propose(prompt, GREEDY, None).tree.tokens.tolist()
         session.close()
         fresh.close()
     finally:
-        draft.prefill_chunk = 0
+        draft.prefill_chunk, draft.prefill_key_cost = 0, 0.0
 
 
 def test_the_chunk_size_resolves_by_device_and_is_validated():
@@ -217,27 +221,6 @@ def test_a_session_s_jobs_shrink_as_the_key_cost_says_and_give_the_whole_prefill
         assert generate(target, prompt, GREEDY, ModelChainDrafter(draft, 4))[0] == _whole(target, prompt)
     finally:
         target.prefill_key_cost = 0.0
-
-
-def test_a_draft_session_s_jobs_shrink_too_and_leave_at_most_a_job_to_its_first_proposal(tiny):
-    draft = tiny["llama-draft"]
-    draft.prefill_chunk, draft.prefill_key_cost = 64, 0.01
-    try:
-        drafter = ModelChainDrafter(draft, 4)
-        prompt = _prompt(12, 200)
-        session = drafter.open(256)
-        steps = []
-        while not prefill_step(session, prompt):
-            steps.append(session.cache.length)
-        # as the target's jobs; left to the first proposal's catch-up: the last job (16 tokens from 192)
-        assert steps == [64, 96, 128, 160, 176] and session.cache.length == 192
-        proposal = session.propose(prompt, GREEDY, None)
-        fresh = drafter.open(256)
-        assert proposal.tree.tokens.tolist() == fresh.propose(prompt, GREEDY, None).tree.tokens.tolist()
-        session.close()
-        fresh.close()
-    finally:
-        draft.prefill_chunk, draft.prefill_key_cost = 0, 0.0
 
 
 def test_every_family_s_spec_gives_a_key_cost_whose_jobs_shrink(tiny_dir):
