@@ -10,11 +10,12 @@ import time
 
 import openai
 import pytest
+from aiohttp import web
 from rich.console import Console
 
 from specctl.chat import transcript
 from specctl.chat.commands import HELP, ChatState, Quit, command, retry_point
-from specctl.chat.repl import greeting, multiline, repl, stat_line
+from specctl.chat.repl import greeting, multiline, repl, stat_line, stream_reply
 from specctl.cluster.embedded import ClusterConfig, ClusterThread
 from specctl.config import build_config
 
@@ -273,8 +274,6 @@ async def test_the_chat_says_at_once_that_the_gateway_refused_its_api_key(tiny_d
 @contextlib.asynccontextmanager
 async def chat_completions_at(handler):
     """Another OpenAI-compatible server: ``handler`` answers POST /v1/chat/completions; yields its URL."""
-    from aiohttp import web
-
     app = web.Application()
     app.router.add_post("/v1/chat/completions", handler)
     runner = web.AppRunner(app)
@@ -290,10 +289,6 @@ async def chat_completions_at(handler):
 async def test_a_gateway_that_refuses_return_progress_is_asked_again_without_it_and_no_more():
     """OpenAI's API refuses fields it does not know with a 400 naming them; the chat asks
     once more without llama.cpp's return_progress and leaves it out from then on."""
-    from aiohttp import web
-
-    from specctl.chat.repl import stream_reply
-
     bodies = []
 
     async def completions(request: web.Request) -> web.StreamResponse:
@@ -320,10 +315,6 @@ async def test_a_gateway_that_refuses_return_progress_is_asked_again_without_it_
 
 
 async def test_other_refusals_are_not_asked_again():
-    from aiohttp import web
-
-    from specctl.chat.repl import stream_reply
-
     asked = []
 
     async def completions(request: web.Request) -> web.Response:
