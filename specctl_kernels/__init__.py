@@ -135,8 +135,22 @@ def row_exact(attend: AttentionFn, prefill: bool = False) -> AttentionFn:
     # so the rows over a leading run of keys in one bucket can share a call
     batchable = attend is torch_backend.tree_attention or attend is tree_attention
 
+    def row_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+        """torch_backend.ROW_BLOCK where every row, a decode step's too, is computed in calls of
+        that many rows (rows_in_blocks): where rows of one call get other bits than alone
+        (batched_rows_agree says no) but calls of one fixed size do not; else 0."""
+        if not (batchable and torch_backend.rows_in_float32(q)):
+            return 0
+        shape = (q.shape[1] // k.shape[1], q.shape[-1], v.shape[-1], q.dtype)
+        if torch_backend.batched_rows_agree(*shape) or not torch_backend.fixed_blocks_agree(*shape):
+            return 0
+        return torch_backend.ROW_BLOCK
+
     def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        block = row_block(q, k, v)
         if mask is None:
+            if block and q.shape[2] == 1:  # a decode step: its row in a block, as every other row
+                return torch_backend.rows_in_blocks(q, k, v, [k.shape[2]], block)
             if not prefill or q.shape[2] == 1:
                 return attend(q, k, v, None)
             mask = causal_mask(q.shape[2], k.shape[2], q.device)
@@ -160,20 +174,25 @@ def row_exact(attend: AttentionFn, prefill: bool = False) -> AttentionFn:
             k_rows[:, :, :shared], v_rows[:, :, :shared] = k[:, :, :shared], v[:, :, :shared]
         rows: list[torch.Tensor | None] = [None] * q.shape[2]
         runs: dict[int, list[int]] = {}  # rows reading the cache's first keys, by key bucket
-        if batchable and torch_backend.rows_in_float32(q) and torch_backend.batched_rows_agree(
-                q.shape[1] // k.shape[1], q.shape[-1], v.shape[-1], q.dtype):
+        if block or (batchable and torch_backend.rows_in_float32(q) and torch_backend.batched_rows_agree(
+                q.shape[1] // k.shape[1], q.shape[-1], v.shape[-1], q.dtype)):
             for i, count in enumerate(visible):
                 if leading[i] == count:
                     runs.setdefault(torch_backend.row_bucket(count), []).append(i)
-        for batch in runs.values():  # a bucket's rows in one call, each with its bits alone
+        # several blocks read one float32 copy of the keys (the block probe tried it), not one each
+        floats = None
+        if block and sum(-(-len(batch) // block) for batch in runs.values()) > 1:
+            floats = torch_backend.floats_of(k, v, max(visible[i] for batch in runs.values() for i in batch))
+        for batch in runs.values():  # a bucket's rows in one call (or blocks), each with its bits alone
             index = torch.tensor(batch, device=q.device)
-            together = torch_backend.rows_over_leading_keys(q.index_select(2, index), k, v, [visible[i] for i in batch])
+            counts = [visible[i] for i in batch]
+            together = (torch_backend.rows_in_blocks(q.index_select(2, index), k, v, counts, block, floats) if block
+                        else torch_backend.rows_over_leading_keys(q.index_select(2, index), k, v, counts))
             for j, i in enumerate(batch):
                 rows[i] = together[:, :, j : j + 1]
         # The other rows over the cache's first keys (a prefill's where the probe above said
         # no): over keys made float32 once for all of them, where this CPU's probe agrees.
         lone = [count for count, run, row in zip(visible, leading, rows) if run == count and row is None]
-        floats = None
         if lone and batchable and torch_backend.rows_in_float32(q) and torch_backend.shared_floats_agree(
                 q.shape[1] // k.shape[1], q.shape[-1], v.shape[-1], q.dtype):
             floats = torch_backend.floats_of(k, v, max(lone))
@@ -190,7 +209,8 @@ def row_exact(attend: AttentionFn, prefill: bool = False) -> AttentionFn:
                 k_rows[:, :, shared:count] = k.index_select(2, after)
                 v_rows[:, :, shared:count] = v.index_select(2, after)
                 keys, values = k_rows[:, :, :count], v_rows[:, :, :count]
-            rows[i] = attend(q[:, :, i : i + 1], keys, values, None)
+            rows[i] = (torch_backend.rows_in_blocks(q[:, :, i : i + 1], keys, values, [count], block) if block
+                       else attend(q[:, :, i : i + 1], keys, values, None))
         return torch.cat(rows, dim=2)
 
     attend_rows.__wrapped__ = attend  # what it wraps, as functools.wraps records it

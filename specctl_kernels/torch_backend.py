@@ -166,6 +166,32 @@ def rows_over_leading_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vi
     return torch.matmul(probs, values).to(q.dtype).reshape(b, heads, n, v.shape[-1])
 
 
+# Where a CPU gives a row other bits among more rows (batched_rows_agree says no), a row-exact
+# decoder computes every row — a decode step's too — in a call of exactly this many query rows,
+# zero rows padding the last: one shape, so a row's bits are the same wherever it sits
+# (fixed_blocks_agree), and the rows of a prefill or a verification share calls two by two where
+# each took its own. Two: a decode step's call costs 15-30 % more, a row of a verification about
+# 35 % less (the 1.5B's shape, 512-8,192 keys, measured 2026-12-07; four rows cost a decode step
+# up to twice as much).
+ROW_BLOCK = 2
+
+
+def rows_in_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: list[int], block: int,
+                   floats: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """``rows_over_leading_keys`` (every visible count in one ROW_BUCKET) in calls of exactly
+    ``block`` query rows, the last call's missing rows zeros over the first row's keys."""
+    b, heads, n, d = q.shape
+    parts = []
+    for start in range(0, n, block):
+        rows, counts = q[:, :, start : start + block], visible[start : start + block]
+        missing = block - rows.shape[2]
+        if missing:
+            rows = torch.cat((rows, rows.new_zeros(b, heads, missing, d)), dim=2)
+            counts = counts + [counts[0]] * missing
+        parts.append(rows_over_leading_keys(rows, k, v, counts, floats)[:, :, : block - missing])
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
 @functools.cache
 def shared_floats_agree(groups: int, head_dim: int, value_dim: int, dtype: torch.dtype) -> bool:
     """Probed once per shape: a row over keys made float32 once for many rows (a view into
@@ -196,5 +222,26 @@ def batched_rows_agree(groups: int, head_dim: int, value_dim: int, dtype: torch.
         together = rows_over_leading_keys(q, k, v, visible)
         for r in range(rows):
             if not torch.equal(together[:, :, r : r + 1], rows_over_leading_keys(q[:, :, r : r + 1], k, v, [visible[r]])):
+                return False
+    return True
+
+
+@functools.cache
+def fixed_blocks_agree(groups: int, head_dim: int, value_dim: int, dtype: torch.dtype) -> bool:
+    """Probed once per shape: in calls of ROW_BLOCK rows each row gets the bits it gets alone
+    in such a call, at any place in the block, over its own keys or a float32 copy of longer
+    ones (rows_in_blocks), as this CPU's float32 matmuls did where measured (else row_exact
+    keeps a call per row, as the kernel computes one)."""
+    gen = torch.Generator().manual_seed(2)
+    for keys in (64, 256, 320, 1024, 2048):  # every row's keys in the last bucket
+        q = torch.randn(1, 2 * groups, ROW_BLOCK, head_dim, generator=gen).to(dtype)  # two KV heads: their stride
+        k = torch.randn(1, 2, keys + 100, head_dim, generator=gen).to(dtype)
+        v = torch.randn(1, 2, keys + 100, value_dim, generator=gen).to(dtype)
+        visible = [keys - (r * 29) % ROW_BUCKET for r in range(ROW_BLOCK)]
+        together = rows_in_blocks(q, k, v, visible, ROW_BLOCK)
+        shared = rows_in_blocks(q, k, v, visible, ROW_BLOCK, floats_of(k, v, keys + 100))
+        for r, count in enumerate(visible):
+            alone = rows_in_blocks(q[:, :, r : r + 1], k[:, :, :count], v[:, :, :count], [count], ROW_BLOCK)
+            if not (torch.equal(together[:, :, r : r + 1], alone) and torch.equal(shared[:, :, r : r + 1], alone)):
                 return False
     return True

@@ -315,19 +315,23 @@ def test_sessions_verified_together_in_bf16_each_equal_the_target_alone(tiny_dir
 
 
 @pytest.mark.parametrize("shared", ["this-cpu", "disagrees"])
+@pytest.mark.parametrize("blocks", ["this-cpu", "disagrees"])
 @pytest.mark.parametrize("probe", ["this-cpu", "disagrees"])
 def test_half_precision_rows_of_one_key_bucket_share_a_call_with_each_row_as_a_decode_step_computes_it(
-        monkeypatch, probe, shared):
+        monkeypatch, probe, blocks, shared):
     """A bf16 prefill of 130 rows after 20 cached keys (rows in 3 buckets of 64 keys) and a
-    chain: each row equals the one-token call over the keys before it — batched by bucket
-    where this CPU's probe agrees (measured on AMD EPYC and AMX Xeon hosts), a call a row where
-    it does not (as on another EPYC host of 2026-12-05, and as monkeypatched); a call a row
-    reads keys made float32 once for all rows where the second probe agrees (as on that host)."""
+    chain: each row equals the decoder's one-token call over the keys before it — batched by
+    bucket where this CPU's probe agrees (measured on AMD EPYC and AMX Xeon hosts); where it
+    does not (as on another EPYC host of 2026-12-05, and as monkeypatched), in calls of
+    ROW_BLOCK rows, a decode step's too, where the block probe agrees (as on that host), else a
+    call a row; a call a row reads keys made float32 once for all rows where the second probe
+    agrees (as on that host)."""
     from specctl_kernels import torch_backend
 
     shape = (HEADS // KV_HEADS, DIM, DIM, torch.bfloat16)
     agree = probe == "this-cpu" and torch_backend.batched_rows_agree(*shape)
-    share = shared == "this-cpu" and torch_backend.shared_floats_agree(*shape)  # probed before the count below
+    block = blocks == "this-cpu" and torch_backend.fixed_blocks_agree(*shape)  # probed before the count below
+    share = shared == "this-cpu" and torch_backend.shared_floats_agree(*shape)
     calls = []
     original = torch_backend.rows_over_leading_keys
     monkeypatch.setattr(torch_backend, "rows_over_leading_keys",
@@ -335,20 +339,47 @@ def test_half_precision_rows_of_one_key_bucket_share_a_call_with_each_row_as_a_d
                         or original(q, k, v, visible, floats))
     if probe == "disagrees":
         monkeypatch.setattr(torch_backend, "batched_rows_agree", lambda *shape: False)
+    if blocks == "disagrees":
+        monkeypatch.setattr(torch_backend, "fixed_blocks_agree", lambda *shape: False)
     if shared == "disagrees":
         monkeypatch.setattr(torch_backend, "shared_floats_agree", lambda *shape: False)
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(1, HEADS, 130, DIM, generator=gen).bfloat16()
     k, v = (torch.randn(1, KV_HEADS, 150, DIM, generator=gen).bfloat16() for _ in range(2))
-    out = row_exact(tree_attention, prefill=True)(q, k, v, None)
+    attend = row_exact(tree_attention, prefill=True)
+    out = attend(q, k, v, None)
     rows_seen = list(calls)
     calls.clear()
     for i in range(130):
-        alone = tree_attention(q[:, :, i : i + 1], k[:, :, : 21 + i], v[:, :, : 21 + i], None)
+        alone = attend(q[:, :, i : i + 1], k[:, :, : 21 + i], v[:, :, : 21 + i], None)
         assert torch.equal(out[:, :, i : i + 1], alone), i
-    assert calls == [(1, False)] * 130  # a decode step is one row of its own bucket, its keys its own
-    # keys 21..64 | 65..128 | 129..150: one call a bucket, or one a row
-    assert rows_seen == ([(44, False), (64, False), (22, False)] if agree else [(1, share)] * 130)
+    in_blocks = block and not agree
+    # a decode step is one row of its own bucket (in a block of its own), its keys its own
+    assert calls == [(torch_backend.ROW_BLOCK if in_blocks else 1, False)] * 130
+    # keys 21..64 | 65..128 | 129..150: one call a bucket, blocks of ROW_BLOCK rows, or one call a row
+    assert rows_seen == ([(44, False), (64, False), (22, False)] if agree
+                         else [(torch_backend.ROW_BLOCK, True)] * (130 // torch_backend.ROW_BLOCK) if in_blocks
+                         else [(1, share)] * 130)
+
+
+def test_where_the_block_probe_agrees_a_row_gets_its_bits_anywhere_in_a_block_at_lengths_it_did_not_try():
+    """The block probe tries five key counts; where it agrees, a row of a block over its bucket's
+    keys (its own, or a float32 copy of longer ones) gets the bits it gets alone in a block."""
+    from specctl_kernels.torch_backend import ROW_BLOCK, floats_of, fixed_blocks_agree, rows_in_blocks
+
+    if not fixed_blocks_agree(6, 128, 128, torch.bfloat16):
+        pytest.skip("this CPU gives a row other bits in a block: row_exact keeps a call a row here")
+    gen = torch.Generator().manual_seed(14)
+    k, v = (torch.randn(1, 2, 3100, 128, generator=gen).bfloat16() for _ in range(2))
+    floats = floats_of(k, v, 3100)
+    for last in (7, 65, 513, 1999, 3000):
+        counts = [last - (r * 5) % 7 if last > 7 else last for r in range(2 * ROW_BLOCK + 1)]
+        q = torch.randn(1, 12, len(counts), 128, generator=gen).bfloat16()
+        for keys in (None, floats):
+            together = rows_in_blocks(q, k, v, counts, ROW_BLOCK, keys)
+            for r, count in enumerate(counts):
+                alone = rows_in_blocks(q[:, :, r : r + 1], k[:, :, :count], v[:, :, :count], [count], ROW_BLOCK)
+                assert torch.equal(together[:, :, r : r + 1], alone), (last, r)
 
 
 def test_where_the_shared_floats_probe_agrees_rows_over_keys_made_float32_once_agree_at_lengths_it_did_not_try():
@@ -398,10 +429,11 @@ def test_float_copies_zero_their_padding_though_fresh_memory_holds_nans():
 def test_a_tree_nodes_rows_keep_a_call_each_beside_the_batched_chain_rows():
     q, k, v = (t.bfloat16() for t in _qkv(7, 70 + 7, seed=5))
     parents = [-1, 0, 0, 1, 2, 2, 4]
-    out = row_exact(tree_attention)(q, k, v, _tree_mask(parents, 70))
+    attend = row_exact(tree_attention)
+    out = attend(q, k, v, _tree_mask(parents, 70))
     for node, path in enumerate([[0], [0, 1], [0, 2], [0, 1, 3], [0, 2, 4], [0, 2, 5], [0, 2, 4, 6]]):
         index = torch.tensor(list(range(70)) + [70 + p for p in path])
-        alone = tree_attention(q[:, :, node : node + 1], k[:, :, index], v[:, :, index], None)
+        alone = attend(q[:, :, node : node + 1], k[:, :, index], v[:, :, index], None)  # as the decoder decodes
         assert torch.equal(out[:, :, node : node + 1], alone), node
 
 
