@@ -130,8 +130,8 @@ def row_exact(attend: AttentionFn, prefill: bool = False) -> AttentionFn:
     CPU's probe (``batched_rows_agree``) says so (a 512-token prefill of the 1.5B 2.7 -> 1.9 s);
     where it does not, every row — a decode step's too — is computed in a call of exactly
     ``torch_backend.ROW_BLOCK`` rows where calls of that one shape give a row its bits anywhere
-    in it (``fixed_blocks_agree``; ``rows_in_blocks``: the 1.5B's 11-token verification 272 ->
-    229 ms, a 1,024-token prefill 10.7 -> 9.3 s on such a host), else each row keeps a call but
+    in it (``fixed_blocks_agree``; ``rows_in_blocks``: the 1.5B's 11-token verification 324 ->
+    293 ms, a 1,024-token prefill 12.9 -> 10.9 s on such a host, medians), else each row keeps a call but
     all of them read one float32 copy of the keys (``shared_floats_agree``; a 1,500-token
     prefill of the 1.5B 25-26 -> 19 s on such a host)."""
 
