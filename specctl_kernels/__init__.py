@@ -171,7 +171,14 @@ def row_exact(attend: AttentionFn, prefill: bool = False) -> AttentionFn:
         # copied the prefix once per row and layer: most of row-exact attention's cost).
         scattered = [i for i, (count, run) in enumerate(zip(visible, leading)) if run != count]
         shared = min((leading[i] for i in scattered), default=0)
-        if scattered:
+        # Where a row's bits do not change with what pads its bucket (shared_floats_agree), the
+        # scratch is float32 and each row's call reads it as it is: each made a float32 copy of
+        # the whole prefix before.
+        scratch = None
+        if scattered and batchable and torch_backend.rows_in_float32(q) and torch_backend.shared_floats_agree(
+                q.shape[1] // k.shape[1], q.shape[-1], v.shape[-1], q.dtype):
+            scratch = torch_backend.floats_of(k, v, max(visible[i] for i in scattered))
+        elif scattered:
             longest = max(visible[i] for i in scattered)
             k_rows = k.new_empty(k.shape[0], k.shape[1], longest, k.shape[3])
             v_rows = v.new_empty(v.shape[0], v.shape[1], longest, v.shape[3])
@@ -208,6 +215,12 @@ def row_exact(attend: AttentionFn, prefill: bool = False) -> AttentionFn:
                 continue
             if leading[i] == count:  # the cache's first keys: a view, as AR reads them
                 keys, values = k[:, :, :count], v[:, :, :count]
+            elif scratch is not None:  # its keys after the shared run written over the last row's
+                after = mask[i, shared:].nonzero().squeeze(1) + shared
+                scratch[0][:, :, shared:count], scratch[1][:, :, shared:count] = k[:, :, after], v[:, :, after]
+                rows[i] = (torch_backend.rows_in_blocks(q[:, :, i : i + 1], k, v, [count], block, scratch) if block
+                           else torch_backend.rows_over_leading_keys(q[:, :, i : i + 1], k, v, [count], scratch))
+                continue
             else:
                 after = mask[i, shared:].nonzero().squeeze(1) + shared
                 k_rows[:, :, shared:count] = k.index_select(2, after)
