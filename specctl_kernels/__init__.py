@@ -139,19 +139,20 @@ def row_exact(attend: AttentionFn, prefill: bool = False) -> AttentionFn:
     # so the rows over a leading run of keys in one bucket can share a call
     batchable = attend is torch_backend.tree_attention or attend is tree_attention
 
-    def row_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
-        """torch_backend.ROW_BLOCK where every row, a decode step's too, is computed in calls of
-        that many rows (rows_in_blocks): where rows of one call get other bits than alone
-        (batched_rows_agree says no) but calls of one fixed size do not; else 0."""
+    def sharing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[bool, int, bool]:
+        """How this CPU lets half-precision rows share work (False, 0, False elsewhere), probed
+        per shape: rows of one key bucket in one call (batched_rows_agree); where that fails,
+        every row — a decode step's too — in calls of ROW_BLOCK rows (fixed_blocks_agree, else
+        0: a call a row); one float32 copy of the keys read by many calls (shared_floats_agree)."""
         if not (batchable and torch_backend.rows_in_float32(q)):
-            return 0
+            return False, 0, False
         shape = (q.shape[1] // k.shape[1], q.shape[-1], v.shape[-1], q.dtype)
-        if torch_backend.batched_rows_agree(*shape) or not torch_backend.fixed_blocks_agree(*shape):
-            return 0
-        return torch_backend.ROW_BLOCK
+        batched = torch_backend.batched_rows_agree(*shape)
+        block = torch_backend.ROW_BLOCK if not batched and torch_backend.fixed_blocks_agree(*shape) else 0
+        return batched, block, torch_backend.shared_floats_agree(*shape)
 
     def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        block = row_block(q, k, v)
+        batched, block, shared_floats = sharing(q, k, v)
         if mask is None:
             if block and q.shape[2] == 1:  # a decode step: its row in a block, as every other row
                 return torch_backend.rows_in_blocks(q, k, v, [k.shape[2]], block)
@@ -175,8 +176,7 @@ def row_exact(attend: AttentionFn, prefill: bool = False) -> AttentionFn:
         # scratch is float32 and each row's call reads it as it is: each made a float32 copy of
         # the whole prefix before.
         scratch = None
-        if scattered and batchable and torch_backend.rows_in_float32(q) and torch_backend.shared_floats_agree(
-                q.shape[1] // k.shape[1], q.shape[-1], v.shape[-1], q.dtype):
+        if scattered and shared_floats:
             scratch = torch_backend.floats_of(k, v, max(visible[i] for i in scattered))
         elif scattered:
             longest = max(visible[i] for i in scattered)
@@ -185,8 +185,7 @@ def row_exact(attend: AttentionFn, prefill: bool = False) -> AttentionFn:
             k_rows[:, :, :shared], v_rows[:, :, :shared] = k[:, :, :shared], v[:, :, :shared]
         rows: list[torch.Tensor | None] = [None] * q.shape[2]
         runs: dict[int, list[int]] = {}  # rows reading the cache's first keys, by key bucket
-        if block or (batchable and torch_backend.rows_in_float32(q) and torch_backend.batched_rows_agree(
-                q.shape[1] // k.shape[1], q.shape[-1], v.shape[-1], q.dtype)):
+        if batched or block:
             for i, count in enumerate(visible):
                 if leading[i] == count:
                     runs.setdefault(torch_backend.row_bucket(count), []).append(i)
@@ -204,8 +203,7 @@ def row_exact(attend: AttentionFn, prefill: bool = False) -> AttentionFn:
         # The other rows over the cache's first keys (a prefill's where the probe above said
         # no): over keys made float32 once for all of them, where this CPU's probe agrees.
         lone = [count for count, run, row in zip(visible, leading, rows) if run == count and row is None]
-        if lone and batchable and torch_backend.rows_in_float32(q) and torch_backend.shared_floats_agree(
-                q.shape[1] // k.shape[1], q.shape[-1], v.shape[-1], q.dtype):
+        if lone and shared_floats:
             floats = torch_backend.floats_of(k, v, max(lone))
         for i, count in enumerate(visible):
             if rows[i] is not None:
@@ -215,14 +213,14 @@ def row_exact(attend: AttentionFn, prefill: bool = False) -> AttentionFn:
                 continue
             if leading[i] == count:  # the cache's first keys: a view, as AR reads them
                 keys, values = k[:, :, :count], v[:, :, :count]
-            elif scratch is not None:  # its keys after the shared run written over the last row's
-                after = mask[i, shared:].nonzero().squeeze(1) + shared
-                scratch[0][:, :, shared:count], scratch[1][:, :, shared:count] = k[:, :, after], v[:, :, after]
-                rows[i] = (torch_backend.rows_in_blocks(q[:, :, i : i + 1], k, v, [count], block, scratch) if block
-                           else torch_backend.rows_over_leading_keys(q[:, :, i : i + 1], k, v, [count], scratch))
-                continue
             else:
                 after = mask[i, shared:].nonzero().squeeze(1) + shared
+                if scratch is not None:  # its keys after the shared run, written over the last row's
+                    scratch[0][:, :, shared:count], scratch[1][:, :, shared:count] = k[:, :, after], v[:, :, after]
+                    rows[i] = (torch_backend.rows_in_blocks(q[:, :, i : i + 1], k, v, [count], block, scratch)
+                               if block else
+                               torch_backend.rows_over_leading_keys(q[:, :, i : i + 1], k, v, [count], scratch))
+                    continue
                 k_rows[:, :, shared:count] = k.index_select(2, after)
                 v_rows[:, :, shared:count] = v.index_select(2, after)
                 keys, values = k_rows[:, :, :count], v_rows[:, :, :count]
