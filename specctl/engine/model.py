@@ -11,6 +11,7 @@ from typing import Callable, TypeVar
 import torch
 from torch import nn
 
+from specctl.engine import decode_step
 from specctl.engine.ends import head_logits, scaled_embedding
 from specctl.engine.kv_arena import KVArena
 from specctl.engine.kv_cache import KVCache, KVPool, kv_slot_bytes
@@ -66,6 +67,7 @@ class Decoder(nn.Module):
         self.prefix_cache: PrefixCache | None = None  # finished sessions' KV, reused by new ones (use_prefix_cache)
         self.prefill_chunk = 0  # a session's prompt prefill in jobs of this many tokens (0 = one job; Config)
         self.prefill_key_cost = 0.0  # deeper jobs hold fewer tokens by this (engine.prefill_jobs; 0: all alike)
+        self.decode_step: decode_step.DecodeStep | None = None  # one-token CPU steps (use_decode_step)
 
     def use_static_steps(self, graphs: bool = True, compile: bool = False) -> "Decoder":
         """Run single-session steps of up to 64 tokens padded to a size bucket over the whole
@@ -78,6 +80,12 @@ class Decoder(nn.Module):
         self.static = StaticRunner(self, graphs, compile)
         if self.kv_arena is not None:
             self.static.adopt_arena(self.kv_arena)
+        return self
+
+    def use_decode_step(self) -> "Decoder":
+        """One-token steps of one session as straight-line code (engine.decode_step) where this
+        decoder's shape allows; called once its layers are final (quantized, packed, row-exact)."""
+        self.decode_step = decode_step.DecodeStep(self) if decode_step.fits(self) else None
         return self
 
     def use_kv_arena(self, budget_bytes: int, attention: str | None = None) -> "Decoder":
@@ -181,6 +189,8 @@ class Decoder(nn.Module):
             return self.static.run(inputs, positions, cache, mask, logits_at)
         if self.static is not None and self.static.fits_in_chunks(n, cache, mask):
             return self.static.run_chunks(inputs, positions, cache, logits_at)
+        if n == 1 and mask is None and self.decode_step is not None and self.paged is None:
+            return self.decode_step.run(inputs, positions, cache, logits_at)
         if mask is not None:
             mask = mask.to(self.device)
         return self._compute(inputs, positions, self._segments([(0, n)], [cache], [mask]), logits_at)

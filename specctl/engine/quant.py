@@ -76,14 +76,17 @@ class RowScaledInt8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        rows = x.reshape(-1, self.in_features).float()
+        y = self.rows_product(x.reshape(-1, self.in_features).float())
+        return y.view(*shape[:-1], self.out_features)
+
+    def rows_product(self, rows: torch.Tensor) -> torch.Tensor:
+        """The product of float32 rows [n, in]: [n, out] (engine.decode_step calls it on its rows as they are)."""
         # An all-zero row stays zero: 0 / tiny = 0.
         row_max = rows.abs().amax(-1, keepdim=True).clamp_min_(1e-30)
-        pinned = torch.cat((rows / row_max, self.pins.expand(rows.shape[0], -1)), 1)
+        pins = self.pins if rows.shape[0] == 1 else self.pins.expand(rows.shape[0], -1)
+        pinned = torch.cat((rows / row_max, pins), 1)
         y = torch.ops.quantized.linear_dynamic(pinned, self._packed, True).mul_(row_max)
-        if self.bias is not None:
-            y.add_(self.bias)
-        return y.view(*shape[:-1], self.out_features)
+        return y if self.bias is None else y.add_(self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel, row-scaled"

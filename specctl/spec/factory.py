@@ -69,6 +69,8 @@ def load_named(name: str, config: Config, console: Console | None = None, quant:
             model.decoder.prefill_chunk = prefill_chunk(config.prefill_chunk, model.decoder.device)
             model.decoder.prefill_key_cost = key_cost(model.decoder.spec, model.decoder.device.type,
                                                       model.decoder.row_exact)
+        if stage is None and config.decode_step:
+            model.decoder.use_decode_step()  # last: it looks up the layers as quantized, packed, row-exact
     warm_up_attention(model.decoder, console)
     return model
 
