@@ -1,10 +1,10 @@
 """One token of one session through Llama-shaped layers on the CPU, as straight-line tensor code.
 
 The modules' forward serves every case — several sessions, masks, windows, each family's norms
-and rotations — and for a single decode token on the CPU that generality is a good part of the
-step: ~4 ms of Python and small ops in the 0.5B int8 draft's ~32 ms (2026-12-07, 2-core EPYC;
-`examples/decode_step_cost.py`). A draft drafts token by token, so every speculative round pays it
-d times. Here the same operations run in the same order on the same values, minus the
+and rotations — and for a single decode token on the CPU that generality costs: the 0.5B int8
+draft's step 29.9 ms median through the modules, 28.0 here (2026-12-07, 2-core EPYC, alternated;
+`examples/decode_step_cost.py`). A draft drafts token by token, so every speculative round pays
+it d times. Here the same operations run in the same order on the same values, minus the
 dispatching: each layer's tensors are looked up once, at build. The bits equal the modules'
 (tests/test_decode_step.py, per family, dtype and quantization); a decoder of another shape, or
 a step of more tokens, takes the modules' path."""
