@@ -1,4 +1,4 @@
-"""One token of one session through Llama-shaped layers on the CPU, as straight-line tensor code.
+"""One token a session through Llama-shaped layers on the CPU, as straight-line tensor code.
 
 The modules' forward serves every case — several sessions, masks, windows, each family's norms
 and rotations — and for a single decode token on the CPU that generality costs: the 0.5B int8
@@ -6,8 +6,9 @@ draft's step 29.9 ms median through the modules, 28.0 here (2026-12-07, 2-core E
 `examples/decode_step_cost.py`). A draft drafts token by token, so every speculative round pays
 it d times. Here the same operations run in the same order on the same values, minus the
 dispatching: each layer's tensors are looked up once, at build. The bits equal the modules'
-(tests/test_decode_step.py, per family, dtype and quantization); a decoder of another shape, or
-a step of more tokens, takes the modules' path."""
+(tests/test_decode_step.py, per family, dtype and quantization). Several sessions with a token
+each (a draft server's batched step) run as one such step, each attending over its own cache; a
+decoder of another shape, a masked forward or one of more tokens a session takes the modules'."""
 
 from __future__ import annotations
 
@@ -73,23 +74,28 @@ class _Layer:
         self.attn = attn  # its ``attend`` read at each step (row-exact attention replaces it)
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, index: int) -> torch.Tensor:
-        """Attention.forward and MLP.forward inside DecoderLayer.forward's residuals, for the row
-        x [1, hidden] (cos, sin [1, D]): the heads as rows [H, D], which the element-wise and
-        per-row operations give the same bits as the modules' [1, H, 1, D]."""
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list, index: int) -> torch.Tensor:
+        """Attention.forward and MLP.forward inside DecoderLayer.forward's residuals, for x
+        [N, hidden], a row for each of N sessions (cos, sin [N, 1, D]): a row's heads as rows
+        [H, D], to which the element-wise and per-row operations give the modules' bits."""
+        n = x.shape[0]
         h = rms_norm(x, self.norm_in, self.eps)
         if self.qkv is not None:
             q, k, v = self.qkv(h).split(self.sizes, dim=-1)
         else:
             q, k, v = self.q(h), self.k(h), self.v(h)
-        q, k = q.view(self.heads, self.head_dim), k.view(self.kv_heads, self.head_dim)
+        q, k = q.reshape(n, self.heads, self.head_dim), k.reshape(n, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        v = v.view(1, self.kv_heads, 1, self.head_dim)
+        v = v.reshape(n, self.kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
-        keys, values = cache.write(index, k.view(1, self.kv_heads, 1, self.head_dim), v)
-        out = self.attn.attend(q.view(1, self.heads, 1, self.head_dim), keys, values, None)
-        x = x + self.o(out.reshape(1, -1))
+        outs = []
+        for row, cache in enumerate(caches):  # each session attends over its own cache
+            keys, values = cache.write(index, k[row].view(1, self.kv_heads, 1, self.head_dim),
+                                       v[row].view(1, self.kv_heads, 1, self.head_dim))
+            out = self.attn.attend(q[row].view(1, self.heads, 1, self.head_dim), keys, values, None)
+            outs.append(out.reshape(1, -1))
+        x = x + self.o(outs[0] if n == 1 else torch.cat(outs))
         h = rms_norm(x, self.norm_post, self.eps_post)
         if self.gate_up is not None:
             gate, up = self.gate_up(h).chunk(2, dim=-1)
@@ -105,14 +111,16 @@ class DecodeStep:
         self.decoder = decoder
         self.layers = [_Layer(layer) for layer in decoder.layers]
 
-    def run(self, ids: torch.Tensor, positions: torch.Tensor, cache, logits_at: torch.Tensor | None) -> torch.Tensor:
-        """Decoder.forward for one token id [1] at positions [1], without a mask."""
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, caches: list, rows: torch.Tensor | None) -> torch.Tensor:
+        """Decoder.forward_ragged (Decoder.forward for one session) for one token of each of the
+        sessions of ``caches``, without masks: ids and positions [N]; logits at ``rows`` (None: all)."""
         decoder = self.decoder
         x = decoder.embed(ids.to(decoder.device))
         ropes = decoder._ropes(positions.to(decoder.device), x.dtype)
         for index, (layer, (cos, sin)) in enumerate(zip(self.layers, ropes)):
-            x = layer(x, cos[0, 0], sin[0, 0], cache, index)
-        cache.commit(1)
-        if logits_at is not None:
-            x = x[logits_at.to(decoder.device)]
+            x = layer(x, cos[0, 0, :, None], sin[0, 0, :, None], caches, index)
+        for cache in caches:
+            cache.commit(1)
+        if rows is not None:
+            x = x[rows.to(decoder.device)]
         return decoder.logits(decoder.norm(x))

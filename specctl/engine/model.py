@@ -189,8 +189,8 @@ class Decoder(nn.Module):
             return self.static.run(inputs, positions, cache, mask, logits_at)
         if self.static is not None and self.static.fits_in_chunks(n, cache, mask):
             return self.static.run_chunks(inputs, positions, cache, logits_at)
-        if n == 1 and mask is None and self.decode_step is not None and self.paged is None:
-            return self.decode_step.run(inputs, positions, cache, logits_at)
+        if n == 1 and mask is None and self._steps_each_token():
+            return self.decode_step.run(inputs, positions, [cache], logits_at)
         if mask is not None:
             mask = mask.to(self.device)
         return self._compute(inputs, positions, self._segments([(0, n)], [cache], [mask]), logits_at)
@@ -234,9 +234,15 @@ class Decoder(nn.Module):
     ) -> torch.Tensor:
         """``forward_many`` on concatenated inputs: session s owns rows bounds[s]. Returns
         hidden states of every row without a head (a pipeline stage), else logits at ``rows``."""
+        if all(hi - lo == 1 for lo, hi in bounds) and all(m is None for m in masks) and self._steps_each_token():
+            return self._floored(self.decode_step.run, inputs, positions, caches, rows)  # a token a session
         masks = [None if m is None else m.to(self.device) for m in masks]
         with self._device_lock():
             return self._floored(self._compute, inputs, positions, self._segments(bounds, caches, masks), rows)
+
+    def _steps_each_token(self) -> bool:
+        """One-token steps go through engine.decode_step (built for this decoder, no paged attention)."""
+        return self.decode_step is not None and self.paged is None
 
     def _segments(self, bounds: list[tuple[int, int]], caches: list[KVCache], masks: list[torch.Tensor | None]):
         """An eager forward's sessions; with paged attention over the arena holding all their
