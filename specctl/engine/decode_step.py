@@ -27,7 +27,7 @@ Product = Callable[[torch.Tensor], torch.Tensor]
 def fits(decoder: nn.Module) -> bool:
     """Whether ``decoder``'s one-token steps can run here (a pure decision on its shape): a full
     model on the CPU whose every layer is Llama's (pre-norms, one attention over all keys, a gated
-    SiLU MLP, RoPE over the whole of each head's halves) with plain RMSNorms."""
+    SiLU MLP, RoPE in the halves layout over all or a leading part of each head) with plain RMSNorms."""
     spec = decoder.spec
     if decoder.device.type != "cpu" or not (decoder.has_embed and decoder.has_head) or decoder.static is not None:
         return False
