@@ -67,7 +67,7 @@ class Decoder(nn.Module):
         self.prefix_cache: PrefixCache | None = None  # finished sessions' KV, reused by new ones (use_prefix_cache)
         self.prefill_chunk = 0  # a session's prompt prefill in jobs of this many tokens (0 = one job; Config)
         self.prefill_key_cost = 0.0  # deeper jobs hold fewer tokens by this (engine.prefill_jobs; 0: all alike)
-        self.decode_step: decode_step.DecodeStep | None = None  # one-token CPU steps (use_decode_step)
+        self.decode_step: decode_step.DecodeStep | None = None  # a token a session on the CPU (use_decode_step)
 
     def use_static_steps(self, graphs: bool = True, compile: bool = False) -> "Decoder":
         """Run single-session steps of up to 64 tokens padded to a size bucket over the whole
@@ -83,8 +83,9 @@ class Decoder(nn.Module):
         return self
 
     def use_decode_step(self) -> "Decoder":
-        """One-token steps of one session as straight-line code (engine.decode_step) where this
-        decoder's shape allows; called once its layers are final (quantized, packed, row-exact)."""
+        """Steps of one token a session (one session, or several in one forward) as straight-line
+        code (engine.decode_step) where this decoder's shape allows; called once its layers are
+        final (quantized, packed, row-exact)."""
         self.decode_step = decode_step.DecodeStep(self) if decode_step.fits(self) else None
         return self
 
@@ -234,8 +235,9 @@ class Decoder(nn.Module):
     ) -> torch.Tensor:
         """``forward_many`` on concatenated inputs: session s owns rows bounds[s]. Returns
         hidden states of every row without a head (a pipeline stage), else logits at ``rows``."""
-        if all(hi - lo == 1 for lo, hi in bounds) and all(m is None for m in masks) and self._steps_each_token():
-            return self._floored(self.decode_step.run, inputs, positions, caches, rows)  # a token a session
+        a_token_each = bounds and all(hi - lo == 1 for lo, hi in bounds) and all(m is None for m in masks)
+        if a_token_each and self._steps_each_token():
+            return self._floored(self.decode_step.run, inputs, positions, caches, rows)
         masks = [None if m is None else m.to(self.device) for m in masks]
         with self._device_lock():
             return self._floored(self._compute, inputs, positions, self._segments(bounds, caches, masks), rows)
