@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from specctl.draft.early import DraftedBranch, Published, pick
 from specctl.draft.fanout import MIN_OUTCOMES_FOR_FIT, fanout_for, outcome_probs
 from specctl.draft.sessions import SessionTable
 from specctl.draft.speculation import History, PrespecConfig, SpeculationCache
@@ -361,6 +362,17 @@ def test_without_a_step_in_flight_a_partly_drafted_chain_goes_through_the_comput
     assert spec.stats.partial_hits == spec.stats.short_answers == spec.stats.early_answers == 1
     table.close(1)
     assert table.pool.used_bytes == 0
+
+
+def test_the_event_loop_picks_a_chain_still_drafted_only_while_a_step_is_in_flight():
+    done = DraftedBranch((4, 5, 6), (0.9, 0.9), (), None, 2)
+    partial = DraftedBranch((7, 8, 9), (0.9, 0.9), (), None, 2, done=False)
+    published = Published(None, {(0, 4): done, (1, 7): partial})
+    assert pick(published, [], [4]) == ((0, 4), done)  # finished: whenever
+    assert pick(published, [], [4, 3]) is None  # more committed than path and bonus: the compute thread's
+    assert pick(published, [1], [3, 7]) is None  # no step in flight: the compute thread serves it at once
+    assert pick(published, [1], [3, 7], stepping=True) == ((1, 7), partial)  # the step in flight feeds its last
+    assert pick(published, [2], [3, 5, 7], stepping=True) is None  # a miss
 
 
 @pytest.mark.parametrize("tree, early", [(None, False), (None, True), (TREE, False), (TREE, True)])
