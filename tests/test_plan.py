@@ -69,6 +69,18 @@ def test_prespec_round_is_ssds_below_the_misses_bound_and_the_misses_above_it():
     assert prespec_round_time(1, 0.9, 0.1, 0.1, step=0.04) == pytest.approx(0.11)
 
 
+def test_a_hit_answered_at_once_takes_the_targets_own_round_not_ssds():
+    # S = 0.2 > Z = 0.1 (Z measured on plain holds 0.03 s of draft-side time): 90 % ready, 60 % of rounds
+    # answered at once from a published branch (0.07 s each), 30 % waiting for their drafting (max(Z, S))
+    assert prespec_round_time(1, 0.9, 0.2, 0.1, at_once=0.6, own_return=0.07) == pytest.approx(
+        0.6 * 0.07 + 0.3 * 0.2 + 0.1 * 0.3)
+    assert prespec_round_time(1, 0.9, 0.2, 0.1, at_once=0.6) == pytest.approx(0.6 * 0.1 + 0.3 * 0.2 + 0.1 * 0.3)
+    # an own return above Z is taken as Z (the target's side of the round is part of it)
+    assert prespec_round_time(1, 0.9, 0.2, 0.1, at_once=0.9, own_return=0.5) == pytest.approx(0.9 * 0.1 + 0.1 * 0.3)
+    with pytest.raises(ValueError, match="at_once in \\[0, ready\\]"):
+        prespec_round_time(1, 0.5, 0.1, 0.1, at_once=0.6)
+
+
 def test_prespec_round_at_one_target_is_ssds_theorem_7():
     from specctl.draft.fanout import predicted_gain_over_plain
 

@@ -9,13 +9,16 @@ each N is measured for both back to back, ``repeats`` times, so drift on this ma
 both alike. Each prespec row carries the hit rate, the branches drafted and used, the
 share of idle time used, and the prediction of its tokens/s over plain's: SSD's round (Theorem 7
 with a just-in-time fallback) on the star of N targets (``draft.plan.prespec_round_time``):
-gain = (E_pre / E_plain) · T_plain(N) / max(h·max(Z, S) + (1 - h)(Z + S) + w, N·(1 - h)·S),
+gain = (E_pre / E_plain) · T_plain(N) / max(e·Z_own + (h - e)·max(Z, S) + (1 - h)(Z + S) + w, N·(1 - h)·S),
 T_plain(N) measured (plain's round in the same repeat: at N = 1 it is S + Z; past that it holds
 the queue of the plain star, which StarSD's max(Z + S, N·S) leaves out), S and Z measured on
 plain speculation at N = 1, w = half the pre-speculating server's mean background step at
 N >= 2 (a request waits out the step in flight). h is the ready share: SSD's hit answers at
 once, ours may still have drafting left, so a hit counts by the share of its proposal drafted,
-and a round the trials left without pre-speculation counts as a miss."""
+and a round the trials left without pre-speculation counts as a miss. e is the share of rounds the
+event loop answered at once from a published branch (draft.early): their round is the target's own
+side of plain's, Z_own = plain's round less its target's wait for a proposal (Z, taken as plain's
+round less the draft's busy time S, also holds draft-side time such an answer skips)."""
 
 from __future__ import annotations
 
@@ -68,17 +71,23 @@ async def _prespec_row(cluster: StarCluster, n: int, prompts: list[list[int]], t
     return row
 
 
-def compare(plain: dict, pre: dict, service_s: float, return_s: float, step_s: float = 0.0) -> dict:
+def compare(plain: dict, pre: dict, service_s: float, return_s: float, step_s: float = 0.0,
+            own_return_s: float | None = None) -> dict:
     """The prespec row against the plain row of the same N and repeat, with the prediction (pure):
     SSD's round on the star of ``pre["N"]`` targets against plain's measured round, S, Z and
     the draft step measured on plain speculation at N = 1; the wait behind a background step
-    is half the pre-speculating server's mean one when the row has it, else half ``step_s``."""
+    is half the pre-speculating server's mean one when the row has it, else half ``step_s``.
+    ``own_return_s``: the target's own side of plain's round at N = 1 (the round less its wait
+    for a proposal), the round of a hit the event loop answered at once (``early_answers``)."""
     t_p = service_s / return_s if return_s > 0 else 0.0
     length_ratio = pre["mean_accepted_length"] / plain["mean_accepted_length"] if plain["mean_accepted_length"] else 1.0
     ready = pre.get("ready_share", pre["ready_rate"])
     background_step = pre.get("background_step_mean_ms", 0.0) / 1e3 or step_s
     plain_round = 1.0 / plain["R_p"] if plain.get("R_p") else service_s + return_s
-    predicted = length_ratio * plain_round / prespec_round_time(pre["N"], ready, service_s, return_s, background_step)
+    rounds = pre.get("hits", 0) + pre.get("misses", 0) + pre.get("skipped", 0)
+    at_once = min(pre.get("early_answers", 0) / rounds, ready) if rounds and own_return_s is not None else 0.0
+    predicted = length_ratio * plain_round / prespec_round_time(pre["N"], ready, service_s, return_s, background_step,
+                                                                at_once, own_return_s)
     gain = pre["O"] / plain["O"] if plain["O"] else 0.0
     return {"N": pre["N"], "gain": gain, "predicted_gain": predicted, "prediction_error": gain / predicted - 1,
             "T_p": t_p, "hit_rate": pre["hit_rate"], "ready_rate": pre["ready_rate"], "ready_share": ready}
@@ -130,7 +139,8 @@ def run_prespec_bench(s: PrespecBenchSettings, prompts: list[list[int]], progres
                         predict([a], s.star.depth)
                         n_full = a["N_full"]
                         service = a["model_S_ms"] / 1e3
-                        model = (service, 1.0 / a["R_p"] - service, service / max(a["drafted_per_round"], 1.0))
+                        model = (service, 1.0 / a["R_p"] - service, service / max(a["drafted_per_round"], 1.0),
+                                 1.0 / a["R_p"] - a["proposal_ms"] / 1e3)
                         for more in loads_past_two(n_full, max(s.star.targets)):
                             pending.append(more)
                             if progress:

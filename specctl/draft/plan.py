@@ -90,7 +90,8 @@ class StarModel:
         return n
 
 
-def prespec_round_time(n: int, ready: float, service: float, return_time: float, step: float = 0.0) -> float:
+def prespec_round_time(n: int, ready: float, service: float, return_time: float, step: float = 0.0,
+                       at_once: float = 0.0, own_return: float | None = None) -> float:
     """A target's round with pre-speculation on a star of ``n`` targets (seconds): SSD's round
     (Theorem 7, a just-in-time fallback) or, when the n targets' misses alone keep the draft busy,
     StarSD's N·S with only the misses as service. Background drafting costs no round time but
@@ -98,11 +99,17 @@ def prespec_round_time(n: int, ready: float, service: float, return_time: float,
     branches has fewer ready hits), and with other targets' branches being drafted a request
     arrives at a random point of a draft ``step`` and waits out the rest, half a step on average
     (a fixed-length step's mean residual). At N = 1 the only steps are the target's own, whose
-    timing SSD's max(Z, S) already holds."""
-    if n < 1 or not 0.0 <= ready <= 1.0 or service <= 0 or return_time < 0 or step < 0:
-        raise ValueError(f"need n >= 1, ready in [0, 1], service > 0, return_time >= 0, step >= 0; got n={n}, "
-                         f"ready={ready}, service={service}, return_time={return_time}, step={step}")
-    single = ready * max(return_time, service) + (1 - ready) * (return_time + service)
+    timing SSD's max(Z, S) already holds.
+    ``at_once``: the share of rounds (within ``ready``) the event loop answered at once from a
+    published branch (draft.early): theirs is the target's own side of a round, ``own_return``
+    (plain's round less the target's wait for its proposal), not max(Z, S): Z measured on plain
+    speculation also holds draft-side time that an answer at once skips."""
+    if n < 1 or not 0.0 <= ready <= 1.0 or service <= 0 or return_time < 0 or step < 0 or not 0.0 <= at_once <= ready:
+        raise ValueError(f"need n >= 1, ready in [0, 1], service > 0, return_time >= 0, step >= 0, at_once in "
+                         f"[0, ready]; got n={n}, ready={ready}, service={service}, return_time={return_time}, "
+                         f"step={step}, at_once={at_once}")
+    own = return_time if own_return is None else min(max(own_return, 0.0), return_time)
+    single = at_once * own + (ready - at_once) * max(return_time, service) + (1 - ready) * (return_time + service)
     wait = step / 2 if n >= 2 else 0.0
     return max(single + wait, n * (1 - ready) * service)
 
