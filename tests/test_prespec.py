@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specctl.draft.early import DraftedBranch, Published, pick
 from specctl.draft.fanout import MIN_OUTCOMES_FOR_FIT, fanout_for, outcome_probs
 from specctl.draft.sessions import SessionTable
 from specctl.draft.speculation import History, PrespecConfig, SpeculationCache
@@ -35,15 +34,12 @@ class TableSpeculator:
     ``steps`` background steps run while the target verifies."""
 
     def __init__(self, table: SessionTable, tag: int, steps: int, early: bool = False,
-                 reproducible: bool = False, caps: tuple[int, ...] = (0,), in_flight: bool = False) -> None:
-        """``in_flight``: the outcome arrives while a background step is in flight (the first of
-        ``steps``), which ends before the compute thread serves the round."""
+                 reproducible: bool = False, caps: tuple[int, ...] = (0,)) -> None:
         self.table, self.tag, self.steps, self.early = table, tag, steps, early
-        self.in_flight = in_flight and steps > 0
         self.reproducible = reproducible  # as a target's draft client marks a seeded sampled request
         self.caps, self.rounds, self.cut_hits = caps, 0, 0  # round r asks for at most caps[r % len] (0: any)
         self.max_nodes = table.drafter.max_nodes
-        self.opened = self.opened_before = False
+        self.opened = False
 
     def begin(self, session) -> None:
         pass
@@ -63,11 +59,7 @@ class TableSpeculator:
         self.rounds += 1
         hits = self.table.speculation.stats.hits
         request = (self.tag, path, tokens, cap)
-        spec = self.table.speculation
-        spec.stepping = self.in_flight and self.opened_before
         early = self.table.early_answer(self.tag, path, tokens, cap) if self.early else None
-        if spec.stepping:
-            spec.step()  # the step in flight ends; then the compute thread serves the round
         if early is not None:  # as the server does: answered from what was published, then committed
             message, ticket = early
             [error] = self.table.commit_many([ticket])
@@ -80,8 +72,7 @@ class TableSpeculator:
         proposal = proposal_from_message(message, session.target.spec.vocab_size)
         assert proposal.tree.max_depth <= cap
         self.cut_hits += self.table.speculation.stats.hits > hits and cap < last_cap  # a branch planned deeper
-        self.opened_before = True
-        for _ in range(self.steps - self.in_flight):
+        for _ in range(self.steps):
             self.table.speculation.step()
         return Drafted(proposal, 0.0)
 
@@ -110,9 +101,8 @@ class ShortAnswers(SpeculationCache):
         return 1.0, 1.0
 
 
-def run(target, table, prompt, params, steps, tag=1, early=False, reproducible=False, speculator=None,
-        in_flight=False):
-    speculator = speculator or TableSpeculator(table, tag, steps, early, reproducible, in_flight=in_flight)
+def run(target, table, prompt, params, steps, tag=1, early=False, reproducible=False, speculator=None):
+    speculator = speculator or TableSpeculator(table, tag, steps, early, reproducible)
     session = DecodeSession(target, prompt, params, max_nodes=speculator.max_nodes)
     run_inline(run_session(session, speculator, InlineLane(), lambda tokens, result: None))
     return session.output, session.stats
@@ -286,93 +276,6 @@ def test_partly_drafted_hits_answered_at_once_keep_the_output_and_the_kv_exact(t
     # finished branches from the event loop's copy, when on; partial ones on the compute thread
     assert snap["early_answers"] == (snap["hits"] - snap["partial_hits"] if early else 0)
     assert table.states == {} and table.speculation.plans == {} and table.pool.used_bytes == 0
-
-
-class SealCounting(CheckedTable):
-    """CheckedTable, and after each commit of a partly drafted chain: the next round's plan."""
-
-    def commit_many(self, tickets):
-        results = super().commit_many(tickets)
-        for ticket in tickets:
-            plan = self.speculation.plans.get(ticket.tag)
-            if ticket.partial and plan is not None:
-                self.partial_plans += 1
-                state = self.states[ticket.tag]
-                if plan.fed == len(plan.tree) - 1:  # the proposal fed whole: no tail to feed first
-                    last = len(plan.tree) - 1  # a full accept's branches are open before any step
-                    assert plan.tails == [] and sum(node == last for node, _ in plan.branches) == plan.fanout[last]
-                    # its last token's KV is what a fresh forward over the text and the proposal computes
-                    tokens = state.seq + plan.tree.tokens[1:].tolist()
-                    fresh = self.drafter.decoder.new_cache(len(tokens))
-                    self.drafter.decoder(torch.tensor(tokens), torch.arange(len(tokens)), fresh)
-                    cache = state.session.cache
-                    assert cache.length == len(tokens)
-                    assert torch.allclose(cache.k[:, :, :, : len(tokens)], fresh.k[:, :, :, : len(tokens)], atol=1e-4)
-                    self.sealed += 1
-        return results
-
-
-@pytest.mark.parametrize("steps", [2, 3])
-def test_partly_drafted_chains_answered_during_a_step_keep_what_it_fed(tiny, steps):
-    """An outcome that arrives while a background step is in flight is answered from the event
-    loop with the tokens its chain had; the commit after that step cuts the branch back to them
-    but keeps the last one's KV and candidates (that step fed it): the next round's plan starts
-    with no tail to feed, its full-accept branches at once. Output and KV exact, state freed."""
-    target, draft = tiny["llama"], tiny["llama-self2"]
-    table = make_table(draft, depth=4, budget=6, table_class=SealCounting)
-    table.checked, table.shortened, table.short, table.partial_plans, table.sealed = 0, 0, True, 0, 0
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
-    for tag, prompt in enumerate(PROMPTS, 1):
-        out, _ = run(target, table, prompt, params, steps, tag, early=True, in_flight=True)
-        assert out == generate(target, prompt, params)[0]
-    snap = table.speculation.snapshot()
-    # (not adaptive: the compute thread finishes the partial hits it serves, never answers them short)
-    assert snap["short_answers"] > 0 and table.shortened == snap["short_answers"]
-    assert snap["early_answers"] > snap["hits"] - snap["partial_hits"]  # partial ones from the event loop too
-    assert table.sealed == table.partial_plans > 0
-    assert table.states == {} and table.speculation.plans == {} and table.pool.used_bytes == 0
-
-
-def test_without_a_step_in_flight_a_partly_drafted_chain_goes_through_the_compute_thread(tiny):
-    """Published, a chain still being drafted is answered early only while a step is in flight;
-    otherwise the compute thread finishes it (or answers it short) as before."""
-    table = make_table(tiny["llama-self2"], depth=4, budget=6)
-    spec = table.speculation
-    table.open(1, OpenSession(0, [5, 6, 7], max_tokens=16))
-    [message] = table.propose_many([(1, [], [8])])
-    spec.step()
-    spec.step()
-    published = spec.published[1]
-    (key, branch), *_ = [(k, b) for k, b in published.branches.items() if not b.done]
-    n = branch.drafted
-    assert n >= 1 and len(branch.tokens) == n + 1
-    path = [] if key[0] == 0 else list(range(1, key[0] + 1))
-    tokens = message.tokens[1 : key[0] + 1] + [key[1]]
-    assert table.early_answer(1, path, tokens) is None
-    spec.stepping = True
-    reply, ticket = table.early_answer(1, path, tokens)
-    assert ticket.partial and ticket.drafted == n and reply.tokens == list(branch.tokens)
-    spec.stepping = False
-    spec.step()  # the step in flight: it feeds the branch's token and drafts one more
-    assert len(spec.plans[1].branches[key].tokens) == n + 2
-    [error] = table.commit_many([ticket])
-    assert error is None
-    plan = spec.plans[1]
-    assert plan.tree.tokens.tolist() == reply.tokens and plan.tails == [] and plan.fed == n
-    assert spec.stats.partial_hits == spec.stats.short_answers == spec.stats.early_answers == 1
-    table.close(1)
-    assert table.pool.used_bytes == 0
-
-
-def test_the_event_loop_picks_a_chain_still_drafted_only_while_a_step_is_in_flight():
-    done = DraftedBranch((4, 5, 6), (0.9, 0.9), (), None, 2)
-    partial = DraftedBranch((7, 8, 9), (0.9, 0.9), (), None, 2, done=False)
-    published = Published(None, {(0, 4): done, (1, 7): partial})
-    assert pick(published, [], [4]) == ((0, 4), done)  # finished: whenever
-    assert pick(published, [], [4, 3]) is None  # more committed than path and bonus: the compute thread's
-    assert pick(published, [1], [3, 7]) is None  # no step in flight: the compute thread serves it at once
-    assert pick(published, [1], [3, 7], stepping=True) == ((1, 7), partial)  # the step in flight feeds its last
-    assert pick(published, [2], [3, 5, 7], stepping=True) is None  # a miss
 
 
 @pytest.mark.parametrize("tree, early", [(None, False), (None, True), (TREE, False), (TREE, True)])
@@ -599,29 +502,22 @@ def test_the_draft_seed_follows_the_request_seed_but_is_never_it():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("saguaro_c, early, in_flight", [(1.0, False, False), (0.1, False, False), (0.1, True, False),
-                                                        (0.1, True, True)])
-def test_sampling_keeps_the_target_distribution_with_partial_hits_answered_at_once(small, saguaro_c, early,
-                                                                                   in_flight):
+@pytest.mark.parametrize("saguaro_c, early", [(1.0, False), (0.1, False), (0.1, True)])
+def test_sampling_keeps_the_target_distribution_with_partial_hits_answered_at_once(small, saguaro_c, early):
     """Depth 2 and one background step a round: hits come with one of two tokens drafted and are
     answered with it; with two steps (early) the branches after a rejection finish and are
-    answered from the event loop's copy (a full accept, rare here, with one token); with the
-    second step in flight when the outcome comes, partly drafted chains are answered from that
-    copy too and cut back to it after the step. The output is still the target's distribution."""
+    answered from the event loop's copy (a full accept, rare here, with one token). The output
+    is still the target's distribution."""
     target, draft = small
     expected = _exact_joint_of_tokens_3_and_4(target, SamplingParams(temperature=1.0))
     table = make_table(draft, depth=2, budget=6, saguaro_c=saguaro_c, fallback="jit", cache_class=ShortAnswers)
     counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
     for seed in range(SAMPLES):
         out, _ = run(target, table, PROMPT, SamplingParams(temperature=1.0, max_tokens=4, seed=seed),
-                     steps=2 if early else 1, tag=seed + 1, early=early, in_flight=in_flight)
+                     steps=2 if early else 1, tag=seed + 1, early=early)
         counts[out[2], out[3]] += 1
     snap = table.speculation.snapshot()
-    assert snap["misses"] > 100
-    if in_flight:
-        assert snap["early_answers"] > snap["hits"] - snap["partial_hits"] and snap["partial_hits"] > 100
-    else:
-        assert snap["early_answers"] == (snap["hits"] - snap["partial_hits"] if early else 0)
+    assert snap["misses"] > 100 and snap["early_answers"] == (snap["hits"] - snap["partial_hits"] if early else 0)
     assert snap["early_answers" if early else "short_answers"] > 100
     assert_counts_match(counts, expected)
 

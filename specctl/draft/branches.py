@@ -58,14 +58,6 @@ class ChainBranch:
         self.slots += slots
         _draw(plan, self, guided(plan, logits[:1], [self.accepted + self.tokens])[0])
 
-    def cut(self, drafted: int) -> None:
-        """Keep the bonus and the first ``drafted`` tokens after it (an answer sent with them while
-        a step drafted on) and stop. The KV slots and candidates of those tokens stay, the last
-        one's too when that step fed it: the proposal is then fed whole (see draft.early)."""
-        del self.tokens[drafted + 1 :], self.probs[drafted:], self.dists[drafted:]
-        del self.slots[drafted + 1 :], self.ranked[drafted + 1 :]
-        self.stopped = True
-
     def proposal(self, plan: "Plan") -> Proposal:
         params = plan.state.params
         return Proposal(TokenTree.chain(self.tokens[0], self.tokens[1:], self.probs),

@@ -11,19 +11,15 @@ adoption (the branch's KV becomes the session's; the next round is planned) for 
 thread, which runs it before any further background step. The answer is the proposal the
 compute thread would have sent, so the output is unchanged.
 
-A partly drafted chain is answered from the event loop too, but only while a background step
-is in flight (the compute thread would answer it after that step): with the tokens the last
-published step left, j of them, whose last one, t_j, that very step is feeding. The commit,
-after the step, cuts the branch back to those j tokens and keeps t_j's KV and the draft's
-candidates after it: the proposal is then fed whole, so the next round's branches for a full
-accept start at its first step instead of a step later (behind feeding t_j as a tail). The
-target waits for no step. Measured (chain d = 6, 200 ms draft steps, a 650 ms verification,
-N = 1): 1.42-1.46x plain against 1.40-1.41x, every text the same. An earlier try (2026-11-26,
-reverted in 3e3f6fd: 1.31x against 1.43x) answered them without keeping that step's work: the
-next round's branches came no earlier and a token shorter. Waiting for the step in flight when
-its rest costs less than its token is worth (E(j)/Z against E(j+1)/(Z + r)) measured no better
-(1.40-1.44x). Partly grown trees go through the compute thread.
-"""
+A partly drafted branch still goes through the compute thread, after the step in flight,
+which may well be drafting its next token: answering it early with what the last published
+step left (``fanout.answer_now`` on those tokens) measured 1.21x against 1.43x — proposals of
+2.4 tokens against 3.5 (d = 4, 120 ms steps, a 410 ms verification). Tried again (2026-12-07),
+answering it while the step in flight feeds its last token and keeping that KV (the proposal
+fed whole, the next round's branches all open at once): 1.40x -> 1.43x at N = 1 and 1.53x ->
+1.55x at N = 2 (d = 6, 200 ms steps, a 650 ms verification), but at N = 3 = N_full two of three
+repeats fell to 0.92-0.97x (hit rate 25-41 %: with every branch opened at once the steps crowd,
+misses drafted just in time hold the draft, more plans starve); reverted (docs/BENCHMARKS.md)."""
 
 from __future__ import annotations
 
@@ -42,18 +38,17 @@ Key = tuple[int, int]  # (the node the accepted path ends at, the bonus)
 
 @dataclass(frozen=True, slots=True)
 class DraftedBranch:
-    """A branch as published: finished, or a chain with tokens drafted after its bonus."""
+    """A finished branch, as published."""
     tokens: tuple[int, ...]  # a chain: the bonus, then the tokens drafted after it
     probs: tuple[float, ...]
     dists: tuple[torch.Tensor, ...]  # q of each drafted token (sampled chains)
     tree: TokenTree | None  # a finished tree branch's tree; None for a chain
     drafted: int  # tokens (a chain) or levels (a tree) drafted after the bonus
-    done: bool = True  # False: a chain still being drafted
 
 
 @dataclass(frozen=True, slots=True)
 class Published:
-    """A plan's published branches as the event loop may read them."""
+    """A plan's finished branches as the event loop may read them."""
     plan: Plan
     branches: dict[Key, DraftedBranch]
 
@@ -69,35 +64,30 @@ class Ticket:
     plan: Plan
     answered_at: float
     max_depth: int = 0  # the target's cap, which the answer kept to
-    partial: bool = False  # a chain answered with the tokens it had, while a step drafted on
 
 
 def publish(plan: Plan) -> Published:
-    """Copy the plan's finished branches and its chains with tokens after their bonus (on the
-    compute thread, after a step)."""
+    """Copy the plan's finished branches (on the compute thread, after a step)."""
     branches: dict[Key, DraftedBranch] = {}
     for key, branch in plan.branches.items():
-        done = not branch.live(plan.depth)
-        if not branch.slots or not (done or isinstance(branch, ChainBranch) and branch.levels >= 1):
+        if not branch.slots or branch.live(plan.depth):
             continue
         if isinstance(branch, ChainBranch):
             branches[key] = DraftedBranch(tuple(branch.tokens), tuple(branch.probs), tuple(branch.dists), None,
-                                          branch.levels, done)
+                                          branch.levels)
         else:
             branches[key] = DraftedBranch((), (), (), branch.tree, branch.levels)
     return Published(plan, branches)
 
 
-def pick(published: Published, path: list[int], tokens: list[int],
-         stepping: bool = False) -> tuple[Key, DraftedBranch] | None:
-    """The published branch that answers this outcome, or None (a miss; a chain still being
-    drafted while no background step is in flight (``stepping``), which the compute thread
-    serves at once; an outcome that committed more than path and bonus: the compute thread decides)."""
+def pick(published: Published, path: list[int], tokens: list[int]) -> tuple[Key, DraftedBranch] | None:
+    """The finished branch that answers this outcome, or None (a miss, a branch still being
+    drafted, or an outcome that committed more than path and bonus: the compute thread decides)."""
     if len(tokens) != len(path) + 1:
         return None
     key = (path[-1] if path else 0, tokens[-1])
     branch = published.branches.get(key)
-    return None if branch is None or not (branch.done or stepping) else (key, branch)
+    return None if branch is None else (key, branch)
 
 
 def proposal_for(branch: DraftedBranch, greedy: bool) -> Proposal:
@@ -120,13 +110,8 @@ def commit(spec, state: DraftState, ticket: Ticket) -> Proposal:
     stats = spec.stats
     stats.hits += 1
     stats.early_answers += 1
-    stats.hit_drafted += 1.0  # nothing of what was sent is left to draft
+    stats.hit_drafted += 1.0
     stats.branches_used += 1
-    stats.partial_hits += ticket.partial
-    stats.short_answers += ticket.partial
-    branch = plan.branches[ticket.key]
-    if isinstance(branch, ChainBranch) and ticket.partial:
-        branch.cut(ticket.drafted)  # what was sent; the step since fed its last token
     adopt(plan, ticket.key)
     state.advance(ticket.path, ticket.tokens, kv_done=True)
     return state.proposed_within_cap(proposal_of(plan))

@@ -184,13 +184,13 @@ class SessionTable:
             state.check_outcome(path, tokens)
         except Exception:  # noqa: BLE001 - the compute thread's path reports it
             return None
-        picked = pick(published, path, tokens, spec.stepping)
+        picked = pick(published, path, tokens)
         if picked is None:
             return None
         key, branch = picked
         message = _message(tag, first_levels(proposal_for(branch, state.params.greedy), max_depth))
         return message, Ticket(tag, list(path), list(tokens), key, branch.drafted, published.plan, time.perf_counter(),
-                               max_depth, not branch.done)
+                               max_depth)
 
     def commit_many(self, tickets: list[Ticket]) -> list:
         """On the compute thread: make each answered branch its session's and plan the next

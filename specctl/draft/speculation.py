@@ -56,9 +56,6 @@ class SpeculationCache(PlanSizing, MissFallback):
         # Per session, its plan's branches as last published: the one thing the event loop reads
         # (each entry replaced whole; see early.py).
         self.published: dict[int, Published] = {}
-        # A background step is in flight (set on the compute thread, read by the event loop):
-        # partly drafted chains are then answered early (early.py).
-        self.stepping = False
 
     @classmethod
     def for_drafter(cls, config: PrespecConfig, drafter: Drafter, wake=lambda: None) -> "SpeculationCache":
@@ -209,11 +206,7 @@ class SpeculationCache(PlanSizing, MissFallback):
             return False
         rows = {id(plan): live_rows(plan) for plan in due}
         started = time.perf_counter()
-        self.stepping = True
-        try:
-            advanced = self._advance(due)
-        finally:
-            self.stepping = False
+        advanced = self._advance(due)
         seconds = time.perf_counter() - started
         self.step_samples.append((sum(rows[key] for key in advanced), seconds))
         self.stats.steps += 1
