@@ -34,7 +34,7 @@ def test_compare_predicts_ssds_round_on_the_star_against_plains_measured_round()
     assert compare(plain, {k: v for k, v in pre.items() if k != "ready_share"}, 0.1, 0.1)["ready_share"] == 1.0
     # 9 of 10 rounds answered at once by the event loop (early answers): theirs is the target's own side of
     # plain's round, 0.07 s of Z's 0.1, the last round a miss: 0.2 / (0.9 * 0.07 + 0.1 * 0.2)
-    early = {**pre, "ready_share": 0.9, "hits": 9, "misses": 1, "early_answers": 9}
+    early = {**pre, "ready_share": 0.9, "early_share": 0.9}
     assert compare(plain, early, 0.1, 0.1, own_return_s=0.07)["predicted_gain"] == pytest.approx(0.2 / 0.083)
     assert compare(plain, early, 0.1, 0.1)["predicted_gain"] == pytest.approx(0.2 / 0.11)  # without it: SSD's
 

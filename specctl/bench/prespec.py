@@ -63,6 +63,7 @@ async def _prespec_row(cluster: StarCluster, n: int, prompts: list[list[int]], t
     row["ready_rate"] = row["hit_drafted"] / looked if looked else 0.0
     rounds = looked + row["skipped"]  # a round without pre-speculation is drafted when its outcome comes
     row["ready_share"] = row["hit_drafted"] / rounds if rounds else 0.0
+    row["early_share"] = row["early_answers"] / rounds if rounds else 0.0  # answered at once by the event loop
     steps = draft.get("background_steps", 0) - before_steps
     row["background_step_mean_ms"] = 1e3 * (draft.get("background_s", 0.0) - before_busy) / steps if steps else 0.0
     row["proposal_bytes_mean"] = draft.get("proposal_bytes_mean", 0.0)
@@ -84,10 +85,10 @@ def compare(plain: dict, pre: dict, service_s: float, return_s: float, step_s: f
     ready = pre.get("ready_share", pre["ready_rate"])
     background_step = pre.get("background_step_mean_ms", 0.0) / 1e3 or step_s
     plain_round = 1.0 / plain["R_p"] if plain.get("R_p") else service_s + return_s
-    rounds = pre.get("hits", 0) + pre.get("misses", 0) + pre.get("skipped", 0)
-    at_once = min(pre.get("early_answers", 0) / rounds, ready) if rounds and own_return_s is not None else 0.0
-    predicted = length_ratio * plain_round / prespec_round_time(pre["N"], ready, service_s, return_s, background_step,
-                                                                at_once, own_return_s)
+    # (a row of an older report has no early share: none priced apart)
+    at_once = min(pre.get("early_share", 0.0), ready) if own_return_s is not None else 0.0
+    round_time = prespec_round_time(pre["N"], ready, service_s, return_s, background_step, at_once, own_return_s)
+    predicted = length_ratio * plain_round / round_time
     gain = pre["O"] / plain["O"] if plain["O"] else 0.0
     return {"N": pre["N"], "gain": gain, "predicted_gain": predicted, "prediction_error": gain / predicted - 1,
             "T_p": t_p, "hit_rate": pre["hit_rate"], "ready_rate": pre["ready_rate"], "ready_share": ready}
